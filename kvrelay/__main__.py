@@ -1,0 +1,5 @@
+"""``python -m kvrelay``."""
+
+from kvrelay.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,76 @@
+"""Logging setup: structlog JSON for machines, a console renderer for people.
+
+kvrelay's own loggers use native structlog (cheapest path); the root stdlib handler uses a
+``ProcessorFormatter`` so grpclib, asyncio and numba records come out in the same shape.
+Never log per message: hot paths count, they do not log.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, TextIO
+
+import structlog
+
+_SHARED: list[structlog.types.Processor] = [
+    structlog.contextvars.merge_contextvars,
+    structlog.processors.add_log_level,
+    structlog.processors.TimeStamper(fmt="iso", utc=True),
+]
+
+
+def _renderer(json: bool) -> structlog.types.Processor:
+    if json:
+        return structlog.processors.JSONRenderer()
+    return structlog.dev.ConsoleRenderer(colors=False)
+
+
+def configure(
+    *, level: str | int = "INFO", json: bool | None = None, stream: TextIO | None = None
+) -> None:
+    """Configure structlog and the stdlib root logger.
+
+    ``json=None`` picks JSON unless ``stream`` is a TTY (production under systemd gets JSON,
+    an operator at a terminal gets readable lines).
+    """
+    stream = stream if stream is not None else sys.stderr
+    if json is None:
+        json = not (hasattr(stream, "isatty") and stream.isatty())
+    numeric = logging.getLevelName(level.upper()) if isinstance(level, str) else level
+    if not isinstance(numeric, int):
+        raise ValueError(f"unknown log level {level!r}")
+
+    structlog.configure(
+        processors=[
+            *_SHARED,
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info,
+            _renderer(json),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        cache_logger_on_first_use=False,
+    )
+
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[*_SHARED, structlog.stdlib.add_logger_name],
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            _renderer(json),
+        ],
+    )
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(numeric)
+    # numba's own debug chatter is not operator information.
+    logging.getLogger("numba").setLevel(max(numeric, logging.WARNING))
+
+
+def get_logger(name: str, **initial: Any) -> Any:
+    """A structlog logger bound with ``logger=name``."""
+    return structlog.get_logger(name).bind(logger=name, **initial)

@@ -1,0 +1,1 @@
+"""Exact ownership state, the cuckoo filter and the apply kernels (one pool each)."""

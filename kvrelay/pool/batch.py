@@ -1,0 +1,193 @@
+"""The normalized event batch: the one typed interface between ``ingest`` and ``pool``.
+
+One ``EventBatch`` is one decoded engine message (one ZMQ batch) for one member
+``(worker_id, dp_rank)``. Everything is a flat numpy array so that the pool applies the whole batch
+in a single numba call. Ingest has already gated tiers, locality, groups, placeholders and block
+size, converted hashes to u64 and sliced token windows exactly; the pool re-validates what it
+relies on and rejects bad events with typed errors.
+
+Layout (``n`` events, ``b`` block hashes in total):
+
+* ``ops[n]`` (uint8): ``OP_STORE``, ``OP_REMOVE`` or ``OP_CLEAR``.
+* ``parent[n]`` (uint64) / ``has_parent[n]`` (bool): the store's external parent hash.
+* ``salt[n]`` (uint64): the block-hash seed of §7.1 for the event, LoRA (and, when namespacing is
+  enabled, an explicit cache namespace) already folded in. Unused for removes and clears.
+* ``ns_part[n]`` (uint64): the cache-namespace component already inside ``salt`` (0 when none).
+* ``ns_inherit[n]`` (bool): the store has no namespace of its own and inherits its parent's
+  namespace component (vLLM sends ``cache_salt`` only in the block at token 0). Always false while
+  cache-salt namespacing is off, which is the default.
+* ``blk_off[n+1]`` (int64): event ``i`` owns ``ext_hashes[blk_off[i]:blk_off[i+1]]``: the stored
+  blocks (in chain order) for a store, the removed hashes for a remove, nothing for a clear.
+* ``ext_hashes[b]`` (uint64): vLLM's block hashes as u64 (opaque lineage keys).
+* ``tok_off[n+1]`` (int64): event ``i`` owns ``tokens[tok_off[i]:tok_off[i+1]]``. A store of ``k``
+  blocks has exactly ``k*B`` tokens (DYNAMO_STANDARD_V1) or ``k*B+1`` (DYNAMO_EAGLE_V1).
+* ``tokens`` (uint32).
+* ``mm_off[b+1]`` (int64) / ``mm`` (uint64): per-block multimodal hashes, sorted ascending, appended
+  to the block bytes (§7.2). Empty arrays (``mm_off`` of length 0) mean "no multimodal data".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+OP_STORE = 0
+OP_REMOVE = 1
+OP_CLEAR = 2
+
+U64 = npt.NDArray[np.uint64]
+I64 = npt.NDArray[np.int64]
+
+
+def _empty(dtype: type) -> npt.NDArray[np.generic]:
+    return np.zeros(0, dtype=dtype)
+
+
+@dataclass(slots=True)
+class EventBatch:
+    """Flat arrays for one engine message (see module docstring for the layout)."""
+
+    ops: npt.NDArray[np.uint8]
+    parent: U64
+    has_parent: npt.NDArray[np.bool_]
+    salt: U64
+    ns_part: U64
+    ns_inherit: npt.NDArray[np.bool_]
+    blk_off: I64
+    ext_hashes: U64
+    tok_off: I64
+    tokens: npt.NDArray[np.uint32]
+    mm_off: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    mm: U64 = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
+
+    @property
+    def n_events(self) -> int:
+        return int(self.ops.shape[0])
+
+    @property
+    def n_blocks(self) -> int:
+        return int(self.ext_hashes.shape[0])
+
+
+class BatchBuilder:
+    """Builds an ``EventBatch`` event by event (decoder, simulator, tests).
+
+    Not for the hottest path of the decoder, which may fill arrays directly; it is the reference
+    for what those arrays must contain.
+    """
+
+    __slots__ = (
+        "_blk_off",
+        "_ext",
+        "_has_parent",
+        "_mm",
+        "_mm_off",
+        "_ns_inherit",
+        "_ns_part",
+        "_ops",
+        "_parent",
+        "_salt",
+        "_tok_off",
+        "_tokens",
+        "_use_mm",
+    )
+
+    def __init__(self) -> None:
+        self._ops: list[int] = []
+        self._parent: list[int] = []
+        self._has_parent: list[bool] = []
+        self._salt: list[int] = []
+        self._ns_part: list[int] = []
+        self._ns_inherit: list[bool] = []
+        self._blk_off: list[int] = [0]
+        self._ext: list[int] = []
+        self._tok_off: list[int] = [0]
+        self._tokens: list[npt.NDArray[np.uint32]] = []
+        self._mm_off: list[int] = [0]
+        self._mm: list[int] = []
+        self._use_mm = False
+
+    def _push(
+        self,
+        op: int,
+        hashes: list[int] | npt.NDArray[np.uint64],
+        *,
+        parent: int | None = None,
+        salt: int = 0,
+        ns_part: int = 0,
+        ns_inherit: bool = False,
+        tokens: npt.ArrayLike | None = None,
+        mm: list[list[int]] | None = None,
+    ) -> None:
+        self._ops.append(op)
+        self._parent.append(0 if parent is None else parent & 0xFFFF_FFFF_FFFF_FFFF)
+        self._has_parent.append(parent is not None)
+        self._salt.append(salt & 0xFFFF_FFFF_FFFF_FFFF)
+        self._ns_part.append(ns_part & 0xFFFF_FFFF_FFFF_FFFF)
+        self._ns_inherit.append(ns_inherit)
+        hs = [int(h) & 0xFFFF_FFFF_FFFF_FFFF for h in hashes]
+        self._ext.extend(hs)
+        self._blk_off.append(len(self._ext))
+        tok = np.zeros(0, np.uint32) if tokens is None else np.asarray(tokens, dtype=np.uint32)
+        self._tokens.append(tok)
+        self._tok_off.append(self._tok_off[-1] + int(tok.shape[0]))
+        if mm is not None:
+            self._use_mm = True
+        per_block = mm if mm is not None else [[] for _ in hs]
+        if len(per_block) != len(hs):
+            raise ValueError("mm needs one list per block")
+        for vals in per_block:
+            self._mm.extend(sorted(int(v) & 0xFFFF_FFFF_FFFF_FFFF for v in vals))
+            self._mm_off.append(len(self._mm))
+
+    def store(
+        self,
+        hashes: list[int] | npt.NDArray[np.uint64],
+        tokens: npt.ArrayLike,
+        *,
+        parent: int | None = None,
+        salt: int = 1337,
+        ns_part: int = 0,
+        ns_inherit: bool = False,
+        mm: list[list[int]] | None = None,
+    ) -> BatchBuilder:
+        self._push(
+            OP_STORE,
+            hashes,
+            parent=parent,
+            salt=salt,
+            ns_part=ns_part,
+            ns_inherit=ns_inherit,
+            tokens=tokens,
+            mm=mm,
+        )
+        return self
+
+    def remove(self, hashes: list[int] | npt.NDArray[np.uint64]) -> BatchBuilder:
+        self._push(OP_REMOVE, hashes)
+        return self
+
+    def clear(self) -> BatchBuilder:
+        self._push(OP_CLEAR, [])
+        return self
+
+    def build(self) -> EventBatch:
+        tokens = (
+            np.concatenate(self._tokens) if self._tokens else np.zeros(0, dtype=np.uint32)
+        ).astype(np.uint32, copy=False)
+        return EventBatch(
+            ops=np.asarray(self._ops, dtype=np.uint8),
+            parent=np.asarray(self._parent, dtype=np.uint64),
+            has_parent=np.asarray(self._has_parent, dtype=np.bool_),
+            salt=np.asarray(self._salt, dtype=np.uint64),
+            ns_part=np.asarray(self._ns_part, dtype=np.uint64),
+            ns_inherit=np.asarray(self._ns_inherit, dtype=np.bool_),
+            blk_off=np.asarray(self._blk_off, dtype=np.int64),
+            ext_hashes=np.asarray(self._ext, dtype=np.uint64),
+            tok_off=np.asarray(self._tok_off, dtype=np.int64),
+            tokens=tokens,
+            mm_off=np.asarray(self._mm_off if self._use_mm else [], dtype=np.int64),
+            mm=np.asarray(self._mm, dtype=np.uint64),
+        )
