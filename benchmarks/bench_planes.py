@@ -1,0 +1,124 @@
+"""Plane update costs at fleet scale: catalog/readiness recompute, load window build, fan-out.
+
+Usage: .venv/bin/python benchmarks/bench_planes.py [--pools N]
+Prints per-operation times and writes benchmarks/results/planes.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.service.planes.broadcast import VersionedBroadcast
+from kvrelay.service.planes.catalog import CatalogPlane, LoraSpec, descriptor
+from kvrelay.service.planes.load import LoadPlane, RankLoad
+from kvrelay.service.planes.readiness import EndpointState, ReadinessPlane
+
+RELAY = pb.RelayIdentity(drt_instance_id=1, relay_incarnation=2)
+Role = pb.WorkerRole
+
+
+def _producer(n: int) -> pb.ProducerIdentity:
+    d = pb.DigestIdentity(digest=n.to_bytes(16, "little"), source=pb.IdentitySource.DEFAULT_DERIVED)
+    return pb.ProducerIdentity(
+        pool_id=pb.KvPoolId(
+            identity_version=1,
+            indexer_domain=pb.IndexerDomainId(cache_semantics=d, routing_scope=d),
+            dc_id=7,
+        ),
+        producer_incarnation=2,
+        layout_generation=n + 1,
+        ckf_format=pb.CkfFormat(
+            format_version=1, seed=5, bucket_count=524_288, fingerprint_bits=16, slots_per_bucket=4
+        ),
+    )
+
+
+def _time(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+async def _fanout(waiters: int, rounds: int) -> float:
+    bc: VersionedBroadcast[int] = VersionedBroadcast(0, 0)
+    t0 = time.perf_counter()
+    for v in range(1, rounds + 1):
+        tasks = [asyncio.create_task(bc.wait_newer(v - 1)) for _ in range(waiters)]
+        await asyncio.sleep(0)
+        bc.publish(v, v)
+        await asyncio.gather(*tasks)
+    return (time.perf_counter() - t0) / rounds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pools", type=int, default=64)
+    args = ap.parse_args()
+    n = args.pools
+    descs = [
+        descriptor(
+            producer=_producer(i),
+            namespace="prod",
+            component=f"vllm-{i}",
+            endpoint="generate",
+            base_model=f"model-{i % 8}",
+            base_aliases=["alias-a", "alias-b"],
+            loras=[LoraSpec(f"lora-{i % 8}-{k}") for k in range(4)],
+            kv_block_size=16,
+            hash_format=pb.KvQueryHashFormat.DYNAMO_STANDARD_V1,
+            roles=[Role.PREFILL if i % 2 else Role.DECODE],
+        )
+        for i in range(n)
+    ]
+    catalog = CatalogPlane(RELAY)
+    catalog.set_pools(descs)
+    eps = [
+        EndpointState(
+            "prod",
+            f"vllm-{i}",
+            "generate",
+            frozenset({Role.PREFILL if i % 2 else Role.DECODE}),
+            needs=() if i % 2 else (frozenset({Role.PREFILL}),),
+            live=2,
+            probed=True,
+            models=frozenset({f"model-{i % 8}"}),
+            adapters={f"lora-{i % 8}-{k}": f"model-{i % 8}" for k in range(4)},
+            pool_id=_producer(i).pool_id,
+        )
+        for i in range(n)
+    ]
+    readiness = ReadinessPlane(RELAY)
+    readiness.set_topology(eps)
+    ranks = [RankLoad(100, 1000)] * 8
+    load = LoadPlane(RELAY, provider=lambda: [(_producer(i), ranks) for i in range(n)])
+    results: dict[str, Any] = {
+        "pools": n,
+        "catalog_set_pools_unchanged_ms": _time(lambda: catalog.set_pools(descs), 50) * 1e3,
+        "readiness_set_topology_unchanged_ms": _time(lambda: readiness.set_topology(eps), 50) * 1e3,
+        "load_window_build_ms": _time(load.publish_window, 50) * 1e3,
+        "catalog_snapshot_bytes": len(bytes(catalog.current()[1])),
+        "readiness_snapshot_bytes": len(bytes(readiness.current()[1])),
+        "load_window_bytes": len(bytes(load.current()[1])),
+        "fanout_publish_wake_64_waiters_us": asyncio.run(_fanout(64, 200)) * 1e6,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+    }
+    for k, v in results.items():
+        print(f"{k:40s} {v:.3f}" if isinstance(v, float) else f"{k:40s} {v}")
+    out = Path(__file__).resolve().parent / "results" / "planes.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""grpclib discovery client for vLLM's ``vllm.Control`` service (vLLM >= 0.27).
+
+Every RPC has a timeout and maps failures to the typed errors in ``errors.py``.
+``GetKvEventSources`` falls back to ``vllm.KvTransfer/GetKvEventSources`` on UNIMPLEMENTED.
+Returned endpoints have wildcard hosts replaced by the host used to reach the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import grpclib.const
+import grpclib.exceptions
+from grpclib.client import Channel
+
+from kvrelay._proto import vllm as vpb
+from kvrelay.discovery.endpoints import (
+    SourceInfo,
+    StaticSourceConfig,
+    static_sources,
+    substitute_wildcard,
+)
+from kvrelay.discovery.errors import (
+    DiscoveryError,
+    DiscoveryTimeout,
+    EngineUnreachable,
+    InvalidEndpoint,
+    KvSourcesUnsupported,
+    RpcFailed,
+)
+from kvrelay.discovery.snapshot import EngineSnapshot, LoraEntry
+
+KV_TRANSFER_SOURCES_PATH = "/vllm.KvTransfer/GetKvEventSources"
+_NO_CONTENT_TYPE = "Missing content-type header"
+T = TypeVar("T")
+
+
+class EngineClient:
+    """Client for one engine frontend. Use as ``async with EngineClient(host, port) as c``."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        timeout: float = 2.0,
+        static: StaticSourceConfig | None = None,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.timeout = timeout
+        self.static = static
+        self.address = f"{host}:{port}"
+        self._channel = Channel(host, port)
+        self._stub = vpb.ControlStub(self._channel)
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
+        try:
+            # outer bound covers connection setup too, which grpclib's timeout may not
+            return await asyncio.wait_for(fn(), timeout=self.timeout + 0.5)
+        except grpclib.exceptions.GRPCError as exc:
+            status = exc.status
+            if status is grpclib.const.Status.UNKNOWN and exc.message == _NO_CONTENT_TYPE:
+                # grpclib servers answer an unknown method with a trailers-only 200 lacking
+                # content-type; grpclib's client reports that as UNKNOWN. It means UNIMPLEMENTED.
+                status = grpclib.const.Status.UNIMPLEMENTED
+            if status is grpclib.const.Status.UNAVAILABLE:
+                raise EngineUnreachable(self.address, f"{what}: {exc.message}") from exc
+            if status is grpclib.const.Status.DEADLINE_EXCEEDED:
+                raise DiscoveryTimeout(self.address, f"{what}: deadline exceeded") from exc
+            raise RpcFailed(self.address, f"{what}: {exc.message or ''}", status.name) from exc
+        except TimeoutError as exc:
+            raise DiscoveryTimeout(self.address, f"{what}: timed out") from exc
+        except (
+            OSError,
+            grpclib.exceptions.StreamTerminatedError,
+            grpclib.exceptions.ProtocolError,
+        ) as exc:
+            raise EngineUnreachable(self.address, f"{what}: {exc!r}") from exc
+
+    # ---- RPCs ----
+    async def server_info(self) -> vpb.ServerInfo:
+        return await self._call(
+            "GetServerInfo", lambda: self._stub.get_server_info(timeout=self.timeout)
+        )
+
+    async def model_info(self) -> vpb.ModelInfo:
+        return await self._call(
+            "GetModelInfo", lambda: self._stub.get_model_info(timeout=self.timeout)
+        )
+
+    async def list_loras(self) -> tuple[LoraEntry, ...]:
+        resp = await self._call("ListLoras", lambda: self._stub.list_loras(timeout=self.timeout))
+        return tuple(LoraEntry(a.lora_id, a.lora_name, a.source_path) for a in resp.adapters)
+
+    async def is_sleeping(self) -> bool:
+        r = await self._call("IsSleeping", lambda: self._stub.is_sleeping(timeout=self.timeout))
+        return bool(r.sleeping)
+
+    async def is_paused(self) -> bool:
+        r = await self._call("IsPaused", lambda: self._stub.is_paused(timeout=self.timeout))
+        return bool(r.paused)
+
+    async def _kv_transfer_sources(self) -> vpb.GetKvEventSourcesResponse:
+        async with self._channel.request(
+            KV_TRANSFER_SOURCES_PATH,
+            grpclib.const.Cardinality.UNARY_UNARY,
+            vpb.GetKvEventSourcesRequest,
+            vpb.GetKvEventSourcesResponse,
+            timeout=self.timeout,
+        ) as stream:
+            await stream.send_message(vpb.GetKvEventSourcesRequest(), end=True)
+            reply = await stream.recv_message()
+        if reply is None:
+            raise RpcFailed(self.address, "KvTransfer/GetKvEventSources: empty reply", "UNKNOWN")
+        return reply
+
+    async def kv_event_sources_raw(self) -> tuple[vpb.GetKvEventSourcesResponse, str]:
+        """Sources as returned by the engine plus which service answered."""
+        try:
+            resp = await self._call(
+                "GetKvEventSources",
+                lambda: self._stub.get_kv_event_sources(timeout=self.timeout),
+            )
+            return resp, "control"
+        except RpcFailed as exc:
+            if exc.status != "UNIMPLEMENTED":
+                raise
+        try:
+            return await self._call("KvTransfer.GetKvEventSources", self._kv_transfer_sources), (
+                "kv_transfer"
+            )
+        except RpcFailed as exc:
+            if exc.status == "UNIMPLEMENTED":
+                raise KvSourcesUnsupported(
+                    self.address, "GetKvEventSources not served", exc.status
+                ) from exc
+            raise
+
+    async def kv_event_sources(self) -> tuple[tuple[SourceInfo, ...], str]:
+        """Connectable sources (wildcards substituted), sorted by DP rank, and the origin."""
+        resp, via = await self.kv_event_sources_raw()
+        out: list[SourceInfo] = []
+        for i, s in enumerate(resp.sources):
+            if s.transport and s.transport != "zmq":
+                continue  # only ZMQ publishers are consumable
+            try:
+                ep = substitute_wildcard(s.endpoint, self.host)
+                rep = (
+                    substitute_wildcard(s.replay_endpoint, self.host) if s.replay_endpoint else None
+                )
+            except InvalidEndpoint as exc:
+                raise RpcFailed(self.address, f"bad source endpoint: {exc}", "INVALID") from exc
+            rank = s.data_parallel_rank if s.data_parallel_rank is not None else i
+            out.append(
+                SourceInfo(
+                    dp_rank=rank,
+                    endpoint=ep,
+                    replay_endpoint=rep,
+                    topic=s.topic,
+                    transport=s.transport or "zmq",
+                    encoding=s.encoding or "msgpack",
+                    schema_version=s.schema_version,
+                    buffer_steps=s.buffer_steps,
+                    hwm=s.hwm,
+                    max_queue_size=s.max_queue_size,
+                    advertised_endpoint=s.endpoint,
+                )
+            )
+        return tuple(sorted(out, key=lambda x: x.dp_rank)), via
+
+    async def snapshot(self) -> EngineSnapshot:
+        """Full snapshot; never raises for network/RPC failures (``reachable=False`` instead)."""
+        try:
+            info = await self.server_info()
+            model = await self.model_info()
+            loras = await self.list_loras()
+            try:
+                sources, via = await self.kv_event_sources()
+            except KvSourcesUnsupported:
+                if self.static is not None:
+                    sources, via = static_sources(self.static, self.host), "static"
+                else:
+                    sources, via = (), "none"
+            sleeping = await self.is_sleeping()
+            paused = await self.is_paused()
+        except DiscoveryError as exc:
+            return EngineSnapshot(host=self.host, port=self.port, reachable=False, error=str(exc))
+        par = info.parallelism or vpb.ParallelismInfo()
+        return EngineSnapshot(
+            host=self.host,
+            port=self.port,
+            reachable=True,
+            engine_version=info.engine_version,
+            api_version=info.api_version,
+            instance_id=info.instance_id,
+            data_parallel_size=par.data_parallel_size or 1,
+            data_parallel_rank=par.data_parallel_rank,
+            data_parallel_size_local=par.data_parallel_size_local or 1,
+            tensor_parallel_size=par.tensor_parallel_size or 1,
+            pipeline_parallel_size=par.pipeline_parallel_size or 1,
+            max_model_len=info.max_model_len,
+            kv_block_size=info.kv_block_size,
+            total_kv_blocks=info.total_kv_blocks,
+            max_running_requests=info.max_running_requests,
+            max_batched_tokens=info.max_batched_tokens,
+            max_loras=info.max_loras,
+            model_id=model.model_id,
+            served_model_name=model.served_model_name,
+            served_model_aliases=tuple(model.served_model_aliases),
+            loras=loras,
+            sources=sources,
+            sources_via=via,
+            sleeping=sleeping,
+            paused=paused,
+        )

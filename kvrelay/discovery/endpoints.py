@@ -1,0 +1,119 @@
+"""Endpoint handling: wildcard-host substitution, DP port offsets, static (pre-0.27) sources."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvrelay.discovery.errors import InvalidEndpoint
+
+WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]", ""})
+
+
+@dataclass(frozen=True, slots=True)
+class SourceInfo:
+    """One DP rank's KV event source, with connectable (wildcard-free) endpoints."""
+
+    dp_rank: int
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str = ""
+    transport: str = "zmq"
+    encoding: str = "msgpack"
+    schema_version: int = 1
+    buffer_steps: int = 0
+    hwm: int = 0
+    max_queue_size: int = 0
+    advertised_endpoint: str = ""  # as returned by the engine, before substitution
+
+    @property
+    def key(self) -> tuple[int, str, str | None, str]:
+        """Identity used by the watcher to diff sources."""
+        return (self.dp_rank, self.endpoint, self.replay_endpoint, self.topic)
+
+
+def _fmt_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def split_tcp(endpoint: str) -> tuple[str, int]:
+    """``tcp://host:port`` → (host, port); IPv6 hosts keep their brackets."""
+    if not endpoint.startswith("tcp://"):
+        raise InvalidEndpoint(f"not a tcp endpoint: {endpoint!r}")
+    rest = endpoint[len("tcp://") :]
+    host, sep, port = rest.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise InvalidEndpoint(f"bad port in endpoint: {endpoint!r}")
+    return host, int(port)
+
+
+def substitute_wildcard(endpoint: str, host: str) -> str:
+    """Replace a bind-wildcard host (``*``, ``0.0.0.0``, ``::``, ``[::]``) with ``host``.
+
+    Non-tcp endpoints (ipc/inproc) and empty strings are returned unchanged.
+    """
+    if not endpoint or not endpoint.startswith("tcp://"):
+        return endpoint
+    h, port = split_tcp(endpoint)
+    if h in WILDCARD_HOSTS:
+        return f"tcp://{_fmt_host(host)}:{port}"
+    return endpoint
+
+
+def dp_offset(endpoint: str, rank: int) -> str:
+    """vLLM's per-rank rewrite (§2.2): tcp port + rank (port 0 unchanged), inproc ``_dp{r}``."""
+    if rank < 0:
+        raise InvalidEndpoint(f"negative dp rank {rank}")
+    if rank == 0 or not endpoint:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{rank}"
+    if "tcp" in endpoint:
+        head, sep, port = endpoint.rpartition(":")
+        if not sep or not port.isdigit():
+            raise InvalidEndpoint(f"bad port in endpoint: {endpoint!r}")
+        p = int(port)
+        if p == 0:
+            return endpoint
+        if p + rank > 65535:
+            raise InvalidEndpoint(f"port {p}+{rank} out of range")
+        return f"{head}:{p + rank}"
+    raise InvalidEndpoint(f"unsupported endpoint scheme: {endpoint!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class StaticSourceConfig:
+    """Operator-configured sources for engines without gRPC discovery (vLLM < 0.27)."""
+
+    endpoint: str  # rank-0 PUB endpoint as in --kv-events-config, e.g. tcp://*:5557
+    replay_endpoint: str | None = None
+    dp_ranks: tuple[int, ...] = (0,)
+    topic: str = ""
+    buffer_steps: int = 10000
+    hwm: int = 100000
+    max_queue_size: int = 100000
+
+
+def static_sources(cfg: StaticSourceConfig, host: str) -> tuple[SourceInfo, ...]:
+    """Expand a static config into per-rank sources (offsets applied, wildcards → ``host``)."""
+    out = []
+    for r in _unique(cfg.dp_ranks):
+        ep = dp_offset(cfg.endpoint, r)
+        rep = dp_offset(cfg.replay_endpoint, r) if cfg.replay_endpoint else None
+        out.append(
+            SourceInfo(
+                dp_rank=r,
+                endpoint=substitute_wildcard(ep, host),
+                replay_endpoint=substitute_wildcard(rep, host) if rep else None,
+                topic=cfg.topic,
+                buffer_steps=cfg.buffer_steps,
+                hwm=cfg.hwm,
+                max_queue_size=cfg.max_queue_size,
+                advertised_endpoint=ep,
+            )
+        )
+    return tuple(out)
+
+
+def _unique(xs: Iterable[int]) -> list[int]:
+    return sorted(set(xs))

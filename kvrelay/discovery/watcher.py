@@ -1,0 +1,213 @@
+"""Periodic engine discovery: one asyncio task per engine, diffs snapshots into change events.
+
+The callback (sync or async) receives events in a deterministic order per poll: reachability,
+incarnation, removed sources, added sources, LoRAs, sleep, pause. A callback exception is logged
+and counted, never kills the watcher. Diffs are always against the last *reachable* snapshot, so
+an outage followed by a restart still reports ``IncarnationChanged``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from kvrelay.discovery.client import EngineClient
+from kvrelay.discovery.endpoints import StaticSourceConfig, split_tcp, static_sources
+from kvrelay.discovery.errors import InvalidEndpoint
+from kvrelay.discovery.events import (
+    ChangeEvent,
+    EngineDiscovered,
+    EngineReachable,
+    EngineUnreachableEvent,
+    IncarnationChanged,
+    LorasChanged,
+    PauseChanged,
+    SleepChanged,
+    SourcesAdded,
+    SourcesRemoved,
+)
+from kvrelay.discovery.snapshot import EngineSnapshot
+
+log = logging.getLogger(__name__)
+
+Callback = Callable[[ChangeEvent], Awaitable[None] | None]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTarget:
+    """An engine to watch: gRPC frontend (``grpc_port``) and/or static sources (vLLM < 0.27)."""
+
+    host: str
+    grpc_port: int | None = None
+    static: StaticSourceConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.grpc_port is None and self.static is None:
+            raise ValueError("EngineTarget needs grpc_port or static sources")
+
+    @property
+    def name(self) -> str:
+        return (
+            f"{self.host}:{self.grpc_port}"
+            if self.grpc_port is not None
+            else (f"{self.host}/static")
+        )
+
+
+async def _tcp_alive(endpoint: str, host: str, timeout: float) -> str | None:
+    """None if a TCP connect to the endpoint succeeds, else the error text."""
+    try:
+        h, port = split_tcp(endpoint)
+    except InvalidEndpoint as exc:
+        return str(exc)
+    h = h.strip("[]") or host
+    try:
+        _, w = await asyncio.wait_for(asyncio.open_connection(h, port), timeout=timeout)
+    except (TimeoutError, OSError) as exc:
+        return f"{endpoint}: {exc!r}"
+    w.close()
+    with contextlib.suppress(OSError):
+        await w.wait_closed()
+    return None
+
+
+async def snapshot_target(target: EngineTarget, timeout: float) -> EngineSnapshot:
+    """One discovery pass for ``target`` (never raises for engine-side failures)."""
+    if target.grpc_port is not None:
+        async with EngineClient(target.host, target.grpc_port, timeout, target.static) as c:
+            return await c.snapshot()
+    assert target.static is not None
+    sources = static_sources(target.static, target.host)
+    err = await _tcp_alive(sources[0].endpoint, target.host, timeout) if sources else None
+    if err is not None:
+        return EngineSnapshot(host=target.host, port=None, reachable=False, error=err)
+    return EngineSnapshot(
+        host=target.host,
+        port=None,
+        reachable=True,
+        sources=sources,
+        sources_via="static",
+        data_parallel_size=len(sources),
+    )
+
+
+def diff_snapshots(
+    target: str,
+    prev_good: EngineSnapshot | None,
+    prev: EngineSnapshot | None,
+    cur: EngineSnapshot,
+) -> list[ChangeEvent]:
+    """Events turning the previous view into ``cur`` (pure function; unit-testable)."""
+    if not cur.reachable:
+        if prev is None or prev.reachable:
+            return [EngineUnreachableEvent(target, cur, cur.error or "unreachable")]
+        return []
+    if prev_good is None:
+        out: list[ChangeEvent] = [EngineDiscovered(target, cur)]
+        if cur.sources:
+            out.append(SourcesAdded(target, cur, cur.sources))
+        return out
+    out = []
+    if prev is not None and not prev.reachable:
+        out.append(EngineReachable(target, cur))
+    if prev_good.instance_id != cur.instance_id:
+        out.append(IncarnationChanged(target, cur, prev_good.instance_id, cur.instance_id))
+    old = {s.key: s for s in prev_good.sources}
+    new = {s.key: s for s in cur.sources}
+    gone = tuple(s for k, s in old.items() if k not in new)
+    added = tuple(s for k, s in new.items() if k not in old)
+    if gone:
+        out.append(SourcesRemoved(target, cur, gone))
+    if added:
+        out.append(SourcesAdded(target, cur, added))
+    la, lb = prev_good.lora_names, cur.lora_names
+    if la != lb:
+        out.append(LorasChanged(target, cur, tuple(sorted(lb - la)), tuple(sorted(la - lb))))
+    if prev_good.sleeping != cur.sleeping:
+        out.append(SleepChanged(target, cur, cur.sleeping))
+    if prev_good.paused != cur.paused:
+        out.append(PauseChanged(target, cur, cur.paused))
+    return out
+
+
+class EngineWatcher:
+    """Polls every target each ``interval`` seconds and reports changes to ``callback``."""
+
+    def __init__(
+        self,
+        targets: list[EngineTarget],
+        callback: Callback,
+        interval: float = 5.0,
+        timeout: float = 2.0,
+    ) -> None:
+        if interval <= 0 or timeout <= 0:
+            raise ValueError("interval and timeout must be positive")
+        self.callback = callback
+        self.interval = interval
+        self.timeout = timeout
+        self.targets: dict[str, EngineTarget] = {t.name: t for t in targets}
+        self.last: dict[str, EngineSnapshot] = {}
+        self.last_good: dict[str, EngineSnapshot] = {}
+        self.callback_errors = 0
+        self.polls = 0
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    async def poll_once(self, name: str) -> list[ChangeEvent]:
+        """Run one discovery pass for a target, deliver and return its events."""
+        target = self.targets[name]
+        snap = await snapshot_target(target, self.timeout)
+        events = diff_snapshots(name, self.last_good.get(name), self.last.get(name), snap)
+        self.polls += 1
+        self.last[name] = snap
+        if snap.reachable:
+            self.last_good[name] = snap
+        for ev in events:
+            await self._deliver(ev)
+        return events
+
+    async def _deliver(self, ev: ChangeEvent) -> None:
+        try:
+            res = self.callback(ev)
+            if inspect.isawaitable(res):
+                await res
+        except Exception:  # a consumer bug must not stop discovery
+            self.callback_errors += 1
+            log.exception("discovery callback failed for %s", type(ev).__name__)
+
+    async def _loop(self, name: str) -> None:
+        while True:
+            await self.poll_once(name)
+            await asyncio.sleep(self.interval)
+
+    def start(self) -> None:
+        for name in self.targets:
+            if name not in self._tasks:
+                self._tasks[name] = asyncio.create_task(self._loop(name))
+
+    def add_target(self, target: EngineTarget) -> None:
+        self.targets[target.name] = target
+        if self._tasks and target.name not in self._tasks:
+            self._tasks[target.name] = asyncio.create_task(self._loop(target.name))
+
+    async def remove_target(self, name: str) -> None:
+        task = self._tasks.pop(name, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.targets.pop(name, None)
+        self.last.pop(name, None)
+        self.last_good.pop(name, None)
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t

@@ -1,0 +1,358 @@
+"""XXH3-64 in numba, bit-exact with ``xxhash.xxh3_64_intdigest`` for every length and seed.
+
+Why our own: the cuckoo filter and the block-hash batch kernels hash millions of keys from inside
+njit loops, where calling the C extension is impossible. Implemented from the public XXH3
+algorithm description (constants are the published ones); only uint64 arithmetic is used, so no
+value ever promotes to float.
+
+All entry points are ``@njit(cache=True)`` and callable both from Python and from other njit code.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+from numba import njit, types
+
+if sys.byteorder != "little":  # token arrays are hashed through a zero-copy byte view
+    raise ImportError("kvrelay.hashing.xxh3 requires a little-endian host")
+
+_Idx = int | np.int64  # byte offsets/lengths (numba sees int64)
+_M32 = np.uint64(0xFFFFFFFF)
+
+PRIME32_1 = np.uint64(0x9E3779B1)
+PRIME32_2 = np.uint64(0x85EBCA77)
+PRIME32_3 = np.uint64(0xC2B2AE3D)
+PRIME64_1 = np.uint64(0x9E3779B185EBCA87)
+PRIME64_2 = np.uint64(0xC2B2AE3D27D4EB4F)
+PRIME64_3 = np.uint64(0x165667B19E3779F9)
+PRIME64_4 = np.uint64(0x85EBCA77C2B2AE63)
+PRIME64_5 = np.uint64(0x27D4EB2F165667C5)
+PRIME_MX1 = np.uint64(0x165667919E3779F9)
+PRIME_MX2 = np.uint64(0x9FB21C651E98DF25)
+
+# The 192-byte default secret (kSecret) from the XXH3 specification.
+_KSECRET_HEX = (
+    "b8fe6c3923a44bbe7c01812cf721ad1cded46de9839097db7240a4a4b7b3671f"
+    "cb79e64eccc0e578825ad07dccff7221b8084674f743248ee03590e6813a264c"
+    "3c2852bb91c300cb88d0658b1b532ea371644897a20df94e3819ef46a9deacd8"
+    "a8fa763fe39c343ff9dcbbc7c70b4f1d8a51e04bcdb45931c89f7ec9d9787364"
+    "eac5ac8334d3ebc3c581a0fffa1363eb170ddd51b7f0da49d316552629d4689e"
+    "2b16be587d47a1fc8ff8b8d17ad031ce45cb3a8f95160428afd7fbcabb4b407e"
+)
+KSECRET: np.ndarray = np.frombuffer(bytes.fromhex(_KSECRET_HEX), dtype=np.uint8).copy()
+SECRET_SIZE = 192
+STRIPE_LEN = 64
+_STRIPES_PER_BLOCK = (SECRET_SIZE - STRIPE_LEN) // 8  # 16
+_BLOCK_LEN = STRIPE_LEN * _STRIPES_PER_BLOCK  # 1024
+
+
+def _kw(off: int) -> np.uint64:
+    return np.uint64(int.from_bytes(KSECRET[off : off + 8].tobytes(), "little"))
+
+
+def _kw32(off: int) -> np.uint64:
+    return np.uint64(int.from_bytes(KSECRET[off : off + 4].tobytes(), "little"))
+
+
+# Precomputed secret words used by the short-input paths (folded at compile time).
+_S0_FLIP = np.uint64(int(_kw(56)) ^ int(_kw(64)))
+_S13_FLIP = np.uint64(int(_kw32(0)) ^ int(_kw32(4)))
+_S48_FLIP = np.uint64(int(_kw(8)) ^ int(_kw(16)))
+_S916_FLIP1 = np.uint64(int(_kw(24)) ^ int(_kw(32)))
+_S916_FLIP2 = np.uint64(int(_kw(40)) ^ int(_kw(48)))
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def _rotl(x: np.uint64, r: np.uint64) -> np.uint64:
+    return (x << r) | (x >> (np.uint64(64) - r))
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def _swap32(x: np.uint64) -> np.uint64:
+    x = x & _M32
+    return (
+        ((x & np.uint64(0xFF)) << np.uint64(24))
+        | ((x & np.uint64(0xFF00)) << np.uint64(8))
+        | ((x >> np.uint64(8)) & np.uint64(0xFF00))
+        | (x >> np.uint64(24))
+    )
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def _swap64(x: np.uint64) -> np.uint64:
+    return (_swap32(x & _M32) << np.uint64(32)) | _swap32(x >> np.uint64(32))
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def _mul128_fold64(a: np.uint64, b: np.uint64) -> np.uint64:
+    """Low 64 bits XOR high 64 bits of the full 128-bit product a*b."""
+    a_lo = a & _M32
+    a_hi = a >> np.uint64(32)
+    b_lo = b & _M32
+    b_hi = b >> np.uint64(32)
+    lo_lo = a_lo * b_lo
+    hi_lo = a_hi * b_lo
+    lo_hi = a_lo * b_hi
+    hi_hi = a_hi * b_hi
+    cross = (lo_lo >> np.uint64(32)) + (hi_lo & _M32) + lo_hi
+    upper = (hi_lo >> np.uint64(32)) + (cross >> np.uint64(32)) + hi_hi
+    lower = (cross << np.uint64(32)) | (lo_lo & _M32)
+    return lower ^ upper
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def _xxh64_avalanche(h: np.uint64) -> np.uint64:
+    h ^= h >> np.uint64(33)
+    h *= PRIME64_2
+    h ^= h >> np.uint64(29)
+    h *= PRIME64_3
+    h ^= h >> np.uint64(32)
+    return h
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def _avalanche(h: np.uint64) -> np.uint64:
+    h ^= h >> np.uint64(37)
+    h *= PRIME_MX1
+    h ^= h >> np.uint64(32)
+    return h
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def _rrmxmx(h: np.uint64, length: np.uint64) -> np.uint64:
+    h ^= _rotl(h, np.uint64(49)) ^ _rotl(h, np.uint64(24))
+    h *= PRIME_MX2
+    h ^= (h >> np.uint64(35)) + length
+    h *= PRIME_MX2
+    h ^= h >> np.uint64(28)
+    return h
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def _r32(d: np.ndarray, p: _Idx) -> np.uint64:
+    return (
+        np.uint64(d[p])
+        | (np.uint64(d[p + 1]) << np.uint64(8))
+        | (np.uint64(d[p + 2]) << np.uint64(16))
+        | (np.uint64(d[p + 3]) << np.uint64(24))
+    )
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def _r64(d: np.ndarray, p: _Idx) -> np.uint64:
+    return _r32(d, p) | (_r32(d, p + 4) << np.uint64(32))
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def _mix16(d: np.ndarray, p: _Idx, s: np.ndarray, sp: _Idx, seed: np.uint64) -> np.uint64:
+    lo = _r64(d, p)
+    hi = _r64(d, p + 8)
+    return _mul128_fold64(lo ^ (_r64(s, sp) + seed), hi ^ (_r64(s, sp + 8) - seed))
+
+
+@njit(cache=True)  # type: ignore[misc]
+def _len_0to16(d: np.ndarray, p: _Idx, n: _Idx, seed: np.uint64) -> np.uint64:
+    ln = np.uint64(n)
+    if n > 8:
+        flip1 = _S916_FLIP1 + seed
+        flip2 = _S916_FLIP2 - seed
+        lo = _r64(d, p) ^ flip1
+        hi = _r64(d, p + n - 8) ^ flip2
+        acc = ln + _swap64(lo) + hi + _mul128_fold64(lo, hi)
+        return _avalanche(acc)
+    if n >= 4:
+        s2 = seed ^ (_swap32(seed & _M32) << np.uint64(32))
+        in1 = _r32(d, p)
+        in2 = _r32(d, p + n - 4)
+        flip = _S48_FLIP - s2
+        keyed = (in2 + (in1 << np.uint64(32))) ^ flip
+        return _rrmxmx(keyed, ln)
+    if n > 0:
+        c1 = np.uint64(d[p])
+        c2 = np.uint64(d[p + (n >> 1)])
+        c3 = np.uint64(d[p + n - 1])
+        combined = (c1 << np.uint64(16)) | (c2 << np.uint64(24)) | c3 | (ln << np.uint64(8))
+        flip = _S13_FLIP + seed
+        return _xxh64_avalanche(combined ^ flip)
+    return _xxh64_avalanche(seed ^ _S0_FLIP)
+
+
+@njit(cache=True)  # type: ignore[misc]
+def _len_17to128(d: np.ndarray, p: _Idx, n: _Idx, seed: np.uint64) -> np.uint64:
+    s = KSECRET
+    acc = np.uint64(n) * PRIME64_1
+    if n > 32:
+        if n > 64:
+            if n > 96:
+                acc += _mix16(d, p + 48, s, 96, seed)
+                acc += _mix16(d, p + n - 64, s, 112, seed)
+            acc += _mix16(d, p + 32, s, 64, seed)
+            acc += _mix16(d, p + n - 48, s, 80, seed)
+        acc += _mix16(d, p + 16, s, 32, seed)
+        acc += _mix16(d, p + n - 32, s, 48, seed)
+    acc += _mix16(d, p, s, 0, seed)
+    acc += _mix16(d, p + n - 16, s, 16, seed)
+    return _avalanche(acc)
+
+
+@njit(cache=True)  # type: ignore[misc]
+def _len_129to240(d: np.ndarray, p: _Idx, n: _Idx, seed: np.uint64) -> np.uint64:
+    s = KSECRET
+    acc = np.uint64(n) * PRIME64_1
+    rounds = n // 16
+    for i in range(8):
+        acc += _mix16(d, p + 16 * i, s, 16 * i, seed)
+    acc = _avalanche(acc)
+    for i in range(8, rounds):
+        acc += _mix16(d, p + 16 * i, s, 16 * (i - 8) + 3, seed)
+    acc += _mix16(d, p + n - 16, s, 136 - 17, seed)
+    return _avalanche(acc)
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def _accumulate_512(acc: np.ndarray, d: np.ndarray, p: _Idx, s: np.ndarray, sp: _Idx) -> None:
+    for i in range(8):
+        v = _r64(d, p + 8 * i)
+        k = v ^ _r64(s, sp + 8 * i)
+        acc[i ^ 1] += v
+        acc[i] += (k & _M32) * (k >> np.uint64(32))
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def _scramble(acc: np.ndarray, s: np.ndarray, sp: _Idx) -> None:
+    for i in range(8):
+        a = acc[i]
+        a ^= a >> np.uint64(47)
+        a ^= _r64(s, sp + 8 * i)
+        a *= PRIME32_1
+        acc[i] = a
+
+
+@njit(cache=True)  # type: ignore[misc]
+def _hash_long(d: np.ndarray, p: _Idx, n: _Idx, seed: np.uint64) -> np.uint64:
+    if seed == np.uint64(0):
+        s = KSECRET
+    else:
+        # Seeded custom secret: even 8-byte words + seed, odd words - seed.
+        s = np.empty(SECRET_SIZE, dtype=np.uint8)
+        for i in range(SECRET_SIZE // 16):
+            lo = _r64(KSECRET, 16 * i) + seed
+            hi = _r64(KSECRET, 16 * i + 8) - seed
+            for j in range(8):
+                s[16 * i + j] = np.uint8((lo >> np.uint64(8 * j)) & np.uint64(0xFF))
+                s[16 * i + 8 + j] = np.uint8((hi >> np.uint64(8 * j)) & np.uint64(0xFF))
+    acc = np.empty(8, dtype=np.uint64)
+    acc[0] = PRIME32_3
+    acc[1] = PRIME64_1
+    acc[2] = PRIME64_2
+    acc[3] = PRIME64_3
+    acc[4] = PRIME64_4
+    acc[5] = PRIME32_2
+    acc[6] = PRIME64_5
+    acc[7] = PRIME32_1
+    nb_blocks = (n - 1) // _BLOCK_LEN
+    for b in range(nb_blocks):
+        base = p + b * _BLOCK_LEN
+        for st in range(_STRIPES_PER_BLOCK):
+            _accumulate_512(acc, d, base + st * STRIPE_LEN, s, st * 8)
+        _scramble(acc, s, SECRET_SIZE - STRIPE_LEN)
+    nb_stripes = ((n - 1) - _BLOCK_LEN * nb_blocks) // STRIPE_LEN
+    base = p + nb_blocks * _BLOCK_LEN
+    for st in range(nb_stripes):
+        _accumulate_512(acc, d, base + st * STRIPE_LEN, s, st * 8)
+    _accumulate_512(acc, d, p + n - STRIPE_LEN, s, SECRET_SIZE - STRIPE_LEN - 7)
+    result = np.uint64(n) * PRIME64_1
+    for i in range(4):
+        result += _mul128_fold64(
+            acc[2 * i] ^ _r64(s, 11 + 16 * i), acc[2 * i + 1] ^ _r64(s, 11 + 16 * i + 8)
+        )
+    return _avalanche(result)
+
+
+@njit(cache=True)  # type: ignore[misc]
+def xxh3_64_bytes(data: np.ndarray, start: int, length: int, seed: np.uint64) -> np.uint64:
+    """XXH3-64 of ``data[start:start+length]``; raises ValueError if the range is out of bounds.
+
+    (numba does not bounds-check indexing, so the one range check here keeps reads in the buffer.)
+    """
+    # Normalise scalar types so the length-class kernels compile once per array type only.
+    p = np.int64(start)
+    n = np.int64(length)
+    s = np.uint64(seed)
+    if p < 0 or n < 0 or p + n > data.size:
+        raise ValueError("xxh3_64_bytes: range outside the buffer")
+    if n <= 16:
+        return _len_0to16(data, p, n, s)
+    if n <= 128:
+        return _len_17to128(data, p, n, s)
+    if n <= 240:
+        return _len_129to240(data, p, n, s)
+    return _hash_long(data, p, n, s)
+
+
+@njit(types.uint64(types.uint64, types.uint64), cache=True)  # type: ignore[misc]
+def xxh3_64_u64(x: np.uint64, seed: np.uint64) -> np.uint64:
+    """XXH3-64 of the 8-byte little-endian encoding of ``x`` (the 4..8-byte path, specialised)."""
+    s2 = seed ^ (_swap32(seed & _M32) << np.uint64(32))
+    flip = _S48_FLIP - s2
+    keyed = ((x >> np.uint64(32)) + ((x & _M32) << np.uint64(32))) ^ flip
+    return _rrmxmx(keyed, np.uint64(8))
+
+
+@njit(types.uint64(types.uint64, types.uint64), cache=True)  # type: ignore[misc]
+def xxh3_64_u16(x: np.uint64, seed: np.uint64) -> np.uint64:
+    """XXH3-64 of the 2-byte little-endian encoding of ``x & 0xFFFF`` (the 1..3-byte path)."""
+    b0 = x & np.uint64(0xFF)
+    b1 = (x >> np.uint64(8)) & np.uint64(0xFF)
+    combined = (b0 << np.uint64(16)) | (b1 << np.uint64(24)) | b1 | (np.uint64(2) << np.uint64(8))
+    flip = _S13_FLIP + seed
+    return _xxh64_avalanche(combined ^ flip)
+
+
+@njit(types.uint64(types.uint64, types.uint64, types.uint64), cache=True)  # type: ignore[misc]
+def xxh3_64_u64x2(a: np.uint64, b: np.uint64, seed: np.uint64) -> np.uint64:
+    """XXH3-64 of the 16 bytes ``le64(a) || le64(b)`` (the sequence-hash chain step)."""
+    lo = a ^ (_S916_FLIP1 + seed)
+    hi = b ^ (_S916_FLIP2 - seed)
+    acc = np.uint64(16) + _swap64(lo) + hi + _mul128_fold64(lo, hi)
+    return _avalanche(acc)
+
+
+@njit(cache=True)  # type: ignore[misc]
+def xxh3_64_tokens(tokens: np.ndarray, start: int, count: int, seed: np.uint64) -> np.uint64:
+    """XXH3-64 of the u32-LE bytes of ``tokens[start:start+count]``, hashed in place (no copy)."""
+    raw = tokens.view(np.uint8)
+    return xxh3_64_bytes(raw, 4 * start, 4 * count, np.uint64(seed))
+
+
+@njit(cache=True)  # type: ignore[misc]
+def xxh3_64_tokens_mm(
+    tokens: np.ndarray,
+    start: int,
+    count: int,
+    mm: np.ndarray,
+    mm_start: int,
+    mm_count: int,
+    seed: np.uint64,
+) -> np.uint64:
+    """XXH3-64 of u32-LE token bytes followed by the u64-LE multimodal values (§7.2).
+
+    The caller passes mm values already in the order to hash (§7.2 wants them sorted ascending).
+    """
+    if start < 0 or count < 0 or start + count > tokens.size:
+        raise ValueError("xxh3_64_tokens_mm: token range outside the array")
+    if mm_start < 0 or mm_count < 0 or mm_start + mm_count > mm.size:
+        raise ValueError("xxh3_64_tokens_mm: mm range outside the array")
+    buf = np.empty(4 * count + 8 * mm_count, dtype=np.uint8)
+    for i in range(count):
+        t = np.uint64(tokens[start + i])
+        for j in range(4):
+            buf[4 * i + j] = np.uint8((t >> np.uint64(8 * j)) & np.uint64(0xFF))
+    off = 4 * count
+    for i in range(mm_count):
+        v = np.uint64(mm[mm_start + i])
+        for j in range(8):
+            buf[off + 8 * i + j] = np.uint8((v >> np.uint64(8 * j)) & np.uint64(0xFF))
+    return xxh3_64_bytes(buf, 0, buf.size, np.uint64(seed))

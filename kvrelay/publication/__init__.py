@@ -1,0 +1,1 @@
+"""Publication: the CBI1 wire codec and (later) the per-pool publication hub."""

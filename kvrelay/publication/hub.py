@@ -1,0 +1,395 @@
+"""Per-generation publication hub: mirror, sequence, encode-once fan-out, bounded queues.
+
+One hub per producer generation holds a mirror of the lane at sequence S. `publish` encodes each
+delta (CBI1 + FilterUpdate) once and appends the same `bytes` object to every subscriber's bounded
+queue; a full queue drops only that subscriber (SUBSCRIBER_LAGGED). New subscribers get snapshot
+chunks of the mirror at the current sequence (built once per sequence, off the event loop for
+large lanes, at most `publication_encoding_concurrency` at a time), then the shared deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+import numpy as np
+import numpy.typing as npt
+
+from kvrelay.publication import cbi1
+from kvrelay.publication.splice import KIND_DELTA, KIND_SNAPSHOT_CHUNK, FilterUpdateEncoder
+from kvrelay.service.errors import RelayError
+from kvrelay.service.limits import QUEUE_FRAME_OVERHEAD, RelayLimits
+
+#: Lanes at or below this many buckets are encoded inline (cheaper than a thread hop).
+INLINE_SNAPSHOT_BUCKETS = 1 << 16
+#: Yield to the event loop after this many frames sent back to back.
+YIELD_EVERY = 8
+_MIN_STUCK_GRACE_S = 1.0
+
+#: At most this many queued delta frames / bytes go out in one coalesced write.
+BATCH_FRAMES = 16
+BATCH_BYTES = 512 * 1024
+
+Send = Callable[[bytes], Awaitable[None]]
+SendBatch = Callable[[list[bytes]], Awaitable[None]]
+
+
+class PublicationInvariantError(Exception):
+    """The producer broke a hub invariant (gap, bad bucket, retired hub): fence the generation."""
+
+
+class PublicationHub:
+    """Mirror + fan-out for one producer generation. Single event loop; not thread-safe."""
+
+    def __init__(
+        self,
+        encoder: FilterUpdateEncoder,
+        *,
+        seed: int,
+        bucket_count: int,
+        dc_id: int,
+        table: npt.NDArray[np.uint64],
+        sequence: int,
+        limits: RelayLimits | None = None,
+        encode_gate: asyncio.Semaphore | None = None,
+    ) -> None:
+        if table.shape != (bucket_count,):
+            raise ValueError(f"table shape {table.shape} != ({bucket_count},)")
+        self.encoder = encoder
+        self.seed = seed
+        self.bucket_count = bucket_count
+        self.dc_id = dc_id
+        self.limits = limits or RelayLimits()
+        self._mirror: npt.NDArray[np.uint64] = np.array(table, dtype=np.uint64, copy=True)
+        self._sequence = sequence
+        self._gate = encode_gate or asyncio.Semaphore(self.limits.publication_encoding_concurrency)
+        self._subs: set[Subscription] = set()
+        self._active = 0
+        self._snapshot: tuple[int, asyncio.Future[list[bytes]]] | None = None
+        self._retired = False
+        self.resets = 0
+        self.lagged = 0
+        self.snapshots_served = 0  # subscribers given a snapshot
+        self.snapshots_built = 0  # snapshot encodes (shared by joiners at one sequence)
+
+    # --- state ---
+    @property
+    def sequence(self) -> int:
+        return self._sequence
+
+    @property
+    def retired(self) -> bool:
+        return self._retired
+
+    @property
+    def subscriber_count(self) -> int:
+        """Open subscriptions (including ones still draining an error)."""
+        return self._active
+
+    def mirror_copy(self) -> npt.NDArray[np.uint64]:
+        return self._mirror.copy()
+
+    # --- producer side ---
+    def publish(self, sequence: int, buckets: npt.ArrayLike, words: npt.ArrayLike) -> None:
+        """Apply one batch as delta S→S+1 and fan it out; raises PublicationInvariantError."""
+        if self._retired:
+            raise PublicationInvariantError("publish on a retired hub")
+        if sequence != self._sequence + 1:
+            raise PublicationInvariantError(
+                f"sequence gap: hub at {self._sequence}, got {sequence}"
+            )
+        b = np.asarray(buckets)
+        w = np.asarray(words)
+        if b.ndim != 1 or b.shape != w.shape:
+            raise PublicationInvariantError("buckets and words must be 1-D of equal length")
+        if b.size:
+            if b.dtype.kind not in "iu" or w.dtype.kind not in "iu":
+                raise PublicationInvariantError("buckets/words must be integer arrays")
+            if int(b.min()) < 0 or int(b.max()) >= self.bucket_count:
+                raise PublicationInvariantError("bucket index out of range")
+            if np.unique(b).size != b.size:
+                raise PublicationInvariantError("bucket repeated within one delta")
+        b = b.astype(np.uint32, copy=False)
+        w = w.astype(np.uint64, copy=False)
+        base = self._sequence
+        oversized = b.size > cbi1.MAX_DELTA_IMAGES
+        frame = b""
+        cost = 0
+        if self._subs and not oversized:
+            # Encode before touching the mirror: an encoder failure must not half-apply.
+            payload = cbi1.encode_delta(
+                b,
+                w,
+                seed=self.seed,
+                bucket_count=self.bucket_count,
+                dc_id=self.dc_id,
+                base_epoch=base,
+                epoch=sequence,
+            )
+            frame = self.encoder.encode(KIND_DELTA, base, sequence, payload)
+            cost = len(payload) + QUEUE_FRAME_OVERHEAD
+        self._mirror[b] = w
+        self._sequence = sequence
+        self._snapshot = None
+        if oversized:
+            # Too big for one CBI1 delta: subscribers must re-bootstrap from a fresh snapshot.
+            self.resets += 1
+            self._fail_all(
+                RelayError.publication_unavailable(
+                    f"oversized publication ({b.size} images); requires a fresh snapshot"
+                )
+            )
+            return
+        for sub in tuple(self._subs):
+            sub._offer(frame, cost, sequence)
+
+    def retire(self, error: RelayError | None = None) -> None:
+        """End every subscriber (`error`, or clean EOF when None) and refuse new ones."""
+        self._retired = True
+        self._snapshot = None
+        if error is None:
+            for sub in tuple(self._subs):
+                sub._close_clean()
+        else:
+            self._fail_all(error)
+
+    def _fail_all(self, error: RelayError) -> None:
+        for sub in tuple(self._subs):
+            sub._fail(error)
+
+    # --- consumer side ---
+    def subscribe(self) -> Subscription:
+        """Register a subscriber at the current sequence (its deltas start queueing now)."""
+        if self._retired:
+            raise RelayError.publication_unavailable("publication hub retired")
+        if self._active >= self.limits.max_subscribers_per_pool:
+            raise RelayError.resource_limit(
+                f"Relay per-pool subscriber limit {self.limits.max_subscribers_per_pool} reached"
+            )
+        sub = Subscription(self, self._sequence, self._snapshot_future())
+        self._subs.add(sub)
+        self._active += 1
+        self.snapshots_served += 1
+        return sub
+
+    def _snapshot_future(self) -> asyncio.Future[list[bytes]]:
+        cached = self._snapshot
+        if cached is not None and cached[0] == self._sequence:
+            return cached[1]
+        seq = self._sequence
+        words = self._mirror.copy()  # the cut at `seq`; the mirror keeps moving
+        fut = asyncio.ensure_future(self._build_snapshot(words, seq))
+        self._snapshot = (seq, fut)
+        return fut
+
+    async def _build_snapshot(self, words: npt.NDArray[np.uint64], seq: int) -> list[bytes]:
+        async with self._gate:
+            if self.bucket_count <= INLINE_SNAPSHOT_BUCKETS:
+                return self._encode_snapshot(words, seq)
+            return await asyncio.to_thread(self._encode_snapshot, words, seq)
+
+    def _encode_snapshot(self, words: npt.NDArray[np.uint64], seq: int) -> list[bytes]:
+        self.snapshots_built += 1
+        chunks = cbi1.encode_snapshot_chunks(
+            words, seed=self.seed, bucket_count=self.bucket_count, dc_id=self.dc_id, epoch=seq
+        )
+        return [self.encoder.encode(KIND_SNAPSHOT_CHUNK, seq, seq, c) for c in chunks]
+
+    def _detach(self, sub: Subscription) -> None:
+        self._subs.discard(sub)
+
+
+class Subscription:
+    """One subscriber's view: snapshot chunks, then its bounded queue of shared delta frames."""
+
+    __slots__ = (
+        "_bytes",
+        "_eof",
+        "_error",
+        "_frames",
+        "_hub",
+        "_last_seq",
+        "_open",
+        "_snapshot",
+        "_task",
+        "_waiter",
+        "_watchdog",
+        "start_sequence",
+    )
+
+    def __init__(
+        self, hub: PublicationHub, sequence: int, snapshot: asyncio.Future[list[bytes]]
+    ) -> None:
+        self._hub = hub
+        self.start_sequence = sequence
+        self._last_seq = sequence
+        self._snapshot = snapshot
+        self._frames: deque[tuple[bytes, int, int]] = deque()
+        self._bytes = 0
+        self._error: RelayError | None = None
+        self._eof = False
+        self._open = True
+        self._waiter: asyncio.Future[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.TimerHandle | None = None
+
+    @property
+    def error(self) -> RelayError | None:
+        return self._error
+
+    # --- called by the hub (synchronous, never blocks) ---
+    def _offer(self, frame: bytes, cost: int, seq: int) -> None:
+        limits = self._hub.limits
+        if (
+            len(self._frames) >= limits.publication_queue_capacity
+            or self._bytes + cost > limits.publication_queue_bytes
+        ):
+            self._hub.lagged += 1
+            self._fail(
+                RelayError.subscriber_lagged(
+                    f"subscriber queue full ({len(self._frames)} frames, {self._bytes} bytes)"
+                )
+            )
+            return
+        self._frames.append((frame, cost, seq))
+        self._bytes += cost
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _fail(self, error: RelayError) -> None:
+        if self._error is None and not self._eof:
+            self._error = error
+        self._stop()
+
+    def _close_clean(self) -> None:
+        if self._error is None:
+            self._eof = True
+        self._stop()
+
+    def _stop(self) -> None:
+        self._hub._detach(self)
+        self._frames.clear()
+        self._bytes = 0
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+        self._arm_watchdog()
+
+    def _arm_watchdog(self) -> None:
+        """A pump stuck in a send to a client that stopped reading is cancelled (stream reset)."""
+        if self._watchdog is None and self._task is not None and not self._task.done():
+            grace = max(self._hub.limits.snapshot_progress_timeout_s, _MIN_STUCK_GRACE_S)
+            self._watchdog = asyncio.get_running_loop().call_later(grace, self._cancel_task)
+
+    def _cancel_task(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+    def _on_snapshot_timeout(self) -> None:
+        limit = self._hub.limits.snapshot_progress_timeout_s
+        self._fail(RelayError.snapshot_progress_timeout(f"snapshot frame not drained in {limit} s"))
+
+    def _check(self) -> bool:
+        """True if the stream must end now (raises for errors, returns True for clean EOF)."""
+        if self._error is not None:
+            raise self._error
+        return self._eof
+
+    # --- called by the stream handler ---
+    async def pump(self, send: Send, send_batch: SendBatch | None = None) -> None:
+        """Send snapshot, deltas and heartbeats until EOF (return) or error (RelayError).
+
+        With `send_batch`, frames already queued are written together (one HTTP/2 write for
+        several gRPC messages): the per-write cost dominates server CPU under fan-out.
+        """
+        loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        hub = self._hub
+        limits = hub.limits
+        try:
+            # shield: this stream being cancelled must not cancel a build other subscribers share
+            chunks = await asyncio.shield(self._snapshot)
+        except RelayError:
+            raise
+        except Exception as exc:  # encoder bug: never a half-sent snapshot
+            raise RelayError.internal(f"snapshot encoding failed: {exc!r}") from exc
+        timeout = limits.snapshot_progress_timeout_s
+        for chunk in chunks:
+            if self._check():
+                return
+            handle = loop.call_later(timeout, self._on_snapshot_timeout)
+            try:
+                await send(chunk)
+            finally:
+                handle.cancel()
+        del chunks
+        self._snapshot = None  # type: ignore[assignment]
+        heartbeat_s = limits.pool_heartbeat_s
+        last_sent = loop.time()
+        frames = self._frames
+        n = 0
+        while True:
+            if self._check():
+                return
+            if frames:
+                if send_batch is not None and len(frames) > 1:
+                    batch: list[bytes] = []
+                    size = 0
+                    while frames and len(batch) < BATCH_FRAMES and size < BATCH_BYTES:
+                        frame, cost, seq = frames.popleft()
+                        self._bytes -= cost
+                        batch.append(frame)
+                        size += len(frame)
+                    self._last_seq = seq
+                    await send_batch(batch)
+                else:
+                    frame, cost, seq = frames.popleft()
+                    self._bytes -= cost
+                    self._last_seq = seq
+                    await send(frame)
+                last_sent = loop.time()
+                n += 1
+                if n >= YIELD_EVERY:
+                    n = 0
+                    await asyncio.sleep(0)
+                continue
+            n = 0
+            delay = last_sent + heartbeat_s - loop.time()
+            if delay > 0:
+                waiter = loop.create_future()
+                self._waiter = waiter
+                timer = loop.call_later(delay, _wake, waiter)
+                try:
+                    await waiter
+                finally:
+                    timer.cancel()
+                    self._waiter = None
+                if frames or self._error is not None or self._eof:
+                    continue
+                if loop.time() < last_sent + heartbeat_s:
+                    continue
+            await send(hub.encoder.heartbeat(self._last_seq))
+            last_sent = loop.time()
+
+    def shutdown(self) -> None:
+        """End this stream with a clean EOF (relay shutdown)."""
+        self._close_clean()
+
+    def close(self) -> None:
+        """Release the subscriber slot (idempotent); the stream handler calls this last."""
+        if self._open:
+            self._open = False
+            self._hub._active -= 1
+            self._hub._detach(self)
+            self._frames.clear()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        self._task = None
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

@@ -1,0 +1,99 @@
+"""Typed settings of the orchestrator (the TOML loader fills these; tests build them directly)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.discovery.endpoints import StaticSourceConfig
+from kvrelay.hashing.identity import DEFAULT_CKF_SEED, bucket_count_for
+from kvrelay.ingest.options import DecodeOptions
+from kvrelay.service.limits import RelayLimits
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """One vLLM frontend behind a pool.
+
+    ``name`` is the operator's stable name: ``worker_id`` derives from it, never from the engine
+    incarnation, so a restart is the same member with cleared state. Engines reached through
+    ``vllm.Control`` give ``host`` + ``grpc_port``; engines without gRPC (vLLM < 0.27) give
+    ``static`` sources, and then the pool's ``model`` / ``kv_block_size`` are required.
+    """
+
+    name: str
+    host: str = "127.0.0.1"
+    grpc_port: int | None = None
+    static: StaticSourceConfig | None = None
+    metrics_port: int | None = None
+    total_kv_blocks: int | None = None  # capacity for static engines (load plane)
+
+    def __post_init__(self) -> None:
+        if not self.name or self.name != self.name.strip():
+            raise ValueError("engine name must be non-empty without surrounding whitespace")
+        if self.grpc_port is None and self.static is None:
+            raise ValueError(f"engine {self.name!r} needs grpc_port or static sources")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """One serving endpoint ``(namespace, component, endpoint)`` and the engines behind it."""
+
+    namespace: str
+    component: str
+    endpoint: str
+    engines: tuple[EngineSpec, ...]
+    role: pb.WorkerRole = pb.WorkerRole.AGGREGATED
+    #: DNF of roles this endpoint needs elsewhere in the namespace (e.g. DECODE needs PREFILL).
+    needs: tuple[frozenset[pb.WorkerRole], ...] = ()
+    hash_format: pb.KvQueryHashFormat = pb.KvQueryHashFormat.DYNAMO_STANDARD_V1
+    expected_blocks: int = 1_048_576
+    ckf_seed: int = DEFAULT_CKF_SEED
+    #: Canonical model id; default: the engines' ``served_model_name``.
+    model: str | None = None
+    #: Source path for the default cache-semantics digest; default: ``ModelInfo.model_id``.
+    model_source: str | None = None
+    #: Block size for static engines; with Control it comes from ``ServerInfo.kv_block_size``.
+    kv_block_size: int | None = None
+    decode: DecodeOptions = field(default_factory=DecodeOptions)
+
+    def __post_init__(self) -> None:
+        for name in ("namespace", "component", "endpoint"):
+            value = getattr(self, name)
+            if not value or value != value.strip():
+                raise ValueError(f"pool {name} must be non-empty without surrounding whitespace")
+        if not self.engines:
+            raise ValueError("a pool needs at least one engine")
+        names = [e.name for e in self.engines]
+        if len(set(names)) != len(names):
+            raise ValueError("engine names must be unique within a pool")
+        bucket_count_for(self.expected_blocks)  # raises when over 2^24 buckets
+
+    @property
+    def triple(self) -> tuple[str, str, str]:
+        return (self.namespace, self.component, self.endpoint)
+
+    @property
+    def bucket_count(self) -> int:
+        return bucket_count_for(self.expected_blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class RelaySettings:
+    dc_name: str
+    pools: tuple[PoolSpec, ...] = ()
+    limits: RelayLimits = field(default_factory=RelayLimits)
+    drt_instance_id: int | None = None
+    discovery_interval_s: float = 5.0
+    discovery_timeout_s: float = 2.0
+    metrics_scrape_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.dc_name or self.dc_name != self.dc_name.strip():
+            raise ValueError("dc_name must be non-empty without surrounding whitespace")
+        triples = [p.triple for p in self.pools]
+        if len(set(triples)) != len(triples):
+            raise ValueError("two pools share one serving endpoint")
+        engine_names = [e.name for p in self.pools for e in p.engines]
+        if len(set(engine_names)) != len(engine_names):
+            raise ValueError("an engine name appears in more than one pool")

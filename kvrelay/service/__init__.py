@@ -1,0 +1,1 @@
+"""gRPC service layer: validation, errors + trailer, limits, the grpclib KvEventRelay server."""

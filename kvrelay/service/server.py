@@ -1,0 +1,387 @@
+"""grpclib KvEventRelay server: the five v1 RPCs with contract error trailers.
+
+Handlers are mapped by hand (`__mapping__`) so every stream can end with
+`send_trailing_metadata(status, message, {"kv-relay-error-reason": NAME})`. The unary RPC raises
+`GRPCError` and a `SendTrailingMetadata` listener adds the trailer from a contextvar.
+Plane messages are encoded once per version and the same bytes go to every subscriber.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import ssl as _ssl
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from google.protobuf import descriptor_pb2, descriptor_pool
+from grpclib.config import Configuration
+from grpclib.const import Cardinality, Handler
+from grpclib.events import SendTrailingMetadata, listen
+from grpclib.exceptions import GRPCError
+from grpclib.health.service import Health
+from grpclib.reflection.service import ServerReflection
+from grpclib.server import Server, Stream
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.publication.hub import SendBatch, Subscription
+from kvrelay.service.codec import PassThroughCodec
+from kvrelay.service.descriptor import RELAY_FILE_DESCRIPTOR_SET
+from kvrelay.service.errors import TRAILER_KEY, RelayError
+from kvrelay.service.limits import PermitCounter, RelayLimits
+from kvrelay.service.validation import (
+    CONTRACT_MARKER,
+    PROTOCOL_VERSION,
+    check_marker,
+    producer_key,
+    validate_stream_request,
+)
+from kvrelay.service.view import Plane, PlaneClosed, RelayView
+
+SERVICE = "/dynamo.kvrelay.v1.KvEventRelay/"
+_UNARY_REASON: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "kv_relay_unary_reason", default=None
+)
+T = TypeVar("T")
+_Body = Callable[[Stream[Any, Any]], Awaitable[None]]
+
+
+class _EncodedPlane:
+    """Caches the encoding of a plane's newest message (one encode per version)."""
+
+    __slots__ = ("_cache", "plane")
+
+    def __init__(self, plane: Plane[Any]) -> None:
+        self.plane = plane
+        self._cache: tuple[int, bytes] | None = None
+
+    def encode(self, version: int, message: Any) -> bytes:
+        cached = self._cache
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        data = bytes(message)
+        if cached is None or version > cached[0]:
+            self._cache = (version, data)
+        return data
+
+
+class KvEventRelayService:
+    """The five RPCs over a RelayView. Counters are plain ints for the metrics layer."""
+
+    def __init__(self, view: RelayView, limits: RelayLimits | None = None) -> None:
+        self.view = view
+        self.limits = limits = limits or RelayLimits()
+        self.catalog_permits = PermitCounter("catalog", limits.max_catalog_subscribers)
+        self.pool_permits = PermitCounter("pool streams", limits.max_pool_streams_total)
+        self.readiness_permits = PermitCounter("readiness", limits.max_readiness_subscribers)
+        self.load_permits = PermitCounter("load", limits.max_load_subscribers)
+        self._catalog = _EncodedPlane(view.catalog)
+        self._readiness = _EncodedPlane(view.readiness)
+        self._load = _EncodedPlane(view.load)
+        self._info = bytes(
+            pb.RelayInfo(
+                protocol_version=PROTOCOL_VERSION,
+                relay=view.relay_identity,
+                contract_marker=CONTRACT_MARKER,
+            )
+        )
+        self._closing = False
+        self._closed: asyncio.Future[None] | None = None
+        self._subscriptions: set[Subscription] = set()
+        self._active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.errors: dict[str, int] = {}
+
+    # --- grpclib plumbing ---
+    def __mapping__(self) -> dict[str, Handler]:
+        def stream(body: _Body, req: type, rep: type) -> Handler:
+            async def run(s: Stream[Any, Any]) -> None:
+                await self._run_stream(s, body)
+
+            return Handler(run, Cardinality.UNARY_STREAM, req, rep)
+
+        return {
+            SERVICE + "GetRelayInfo": Handler(
+                self._get_relay_info, Cardinality.UNARY_UNARY, pb.RelayInfoRequest, pb.RelayInfo
+            ),
+            SERVICE + "WatchKvPoolCatalog": stream(
+                self._watch_catalog, pb.WatchKvPoolCatalogRequest, pb.KvPoolCatalogUpdate
+            ),
+            SERVICE + "SubscribeKvPool": stream(
+                self._subscribe_pool, pb.SubscribeKvPoolRequest, pb.FilterUpdate
+            ),
+            SERVICE + "SubscribeServingReadiness": stream(
+                self._subscribe_readiness,
+                pb.SubscribeServingReadinessRequest,
+                pb.ServingReadinessUpdate,
+            ),
+            SERVICE + "SubscribeKvPoolLoad": stream(
+                self._subscribe_load, pb.SubscribeKvPoolLoadRequest, pb.KvPoolLoadUpdate
+            ),
+        }
+
+    def _count(self, err: RelayError) -> None:
+        self.errors[err.trailer_value] = self.errors.get(err.trailer_value, 0) + 1
+
+    async def _run_stream(self, stream: Stream[Any, Any], body: _Body) -> None:
+        self._active += 1
+        self._idle.clear()
+        try:
+            try:
+                await body(stream)
+            except RelayError as err:
+                self._count(err)
+                await stream.send_trailing_metadata(
+                    status=err.status, status_message=err.message, metadata=err.trailers()
+                )
+            except (asyncio.CancelledError, GRPCError):
+                raise
+            except Exception as exc:  # a bug: report INTERNAL with the trailer, keep serving
+                internal = RelayError.internal(f"internal error: {type(exc).__name__}")
+                self._count(internal)
+                await stream.send_trailing_metadata(
+                    status=internal.status,
+                    status_message=internal.message,
+                    metadata=internal.trailers(),
+                )
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                self._idle.set()
+
+    async def _get_relay_info(self, stream: Stream[Any, Any]) -> None:
+        request = await stream.recv_message()
+        try:
+            if request is None:
+                raise RelayError.invalid_request("missing request message")
+            check_marker(request.contract_marker)
+        except RelayError as err:
+            self._count(err)
+            _UNARY_REASON.set(err.trailer_value)
+            raise GRPCError(err.status, err.message) from None
+        await stream.send_message(self._info)
+
+    # --- helpers ---
+    async def _recv(self, stream: Stream[Any, Any]) -> Any:
+        request = await stream.recv_message()
+        if request is None:
+            raise RelayError.invalid_request("missing request message")
+        return request
+
+    async def _until_newer(self, pending: asyncio.Future[T], timeout: float | None = None) -> bool:
+        """Wait for `pending` or server close; False if the server is closing."""
+        assert self._closed is not None
+        await asyncio.wait(
+            (pending, self._closed), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        return not self._closing
+
+    def _closed_future(self) -> asyncio.Future[None]:
+        if self._closed is None:
+            self._closed = asyncio.get_running_loop().create_future()
+        return self._closed
+
+    async def _plane_stream(
+        self,
+        stream: Stream[Any, Any],
+        plane: _EncodedPlane,
+        permits: PermitCounter,
+        *,
+        resend_every: float | None = None,
+        max_gap: int | None = None,
+    ) -> None:
+        request = await self._recv(stream)
+        validate_stream_request(request.contract_marker, request.subscriber_id)
+        if not permits.try_acquire():
+            raise RelayError.resource_limit(
+                f"Relay {permits.name} subscriber limit {permits.capacity} reached"
+            )
+        self._closed_future()
+        pending: asyncio.Future[tuple[int, Any]] | None = None
+        try:
+            loop = asyncio.get_running_loop()
+            version, message = plane.plane.current()
+            await stream.send_message(plane.encode(version, message))
+            next_tick = loop.time() + resend_every if resend_every is not None else None
+            while not self._closing:
+                if pending is None:
+                    pending = asyncio.ensure_future(plane.plane.wait_newer(version))
+                timeout = None if next_tick is None else max(0.0, next_tick - loop.time())
+                if not await self._until_newer(pending, timeout):
+                    return
+                if pending.done():
+                    try:
+                        new_version, message = pending.result()
+                    except PlaneClosed:
+                        raise RelayError.publication_unavailable("publisher closed") from None
+                    pending = None
+                    if max_gap is not None and new_version - version > max_gap:
+                        raise RelayError.subscriber_lagged(
+                            f"fell {new_version - version} windows behind (max {max_gap})"
+                        )
+                    version = new_version
+                elif next_tick is None or loop.time() < next_tick:
+                    continue
+                await stream.send_message(plane.encode(version, message))
+                if next_tick is not None:
+                    now = loop.time()
+                    while next_tick <= now:
+                        next_tick += resend_every  # type: ignore[operator]
+                await asyncio.sleep(0)
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
+            permits.release()
+
+    # --- RPC bodies ---
+    async def _watch_catalog(self, stream: Stream[Any, Any]) -> None:
+        await self._plane_stream(stream, self._catalog, self.catalog_permits)
+
+    async def _subscribe_readiness(self, stream: Stream[Any, Any]) -> None:
+        await self._plane_stream(
+            stream,
+            self._readiness,
+            self.readiness_permits,
+            resend_every=self.limits.readiness_heartbeat_s,
+        )
+
+    async def _subscribe_load(self, stream: Stream[Any, Any]) -> None:
+        await self._plane_stream(
+            stream, self._load, self.load_permits, max_gap=self.limits.load_fanout_capacity
+        )
+
+    async def _subscribe_pool(self, stream: Stream[Any, Any]) -> None:
+        request: pb.SubscribeKvPoolRequest = await self._recv(stream)
+        validate_stream_request(request.contract_marker, request.subscriber_id)
+        if not self.pool_permits.try_acquire():
+            raise RelayError.resource_limit(
+                f"Relay total pool stream limit {self.pool_permits.capacity} reached"
+            )
+        sub: Subscription | None = None
+        try:
+            expected = request.expected_producer
+            key = producer_key(expected)
+            assert expected is not None
+            handle = self.view.resolve_pool(expected)
+            if producer_key(handle.producer) != key:
+                raise RelayError.producer_changed()
+            hub = await handle.hub()
+            try:
+                again = self.view.resolve_pool(expected)
+            except RelayError as err:
+                if err.reason == pb.RelayErrorReason.POOL_NOT_FOUND:
+                    raise RelayError.publication_unavailable(
+                        "generation retired during hub initialization"
+                    ) from None
+                raise
+            if producer_key(again.producer) != key:
+                raise RelayError.producer_changed()
+            if self._closing:
+                return
+            sub = hub.subscribe()
+            self._subscriptions.add(sub)
+            await sub.pump(stream.send_message, _batch_sender(stream))
+        finally:
+            if sub is not None:
+                self._subscriptions.discard(sub)
+                sub.close()
+            self.pool_permits.release()
+
+    # --- shutdown ---
+    async def shutdown(self, grace_s: float = 5.0) -> None:
+        """End every stream with a clean EOF (waits up to `grace_s` for handlers)."""
+        self._closing = True
+        closed = self._closed_future()
+        if not closed.done():
+            closed.set_result(None)
+        for sub in tuple(self._subscriptions):
+            sub.shutdown()
+        if self._active:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), grace_s)
+
+
+def _batch_sender(stream: Stream[Any, Any]) -> SendBatch | None:
+    """Write several pre-encoded messages as one DATA write (gRPC framing: 0, u32 BE length).
+
+    Uses grpclib 0.4 internals (`Stream._stream.send_data`, the counters `send_message`
+    keeps); returns None (one write per message) if they are not there.
+    """
+    inner = getattr(stream, "_stream", None)
+    if inner is None or not hasattr(inner, "send_data") or not hasattr(stream, "_messages_sent"):
+        return None
+    connection = inner.connection
+
+    async def send_batch(frames: list[bytes]) -> None:
+        if not stream._send_initial_metadata_done:
+            await stream.send_initial_metadata()
+        parts: list[bytes] = []
+        for f in frames:
+            parts.append(b"\x00" + len(f).to_bytes(4, "big"))
+            parts.append(f)
+        await inner.send_data(b"".join(parts))
+        stream._send_message_done = True
+        stream._messages_sent += len(frames)
+        connection.messages_sent += len(frames)
+        connection.last_message_sent = time.monotonic()
+
+    return send_batch
+
+
+async def _add_reason_trailer(event: SendTrailingMetadata) -> None:
+    reason = _UNARY_REASON.get()
+    if reason is not None:
+        event.metadata[TRAILER_KEY] = reason
+
+
+def _reflection_pool() -> descriptor_pool.DescriptorPool:
+    pool = descriptor_pool.DescriptorPool()
+    fds = descriptor_pb2.FileDescriptorSet.FromString(RELAY_FILE_DESCRIPTOR_SET)
+    for fd in fds.file:
+        pool.Add(fd)
+    return pool
+
+
+class RelayServer:
+    """The gRPC endpoint: KvEventRelay + grpc.health.v1 + server reflection (v1, v1alpha)."""
+
+    def __init__(self, view: RelayView, limits: RelayLimits | None = None) -> None:
+        self.limits = limits or RelayLimits()
+        self.service = KvEventRelayService(view, self.limits)
+        self.health = Health()
+        handlers = ServerReflection.extend([self.service, self.health], pool=_reflection_pool())
+        config = Configuration(
+            _keepalive_time=self.limits.keepalive_interval_s,
+            _keepalive_timeout=self.limits.keepalive_timeout_s,
+            _keepalive_permit_without_calls=True,
+        )
+        self._server = Server(
+            handlers, codec=PassThroughCodec(self.limits.max_message_bytes), config=config
+        )
+        listen(self._server, SendTrailingMetadata, _add_reason_trailer)
+        self._port: int | None = None
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("server not started")
+        return self._port
+
+    async def start(self, host: str, port: int, ssl: _ssl.SSLContext | None = None) -> None:
+        await self._server.start(host, port, ssl=ssl)
+        listener: Any = self._server._server
+        sockets = listener.sockets if listener is not None else ()
+        self._port = int(sockets[0].getsockname()[1]) if sockets else port
+
+    async def close(self, grace_s: float = 5.0) -> None:
+        """Stop accepting, end open streams with a clean EOF, then close connections."""
+        server = self._server._server
+        if server is None:
+            return  # never started
+        server.close()  # stop listening; existing connections stay up for the EOFs
+        await self.service.shutdown(grace_s)
+        self._server.close()
+        await self._server.wait_closed()

@@ -1,0 +1,149 @@
+"""``kvrelay sim``: run simulated vLLM engines (mounted by kvrelay/cli.py; entry ``main``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+
+import zmq
+
+from kvrelay.sim.engine import SimConfig, SimFleet
+from kvrelay.sim.traffic import TrafficConfig
+from kvrelay.sim.wire import Era, HashMode
+
+
+def build_parser(prog: str = "kvrelay sim") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Simulated vLLM engines emitting KV events.")
+    p.add_argument("--engines", type=int, default=1, help="number of engines (frontends)")
+    p.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks per engine")
+    p.add_argument(
+        "--pub-port",
+        type=int,
+        default=5557,
+        help="base PUB port (engine i uses +200*i, rank r +r); 0 = ephemeral",
+    )
+    p.add_argument(
+        "--replay-port",
+        type=int,
+        default=5657,
+        help="base ROUTER port; -1 disables replay; 0 = ephemeral",
+    )
+    p.add_argument(
+        "--grpc-port",
+        type=int,
+        default=50051,
+        help="Control gRPC port of engine 0 (+1 per engine); -1 disables; 0 = ephemeral",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=8000,
+        help="/metrics port of engine 0 (+1 per engine); -1 disables; 0 = ephemeral",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="node IP for listeners and port-0 binds")
+    p.add_argument("--bind-host", default="*", help="host part of the ZMQ endpoints")
+    p.add_argument(
+        "--era",
+        choices=[e.value for e in Era],
+        default="map",
+        help="event encoding: array (vLLM <= 0.23) or map (>= 0.24)",
+    )
+    p.add_argument("--hash", dest="hash_mode", choices=[h.value for h in HashMode], default="u64")
+    p.add_argument("--replay-frames", type=int, choices=[3, 4], default=4)
+    p.add_argument("--topic", default="")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--capacity", type=int, default=2048, help="KV blocks per DP rank")
+    p.add_argument("--buffer-steps", type=int, default=10000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rate", type=float, default=20.0, help="scheduler steps per second")
+    p.add_argument("--arrivals", type=float, default=1.0, help="new requests per step per rank")
+    p.add_argument("--duration", type=float, default=None, help="seconds (default: until Ctrl-C)")
+    return p
+
+
+def _opt_port(v: int) -> int | None:
+    return None if v < 0 else v
+
+
+def configs_from_args(a: argparse.Namespace) -> list[SimConfig]:
+    base = SimConfig(
+        seed=a.seed,
+        dp_size=a.dp_size,
+        block_size=a.block_size,
+        capacity_blocks=a.capacity,
+        era=Era(a.era),
+        hash_mode=HashMode(a.hash_mode),
+        replay_frames=a.replay_frames,
+        topic=a.topic,
+        bind_host=a.bind_host,
+        host_ip=a.host,
+        buffer_steps=a.buffer_steps,
+        traffic=TrafficConfig(arrivals_per_step=a.arrivals),
+    )
+    out = []
+    for i in range(a.engines):
+
+        def shift(port: int | None, step: int, i: int = i) -> int | None:
+            return port if not port else port + step * i
+
+        out.append(
+            replace(
+                base,
+                name=f"engine-{i}",
+                pub_port=shift(a.pub_port, 200, i) or 0,
+                replay_port=shift(_opt_port(a.replay_port), 200, i),
+                grpc_port=shift(_opt_port(a.grpc_port), 1, i),
+                metrics_port=shift(_opt_port(a.metrics_port), 1, i),
+            )
+        )
+    return out
+
+
+async def _run(cfgs: list[SimConfig], rate: float, duration: float | None) -> None:
+    fleet = SimFleet(cfgs)
+    await fleet.start()
+    for e in fleet.engines:
+        print(
+            f"{e.cfg.name} instance={e.instance_id} grpc={e.grpc_port} "
+            f"metrics={e.metrics_port} sources="
+            + ", ".join(f"{p.endpoint}|{p.replay_endpoint or '-'}" for p in e.publishers),
+            flush=True,
+        )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    tasks = [e.run(rate) for e in fleet.engines]
+    try:
+        if duration is None:
+            await stop.wait()
+        else:
+            await asyncio.wait_for(stop.wait(), timeout=duration)
+    except TimeoutError:
+        pass
+    finally:
+        for t in tasks:
+            t.cancel()
+        await fleet.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Exit codes: 0 ok, 1 runtime failure, 2 usage error."""
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    if args.engines < 1 or args.dp_size < 1 or args.rate <= 0:
+        print("engines, dp-size and rate must be positive", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(_run(configs_from_args(args), args.rate, args.duration))
+    except (OSError, zmq.ZMQError) as exc:
+        print(f"kvrelay sim: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

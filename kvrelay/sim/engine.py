@@ -1,0 +1,370 @@
+"""Simulated vLLM engine (one frontend, ``dp_size`` engine cores) and fleets of them.
+
+Tests drive engines step by step (``await engine.step(n)``); ``run(rate)`` runs steps in the
+background. Ground truth (exactly what each rank holds) is always available synchronously.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import time
+from dataclasses import dataclass, field, replace
+
+import zmq.asyncio
+
+from kvrelay.sim.blocks import BlockManager, HeldBlock
+from kvrelay.sim.hashing import none_digest
+from kvrelay.sim.publisher import RankPublisher
+from kvrelay.sim.render import render_event
+from kvrelay.sim.scheduler import RankScheduler, SimEvent
+from kvrelay.sim.traffic import RequestSpec, TrafficConfig, TrafficGenerator
+from kvrelay.sim.wire import Era, HashMode, encode_batch
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """Engine configuration. ``pub_port``/``replay_port`` 0 = ephemeral (vLLM >= 0.31 style)."""
+
+    name: str = "engine-0"
+    seed: int = 0
+    dp_size: int = 1
+    block_size: int = 16
+    capacity_blocks: int = 512
+    max_running: int = 16
+    era: Era = Era.MAP
+    hash_mode: HashMode = HashMode.U64
+    replay_frames: int = 4
+    engine_version: str = "0.33.0"
+    topic: str = ""
+    bind_host: str = "*"  # host part of the configured endpoints (vLLM default: wildcard)
+    host_ip: str = "127.0.0.1"  # node IP used for port-0 binds and for gRPC/metrics listeners
+    pub_port: int = 0
+    replay_port: int | None = 0  # None = replay disabled
+    buffer_steps: int = 10000
+    hwm: int = 100000
+    max_queue_size: int = 100000
+    grpc_port: int | None = 0  # None = no gRPC frontend (vLLM < 0.27)
+    metrics_port: int | None = 0  # None = no /metrics page
+    kv_transfer_only: bool = False  # Control.GetKvEventSources UNIMPLEMENTED, KvTransfer serves it
+    kv_sources_unimplemented: bool = False  # neither service serves it (pre-discovery frontend)
+    model_id: str = "sim/model-7b"
+    served_model_name: str = "sim-model"
+    aliases: tuple[str, ...] = ("sim-model-alias",)
+    max_model_len: int = 8192
+    max_loras: int = 4
+    medium: str = "GPU"
+    report_reused: bool = False  # re-announce prefix-cache hits as duplicate BlockStored
+    traffic: TrafficConfig = field(default_factory=TrafficConfig)
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp://{self.bind_host}:{self.pub_port}"
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        return None if self.replay_port is None else f"tcp://{self.bind_host}:{self.replay_port}"
+
+
+@dataclass(frozen=True, slots=True)
+class LoraInfo:
+    lora_id: int
+    name: str
+    source_path: str
+
+
+class SimEngine:
+    """A vLLM-compatible engine: ZMQ publishers per DP rank, Control gRPC, /metrics."""
+
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.incarnation = 0
+        self.instance_id = self._make_instance_id()
+        self.sleeping = False
+        self.paused = False
+        self.loras: dict[str, LoraInfo] = {}
+        self._next_lora_id = 1
+        self._ctx: zmq.asyncio.Context | None = None
+        self.publishers: list[RankPublisher] = []
+        self.schedulers: list[RankScheduler] = [self._make_scheduler(r) for r in range(cfg.dp_size)]
+        self.steps = 0
+        self._run_task: asyncio.Task[None] | None = None
+        self._grpc: object | None = None
+        self._metrics: object | None = None
+        self.grpc_port: int | None = None
+        self.metrics_port: int | None = None
+
+    # ---- construction helpers ----
+    def _make_instance_id(self) -> str:
+        return f"{self.cfg.name}-s{self.cfg.seed}-i{self.incarnation}"
+
+    def _make_scheduler(self, rank: int) -> RankScheduler:
+        cfg = self.cfg
+        traffic = TrafficGenerator(
+            cfg.traffic,
+            pool_seed=cfg.seed,
+            stream_seed=_stable_seed(cfg.seed, cfg.name, rank, self.incarnation),
+        )
+        return RankScheduler(
+            BlockManager(cfg.capacity_blocks, cfg.block_size),
+            traffic,
+            none_digest(cfg.seed),
+            cfg.max_running,
+            report_reused=cfg.report_reused,
+        )
+
+    # ---- lifecycle ----
+    async def start(self) -> None:
+        from kvrelay.sim.control import start_control_server
+        from kvrelay.sim.metrics_http import start_metrics_server
+
+        self._ctx = zmq.asyncio.Context()
+        await self._open_publishers()
+        if self.cfg.grpc_port is not None:
+            server, self.grpc_port = await start_control_server(self)
+            self._grpc = server
+        if self.cfg.metrics_port is not None:
+            msrv, self.metrics_port = await start_metrics_server(self)
+            self._metrics = msrv
+
+    async def _open_publishers(self) -> None:
+        assert self._ctx is not None
+        cfg = self.cfg
+        self.publishers = []
+        for r in range(cfg.dp_size):
+            pub = RankPublisher(
+                self._ctx,
+                r,
+                cfg.endpoint,
+                cfg.replay_endpoint,
+                cfg.topic,
+                cfg.buffer_steps,
+                cfg.hwm,
+                cfg.replay_frames,
+                cfg.host_ip,
+            )
+            await _retry_bind(pub)
+            self.publishers.append(pub)
+
+    async def stop(self) -> None:
+        await self.stop_running()
+        from kvrelay.sim.control import stop_control_server
+        from kvrelay.sim.metrics_http import stop_metrics_server
+
+        if self._grpc is not None:
+            await stop_control_server(self._grpc)
+            self._grpc = None
+        if self._metrics is not None:
+            await stop_metrics_server(self._metrics)
+            self._metrics = None
+        for p in self.publishers:
+            await p.close()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    async def __aenter__(self) -> SimEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ---- stepping ----
+    def _publish(self, rank: int, events: list[SimEvent]) -> None:
+        if not self.publishers:
+            raise RuntimeError("engine not started: call await engine.start() first")
+        cfg = self.cfg
+        lora_ids = {n: li.lora_id for n, li in self.loras.items()}
+        wire = [
+            render_event(e, cfg.era, cfg.hash_mode, cfg.block_size, lora_ids, cfg.medium)
+            for e in events
+        ]
+        self.publishers[rank].publish(encode_batch(time.time(), wire, rank))
+
+    async def step(self, n: int = 1) -> int:
+        """Run ``n`` scheduler steps on every rank; returns batches published. No-op when
+        sleeping or paused (vLLM schedules nothing then)."""
+        published = 0
+        for _ in range(n):
+            if self.sleeping or self.paused:
+                break
+            self.steps += 1
+            loras = sorted(self.loras)
+            for r, sched in enumerate(self.schedulers):
+                events = sched.step(loras)
+                if events:
+                    self._publish(r, list(events))
+                    published += 1
+        await asyncio.sleep(0)
+        return published
+
+    def submit(
+        self,
+        rank: int,
+        prompt: list[int],
+        max_new_tokens: int = 1,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue an exact request on one rank (admitted at the next step)."""
+        self.schedulers[rank].submit(
+            RequestSpec(list(prompt), lora_name, cache_salt, max_new_tokens)
+        )
+
+    def run(self, rate: float, duration: float | None = None) -> asyncio.Task[None]:
+        """Step ``rate`` times per second in the background until ``stop_running``/duration."""
+
+        async def loop() -> None:
+            deadline = None if duration is None else time.monotonic() + duration
+            period = 1.0 / rate
+            while deadline is None or time.monotonic() < deadline:
+                await self.step(1)
+                await asyncio.sleep(period)
+
+        self._run_task = asyncio.create_task(loop())
+        return self._run_task
+
+    async def stop_running(self) -> None:
+        if self._run_task is not None:
+            self._run_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._run_task
+            self._run_task = None
+
+    # ---- operator actions ----
+    async def restart(self, rebind: bool = True) -> None:
+        """New incarnation: new instance_id, seq 0, empty cache and replay buffer, nothing
+        published about the lost state (consumers detect it from seq / instance_id)."""
+        self.incarnation += 1
+        self.instance_id = self._make_instance_id()
+        self.sleeping = self.paused = False
+        self.schedulers = [self._make_scheduler(r) for r in range(self.cfg.dp_size)]
+        if rebind:
+            for p in self.publishers:
+                await p.close()
+            await self._open_publishers()
+        else:
+            for p in self.publishers:
+                p.reset()
+
+    def drop_next(self, n: int, keep_in_replay: bool, rank: int | None = None) -> None:
+        """Skip publishing the next ``n`` batches live (seq still advances). With
+        ``keep_in_replay`` they remain replayable, else the history is lost."""
+        for r, p in enumerate(self.publishers):
+            if rank is None or rank == r:
+                p.drop_next(n, keep_in_replay)
+
+    def reset_prefix_cache(self) -> None:
+        """Abort running requests, clear every rank's cache, publish AllBlocksCleared."""
+        for r, sched in enumerate(self.schedulers):
+            self._publish(r, list(sched.reset()))
+
+    def sleep(self) -> None:
+        if not self.sleeping:
+            self.reset_prefix_cache()  # level-1 sleep discards the KV cache
+            self.sleeping = True
+
+    def wake(self) -> None:
+        self.sleeping = False
+
+    def pause(self, clear_cache: bool = False) -> None:
+        if clear_cache:
+            self.reset_prefix_cache()
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def load_lora(self, name: str, source_path: str = "") -> LoraInfo:
+        if name not in self.loras:
+            if len(self.loras) >= self.cfg.max_loras:
+                raise ValueError(f"max_loras={self.cfg.max_loras} reached")
+            self.loras[name] = LoraInfo(self._next_lora_id, name, source_path or f"/loras/{name}")
+            self._next_lora_id += 1
+        return self.loras[name]
+
+    def unload_lora(self, name: str) -> LoraInfo:
+        try:
+            return self.loras.pop(name)
+        except KeyError:
+            raise KeyError(f"LoRA {name!r} is not loaded") from None
+
+    # ---- ground truth / introspection ----
+    def held_blocks(self, dp_rank: int) -> dict[int, HeldBlock]:
+        """Exactly the blocks rank ``dp_rank`` holds, keyed by u64 vLLM hash (a copy)."""
+        return dict(self.schedulers[dp_rank].blocks.cached)
+
+    def ground_truth(self, dp_rank: int, cache_salt_namespacing: bool = False) -> set[int]:
+        """Dynamo canonical sequence hashes of every block held by ``dp_rank``."""
+        return self.schedulers[dp_rank].blocks.ground_truth(cache_salt_namespacing)
+
+    def kv_usage(self, dp_rank: int) -> float:
+        bm = self.schedulers[dp_rank].blocks
+        return bm.used_blocks() / bm.capacity
+
+    @property
+    def grpc_address(self) -> tuple[str, int]:
+        assert self.grpc_port is not None, "gRPC frontend not started"
+        return self.cfg.host_ip, self.grpc_port
+
+
+def _stable_seed(*parts: object) -> int:
+    """Process-independent seed (``hash()`` of str is randomized per process)."""
+    text = "|".join(str(p) for p in parts).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "big")
+
+
+async def _retry_bind(pub: RankPublisher, attempts: int = 50) -> None:
+    """Bind, retrying briefly: a port just released by a restart can linger in the IO thread."""
+    for i in range(attempts):
+        try:
+            await pub.start()
+            return
+        except zmq.ZMQError as exc:
+            await pub.close()
+            if exc.errno != zmq.EADDRINUSE or i == attempts - 1:
+                raise
+            await asyncio.sleep(0.02)
+
+
+class SimFleet:
+    """Several engines with distinct names/ports, started and stepped together."""
+
+    def __init__(self, configs: list[SimConfig]) -> None:
+        self.engines = [SimEngine(c) for c in configs]
+
+    @classmethod
+    def uniform(cls, n: int, base: SimConfig, port_base: int | None = None) -> SimFleet:
+        """``n`` engines from ``base``; with ``port_base`` each engine gets its own port range
+        (pub at port_base + 200*i, replay at +100), else ephemeral ports."""
+        cfgs = []
+        for i in range(n):
+            c = replace(base, name=f"engine-{i}")
+            if port_base is not None:
+                c = replace(c, pub_port=port_base + 200 * i, replay_port=port_base + 200 * i + 100)
+            cfgs.append(c)
+        return cls(cfgs)
+
+    async def start(self) -> None:
+        for e in self.engines:
+            await e.start()
+
+    async def stop(self) -> None:
+        for e in self.engines:
+            await e.stop()
+
+    async def step(self, n: int = 1) -> int:
+        total = 0
+        for _ in range(n):
+            for e in self.engines:
+                total += await e.step(1)
+        return total
+
+    async def __aenter__(self) -> SimFleet:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

@@ -1,0 +1,123 @@
+"""Tiny asyncio HTTP server exposing vLLM-style Prometheus gauges at ``GET /metrics``.
+
+No framework: one request per connection, ``Connection: close``. Requests larger than 8 KiB of
+headers or slower than 5 s are dropped (bounded per-connection cost).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvrelay.sim.engine import SimEngine
+
+_MAX_HEADER = 8192
+
+
+def _esc(v: str) -> str:
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def render_metrics(engine: SimEngine) -> str:
+    """Prometheus text exposition for every DP rank (label ``engine`` = DP rank, as in vLLM)."""
+    model = _esc(engine.cfg.served_model_name)
+    gauges: list[tuple[str, str, str, list[float]]] = []
+    ranks = range(engine.cfg.dp_size)
+    gauges.append(
+        (
+            "vllm:kv_cache_usage_perc",
+            "gauge",
+            "KV-cache usage. 1 means 100 percent usage.",
+            [engine.kv_usage(r) for r in ranks],
+        )
+    )
+    gauges.append(
+        (
+            "vllm:num_requests_running",
+            "gauge",
+            "Number of requests in model execution batches.",
+            [float(len(engine.schedulers[r].running)) for r in ranks],
+        )
+    )
+    gauges.append(
+        (
+            "vllm:num_requests_waiting",
+            "gauge",
+            "Number of requests waiting to be processed.",
+            [float(len(engine.schedulers[r].waiting)) for r in ranks],
+        )
+    )
+    gauges.append(
+        (
+            "vllm:prefix_cache_queries",
+            "counter",
+            "Prefix cache queries, in tokens.",
+            [float(engine.schedulers[r].prefix_queries) for r in ranks],
+        )
+    )
+    gauges.append(
+        (
+            "vllm:prefix_cache_hits",
+            "counter",
+            "Prefix cache hits, in tokens.",
+            [float(engine.schedulers[r].prefix_hits) for r in ranks],
+        )
+    )
+    lines: list[str] = []
+    for name, kind, help_text, values in gauges:
+        sample = f"{name}_total" if kind == "counter" else name
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} {kind}")
+        for r, v in zip(ranks, values, strict=True):
+            lines.append(f'{sample}{{engine="{r}",model_name="{model}"}} {v!r}')
+    return "\n".join(lines) + "\n"
+
+
+async def _handle(
+    engine: SimEngine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    try:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5.0)
+        if len(head) > _MAX_HEADER:
+            return
+        parts = head.split(b"\r\n", 1)[0].split()
+        if len(parts) >= 2 and parts[0] == b"GET" and parts[1].split(b"?")[0] == b"/metrics":
+            body = render_metrics(engine).encode()
+            status = b"200 OK"
+            ctype = b"text/plain; version=0.0.4; charset=utf-8"
+        else:
+            body, status, ctype = b"not found\n", b"404 Not Found", b"text/plain"
+        writer.write(
+            b"HTTP/1.1 "
+            + status
+            + b"\r\nContent-Type: "
+            + ctype
+            + b"\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\nConnection: close\r\n\r\n"
+            + body
+        )
+        await writer.drain()
+    except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+async def start_metrics_server(engine: SimEngine) -> tuple[asyncio.Server, int]:
+    server = await asyncio.start_server(
+        lambda r, w: _handle(engine, r, w),
+        engine.cfg.host_ip,
+        engine.cfg.metrics_port or 0,
+        limit=_MAX_HEADER,
+    )
+    return server, int(server.sockets[0].getsockname()[1])
+
+
+async def stop_metrics_server(server: Any) -> None:
+    server.close()
+    await server.wait_closed()

@@ -1,0 +1,139 @@
+"""EngineWatcher against live simulated engines: restart, LoRA, sleep/pause, outages."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+from kvrelay.discovery import (
+    ChangeEvent,
+    EngineDiscovered,
+    EngineReachable,
+    EngineTarget,
+    EngineUnreachableEvent,
+    EngineWatcher,
+    IncarnationChanged,
+    LorasChanged,
+    PauseChanged,
+    SleepChanged,
+    SourcesAdded,
+    SourcesRemoved,
+    StaticSourceConfig,
+)
+from kvrelay.sim import SimConfig, SimEngine
+from kvrelay.sim.ports import free_port_block
+
+
+def kinds(evs: list[ChangeEvent]) -> list[type]:
+    return [type(e) for e in evs]
+
+
+async def test_watcher_detects_every_kind_of_change() -> None:
+    eng = SimEngine(SimConfig(dp_size=2))
+    await eng.start()
+    got: list[ChangeEvent] = []
+    w = EngineWatcher([EngineTarget("127.0.0.1", eng.grpc_port)], got.append, timeout=1.0)
+    name = f"127.0.0.1:{eng.grpc_port}"
+    returned: list[ChangeEvent] = []
+
+    async def poll() -> list[ChangeEvent]:
+        evs = await w.poll_once(name)
+        returned.extend(evs)
+        return evs
+
+    try:
+        evs = await poll()
+        assert kinds(evs) == [EngineDiscovered, SourcesAdded]
+        assert [s.dp_rank for s in evs[1].sources] == [0, 1]  # type: ignore[union-attr]
+        assert await poll() == []  # steady state: nothing
+        eng.load_lora("ad-1")
+        (ev,) = await poll()
+        assert isinstance(ev, LorasChanged) and ev.added == ("ad-1",) and ev.removed == ()
+        eng.unload_lora("ad-1")
+        eng.sleep()
+        evs = await poll()
+        assert kinds(evs) == [LorasChanged, SleepChanged]
+        assert evs[0].removed == ("ad-1",) and evs[1].sleeping  # type: ignore[union-attr]
+        eng.wake()
+        eng.pause()
+        evs = await poll()
+        assert kinds(evs) == [SleepChanged, PauseChanged]
+        old_id = eng.instance_id
+        await eng.restart(rebind=True)  # ephemeral ports: sources move too
+        evs = await poll()
+        assert kinds(evs) == [IncarnationChanged, SourcesRemoved, SourcesAdded, PauseChanged]
+        inc = evs[0]
+        assert isinstance(inc, IncarnationChanged)
+        assert (inc.old_instance_id, inc.new_instance_id) == (old_id, eng.instance_id)
+        assert {s.endpoint for s in evs[2].sources} == {  # type: ignore[union-attr]
+            p.endpoint for p in eng.publishers
+        }
+        assert got == returned and len(got) == 2 + 1 + 2 + 2 + 4  # callback saw all, in order
+    finally:
+        await eng.stop()
+
+
+async def test_outage_then_restart_on_same_port() -> None:
+    eng = SimEngine(SimConfig())
+    await eng.start()
+    port = eng.grpc_port
+    w = EngineWatcher([EngineTarget("127.0.0.1", port)], lambda e: None, timeout=0.5)
+    name = f"127.0.0.1:{port}"
+    await w.poll_once(name)
+    old_id = eng.instance_id
+    await eng.stop()
+    evs = await w.poll_once(name)
+    assert kinds(evs) == [EngineUnreachableEvent]
+    assert await w.poll_once(name) == []  # one event per outage
+    eng2 = SimEngine(replace(eng.cfg, grpc_port=port, name="engine-0b"))
+    await eng2.start()
+    try:
+        evs = await w.poll_once(name)
+        assert kinds(evs)[:2] == [EngineReachable, IncarnationChanged]
+        assert evs[1].old_instance_id == old_id  # type: ignore[union-attr]
+        assert SourcesAdded in kinds(evs) and SourcesRemoved in kinds(evs)
+    finally:
+        await eng2.stop()
+
+
+async def test_background_loop_and_callback_errors_are_contained() -> None:
+    eng = SimEngine(SimConfig())
+    await eng.start()
+    seen: list[ChangeEvent] = []
+    flipped = asyncio.Event()
+
+    async def cb(ev: ChangeEvent) -> None:
+        seen.append(ev)
+        if isinstance(ev, EngineDiscovered):
+            raise RuntimeError("consumer bug")
+        if isinstance(ev, PauseChanged):
+            flipped.set()
+
+    w = EngineWatcher([EngineTarget("127.0.0.1", eng.grpc_port)], cb, interval=0.05, timeout=1.0)
+    try:
+        w.start()
+        while not seen:
+            await asyncio.sleep(0.02)
+        eng.pause()
+        await asyncio.wait_for(flipped.wait(), timeout=5)
+        assert w.callback_errors == 1 and w.polls >= 2
+    finally:
+        await w.stop()
+        await eng.stop()
+
+
+async def test_static_target_without_grpc() -> None:
+    base = free_port_block(4)
+    eng = SimEngine(SimConfig(dp_size=2, pub_port=base, replay_port=base + 2, grpc_port=None))
+    await eng.start()
+    static = StaticSourceConfig(f"tcp://*:{base}", f"tcp://*:{base + 2}", dp_ranks=(0, 1))
+    w = EngineWatcher([EngineTarget("127.0.0.1", static=static)], lambda e: None, timeout=0.5)
+    name = "127.0.0.1/static"
+    evs = await w.poll_once(name)
+    assert kinds(evs) == [EngineDiscovered, SourcesAdded]
+    assert [s.endpoint for s in evs[1].sources] == [  # type: ignore[union-attr]
+        f"tcp://127.0.0.1:{base}",
+        f"tcp://127.0.0.1:{base + 1}",
+    ]
+    await eng.stop()
+    assert kinds(await w.poll_once(name)) == [EngineUnreachableEvent]

@@ -1,0 +1,75 @@
+"""Test PKI generated at test time with the ``openssl`` CLI (no keys are checked in).
+
+Two independent CAs: one signs the server certificate (SAN ``localhost`` + ``127.0.0.1``), the
+other signs client certificates; a third "rogue" CA signs a client the relay must refuse.
+"""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+_EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+
+def _run(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def make_ca(d: Path, name: str) -> tuple[Path, Path]:
+    crt, key = d / f"{name}.crt", d / f"{name}.key"
+    _run(
+        "req", "-x509", *_EC, "-keyout", str(key), "-out", str(crt), "-days", "2",
+        "-subj", f"/CN={name}",
+        "-addext", "basicConstraints=critical,CA:TRUE",
+        "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+        cwd=d,
+    )
+    return crt, key
+
+
+def make_leaf(d: Path, name: str, ca: tuple[Path, Path], *, server: bool) -> tuple[Path, Path]:
+    crt, key, csr, ext = (d / f"{name}.{s}" for s in ("crt", "key", "csr", "ext"))
+    _run("req", "-new", *_EC, "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={name}",
+         cwd=d)
+    lines = [
+        "basicConstraints=critical,CA:FALSE",
+        "keyUsage=critical,digitalSignature,keyEncipherment",
+        "subjectKeyIdentifier=hash",
+        "authorityKeyIdentifier=keyid,issuer",
+        "extendedKeyUsage=serverAuth" if server else "extendedKeyUsage=clientAuth",
+    ]
+    if server:
+        lines.append("subjectAltName=DNS:localhost,IP:127.0.0.1,IP:::1")
+    ext.write_text("\n".join(lines) + "\n")
+    _run(
+        "x509", "-req", "-in", str(csr), "-CA", str(ca[0]), "-CAkey", str(ca[1]),
+        "-set_serial", str(secrets.randbits(63)), "-days", "2", "-sha256",
+        "-extfile", str(ext), "-out", str(crt),
+        cwd=d,
+    )
+    return crt, key
+
+
+@dataclass(frozen=True)
+class Pki:
+    server_ca: Path
+    server_cert: Path
+    server_key: Path
+    client_ca: Path
+    client_cert: Path
+    client_key: Path
+    rogue_cert: Path
+    rogue_key: Path
+
+
+def make_pki(d: Path) -> Pki:
+    sca = make_ca(d, "server-ca")
+    cca = make_ca(d, "client-ca")
+    rca = make_ca(d, "rogue-ca")
+    srv = make_leaf(d, "relay", sca, server=True)
+    cli = make_leaf(d, "router", cca, server=False)
+    rogue = make_leaf(d, "intruder", rca, server=False)
+    return Pki(sca[0], srv[0], srv[1], cca[0], cli[0], cli[1], rogue[0], rogue[1])

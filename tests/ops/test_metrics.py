@@ -1,0 +1,381 @@
+"""Prometheus metrics scraped over real HTTP after real traffic (simulated fleet → relay).
+
+Oracles are independent of the relay: the simulator's publishers (sequence numbers, replay
+requests served), its xxhash ground truth, a gRPC consumer counting the deltas it receives, and
+prometheus_client's own text parser.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+
+import pytest
+from grpclib.client import Channel
+from grpclib.exceptions import GRPCError
+from prometheus_client import CollectorRegistry
+
+from kvrelay import __version__
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.metrics import RelayMetrics
+from kvrelay.relay.relay import Relay
+from kvrelay.relay.settings import RelaySettings
+from kvrelay.service.errors import RelayError
+from kvrelay.service.limits import RelayLimits
+from kvrelay.sim.engine import SimConfig, SimEngine
+from kvrelay.sim.wire import Era, HashMode
+
+from .fleet import (
+    POOL,
+    Samples,
+    eventually,
+    fleet_and_relay,
+    http_request,
+    in_sync,
+    scrape,
+    total,
+    value,
+    wait_subscribed,
+)
+
+MARKER = 0x4B565231
+LAGGED = "RELAY_ERROR_REASON_SUBSCRIBER_LAGGED"  # contract trailer value
+CONFIGS = [
+    SimConfig(name="e0", seed=1, dp_size=2, capacity_blocks=96, era=Era.MAP),
+    SimConfig(
+        name="e1", seed=2, dp_size=1, capacity_blocks=96, era=Era.ARRAY,
+        hash_mode=HashMode.BYTES, replay_frames=3,
+    ),
+]
+
+
+def _member(engine: str, rank: int) -> dict[str, str]:
+    return {"pool": POOL, "worker": engine, "dp_rank": str(rank)}
+
+
+def _check_ingest_against_publishers(samples: Samples, engines: list[SimEngine]) -> None:
+    for e in engines:
+        for rank, pub in enumerate(e.publishers):
+            m = _member(e.cfg.name, rank)
+            received = value(samples, "kvrelay_ingest_messages_total", **m)
+            dups = value(samples, "kvrelay_ingest_duplicates_total", **m)
+            # every sequence number the engine assigned reached the relay exactly once (net)
+            assert received - dups == pub.seq, (e.cfg.name, rank)
+            assert value(samples, "kvrelay_ingest_replays_total", **m) == pub.stats.replay_requests
+
+
+async def test_scrape_after_traffic_matches_independent_oracles() -> None:
+    async with fleet_and_relay(CONFIGS) as (engines, relay, server):
+        metrics = RelayMetrics(relay, CollectorRegistry(), sweep_interval_s=0.02)
+        metrics.attach_service(server.service)
+        port = await metrics.start_http("127.0.0.1", 0)
+        try:
+            await wait_subscribed(relay, 3)
+            gen = relay.pools[0].generation
+            assert gen is not None
+            await eventually(lambda: gen.on_publish is not None, what="latency observer hooked")
+            for e in engines:
+                await e.step(20)
+            engines[0].drop_next(2, keep_in_replay=True, rank=0)  # a gap the relay must replay
+            for _ in range(4):
+                for e in engines:
+                    await e.step(2)
+                await asyncio.sleep(0.01)
+            await eventually(lambda: in_sync(engines, relay), what="relay == ground truth")
+            await asyncio.sleep(0.05)  # let the publication timer flush the last delta
+            s = await scrape(port)
+
+            _check_ingest_against_publishers(s, engines)
+            assert value(s, "kvrelay_ingest_gaps_total", **_member("e0", 0)) >= 1
+            assert value(s, "kvrelay_ingest_gaps_total", **_member("e0", 1)) == 0
+            truth = set().union(*(e.ground_truth(r) for e in engines for r in range(e.cfg.dp_size)))
+            assert truth
+            assert value(s, "kvrelay_ckf_occupancy_fingerprints", pool=POOL) == len(truth)
+            assert value(s, "kvrelay_pool_distinct_blocks", pool=POOL) == len(truth)
+            assert value(s, "kvrelay_ckf_capacity_slots", pool=POOL) == 4 * gen.pool.table.size
+            assert value(s, "kvrelay_ckf_capacity_omissions_total", pool=POOL) == 0
+            assert value(s, "kvrelay_pool_members", pool=POOL) == 3
+            stored = total(s, "kvrelay_ingest_events_total", kind="stored")
+            assert stored > 0
+            assert total(s, "kvrelay_ingest_blocks_total") >= len(truth)
+            assert total(s, "kvrelay_ingest_sources", pool=POOL, state="live") == 3
+            assert value(s, "kvrelay_engine_reachable", pool=POOL, worker="e1") == 1
+            assert value(s, "kvrelay_pool_materialized", pool=POOL) == 1
+            # pool-side batches == ingest-side batches (two different layers' counters agree)
+            assert value(s, "kvrelay_pool_batches_applied_total", pool=POOL) == total(
+                s, "kvrelay_ingest_batches_total"
+            )
+            # every published delta had its latency observed
+            seq = value(s, "kvrelay_pool_sequence", pool=POOL)
+            assert seq > 0
+            assert value(s, "kvrelay_deltas_published_total", pool=POOL) == seq
+            assert value(s, "kvrelay_delta_latency_seconds_count", pool=POOL) == seq
+            assert value(s, "kvrelay_delta_latency_seconds_sum", pool=POOL) > 0
+            info = value(
+                s, "kvrelay_relay_info", version=__version__,
+                dc_name="dc-ops", dc_id=str(relay.dc_id),
+                drt_instance_id=str(relay.relay_identity.drt_instance_id),
+                incarnation=str(relay.relay_incarnation),
+            )
+            assert info == 1
+            assert value(s, "kvrelay_catalog_revision") == relay.catalog.revision >= 1
+            assert value(s, "kvrelay_readiness_revision") == relay.readiness.revision >= 1
+            # an explicit registry gets only kvrelay metrics (no process_* collectors)
+            assert not any(n.startswith("process_") for n, _ in s)
+        finally:
+            await metrics.close()
+
+
+async def test_pool_stream_subscribers_and_deltas_seen_by_a_consumer() -> None:
+    async with fleet_and_relay(CONFIGS[:1]) as (engines, relay, server):
+        metrics = RelayMetrics(relay, sweep_interval_s=0.02)
+        metrics.attach_service(server.service)
+        port = await metrics.start_http("127.0.0.1", 0)
+        try:
+            await wait_subscribed(relay, 2)
+            await engines[0].step(5)
+            await eventually(lambda: in_sync(engines, relay), what="initial sync")
+            s0 = await scrape(port)
+            assert value(s0, "kvrelay_stream_subscribers", kind="pool") == 0
+            assert value(s0, "kvrelay_pool_hubs_initialized") == 0
+            assert any(n.startswith("process_") for n, _ in s0)  # default registry extras
+
+            async with Channel("127.0.0.1", server.port) as channel:
+                stub = pb.KvEventRelayStub(channel)
+                catalog = None
+                async for upd in stub.watch_kv_pool_catalog(
+                    pb.WatchKvPoolCatalogRequest(subscriber_id="ops", contract_marker=MARKER)
+                ):
+                    if upd.snapshot is not None and upd.snapshot.pools:
+                        catalog = upd
+                        break
+                assert catalog is not None and catalog.snapshot is not None
+                producer = catalog.snapshot.pools[0].producer
+                deltas: list[int] = []
+                snap_seq: list[int] = []
+
+                async def consume() -> None:
+                    async for fu in stub.subscribe_kv_pool(
+                        pb.SubscribeKvPoolRequest(
+                            subscriber_id="ops", expected_producer=producer,
+                            contract_marker=MARKER,
+                        )
+                    ):
+                        if fu.kind == pb.FilterUpdateKind.DELTA:
+                            deltas.append(fu.sequence)
+                        elif fu.kind == pb.FilterUpdateKind.SNAPSHOT_CHUNK:
+                            snap_seq.append(fu.sequence)
+
+                task = asyncio.create_task(consume())
+                try:
+                    await eventually(lambda: bool(snap_seq), what="snapshot received")
+                    s1 = await scrape(port)
+                    assert value(s1, "kvrelay_stream_subscribers", kind="pool") == 1
+                    assert value(s1, "kvrelay_pool_subscribers", pool=POOL) == 1
+                    assert value(s1, "kvrelay_pool_hubs_initialized") == 1
+                    assert value(s1, "kvrelay_snapshots_sent_total", pool=POOL) == 1
+                    assert value(s1, "kvrelay_snapshots_built_total", pool=POOL) == 1
+                    base = value(s1, "kvrelay_deltas_published_total", pool=POOL)
+                    assert base == snap_seq[0]
+                    for _ in range(5):
+                        await engines[0].step(3)
+                        await asyncio.sleep(0.01)
+                    await eventually(lambda: in_sync(engines, relay), what="sync after traffic")
+                    gen = relay.pools[0].generation
+                    assert gen is not None
+                    await eventually(
+                        lambda: bool(deltas) and deltas[-1] == gen.sequence,
+                        what="consumer caught up",
+                    )
+                    s2 = await scrape(port)
+                    assert len(deltas) > 0
+                    assert value(s2, "kvrelay_deltas_published_total", pool=POOL) - base == len(
+                        deltas
+                    )
+                    assert value(s2, "kvrelay_pool_sequence", pool=POOL) == deltas[-1]
+                finally:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+
+            async def pool_streams() -> float:
+                return value(await scrape(port), "kvrelay_stream_subscribers", kind="pool")
+
+            for _ in range(200):
+                if await pool_streams() == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert await pool_streams() == 0
+        finally:
+            await metrics.close()
+
+
+async def test_counters_stay_monotonic_across_engine_restart_and_withdrawal() -> None:
+    cfg = SimConfig(name="r0", seed=7, dp_size=1, capacity_blocks=64)
+    async with fleet_and_relay([cfg]) as (engines, relay, _server):
+        (eng,) = engines
+        metrics = RelayMetrics(relay, CollectorRegistry(), sweep_interval_s=0.02)
+        port = await metrics.start_http("127.0.0.1", 0)
+        try:
+            await wait_subscribed(relay, 1)
+            await eng.step(12)
+            await eventually(lambda: in_sync(engines, relay), what="initial sync")
+            s1 = await scrape(port)
+            m = _member("r0", 0)
+            first_msgs = value(s1, "kvrelay_ingest_messages_total", **m) - value(
+                s1, "kvrelay_ingest_duplicates_total", **m
+            )
+            assert first_msgs == eng.publishers[0].seq
+            old_sub = next(iter(relay.pools[0].subscribers.values()))
+
+            await eng.restart()  # new incarnation, new ports: a new subscriber replaces the old
+            await eventually(
+                lambda: any(s is not old_sub for s in relay.pools[0].subscribers.values()),
+                what="replacement subscriber",
+            )
+            await wait_subscribed(relay, 1)
+            await eng.step(6)
+            await eventually(lambda: in_sync(engines, relay), what="sync after restart")
+            s2 = await scrape(port)
+            msgs = value(s2, "kvrelay_ingest_messages_total", **m) - value(
+                s2, "kvrelay_ingest_duplicates_total", **m
+            )
+            # the retired subscriber's messages are kept: old incarnation + new incarnation
+            assert msgs == first_msgs + eng.publishers[0].seq
+            resets = value(s2, "kvrelay_pool_member_resets_total", pool=POOL, reason="incarnation")
+            assert resets >= 1
+            published = value(s2, "kvrelay_deltas_published_total", pool=POOL)
+            assert published >= value(s1, "kvrelay_deltas_published_total", pool=POOL)
+
+            await eng.stop()  # the only engine leaves: the generation is withdrawn
+            await eventually(lambda: relay.pools[0].generation is None, what="pool withdrawn")
+            s3 = await scrape(port)
+            assert value(s3, "kvrelay_pool_materialized", pool=POOL) == 0
+            assert value(s3, "kvrelay_engine_reachable", pool=POOL, worker="r0") == 0
+            assert value(s3, "kvrelay_deltas_published_total", pool=POOL) == published
+            assert value(s3, "kvrelay_ingest_messages_total", **m) >= value(
+                s2, "kvrelay_ingest_messages_total", **m
+            )
+            assert ("kvrelay_pool_sequence", frozenset({("pool", POOL)})) not in s3
+        finally:
+            await metrics.close()
+
+
+async def test_lagging_pool_subscriber_is_counted() -> None:
+    """A burst larger than the subscriber's queue ends the stream with SUBSCRIBER_LAGGED."""
+    limits = RelayLimits(publication_queue_capacity=1, publish_every_n_events=1)
+    cfg = SimConfig(name="lag0", seed=3, dp_size=1, capacity_blocks=256)
+    async with fleet_and_relay([cfg], limits=limits) as (engines, relay, server):
+        (eng,) = engines
+        metrics = RelayMetrics(relay, CollectorRegistry(), sweep_interval_s=0.02)
+        metrics.attach_service(server.service)
+        port = await metrics.start_http("127.0.0.1", 0)
+        try:
+            await wait_subscribed(relay, 1)
+            await eng.step(3)
+            await eventually(lambda: relay.pools[0].generation is not None, what="generation")
+            await eventually(lambda: bool(relay.catalog.current()[1].snapshot.pools),
+                             what="catalog entry")
+            gen = relay.pools[0].generation
+            assert gen is not None
+            ended: list[GRPCError] = []
+            got_snapshot = asyncio.Event()
+            async with Channel("127.0.0.1", server.port) as channel:
+                stub = pb.KvEventRelayStub(channel)
+
+                async def consume() -> None:
+                    try:
+                        async for fu in stub.subscribe_kv_pool(
+                            pb.SubscribeKvPoolRequest(
+                                subscriber_id="slow", expected_producer=gen.producer,
+                                contract_marker=MARKER,
+                            )
+                        ):
+                            if fu.kind == pb.FilterUpdateKind.SNAPSHOT_CHUNK:
+                                got_snapshot.set()
+                    except GRPCError as exc:
+                        ended.append(exc)
+
+                task = asyncio.create_task(consume())
+                try:
+                    await asyncio.wait_for(got_snapshot.wait(), 10)
+                    # 40 messages queued at once: the relay drains them in one pass and
+                    # publishes one delta per event, far more than a 1-frame queue holds
+                    await eng.step(40)
+                    await asyncio.wait_for(task, 10)
+                finally:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+            assert len(ended) == 1
+            assert ended[0].status == RelayError.subscriber_lagged().status
+            s = await scrape(port)
+            assert value(s, "kvrelay_pool_lag_terminations_total", pool=POOL) == 1
+            assert value(s, "kvrelay_stream_errors_total", reason=LAGGED) == 1
+            assert value(s, "kvrelay_hub_resets_total", pool=POOL) == 0
+        finally:
+            await metrics.close()
+
+
+# ---- endpoint behaviour (no fleet needed) -----------------------------------------------------
+
+
+async def _bare_metrics() -> tuple[Relay, RelayMetrics, int]:
+    relay = Relay(RelaySettings(dc_name="dc-bare"))
+    metrics = RelayMetrics(relay, CollectorRegistry())
+    port = await metrics.start_http("127.0.0.1", 0)
+    return relay, metrics, port
+
+
+async def test_loop_lag_observations() -> None:
+    _relay, metrics, port = await _bare_metrics()
+    try:
+        metrics.observe_loop_lag(0.003)
+        metrics.observe_loop_lag(0.2)
+        metrics.observe_loop_lag(-1.0)  # clock oddity: clamped to 0
+        metrics.observe_loop_lag(math.nan)  # ignored
+        s = await scrape(port)
+        assert value(s, "kvrelay_event_loop_lag_seconds_count") == 3
+        assert math.isclose(value(s, "kvrelay_event_loop_lag_seconds_sum"), 0.203)
+        assert value(s, "kvrelay_event_loop_lag_seconds_bucket", le="0.005") == 2
+        assert value(s, "kvrelay_event_loop_lag_seconds_bucket", le="0.1") == 2
+        assert value(s, "kvrelay_event_loop_lag_seconds_bucket", le="0.25") == 3
+        assert value(s, "kvrelay_event_loop_lag_last_seconds") == 0
+        assert value(s, "kvrelay_catalog_revision") == 0
+        assert "kvrelay_stream_subscribers" not in {n for n, _ in s}  # no service attached
+    finally:
+        await metrics.close()
+
+
+async def test_http_endpoint_edges_and_clean_close() -> None:
+    _relay, metrics, port = await _bare_metrics()
+    try:
+        r = await http_request(port, b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert r.status == 404
+        r = await http_request(port, b"POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n")
+        assert r.status == 405 and r.headers["allow"] == "GET, HEAD"
+        r = await http_request(port, b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert r.status == 200 and r.body == b"" and int(r.headers["content-length"]) > 0
+        r = await http_request(port, b"GET /metrics?x=1 HTTP/1.0\r\n\r\n")
+        assert r.status == 200 and b"kvrelay_relay_info" in r.body
+        r = await http_request(port, b"garbage\r\n\r\n")
+        assert r.status == 400
+        r = await http_request(port, b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 10_000 + b"\r\n\r\n")
+        assert r.status == 431
+        with pytest.raises(RuntimeError):
+            await metrics.start_http("127.0.0.1", 0)
+        # a client that connects and says nothing is cut off by close(), not awaited forever
+        idle_r, idle_w = await asyncio.open_connection("127.0.0.1", port)
+        await asyncio.sleep(0.05)
+    finally:
+        await asyncio.wait_for(metrics.close(), 5)
+    assert await asyncio.wait_for(idle_r.read(), 5) == b""
+    idle_w.close()
+    try:
+        _r, w = await asyncio.open_connection("127.0.0.1", port)
+    except ConnectionRefusedError:
+        pass
+    else:
+        w.close()
+        raise AssertionError("metrics port still accepting after close()")

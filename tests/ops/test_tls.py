@@ -1,0 +1,257 @@
+"""TLS / mTLS on the relay's gRPC listener with certificates generated at test time.
+
+Peers: grpclib (our own client stack) and grpcio + official protobuf stubs (independent, BoringSSL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import ModuleType
+
+import grpc
+import pytest
+from grpclib.client import Channel
+from grpclib.exceptions import StreamTerminatedError
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.relay.relay import Relay
+from kvrelay.relay.settings import RelaySettings
+from kvrelay.service.server import RelayServer
+from kvrelay.tls import (
+    TlsConfigError,
+    client_ssl_context,
+    is_loopback,
+    server_ssl_context,
+)
+
+from .certs import Pki, make_pki
+
+MARKER = 0x4B565231
+# How grpclib surfaces a server-side mTLS refusal: with TLS 1.3 the client's handshake finishes
+# first and the server's "certificate required" alert kills the connection under the stream.
+REFUSED = (StreamTerminatedError, ssl.SSLError, ConnectionError)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+async def _serve(ctx: ssl.SSLContext | None) -> tuple[Relay, RelayServer]:
+    relay = Relay(RelaySettings(dc_name="dc-tls"))
+    await relay.start()
+    server = RelayServer(relay, relay.limits)
+    await server.start("127.0.0.1", 0, ssl=ctx)
+    return relay, server
+
+
+@pytest.fixture
+async def tls_relay(pki: Pki) -> AsyncIterator[tuple[Relay, RelayServer]]:
+    ctx = server_ssl_context(str(pki.server_cert), str(pki.server_key), None)
+    relay, server = await _serve(ctx)
+    yield relay, server
+    await server.close(grace_s=0.5)
+    await relay.stop()
+
+
+@pytest.fixture
+async def mtls_relay(pki: Pki) -> AsyncIterator[tuple[Relay, RelayServer]]:
+    ctx = server_ssl_context(str(pki.server_cert), str(pki.server_key), str(pki.client_ca))
+    relay, server = await _serve(ctx)
+    yield relay, server
+    await server.close(grace_s=0.5)
+    await relay.stop()
+
+
+async def _info_grpclib(port: int, ctx: ssl.SSLContext | None) -> pb.RelayInfo:
+    async with Channel("127.0.0.1", port, ssl=ctx) as channel:
+        stub = pb.KvEventRelayStub(channel)
+        return await asyncio.wait_for(
+            stub.get_relay_info(pb.RelayInfoRequest(contract_marker=MARKER)), 10
+        )
+
+
+async def _info_grpcio(
+    pb2: dict[str, ModuleType], port: int, creds: grpc.ChannelCredentials
+) -> object:
+    async with grpc.aio.secure_channel(f"127.0.0.1:{port}", creds) as ch:
+        stub = pb2["relay_grpc"].KvEventRelayStub(ch)
+        return await stub.GetRelayInfo(
+            pb2["relay"].RelayInfoRequest(contract_marker=MARKER), timeout=10
+        )
+
+
+def _creds(pki: Pki, *, client: tuple[Path, Path] | None = None) -> grpc.ChannelCredentials:
+    key = chain = None
+    if client is not None:
+        chain, key = client[0].read_bytes(), client[1].read_bytes()
+    return grpc.ssl_channel_credentials(
+        root_certificates=pki.server_ca.read_bytes(), private_key=key, certificate_chain=chain
+    )
+
+
+# ---- TLS (server auth only) ----
+
+
+async def test_grpclib_client_gets_relay_info_over_tls(
+    pki: Pki, tls_relay: tuple[Relay, RelayServer]
+) -> None:
+    relay, server = tls_relay
+    info = await _info_grpclib(server.port, client_ssl_context(str(pki.server_ca)))
+    assert info.relay is not None
+    assert info.relay.relay_incarnation == relay.relay_incarnation
+    assert info.contract_marker == MARKER
+
+
+async def test_grpcio_peer_gets_relay_info_over_tls(
+    pki: Pki, tls_relay: tuple[Relay, RelayServer], official_pb2: dict[str, ModuleType]
+) -> None:
+    relay, server = tls_relay
+    info = await _info_grpcio(official_pb2, server.port, _creds(pki))
+    assert info.relay.relay_incarnation == relay.relay_incarnation  # type: ignore[attr-defined]
+    assert info.relay.drt_instance_id == relay.relay_identity.drt_instance_id  # type: ignore[attr-defined]
+
+
+async def test_tls_handshake_negotiates_h2_and_tls12_plus(
+    pki: Pki, tls_relay: tuple[Relay, RelayServer]
+) -> None:
+    _relay, server = tls_relay
+    ctx = client_ssl_context(str(pki.server_ca))
+    _r, w = await asyncio.open_connection("127.0.0.1", server.port, ssl=ctx,
+                                          server_hostname="localhost")
+    try:
+        obj = w.get_extra_info("ssl_object")
+        assert obj.selected_alpn_protocol() == "h2"
+        assert obj.version() in ("TLSv1.2", "TLSv1.3")
+    finally:
+        w.close()
+
+
+async def test_client_that_does_not_trust_the_server_ca_is_refused(
+    pki: Pki, tls_relay: tuple[Relay, RelayServer]
+) -> None:
+    _relay, server = tls_relay
+    wrong = client_ssl_context(str(pki.client_ca))  # a CA that did not sign the server cert
+    with pytest.raises(ssl.SSLCertVerificationError):
+        await _info_grpclib(server.port, wrong)
+
+
+async def test_plaintext_client_cannot_talk_to_tls_listener(
+    tls_relay: tuple[Relay, RelayServer], official_pb2: dict[str, ModuleType]
+) -> None:
+    _relay, server = tls_relay
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        stub = official_pb2["relay_grpc"].KvEventRelayStub(ch)
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await stub.GetRelayInfo(
+                official_pb2["relay"].RelayInfoRequest(contract_marker=MARKER), timeout=5
+            )
+    assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+# ---- mTLS ----
+
+
+async def test_mtls_client_with_cert_from_client_ca_succeeds(
+    pki: Pki, mtls_relay: tuple[Relay, RelayServer], official_pb2: dict[str, ModuleType]
+) -> None:
+    relay, server = mtls_relay
+    ctx = client_ssl_context(str(pki.server_ca), str(pki.client_cert), str(pki.client_key))
+    info = await _info_grpclib(server.port, ctx)
+    assert info.relay is not None and info.relay.relay_incarnation == relay.relay_incarnation
+    gi = await _info_grpcio(
+        official_pb2, server.port, _creds(pki, client=(pki.client_cert, pki.client_key))
+    )
+    assert gi.relay.relay_incarnation == relay.relay_incarnation  # type: ignore[attr-defined]
+
+
+async def test_mtls_refuses_client_without_certificate(
+    pki: Pki, mtls_relay: tuple[Relay, RelayServer], official_pb2: dict[str, ModuleType]
+) -> None:
+    _relay, server = mtls_relay
+    with pytest.raises(REFUSED):
+        await _info_grpclib(server.port, client_ssl_context(str(pki.server_ca)))
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await _info_grpcio(official_pb2, server.port, _creds(pki))
+    assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_mtls_refuses_client_cert_from_another_ca(
+    pki: Pki, mtls_relay: tuple[Relay, RelayServer], official_pb2: dict[str, ModuleType]
+) -> None:
+    _relay, server = mtls_relay
+    ctx = client_ssl_context(str(pki.server_ca), str(pki.rogue_cert), str(pki.rogue_key))
+    with pytest.raises(REFUSED):
+        await _info_grpclib(server.port, ctx)
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await _info_grpcio(
+            official_pb2, server.port, _creds(pki, client=(pki.rogue_cert, pki.rogue_key))
+        )
+    assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_mtls_raw_handshake_without_cert_gets_alert(
+    pki: Pki, mtls_relay: tuple[Relay, RelayServer]
+) -> None:
+    """The refusal is the TLS layer's (certificate required), not an RPC-level error."""
+    _relay, server = mtls_relay
+    ctx = client_ssl_context(str(pki.server_ca))
+    with pytest.raises((ssl.SSLError, ConnectionError, asyncio.IncompleteReadError)):
+        r, w = await asyncio.open_connection(
+            "127.0.0.1", server.port, ssl=ctx, server_hostname="localhost"
+        )
+        try:
+            w.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            await w.drain()
+            data = await asyncio.wait_for(r.read(1), 5)  # TLS 1.3: the alert arrives here
+            if not data:
+                raise ConnectionError("closed by server")
+        finally:
+            w.close()
+
+
+# ---- context construction & helpers ----
+
+
+def test_server_context_properties(pki: Pki) -> None:
+    plain = server_ssl_context(str(pki.server_cert), str(pki.server_key), None)
+    assert plain.verify_mode == ssl.CERT_NONE
+    assert plain.minimum_version >= ssl.TLSVersion.TLSv1_2
+    mutual = server_ssl_context(str(pki.server_cert), str(pki.server_key), str(pki.client_ca))
+    assert mutual.verify_mode == ssl.CERT_REQUIRED
+    # only the configured client CA is trusted (no system bundle)
+    assert [c["subject"] for c in mutual.get_ca_certs()] == [((("commonName", "client-ca"),),)]
+
+
+def test_bad_files_raise_typed_errors(pki: Pki, tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope.pem")
+    with pytest.raises(TlsConfigError):
+        server_ssl_context(missing, str(pki.server_key), None)
+    with pytest.raises(TlsConfigError):  # key does not match the certificate
+        server_ssl_context(str(pki.server_cert), str(pki.client_key), None)
+    with pytest.raises(TlsConfigError):
+        server_ssl_context(str(pki.server_cert), str(pki.server_key), missing)
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    with pytest.raises(TlsConfigError):
+        client_ssl_context(str(garbage))
+    with pytest.raises(TlsConfigError):
+        client_ssl_context(str(pki.server_ca), key_file=str(pki.client_key))
+
+
+@pytest.mark.parametrize(
+    ("host", "expected"),
+    [
+        ("127.0.0.1", True), ("127.8.9.10", True), ("::1", True), ("[::1]", True),
+        ("localhost", True), ("LOCALHOST.", True), ("relay.localhost", True),
+        ("::ffff:127.0.0.1", True),
+        ("0.0.0.0", False), ("::", False), ("", False), ("10.0.0.5", False),
+        ("192.168.1.1", False), ("::ffff:10.0.0.1", False), ("relay.example.com", False),
+        ("localhost.example.com", False), ("[::]", False),
+    ],
+)
+def test_is_loopback(host: str, expected: bool) -> None:
+    assert is_loopback(host) is expected

@@ -1,0 +1,303 @@
+"""PublicationHub without the network: sequencing, encode-once fan-out, bounds, terminations."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.publication import cbi1
+from kvrelay.publication.hub import PublicationHub, PublicationInvariantError, Subscription
+from kvrelay.publication.splice import FilterUpdateEncoder
+from kvrelay.service.errors import RelayError
+from kvrelay.service.limits import RelayLimits
+
+SEED, DC = 0x5EED, 7
+R = pb.RelayErrorReason
+
+
+def producer(bc: int) -> pb.ProducerIdentity:
+    return pb.ProducerIdentity(
+        pool_id=pb.KvPoolId(
+            identity_version=1,
+            indexer_domain=pb.IndexerDomainId(
+                cache_semantics=pb.DigestIdentity(digest=b"a" * 16, source=1),
+                routing_scope=pb.DigestIdentity(digest=b"b" * 16, source=1),
+            ),
+            dc_id=DC,
+        ),
+        producer_incarnation=9,
+        layout_generation=1,
+        ckf_format=pb.CkfFormat(
+            format_version=1, seed=SEED, bucket_count=bc, fingerprint_bits=16, slots_per_bucket=4
+        ),
+    )
+
+
+def make_hub(bc: int = 1024, seq: int = 0, **limits: Any) -> tuple[PublicationHub, np.ndarray]:
+    table = np.random.default_rng(bc).integers(0, 2**64, size=bc, dtype=np.uint64)
+    enc = FilterUpdateEncoder(
+        pb.RelayIdentity(drt_instance_id=1, relay_incarnation=2), producer(bc)
+    )
+    hub = PublicationHub(
+        enc,
+        seed=SEED,
+        bucket_count=bc,
+        dc_id=DC,
+        table=table,
+        sequence=seq,
+        limits=RelayLimits(**limits),
+    )
+    return hub, table.copy()
+
+
+class Collector:
+    """A `send` callable that records frames (decoded with betterproto2)."""
+
+    def __init__(self, block_after: int | None = None) -> None:
+        self.frames: list[pb.FilterUpdate] = []
+        self.raw: list[bytes] = []
+        self.block_after = block_after
+        self.gate = asyncio.Event()
+
+    async def __call__(self, data: bytes) -> None:
+        if self.block_after is not None and len(self.raw) >= self.block_after:
+            await self.gate.wait()
+        self.raw.append(data)
+        self.frames.append(pb.FilterUpdate.parse(data))
+
+
+def rebuild(frames: list[pb.FilterUpdate], bc: int) -> tuple[np.ndarray, int]:
+    asm = cbi1.SnapshotAssembler()
+    table: np.ndarray | None = None
+    seq = -1
+    for f in frames:
+        if f.kind == pb.FilterUpdateKind.SNAPSHOT_CHUNK:
+            done = asm.feed(cbi1.decode(f.payload, expected_seed=SEED, expected_bucket_count=bc))  # type: ignore[arg-type]
+            if done is not None:
+                table, seq = np.array(done.words), f.sequence
+        elif f.kind == pb.FilterUpdateKind.DELTA:
+            assert table is not None and f.base_sequence == seq and f.sequence == seq + 1
+            d = cbi1.decode(f.payload, expected_seed=SEED, expected_bucket_count=bc)
+            assert isinstance(d, cbi1.Delta) and d.dc_id == DC and d.epoch == f.sequence
+            table[d.buckets.astype(np.int64)] = d.words
+            seq = f.sequence
+        else:
+            assert f.kind == pb.FilterUpdateKind.HEARTBEAT and f.sequence == seq == f.base_sequence
+    assert table is not None
+    return table, seq
+
+
+async def pump_until(sub: Subscription, col: Collector) -> asyncio.Task[None]:
+    """Start pumping and wait until the whole snapshot has been sent."""
+    task = asyncio.ensure_future(sub.pump(col))
+    chunks = await asyncio.wait_for(asyncio.shield(sub._snapshot), 10)
+    for _ in range(1000):
+        if len(col.frames) >= len(chunks) or task.done():
+            break
+        await asyncio.sleep(0.005)
+    return task
+
+
+async def test_invariants_never_half_apply() -> None:
+    hub, table = make_hub(seq=4)
+    sub = hub.subscribe()
+    for seq, b, w in [
+        (6, [1], [1]),  # gap
+        (4, [1], [1]),  # replay
+        (5, [1024], [1]),  # out of range
+        (5, [-1], [1]),
+        (5, [3, 3], [1, 2]),  # duplicate
+        (5, [1, 2], [1]),  # length mismatch
+        (5, [1.5], [1]),  # not integers
+    ]:
+        with pytest.raises(PublicationInvariantError):
+            hub.publish(seq, np.asarray(b), np.asarray(w))
+        assert hub.sequence == 4 and hub.mirror_copy().tobytes() == table.tobytes()
+    assert len(sub._frames) == 0
+    hub.retire(None)
+    with pytest.raises(PublicationInvariantError):
+        hub.publish(5, np.array([1]), np.array([1]))
+    with pytest.raises(RelayError) as ei:
+        hub.subscribe()
+    assert ei.value.reason == R.PUBLICATION_UNAVAILABLE
+
+
+async def test_encode_once_shared_bytes_and_snapshot_reuse() -> None:
+    hub, table = make_hub(seq=3)
+    a, b = hub.subscribe(), hub.subscribe()
+    assert a._snapshot is b._snapshot  # one snapshot build per sequence
+    chunks_a = await a._snapshot
+    assert chunks_a is await b._snapshot
+    hub.publish(4, np.array([5, 9]), np.array([0, 77], dtype=np.uint64))
+    assert a._frames[0][0] is b._frames[0][0]  # the same bytes object fans out
+    c = hub.subscribe()
+    assert c._snapshot is not a._snapshot and c.start_sequence == 4
+    table[[5, 9]] = [0, 77]
+    col = Collector()
+    task = await pump_until(c, col)
+    got, seq = rebuild(col.frames, 1024)
+    assert seq == 4 and got.tobytes() == table.tobytes()
+    assert col.frames[0].base_sequence == col.frames[0].sequence == 4
+    hub.retire(None)
+    await task  # clean EOF
+    for s in (a, b, c):
+        s.close()
+    assert hub.subscriber_count == 0
+
+
+async def test_pump_delivers_snapshot_deltas_heartbeats() -> None:
+    hub, table = make_hub(bc=1 << 20, seq=0, pool_heartbeat_s=0.05)  # 2 chunks, built in a thread
+    rng = np.random.default_rng(0)
+    sub = hub.subscribe()
+    col = Collector()
+    task = asyncio.ensure_future(sub.pump(col))
+    await sub._snapshot  # deltas published while a 2-chunk build runs would queue (bound 16)
+    for seq in range(1, 30):
+        b = rng.choice(1 << 20, size=int(rng.integers(1, 500)), replace=False)
+        w = rng.integers(0, 2**64, size=b.size, dtype=np.uint64)
+        table[b] = w
+        hub.publish(seq, b, w)
+        await asyncio.sleep(0)
+    await asyncio.sleep(0.2)
+    kinds = [int(f.kind) for f in col.frames]
+    assert kinds[:2] == [1, 1] and kinds[2:31] == [2] * 29 and set(kinds[31:]) == {3}
+    assert len(kinds) >= 33
+    got, seq = rebuild(col.frames, 1 << 20)
+    assert seq == 29 and got.tobytes() == table.tobytes() == hub.mirror_copy().tobytes()
+    hub.retire(RelayError.publication_unavailable())
+    with pytest.raises(RelayError) as ei:
+        await task
+    assert ei.value.reason == R.PUBLICATION_UNAVAILABLE
+    sub.close()
+
+
+async def test_queue_frame_and_byte_bounds() -> None:
+    # 16 frames: the 17th pending frame lags only the stalled subscriber
+    hub, _ = make_hub()
+    stalled, live = hub.subscribe(), hub.subscribe()
+    col = Collector()
+    task = asyncio.ensure_future(live.pump(col))
+    for seq in range(1, 18):
+        hub.publish(seq, np.array([seq]), np.array([seq]))
+        await asyncio.sleep(0.001)
+    assert stalled.error is not None and stalled.error.reason == R.SUBSCRIBER_LAGGED
+    assert live.error is None and hub.lagged == 1
+    assert [f.sequence for f in col.frames if f.kind == 2] == list(range(1, 18))
+    hub.retire(None)
+    await task
+    # bytes: three max-size deltas (3 × (4,194,368 + 256)) fit in 16 MiB, the fourth does not
+    hub, _ = make_hub(bc=1 << 19)
+    sub = hub.subscribe()
+    big = np.arange(cbi1.MAX_DELTA_IMAGES)
+    for seq in (1, 2, 3):
+        hub.publish(seq, big, big)
+        assert sub.error is None
+    hub.publish(4, big, big)
+    assert sub.error is not None and sub.error.reason == R.SUBSCRIBER_LAGGED
+    assert len(sub._frames) == 0 and sub._bytes == 0
+
+
+async def test_oversize_resets_subscribers_and_rebootstraps() -> None:
+    hub, table = make_hub(bc=1 << 19, seq=10)
+    sub = hub.subscribe()
+    col = Collector()
+    task = await pump_until(sub, col)
+    b = np.arange(cbi1.MAX_DELTA_IMAGES + 1)
+    hub.publish(11, b, b)
+    with pytest.raises(RelayError) as ei:
+        await task
+    assert ei.value.reason == R.PUBLICATION_UNAVAILABLE and ei.value.status.name == "UNAVAILABLE"
+    sub.close()
+    table[b] = b
+    assert hub.sequence == 11 and hub.resets == 1
+    fresh = hub.subscribe()
+    col2 = Collector()
+    task2 = await pump_until(fresh, col2)
+    got, seq = rebuild(col2.frames, 1 << 19)
+    assert seq == 11 and got.tobytes() == table.tobytes()
+    hub.retire(None)
+    await task2
+
+
+async def test_snapshot_progress_timeout_and_watchdog() -> None:
+    hub, _ = make_hub(snapshot_progress_timeout_s=0.05)
+    sub = hub.subscribe()
+    col = Collector(block_after=0)  # never drains the first snapshot frame
+    task = asyncio.ensure_future(sub.pump(col))
+    await asyncio.sleep(0.1)
+    assert sub.error is not None and sub.error.reason == R.SNAPSHOT_PROGRESS_TIMEOUT
+    hub.publish(1, np.array([1]), np.array([1]))
+    assert len(sub._frames) == 0  # detached: no more queueing
+    col.gate.set()  # the client resumes: the status is observed after the in-flight frame
+    with pytest.raises(RelayError) as ei:
+        await task
+    assert ei.value.reason == R.SNAPSHOT_PROGRESS_TIMEOUT
+    sub.close()
+    # a client that never resumes: the watchdog cancels the stuck pump
+    sub2 = hub.subscribe()
+    task2 = asyncio.ensure_future(sub2.pump(Collector(block_after=0)))
+    await asyncio.sleep(1.2)
+    assert task2.cancelled()
+    sub2.close()
+
+
+async def test_per_pool_subscriber_limit() -> None:
+    hub, _ = make_hub(max_subscribers_per_pool=2)
+    a, _b = hub.subscribe(), hub.subscribe()
+    with pytest.raises(RelayError) as ei:
+        hub.subscribe()
+    assert ei.value.reason == R.RESOURCE_LIMIT
+    a.close()
+    a.close()  # idempotent
+    hub.subscribe()
+
+
+async def test_batched_pump_preserves_order_and_bounds() -> None:
+    hub, table = make_hub(seq=0)
+    sub = hub.subscribe()
+    col = Collector()
+    batches: list[int] = []
+
+    async def send_batch(frames: list[bytes]) -> None:
+        batches.append(len(frames))
+        for f in frames:
+            await col(f)
+
+    await sub._snapshot
+    for seq in range(1, 16):  # queued before the pump runs → coalesced writes
+        hub.publish(seq, np.array([seq, 1000 - seq]), np.array([seq, 0]))
+        table[[seq, 1000 - seq]] = [seq, 0]
+    task = asyncio.ensure_future(sub.pump(col, send_batch))
+    await asyncio.sleep(0.05)
+    got, seq = rebuild(col.frames, 1024)
+    assert seq == 15 and got.tobytes() == table.tobytes()
+    assert batches == [15] and sum(batches) == 15
+    hub.retire(None)
+    await task
+
+
+async def test_cancelled_subscriber_does_not_cancel_shared_snapshot_build() -> None:
+    hub, table = make_hub(bc=1 << 20)  # built in a thread: still pending when we cancel
+    a, b = hub.subscribe(), hub.subscribe()
+    ta = asyncio.ensure_future(a.pump(Collector()))
+    col = Collector()
+    tb = asyncio.ensure_future(b.pump(col))
+    await asyncio.sleep(0)
+    ta.cancel()  # client A disconnects while the shared snapshot is being built
+    with pytest.raises(asyncio.CancelledError):
+        await ta
+    a.close()
+    chunks = await asyncio.wait_for(asyncio.shield(b._snapshot), 10)
+    assert len(chunks) == 2
+    for _ in range(1000):
+        if len(col.frames) == 2:
+            break
+        await asyncio.sleep(0.005)
+    got, seq = rebuild(col.frames, 1 << 20)
+    assert seq == 0 and got.tobytes() == table.tobytes()
+    hub.retire(None)
+    await tb

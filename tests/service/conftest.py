@@ -1,0 +1,44 @@
+"""Fixtures: a real RelayServer on loopback over the in-memory RelayView, and a grpcio client."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from types import ModuleType
+
+import pytest
+from relay_fixture import GrpcioClient, MemRelayView, StartRelay
+
+from kvrelay.service.limits import RelayLimits
+from kvrelay.service.server import RelayServer
+
+
+@pytest.fixture
+async def start_relay() -> AsyncIterator[StartRelay]:
+    servers: list[RelayServer] = []
+
+    async def start(limits: RelayLimits | None = None) -> tuple[MemRelayView, RelayServer]:
+        view = MemRelayView(limits)
+        server = RelayServer(view, limits)
+        await server.start("127.0.0.1", 0)
+        servers.append(server)
+        return view, server
+
+    yield start
+    for s in servers:
+        await s.close(grace_s=1.0)
+
+
+@pytest.fixture
+async def grpcio_client(
+    official_pb2: dict[str, ModuleType],
+) -> AsyncIterator[Callable[[int], GrpcioClient]]:
+    clients: list[GrpcioClient] = []
+
+    def make(port: int) -> GrpcioClient:
+        c = GrpcioClient(official_pb2, port)
+        clients.append(c)
+        return c
+
+    yield make
+    for c in clients:
+        await c.close()
