@@ -1,0 +1,357 @@
+"""The numba pool against the pure-Python reference model, over random multi-member histories.
+
+Shared documents give shared prefixes across members; external hashes are a deterministic function
+of (document, block, LoRA, namespace) like an engine fleet with one hash seed. Tiny tables force
+kicks and capacity omissions. After every batch the full state is compared with the model, and a
+replica rebuilt only from ``take_publication()`` must equal the producer table byte for byte.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+from pool_model import Counts, RefPool, lora_salt
+
+from kvrelay.pool import ckf
+from kvrelay.pool.batch import BatchBuilder, EventBatch
+from kvrelay.pool.pool import Pool
+
+BS = 2
+DOC_BLOCKS = 6
+N_DOCS = 2
+LORAS = [None, "adapter-a"]
+NAMESPACES = [None, "tenant-x"]
+
+
+def ns_component(ns: str | None) -> int:
+    return xxhash.xxh3_64_intdigest(ns.encode(), seed=1) if ns else 0
+
+
+def doc_tokens(doc: int, wrong: bool = False) -> np.ndarray:
+    rng = np.random.default_rng(doc)
+    t = rng.integers(0, 50, size=DOC_BLOCKS * BS + 1).astype(np.uint32)
+    if wrong:
+        t = t + np.uint32(1000)
+    return t
+
+
+def ext_hash(doc: int, blk: int, lora: int, ns: int) -> int:
+    return xxhash.xxh3_64_intdigest(f"{doc}/{blk}/{lora}/{ns}".encode())
+
+
+@dataclass(frozen=True)
+class Store:
+    doc: int
+    start: int
+    count: int
+    lora: int
+    ns: int
+    wrong: bool
+    bad_tokens: bool
+    self_ref: bool
+
+
+@dataclass(frozen=True)
+class Remove:
+    keys: tuple[tuple[int, int, int, int], ...]
+    unknown: int
+
+
+@dataclass(frozen=True)
+class Clear:
+    pass
+
+
+stores = st.builds(
+    Store,
+    doc=st.integers(0, N_DOCS - 1),
+    start=st.sampled_from([0, 0, 0, 0, 1, 2, 2, 3, 4, 5]),
+    count=st.integers(1, 4),
+    lora=st.sampled_from([0, 0, 0, 1]),
+    ns=st.sampled_from([0, 0, 0, 1]),
+    wrong=st.sampled_from([False] * 12 + [True]),
+    bad_tokens=st.sampled_from([False] * 15 + [True]),
+    self_ref=st.sampled_from([False] * 15 + [True]),
+)
+removes = st.builds(
+    Remove,
+    keys=st.lists(
+        st.tuples(
+            st.integers(0, N_DOCS - 1),
+            st.integers(0, DOC_BLOCKS - 1),
+            st.integers(0, 1),
+            st.integers(0, 1),
+        ),
+        min_size=1,
+        max_size=3,
+    ).map(tuple),
+    unknown=st.integers(0, 1),
+)
+events = st.one_of(stores, stores, stores, stores, stores, removes, removes, st.just(Clear()))
+batches = st.tuples(
+    st.integers(0, 3),
+    st.sampled_from(["batch"] * 9 + ["reset"]),
+    st.lists(events, min_size=1, max_size=5),
+)
+
+
+def build(evts: list[Store | Remove | Clear], eagle: bool) -> EventBatch:
+    bb = BatchBuilder()
+    for e in evts:
+        if isinstance(e, Store):
+            count = min(e.count, DOC_BLOCKS - e.start)
+            toks = doc_tokens(e.doc, e.wrong)
+            win_end = (e.start + count) * BS + (1 if eagle else 0)
+            tokens = toks[e.start * BS : win_end]
+            if e.bad_tokens:
+                tokens = tokens[:-1]
+            hashes = [ext_hash(e.doc, e.start + j, e.lora, e.ns) for j in range(count)]
+            parent = ext_hash(e.doc, e.start - 1, e.lora, e.ns) if e.start > 0 else None
+            if e.self_ref:
+                if parent is not None:
+                    hashes[-1] = parent
+                else:
+                    hashes.append(hashes[0])
+                    tokens = toks[e.start * BS : win_end + BS]
+            base = lora_salt(LORAS[e.lora])
+            ns = ns_component(NAMESPACES[e.ns])
+            root = parent is None
+            bb.store(
+                hashes,
+                tokens,
+                parent=parent,
+                salt=(base + (ns if root else 0)) & 0xFFFF_FFFF_FFFF_FFFF,
+                ns_part=ns if root else 0,
+                ns_inherit=not root,
+            )
+        elif isinstance(e, Remove):
+            hs = [ext_hash(*k) for k in e.keys] + [0xDEAD_0000 + i for i in range(e.unknown)]
+            bb.remove(hs)
+        else:
+            bb.clear()
+    return bb.build()
+
+
+def check_state(pool: Pool, model: RefPool, mids: list[int]) -> None:
+    assert np.array_equal(pool.table, model.ckf.words())
+    owners = {c: (o[0], bool(o[1])) for c, o in model.owners.items()}
+    assert pool.owners() == owners
+    assert pool.distinct_canonical == len(owners)
+    assert pool.occupancy == sum(1 for o in owners.values() if o[1])
+    nz = sum(
+        int(((pool.table >> np.uint64(16 * s)) & np.uint64(0xFFFF) != 0).sum()) for s in range(4)
+    )
+    assert nz == pool.occupancy
+    for i, mid in enumerate(mids):
+        assert pool.lineage(mid) == model.lineage.get(i, {})
+        assert set(pool.owned_canonical(mid).tolist()) == model.owned(i)
+        res = model.resident(i)
+        assert set(pool.resident_canonical(mid).tolist()) == res
+        if res:
+            assert pool.contains(np.array(sorted(res), dtype=np.uint64)).all()
+    assert pool.memberships == sum(len(v) for v in model.lineage.values())
+
+
+@dataclass
+class RunStats:
+    errors: dict[str, int]
+    capacity: int
+    max_ref: int
+    ns_recorded: bool
+    publications: int
+
+
+def run_history(
+    buckets: int,
+    max_kicks: int,
+    eagle: bool,
+    history: list[tuple[int, str, list[Store | Remove | Clear]]],
+) -> RunStats:
+    """Drive pool and model with the same history, checking everything after each batch."""
+    seed = 0x5DEECE66D1B54A33
+    fmt = 2 if eagle else 1
+    pool = Pool(buckets, seed, BS, fmt, max_kicks)
+    model = RefPool(buckets, seed, BS, fmt, max_kicks)
+    mids = [pool.add_member(100 + i // 2, i % 2) for i in range(4)]
+    assert mids == [pool.add_member(100 + i // 2, i % 2) for i in range(4)]
+    replica = pool.table.copy()
+    errors_seen = 0
+    cap_seen = 0
+    max_ref = 0
+    ns_rec = False
+    pubs = 0
+    names = {"ParentBlockNotFound": 1, "InvalidBlockSequence": 2, "TokenCountMismatch": 3}
+    for member, kind, evts in history:
+        if kind == "reset":
+            pool.reset_member(mids[member])
+            model.clear(member, Counts())
+        else:
+            batch = build(evts, eagle)
+            res = pool.apply(mids[member], batch)
+            exp = model.apply(member, batch)
+            assert res.events_applied == exp.applied
+            assert res.events_rejected == exp.rejected
+            assert [(i, c) for i, c in enumerate(exp.codes) if c] == [
+                (i, names[type(e).__name__]) for i, e in res.errors
+            ]
+            assert res.blocks_stored == exp.stored
+            assert res.blocks_removed == exp.removed
+            assert res.unknown_removals == exp.unknown
+            assert res.capacity_omissions == exp.capacity
+            errors_seen += exp.rejected
+            cap_seen += exp.capacity
+        check_state(pool, model, mids)
+        max_ref = max([max_ref] + [o[0] for o in model.owners.values()])
+        ns_rec = ns_rec or any(len(v) for v in model.ns.values())
+        pub = pool.take_publication()
+        if pub is not None:
+            pubs += 1
+            bk, words = pub
+            assert bk.size > 0
+            replica[bk] = words
+        assert np.array_equal(replica, pool.table)
+        assert pool.take_publication() is None
+    assert sum(pool.errors_by_kind.values()) == errors_seen
+    assert pool.capacity_omissions == cap_seen
+    assert pool.invariant_violations == 0
+    return RunStats(dict(pool.errors_by_kind), cap_seen, max_ref, ns_rec, pubs)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    buckets=st.sampled_from([2, 4, 8, 16, 1024]),
+    max_kicks=st.sampled_from([0, 2, 500]),
+    eagle=st.booleans(),
+    history=st.lists(batches, min_size=4, max_size=30),
+)
+def test_pool_matches_model(
+    buckets: int,
+    max_kicks: int,
+    eagle: bool,
+    history: list[tuple[int, str, list[Store | Remove | Clear]]],
+) -> None:
+    r = run_history(buckets, max_kicks, eagle, history)
+    for kind in r.errors:
+        event(f"error:{kind}")
+    event(f"capacity omissions: {'yes' if r.capacity else 'no'}")
+    event(f"max refcount seen: {min(r.max_ref, 3)}")
+    event(f"namespaces recorded: {r.ns_recorded}")
+
+
+def _random_history(
+    rng: random.Random, n: int, docs: int = N_DOCS, p_variant: float = 0.3
+) -> list[tuple[int, str, list[Store | Remove | Clear]]]:
+    out: list[tuple[int, str, list[Store | Remove | Clear]]] = []
+    for _ in range(n):
+        evts: list[Store | Remove | Clear] = []
+        for _ in range(rng.randint(1, 5)):
+            r = rng.random()
+            if r < 0.7:
+                evts.append(
+                    Store(
+                        doc=rng.randrange(docs),
+                        start=rng.choice([0, 0, 0, 1, 2, 3, 4, 5]),
+                        count=rng.randint(1, 4),
+                        lora=int(rng.random() < p_variant),
+                        ns=int(rng.random() < p_variant),
+                        wrong=rng.random() < 0.05,
+                        bad_tokens=rng.random() < 0.05,
+                        self_ref=rng.random() < 0.05,
+                    )
+                )
+            elif r < 0.95:
+                keys = tuple(
+                    (
+                        rng.randrange(N_DOCS),
+                        rng.randrange(DOC_BLOCKS),
+                        int(rng.random() < 0.3),
+                        int(rng.random() < 0.3),
+                    )
+                    for _ in range(rng.randint(1, 3))
+                )
+                evts.append(Remove(keys, rng.randint(0, 1)))
+            else:
+                evts.append(Clear())
+        out.append((rng.randrange(4), "reset" if rng.random() < 0.05 else "batch", evts))
+    return out
+
+
+def test_seeded_histories_cover_every_path() -> None:
+    """Long seeded histories; asserts the interesting paths were actually exercised."""
+    totals: dict[str, int] = {}
+    cap = 0
+    max_ref = 0
+    ns = False
+    for i in range(24):
+        rng = random.Random(i)
+        buckets = [2, 4, 8, 16, 64, 1024][i % 6]
+        r = run_history(buckets, [500, 2, 0][i % 3], i % 4 == 3, _random_history(rng, 40))
+        for k, v in r.errors.items():
+            totals[k] = totals.get(k, 0) + v
+        cap += r.capacity
+        max_ref = max(max_ref, r.max_ref)
+        ns = ns or r.ns_recorded
+    for i in range(16):
+        # Heavy sharing in tiny tables: non-resident owners gaining members, re-offers.
+        rng = random.Random(1000 + i)
+        r = run_history(
+            [4, 8][i % 2],
+            [500, 3][i % 2 // 1 % 2],
+            False,
+            _random_history(rng, 40, docs=1, p_variant=0.5),
+        )
+        cap += r.capacity
+    assert set(totals) == {
+        "parent_block_not_found",
+        "invalid_block_sequence",
+        "token_count_mismatch",
+    }
+    assert cap > 0 and max_ref >= 3 and ns
+
+
+def test_deterministic_volume_against_model() -> None:
+    """A longer deterministic history (table growth, slab free-list reuse) vs the model."""
+    rng = np.random.default_rng(1)
+    seed = 0xC0FFEE
+    pool = Pool(256, seed, BS, 1, 500)
+    model = RefPool(256, seed, BS, 1, 500)
+    mids = [pool.add_member(i, 0) for i in range(3)]
+    live: list[list[int]] = [[], [], []]
+    for step in range(400):
+        m = int(rng.integers(0, 3))
+        bb = BatchBuilder()
+        if rng.random() < 0.6 or not live[m]:
+            k = int(rng.integers(1, 8))
+            base = int(rng.integers(0, 40))
+            hashes = [(m * 10**6 + step * 100 + j) for j in range(k)]
+            toks = (np.arange(k * BS) + base).astype(np.uint32)
+            parent = live[m][-1] if live[m] and rng.random() < 0.5 else None
+            bb.store(hashes, toks, parent=parent)
+            live[m].extend(hashes)
+        else:
+            pick = [
+                live[m].pop(int(rng.integers(0, len(live[m]))))
+                for _ in range(min(len(live[m]), int(rng.integers(1, 4))))
+            ]
+            bb.remove(pick)
+        batch = bb.build()
+        res = pool.apply(mids[m], batch)
+        exp = model.apply(m, batch)
+        assert (res.events_applied, res.blocks_stored, res.blocks_removed) == (
+            exp.applied,
+            exp.stored,
+            exp.removed,
+        )
+        if step % 50 == 49:
+            check_state(pool, model, mids)
+    check_state(pool, model, mids)
+    for i, mid in enumerate(mids):
+        pool.remove_member(mid)
+        model.clear(i, Counts())
+    assert pool.owners() == {} and not pool.table.any()
+    assert ckf.contains(pool.table, seed, np.arange(10, dtype=np.uint64)).sum() == 0
