@@ -1,0 +1,54 @@
+"""Per-subscriber counters: plain ints (exported to Prometheus by the ops layer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvrelay.ingest.stats import DecodeStats
+
+
+@dataclass(slots=True)
+class SubscriberCounters:
+    messages: int = 0  # live + replayed messages received
+    replayed_messages: int = 0
+    batches: int = 0  # batches delivered to the sink
+    events: int = 0  # events delivered
+    blocks: int = 0  # block hashes delivered
+    duplicates: int = 0  # seq already applied (replay/live overlap)
+    gaps: int = 0
+    replays: int = 0  # replay requests sent
+    replay_failures: int = 0  # timeouts / broken replies
+    missing_history: int = 0
+    resets: int = 0
+    reorder_overflows: int = 0
+    unknown_tags: int = 0
+    unknown_fields: int = 0
+    malformed_events: int = 0
+    eagle_bigram: int = 0
+    truncated: int = 0
+    slow_path_messages: int = 0  # decoded by msgspec instead of the numba walker
+    events_by_kind: dict[str, int] = field(
+        default_factory=lambda: {"stored": 0, "removed": 0, "cleared": 0}
+    )
+    rejections: dict[str, int] = field(default_factory=dict)  # frame/decode rejections by kind
+    drops: dict[str, int] = field(default_factory=dict)  # dropped events by reason
+    resets_by_reason: dict[str, int] = field(default_factory=dict)
+
+    def reject(self, kind: str) -> None:
+        self.rejections[kind] = self.rejections.get(kind, 0) + 1
+
+    def add_stats(self, st: DecodeStats) -> None:
+        k = self.events_by_kind
+        k["stored"] += st.stored
+        k["removed"] += st.removed
+        k["cleared"] += st.cleared
+        self.unknown_tags += st.unknown_tags
+        self.unknown_fields += st.unknown_fields
+        self.malformed_events += st.malformed_events
+        self.eagle_bigram += st.eagle_bigram
+        self.truncated += st.truncated
+        self.slow_path_messages += st.slow_path
+        if st.drops:
+            d = self.drops
+            for reason, n in st.drops.items():
+                d[reason] = d.get(reason, 0) + n

@@ -1,0 +1,660 @@
+"""vLLM KV-event payload → ``EventBatch`` (vllm-events.md §3, relay-contract.md §11.2).
+
+One ``Decoder`` per source (it learns which ``group_idx`` values are full attention from stores,
+so removes of sliding-window/mamba groups, which carry only ``group_idx``, can be dropped).
+``decode`` either returns a ``DecodeResult`` or raises a ``DecodeError`` subclass for the whole
+message; it never raises anything else and never returns a partial batch for a bad message.
+Inside a good envelope, events with an unknown tag or badly typed known fields are skipped and
+counted (``unknown_tags`` / ``malformed_events``) so one odd event never costs the whole step.
+
+Two paths with identical results (differentially fuzzed in tests/ingest): the numba walker
+(``fastwalk``) decodes clean vLLM output straight from the bytes; anything it does not accept
+(bytes hashes, unknown tags/fields/strings, the per-pool options) goes through msgspec structs
+with ``token_ids`` kept raw and parsed by ``tokens_kernel``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+import xxhash
+from msgspec import Raw
+
+from kvrelay.ingest import fastwalk as FW
+from kvrelay.ingest import stats as S
+from kvrelay.ingest import wire
+from kvrelay.ingest.errors import (
+    DecodeError,
+    DpRankMismatchError,
+    InternalDecodeError,
+    MalformedEnvelopeError,
+    MalformedPayloadError,
+)
+from kvrelay.ingest.options import DecodeOptions
+from kvrelay.ingest.salt import namespace_part, request_salt
+from kvrelay.ingest.stats import DecodeStats
+from kvrelay.ingest.tokens_kernel import fill_tokens
+from kvrelay.pool.batch import OP_CLEAR, OP_REMOVE, OP_STORE, EventBatch
+
+M64 = (1 << 64) - 1
+HASH_FORMAT_STANDARD = 1
+HASH_FORMAT_EAGLE = 2
+
+_TIERS = {
+    "CPU": "host_pinned",
+    "CPU_PINNED": "host_pinned",
+    "CPU_TIER1": "host_pinned",
+    "CPU_TIER2": "disk",
+    "DISK": "disk",
+    "NVME": "disk",
+    "STORAGE": "disk",
+    "EXTERNAL": "external",
+    "NETWORK": "external",
+    "REMOTE": "external",
+    "SHARED": "external",
+}
+_FULL_ATTENTION = frozenset({"full_attention", "mla_attention"})
+_STORE, _REMOVE, _CLEAR = wire.STORE, wire.REMOVE, wire.CLEAR
+
+
+@dataclass(slots=True)
+class DecodeResult:
+    batch: EventBatch
+    dp_rank: int
+    ts: float
+    stats: DecodeStats
+
+
+def norm_hash(h: int | bytes) -> int:
+    """u64 view of a vLLM hash: ints by two's complement, bytes by their last 8 bytes (BE)."""
+    if isinstance(h, bytes | bytearray):
+        return int.from_bytes(bytes(h[-8:]), "big")
+    return int(h) & M64
+
+
+def medium_drop_reason(medium: str) -> str | None:
+    """``None`` when the tier is the device (GPU) tier; else the drop reason label."""
+    up = medium.upper()
+    if up in ("", "GPU", "DEVICE"):
+        return None
+    return S.DROP_MEDIUM_PREFIX + _TIERS.get(up, "unknown")
+
+
+def mm_hash(identifier: str) -> int:
+    """vLLM mm identifier → u64: a 64-hex digest gives its first 16 hex chars, else XXH3 seed 0."""
+    if len(identifier) == 64:
+        try:
+            return int(identifier[:16], 16)
+        except ValueError:
+            pass
+    return int(xxhash.xxh3_64_intdigest(identifier.encode("utf-8", "surrogatepass"), seed=0))
+
+
+def _tok_header(raw: Raw) -> tuple[int, int, bool]:
+    """``(n, header_len, bigram)`` of a raw msgpack token array; n = -1 if it is not an array.
+
+    An absent field (empty raw) or nil is an empty list (a placeholder store).
+    """
+    mv = memoryview(raw)
+    if len(mv) == 0:
+        return 0, 0, False
+    b0 = mv[0]
+    if 0x90 <= b0 <= 0x9F:
+        n, h = b0 & 0x0F, 1
+    elif b0 == 0xDC and len(mv) >= 3:
+        n, h = (mv[1] << 8) | mv[2], 3
+    elif b0 == 0xDD and len(mv) >= 5:
+        n, h = int.from_bytes(mv[1:5], "big"), 5
+    elif b0 == 0xC0:
+        return 0, 1, False
+    else:
+        return -1, 0, False
+    big = n > 0 and len(mv) > h and (0x90 <= mv[h] <= 0x9F or mv[h] in (0xDC, 0xDD))
+    return n, h, big
+
+
+def _self_referencing(hs: list[int], parent: int | None) -> bool:
+    """Duplicate hash among the blocks, or the parent among them (compared as u64)."""
+    norm = {h & M64 for h in hs}
+    return len(norm) != len(hs) or (parent is not None and (parent & M64) in norm)
+
+
+def _u64(vals: list[int]) -> npt.NDArray[np.uint64]:
+    try:
+        return np.array(vals, dtype=np.uint64)
+    except OverflowError:
+        return np.array([v & M64 for v in vals], dtype=np.uint64)
+
+
+def _empty_batch() -> EventBatch:
+    z64 = np.zeros(0, dtype=np.uint64)
+    return EventBatch(
+        ops=np.zeros(0, dtype=np.uint8),
+        parent=z64,
+        has_parent=np.zeros(0, dtype=np.bool_),
+        salt=z64.copy(),
+        ns_part=z64.copy(),
+        ns_inherit=np.zeros(0, dtype=np.bool_),
+        blk_off=np.zeros(1, dtype=np.int64),
+        ext_hashes=z64.copy(),
+        tok_off=np.zeros(1, dtype=np.int64),
+        tokens=np.zeros(0, dtype=np.uint32),
+    )
+
+
+class Decoder:
+    """Stateful (per source) payload decoder; see the module docstring for the contract."""
+
+    __slots__ = (
+        "_fast",
+        "_garr",
+        "_gextra",
+        "_lora_bytes",
+        "_map_first",
+        "_salts",
+        "block_size",
+        "dp_rank",
+        "extra",
+        "options",
+    )
+
+    def __init__(
+        self,
+        *,
+        kv_block_size: int,
+        dp_rank: int,
+        hash_format: int = HASH_FORMAT_STANDARD,
+        options: DecodeOptions | None = None,
+        fast: bool = True,
+    ) -> None:
+        if kv_block_size <= 0:
+            raise ValueError("kv_block_size must be positive")
+        if hash_format not in (HASH_FORMAT_STANDARD, HASH_FORMAT_EAGLE):
+            raise ValueError("hash_format must be 1 (DYNAMO_STANDARD_V1) or 2 (DYNAMO_EAGLE_V1)")
+        self.block_size = kv_block_size
+        self.dp_rank = dp_rank
+        self.extra = 1 if hash_format == HASH_FORMAT_EAGLE else 0
+        self.options = options or DecodeOptions()
+        # learned kv-cache group kinds: -1 unknown, 0 not full attention, 1 full attention
+        self._garr = np.full(FW.MAX_GROUPS, -1, dtype=np.int8)
+        self._gextra: dict[int, bool] = {}
+        self._salts: dict[str, int] = {}
+        self._lora_bytes: dict[bytes, int] = {}
+        self._map_first = True
+        # the numba walker handles the clean common case; the options need the msgspec path
+        self._fast = fast and not (
+            self.options.cache_salt_namespacing or self.options.multimodal_hashing
+        )
+
+    def reset(self) -> None:
+        """Forget learned group kinds (new engine incarnation)."""
+        self._garr[:] = -1
+        self._gextra.clear()
+
+    def _group_ok(self, g: int, default: bool) -> bool:
+        st = int(self._garr[g]) if 0 <= g < FW.MAX_GROUPS else int(self._gextra.get(g, -1))
+        return st == 1 or (st < 0 and default)
+
+    def _group_learn(self, g: int, full: bool) -> None:
+        if 0 <= g < FW.MAX_GROUPS:
+            self._garr[g] = 1 if full else 0
+        elif len(self._gextra) < 1024:  # odd group ids from a broken engine stay bounded
+            self._gextra[g] = full
+
+    def decode(self, payload: bytes) -> DecodeResult:
+        try:
+            return self._decode(payload)
+        except DecodeError:
+            raise
+        except Exception as exc:  # defensive: a bug must still be a typed, counted rejection
+            raise InternalDecodeError(repr(exc)) from exc
+
+    # ---- envelope -------------------------------------------------------------------------
+    def _decode(self, payload: bytes) -> DecodeResult:
+        if self._fast:
+            res = self._walk(payload)
+            if res is not None:
+                return res
+        stats = DecodeStats(slow_path=1)
+        ts, dp, events, loose = self._envelope(payload, stats)
+        rank = self.dp_rank if dp is None else dp
+        if rank != self.dp_rank:
+            raise DpRankMismatchError(f"batch for dp_rank {rank} on the socket of {self.dp_rank}")
+        batch = self._build(events, loose, stats)
+        return DecodeResult(batch, rank, ts, stats)
+
+    def _walk(self, payload: bytes) -> DecodeResult | None:
+        """numba fast path; ``None`` = fall back to the msgspec path (nothing committed)."""
+        n = len(payload) + 1
+        o_stats, o_ts, o_groups, o_ops, o_hp, o_w64, o_i64, o_tok, total, e = FW.layout(n)
+        work = np.empty(total, dtype=np.uint8)
+        work[o_groups:o_ops] = self._garr.view(np.uint8)
+        rc = FW.walk(
+            np.frombuffer(payload, dtype=np.uint8),
+            work,
+            self.block_size,
+            self.extra,
+            self.options.drop_self_reference,
+        )
+        if rc != FW.OK:
+            return None
+        st = work[o_stats:o_ts].view(np.int64).tolist()
+        ne, dp, n_lora = st[FW.META], st[FW.META + 1], st[FW.META + 2]
+        w64 = work[o_w64:o_i64].view(np.uint64)
+        i64 = work[o_i64:o_tok].view(np.int64)
+        salt = w64[e : e + ne]
+        if n_lora:
+            lpos, llen = i64[2 * e + 2 : 2 * e + 2 + ne], i64[3 * e + 2 : 3 * e + 2 + ne]
+            for i in np.flatnonzero(llen).tolist():
+                p = int(lpos[i])
+                key = payload[p : p + int(llen[i])]
+                s = self._lora_bytes.get(key)
+                if s is None:
+                    s = self._salt(key.decode("utf-8"), None)  # UTF-8 checked by the walker
+                    if len(self._lora_bytes) < 4096:
+                        self._lora_bytes[key] = s
+                salt[i] = s
+        rank = self.dp_rank if dp < 0 else dp
+        if rank != self.dp_rank:
+            raise DpRankMismatchError(f"batch for dp_rank {rank} on the socket of {self.dp_rank}")
+        self._garr = work[o_groups:o_ops].view(np.int8).copy()
+        ds = DecodeStats(
+            stored=st[FW.ST_STORED],
+            removed=st[FW.ST_REMOVED],
+            cleared=st[FW.ST_CLEARED],
+            malformed_events=st[FW.ST_MALFORMED],
+            eagle_bigram=st[FW.ST_EAGLE],
+            truncated=st[FW.ST_TRUNCATED],
+        )
+        if any(st[FW.DROP_BASE : FW.N_STATS]):
+            for j, reason in enumerate(FW.DROP_REASONS):
+                v = st[FW.DROP_BASE + j]
+                if v:
+                    ds.drops[reason] = v
+        blk_off = i64[: ne + 1]
+        tok_off = i64[e + 1 : e + 2 + ne]
+        zeros = np.zeros(2 * ne, dtype=np.uint64)
+        batch = EventBatch(
+            ops=work[o_ops : o_ops + ne],
+            parent=w64[:ne],
+            has_parent=work[o_hp : o_hp + ne].view(np.bool_),
+            salt=salt,
+            ns_part=zeros[:ne],
+            ns_inherit=zeros[ne:].view(np.bool_)[:ne],
+            blk_off=blk_off,
+            ext_hashes=w64[2 * e : 2 * e + int(blk_off[ne])],
+            tok_off=tok_off,
+            tokens=work[o_tok : o_tok + 4 * int(tok_off[ne])].view(np.uint32),
+        )
+        return DecodeResult(batch, rank, float(work[o_ts:o_groups].view(np.float64)[0]), ds)
+
+    def _envelope(
+        self, payload: bytes, stats: DecodeStats
+    ) -> tuple[float, int | None, list[Any], bool]:
+        order = (
+            (wire.MAP_ENVELOPE, wire.ARR_ENVELOPE)
+            if self._map_first
+            else (wire.ARR_ENVELOPE, wire.MAP_ENVELOPE)
+        )
+        for dec in order:
+            try:
+                env = dec.decode(payload)
+            except msgspec.ValidationError:
+                continue
+            except msgspec.DecodeError as exc:
+                raise MalformedPayloadError(str(exc)) from None
+            self._map_first = dec is wire.MAP_ENVELOPE
+            return float(env.ts), env.dp_rank, env.events, False
+        try:
+            renv = wire.RAW_ENVELOPE.decode(payload)
+        except msgspec.ValidationError as exc:
+            raise MalformedEnvelopeError(str(exc)) from None
+        except msgspec.DecodeError as exc:
+            raise MalformedPayloadError(str(exc)) from None
+        events = []
+        for raw in renv.events:
+            ev = self._event(raw, stats)
+            if ev is not None:
+                events.append(ev)
+        return float(renv.ts), renv.dp_rank, events, True
+
+    def _event(self, raw: Raw, stats: DecodeStats) -> Any:
+        """Tolerant single-event decode (slow path). ``None`` = skipped (and counted)."""
+        b0 = memoryview(raw)[0]
+        is_map = 0x80 <= b0 <= 0x8F or b0 in (0xDE, 0xDF)
+        is_arr = 0x90 <= b0 <= 0x9F or b0 in (0xDC, 0xDD)
+        try:
+            if is_map:
+                keys = wire.MAP_KEYS.decode(raw)
+                traw = keys.get("type")
+                tag = wire.STR.decode(traw) if traw is not None else None
+                if tag in wire.KNOWN_TAGS:
+                    ev = wire.MAP_EVENT.decode(raw)
+                    known = wire.MAP_FIELDS[tag]
+                    stats.unknown_fields += sum(1 for k in keys if k not in known)
+                    return ev
+            elif is_arr:
+                items = wire.ARR_ITEMS.decode(raw)
+                tag = wire.STR.decode(items[0]) if items else None
+                if tag in wire.KNOWN_TAGS:
+                    ev = wire.ARR_EVENT.decode(raw)
+                    stats.unknown_fields += max(0, len(items) - wire.ARR_LEN[tag])
+                    return ev
+            else:
+                tag = None
+        except msgspec.DecodeError:
+            tag = None
+        if isinstance(tag, str):
+            stats.unknown_tags += 1
+            stats.drop(S.DROP_UNKNOWN_TAG)
+        else:
+            stats.malformed_events += 1
+            stats.drop(S.DROP_MALFORMED)
+        return None
+
+    # ---- events → arrays ------------------------------------------------------------------
+    def _salt(self, lora: str | None, ns: str | None) -> int:
+        if not ns:
+            if not lora:
+                return 1337
+            s = self._salts.get(lora)
+            if s is None:
+                s = request_salt(lora, None)
+                if len(self._salts) < 4096:
+                    self._salts[lora] = s
+            return s
+        return request_salt(lora, ns)
+
+    def _extra_keys(self, raw: Raw, stats: DecodeStats) -> list[Any] | None:
+        try:
+            val = msgspec.msgpack.decode(raw)
+        except msgspec.DecodeError:
+            stats.extra_keys_ignored += 1
+            return None
+        if not isinstance(val, list):
+            stats.extra_keys_ignored += 1
+            return None
+        return val
+
+    @staticmethod
+    def _cache_salt(entries: list[Any], lora: str | None) -> str | None:
+        """vLLM puts ``cache_salt`` as a bare string among block 0's keys (after the LoRA name)."""
+        if not entries:
+            return None
+        first = entries[0]
+        keys = first if isinstance(first, list) else [first]
+        found = None
+        for k in keys:
+            if isinstance(k, str) and k and k != lora:
+                found = k
+        return found
+
+    @staticmethod
+    def _mm(entries: list[Any], k: int) -> list[list[int]]:
+        out: list[list[int]] = []
+        for i in range(k):
+            entry = entries[i] if i < len(entries) else None
+            vals: list[int] = []
+            if isinstance(entry, list):
+                for item in entry:
+                    if isinstance(item, list) and len(item) == 2 and isinstance(item[0], str):
+                        vals.append(mm_hash(item[0]))
+            out.append(sorted(vals))
+        return out
+
+    def _build(self, events: list[Any], loose: bool, stats: DecodeStats) -> EventBatch:
+        B = self.block_size
+        extra = self.extra
+        group_ok = self._group_ok
+        group_learn = self._group_learn
+        opts = self.options
+        want_ek = opts.cache_salt_namespacing or opts.multimodal_hashing
+        ops: list[int] = []
+        counts: list[int] = []
+        ext: list[int] = []
+        s_idx: list[int] = []
+        s_parent: list[int] = []
+        s_has: list[bool] = []
+        s_salt: list[int] = []
+        s_nsp: list[int] = []
+        s_nsi: list[bool] = []
+        s_need: list[int] = []
+        seg_raw: list[Raw] = []
+        seg_hdr: list[int] = []
+        seg_n: list[int] = []
+        seg_big: list[bool] = []
+        mm_events: dict[int, list[list[int]]] = {}
+
+        for ev in events:
+            kind = ev.KIND
+            if kind == _REMOVE:
+                stats.removed += 1
+                m = ev.medium
+                if m is not None and m != "GPU":
+                    r = medium_drop_reason(m)
+                    if r is not None:
+                        stats.drop(r)
+                        continue
+                loc = ev.locality
+                if loc is not None and loc != "LOCAL" and loc != "":
+                    stats.drop(S.DROP_LOCALITY)
+                    continue
+                g = ev.group_idx
+                if g is not None and not group_ok(g, g == 0):
+                    stats.drop(S.DROP_GROUP)
+                    continue
+                hs = ev.block_hashes
+                if not hs:
+                    stats.drop(S.DROP_EMPTY)
+                    continue
+                if loose:
+                    hs = [norm_hash(h) for h in hs]
+                ops.append(OP_REMOVE)
+                counts.append(len(hs))
+                ext.extend(hs)
+            elif kind == _STORE:
+                stats.stored += 1
+                m = ev.medium
+                if m is not None and m != "GPU":
+                    r = medium_drop_reason(m)
+                    if r is not None:
+                        stats.drop(r)
+                        continue
+                loc = ev.locality
+                if loc is not None and loc != "LOCAL" and loc != "":
+                    stats.drop(S.DROP_LOCALITY)
+                    continue
+                sk = ev.kv_cache_spec_kind
+                g = ev.group_idx
+                if sk is None:
+                    if g is not None and not group_ok(g, g == 0):
+                        stats.drop(S.DROP_NON_FULL_ATTENTION)
+                        continue
+                elif sk in _FULL_ATTENTION:
+                    if g is not None:
+                        group_learn(g, True)
+                else:
+                    if g is not None:
+                        group_learn(g, False)
+                    stats.drop(S.DROP_NON_FULL_ATTENTION)
+                    continue
+                hs = ev.block_hashes
+                if not hs:
+                    stats.drop(S.DROP_EMPTY)
+                    continue
+                raw = ev.token_ids
+                n, hdr, big = _tok_header(raw)
+                if n < 0:
+                    stats.malformed_events += 1
+                    stats.drop(S.DROP_MALFORMED)
+                    continue
+                bs = ev.block_size
+                if bs == 0 or n == 0:
+                    stats.drop(S.DROP_PLACEHOLDER)
+                    continue
+                if bs != B:
+                    stats.drop(S.DROP_BLOCK_SIZE)
+                    continue
+                ntok = n + 1 if big else n
+                k = (ntok - extra) // B
+                nh = len(hs)
+                if k > nh:
+                    k = nh
+                if k <= 0:
+                    stats.drop(S.DROP_TOKENS_SHORT)
+                    continue
+                if k < nh:
+                    stats.truncated += 1
+                    hs = hs[:k]
+                parent = ev.parent_block_hash
+                if loose:
+                    hs = [norm_hash(h) for h in hs]
+                    if parent is not None:
+                        parent = norm_hash(parent)
+                if opts.drop_self_reference and _self_referencing(hs, parent):
+                    stats.drop(S.DROP_SELF_REFERENCE)
+                    continue
+                if big:
+                    stats.eagle_bigram += 1
+                lora = ev.lora_name
+                nsp = 0
+                nsi = False
+                entries = None
+                if want_ek and len(ev.extra_keys):
+                    entries = self._extra_keys(ev.extra_keys, stats)
+                if opts.cache_salt_namespacing:
+                    ns = ev.cache_salt
+                    if not ns and parent is None and entries:
+                        ns = self._cache_salt(entries, lora)
+                    if ns:
+                        nsp = namespace_part(ns)
+                        salt = self._salt(lora, ns)
+                    else:
+                        salt = self._salt(lora, None)
+                        nsi = parent is not None
+                else:
+                    salt = 1337 if not lora else self._salt(lora, None)
+                idx = len(ops)
+                if opts.multimodal_hashing and entries:
+                    per_block = self._mm(entries, k)
+                    if any(per_block):
+                        mm_events[idx] = per_block
+                ops.append(OP_STORE)
+                counts.append(k)
+                ext.extend(hs)
+                s_idx.append(idx)
+                s_parent.append(0 if parent is None else parent)
+                s_has.append(parent is not None)
+                s_salt.append(salt)
+                s_nsp.append(nsp)
+                s_nsi.append(nsi)
+                s_need.append(k * B + extra)
+                seg_raw.append(raw)
+                seg_hdr.append(hdr)
+                seg_n.append(n)
+                seg_big.append(big)
+            else:
+                stats.cleared += 1
+                ops.append(OP_CLEAR)
+                counts.append(0)
+
+        n_ev = len(ops)
+        if n_ev == 0:
+            return _empty_batch()
+        counts_a = np.array(counts, dtype=np.int64)
+        parent_a = np.zeros(n_ev, dtype=np.uint64)
+        has_a = np.zeros(n_ev, dtype=np.bool_)
+        salt_a = np.zeros(n_ev, dtype=np.uint64)
+        nsp_a = np.zeros(n_ev, dtype=np.uint64)
+        nsi_a = np.zeros(n_ev, dtype=np.bool_)
+        tcount = np.zeros(n_ev, dtype=np.int64)
+        tokens = np.zeros(0, dtype=np.uint32)
+        keep: npt.NDArray[np.bool_] | None = None
+        if s_idx:
+            si = np.array(s_idx, dtype=np.intp)
+            parent_a[si] = _u64(s_parent)
+            has_a[si] = s_has
+            salt_a[si] = _u64(s_salt)
+            nsp_a[si] = _u64(s_nsp)
+            nsi_a[si] = s_nsi
+            need = np.array(s_need, dtype=np.int64)
+            tcount[si] = need
+            out_off = np.zeros(len(s_idx), dtype=np.int64)
+            np.cumsum(need[:-1], out=out_off[1:])
+            lens = np.fromiter((len(r) for r in seg_raw), dtype=np.int64, count=len(seg_raw))
+            starts = np.zeros(len(seg_raw), dtype=np.int64)
+            np.cumsum(lens[:-1], out=starts[1:])
+            buf = np.frombuffer(b"".join(seg_raw), dtype=np.uint8)
+            tokens = np.empty(int(need.sum()), dtype=np.uint32)
+            status = np.zeros(len(s_idx), dtype=np.int8)
+            bad = fill_tokens(
+                buf,
+                starts + np.array(seg_hdr, dtype=np.int64),
+                starts + lens,
+                np.array(seg_n, dtype=np.int64),
+                np.array(seg_big, dtype=np.bool_),
+                need,
+                out_off,
+                tokens,
+                status,
+            )
+            if bad:
+                keep = np.ones(n_ev, dtype=np.bool_)
+                keep[si[status != 0]] = False
+                stats.malformed_events += int(bad)
+                stats.drops[S.DROP_MALFORMED] = stats.drops.get(S.DROP_MALFORMED, 0) + int(bad)
+                tokens = tokens[np.repeat(keep[si], need)]
+        ext_a = _u64(ext)
+        ops_a = np.array(ops, dtype=np.uint8)
+        kept_idx: npt.NDArray[np.intp] | None = None
+        if keep is not None:
+            ext_a = ext_a[np.repeat(keep, counts_a)]
+            kept_idx = np.nonzero(keep)[0]
+            ops_a, counts_a, tcount = ops_a[keep], counts_a[keep], tcount[keep]
+            parent_a, has_a, salt_a = parent_a[keep], has_a[keep], salt_a[keep]
+            nsp_a, nsi_a = nsp_a[keep], nsi_a[keep]
+            if ops_a.shape[0] == 0:
+                return _empty_batch()
+        m_ev = int(ops_a.shape[0])
+        blk_off = np.zeros(m_ev + 1, dtype=np.int64)
+        np.cumsum(counts_a, out=blk_off[1:])
+        tok_off = np.zeros(m_ev + 1, dtype=np.int64)
+        np.cumsum(tcount, out=tok_off[1:])
+        batch = EventBatch(
+            ops=ops_a,
+            parent=parent_a,
+            has_parent=has_a,
+            salt=salt_a,
+            ns_part=nsp_a,
+            ns_inherit=nsi_a,
+            blk_off=blk_off,
+            ext_hashes=ext_a,
+            tok_off=tok_off,
+            tokens=tokens,
+        )
+        if mm_events:
+            self._attach_mm(batch, mm_events, counts_a, kept_idx)
+        return batch
+
+    @staticmethod
+    def _attach_mm(
+        batch: EventBatch,
+        mm_events: dict[int, list[list[int]]],
+        counts: npt.NDArray[np.int64],
+        kept_idx: npt.NDArray[np.intp] | None,
+    ) -> None:
+        mm_off = [0]
+        mm: list[int] = []
+        for j in range(int(counts.shape[0])):
+            orig = j if kept_idx is None else int(kept_idx[j])
+            per_block = mm_events.get(orig)
+            for b in range(int(counts[j])):
+                if per_block is not None:
+                    mm.extend(per_block[b])
+                mm_off.append(len(mm))
+        batch.mm_off = np.array(mm_off, dtype=np.int64)
+        batch.mm = _u64(mm)

@@ -1,0 +1,49 @@
+"""Typed rejections of a whole message. Nothing else ever escapes the frame checks or decoder."""
+
+from __future__ import annotations
+
+
+class DecodeError(Exception):
+    """Base of every rejection; ``kind`` is the counter label."""
+
+    kind = "decode"
+
+
+class FrameError(DecodeError):
+    kind = "frames"
+
+
+class FrameCountError(FrameError):
+    kind = "frame_count"
+
+
+class SeqLengthError(FrameError):
+    kind = "seq_length"
+
+
+class TopicMismatchError(FrameError):
+    kind = "topic_mismatch"
+
+
+class MalformedPayloadError(DecodeError):
+    """Bytes are not valid msgpack (truncated, bad type byte, trailing garbage...)."""
+
+    kind = "malformed_payload"
+
+
+class MalformedEnvelopeError(DecodeError):
+    """Valid msgpack but not ``[ts, events, dp_rank?, ...]``."""
+
+    kind = "malformed_envelope"
+
+
+class DpRankMismatchError(DecodeError):
+    """The batch names another DP rank than the socket it came from (misconfiguration)."""
+
+    kind = "dp_rank_mismatch"
+
+
+class InternalDecodeError(DecodeError):
+    """Anything unexpected inside the decoder; a bug, but still a typed, counted rejection."""
+
+    kind = "internal"

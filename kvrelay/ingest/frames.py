@@ -1,0 +1,46 @@
+"""Multipart frame checks for live messages ``[topic, seq(8 B big-endian u64), payload]``.
+
+ZMQ SUB filtering is a prefix match, so the topic frame is compared for equality here: a
+subscription to ``kv`` would also deliver ``kv-events`` (another stream with its own sequence).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvrelay.ingest.errors import FrameCountError, SeqLengthError, TopicMismatchError
+
+END_SEQ = b"\xff" * 8
+
+
+def parse_seq(frame: bytes) -> int:
+    """8-byte big-endian unsigned sequence number."""
+    if len(frame) != 8:
+        raise SeqLengthError(f"sequence frame has {len(frame)} bytes, expected 8")
+    return int.from_bytes(frame, "big", signed=False)
+
+
+def check_live(frames: Sequence[bytes], topic: bytes) -> tuple[int, bytes]:
+    """Validate a live message; returns ``(seq, payload)`` or raises a ``FrameError``."""
+    if len(frames) != 3:
+        raise FrameCountError(f"live message has {len(frames)} frames, expected 3")
+    if bytes(frames[0]) != topic:
+        raise TopicMismatchError("topic frame differs from the configured topic")
+    return parse_seq(frames[1]), bytes(frames[2])
+
+
+def check_replay(frames: Sequence[bytes], topic: bytes) -> tuple[int, bytes] | None:
+    """Validate a replay reply as seen by a DEALER; ``None`` means the end-of-replay marker.
+
+    vLLM <= 0.25 sends ``[b"", seq, payload]``; >= 0.26 sends ``[b"", topic, seq, payload]``
+    (the end marker then has an empty topic). End = seq bytes all 0xFF and an empty payload.
+    """
+    n = len(frames)
+    if n not in (3, 4) or len(frames[0]) != 0:
+        raise FrameCountError(f"replay reply has {n} frames or no empty delimiter")
+    seq_frame, payload = bytes(frames[-2]), bytes(frames[-1])
+    if seq_frame == END_SEQ and not payload:
+        return None
+    if n == 4 and bytes(frames[1]) != topic:
+        raise TopicMismatchError("replay topic frame differs from the configured topic")
+    return parse_seq(seq_frame), payload

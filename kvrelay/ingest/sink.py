@@ -1,0 +1,56 @@
+"""What a subscriber feeds: the ``BatchSink`` protocol, source identity and per-source config."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+from kvrelay.ingest.options import DecodeOptions
+from kvrelay.pool.batch import EventBatch
+
+
+class SourceKey(NamedTuple):
+    """One pool member: ``(worker_id, dp_rank)``."""
+
+    worker_id: int
+    dp_rank: int
+
+
+class ResetReason(enum.Enum):
+    """Why a member's state must be cleared (the sink drops everything it holds for it)."""
+
+    INCARNATION = "incarnation"  # sequence reset/decrease: the engine restarted
+    MISSING_HISTORY = "missing_history"  # replay started later than asked
+    GAP_UNRECOVERABLE = "gap_unrecoverable"  # live gap that one replay could not fill
+    GAP_NO_REPLAY = "gap_no_replay"  # live gap and no replay endpoint
+    REORDER_OVERFLOW = "reorder_overflow"  # reorder buffer bound hit while waiting for a replay
+    REPLAY_FAILED = "replay_failed"  # replay timed out / broke while a hole was open
+
+
+class BatchSink(Protocol):
+    def on_batch(self, source: SourceKey, seq: int, batch: EventBatch) -> None: ...
+
+    def on_reset(self, source: SourceKey, reason: ResetReason) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SourceSpec:
+    """Everything needed to subscribe one (engine, dp_rank) publisher.
+
+    ``endpoint``/``replay_endpoint`` are connectable addresses (DP offset applied, wildcard hosts
+    already substituted by discovery). ``hash_format``: 1 = DYNAMO_STANDARD_V1, 2 = EAGLE_V1.
+    """
+
+    endpoint: str
+    replay_endpoint: str | None
+    topic: bytes
+    dp_rank: int
+    worker_id: int
+    kv_block_size: int
+    hash_format: int = 1
+    options: DecodeOptions = field(default_factory=DecodeOptions)
+
+    @property
+    def key(self) -> SourceKey:
+        return SourceKey(self.worker_id, self.dp_rank)

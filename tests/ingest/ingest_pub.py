@@ -1,0 +1,106 @@
+"""Tiny test-local vLLM-style publisher: XPUB live stream + ROUTER replay (both reply shapes).
+
+XPUB sends exactly like vLLM's PUB but also tells the test when a subscription has arrived, so
+tests do not depend on sleeps to beat ZMQ's slow-joiner effect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+END = b"\xff" * 8
+
+
+class TestPublisher:
+    __test__ = False
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        *,
+        topic: bytes = b"kv-events",
+        replay: bool = True,
+        reply_shape: int = 4,
+        keep: int = 10_000,
+    ) -> None:
+        self.topic = topic
+        self.reply_shape = reply_shape
+        self.pub = ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.SNDHWM, 100_000)
+        self.endpoint = f"tcp://127.0.0.1:{self.pub.bind_to_random_port('tcp://127.0.0.1')}"
+        self.history: deque[tuple[int, bytes]] = deque(maxlen=keep)
+        self.seq = 0
+        self.requests: list[int] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.router: zmq.asyncio.Socket | None = None
+        self.replay_endpoint: str | None = None
+        self._task: asyncio.Task[None] | None = None
+        if replay:
+            self.router = ctx.socket(zmq.ROUTER)
+            self.router.setsockopt(zmq.LINGER, 0)
+            port = self.router.bind_to_random_port("tcp://127.0.0.1")
+            self.replay_endpoint = f"tcp://127.0.0.1:{port}"
+            self._task = asyncio.create_task(self._serve())
+
+    async def wait_subscribed(self, timeout: float = 5.0) -> None:
+        frame = await asyncio.wait_for(self.pub.recv(), timeout)
+        assert frame[:1] == b"\x01"
+
+    async def publish(self, payload: bytes, *, live: bool = True) -> int:
+        seq = self.seq
+        self.seq += 1
+        self.history.append((seq, payload))
+        if live:
+            await self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+        return seq
+
+    async def send_raw(self, frames: list[bytes]) -> None:
+        await self.pub.send_multipart(frames)
+
+    def restart(self) -> None:
+        """New engine incarnation: the sequence starts again at 0, history is gone."""
+        self.seq = 0
+        self.history.clear()
+
+    async def _serve(self) -> None:
+        assert self.router is not None
+        while True:
+            frames = await self.router.recv_multipart()
+            if len(frames) != 3:
+                continue  # vLLM logs and does not answer
+            ident, _, start_b = frames
+            start = int.from_bytes(start_b, "big")
+            self.requests.append(start)
+            await self.gate.wait()
+            lead = [ident, b""] + ([self.topic] if self.reply_shape == 4 else [])
+            for seq, payload in list(self.history):
+                if seq >= start:
+                    await self.router.send_multipart([*lead, seq.to_bytes(8, "big"), payload])
+            end_lead = [ident, b""] + ([b""] if self.reply_shape == 4 else [])
+            await self.router.send_multipart([*end_lead, END, b""])
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self.pub.close(linger=0)
+        if self.router is not None:
+            self.router.close(linger=0)
+
+
+async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.005)

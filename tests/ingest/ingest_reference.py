@@ -1,0 +1,115 @@
+"""Pure-Python reference model of the decoder's output (the test oracle).
+
+Works on plain Python event descriptions (not msgpack), so it shares no code with the decoder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from kvrelay.pool.batch import BatchBuilder, EventBatch
+
+M = (1 << 64) - 1
+FULL = {"full_attention", "mla_attention"}
+
+
+def salt_of(lora: str | None, ns: str | None = None) -> int:
+    s = 1337
+    if lora:
+        s += xxhash.xxh3_64_intdigest(lora.encode(), seed=0)
+    if ns:
+        s += xxhash.xxh3_64_intdigest(ns.encode(), seed=1)
+    return s & M
+
+
+def u64(h: int | bytes) -> int:
+    if isinstance(h, bytes):
+        return int.from_bytes(h.rjust(8, b"\0")[-8:], "big")
+    return h % (1 << 64)
+
+
+@dataclass
+class Ref:
+    """Event dicts: {"kind": "store"|"remove"|"clear", vLLM field names...}."""
+
+    block_size: int
+    eagle: bool = False
+    groups: dict[int, bool] = field(default_factory=dict)
+
+    def build(self, events: list[dict[str, Any]]) -> EventBatch:
+        b = BatchBuilder()
+        for ev in events:
+            kind = ev["kind"]
+            if kind == "clear":
+                b.clear()
+                continue
+            med = ev.get("medium")
+            if med not in (None, "", "GPU", "DEVICE"):
+                continue
+            if ev.get("locality") not in (None, "", "LOCAL"):
+                continue
+            g = ev.get("group_idx")
+            if kind == "remove":
+                if g is not None and not self.groups.get(g, g == 0):
+                    continue
+                if ev["block_hashes"]:
+                    b.remove([u64(h) for h in ev["block_hashes"]])
+                continue
+            sk = ev.get("kv_cache_spec_kind")
+            if sk is None:
+                if g is not None and not self.groups.get(g, g == 0):
+                    continue
+            elif sk in FULL:
+                if g is not None:
+                    self.groups[g] = True
+            else:
+                if g is not None:
+                    self.groups[g] = False
+                continue
+            hs = [u64(h) for h in ev["block_hashes"]]
+            toks = ev["token_ids"]
+            if toks and isinstance(toks[0], list):
+                toks = [p[0] for p in toks] + [toks[-1][1]]
+            bs = ev["block_size"]
+            if not hs or bs == 0 or not toks or bs != self.block_size:
+                continue
+            e = 1 if self.eagle else 0
+            k = min(len(hs), max(0, (len(toks) - e) // bs))
+            if k == 0:
+                continue
+            hs = hs[:k]
+            parent = ev.get("parent_block_hash")
+            parent = None if parent is None else u64(parent)
+            if len(set(hs)) != k or (parent is not None and parent in hs):
+                continue
+            b.store(
+                hs,
+                np.array(toks[: k * bs + e], dtype=np.uint32),
+                parent=parent,
+                salt=salt_of(ev.get("lora_name")),
+            )
+        return b.build()
+
+
+def assert_batch_equal(got: EventBatch, want: EventBatch) -> None:
+    for name in (
+        "ops",
+        "parent",
+        "has_parent",
+        "salt",
+        "ns_part",
+        "ns_inherit",
+        "blk_off",
+        "ext_hashes",
+        "tok_off",
+        "tokens",
+        "mm_off",
+        "mm",
+    ):
+        g, w = getattr(got, name), getattr(want, name)
+        assert g.dtype == w.dtype, (name, g.dtype, w.dtype)
+        assert np.array_equal(g, w), (name, g, w)

@@ -1,0 +1,515 @@
+"""Decoder vs the pure-Python reference model, both encodings, gating, salts, typed rejections."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import ingest_wire as W
+import msgspec
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from ingest_reference import Ref, assert_batch_equal, salt_of
+
+from kvrelay.ingest.decoder import Decoder
+from kvrelay.ingest.errors import (
+    DecodeError,
+    DpRankMismatchError,
+    InternalDecodeError,
+    MalformedEnvelopeError,
+    MalformedPayloadError,
+)
+from kvrelay.ingest.options import DecodeOptions
+from kvrelay.pool.batch import OP_CLEAR, OP_REMOVE, OP_STORE
+
+B = 4
+enc = msgspec.msgpack.encode
+
+
+def dec(**kw: Any) -> Decoder:
+    kw.setdefault("kv_block_size", B)
+    kw.setdefault("dp_rank", 0)
+    return Decoder(**kw)
+
+
+def to_wire(ev: dict[str, Any], era: str) -> Any:
+    fields = {k: v for k, v in ev.items() if k not in ("kind",)}
+    if ev["kind"] == "clear":
+        return W.cleared(era)
+    if ev["kind"] == "remove":
+        hs = fields.pop("block_hashes")
+        return W.removed(era, hs, **fields)
+    return W.stored(era, **fields)
+
+
+# ---- generated events: decoder == reference model ----------------------------------------------
+hashes = st.one_of(
+    st.integers(-(2**63), 2**64 - 1),
+    st.binary(min_size=1, max_size=32),
+)
+u32 = st.integers(0, 2**32 - 1)
+
+
+@st.composite
+def events(draw: st.DrawFn, allow_bytes: bool) -> tuple[dict[str, Any], str]:
+    era = draw(st.sampled_from(["array", "map"]))
+    kind = draw(st.sampled_from(["store", "store", "store", "remove", "remove", "clear"]))
+    h = hashes if allow_bytes else st.integers(-(2**63), 2**64 - 1)
+    common = {
+        "medium": draw(st.sampled_from([None, "GPU", "GPU", "DEVICE", "CPU", "STORAGE", "odd"])),
+        "group_idx": draw(st.sampled_from([None, None, 0, 1])),
+    }
+    if era == "map":
+        common["locality"] = draw(st.sampled_from([None, None, "LOCAL", "REMOTE"]))
+    if kind == "clear":
+        return {"kind": "clear"}, era
+    if kind == "remove":
+        return {"kind": "remove", "block_hashes": draw(st.lists(h, max_size=3)), **common}, era
+    k = draw(st.integers(0, 4))
+    bs = draw(st.sampled_from([B, B, B, 0, 2 * B]))
+    ntok = max(0, k * B + draw(st.integers(-5, 2)))
+    bigram = draw(st.booleans()) and ntok >= 2
+    if bigram:
+        toks: list[Any] = [
+            list(p)
+            for p in draw(st.lists(st.tuples(u32, u32), min_size=ntok - 1, max_size=ntok - 1))
+        ]
+    else:
+        toks = draw(st.lists(u32, min_size=ntok, max_size=ntok))
+    parent = draw(st.one_of(st.none(), h))
+    hs = draw(st.lists(h, min_size=k, max_size=k))
+    if hs and draw(st.integers(0, 9)) == 0:
+        parent = hs[-1]  # self reference
+    return {
+        "kind": "store",
+        "block_hashes": hs,
+        "parent_block_hash": parent,
+        "token_ids": toks,
+        "block_size": bs,
+        "lora_name": draw(st.sampled_from([None, "", "adapter-a", "λ-lora"])),
+        "kv_cache_spec_kind": draw(
+            st.sampled_from([None, None, "full_attention", "mla_attention", "sliding_window"])
+        ),
+        **common,
+    }, era
+
+
+@pytest.mark.parametrize("eagle", [False, True])
+@pytest.mark.parametrize("allow_bytes", [False, True])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_matches_reference(eagle: bool, allow_bytes: bool, data: st.DataObject) -> None:
+    evs = data.draw(st.lists(events(allow_bytes), max_size=8))
+    payload = W.batch([to_wire(e, era) for e, era in evs], dp=data.draw(st.sampled_from([0, None])))
+    res = dec(hash_format=2 if eagle else 1).decode(payload)
+    want = Ref(B, eagle=eagle).build([e for e, _ in evs])
+    assert_batch_equal(res.batch, want)
+    assert res.dp_rank == 0
+    assert res.ts == 1700000000.5
+    st_ = res.stats
+    assert st_.stored + st_.removed + st_.cleared == len(evs)
+    assert st_.unknown_tags == 0 and st_.malformed_events == 0
+
+
+# ---- targeted cases ----------------------------------------------------------------------------
+def test_hash_forms_normalise_to_u64() -> None:
+    digest = bytes(range(32))
+    hs = [0, -1, -(2**63), 2**64 - 1, 2**63, digest, b"\x01\x02\x03"]
+    for era in ("array", "map"):
+        res = dec().decode(W.batch([W.removed(era, hs)]))
+        assert res.batch.ext_hashes.tolist() == [
+            0,
+            2**64 - 1,
+            2**63,
+            2**64 - 1,
+            2**63,
+            int.from_bytes(digest[-8:], "big"),
+            0x010203,
+        ]
+        assert res.batch.ops.tolist() == [OP_REMOVE]
+
+
+def test_store_with_bytes_parent_and_truncation_by_tokens() -> None:
+    parent = b"\xaa" * 16
+    ev = W.stored(
+        "map",
+        block_hashes=[1, 2, 3],
+        parent_block_hash=parent,
+        token_ids=list(range(10)),
+        block_size=B,
+    )
+    res = dec().decode(W.batch([ev]))
+    b = res.batch
+    assert b.ext_hashes.tolist() == [1, 2]  # 10 tokens → 2 full blocks of 4
+    assert b.tokens.tolist() == list(range(8))
+    assert b.parent.tolist() == [int.from_bytes(b"\xaa" * 8, "big")] and b.has_parent.tolist() == [
+        True
+    ]
+    assert res.stats.truncated == 1
+
+
+def test_unknown_tags_and_fields_counted_not_fatal() -> None:
+    events = [
+        {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU", "future_field": [1, 2]},
+        {"type": "SomethingNew", "x": 1},
+        ["SomethingOld", 1, 2],
+        ["BlockRemoved", [8], "GPU", None, None, None, "extra-a", "extra-b"],
+        {"type": "AllBlocksCleared", "why": "reset"},
+        5,  # not an event at all
+        {"type": "BlockRemoved", "block_hashes": [9], "medium": 17},  # badly typed known field
+    ]
+    res = dec().decode(enc([1.0, events, 0]))
+    assert res.batch.ops.tolist() == [OP_REMOVE, OP_REMOVE, OP_CLEAR]
+    assert res.batch.ext_hashes.tolist() == [7, 8]
+    assert res.stats.unknown_tags == 2
+    assert res.stats.unknown_fields == 1 + 2 + 1
+    assert res.stats.malformed_events == 2
+
+
+def test_medium_locality_group_gating_counted_by_reason() -> None:
+    toks = list(range(B))
+    evs = [
+        W.stored("map", block_hashes=[1], token_ids=toks, block_size=B, medium="CPU"),
+        W.stored("map", block_hashes=[2], token_ids=toks, block_size=B, medium="STORAGE"),
+        W.stored("map", block_hashes=[3], token_ids=toks, block_size=B, medium="NETWORK"),
+        W.stored("map", block_hashes=[4], token_ids=toks, block_size=B, medium="weird"),
+        W.stored("map", block_hashes=[5], token_ids=toks, block_size=B, locality="REMOTE"),
+        W.stored(
+            "map",
+            block_hashes=[6],
+            token_ids=toks,
+            block_size=B,
+            group_idx=1,
+            kv_cache_spec_kind="sliding_window",
+        ),
+        W.removed("map", [6], group_idx=1),
+        W.stored("map", block_hashes=[7], token_ids=toks, block_size=B, group_idx=2),
+        W.stored("map", block_hashes=[8], token_ids=toks, block_size=B, group_idx=0),
+        W.stored("map", block_hashes=[9], token_ids=[], block_size=0, medium="CPU"),
+        W.stored("map", block_hashes=[10], token_ids=[], block_size=0),
+        W.stored("map", block_hashes=[11], token_ids=toks, block_size=2 * B),
+        W.stored("map", block_hashes=[12], token_ids=toks[:3], block_size=B),
+        W.stored(
+            "map",
+            block_hashes=[13],
+            token_ids=toks,
+            block_size=B,
+            medium="DEVICE",
+            group_idx=3,
+            kv_cache_spec_kind="mla_attention",
+        ),
+        W.removed("map", [13], group_idx=3, medium="GPU"),
+    ]
+    res = dec().decode(W.batch(evs))
+    assert res.batch.ext_hashes.tolist() == [8, 13, 13]
+    assert res.stats.drops == {
+        "medium_host_pinned": 2,
+        "medium_disk": 1,
+        "medium_external": 1,
+        "medium_unknown": 1,
+        "locality": 1,
+        "non_full_attention": 2,
+        "group": 1,
+        "placeholder": 1,
+        "block_size_mismatch": 1,
+        "tokens_short": 1,
+    }
+
+
+def test_eagle_bigrams_follow_the_pool_format() -> None:
+    pairs = [[10 + i, 11 + i] for i in range(2 * B)]  # tokens 10..10+2B
+    ev = W.stored("array", block_hashes=[1, 2], token_ids=pairs, block_size=B)
+    std = dec(hash_format=1).decode(W.batch([ev]))
+    assert std.batch.tokens.tolist() == list(range(10, 10 + 2 * B))
+    assert std.stats.eagle_bigram == 1
+    eag = dec(hash_format=2).decode(W.batch([ev]))
+    assert eag.batch.tokens.tolist() == list(range(10, 11 + 2 * B))
+    assert eag.batch.ext_hashes.tolist() == [1, 2]
+    flat = W.stored("array", block_hashes=[1, 2], token_ids=list(range(2 * B)), block_size=B)
+    eag_flat = dec(hash_format=2).decode(W.batch([flat]))  # last block lacks its lookahead token
+    assert eag_flat.batch.ext_hashes.tolist() == [1]
+    assert eag_flat.batch.tokens.tolist() == list(range(B + 1))
+
+
+def test_lora_salt_matches_xxhash() -> None:
+    ev = W.stored(
+        "map", block_hashes=[1], token_ids=list(range(B)), block_size=B, lora_name="adapter-a"
+    )
+    res = dec().decode(
+        W.batch(
+            [
+                ev,
+                W.stored(
+                    "map", block_hashes=[2], token_ids=list(range(B)), block_size=B, lora_name=""
+                ),
+            ]
+        )
+    )
+    want = (1337 + xxhash.xxh3_64_intdigest(b"adapter-a", seed=0)) % 2**64
+    assert res.batch.salt.tolist() == [want, 1337]
+    assert res.batch.ns_part.tolist() == [0, 0]
+
+
+def test_cache_salt_ignored_by_default_and_namespaced_on_option() -> None:
+    root = W.stored(
+        "map",
+        block_hashes=[1, 2],
+        token_ids=list(range(2 * B)),
+        block_size=B,
+        lora_name="adapter-a",
+        extra_keys=[["adapter-a", "tenant-7"], ["adapter-a"]],
+    )
+    child = W.stored(
+        "map", block_hashes=[3], parent_block_hash=2, token_ids=list(range(B)), block_size=B
+    )
+    payload = W.batch([root, child])
+    off = dec().decode(payload).batch
+    assert off.salt.tolist() == [salt_of("adapter-a"), 1337]
+    assert off.ns_part.tolist() == [0, 0] and off.ns_inherit.tolist() == [False, False]
+    on = dec(options=DecodeOptions(cache_salt_namespacing=True)).decode(payload).batch
+    ns = xxhash.xxh3_64_intdigest(b"tenant-7", seed=1)
+    assert on.salt.tolist() == [salt_of("adapter-a", "tenant-7"), 1337]
+    assert on.ns_part.tolist() == [ns, 0]
+    assert on.ns_inherit.tolist() == [False, True]
+
+
+def test_multimodal_extra_keys_option() -> None:
+    hexid = "0123456789abcdef" + "f" * 48
+    ev = W.stored(
+        "map",
+        block_hashes=[1, 2],
+        token_ids=list(range(2 * B)),
+        block_size=B,
+        extra_keys=[[["img-b", 0], [hexid, 3]], None],
+    )
+    rm = W.removed("map", [9])
+    off = dec().decode(W.batch([ev, rm])).batch
+    assert off.mm_off.size == 0
+    on = dec(options=DecodeOptions(multimodal_hashing=True)).decode(W.batch([ev, rm])).batch
+    assert on.mm_off.tolist() == [0, 2, 2, 2]
+    assert on.mm.tolist() == sorted(
+        [0x0123456789ABCDEF, xxhash.xxh3_64_intdigest(b"img-b", seed=0)]
+    )
+
+
+def test_envelope_variants_and_dp_rank() -> None:
+    ev = ["BlockRemoved", [5], "GPU"]
+    assert dec().decode(enc([1, [ev]])).dp_rank == 0  # 0.9 two-element envelope, int ts
+    assert dec(dp_rank=3).decode(enc([1.5, [ev], None, "extra", 7])).dp_rank == 3
+    with pytest.raises(DpRankMismatchError):
+        dec(dp_rank=1).decode(enc([1.5, [ev], 2]))
+    for bad in (enc({"ts": 1}), enc([1.0]), enc([1.0, 5, 0]), enc(["x", [], 0]), enc(7)):
+        with pytest.raises(MalformedEnvelopeError):
+            dec().decode(bad)
+    for bad in (b"", b"\xc1", enc([1.0, [ev], 0])[:-2], enc([1.0, [], 0]) + b"\x00"):
+        with pytest.raises(MalformedPayloadError):
+            dec().decode(bad)
+
+
+def _int_encodings(v: int) -> list[bytes]:
+    out = []
+    if 0 <= v <= 0x7F:
+        out.append(bytes([v]))
+    for tag, w, signed in (
+        (0xCC, 1, False),
+        (0xCD, 2, False),
+        (0xCE, 4, False),
+        (0xCF, 8, False),
+        (0xD0, 1, True),
+        (0xD1, 2, True),
+        (0xD2, 4, True),
+        (0xD3, 8, True),
+    ):
+        with contextlib.suppress(OverflowError):
+            out.append(bytes([tag]) + v.to_bytes(w, "big", signed=signed))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(-(2**40), 2**40), st.integers(0, 8)), min_size=B, max_size=3 * B)
+)
+def test_every_int_width_parses_like_msgspec(vals: list[tuple[int, int]]) -> None:
+    body = b""
+    plain: list[int] = []
+    for v, pick in vals:
+        encs = _int_encodings(v)
+        body += encs[pick % len(encs)]
+        plain.append(v)
+    arr = (bytes([0xDC]) + len(vals).to_bytes(2, "big")) + body
+    # splice the hand-encoded token array into a real event
+    head = enc(["BlockStored", [1, 2, 3], None])
+    tail = enc(B)[0:] + enc(None) + enc("GPU")
+    event = bytes([0x97]) + head[1:] + arr + tail
+    payload = bytes([0x93]) + enc(1.0) + bytes([0x91]) + event + enc(0)
+    res = dec().decode(payload)
+    k = min(3, len(plain) // B)
+    need = plain[: k * B]
+    if all(0 <= x < 2**32 for x in need):
+        assert res.batch.tokens.tolist() == need
+        assert res.stats.malformed_events == 0
+    else:
+        assert res.batch.n_events == 0 and res.stats.malformed_events == 1
+        assert res.stats.drops == {"malformed_event": 1}
+
+
+# ---- fuzz: nothing but typed DecodeError escapes ------------------------------------------------
+def _check_consistent(res: Any) -> None:
+    b = res.batch
+    n = b.n_events
+    assert b.blk_off.shape == (n + 1,) and b.tok_off.shape == (n + 1,)
+    assert b.blk_off[-1] == b.ext_hashes.shape[0] and b.tok_off[-1] == b.tokens.shape[0]
+    assert np.all(np.diff(b.blk_off) >= 0) and np.all(np.diff(b.tok_off) >= 0)
+    for i in range(n):
+        nb = b.blk_off[i + 1] - b.blk_off[i]
+        nt = b.tok_off[i + 1] - b.tok_off[i]
+        if b.ops[i] == OP_STORE:
+            assert nb >= 1 and nt == nb * B
+        else:
+            assert nt == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=300))
+def test_fuzz_random_bytes(data: bytes) -> None:
+    try:
+        _check_consistent(dec().decode(data))
+    except DecodeError as exc:
+        assert not isinstance(exc, InternalDecodeError), exc
+
+
+_VALID = W.batch(
+    [
+        W.stored(
+            "map",
+            block_hashes=[1, 2],
+            parent_block_hash=9,
+            token_ids=list(range(2 * B)),
+            block_size=B,
+            lora_name="a",
+        ),
+        W.removed("map", [3]),
+        W.stored(
+            "array",
+            block_hashes=[b"\x01" * 32],
+            parent_block_hash=None,
+            token_ids=[[1, 2]] * B,
+            block_size=B,
+        ),
+        W.cleared("array"),
+    ]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, len(_VALID) - 1), st.integers(0, 255)), min_size=1, max_size=6
+    ),
+    st.integers(0, len(_VALID)),
+)
+def test_fuzz_mutated_valid_payload(muts: list[tuple[int, int]], cut: int) -> None:
+    data = bytearray(_VALID)
+    for pos, val in muts:
+        data[pos] = val
+    try:
+        _check_consistent(dec().decode(bytes(data[: max(cut, 1)] if cut < 8 else data)))
+    except DecodeError as exc:
+        assert not isinstance(exc, InternalDecodeError), exc
+
+
+# ---- numba walker == msgspec path ---------------------------------------------------------------
+def _outcome(d: Decoder, payload: bytes) -> tuple[str, Any]:
+    try:
+        r = d.decode(payload)
+    except DecodeError as exc:
+        return "error", type(exc).__name__
+    st_ = r.stats
+    b = r.batch
+    return "ok", (
+        r.dp_rank,
+        r.ts,
+        [
+            getattr(b, f).tolist()
+            for f in (
+                "ops",
+                "parent",
+                "has_parent",
+                "salt",
+                "ns_part",
+                "ns_inherit",
+                "blk_off",
+                "ext_hashes",
+                "tok_off",
+                "tokens",
+                "mm_off",
+                "mm",
+            )
+        ],
+        (
+            st_.stored,
+            st_.removed,
+            st_.cleared,
+            st_.unknown_tags,
+            st_.unknown_fields,
+            st_.malformed_events,
+            st_.eagle_bigram,
+            st_.truncated,
+            st_.drops,
+        ),
+    )
+
+
+@pytest.mark.parametrize("eagle", [False, True])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_walker_equals_msgspec_path(eagle: bool, data: st.DataObject) -> None:
+    evs = data.draw(st.lists(events(False), max_size=8))
+    payload = W.batch([to_wire(e, era) for e, era in evs], dp=data.draw(st.sampled_from([0, None])))
+    fast = dec(hash_format=2 if eagle else 1)
+    slow = dec(hash_format=2 if eagle else 1, fast=False)
+    res = fast.decode(payload)
+    # clean vLLM output never leaves the walker (an unknown medium string is left to msgspec)
+    assert res.stats.slow_path == int(any(e.get("medium") == "odd" for e, _ in evs))
+    assert _outcome(dec(hash_format=2 if eagle else 1), payload) == _outcome(slow, payload)
+    # a second message on the same decoders: learned group state must agree too
+    assert _outcome(fast, payload) == _outcome(slow, payload)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    muts=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=4),
+)
+def test_walker_equals_msgspec_path_on_mutations(
+    data: st.DataObject, muts: list[tuple[int, int]]
+) -> None:
+    evs = data.draw(st.lists(events(False), min_size=1, max_size=5))
+    buf = bytearray(W.batch([to_wire(e, era) for e, era in evs]))
+    for pos, val in muts:
+        buf[pos % len(buf)] = val
+    payload = bytes(buf)
+    assert _outcome(dec(), payload) == _outcome(dec(fast=False), payload)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.one_of(
+        st.binary(max_size=12),
+        st.text(max_size=6).map(lambda t: t.encode("utf-8", "surrogatepass")),
+    )
+)
+def test_walker_utf8_check_matches_msgspec(raw: bytes) -> None:
+    from kvrelay.ingest.fastwalk import _utf8_ok
+
+    try:
+        msgspec.msgpack.decode(
+            enc(raw.decode("latin-1"))[:0] + bytes([0xD9, len(raw)]) + raw, type=str
+        )
+        want = True
+    except msgspec.DecodeError:
+        want = False
+    assert _utf8_ok(np.frombuffer(raw, dtype=np.uint8), 0, len(raw)) == want

@@ -1,0 +1,65 @@
+"""Frame checks: exact shapes, typed rejections, fuzz (only FrameError escapes)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvrelay.ingest.errors import (
+    DecodeError,
+    FrameCountError,
+    FrameError,
+    SeqLengthError,
+    TopicMismatchError,
+)
+from kvrelay.ingest.frames import check_live, check_replay
+
+FF = b"\xff" * 8
+
+
+def test_live_ok_and_big_endian_unsigned() -> None:
+    assert check_live([b"t", (2**64 - 1).to_bytes(8, "big"), b"p"], b"t") == (2**64 - 1, b"p")
+    assert check_live([b"", (258).to_bytes(8, "big"), b""], b"") == (258, b"")
+
+
+@pytest.mark.parametrize(
+    ("frames", "err"),
+    [
+        ([b"t", b"\0" * 8], FrameCountError),
+        ([b"t", b"\0" * 8, b"p", b"x"], FrameCountError),
+        ([b"t", b"\0" * 7, b"p"], SeqLengthError),
+        ([b"t", b"\0" * 9, b"p"], SeqLengthError),
+        ([b"tt", b"\0" * 8, b"p"], TopicMismatchError),  # SUB matched it by prefix
+        ([b"", b"\0" * 8, b"p"], TopicMismatchError),
+    ],
+)
+def test_live_rejections(frames: list[bytes], err: type[FrameError]) -> None:
+    with pytest.raises(err):
+        check_live(frames, b"t")
+
+
+def test_replay_shapes_and_end_marker() -> None:
+    seq = (7).to_bytes(8, "big")
+    assert check_replay([b"", seq, b"p"], b"t") == (7, b"p")  # vLLM <= 0.25
+    assert check_replay([b"", b"t", seq, b"p"], b"t") == (7, b"p")  # >= 0.26
+    assert check_replay([b"", FF, b""], b"t") is None
+    assert check_replay([b"", b"", FF, b""], b"t") is None
+    # all-0xFF seq with a payload is a real batch of seq 2^64-1, not the end marker
+    assert check_replay([b"", FF, b"p"], b"t") == (2**64 - 1, b"p")
+    with pytest.raises(TopicMismatchError):
+        check_replay([b"", b"x", seq, b"p"], b"t")
+    with pytest.raises(FrameCountError):
+        check_replay([b"x", seq, b"p"], b"t")
+    with pytest.raises(FrameCountError):
+        check_replay([b"", b"p"], b"t")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=12), max_size=5), st.binary(max_size=3))
+def test_fuzz_frames(frames: list[bytes], topic: bytes) -> None:
+    for fn in (check_live, check_replay):
+        try:
+            fn(frames, topic)
+        except DecodeError as exc:
+            assert isinstance(exc, FrameError)

@@ -1,0 +1,345 @@
+"""Subscriber over real ZMQ sockets on loopback: replay bootstrap, gaps, resets, bounds."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ingest_wire as W
+import pytest
+import zmq
+import zmq.asyncio
+from ingest_pub import TestPublisher, until
+
+from kvrelay.ingest.sink import ResetReason, SourceKey, SourceSpec
+from kvrelay.ingest.subscriber import Subscriber
+from kvrelay.pool.batch import EventBatch
+
+B = 4
+
+
+class RecordingSink:
+    def __init__(self) -> None:
+        self.items: list[tuple[str, Any]] = []
+
+    def on_batch(self, source: SourceKey, seq: int, batch: EventBatch) -> None:
+        assert source == SourceKey(42, 0)
+        self.items.append(("batch", (seq, batch.ext_hashes.tolist())))
+
+    def on_reset(self, source: SourceKey, reason: ResetReason) -> None:
+        self.items.append(("reset", reason))
+
+    @property
+    def seqs(self) -> list[int]:
+        return [v[0] for k, v in self.items if k == "batch"]
+
+    @property
+    def resets(self) -> list[ResetReason]:
+        return [v for k, v in self.items if k == "reset"]
+
+
+def msg(seq: int, era: str = "map") -> bytes:
+    """One message per seq; its content names the seq (so the oracle is the seq list itself)."""
+    if seq % 3 == 0:
+        ev = W.stored(era, block_hashes=[10_000 + seq], token_ids=list(range(B)), block_size=B)
+    else:
+        ev = W.removed(era, [10_000 + seq])
+    return W.batch([ev])
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    c = zmq.asyncio.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+def make(
+    pub: TestPublisher, sink: RecordingSink, ctx: zmq.asyncio.Context, **kw: Any
+) -> Subscriber:
+    spec = SourceSpec(
+        endpoint=pub.endpoint,
+        replay_endpoint=kw.pop("replay_endpoint", pub.replay_endpoint),
+        topic=pub.topic,
+        dp_rank=0,
+        worker_id=42,
+        kv_block_size=B,
+    )
+    kw.setdefault("replay_timeout", 1.0)
+    return Subscriber(spec, sink, context=ctx, **kw)
+
+
+def assert_exact(sink: RecordingSink, seqs: list[int]) -> None:
+    got = [v for k, v in sink.items if k == "batch"]
+    assert got == [(s, [10_000 + s]) for s in seqs]
+
+
+@pytest.mark.parametrize(("shape", "era"), [(3, "array"), (4, "map")])
+async def test_bootstrap_replay_with_live_interleaving_and_duplicates(
+    ctx: zmq.asyncio.Context, shape: int, era: str
+) -> None:
+    pub = TestPublisher(ctx, reply_shape=shape)
+    for s in range(20):
+        await pub.publish(msg(s, era), live=False)  # before the subscriber existed
+    pub.gate.clear()  # hold the replay until live traffic overlaps it
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx)
+    await sub.start()
+    try:
+        await pub.wait_subscribed()
+        await until(lambda: pub.requests == [0])
+        for s in range(20, 30):
+            await pub.publish(msg(s, era))  # live, and also in the replay history
+        await until(lambda: sub.counters.messages >= 10)
+        pub.gate.set()
+        await until(lambda: sub.state == "live")
+        for s in range(30, 40):
+            await pub.publish(msg(s, era))
+        await until(lambda: len(sink.seqs) >= 40)
+        await asyncio.sleep(0.05)
+        assert_exact(sink, list(range(40)))
+        c = sub.counters
+        assert c.duplicates == 10 and c.resets == 0 and c.missing_history == 0
+        assert c.replays == 1 and c.gaps == 0 and c.replayed_messages == 30
+        assert c.events_by_kind["stored"] == 14 and c.blocks == 40
+    finally:
+        await sub.stop()
+        await pub.close()
+
+
+async def test_missing_history_at_bootstrap(ctx: zmq.asyncio.Context) -> None:
+    pub = TestPublisher(ctx, keep=5)
+    for s in range(10):
+        await pub.publish(msg(s), live=False)
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx)
+    await sub.start()
+    try:
+        await pub.wait_subscribed()
+        await until(lambda: sub.state == "live")
+        await pub.publish(msg(10))
+        await until(lambda: 10 in sink.seqs)
+        assert_exact(sink, list(range(5, 11)))
+        assert sub.counters.missing_history == 1
+        assert sink.resets == []  # nothing had been applied: nothing to clear
+    finally:
+        await sub.stop()
+        await pub.close()
+
+
+async def _synced(pub: TestPublisher, sink: RecordingSink, sub: Subscriber, n: int) -> None:
+    await sub.start()
+    await pub.wait_subscribed()
+    await until(lambda: sub.state == "live")
+    for _ in range(n):
+        await pub.publish(msg(pub.seq))
+    await until(lambda: len(sink.seqs) >= n)
+
+
+async def test_runtime_gap_filled_by_replay(ctx: zmq.asyncio.Context) -> None:
+    pub = TestPublisher(ctx)
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx)
+    try:
+        await _synced(pub, sink, sub, 3)
+        await pub.publish(msg(3), live=False)  # lost by PUB (HWM / network)
+        await pub.publish(msg(4), live=False)
+        for s in range(5, 8):
+            await pub.publish(msg(s))
+        await until(lambda: len(sink.seqs) >= 8)
+        assert_exact(sink, list(range(8)))
+        c = sub.counters
+        assert c.gaps == 1 and c.replays == 2 and c.resets == 0 and pub.requests == [0, 3]
+    finally:
+        await sub.stop()
+        await pub.close()
+
+
+async def test_runtime_gap_without_history_resets(ctx: zmq.asyncio.Context) -> None:
+    pub = TestPublisher(ctx, keep=3)
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx)
+    try:
+        await _synced(pub, sink, sub, 2)
+        for s in range(2, 6):
+            await pub.publish(msg(s), live=False)  # 2..5 lost live; replay keeps 4, 5, 6
+        await pub.publish(msg(6))
+        await until(lambda: 6 in sink.seqs)
+        assert sink.resets == [ResetReason.GAP_UNRECOVERABLE]
+        assert_exact(sink, [0, 1, 4, 5, 6])
+        assert sink.items[2] == ("reset", ResetReason.GAP_UNRECOVERABLE)
+        assert sub.counters.missing_history == 1 and sub.counters.resets == 1
+    finally:
+        await sub.stop()
+        await pub.close()
+
+
+async def test_gap_without_replay_endpoint_resets(ctx: zmq.asyncio.Context) -> None:
+    pub = TestPublisher(ctx, replay=False)
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx)
+    try:
+        await pub.publish(msg(0), live=False)  # published before we joined: start from live
+        await _synced(pub, sink, sub, 2)
+        await pub.publish(msg(3), live=False)
+        await pub.publish(msg(4))
+        await until(lambda: 4 in sink.seqs)
+        assert_exact(sink, [1, 2, 4])
+        assert sink.resets == [ResetReason.GAP_NO_REPLAY] and sub.counters.gaps == 1
+    finally:
+        await sub.stop()
+        await pub.close()
+
+
+@pytest.mark.parametrize("replay", [True, False])
+async def test_sequence_decrease_is_a_new_incarnation(
+    ctx: zmq.asyncio.Context, replay: bool
+) -> None:
+    pub = TestPublisher(ctx, replay=replay)
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx)
+    try:
+        await _synced(pub, sink, sub, 5)
+        pub.restart()
+        for _ in range(3):
+            await pub.publish(msg(pub.seq))
+        await until(lambda: len(sink.seqs) >= 8)
+        assert sink.resets == [ResetReason.INCARNATION]
+        assert_exact(sink, [0, 1, 2, 3, 4, 0, 1, 2])
+        assert sink.items[5] == ("reset", ResetReason.INCARNATION)
+    finally:
+        await sub.stop()
+        await pub.close()
+
+
+async def test_reorder_buffer_overflow_resets_and_restarts_from_live(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    pub = TestPublisher(ctx)
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx, reorder_max_messages=3, replay_timeout=5.0)
+    try:
+        await _synced(pub, sink, sub, 3)
+        pub.gate.clear()  # the replay for the coming gap never answers in time
+        await pub.publish(msg(3), live=False)
+        for s in range(4, 9):  # 4 triggers the replay; 5, 6 buffered; 7 overflows
+            await pub.publish(msg(s))
+        await until(lambda: sub.counters.reorder_overflows == 1)
+        await pub.publish(msg(9))
+        await until(lambda: 9 in sink.seqs)
+        assert sink.resets == [ResetReason.REORDER_OVERFLOW]
+        seqs = sink.seqs
+        assert seqs[:3] == [0, 1, 2] and seqs[-1] == 9
+        assert all(b == a + 1 for a, b in itertools.pairwise(seqs[3:]))
+        assert 3 not in seqs
+    finally:
+        pub.gate.set()
+        await sub.stop()
+        await pub.close()
+
+
+async def test_replay_timeout_starts_from_live(ctx: zmq.asyncio.Context) -> None:
+    pub = TestPublisher(ctx)
+    pub.gate.clear()
+    for s in range(3):
+        await pub.publish(msg(s), live=False)
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx, replay_timeout=0.2)
+    await sub.start()
+    try:
+        await pub.wait_subscribed()
+        await until(lambda: sub.state == "live")
+        assert sub.counters.replay_failures == 1 and sub.next_seq is None
+        await pub.publish(msg(3))
+        await pub.publish(msg(4))
+        await until(lambda: 4 in sink.seqs)
+        assert_exact(sink, [3, 4])
+    finally:
+        pub.gate.set()
+        await sub.stop()
+        await pub.close()
+
+
+async def test_bad_frames_and_payloads_are_counted_not_applied(ctx: zmq.asyncio.Context) -> None:
+    pub = TestPublisher(ctx, topic=b"kv", replay=False)
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx)
+    try:
+        await _synced(pub, sink, sub, 1)
+        await pub.send_raw([b"kv-other", (99).to_bytes(8, "big"), msg(99)])  # prefix match only
+        await pub.send_raw([b"kv", b"\x00\x01", msg(1)])
+        await pub.send_raw([b"kv", (1).to_bytes(8, "big")])
+        await pub.publish(b"\xc1 not msgpack")  # seq 1: consumed, rejected, no batch
+        await pub.publish(msg(2))
+        await until(lambda: 2 in sink.seqs)
+        assert_exact(sink, [0, 2])
+        assert sub.counters.rejections == {
+            "topic_mismatch": 1,
+            "seq_length": 1,
+            "frame_count": 1,
+            "malformed_payload": 1,
+        }
+        assert sub.counters.gaps == 0 and sink.resets == []
+    finally:
+        await sub.stop()
+        await pub.close()
+    assert sub.state == "stopped"
+
+
+async def test_new_incarnation_mid_stream_replays_from_zero(ctx: zmq.asyncio.Context) -> None:
+    pub = TestPublisher(ctx)
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx)
+    try:
+        await _synced(pub, sink, sub, 5)
+        pub.restart()
+        await pub.publish(msg(0), live=False)  # the new engine's first batches were missed
+        await pub.publish(msg(1), live=False)
+        await pub.publish(msg(2))  # 2 < 5: sequence went backwards
+        await until(lambda: len(sink.seqs) >= 8)
+        assert sink.resets == [ResetReason.INCARNATION]
+        assert_exact(sink, [0, 1, 2, 3, 4, 0, 1, 2])
+        assert pub.requests == [0, 0] and sub.counters.missing_history == 0
+    finally:
+        await sub.stop()
+        await pub.close()
+
+
+async def test_burst_is_drained_in_order_without_loss(ctx: zmq.asyncio.Context) -> None:
+    pub = TestPublisher(ctx)
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx, drain=64)
+    try:
+        await _synced(pub, sink, sub, 1)
+        for _ in range(1999):
+            await pub.publish(msg(pub.seq))
+        await until(lambda: len(sink.seqs) >= 2000, timeout=20)
+        assert_exact(sink, list(range(2000)))
+        c = sub.counters
+        assert c.gaps == 0 and c.resets == 0 and c.batches == 2000 and c.slow_path_messages == 0
+    finally:
+        await sub.stop()
+        await pub.close()
+
+
+async def test_replay_timeout_fires_despite_live_traffic(ctx: zmq.asyncio.Context) -> None:
+    pub = TestPublisher(ctx)
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx, replay_timeout=0.3)
+    try:
+        await _synced(pub, sink, sub, 2)
+        pub.gate.clear()  # the replay for the coming gap never answers
+        await pub.publish(msg(2), live=False)
+        for _ in range(40):  # live keeps flowing while the replay is pending
+            await pub.publish(msg(pub.seq))
+            await asyncio.sleep(0.01)
+        await until(lambda: 42 in sink.seqs)
+        assert sub.counters.replay_failures == 1
+        assert sink.resets == [ResetReason.REPLAY_FAILED]
+        assert_exact(sink, [0, 1, *range(3, 43)])
+    finally:
+        pub.gate.set()
+        await sub.stop()
+        await pub.close()
