@@ -8,101 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 import pytest
 from grpclib.client import Channel
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.relay.relay import Relay
-from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
-from kvrelay.service.server import RelayServer
-from kvrelay.sim.engine import SimConfig, SimEngine
+from kvrelay.sim.engine import SimConfig
 from kvrelay.sim.wire import Era, HashMode
 
+from .fleet import (
+    MARKER,
+    eventually,
+    fleet_and_relay,
+    ground_truth,
+    in_sync,
+    relay_view,
+    wait_subscribed,
+)
 from .replica import Replica
-
-MARKER = 0x4B565231
-
-
-async def eventually(check: Callable[[], bool], timeout: float = 15.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or check}")
-        await asyncio.sleep(0.02)
-
-
-@contextlib.asynccontextmanager
-async def fleet_and_relay(
-    configs: list[SimConfig], *, expected_blocks: int = 8192
-) -> AsyncIterator[tuple[list[SimEngine], Relay, RelayServer]]:
-    engines = [SimEngine(c) for c in configs]
-    for e in engines:
-        await e.start()
-    settings = RelaySettings(
-        dc_name="dc-e2e",
-        pools=(
-            PoolSpec(
-                namespace="ns",
-                component="backend",
-                endpoint="generate",
-                engines=tuple(
-                    EngineSpec(name=e.cfg.name, host="127.0.0.1", grpc_port=e.grpc_port)
-                    for e in engines
-                ),
-                expected_blocks=expected_blocks,
-            ),
-        ),
-        discovery_interval_s=0.2,
-        discovery_timeout_s=1.0,
-    )
-    relay = Relay(settings)
-    await relay.start()
-    server = RelayServer(relay, settings.limits)
-    await server.start("127.0.0.1", 0)
-    try:
-        yield engines, relay, server
-    finally:
-        await server.close(grace_s=1.0)
-        await relay.stop()
-        for e in engines:
-            await e.stop()
-
-
-async def wait_subscribed(relay: Relay, n_sources: int) -> None:
-    def live() -> bool:
-        subs = [s for p in relay.pools for s in p.subscribers.values()]
-        return len(subs) == n_sources and all(s.state == "live" for s in subs)
-
-    await eventually(live, what=f"{n_sources} live subscribers")
-
-
-def ground_truth(engines: list[SimEngine]) -> dict[tuple[str, int], set[int]]:
-    return {
-        (e.cfg.name, r): e.ground_truth(r) for e in engines for r in range(e.cfg.dp_size)
-    }
-
-
-def relay_view(relay: Relay) -> dict[tuple[str, int], set[int]]:
-    pool = relay.pools[0]
-    gen = pool.generation
-    assert gen is not None
-    names = {st.worker_id: st.spec.name for st in pool.engines.values()}
-    out: dict[tuple[str, int], set[int]] = {}
-    for mid, (wid, rank) in gen.pool.members().items():
-        out[(names[wid], rank)] = {int(h) for h in gen.pool.resident_canonical(mid)}
-    return out
-
-
-def in_sync(engines: list[SimEngine], relay: Relay) -> bool:
-    if relay.pools[0].generation is None:
-        return False
-    truth = ground_truth(engines)
-    view = relay_view(relay)
-    return all(view.get(k, set()) == v for k, v in truth.items())
 
 
 async def test_fleet_state_reaches_a_consumer_replica_exactly() -> None:
@@ -139,7 +63,7 @@ async def test_fleet_state_reaches_a_consumer_replica_exactly() -> None:
             )
             assert desc.query_semantics is not None
             assert desc.query_semantics.kv_block_size == 16
-            assert [r.canonical_model_id for r in desc.registrations][0] == "sim-model"
+            assert desc.registrations[0].canonical_model_id == "sim-model"
             assert desc.producer is not None
 
             replica = Replica(desc.producer, info.relay)

@@ -1,0 +1,210 @@
+"""Catalog and readiness follow the fleet: LoRA load/unload, withdrawal, re-materialization with a
+new generation (stale subscribers get PRODUCER_CHANGED), and P/D readiness through sleep/wake.
+
+Both are read over gRPC from a real relay fed by simulated engines' Control services.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import grpclib.const
+from grpclib.client import Channel
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.relay.relay import Relay
+from kvrelay.relay.settings import PoolSpec
+from kvrelay.sim.engine import SimConfig, SimEngine
+
+from .fleet import MARKER, engine_spec, eventually, fleet_and_relay, wait_subscribed
+
+State = pb.ServingReadinessState
+Role = pb.WorkerRole
+
+
+def catalog_pools(relay: Relay) -> list[pb.KvPoolDescriptor]:
+    _rev, update = relay.catalog.current()
+    assert update.snapshot is not None
+    return list(update.snapshot.pools)
+
+
+def registrations(desc: pb.KvPoolDescriptor) -> dict[str, str]:
+    """canonical id → "base" or "lora:<base>"."""
+    out = {}
+    for r in desc.registrations:
+        assert r.target is not None
+        if r.target.lora is not None:
+            out[r.canonical_model_id] = f"lora:{r.target.lora.base_model}"
+        else:
+            out[r.canonical_model_id] = "base"
+    return out
+
+
+async def subscribe_status(
+    port: int, producer: pb.ProducerIdentity
+) -> tuple[grpclib.const.Status | None, str | None]:
+    """Open SubscribeKvPool and return (status, reason trailer) once the stream ends."""
+    async with Channel("127.0.0.1", port) as channel:
+        async with channel.request(
+            "/dynamo.kvrelay.v1.KvEventRelay/SubscribeKvPool",
+            grpclib.const.Cardinality.UNARY_STREAM,
+            pb.SubscribeKvPoolRequest,
+            pb.FilterUpdate,
+        ) as stream:
+            await stream.send_message(
+                pb.SubscribeKvPoolRequest(
+                    subscriber_id="stale", expected_producer=producer, contract_marker=MARKER
+                ),
+                end=True,
+            )
+            try:
+                await stream.recv_initial_metadata()
+                while await stream.recv_message() is not None:
+                    pass
+            except grpclib.exceptions.GRPCError as exc:
+                trailers = dict(stream.trailing_metadata or {})
+                return exc.status, str(trailers.get("kv-relay-error-reason"))
+            return None, None
+
+
+async def test_lora_load_unload_republishes_the_same_generation() -> None:
+    async with fleet_and_relay([SimConfig(name="l0", seed=3)]) as (engines, relay, _server):
+        (eng,) = engines
+        await wait_subscribed(relay, 1)
+        await eventually(lambda: len(catalog_pools(relay)) == 1, what="pool in catalog")
+        (before,) = catalog_pools(relay)
+        rev0 = relay.catalog.current()[0]
+        assert registrations(before) == {"sim-model": "base"}
+        eng.load_lora("sql-adapter")
+        await eventually(
+            lambda: "sql-adapter" in registrations(catalog_pools(relay)[0]), what="lora listed"
+        )
+        (with_lora,) = catalog_pools(relay)
+        assert registrations(with_lora) == {"sim-model": "base", "sql-adapter": "lora:sim-model"}
+        assert relay.catalog.current()[0] > rev0
+        # registration changes keep the producer identity: no CKF restart for consumers
+        assert bytes(with_lora.producer) == bytes(before.producer)
+        eng.unload_lora("sql-adapter")
+        await eventually(
+            lambda: registrations(catalog_pools(relay)[0]) == {"sim-model": "base"},
+            what="lora withdrawn",
+        )
+
+
+async def test_withdrawal_and_rematerialization_change_the_generation() -> None:
+    async with fleet_and_relay([SimConfig(name="w0", seed=4)]) as (engines, relay, server):
+        (eng,) = engines
+        await wait_subscribed(relay, 1)
+        await eng.step(5)
+        await eventually(lambda: len(catalog_pools(relay)) == 1, what="pool in catalog")
+        (first,) = catalog_pools(relay)
+        assert first.producer is not None
+        grpc_port = eng.grpc_port
+        pub_port = int(eng.publishers[0].endpoint.rsplit(":", 1)[1])
+        replay = eng.publishers[0].replay_endpoint
+        assert replay is not None
+        replay_port = int(replay.rsplit(":", 1)[1])
+        await eng.stop()
+        await eventually(lambda: catalog_pools(relay) == [], what="pool withdrawn")
+        status, reason = await subscribe_status(server.port, first.producer)
+        assert status == grpclib.const.Status.NOT_FOUND
+        assert reason == "RELAY_ERROR_REASON_POOL_NOT_FOUND"
+
+        again = SimEngine(
+            dataclasses.replace(
+                eng.cfg, grpc_port=grpc_port, pub_port=pub_port, replay_port=replay_port
+            )
+        )
+        await again.start()
+        try:
+            await eventually(lambda: len(catalog_pools(relay)) == 1, what="re-materialized")
+            (second,) = catalog_pools(relay)
+            assert second.producer is not None
+            assert second.producer.layout_generation > first.producer.layout_generation
+            assert second.producer.pool_id == first.producer.pool_id
+            status, reason = await subscribe_status(server.port, first.producer)
+            assert status == grpclib.const.Status.FAILED_PRECONDITION
+            assert reason == "RELAY_ERROR_REASON_PRODUCER_CHANGED"
+        finally:
+            await again.stop()
+
+
+def _pd_pools(engines: list[SimEngine]) -> tuple[PoolSpec, ...]:
+    prefill, decode = engines
+    return (
+        PoolSpec(
+            namespace="ns", component="prefill", endpoint="generate",
+            engines=(engine_spec(prefill),), role=Role.PREFILL, expected_blocks=1024,
+        ),
+        PoolSpec(
+            namespace="ns", component="decode", endpoint="generate",
+            engines=(engine_spec(decode),), role=Role.DECODE,
+            needs=(frozenset({Role.PREFILL}),), expected_blocks=1024,
+        ),
+    )
+
+
+def entry(relay: Relay) -> pb.TopologyEntry | None:
+    _rev, update = relay.readiness.current()
+    for e in update.entries:
+        if e.namespace == "ns" and e.canonical_model_id == "sim-model":
+            return e
+    return None
+
+
+def state_is(relay: Relay, state: pb.ServingReadinessState) -> bool:
+    e = entry(relay)
+    return e is not None and e.state == state
+
+
+async def test_prefill_decode_readiness_follows_sleep_and_wake() -> None:
+    configs = [SimConfig(name="p0", seed=5), SimConfig(name="d0", seed=6)]
+    async with fleet_and_relay(configs, pools=_pd_pools) as (engines, relay, server):
+        prefill, decode = engines
+        await wait_subscribed(relay, 2)
+        await eventually(lambda: state_is(relay, State.READY), what="P/D ready")
+        e = entry(relay)
+        assert e is not None
+        assert sorted(e.present_roles) == [Role.PREFILL, Role.DECODE]
+        assert len(e.members) == 2 and all(m.pool_id is not None for m in e.members)
+        assert len(catalog_pools(relay)) == 2
+
+        prefill.sleep()
+        await eventually(lambda: state_is(relay, State.UNAVAILABLE), what="prefill asleep")
+        e = entry(relay)
+        assert e is not None and list(e.missing_roles) == [Role.PREFILL]
+        assert len(catalog_pools(relay)) == 2  # both pools stay published
+
+        # the same answer over gRPC, with the readiness revision moving forward
+        async with Channel("127.0.0.1", server.port) as channel:
+            stub = pb.KvEventRelayStub(channel)
+            async for upd in stub.subscribe_serving_readiness(
+                pb.SubscribeServingReadinessRequest(subscriber_id="r", contract_marker=MARKER)
+            ):
+                (got,) = [x for x in upd.entries if x.canonical_model_id == "sim-model"]
+                assert got.state == State.UNAVAILABLE
+                break
+
+        prefill.wake()
+        decode.load_lora("ad-1")
+        await eventually(lambda: state_is(relay, State.READY), what="ready after wake")
+
+        def adapter_missing_prefill() -> bool:
+            e = entry(relay)
+            if e is None or not e.adapters:
+                return False
+            (ad,) = e.adapters
+            return (
+                ad.canonical_model_id == "ad-1"
+                and ad.state == State.UNAVAILABLE
+                and list(ad.missing_roles) == [Role.PREFILL]
+            )
+
+        await eventually(adapter_missing_prefill, what="adapter lacks prefill membership")
+        prefill.load_lora("ad-1")
+
+        def adapter_ready() -> bool:
+            e = entry(relay)
+            return e is not None and len(e.adapters) == 1 and e.adapters[0].state == State.READY
+
+        await eventually(adapter_ready, what="adapter ready on both roles")
