@@ -25,8 +25,17 @@ lint: $(STAMP)
 	$(PY) -m ruff check kvrelay tests benchmarks
 	$(PY) -m mypy kvrelay
 
+demo: $(STAMP)
+	$(PY) -m kvrelay demo
+
 proto: $(STAMP)
 	$(PY) -m kvrelay._protogen kvrelay/_proto
+
+# Loopback benchmarks (benchmarks/README.md). Short (< 2 min) by default; FULL=1 for the full sweep
+# plus the Dynamo side-by-side; SIDE=1 adds the side-by-side to the short run.
+bench: $(STAMP)
+	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q -e '.[bench]'
+	$(PY) -m benchmarks.run $(if $(FULL),--full --side-by-side,$(if $(SIDE),--side-by-side,))
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,41 +1,222 @@
 """Command-line entry point (``kvrelay`` and ``python -m kvrelay``).
 
-Exit codes: 0 success, 1 runtime failure, 2 usage or configuration error.
+Heavy modules (numba kernels, grpclib) are imported inside the commands: ``--help`` and
+``--version`` stay instant, and ``NUMBA_CACHE_DIR`` can be set before numba is first imported.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, TextIO
 
 from kvrelay import SUPPORTED_DYNAMO, SUPPORTED_VLLM, __version__
+
+if TYPE_CHECKING:
+    from kvrelay.config import ConfigProblem
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+EPILOG = """\
+examples:
+  kvrelay check-config /etc/kvrelay/kvrelay.toml
+  kvrelay serve --config /etc/kvrelay/kvrelay.toml
+  KVRELAY_RELAY_BIND=127.0.0.1:6000 kvrelay serve --config kvrelay.toml
+  kvrelay demo                      # relay + simulated fleet + live view, ~30 s
+  kvrelay demo --headless --duration 10
+  kvrelay sim --engines 2 --dp-size 2
+
+exit codes:
+  0  success (serve: clean shutdown after SIGTERM/SIGINT)
+  1  runtime failure (cannot bind, TLS files unusable, shutdown slower than the bound)
+  2  usage or configuration error (every problem is printed with its key path)
+
+environment:
+  KVRELAY_<SECTION>_<KEY>  override a scalar key of [relay], [relay.limits], [logging],
+                           [metrics] or [tls], e.g. KVRELAY_LOGGING_LEVEL=debug
+  KVRELAY_CONFIG           default for serve --config
+  NOTIFY_SOCKET, WATCHDOG_USEC  systemd notification (READY/WATCHDOG/STOPPING), set by systemd
+  CACHE_DIRECTORY          numba kernel cache goes to $CACHE_DIRECTORY/numba (systemd)
+
+docs: docs/operations.md
+"""
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=36)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvrelay",
         description=(
-            "kvrelay: Dynamo's dynamo.kvrelay.v1.KvEventRelay for vLLM fleets. "
-            "Ingests vLLM KV-cache events over ZMQ and serves cuckoo-filter streams to routers."
+            "kvrelay: Dynamo's dynamo.kvrelay.v1.KvEventRelay for vLLM fleets.\n"
+            "Ingests vLLM KV-cache events over ZMQ, keeps exact per-engine block ownership and\n"
+            "serves cuckoo-filter streams, readiness and load to Dynamo routers over gRPC."
         ),
+        epilog=EPILOG,
+        formatter_class=_Formatter,
     )
     parser.add_argument(
         "--version",
         action="version",
         version=f"kvrelay {__version__} (vLLM {SUPPORTED_VLLM}; {SUPPORTED_DYNAMO})",
     )
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+
+    serve = sub.add_parser(
+        "serve",
+        help="run the relay daemon",
+        description=(
+            "Run the relay: discover engines, ingest their KV events, serve gRPC until\n"
+            "SIGTERM/SIGINT. Refuses to start on an invalid configuration (exit 2)."
+        ),
+        epilog="example:\n  kvrelay serve --config /etc/kvrelay/kvrelay.toml",
+        formatter_class=_Formatter,
+    )
+    serve.add_argument(
+        "--config",
+        "-c",
+        metavar="FILE",
+        default=os.environ.get("KVRELAY_CONFIG"),
+        help="TOML configuration file (default: $KVRELAY_CONFIG)",
+    )
+
+    check = sub.add_parser(
+        "check-config",
+        help="validate a configuration file and print every problem",
+        description=(
+            "Validate FILE (with KVRELAY_* overrides applied) without starting anything.\n"
+            "Prints every problem as 'error|warning: key.path: reason'; exit 2 on errors,\n"
+            "0 with a one-line summary when the file is valid."
+        ),
+        epilog="example:\n  kvrelay check-config deploy/kvrelay.example.toml",
+        formatter_class=_Formatter,
+    )
+    check.add_argument("file", metavar="FILE", help="TOML configuration file")
+
+    sub.add_parser(
+        "sim",
+        help="run simulated vLLM engines (see 'kvrelay sim --help')",
+        add_help=False,
+        description="Simulated vLLM engines emitting KV events; 'kvrelay sim --help' for options.",
+    )
+
+    demo = sub.add_parser(
+        "demo",
+        help="relay + simulated fleet + consumer with a live terminal view",
+        description=(
+            "Start an embedded fleet on loopback (an aggregated pool of 2 engines x 2 DP ranks,\n"
+            "a prefill/decode pair, a LoRA adapter), the relay and its gRPC server, drive\n"
+            "traffic and subscribe a consumer to every pool. Shows a live view refreshed each\n"
+            "second, then a summary."
+        ),
+        epilog="examples:\n  kvrelay demo\n  kvrelay demo --headless --duration 5",
+        formatter_class=_Formatter,
+    )
+    demo.add_argument(
+        "--headless", action="store_true", help="no live view; print one JSON summary line"
+    )
+    demo.add_argument(
+        "--bind",
+        metavar="HOST:PORT",
+        default="127.0.0.1:0",
+        help="gRPC address of the relay (default: 127.0.0.1 with an ephemeral port)",
+    )
+    demo.add_argument(
+        "--duration",
+        metavar="SECONDS",
+        type=float,
+        default=30.0,
+        help="run time before the summary (default: 30; Ctrl-C ends earlier)",
+    )
     return parser
 
 
+def print_problems(problems: Sequence[ConfigProblem], out: TextIO) -> None:
+    for p in problems:
+        print(p, file=out)
+
+
+def _numba_cache_from_systemd() -> None:
+    """Use systemd's ``CacheDirectory=`` for numba's kernel cache (before numba is imported)."""
+    cache = os.environ.get("CACHE_DIRECTORY", "")
+    if cache and not os.environ.get("NUMBA_CACHE_DIR"):
+        os.environ["NUMBA_CACHE_DIR"] = os.path.join(cache.split(":")[0], "numba")
+
+
+def _check_config(path: str) -> int:
+    from kvrelay.config import check_file
+
+    cfg, problems = check_file(path)
+    print_problems(problems, sys.stdout)
+    if cfg is None:
+        n = sum(1 for p in problems if p.severity == "error")
+        print(f"{path}: {n} error(s); the relay would refuse to start", file=sys.stdout)
+        return EXIT_USAGE
+    print(f"{path}: ok: {cfg.summary()}", file=sys.stdout)
+    return EXIT_OK
+
+
+def _serve(path: str | None) -> int:
+    if not path:
+        print("kvrelay serve: --config FILE is required (or set KVRELAY_CONFIG)", file=sys.stderr)
+        return EXIT_USAGE
+    _numba_cache_from_systemd()
+    from kvrelay.config import check_file
+
+    cfg, problems = check_file(path)
+    if cfg is None:
+        print_problems(problems, sys.stderr)
+        print(f"kvrelay serve: refusing to start: invalid configuration {path}", file=sys.stderr)
+        return EXIT_USAGE
+    from kvrelay.daemon import run
+
+    return run(cfg)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvrelay.config import parse_bind
+
+    try:
+        host, port = parse_bind(args.bind)
+    except ValueError as exc:
+        print(f"kvrelay demo: --bind: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if not 0 < args.duration <= 24 * 3600:
+        print("kvrelay demo: --duration must be in (0, 86400]", file=sys.stderr)
+        return EXIT_USAGE
+    from kvrelay.demo import run_demo
+
+    return run_demo(host=host, port=port, duration=args.duration, headless=args.headless)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "sim":
+        from kvrelay.sim.cli import main as sim_main
+
+        return sim_main(argv[1:])
     parser = build_parser()
-    args = parser.parse_args(list(argv) if argv is not None else None)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: 0 for --help/--version, 2 for usage errors
+        return int(exc.code or 0)
     if args.command is None:
         parser.print_help(sys.stderr)
-        return 2
-    return 0  # pragma: no cover - subcommands arrive with later issues
+        return EXIT_USAGE
+    if args.command == "check-config":
+        return _check_config(args.file)
+    if args.command == "serve":
+        return _serve(args.config)
+    if args.command == "demo":
+        return _demo(args)
+    parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse rejects first
 
 
 if __name__ == "__main__":  # pragma: no cover

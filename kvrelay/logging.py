@@ -34,6 +34,8 @@ def configure(
     ``json=None`` picks JSON unless ``stream`` is a TTY (production under systemd gets JSON,
     an operator at a terminal gets readable lines).
     """
+    global _generation
+    _generation += 1
     stream = stream if stream is not None else sys.stderr
     if json is None:
         json = not (hasattr(stream, "isatty") and stream.isatty())
@@ -71,6 +73,37 @@ def configure(
     logging.getLogger("numba").setLevel(max(numeric, logging.WARNING))
 
 
+_generation = 0  # bumped by configure(): bound loggers made before it are rebuilt
+
+
+class _NamedLogger:
+    """A logger bound with ``logger=name`` that follows later ``configure()`` calls.
+
+    Module-level loggers are created at import, before the daemon configures logging; binding
+    eagerly would freeze structlog's default processors into them.
+    """
+
+    __slots__ = ("_bound", "_gen", "_initial", "_name")
+
+    def __init__(self, name: str, initial: dict[str, Any]) -> None:
+        self._name = name
+        self._initial = initial
+        self._bound: Any = None
+        self._gen = -1
+
+    def _logger(self) -> Any:
+        if self._gen != _generation:
+            self._bound = structlog.get_logger(self._name).bind(logger=self._name, **self._initial)
+            self._gen = _generation
+        return self._bound
+
+    def bind(self, **values: Any) -> Any:
+        return self._logger().bind(**values)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._logger(), attr)
+
+
 def get_logger(name: str, **initial: Any) -> Any:
     """A structlog logger bound with ``logger=name``."""
-    return structlog.get_logger(name).bind(logger=name, **initial)
+    return _NamedLogger(name, initial)

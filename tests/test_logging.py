@@ -49,3 +49,13 @@ def test_console_renderer_when_not_json() -> None:
 def test_bad_level_is_rejected() -> None:
     with pytest.raises(ValueError, match="unknown log level"):
         kvlog.configure(level="LOUD", stream=io.StringIO())
+
+
+def test_module_level_logger_follows_later_configuration() -> None:
+    early = kvlog.get_logger("kvrelay.early")  # as at import time, before configure()
+    buf = io.StringIO()
+    kvlog.configure(level="INFO", json=True, stream=buf)
+    early.warning("after_configure", n=2)
+    (line,) = buf.getvalue().splitlines()
+    record = json.loads(line)
+    assert record["event"] == "after_configure" and record["logger"] == "kvrelay.early"

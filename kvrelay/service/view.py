@@ -49,10 +49,18 @@ class GenerationHandle(Protocol):
 class RelayView(Protocol):
     """What the orchestrator exposes to the gRPC service."""
 
-    relay_identity: pb.RelayIdentity
-    catalog: Plane[pb.KvPoolCatalogUpdate]
-    readiness: Plane[pb.ServingReadinessUpdate]
-    load: Plane[pb.KvPoolLoadUpdate]
+    # Read-only members (properties), so an implementation may hold concrete plane classes.
+    @property
+    def relay_identity(self) -> pb.RelayIdentity: ...
+
+    @property
+    def catalog(self) -> Plane[pb.KvPoolCatalogUpdate]: ...
+
+    @property
+    def readiness(self) -> Plane[pb.ServingReadinessUpdate]: ...
+
+    @property
+    def load(self) -> Plane[pb.KvPoolLoadUpdate]: ...
 
     def resolve_pool(self, expected: pb.ProducerIdentity) -> GenerationHandle:
         """Raise RelayError(POOL_NOT_FOUND) or RelayError(PRODUCER_CHANGED)."""

@@ -1,0 +1,294 @@
+"""``kvrelay serve``: the daemon lifecycle around ``Relay`` + ``RelayServer`` (+ metrics).
+
+Order matters for operators: kernels are compiled (or loaded from the numba cache) *before*
+readiness, so the first real batch never pays a JIT pause; systemd hears ``READY=1`` only once the
+gRPC port is bound; on SIGTERM/SIGINT the daemon says ``STOPPING=1``, stops accepting, ends every
+stream with a clean EOF, stops the relay and exits 0 — or 1 if that takes longer than
+``relay.shutdown_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from kvrelay import __version__
+from kvrelay.config import DaemonConfig, format_bind
+from kvrelay.logging import configure, get_logger
+from kvrelay.sdnotify import Notifier
+
+
+def _log() -> Any:
+    """Resolved per call: this module may be imported before logging is configured, and
+    ``get_logger`` binds eagerly (a logger bound earlier keeps the default renderer)."""
+    return get_logger("kvrelay.daemon")
+
+T = TypeVar("T")
+
+#: Loop-lag sampling period: short enough to see a stall, long enough to cost nothing.
+LOOP_LAG_PERIOD_S = 0.25
+
+
+def warm_kernels() -> float:
+    """Run every hot numba kernel once on tiny inputs; returns the seconds it took.
+
+    Covers the ingest path end to end: msgpack decode with token parsing, the pool apply kernel
+    (store with token hashing, remove, clear), CKF inserts/lookups, publication take and a CBI1
+    delta encode. With ``cache=True`` kernels this is a cache load after the first run.
+    """
+    t0 = time.perf_counter()
+    import msgspec
+    import numpy as np
+
+    from kvrelay.hashing.identity import DEFAULT_CKF_SEED, bucket_count_for
+    from kvrelay.ingest.decoder import Decoder
+    from kvrelay.pool.batch import BatchBuilder
+    from kvrelay.pool.pool import FORMAT_EAGLE, FORMAT_STANDARD, Pool
+    from kvrelay.publication import cbi1
+
+    stored = {
+        "type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None,
+        "token_ids": list(range(1, 10)), "block_size": 4, "lora_id": None, "medium": "GPU",
+        "lora_name": None,
+    }
+    removed = {"type": "BlockRemoved", "block_hashes": [12], "medium": "GPU"}
+    payload = msgspec.msgpack.encode([time.time(), [stored, removed], 0])
+    bc = bucket_count_for(64)
+    for fmt in (FORMAT_STANDARD, FORMAT_EAGLE):
+        batch = Decoder(kv_block_size=4, dp_rank=0, hash_format=fmt).decode(payload).batch
+        pool = Pool(bucket_count=bc, seed=DEFAULT_CKF_SEED, block_size=4, hash_format=fmt)
+        member = pool.add_member(1, 0)
+        result = pool.apply(member, batch)
+        if result.events_rejected:
+            raise RuntimeError(f"kernel warm-up batch rejected: {result.errors}")
+        pub = pool.take_publication()
+        if pub is not None:
+            buckets, words = pub
+            cbi1.encode_delta(
+                buckets.astype(np.uint64), words, seed=pool.seed, bucket_count=bc, dc_id=1,
+                base_epoch=0, epoch=1,
+            )
+        pool.contains(np.array([1, 2], dtype=np.uint64))
+        pool.resident_canonical(member)
+        pool.apply(member, BatchBuilder().clear().build())
+        pool.reset_member(member)
+        pool.remove_member(member)
+    return time.perf_counter() - t0
+
+
+async def _in_daemon_thread(fn: Callable[[], T]) -> T:
+    """Run ``fn`` in a daemon thread: a SIGTERM during a long first-time JIT compile must not
+    wait for it (the default executor would be joined at loop shutdown)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def deliver(result: T | None, exc: BaseException | None) -> None:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)  # type: ignore[arg-type]
+
+    def target() -> None:
+        try:
+            result, exc = fn(), None
+        except BaseException as e:
+            result, exc = None, e
+        with contextlib.suppress(RuntimeError):  # loop already closed: nobody is waiting
+            loop.call_soon_threadsafe(deliver, result, exc)
+
+    threading.Thread(target=target, name="kvrelay-warmup", daemon=True).start()
+    return await fut
+
+
+def configure_logging(cfg: DaemonConfig) -> None:
+    json = {"auto": None, "json": True, "console": False}[cfg.logging.format]
+    configure(level=cfg.logging.level.upper(), json=json)
+
+
+class Daemon:
+    """One relay process: start() brings everything up, stop() takes it down (idempotent)."""
+
+    def __init__(self, cfg: DaemonConfig, notifier: Notifier | None = None) -> None:
+        self.cfg = cfg
+        self.notifier = notifier if notifier is not None else Notifier()
+        self.relay: Any = None
+        self.server: Any = None
+        self.metrics: Any = None
+        self.grpc_port: int | None = None
+        self.metrics_port: int | None = None
+        self.loop_lag_max_s = 0.0
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopped = False
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        tls = self.cfg.tls
+        if not tls.enabled:
+            return None
+        from kvrelay.tls import server_ssl_context
+
+        assert tls.cert is not None and tls.key is not None
+        return server_ssl_context(tls.cert, tls.key, tls.client_ca)
+
+    async def start(self) -> None:
+        from kvrelay.relay.relay import Relay
+        from kvrelay.service.server import RelayServer
+        from kvrelay.tls import is_loopback
+
+        cfg = self.cfg
+        for w in cfg.warnings:
+            _log().warning("config_warning", path=w.path, reason=w.reason)
+        warm_s = await _in_daemon_thread(warm_kernels)
+        _log().info("kernels_warm", seconds=round(warm_s, 3))
+        context = self._ssl_context()
+        self.relay = Relay(cfg.relay)
+        await self.relay.start()
+        self.server = RelayServer(self.relay, cfg.relay.limits)
+        await self.server.start(cfg.bind_host, cfg.bind_port, ssl=context)
+        self.grpc_port = self.server.port
+        if context is None and not is_loopback(cfg.bind_host):
+            _log().warning(
+                "plaintext_grpc_on_network",
+                bind=format_bind(cfg.bind_host, self.grpc_port),
+                hint="configure [tls] cert/key (and client_ca for mTLS)",
+            )
+        if cfg.metrics.enabled:
+            self.metrics = self._make_metrics()
+            self.metrics_port = await self.metrics.start_http(cfg.metrics.host, cfg.metrics.port)
+        self._tasks.append(asyncio.create_task(self._loop_lag(), name="kvrelay-loop-lag"))
+        self._tasks.append(
+            asyncio.create_task(self.notifier.watchdog_loop(), name="kvrelay-watchdog")
+        )
+        _log().info(
+            "relay_serving",
+            version=__version__,
+            grpc=format_bind(cfg.bind_host, self.grpc_port),
+            tls="mtls" if cfg.tls.client_ca else ("tls" if context else "off"),
+            metrics=None
+            if self.metrics_port is None
+            else format_bind(cfg.metrics.host, self.metrics_port),
+            pools=len(cfg.relay.pools),
+            event_loop=cfg.event_loop,
+        )
+        self.notifier.ready(
+            f"serving gRPC on {format_bind(cfg.bind_host, self.grpc_port)}, "
+            f"{len(cfg.relay.pools)} pool(s)"
+        )
+
+    def _make_metrics(self) -> Any:
+        try:
+            from kvrelay.metrics import RelayMetrics
+        except ImportError as exc:  # pragma: no cover - a broken install
+            raise RuntimeError(f"metrics enabled but kvrelay.metrics is missing: {exc}") from exc
+        metrics = RelayMetrics(self.relay)
+        attach = getattr(metrics, "attach_service", None)
+        if attach is not None:
+            attach(self.server.service)
+        return metrics
+
+    async def _loop_lag(self) -> None:
+        """Sample scheduling lag: how late a timer fires is how late every stream is."""
+        loop = asyncio.get_running_loop()
+        while True:
+            t0 = loop.time()
+            await asyncio.sleep(LOOP_LAG_PERIOD_S)
+            lag = max(0.0, loop.time() - t0 - LOOP_LAG_PERIOD_S)
+            self.loop_lag_max_s = max(self.loop_lag_max_s, lag)
+            if self.metrics is not None:
+                self.metrics.observe_loop_lag(lag)
+
+    async def stop(self) -> None:
+        """Stop accepting, end streams cleanly, stop the relay, close sockets."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.notifier.stopping()
+        _log().info("relay_stopping")
+        grace = max(0.1, self.cfg.shutdown_timeout_s / 2)
+        try:
+            if self.server is not None:
+                await self.server.close(grace_s=grace)
+            if self.relay is not None:
+                await self.relay.stop()
+            if self.metrics is not None:
+                await self.metrics.close()
+        finally:
+            for t in self._tasks:
+                t.cancel()
+            for t in self._tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+            self._tasks.clear()
+            self.notifier.close()
+
+
+async def serve(cfg: DaemonConfig, notifier: Notifier | None = None) -> int:
+    """Run until SIGTERM/SIGINT; the process exit code (0 clean, 1 failure or slow shutdown)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals_seen: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        signals_seen.append(signum)
+        if len(signals_seen) > 1:
+            _log().error("forced_exit", signal=signal.Signals(signum).name)
+            os._exit(1)  # second signal: the operator insists
+        _log().info("signal_received", signal=signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    daemon = Daemon(cfg, notifier)
+    code = 0
+    try:
+        starting = asyncio.create_task(daemon.start())
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():  # signal during start-up (e.g. a long first JIT compile)
+            starting.cancel()
+        try:
+            await starting
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:
+            _log().error("start_failed", error=f"{type(exc).__name__}: {exc}")
+            code = 1
+        else:
+            await stop.wait()
+        stopping.cancel()
+        try:
+            await asyncio.wait_for(daemon.stop(), cfg.shutdown_timeout_s)
+        except TimeoutError:
+            _log().error("shutdown_timeout", seconds=cfg.shutdown_timeout_s)
+            return 1
+        except Exception as exc:
+            _log().error("shutdown_failed", error=f"{type(exc).__name__}: {exc}")
+            return 1
+        _log().info("relay_stopped", exit_code=code)
+        return code
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def run(cfg: DaemonConfig, main: Callable[[DaemonConfig], Any] = serve) -> int:
+    """Configure logging, pick the event loop (asyncio or uvloop) and run ``main(cfg)``."""
+    configure_logging(cfg)
+    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    if cfg.event_loop == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            _log().error("uvloop_unavailable", hint="install uvloop or set relay.event_loop")
+            return 1
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return int(runner.run(main(cfg)))

@@ -1,0 +1,113 @@
+"""CLI surface: help text, version, exit codes, delegation to ``kvrelay sim``, the demo."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from kvrelay import __version__
+from kvrelay.cli import main
+
+from .helpers import MINIMAL, kvrelay
+
+
+def test_help_lists_commands_examples_and_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for word in ("serve", "check-config", "sim", "demo", "examples:", "exit codes:"):
+        assert word in out, word
+    assert "2  usage or configuration error" in out and "KVRELAY_<SECTION>_<KEY>" in out
+
+
+@pytest.mark.parametrize("command", ["serve", "check-config", "demo"])
+def test_subcommand_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert f"usage: kvrelay {command}" in out and "example" in out
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith(f"kvrelay {__version__} ")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["bogus"],
+        ["serve", "--bogus"],
+        ["demo", "--bind", "nowhere"],
+        ["demo", "--duration", "0"],
+        ["check-config"],
+    ],
+)
+def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+
+
+def test_serve_without_config_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("KVRELAY_CONFIG", raising=False)
+    assert main(["serve"]) == 2
+    assert "--config FILE is required" in capsys.readouterr().err
+
+
+def test_sim_is_delegated(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:  # the sim parser's own --help
+        main(["sim", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: kvrelay sim" in out and "--dp-size" in out
+    assert main(["sim", "--engines", "0"]) == 2
+
+
+def test_serve_refuses_invalid_config_with_the_check_config_problems(tmp_path: Path) -> None:
+    f = tmp_path / "bad.toml"
+    f.write_text(MINIMAL.replace('dc_name = "dc-test"', 'dc_name = ""').replace("50051", "0"))
+    served = kvrelay("serve", "--config", str(f))
+    checked = kvrelay("check-config", str(f))
+    assert served.returncode == 2 and checked.returncode == 2
+    problems = [line for line in checked.stdout.splitlines() if line.startswith("error: ")]
+    assert problems == [
+        "error: relay.dc_name: must be non-empty without surrounding whitespace",
+        "error: pools[0].engines[0].grpc_port: must be in 1..65535, got 0",
+    ]
+    for line in problems:
+        assert line in served.stderr
+    assert "refusing to start" in served.stderr
+
+
+def test_demo_headless_runs_and_reports(tmp_path: Path) -> None:
+    run = kvrelay("demo", "--headless", "--duration", "5", timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["deltas_total"] > 0 and summary["consumer_errors"] == {}, summary
+    pools = {p["pool"]: p for p in summary["pools"]}
+    assert set(pools) == {
+        "demo/backend/generate", "demo-pd/prefill/generate", "demo-pd/decode/generate",
+    }
+    for p in pools.values():
+        assert p["subscribers"] == 1 and p["snapshots"] >= 1 and p["deltas"] > 0, p
+        assert 0 < p["fingerprints"] <= p["capacity"]
+        assert p["latency_p50_ms"] is not None and p["latency_p50_ms"] <= p["latency_p99_ms"]
+    assert "demo-sql-lora (lora)" in pools["demo/backend/generate"]["registrations"]
+    assert pools["demo-pd/decode/generate"]["roles"] == ["DECODE"]
+    models = {(m["namespace"], m["model"]): m for m in summary["models"]}
+    assert summary["ready_models"] >= 1, summary
+    agg = models[("demo", "demo-llama-8b")]
+    assert agg["state"] == "READY" and agg["adapters"] == {"demo-sql-lora": "READY"}, summary
+    assert models[("demo-pd", "demo-qwen-7b")]["state"] == "READY", summary
+
+
+def test_demo_exits_1_when_its_port_is_taken() -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        run = kvrelay("demo", "--headless", "--duration", "1", "--bind", f"127.0.0.1:{port}")
+    assert run.returncode == 1 and "kvrelay demo:" in run.stderr, run.stderr[-2000:]

@@ -1,0 +1,431 @@
+"""Configuration: one test per validation rule (key path + reason), env overrides, defaults.
+
+The oracle for each rule is the operator-facing text: the exact key path and a reason fragment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.config import (
+    ConfigError,
+    ConfigProblem,
+    DaemonConfig,
+    check_file,
+    load_config,
+    parse_bind,
+)
+from kvrelay.hashing.identity import DEFAULT_CKF_SEED
+from kvrelay.service.limits import RelayLimits
+
+from .helpers import MINIMAL, kvrelay
+
+POOL = """
+[[pools]]
+namespace = "ns"
+component = "backend"
+endpoint = "generate"
+"""
+ENGINE = """
+[[pools.engines]]
+name = "e0"
+grpc_port = 50051
+"""
+
+
+def _relay(line: str) -> str:
+    """MINIMAL with one more key in [relay]."""
+    return MINIMAL.replace('dc_name = "dc-test"', f'dc_name = "dc-test"\n{line}')
+
+
+def _pool(line: str) -> str:
+    """MINIMAL with one more key in the first [[pools]]."""
+    return MINIMAL.replace('endpoint = "generate"', f'endpoint = "generate"\n{line}')
+
+
+def _check(
+    tmp_path: Path, text: str, env: dict[str, str] | None = None
+) -> tuple[DaemonConfig | None, list[ConfigProblem]]:
+    f = tmp_path / "kvrelay.toml"
+    f.write_text(text)
+    return check_file(f, env={} if env is None else env)
+
+
+def _errors(problems: list[ConfigProblem]) -> dict[str, str]:
+    return {p.path: p.reason for p in problems if p.severity == "error"}
+
+
+# (rule id, file text, expected key path, reason fragment)
+RULES = [
+    ("unknown-key", _relay('discovery_interval = 3'),
+     "relay.discovery_interval", "did you mean 'discovery_interval_s'"),
+    ("unknown-section", MINIMAL + "\n[relayy]\nx = 1\n", "relayy", "unknown section"),
+    ("unknown-engine-key", MINIMAL + "grcp_port = 1\n", "pools[0].engines[0].grcp_port",
+     "did you mean 'grpc_port'"),
+    ("wrong-type", MINIMAL.replace("grpc_port = 50051", 'grpc_port = "50051"'),
+     "pools[0].engines[0].grpc_port", "must be an integer, got string"),
+    ("port-range", MINIMAL.replace("grpc_port = 50051", "grpc_port = 70000"),
+     "pools[0].engines[0].grpc_port", "must be in 1..65535"),
+    ("bool-type", _pool('cache_salt_namespacing = 1'),
+     "pools[0].cache_salt_namespacing", "must be a boolean"),
+    ("missing-dc-name", MINIMAL.replace('dc_name = "dc-test"', ""), "relay.dc_name",
+     "required key is missing"),
+    ("missing-relay", MINIMAL.replace('[relay]\ndc_name = "dc-test"', ""), "relay",
+     "required section [relay]"),
+    ("blank-dc-name", MINIMAL.replace('"dc-test"', '" dc"'), "relay.dc_name",
+     "without surrounding whitespace"),
+    ("missing-pool-endpoint", MINIMAL.replace('endpoint = "generate"', ""), "pools[0].endpoint",
+     "required key is missing"),
+    ("duplicate-engine", MINIMAL + ENGINE.replace("50051", "50052"), "pools[1 - 1].engines[1].name",
+     "duplicate engine name 'e0'"),
+    ("engine-in-two-pools", MINIMAL + POOL.replace("backend", "b2") + ENGINE,
+     "pools[1].engines[0].name", "already used in pools[0].engines[0]"),
+    ("duplicate-pool", MINIMAL + POOL + ENGINE.replace("e0", "e1"), "pools[1]",
+     "same namespace/component/endpoint as pools[0]"),
+    ("no-grpc-no-static", MINIMAL.replace("grpc_port = 50051", ""),
+     "pools[0].engines[0].grpc_port", "required unless [pools.engines.static]"),
+    ("static-needs-model", MINIMAL.replace(
+        "grpc_port = 50051", '[pools.engines.static]\nendpoint = "tcp://*:5557"'),
+     "pools[0].model", "required when an engine has no grpc_port"),
+    ("static-needs-block-size", MINIMAL.replace(
+        "grpc_port = 50051", '[pools.engines.static]\nendpoint = "tcp://*:5557"'),
+     "pools[0].kv_block_size", "required when an engine has no grpc_port"),
+    ("static-bad-endpoint", MINIMAL.replace(
+        "grpc_port = 50051", 'grpc_port = 1\n[pools.engines.static]\nendpoint = "tcp://*:x"'),
+     "pools[0].engines[0].static.endpoint", "bad port in endpoint"),
+    ("static-dup-ranks", MINIMAL.replace(
+        "grpc_port = 50051",
+        'grpc_port = 1\n[pools.engines.static]\nendpoint = "tcp://*:5557"\ndp_ranks = [0, 0]'),
+     "pools[0].engines[0].static.dp_ranks", "duplicate values"),
+    ("bad-role", _pool('role = "decoder"'),
+     "pools[0].role", "must be one of aggregated, prefill, decode, encode, legacy"),
+    ("bad-needs-role", _pool('needs = [["legacy"]]'),
+     "pools[0].needs[0][0]", "must be one of aggregated, prefill, decode, encode, got 'legacy'"),
+    ("needs-shape", _pool('needs = ["prefill"]'),
+     "pools[0].needs[0]", "must be a non-empty list of roles"),
+    ("legacy-with-needs", MINIMAL.replace(
+        'endpoint = "generate"', 'endpoint = "g"\nrole = "legacy"\nneeds = [["prefill"]]'),
+     "pools[0].needs", "legacy pool"),
+    ("bad-hash-format", _pool('hash_format = "x"'),
+     "pools[0].hash_format", "must be one of standard, eagle"),
+    ("expected-blocks-too-big", MINIMAL.replace(
+        'endpoint = "generate"', 'endpoint = "g"\nexpected_blocks = 100_000_000'),
+     "pools[0].expected_blocks", "exceeds 2^24"),
+    ("ckf-seed-range", _pool('ckf_seed = -1'),
+     "pools[0].ckf_seed", "must be in 0.."),
+    ("no-pools", '[relay]\ndc_name = "d"\n', "pools", "no pools configured"),
+    ("pool-without-engines", '[relay]\ndc_name = "d"\n' + POOL, "pools[0].engines",
+     "at least one [[pools.engines]]"),
+    ("bad-bind-port", _relay('bind = "127.0.0.1:99999"'),
+     "relay.bind", "bad bind address: port must be 0..65535"),
+    ("bad-bind-shape", _relay('bind = "50161"'),
+     "relay.bind", "expected HOST:PORT"),
+    ("bad-bind-ipv6", _relay('bind = "::1:50161"'),
+     "relay.bind", "IPv6 addresses need brackets"),
+    ("bad-bind-host", _relay('bind = "bad host:1"'),
+     "relay.bind", "bad host"),
+    ("drt-zero", _relay('drt_instance_id = 0'),
+     "relay.drt_instance_id", "must be in 1.."),
+    ("duration-nonpositive", MINIMAL + "", "relay.limits.keepalive_interval_s",
+     "must be > 0 and <= 1 year"),
+    ("limit-cross-field", MINIMAL + "", "relay.limits.max_message_bytes", "must be >= 4259904"),
+    ("event-loop", _relay('event_loop = "trio"'),
+     "relay.event_loop", "must be one of asyncio, uvloop"),
+    ("log-level", MINIMAL + '\n[logging]\nlevel = "loud"\n', "logging.level",
+     "must be one of debug"),
+    ("log-format", MINIMAL + '\n[logging]\nformat = "xml"\n', "logging.format",
+     "must be one of auto, json, console"),
+    ("metrics-same-port", _relay('bind = "127.0.0.1:7000"')
+     + '\n[metrics]\nbind = "127.0.0.1:7000"\n', "metrics.bind", "same address as relay.bind"),
+    ("tls-cert-without-key", MINIMAL + '\n[tls]\ncert = "{cert}"\n', "tls.key",
+     "required when tls.cert is set"),
+    ("tls-key-without-cert", MINIMAL + '\n[tls]\nkey = "{cert}"\n', "tls.cert",
+     "required when tls.key is set"),
+    ("tls-ca-without-cert", MINIMAL + '\n[tls]\nclient_ca = "{cert}"\n', "tls.cert",
+     "required when tls.client_ca is set"),
+    ("tls-missing-file", MINIMAL + '\n[tls]\ncert = "/nonexistent/c.pem"\nkey = "{cert}"\n',
+     "tls.cert", "does not exist"),
+    ("pools-not-array", 'pools = 3\n[relay]\ndc_name = "d"\n', "pools",
+     "must be an array of tables"),
+]
+# Rules whose text needs a [relay.limits] table (appending after [[pools]] would nest it there).
+LIMITS = {
+    "duration-nonpositive": "[relay.limits]\nkeepalive_interval_s = 0\n",
+    "limit-cross-field": "[relay.limits]\nmax_message_bytes = 1024\n",
+}
+
+
+@pytest.mark.parametrize(("rule", "text", "path", "reason"), RULES, ids=[r[0] for r in RULES])
+def test_each_rule_reports_key_path_and_reason(
+    tmp_path: Path, rule: str, text: str, path: str, reason: str
+) -> None:
+    cert = tmp_path / "c.pem"
+    cert.write_text("not really a certificate")  # readable: file checks pass, pairing fails
+    if rule in LIMITS:
+        text = text.replace("[[pools]]", LIMITS[rule] + "\n[[pools]]", 1)
+    text = text.replace("{cert}", str(cert))
+    cfg, problems = _check(tmp_path, text)
+    errors = _errors(problems)
+    path = path.replace("[1 - 1]", "[0]")
+    assert cfg is None, f"{rule}: config built despite errors"
+    assert path in errors, f"{rule}: no problem at {path}; got {problems}"
+    assert reason in errors[path], f"{rule}: {errors[path]!r} lacks {reason!r}"
+
+
+def test_every_problem_is_collected_in_one_pass(tmp_path: Path) -> None:
+    text = """
+[relay]
+dc_name = ""
+bind = "nowhere"
+[relay.limits]
+max_subscribers_per_pool = 0
+[logging]
+level = 3
+[[pools]]
+namespace = "ns"
+component = "c"
+endpoint = "e"
+role = "chef"
+[[pools.engines]]
+name = "a"
+grpc_port = 0
+[[pools.engines]]
+name = "a"
+"""
+    cfg, problems = _check(tmp_path, text)
+    assert cfg is None
+    assert set(_errors(problems)) == {
+        "relay.dc_name",
+        "relay.bind",
+        "relay.limits.max_subscribers_per_pool",
+        "logging.level",
+        "pools[0].role",
+        "pools[0].engines[0].grpc_port",
+        "pools[0].engines[1].name",
+        "pools[0].engines[1].grpc_port",
+    }
+
+
+def test_toml_syntax_error_names_the_file(tmp_path: Path) -> None:
+    cfg, problems = _check(tmp_path, "[relay\n")
+    assert cfg is None
+    (p,) = problems
+    assert p.path.endswith("kvrelay.toml") and "TOML syntax error" in p.reason
+
+
+def test_unreadable_file(tmp_path: Path) -> None:
+    cfg, problems = check_file(tmp_path / "absent.toml", env={})
+    assert cfg is None and "cannot read the file" in problems[0].reason
+
+
+def test_plaintext_on_network_is_a_warning_not_an_error(tmp_path: Path) -> None:
+    text = _relay('bind = "0.0.0.0:50161"')
+    cfg, problems = _check(tmp_path, text)
+    assert cfg is not None
+    (w,) = problems
+    assert (w.severity, w.path) == ("warning", "relay.bind") and "plaintext" in w.reason
+    assert cfg.warnings == (w,)
+    # the same bind with TLS configured raises no warning
+    cert = tmp_path / "c.pem"
+    cert.write_text("x")
+    cfg, problems = _check(tmp_path, text + f'\n[tls]\ncert = "{cert}"\nkey = "{cert}"\n')
+    assert cfg is not None and problems == [] and cfg.tls.enabled
+
+
+def test_minimal_file_gets_documented_defaults(tmp_path: Path) -> None:
+    cfg, problems = _check(tmp_path, MINIMAL)
+    assert problems == [] and cfg is not None
+    assert (cfg.bind_host, cfg.bind_port) == ("127.0.0.1", 50161)
+    assert (cfg.metrics.enabled, cfg.metrics.host, cfg.metrics.port) == (True, "127.0.0.1", 50162)
+    assert (cfg.logging.level, cfg.logging.format) == ("info", "auto")
+    assert not cfg.tls.enabled and cfg.event_loop == "asyncio" and cfg.shutdown_timeout_s == 10.0
+    r = cfg.relay
+    assert r.dc_name == "dc-test" and r.drt_instance_id is None and r.limits == RelayLimits()
+    assert (r.discovery_interval_s, r.discovery_timeout_s, r.metrics_scrape_interval_s) == (
+        5.0, 2.0, 1.0,
+    )
+    (pool,) = r.pools
+    assert pool.triple == ("ns", "backend", "generate")
+    assert pool.role == pb.WorkerRole.AGGREGATED and pool.needs == ()
+    assert pool.hash_format == pb.KvQueryHashFormat.DYNAMO_STANDARD_V1
+    assert (pool.expected_blocks, pool.ckf_seed) == (1_048_576, DEFAULT_CKF_SEED)
+    (engine,) = pool.engines
+    assert (engine.name, engine.host, engine.grpc_port, engine.static) == (
+        "e0", "127.0.0.1", 50051, None,
+    )
+    assert "1 pool(s), 1 engine(s)" in cfg.summary()
+
+
+def test_full_file_maps_every_section(tmp_path: Path) -> None:
+    limits = "\n".join(
+        f"{k} = {v}"
+        for k, v in {
+            "max_message_bytes": 9 * 1024 * 1024, "keepalive_interval_s": 30,
+            "keepalive_timeout_s": 5.5, "pool_heartbeat_s": 2, "readiness_heartbeat_s": 3,
+            "snapshot_progress_timeout_s": 40, "load_window_s": 0.5,
+            "publication_queue_capacity": 8, "publication_queue_bytes": 32 * 1024 * 1024,
+            "publication_encoding_concurrency": 3, "max_catalog_subscribers": 5,
+            "max_pool_streams_total": 6, "max_subscribers_per_pool": 7,
+            "max_initialized_pool_hubs": 9, "max_readiness_subscribers": 10,
+            "max_load_subscribers": 11, "load_fanout_capacity": 12,
+            "publish_every_n_events": 13, "publication_delay_s": 0.002,
+        }.items()
+    )
+    text = f"""
+[relay]
+dc_name = "dc-x"
+bind = "[::1]:6000"
+drt_instance_id = 42
+discovery_interval_s = 1
+event_loop = "UVLOOP"
+[relay.limits]
+{limits}
+[logging]
+level = "DEBUG"
+format = "json"
+[metrics]
+enabled = false
+[[pools]]
+namespace = "ns"
+component = "prefill"
+endpoint = "generate"
+role = "prefill"
+hash_format = "eagle"
+expected_blocks = 1000
+ckf_seed = 7
+model = "m"
+kv_block_size = 32
+cache_salt_namespacing = true
+multimodal_hashing = true
+[[pools.engines]]
+name = "p0"
+host = "10.0.0.5"
+metrics_port = 8000
+total_kv_blocks = 4096
+[pools.engines.static]
+endpoint = "tcp://*:5557"
+replay_endpoint = "tcp://*:5657"
+dp_ranks = [0, 1]
+topic = "kv"
+[[pools]]
+namespace = "ns"
+component = "decode"
+endpoint = "generate"
+role = "decode"
+needs = [["prefill"], ["aggregated", "encode"]]
+[[pools.engines]]
+name = "d0"
+grpc_port = 50052
+"""
+    cfg, problems = _check(tmp_path, text)
+    assert problems == [] and cfg is not None
+    assert (cfg.bind_host, cfg.bind_port) == ("::1", 6000)
+    assert cfg.event_loop == "uvloop" and cfg.logging.level == "debug" and not cfg.metrics.enabled
+    assert cfg.relay.drt_instance_id == 42 and cfg.relay.discovery_interval_s == 1.0
+    lim = cfg.relay.limits
+    assert lim.keepalive_timeout_s == 5.5 and lim.publication_delay_s == 0.002
+    assert lim.max_load_subscribers == 11 and lim.publish_every_n_events == 13
+    p, d = cfg.relay.pools
+    assert p.role == pb.WorkerRole.PREFILL and p.hash_format == pb.KvQueryHashFormat.DYNAMO_EAGLE_V1
+    assert (p.expected_blocks, p.ckf_seed, p.model, p.kv_block_size) == (1000, 7, "m", 32)
+    assert p.decode.cache_salt_namespacing and p.decode.multimodal_hashing
+    (e,) = p.engines
+    assert e.static is not None and e.static.dp_ranks == (0, 1) and e.static.topic == "kv"
+    assert e.static.replay_endpoint == "tcp://*:5657" and e.total_kv_blocks == 4096
+    assert d.needs == (
+        frozenset({pb.WorkerRole.PREFILL}),
+        frozenset({pb.WorkerRole.AGGREGATED, pb.WorkerRole.ENCODE}),
+    )
+
+
+def test_every_relay_limit_is_configurable() -> None:
+    from dataclasses import fields
+
+    from kvrelay.config import LIMITS_KEYS
+
+    assert set(LIMITS_KEYS) == {f.name for f in fields(RelayLimits)}
+
+
+# ---- environment overrides ------------------------------------------------------------------
+
+
+def test_env_overrides_are_typed_and_win_over_the_file(tmp_path: Path) -> None:
+    env = {
+        "KVRELAY_RELAY_BIND": "127.0.0.2:7001",
+        "KVRELAY_RELAY_DC_NAME": "dc-env",
+        "KVRELAY_RELAY_DRT_INSTANCE_ID": "0x10",
+        "KVRELAY_RELAY_DISCOVERY_INTERVAL_S": "0.25",
+        "KVRELAY_RELAY_LIMITS_MAX_POOL_STREAMS_TOTAL": "8",
+        "KVRELAY_LOGGING_LEVEL": "warning",
+        "KVRELAY_METRICS_BIND": "127.0.0.1:9999",
+        "KVRELAY_METRICS_ENABLED": "no",
+        "KVRELAY_CONFIG": "/ignored/not/a/section.toml",
+        "UNRELATED": "x",
+    }
+    cfg, problems = _check(tmp_path, MINIMAL, env)
+    assert problems == [] and cfg is not None
+    assert (cfg.bind_host, cfg.bind_port, cfg.relay.dc_name) == ("127.0.0.2", 7001, "dc-env")
+    assert cfg.relay.drt_instance_id == 16 and cfg.relay.discovery_interval_s == 0.25
+    assert cfg.relay.limits.max_pool_streams_total == 8
+    assert cfg.logging.level == "warning"
+    assert (cfg.metrics.enabled, cfg.metrics.port) == (False, 9999)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "path", "reason"),
+    [
+        ("KVRELAY_RELAY_DISCOVERY_INTERVAL_S", "fast", "env.KVRELAY_RELAY_DISCOVERY_INTERVAL_S",
+         "expected a number"),
+        ("KVRELAY_METRICS_ENABLED", "maybe", "env.KVRELAY_METRICS_ENABLED", "expected a boolean"),
+        ("KVRELAY_RELAY_DRT_INSTANCE_ID", "1.5", "env.KVRELAY_RELAY_DRT_INSTANCE_ID",
+         "expected an integer"),
+        ("KVRELAY_RELAY_DC_NAM", "x", "env.KVRELAY_RELAY_DC_NAM",
+         "did you mean KVRELAY_RELAY_DC_NAME"),
+        ("KVRELAY_RELAY_LIMITS", "x", "env.KVRELAY_RELAY_LIMITS", "no scalar key relay.limits"),
+        ("KVRELAY_RELAY_BIND", "127.0.0.1", "relay.bind", "(set by KVRELAY_RELAY_BIND)"),
+        ("KVRELAY_LOGGING_LEVEL", "chatty", "logging.level", "(set by KVRELAY_LOGGING_LEVEL)"),
+    ],
+)
+def test_bad_env_overrides_are_problems(
+    tmp_path: Path, name: str, value: str, path: str, reason: str
+) -> None:
+    cfg, problems = _check(tmp_path, MINIMAL, {name: value})
+    errors = _errors(problems)
+    assert cfg is None and path in errors and reason in errors[path], problems
+
+
+def test_load_config_raises_with_all_problems(tmp_path: Path) -> None:
+    f = tmp_path / "k.toml"
+    f.write_text(MINIMAL.replace("grpc_port = 50051", "grpc_port = 0"))
+    with pytest.raises(ConfigError) as info:
+        load_config(f, env={})
+    assert [p.path for p in info.value.problems] == ["pools[0].engines[0].grpc_port"]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("127.0.0.1:0", ("127.0.0.1", 0)),
+        ("[::]:80", ("::", 80)),
+        ("relay.local:1", ("relay.local", 1)),
+    ],
+)
+def test_parse_bind(text: str, expected: tuple[str, int]) -> None:
+    assert parse_bind(text) == expected
+
+
+def test_check_config_subprocess_exit_codes(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(MINIMAL.replace("grpc_port = 50051", "grpc_port = 70000"))
+    run = kvrelay("check-config", str(bad))
+    assert run.returncode == 2
+    assert "error: pools[0].engines[0].grpc_port: must be in 1..65535, got 70000" in run.stdout
+    good = tmp_path / "good.toml"
+    good.write_text(MINIMAL)
+    run = kvrelay("check-config", str(good))
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 1 and "ok:" in lines[0] and "1 pool(s), 1 engine(s)" in lines[0]

@@ -1,0 +1,259 @@
+"""``kvrelay serve`` as a real subprocess: sd_notify, gRPC streams, SIGTERM, exit codes.
+
+The test owns the NOTIFY_SOCKET (an AF_UNIX datagram socket in tmp) and a simulated vLLM engine
+in its own event loop; the relay only sees them through real sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from grpclib.client import Channel
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.cli import _numba_cache_from_systemd
+from kvrelay.config import load_config
+from kvrelay.daemon import Daemon
+from kvrelay.sdnotify import Notifier
+from kvrelay.sim.engine import SimConfig, SimEngine
+
+from .helpers import MINIMAL, REPO, clean_env
+
+MARKER = 0x4B565231
+SHUTDOWN_BOUND_S = 10.0
+
+
+def _config(path: Path, grpc_port: int, extra: str = "") -> Path:
+    path.write_text(
+        f"""
+[relay]
+dc_name = "dc-ops"
+bind = "127.0.0.1:0"
+discovery_interval_s = 0.2
+discovery_timeout_s = 1.0
+shutdown_timeout_s = {SHUTDOWN_BOUND_S}
+{extra}
+[metrics]
+bind = "127.0.0.1:0"
+
+[logging]
+format = "json"
+
+[[pools]]
+namespace = "ns"
+component = "backend"
+endpoint = "generate"
+expected_blocks = 4096
+
+[[pools.engines]]
+name = "e0"
+grpc_port = {grpc_port}
+"""
+    )
+    return path
+
+
+class Notifications:
+    """Collects datagrams from the test-owned NOTIFY_SOCKET."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.setblocking(False)
+        self.messages: list[str] = []
+        self._task = asyncio.create_task(self._recv())
+
+    async def _recv(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            data = await loop.sock_recv(self.sock, 4096)
+            self.messages.append(data.decode())
+
+    async def wait_for(self, prefix: str, count: int = 1, timeout: float = 40.0) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            hits = [m for m in self.messages if m.startswith(prefix)]
+            if len(hits) >= count:
+                return hits[count - 1]
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {prefix!r} x{count}; got {self.messages}")
+            await asyncio.sleep(0.02)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self.sock.close()
+
+
+async def _drain(stream: object, seen: list[object]) -> str:
+    """Iterate a server stream to its end; 'clean' only if it ended with status OK."""
+    async for msg in stream:  # type: ignore[attr-defined]
+        seen.append(msg)
+    return "clean"
+
+
+async def test_serve_notifies_streams_and_shuts_down_cleanly_on_sigterm(tmp_path: Path) -> None:
+    engine = SimEngine(SimConfig(name="e0", seed=5, dp_size=1, capacity_blocks=64))
+    await engine.start()
+    assert engine.grpc_port is not None
+    notes = Notifications(tmp_path / "notify.sock")
+    cfg = _config(tmp_path / "kvrelay.toml", engine.grpc_port)
+    env = clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), WATCHDOG_USEC="400000")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvrelay", "serve", "--config", str(cfg),
+        env=env, cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    tasks: list[asyncio.Task[str]] = []
+    try:
+        ready = await notes.wait_for("READY=1")
+        match = re.search(r"STATUS=serving gRPC on 127\.0\.0\.1:(\d+)", ready)
+        assert match, ready
+        port = int(match.group(1))
+        await notes.wait_for("WATCHDOG=1", count=2)  # pings at half of 0.4 s
+
+        async with Channel("127.0.0.1", port) as channel:
+            stub = pb.KvEventRelayStub(channel)
+            info = await stub.get_relay_info(pb.RelayInfoRequest(contract_marker=MARKER))
+            assert info.relay is not None and info.relay.relay_incarnation != 0
+
+            # The pool appears once discovery has materialized it.
+            descriptor = None
+            async for upd in stub.watch_kv_pool_catalog(
+                pb.WatchKvPoolCatalogRequest(subscriber_id="ops", contract_marker=MARKER)
+            ):
+                if upd.snapshot is not None and upd.snapshot.pools:
+                    descriptor = upd.snapshot.pools[0]
+                    break
+            assert descriptor is not None and descriptor.producer is not None
+
+            catalog_seen: list[object] = []
+            pool_seen: list[pb.FilterUpdate] = []
+            tasks.append(asyncio.create_task(_drain(stub.watch_kv_pool_catalog(
+                pb.WatchKvPoolCatalogRequest(subscriber_id="ops-2", contract_marker=MARKER)
+            ), catalog_seen)))
+            tasks.append(asyncio.create_task(_drain(stub.subscribe_kv_pool(
+                pb.SubscribeKvPoolRequest(
+                    subscriber_id="ops", expected_producer=descriptor.producer,
+                    contract_marker=MARKER,
+                )
+            ), pool_seen)))  # type: ignore[arg-type]
+            deadline = time.monotonic() + 20
+            while not any(f.kind == pb.FilterUpdateKind.DELTA for f in pool_seen):
+                assert time.monotonic() < deadline, "no delta reached the subscriber"
+                await engine.step(2)
+                await asyncio.sleep(0.05)
+            assert pool_seen[0].kind == pb.FilterUpdateKind.SNAPSHOT_CHUNK
+
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            rc = await asyncio.wait_for(proc.wait(), SHUTDOWN_BOUND_S + 5)
+            elapsed = time.monotonic() - t0
+            assert rc == 0, (await proc.stderr.read()).decode()  # type: ignore[union-attr]
+            assert elapsed < SHUTDOWN_BOUND_S
+            # Both open streams saw a clean end (status OK), not a reset or an error.
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 5)
+            assert results == ["clean", "clean"]
+            assert catalog_seen, "the catalog stream delivered its first snapshot"
+
+        await notes.wait_for("STOPPING=1")
+        kinds = [m.split("=", 1)[0] for m in notes.messages]
+        assert kinds[0] == "READY", kinds
+        assert kinds.count("STOPPING") == 1 and kinds.count("READY") == 1
+        stop_at = kinds.index("STOPPING")
+        assert "WATCHDOG" in kinds[1:stop_at], kinds
+    finally:
+        for t in tasks:
+            t.cancel()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await notes.close()
+        await engine.stop()
+
+
+async def test_serve_exits_1_when_the_port_is_taken(tmp_path: Path) -> None:
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        cfg = _config(tmp_path / "k.toml", 50051).read_text()
+        cfg = cfg.replace(
+            'bind = "127.0.0.1:0"\ndiscovery', f'bind = "127.0.0.1:{port}"\ndiscovery'
+        )
+        (tmp_path / "k.toml").write_text(cfg)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvrelay", "serve", "--config", str(tmp_path / "k.toml"),
+            env=clean_env(), cwd=REPO, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 40)
+        assert proc.returncode == 1
+        assert b"start_failed" in out + err
+    finally:
+        holder.close()
+
+
+async def _http_get(port: int, path: str) -> tuple[int, str]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+    await writer.drain()
+    data = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    head, _, body = data.decode().partition("\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+async def test_defaults_that_run(tmp_path: Path) -> None:
+    """A file with just dc_name and one pool runs (ports moved off the defaults via env)."""
+    engine = SimEngine(SimConfig(name="e0", seed=9, dp_size=1, capacity_blocks=32))
+    await engine.start()
+    f = tmp_path / "k.toml"
+    f.write_text(MINIMAL.replace("50051", str(engine.grpc_port)))
+    cfg = load_config(
+        f, env={"KVRELAY_RELAY_BIND": "127.0.0.1:0", "KVRELAY_METRICS_BIND": "127.0.0.1:0"}
+    )
+    assert cfg.metrics.enabled and cfg.relay.limits.max_message_bytes == 8 * 1024 * 1024
+    daemon = Daemon(cfg, Notifier({}))
+    try:
+        await daemon.start()
+        assert daemon.grpc_port and daemon.metrics_port
+        async with Channel("127.0.0.1", daemon.grpc_port) as channel:
+            info = await pb.KvEventRelayStub(channel).get_relay_info(
+                pb.RelayInfoRequest(contract_marker=MARKER)
+            )
+            assert info.relay is not None
+            assert info.relay.relay_incarnation == daemon.relay.relay_incarnation
+        await asyncio.sleep(0.6)  # at least two loop-lag samples
+        status, body = await _http_get(daemon.metrics_port, "/metrics")
+        assert status == 200 and "kvrelay_event_loop_lag_seconds_count" in body
+        count = re.search(r"^kvrelay_event_loop_lag_seconds_count (\S+)$", body, re.M)
+        assert count is not None and float(count.group(1)) >= 2
+    finally:
+        await daemon.stop()
+        await engine.stop()
+    # stopped means closed: nothing listens on either port any more
+    for port in (daemon.grpc_port, daemon.metrics_port):
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            raise AssertionError(f"port {port} still accepts connections")
+
+
+def test_numba_cache_follows_systemd_cache_directory(monkeypatch: pytest.MonkeyPatch) -> None:
+    mp = monkeypatch
+    mp.delenv("NUMBA_CACHE_DIR", raising=False)
+    mp.setenv("CACHE_DIRECTORY", "/var/cache/kvrelay:/other")
+    _numba_cache_from_systemd()
+    assert os.environ["NUMBA_CACHE_DIR"] == "/var/cache/kvrelay/numba"
+    mp.setenv("NUMBA_CACHE_DIR", "/explicit")
+    _numba_cache_from_systemd()
+    assert os.environ["NUMBA_CACHE_DIR"] == "/explicit"
