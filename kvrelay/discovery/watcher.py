@@ -51,11 +51,11 @@ class EngineTarget:
 
     @property
     def name(self) -> str:
-        return (
-            f"{self.host}:{self.grpc_port}"
-            if self.grpc_port is not None
-            else (f"{self.host}/static")
-        )
+        if self.grpc_port is not None:
+            return f"{self.host}:{self.grpc_port}"
+        assert self.static is not None
+        # Two pre-0.27 engines on one host differ only by their endpoint: keep both.
+        return f"{self.host}/static/{self.static.endpoint}"
 
 
 async def _tcp_alive(endpoint: str, host: str, timeout: float) -> str | None:

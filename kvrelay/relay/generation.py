@@ -57,6 +57,7 @@ class Generation:
         self._pending_events = 0
         self._pending_since: float | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._soon = False
         self.on_publish: PublishObserver | None = None
 
     @property
@@ -86,7 +87,8 @@ class Generation:
     # ---- producer side ---------------------------------------------------------------------------
 
     def note_events(self, n: int) -> None:
-        """Count applied commands; publish at ``publish_every_n_events`` or after the delay.
+        """Count applied commands; publish once ``publish_every_n_events`` accumulated (at the end
+        of the current loop iteration) or after ``publication_delay_s``, whichever comes first.
 
         Boundaries fall only between whole commands because callers note after a full batch.
         """
@@ -96,7 +98,12 @@ class Generation:
             self._pending_since = time.monotonic()
         self._pending_events += n
         if self._pending_events >= self.limits.publish_every_n_events:
-            self.flush()
+            # Publish at the end of this loop iteration, not inline: a subscriber draining a
+            # burst of engine messages then yields one delta for the burst instead of one per
+            # 16 events, so fan-out queues (16 frames) are not filled before any sender runs.
+            if not self._soon:
+                self._soon = True
+                asyncio.get_running_loop().call_soon(self._on_soon)
         elif self._timer is None:
             loop = asyncio.get_running_loop()
             self._timer = loop.call_later(self.limits.publication_delay_s, self._on_timer)
@@ -104,6 +111,11 @@ class Generation:
     def _on_timer(self) -> None:
         self._timer = None
         self.flush()
+
+    def _on_soon(self) -> None:
+        self._soon = False
+        if self._pending_events:
+            self.flush()
 
     def flush(self) -> None:
         """Publish the net-changed buckets as the next sequence (nothing when nothing changed)."""

@@ -127,8 +127,11 @@ async def test_static_target_without_grpc() -> None:
     eng = SimEngine(SimConfig(dp_size=2, pub_port=base, replay_port=base + 2, grpc_port=None))
     await eng.start()
     static = StaticSourceConfig(f"tcp://*:{base}", f"tcp://*:{base + 2}", dp_ranks=(0, 1))
-    w = EngineWatcher([EngineTarget("127.0.0.1", static=static)], lambda e: None, timeout=0.5)
-    name = "127.0.0.1/static"
+    other = StaticSourceConfig(f"tcp://*:{base + 3}")  # a second pre-0.27 engine, same host
+    targets = [EngineTarget("127.0.0.1", static=static), EngineTarget("127.0.0.1", static=other)]
+    w = EngineWatcher(targets, lambda e: None, timeout=0.5)
+    assert len(w.targets) == 2, "two static engines on one host must stay two targets"
+    name = targets[0].name
     evs = await w.poll_once(name)
     assert kinds(evs) == [EngineDiscovered, SourcesAdded]
     assert [s.endpoint for s in evs[1].sources] == [  # type: ignore[union-attr]

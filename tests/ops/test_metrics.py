@@ -13,6 +13,7 @@ import math
 
 import pytest
 from grpclib.client import Channel
+from grpclib.config import Configuration
 from grpclib.exceptions import GRPCError
 from prometheus_client import CollectorRegistry
 
@@ -263,7 +264,8 @@ async def test_counters_stay_monotonic_across_engine_restart_and_withdrawal() ->
 
 
 async def test_lagging_pool_subscriber_is_counted() -> None:
-    """A burst larger than the subscriber's queue ends the stream with SUBSCRIBER_LAGGED."""
+    """A subscriber that stops reading fills its HTTP/2 window, then its 1-frame queue, and its
+    stream ends with SUBSCRIBER_LAGGED; the lag is counted on both the pool and the service."""
     limits = RelayLimits(publication_queue_capacity=1, publish_every_n_events=1)
     cfg = SimConfig(name="lag0", seed=3, dp_size=1, capacity_blocks=256)
     async with fleet_and_relay([cfg], limits=limits) as (engines, relay, server):
@@ -281,7 +283,13 @@ async def test_lagging_pool_subscriber_is_counted() -> None:
             assert gen is not None
             ended: list[GRPCError] = []
             got_snapshot = asyncio.Event()
-            async with Channel("127.0.0.1", server.port) as channel:
+            resume = asyncio.Event()
+            # the smallest HTTP/2 windows grpclib allows (64 KiB): a stalled reader blocks the
+            # server's sends after 64 KiB, so the relay's own queue must overflow
+            small = Configuration(
+                http2_connection_window_size=2**16 - 1, http2_stream_window_size=2**16 - 1
+            )
+            async with Channel("127.0.0.1", server.port, config=small) as channel:
                 stub = pb.KvEventRelayStub(channel)
 
                 async def consume() -> None:
@@ -294,15 +302,20 @@ async def test_lagging_pool_subscriber_is_counted() -> None:
                         ):
                             if fu.kind == pb.FilterUpdateKind.SNAPSHOT_CHUNK:
                                 got_snapshot.set()
+                                await resume.wait()  # stall: read nothing more for now
                     except GRPCError as exc:
                         ended.append(exc)
 
                 task = asyncio.create_task(consume())
                 try:
                     await asyncio.wait_for(got_snapshot.wait(), 10)
-                    # 40 messages queued at once: the relay drains them in one pass and
-                    # publishes one delta per event, far more than a 1-frame queue holds
-                    await eng.step(40)
+                    for _ in range(5000):
+                        if gen.hub_stats()["lagged"]:
+                            break
+                        await eng.step(2)
+                        await asyncio.sleep(0)
+                    assert gen.hub_stats()["lagged"] == 1
+                    resume.set()
                     await asyncio.wait_for(task, 10)
                 finally:
                     task.cancel()
