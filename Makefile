@@ -31,11 +31,17 @@ demo: $(STAMP)
 proto: $(STAMP)
 	$(PY) -m kvrelay._protogen kvrelay/_proto
 
-# Loopback benchmarks (benchmarks/README.md). Short (< 2 min) by default; FULL=1 for the full sweep
-# plus the Dynamo side-by-side; SIDE=1 adds the side-by-side to the short run.
+# Loopback benchmarks (benchmarks/README.md). Short (< 2 min) by default; FULL=1: full sweep,
+# micro-benchmarks and the Dynamo side-by-side; SIDE=1 adds the side-by-side to the short run.
 bench: $(STAMP)
 	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q -e '.[bench]'
-	$(PY) -m benchmarks.run $(if $(FULL),--full --side-by-side,$(if $(SIDE),--side-by-side,))
+	$(PY) -m benchmarks.run $(if $(FULL),--full --micro --side-by-side,$(if $(SIDE),--side-by-side,))
+
+# Bounded soak (tests/reliability, docs/fault-matrix.md): 64 pool subscribers at a steady rate;
+# fails on RSS growth, lag terminations or latency drift. SOAK_SECONDS (default 600) sets the length.
+.PHONY: soak
+soak: $(STAMP)
+	$(PY) -m kvrelay.soak --seconds $(or $(SOAK_SECONDS),600)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

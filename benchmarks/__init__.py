@@ -1,0 +1,1 @@
+"""kvrelay benchmarks (scripts; run ``python -m benchmarks.run``). Not part of the package."""

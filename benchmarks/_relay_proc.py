@@ -1,0 +1,181 @@
+"""Run one kvrelay (``Relay`` + ``RelayServer``) in its own process, so its CPU and RSS can be
+read from /proc, and dump its counters to a JSON file every ``--stats-interval`` seconds.
+
+Engines are static ZMQ sources (``--engine NAME=tcp://host:port``), the way a pre-0.27 vLLM or
+Dynamo's mocker is configured. Prints ``READY <port>`` once the gRPC server listens; SIGTERM/SIGINT
+stop it cleanly (a final stats dump is written first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from kvrelay.discovery.endpoints import StaticSourceConfig
+from kvrelay.relay.relay import Relay
+from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
+from kvrelay.service.limits import RelayLimits
+from kvrelay.service.server import RelayServer
+
+
+def build_settings(a: argparse.Namespace) -> RelaySettings:
+    engines = []
+    for item in a.engine:
+        name, _, endpoint = item.partition("=")
+        # one loopback address per engine: static engines are keyed by host (see README)
+        host = endpoint.removeprefix("tcp://").rpartition(":")[0] or "127.0.0.1"
+        engines.append(
+            EngineSpec(
+                name=name,
+                host=host,
+                static=StaticSourceConfig(endpoint=endpoint, replay_endpoint=None, hwm=a.zmq_hwm),
+            )
+        )
+    limits = RelayLimits(
+        publish_every_n_events=a.publish_every_n,
+        publication_delay_s=a.publication_delay_ms / 1000.0,
+        publication_queue_capacity=a.queue_capacity,
+        max_pool_streams_total=a.max_streams,
+        max_subscribers_per_pool=a.max_streams,
+    )
+    pool = PoolSpec(
+        namespace=a.namespace,
+        component=a.component,
+        endpoint=a.endpoint_name,
+        engines=tuple(engines),
+        expected_blocks=a.expected_blocks,
+        model=a.model,
+        kv_block_size=a.block_size,
+    )
+    return RelaySettings(
+        dc_name=a.dc,
+        pools=(pool,),
+        limits=limits,
+        discovery_interval_s=1.0,
+        discovery_timeout_s=1.0,
+    )
+
+
+def stats(relay: Relay, server: RelayServer, started: float) -> dict[str, Any]:
+    pools = []
+    for p in relay.pools:
+        gen = p.generation
+        item: dict[str, Any] = {
+            "pool": p.name,
+            "batches": p.counters.batches,
+            "events": p.counters.events,
+            "events_rejected": p.counters.events_rejected,
+            "dropped_without_generation": p.counters.dropped_without_generation,
+            "member_resets": dict(p.counters.member_resets),
+            "generations": p.counters.generations,
+            "fences": p.counters.fences,
+            "ingest": {},
+        }
+        blocks = gaps = resets = messages = 0
+        for key, sub in p.subscribers.items():
+            c = sub.counters
+            blocks += c.blocks
+            gaps += c.gaps
+            resets += c.resets
+            messages += c.messages
+            item["ingest"][f"{key.worker_id}/{key.dp_rank}"] = {
+                "messages": c.messages, "blocks": c.blocks, "gaps": c.gaps, "resets": c.resets,
+                "missing_history": c.missing_history, "rejections": dict(c.rejections),
+                "drops": dict(c.drops), "malformed": c.malformed_events,
+            }
+        item.update(ingest_blocks=blocks, ingest_gaps=gaps, ingest_resets=resets,
+                    ingest_messages=messages)
+        if gen is not None:
+            hub = gen._hub
+            item.update(
+                sequence=gen.sequence,
+                bucket_count=int(gen.pool.bucket_count),
+                memberships=gen.pool.memberships,
+                distinct_canonical=gen.pool.distinct_canonical,
+                occupancy=gen.pool.occupancy,
+                exact_state_bytes=gen.pool.memory_bytes(),
+                table_bytes=int(gen.pool.table.nbytes),
+                capacity_omissions=gen.pool.capacity_omissions,
+                unknown_removals=gen.pool.unknown_removals,
+                subscribers=gen.subscriber_count,
+                hub_lagged=0 if hub is None else int(getattr(hub, "lagged", 0)),
+            )
+        pools.append(item)
+    return {
+        "pid": os.getpid(),
+        "uptime_s": time.monotonic() - started,
+        "wall": time.time(),
+        "service_errors": dict(server.service.errors),
+        "pools": pools,
+    }
+
+
+async def amain(a: argparse.Namespace) -> None:
+    settings = build_settings(a)
+    started = time.monotonic()
+    relay = Relay(settings)
+    await relay.start()
+    server = RelayServer(relay, settings.limits)  # type: ignore[arg-type]  # as tests/e2e do
+    await server.start(a.host, a.port)
+    print(f"READY {server.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    out = Path(a.stats) if a.stats else None
+
+    def dump() -> None:
+        if out is None:
+            return
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(stats(relay, server, started)))
+        tmp.replace(out)
+
+    while not stop.is_set():
+        dump()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), a.stats_interval)
+    dump()
+    await server.close(grace_s=1.0)
+    await relay.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--dc", default="dc-bench")
+    p.add_argument("--namespace", default="bench")
+    p.add_argument("--component", default="backend")
+    p.add_argument("--endpoint-name", default="generate")
+    p.add_argument("--engine", action="append", default=[], help="NAME=tcp://host:port")
+    p.add_argument("--model", default="bench-model")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--expected-blocks", type=int, default=1_048_576)
+    p.add_argument("--zmq-hwm", type=int, default=100_000)
+    p.add_argument("--publish-every-n", type=int, default=16)
+    p.add_argument("--publication-delay-ms", type=float, default=1.0)
+    p.add_argument("--queue-capacity", type=int, default=16)
+    p.add_argument("--max-streams", type=int, default=128)
+    p.add_argument("--stats", default="")
+    p.add_argument("--stats-interval", type=float, default=0.5)
+    p.add_argument("--uvloop", action="store_true")
+    a = p.parse_args()
+    if not a.engine:
+        p.error("at least one --engine is required")
+    if a.uvloop:
+        import uvloop
+
+        uvloop.install()
+    asyncio.run(amain(a))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,342 @@
+"""kvrelay side by side with Dynamo's reference relay (ai-dynamo 1.6.1), fed by ONE event stream.
+
+Inside a private network namespace (only ``lo``): Dynamo's mocker serves a weightless tiny Llama
+and publishes KV events twice — on Dynamo's event plane (read by ``dynamo.kv_dc_relay``) and, with
+``--zmq-kv-events-ports``, as vLLM-format ZMQ (read by kvrelay as a static source). Requests go
+through Dynamo's runtime client (``_dynamo_driver``, in ``.venv-dynamo``); each prompt is 64
+blocks of 16 tokens, and the Dynamo canonical hashes of its first 8 blocks are a probe. One
+subscriber process per relay runs the *same* code (``_subscriber``, grpclib + betterproto2 parse
++ cbi1 decode + replica table) and reports, per relay: delta latency (receive − that relay's
+``send_ts_us``), end-to-end latency (request submit → all 8 probe hashes in the replica), relay
+process CPU during the window and RSS. Ratios are kvrelay / Dynamo from the same run.
+
+Dynamo is never a kvrelay dependency: it lives in ``.venv-dynamo`` (installed here on first use,
+~226 MB from PyPI). Everything generated goes to ``benchmarks/.work/``. When the install, root or
+the namespace is unavailable the script prints why and writes a ``skipped`` result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks._common import (
+    PY,
+    RESULTS,
+    ROOT,
+    WORK,
+    machine,
+    percentiles,
+    tree_sample,
+    write_json,
+)
+from benchmarks._harness import Proc
+
+NS = "kvrbench"
+VENV = ROOT / ".venv-dynamo"
+DPY = str(VENV / "bin" / "python")
+ZMQ_PORT, DYN_PORT, KVR_PORT = 5600, 5561, 5562
+PROMPT_BLOCKS, BLOCK = 64, 16
+OUT = RESULTS / "side_by_side.json"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] side-by-side: {msg}", flush=True)
+
+
+def sh(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+
+
+def ensure_venv() -> str | None:
+    """None when .venv-dynamo imports Dynamo, else the reason it could not be made to."""
+    check = "import dynamo.mocker, dynamo.kv_dc_relay, dynamo.runtime, tokenizers"
+    if Path(DPY).exists() and sh(DPY, "-c", check).returncode == 0:
+        return None
+    log("installing ai-dynamo-runtime==1.6.1 / ai-dynamo==1.6.1 into .venv-dynamo (~226 MB)")
+    steps = [
+        [sys.executable, "-m", "venv", str(VENV)],
+        [DPY, "-m", "pip", "install", "-q", "ai-dynamo-runtime==1.6.1"],
+        [DPY, "-m", "pip", "install", "-q", "--no-deps", "ai-dynamo==1.6.1"],
+        [DPY, "-m", "pip", "install", "-q", "aiohttp", "msgspec", "prometheus-client", "pyzmq",
+         "uvloop", "tokenizers"],
+    ]
+    for st in steps:
+        try:
+            r = sh(*st, timeout=1200)
+        except (OSError, subprocess.SubprocessError) as exc:
+            return f"install step {st[2:]} failed: {exc}"
+        if r.returncode != 0:
+            return f"install step {' '.join(st[2:])} failed: {r.stderr.strip()[-400:]}"
+    r = sh(DPY, "-c", check)
+    return None if r.returncode == 0 else f"Dynamo import failed: {r.stderr.strip()[-400:]}"
+
+
+def ensure_netns() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root for a private network namespace (ip netns add)"
+    if shutil.which("ip") is None:
+        return "iproute2 'ip' not found"
+    sh("ip", "netns", "del", NS)
+    r = sh("ip", "netns", "add", NS)
+    if r.returncode != 0:
+        return f"ip netns add failed: {r.stderr.strip()}"
+    r = sh("ip", "netns", "exec", NS, "ip", "link", "set", "lo", "up")
+    return None if r.returncode == 0 else f"lo up failed: {r.stderr.strip()}"
+
+
+def dyn_env(kv_dir: Path) -> dict[str, str]:
+    return {
+        "DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(kv_dir), "DYN_EVENT_PLANE": "zmq",
+        "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE_HOST": "127.0.0.1",
+        "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
+        "DYN_SYSTEM_HOST": "127.0.0.1",
+    }
+
+
+def make_prompts(n: int) -> tuple[Path, Path]:
+    from kvrelay.sim.hashing import dynamo_sequence_hashes
+
+    rng = np.random.default_rng(11)
+    toks = rng.integers(2, 1001, size=(n, PROMPT_BLOCKS * BLOCK)).tolist()
+    probes = [dynamo_sequence_hashes(t[: 8 * BLOCK], BLOCK) for t in toks]
+    pp, pr = WORK / "sbs-prompts.json", WORK / "sbs-probes.json"
+    pp.write_text(json.dumps({"prompts": toks}))
+    pr.write_text(json.dumps({"probes": probes}))
+    return pp, pr
+
+
+def skipped(reason: str) -> int:
+    print(f"side-by-side SKIPPED: {reason}", flush=True)
+    write_json(OUT, {"benchmark": "side_by_side", "skipped": True, "reason": reason,
+                     "machine": machine()})
+    from benchmarks._report import sbs_markdown
+
+    (RESULTS / "side_by_side.md").write_text(sbs_markdown({"skipped": True, "reason": reason}))
+    return 0
+
+
+def point(rate: float, seconds: float, start: int, procs: dict[str, Proc],
+          files: dict[str, Path], env: dict[str, str]) -> dict[str, Any]:
+    nsx = ["ip", "netns", "exec", NS]
+    count = int(rate * seconds)
+    subs = {}
+    for name, port in (("kvrelay", KVR_PORT), ("dynamo", DYN_PORT)):
+        out = WORK / f"sbs-sub-{name}-{int(rate)}.json"
+        subs[name] = (Proc(f"sbs-sub-{name}-{int(rate)}", [
+            PY, "-m", "benchmarks._subscriber", "--port", str(port), "--streams", "1",
+            "--decode", "bp2", "--probe-file", str(files["probes"]), "--probe-start", str(start),
+            "--id", f"sbs-{name}", "--out", str(out), "--timeout", "90"], prefix=nsx), out)
+    for p, _ in subs.values():
+        p.expect("SNAPSHOTS_DONE", 120)
+    time.sleep(0.5)
+    c0 = {k: tree_sample(procs[k].pid) for k in ("kvrelay", "dynamo", "mocker")}
+    drv = Proc(f"sbs-driver-{int(rate)}", [
+        DPY, str(ROOT / "benchmarks" / "_dynamo_driver.py"), "--prompts", str(files["prompts"]),
+        "--start", str(start), "--count", str(count), "--rate", str(rate)], prefix=nsx, env=env)
+    sent_res = json.loads(drv.expect("{", seconds + 120))
+    drv.stop()
+    c1 = {k: tree_sample(procs[k].pid) for k in ("kvrelay", "dynamo", "mocker")}
+    time.sleep(1.0)  # let the last deltas arrive
+    sent = {int(i): int(t) for i, t in sent_res["sent"]}
+    window = c1["kvrelay"].wall - c0["kvrelay"].wall
+    per: dict[str, Any] = {}
+    for name, (p, out) in subs.items():
+        p.stop(30)
+        r = json.loads(out.read_text())
+        lat = np.load(str(out) + ".lat.npy")
+        found = {int(i): int(t) for i, t in r.get("probe_found", [])}
+        e2e = [found[i] - t for i, t in sent.items() if i in found]
+        st = r["streams"][0]
+        per[name] = {
+            "delta_latency_ms": percentiles(lat, 1e-3),
+            "e2e_latency_ms": percentiles(e2e, 1e-3),
+            "probes_seen": len(e2e),
+            "deltas": st["deltas"],
+            "delta_bytes": st["bytes"] - st["snapshot_bytes"],
+            "snapshot_ms": round(st["snapshot_s"] * 1e3, 2) if st["snapshot_s"] else None,
+            "stream_error": st["error"],
+            "cpu_s": round(c1[name].cpu_s - c0[name].cpu_s, 3),
+            "cpu_util": round((c1[name].cpu_s - c0[name].cpu_s) / window, 3),
+            "rss_bytes": c1[name].rss_bytes,
+        }
+    return {
+        "requests_per_s_offered": rate,
+        "requests_per_s_achieved": round(sent_res["requests_per_s"], 1),
+        "stored_blocks_per_s": round(sent_res["requests_per_s"] * PROMPT_BLOCKS),
+        "requests": len(sent),
+        "request_errors": sent_res["errors"],
+        "seconds": round(window, 2),
+        "mocker_cpu_util": round((c1["mocker"].cpu_s - c0["mocker"].cpu_s) / window, 3),
+        "relays": per,
+    }
+
+
+def ratios(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for p in points:
+        k, d = p["relays"]["kvrelay"], p["relays"]["dynamo"]
+        tag = f"@{p['requests_per_s_achieved']:.0f} req/s ({p['stored_blocks_per_s']:,} blk/s)"
+
+        def row(metric: str, a: float | None, b: float | None, tag: str = tag) -> None:
+            rows.append({"metric": f"{metric} {tag}", "kvrelay": a, "dynamo": b,
+                         "ratio": (a / b) if a is not None and b else None})
+
+        row("delta latency p50 ms", k["delta_latency_ms"]["p50"], d["delta_latency_ms"]["p50"])
+        row("delta latency p99 ms", k["delta_latency_ms"]["p99"], d["delta_latency_ms"]["p99"])
+        row("e2e latency p50 ms", k["e2e_latency_ms"]["p50"], d["e2e_latency_ms"]["p50"])
+        row("e2e latency p99 ms", k["e2e_latency_ms"]["p99"], d["e2e_latency_ms"]["p99"])
+        row("relay CPU (cores)", k["cpu_util"], d["cpu_util"])
+        row("relay RSS MiB", k["rss_bytes"] / 2**20, d["rss_bytes"] / 2**20)
+        row("deltas received", k["deltas"], d["deltas"])
+        row("probes seen", k["probes_seen"], d["probes_seen"])
+    return rows
+
+
+def plot(res: dict[str, Any]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = res["points"]
+    x = [p["stored_blocks_per_s"] for p in pts]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for name, style in (("kvrelay", "-o"), ("dynamo", "--s")):
+        for q in ("p50", "p99"):
+            axes[0].plot(x, [p["relays"][name]["e2e_latency_ms"][q] for p in pts], style,
+                         label=f"{name} {q}")
+            axes[1].plot(x, [p["relays"][name]["delta_latency_ms"][q] for p in pts], style,
+                         label=f"{name} {q}")
+        axes[2].plot(x, [p["relays"][name]["cpu_util"] for p in pts], style, label=name)
+    for ax, t, y in ((axes[0], "request submit → probe visible", "ms"),
+                     (axes[1], "relay send_ts → subscriber receive", "ms"),
+                     (axes[2], "relay process CPU", "cores")):
+        ax.set_title(t, fontsize=9)
+        ax.set_xlabel("stored blocks / s (mocker)")
+        ax.set_ylabel(y)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("kvrelay vs Dynamo 1.6.1 relay, one mocker event stream")
+    fig.tight_layout()
+    path = RESULTS / "side_by_side.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--full", action="store_true")
+    ap.add_argument("--rates", default="", help="comma-separated requests/s")
+    ap.add_argument("--seconds", type=float, default=0.0)
+    a = ap.parse_args(argv)
+    rates = [float(r) for r in a.rates.split(",")] if a.rates else (
+        [25, 50, 100, 200, 400] if a.full else [25, 100])
+    seconds = a.seconds or (8.0 if a.full else 4.0)
+    WORK.mkdir(parents=True, exist_ok=True)
+    reason = ensure_venv()
+    if reason:
+        return skipped(reason)
+    reason = ensure_netns()
+    if reason:
+        return skipped(reason)
+    model = WORK / "fakemodel"
+    r = sh(DPY, str(ROOT / "benchmarks" / "_fakemodel.py"), str(model))
+    if r.returncode != 0:
+        sh("ip", "netns", "del", NS)
+        return skipped(f"fake model: {r.stderr.strip()[-300:]}")
+    kv_dir = WORK / "dynkv"
+    shutil.rmtree(kv_dir, ignore_errors=True)
+    kv_dir.mkdir(parents=True)
+    env = dyn_env(kv_dir)
+    nsx = ["ip", "netns", "exec", NS]
+    warm = 40
+    total = int(sum(rates) * seconds) + warm + 10
+    prompts, probes = make_prompts(total)
+    files = {"prompts": prompts, "probes": probes}
+    procs: dict[str, Proc] = {}
+    res: dict[str, Any] = {"benchmark": "side_by_side", "skipped": False, "machine": machine()}
+    try:
+        log("starting mocker, Dynamo relay and kvrelay in netns " + NS)
+        procs["mocker"] = Proc("sbs-mocker", [
+            DPY, "-m", "dynamo.mocker", "--model-path", str(model), "--model-name", "fake",
+            "--block-size", str(BLOCK), "--num-gpu-blocks-override", "65536",
+            "--speedup-ratio", "100", "--kv-events", "--endpoint", "dyn://testns.mocker.generate",
+            "--zmq-kv-events-ports", str(ZMQ_PORT)], prefix=nsx, env=env)
+        procs["dynamo"] = Proc("sbs-dynamo-relay", [
+            DPY, "-m", "dynamo.kv_dc_relay", "--dc-id", "dc-a", "--watch-all", "--bind",
+            f"127.0.0.1:{DYN_PORT}"], prefix=nsx, env=env | {"DYN_NAMESPACE": "relayns"})
+        procs["kvrelay"] = Proc("sbs-kvrelay", [
+            PY, "-m", "benchmarks._relay_proc", "--engine", f"mocker=tcp://127.0.0.1:{ZMQ_PORT}",
+            "--model", "fake", "--block-size", str(BLOCK), "--port", str(KVR_PORT),
+            "--stats", str(WORK / "sbs-kvrelay-stats.json")], prefix=nsx)
+        procs["kvrelay"].expect("READY", 120)
+        log("warm-up (kernels, caches, connections), then 3 s idle CPU")
+        drv = Proc("sbs-driver-warmup", [
+            DPY, str(ROOT / "benchmarks" / "_dynamo_driver.py"), "--prompts", str(prompts),
+            "--start", "0", "--count", str(warm), "--rate", "20"], prefix=nsx, env=env)
+        drv.expect("{", 180)
+        drv.stop()
+        time.sleep(1.0)
+        i0 = {k: tree_sample(procs[k].pid) for k in ("kvrelay", "dynamo")}
+        time.sleep(3.0)
+        i1 = {k: tree_sample(procs[k].pid) for k in ("kvrelay", "dynamo")}
+        res["idle_cpu_util"] = {
+            k: round((i1[k].cpu_s - i0[k].cpu_s) / (i1[k].wall - i0[k].wall), 4) for k in i0
+        }
+        points = []
+        start = warm
+        for rate in rates:
+            log(f"{rate:.0f} requests/s for {seconds:.0f} s "
+                f"({rate * PROMPT_BLOCKS:,.0f} stored blocks/s offered)")
+            p = point(rate, seconds, start, procs, files, env)
+            start += int(rate * seconds)
+            k, d = p["relays"]["kvrelay"], p["relays"]["dynamo"]
+            log(f"  e2e p50 kvrelay {k['e2e_latency_ms']['p50']} ms / Dynamo "
+                f"{d['e2e_latency_ms']['p50']} ms; CPU {k['cpu_util']} / {d['cpu_util']} cores; "
+                f"probes {k['probes_seen']}/{d['probes_seen']} of {p['requests']}")
+            points.append(p)
+        res["points"] = points
+        res["rows"] = ratios(points)
+        idle = res["idle_cpu_util"]
+        res["rows"].append({"metric": "relay CPU idle (cores)", "kvrelay": idle["kvrelay"],
+                            "dynamo": idle["dynamo"],
+                            "ratio": idle["kvrelay"] / idle["dynamo"] if idle["dynamo"] else None})
+        res["kvrelay_stats"] = json.loads((WORK / "sbs-kvrelay-stats.json").read_text())
+        res["setup"] = (
+            f"One Dynamo mocker (block 16, 65,536 GPU blocks, speedup 100) in netns `{NS}`; "
+            f"prompts of {PROMPT_BLOCKS} blocks, max_tokens 1; {seconds:.0f} s per rate; "
+            "same subscriber code for both relays (grpclib + betterproto2 + cbi1 replica)."
+        )
+    except Exception as exc:  # report, never leave a half-written result
+        res = {"benchmark": "side_by_side", "skipped": True,
+               "reason": f"run failed: {type(exc).__name__}: {exc}"[:2000],
+               "machine": machine()}
+        print(f"side-by-side FAILED: {res['reason']}", flush=True)
+    finally:
+        for proc in procs.values():
+            proc.stop()
+        sh("ip", "netns", "del", NS)
+    from benchmarks._report import sbs_markdown
+
+    write_json(OUT, res)
+    md = sbs_markdown(res)
+    if not res.get("skipped"):
+        md += f"\n![side_by_side]({plot(res).name})\n"
+    (RESULTS / "side_by_side.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
