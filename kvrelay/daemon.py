@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvrelay import __version__
+from kvrelay._aio import cancel_all
 from kvrelay.config import DaemonConfig, format_bind
 from kvrelay.logging import configure, get_logger
 from kvrelay.sdnotify import Notifier
@@ -221,11 +222,7 @@ class Daemon:
             if self.metrics is not None:
                 await self.metrics.close()
         finally:
-            for t in self._tasks:
-                t.cancel()
-            for t in self._tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
+            await cancel_all(self._tasks)
             self._tasks.clear()
             self.notifier.close()
 

@@ -43,6 +43,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from kvrelay import __version__
+from kvrelay._aio import cancel_and_wait
 from kvrelay.ingest.counters import SubscriberCounters
 from kvrelay.logging import get_logger
 
@@ -492,9 +493,7 @@ class RelayMetrics:
         server, self._server = self._server, None
         sweeper, self._sweeper = self._sweeper, None
         if sweeper is not None:
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
+            await cancel_and_wait(sweeper)
         if server is not None:
             server.close()
             for t in list(self._conns):

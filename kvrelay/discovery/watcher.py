@@ -15,6 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from kvrelay._aio import cancel_all, cancel_and_wait
 from kvrelay.discovery.client import EngineClient
 from kvrelay.discovery.endpoints import StaticSourceConfig, split_tcp, static_sources
 from kvrelay.discovery.errors import InvalidEndpoint
@@ -179,8 +180,13 @@ class EngineWatcher:
             log.exception("discovery callback failed for %s", type(ev).__name__)
 
     async def _loop(self, name: str) -> None:
+        me = asyncio.current_task()
         while True:
             await self.poll_once(name)
+            if me is not None and me.cancelling():
+                # a stop() arrived while polling and was swallowed on the way (Python 3.11's
+                # wait_for can do that): honour it instead of polling forever
+                raise asyncio.CancelledError
             await asyncio.sleep(self.interval)
 
     def start(self) -> None:
@@ -196,9 +202,7 @@ class EngineWatcher:
     async def remove_target(self, name: str) -> None:
         task = self._tasks.pop(name, None)
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         self.targets.pop(name, None)
         self.last.pop(name, None)
         self.last_good.pop(name, None)
@@ -206,8 +210,4 @@ class EngineWatcher:
     async def stop(self) -> None:
         tasks = list(self._tasks.values())
         self._tasks.clear()
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_all(tasks)

@@ -22,12 +22,12 @@ then yield. Only state changes are logged; per-message outcomes are counters.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
+from kvrelay._aio import cancel_and_wait
 from kvrelay.ingest.counters import SubscriberCounters
 from kvrelay.ingest.decoder import Decoder
 from kvrelay.ingest.errors import DecodeError, FrameError
@@ -106,9 +106,7 @@ class Subscriber:
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         if self._sub is not None:
             self._sub.close(linger=0)
             self._sub = None

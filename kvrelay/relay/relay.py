@@ -8,6 +8,7 @@ import secrets
 from collections.abc import Coroutine
 from typing import Any
 
+from kvrelay._aio import cancel_all
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.discovery.events import ChangeEvent
 from kvrelay.discovery.metrics_scrape import MetricsScrapeError, scrape_kv_usage
@@ -81,11 +82,7 @@ class Relay:
 
     async def stop(self) -> None:
         await self.watcher.stop()
-        for t in self._scrapers:
-            t.cancel()
-        for t in self._scrapers:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_all(self._scrapers)
         self._scrapers.clear()
         for p in self.pools:
             await p.stop()

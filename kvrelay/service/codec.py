@@ -14,6 +14,8 @@ from grpclib.const import Status
 from grpclib.encoding.base import CodecBase
 from grpclib.exceptions import GRPCError
 
+from kvrelay.service.errors import RelayError
+
 
 class PassThroughCodec(CodecBase):
     __content_subtype__ = "proto"
@@ -39,4 +41,9 @@ class PassThroughCodec(CodecBase):
                 Status.RESOURCE_EXHAUSTED,
                 f"inbound message of {len(data)} bytes exceeds {self.max_message_bytes}",
             )
-        return message_type.FromString(data)
+        try:
+            return message_type.FromString(data)
+        except Exception as exc:  # betterproto2 raises EOFError/ValueError/... on bad bytes
+            raise RelayError.invalid_request(
+                f"undecodable {getattr(message_type, '__name__', 'request')}: {exc}"
+            ) from None

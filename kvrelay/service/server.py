@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 import ssl as _ssl
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -22,6 +23,7 @@ from grpclib.const import Cardinality, Handler
 from grpclib.events import SendTrailingMetadata, listen
 from grpclib.exceptions import GRPCError
 from grpclib.health.service import Health
+from grpclib.protocol import H2Protocol
 from grpclib.reflection.service import ServerReflection
 from grpclib.server import Server, Stream
 
@@ -153,10 +155,8 @@ class KvEventRelayService:
                 self._idle.set()
 
     async def _get_relay_info(self, stream: Stream[Any, Any]) -> None:
-        request = await stream.recv_message()
         try:
-            if request is None:
-                raise RelayError.invalid_request("missing request message")
+            request = await self._recv(stream)  # an undecodable body is INVALID_REQUEST too
             check_marker(request.contract_marker)
         except RelayError as err:
             self._count(err)
@@ -345,6 +345,33 @@ def _reflection_pool() -> descriptor_pool.DescriptorPool:
     return pool
 
 
+class _ClosingServer(Server):
+    """grpclib ``Server`` that also closes live HTTP/2 connections on shutdown.
+
+    ``Server.close()`` stops listening and cancels running requests but leaves accepted
+    connections open, so a client could keep calling a relay that has shut down (and see its old
+    identity). kvrelay closes every connection once all streams have ended (their EOFs and
+    trailers are already written; the transport flushes them before closing).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._protocols: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
+
+    def _protocol_factory(self) -> H2Protocol:
+        proto = super()._protocol_factory()
+        self._protocols.add(proto)
+        return proto
+
+    def close_connections(self) -> None:
+        for proto in list(self._protocols):
+            conn = getattr(proto, "connection", None)
+            processor = getattr(proto, "processor", None)
+            if conn is None or processor is None:
+                continue
+            processor.close("relay shut down")
+
+
 class RelayServer:
     """The gRPC endpoint: KvEventRelay + grpc.health.v1 + server reflection (v1, v1alpha)."""
 
@@ -358,7 +385,7 @@ class RelayServer:
             _keepalive_timeout=self.limits.keepalive_timeout_s,
             _keepalive_permit_without_calls=True,
         )
-        self._server = Server(
+        self._server = _ClosingServer(
             handlers, codec=PassThroughCodec(self.limits.max_message_bytes), config=config
         )
         listen(self._server, SendTrailingMetadata, _add_reason_trailer)
@@ -385,3 +412,4 @@ class RelayServer:
         await self.service.shutdown(grace_s)
         self._server.close()
         await self._server.wait_closed()
+        self._server.close_connections()  # every stream has ended by now

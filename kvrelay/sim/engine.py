@@ -7,13 +7,13 @@ background. Ground truth (exactly what each rank holds) is always available sync
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import time
 from dataclasses import dataclass, field, replace
 
 import zmq.asyncio
 
+from kvrelay._aio import cancel_and_wait
 from kvrelay.sim.blocks import BlockManager, HeldBlock
 from kvrelay.sim.hashing import none_digest
 from kvrelay.sim.publisher import RankPublisher
@@ -228,9 +228,7 @@ class SimEngine:
 
     async def stop_running(self) -> None:
         if self._run_task is not None:
-            self._run_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._run_task
+            await cancel_and_wait(self._run_task)
             self._run_task = None
 
     # ---- operator actions ----

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from kvrelay._aio import cancel_and_wait
 from kvrelay.sim.wire import END_SEQ, offset_endpoint, seq_bytes
 
 
@@ -92,9 +93,7 @@ class RankPublisher:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         for s in (self._pub, self._router):
             if s is not None:

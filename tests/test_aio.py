@@ -1,0 +1,90 @@
+"""cancel_and_wait: absorbs the target's cancellation, never the caller's."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvrelay._aio import cancel_all, cancel_and_wait
+
+
+async def _slow_to_cancel(started: asyncio.Event) -> None:
+    started.set()
+    try:
+        await asyncio.sleep(60)
+    except asyncio.CancelledError:
+        await asyncio.sleep(0.05)  # cleanup takes a while, as socket closes do
+        raise
+
+
+async def test_target_cancellation_is_absorbed() -> None:
+    started = asyncio.Event()
+    inner = asyncio.create_task(_slow_to_cancel(started))
+    await started.wait()
+    await cancel_and_wait(inner)
+    assert inner.cancelled()
+    await cancel_and_wait(None)  # nothing to do
+
+
+async def test_caller_cancelled_while_waiting_stays_cancelled() -> None:
+    continued: list[bool] = []
+    started = asyncio.Event()
+
+    async def owner() -> None:
+        inner = asyncio.create_task(_slow_to_cancel(started))
+        await started.wait()
+        await cancel_and_wait(inner)  # the owner is cancelled while waiting here
+        continued.append(True)
+        await asyncio.sleep(60)
+
+    task = asyncio.create_task(owner())
+    await started.wait()
+    await asyncio.sleep(0.01)
+    loop_task = task
+    # cancel the owner in the middle of its cancel_and_wait
+    asyncio.get_running_loop().call_later(0.02, loop_task.cancel)
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 2)
+    assert continued == [], "the owner swallowed its own cancellation"
+
+
+async def test_cancel_all_waits_for_every_task() -> None:
+    events = [asyncio.Event() for _ in range(3)]
+    tasks = [asyncio.create_task(_slow_to_cancel(e)) for e in events]
+    for e in events:
+        await e.wait()
+    await cancel_all(tasks)
+    assert all(t.done() and t.cancelled() for t in tasks)
+
+
+async def test_a_swallowed_cancellation_is_asked_again() -> None:
+    """Python 3.11's wait_for can eat a cancel; the task must still end."""
+    swallowed: list[bool] = []
+
+    async def stubborn() -> None:
+        while True:
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                if not swallowed:
+                    swallowed.append(True)
+                    asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                    continue  # as if the cancellation never arrived
+                raise
+
+    task = asyncio.create_task(stubborn())
+    await asyncio.sleep(0)
+    await asyncio.wait_for(cancel_and_wait(task), 5)
+    assert swallowed == [True] and task.cancelled()
+
+
+async def test_a_task_failure_is_raised() -> None:
+    async def broken() -> None:
+        await asyncio.sleep(0)
+        raise RuntimeError("boom")
+
+    task = asyncio.create_task(broken())
+    await asyncio.sleep(0.01)
+    with pytest.raises(RuntimeError, match="boom"):
+        await cancel_and_wait(task)
