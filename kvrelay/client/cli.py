@@ -1,0 +1,558 @@
+"""``kvrelay-client``: watch planes, inspect a pool stream, query cached prefix depth.
+
+Mountable: ``add_subcommands(subparsers)`` adds ``watch``, ``subscribe`` and ``query`` to any
+argparse subparsers object and ``run(args)`` executes the parsed result; ``main(argv)`` is the
+standalone entry (``python -m kvrelay.client``). Tables for people, ``--json`` for scripts (one
+JSON object per line). Exit codes: 0 ok, 1 runtime failure (violations, stream errors, no pool),
+2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import re
+import ssl as _ssl
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.client import rpc
+from kvrelay.client.client import RelayClient, role_name
+from kvrelay.client.config import ClientConfig
+from kvrelay.client.errors import ConsumerViolation
+from kvrelay.client.replica import FrameInfo, PoolReplica, occupancy
+from kvrelay.publication import cbi1
+
+_KINDS = {1: "SNAPSHOT_CHUNK", 2: "DELTA", 3: "HEARTBEAT"}
+_STATES = {0: "UNKNOWN", 1: "UNAVAILABLE", 2: "READY"}
+_FORMATS = {1: "STANDARD", 2: "EAGLE"}
+
+
+class UsageError(ValueError):
+    """Bad command-line input (exit code 2)."""
+
+
+# ------------------------------------------------------------------------------- argparse
+
+
+def _common() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--relay", action="append", required=True, metavar="HOST:PORT",
+                   help="relay address (repeatable)")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--count", type=int, default=None, help="stop after N updates/frames")
+    p.add_argument("--duration", type=float, default=None, help="stop after S seconds")
+    p.add_argument("--tls", action="store_true", help="connect with TLS (system CAs)")
+    p.add_argument("--ca", type=Path, default=None, help="CA bundle for --tls")
+    p.add_argument("--subscriber-id", default="kvrelay-cli", help="diagnostic label")
+    return p
+
+
+def add_subcommands(subparsers: Any) -> None:
+    """Add ``watch``, ``subscribe`` and ``query`` to an ``add_subparsers()`` object."""
+    common = _common()
+    w = subparsers.add_parser("watch", parents=[common], help="print catalog/readiness/load")
+    w.add_argument("plane", choices=["catalog", "readiness", "load"])
+    w.set_defaults(client_command="watch")
+    s = subparsers.add_parser("subscribe", parents=[common], help="inspect one pool's stream")
+    s.add_argument("pool", help="namespace/component/endpoint (or a unique suffix)")
+    s.add_argument("--verify", action="store_true",
+                   help="enforce the consumer rules; report violations (exit 1 if any)")
+    s.set_defaults(client_command="subscribe")
+    q = subparsers.add_parser("query", parents=[common], help="cached prefix depth per pool")
+    q.add_argument("--model", required=True, help="canonical model id, alias or LoRA id")
+    src = q.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tokens", help="comma/space separated token ids")
+    src.add_argument("--tokens-file", type=Path, help="file of token ids (list or JSON array)")
+    q.add_argument("--lora", default=None, help="LoRA adapter on top of --model")
+    q.add_argument("--cache-salt", default=None, help="request cache namespace (salt)")
+    q.add_argument("--window", type=int, default=2, help="verification window (1..8)")
+    q.add_argument("--wait", type=float, default=10.0, help="seconds to wait for replicas")
+    q.add_argument("--all", action="store_true", help="include pools that are not routable")
+    q.set_defaults(client_command="query")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvrelay-client", description="Inspect a dynamo.kvrelay.v1 relay (kvrelay or Dynamo)."
+    )
+    add_subcommands(parser.add_subparsers(dest="client_subcommand", metavar="COMMAND"))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Standalone entry. Invoked as a program (``argv`` None) it also sends kvrelay's logs to
+    stderr at WARNING, so ``--json`` output on stdout stays parseable; callers passing ``argv``
+    (tests, other CLIs) keep their own logging setup."""
+    if argv is None:
+        from kvrelay.logging import configure
+
+        configure(level="WARNING", stream=sys.stderr)
+    parser = build_parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    if getattr(args, "client_command", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute a parsed ``watch``/``subscribe``/``query`` command; returns the exit code."""
+    try:
+        relays = [rpc.RelayAddress.parse(r) for r in args.relay]
+        if args.count is not None and args.count < 1:
+            raise UsageError("--count must be >= 1")
+        if args.duration is not None and args.duration <= 0:
+            raise UsageError("--duration must be > 0")
+        ssl = _ssl_context(args)
+        out = Output(sys.stdout, args.json)
+        command = args.client_command
+        if command == "watch":
+            return asyncio.run(_watch(args, relays, ssl, out))
+        if command == "subscribe":
+            return asyncio.run(_subscribe(args, relays, ssl, out))
+        if command == "query":
+            tokens = _tokens(args)
+            return asyncio.run(_query(args, relays, ssl, out, tokens))
+        raise UsageError(f"unknown command {command!r}")
+    except (UsageError, ValueError, OSError) as exc:
+        print(f"kvrelay-client: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+
+
+def _ssl_context(args: argparse.Namespace) -> _ssl.SSLContext | None:
+    if not args.tls:
+        if args.ca is not None:
+            raise UsageError("--ca needs --tls")
+        return None
+    ctx = _ssl.create_default_context(cafile=str(args.ca) if args.ca else None)
+    ctx.set_alpn_protocols(["h2"])
+    return ctx
+
+
+def _tokens(args: argparse.Namespace) -> list[int]:
+    text = args.tokens if args.tokens is not None else args.tokens_file.read_text()
+    text = text.strip()
+    try:
+        values = json.loads(text) if text.startswith("[") else [
+            int(t) for t in re.split(r"[,\s]+", text) if t
+        ]  # fmt: skip
+    except ValueError as exc:
+        raise UsageError(f"token ids must be integers: {exc}") from None
+    if not isinstance(values, list) or not all(
+        isinstance(v, int) and 0 <= v <= 0xFFFFFFFF for v in values
+    ):
+        raise UsageError("token ids must be integers in the u32 range")
+    return values
+
+
+# ------------------------------------------------------------------------------- output
+
+
+@dataclass
+class Output:
+    stream: TextIO
+    json_mode: bool
+
+    def emit(self, obj: dict[str, Any], text: str) -> None:
+        line = json.dumps(obj, sort_keys=True) if self.json_mode else text
+        print(line, file=self.stream, flush=True)
+
+
+def _table(rows: list[list[str]], indent: str = "  ") -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+        for r in rows
+    )
+
+
+def _ep(e: pb.DynamoEndpointId | None) -> str:
+    return "?" if e is None else f"{e.namespace}/{e.component}/{e.endpoint}"
+
+
+def _incarnation(m: Any) -> int | None:
+    return None if m.relay is None else int(m.relay.relay_incarnation)
+
+
+@dataclass
+class Limiter:
+    """Counts emitted items; ``done`` is set at ``--count`` or ``--duration``."""
+
+    count: int | None
+    duration: float | None
+    n: int = 0
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def tick(self) -> bool:
+        """Record one item; False if the limit was already reached (do not print it)."""
+        if self.done.is_set():
+            return False
+        self.n += 1
+        if self.count is not None and self.n >= self.count:
+            self.done.set()
+        return True
+
+    async def run(self, tasks: list[asyncio.Task[Any]]) -> None:
+        waiter = asyncio.ensure_future(self.done.wait())
+        all_done = asyncio.ensure_future(asyncio.gather(*tasks, return_exceptions=True))
+        await asyncio.wait({waiter, all_done}, timeout=self.duration,
+                           return_when=asyncio.FIRST_COMPLETED)
+        for t in (*tasks, waiter, all_done):
+            t.cancel()
+        for t in (*tasks, waiter):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await all_done
+
+
+# ------------------------------------------------------------------------------- watch
+
+
+def _catalog_item(addr: str, m: pb.KvPoolCatalogUpdate) -> tuple[dict[str, Any], str]:
+    pools = m.snapshot.pools if m.snapshot is not None else []
+    items = []
+    rows = [["POOL", "MODELS", "BLOCK", "FORMAT", "BUCKETS", "GEN", "ROLES"]]
+    for d in pools:
+        p = d.producer
+        fmt = p.ckf_format if p is not None and p.ckf_format is not None else None
+        qs = d.query_semantics
+        models = [r.canonical_model_id for r in d.registrations]
+        aliases = [a for r in d.registrations for a in r.aliases]
+        roles = [role_name(r) for r in d.pool_roles]
+        item: dict[str, Any] = {
+            "pool": _ep(d.serving_endpoint),
+            "models": models,
+            "aliases": aliases,
+            "block_size": None if qs is None else int(qs.kv_block_size),
+            "hash_format": None if qs is None else _FORMATS.get(int(qs.hash_format), "UNKNOWN"),
+            "bucket_count": None if fmt is None else int(fmt.bucket_count),
+            "layout_generation": None if p is None else int(p.layout_generation),
+            "dc_id": None if p is None or p.pool_id is None else int(p.pool_id.dc_id),
+            "roles": roles,
+        }
+        items.append(item)
+        rows.append([
+            _ep(d.serving_endpoint), ",".join(models), str(item["block_size"]),
+            str(item["hash_format"]), str(item["bucket_count"]), str(item["layout_generation"]),
+            ",".join(roles),
+        ])  # fmt: skip
+    obj = {"relay": addr, "plane": "catalog", "revision": int(m.revision),
+           "relay_incarnation": _incarnation(m), "pools": items}  # fmt: skip
+    text = f"[{addr}] catalog revision {m.revision}: {len(items)} pool(s)"
+    if items:
+        text += "\n" + _table(rows)
+    return obj, text
+
+
+def _readiness_item(addr: str, m: pb.ServingReadinessUpdate) -> tuple[dict[str, Any], str]:
+    items = []
+    rows = [["NAMESPACE", "MODEL", "STATE", "PRESENT", "MISSING", "MEMBERS", "ADAPTERS"]]
+    for e in m.entries:
+        item = {
+            "namespace": e.namespace,
+            "model": e.canonical_model_id,
+            "state": _STATES.get(int(e.state), "UNKNOWN"),
+            "routable": int(e.state) == 2,
+            "present_roles": [role_name(r) for r in e.present_roles],
+            "missing_roles": [role_name(r) for r in e.missing_roles],
+            "members": [_ep(x.endpoint) for x in e.members],
+            "adapters": {a.canonical_model_id: _STATES.get(int(a.state), "UNKNOWN")
+                         for a in e.adapters},
+        }  # fmt: skip
+        items.append(item)
+        rows.append([
+            e.namespace, e.canonical_model_id, item["state"], ",".join(item["present_roles"]),
+            ",".join(item["missing_roles"]), ",".join(item["members"]),
+            ",".join(f"{k}={v}" for k, v in item["adapters"].items()),
+        ])  # fmt: skip
+    obj = {"relay": addr, "plane": "readiness", "revision": int(m.revision),
+           "relay_incarnation": _incarnation(m), "entries": items}  # fmt: skip
+    text = f"[{addr}] readiness revision {m.revision}: {len(items)} entries"
+    if items:
+        text += "\n" + _table(rows)
+    return obj, text
+
+
+def _load_item(addr: str, m: pb.KvPoolLoadUpdate) -> tuple[dict[str, Any], str]:
+    items = []
+    rows = [["ROUTING_SCOPE", "GEN", "USED", "TOTAL", "RANKS", "UTILIZATION"]]
+    for e in m.pools:
+        p = e.producer
+        dom = p.pool_id.indexer_domain if p is not None and p.pool_id is not None else None
+        rs = dom.routing_scope.digest.hex()[:12] if dom and dom.routing_scope else "?"
+        auth = (e.kv_expected_ranks > 0 and e.kv_observed_ranks == e.kv_expected_ranks
+                and e.total_kv_blocks > 0)  # fmt: skip
+        util = min(1.0, e.kv_used_blocks / e.total_kv_blocks) if auth else None
+        item = {"routing_scope": rs, "layout_generation": None if p is None
+                else int(p.layout_generation), "kv_used_blocks": int(e.kv_used_blocks),
+                "total_kv_blocks": int(e.total_kv_blocks),
+                "observed_ranks": int(e.kv_observed_ranks),
+                "expected_ranks": int(e.kv_expected_ranks), "authoritative": auth,
+                "utilization": util}  # fmt: skip
+        items.append(item)
+        rows.append([rs, str(item["layout_generation"]), str(e.kv_used_blocks),
+                     str(e.total_kv_blocks), f"{e.kv_observed_ranks}/{e.kv_expected_ranks}",
+                     "unknown" if util is None else f"{util:.1%}"])  # fmt: skip
+    obj = {"relay": addr, "plane": "load", "window_sequence": int(m.window_sequence),
+           "observed_ms": int(m.observed_ms), "window_ms": int(m.window_ms),
+           "relay_incarnation": _incarnation(m), "pools": items}  # fmt: skip
+    text = f"[{addr}] load window {m.window_sequence}: {len(items)} pool(s)"
+    if items:
+        text += "\n" + _table(rows)
+    return obj, text
+
+
+_PLANES: dict[str, tuple[str, Callable[[str], Any], type, Callable[..., Any]]] = {
+    "catalog": ("WatchKvPoolCatalog", rpc.catalog_request, pb.KvPoolCatalogUpdate, _catalog_item),
+    "readiness": ("SubscribeServingReadiness", rpc.readiness_request, pb.ServingReadinessUpdate,
+                  _readiness_item),
+    "load": ("SubscribeKvPoolLoad", rpc.load_request, pb.KvPoolLoadUpdate, _load_item),
+}  # fmt: skip
+
+
+async def _watch(
+    args: argparse.Namespace, relays: list[rpc.RelayAddress], ssl: _ssl.SSLContext | None,
+    out: Output,
+) -> int:  # fmt: skip
+    method, make_request, reply, render = _PLANES[args.plane]
+    limiter = Limiter(args.count, args.duration)
+    failures = 0
+
+    async def one(addr: rpc.RelayAddress) -> None:
+        nonlocal failures
+        channel = rpc.open_channel(addr, ssl)
+        try:
+            def on(msg: Any) -> None:
+                if limiter.tick():
+                    obj, text = render(str(addr), msg)
+                    out.emit(obj, text)
+
+            end = await rpc.run_stream(channel, method, make_request(args.subscriber_id),
+                                       reply, on)  # fmt: skip
+            if not limiter.done.is_set():
+                failures += 1
+                print(f"[{addr}] stream ended: {end.reason} {end.message}".rstrip(),
+                      file=sys.stderr)  # fmt: skip
+        finally:
+            channel.close()
+
+    await limiter.run([asyncio.create_task(one(a)) for a in relays])
+    return 1 if failures else 0
+
+
+# ------------------------------------------------------------------------------- subscribe
+
+
+class Inspector:
+    """Lenient frame decoder for ``subscribe`` without ``--verify``: shows what arrives, applies
+    what decodes, enforces no sequencing rule."""
+
+    def __init__(self, producer: pb.ProducerIdentity) -> None:
+        fmt = producer.ckf_format
+        assert fmt is not None
+        self.seed, self.bucket_count = int(fmt.seed), int(fmt.bucket_count)
+        self.table = np.zeros(self.bucket_count, dtype=np.uint64)
+        self.assembler = cbi1.SnapshotAssembler()
+
+    def feed(self, fu: pb.FilterUpdate) -> FrameInfo:
+        kind = {1: "snapshot_chunk", 2: "delta", 3: "heartbeat"}.get(int(fu.kind), "unknown")
+        info = FrameInfo(kind, int(fu.base_sequence), int(fu.sequence), len(fu.payload))
+        if not fu.payload:
+            return info
+        info.checksum = int.from_bytes(fu.payload[44:48], "little") if len(fu.payload) >= 48 \
+            else None
+        try:
+            frame = cbi1.decode(fu.payload, expected_seed=self.seed,
+                                expected_bucket_count=self.bucket_count)  # fmt: skip
+        except cbi1.Cbi1Error as exc:
+            raise ConsumerViolation("cbi1_" + exc.reason, str(exc)) from None
+        if isinstance(frame, cbi1.SnapshotChunk):
+            info.chunk = (frame.chunk_index, frame.chunk_count)
+            try:
+                done = self.assembler.feed(frame)
+            except cbi1.Cbi1Error as exc:
+                raise ConsumerViolation("cbi1_" + exc.reason, str(exc)) from None
+            if done is not None:
+                self.table = np.array(done.words, dtype=np.uint64, copy=True)
+                info.installed = True
+        else:
+            info.images = int(frame.buckets.size)
+            self.table[frame.buckets.astype(np.intp)] = frame.words
+        return info
+
+    def occupancy(self) -> int:
+        return occupancy(self.table)
+
+
+async def _find_pool(
+    channel: Any, name: str, subscriber_id: str
+) -> tuple[pb.KvPoolDescriptor | None, pb.RelayIdentity | None, str]:
+    found: list[pb.KvPoolCatalogUpdate] = []
+
+    def on(m: pb.KvPoolCatalogUpdate) -> None:
+        found.append(m)
+        raise _Stop()
+
+    try:
+        end = await rpc.run_stream(
+            channel, "WatchKvPoolCatalog", rpc.catalog_request(subscriber_id),
+            pb.KvPoolCatalogUpdate, on,
+        )  # fmt: skip
+    except _Stop:
+        end = None
+    if not found:
+        return None, None, "" if end is None else f"catalog stream ended: {end.reason}"
+    m = found[0]
+    pools = m.snapshot.pools if m.snapshot is not None else []
+    exact = [d for d in pools if _ep(d.serving_endpoint) == name]
+    match = exact or [d for d in pools if _ep(d.serving_endpoint).endswith(name)]
+    if len(match) != 1:
+        names = ", ".join(_ep(d.serving_endpoint) for d in pools) or "none"
+        why = "ambiguous" if match else "not in the catalog"
+        return None, m.relay, f"pool {name!r} {why} (catalog: {names})"
+    return match[0], m.relay, ""
+
+
+class _Stop(Exception):
+    pass
+
+
+def _frame_obj(addr: str, pool: str, info: FrameInfo, occ: int) -> tuple[dict[str, Any], str]:
+    obj = {"relay": addr, "pool": pool, "kind": info.kind.upper(),
+           "base_sequence": info.base_sequence, "sequence": info.sequence,
+           "bytes": info.payload_bytes, "checksum": info.checksum, "chunk": info.chunk,
+           "images": info.images, "installed": info.installed, "occupancy": occ}  # fmt: skip
+    seqtxt = (f"{info.base_sequence}->{info.sequence}" if info.kind == "delta"
+              else f"{info.sequence}")  # fmt: skip
+    parts = [f"[{addr}] {info.kind.upper():<14} seq {seqtxt:<12} {info.payload_bytes:>8} B"]
+    if info.checksum is not None:
+        parts.append(f"csum {info.checksum:#010x}")
+    if info.chunk is not None:
+        parts.append(f"chunk {info.chunk[0] + 1}/{info.chunk[1]}")
+    if info.images is not None:
+        parts.append(f"images {info.images}")
+    parts.append(f"occupancy {occ}")
+    if info.installed:
+        parts.append("[installed]")
+    return obj, "  ".join(parts)
+
+
+async def _subscribe(
+    args: argparse.Namespace, relays: list[rpc.RelayAddress], ssl: _ssl.SSLContext | None,
+    out: Output,
+) -> int:  # fmt: skip
+    limiter = Limiter(args.count, args.duration)
+    config = ClientConfig(subscriber_id=args.subscriber_id)
+    problems = 0
+    violations = 0
+
+    async def one(addr: rpc.RelayAddress) -> None:
+        nonlocal problems, violations
+        channel = rpc.open_channel(addr, ssl)
+        attempt = 0
+        try:
+            while not limiter.done.is_set():
+                desc, relay, why = await _find_pool(channel, args.pool, args.subscriber_id)
+                if desc is None or desc.producer is None:
+                    problems += 1
+                    print(f"[{addr}] {why}", file=sys.stderr)
+                    return
+                state: PoolReplica | Inspector = (
+                    PoolReplica(desc.producer, relay) if args.verify else Inspector(desc.producer)
+                )
+                pool = _ep(desc.serving_endpoint)
+
+                def on(fu: pb.FilterUpdate, state: PoolReplica | Inspector = state,
+                       pool: str = pool) -> None:  # fmt: skip
+                    info = state.feed(fu)
+                    if limiter.tick():
+                        obj, text = _frame_obj(str(addr), pool, info, state.occupancy())
+                        out.emit(obj, text)
+
+                try:
+                    end = await rpc.run_stream(
+                        channel, "SubscribeKvPool",
+                        rpc.pool_request(args.subscriber_id, desc.producer), pb.FilterUpdate, on,
+                    )  # fmt: skip
+                    reason, detail = end.reason, end.message
+                except ConsumerViolation as v:
+                    violations += 1
+                    reason, detail = v.reason, v.detail
+                    out.emit({"relay": str(addr), "pool": pool, "violation": v.reason,
+                              "detail": v.detail}, f"[{addr}] VIOLATION {v.reason}: {v.detail}")
+                if limiter.done.is_set():
+                    return
+                if not args.verify and reason not in ("eof",) and not reason.startswith("cbi1"):
+                    problems += 1
+                out.emit({"relay": str(addr), "pool": pool, "stream_end": reason,
+                          "detail": detail},
+                         f"[{addr}] stream ended: {reason} {detail}".rstrip())  # fmt: skip
+                await asyncio.sleep(config.backoff(attempt))
+                attempt += 1
+        finally:
+            channel.close()
+
+    await limiter.run([asyncio.create_task(one(a)) for a in relays])
+    return 1 if problems or violations else 0
+
+
+# ------------------------------------------------------------------------------- query
+
+
+async def _query(
+    args: argparse.Namespace, relays: list[rpc.RelayAddress], ssl: _ssl.SSLContext | None,
+    out: Output, tokens: list[int],
+) -> int:  # fmt: skip
+    config = ClientConfig(subscriber_id=args.subscriber_id, verification_window=args.window,
+                          watch_load=False)  # fmt: skip
+    client = RelayClient(relays, ssl=ssl, config=config)
+    await client.start()
+    try:
+        started = time.monotonic()
+        await client.wait_ready(args.wait)
+        # readiness arrives on its own stream: give it the rest of the wait
+        await client.wait_for(
+            lambda: all(c.readiness is not None for c in client.connections),
+            max(0.0, args.wait - (time.monotonic() - started)),
+        )
+        everything = client.overlap(tokens, args.model, args.lora, args.cache_salt,
+                                    routable_only=False)  # fmt: skip
+        routable = client.overlap(tokens, args.model, args.lora, args.cache_salt)
+        descs = client.pools()
+    finally:
+        await client.close()
+    shown = everything if args.all else routable
+    rows = [["POOL", "DEPTH_BLOCKS", "DEPTH_TOKENS", "BLOCK", "ROUTABLE"]]
+    pools = []
+    for key in sorted(shown):
+        qs = descs[key].query_semantics
+        bs = 0 if qs is None else int(qs.kv_block_size)
+        pools.append({"pool": str(key), "depth_blocks": shown[key],
+                      "depth_tokens": shown[key] * bs, "block_size": bs,
+                      "routable": key in routable})  # fmt: skip
+        rows.append([str(key), str(shown[key]), str(shown[key] * bs), str(bs),
+                     "yes" if key in routable else "no"])  # fmt: skip
+    obj = {"model": args.model, "lora": args.lora, "tokens": len(tokens),
+           "overlap": {p["pool"]: p["depth_blocks"] for p in pools}, "pools": pools,
+           "not_routable": sorted(str(k) for k in everything if k not in routable)}  # fmt: skip
+    text = f"model {args.model}: {len(tokens)} tokens, {len(pools)} pool(s)"
+    if pools:
+        text += "\n" + _table(rows)
+    hidden = len(everything) - len(routable)
+    if hidden and not args.all:
+        text += f"\n  ({hidden} pool(s) serving the model are not routable; --all shows them)"
+    out.emit(obj, text)
+    return 0 if everything else 1

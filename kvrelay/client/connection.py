@@ -1,0 +1,329 @@
+"""One relay session: catalog, readiness and load watches plus one task per pool replica.
+
+Rules enforced here (§4, §9, §10):
+
+* The relay identity is constant per session. The catalog fixes it; any plane message with
+  another identity means the relay restarted: every replica of this relay is dropped
+  (``relay_restarted``), readiness/load are forgotten and the catalog is re-read.
+* A pool replica is dropped, alone, on lag, EOF, any relay error, any consumer violation or its
+  withdrawal from the catalog; it then resubscribes with jittered exponential backoff. Relay
+  reasons that retrying cannot fix (CONTRACT_MISMATCH, UNSUPPORTED_FEATURE, INVALID_REQUEST) and
+  lanes above ``max_bucket_count`` quarantine the pool until the catalog lists another producer.
+* PRODUCER_CHANGED / POOL_NOT_FOUND also re-read the catalog (a fresh watch).
+* Readiness and load are "unknown" (None) whenever their stream is down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl as _ssl
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.client import errors as E
+from kvrelay.client import rpc
+from kvrelay.client.config import ClientConfig
+from kvrelay.client.replica import PoolReplica, relay_key
+from kvrelay.client.views import PoolKey
+from kvrelay.logging import get_logger
+from kvrelay.service.errors import RelayError
+from kvrelay.service.validation import CONTRACT_MARKER, PROTOCOL_VERSION, ProducerKey, producer_key
+
+_log = get_logger(__name__)
+PoolFilter = Callable[[PoolKey, pb.KvPoolDescriptor], bool]
+_REFRESH_CATALOG = frozenset({"producer_changed", "pool_not_found", "invalid_publication"})
+
+
+@dataclass(slots=True)
+class PoolSlot:
+    """Everything the client keeps about one catalog pool (survives replica rebuilds)."""
+
+    key: PoolKey
+    descriptor: pb.KvPoolDescriptor
+    producer: ProducerKey
+    installed: PoolReplica | None = None  # only a fully validated replica is ever here
+    pending: PoolReplica | None = None  # the replica being built by the current stream
+    task: asyncio.Task[None] | None = None
+    quarantined: bool = False
+    frames: Counter[str] = field(default_factory=Counter)
+    drops: Counter[str] = field(default_factory=Counter)
+    subscribes: int = 0
+    last_frame: float | None = None
+
+
+class RelayConnection:
+    def __init__(
+        self,
+        address: rpc.RelayAddress,
+        config: ClientConfig,
+        *,
+        ssl: _ssl.SSLContext | None = None,
+        pool_filter: PoolFilter | None = None,
+        drops: Counter[str] | None = None,
+    ) -> None:
+        self.address = address
+        self.name = str(address)
+        self.config = config
+        self.ssl = ssl
+        self.pool_filter = pool_filter
+        self.channel = rpc.open_channel(address, ssl, config.max_message_bytes)
+        self.identity: tuple[int, int] | None = None
+        self.identity_msg: pb.RelayIdentity | None = None
+        self.catalog_revision: int | None = None
+        self.slots: dict[PoolKey, PoolSlot] = {}
+        self.readiness: pb.ServingReadinessUpdate | None = None
+        self.load: pb.KvPoolLoadUpdate | None = None
+        self.counters: Counter[str] = Counter()
+        self.drops: Counter[str] = drops if drops is not None else Counter()
+        self.changed = asyncio.Event()  # set on any state change (tests, CLI wait on it)
+        self._catalog_task: asyncio.Task[None] | None = None
+        self._plane_tasks: list[asyncio.Task[None]] = []
+        self._closing = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._catalog_task = asyncio.create_task(self._catalog_loop())
+        if self.config.watch_readiness:
+            self._plane_tasks.append(asyncio.create_task(self._readiness_loop()))
+        if self.config.watch_load:
+            self._plane_tasks.append(asyncio.create_task(self._load_loop()))
+
+    async def close(self) -> None:
+        self._closing = True
+        tasks = [t for t in (self._catalog_task, *self._plane_tasks) if t is not None]
+        tasks += [s.task for s in self.slots.values() if s.task is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self.slots.clear()
+        self.channel.close()
+
+    def _notify(self) -> None:
+        self.changed.set()
+
+    # ------------------------------------------------------------------ identity
+    def _envelope_ok(self, msg: Any, plane: str) -> bool:
+        if msg.contract_marker != CONTRACT_MARKER or msg.protocol_version != PROTOCOL_VERSION:
+            self.counters[f"{plane}_envelope_invalid"] += 1
+            return False
+        if msg.relay is None:
+            self.counters[f"{plane}_relay_missing"] += 1
+            return False
+        return True
+
+    def _observe_relay(self, relay: pb.RelayIdentity, from_catalog: bool) -> None:
+        rk = relay_key(relay)
+        if self.identity is None:
+            self.identity, self.identity_msg = rk, relay
+            return
+        if rk == self.identity:
+            return
+        self.counters["relay_incarnation_changes"] += 1
+        _log.warning("relay_identity_changed", relay=self.name, old=self.identity, new=rk)
+        self.identity, self.identity_msg = rk, relay
+        for key in list(self.slots):
+            self._remove_slot(key, E.RELAY_RESTARTED)
+        self.readiness = None
+        self.load = None
+        self.catalog_revision = None
+        if not from_catalog:
+            self.refresh_catalog()
+        self._notify()
+
+    # ------------------------------------------------------------------ catalog
+    def refresh_catalog(self) -> None:
+        """Re-read the complete catalog with a fresh watch (no-op while closing)."""
+        if self._closing:
+            return
+        self.counters["catalog_refreshes"] += 1
+        old = self._catalog_task
+        if old is not None and old is not asyncio.current_task():
+            old.cancel()
+        self._catalog_task = asyncio.create_task(self._catalog_loop())
+
+    async def _catalog_loop(self) -> None:
+        attempt = 0
+        while not self._closing:
+            got = 0
+
+            def on(msg: pb.KvPoolCatalogUpdate) -> None:
+                nonlocal got, attempt
+                got += 1
+                attempt = 0
+                self._on_catalog(msg)
+
+            end = await rpc.run_stream(
+                self.channel, "WatchKvPoolCatalog",
+                rpc.catalog_request(self.config.subscriber_id), pb.KvPoolCatalogUpdate, on,
+            )  # fmt: skip
+            self.counters[f"catalog_end_{end.reason}"] += 1
+            if end.reason in (E.EOF, E.CONNECTION):
+                # The relay is going away (or gone): reconnect from scratch rather than reuse an
+                # HTTP/2 connection a stopping server may still accept streams on.
+                self._reset_channel()
+            await asyncio.sleep(self.config.backoff(attempt))
+            attempt += 1
+
+    def _reset_channel(self) -> None:
+        self.counters["channel_resets"] += 1
+        old = self.channel
+        self.channel = rpc.open_channel(self.address, self.ssl, self.config.max_message_bytes)
+        old.close()
+
+    def _on_catalog(self, upd: pb.KvPoolCatalogUpdate) -> None:
+        if not self._envelope_ok(upd, "catalog"):
+            return
+        assert upd.relay is not None
+        self._observe_relay(upd.relay, from_catalog=True)
+        self.counters["catalog_updates"] += 1
+        self.catalog_revision = int(upd.revision)
+        wanted: dict[PoolKey, pb.KvPoolDescriptor] = {}
+        pools = upd.snapshot.pools if upd.snapshot is not None else []
+        for desc in pools:
+            ep = desc.serving_endpoint
+            if ep is None:
+                self.counters["catalog_descriptor_invalid"] += 1
+                continue
+            try:
+                producer_key(desc.producer)
+            except RelayError:
+                self.counters["catalog_descriptor_invalid"] += 1
+                continue
+            key = PoolKey(self.name, ep.namespace, ep.component, ep.endpoint)
+            if key in wanted:
+                self.counters["catalog_duplicate_endpoint"] += 1
+                continue
+            if self.pool_filter is not None and not self.pool_filter(key, desc):
+                continue
+            if len(wanted) >= self.config.max_pools_per_relay:
+                self.counters["pools_over_limit"] += 1
+                continue
+            wanted[key] = desc
+        for key in [k for k in self.slots if k not in wanted]:
+            self._remove_slot(key, E.WITHDRAWN)
+        for key, desc in wanted.items():
+            pk = producer_key(desc.producer)
+            slot = self.slots.get(key)
+            if slot is not None and slot.producer == pk:
+                slot.descriptor = desc  # metadata-only change: same generation, keep the replica
+                continue
+            if slot is not None:
+                self._remove_slot(key, E.CATALOG_REPLACED)
+            self._add_slot(key, desc, pk)
+        self._notify()
+
+    def _add_slot(self, key: PoolKey, desc: pb.KvPoolDescriptor, pk: ProducerKey) -> None:
+        slot = PoolSlot(key, desc, pk)
+        self.slots[key] = slot
+        if pk.bucket_count > self.config.max_bucket_count:
+            slot.quarantined = True
+            self._count_drop(slot, E.TOO_LARGE)
+            return
+        slot.task = asyncio.create_task(self._pool_loop(slot))
+
+    def _remove_slot(self, key: PoolKey, reason: str) -> None:
+        slot = self.slots.pop(key, None)
+        if slot is None:
+            return
+        if slot.task is not None and slot.task is not asyncio.current_task():
+            slot.task.cancel()
+        if slot.installed is not None or slot.pending is not None:
+            self._count_drop(slot, reason)
+        slot.installed = slot.pending = None
+
+    def _count_drop(self, slot: PoolSlot, reason: str) -> None:
+        slot.drops[reason] += 1
+        self.drops[reason] += 1
+
+    # ------------------------------------------------------------------ pool replicas
+    async def _pool_loop(self, slot: PoolSlot) -> None:
+        attempt = 0
+        try:
+            while not self._closing and self.slots.get(slot.key) is slot:
+                replica = PoolReplica(slot.descriptor.producer, self.identity_msg)
+                slot.pending = replica
+                slot.subscribes += 1
+
+                def on(fu: pb.FilterUpdate, replica: PoolReplica = replica) -> None:
+                    info = replica.feed(fu)
+                    slot.frames[info.kind] += 1
+                    slot.last_frame = replica.counters.last_frame
+                    if info.installed:
+                        slot.installed = replica
+                        self._notify()
+
+                try:
+                    end = await rpc.run_stream(
+                        self.channel, "SubscribeKvPool",
+                        rpc.pool_request(self.config.subscriber_id, slot.descriptor.producer),
+                        pb.FilterUpdate, on,
+                    )  # fmt: skip
+                    reason = end.reason
+                except E.ConsumerViolation as v:
+                    reason = v.reason
+                    _log.warning("replica_violation", pool=str(slot.key), reason=v.reason,
+                                 detail=v.detail)
+                if replica.installed:
+                    attempt = 0
+                if self.slots.get(slot.key) is not slot:
+                    return  # removed meanwhile (withdrawal/restart already counted)
+                self._count_drop(slot, reason)
+                slot.installed = slot.pending = None
+                self._notify()
+                if reason in E.QUARANTINE:
+                    slot.quarantined = True
+                    return
+                if reason in _REFRESH_CATALOG:
+                    self.refresh_catalog()
+                await asyncio.sleep(self.config.backoff(attempt))
+                attempt += 1
+        finally:
+            if self.slots.get(slot.key) is slot:
+                slot.pending = None
+
+    # ------------------------------------------------------------------ readiness & load
+    async def _plane_loop(
+        self, plane: str, method: str, request: Any, reply: type, store: Callable[[Any], None]
+    ) -> None:
+        attempt = 0
+        while not self._closing:
+            def on(msg: Any) -> None:
+                nonlocal attempt
+                attempt = 0
+                if not self._envelope_ok(msg, plane):
+                    return
+                self._observe_relay(msg.relay, from_catalog=False)
+                self.counters[f"{plane}_updates"] += 1
+                store(msg)
+                self._notify()
+
+            end = await rpc.run_stream(self.channel, method, request, reply, on)
+            self.counters[f"{plane}_end_{end.reason}"] += 1
+            store(None)  # unknown while disconnected: never routable on stale data
+            self._notify()
+            await asyncio.sleep(self.config.backoff(attempt))
+            attempt += 1
+
+    async def _readiness_loop(self) -> None:
+        def store(m: pb.ServingReadinessUpdate | None) -> None:
+            self.readiness = m
+
+        await self._plane_loop(
+            "readiness", "SubscribeServingReadiness",
+            rpc.readiness_request(self.config.subscriber_id), pb.ServingReadinessUpdate, store,
+        )  # fmt: skip
+
+    async def _load_loop(self) -> None:
+        def store(m: pb.KvPoolLoadUpdate | None) -> None:
+            self.load = m
+
+        await self._plane_loop(
+            "load", "SubscribeKvPoolLoad",
+            rpc.load_request(self.config.subscriber_id), pb.KvPoolLoadUpdate, store,
+        )  # fmt: skip

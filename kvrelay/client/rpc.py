@@ -1,0 +1,141 @@
+"""Server-streaming calls with grpclib that keep the ``kv-relay-error-reason`` trailer.
+
+The generated stub raises ``GRPCError`` without trailers, so streams go through
+``Channel.request`` and ``stream.trailing_metadata`` (STACK.md). Every way a stream ends becomes
+one :class:`StreamEnd` with a stable reason string; consumer violations raised by the message
+callback propagate unchanged (the ``async with`` then resets the HTTP/2 stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl as _ssl
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import h2.exceptions
+from grpclib.client import Channel
+from grpclib.config import Configuration
+from grpclib.const import Cardinality, Status
+from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.client import errors as E
+from kvrelay.service.codec import PassThroughCodec
+from kvrelay.service.validation import CONTRACT_MARKER
+
+SERVICE = "/dynamo.kvrelay.v1.KvEventRelay/"
+T = TypeVar("T")
+_TRANSPORT_ERRORS = (
+    OSError,
+    StreamTerminatedError,
+    ProtocolError,
+    h2.exceptions.H2Error,
+    asyncio.IncompleteReadError,
+    ConnectionError,
+    TimeoutError,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RelayAddress:
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, text: str) -> RelayAddress:
+        host, sep, port = text.strip().rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"relay address must be HOST:PORT, got {text!r}")
+        return cls(host.strip("[]"), int(port))
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEnd:
+    """How a stream ended: ``reason`` is ``eof``, ``connection``, a relay reason
+    (``subscriber_lagged``, ``producer_changed``, …) or ``status_<code>`` without a trailer."""
+
+    reason: str
+    status: Status | None = None
+    message: str = ""
+    messages: int = 0
+
+
+def open_channel(
+    address: RelayAddress, ssl: _ssl.SSLContext | None = None, max_message_bytes: int = 8 << 20
+) -> Channel:
+    """A grpclib channel with the relay's 8 MiB message bound (inbound checked by the codec)."""
+    return Channel(
+        address.host,
+        address.port,
+        ssl=ssl,
+        codec=PassThroughCodec(max_message_bytes),
+        config=Configuration(_keepalive_time=20.0, _keepalive_timeout=10.0),
+    )
+
+
+def end_from_error(err: GRPCError, trailers: Any, messages: int) -> StreamEnd:
+    value = None
+    if trailers is not None:
+        raw = trailers.get(E.TRAILER_KEY)
+        value = raw.decode() if isinstance(raw, bytes) else raw
+    reason = E.reason_from_trailer(value) or f"status_{err.status.name.lower()}"
+    return StreamEnd(reason, err.status, err.message or "", messages)
+
+
+async def run_stream(
+    channel: Channel,
+    method: str,
+    request: Any,
+    reply_type: type[T],
+    on_message: Callable[[T], None],
+) -> StreamEnd:
+    """Run one server stream to its end, calling ``on_message`` for each reply."""
+    n = 0
+    stream = None
+    try:
+        async with channel.request(
+            SERVICE + method, Cardinality.UNARY_STREAM, type(request), reply_type
+        ) as stream:
+            await stream.send_message(request, end=True)
+            while True:
+                msg = await stream.recv_message()
+                if msg is None:
+                    break
+                n += 1
+                on_message(msg)
+            await stream.recv_trailing_metadata()
+        return StreamEnd(E.EOF, Status.OK, "", n)
+    except GRPCError as err:
+        trailers = None if stream is None else stream.trailing_metadata
+        return end_from_error(err, trailers, n)
+    except _TRANSPORT_ERRORS as exc:
+        return StreamEnd(E.CONNECTION, None, f"{type(exc).__name__}: {exc}", n)
+
+
+def catalog_request(subscriber_id: str) -> pb.WatchKvPoolCatalogRequest:
+    return pb.WatchKvPoolCatalogRequest(
+        subscriber_id=subscriber_id, contract_marker=CONTRACT_MARKER
+    )
+
+
+def readiness_request(subscriber_id: str) -> pb.SubscribeServingReadinessRequest:
+    return pb.SubscribeServingReadinessRequest(
+        subscriber_id=subscriber_id, contract_marker=CONTRACT_MARKER
+    )
+
+
+def load_request(subscriber_id: str) -> pb.SubscribeKvPoolLoadRequest:
+    return pb.SubscribeKvPoolLoadRequest(
+        subscriber_id=subscriber_id, contract_marker=CONTRACT_MARKER
+    )
+
+
+def pool_request(subscriber_id: str, producer: pb.ProducerIdentity) -> pb.SubscribeKvPoolRequest:
+    return pb.SubscribeKvPoolRequest(
+        subscriber_id=subscriber_id, expected_producer=producer, contract_marker=CONTRACT_MARKER
+    )

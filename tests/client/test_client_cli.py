@@ -1,0 +1,168 @@
+"""CLI via ``main([...])`` against the scripted server and a real kvrelay (output captured)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from client_harness import eventually, query_set, stack, truth_depth
+from client_testserver import Script, ScriptedRelay, delta, port_of, serve, snapshot
+
+from kvrelay.client import cli
+from kvrelay.sim.engine import SimConfig
+
+
+@contextlib.asynccontextmanager
+async def scripted(*scripts: Script) -> AsyncIterator[str]:
+    relay = ScriptedRelay()
+    relay.scripts.extend(scripts)
+    server = await serve(relay)
+    try:
+        yield f"127.0.0.1:{port_of(server)}"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """``cli.main`` in a worker thread (it owns its own event loop), output captured."""
+    rc = await asyncio.to_thread(cli.main, list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def jsonl(text: str) -> list[dict[str, object]]:
+    """JSON lines of the CLI (the in-process relay's own log lines are skipped)."""
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+async def test_watch_catalog_json(capsys: pytest.CaptureFixture[str]) -> None:
+    async with scripted() as addr:
+        rc, out, _ = await run_cli(capsys, "watch", "catalog", "--relay", addr, "--json",
+                                   "--count", "1")  # fmt: skip
+    assert rc == 0
+    (msg,) = jsonl(out)
+    assert msg["plane"] == "catalog" and msg["relay"] == addr and msg["relay_incarnation"] == 1001
+    (pool,) = msg["pools"]  # type: ignore[misc]
+    assert pool["pool"] == "ns/be/gen" and pool["block_size"] == 4
+    assert pool["hash_format"] == "STANDARD" and pool["bucket_count"] == 1024
+    assert pool["models"] == ["m"] and pool["roles"] == ["AGGREGATED"]
+
+
+async def test_watch_readiness_table_and_load_json(capsys: pytest.CaptureFixture[str]) -> None:
+    async with scripted() as addr:
+        rc, out, _ = await run_cli(capsys, "watch", "readiness", "--relay", addr, "--count", "1")
+        assert rc == 0
+        assert "readiness revision 1" in out and "READY" in out and "ns/be/gen" in out
+        rc, out, _ = await run_cli(capsys, "watch", "load", "--relay", addr, "--json",
+                                   "--count", "1")  # fmt: skip
+    assert rc == 0
+    (msg,) = jsonl(out)
+    (entry,) = msg["pools"]  # type: ignore[misc]
+    assert entry["authoritative"] is True and entry["utilization"] == pytest.approx(0.25)
+
+
+async def test_watch_duration_stops(capsys: pytest.CaptureFixture[str]) -> None:
+    async with scripted() as addr:
+        rc, out, _ = await run_cli(capsys, "watch", "catalog", "--relay", addr,
+                                   "--duration", "0.3")  # fmt: skip
+    assert rc == 0
+    assert out.count("catalog revision") == 1
+
+
+async def test_subscribe_verify_reports_violation_and_recovers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    bad = Script([*snapshot(5), delta(6, 7)], hold=True)
+    async with scripted(bad) as addr:
+        rc, out, _ = await run_cli(capsys, "subscribe", "ns/be/gen", "--relay", addr, "--verify",
+                                   "--json", "--count", "3")  # fmt: skip
+    assert rc == 1  # a violation was seen
+    lines = jsonl(out)
+    violations = [x for x in lines if "violation" in x]
+    assert [v["violation"] for v in violations] == ["sequence_gap"]
+    frames = [x for x in lines if "kind" in x]
+    assert [f["kind"] for f in frames] == ["SNAPSHOT_CHUNK", "SNAPSHOT_CHUNK", "DELTA"]
+    assert frames[1]["installed"] is True and frames[1]["sequence"] == 10
+    assert frames[2]["base_sequence"] == 10 and frames[2]["sequence"] == 11
+    assert frames[2]["images"] == 1 and frames[2]["occupancy"] == 3 * 2 + 4
+    assert isinstance(frames[2]["checksum"], int)
+
+
+async def test_subscribe_table_without_verify(capsys: pytest.CaptureFixture[str]) -> None:
+    async with scripted() as addr:
+        rc, out, _ = await run_cli(capsys, "subscribe", "gen", "--relay", addr, "--count", "2")
+    assert rc == 0
+    first, second = out.splitlines()
+    assert "SNAPSHOT_CHUNK" in first and "chunk 1/1" in first and "[installed]" in first
+    assert "DELTA" in second and "10->11" in second and "images 1" in second
+    assert "occupancy 10" in second
+
+
+async def test_subscribe_unknown_pool_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    async with scripted() as addr:
+        rc, _, err = await run_cli(capsys, "subscribe", "nope/x/y", "--relay", addr,
+                                   "--count", "1")  # fmt: skip
+    assert rc == 1 and "not in the catalog" in err
+
+
+async def test_query_against_a_real_relay(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    async with stack([SimConfig(name="c0", seed=9, dp_size=1, capacity_blocks=96)]) as st:
+        for _ in range(5):
+            await st.engines[0].step(4)
+            await asyncio.sleep(0.01)
+        await eventually(st.in_sync, what="relay in sync")
+        await eventually(lambda: st.producer_table() is not None, what="published")
+        tokens, _lora = next(
+            (t, lo) for t, lo in query_set(st.engines, random.Random(3), 200)
+            if lo is None and truth_depth(t, None, st.truth()) >= 2
+        )
+        want = truth_depth(tokens, None, st.truth())
+        rc, out, _ = await run_cli(capsys, "query", "--relay", st.address, "--model",
+                                   "sim-model", "--tokens", ",".join(map(str, tokens)), "--json")
+        assert rc == 0
+        (msg,) = jsonl(out)
+        pool = f"{st.address}/ns/backend/generate"
+        assert msg["overlap"][pool] >= want  # type: ignore[index]
+        assert msg["pools"][0]["depth_tokens"] == 16 * msg["overlap"][pool]  # type: ignore[index]
+        f = tmp_path / "tokens.json"
+        f.write_text(json.dumps(tokens))
+        rc, out, _ = await run_cli(capsys, "query", "--relay", st.address, "--model",
+                                   "sim-model-alias", "--tokens-file", str(f))  # fmt: skip
+        assert rc == 0 and pool in out and "ROUTABLE" in out
+        rc, out, _ = await run_cli(capsys, "query", "--relay", st.address, "--model", "nope",
+                                   "--tokens", "1,2,3", "--wait", "2")  # fmt: skip
+        assert rc == 1 and "0 pool(s)" in out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["watch", "catalog", "--relay", "no-port"],
+        ["query", "--relay", "127.0.0.1:1", "--model", "m", "--tokens", "1,x"],
+        ["watch", "catalog", "--relay", "127.0.0.1:1", "--count", "0"],
+    ],
+)
+def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(argv) == 2
+
+
+def test_mountable_into_another_parser() -> None:
+    parser = argparse.ArgumentParser(prog="kvrelay")
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("serve")
+    cli.add_subcommands(sub)
+    args = parser.parse_args(["query", "--relay", "h:1", "--model", "m", "--tokens", "1 2 3"])
+    assert args.command == "query" and args.client_command == "query"
+    assert cli._tokens(args) == [1, 2, 3]
+    args = parser.parse_args(["serve"])
+    assert getattr(args, "client_command", None) is None

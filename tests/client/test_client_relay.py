@@ -1,0 +1,185 @@
+"""SDK against a real kvrelay fed by the simulator (in-process relay, real loopback sockets).
+
+Oracle: ground-truth depths recomputed with the ``xxhash`` package from the blocks the simulator
+holds (``client_harness.truth_depth``), independent of kvrelay's numba code and the SDK search.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+from client_harness import Stack, eventually, query_set, stack, truth_depth
+
+from kvrelay.client import ClientConfig, RelayClient
+from kvrelay.client.replica import relay_key
+from kvrelay.client.views import PoolKey
+from kvrelay.service.limits import RelayLimits
+from kvrelay.sim.engine import SimConfig
+from kvrelay.sim.wire import Era
+
+FAST = ClientConfig(backoff_initial_s=0.02, backoff_max_s=0.2)
+MODEL = "sim-model"
+
+
+def key_of(address: str) -> PoolKey:
+    return PoolKey(address, "ns", "backend", "generate")
+
+
+def synced(client: RelayClient, st: Stack, key: PoolKey) -> bool:
+    """Relay exact state = ground truth, everything published, and the SDK replica holds the
+    producer's table at the producer's sequence."""
+    slot = client.connections[0].slots.get(key)
+    replica = None if slot is None else slot.installed
+    table = st.producer_table()
+    return (
+        replica is not None
+        and replica.table is not None
+        and st.in_sync()
+        and table is not None
+        and replica.sequence == st.producer_sequence()
+        and bool(np.array_equal(replica.table, table))
+    )
+
+
+async def drive(engines: list, rounds: int, steps: int = 4) -> None:  # type: ignore[type-arg]
+    for _ in range(rounds):
+        for e in engines:
+            await e.step(steps)
+        await asyncio.sleep(0.005)
+
+
+async def test_overlap_never_under_reports_and_over_reports_rarely() -> None:
+    configs = [
+        SimConfig(name="q0", seed=11, dp_size=2, capacity_blocks=160, era=Era.MAP),
+        SimConfig(name="q1", seed=11, dp_size=1, capacity_blocks=160, era=Era.ARRAY),
+    ]
+    async with stack(configs) as st:
+        for e in st.engines:
+            e.load_lora("adapter-a")
+        async with RelayClient([st.address], config=FAST) as client:
+            key = key_of(st.address)
+            await eventually(lambda: key in client.pools(), what="pool in catalog")
+            rng = random.Random(5)
+            over = total = deep = 0
+            for _ in range(4):  # query between bursts of traffic (evictions happen meanwhile)
+                await drive(st.engines, 6)
+                await eventually(lambda: synced(client, st, key), what="replica = producer")
+                held = st.truth()
+                for tokens, lora in query_set(st.engines, rng, 150):
+                    model = lora or rng.choice([MODEL, "sim-model-alias"])
+                    got = client.overlap(tokens, model)
+                    assert set(got) == {key}, (model, got, client.readiness())
+                    want = truth_depth(tokens, lora, held)
+                    assert got[key] >= want, f"false negative: {got[key]} < {want}"
+                    total += 1
+                    over += got[key] > want
+                    deep += want > 2
+            rate = over / total
+            print(f"\nover-report rate {over}/{total} = {rate:.4f} (queries with depth>2: {deep})")
+            assert deep > total // 5, "the query set must exercise real cached prefixes"
+            assert rate <= 0.01
+            # a LoRA request through the base model + explicit adapter hashes like the adapter id
+            tokens, lora = next((t, lo) for t, lo in query_set(st.engines, rng, 400) if lo)
+            assert client.overlap(tokens, MODEL, lora=lora) == client.overlap(tokens, lora)
+            # an unknown model/adapter matches no pool
+            assert client.overlap(tokens, "other-model") == {}
+            assert client.overlap(tokens, MODEL, lora="not-loaded") == {}
+            stats = client.replica_stats()[key]
+            assert stats.occupancy == len(held) and stats.drops == {}
+            assert stats.staleness_s is not None and stats.frames["delta"] > 0
+
+
+async def test_forced_lag_recovers() -> None:
+    # A one-frame queue and a full-size 4 MiB lane: deltas published while the snapshot is still
+    # crossing HTTP/2 flow control overflow the queue, so the relay ends the stream LAGGED.
+    limits = RelayLimits(publication_queue_capacity=1, publish_every_n_events=1)
+    configs = [SimConfig(name="l0", seed=3, dp_size=2, capacity_blocks=96)]
+    async with stack(configs, limits, expected_blocks=1_048_576) as st:
+        async with RelayClient([st.address], config=FAST) as client:
+            key = key_of(st.address)
+            await eventually(lambda: key in client.pools(), what="pool")
+            runner = st.engines[0].run(rate=400)
+            try:
+                await eventually(lambda: client.drops["subscriber_lagged"] >= 1, 20, "lag")
+            finally:
+                await st.engines[0].stop_running()
+            await eventually(lambda: synced(client, st, key), what="rebuilt after lag")
+            assert runner.done()
+            held = st.truth()
+            for tokens, lora in query_set(st.engines, random.Random(2), 60):
+                got = client.overlap(tokens, lora or MODEL)[key]
+                assert got >= truth_depth(tokens, lora, held)
+
+
+async def test_relay_restart_rebuilds_replicas_under_new_incarnation() -> None:
+    async with stack([SimConfig(name="r0", seed=4, dp_size=1, capacity_blocks=96)]) as st:
+        async with RelayClient([st.address], config=FAST) as client:
+            key = key_of(st.address)
+            await drive(st.engines, 3)
+            await eventually(lambda: synced(client, st, key), what="first sync")
+            conn = client.connections[0]
+            assert conn.identity is not None and conn.identity[1] == st.history[0]
+            await st.stop_relay()
+            await eventually(lambda: not client.replica_stats().get(key, None)
+                             or not client.replica_stats()[key].installed, what="dropped")
+            assert client.overlap([1] * 64, MODEL) == {}
+            await st.start_relay()
+            assert st.history[0] != st.history[1]
+            await drive(st.engines, 3)
+            await eventually(lambda: synced(client, st, key), what="rebuilt")
+            assert conn.identity is not None and conn.identity[1] == st.history[1]
+            replica = conn.slots[key].installed
+            assert replica is not None and replica.relay is not None
+            assert replica.relay[1] == st.history[1]
+            assert conn.counters["relay_incarnation_changes"] == 1
+            assert client.drops["eof"] >= 1
+
+
+async def test_pool_withdrawal_drops_the_replica() -> None:
+    configs = [SimConfig(name="w0", seed=5, dp_size=1, capacity_blocks=64)]
+    async with stack(configs) as st:
+        async with RelayClient([st.address], config=FAST) as client:
+            key = key_of(st.address)
+            await drive(st.engines, 2)
+            await eventually(lambda: synced(client, st, key), what="sync")
+            await st.engines[0].stop()
+            await eventually(lambda: key not in client.pools(), what="withdrawn from catalog")
+            assert client.drops["withdrawn"] + client.drops["publication_unavailable"] >= 1
+            assert key not in client.replica_stats()
+            assert client.overlap([5] * 64, MODEL, routable_only=False) == {}
+            subs = sum(1 for _ in st.relay.pools[0].subscribers) if st.relay else 0
+            assert subs == 0
+
+
+async def test_generation_change_producer_changed_then_new_generation() -> None:
+    async with stack([SimConfig(name="g0", seed=6, dp_size=1, capacity_blocks=64)]) as st:
+        async with RelayClient([st.address], config=FAST) as client:
+            key = key_of(st.address)
+            await drive(st.engines, 2)
+            await eventually(lambda: synced(client, st, key), what="sync")
+            relay = st.relay
+            assert relay is not None
+            old = relay.pools[0].generation
+            assert old is not None
+            # Hold the catalog plane still so the client keeps the old identity and
+            # resubscribes with it: the relay must answer PRODUCER_CHANGED.
+            real_set_pools = relay.catalog.set_pools
+            relay.catalog.set_pools = lambda pools: False  # type: ignore[method-assign]
+            relay.pools[0].fence(old, "test: new generation")
+            await eventually(lambda: client.drops["producer_changed"] >= 1, what="PRODUCER_CHANGED")
+            assert not client.replica_stats()[key].installed
+            relay.catalog.set_pools = real_set_pools  # type: ignore[method-assign]
+            await eventually(lambda: relay.pools[0].generation is not None, what="rebuilt gen")
+            relay.refresh_planes()
+            new = relay.pools[0].generation
+            assert new is not None and new.layout_generation != old.layout_generation
+            await eventually(
+                lambda: client.replica_stats().get(key) is not None
+                and client.replica_stats()[key].installed
+                and client.replica_stats()[key].layout_generation == new.layout_generation,
+                what="replica of the new generation",
+            )
+            assert client.drops["catalog_replaced"] + client.drops["producer_changed"] >= 1
+            assert relay_key(relay.relay_identity) == client.connections[0].identity

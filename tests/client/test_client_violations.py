@@ -1,0 +1,134 @@
+"""Consumer-rule violations injected by a scripted gRPC server: each drops only the replica,
+increments the matching counter and the SDK resubscribes to a valid stream."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+from client_testserver import (
+    OTHER_RELAY,
+    RELAY,
+    Script,
+    ScriptedRelay,
+    corrupt_checksum,
+    delta,
+    frame,
+    half_chunk,
+    heartbeat,
+    port_of,
+    serve,
+    snapshot,
+)
+from grpclib.const import Status
+
+from kvrelay.client import ClientConfig, RelayClient
+from kvrelay.client.views import PoolKey
+
+FAST = ClientConfig(backoff_initial_s=0.01, backoff_max_s=0.05)
+
+
+@contextlib.asynccontextmanager
+async def scripted(*scripts: Script) -> AsyncIterator[tuple[ScriptedRelay, RelayClient, PoolKey]]:
+    relay = ScriptedRelay()
+    relay.scripts.extend(scripts)
+    server = await serve(relay)
+    addr = f"127.0.0.1:{port_of(server)}"
+    client = RelayClient([addr], config=FAST)
+    await client.start()
+    try:
+        yield relay, client, PoolKey(addr, "ns", "be", "gen")
+    finally:
+        await client.close()
+        server.close()
+        await server.wait_closed()
+
+
+def installed_at(client: RelayClient, key: PoolKey, seq: int) -> bool:
+    st = client.replica_stats().get(key)
+    return st is not None and st.installed and st.sequence == seq
+
+
+CASES = {
+    "sequence_gap": [*snapshot(5), delta(6, 7)],
+    "wrong_base": [*snapshot(5), delta(5, 6), delta(5, 6)],
+    "bad_increment": [*snapshot(5), delta(5, 7)],
+    "dc_id_mismatch": [*snapshot(5), delta(5, 6, dc_id=99)],
+    "cbi1_checksum_mismatch": [*snapshot(5), corrupt_checksum(delta(5, 6))],
+    "cbi1_sequence_violation": [half_chunk(5, 1)],
+    "delta_before_snapshot": [delta(5, 6)],
+    "relay_identity_changed": [*snapshot(5), frame(3, 5, 5, b"", relay=OTHER_RELAY)],
+    "heartbeat_before_snapshot": [heartbeat(5)],
+    "heartbeat_sequence": [*snapshot(5), heartbeat(4)],
+    "epoch_mismatch": [*snapshot(5), delta(5, 6, cbi_base=4)],
+    "unexpected_snapshot": [*snapshot(5), *snapshot(5)],
+    "unknown_kind": [*snapshot(5), frame(9, 5, 5, b"")],
+}
+
+
+@pytest.mark.parametrize("reason", sorted(CASES))
+async def test_violation_drops_counts_and_resubscribes(reason: str) -> None:
+    async with scripted(Script(CASES[reason], hold=True)) as (relay, client, key):
+        assert await client.wait_for(lambda: installed_at(client, key, 11), 10), reason
+        st = client.replica_stats()[key]
+        assert st.drops == {reason: 1}, st.drops
+        assert client.drops[reason] == 1
+        assert st.subscribes == 2 and relay.subscriptions == 2
+        # only the valid default stream's state is installed: 3 words x 2 slots + one 4-slot delta
+        assert st.occupancy == 3 * 2 + 4
+
+
+@pytest.mark.parametrize(
+    ("status", "reason"),
+    [
+        (Status.RESOURCE_EXHAUSTED, "SUBSCRIBER_LAGGED"),
+        (Status.FAILED_PRECONDITION, "PRODUCER_CHANGED"),
+        (Status.NOT_FOUND, "POOL_NOT_FOUND"),
+        (Status.UNAVAILABLE, "PUBLICATION_UNAVAILABLE"),
+    ],
+)
+async def test_relay_errors_drop_and_resubscribe(status: Status, reason: str) -> None:
+    async with scripted(Script(snapshot(5), end=(status, reason))) as (_relay, client, key):
+        assert await client.wait_for(lambda: installed_at(client, key, 11), 10)
+        assert client.replica_stats()[key].drops == {reason.lower(): 1}
+
+
+async def test_clean_eof_is_an_invalidation() -> None:
+    async with scripted(Script([*snapshot(5), delta(5, 6)])) as (_relay, client, key):
+        assert await client.wait_for(lambda: installed_at(client, key, 11), 10)
+        assert client.replica_stats()[key].drops == {"eof": 1}
+
+
+async def test_unsupported_feature_quarantines_the_pool() -> None:
+    script = Script([], end=(Status.FAILED_PRECONDITION, "UNSUPPORTED_FEATURE"))
+    async with scripted(script) as (relay, client, key):
+        assert await client.wait_for(
+            lambda: client.replica_stats().get(key) is not None
+            and client.replica_stats()[key].quarantined, 10
+        )
+        st = client.replica_stats()[key]
+        assert not st.installed and st.drops == {"unsupported_feature": 1}
+        assert relay.subscriptions == 1
+
+
+async def test_withdrawal_drops_and_stops_resubscribing() -> None:
+    async with scripted() as (relay, client, key):
+        assert await client.wait_for(lambda: installed_at(client, key, 11), 10)
+        relay.set_catalog([])
+        assert await client.wait_for(lambda: key not in client.replica_stats(), 10)
+        assert client.drops["withdrawn"] == 1
+        assert client.overlap([1, 2, 3, 4], "m") == {}
+        n = relay.subscriptions
+        assert not await client.wait_for(lambda: relay.subscriptions > n, 0.3)
+
+
+async def test_readiness_and_load_views() -> None:
+    async with scripted() as (_relay, client, key):
+        assert await client.wait_for(lambda: installed_at(client, key, 11) and client.load(), 10)
+        (entry,) = client.readiness()
+        assert entry.routable and entry.state == "READY" and entry.members == ("ns/be/gen",)
+        lv = client.load()[key]
+        assert lv.authoritative and lv.utilization == pytest.approx(0.25)
+        conn = client.connections[0]
+        assert conn.identity == (RELAY.drt_instance_id, RELAY.relay_incarnation)
