@@ -1,0 +1,121 @@
+"""Fault matrix, wire side: crafted frames and payloads on a static (pre-gRPC) source.
+
+A raw PUB interleaves garbage with valid batches whose ground truth a detached simulator rank
+knows. Every bad message is counted by kind, nothing crashes, no member is reset and the relay's
+state stays exactly the valid batches' ground truth.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import msgspec
+
+from .crafted import Oracle, RawPublisher, envelope
+from .harness import eventually, rig, subscribe, verify, wait_live
+
+SEQ0 = (0).to_bytes(8, "big")
+
+
+async def test_malformed_frames_and_payloads_are_counted_never_fatal() -> None:
+    raw = RawPublisher()
+    oracle = Oracle()
+    try:
+        async with rig(
+            [], static=(raw.spec(),), model="raw-model", kv_block_size=16, expected_blocks=65_536
+        ) as r, r.channel() as ch:
+            await wait_live(r.relay, 1)
+            (sub,) = r.pool.subscribers.values()
+            # ZMQ slow joiner: announce empty batches until the SUB sees one (the baseline)
+            await raw.announce_until(lambda: sub.counters.batches > 0)
+            consumer = await subscribe(r, ch)
+            base_msgs = sub.counters.messages
+            sent = 0
+
+            async def valid(n: int, mixed: bool = False) -> None:
+                nonlocal sent
+                for _ in range(n):
+                    await raw.send_payload(oracle.next_nonempty(mixed_hashes=mixed))
+                    sent += 1
+
+            async def frames(f: list[bytes]) -> None:
+                nonlocal sent
+                await raw.send(f)
+                sent += 1
+
+            async def payload(p: bytes) -> None:
+                nonlocal sent
+                await raw.send_payload(p)
+                sent += 1
+
+            await valid(5)
+            seq = raw.seq.to_bytes(8, "big")
+            ok = envelope([])
+            # --- frame-level garbage (never consumes a sequence number)
+            await frames([b"", seq])  # 2 frames
+            await frames([b"", seq, ok, b"extra"])  # 4 frames
+            await frames([b""])
+            await frames([b"", seq[:4], ok])  # short sequence
+            await frames([b"", seq + b"\x00", ok])  # long sequence
+            await frames([b"other-topic", seq, ok])
+            await valid(3, mixed=True)  # int, negative-int and bytes hashes in one batch
+            # --- payload-level garbage (well framed, consumes its sequence number)
+            good = oracle.next_nonempty()
+            await payload(b"\xc1")  # reserved msgpack byte
+            await payload(os.urandom(256))
+            await payload(good[: len(good) // 2])  # truncated
+            await payload(msgspec.msgpack.encode({"ts": 1.0, "events": []}))  # not an envelope
+            await payload(msgspec.msgpack.encode([1.0, "not-a-list", 0]))
+            await payload(envelope([], dp_rank=5))  # another DP rank's batch
+            await payload(os.urandom(4 << 20))  # 4 MiB of noise
+            await payload(good)  # the real batch, after the noise: applied
+            # unknown tags and badly typed events inside a good envelope: skipped, rest applied
+            extra: list[Any] = [
+                {"type": "KVCacheFutureEvent", "anything": [1, 2, 3]},
+                ["ArrayFutureEvent", 7],
+                {"type": "BlockStored", "block_hashes": "not-a-list", "block_size": 16},
+                {"type": "BlockRemoved", "block_hashes": [1.5], "medium": "GPU"},
+            ]
+            mixed = oracle.next_nonempty()
+            obj = msgspec.msgpack.decode(mixed)
+            obj[1] = extra[:2] + list(obj[1]) + extra[2:]
+            await payload(msgspec.msgpack.encode(obj))
+            # an oversized but valid batch: 60,000 removals of hashes nobody stored
+            removals = [
+                {"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"}
+                for h in range(1, 60_001)
+            ]
+            await payload(envelope(removals))
+            await valid(5)
+
+            await eventually(
+                lambda: sub.counters.messages >= base_msgs + sent, timeout=20,
+                what="every crafted message seen",
+            )
+            c = sub.counters
+            rej = c.rejections
+            assert rej.get("frame_count", 0) == 3
+            assert rej.get("seq_length", 0) == 2
+            assert rej.get("topic_mismatch", 0) == 1
+            # noise may happen to parse as msgpack: then it is a malformed envelope instead
+            assert rej.get("malformed_payload", 0) >= 2  # 0xC1, truncated
+            assert rej.get("malformed_envelope", 0) >= 2
+            assert rej.get("malformed_payload", 0) + rej.get("malformed_envelope", 0) == 6
+            assert rej.get("dp_rank_mismatch", 0) == 1
+            assert c.unknown_tags >= 2 and c.malformed_events >= 1
+            assert c.resets == 0 and r.pool.counters.member_resets == {}
+            w = {"worker": "raw", "dp_rank": "0"}
+            for kind, n in rej.items():
+                assert r.metric("kvrelay_ingest_decode_rejections_total", kind=kind, **w) == n
+            assert r.metric("kvrelay_ingest_decode_anomalies_total", kind="unknown_tags", **w) >= 2
+            assert r.metric("kvrelay_pool_unknown_removals_total") >= 60_000
+            assert sub.state == "live" and sub._task is not None and not sub._task.done()
+            gen = r.pool.generation
+            assert gen is not None and gen.pool.unknown_removals >= 60_000
+            assert r.pool.counters.fences == 0
+            await verify(r, consumer, truth={("raw", 0): oracle.truth()})
+            assert consumer.end is None
+            await consumer.stop()
+    finally:
+        raw.close()
