@@ -29,6 +29,9 @@ examples:
   kvrelay demo                      # relay + simulated fleet + live view, ~30 s
   kvrelay demo --headless --duration 10
   kvrelay sim --engines 2 --dp-size 2
+  kvrelay watch catalog --relay 127.0.0.1:50161
+  kvrelay subscribe dynamo/backend/generate --verify --relay 127.0.0.1:50161 --count 20
+  kvrelay query --model meta/llama --tokens 1,2,3,4 --relay 127.0.0.1:50161 --json
 
 exit codes:
   0  success (serve: clean shutdown after SIGTERM/SIGINT)
@@ -135,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="run time before the summary (default: 30; Ctrl-C ends earlier)",
     )
+
+    from kvrelay.client.cli import add_subcommands
+
+    add_subcommands(sub)  # watch / subscribe / query: the consumer SDK's inspection commands
     return parser
 
 
@@ -216,6 +223,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args.config)
     if args.command == "demo":
         return _demo(args)
+    if getattr(args, "client_command", None) is not None:
+        from kvrelay.client.cli import run as client_run
+        from kvrelay.logging import configure
+
+        configure(level="WARNING", stream=sys.stderr)  # keep stdout (tables, --json) clean
+        return client_run(args)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse rejects first
 
 
