@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: test lint proto venv demo bench clean
+.PHONY: test lint proto venv demo bench clean clean-numba
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,5 +43,10 @@ bench: $(STAMP)
 soak: $(STAMP)
 	$(PY) -m kvrelay.soak --seconds $(or $(SOAK_SECONDS),600)
 
-clean:
+# numba's cache=True tracks each kernel's own file only: after editing a kernel another kernel
+# calls (hashing/xxh3.py, pool/ckf.py), drop the caches so nothing stale is loaded.
+clean-numba:
+	find kvrelay -name '*.nbi' -delete -o -name '*.nbc' -delete
+
+clean: clean-numba
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
+from kvrelay.service.limits import RelayLimits
 from kvrelay.service.server import RelayServer
 from kvrelay.sim.engine import SimConfig, SimEngine
 
@@ -33,6 +34,7 @@ async def fleet_and_relay(
     *,
     expected_blocks: int = 8192,
     pools: Callable[[list[SimEngine]], tuple[PoolSpec, ...]] | None = None,
+    limits: RelayLimits | None = None,
 ) -> AsyncIterator[tuple[list[SimEngine], Relay, RelayServer]]:
     """Start engines, then a relay over them (one aggregated pool unless ``pools`` says)."""
     engines = [SimEngine(c) for c in configs]
@@ -55,6 +57,7 @@ async def fleet_and_relay(
         pools=pool_specs,
         discovery_interval_s=0.2,
         discovery_timeout_s=1.0,
+        limits=limits or RelayLimits(),
     )
     relay = Relay(settings)
     await relay.start()

@@ -1,91 +1,17 @@
-"""Helpers for ops tests: a simulated fleet behind an in-process relay, and a raw HTTP scraper."""
+"""Helpers for ops tests: the shared in-process fleet harness, and a raw HTTP scraper."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+# one in-process fleet harness for every end-to-end style test (tests/ is on sys.path)
+from e2e.fleet import eventually, fleet_and_relay, in_sync, wait_subscribed
 from prometheus_client.parser import text_string_to_metric_families
-
-from kvrelay.relay.relay import Relay
-from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
-from kvrelay.service.limits import RelayLimits
-from kvrelay.service.server import RelayServer
-from kvrelay.sim.engine import SimConfig, SimEngine
 
 POOL = "ns/backend/generate"
 
-
-async def eventually(check: Callable[[], bool], timeout: float = 15.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or check}")
-        await asyncio.sleep(0.02)
-
-
-@contextlib.asynccontextmanager
-async def fleet_and_relay(
-    configs: list[SimConfig], *, expected_blocks: int = 8192, limits: RelayLimits | None = None
-) -> AsyncIterator[tuple[list[SimEngine], Relay, RelayServer]]:
-    engines = [SimEngine(c) for c in configs]
-    for e in engines:
-        await e.start()
-    settings = RelaySettings(
-        dc_name="dc-ops",
-        pools=(
-            PoolSpec(
-                namespace="ns", component="backend", endpoint="generate",
-                engines=tuple(
-                    EngineSpec(name=e.cfg.name, host="127.0.0.1", grpc_port=e.grpc_port)
-                    for e in engines
-                ),
-                expected_blocks=expected_blocks,
-            ),
-        ),
-        discovery_interval_s=0.2,
-        discovery_timeout_s=1.0,
-        limits=limits or RelayLimits(),
-    )
-    relay = Relay(settings)
-    await relay.start()
-    server = RelayServer(relay, settings.limits)
-    await server.start("127.0.0.1", 0)
-    try:
-        yield engines, relay, server
-    finally:
-        await server.close(grace_s=1.0)
-        await relay.stop()
-        for e in engines:
-            await e.stop()
-
-
-async def wait_subscribed(relay: Relay, n_sources: int) -> None:
-    def live() -> bool:
-        subs = [s for p in relay.pools for s in p.subscribers.values()]
-        return len(subs) == n_sources and all(s.state == "live" for s in subs)
-
-    await eventually(live, what=f"{n_sources} live subscribers")
-
-
-def in_sync(engines: list[SimEngine], relay: Relay) -> bool:
-    """Relay exact state == the simulator's ground truth (computed with the xxhash package)."""
-    pool = relay.pools[0]
-    gen = pool.generation
-    if gen is None:
-        return False
-    names = {st.worker_id: st.spec.name for st in pool.engines.values()}
-    view = {
-        (names[wid], rank): {int(h) for h in gen.pool.resident_canonical(mid)}
-        for mid, (wid, rank) in gen.pool.members().items()
-    }
-    return all(
-        view.get((e.cfg.name, r), set()) == e.ground_truth(r)
-        for e in engines for r in range(e.cfg.dp_size)
-    )
+__all__ = ["POOL", "eventually", "fleet_and_relay", "in_sync", "wait_subscribed"]
 
 
 @dataclass

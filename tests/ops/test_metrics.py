@@ -115,7 +115,7 @@ async def test_scrape_after_traffic_matches_independent_oracles() -> None:
             assert value(s, "kvrelay_delta_latency_seconds_sum", pool=POOL) > 0
             info = value(
                 s, "kvrelay_relay_info", version=__version__,
-                dc_name="dc-ops", dc_id=str(relay.dc_id),
+                dc_name=relay.settings.dc_name, dc_id=str(relay.dc_id),
                 drt_instance_id=str(relay.relay_identity.drt_instance_id),
                 incarnation=str(relay.relay_incarnation),
             )

@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from e2e.fleet import eventually, ground_truth, relay_view  # the shared fleet harness
+from e2e.fleet import wait_subscribed as wait_live  # noqa: F401  (used by the fault tests)
 from e2e.replica import Replica
 from grpclib.client import Channel
 from grpclib.config import Configuration
@@ -36,14 +37,6 @@ SVC = "/dynamo.kvrelay.v1.KvEventRelay/"
 FP_BITS = 16
 SLOTS = 4
 POOL = "ns/backend/generate"
-
-
-async def eventually(check: Callable[[], bool], timeout: float = 15.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or check}")
-        await asyncio.sleep(0.02)
 
 
 @dataclass
@@ -118,22 +111,8 @@ def make_settings(
 
 
 async def stop_relay(relay: Relay) -> None:
-    """``relay.stop()``, re-cancelling discovery tasks that swallowed their cancellation.
-
-    KNOWN DEFECT (reported): a cancel landing inside ``snapshot_target`` (EngineClient's
-    ``asyncio.wait_for`` on Python 3.11) can be swallowed, so ``EngineWatcher._loop`` keeps
-    polling and ``EngineWatcher.stop()`` waits forever. Without this the suite hangs at teardown.
-    """
-    tasks = list(relay.watcher._tasks.values())
-    stop = asyncio.ensure_future(relay.stop())
-    while True:
-        done, _ = await asyncio.wait({stop}, timeout=0.5)
-        if done:
-            stop.result()
-            return
-        for t in tasks:
-            if not t.done():
-                t.cancel()
+    """``relay.stop()``, bounded: a teardown that hangs is a failure, not a stuck suite."""
+    await asyncio.wait_for(relay.stop(), 30)
 
 
 async def start_relay(settings: RelaySettings, port: int = 0) -> tuple[Relay, RelayServer]:
@@ -166,30 +145,6 @@ async def rig(
         await stop_relay(r.relay)
         for e in r.engines:
             await e.stop()
-
-
-async def wait_live(relay: Relay, n_sources: int) -> None:
-    def live() -> bool:
-        subs = [s for p in relay.pools for s in p.subscribers.values()]
-        return len(subs) == n_sources and all(s.state == "live" for s in subs)
-
-    await eventually(live, what=f"{n_sources} live subscribers")
-
-
-def ground_truth(engines: list[SimEngine]) -> dict[tuple[str, int], set[int]]:
-    return {(e.cfg.name, r): e.ground_truth(r) for e in engines for r in range(e.cfg.dp_size)}
-
-
-def relay_view(relay: Relay) -> dict[tuple[str, int], set[int]]:
-    """The relay's exact state per (engine name, dp rank)."""
-    pool = relay.pools[0]
-    gen = pool.generation
-    assert gen is not None, "pool not materialized"
-    names = {st.worker_id: st.spec.name for st in pool.engines.values()}
-    out: dict[tuple[str, int], set[int]] = {}
-    for mid, (wid, rank) in gen.pool.members().items():
-        out[(names[wid], rank)] = {int(h) for h in gen.pool.resident_canonical(mid)}
-    return out
 
 
 def in_sync(engines: list[SimEngine], relay: Relay) -> bool:
