@@ -146,6 +146,22 @@ def _empty_batch() -> EventBatch:
     )
 
 
+def _tier_and_locality_ok(ev: Any, stats: DecodeStats) -> bool:
+    """Only the GPU/device tier and local (or unspecified) locality change the filter; anything
+    else is dropped and counted by reason."""
+    m = ev.medium
+    if m is not None and m != "GPU":
+        r = medium_drop_reason(m)
+        if r is not None:
+            stats.drop(r)
+            return False
+    loc = ev.locality
+    if loc is not None and loc != "LOCAL" and loc != "":
+        stats.drop(S.DROP_LOCALITY)
+        return False
+    return True
+
+
 class Decoder:
     """Stateful (per source) payload decoder; see the module docstring for the contract."""
 
@@ -433,15 +449,7 @@ class Decoder:
             kind = ev.KIND
             if kind == _REMOVE:
                 stats.removed += 1
-                m = ev.medium
-                if m is not None and m != "GPU":
-                    r = medium_drop_reason(m)
-                    if r is not None:
-                        stats.drop(r)
-                        continue
-                loc = ev.locality
-                if loc is not None and loc != "LOCAL" and loc != "":
-                    stats.drop(S.DROP_LOCALITY)
+                if not _tier_and_locality_ok(ev, stats):
                     continue
                 g = ev.group_idx
                 if g is not None and not group_ok(g, g == 0):
@@ -458,15 +466,7 @@ class Decoder:
                 ext.extend(hs)
             elif kind == _STORE:
                 stats.stored += 1
-                m = ev.medium
-                if m is not None and m != "GPU":
-                    r = medium_drop_reason(m)
-                    if r is not None:
-                        stats.drop(r)
-                        continue
-                loc = ev.locality
-                if loc is not None and loc != "LOCAL" and loc != "":
-                    stats.drop(S.DROP_LOCALITY)
+                if not _tier_and_locality_ok(ev, stats):
                     continue
                 sk = ev.kv_cache_spec_kind
                 g = ev.group_idx
