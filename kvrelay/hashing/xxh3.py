@@ -231,19 +231,24 @@ def _scramble(acc: np.ndarray, s: np.ndarray, sp: _Idx) -> None:
 
 
 @njit(cache=True)  # type: ignore[misc]
-def _hash_long(d: np.ndarray, p: _Idx, n: _Idx, seed: np.uint64) -> np.uint64:
+def _hash_long_with(
+    d: np.ndarray, p: _Idx, n: _Idx, seed: np.uint64, s: np.ndarray, acc: np.ndarray
+) -> np.uint64:
+    """The > 240-byte path using caller-owned buffers: ``s`` (secret, ≥ 192 bytes) and ``acc``
+    (≥ 8 u64). Allocation-free, so kernels compiled without numba's runtime can reach it."""
+    if s.size < SECRET_SIZE or acc.size < 8:
+        raise ValueError("xxh3: secret/accumulator scratch too small")
     if seed == np.uint64(0):
-        s = KSECRET
+        for i in range(SECRET_SIZE):
+            s[i] = KSECRET[i]
     else:
         # Seeded custom secret: even 8-byte words + seed, odd words - seed.
-        s = np.empty(SECRET_SIZE, dtype=np.uint8)
         for i in range(SECRET_SIZE // 16):
             lo = _r64(KSECRET, 16 * i) + seed
             hi = _r64(KSECRET, 16 * i + 8) - seed
             for j in range(8):
                 s[16 * i + j] = np.uint8((lo >> np.uint64(8 * j)) & np.uint64(0xFF))
                 s[16 * i + 8 + j] = np.uint8((hi >> np.uint64(8 * j)) & np.uint64(0xFF))
-    acc = np.empty(8, dtype=np.uint64)
     acc[0] = PRIME32_3
     acc[1] = PRIME64_1
     acc[2] = PRIME64_2
@@ -272,6 +277,13 @@ def _hash_long(d: np.ndarray, p: _Idx, n: _Idx, seed: np.uint64) -> np.uint64:
 
 
 @njit(cache=True)  # type: ignore[misc]
+def _hash_long(d: np.ndarray, p: _Idx, n: _Idx, seed: np.uint64) -> np.uint64:
+    s = np.empty(SECRET_SIZE, dtype=np.uint8)
+    acc = np.empty(8, dtype=np.uint64)
+    return _hash_long_with(d, p, n, seed, s, acc)
+
+
+@njit(cache=True)  # type: ignore[misc]
 def xxh3_64_bytes(data: np.ndarray, start: int, length: int, seed: np.uint64) -> np.uint64:
     """XXH3-64 of ``data[start:start+length]``; raises ValueError if the range is out of bounds.
 
@@ -290,6 +302,32 @@ def xxh3_64_bytes(data: np.ndarray, start: int, length: int, seed: np.uint64) ->
     if n <= 240:
         return _len_129to240(data, p, n, s)
     return _hash_long(data, p, n, s)
+
+
+@njit(cache=True)  # type: ignore[misc]
+def xxh3_64_bytes_with(
+    data: np.ndarray,
+    start: int,
+    length: int,
+    seed: np.uint64,
+    secret_scratch: np.ndarray,
+    acc_scratch: np.ndarray,
+) -> np.uint64:
+    """``xxh3_64_bytes`` that never allocates: inputs over 240 bytes use the caller's scratch
+    (``secret_scratch`` ≥ 192 u8, ``acc_scratch`` ≥ 8 u64). Kernels compiled with
+    ``_nrt=False`` must use this form: numba compiles callees with the caller's runtime flag."""
+    p = np.int64(start)
+    n = np.int64(length)
+    s = np.uint64(seed)
+    if p < 0 or n < 0 or p + n > data.size:
+        raise ValueError("xxh3_64_bytes: range outside the buffer")
+    if n <= 16:
+        return _len_0to16(data, p, n, s)
+    if n <= 128:
+        return _len_17to128(data, p, n, s)
+    if n <= 240:
+        return _len_129to240(data, p, n, s)
+    return _hash_long_with(data, p, n, s, secret_scratch, acc_scratch)
 
 
 @njit(types.uint64(types.uint64, types.uint64), cache=True)  # type: ignore[misc]
@@ -328,6 +366,40 @@ def xxh3_64_tokens(tokens: np.ndarray, start: int, count: int, seed: np.uint64) 
 
 
 @njit(cache=True)  # type: ignore[misc]
+def xxh3_64_tokens_mm_into(
+    tokens: np.ndarray,
+    start: int,
+    count: int,
+    mm: np.ndarray,
+    mm_start: int,
+    mm_count: int,
+    seed: np.uint64,
+    scratch: np.ndarray,
+    secret_scratch: np.ndarray,
+    acc_scratch: np.ndarray,
+) -> np.uint64:
+    """``xxh3_64_tokens_mm`` using the caller's buffers (no allocation), so kernels compiled
+    without numba's runtime (``_nrt=False``) can call it; see ``xxh3_64_bytes_with``."""
+    if start < 0 or count < 0 or start + count > tokens.size:
+        raise ValueError("xxh3_64_tokens_mm: token range outside the array")
+    if mm_start < 0 or mm_count < 0 or mm_start + mm_count > mm.size:
+        raise ValueError("xxh3_64_tokens_mm: mm range outside the array")
+    n = 4 * count + 8 * mm_count
+    if n > scratch.size:
+        raise ValueError("xxh3_64_tokens_mm: scratch buffer too small")
+    for i in range(count):
+        t = np.uint64(tokens[start + i])
+        for j in range(4):
+            scratch[4 * i + j] = np.uint8((t >> np.uint64(8 * j)) & np.uint64(0xFF))
+    off = 4 * count
+    for i in range(mm_count):
+        v = np.uint64(mm[mm_start + i])
+        for j in range(8):
+            scratch[off + 8 * i + j] = np.uint8((v >> np.uint64(8 * j)) & np.uint64(0xFF))
+    return xxh3_64_bytes_with(scratch, 0, n, np.uint64(seed), secret_scratch, acc_scratch)
+
+
+@njit(cache=True)  # type: ignore[misc]
 def xxh3_64_tokens_mm(
     tokens: np.ndarray,
     start: int,
@@ -341,18 +413,9 @@ def xxh3_64_tokens_mm(
 
     The caller passes mm values already in the order to hash (§7.2 wants them sorted ascending).
     """
-    if start < 0 or count < 0 or start + count > tokens.size:
-        raise ValueError("xxh3_64_tokens_mm: token range outside the array")
-    if mm_start < 0 or mm_count < 0 or mm_start + mm_count > mm.size:
-        raise ValueError("xxh3_64_tokens_mm: mm range outside the array")
-    buf = np.empty(4 * count + 8 * mm_count, dtype=np.uint8)
-    for i in range(count):
-        t = np.uint64(tokens[start + i])
-        for j in range(4):
-            buf[4 * i + j] = np.uint8((t >> np.uint64(8 * j)) & np.uint64(0xFF))
-    off = 4 * count
-    for i in range(mm_count):
-        v = np.uint64(mm[mm_start + i])
-        for j in range(8):
-            buf[off + 8 * i + j] = np.uint8((v >> np.uint64(8 * j)) & np.uint64(0xFF))
-    return xxh3_64_bytes(buf, 0, buf.size, np.uint64(seed))
+    scratch = np.empty(max(0, 4 * count + 8 * mm_count), dtype=np.uint8)
+    sec = np.empty(SECRET_SIZE, dtype=np.uint8)
+    acc = np.empty(8, dtype=np.uint64)
+    return xxh3_64_tokens_mm_into(
+        tokens, start, count, mm, mm_start, mm_count, seed, scratch, sec, acc
+    )

@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 from numba import njit
 
-from kvrelay.hashing.xxh3 import xxh3_64_bytes, xxh3_64_tokens_mm, xxh3_64_u64x2
+from kvrelay.hashing.xxh3 import xxh3_64_bytes_with, xxh3_64_tokens_mm_into, xxh3_64_u64x2
 from kvrelay.pool.ckf import _addr, ckf_insert_fp, ckf_remove_fp
 from kvrelay.pool.errors import E_BAD_OP, E_INVALID_SEQ, E_OK, E_PARENT, E_TOKENS
 from kvrelay.pool.prefetch import prefetch
@@ -109,14 +109,23 @@ def _block_hash(
     mm: U64,
     g: int,
     seed: np.uint64,
+    mm_scratch: U8,
+    sec: U8,
+    acc: U64,
 ) -> np.uint64:
-    """§7.2 block hash; ``tok8`` is ``tokens`` viewed as bytes (made once per batch)."""
+    """§7.2 block hash; ``tok8`` is ``tokens`` viewed as bytes (made once per batch).
+
+    Multimodal blocks are assembled in ``mm_scratch`` and blocks over 240 bytes hash with the
+    ``sec``/``acc`` scratch (all caller-owned): this kernel runs without numba's runtime, and
+    numba compiles callees with the caller's runtime flag, so nothing reachable may allocate."""
     if mm_off.shape[0] > 0:
         m0 = mm_off[g]
         m1 = mm_off[g + 1]
         if m1 > m0:
-            return xxh3_64_tokens_mm(tokens, start, cnt, mm, m0, m1 - m0, seed)  # type: ignore[no-any-return]
-    return xxh3_64_bytes(tok8, 4 * start, 4 * cnt, seed)  # type: ignore[no-any-return]
+            return xxh3_64_tokens_mm_into(  # type: ignore[no-any-return]
+                tokens, start, cnt, mm, m0, m1 - m0, seed, mm_scratch, sec, acc
+            )
+    return xxh3_64_bytes_with(tok8, 4 * start, 4 * cnt, seed, sec, acc)  # type: ignore[no-any-return]
 
 
 @njit(cache=True)  # type: ignore[misc]
@@ -216,6 +225,9 @@ def apply_batch(
     slot_buf: I64,
     set_keys: U64,
     set_stamp: I64,
+    mm_scratch: U8,
+    sec: U8,
+    acc: U64,
     start: int,
     err: U8,
     stats: I64,
@@ -316,7 +328,9 @@ def apply_batch(
                 tb = tok_off[i]
                 for j in range(k):
                     g = b0 + j
-                    bh = _block_hash(tokens, tok8, tb + j * bs, win, mm_off, mm, g, seed)  # type: ignore[arg-type]
+                    bh = _block_hash(
+                        tokens, tok8, tb + j * bs, win, mm_off, mm, g, seed, mm_scratch, sec, acc  # type: ignore[arg-type]
+                    )
                     c = bh if (j == 0 and not hp) else xxh3_64_u64x2(prev, bh, CHAIN_SEED)
                     canon_buf[g] = c
                     prev = c

@@ -149,6 +149,11 @@ class Pool:
         self._ocnt = np.zeros(MIN_CAP, dtype=np.uint32)
         self._ometa = np.array([0, -1, 0, 0], dtype=np.int64)
         self._oidx = np.full(MIN_CAP, EMPTY64, dtype=np.uint64)
+        self._mm_scratch = np.empty(8, dtype=np.uint8)
+        # XXH3 long-input scratch (blocks over 240 bytes, e.g. 64-token blocks): the apply kernel
+        # runs without numba's runtime and cannot allocate.
+        self._hash_sec = np.empty(192, dtype=np.uint8)
+        self._hash_acc = np.empty(8, dtype=np.uint64)
         self._members: dict[int, _Member] = {}
         self._ids: dict[tuple[int, int], int] = {}
         self._next_id = 0
@@ -237,6 +242,17 @@ class Pool:
             self._oidx = np.full(icap, EMPTY64, dtype=np.uint64)
             own_rebuild(self._oidx, self._ocanon, self._ocnt, int(self._ometa[OM_HW]))
 
+    def _mm_scratch_for(self, b: EventBatch) -> npt.NDArray[np.uint8]:
+        """Bytes for one multimodal block (window tokens + its mm values); the kernel does not
+        allocate. Grows on demand and is reused across batches."""
+        if b.mm_off.shape[0] < 2:
+            return self._mm_scratch
+        most_mm = int(np.max(np.diff(b.mm_off)))
+        need = 4 * (self.block_size + 1) + 8 * most_mm
+        if self._mm_scratch.shape[0] < need:
+            self._mm_scratch = np.empty(need, dtype=np.uint8)
+        return self._mm_scratch
+
     def apply(self, member: int, batch: EventBatch) -> ApplyResult:
         """Apply one engine batch for one member (one kernel call)."""
         m = self._member(member)
@@ -267,6 +283,7 @@ class Pool:
         set_cap = 1 << max(4, (2 * max_k).bit_length()) if max_k > 16 else 1
         set_keys = np.zeros(set_cap, dtype=np.uint64)
         set_stamp = np.zeros(set_cap, dtype=np.int64)
+        mm_scratch = self._mm_scratch_for(b)
         start = 0
         while start < n:
             stop = apply_batch(
@@ -275,7 +292,7 @@ class Pool:
                 self._deltas, self._rng, self._mark, self._dlog_b, self._dlog_o, self._dmeta,
                 self._undo_b, self._undo_o, m.lkeys, m.lvals, m.lmeta, m.nkeys, m.nvals, m.nmeta,
                 self._ocanon, self._ocnt, self._ometa, self._oidx, canon_buf, slot_buf, set_keys,
-                set_stamp, start, err, stats,
+                set_stamp, mm_scratch, self._hash_sec, self._hash_acc, start, err, stats,
             )  # fmt: skip
             if stop >= n:
                 break

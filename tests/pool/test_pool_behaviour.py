@@ -148,6 +148,38 @@ def test_multimodal_hashes_are_appended_sorted() -> None:
     assert pool.lineage(m)[2] == chain(c0, root_canon([7, 8]))
 
 
+@pytest.mark.parametrize("block_size", [61, 64, 128])
+def test_long_blocks_take_the_xxh3_long_path_inside_the_kernel(block_size: int) -> None:
+    """Blocks over 240 bytes (> 60 tokens) hash through XXH3's long-input path, which the apply
+    kernel reaches without numba's runtime (caller-owned scratch), with and without a salt and
+    with multimodal values appended."""
+    rng = np.random.default_rng(block_size)
+    toks = rng.integers(0, 2**32, size=2 * block_size, dtype=np.uint64).astype(np.uint32)
+    salt = lora_salt("adapter-a")
+    pool = Pool(1024, SEED, block_size, 1)
+    m = pool.add_member(1, 0)
+    result = pool.apply(
+        m,
+        BatchBuilder()
+        .store([1, 2], toks, salt=salt)
+        .store([3], toks[:block_size], mm=[[99, 7]])
+        .build(),
+    )
+    assert result.events_rejected == 0
+    b0 = xxhash.xxh3_64_intdigest(toks[:block_size].astype("<u4").tobytes(), seed=salt)
+    b1 = xxhash.xxh3_64_intdigest(toks[block_size:].astype("<u4").tobytes(), seed=salt)
+    mm_raw = (
+        toks[:block_size].astype("<u4").tobytes()
+        + (7).to_bytes(8, "little")
+        + (99).to_bytes(8, "little")
+    )
+    assert pool.lineage(m) == {
+        1: b0,
+        2: chain(b0, b1),
+        3: xxhash.xxh3_64_intdigest(mm_raw, seed=1337),
+    }
+
+
 def test_namespace_inheritance() -> None:
     ns = xxhash.xxh3_64_intdigest(b"tenant", seed=1)
     pool = Pool(1024, SEED, 2, 1)
