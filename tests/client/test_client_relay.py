@@ -92,25 +92,31 @@ async def test_overlap_never_under_reports_and_over_reports_rarely() -> None:
 
 
 async def test_forced_lag_recovers() -> None:
-    # A one-frame queue and a full-size 4 MiB lane: deltas published while the snapshot is still
-    # crossing HTTP/2 flow control overflow the queue, so the relay ends the stream LAGGED.
+    # A one-frame queue and a full-size 4 MiB lane. The engine is already publishing (one delta
+    # every few ms) when the client subscribes, so deltas are produced while the 4 MiB snapshot is
+    # still crossing HTTP/2 flow control: they overflow the queue and the relay ends the stream
+    # LAGGED. Every resubscription snapshots again under the same traffic, so lag recurs until the
+    # engine stops; then the replica must rebuild to exactly the producer's table.
     limits = RelayLimits(publication_queue_capacity=1, publish_every_n_events=1)
     configs = [SimConfig(name="l0", seed=3, dp_size=2, capacity_blocks=96)]
     async with stack(configs, limits, expected_blocks=1_048_576) as st:
-        async with RelayClient([st.address], config=FAST) as client:
-            key = key_of(st.address)
-            await eventually(lambda: key in client.pools(), what="pool")
-            runner = st.engines[0].run(rate=400)
-            try:
-                await eventually(lambda: client.drops["subscriber_lagged"] >= 1, 20, "lag")
-            finally:
-                await st.engines[0].stop_running()
-            await eventually(lambda: synced(client, st, key), what="rebuilt after lag")
-            assert runner.done()
-            held = st.truth()
-            for tokens, lora in query_set(st.engines, random.Random(2), 60):
-                got = client.overlap(tokens, lora or MODEL)[key]
-                assert got >= truth_depth(tokens, lora, held)
+        key = key_of(st.address)
+        runner = st.engines[0].run(rate=1000)
+        try:
+            await eventually(lambda: (st.producer_sequence() or 0) > 20, what="traffic flowing")
+            async with RelayClient([st.address], config=FAST) as client:
+                try:
+                    await eventually(lambda: client.drops["subscriber_lagged"] >= 1, 30, "lag")
+                finally:
+                    await st.engines[0].stop_running()
+                await eventually(lambda: synced(client, st, key), what="rebuilt after lag")
+                assert runner.done()
+                held = st.truth()
+                for tokens, lora in query_set(st.engines, random.Random(2), 60):
+                    got = client.overlap(tokens, lora or MODEL)[key]
+                    assert got >= truth_depth(tokens, lora, held)
+        finally:
+            await st.engines[0].stop_running()
 
 
 async def test_relay_restart_rebuilds_replicas_under_new_incarnation() -> None:
