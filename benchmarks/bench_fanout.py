@@ -293,6 +293,26 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"snapshot": snap, "fanout": fan}
 
 
+def marginal_cost(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Split the per-frame CPU into the publication's fixed cost (encode, hub, timer wake-ups:
+    paid once per delta whatever the subscriber count) and the cost of each extra delivered
+    frame, from the runs with the fewest and the most subscribers (same deltas, same images)."""
+    if len(rows) < 2:
+        return None
+    lo = min(rows, key=lambda r: r["subscribers"])
+    hi = max(rows, key=lambda r: r["subscribers"])
+    extra = hi["frames_delivered"] - lo["frames_delivered"]
+    if extra <= 0:
+        return None
+    per_frame = (hi["server_cpu_s"] - lo["server_cpu_s"]) / extra * 1e6
+    fixed = lo["server_cpu_s"] / lo["deltas"] * 1e6 - per_frame * lo["subscribers"]
+    return {
+        "between_subscribers": [lo["subscribers"], hi["subscribers"]],
+        "cpu_us_per_extra_frame": round(per_frame, 2),
+        "fixed_cpu_us_per_delta": round(fixed, 2),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--subscribers", type=int, nargs="+", default=[1, 16, 64])
@@ -303,6 +323,7 @@ def main() -> None:
     args = ap.parse_args()
     result = asyncio.run(run(args))
     result["targets"] = {"server_cpu_us_per_frame": 10.0, "snapshot_complete_ms": 20.0}
+    result["marginal"] = marginal_cost(result["fanout"])
     import os
 
     result["machine"] = {"cpus": mp.cpu_count(), "loadavg_after": os.getloadavg()}
@@ -318,6 +339,12 @@ def main() -> None:
         print(
             f"fan-out {f['subscribers']:3d} subs: {f['frames_delivered']} frames, "
             f"server CPU {f['server_cpu_us_per_frame']} µs/frame, lagged {f['lagged_subscribers']}"
+        )
+    m = result["marginal"]
+    if m is not None:
+        print(
+            f"marginal: {m['cpu_us_per_extra_frame']} µs per extra delivered frame, "
+            f"{m['fixed_cpu_us_per_delta']} µs fixed per published delta"
         )
     print(f"wrote {out}")
 
