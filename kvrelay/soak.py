@@ -150,19 +150,8 @@ class _Follower:
 
 
 async def _stop_relay(relay: Relay) -> None:
-    """``relay.stop()``, re-cancelling discovery tasks that swallowed a cancellation (a cancel
-    landing in the Control probe's ``asyncio.wait_for`` can be lost on Python 3.11, leaving the
-    watcher loop running and ``stop()`` waiting forever)."""
-    tasks = list(relay.watcher._tasks.values())
-    stop = asyncio.ensure_future(relay.stop())
-    while True:
-        done, _ = await asyncio.wait({stop}, timeout=0.5)
-        if done:
-            stop.result()
-            return
-        for t in tasks:
-            if not t.done():
-                t.cancel()
+    """``relay.stop()``, bounded: a shutdown that hangs fails the soak instead of stalling it."""
+    await asyncio.wait_for(relay.stop(), 30)
 
 
 def _percentiles(samples: list[int]) -> dict[str, float]:

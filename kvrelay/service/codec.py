@@ -4,6 +4,8 @@ grpclib's ProtoCodec insists on `isinstance(message, reply_type)`; the relay sen
 frames (and plane snapshots) it has already encoded once for all subscribers. Works for both
 betterproto2 and official protobuf messages (health, reflection): both have
 `SerializeToString`/`FromString`. Inbound and outbound sizes are bounded by `max_message_bytes`.
+Inbound betterproto2 requests are first canonicalized (``canonical.py``) so that they parse exactly
+as official protobuf would parse them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from grpclib.const import Status
 from grpclib.encoding.base import CodecBase
 from grpclib.exceptions import GRPCError
 
+from kvrelay.service.canonical import canonicalize, is_betterproto
 from kvrelay.service.errors import RelayError
 
 
@@ -42,6 +45,8 @@ class PassThroughCodec(CodecBase):
                 f"inbound message of {len(data)} bytes exceeds {self.max_message_bytes}",
             )
         try:
+            if is_betterproto(message_type):
+                data = canonicalize(data, message_type)
             return message_type.FromString(data)
         except Exception as exc:  # betterproto2 raises EOFError/ValueError/... on bad bytes
             raise RelayError.invalid_request(
