@@ -9,7 +9,11 @@ then ``reconcile`` makes subscribers and the generation match what the snapshots
   materialization is a fresh generation rebuilt from replay and live events.
 * A Control probe that fails does not flush a member's state while others keep the pool alive:
   the ZMQ stream is the authority for state and the subscriber's sequence checks catch restarts.
-* A new engine incarnation (``instance_id``) clears that engine's members at once.
+* A new engine incarnation (``instance_id``) clears that engine's members and restarts their
+  subscribers, which rebuild from the new incarnation's replay at 0. Restarting (not just
+  clearing) matters because the ZMQ stream may already have shown the restart (a backwards
+  sequence) and rebuilt the member before discovery noticed: clearing alone would then wipe a
+  correct state while the subscriber streamed on.
 * Any producer inconsistency fences the generation and materializes a new one.
 """
 
@@ -307,16 +311,25 @@ class PoolRuntime:
             return
         st.snapshot = ev.snapshot
         st.probed = True
-        if isinstance(ev, IncarnationChanged) and self.generation is not None:
-            pool = self.generation.pool
-            for mid, (wid, _rank) in pool.members().items():
-                if wid == st.worker_id:
-                    pool.reset_member(mid)
-            self.generation.note_events(1)
-            self.counters.member_resets["incarnation"] = (
-                self.counters.member_resets.get("incarnation", 0) + 1
-            )
+        if isinstance(ev, IncarnationChanged):
+            async with self._reconcile_lock:
+                await self._restart_engine_members(st.worker_id)
         await self.reconcile()
+
+    async def _restart_engine_members(self, worker_id: int) -> None:
+        """New incarnation: stop the engine's subscribers, clear its members; ``reconcile`` then
+        starts fresh subscribers that replay the new incarnation from sequence 0."""
+        await self._stop_subscribers([k for k in self.subscribers if k.worker_id == worker_id])
+        gen = self.generation
+        if gen is None:
+            return
+        for mid, (wid, _rank) in gen.pool.members().items():
+            if wid == worker_id:
+                gen.pool.reset_member(mid)
+        gen.note_events(1)
+        self.counters.member_resets["incarnation"] = (
+            self.counters.member_resets.get("incarnation", 0) + 1
+        )
 
     def _desired(self, block_size: int) -> dict[SourceKey, SourceSpec]:
         desired: dict[SourceKey, SourceSpec] = {}

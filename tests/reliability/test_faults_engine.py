@@ -7,6 +7,8 @@ import asyncio
 import dataclasses
 from collections.abc import Callable
 
+import pytest
+
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.sim.control import start_control_server, stop_control_server
 from kvrelay.sim.engine import SimConfig, SimEngine
@@ -64,7 +66,12 @@ async def step_until_fresh(e: SimEngine, hole_held: set[int], want: int = 8) -> 
     await step_until(e, lambda: len(stored_after(e, 0, hole_held)) >= want)
 
 
-async def test_engine_restart_mid_stream() -> None:
+@pytest.mark.parametrize("rebind", [True, False], ids=["new-ports", "same-ports"])
+async def test_engine_restart_mid_stream(rebind: bool) -> None:
+    """The restart may reach the relay first as a backwards sequence on the ZMQ stream, as new
+    event-source endpoints, or as a new ``instance_id`` in discovery, in any order. Whichever
+    comes last must not wipe state that the new incarnation's replay already rebuilt: exact
+    before discovery has seen the new incarnation, and still exact after."""
     cfg = SimConfig(name="r0", seed=11, dp_size=2, capacity_blocks=64)
     async with rig([cfg]) as r, r.channel() as ch:
         (eng,) = r.engines
@@ -74,10 +81,17 @@ async def test_engine_restart_mid_stream() -> None:
         await spread_steps(r.engines, 5)
         await eventually_synced(r)
         before = r.pool.counters.member_resets.get("incarnation", 0)
-        await eng.restart()  # new instance_id, seq back to 0, cache empty
+        await eng.restart(rebind=rebind)  # new instance_id, seq back to 0, cache empty
         await spread_steps(r.engines, 12)
         await verify(r, consumer)
-        assert r.pool.counters.member_resets.get("incarnation", 0) > before
+        # discovery polls every 0.1 s: wait until it has reported the new instance_id too
+        await eventually(
+            lambda: r.pool.counters.member_resets.get("incarnation", 0) > before,
+            what="incarnation change counted",
+        )
+        await asyncio.sleep(0.3)  # a few more discovery polls
+        await spread_steps(r.engines, 3)
+        await verify(r, consumer)
         assert r.metric("kvrelay_pool_member_resets_total", reason="incarnation") >= 1
         assert consumer.end is None, "a restart must not end consumer streams"
         await consumer.stop()
