@@ -12,7 +12,7 @@ from enum import IntEnum
 import numpy as np
 from numba import njit
 
-from kvrelay.hashing.xxh3 import xxh3_64_bytes, xxh3_64_u64x2
+from kvrelay.hashing.xxh3 import xxh3_64_bytes, xxh3_64_tokens, xxh3_64_u64x2
 
 BASE_SEED = 1337
 """XXH3_SEED: start of every salt, and the constant seed of the sequence chain (§7.3)."""
@@ -64,9 +64,8 @@ def block_hashes_kernel(
 ) -> np.ndarray:
     """Hash ``n_blocks`` windows of ``window`` tokens at stride ``block_size`` (u32-LE bytes)."""
     out = np.empty(n_blocks, dtype=np.uint64)
-    raw = tokens.view(np.uint8)
     for i in range(n_blocks):
-        out[i] = xxh3_64_bytes(raw, 4 * i * block_size, 4 * window, salt)
+        out[i] = xxh3_64_tokens(tokens, i * block_size, window, salt)
     return out
 
 

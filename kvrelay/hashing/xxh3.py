@@ -11,9 +11,12 @@ All entry points are ``@njit(cache=True)`` and callable both from Python and fro
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import numpy as np
+from llvmlite import ir  # type: ignore[import-untyped]
 from numba import njit, types
+from numba.extending import intrinsic
 
 if sys.byteorder != "little":  # token arrays are hashed through a zero-copy byte view
     raise ImportError("kvrelay.hashing.xxh3 requires a little-endian host")
@@ -85,21 +88,29 @@ def _swap64(x: np.uint64) -> np.uint64:
     return (_swap32(x & _M32) << np.uint64(32)) | _swap32(x >> np.uint64(32))
 
 
+@intrinsic  # type: ignore[misc]
+def _mul128_fold64_ir(typingctx: Any, a: Any, b: Any) -> Any:
+    """LLVM ``i128`` multiply: one 64×64→128 machine multiply instead of four 32-bit ones."""
+    if not (isinstance(a, types.Integer) and isinstance(b, types.Integer)):
+        return None
+    sig = types.uint64(types.uint64, types.uint64)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i64, i128 = ir.IntType(64), ir.IntType(128)
+        x = builder.zext(context.cast(builder, args[0], signature.args[0], types.uint64), i128)
+        y = builder.zext(context.cast(builder, args[1], signature.args[1], types.uint64), i128)
+        p = builder.mul(x, y)
+        lo = builder.trunc(p, i64)
+        hi = builder.trunc(builder.lshr(p, ir.Constant(i128, 64)), i64)
+        return builder.xor(lo, hi)
+
+    return sig, codegen
+
+
 @njit(cache=True, inline="always")  # type: ignore[misc]
 def _mul128_fold64(a: np.uint64, b: np.uint64) -> np.uint64:
     """Low 64 bits XOR high 64 bits of the full 128-bit product a*b."""
-    a_lo = a & _M32
-    a_hi = a >> np.uint64(32)
-    b_lo = b & _M32
-    b_hi = b >> np.uint64(32)
-    lo_lo = a_lo * b_lo
-    hi_lo = a_hi * b_lo
-    lo_hi = a_lo * b_hi
-    hi_hi = a_hi * b_hi
-    cross = (lo_lo >> np.uint64(32)) + (hi_lo & _M32) + lo_hi
-    upper = (hi_lo >> np.uint64(32)) + (cross >> np.uint64(32)) + hi_hi
-    lower = (cross << np.uint64(32)) | (lo_lo & _M32)
-    return lower ^ upper
+    return _mul128_fold64_ir(a, b)  # type: ignore[no-any-return,call-arg]
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
@@ -194,6 +205,40 @@ def _len_17to128(d: np.ndarray, p: _Idx, n: _Idx, seed: np.uint64) -> np.uint64:
         acc += _mix16(d, p + n - 32, s, 48, seed)
     acc += _mix16(d, p, s, 0, seed)
     acc += _mix16(d, p + n - 16, s, 16, seed)
+    return _avalanche(acc)
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def _w64(t: np.ndarray, i: _Idx) -> np.uint64:
+    """Little-endian u64 from two consecutive u32 words (the host is little-endian)."""
+    return np.uint64(t[i]) | (np.uint64(t[i + 1]) << np.uint64(32))
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def _mix16w(t: np.ndarray, i: _Idx, s: np.ndarray, sp: _Idx, seed: np.uint64) -> np.uint64:
+    lo = _w64(t, i) ^ (_r64(s, sp) + seed)
+    hi = _w64(t, i + 2) ^ (_r64(s, sp + 8) - seed)
+    return _mul128_fold64(lo, hi)
+
+
+@njit(cache=True)  # type: ignore[misc]
+def _len_17to128_words(t: np.ndarray, w: _Idx, nw: _Idx, seed: np.uint64) -> np.uint64:
+    """``_len_17to128`` over ``nw`` u32 words (5 ≤ nw ≤ 32): every read offset of that path is a
+    multiple of 4 when the length is, so whole words replace eight byte loads per u64."""
+    s = KSECRET
+    n = 4 * nw
+    acc = np.uint64(n) * PRIME64_1
+    if n > 32:
+        if n > 64:
+            if n > 96:
+                acc += _mix16w(t, w + 12, s, 96, seed)
+                acc += _mix16w(t, w + nw - 16, s, 112, seed)
+            acc += _mix16w(t, w + 8, s, 64, seed)
+            acc += _mix16w(t, w + nw - 12, s, 80, seed)
+        acc += _mix16w(t, w + 4, s, 32, seed)
+        acc += _mix16w(t, w + nw - 8, s, 48, seed)
+    acc += _mix16w(t, w, s, 0, seed)
+    acc += _mix16w(t, w + nw - 4, s, 16, seed)
     return _avalanche(acc)
 
 
@@ -361,8 +406,30 @@ def xxh3_64_u64x2(a: np.uint64, b: np.uint64, seed: np.uint64) -> np.uint64:
 @njit(cache=True)  # type: ignore[misc]
 def xxh3_64_tokens(tokens: np.ndarray, start: int, count: int, seed: np.uint64) -> np.uint64:
     """XXH3-64 of the u32-LE bytes of ``tokens[start:start+count]``, hashed in place (no copy)."""
+    if 5 <= count <= 32 and start >= 0 and start + count <= tokens.size:
+        return _len_17to128_words(tokens, np.int64(start), np.int64(count), np.uint64(seed))  # type: ignore[no-any-return]
     raw = tokens.view(np.uint8)
     return xxh3_64_bytes(raw, 4 * start, 4 * count, np.uint64(seed))
+
+
+@njit(cache=True)  # type: ignore[misc]
+def xxh3_64_tokens_with(
+    tokens: np.ndarray,
+    tok8: np.ndarray,
+    start: int,
+    count: int,
+    seed: np.uint64,
+    secret_scratch: np.ndarray,
+    acc_scratch: np.ndarray,
+) -> np.uint64:
+    """``xxh3_64_tokens`` that never allocates (see ``xxh3_64_bytes_with``); ``tok8`` is
+    ``tokens.view(np.uint8)``, made once by the caller. Blocks of 5..32 tokens (every common
+    block size) take the word path."""
+    if 5 <= count <= 32 and start >= 0 and start + count <= tokens.size:
+        return _len_17to128_words(tokens, np.int64(start), np.int64(count), np.uint64(seed))  # type: ignore[no-any-return]
+    return xxh3_64_bytes_with(  # type: ignore[no-any-return]
+        tok8, 4 * start, 4 * count, np.uint64(seed), secret_scratch, acc_scratch
+    )
 
 
 @njit(cache=True)  # type: ignore[misc]

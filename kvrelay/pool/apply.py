@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 from numba import njit
 
-from kvrelay.hashing.xxh3 import xxh3_64_bytes_with, xxh3_64_tokens_mm_into, xxh3_64_u64x2
+from kvrelay.hashing.xxh3 import xxh3_64_tokens_mm_into, xxh3_64_tokens_with, xxh3_64_u64x2
 from kvrelay.pool.ckf import _addr, ckf_insert_fp, ckf_remove_fp
 from kvrelay.pool.errors import E_BAD_OP, E_INVALID_SEQ, E_OK, E_PARENT, E_TOKENS
 from kvrelay.pool.prefetch import prefetch
@@ -125,7 +125,7 @@ def _block_hash(
             return xxh3_64_tokens_mm_into(  # type: ignore[no-any-return]
                 tokens, start, cnt, mm, m0, m1 - m0, seed, mm_scratch, sec, acc
             )
-    return xxh3_64_bytes_with(tok8, 4 * start, 4 * cnt, seed, sec, acc)  # type: ignore[no-any-return]
+    return xxh3_64_tokens_with(tokens, tok8, start, cnt, seed, sec, acc)  # type: ignore[no-any-return]
 
 
 @njit(cache=True)  # type: ignore[misc]

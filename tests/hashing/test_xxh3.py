@@ -13,6 +13,7 @@ from kvrelay.hashing.xxh3 import (
     xxh3_64_bytes,
     xxh3_64_tokens,
     xxh3_64_tokens_mm,
+    xxh3_64_tokens_with,
     xxh3_64_u16,
     xxh3_64_u64,
     xxh3_64_u64x2,
@@ -143,6 +144,24 @@ def test_tokens_and_tokens_mm(toks: list[int], mm: list[int], cut: int, seed: in
         assert int(xxh3_64_tokens_mm(t, start, count, m, 1, 1, np.uint64(seed))) == (
             xxhash.xxh3_64_intdigest(packed + mm_packed[8:16], seed)
         )
+
+
+def test_token_word_path_every_count_offset_and_seed() -> None:
+    """Blocks of 5..32 tokens hash from whole u32 words (and the 128-bit multiply is one LLVM
+    i128 product): every count across the path's edges, odd offsets, extreme token values."""
+    rng = np.random.default_rng(7)
+    toks = rng.integers(0, 2**32, size=200, dtype=np.uint64).astype(np.uint32)
+    toks[:40] = 0xFFFFFFFF  # all-ones words: the multiply's carries at their largest
+    tok8 = toks.view(np.uint8)
+    sec = np.empty(192, dtype=np.uint8)
+    acc = np.empty(8, dtype=np.uint64)
+    for seed in SEEDS:
+        for count in range(0, 70):
+            for start in (0, 1, 3, 17, 130 - count if count < 130 else 0):
+                want = xxhash.xxh3_64_intdigest(toks[start : start + count].tobytes(), seed)
+                got = xxh3_64_tokens(toks, start, count, np.uint64(seed))
+                got_with = xxh3_64_tokens_with(toks, tok8, start, count, np.uint64(seed), sec, acc)
+                assert (int(got), int(got_with)) == (want, want), (seed, count, start)
 
 
 @njit(cache=True)  # type: ignore[misc]
