@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from llvmlite import ir  # type: ignore[import-untyped]
 from numba import njit, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 if sys.byteorder != "little":  # token arrays are hashed through a zero-copy byte view
     raise ImportError("kvrelay.hashing.xxh3 requires a little-endian host")
@@ -151,9 +151,27 @@ def _r32(d: np.ndarray, p: _Idx) -> np.uint64:
     )
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
 def _r64(d: np.ndarray, p: _Idx) -> np.uint64:
-    return _r32(d, p) | (_r32(d, p + 4) << np.uint64(32))
+    """Little-endian u64 at byte offset ``p`` of ``d`` (njit only; see the overload below)."""
+    raise NotImplementedError("_r64 is resolved inside numba-compiled code only")
+
+
+@overload(_r64, inline="always")  # type: ignore[misc]
+def _r64_for(d: Any, p: Any) -> Any:
+    """Byte arrays load eight bytes; u32 token arrays load two whole words (``p`` is still a
+    byte offset and a multiple of 4 there), so the 17..128-byte path hashes token blocks in place."""
+    if isinstance(d, types.Array) and d.dtype == types.uint32:
+
+        def from_words(d: Any, p: Any) -> Any:  # numba: names and annotations as the overload
+            i = p >> 2
+            return np.uint64(d[i]) | (np.uint64(d[i + 1]) << np.uint64(32))
+
+        return from_words
+
+    def from_bytes(d: Any, p: Any) -> Any:
+        return _r32(d, p) | (_r32(d, p + 4) << np.uint64(32))
+
+    return from_bytes
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
@@ -192,6 +210,8 @@ def _len_0to16(d: np.ndarray, p: _Idx, n: _Idx, seed: np.uint64) -> np.uint64:
 
 @njit(cache=True)  # type: ignore[misc]
 def _len_17to128(d: np.ndarray, p: _Idx, n: _Idx, seed: np.uint64) -> np.uint64:
+    """Also compiled for u32 token arrays: with ``p`` and ``n`` multiples of 4 every read offset
+    here is one, so ``_r64`` loads whole words (the token-block hot path)."""
     s = KSECRET
     acc = np.uint64(n) * PRIME64_1
     if n > 32:
@@ -205,40 +225,6 @@ def _len_17to128(d: np.ndarray, p: _Idx, n: _Idx, seed: np.uint64) -> np.uint64:
         acc += _mix16(d, p + n - 32, s, 48, seed)
     acc += _mix16(d, p, s, 0, seed)
     acc += _mix16(d, p + n - 16, s, 16, seed)
-    return _avalanche(acc)
-
-
-@njit(cache=True, inline="always")  # type: ignore[misc]
-def _w64(t: np.ndarray, i: _Idx) -> np.uint64:
-    """Little-endian u64 from two consecutive u32 words (the host is little-endian)."""
-    return np.uint64(t[i]) | (np.uint64(t[i + 1]) << np.uint64(32))
-
-
-@njit(cache=True, inline="always")  # type: ignore[misc]
-def _mix16w(t: np.ndarray, i: _Idx, s: np.ndarray, sp: _Idx, seed: np.uint64) -> np.uint64:
-    lo = _w64(t, i) ^ (_r64(s, sp) + seed)
-    hi = _w64(t, i + 2) ^ (_r64(s, sp + 8) - seed)
-    return _mul128_fold64(lo, hi)
-
-
-@njit(cache=True)  # type: ignore[misc]
-def _len_17to128_words(t: np.ndarray, w: _Idx, nw: _Idx, seed: np.uint64) -> np.uint64:
-    """``_len_17to128`` over ``nw`` u32 words (5 ≤ nw ≤ 32): every read offset of that path is a
-    multiple of 4 when the length is, so whole words replace eight byte loads per u64."""
-    s = KSECRET
-    n = 4 * nw
-    acc = np.uint64(n) * PRIME64_1
-    if n > 32:
-        if n > 64:
-            if n > 96:
-                acc += _mix16w(t, w + 12, s, 96, seed)
-                acc += _mix16w(t, w + nw - 16, s, 112, seed)
-            acc += _mix16w(t, w + 8, s, 64, seed)
-            acc += _mix16w(t, w + nw - 12, s, 80, seed)
-        acc += _mix16w(t, w + 4, s, 32, seed)
-        acc += _mix16w(t, w + nw - 8, s, 48, seed)
-    acc += _mix16w(t, w, s, 0, seed)
-    acc += _mix16w(t, w + nw - 4, s, 16, seed)
     return _avalanche(acc)
 
 
@@ -407,7 +393,7 @@ def xxh3_64_u64x2(a: np.uint64, b: np.uint64, seed: np.uint64) -> np.uint64:
 def xxh3_64_tokens(tokens: np.ndarray, start: int, count: int, seed: np.uint64) -> np.uint64:
     """XXH3-64 of the u32-LE bytes of ``tokens[start:start+count]``, hashed in place (no copy)."""
     if 5 <= count <= 32 and start >= 0 and start + count <= tokens.size:
-        return _len_17to128_words(tokens, np.int64(start), np.int64(count), np.uint64(seed))  # type: ignore[no-any-return]
+        return _len_17to128(tokens, 4 * np.int64(start), 4 * np.int64(count), np.uint64(seed))  # type: ignore[no-any-return]
     raw = tokens.view(np.uint8)
     return xxh3_64_bytes(raw, 4 * start, 4 * count, np.uint64(seed))
 
@@ -426,7 +412,7 @@ def xxh3_64_tokens_with(
     ``tokens.view(np.uint8)``, made once by the caller. Blocks of 5..32 tokens (every common
     block size) take the word path."""
     if 5 <= count <= 32 and start >= 0 and start + count <= tokens.size:
-        return _len_17to128_words(tokens, np.int64(start), np.int64(count), np.uint64(seed))  # type: ignore[no-any-return]
+        return _len_17to128(tokens, 4 * np.int64(start), 4 * np.int64(count), np.uint64(seed))  # type: ignore[no-any-return]
     return xxh3_64_bytes_with(  # type: ignore[no-any-return]
         tok8, 4 * start, 4 * count, np.uint64(seed), secret_scratch, acc_scratch
     )
