@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import numpy as np
+from e2e.fleet import eventually  # noqa: F401  (the shared fleet harness; tests import it here)
 
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
@@ -24,14 +24,6 @@ from kvrelay.sim.engine import SimConfig, SimEngine
 from kvrelay.sim.hashing import dynamo_sequence_hashes
 
 BLOCK = 16
-
-
-async def eventually(check: Callable[[], bool], timeout: float = 15.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or check}")
-        await asyncio.sleep(0.02)
 
 
 async def _stop_relay(relay: Relay) -> None:
