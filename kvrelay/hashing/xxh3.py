@@ -159,7 +159,8 @@ def _r64(d: np.ndarray, p: _Idx) -> np.uint64:
 @overload(_r64, inline="always")  # type: ignore[misc]
 def _r64_for(d: Any, p: Any) -> Any:
     """Byte arrays load eight bytes; u32 token arrays load two whole words (``p`` is still a
-    byte offset and a multiple of 4 there), so the 17..128-byte path hashes token blocks in place."""
+    byte offset and a multiple of 4 there), so the 17..128-byte path hashes token blocks in
+    place."""
     if isinstance(d, types.Array) and d.dtype == types.uint32:
 
         def from_words(d: Any, p: Any) -> Any:  # numba: names and annotations as the overload
