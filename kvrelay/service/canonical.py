@@ -23,6 +23,8 @@ from __future__ import annotations
 from functools import cache
 from typing import Any, NamedTuple
 
+from kvrelay.publication.splice import varint
+
 _VARINT_TYPES = frozenset(
     {"enum", "bool", "int32", "int64", "uint32", "uint64", "sint32", "sint64"}
 )
@@ -73,11 +75,9 @@ def _varint(data: bytes, pos: int, max_len: int = 10) -> tuple[int, int]:
     raise WireFormatError(f"varint longer than {max_len} bytes")
 
 
-def _put_varint(out: bytearray, v: int) -> None:
-    while v >= 0x80:
-        out.append((v & 0x7F) | 0x80)
-        v >>= 7
-    out.append(v)
+def _len_field(number: int, body: bytes) -> bytes:
+    """A length-delimited field: tag, length, body."""
+    return varint(number << 3 | 2) + varint(len(body)) + body
 
 
 def _tag(data: bytes, pos: int) -> tuple[int, int, int]:
@@ -139,9 +139,7 @@ def _norm_varint(proto_type: str, v: int) -> int:
     if proto_type in ("int32", "enum"):
         v &= _U32
         return v | (_U64 ^ _U32) if v & 0x80000000 else v  # sign-extend to 64 bits
-    if proto_type == "uint32":
-        return v & _U32
-    if proto_type == "sint32":
+    if proto_type in ("uint32", "sint32"):
         return v & _U32
     if proto_type == "bool":
         return 1 if v else 0
@@ -175,38 +173,25 @@ def canonicalize(data: bytes, cls: type, depth: int = 0) -> bytes:
                 raise WireFormatError(f"field {number}: invalid UTF-8") from None
         if f.repeated and f.proto_type == "message":
             body = canonicalize(data[vstart:vend], f.cls, depth + 1)
-            out = bytearray()
-            _put_varint(out, number << 3 | 2)
-            _put_varint(out, len(body))
-            repeated.append((number, bytes(out + body)))
+            repeated.append((number, _len_field(number, body)))
         elif f.repeated:
             repeated.append((number, data[field_start:vend]))
         elif f.proto_type == "message":
             merged.setdefault(number, []).append(data[vstart:vend])
+        elif wire == 0:
+            v, _ = _varint(data, vstart)
+            singular[number] = varint(number << 3) + varint(_norm_varint(f.proto_type, v))
+        elif wire == 2:
+            singular[number] = _len_field(number, data[vstart:vend])
         else:
-            out = bytearray()
-            _put_varint(out, number << 3 | wire)
-            if wire == 0:
-                v, _ = _varint(data, vstart)
-                _put_varint(out, _norm_varint(f.proto_type, v))
-            elif wire == 2:
-                _put_varint(out, vend - vstart)
-                out += data[vstart:vend]
-            else:
-                out += data[vstart:vend]
-            singular[number] = bytes(out)
+            singular[number] = varint(number << 3 | wire) + data[vstart:vend]
     for number, parts in merged.items():
         sub = schema[number].cls
-        # each occurrence must be valid on its own (concatenation could hide a truncated one)
-        body = canonicalize(parts[0], sub, depth + 1)
-        if len(parts) > 1:
-            rest = [canonicalize(p, sub, depth + 1) for p in parts[1:]]
-            body = canonicalize(b"".join([body, *rest]), sub, depth + 1)
-        out = bytearray()
-        _put_varint(out, number << 3 | 2)
-        _put_varint(out, len(body))
-        out += body
-        singular[number] = bytes(out)
+        # each occurrence must be valid on its own (concatenation could hide a truncated one);
+        # concatenated canonical encodings are protobuf's merge
+        canon = [canonicalize(part, sub, depth + 1) for part in parts]
+        body = canon[0] if len(canon) == 1 else canonicalize(b"".join(canon), sub, depth + 1)
+        singular[number] = _len_field(number, body)
     result = bytearray()
     for number in sorted(singular):
         result += singular[number]
