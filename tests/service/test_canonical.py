@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.publication.splice import varint
 from kvrelay.service.canonical import WireFormatError, canonicalize
 from kvrelay.service.codec import PassThroughCodec
 from kvrelay.service.errors import RelayError
@@ -37,15 +38,6 @@ SETTINGS = settings(
     database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
-
-
-def varint(v: int) -> bytes:
-    out = bytearray()
-    while v >= 0x80:
-        out.append((v & 0x7F) | 0x80)
-        v >>= 7
-    out.append(v)
-    return bytes(out)
 
 
 def valid_request(m: ModuleType) -> bytes:
