@@ -438,9 +438,12 @@ async def verify(
     gen = relay.pools[0].generation
     assert gen is not None
     gen.flush()
-    await eventually(
-        lambda: consumer.replica.sequence == gen.sequence, what="replica at producer sequence"
-    )
+    try:
+        await eventually(
+            lambda: consumer.replica.sequence == gen.sequence, what="replica at producer sequence"
+        )
+    except AssertionError as exc:  # say why: a stream that ended, or a replica that raised
+        raise AssertionError(f"{exc}; consumer end={consumer.end}, task={consumer.task}") from None
     table = consumer.replica.table
     assert table is not None
     assert np.array_equal(table, gen.pool.table), "replica filter != producer table"

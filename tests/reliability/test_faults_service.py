@@ -74,7 +74,9 @@ def errors(r: Rig, reason: str) -> int:
 
 
 async def test_subscriber_stalling_mid_snapshot_times_out() -> None:
-    limits = RelayLimits(snapshot_progress_timeout_s=0.3)
+    # Per 4 MiB chunk. Short, but not so short that the healthy subscriber below (which must
+    # also drain two chunks under it) trips it on a scheduling stall of a loaded 2-core box.
+    limits = RelayLimits(snapshot_progress_timeout_s=1.0)
     cfg = SimConfig(name="t0", seed=21, dp_size=1, capacity_blocks=64)
     # 1,048,576 buckets = two 4 MiB chunks: far beyond a 64 KiB HTTP/2 window
     async with rig([cfg], limits=limits, expected_blocks=2_000_000) as r:
