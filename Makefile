@@ -22,14 +22,14 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(PY) -m ruff check kvrelay tests benchmarks
+	$(PY) -m ruff check kvrelay tests benchmarks tools
 	$(PY) -m mypy kvrelay
 
 demo: $(STAMP)
 	$(PY) -m kvrelay demo
 
 proto: $(STAMP)
-	$(PY) -m kvrelay._protogen kvrelay/_proto
+	$(PY) -m tools.protogen kvrelay/_proto
 
 # Loopback benchmarks (benchmarks/README.md). Short (< 2 min) by default; FULL=1: full sweep,
 # micro-benchmarks and the Dynamo side-by-side; SIDE=1 adds the side-by-side to the short run.
@@ -41,7 +41,7 @@ bench: $(STAMP)
 # fails on RSS growth, lag terminations or latency drift. SOAK_SECONDS (default 600) sets the length.
 .PHONY: soak
 soak: $(STAMP)
-	$(PY) -m kvrelay.soak --seconds $(or $(SOAK_SECONDS),600)
+	$(PY) -m tests.reliability.soak --seconds $(or $(SOAK_SECONDS),600)
 
 # numba's cache=True tracks each kernel's own file only: after editing a kernel another kernel
 # calls (hashing/xxh3.py, pool/ckf.py), drop the caches so nothing stale is loaded.

@@ -20,8 +20,7 @@ from kvrelay.config import (
 )
 from kvrelay.hashing.identity import DEFAULT_CKF_SEED
 from kvrelay.service.limits import RelayLimits
-
-from .helpers import MINIMAL, kvrelay
+from tests.support.commands import MINIMAL, kvrelay
 
 POOL = """
 [[pools]]

@@ -25,8 +25,7 @@ from kvrelay.config import load_config
 from kvrelay.daemon import Daemon
 from kvrelay.sdnotify import Notifier
 from kvrelay.sim.engine import SimConfig, SimEngine
-
-from .helpers import MINIMAL, REPO, clean_env
+from tests.support.commands import MINIMAL, REPO, clean_env
 
 MARKER = 0x4B565231
 SHUTDOWN_BOUND_S = 10.0

@@ -26,8 +26,7 @@ from kvrelay.service.errors import RelayError
 from kvrelay.service.limits import RelayLimits
 from kvrelay.sim.engine import SimConfig, SimEngine
 from kvrelay.sim.wire import Era, HashMode
-
-from .fleet import (
+from tests.support.scrape import (
     POOL,
     Samples,
     eventually,

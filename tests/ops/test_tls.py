@@ -26,8 +26,7 @@ from kvrelay.tls import (
     is_loopback,
     server_ssl_context,
 )
-
-from .certs import Pki, make_pki
+from tests.support.certs import Pki, make_pki
 
 MARKER = 0x4B565231
 # How grpclib surfaces a server-side mTLS refusal: with TLS 1.3 the client's handshake finishes

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pool_model import RefCKF
 
 from kvrelay.pool import ckf
+from tests.support.pool_model import RefCKF
 
 A2_SEED = 0x1234_5678_9ABC_DEF0
 

@@ -12,8 +12,7 @@ import pytest
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.sim.control import start_control_server, stop_control_server
 from kvrelay.sim.engine import SimConfig, SimEngine
-
-from .harness import (
+from tests.support.rig import (
     Consumer,
     Rig,
     eventually,

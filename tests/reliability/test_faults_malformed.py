@@ -12,8 +12,8 @@ from typing import Any
 
 import msgspec
 
-from .crafted import Oracle, RawPublisher, envelope
-from .harness import eventually, rig, subscribe, verify, wait_live
+from tests.support.crafted import Oracle, RawPublisher, envelope
+from tests.support.rig import eventually, rig, subscribe, verify, wait_live
 
 SEQ0 = (0).to_bytes(8, "big")
 

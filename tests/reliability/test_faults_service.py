@@ -13,8 +13,7 @@ from grpclib.exceptions import GRPCError
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.service.limits import RelayLimits
 from kvrelay.sim.engine import SimConfig, SimEngine
-
-from .harness import (
+from tests.support.rig import (
     MARKER,
     SVC,
     Consumer,

@@ -19,10 +19,9 @@ from kvrelay.ingest.decoder import Decoder
 from kvrelay.ingest.errors import DecodeError, FrameError
 from kvrelay.ingest.frames import check_live
 from kvrelay.pool.pool import Pool
-
-from .crafted import Oracle, RawPublisher
-from .fuzz_inputs import edit_lists, encode, envelopes, mutate, raw_messages
-from .harness import eventually, rig, subscribe, verify, wait_live
+from tests.support.crafted import Oracle, RawPublisher
+from tests.support.fuzz_inputs import edit_lists, encode, envelopes, mutate, raw_messages
+from tests.support.rig import eventually, rig, subscribe, verify, wait_live
 
 FUZZ = settings(
     max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]

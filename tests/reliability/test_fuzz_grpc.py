@@ -27,8 +27,7 @@ from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.relay.relay import Relay
 from kvrelay.service.server import RelayServer
 from kvrelay.sim.engine import SimConfig, SimEngine
-
-from .harness import (
+from tests.support.rig import (
     MARKER,
     REASON,
     SVC,

@@ -3,7 +3,7 @@ traffic, flat RSS, no lag terminations, stable latency, subscriber 0 exact at th
 
 from __future__ import annotations
 
-from kvrelay.soak import run_soak
+from tests.reliability.soak import run_soak
 
 
 async def test_soak_30_seconds() -> None:

@@ -6,10 +6,10 @@ from collections.abc import AsyncIterator, Callable
 from types import ModuleType
 
 import pytest
-from relay_fixture import GrpcioClient, MemRelayView, StartRelay
 
 from kvrelay.service.limits import RelayLimits
 from kvrelay.service.server import RelayServer
+from tests.support.mem_relay import GrpcioClient, MemRelayView, StartRelay
 
 
 @pytest.fixture

@@ -8,7 +8,10 @@ from typing import Any
 import grpc
 import pytest
 from grpclib.const import Status
-from relay_fixture import (
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.service.limits import RelayLimits
+from tests.support.mem_relay import (
     MARKER,
     GrpcioClient,
     StartRelay,
@@ -17,9 +20,6 @@ from relay_fixture import (
     make_producer,
     sub_request,
 )
-
-from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.service.limits import RelayLimits
 
 BC = 1024
 K = "kv-relay-error-reason"

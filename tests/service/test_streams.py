@@ -9,7 +9,11 @@ from typing import Any
 import grpc
 import numpy as np
 from grpclib.const import Cardinality, Status
-from relay_fixture import (
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.publication import cbi1
+from kvrelay.service.limits import RelayLimits
+from tests.support.mem_relay import (
     MARKER,
     SVC,
     GrpcioClient,
@@ -20,10 +24,6 @@ from relay_fixture import (
     grpclib_collect,
     sub_request,
 )
-
-from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.publication import cbi1
-from kvrelay.service.limits import RelayLimits
 
 K = "kv-relay-error-reason"
 
@@ -522,9 +522,9 @@ async def test_inbound_message_limit(start_relay: StartRelay) -> None:
 def test_server_runs_on_uvloop() -> None:
     """The same server under uvloop (kvrelay can switch loops): info + one pool stream."""
     import uvloop
-    from relay_fixture import MemRelayView
 
     from kvrelay.service.server import RelayServer
+    from tests.support.mem_relay import MemRelayView
 
     async def main() -> None:
         view = MemRelayView()

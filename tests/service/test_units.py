@@ -165,7 +165,7 @@ def test_unknown_enum_from_wire_is_unsupported(official_pb2: dict[str, ModuleTyp
 
 
 def test_equality_key_covers_every_identity_field() -> None:
-    from relay_fixture import make_producer
+    from tests.support.mem_relay import make_producer
 
     base = make_producer("p", bucket_count=1024)
     k = producer_key(base)

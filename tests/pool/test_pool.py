@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import xxhash
-from pool_model import RefCKF, chain, lora_salt
 
 from kvrelay.pool.batch import OP_STORE, BatchBuilder, EventBatch
 from kvrelay.pool.errors import (
@@ -18,6 +17,7 @@ from kvrelay.pool.errors import (
     UnknownOp,
 )
 from kvrelay.pool.pool import Pool
+from tests.support.pool_model import RefCKF, chain, lora_salt
 
 SEED = 0x5DEECE66D1B54A33
 

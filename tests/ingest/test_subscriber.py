@@ -7,15 +7,15 @@ import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
-import ingest_wire as W
 import pytest
 import zmq
 import zmq.asyncio
-from ingest_pub import TestPublisher, until
 
 from kvrelay.ingest.sink import ResetReason, SourceKey, SourceSpec
 from kvrelay.ingest.subscriber import Subscriber
 from kvrelay.pool.batch import EventBatch
+from tests.support import vllm_wire as W
+from tests.support.vllm_publisher import TestPublisher, until
 
 B = 4
 

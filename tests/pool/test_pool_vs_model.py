@@ -15,11 +15,11 @@ import numpy as np
 import xxhash
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from pool_model import Counts, RefPool, lora_salt
 
 from kvrelay.pool import ckf
 from kvrelay.pool.batch import BatchBuilder, EventBatch
 from kvrelay.pool.pool import Pool
+from tests.support.pool_model import Counts, RefPool, lora_salt
 
 BS = 2
 DOC_BLOCKS = 6

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from simwire_reader import block_hash, chain, salt
-
 from kvrelay.sim import SimConfig, SimEngine, TrafficConfig, dynamo_sequence_hashes
 from kvrelay.sim.blocks import BlockManager, ChainState
 from kvrelay.sim.hashing import none_digest
+from tests.support.simwire_reader import block_hash, chain, salt
 
 CFG = SimConfig(
     capacity_blocks=80,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-# one in-process fleet harness for every end-to-end style test (tests/ is on sys.path)
-from e2e.fleet import eventually, fleet_and_relay, in_sync, wait_subscribed
 from prometheus_client.parser import text_string_to_metric_families
+
+# one in-process fleet harness for every end-to-end style test (tests/ is on sys.path)
+from tests.support.fleet import eventually, fleet_and_relay, in_sync, wait_subscribed
 
 POOL = "ns/backend/generate"
 

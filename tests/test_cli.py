@@ -10,8 +10,7 @@ import pytest
 
 from kvrelay import __version__
 from kvrelay.cli import main
-
-from .helpers import MINIMAL, kvrelay
+from tests.support.commands import MINIMAL, kvrelay
 
 
 def test_help_lists_commands_examples_and_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,9 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from e2e.fleet import eventually, ground_truth, relay_view  # the shared fleet harness
-from e2e.fleet import wait_subscribed as wait_live  # noqa: F401  (used by the fault tests)
-from e2e.replica import Replica
 from grpclib.client import Channel
 from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
@@ -30,6 +27,9 @@ from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
 from kvrelay.service.limits import RelayLimits
 from kvrelay.service.server import RelayServer
 from kvrelay.sim.engine import SimConfig, SimEngine
+from tests.support.fleet import eventually, ground_truth, relay_view  # the shared fleet harness
+from tests.support.fleet import wait_subscribed as wait_live  # noqa: F401  (used by the fault tests)
+from tests.support.replica import Replica
 
 MARKER = 0x4B565231
 REASON = "kv-relay-error-reason"

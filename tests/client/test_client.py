@@ -10,7 +10,6 @@ import asyncio
 import random
 
 import numpy as np
-from client_harness import Stack, eventually, query_set, stack, truth_depth
 
 from kvrelay.client import ClientConfig, RelayClient
 from kvrelay.client.replica import relay_key
@@ -18,6 +17,7 @@ from kvrelay.client.views import PoolKey
 from kvrelay.service.limits import RelayLimits
 from kvrelay.sim.engine import SimConfig
 from kvrelay.sim.wire import Era
+from tests.support.client_stack import Stack, eventually, query_set, stack, truth_depth
 
 FAST = ClientConfig(backoff_initial_s=0.02, backoff_max_s=0.2)
 MODEL = "sim-model"

@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import numpy as np
-from e2e.fleet import eventually  # noqa: F401  (the shared fleet harness; tests import it here)
 
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
@@ -22,6 +21,7 @@ from kvrelay.service.limits import RelayLimits
 from kvrelay.service.server import RelayServer
 from kvrelay.sim.engine import SimConfig, SimEngine
 from kvrelay.sim.hashing import dynamo_sequence_hashes
+from tests.support.fleet import eventually  # noqa: F401  (the shared fleet harness; tests import it here)
 
 BLOCK = 16
 

@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from client_harness import eventually, query_set, stack, truth_depth
-from client_testserver import Script, ScriptedRelay, delta, port_of, serve, snapshot
 
 from kvrelay.client import cli
 from kvrelay.sim.engine import SimConfig
+from tests.support.client_stack import eventually, query_set, stack, truth_depth
+from tests.support.scripted_relay import Script, ScriptedRelay, delta, port_of, serve, snapshot
 
 
 @contextlib.asynccontextmanager

@@ -1,7 +1,7 @@
 """Regenerate the betterproto2 package from ``protos/`` (``make proto``).
 
 Kept as a module, not a shell line, so the freshness test and ``make proto`` run the exact same
-generator invocation.
+generator invocation. A developer tool: it is not part of the installed package.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-PROTO_ROOT = Path(__file__).resolve().parent.parent / "protos"
+REPO = Path(__file__).resolve().parent.parent
+PROTO_ROOT = REPO / "protos"
 PROTO_FILES = ("dynamo/kvrelay/v1/relay.proto", "vllm/control.proto")
 
 
@@ -51,7 +52,7 @@ def generate(out_dir: Path, proto_root: Path = PROTO_ROOT) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    target = Path(argv[0]) if argv else Path(__file__).resolve().parent / "_proto"
+    target = Path(argv[0]) if argv else REPO / "kvrelay" / "_proto"
     with tempfile.TemporaryDirectory() as tmp:
         generate(Path(tmp))
         if target.exists():

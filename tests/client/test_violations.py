@@ -7,7 +7,11 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
-from client_testserver import (
+from grpclib.const import Status
+
+from kvrelay.client import ClientConfig, RelayClient
+from kvrelay.client.views import PoolKey
+from tests.support.scripted_relay import (
     OTHER_RELAY,
     RELAY,
     Script,
@@ -21,10 +25,6 @@ from client_testserver import (
     serve,
     snapshot,
 )
-from grpclib.const import Status
-
-from kvrelay.client import ClientConfig, RelayClient
-from kvrelay.client.views import PoolKey
 
 FAST = ClientConfig(backoff_initial_s=0.01, backoff_max_s=0.05)
 

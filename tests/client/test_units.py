@@ -9,7 +9,17 @@ import struct
 import numpy as np
 import pytest
 import xxhash
-from client_testserver import (
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.client import ClientConfig, ConsumerViolation, PoolReplica, linear_depth, prefix_depth
+from kvrelay.client.config import ClientConfigError
+from kvrelay.client.errors import reason_from_trailer
+from kvrelay.client.query import HashCache, plan_for
+from kvrelay.pool.ckf import Lane
+from kvrelay.publication import cbi1
+from tests.support.scripted_relay import (
     BUCKETS,
     DC_ID,
     RELAY,
@@ -21,16 +31,6 @@ from client_testserver import (
     producer,
     snapshot,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.client import ClientConfig, ConsumerViolation, PoolReplica, linear_depth, prefix_depth
-from kvrelay.client.config import ClientConfigError
-from kvrelay.client.errors import reason_from_trailer
-from kvrelay.client.query import HashCache, plan_for
-from kvrelay.pool.ckf import Lane
-from kvrelay.publication import cbi1
 
 # ----------------------------------------------------------------------------- search
 

@@ -10,7 +10,10 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-from simwire_reader import (
+
+from kvrelay.sim import Era, HashMode, SimConfig, SimEngine, TrafficConfig
+from kvrelay.sim.ports import free_port_block
+from tests.support.simwire_reader import (
     MASK,
     REMOVED_ARRAY_FIELDS,
     STORED_ARRAY_FIELDS,
@@ -22,9 +25,6 @@ from simwire_reader import (
     replay,
     subscribe,
 )
-
-from kvrelay.sim import Era, HashMode, SimConfig, SimEngine, TrafficConfig
-from kvrelay.sim.ports import free_port_block
 
 TRAFFIC = TrafficConfig(
     arrivals_per_step=1.5,

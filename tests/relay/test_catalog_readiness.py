@@ -15,8 +15,7 @@ from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import PoolSpec
 from kvrelay.sim.engine import SimConfig, SimEngine
-
-from .fleet import MARKER, engine_spec, eventually, fleet_and_relay, wait_subscribed
+from tests.support.fleet import MARKER, engine_spec, eventually, fleet_and_relay, wait_subscribed
 
 State = pb.ServingReadinessState
 Role = pb.WorkerRole

@@ -5,14 +5,12 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-import ingest_wire as W
 import msgspec
 import numpy as np
 import pytest
 import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from ingest_reference import Ref, assert_batch_equal, salt_of
 
 from kvrelay.ingest.decoder import Decoder
 from kvrelay.ingest.errors import (
@@ -24,6 +22,8 @@ from kvrelay.ingest.errors import (
 )
 from kvrelay.ingest.options import DecodeOptions
 from kvrelay.pool.batch import OP_CLEAR, OP_REMOVE, OP_STORE
+from tests.support import vllm_wire as W
+from tests.support.decoder_model import Ref, assert_batch_equal, salt_of
 
 B = 4
 enc = msgspec.msgpack.encode

@@ -9,8 +9,8 @@ number it reports is the whole system's resident set. It fails (exit 1) when
   small absolute slack for timer noise);
 * subscriber 0's assembled filter differs from the producer table after traffic stops.
 
-``python -m kvrelay.soak --seconds 600`` (``make soak``; ``SOAK_SECONDS`` overrides) writes
-``benchmarks/results/soak.json``.
+``python -m tests.reliability.soak --seconds 600`` (``make soak``; ``SOAK_SECONDS`` overrides)
+writes ``benchmarks/results/soak.json``.
 """
 
 from __future__ import annotations

@@ -16,8 +16,7 @@ from grpclib.client import Channel
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.sim.engine import SimConfig
 from kvrelay.sim.wire import Era, HashMode
-
-from .fleet import (
+from tests.support.fleet import (
     MARKER,
     eventually,
     fleet_and_relay,
@@ -26,7 +25,7 @@ from .fleet import (
     relay_view,
     wait_subscribed,
 )
-from .replica import Replica
+from tests.support.replica import Replica
 
 
 async def test_fleet_state_reaches_a_consumer_replica_exactly() -> None:
