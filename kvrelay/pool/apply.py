@@ -2,8 +2,15 @@
 
 Each store is validated completely (parent, token count, self-reference, conflicting re-store)
 before anything is mutated, so a rejected event leaves tables, CKF and dirty log untouched.
+A valid store then *places* its new edges (owner slot, lineage entry) before it changes any count
+or the CKF; when a table has no room for one of them (every candidate bucket full, which Python's
+capacity reservation makes rare), the event's placements are undone and the kernel returns to
+Python, which grows that table and resumes at the same event.
 Clears drop edges in ascending external-hash order so the resulting CKF image is deterministic
 (independent of hash-table layout), which lets a reference model reproduce it byte for byte.
+
+Lineage entries hold owner *slots*: owners never move between rebuilds (``packed``), and a rebuild
+rewrites every member's references.
 """
 
 from __future__ import annotations
@@ -13,27 +20,20 @@ import numpy.typing as npt
 from numba import njit
 
 from kvrelay.hashing.xxh3 import xxh3_64_tokens_mm_into, xxh3_64_tokens_with, xxh3_64_u64x2
+from kvrelay.pool import packed as pk
 from kvrelay.pool.ckf import _addr, ckf_insert_fp, ckf_remove_fp
 from kvrelay.pool.errors import E_BAD_OP, E_INVALID_SEQ, E_OK, E_PARENT, E_TOKENS
-from kvrelay.pool.prefetch import prefetch
-from kvrelay.pool.tables import (
-    COUNT_MASK,
-    EMPTY32,
-    OM_RESIDENT,
-    RESIDENT,
-    _mix,
-    _tag,
-    _tag_home,
-    home,
-    own_alloc,
-    own_del,
-    own_find,
-    own_free,
-    own_put,
-    tab_del,
-    tab_find,
-    tab_put,
+from kvrelay.pool.owners import (
+    PM_OVERFLOW,
+    PM_OVF_ROOM,
+    PM_RESIDENT,
+    PM_STOP,
+    RES_BIT,
+    owner_decref,
+    owner_incref,
 )
+from kvrelay.pool.prefetch import prefetch
+from kvrelay.pool.tables import _mix, tab_del, tab_find, tab_put
 
 U64 = npt.NDArray[np.uint64]
 U32 = npt.NDArray[np.uint32]
@@ -54,6 +54,18 @@ ST_INVARIANT = 6
 ST_REOFFER = 7
 N_STATS = 8
 
+# why apply_batch returned before the end of the batch (pm[PM_STOP])
+STOP_CLEAR = 1  # a CLEAR event: Python runs clear_member (it allocates)
+STOP_LINEAGE_FULL = 2  # the member's lineage table had no room: grow it, resume at the event
+STOP_OWNERS_FULL = 3  # the owners table had no room: grow it, resume at the event
+STOP_COUNTS_FULL = 4  # the overflow count table might run out of room: grow it, resume
+
+# own_buf[g] = owner slot · 4 + kind, per block of one store
+K_REOFFER = 0  # the edge exists (same canonical)
+K_SHARED = 1  # new edge to an existing owner
+K_FIRST = 2  # new edge that created its owner
+K_NEW = 3  # new edge, not placed yet
+
 # prefetch distances (events ahead)
 PF_FAR = 12
 PF_MID = 6
@@ -68,8 +80,16 @@ CFG_KICKS = 4
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
+def _prefetch_homes(tm: U64, w: U64, x: np.uint64) -> None:
+    for j in range(np.int64(tm[pk.TM_D])):
+        tw, dw = pk.home_words(tm, j, x)
+        prefetch(w, tw)
+        prefetch(w, dw)
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
 def _drop_ref(
-    oi: int | np.int64,
+    o: int,
     table: U64,
     cfg: U64,
     deltas: U64,
@@ -77,26 +97,23 @@ def _drop_ref(
     dlog_b: U32,
     dlog_o: U64,
     dmeta: I64,
-    ocanon: U64,
-    ocnt: U32,
-    ometa: I64,
-    oidx: U64,
+    otm: U64,
+    ow: U64,
+    pm: I64,
+    xk: U64,
+    xv: U32,
     stats: I64,
 ) -> None:
-    """One owner reference gone; 1→0 removes the fingerprint (if resident) and frees the owner."""
-    c = ocnt[oi]
-    if (c & COUNT_MASK) > np.uint32(1):
-        ocnt[oi] = c - np.uint32(1)
+    """One reference to owner slot ``o`` gone; 1→0 removes the fingerprint (if resident) and
+    frees the owner."""
+    if not owner_decref(otm, ow, xk, xv, pm, o):
         return
-    key = ocanon[oi]
-    if (c & RESIDENT) != np.uint32(0):
-        fp, a = _addr(key, cfg[CFG_SEED], cfg[CFG_MASK], deltas)
+    if (pk.pay_of(otm, ow, o) & RES_BIT) != np.uint64(0):
+        fp, a = _addr(pk.key_of(otm, ow, o), cfg[CFG_SEED], cfg[CFG_MASK], deltas)
         if not ckf_remove_fp(table, fp, a, deltas, mark, dlog_b, dlog_o, dmeta):
             stats[ST_INVARIANT] += 1
-        ometa[OM_RESIDENT] -= 1
-    slot, _ = own_find(oidx, ocanon, key)
-    own_del(oidx, slot)
-    own_free(ocanon, ocnt, ometa, oi)
+        pm[PM_RESIDENT] -= 1
+    pk.delete(otm, ow, o)
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
@@ -137,54 +154,39 @@ def clear_member(
     dlog_b: U32,
     dlog_o: U64,
     dmeta: I64,
-    lkeys: U64,
-    lvals: U32,
-    lmeta: I64,
+    ltm: U64,
+    lw: U64,
     nkeys: U64,
     nvals: U64,
     nmeta: I64,
-    ocanon: U64,
-    ocnt: U32,
-    ometa: I64,
-    oidx: U64,
+    otm: U64,
+    ow: U64,
+    pm: I64,
+    xk: U64,
+    xv: U32,
     stats: I64,
 ) -> None:
     """Drop every lineage edge of the member, in ascending external-hash order."""
-    n = lmeta[0]
+    n = np.int64(ltm[pk.TM_LIVE])
     ks = np.empty(n, dtype=np.uint64)
-    vs = np.empty(n, dtype=np.uint32)
-    m = 0
-    for s in range(lkeys.shape[0]):
-        if lvals[s] != EMPTY32:
-            ks[m] = lkeys[s]
-            vs[m] = lvals[s]
-            m += 1
-    order = np.argsort(ks[:m])
-    for t in range(m):
+    ps = np.empty(n, dtype=np.uint64)
+    ss = np.empty(n, dtype=np.int64)
+    pk.list_entries(ltm, lw, ks, ps, ss)
+    order = np.argsort(ks)
+    for t in range(n):
         _drop_ref(
-            np.int64(vs[order[t]]),
-            table,
-            cfg,
-            deltas,
-            mark,
-            dlog_b,
-            dlog_o,
-            dmeta,
-            ocanon,
-            ocnt,
-            ometa,
-            oidx,
-            stats,
-        )
+            np.int64(ps[order[t]]), table, cfg, deltas, mark, dlog_b, dlog_o, dmeta, otm, ow, pm,
+            xk, xv, stats,
+        )  # fmt: skip
         stats[ST_REMOVED] += 1
-    lvals[:] = EMPTY32
-    lmeta[0] = 0
+    for t in range(n):
+        pk.delete(ltm, lw, ss[t])
     if nmeta[0] > 0:
         nvals[:] = _NS_EMPTY
         nmeta[0] = 0
 
 
-# Compiled without NRT: no reference counting on the ~35 arrays at every inlined helper boundary
+# Compiled without NRT: no reference counting on the ~40 arrays at every inlined helper boundary
 # (it cost ~45% of the time with NRT on). Consequently this kernel never allocates: scratch
 # buffers come from Python, and CLEAR events (which allocate to sort) are handed back to Python.
 @njit(cache=True, _nrt=False)  # type: ignore[misc,call-overload,untyped-decorator]
@@ -211,20 +213,21 @@ def apply_batch(
     dmeta: I64,
     undo_b: U32,
     undo_o: U64,
-    lkeys: U64,
-    lvals: U32,
-    lmeta: I64,
+    ltm: U64,
+    lw: U64,
     nkeys: U64,
     nvals: U64,
     nmeta: I64,
-    ocanon: U64,
-    ocnt: U32,
-    ometa: I64,
-    oidx: U64,
+    otm: U64,
+    ow: U64,
+    pm: I64,
+    xk: U64,
+    xv: U32,
     canon_buf: U64,
-    slot_buf: I64,
+    own_buf: I64,
     set_keys: U64,
     set_stamp: I64,
+    walk: U64,
     mm_scratch: U8,
     sec: U8,
     acc: U64,
@@ -232,7 +235,10 @@ def apply_batch(
     err: U8,
     stats: I64,
 ) -> int:
-    """Apply every event of one batch for one member; per-event codes go to ``err``."""
+    """Apply events ``start..`` of one batch for one member; per-event codes go to ``err``.
+
+    Returns ``len(ops)`` when done, else the index of the event it stopped at (the reason in
+    ``pm[PM_STOP]``: a CLEAR, or a table without room)."""
     bs = np.int64(cfg[CFG_BLOCK])
     eagle = cfg[CFG_FORMAT] == np.uint64(2)
     extra = 1 if eagle else 0
@@ -240,44 +246,49 @@ def apply_batch(
     mk = np.int64(cfg[CFG_KICKS])
     cseed = cfg[CFG_SEED]
     cmask = cfg[CFG_MASK]
+    ocap = np.int64(otm[pk.TM_CAP])
     tok8 = tokens.view(np.uint8)
     n = ops.shape[0]
-    lcap = lkeys.shape[0]
-    icap = oidx.shape[0]
+    # The pipeline below reaches PF_FAR events ahead; warm the lineage buckets of the first ones
+    # too (engine batches are often shorter than the pipeline).
+    for j in range(start, min(n, start + PF_FAR)):
+        g0 = blk_off[j]
+        for g in range(g0, min(blk_off[j + 1], g0 + 8)):
+            _prefetch_homes(ltm, lw, ext[g])
+        if has_parent[j]:
+            _prefetch_homes(ltm, lw, parent[j])
     for i in range(start, n):
-        # Prefetch pipeline (hints only, never affects results): lineage slots PF_FAR events
-        # ahead, then for removes the owner entry PF_MID ahead and its CKF bucket PF_NEAR ahead.
+        # Prefetch pipeline (hints only, never affects results): lineage buckets PF_FAR events
+        # ahead, then for removes the owner slot PF_MID ahead (kept in own_buf) and its CKF
+        # bucket PF_NEAR ahead.
         j = i + PF_FAR
         if j < n:
             g0 = blk_off[j]
             for g in range(g0, min(blk_off[j + 1], g0 + 8)):
-                h = home(ext[g], lcap)
-                prefetch(lkeys, h)
-                prefetch(lvals, h)
+                _prefetch_homes(ltm, lw, ext[g])
             if has_parent[j]:
-                h = home(parent[j], lcap)
-                prefetch(lkeys, h)
-                prefetch(lvals, h)
+                _prefetch_homes(ltm, lw, parent[j])
         j = i + PF_MID
         if j < n and ops[j] == 1 and blk_off[j + 1] > blk_off[j]:
-            s = tab_find(lkeys, lvals, EMPTY32, ext[blk_off[j]])
+            s = pk.find(ltm, lw, ext[blk_off[j]])
+            o = -1
             if s >= 0:
-                prefetch(ocanon, lvals[s])
-                prefetch(ocnt, lvals[s])
+                o = np.int64(pk.pay_of(ltm, lw, s))
+                prefetch(ow, o >> 3)
+                prefetch(ow, pk.pay_off(otm, o) >> 6)
+            own_buf[blk_off[j]] = o
         j = i + PF_NEAR
         if j < n and ops[j] == 1 and blk_off[j + 1] > blk_off[j]:
-            s = tab_find(lkeys, lvals, EMPTY32, ext[blk_off[j]])
-            if s >= 0:
-                c = ocanon[lvals[s]]
-                _, a = _addr(c, cseed, cmask, deltas)
+            o = own_buf[blk_off[j]]  # stale before PF_MID reached j: still a valid slot or -1
+            if 0 <= o < ocap:
+                _, a = _addr(pk.key_of(otm, ow, o), cseed, cmask, deltas)
                 prefetch(table, a)
                 prefetch(mark, a)
-                prefetch(oidx, _tag_home(_tag(c), icap))
         op = ops[i]
         code = E_OK
         if op == 0:
-            # ---- STORE: validate everything first (no mutation), then mutate ----
-            # (written inline: a nested numba call would pay NRT refcounts on ~35 arrays)
+            # ---- STORE: validate everything first (no mutation), then place, then commit ----
+            # (written inline: a nested numba call would pay NRT refcounts on ~40 arrays)
             b0 = blk_off[i]
             b1 = blk_off[i + 1]
             k = b1 - b0
@@ -285,11 +296,11 @@ def apply_batch(
             prev = np.uint64(0)
             pns = np.uint64(0)
             if hp:
-                s = tab_find(lkeys, lvals, EMPTY32, parent[i])
+                s = pk.find(ltm, lw, parent[i])
                 if s < 0:
                     code = E_PARENT
                 else:
-                    prev = ocanon[lvals[s]]
+                    prev = pk.key_of(otm, ow, np.int64(pk.pay_of(ltm, lw, s)))
                     if ns_inherit[i] and nmeta[0] > 0:
                         t = tab_find(nkeys, nvals, _NS_EMPTY, parent[i])
                         if t >= 0:
@@ -334,111 +345,112 @@ def apply_batch(
                     c = bh if (j == 0 and not hp) else xxh3_64_u64x2(prev, bh, CHAIN_SEED)
                     canon_buf[g] = c
                     prev = c
-                    prefetch(oidx, _tag_home(_tag(c), icap))
+                    _prefetch_homes(otm, ow, c)
                     _, a = _addr(c, cseed, cmask, deltas)
                     prefetch(table, a)
                     prefetch(mark, a)
-                    s = tab_find(lkeys, lvals, EMPTY32, ext[g])
-                    slot_buf[g] = s
-                    if s >= 0 and ocanon[lvals[s]] != c:
-                        code = E_INVALID_SEQ
-                        break
+                    s = pk.find(ltm, lw, ext[g])
+                    if s >= 0:
+                        o = np.int64(pk.pay_of(ltm, lw, s))
+                        if not pk.holds(otm, ow, o, c):
+                            code = E_INVALID_SEQ
+                            break
+                        own_buf[g] = o * 4 + K_REOFFER
+                    else:
+                        own_buf[g] = K_NEW
             if code == E_OK and k > 0:
+                # ---- place: owner slots and lineage entries of the new edges, all undone when
+                # a table has no room (duplicates inside one event were rejected above) ----
+                stop = 0
+                shared = 0
+                g = b0
+                while g < b1:
+                    if own_buf[g] != K_NEW:
+                        g += 1
+                        continue
+                    o, created = pk.find_or_insert_stable(otm, ow, canon_buf[g], np.uint64(0))
+                    if o < 0:
+                        stop = STOP_OWNERS_FULL
+                        break
+                    if not pk.insert_cuckoo(ltm, lw, ext[g], np.uint64(o), walk):
+                        stop = STOP_LINEAGE_FULL
+                        if created:
+                            pk.delete(otm, ow, o)
+                        break
+                    own_buf[g] = o * 4 + (K_FIRST if created else K_SHARED)
+                    shared += 0 if created else 1
+                    g += 1
+                # every count that grows may need an overflow entry (7 → 8)
+                if stop == 0 and pm[PM_OVERFLOW] + shared > pm[PM_OVF_ROOM]:
+                    stop = STOP_COUNTS_FULL
+                if stop != 0:
+                    for g2 in range(g - 1, b0 - 1, -1):
+                        kind = own_buf[g2] & 3
+                        if kind == K_REOFFER:
+                            continue
+                        pk.delete(ltm, lw, pk.find(ltm, lw, ext[g2]))
+                        if kind == K_FIRST:
+                            pk.delete(otm, ow, own_buf[g2] >> 2)
+                    pm[PM_STOP] = stop
+                    return i
+                # ---- commit: counts, namespace, CKF ----
                 ns_blk = ns_part[i] if ns_part[i] != np.uint64(0) else pns
                 for g in range(b0, b1):
                     c = canon_buf[g]
-                    e = ext[g]
-                    # Slots found during validation stay valid: inserts never move entries, and
-                    # duplicate hashes inside one event were rejected, so "absent" still holds.
-                    s = slot_buf[g]
-                    if s >= 0:
+                    o = own_buf[g] >> 2
+                    kind = own_buf[g] & 3
+                    if kind == K_REOFFER:
                         stats[ST_REOFFER] += 1
-                        ro = lvals[s]
-                        if (ocnt[ro] & RESIDENT) == np.uint32(0):
+                        p = pk.pay_of(otm, ow, o)
+                        if (p & RES_BIT) == np.uint64(0):
                             fp, a = _addr(c, cseed, cmask, deltas)
                             if ckf_insert_fp(
-                                table,
-                                fp,
-                                a,
-                                deltas,
-                                0,
-                                rng,
-                                mark,
-                                dlog_b,
-                                dlog_o,
-                                dmeta,
-                                undo_b,
-                                undo_o,
-                            ):
-                                ocnt[ro] |= RESIDENT
-                                ometa[OM_RESIDENT] += 1
+                                table, fp, a, deltas, 0, rng, mark, dlog_b, dlog_o, dmeta,
+                                undo_b, undo_o,
+                            ):  # fmt: skip
+                                pk.set_pay(otm, ow, o, p | RES_BIT)
+                                pm[PM_RESIDENT] += 1
                         continue
-                    _, oi = own_find(oidx, ocanon, c)
-                    if oi < 0:
-                        oi = own_alloc(ocanon, ocnt, ometa, c)
-                        own_put(oidx, ocanon, oi)
-                    cnt = ocnt[oi]
-                    first = (cnt & COUNT_MASK) == np.uint32(0)
-                    ocnt[oi] = cnt + np.uint32(1)
-                    tab_put(lkeys, lvals, EMPTY32, e, np.uint32(oi))
-                    lmeta[0] += 1
+                    first = kind == K_FIRST
+                    if not first:
+                        owner_incref(otm, ow, xk, xv, pm, o)
                     if ns_blk != np.uint64(0):
-                        tab_put(nkeys, nvals, _NS_EMPTY, e, ns_blk)
+                        tab_put(nkeys, nvals, _NS_EMPTY, ext[g], ns_blk)
                         nmeta[0] += 1
                     stats[ST_STORED] += 1
-                    if (cnt & RESIDENT) == np.uint32(0):
+                    p = pk.pay_of(otm, ow, o)
+                    if (p & RES_BIT) == np.uint64(0):
                         fp, a = _addr(c, cseed, cmask, deltas)
                         if ckf_insert_fp(
-                            table,
-                            fp,
-                            a,
-                            deltas,
-                            mk if first else 0,
-                            rng,
-                            mark,
-                            dlog_b,
-                            dlog_o,
-                            dmeta,
-                            undo_b,
-                            undo_o,
-                        ):
-                            ocnt[oi] |= RESIDENT
-                            ometa[OM_RESIDENT] += 1
+                            table, fp, a, deltas, mk if first else 0, rng, mark, dlog_b, dlog_o,
+                            dmeta, undo_b, undo_o,
+                        ):  # fmt: skip
+                            pk.set_pay(otm, ow, o, p | RES_BIT)
+                            pm[PM_RESIDENT] += 1
                         elif first:
                             stats[ST_CAPACITY] += 1
         elif op == 1:
             for g in range(blk_off[i], blk_off[i + 1]):
                 e = ext[g]
-                s = tab_find(lkeys, lvals, EMPTY32, e)
+                s = pk.find(ltm, lw, e)
                 if s < 0:
                     stats[ST_UNKNOWN] += 1
                     continue
-                oi = np.int64(lvals[s])  # type: ignore[assignment]
-                tab_del(lkeys, lvals, EMPTY32, s)
-                lmeta[0] -= 1
+                o = np.int64(pk.pay_of(ltm, lw, s))
+                pk.delete(ltm, lw, s)
                 if nmeta[0] > 0:
                     t = tab_find(nkeys, nvals, _NS_EMPTY, e)
                     if t >= 0:
                         tab_del(nkeys, nvals, _NS_EMPTY, t)
                         nmeta[0] -= 1
                 _drop_ref(
-                    oi,
-                    table,
-                    cfg,
-                    deltas,
-                    mark,
-                    dlog_b,
-                    dlog_o,
-                    dmeta,
-                    ocanon,
-                    ocnt,
-                    ometa,
-                    oidx,
+                    o, table, cfg, deltas, mark, dlog_b, dlog_o, dmeta, otm, ow, pm, xk, xv,
                     stats,
-                )
+                )  # fmt: skip
                 stats[ST_REMOVED] += 1
         elif op == 2:
-            return i  # Python runs clear_member (it allocates) and resumes at i + 1
+            pm[PM_STOP] = STOP_CLEAR
+            return i
         else:
             code = E_BAD_OP
         err[i] = code
@@ -451,17 +463,24 @@ def apply_batch(
 
 @njit(cache=True)  # type: ignore[misc]
 def member_edges(
-    lkeys: U64, lvals: U32, ocanon: U64, ocnt: U32, out_c: U64, out_r: npt.NDArray[np.bool_]
+    ltm: U64,
+    lw: U64,
+    otm: U64,
+    ow: U64,
+    out_e: U64,
+    out_c: U64,
+    out_r: npt.NDArray[np.bool_],
 ) -> int:
-    """Canonical hash + residency of each of a member's edges (diagnostics, tests)."""
-    m = 0
-    for s in range(lkeys.shape[0]):
-        v = lvals[s]
-        if v != EMPTY32:
-            out_c[m] = ocanon[v]
-            out_r[m] = (ocnt[v] & RESIDENT) != np.uint32(0)
-            m += 1
-    return m
+    """External hash, canonical hash and residency of each of a member's edges (diagnostics)."""
+    n = np.int64(ltm[pk.TM_LIVE])
+    ps = np.empty(n, dtype=np.uint64)
+    ss = np.empty(n, dtype=np.int64)
+    pk.list_entries(ltm, lw, out_e, ps, ss)
+    for t in range(n):
+        o = np.int64(ps[t])
+        out_c[t] = pk.key_of(otm, ow, o)
+        out_r[t] = (pk.pay_of(otm, ow, o) & RES_BIT) != np.uint64(0)
+    return n  # type: ignore[no-any-return]
 
 
 def _offsets_bad(off: I64, n: int, total: int) -> bool:

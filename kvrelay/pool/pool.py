@@ -6,6 +6,7 @@ calls the apply kernel once per batch and maps per-event error codes to typed er
 
 from __future__ import annotations
 
+import secrets
 from collections import Counter
 from dataclasses import dataclass
 
@@ -28,6 +29,9 @@ from kvrelay.pool.apply import (
     ST_REMOVED,
     ST_STORED,
     ST_UNKNOWN,
+    STOP_CLEAR,
+    STOP_COUNTS_FULL,
+    STOP_LINEAGE_FULL,
     apply_batch,
     batch_summary,
     clear_member,
@@ -42,18 +46,26 @@ from kvrelay.pool.errors import (
     PoolError,
     UnknownMember,
 )
+from kvrelay.pool.owners import (
+    CODE_MASK,
+    CODE_OVERFLOW,
+    OWNER_PBITS,
+    PM_LEN,
+    PM_OVERFLOW,
+    PM_OVF_ROOM,
+    PM_RESIDENT,
+    PM_STOP,
+    RES_BIT,
+    remap_overflow,
+)
+from kvrelay.pool.packed import TM_LIVE, PackedTable, Scratch
+from kvrelay.pool.sizing import LINEAGE, OWNERS
 from kvrelay.pool.tables import (
     EMPTY32,
-    EMPTY64,
-    GROW_DEN,
-    GROW_NUM,
+    MAX_LOAD_DEN,
+    MAX_LOAD_NUM,
     MIN_CAP,
-    OM_FREE,
-    OM_HW,
-    OM_LIVE,
-    OM_RESIDENT,
     grown_cap,
-    own_rebuild,
     tab_rehash,
 )
 
@@ -61,6 +73,27 @@ U64 = npt.NDArray[np.uint64]
 
 FORMAT_STANDARD = 1
 FORMAT_EAGLE = 2
+
+# Layout of the exact state (see docs/architecture.md, "Exact state"): lineage tables are cuckoo
+# tables of 2 subtables × nb buckets × 8 slots, the owners table is stable ("d-left") with
+# 3 × nb × 16; ``sizing`` says when they grow and shrink.
+LIN_KICKS = 256
+# Placement failures despite the reservation (all candidate buckets full) force a growth; this
+# many in one batch means something is wrong: the pool reports an invariant violation instead.
+MAX_FORCED_GROWTHS = 8
+_M64 = 0xFFFF_FFFF_FFFF_FFFF
+
+
+def _ref_bits(owner_cap: int) -> int:
+    return max(1, (owner_cap - 1).bit_length())
+
+
+def _splitmix(state: int) -> tuple[int, int]:
+    s = (state + 0x9E3779B97F4A7C15) & _M64
+    z = s
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return s, z ^ (z >> 31)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,28 +108,35 @@ class ApplyResult:
 
 
 class _Member:
-    """One member's lineage table and (lazily grown) namespace side table."""
+    """One member's lineage table (external hash → owner slot) and namespace side table."""
 
-    __slots__ = ("dp_rank", "lkeys", "lmeta", "lvals", "nkeys", "nmeta", "nvals", "worker_id")
+    __slots__ = ("dp_rank", "lin", "nkeys", "nmeta", "nvals", "worker_id")
 
-    def __init__(self, worker_id: int, dp_rank: int) -> None:
+    def __init__(self, worker_id: int, dp_rank: int, salt: int, ref_bits: int) -> None:
         self.worker_id = worker_id
         self.dp_rank = dp_rank
-        self.lkeys = np.zeros(MIN_CAP, dtype=np.uint64)
-        self.lvals = np.full(MIN_CAP, EMPTY32, dtype=np.uint32)
-        self.lmeta = np.zeros(1, dtype=np.int64)
+        self.lin = PackedTable(LINEAGE.d, LINEAGE.b, ref_bits, [1, 1], salt, LIN_KICKS)
+        self.lin.bounds = LINEAGE.bounds(1)
         self.nkeys = np.zeros(2, dtype=np.uint64)  # unused until a namespace is recorded
         self.nvals = np.zeros(2, dtype=np.uint64)
         self.nmeta = np.zeros(1, dtype=np.int64)
 
-    def reserve(self, add: int, ns: bool) -> None:
-        need = int(self.lmeta[0]) + add + 1
-        cap = grown_cap(self.lkeys.shape[0], need)
-        if cap != self.lkeys.shape[0]:
-            k = np.zeros(cap, dtype=np.uint64)
-            v = np.full(cap, EMPTY32, dtype=np.uint32)
-            tab_rehash(self.lkeys, self.lvals, EMPTY32, k, v)
-            self.lkeys, self.lvals = k, v
+    def resize(self, nb: int, sc: Scratch) -> None:
+        """Rebuild the lineage with ``nb`` buckets per subtable (more if the rebuild's cuckoo
+        walks fail, which needs very bad luck below the max load)."""
+        while (new := self.lin.rebuilt([nb] * LINEAGE.d, sc)) is None:
+            nb = LINEAGE.grown(nb)
+        new.bounds = LINEAGE.bounds(nb)
+        self.lin = new
+
+    def reserve(self, add: int, ns: bool, sc: Scratch) -> None:
+        need = int(self.lin.tm[TM_LIVE]) + add
+        lo, hi = self.lin.bounds
+        if need > hi or need < lo:
+            nb = self.lin.nb0
+            want = LINEAGE.sized(nb, need)
+            if want != nb:
+                self.resize(want, sc)
         if ns:
             need = int(self.nmeta[0]) + add + 1
             cap = grown_cap(max(self.nkeys.shape[0], MIN_CAP), need)
@@ -106,12 +146,20 @@ class _Member:
                 tab_rehash(self.nkeys, self.nvals, np.uint64(0), nk, nv)
                 self.nkeys, self.nvals = nk, nv
 
+    def drop_namespace(self) -> None:
+        if self.nkeys.shape[0] > 2 and int(self.nmeta[0]) == 0:
+            self.nkeys = np.zeros(2, dtype=np.uint64)
+            self.nvals = np.zeros(2, dtype=np.uint64)
+
     def nbytes(self) -> int:
-        return int(self.lkeys.nbytes + self.lvals.nbytes + self.nkeys.nbytes + self.nvals.nbytes)
+        return int(self.lin.nbytes + self.nkeys.nbytes + self.nvals.nbytes)
 
 
 class Pool:
-    """Exact state (lineage per member, shared owners) projected into one CKF lane."""
+    """Exact state (lineage per member, shared owners) projected into one CKF lane.
+
+    ``layout_seed`` salts the tables' hashing (random when None); it never changes results, only
+    where entries sit."""
 
     def __init__(
         self,
@@ -120,6 +168,8 @@ class Pool:
         block_size: int,
         hash_format: int,
         max_kicks: int = ckf.DEFAULT_MAX_KICKS,
+        *,
+        layout_seed: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
@@ -144,11 +194,16 @@ class Pool:
         self._dmeta = lane.dmeta
         self._undo_b = lane.undo_b
         self._undo_o = lane.undo_o
-        # Owners slab + index.
-        self._ocanon = np.zeros(MIN_CAP, dtype=np.uint64)
-        self._ocnt = np.zeros(MIN_CAP, dtype=np.uint32)
-        self._ometa = np.array([0, -1, 0, 0], dtype=np.int64)
-        self._oidx = np.full(MIN_CAP, EMPTY64, dtype=np.uint64)
+        self._salt_state = secrets.randbits(64) if layout_seed is None else layout_seed & _M64
+        self._own = PackedTable(OWNERS.d, OWNERS.b, OWNER_PBITS, [1] * OWNERS.d, self._next_salt())
+        self._own.bounds = OWNERS.bounds(1)
+        self._ref_bits = _ref_bits(self._own.cap)
+        self._pm = np.zeros(PM_LEN, dtype=np.int64)
+        # refcounts above the in-slot maximum: owner slot → count
+        self._xk = np.zeros(MIN_CAP, dtype=np.uint64)
+        self._xv = np.full(MIN_CAP, EMPTY32, dtype=np.uint32)
+        self._pm[PM_OVF_ROOM] = MIN_CAP * MAX_LOAD_NUM // MAX_LOAD_DEN - 1
+        self._sc = Scratch(LIN_KICKS)
         self._mm_scratch = np.empty(8, dtype=np.uint8)
         # XXH3 long-input scratch (blocks over 240 bytes, e.g. 64-token blocks): the apply kernel
         # runs without numba's runtime and cannot allocate.
@@ -160,11 +215,16 @@ class Pool:
         self._stats = np.zeros(N_STATS, dtype=np.int64)
         self._summary = np.zeros(3, dtype=np.int64)
         self._canon_buf = np.empty(0, dtype=np.uint64)
-        self._slot_buf = np.empty(0, dtype=np.int64)
+        self._own_buf = np.empty(0, dtype=np.int64)
         self.errors_by_kind: Counter[str] = Counter()
         self.first_error: tuple[int, PoolError] | None = None
         self.last_error: tuple[int, PoolError] | None = None
         self.invariant_violations = 0
+        self.forced_growths = 0
+
+    def _next_salt(self) -> int:
+        self._salt_state, out = _splitmix(self._salt_state)
+        return out
 
     # ---- membership -----------------------------------------------------------------------------
 
@@ -175,7 +235,7 @@ class Pool:
             mid = self._next_id
             self._next_id += 1
             self._ids[key] = mid
-            self._members[mid] = _Member(worker_id, dp_rank)
+            self._members[mid] = _Member(worker_id, dp_rank, self._next_salt(), self._ref_bits)
         return mid
 
     def members(self) -> dict[int, tuple[int, int]]:
@@ -188,26 +248,12 @@ class Pool:
         return m
 
     def _clear(self, m: _Member, stats: npt.NDArray[np.int64]) -> None:
+        lin, own = m.lin, self._own
         clear_member(
-            self._cfg,
-            self.table,
-            self._deltas,
-            self._mark,
-            self._dlog_b,
-            self._dlog_o,
-            self._dmeta,
-            m.lkeys,
-            m.lvals,
-            m.lmeta,
-            m.nkeys,
-            m.nvals,
-            m.nmeta,
-            self._ocanon,
-            self._ocnt,
-            self._ometa,
-            self._oidx,
-            stats,
-        )
+            self._cfg, self.table, self._deltas, self._mark, self._dlog_b, self._dlog_o,
+            self._dmeta, lin.tm, lin.w, m.nkeys, m.nvals, m.nmeta, own.tm, own.w, self._pm,
+            self._xk, self._xv, stats,
+        )  # fmt: skip
 
     def reset_member(self, member: int) -> None:
         """Drop every edge of the member (same as an AllBlocksCleared event)."""
@@ -216,6 +262,7 @@ class Pool:
         self._clear(m, stats)
         self._stats += stats
         self._note_invariant(int(stats[ST_INVARIANT]))
+        self._compact(m)
 
     def remove_member(self, member: int) -> None:
         """Reset then forget the member (its id is not reused)."""
@@ -223,24 +270,56 @@ class Pool:
         m = self._members.pop(member)
         del self._ids[(m.worker_id, m.dp_rank)]
 
-    # ---- apply ----------------------------------------------------------------------------------
+    def _compact(self, m: _Member | None) -> None:
+        """Give memory back after mass removals (the reservation path only shrinks on apply)."""
+        if m is not None:
+            m.reserve(0, False, self._sc)
+            m.drop_namespace()
+        self._reserve_owners(0)
+        self._fit_counts(0)
+
+    # ---- capacity -------------------------------------------------------------------------------
+
+    def _resize_owners(self, nb: int) -> None:
+        """Rebuild the owners table with ``nb`` buckets per subtable (more if a bucket overflows
+        during the rebuild), then rewrite every lineage reference and the overflow keys."""
+        remap = np.zeros(self._own.cap, dtype=np.uint32)
+        while (new := self._own.rebuilt([nb] * OWNERS.d, self._sc, remap)) is None:
+            nb = OWNERS.grown(nb)
+        bits = _ref_bits(new.cap)
+        for m in self._members.values():
+            m.lin = m.lin.repacked(bits, remap)
+        xk = np.zeros(self._xk.shape[0], dtype=np.uint64)
+        xv = np.full(self._xv.shape[0], EMPTY32, dtype=np.uint32)
+        remap_overflow(self._xk, self._xv, xk, xv, remap)
+        self._xk, self._xv = xk, xv
+        new.bounds = OWNERS.bounds(nb)
+        self._own = new
+        self._ref_bits = bits
 
     def _reserve_owners(self, add: int) -> None:
-        live = int(self._ometa[OM_LIVE])
-        cap = self._ocanon.shape[0]
-        if live + add > cap:
-            new = cap
-            while live + add > new:
-                new = new * GROW_NUM // GROW_DEN + 1
-            c = np.zeros(new, dtype=np.uint64)
-            n = np.zeros(new, dtype=np.uint32)
-            c[:cap] = self._ocanon
-            n[:cap] = self._ocnt
-            self._ocanon, self._ocnt = c, n
-        icap = grown_cap(self._oidx.shape[0], live + add + 1)
-        if icap != self._oidx.shape[0]:
-            self._oidx = np.full(icap, EMPTY64, dtype=np.uint64)
-            own_rebuild(self._oidx, self._ocanon, self._ocnt, int(self._ometa[OM_HW]))
+        need = int(self._own.tm[TM_LIVE]) + add
+        lo, hi = self._own.bounds
+        if need > hi or need < lo:
+            nb = self._own.nb0
+            want = OWNERS.sized(nb, need)
+            if want != nb:
+                self._resize_owners(want)
+
+    def _fit_counts(self, add: int) -> None:
+        """Size the overflow count table for its entries plus ``add`` (grown when the kernel asks,
+        shrunk once under an eighth full)."""
+        need = int(self._pm[PM_OVERFLOW]) + add + 1
+        cur = self._xk.shape[0]
+        cap = grown_cap(cur, need)
+        if cap == cur and cur > MIN_CAP and need * 8 < cur:
+            cap = grown_cap(MIN_CAP, need * 2)
+        if cap != cur:
+            xk = np.zeros(cap, dtype=np.uint64)
+            xv = np.full(cap, EMPTY32, dtype=np.uint32)
+            tab_rehash(self._xk, self._xv, EMPTY32, xk, xv)
+            self._xk, self._xv = xk, xv
+            self._pm[PM_OVF_ROOM] = cap * MAX_LOAD_NUM // MAX_LOAD_DEN - 1
 
     def _mm_scratch_for(self, b: EventBatch) -> npt.NDArray[np.uint8]:
         """Bytes for one multimodal block (window tokens + its mm values); the kernel does not
@@ -253,8 +332,11 @@ class Pool:
             self._mm_scratch = np.empty(need, dtype=np.uint8)
         return self._mm_scratch
 
+    # ---- apply ----------------------------------------------------------------------------------
+
     def apply(self, member: int, batch: EventBatch) -> ApplyResult:
-        """Apply one engine batch for one member (one kernel call)."""
+        """Apply one engine batch for one member (one kernel call, more only for CLEAR events and
+        the rare table without room)."""
         m = self._member(member)
         try:
             b = _normalized(batch)
@@ -270,35 +352,55 @@ class Pool:
         n = b.ops.shape[0]
         store_blocks = int(self._summary[0])
         max_k = int(self._summary[1])
-        m.reserve(store_blocks, bool(self._summary[2]))
-        self._reserve_owners(store_blocks)
+        self._reserve_owners(store_blocks)  # may repack every lineage table: first
+        m.reserve(store_blocks, bool(self._summary[2]), self._sc)
+        if self._xk.shape[0] > MIN_CAP and (int(self._pm[PM_OVERFLOW]) + 1) * 8 < self._xk.shape[0]:
+            self._fit_counts(0)
         err = np.zeros(n, dtype=np.uint8)
         stats = np.zeros(N_STATS, dtype=np.int64)
         nb = b.ext_hashes.shape[0]
         if self._canon_buf.shape[0] < nb:
             self._canon_buf = np.empty(nb, dtype=np.uint64)
-            self._slot_buf = np.empty(nb, dtype=np.int64)
-        canon_buf = self._canon_buf
-        slot_buf = self._slot_buf
+            self._own_buf = np.full(nb, -1, dtype=np.int64)
         set_cap = 1 << max(4, (2 * max_k).bit_length()) if max_k > 16 else 1
         set_keys = np.zeros(set_cap, dtype=np.uint64)
         set_stamp = np.zeros(set_cap, dtype=np.int64)
         mm_scratch = self._mm_scratch_for(b)
+        walk = self._sc.walk
+        forced = 0
         start = 0
         while start < n:
+            lin, own = m.lin, self._own
             stop = apply_batch(
                 b.ops, b.parent, b.has_parent, b.salt, b.ns_part, b.ns_inherit, b.blk_off,
                 b.ext_hashes, b.tok_off, b.tokens, b.mm_off, b.mm, self._cfg, self.table,
                 self._deltas, self._rng, self._mark, self._dlog_b, self._dlog_o, self._dmeta,
-                self._undo_b, self._undo_o, m.lkeys, m.lvals, m.lmeta, m.nkeys, m.nvals, m.nmeta,
-                self._ocanon, self._ocnt, self._ometa, self._oidx, canon_buf, slot_buf, set_keys,
-                set_stamp, mm_scratch, self._hash_sec, self._hash_acc, start, err, stats,
+                self._undo_b, self._undo_o, lin.tm, lin.w, m.nkeys, m.nvals, m.nmeta, own.tm,
+                own.w, self._pm, self._xk, self._xv, self._canon_buf, self._own_buf, set_keys,
+                set_stamp, walk, mm_scratch, self._hash_sec, self._hash_acc, start, err, stats,
             )  # fmt: skip
             if stop >= n:
                 break
-            self._clear(m, stats)  # the kernel stopped at a CLEAR event
-            stats[ST_APPLIED] += 1
-            start = stop + 1
+            if self._pm[PM_STOP] == STOP_CLEAR:
+                self._clear(m, stats)
+                stats[ST_APPLIED] += 1
+                start = stop + 1
+                continue
+            if self._pm[PM_STOP] == STOP_COUNTS_FULL:  # room for every count the event raises
+                self._fit_counts(max_k)
+                start = stop
+                continue
+            # a table had no room for event `stop` (nothing of it applied): grow, resume there
+            forced += 1
+            self.forced_growths += 1
+            if forced > MAX_FORCED_GROWTHS:
+                self._note_invariant(1, "no room for an event after repeated table growth")
+                break
+            if self._pm[PM_STOP] == STOP_LINEAGE_FULL:
+                m.resize(LINEAGE.grown(m.lin.nb0), self._sc)
+            else:
+                self._resize_owners(OWNERS.grown(self._own.nb0))
+            start = stop
         self._stats += stats
         self._note_invariant(int(stats[ST_INVARIANT]))
         errors: list[tuple[int, PoolError]] = []
@@ -328,11 +430,11 @@ class Pool:
         """Count an error detected outside the kernel (e.g. ingest's BlockSizeMismatch)."""
         self._record_error(-1, exc)
 
-    def _note_invariant(self, n: int) -> None:
+    def _note_invariant(self, n: int, what: str = "resident fingerprint missing") -> None:
         if n:
             self.invariant_violations += n
             for _ in range(n):
-                self._record_error(-1, InvariantViolation("resident fingerprint missing"))
+                self._record_error(-1, InvariantViolation(what))
 
     # ---- publication ----------------------------------------------------------------------------
 
@@ -350,51 +452,55 @@ class Pool:
     def contains(self, hashes: npt.ArrayLike) -> npt.NDArray[np.bool_]:
         return ckf.contains(self.table, self.seed, hashes)
 
-    def _edges(self, member: int) -> tuple[U64, npt.NDArray[np.bool_]]:
+    def _edges(self, member: int) -> tuple[U64, U64, npt.NDArray[np.bool_]]:
+        """``(external, canonical, resident)`` per edge of one member."""
         m = self._member(member)
-        n = int(m.lmeta[0])
+        lin, own = m.lin, self._own
+        n = lin.live
+        e = np.empty(n, dtype=np.uint64)
         c = np.empty(n, dtype=np.uint64)
         r = np.empty(n, dtype=np.bool_)
-        member_edges(m.lkeys, m.lvals, self._ocanon, self._ocnt, c, r)
-        return c, r
+        member_edges(lin.tm, lin.w, own.tm, own.w, e, c, r)
+        return e, c, r
 
     def owned_canonical(self, member: int) -> U64:
         """Distinct canonical hashes the member owns (sorted)."""
-        c, _ = self._edges(member)
+        _, c, _ = self._edges(member)
         return np.unique(c)
 
     def resident_canonical(self, member: int) -> U64:
-        c, r = self._edges(member)
+        _, c, r = self._edges(member)
         return np.unique(c[r])
 
     def lineage(self, member: int) -> dict[int, int]:
         """External hash → canonical hash for one member (tests/diagnostics; builds a dict)."""
-        m = self._member(member)
-        occ = m.lvals != EMPTY32
-        return dict(zip(m.lkeys[occ].tolist(), self._ocanon[m.lvals[occ]].tolist(), strict=True))
+        e, c, _ = self._edges(member)
+        return dict(zip(e.tolist(), c.tolist(), strict=True))
 
     def owners(self) -> dict[int, tuple[int, bool]]:
         """Canonical → (refcount, resident) (tests/diagnostics; builds a dict)."""
-        hw = int(self._ometa[OM_HW])
-        cnt = self._ocnt[:hw]
-        live = cnt != 0
-        return {
-            int(c): (int(v & 0x7FFFFFFF), bool(v & 0x80000000))
-            for c, v in zip(self._ocanon[:hw][live].tolist(), cnt[live].tolist(), strict=True)
-        }
+        keys, pays, slots = self._own.entries()
+        live = self._xv != EMPTY32
+        big = dict(zip(self._xk[live].tolist(), self._xv[live].tolist(), strict=True))
+        out: dict[int, tuple[int, bool]] = {}
+        for c, p, s in zip(keys.tolist(), pays.tolist(), slots.tolist(), strict=True):
+            code = p & int(CODE_MASK)
+            count = big[s] if code == int(CODE_OVERFLOW) else code + 1
+            out[c] = (count, bool(p & int(RES_BIT)))
+        return out
 
     @property
     def occupancy(self) -> int:
         """Fingerprints in the table (= resident canonical hashes)."""
-        return int(self._ometa[OM_RESIDENT])
+        return int(self._pm[PM_RESIDENT])
 
     @property
     def memberships(self) -> int:
-        return sum(int(m.lmeta[0]) for m in self._members.values())
+        return sum(m.lin.live for m in self._members.values())
 
     @property
     def distinct_canonical(self) -> int:
-        return int(self._ometa[OM_LIVE])
+        return self._own.live
 
     @property
     def capacity_omissions(self) -> int:
@@ -411,10 +517,10 @@ class Pool:
     def memory_breakdown(self) -> dict[str, int]:
         """Allocated bytes per structure (capacity, not just the used part)."""
         return {
-            "lineage": sum(int(m.lkeys.nbytes + m.lvals.nbytes) for m in self._members.values()),
+            "lineage": sum(m.lin.nbytes for m in self._members.values()),
             "namespace": sum(int(m.nkeys.nbytes + m.nvals.nbytes) for m in self._members.values()),
-            "owners_slab": int(self._ocanon.nbytes + self._ocnt.nbytes),
-            "owners_index": int(self._oidx.nbytes),
+            "owners": self._own.nbytes,
+            "owner_counts": int(self._xk.nbytes + self._xv.nbytes),
         }
 
     def memory_bytes(self) -> int:
@@ -431,9 +537,6 @@ class Pool:
             self.owners(),
         )
 
-    @property
-    def free_owner_head(self) -> int:
-        return int(self._ometa[OM_FREE])
 
 
 _SPEC: tuple[tuple[str, type], ...] = (

@@ -235,6 +235,13 @@ def _fill_to_omission(pool: Pool, member: int) -> tuple[int, int]:
     raise AssertionError("table never filled")
 
 
+def _freed_bucket(pool: Pool, c: int) -> int:
+    """The bucket whose slot a removal of resident ``c`` frees (bucket a is searched first)."""
+    fp, ba, bb = RefCKF(pool.bucket_count, SEED).addr(c)
+    word = int(pool.table[ba])
+    return ba if fp in [(word >> (16 * s)) & 0xFFFF for s in range(4)] else bb
+
+
 def test_non_resident_owner_rules() -> None:
     pool = Pool(8, SEED, 2, 1, max_kicks=500)
     a, b = pool.add_member(1, 0), pool.add_member(2, 0)
@@ -244,7 +251,8 @@ def test_non_resident_owner_rules() -> None:
     ref = RefCKF(8, SEED)
     _, ha, hb = ref.addr(h)
     # Free a slot far from h's home buckets: kicks could now place h, home buckets still full.
-    others = {e: c for e, c in pool.lineage(a).items() if e != ext}
+    # (Candidates in external-hash order: the choice must not depend on the table layout.)
+    others = {e: c for e, c in sorted(pool.lineage(a).items()) if e != ext}
     far = [
         e
         for e, c in others.items()
@@ -259,9 +267,7 @@ def test_non_resident_owner_rules() -> None:
     home = [
         e
         for e, c in others.items()
-        if e in pool.lineage(a)
-        and pool.owners()[c][1]
-        and set(RefCKF(8, SEED).addr(c)[1:]) & {ha, hb}
+        if e in pool.lineage(a) and pool.owners()[c][1] and _freed_bucket(pool, c) in (ha, hb)
     ]
     pool.apply(a, BatchBuilder().remove([home[0]]).build())
     res = pool.apply(a, BatchBuilder().store([ext], [ext, 0]).build())

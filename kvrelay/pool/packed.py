@@ -1,0 +1,688 @@
+"""Packed bucketed quotient tables: the compact layout of the pool's exact state.
+
+A table is ``d`` subtables of ``nb_j`` buckets × ``b`` slots. A key ``x`` (any u64) has one
+candidate bucket per subtable, picked from ``y_j = fmix64(x ^ salt_j)`` (a bijection, so
+structured engine hashes spread like random ones, and a secret salt keeps inputs from aiming at
+one bucket). Each slot stores only what its position does not imply (quotienting):
+
+* the bucket index is ``(hi32(y) · nb) >> 32``; the low 32 bits of that product, shifted right
+  by ``k = floor(log2 nb)``, still tell the ``hi32`` values of one bucket apart, so a slot keeps
+  ``32 − k`` of those bits plus the 32 low bits of ``y``: ``64 − k`` bits identify the key
+  exactly, and no division is needed to compare (only to rebuild ``x``);
+* 7 of those bits (the low bits of ``y``) sit in a tag byte whose high bit marks the slot as
+  used, 8 tags per u64 word in a tag region: one word-wide byte compare scans 8 slots, and
+  occupancy comes from the same word. The remaining ``57 − k`` bits and the payload are
+  bit-packed in a data region.
+
+Two insertion policies share the layout:
+
+* **stable** (``kicks == 0``, the owners table): least-loaded of the ``d`` candidate buckets,
+  ties to the lowest subtable ("d-left"). Entries never move until the whole table is rebuilt,
+  so lineage entries may hold an owner's slot index as a reference.
+* **cuckoo** (``kicks > 0``, lineage tables, ``d == 2``): when both buckets are full, a bounded
+  random walk relocates entries to their other bucket; a failed walk is undone step by step, so
+  the table is exactly as before. Nothing points into these tables.
+
+An insert can fail (every candidate bucket full / the walk exhausted): the caller grows the table
+and retries. A table is two flat numpy arrays, ``tm`` (meta) and ``w`` (tag and data regions), so
+a pool's state can be written out and mapped back as is. Kernels never allocate.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+from numba import njit
+
+from kvrelay.pool.bitops import ctz, popcount
+from kvrelay.pool.prefetch import prefetch
+
+U64 = npt.NDArray[np.uint64]
+U32 = npt.NDArray[np.uint32]
+I64 = npt.NDArray[np.int64]
+
+# ---- meta layout (tm: u64[TM_LEN]) ---------------------------------------------------------------
+TM_LIVE = 0
+TM_D = 1
+TM_B = 2
+TM_PBITS = 3
+TM_RNG = 4
+TM_KICKS = 5
+TM_CAP = 6
+TM_SUB = 8  # per-subtable block of SUB_W words
+SUB_W = 8
+S_NB = 0
+S_K = 1
+S_RBITS = 2
+S_WIDTH = 3
+S_SLOT0 = 4
+S_BIT0 = 5  # bit offset of the subtable's data in w
+S_SALT = 6
+MAX_D = 3
+TM_LEN = TM_SUB + SUB_W * MAX_D
+MAX_NB = 1 << 30  # keeps (h << 32) + nb in u64 when rebuilding a key
+TAG_BITS = 7
+
+_ONE = np.uint64(1)
+_ZERO = np.uint64(0)
+_M32 = np.uint64(0xFFFFFFFF)
+_M25 = np.uint64((1 << 25) - 1)
+_M7 = np.uint64(0x7F)
+_FF = np.uint64(0xFF)
+_USED = np.uint64(0x80)
+_C1 = np.uint64(0xFF51AFD7ED558CCD)
+_C2 = np.uint64(0xC4CEB9FE1A85EC53)
+_C1_INV = np.uint64(0x4F74430C22A54005)
+_C2_INV = np.uint64(0x9CB4B2F8129337DB)
+_L8 = np.uint64(0x0101010101010101)
+_H8 = np.uint64(0x8080808080808080)
+_S7 = np.uint64(0x7F7F7F7F7F7F7F7F)
+_GATHER = np.uint64(0x0102040810204080)
+
+
+# ---- bit helpers ---------------------------------------------------------------------------------
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def fmix(x: np.uint64) -> np.uint64:
+    """MurmurHash3's 64-bit finalizer: a bijection with full avalanche."""
+    x ^= x >> np.uint64(33)
+    x *= _C1
+    x ^= x >> np.uint64(33)
+    x *= _C2
+    x ^= x >> np.uint64(33)
+    return x
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def unfmix(y: np.uint64) -> np.uint64:
+    y ^= y >> np.uint64(33)
+    y *= _C2_INV
+    y ^= y >> np.uint64(33)
+    y *= _C1_INV
+    y ^= y >> np.uint64(33)
+    return y
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def _gather(z: np.uint64) -> np.uint64:
+    """Bit 7 of each byte of ``z`` (other bits zero) → an 8-bit mask."""
+    return ((z >> np.uint64(7)) * _GATHER) >> np.uint64(56)  # type: ignore[no-any-return]
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def byte_eq8(w: np.uint64, tag: np.uint64) -> np.uint64:
+    """8-bit mask of the bytes of ``w`` equal to ``tag`` (exact SWAR compare, then a gather)."""
+    x = w ^ (tag * _L8)
+    t = ((x & _S7) + _S7) | x
+    return _gather(~(t | _S7))  # bit 7 of each byte set iff that byte of x is zero
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def get_bits(a: U64, off: int, n: int) -> np.uint64:
+    """``n`` (1..64) bits of ``a`` starting at bit ``off`` (little-endian bit order)."""
+    w = off >> 6
+    sh = off & 63
+    v = a[w] >> np.uint64(sh)
+    if sh + n > 64:
+        v |= a[w + 1] << np.uint64(64 - sh)
+    if n < 64:
+        v &= (_ONE << np.uint64(n)) - _ONE
+    return v  # type: ignore[no-any-return]
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def put_bits(a: U64, off: int, n: int, v: np.uint64) -> None:
+    w = off >> 6
+    sh = off & 63
+    m = ~_ZERO if n == 64 else (_ONE << np.uint64(n)) - _ONE
+    a[w] = (a[w] & ~(m << np.uint64(sh))) | (v << np.uint64(sh))
+    if sh + n > 64:
+        r = np.uint64(64 - sh)
+        a[w + 1] = (a[w + 1] & ~(m >> r)) | (v >> r)
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def rng_next(tm: U64) -> np.uint64:
+    """xorshift64*: the cuckoo walk's victim choices (deterministic per table)."""
+    s = tm[TM_RNG]
+    s ^= s >> np.uint64(12)
+    s ^= s << np.uint64(25)
+    s ^= s >> np.uint64(27)
+    tm[TM_RNG] = s
+    return s * np.uint64(0x2545F4914F6CDD1D)  # type: ignore[no-any-return]
+
+
+# ---- addressing ----------------------------------------------------------------------------------
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def split(tm: U64, j: int, y: np.uint64) -> tuple[int, np.uint64, np.uint64]:
+    """``(bucket, tag byte, rest)`` of mixed key ``y`` in subtable ``j``."""
+    o = TM_SUB + SUB_W * j
+    p = (y >> np.uint64(32)) * tm[o + S_NB]
+    t = (p & _M32) >> tm[o + S_K]
+    rest = (t << np.uint64(25)) | ((y >> np.uint64(TAG_BITS)) & _M25)
+    return np.int64(p >> np.uint64(32)), _USED | (y & _M7), rest  # type: ignore[return-value]
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def unsplit(tm: U64, j: int, h: int, tag: np.uint64, rest: np.uint64) -> np.uint64:
+    """Inverse of ``split``. The true product ``hi32 · nb`` lies in ``[num, num + 2^k)``, which
+    holds exactly one multiple of ``nb`` (``2^k ≤ nb``), so ``hi32 = ceil(num / nb)``."""
+    o = TM_SUB + SUB_W * j
+    nb = tm[o + S_NB]
+    num = (np.uint64(h) << np.uint64(32)) | ((rest >> np.uint64(25)) << tm[o + S_K])
+    hi = (num + nb - _ONE) // nb
+    lo = ((rest & _M25) << np.uint64(TAG_BITS)) | (tag & _M7)
+    return (hi << np.uint64(32)) | lo  # type: ignore[no-any-return]
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def locate(tm: U64, j: int, x: np.uint64) -> tuple[int, np.uint64, np.uint64]:
+    """``(bucket, tag byte, rest)`` of key ``x`` in subtable ``j``."""
+    return split(tm, j, fmix(x ^ tm[TM_SUB + SUB_W * j + S_SALT]))  # type: ignore[no-any-return]
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def key_at(tm: U64, j: int, h: int, tag: np.uint64, rest: np.uint64) -> np.uint64:
+    """The key stored as ``(tag, rest)`` in bucket ``h`` of subtable ``j``."""
+    return unfmix(unsplit(tm, j, h, tag, rest)) ^ tm[TM_SUB + SUB_W * j + S_SALT]  # type: ignore[no-any-return]
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def sub_of(tm: U64, s: int) -> int:
+    """Subtable of global slot ``s``."""
+    j = np.int64(tm[TM_D]) - 1
+    while j > 0 and np.int64(tm[TM_SUB + SUB_W * j + S_SLOT0]) > s:
+        j -= 1
+    return j  # type: ignore[no-any-return]
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def bucket_start(tm: U64, j: int, h: int) -> int:
+    return np.int64(tm[TM_SUB + SUB_W * j + S_SLOT0]) + h * np.int64(tm[TM_B])  # type: ignore[no-any-return]
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def used_mask(w: U64, s0: int, b: int) -> np.uint64:
+    """Used slots of the bucket at ``s0`` as a ``b``-bit mask (``b`` a multiple of 8)."""
+    m = _ZERO
+    w0 = s0 >> 3
+    for q in range(b >> 3):
+        m |= _gather(w[w0 + q] & _H8) << np.uint64(8 * q)
+    return m  # type: ignore[no-any-return]
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def tag_match(w: U64, s0: int, b: int, tag: np.uint64) -> np.uint64:
+    """Used slots of the bucket at ``s0`` whose tag byte is ``tag`` (which has the used bit)."""
+    m = _ZERO
+    w0 = s0 >> 3
+    for q in range(b >> 3):
+        m |= byte_eq8(w[w0 + q], tag) << np.uint64(8 * q)
+    return m  # type: ignore[no-any-return]
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def slot_off(tm: U64, j: int, s: int) -> int:
+    """Bit offset in ``w`` of global slot ``s`` (in subtable ``j``)."""
+    o = TM_SUB + SUB_W * j
+    return np.int64(tm[o + S_BIT0]) + (s - np.int64(tm[o + S_SLOT0])) * np.int64(tm[o + S_WIDTH])  # type: ignore[no-any-return]
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def rest_at(tm: U64, w: U64, j: int, s: int) -> np.uint64:
+    return get_bits(w, slot_off(tm, j, s), np.int64(tm[TM_SUB + SUB_W * j + S_RBITS]))  # type: ignore[no-any-return]
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def pay_off(tm: U64, s: int) -> int:
+    """Bit offset in ``w`` of global slot ``s``'s payload."""
+    j = sub_of(tm, s)
+    return slot_off(tm, j, s) + np.int64(tm[TM_SUB + SUB_W * j + S_RBITS])  # type: ignore[no-any-return]
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def pay_of(tm: U64, w: U64, s: int) -> np.uint64:
+    """Payload of used global slot ``s``."""
+    return get_bits(w, pay_off(tm, s), np.int64(tm[TM_PBITS]))  # type: ignore[no-any-return]
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def set_pay(tm: U64, w: U64, s: int, pay: np.uint64) -> None:
+    put_bits(w, pay_off(tm, s), np.int64(tm[TM_PBITS]), pay)
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def tag_of(w: U64, s: int) -> np.uint64:
+    return (w[s >> 3] >> np.uint64(8 * (s & 7))) & _FF  # type: ignore[no-any-return]
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def _set_tag(w: U64, s: int, tag: np.uint64) -> None:
+    sh = np.uint64(8 * (s & 7))
+    w[s >> 3] = (w[s >> 3] & ~(_FF << sh)) | (tag << sh)
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def key_of(tm: U64, w: U64, s: int) -> np.uint64:
+    """The key held by used global slot ``s``."""
+    j = sub_of(tm, s)
+    local = s - np.int64(tm[TM_SUB + SUB_W * j + S_SLOT0])
+    h = local // np.int64(tm[TM_B])
+    return key_at(tm, j, h, tag_of(w, s), rest_at(tm, w, j, s))  # type: ignore[no-any-return]
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def holds(tm: U64, w: U64, s: int, x: np.uint64) -> bool:
+    """Whether used global slot ``s`` holds key ``x`` (compares stored bits, no division)."""
+    j = sub_of(tm, s)
+    h, tag, rest = locate(tm, j, x)
+    local = s - np.int64(tm[TM_SUB + SUB_W * j + S_SLOT0])
+    if local // np.int64(tm[TM_B]) != h:
+        return False
+    return tag_of(w, s) == tag and rest_at(tm, w, j, s) == rest  # type: ignore[no-any-return]
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def write_slot(
+    tm: U64, w: U64, j: int, s: int, tag: np.uint64, rest: np.uint64, pay: np.uint64
+) -> None:
+    _set_tag(w, s, tag)
+    off = slot_off(tm, j, s)
+    rb = np.int64(tm[TM_SUB + SUB_W * j + S_RBITS])
+    put_bits(w, off, rb, rest)
+    put_bits(w, off + rb, np.int64(tm[TM_PBITS]), pay)
+
+
+# ---- operations ----------------------------------------------------------------------------------
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def find(tm: U64, w: U64, x: np.uint64) -> int:
+    """Global slot holding ``x``, or -1."""
+    b = np.int64(tm[TM_B])
+    for j in range(np.int64(tm[TM_D])):
+        h, tag, rest = locate(tm, j, x)
+        s0 = bucket_start(tm, j, h)
+        c = tag_match(w, s0, b, tag)
+        while c != _ZERO:
+            s = s0 + ctz(c)
+            c &= c - _ONE
+            if rest_at(tm, w, j, s) == rest:
+                return s
+    return -1
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def home_words(tm: U64, j: int, x: np.uint64) -> tuple[int, int]:
+    """``(tag word, first data word)`` of ``x``'s bucket in subtable ``j`` (for prefetching)."""
+    h, _, _ = locate(tm, j, x)
+    s0 = bucket_start(tm, j, h)
+    return s0 >> 3, slot_off(tm, j, s0) >> 6
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def find_or_insert_stable(tm: U64, w: U64, x: np.uint64, pay: np.uint64) -> tuple[int, bool]:
+    """``(slot, created)``: the slot holding ``x``, else ``x`` inserted with ``pay`` into the
+    least-loaded candidate bucket (ties to the lowest subtable); ``(-1, True)`` when absent and
+    every candidate bucket is full (nothing changed)."""
+    b = np.int64(tm[TM_B])
+    full = (_ONE << np.uint64(b)) - _ONE if b < 64 else ~_ZERO
+    best = -1
+    best_fill = b
+    best_s0 = 0
+    for j in range(np.int64(tm[TM_D])):
+        h, tag, rest = locate(tm, j, x)
+        s0 = bucket_start(tm, j, h)
+        c = tag_match(w, s0, b, tag)
+        while c != _ZERO:
+            s = s0 + ctz(c)
+            c &= c - _ONE
+            if rest_at(tm, w, j, s) == rest:
+                return s, False
+        f = popcount(used_mask(w, s0, b))
+        if f < best_fill:
+            best_fill = f
+            best = j
+            best_s0 = s0
+    if best < 0:
+        return -1, True
+    _, tag, rest = locate(tm, best, x)
+    s = best_s0 + ctz(~used_mask(w, best_s0, b) & full)
+    write_slot(tm, w, best, s, tag, rest, pay)
+    tm[TM_LIVE] += _ONE
+    return s, True
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def _place_free(tm: U64, w: U64, j: int, x: np.uint64, pay: np.uint64, b: int) -> bool:
+    h, tag, rest = locate(tm, j, x)
+    s0 = bucket_start(tm, j, h)
+    free = ~used_mask(w, s0, b) & ((_ONE << np.uint64(b)) - _ONE)
+    if free == _ZERO:
+        return False
+    write_slot(tm, w, j, s0 + ctz(free), tag, rest, pay)
+    return True
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def insert_cuckoo(tm: U64, w: U64, x: np.uint64, pay: np.uint64, walk: U64) -> bool:
+    """Insert absent ``x`` (two subtables, ``b < 64``); False leaves the table exactly as before.
+
+    ``walk`` is caller scratch of at least ``3 · tm[TM_KICKS]`` words (the undo log)."""
+    b = np.int64(tm[TM_B])
+    full = (_ONE << np.uint64(b)) - _ONE
+    h0, t0, r0 = locate(tm, 0, x)
+    h1, t1, r1 = locate(tm, 1, x)
+    s0 = bucket_start(tm, 0, h0)
+    s1 = bucket_start(tm, 1, h1)
+    o0 = used_mask(w, s0, b)
+    o1 = used_mask(w, s1, b)
+    if o0 != full or o1 != full:
+        if popcount(o0) <= popcount(o1):
+            write_slot(tm, w, 0, s0 + ctz(~o0 & full), t0, r0, pay)
+        else:
+            write_slot(tm, w, 1, s1 + ctz(~o1 & full), t1, r1, pay)
+        tm[TM_LIVE] += _ONE
+        return True
+    kicks = np.int64(tm[TM_KICKS])
+    side = np.int64(rng_next(tm) >> np.uint64(63))
+    cx = x
+    cp = pay
+    for step in range(kicks):
+        h, tag, rest = locate(tm, side, cx)
+        s = bucket_start(tm, side, h) + np.int64(rng_next(tm) >> np.uint64(32)) % b
+        vx = key_of(tm, w, s)
+        vp = pay_of(tm, w, s)
+        walk[3 * step] = vx
+        walk[3 * step + 1] = vp
+        walk[3 * step + 2] = np.uint64(s)
+        write_slot(tm, w, side, s, tag, rest, cp)
+        cx = vx
+        cp = vp
+        side = 1 - side
+        if _place_free(tm, w, side, cx, cp, b):
+            tm[TM_LIVE] += _ONE
+            return True
+    for step in range(kicks - 1, -1, -1):  # undo, newest first
+        s = np.int64(walk[3 * step + 2])
+        j = sub_of(tm, s)
+        _, tag, rest = locate(tm, j, walk[3 * step])
+        write_slot(tm, w, j, s, tag, rest, walk[3 * step + 1])
+    return False
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def delete(tm: U64, w: U64, s: int) -> None:
+    _set_tag(w, s, _ZERO)
+    tm[TM_LIVE] -= _ONE
+
+
+# ---- whole-table kernels (called from Python) ----------------------------------------------------
+
+
+@njit(cache=True, _nrt=False)  # type: ignore[misc,call-overload,untyped-decorator]
+def list_entries(tm: U64, w: U64, keys: U64, pays: U64, slots: I64) -> int:
+    """Every ``(key, payload, slot)``, in slot order."""
+    n = 0
+    for q in range(np.int64(tm[TM_CAP]) >> 3):
+        v = _gather(w[q] & _H8)
+        while v != _ZERO:
+            s = q * 8 + ctz(v)
+            v &= v - _ONE
+            keys[n] = key_of(tm, w, s)
+            pays[n] = pay_of(tm, w, s)
+            slots[n] = s
+            n += 1
+    return n
+
+
+@njit(cache=True, _nrt=False)  # type: ignore[misc,call-overload,untyped-decorator]
+def rebuild(otm: U64, ow: U64, ntm: U64, nw: U64, remap: U32, walk: U64) -> bool:
+    """Move every entry into the empty table ``ntm``/``nw`` (same salts and payload width, other
+    bucket counts).
+
+    Bucket indices are monotone in the mixed key for any bucket count, so an entry's bucket in
+    its own subtable of the new table is found without rehashing and the new table is written in
+    order (a streaming pass, not random inserts); only entries meeting an (almost) full bucket
+    take the table's insertion path. ``remap[old slot] = new slot`` for stable tables (cuckoo
+    tables are not referenced, and their insertion path may move entries). False if some entry
+    found no room (the new table is then garbage)."""
+    b = np.int64(otm[TM_B])
+    full = (_ONE << np.uint64(b)) - _ONE if b < 64 else ~_ZERO
+    cuckoo = otm[TM_KICKS] != _ZERO
+    mapped = remap.shape[0] > 0
+    pb = np.int64(otm[TM_PBITS])
+    # Streamed buckets of stable tables keep slack: filled to the brim they clump (d-left needs a
+    # free slot among few candidates); cuckoo tables relocate instead.
+    spare = 0 if cuckoo else b >> 3
+    for j in range(np.int64(otm[TM_D])):
+        o = TM_SUB + SUB_W * j
+        # subtable parameters in locals: stores into the arrays would force reloads from tm
+        onb = otm[o + S_NB]
+        ok = otm[o + S_K]
+        orb = np.int64(otm[o + S_RBITS])
+        owd = np.int64(otm[o + S_WIDTH])
+        os0 = np.int64(otm[o + S_SLOT0])
+        ob0 = np.int64(otm[o + S_BIT0])
+        salt = otm[o + S_SALT]
+        nnb = ntm[o + S_NB]
+        nk = ntm[o + S_K]
+        nrb = np.int64(ntm[o + S_RBITS])
+        nwd = np.int64(ntm[o + S_WIDTH])
+        ns0 = np.int64(ntm[o + S_SLOT0])
+        nb0 = np.int64(ntm[o + S_BIT0])
+        moved = 0
+        for h in range(np.int64(onb)):
+            s0 = os0 + h * b
+            used = used_mask(ow, s0, b)
+            while used != _ZERO:
+                i = ctz(used)
+                used &= used - _ONE
+                s = s0 + i
+                off = ob0 + (h * b + i) * owd
+                tag = tag_of(ow, s)
+                rest = get_bits(ow, off, orb)
+                p = get_bits(ow, off + orb, pb)
+                # unsplit in the old subtable, split in the new one
+                num = (np.uint64(h) << np.uint64(32)) | ((rest >> np.uint64(25)) << ok)
+                hi = (num + onb - _ONE) // onb
+                y = (hi << np.uint64(32)) | ((rest & _M25) << np.uint64(TAG_BITS)) | (tag & _M7)
+                q = hi * nnb
+                h2 = np.int64(q >> np.uint64(32))
+                rest2 = (((q & _M32) >> nk) << np.uint64(25)) | (rest & _M25)
+                t0 = ns0 + h2 * b
+                nu = used_mask(nw, t0, b)
+                if popcount(nu) < b - spare:
+                    i2 = ctz(~nu & full)
+                    ns = t0 + i2
+                    _set_tag(nw, ns, tag)
+                    off2 = nb0 + (h2 * b + i2) * nwd
+                    put_bits(nw, off2, nrb, rest2)
+                    put_bits(nw, off2 + nrb, pb, p)
+                    moved += 1
+                else:
+                    ntm[TM_LIVE] += np.uint64(moved)
+                    moved = 0
+                    x = unfmix(y) ^ salt
+                    if cuckoo:
+                        if not insert_cuckoo(ntm, nw, x, p, walk):
+                            return False
+                        continue
+                    ns, _ = find_or_insert_stable(ntm, nw, x, p)
+                    if ns < 0:
+                        return False
+                if mapped:
+                    remap[s] = np.uint32(ns)
+        ntm[TM_LIVE] += np.uint64(moved)
+    return True
+
+
+@njit(cache=True, _nrt=False)  # type: ignore[misc,call-overload,untyped-decorator]
+def repack(otm: U64, ow: U64, ntm: U64, nw: U64, remap: U32) -> None:
+    """Same buckets and slots into ``ntm``/``nw`` (which may be ``otm``/``ow`` when the payload
+    width is unchanged), payloads passed through ``remap`` when it is non-empty (lineage
+    references after the owners table was rebuilt)."""
+    mapped = remap.shape[0] > 0
+    opb = np.int64(otm[TM_PBITS])
+    npb = np.int64(ntm[TM_PBITS])
+    b = np.int64(otm[TM_B])
+    ahead = 4  # buckets: remap reads are random, prefetch them this far ahead
+    for j in range(np.int64(otm[TM_D])):
+        o = TM_SUB + SUB_W * j
+        nbk = np.int64(otm[o + S_NB])
+        rb = np.int64(otm[o + S_RBITS])
+        owd = np.int64(otm[o + S_WIDTH])
+        nwd = np.int64(ntm[o + S_WIDTH])
+        s0j = np.int64(otm[o + S_SLOT0])
+        ob0 = np.int64(otm[o + S_BIT0])
+        nb0 = np.int64(ntm[o + S_BIT0])
+        for h in range(nbk):
+            if mapped and h + ahead < nbk:
+                u = used_mask(ow, s0j + (h + ahead) * b, b)
+                while u != _ZERO:
+                    i = ctz(u)
+                    u &= u - _ONE
+                    off = ob0 + ((h + ahead) * b + i) * owd + rb
+                    prefetch(remap, np.int64(get_bits(ow, off, opb)))
+            u = used_mask(ow, s0j + h * b, b)
+            for q in range(b >> 3):  # the tag region is unchanged
+                nw[((s0j + h * b) >> 3) + q] = ow[((s0j + h * b) >> 3) + q]
+            while u != _ZERO:
+                i = ctz(u)
+                u &= u - _ONE
+                off = ob0 + (h * b + i) * owd
+                rest = get_bits(ow, off, rb)
+                p = get_bits(ow, off + rb, opb)
+                if mapped:
+                    p = np.uint64(remap[np.int64(p)])
+                off2 = nb0 + (h * b + i) * nwd
+                put_bits(nw, off2, rb, rest)
+                put_bits(nw, off2 + rb, npb, p)
+
+
+# ---- Python side ---------------------------------------------------------------------------------
+
+
+class Scratch:
+    """Caller-owned buffers for the table kernels (they run without numba's runtime)."""
+
+    __slots__ = ("no_remap", "walk")
+
+    def __init__(self, kicks: int) -> None:
+        self.walk = np.zeros(3 * max(kicks, 1), dtype=np.uint64)  # cuckoo walk undo log
+        self.no_remap = np.zeros(0, dtype=np.uint32)
+
+
+def _splitmix(state: int) -> tuple[int, int]:
+    m = 0xFFFF_FFFF_FFFF_FFFF
+    s = (state + 0x9E3779B97F4A7C15) & m
+    z = s
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return s, z ^ (z >> 31)
+
+
+def slot_bits(nb: int, pbits: int) -> int:
+    """Bits one slot of a subtable of ``nb`` buckets costs (tag byte + rest + payload)."""
+    return 8 + 57 - (nb.bit_length() - 1) + pbits
+
+
+class PackedTable:
+    """The two arrays of one packed table plus its shape (see the module docstring)."""
+
+    __slots__ = ("b", "bounds", "d", "kicks", "pbits", "salt", "tm", "w")
+
+    def __init__(
+        self, d: int, b: int, pbits: int, nbs: list[int], salt: int, kicks: int = 0
+    ) -> None:
+        if not 1 <= d <= MAX_D or len(nbs) != d or b not in (8, 16, 32, 64):
+            raise ValueError("bad packed table shape")
+        if kicks and d != 2:
+            raise ValueError("cuckoo tables have two subtables")
+        if not 1 <= pbits <= 32 or not all(1 <= nb <= MAX_NB for nb in nbs):
+            raise ValueError("bad packed table size")
+        self.d, self.b, self.pbits, self.kicks, self.salt = d, b, pbits, kicks, salt
+        cap = sum(nbs) * b
+        tm = np.zeros(TM_LEN, dtype=np.uint64)
+        tm[TM_D], tm[TM_B], tm[TM_PBITS], tm[TM_KICKS], tm[TM_CAP] = d, b, pbits, kicks, cap
+        state, rng = _splitmix(salt)
+        tm[TM_RNG] = rng | 1
+        slot0 = 0
+        word = cap // 8  # data after the tag region
+        for j, nb in enumerate(nbs):
+            state, sj = _splitmix(state)
+            k = nb.bit_length() - 1
+            rbits = 57 - k
+            o = TM_SUB + SUB_W * j
+            tm[o + S_NB], tm[o + S_K], tm[o + S_RBITS] = nb, k, rbits
+            tm[o + S_WIDTH], tm[o + S_SLOT0], tm[o + S_BIT0] = rbits + pbits, slot0, word * 64
+            tm[o + S_SALT] = sj
+            slot0 += nb * b
+            word += -(-(nb * b * (rbits + pbits)) // 64)
+        self.tm = tm
+        self.w = np.zeros(word, dtype=np.uint64)
+        #: live-entry range ``(lo, hi)`` its owner keeps it in (resize outside); set by the owner
+        self.bounds = (0, cap)
+
+    @property
+    def nbs(self) -> list[int]:
+        return [int(self.tm[TM_SUB + SUB_W * j + S_NB]) for j in range(self.d)]
+
+    @property
+    def nb0(self) -> int:
+        return int(self.tm[TM_SUB + S_NB])
+
+    @property
+    def live(self) -> int:
+        return int(self.tm[TM_LIVE])
+
+    @property
+    def cap(self) -> int:
+        return int(self.tm[TM_CAP])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.tm.nbytes + self.w.nbytes)
+
+    def empty_like(self, nbs: list[int], pbits: int | None = None) -> PackedTable:
+        """An empty table with the same salt and policy, other bucket counts / payload width."""
+        t = PackedTable(
+            self.d, self.b, self.pbits if pbits is None else pbits, nbs, self.salt, self.kicks
+        )
+        t.tm[TM_RNG] = self.tm[TM_RNG]
+        if nbs == self.nbs:
+            t.bounds = self.bounds
+        return t
+
+    def repacked(self, pbits: int, remap: U32) -> PackedTable:
+        """The same entries in the same slots with a ``pbits``-wide payload, mapped by
+        ``remap`` (empty: unchanged); in place when the width does not change."""
+        if pbits == self.pbits:
+            repack(self.tm, self.w, self.tm, self.w, remap)
+            return self
+        t = self.empty_like(self.nbs, pbits)
+        t.tm[TM_LIVE] = self.tm[TM_LIVE]
+        repack(self.tm, self.w, t.tm, t.w, remap)
+        return t
+
+    def rebuilt(self, nbs: list[int], sc: Scratch, remap: U32 | None = None) -> PackedTable | None:
+        """The entries moved into an empty table of ``nbs`` buckets per subtable (``remap``, if
+        given, gets old → new slots; stable tables only), or None if some entry had no room."""
+        t = self.empty_like(nbs)
+        if remap is None:
+            remap = sc.no_remap
+        elif self.kicks:
+            raise ValueError("cuckoo tables move entries: nothing may refer to their slots")
+        return t if rebuild(self.tm, self.w, t.tm, t.w, remap, sc.walk) else None
+
+    def entries(self) -> tuple[U64, U64, I64]:
+        """``(keys, payloads, slots)`` of every entry, in slot order."""
+        n = self.live
+        keys = np.empty(n, dtype=np.uint64)
+        pays = np.empty(n, dtype=np.uint64)
+        slots = np.empty(n, dtype=np.int64)
+        list_entries(self.tm, self.w, keys, pays, slots)
+        return keys, pays, slots
