@@ -32,6 +32,7 @@ from kvrelay.pool.owners import (
     owner_decref,
     owner_incref,
 )
+from kvrelay.pool.packed import Int
 from kvrelay.pool.prefetch import prefetch
 from kvrelay.pool.tables import _mix, tab_del, tab_find, tab_put
 
@@ -89,7 +90,7 @@ def _prefetch_homes(tm: U64, w: U64, x: np.uint64) -> None:
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
 def _drop_ref(
-    o: int,
+    o: Int,
     table: U64,
     cfg: U64,
     deltas: U64,
@@ -271,7 +272,7 @@ def apply_batch(
         j = i + PF_MID
         if j < n and ops[j] == 1 and blk_off[j + 1] > blk_off[j]:
             s = pk.find(ltm, lw, ext[blk_off[j]])
-            o = -1
+            o = np.int64(-1)
             if s >= 0:
                 o = np.int64(pk.pay_of(ltm, lw, s))
                 prefetch(ow, o >> 3)
@@ -368,10 +369,13 @@ def apply_batch(
                     if own_buf[g] != K_NEW:
                         g += 1
                         continue
-                    o, created = pk.find_or_insert_stable(otm, ow, canon_buf[g], np.uint64(0))
-                    if o < 0:
+                    placed, created = pk.find_or_insert_stable(
+                        otm, ow, canon_buf[g], np.uint64(0)
+                    )
+                    if placed < 0:
                         stop = STOP_OWNERS_FULL
                         break
+                    o = np.int64(placed)
                     if not pk.insert_cuckoo(ltm, lw, ext[g], np.uint64(o), walk):
                         stop = STOP_LINEAGE_FULL
                         if created:
@@ -470,7 +474,7 @@ def member_edges(
     out_e: U64,
     out_c: U64,
     out_r: npt.NDArray[np.bool_],
-) -> int:
+) -> Int:
     """External hash, canonical hash and residency of each of a member's edges (diagnostics)."""
     n = np.int64(ltm[pk.TM_LIVE])
     ps = np.empty(n, dtype=np.uint64)
@@ -480,7 +484,7 @@ def member_edges(
         o = np.int64(ps[t])
         out_c[t] = pk.key_of(otm, ow, o)
         out_r[t] = (pk.pay_of(otm, ow, o) & RES_BIT) != np.uint64(0)
-    return n  # type: ignore[no-any-return]
+    return n
 
 
 def _offsets_bad(off: I64, n: int, total: int) -> bool:

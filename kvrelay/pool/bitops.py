@@ -48,5 +48,5 @@ def _popcount(typingctx: Any, v: Any) -> Any:
 
 
 # Typed views for callers (numba passes ``typingctx`` itself).
-ctz: Callable[[Any], int] = _ctz
-popcount: Callable[[Any], int] = _popcount
+ctz: Callable[[Any], int] = _ctz  # type: ignore[assignment]
+popcount: Callable[[Any], int] = _popcount  # type: ignore[assignment]

@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 from numba import njit
 
-from kvrelay.pool.packed import pay_of, set_pay
+from kvrelay.pool.packed import Int, pay_of, set_pay
 from kvrelay.pool.tables import EMPTY32, tab_del, tab_find, tab_put
 
 U64 = npt.NDArray[np.uint64]
@@ -37,7 +37,7 @@ _ONE = np.uint64(1)
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def owner_count(otm: U64, ow: U64, xk: U64, xv: U32, s: int) -> int:
+def owner_count(otm: U64, ow: U64, xk: U64, xv: U32, s: Int) -> Int:
     code = pay_of(otm, ow, s) & CODE_MASK
     if code != CODE_OVERFLOW:
         return np.int64(code) + 1  # type: ignore[no-any-return]
@@ -45,7 +45,7 @@ def owner_count(otm: U64, ow: U64, xk: U64, xv: U32, s: int) -> int:
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def owner_incref(otm: U64, ow: U64, xk: U64, xv: U32, pm: I64, s: int) -> None:
+def owner_incref(otm: U64, ow: U64, xk: U64, xv: U32, pm: I64, s: Int) -> None:
     """count += 1 (7 → 8 moves the count into the overflow table; capacity reserved)."""
     p = pay_of(otm, ow, s)
     code = p & CODE_MASK
@@ -61,7 +61,7 @@ def owner_incref(otm: U64, ow: U64, xk: U64, xv: U32, pm: I64, s: int) -> None:
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def owner_decref(otm: U64, ow: U64, xk: U64, xv: U32, pm: I64, s: int) -> bool:
+def owner_decref(otm: U64, ow: U64, xk: U64, xv: U32, pm: I64, s: Int) -> bool:
     """count −= 1; True when the count was 1 (the caller frees the owner, nothing changed)."""
     p = pay_of(otm, ow, s)
     code = p & CODE_MASK

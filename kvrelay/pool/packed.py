@@ -40,6 +40,7 @@ from kvrelay.pool.prefetch import prefetch
 U64 = npt.NDArray[np.uint64]
 U32 = npt.NDArray[np.uint32]
 I64 = npt.NDArray[np.int64]
+Int = int | np.int64  # kernel integers (Python ints from callers, int64 inside numba)
 
 # ---- meta layout (tm: u64[TM_LEN]) ---------------------------------------------------------------
 TM_LIVE = 0
@@ -119,7 +120,7 @@ def byte_eq8(w: np.uint64, tag: np.uint64) -> np.uint64:
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def get_bits(a: U64, off: int, n: int) -> np.uint64:
+def get_bits(a: U64, off: Int, n: Int) -> np.uint64:
     """``n`` (1..64) bits of ``a`` starting at bit ``off`` (little-endian bit order)."""
     w = off >> 6
     sh = off & 63
@@ -132,7 +133,7 @@ def get_bits(a: U64, off: int, n: int) -> np.uint64:
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def put_bits(a: U64, off: int, n: int, v: np.uint64) -> None:
+def put_bits(a: U64, off: Int, n: Int, v: np.uint64) -> None:
     w = off >> 6
     sh = off & 63
     m = ~_ZERO if n == 64 else (_ONE << np.uint64(n)) - _ONE
@@ -157,7 +158,7 @@ def rng_next(tm: U64) -> np.uint64:
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def split(tm: U64, j: int, y: np.uint64) -> tuple[int, np.uint64, np.uint64]:
+def split(tm: U64, j: Int, y: np.uint64) -> tuple[Int, np.uint64, np.uint64]:
     """``(bucket, tag byte, rest)`` of mixed key ``y`` in subtable ``j``."""
     o = TM_SUB + SUB_W * j
     p = (y >> np.uint64(32)) * tm[o + S_NB]
@@ -167,7 +168,7 @@ def split(tm: U64, j: int, y: np.uint64) -> tuple[int, np.uint64, np.uint64]:
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def unsplit(tm: U64, j: int, h: int, tag: np.uint64, rest: np.uint64) -> np.uint64:
+def unsplit(tm: U64, j: Int, h: Int, tag: np.uint64, rest: np.uint64) -> np.uint64:
     """Inverse of ``split``. The true product ``hi32 · nb`` lies in ``[num, num + 2^k)``, which
     holds exactly one multiple of ``nb`` (``2^k ≤ nb``), so ``hi32 = ceil(num / nb)``."""
     o = TM_SUB + SUB_W * j
@@ -179,19 +180,19 @@ def unsplit(tm: U64, j: int, h: int, tag: np.uint64, rest: np.uint64) -> np.uint
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def locate(tm: U64, j: int, x: np.uint64) -> tuple[int, np.uint64, np.uint64]:
+def locate(tm: U64, j: Int, x: np.uint64) -> tuple[Int, np.uint64, np.uint64]:
     """``(bucket, tag byte, rest)`` of key ``x`` in subtable ``j``."""
     return split(tm, j, fmix(x ^ tm[TM_SUB + SUB_W * j + S_SALT]))  # type: ignore[no-any-return]
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def key_at(tm: U64, j: int, h: int, tag: np.uint64, rest: np.uint64) -> np.uint64:
+def key_at(tm: U64, j: Int, h: Int, tag: np.uint64, rest: np.uint64) -> np.uint64:
     """The key stored as ``(tag, rest)`` in bucket ``h`` of subtable ``j``."""
     return unfmix(unsplit(tm, j, h, tag, rest)) ^ tm[TM_SUB + SUB_W * j + S_SALT]  # type: ignore[no-any-return]
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def sub_of(tm: U64, s: int) -> int:
+def sub_of(tm: U64, s: Int) -> Int:
     """Subtable of global slot ``s``."""
     j = np.int64(tm[TM_D]) - 1
     while j > 0 and np.int64(tm[TM_SUB + SUB_W * j + S_SLOT0]) > s:
@@ -200,12 +201,12 @@ def sub_of(tm: U64, s: int) -> int:
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def bucket_start(tm: U64, j: int, h: int) -> int:
+def bucket_start(tm: U64, j: Int, h: Int) -> Int:
     return np.int64(tm[TM_SUB + SUB_W * j + S_SLOT0]) + h * np.int64(tm[TM_B])  # type: ignore[no-any-return]
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def used_mask(w: U64, s0: int, b: int) -> np.uint64:
+def used_mask(w: U64, s0: Int, b: Int) -> np.uint64:
     """Used slots of the bucket at ``s0`` as a ``b``-bit mask (``b`` a multiple of 8)."""
     m = _ZERO
     w0 = s0 >> 3
@@ -215,7 +216,7 @@ def used_mask(w: U64, s0: int, b: int) -> np.uint64:
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def tag_match(w: U64, s0: int, b: int, tag: np.uint64) -> np.uint64:
+def tag_match(w: U64, s0: Int, b: Int, tag: np.uint64) -> np.uint64:
     """Used slots of the bucket at ``s0`` whose tag byte is ``tag`` (which has the used bit)."""
     m = _ZERO
     w0 = s0 >> 3
@@ -225,48 +226,48 @@ def tag_match(w: U64, s0: int, b: int, tag: np.uint64) -> np.uint64:
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def slot_off(tm: U64, j: int, s: int) -> int:
+def slot_off(tm: U64, j: Int, s: Int) -> Int:
     """Bit offset in ``w`` of global slot ``s`` (in subtable ``j``)."""
     o = TM_SUB + SUB_W * j
     return np.int64(tm[o + S_BIT0]) + (s - np.int64(tm[o + S_SLOT0])) * np.int64(tm[o + S_WIDTH])  # type: ignore[no-any-return]
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def rest_at(tm: U64, w: U64, j: int, s: int) -> np.uint64:
+def rest_at(tm: U64, w: U64, j: Int, s: Int) -> np.uint64:
     return get_bits(w, slot_off(tm, j, s), np.int64(tm[TM_SUB + SUB_W * j + S_RBITS]))  # type: ignore[no-any-return]
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def pay_off(tm: U64, s: int) -> int:
+def pay_off(tm: U64, s: Int) -> Int:
     """Bit offset in ``w`` of global slot ``s``'s payload."""
     j = sub_of(tm, s)
     return slot_off(tm, j, s) + np.int64(tm[TM_SUB + SUB_W * j + S_RBITS])  # type: ignore[no-any-return]
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def pay_of(tm: U64, w: U64, s: int) -> np.uint64:
+def pay_of(tm: U64, w: U64, s: Int) -> np.uint64:
     """Payload of used global slot ``s``."""
     return get_bits(w, pay_off(tm, s), np.int64(tm[TM_PBITS]))  # type: ignore[no-any-return]
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def set_pay(tm: U64, w: U64, s: int, pay: np.uint64) -> None:
+def set_pay(tm: U64, w: U64, s: Int, pay: np.uint64) -> None:
     put_bits(w, pay_off(tm, s), np.int64(tm[TM_PBITS]), pay)
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def tag_of(w: U64, s: int) -> np.uint64:
+def tag_of(w: U64, s: Int) -> np.uint64:
     return (w[s >> 3] >> np.uint64(8 * (s & 7))) & _FF  # type: ignore[no-any-return]
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def _set_tag(w: U64, s: int, tag: np.uint64) -> None:
+def _set_tag(w: U64, s: Int, tag: np.uint64) -> None:
     sh = np.uint64(8 * (s & 7))
     w[s >> 3] = (w[s >> 3] & ~(_FF << sh)) | (tag << sh)
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def key_of(tm: U64, w: U64, s: int) -> np.uint64:
+def key_of(tm: U64, w: U64, s: Int) -> np.uint64:
     """The key held by used global slot ``s``."""
     j = sub_of(tm, s)
     local = s - np.int64(tm[TM_SUB + SUB_W * j + S_SLOT0])
@@ -275,7 +276,7 @@ def key_of(tm: U64, w: U64, s: int) -> np.uint64:
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def holds(tm: U64, w: U64, s: int, x: np.uint64) -> bool:
+def holds(tm: U64, w: U64, s: Int, x: np.uint64) -> bool:
     """Whether used global slot ``s`` holds key ``x`` (compares stored bits, no division)."""
     j = sub_of(tm, s)
     h, tag, rest = locate(tm, j, x)
@@ -287,7 +288,7 @@ def holds(tm: U64, w: U64, s: int, x: np.uint64) -> bool:
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
 def write_slot(
-    tm: U64, w: U64, j: int, s: int, tag: np.uint64, rest: np.uint64, pay: np.uint64
+    tm: U64, w: U64, j: Int, s: Int, tag: np.uint64, rest: np.uint64, pay: np.uint64
 ) -> None:
     _set_tag(w, s, tag)
     off = slot_off(tm, j, s)
@@ -300,7 +301,7 @@ def write_slot(
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def find(tm: U64, w: U64, x: np.uint64) -> int:
+def find(tm: U64, w: U64, x: np.uint64) -> Int:
     """Global slot holding ``x``, or -1."""
     b = np.int64(tm[TM_B])
     for j in range(np.int64(tm[TM_D])):
@@ -316,7 +317,7 @@ def find(tm: U64, w: U64, x: np.uint64) -> int:
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def home_words(tm: U64, j: int, x: np.uint64) -> tuple[int, int]:
+def home_words(tm: U64, j: Int, x: np.uint64) -> tuple[Int, Int]:
     """``(tag word, first data word)`` of ``x``'s bucket in subtable ``j`` (for prefetching)."""
     h, _, _ = locate(tm, j, x)
     s0 = bucket_start(tm, j, h)
@@ -324,15 +325,15 @@ def home_words(tm: U64, j: int, x: np.uint64) -> tuple[int, int]:
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def find_or_insert_stable(tm: U64, w: U64, x: np.uint64, pay: np.uint64) -> tuple[int, bool]:
+def find_or_insert_stable(tm: U64, w: U64, x: np.uint64, pay: np.uint64) -> tuple[Int, bool]:
     """``(slot, created)``: the slot holding ``x``, else ``x`` inserted with ``pay`` into the
     least-loaded candidate bucket (ties to the lowest subtable); ``(-1, True)`` when absent and
     every candidate bucket is full (nothing changed)."""
     b = np.int64(tm[TM_B])
     full = (_ONE << np.uint64(b)) - _ONE if b < 64 else ~_ZERO
-    best = -1
-    best_fill = b
-    best_s0 = 0
+    best = np.int64(-1)
+    best_fill = np.int64(b)
+    best_s0 = np.int64(0)
     for j in range(np.int64(tm[TM_D])):
         h, tag, rest = locate(tm, j, x)
         s0 = bucket_start(tm, j, h)
@@ -342,11 +343,11 @@ def find_or_insert_stable(tm: U64, w: U64, x: np.uint64, pay: np.uint64) -> tupl
             c &= c - _ONE
             if rest_at(tm, w, j, s) == rest:
                 return s, False
-        f = popcount(used_mask(w, s0, b))
+        f = np.int64(popcount(used_mask(w, s0, b)))
         if f < best_fill:
             best_fill = f
-            best = j
-            best_s0 = s0
+            best = np.int64(j)
+            best_s0 = np.int64(s0)
     if best < 0:
         return -1, True
     _, tag, rest = locate(tm, best, x)
@@ -357,7 +358,7 @@ def find_or_insert_stable(tm: U64, w: U64, x: np.uint64, pay: np.uint64) -> tupl
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def _place_free(tm: U64, w: U64, j: int, x: np.uint64, pay: np.uint64, b: int) -> bool:
+def _place_free(tm: U64, w: U64, j: Int, x: np.uint64, pay: np.uint64, b: Int) -> bool:
     h, tag, rest = locate(tm, j, x)
     s0 = bucket_start(tm, j, h)
     free = ~used_mask(w, s0, b) & ((_ONE << np.uint64(b)) - _ONE)
@@ -415,7 +416,7 @@ def insert_cuckoo(tm: U64, w: U64, x: np.uint64, pay: np.uint64, walk: U64) -> b
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def delete(tm: U64, w: U64, s: int) -> None:
+def delete(tm: U64, w: U64, s: Int) -> None:
     _set_tag(w, s, _ZERO)
     tm[TM_LIVE] -= _ONE
 
@@ -424,7 +425,7 @@ def delete(tm: U64, w: U64, s: int) -> None:
 
 
 @njit(cache=True, _nrt=False)  # type: ignore[misc,call-overload,untyped-decorator]
-def list_entries(tm: U64, w: U64, keys: U64, pays: U64, slots: I64) -> int:
+def list_entries(tm: U64, w: U64, keys: U64, pays: U64, slots: I64) -> Int:
     """Every ``(key, payload, slot)``, in slot order."""
     n = 0
     for q in range(np.int64(tm[TM_CAP]) >> 3):
@@ -497,7 +498,7 @@ def rebuild(otm: U64, ow: U64, ntm: U64, nw: U64, remap: U32, walk: U64) -> bool
                 nu = used_mask(nw, t0, b)
                 if popcount(nu) < b - spare:
                     i2 = ctz(~nu & full)
-                    ns = t0 + i2
+                    ns = np.int64(t0 + i2)
                     _set_tag(nw, ns, tag)
                     off2 = nb0 + (h2 * b + i2) * nwd
                     put_bits(nw, off2, nrb, rest2)
@@ -511,9 +512,10 @@ def rebuild(otm: U64, ow: U64, ntm: U64, nw: U64, remap: U32, walk: U64) -> bool
                         if not insert_cuckoo(ntm, nw, x, p, walk):
                             return False
                         continue
-                    ns, _ = find_or_insert_stable(ntm, nw, x, p)
-                    if ns < 0:
+                    placed, _ = find_or_insert_stable(ntm, nw, x, p)
+                    if placed < 0:
                         return False
+                    ns = np.int64(placed)
                 if mapped:
                     remap[s] = np.uint32(ns)
         ntm[TM_LIVE] += np.uint64(moved)

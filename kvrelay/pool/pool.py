@@ -88,6 +88,32 @@ def _ref_bits(owner_cap: int) -> int:
     return max(1, (owner_cap - 1).bit_length())
 
 
+_warmed = False
+
+
+def _warm_layout_kernels() -> None:
+    """Compile (or load from numba's cache) the table-maintenance kernels once per process, on
+    empty tables: they otherwise first run at a pool's first growth, and a fresh compile takes
+    seconds inside whatever batch triggered it."""
+    global _warmed
+    if _warmed:
+        return
+    sc = Scratch(LIN_KICKS)
+    lin = PackedTable(LINEAGE.d, LINEAGE.b, 1, [1] * LINEAGE.d, 1, LIN_KICKS)
+    own = PackedTable(OWNERS.d, OWNERS.b, OWNER_PBITS, [1] * OWNERS.d, 2)
+    remap = np.zeros(own.cap, dtype=np.uint32)
+    own.rebuilt([2] * OWNERS.d, sc, remap)
+    lin.rebuilt([2] * LINEAGE.d, sc)
+    lin.repacked(2, remap)
+    lin.repacked(1, remap)
+    lin.entries()
+    xk = np.zeros(MIN_CAP, dtype=np.uint64)
+    xv = np.full(MIN_CAP, EMPTY32, dtype=np.uint32)
+    remap_overflow(xk, xv, xk.copy(), xv.copy(), remap)
+    tab_rehash(xk, xv, EMPTY32, xk.copy(), xv.copy())
+    _warmed = True
+
+
 def _splitmix(state: int) -> tuple[int, int]:
     s = (state + 0x9E3779B97F4A7C15) & _M64
     z = s
@@ -175,6 +201,7 @@ class Pool:
             raise ValueError("block_size must be >= 1")
         if hash_format not in (FORMAT_STANDARD, FORMAT_EAGLE):
             raise ValueError("hash_format must be 1 (standard) or 2 (eagle)")
+        _warm_layout_kernels()
         lane = ckf.Lane(bucket_count, seed, max_kicks)
         self.lane = lane
         self.bucket_count = bucket_count
@@ -386,6 +413,8 @@ class Pool:
                 stats[ST_APPLIED] += 1
                 start = stop + 1
                 continue
+            # The event stopped at is validated again on resume: forget its duplicate-check stamps.
+            set_stamp[:] = 0
             if self._pm[PM_STOP] == STOP_COUNTS_FULL:  # room for every count the event raises
                 self._fit_counts(max_k)
                 start = stop
