@@ -1,4 +1,5 @@
-"""Pool benchmarks: CKF kernel rates, apply rate for a realistic event mix, exact-state memory.
+"""Pool benchmarks: CKF kernel rates, apply rate for a realistic event mix, exact-state memory
+(at fixed sizes, and swept over a size range since tables grow in steps).
 
 Run: ``.venv/bin/python benchmarks/bench_pool.py [--quick]``. Prints numbers and writes
 ``benchmarks/results/pool.json``. Timings exclude numba compilation (a warm-up call runs first).
@@ -229,6 +230,8 @@ def bench_memory(target: int, shared: bool) -> dict[str, Any]:
     mids = [pool.add_member(i, 0) for i in range(members)]
     chains = target // (members * 8)
     step = 1_000  # engine-sized batches: capacity is reserved per batch
+    t_apply = 0.0
+    c_apply = 0.0
     for m, mid in enumerate(mids):
         for c0 in range(0, chains, step):
             c1 = min(chains, c0 + step)
@@ -257,16 +260,39 @@ def bench_memory(target: int, shared: bool) -> dict[str, Any]:
                 tok_off=np.arange(0, 8 * n + 1, 8, dtype=np.int64),
                 tokens=toks,
             )
+            t = time.perf_counter()
+            c = time.process_time()
             res = pool.apply(mid, b)
-            assert res.events_rejected == 0
+            t_apply += time.perf_counter() - t
+            c_apply += time.process_time() - c
+            assert res.events_rejected == 0 and pool.invariant_violations == 0
     ms = pool.memberships
+    assert ms == chains * members * 8
     return {
         "memberships": ms,
         "distinct_canonical": pool.distinct_canonical,
         "exact_state_bytes": pool.memory_bytes(),
         "bytes_per_membership": pool.memory_bytes() / ms,
         "breakdown_bytes": pool.memory_breakdown(),
+        # building the state from empty: apply calls only (growth included), B=1 blocks
+        "fill_memberships_per_s": ms / t_apply,
+        "fill_memberships_per_cpu_s": ms / c_apply,
     }
+
+
+def bench_memory_sweep(lo: int, hi: int, points: int) -> dict[str, Any]:
+    """Bytes per membership over sizes between two growth steps apart: tables grow in steps,
+    so one size shows one point of a sawtooth; min / mean / max say where it can land."""
+    out: dict[str, Any] = {"sizes": [lo + (hi - lo) * i // (points - 1) for i in range(points)]}
+    for shared in (False, True):
+        vals = [bench_memory(n, shared)["bytes_per_membership"] for n in out["sizes"]]
+        out["shared" if shared else "unshared"] = {
+            "bytes_per_membership": vals,
+            "min": min(vals),
+            "mean": sum(vals) / len(vals),
+            "max": max(vals),
+        }
+    return out
 
 
 def main() -> None:
@@ -300,8 +326,17 @@ def main() -> None:
             print(
                 f"memory {r['memberships']:>10} memberships "
                 f"({'shared' if shared else 'unshared'}, {r['distinct_canonical']} distinct): "
-                f"{r['bytes_per_membership']:.1f} B/membership"
+                f"{r['bytes_per_membership']:.2f} B/membership {r['breakdown_bytes']}; filled at "
+                f"{r['fill_memberships_per_s'] / 1e6:.2f} M/s"
             )
+    points = 4 if args.quick else 11
+    out["memory_sweep"] = bench_memory_sweep(1_000_000, 2_000_000, points)
+    for kind in ("unshared", "shared"):
+        sw = out["memory_sweep"][kind]
+        print(
+            f"memory sweep 1M..2M ({points} sizes, {kind}): min {sw['min']:.2f}, mean "
+            f"{sw['mean']:.2f}, max {sw['max']:.2f} B/membership"
+        )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {RESULTS}")

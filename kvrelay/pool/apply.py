@@ -81,9 +81,9 @@ CFG_KICKS = 4
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def _prefetch_homes(tm: U64, w: U64, x: np.uint64) -> None:
+def _prefetch_homes(tm: U64, w: U64, y: np.uint64) -> None:
     for j in range(np.int64(tm[pk.TM_D])):
-        tw, dw = pk.home_words(tm, j, x)
+        tw, dw = pk.home_words(tm, j, y)
         prefetch(w, tw)
         prefetch(w, dw)
 
@@ -255,9 +255,9 @@ def apply_batch(
     for j in range(start, min(n, start + PF_FAR)):
         g0 = blk_off[j]
         for g in range(g0, min(blk_off[j + 1], g0 + 8)):
-            _prefetch_homes(ltm, lw, ext[g])
+            _prefetch_homes(ltm, lw, pk.mix(ltm, ext[g]))
         if has_parent[j]:
-            _prefetch_homes(ltm, lw, parent[j])
+            _prefetch_homes(ltm, lw, pk.mix(ltm, parent[j]))
     for i in range(start, n):
         # Prefetch pipeline (hints only, never affects results): lineage buckets PF_FAR events
         # ahead, then for removes the owner slot PF_MID ahead (kept in own_buf) and its CKF
@@ -266,12 +266,12 @@ def apply_batch(
         if j < n:
             g0 = blk_off[j]
             for g in range(g0, min(blk_off[j + 1], g0 + 8)):
-                _prefetch_homes(ltm, lw, ext[g])
+                _prefetch_homes(ltm, lw, pk.mix(ltm, ext[g]))
             if has_parent[j]:
-                _prefetch_homes(ltm, lw, parent[j])
+                _prefetch_homes(ltm, lw, pk.mix(ltm, parent[j]))
         j = i + PF_MID
         if j < n and ops[j] == 1 and blk_off[j + 1] > blk_off[j]:
-            s = pk.find(ltm, lw, ext[blk_off[j]])
+            s = pk.find(ltm, lw, pk.mix(ltm, ext[blk_off[j]]))
             o = np.int64(-1)
             if s >= 0:
                 o = np.int64(pk.pay_of(ltm, lw, s))
@@ -297,7 +297,7 @@ def apply_batch(
             prev = np.uint64(0)
             pns = np.uint64(0)
             if hp:
-                s = pk.find(ltm, lw, parent[i])
+                s = pk.find(ltm, lw, pk.mix(ltm, parent[i]))
                 if s < 0:
                     code = E_PARENT
                 else:
@@ -346,14 +346,15 @@ def apply_batch(
                     c = bh if (j == 0 and not hp) else xxh3_64_u64x2(prev, bh, CHAIN_SEED)
                     canon_buf[g] = c
                     prev = c
-                    _prefetch_homes(otm, ow, c)
+                    yo = pk.mix(otm, c)
+                    _prefetch_homes(otm, ow, yo)
                     _, a = _addr(c, cseed, cmask, deltas)
                     prefetch(table, a)
                     prefetch(mark, a)
-                    s = pk.find(ltm, lw, ext[g])
+                    s = pk.find(ltm, lw, pk.mix(ltm, ext[g]))
                     if s >= 0:
                         o = np.int64(pk.pay_of(ltm, lw, s))
-                        if not pk.holds(otm, ow, o, c):
+                        if not pk.holds(otm, ow, o, yo):
                             code = E_INVALID_SEQ
                             break
                         own_buf[g] = o * 4 + K_REOFFER
@@ -370,13 +371,13 @@ def apply_batch(
                         g += 1
                         continue
                     placed, created = pk.find_or_insert_stable(
-                        otm, ow, canon_buf[g], np.uint64(0)
+                        otm, ow, pk.mix(otm, canon_buf[g]), np.uint64(0)
                     )
                     if placed < 0:
                         stop = STOP_OWNERS_FULL
                         break
                     o = np.int64(placed)
-                    if not pk.insert_cuckoo(ltm, lw, ext[g], np.uint64(o), walk):
+                    if not pk.insert_cuckoo(ltm, lw, pk.mix(ltm, ext[g]), np.uint64(o), walk):
                         stop = STOP_LINEAGE_FULL
                         if created:
                             pk.delete(otm, ow, o)
@@ -392,7 +393,7 @@ def apply_batch(
                         kind = own_buf[g2] & 3
                         if kind == K_REOFFER:
                             continue
-                        pk.delete(ltm, lw, pk.find(ltm, lw, ext[g2]))
+                        pk.delete(ltm, lw, pk.find(ltm, lw, pk.mix(ltm, ext[g2])))
                         if kind == K_FIRST:
                             pk.delete(otm, ow, own_buf[g2] >> 2)
                     pm[PM_STOP] = stop
@@ -436,7 +437,7 @@ def apply_batch(
         elif op == 1:
             for g in range(blk_off[i], blk_off[i + 1]):
                 e = ext[g]
-                s = pk.find(ltm, lw, e)
+                s = pk.find(ltm, lw, pk.mix(ltm, e))
                 if s < 0:
                     stats[ST_UNKNOWN] += 1
                     continue

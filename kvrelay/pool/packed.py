@@ -1,9 +1,10 @@
 """Packed bucketed quotient tables: the compact layout of the pool's exact state.
 
-A table is ``d`` subtables of ``nb_j`` buckets × ``b`` slots. A key ``x`` (any u64) has one
-candidate bucket per subtable, picked from ``y_j = fmix64(x ^ salt_j)`` (a bijection, so
-structured engine hashes spread like random ones, and a secret salt keeps inputs from aiming at
-one bucket). Each slot stores only what its position does not imply (quotienting):
+A table is ``d`` subtables of ``nb_j`` buckets × ``b`` slots. A key ``x`` (any u64) is mixed once,
+``y = fmix64(x ^ salt)`` (a bijection, so structured engine hashes spread like random ones, and a
+secret salt keeps inputs from aiming at one bucket); subtable ``j`` reads ``y`` rotated left by
+``j · 64/d`` bits, so each subtable picks its candidate bucket from other bits. Each slot stores
+only what its position does not imply (quotienting):
 
 * the bucket index is ``(hi32(y) · nb) >> 32``; the low 32 bits of that product, shifted right
   by ``k = floor(log2 nb)``, still tell the ``hi32`` values of one bucket apart, so a slot keeps
@@ -50,6 +51,7 @@ TM_PBITS = 3
 TM_RNG = 4
 TM_KICKS = 5
 TM_CAP = 6
+TM_SALT = 7
 TM_SUB = 8  # per-subtable block of SUB_W words
 SUB_W = 8
 S_NB = 0
@@ -58,7 +60,7 @@ S_RBITS = 2
 S_WIDTH = 3
 S_SLOT0 = 4
 S_BIT0 = 5  # bit offset of the subtable's data in w
-S_SALT = 6
+S_ROT = 6  # subtable j reads the mixed key rotated left by j · 64/d bits
 MAX_D = 3
 TM_LEN = TM_SUB + SUB_W * MAX_D
 MAX_NB = 1 << 30  # keeps (h << 32) + nb in u64 when rebuilding a key
@@ -158,13 +160,32 @@ def rng_next(tm: U64) -> np.uint64:
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
+def mix(tm: U64, x: np.uint64) -> np.uint64:
+    """The table's mixed key (one per key, shared by all subtables)."""
+    return fmix(x ^ tm[TM_SALT])
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def unmix(tm: U64, y: np.uint64) -> np.uint64:
+    return unfmix(y) ^ tm[TM_SALT]  # type: ignore[no-any-return]
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def _rotl(y: np.uint64, r: np.uint64) -> np.uint64:
+    if r == _ZERO:
+        return y
+    return (y << r) | (y >> (np.uint64(64) - r))  # type: ignore[no-any-return]
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
 def split(tm: U64, j: Int, y: np.uint64) -> tuple[Int, np.uint64, np.uint64]:
     """``(bucket, tag byte, rest)`` of mixed key ``y`` in subtable ``j``."""
     o = TM_SUB + SUB_W * j
-    p = (y >> np.uint64(32)) * tm[o + S_NB]
+    yj = _rotl(y, tm[o + S_ROT])
+    p = (yj >> np.uint64(32)) * tm[o + S_NB]
     t = (p & _M32) >> tm[o + S_K]
-    rest = (t << np.uint64(25)) | ((y >> np.uint64(TAG_BITS)) & _M25)
-    return np.int64(p >> np.uint64(32)), _USED | (y & _M7), rest  # type: ignore[return-value]
+    rest = (t << np.uint64(25)) | ((yj >> np.uint64(TAG_BITS)) & _M25)
+    return np.int64(p >> np.uint64(32)), _USED | (yj & _M7), rest  # type: ignore[return-value]
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
@@ -176,19 +197,20 @@ def unsplit(tm: U64, j: Int, h: Int, tag: np.uint64, rest: np.uint64) -> np.uint
     num = (np.uint64(h) << np.uint64(32)) | ((rest >> np.uint64(25)) << tm[o + S_K])
     hi = (num + nb - _ONE) // nb
     lo = ((rest & _M25) << np.uint64(TAG_BITS)) | (tag & _M7)
-    return (hi << np.uint64(32)) | lo  # type: ignore[no-any-return]
+    r = tm[o + S_ROT]
+    return _rotl((hi << np.uint64(32)) | lo, (np.uint64(64) - r) & np.uint64(63))
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
 def locate(tm: U64, j: Int, x: np.uint64) -> tuple[Int, np.uint64, np.uint64]:
     """``(bucket, tag byte, rest)`` of key ``x`` in subtable ``j``."""
-    return split(tm, j, fmix(x ^ tm[TM_SUB + SUB_W * j + S_SALT]))  # type: ignore[no-any-return]
+    return split(tm, j, mix(tm, x))  # type: ignore[no-any-return]
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
 def key_at(tm: U64, j: Int, h: Int, tag: np.uint64, rest: np.uint64) -> np.uint64:
     """The key stored as ``(tag, rest)`` in bucket ``h`` of subtable ``j``."""
-    return unfmix(unsplit(tm, j, h, tag, rest)) ^ tm[TM_SUB + SUB_W * j + S_SALT]  # type: ignore[no-any-return]
+    return unmix(tm, unsplit(tm, j, h, tag, rest))
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
@@ -267,19 +289,25 @@ def _set_tag(w: U64, s: Int, tag: np.uint64) -> None:
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def key_of(tm: U64, w: U64, s: Int) -> np.uint64:
-    """The key held by used global slot ``s``."""
+def y_of(tm: U64, w: U64, s: Int) -> np.uint64:
+    """The mixed key held by used global slot ``s``."""
     j = sub_of(tm, s)
     local = s - np.int64(tm[TM_SUB + SUB_W * j + S_SLOT0])
     h = local // np.int64(tm[TM_B])
-    return key_at(tm, j, h, tag_of(w, s), rest_at(tm, w, j, s))  # type: ignore[no-any-return]
+    return unsplit(tm, j, h, tag_of(w, s), rest_at(tm, w, j, s))
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def holds(tm: U64, w: U64, s: Int, x: np.uint64) -> bool:
-    """Whether used global slot ``s`` holds key ``x`` (compares stored bits, no division)."""
+def key_of(tm: U64, w: U64, s: Int) -> np.uint64:
+    """The key held by used global slot ``s``."""
+    return unmix(tm, y_of(tm, w, s))
+
+
+@njit(cache=True, inline="always")  # type: ignore[misc]
+def holds(tm: U64, w: U64, s: Int, y: np.uint64) -> bool:
+    """Whether used global slot ``s`` holds mixed key ``y`` (compares stored bits)."""
     j = sub_of(tm, s)
-    h, tag, rest = locate(tm, j, x)
+    h, tag, rest = split(tm, j, y)
     local = s - np.int64(tm[TM_SUB + SUB_W * j + S_SLOT0])
     if local // np.int64(tm[TM_B]) != h:
         return False
@@ -301,11 +329,11 @@ def write_slot(
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def find(tm: U64, w: U64, x: np.uint64) -> Int:
-    """Global slot holding ``x``, or -1."""
+def find(tm: U64, w: U64, y: np.uint64) -> Int:
+    """Global slot holding mixed key ``y``, or -1."""
     b = np.int64(tm[TM_B])
     for j in range(np.int64(tm[TM_D])):
-        h, tag, rest = locate(tm, j, x)
+        h, tag, rest = split(tm, j, y)
         s0 = bucket_start(tm, j, h)
         c = tag_match(w, s0, b, tag)
         while c != _ZERO:
@@ -317,25 +345,25 @@ def find(tm: U64, w: U64, x: np.uint64) -> Int:
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def home_words(tm: U64, j: Int, x: np.uint64) -> tuple[Int, Int]:
-    """``(tag word, first data word)`` of ``x``'s bucket in subtable ``j`` (for prefetching)."""
-    h, _, _ = locate(tm, j, x)
+def home_words(tm: U64, j: Int, y: np.uint64) -> tuple[Int, Int]:
+    """``(tag word, first data word)`` of ``y``'s bucket in subtable ``j`` (for prefetching)."""
+    h, _, _ = split(tm, j, y)
     s0 = bucket_start(tm, j, h)
     return s0 >> 3, slot_off(tm, j, s0) >> 6
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def find_or_insert_stable(tm: U64, w: U64, x: np.uint64, pay: np.uint64) -> tuple[Int, bool]:
-    """``(slot, created)``: the slot holding ``x``, else ``x`` inserted with ``pay`` into the
-    least-loaded candidate bucket (ties to the lowest subtable); ``(-1, True)`` when absent and
-    every candidate bucket is full (nothing changed)."""
+def find_or_insert_stable(tm: U64, w: U64, y: np.uint64, pay: np.uint64) -> tuple[Int, bool]:
+    """``(slot, created)``: the slot holding mixed key ``y``, else ``y`` inserted with ``pay``
+    into the least-loaded candidate bucket (ties to the lowest subtable); ``(-1, True)`` when
+    absent and every candidate bucket is full (nothing changed)."""
     b = np.int64(tm[TM_B])
     full = (_ONE << np.uint64(b)) - _ONE if b < 64 else ~_ZERO
     best = np.int64(-1)
     best_fill = np.int64(b)
     best_s0 = np.int64(0)
     for j in range(np.int64(tm[TM_D])):
-        h, tag, rest = locate(tm, j, x)
+        h, tag, rest = split(tm, j, y)
         s0 = bucket_start(tm, j, h)
         c = tag_match(w, s0, b, tag)
         while c != _ZERO:
@@ -350,7 +378,7 @@ def find_or_insert_stable(tm: U64, w: U64, x: np.uint64, pay: np.uint64) -> tupl
             best_s0 = np.int64(s0)
     if best < 0:
         return -1, True
-    _, tag, rest = locate(tm, best, x)
+    _, tag, rest = split(tm, best, y)
     s = best_s0 + ctz(~used_mask(w, best_s0, b) & full)
     write_slot(tm, w, best, s, tag, rest, pay)
     tm[TM_LIVE] += _ONE
@@ -358,8 +386,8 @@ def find_or_insert_stable(tm: U64, w: U64, x: np.uint64, pay: np.uint64) -> tupl
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def _place_free(tm: U64, w: U64, j: Int, x: np.uint64, pay: np.uint64, b: Int) -> bool:
-    h, tag, rest = locate(tm, j, x)
+def _place_free(tm: U64, w: U64, j: Int, y: np.uint64, pay: np.uint64, b: Int) -> bool:
+    h, tag, rest = split(tm, j, y)
     s0 = bucket_start(tm, j, h)
     free = ~used_mask(w, s0, b) & ((_ONE << np.uint64(b)) - _ONE)
     if free == _ZERO:
@@ -369,14 +397,14 @@ def _place_free(tm: U64, w: U64, j: Int, x: np.uint64, pay: np.uint64, b: Int) -
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def insert_cuckoo(tm: U64, w: U64, x: np.uint64, pay: np.uint64, walk: U64) -> bool:
-    """Insert absent ``x`` (two subtables, ``b < 64``); False leaves the table exactly as before.
-
-    ``walk`` is caller scratch of at least ``3 · tm[TM_KICKS]`` words (the undo log)."""
+def insert_cuckoo(tm: U64, w: U64, y: np.uint64, pay: np.uint64, walk: U64) -> bool:
+    """Insert absent mixed key ``y`` (two subtables, ``b < 64``); False leaves the table exactly
+    as before. ``walk`` is caller scratch of at least ``3 · tm[TM_KICKS]`` words (the undo
+    log)."""
     b = np.int64(tm[TM_B])
     full = (_ONE << np.uint64(b)) - _ONE
-    h0, t0, r0 = locate(tm, 0, x)
-    h1, t1, r1 = locate(tm, 1, x)
+    h0, t0, r0 = split(tm, 0, y)
+    h1, t1, r1 = split(tm, 1, y)
     s0 = bucket_start(tm, 0, h0)
     s1 = bucket_start(tm, 1, h1)
     o0 = used_mask(w, s0, b)
@@ -390,27 +418,27 @@ def insert_cuckoo(tm: U64, w: U64, x: np.uint64, pay: np.uint64, walk: U64) -> b
         return True
     kicks = np.int64(tm[TM_KICKS])
     side = np.int64(rng_next(tm) >> np.uint64(63))
-    cx = x
+    cy = y
     cp = pay
     for step in range(kicks):
-        h, tag, rest = locate(tm, side, cx)
+        h, tag, rest = split(tm, side, cy)
         s = bucket_start(tm, side, h) + np.int64(rng_next(tm) >> np.uint64(32)) % b
-        vx = key_of(tm, w, s)
+        vy = y_of(tm, w, s)
         vp = pay_of(tm, w, s)
-        walk[3 * step] = vx
+        walk[3 * step] = vy
         walk[3 * step + 1] = vp
         walk[3 * step + 2] = np.uint64(s)
         write_slot(tm, w, side, s, tag, rest, cp)
-        cx = vx
+        cy = vy
         cp = vp
         side = 1 - side
-        if _place_free(tm, w, side, cx, cp, b):
+        if _place_free(tm, w, side, cy, cp, b):
             tm[TM_LIVE] += _ONE
             return True
     for step in range(kicks - 1, -1, -1):  # undo, newest first
         s = np.int64(walk[3 * step + 2])
         j = sub_of(tm, s)
-        _, tag, rest = locate(tm, j, walk[3 * step])
+        _, tag, rest = split(tm, j, walk[3 * step])
         write_slot(tm, w, j, s, tag, rest, walk[3 * step + 1])
     return False
 
@@ -442,7 +470,7 @@ def list_entries(tm: U64, w: U64, keys: U64, pays: U64, slots: I64) -> Int:
 
 @njit(cache=True, _nrt=False)  # type: ignore[misc,call-overload,untyped-decorator]
 def rebuild(otm: U64, ow: U64, ntm: U64, nw: U64, remap: U32, walk: U64) -> bool:
-    """Move every entry into the empty table ``ntm``/``nw`` (same salts and payload width, other
+    """Move every entry into the empty table ``ntm``/``nw`` (same salt and payload width, other
     bucket counts).
 
     Bucket indices are monotone in the mixed key for any bucket count, so an entry's bucket in
@@ -468,7 +496,6 @@ def rebuild(otm: U64, ow: U64, ntm: U64, nw: U64, remap: U32, walk: U64) -> bool
         owd = np.int64(otm[o + S_WIDTH])
         os0 = np.int64(otm[o + S_SLOT0])
         ob0 = np.int64(otm[o + S_BIT0])
-        salt = otm[o + S_SALT]
         nnb = ntm[o + S_NB]
         nk = ntm[o + S_K]
         nrb = np.int64(ntm[o + S_RBITS])
@@ -487,10 +514,9 @@ def rebuild(otm: U64, ow: U64, ntm: U64, nw: U64, remap: U32, walk: U64) -> bool
                 tag = tag_of(ow, s)
                 rest = get_bits(ow, off, orb)
                 p = get_bits(ow, off + orb, pb)
-                # unsplit in the old subtable, split in the new one
+                # unsplit in the old subtable, split in the new one (same rotation)
                 num = (np.uint64(h) << np.uint64(32)) | ((rest >> np.uint64(25)) << ok)
                 hi = (num + onb - _ONE) // onb
-                y = (hi << np.uint64(32)) | ((rest & _M25) << np.uint64(TAG_BITS)) | (tag & _M7)
                 q = hi * nnb
                 h2 = np.int64(q >> np.uint64(32))
                 rest2 = (((q & _M32) >> nk) << np.uint64(25)) | (rest & _M25)
@@ -507,12 +533,12 @@ def rebuild(otm: U64, ow: U64, ntm: U64, nw: U64, remap: U32, walk: U64) -> bool
                 else:
                     ntm[TM_LIVE] += np.uint64(moved)
                     moved = 0
-                    x = unfmix(y) ^ salt
+                    y = unsplit(otm, j, h, tag, rest)
                     if cuckoo:
-                        if not insert_cuckoo(ntm, nw, x, p, walk):
+                        if not insert_cuckoo(ntm, nw, y, p, walk):
                             return False
                         continue
-                    placed, _ = find_or_insert_stable(ntm, nw, x, p)
+                    placed, _ = find_or_insert_stable(ntm, nw, y, p)
                     if placed < 0:
                         return False
                     ns = np.int64(placed)
@@ -612,16 +638,16 @@ class PackedTable:
         tm[TM_D], tm[TM_B], tm[TM_PBITS], tm[TM_KICKS], tm[TM_CAP] = d, b, pbits, kicks, cap
         state, rng = _splitmix(salt)
         tm[TM_RNG] = rng | 1
+        state, tm[TM_SALT] = _splitmix(state)
         slot0 = 0
         word = cap // 8  # data after the tag region
         for j, nb in enumerate(nbs):
-            state, sj = _splitmix(state)
             k = nb.bit_length() - 1
             rbits = 57 - k
             o = TM_SUB + SUB_W * j
             tm[o + S_NB], tm[o + S_K], tm[o + S_RBITS] = nb, k, rbits
             tm[o + S_WIDTH], tm[o + S_SLOT0], tm[o + S_BIT0] = rbits + pbits, slot0, word * 64
-            tm[o + S_SALT] = sj
+            tm[o + S_ROT] = j * (64 // d)
             slot0 += nb * b
             word += -(-(nb * b * (rbits + pbits)) // 64)
         self.tm = tm

@@ -54,14 +54,15 @@ def _round_trip(tm, j, xs, hs, out):  # type: ignore[no-untyped-def]
 def _ops(tm, w, kinds, keys, pays, walk, out):  # type: ignore[no-untyped-def]
     """kinds: 0 insert (if absent), 1 delete (if present), 2 find → out: slot, -1 or -2."""
     for i in range(kinds.shape[0]):
-        s = pk.find(tm, w, keys[i])
+        y = pk.mix(tm, keys[i])
+        s = pk.find(tm, w, y)
         if kinds[i] == 0:
             if s >= 0:
                 out[i] = -2
             elif tm[pk.TM_KICKS] != np.uint64(0):
-                out[i] = 1 if pk.insert_cuckoo(tm, w, keys[i], pays[i], walk) else -1
+                out[i] = 1 if pk.insert_cuckoo(tm, w, y, pays[i], walk) else -1
             else:
-                placed, created = pk.find_or_insert_stable(tm, w, keys[i], pays[i])
+                placed, created = pk.find_or_insert_stable(tm, w, y, pays[i])
                 out[i] = placed if created else -3
         elif kinds[i] == 1:
             if s >= 0:
