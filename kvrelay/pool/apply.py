@@ -43,6 +43,7 @@ U8 = npt.NDArray[np.uint8]
 
 CHAIN_SEED = np.uint64(1337)
 _NS_EMPTY = np.uint64(0)
+_LOW32 = np.uint64(0xFFFFFFFF)
 
 # stats indices
 ST_APPLIED = 0
@@ -83,9 +84,10 @@ CFG_KICKS = 4
 @njit(cache=True, inline="always")  # type: ignore[misc]
 def _prefetch_homes(tm: U64, w: U64, y: np.uint64) -> None:
     for j in range(np.int64(tm[pk.TM_D])):
-        tw, dw = pk.home_words(tm, j, y)
+        tw, d0, d1 = pk.home_words(tm, j, y)
         prefetch(w, tw)
-        prefetch(w, dw)
+        prefetch(w, d0)
+        prefetch(w, d1)
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
@@ -224,7 +226,8 @@ def apply_batch(
     pm: I64,
     xk: U64,
     xv: U32,
-    canon_buf: U64,
+    okey_buf: U64,
+    addr_buf: U64,
     own_buf: I64,
     set_keys: U64,
     set_stamp: I64,
@@ -344,11 +347,12 @@ def apply_batch(
                         tokens, tok8, tb + j * bs, win, mm_off, mm, g, seed, mm_scratch, sec, acc  # type: ignore[arg-type]
                     )
                     c = bh if (j == 0 and not hp) else xxh3_64_u64x2(prev, bh, CHAIN_SEED)
-                    canon_buf[g] = c
                     prev = c
-                    yo = pk.mix(otm, c)
+                    yo = pk.mix(otm, c)  # the owners table's key for c
+                    okey_buf[g] = yo
                     _prefetch_homes(otm, ow, yo)
-                    _, a = _addr(c, cseed, cmask, deltas)
+                    fp, a = _addr(c, cseed, cmask, deltas)
+                    addr_buf[g] = (fp << np.uint64(32)) | a
                     prefetch(table, a)
                     prefetch(mark, a)
                     s = pk.find(ltm, lw, pk.mix(ltm, ext[g]))
@@ -371,7 +375,7 @@ def apply_batch(
                         g += 1
                         continue
                     placed, created = pk.find_or_insert_stable(
-                        otm, ow, pk.mix(otm, canon_buf[g]), np.uint64(0)
+                        otm, ow, okey_buf[g], np.uint64(0)
                     )
                     if placed < 0:
                         stop = STOP_OWNERS_FULL
@@ -401,14 +405,14 @@ def apply_batch(
                 # ---- commit: counts, namespace, CKF ----
                 ns_blk = ns_part[i] if ns_part[i] != np.uint64(0) else pns
                 for g in range(b0, b1):
-                    c = canon_buf[g]
                     o = own_buf[g] >> 2
                     kind = own_buf[g] & 3
                     if kind == K_REOFFER:
                         stats[ST_REOFFER] += 1
                         p = pk.pay_of(otm, ow, o)
                         if (p & RES_BIT) == np.uint64(0):
-                            fp, a = _addr(c, cseed, cmask, deltas)
+                            fp = addr_buf[g] >> np.uint64(32)
+                            a = addr_buf[g] & _LOW32
                             if ckf_insert_fp(
                                 table, fp, a, deltas, 0, rng, mark, dlog_b, dlog_o, dmeta,
                                 undo_b, undo_o,
@@ -425,7 +429,8 @@ def apply_batch(
                     stats[ST_STORED] += 1
                     p = pk.pay_of(otm, ow, o)
                     if (p & RES_BIT) == np.uint64(0):
-                        fp, a = _addr(c, cseed, cmask, deltas)
+                        fp = addr_buf[g] >> np.uint64(32)
+                        a = addr_buf[g] & _LOW32
                         if ckf_insert_fp(
                             table, fp, a, deltas, mk if first else 0, rng, mark, dlog_b, dlog_o,
                             dmeta, undo_b, undo_o,

@@ -80,7 +80,6 @@ _C2_INV = np.uint64(0x9CB4B2F8129337DB)
 _L8 = np.uint64(0x0101010101010101)
 _H8 = np.uint64(0x8080808080808080)
 _S7 = np.uint64(0x7F7F7F7F7F7F7F7F)
-_GATHER = np.uint64(0x0102040810204080)
 
 
 # ---- bit helpers ---------------------------------------------------------------------------------
@@ -108,17 +107,12 @@ def unfmix(y: np.uint64) -> np.uint64:
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def _gather(z: np.uint64) -> np.uint64:
-    """Bit 7 of each byte of ``z`` (other bits zero) → an 8-bit mask."""
-    return ((z >> np.uint64(7)) * _GATHER) >> np.uint64(56)  # type: ignore[no-any-return]
-
-
-@njit(cache=True, inline="always")  # type: ignore[misc]
-def byte_eq8(w: np.uint64, tag: np.uint64) -> np.uint64:
-    """8-bit mask of the bytes of ``w`` equal to ``tag`` (exact SWAR compare, then a gather)."""
+def byte_eq(w: np.uint64, tag: np.uint64) -> np.uint64:
+    """Bit 7 of each byte of ``w`` that equals ``tag``, other bits zero (exact SWAR compare; a
+    slot's index in its word is ``ctz(mask) >> 3``)."""
     x = w ^ (tag * _L8)
     t = ((x & _S7) + _S7) | x
-    return _gather(~(t | _S7))  # bit 7 of each byte set iff that byte of x is zero
+    return ~(t | _S7)  # type: ignore[no-any-return]
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
@@ -228,23 +222,24 @@ def bucket_start(tm: U64, j: Int, h: Int) -> Int:
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def used_mask(w: U64, s0: Int, b: Int) -> np.uint64:
-    """Used slots of the bucket at ``s0`` as a ``b``-bit mask (``b`` a multiple of 8)."""
-    m = _ZERO
+def fill(w: U64, s0: Int, b: Int) -> Int:
+    """Used slots of the bucket at ``s0`` (``b`` a multiple of 8, ``s0`` of ``b``)."""
+    n = 0
     w0 = s0 >> 3
     for q in range(b >> 3):
-        m |= _gather(w[w0 + q] & _H8) << np.uint64(8 * q)
-    return m  # type: ignore[no-any-return]
+        n += popcount(w[w0 + q] & _H8)
+    return n
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def tag_match(w: U64, s0: Int, b: Int, tag: np.uint64) -> np.uint64:
-    """Used slots of the bucket at ``s0`` whose tag byte is ``tag`` (which has the used bit)."""
-    m = _ZERO
+def first_free(w: U64, s0: Int, b: Int) -> Int:
+    """Global slot of the bucket's first free slot, or -1 when it is full."""
     w0 = s0 >> 3
     for q in range(b >> 3):
-        m |= byte_eq8(w[w0 + q], tag) << np.uint64(8 * q)
-    return m  # type: ignore[no-any-return]
+        f = ~w[w0 + q] & _H8
+        if f != _ZERO:
+            return s0 + 8 * q + (ctz(f) >> 3)  # type: ignore[no-any-return]
+    return -1
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
@@ -335,21 +330,25 @@ def find(tm: U64, w: U64, y: np.uint64) -> Int:
     for j in range(np.int64(tm[TM_D])):
         h, tag, rest = split(tm, j, y)
         s0 = bucket_start(tm, j, h)
-        c = tag_match(w, s0, b, tag)
-        while c != _ZERO:
-            s = s0 + ctz(c)
-            c &= c - _ONE
-            if rest_at(tm, w, j, s) == rest:
-                return s
+        for q in range(b >> 3):
+            c = byte_eq(w[(s0 >> 3) + q], tag)
+            while c != _ZERO:
+                s = s0 + 8 * q + (ctz(c) >> 3)
+                c &= c - _ONE
+                if rest_at(tm, w, j, s) == rest:
+                    return s
     return -1
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def home_words(tm: U64, j: Int, y: np.uint64) -> tuple[Int, Int]:
-    """``(tag word, first data word)`` of ``y``'s bucket in subtable ``j`` (for prefetching)."""
+def home_words(tm: U64, j: Int, y: np.uint64) -> tuple[Int, Int, Int]:
+    """``(tag word, first data word, last data word)`` of ``y``'s bucket in subtable ``j`` (for
+    prefetching: a bucket's data often spans two cache lines)."""
     h, _, _ = split(tm, j, y)
     s0 = bucket_start(tm, j, h)
-    return s0 >> 3, slot_off(tm, j, s0) >> 6
+    off = slot_off(tm, j, s0)
+    end = off + np.int64(tm[TM_B]) * np.int64(tm[TM_SUB + SUB_W * j + S_WIDTH]) - 1
+    return s0 >> 3, off >> 6, end >> 6
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
@@ -358,28 +357,30 @@ def find_or_insert_stable(tm: U64, w: U64, y: np.uint64, pay: np.uint64) -> tupl
     into the least-loaded candidate bucket (ties to the lowest subtable); ``(-1, True)`` when
     absent and every candidate bucket is full (nothing changed)."""
     b = np.int64(tm[TM_B])
-    full = (_ONE << np.uint64(b)) - _ONE if b < 64 else ~_ZERO
     best = np.int64(-1)
     best_fill = np.int64(b)
     best_s0 = np.int64(0)
     for j in range(np.int64(tm[TM_D])):
         h, tag, rest = split(tm, j, y)
         s0 = bucket_start(tm, j, h)
-        c = tag_match(w, s0, b, tag)
-        while c != _ZERO:
-            s = s0 + ctz(c)
-            c &= c - _ONE
-            if rest_at(tm, w, j, s) == rest:
-                return s, False
-        f = np.int64(popcount(used_mask(w, s0, b)))
+        f = 0
+        for q in range(b >> 3):
+            wd = w[(s0 >> 3) + q]
+            c = byte_eq(wd, tag)
+            while c != _ZERO:
+                s = s0 + 8 * q + (ctz(c) >> 3)
+                c &= c - _ONE
+                if rest_at(tm, w, j, s) == rest:
+                    return s, False
+            f += popcount(wd & _H8)
         if f < best_fill:
-            best_fill = f
+            best_fill = np.int64(f)
             best = np.int64(j)
             best_s0 = np.int64(s0)
     if best < 0:
         return -1, True
     _, tag, rest = split(tm, best, y)
-    s = best_s0 + ctz(~used_mask(w, best_s0, b) & full)
+    s = first_free(w, best_s0, b)
     write_slot(tm, w, best, s, tag, rest, pay)
     tm[TM_LIVE] += _ONE
     return s, True
@@ -388,32 +389,29 @@ def find_or_insert_stable(tm: U64, w: U64, y: np.uint64, pay: np.uint64) -> tupl
 @njit(cache=True, inline="always")  # type: ignore[misc]
 def _place_free(tm: U64, w: U64, j: Int, y: np.uint64, pay: np.uint64, b: Int) -> bool:
     h, tag, rest = split(tm, j, y)
-    s0 = bucket_start(tm, j, h)
-    free = ~used_mask(w, s0, b) & ((_ONE << np.uint64(b)) - _ONE)
-    if free == _ZERO:
+    s = first_free(w, bucket_start(tm, j, h), b)
+    if s < 0:
         return False
-    write_slot(tm, w, j, s0 + ctz(free), tag, rest, pay)
+    write_slot(tm, w, j, s, tag, rest, pay)
     return True
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
 def insert_cuckoo(tm: U64, w: U64, y: np.uint64, pay: np.uint64, walk: U64) -> bool:
-    """Insert absent mixed key ``y`` (two subtables, ``b < 64``); False leaves the table exactly
-    as before. ``walk`` is caller scratch of at least ``3 · tm[TM_KICKS]`` words (the undo
-    log)."""
+    """Insert absent mixed key ``y`` (two subtables); False leaves the table exactly as before.
+    ``walk`` is caller scratch of at least ``3 · tm[TM_KICKS]`` words (the undo log)."""
     b = np.int64(tm[TM_B])
-    full = (_ONE << np.uint64(b)) - _ONE
     h0, t0, r0 = split(tm, 0, y)
     h1, t1, r1 = split(tm, 1, y)
     s0 = bucket_start(tm, 0, h0)
     s1 = bucket_start(tm, 1, h1)
-    o0 = used_mask(w, s0, b)
-    o1 = used_mask(w, s1, b)
-    if o0 != full or o1 != full:
-        if popcount(o0) <= popcount(o1):
-            write_slot(tm, w, 0, s0 + ctz(~o0 & full), t0, r0, pay)
+    f0 = fill(w, s0, b)
+    f1 = fill(w, s1, b)
+    if f0 < b or f1 < b:
+        if f0 <= f1:
+            write_slot(tm, w, 0, first_free(w, s0, b), t0, r0, pay)
         else:
-            write_slot(tm, w, 1, s1 + ctz(~o1 & full), t1, r1, pay)
+            write_slot(tm, w, 1, first_free(w, s1, b), t1, r1, pay)
         tm[TM_LIVE] += _ONE
         return True
     kicks = np.int64(tm[TM_KICKS])
@@ -457,9 +455,9 @@ def list_entries(tm: U64, w: U64, keys: U64, pays: U64, slots: I64) -> Int:
     """Every ``(key, payload, slot)``, in slot order."""
     n = 0
     for q in range(np.int64(tm[TM_CAP]) >> 3):
-        v = _gather(w[q] & _H8)
+        v = w[q] & _H8
         while v != _ZERO:
-            s = q * 8 + ctz(v)
+            s = q * 8 + (ctz(v) >> 3)
             v &= v - _ONE
             keys[n] = key_of(tm, w, s)
             pays[n] = pay_of(tm, w, s)
@@ -480,7 +478,6 @@ def rebuild(otm: U64, ow: U64, ntm: U64, nw: U64, remap: U32, walk: U64) -> bool
     tables are not referenced, and their insertion path may move entries). False if some entry
     found no room (the new table is then garbage)."""
     b = np.int64(otm[TM_B])
-    full = (_ONE << np.uint64(b)) - _ONE if b < 64 else ~_ZERO
     cuckoo = otm[TM_KICKS] != _ZERO
     mapped = remap.shape[0] > 0
     pb = np.int64(otm[TM_PBITS])
@@ -503,30 +500,28 @@ def rebuild(otm: U64, ow: U64, ntm: U64, nw: U64, remap: U32, walk: U64) -> bool
         ns0 = np.int64(ntm[o + S_SLOT0])
         nb0 = np.int64(ntm[o + S_BIT0])
         moved = 0
-        for h in range(np.int64(onb)):
-            s0 = os0 + h * b
-            used = used_mask(ow, s0, b)
+        for q in range(os0 >> 3, (os0 + np.int64(onb) * b) >> 3):  # tag words, in slot order
+            used = ow[q] & _H8
             while used != _ZERO:
-                i = ctz(used)
+                s = 8 * q + (ctz(used) >> 3)
                 used &= used - _ONE
-                s = s0 + i
-                off = ob0 + (h * b + i) * owd
+                local = s - os0
+                h = local // b
+                off = ob0 + local * owd
                 tag = tag_of(ow, s)
                 rest = get_bits(ow, off, orb)
                 p = get_bits(ow, off + orb, pb)
                 # unsplit in the old subtable, split in the new one (same rotation)
                 num = (np.uint64(h) << np.uint64(32)) | ((rest >> np.uint64(25)) << ok)
                 hi = (num + onb - _ONE) // onb
-                q = hi * nnb
-                h2 = np.int64(q >> np.uint64(32))
-                rest2 = (((q & _M32) >> nk) << np.uint64(25)) | (rest & _M25)
+                qq = hi * nnb
+                h2 = np.int64(qq >> np.uint64(32))
+                rest2 = (((qq & _M32) >> nk) << np.uint64(25)) | (rest & _M25)
                 t0 = ns0 + h2 * b
-                nu = used_mask(nw, t0, b)
-                if popcount(nu) < b - spare:
-                    i2 = ctz(~nu & full)
-                    ns = np.int64(t0 + i2)
+                if fill(nw, t0, b) < b - spare:
+                    ns = np.int64(first_free(nw, t0, b))
                     _set_tag(nw, ns, tag)
-                    off2 = nb0 + (h2 * b + i2) * nwd
+                    off2 = nb0 + (ns - ns0) * nwd
                     put_bits(nw, off2, nrb, rest2)
                     put_bits(nw, off2 + nrb, pb, p)
                     moved += 1
@@ -557,7 +552,7 @@ def repack(otm: U64, ow: U64, ntm: U64, nw: U64, remap: U32) -> None:
     opb = np.int64(otm[TM_PBITS])
     npb = np.int64(ntm[TM_PBITS])
     b = np.int64(otm[TM_B])
-    ahead = 4  # buckets: remap reads are random, prefetch them this far ahead
+    ahead = 4  # tag words: remap reads are random, prefetch them this far ahead
     for j in range(np.int64(otm[TM_D])):
         o = TM_SUB + SUB_W * j
         nbk = np.int64(otm[o + S_NB])
@@ -567,26 +562,26 @@ def repack(otm: U64, ow: U64, ntm: U64, nw: U64, remap: U32) -> None:
         s0j = np.int64(otm[o + S_SLOT0])
         ob0 = np.int64(otm[o + S_BIT0])
         nb0 = np.int64(ntm[o + S_BIT0])
-        for h in range(nbk):
-            if mapped and h + ahead < nbk:
-                u = used_mask(ow, s0j + (h + ahead) * b, b)
+        q0 = s0j >> 3
+        q1 = (s0j + nbk * b) >> 3
+        for q in range(q0, q1):  # tag words, in slot order; the tag region is unchanged
+            if mapped and q + ahead < q1:
+                u = ow[q + ahead] & _H8
                 while u != _ZERO:
-                    i = ctz(u)
+                    local = 8 * (q + ahead) + (ctz(u) >> 3) - s0j
                     u &= u - _ONE
-                    off = ob0 + ((h + ahead) * b + i) * owd + rb
-                    prefetch(remap, np.int64(get_bits(ow, off, opb)))
-            u = used_mask(ow, s0j + h * b, b)
-            for q in range(b >> 3):  # the tag region is unchanged
-                nw[((s0j + h * b) >> 3) + q] = ow[((s0j + h * b) >> 3) + q]
+                    prefetch(remap, np.int64(get_bits(ow, ob0 + local * owd + rb, opb)))
+            nw[q] = ow[q]
+            u = ow[q] & _H8
             while u != _ZERO:
-                i = ctz(u)
+                local = 8 * q + (ctz(u) >> 3) - s0j
                 u &= u - _ONE
-                off = ob0 + (h * b + i) * owd
+                off = ob0 + local * owd
                 rest = get_bits(ow, off, rb)
                 p = get_bits(ow, off + rb, opb)
                 if mapped:
                     p = np.uint64(remap[np.int64(p)])
-                off2 = nb0 + (h * b + i) * nwd
+                off2 = nb0 + local * nwd
                 put_bits(nw, off2, rb, rest)
                 put_bits(nw, off2 + rb, npb, p)
 

@@ -241,7 +241,8 @@ class Pool:
         self._next_id = 0
         self._stats = np.zeros(N_STATS, dtype=np.int64)
         self._summary = np.zeros(3, dtype=np.int64)
-        self._canon_buf = np.empty(0, dtype=np.uint64)
+        self._okey_buf = np.empty(0, dtype=np.uint64)  # owners-table keys of canonical hashes
+        self._addr_buf = np.empty(0, dtype=np.uint64)  # CKF (fingerprint << 32 | bucket)
         self._own_buf = np.empty(0, dtype=np.int64)
         self.errors_by_kind: Counter[str] = Counter()
         self.first_error: tuple[int, PoolError] | None = None
@@ -386,8 +387,9 @@ class Pool:
         err = np.zeros(n, dtype=np.uint8)
         stats = np.zeros(N_STATS, dtype=np.int64)
         nb = b.ext_hashes.shape[0]
-        if self._canon_buf.shape[0] < nb:
-            self._canon_buf = np.empty(nb, dtype=np.uint64)
+        if self._okey_buf.shape[0] < nb:
+            self._okey_buf = np.empty(nb, dtype=np.uint64)
+            self._addr_buf = np.empty(nb, dtype=np.uint64)
             self._own_buf = np.full(nb, -1, dtype=np.int64)
         set_cap = 1 << max(4, (2 * max_k).bit_length()) if max_k > 16 else 1
         set_keys = np.zeros(set_cap, dtype=np.uint64)
@@ -403,7 +405,8 @@ class Pool:
                 b.ext_hashes, b.tok_off, b.tokens, b.mm_off, b.mm, self._cfg, self.table,
                 self._deltas, self._rng, self._mark, self._dlog_b, self._dlog_o, self._dmeta,
                 self._undo_b, self._undo_o, lin.tm, lin.w, m.nkeys, m.nvals, m.nmeta, own.tm,
-                own.w, self._pm, self._xk, self._xv, self._canon_buf, self._own_buf, set_keys,
+                own.w, self._pm, self._xk, self._xv, self._okey_buf, self._addr_buf,
+                self._own_buf, set_keys,
                 set_stamp, walk, mm_scratch, self._hash_sec, self._hash_acc, start, err, stats,
             )  # fmt: skip
             if stop >= n:
