@@ -52,7 +52,8 @@ TM_RNG = 4
 TM_KICKS = 5
 TM_CAP = 6
 TM_SALT = 7
-TM_SUB = 8  # per-subtable block of SUB_W words
+TM_LOGB = 8  # log2(slots per bucket): bucket index = slot >> TM_LOGB (no division)
+TM_SUB = 10  # per-subtable block of SUB_W words
 SUB_W = 8
 S_NB = 0
 S_K = 1
@@ -288,7 +289,7 @@ def y_of(tm: U64, w: U64, s: Int) -> np.uint64:
     """The mixed key held by used global slot ``s``."""
     j = sub_of(tm, s)
     local = s - np.int64(tm[TM_SUB + SUB_W * j + S_SLOT0])
-    h = local // np.int64(tm[TM_B])
+    h = local >> np.int64(tm[TM_LOGB])
     return unsplit(tm, j, h, tag_of(w, s), rest_at(tm, w, j, s))
 
 
@@ -304,7 +305,7 @@ def holds(tm: U64, w: U64, s: Int, y: np.uint64) -> bool:
     j = sub_of(tm, s)
     h, tag, rest = split(tm, j, y)
     local = s - np.int64(tm[TM_SUB + SUB_W * j + S_SLOT0])
-    if local // np.int64(tm[TM_B]) != h:
+    if local >> np.int64(tm[TM_LOGB]) != h:
         return False
     return tag_of(w, s) == tag and rest_at(tm, w, j, s) == rest  # type: ignore[no-any-return]
 
@@ -415,12 +416,13 @@ def insert_cuckoo(tm: U64, w: U64, y: np.uint64, pay: np.uint64, walk: U64) -> b
         tm[TM_LIVE] += _ONE
         return True
     kicks = np.int64(tm[TM_KICKS])
+    vshift = np.uint64(64) - tm[TM_LOGB]  # victim slot = top log2(b) bits of a random word
     side = np.int64(rng_next(tm) >> np.uint64(63))
     cy = y
     cp = pay
     for step in range(kicks):
         h, tag, rest = split(tm, side, cy)
-        s = bucket_start(tm, side, h) + np.int64(rng_next(tm) >> np.uint64(32)) % b
+        s = bucket_start(tm, side, h) + np.int64(rng_next(tm) >> vshift)
         vy = y_of(tm, w, s)
         vp = pay_of(tm, w, s)
         walk[3 * step] = vy
@@ -483,7 +485,8 @@ def rebuild(otm: U64, ow: U64, ntm: U64, nw: U64, remap: U32, walk: U64) -> bool
     pb = np.int64(otm[TM_PBITS])
     # Streamed buckets of stable tables keep slack: filled to the brim they clump (d-left needs a
     # free slot among few candidates); cuckoo tables relocate instead.
-    spare = 0 if cuckoo else b >> 3
+    spare = 0 if cuckoo else (3 * b) >> 4
+    lb = np.int64(otm[TM_LOGB])
     for j in range(np.int64(otm[TM_D])):
         o = TM_SUB + SUB_W * j
         # subtable parameters in locals: stores into the arrays would force reloads from tm
@@ -506,11 +509,16 @@ def rebuild(otm: U64, ow: U64, ntm: U64, nw: U64, remap: U32, walk: U64) -> bool
                 s = 8 * q + (ctz(used) >> 3)
                 used &= used - _ONE
                 local = s - os0
-                h = local // b
+                h = local >> lb
                 off = ob0 + local * owd
                 tag = tag_of(ow, s)
-                rest = get_bits(ow, off, orb)
-                p = get_bits(ow, off + orb, pb)
+                if owd <= 64:  # one read for the whole slot
+                    v = get_bits(ow, off, owd)
+                    rest = v & ((_ONE << np.uint64(orb)) - _ONE)
+                    p = v >> np.uint64(orb)
+                else:
+                    rest = get_bits(ow, off, orb)
+                    p = get_bits(ow, off + orb, pb)
                 # unsplit in the old subtable, split in the new one (same rotation)
                 num = (np.uint64(h) << np.uint64(32)) | ((rest >> np.uint64(25)) << ok)
                 hi = (num + onb - _ONE) // onb
@@ -522,8 +530,11 @@ def rebuild(otm: U64, ow: U64, ntm: U64, nw: U64, remap: U32, walk: U64) -> bool
                     ns = np.int64(first_free(nw, t0, b))
                     _set_tag(nw, ns, tag)
                     off2 = nb0 + (ns - ns0) * nwd
-                    put_bits(nw, off2, nrb, rest2)
-                    put_bits(nw, off2 + nrb, pb, p)
+                    if nwd <= 64:
+                        put_bits(nw, off2, nwd, rest2 | (p << np.uint64(nrb)))
+                    else:
+                        put_bits(nw, off2, nrb, rest2)
+                        put_bits(nw, off2 + nrb, pb, p)
                     moved += 1
                 else:
                     ntm[TM_LIVE] += np.uint64(moved)
@@ -631,6 +642,7 @@ class PackedTable:
         cap = sum(nbs) * b
         tm = np.zeros(TM_LEN, dtype=np.uint64)
         tm[TM_D], tm[TM_B], tm[TM_PBITS], tm[TM_KICKS], tm[TM_CAP] = d, b, pbits, kicks, cap
+        tm[TM_LOGB] = b.bit_length() - 1
         state, rng = _splitmix(salt)
         tm[TM_RNG] = rng | 1
         state, tm[TM_SALT] = _splitmix(state)

@@ -51,4 +51,4 @@ class Policy:
 
 
 LINEAGE = Policy(d=2, b=8, load=(97, 100), step=(23, 20))
-OWNERS = Policy(d=3, b=16, load=(93, 100), step=(23, 20))
+OWNERS = Policy(d=3, b=16, load=(92, 100), step=(23, 20))

@@ -17,10 +17,11 @@ from kvrelay.pool.bitops import ctz, popcount
 M64 = (1 << 64) - 1
 
 
-# ---- numba drivers (the table operations are inline kernels, callable from numba only) --------
+# ---- numba drivers (the table operations are inline kernels, callable from numba only; not
+# cached: numba would keep a driver compiled against an older version of the kernels it inlines)
 
 
-@njit(cache=True)
+@njit(cache=False)
 def _bits_ops(a, offs, widths, vals, out):  # type: ignore[no-untyped-def]
     for i in range(offs.shape[0]):
         pk.put_bits(a, offs[i], widths[i], vals[i])
@@ -28,21 +29,21 @@ def _bits_ops(a, offs, widths, vals, out):  # type: ignore[no-untyped-def]
         out[i] = pk.get_bits(a, offs[i], widths[i])
 
 
-@njit(cache=True)
+@njit(cache=False)
 def _swar(words, tags, eq, used):  # type: ignore[no-untyped-def]
     for i in range(words.shape[0]):
         eq[i] = pk.byte_eq(words[i], tags[i])
         used[i] = words[i] & np.uint64(0x8080808080808080)
 
 
-@njit(cache=True)
+@njit(cache=False)
 def _scan(vals, tz, pc):  # type: ignore[no-untyped-def]
     for i in range(vals.shape[0]):
         tz[i] = ctz(vals[i])
         pc[i] = popcount(vals[i])
 
 
-@njit(cache=True)
+@njit(cache=False)
 def _round_trip(tm, j, xs, hs, out):  # type: ignore[no-untyped-def]
     for i in range(xs.shape[0]):
         h, tag, rest = pk.locate(tm, j, xs[i])
@@ -50,7 +51,7 @@ def _round_trip(tm, j, xs, hs, out):  # type: ignore[no-untyped-def]
         out[i] = pk.key_at(tm, j, h, tag, rest)
 
 
-@njit(cache=True)
+@njit(cache=False)
 def _ops(tm, w, kinds, keys, pays, walk, out):  # type: ignore[no-untyped-def]
     """kinds: 0 insert (if absent), 1 delete (if present), 2 find → out: slot, -1 or -2."""
     for i in range(kinds.shape[0]):
