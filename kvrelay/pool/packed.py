@@ -36,6 +36,7 @@ import numpy.typing as npt
 from numba import njit
 
 from kvrelay.pool.bitops import ctz, popcount
+from kvrelay.pool.ckf import splitmix_next
 from kvrelay.pool.prefetch import prefetch
 
 U64 = npt.NDArray[np.uint64]
@@ -610,15 +611,6 @@ class Scratch:
         self.no_remap = np.zeros(0, dtype=np.uint32)
 
 
-def _splitmix(state: int) -> tuple[int, int]:
-    m = 0xFFFF_FFFF_FFFF_FFFF
-    s = (state + 0x9E3779B97F4A7C15) & m
-    z = s
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
-    return s, z ^ (z >> 31)
-
-
 def slot_bits(nb: int, pbits: int) -> int:
     """Bits one slot of a subtable of ``nb`` buckets costs (tag byte + rest + payload)."""
     return 8 + 57 - (nb.bit_length() - 1) + pbits
@@ -643,9 +635,9 @@ class PackedTable:
         tm = np.zeros(TM_LEN, dtype=np.uint64)
         tm[TM_D], tm[TM_B], tm[TM_PBITS], tm[TM_KICKS], tm[TM_CAP] = d, b, pbits, kicks, cap
         tm[TM_LOGB] = b.bit_length() - 1
-        state, rng = _splitmix(salt)
+        state, rng = splitmix_next(salt)
         tm[TM_RNG] = rng | 1
-        state, tm[TM_SALT] = _splitmix(state)
+        state, tm[TM_SALT] = splitmix_next(state)
         slot0 = 0
         word = cap // 8  # data after the tag region
         for j, nb in enumerate(nbs):

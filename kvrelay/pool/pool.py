@@ -1,7 +1,8 @@
 """``Pool``: exact refcounted ownership + one CKF lane + dirty tracking, for one pool generation.
 
 Python here only validates batch shapes, reserves table capacity (kernels never allocate tables),
-calls the apply kernel once per batch and maps per-event error codes to typed errors.
+calls the apply kernel once per batch (again after a CLEAR event or a table that ran out of room,
+resuming where it stopped) and maps per-event error codes to typed errors.
 """
 
 from __future__ import annotations
@@ -112,14 +113,6 @@ def _warm_layout_kernels() -> None:
     remap_overflow(xk, xv, xk.copy(), xv.copy(), remap)
     tab_rehash(xk, xv, EMPTY32, xk.copy(), xv.copy())
     _warmed = True
-
-
-def _splitmix(state: int) -> tuple[int, int]:
-    s = (state + 0x9E3779B97F4A7C15) & _M64
-    z = s
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-    return s, z ^ (z >> 31)
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,7 +244,7 @@ class Pool:
         self.forced_growths = 0
 
     def _next_salt(self) -> int:
-        self._salt_state, out = _splitmix(self._salt_state)
+        self._salt_state, out = ckf.splitmix_next(self._salt_state)
         return out
 
     # ---- membership -----------------------------------------------------------------------------
