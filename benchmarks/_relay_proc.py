@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvrelay.contract.limits import RelayLimits
 from kvrelay.discovery.endpoints import StaticSourceConfig
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
-from kvrelay.service.limits import RelayLimits
 from kvrelay.service.server import RelayServer
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, TextIO
 from kvrelay import SUPPORTED_DYNAMO, SUPPORTED_VLLM, __version__
 
 if TYPE_CHECKING:
-    from kvrelay.config import ConfigProblem
+    from kvrelay.ops.config import ConfigProblem
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -158,7 +158,7 @@ def _numba_cache_from_systemd() -> None:
 
 
 def _check_config(path: str) -> int:
-    from kvrelay.config import check_file
+    from kvrelay.ops.config import check_file
 
     cfg, problems = check_file(path)
     print_problems(problems, sys.stdout)
@@ -175,20 +175,20 @@ def _serve(path: str | None) -> int:
         print("kvrelay serve: --config FILE is required (or set KVRELAY_CONFIG)", file=sys.stderr)
         return EXIT_USAGE
     _numba_cache_from_systemd()
-    from kvrelay.config import check_file
+    from kvrelay.ops.config import check_file
 
     cfg, problems = check_file(path)
     if cfg is None:
         print_problems(problems, sys.stderr)
         print(f"kvrelay serve: refusing to start: invalid configuration {path}", file=sys.stderr)
         return EXIT_USAGE
-    from kvrelay.daemon import run
+    from kvrelay.ops.daemon import run
 
     return run(cfg)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kvrelay.config import parse_bind
+    from kvrelay.ops.config import parse_bind
 
     try:
         host, port = parse_bind(args.bind)

@@ -24,12 +24,12 @@ import numpy as np
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client.config import ClientConfig
 from kvrelay.client.connection import PoolFilter, PoolSlot, RelayConnection
+from kvrelay.client.probe import contains
 from kvrelay.client.query import HashCache, QueryPlan, plan_for
 from kvrelay.client.rpc import RelayAddress
 from kvrelay.client.search import prefix_depth
 from kvrelay.client.views import LoadView, PoolKey, ReadinessView, ReplicaStats
-from kvrelay.pool.ckf import contains
-from kvrelay.service.validation import producer_key
+from kvrelay.contract.producer import producer_key
 
 _STATE = {0: "UNKNOWN", 1: "UNAVAILABLE", 2: "READY"}
 

@@ -29,9 +29,10 @@ from kvrelay.client import rpc
 from kvrelay.client.config import ClientConfig
 from kvrelay.client.replica import PoolReplica, relay_key
 from kvrelay.client.views import PoolKey
+from kvrelay.contract.errors import RelayError
+from kvrelay.contract.producer import ProducerKey, producer_key
+from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION
 from kvrelay.logging import get_logger
-from kvrelay.service.errors import RelayError
-from kvrelay.service.validation import CONTRACT_MARKER, PROTOCOL_VERSION, ProducerKey, producer_key
 
 _log = get_logger(__name__)
 PoolFilter = Callable[[PoolKey, pb.KvPoolDescriptor], bool]

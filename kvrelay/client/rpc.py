@@ -22,8 +22,8 @@ from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import errors as E
-from kvrelay.service.codec import PassThroughCodec
-from kvrelay.service.validation import CONTRACT_MARKER
+from kvrelay.client.codec import ClientCodec
+from kvrelay.contract.wire import CONTRACT_MARKER
 
 SERVICE = "/dynamo.kvrelay.v1.KvEventRelay/"
 T = TypeVar("T")
@@ -73,7 +73,7 @@ def open_channel(
         address.host,
         address.port,
         ssl=ssl,
-        codec=PassThroughCodec(max_message_bytes),
+        codec=ClientCodec(max_message_bytes),
         config=Configuration(_keepalive_time=20.0, _keepalive_timeout=10.0),
     )
 

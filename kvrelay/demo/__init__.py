@@ -15,8 +15,8 @@ import sys
 import time
 from typing import Any, TextIO
 
-from kvrelay.config import format_bind
 from kvrelay.demo.fleet import DemoFleet
+from kvrelay.ops.config import format_bind
 
 __all__ = ["run_demo"]
 
@@ -26,7 +26,6 @@ TICK_S = 1.0
 async def _demo(
     host: str, port: int, duration: float, headless: bool, out: TextIO
 ) -> int:
-    from kvrelay.daemon import warm_kernels
     from kvrelay.demo.consumer import Consumer
     from kvrelay.demo.view import (
         CLEAR,
@@ -38,6 +37,7 @@ async def _demo(
         summary_text,
         take_snapshot,
     )
+    from kvrelay.ops.daemon import warm_kernels
     from kvrelay.relay.relay import Relay
     from kvrelay.service.server import RelayServer
 

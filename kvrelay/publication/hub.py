@@ -16,10 +16,10 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 import numpy.typing as npt
 
+from kvrelay.contract.errors import RelayError
+from kvrelay.contract.limits import QUEUE_FRAME_OVERHEAD, RelayLimits
 from kvrelay.publication import cbi1
 from kvrelay.publication.splice import KIND_DELTA, KIND_SNAPSHOT_CHUNK, FilterUpdateEncoder
-from kvrelay.service.errors import RelayError
-from kvrelay.service.limits import QUEUE_FRAME_OVERHEAD, RelayLimits
 
 #: Lanes at or below this many buckets are encoded inline (cheaper than a thread hop).
 INLINE_SNAPSHOT_BUCKETS = 1 << 16

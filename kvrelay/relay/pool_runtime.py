@@ -21,28 +21,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, fields
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.contract.errors import RelayError
 from kvrelay.discovery.events import ChangeEvent, IncarnationChanged
 from kvrelay.discovery.snapshot import EngineSnapshot
 from kvrelay.discovery.watcher import EngineTarget
 from kvrelay.hashing import identity
+from kvrelay.ingest.counters import SubscriberCounters
 from kvrelay.ingest.sink import ResetReason, SourceKey, SourceSpec
 from kvrelay.ingest.subscriber import Subscriber
 from kvrelay.logging import get_logger
 from kvrelay.pool.batch import EventBatch
 from kvrelay.pool.pool import Pool
+from kvrelay.publication.catalog import LoraSpec, descriptor
+from kvrelay.publication.load import RankLoad
+from kvrelay.publication.readiness import EndpointState
+from kvrelay.relay.context import RelayContext
 from kvrelay.relay.generation import Generation
 from kvrelay.relay.settings import EngineSpec, PoolSpec
-from kvrelay.service.errors import RelayError
-from kvrelay.service.planes.catalog import LoraSpec, descriptor
-from kvrelay.service.planes.load import RankLoad
-from kvrelay.service.planes.readiness import EndpointState
-
-if TYPE_CHECKING:
-    from kvrelay.relay.relay import Relay
+from kvrelay.relay.stats import (
+    EngineStats,
+    GenerationStats,
+    GenerationTotals,
+    PoolStats,
+    SourceStats,
+    merged,
+)
 
 _log = get_logger(__name__)
 
@@ -89,9 +95,9 @@ class PoolCounters:
 class PoolRuntime:
     """Implements ``kvrelay.ingest.sink.BatchSink`` for the pool's members."""
 
-    def __init__(self, spec: PoolSpec, relay: Relay) -> None:
+    def __init__(self, spec: PoolSpec, ctx: RelayContext) -> None:
         self.spec = spec
-        self.relay = relay
+        self._ctx = ctx
         self.engines: dict[str, EngineState] = {}
         for e in spec.engines:
             target = EngineTarget(host=e.host, grpc_port=e.grpc_port, static=e.static)
@@ -105,6 +111,9 @@ class PoolRuntime:
         self._model: str | None = None
         self._model_source: str | None = None
         self._block_size: int | None = None
+        # Final counters of retired subscribers and generations (monotonic stats).
+        self._source_totals: dict[SourceKey, SubscriberCounters] = {}
+        self._generation_totals = GenerationTotals()
 
     # ---- BatchSink -------------------------------------------------------------------------------
 
@@ -113,16 +122,12 @@ class PoolRuntime:
         if gen is None:
             self.counters.dropped_without_generation += 1
             return
-        member = gen.pool.add_member(source.worker_id, source.dp_rank)
-        violations = gen.pool.invariant_violations
-        result = gen.pool.apply(member, batch)
+        result = gen.apply(source, batch)
+        if result is None:
+            return  # the generation retired (or this batch fenced it)
         self.counters.batches += 1
         self.counters.events += batch.n_events
         self.counters.events_rejected += result.events_rejected
-        if gen.pool.invariant_violations != violations:
-            self.fence(gen, "exact state invariant violated while applying a batch")
-            return
-        gen.note_events(batch.n_events)
 
     def on_reset(self, source: SourceKey, reason: ResetReason) -> None:
         self.counters.member_resets[reason.value] = (
@@ -131,9 +136,7 @@ class PoolRuntime:
         gen = self.generation
         if gen is None:
             return
-        member = gen.pool.add_member(source.worker_id, source.dp_rank)
-        gen.pool.reset_member(member)
-        gen.note_events(1)
+        gen.reset_member(source)
         _log.warning(
             "member_reset", pool=self.name, worker_id=source.worker_id,
             dp_rank=source.dp_rank, reason=reason.value,
@@ -253,10 +256,10 @@ class PoolRuntime:
                         source=pb.IdentitySource.DEFAULT_DERIVED,
                     ),
                 ),
-                dc_id=self.relay.dc_id,
+                dc_id=self._ctx.dc_id,
             ),
-            producer_incarnation=self.relay.relay_incarnation,
-            layout_generation=self.relay.next_layout_generation(),
+            producer_incarnation=self._ctx.relay_incarnation,
+            layout_generation=self._ctx.next_layout_generation(),
             ckf_format=fmt.to_proto(),
         )
 
@@ -270,13 +273,10 @@ class PoolRuntime:
             hash_format=int(self.spec.hash_format),
         )
         gen = Generation(
+            name=self.name,
             pool=pool,
             producer=self._producer(model_source, block_size),
-            relay_identity=self.relay.relay_identity,
-            dc_id=self.relay.dc_id,
-            limits=self.relay.limits,
-            hub_permits=self.relay.hub_permits,
-            encode_gate=self.relay.encode_gate,
+            ctx=self._ctx,
             on_fence=self.fence,
         )
         self._block_size, self._model, self._model_source = block_size, model, model_source
@@ -294,10 +294,9 @@ class PoolRuntime:
             return
         self.counters.fences += 1
         _log.error("generation_fenced", pool=self.name, generation=gen.layout_generation, why=why)
-        gen.retire(RelayError.publication_unavailable(f"generation fenced: {why}"))
-        self.generation = None
-        self.relay.refresh_planes()
-        self.relay.schedule(self._rebuild())
+        self._retire(gen, RelayError.publication_unavailable(f"generation fenced: {why}"))
+        self._ctx.changed()
+        self._ctx.schedule(self._rebuild())
 
     async def _rebuild(self) -> None:
         await self._stop_subscribers(list(self.subscribers))
@@ -323,10 +322,7 @@ class PoolRuntime:
         gen = self.generation
         if gen is None:
             return
-        for mid, (wid, _rank) in gen.pool.members().items():
-            if wid == worker_id:
-                gen.pool.reset_member(mid)
-        gen.note_events(1)
+        gen.reset_engine(worker_id)
         self.counters.member_resets["incarnation"] = (
             self.counters.member_resets.get("incarnation", 0) + 1
         )
@@ -368,7 +364,7 @@ class PoolRuntime:
     async def reconcile(self) -> None:
         async with self._reconcile_lock:
             await self._reconcile()
-        self.relay.refresh_planes()
+        self._ctx.changed()
 
     async def _reconcile(self) -> None:
         block_size = self._block_size or self.block_size()
@@ -378,8 +374,9 @@ class PoolRuntime:
         desired = self._desired(block_size)
         if self._active_count(desired) == 0:
             if self.generation is not None:
-                gen, self.generation = self.generation, None
-                gen.retire(RelayError.publication_unavailable("pool withdrawn: no active source"))
+                gen = self.generation
+                why = RelayError.publication_unavailable("pool withdrawn: no active source")
+                self._retire(gen, why)
                 _log.warning("pool_withdrawn", pool=self.name, generation=gen.layout_generation)
             await self._stop_subscribers(list(self.subscribers))
             return
@@ -395,9 +392,7 @@ class PoolRuntime:
         ]
         await self._stop_subscribers(gone)
         for key in gone:
-            mid = gen.pool.add_member(key.worker_id, key.dp_rank)
-            gen.pool.remove_member(mid)
-            gen.note_events(1)
+            gen.remove_member(key)
         for key, spec in desired.items():
             if key not in self.subscribers:
                 sub = Subscriber(spec, self)
@@ -412,10 +407,87 @@ class PoolRuntime:
             if sub is not None:
                 with contextlib.suppress(Exception):
                     await sub.stop()
+                self._fold_source(key, sub.counters)
 
     async def stop(self) -> None:
         async with self._reconcile_lock:
             await self._stop_subscribers(list(self.subscribers))
             if self.generation is not None:
-                self.generation.retire(None)  # shutdown: clean EOF for subscribers
-                self.generation = None
+                self._retire(self.generation, None)  # shutdown: clean EOF for subscribers
+
+    def _retire(self, gen: Generation, error: RelayError | None) -> None:
+        """Retire ``gen`` (subscribers end with ``error``) and keep its final counters."""
+        if self.generation is gen:
+            self.generation = None
+        if not gen.retired:
+            gen.retire(error)
+            self._generation_totals.add(_generation_totals(gen))
+
+    def _fold_source(self, key: SourceKey, counters: SubscriberCounters) -> None:
+        prev = self._source_totals.get(key)
+        self._source_totals[key] = counters if prev is None else merged(prev, counters)
+
+    # ---- statistics ------------------------------------------------------------------------------
+
+    def stats(self) -> PoolStats:
+        """A snapshot of the pool's counters and gauges (monotonic across replacements)."""
+        gen = self.generation
+        totals = self._generation_totals.copy()
+        gstats: GenerationStats | None = None
+        if gen is not None:
+            totals.add(_generation_totals(gen))
+            pool = gen.pool
+            gstats = GenerationStats(
+                layout_generation=gen.layout_generation,
+                sequence=gen.sequence,
+                subscribers=gen.subscriber_count,
+                occupancy=pool.occupancy,
+                members=len(pool.members()),
+                memberships=pool.memberships,
+                distinct_blocks=pool.distinct_canonical,
+                state_bytes=pool.memory_bytes(),
+            )
+        sources: list[SourceStats] = []
+        for key in sorted(set(self._source_totals) | set(self.subscribers)):
+            sub = self.subscribers.get(key)
+            prev = self._source_totals.get(key)
+            if sub is None:
+                assert prev is not None
+                counters, state = prev, "stopped"
+            else:
+                counters = sub.counters if prev is None else merged(prev, sub.counters)
+                state = sub.state
+            name = self._engine_name(key.worker_id)
+            sources.append(SourceStats(name, key.dp_rank, state, counters))
+        c = self.counters
+        return PoolStats(
+            name=self.name,
+            bucket_count=self.spec.bucket_count,
+            materialized=gen is not None,
+            counters={f.name: getattr(c, f.name) for f in fields(c) if f.name != "member_resets"},
+            member_resets=dict(c.member_resets),
+            generations=totals,
+            generation=gstats,
+            sources=tuple(sources),
+            engines=tuple(EngineStats(st.spec.name, st.reachable) for st in self.engines.values()),
+        )
+
+    def _engine_name(self, worker_id: int) -> str:
+        st = self.by_worker.get(worker_id)
+        return st.spec.name if st is not None else str(worker_id)
+
+
+def _generation_totals(gen: Generation) -> GenerationTotals:
+    p = gen.pool
+    hub = gen.hub_stats()
+    return GenerationTotals(
+        capacity_omissions=p.capacity_omissions,
+        unknown_removals=p.unknown_removals,
+        invariant_violations=p.invariant_violations,
+        deltas=gen.batches_published,
+        hub_resets=hub["resets"],
+        lagged=hub["lagged"],
+        snapshots_served=hub["snapshots_served"],
+        snapshots_built=hub["snapshots_built"],
+        errors=dict(p.errors_by_kind),
+    )

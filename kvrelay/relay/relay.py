@@ -1,4 +1,4 @@
-"""``Relay``: owns identity, pools, discovery and the three planes (a ``RelayView``)."""
+"""``Relay``: owns identity, pools, discovery and the three planes; implements ``RelayView``."""
 
 from __future__ import annotations
 
@@ -10,20 +10,24 @@ from typing import Any
 
 from kvrelay._aio import cancel_all
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.contract.errors import RelayError
+from kvrelay.contract.limits import PermitCounter
+from kvrelay.contract.producer import producer_key
 from kvrelay.discovery.events import ChangeEvent
 from kvrelay.discovery.metrics_scrape import MetricsScrapeError, scrape_kv_usage
 from kvrelay.discovery.watcher import EngineWatcher
 from kvrelay.hashing import identity
 from kvrelay.logging import get_logger
+from kvrelay.publication.catalog import CatalogPlane
+from kvrelay.publication.hub import Subscription
+from kvrelay.publication.load import LoadPlane, PoolLoadInput
+from kvrelay.publication.readiness import ReadinessPlane
+from kvrelay.relay.context import RelayContext
 from kvrelay.relay.generation import Generation
+from kvrelay.relay.observer import Observers
 from kvrelay.relay.pool_runtime import EngineState, PoolRuntime
 from kvrelay.relay.settings import RelaySettings
-from kvrelay.service.errors import RelayError
-from kvrelay.service.limits import PermitCounter
-from kvrelay.service.planes.catalog import CatalogPlane
-from kvrelay.service.planes.load import LoadPlane, PoolLoadInput
-from kvrelay.service.planes.readiness import ReadinessPlane
-from kvrelay.service.validation import producer_key
+from kvrelay.relay.stats import RelayStats
 
 _log = get_logger(__name__)
 
@@ -48,8 +52,20 @@ class Relay:
         self.hub_permits = PermitCounter(
             "initialized pool hubs", self.limits.max_initialized_pool_hubs
         )
-        self.encode_gate = asyncio.Semaphore(self.limits.publication_encoding_concurrency)
-        self.pools = [PoolRuntime(spec, self) for spec in settings.pools]
+        self.observers = Observers()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        ctx = RelayContext(
+            relay_identity=self.relay_identity,
+            dc_id=self.dc_id,
+            limits=self.limits,
+            hub_permits=self.hub_permits,
+            encode_gate=asyncio.Semaphore(self.limits.publication_encoding_concurrency),
+            next_layout_generation=self._layout.next,
+            schedule=self._schedule,
+            changed=self.refresh_planes,
+            observers=self.observers,
+        )
+        self.pools = [PoolRuntime(spec, ctx) for spec in settings.pools]
         self._by_target: dict[str, PoolRuntime] = {
             name: p for p in self.pools for name in p.engines
         }
@@ -64,7 +80,6 @@ class Relay:
             interval=settings.discovery_interval_s,
             timeout=settings.discovery_timeout_s,
         )
-        self._tasks: set[asyncio.Task[Any]] = set()
         self._scrapers: list[asyncio.Task[None]] = []
         self.started = False
         self.metadata_errors = 0
@@ -95,22 +110,16 @@ class Relay:
         self.catalog.close()
         self.readiness.close()
 
-    def schedule(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def _schedule(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run a background coroutine owned by the relay (cancelled on stop)."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    # ---- identity --------------------------------------------------------------------------------
-
-    def next_layout_generation(self) -> int:
-        return self._layout.next()
-
     # ---- RelayView -------------------------------------------------------------------------------
 
-    def resolve_pool(self, expected: pb.ProducerIdentity) -> Generation:
+    def _live_generation(self, expected: pb.ProducerIdentity) -> Generation:
         key = producer_key(expected)
-        pool_part = key[:6]  # identity_version, both digests + sources, dc_id
         changed = False
         for p in self.pools:
             gen = p.generation
@@ -118,11 +127,24 @@ class Relay:
                 continue
             if gen.key == key:
                 return gen
-            if gen.key[:6] == pool_part:
+            if gen.key.pool_part == key.pool_part:
                 changed = True
         if changed:
             raise RelayError.producer_changed()
         raise RelayError.pool_not_found()
+
+    async def open_pool(self, expected: pb.ProducerIdentity) -> Subscription:
+        """Admit one subscriber to exactly ``expected``.
+
+        The generation is resolved first, so a stale request never initializes the replacement
+        generation's hub; then its hub is created if this is the first subscriber (a barrier
+        snapshot). A generation that retired on the way is PUBLICATION_UNAVAILABLE.
+        """
+        gen = self._live_generation(expected)
+        hub = gen.hub()
+        if gen.retired or hub.retired:
+            raise RelayError.publication_unavailable("generation retired during hub initialization")
+        return hub.subscribe()
 
     # ---- planes ----------------------------------------------------------------------------------
 
@@ -152,6 +174,24 @@ class Relay:
             if item is not None:
                 out.append(item)
         return out
+
+    # ---- statistics ------------------------------------------------------------------------------
+
+    def stats(self) -> RelayStats:
+        """A snapshot of every counter and gauge (monotonic across pool and source churn)."""
+        return RelayStats(
+            dc_name=self.settings.dc_name,
+            dc_id=self.dc_id,
+            drt_instance_id=int(self.relay_identity.drt_instance_id),
+            relay_incarnation=self.relay_incarnation,
+            catalog_revision=self.catalog.revision,
+            readiness_revision=self.readiness.revision,
+            load_version=self.load.broadcast.version,
+            hubs_initialized=self.hub_permits.in_use,
+            hubs_limit=self.hub_permits.capacity,
+            metadata_errors=self.metadata_errors,
+            pools=tuple(p.stats() for p in self.pools),
+        )
 
     # ---- discovery -------------------------------------------------------------------------------
 

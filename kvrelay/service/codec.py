@@ -16,8 +16,8 @@ from grpclib.const import Status
 from grpclib.encoding.base import CodecBase
 from grpclib.exceptions import GRPCError
 
+from kvrelay.contract.errors import RelayError
 from kvrelay.service.canonical import canonicalize, is_betterproto
-from kvrelay.service.errors import RelayError
 
 
 class PassThroughCodec(CodecBase):

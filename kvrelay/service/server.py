@@ -28,19 +28,17 @@ from grpclib.reflection.service import ServerReflection
 from grpclib.server import Server, Stream
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.contract.errors import RelayError
+from kvrelay.contract.limits import PermitCounter, RelayLimits
+from kvrelay.contract.producer import producer_key
+from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION, TRAILER_KEY
 from kvrelay.publication.hub import SendBatch, Subscription
+from kvrelay.publication.plane import Plane, PlaneClosed
 from kvrelay.service.codec import PassThroughCodec
 from kvrelay.service.descriptor import RELAY_FILE_DESCRIPTOR_SET
-from kvrelay.service.errors import TRAILER_KEY, RelayError
-from kvrelay.service.limits import PermitCounter, RelayLimits
-from kvrelay.service.validation import (
-    CONTRACT_MARKER,
-    PROTOCOL_VERSION,
-    check_marker,
-    producer_key,
-    validate_stream_request,
-)
-from kvrelay.service.view import Plane, PlaneClosed, RelayView
+from kvrelay.service.status import status_of, trailers_of
+from kvrelay.service.validation import check_marker, validate_stream_request
+from kvrelay.service.view import RelayView
 
 SERVICE = "/dynamo.kvrelay.v1.KvEventRelay/"
 _UNARY_REASON: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -125,6 +123,16 @@ class KvEventRelayService:
             ),
         }
 
+    def stats(self) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
+        """(stream kind → (open streams, limit), error reason → count), for metrics."""
+        permits = {
+            "catalog": self.catalog_permits,
+            "pool": self.pool_permits,
+            "readiness": self.readiness_permits,
+            "load": self.load_permits,
+        }
+        return {k: (p.in_use, p.capacity) for k, p in permits.items()}, dict(self.errors)
+
     def _count(self, err: RelayError) -> None:
         self.errors[err.trailer_value] = self.errors.get(err.trailer_value, 0) + 1
 
@@ -137,7 +145,7 @@ class KvEventRelayService:
             except RelayError as err:
                 self._count(err)
                 await stream.send_trailing_metadata(
-                    status=err.status, status_message=err.message, metadata=err.trailers()
+                    status=status_of(err), status_message=err.message, metadata=trailers_of(err)
                 )
             except (asyncio.CancelledError, GRPCError):
                 raise
@@ -145,9 +153,9 @@ class KvEventRelayService:
                 internal = RelayError.internal(f"internal error: {type(exc).__name__}")
                 self._count(internal)
                 await stream.send_trailing_metadata(
-                    status=internal.status,
+                    status=status_of(internal),
                     status_message=internal.message,
-                    metadata=internal.trailers(),
+                    metadata=trailers_of(internal),
                 )
         finally:
             self._active -= 1
@@ -161,7 +169,7 @@ class KvEventRelayService:
         except RelayError as err:
             self._count(err)
             _UNARY_REASON.set(err.trailer_value)
-            raise GRPCError(err.status, err.message) from None
+            raise GRPCError(status_of(err), err.message) from None
         await stream.send_message(self._info)
 
     # --- helpers ---
@@ -256,33 +264,21 @@ class KvEventRelayService:
     async def _subscribe_pool(self, stream: Stream[Any, Any]) -> None:
         request: pb.SubscribeKvPoolRequest = await self._recv(stream)
         validate_stream_request(request.contract_marker, request.subscriber_id)
+        expected = request.expected_producer
+        producer_key(expected)  # malformed identities fail before a permit is taken, as Dynamo's
+        assert expected is not None
         if not self.pool_permits.try_acquire():
             raise RelayError.resource_limit(
                 f"Relay total pool stream limit {self.pool_permits.capacity} reached"
             )
         sub: Subscription | None = None
         try:
-            expected = request.expected_producer
-            key = producer_key(expected)
-            assert expected is not None
-            handle = self.view.resolve_pool(expected)
-            if producer_key(handle.producer) != key:
-                raise RelayError.producer_changed()
-            hub = await handle.hub()
-            try:
-                again = self.view.resolve_pool(expected)
-            except RelayError as err:
-                if err.reason == pb.RelayErrorReason.POOL_NOT_FOUND:
-                    raise RelayError.publication_unavailable(
-                        "generation retired during hub initialization"
-                    ) from None
-                raise
-            if producer_key(again.producer) != key:
-                raise RelayError.producer_changed()
             if self._closing:
                 return
-            sub = hub.subscribe()
+            sub = await self.view.open_pool(expected)
             self._subscriptions.add(sub)
+            if self._closing:
+                return
             await sub.pump(stream.send_message, _batch_sender(stream))
         finally:
             if sub is not None:

@@ -11,7 +11,8 @@ from dataclasses import replace
 
 import zmq
 
-from kvrelay.sim.engine import SimConfig, SimFleet
+from kvrelay.sim.config import SimConfig
+from kvrelay.sim.engine import SimFleet
 from kvrelay.sim.traffic import TrafficConfig
 from kvrelay.sim.wire import Era, HashMode
 

@@ -9,69 +9,21 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import zmq.asyncio
 
 from kvrelay._aio import cancel_and_wait
 from kvrelay.sim.blocks import BlockManager, HeldBlock
+from kvrelay.sim.config import LoraInfo, SimConfig
+from kvrelay.sim.control import start_control_server, stop_control_server
 from kvrelay.sim.hashing import none_digest
+from kvrelay.sim.metrics_http import start_metrics_server, stop_metrics_server
 from kvrelay.sim.publisher import RankPublisher
 from kvrelay.sim.render import render_event
 from kvrelay.sim.scheduler import RankScheduler, SimEvent
-from kvrelay.sim.traffic import RequestSpec, TrafficConfig, TrafficGenerator
-from kvrelay.sim.wire import Era, HashMode, encode_batch
-
-
-@dataclass(frozen=True, slots=True)
-class SimConfig:
-    """Engine configuration. ``pub_port``/``replay_port`` 0 = ephemeral (vLLM >= 0.31 style)."""
-
-    name: str = "engine-0"
-    seed: int = 0
-    dp_size: int = 1
-    block_size: int = 16
-    capacity_blocks: int = 512
-    max_running: int = 16
-    era: Era = Era.MAP
-    hash_mode: HashMode = HashMode.U64
-    replay_frames: int = 4
-    engine_version: str = "0.33.0"
-    topic: str = ""
-    bind_host: str = "*"  # host part of the configured endpoints (vLLM default: wildcard)
-    host_ip: str = "127.0.0.1"  # node IP used for port-0 binds and for gRPC/metrics listeners
-    pub_port: int = 0
-    replay_port: int | None = 0  # None = replay disabled
-    buffer_steps: int = 10000
-    hwm: int = 100000
-    max_queue_size: int = 100000
-    grpc_port: int | None = 0  # None = no gRPC frontend (vLLM < 0.27)
-    metrics_port: int | None = 0  # None = no /metrics page
-    kv_transfer_only: bool = False  # Control.GetKvEventSources UNIMPLEMENTED, KvTransfer serves it
-    kv_sources_unimplemented: bool = False  # neither service serves it (pre-discovery frontend)
-    model_id: str = "sim/model-7b"
-    served_model_name: str = "sim-model"
-    aliases: tuple[str, ...] = ("sim-model-alias",)
-    max_model_len: int = 8192
-    max_loras: int = 4
-    medium: str = "GPU"
-    report_reused: bool = False  # re-announce prefix-cache hits as duplicate BlockStored
-    traffic: TrafficConfig = field(default_factory=TrafficConfig)
-
-    @property
-    def endpoint(self) -> str:
-        return f"tcp://{self.bind_host}:{self.pub_port}"
-
-    @property
-    def replay_endpoint(self) -> str | None:
-        return None if self.replay_port is None else f"tcp://{self.bind_host}:{self.replay_port}"
-
-
-@dataclass(frozen=True, slots=True)
-class LoraInfo:
-    lora_id: int
-    name: str
-    source_path: str
+from kvrelay.sim.traffic import RequestSpec, TrafficGenerator
+from kvrelay.sim.wire import encode_batch
 
 
 class SimEngine:
@@ -116,9 +68,6 @@ class SimEngine:
 
     # ---- lifecycle ----
     async def start(self) -> None:
-        from kvrelay.sim.control import start_control_server
-        from kvrelay.sim.metrics_http import start_metrics_server
-
         self._ctx = zmq.asyncio.Context()
         await self._open_publishers()
         if self.cfg.grpc_port is not None:
@@ -149,9 +98,6 @@ class SimEngine:
 
     async def stop(self) -> None:
         await self.stop_running()
-        from kvrelay.sim.control import stop_control_server
-        from kvrelay.sim.metrics_http import stop_metrics_server
-
         if self._grpc is not None:
             await stop_control_server(self._grpc)
             self._grpc = None

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvrelay.client import cli
-from kvrelay.sim.engine import SimConfig
+from kvrelay.sim.config import SimConfig
 from tests.support.client_stack import eventually, query_set, stack, truth_depth
 from tests.support.scripted_relay import Script, ScriptedRelay, delta, port_of, serve, snapshot
 

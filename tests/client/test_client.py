@@ -14,8 +14,8 @@ import numpy as np
 from kvrelay.client import ClientConfig, RelayClient
 from kvrelay.client.replica import relay_key
 from kvrelay.client.views import PoolKey
-from kvrelay.service.limits import RelayLimits
-from kvrelay.sim.engine import SimConfig
+from kvrelay.contract.limits import RelayLimits
+from kvrelay.sim.config import SimConfig
 from kvrelay.sim.wire import Era
 from tests.support.client_stack import Stack, eventually, query_set, stack, truth_depth
 

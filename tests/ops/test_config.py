@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.config import (
+from kvrelay.contract.limits import RelayLimits
+from kvrelay.hashing.identity import DEFAULT_CKF_SEED
+from kvrelay.ops.config import (
     ConfigError,
     ConfigProblem,
     DaemonConfig,
@@ -18,8 +20,6 @@ from kvrelay.config import (
     load_config,
     parse_bind,
 )
-from kvrelay.hashing.identity import DEFAULT_CKF_SEED
-from kvrelay.service.limits import RelayLimits
 from tests.support.commands import MINIMAL, kvrelay
 
 POOL = """
@@ -343,7 +343,7 @@ grpc_port = 50052
 def test_every_relay_limit_is_configurable() -> None:
     from dataclasses import fields
 
-    from kvrelay.config import LIMITS_KEYS
+    from kvrelay.ops.config import LIMITS_KEYS
 
     assert set(LIMITS_KEYS) == {f.name for f in fields(RelayLimits)}
 

@@ -21,10 +21,11 @@ from grpclib.client import Channel
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.cli import _numba_cache_from_systemd
-from kvrelay.config import load_config
-from kvrelay.daemon import Daemon
-from kvrelay.sdnotify import Notifier
-from kvrelay.sim.engine import SimConfig, SimEngine
+from kvrelay.ops.config import load_config
+from kvrelay.ops.daemon import Daemon
+from kvrelay.ops.sdnotify import Notifier
+from kvrelay.sim.config import SimConfig
+from kvrelay.sim.engine import SimEngine
 from tests.support.commands import MINIMAL, REPO, clean_env
 
 MARKER = 0x4B565231

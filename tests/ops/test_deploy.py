@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay import config as cfgmod
+from kvrelay.ops import config as cfgmod
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 UNITS = ("kvrelay.service", "kvrelay@.service")

@@ -17,15 +17,10 @@ from grpclib.client import Channel
 from grpclib.exceptions import StreamTerminatedError
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.ops.tls import TlsConfigError, client_ssl_context, is_loopback, server_ssl_context
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import RelaySettings
 from kvrelay.service.server import RelayServer
-from kvrelay.tls import (
-    TlsConfigError,
-    client_ssl_context,
-    is_loopback,
-    server_ssl_context,
-)
 from tests.support.certs import Pki, make_pki
 
 MARKER = 0x4B565231

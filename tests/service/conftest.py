@@ -7,9 +7,12 @@ from types import ModuleType
 
 import pytest
 
-from kvrelay.service.limits import RelayLimits
+from kvrelay.contract.limits import RelayLimits
 from kvrelay.service.server import RelayServer
+from tests.support.identities import pool_id, producer, relay
 from tests.support.mem_relay import GrpcioClient, MemRelayView, StartRelay
+
+__all__ = ["pool_id", "producer", "relay"]  # identity-builder fixtures for the plane wire tests
 
 
 @pytest.fixture

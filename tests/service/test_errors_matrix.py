@@ -10,7 +10,7 @@ import pytest
 from grpclib.const import Status
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.service.limits import RelayLimits
+from kvrelay.contract.limits import RelayLimits
 from tests.support.mem_relay import (
     MARKER,
     GrpcioClient,

@@ -11,8 +11,8 @@ import numpy as np
 from grpclib.const import Cardinality, Status
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.contract.limits import RelayLimits
 from kvrelay.publication import cbi1
-from kvrelay.service.limits import RelayLimits
 from tests.support.mem_relay import (
     MARKER,
     SVC,

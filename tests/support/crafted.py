@@ -15,7 +15,8 @@ import zmq.asyncio
 
 from kvrelay.discovery.endpoints import StaticSourceConfig
 from kvrelay.relay.settings import EngineSpec
-from kvrelay.sim.engine import SimConfig, SimEngine
+from kvrelay.sim.config import SimConfig
+from kvrelay.sim.engine import SimEngine
 from kvrelay.sim.render import render_event
 from kvrelay.sim.scheduler import Stored
 from kvrelay.sim.wire import Era, HashMode, encode_batch

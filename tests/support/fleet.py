@@ -7,11 +7,12 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 
+from kvrelay.contract.limits import RelayLimits
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
-from kvrelay.service.limits import RelayLimits
 from kvrelay.service.server import RelayServer
-from kvrelay.sim.engine import SimConfig, SimEngine
+from kvrelay.sim.config import SimConfig
+from kvrelay.sim.engine import SimEngine
 
 MARKER = 0x4B565231
 

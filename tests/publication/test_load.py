@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.service.planes.load import LoadPlane, PoolLoadInput, RankLoad, load_entry
-from kvrelay.service.view import PlaneClosed
+from kvrelay.publication.load import LoadPlane, PoolLoadInput, RankLoad, load_entry
+from kvrelay.publication.plane import PlaneClosed
 
 U64 = (1 << 64) - 1
 MakeProducer = Callable[..., pb.ProducerIdentity]

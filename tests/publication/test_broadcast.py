@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from kvrelay.service.planes.broadcast import NonMonotonicVersionError, VersionedBroadcast
-from kvrelay.service.view import Plane, PlaneClosed
+from kvrelay.publication.broadcast import NonMonotonicVersionError, VersionedBroadcast
+from kvrelay.publication.plane import Plane, PlaneClosed
 
 
 async def test_current_is_available_immediately() -> None:

@@ -31,14 +31,9 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.service.planes._common import (
-    CONTRACT_MARKER,
-    PROTOCOL_VERSION,
-    as_role,
-    copy_relay,
-    text_problem,
-)
-from kvrelay.service.planes.broadcast import VersionedBroadcast
+from kvrelay.contract.envelope import as_role, copy_relay, text_problem
+from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION
+from kvrelay.publication.broadcast import VersionedBroadcast
 
 __all__ = ["EndpointState", "ReadinessPlane", "TopologyError", "topology_entries"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Generic, TypeVar
 
-from kvrelay.service.view import PlaneClosed
+from kvrelay.publication.plane import PlaneClosed
 
 __all__ = ["BroadcastError", "NonMonotonicVersionError", "PlaneClosed", "VersionedBroadcast"]
 

@@ -1,4 +1,4 @@
-"""Shared builders for the plane tests: valid identities the service validator accepts."""
+"""Valid identities the service validator accepts, and fixtures handing out their builders."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.service.planes.catalog import (
+from kvrelay.publication.catalog import (
     CatalogError,
     CatalogPlane,
     LoraSpec,
@@ -333,7 +333,7 @@ async def test_watchers_wake_on_change_only(
     rev, msg = await asyncio.wait_for(w, 1)
     assert rev == 1 and len(msg.snapshot.pools) == 1
     plane.close()
-    from kvrelay.service.view import PlaneClosed
+    from kvrelay.publication.plane import PlaneClosed
 
     with pytest.raises(PlaneClosed):
         await plane.wait_newer(1)

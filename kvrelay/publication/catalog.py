@@ -16,17 +16,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.service.errors import RelayError
-from kvrelay.service.planes._common import (
-    CONTRACT_MARKER,
-    PROTOCOL_VERSION,
-    U32_MAX,
-    as_role,
-    copy_relay,
-    text_problem,
-)
-from kvrelay.service.planes.broadcast import VersionedBroadcast
-from kvrelay.service.validation import producer_key
+from kvrelay.contract.envelope import as_role, copy_relay, text_problem
+from kvrelay.contract.errors import RelayError
+from kvrelay.contract.producer import producer_key
+from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION, U32_MAX
+from kvrelay.publication.broadcast import VersionedBroadcast
 
 __all__ = [
     "CatalogError",

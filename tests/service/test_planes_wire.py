@@ -9,9 +9,9 @@ from typing import Any
 import betterproto2
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.service.planes.catalog import CatalogPlane, LoraSpec, descriptor
-from kvrelay.service.planes.load import LoadPlane, RankLoad
-from kvrelay.service.planes.readiness import EndpointState, ReadinessPlane
+from kvrelay.publication.catalog import CatalogPlane, LoraSpec, descriptor
+from kvrelay.publication.load import LoadPlane, RankLoad
+from kvrelay.publication.readiness import EndpointState, ReadinessPlane
 
 Role = pb.WorkerRole
 MARKER = 0x4B565231

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.service.planes.readiness import (
+from kvrelay.publication.readiness import (
     EndpointState,
     ReadinessPlane,
     TopologyError,

@@ -21,15 +21,15 @@ from typing import Any, TypeVar
 
 from kvrelay import __version__
 from kvrelay._aio import cancel_all
-from kvrelay.config import DaemonConfig, format_bind
 from kvrelay.logging import configure, get_logger
-from kvrelay.sdnotify import Notifier
+from kvrelay.ops.config import DaemonConfig, format_bind
+from kvrelay.ops.sdnotify import Notifier
 
 
 def _log() -> Any:
     """Resolved per call: this module may be imported before logging is configured, and
     ``get_logger`` binds eagerly (a logger bound earlier keeps the default renderer)."""
-    return get_logger("kvrelay.daemon")
+    return get_logger("kvrelay.ops.daemon")
 
 T = TypeVar("T")
 
@@ -134,15 +134,15 @@ class Daemon:
         tls = self.cfg.tls
         if not tls.enabled:
             return None
-        from kvrelay.tls import server_ssl_context
+        from kvrelay.ops.tls import server_ssl_context
 
         assert tls.cert is not None and tls.key is not None
         return server_ssl_context(tls.cert, tls.key, tls.client_ca)
 
     async def start(self) -> None:
+        from kvrelay.ops.tls import is_loopback
         from kvrelay.relay.relay import Relay
         from kvrelay.service.server import RelayServer
-        from kvrelay.tls import is_loopback
 
         cfg = self.cfg
         for w in cfg.warnings:
@@ -151,6 +151,10 @@ class Daemon:
         _log().info("kernels_warm", seconds=round(warm_s, 3))
         context = self._ssl_context()
         self.relay = Relay(cfg.relay)
+        if cfg.metrics.enabled:  # before the relay starts, so every delta is observed
+            from kvrelay.ops.metrics import RelayMetrics
+
+            self.metrics = RelayMetrics(self.relay)
         await self.relay.start()
         self.server = RelayServer(self.relay, cfg.relay.limits)
         await self.server.start(cfg.bind_host, cfg.bind_port, ssl=context)
@@ -161,8 +165,8 @@ class Daemon:
                 bind=format_bind(cfg.bind_host, self.grpc_port),
                 hint="configure [tls] cert/key (and client_ca for mTLS)",
             )
-        if cfg.metrics.enabled:
-            self.metrics = self._make_metrics()
+        if self.metrics is not None:
+            self.metrics.attach_service(self.server.service)
             self.metrics_port = await self.metrics.start_http(cfg.metrics.host, cfg.metrics.port)
         self._tasks.append(asyncio.create_task(self._loop_lag(), name="kvrelay-loop-lag"))
         self._tasks.append(
@@ -183,17 +187,6 @@ class Daemon:
             f"serving gRPC on {format_bind(cfg.bind_host, self.grpc_port)}, "
             f"{len(cfg.relay.pools)} pool(s)"
         )
-
-    def _make_metrics(self) -> Any:
-        try:
-            from kvrelay.metrics import RelayMetrics
-        except ImportError as exc:  # pragma: no cover - a broken install
-            raise RuntimeError(f"metrics enabled but kvrelay.metrics is missing: {exc}") from exc
-        metrics = RelayMetrics(self.relay)
-        attach = getattr(metrics, "attach_service", None)
-        if attach is not None:
-            attach(self.server.service)
-        return metrics
 
     async def _loop_lag(self) -> None:
         """Sample scheduling lag: how late a timer fires is how late every stream is."""

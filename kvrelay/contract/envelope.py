@@ -1,13 +1,12 @@
-"""Envelope constants and small validators shared by the planes (§2.5, §3.3)."""
+"""Small validators of contract messages shared by the planes (``docs/contract.md`` §3.3).
+
+Text fields are non-empty without surrounding whitespace; roles are defined, non-UNSPECIFIED
+values (unknown numbers fail closed).
+"""
 
 from __future__ import annotations
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-
-PROTOCOL_VERSION = 1
-CONTRACT_MARKER = 0x4B565231
-U32_MAX = (1 << 32) - 1
-U64_MAX = (1 << 64) - 1
 
 
 def copy_relay(relay: pb.RelayIdentity) -> pb.RelayIdentity:

@@ -21,15 +21,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.contract.envelope import copy_relay
+from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION, U32_MAX, U64_MAX
 from kvrelay.logging import get_logger
-from kvrelay.service.planes._common import (
-    CONTRACT_MARKER,
-    PROTOCOL_VERSION,
-    U32_MAX,
-    U64_MAX,
-    copy_relay,
-)
-from kvrelay.service.planes.broadcast import VersionedBroadcast
+from kvrelay.publication.broadcast import VersionedBroadcast
 
 __all__ = [
     "LoadPlane",

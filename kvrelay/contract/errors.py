@@ -1,56 +1,44 @@
-"""Relay application errors: reason enum → gRPC status + the `kv-relay-error-reason` trailer.
+"""``RelayError``: a contract error as a reason and a message, independent of any transport.
 
-The trailer carries the full enum name (not the number), as Dynamo's relay does (contract §3.2).
+The relay core, the publication layer and the SDK raise and inspect these; only the gRPC adapter
+(``kvrelay.service.status``) turns a reason into a status code and the trailer
+(``docs/contract.md`` §3). Keeping the kind neutral is what lets a second transport (or a mirror
+relaying another relay's statuses) reuse everything below the service.
 """
 
 from __future__ import annotations
 
-from grpclib.const import Status
-
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 
-TRAILER_KEY = "kv-relay-error-reason"
-
 Reason = pb.RelayErrorReason
-
-STATUS_FOR_REASON: dict[pb.RelayErrorReason, Status] = {
-    Reason.UNSPECIFIED: Status.UNKNOWN,
-    Reason.CONTRACT_MISMATCH: Status.FAILED_PRECONDITION,
-    Reason.INVALID_REQUEST: Status.INVALID_ARGUMENT,
-    Reason.UNSUPPORTED_FEATURE: Status.FAILED_PRECONDITION,
-    Reason.POOL_NOT_FOUND: Status.NOT_FOUND,
-    Reason.PRODUCER_CHANGED: Status.FAILED_PRECONDITION,
-    Reason.RESOURCE_LIMIT: Status.RESOURCE_EXHAUSTED,
-    Reason.SUBSCRIBER_LAGGED: Status.RESOURCE_EXHAUSTED,
-    Reason.SNAPSHOT_PROGRESS_TIMEOUT: Status.RESOURCE_EXHAUSTED,
-    Reason.PUBLICATION_UNAVAILABLE: Status.UNAVAILABLE,
-    Reason.INVALID_PUBLICATION: Status.FAILED_PRECONDITION,
-    Reason.INTERNAL: Status.INTERNAL,
-}
 
 _NAMES: dict[int, str] = pb.RelayErrorReason.betterproto_value_to_renamed_proto_names()
 
 
 def reason_name(reason: pb.RelayErrorReason) -> str:
-    """Full proto enum name, e.g. ``RELAY_ERROR_REASON_SUBSCRIBER_LAGGED``."""
+    """Full proto enum name, e.g. ``RELAY_ERROR_REASON_SUBSCRIBER_LAGGED`` (the trailer value)."""
     return _NAMES[int(reason)]
 
 
+def reason_from_name(name: str) -> pb.RelayErrorReason | None:
+    """The reason whose full enum name is ``name``; None for anything unknown."""
+    for value, known in _NAMES.items():
+        if known == name:
+            return pb.RelayErrorReason(value)
+    return None
+
+
 class RelayError(Exception):
-    """A contract error: ends an RPC with `status`, `message` and the reason trailer."""
+    """A contract error: ends an RPC (or a stream) with ``reason`` and ``message``."""
 
     def __init__(self, reason: pb.RelayErrorReason, message: str) -> None:
         super().__init__(message)
         self.reason = reason
-        self.status = STATUS_FOR_REASON[reason]
         self.message = message
 
     @property
     def trailer_value(self) -> str:
         return reason_name(self.reason)
-
-    def trailers(self) -> dict[str, str]:
-        return {TRAILER_KEY: self.trailer_value}
 
     def __repr__(self) -> str:
         return f"RelayError({self.trailer_value}, {self.message!r})"

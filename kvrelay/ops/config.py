@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.contract.limits import RelayLimits
 from kvrelay.discovery.endpoints import StaticSourceConfig, split_tcp
 from kvrelay.hashing.identity import DEFAULT_CKF_SEED, bucket_count_for
 from kvrelay.ingest.options import DecodeOptions
+from kvrelay.ops.tls import is_loopback
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
-from kvrelay.service.limits import RelayLimits
-from kvrelay.tls import is_loopback
 
 DEFAULT_BIND = "127.0.0.1:50161"
 DEFAULT_METRICS_BIND = "127.0.0.1:50162"
