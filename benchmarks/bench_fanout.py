@@ -74,7 +74,7 @@ def server_main(conn: Connection) -> None:
 
 async def _server(conn: Connection) -> None:
     from kvrelay.contract.errors import RelayError
-    from kvrelay.publication.hub import PublicationHub
+    from kvrelay.publication.hub import PublicationHub, Subscription
     from kvrelay.publication.plane import PlaneClosed
     from kvrelay.publication.splice import FilterUpdateEncoder
     from kvrelay.service.server import RelayServer

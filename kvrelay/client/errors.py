@@ -47,7 +47,7 @@ QUARANTINE = frozenset(
 
 
 class ConsumerViolation(Exception):
-    """The relay broke a consumer rule (§4.3/§5); the replica must be dropped."""
+    """The relay broke a consumer rule (§4.7/§5); the replica must be dropped."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)

@@ -2,7 +2,7 @@
 
 A pure state machine (no I/O) so the SDK and ``kvrelay-client subscribe --verify`` enforce the
 same rules. ``feed`` either applies a frame completely or raises :class:`ConsumerViolation` and
-leaves the installed table untouched (the caller then drops the whole replica): §4.3 consumer
+leaves the installed table untouched (the caller then drops the whole replica): §4.7 consumer
 rules, §5 CBI1 validation and assembly (via ``kvrelay.publication.cbi1``), plus the dc_id check
 the decoder leaves to the consumer.
 """

@@ -1,4 +1,4 @@
-"""Relay limits (contract §3.4) and non-blocking permit counters.
+"""Relay limits (``docs/contract.md`` §3.4) and non-blocking permit counters.
 
 Every subscriber/hub bound is a `PermitCounter`: acquisition never waits; failure is the
 RESOURCE_LIMIT error the caller turns into RESOURCE_EXHAUSTED.
@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 MiB = 1024 * 1024
 #: Largest CBI1 frame (one full 524,288-bucket snapshot chunk).
 MAX_CBI1_FRAME_BYTES = 4_194_368
-#: Per-frame overhead counted against `publication_queue_bytes` (contract §3.4).
+#: Per-frame overhead counted against `publication_queue_bytes` (§3.4).
 QUEUE_FRAME_OVERHEAD = 256
 _ONE_YEAR_S = 365 * 24 * 3600.0
 

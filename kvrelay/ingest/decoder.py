@@ -1,4 +1,4 @@
-"""vLLM KV-event payload → ``EventBatch`` (vllm-events.md §3, relay-contract.md §11.2).
+"""vLLM KV-event payload → ``EventBatch`` (``docs/contract.md`` §17, §18).
 
 One ``Decoder`` per source (it learns which ``group_idx`` values are full attention from stores,
 so removes of sliding-window/mamba groups, which carry only ``group_idx``, can be dropped).

@@ -1,6 +1,6 @@
 """One asyncio subscriber per (engine, dp_rank): SUB live stream + DEALER replay, in seq order.
 
-Algorithm (vllm-events.md §2.5, kvrelay's decisions):
+Algorithm (``docs/contract.md`` §16, kvrelay's decisions in §16.5):
 
 * SUB connects first, then (if a replay endpoint exists) a DEALER asks for ``[b"", seq_be8]``
   from 0 (or ``start_seq``). Live messages arriving meanwhile wait in a bounded ``ReorderBuffer``;

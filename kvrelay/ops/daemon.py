@@ -25,11 +25,7 @@ from kvrelay.logging import configure, get_logger
 from kvrelay.ops.config import DaemonConfig, format_bind
 from kvrelay.ops.sdnotify import Notifier
 
-
-def _log() -> Any:
-    """Resolved per call: this module may be imported before logging is configured, and
-    ``get_logger`` binds eagerly (a logger bound earlier keeps the default renderer)."""
-    return get_logger("kvrelay.ops.daemon")
+_LOG = get_logger("kvrelay.ops.daemon")
 
 T = TypeVar("T")
 
@@ -146,9 +142,9 @@ class Daemon:
 
         cfg = self.cfg
         for w in cfg.warnings:
-            _log().warning("config_warning", path=w.path, reason=w.reason)
+            _LOG.warning("config_warning", path=w.path, reason=w.reason)
         warm_s = await _in_daemon_thread(warm_kernels)
-        _log().info("kernels_warm", seconds=round(warm_s, 3))
+        _LOG.info("kernels_warm", seconds=round(warm_s, 3))
         context = self._ssl_context()
         self.relay = Relay(cfg.relay)
         if cfg.metrics.enabled:  # before the relay starts, so every delta is observed
@@ -160,7 +156,7 @@ class Daemon:
         await self.server.start(cfg.bind_host, cfg.bind_port, ssl=context)
         self.grpc_port = self.server.port
         if context is None and not is_loopback(cfg.bind_host):
-            _log().warning(
+            _LOG.warning(
                 "plaintext_grpc_on_network",
                 bind=format_bind(cfg.bind_host, self.grpc_port),
                 hint="configure [tls] cert/key (and client_ca for mTLS)",
@@ -172,7 +168,7 @@ class Daemon:
         self._tasks.append(
             asyncio.create_task(self.notifier.watchdog_loop(), name="kvrelay-watchdog")
         )
-        _log().info(
+        _LOG.info(
             "relay_serving",
             version=__version__,
             grpc=format_bind(cfg.bind_host, self.grpc_port),
@@ -205,7 +201,7 @@ class Daemon:
             return
         self._stopped = True
         self.notifier.stopping()
-        _log().info("relay_stopping")
+        _LOG.info("relay_stopping")
         grace = max(0.1, self.cfg.shutdown_timeout_s / 2)
         try:
             if self.server is not None:
@@ -229,9 +225,9 @@ async def serve(cfg: DaemonConfig, notifier: Notifier | None = None) -> int:
     def on_signal(signum: int) -> None:
         signals_seen.append(signum)
         if len(signals_seen) > 1:
-            _log().error("forced_exit", signal=signal.Signals(signum).name)
+            _LOG.error("forced_exit", signal=signal.Signals(signum).name)
             os._exit(1)  # second signal: the operator insists
-        _log().info("signal_received", signal=signal.Signals(signum).name)
+        _LOG.info("signal_received", signal=signal.Signals(signum).name)
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -249,7 +245,7 @@ async def serve(cfg: DaemonConfig, notifier: Notifier | None = None) -> int:
         except asyncio.CancelledError:
             pass
         except Exception as exc:
-            _log().error("start_failed", error=f"{type(exc).__name__}: {exc}")
+            _LOG.error("start_failed", error=f"{type(exc).__name__}: {exc}")
             code = 1
         else:
             await stop.wait()
@@ -257,12 +253,12 @@ async def serve(cfg: DaemonConfig, notifier: Notifier | None = None) -> int:
         try:
             await asyncio.wait_for(daemon.stop(), cfg.shutdown_timeout_s)
         except TimeoutError:
-            _log().error("shutdown_timeout", seconds=cfg.shutdown_timeout_s)
+            _LOG.error("shutdown_timeout", seconds=cfg.shutdown_timeout_s)
             return 1
         except Exception as exc:
-            _log().error("shutdown_failed", error=f"{type(exc).__name__}: {exc}")
+            _LOG.error("shutdown_failed", error=f"{type(exc).__name__}: {exc}")
             return 1
-        _log().info("relay_stopped", exit_code=code)
+        _LOG.info("relay_stopped", exit_code=code)
         return code
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -277,7 +273,7 @@ def run(cfg: DaemonConfig, main: Callable[[DaemonConfig], Any] = serve) -> int:
         try:
             import uvloop
         except ImportError:
-            _log().error("uvloop_unavailable", hint="install uvloop or set relay.event_loop")
+            _LOG.error("uvloop_unavailable", hint="install uvloop or set relay.event_loop")
             return 1
         factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:

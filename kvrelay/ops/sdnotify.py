@@ -13,15 +13,10 @@ import contextlib
 import os
 import socket
 from collections.abc import Mapping
-from typing import Any
 
 from kvrelay.logging import get_logger
 
-
-def _log() -> Any:
-    """Resolved per call: this module may be imported before logging is configured, and
-    ``get_logger`` binds eagerly (a logger bound earlier keeps the default renderer)."""
-    return get_logger(__name__)
+_LOG = get_logger(__name__)
 
 
 class Notifier:
@@ -51,7 +46,7 @@ class Notifier:
             self.failures += 1
             if self.failures == 1:
                 kind = state.split("=", 1)[0]
-                _log().warning("sd_notify_failed", error=str(exc), state=kind)
+                _LOG.warning("sd_notify_failed", error=str(exc), state=kind)
             return False
         self.sent += 1
         return True

@@ -1,4 +1,4 @@
-"""Open-addressing hash tables on numpy arrays for the exact ownership state (spec §8.2).
+"""Open-addressing hash tables on numpy arrays for the exact ownership state (§8.2).
 
 Why not dicts: a Python dict costs ~100 B per entry and a Python call per block; these tables cost
 12 B per lineage slot and 12 B per owner plus an 8 B index slot, driven from inside the kernel.

@@ -17,7 +17,6 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from google.protobuf import descriptor_pb2, descriptor_pool
 from grpclib.config import Configuration
 from grpclib.const import Cardinality, Handler
 from grpclib.events import SendTrailingMetadata, listen
@@ -35,7 +34,7 @@ from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION, TRAILER_KEY
 from kvrelay.publication.hub import SendBatch, Subscription
 from kvrelay.publication.plane import Plane, PlaneClosed
 from kvrelay.service.codec import PassThroughCodec
-from kvrelay.service.descriptor import RELAY_FILE_DESCRIPTOR_SET
+from kvrelay.service.descriptor import relay_descriptor_pool
 from kvrelay.service.status import status_of, trailers_of
 from kvrelay.service.validation import check_marker, validate_stream_request
 from kvrelay.service.view import RelayView
@@ -333,14 +332,6 @@ async def _add_reason_trailer(event: SendTrailingMetadata) -> None:
         event.metadata[TRAILER_KEY] = reason
 
 
-def _reflection_pool() -> descriptor_pool.DescriptorPool:
-    pool = descriptor_pool.DescriptorPool()
-    fds = descriptor_pb2.FileDescriptorSet.FromString(RELAY_FILE_DESCRIPTOR_SET)
-    for fd in fds.file:
-        pool.Add(fd)
-    return pool
-
-
 class _ClosingServer(Server):
     """grpclib ``Server`` that also closes live HTTP/2 connections on shutdown.
 
@@ -375,7 +366,9 @@ class RelayServer:
         self.limits = limits or RelayLimits()
         self.service = KvEventRelayService(view, self.limits)
         self.health = Health()
-        handlers = ServerReflection.extend([self.service, self.health], pool=_reflection_pool())
+        handlers = ServerReflection.extend(
+            [self.service, self.health], pool=relay_descriptor_pool()
+        )
         config = Configuration(
             _keepalive_time=self.limits.keepalive_interval_s,
             _keepalive_timeout=self.limits.keepalive_timeout_s,

@@ -35,6 +35,6 @@ def check_subscriber_id(subscriber_id: str) -> None:
 
 
 def validate_stream_request(marker: int, subscriber_id: str) -> None:
-    """Steps 1–2 of §3.1; the caller acquires the permit (step 3) next."""
+    """The marker, then the subscriber id (§3.1); the caller takes the permit next."""
     check_marker(marker)
     check_subscriber_id(subscriber_id)

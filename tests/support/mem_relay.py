@@ -405,7 +405,7 @@ async def grpclib_collect(
 
 # ---------------------------------------------------------------- consumer replica
 class ReplicaError(AssertionError):
-    """The stream violated a consumer rule (§4.3)."""
+    """The stream violated a consumer rule (§4.7)."""
 
 
 class Replica:
