@@ -13,9 +13,8 @@ import struct
 import time
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION
 
-CONTRACT_MARKER = 0x4B565231
-PROTOCOL_VERSION = 1
 KIND_SNAPSHOT_CHUNK = int(pb.FilterUpdateKind.SNAPSHOT_CHUNK)
 KIND_DELTA = int(pb.FilterUpdateKind.DELTA)
 KIND_HEARTBEAT = int(pb.FilterUpdateKind.HEARTBEAT)
