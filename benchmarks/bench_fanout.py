@@ -120,10 +120,12 @@ async def _server(conn: Connection) -> None:
         )
         load = Plane(pb.KvPoolLoadUpdate(protocol_version=1, relay=relay, contract_marker=MARKER))
 
-        async def open_pool(self, expected: pb.ProducerIdentity) -> Subscription:
+        async def open_pool(
+            self, expected: pb.ProducerIdentity, on_release: Any = None
+        ) -> Subscription:
             if bytes(expected) != bytes(producer):
                 raise RelayError.producer_changed()
-            return the_hub().subscribe()
+            return await the_hub().subscribe(on_release)
 
     server = RelayServer(View())  # type: ignore[arg-type]
     await server.start("127.0.0.1", 0)

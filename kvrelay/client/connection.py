@@ -263,7 +263,7 @@ class RelayConnection:
                     end = await rpc.run_stream(
                         self.channel, "SubscribeKvPool",
                         rpc.pool_request(self.config.subscriber_id, slot.descriptor.producer),
-                        pb.FilterUpdate, on,
+                        pb.FilterUpdate, on, silence_s=self.config.silence_s,
                     )  # fmt: skip
                     reason = end.reason
                 except E.ConsumerViolation as v:
@@ -290,7 +290,13 @@ class RelayConnection:
 
     # ------------------------------------------------------------------ readiness & load
     async def _plane_loop(
-        self, plane: str, method: str, request: Any, reply: type, store: Callable[[Any], None]
+        self,
+        plane: str,
+        method: str,
+        request: Any,
+        reply: type,
+        store: Callable[[Any], None],
+        silence_s: float | None = None,
     ) -> None:
         attempt = 0
         while not self._closing:
@@ -304,7 +310,9 @@ class RelayConnection:
                 store(msg)
                 self._notify()
 
-            end = await rpc.run_stream(self.channel, method, request, reply, on)
+            end = await rpc.run_stream(
+                self.channel, method, request, reply, on, silence_s=silence_s
+            )
             self.counters[f"{plane}_end_{end.reason}"] += 1
             store(None)  # unknown while disconnected: never routable on stale data
             self._notify()
@@ -318,6 +326,7 @@ class RelayConnection:
         await self._plane_loop(
             "readiness", "SubscribeServingReadiness",
             rpc.readiness_request(self.config.subscriber_id), pb.ServingReadinessUpdate, store,
+            silence_s=self.config.silence_s,
         )  # fmt: skip
 
     async def _load_loop(self) -> None:

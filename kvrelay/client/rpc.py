@@ -93,23 +93,37 @@ async def run_stream(
     request: Any,
     reply_type: type[T],
     on_message: Callable[[T], None],
+    *,
+    silence_s: float | None = None,
 ) -> StreamEnd:
-    """Run one server stream to its end, calling ``on_message`` for each reply."""
+    """Run one server stream to its end, calling ``on_message`` for each reply.
+
+    With ``silence_s``, a stream that delivers nothing for that long is cancelled and ends as
+    ``silent``: a relay that stopped sending (even heartbeats) must not hold a replica for ever.
+    """
     n = 0
     stream = None
+    loop = asyncio.get_running_loop()
     try:
-        async with channel.request(
-            SERVICE + method, Cardinality.UNARY_STREAM, type(request), reply_type
-        ) as stream:
-            await stream.send_message(request, end=True)
-            while True:
-                msg = await stream.recv_message()
-                if msg is None:
-                    break
-                n += 1
-                on_message(msg)
-            await stream.recv_trailing_metadata()
+        async with asyncio.timeout(silence_s) as quiet:
+            async with channel.request(
+                SERVICE + method, Cardinality.UNARY_STREAM, type(request), reply_type
+            ) as stream:
+                await stream.send_message(request, end=True)
+                while True:
+                    msg = await stream.recv_message()
+                    if silence_s is not None:
+                        quiet.reschedule(loop.time() + silence_s)
+                    if msg is None:
+                        break
+                    n += 1
+                    on_message(msg)
+                await stream.recv_trailing_metadata()
         return StreamEnd(E.EOF, Status.OK, "", n)
+    except TimeoutError:
+        if silence_s is not None and quiet.expired():
+            return StreamEnd(E.SILENT, None, f"nothing received for {silence_s:g} s", n)
+        return StreamEnd(E.CONNECTION, None, "TimeoutError", n)
     except GRPCError as err:
         trailers = None if stream is None else stream.trailing_metadata
         return end_from_error(err, trailers, n)

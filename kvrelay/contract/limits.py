@@ -30,6 +30,8 @@ class RelayLimits:
     pool_heartbeat_s: float = 10.0
     readiness_heartbeat_s: float = 10.0
     snapshot_progress_timeout_s: float = 60.0
+    #: A stream that ended while its client was not reading is reset after this long.
+    stalled_stream_reset_s: float = 60.0
     load_window_s: float = 1.0
     publication_queue_capacity: int = 16
     publication_queue_bytes: int = 16 * MiB

@@ -32,6 +32,8 @@ class RelayContext:
     schedule: Callable[[Coroutine[Any, Any, Any]], None]
     #: The pool's catalog descriptor or topology may have changed: recompute the planes.
     changed: Callable[[], None]
+    #: At the initialized-hub cap: retire the longest-idle hub (no subscribers); False if none.
+    evict_idle_hub: Callable[[], bool]
     observers: Observers
 
     @property

@@ -203,7 +203,9 @@ class Generation:
             raise RelayError.publication_unavailable("producer generation retired")
         if self._hub is None:
             permits = self._ctx.hub_permits
-            if not permits.try_acquire():
+            if not permits.try_acquire() and not (
+                self._ctx.evict_idle_hub() and permits.try_acquire()
+            ):
                 raise RelayError.resource_limit(
                     f"initialized pool hub limit {permits.capacity} reached"
                 )
@@ -219,6 +221,18 @@ class Generation:
                 encode_gate=self._ctx.encode_gate,
             )
         return self._hub
+
+    @property
+    def hub_idle_since(self) -> float | None:
+        """When the hub lost its last subscriber (monotonic); None without a hub or while used."""
+        return None if self._hub is None else self._hub.idle_since
+
+    def drop_hub(self) -> None:
+        """Retire an idle hub and give its permit back; the next subscriber cuts a new one."""
+        hub, self._hub = self._hub, None
+        if hub is not None:
+            hub.retire(None)
+            self._ctx.hub_permits.release()
 
     def retire(self, error: RelayError | None) -> None:
         """Stop publishing; end subscribers with ``error`` (or a clean EOF on shutdown)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from kvrelay._aio import cancel_all
@@ -63,6 +63,7 @@ class Relay:
             next_layout_generation=self._layout.next,
             schedule=self._schedule,
             changed=self.refresh_planes,
+            evict_idle_hub=self._evict_idle_hub,
             observers=self.observers,
         )
         self.pools = [PoolRuntime(spec, ctx) for spec in settings.pools]
@@ -83,6 +84,7 @@ class Relay:
         self._scrapers: list[asyncio.Task[None]] = []
         self.started = False
         self.metadata_errors = 0
+        self.hubs_evicted = 0
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -133,7 +135,24 @@ class Relay:
             raise RelayError.producer_changed()
         raise RelayError.pool_not_found()
 
-    async def open_pool(self, expected: pb.ProducerIdentity) -> Subscription:
+    def _evict_idle_hub(self) -> bool:
+        """Free a hub permit: retire the hub that has been without subscribers the longest."""
+        idle = [
+            (since, p.generation)
+            for p in self.pools
+            if p.generation is not None and (since := p.generation.hub_idle_since) is not None
+        ]
+        if not idle:
+            return False
+        _since, gen = min(idle, key=lambda item: item[0])
+        gen.drop_hub()
+        self.hubs_evicted += 1
+        _log.info("hub_evicted", pool=gen.name, generation=gen.layout_generation)
+        return True
+
+    async def open_pool(
+        self, expected: pb.ProducerIdentity, on_release: Callable[[], None] | None = None
+    ) -> Subscription:
         """Admit one subscriber to exactly ``expected``.
 
         The generation is resolved first, so a stale request never initializes the replacement
@@ -142,9 +161,11 @@ class Relay:
         """
         gen = self._live_generation(expected)
         hub = gen.hub()
-        if gen.retired or hub.retired:
+        sub = await hub.subscribe(on_release)  # may wait for a snapshot slot
+        if gen.retired:
+            sub.close()
             raise RelayError.publication_unavailable("generation retired during hub initialization")
-        return hub.subscribe()
+        return sub
 
     # ---- planes ----------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from grpclib.health.service import Health
 from grpclib.protocol import H2Protocol
 from grpclib.reflection.service import ServerReflection
 from grpclib.server import Server, Stream
+from h2.errors import ErrorCodes
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.errors import RelayError
@@ -270,20 +271,28 @@ class KvEventRelayService:
             raise RelayError.resource_limit(
                 f"Relay total pool stream limit {self.pool_permits.capacity} reached"
             )
+        held = True
+
+        def release() -> None:  # at the first of: subscription failed/ended, handler done
+            nonlocal held
+            if held:
+                held = False
+                self.pool_permits.release()
+
         sub: Subscription | None = None
         try:
             if self._closing:
                 return
-            sub = await self.view.open_pool(expected)
+            sub = await self.view.open_pool(expected, on_release=release)
             self._subscriptions.add(sub)
             if self._closing:
                 return
-            await sub.pump(stream.send_message, _batch_sender(stream))
+            await sub.pump(stream.send_message, _batch_sender(stream), _resetter(stream))
         finally:
             if sub is not None:
                 self._subscriptions.discard(sub)
                 sub.close()
-            self.pool_permits.release()
+            release()
 
     # --- shutdown ---
     async def shutdown(self, grace_s: float = 5.0) -> None:
@@ -297,6 +306,19 @@ class KvEventRelayService:
         if self._active:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), grace_s)
+
+
+def _resetter(stream: Stream[Any, Any]) -> Callable[[], None] | None:
+    """RST_STREAM for a stream whose client stopped reading (it is written even then)."""
+    inner = getattr(stream, "_stream", None)
+    if inner is None or not hasattr(inner, "reset_nowait"):
+        return None
+
+    def reset() -> None:
+        with contextlib.suppress(Exception):  # already closed: nothing left to reset
+            inner.reset_nowait(ErrorCodes.CANCEL)
+
+    return reset
 
 
 def _batch_sender(stream: Stream[Any, Any]) -> SendBatch | None:

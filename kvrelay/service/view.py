@@ -8,6 +8,7 @@ decided where that state lives, so the service resolves nothing itself.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
@@ -31,8 +32,11 @@ class RelayView(Protocol):
     @property
     def load(self) -> Plane[pb.KvPoolLoadUpdate]: ...
 
-    async def open_pool(self, expected: pb.ProducerIdentity) -> Subscription:
-        """A subscription to exactly ``expected`` (already validated by the caller).
+    async def open_pool(
+        self, expected: pb.ProducerIdentity, on_release: Callable[[], None] | None = None
+    ) -> Subscription:
+        """A subscription to exactly ``expected`` (already validated by the caller);
+        ``on_release`` is called once when the subscription stops counting (failed or ended).
 
         Raises ``RelayError``: POOL_NOT_FOUND (no live generation of that pool), PRODUCER_CHANGED
         (another generation is live), PUBLICATION_UNAVAILABLE (the generation retired while its

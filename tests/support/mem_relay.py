@@ -286,13 +286,15 @@ class MemRelayView:
         del self.pools[pool_key(gen.producer)]
         self._republish_catalog()
 
-    async def open_pool(self, expected: pb.ProducerIdentity) -> Subscription:
+    async def open_pool(
+        self, expected: pb.ProducerIdentity, on_release: Callable[[], None] | None = None
+    ) -> Subscription:
         gen = self.pools.get(pool_key(expected))
         if gen is None:
             raise RelayError.pool_not_found()
         if producer_key(gen.producer) != producer_key(expected):
             raise RelayError.producer_changed()
-        return gen.hub().subscribe()
+        return await gen.hub().subscribe(on_release)
 
 
 # ---------------------------------------------------------------- clients
