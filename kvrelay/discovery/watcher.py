@@ -76,11 +76,13 @@ async def _tcp_alive(endpoint: str, host: str, timeout: float) -> str | None:
     return None
 
 
-async def snapshot_target(target: EngineTarget, timeout: float) -> EngineSnapshot:
+async def snapshot_target(
+    target: EngineTarget, timeout: float, previous: EngineSnapshot | None = None
+) -> EngineSnapshot:
     """One discovery pass for ``target`` (never raises for engine-side failures)."""
     if target.grpc_port is not None:
         async with EngineClient(target.host, target.grpc_port, timeout, target.static) as c:
-            return await c.snapshot()
+            return await c.snapshot(previous)
     assert target.static is not None
     sources = static_sources(target.static, target.host)
     err = await _tcp_alive(sources[0].endpoint, target.host, timeout) if sources else None
@@ -160,7 +162,7 @@ class EngineWatcher:
     async def poll_once(self, name: str) -> list[ChangeEvent]:
         """Run one discovery pass for a target, deliver and return its events."""
         target = self.targets[name]
-        snap = await snapshot_target(target, self.timeout)
+        snap = await snapshot_target(target, self.timeout, self.last_good.get(name))
         events = diff_snapshots(name, self.last_good.get(name), self.last.get(name), snap)
         self.polls += 1
         self.last[name] = snap

@@ -21,6 +21,10 @@ class SubscriberCounters:
     missing_history: int = 0
     resets: int = 0
     reorder_overflows: int = 0
+    reconnects: int = 0  # the SUB connection came back after a disconnect
+    incarnations_detected: int = 0  # replay did not hold the last applied batch (restart)
+    bad_batches: int = 0  # batches that failed to decode or were rejected as malformed
+    repairs: int = 0  # bad batches applied correctly when re-fetched from the replay
     unknown_tags: int = 0
     unknown_fields: int = 0
     malformed_events: int = 0

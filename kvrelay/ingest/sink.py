@@ -26,12 +26,22 @@ class ResetReason(enum.Enum):
     GAP_NO_REPLAY = "gap_no_replay"  # live gap and no replay endpoint
     REORDER_OVERFLOW = "reorder_overflow"  # reorder buffer bound hit while waiting for a replay
     REPLAY_FAILED = "replay_failed"  # replay timed out / broke while a hole was open
+    RECONNECT = "reconnect"  # the publisher reconnected and no replay can vouch for its state
+    BAD_BATCH = "bad_batch"  # a batch that cannot be decoded or applied, even when re-fetched
 
 
 class BatchSink(Protocol):
-    def on_batch(self, source: SourceKey, seq: int, batch: EventBatch) -> None: ...
+    def on_batch(self, source: SourceKey, seq: int, batch: EventBatch) -> None:
+        """Apply one decoded batch; raises ``MalformedBatch`` (state untouched) to reject it."""
+        ...
 
-    def on_reset(self, source: SourceKey, reason: ResetReason) -> None: ...
+    def on_reset(self, source: SourceKey, reason: ResetReason) -> None:
+        """Drop everything the member holds."""
+        ...
+
+    def on_failed(self, source: SourceKey, error: BaseException) -> None:
+        """The subscriber crashed and stopped: its member can no longer be vouched for."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,6 +75,12 @@ class EndpointState:
         return not self.roles
 
 
+def validate_endpoint(e: EndpointState) -> None:
+    """Raise :class:`TopologyError` if ``e`` could not take part in a topology (bad text,
+    UNSPECIFIED/unknown/LEGACY roles, …): callers drop such an endpoint alone."""
+    _check(e)
+
+
 def _normalized(e: EndpointState) -> EndpointState:
     """Validate ``e`` and return a copy with roles coerced to ``WorkerRole`` members.
 

@@ -19,6 +19,7 @@ from kvrelay.contract.errors import RelayError
 from kvrelay.contract.producer import ProducerKey, producer_key
 from kvrelay.ingest.sink import SourceKey
 from kvrelay.pool.batch import EventBatch
+from kvrelay.pool.errors import MalformedBatch
 from kvrelay.pool.pool import ApplyResult, Pool
 from kvrelay.publication.hub import PublicationHub, PublicationInvariantError
 from kvrelay.publication.splice import FilterUpdateEncoder
@@ -85,13 +86,21 @@ class Generation:
     def apply(self, source: SourceKey, batch: EventBatch) -> ApplyResult | None:
         """Apply one decoded engine batch for ``source``; None once retired (or fenced by it).
 
-        A malformed batch raises ``MalformedBatch`` with the state untouched.
+        A malformed batch raises ``MalformedBatch`` with the state untouched (the caller repairs
+        or resets that member). Anything else that goes wrong — an invariant violation counted by
+        the kernel or raised, any unexpected error — fences the generation.
         """
         if self.retired:
             return None
         pool = self.pool
         before = pool.invariant_violations
-        result = pool.apply(pool.add_member(source.worker_id, source.dp_rank), batch)
+        try:
+            result = pool.apply(pool.add_member(source.worker_id, source.dp_rank), batch)
+        except MalformedBatch:
+            raise
+        except Exception as exc:
+            self._on_fence(self, f"applying a batch raised {type(exc).__name__}: {exc}")
+            return None
         if self._fenced_by(before, "applying a batch"):
             return None
         self._note_events(batch.n_events)
@@ -99,36 +108,43 @@ class Generation:
 
     def reset_member(self, source: SourceKey) -> None:
         """Drop everything ``source`` holds (as an ``AllBlocksCleared`` would)."""
-        if self.retired:
-            return
-        pool = self.pool
-        before = pool.invariant_violations
-        pool.reset_member(pool.add_member(source.worker_id, source.dp_rank))
-        if not self._fenced_by(before, "resetting a member"):
-            self._note_events(1)
+        self._mutate(
+            "resetting a member",
+            lambda p: p.reset_member(p.add_member(source.worker_id, source.dp_rank)),
+        )
 
     def remove_member(self, source: SourceKey) -> None:
         """Drop ``source``'s state and forget the member (its engine or rank left the pool)."""
-        if self.retired:
-            return
-        pool = self.pool
-        before = pool.invariant_violations
-        pool.remove_member(pool.add_member(source.worker_id, source.dp_rank))
-        if not self._fenced_by(before, "removing a member"):
-            self._note_events(1)
+        self._mutate(
+            "removing a member",
+            lambda p: p.remove_member(p.add_member(source.worker_id, source.dp_rank)),
+        )
 
     def reset_engine(self, worker_id: int) -> int:
-        """Reset every member of one engine (a new incarnation); returns how many."""
+        """Reset every member of one engine (a new incarnation, or the engine is down); returns
+        how many members it had."""
         if self.retired:
             return 0
-        pool = self.pool
-        before = pool.invariant_violations
-        ids = [mid for mid, (wid, _rank) in pool.members().items() if wid == worker_id]
-        for mid in ids:
-            pool.reset_member(mid)
-        if not self._fenced_by(before, "resetting an engine's members"):
-            self._note_events(1)
+        ids = [mid for mid, (wid, _rank) in self.pool.members().items() if wid == worker_id]
+
+        def clear(p: Pool) -> None:
+            for mid in ids:
+                p.reset_member(mid)
+
+        self._mutate("resetting an engine's members", clear)
         return len(ids)
+
+    def _mutate(self, what: str, op: Callable[[Pool], None]) -> None:
+        if self.retired:
+            return
+        before = self.pool.invariant_violations
+        try:
+            op(self.pool)
+        except Exception as exc:
+            self._on_fence(self, f"{what} raised {type(exc).__name__}: {exc}")
+            return
+        if not self._fenced_by(before, what):
+            self._note_events(1)
 
     def _fenced_by(self, before: int, what: str) -> bool:
         if self.pool.invariant_violations == before:

@@ -3,24 +3,35 @@
 Discovery is level-triggered here: every watcher event stores the engine's latest snapshot and
 then ``reconcile`` makes subscribers and the generation match what the snapshots say. Rules:
 
-* A source is *active* while its subscriber runs and its engine's last probe was reachable. A
-  pool is materialized (has a generation, is in the catalog) only while ≥ 1 source is active;
-  when the last one goes the generation is retired and every subscriber stopped, and the next
+* The data plane decides whether a pool lives. A source is *active* while its subscriber runs
+  (not crashed) and its engine is not declared down; Control's opinion alone never withdraws a
+  pool whose ZMQ streams are live. A pool is materialized (has a generation, is in the catalog)
+  while ≥ 1 source is active; when the last one goes the generation is retired, and the next
   materialization is a fresh generation rebuilt from replay and live events.
-* A Control probe that fails does not flush a member's state while others keep the pool alive:
-  the ZMQ stream is the authority for state and the subscriber's sequence checks catch restarts.
+* An engine whose probe fails *and* whose every source is disconnected for
+  ``engine_down_grace_s`` is declared down: its members are cleared (a dead worker's blocks must
+  not stay in the filter while other engines keep the pool alive) and its subscribers stopped;
+  they start again, replaying from 0, once the engine answers.
+* The pool's identity (model, model source, block size) comes from the engines and the config.
+  When it changes the pool is re-materialized as a new generation; when reachable engines
+  disagree the pool is withdrawn with a logged, counted reason — never merged.
 * A new engine incarnation (``instance_id``) clears that engine's members and restarts their
   subscribers, which rebuild from the new incarnation's replay at 0. Restarting (not just
   clearing) matters because the ZMQ stream may already have shown the restart (a backwards
-  sequence) and rebuilt the member before discovery noticed: clearing alone would then wipe a
-  correct state while the subscriber streamed on.
-* Any producer inconsistency fences the generation and materializes a new one.
+  sequence) and rebuilt the member before discovery noticed.
+* A subscriber that crashes (at start or later) is counted and logged with the engine's name, its
+  member is reset, and it is restarted with jittered exponential backoff; meanwhile it is not an
+  active source.
+* Any doubt about exact state fences the generation. The catalog withdrawal is published before
+  the generation is torn down, and a pool that keeps getting fenced is rebuilt with backoff.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
+import time
 from dataclasses import dataclass, field, fields
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
@@ -39,8 +50,9 @@ from kvrelay.publication.catalog import LoraSpec, descriptor
 from kvrelay.publication.load import RankLoad
 from kvrelay.publication.readiness import EndpointState
 from kvrelay.relay.context import RelayContext
+from kvrelay.relay.engines import EngineState, PoolIdentity, pool_identity, worker_id_for
 from kvrelay.relay.generation import Generation
-from kvrelay.relay.settings import EngineSpec, PoolSpec
+from kvrelay.relay.settings import PoolSpec
 from kvrelay.relay.stats import (
     EngineStats,
     GenerationStats,
@@ -50,34 +62,23 @@ from kvrelay.relay.stats import (
     merged,
 )
 
+__all__ = ["EngineState", "PoolCounters", "PoolRuntime", "worker_id_for"]
+
 _log = get_logger(__name__)
 
+#: Crashed-source restarts: delay = min(max, initial · 2^attempt) · U(0.5, 1); the attempt count
+#: is forgotten once a restarted source has stayed connected this long.
+RESTART_INITIAL_S = 0.2
+RESTART_MAX_S = 10.0
+RESTART_STABLE_S = 30.0
+#: A generation that lived this long before a fence resets the fence backoff.
+FENCE_STABLE_S = 60.0
+FENCE_BACKOFF_INITIAL_S = 0.5
+FENCE_BACKOFF_MAX_S = 30.0
 
-def worker_id_for(engine_name: str) -> int:
-    """Stable u64 member id from the operator's engine name (never from the incarnation)."""
-    import blake3
 
-    digest = blake3.blake3(b"kvrelay/worker-id/v1\x00" + engine_name.encode()).digest()
-    return int.from_bytes(digest[:8], "little") or 1
-
-
-@dataclass(slots=True)
-class EngineState:
-    spec: EngineSpec
-    worker_id: int
-    target: EngineTarget
-    snapshot: EngineSnapshot | None = None
-    probed: bool = False
-    usage: dict[int, float] = field(default_factory=dict)  # dp rank → KV usage fraction
-
-    @property
-    def reachable(self) -> bool:
-        return self.snapshot is not None and self.snapshot.reachable
-
-    @property
-    def serving(self) -> bool:
-        s = self.snapshot
-        return s is not None and s.reachable and not s.sleeping and not s.paused
+def _jittered(initial: float, ceiling: float, attempt: int) -> float:
+    return float(min(ceiling, initial * (2 ** min(attempt, 16))) * random.uniform(0.5, 1.0))
 
 
 @dataclass(slots=True)
@@ -90,14 +91,25 @@ class PoolCounters:
     generations: int = 0
     fences: int = 0
     block_size_conflicts: int = 0
+    source_failures: int = 0  # subscribers that crashed or failed to start
+    engines_down: int = 0  # engines declared down (members cleared)
+    identity_changes: int = 0  # re-materialized for a new model / model source / block size
+    identity_conflicts: int = 0  # withdrawn because reachable engines disagree
+    rebuild_backoffs: int = 0  # rebuilds after a fence that waited (repeated fences)
+
+    def reset(self, reason: str) -> None:
+        self.member_resets[reason] = self.member_resets.get(reason, 0) + 1
 
 
 class PoolRuntime:
     """Implements ``kvrelay.ingest.sink.BatchSink`` for the pool's members."""
 
-    def __init__(self, spec: PoolSpec, ctx: RelayContext) -> None:
+    def __init__(
+        self, spec: PoolSpec, ctx: RelayContext, engine_down_grace_s: float = 30.0
+    ) -> None:
         self.spec = spec
         self._ctx = ctx
+        self.engine_down_grace_s = engine_down_grace_s
         self.engines: dict[str, EngineState] = {}
         for e in spec.engines:
             target = EngineTarget(host=e.host, grpc_port=e.grpc_port, static=e.static)
@@ -107,10 +119,14 @@ class PoolRuntime:
         self.source_specs: dict[SourceKey, SourceSpec] = {}
         self.generation: Generation | None = None
         self.counters = PoolCounters()
+        self.identity: PoolIdentity | None = None
+        self.conflict: str | None = None
         self._reconcile_lock = asyncio.Lock()
-        self._model: str | None = None
-        self._model_source: str | None = None
-        self._block_size: int | None = None
+        self._restarts: dict[SourceKey, tuple[int, float]] = {}  # key → (attempt, not before)
+        self._materialized_at = 0.0
+        self._fence_streak = 0
+        self._rebuild_not_before = 0.0
+        self._stopped = False
         # Final counters of retired subscribers and generations (monotonic stats).
         self._source_totals: dict[SourceKey, SubscriberCounters] = {}
         self._generation_totals = GenerationTotals()
@@ -122,7 +138,7 @@ class PoolRuntime:
         if gen is None:
             self.counters.dropped_without_generation += 1
             return
-        result = gen.apply(source, batch)
+        result = gen.apply(source, batch)  # MalformedBatch propagates: the subscriber handles it
         if result is None:
             return  # the generation retired (or this batch fenced it)
         self.counters.batches += 1
@@ -130,17 +146,46 @@ class PoolRuntime:
         self.counters.events_rejected += result.events_rejected
 
     def on_reset(self, source: SourceKey, reason: ResetReason) -> None:
-        self.counters.member_resets[reason.value] = (
-            self.counters.member_resets.get(reason.value, 0) + 1
-        )
+        self.counters.reset(reason.value)
         gen = self.generation
         if gen is None:
             return
         gen.reset_member(source)
         _log.warning(
-            "member_reset", pool=self.name, worker_id=source.worker_id,
+            "member_reset", pool=self.name, engine=self._engine_name(source.worker_id),
             dp_rank=source.dp_rank, reason=reason.value,
-        )
+        )  # fmt: skip
+
+    def on_failed(self, source: SourceKey, error: BaseException) -> None:
+        """A subscriber crashed: reset its member, count it, restart it later with backoff."""
+        sub = self.subscribers.get(source)
+        if sub is None or self._stopped:
+            return
+        self.counters.source_failures += 1
+        attempt = self._restarts.get(source, (0, 0.0))[0]
+        delay = _jittered(RESTART_INITIAL_S, RESTART_MAX_S, attempt)
+        self._restarts[source] = (attempt + 1, time.monotonic() + delay)
+        _log.error(
+            "source_failed", pool=self.name, engine=self._engine_name(source.worker_id),
+            dp_rank=source.dp_rank, error=f"{type(error).__name__}: {error}",
+            restart_in_s=round(delay, 3),
+        )  # fmt: skip
+        del self.subscribers[source]
+        self.source_specs.pop(source, None)
+        self._fold_source(source, sub.counters)
+        self._ctx.schedule(sub.stop())
+        self.counters.reset("source_failed")
+        gen = self.generation
+        if gen is not None:
+            gen.reset_member(source)
+        self._ctx.schedule(self._reconcile_after(0.0))
+        self._ctx.schedule(self._reconcile_after(delay))
+
+    async def _reconcile_after(self, delay: float) -> None:
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if not self._stopped:
+            await self.reconcile()
 
     # ---- identity & descriptors ------------------------------------------------------------------
 
@@ -155,22 +200,14 @@ class PoolRuntime:
         return None
 
     def base_model(self) -> str | None:
-        if self.spec.model:
-            return self.spec.model
+        """The canonical model id the pool registers (config, else what its engines serve)."""
+        if self.identity is not None:
+            return self.identity.model
+        target, _conflict = pool_identity(self.spec, list(self.engines.values()), None)
+        if target is not None:
+            return target.model
         snap = self._first_snapshot()
-        if snap is not None and snap.served_model_name:
-            return snap.served_model_name
-        return self._model
-
-    def block_size(self) -> int | None:
-        if self._block_size is not None:
-            return self._block_size
-        if self.spec.kv_block_size:
-            return self.spec.kv_block_size
-        snap = self._first_snapshot()
-        if snap is not None and snap.kv_block_size > 0:
-            return snap.kv_block_size
-        return None
+        return self.spec.model or (snap.served_model_name if snap is not None else None) or None
 
     def lora_names(self) -> list[str]:
         """LoRA adapters any reachable engine serves (names that could not be a registration,
@@ -183,9 +220,8 @@ class PoolRuntime:
         return sorted(n for n in names if n and n == n.strip() and n != base)
 
     def descriptor(self) -> pb.KvPoolDescriptor | None:
-        gen = self.generation
-        model = self._model
-        if gen is None or model is None or self._block_size is None:
+        gen, ident = self.generation, self.identity
+        if gen is None or ident is None:
             return None
         snap = self._first_snapshot()
         aliases = snap.served_model_aliases if snap is not None else ()
@@ -194,8 +230,8 @@ class PoolRuntime:
             namespace=self.spec.namespace,
             component=self.spec.component,
             endpoint=self.spec.endpoint,
-            base_model=model,
-            kv_block_size=self._block_size,
+            base_model=ident.model,
+            kv_block_size=ident.block_size,
             hash_format=self.spec.hash_format,
             roles=[self.spec.role],
             base_aliases=[a for a in aliases if a.strip() == a and a],
@@ -206,8 +242,6 @@ class PoolRuntime:
         model = self.base_model()
         if model is None:
             return None
-        active = {k.worker_id for k in self.subscribers}
-        live = sum(1 for st in self.engines.values() if st.serving and st.worker_id in active)
         return EndpointState(
             namespace=self.spec.namespace,
             component=self.spec.component,
@@ -215,7 +249,7 @@ class PoolRuntime:
             roles=frozenset({self.spec.role}) if self.spec.role != pb.WorkerRole.LEGACY
             else frozenset(),
             needs=self.spec.needs,
-            live=live,
+            live=sum(1 for st in self.engines.values() if st.serving),
             probed=all(st.probed for st in self.engines.values()),
             models=frozenset({model}),
             adapters={n: model for n in self.lora_names()},
@@ -223,23 +257,27 @@ class PoolRuntime:
         )
 
     def load_input(self) -> tuple[pb.ProducerIdentity, list[RankLoad]] | None:
+        """One entry per rank every engine declares, reachable or not: a rank without a live
+        source or a fresh scrape is unknown (observed < expected), never zero."""
         gen = self.generation
         if gen is None:
             return None
         ranks: list[RankLoad] = []
-        for key in sorted(self.source_specs):
-            st = self.by_worker[key.worker_id]
+        for st in self.engines.values():
             total = st.spec.total_kv_blocks
-            if st.snapshot is not None and st.snapshot.total_kv_blocks > 0:
+            if st.snapshot is not None and st.snapshot.reachable and st.snapshot.total_kv_blocks:
                 total = st.snapshot.total_kv_blocks
-            usage = st.usage.get(key.dp_rank)
-            used = None
-            if usage is not None and total is not None:
-                used = max(0, round(usage * total))
-            ranks.append(RankLoad(kv_used_blocks=used, total_kv_blocks=total))
+            for rank in st.declared_ranks():
+                usage = None
+                if SourceKey(st.worker_id, rank) in self.subscribers and not st.down:
+                    usage = st.usage.get(rank)
+                used = None
+                if usage is not None and total is not None:
+                    used = max(0, round(usage * total))
+                ranks.append(RankLoad(kv_used_blocks=used, total_kv_blocks=total))
         return gen.producer, ranks
 
-    def _producer(self, model_source: str, block_size: int) -> pb.ProducerIdentity:
+    def _producer(self, ident: PoolIdentity) -> pb.ProducerIdentity:
         fmt = identity.CkfFormatSpec(seed=self.spec.ckf_seed, bucket_count=self.spec.bucket_count)
         return pb.ProducerIdentity(
             pool_id=pb.KvPoolId(
@@ -247,7 +285,7 @@ class PoolRuntime:
                 indexer_domain=pb.IndexerDomainId(
                     cache_semantics=pb.DigestIdentity(
                         digest=identity.cache_semantics_digest(
-                            model_source, block_size, int(self.spec.hash_format)
+                            ident.model_source, ident.block_size, int(self.spec.hash_format)
                         ),
                         source=pb.IdentitySource.DEFAULT_DERIVED,
                     ),
@@ -265,42 +303,63 @@ class PoolRuntime:
 
     # ---- generations -----------------------------------------------------------------------------
 
-    def _materialize(self, block_size: int, model: str, model_source: str) -> Generation:
+    def _materialize(self, ident: PoolIdentity) -> Generation:
         pool = Pool(
             bucket_count=self.spec.bucket_count,
             seed=self.spec.ckf_seed,
-            block_size=block_size,
+            block_size=ident.block_size,
             hash_format=int(self.spec.hash_format),
         )
         gen = Generation(
-            name=self.name,
-            pool=pool,
-            producer=self._producer(model_source, block_size),
-            ctx=self._ctx,
+            name=self.name, pool=pool, producer=self._producer(ident), ctx=self._ctx,
             on_fence=self.fence,
-        )
-        self._block_size, self._model, self._model_source = block_size, model, model_source
+        )  # fmt: skip
         self.generation = gen
+        self._materialized_at = time.monotonic()
         self.counters.generations += 1
         _log.info(
             "pool_materialized", pool=self.name, layout_generation=gen.layout_generation,
-            block_size=block_size, model=model,
-        )
+            block_size=ident.block_size, model=ident.model,
+        )  # fmt: skip
         return gen
 
     def fence(self, gen: Generation, why: str) -> None:
-        """Withdraw ``gen`` and rebuild a fresh generation from replay + live events."""
+        """Withdraw ``gen`` and rebuild a fresh generation from replay + live events (with
+        backoff when fences repeat, so a deterministic fault cannot loop generations)."""
         if gen is not self.generation:
             return
         self.counters.fences += 1
-        _log.error("generation_fenced", pool=self.name, generation=gen.layout_generation, why=why)
+        now = time.monotonic()
+        self._fence_streak = 1 if now - self._materialized_at >= FENCE_STABLE_S else (
+            self._fence_streak + 1
+        )
+        delay = 0.0
+        if self._fence_streak > 1:
+            delay = _jittered(FENCE_BACKOFF_INITIAL_S, FENCE_BACKOFF_MAX_S, self._fence_streak - 2)
+            self.counters.rebuild_backoffs += 1
+        self._rebuild_not_before = now + delay
+        _log.error(
+            "generation_fenced", pool=self.name, generation=gen.layout_generation, why=why,
+            rebuild_in_s=round(delay, 3),
+        )  # fmt: skip
         self._retire(gen, RelayError.publication_unavailable(f"generation fenced: {why}"))
-        self._ctx.changed()
-        self._ctx.schedule(self._rebuild())
+        self._ctx.schedule(self._rebuild(delay))
 
-    async def _rebuild(self) -> None:
-        await self._stop_subscribers(list(self.subscribers))
-        await self.reconcile()
+    async def _rebuild(self, delay: float) -> None:
+        async with self._reconcile_lock:
+            await self._stop_subscribers(list(self.subscribers))
+        await self._reconcile_after(delay)
+
+    def _retire(self, gen: Generation, error: RelayError | None, *, publish: bool = True) -> None:
+        """Retire ``gen``: the catalog without it is published first, then its subscribers end
+        with ``error`` (or a clean EOF), and its final counters are kept."""
+        if self.generation is gen:
+            self.generation = None
+        if publish:
+            self._ctx.changed()
+        if not gen.retired:
+            gen.retire(error)
+            self._generation_totals.add(_generation_totals(gen))
 
     # ---- discovery -------------------------------------------------------------------------------
 
@@ -310,6 +369,14 @@ class PoolRuntime:
             return
         st.snapshot = ev.snapshot
         st.probed = True
+        if ev.snapshot.reachable:
+            st.last_good = ev.snapshot
+            st.unreachable_since = None
+            if st.down:
+                st.down = False
+                _log.info("engine_back", pool=self.name, engine=st.spec.name)
+        elif st.unreachable_since is None:
+            st.unreachable_since = time.monotonic()
         if isinstance(ev, IncarnationChanged):
             async with self._reconcile_lock:
                 await self._restart_engine_members(st.worker_id)
@@ -323,20 +390,49 @@ class PoolRuntime:
         if gen is None:
             return
         gen.reset_engine(worker_id)
-        self.counters.member_resets["incarnation"] = (
-            self.counters.member_resets.get("incarnation", 0) + 1
-        )
+        self.counters.reset("incarnation")
+
+    def tick(self, now: float) -> None:
+        """Periodic checks (the relay calls this about once a second): engines down, and
+        restart backoff forgotten for sources that have been healthy again for a while."""
+        for key, (_attempt, not_before) in list(self._restarts.items()):
+            sub = self.subscribers.get(key)
+            if sub is not None and sub.connected and now - not_before >= RESTART_STABLE_S:
+                del self._restarts[key]
+        grace = self.engine_down_grace_s
+        for st in self.engines.values():
+            if st.down or st.unreachable_since is None or now - st.unreachable_since < grace:
+                continue
+            subs = [s for k, s in self.subscribers.items() if k.worker_id == st.worker_id]
+            if any(s.disconnected_since is None or now - s.disconnected_since < grace
+                   for s in subs):
+                continue  # a live ZMQ stream outvotes Control: the state is still exact
+            st.down = True
+            self.counters.engines_down += 1
+            _log.warning(
+                "engine_down", pool=self.name, engine=st.spec.name, grace_s=grace,
+                error=None if st.snapshot is None else st.snapshot.error,
+            )  # fmt: skip
+            self._ctx.schedule(self._engine_down(st.worker_id))
+
+    async def _engine_down(self, worker_id: int) -> None:
+        async with self._reconcile_lock:
+            await self._stop_subscribers([k for k in self.subscribers if k.worker_id == worker_id])
+            gen = self.generation
+            if gen is not None and gen.reset_engine(worker_id):
+                self.counters.reset("engine_down")
+        await self.reconcile()
 
     def _desired(self, block_size: int) -> dict[SourceKey, SourceSpec]:
         desired: dict[SourceKey, SourceSpec] = {}
         for st in self.engines.values():
             snap = st.snapshot
-            if snap is None:
+            if snap is None or st.down:
                 continue
             if not snap.reachable:
                 # keep what runs (state stays valid while the stream lives), add nothing new
                 for key, spec in self.source_specs.items():
-                    if key.worker_id == st.worker_id:
+                    if key.worker_id == st.worker_id and spec.kv_block_size == block_size:
                         desired[key] = spec
                 continue
             if snap.kv_block_size and snap.kv_block_size != block_size:
@@ -358,35 +454,48 @@ class PoolRuntime:
                 )
         return desired
 
-    def _active_count(self, desired: dict[SourceKey, SourceSpec]) -> int:
-        return sum(1 for k in desired if self.by_worker[k.worker_id].reachable)
+    def _startable(self, key: SourceKey, now: float) -> bool:
+        entry = self._restarts.get(key)
+        return entry is None or now >= entry[1]
 
     async def reconcile(self) -> None:
+        if self._stopped:
+            return
         async with self._reconcile_lock:
             await self._reconcile()
         self._ctx.changed()
 
     async def _reconcile(self) -> None:
-        block_size = self._block_size or self.block_size()
-        model = self.base_model()
-        if block_size is None or model is None:
+        ident, conflict = pool_identity(self.spec, list(self.engines.values()), self.identity)
+        if conflict is not None:
+            if conflict != self.conflict:
+                self.counters.identity_conflicts += 1
+                _log.error("pool_identity_conflict", pool=self.name, reason=conflict)
+            self.conflict = conflict
+            await self._withdraw(f"pool withdrawn: {conflict}")
+            return
+        self.conflict = None
+        if ident is None:
             return  # nothing known yet: nothing to subscribe
-        desired = self._desired(block_size)
-        if self._active_count(desired) == 0:
-            if self.generation is not None:
-                gen = self.generation
-                why = RelayError.publication_unavailable("pool withdrawn: no active source")
-                self._retire(gen, why)
-                _log.warning("pool_withdrawn", pool=self.name, generation=gen.layout_generation)
-            await self._stop_subscribers(list(self.subscribers))
+        if self.generation is not None and self.identity != ident:
+            self.counters.identity_changes += 1
+            _log.warning(
+                "pool_identity_changed", pool=self.name,
+                old=None if self.identity is None else repr(self.identity), new=repr(ident),
+            )  # fmt: skip
+            await self._withdraw("pool identity changed; requires a fresh snapshot")
+        self.identity = ident
+        desired = self._desired(ident.block_size)
+        now = time.monotonic()
+        if not any(self._startable(k, now) or k in self.subscribers for k in desired):
+            await self._withdraw("pool withdrawn: no active source")
             return
         if self.generation is None:
-            snap = self._first_snapshot()
-            source = self.spec.model_source or (snap.model_id if snap and snap.model_id else model)
-            self._materialize(block_size, model, source)
-        current = self.generation
-        assert current is not None
-        gen = current
+            if now < self._rebuild_not_before:
+                return  # a delayed rebuild is scheduled (repeated fences)
+            self._materialize(ident)
+        gen = self.generation
+        assert gen is not None
         gone = [
             k for k in self.subscribers if k not in desired or desired[k] != self.source_specs[k]
         ]
@@ -394,11 +503,24 @@ class PoolRuntime:
         for key in gone:
             gen.remove_member(key)
         for key, spec in desired.items():
-            if key not in self.subscribers:
-                sub = Subscriber(spec, self)
-                self.subscribers[key] = sub
-                self.source_specs[key] = spec
+            if key in self.subscribers or not self._startable(key, now):
+                continue
+            sub = Subscriber(spec, self)
+            self.subscribers[key] = sub
+            self.source_specs[key] = spec
+            try:
                 await sub.start()
+            except Exception as exc:  # e.g. an endpoint ZMQ refuses: counted, retried later
+                self.on_failed(key, exc)
+
+    async def _withdraw(self, why: str) -> None:
+        if self.generation is not None:
+            gen = self.generation
+            self._retire(gen, RelayError.publication_unavailable(why))
+            _log.warning(
+                "pool_withdrawn", pool=self.name, generation=gen.layout_generation, why=why
+            )
+        await self._stop_subscribers(list(self.subscribers))
 
     async def _stop_subscribers(self, keys: list[SourceKey]) -> None:
         for key in keys:
@@ -410,18 +532,11 @@ class PoolRuntime:
                 self._fold_source(key, sub.counters)
 
     async def stop(self) -> None:
+        self._stopped = True
         async with self._reconcile_lock:
             await self._stop_subscribers(list(self.subscribers))
-            if self.generation is not None:
-                self._retire(self.generation, None)  # shutdown: clean EOF for subscribers
-
-    def _retire(self, gen: Generation, error: RelayError | None) -> None:
-        """Retire ``gen`` (subscribers end with ``error``) and keep its final counters."""
-        if self.generation is gen:
-            self.generation = None
-        if not gen.retired:
-            gen.retire(error)
-            self._generation_totals.add(_generation_totals(gen))
+            if self.generation is not None:  # shutdown: clean EOF for subscribers
+                self._retire(self.generation, None, publish=False)
 
     def _fold_source(self, key: SourceKey, counters: SubscriberCounters) -> None:
         prev = self._source_totals.get(key)

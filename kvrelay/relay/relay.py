@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -18,10 +19,10 @@ from kvrelay.discovery.metrics_scrape import MetricsScrapeError, scrape_kv_usage
 from kvrelay.discovery.watcher import EngineWatcher
 from kvrelay.hashing import identity
 from kvrelay.logging import get_logger
-from kvrelay.publication.catalog import CatalogPlane
+from kvrelay.publication.catalog import CatalogPlane, validate_descriptor
 from kvrelay.publication.hub import Subscription
 from kvrelay.publication.load import LoadPlane, PoolLoadInput
-from kvrelay.publication.readiness import ReadinessPlane
+from kvrelay.publication.readiness import EndpointState, ReadinessPlane, validate_endpoint
 from kvrelay.relay.context import RelayContext
 from kvrelay.relay.generation import Generation
 from kvrelay.relay.observer import Observers
@@ -66,7 +67,10 @@ class Relay:
             evict_idle_hub=self._evict_idle_hub,
             observers=self.observers,
         )
-        self.pools = [PoolRuntime(spec, ctx) for spec in settings.pools]
+        self.pools = [
+            PoolRuntime(spec, ctx, engine_down_grace_s=settings.engine_down_grace_s)
+            for spec in settings.pools
+        ]
         self._by_target: dict[str, PoolRuntime] = {
             name: p for p in self.pools for name in p.engines
         }
@@ -82,9 +86,13 @@ class Relay:
             timeout=settings.discovery_timeout_s,
         )
         self._scrapers: list[asyncio.Task[None]] = []
+        self._ticker: asyncio.Task[None] | None = None
         self.started = False
         self.metadata_errors = 0
         self.hubs_evicted = 0
+        self.metadata_rejections: dict[tuple[str, str], int] = {}
+        self._last_rejection: dict[tuple[str, str], str] = {}
+        self.scrape_errors = 0
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -92,6 +100,7 @@ class Relay:
         self.started = True
         self.load.start()
         self.watcher.start()
+        self._ticker = asyncio.create_task(self._tick_loop(), name="kvrelay-relay-tick")
         for p in self.pools:
             for st in p.engines.values():
                 if st.spec.metrics_port is not None:
@@ -99,6 +108,9 @@ class Relay:
 
     async def stop(self) -> None:
         await self.watcher.stop()
+        if self._ticker is not None:
+            await cancel_all([self._ticker])
+            self._ticker = None
         await cancel_all(self._scrapers)
         self._scrapers.clear()
         for p in self.pools:
@@ -170,23 +182,44 @@ class Relay:
     # ---- planes ----------------------------------------------------------------------------------
 
     def refresh_planes(self) -> None:
-        """Recompute the catalog and topology; one pool's bad metadata never hides the others."""
-        descriptors = []
-        endpoints = []
+        """Recompute the catalog and topology. Never raises: a pool whose engine-supplied
+        metadata is invalid (a served name with surrounding whitespace, say) leaves the catalog,
+        or the topology, alone and counted; every other pool and endpoint is published."""
+        descriptors: list[pb.KvPoolDescriptor] = []
+        endpoints: list[EndpointState] = []
         for p in self.pools:
             try:
                 d = p.descriptor()
+                if d is not None:
+                    validate_descriptor(d)
+                    descriptors.append(d)
+            except Exception as exc:  # CatalogError (or any bug building it): this pool only
+                self._metadata_rejected(p.name, "catalog", exc)
+            try:
                 e = p.endpoint_state()
-            except ValueError as exc:  # CatalogError / TopologyError: engine-supplied metadata
-                self.metadata_errors += 1
-                _log.error("pool_metadata_rejected", pool=p.name, error=str(exc))
-                continue
-            if d is not None:
-                descriptors.append(d)
-            if e is not None:
-                endpoints.append(e)
-        self.catalog.set_pools(descriptors)
-        self.readiness.set_topology(endpoints)
+                if e is not None:
+                    validate_endpoint(e)
+                    endpoints.append(e)
+            except Exception as exc:  # TopologyError: this endpoint only
+                self._metadata_rejected(p.name, "readiness", exc)
+        try:
+            self.catalog.set_pools(descriptors)
+        except Exception as exc:  # cross-pool rules (e.g. a duplicate pool id)
+            self._metadata_rejected("*", "catalog", exc)
+        try:
+            self.readiness.set_topology(endpoints)
+        except Exception as exc:
+            self._metadata_rejected("*", "readiness", exc)
+
+    def _metadata_rejected(self, pool: str, plane: str, exc: Exception) -> None:
+        rule = str(getattr(exc, "rule", type(exc).__name__))
+        self.metadata_errors += 1
+        key = (plane, rule)
+        self.metadata_rejections[key] = self.metadata_rejections.get(key, 0) + 1
+        text = f"{type(exc).__name__}: {exc}"
+        if self._last_rejection.get((pool, plane)) != text:  # log a change, count every time
+            self._last_rejection[(pool, plane)] = text
+            _log.error("pool_metadata_rejected", pool=pool, plane=plane, rule=rule, error=text)
 
     def _load_inputs(self) -> list[PoolLoadInput]:
         out: list[PoolLoadInput] = []
@@ -214,6 +247,17 @@ class Relay:
             pools=tuple(p.stats() for p in self.pools),
         )
 
+    async def _tick_loop(self) -> None:
+        period = min(1.0, self.settings.engine_down_grace_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for p in self.pools:
+                try:
+                    p.tick(now)
+                except Exception:  # a bug in one pool's checks must not stop the others
+                    _log.exception("pool_tick_failed", pool=p.name)
+
     # ---- discovery -------------------------------------------------------------------------------
 
     async def _on_discovery(self, ev: ChangeEvent) -> None:
@@ -232,4 +276,8 @@ class Relay:
                 st.usage = {int(k): v for k, v in usage.items() if k.isdigit()}
             except (TimeoutError, MetricsScrapeError, OSError):
                 st.usage = {}  # unknown, never zero
+            except Exception:  # whatever else: unknown too, and the scraper goes on
+                st.usage = {}
+                self.scrape_errors += 1
+                _log.exception("scrape_failed", pool=pool.name, engine=st.spec.name)
             await asyncio.sleep(self.settings.metrics_scrape_interval_s)

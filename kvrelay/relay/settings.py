@@ -87,6 +87,9 @@ class RelaySettings:
     discovery_interval_s: float = 5.0
     discovery_timeout_s: float = 2.0
     metrics_scrape_interval_s: float = 1.0
+    #: An engine unreachable on Control *and* disconnected on every ZMQ source this long is down:
+    #: its members are cleared.
+    engine_down_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.dc_name or self.dc_name != self.dc_name.strip():

@@ -85,7 +85,12 @@ class SimControl(vpb.ControlBase):  # type: ignore[misc]
             supports_lora=cfg.max_loras > 0,
         )
 
+    def _served(self, rpc: str) -> None:
+        if rpc in self.engine.cfg.unimplemented_rpcs:
+            raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED, f"{rpc} not implemented")
+
     async def list_loras(self, message: vpb.ListLorasRequest) -> vpb.ListLorasResponse:
+        self._served("ListLoras")
         return vpb.ListLorasResponse(adapters=[_adapter(li) for li in self.engine.loras.values()])
 
     async def load_lora(self, message: vpb.LoadLoraRequest) -> vpb.LoadLoraResponse:
@@ -113,9 +118,11 @@ class SimControl(vpb.ControlBase):  # type: ignore[misc]
         return event_sources(self.engine)
 
     async def is_sleeping(self, message: vpb.IsSleepingRequest) -> vpb.IsSleepingResponse:
+        self._served("IsSleeping")
         return vpb.IsSleepingResponse(sleeping=self.engine.sleeping)
 
     async def is_paused(self, message: vpb.IsPausedRequest) -> vpb.IsPausedResponse:
+        self._served("IsPaused")
         return vpb.IsPausedResponse(paused=self.engine.paused)
 
     async def sleep(self, message: vpb.SleepRequest) -> vpb.SleepResponse:

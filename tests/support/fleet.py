@@ -15,6 +15,8 @@ from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
 
 MARKER = 0x4B565231
+#: Tests stop engines and expect their pool to go: a short grace instead of the default 30 s.
+ENGINE_DOWN_GRACE_S = 0.6
 
 
 async def eventually(check: Callable[[], bool], timeout: float = 15.0, what: str = "") -> None:
@@ -58,6 +60,7 @@ async def fleet_and_relay(
         pools=pool_specs,
         discovery_interval_s=0.2,
         discovery_timeout_s=1.0,
+        engine_down_grace_s=ENGINE_DOWN_GRACE_S,
         limits=limits or RelayLimits(),
     )
     relay = Relay(settings)

@@ -28,7 +28,12 @@ from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
 from kvrelay.service.server import RelayServer
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
-from tests.support.fleet import eventually, ground_truth, relay_view  # the shared fleet harness
+from tests.support.fleet import (  # the shared fleet harness
+    ENGINE_DOWN_GRACE_S,
+    eventually,
+    ground_truth,
+    relay_view,
+)
 from tests.support.fleet import wait_subscribed as wait_live  # noqa: F401  (used by the fault tests)
 from tests.support.replica import Replica
 
@@ -108,6 +113,7 @@ def make_settings(
         limits=limits or RelayLimits(),
         discovery_interval_s=0.1,
         discovery_timeout_s=0.5,
+        engine_down_grace_s=ENGINE_DOWN_GRACE_S,
     )
 
 
