@@ -243,6 +243,7 @@ RELAY_KEYS: dict[str, _Key] = {
     "discovery_interval_s": _Key("float", 5.0, check=_positive_s),
     "discovery_timeout_s": _Key("float", 2.0, check=_positive_s),
     "metrics_scrape_interval_s": _Key("float", 1.0, check=_positive_s),
+    "engine_down_grace_s": _Key("float", 30.0, check=_positive_s),
     "event_loop": _kw("asyncio", EVENT_LOOPS),
     "shutdown_timeout_s": _Key(
         "float", 10.0, check=lambda v: None if 0 < v <= 300 else f"must be in (0, 300], got {v}"
@@ -578,6 +579,7 @@ def parse_config(
             discovery_interval_s=relay["discovery_interval_s"],
             discovery_timeout_s=relay["discovery_timeout_s"],
             metrics_scrape_interval_s=relay["metrics_scrape_interval_s"],
+            engine_down_grace_s=relay["engine_down_grace_s"],
         )
     except ValueError as exc:  # a rule checked only by the settings themselves
         r.err("relay", str(exc))

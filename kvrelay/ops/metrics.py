@@ -57,6 +57,15 @@ _SUB_SCALARS: dict[str, tuple[str, str]] = {
     "reorder_overflows": (
         "kvrelay_ingest_reorder_overflows", "Reorder buffer bound hit while awaiting a replay."
     ),
+    "reconnects": ("kvrelay_ingest_reconnects", "SUB connections re-established after a drop."),
+    "incarnations_detected": (
+        "kvrelay_ingest_incarnations_detected",
+        "Replays that did not hold the last applied batch (engine restarted): member rebuilt.",
+    ),
+    "bad_batches": (
+        "kvrelay_ingest_bad_batches", "Batches that could not be decoded or were malformed."
+    ),
+    "repairs": ("kvrelay_ingest_repairs", "Bad batches applied correctly when re-fetched."),
 }
 _SUB_ANOMALIES = ("unknown_tags", "unknown_fields", "malformed_events", "eagle_bigram", "truncated")
 _SUB_DICTS: dict[str, tuple[str, str, str]] = {
@@ -105,6 +114,22 @@ _POOL_COUNTERS: dict[str, tuple[str, str]] = {
     "fences": ("kvrelay_pool_fences", "Generations fenced (withdrawn and rebuilt)."),
     "block_size_conflicts": (
         "kvrelay_pool_block_size_conflicts", "Engines skipped for a conflicting kv_block_size."
+    ),
+    "source_failures": (
+        "kvrelay_pool_source_failures", "Subscribers that crashed or failed to start (restarted)."
+    ),
+    "engines_down": (
+        "kvrelay_pool_engines_down",
+        "Engines declared down (Control and ZMQ silent for the grace): members cleared.",
+    ),
+    "identity_changes": (
+        "kvrelay_pool_identity_changes", "Re-materializations for a new model or block size."
+    ),
+    "identity_conflicts": (
+        "kvrelay_pool_identity_conflicts", "Withdrawals because engines disagree on the pool."
+    ),
+    "rebuild_backoffs": (
+        "kvrelay_pool_rebuild_backoffs", "Rebuilds after repeated fences that waited (backoff)."
     ),
 }
 
@@ -295,6 +320,20 @@ def _relay_metrics(r: RelayStats) -> Iterator[Metric]:
         "Catalog/topology refreshes that rejected a pool's engine metadata.",
         value=r.metadata_errors,
     )
+    by_rule = CounterMetricFamily(
+        "kvrelay_metadata_rejections",
+        "Pools or endpoints left out of a plane for invalid metadata, by plane and rule.",
+        labels=["plane", "rule"],
+    )
+    for (plane, rule), n in sorted(r.metadata_rejections.items()):
+        by_rule.add_metric([plane, rule], n)
+    yield by_rule
+    for name, doc, value in (
+        ("kvrelay_pool_hubs_evicted", "Idle hubs retired to free a hub permit.", r.hubs_evicted),
+        ("kvrelay_scrape_errors", "Engine /metrics scrapes that failed unexpectedly.",
+         r.scrape_errors),
+    ):
+        yield CounterMetricFamily(name, doc, value=value)
 
 
 def _pool_metrics(r: RelayStats) -> Iterator[Metric]:
@@ -321,6 +360,15 @@ def _pool_metrics(r: RelayStats) -> Iterator[Metric]:
         "kvrelay_engine_reachable", "1 if the engine's last probe reached it.",
         labels=["pool", "worker"],
     )
+    down = GaugeMetricFamily(
+        "kvrelay_engine_down", "1 while the engine is declared down (members cleared).",
+        labels=["pool", "worker"],
+    )
+    unknown = GaugeMetricFamily(
+        "kvrelay_engine_control_unknown",
+        "1 for each optional Control RPC that failed on the last probe (value kept, not trusted).",
+        labels=["pool", "worker", "rpc"],
+    )
     for p in r.pools:
         for attr, fam in pc.items():
             fam.add_metric([p.name], p.counters[attr])
@@ -337,11 +385,16 @@ def _pool_metrics(r: RelayStats) -> Iterator[Metric]:
             sources.add_metric([p.name, state], n)
         for e in p.engines:
             engines.add_metric([p.name, e.name], int(e.reachable))
+            down.add_metric([p.name, e.name], int(e.down))
+            for rpc in e.control_unknown:
+                unknown.add_metric([p.name, e.name, rpc], 1)
     yield from pc.values()
     yield resets
     yield from g.values()
     yield sources
     yield engines
+    yield down
+    yield unknown
 
 
 def _member_metrics(r: RelayStats) -> Iterator[Metric]:

@@ -584,7 +584,13 @@ class PoolRuntime:
             generations=totals,
             generation=gstats,
             sources=tuple(sources),
-            engines=tuple(EngineStats(st.spec.name, st.reachable) for st in self.engines.values()),
+            engines=tuple(
+                EngineStats(
+                    st.spec.name, st.reachable, st.down,
+                    tuple(sorted(st.snapshot.unknown)) if st.snapshot is not None else (),
+                )
+                for st in self.engines.values()
+            ),
         )
 
     def _engine_name(self, worker_id: int) -> str:

@@ -244,6 +244,9 @@ class Relay:
             hubs_initialized=self.hub_permits.in_use,
             hubs_limit=self.hub_permits.capacity,
             metadata_errors=self.metadata_errors,
+            metadata_rejections=dict(self.metadata_rejections),
+            hubs_evicted=self.hubs_evicted,
+            scrape_errors=self.scrape_errors,
             pools=tuple(p.stats() for p in self.pools),
         )
 

@@ -70,6 +70,9 @@ class SourceStats:
 class EngineStats:
     name: str
     reachable: bool
+    down: bool = False
+    #: Optional Control RPCs that failed on the last probe (their values are kept, not trusted).
+    control_unknown: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +100,9 @@ class RelayStats:
     hubs_initialized: int
     hubs_limit: int
     metadata_errors: int
+    metadata_rejections: dict[tuple[str, str], int]
+    hubs_evicted: int
+    scrape_errors: int
     pools: tuple[PoolStats, ...]
 
 

@@ -34,6 +34,8 @@ class SimConfig:
     metrics_port: int | None = 0  # None = no /metrics page
     kv_transfer_only: bool = False  # Control.GetKvEventSources UNIMPLEMENTED, KvTransfer serves it
     kv_sources_unimplemented: bool = False  # neither service serves it (pre-discovery frontend)
+    #: False: KV events disabled (GetKvEventSources lists nothing; an ENCODE worker, say).
+    kv_events: bool = True
     #: Control RPCs this frontend answers UNIMPLEMENTED (an older vLLM), e.g. ("ListLoras",).
     unimplemented_rpcs: tuple[str, ...] = ()
     model_id: str = "sim/model-7b"

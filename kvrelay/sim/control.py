@@ -34,6 +34,7 @@ def event_sources(engine: EngineFace) -> vpb.GetKvEventSourcesResponse:
                 max_queue_size=cfg.max_queue_size,
             )
             for p in engine.publishers
+            if cfg.kv_events
         ]
     )
 

@@ -110,6 +110,23 @@ class SimEngine:
             self._ctx.term()
             self._ctx = None
 
+    async def stop_control(self) -> None:
+        """Take only the Control frontend down (a Control outage); the ZMQ publishers go on."""
+        if self._grpc is not None:
+            await stop_control_server(self._grpc)
+            self._grpc = None
+
+    async def start_control(self) -> None:
+        """Bring the Control frontend back on the port it had."""
+        if self._grpc is None and self.grpc_port is not None:
+            pinned = replace(self.cfg, grpc_port=self.grpc_port)
+            cfg, self.cfg = self.cfg, pinned
+            try:
+                server, self.grpc_port = await start_control_server(self)
+            finally:
+                self.cfg = cfg
+            self._grpc = server
+
     async def __aenter__(self) -> SimEngine:
         await self.start()
         return self
@@ -199,6 +216,13 @@ class SimEngine:
         for r, p in enumerate(self.publishers):
             if rank is None or rank == r:
                 p.drop_next(n, keep_in_replay)
+
+    def corrupt_next(self, n: int, replay_good: bool, rank: int | None = None) -> None:
+        """Publish the next ``n`` batches live as garbage; ``replay_good``: the replay buffer
+        still holds the real batches (else the same garbage)."""
+        for r, p in enumerate(self.publishers):
+            if rank is None or rank == r:
+                p.corrupt_next(n, replay_good)
 
     def reset_prefix_cache(self) -> None:
         """Abort running requests, clear every rank's cache, publish AllBlocksCleared."""

@@ -24,6 +24,7 @@ from kvrelay.sim.wire import END_SEQ, offset_endpoint, seq_bytes
 class PublisherStats:
     published: int = 0
     dropped_live: int = 0  # deliberately not sent (drop_next)
+    corrupted_live: int = 0  # sent with a garbled payload (corrupt_next)
     lost: int = 0  # dropped from live and replay
     replay_requests: int = 0
     invalid_replay_requests: int = 0
@@ -76,6 +77,7 @@ class RankPublisher:
         self._router: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._drop: list[bool] = []  # queued drop decisions (keep_in_replay flag each)
+        self._corrupt: list[bool] = []  # queued corruptions (replay keeps the good bytes flag)
 
     async def start(self) -> None:
         pub = self.ctx.socket(zmq.PUB)
@@ -105,9 +107,15 @@ class RankPublisher:
         self.seq = 0
         self.buffer.clear()
         self._drop.clear()
+        self._corrupt.clear()
 
     def drop_next(self, n: int, keep_in_replay: bool) -> None:
         self._drop.extend([keep_in_replay] * n)
+
+    def corrupt_next(self, n: int, replay_good: bool) -> None:
+        """Send the next ``n`` batches live with a payload that is not msgpack; the replay keeps
+        the real bytes (``replay_good``: a corruption in transit) or the same garbage."""
+        self._corrupt.extend([replay_good] * n)
 
     def publish(self, payload: bytes) -> int:
         """Assign the next seq and send (unless a drop is queued). Returns the seq used."""
@@ -115,6 +123,13 @@ class RankPublisher:
         self.seq += 1
         keep = True
         live = True
+        sent = payload
+        stored = payload
+        if self._corrupt:
+            replay_good = self._corrupt.pop(0)
+            sent = b"\xc1" + payload  # 0xC1 is never valid msgpack
+            stored = payload if replay_good else sent
+            self.stats.corrupted_live += 1
         if self._drop:
             keep = self._drop.pop(0)
             live = False
@@ -124,10 +139,10 @@ class RankPublisher:
         if live and self._pub is not None:
             # PUB never blocks: past SNDHWM ZeroMQ drops for slow subscribers, like vLLM
             with contextlib.suppress(zmq.Again):
-                self._pub.send_multipart([self.topic, seq_bytes(seq), payload], flags=zmq.NOBLOCK)
+                self._pub.send_multipart([self.topic, seq_bytes(seq), sent], flags=zmq.NOBLOCK)
             self.stats.published += 1
         if keep:
-            self.buffer.append((seq, payload))
+            self.buffer.append((seq, stored))
         return seq
 
     async def _serve_replay(self) -> None:
