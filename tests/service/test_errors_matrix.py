@@ -440,3 +440,20 @@ async def test_65th_subscriber_default_limits(start_relay: StartRelay) -> None:
             break
         await asyncio.sleep(0.01)
     assert server.service.pool_permits.in_use == 0
+
+
+async def test_oversized_request_gets_resource_limit_with_the_trailer(
+    start_relay: StartRelay,
+) -> None:
+    """A request above max_message_bytes is refused like every other error: status and reason."""
+    view, server = await start_relay()
+    gen = view.add_pool("pool-a", 1024)
+    req = sub_request(gen.producer, "x")
+    req.subscriber_id = "x" * (9 * 1024 * 1024)  # 9 MiB > the 8 MiB bound
+    ch = grpclib_channel(server.port)
+    try:
+        r = await grpclib_collect(ch, "SubscribeKvPool", req, pb.FilterUpdate)
+        assert r.status == Status.RESOURCE_EXHAUSTED
+        assert r.trailers[K] == "RELAY_ERROR_REASON_RESOURCE_LIMIT"
+    finally:
+        ch.close()
