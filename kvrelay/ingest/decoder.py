@@ -84,13 +84,15 @@ def medium_drop_reason(medium: str) -> str | None:
     return S.DROP_MEDIUM_PREFIX + _TIERS.get(up, "unknown")
 
 
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
 def mm_hash(identifier: str) -> int:
-    """vLLM mm identifier → u64: a 64-hex digest gives its first 16 hex chars, else XXH3 seed 0."""
-    if len(identifier) == 64:
-        try:
-            return int(identifier[:16], 16)
-        except ValueError:
-            pass
+    """vLLM mm identifier → u64: a digest of exactly 64 hex digits gives its first 16 as a
+    number; anything else (other lengths, a ``0x`` prefix, underscores, spaces, non-ASCII digits
+    that ``int()`` would accept) is hashed: XXH3-64 of its UTF-8 bytes, seed 0."""
+    if len(identifier) == 64 and _HEX.issuperset(identifier):
+        return int(identifier[:16], 16)
     return int(xxhash.xxh3_64_intdigest(identifier.encode("utf-8", "surrogatepass"), seed=0))
 
 
