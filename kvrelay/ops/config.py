@@ -244,6 +244,8 @@ RELAY_KEYS: dict[str, _Key] = {
     "discovery_timeout_s": _Key("float", 2.0, check=_positive_s),
     "metrics_scrape_interval_s": _Key("float", 1.0, check=_positive_s),
     "engine_down_grace_s": _Key("float", 30.0, check=_positive_s),
+    "dns_interval_s": _Key("float", 10.0, check=_positive_s),
+    "dns_server": _Key("str", None, check=_bind_check),
     "event_loop": _kw("asyncio", EVENT_LOOPS),
     "shutdown_timeout_s": _Key(
         "float", 10.0, check=lambda v: None if 0 < v <= 300 else f"must be in (0, 300], got {v}"
@@ -284,6 +286,8 @@ ENGINE_KEYS: dict[str, _Key] = {
     "grpc_port": _Key("int", None, check=_int_range(1, 65535)),
     "metrics_port": _Key("int", None, check=_int_range(1, 65535)),
     "total_kv_blocks": _Key("int", None, check=_int_range(1, 1 << 40)),
+    "dns": _Key("str", None, check=_text),
+    "dns_srv": _Key("bool", False),
 }
 STATIC_KEYS: dict[str, _Key] = {
     "endpoint": _Key("str", required=True, check=_endpoint),
@@ -580,6 +584,8 @@ def parse_config(
             discovery_timeout_s=relay["discovery_timeout_s"],
             metrics_scrape_interval_s=relay["metrics_scrape_interval_s"],
             engine_down_grace_s=relay["engine_down_grace_s"],
+            dns_interval_s=relay["dns_interval_s"],
+            dns_server=relay["dns_server"],
         )
     except ValueError as exc:  # a rule checked only by the settings themselves
         r.err("relay", str(exc))
@@ -730,11 +736,18 @@ def _engines(
                 r.err(f"{epath}.name", f"engine name {name!r} already used in {seen[name]}")
             names.setdefault(name, j)
             seen.setdefault(name, epath)
-        if "grpc_port" not in eraw and "static" not in eraw:
+        if "grpc_port" not in eraw and "static" not in eraw and not e["dns_srv"]:
             r.err(
                 f"{epath}.grpc_port",
-                "required unless [pools.engines.static] sources are given (vLLM < 0.27)",
+                "required unless [pools.engines.static] sources are given (vLLM < 0.27)"
+                " or dns_srv names SRV records",
             )
+        if name is not None and "@" in name:
+            r.err(f"{epath}.name", "'@' is reserved for engines found by DNS (name@address)")
+        if e["dns_srv"] and not e["dns"]:
+            r.err(f"{epath}.dns_srv", "needs dns = the SRV name to resolve")
+        if e["dns"] and "host" in eraw:
+            r.err(f"{epath}.host", "an engine found by DNS takes its host from the records")
         if any(q.severity == "error" for q in r.problems[n_before:]):
             continue
         try:
@@ -746,6 +759,8 @@ def _engines(
                     static=static,
                     metrics_port=e["metrics_port"],
                     total_kv_blocks=e["total_kv_blocks"],
+                    dns=e["dns"],
+                    dns_srv=e["dns_srv"],
                 )
             )
         except ValueError as exc:

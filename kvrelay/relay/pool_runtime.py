@@ -52,7 +52,7 @@ from kvrelay.publication.readiness import EndpointState
 from kvrelay.relay.context import RelayContext
 from kvrelay.relay.engines import EngineState, PoolIdentity, pool_identity, worker_id_for
 from kvrelay.relay.generation import Generation
-from kvrelay.relay.settings import PoolSpec
+from kvrelay.relay.settings import EngineSpec, PoolSpec
 from kvrelay.relay.stats import (
     EngineStats,
     GenerationStats,
@@ -111,10 +111,10 @@ class PoolRuntime:
         self._ctx = ctx
         self.engine_down_grace_s = engine_down_grace_s
         self.engines: dict[str, EngineState] = {}
+        self.by_worker: dict[int, EngineState] = {}
         for e in spec.engines:
-            target = EngineTarget(host=e.host, grpc_port=e.grpc_port, static=e.static)
-            self.engines[target.name] = EngineState(e, worker_id_for(e.name), target)
-        self.by_worker = {st.worker_id: st for st in self.engines.values()}
+            if e.dns is None:  # DNS templates stand for engines that membership adds later
+                self.add_engine(e)
         self.subscribers: dict[SourceKey, Subscriber] = {}
         self.source_specs: dict[SourceKey, SourceSpec] = {}
         self.generation: Generation | None = None
@@ -380,6 +380,39 @@ class PoolRuntime:
         if isinstance(ev, IncarnationChanged):
             async with self._reconcile_lock:
                 await self._restart_engine_members(st.worker_id)
+        await self.reconcile()
+
+    def add_engine(self, spec: EngineSpec) -> EngineTarget:
+        """A new engine of this pool (from config, or found by DNS); probed before it is used."""
+        target = EngineTarget(host=spec.host, grpc_port=spec.grpc_port, static=spec.static)
+        st = EngineState(spec, worker_id_for(spec.name), target)
+        self.engines[target.name] = st
+        self.by_worker[st.worker_id] = st
+        return target
+
+    def target_of(self, engine_name: str) -> str | None:
+        for key, st in self.engines.items():
+            if st.spec.name == engine_name:
+                return key
+        return None
+
+    async def remove_engine(self, engine_name: str) -> None:
+        """The engine left the fleet: its subscribers stop and its members are removed."""
+        key = self.target_of(engine_name)
+        if key is None:
+            return
+        st = self.engines[key]
+        async with self._reconcile_lock:
+            gone = [k for k in self.subscribers if k.worker_id == st.worker_id]
+            await self._stop_subscribers(gone)
+            gen = self.generation
+            if gen is not None:
+                for wid, rank in list(gen.pool.members().values()):
+                    if wid == st.worker_id:
+                        gen.remove_member(SourceKey(wid, rank))
+                        self.counters.reset("engine_removed")
+            del self.engines[key]
+            del self.by_worker[st.worker_id]
         await self.reconcile()
 
     async def _restart_engine_members(self, worker_id: int) -> None:

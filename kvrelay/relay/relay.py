@@ -14,6 +14,7 @@ from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.errors import RelayError
 from kvrelay.contract.limits import PermitCounter
 from kvrelay.contract.producer import producer_key
+from kvrelay.discovery.dns import make_resolver
 from kvrelay.discovery.events import ChangeEvent
 from kvrelay.discovery.metrics_scrape import MetricsScrapeError, scrape_kv_usage
 from kvrelay.discovery.watcher import EngineWatcher
@@ -25,9 +26,10 @@ from kvrelay.publication.load import LoadPlane, PoolLoadInput
 from kvrelay.publication.readiness import EndpointState, ReadinessPlane, validate_endpoint
 from kvrelay.relay.context import RelayContext
 from kvrelay.relay.generation import Generation
+from kvrelay.relay.membership import DnsMembership
 from kvrelay.relay.observer import Observers
 from kvrelay.relay.pool_runtime import EngineState, PoolRuntime
-from kvrelay.relay.settings import RelaySettings
+from kvrelay.relay.settings import EngineSpec, RelaySettings
 from kvrelay.relay.stats import RelayStats
 
 _log = get_logger(__name__)
@@ -85,6 +87,17 @@ class Relay:
             interval=settings.discovery_interval_s,
             timeout=settings.discovery_timeout_s,
         )
+        templates = [(p.name, e) for p in self.pools for e in p.spec.engines if e.dns is not None]
+        self.membership: DnsMembership | None = None
+        if templates:
+            self.membership = DnsMembership(
+                templates,
+                make_resolver(settings.dns_server, settings.discovery_timeout_s),
+                settings.dns_interval_s,
+                self.add_engine,
+                self.remove_engine,
+            )
+        self._membership_task: asyncio.Task[None] | None = None
         self._scrapers: list[asyncio.Task[None]] = []
         self._ticker: asyncio.Task[None] | None = None
         self.started = False
@@ -101,12 +114,19 @@ class Relay:
         self.load.start()
         self.watcher.start()
         self._ticker = asyncio.create_task(self._tick_loop(), name="kvrelay-relay-tick")
+        if self.membership is not None:
+            self._membership_task = asyncio.create_task(
+                self.membership.run(), name="kvrelay-dns-membership"
+            )
         for p in self.pools:
             for st in p.engines.values():
                 if st.spec.metrics_port is not None:
                     self._scrapers.append(asyncio.create_task(self._scrape_loop(p, st)))
 
     async def stop(self) -> None:
+        if self._membership_task is not None:
+            await cancel_all([self._membership_task])
+            self._membership_task = None
         await self.watcher.stop()
         if self._ticker is not None:
             await cancel_all([self._ticker])
@@ -260,6 +280,28 @@ class Relay:
                     p.tick(now)
                 except Exception:  # a bug in one pool's checks must not stop the others
                     _log.exception("pool_tick_failed", pool=p.name)
+
+    # ---- membership ------------------------------------------------------------------------------
+
+    def _pool(self, name: str) -> PoolRuntime:
+        return next(p for p in self.pools if p.name == name)
+
+    async def add_engine(self, pool: str, spec: EngineSpec) -> None:
+        """A new engine of ``pool`` (found by DNS): watched and, once probed, subscribed."""
+        p = self._pool(pool)
+        target = p.add_engine(spec)
+        self._by_target[target.name] = p
+        self.watcher.add_target(target)
+
+    async def remove_engine(self, pool: str, engine: str) -> None:
+        """``engine`` left ``pool``: no longer watched; its subscribers stop, its members go."""
+        p = self._pool(pool)
+        target = p.target_of(engine)
+        if target is None:
+            return
+        await self.watcher.remove_target(target)
+        self._by_target.pop(target, None)
+        await p.remove_engine(engine)
 
     # ---- discovery -------------------------------------------------------------------------------
 
