@@ -30,13 +30,13 @@ import zmq.asyncio
 from kvrelay._aio import cancel_and_wait
 from kvrelay.ingest.counters import SubscriberCounters
 from kvrelay.ingest.decoder import Decoder
-from kvrelay.ingest.errors import DecodeError, FrameError
+from kvrelay.ingest.errors import DecodeError, FrameError, TopicMismatchError
 from kvrelay.ingest.frames import check_live, check_replay
 from kvrelay.ingest.reorder import ReorderBuffer
 from kvrelay.ingest.sink import BatchSink, ResetReason, SourceSpec
 from kvrelay.logging import get_logger
 
-_log = get_logger("kvrelay.ingest")
+_LOGGER = "kvrelay.ingest"
 
 _ABORTED = 2  # replay outcome: reorder overflow, buffer dropped
 _DONE = 1
@@ -84,6 +84,12 @@ class Subscriber:
         self._sub_sync: zmq.Socket[Any] | None = None
         self._task: asyncio.Task[None] | None = None
         self._sink_errors = 0
+        self._topic_warned = False
+        # operator names, not hashed ids: which engine, pool and rank a line is about
+        self._log = get_logger(
+            _LOGGER, pool=spec.pool, engine=spec.engine or str(spec.worker_id),
+            dp_rank=spec.dp_rank,
+        )
 
     @property
     def next_seq(self) -> int | None:
@@ -97,7 +103,7 @@ class Subscriber:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
-        sub.setsockopt(zmq.SUBSCRIBE, self.spec.topic)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")  # topic prefix checked in frames.py: mismatches counted
         sub.connect(self.spec.endpoint)
         self._sub = sub
         self._sub_sync = zmq.Socket.shadow(sub.underlying)
@@ -144,14 +150,14 @@ class Subscriber:
         except asyncio.CancelledError:
             raise
         except Exception:
-            _log.exception("subscriber crashed", source=tuple(self.key))
+            self._log.exception("subscriber_crashed")
             self.state = "failed"
             raise
 
     def _set_state(self, state: str) -> None:
         if state != self.state:
             self.state = state
-            _log.info("subscriber state", source=tuple(self.key), state=state, next_seq=self._next)
+            self._log.info("subscriber_state", state=state, next_seq=self._next)
 
     # ---- live path ------------------------------------------------------------------------
     def _on_live(self, frames: list[bytes]) -> None:
@@ -160,7 +166,7 @@ class Subscriber:
         try:
             seq, payload = check_live(frames, self.spec.topic)
         except FrameError as exc:
-            c.reject(exc.kind)
+            self._rejected(exc)
             return
         nxt = self._next
         if nxt is None:
@@ -193,9 +199,7 @@ class Subscriber:
             self._replay_from = nxt
 
     def _incarnation(self, seq: int, payload: bytes) -> None:
-        _log.warning(
-            "sequence went backwards", source=tuple(self.key), seq=seq, expected=self._next
-        )
+        self._log.warning("sequence_backwards", seq=seq, expected=self._next)
         self._reset(ResetReason.INCARNATION)
         self._buf.clear()
         self._replay_from = None
@@ -210,12 +214,7 @@ class Subscriber:
     def _overflow(self) -> None:
         c = self.counters
         c.reorder_overflows += 1
-        _log.warning(
-            "reorder buffer full; member reset",
-            source=tuple(self.key),
-            messages=len(self._buf),
-            bytes=self._buf.nbytes,
-        )
+        self._log.warning("reorder_overflow", messages=len(self._buf), bytes=self._buf.nbytes)
         self._reset(ResetReason.REORDER_OVERFLOW)
         self._buf.clear()
         self._replay_from = None
@@ -242,7 +241,22 @@ class Subscriber:
             self._sink_errors += 1
             c.reject("sink_error")
             if self._sink_errors == 1:
-                _log.exception("sink raised on a batch", source=tuple(self.key), seq=seq)
+                self._log.exception("sink_failed", on="batch", seq=seq)
+        # replayed history would count its own age, not the relay's lag: live messages only
+        c.observe_applied(res.ts, live=self.state == "live")
+
+    def _rejected(self, exc: FrameError) -> None:
+        """Count a rejected message; the first topic mismatch of a source is logged with the
+        topic it carried (a misconfigured topic otherwise looks like a silent engine)."""
+        self.counters.reject(exc.kind)
+        if isinstance(exc, TopicMismatchError) and not self._topic_warned:
+            self._topic_warned = True
+            self._log.warning(
+                "topic_mismatch",
+                topic=self.spec.topic.decode(errors="replace"),
+                seen=exc.seen[:128].decode(errors="replace"),
+                hint="the configured topic must be a prefix of the engine's (\"\" = any)",
+            )
 
     def _reset(self, reason: ResetReason) -> None:
         self._decoder.reset()
@@ -252,12 +266,11 @@ class Subscriber:
         c = self.counters
         c.resets += 1
         c.resets_by_reason[reason.value] = c.resets_by_reason.get(reason.value, 0) + 1
-        _log.warning("member reset", source=tuple(self.key), reason=reason.value)
         try:
-            self._sink.on_reset(self.key, reason)
+            self._sink.on_reset(self.key, reason)  # the pool logs member_reset
         except Exception:
             c.reject("sink_error")
-            _log.exception("sink raised on reset", source=tuple(self.key))
+            self._log.exception("sink_failed", on="reset")
 
     def _drain_buffer(self) -> bool:
         """Applies buffered messages that are now in order; True if a hole remains before them."""
@@ -332,7 +345,7 @@ class Subscriber:
                 )
                 if not ready and loop.time() >= deadline:
                     c.replay_failures += 1
-                    _log.warning("replay timed out", source=tuple(self.key), start=start)
+                    self._log.warning("replay_timeout", start=start)
                     return _FAILED
                 if self._sub in ready and not self._buffer_live():
                     return _ABORTED
@@ -347,7 +360,7 @@ class Subscriber:
                     try:
                         item = check_replay(frames, topic)
                     except FrameError as exc:
-                        c.reject(exc.kind)
+                        self._rejected(exc)
                         continue
                     if item is None:
                         return _DONE
@@ -363,12 +376,7 @@ class Subscriber:
                         continue
                     if seq > nxt or (first and seq > start):
                         c.missing_history += 1
-                        _log.warning(
-                            "replay history missing",
-                            source=tuple(self.key),
-                            asked=nxt,
-                            first=seq,
-                        )
+                        self._log.warning("replay_history_missing", asked=nxt, first=seq)
                         self._reset(
                             ResetReason.MISSING_HISTORY
                             if bootstrap
@@ -393,7 +401,7 @@ class Subscriber:
             try:
                 seq, payload = check_live(frames, self.spec.topic)
             except FrameError as exc:
-                c.reject(exc.kind)
+                self._rejected(exc)
                 continue
             if self._next is not None and seq < self._next:
                 c.duplicates += 1

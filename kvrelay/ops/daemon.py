@@ -166,7 +166,7 @@ class Daemon:
         if cfg.metrics.enabled:  # before the relay starts, so every delta is observed
             from kvrelay.ops.metrics import RelayMetrics
 
-            self.metrics = RelayMetrics(self.relay)
+            self.metrics = RelayMetrics(self.relay, per_member=cfg.metrics.per_member)
         await self.relay.start()
         self.server = RelayServer(self.relay, cfg.relay.limits)
         await self.server.start(cfg.bind_host, cfg.bind_port, ssl=context)

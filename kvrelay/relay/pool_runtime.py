@@ -25,7 +25,12 @@ from dataclasses import dataclass, field, fields
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.errors import RelayError
-from kvrelay.discovery.events import ChangeEvent, IncarnationChanged
+from kvrelay.discovery.events import (
+    ChangeEvent,
+    EngineReachable,
+    EngineUnreachableEvent,
+    IncarnationChanged,
+)
 from kvrelay.discovery.snapshot import EngineSnapshot
 from kvrelay.discovery.watcher import EngineTarget
 from kvrelay.hashing import identity
@@ -138,7 +143,7 @@ class PoolRuntime:
             return
         gen.reset_member(source)
         _log.warning(
-            "member_reset", pool=self.name, worker_id=source.worker_id,
+            "member_reset", pool=self.name, engine=self._engine_name(source.worker_id),
             dp_rank=source.dp_rank, reason=reason.value,
         )
 
@@ -310,6 +315,10 @@ class PoolRuntime:
             return
         st.snapshot = ev.snapshot
         st.probed = True
+        if isinstance(ev, EngineUnreachableEvent):  # once per outage
+            _log.warning("engine_unreachable", pool=self.name, engine=st.spec.name, error=ev.error)
+        elif isinstance(ev, EngineReachable):
+            _log.info("engine_reachable", pool=self.name, engine=st.spec.name)
         if isinstance(ev, IncarnationChanged):
             async with self._reconcile_lock:
                 await self._restart_engine_members(st.worker_id)
@@ -355,6 +364,8 @@ class PoolRuntime:
                     kv_block_size=block_size,
                     hash_format=int(self.spec.hash_format),
                     options=self.spec.decode,
+                    engine=st.spec.name,
+                    pool=self.name,
                 )
         return desired
 
