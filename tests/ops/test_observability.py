@@ -55,9 +55,9 @@ def _rules() -> list[dict[str, object]]:
 def test_alerts_cover_the_first_hour_list_and_query_served_series() -> None:
     rules = _rules()
     names = {str(r["alert"]) for r in rules}
-    for wanted in ("KvrelayFilterNearlyFull", "KvrelayMemberResets", "KvrelaySubscribersLagging",
-                   "KvrelayEngineUnreachable", "KvrelaySourceStale", "KvrelayEventLoopLag"):  # fmt: skip
-        assert wanted in names, wanted
+    wanted = {"KvrelayFilterNearlyFull", "KvrelayMemberResets", "KvrelaySubscribersLagging",
+              "KvrelayEngineUnreachable", "KvrelaySourceStale", "KvrelayEventLoopLag"}  # fmt: skip
+    assert wanted <= names, wanted - names
     known = served()
     for r in rules:
         assert set(r) <= {"alert", "expr", "for", "labels", "annotations"}, r
@@ -86,8 +86,10 @@ def test_rules_check_with_promtool_when_installed(tmp_path: Path) -> None:
                            capture_output=True, text=True, timeout=120)  # fmt: skip
     assert check.returncode == 0, check.stdout + check.stderr
     assert f"SUCCESS: {len(_rules())} rules found" in check.stdout
-    tests = subprocess.run(["promtool", "test", "rules", str(ALERT_TESTS)],
-                           capture_output=True, text=True, timeout=120, cwd=ALERTS.parent)  # fmt: skip
+    tests = subprocess.run(
+        ["promtool", "test", "rules", str(ALERT_TESTS)],
+        capture_output=True, text=True, timeout=120, cwd=ALERTS.parent,
+    )  # fmt: skip
     assert tests.returncode == 0, tests.stdout + tests.stderr
     # and promtool is a real judge: a rule with a syntax error fails
     bad = tmp_path / "bad.yml"
