@@ -179,7 +179,10 @@ class Daemon:
             )
         if self.metrics is not None:
             self.metrics.attach_service(self.server.service)
-            self.metrics_port = await self.metrics.start_http(cfg.metrics.host, cfg.metrics.port)
+            server = self.server
+            self.metrics_port = await self.metrics.start_http(
+                cfg.metrics.host, cfg.metrics.port, healthy=lambda: server.serving
+            )
         self._tasks.append(asyncio.create_task(self._loop_lag(), name="kvrelay-loop-lag"))
         self._tasks.append(
             asyncio.create_task(self.notifier.watchdog_loop(), name="kvrelay-watchdog")
