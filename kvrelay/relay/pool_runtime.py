@@ -350,6 +350,10 @@ class PoolRuntime:
                 continue
             if snap.kv_block_size and snap.kv_block_size != block_size:
                 self.counters.block_size_conflicts += 1
+                _log.warning(
+                    "engine_block_size_conflict", pool=self.name, engine=st.spec.name,
+                    engine_block_size=snap.kv_block_size, pool_block_size=block_size,
+                )
                 continue
             for src in snap.sources:
                 if src.transport != "zmq" or not src.endpoint:
