@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
-import tomllib
 import yaml
 
 from kvrelay.ops.config import parse_config
