@@ -9,7 +9,7 @@ STAMP     := $(VENV)/.installed-$(SUM)
 PIP    := $(PY) -m pip --disable-pip-version-check
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: test lint proto venv demo bench clean clean-numba
+.PHONY: test lint proto docs venv demo bench clean clean-numba
 
 $(PY):
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
@@ -46,6 +46,10 @@ demo: $(RUN_STAMP)
 
 proto: $(STAMP)
 	$(PY) -m tools.protogen kvrelay/_proto
+
+# The metric table of docs/operations.md, from the collector (a test keeps it current).
+docs: $(STAMP)
+	$(PY) -m tools.metrics_table --write
 
 # Loopback benchmarks (benchmarks/README.md). Short (< 2 min) by default; FULL=1: full sweep,
 # micro-benchmarks and the Dynamo side-by-side; SIDE=1 adds the side-by-side to the short run.
