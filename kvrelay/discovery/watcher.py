@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -32,8 +31,9 @@ from kvrelay.discovery.events import (
     SourcesRemoved,
 )
 from kvrelay.discovery.snapshot import EngineSnapshot
+from kvrelay.logging import get_logger
 
-log = logging.getLogger(__name__)
+_log = get_logger(__name__)
 
 Callback = Callable[[ChangeEvent], Awaitable[None] | None]
 
@@ -180,7 +180,7 @@ class EngineWatcher:
                 await res
         except Exception:  # a consumer bug must not stop discovery
             self.callback_errors += 1
-            log.exception("discovery callback failed for %s", type(ev).__name__)
+            _log.exception("discovery_callback_failed", change=type(ev).__name__)
 
     async def _loop(self, name: str) -> None:
         me = asyncio.current_task()

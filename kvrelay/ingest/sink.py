@@ -50,6 +50,7 @@ class SourceSpec:
 
     ``endpoint``/``replay_endpoint`` are connectable addresses (DP offset applied, wildcard hosts
     already substituted by discovery). ``hash_format``: 1 = DYNAMO_STANDARD_V1, 2 = EAGLE_V1.
+    ``engine`` and ``pool`` are the operator's names, for logs (the key holds hashed ids).
     """
 
     endpoint: str
@@ -60,6 +61,8 @@ class SourceSpec:
     kv_block_size: int
     hash_format: int = 1
     options: DecodeOptions = field(default_factory=DecodeOptions)
+    engine: str = ""
+    pool: str = ""
 
     @property
     def key(self) -> SourceKey:

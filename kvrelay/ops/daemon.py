@@ -33,14 +33,25 @@ T = TypeVar("T")
 LOOP_LAG_PERIOD_S = 0.25
 
 
-def warm_kernels() -> float:
+def warm_kernels(progress: Callable[[str], None] | None = None) -> float:
     """Run every hot numba kernel once on tiny inputs; returns the seconds it took.
 
     Covers the ingest path end to end: msgpack decode with token parsing, the pool apply kernel
     (store with token hashing, remove, clear), CKF inserts/lookups, publication take and a CBI1
     delta encode. With ``cache=True`` kernels this is a cache load after the first run.
+    ``progress`` hears one line per step (``kvrelay warm``, the demo), so a first-time compile
+    is never a silent minute.
     """
     t0 = time.perf_counter()
+    step_t = t0
+
+    def note(step: str) -> None:
+        nonlocal step_t
+        if progress is not None:
+            now = time.perf_counter()
+            progress(f"{step} ({now - step_t:.1f} s)")
+            step_t = now
+
     import msgspec
     import numpy as np
 
@@ -58,13 +69,17 @@ def warm_kernels() -> float:
     removed = {"type": "BlockRemoved", "block_hashes": [12], "medium": "GPU"}
     payload = msgspec.msgpack.encode([time.time(), [stored, removed], 0])
     bc = bucket_count_for(64)
+    note("modules and their eagerly compiled kernels (XXH3, msgpack walker, CKF)")
     for fmt in (FORMAT_STANDARD, FORMAT_EAGLE):
+        name = "standard" if fmt == FORMAT_STANDARD else "eagle"
         batch = Decoder(kv_block_size=4, dp_rank=0, hash_format=fmt).decode(payload).batch
+        note(f"{name}: msgpack decode and token parsing")
         pool = Pool(bucket_count=bc, seed=DEFAULT_CKF_SEED, block_size=4, hash_format=fmt)
         member = pool.add_member(1, 0)
         result = pool.apply(member, batch)
         if result.events_rejected:
             raise RuntimeError(f"kernel warm-up batch rejected: {result.errors}")
+        note(f"{name}: pool apply (lineage, refcounts, cuckoo filter)")
         pub = pool.take_publication()
         if pub is not None:
             buckets, words = pub
@@ -77,6 +92,7 @@ def warm_kernels() -> float:
         pool.apply(member, BatchBuilder().clear().build())
         pool.reset_member(member)
         pool.remove_member(member)
+        note(f"{name}: publication take, CBI1 delta, lookups, member reset")
     return time.perf_counter() - t0
 
 
@@ -150,7 +166,7 @@ class Daemon:
         if cfg.metrics.enabled:  # before the relay starts, so every delta is observed
             from kvrelay.ops.metrics import RelayMetrics
 
-            self.metrics = RelayMetrics(self.relay)
+            self.metrics = RelayMetrics(self.relay, per_member=cfg.metrics.per_member)
         await self.relay.start()
         self.server = RelayServer(self.relay, cfg.relay.limits)
         await self.server.start(cfg.bind_host, cfg.bind_port, ssl=context)
@@ -163,7 +179,10 @@ class Daemon:
             )
         if self.metrics is not None:
             self.metrics.attach_service(self.server.service)
-            self.metrics_port = await self.metrics.start_http(cfg.metrics.host, cfg.metrics.port)
+            server = self.server
+            self.metrics_port = await self.metrics.start_http(
+                cfg.metrics.host, cfg.metrics.port, healthy=lambda: server.serving
+            )
         self._tasks.append(asyncio.create_task(self._loop_lag(), name="kvrelay-loop-lag"))
         self._tasks.append(
             asyncio.create_task(self.notifier.watchdog_loop(), name="kvrelay-watchdog")

@@ -36,7 +36,12 @@ from dataclasses import dataclass, field, fields
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.errors import RelayError
-from kvrelay.discovery.events import ChangeEvent, IncarnationChanged
+from kvrelay.discovery.events import (
+    ChangeEvent,
+    EngineReachable,
+    EngineUnreachableEvent,
+    IncarnationChanged,
+)
 from kvrelay.discovery.snapshot import EngineSnapshot
 from kvrelay.discovery.watcher import EngineTarget
 from kvrelay.hashing import identity
@@ -377,6 +382,10 @@ class PoolRuntime:
                 _log.info("engine_back", pool=self.name, engine=st.spec.name)
         elif st.unreachable_since is None:
             st.unreachable_since = time.monotonic()
+        if isinstance(ev, EngineUnreachableEvent):  # once per outage
+            _log.warning("engine_unreachable", pool=self.name, engine=st.spec.name, error=ev.error)
+        elif isinstance(ev, EngineReachable):
+            _log.info("engine_reachable", pool=self.name, engine=st.spec.name)
         if isinstance(ev, IncarnationChanged):
             async with self._reconcile_lock:
                 await self._restart_engine_members(st.worker_id)
@@ -469,8 +478,15 @@ class PoolRuntime:
                         desired[key] = spec
                 continue
             if snap.kv_block_size and snap.kv_block_size != block_size:
-                self.counters.block_size_conflicts += 1
+                if st.block_size_conflict != snap.kv_block_size:  # once per conflict, not per pass
+                    st.block_size_conflict = snap.kv_block_size
+                    self.counters.block_size_conflicts += 1
+                    _log.warning(
+                        "engine_block_size_conflict", pool=self.name, engine=st.spec.name,
+                        engine_block_size=snap.kv_block_size, pool_block_size=block_size,
+                    )  # fmt: skip
                 continue
+            st.block_size_conflict = None
             for src in snap.sources:
                 if src.transport != "zmq" or not src.endpoint:
                     continue
@@ -484,6 +500,8 @@ class PoolRuntime:
                     kv_block_size=block_size,
                     hash_format=int(self.spec.hash_format),
                     options=self.spec.decode,
+                    engine=st.spec.name,
+                    pool=self.name,
                 )
         return desired
 

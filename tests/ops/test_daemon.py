@@ -257,3 +257,59 @@ def test_numba_cache_follows_systemd_cache_directory(monkeypatch: pytest.MonkeyP
     mp.setenv("NUMBA_CACHE_DIR", "/explicit")
     _numba_cache_from_systemd()
     assert os.environ["NUMBA_CACHE_DIR"] == "/explicit"
+
+
+async def test_health_and_healthz_turn_not_serving_as_the_drain_starts(tmp_path: Path) -> None:
+    """SERVING / 200 while serving; from the first moment of a drain NOT_SERVING on an open
+    connection and 503 on /healthz (which stays up until the end). A client that opened a
+    stream without sending its request holds the drain open for the grace period, so the
+    window is seen deterministically."""
+    from grpclib.const import Cardinality
+    from grpclib.health.v1.health_grpc import HealthStub
+    from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+
+    engine = SimEngine(SimConfig(name="e0", seed=3, dp_size=1, capacity_blocks=32))
+    await engine.start()
+    f = tmp_path / "k.toml"
+    f.write_text(MINIMAL.replace("50051", str(engine.grpc_port)).replace(
+        'dc_name = "dc-test"', 'dc_name = "dc-test"\nshutdown_timeout_s = 4.0'
+    ))
+    cfg = load_config(
+        f, env={"KVRELAY_RELAY_BIND": "127.0.0.1:0", "KVRELAY_METRICS_BIND": "127.0.0.1:0"}
+    )
+    daemon = Daemon(cfg, Notifier({}))
+    service = "dynamo.kvrelay.v1.KvEventRelay"
+    stopping: asyncio.Task[None] | None = None
+    try:
+        await daemon.start()
+        assert daemon.grpc_port and daemon.metrics_port
+        async with Channel("127.0.0.1", daemon.grpc_port) as channel:
+            health = HealthStub(channel)
+            for name in (service, ""):
+                reply = await health.Check(HealthCheckRequest(service=name))
+                assert reply.status == HealthCheckResponse.SERVING, name
+            assert (await _http_get(daemon.metrics_port, "/healthz")) == (200, "ok\n")
+
+            async with channel.request(
+                f"/{service}/WatchKvPoolCatalog", Cardinality.UNARY_STREAM,
+                pb.WatchKvPoolCatalogRequest, pb.KvPoolCatalogUpdate,
+            ) as held:  # fmt: skip
+                await held.send_request()  # headers only: the handler waits for the message
+                for _ in range(500):  # until the server runs that handler
+                    if daemon.server.service._active:
+                        break
+                    await asyncio.sleep(0.01)
+                stopping = asyncio.create_task(daemon.stop())
+                await asyncio.sleep(0.2)
+                assert not stopping.done(), "the held stream keeps the drain open"
+                for name in (service, ""):
+                    reply = await health.Check(HealthCheckRequest(service=name))
+                    assert reply.status == HealthCheckResponse.NOT_SERVING, name
+                assert (await _http_get(daemon.metrics_port, "/healthz")) == (
+                    503, "not serving\n"
+                )
+                await asyncio.wait_for(stopping, 10)
+    finally:
+        if stopping is None:
+            await daemon.stop()
+        await engine.stop()
