@@ -160,6 +160,14 @@ def ratios(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def _per_rate(rows: list[dict[str, Any]]) -> list[dict[str, float | None]]:
+    """Ratio rows grouped per rate (``ratios`` emits 8 rows per point, in order)."""
+    out: list[dict[str, float | None]] = []
+    for i in range(0, len(rows) - len(rows) % 8, 8):
+        out.append({r["metric"].split(" @")[0]: r["ratio"] for r in rows[i:i + 8]})
+    return out
+
+
 def plot(res: dict[str, Any]) -> Path:
     import matplotlib
 
@@ -283,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         res["rows"].append({"metric": "relay CPU idle (cores)", "kvrelay": idle["kvrelay"],
                             "dynamo": idle["dynamo"],
                             "ratio": idle["kvrelay"] / idle["dynamo"] if idle["dynamo"] else None})
+        res["light_load_ratios"] = {  # the two light-load targets, kvrelay / Dynamo per rate
+            f"{p['requests_per_s_achieved']:.0f} req/s": {
+                "relay_cpu": r["relay CPU (cores)"], "relay_rss": r["relay RSS MiB"]}
+            for p, r in zip(points, _per_rate(res["rows"]), strict=True)}
         res["kvrelay_stats"] = json.loads((WORK / "sbs-kvrelay-stats.json").read_text())
         res["setup"] = (
             f"One Dynamo mocker (block 16, 65,536 GPU blocks, speedup 100) in netns `{NS}`; "
