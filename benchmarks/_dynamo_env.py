@@ -105,8 +105,10 @@ def dyn_env(kv_dir: Path) -> dict[str, str]:
 
 
 def sigterm_as_exit() -> None:
-    """SIGTERM unwinds like Ctrl-C, so ``finally`` blocks stop processes and drop the netns."""
+    """SIGTERM and SIGINT unwind as KeyboardInterrupt, so ``finally`` blocks stop processes and
+    drop the netns (SIGINT too: a shell starts background jobs with it ignored)."""
     def handler(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)

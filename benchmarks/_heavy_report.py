@@ -347,18 +347,27 @@ def heavy_plot(res: dict[str, Any], path: Path) -> Path:
     ax.set_title("relay process CPU (bridge apart)", fontsize=9)
     ax.set_ylabel("cores")
     ax = axes[1][1]
-    ramp = (res.get("ramp") or {}).get("points", [])
-    for name in ("kvrelay", "dynamo"):
-        rows = [p for p in ramp if name in p["relays"]]
+    ramp_pts = (res.get("ramp") or {}).get("points", [])
+    for name, color in (("kvrelay", "tab:blue"), ("dynamo", "tab:orange")):
+        rows = [p for p in ramp_pts if name in p["relays"]]
         xs = [p["offered_rate"] for p in rows]
-        ok = [p["relays"][name]["sustained"] for p in rows]
-        ax.plot(xs, [p["relays"][name]["achieved_rate"] for p in rows], styles[name],
-                label=f"{NAMES[name]} offered→achieved")
-        ax.plot([x for x, k in zip(xs, ok, strict=True) if not k],
-                [p["relays"][name]["achieved_rate"] for p, k in zip(rows, ok, strict=True)
-                 if not k], "x", color="red", ms=12)
-    ax.set_title("ingest ramp, 1 subscriber (red × = strict criterion failed)", fontsize=9)
-    ax.set_ylabel("block events / s")
+        ys = [p["relays"][name]["relay_cpu_util"] for p in rows]
+        ax.plot(xs, ys, styles[name], color=color, mfc="none", label=f"{NAMES[name]} CPU")
+        for x, y, p in zip(xs, ys, rows, strict=True):
+            r = p["relays"][name]
+            if r["sustained"]:
+                ax.plot([x], [y], "o", color=color, ms=8)
+            elif not r["ingest_kept_up"]:
+                ax.plot([x], [y], "x", color="red", ms=12)
+        best = res["ramp"]["max_sustained"].get(name) if res.get("ramp") else None
+        if best:
+            ax.axvline(best, color=color, alpha=0.4, ls=":")
+        if name == "dynamo":
+            ax.plot(xs, [p["relays"][name]["bridge_cpu_util"] for p in rows], ":^",
+                    color="gray", label="bridge CPU")
+    ax.set_title("ingest ramp, 1 subscriber: ● strict ok, ○ ingest only, red × ingest failed; "
+                 "dotted line = max sustained", fontsize=8)
+    ax.set_ylabel("cores")
     for row in axes:
         for a in row:
             a.set_xscale("log")
@@ -367,7 +376,6 @@ def heavy_plot(res: dict[str, Any], path: Path) -> Path:
             a.legend(fontsize=7)
     for a in (axes[0][0], axes[0][1]):
         a.set_yscale("log")
-    axes[1][1].set_yscale("log")
     mode = "concurrent" if res["plan"]["concurrent"] else "sequential, identical seeded stream"
     fig.suptitle(f"kvrelay vs Dynamo 1.6.1 relay, heavy load ({mode}; "
                  f"{res['machine']['cores']} cores)")

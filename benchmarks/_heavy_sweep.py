@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from itertools import product
+from pathlib import Path
 from typing import Any
 
 from benchmarks._common import RESULTS, ROOT, WORK, machine, write_json
@@ -20,11 +21,10 @@ from benchmarks._dynamo_env import (
     sh,
     sigterm_as_exit,
 )
-from benchmarks._heavy import Bench, HeavyPlan
+from benchmarks._heavy import FULL, Bench, HeavyPlan
 from benchmarks._heavy_report import heavy_markdown, heavy_plot, summary
 
 NS = "kvrheavy"
-OUT = RESULTS / "side_by_side_heavy.json"
 SIDES = ("kvrelay", "dynamo")
 
 
@@ -127,9 +127,9 @@ def run(plan: HeavyPlan) -> int:
     if reason is not None:
         delete_netns(NS)
         print(f"side-by-side --heavy SKIPPED: {reason}", flush=True)
-        res.update(skipped=True, reason=reason)
-        write_json(OUT, res)
-        (RESULTS / "side_by_side_heavy.md").write_text(heavy_markdown(res))
+        res.update(skipped=True, reason=reason)  # kept out of results/: never clobber a run
+        write_json(WORK / "side_by_side_heavy.json", res)
+        (WORK / "side_by_side_heavy.md").write_text(heavy_markdown(res))
         return 0
     bench = Bench(NS, plan, model)
     t0 = time.monotonic()
@@ -157,16 +157,24 @@ def run(plan: HeavyPlan) -> int:
     light = json.loads(light_path.read_text()) if light_path.exists() else None
     res["summary"] = summary(res, light)
     ok = "error" not in res and not res.get("interrupted")
-    # a failed or interrupted run never replaces the committed results: it goes to .work/
-    out_dir = RESULTS if ok else WORK
-    write_json(out_dir / "side_by_side_heavy.json", res)
+    # only a complete run of the full plan replaces the committed results; failed, interrupted,
+    # --short and custom runs go to benchmarks/.work/
+    full = replace(plan, concurrent=False) == FULL
+    out_dir = RESULTS if ok and full else WORK
+    stem = "side_by_side_heavy" + ("-concurrent" if plan.concurrent else "")
+    write_json(out_dir / f"{stem}.json", res)
+    render(out_dir / f"{stem}.json")
+    return 0 if ok else 1
+
+
+def render(path: Path) -> None:
+    """Markdown and PNG next to a result JSON (``--heavy --render`` redoes them from the data)."""
+    res = json.loads(path.read_text())
     md = heavy_markdown(res)
     if res.get("latency"):
-        png = heavy_plot(res, out_dir / "side_by_side_heavy.png")
-        md += f"\n![side_by_side_heavy]({png.name})\n"
-    (out_dir / "side_by_side_heavy.md").write_text(md)
+        png = heavy_plot(res, path.with_suffix(".png"))
+        md += f"\n![{path.stem}]({png.name})\n"
+    path.with_suffix(".md").write_text(md)
     print(md)
-    if not ok:
-        log(f"partial results in {out_dir}")
-    return 0 if ok else 1
+    log(f"wrote {path.with_suffix('')}.{{json,md,png}}")
 

@@ -215,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ramp", default="", help="--heavy: comma-separated ramp rates")
     ap.add_argument("--ramp-seconds", type=float, default=0.0)
     ap.add_argument("--working-set", type=int, default=0, help="--heavy: chains per engine")
+    ap.add_argument("--render", action="store_true",
+                    help="--heavy: redo results/side_by_side_heavy.{md,png} from its JSON")
     a = ap.parse_args(argv)
     if a.heavy:
         return heavy(a)
@@ -326,7 +328,11 @@ def heavy(a: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from benchmarks._heavy import FULL, SHORT
-    from benchmarks._heavy_sweep import run
+    from benchmarks._heavy_sweep import render, run
+
+    if a.render:
+        render(RESULTS / f"side_by_side_heavy{'-concurrent' if a.concurrent else ''}.json")
+        return 0
 
     def floats(text: str) -> tuple[float, ...]:
         return tuple(float(x) for x in text.split(",") if x)
