@@ -252,7 +252,9 @@ def heavy_markdown(res: dict[str, Any]) -> str:
         "- delta latency = subscriber receive − that relay's `send_ts_us` (every DELTA of every "
         "stream); e2e = all 8 probe hashes visible in the replica − engine publish time (`ts`). "
         "CPU = process-tree utime+stime / send window (1.0 = one core); RSS = relay process "
-        "tree VmRSS after the point.", "",
+        "tree VmRSS after the point. Dynamo's e2e includes the bridge hop (as a Dynamo "
+        "deployment's does); its RSS grows with the subscribers it has served and keeps it, so "
+        "points after a 64-subscriber point carry that history (the ramp starts fresh).", "",
         CRITERION, "",
     ]
     s = res.get("summary")
