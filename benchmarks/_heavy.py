@@ -34,7 +34,15 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._common import PY, ROOT, WORK, ProcSample, percentiles, tree_sample
+from benchmarks._common import (
+    CLK_TCK,
+    PY,
+    ROOT,
+    WORK,
+    ProcSample,
+    percentiles,
+    tree_sample,
+)
 from benchmarks._dynamo_env import DPY, dyn_env, log
 from benchmarks._harness import Proc
 
@@ -343,6 +351,7 @@ class Bench:
         s = [tree_sample(p.pid) for p, _ in subs]
         out["subscribers"] = ProcSample(s[0].wall, sum(x.cpu_s for x in s),
                                         sum(x.rss_bytes for x in s), 0)
+        out["machine"] = ProcSample(time.time(), machine_busy_s(), 0, 0)
         return out
 
     def _collect(self, side: Side, subs: list[tuple[Proc, str]], sent: dict[str, Any],
@@ -371,6 +380,8 @@ class Bench:
                 return None
             return round((c1[k].cpu_s - c0[k].cpu_s) / window, 3) if window > 0 else None
 
+        ours = sum(util(k) or 0.0 for k in ("relay", "bridge", "loadgen", "subscribers"))
+        busy = util("machine")
         warnings = {k: _warnings(p.log_path, side.log_offsets.get(k, 0))
                     for k, p in side.log_procs().items()}
         return {
@@ -392,6 +403,10 @@ class Bench:
             "bridge_cpu_util": util("bridge"),
             "loadgen_cpu_util": util("loadgen"),
             "subscriber_cpu_util": util("subscribers"),
+            # whole-machine busy cores during the send window, and what this point's processes
+            # do not explain (the idle relay, the orchestrator, other people's jobs)
+            "machine_cpu_util": busy,
+            "other_cpu_util": round(busy - ours, 3) if busy is not None else None,
             "relay_rss_bytes": rss.rss_bytes,
             "relay_rss_peak_bytes": rss.rss_peak_bytes,
             "bridge_rss_bytes": c1["bridge"].rss_bytes if "bridge" in c1 else None,
@@ -435,6 +450,13 @@ def failure_reasons(r: dict[str, Any]) -> list[str]:
     elif c["complete_after_end_s"] > CHECK_DEADLINE_S:
         out.append(f"replica complete only {c['complete_after_end_s']} s after the end")
     return out
+
+
+def machine_busy_s() -> float:
+    """Busy CPU seconds of the whole machine since boot (/proc/stat: all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v[:8]) - v[3] - v[4]) / CLK_TCK  # user nice system idle iowait irq softirq steal
 
 
 def _size(path: Path) -> int:

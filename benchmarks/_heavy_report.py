@@ -8,6 +8,7 @@ from typing import Any
 from benchmarks._report import _f, machine_md
 
 NAMES = {"kvrelay": "kvrelay", "dynamo": "Dynamo 1.6.1"}
+BUSY_OTHER = 0.3  # cores busy outside a point's own processes: flag the point
 MIB = 2**20
 
 CRITERION = (
@@ -152,10 +153,10 @@ def _values_table(points: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| offered ev/s | subs | relay | achieved ev/s | delta p50 / p99 / p99.9 ms | e2e p50 / "
         "p99 / p99.9 ms | probes | lag ends | gaps | deltas/s per stream | replica complete "
-        "after end s | relay CPU | bridge CPU | loadgen CPU | subscr. CPU | relay RSS MiB | "
-        "warnings relay/bridge | strict | ingest |",
+        "after end s | relay CPU | bridge CPU | loadgen CPU | subscr. CPU | other CPU | relay "
+        "RSS MiB | warnings relay/bridge | strict | ingest |",
         "|---:|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-        ":---:|:---:|",
+        "---:|:---:|:---:|",
     ]
     for p in points:
         for name, r in p["relays"].items():
@@ -178,6 +179,7 @@ def _values_table(points: list[dict[str, Any]]) -> list[str]:
                 f"{_f(r.get('deltas_per_stream_s'), 0)} | {chk} | "
                 f"{_f(r['relay_cpu_util'], 2)} | {_f(r['bridge_cpu_util'], 2)} | "
                 f"{_f(r['loadgen_cpu_util'], 2)} | {_f(r['subscriber_cpu_util'], 2)} | "
+                f"{_f(r.get('other_cpu_util'), 2)} | "
                 f"{_f(r['relay_rss_bytes'] / MIB, 0)} | {warn} | "
                 f"{'yes' if r['sustained'] else 'NO'} | "
                 f"{'yes' if r.get('ingest_kept_up') else 'NO'} |")
@@ -198,6 +200,10 @@ def _notes(res: dict[str, Any]) -> list[str]:
                                f"loadgen CPU {r['loadgen_cpu_util']}).")
                 b = r.get("bridge_cpu_util")
                 bw = r["log_warnings"].get("bridge", {"count": 0, "samples": []})
+                o = r.get("other_cpu_util")
+                if o is not None and o >= BUSY_OTHER:
+                    out.append(f"- {tag} {NAMES[name]}: {o} core busy outside this point's "
+                               "processes (a busy machine): treat this point with care.")
                 if b is not None and b >= 0.85:
                     out.append(f"- {tag}: the bridge used {b} core — it may be the limit there.")
                 if bw["count"]:
@@ -251,7 +257,9 @@ def heavy_markdown(res: dict[str, Any]) -> str:
         f"{res.get('restarts')}); the ramp starts from fresh stacks.",
         "- delta latency = subscriber receive − that relay's `send_ts_us` (every DELTA of every "
         "stream); e2e = all 8 probe hashes visible in the replica − engine publish time (`ts`). "
-        "CPU = process-tree utime+stime / send window (1.0 = one core); RSS = relay process "
+        "CPU = process-tree utime+stime / send window (1.0 = one core); *other CPU* = whole-"
+        "machine busy cores (`/proc/stat`) minus this point's relay, bridge, loadgen and "
+        "subscribers (the idle relay, the orchestrator, anyone else's jobs); RSS = relay process "
         "tree VmRSS after the point. Dynamo's e2e includes the bridge hop (as a Dynamo "
         "deployment's does); its RSS grows with the subscribers it has served and keeps it, so "
         "points after a 64-subscriber point carry that history (the ramp starts fresh).", "",
