@@ -224,6 +224,19 @@ def heavy_markdown(res: dict[str, Any]) -> str:
     lines += [machine_md(res["machine"]).rstrip(),
               f"Load average at the end {res.get('loadavg_at_end')}; wall {res.get('wall_s')} s.",
               ""]
+    other = sorted(r["other_cpu_util"] for sec in (res.get("latency") or [],
+                                                  (res.get("ramp") or {}).get("points", []))
+                   for p in sec for r in p["relays"].values()
+                   if r.get("other_cpu_util") is not None)
+    if other:
+        med = other[len(other) // 2]
+        busy = sum(o >= BUSY_OTHER for o in other)
+        lines += [f"**Machine load during the points**: CPU busy outside each point's own "
+                  f"processes median {med:.2f}, max {other[-1]:.2f} cores; {busy} of "
+                  f"{len(other)} relay-points ≥ {BUSY_OTHER} core"
+                  + (" — a **busy** machine: other people's jobs shared the 2 cores; compare "
+                     "the two relays point by point (they alternate) rather than with other "
+                     "runs." if med >= BUSY_OTHER else " (a quiet machine)."), ""]
     if res.get("error") or res.get("interrupted"):
         lines += [f"**Incomplete run**: {res.get('error') or 'interrupted'}.", ""]
     mode = (
@@ -257,9 +270,10 @@ def heavy_markdown(res: dict[str, Any]) -> str:
         f"{res.get('restarts')}); the ramp starts from fresh stacks.",
         "- delta latency = subscriber receive − that relay's `send_ts_us` (every DELTA of every "
         "stream); e2e = all 8 probe hashes visible in the replica − engine publish time (`ts`). "
-        "CPU = process-tree utime+stime / send window (1.0 = one core); *other CPU* = whole-"
-        "machine busy cores (`/proc/stat`) minus this point's relay, bridge, loadgen and "
-        "subscribers (the idle relay, the orchestrator, anyone else's jobs); RSS = relay process "
+        "CPU = process-tree utime+stime / send window (1.0 = one core); *other CPU* = CPU all "
+        "processes used (`/proc/stat` user + nice + system + steal; irq/softirq, where loopback "
+        "TCP is processed, left out) minus this point's relay, bridge, loadgen and subscribers: "
+        "the idle relay, the orchestrator, anyone else's jobs; RSS = relay process "
         "tree VmRSS after the point. Dynamo's e2e includes the bridge hop (as a Dynamo "
         "deployment's does); its RSS grows with the subscribers it has served and keeps it, so "
         "points after a 64-subscriber point carry that history (the ramp starts fresh).", "",
