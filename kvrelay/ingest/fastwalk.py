@@ -86,6 +86,11 @@ ARR_IDS = np.full((2, len(_ARR_STORE)), -1, dtype=np.int64)
 ARR_IDS[0, :] = _ARR_STORE
 ARR_IDS[1, : len(_ARR_REMOVE)] = _ARR_REMOVE
 ARR_LEN = np.array([len(_ARR_STORE), len(_ARR_REMOVE)], dtype=np.int64)
+#: SGLang sources (§21): stores share vLLM's positions, removes only up to ``medium`` (SGLang's
+#: removes continue with group_idx, kind, window, locality: longer ones take the msgspec path).
+ARR_LEN_SGLANG = np.array([len(_ARR_STORE), 3], dtype=np.int64)
+ARR_LEN.flags.writeable = False
+ARR_LEN_SGLANG.flags.writeable = False
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
@@ -450,6 +455,7 @@ _layout_nb = njit(cache=True)(layout)
 @njit(cache=True)  # type: ignore[misc]
 def _walk(  # type: ignore[no-untyped-def]
     buf, bsz, extra, drop_self, groups, ops, w64, i64, has_parent, tokens, stats, ts_out,
+    arr_len,
 ):  # fmt: skip
     """Fills the outputs; returns ``OK`` or ``FALLBACK`` (then nothing is meaningful)."""
     e = ops.shape[0]
@@ -542,7 +548,7 @@ def _walk(  # type: ignore[no-untyped-def]
                 if tag < 0:
                     key = 0
                 elif tag <= 1:
-                    if f >= ARR_LEN[tag]:
+                    if f >= arr_len[tag]:
                         return FALLBACK
                     key = ARR_IDS[tag, f]
                 else:
@@ -779,10 +785,11 @@ def _walk(  # type: ignore[no-untyped-def]
         types.int64,  # block size
         types.int64,  # eagle extra token (0/1)
         types.boolean,  # drop self reference
+        types.Array(types.int64, 1, "C", readonly=True),  # array-form field counts per tag
     ),
     cache=True,
 )
-def walk(buf, work, bsz, extra, drop_self):  # type: ignore[no-untyped-def]
+def walk(buf, work, bsz, extra, drop_self, arr_len):  # type: ignore[no-untyped-def]
     """Entry point: ``work`` holds the groups state on input and every output on return."""
     n = buf.shape[0] + 1
     o_stats, o_ts, o_groups, o_ops, o_hp, o_w64, o_i64, o_tok, _, e = _layout_nb(n)
@@ -801,4 +808,5 @@ def walk(buf, work, bsz, extra, drop_self):  # type: ignore[no-untyped-def]
         work[o_tok : o_tok + 4 * n].view(np.uint32),
         stats,
         work[o_ts:o_groups].view(np.float64),
+        arr_len,
     )

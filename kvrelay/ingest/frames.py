@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvrelay.ingest.errors import FrameCountError, SeqLengthError, TopicMismatchError
+from kvrelay.ingest.sglang import split_topic
 
 END_SEQ = b"\xff" * 8
 
@@ -27,6 +28,17 @@ def check_live(frames: Sequence[bytes], topic: bytes) -> tuple[int, bytes]:
     if bytes(frames[0]) != topic:
         raise TopicMismatchError("topic frame differs from the configured topic")
     return parse_seq(frames[1]), bytes(frames[2])
+
+
+def check_live_sglang(frames: Sequence[bytes], topic: bytes) -> tuple[int, bytes, bytes | None]:
+    """``check_live`` for SGLang: the topic frame may carry the publisher's epoch (and a snapshot
+    barrier id, §21.3); returns ``(seq, payload, epoch or None)``."""
+    if len(frames) != 3:
+        raise FrameCountError(f"live message has {len(frames)} frames, expected 3")
+    parts = split_topic(bytes(frames[0]), topic)
+    if parts is None:
+        raise TopicMismatchError("topic frame is neither the configured topic nor an SGLang epoch")
+    return parse_seq(frames[1]), bytes(frames[2]), parts[0]
 
 
 def check_replay(frames: Sequence[bytes], topic: bytes) -> tuple[int, bytes] | None:

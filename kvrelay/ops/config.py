@@ -22,6 +22,7 @@ from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.discovery.endpoints import StaticSourceConfig, split_tcp
 from kvrelay.hashing.identity import DEFAULT_CKF_SEED, bucket_count_for
+from kvrelay.ingest.kinds import ENGINE_KINDS
 from kvrelay.ingest.options import DecodeOptions
 from kvrelay.ops.tls import is_loopback
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
@@ -284,6 +285,7 @@ ENGINE_KEYS: dict[str, _Key] = {
     "grpc_port": _Key("int", None, check=_int_range(1, 65535)),
     "metrics_port": _Key("int", None, check=_int_range(1, 65535)),
     "total_kv_blocks": _Key("int", None, check=_int_range(1, 1 << 40)),
+    "kind": _kw("vllm", ENGINE_KINDS),
 }
 STATIC_KEYS: dict[str, _Key] = {
     "endpoint": _Key("str", required=True, check=_endpoint),
@@ -730,7 +732,12 @@ def _engines(
                 r.err(f"{epath}.name", f"engine name {name!r} already used in {seen[name]}")
             names.setdefault(name, j)
             seen.setdefault(name, epath)
-        if "grpc_port" not in eraw and "static" not in eraw:
+        if e["kind"] == "sglang":
+            if "grpc_port" in eraw:
+                r.err(f"{epath}.grpc_port", "SGLang has no vllm.Control: give static sources")
+            if "static" not in eraw:
+                r.err(f"{epath}.static", "required for an SGLang engine (no gRPC discovery)")
+        elif "grpc_port" not in eraw and "static" not in eraw:
             r.err(
                 f"{epath}.grpc_port",
                 "required unless [pools.engines.static] sources are given (vLLM < 0.27)",
@@ -746,6 +753,7 @@ def _engines(
                     static=static,
                     metrics_port=e["metrics_port"],
                     total_kv_blocks=e["total_kv_blocks"],
+                    kind=ENGINE_KINDS[e["kind"]],
                 )
             )
         except ValueError as exc:

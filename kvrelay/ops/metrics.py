@@ -62,6 +62,9 @@ _SUB_SCALARS: dict[str, tuple[str, str]] = {
         "kvrelay_ingest_incarnations_detected",
         "Replays that did not hold the last applied batch (engine restarted): member rebuilt.",
     ),
+    "epoch_changes": (
+        "kvrelay_ingest_epoch_changes", "SGLang publisher epochs that changed (restarts)."
+    ),
     "bad_batches": (
         "kvrelay_ingest_bad_batches", "Batches that could not be decoded or were malformed."
     ),

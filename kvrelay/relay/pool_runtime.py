@@ -451,6 +451,7 @@ class PoolRuntime:
                     kv_block_size=block_size,
                     hash_format=int(self.spec.hash_format),
                     options=self.spec.decode,
+                    kind=st.spec.kind,
                 )
         return desired
 

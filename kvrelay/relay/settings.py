@@ -8,6 +8,7 @@ from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.discovery.endpoints import StaticSourceConfig
 from kvrelay.hashing.identity import DEFAULT_CKF_SEED, bucket_count_for
+from kvrelay.ingest.kinds import EngineKind
 from kvrelay.ingest.options import DecodeOptions
 
 
@@ -19,6 +20,8 @@ class EngineSpec:
     incarnation, so a restart is the same member with cleared state. Engines reached through
     ``vllm.Control`` give ``host`` + ``grpc_port``; engines without gRPC (vLLM < 0.27) give
     ``static`` sources, and then the pool's ``model`` / ``kv_block_size`` are required.
+    ``kind`` names the engine family: SGLang engines have no ``vllm.Control``, so they are
+    always static (§21).
     """
 
     name: str
@@ -27,12 +30,15 @@ class EngineSpec:
     static: StaticSourceConfig | None = None
     metrics_port: int | None = None
     total_kv_blocks: int | None = None  # capacity for static engines (load plane)
+    kind: EngineKind = EngineKind.VLLM
 
     def __post_init__(self) -> None:
         if not self.name or self.name != self.name.strip():
             raise ValueError("engine name must be non-empty without surrounding whitespace")
         if self.grpc_port is None and self.static is None:
             raise ValueError(f"engine {self.name!r} needs grpc_port or static sources")
+        if self.kind is EngineKind.SGLANG and (self.grpc_port is not None or self.static is None):
+            raise ValueError(f"SGLang engine {self.name!r} needs static sources and no grpc_port")
 
 
 @dataclass(frozen=True, slots=True)
