@@ -134,6 +134,35 @@ _POOL_COUNTERS: dict[str, tuple[str, str]] = {
     "rebuild_backoffs": (
         "kvrelay_pool_rebuild_backoffs", "Rebuilds after repeated fences that waited (backoff)."
     ),
+    # connect mode (a bound SUB fed by many engines, §22)
+    "connect_messages": ("kvrelay_connect_messages", "Messages on the pool's bound SUB."),
+    "connect_topic_unmatched": (
+        "kvrelay_connect_topic_unmatched", "Messages whose topic the pattern does not match."
+    ),
+    "connect_topic_malformed": (
+        "kvrelay_connect_topic_malformed",
+        "Messages whose topic matches but names no valid member (bad UTF-8, engine or rank).",
+    ),
+    "connect_model_mismatch": (
+        "kvrelay_connect_model_mismatch", "Messages whose topic names another model."
+    ),
+    "connect_frames_rejected": (
+        "kvrelay_connect_frames_rejected", "Messages with a bad frame count or sequence frame."
+    ),
+    "connect_members_added": ("kvrelay_connect_members_added", "Members admitted by topic."),
+    "connect_members_refused": (
+        "kvrelay_connect_members_refused", "Messages naming a configured engine (refused)."
+    ),
+    "connect_members_over_limit": (
+        "kvrelay_connect_members_over_limit", "Messages naming a new member past max_members."
+    ),
+    "connect_members_expired": (
+        "kvrelay_connect_members_expired", "Members removed after member_silence_s of silence."
+    ),
+    "connect_unattributed": (
+        "kvrelay_connect_unattributed",
+        "Undecodable payloads whose DP rank could not be read (the engine's members reset).",
+    ),
 }
 
 

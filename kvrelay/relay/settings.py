@@ -10,6 +10,7 @@ from kvrelay.discovery.endpoints import StaticSourceConfig
 from kvrelay.hashing.identity import DEFAULT_CKF_SEED, bucket_count_for
 from kvrelay.ingest.kinds import EngineKind
 from kvrelay.ingest.options import DecodeOptions
+from kvrelay.ingest.topic_pattern import TopicPattern
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +43,29 @@ class EngineSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class ConnectConfig:
+    """A pool-level bound ingest endpoint that engines' PUB sockets connect to (§22).
+
+    ``topic_pattern`` names each message's member (``ingest/topic_pattern.py``); ``kind`` is the
+    publishers' engine family. There is no replay: a gap or a restart resets the member, and a
+    member silent for ``member_silence_s`` is removed.
+    """
+
+    bind: tuple[str, ...]
+    topic_pattern: str
+    kind: EngineKind = EngineKind.VLLM
+    max_members: int = 1024
+    member_silence_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.bind:
+            raise ValueError("connect mode needs at least one bind endpoint")
+        TopicPattern(self.topic_pattern)  # raises PatternError (a ValueError)
+        if self.max_members < 1 or self.member_silence_s <= 0:
+            raise ValueError("max_members must be >= 1 and member_silence_s > 0")
+
+
+@dataclass(frozen=True, slots=True)
 class PoolSpec:
     """One serving endpoint ``(namespace, component, endpoint)`` and the engines behind it."""
 
@@ -62,14 +86,19 @@ class PoolSpec:
     #: Block size for static engines; with Control it comes from ``ServerInfo.kv_block_size``.
     kv_block_size: int | None = None
     decode: DecodeOptions = field(default_factory=DecodeOptions)
+    #: Engines that connect to a bound endpoint of the pool (then ``engines`` may be empty,
+    #: and ``model`` and ``kv_block_size`` are required).
+    connect: ConnectConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("namespace", "component", "endpoint"):
             value = getattr(self, name)
             if not value or value != value.strip():
                 raise ValueError(f"pool {name} must be non-empty without surrounding whitespace")
-        if not self.engines:
-            raise ValueError("a pool needs at least one engine")
+        if not self.engines and self.connect is None:
+            raise ValueError("a pool needs at least one engine or a connect endpoint")
+        if self.connect is not None and (self.model is None or self.kv_block_size is None):
+            raise ValueError("a pool with a connect endpoint needs model and kv_block_size")
         names = [e.name for e in self.engines]
         if len(set(names)) != len(names):
             raise ValueError("engine names must be unique within a pool")
@@ -106,3 +135,6 @@ class RelaySettings:
         engine_names = [e.name for p in self.pools for e in p.engines]
         if len(set(engine_names)) != len(engine_names):
             raise ValueError("an engine name appears in more than one pool")
+        binds = [b for p in self.pools if p.connect is not None for b in p.connect.bind]
+        if len(set(binds)) != len(binds):
+            raise ValueError("two pools bind the same connect endpoint")

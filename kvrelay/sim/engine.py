@@ -126,6 +126,11 @@ class SimEngine:
             self._ctx.term()
             self._ctx = None
 
+    async def wait_subscribed(self, timeout: float = 10.0) -> None:
+        """Connect mode: until every rank's PUB has the bound SUB's subscription."""
+        for p in self.publishers:
+            await p.wait_subscribed(timeout)
+
     async def stop_control(self) -> None:
         """Take only the Control frontend down (a Control outage); the ZMQ publishers go on."""
         if self._grpc is not None:

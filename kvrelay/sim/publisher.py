@@ -6,7 +6,9 @@ marker with seq 0xFF*8 and an empty payload. Malformed requests get no reply (co
 buffer keeps the last ``buffer_steps`` batches; older ones are silently dropped (as in vLLM).
 
 ``connect``: the PUB connects to that endpoint (rank offset applied) instead of binding, as the
-engines do for an endpoint without a wildcard. ``epoch``: SGLang's per-publisher epoch, appended
+engines do for an endpoint without a wildcard. It is an XPUB then (the same wire behaviour as a
+PUB) so that tests can wait until the bound SUB's subscription has arrived (``wait_subscribed``):
+a PUB drops what it sends before that. ``epoch``: SGLang's per-publisher epoch, appended
 to the live topic frame after a NUL marker (replies keep the bare topic).
 """
 
@@ -90,7 +92,7 @@ class RankPublisher:
         self._corrupt: list[bool] = []  # queued corruptions (replay keeps the good bytes flag)
 
     async def start(self) -> None:
-        pub = self.ctx.socket(zmq.PUB)
+        pub = self.ctx.socket(zmq.XPUB if self.connect else zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, self.hwm)
         if self.connect:
@@ -115,6 +117,13 @@ class RankPublisher:
             if s is not None:
                 s.close(linger=0)
         self._pub = self._router = None
+
+    async def wait_subscribed(self, timeout: float = 10.0) -> None:
+        """Connect mode: until the bound SUB's subscription has reached this publisher."""
+        assert self._pub is not None and self.connect, "only a connecting publisher can tell"
+        if not await self._pub.poll(int(timeout * 1000)):
+            raise TimeoutError(f"no subscription from {self.connect} within {timeout} s")
+        await self._pub.recv()
 
     def set_epoch(self, epoch: bytes | None) -> None:
         self.epoch = epoch
