@@ -73,12 +73,15 @@ class _Layout:
     envelope: msgspec.msgpack.Decoder[Any]
     event: msgspec.msgpack.Decoder[Any]
     lengths: dict[str, int]  # known positions per tag (longer = unknown fields)
-    walker: npt.NDArray[np.int64]  # the numba walker's per-tag bound (longer = fallback)
+    walker_ids: npt.NDArray[np.int64]  # the numba walker's key per (tag, position)
+    walker_len: npt.NDArray[np.int64]  # … and its positions per tag (longer = fallback)
 
 
 _LAYOUTS = {
-    EngineKind.VLLM: _Layout(wire.ARR_ENVELOPE, wire.ARR_EVENT, wire.ARR_LEN, FW.ARR_LEN),
-    EngineKind.SGLANG: _Layout(SG.ARR_ENVELOPE, SG.ARR_EVENT, SG.ARR_LEN, FW.ARR_LEN_SGLANG),
+    EngineKind.VLLM: _Layout(
+        wire.ARR_ENVELOPE, wire.ARR_EVENT, wire.ARR_LEN, FW.ARR_IDS, FW.ARR_LEN
+    ),
+    EngineKind.SGLANG: _Layout(SG.ARR_ENVELOPE, SG.ARR_EVENT, SG.ARR_LEN, FW.SGL_IDS, FW.SGL_LEN),
 }
 
 
@@ -281,7 +284,8 @@ class Decoder:
             self.block_size,
             self.extra,
             self.options.drop_self_reference,
-            self._layout.walker,
+            self._layout.walker_ids,
+            self._layout.walker_len,
         )
         if rc != FW.OK:
             return None

@@ -65,7 +65,7 @@ class _SglStoredView:
 
     __slots__ = ()
     slot7: str | SglMeta | None
-    metadata: SglMeta | None
+    metadata: Raw
 
     @property
     def lora_name(self) -> str | None:
@@ -73,8 +73,16 @@ class _SglStoredView:
 
     @property
     def cache_salt(self) -> str | None:
-        for meta in (self.metadata, self.slot7):
-            if isinstance(meta, SglMeta) and meta.cache_salt:
+        """The salt map's ``cache_salt`` (slot 7 of one revision, else slot 14). Slot 14 is read
+        leniently: anything but a map with a string salt there means no salt."""
+        if isinstance(self.slot7, SglMeta) and self.slot7.cache_salt:
+            return self.slot7.cache_salt
+        if len(self.metadata):
+            try:
+                meta = _META.decode(self.metadata)
+            except msgspec.DecodeError:
+                return None
+            if meta is not None and meta.cache_salt:
                 return meta.cache_salt
         return None
 
@@ -97,7 +105,7 @@ class SArrStored(
     kv_cache_spec_sliding_window: Raw = NO_RAW
     locality: str | None = None
     ownership: Raw = NO_RAW
-    metadata: SglMeta | None = None
+    metadata: Raw = NO_RAW  # the salt map (newest revision)
 
 
 class SArrRemoved(Struct, tag="BlockRemoved", array_like=True, forbid_unknown_fields=True):
@@ -129,6 +137,8 @@ class TSArrRemoved(SArrRemoved, tag="BlockRemoved", forbid_unknown_fields=False)
 class TSArrCleared(SArrCleared, tag="AllBlocksCleared", forbid_unknown_fields=False):
     pass
 
+
+_META = msgspec.msgpack.Decoder(SglMeta | None)
 
 ARR_LEN: dict[str, int] = {
     "BlockStored": 1 + len(SArrStored.__struct_fields__),

@@ -242,3 +242,25 @@ def test_fuzz_sglang_frames(frames: list[bytes], topic: bytes) -> None:
         check_live_sglang(frames, topic)
     except DecodeError as exc:
         assert isinstance(exc, FrameError)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    slot14=st.sampled_from([None, 5, "x", {"cache_salt": "t"}, {"cache_salt": 3}, [1]]),
+    extra=st.integers(0, 2),
+)
+def test_walker_equals_msgspec_path_on_odd_trailing_slots(
+    data: st.DataObject, slot14: Any, extra: int
+) -> None:
+    """Aligned stores with any value at slot 14, and events with trailing slots past SGLang's
+    layout: the walker and the msgspec path agree (the walker falls back where it must)."""
+    evs = [sgl(e, "aligned") for e in data.draw(st.lists(sgl_events("aligned"), max_size=5))]
+    for ev in evs:
+        if ev[0] == "BlockStored":
+            ev.append(slot14)
+        ev += [None] * extra
+    payload = batch(evs)
+    assert _outcome(dec(), payload) == _outcome(dec(fast=False), payload)
+    assert _outcome(dec(hash_format=2), payload) == _outcome(dec(hash_format=2, fast=False),
+                                                             payload)  # fmt: skip
