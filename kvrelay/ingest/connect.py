@@ -45,7 +45,7 @@ from kvrelay.ingest.kinds import EngineKind
 from kvrelay.ingest.options import DecodeOptions
 from kvrelay.ingest.sglang import EPOCH_MARKER, split_topic
 from kvrelay.ingest.sink import BatchSink, ResetReason, SourceKey
-from kvrelay.ingest.topic_pattern import TopicError, TopicPattern
+from kvrelay.ingest.topic_pattern import TopicError, TopicMatch, TopicPattern
 from kvrelay.logging import get_logger
 from kvrelay.pool.errors import MalformedBatch
 
@@ -144,6 +144,9 @@ class ConnectSource:
         self._drain = drain
         self._rcvhwm = rcvhwm
         self._members: dict[tuple[str, int], _Member] = {}
+        # accepted topics → their match (bounded: cleared when full)
+        self._topics: dict[bytes, TopicMatch] = {}
+        self._topics_max = 4 * spec.max_members
         self._sub: zmq.asyncio.Socket | None = None
         self._shadow: zmq.Socket[Any] | None = None
         self._task: asyncio.Task[None] | None = None
@@ -235,14 +238,19 @@ class ConnectSource:
                     c.topic_malformed += 1
                     return
                 topic, epoch = topic[:cut], parts[0]
-        try:
-            match = self.spec.pattern.match(topic)
-        except TopicError as exc:
-            if exc.kind == "topic_unmatched":
-                c.topic_unmatched += 1
-            else:
-                c.topic_malformed += 1
-            return
+        match = self._topics.get(topic)
+        if match is None:
+            try:
+                match = self.spec.pattern.match(topic)
+            except TopicError as exc:
+                if exc.kind == "topic_unmatched":
+                    c.topic_unmatched += 1
+                else:
+                    c.topic_malformed += 1
+                return
+            if len(self._topics) >= self._topics_max:
+                self._topics.clear()
+            self._topics[topic] = match
         model = self.spec.model
         if match.model is not None and model is not None and match.model != model:
             c.model_mismatch += 1
