@@ -116,9 +116,11 @@ class DaemonConfig:
         metrics = (
             format_bind(self.metrics.host, self.metrics.port) if self.metrics.enabled else "off"
         )
+        n_connect = sum(1 for p in self.relay.pools if p.connect is not None)
+        connect = f", {n_connect} connect endpoint(s)" if n_connect else ""
         return (
-            f"dc {self.relay.dc_name!r}: {len(self.relay.pools)} pool(s), {n_engines} engine(s); "
-            f"gRPC {grpc}; metrics {metrics}; {len(self.warnings)} warning(s)"
+            f"dc {self.relay.dc_name!r}: {len(self.relay.pools)} pool(s), {n_engines} engine(s)"
+            f"{connect}; gRPC {grpc}; metrics {metrics}; {len(self.warnings)} warning(s)"
         )
 
 

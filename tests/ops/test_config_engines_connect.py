@@ -56,6 +56,7 @@ def test_connect_only_pool(tmp_path: Path) -> None:
     c = pool.connect
     assert c.bind == ("tcp://0.0.0.0:5557",) and c.topic_pattern == "kv@{engine}@{model}"
     assert (c.kind, c.max_members, c.member_silence_s) == (EngineKind.VLLM, 1024, 600.0)
+    assert "1 pool(s), 0 engine(s), 1 connect endpoint(s);" in cfg.summary()
 
 
 def test_connect_with_every_key_and_engines(tmp_path: Path) -> None:
