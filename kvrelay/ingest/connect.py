@@ -44,9 +44,10 @@ from kvrelay.ingest.frames import parse_seq
 from kvrelay.ingest.kinds import EngineKind
 from kvrelay.ingest.options import DecodeOptions
 from kvrelay.ingest.sglang import EPOCH_MARKER, split_topic
-from kvrelay.ingest.sink import BatchSink, ResetReason, SourceKey
+from kvrelay.ingest.sink import ResetReason, SourceKey
 from kvrelay.ingest.topic_pattern import TopicError, TopicMatch, TopicPattern
 from kvrelay.logging import get_logger
+from kvrelay.pool.batch import EventBatch
 from kvrelay.pool.errors import MalformedBatch
 
 _log = get_logger("kvrelay.ingest.connect")
@@ -95,7 +96,15 @@ class ConnectCounters:
         self.rejections[kind] = self.rejections.get(kind, 0) + 1
 
 
-class ConnectSink(BatchSink, Protocol):
+class ConnectSink(Protocol):
+    def on_batch(self, source: SourceKey, seq: int, batch: EventBatch) -> None:
+        """As ``BatchSink.on_batch``: raises ``MalformedBatch`` (state untouched) to reject."""
+        ...
+
+    def on_reset(self, source: SourceKey, reason: ResetReason) -> None:
+        """Drop everything the member holds."""
+        ...
+
     def admit(self, engine: str, dp_rank: int) -> SourceKey | None:
         """The member key for a new ``(engine, rank)``, or None to refuse it."""
         ...

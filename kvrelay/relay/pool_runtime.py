@@ -24,11 +24,9 @@ then ``reconcile`` makes subscribers and the generation match what the snapshots
   active source.
 * Any doubt about exact state fences the generation. The catalog withdrawal is published before
   the generation is torn down, and a pool that keeps getting fenced is rebuilt with backoff.
-* Connect mode (§22): the pool's bound SUB (``ingest/connect.py``, started by the first tick and
-  restarted with backoff when it fails) admits members by topic; their ``worker_id`` derives from
-  the topic's engine name like a configured engine's. A member counts as an active source, so
-  the pool materializes — synchronously, before its first batch, since nothing can be replayed —
-  while at least one is present; a member that goes silent is removed with its state.
+* Connect mode (§22, ``relay/connected.py``): members that connect to the pool's bound SUB count
+  as active sources; the pool materializes before a member's first batch (nothing can be
+  replayed) and withdraws when the last one leaves.
 """
 
 from __future__ import annotations
@@ -37,7 +35,9 @@ import asyncio
 import contextlib
 import random
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.errors import RelayError
@@ -45,17 +45,16 @@ from kvrelay.discovery.events import ChangeEvent, IncarnationChanged
 from kvrelay.discovery.snapshot import EngineSnapshot
 from kvrelay.discovery.watcher import EngineTarget
 from kvrelay.hashing import identity
-from kvrelay.ingest.connect import ConnectCounters, ConnectSource, ConnectSpec
 from kvrelay.ingest.counters import SubscriberCounters
 from kvrelay.ingest.sink import ResetReason, SourceKey, SourceSpec
 from kvrelay.ingest.subscriber import Subscriber
-from kvrelay.ingest.topic_pattern import TopicPattern
 from kvrelay.logging import get_logger
 from kvrelay.pool.batch import EventBatch
 from kvrelay.pool.pool import Pool
 from kvrelay.publication.catalog import LoraSpec, descriptor
 from kvrelay.publication.load import RankLoad
 from kvrelay.publication.readiness import EndpointState
+from kvrelay.relay.connected import ConnectedMembers, counter_values
 from kvrelay.relay.context import RelayContext
 from kvrelay.relay.engines import EngineState, PoolIdentity, pool_identity, worker_id_for
 from kvrelay.relay.generation import Generation
@@ -78,8 +77,6 @@ _log = get_logger(__name__)
 RESTART_INITIAL_S = 0.2
 RESTART_MAX_S = 10.0
 RESTART_STABLE_S = 30.0
-#: Name under which the counters of connected members that left are kept (one bounded entry).
-DEPARTED = "(departed)"
 #: A generation that lived this long before a fence resets the fence backoff.
 FENCE_STABLE_S = 60.0
 FENCE_BACKOFF_INITIAL_S = 0.5
@@ -139,14 +136,7 @@ class PoolRuntime:
         # Final counters of retired subscribers and generations (monotonic stats).
         self._source_totals: dict[SourceKey, SubscriberCounters] = {}
         self._generation_totals = GenerationTotals()
-        # Connect mode (None without a [pools.connect] section).
-        self.connect: ConnectSource | None = None
-        self.connect_counters = ConnectCounters()
-        self._connect_names: dict[int, str] = {}  # worker_id → engine name of connected members
-        self._connect_attempt = 0
-        self._connect_not_before = 0.0
-        self._connect_starting = False
-        self._departed = SubscriberCounters()
+        self.connected = ConnectedMembers(self) if spec.connect is not None else None
 
     # ---- BatchSink -------------------------------------------------------------------------------
 
@@ -198,104 +188,31 @@ class PoolRuntime:
         self._ctx.schedule(self._reconcile_after(0.0))
         self._ctx.schedule(self._reconcile_after(delay))
 
-    # ---- ConnectSink (connect mode) --------------------------------------------------------------
+    # ---- what connected members need (relay/connected.py: PoolHost) ------------------------------
 
-    def admit(self, engine: str, dp_rank: int) -> SourceKey | None:
-        """A new connected member: its key (the id derives from the name, like a configured
-        engine's), after making sure a generation exists to apply its first batch to."""
-        wid = worker_id_for(engine)
-        named = self._connect_names.get(wid)
-        if wid in self.by_worker or (named is not None and named != engine):
-            return None  # a configured engine's name (or an id collision): never merged
-        self._connect_names[wid] = engine
-        self._ensure_generation()
-        return SourceKey(wid, dp_rank)
+    def is_configured(self, worker_id: int) -> bool:
+        return worker_id in self.by_worker
 
-    def on_member_gone(self, source: SourceKey, counters: SubscriberCounters) -> None:
-        self._departed = merged(self._departed, counters)
-        gen = self.generation
-        if gen is not None:
-            gen.remove_member(source)
-        self.counters.reset("member_expired")
-        self._forget_connect_name(source.worker_id)
-        self._ctx.schedule(self._reconcile_after(0.0))
+    def count_reset(self, reason: str) -> None:
+        self.counters.reset(reason)
 
-    def on_connect_failed(self, error: BaseException) -> None:
-        src, self.connect = self.connect, None
-        if src is None or self._stopped:
-            return
+    def count_source_failure(self) -> None:
         self.counters.source_failures += 1
-        delay = _jittered(RESTART_INITIAL_S, RESTART_MAX_S, self._connect_attempt)
-        self._connect_attempt += 1
-        self._connect_not_before = time.monotonic() + delay
-        _log.error(
-            "connect_failed", pool=self.name, error=f"{type(error).__name__}: {error}",
-            members=len(src), restart_in_s=round(delay, 3),
-        )  # fmt: skip
-        gen = self.generation
-        for key, _name, counters in list(src.members()):
-            self._departed = merged(self._departed, counters)
-            if gen is not None:
-                gen.remove_member(key)
-            self.counters.reset("source_failed")
-        self._connect_names.clear()
-        self._ctx.schedule(src.stop())
-        self._ctx.schedule(self._reconcile_after(0.0))
 
-    def _forget_connect_name(self, worker_id: int) -> None:
-        src = self.connect
-        if src is None or all(k.worker_id != worker_id for k, _n, _c in src.members()):
-            self._connect_names.pop(worker_id, None)
+    def schedule(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self._ctx.schedule(coro)
 
-    def _connect_live(self) -> bool:
-        return self.connect is not None and len(self.connect) > 0
-
-    def _ensure_generation(self) -> None:
-        """Materialize now if the pool can (nothing to replay a missed first batch from)."""
+    def ensure_generation(self) -> None:
+        """Materialize now if the pool can (a connected member's first batch is due)."""
         if self.generation is not None or self._stopped:
             return
         if time.monotonic() < self._rebuild_not_before:
-            return  # a delayed rebuild after repeated fences; batches until then are dropped
+            return  # a delayed rebuild after repeated fences: batches until then are dropped
         ident, conflict = pool_identity(self.spec, list(self.engines.values()), self.identity)
-        if conflict is not None or ident is None:
-            return
-        self.identity = ident
-        self._materialize(ident)
-        self._ctx.changed()
-
-    def _connect_spec(self) -> ConnectSpec:
-        cfg = self.spec.connect
-        assert cfg is not None and self.spec.kv_block_size is not None
-        return ConnectSpec(
-            bind=cfg.bind, pattern=TopicPattern(cfg.topic_pattern),
-            kv_block_size=self.spec.kv_block_size, hash_format=int(self.spec.hash_format),
-            options=self.spec.decode, kind=cfg.kind, model=self.spec.model,
-            max_members=cfg.max_members, member_silence_s=cfg.member_silence_s,
-        )  # fmt: skip
-
-    async def _start_connect(self) -> None:
-        try:
-            async with self._reconcile_lock:
-                if self._stopped or self.connect is not None:
-                    return
-                src = ConnectSource(self._connect_spec(), self, self.connect_counters)
-                try:
-                    await src.start()
-                except Exception as exc:  # e.g. the address is in use: counted, retried
-                    self.counters.source_failures += 1
-                    delay = _jittered(RESTART_INITIAL_S, RESTART_MAX_S, self._connect_attempt)
-                    self._connect_attempt += 1
-                    self._connect_not_before = time.monotonic() + delay
-                    _log.error(
-                        "connect_bind_failed", pool=self.name, bind=list(src.spec.bind),
-                        error=f"{type(exc).__name__}: {exc}", retry_in_s=round(delay, 3),
-                    )  # fmt: skip
-                    return
-                self.connect = src
-                self._connect_attempt = 0
-        finally:
-            self._connect_starting = False
-        await self.reconcile()
+        if conflict is None and ident is not None:
+            self.identity = ident
+            self._materialize(ident)
+            self._ctx.changed()
 
     async def _reconcile_after(self, delay: float) -> None:
         if delay > 0:
@@ -365,9 +282,8 @@ class PoolRuntime:
             roles=frozenset({self.spec.role}) if self.spec.role != pb.WorkerRole.LEGACY
             else frozenset(),
             needs=self.spec.needs,
-            live=sum(1 for st in self.engines.values() if st.serving) + len(
-                {k.worker_id for k, _n, _c in self.connect.members()} if self.connect else ()
-            ),
+            live=sum(1 for st in self.engines.values() if st.serving)
+            + (self.connected.live_engines() if self.connected else 0),
             probed=all(st.probed for st in self.engines.values()),
             models=frozenset({model}),
             adapters={n: model for n in self.lora_names()},
@@ -393,8 +309,8 @@ class PoolRuntime:
                 if usage is not None and total is not None:
                     used = max(0, round(usage * total))
                 ranks.append(RankLoad(kv_used_blocks=used, total_kv_blocks=total))
-        if self.connect is not None:  # connected members report no usage: unknown, never zero
-            ranks += [RankLoad(None, None) for _ in self.connect.members()]
+        if self.connected is not None:
+            ranks += self.connected.rank_loads()
         return gen.producer, ranks
 
     def _producer(self, ident: PoolIdentity) -> pb.ProducerIdentity:
@@ -515,13 +431,9 @@ class PoolRuntime:
     def tick(self, now: float) -> None:
         """Periodic checks (the relay calls this about once a second): engines down, and
         restart backoff forgotten for sources that have been healthy again for a while; the
-        connect endpoint started (or restarted after a failure)."""
-        if (
-            self.spec.connect is not None and self.connect is None and not self._stopped
-            and not self._connect_starting and now >= self._connect_not_before
-        ):  # fmt: skip
-            self._connect_starting = True
-            self._ctx.schedule(self._start_connect())
+        connect endpoint bound (or re-bound after a failure)."""
+        if self.connected is not None:
+            self.connected.tick(now)
         for key, (_attempt, not_before) in list(self._restarts.items()):
             sub = self.subscribers.get(key)
             if sub is not None and sub.connected and now - not_before >= RESTART_STABLE_S:
@@ -615,7 +527,8 @@ class PoolRuntime:
         self.identity = ident
         desired = self._desired(ident.block_size)
         now = time.monotonic()
-        if not self._connect_live() and not any(
+        connected = self.connected is not None and self.connected.live
+        if not connected and not any(
             self._startable(k, now) or k in self.subscribers for k in desired
         ):
             await self._withdraw("pool withdrawn: no active source")
@@ -664,9 +577,8 @@ class PoolRuntime:
     async def stop(self) -> None:
         self._stopped = True
         async with self._reconcile_lock:
-            src, self.connect = self.connect, None
-            if src is not None:
-                await src.stop()
+            if self.connected is not None:
+                await self.connected.stop()
             await self._stop_subscribers(list(self.subscribers))
             if self.generation is not None:  # shutdown: clean EOF for subscribers
                 self._retire(self.generation, None, publish=False)
@@ -707,23 +619,15 @@ class PoolRuntime:
                 state = sub.state
             name = self._engine_name(key.worker_id)
             sources.append(SourceStats(name, key.dp_rank, state, counters))
-        if self.connect is not None:
-            for key, name, counters in self.connect.members():
-                sources.append(SourceStats(name, key.dp_rank, self.connect.state, counters))
-        if self._departed.messages:
-            sources.append(SourceStats(DEPARTED, 0, "stopped", self._departed))
+        if self.connected is not None:
+            sources += self.connected.source_stats()
         c = self.counters
-        cc = self.connect_counters
-        connect = {
-            f"connect_{f.name}": getattr(cc, f.name) for f in fields(cc) if f.name != "rejections"
-        }
-        connect["connect_frames_rejected"] = sum(cc.rejections.values())
         return PoolStats(
             name=self.name,
             bucket_count=self.spec.bucket_count,
             materialized=gen is not None,
             counters={f.name: getattr(c, f.name) for f in fields(c) if f.name != "member_resets"}
-            | connect,
+            | counter_values(self.connected.counters if self.connected else None),
             member_resets=dict(c.member_resets),
             generations=totals,
             generation=gstats,
@@ -741,7 +645,8 @@ class PoolRuntime:
         st = self.by_worker.get(worker_id)
         if st is not None:
             return st.spec.name
-        return self._connect_names.get(worker_id, str(worker_id))
+        named = self.connected.name_of(worker_id) if self.connected else None
+        return named if named is not None else str(worker_id)
 
 
 def _generation_totals(gen: Generation) -> GenerationTotals:

@@ -48,9 +48,9 @@ async def test_many_engines_into_one_bound_sub_are_exact(flavor: str) -> None:
             for e in engines:
                 await e.step(1)
         await verify(r, consumer, truth=truth(*engines), probes=2_000)
-        members = sorted(n for _k, n, _c in r.pool.connect.members())
+        members = sorted(n for _k, n, _c in r.pool.connected.source.members())
         assert members == ["pod-0", "pod-1", "pod-2"]
-        assert {k.worker_id for k, _n, _c in r.pool.connect.members()} == {
+        assert {k.worker_id for k, _n, _c in r.pool.connected.source.members()} == {
             worker_id_for(n) for n in members
         }  # stable per engine name
         assert r.metric("kvrelay_connect_members_added_total", pool=POOL) == 3
@@ -83,7 +83,7 @@ async def test_restart_resets_only_that_member(flavor: str) -> None:
             await a.step(1)
             await b.step(1)
         await verify(r, consumer, truth=truth(a, b), probes=2_000)
-        by = {n: cnt for _k, n, cnt in r.pool.connect.members()}
+        by = {n: cnt for _k, n, cnt in r.pool.connected.source.members()}
         assert by["pod-0"].resets_by_reason == {"incarnation": 1}
         assert by["pod-1"].resets == 0
         assert consumer.end is None  # the pool stayed up
@@ -106,7 +106,7 @@ async def test_gap_resets_the_member_and_keeps_what_follows() -> None:
             await a.step(1)
         before = set(a.held_blocks(0))
         await a.step(10)
-        (cnt,) = [cnt for _k, _n, cnt in r.pool.connect.members()]
+        (cnt,) = [cnt for _k, _n, cnt in r.pool.connected.source.members()]
         await eventually(lambda: cnt.gaps == 1, what="gap seen")
         assert cnt.resets_by_reason == {"gap_no_replay": 1}
         await verify(r, consumer, exact=False, truth=truth(a),
@@ -146,7 +146,7 @@ async def test_unknown_and_malformed_topics_change_nothing() -> None:
         assert r.metric("kvrelay_connect_topic_malformed_total", pool=POOL) == 2
         await a.step(5)
         await verify(r, consumer, truth=truth(a), probes=2_000)
-        assert member_resets(r) == 0 and len(r.pool.connect) == 1
+        assert member_resets(r) == 0 and len(r.pool.connected.source) == 1
         await consumer.stop()
 
 
@@ -156,7 +156,7 @@ async def test_silent_members_leave_and_the_last_one_withdraws_the_pool() -> Non
         a, b = await started(c, 2, 79)
         await a.step(1)
         await b.step(1)
-        await eventually(lambda: len(r.pool.connect) == 2, what="two members")
+        await eventually(lambda: len(r.pool.connected.source) == 2, what="two members")
         consumer = await subscribe(r, ch)
         for _ in range(8):
             await a.step(1)
@@ -165,7 +165,7 @@ async def test_silent_members_leave_and_the_last_one_withdraws_the_pool() -> Non
         for _ in range(15):  # pod-1 goes quiet; pod-0 keeps publishing
             await a.step(1)
             await asyncio.sleep(0.1)
-        await eventually(lambda: len(r.pool.connect) == 1, what="pod-1 removed")
+        await eventually(lambda: len(r.pool.connected.source) == 1, what="pod-1 removed")
         await verify(r, consumer, truth=truth(a), probes=2_000)  # its state cleared
         assert r.metric("kvrelay_connect_members_expired_total", pool=POOL) == 1
         assert r.pool.counters.member_resets == {"member_expired": 1}
@@ -205,5 +205,5 @@ async def test_mixed_pool_refuses_a_topic_naming_a_configured_engine() -> None:
                 await e.step(1)
         await verify(r, consumer, truth=truth(static, y), probes=2_000)
         assert r.metric("kvrelay_connect_members_refused_total", pool=POOL) >= 10
-        assert [n for _k, n, _c in r.pool.connect.members()] == ["pod-y"]
+        assert [n for _k, n, _c in r.pool.connected.source.members()] == ["pod-y"]
         await consumer.stop()

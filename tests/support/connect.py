@@ -63,7 +63,11 @@ async def connect_rig(
     relay, server = await start_relay(settings)
     r = Rig([], relay, server, settings)
     try:
-        await eventually(lambda: relay.pools[0].connect is not None, what="connect endpoint up")
+        pool = relay.pools[0]
+        await eventually(
+            lambda: pool.connected is not None and pool.connected.source is not None,
+            what="connect endpoint up",
+        )
         yield ConnectRig(r, bind, flavor)
     finally:
         await server.close(grace_s=1.0)
