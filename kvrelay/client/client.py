@@ -2,7 +2,7 @@
 
 Usage::
 
-    async with RelayClient(["relay-a:5561", "relay-b:5561"]) as client:
+    async with RelayClient(["relay-a:50161", "relay-b:50161"]) as client:
         await client.wait_ready()
         depths = client.overlap(tokens, model="llama-3-8b")   # {PoolKey: depth_in_blocks}
 

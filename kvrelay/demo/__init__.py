@@ -46,7 +46,17 @@ async def _demo(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     color = not headless and out.isatty()
-    await loop.run_in_executor(None, warm_kernels)
+
+    def progress(step: str) -> None:  # stderr: --headless keeps stdout to its one JSON line
+        print(f"kvrelay demo: kernels: {step}", file=sys.stderr, flush=True)
+
+    print(
+        "kvrelay demo: compiling or loading the numba kernels (first run: about a minute)",
+        file=sys.stderr, flush=True,
+    )
+    await loop.run_in_executor(None, warm_kernels, progress)
+    print("kvrelay demo: starting the simulated fleet, the relay and the consumer",
+          file=sys.stderr, flush=True)
     fleet = DemoFleet()
     relay: Relay | None = None
     server: RelayServer | None = None

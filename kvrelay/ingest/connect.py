@@ -50,7 +50,7 @@ from kvrelay.logging import get_logger
 from kvrelay.pool.batch import EventBatch
 from kvrelay.pool.errors import MalformedBatch
 
-_log = get_logger("kvrelay.ingest.connect")
+_LOGGER = "kvrelay.ingest.connect"
 
 
 class _RankPeek(msgspec.Struct, array_like=True):
@@ -75,6 +75,7 @@ class ConnectSpec:
     model: str | None = None
     max_members: int = 1024
     member_silence_s: float = 600.0
+    pool: str = ""  # the operator's pool name, for logs
 
 
 @dataclass(slots=True)
@@ -160,6 +161,7 @@ class ConnectSource:
         self._shadow: zmq.Socket[Any] | None = None
         self._task: asyncio.Task[None] | None = None
         self._sglang = spec.kind is EngineKind.SGLANG
+        self._log = get_logger(_LOGGER, pool=spec.pool)
 
     # ---- introspection ------------------------------------------------------------------------
     def members(self) -> Iterator[tuple[SourceKey, str, SubscriberCounters]]:
@@ -191,7 +193,9 @@ class ConnectSource:
         self._shadow = zmq.Socket.shadow(sub.underlying)
         self.state = "live"
         self._task = asyncio.create_task(self._run(), name="kvrelay-connect")
-        _log.info("connect_listening", endpoints=self.endpoints, pattern=self.spec.pattern.text)
+        self._log.info(
+            "connect_listening", endpoints=self.endpoints, pattern=self.spec.pattern.text
+        )
 
     async def stop(self) -> None:
         task, self._task = self._task, None
@@ -228,7 +232,7 @@ class ConnectSource:
         except Exception as exc:
             self.failure = exc
             self.state = "failed"
-            _log.exception("connect_crashed", error=f"{type(exc).__name__}: {exc}")
+            self._log.exception("connect_crashed", error=f"{type(exc).__name__}: {exc}")
             self._sink.on_connect_failed(exc)
 
     # ---- messages -------------------------------------------------------------------------------
@@ -310,7 +314,7 @@ class ConnectSource:
         c.members_added += 1
         if seq > 0:
             m.counters.missing_history += 1  # it published before the relay saw it
-        _log.info("connect_member_added", engine=name, dp_rank=rank, first_seq=seq)
+        self._log.info("connect_member_added", engine=name, dp_rank=rank, first_seq=seq)
         return m
 
     def _on_member_message(
@@ -378,8 +382,7 @@ class ConnectSource:
         c = m.counters
         c.resets += 1
         c.resets_by_reason[reason.value] = c.resets_by_reason.get(reason.value, 0) + 1
-        _log.warning("member_reset", engine=m.name, dp_rank=m.key.dp_rank, reason=reason.value)
-        self._sink.on_reset(m.key, reason)
+        self._sink.on_reset(m.key, reason)  # the pool logs member_reset
 
     # ---- silence --------------------------------------------------------------------------------
     def sweep(self, now: float) -> None:
@@ -390,6 +393,6 @@ class ConnectSource:
                 continue
             del self._members[ident]
             self.counters.members_expired += 1
-            _log.warning("connect_member_expired", engine=m.name, dp_rank=m.key.dp_rank,
+            self._log.warning("connect_member_expired", engine=m.name, dp_rank=m.key.dp_rank,
                          silent_s=round(now - m.last_message_at, 1))  # fmt: skip
             self._sink.on_member_gone(m.key, m.counters)

@@ -52,6 +52,7 @@ class SourceSpec:
     ``endpoint``/``replay_endpoint`` are connectable addresses (DP offset applied, wildcard hosts
     already substituted by discovery). ``hash_format``: 1 = DYNAMO_STANDARD_V1, 2 = EAGLE_V1.
     ``kind``: the engine family, which picks the event layout and topic rules (§21).
+    ``engine`` and ``pool`` are the operator's names, for logs (the key holds hashed ids).
     """
 
     endpoint: str
@@ -63,6 +64,8 @@ class SourceSpec:
     hash_format: int = 1
     options: DecodeOptions = field(default_factory=DecodeOptions)
     kind: EngineKind = EngineKind.VLLM
+    engine: str = ""
+    pool: str = ""
 
     @property
     def key(self) -> SourceKey:

@@ -51,7 +51,7 @@ from zmq.utils.monitor import parse_monitor_message
 from kvrelay._aio import cancel_and_wait
 from kvrelay.ingest.counters import SubscriberCounters
 from kvrelay.ingest.decoder import Decoder
-from kvrelay.ingest.errors import DecodeError, FrameError
+from kvrelay.ingest.errors import DecodeError, FrameError, TopicMismatchError
 from kvrelay.ingest.frames import check_live, check_live_sglang, check_replay
 from kvrelay.ingest.kinds import EngineKind
 from kvrelay.ingest.reorder import ReorderBuffer
@@ -59,7 +59,7 @@ from kvrelay.ingest.sink import BatchSink, ResetReason, SourceSpec
 from kvrelay.logging import get_logger
 from kvrelay.pool.errors import MalformedBatch
 
-_log = get_logger("kvrelay.ingest")
+_LOGGER = "kvrelay.ingest"
 
 _ABORTED = 2  # replay outcome: reorder overflow, buffer dropped
 _DONE = 1
@@ -133,6 +133,12 @@ class Subscriber:
         self._monitor: zmq.asyncio.Socket | None = None
         self._monitor_sync: zmq.Socket[Any] | None = None
         self._task: asyncio.Task[None] | None = None
+        self._topic_warned = False
+        # operator names, not hashed ids: which engine, pool and rank a line is about
+        self._log = get_logger(
+            _LOGGER, pool=spec.pool, engine=spec.engine or str(spec.worker_id),
+            dp_rank=spec.dp_rank,
+        )
 
     @property
     def next_seq(self) -> int | None:
@@ -151,7 +157,7 @@ class Subscriber:
             sub.setsockopt(zmq.TCP_KEEPALIVE_IDLE, _KEEPALIVE_IDLE_S)
             sub.setsockopt(zmq.TCP_KEEPALIVE_INTVL, _KEEPALIVE_INTVL_S)
             sub.setsockopt(zmq.TCP_KEEPALIVE_CNT, _KEEPALIVE_CNT)
-            sub.setsockopt(zmq.SUBSCRIBE, self.spec.topic)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")  # topic prefix checked in frames.py: counted
             monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             sub.connect(self.spec.endpoint)
         except BaseException:
@@ -218,15 +224,13 @@ class Subscriber:
         except Exception as exc:
             self.failure = exc
             self.state = "failed"
-            _log.exception(
-                "subscriber_crashed", source=tuple(self.key), error=f"{type(exc).__name__}: {exc}"
-            )
+            self._log.exception("subscriber_crashed", error=f"{type(exc).__name__}: {exc}")
             self._sink.on_failed(self.key, exc)
 
     def _set_state(self, state: str) -> None:
         if state != self.state:
             self.state = state
-            _log.info("subscriber_state", source=tuple(self.key), state=state, next_seq=self._next)
+            self._log.info("subscriber_state", state=state, next_seq=self._next)
 
     # ---- connection monitor -----------------------------------------------------------------
     def _watch_connection(self) -> None:
@@ -264,7 +268,7 @@ class Subscriber:
 
     def _after_reconnect(self) -> None:
         """The publisher may have restarted: vouch for the incarnation before going on."""
-        _log.info("source_reconnected", source=tuple(self.key), next_seq=self._next)
+        self._log.info("source_reconnected", next_seq=self._next)
         if self._next is None or self._last is None:
             return  # nothing applied yet: whatever comes is a baseline
         if not self.spec.replay_endpoint:
@@ -298,10 +302,10 @@ class Subscriber:
         try:
             seq, payload, new_epoch = self._check(frames)
         except FrameError as exc:
-            c.reject(exc.kind)
+            self._rejected(exc)
             return
         if new_epoch:
-            self._incarnation(seq, payload, why="epoch_changed")
+            self._incarnation(seq, payload, epoch=True)
             return
         nxt = self._next
         if nxt is None:
@@ -333,8 +337,11 @@ class Subscriber:
             c.gaps += 1
             self._replay_from = nxt
 
-    def _incarnation(self, seq: int, payload: bytes, why: str = "sequence_backwards") -> None:
-        _log.warning(why, source=tuple(self.key), seq=seq, expected=self._next)
+    def _incarnation(self, seq: int, payload: bytes, *, epoch: bool = False) -> None:
+        if epoch:
+            self._log.warning("epoch_changed", seq=seq, expected=self._next)
+        else:
+            self._log.warning("sequence_backwards", seq=seq, expected=self._next)
         replay = seq > 0 and bool(self.spec.replay_endpoint)
         self._restart_from_zero(ResetReason.INCARNATION, replay=replay)
         if replay:
@@ -359,12 +366,7 @@ class Subscriber:
     def _overflow(self) -> None:
         c = self.counters
         c.reorder_overflows += 1
-        _log.warning(
-            "reorder_buffer_full",
-            source=tuple(self.key),
-            messages=len(self._buf),
-            bytes=self._buf.nbytes,
-        )
+        self._log.warning("reorder_overflow", messages=len(self._buf), bytes=self._buf.nbytes)
         self._reset(ResetReason.REORDER_OVERFLOW)
         self._buf.clear()
         self._replay_from = None
@@ -396,7 +398,22 @@ class Subscriber:
         if self._bad_seq == seq:
             self._bad_seq = None
             c.repairs += 1
-            _log.info("bad_batch_repaired", source=tuple(self.key), seq=seq)
+            self._log.info("bad_batch_repaired", seq=seq)
+        # replayed history would count its own age, not the relay's lag: live messages only
+        c.observe_applied(res.ts, live=not self._in_replay)
+
+    def _rejected(self, exc: FrameError) -> None:
+        """Count a rejected message; the first topic mismatch of a source is logged with the
+        topic it carried (a misconfigured topic otherwise looks like a silent engine)."""
+        self.counters.reject(exc.kind)
+        if isinstance(exc, TopicMismatchError) and not self._topic_warned:
+            self._topic_warned = True
+            self._log.warning(
+                "topic_mismatch",
+                topic=self.spec.topic.decode(errors="replace"),
+                seen=exc.seen[:128].decode(errors="replace"),
+                hint="the configured topic must be a prefix of the engine's (\"\" = any)",
+            )
 
     def _bad_batch(self, seq: int, payload: bytes, why: str) -> None:
         """``seq`` could not be applied: re-fetch it once from the replay, else reset."""
@@ -414,9 +431,9 @@ class Subscriber:
             self._next = seq
             self._buf.clear()
             self._replay_from = seq  # verified against the batch before it, then re-fetched
-            _log.warning("bad_batch", source=tuple(self.key), seq=seq, why=why, action="replay")
+            self._log.warning("bad_batch", seq=seq, why=why, action="replay")
             return
-        _log.warning("bad_batch", source=tuple(self.key), seq=seq, why=why, action="reset")
+        self._log.warning("bad_batch", seq=seq, why=why, action="reset")
         self._bad_seq = None
         self._reset(ResetReason.BAD_BATCH)
         self._last = (seq, _digest(payload))
@@ -429,8 +446,7 @@ class Subscriber:
         c = self.counters
         c.resets += 1
         c.resets_by_reason[reason.value] = c.resets_by_reason.get(reason.value, 0) + 1
-        _log.warning("member_reset", source=tuple(self.key), reason=reason.value)
-        self._sink.on_reset(self.key, reason)
+        self._sink.on_reset(self.key, reason)  # the pool logs member_reset
 
     def _drain_buffer(self) -> bool:
         """Applies buffered messages that are now in order; True if a hole remains before them."""
@@ -481,7 +497,7 @@ class Subscriber:
             if outcome == _RESTARTED and not restarted:
                 restarted = True  # rebuild once from 0; a second mismatch is a plain hole
                 self.counters.incarnations_detected += 1
-                _log.warning("incarnation_unverified", source=tuple(self.key), asked=start)
+                self._log.warning("incarnation_unverified", asked=start)
                 self._restart_from_zero(ResetReason.INCARNATION)
                 self._replay_from = None
                 start, bootstrap, attempt = 0, True, 0
@@ -535,7 +551,7 @@ class Subscriber:
                 )
                 if not ready and loop.time() >= deadline:
                     c.replay_failures += 1
-                    _log.warning("replay_timed_out", source=tuple(self.key), start=ask)
+                    self._log.warning("replay_timeout", start=ask)
                     return _FAILED
                 if self._sub in ready and not self._buffer_live():
                     return _ABORTED
@@ -550,7 +566,7 @@ class Subscriber:
                     try:
                         item = check_replay(frames, topic)
                     except FrameError as exc:
-                        c.reject(exc.kind)
+                        self._rejected(exc)
                         continue
                     if item is None:
                         return _RESTARTED if first and verify is not None else _DONE
@@ -575,12 +591,7 @@ class Subscriber:
                         continue
                     if seq > nxt or (first and seq > start):
                         c.missing_history += 1
-                        _log.warning(
-                            "replay_history_missing",
-                            source=tuple(self.key),
-                            asked=nxt,
-                            first=seq,
-                        )
+                        self._log.warning("replay_history_missing", asked=nxt, first=seq)
                         self._reset(
                             ResetReason.MISSING_HISTORY
                             if bootstrap
@@ -607,10 +618,10 @@ class Subscriber:
             try:
                 seq, payload, new_epoch = self._check(frames)
             except FrameError as exc:
-                c.reject(exc.kind)
+                self._rejected(exc)
                 continue
             if new_epoch:  # a restart while replaying: start over from the new epoch's 0
-                _log.warning("epoch_changed", source=tuple(self.key), seq=seq, during="replay")
+                self._log.warning("epoch_changed", seq=seq, during="replay")
                 self._restart_from_zero(ResetReason.INCARNATION)
                 self._buf.put(seq, payload)
                 return False

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.limits import RelayLimits
-from kvrelay.discovery.endpoints import StaticSourceConfig, split_tcp
+from kvrelay.discovery.endpoints import WILDCARD_HOSTS, StaticSourceConfig, split_tcp
 from kvrelay.hashing.identity import DEFAULT_CKF_SEED, bucket_count_for
 from kvrelay.ingest.kinds import ENGINE_KINDS
 from kvrelay.ingest.options import DecodeOptions
@@ -31,6 +31,8 @@ from kvrelay.relay.settings import ConnectConfig, EngineSpec, PoolSpec, RelaySet
 DEFAULT_BIND = "127.0.0.1:50161"
 DEFAULT_METRICS_BIND = "127.0.0.1:50162"
 ENV_PREFIX = "KVRELAY_"
+#: Dynamo's variable for the data-centre name (its relay's --dc-id): dc_name's last fallback.
+DYNAMO_DC_ENV = "DYN_DC_ID"
 U64_MAX = (1 << 64) - 1
 
 ROLES: dict[str, pb.WorkerRole] = {
@@ -81,6 +83,7 @@ class MetricsConfig:
     enabled: bool = True
     host: str = "127.0.0.1"
     port: int = 50162
+    per_member: bool = True  # ingest series per (pool, worker, dp_rank); False: summed per pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,6 +251,8 @@ RELAY_KEYS: dict[str, _Key] = {
     "discovery_timeout_s": _Key("float", 2.0, check=_positive_s),
     "metrics_scrape_interval_s": _Key("float", 1.0, check=_positive_s),
     "engine_down_grace_s": _Key("float", 30.0, check=_positive_s),
+    "dns_interval_s": _Key("float", 10.0, check=_positive_s),
+    "dns_server": _Key("str", None, check=_bind_check),
     "event_loop": _kw("asyncio", EVENT_LOOPS),
     "shutdown_timeout_s": _Key(
         "float", 10.0, check=lambda v: None if 0 < v <= 300 else f"must be in (0, 300], got {v}"
@@ -261,6 +266,7 @@ LOGGING_KEYS: dict[str, _Key] = {
 METRICS_KEYS: dict[str, _Key] = {
     "enabled": _Key("bool", True),
     "bind": _Key("str", DEFAULT_METRICS_BIND, check=_bind_check),
+    "per_member": _Key("bool", True),
 }
 TLS_KEYS: dict[str, _Key] = {
     "cert": _Key("str", None, check=_text),
@@ -289,6 +295,8 @@ ENGINE_KEYS: dict[str, _Key] = {
     "metrics_port": _Key("int", None, check=_int_range(1, 65535)),
     "total_kv_blocks": _Key("int", None, check=_int_range(1, 1 << 40)),
     "kind": _kw("vllm", ENGINE_KINDS),
+    "dns": _Key("str", None, check=_text),
+    "dns_srv": _Key("bool", False),
 }
 STATIC_KEYS: dict[str, _Key] = {
     "endpoint": _Key("str", required=True, check=_endpoint),
@@ -333,6 +341,12 @@ ENV_SECTIONS: tuple[tuple[str, str, dict[str, _Key]], ...] = (
     ("TLS_", "tls", TLS_KEYS),
 )
 TOP_KEYS = ("relay", "pools", "logging", "metrics", "tls")
+
+#: Keys people bring from Dynamo's relay, and what kvrelay calls them (docs/dynamo.md).
+KEY_HINTS: dict[str, str] = {
+    "dc_id": "dc_name",  # Dynamo's --dc-id / DYN_DC_ID
+    "expected_unique_blocks": "expected_blocks",  # --expected-unique-blocks
+}
 
 _TYPE_NAMES = {
     "str": "a string",
@@ -392,9 +406,13 @@ class _Reader:
         allowed = set(schema) | set(extra)
         for k in raw:
             if k not in allowed:
-                hint = difflib.get_close_matches(k, sorted(allowed), n=1)
+                hint = [KEY_HINTS[k]] if KEY_HINTS.get(k) in allowed else difflib.get_close_matches(
+                    k, sorted(allowed), n=1
+                )
                 known = ", ".join(sorted(allowed))
                 more = f"; did you mean {hint[0]!r}?" if hint else f"; known keys: {known}"
+                if k in KEY_HINTS:
+                    more += f" (Dynamo's {k} is kvrelay's {KEY_HINTS[k]})"
                 self.err(_join(path, k), f"unknown key{more}")
         out: dict[str, Any] = {}
         for k, spec in schema.items():
@@ -517,7 +535,9 @@ def apply_env(
         path = f"{section}.{key}"
         spec = schema.get(key)
         if spec is None or spec.kind not in ("str", "int", "float", "bool"):
-            hint = difflib.get_close_matches(key, sorted(schema), n=1)
+            hint = [KEY_HINTS[key]] if KEY_HINTS.get(key) in schema else difflib.get_close_matches(
+                key, sorted(schema), n=1
+            )
             more = f"; did you mean {ENV_PREFIX}{prefix}{hint[0].upper()}?" if hint else ""
             problems.append(ConfigProblem(f"env.{name}", f"no scalar key {path}{more}"))
             continue
@@ -569,7 +589,9 @@ def parse_config(
 ) -> tuple[DaemonConfig | None, list[ConfigProblem]]:
     """Validate a parsed TOML document (plus overrides); config is None when any error exists."""
     data: dict[str, Any] = _deep_copy(dict(raw))
-    origins, problems = apply_env(data, os.environ if env is None else env)
+    environ = os.environ if env is None else env
+    origins, problems = apply_env(data, environ)
+    _dynamo_dc_fallback(data, environ, origins)
     r = _Reader(origins)
     r.problems.extend(problems)
     for k in data:
@@ -591,6 +613,8 @@ def parse_config(
 
     _check_tls(r, tls_vals)
     pools = _pools(r, data.get("pools"))
+    if pools is not None:
+        _port_collisions(r, pools)
 
     bind_host, bind_port = parse_bind(relay["bind"])
     m_host, m_port = parse_bind(metrics_vals["bind"])
@@ -616,6 +640,8 @@ def parse_config(
             discovery_timeout_s=relay["discovery_timeout_s"],
             metrics_scrape_interval_s=relay["metrics_scrape_interval_s"],
             engine_down_grace_s=relay["engine_down_grace_s"],
+            dns_interval_s=relay["dns_interval_s"],
+            dns_server=relay["dns_server"],
         )
     except ValueError as exc:  # a rule checked only by the settings themselves
         r.err("relay", str(exc))
@@ -626,7 +652,10 @@ def parse_config(
         bind_host=bind_host,
         bind_port=bind_port,
         logging=LoggingConfig(level=logging_vals["level"], format=logging_vals["format"]),
-        metrics=MetricsConfig(enabled=metrics_vals["enabled"], host=m_host, port=m_port),
+        metrics=MetricsConfig(
+            enabled=metrics_vals["enabled"], host=m_host, port=m_port,
+            per_member=metrics_vals["per_member"],
+        ),
         tls=TlsConfig(
             cert=tls_vals["cert"], key=tls_vals["key"], client_ca=tls_vals["client_ca"]
         ),
@@ -635,6 +664,58 @@ def parse_config(
         warnings=warnings,
     )
     return cfg, r.problems
+
+
+def _dynamo_dc_fallback(
+    data: dict[str, Any], env: Mapping[str, str], origins: dict[str, str]
+) -> None:
+    """``dc_name`` from Dynamo's ``DYN_DC_ID`` when neither the file nor KVRELAY_RELAY_DC_NAME
+    sets it, so a relay deployed beside Dynamo's shares its data-centre identity by default."""
+    relay = data.get("relay")
+    value = env.get(DYNAMO_DC_ENV)
+    if value is None or (isinstance(relay, dict) and "dc_name" in relay):
+        return
+    if relay is None:
+        relay = data["relay"] = {}
+    if isinstance(relay, dict):
+        relay["dc_name"] = value
+        origins["relay.dc_name"] = DYNAMO_DC_ENV
+
+
+def _port_collisions(r: _Reader, pools: list[PoolSpec]) -> None:
+    """Warn when two static sources need one host:port.
+
+    vLLM adds the DP rank to the publisher *and* the replay port, so bases fewer than dp-size
+    ports apart collide (5557/5558 with two ranks: rank 1 publishes on 5558, rank 0's replay
+    port) and the engine fails to start with "Address already in use". Engines on one host need
+    distinct ranges too. Warnings, because the relay itself binds none of these ports.
+    """
+    seen: dict[tuple[str, int], str] = {}
+    for i, pool in enumerate(pools):
+        for j, eng in enumerate(pool.engines):
+            st = eng.static
+            if st is None:
+                continue
+            base = f"pools[{i}].engines[{j}].static"
+            for key, ep in (("endpoint", st.endpoint), ("replay_endpoint", st.replay_endpoint)):
+                if not ep or not ep.startswith("tcp://"):
+                    continue
+                host, port = split_tcp(ep)
+                if port == 0:
+                    continue  # ephemeral: the engine picks distinct ports itself
+                host = eng.host if host in WILDCARD_HOSTS else host
+                role = "publisher" if key == "endpoint" else "replay"
+                for rank in sorted(set(st.dp_ranks)):
+                    what = f"rank {rank} {role} port {port + rank}"
+                    other = seen.setdefault((host, port + rank), f"the {what} of {base}")
+                    if other != f"the {what} of {base}":
+                        r.warn(
+                            f"{base}.{key}",
+                            f"{what} on {host} is also {other}: vLLM adds the DP rank to both "
+                            "endpoints' ports, so keep the bases at least as many ports apart as "
+                            "there are ranks (e.g. tcp://*:5557 and tcp://*:5657), and give "
+                            "engines on one host distinct ranges",
+                        )
 
 
 def _limits(r: _Reader, values: dict[str, Any]) -> RelayLimits | None:
@@ -805,15 +886,22 @@ def _engines(
             names.setdefault(name, j)
             seen.setdefault(name, epath)
         if e["kind"] == "sglang":
-            if "grpc_port" in eraw:
+            if "grpc_port" in eraw or e["dns_srv"]:
                 r.err(f"{epath}.grpc_port", "SGLang has no vllm.Control: give static sources")
             if "static" not in eraw:
                 r.err(f"{epath}.static", "required for an SGLang engine (no gRPC discovery)")
-        elif "grpc_port" not in eraw and "static" not in eraw:
+        elif "grpc_port" not in eraw and "static" not in eraw and not e["dns_srv"]:
             r.err(
                 f"{epath}.grpc_port",
-                "required unless [pools.engines.static] sources are given (vLLM < 0.27)",
+                "required unless [pools.engines.static] sources are given (vLLM < 0.27)"
+                " or dns_srv names SRV records",
             )
+        if name is not None and "@" in name:
+            r.err(f"{epath}.name", "'@' is reserved for engines found by DNS (name@address)")
+        if e["dns_srv"] and not e["dns"]:
+            r.err(f"{epath}.dns_srv", "needs dns = the SRV name to resolve")
+        if e["dns"] and "host" in eraw:
+            r.err(f"{epath}.host", "an engine found by DNS takes its host from the records")
         if any(q.severity == "error" for q in r.problems[n_before:]):
             continue
         try:
@@ -826,6 +914,8 @@ def _engines(
                     metrics_port=e["metrics_port"],
                     total_kv_blocks=e["total_kv_blocks"],
                     kind=ENGINE_KINDS[e["kind"]],
+                    dns=e["dns"],
+                    dns_srv=e["dns_srv"],
                 )
             )
         except ValueError as exc:

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     InfoMetricFamily,
     Metric,
 )
@@ -27,7 +28,7 @@ from prometheus_client.registry import Collector
 
 from kvrelay import __version__
 from kvrelay.contract.wire import SLOTS_PER_BUCKET
-from kvrelay.ingest.counters import SubscriberCounters
+from kvrelay.ingest.counters import LAG_BUCKETS_S, SubscriberCounters
 from kvrelay.ops.metrics_http import MetricsServer
 from kvrelay.relay.observer import Observers
 from kvrelay.relay.stats import GenerationTotals, RelayStats
@@ -39,6 +40,10 @@ LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 
 _MEMBER = ("pool", "worker", "dp_rank")
 Flat = dict[tuple[str, str], int]
+_LAG_HELP = (
+    "Live messages: relay wall clock when applied minus the engine's batch timestamp "
+    "(includes clock offset between hosts)."
+)
 
 # Subscriber counters → (metric name without _total, help, extra label or None).
 _SUB_SCALARS: dict[str, tuple[str, str]] = {
@@ -134,6 +139,10 @@ _POOL_COUNTERS: dict[str, tuple[str, str]] = {
     "rebuild_backoffs": (
         "kvrelay_pool_rebuild_backoffs", "Rebuilds after repeated fences that waited (backoff)."
     ),
+    "reconfigurations": (
+        "kvrelay_pool_reconfigurations",
+        "Re-materializations because a reload changed a filter setting.",
+    ),
     # connect mode (a bound SUB fed by many engines, §22)
     "connect_messages": ("kvrelay_connect_messages", "Messages on the pool's bound SUB."),
     "connect_topic_unmatched": (
@@ -166,8 +175,6 @@ _POOL_COUNTERS: dict[str, tuple[str, str]] = {
 }
 
 
-
-
 class RelaySource(Protocol):
     """What the collector reads: statistics on demand, and observers to register with."""
 
@@ -175,6 +182,16 @@ class RelaySource(Protocol):
     def observers(self) -> Observers: ...
 
     def stats(self) -> RelayStats: ...
+
+
+class ReloadSource(Protocol):
+    """Configuration reload outcomes (``kvrelay.ops.reload.ReloadStats``)."""
+
+    applied: int
+    rejected: int
+    failed: int
+    last_successful: bool
+    last_success_unix: float
 
 
 class ServiceSource(Protocol):
@@ -223,10 +240,13 @@ class RelayMetrics:
         registry: CollectorRegistry | None = None,
         *,
         service: ServiceSource | None = None,
+        per_member: bool = True,
     ) -> None:
         self.relay = relay
         self.registry = registry if registry is not None else default_registry()
         self._service = service
+        self._reloads: ReloadSource | None = None
+        self.per_member = per_member  # False: ingest families summed per pool
         self.delta_latency = Histogram(
             "kvrelay_delta_latency_seconds",
             "First applied command of a delta to its publication (relay share of latency).",
@@ -255,6 +275,10 @@ class RelayMetrics:
         """Export the gRPC service's per-stream-kind subscriber counts and error counts."""
         self._service = service
 
+    def attach_reloads(self, reloads: ReloadSource) -> None:
+        """Export configuration reload outcomes (the daemon's SIGHUP handling)."""
+        self._reloads = reloads
+
     def observe_loop_lag(self, seconds: float) -> None:
         if math.isnan(seconds):
             return
@@ -273,9 +297,33 @@ class RelayMetrics:
         stats = self.relay.stats()
         yield from _relay_metrics(stats)
         yield from _pool_metrics(stats)
-        yield from _member_metrics(stats)
+        yield from _member_metrics(stats, self.per_member)
+        yield from _source_metrics(stats)
         yield from _generation_metrics(stats)
         yield from self._service_metrics()
+        yield from self._reload_metrics()
+
+    def _reload_metrics(self) -> Iterator[Metric]:
+        r = self._reloads
+        if r is None:
+            return
+        total = CounterMetricFamily(
+            "kvrelay_config_reloads", "Configuration reloads (SIGHUP) by result: applied, "
+            "rejected (invalid file, running configuration kept), failed.", labels=["result"],
+        )  # fmt: skip
+        for result in ("applied", "rejected", "failed"):
+            total.add_metric([result], getattr(r, result))
+        yield total
+        yield GaugeMetricFamily(
+            "kvrelay_config_last_reload_successful",
+            "1 if the last reload was applied (or none happened since start).",
+            value=1 if r.last_successful else 0,
+        )
+        yield GaugeMetricFamily(
+            "kvrelay_config_last_reload_success_timestamp_seconds",
+            "Unix time of the last applied reload (or of start).",
+            value=r.last_success_unix,
+        )
 
     def _service_metrics(self) -> Iterator[Metric]:
         svc = self._service
@@ -429,22 +477,67 @@ def _pool_metrics(r: RelayStats) -> Iterator[Metric]:
     yield unknown
 
 
-def _member_metrics(r: RelayStats) -> Iterator[Metric]:
+def _member_metrics(r: RelayStats, per_member: bool = True) -> Iterator[Metric]:
+    """Ingest counters and the lag histogram per (pool, worker, dp_rank), or summed per pool."""
+    member = list(_MEMBER) if per_member else ["pool"]
     fams: dict[str, CounterMetricFamily] = {}
     for attr, (name, doc) in _SUB_SCALARS.items():
-        fams[attr] = CounterMetricFamily(name, doc, labels=list(_MEMBER))
+        fams[attr] = CounterMetricFamily(name, doc, labels=member)
     fams["anomalies"] = CounterMetricFamily(
         "kvrelay_ingest_decode_anomalies", "Tolerated decode anomalies by kind.",
-        labels=[*_MEMBER, "kind"],
+        labels=[*member, "kind"],
     )
     for attr, (name, doc, label) in _SUB_DICTS.items():
-        fams[attr] = CounterMetricFamily(name, doc, labels=[*_MEMBER, label])
+        fams[attr] = CounterMetricFamily(name, doc, labels=[*member, label])
+    lag = HistogramMetricFamily("kvrelay_ingest_engine_lag_seconds", _LAG_HELP, labels=member)
+    for p in r.pools:
+        groups: dict[tuple[str, ...], list[SubscriberCounters]] = {}
+        for s in p.sources:
+            key: tuple[str, ...] = (p.name, s.engine, str(s.dp_rank)) if per_member else (p.name,)
+            groups.setdefault(key, []).append(s.counters)
+        for key, counters in groups.items():
+            flat: Flat = {}
+            for c in counters:
+                for k, n in _flatten_subscriber(c).items():
+                    flat[k] = flat.get(k, 0) + n
+            for (attr, label), n in sorted(flat.items()):
+                fams[attr].add_metric(
+                    list(key) if attr in _SUB_SCALARS else [*key, label], n
+                )
+            buckets, lag_sum = _lag_buckets(counters)
+            lag.add_metric(list(key), buckets, lag_sum)
+    yield from fams.values()
+    yield lag
+
+
+def _lag_buckets(counters: Iterable[SubscriberCounters]) -> tuple[list[tuple[str, float]], float]:
+    """Cumulative Prometheus buckets from the counters' per-bucket counts."""
+    per: dict[str, int] = {}
+    total_s = 0.0
+    for c in counters:
+        for k, n in c.lag_buckets.items():
+            per[k] = per.get(k, 0) + n
+        total_s += c.lag_sum_s
+    out: list[tuple[str, float]] = []
+    running = 0
+    for key in (*(repr(b) for b in LAG_BUCKETS_S), "+Inf"):
+        running += per.get(key, 0)
+        out.append((key, running))
+    return out, total_s
+
+
+def _source_metrics(r: RelayStats) -> Iterator[Metric]:
+    """Per running source, always (bounded by the configuration): when it last delivered."""
+    last = GaugeMetricFamily(
+        "kvrelay_ingest_last_message_timestamp_seconds",
+        "Unix time of the source's last applied message (0: none yet); staleness = time() - it.",
+        labels=list(_MEMBER),
+    )
     for p in r.pools:
         for s in p.sources:
-            key = [p.name, s.engine, str(s.dp_rank)]
-            for (attr, label), n in sorted(_flatten_subscriber(s.counters).items()):
-                fams[attr].add_metric(key if attr in _SUB_SCALARS else [*key, label], n)
-    yield from fams.values()
+            if s.state != "stopped":
+                last.add_metric([p.name, s.engine, str(s.dp_rank)], s.counters.last_message_unix)
+    yield last
 
 
 def _generation_metrics(r: RelayStats) -> Iterator[Metric]:

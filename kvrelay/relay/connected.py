@@ -106,15 +106,19 @@ class ConnectedMembers:
             "connect_failed", pool=self._host.name, error=f"{type(error).__name__}: {error}",
             members=len(src), restart_in_s=round(delay, 3),
         )  # fmt: skip
+        self._retire_members(src, "source_failed")
+        self._host.schedule(src.stop())
+        self._host.schedule(self._host.reconcile())
+
+    def _retire_members(self, src: ConnectSource, reason: str) -> None:
+        """Every member ``src`` fed can no longer be vouched for: remove their state."""
         gen = self._host.generation
         for key, _name, counters in list(src.members()):
             self._departed = merged(self._departed, counters)
             if gen is not None:
                 gen.remove_member(key)
-            self._host.count_reset("source_failed")
+            self._host.count_reset(reason)
         self._names.clear()
-        self._host.schedule(src.stop())
-        self._host.schedule(self._host.reconcile())
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def tick(self, now: float) -> None:
@@ -152,11 +156,15 @@ class ConnectedMembers:
         self._not_before = time.monotonic() + delay
         return delay
 
-    async def stop(self) -> None:
+    async def stop(self, *, retire: bool = False) -> None:
+        """Close the socket; ``retire``: also remove the members' state from the generation (a
+        reload replaced the endpoint while the pool goes on)."""
         self._stopped = True
         src, self.source = self.source, None
         if src is not None:
             await src.stop()
+            if retire:
+                self._retire_members(src, "reconfigured")
 
     def _spec(self) -> ConnectSpec:
         spec = self._host.spec
@@ -167,6 +175,7 @@ class ConnectedMembers:
             kv_block_size=spec.kv_block_size, hash_format=int(spec.hash_format),
             options=spec.decode, kind=cfg.kind, model=spec.model,
             max_members=cfg.max_members, member_silence_s=cfg.member_silence_s,
+            pool=self._host.name,
         )  # fmt: skip
 
     # ---- what the pool reports ------------------------------------------------------------------

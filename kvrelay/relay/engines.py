@@ -38,6 +38,8 @@ class EngineState:
     unreachable_since: float | None = None
     #: Declared down (probe failing and every source disconnected for the grace): members cleared.
     down: bool = False
+    #: The engine's block size last seen in conflict with the pool's (counted and logged once).
+    block_size_conflict: int | None = None
 
     @property
     def reachable(self) -> bool:

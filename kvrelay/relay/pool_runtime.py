@@ -41,7 +41,12 @@ from typing import Any
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.errors import RelayError
-from kvrelay.discovery.events import ChangeEvent, IncarnationChanged
+from kvrelay.discovery.events import (
+    ChangeEvent,
+    EngineReachable,
+    EngineUnreachableEvent,
+    IncarnationChanged,
+)
 from kvrelay.discovery.snapshot import EngineSnapshot
 from kvrelay.discovery.watcher import EngineTarget
 from kvrelay.hashing import identity
@@ -58,7 +63,7 @@ from kvrelay.relay.connected import ConnectedMembers, counter_values
 from kvrelay.relay.context import RelayContext
 from kvrelay.relay.engines import EngineState, PoolIdentity, pool_identity, worker_id_for
 from kvrelay.relay.generation import Generation
-from kvrelay.relay.settings import PoolSpec
+from kvrelay.relay.settings import EngineSpec, PoolSpec
 from kvrelay.relay.stats import (
     EngineStats,
     GenerationStats,
@@ -102,6 +107,7 @@ class PoolCounters:
     identity_changes: int = 0  # re-materialized for a new model / model source / block size
     identity_conflicts: int = 0  # withdrawn because reachable engines disagree
     rebuild_backoffs: int = 0  # rebuilds after a fence that waited (repeated fences)
+    reconfigurations: int = 0  # re-materialized because a reload changed filter settings
 
     def reset(self, reason: str) -> None:
         self.member_resets[reason] = self.member_resets.get(reason, 0) + 1
@@ -117,10 +123,10 @@ class PoolRuntime:
         self._ctx = ctx
         self.engine_down_grace_s = engine_down_grace_s
         self.engines: dict[str, EngineState] = {}
+        self.by_worker: dict[int, EngineState] = {}
         for e in spec.engines:
-            target = EngineTarget(host=e.host, grpc_port=e.grpc_port, static=e.static)
-            self.engines[target.name] = EngineState(e, worker_id_for(e.name), target)
-        self.by_worker = {st.worker_id: st for st in self.engines.values()}
+            if e.dns is None:  # DNS templates stand for engines that membership adds later
+                self.add_engine(e)
         self.subscribers: dict[SourceKey, Subscriber] = {}
         self.source_specs: dict[SourceKey, SourceSpec] = {}
         self.generation: Generation | None = None
@@ -413,10 +419,49 @@ class PoolRuntime:
                 _log.info("engine_back", pool=self.name, engine=st.spec.name)
         elif st.unreachable_since is None:
             st.unreachable_since = time.monotonic()
+        if isinstance(ev, EngineUnreachableEvent):  # once per outage
+            _log.warning("engine_unreachable", pool=self.name, engine=st.spec.name, error=ev.error)
+        elif isinstance(ev, EngineReachable):
+            _log.info("engine_reachable", pool=self.name, engine=st.spec.name)
         if isinstance(ev, IncarnationChanged):
             async with self._reconcile_lock:
                 await self._restart_engine_members(st.worker_id)
         await self.reconcile()
+
+    def add_engine(self, spec: EngineSpec) -> EngineTarget:
+        """A new engine of this pool (from config, or found by DNS); probed before it is used."""
+        target = EngineTarget(host=spec.host, grpc_port=spec.grpc_port, static=spec.static)
+        st = EngineState(spec, worker_id_for(spec.name), target)
+        self.engines[target.name] = st
+        self.by_worker[st.worker_id] = st
+        return target
+
+    def target_of(self, engine_name: str) -> str | None:
+        for key, st in self.engines.items():
+            if st.spec.name == engine_name:
+                return key
+        return None
+
+    async def remove_engine(self, engine_name: str, *, reconcile: bool = True) -> None:
+        """The engine left the fleet: its subscribers stop and its members are removed
+        (``reconcile=False``: a reload that adds engines next reconciles once at the end)."""
+        key = self.target_of(engine_name)
+        if key is None:
+            return
+        st = self.engines[key]
+        async with self._reconcile_lock:
+            gone = [k for k in self.subscribers if k.worker_id == st.worker_id]
+            await self._stop_subscribers(gone)
+            gen = self.generation
+            if gen is not None:
+                for wid, rank in list(gen.pool.members().values()):
+                    if wid == st.worker_id:
+                        gen.remove_member(SourceKey(wid, rank))
+                        self.counters.reset("engine_removed")
+            del self.engines[key]
+            del self.by_worker[st.worker_id]
+        if reconcile:
+            await self.reconcile()
 
     async def _restart_engine_members(self, worker_id: int) -> None:
         """New incarnation: stop the engine's subscribers, clear its members; ``reconcile`` then
@@ -475,8 +520,15 @@ class PoolRuntime:
                         desired[key] = spec
                 continue
             if snap.kv_block_size and snap.kv_block_size != block_size:
-                self.counters.block_size_conflicts += 1
+                if st.block_size_conflict != snap.kv_block_size:  # once per conflict, not per pass
+                    st.block_size_conflict = snap.kv_block_size
+                    self.counters.block_size_conflicts += 1
+                    _log.warning(
+                        "engine_block_size_conflict", pool=self.name, engine=st.spec.name,
+                        engine_block_size=snap.kv_block_size, pool_block_size=block_size,
+                    )  # fmt: skip
                 continue
+            st.block_size_conflict = None
             for src in snap.sources:
                 if src.transport != "zmq" or not src.endpoint:
                     continue
@@ -491,6 +543,8 @@ class PoolRuntime:
                     hash_format=int(self.spec.hash_format),
                     options=self.spec.decode,
                     kind=st.spec.kind,
+                    engine=st.spec.name,
+                    pool=self.name,
                 )
         return desired
 
@@ -531,6 +585,8 @@ class PoolRuntime:
         if not connected and not any(
             self._startable(k, now) or k in self.subscribers for k in desired
         ):
+            if any(not st.probed for st in self.engines.values()):
+                return  # an engine just added (a reload, DNS) may bring sources: its probe decides
             await self._withdraw("pool withdrawn: no active source")
             return
         if self.generation is None:
@@ -573,6 +629,31 @@ class PoolRuntime:
                 with contextlib.suppress(Exception):
                     await sub.stop()
                 self._fold_source(key, sub.counters)
+
+    async def respec(self, spec: PoolSpec, *, rematerialize: bool) -> None:
+        """A reload changed the pool's settings (the caller adds and removes engines, then
+        reconciles). With ``rematerialize`` the generation is withdrawn, to be rebuilt under the
+        new settings; otherwise it goes on (sources whose settings changed restart on reconcile)."""
+        async with self._reconcile_lock:
+            connect_changed = spec.connect != self.spec.connect
+            self.spec = spec
+            if connect_changed:  # a new endpoint or pattern: its members start over (§22)
+                if self.connected is not None:
+                    await self.connected.stop(retire=True)
+                self.connected = ConnectedMembers(self) if spec.connect is not None else None
+            if rematerialize:
+                self.counters.reconfigurations += 1
+                await self._withdraw("pool settings changed by a reload; requires a fresh snapshot")
+                self._restarts.clear()
+
+    async def close(self, why: str) -> None:
+        """The pool left the configuration: its subscribers end with PUBLICATION_UNAVAILABLE
+        (after the catalog without it is published) and its sources stop."""
+        self._stopped = True
+        async with self._reconcile_lock:
+            if self.connected is not None:
+                await self.connected.stop()
+            await self._withdraw(why)
 
     async def stop(self) -> None:
         self._stopped = True

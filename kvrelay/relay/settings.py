@@ -32,11 +32,18 @@ class EngineSpec:
     metrics_port: int | None = None
     total_kv_blocks: int | None = None  # capacity for static engines (load plane)
     kind: EngineKind = EngineKind.VLLM
+    #: A DNS name standing for a set of engines (a headless Service): every A/AAAA record is an
+    #: engine ``name@address`` on these ports; with ``dns_srv`` the name is an SRV name whose
+    #: targets and ports are the engines' Control endpoints.
+    dns: str | None = None
+    dns_srv: bool = False
 
     def __post_init__(self) -> None:
         if not self.name or self.name != self.name.strip():
             raise ValueError("engine name must be non-empty without surrounding whitespace")
-        if self.grpc_port is None and self.static is None:
+        if self.dns_srv and not self.dns:
+            raise ValueError(f"engine {self.name!r}: dns_srv needs a dns name")
+        if self.grpc_port is None and self.static is None and not self.dns_srv:
             raise ValueError(f"engine {self.name!r} needs grpc_port or static sources")
         if self.kind is EngineKind.SGLANG and (self.grpc_port is not None or self.static is None):
             raise ValueError(f"SGLang engine {self.name!r} needs static sources and no grpc_port")
@@ -63,6 +70,7 @@ class ConnectConfig:
         TopicPattern(self.topic_pattern)  # raises PatternError (a ValueError)
         if self.max_members < 1 or self.member_silence_s <= 0:
             raise ValueError("max_members must be >= 1 and member_silence_s > 0")
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +128,10 @@ class RelaySettings:
     limits: RelayLimits = field(default_factory=RelayLimits)
     drt_instance_id: int | None = None
     discovery_interval_s: float = 5.0
+    #: Engines from DNS: how often each ``dns`` name is resolved again, and the resolver to ask
+    #: (``host:port``; the system resolver when unset).
+    dns_interval_s: float = 10.0
+    dns_server: str | None = None
     discovery_timeout_s: float = 2.0
     metrics_scrape_interval_s: float = 1.0
     #: An engine unreachable on Control *and* disconnected on every ZMQ source this long is down:

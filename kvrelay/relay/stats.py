@@ -116,6 +116,8 @@ def merged(a: SubscriberCounters, b: SubscriberCounters) -> SubscriberCounters:
                 target: dict[str, int] = getattr(out, f.name)
                 for k, n in value.items():
                     target[k] = target.get(k, 0) + n
+            elif f.metadata.get("merge") == "max":  # a time, not a count
+                setattr(out, f.name, max(getattr(out, f.name), value))
             else:
                 setattr(out, f.name, getattr(out, f.name) + value)
     return out

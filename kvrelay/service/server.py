@@ -21,7 +21,6 @@ from grpclib.config import Configuration
 from grpclib.const import Cardinality, Handler
 from grpclib.events import SendTrailingMetadata, listen
 from grpclib.exceptions import GRPCError
-from grpclib.health.service import Health
 from grpclib.protocol import H2Protocol
 from grpclib.reflection.service import ServerReflection
 from grpclib.server import Server, Stream
@@ -35,7 +34,7 @@ from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION, TRAILER_KEY
 from kvrelay.publication.hub import SendBatch, Subscription
 from kvrelay.publication.plane import Plane, PlaneClosed
 from kvrelay.service.codec import PassThroughCodec
-from kvrelay.service.descriptor import relay_descriptor_pool
+from kvrelay.service.health import RelayHealth, reflection_pool
 from kvrelay.service.status import status_of, trailers_of
 from kvrelay.service.validation import check_marker, validate_stream_request
 from kvrelay.service.view import RelayView
@@ -387,9 +386,9 @@ class RelayServer:
     def __init__(self, view: RelayView, limits: RelayLimits | None = None) -> None:
         self.limits = limits or RelayLimits()
         self.service = KvEventRelayService(view, self.limits)
-        self.health = Health()
+        self.health = RelayHealth(self.service)
         handlers = ServerReflection.extend(
-            [self.service, self.health], pool=relay_descriptor_pool()
+            [self.service, self.health.service], pool=reflection_pool()
         )
         config = Configuration(
             _keepalive_time=self.limits.keepalive_interval_s,
@@ -408,17 +407,24 @@ class RelayServer:
             raise RuntimeError("server not started")
         return self._port
 
+    @property
+    def serving(self) -> bool:
+        """What health reports: True from listening until the drain starts."""
+        return self.health.serving
+
     async def start(self, host: str, port: int, ssl: _ssl.SSLContext | None = None) -> None:
         await self._server.start(host, port, ssl=ssl)
         listener: Any = self._server._server
         sockets = listener.sockets if listener is not None else ()
         self._port = int(sockets[0].getsockname()[1]) if sockets else port
+        self.health.set_serving(True)
 
     async def close(self, grace_s: float = 5.0) -> None:
         """Stop accepting, end open streams with a clean EOF, then close connections."""
         server = self._server._server
         if server is None:
             return  # never started
+        self.health.set_serving(False)  # first: probes on open connections see the drain
         server.close()  # stop listening; existing connections stay up for the EOFs
         await self.service.shutdown(grace_s)
         self._server.close()

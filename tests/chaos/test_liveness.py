@@ -14,7 +14,7 @@ from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.relay.settings import PoolSpec
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
-from tests.support.fleet import engine_spec, fleet_and_relay
+from tests.support.fleet import engine_spec, fleet_and_relay, ground_truth
 from tests.support.rig import (
     catalog_pool_count,
     eventually,
@@ -139,6 +139,21 @@ async def test_engines_that_disagree_are_never_merged() -> None:
         consumer = await subscribe(r, ch)
         await r.engines[0].step(5)
         await verify(r, consumer, probes=2_000)
+        await consumer.stop()
+
+
+async def test_an_engine_off_the_pinned_block_size_is_skipped_and_counted_once() -> None:
+    cfgs = [SimConfig(name="bs16", seed=58, block_size=16),
+            SimConfig(name="bs32", seed=59, block_size=32)]  # fmt: skip
+    async with rig(cfgs, kv_block_size=16) as r, r.channel() as ch:
+        await wait_live(r.relay, 1)
+        await asyncio.sleep(0.6)  # several discovery passes (interval 0.1 s) see the conflict
+        assert r.metric("kvrelay_pool_block_size_conflicts_total") == 1
+        (good,) = [st for st in r.pool.engines.values() if st.spec.name == "bs16"]
+        assert {k.worker_id for k in r.pool.subscribers} == {good.worker_id}
+        consumer = await subscribe(r, ch)
+        await r.engines[0].step(5)
+        await verify(r, consumer, probes=2_000, truth=ground_truth(r.engines[:1]))
         await consumer.stop()
 
 

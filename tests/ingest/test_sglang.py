@@ -229,8 +229,12 @@ def test_topic_epochs_and_barriers() -> None:
     seq = (5).to_bytes(8, "big")
     assert check_live_sglang([b"kv" + EPOCH + b"e1", seq, b"p"], b"kv") == (5, b"p", b"e1")
     assert check_live_sglang([b"kv", seq, b"p"], b"kv") == (5, b"p", None)
-    with pytest.raises(TopicMismatchError):
-        check_live_sglang([b"kv-events", seq, b"p"], b"kv")
+    # the configured topic is a prefix (§15.3): the epoch follows whatever the engine's topic is
+    assert check_live_sglang([b"kv-events" + EPOCH + b"e2", seq, b"p"], b"kv") == (5, b"p", b"e2")
+    assert check_live_sglang([b"kv-events", seq, b"p"], b"kv") == (5, b"p", None)
+    for bad in (b"xkv", b"kv" + EPOCH, b"kv" + EPOCH + b"e" + SNAP):
+        with pytest.raises(TopicMismatchError):
+            check_live_sglang([bad, seq, b"p"], b"kv")
     with pytest.raises(FrameCountError):
         check_live_sglang([b"kv", seq], b"kv")
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import itertools
+import json
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,6 +14,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from kvrelay import logging as kvlog
 from kvrelay.ingest.sink import ResetReason, SourceKey, SourceSpec
 from kvrelay.ingest.subscriber import Subscriber
 from kvrelay.pool.batch import EventBatch
@@ -270,7 +274,7 @@ async def test_bad_frames_and_payloads_are_counted_not_applied(ctx: zmq.asyncio.
     sub = make(pub, sink, ctx)
     try:
         await _synced(pub, sink, sub, 1)
-        await pub.send_raw([b"kv-other", (99).to_bytes(8, "big"), msg(99)])  # prefix match only
+        await pub.send_raw([b"vk", (99).to_bytes(8, "big"), msg(99)])  # no "kv" prefix
         await pub.send_raw([b"kv", b"\x00\x01", msg(1)])
         await pub.send_raw([b"kv", (1).to_bytes(8, "big")])
         await pub.publish(b"\xc1 not msgpack")  # seq 1: consumed, rejected, no batch
@@ -348,3 +352,39 @@ async def test_replay_timeout_fires_despite_live_traffic(ctx: zmq.asyncio.Contex
         pub.gate.set()
         await sub.stop()
         await pub.close()
+
+
+async def test_topic_is_a_prefix_and_a_mismatch_is_logged_once_with_the_topic_seen(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """"kv" accepts "kv-events" (a ZMQ subscription's prefix rule); "vllm" is dropped, counted
+    every time, and logged once per source with the topic it carried and the source's names."""
+    buf = io.StringIO()
+    kvlog.configure(level="INFO", json=True, stream=buf)
+    pub = TestPublisher(ctx, topic=b"kv-events", replay=False)
+    sink = RecordingSink()
+    spec = SourceSpec(
+        endpoint=pub.endpoint, replay_endpoint=None, topic=b"kv", dp_rank=0, worker_id=42,
+        kv_block_size=B, engine="gpu-node-1", pool="ns/backend/generate",
+    )
+    sub = Subscriber(spec, sink, context=ctx)
+    try:
+        await _synced(pub, sink, sub, 2)
+        for seq in (50, 51, 52):
+            await pub.send_raw([b"vllm", seq.to_bytes(8, "big"), msg(seq)])
+        await pub.publish(msg(2))
+        await until(lambda: 2 in sink.seqs)
+        assert_exact(sink, [0, 1, 2])
+        assert sub.counters.rejections == {"topic_mismatch": 3}
+    finally:
+        await sub.stop()
+        await pub.close()
+        kvlog.configure(level="WARNING", stream=sys.stderr)
+    lines = [json.loads(x) for x in buf.getvalue().splitlines()]
+    mismatches = [x for x in lines if x["event"] == "topic_mismatch"]
+    assert len(mismatches) == 1, lines
+    (m,) = mismatches
+    assert (m["level"], m["topic"], m["seen"]) == ("warning", "kv", "vllm")
+    assert (m["engine"], m["pool"], m["dp_rank"]) == ("gpu-node-1", "ns/backend/generate", 0)
+    states = [x for x in lines if x["event"] == "subscriber_state"]
+    assert states and all(x["engine"] == "gpu-node-1" for x in states)

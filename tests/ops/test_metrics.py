@@ -391,3 +391,84 @@ async def test_http_endpoint_edges_and_clean_close() -> None:
     else:
         w.close()
         raise AssertionError("metrics port still accepting after close()")
+
+
+async def test_lag_staleness_and_per_pool_aggregation() -> None:
+    """Oracles: the engines' own clocks (staleness stays within the test's wall-clock window),
+    the ingest counters (every live batch observed once in the lag histogram), and a second
+    collector with ``per_member=False`` whose per-pool series must equal the per-member sums."""
+    import time
+
+    async with fleet_and_relay(CONFIGS) as (engines, relay, _server):
+        members = RelayMetrics(relay, CollectorRegistry())
+        pooled = RelayMetrics(relay, CollectorRegistry(), per_member=False)
+        p1, p2 = await members.start_http("127.0.0.1", 0), await pooled.start_http("127.0.0.1", 0)
+        try:
+            def live() -> bool:
+                sources = [x for p in relay.stats().pools for x in p.sources]
+                return len(sources) == 3 and all(x.state == "live" for x in sources)
+
+            await eventually(live, what="every source live")
+            before = {
+                (x.engine, x.dp_rank): x.counters.batches
+                for p in relay.stats().pools for x in p.sources
+            }
+            t0 = time.time()
+            for _ in range(5):
+                for e in engines:
+                    await e.step(3)
+                await asyncio.sleep(0.01)
+            await eventually(lambda: in_sync(engines, relay), what="relay == ground truth")
+            s, agg = await scrape(p1), await scrape(p2)
+            t1 = time.time()
+            for e in engines:
+                for rank in range(e.cfg.dp_size):
+                    m = _member(e.cfg.name, rank)
+                    last = value(s, "kvrelay_ingest_last_message_timestamp_seconds", **m)
+                    assert t0 - 30 <= last <= t1, (m, last, t0, t1)
+                    count = value(s, "kvrelay_ingest_engine_lag_seconds_count", **m)
+                    batches = value(s, "kvrelay_ingest_batches_total", **m)
+                    # every batch applied since the source went live, none of the replayed ones
+                    after_live = batches - before[(e.cfg.name, rank)]
+                    assert 0 < after_live <= count <= batches, (m, count, batches, after_live)
+                    inf = value(s, "kvrelay_ingest_engine_lag_seconds_bucket", le="+Inf", **m)
+                    assert inf == count
+                    # loopback, same clock: nothing lags a minute
+                    assert value(s, "kvrelay_ingest_engine_lag_seconds_sum", **m) < 60 * count
+            for name in ("kvrelay_ingest_messages_total", "kvrelay_ingest_batches_total",
+                         "kvrelay_ingest_engine_lag_seconds_count"):  # fmt: skip
+                assert value(agg, name, pool=POOL) == total(s, name, pool=POOL) > 0, name
+            stored = total(s, "kvrelay_ingest_events_total", kind="stored")
+            assert value(agg, "kvrelay_ingest_events_total", pool=POOL, kind="stored") == stored
+            assert not any(
+                "worker" in dict(labels) for (n, labels) in agg
+                if n.startswith("kvrelay_ingest_") and "last_message" not in n
+            )
+            # staleness stays per source in both modes
+            assert total(agg, "kvrelay_ingest_last_message_timestamp_seconds") == total(
+                s, "kvrelay_ingest_last_message_timestamp_seconds"
+            )
+        finally:
+            await members.close()
+            await pooled.close()
+
+
+def test_retired_counters_fold_lag_by_bucket_and_keep_the_newest_message_time() -> None:
+    from kvrelay.ingest.counters import SubscriberCounters
+    from kvrelay.relay.stats import merged
+
+    a, b = SubscriberCounters(), SubscriberCounters()
+    a.observe_applied(1000.0, live=False)  # replay: a message time, no lag sample
+    assert a.lag_count == 0 and a.last_message_unix > 0
+    a.last_message_unix = 200.0
+    b.last_message_unix = 100.0
+    a.lag_buckets, a.lag_sum_s, a.lag_count = {"0.001": 2, "+Inf": 1}, 30.0, 3
+    b.lag_buckets, b.lag_sum_s, b.lag_count = {"0.001": 1, "0.5": 4}, 1.0, 5
+    m = merged(a, b)
+    assert m.last_message_unix == 200.0  # max, not a sum of two times
+    assert m.lag_buckets == {"0.001": 3, "0.5": 4, "+Inf": 1}
+    assert (m.lag_sum_s, m.lag_count) == (31.0, 8)
+    c = SubscriberCounters()
+    c.observe_applied(c_ts := 0.0, live=True)  # an engine clock far behind: the +Inf bucket
+    c.observe_applied(c_ts + 1e12, live=True)  # an engine clock ahead: clamped to 0, first bucket
+    assert c.lag_buckets == {"+Inf": 1, "0.001": 1} and c.lag_count == 2

@@ -20,7 +20,7 @@ SEQ0 = (0).to_bytes(8, "big")
 
 
 async def test_malformed_frames_and_events_are_counted_never_fatal() -> None:
-    raw = RawPublisher()
+    raw = RawPublisher(topic=b"kv")  # a topic prefix, so another topic is dropped
     oracle = Oracle()
     try:
         async with rig(
@@ -54,12 +54,12 @@ async def test_malformed_frames_and_events_are_counted_never_fatal() -> None:
             seq = raw.seq.to_bytes(8, "big")
             ok = envelope([])
             # --- frame-level garbage (never consumes a sequence number)
-            await frames([b"", seq])  # 2 frames
-            await frames([b"", seq, ok, b"extra"])  # 4 frames
-            await frames([b""])
-            await frames([b"", seq[:4], ok])  # short sequence
-            await frames([b"", seq + b"\x00", ok])  # long sequence
-            await frames([b"other-topic", seq, ok])
+            await frames([b"kv", seq])  # 2 frames
+            await frames([b"kv", seq, ok, b"extra"])  # 4 frames
+            await frames([b"kv"])
+            await frames([b"kv", seq[:4], ok])  # short sequence
+            await frames([b"kv", seq + b"\x00", ok])  # long sequence
+            await frames([b"other-topic", seq, ok])  # does not start with "kv"
             await valid(3, mixed=True)  # int, negative-int and bytes hashes in one batch
             # unknown tags and badly typed events inside a good envelope: skipped, rest applied
             extra: list[Any] = [
