@@ -207,3 +207,48 @@ async def test_mixed_pool_refuses_a_topic_naming_a_configured_engine() -> None:
         assert r.metric("kvrelay_connect_members_refused_total", pool=POOL) >= 10
         assert [n for _k, n, _c in r.pool.connected.source.members()] == ["pod-y"]
         await consumer.stop()
+
+
+async def test_reload_keeps_members_unless_the_connect_endpoint_changes() -> None:
+    """A reload that leaves ``[pools.connect]`` alone keeps its members and the stream; one that
+    re-binds it drops them (their history cannot be replayed) and withdraws a pool that had
+    nothing else, until an engine speaks on the new endpoint."""
+    import dataclasses
+
+    from kvrelay._proto.dynamo.kvrelay import v1 as pb
+    from kvrelay.sim.ports import free_port_block
+
+    async with connect_rig() as c, c.rig.channel() as ch:
+        r = c.rig
+        (a,) = await started(c, 1, 85)
+        await a.step(1)
+        await eventually(lambda: r.pool.generation is not None, what="materialized")
+        consumer = await subscribe(r, ch)
+        await a.step(5)
+        await verify(r, consumer, truth=truth(a), probes=2_000)
+        (spec,) = r.settings.pools
+        readiness_only = dataclasses.replace(spec, role=pb.WorkerRole.DECODE)
+        await r.relay.reconfigure(dataclasses.replace(r.settings, pools=(readiness_only,)))
+        await a.step(5)
+        await verify(r, consumer, truth=truth(a), probes=2_000)
+        assert consumer.end is None and member_resets(r) == 0
+        assert spec.connect is not None
+        moved = f"tcp://127.0.0.1:{free_port_block(1, host='127.0.0.1')}"
+        rebound = dataclasses.replace(
+            readiness_only, connect=dataclasses.replace(spec.connect, bind=(moved,))
+        )
+        await r.relay.reconfigure(dataclasses.replace(r.settings, pools=(rebound,)))
+        end = await consumer.wait_end()
+        assert end.reason == "RELAY_ERROR_REASON_PUBLICATION_UNAVAILABLE"
+        assert r.pool.counters.member_resets == {"reconfigured": 1}
+        c.bind = moved
+        b = c.engine("pod-b", 86)
+        await eventually(lambda: r.pool.connected.source is not None, what="re-bound")
+        await c.join(b)
+        await b.step(1)
+        await eventually(lambda: r.pool.generation is not None, what="re-materialized")
+        again = await subscribe(r, ch)
+        await b.step(5)
+        await a.step(3)  # still publishing to the old address: nobody listens there
+        await verify(r, again, truth=truth(b), probes=2_000)
+        await again.stop()
