@@ -241,7 +241,9 @@ class Mirror:
             else:
                 self.plane_ends[f"{plane.name}_{end.reason}"] += 1
                 local, why = self._plane_end(end)
-                if end.reason in (E.EOF, E.CONNECTION) or (is_catalog and end.reason == E.SILENT):
+                if is_catalog and end.reason in (E.EOF, E.CONNECTION):
+                    # the session's stream: a relay shutting down may still accept streams on
+                    # its old connection, so every stream starts over on a fresh one
                     self.upstream.reset(channel)
             plane.end(local, why)
             failures = 0 if delivered else failures + 1

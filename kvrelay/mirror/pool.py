@@ -49,6 +49,7 @@ _log = get_logger(__name__)
 _FORWARDED = frozenset({int(Reason.PUBLICATION_UNAVAILABLE), int(Reason.INTERNAL)})
 _BEHIND = frozenset({int(Reason.SUBSCRIBER_LAGGED), int(Reason.SNAPSHOT_PROGRESS_TIMEOUT)})
 _GONE = frozenset({int(Reason.POOL_NOT_FOUND), int(Reason.PRODUCER_CHANGED)})
+VOUCH_SLACK_S = 0.25
 
 
 class PoolState(enum.Enum):
@@ -159,8 +160,8 @@ class MirrorPool:
     # ------------------------------------------------------------------ upstream
     def _vouch(self) -> bool:
         """A local heartbeat claims the stream is current: only while the upstream stream has
-        shown life within 1.5 of its heartbeat periods (+1 s)."""
-        return time.monotonic() - self._last_frame <= 1.5 * self._heartbeat_s + 1.0
+        shown life within 1.5 of its heartbeat periods (+0.25 s of scheduling slack)."""
+        return time.monotonic() - self._last_frame <= 1.5 * self._heartbeat_s + VOUCH_SLACK_S
 
     def _on_frame(self, data: bytes) -> None:
         checker = self._checker
@@ -209,7 +210,7 @@ class MirrorPool:
         local: RelayError | None
         answer: RelayError | None = None
         try:
-            end, channel = await ctx.upstream.stream(
+            end, _channel = await ctx.upstream.stream(
                 "SubscribeKvPool", request, self._on_frame, silence_s=3 * self._heartbeat_s
             )
         except Violation as v:
@@ -246,8 +247,6 @@ class MirrorPool:
                 local = RelayError.publication_unavailable(
                     f"upstream connection lost ({end.reason}: {end.message})"
                 )
-            if end.reason in (E.EOF, E.CONNECTION):
-                ctx.upstream.reset(channel)
         hub, self.hub = self.hub, None
         self._checker = None
         if hub is not None:

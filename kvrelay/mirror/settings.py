@@ -55,8 +55,8 @@ class MirrorSettings:
     * ``sync_wait_s``: a subscriber to a pool the mirror is still synchronizing (its upstream
       snapshot not assembled yet) waits this long, then gets PUBLICATION_UNAVAILABLE.
     * ``upstream_heartbeat_s``: the upstream's pool heartbeat period until one is observed; the
-      mirror stops vouching (local heartbeats) after 1.5 periods + 1 s without an upstream frame
-      and drops an upstream stream silent for 3 periods (the SDK's rule).
+      mirror stops vouching (local heartbeats) after 1.5 periods (+0.25 s) without an upstream
+      frame and drops an upstream stream silent for 3 periods (the SDK's rule).
     * ``window_bytes``: HTTP/2 receive window per upstream stream (the connection gets 4×): a
       mirror must drain its upstream faster than the upstream's queue bound, never lag it.
     """

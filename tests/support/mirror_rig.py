@@ -14,9 +14,14 @@ every mode (``settle`` is a no-op when the relay is served directly).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import os
 import tempfile
+from collections.abc import AsyncIterator
 from typing import Any
+
+from grpclib.client import Channel
 
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.mirror.mirror import Mirror
@@ -127,3 +132,49 @@ async def settle(view: MemRelayView, server: RelayServer, timeout: float = 5.0) 
     async with asyncio.timeout(timeout):
         while not caught_up():
             await asyncio.sleep(0.005)
+
+
+class Mirrored:
+    """A mirror of the relay at ``upstream`` and its gRPC server on loopback."""
+
+    def __init__(self, mirror: Mirror, server: RelayServer) -> None:
+        self.mirror = mirror
+        self.server = server
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def channel(self) -> Channel:
+        return Channel("127.0.0.1", self.port)
+
+    async def close(self) -> None:
+        await self.server.close(grace_s=1.0)
+        await self.mirror.stop()
+
+
+async def start_mirror(
+    upstream: UpstreamAddress | int, *, port: int = 0, limits: RelayLimits | None = None,
+    sync: bool = True, **settings: Any,
+) -> Mirrored:  # fmt: skip
+    """Mirror ``upstream`` (an address, or a loopback port) and serve it on ``port``."""
+    address = (
+        UpstreamAddress(host="127.0.0.1", port=upstream) if isinstance(upstream, int) else upstream
+    )
+    base = mirror_settings(address, limits)
+    mirror = Mirror(dataclasses.replace(base, **settings))
+    mirror.start()
+    server = RelayServer(mirror, base.limits)
+    await server.start("127.0.0.1", port)
+    if sync:
+        await asyncio.wait_for(mirror.synced.wait(), 15)
+    return Mirrored(mirror, server)
+
+
+@contextlib.asynccontextmanager
+async def mirrored(upstream: UpstreamAddress | int, **kw: Any) -> AsyncIterator[Mirrored]:
+    m = await start_mirror(upstream, **kw)
+    try:
+        yield m
+    finally:
+        await m.close()
