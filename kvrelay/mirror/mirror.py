@@ -71,7 +71,7 @@ class Mirror:
         self.synced = asyncio.Event()
         self.identity_changes = 0
         self.catalog_invalid = 0  # descriptors whose producer is not a valid key (not mirrored)
-        self.pools_over_limit = 0  # listed pools not mirrored: hub cap reached
+        self.pools_over_limit = 0  # listed pools not mirrored at the last catalog: hub cap
         self.plane_ends: Counter[str] = Counter()
         self.plane_violations: Counter[str] = Counter()
         self._retired: Counter[str] = Counter()  # pool counters folded in when pools go
@@ -134,14 +134,16 @@ class Mirror:
 
     def _reconcile(self) -> None:
         """Mirror every listed pool (catalog order) while there is room for its hub."""
+        over = 0
         for key, producer in self._listed.items():
             pool = self._pools.get(key)
             if pool is not None and pool.state is not PoolState.GONE:
                 continue
             if not self._room():
-                self.pools_over_limit += 1
+                over += 1
                 continue
             self._start_pool(key, producer)
+        self.pools_over_limit = over
         self._check_synced()
 
     def _check_synced(self) -> None:

@@ -10,7 +10,9 @@ any worker starts (``bind = "…:0"`` works) and a restarted worker always gets 
   ``NOTIFY_SOCKET``/``WATCHDOG_*``: only the supervisor talks to systemd.
 * A worker that exits while the daemon runs is restarted with backoff (0.5 s doubling to 30 s;
   back to 0.5 s after it served 60 s) and counted in ``restarts``. Its router connections drop;
-  routers reconnect and ``SO_REUSEPORT`` spreads them over the live workers.
+  routers reconnect and ``SO_REUSEPORT`` spreads them over the live workers. A worker that stops
+  reporting (its event loop is wedged: no ``STATS`` line for ``HANG_S``) is killed, which then
+  counts as an exit.
 * ``stop`` sends SIGTERM to every worker (each ends its streams with a clean EOF and exits 0)
   and kills those still running after the timeout.
 """
@@ -37,6 +39,8 @@ RESTART_INITIAL_S = 0.5
 RESTART_MAX_S = 30.0
 #: A worker that served this long before exiting restarts after the initial delay again.
 RESTART_RESET_S = 60.0
+#: A serving worker silent this long (it reports every second) is wedged: killed and restarted.
+HANG_S = 30.0
 _SYSTEMD_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
 
 
@@ -75,6 +79,7 @@ class _Slot:
     ready: asyncio.Future[int] | None = None
     stats: dict[str, Any] = field(default_factory=dict)
     exits: int = 0
+    last_report: float = 0.0
 
 
 class Supervisor:
@@ -97,6 +102,8 @@ class Supervisor:
         self.argv = argv or [sys.executable, "-m", "kvrelay.ops.worker"]
         self.env = worker_env(env)
         self.restarts = 0
+        self.hung = 0  # workers killed for not reporting
+        self.hang_s = HANG_S
         self._slots = [_Slot(i) for i in range(1, count + 1)]
         self._watchers: list[asyncio.Task[None]] = []
         self._readers: set[asyncio.Task[None]] = set()
@@ -117,7 +124,24 @@ class Supervisor:
             raise WorkerStartError(f"workers did not all become ready: {exc!r}") from None
         for slot in self._slots:
             self._watchers.append(asyncio.create_task(self._watch(slot)))
+        self._watchers.append(asyncio.create_task(self._hang_check()))
         _LOG.info("workers_ready", workers=self.count, pids=self.pids)
+
+    async def _hang_check(self) -> None:
+        while True:
+            await asyncio.sleep(self.hang_s / 4)
+            now = time.monotonic()
+            for slot in self._slots:
+                proc, ready = slot.proc, slot.ready
+                serving = ready is not None and ready.done() and not ready.exception()
+                if (proc is None or proc.returncode is not None or not serving
+                        or now - slot.last_report < self.hang_s):  # fmt: skip
+                    continue
+                self.hung += 1
+                _LOG.error("worker_hung", worker=slot.index, pid=proc.pid,
+                           silent_s=round(now - slot.last_report, 1))  # fmt: skip
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
 
     async def _ready(self, slot: _Slot) -> int:
         assert slot.ready is not None
@@ -133,7 +157,7 @@ class Supervisor:
         proc.stdin.write(spec.to_json().encode() + b"\n")
         await proc.stdin.drain()  # stdin stays open: the worker exits when it closes
         slot.proc = proc
-        slot.started = time.monotonic()
+        slot.started = slot.last_report = time.monotonic()
         slot.ready = asyncio.get_running_loop().create_future()
         reader = asyncio.create_task(self._read(slot, proc))
         self._readers.add(reader)
@@ -151,6 +175,7 @@ class Supervisor:
             if text.startswith("READY") and ready is not None and not ready.done():
                 ready.set_result(int(text.split()[1]))
             elif text.startswith("STATS "):
+                slot.last_report = time.monotonic()
                 with contextlib.suppress(ValueError):
                     slot.stats = json.loads(text[len("STATS ") :])
         if ready is not None and not ready.done():

@@ -215,8 +215,8 @@ def test_check_config_validates_workers_and_mirror(tmp_path: Path) -> None:
 
 
 async def test_kvrelay_mirror_with_tls_both_ways(tmp_path: Path) -> None:
-    """``kvrelay mirror`` in front of an mTLS relay, serving mTLS: READY, an exact replica,
-    clean SIGTERM."""
+    """``kvrelay mirror --workers 2`` in front of an mTLS relay, its worker serving mTLS: READY,
+    an exact replica through mirror and worker, clean SIGTERM."""
     pki = make_pki(tmp_path)
     engine = SimEngine(SimConfig(name="t0", seed=16, capacity_blocks=64))
     await engine.start()
@@ -245,14 +245,15 @@ format = "json"
     notes = Notifications(tmp_path / "notify.sock")
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvrelay", "mirror", "--config", str(conf),
-        "--bind", "127.0.0.1:0", "--metrics-bind", "off",
+        "--bind", "127.0.0.1:0", "--metrics-bind", "off", "--workers", "2",
         env=clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock")), cwd=REPO,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     consumer: Consumer | None = None
     try:
         ready = await notes.wait_for("READY=1", timeout=60)
-        m = re.search(r"serving gRPC on 127\.0\.0\.1:(\d+), mirror of localhost", ready)
+        m = re.search(r"serving gRPC on 127\.0\.0\.1:(\d+), mirror of localhost:\d+, "
+                      r"1 fan-out worker", ready)  # fmt: skip
         assert m, ready
         ctx = client_ssl_context(str(pki.server_ca), str(pki.client_cert), str(pki.client_key))
         async with Channel("127.0.0.1", int(m.group(1)), ssl=ctx) as ch:
