@@ -204,15 +204,20 @@ async def test_keys_the_mirror_does_not_hold_are_decided_upstream() -> None:
 
 async def test_heartbeats_only_while_the_upstream_shows_life() -> None:
     """Local heartbeats claim the stream is current: they stop 1.5 upstream heartbeat periods
-    after the upstream's last frame, and the stream ends when the upstream stays silent."""
-    relay = S.ScriptedRelay()
+    (+0.25 s) after the upstream's last frame, and the stream ends when the upstream has been
+    silent for 3 periods."""
+    relay = S.ScriptedRelay()  # snapshot, one delta, then silence (no upstream heartbeats)
     server = await S.serve(relay)
     limits = RelayLimits(pool_heartbeat_s=0.1)
+    period = 0.6
     try:
-        async with mirrored(S.port_of(server), limits=limits, upstream_heartbeat_s=0.4,
+        async with mirrored(S.port_of(server), limits=limits, upstream_heartbeat_s=period,
                             sync=False) as m:  # fmt: skip
-            ch = m.channel()
+            await eventually(lambda: (h := m.mirror.hub_for(S.producer())) is not None
+                             and h.sequence == 11, what="upstream frames applied")  # fmt: skip
             loop = asyncio.get_running_loop()
+            last_upstream = loop.time()  # no earlier than the upstream's last frame
+            ch = m.channel()
             got: list[tuple[float, int]] = []
             try:
                 async with asyncio.timeout(10):
@@ -220,16 +225,19 @@ async def test_heartbeats_only_while_the_upstream_shows_life() -> None:
                         async with ch.request(SVC + "SubscribeKvPool", Cardinality.UNARY_STREAM,
                                               pb.SubscribeKvPoolRequest, pb.FilterUpdate) as st:
                             await st.send_message(sub_request(S.producer()), end=True)
-                            t0 = loop.time()
                             while (fu := await st.recv_message()) is not None:
-                                got.append((loop.time() - t0, int(fu.kind)))
+                                got.append((loop.time() - last_upstream, int(fu.kind)))
+                    ended = loop.time() - last_upstream
                     trailers = dict(st.trailing_metadata or {})
             finally:
                 ch.close()
     finally:
         server.close()
     beats = [t for t, kind in got if kind == 3]
-    assert len(beats) >= 2, got
-    # the upstream's last frame came before t0: nothing vouched for after 1.5 × 0.4 s + slack
-    assert max(beats) <= 0.6 + 0.25 + 0.05, beats
+    vouched = 1.5 * period + 0.25
+    assert len(beats) >= 3, got
+    # heartbeats would go on every 0.1 s until the end; scheduling slack of 0.3 s allowed
+    assert max(beats) <= vouched + 0.3, beats
+    assert ended - max(beats) >= 0.25, (ended, beats)
+    assert ended >= 3 * period - 0.5  # the end came from the upstream staying silent
     assert trailers.get(K) == "RELAY_ERROR_REASON_PUBLICATION_UNAVAILABLE"

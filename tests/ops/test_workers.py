@@ -116,7 +116,11 @@ async def test_two_workers_serve_are_restarted_and_drain(tmp_path: Path) -> None
     )  # fmt: skip
     consumers: list[Consumer] = []
     try:
-        ready = await notes.wait_for("READY=1", timeout=60)
+        try:
+            ready = await notes.wait_for("READY=1", timeout=120)
+        except AssertionError:
+            proc.kill()
+            raise AssertionError((await proc.stderr.read()).decode()[-3000:]) from None  # type: ignore[union-attr]
         assert "1 fan-out worker" in ready
         m = re.search(r"serving gRPC on 127\.0\.0\.1:(\d+)", ready)
         assert m, ready
