@@ -138,10 +138,16 @@ class Upstream:
         silence_s: float | None = None,
     ) -> tuple[StreamEnd, Channel]:
         """Run one upstream stream to its end (exceptions raised by ``on_message`` propagate and
-        reset the HTTP/2 stream). Returns how it ended and the channel it used."""
+        reset the HTTP/2 stream). Returns how it ended and the channel it used.
+
+        The loop yields after every half local queue of messages: a burst of buffered upstream
+        deltas must not queue more frames per local subscriber than its bound before the senders
+        run, or every local subscriber would lag at once; yielding less often than every frame
+        keeps the senders' batched writes (several frames per HTTP/2 write)."""
         channel = self._channel
+        every = max(1, self.settings.limits.publication_queue_capacity // 2)
         end = await rpc.run_stream(
-            channel, method, request, bytes, on_message, silence_s=silence_s
+            channel, method, request, bytes, on_message, silence_s=silence_s, yield_every=every
         )
         return end, channel
 

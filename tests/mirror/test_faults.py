@@ -73,7 +73,9 @@ async def test_upstream_restart_ends_streams_cleanly_and_the_mirror_follows() ->
                 assert info.relay is not None and old.relay is not None
                 assert info.relay.relay_incarnation == r.relay.relay_incarnation
                 assert info.relay.relay_incarnation != old.relay.relay_incarnation
-                _m, stale = await collect_end(
+                await wait_live(r.relay, 2)
+                await catalog_producer(ch)  # the new generation is listed: a stale key is
+                _m, stale = await collect_end(  # PRODUCER_CHANGED (before: POOL_NOT_FOUND)
                     ch, "SubscribeKvPool",
                     pb.SubscribeKvPoolRequest(subscriber_id="stale",
                                               expected_producer=consumer.producer,
@@ -81,7 +83,6 @@ async def test_upstream_restart_ends_streams_cleanly_and_the_mirror_follows() ->
                     pb.FilterUpdate,
                 )  # fmt: skip
                 assert stale.reason == "RELAY_ERROR_REASON_PRODUCER_CHANGED"
-                await wait_live(r.relay, 2)
                 again = await through(ch)
                 await r.engines[0].step(6)
                 await verify(r, again, probes=5_000)

@@ -241,3 +241,42 @@ async def test_heartbeats_only_while_the_upstream_shows_life() -> None:
     assert ended - max(beats) >= 0.25, (ended, beats)
     assert ended >= 3 * period - 0.5  # the end came from the upstream staying silent
     assert trailers.get(K) == "RELAY_ERROR_REASON_PUBLICATION_UNAVAILABLE"
+
+
+async def test_a_burst_of_upstream_deltas_does_not_lag_local_subscribers() -> None:
+    """Deltas buffered upstream arrive back to back; the mirror lets its senders run before a
+    local queue (4 frames here) can fill, so subscribers that read get every delta."""
+    gate = asyncio.Event()
+    burst = [S.delta(10 + i, 11 + i, buckets=(i % 64,), words=(i + 1,)) for i in range(60)]
+    relay = S.ScriptedRelay()
+    relay.scripts.append(S.Script(S.snapshot(10), gate=gate, after=burst, hold=True))
+    server = await S.serve(relay)
+    limits = RelayLimits(publication_queue_capacity=4)
+    try:
+        async with mirrored(S.port_of(server), limits=limits, sync=False) as m:
+            chans = [m.channel() for _ in range(4)]
+            try:
+                async def read(ch: Channel) -> int:
+                    deltas = 0
+                    async with ch.request(SVC + "SubscribeKvPool", Cardinality.UNARY_STREAM,
+                                          pb.SubscribeKvPoolRequest, pb.FilterUpdate) as st:
+                        await st.send_message(sub_request(S.producer()), end=True)
+                        while (fu := await st.recv_message()) is not None:
+                            deltas += int(fu.kind) == 2
+                            if fu.sequence == 70:
+                                await st.cancel()
+                                break
+                    return deltas
+
+                tasks = [asyncio.ensure_future(read(ch)) for ch in chans for _ in range(2)]
+                await eventually(lambda: (h := m.mirror.hub_for(S.producer())) is not None
+                                 and h.subscriber_count == 8, what="8 subscribers")  # fmt: skip
+                hub = m.mirror.hub_for(S.producer())
+                gate.set()
+                got = await asyncio.wait_for(asyncio.gather(*tasks), 20)
+                assert got == [60] * 8 and hub is not None and hub.lagged == 0
+            finally:
+                for ch in chans:
+                    ch.close()
+    finally:
+        server.close()
