@@ -68,7 +68,8 @@ async def test_upstream_restart_ends_streams_cleanly_and_the_mirror_follows() ->
                 assert ei.value.status == Status.UNAVAILABLE
                 await r.engines[0].step(4)
                 r.relay, r.server = await start_relay(r.settings, port)
-                await eventually(lambda: m.mirror.identity_changes == 1, what="new identity")
+                await eventually(lambda: m.mirror.identity_changes == 1 and m.mirror.catalog.live,
+                                 what="new identity, catalog stream up")  # fmt: skip
                 info = await relay_info(ch)
                 assert info.relay is not None and old.relay is not None
                 assert info.relay.relay_incarnation == r.relay.relay_incarnation
