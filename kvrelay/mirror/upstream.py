@@ -8,30 +8,22 @@ turned back into the upstream's ``RelayError`` (reason and message) so it can be
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
 from grpclib.client import Channel
 from grpclib.config import Configuration
-from grpclib.const import Cardinality, Status
+from grpclib.const import Status
 from grpclib.encoding.base import CodecBase
-from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
-from h2.exceptions import H2Error
+from grpclib.exceptions import GRPCError
 
-from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import errors as E
 from kvrelay.client import rpc
 from kvrelay.contract.errors import RelayError, reason_from_name
-from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION
 from kvrelay.mirror.settings import MirrorSettings
 
 SERVICE = "/dynamo.kvrelay.v1.KvEventRelay/"
 StreamEnd = rpc.StreamEnd
-_UNREACHABLE = (
-    TimeoutError, OSError, StreamTerminatedError, ProtocolError, H2Error,
-    asyncio.IncompleteReadError,
-)  # fmt: skip
 
 
 class RawCodec(CodecBase):
@@ -97,37 +89,6 @@ class Upstream:
         self.resets += 1
         old, self._channel = self._channel, self._open()
         old.close()
-
-    async def relay_info(self, timeout: float) -> pb.RelayIdentity:
-        """``GetRelayInfo`` of the upstream; raises RelayError (unreachable, bad reply)."""
-        request = pb.RelayInfoRequest(contract_marker=CONTRACT_MARKER)
-        try:
-            async with asyncio.timeout(timeout):
-                async with self._channel.request(
-                    SERVICE + "GetRelayInfo", Cardinality.UNARY_UNARY, pb.RelayInfoRequest, bytes
-                ) as st:
-                    await st.send_message(request, end=True)
-                    data = await st.recv_message()
-                    await st.recv_trailing_metadata()
-        except GRPCError as exc:
-            raise RelayError.publication_unavailable(
-                f"upstream GetRelayInfo failed: {exc.status.name} {exc.message or ''}"
-            ) from None
-        except _UNREACHABLE as exc:
-            raise RelayError.publication_unavailable(
-                f"upstream unreachable: {type(exc).__name__}: {exc}"
-            ) from None
-        try:
-            info = pb.RelayInfo.parse(data or b"")
-        except Exception as exc:  # betterproto2 raises several types on bad bytes
-            raise RelayError.publication_unavailable(
-                f"undecodable upstream RelayInfo: {exc}"
-            ) from None
-        if info.contract_marker != CONTRACT_MARKER or info.protocol_version != PROTOCOL_VERSION:
-            raise RelayError.publication_unavailable("upstream RelayInfo breaks the envelope")
-        if info.relay is None or not info.relay.relay_incarnation:
-            raise RelayError.publication_unavailable("upstream RelayInfo without a relay identity")
-        return info.relay
 
     async def stream(
         self,

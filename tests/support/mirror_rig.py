@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from typing import Any
@@ -71,6 +72,8 @@ async def start_served(
     server = RelayServer(mirror, limits)
     await server.start("127.0.0.1", 0, reuse_port=mode == "workers")
     cleanup.extend([server, mirror, upstream])
+    if mode == "workers":
+        cleanup.append(lambda: shutil.rmtree(folder, ignore_errors=True))
     await asyncio.wait_for(mirror.synced.wait(), 10)
     return view, server
 
@@ -79,6 +82,8 @@ async def close_served(cleanup: list[Any]) -> None:
     for item in cleanup:
         if isinstance(item, RelayServer):
             await item.close(grace_s=1.0)
+        elif callable(item):
+            item()
         else:
             await item.stop()
 
