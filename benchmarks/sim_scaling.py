@@ -1,8 +1,8 @@
 """Scaling model: what a ``workers = N`` relay carries on 16 cores and 1,000 routers, on paper.
 
 A 2-core machine cannot show 16 cores, so this is a model with measured inputs, not a
-measurement. Inputs (µs of one core), from ``results/workers.json`` when it exists (the
-``bench_workers`` run on this machine), else the defaults below taken from
+measurement. Inputs (µs of one core), from ``results/workers-full.json`` (or ``workers.json``)
+when it exists (the ``bench_workers`` run on this machine), else the defaults below taken from
 ``results/relay_e2e-full.md``:
 
 * ``frame_us``: a fan-out worker's CPU per delivered frame (gRPC framing + HTTP/2 write), from
@@ -40,7 +40,9 @@ def measured() -> dict[str, Any]:
     """Inputs from the bench_workers results of this repository, when present."""
     out = dict(DEFAULTS)
     src = "defaults (relay_e2e-full.md)"
-    path = RESULTS / "workers.json"
+    path = RESULTS / "workers-full.json"
+    if not path.exists():
+        path = RESULTS / "workers.json"
     if path.exists():
         res = json.loads(path.read_text())
         grid = [p for p in res["compare"]["grid"] if p["workers"] == 2 and p["within_target"]]
@@ -52,7 +54,7 @@ def measured() -> dict[str, Any]:
         if hop.get("deltas_mirror"):
             d_per_s = hop["deltas_mirror"] / res["plan"]["hop_s"]
             out["mirror_delta_us"] = round(hop["mirror_cpu_util"] / d_per_s * 1e6, 1)
-        src = f"results/workers.json ({res['machine']['utc']})"
+        src = f"results/{path.name} ({res['machine']['utc']}) and defaults"
     out["source"] = src
     return out
 
