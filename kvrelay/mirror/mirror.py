@@ -188,7 +188,7 @@ class Mirror:
         for plane in (self.catalog, self.readiness, self.load):
             plane.end(None, "the upstream restarted")
         for pool in list(self._pools.values()):
-            pool.stop(None)
+            pool.stop(None, "the upstream restarted: refresh the catalog")
         self._pools.clear()
         self._listed = {}
 

@@ -105,8 +105,9 @@ class MirrorPool:
             self._run(), name=f"kvrelay-mirror-pool-{self.key.layout_generation}"
         )
 
-    def stop(self, error: RelayError | None) -> None:
-        """End this pool now: local subscribers end with ``error`` (None: cleanly)."""
+    def stop(self, error: RelayError | None, why: str = "the mirror stopped this pool") -> None:
+        """End this pool now: local subscribers end with ``error`` (None: cleanly); subscribers
+        still waiting for it get PUBLICATION_UNAVAILABLE saying ``why``."""
         if self._task is not None:
             self._task.cancel()
             self._task = None
@@ -114,7 +115,7 @@ class MirrorPool:
         if hub is not None:
             hub.retire(error)
             self.lagged += hub.lagged
-        self._set(PoolState.GONE, error or RelayError.publication_unavailable("mirror stopped"))
+        self._set(PoolState.GONE, error or RelayError.publication_unavailable(why))
 
     @property
     def sequence(self) -> int | None:

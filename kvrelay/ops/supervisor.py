@@ -41,6 +41,8 @@ RESTART_MAX_S = 30.0
 RESTART_RESET_S = 60.0
 #: A serving worker silent this long (it reports every second) is wedged: killed and restarted.
 HANG_S = 30.0
+#: Longest worker line read (a STATS report grows with the number of mirrored pools).
+STATS_LINE_MAX = 4 * 1024 * 1024
 _SYSTEMD_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
 
 
@@ -151,7 +153,7 @@ class Supervisor:
         spec = self.spec_for(slot.index)
         proc = await asyncio.create_subprocess_exec(
             *self.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            env=self.env,
+            env=self.env, limit=STATS_LINE_MAX,
         )  # fmt: skip
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write(spec.to_json().encode() + b"\n")
@@ -168,7 +170,10 @@ class Supervisor:
         assert proc.stdout is not None
         ready = slot.ready
         while True:
-            line = await proc.stdout.readline()
+            try:
+                line = await proc.stdout.readline()
+            except ValueError:  # a line over STATS_LINE_MAX: dropped, the next one is read
+                continue
             if not line:
                 break
             text = line.decode(errors="replace").rstrip("\n")
