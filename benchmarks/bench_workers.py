@@ -202,8 +202,15 @@ def summary(res: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _by_workers(d: dict[Any, Any]) -> dict[int, Any]:
+    """``{1: …, 2: …}`` whether the keys are ints (this run) or strings (read back from JSON)."""
+    return {int(k): v for k, v in d.items()}
+
+
 def markdown(res: dict[str, Any]) -> str:
-    m, s = res["machine"], res["summary"]
+    m, s = res["machine"], dict(res["summary"])
+    for k in ("target_lag", "target_p99_ms", "best_frames"):
+        s[k] = _by_workers(s[k])
 
     def met(ok: bool) -> str:
         return "yes" if ok else "**no**"
@@ -244,13 +251,14 @@ def markdown(res: dict[str, Any]) -> str:
                  f"{met(h['p50'] is not None and h['p50'] <= 1 and (h['p99'] or 99) <= 3)} |")
     lines += ["", "## Grid (delta latency = subscriber receive − relay `send_ts_us`)", "",
               "| offered ev/s | subs | workers | frames/s | delta p50 / p99 ms | lagged | "
-              "relay CPU | ok |", "|---:|---:|---:|---:|---|---:|---:|:---:|"]
+              "relay CPU | CPU µs / frame | ok |", "|---:|---:|---:|---:|---|---:|---:|---:|:---:|"]
     for p in res["compare"]["grid"]:
         d = p["delta_latency_ms"]
+        per = p["relay_cpu_util"] / p["frames_per_s"] * 1e6 if p["frames_per_s"] else 0.0
         lines.append(f"| {p['offered_rate']:,} | {p['subscribers']} | {p['workers']} | "
                      f"{p['frames_per_s']:,} | {d['p50']} / {d['p99']} | "
                      f"{p['relay_counters']['lag_errors']} | {p['relay_cpu_util']} | "
-                     f"{'yes' if p['within_target'] else 'no'} |")
+                     f"{per:.1f} | {'yes' if p['within_target'] else 'no'} |")
     hop = res["hop"]
     lines += ["", "## Mirror hop", "",
               f"`kvrelay mirror` process in front of the relay at {hop['achieved_rate']:,} "
@@ -264,7 +272,15 @@ def markdown(res: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--full", action="store_true")
+    ap.add_argument("--render", metavar="JSON", help="only re-render the Markdown of a result")
     a = ap.parse_args(argv)
+    if a.render:
+        path = RESULTS / a.render
+        res = json.loads(path.read_text())
+        md = markdown(res)
+        path.with_suffix(".md").write_text(md)
+        print(md)
+        return 0
     plan = _plan(a.full)
     res: dict[str, Any] = {"benchmark": "workers", "mode": "full" if a.full else "short",
                            "machine": machine(), "plan": plan}  # fmt: skip
