@@ -240,6 +240,11 @@ class Mirror:
                 local = RelayError.publication_unavailable(f"the mirror refused the upstream "
                                                            f"{plane.name} stream: {v}")
                 why = "upstream stream broke a rule"
+            except Exception as exc:  # a bug here must not stop the plane for good
+                self.plane_ends[f"{plane.name}_internal"] += 1
+                _log.exception("mirror_plane_failed", plane=plane.name, error=repr(exc))
+                local = RelayError.publication_unavailable(f"mirror failure: {type(exc).__name__}")
+                why = "mirror failure"
             else:
                 self.plane_ends[f"{plane.name}_{end.reason}"] += 1
                 local, why = self._plane_end(end)

@@ -42,7 +42,7 @@ from kvrelay.mirror.checker import Installed, PoolStreamChecker, Violation
 from kvrelay.mirror.settings import MirrorSettings
 from kvrelay.mirror.upstream import Upstream, upstream_error
 from kvrelay.publication import cbi1
-from kvrelay.publication.hub import PublicationHub, PublicationInvariantError, Subscription
+from kvrelay.publication.hub import PublicationHub, Subscription
 from kvrelay.publication.splice import FilterUpdateEncoder
 
 _log = get_logger(__name__)
@@ -222,10 +222,10 @@ class MirrorPool:
             local = RelayError.publication_unavailable(
                 f"the mirror refused an upstream frame ({v.reason})"
             )
-        except PublicationInvariantError as exc:  # cannot happen after the checker: a bug
-            self.ends["hub_invariant"] += 1
-            _log.error("mirror_hub_invariant", pool=self.name, error=str(exc))
-            local = RelayError.publication_unavailable(f"mirror hub invariant: {exc}")
+        except Exception as exc:  # a hub invariant, or a bug here: never a crash
+            self.ends["internal"] += 1
+            _log.exception("mirror_pool_failed", pool=self.name, error=repr(exc))
+            local = RelayError.publication_unavailable(f"mirror failure: {type(exc).__name__}")
         else:
             self.ends[end.reason] += 1
             answer = upstream_error(end)

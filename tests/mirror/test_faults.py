@@ -290,3 +290,40 @@ async def test_a_frame_breaking_a_consumer_rule_is_never_served(bad: Any, rule: 
                 ch.close()
     finally:
         server.close()
+
+
+async def test_a_failure_inside_the_mirror_ends_the_pool_with_a_status(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whatever raises while a delta is applied (here: the hub), the pool's local subscribers
+    end with PUBLICATION_UNAVAILABLE, it is counted, and the pool is mirrored again."""
+    from kvrelay.publication.hub import PublicationHub
+
+    real = PublicationHub.publish_encoded
+
+    def broken(self: PublicationHub, *a: Any) -> None:
+        monkeypatch.setattr(PublicationHub, "publish_encoded", real)
+        raise RuntimeError("injected")
+
+    gate = asyncio.Event()
+    relay = S.ScriptedRelay()
+    relay.scripts.append(S.Script(S.snapshot(10), gate=gate, after=[S.delta(10, 11)], hold=True))
+    server = await S.serve(relay)
+    try:
+        async with mirrored(S.port_of(server), sync=False) as m:
+            ch = m.channel()
+            try:
+                task = asyncio.ensure_future(_one_stream(ch))
+                await eventually(lambda: (h := m.mirror.hub_for(S.producer())) is not None
+                                 and h.subscriber_count == 1, what="local subscriber")  # fmt: skip
+                monkeypatch.setattr(PublicationHub, "publish_encoded", broken)
+                gate.set()
+                _frames, got = await asyncio.wait_for(task, 10)
+                assert got.status == Status.UNAVAILABLE and got.reason == UNAVAILABLE
+                assert "RuntimeError" in (got.message or "")
+                assert m.mirror.stats()["pool_totals"].get("end_internal") == 1
+                await next_subscriber_reaches(ch, 11)
+            finally:
+                ch.close()
+    finally:
+        server.close()
