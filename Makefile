@@ -33,7 +33,10 @@ $(STAMP): $(RUN_STAMP)
 
 venv: $(STAMP)
 
+# Kernels first: a fresh clone has an empty numba cache, and daemon processes the tests start
+# would otherwise each spend their start-up deadline compiling (a cache load after this).
 test: $(STAMP)
+	$(PY) -m kvrelay warm
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from types import TracebackType
 
 import numpy as np
+import numpy.typing as npt
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client.config import ClientConfig
@@ -224,6 +225,14 @@ class RelayClient:
         return {c.name: dict(c.counters) for c in self.connections}
 
     # ------------------------------------------------------------------ queries
+    def contains(self, hashes: npt.ArrayLike) -> dict[PoolKey, npt.NDArray[np.bool_]]:
+        """Membership of canonical block hashes (u64) in every installed replica, for callers
+        that hash themselves; ``overlap()`` is the prompt-level query. Pools without an
+        installed replica are absent (unknown, never "not cached")."""
+        keys = np.asarray(hashes, dtype=np.uint64)
+        return {s.key: s.installed.contains(keys) for _, s in self._slots()
+                if s.installed is not None}  # fmt: skip
+
     def overlap(
         self,
         tokens: Sequence[int] | np.ndarray,

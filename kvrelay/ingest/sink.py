@@ -29,6 +29,7 @@ class ResetReason(enum.Enum):
     REPLAY_FAILED = "replay_failed"  # replay timed out / broke while a hole was open
     RECONNECT = "reconnect"  # the publisher reconnected and no replay can vouch for its state
     BAD_BATCH = "bad_batch"  # a batch that cannot be decoded or applied, even when re-fetched
+    RESTORE_UNVERIFIED = "restore_unverified"  # restored state, and no replay to vouch for it
 
 
 class BatchSink(Protocol):

@@ -93,7 +93,12 @@ class Subscriber:
         reorder_max_messages: int = 10_000,
         reorder_max_bytes: int = 64 << 20,
         replay_timeout: float = 2.0,
+        resume: tuple[int, int] | None = None,
     ) -> None:
+        """``resume=(seq, digest)``: the member's state is already that of every batch up to
+        ``seq`` (restored from a state file), ``digest`` being that batch's. The subscriber
+        vouches for it first — the replay must still hold that batch with the same bytes — and
+        then goes on from ``seq + 1``; anything else resets the member and rebuilds it."""
         self.spec = spec
         self.key = spec.key
         self.counters = SubscriberCounters()
@@ -126,6 +131,9 @@ class Subscriber:
         self._last: tuple[int, int] | None = None  # (seq, digest) of the last batch handled
         self._bad_seq: int | None = None  # a batch that failed once and is being re-fetched
         self._in_replay = False
+        self._resume = resume
+        if resume is not None:
+            self._next, self._last, self._dirty = resume[0] + 1, resume, True
         self._ever_connected = False
         self._reconnected = False
         self._sub: zmq.asyncio.Socket | None = None
@@ -144,6 +152,17 @@ class Subscriber:
     def next_seq(self) -> int | None:
         """Next expected sequence (``None`` before a baseline exists)."""
         return self._next
+
+    def resume_point(self) -> tuple[int, int] | None:
+        """``(seq, digest)`` of the last applied batch when the member's state is exactly that
+        of every batch up to it (what a state file may record); None when it is not (nothing
+        applied, a bad batch being re-fetched, a rebuild under way, a crash)."""
+        last = self._last
+        if self.state == "failed" or last is None or self._bad_seq is not None:
+            return None
+        if self._next is None or last[0] != self._next - 1:
+            return None
+        return last
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -190,7 +209,13 @@ class Subscriber:
         assert self._monitor is not None
         sub, shadow = self._sub, self._sub_sync
         try:
-            if self.spec.replay_endpoint:
+            if self._resume is not None:
+                if self.spec.replay_endpoint:
+                    await self._sync(self._resume[0] + 1, bootstrap=False)
+                else:  # nothing can vouch for the restored state
+                    self._reset(ResetReason.RESTORE_UNVERIFIED)
+                    self._next, self._last = None, None
+            elif self.spec.replay_endpoint:
                 self._next = self._start_seq
                 await self._sync(self._start_seq, bootstrap=True)
             elif self._start_seq > 0:

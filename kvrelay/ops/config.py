@@ -278,6 +278,8 @@ RELAY_KEYS: dict[str, _Key] = {
     "engine_down_grace_s": _Key("float", 30.0, check=_positive_s),
     "dns_interval_s": _Key("float", 10.0, check=_positive_s),
     "dns_server": _Key("str", None, check=_bind_check),
+    "state_dir": _Key("str", None, check=lambda v: None if v == "" else _text(v)),
+    "state_max_age_s": _Key("float", 3600.0, check=_positive_s),
     "event_loop": _kw("asyncio", EVENT_LOOPS),
     "workers": _Key("int", 1, check=_int_range(1, 256)),
     "shutdown_timeout_s": _Key(
@@ -705,6 +707,8 @@ def parse_config(
             engine_down_grace_s=relay["engine_down_grace_s"],
             dns_interval_s=relay["dns_interval_s"],
             dns_server=relay["dns_server"],
+            state_dir=_state_dir(relay["state_dir"], environ),
+            state_max_age_s=relay["state_max_age_s"],
         )
     except ValueError as exc:  # a rule checked only by the settings themselves
         r.err("relay", str(exc))
@@ -729,6 +733,15 @@ def parse_config(
         mirror=mirror,
     )
     return cfg, r.problems
+
+
+def _state_dir(value: str | None, env: Mapping[str, str]) -> str | None:
+    """``state_dir``: the file's value (``""`` = off), else systemd's ``StateDirectory=``
+    (``$STATE_DIRECTORY``), else off."""
+    if value is not None:
+        return value or None
+    systemd = env.get("STATE_DIRECTORY", "").split(":")[0]
+    return systemd or None
 
 
 def _dynamo_dc_fallback(

@@ -139,6 +139,14 @@ _POOL_COUNTERS: dict[str, tuple[str, str]] = {
     "rebuild_backoffs": (
         "kvrelay_pool_rebuild_backoffs", "Rebuilds after repeated fences that waited (backoff)."
     ),
+    "members_resumed": (
+        "kvrelay_pool_members_resumed",
+        "Restored members resumed from their saved sequence (then vouched for or reset).",
+    ),
+    "restores_discarded": (
+        "kvrelay_pool_restores_discarded",
+        "Restored pool states not used (another identity, or arrays that do not load).",
+    ),
     "reconfigurations": (
         "kvrelay_pool_reconfigurations",
         "Re-materializations because a reload changed a filter setting.",
@@ -414,6 +422,21 @@ def _relay_metrics(r: RelayStats) -> Iterator[Metric]:
          r.scrape_errors),
     ):
         yield CounterMetricFamily(name, doc, value=value)
+    restores = CounterMetricFamily(
+        "kvrelay_state_restores",
+        "State files at start by outcome: restored, none, corrupt, version, stale, incompatible, "
+        "unreadable.", labels=["result"],
+    )  # fmt: skip
+    for result, n in sorted(r.state_restores.items()):
+        restores.add_metric([result], n)
+    yield restores
+    saves = CounterMetricFamily(
+        "kvrelay_state_saves", "Pool states written at a clean stop, by result: saved, failed.",
+        labels=["result"],
+    )
+    for result, n in sorted(r.state_saves.items()):
+        saves.add_metric([result], n)
+    yield saves
 
 
 def _pool_metrics(r: RelayStats) -> Iterator[Metric]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -43,6 +44,7 @@ from kvrelay.pool.errors import (
     UnknownMember,
 )
 from kvrelay.pool.tables import (
+    COUNT_MASK,
     EMPTY32,
     EMPTY64,
     GROW_DEN,
@@ -52,6 +54,7 @@ from kvrelay.pool.tables import (
     OM_HW,
     OM_LIVE,
     OM_RESIDENT,
+    RESIDENT,
     grown_cap,
     own_rebuild,
     tab_rehash,
@@ -434,6 +437,103 @@ class Pool:
     @property
     def free_owner_head(self) -> int:
         return int(self._ometa[OM_FREE])
+
+    # ---- state handover -------------------------------------------------------------------------
+
+    #: Bumped whenever the exported arrays change meaning; a file of another version is refused.
+    STATE_VERSION = 1
+
+    def export_state(self) -> tuple[dict[str, Any], dict[str, npt.NDArray[Any]]]:
+        """The exact state as plain metadata + named arrays (views, not copies: the caller writes
+        them out before the pool changes). The kick RNG goes with it, so a restored pool places
+        fingerprints exactly as the saved one would have. The dirty log and counters do not: a
+        restored pool starts with nothing pending, as a fresh generation does."""
+        arrays: dict[str, npt.NDArray[Any]] = {
+            "table": self.table, "ocanon": self._ocanon, "ocnt": self._ocnt,
+            "ometa": self._ometa, "oidx": self._oidx, "rng": self._rng,
+        }  # fmt: skip
+        members = []
+        for mid, m in self._members.items():
+            members.append([mid, m.worker_id, m.dp_rank])
+            for name in _MEMBER_ARRAYS:
+                arrays[f"m{mid}.{name}"] = getattr(m, name)
+        return {"next_id": self._next_id, "members": members}, arrays
+
+    @classmethod
+    def from_state(
+        cls,
+        meta: dict[str, Any],
+        arrays: dict[str, npt.NDArray[Any]],
+        *,
+        bucket_count: int,
+        seed: int,
+        block_size: int,
+        hash_format: int,
+        max_kicks: int = ckf.DEFAULT_MAX_KICKS,
+    ) -> Pool:
+        """A pool holding exported state, after checks that it is one consistent state (ValueError
+        otherwise): every array of the right type and shape, every lineage slot naming a live
+        owner, refcounts equal to the lineage edges, and the table holding exactly the resident
+        owners' fingerprints."""
+        pool = cls(bucket_count, seed, block_size, hash_format, max_kicks)
+        table = _state_array(arrays, "table", np.uint64)
+        rng = _state_array(arrays, "rng", np.uint64, 1)
+        if table.shape != pool.table.shape:
+            raise ValueError(f"table has {table.shape[0]} buckets, the pool {bucket_count}")
+        ocanon = _state_array(arrays, "ocanon", np.uint64)
+        ocnt = _state_array(arrays, "ocnt", np.uint32, ocanon.shape[0])
+        ometa = _state_array(arrays, "ometa", np.int64, 4)
+        oidx = _state_array(arrays, "oidx", np.uint64)
+        hw = int(ometa[OM_HW])
+        if not 0 <= hw <= ocanon.shape[0] or oidx.shape[0] < MIN_CAP:
+            raise ValueError("owners table bounds out of range")
+        counts = ocnt[:hw] & COUNT_MASK
+        live = ocnt[:hw] != 0
+        if int(np.count_nonzero(live)) != int(ometa[OM_LIVE]):
+            raise ValueError("owners live count disagrees with the slab")
+        resident = int(np.count_nonzero(ocnt[:hw] & RESIDENT))
+        in_table = int(np.count_nonzero(table.view(np.uint16)))
+        if resident != int(ometa[OM_RESIDENT]) or resident != in_table:
+            raise ValueError("the table does not hold exactly the resident owners")
+        edges = np.zeros(hw, dtype=np.int64)
+        next_id = int(meta["next_id"])
+        for mid_, wid_, rank_ in meta["members"]:
+            mid, wid, rank = int(mid_), int(wid_), int(rank_)
+            if not 0 <= mid < next_id or mid in pool._members or (wid, rank) in pool._ids:
+                raise ValueError(f"member {mid} ({wid}, {rank}) repeated or out of range")
+            m = _Member(wid, rank)
+            m.lkeys = _state_array(arrays, f"m{mid}.lkeys", np.uint64)
+            m.lvals = _state_array(arrays, f"m{mid}.lvals", np.uint32, m.lkeys.shape[0])
+            m.lmeta = _state_array(arrays, f"m{mid}.lmeta", np.int64, 1)
+            m.nkeys = _state_array(arrays, f"m{mid}.nkeys", np.uint64)
+            m.nvals = _state_array(arrays, f"m{mid}.nvals", np.uint64, m.nkeys.shape[0])
+            m.nmeta = _state_array(arrays, f"m{mid}.nmeta", np.int64, 1)
+            used = m.lvals[m.lvals != EMPTY32]
+            if used.shape[0] != int(m.lmeta[0]) or (used.shape[0] and int(used.max()) >= hw):
+                raise ValueError(f"member {mid}: lineage does not match its owners")
+            np.add.at(edges, used.astype(np.int64), 1)
+            pool._members[mid] = m
+            pool._ids[(wid, rank)] = mid
+        if not np.array_equal(edges[live], counts[live].astype(np.int64)):
+            raise ValueError("owner refcounts differ from the members' lineage")
+        pool._next_id = next_id
+        pool.table[:] = table
+        pool._rng[:] = rng
+        pool._ocanon, pool._ocnt, pool._ometa, pool._oidx = ocanon, ocnt, ometa, oidx
+        return pool
+
+
+_MEMBER_ARRAYS = ("lkeys", "lvals", "lmeta", "nkeys", "nvals", "nmeta")
+
+
+def _state_array(
+    arrays: dict[str, npt.NDArray[Any]], name: str, dtype: type, length: int | None = None
+) -> npt.NDArray[Any]:
+    a = arrays.get(name)
+    bad_length = a is not None and length is not None and a.shape[0] != length
+    if a is None or a.dtype != dtype or a.ndim != 1 or bad_length:
+        raise ValueError(f"state array {name!r} missing or of the wrong type or shape")
+    return np.array(a, copy=True)  # owned and writable: files may be read into shared buffers
 
 
 _SPEC: tuple[tuple[str, type], ...] = (

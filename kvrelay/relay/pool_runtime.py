@@ -35,7 +35,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -63,6 +63,7 @@ from kvrelay.relay.connected import ConnectedMembers, counter_values
 from kvrelay.relay.context import RelayContext
 from kvrelay.relay.engines import EngineState, PoolIdentity, pool_identity, worker_id_for
 from kvrelay.relay.generation import Generation
+from kvrelay.relay.handover import RESTORE_VOUCH_S, MemberResume, RestoredPool
 from kvrelay.relay.settings import EngineSpec, PoolSpec
 from kvrelay.relay.stats import (
     EngineStats,
@@ -108,6 +109,8 @@ class PoolCounters:
     identity_conflicts: int = 0  # withdrawn because reachable engines disagree
     rebuild_backoffs: int = 0  # rebuilds after a fence that waited (repeated fences)
     reconfigurations: int = 0  # re-materialized because a reload changed filter settings
+    members_resumed: int = 0  # restored members whose subscriber resumed (then vouched or reset)
+    restores_discarded: int = 0  # restored state not used: another identity, or unloadable
 
     def reset(self, reason: str) -> None:
         self.member_resets[reason] = self.member_resets.get(reason, 0) + 1
@@ -143,6 +146,10 @@ class PoolRuntime:
         self._source_totals: dict[SourceKey, SubscriberCounters] = {}
         self._generation_totals = GenerationTotals()
         self.connected = ConnectedMembers(self) if spec.connect is not None else None
+        #: A state file's contents, used by the first materialization if the identity matches.
+        self.restored: RestoredPool | None = None
+        self._resume: dict[SourceKey, MemberResume] = {}  # restored members not yet resumed
+        self._resume_deadline = 0.0
 
     # ---- BatchSink -------------------------------------------------------------------------------
 
@@ -345,13 +352,36 @@ class PoolRuntime:
 
     # ---- generations -----------------------------------------------------------------------------
 
+    def _restored_pool(
+        self, ident: PoolIdentity
+    ) -> tuple[Pool, dict[SourceKey, MemberResume]] | None:
+        """The state file's pool, if it was saved under this identity (consumed either way)."""
+        r, self.restored = self.restored, None
+        if r is None:
+            return None
+        why = None
+        if r.identity != ident:
+            why = f"saved for {r.identity!r}, the engines now give {ident!r}"
+        else:
+            try:
+                return r.pool(self.spec), dict(r.members)
+            except Exception as exc:  # arrays that do not make a consistent pool: not trusted
+                why = f"unloadable: {type(exc).__name__}: {exc}"
+        self.counters.restores_discarded += 1
+        _log.warning("state_discarded", pool=self.name, why=why)
+        return None
+
     def _materialize(self, ident: PoolIdentity) -> Generation:
-        pool = Pool(
-            bucket_count=self.spec.bucket_count,
-            seed=self.spec.ckf_seed,
-            block_size=ident.block_size,
-            hash_format=int(self.spec.hash_format),
-        )
+        restored = self._restored_pool(ident)
+        if restored is not None:
+            pool, resume = restored
+        else:
+            pool, resume = Pool(
+                bucket_count=self.spec.bucket_count,
+                seed=self.spec.ckf_seed,
+                block_size=ident.block_size,
+                hash_format=int(self.spec.hash_format),
+            ), {}
         gen = Generation(
             name=self.name, pool=pool, producer=self._producer(ident), ctx=self._ctx,
             on_fence=self.fence,
@@ -361,9 +391,38 @@ class PoolRuntime:
         self.counters.generations += 1
         _log.info(
             "pool_materialized", pool=self.name, layout_generation=gen.layout_generation,
-            block_size=ident.block_size, model=ident.model,
+            block_size=ident.block_size, model=ident.model, restored=restored is not None,
+            restored_members=len(resume),
         )  # fmt: skip
+        if restored is not None:
+            # members saved without a resume point (nothing applied, a rebuild under way) or of
+            # engines no longer configured hold nothing the relay can vouch for
+            for wid, rank in list(pool.members().values()):
+                key = SourceKey(wid, rank)
+                if key in resume and wid in self.by_worker:
+                    continue
+                if wid in self.by_worker:
+                    gen.reset_member(key)
+                else:
+                    gen.remove_member(key)
+            self._resume = {k: r for k, r in resume.items() if k.worker_id in self.by_worker}
+            self._resume_deadline = self._materialized_at + RESTORE_VOUCH_S
         return gen
+
+    def _resume_for(self, key: SourceKey, gen: Generation) -> tuple[int, int] | None:
+        """The restored position to resume ``key`` from, if its engine is the incarnation that
+        was saved; otherwise its restored state is dropped before a fresh start."""
+        r = self._resume.pop(key, None)
+        if r is None:
+            return None
+        st = self.by_worker.get(key.worker_id)
+        now = "" if st is None or st.snapshot is None else st.snapshot.instance_id
+        if now != r.incarnation:
+            gen.reset_member(key)
+            self.counters.reset("incarnation")
+            return None
+        self.counters.members_resumed += 1
+        return (r.last_seq, r.digest)
 
     def fence(self, gen: Generation, why: str) -> None:
         """Withdraw ``gen`` and rebuild a fresh generation from replay + live events (with
@@ -476,9 +535,11 @@ class PoolRuntime:
     def tick(self, now: float) -> None:
         """Periodic checks (the relay calls this about once a second): engines down, and
         restart backoff forgotten for sources that have been healthy again for a while; the
-        connect endpoint bound (or re-bound after a failure)."""
+        connect endpoint bound (or re-bound after a failure); restored members expired."""
         if self.connected is not None:
             self.connected.tick(now)
+        if self._resume and now >= self._resume_deadline:
+            self._expire_resumes()
         for key, (_attempt, not_before) in list(self._restarts.items()):
             sub = self.subscribers.get(key)
             if sub is not None and sub.connected and now - not_before >= RESTART_STABLE_S:
@@ -498,6 +559,15 @@ class PoolRuntime:
                 error=None if st.snapshot is None else st.snapshot.error,
             )  # fmt: skip
             self._ctx.schedule(self._engine_down(st.worker_id))
+
+    def _expire_resumes(self) -> None:
+        """Restored members whose engine never offered a source to vouch for them: cleared."""
+        gen, pending, self._resume = self.generation, self._resume, {}
+        for key in pending:
+            if gen is not None:
+                gen.reset_member(key)
+            self.counters.reset("restore_unverified")
+        _log.warning("state_members_unverified", pool=self.name, members=len(pending))
 
     async def _engine_down(self, worker_id: int) -> None:
         async with self._reconcile_lock:
@@ -604,7 +674,7 @@ class PoolRuntime:
         for key, spec in desired.items():
             if key in self.subscribers or not self._startable(key, now):
                 continue
-            sub = Subscriber(spec, self)
+            sub = Subscriber(spec, self, resume=self._resume_for(key, gen))
             self.subscribers[key] = sub
             self.source_specs[key] = spec
             try:
@@ -655,14 +725,30 @@ class PoolRuntime:
                 await self.connected.stop()
             await self._withdraw(why)
 
-    async def stop(self) -> None:
+    async def stop(self, save: Callable[[PoolSpec, PoolIdentity, Pool, list[MemberResume]], None]
+                   | None = None) -> None:
+        """Stop every source, then (``save``) hand the exact state to the state file, then end
+        the streams with a clean EOF."""
         self._stopped = True
         async with self._reconcile_lock:
             if self.connected is not None:
                 await self.connected.stop()
+            subs = dict(self.subscribers)
             await self._stop_subscribers(list(self.subscribers))
-            if self.generation is not None:  # shutdown: clean EOF for subscribers
-                self._retire(self.generation, None, publish=False)
+            gen = self.generation
+            if save is not None and gen is not None and self.identity is not None:
+                members = list(self._resume.values())  # restored, not yet vouched: unchanged
+                for key, sub in subs.items():
+                    point = sub.resume_point()
+                    st = self.by_worker.get(key.worker_id)
+                    if point is None or st is None:
+                        continue
+                    inc = "" if st.snapshot is None else st.snapshot.instance_id
+                    members.append(MemberResume(key.worker_id, key.dp_rank, st.spec.name, inc,
+                                                point[0], point[1]))  # fmt: skip
+                save(self.spec, self.identity, gen.pool, members)
+            if gen is not None:  # shutdown: clean EOF for subscribers
+                self._retire(gen, None, publish=False)
 
     def _fold_source(self, key: SourceKey, counters: SubscriberCounters) -> None:
         prev = self._source_totals.get(key)

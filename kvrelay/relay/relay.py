@@ -7,6 +7,7 @@ import contextlib
 import secrets
 import time
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 from kvrelay._aio import cancel_all
@@ -24,7 +25,9 @@ from kvrelay.publication.catalog import CatalogPlane, validate_descriptor
 from kvrelay.publication.hub import Subscription
 from kvrelay.publication.load import LoadPlane, PoolLoadInput
 from kvrelay.publication.readiness import EndpointState, ReadinessPlane, validate_endpoint
+from kvrelay.relay import handover
 from kvrelay.relay.context import RelayContext
+from kvrelay.relay.engines import PoolIdentity
 from kvrelay.relay.generation import Generation
 from kvrelay.relay.membership import DnsMembership
 from kvrelay.relay.observer import Observers
@@ -100,11 +103,16 @@ class Relay:
         self.metadata_rejections: dict[tuple[str, str], int] = {}
         self._last_rejection: dict[tuple[str, str], str] = {}
         self.scrape_errors = 0
+        #: State files at start, by outcome (restored, none, corrupt, version, stale, ...), and
+        #: saves at stop (saved, failed).
+        self.state_restores: dict[str, int] = {}
+        self.state_saves: dict[str, int] = {}
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
         self.started = True
+        self._restore_state()
         self.load.start()
         self.watcher.start()
         self._ticker = asyncio.create_task(self._tick_loop(), name="kvrelay-relay-tick")
@@ -123,8 +131,9 @@ class Relay:
             self._ticker = None
         await cancel_all(list(self._scrapers.values()))
         self._scrapers.clear()
+        save = self._save_pool if self._state_dir() is not None else None
         for p in self.pools:
-            await p.stop()
+            await p.stop(save)
         for t in list(self._tasks):
             t.cancel()
         for t in list(self._tasks):
@@ -133,6 +142,64 @@ class Relay:
         self.load.close()
         self.catalog.close()
         self.readiness.close()
+
+    # ---- state handover ------------------------------------------------------------------------
+
+    def _state_dir(self) -> Path | None:
+        d = self.settings.state_dir
+        if d is None:
+            return None
+        path = Path(d)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            _log.error("state_dir_unusable", path=d, error=str(exc))
+            return None
+        return path
+
+    def _restore_state(self) -> None:
+        """Offer each pool its state file (``relay/handover.py``): used if nothing is in doubt."""
+        d = self._state_dir()
+        if d is None:
+            return
+        for p in self.pools:
+            try:
+                r = handover.load(d, p.spec, max_age_s=self.settings.state_max_age_s)
+            except handover.Refused as exc:
+                self._count(self.state_restores, exc.kind)
+                _log.warning("state_refused", pool=p.name, reason=exc.kind, why=str(exc))
+                continue
+            except Exception as exc:  # a bug reading it: never trusted, never fatal
+                self._count(self.state_restores, "corrupt")
+                _log.exception("state_refused", pool=p.name, reason="corrupt", why=str(exc))
+                continue
+            if r is None:
+                self._count(self.state_restores, "none")
+                continue
+            p.restored = r
+            self._count(self.state_restores, "restored")
+            _log.info("state_loaded", pool=p.name, members=len(r.members),
+                      age_s=round(time.time() - r.written_unix, 3))  # fmt: skip
+
+    def _save_pool(
+        self, spec: PoolSpec, ident: PoolIdentity, pool: Any, members: list[handover.MemberResume]
+    ) -> None:
+        d = self._state_dir()
+        if d is None:
+            return
+        name = "/".join(spec.triple)
+        try:
+            n = handover.save(d, spec, ident, pool, members)
+        except Exception as exc:  # a full disk must not turn a clean stop into a failure
+            self._count(self.state_saves, "failed")
+            _log.exception("state_save_failed", pool=name, error=str(exc))
+            return
+        self._count(self.state_saves, "saved")
+        _log.info("state_saved", pool=name, members=len(members), bytes=n)
+
+    @staticmethod
+    def _count(d: dict[str, int], key: str) -> None:
+        d[key] = d.get(key, 0) + 1
 
     def _schedule(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run a background coroutine owned by the relay (cancelled on stop)."""
@@ -258,6 +325,8 @@ class Relay:
             hubs_evicted=self.hubs_evicted,
             scrape_errors=self.scrape_errors,
             pools=tuple(p.stats() for p in self.pools),
+            state_restores=dict(self.state_restores),
+            state_saves=dict(self.state_saves),
         )
 
     async def _tick_loop(self) -> None:

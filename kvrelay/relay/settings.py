@@ -137,6 +137,10 @@ class RelaySettings:
     #: An engine unreachable on Control *and* disconnected on every ZMQ source this long is down:
     #: its members are cleared.
     engine_down_grace_s: float = 30.0
+    #: Where a clean stop saves each pool's exact state and a start restores it (None: off).
+    state_dir: str | None = None
+    #: A state file older than this is ignored (its members would need history long gone).
+    state_max_age_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if not self.dc_name or self.dc_name != self.dc_name.strip():

@@ -104,6 +104,8 @@ class RelayStats:
     hubs_evicted: int
     scrape_errors: int
     pools: tuple[PoolStats, ...]
+    state_restores: dict[str, int] = field(default_factory=dict)
+    state_saves: dict[str, int] = field(default_factory=dict)
 
 
 def merged(a: SubscriberCounters, b: SubscriberCounters) -> SubscriberCounters:

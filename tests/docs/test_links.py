@@ -12,7 +12,7 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
 def slug(heading: str) -> str:
-    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    text = re.sub(r"[`*]", "", heading.strip().lower())  # GitHub keeps underscores
     text = re.sub(r"[^\w\- ]", "", text)
     return text.replace(" ", "-")
 

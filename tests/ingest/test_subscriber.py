@@ -388,3 +388,86 @@ async def test_topic_is_a_prefix_and_a_mismatch_is_logged_once_with_the_topic_se
     assert (m["engine"], m["pool"], m["dp_rank"]) == ("gpu-node-1", "ns/backend/generate", 0)
     states = [x for x in lines if x["event"] == "subscriber_state"]
     assert states and all(x["engine"] == "gpu-node-1" for x in states)
+
+
+# ---- resuming a restored member (a state file from before a relay restart) -------------------
+
+
+def _digest(payload: bytes) -> int:
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+async def _resumed(
+    ctx: zmq.asyncio.Context, pub: TestPublisher, resume: tuple[int, int], **kw: Any
+) -> tuple[RecordingSink, Subscriber]:
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx, resume=resume, **kw)
+    await sub.start()
+    await pub.wait_subscribed()
+    await until(lambda: sub.state == "live")
+    return sink, sub
+
+
+async def test_a_resumed_member_is_vouched_for_then_continues(ctx: zmq.asyncio.Context) -> None:
+    pub = TestPublisher(ctx)
+    for s in range(20):
+        await pub.publish(msg(s), live=False)  # 10..19 were published while the relay was down
+    sink, sub = await _resumed(ctx, pub, (9, _digest(msg(9))))
+    try:
+        await pub.publish(msg(20))
+        await until(lambda: 20 in sink.seqs)
+        assert pub.requests == [9]  # the replay is asked for the last batch the state holds
+        assert_exact(sink, list(range(10, 21)))
+        assert sink.resets == [] and sub.counters.resets == 0
+    finally:
+        await sub.stop()
+        await pub.close()
+
+
+async def test_a_resumed_member_of_another_incarnation_is_rebuilt(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    pub = TestPublisher(ctx)
+    for s in range(12):
+        await pub.publish(msg(s), live=False)  # a restarted engine: seq 9 carries other bytes
+    sink, sub = await _resumed(ctx, pub, (9, _digest(b"the batch 9 of the previous run")))
+    try:
+        await until(lambda: len(sink.seqs) >= 12)
+        assert sink.resets == [ResetReason.INCARNATION]
+        assert sink.items[0] == ("reset", ResetReason.INCARNATION)  # before anything applies
+        assert_exact(sink, list(range(12)))
+        assert sub.counters.incarnations_detected == 1
+    finally:
+        await sub.stop()
+        await pub.close()
+
+
+async def test_a_resumed_member_whose_history_is_gone_resets(ctx: zmq.asyncio.Context) -> None:
+    pub = TestPublisher(ctx, keep=5)
+    for s in range(20):
+        await pub.publish(msg(s), live=False)  # the replay holds 15..19 only
+    sink, sub = await _resumed(ctx, pub, (9, _digest(msg(9))))
+    try:
+        await until(lambda: 19 in sink.seqs)
+        assert sink.resets == [ResetReason.GAP_UNRECOVERABLE]
+        assert_exact(sink, list(range(15, 20)))
+    finally:
+        await sub.stop()
+        await pub.close()
+
+
+async def test_a_resumed_member_without_replay_cannot_be_vouched_for(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    pub = TestPublisher(ctx)
+    sink, sub = await _resumed(ctx, pub, (9, _digest(msg(9))), replay_endpoint=None)
+    try:
+        assert sink.resets == [ResetReason.RESTORE_UNVERIFIED]
+        await pub.publish(msg(pub.seq))
+        await until(lambda: len(sink.seqs) == 1)  # the next live batch is a fresh baseline
+        assert pub.requests == []
+    finally:
+        await sub.stop()
+        await pub.close()

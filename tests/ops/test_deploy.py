@@ -43,7 +43,8 @@ KNOWN = {
     "Service": {
         "Type", "NotifyAccess", "ExecStartPre", "ExecStart", "ExecReload", "Restart", "RestartSec",
         "WatchdogSec", "TimeoutStartSec", "TimeoutStopSec", "KillSignal", "KillMode",
-        "LimitNOFILE", "CacheDirectory", "CacheDirectoryMode", "ConfigurationDirectory",
+        "LimitNOFILE", "CacheDirectory", "CacheDirectoryMode", "StateDirectory",
+        "StateDirectoryMode", "ConfigurationDirectory",
         "ConfigurationDirectoryMode", "Environment", "SyslogIdentifier", "DynamicUser",
         "NoNewPrivileges", "ProtectSystem", "ProtectHome", "PrivateTmp", "PrivateDevices",
         "ProtectKernelTunables", "ProtectKernelModules", "ProtectKernelLogs",
@@ -114,6 +115,7 @@ def test_unit_has_required_directives(name: str) -> None:
     if "@" in name:
         assert exec_start[3] == "/etc/kvrelay/%i.toml"
         assert cache == "kvrelay/%i"
+        assert _one(unit, "StateDirectory") == "kvrelay/%i"  # one state per shard
     else:
         assert exec_start[3] == "/etc/kvrelay/kvrelay.toml"
         assert cache == "kvrelay"
@@ -133,7 +135,7 @@ def test_template_differs_from_the_plain_unit_only_in_instance_bits() -> None:
         if plain["Service"].get(k) != tmpl["Service"].get(k)
     }
     assert differing == {"ExecStartPre", "ExecStart", "ExecReload", "CacheDirectory",
-                         "Environment", "SyslogIdentifier"}
+                         "StateDirectory", "Environment", "SyslogIdentifier"}
 
 
 def _verify_with_systemd(src: Path, tmp_path: Path) -> list[str]:

@@ -12,11 +12,13 @@ import random
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 import xxhash
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from kvrelay.pool import ckf
+from kvrelay.pool.apply import ST_CAPACITY
 from kvrelay.pool.batch import BatchBuilder, EventBatch
 from kvrelay.pool.pool import Pool
 from tests.support.pool_model import Counts, RefPool, lora_salt
@@ -171,8 +173,11 @@ def run_history(
     max_kicks: int,
     eagle: bool,
     history: list[tuple[int, str, list[Store | Remove | Clear]]],
+    restore_every: int = 0,
 ) -> RunStats:
-    """Drive pool and model with the same history, checking everything after each batch."""
+    """Drive pool and model with the same history, checking everything after each batch;
+    with ``restore_every``, the pool is replaced by ``Pool.from_state`` of its own export that
+    often (a relay restart with state handover): the model does not notice."""
     seed = 0x5DEECE66D1B54A33
     fmt = 2 if eagle else 1
     pool = Pool(buckets, seed, BS, fmt, max_kicks)
@@ -186,7 +191,19 @@ def run_history(
     ns_rec = False
     pubs = 0
     names = {"ParentBlockNotFound": 1, "InvalidBlockSequence": 2, "TokenCountMismatch": 3}
-    for member, kind, evts in history:
+    for step, (member, kind, evts) in enumerate(history):
+        if restore_every and step % restore_every == restore_every - 1:
+            meta, arrays = pool.export_state()
+            counted = (dict(pool.errors_by_kind), pool.capacity_omissions)
+            pool = Pool.from_state(
+                meta, {k: a.copy() for k, a in arrays.items()}, bucket_count=buckets, seed=seed,
+                block_size=BS, hash_format=fmt, max_kicks=max_kicks,
+            )  # fmt: skip
+            assert [pool.add_member(100 + i // 2, i % 2) for i in range(4)] == mids
+            check_state(pool, model, mids)
+            # counters are per process: carry them over so the totals below still add up
+            pool.errors_by_kind.update(counted[0])
+            pool._stats[ST_CAPACITY] = counted[1]
         if kind == "reset":
             pool.reset_member(mids[member])
             model.clear(member, Counts())
@@ -312,6 +329,71 @@ def test_seeded_histories_cover_every_path() -> None:
         "token_count_mismatch",
     }
     assert cap > 0 and max_ref >= 3 and ns
+
+
+def test_a_restored_pool_goes_on_exactly_like_the_model() -> None:
+    """Export + ``from_state`` every few batches, kicks and omissions included: the restored pool
+    keeps agreeing with the model batch by batch (state, table and publications)."""
+    cap = 0
+    for i in range(12):
+        rng = random.Random(5000 + i)
+        r = run_history([4, 16, 1024][i % 3], [500, 2][i % 2], i % 4 == 3,
+                        _random_history(rng, 40), restore_every=3)  # fmt: skip
+        cap += r.capacity
+    assert cap > 0
+
+
+def _exported(pool: Pool) -> tuple[dict[str, object], dict[str, np.ndarray]]:
+    meta, arrays = pool.export_state()
+    return meta, {k: a.copy() for k, a in arrays.items()}
+
+
+def _restore(meta: dict[str, object], arrays: dict[str, np.ndarray]) -> Pool:
+    return Pool.from_state(meta, arrays, bucket_count=64, seed=7, block_size=BS, hash_format=1)
+
+
+def test_an_inconsistent_state_is_refused() -> None:
+    """Each way a saved state can disagree with itself is refused, never loaded as exact."""
+    pool = Pool(64, 7, BS, 1)
+    for i in range(2):
+        mid = pool.add_member(9, i)
+        pool.apply(mid, build([Store(0, 0, 4, 0, 0, False, False, False)], False))
+    pool.take_publication()
+    meta, arrays = _exported(pool)
+    restored = _restore(meta, arrays)
+    assert restored.snapshot_state() == pool.snapshot_state()
+
+    def broken(mutate: object) -> None:
+        m, a = _exported(pool)
+        mutate(m, a)  # type: ignore[operator]
+        with pytest.raises((ValueError, KeyError, TypeError)):
+            _restore(m, a)
+
+    def flip_table(m: dict[str, object], a: dict[str, np.ndarray]) -> None:
+        a["table"][int(np.flatnonzero(a["table"])[0])] = 0
+
+    def drop_edge(m: dict[str, object], a: dict[str, np.ndarray]) -> None:
+        lv = a["m0.lvals"]
+        lv[int(np.flatnonzero(lv != 0xFFFFFFFF)[0])] = 0xFFFFFFFF
+
+    def bump_ref(m: dict[str, object], a: dict[str, np.ndarray]) -> None:
+        c = a["ocnt"]
+        c[int(np.flatnonzero(c)[0])] += 1
+
+    def wrong_dtype(m: dict[str, object], a: dict[str, np.ndarray]) -> None:
+        a["ocanon"] = a["ocanon"].astype(np.int64)
+
+    def twice(m: dict[str, object], a: dict[str, np.ndarray]) -> None:
+        m["members"] = [m["members"][0], m["members"][0]]  # type: ignore[index]
+
+    def missing(m: dict[str, object], a: dict[str, np.ndarray]) -> None:
+        del a["m1.lkeys"]
+
+    def resized(m: dict[str, object], a: dict[str, np.ndarray]) -> None:
+        a["table"] = np.zeros(128, dtype=np.uint64)
+
+    for mutate in (flip_table, drop_edge, bump_ref, wrong_dtype, twice, missing, resized):
+        broken(mutate)
 
 
 def test_deterministic_volume_against_model() -> None:
