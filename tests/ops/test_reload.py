@@ -17,6 +17,7 @@ import ssl
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from grpclib.client import Channel
 
@@ -212,6 +213,11 @@ async def test_reload_reads_a_rotated_certificate_for_new_connections(tmp_path: 
         await engine.stop()
 
 
+def _fingerprints(table: np.ndarray | None) -> int:
+    """Occupied slots of a CKF table (four 16-bit fingerprints per bucket, 0 = empty)."""
+    return -1 if table is None else int(np.count_nonzero(table.view(np.uint16)))
+
+
 async def test_systemctl_restart_under_traffic_keeps_the_filter_complete(tmp_path: Path) -> None:
     """SIGTERM under traffic, a new process on the same state_dir: its first snapshot already
     holds every block the engines hold, though their replay buffers (8 steps) are far shorter
@@ -277,8 +283,10 @@ async def test_systemctl_restart_under_traffic_keeps_the_filter_complete(tmp_pat
             assert second.relay is not None and first.relay is not None
             assert second.relay.relay_incarnation != first.relay.relay_incarnation
             want = truth()
-            await eventually(lambda: bool(consumer.replica.contains(want).all()),
-                             what="every held block in the restarted relay's filter")  # fmt: skip
+            # every held block, and nothing else: one fingerprint per distinct held block
+            await eventually(lambda: bool(consumer.replica.contains(want).all())
+                             and _fingerprints(consumer.replica.table) == len(set(want)),
+                             what="a filter equal to the engines' caches")  # fmt: skip
             await consumer.stop()
         import urllib.request
 
