@@ -2,37 +2,61 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+SUM    := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# Two stamps: the demo needs only kvrelay's runtime dependencies; tests and lint need the extras.
+RUN_STAMP := $(VENV)/.installed-run-$(SUM)
+STAMP     := $(VENV)/.installed-$(SUM)
+PIP    := $(PY) -m pip --disable-pip-version-check
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: test lint proto venv demo bench clean clean-numba
+.PHONY: test lint proto docs venv demo bench clean clean-numba
 
 $(PY):
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
+	  echo "kvrelay needs Python >= 3.11; '$(PYTHON)' is $$($(PYTHON) --version 2>&1)."; \
+	  echo "Point PYTHON at a newer one, e.g.: PYTHON=python3.11 make demo"; exit 1; }
+	@echo "==> creating $(VENV) with $$($(PYTHON) --version)"
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,dev]'
-	rm -f $(VENV)/.installed-*
+$(RUN_STAMP): $(PY) pyproject.toml
+	@echo "==> installing kvrelay and its runtime dependencies into $(VENV)"
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --progress-bar off -e .
+	rm -f $(VENV)/.installed-run-*
+	touch $(RUN_STAMP)
+
+$(STAMP): $(RUN_STAMP)
+	@echo "==> installing the test and development tools into $(VENV)"
+	$(PIP) install --quiet -e '.[test,dev]'
+	rm -f $(filter-out $(RUN_STAMP),$(wildcard $(VENV)/.installed-*))
 	touch $(STAMP)
 
 venv: $(STAMP)
 
+# Kernels first: a fresh clone has an empty numba cache, and daemon processes the tests start
+# would otherwise each spend their start-up deadline compiling (a cache load after this).
 test: $(STAMP)
+	$(PY) -m kvrelay warm
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
 	$(PY) -m ruff check kvrelay tests benchmarks tools
 	$(PY) -m mypy kvrelay
 
-demo: $(STAMP)
+demo: $(RUN_STAMP)
+	@echo "==> kvrelay demo (compiles the numba kernels on its first run, about a minute)"
 	$(PY) -m kvrelay demo
 
 proto: $(STAMP)
 	$(PY) -m tools.protogen kvrelay/_proto
 
+# The metric table of docs/operations.md, from the collector (a test keeps it current).
+docs: $(STAMP)
+	$(PY) -m tools.metrics_table --write
+
 # Loopback benchmarks (benchmarks/README.md). Short (< 2 min) by default; FULL=1: full sweep,
-# micro-benchmarks and the Dynamo side-by-side; SIDE=1 adds the side-by-side to the short run.
+# micro-benchmarks and the Dynamo side-by-side, light and heavy (side_by_side --heavy, ~15 min);
+# SIDE=1 adds the light side-by-side to the short run.
 bench: $(STAMP)
 	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m benchmarks.run $(if $(FULL),--full --micro --side-by-side,$(if $(SIDE),--side-by-side,))

@@ -73,11 +73,11 @@ def server_main(conn: Connection) -> None:
 
 
 async def _server(conn: Connection) -> None:
-    from kvrelay.publication.hub import PublicationHub
+    from kvrelay.contract.errors import RelayError
+    from kvrelay.publication.hub import PublicationHub, Subscription
+    from kvrelay.publication.plane import PlaneClosed
     from kvrelay.publication.splice import FilterUpdateEncoder
-    from kvrelay.service.errors import RelayError
     from kvrelay.service.server import RelayServer
-    from kvrelay.service.view import PlaneClosed
 
     class Plane:
         def __init__(self, msg: Any) -> None:
@@ -96,23 +96,19 @@ async def _server(conn: Connection) -> None:
     seq = 0
     hub_box: list[PublicationHub] = []
 
-    class Gen:
-        def __init__(self) -> None:
-            self.producer = producer
-
-        async def hub(self) -> PublicationHub:
-            if not hub_box:
-                hub_box.append(
-                    PublicationHub(
-                        FilterUpdateEncoder(relay, producer),
-                        seed=0x5DEECE66D1B54A33,
-                        bucket_count=LANE,
-                        dc_id=356084303347317832,
-                        table=table,
-                        sequence=seq,
-                    )
+    def the_hub() -> PublicationHub:
+        if not hub_box:
+            hub_box.append(
+                PublicationHub(
+                    FilterUpdateEncoder(relay, producer),
+                    seed=0x5DEECE66D1B54A33,
+                    bucket_count=LANE,
+                    dc_id=356084303347317832,
+                    table=table,
+                    sequence=seq,
                 )
-            return hub_box[0]
+            )
+        return hub_box[0]
 
     class View:
         relay_identity = relay
@@ -124,10 +120,12 @@ async def _server(conn: Connection) -> None:
         )
         load = Plane(pb.KvPoolLoadUpdate(protocol_version=1, relay=relay, contract_marker=MARKER))
 
-        def resolve_pool(self, expected: pb.ProducerIdentity) -> Gen:
+        async def open_pool(
+            self, expected: pb.ProducerIdentity, on_release: Any = None
+        ) -> Subscription:
             if bytes(expected) != bytes(producer):
                 raise RelayError.producer_changed()
-            return Gen()
+            return await the_hub().subscribe(on_release)
 
     server = RelayServer(View())  # type: ignore[arg-type]
     await server.start("127.0.0.1", 0)
@@ -142,7 +140,7 @@ async def _server(conn: Connection) -> None:
             conn.send(time.process_time())
         elif cmd == "publish":  # (count, images, interval_s)
             count, images, interval = arg
-            hub = await Gen().hub()
+            hub = the_hub()
             batches = []  # generated up front: producer-side RNG is not server work
             for _ in range(count):
                 b = np.unique(rng.integers(0, LANE, size=images)).astype(np.uint32)

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.service.planes.broadcast import VersionedBroadcast
-from kvrelay.service.planes.catalog import CatalogPlane, LoraSpec, descriptor
-from kvrelay.service.planes.load import LoadPlane, RankLoad
-from kvrelay.service.planes.readiness import EndpointState, ReadinessPlane
+from kvrelay.publication.broadcast import VersionedBroadcast
+from kvrelay.publication.catalog import CatalogPlane, LoraSpec, descriptor
+from kvrelay.publication.load import LoadPlane, RankLoad
+from kvrelay.publication.readiness import EndpointState, ReadinessPlane
 
 RELAY = pb.RelayIdentity(drt_instance_id=1, relay_incarnation=2)
 Role = pb.WorkerRole

@@ -1,12 +1,15 @@
 """Command-line entry point (``kvrelay`` and ``python -m kvrelay``).
 
-Heavy modules (numba kernels, grpclib) are imported inside the commands: ``--help`` and
-``--version`` stay instant, and ``NUMBA_CACHE_DIR`` can be set before numba is first imported.
+Heavy modules (numba kernels, grpclib, numpy, the SDK) are imported inside the commands, and
+``sim`` / ``watch`` / ``subscribe`` / ``query`` are handed to their own parsers by name: ``--help``
+and ``--version`` import nothing but argparse, and ``NUMBA_CACHE_DIR`` can be set before numba is
+first imported.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
@@ -15,23 +18,37 @@ from typing import TYPE_CHECKING, TextIO
 from kvrelay import SUPPORTED_DYNAMO, SUPPORTED_VLLM, __version__
 
 if TYPE_CHECKING:
-    from kvrelay.config import ConfigProblem
+    from kvrelay.ops.config import ConfigProblem
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 
+#: Commands parsed by their own module (imported only when used).
+SIM_COMMAND = "sim"
+CLIENT_COMMANDS: dict[str, str] = {
+    "watch": "print a relay's catalog, readiness or load",
+    "subscribe": "inspect (--verify: check) one pool's stream",
+    "query": "cached prefix depth of a prompt per pool",
+}
+
 EPILOG = """\
 examples:
+  kvrelay example-config > /etc/kvrelay/kvrelay.toml     # then edit it
   kvrelay check-config /etc/kvrelay/kvrelay.toml
+  kvrelay systemd-unit > /etc/systemd/system/kvrelay.service
+  kvrelay warm                      # compile/load the numba kernels once, with progress
   kvrelay serve --config /etc/kvrelay/kvrelay.toml
+  kvrelay reload --config /etc/kvrelay/kvrelay.toml --pid-file /run/kvrelay.pid   # live
+  KVRELAY_RELAY_WORKERS=2 kvrelay serve --config kvrelay.toml   # ingest + 1 fan-out worker
+  kvrelay mirror --upstream relay.dc-a:50161 --bind 0.0.0.0:50161 --config mirror.toml
   KVRELAY_RELAY_BIND=127.0.0.1:6000 kvrelay serve --config kvrelay.toml
   kvrelay demo                      # relay + simulated fleet + live view, ~30 s
   kvrelay demo --headless --duration 10
   kvrelay sim --engines 2 --dp-size 2
-  kvrelay watch catalog --relay 127.0.0.1:50161
-  kvrelay subscribe dynamo/backend/generate --verify --relay 127.0.0.1:50161 --count 20
-  kvrelay query --model meta/llama --tokens 1,2,3,4 --relay 127.0.0.1:50161 --json
+  kvrelay watch catalog             # --relay defaults to $KVRELAY_RELAY, else 127.0.0.1:50161
+  kvrelay subscribe dynamo/backend/generate --verify --count 20
+  kvrelay query --model meta/llama --tokens 1,2,3,4 --relay 10.0.0.5:50161 --json
 
 exit codes:
   0  success (serve: clean shutdown after SIGTERM/SIGINT)
@@ -40,18 +57,20 @@ exit codes:
 
 environment:
   KVRELAY_<SECTION>_<KEY>  override a scalar key of [relay], [relay.limits], [logging],
-                           [metrics] or [tls], e.g. KVRELAY_LOGGING_LEVEL=debug
-  KVRELAY_CONFIG           default for serve --config
-  NOTIFY_SOCKET, WATCHDOG_USEC  systemd notification (READY/WATCHDOG/STOPPING), set by systemd
+                           [metrics], [tls] or [mirror], e.g. KVRELAY_LOGGING_LEVEL=debug
+  KVRELAY_CONFIG           default for serve --config and reload --config
+  NOTIFY_SOCKET, WATCHDOG_USEC  systemd notification (READY/RELOADING/WATCHDOG/STOPPING)
   CACHE_DIRECTORY          numba kernel cache goes to $CACHE_DIRECTORY/numba (systemd)
+  KVRELAY_RELAY            default --relay of watch/subscribe/query
+  DYN_DC_ID                dc_name when neither the file nor KVRELAY_RELAY_DC_NAME sets it
 
-docs: docs/operations.md
+docs: docs/operations.md, docs/vllm.md (connecting vLLM), docs/dynamo.md
 """
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
     def __init__(self, prog: str) -> None:
-        super().__init__(prog, max_help_position=36)
+        super().__init__(prog, max_help_position=36, width=100)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,6 +109,70 @@ def build_parser() -> argparse.ArgumentParser:
         help="TOML configuration file (default: $KVRELAY_CONFIG)",
     )
 
+    serve.add_argument(
+        "--pid-file",
+        metavar="FILE",
+        default=None,
+        help="write the daemon's PID here (for 'kvrelay reload --pid-file'); removed on exit",
+    )
+
+    reload = sub.add_parser(
+        "reload",
+        help="validate the configuration, then make the running relay reload it (SIGHUP)",
+        description=(
+            "Validate FILE like check-config (nothing is signalled when it has errors), send\n"
+            "SIGHUP to the running relay, and wait for the outcome on its metrics endpoint.\n"
+            "Pools and engines change live; unchanged pools keep their generation, so routers\n"
+            "do not re-snapshot. Exit 0 when applied, 1 when the relay rejected or failed it\n"
+            "(see its log), 2 on an invalid file or usage error."
+        ),
+        epilog=(
+            "examples:\n  kvrelay reload --config /etc/kvrelay/kvrelay.toml --pid-file "
+            "/run/kvrelay.pid\n  systemctl reload kvrelay   # ExecReload= runs kvrelay reload"
+        ),
+        formatter_class=_Formatter,
+    )
+    reload.add_argument(
+        "--config",
+        "-c",
+        metavar="FILE",
+        default=os.environ.get("KVRELAY_CONFIG"),
+        help="the relay's TOML configuration file (default: $KVRELAY_CONFIG)",
+    )
+    who = reload.add_mutually_exclusive_group(required=True)
+    who.add_argument("--pid", type=int, metavar="PID", help="the relay's process id")
+    who.add_argument("--pid-file", metavar="FILE", help="file written by 'serve --pid-file'")
+    reload.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long to wait for the outcome (default: 30)",
+    )
+
+    mirror = sub.add_parser(
+        "mirror",
+        help="serve another relay's contract (kvrelay's or Dynamo's) from a mirror of it",
+        description=(
+            "Mirror an upstream KvEventRelay and re-serve it: same identities, sequences and\n"
+            "CBI1 bytes, with this process's own limits for its own subscribers. Options\n"
+            "override the [mirror] upstream and [relay] bind of --config (TLS both ways,\n"
+            "limits, metrics and logging come from the file)."
+        ),
+        epilog=(
+            "examples:\n  kvrelay mirror --upstream 10.0.0.5:50161 --bind 127.0.0.1:50171\n"
+            "  kvrelay mirror --config /etc/kvrelay/mirror.toml"
+        ),
+        formatter_class=_Formatter,
+    )
+    mirror.add_argument("--upstream", metavar="HOST:PORT", help="upstream relay (or unix:/path)")
+    mirror.add_argument("--bind", metavar="HOST:PORT", help="gRPC address of the mirror")
+    mirror.add_argument(
+        "--metrics-bind", metavar="HOST:PORT|off", help="Prometheus endpoint (or off)"
+    )
+    mirror.add_argument("--workers", metavar="N", type=int, help="processes serving gRPC")
+    mirror.add_argument("--config", "-c", metavar="FILE", help="TOML file with a [mirror] section")
+
     check = sub.add_parser(
         "check-config",
         help="validate a configuration file and print every problem",
@@ -104,7 +187,41 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("file", metavar="FILE", help="TOML configuration file")
 
     sub.add_parser(
-        "sim",
+        "example-config",
+        help="print the commented example configuration",
+        description="Print the commented example TOML, e.g. to start /etc/kvrelay/kvrelay.toml.",
+        epilog="example:\n  kvrelay example-config > /etc/kvrelay/kvrelay.toml",
+        formatter_class=_Formatter,
+    )
+    unit = sub.add_parser(
+        "systemd-unit",
+        help="print the systemd unit (--template: kvrelay@.service)",
+        description=(
+            "Print kvrelay.service (one relay per host) or, with --template, kvrelay@.service\n"
+            "(one relay per shard, config /etc/kvrelay/<shard>.toml). Both expect kvrelay in\n"
+            "/opt/kvrelay/venv; see deploy/README.md."
+        ),
+        epilog=(
+            "examples:\n  kvrelay systemd-unit > /etc/systemd/system/kvrelay.service\n"
+            "  kvrelay systemd-unit --template > /etc/systemd/system/kvrelay@.service"
+        ),
+        formatter_class=_Formatter,
+    )
+    unit.add_argument("--template", action="store_true", help="the kvrelay@.service template")
+    sub.add_parser(
+        "warm",
+        help="compile or load every numba kernel, with progress",
+        description=(
+            "Compile every numba kernel the relay uses, or load it from the kernel cache\n"
+            "(NUMBA_CACHE_DIR, else $CACHE_DIRECTORY/numba under systemd, else next to the\n"
+            "modules). The first run after an install takes about a minute on 2 cores;\n"
+            "'serve' then starts in seconds. Exit 0 when every kernel is ready."
+        ),
+        epilog="example:\n  NUMBA_CACHE_DIR=/var/cache/kvrelay/numba kvrelay warm",
+        formatter_class=_Formatter,
+    )
+    sub.add_parser(
+        SIM_COMMAND,
         help="run simulated vLLM engines (see 'kvrelay sim --help')",
         add_help=False,
         description="Simulated vLLM engines emitting KV events; 'kvrelay sim --help' for options.",
@@ -132,6 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="gRPC address of the relay (default: 127.0.0.1 with an ephemeral port)",
     )
     demo.add_argument(
+        "--workers",
+        metavar="N",
+        type=int,
+        default=1,
+        help="processes serving gRPC: the relay plus N-1 fan-out workers (default: 1)",
+    )
+    demo.add_argument(
         "--duration",
         metavar="SECONDS",
         type=float,
@@ -139,9 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run time before the summary (default: 30; Ctrl-C ends earlier)",
     )
 
-    from kvrelay.client.cli import add_subcommands
-
-    add_subcommands(sub)  # watch / subscribe / query: the consumer SDK's inspection commands
+    for name, text in CLIENT_COMMANDS.items():  # the SDK's inspection commands (own parser)
+        sub.add_parser(name, help=text, add_help=False)
     return parser
 
 
@@ -158,7 +281,7 @@ def _numba_cache_from_systemd() -> None:
 
 
 def _check_config(path: str) -> int:
-    from kvrelay.config import check_file
+    from kvrelay.ops.config import check_file
 
     cfg, problems = check_file(path)
     print_problems(problems, sys.stdout)
@@ -170,25 +293,152 @@ def _check_config(path: str) -> int:
     return EXIT_OK
 
 
-def _serve(path: str | None) -> int:
+def _print_asset(name: str) -> int:
+    from kvrelay.ops.files import asset_text
+
+    sys.stdout.write(asset_text(name))
+    return EXIT_OK
+
+
+def _warm() -> int:
+    _numba_cache_from_systemd()
+    where = os.environ.get("NUMBA_CACHE_DIR") or "next to the installed modules (__pycache__)"
+    print(f"kvrelay warm: numba kernel cache: {where}", flush=True)
+    print("kvrelay warm: compiling or loading kernels (first run after an install: ~1 min)",
+          flush=True)
+    from kvrelay.ops.daemon import warm_kernels
+
+    try:
+        seconds = warm_kernels(progress=lambda step: print(f"  {step}", flush=True))
+    except Exception as exc:
+        print(f"kvrelay warm: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(f"kvrelay warm: every kernel ready in {seconds:.1f} s", flush=True)
+    return EXIT_OK
+
+
+def _reload(args: argparse.Namespace) -> int:
+    import signal
+    import time
+
+    from kvrelay.ops.config import check_file
+    from kvrelay.ops.reload import read_pid_file, reload_counts
+
+    path = args.config
+    if not path:
+        print("kvrelay reload: --config FILE is required (or set KVRELAY_CONFIG)", file=sys.stderr)
+        return EXIT_USAGE
+    cfg, problems = check_file(path)
+    print_problems(problems, sys.stderr)
+    if cfg is None:
+        print(f"kvrelay reload: {path} is invalid; the relay was not signalled", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        pid = args.pid if args.pid is not None else read_pid_file(args.pid_file)
+    except (OSError, ValueError) as exc:
+        print(f"kvrelay reload: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    metrics = cfg.metrics
+    before = reload_counts(metrics.host, metrics.port) if metrics.enabled else None
+    try:
+        os.kill(pid, signal.SIGHUP)
+    except OSError as exc:
+        print(f"kvrelay reload: cannot signal process {pid}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    if before is None:
+        print(f"kvrelay reload: SIGHUP sent to {pid}; its metrics endpoint is not readable, "
+              "so the outcome is in its log (config_reloaded / config_reload_rejected)")
+        return EXIT_OK
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = reload_counts(metrics.host, metrics.port)
+        if now is None:
+            continue
+        for result in ("applied", "rejected", "failed"):
+            if now.get(result, 0) > before.get(result, 0):
+                ok = result == "applied"
+                print(f"kvrelay reload: {result}" + ("" if ok else "; see the relay's log"),
+                      file=sys.stdout if ok else sys.stderr)
+                return EXIT_OK if ok else EXIT_FAILURE
+    print(f"kvrelay reload: no outcome after {args.timeout:g} s; see the relay's log",
+          file=sys.stderr)
+    return EXIT_FAILURE
+
+
+def _serve(path: str | None, pid_file: str | None = None) -> int:
     if not path:
         print("kvrelay serve: --config FILE is required (or set KVRELAY_CONFIG)", file=sys.stderr)
         return EXIT_USAGE
     _numba_cache_from_systemd()
-    from kvrelay.config import check_file
+    from kvrelay.ops.config import check_file
 
     cfg, problems = check_file(path)
     if cfg is None:
         print_problems(problems, sys.stderr)
         print(f"kvrelay serve: refusing to start: invalid configuration {path}", file=sys.stderr)
         return EXIT_USAGE
-    from kvrelay.daemon import run
+    from kvrelay.ops.daemon import run
+
+    if pid_file is None:
+        return run(cfg, config_path=path)
+    from kvrelay.ops.reload import write_pid_file
+
+    try:
+        write_pid_file(pid_file)
+    except OSError as exc:
+        print(f"kvrelay serve: cannot write --pid-file {pid_file}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return run(cfg, config_path=path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(pid_file)
+
+
+def _mirror(args: argparse.Namespace) -> int:
+    import tomllib
+
+    from kvrelay.ops.config import parse_config
+
+    raw: dict[str, object] = {}
+    if args.config:
+        try:
+            with open(args.config, "rb") as f:
+                raw = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            print(f"kvrelay mirror: {args.config}: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    section = raw.setdefault("mirror", {})
+    relay = raw.setdefault("relay", {})
+    if not isinstance(section, dict) or not isinstance(relay, dict):
+        print("kvrelay mirror: [mirror] and [relay] must be tables", file=sys.stderr)
+        return EXIT_USAGE
+    if args.upstream:
+        section["upstream"] = args.upstream
+    if args.bind:
+        relay["bind"] = args.bind
+    if args.workers is not None:
+        relay["workers"] = args.workers
+    if args.metrics_bind:
+        metrics = raw.setdefault("metrics", {})
+        assert isinstance(metrics, dict)
+        if args.metrics_bind == "off":
+            metrics["enabled"] = False
+        else:
+            metrics["bind"] = args.metrics_bind
+    cfg, problems = parse_config(raw)
+    if cfg is None:
+        print_problems(problems, sys.stderr)
+        print("kvrelay mirror: refusing to start: invalid configuration", file=sys.stderr)
+        return EXIT_USAGE
+    from kvrelay.ops.daemon import run
 
     return run(cfg)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kvrelay.config import parse_bind
+    from kvrelay.ops.config import parse_bind
 
     try:
         host, port = parse_bind(args.bind)
@@ -198,17 +448,29 @@ def _demo(args: argparse.Namespace) -> int:
     if not 0 < args.duration <= 24 * 3600:
         print("kvrelay demo: --duration must be in (0, 86400]", file=sys.stderr)
         return EXIT_USAGE
+    if not 1 <= args.workers <= 64:
+        print("kvrelay demo: --workers must be in 1..64", file=sys.stderr)
+        return EXIT_USAGE
     from kvrelay.demo import run_demo
 
-    return run_demo(host=host, port=port, duration=args.duration, headless=args.headless)
+    return run_demo(
+        host=host, port=port, duration=args.duration, headless=args.headless,
+        workers=args.workers,
+    )  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "sim":
+    if argv and argv[0] == SIM_COMMAND:
         from kvrelay.sim.cli import main as sim_main
 
         return sim_main(argv[1:])
+    if argv and argv[0] in CLIENT_COMMANDS:
+        from kvrelay.client.cli import main as client_main
+        from kvrelay.logging import configure
+
+        configure(level="WARNING", stream=sys.stderr)  # keep stdout (tables, --json) clean
+        return client_main(argv, prog="kvrelay")
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -220,15 +482,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "check-config":
         return _check_config(args.file)
     if args.command == "serve":
-        return _serve(args.config)
+        return _serve(args.config, args.pid_file)
+    if args.command == "reload":
+        return _reload(args)
     if args.command == "demo":
         return _demo(args)
-    if getattr(args, "client_command", None) is not None:
-        from kvrelay.client.cli import run as client_run
-        from kvrelay.logging import configure
-
-        configure(level="WARNING", stream=sys.stderr)  # keep stdout (tables, --json) clean
-        return client_run(args)
+    if args.command == "example-config":
+        return _print_asset("kvrelay.example.toml")
+    if args.command == "systemd-unit":
+        return _print_asset("kvrelay@.service" if args.template else "kvrelay.service")
+    if args.command == "warm":
+        return _warm()
+    if args.command == "mirror":
+        _numba_cache_from_systemd()
+        return _mirror(args)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse rejects first
 
 

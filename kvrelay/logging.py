@@ -2,13 +2,19 @@
 
 kvrelay's own loggers use native structlog (cheapest path); the root stdlib handler uses a
 ``ProcessorFormatter`` so grpclib, asyncio and numba records come out in the same shape.
-Never log per message: hot paths count, they do not log.
+Never log per message: hot paths count, they do not log. Event names are snake_case and listed
+in docs/operations.md (a test holds every ``_log.<level>("name"`` call to that list).
+
+Under journald (``JOURNAL_STREAM`` names the stream being written) each line starts with the
+syslog priority ``<N>``, which journald strips and stores, so ``journalctl -p warning`` works.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from collections.abc import Mapping
 from typing import Any, TextIO
 
 import structlog
@@ -20,25 +26,73 @@ _SHARED: list[structlog.types.Processor] = [
 ]
 
 
+#: structlog level name → syslog priority (sd-daemon(3) prefixes).
+SYSLOG_PRIORITY = {
+    "debug": 7, "info": 6, "notice": 5, "warning": 4, "warn": 4, "error": 3, "exception": 3,
+    "critical": 2,
+}
+
+
 def _renderer(json: bool) -> structlog.types.Processor:
     if json:
         return structlog.processors.JSONRenderer()
     return structlog.dev.ConsoleRenderer(colors=False)
 
 
+def writes_to_journal(stream: TextIO, env: Mapping[str, str] | None = None) -> bool:
+    """True when ``stream`` is the journal stream systemd announced in ``JOURNAL_STREAM``
+    (``device:inode``); an inherited variable with another stream does not count."""
+    value = (os.environ if env is None else env).get("JOURNAL_STREAM", "")
+    dev, sep, ino = value.partition(":")
+    if not sep or not dev.isdigit() or not ino.isdigit():
+        return False
+    try:
+        st = os.fstat(stream.fileno())
+    except (AttributeError, OSError, ValueError):
+        return False
+    return (st.st_dev, st.st_ino) == (int(dev), int(ino))
+
+
+class _PriorityPrefix:
+    """Wraps the final renderer: ``<N>`` + the rendered line (N from the record's level)."""
+
+    def __init__(self, renderer: structlog.types.Processor) -> None:
+        self._renderer = renderer
+
+    def __call__(self, logger: Any, method: str, event_dict: Any) -> Any:
+        level = str(event_dict.get("level", method)).lower()
+        prefix = f"<{SYSLOG_PRIORITY.get(level, 6)}>"
+        line = self._renderer(logger, method, event_dict)
+        if isinstance(line, bytes):
+            return prefix.encode() + line
+        return prefix + str(line)
+
+
 def configure(
-    *, level: str | int = "INFO", json: bool | None = None, stream: TextIO | None = None
+    *,
+    level: str | int = "INFO",
+    json: bool | None = None,
+    stream: TextIO | None = None,
+    journal: bool | None = None,
 ) -> None:
     """Configure structlog and the stdlib root logger.
 
     ``json=None`` picks JSON unless ``stream`` is a TTY (production under systemd gets JSON,
-    an operator at a terminal gets readable lines).
+    an operator at a terminal gets readable lines). ``journal=None`` adds ``<N>`` priority
+    prefixes when ``stream`` is systemd's journal stream.
     """
     global _generation
     _generation += 1
     stream = stream if stream is not None else sys.stderr
     if json is None:
         json = not (hasattr(stream, "isatty") and stream.isatty())
+    if journal is None:
+        journal = writes_to_journal(stream)
+
+    def renderer() -> structlog.types.Processor:
+        r = _renderer(json)
+        return _PriorityPrefix(r) if journal else r
+
     numeric = logging.getLevelName(level.upper()) if isinstance(level, str) else level
     if not isinstance(numeric, int):
         raise ValueError(f"unknown log level {level!r}")
@@ -48,7 +102,7 @@ def configure(
             *_SHARED,
             structlog.processors.StackInfoRenderer(),
             structlog.processors.format_exc_info,
-            _renderer(json),
+            renderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         logger_factory=structlog.PrintLoggerFactory(file=stream),
@@ -59,7 +113,7 @@ def configure(
         foreign_pre_chain=[*_SHARED, structlog.stdlib.add_logger_name],
         processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-            _renderer(json),
+            renderer(),
         ],
     )
     handler = logging.StreamHandler(stream)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -110,3 +112,51 @@ def test_demo_exits_1_when_its_port_is_taken() -> None:
         port = holder.getsockname()[1]
         run = kvrelay("demo", "--headless", "--duration", "1", "--bind", f"127.0.0.1:{port}")
     assert run.returncode == 1 and "kvrelay demo:" in run.stderr, run.stderr[-2000:]
+
+
+def test_example_config_and_units_are_printed_from_the_package(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A pip user has them without the repository; they are the files deploy/ documents."""
+    deploy = Path(__file__).resolve().parents[1] / "deploy"
+    for argv, name in (
+        (["example-config"], "kvrelay.example.toml"),
+        (["systemd-unit"], "kvrelay.service"),
+        (["systemd-unit", "--template"], "kvrelay@.service"),
+    ):
+        assert main(argv) == 0
+        assert capsys.readouterr().out == (deploy / name).read_text(), argv
+
+
+def test_help_imports_nothing_heavy() -> None:
+    """`kvrelay --help` stays instant: no numba, numpy, grpclib, zmq or SDK import behind it."""
+    probe = (
+        "import sys, contextlib, io\n"
+        "from kvrelay.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    assert main(['--help']) == 0\n"
+        "heavy = ('numba', 'numpy', 'grpclib', 'zmq', 'kvrelay.client', 'kvrelay._proto')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy or m in heavy))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
+
+
+def test_client_commands_are_delegated_with_kvrelay_as_prog(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["watch", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "usage: kvrelay watch" in out and "KVRELAY_RELAY" in out and "--cert" in out
+    assert main(["query", "--model", "m"]) == 2  # neither --tokens nor --tokens-file
+
+
+def test_warm_prints_progress_and_exits_0() -> None:
+    """The session already compiled the kernels into the default cache: this loads them."""
+    res = kvrelay("warm", timeout=300)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("kvrelay warm: numba kernel cache: ")
+    assert any("pool apply" in line for line in lines)
+    assert lines[-1].startswith("kvrelay warm: every kernel ready in ")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
+from pathlib import Path
 
 import pytest
 
@@ -59,3 +61,51 @@ def test_module_level_logger_follows_later_configuration() -> None:
     (line,) = buf.getvalue().splitlines()
     record = json.loads(line)
     assert record["event"] == "after_configure" and record["logger"] == "kvrelay.early"
+
+
+def _journal_env(f: object) -> dict[str, str]:
+    st = os.fstat(f.fileno())  # type: ignore[attr-defined]
+    return {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}
+
+
+def test_priority_prefixes_only_on_the_announced_journal_stream(tmp_path: Path) -> None:
+    """journald reads `<N>` and stores N as the priority (journalctl -p warning filters on it)."""
+    with open(tmp_path / "journal", "w+") as journal, open(tmp_path / "other", "w") as other:
+        assert kvlog.writes_to_journal(journal, _journal_env(journal))
+        assert not kvlog.writes_to_journal(other, _journal_env(journal))  # inherited variable
+        assert not kvlog.writes_to_journal(journal, {"JOURNAL_STREAM": "garbage"})
+        assert not kvlog.writes_to_journal(io.StringIO(), _journal_env(journal))
+
+        kvlog.configure(level="DEBUG", json=True, stream=journal, journal=True)
+        log = kvlog.get_logger("kvrelay.test")
+        log.debug("d_event")
+        log.info("i_event")
+        log.warning("w_event")
+        log.error("e_event")
+        log.critical("c_event")
+        logging.getLogger("grpclib.server").warning("foreign %s", "w")
+        journal.flush()
+        journal.seek(0)
+        lines = journal.read().splitlines()
+    expected = [("<7>", "d_event"), ("<6>", "i_event"), ("<4>", "w_event"), ("<3>", "e_event"),
+                ("<2>", "c_event"), ("<4>", "foreign w")]  # fmt: skip
+    assert len(lines) == len(expected)
+    for line, (prefix, event) in zip(lines, expected, strict=True):
+        assert line.startswith(prefix), line
+        assert json.loads(line[len(prefix):])["event"] == event
+
+
+def test_journal_detection_follows_the_stream(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with open(tmp_path / "journal", "w+") as journal:
+        monkeypatch.setenv("JOURNAL_STREAM", _journal_env(journal)["JOURNAL_STREAM"])
+        kvlog.configure(level="INFO", json=True, stream=journal)  # journal=None: detect
+        kvlog.get_logger("kvrelay.test").warning("detected")
+        monkeypatch.delenv("JOURNAL_STREAM")
+        kvlog.configure(level="INFO", json=True, stream=journal)
+        kvlog.get_logger("kvrelay.test").warning("plain")
+        journal.flush()
+        journal.seek(0)
+        first, second = journal.read().splitlines()
+    assert first.startswith('<4>{"') and second.startswith('{"')

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import re
 import ssl as _ssl
 import sys
@@ -37,6 +38,12 @@ _STATES = {0: "UNKNOWN", 1: "UNAVAILABLE", 2: "READY"}
 _FORMATS = {1: "STANDARD", 2: "EAGLE"}
 
 
+#: kvrelay's own gRPC port on loopback: what ``--relay`` means when neither it nor the
+#: ``KVRELAY_RELAY`` variable is given.
+DEFAULT_RELAY = "127.0.0.1:50161"
+RELAY_ENV = "KVRELAY_RELAY"
+
+
 class UsageError(ValueError):
     """Bad command-line input (exit code 2)."""
 
@@ -46,13 +53,17 @@ class UsageError(ValueError):
 
 def _common() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--relay", action="append", required=True, metavar="HOST:PORT",
-                   help="relay address (repeatable)")
+    p.add_argument("--relay", action="append", default=None, metavar="HOST:PORT",
+                   help=f"relay address (repeatable; default: ${RELAY_ENV}, comma-separated, "
+                        f"else {DEFAULT_RELAY})")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--count", type=int, default=None, help="stop after N updates/frames")
     p.add_argument("--duration", type=float, default=None, help="stop after S seconds")
     p.add_argument("--tls", action="store_true", help="connect with TLS (system CAs)")
     p.add_argument("--ca", type=Path, default=None, help="CA bundle for --tls")
+    p.add_argument("--cert", type=Path, default=None,
+                   help="client certificate chain (PEM) for mutual TLS; implies --tls")
+    p.add_argument("--key", type=Path, default=None, help="private key (PEM) of --cert")
     p.add_argument("--subscriber-id", default="kvrelay-cli", help="diagnostic label")
     return p
 
@@ -81,15 +92,15 @@ def add_subcommands(subparsers: Any) -> None:
     q.set_defaults(client_command="query")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "kvrelay-client") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="kvrelay-client", description="Inspect a dynamo.kvrelay.v1 relay (kvrelay or Dynamo)."
+        prog=prog, description="Inspect a dynamo.kvrelay.v1 relay (kvrelay or Dynamo)."
     )
     add_subcommands(parser.add_subparsers(dest="client_subcommand", metavar="COMMAND"))
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "kvrelay-client") -> int:
     """Standalone entry. Invoked as a program (``argv`` None) it also sends kvrelay's logs to
     stderr at WARNING, so ``--json`` output on stdout stays parseable; callers passing ``argv``
     (tests, other CLIs) keep their own logging setup."""
@@ -97,8 +108,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvrelay.logging import configure
 
         configure(level="WARNING", stream=sys.stderr)
-    parser = build_parser()
-    args = parser.parse_args(list(argv) if argv is not None else None)
+    parser = build_parser(prog)
+    try:
+        args = parser.parse_args(list(argv) if argv is not None else None)
+    except SystemExit as exc:  # argparse: 0 for --help, 2 for usage errors
+        return int(exc.code or 0)
     if getattr(args, "client_command", None) is None:
         parser.print_help(sys.stderr)
         return 2
@@ -108,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     """Execute a parsed ``watch``/``subscribe``/``query`` command; returns the exit code."""
     try:
-        relays = [rpc.RelayAddress.parse(r) for r in args.relay]
+        relays = [rpc.RelayAddress.parse(r) for r in relay_addresses(args.relay)]
         if args.count is not None and args.count < 1:
             raise UsageError("--count must be >= 1")
         if args.duration is not None and args.duration <= 0:
@@ -131,13 +145,25 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
 
+def relay_addresses(given: list[str] | None, env: dict[str, str] | None = None) -> list[str]:
+    """``--relay`` values, else ``$KVRELAY_RELAY`` (comma-separated), else kvrelay's default."""
+    if given:
+        return given
+    text = (os.environ if env is None else env).get(RELAY_ENV, "")
+    return [a.strip() for a in text.split(",") if a.strip()] or [DEFAULT_RELAY]
+
+
 def _ssl_context(args: argparse.Namespace) -> _ssl.SSLContext | None:
-    if not args.tls:
+    if (args.cert is None) != (args.key is None):
+        raise UsageError("--cert and --key go together (mutual TLS)")
+    if not args.tls and args.cert is None:
         if args.ca is not None:
             raise UsageError("--ca needs --tls")
         return None
     ctx = _ssl.create_default_context(cafile=str(args.ca) if args.ca else None)
     ctx.set_alpn_protocols(["h2"])
+    if args.cert is not None:
+        ctx.load_cert_chain(str(args.cert), str(args.key))
     return ctx
 
 

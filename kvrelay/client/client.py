@@ -2,7 +2,7 @@
 
 Usage::
 
-    async with RelayClient(["relay-a:5561", "relay-b:5561"]) as client:
+    async with RelayClient(["relay-a:50161", "relay-b:50161"]) as client:
         await client.wait_ready()
         depths = client.overlap(tokens, model="llama-3-8b")   # {PoolKey: depth_in_blocks}
 
@@ -20,16 +20,17 @@ from collections.abc import Iterable, Sequence
 from types import TracebackType
 
 import numpy as np
+import numpy.typing as npt
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client.config import ClientConfig
 from kvrelay.client.connection import PoolFilter, PoolSlot, RelayConnection
+from kvrelay.client.probe import contains
 from kvrelay.client.query import HashCache, QueryPlan, plan_for
 from kvrelay.client.rpc import RelayAddress
 from kvrelay.client.search import prefix_depth
 from kvrelay.client.views import LoadView, PoolKey, ReadinessView, ReplicaStats
-from kvrelay.pool.ckf import contains
-from kvrelay.service.validation import producer_key
+from kvrelay.contract.producer import producer_key
 
 _STATE = {0: "UNKNOWN", 1: "UNAVAILABLE", 2: "READY"}
 
@@ -224,6 +225,14 @@ class RelayClient:
         return {c.name: dict(c.counters) for c in self.connections}
 
     # ------------------------------------------------------------------ queries
+    def contains(self, hashes: npt.ArrayLike) -> dict[PoolKey, npt.NDArray[np.bool_]]:
+        """Membership of canonical block hashes (u64) in every installed replica, for callers
+        that hash themselves; ``overlap()`` is the prompt-level query. Pools without an
+        installed replica are absent (unknown, never "not cached")."""
+        keys = np.asarray(hashes, dtype=np.uint64)
+        return {s.key: s.installed.contains(keys) for _, s in self._slots()
+                if s.installed is not None}  # fmt: skip
+
     def overlap(
         self,
         tokens: Sequence[int] | np.ndarray,

@@ -24,6 +24,9 @@ class ClientConfig:
     * backoff: jittered exponential, ``delay = min(max, initial * 2**attempt) * U(1-jitter, 1)``;
       the attempt counter resets once a replica installs / a plane delivers a message.
     * ``verification_window``: linear check below the found boundary (§6.1, 1..8).
+    * ``heartbeat_interval_s`` × ``silence_heartbeats``: a pool or readiness stream silent that
+      long (no frame, not even a heartbeat; the relay sends one every 10 s) is ended as
+      ``silent`` and resubscribed.
     """
 
     subscriber_id: str = "kvrelay-client"
@@ -36,6 +39,8 @@ class ClientConfig:
     verification_window: int = 2
     watch_readiness: bool = True
     watch_load: bool = True
+    heartbeat_interval_s: float = 10.0
+    silence_heartbeats: int = 3
 
     def __post_init__(self) -> None:
         sid = self.subscriber_id
@@ -54,6 +59,15 @@ class ClientConfig:
             raise ClientConfigError("backoff_jitter must be in [0, 1)")
         if not 1 <= self.verification_window <= 8:
             raise ClientConfigError("verification_window must be in 1..8")
+        if not 0 < self.heartbeat_interval_s <= 3600 or self.silence_heartbeats < 1:
+            raise ClientConfigError(
+                "need 0 < heartbeat_interval_s <= 3600 and silence_heartbeats >= 1"
+            )
+
+    @property
+    def silence_s(self) -> float:
+        """How long a heartbeating stream may stay silent before it is ended."""
+        return self.heartbeat_interval_s * self.silence_heartbeats
 
     def backoff(self, attempt: int, rng: random.Random | None = None) -> float:
         """Delay before retry number ``attempt`` (0-based), bounded by ``backoff_max_s``."""

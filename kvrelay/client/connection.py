@@ -29,9 +29,10 @@ from kvrelay.client import rpc
 from kvrelay.client.config import ClientConfig
 from kvrelay.client.replica import PoolReplica, relay_key
 from kvrelay.client.views import PoolKey
+from kvrelay.contract.errors import RelayError
+from kvrelay.contract.producer import ProducerKey, producer_key
+from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION
 from kvrelay.logging import get_logger
-from kvrelay.service.errors import RelayError
-from kvrelay.service.validation import CONTRACT_MARKER, PROTOCOL_VERSION, ProducerKey, producer_key
 
 _log = get_logger(__name__)
 PoolFilter = Callable[[PoolKey, pb.KvPoolDescriptor], bool]
@@ -262,7 +263,7 @@ class RelayConnection:
                     end = await rpc.run_stream(
                         self.channel, "SubscribeKvPool",
                         rpc.pool_request(self.config.subscriber_id, slot.descriptor.producer),
-                        pb.FilterUpdate, on,
+                        pb.FilterUpdate, on, silence_s=self.config.silence_s,
                     )  # fmt: skip
                     reason = end.reason
                 except E.ConsumerViolation as v:
@@ -289,7 +290,13 @@ class RelayConnection:
 
     # ------------------------------------------------------------------ readiness & load
     async def _plane_loop(
-        self, plane: str, method: str, request: Any, reply: type, store: Callable[[Any], None]
+        self,
+        plane: str,
+        method: str,
+        request: Any,
+        reply: type,
+        store: Callable[[Any], None],
+        silence_s: float | None = None,
     ) -> None:
         attempt = 0
         while not self._closing:
@@ -303,7 +310,9 @@ class RelayConnection:
                 store(msg)
                 self._notify()
 
-            end = await rpc.run_stream(self.channel, method, request, reply, on)
+            end = await rpc.run_stream(
+                self.channel, method, request, reply, on, silence_s=silence_s
+            )
             self.counters[f"{plane}_end_{end.reason}"] += 1
             store(None)  # unknown while disconnected: never routable on stale data
             self._notify()
@@ -317,6 +326,7 @@ class RelayConnection:
         await self._plane_loop(
             "readiness", "SubscribeServingReadiness",
             rpc.readiness_request(self.config.subscriber_id), pb.ServingReadinessUpdate, store,
+            silence_s=self.config.silence_s,
         )  # fmt: skip
 
     async def _load_loop(self) -> None:

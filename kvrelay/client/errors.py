@@ -35,6 +35,7 @@ CBI1_PREFIX = "cbi1_"  # + Cbi1Error.reason, e.g. cbi1_checksum_mismatch
 # --- stream endings and client decisions --------------------------------------------------------
 EOF = "eof"  # clean end of stream (relay shutdown): treated as invalidation
 CONNECTION = "connection"  # transport failure (refused, reset, h2 error)
+SILENT = "silent"  # no frame (not even a heartbeat) for silence_heartbeats heartbeat periods
 WITHDRAWN = "withdrawn"  # pool absent from the newest catalog snapshot
 CATALOG_REPLACED = "catalog_replaced"  # catalog now lists another producer for the endpoint
 RELAY_RESTARTED = "relay_restarted"  # the relay's identity changed: every replica dropped
@@ -47,7 +48,7 @@ QUARANTINE = frozenset(
 
 
 class ConsumerViolation(Exception):
-    """The relay broke a consumer rule (§4.3/§5); the replica must be dropped."""
+    """The relay broke a consumer rule (§4.7/§5); the replica must be dropped."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)

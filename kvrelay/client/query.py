@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.hashing.tokens import block_hashes, request_salt, sequence_hashes
+from kvrelay.client.hashes import block_hashes, request_salt, sequence_hashes
 
 
 @dataclass(frozen=True, slots=True)

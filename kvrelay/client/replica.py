@@ -2,7 +2,7 @@
 
 A pure state machine (no I/O) so the SDK and ``kvrelay-client subscribe --verify`` enforce the
 same rules. ``feed`` either applies a frame completely or raises :class:`ConsumerViolation` and
-leaves the installed table untouched (the caller then drops the whole replica): §4.3 consumer
+leaves the installed table untouched (the caller then drops the whole replica): §4.7 consumer
 rules, §5 CBI1 validation and assembly (via ``kvrelay.publication.cbi1``), plus the dc_id check
 the decoder leaves to the consumer.
 """
@@ -17,10 +17,11 @@ import numpy.typing as npt
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import errors as E
-from kvrelay.pool.ckf import contains
+from kvrelay.client.probe import contains
+from kvrelay.contract.errors import RelayError
+from kvrelay.contract.producer import ProducerKey, producer_key
+from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION
 from kvrelay.publication import cbi1
-from kvrelay.service.errors import RelayError
-from kvrelay.service.validation import CONTRACT_MARKER, PROTOCOL_VERSION, ProducerKey, producer_key
 
 U64 = npt.NDArray[np.uint64]
 KIND_NAMES = {

@@ -22,8 +22,8 @@ from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import errors as E
-from kvrelay.service.codec import PassThroughCodec
-from kvrelay.service.validation import CONTRACT_MARKER
+from kvrelay.client.codec import ClientCodec
+from kvrelay.contract.wire import CONTRACT_MARKER
 
 SERVICE = "/dynamo.kvrelay.v1.KvEventRelay/"
 T = TypeVar("T")
@@ -73,7 +73,7 @@ def open_channel(
         address.host,
         address.port,
         ssl=ssl,
-        codec=PassThroughCodec(max_message_bytes),
+        codec=ClientCodec(max_message_bytes),
         config=Configuration(_keepalive_time=20.0, _keepalive_timeout=10.0),
     )
 
@@ -93,23 +93,43 @@ async def run_stream(
     request: Any,
     reply_type: type[T],
     on_message: Callable[[T], None],
+    *,
+    silence_s: float | None = None,
+    yield_every: int = 0,
 ) -> StreamEnd:
-    """Run one server stream to its end, calling ``on_message`` for each reply."""
+    """Run one server stream to its end, calling ``on_message`` for each reply.
+
+    With ``silence_s``, a stream that delivers nothing for that long is cancelled and ends as
+    ``silent``: a relay that stopped sending (even heartbeats) must not hold a replica for ever.
+    With ``yield_every`` = N > 0, the loop yields to the event loop after every N messages: a
+    burst of buffered messages then never runs far ahead of the tasks they woke (a mirror's
+    senders).
+    """
     n = 0
     stream = None
+    loop = asyncio.get_running_loop()
     try:
-        async with channel.request(
-            SERVICE + method, Cardinality.UNARY_STREAM, type(request), reply_type
-        ) as stream:
-            await stream.send_message(request, end=True)
-            while True:
-                msg = await stream.recv_message()
-                if msg is None:
-                    break
-                n += 1
-                on_message(msg)
-            await stream.recv_trailing_metadata()
+        async with asyncio.timeout(silence_s) as quiet:
+            async with channel.request(
+                SERVICE + method, Cardinality.UNARY_STREAM, type(request), reply_type
+            ) as stream:
+                await stream.send_message(request, end=True)
+                while True:
+                    msg = await stream.recv_message()
+                    if silence_s is not None:
+                        quiet.reschedule(loop.time() + silence_s)
+                    if msg is None:
+                        break
+                    n += 1
+                    on_message(msg)
+                    if yield_every and n % yield_every == 0:
+                        await asyncio.sleep(0)
+                await stream.recv_trailing_metadata()
         return StreamEnd(E.EOF, Status.OK, "", n)
+    except TimeoutError:
+        if silence_s is not None and quiet.expired():
+            return StreamEnd(E.SILENT, None, f"nothing received for {silence_s:g} s", n)
+        return StreamEnd(E.CONNECTION, None, "TimeoutError", n)
     except GRPCError as err:
         trailers = None if stream is None else stream.trailing_metadata
         return end_from_error(err, trailers, n)

@@ -1,4 +1,4 @@
-"""Cached-prefix depth search over a probabilistic membership test (§14).
+"""Cached-prefix depth search over a probabilistic membership test (``docs/contract.md`` §11).
 
 Probing every block of a long prompt costs one filter lookup per block. Dynamo's consumer instead
 probes position 0, then 1, 2, 4, 8, … until a miss, binary-searches the boundary between the last

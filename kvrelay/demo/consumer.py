@@ -20,8 +20,8 @@ from grpclib.exceptions import GRPCError, StreamTerminatedError
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import ConsumerViolation, PoolReplica
+from kvrelay.contract.wire import CONTRACT_MARKER
 
-MARKER = 0x4B565231
 #: Latency samples kept per pool (a bounded ring; percentiles are over the newest ones).
 LATENCY_WINDOW = 4096
 RETRY_S = 0.5
@@ -80,7 +80,7 @@ class Consumer:
     async def start(self) -> None:
         self._channel = Channel(self.host, self.port)
         self._stub = pb.KvEventRelayStub(self._channel)
-        info = await self._stub.get_relay_info(pb.RelayInfoRequest(contract_marker=MARKER))
+        info = await self._stub.get_relay_info(pb.RelayInfoRequest(contract_marker=CONTRACT_MARKER))
         self.relay = info.relay
         self._tasks = [
             asyncio.create_task(self._watch_catalog()),
@@ -105,7 +105,7 @@ class Consumer:
         while True:
             try:
                 req = pb.WatchKvPoolCatalogRequest(
-                    subscriber_id=self.subscriber_id, contract_marker=MARKER
+                    subscriber_id=self.subscriber_id, contract_marker=CONTRACT_MARKER
                 )
                 async for upd in self._stub.watch_kv_pool_catalog(req):
                     pools = upd.snapshot.pools if upd.snapshot is not None else []
@@ -121,7 +121,7 @@ class Consumer:
         while True:
             try:
                 req = pb.SubscribeServingReadinessRequest(
-                    subscriber_id=self.subscriber_id, contract_marker=MARKER
+                    subscriber_id=self.subscriber_id, contract_marker=CONTRACT_MARKER
                 )
                 async for upd in self._stub.subscribe_serving_readiness(req):
                     self.readiness = list(upd.entries)
@@ -159,7 +159,9 @@ class Consumer:
         st.replica, st.sequence = replica, None
         st.generation = int(producer.layout_generation)
         req = pb.SubscribeKvPoolRequest(
-            subscriber_id=self.subscriber_id, expected_producer=producer, contract_marker=MARKER
+            subscriber_id=self.subscriber_id,
+            expected_producer=producer,
+            contract_marker=CONTRACT_MARKER,
         )
         try:
             async for fu in self._stub.subscribe_kv_pool(req):

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
-from kvrelay.sim.engine import SimConfig, SimEngine
+from kvrelay.sim.config import SimConfig
+from kvrelay.sim.engine import SimEngine
 from kvrelay.sim.traffic import TrafficConfig
 
 AGG_NAMESPACE = "demo"

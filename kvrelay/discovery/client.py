@@ -179,12 +179,25 @@ class EngineClient:
             )
         return tuple(sorted(out, key=lambda x: x.dp_rank)), via
 
-    async def snapshot(self) -> EngineSnapshot:
-        """Full snapshot; never raises for network/RPC failures (``reachable=False`` instead)."""
+    async def _optional(self, fn: Callable[[], Awaitable[T]], fallback: T) -> tuple[T, bool]:
+        """(value, known): an optional RPC that fails (UNIMPLEMENTED on an older vLLM, a timeout,
+        any error) is unknown this time, never a reason to call the engine unreachable."""
+        try:
+            return await fn(), True
+        except DiscoveryError:
+            return fallback, False
+
+    async def snapshot(self, previous: EngineSnapshot | None = None) -> EngineSnapshot:
+        """Full snapshot; never raises for network/RPC failures (``reachable=False`` instead).
+
+        ``ListLoras``, ``IsSleeping`` and ``IsPaused`` are optional: when one fails its value is
+        taken from ``previous`` (the last reachable snapshot; defaults without one) and its name
+        is listed in ``unknown``.
+        """
+        prev = previous if previous is not None and previous.reachable else None
         try:
             info = await self.server_info()
             model = await self.model_info()
-            loras = await self.list_loras()
             try:
                 sources, via = await self.kv_event_sources()
             except KvSourcesUnsupported:
@@ -192,10 +205,18 @@ class EngineClient:
                     sources, via = static_sources(self.static, self.host), "static"
                 else:
                     sources, via = (), "none"
-            sleeping = await self.is_sleeping()
-            paused = await self.is_paused()
         except DiscoveryError as exc:
             return EngineSnapshot(host=self.host, port=self.port, reachable=False, error=str(exc))
+        unknown: list[str] = []
+        loras, ok = await self._optional(self.list_loras, prev.loras if prev else ())
+        if not ok:
+            unknown.append("loras")
+        sleeping, ok = await self._optional(self.is_sleeping, prev.sleeping if prev else False)
+        if not ok:
+            unknown.append("sleeping")
+        paused, ok = await self._optional(self.is_paused, prev.paused if prev else False)
+        if not ok:
+            unknown.append("paused")
         par = info.parallelism or vpb.ParallelismInfo()
         return EngineSnapshot(
             host=self.host,
@@ -223,4 +244,5 @@ class EngineClient:
             sources_via=via,
             sleeping=sleeping,
             paused=paused,
+            unknown=frozenset(unknown),
         )

@@ -61,7 +61,7 @@ def substitute_wildcard(endpoint: str, host: str) -> str:
 
 
 def dp_offset(endpoint: str, rank: int) -> str:
-    """vLLM's per-rank rewrite (§2.2): tcp port + rank (port 0 unchanged), inproc ``_dp{r}``."""
+    """vLLM's per-rank rewrite (§15.2): tcp port + rank (port 0 unchanged), inproc ``_dp{r}``."""
     if rank < 0:
         raise InvalidEndpoint(f"negative dp rank {rank}")
     if rank == 0 or not endpoint:

@@ -1,10 +1,17 @@
 """Scrape an engine's Prometheus ``/metrics`` page (asyncio streams, no HTTP client dependency)
-and extract ``vllm:kv_cache_usage_perc`` per engine core (DP rank)."""
+and extract ``vllm:kv_cache_usage_perc`` per engine core (DP rank).
+
+Any malformed page — bad status line, chunk sizes or lengths that are not numbers, unparsable
+metric text, non-finite values — is a ``MetricsScrapeError``, never another exception: the load
+plane then reports that engine's usage as unknown. Parsing runs in a worker thread (a 37 KB page
+takes milliseconds, which the event loop cannot spare).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -23,9 +30,16 @@ def _dechunk(body: bytes) -> bytes:
         eol = body.find(b"\r\n", pos)
         if eol < 0:
             raise MetricsScrapeError("truncated chunked body")
-        size = int(body[pos:eol].split(b";")[0], 16)
+        try:
+            size = int(body[pos:eol].split(b";")[0].strip(), 16)
+        except ValueError:
+            raise MetricsScrapeError(f"bad chunk size {body[pos:eol][:32]!r}") from None
+        if size < 0:
+            raise MetricsScrapeError("negative chunk size")
         if size == 0:
             return bytes(out)
+        if eol + 2 + size > len(body):
+            raise MetricsScrapeError("truncated chunk")
         out += body[eol + 2 : eol + 2 + size]
         pos = eol + 2 + size + 2
 
@@ -58,20 +72,31 @@ async def fetch_metrics_text(
         raw = await asyncio.wait_for(go(), timeout=timeout)
     except (TimeoutError, OSError) as exc:
         raise MetricsScrapeError(f"{host}:{port}{path}: {exc!r}") from exc
+    return _http_body(raw, max_bytes)
+
+
+def _http_body(raw: bytes, max_bytes: int) -> str:
+    """The body of one HTTP/1.1 response; ``MetricsScrapeError`` for anything malformed."""
     head, sep, body = raw.partition(b"\r\n\r\n")
     if not sep:
         raise MetricsScrapeError("malformed HTTP response")
     lines = head.split(b"\r\n")
     parts = lines[0].split()
     if len(parts) < 2 or parts[1] != b"200":
-        raise MetricsScrapeError(f"HTTP status {lines[0]!r}")
+        raise MetricsScrapeError(f"HTTP status {lines[0][:64]!r}")
     headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(b":") for ln in lines[1:])}
     if len(body) > max_bytes:
         raise MetricsScrapeError(f"body larger than {max_bytes} bytes")
     if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
         body = _dechunk(body)
     elif b"content-length" in headers:
-        body = body[: int(headers[b"content-length"])]
+        try:
+            length = int(headers[b"content-length"])
+        except ValueError:
+            raise MetricsScrapeError("bad content-length") from None
+        if length < 0 or length > len(body):
+            raise MetricsScrapeError("content-length does not match the body")
+        body = body[:length]
     return body.decode("utf-8", errors="replace")
 
 
@@ -87,13 +112,19 @@ def parse_kv_usage(text: str, model_name: str | None = None) -> dict[str, float]
             for s in fam.samples:
                 if model_name is not None and s.labels.get("model_name") != model_name:
                     continue
-                dest[s.labels.get("engine", "0")] = float(s.value)
-    except ValueError as exc:
-        raise MetricsScrapeError(f"unparsable metrics text: {exc}") from exc
+                value = float(s.value)
+                if not math.isfinite(value) or not 0.0 <= value <= 1.0:
+                    raise MetricsScrapeError(f"{fam.name} value {value!r} is not a fraction")
+                dest[s.labels.get("engine", "0")] = value
+    except MetricsScrapeError:
+        raise
+    except Exception as exc:  # the parser raises ValueError, TypeError, IndexError, …
+        raise MetricsScrapeError(f"unparsable metrics text: {exc!r}") from exc
     return found or legacy
 
 
 async def scrape_kv_usage(
     host: str, port: int, model_name: str | None = None, timeout: float = 2.0
 ) -> dict[str, float]:
-    return parse_kv_usage(await fetch_metrics_text(host, port, timeout=timeout), model_name)
+    text = await fetch_metrics_text(host, port, timeout=timeout)
+    return await asyncio.to_thread(parse_kv_usage, text, model_name)

@@ -48,6 +48,8 @@ class EngineSnapshot:
     sources_via: str = "none"
     sleeping: bool = False
     paused: bool = False
+    #: Optional fields whose Control RPC failed this time (values kept from the last snapshot).
+    unknown: frozenset[str] = frozenset()
 
     @property
     def address(self) -> str:

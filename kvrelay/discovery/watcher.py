@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -32,8 +31,9 @@ from kvrelay.discovery.events import (
     SourcesRemoved,
 )
 from kvrelay.discovery.snapshot import EngineSnapshot
+from kvrelay.logging import get_logger
 
-log = logging.getLogger(__name__)
+_log = get_logger(__name__)
 
 Callback = Callable[[ChangeEvent], Awaitable[None] | None]
 
@@ -76,11 +76,13 @@ async def _tcp_alive(endpoint: str, host: str, timeout: float) -> str | None:
     return None
 
 
-async def snapshot_target(target: EngineTarget, timeout: float) -> EngineSnapshot:
+async def snapshot_target(
+    target: EngineTarget, timeout: float, previous: EngineSnapshot | None = None
+) -> EngineSnapshot:
     """One discovery pass for ``target`` (never raises for engine-side failures)."""
     if target.grpc_port is not None:
         async with EngineClient(target.host, target.grpc_port, timeout, target.static) as c:
-            return await c.snapshot()
+            return await c.snapshot(previous)
     assert target.static is not None
     sources = static_sources(target.static, target.host)
     err = await _tcp_alive(sources[0].endpoint, target.host, timeout) if sources else None
@@ -156,11 +158,12 @@ class EngineWatcher:
         self.callback_errors = 0
         self.polls = 0
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._started = False
 
     async def poll_once(self, name: str) -> list[ChangeEvent]:
         """Run one discovery pass for a target, deliver and return its events."""
         target = self.targets[name]
-        snap = await snapshot_target(target, self.timeout)
+        snap = await snapshot_target(target, self.timeout, self.last_good.get(name))
         events = diff_snapshots(name, self.last_good.get(name), self.last.get(name), snap)
         self.polls += 1
         self.last[name] = snap
@@ -177,7 +180,7 @@ class EngineWatcher:
                 await res
         except Exception:  # a consumer bug must not stop discovery
             self.callback_errors += 1
-            log.exception("discovery callback failed for %s", type(ev).__name__)
+            _log.exception("discovery_callback_failed", change=type(ev).__name__)
 
     async def _loop(self, name: str) -> None:
         me = asyncio.current_task()
@@ -190,13 +193,15 @@ class EngineWatcher:
             await asyncio.sleep(self.interval)
 
     def start(self) -> None:
+        self._started = True
         for name in self.targets:
             if name not in self._tasks:
                 self._tasks[name] = asyncio.create_task(self._loop(name))
 
     def add_target(self, target: EngineTarget) -> None:
+        """Watch one more engine (polled at once when the watcher runs)."""
         self.targets[target.name] = target
-        if self._tasks and target.name not in self._tasks:
+        if self._started and target.name not in self._tasks:
             self._tasks[target.name] = asyncio.create_task(self._loop(target.name))
 
     async def remove_target(self, name: str) -> None:
@@ -208,6 +213,7 @@ class EngineWatcher:
         self.last_good.pop(name, None)
 
     async def stop(self) -> None:
+        self._started = False
         tasks = list(self._tasks.values())
         self._tasks.clear()
         await cancel_all(tasks)

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import time
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from kvrelay.ingest.stats import DecodeStats
+
+#: Upper bounds (seconds) of the engine-timestamp → applied lag histogram. Its buckets are kept as
+#: a dict keyed by the bound's text ("+Inf" last), so folding retired counters adds them up.
+LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_LAG_KEYS = (*(repr(b) for b in LAG_BUCKETS_S), "+Inf")
 
 
 @dataclass(slots=True)
@@ -21,6 +28,11 @@ class SubscriberCounters:
     missing_history: int = 0
     resets: int = 0
     reorder_overflows: int = 0
+    reconnects: int = 0  # the SUB connection came back after a disconnect
+    incarnations_detected: int = 0  # replay did not hold the last applied batch (restart)
+    epoch_changes: int = 0  # an SGLang publisher announced another epoch (restart)
+    bad_batches: int = 0  # batches that failed to decode or were rejected as malformed
+    repairs: int = 0  # bad batches applied correctly when re-fetched from the replay
     unknown_tags: int = 0
     unknown_fields: int = 0
     malformed_events: int = 0
@@ -33,6 +45,26 @@ class SubscriberCounters:
     rejections: dict[str, int] = field(default_factory=dict)  # frame/decode rejections by kind
     drops: dict[str, int] = field(default_factory=dict)  # dropped events by reason
     resets_by_reason: dict[str, int] = field(default_factory=dict)
+    # Wall-clock time of the last applied message (0: none yet). A time, not a count: merging
+    # retired counters keeps the newest (metadata "merge": "max").
+    last_message_unix: float = field(default=0.0, metadata={"merge": "max"})
+    # Live messages: relay wall clock when applied minus the engine's batch timestamp (includes
+    # any clock offset between the hosts; negative values count in the first bucket).
+    lag_buckets: dict[str, int] = field(default_factory=dict)  # bound → count (not cumulative)
+    lag_sum_s: float = 0.0
+    lag_count: int = 0
+
+    def observe_applied(self, engine_ts: float, *, live: bool) -> None:
+        """One applied message: its arrival time, and on the live path its lag."""
+        now = time.time()
+        self.last_message_unix = now
+        if not live:
+            return
+        lag = max(0.0, now - engine_ts)
+        key = _LAG_KEYS[bisect_left(LAG_BUCKETS_S, lag)]
+        self.lag_buckets[key] = self.lag_buckets.get(key, 0) + 1
+        self.lag_sum_s += lag
+        self.lag_count += 1
 
     def reject(self, kind: str) -> None:
         self.rejections[kind] = self.rejections.get(kind, 0) + 1

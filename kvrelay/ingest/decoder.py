@@ -1,4 +1,4 @@
-"""vLLM KV-event payload → ``EventBatch`` (vllm-events.md §3, relay-contract.md §11.2).
+"""vLLM KV-event payload → ``EventBatch`` (``docs/contract.md`` §17, §18).
 
 One ``Decoder`` per source (it learns which ``group_idx`` values are full attention from stores,
 so removes of sliding-window/mamba groups, which carry only ``group_idx``, can be dropped).
@@ -11,6 +11,9 @@ Two paths with identical results (differentially fuzzed in tests/ingest): the nu
 (``fastwalk``) decodes clean vLLM output straight from the bytes; anything it does not accept
 (bytes hashes, unknown tags/fields/strings, the per-pool options) goes through msgspec structs
 with ``token_ids`` kept raw and parsed by ``tokens_kernel``.
+
+The engine kind picks the array-form field layout: SGLang's positions differ from vLLM's
+(``ingest/sglang.py``, §21); everything after decoding — gates, hashing, counters — is shared.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import xxhash
 from msgspec import Raw
 
 from kvrelay.ingest import fastwalk as FW
+from kvrelay.ingest import sglang as SG
 from kvrelay.ingest import stats as S
 from kvrelay.ingest import wire
 from kvrelay.ingest.errors import (
@@ -34,6 +38,7 @@ from kvrelay.ingest.errors import (
     MalformedEnvelopeError,
     MalformedPayloadError,
 )
+from kvrelay.ingest.kinds import EngineKind
 from kvrelay.ingest.options import DecodeOptions
 from kvrelay.ingest.salt import namespace_part, request_salt
 from kvrelay.ingest.stats import DecodeStats
@@ -61,6 +66,25 @@ _FULL_ATTENTION = frozenset({"full_attention", "mla_attention"})
 _STORE, _REMOVE, _CLEAR = wire.STORE, wire.REMOVE, wire.CLEAR
 
 
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """The array-form (positional) event structs of one engine kind."""
+
+    envelope: msgspec.msgpack.Decoder[Any]
+    event: msgspec.msgpack.Decoder[Any]
+    lengths: dict[str, int]  # known positions per tag (longer = unknown fields)
+    walker_ids: npt.NDArray[np.int64]  # the numba walker's key per (tag, position)
+    walker_len: npt.NDArray[np.int64]  # … and its positions per tag (longer = fallback)
+
+
+_LAYOUTS = {
+    EngineKind.VLLM: _Layout(
+        wire.ARR_ENVELOPE, wire.ARR_EVENT, wire.ARR_LEN, FW.ARR_IDS, FW.ARR_LEN
+    ),
+    EngineKind.SGLANG: _Layout(SG.ARR_ENVELOPE, SG.ARR_EVENT, SG.ARR_LEN, FW.SGL_IDS, FW.SGL_LEN),
+}
+
+
 @dataclass(slots=True)
 class DecodeResult:
     batch: EventBatch
@@ -84,13 +108,15 @@ def medium_drop_reason(medium: str) -> str | None:
     return S.DROP_MEDIUM_PREFIX + _TIERS.get(up, "unknown")
 
 
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
 def mm_hash(identifier: str) -> int:
-    """vLLM mm identifier → u64: a 64-hex digest gives its first 16 hex chars, else XXH3 seed 0."""
-    if len(identifier) == 64:
-        try:
-            return int(identifier[:16], 16)
-        except ValueError:
-            pass
+    """vLLM mm identifier → u64: a digest of exactly 64 hex digits gives its first 16 as a
+    number; anything else (other lengths, a ``0x`` prefix, underscores, spaces, non-ASCII digits
+    that ``int()`` would accept) is hashed: XXH3-64 of its UTF-8 bytes, seed 0."""
+    if len(identifier) == 64 and _HEX.issuperset(identifier):
+        return int(identifier[:16], 16)
     return int(xxhash.xxh3_64_intdigest(identifier.encode("utf-8", "surrogatepass"), seed=0))
 
 
@@ -169,6 +195,7 @@ class Decoder:
         "_fast",
         "_garr",
         "_gextra",
+        "_layout",
         "_lora_bytes",
         "_map_first",
         "_salts",
@@ -186,6 +213,7 @@ class Decoder:
         hash_format: int = HASH_FORMAT_STANDARD,
         options: DecodeOptions | None = None,
         fast: bool = True,
+        kind: EngineKind = EngineKind.VLLM,
     ) -> None:
         if kv_block_size <= 0:
             raise ValueError("kv_block_size must be positive")
@@ -195,6 +223,7 @@ class Decoder:
         self.dp_rank = dp_rank
         self.extra = 1 if hash_format == HASH_FORMAT_EAGLE else 0
         self.options = options or DecodeOptions()
+        self._layout = _LAYOUTS[kind]
         # learned kv-cache group kinds: -1 unknown, 0 not full attention, 1 full attention
         self._garr = np.full(FW.MAX_GROUPS, -1, dtype=np.int8)
         self._gextra: dict[int, bool] = {}
@@ -255,6 +284,8 @@ class Decoder:
             self.block_size,
             self.extra,
             self.options.drop_self_reference,
+            self._layout.walker_ids,
+            self._layout.walker_len,
         )
         if rc != FW.OK:
             return None
@@ -311,11 +342,8 @@ class Decoder:
     def _envelope(
         self, payload: bytes, stats: DecodeStats
     ) -> tuple[float, int | None, list[Any], bool]:
-        order = (
-            (wire.MAP_ENVELOPE, wire.ARR_ENVELOPE)
-            if self._map_first
-            else (wire.ARR_ENVELOPE, wire.MAP_ENVELOPE)
-        )
+        arr = self._layout.envelope
+        order = (wire.MAP_ENVELOPE, arr) if self._map_first else (arr, wire.MAP_ENVELOPE)
         for dec in order:
             try:
                 env = dec.decode(payload)
@@ -357,8 +385,8 @@ class Decoder:
                 items = wire.ARR_ITEMS.decode(raw)
                 tag = wire.STR.decode(items[0]) if items else None
                 if tag in wire.KNOWN_TAGS:
-                    ev = wire.ARR_EVENT.decode(raw)
-                    stats.unknown_fields += max(0, len(items) - wire.ARR_LEN[tag])
+                    ev = self._layout.event.decode(raw)
+                    stats.unknown_fields += max(0, len(items) - self._layout.lengths[tag])
                     return ev
             else:
                 tag = None

@@ -22,7 +22,13 @@ class SeqLengthError(FrameError):
 
 
 class TopicMismatchError(FrameError):
+    """The topic frame does not start with the configured topic; ``seen`` is what it carried."""
+
     kind = "topic_mismatch"
+
+    def __init__(self, message: str, seen: bytes = b"") -> None:
+        super().__init__(message)
+        self.seen = seen
 
 
 class MalformedPayloadError(DecodeError):

@@ -1,7 +1,9 @@
 """Multipart frame checks for live messages ``[topic, seq(8 B big-endian u64), payload]``.
 
-ZMQ SUB filtering is a prefix match, so the topic frame is compared for equality here: a
-subscription to ``kv`` would also deliver ``kv-events`` (another stream with its own sequence).
+The configured topic is a prefix, exactly as a ZMQ subscription is (and as vLLM's and Dynamo's
+subscribers use it): ``kv`` accepts ``kv-events``, ``""`` accepts every message. The subscriber
+subscribes to everything and filters here, so a message dropped for its topic is counted and can
+be reported with the topic it carried, where a ZMQ-side filter would drop it silently.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvrelay.ingest.errors import FrameCountError, SeqLengthError, TopicMismatchError
+from kvrelay.ingest.sglang import EPOCH_MARKER, split_topic
 
 END_SEQ = b"\xff" * 8
 
@@ -24,9 +27,29 @@ def check_live(frames: Sequence[bytes], topic: bytes) -> tuple[int, bytes]:
     """Validate a live message; returns ``(seq, payload)`` or raises a ``FrameError``."""
     if len(frames) != 3:
         raise FrameCountError(f"live message has {len(frames)} frames, expected 3")
-    if bytes(frames[0]) != topic:
-        raise TopicMismatchError("topic frame differs from the configured topic")
+    seen = bytes(frames[0])
+    if not seen.startswith(topic):
+        raise TopicMismatchError("topic frame does not start with the configured topic", seen)
     return parse_seq(frames[1]), bytes(frames[2])
+
+
+def check_live_sglang(frames: Sequence[bytes], topic: bytes) -> tuple[int, bytes, bytes | None]:
+    """``check_live`` for SGLang: after the topic prefix the frame may carry the publisher's
+    epoch (and a snapshot barrier id, §21.3); returns ``(seq, payload, epoch or None)``. A
+    malformed epoch decoration is a topic mismatch."""
+    if len(frames) != 3:
+        raise FrameCountError(f"live message has {len(frames)} frames, expected 3")
+    seen = bytes(frames[0])
+    if not seen.startswith(topic):
+        raise TopicMismatchError("topic frame does not start with the configured topic", seen)
+    epoch = None
+    cut = seen.find(EPOCH_MARKER, len(topic))
+    if cut >= 0:
+        parts = split_topic(seen, seen[:cut])
+        if parts is None:
+            raise TopicMismatchError("malformed SGLang epoch in the topic frame", seen)
+        epoch = parts[0]
+    return parse_seq(frames[1]), bytes(frames[2]), epoch
 
 
 def check_replay(frames: Sequence[bytes], topic: bytes) -> tuple[int, bytes] | None:
@@ -41,6 +64,8 @@ def check_replay(frames: Sequence[bytes], topic: bytes) -> tuple[int, bytes] | N
     seq_frame, payload = bytes(frames[-2]), bytes(frames[-1])
     if seq_frame == END_SEQ and not payload:
         return None
-    if n == 4 and bytes(frames[1]) != topic:
-        raise TopicMismatchError("replay topic frame differs from the configured topic")
+    if n == 4 and not bytes(frames[1]).startswith(topic):
+        raise TopicMismatchError(
+            "replay topic frame does not start with the configured topic", bytes(frames[1])
+        )
     return parse_seq(seq_frame), payload

@@ -1,4 +1,4 @@
-"""Request salts of relay-contract §7.1 for ingest, cached per name.
+"""Request salts (``docs/contract.md`` §7.1) for ingest, cached per name.
 
 Delegates to ``kvrelay.hashing.tokens`` (the single definition of §7.1); the caches matter because
 the decoder asks once per store event and the set of LoRA names/namespaces is small.

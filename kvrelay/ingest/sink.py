@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
+from kvrelay.ingest.kinds import EngineKind
 from kvrelay.ingest.options import DecodeOptions
 from kvrelay.pool.batch import EventBatch
 
@@ -26,12 +27,23 @@ class ResetReason(enum.Enum):
     GAP_NO_REPLAY = "gap_no_replay"  # live gap and no replay endpoint
     REORDER_OVERFLOW = "reorder_overflow"  # reorder buffer bound hit while waiting for a replay
     REPLAY_FAILED = "replay_failed"  # replay timed out / broke while a hole was open
+    RECONNECT = "reconnect"  # the publisher reconnected and no replay can vouch for its state
+    BAD_BATCH = "bad_batch"  # a batch that cannot be decoded or applied, even when re-fetched
+    RESTORE_UNVERIFIED = "restore_unverified"  # restored state, and no replay to vouch for it
 
 
 class BatchSink(Protocol):
-    def on_batch(self, source: SourceKey, seq: int, batch: EventBatch) -> None: ...
+    def on_batch(self, source: SourceKey, seq: int, batch: EventBatch) -> None:
+        """Apply one decoded batch; raises ``MalformedBatch`` (state untouched) to reject it."""
+        ...
 
-    def on_reset(self, source: SourceKey, reason: ResetReason) -> None: ...
+    def on_reset(self, source: SourceKey, reason: ResetReason) -> None:
+        """Drop everything the member holds."""
+        ...
+
+    def on_failed(self, source: SourceKey, error: BaseException) -> None:
+        """The subscriber crashed and stopped: its member can no longer be vouched for."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +52,8 @@ class SourceSpec:
 
     ``endpoint``/``replay_endpoint`` are connectable addresses (DP offset applied, wildcard hosts
     already substituted by discovery). ``hash_format``: 1 = DYNAMO_STANDARD_V1, 2 = EAGLE_V1.
+    ``kind``: the engine family, which picks the event layout and topic rules (§21).
+    ``engine`` and ``pool`` are the operator's names, for logs (the key holds hashed ids).
     """
 
     endpoint: str
@@ -50,6 +64,9 @@ class SourceSpec:
     kv_block_size: int
     hash_format: int = 1
     options: DecodeOptions = field(default_factory=DecodeOptions)
+    kind: EngineKind = EngineKind.VLLM
+    engine: str = ""
+    pool: str = ""
 
     @property
     def key(self) -> SourceKey:

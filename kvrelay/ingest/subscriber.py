@@ -1,6 +1,6 @@
 """One asyncio subscriber per (engine, dp_rank): SUB live stream + DEALER replay, in seq order.
 
-Algorithm (vllm-events.md §2.5, kvrelay's decisions):
+Algorithm (``docs/contract.md`` §16, kvrelay's decisions in §16.5):
 
 * SUB connects first, then (if a replay endpoint exists) a DEALER asks for ``[b"", seq_be8]``
   from 0 (or ``start_seq``). Live messages arriving meanwhile wait in a bounded ``ReorderBuffer``;
@@ -15,36 +15,71 @@ Algorithm (vllm-events.md §2.5, kvrelay's decisions):
   buffer, restart from the next live message.
 * Replay inactivity timeout = replay failure (counted); same hole handling.
 
-Receive loop: await one message, drain up to ``drain`` more with NOBLOCK on a sync shadow socket,
-then yield. Only state changes are logged; per-message outcomes are counters.
+Vouching for the incarnation. A restarted engine numbers its batches from 0 again, so after a
+reconnect (seen on the SUB socket's monitor) or before a gap is filled, the relay cannot tell its
+new batches from the old ones by sequence alone. It remembers a digest of the last batch it
+applied and asks the replay for that batch first: the same bytes mean the same incarnation; any
+other answer (other bytes, a later first batch, nothing) means the state can no longer be vouched
+for, and the member is reset and rebuilt from the new incarnation's replay at 0. Without a replay
+endpoint a reconnect resets the member.
+
+SGLang publishers with a snapshot endpoint name their epoch (incarnation) in the topic frame
+(§21.3): a change of epoch is a restart, handled like a backwards sequence whatever the sequence.
+
+Bad batches. A batch that fails to decode (or that the pool rejects as malformed) leaves the
+member's state untouched but stale: the relay asks the replay for that batch again (a corrupted
+live message repairs itself); if it is bad again, or no replay exists, the member is reset and
+continues after it. A subscriber that crashes reports it to its sink (which resets the member and
+restarts the source); it never keeps running as if its state were exact.
+
+Receive loop: wait for the SUB socket or its monitor, then drain up to ``drain`` messages with
+NOBLOCK on a sync shadow socket, then yield. Only state changes are logged; per-message outcomes
+are counters.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
+import xxhash
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from kvrelay._aio import cancel_and_wait
 from kvrelay.ingest.counters import SubscriberCounters
 from kvrelay.ingest.decoder import Decoder
-from kvrelay.ingest.errors import DecodeError, FrameError
-from kvrelay.ingest.frames import check_live, check_replay
+from kvrelay.ingest.errors import DecodeError, FrameError, TopicMismatchError
+from kvrelay.ingest.frames import check_live, check_live_sglang, check_replay
+from kvrelay.ingest.kinds import EngineKind
 from kvrelay.ingest.reorder import ReorderBuffer
 from kvrelay.ingest.sink import BatchSink, ResetReason, SourceSpec
 from kvrelay.logging import get_logger
+from kvrelay.pool.errors import MalformedBatch
 
-_log = get_logger("kvrelay.ingest")
+_LOGGER = "kvrelay.ingest"
 
 _ABORTED = 2  # replay outcome: reorder overflow, buffer dropped
 _DONE = 1
 _FAILED = 0
+_RESTARTED = 3  # the replay does not hold the last applied batch: another incarnation
+
+#: TCP keepalive on the SUB connection, so a silent network partition shows up as a disconnect.
+_KEEPALIVE_IDLE_S, _KEEPALIVE_INTVL_S, _KEEPALIVE_CNT = 10, 5, 3
+
+
+def _digest(payload: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
 
 
 class Subscriber:
-    """Lifecycle: ``await start()`` … ``await stop()``. Counters in ``.counters``."""
+    """Lifecycle: ``await start()`` … ``await stop()``. Counters in ``.counters``.
+
+    Liveness for the pool: ``connected``, ``disconnected_since`` (monotonic; since start when it
+    never connected), ``last_message_at``, and ``failure`` once the task crashed.
+    """
 
     def __init__(
         self,
@@ -58,11 +93,20 @@ class Subscriber:
         reorder_max_messages: int = 10_000,
         reorder_max_bytes: int = 64 << 20,
         replay_timeout: float = 2.0,
+        resume: tuple[int, int] | None = None,
     ) -> None:
+        """``resume=(seq, digest)``: the member's state is already that of every batch up to
+        ``seq`` (restored from a state file), ``digest`` being that batch's. The subscriber
+        vouches for it first — the replay must still hold that batch with the same bytes — and
+        then goes on from ``seq + 1``; anything else resets the member and rebuilds it."""
         self.spec = spec
         self.key = spec.key
         self.counters = SubscriberCounters()
         self.state = "new"
+        self.connected = False
+        self.disconnected_since: float | None = time.monotonic()
+        self.last_message_at: float | None = None
+        self.failure: BaseException | None = None
         self._sink = sink
         self._ctx = context if context is not None else zmq.asyncio.Context.instance()
         self._drain = drain
@@ -74,33 +118,75 @@ class Subscriber:
             dp_rank=spec.dp_rank,
             hash_format=spec.hash_format,
             options=spec.options,
+            kind=spec.kind,
         )
+        self._sglang = spec.kind is EngineKind.SGLANG
+        self._epoch: bytes | None = None  # SGLang: the publisher epoch last seen
+        self._epoch_known = False
         self._start_seq = start_seq
         self._next: int | None = None
         self._dup_lo, self._dup_hi = 0, -1
         self._replay_from: int | None = None
         self._dirty = start_seq > 0
+        self._last: tuple[int, int] | None = None  # (seq, digest) of the last batch handled
+        self._bad_seq: int | None = None  # a batch that failed once and is being re-fetched
+        self._in_replay = False
+        self._resume = resume
+        if resume is not None:
+            self._next, self._last, self._dirty = resume[0] + 1, resume, True
+        self._ever_connected = False
+        self._reconnected = False
         self._sub: zmq.asyncio.Socket | None = None
         self._sub_sync: zmq.Socket[Any] | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._monitor_sync: zmq.Socket[Any] | None = None
         self._task: asyncio.Task[None] | None = None
-        self._sink_errors = 0
+        self._topic_warned = False
+        # operator names, not hashed ids: which engine, pool and rank a line is about
+        self._log = get_logger(
+            _LOGGER, pool=spec.pool, engine=spec.engine or str(spec.worker_id),
+            dp_rank=spec.dp_rank,
+        )
 
     @property
     def next_seq(self) -> int | None:
         """Next expected sequence (``None`` before a baseline exists)."""
         return self._next
 
+    def resume_point(self) -> tuple[int, int] | None:
+        """``(seq, digest)`` of the last applied batch when the member's state is exactly that
+        of every batch up to it (what a state file may record); None when it is not (nothing
+        applied, a bad batch being re-fetched, a rebuild under way, a crash)."""
+        last = self._last
+        if self.state == "failed" or last is None or self._bad_seq is not None:
+            return None
+        if self._next is None or last[0] != self._next - 1:
+            return None
+        return last
+
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         if self._task is not None:
             return
         sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
-        sub.setsockopt(zmq.SUBSCRIBE, self.spec.topic)
-        sub.connect(self.spec.endpoint)
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
+            sub.setsockopt(zmq.TCP_KEEPALIVE, 1)
+            sub.setsockopt(zmq.TCP_KEEPALIVE_IDLE, _KEEPALIVE_IDLE_S)
+            sub.setsockopt(zmq.TCP_KEEPALIVE_INTVL, _KEEPALIVE_INTVL_S)
+            sub.setsockopt(zmq.TCP_KEEPALIVE_CNT, _KEEPALIVE_CNT)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")  # topic prefix checked in frames.py: counted
+            monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            sub.connect(self.spec.endpoint)
+        except BaseException:
+            sub.close(linger=0)
+            raise
         self._sub = sub
         self._sub_sync = zmq.Socket.shadow(sub.underlying)
+        self._monitor = monitor
+        self._monitor_sync = zmq.Socket.shadow(monitor.underlying)
+        self.disconnected_since = time.monotonic()
         self._task = asyncio.create_task(self._run(), name=f"kvrelay-sub-{self.key}")
 
     async def stop(self) -> None:
@@ -108,26 +194,47 @@ class Subscriber:
         if task is not None:
             await cancel_and_wait(task)
         if self._sub is not None:
+            if self._monitor is not None:
+                self._sub.disable_monitor()
+                self._monitor.close(linger=0)
             self._sub.close(linger=0)
-            self._sub = None
-            self._sub_sync = None
-        self.state = "stopped"
+        self._sub = self._sub_sync = None
+        self._monitor = self._monitor_sync = None
+        if self.state != "failed":
+            self.state = "stopped"
 
     # ---- main loop ------------------------------------------------------------------------
     async def _run(self) -> None:
         assert self._sub is not None and self._sub_sync is not None
+        assert self._monitor is not None
         sub, shadow = self._sub, self._sub_sync
         try:
-            if self.spec.replay_endpoint:
+            if self._resume is not None:
+                if self.spec.replay_endpoint:
+                    await self._sync(self._resume[0] + 1, bootstrap=False)
+                else:  # nothing can vouch for the restored state
+                    self._reset(ResetReason.RESTORE_UNVERIFIED)
+                    self._next, self._last = None, None
+            elif self.spec.replay_endpoint:
                 self._next = self._start_seq
                 await self._sync(self._start_seq, bootstrap=True)
             elif self._start_seq > 0:
                 self._next = self._start_seq
             self._set_state("live")
+            poller = zmq.asyncio.Poller()
+            poller.register(sub, zmq.POLLIN)
+            poller.register(self._monitor, zmq.POLLIN)
             drain = self._drain
             while True:
-                frames = await sub.recv_multipart(copy=True)
-                self._on_live(frames)
+                while self._replay_from is not None:
+                    start, self._replay_from = self._replay_from, None
+                    await self._sync(start, bootstrap=False)
+                    self._set_state("live")
+                await poller.poll()
+                self._watch_connection()
+                if self._reconnected:
+                    self._reconnected = False
+                    self._after_reconnect()
                 for _ in range(drain):
                     if self._replay_from is not None:
                         break
@@ -136,31 +243,94 @@ class Subscriber:
                     except zmq.Again:
                         break
                     self._on_live(frames)
-                if self._replay_from is not None:
-                    start, self._replay_from = self._replay_from, None
-                    await self._sync(start, bootstrap=False)
-                    self._set_state("live")
                 await asyncio.sleep(0)
         except asyncio.CancelledError:
             raise
-        except Exception:
-            _log.exception("subscriber crashed", source=tuple(self.key))
+        except Exception as exc:
+            self.failure = exc
             self.state = "failed"
-            raise
+            self._log.exception("subscriber_crashed", error=f"{type(exc).__name__}: {exc}")
+            self._sink.on_failed(self.key, exc)
 
     def _set_state(self, state: str) -> None:
         if state != self.state:
             self.state = state
-            _log.info("subscriber state", source=tuple(self.key), state=state, next_seq=self._next)
+            self._log.info("subscriber_state", state=state, next_seq=self._next)
+
+    # ---- connection monitor -----------------------------------------------------------------
+    def _watch_connection(self) -> None:
+        """Apply the SUB socket's connect/disconnect events. A disconnect first drains what the
+        old connection delivered (those batches precede any reconnect); a connect after a
+        disconnect is a reconnect the next loop step must vouch for."""
+        mon = self._monitor_sync
+        assert mon is not None
+        while True:
+            try:
+                msg = mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = parse_monitor_message(msg)["event"]
+            if event == zmq.EVENT_CONNECTED and not self.connected:
+                self.connected = True
+                self.disconnected_since = None
+                if self._ever_connected:
+                    self.counters.reconnects += 1
+                    self._reconnected = True
+                self._ever_connected = True
+            elif event == zmq.EVENT_DISCONNECTED and self.connected:
+                self.connected = False
+                self.disconnected_since = time.monotonic()
+                self._drain_queued()
+
+    def _drain_queued(self) -> None:
+        assert self._sub_sync is not None
+        while self._replay_from is None:
+            try:
+                frames = self._sub_sync.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._on_live(frames)
+
+    def _after_reconnect(self) -> None:
+        """The publisher may have restarted: vouch for the incarnation before going on."""
+        self._log.info("source_reconnected", next_seq=self._next)
+        if self._next is None or self._last is None:
+            return  # nothing applied yet: whatever comes is a baseline
+        if not self.spec.replay_endpoint:
+            self._reset(ResetReason.RECONNECT)
+            self._next = None  # the next live message is the new baseline
+            return
+        if self._replay_from is None:
+            self._replay_from = self._next  # the replay checks the last batch first
 
     # ---- live path ------------------------------------------------------------------------
+    def _check(self, frames: list[bytes]) -> tuple[int, bytes, bool]:
+        """``(seq, payload, new_epoch)``; raises ``FrameError``. ``new_epoch``: an SGLang
+        publisher announced an epoch other than the one seen before (it restarted)."""
+        if not self._sglang:
+            seq, payload = check_live(frames, self.spec.topic)
+            return seq, payload, False
+        seq, payload, epoch = check_live_sglang(frames, self.spec.topic)
+        if not self._epoch_known:
+            self._epoch, self._epoch_known = epoch, True
+            return seq, payload, False
+        if epoch == self._epoch:
+            return seq, payload, False
+        self._epoch = epoch
+        self.counters.epoch_changes += 1
+        return seq, payload, True
+
     def _on_live(self, frames: list[bytes]) -> None:
         c = self.counters
         c.messages += 1
+        self.last_message_at = time.monotonic()
         try:
-            seq, payload = check_live(frames, self.spec.topic)
+            seq, payload, new_epoch = self._check(frames)
         except FrameError as exc:
-            c.reject(exc.kind)
+            self._rejected(exc)
+            return
+        if new_epoch:
+            self._incarnation(seq, payload, epoch=True)
             return
         nxt = self._next
         if nxt is None:
@@ -192,30 +362,36 @@ class Subscriber:
             c.gaps += 1
             self._replay_from = nxt
 
-    def _incarnation(self, seq: int, payload: bytes) -> None:
-        _log.warning(
-            "sequence went backwards", source=tuple(self.key), seq=seq, expected=self._next
-        )
-        self._reset(ResetReason.INCARNATION)
+    def _incarnation(self, seq: int, payload: bytes, *, epoch: bool = False) -> None:
+        if epoch:
+            self._log.warning("epoch_changed", seq=seq, expected=self._next)
+        else:
+            self._log.warning("sequence_backwards", seq=seq, expected=self._next)
+        replay = seq > 0 and bool(self.spec.replay_endpoint)
+        self._restart_from_zero(ResetReason.INCARNATION, replay=replay)
+        if replay:
+            self._buf.put(seq, payload)
+        else:
+            self._apply(seq, payload)
+
+    def _restart_from_zero(self, reason: ResetReason, *, replay: bool = True) -> None:
+        """Another incarnation: drop the member's state and rebuild from its replay at 0."""
+        self._reset(reason)
         self._buf.clear()
         self._replay_from = None
         self._dup_lo, self._dup_hi = 0, -1
-        if seq == 0 or not self.spec.replay_endpoint:
-            self._apply(seq, payload)
-            return
-        self._next = 0
-        self._buf.put(seq, payload)
-        self._replay_from = 0
+        self._last = None
+        self._bad_seq = None
+        if replay and self.spec.replay_endpoint:
+            self._next = 0
+            self._replay_from = 0
+        else:
+            self._next = None
 
     def _overflow(self) -> None:
         c = self.counters
         c.reorder_overflows += 1
-        _log.warning(
-            "reorder buffer full; member reset",
-            source=tuple(self.key),
-            messages=len(self._buf),
-            bytes=self._buf.nbytes,
-        )
+        self._log.warning("reorder_overflow", messages=len(self._buf), bytes=self._buf.nbytes)
         self._reset(ResetReason.REORDER_OVERFLOW)
         self._buf.clear()
         self._replay_from = None
@@ -229,20 +405,63 @@ class Subscriber:
             res = self._decoder.decode(payload)
         except DecodeError as exc:
             c.reject(exc.kind)
+            self._bad_batch(seq, payload, exc.kind)
             return
         c.add_stats(res.stats)
         batch = res.batch
+        try:
+            self._sink.on_batch(self.key, seq, batch)
+        except MalformedBatch as exc:  # rejected whole, state untouched
+            c.reject("malformed_batch")
+            self._bad_batch(seq, payload, f"malformed_batch: {exc}")
+            return
         c.batches += 1
         c.events += batch.n_events
         c.blocks += batch.n_blocks
         self._dirty = True
-        try:
-            self._sink.on_batch(self.key, seq, batch)
-        except Exception:
-            self._sink_errors += 1
-            c.reject("sink_error")
-            if self._sink_errors == 1:
-                _log.exception("sink raised on a batch", source=tuple(self.key), seq=seq)
+        self._last = (seq, _digest(payload))
+        if self._bad_seq == seq:
+            self._bad_seq = None
+            c.repairs += 1
+            self._log.info("bad_batch_repaired", seq=seq)
+        # replayed history would count its own age, not the relay's lag: live messages only
+        c.observe_applied(res.ts, live=not self._in_replay)
+
+    def _rejected(self, exc: FrameError) -> None:
+        """Count a rejected message; the first topic mismatch of a source is logged with the
+        topic it carried (a misconfigured topic otherwise looks like a silent engine)."""
+        self.counters.reject(exc.kind)
+        if isinstance(exc, TopicMismatchError) and not self._topic_warned:
+            self._topic_warned = True
+            self._log.warning(
+                "topic_mismatch",
+                topic=self.spec.topic.decode(errors="replace"),
+                seen=exc.seen[:128].decode(errors="replace"),
+                hint="the configured topic must be a prefix of the engine's (\"\" = any)",
+            )
+
+    def _bad_batch(self, seq: int, payload: bytes, why: str) -> None:
+        """``seq`` could not be applied: re-fetch it once from the replay, else reset."""
+        c = self.counters
+        c.bad_batches += 1
+        retry = (
+            self.spec.replay_endpoint
+            and not self._in_replay
+            and self._bad_seq != seq
+            and self._last is not None
+            and self._last[0] == seq - 1
+        )
+        if retry:
+            self._bad_seq = seq
+            self._next = seq
+            self._buf.clear()
+            self._replay_from = seq  # verified against the batch before it, then re-fetched
+            self._log.warning("bad_batch", seq=seq, why=why, action="replay")
+            return
+        self._log.warning("bad_batch", seq=seq, why=why, action="reset")
+        self._bad_seq = None
+        self._reset(ResetReason.BAD_BATCH)
+        self._last = (seq, _digest(payload))
 
     def _reset(self, reason: ResetReason) -> None:
         self._decoder.reset()
@@ -252,12 +471,7 @@ class Subscriber:
         c = self.counters
         c.resets += 1
         c.resets_by_reason[reason.value] = c.resets_by_reason.get(reason.value, 0) + 1
-        _log.warning("member reset", source=tuple(self.key), reason=reason.value)
-        try:
-            self._sink.on_reset(self.key, reason)
-        except Exception:
-            c.reject("sink_error")
-            _log.exception("sink raised on reset", source=tuple(self.key))
+        self._sink.on_reset(self.key, reason)  # the pool logs member_reset
 
     def _drain_buffer(self) -> bool:
         """Applies buffered messages that are now in order; True if a hole remains before them."""
@@ -265,6 +479,8 @@ class Subscriber:
         while len(buf):
             s = buf.min_seq()
             assert s is not None and self._next is not None
+            if self._replay_from is not None:
+                return True  # a bad batch asked for a re-fetch: the rest waits for it
             if s < self._next:
                 buf.pop()
                 self.counters.duplicates += 1
@@ -286,15 +502,39 @@ class Subscriber:
     # ---- replay ---------------------------------------------------------------------------
     async def _sync(self, start: int, *, bootstrap: bool) -> None:
         """Replay from ``start`` until contiguous with the buffered live stream (≤ 2 requests:
-        the second one covers a slow-joining SUB that missed batches after the first replay)."""
+        the second one covers a slow-joining SUB that missed batches after the first replay).
+
+        Outside the bootstrap, the replay first re-reads the last applied batch: if it is not
+        there with the same bytes, the engine is another incarnation and the member is rebuilt
+        from 0."""
         self._set_state("replaying")
-        for attempt in range(2):
-            outcome = await self._replay_once(start, bootstrap=bootstrap and attempt == 0)
+        attempt = 0
+        restarted = False
+        while attempt < 2:
+            verify = None if bootstrap else self._last
+            if verify is not None and verify[0] != start - 1:
+                verify = None  # the last handled batch is not the one before the hole
+            outcome = await self._replay_once(
+                start, bootstrap=bootstrap and attempt == 0, verify=verify
+            )
             if outcome == _ABORTED:
                 return
+            if outcome == _RESTARTED and not restarted:
+                restarted = True  # rebuild once from 0; a second mismatch is a plain hole
+                self.counters.incarnations_detected += 1
+                self._log.warning("incarnation_unverified", asked=start)
+                self._restart_from_zero(ResetReason.INCARNATION)
+                self._replay_from = None
+                start, bootstrap, attempt = 0, True, 0
+                continue
+            first_try = attempt == 0
+            attempt += 1
             hole = self._drain_buffer()
+            if self._replay_from is not None:  # a buffered batch was bad: re-fetch it
+                start, self._replay_from = self._replay_from, None
+                continue
             if not hole:
-                if outcome == _FAILED and bootstrap and attempt == 0 and self._next == start:
+                if outcome == _FAILED and bootstrap and first_try and self._next == start:
                     self._next = None  # nothing known: take the first live message as baseline
                 return
             if outcome == _FAILED:
@@ -304,18 +544,22 @@ class Subscriber:
             start = self._next
         self._jump_hole(ResetReason.GAP_UNRECOVERABLE)
 
-    async def _replay_once(self, start: int, *, bootstrap: bool) -> int:
+    async def _replay_once(
+        self, start: int, *, bootstrap: bool, verify: tuple[int, int] | None = None
+    ) -> int:
         c = self.counters
         c.replays += 1
         assert self.spec.replay_endpoint and self._sub is not None and self._sub_sync is not None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.RCVHWM, 0)
+        ask = start if verify is None else verify[0]
+        self._in_replay = True
         try:
             dealer.connect(self.spec.replay_endpoint)
             dsync: zmq.Socket[Any] = zmq.Socket.shadow(dealer.underlying)
-            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            self._dup_lo, self._dup_hi = start, start - 1
+            await dealer.send_multipart([b"", ask.to_bytes(8, "big")])
+            self._dup_lo, self._dup_hi = ask, ask - 1
             self._next = start if self._next is None else self._next
             poller = zmq.asyncio.Poller()
             poller.register(dealer, zmq.POLLIN)
@@ -332,7 +576,7 @@ class Subscriber:
                 )
                 if not ready and loop.time() >= deadline:
                     c.replay_failures += 1
-                    _log.warning("replay timed out", source=tuple(self.key), start=start)
+                    self._log.warning("replay_timeout", start=ask)
                     return _FAILED
                 if self._sub in ready and not self._buffer_live():
                     return _ABORTED
@@ -347,13 +591,22 @@ class Subscriber:
                     try:
                         item = check_replay(frames, topic)
                     except FrameError as exc:
-                        c.reject(exc.kind)
+                        self._rejected(exc)
                         continue
                     if item is None:
-                        return _DONE
+                        return _RESTARTED if first and verify is not None else _DONE
                     seq, payload = item
                     c.messages += 1
                     c.replayed_messages += 1
+                    if first and verify is not None and seq == verify[0]:
+                        first = False
+                        if _digest(payload) != verify[1]:
+                            return _RESTARTED  # same number, other bytes: another incarnation
+                        self._dup_hi = seq
+                        c.duplicates += 1
+                        continue
+                    # (a first batch later than the one asked for: history is gone, handled
+                    # below like any missing history — reset, then go on from here)
                     if seq > self._dup_hi:
                         self._dup_hi = seq
                     nxt = self._next
@@ -363,12 +616,7 @@ class Subscriber:
                         continue
                     if seq > nxt or (first and seq > start):
                         c.missing_history += 1
-                        _log.warning(
-                            "replay history missing",
-                            source=tuple(self.key),
-                            asked=nxt,
-                            first=seq,
-                        )
+                        self._log.warning("replay_history_missing", asked=nxt, first=seq)
                         self._reset(
                             ResetReason.MISSING_HISTORY
                             if bootstrap
@@ -378,6 +626,7 @@ class Subscriber:
                     self._apply(seq, payload)
                 await asyncio.sleep(0)
         finally:
+            self._in_replay = False
             dealer.close(linger=0)
 
     def _buffer_live(self) -> bool:
@@ -390,11 +639,17 @@ class Subscriber:
             except zmq.Again:
                 break
             c.messages += 1
+            self.last_message_at = time.monotonic()
             try:
-                seq, payload = check_live(frames, self.spec.topic)
+                seq, payload, new_epoch = self._check(frames)
             except FrameError as exc:
-                c.reject(exc.kind)
+                self._rejected(exc)
                 continue
+            if new_epoch:  # a restart while replaying: start over from the new epoch's 0
+                self._log.warning("epoch_changed", seq=seq, during="replay")
+                self._restart_from_zero(ResetReason.INCARNATION)
+                self._buf.put(seq, payload)
+                return False
             if self._next is not None and seq < self._next:
                 c.duplicates += 1
                 continue

@@ -1,4 +1,4 @@
-"""The apply kernel: one numba call per ``EventBatch`` for one member (spec §7.3, §8.2).
+"""The apply kernel: one numba call per ``EventBatch`` for one member (§7.3, §8.2).
 
 Each store is validated completely (parent, token count, self-reference, conflicting re-store)
 before anything is mutated, so a rejected event leaves tables, CKF and dirty log untouched.

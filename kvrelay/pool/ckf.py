@@ -1,4 +1,4 @@
-"""Cuckoo filter (CKF) kernels over a flat ``uint64`` bucket table (spec §6).
+"""Cuckoo filter (CKF) kernels over a flat ``uint64`` bucket table (``docs/contract.md`` §6).
 
 A bucket is one u64 word holding 4 × 16-bit fingerprint slots (slot 0 = low 16 bits, 0 = empty).
 Addressing follows §6.3 exactly so that consumers probing with the same seed find our entries.

@@ -598,6 +598,28 @@ def repack(otm: U64, ow: U64, ntm: U64, nw: U64, remap: U32) -> None:
                 put_bits(nw, off2 + rb, npb, p)
 
 
+@njit(cache=True, _nrt=False)  # type: ignore[misc,call-overload,untyped-decorator]
+def check_entries(tm: U64, w: U64) -> Int:
+    """Used slots, or -1 if the tag and data regions are not a table these kernels could have
+    written: a free slot's tag byte not zero, or a used slot that a lookup of its own key would
+    not find (remainder bits no key in that bucket produces, a key held twice). Any other bits
+    decode to some valid key: quotienting cannot tell a flipped or moved entry from another key
+    (the state file's checksum covers that)."""
+    n = 0
+    for q in range(np.int64(tm[TM_CAP]) >> 3):
+        wd = w[q]
+        used = wd & _H8
+        if wd & (((~wd & _H8) >> np.uint64(7)) * _FF) != _ZERO:
+            return -1
+        while used != _ZERO:
+            s = q * 8 + (ctz(used) >> 3)
+            used &= used - _ONE
+            if find(tm, w, y_of(tm, w, s)) != s:
+                return -1
+            n += 1
+    return n
+
+
 # ---- Python side ---------------------------------------------------------------------------------
 
 
@@ -704,6 +726,30 @@ class PackedTable:
         elif self.kicks:
             raise ValueError("cuckoo tables move entries: nothing may refer to their slots")
         return t if rebuild(self.tm, self.w, t.tm, t.w, remap, sc.walk) else None
+
+    @classmethod
+    def restored(
+        cls, d: int, b: int, pbits: int, kicks: int, salt: int, tm: U64, w: U64
+    ) -> PackedTable:
+        """The table held by exported arrays ``tm``/``w`` (taken, not copied), after checks that
+        they are exactly what a table of this shape, payload width, policy and salt (with one
+        bucket count for all subtables, as ``sizing`` keeps them) could hold; ValueError if not."""
+        if tm.dtype != np.uint64 or tm.shape != (TM_LEN,) or w.dtype != np.uint64 or w.ndim != 1:
+            raise ValueError("packed table arrays of the wrong type or shape")
+        nb = int(tm[TM_SUB + S_NB])
+        k = nb.bit_length() - 1
+        words = nb * d * b // 8 + d * -(-(nb * b * (57 - k + pbits)) // 64)
+        if not 1 <= nb <= MAX_NB or words != w.shape[0]:
+            raise ValueError("packed table size disagrees with its arrays")
+        t = cls(d, b, pbits, [nb] * d, salt, kicks)
+        shape = np.ones(TM_LEN, dtype=np.bool_)
+        shape[[TM_LIVE, TM_RNG]] = False  # the only words that change after construction
+        if not np.array_equal(t.tm[shape], tm[shape]) or (kicks and tm[TM_RNG] == 0):
+            raise ValueError("packed table shape or salt disagrees with the layout")
+        if check_entries(tm, w) != int(tm[TM_LIVE]):
+            raise ValueError("packed table entries are not a table this layout writes")
+        t.tm, t.w = tm, w
+        return t
 
     def entries(self) -> tuple[U64, U64, I64]:
         """``(keys, payloads, slots)`` of every entry, in slot order."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import secrets
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -50,6 +51,7 @@ from kvrelay.pool.errors import (
 from kvrelay.pool.owners import (
     CODE_MASK,
     CODE_OVERFLOW,
+    INLINE_MAX,
     OWNER_PBITS,
     PM_LEN,
     PM_OVERFLOW,
@@ -59,7 +61,7 @@ from kvrelay.pool.owners import (
     RES_BIT,
     remap_overflow,
 )
-from kvrelay.pool.packed import TM_LIVE, PackedTable, Scratch
+from kvrelay.pool.packed import TM_LIVE, PackedTable, Scratch, check_entries
 from kvrelay.pool.sizing import LINEAGE, OWNERS
 from kvrelay.pool.tables import (
     EMPTY32,
@@ -94,8 +96,8 @@ _warmed = False
 
 def _warm_layout_kernels() -> None:
     """Compile (or load from numba's cache) the table-maintenance kernels once per process, on
-    empty tables: they otherwise first run at a pool's first growth, and a fresh compile takes
-    seconds inside whatever batch triggered it."""
+    empty tables: they otherwise first run at a pool's first growth (or restore), and a fresh
+    compile takes seconds inside whatever batch triggered it."""
     global _warmed
     if _warmed:
         return
@@ -108,6 +110,7 @@ def _warm_layout_kernels() -> None:
     lin.repacked(2, remap)
     lin.repacked(1, remap)
     lin.entries()
+    check_entries(lin.tm, lin.w)  # a restart's restore (from_state) checks every table
     xk = np.zeros(MIN_CAP, dtype=np.uint64)
     xv = np.full(MIN_CAP, EMPTY32, dtype=np.uint32)
     remap_overflow(xk, xv, xk.copy(), xv.copy(), remap)
@@ -562,6 +565,158 @@ class Pool:
             self.owners(),
         )
 
+    # ---- state handover -------------------------------------------------------------------------
+
+    #: Bumped whenever the exported arrays change meaning; a file of another version is refused.
+    #: 2: packed tables (cuckoo lineage → owner slot, d-left owners, overflow counts).
+    STATE_VERSION = 2
+
+    def export_state(self) -> tuple[dict[str, Any], dict[str, npt.NDArray[Any]]]:
+        """The exact state as plain metadata + named arrays (views, not copies: the caller writes
+        them out before the pool changes). The CKF kick RNG, the lineage tables' walk RNGs and
+        the table salts go with it, so a restored pool places fingerprints and entries exactly as
+        the saved one would have. The dirty log and counters do not: a restored pool starts with
+        nothing pending, as a fresh generation does."""
+        arrays: dict[str, npt.NDArray[Any]] = {
+            "table": self.table, "rng": self._rng, "own.tm": self._own.tm, "own.w": self._own.w,
+            "ovf.keys": self._xk, "ovf.counts": self._xv,
+        }  # fmt: skip
+        members = []
+        for mid, m in self._members.items():
+            members.append([mid, m.worker_id, m.dp_rank, m.lin.salt])
+            arrays[f"m{mid}.lin.tm"] = m.lin.tm
+            arrays[f"m{mid}.lin.w"] = m.lin.w
+            for name in ("nkeys", "nvals", "nmeta"):
+                arrays[f"m{mid}.{name}"] = getattr(m, name)
+        meta = {
+            "next_id": self._next_id, "members": members, "salt_state": self._salt_state,
+            "owners_salt": self._own.salt,
+        }  # fmt: skip
+        return meta, arrays
+
+    @classmethod
+    def from_state(
+        cls,
+        meta: dict[str, Any],
+        arrays: dict[str, npt.NDArray[Any]],
+        *,
+        bucket_count: int,
+        seed: int,
+        block_size: int,
+        hash_format: int,
+        max_kicks: int = ckf.DEFAULT_MAX_KICKS,
+    ) -> Pool:
+        """A pool holding exported state, after checks that it is one consistent state (ValueError
+        otherwise): every array of the right type and shape, every table exactly what this
+        layout could have written (``PackedTable.restored``), every lineage entry naming a live
+        owner, refcounts (overflow table included) equal to the lineage edges, namespace entries
+        only for lineage edges, and the CKF holding as many fingerprints as there are resident
+        owners."""
+        try:
+            next_id = int(meta["next_id"])
+            salt_state = int(meta["salt_state"])
+            owners_salt = int(meta["owners_salt"])
+            rows = [(int(a), int(b), int(c), int(d)) for a, b, c, d in meta["members"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"pool metadata: {type(exc).__name__}: {exc}") from None
+        if not all(0 <= x <= _M64 for x in (salt_state, owners_salt, *(r[3] for r in rows))):
+            raise ValueError("pool metadata: salt out of range")
+        pool = cls(bucket_count, seed, block_size, hash_format, max_kicks, layout_seed=salt_state)
+        table = _state_array(arrays, "table", np.uint64)
+        rng = _state_array(arrays, "rng", np.uint64, 1)
+        if table.shape != pool.table.shape:
+            raise ValueError(f"table has {table.shape[0]} buckets, the pool {bucket_count}")
+        own = PackedTable.restored(
+            OWNERS.d, OWNERS.b, OWNER_PBITS, 0, owners_salt,
+            _state_array(arrays, "own.tm", np.uint64), _state_array(arrays, "own.w", np.uint64),
+        )  # fmt: skip
+        own.bounds = OWNERS.bounds(own.nb0)
+        _, opays, oslots = own.entries()
+        xk = _state_array(arrays, "ovf.keys", np.uint64)
+        xv = _state_array(arrays, "ovf.counts", np.uint32, xk.shape[0])
+        big = xv != EMPTY32
+        big_slots, big_counts = xk[big], xv[big]
+        n_big = int(big_slots.shape[0])
+        if xk.shape[0] < MIN_CAP or grown_cap(xk.shape[0], n_big + 1) != xk.shape[0]:
+            raise ValueError("overflow count table size out of range")
+        code = opays & CODE_MASK
+        counts = np.zeros(own.cap, dtype=np.int64)
+        counts[oslots] = code.astype(np.int64) + 1
+        over = np.sort(oslots[code == CODE_OVERFLOW].astype(np.uint64))
+        if not np.array_equal(np.sort(big_slots), over) or np.any(big_counts <= INLINE_MAX):
+            raise ValueError("overflow counts do not match the owners that need them")
+        counts[big_slots.astype(np.int64)] = big_counts
+        resident = int(np.count_nonzero(opays & RES_BIT))
+        if resident != int(np.count_nonzero(table.view(np.uint16))):
+            raise ValueError("the table does not hold exactly the resident owners")
+        ref_bits = _ref_bits(own.cap)
+        edges = np.zeros(own.cap, dtype=np.int64)
+        for mid, wid, rank, salt in rows:
+            if not 0 <= mid < next_id or mid in pool._members or (wid, rank) in pool._ids:
+                raise ValueError(f"member {mid} ({wid}, {rank}) repeated or out of range")
+            m = _Member(wid, rank, salt, ref_bits)
+            m.lin = PackedTable.restored(
+                LINEAGE.d, LINEAGE.b, ref_bits, LIN_KICKS, salt,
+                _state_array(arrays, f"m{mid}.lin.tm", np.uint64),
+                _state_array(arrays, f"m{mid}.lin.w", np.uint64),
+            )  # fmt: skip
+            m.lin.bounds = LINEAGE.bounds(m.lin.nb0)
+            lkeys, lpays, _ = m.lin.entries()
+            if lpays.shape[0] and int(lpays.max()) >= own.cap:
+                raise ValueError(f"member {mid}: lineage names a slot outside the owners table")
+            edges += np.bincount(lpays.astype(np.int64), minlength=own.cap)
+            m.nkeys, m.nvals, m.nmeta = _namespace(arrays, mid, lkeys)
+            pool._members[mid] = m
+            pool._ids[(wid, rank)] = mid
+        if not np.array_equal(edges, counts):
+            raise ValueError("owner refcounts differ from the members' lineage")
+        pool._next_id = next_id
+        pool._salt_state = salt_state
+        pool.table[:] = table
+        pool._rng[:] = rng
+        pool._own, pool._ref_bits = own, ref_bits
+        # a fresh overflow table of the same size: the entries are checked above, their probe
+        # positions are not (nor need to be)
+        pool._xk = np.zeros(xk.shape[0], dtype=np.uint64)
+        pool._xv = np.full(xk.shape[0], EMPTY32, dtype=np.uint32)
+        tab_rehash(xk, xv, EMPTY32, pool._xk, pool._xv)
+        pool._pm[:] = 0
+        pool._pm[PM_RESIDENT] = resident
+        pool._pm[PM_OVERFLOW] = n_big
+        pool._pm[PM_OVF_ROOM] = xk.shape[0] * MAX_LOAD_NUM // MAX_LOAD_DEN - 1
+        return pool
+
+
+def _state_array(
+    arrays: dict[str, npt.NDArray[Any]], name: str, dtype: type, length: int | None = None
+) -> npt.NDArray[Any]:
+    a = arrays.get(name)
+    bad_length = a is not None and length is not None and a.shape[0] != length
+    if a is None or a.dtype != dtype or a.ndim != 1 or bad_length:
+        raise ValueError(f"state array {name!r} missing or of the wrong type or shape")
+    return np.array(a, copy=True)  # owned and writable: files may be read into shared buffers
+
+
+def _namespace(
+    arrays: dict[str, npt.NDArray[Any]], mid: int, lineage_keys: U64
+) -> tuple[U64, U64, npt.NDArray[np.int64]]:
+    """One member's namespace side table, checked (entries only for its lineage edges, the live
+    count, room for one more) and re-inserted into a fresh table of the same size."""
+    nkeys = _state_array(arrays, f"m{mid}.nkeys", np.uint64)
+    nvals = _state_array(arrays, f"m{mid}.nvals", np.uint64, nkeys.shape[0])
+    nmeta = _state_array(arrays, f"m{mid}.nmeta", np.int64, 1)
+    live = nvals != 0
+    keys = nkeys[live]
+    cap = nkeys.shape[0]
+    n = int(keys.shape[0])
+    if cap < 2 or grown_cap(cap, n + 1) != cap or n != int(nmeta[0]):
+        raise ValueError(f"member {mid}: namespace table size or count out of range")
+    if np.unique(keys).shape[0] != n or not np.all(np.isin(keys, lineage_keys)):
+        raise ValueError(f"member {mid}: namespace entries for edges it does not have")
+    fk = np.zeros(cap, dtype=np.uint64)
+    fv = np.zeros(cap, dtype=np.uint64)
+    tab_rehash(nkeys, nvals, np.uint64(0), fk, fv)
+    return fk, fv, nmeta
 
 
 _SPEC: tuple[tuple[str, type], ...] = (

@@ -1,1 +1,3 @@
-"""Publication: the CBI1 wire codec and (later) the per-pool publication hub."""
+"""Everything the relay publishes, transport-neutral: the per-generation filter hub (CBI1
+snapshots and deltas through the FilterUpdate splice encoder) and the catalog, readiness and load
+planes. The gRPC service only serves what these produce."""

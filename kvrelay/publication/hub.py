@@ -1,31 +1,45 @@
 """Per-generation publication hub: mirror, sequence, encode-once fan-out, bounded queues.
 
-One hub per producer generation holds a mirror of the lane at sequence S. `publish` encodes each
-delta (CBI1 + FilterUpdate) once and appends the same `bytes` object to every subscriber's bounded
-queue; a full queue drops only that subscriber (SUBSCRIBER_LAGGED). New subscribers get snapshot
-chunks of the mirror at the current sequence (built once per sequence, off the event loop for
-large lanes, at most `publication_encoding_concurrency` at a time), then the shared deltas.
+One hub per producer generation holds a mirror of the lane at sequence S. ``publish`` encodes each
+delta (CBI1 + FilterUpdate) once and appends the same ``bytes`` object to every subscriber's
+bounded queue; a full queue drops only that subscriber (SUBSCRIBER_LAGGED). New subscribers get
+snapshot chunks of the mirror at the current sequence, then the shared deltas (§4.3, §8.5).
+
+Bounds: a snapshot cut copies the mirror only after taking a slot of the relay-wide encode gate
+(``publication_encoding_concurrency``), so concurrent cuts cost at most that many lane copies;
+joiners at one sequence share one cut. A subscriber leaves the per-pool count the moment it
+fails or ends, not when its stream handler gets around to closing.
+
+A stream that ends with an error while its client is not reading keeps the error pending: the send
+in flight completes when the client reads again, then the stream ends with the status (the frames
+already sent come first). A client that does not read for ``stalled_stream_reset_s`` after that
+gets its stream reset, so no HTTP/2 stream is left open for ever.
+
+A mirror (``kvrelay.mirror``) feeds a hub with frames another relay already encoded:
+``publish_encoded`` applies the images and fans the received bytes out unchanged, ``cut`` seeds
+the snapshot at the starting sequence with the received chunk payloads, and ``vouch`` withholds
+heartbeats while the mirror cannot vouch that its upstream is alive.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 
 import numpy as np
 import numpy.typing as npt
 
+from kvrelay.contract.errors import RelayError
+from kvrelay.contract.limits import QUEUE_FRAME_OVERHEAD, RelayLimits
 from kvrelay.publication import cbi1
 from kvrelay.publication.splice import KIND_DELTA, KIND_SNAPSHOT_CHUNK, FilterUpdateEncoder
-from kvrelay.service.errors import RelayError
-from kvrelay.service.limits import QUEUE_FRAME_OVERHEAD, RelayLimits
 
 #: Lanes at or below this many buckets are encoded inline (cheaper than a thread hop).
 INLINE_SNAPSHOT_BUCKETS = 1 << 16
 #: Yield to the event loop after this many frames sent back to back.
 YIELD_EVERY = 8
-_MIN_STUCK_GRACE_S = 1.0
 
 #: At most this many queued delta frames / bytes go out in one coalesced write.
 BATCH_FRAMES = 16
@@ -33,6 +47,7 @@ BATCH_BYTES = 512 * 1024
 
 Send = Callable[[bytes], Awaitable[None]]
 SendBatch = Callable[[list[bytes]], Awaitable[None]]
+Reset = Callable[[], None]
 
 
 class PublicationInvariantError(Exception):
@@ -53,7 +68,12 @@ class PublicationHub:
         sequence: int,
         limits: RelayLimits | None = None,
         encode_gate: asyncio.Semaphore | None = None,
+        cut: list[bytes] | None = None,
+        vouch: Callable[[], bool] | None = None,
     ) -> None:
+        """``cut``: CBI1 chunk payloads of ``table`` at ``sequence``, already encoded (shared by
+        the first joiners instead of a new encode). ``vouch``: called before each heartbeat; a
+        heartbeat claims the stream is current, so it is withheld while this returns False."""
         if table.shape != (bucket_count,):
             raise ValueError(f"table shape {table.shape} != ({bucket_count},)")
         self.encoder = encoder
@@ -65,9 +85,15 @@ class PublicationHub:
         self._sequence = sequence
         self._gate = encode_gate or asyncio.Semaphore(self.limits.publication_encoding_concurrency)
         self._subs: set[Subscription] = set()
-        self._active = 0
+        self._active = 0  # admitted, not yet ended (counts against max_subscribers_per_pool)
         self._snapshot: tuple[int, asyncio.Future[list[bytes]]] | None = None
+        if cut is not None:
+            done: asyncio.Future[list[bytes]] = asyncio.get_running_loop().create_future()
+            done.set_result(list(cut))
+            self._snapshot = (sequence, done)
+        self.vouch = vouch
         self._retired = False
+        self.idle_since: float | None = time.monotonic()  # None while someone subscribes
         self.resets = 0
         self.lagged = 0
         self.snapshots_served = 0  # subscribers given a snapshot
@@ -84,7 +110,7 @@ class PublicationHub:
 
     @property
     def subscriber_count(self) -> int:
-        """Open subscriptions (including ones still draining an error)."""
+        """Subscriptions that still count against the per-pool limit."""
         return self._active
 
     def mirror_copy(self) -> npt.NDArray[np.uint64]:
@@ -129,6 +155,41 @@ class PublicationHub:
             )
             frame = self.encoder.encode(KIND_DELTA, base, sequence, payload)
             cost = len(payload) + QUEUE_FRAME_OVERHEAD
+        self._apply_and_offer(sequence, b, w, frame, cost, oversized)
+
+    def publish_encoded(
+        self,
+        sequence: int,
+        buckets: npt.NDArray[np.uint32],
+        words: npt.NDArray[np.uint64],
+        frame: bytes,
+        payload_len: int,
+    ) -> None:
+        """Apply delta S→S+1 that another relay encoded and fan ``frame`` out unchanged.
+
+        ``buckets``/``words`` come from ``cbi1.decode`` of the frame's payload, which already
+        checked range, uniqueness and the image bound; only the sequence is checked here."""
+        if self._retired:
+            raise PublicationInvariantError("publish on a retired hub")
+        if sequence != self._sequence + 1:
+            raise PublicationInvariantError(
+                f"sequence gap: hub at {self._sequence}, got {sequence}"
+            )
+        if buckets.shape != words.shape or buckets.ndim != 1:
+            raise PublicationInvariantError("buckets and words must be 1-D of equal length")
+        self._apply_and_offer(
+            sequence, buckets, words, frame, payload_len + QUEUE_FRAME_OVERHEAD, False
+        )
+
+    def _apply_and_offer(
+        self,
+        sequence: int,
+        b: npt.NDArray[np.uint32],
+        w: npt.NDArray[np.uint64],
+        frame: bytes,
+        cost: int,
+        oversized: bool,
+    ) -> None:
         self._mirror[b] = w
         self._sequence = sequence
         self._snapshot = None
@@ -145,7 +206,7 @@ class PublicationHub:
             sub._offer(frame, cost, sequence)
 
     def retire(self, error: RelayError | None = None) -> None:
-        """End every subscriber (`error`, or clean EOF when None) and refuse new ones."""
+        """End every subscriber (``error``, or clean EOF when None) and refuse new ones."""
         self._retired = True
         self._snapshot = None
         if error is None:
@@ -159,45 +220,76 @@ class PublicationHub:
             sub._fail(error)
 
     # --- consumer side ---
-    def subscribe(self) -> Subscription:
-        """Register a subscriber at the current sequence (its deltas start queueing now)."""
+    async def subscribe(self, on_release: Callable[[], None] | None = None) -> Subscription:
+        """Register a subscriber at the current sequence (its deltas start queueing now).
+
+        ``on_release`` is called once, as soon as the subscription stops counting (it failed,
+        ended or was closed). Raises RESOURCE_LIMIT at ``max_subscribers_per_pool`` and
+        PUBLICATION_UNAVAILABLE once the hub retired (also while waiting for a snapshot slot).
+        """
         if self._retired:
             raise RelayError.publication_unavailable("publication hub retired")
         if self._active >= self.limits.max_subscribers_per_pool:
             raise RelayError.resource_limit(
                 f"Relay per-pool subscriber limit {self.limits.max_subscribers_per_pool} reached"
             )
-        sub = Subscription(self, self._sequence, self._snapshot_future())
+        self._active += 1  # reserved while waiting for a snapshot slot
+        self.idle_since = None
+        try:
+            snapshot = await self._snapshot_at_current_sequence()
+        except BaseException:
+            self._slot_released()
+            raise
+        sub = Subscription(self, self._sequence, snapshot, on_release)
         self._subs.add(sub)
-        self._active += 1
         self.snapshots_served += 1
         return sub
 
-    def _snapshot_future(self) -> asyncio.Future[list[bytes]]:
+    async def _snapshot_at_current_sequence(self) -> asyncio.Future[list[bytes]]:
+        """The snapshot cut at the current sequence: shared when one exists, else a new cut taken
+        after a slot of the encode gate is held (the copy is what the gate bounds)."""
         cached = self._snapshot
         if cached is not None and cached[0] == self._sequence:
             return cached[1]
-        seq = self._sequence
-        words = self._mirror.copy()  # the cut at `seq`; the mirror keeps moving
+        await self._gate.acquire()
+        try:
+            if self._retired:
+                raise RelayError.publication_unavailable("publication hub retired")
+            cached = self._snapshot
+            if cached is not None and cached[0] == self._sequence:
+                self._gate.release()  # another joiner cut this sequence while we waited
+                return cached[1]
+            seq = self._sequence
+            words = self._mirror.copy()  # the cut at ``seq``; the mirror keeps moving
+        except BaseException:
+            self._gate.release()
+            raise
         fut = asyncio.ensure_future(self._build_snapshot(words, seq))
         self._snapshot = (seq, fut)
         return fut
 
     async def _build_snapshot(self, words: npt.NDArray[np.uint64], seq: int) -> list[bytes]:
-        async with self._gate:
+        """CBI1 chunk payloads of the cut (frames are stamped when each is sent)."""
+        try:
             if self.bucket_count <= INLINE_SNAPSHOT_BUCKETS:
                 return self._encode_snapshot(words, seq)
             return await asyncio.to_thread(self._encode_snapshot, words, seq)
+        finally:
+            self._gate.release()
 
     def _encode_snapshot(self, words: npt.NDArray[np.uint64], seq: int) -> list[bytes]:
         self.snapshots_built += 1
-        chunks = cbi1.encode_snapshot_chunks(
+        return cbi1.encode_snapshot_chunks(
             words, seed=self.seed, bucket_count=self.bucket_count, dc_id=self.dc_id, epoch=seq
         )
-        return [self.encoder.encode(KIND_SNAPSHOT_CHUNK, seq, seq, c) for c in chunks]
 
     def _detach(self, sub: Subscription) -> None:
         self._subs.discard(sub)
+
+    def _slot_released(self) -> None:
+        self._active -= 1
+        if self._active == 0:
+            self.idle_since = time.monotonic()
 
 
 class Subscription:
@@ -205,12 +297,14 @@ class Subscription:
 
     __slots__ = (
         "_bytes",
+        "_counted",
         "_eof",
         "_error",
         "_frames",
         "_hub",
         "_last_seq",
-        "_open",
+        "_on_release",
+        "_reset",
         "_snapshot",
         "_task",
         "_waiter",
@@ -219,7 +313,11 @@ class Subscription:
     )
 
     def __init__(
-        self, hub: PublicationHub, sequence: int, snapshot: asyncio.Future[list[bytes]]
+        self,
+        hub: PublicationHub,
+        sequence: int,
+        snapshot: asyncio.Future[list[bytes]],
+        on_release: Callable[[], None] | None = None,
     ) -> None:
         self._hub = hub
         self.start_sequence = sequence
@@ -229,14 +327,21 @@ class Subscription:
         self._bytes = 0
         self._error: RelayError | None = None
         self._eof = False
-        self._open = True
+        self._counted = True
+        self._on_release = on_release
         self._waiter: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
+        self._reset: Reset | None = None
         self._watchdog: asyncio.TimerHandle | None = None
 
     @property
     def error(self) -> RelayError | None:
         return self._error
+
+    @property
+    def ended(self) -> bool:
+        """True once the subscription failed or was ended (it no longer counts)."""
+        return self._error is not None or self._eof or not self._counted
 
     # --- called by the hub (synchronous, never blocks) ---
     def _offer(self, frame: bytes, cost: int, seq: int) -> None:
@@ -272,20 +377,35 @@ class Subscription:
         self._hub._detach(self)
         self._frames.clear()
         self._bytes = 0
+        self._release_slot()
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
         self._arm_watchdog()
 
-    def _arm_watchdog(self) -> None:
-        """A pump stuck in a send to a client that stopped reading is cancelled (stream reset)."""
-        if self._watchdog is None and self._task is not None and not self._task.done():
-            grace = max(self._hub.limits.snapshot_progress_timeout_s, _MIN_STUCK_GRACE_S)
-            self._watchdog = asyncio.get_running_loop().call_later(grace, self._cancel_task)
+    def _release_slot(self) -> None:
+        if self._counted:
+            self._counted = False
+            self._hub._slot_released()
+            if self._on_release is not None:
+                self._on_release()
 
-    def _cancel_task(self) -> None:
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
+    def _arm_watchdog(self) -> None:
+        """A pump still blocked in a send once the stream is over (its client is not reading):
+        the status waits for the client; after ``stalled_stream_reset_s`` the stream is reset."""
+        if self._watchdog is None and self._task is not None and not self._task.done():
+            grace = self._hub.limits.stalled_stream_reset_s
+            self._watchdog = asyncio.get_running_loop().call_later(grace, self._give_up)
+
+    def _give_up(self) -> None:
+        """Reset the stream (RST_STREAM reaches the client even without reading), then stop the
+        pump: it will never complete its send."""
+        self._watchdog = None
+        if self._task is None or self._task.done():
+            return
+        if self._reset is not None:
+            self._reset()
+        self._task.cancel()
 
     def _on_snapshot_timeout(self) -> None:
         limit = self._hub.limits.snapshot_progress_timeout_s
@@ -298,33 +418,40 @@ class Subscription:
         return self._eof
 
     # --- called by the stream handler ---
-    async def pump(self, send: Send, send_batch: SendBatch | None = None) -> None:
+    async def pump(
+        self, send: Send, send_batch: SendBatch | None = None, reset: Reset | None = None
+    ) -> None:
         """Send snapshot, deltas and heartbeats until EOF (return) or error (RelayError).
 
-        With `send_batch`, frames already queued are written together (one HTTP/2 write for
-        several gRPC messages): the per-write cost dominates server CPU under fan-out.
+        With ``send_batch``, frames already queued are written together (one HTTP/2 write for
+        several gRPC messages): the per-write cost dominates server CPU under fan-out. ``reset``
+        aborts the transport stream (used only when a client stalls past the grace).
         """
         loop = asyncio.get_running_loop()
         self._task = asyncio.current_task()
+        self._reset = reset
         hub = self._hub
         limits = hub.limits
+        encoder = hub.encoder
         try:
             # shield: this stream being cancelled must not cancel a build other subscribers share
-            chunks = await asyncio.shield(self._snapshot)
+            payloads = await asyncio.shield(self._snapshot)
         except RelayError:
             raise
         except Exception as exc:  # encoder bug: never a half-sent snapshot
             raise RelayError.internal(f"snapshot encoding failed: {exc!r}") from exc
         timeout = limits.snapshot_progress_timeout_s
-        for chunk in chunks:
+        seq0 = self.start_sequence
+        for payload in payloads:
             if self._check():
                 return
             handle = loop.call_later(timeout, self._on_snapshot_timeout)
             try:
-                await send(chunk)
+                # stamped now: a cut shared by later joiners must not carry its build time
+                await send(encoder.encode(KIND_SNAPSHOT_CHUNK, seq0, seq0, payload))
             finally:
                 handle.cancel()
-        del chunks
+        del payloads
         self._snapshot = None  # type: ignore[assignment]
         heartbeat_s = limits.pool_heartbeat_s
         last_sent = loop.time()
@@ -370,7 +497,12 @@ class Subscription:
                     continue
                 if loop.time() < last_sent + heartbeat_s:
                     continue
-            await send(hub.encoder.heartbeat(self._last_seq))
+            vouch = hub.vouch
+            if vouch is not None and not vouch():
+                # cannot claim the stream is current: stay silent, look again within a second
+                last_sent = loop.time() - heartbeat_s + min(heartbeat_s, 1.0)
+                continue
+            await send(encoder.heartbeat(self._last_seq))
             last_sent = loop.time()
 
     def shutdown(self) -> None:
@@ -379,11 +511,9 @@ class Subscription:
 
     def close(self) -> None:
         """Release the subscriber slot (idempotent); the stream handler calls this last."""
-        if self._open:
-            self._open = False
-            self._hub._active -= 1
-            self._hub._detach(self)
-            self._frames.clear()
+        self._hub._detach(self)
+        self._frames.clear()
+        self._release_slot()
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None

@@ -13,9 +13,8 @@ import struct
 import time
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION
 
-CONTRACT_MARKER = 0x4B565231
-PROTOCOL_VERSION = 1
 KIND_SNAPSHOT_CHUNK = int(pb.FilterUpdateKind.SNAPSHOT_CHUNK)
 KIND_DELTA = int(pb.FilterUpdateKind.DELTA)
 KIND_HEARTBEAT = int(pb.FilterUpdateKind.HEARTBEAT)
@@ -57,10 +56,17 @@ class FilterUpdateEncoder:
 
     __slots__ = ("_prefix", "producer", "relay")
 
-    def __init__(self, relay: pb.RelayIdentity, producer: pb.ProducerIdentity) -> None:
+    def __init__(
+        self,
+        relay: pb.RelayIdentity,
+        producer: pb.ProducerIdentity,
+        prefix: bytes | None = None,
+    ) -> None:
+        """``prefix``: fields 1–3 exactly as another relay encoded them (a mirror re-serving it),
+        so frames built here carry that relay's envelope bytes; default: encoded here."""
         self.relay = relay
         self.producer = producer
-        self._prefix = bytes(
+        self._prefix = prefix if prefix is not None else bytes(
             pb.FilterUpdate(protocol_version=PROTOCOL_VERSION, relay=relay, producer=producer)
         )
 

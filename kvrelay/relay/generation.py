@@ -2,8 +2,10 @@
 
 A generation is immutable in identity: any doubt about its exact state fences it (the pool
 withdraws it from the catalog and materializes a fresh one), so a delta is never shipped that the
-relay cannot vouch for. Sequences count published batches; the first batch after a snapshot cut
-at S is S→S+1.
+relay cannot vouch for. The member operations (apply, reset, remove, reset an engine) live here so
+that the check for an invariant violation — and the fence it triggers — happens in one place,
+after every mutation, and no caller has to notice it. Sequences count published batches; the
+first batch after a snapshot cut at S is S→S+1.
 """
 
 from __future__ import annotations
@@ -13,52 +15,47 @@ import time
 from collections.abc import Callable
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.pool.pool import Pool
+from kvrelay.contract.errors import RelayError
+from kvrelay.contract.producer import ProducerKey, producer_key
+from kvrelay.ingest.sink import SourceKey
+from kvrelay.pool.batch import EventBatch
+from kvrelay.pool.errors import MalformedBatch
+from kvrelay.pool.pool import ApplyResult, Pool
 from kvrelay.publication.hub import PublicationHub, PublicationInvariantError
 from kvrelay.publication.splice import FilterUpdateEncoder
-from kvrelay.service.errors import RelayError
-from kvrelay.service.limits import PermitCounter, RelayLimits
-from kvrelay.service.validation import ProducerKey, producer_key
+from kvrelay.relay.context import RelayContext
 
 FenceCallback = Callable[["Generation", str], None]
-#: Called after each published batch with the seconds between the first command of the batch
-#: arriving and its publication (the relay's own share of delta latency).
-PublishObserver = Callable[[float], None]
 
 
 class Generation:
-    """Implements ``kvrelay.service.view.GenerationHandle`` for the gRPC service."""
+    """A pool generation: exact state + producer identity + publication sequence + hub."""
 
     def __init__(
         self,
         *,
+        name: str,
         pool: Pool,
         producer: pb.ProducerIdentity,
-        relay_identity: pb.RelayIdentity,
-        dc_id: int,
-        limits: RelayLimits,
-        hub_permits: PermitCounter,
-        encode_gate: asyncio.Semaphore,
+        ctx: RelayContext,
         on_fence: FenceCallback,
     ) -> None:
+        self.name = name
         self.pool = pool
         self.producer = producer
         self.key: ProducerKey = producer_key(producer)
-        self.dc_id = dc_id
-        self.limits = limits
+        self.limits = ctx.limits
         self.sequence = 0
         self.batches_published = 0
         self.retired = False
-        self._encoder = FilterUpdateEncoder(relay_identity, producer)
-        self._hub_permits = hub_permits
-        self._encode_gate = encode_gate
+        self._ctx = ctx
+        self._encoder = FilterUpdateEncoder(ctx.relay_identity, producer)
         self._on_fence = on_fence
         self._hub: PublicationHub | None = None
         self._pending_events = 0
         self._pending_since: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._soon = False
-        self.on_publish: PublishObserver | None = None
 
     @property
     def layout_generation(self) -> int:
@@ -73,7 +70,7 @@ class Generation:
         return 0 if self._hub is None else self._hub.subscriber_count
 
     def hub_stats(self) -> dict[str, int]:
-        """Read-only hub counters for metrics (zeros before the first subscription)."""
+        """Read-only hub counters (zeros before the first subscription)."""
         hub = self._hub
         if hub is None:
             return {"resets": 0, "lagged": 0, "snapshots_served": 0, "snapshots_built": 0}
@@ -84,13 +81,85 @@ class Generation:
             "snapshots_built": hub.snapshots_built,
         }
 
-    # ---- producer side ---------------------------------------------------------------------------
+    # ---- member operations (the only way exact state changes) ----------------------------------
 
-    def note_events(self, n: int) -> None:
+    def apply(self, source: SourceKey, batch: EventBatch) -> ApplyResult | None:
+        """Apply one decoded engine batch for ``source``; None once retired (or fenced by it).
+
+        A malformed batch raises ``MalformedBatch`` with the state untouched (the caller repairs
+        or resets that member). Anything else that goes wrong — an invariant violation counted by
+        the kernel or raised, any unexpected error — fences the generation.
+        """
+        if self.retired:
+            return None
+        pool = self.pool
+        before = pool.invariant_violations
+        try:
+            result = pool.apply(pool.add_member(source.worker_id, source.dp_rank), batch)
+        except MalformedBatch:
+            raise
+        except Exception as exc:
+            self._on_fence(self, f"applying a batch raised {type(exc).__name__}: {exc}")
+            return None
+        if self._fenced_by(before, "applying a batch"):
+            return None
+        self._note_events(batch.n_events)
+        return result
+
+    def reset_member(self, source: SourceKey) -> None:
+        """Drop everything ``source`` holds (as an ``AllBlocksCleared`` would)."""
+        self._mutate(
+            "resetting a member",
+            lambda p: p.reset_member(p.add_member(source.worker_id, source.dp_rank)),
+        )
+
+    def remove_member(self, source: SourceKey) -> None:
+        """Drop ``source``'s state and forget the member (its engine or rank left the pool)."""
+        self._mutate(
+            "removing a member",
+            lambda p: p.remove_member(p.add_member(source.worker_id, source.dp_rank)),
+        )
+
+    def reset_engine(self, worker_id: int) -> int:
+        """Reset every member of one engine (a new incarnation, or the engine is down); returns
+        how many members it had."""
+        if self.retired:
+            return 0
+        ids = [mid for mid, (wid, _rank) in self.pool.members().items() if wid == worker_id]
+
+        def clear(p: Pool) -> None:
+            for mid in ids:
+                p.reset_member(mid)
+
+        self._mutate("resetting an engine's members", clear)
+        return len(ids)
+
+    def _mutate(self, what: str, op: Callable[[Pool], None]) -> None:
+        if self.retired:
+            return
+        before = self.pool.invariant_violations
+        try:
+            op(self.pool)
+        except Exception as exc:
+            self._on_fence(self, f"{what} raised {type(exc).__name__}: {exc}")
+            return
+        if not self._fenced_by(before, what):
+            self._note_events(1)
+
+    def _fenced_by(self, before: int, what: str) -> bool:
+        if self.pool.invariant_violations == before:
+            return False
+        self._on_fence(self, f"exact state invariant violated while {what}")
+        return True
+
+    # ---- publication cadence ---------------------------------------------------------------------
+
+    def _note_events(self, n: int) -> None:
         """Count applied commands; publish once ``publish_every_n_events`` accumulated (at the end
         of the current loop iteration) or after ``publication_delay_s``, whichever comes first.
 
-        Boundaries fall only between whole commands because callers note after a full batch.
+        Boundaries fall only between whole commands because every member operation notes after
+        it completed.
         """
         if self.retired or n <= 0:
             return
@@ -132,8 +201,9 @@ class Generation:
         buckets, words = publication
         self.sequence += 1
         self.batches_published += 1
-        if self.on_publish is not None and since is not None:
-            self.on_publish(time.monotonic() - since)
+        observers = self._ctx.observers
+        if observers and since is not None:
+            observers.delta_published(self.name, time.monotonic() - since)
         if self._hub is None:
             return  # no subscriber lease: dirty tracking ran, payload materialization skipped
         try:
@@ -141,28 +211,44 @@ class Generation:
         except PublicationInvariantError as exc:
             self._on_fence(self, f"publication invariant: {exc}")
 
-    # ---- service side ----------------------------------------------------------------------------
+    # ---- subscribers -----------------------------------------------------------------------------
 
-    async def hub(self) -> PublicationHub:
+    def hub(self) -> PublicationHub:
+        """The generation's hub, created by the first subscriber (a barrier snapshot)."""
         if self.retired:
             raise RelayError.publication_unavailable("producer generation retired")
         if self._hub is None:
-            if not self._hub_permits.try_acquire():
+            permits = self._ctx.hub_permits
+            if not permits.try_acquire() and not (
+                self._ctx.evict_idle_hub() and permits.try_acquire()
+            ):
                 raise RelayError.resource_limit(
-                    f"initialized pool hub limit {self._hub_permits.capacity} reached"
+                    f"initialized pool hub limit {permits.capacity} reached"
                 )
             self.flush()  # barrier: the snapshot is cut after every applied command
             self._hub = PublicationHub(
                 self._encoder,
                 seed=int(self.pool.seed),
                 bucket_count=int(self.pool.bucket_count),
-                dc_id=self.dc_id,
+                dc_id=self._ctx.dc_id,
                 table=self.pool.table,
                 sequence=self.sequence,
                 limits=self.limits,
-                encode_gate=self._encode_gate,
+                encode_gate=self._ctx.encode_gate,
             )
         return self._hub
+
+    @property
+    def hub_idle_since(self) -> float | None:
+        """When the hub lost its last subscriber (monotonic); None without a hub or while used."""
+        return None if self._hub is None else self._hub.idle_since
+
+    def drop_hub(self) -> None:
+        """Retire an idle hub and give its permit back; the next subscriber cuts a new one."""
+        hub, self._hub = self._hub, None
+        if hub is not None:
+            hub.retire(None)
+            self._ctx.hub_permits.release()
 
     def retire(self, error: RelayError | None) -> None:
         """Stop publishing; end subscribers with ``error`` (or a clean EOF on shutdown)."""
@@ -174,4 +260,4 @@ class Generation:
             self._timer = None
         if self._hub is not None:
             self._hub.retire(error)
-            self._hub_permits.release()
+            self._ctx.hub_permits.release()

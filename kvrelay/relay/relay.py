@@ -1,29 +1,40 @@
-"""``Relay``: owns identity, pools, discovery and the three planes (a ``RelayView``)."""
+"""``Relay``: owns identity, pools, discovery and the three planes; implements ``RelayView``."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import secrets
-from collections.abc import Coroutine
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 from kvrelay._aio import cancel_all
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.contract.errors import RelayError
+from kvrelay.contract.limits import PermitCounter
+from kvrelay.contract.producer import producer_key
+from kvrelay.discovery.dns import make_resolver
 from kvrelay.discovery.events import ChangeEvent
 from kvrelay.discovery.metrics_scrape import MetricsScrapeError, scrape_kv_usage
 from kvrelay.discovery.watcher import EngineWatcher
 from kvrelay.hashing import identity
 from kvrelay.logging import get_logger
+from kvrelay.publication.catalog import CatalogPlane, validate_descriptor
+from kvrelay.publication.hub import Subscription
+from kvrelay.publication.load import LoadPlane, PoolLoadInput
+from kvrelay.publication.readiness import EndpointState, ReadinessPlane, validate_endpoint
+from kvrelay.relay import handover
+from kvrelay.relay.context import RelayContext
+from kvrelay.relay.engines import PoolIdentity
 from kvrelay.relay.generation import Generation
+from kvrelay.relay.membership import DnsMembership
+from kvrelay.relay.observer import Observers
 from kvrelay.relay.pool_runtime import EngineState, PoolRuntime
-from kvrelay.relay.settings import RelaySettings
-from kvrelay.service.errors import RelayError
-from kvrelay.service.limits import PermitCounter
-from kvrelay.service.planes.catalog import CatalogPlane
-from kvrelay.service.planes.load import LoadPlane, PoolLoadInput
-from kvrelay.service.planes.readiness import ReadinessPlane
-from kvrelay.service.validation import producer_key
+from kvrelay.relay.reconfigure import ReloadPlan, plan_reload
+from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
+from kvrelay.relay.stats import RelayStats
 
 _log = get_logger(__name__)
 
@@ -48,8 +59,24 @@ class Relay:
         self.hub_permits = PermitCounter(
             "initialized pool hubs", self.limits.max_initialized_pool_hubs
         )
-        self.encode_gate = asyncio.Semaphore(self.limits.publication_encoding_concurrency)
-        self.pools = [PoolRuntime(spec, self) for spec in settings.pools]
+        self.observers = Observers()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._ctx = ctx = RelayContext(
+            relay_identity=self.relay_identity,
+            dc_id=self.dc_id,
+            limits=self.limits,
+            hub_permits=self.hub_permits,
+            encode_gate=asyncio.Semaphore(self.limits.publication_encoding_concurrency),
+            next_layout_generation=self._layout.next,
+            schedule=self._schedule,
+            changed=self.refresh_planes,
+            evict_idle_hub=self._evict_idle_hub,
+            observers=self.observers,
+        )
+        self.pools = [
+            PoolRuntime(spec, ctx, engine_down_grace_s=settings.engine_down_grace_s)
+            for spec in settings.pools
+        ]
         self._by_target: dict[str, PoolRuntime] = {
             name: p for p in self.pools for name in p.engines
         }
@@ -64,28 +91,49 @@ class Relay:
             interval=settings.discovery_interval_s,
             timeout=settings.discovery_timeout_s,
         )
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._scrapers: list[asyncio.Task[None]] = []
+        self.membership: DnsMembership | None = None
+        self._membership_task: asyncio.Task[None] | None = None
+        self._sync_membership()
+        self._scrapers: dict[tuple[str, str], asyncio.Task[None]] = {}  # (pool, engine) → task
+        self._reload_lock = asyncio.Lock()
+        self._ticker: asyncio.Task[None] | None = None
         self.started = False
         self.metadata_errors = 0
+        self.hubs_evicted = 0
+        self.metadata_rejections: dict[tuple[str, str], int] = {}
+        self._last_rejection: dict[tuple[str, str], str] = {}
+        self.scrape_errors = 0
+        #: State files at start, by outcome (restored, none, corrupt, version, stale, ...), and
+        #: saves at stop (saved, failed).
+        self.state_restores: dict[str, int] = {}
+        self.state_saves: dict[str, int] = {}
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
         self.started = True
+        self._restore_state()
         self.load.start()
         self.watcher.start()
+        self._ticker = asyncio.create_task(self._tick_loop(), name="kvrelay-relay-tick")
+        self._start_membership()
         for p in self.pools:
             for st in p.engines.values():
-                if st.spec.metrics_port is not None:
-                    self._scrapers.append(asyncio.create_task(self._scrape_loop(p, st)))
+                self._start_scraper(p, st)
 
     async def stop(self) -> None:
+        if self._membership_task is not None:
+            await cancel_all([self._membership_task])
+            self._membership_task = None
         await self.watcher.stop()
-        await cancel_all(self._scrapers)
+        if self._ticker is not None:
+            await cancel_all([self._ticker])
+            self._ticker = None
+        await cancel_all(list(self._scrapers.values()))
         self._scrapers.clear()
+        save = self._save_pool if self._state_dir() is not None else None
         for p in self.pools:
-            await p.stop()
+            await p.stop(save)
         for t in list(self._tasks):
             t.cancel()
         for t in list(self._tasks):
@@ -95,22 +143,74 @@ class Relay:
         self.catalog.close()
         self.readiness.close()
 
-    def schedule(self, coro: Coroutine[Any, Any, Any]) -> None:
+    # ---- state handover ------------------------------------------------------------------------
+
+    def _state_dir(self) -> Path | None:
+        d = self.settings.state_dir
+        if d is None:
+            return None
+        path = Path(d)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            _log.error("state_dir_unusable", path=d, error=str(exc))
+            return None
+        return path
+
+    def _restore_state(self) -> None:
+        """Offer each pool its state file (``relay/handover.py``): used if nothing is in doubt."""
+        d = self._state_dir()
+        if d is None:
+            return
+        for p in self.pools:
+            try:
+                r = handover.load(d, p.spec, max_age_s=self.settings.state_max_age_s)
+            except handover.Refused as exc:
+                self._count(self.state_restores, exc.kind)
+                _log.warning("state_refused", pool=p.name, reason=exc.kind, why=str(exc))
+                continue
+            except Exception as exc:  # a bug reading it: never trusted, never fatal
+                self._count(self.state_restores, "corrupt")
+                _log.exception("state_refused", pool=p.name, reason="corrupt", why=str(exc))
+                continue
+            if r is None:
+                self._count(self.state_restores, "none")
+                continue
+            p.restored = r
+            self._count(self.state_restores, "restored")
+            _log.info("state_loaded", pool=p.name, members=len(r.members),
+                      age_s=round(time.time() - r.written_unix, 3))  # fmt: skip
+
+    def _save_pool(
+        self, spec: PoolSpec, ident: PoolIdentity, pool: Any, members: list[handover.MemberResume]
+    ) -> None:
+        d = self._state_dir()
+        if d is None:
+            return
+        name = "/".join(spec.triple)
+        try:
+            n = handover.save(d, spec, ident, pool, members)
+        except Exception as exc:  # a full disk must not turn a clean stop into a failure
+            self._count(self.state_saves, "failed")
+            _log.exception("state_save_failed", pool=name, error=str(exc))
+            return
+        self._count(self.state_saves, "saved")
+        _log.info("state_saved", pool=name, members=len(members), bytes=n)
+
+    @staticmethod
+    def _count(d: dict[str, int], key: str) -> None:
+        d[key] = d.get(key, 0) + 1
+
+    def _schedule(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run a background coroutine owned by the relay (cancelled on stop)."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    # ---- identity --------------------------------------------------------------------------------
-
-    def next_layout_generation(self) -> int:
-        return self._layout.next()
-
     # ---- RelayView -------------------------------------------------------------------------------
 
-    def resolve_pool(self, expected: pb.ProducerIdentity) -> Generation:
+    def _live_generation(self, expected: pb.ProducerIdentity) -> Generation:
         key = producer_key(expected)
-        pool_part = key[:6]  # identity_version, both digests + sources, dc_id
         changed = False
         for p in self.pools:
             gen = p.generation
@@ -118,32 +218,85 @@ class Relay:
                 continue
             if gen.key == key:
                 return gen
-            if gen.key[:6] == pool_part:
+            if gen.key.pool_part == key.pool_part:
                 changed = True
         if changed:
             raise RelayError.producer_changed()
         raise RelayError.pool_not_found()
 
+    def _evict_idle_hub(self) -> bool:
+        """Free a hub permit: retire the hub that has been without subscribers the longest."""
+        idle = [
+            (since, p.generation)
+            for p in self.pools
+            if p.generation is not None and (since := p.generation.hub_idle_since) is not None
+        ]
+        if not idle:
+            return False
+        _since, gen = min(idle, key=lambda item: item[0])
+        gen.drop_hub()
+        self.hubs_evicted += 1
+        _log.info("hub_evicted", pool=gen.name, generation=gen.layout_generation)
+        return True
+
+    async def open_pool(
+        self, expected: pb.ProducerIdentity, on_release: Callable[[], None] | None = None
+    ) -> Subscription:
+        """Admit one subscriber to exactly ``expected``.
+
+        The generation is resolved first, so a stale request never initializes the replacement
+        generation's hub; then its hub is created if this is the first subscriber (a barrier
+        snapshot). A generation that retired on the way is PUBLICATION_UNAVAILABLE.
+        """
+        gen = self._live_generation(expected)
+        hub = gen.hub()
+        sub = await hub.subscribe(on_release)  # may wait for a snapshot slot
+        if gen.retired:
+            sub.close()
+            raise RelayError.publication_unavailable("generation retired during hub initialization")
+        return sub
+
     # ---- planes ----------------------------------------------------------------------------------
 
     def refresh_planes(self) -> None:
-        """Recompute the catalog and topology; one pool's bad metadata never hides the others."""
-        descriptors = []
-        endpoints = []
+        """Recompute the catalog and topology. Never raises: a pool whose engine-supplied
+        metadata is invalid (a served name with surrounding whitespace, say) leaves the catalog,
+        or the topology, alone and counted; every other pool and endpoint is published."""
+        descriptors: list[pb.KvPoolDescriptor] = []
+        endpoints: list[EndpointState] = []
         for p in self.pools:
             try:
                 d = p.descriptor()
+                if d is not None:
+                    validate_descriptor(d)
+                    descriptors.append(d)
+            except Exception as exc:  # CatalogError (or any bug building it): this pool only
+                self._metadata_rejected(p.name, "catalog", exc)
+            try:
                 e = p.endpoint_state()
-            except ValueError as exc:  # CatalogError / TopologyError: engine-supplied metadata
-                self.metadata_errors += 1
-                _log.error("pool_metadata_rejected", pool=p.name, error=str(exc))
-                continue
-            if d is not None:
-                descriptors.append(d)
-            if e is not None:
-                endpoints.append(e)
-        self.catalog.set_pools(descriptors)
-        self.readiness.set_topology(endpoints)
+                if e is not None:
+                    validate_endpoint(e)
+                    endpoints.append(e)
+            except Exception as exc:  # TopologyError: this endpoint only
+                self._metadata_rejected(p.name, "readiness", exc)
+        try:
+            self.catalog.set_pools(descriptors)
+        except Exception as exc:  # cross-pool rules (e.g. a duplicate pool id)
+            self._metadata_rejected("*", "catalog", exc)
+        try:
+            self.readiness.set_topology(endpoints)
+        except Exception as exc:
+            self._metadata_rejected("*", "readiness", exc)
+
+    def _metadata_rejected(self, pool: str, plane: str, exc: Exception) -> None:
+        rule = str(getattr(exc, "rule", type(exc).__name__))
+        self.metadata_errors += 1
+        key = (plane, rule)
+        self.metadata_rejections[key] = self.metadata_rejections.get(key, 0) + 1
+        text = f"{type(exc).__name__}: {exc}"
+        if self._last_rejection.get((pool, plane)) != text:  # log a change, count every time
+            self._last_rejection[(pool, plane)] = text
+            _log.error("pool_metadata_rejected", pool=pool, plane=plane, rule=rule, error=text)
 
     def _load_inputs(self) -> list[PoolLoadInput]:
         out: list[PoolLoadInput] = []
@@ -153,12 +306,174 @@ class Relay:
                 out.append(item)
         return out
 
+    # ---- statistics ------------------------------------------------------------------------------
+
+    def stats(self) -> RelayStats:
+        """A snapshot of every counter and gauge (monotonic across pool and source churn)."""
+        return RelayStats(
+            dc_name=self.settings.dc_name,
+            dc_id=self.dc_id,
+            drt_instance_id=int(self.relay_identity.drt_instance_id),
+            relay_incarnation=self.relay_incarnation,
+            catalog_revision=self.catalog.revision,
+            readiness_revision=self.readiness.revision,
+            load_version=self.load.broadcast.version,
+            hubs_initialized=self.hub_permits.in_use,
+            hubs_limit=self.hub_permits.capacity,
+            metadata_errors=self.metadata_errors,
+            metadata_rejections=dict(self.metadata_rejections),
+            hubs_evicted=self.hubs_evicted,
+            scrape_errors=self.scrape_errors,
+            pools=tuple(p.stats() for p in self.pools),
+            state_restores=dict(self.state_restores),
+            state_saves=dict(self.state_saves),
+        )
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.settings.engine_down_grace_s / 4))
+            now = time.monotonic()
+            for p in self.pools:
+                try:
+                    p.tick(now)
+                except Exception:  # a bug in one pool's checks must not stop the others
+                    _log.exception("pool_tick_failed", pool=p.name)
+
+    # ---- membership ------------------------------------------------------------------------------
+
+    def _pool(self, name: str) -> PoolRuntime:
+        return next(p for p in self.pools if p.name == name)
+
+    async def add_engine(self, pool: str, spec: EngineSpec) -> None:
+        """A new engine of ``pool`` (found by DNS, or added by a reload): watched and, once
+        probed, subscribed."""
+        p = self._pool(pool)
+        target = p.add_engine(spec)
+        self._by_target[target.name] = p
+        self.watcher.add_target(target)
+        if self.started:
+            self._start_scraper(p, p.engines[target.name])
+
+    async def remove_engine(self, pool: str, engine: str, *, reconcile: bool = True) -> None:
+        """``engine`` left ``pool``: no longer watched; its subscribers stop, its members go."""
+        p = self._pool(pool)
+        target = p.target_of(engine)
+        if target is None:
+            return
+        await self.watcher.remove_target(target)
+        self._by_target.pop(target, None)
+        await self._stop_scraper(pool, engine)
+        await p.remove_engine(engine, reconcile=reconcile)
+
+    def _templates(self) -> list[tuple[str, EngineSpec]]:
+        return [(p.name, e) for p in self.pools for e in p.spec.engines if e.dns is not None]
+
+    def _sync_membership(self) -> None:
+        """Follow the DNS templates of the current pools (a membership exists once any does)."""
+        templates, s = self._templates(), self.settings
+        if self.membership is None:
+            if not templates:
+                return
+            self.membership = DnsMembership(
+                templates,
+                make_resolver(s.dns_server, s.discovery_timeout_s),
+                s.dns_interval_s,
+                self.add_engine,
+                self.remove_engine,
+            )
+            return
+        self.membership.interval_s = s.dns_interval_s
+        self.membership.set_templates(templates)
+
+    def _start_membership(self) -> None:
+        if self.membership is not None and self._membership_task is None:
+            self._membership_task = asyncio.create_task(
+                self.membership.run(), name="kvrelay-dns-membership"
+            )
+
+    # ---- reload ----------------------------------------------------------------------------------
+
+    async def reconfigure(self, new: RelaySettings) -> ReloadPlan:
+        """Apply a reloaded configuration live (see ``relay/reconfigure.py`` for what changes
+        how). Removals go first, so an engine that moved between pools is never in two."""
+        async with self._reload_lock:
+            plan = plan_reload(self.settings, new)
+            membership = self.membership
+            lock = membership.lock if membership is not None else contextlib.nullcontext()
+            async with lock:  # no DNS pass re-adds what this reload retires
+                for name in plan.removed:
+                    await self._remove_pool(self._pool(name))
+                for change in plan.changed:
+                    p = self._pool(change.name)
+                    for template in change.templates_retired:
+                        assert membership is not None  # a template existed, so membership does
+                        for engine in membership.forget(p.name, template):
+                            await self.remove_engine(p.name, engine, reconcile=False)
+                    for engine in change.engines_removed:
+                        await self.remove_engine(p.name, engine, reconcile=False)
+                if self.settings.dns_server != plan.settings.dns_server and membership is not None:
+                    membership.resolver = make_resolver(
+                        plan.settings.dns_server, plan.settings.discovery_timeout_s
+                    )
+                self.settings = plan.settings
+                self.watcher.interval = plan.settings.discovery_interval_s
+                self.watcher.timeout = plan.settings.discovery_timeout_s
+                for p in self.pools:
+                    p.engine_down_grace_s = plan.settings.engine_down_grace_s
+                for change in plan.changed:
+                    p = self._pool(change.name)
+                    await p.respec(change.spec, rematerialize=change.rematerialize)
+                    for spec in change.engines_added:
+                        await self.add_engine(p.name, spec)
+                    await p.reconcile()
+                for pool_spec in plan.added:
+                    self._add_pool(pool_spec)
+                self._sync_membership()
+            if self.started:
+                self._start_membership()
+            self.refresh_planes()
+            return plan
+
+    def _add_pool(self, spec: PoolSpec) -> None:
+        p = PoolRuntime(spec, self._ctx, engine_down_grace_s=self.settings.engine_down_grace_s)
+        self.pools.append(p)
+        for name, st in p.engines.items():
+            self._by_target[name] = p
+            self.watcher.add_target(st.target)
+            if self.started:
+                self._start_scraper(p, st)
+
+    async def _remove_pool(self, p: PoolRuntime) -> None:
+        """The pool left the configuration: out of the planes first, then its streams end."""
+        self.pools.remove(p)
+        if self.membership is not None:
+            for _pool, template in [t for t in self.membership.templates if t[0] == p.name]:
+                self.membership.forget(p.name, template.name)
+        for name, st in list(p.engines.items()):
+            await self.watcher.remove_target(name)
+            self._by_target.pop(name, None)
+            await self._stop_scraper(p.name, st.spec.name)
+        await p.close("pool removed from the relay's configuration")
+        self.refresh_planes()
+
     # ---- discovery -------------------------------------------------------------------------------
 
     async def _on_discovery(self, ev: ChangeEvent) -> None:
         pool = self._by_target.get(ev.target)
         if pool is not None:
             await pool.on_engine_event(ev)
+
+    def _start_scraper(self, pool: PoolRuntime, st: EngineState) -> None:
+        key = (pool.name, st.spec.name)
+        if st.spec.metrics_port is not None and key not in self._scrapers:
+            self._scrapers[key] = asyncio.create_task(
+                self._scrape_loop(pool, st), name=f"kvrelay-scrape-{st.spec.name}"
+            )
+
+    async def _stop_scraper(self, pool: str, engine: str) -> None:
+        task = self._scrapers.pop((pool, engine), None)
+        if task is not None:
+            await cancel_all([task])
 
     async def _scrape_loop(self, pool: PoolRuntime, st: EngineState) -> None:
         port = st.spec.metrics_port
@@ -171,4 +486,8 @@ class Relay:
                 st.usage = {int(k): v for k, v in usage.items() if k.isdigit()}
             except (TimeoutError, MetricsScrapeError, OSError):
                 st.usage = {}  # unknown, never zero
+            except Exception:  # whatever else: unknown too, and the scraper goes on
+                st.usage = {}
+                self.scrape_errors += 1
+                _log.exception("scrape_failed", pool=pool.name, engine=st.spec.name)
             await asyncio.sleep(self.settings.metrics_scrape_interval_s)

@@ -16,8 +16,8 @@ from grpclib.const import Status
 from grpclib.encoding.base import CodecBase
 from grpclib.exceptions import GRPCError
 
+from kvrelay.contract.errors import RelayError
 from kvrelay.service.canonical import canonicalize, is_betterproto
-from kvrelay.service.errors import RelayError
 
 
 class PassThroughCodec(CodecBase):
@@ -39,10 +39,9 @@ class PassThroughCodec(CodecBase):
         return data
 
     def decode(self, data: bytes, message_type: Any) -> Any:
-        if len(data) > self.max_message_bytes:
-            raise GRPCError(
-                Status.RESOURCE_EXHAUSTED,
-                f"inbound message of {len(data)} bytes exceeds {self.max_message_bytes}",
+        if len(data) > self.max_message_bytes:  # RESOURCE_EXHAUSTED with the reason trailer
+            raise RelayError.resource_limit(
+                f"inbound message of {len(data)} bytes exceeds {self.max_message_bytes}"
             )
         try:
             if is_betterproto(message_type):

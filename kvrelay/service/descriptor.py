@@ -5,6 +5,9 @@ from protos/ and checks it is identical. Kept as a module so it ships without pa
 """
 
 import base64
+from functools import cache
+
+from google.protobuf import descriptor_pb2, descriptor_pool
 
 RELAY_FILE_DESCRIPTOR_SET: bytes = base64.b64decode(
     "Csc3Ch1keW5hbW8va3ZyZWxheS92MS9yZWxheS5wcm90bxIRZHluYW1vLmt2cmVsYXkudjEiZAoNUmVsYXlJZGVudGl0eRIm"
@@ -107,3 +110,12 @@ RELAY_FILE_DESCRIPTOR_SET: bytes = base64.b64decode(
     "aW5lc3NVcGRhdGUwARJrChNTdWJzY3JpYmVLdlBvb2xMb2FkEi0uZHluYW1vLmt2cmVsYXkudjEuU3Vic2NyaWJlS3ZQb29s"
     "TG9hZFJlcXVlc3QaIy5keW5hbW8ua3ZyZWxheS52MS5LdlBvb2xMb2FkVXBkYXRlMAFiBnByb3RvMw=="
 )
+
+
+@cache
+def relay_descriptor_pool() -> descriptor_pool.DescriptorPool:
+    """A protobuf descriptor pool holding ``relay.proto`` (reflection and request parsing)."""
+    pool = descriptor_pool.DescriptorPool()
+    for fd in descriptor_pb2.FileDescriptorSet.FromString(RELAY_FILE_DESCRIPTOR_SET).file:
+        pool.Add(fd)
+    return pool

@@ -3,7 +3,9 @@
 Handlers are mapped by hand (`__mapping__`) so every stream can end with
 `send_trailing_metadata(status, message, {"kv-relay-error-reason": NAME})`. The unary RPC raises
 `GRPCError` and a `SendTrailingMetadata` listener adds the trailer from a contextvar.
-Plane messages are encoded once per version and the same bytes go to every subscriber.
+Plane messages are encoded once per version and the same bytes go to every subscriber (a plane
+that already holds bytes, as a mirror's does, passes them through). The relay identity is read
+from the view at each `GetRelayInfo`, so a mirror answers with its upstream's current identity.
 """
 
 from __future__ import annotations
@@ -17,30 +19,27 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from google.protobuf import descriptor_pb2, descriptor_pool
 from grpclib.config import Configuration
 from grpclib.const import Cardinality, Handler
 from grpclib.events import SendTrailingMetadata, listen
 from grpclib.exceptions import GRPCError
-from grpclib.health.service import Health
 from grpclib.protocol import H2Protocol
 from grpclib.reflection.service import ServerReflection
 from grpclib.server import Server, Stream
+from h2.errors import ErrorCodes
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.contract.errors import RelayError
+from kvrelay.contract.limits import PermitCounter, RelayLimits
+from kvrelay.contract.producer import producer_key
+from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION, TRAILER_KEY
 from kvrelay.publication.hub import SendBatch, Subscription
+from kvrelay.publication.plane import Plane, PlaneClosed, PlaneEnded
 from kvrelay.service.codec import PassThroughCodec
-from kvrelay.service.descriptor import RELAY_FILE_DESCRIPTOR_SET
-from kvrelay.service.errors import TRAILER_KEY, RelayError
-from kvrelay.service.limits import PermitCounter, RelayLimits
-from kvrelay.service.validation import (
-    CONTRACT_MARKER,
-    PROTOCOL_VERSION,
-    check_marker,
-    producer_key,
-    validate_stream_request,
-)
-from kvrelay.service.view import Plane, PlaneClosed, RelayView
+from kvrelay.service.health import RelayHealth, reflection_pool
+from kvrelay.service.status import status_of, trailers_of
+from kvrelay.service.validation import check_marker, validate_stream_request
+from kvrelay.service.view import RelayView
 
 SERVICE = "/dynamo.kvrelay.v1.KvEventRelay/"
 _UNARY_REASON: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -60,6 +59,8 @@ class _EncodedPlane:
         self._cache: tuple[int, bytes] | None = None
 
     def encode(self, version: int, message: Any) -> bytes:
+        if isinstance(message, bytes):
+            return message  # already the wire bytes (a mirror's plane): nothing to cache
         cached = self._cache
         if cached is not None and cached[0] == version:
             return cached[1]
@@ -82,13 +83,7 @@ class KvEventRelayService:
         self._catalog = _EncodedPlane(view.catalog)
         self._readiness = _EncodedPlane(view.readiness)
         self._load = _EncodedPlane(view.load)
-        self._info = bytes(
-            pb.RelayInfo(
-                protocol_version=PROTOCOL_VERSION,
-                relay=view.relay_identity,
-                contract_marker=CONTRACT_MARKER,
-            )
-        )
+        self._info: tuple[bytes, bytes] | None = None  # (identity bytes, RelayInfo bytes)
         self._closing = False
         self._closed: asyncio.Future[None] | None = None
         self._subscriptions: set[Subscription] = set()
@@ -125,6 +120,16 @@ class KvEventRelayService:
             ),
         }
 
+    def stats(self) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
+        """(stream kind → (open streams, limit), error reason → count), for metrics."""
+        permits = {
+            "catalog": self.catalog_permits,
+            "pool": self.pool_permits,
+            "readiness": self.readiness_permits,
+            "load": self.load_permits,
+        }
+        return {k: (p.in_use, p.capacity) for k, p in permits.items()}, dict(self.errors)
+
     def _count(self, err: RelayError) -> None:
         self.errors[err.trailer_value] = self.errors.get(err.trailer_value, 0) + 1
 
@@ -137,7 +142,7 @@ class KvEventRelayService:
             except RelayError as err:
                 self._count(err)
                 await stream.send_trailing_metadata(
-                    status=err.status, status_message=err.message, metadata=err.trailers()
+                    status=status_of(err), status_message=err.message, metadata=trailers_of(err)
                 )
             except (asyncio.CancelledError, GRPCError):
                 raise
@@ -145,9 +150,9 @@ class KvEventRelayService:
                 internal = RelayError.internal(f"internal error: {type(exc).__name__}")
                 self._count(internal)
                 await stream.send_trailing_metadata(
-                    status=internal.status,
+                    status=status_of(internal),
                     status_message=internal.message,
-                    metadata=internal.trailers(),
+                    metadata=trailers_of(internal),
                 )
         finally:
             self._active -= 1
@@ -158,11 +163,26 @@ class KvEventRelayService:
         try:
             request = await self._recv(stream)  # an undecodable body is INVALID_REQUEST too
             check_marker(request.contract_marker)
+            info = self._relay_info()
         except RelayError as err:
             self._count(err)
             _UNARY_REASON.set(err.trailer_value)
-            raise GRPCError(err.status, err.message) from None
-        await stream.send_message(self._info)
+            raise GRPCError(status_of(err), err.message) from None
+        await stream.send_message(info)
+
+    def _relay_info(self) -> bytes:
+        """RelayInfo for the view's identity now (encoded once per identity); the view raises
+        RelayError when it has none to vouch for (a mirror whose upstream is unreachable)."""
+        relay = self.view.relay_identity
+        key = bytes(relay)
+        cached = self._info
+        if cached is None or cached[0] != key:
+            info = pb.RelayInfo(
+                protocol_version=PROTOCOL_VERSION, relay=relay, contract_marker=CONTRACT_MARKER
+            )
+            cached = (key, bytes(info))
+            self._info = cached
+        return cached[1]
 
     # --- helpers ---
     async def _recv(self, stream: Stream[Any, Any]) -> Any:
@@ -217,6 +237,8 @@ class KvEventRelayService:
                         new_version, message = pending.result()
                     except PlaneClosed:
                         raise RelayError.publication_unavailable("publisher closed") from None
+                    except PlaneEnded:
+                        return  # the source shut down: end with status OK, like it did
                     pending = None
                     if max_gap is not None and new_version - version > max_gap:
                         raise RelayError.subscriber_lagged(
@@ -256,39 +278,35 @@ class KvEventRelayService:
     async def _subscribe_pool(self, stream: Stream[Any, Any]) -> None:
         request: pb.SubscribeKvPoolRequest = await self._recv(stream)
         validate_stream_request(request.contract_marker, request.subscriber_id)
+        expected = request.expected_producer
+        producer_key(expected)  # malformed identities fail before a permit is taken, as Dynamo's
+        assert expected is not None
         if not self.pool_permits.try_acquire():
             raise RelayError.resource_limit(
                 f"Relay total pool stream limit {self.pool_permits.capacity} reached"
             )
+        held = True
+
+        def release() -> None:  # at the first of: subscription failed/ended, handler done
+            nonlocal held
+            if held:
+                held = False
+                self.pool_permits.release()
+
         sub: Subscription | None = None
         try:
-            expected = request.expected_producer
-            key = producer_key(expected)
-            assert expected is not None
-            handle = self.view.resolve_pool(expected)
-            if producer_key(handle.producer) != key:
-                raise RelayError.producer_changed()
-            hub = await handle.hub()
-            try:
-                again = self.view.resolve_pool(expected)
-            except RelayError as err:
-                if err.reason == pb.RelayErrorReason.POOL_NOT_FOUND:
-                    raise RelayError.publication_unavailable(
-                        "generation retired during hub initialization"
-                    ) from None
-                raise
-            if producer_key(again.producer) != key:
-                raise RelayError.producer_changed()
             if self._closing:
                 return
-            sub = hub.subscribe()
+            sub = await self.view.open_pool(expected, on_release=release)
             self._subscriptions.add(sub)
-            await sub.pump(stream.send_message, _batch_sender(stream))
+            if self._closing:
+                return
+            await sub.pump(stream.send_message, _batch_sender(stream), _resetter(stream))
         finally:
             if sub is not None:
                 self._subscriptions.discard(sub)
                 sub.close()
-            self.pool_permits.release()
+            release()
 
     # --- shutdown ---
     async def shutdown(self, grace_s: float = 5.0) -> None:
@@ -302,6 +320,19 @@ class KvEventRelayService:
         if self._active:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), grace_s)
+
+
+def _resetter(stream: Stream[Any, Any]) -> Callable[[], None] | None:
+    """RST_STREAM for a stream whose client stopped reading (it is written even then)."""
+    inner = getattr(stream, "_stream", None)
+    if inner is None or not hasattr(inner, "reset_nowait"):
+        return None
+
+    def reset() -> None:
+        with contextlib.suppress(Exception):  # already closed: nothing left to reset
+            inner.reset_nowait(ErrorCodes.CANCEL)
+
+    return reset
 
 
 def _batch_sender(stream: Stream[Any, Any]) -> SendBatch | None:
@@ -337,14 +368,6 @@ async def _add_reason_trailer(event: SendTrailingMetadata) -> None:
         event.metadata[TRAILER_KEY] = reason
 
 
-def _reflection_pool() -> descriptor_pool.DescriptorPool:
-    pool = descriptor_pool.DescriptorPool()
-    fds = descriptor_pb2.FileDescriptorSet.FromString(RELAY_FILE_DESCRIPTOR_SET)
-    for fd in fds.file:
-        pool.Add(fd)
-    return pool
-
-
 class _ClosingServer(Server):
     """grpclib ``Server`` that also closes live HTTP/2 connections on shutdown.
 
@@ -378,8 +401,10 @@ class RelayServer:
     def __init__(self, view: RelayView, limits: RelayLimits | None = None) -> None:
         self.limits = limits or RelayLimits()
         self.service = KvEventRelayService(view, self.limits)
-        self.health = Health()
-        handlers = ServerReflection.extend([self.service, self.health], pool=_reflection_pool())
+        self.health = RelayHealth(self.service)
+        handlers = ServerReflection.extend(
+            [self.service, self.health.service], pool=reflection_pool()
+        )
         config = Configuration(
             _keepalive_time=self.limits.keepalive_interval_s,
             _keepalive_timeout=self.limits.keepalive_timeout_s,
@@ -397,17 +422,38 @@ class RelayServer:
             raise RuntimeError("server not started")
         return self._port
 
-    async def start(self, host: str, port: int, ssl: _ssl.SSLContext | None = None) -> None:
-        await self._server.start(host, port, ssl=ssl)
+    @property
+    def serving(self) -> bool:
+        """What health reports: True from listening until the drain starts."""
+        return self.health.serving
+
+    async def start(
+        self,
+        host: str,
+        port: int,
+        ssl: _ssl.SSLContext | None = None,
+        *,
+        reuse_port: bool = False,
+    ) -> None:
+        """Listen on TCP; ``reuse_port``: share the port with other processes (SO_REUSEPORT),
+        the way a daemon's fan-out workers share the public listener."""
+        await self._server.start(host, port, ssl=ssl, reuse_port=reuse_port or None)
         listener: Any = self._server._server
         sockets = listener.sockets if listener is not None else ()
         self._port = int(sockets[0].getsockname()[1]) if sockets else port
+        self.health.set_serving(True)
+
+    async def start_unix(self, path: str) -> None:
+        """Listen on a UNIX socket (the daemon's internal transport to its workers)."""
+        await self._server.start(path=path)
+        self._port = 0
 
     async def close(self, grace_s: float = 5.0) -> None:
         """Stop accepting, end open streams with a clean EOF, then close connections."""
         server = self._server._server
         if server is None:
             return  # never started
+        self.health.set_serving(False)  # first: probes on open connections see the drain
         server.close()  # stop listening; existing connections stay up for the EOFs
         await self.service.shutdown(grace_s)
         self._server.close()

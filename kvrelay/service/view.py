@@ -1,49 +1,22 @@
-"""The read-only view the gRPC service needs from the orchestrator (shared with the planes).
+"""What the gRPC service needs from whatever produces the contract (the relay, or a mirror).
 
-The service never mutates pool state: it reads planes (versioned complete messages) and asks the
-orchestrator for a generation's publication hub.
+The service never mutates pool state: it reads planes (versioned complete messages) and asks for
+a pool subscription by the exact producer identity a router copied from the catalog. Admission —
+which generation is live, whether it changed or retired while its hub was being set up — is
+decided where that state lives, so the service resolves nothing itself.
+
+The service only ever sends plane messages, so a plane may hold any message that converts to its
+wire bytes: the relay's planes hold betterproto2 messages, a mirror's hold the bytes it received.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from collections.abc import Callable
+from typing import Protocol, SupportsBytes
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-
-if TYPE_CHECKING:
-    from kvrelay.publication.hub import PublicationHub
-
-T_co = TypeVar("T_co", covariant=True)
-
-
-class PlaneClosed(Exception):
-    """The plane will never publish again (shutdown or publisher failure)."""
-
-
-class Plane(Protocol[T_co]):
-    """A versioned stream of complete messages; readers only ever need the newest one."""
-
-    def current(self) -> tuple[int, T_co]:
-        """(version, full message). Catalog/readiness: revision; load: window_sequence."""
-        ...
-
-    async def wait_newer(self, version: int) -> tuple[int, T_co]:
-        """Return once a version > `version` exists; raise PlaneClosed on close."""
-        ...
-
-
-class GenerationHandle(Protocol):
-    """One active producer generation of a pool."""
-
-    producer: pb.ProducerIdentity
-
-    async def hub(self) -> PublicationHub:
-        """Lazily create the hub (barrier snapshot).
-
-        Raises RelayError(PUBLICATION_UNAVAILABLE) if the generation retired and
-        RelayError(RESOURCE_LIMIT) at the initialized-hub cap.
-        """
-        ...
+from kvrelay.publication.hub import Subscription
+from kvrelay.publication.plane import Plane
 
 
 class RelayView(Protocol):
@@ -51,17 +24,27 @@ class RelayView(Protocol):
 
     # Read-only members (properties), so an implementation may hold concrete plane classes.
     @property
-    def relay_identity(self) -> pb.RelayIdentity: ...
+    def relay_identity(self) -> pb.RelayIdentity:
+        """May raise ``RelayError`` (a mirror with no upstream session to vouch for)."""
+        ...
 
     @property
-    def catalog(self) -> Plane[pb.KvPoolCatalogUpdate]: ...
+    def catalog(self) -> Plane[SupportsBytes]: ...
 
     @property
-    def readiness(self) -> Plane[pb.ServingReadinessUpdate]: ...
+    def readiness(self) -> Plane[SupportsBytes]: ...
 
     @property
-    def load(self) -> Plane[pb.KvPoolLoadUpdate]: ...
+    def load(self) -> Plane[SupportsBytes]: ...
 
-    def resolve_pool(self, expected: pb.ProducerIdentity) -> GenerationHandle:
-        """Raise RelayError(POOL_NOT_FOUND) or RelayError(PRODUCER_CHANGED)."""
+    async def open_pool(
+        self, expected: pb.ProducerIdentity, on_release: Callable[[], None] | None = None
+    ) -> Subscription:
+        """A subscription to exactly ``expected`` (already validated by the caller);
+        ``on_release`` is called once when the subscription stops counting (failed or ended).
+
+        Raises ``RelayError``: POOL_NOT_FOUND (no live generation of that pool), PRODUCER_CHANGED
+        (another generation is live), PUBLICATION_UNAVAILABLE (the generation retired while its
+        hub was being initialized), RESOURCE_LIMIT (hub or per-pool subscriber bound).
+        """
         ...

@@ -1,4 +1,5 @@
-"""``kvrelay sim``: run simulated vLLM engines (mounted by kvrelay/cli.py; entry ``main``)."""
+"""``kvrelay sim``: run simulated vLLM (or SGLang) engines (mounted by kvrelay/cli.py; entry
+``main``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from dataclasses import replace
 
 import zmq
 
-from kvrelay.sim.engine import SimConfig, SimFleet
+from kvrelay.sim.config import SimConfig
+from kvrelay.sim.engine import SimFleet
+from kvrelay.sim.kv_events_config import apply_kv_events_config
+from kvrelay.sim.sglang_wire import SglLayout
 from kvrelay.sim.traffic import TrafficConfig
 from kvrelay.sim.wire import Era, HashMode
 
@@ -19,7 +23,8 @@ from kvrelay.sim.wire import Era, HashMode
 def build_parser(prog: str = "kvrelay sim") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Simulated vLLM engines emitting KV events.")
     p.add_argument("--engines", type=int, default=1, help="number of engines (frontends)")
-    p.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks per engine")
+    p.add_argument("--dp-size", "--data-parallel-size", type=int, default=1,
+                   help="data-parallel ranks per engine (vLLM: --data-parallel-size)")
     p.add_argument(
         "--pub-port",
         type=int,
@@ -55,6 +60,14 @@ def build_parser(prog: str = "kvrelay sim") -> argparse.ArgumentParser:
     p.add_argument("--hash", dest="hash_mode", choices=[h.value for h in HashMode], default="u64")
     p.add_argument("--replay-frames", type=int, choices=[3, 4], default=4)
     p.add_argument("--topic", default="")
+    p.add_argument(
+        "--kv-events-config",
+        metavar="JSON",
+        default=None,
+        help="vLLM's --kv-events-config JSON; its endpoint, replay_endpoint, topic and bounds "
+        "replace --bind-host, --pub-port, --replay-port, --topic and --buffer-steps",
+    )
+    p.add_argument("--served-model-name", default=None, help="model name reported by Control")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--capacity", type=int, default=2048, help="KV blocks per DP rank")
     p.add_argument("--buffer-steps", type=int, default=10000)
@@ -62,6 +75,16 @@ def build_parser(prog: str = "kvrelay sim") -> argparse.ArgumentParser:
     p.add_argument("--rate", type=float, default=20.0, help="scheduler steps per second")
     p.add_argument("--arrivals", type=float, default=1.0, help="new requests per step per rank")
     p.add_argument("--duration", type=float, default=None, help="seconds (default: until Ctrl-C)")
+    p.add_argument(
+        "--flavor", choices=["vllm", "sglang"], default="vllm",
+        help="wire format: vLLM's, or SGLang's (no Control, no /metrics; docs/sglang.md)",
+    )  # fmt: skip
+    p.add_argument("--sglang-layout", choices=[x.value for x in SglLayout], default="aligned")
+    p.add_argument(
+        "--connect", default=None, metavar="ENDPOINT",
+        help="connect each PUB to ENDPOINT (a relay's [pools.connect] bind) instead of binding; "
+        "with --topic containing {engine}, e.g. 'kv@{engine}@sim-model'",
+    )  # fmt: skip
     return p
 
 
@@ -83,7 +106,16 @@ def configs_from_args(a: argparse.Namespace) -> list[SimConfig]:
         host_ip=a.host,
         buffer_steps=a.buffer_steps,
         traffic=TrafficConfig(arrivals_per_step=a.arrivals),
+        flavor=a.flavor,
+        sglang_layout=SglLayout(a.sglang_layout),
+        pub_connect=a.connect,
     )
+    if a.served_model_name:
+        base = replace(base, served_model_name=a.served_model_name, model_id=a.served_model_name)
+    if a.kv_events_config is not None:
+        cfg = apply_kv_events_config(replace(base, pub_port=a.pub_port), a.kv_events_config)
+        base = cfg
+        a.pub_port, a.replay_port = cfg.pub_port, -1 if cfg.replay_port is None else cfg.replay_port
     out = []
     for i in range(a.engines):
 
@@ -94,6 +126,7 @@ def configs_from_args(a: argparse.Namespace) -> list[SimConfig]:
             replace(
                 base,
                 name=f"engine-{i}",
+                topic=base.topic.replace("{engine}", f"engine-{i}"),
                 pub_port=shift(a.pub_port, 200, i) or 0,
                 replay_port=shift(_opt_port(a.replay_port), 200, i),
                 grpc_port=shift(_opt_port(a.grpc_port), 1, i),
@@ -138,7 +171,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("engines, dp-size and rate must be positive", file=sys.stderr)
         return 2
     try:
-        asyncio.run(_run(configs_from_args(args), args.rate, args.duration))
+        configs = configs_from_args(args)
+    except ValueError as exc:
+        print(f"kvrelay sim: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(_run(configs, args.rate, args.duration))
     except (OSError, zmq.ZMQError) as exc:
         print(f"kvrelay sim: {exc}", file=sys.stderr)
         return 1

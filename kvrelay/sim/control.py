@@ -3,7 +3,7 @@ fallback service that newer vLLM dev revisions use for ``GetKvEventSources``."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpclib
 import grpclib.const
@@ -11,14 +11,12 @@ import grpclib.server
 from grpclib.server import Server
 
 from kvrelay._proto import vllm as vpb
-
-if TYPE_CHECKING:
-    from kvrelay.sim.engine import SimEngine
+from kvrelay.sim.face import EngineFace
 
 KV_TRANSFER_PATH = "/vllm.KvTransfer/GetKvEventSources"
 
 
-def event_sources(engine: SimEngine) -> vpb.GetKvEventSourcesResponse:
+def event_sources(engine: EngineFace) -> vpb.GetKvEventSourcesResponse:
     """One source per DP rank with the resolved endpoints (wildcards left in, like vLLM)."""
     cfg = engine.cfg
     return vpb.GetKvEventSourcesResponse(
@@ -36,6 +34,7 @@ def event_sources(engine: SimEngine) -> vpb.GetKvEventSourcesResponse:
                 max_queue_size=cfg.max_queue_size,
             )
             for p in engine.publishers
+            if cfg.kv_events
         ]
     )
 
@@ -45,9 +44,9 @@ def _adapter(li: Any) -> vpb.LoraAdapter:
 
 
 class SimControl(vpb.ControlBase):  # type: ignore[misc]
-    """Control RPCs backed by a live ``SimEngine`` (state read at call time)."""
+    """Control RPCs backed by a live ``EngineFace`` (state read at call time)."""
 
-    def __init__(self, engine: SimEngine) -> None:
+    def __init__(self, engine: EngineFace) -> None:
         self.engine = engine
 
     async def get_server_info(self, message: vpb.GetServerInfoRequest) -> vpb.ServerInfo:
@@ -87,7 +86,12 @@ class SimControl(vpb.ControlBase):  # type: ignore[misc]
             supports_lora=cfg.max_loras > 0,
         )
 
+    def _served(self, rpc: str) -> None:
+        if rpc in self.engine.cfg.unimplemented_rpcs:
+            raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED, f"{rpc} not implemented")
+
     async def list_loras(self, message: vpb.ListLorasRequest) -> vpb.ListLorasResponse:
+        self._served("ListLoras")
         return vpb.ListLorasResponse(adapters=[_adapter(li) for li in self.engine.loras.values()])
 
     async def load_lora(self, message: vpb.LoadLoraRequest) -> vpb.LoadLoraResponse:
@@ -115,9 +119,11 @@ class SimControl(vpb.ControlBase):  # type: ignore[misc]
         return event_sources(self.engine)
 
     async def is_sleeping(self, message: vpb.IsSleepingRequest) -> vpb.IsSleepingResponse:
+        self._served("IsSleeping")
         return vpb.IsSleepingResponse(sleeping=self.engine.sleeping)
 
     async def is_paused(self, message: vpb.IsPausedRequest) -> vpb.IsPausedResponse:
+        self._served("IsPaused")
         return vpb.IsPausedResponse(paused=self.engine.paused)
 
     async def sleep(self, message: vpb.SleepRequest) -> vpb.SleepResponse:
@@ -144,7 +150,7 @@ class SimControl(vpb.ControlBase):  # type: ignore[misc]
 class SimKvTransfer:
     """Hand-written grpclib service: ``vllm.KvTransfer/GetKvEventSources`` only."""
 
-    def __init__(self, engine: SimEngine) -> None:
+    def __init__(self, engine: EngineFace) -> None:
         self.engine = engine
 
     async def _get_sources(
@@ -167,7 +173,7 @@ class SimKvTransfer:
         }
 
 
-async def start_control_server(engine: SimEngine) -> tuple[Server, int]:
+async def start_control_server(engine: EngineFace) -> tuple[Server, int]:
     handlers: list[Any] = [SimControl(engine)]
     if engine.cfg.kv_transfer_only and not engine.cfg.kv_sources_unimplemented:
         handlers.append(SimKvTransfer(engine))

@@ -2,6 +2,7 @@
 
 Tests drive engines step by step (``await engine.step(n)``); ``run(rate)`` runs steps in the
 background. Ground truth (exactly what each rank holds) is always available synchronously.
+With ``flavor="sglang"`` the engine publishes SGLang's stream instead (no Control, no /metrics).
 """
 
 from __future__ import annotations
@@ -9,69 +10,23 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
+from typing import Any
 
 import zmq.asyncio
 
 from kvrelay._aio import cancel_and_wait
 from kvrelay.sim.blocks import BlockManager, HeldBlock
+from kvrelay.sim.config import LoraInfo, SimConfig
+from kvrelay.sim.control import start_control_server, stop_control_server
 from kvrelay.sim.hashing import none_digest
+from kvrelay.sim.metrics_http import start_metrics_server, stop_metrics_server
 from kvrelay.sim.publisher import RankPublisher
 from kvrelay.sim.render import render_event
 from kvrelay.sim.scheduler import RankScheduler, SimEvent
-from kvrelay.sim.traffic import RequestSpec, TrafficConfig, TrafficGenerator
-from kvrelay.sim.wire import Era, HashMode, encode_batch
-
-
-@dataclass(frozen=True, slots=True)
-class SimConfig:
-    """Engine configuration. ``pub_port``/``replay_port`` 0 = ephemeral (vLLM >= 0.31 style)."""
-
-    name: str = "engine-0"
-    seed: int = 0
-    dp_size: int = 1
-    block_size: int = 16
-    capacity_blocks: int = 512
-    max_running: int = 16
-    era: Era = Era.MAP
-    hash_mode: HashMode = HashMode.U64
-    replay_frames: int = 4
-    engine_version: str = "0.33.0"
-    topic: str = ""
-    bind_host: str = "*"  # host part of the configured endpoints (vLLM default: wildcard)
-    host_ip: str = "127.0.0.1"  # node IP used for port-0 binds and for gRPC/metrics listeners
-    pub_port: int = 0
-    replay_port: int | None = 0  # None = replay disabled
-    buffer_steps: int = 10000
-    hwm: int = 100000
-    max_queue_size: int = 100000
-    grpc_port: int | None = 0  # None = no gRPC frontend (vLLM < 0.27)
-    metrics_port: int | None = 0  # None = no /metrics page
-    kv_transfer_only: bool = False  # Control.GetKvEventSources UNIMPLEMENTED, KvTransfer serves it
-    kv_sources_unimplemented: bool = False  # neither service serves it (pre-discovery frontend)
-    model_id: str = "sim/model-7b"
-    served_model_name: str = "sim-model"
-    aliases: tuple[str, ...] = ("sim-model-alias",)
-    max_model_len: int = 8192
-    max_loras: int = 4
-    medium: str = "GPU"
-    report_reused: bool = False  # re-announce prefix-cache hits as duplicate BlockStored
-    traffic: TrafficConfig = field(default_factory=TrafficConfig)
-
-    @property
-    def endpoint(self) -> str:
-        return f"tcp://{self.bind_host}:{self.pub_port}"
-
-    @property
-    def replay_endpoint(self) -> str | None:
-        return None if self.replay_port is None else f"tcp://{self.bind_host}:{self.replay_port}"
-
-
-@dataclass(frozen=True, slots=True)
-class LoraInfo:
-    lora_id: int
-    name: str
-    source_path: str
+from kvrelay.sim.sglang_wire import encode_sglang_batch, render_sglang
+from kvrelay.sim.traffic import RequestSpec, TrafficGenerator
+from kvrelay.sim.wire import encode_batch
 
 
 class SimEngine:
@@ -112,19 +67,27 @@ class SimEngine:
             none_digest(cfg.seed),
             cfg.max_running,
             report_reused=cfg.report_reused,
+            eagle=cfg.eagle,
         )
+
+    @property
+    def sglang(self) -> bool:
+        return self.cfg.flavor == "sglang"
+
+    def _epoch(self, rank: int) -> bytes | None:
+        """SGLang's per-publisher epoch token (32 hex digits), new with every incarnation."""
+        if not (self.sglang and self.cfg.sglang_epoch):
+            return None
+        return hashlib.sha256(f"{self.instance_id}/{rank}".encode()).hexdigest()[:32].encode()
 
     # ---- lifecycle ----
     async def start(self) -> None:
-        from kvrelay.sim.control import start_control_server
-        from kvrelay.sim.metrics_http import start_metrics_server
-
         self._ctx = zmq.asyncio.Context()
         await self._open_publishers()
-        if self.cfg.grpc_port is not None:
+        if self.cfg.grpc_port is not None and not self.sglang:
             server, self.grpc_port = await start_control_server(self)
             self._grpc = server
-        if self.cfg.metrics_port is not None:
+        if self.cfg.metrics_port is not None and not self.sglang:
             msrv, self.metrics_port = await start_metrics_server(self)
             self._metrics = msrv
 
@@ -141,17 +104,16 @@ class SimEngine:
                 cfg.topic,
                 cfg.buffer_steps,
                 cfg.hwm,
-                cfg.replay_frames,
+                3 if self.sglang else cfg.replay_frames,  # SGLang replies without a topic
                 cfg.host_ip,
+                connect=cfg.pub_connect,
+                epoch=self._epoch(r),
             )
             await _retry_bind(pub)
             self.publishers.append(pub)
 
     async def stop(self) -> None:
         await self.stop_running()
-        from kvrelay.sim.control import stop_control_server
-        from kvrelay.sim.metrics_http import stop_metrics_server
-
         if self._grpc is not None:
             await stop_control_server(self._grpc)
             self._grpc = None
@@ -163,6 +125,28 @@ class SimEngine:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+
+    async def wait_subscribed(self, timeout: float = 10.0) -> None:
+        """Connect mode: until every rank's PUB has the bound SUB's subscription."""
+        for p in self.publishers:
+            await p.wait_subscribed(timeout)
+
+    async def stop_control(self) -> None:
+        """Take only the Control frontend down (a Control outage); the ZMQ publishers go on."""
+        if self._grpc is not None:
+            await stop_control_server(self._grpc)
+            self._grpc = None
+
+    async def start_control(self) -> None:
+        """Bring the Control frontend back on the port it had."""
+        if self._grpc is None and self.grpc_port is not None:
+            pinned = replace(self.cfg, grpc_port=self.grpc_port)
+            cfg, self.cfg = self.cfg, pinned
+            try:
+                server, self.grpc_port = await start_control_server(self)
+            finally:
+                self.cfg = cfg
+            self._grpc = server
 
     async def __aenter__(self) -> SimEngine:
         await self.start()
@@ -176,6 +160,13 @@ class SimEngine:
         if not self.publishers:
             raise RuntimeError("engine not started: call await engine.start() first")
         cfg = self.cfg
+        if self.sglang:
+            out: list[list[Any]] = []
+            for e in events:
+                out += render_sglang(e, cfg.sglang_layout, cfg.block_size, cfg.eagle)
+            rank_field = rank if cfg.sglang_rank_in_envelope else None
+            self.publishers[rank].publish(encode_sglang_batch(time.time(), out, rank_field))
+            return
         lora_ids = {n: li.lora_id for n, li in self.loras.items()}
         wire = [
             render_event(e, cfg.era, cfg.hash_mode, cfg.block_size, lora_ids, cfg.medium)
@@ -244,8 +235,8 @@ class SimEngine:
                 await p.close()
             await self._open_publishers()
         else:
-            for p in self.publishers:
-                p.reset()
+            for r, p in enumerate(self.publishers):
+                p.reset(self._epoch(r))
 
     def drop_next(self, n: int, keep_in_replay: bool, rank: int | None = None) -> None:
         """Skip publishing the next ``n`` batches live (seq still advances). With
@@ -253,6 +244,13 @@ class SimEngine:
         for r, p in enumerate(self.publishers):
             if rank is None or rank == r:
                 p.drop_next(n, keep_in_replay)
+
+    def corrupt_next(self, n: int, replay_good: bool, rank: int | None = None) -> None:
+        """Publish the next ``n`` batches live as garbage; ``replay_good``: the replay buffer
+        still holds the real batches (else the same garbage)."""
+        for r, p in enumerate(self.publishers):
+            if rank is None or rank == r:
+                p.corrupt_next(n, replay_good)
 
     def reset_prefix_cache(self) -> None:
         """Abort running requests, clear every rank's cache, publish AllBlocksCleared."""
@@ -276,6 +274,8 @@ class SimEngine:
         self.paused = False
 
     def load_lora(self, name: str, source_path: str = "") -> LoraInfo:
+        if self.sglang:  # its events name no adapter: a consumer could not salt them
+            raise ValueError("the SGLang simulator serves no LoRA adapters")
         if name not in self.loras:
             if len(self.loras) >= self.cfg.max_loras:
                 raise ValueError(f"max_loras={self.cfg.max_loras} reached")

@@ -3,7 +3,7 @@
 - ``vllm_digest``: the simulator's stand-in for vLLM's block hash: a SHA-256 chain over
   (parent digest, u32-LE tokens, msgpack extra keys), rooted at a seed-derived NONE digest. vLLM
   hashes are opaque ids to consumers, so any reproducible chain is faithful enough.
-- ``dynamo_*``: Dynamo's canonical XXH3 pipeline (relay-contract §7), with the ``xxhash`` package.
+- ``dynamo_*``: Dynamo's canonical XXH3 pipeline (§7), with the ``xxhash`` package.
 """
 
 from __future__ import annotations

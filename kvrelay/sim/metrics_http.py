@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from kvrelay.sim.engine import SimEngine
+from kvrelay.sim.face import EngineFace
 
 _MAX_HEADER = 8192
 
@@ -20,7 +19,7 @@ def _esc(v: str) -> str:
     return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def render_metrics(engine: SimEngine) -> str:
+def render_metrics(engine: EngineFace) -> str:
     """Prometheus text exposition for every DP rank (label ``engine`` = DP rank, as in vLLM)."""
     model = _esc(engine.cfg.served_model_name)
     gauges: list[tuple[str, str, str, list[float]]] = []
@@ -76,7 +75,7 @@ def render_metrics(engine: SimEngine) -> str:
 
 
 async def _handle(
-    engine: SimEngine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    engine: EngineFace, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 ) -> None:
     try:
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5.0)
@@ -108,7 +107,7 @@ async def _handle(
             await writer.wait_closed()
 
 
-async def start_metrics_server(engine: SimEngine) -> tuple[asyncio.Server, int]:
+async def start_metrics_server(engine: EngineFace) -> tuple[asyncio.Server, int]:
     server = await asyncio.start_server(
         lambda r, w: _handle(engine, r, w),
         engine.cfg.host_ip,

@@ -1,8 +1,9 @@
 """vLLM KV-event wire structs for both encoding eras, hash rendering and DP endpoint offsets.
 
-Written from the spec (docs vllm-events §2-3), not from vLLM code. The simulator encodes with
-these msgspec structs so the bytes have exactly the shape a real engine emits: array era
-(<= 0.23, positional, every field present) and map era (>= 0.24, ``type`` tag, defaults omitted).
+Written from the documented format (``docs/contract.md`` §15–§17), not from vLLM code. The
+simulator encodes with these msgspec structs so the bytes have exactly the shape a real engine
+emits: array era (<= 0.23, positional, every field present) and map era (>= 0.24, ``type`` tag,
+defaults omitted).
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def encode_batch(ts: float, events: list[Any], dp_rank: int) -> bytes:
 
 
 def offset_endpoint(endpoint: str, rank: int) -> str:
-    """Apply vLLM's per-DP-rank endpoint rewrite (spec §2.2; port 0 stays 0 as in >= 0.31)."""
+    """Apply vLLM's per-DP-rank endpoint rewrite (§15.2; port 0 stays 0 as in >= 0.31)."""
     if rank == 0 or not endpoint:
         return endpoint
     if "inproc" in endpoint:

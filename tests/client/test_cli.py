@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvrelay.client import cli
-from kvrelay.sim.engine import SimConfig
+from kvrelay.sim.config import SimConfig
 from tests.support.client_stack import eventually, query_set, stack, truth_depth
 from tests.support.scripted_relay import Script, ScriptedRelay, delta, port_of, serve, snapshot
 
@@ -166,3 +166,22 @@ def test_mountable_into_another_parser() -> None:
     assert cli._tokens(args) == [1, 2, 3]
     args = parser.parse_args(["serve"])
     assert getattr(args, "client_command", None) is None
+
+
+def test_relay_defaults_to_the_environment_then_kvrelays_port() -> None:
+    assert cli.relay_addresses(["a:1"], env={"KVRELAY_RELAY": "b:2"}) == ["a:1"]
+    assert cli.relay_addresses(None, env={"KVRELAY_RELAY": "b:2, c:3"}) == ["b:2", "c:3"]
+    assert cli.relay_addresses(None, env={}) == ["127.0.0.1:50161"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["watch", "catalog", "--cert", "c.pem"],  # --cert without --key
+        ["watch", "catalog", "--ca", "ca.pem"],  # --ca without --tls
+        ["watch", "catalog", "--cert", "/nonexistent.pem", "--key", "/nonexistent.key"],
+    ],
+)
+def test_tls_option_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(argv) == 2
+    assert "kvrelay-client: error:" in capsys.readouterr().err

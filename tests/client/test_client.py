@@ -14,8 +14,8 @@ import numpy as np
 from kvrelay.client import ClientConfig, RelayClient
 from kvrelay.client.replica import relay_key
 from kvrelay.client.views import PoolKey
-from kvrelay.service.limits import RelayLimits
-from kvrelay.sim.engine import SimConfig
+from kvrelay.contract.limits import RelayLimits
+from kvrelay.sim.config import SimConfig
 from kvrelay.sim.wire import Era
 from tests.support.client_stack import Stack, eventually, query_set, stack, truth_depth
 
@@ -88,6 +88,11 @@ async def test_overlap_never_under_reports_and_over_reports_rarely() -> None:
             assert client.overlap(tokens, MODEL, lora="not-loaded") == {}
             stats = client.replica_stats()[key]
             assert stats.occupancy == len(held) and stats.drops == {}
+            # raw canonical-hash lookups: every held block in, random others (almost all) out
+            assert set(client.contains(sorted(held))) == {key}
+            assert bool(client.contains(sorted(held))[key].all())
+            others = np.random.default_rng(3).integers(0, 2**63, 5_000, dtype=np.uint64)
+            assert int(client.contains(others)[key].sum()) <= 5
             assert stats.staleness_s is not None and stats.frames["delta"] > 0
 
 

@@ -3,6 +3,7 @@ increments the matching counter and the SDK resubscribes to a valid stream."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -30,12 +31,14 @@ FAST = ClientConfig(backoff_initial_s=0.01, backoff_max_s=0.05)
 
 
 @contextlib.asynccontextmanager
-async def scripted(*scripts: Script) -> AsyncIterator[tuple[ScriptedRelay, RelayClient, PoolKey]]:
+async def scripted(
+    *scripts: Script, config: ClientConfig = FAST
+) -> AsyncIterator[tuple[ScriptedRelay, RelayClient, PoolKey]]:
     relay = ScriptedRelay()
     relay.scripts.extend(scripts)
     server = await serve(relay)
     addr = f"127.0.0.1:{port_of(server)}"
-    client = RelayClient([addr], config=FAST)
+    client = RelayClient([addr], config=config)
     await client.start()
     try:
         yield relay, client, PoolKey(addr, "ns", "be", "gen")
@@ -98,6 +101,34 @@ async def test_clean_eof_is_an_invalidation() -> None:
     async with scripted(Script([*snapshot(5), delta(5, 6)])) as (_relay, client, key):
         assert await client.wait_for(lambda: installed_at(client, key, 11), 10)
         assert client.replica_stats()[key].drops == {"eof": 1}
+
+
+async def test_silent_stream_is_ended_and_resubscribed() -> None:
+    """A relay that sends a snapshot and then nothing (not even heartbeats) for 3 heartbeat
+    periods: the SDK ends the stream as ``silent`` and subscribes again."""
+    quick = ClientConfig(
+        backoff_initial_s=0.01, backoff_max_s=0.05, heartbeat_interval_s=0.1, silence_heartbeats=3
+    )
+    held = Script(snapshot(5), hold=True)
+    async with scripted(held, config=quick) as (relay, client, key):
+        assert await client.wait_for(lambda: installed_at(client, key, 5), 10)
+        assert await client.wait_for(
+            lambda: client.replica_stats()[key].drops.get("silent", 0) >= 1, 10
+        )
+        assert await client.wait_for(lambda: installed_at(client, key, 11), 10)
+        assert relay.subscriptions >= 2
+
+
+async def test_heartbeats_keep_a_quiet_stream_alive() -> None:
+    quick = ClientConfig(
+        backoff_initial_s=0.01, backoff_max_s=0.05, heartbeat_interval_s=0.2, silence_heartbeats=3
+    )
+    beats = Script([*snapshot(5), *(heartbeat(5) for _ in range(1))], hold=True)
+    async with scripted(beats, config=quick) as (relay, client, key):
+        assert await client.wait_for(lambda: installed_at(client, key, 5), 10)
+        # within 3 periods of the last frame the stream is not ended
+        await asyncio.sleep(0.3)
+        assert client.replica_stats()[key].drops == {} and relay.subscriptions == 1
 
 
 async def test_unsupported_feature_quarantines_the_pool() -> None:

@@ -1,4 +1,4 @@
-"""Endpoint rules: wildcard substitution, DP offsets (§2.2), static sources."""
+"""Endpoint rules: wildcard substitution, DP offsets (§15.2), static sources."""
 
 from __future__ import annotations
 

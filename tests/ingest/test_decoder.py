@@ -513,3 +513,21 @@ def test_walker_utf8_check_matches_msgspec(raw: bytes) -> None:
     except msgspec.DecodeError:
         want = False
     assert _utf8_ok(np.frombuffer(raw, dtype=np.uint8), 0, len(raw)) == want
+
+
+def test_mm_hash_takes_the_digest_prefix_only_for_64_hex_digits() -> None:
+    from kvrelay.ingest.decoder import mm_hash
+
+    digest = "0123456789abcdef" + "f" * 48
+    assert mm_hash(digest) == 0x0123456789ABCDEF
+    assert mm_hash(digest.upper()) == 0x0123456789ABCDEF
+    for other in (
+        "0x" + digest[2:],  # int(..., 16) would accept the prefix
+        "0123_4567_89ab_cd" + "f" * 47,  # … and underscores
+        " " + digest[1:],  # … and surrounding spaces
+        "０" * 64,  # … and non-ASCII digits
+        digest[:63] + "g",  # one non-hex character past the prefix
+        digest[:63],  # 63 characters
+        "image-42",
+    ):
+        assert mm_hash(other) == xxhash.xxh3_64_intdigest(other.encode("utf-8"), seed=0), other

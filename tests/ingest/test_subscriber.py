@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import itertools
+import json
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,6 +14,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from kvrelay import logging as kvlog
 from kvrelay.ingest.sink import ResetReason, SourceKey, SourceSpec
 from kvrelay.ingest.subscriber import Subscriber
 from kvrelay.pool.batch import EventBatch
@@ -151,7 +155,9 @@ async def test_runtime_gap_filled_by_replay(ctx: zmq.asyncio.Context) -> None:
         await until(lambda: len(sink.seqs) >= 8)
         assert_exact(sink, list(range(8)))
         c = sub.counters
-        assert c.gaps == 1 and c.replays == 2 and c.resets == 0 and pub.requests == [0, 3]
+        # the gap replay starts at the last applied batch (2): the same bytes vouch for the
+        # incarnation before 3 and 4 are applied
+        assert c.gaps == 1 and c.replays == 2 and c.resets == 0 and pub.requests == [0, 2]
     finally:
         await sub.stop()
         await pub.close()
@@ -268,7 +274,7 @@ async def test_bad_frames_and_payloads_are_counted_not_applied(ctx: zmq.asyncio.
     sub = make(pub, sink, ctx)
     try:
         await _synced(pub, sink, sub, 1)
-        await pub.send_raw([b"kv-other", (99).to_bytes(8, "big"), msg(99)])  # prefix match only
+        await pub.send_raw([b"vk", (99).to_bytes(8, "big"), msg(99)])  # no "kv" prefix
         await pub.send_raw([b"kv", b"\x00\x01", msg(1)])
         await pub.send_raw([b"kv", (1).to_bytes(8, "big")])
         await pub.publish(b"\xc1 not msgpack")  # seq 1: consumed, rejected, no batch
@@ -281,7 +287,10 @@ async def test_bad_frames_and_payloads_are_counted_not_applied(ctx: zmq.asyncio.
             "frame_count": 1,
             "malformed_payload": 1,
         }
-        assert sub.counters.gaps == 0 and sink.resets == []
+        # without a replay to re-fetch it from, a batch that cannot be decoded leaves the
+        # member's state unvouched: it is reset before going on
+        assert sub.counters.gaps == 0 and sink.resets == [ResetReason.BAD_BATCH]
+        assert sub.counters.bad_batches == 1
     finally:
         await sub.stop()
         await pub.close()
@@ -341,5 +350,124 @@ async def test_replay_timeout_fires_despite_live_traffic(ctx: zmq.asyncio.Contex
         assert_exact(sink, [0, 1, *range(3, 43)])
     finally:
         pub.gate.set()
+        await sub.stop()
+        await pub.close()
+
+
+async def test_topic_is_a_prefix_and_a_mismatch_is_logged_once_with_the_topic_seen(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """"kv" accepts "kv-events" (a ZMQ subscription's prefix rule); "vllm" is dropped, counted
+    every time, and logged once per source with the topic it carried and the source's names."""
+    buf = io.StringIO()
+    kvlog.configure(level="INFO", json=True, stream=buf)
+    pub = TestPublisher(ctx, topic=b"kv-events", replay=False)
+    sink = RecordingSink()
+    spec = SourceSpec(
+        endpoint=pub.endpoint, replay_endpoint=None, topic=b"kv", dp_rank=0, worker_id=42,
+        kv_block_size=B, engine="gpu-node-1", pool="ns/backend/generate",
+    )
+    sub = Subscriber(spec, sink, context=ctx)
+    try:
+        await _synced(pub, sink, sub, 2)
+        for seq in (50, 51, 52):
+            await pub.send_raw([b"vllm", seq.to_bytes(8, "big"), msg(seq)])
+        await pub.publish(msg(2))
+        await until(lambda: 2 in sink.seqs)
+        assert_exact(sink, [0, 1, 2])
+        assert sub.counters.rejections == {"topic_mismatch": 3}
+    finally:
+        await sub.stop()
+        await pub.close()
+        kvlog.configure(level="WARNING", stream=sys.stderr)
+    lines = [json.loads(x) for x in buf.getvalue().splitlines()]
+    mismatches = [x for x in lines if x["event"] == "topic_mismatch"]
+    assert len(mismatches) == 1, lines
+    (m,) = mismatches
+    assert (m["level"], m["topic"], m["seen"]) == ("warning", "kv", "vllm")
+    assert (m["engine"], m["pool"], m["dp_rank"]) == ("gpu-node-1", "ns/backend/generate", 0)
+    states = [x for x in lines if x["event"] == "subscriber_state"]
+    assert states and all(x["engine"] == "gpu-node-1" for x in states)
+
+
+# ---- resuming a restored member (a state file from before a relay restart) -------------------
+
+
+def _digest(payload: bytes) -> int:
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+async def _resumed(
+    ctx: zmq.asyncio.Context, pub: TestPublisher, resume: tuple[int, int], **kw: Any
+) -> tuple[RecordingSink, Subscriber]:
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx, resume=resume, **kw)
+    await sub.start()
+    await pub.wait_subscribed()
+    await until(lambda: sub.state == "live")
+    return sink, sub
+
+
+async def test_a_resumed_member_is_vouched_for_then_continues(ctx: zmq.asyncio.Context) -> None:
+    pub = TestPublisher(ctx)
+    for s in range(20):
+        await pub.publish(msg(s), live=False)  # 10..19 were published while the relay was down
+    sink, sub = await _resumed(ctx, pub, (9, _digest(msg(9))))
+    try:
+        await pub.publish(msg(20))
+        await until(lambda: 20 in sink.seqs)
+        assert pub.requests == [9]  # the replay is asked for the last batch the state holds
+        assert_exact(sink, list(range(10, 21)))
+        assert sink.resets == [] and sub.counters.resets == 0
+    finally:
+        await sub.stop()
+        await pub.close()
+
+
+async def test_a_resumed_member_of_another_incarnation_is_rebuilt(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    pub = TestPublisher(ctx)
+    for s in range(12):
+        await pub.publish(msg(s), live=False)  # a restarted engine: seq 9 carries other bytes
+    sink, sub = await _resumed(ctx, pub, (9, _digest(b"the batch 9 of the previous run")))
+    try:
+        await until(lambda: len(sink.seqs) >= 12)
+        assert sink.resets == [ResetReason.INCARNATION]
+        assert sink.items[0] == ("reset", ResetReason.INCARNATION)  # before anything applies
+        assert_exact(sink, list(range(12)))
+        assert sub.counters.incarnations_detected == 1
+    finally:
+        await sub.stop()
+        await pub.close()
+
+
+async def test_a_resumed_member_whose_history_is_gone_resets(ctx: zmq.asyncio.Context) -> None:
+    pub = TestPublisher(ctx, keep=5)
+    for s in range(20):
+        await pub.publish(msg(s), live=False)  # the replay holds 15..19 only
+    sink, sub = await _resumed(ctx, pub, (9, _digest(msg(9))))
+    try:
+        await until(lambda: 19 in sink.seqs)
+        assert sink.resets == [ResetReason.GAP_UNRECOVERABLE]
+        assert_exact(sink, list(range(15, 20)))
+    finally:
+        await sub.stop()
+        await pub.close()
+
+
+async def test_a_resumed_member_without_replay_cannot_be_vouched_for(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    pub = TestPublisher(ctx)
+    sink, sub = await _resumed(ctx, pub, (9, _digest(msg(9))), replay_endpoint=None)
+    try:
+        assert sink.resets == [ResetReason.RESTORE_UNVERIFIED]
+        await pub.publish(msg(pub.seq))
+        await until(lambda: len(sink.seqs) == 1)  # the next live batch is a fresh baseline
+        assert pub.requests == []
+    finally:
         await sub.stop()
         await pub.close()

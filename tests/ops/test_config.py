@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.config import (
+from kvrelay.contract.limits import RelayLimits
+from kvrelay.hashing.identity import DEFAULT_CKF_SEED
+from kvrelay.ops.config import (
     ConfigError,
     ConfigProblem,
     DaemonConfig,
@@ -18,8 +20,6 @@ from kvrelay.config import (
     load_config,
     parse_bind,
 )
-from kvrelay.hashing.identity import DEFAULT_CKF_SEED
-from kvrelay.service.limits import RelayLimits
 from tests.support.commands import MINIMAL, kvrelay
 
 POOL = """
@@ -343,7 +343,7 @@ grpc_port = 50052
 def test_every_relay_limit_is_configurable() -> None:
     from dataclasses import fields
 
-    from kvrelay.config import LIMITS_KEYS
+    from kvrelay.ops.config import LIMITS_KEYS
 
     assert set(LIMITS_KEYS) == {f.name for f in fields(RelayLimits)}
 
@@ -428,3 +428,83 @@ def test_check_config_subprocess_exit_codes(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.strip().splitlines()
     assert len(lines) == 1 and "ok:" in lines[0] and "1 pool(s), 1 engine(s)" in lines[0]
+
+
+def _static(name: str, host: str, endpoint: str, replay: str | None, ranks: str) -> str:
+    replay_line = f'replay_endpoint = "{replay}"\n' if replay else ""
+    return (
+        f'\n[[pools.engines]]\nname = "{name}"\nhost = "{host}"\n[pools.engines.static]\n'
+        f'endpoint = "{endpoint}"\n{replay_line}dp_ranks = {ranks}\n'
+    )
+
+
+STATIC_POOL = POOL + 'model = "m"\nkv_block_size = 16\n'
+
+
+@pytest.mark.parametrize(
+    ("engines", "expected"),
+    [
+        # vLLM's common pair with 2 ranks: rank 1 publishes on 5558, rank 0's replay port
+        (_static("a", "h1", "tcp://*:5557", "tcp://*:5558", "[0, 1]"),
+         [("pools[0].engines[0].static.replay_endpoint",
+           "rank 0 replay port 5558 on h1 is also the rank 1 publisher port 5558")]),
+        (_static("a", "h1", "tcp://*:5557", "tcp://*:5657", "[0, 1]"), []),
+        (_static("a", "h1", "tcp://*:5557", "tcp://*:5558", "[0]"), []),
+        # two engines on one host with the same ranges; on two hosts they are fine
+        (_static("a", "h1", "tcp://*:5557", None, "[0]")
+         + _static("b", "h1", "tcp://*:5557", None, "[0]"),
+         [("pools[0].engines[1].static.endpoint",
+           "rank 0 publisher port 5557 on h1 is also the rank 0 publisher port 5557 of "
+           "pools[0].engines[0].static")]),
+        (_static("a", "h1", "tcp://*:5557", None, "[0]")
+         + _static("b", "h2", "tcp://*:5557", None, "[0]"), []),
+        # an explicit host in the endpoint counts, not the engine's host; port 0 is ephemeral
+        (_static("a", "h1", "tcp://h9:5557", None, "[0]")
+         + _static("b", "h2", "tcp://h9:5557", None, "[0]"),
+         [("pools[0].engines[1].static.endpoint", "port 5557 on h9")]),
+        (_static("a", "h1", "tcp://*:0", "tcp://*:0", "[0, 1, 2]"), []),
+    ],
+)
+def test_static_port_collisions_are_warnings(
+    tmp_path: Path, engines: str, expected: list[tuple[str, str]]
+) -> None:
+    text = '[relay]\ndc_name = "dc"\n' + STATIC_POOL + engines
+    cfg, problems = _check(tmp_path, text)
+    assert cfg is not None, problems
+    got = [(p.path, p.reason) for p in problems]
+    assert [p.severity for p in problems] == ["warning"] * len(expected)
+    assert len(got) == len(expected)
+    for (path, reason), (want_path, fragment) in zip(got, expected, strict=True):
+        assert path == want_path and fragment in reason, got
+
+
+def test_dc_id_is_suggested_as_dc_name(tmp_path: Path) -> None:
+    cfg, problems = _check(tmp_path, MINIMAL.replace("dc_name", "dc_id"))
+    errors = _errors(problems)
+    assert cfg is None
+    assert "did you mean 'dc_name'" in errors["relay.dc_id"]
+    assert "Dynamo's dc_id is kvrelay's dc_name" in errors["relay.dc_id"]
+    _, problems = _check(tmp_path, MINIMAL, {"KVRELAY_RELAY_DC_ID": "x"})
+    assert "did you mean KVRELAY_RELAY_DC_NAME" in _errors(problems)["env.KVRELAY_RELAY_DC_ID"]
+
+
+def test_dynamo_dc_id_variable_is_the_last_fallback_for_dc_name(tmp_path: Path) -> None:
+    no_dc = MINIMAL.replace('dc_name = "dc-test"\n', "")
+    cfg, problems = _check(tmp_path, no_dc, {"DYN_DC_ID": "dc-dynamo"})
+    assert problems == [] and cfg is not None and cfg.relay.dc_name == "dc-dynamo"
+    cfg, _ = _check(tmp_path, MINIMAL, {"DYN_DC_ID": "dc-dynamo"})
+    assert cfg is not None and cfg.relay.dc_name == "dc-test"  # the file wins
+    env = {"DYN_DC_ID": "dc-dynamo", "KVRELAY_RELAY_DC_NAME": "dc-env"}
+    cfg, _ = _check(tmp_path, no_dc, env)
+    assert cfg is not None and cfg.relay.dc_name == "dc-env"  # and kvrelay's own variable
+    cfg, problems = _check(tmp_path, no_dc, {"DYN_DC_ID": " padded "})
+    assert cfg is None and "(set by DYN_DC_ID)" in _errors(problems)["relay.dc_name"]
+
+
+def test_per_member_metrics_switch(tmp_path: Path) -> None:
+    cfg, _ = _check(tmp_path, MINIMAL)
+    assert cfg is not None and cfg.metrics.per_member
+    cfg, _ = _check(tmp_path, MINIMAL + "\n[metrics]\nper_member = false\n")
+    assert cfg is not None and not cfg.metrics.per_member
+    cfg, _ = _check(tmp_path, MINIMAL, {"KVRELAY_METRICS_PER_MEMBER": "no"})
+    assert cfg is not None and not cfg.metrics.per_member

@@ -21,11 +21,13 @@ from grpclib.client import Channel
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.cli import _numba_cache_from_systemd
-from kvrelay.config import load_config
-from kvrelay.daemon import Daemon
-from kvrelay.sdnotify import Notifier
-from kvrelay.sim.engine import SimConfig, SimEngine
+from kvrelay.ops.config import load_config
+from kvrelay.ops.daemon import Daemon
+from kvrelay.ops.sdnotify import Notifier
+from kvrelay.sim.config import SimConfig
+from kvrelay.sim.engine import SimEngine
 from tests.support.commands import MINIMAL, REPO, clean_env
+from tests.support.notify import Notifications
 
 MARKER = 0x4B565231
 SHUTDOWN_BOUND_S = 10.0
@@ -59,39 +61,6 @@ grpc_port = {grpc_port}
 """
     )
     return path
-
-
-class Notifications:
-    """Collects datagrams from the test-owned NOTIFY_SOCKET."""
-
-    def __init__(self, path: Path) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(str(path))
-        self.sock.setblocking(False)
-        self.messages: list[str] = []
-        self._task = asyncio.create_task(self._recv())
-
-    async def _recv(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            data = await loop.sock_recv(self.sock, 4096)
-            self.messages.append(data.decode())
-
-    async def wait_for(self, prefix: str, count: int = 1, timeout: float = 40.0) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            hits = [m for m in self.messages if m.startswith(prefix)]
-            if len(hits) >= count:
-                return hits[count - 1]
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no {prefix!r} x{count}; got {self.messages}")
-            await asyncio.sleep(0.02)
-
-    async def close(self) -> None:
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        self.sock.close()
 
 
 async def _drain(stream: object, seen: list[object]) -> str:
@@ -256,3 +225,59 @@ def test_numba_cache_follows_systemd_cache_directory(monkeypatch: pytest.MonkeyP
     mp.setenv("NUMBA_CACHE_DIR", "/explicit")
     _numba_cache_from_systemd()
     assert os.environ["NUMBA_CACHE_DIR"] == "/explicit"
+
+
+async def test_health_and_healthz_turn_not_serving_as_the_drain_starts(tmp_path: Path) -> None:
+    """SERVING / 200 while serving; from the first moment of a drain NOT_SERVING on an open
+    connection and 503 on /healthz (which stays up until the end). A client that opened a
+    stream without sending its request holds the drain open for the grace period, so the
+    window is seen deterministically."""
+    from grpclib.const import Cardinality
+    from grpclib.health.v1.health_grpc import HealthStub
+    from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+
+    engine = SimEngine(SimConfig(name="e0", seed=3, dp_size=1, capacity_blocks=32))
+    await engine.start()
+    f = tmp_path / "k.toml"
+    f.write_text(MINIMAL.replace("50051", str(engine.grpc_port)).replace(
+        'dc_name = "dc-test"', 'dc_name = "dc-test"\nshutdown_timeout_s = 4.0'
+    ))
+    cfg = load_config(
+        f, env={"KVRELAY_RELAY_BIND": "127.0.0.1:0", "KVRELAY_METRICS_BIND": "127.0.0.1:0"}
+    )
+    daemon = Daemon(cfg, Notifier({}))
+    service = "dynamo.kvrelay.v1.KvEventRelay"
+    stopping: asyncio.Task[None] | None = None
+    try:
+        await daemon.start()
+        assert daemon.grpc_port and daemon.metrics_port
+        async with Channel("127.0.0.1", daemon.grpc_port) as channel:
+            health = HealthStub(channel)
+            for name in (service, ""):
+                reply = await health.Check(HealthCheckRequest(service=name))
+                assert reply.status == HealthCheckResponse.SERVING, name
+            assert (await _http_get(daemon.metrics_port, "/healthz")) == (200, "ok\n")
+
+            async with channel.request(
+                f"/{service}/WatchKvPoolCatalog", Cardinality.UNARY_STREAM,
+                pb.WatchKvPoolCatalogRequest, pb.KvPoolCatalogUpdate,
+            ) as held:  # fmt: skip
+                await held.send_request()  # headers only: the handler waits for the message
+                for _ in range(500):  # until the server runs that handler
+                    if daemon.server.service._active:
+                        break
+                    await asyncio.sleep(0.01)
+                stopping = asyncio.create_task(daemon.stop())
+                await asyncio.sleep(0.2)
+                assert not stopping.done(), "the held stream keeps the drain open"
+                for name in (service, ""):
+                    reply = await health.Check(HealthCheckRequest(service=name))
+                    assert reply.status == HealthCheckResponse.NOT_SERVING, name
+                assert (await _http_get(daemon.metrics_port, "/healthz")) == (
+                    503, "not serving\n"
+                )
+                await asyncio.wait_for(stopping, 10)
+    finally:
+        if stopping is None:
+            await daemon.stop()
+        await engine.stop()

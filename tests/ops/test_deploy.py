@@ -11,14 +11,17 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from kvrelay import config as cfgmod
+from kvrelay.ops import config as cfgmod
+from kvrelay.ops.files import ASSETS, asset_text
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 UNITS = ("kvrelay.service", "kvrelay@.service")
+VENV_KVRELAY = "/opt/kvrelay/venv/bin/kvrelay"
 Unit = dict[str, dict[str, list[str]]]
 
 REQUIRED_SERVICE = {
@@ -38,9 +41,10 @@ KNOWN = {
     "Unit": {"Description", "Documentation", "Wants", "After", "Requires", "Before",
              "StartLimitIntervalSec", "StartLimitBurst", "PartOf"},
     "Service": {
-        "Type", "NotifyAccess", "ExecStartPre", "ExecStart", "Restart", "RestartSec",
+        "Type", "NotifyAccess", "ExecStartPre", "ExecStart", "ExecReload", "Restart", "RestartSec",
         "WatchdogSec", "TimeoutStartSec", "TimeoutStopSec", "KillSignal", "KillMode",
-        "LimitNOFILE", "CacheDirectory", "CacheDirectoryMode", "ConfigurationDirectory",
+        "LimitNOFILE", "CacheDirectory", "CacheDirectoryMode", "StateDirectory",
+        "StateDirectoryMode", "ConfigurationDirectory",
         "ConfigurationDirectoryMode", "Environment", "SyslogIdentifier", "DynamicUser",
         "NoNewPrivileges", "ProtectSystem", "ProtectHome", "PrivateTmp", "PrivateDevices",
         "ProtectKernelTunables", "ProtectKernelModules", "ProtectKernelLogs",
@@ -105,15 +109,23 @@ def test_unit_has_required_directives(name: str) -> None:
     assert "MemoryDenyWriteExecute" not in unit["Service"], "numba's JIT needs W+X pages"
     assert unit["Install"]["WantedBy"] == ["multi-user.target"]
     exec_start = _one(unit, "ExecStart").split()
-    assert exec_start[:3] == ["/usr/bin/env", "kvrelay", "serve"]
-    assert exec_start[3] == "--config"
+    # the venv of deploy/README.md's install section (not PATH: distributions refuse system pip)
+    assert exec_start[:2] == [VENV_KVRELAY, "serve"]
+    assert exec_start[2] == "--config"
     if "@" in name:
-        assert exec_start[4] == "/etc/kvrelay/%i.toml"
+        assert exec_start[3] == "/etc/kvrelay/%i.toml"
         assert cache == "kvrelay/%i"
+        assert _one(unit, "StateDirectory") == "kvrelay/%i"  # one state per shard
     else:
-        assert exec_start[4] == "/etc/kvrelay/kvrelay.toml"
+        assert exec_start[3] == "/etc/kvrelay/kvrelay.toml"
         assert cache == "kvrelay"
-    assert _one(unit, "ExecStartPre").endswith(f"check-config {exec_start[4]}")
+    assert _one(unit, "ExecStartPre") == f"{VENV_KVRELAY} check-config {exec_start[3]}"
+    # systemctl reload validates the same file, then signals the main process
+    assert _one(unit, "ExecReload") == (
+        f"{VENV_KVRELAY} reload --config {exec_start[3]} --pid $MAINPID"
+    )
+    readme = (DEPLOY / "README.md").read_text()
+    assert f"python3 -m venv {VENV_KVRELAY.removesuffix('/bin/kvrelay')}" in readme
 
 
 def test_template_differs_from_the_plain_unit_only_in_instance_bits() -> None:
@@ -122,14 +134,18 @@ def test_template_differs_from_the_plain_unit_only_in_instance_bits() -> None:
         k for k in set(plain["Service"]) | set(tmpl["Service"])
         if plain["Service"].get(k) != tmpl["Service"].get(k)
     }
-    assert differing == {"ExecStartPre", "ExecStart", "CacheDirectory", "Environment",
-                         "SyslogIdentifier"}
+    assert differing == {"ExecStartPre", "ExecStart", "ExecReload", "CacheDirectory",
+                         "StateDirectory", "Environment", "SyslogIdentifier"}
 
 
 def _verify_with_systemd(src: Path, tmp_path: Path) -> list[str]:
-    """Run `systemd-analyze verify` on copies (the template through an instance name)."""
+    """Run `systemd-analyze verify` on copies (the template through an instance name).
+
+    verify insists that ExecStart's program exists: the copies point at this test run's own
+    `kvrelay` script instead of /opt/kvrelay/venv (the path itself is checked above)."""
+    here = str(Path(sys.executable).parent / "kvrelay")
     for name in UNITS:
-        shutil.copy(src / name, tmp_path / name)
+        (tmp_path / name).write_text((src / name).read_text().replace(VENV_KVRELAY, here))
     (tmp_path / "kvrelay@shard0.service").symlink_to(tmp_path / "kvrelay@.service")
     targets = [tmp_path / "kvrelay.service", tmp_path / "kvrelay@shard0.service"]
     res = subprocess.run(
@@ -217,17 +233,25 @@ def test_example_config_documents_every_key() -> None:
     schemas = {
         "relay": cfgmod.RELAY_KEYS, "relay.limits": cfgmod.LIMITS_KEYS,
         "pools": cfgmod.POOL_KEYS, "pools.engines": cfgmod.ENGINE_KEYS,
-        "pools.engines.static": cfgmod.STATIC_KEYS, "logging": cfgmod.LOGGING_KEYS,
+        "pools.engines.static": cfgmod.STATIC_KEYS, "pools.connect": cfgmod.CONNECT_KEYS,
+        "logging": cfgmod.LOGGING_KEYS,
         "metrics": cfgmod.METRICS_KEYS, "tls": cfgmod.TLS_KEYS,
     }
     for section, schema in schemas.items():
         missing = set(schema) - present
         assert not missing, f"[{section}] keys not in the example: {sorted(missing)}"
     for header in ("[relay]", "[relay.limits]", "[[pools]]", "[[pools.engines]]",
-                   "[pools.engines.static]", "[logging]", "[metrics]", "[tls]"):
+                   "[pools.engines.static]", "[pools.connect]", "[logging]", "[metrics]",
+                   "[tls]"):
         i = text.index(header)
         before = text[:i].rstrip().splitlines()[-1]
         assert before.startswith("#"), f"{header} has no comment right above it"
+
+
+@pytest.mark.parametrize("name", ASSETS)
+def test_deploy_copies_equal_the_packaged_assets(name: str) -> None:
+    """`kvrelay example-config` / `systemd-unit` print the packaged files; deploy/ must match."""
+    assert (DEPLOY / name).read_text() == asset_text(name)
 
 
 def test_deploy_readme_exists_and_mentions_units() -> None:

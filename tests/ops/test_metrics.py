@@ -14,17 +14,18 @@ import math
 import pytest
 from grpclib.client import Channel
 from grpclib.config import Configuration
+from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from prometheus_client import CollectorRegistry
 
 from kvrelay import __version__
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.metrics import RelayMetrics
+from kvrelay.contract.limits import RelayLimits
+from kvrelay.ops.metrics import RelayMetrics
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import RelaySettings
-from kvrelay.service.errors import RelayError
-from kvrelay.service.limits import RelayLimits
-from kvrelay.sim.engine import SimConfig, SimEngine
+from kvrelay.sim.config import SimConfig
+from kvrelay.sim.engine import SimEngine
 from kvrelay.sim.wire import Era, HashMode
 from tests.support.scrape import (
     POOL,
@@ -67,14 +68,13 @@ def _check_ingest_against_publishers(samples: Samples, engines: list[SimEngine])
 
 async def test_scrape_after_traffic_matches_independent_oracles() -> None:
     async with fleet_and_relay(CONFIGS) as (engines, relay, server):
-        metrics = RelayMetrics(relay, CollectorRegistry(), sweep_interval_s=0.02)
+        metrics = RelayMetrics(relay, CollectorRegistry())
         metrics.attach_service(server.service)
         port = await metrics.start_http("127.0.0.1", 0)
         try:
             await wait_subscribed(relay, 3)
             gen = relay.pools[0].generation
             assert gen is not None
-            await eventually(lambda: gen.on_publish is not None, what="latency observer hooked")
             for e in engines:
                 await e.step(20)
             engines[0].drop_next(2, keep_in_replay=True, rank=0)  # a gap the relay must replay
@@ -129,7 +129,7 @@ async def test_scrape_after_traffic_matches_independent_oracles() -> None:
 
 async def test_pool_stream_subscribers_and_deltas_seen_by_a_consumer() -> None:
     async with fleet_and_relay(CONFIGS[:1]) as (engines, relay, server):
-        metrics = RelayMetrics(relay, sweep_interval_s=0.02)
+        metrics = RelayMetrics(relay)
         metrics.attach_service(server.service)
         port = await metrics.start_http("127.0.0.1", 0)
         try:
@@ -215,7 +215,7 @@ async def test_counters_stay_monotonic_across_engine_restart_and_withdrawal() ->
     cfg = SimConfig(name="r0", seed=7, dp_size=1, capacity_blocks=64)
     async with fleet_and_relay([cfg]) as (engines, relay, _server):
         (eng,) = engines
-        metrics = RelayMetrics(relay, CollectorRegistry(), sweep_interval_s=0.02)
+        metrics = RelayMetrics(relay, CollectorRegistry())
         port = await metrics.start_http("127.0.0.1", 0)
         try:
             await wait_subscribed(relay, 1)
@@ -269,7 +269,7 @@ async def test_lagging_pool_subscriber_is_counted() -> None:
     cfg = SimConfig(name="lag0", seed=3, dp_size=1, capacity_blocks=256)
     async with fleet_and_relay([cfg], limits=limits) as (engines, relay, server):
         (eng,) = engines
-        metrics = RelayMetrics(relay, CollectorRegistry(), sweep_interval_s=0.02)
+        metrics = RelayMetrics(relay, CollectorRegistry())
         metrics.attach_service(server.service)
         port = await metrics.start_http("127.0.0.1", 0)
         try:
@@ -321,7 +321,7 @@ async def test_lagging_pool_subscriber_is_counted() -> None:
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
             assert len(ended) == 1
-            assert ended[0].status == RelayError.subscriber_lagged().status
+            assert ended[0].status == Status.RESOURCE_EXHAUSTED
             s = await scrape(port)
             assert value(s, "kvrelay_pool_lag_terminations_total", pool=POOL) == 1
             assert value(s, "kvrelay_stream_errors_total", reason=LAGGED) == 1
@@ -391,3 +391,84 @@ async def test_http_endpoint_edges_and_clean_close() -> None:
     else:
         w.close()
         raise AssertionError("metrics port still accepting after close()")
+
+
+async def test_lag_staleness_and_per_pool_aggregation() -> None:
+    """Oracles: the engines' own clocks (staleness stays within the test's wall-clock window),
+    the ingest counters (every live batch observed once in the lag histogram), and a second
+    collector with ``per_member=False`` whose per-pool series must equal the per-member sums."""
+    import time
+
+    async with fleet_and_relay(CONFIGS) as (engines, relay, _server):
+        members = RelayMetrics(relay, CollectorRegistry())
+        pooled = RelayMetrics(relay, CollectorRegistry(), per_member=False)
+        p1, p2 = await members.start_http("127.0.0.1", 0), await pooled.start_http("127.0.0.1", 0)
+        try:
+            def live() -> bool:
+                sources = [x for p in relay.stats().pools for x in p.sources]
+                return len(sources) == 3 and all(x.state == "live" for x in sources)
+
+            await eventually(live, what="every source live")
+            before = {
+                (x.engine, x.dp_rank): x.counters.batches
+                for p in relay.stats().pools for x in p.sources
+            }
+            t0 = time.time()
+            for _ in range(5):
+                for e in engines:
+                    await e.step(3)
+                await asyncio.sleep(0.01)
+            await eventually(lambda: in_sync(engines, relay), what="relay == ground truth")
+            s, agg = await scrape(p1), await scrape(p2)
+            t1 = time.time()
+            for e in engines:
+                for rank in range(e.cfg.dp_size):
+                    m = _member(e.cfg.name, rank)
+                    last = value(s, "kvrelay_ingest_last_message_timestamp_seconds", **m)
+                    assert t0 - 30 <= last <= t1, (m, last, t0, t1)
+                    count = value(s, "kvrelay_ingest_engine_lag_seconds_count", **m)
+                    batches = value(s, "kvrelay_ingest_batches_total", **m)
+                    # every batch applied since the source went live, none of the replayed ones
+                    after_live = batches - before[(e.cfg.name, rank)]
+                    assert 0 < after_live <= count <= batches, (m, count, batches, after_live)
+                    inf = value(s, "kvrelay_ingest_engine_lag_seconds_bucket", le="+Inf", **m)
+                    assert inf == count
+                    # loopback, same clock: nothing lags a minute
+                    assert value(s, "kvrelay_ingest_engine_lag_seconds_sum", **m) < 60 * count
+            for name in ("kvrelay_ingest_messages_total", "kvrelay_ingest_batches_total",
+                         "kvrelay_ingest_engine_lag_seconds_count"):  # fmt: skip
+                assert value(agg, name, pool=POOL) == total(s, name, pool=POOL) > 0, name
+            stored = total(s, "kvrelay_ingest_events_total", kind="stored")
+            assert value(agg, "kvrelay_ingest_events_total", pool=POOL, kind="stored") == stored
+            assert not any(
+                "worker" in dict(labels) for (n, labels) in agg
+                if n.startswith("kvrelay_ingest_") and "last_message" not in n
+            )
+            # staleness stays per source in both modes
+            assert total(agg, "kvrelay_ingest_last_message_timestamp_seconds") == total(
+                s, "kvrelay_ingest_last_message_timestamp_seconds"
+            )
+        finally:
+            await members.close()
+            await pooled.close()
+
+
+def test_retired_counters_fold_lag_by_bucket_and_keep_the_newest_message_time() -> None:
+    from kvrelay.ingest.counters import SubscriberCounters
+    from kvrelay.relay.stats import merged
+
+    a, b = SubscriberCounters(), SubscriberCounters()
+    a.observe_applied(1000.0, live=False)  # replay: a message time, no lag sample
+    assert a.lag_count == 0 and a.last_message_unix > 0
+    a.last_message_unix = 200.0
+    b.last_message_unix = 100.0
+    a.lag_buckets, a.lag_sum_s, a.lag_count = {"0.001": 2, "+Inf": 1}, 30.0, 3
+    b.lag_buckets, b.lag_sum_s, b.lag_count = {"0.001": 1, "0.5": 4}, 1.0, 5
+    m = merged(a, b)
+    assert m.last_message_unix == 200.0  # max, not a sum of two times
+    assert m.lag_buckets == {"0.001": 3, "0.5": 4, "+Inf": 1}
+    assert (m.lag_sum_s, m.lag_count) == (31.0, 8)
+    c = SubscriberCounters()
+    c.observe_applied(c_ts := 0.0, live=True)  # an engine clock far behind: the +Inf bucket
+    c.observe_applied(c_ts + 1e12, live=True)  # an engine clock ahead: clamped to 0, first bucket
+    assert c.lag_buckets == {"+Inf": 1, "0.001": 1} and c.lag_count == 2

@@ -8,7 +8,7 @@ import os
 import socket
 from pathlib import Path
 
-from kvrelay.sdnotify import Notifier
+from kvrelay.ops.sdnotify import Notifier
 
 
 def _listener(address: str | bytes) -> socket.socket:

@@ -17,15 +17,10 @@ from grpclib.client import Channel
 from grpclib.exceptions import StreamTerminatedError
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.ops.tls import TlsConfigError, client_ssl_context, is_loopback, server_ssl_context
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import RelaySettings
 from kvrelay.service.server import RelayServer
-from kvrelay.tls import (
-    TlsConfigError,
-    client_ssl_context,
-    is_loopback,
-    server_ssl_context,
-)
 from tests.support.certs import Pki, make_pki
 
 MARKER = 0x4B565231
@@ -254,3 +249,25 @@ def test_bad_files_raise_typed_errors(pki: Pki, tmp_path: Path) -> None:
 )
 def test_is_loopback(host: str, expected: bool) -> None:
     assert is_loopback(host) is expected
+
+
+async def test_inspection_cli_speaks_mtls_with_cert_and_key(
+    pki: Pki, mtls_relay: tuple[Relay, RelayServer], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvrelay watch --ca --cert --key` reaches an mTLS relay; without a certificate it cannot."""
+    from kvrelay.client import cli
+
+    relay, server = mtls_relay
+    base = ["watch", "catalog", "--relay", f"127.0.0.1:{server.port}", "--json",
+            "--ca", str(pki.server_ca)]  # fmt: skip
+    rc = await asyncio.to_thread(
+        cli.main, [*base, "--count", "1", "--cert", str(pki.client_cert),
+                   "--key", str(pki.client_key)],
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    line = next(x for x in out.splitlines() if x.startswith("{"))
+    assert f'"relay_incarnation": {relay.relay_incarnation}' in line
+    rc = await asyncio.to_thread(cli.main, [*base, "--tls", "--duration", "3"])
+    out = capsys.readouterr().out
+    assert rc == 1 and '"relay_incarnation"' not in out

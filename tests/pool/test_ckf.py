@@ -1,4 +1,4 @@
-"""CKF kernels: spec A.2 golden vectors, §6.2 sizing, and the numba lane vs the naive model."""
+"""CKF kernels: §12.2 golden vectors, §6.2 sizing, and the numba lane vs the naive model."""
 
 from __future__ import annotations
 

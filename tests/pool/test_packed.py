@@ -291,3 +291,64 @@ def test_repack_maps_payloads_in_place_or_into_a_wider_table(pbits: int) -> None
     assert _contents(new) == {k: int(remap[v]) for k, v in before.items()}
     same = new.repacked(pbits, np.zeros(0, dtype=np.uint32))
     assert _contents(same) == _contents(new)
+
+
+# ---- restore from exported arrays ---------------------------------------------------------------
+
+
+@njit(cache=False)
+def _copy_entry(tm, w, s, h):  # type: ignore[no-untyped-def]
+    """Copy used slot ``s`` (tag, rest, payload) into the first free slot of its bucket ``h``:
+    the same key held twice. (An entry moved to another bucket is just another key: quotienting
+    makes the position part of the key.)"""
+    j = pk.sub_of(tm, s)
+    tag = pk.tag_of(w, s)
+    rest = pk.rest_at(tm, w, j, s)
+    pay = pk.pay_of(tm, w, s)
+    f = pk.first_free(w, pk.bucket_start(tm, j, h), np.int64(tm[pk.TM_B]))
+    pk.write_slot(tm, w, j, f, tag, rest, pay)
+    tm[pk.TM_LIVE] += np.uint64(1)
+    return f
+
+
+@pytest.mark.parametrize(("d", "b", "kicks", "pbits"), [(3, 16, 0, 4), (2, 8, 64, 13)])
+def test_restored_takes_exactly_the_tables_this_layout_writes(
+    d: int, b: int, kicks: int, pbits: int
+) -> None:
+    nb = 37
+    t = _filled(d, b, kicks, pbits, nb, nb * d * b * 3 // 4, seed=11)
+    r = pk.PackedTable.restored(d, b, pbits, kicks, 11, t.tm.copy(), t.w.copy())
+    assert _contents(r) == _contents(t) and r.nbs == t.nbs and r.salt == t.salt
+    used = np.flatnonzero(t.w.view(np.uint8)[: t.cap] & 0x80)
+    free = np.flatnonzero((t.w.view(np.uint8)[: t.cap] & 0x80) == 0)
+    s = int(used[0])
+    h = (s - int(t.tm[pk.TM_SUB + pk.SUB_W * int(pk.sub_of(t.tm, s)) + pk.S_SLOT0])) // b
+
+    def dup(tm: np.ndarray, w: np.ndarray) -> None:
+        _copy_entry(tm, w, s, h)
+
+    def dirty_free_tag(tm: np.ndarray, w: np.ndarray) -> None:
+        w.view(np.uint8)[int(free[0])] = 0x05
+
+    def live_off(tm: np.ndarray, w: np.ndarray) -> None:
+        tm[pk.TM_LIVE] += 1
+
+    def other_salt(tm: np.ndarray, w: np.ndarray) -> None:
+        tm[pk.TM_SALT] ^= 1
+
+    def other_width(tm: np.ndarray, w: np.ndarray) -> None:
+        tm[pk.TM_PBITS] += 1
+
+    cases = {dup: "entries are not", dirty_free_tag: "entries are not", live_off: "entries are not",
+             other_salt: "shape or salt", other_width: "shape or salt"}  # fmt: skip
+    for damage, why in cases.items():
+        tm, w = t.tm.copy(), t.w.copy()
+        damage(tm, w)
+        with pytest.raises(ValueError, match=why):
+            pk.PackedTable.restored(d, b, pbits, kicks, 11, tm, w)
+    with pytest.raises(ValueError, match="size disagrees"):
+        pk.PackedTable.restored(d, b, pbits, kicks, 11, t.tm.copy(), t.w[:-1].copy())
+    with pytest.raises(ValueError, match="shape or salt"):  # another table's salt
+        pk.PackedTable.restored(d, b, pbits, kicks, 12, t.tm.copy(), t.w.copy())
+    with pytest.raises(ValueError, match="wrong type"):
+        pk.PackedTable.restored(d, b, pbits, kicks, 11, t.tm.astype(np.int64), t.w.copy())

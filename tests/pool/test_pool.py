@@ -109,14 +109,14 @@ def test_eagle_token_counts() -> None:
     )
     res = pool.apply(m, BatchBuilder().store([5, 6], [0, 1, 2, 3, 4]).build())
     assert res.blocks_stored == 2
-    # A.1: Eagle windows of tokens 0..5, B=2 are [0,1,2] and [2,3,4]
+    # §12.1: Eagle windows of tokens 0..5, B=2 are [0,1,2] and [2,3,4]
     b0 = root_canon([0, 1, 2])
     b1 = xxhash.xxh3_64_intdigest(np.asarray([2, 3, 4], "<u4").tobytes(), seed=1337)
     assert pool.lineage(m)[5] == b0 and pool.lineage(m)[6] == chain(b0, b1)
 
 
 def test_spec_sequence_vector_through_kernel() -> None:
-    """vllm-events §5.3: tokens 0..31, bs 16 → sequence hashes."""
+    """docs/contract.md §12.5: tokens 0..31, bs 16 → sequence hashes."""
     pool = Pool(1024, SEED, 16, 1)
     m = pool.add_member(1, 0)
     pool.apply(m, BatchBuilder().store([1, 2], list(range(32))).build())

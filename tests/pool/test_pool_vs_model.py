@@ -8,15 +8,20 @@ replica rebuilt only from ``take_publication()`` must equal the producer table b
 
 from __future__ import annotations
 
+import copy
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import pytest
 import xxhash
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from kvrelay.pool import ckf
+from kvrelay.pool import packed as pk
+from kvrelay.pool.apply import ST_CAPACITY
 from kvrelay.pool.batch import BatchBuilder, EventBatch
 from kvrelay.pool.pool import Pool
 from tests.support.pool_model import Counts, RefPool, lora_salt
@@ -171,8 +176,11 @@ def run_history(
     max_kicks: int,
     eagle: bool,
     history: list[tuple[int, str, list[Store | Remove | Clear]]],
+    restore_every: int = 0,
 ) -> RunStats:
-    """Drive pool and model with the same history, checking everything after each batch."""
+    """Drive pool and model with the same history, checking everything after each batch;
+    with ``restore_every``, the pool is replaced by ``Pool.from_state`` of its own export that
+    often (a relay restart with state handover): the model does not notice."""
     seed = 0x5DEECE66D1B54A33
     fmt = 2 if eagle else 1
     pool = Pool(buckets, seed, BS, fmt, max_kicks)
@@ -186,7 +194,19 @@ def run_history(
     ns_rec = False
     pubs = 0
     names = {"ParentBlockNotFound": 1, "InvalidBlockSequence": 2, "TokenCountMismatch": 3}
-    for member, kind, evts in history:
+    for step, (member, kind, evts) in enumerate(history):
+        if restore_every and step % restore_every == restore_every - 1:
+            meta, arrays = pool.export_state()
+            counted = (dict(pool.errors_by_kind), pool.capacity_omissions)
+            pool = Pool.from_state(
+                meta, {k: a.copy() for k, a in arrays.items()}, bucket_count=buckets, seed=seed,
+                block_size=BS, hash_format=fmt, max_kicks=max_kicks,
+            )  # fmt: skip
+            assert [pool.add_member(100 + i // 2, i % 2) for i in range(4)] == mids
+            check_state(pool, model, mids)
+            # counters are per process: carry them over so the totals below still add up
+            pool.errors_by_kind.update(counted[0])
+            pool._stats[ST_CAPACITY] = counted[1]
         if kind == "reset":
             pool.reset_member(mids[member])
             model.clear(member, Counts())
@@ -312,6 +332,133 @@ def test_seeded_histories_cover_every_path() -> None:
         "token_count_mismatch",
     }
     assert cap > 0 and max_ref >= 3 and ns
+
+
+def test_a_restored_pool_goes_on_exactly_like_the_model() -> None:
+    """Export + ``from_state`` every few batches, kicks and omissions included: the restored pool
+    keeps agreeing with the model batch by batch (state, table and publications)."""
+    cap = 0
+    for i in range(12):
+        rng = random.Random(5000 + i)
+        r = run_history([4, 16, 1024][i % 3], [500, 2][i % 2], i % 4 == 3,
+                        _random_history(rng, 40), restore_every=3)  # fmt: skip
+        cap += r.capacity
+    assert cap > 0
+
+
+def _exported(pool: Pool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    meta, arrays = pool.export_state()
+    return copy.deepcopy(meta), {k: a.copy() for k, a in arrays.items()}
+
+
+def _restore(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Pool:
+    return Pool.from_state(meta, arrays, bucket_count=64, seed=7, block_size=BS, hash_format=1)
+
+
+def _used_slots(tm: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Used slots of an exported packed table (a slot's tag byte has its high bit set)."""
+    tags = w.view(np.uint8)[: int(tm[pk.TM_CAP])]
+    return np.flatnonzero(tags & 0x80)
+
+
+def _sharing_pool() -> tuple[Pool, EventBatch]:
+    """Nine members share one chain (counts above the in-slot maximum), member 0 also holds a
+    namespaced chain of its own (count 1, namespace entries); and a batch to go on with."""
+    pool = Pool(64, 7, BS, 1)
+    for i in range(9):
+        mid = pool.add_member(9, i)
+        pool.apply(mid, build([Store(0, 0, 4, 0, 0, False, False, False)], False))
+    pool.apply(0, build([Store(1, 0, 3, 0, 1, False, False, False)], False))
+    pool.take_publication()
+    more = build([Remove(((0, 3, 0, 0),), 0), Store(1, 3, 2, 0, 1, False, False, False)], False)
+    return pool, more
+
+
+def test_a_restored_sharing_pool_equals_the_saved_one_and_goes_on_like_it() -> None:
+    pool, more = _sharing_pool()
+    assert max(c for c, _ in pool.owners().values()) == 9  # the overflow table is in use
+    restored = _restore(*_exported(pool))
+    assert restored.snapshot_state() == pool.snapshot_state()
+    assert restored.memory_breakdown() == pool.memory_breakdown()
+    for p in (pool, restored):
+        p.apply(0, more)
+        p.add_member(10, 0)
+    assert restored.snapshot_state() == pool.snapshot_state()
+    a, b = pool.take_publication(), restored.take_publication()
+    assert a is not None and b is not None
+    assert a[0].tolist() == b[0].tolist() and a[1].tolist() == b[1].tolist()
+    again_meta, again = _exported(restored)
+    meta, arrays = _exported(pool)
+    assert again_meta == meta and again.keys() == arrays.keys()
+
+
+def test_an_inconsistent_state_is_refused() -> None:
+    """Each way a saved state can disagree with itself is refused (by the check meant for it),
+    never loaded as exact."""
+    pool, _ = _sharing_pool()
+    State = tuple[dict[str, Any], dict[str, np.ndarray]]
+
+    def flip_table(m: dict[str, Any], a: dict[str, np.ndarray]) -> None:
+        a["table"][int(np.flatnonzero(a["table"])[0])] = 0
+
+    def drop_edge(m: dict[str, Any], a: dict[str, np.ndarray]) -> None:
+        tm, w = a["m0.lin.tm"], a["m0.lin.w"]
+        w.view(np.uint8)[_used_slots(tm, w)[0]] = 0
+        tm[pk.TM_LIVE] -= 1
+
+    def drop_entry_not_count(m: dict[str, Any], a: dict[str, np.ndarray]) -> None:
+        tm, w = a["m0.lin.tm"], a["m0.lin.w"]
+        w.view(np.uint8)[_used_slots(tm, w)[0]] = 0
+
+    def bump_ref(m: dict[str, Any], a: dict[str, np.ndarray]) -> None:
+        tm, w = a["own.tm"], a["own.w"]
+        s = next(int(s) for s in _used_slots(tm, w) if pk.pay_of(tm, w, s) & 7 == 0)
+        pk.set_pay(tm, w, s, pk.pay_of(tm, w, s) + np.uint64(1))
+
+    def bump_big_ref(m: dict[str, Any], a: dict[str, np.ndarray]) -> None:
+        c = a["ovf.counts"]
+        c[int(np.flatnonzero(c != 0xFFFFFFFF)[0])] += 1
+
+    def drop_big_ref(m: dict[str, Any], a: dict[str, np.ndarray]) -> None:
+        c = a["ovf.counts"]
+        c[int(np.flatnonzero(c != 0xFFFFFFFF)[0])] = 0xFFFFFFFF
+
+    def wrong_dtype(m: dict[str, Any], a: dict[str, np.ndarray]) -> None:
+        a["own.w"] = a["own.w"].astype(np.int64)
+
+    def twice(m: dict[str, Any], a: dict[str, np.ndarray]) -> None:
+        m["members"] = [m["members"][0], m["members"][0]]
+
+    def missing(m: dict[str, Any], a: dict[str, np.ndarray]) -> None:
+        del a["m1.lin.w"]
+
+    def resized(m: dict[str, Any], a: dict[str, np.ndarray]) -> None:
+        a["table"] = np.zeros(128, dtype=np.uint64)
+
+    def resized_lineage(m: dict[str, Any], a: dict[str, np.ndarray]) -> None:
+        a["m0.lin.w"] = np.append(a["m0.lin.w"], np.zeros(4, dtype=np.uint64))
+
+    def other_salt(m: dict[str, Any], a: dict[str, np.ndarray]) -> None:
+        m["members"][1][3] ^= 1
+
+    def stray_namespace(m: dict[str, Any], a: dict[str, np.ndarray]) -> None:
+        k, v = a["m0.nkeys"], a["m0.nvals"]
+        k[int(np.flatnonzero(v)[0])] ^= 1
+
+    cases = {
+        flip_table: "resident owners", drop_edge: "refcounts differ",
+        drop_entry_not_count: "entries are not", bump_ref: "refcounts differ",
+        bump_big_ref: "refcounts differ", drop_big_ref: "overflow counts",
+        wrong_dtype: "'own.w' missing or of the wrong type", twice: "repeated",
+        missing: "'m1.lin.w' missing", resized: "buckets", resized_lineage: "size disagrees",
+        other_salt: "shape or salt", stray_namespace: "namespace entries",
+    }  # fmt: skip
+    for mutate, why in cases.items():
+        state: State = _exported(pool)
+        _restore(*state)  # each mutation starts from a state that loads
+        mutate(*state)
+        with pytest.raises(ValueError, match=why):
+            _restore(*state)
 
 
 def test_deterministic_volume_against_model() -> None:

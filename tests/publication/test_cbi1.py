@@ -1,4 +1,4 @@
-"""CBI1 codec (§5): A.4 golden behaviour, byte layout rebuilt with ``struct`` + ``xxhash`` as the
+"""CBI1 codec (§5): §12.4 golden behaviour, byte layout rebuilt with ``struct`` + ``xxhash`` as the
 independent oracle, every decoder rejection in §5.1 order, and snapshot assembly rules."""
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def test_constants() -> None:
     assert cbi1.delta_frame_len(2) == 84
 
 
-# --------------------------------------------------------------------------- A.4
+# --------------------------------------------------------------------------- §12.4
 
 
 def test_a4_delta_round_trip_and_bytes() -> None:

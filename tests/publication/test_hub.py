@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.contract.errors import RelayError
+from kvrelay.contract.limits import RelayLimits
 from kvrelay.publication import cbi1
 from kvrelay.publication.hub import PublicationHub, PublicationInvariantError, Subscription
 from kvrelay.publication.splice import FilterUpdateEncoder
-from kvrelay.service.errors import RelayError
-from kvrelay.service.limits import RelayLimits
 
 SEED, DC = 0x5EED, 7
 R = pb.RelayErrorReason
@@ -104,7 +104,7 @@ async def pump_until(sub: Subscription, col: Collector) -> asyncio.Task[None]:
 
 async def test_invariants_never_half_apply() -> None:
     hub, table = make_hub(seq=4)
-    sub = hub.subscribe()
+    sub = await hub.subscribe()
     for seq, b, w in [
         (6, [1], [1]),  # gap
         (4, [1], [1]),  # replay
@@ -122,19 +122,19 @@ async def test_invariants_never_half_apply() -> None:
     with pytest.raises(PublicationInvariantError):
         hub.publish(5, np.array([1]), np.array([1]))
     with pytest.raises(RelayError) as ei:
-        hub.subscribe()
+        await hub.subscribe()
     assert ei.value.reason == R.PUBLICATION_UNAVAILABLE
 
 
 async def test_encode_once_shared_bytes_and_snapshot_reuse() -> None:
     hub, table = make_hub(seq=3)
-    a, b = hub.subscribe(), hub.subscribe()
+    a, b = (await hub.subscribe()), (await hub.subscribe())
     assert a._snapshot is b._snapshot  # one snapshot build per sequence
     chunks_a = await a._snapshot
     assert chunks_a is await b._snapshot
     hub.publish(4, np.array([5, 9]), np.array([0, 77], dtype=np.uint64))
     assert a._frames[0][0] is b._frames[0][0]  # the same bytes object fans out
-    c = hub.subscribe()
+    c = await hub.subscribe()
     assert c._snapshot is not a._snapshot and c.start_sequence == 4
     table[[5, 9]] = [0, 77]
     col = Collector()
@@ -152,7 +152,7 @@ async def test_encode_once_shared_bytes_and_snapshot_reuse() -> None:
 async def test_pump_delivers_snapshot_deltas_heartbeats() -> None:
     hub, table = make_hub(bc=1 << 20, seq=0, pool_heartbeat_s=0.05)  # 2 chunks, built in a thread
     rng = np.random.default_rng(0)
-    sub = hub.subscribe()
+    sub = await hub.subscribe()
     col = Collector()
     task = asyncio.ensure_future(sub.pump(col))
     await sub._snapshot  # deltas published while a 2-chunk build runs would queue (bound 16)
@@ -178,7 +178,7 @@ async def test_pump_delivers_snapshot_deltas_heartbeats() -> None:
 async def test_queue_frame_and_byte_bounds() -> None:
     # 16 frames: the 17th pending frame lags only the stalled subscriber
     hub, _ = make_hub()
-    stalled, live = hub.subscribe(), hub.subscribe()
+    stalled, live = (await hub.subscribe()), (await hub.subscribe())
     col = Collector()
     task = asyncio.ensure_future(live.pump(col))
     for seq in range(1, 18):
@@ -191,7 +191,7 @@ async def test_queue_frame_and_byte_bounds() -> None:
     await task
     # bytes: three max-size deltas (3 × (4,194,368 + 256)) fit in 16 MiB, the fourth does not
     hub, _ = make_hub(bc=1 << 19)
-    sub = hub.subscribe()
+    sub = await hub.subscribe()
     big = np.arange(cbi1.MAX_DELTA_IMAGES)
     for seq in (1, 2, 3):
         hub.publish(seq, big, big)
@@ -203,18 +203,18 @@ async def test_queue_frame_and_byte_bounds() -> None:
 
 async def test_oversize_resets_subscribers_and_rebootstraps() -> None:
     hub, table = make_hub(bc=1 << 19, seq=10)
-    sub = hub.subscribe()
+    sub = await hub.subscribe()
     col = Collector()
     task = await pump_until(sub, col)
     b = np.arange(cbi1.MAX_DELTA_IMAGES + 1)
     hub.publish(11, b, b)
     with pytest.raises(RelayError) as ei:
         await task
-    assert ei.value.reason == R.PUBLICATION_UNAVAILABLE and ei.value.status.name == "UNAVAILABLE"
+    assert ei.value.reason == R.PUBLICATION_UNAVAILABLE
     sub.close()
     table[b] = b
     assert hub.sequence == 11 and hub.resets == 1
-    fresh = hub.subscribe()
+    fresh = await hub.subscribe()
     col2 = Collector()
     task2 = await pump_until(fresh, col2)
     got, seq = rebuild(col2.frames, 1 << 19)
@@ -224,41 +224,53 @@ async def test_oversize_resets_subscribers_and_rebootstraps() -> None:
 
 
 async def test_snapshot_progress_timeout_and_watchdog() -> None:
-    hub, _ = make_hub(snapshot_progress_timeout_s=0.05)
-    sub = hub.subscribe()
+    hub, _ = make_hub(snapshot_progress_timeout_s=0.05, stalled_stream_reset_s=0.3)
+    released: list[int] = []
+    sub = await hub.subscribe(on_release=lambda: released.append(1))
     col = Collector(block_after=0)  # never drains the first snapshot frame
     task = asyncio.ensure_future(sub.pump(col))
     await asyncio.sleep(0.1)
     assert sub.error is not None and sub.error.reason == R.SNAPSHOT_PROGRESS_TIMEOUT
+    # the failed subscriber stops counting at once, while its send is still blocked
+    assert hub.subscriber_count == 0 and released == [1] and not task.done()
     hub.publish(1, np.array([1]), np.array([1]))
     assert len(sub._frames) == 0  # detached: no more queueing
+    await asyncio.sleep(0.1)
+    assert not task.done()  # the error stays pending for the client (no cancel, no reset)
     col.gate.set()  # the client resumes: the status is observed after the in-flight frame
     with pytest.raises(RelayError) as ei:
         await task
-    assert ei.value.reason == R.SNAPSHOT_PROGRESS_TIMEOUT
+    assert ei.value.reason == R.SNAPSHOT_PROGRESS_TIMEOUT and len(col.raw) == 1
     sub.close()
-    # a client that never resumes: the watchdog cancels the stuck pump
-    sub2 = hub.subscribe()
-    task2 = asyncio.ensure_future(sub2.pump(Collector(block_after=0)))
-    await asyncio.sleep(1.2)
-    assert task2.cancelled()
+    assert released == [1]  # once
+    # a client that never resumes: after the grace the stream is reset and the pump stopped
+    resets: list[int] = []
+    sub2 = await hub.subscribe()
+    task2 = asyncio.ensure_future(
+        sub2.pump(Collector(block_after=0), reset=lambda: resets.append(1))
+    )
+    await asyncio.sleep(0.2)
+    assert sub2.error is not None and not task2.done() and resets == []
+    await asyncio.sleep(0.3)
+    assert task2.cancelled() and resets == [1]
     sub2.close()
+    assert hub.subscriber_count == 0
 
 
 async def test_per_pool_subscriber_limit() -> None:
     hub, _ = make_hub(max_subscribers_per_pool=2)
-    a, _b = hub.subscribe(), hub.subscribe()
+    a, _b = (await hub.subscribe()), (await hub.subscribe())
     with pytest.raises(RelayError) as ei:
-        hub.subscribe()
+        await hub.subscribe()
     assert ei.value.reason == R.RESOURCE_LIMIT
     a.close()
     a.close()  # idempotent
-    hub.subscribe()
+    await hub.subscribe()
 
 
 async def test_batched_pump_preserves_order_and_bounds() -> None:
     hub, table = make_hub(seq=0)
-    sub = hub.subscribe()
+    sub = await hub.subscribe()
     col = Collector()
     batches: list[int] = []
 
@@ -282,7 +294,7 @@ async def test_batched_pump_preserves_order_and_bounds() -> None:
 
 async def test_cancelled_subscriber_does_not_cancel_shared_snapshot_build() -> None:
     hub, table = make_hub(bc=1 << 20)  # built in a thread: still pending when we cancel
-    a, b = hub.subscribe(), hub.subscribe()
+    a, b = (await hub.subscribe()), (await hub.subscribe())
     ta = asyncio.ensure_future(a.pump(Collector()))
     col = Collector()
     tb = asyncio.ensure_future(b.pump(col))

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.contract.wire import CONTRACT_MARKER
 from kvrelay.publication.splice import (
-    CONTRACT_MARKER,
     KIND_DELTA,
     KIND_HEARTBEAT,
     KIND_SNAPSHOT_CHUNK,

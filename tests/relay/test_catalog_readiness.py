@@ -14,7 +14,8 @@ from grpclib.client import Channel
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import PoolSpec
-from kvrelay.sim.engine import SimConfig, SimEngine
+from kvrelay.sim.config import SimConfig
+from kvrelay.sim.engine import SimEngine
 from tests.support.fleet import MARKER, engine_spec, eventually, fleet_and_relay, wait_subscribed
 
 State = pb.ServingReadinessState

@@ -14,7 +14,7 @@ import pytest
 from grpclib.client import Channel
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.sim.engine import SimConfig
+from kvrelay.sim.config import SimConfig
 from kvrelay.sim.wire import Era, HashMode
 from tests.support.fleet import (
     MARKER,

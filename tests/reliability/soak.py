@@ -38,7 +38,8 @@ from kvrelay.publication import cbi1
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
 from kvrelay.service.server import RelayServer
-from kvrelay.sim.engine import SimConfig, SimEngine
+from kvrelay.sim.config import SimConfig
+from kvrelay.sim.engine import SimEngine
 
 MARKER = 0x4B565231
 _SUBSCRIBE = "/dynamo.kvrelay.v1.KvEventRelay/SubscribeKvPool"
@@ -262,7 +263,7 @@ async def run_soak(
             res.deltas_published = gen.batches_published
             table = followers[0].table
             res.replica_matches = table is not None and bool(np.array_equal(table, gen.pool.table))
-            hub = await gen.hub()
+            hub = gen.hub()
             res.lag_terminations = hub.lagged
         res.deltas_received = sum(f.deltas for f in followers)
         res.sequence_errors = sum(f.sequence_errors for f in followers)
@@ -325,7 +326,7 @@ def _judge(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvrelay.soak", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m tests.reliability.soak", description=__doc__)
     ap.add_argument("--seconds", type=float, default=float(os.environ.get("SOAK_SECONDS", 600)))
     ap.add_argument("--rate", type=float, default=float(os.environ.get("SOAK_RATE", 10)))
     ap.add_argument("--subscribers", type=int, default=64)

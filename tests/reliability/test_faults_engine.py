@@ -10,8 +10,9 @@ from collections.abc import Callable
 import pytest
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.sim.config import SimConfig
 from kvrelay.sim.control import start_control_server, stop_control_server
-from kvrelay.sim.engine import SimConfig, SimEngine
+from kvrelay.sim.engine import SimEngine
 from tests.support.rig import (
     Consumer,
     Rig,

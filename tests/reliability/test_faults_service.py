@@ -11,8 +11,9 @@ from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.service.limits import RelayLimits
-from kvrelay.sim.engine import SimConfig, SimEngine
+from kvrelay.contract.limits import RelayLimits
+from kvrelay.sim.config import SimConfig
+from kvrelay.sim.engine import SimEngine
 from tests.support.rig import (
     MARKER,
     SVC,
@@ -116,7 +117,7 @@ async def test_subscriber_that_never_reads_is_dropped_as_lagged() -> None:
             producer = good.producer
             go = asyncio.Event()
             task = asyncio.create_task(read_later(slow, producer, go))
-            hub = await r.pool.generation.hub()
+            hub = r.pool.generation.hub()
             await eventually(lambda: hub.subscriber_count == 2, what="stalled subscriber admitted")
             for _ in range(40):
                 await r.engines[0].step(1)

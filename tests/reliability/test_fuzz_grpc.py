@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.relay.relay import Relay
 from kvrelay.service.server import RelayServer
-from kvrelay.sim.engine import SimConfig, SimEngine
+from kvrelay.sim.config import SimConfig
+from kvrelay.sim.engine import SimEngine
 from tests.support.rig import (
     MARKER,
     REASON,

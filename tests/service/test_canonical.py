@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.contract.errors import RelayError
 from kvrelay.publication.splice import varint
 from kvrelay.service.canonical import WireFormatError, canonicalize
 from kvrelay.service.codec import PassThroughCodec
-from kvrelay.service.errors import RelayError
 
 NAMES = [
     "RelayInfoRequest",

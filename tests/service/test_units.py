@@ -12,9 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.service.errors import STATUS_FOR_REASON, TRAILER_KEY, RelayError, reason_name
-from kvrelay.service.limits import LimitsError, PermitCounter, RelayLimits
-from kvrelay.service.validation import check_subscriber_id, producer_key
+from kvrelay.contract.errors import RelayError, reason_name
+from kvrelay.contract.limits import LimitsError, PermitCounter, RelayLimits
+from kvrelay.contract.producer import producer_key
+from kvrelay.contract.wire import TRAILER_KEY
+from kvrelay.service.status import STATUS_FOR_REASON, status_of, trailers_of
+from kvrelay.service.validation import check_subscriber_id
 
 EXPECTED = {  # contract §3.2
     "CONTRACT_MISMATCH": Status.FAILED_PRECONDITION,
@@ -39,7 +42,8 @@ def test_reason_status_and_trailer_names(official_pb2: dict[str, ModuleType]) ->
         assert STATUS_FOR_REASON[reason] == status
         assert reason_name(reason) == enum.Name(int(reason)) == "RELAY_ERROR_REASON_" + short
         err = RelayError(reason, "m")
-        assert err.status == status and err.trailers() == {TRAILER_KEY: enum.Name(int(reason))}
+        assert status_of(err) == status
+        assert trailers_of(err) == {TRAILER_KEY: enum.Name(int(reason))}
     ctor = {
         "contract_mismatch": "CONTRACT_MISMATCH",
         "invalid_request": "INVALID_REQUEST",

@@ -1,5 +1,5 @@
 """Ground truth: held blocks are self-consistent and their canonical hashes match an
-independent recomputation (spec vectors + test-side xxhash code)."""
+independent recomputation (documented vectors + test-side xxhash code)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ CFG = SimConfig(
 
 
 def test_spec_vectors() -> None:
-    # relay-contract / vllm-events §5.3 vectors (tokens 0..31, bs 16)
+    # docs/contract.md §12.5 vectors (tokens 0..31, bs 16)
     assert dynamo_sequence_hashes(list(range(32)), 16) == [0xD47A8F41C833328A, 0xBF15DFFB16447F38]
     assert dynamo_sequence_hashes([1, 2, 3, 4], 4) == [0xCB38E4D7FB2DCA5C]
     s = salt("adapter-a", None, False)

@@ -15,13 +15,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvrelay.contract.limits import RelayLimits
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
-from kvrelay.service.limits import RelayLimits
 from kvrelay.service.server import RelayServer
-from kvrelay.sim.engine import SimConfig, SimEngine
+from kvrelay.sim.config import SimConfig
+from kvrelay.sim.engine import SimEngine
 from kvrelay.sim.hashing import dynamo_sequence_hashes
-from tests.support.fleet import eventually  # noqa: F401  (the shared fleet harness; tests import it here)
+from tests.support.fleet import (
+    ENGINE_DOWN_GRACE_S,
+    eventually,  # noqa: F401  (the shared fleet harness; tests import it here)
+)
 
 BLOCK = 16
 
@@ -52,6 +56,7 @@ def settings_for(
         limits=limits,
         discovery_interval_s=0.2,
         discovery_timeout_s=1.0,
+        engine_down_grace_s=ENGINE_DOWN_GRACE_S,
     )
 
 

@@ -26,7 +26,7 @@ grpc_port = 50051
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The test process environment without KVRELAY_* / systemd variables, plus ``extra``."""
-    drop = ("KVRELAY_", "NOTIFY_SOCKET", "WATCHDOG_", "CACHE_DIRECTORY")
+    drop = ("KVRELAY_", "NOTIFY_SOCKET", "WATCHDOG_", "CACHE_DIRECTORY", "STATE_DIRECTORY")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env.update(extra)
     return env

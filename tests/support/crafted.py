@@ -15,7 +15,8 @@ import zmq.asyncio
 
 from kvrelay.discovery.endpoints import StaticSourceConfig
 from kvrelay.relay.settings import EngineSpec
-from kvrelay.sim.engine import SimConfig, SimEngine
+from kvrelay.sim.config import SimConfig
+from kvrelay.sim.engine import SimEngine
 from kvrelay.sim.render import render_event
 from kvrelay.sim.scheduler import Stored
 from kvrelay.sim.wire import Era, HashMode, encode_batch
@@ -27,7 +28,8 @@ MODES = (HashMode.U64, HashMode.I64, HashMode.BYTES)
 class RawPublisher:
     """PUB socket on an ephemeral loopback port; ``send`` takes arbitrary frames."""
 
-    def __init__(self) -> None:
+    def __init__(self, topic: bytes = b"") -> None:
+        self.topic = topic
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.PUB)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -39,7 +41,9 @@ class RawPublisher:
         self.seq = 0
 
     def spec(self, name: str = "raw") -> EngineSpec:
-        return EngineSpec(name=name, static=StaticSourceConfig(endpoint=self.endpoint))
+        return EngineSpec(
+            name=name, static=StaticSourceConfig(endpoint=self.endpoint, topic=self.topic.decode())
+        )
 
     async def send(self, frames: list[bytes]) -> None:
         await self.sock.send_multipart(frames)
@@ -57,7 +61,7 @@ class RawPublisher:
         """A well-framed live message with the next sequence number."""
         seq = self.seq
         self.seq += 1
-        await self.send([b"", seq.to_bytes(8, "big"), payload])
+        await self.send([self.topic, seq.to_bytes(8, "big"), payload])
         return seq
 
     def close(self) -> None:

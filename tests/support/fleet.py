@@ -7,13 +7,16 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 
+from kvrelay.contract.limits import RelayLimits
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
-from kvrelay.service.limits import RelayLimits
 from kvrelay.service.server import RelayServer
-from kvrelay.sim.engine import SimConfig, SimEngine
+from kvrelay.sim.config import SimConfig
+from kvrelay.sim.engine import SimEngine
 
 MARKER = 0x4B565231
+#: Tests stop engines and expect their pool to go: a short grace instead of the default 30 s.
+ENGINE_DOWN_GRACE_S = 0.6
 
 
 async def eventually(check: Callable[[], bool], timeout: float = 15.0, what: str = "") -> None:
@@ -57,6 +60,7 @@ async def fleet_and_relay(
         pools=pool_specs,
         discovery_interval_s=0.2,
         discovery_timeout_s=1.0,
+        engine_down_grace_s=ENGINE_DOWN_GRACE_S,
         limits=limits or RelayLimits(),
     )
     relay = Relay(settings)
@@ -90,10 +94,9 @@ def relay_view(relay: Relay) -> dict[tuple[str, int], set[int]]:
     pool = relay.pools[0]
     gen = pool.generation
     assert gen is not None
-    names = {st.worker_id: st.spec.name for st in pool.engines.values()}
     out: dict[tuple[str, int], set[int]] = {}
-    for mid, (wid, rank) in gen.pool.members().items():
-        out[(names[wid], rank)] = {int(h) for h in gen.pool.resident_canonical(mid)}
+    for mid, (wid, rank) in gen.pool.members().items():  # configured or connected members
+        out[(pool._engine_name(wid), rank)] = {int(h) for h in gen.pool.resident_canonical(mid)}
     return out
 
 

@@ -22,13 +22,14 @@ from grpclib.const import Cardinality
 from grpclib.exceptions import GRPCError
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.publication.hub import PublicationHub
+from kvrelay.contract.errors import RelayError
+from kvrelay.contract.limits import RelayLimits
+from kvrelay.contract.producer import producer_key
+from kvrelay.contract.wire import CONTRACT_MARKER
+from kvrelay.publication.hub import PublicationHub, Subscription
+from kvrelay.publication.plane import PlaneClosed
 from kvrelay.publication.splice import FilterUpdateEncoder
-from kvrelay.service.errors import RelayError
-from kvrelay.service.limits import RelayLimits
 from kvrelay.service.server import RelayServer
-from kvrelay.service.validation import CONTRACT_MARKER, producer_key
-from kvrelay.service.view import PlaneClosed
 
 T = TypeVar("T")
 StartRelay = Callable[..., Awaitable[tuple["MemRelayView", RelayServer]]]
@@ -133,7 +134,7 @@ class Generation:
     def hub_or_none(self) -> PublicationHub | None:
         return self._hub
 
-    async def hub(self) -> PublicationHub:
+    def hub(self) -> PublicationHub:
         if self.retired:
             raise RelayError.publication_unavailable("generation retired")
         if self._hub is None:
@@ -285,13 +286,15 @@ class MemRelayView:
         del self.pools[pool_key(gen.producer)]
         self._republish_catalog()
 
-    def resolve_pool(self, expected: pb.ProducerIdentity) -> Generation:
+    async def open_pool(
+        self, expected: pb.ProducerIdentity, on_release: Callable[[], None] | None = None
+    ) -> Subscription:
         gen = self.pools.get(pool_key(expected))
         if gen is None:
             raise RelayError.pool_not_found()
         if producer_key(gen.producer) != producer_key(expected):
             raise RelayError.producer_changed()
-        return gen
+        return await gen.hub().subscribe(on_release)
 
 
 # ---------------------------------------------------------------- clients
@@ -404,7 +407,7 @@ async def grpclib_collect(
 
 # ---------------------------------------------------------------- consumer replica
 class ReplicaError(AssertionError):
-    """The stream violated a consumer rule (§4.3)."""
+    """The stream violated a consumer rule (§4.7)."""
 
 
 class Replica:

@@ -1,4 +1,4 @@
-"""A minimal consumer replica for end-to-end tests: enforces the §4.3 consumer rules.
+"""A minimal consumer replica for end-to-end tests: enforces the §4.7 consumer rules.
 
 It is deliberately strict (assertions, not recovery): any rule a real router would enforce that the
 relay breaks fails the test.

@@ -21,13 +21,19 @@ from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.metrics import RelayMetrics
+from kvrelay.contract.limits import RelayLimits
+from kvrelay.ops.metrics import RelayMetrics
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
-from kvrelay.service.limits import RelayLimits
 from kvrelay.service.server import RelayServer
-from kvrelay.sim.engine import SimConfig, SimEngine
-from tests.support.fleet import eventually, ground_truth, relay_view  # the shared fleet harness
+from kvrelay.sim.config import SimConfig
+from kvrelay.sim.engine import SimEngine
+from tests.support.fleet import (  # the shared fleet harness
+    ENGINE_DOWN_GRACE_S,
+    eventually,
+    ground_truth,
+    relay_view,
+)
 from tests.support.fleet import wait_subscribed as wait_live  # noqa: F401  (used by the fault tests)
 from tests.support.replica import Replica
 
@@ -48,7 +54,7 @@ class Rig:
     _metrics: RelayMetrics | None = None
 
     def metric(self, name: str, **labels: str) -> float:
-        """A Prometheus sample from ``kvrelay.metrics`` for the current relay (0 if absent)."""
+        """A Prometheus sample from ``kvrelay.ops.metrics`` for the current relay (0 if absent)."""
         m = self._metrics
         if m is None or m.relay is not self.relay:
             m = RelayMetrics(self.relay)
@@ -107,6 +113,7 @@ def make_settings(
         limits=limits or RelayLimits(),
         discovery_interval_s=0.1,
         discovery_timeout_s=0.5,
+        engine_down_grace_s=ENGINE_DOWN_GRACE_S,
     )
 
 

@@ -1,0 +1,1069 @@
+"""The daemon's TOML configuration: parse, apply ``KVRELAY_*`` overrides, validate, build.
+
+Validation never stops at the first problem: an operator fixing a file wants every mistake at
+once, each with the exact key path (``pools[0].engines[1].grpc_port``) and a reason. Only a file
+with no *error* builds a :class:`DaemonConfig`; *warnings* (e.g. plaintext gRPC on a non-loopback
+address) are reported and kept on the config so the daemon can log them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import os
+import re
+import tomllib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.contract.limits import RelayLimits
+from kvrelay.discovery.endpoints import WILDCARD_HOSTS, StaticSourceConfig, split_tcp
+from kvrelay.hashing.identity import DEFAULT_CKF_SEED, bucket_count_for
+from kvrelay.ingest.kinds import ENGINE_KINDS
+from kvrelay.ingest.options import DecodeOptions
+from kvrelay.ingest.topic_pattern import PatternError, TopicPattern
+from kvrelay.ops.tls import is_loopback
+from kvrelay.relay.settings import ConnectConfig, EngineSpec, PoolSpec, RelaySettings
+
+DEFAULT_BIND = "127.0.0.1:50161"
+DEFAULT_METRICS_BIND = "127.0.0.1:50162"
+ENV_PREFIX = "KVRELAY_"
+#: Dynamo's variable for the data-centre name (its relay's --dc-id): dc_name's last fallback.
+DYNAMO_DC_ENV = "DYN_DC_ID"
+U64_MAX = (1 << 64) - 1
+
+ROLES: dict[str, pb.WorkerRole] = {
+    "aggregated": pb.WorkerRole.AGGREGATED,
+    "prefill": pb.WorkerRole.PREFILL,
+    "decode": pb.WorkerRole.DECODE,
+    "encode": pb.WorkerRole.ENCODE,
+    "legacy": pb.WorkerRole.LEGACY,
+}
+HASH_FORMATS: dict[str, pb.KvQueryHashFormat] = {
+    "standard": pb.KvQueryHashFormat.DYNAMO_STANDARD_V1,
+    "eagle": pb.KvQueryHashFormat.DYNAMO_EAGLE_V1,
+}
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_FORMATS = ("auto", "json", "console")
+EVENT_LOOPS = ("asyncio", "uvloop")
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigProblem:
+    """One problem at one key path. ``severity="warning"`` never blocks start-up."""
+
+    path: str
+    reason: str
+    severity: Literal["error", "warning"] = "error"
+
+    def __str__(self) -> str:
+        return f"{self.severity}: {self.path}: {self.reason}"
+
+
+class ConfigError(Exception):
+    """The file has errors; ``problems`` holds all of them (errors and warnings)."""
+
+    def __init__(self, problems: Iterable[ConfigProblem]) -> None:
+        self.problems = tuple(problems)
+        errors = [p for p in self.problems if p.severity == "error"]
+        super().__init__(f"{len(errors)} configuration error(s)")
+
+
+@dataclass(frozen=True, slots=True)
+class LoggingConfig:
+    level: str = "info"
+    format: str = "auto"  # auto: JSON unless stderr is a terminal
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = 50162
+    per_member: bool = True  # ingest series per (pool, worker, dp_rank); False: summed per pool
+
+
+@dataclass(frozen=True, slots=True)
+class TlsConfig:
+    cert: str | None = None
+    key: str | None = None
+    client_ca: str | None = None  # set: clients must present a certificate signed by it (mTLS)
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert is not None
+
+
+@dataclass(frozen=True, slots=True)
+class MirrorConfig:
+    """``[mirror]``: serve another relay's contract instead of ingesting engines."""
+
+    upstream: str  # HOST:PORT or unix:/path
+    subscriber_id: str = "kvrelay-mirror"
+    sync_wait_s: float = 10.0
+    upstream_heartbeat_s: float = 10.0
+    tls_ca: str | None = None  # set: TLS to the upstream, verified against this CA
+    tls_cert: str | None = None  # client certificate (mTLS upstream)
+    tls_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonConfig:
+    relay: RelaySettings
+    bind_host: str = "127.0.0.1"
+    bind_port: int = 50161
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    event_loop: str = "asyncio"
+    shutdown_timeout_s: float = 10.0
+    warnings: tuple[ConfigProblem, ...] = ()
+    #: processes serving gRPC: 1 = the relay itself; N ≥ 2 = ingest + N−1 fan-out workers
+    workers: int = 1
+    mirror: MirrorConfig | None = None
+
+    def summary(self) -> str:
+        """One line for ``check-config`` and the start-up log."""
+        n_engines = sum(len(p.engines) for p in self.relay.pools)
+        workers = f"; {self.workers} processes" if self.workers > 1 else ""
+        mode = "plaintext"
+        if self.tls.enabled:
+            mode = "mTLS" if self.tls.client_ca else "TLS"
+        grpc = f"{format_bind(self.bind_host, self.bind_port)} ({mode})"
+        metrics = (
+            format_bind(self.metrics.host, self.metrics.port) if self.metrics.enabled else "off"
+        )
+        if self.mirror is not None:
+            up = "TLS" if self.mirror.tls_ca else "plaintext"
+            source = f"mirror of {self.mirror.upstream} ({up})"
+        else:
+            n_connect = sum(1 for p in self.relay.pools if p.connect is not None)
+            connect = f", {n_connect} connect endpoint(s)" if n_connect else ""
+            source = (
+                f"dc {self.relay.dc_name!r}: {len(self.relay.pools)} pool(s), "
+                f"{n_engines} engine(s){connect}"
+            )
+        return (
+            f"{source}; gRPC {grpc}{workers}; metrics {metrics}; "
+            f"{len(self.warnings)} warning(s)"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# addresses
+
+
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,62})(?:\.[A-Za-z0-9-]{1,63})*$"
+)
+
+
+def parse_bind(text: str) -> tuple[str, int]:
+    """``host:port`` / ``[v6]:port`` → (host, port); port 0 = ephemeral. Raises ValueError."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    if not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"port must be 0..65535, got {port!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"bad IPv6 address {host!r}") from None
+        return host, int(port)
+    if ":" in host:
+        raise ValueError(f"IPv6 addresses need brackets: [{host}]:{port}")
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        if not _HOSTNAME.match(host) or host.replace(".", "").isdigit():
+            raise ValueError(f"bad host {host!r}") from None
+    return host, int(port)
+
+
+def format_bind(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# ---------------------------------------------------------------------------------------------
+# schema
+
+
+Check = Callable[[Any], "str | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Key:
+    kind: str  # str | int | float | bool | roles | dnf | ints
+    default: Any = None
+    required: bool = False
+    check: Check | None = None
+    lower: bool = False  # case-insensitive keyword: stored lower-cased
+
+
+def _int_range(lo: int, hi: int) -> Check:
+    return lambda v: None if lo <= v <= hi else f"must be in {lo}..{hi}, got {v}"
+
+
+def _positive_s(v: float) -> str | None:
+    return None if 0 < v <= 365 * 24 * 3600 else f"must be > 0 and <= 1 year (seconds), got {v}"
+
+
+def _one_of(options: Iterable[str]) -> Check:
+    opts = tuple(options)
+    return lambda v: None if v.lower() in opts else f"must be one of {', '.join(opts)}, got {v!r}"
+
+
+def _kw(default: str, options: Iterable[str]) -> _Key:
+    return _Key("str", default, check=_one_of(options), lower=True)
+
+
+def _text(v: str) -> str | None:
+    if not v or v != v.strip():
+        return "must be non-empty without surrounding whitespace"
+    return None
+
+
+def _bind_check(v: str) -> str | None:
+    try:
+        parse_bind(v)
+    except ValueError as exc:
+        return f"bad bind address: {exc}"
+    return None
+
+
+def _expected_blocks(v: int) -> str | None:
+    try:
+        bucket_count_for(v)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _endpoint(v: str) -> str | None:
+    if v.startswith("tcp://"):
+        try:
+            split_tcp(v)
+        except ValueError as exc:
+            return str(exc)
+        return None
+    if v.startswith(("ipc://", "inproc://")):
+        return None
+    return f"must be a tcp://, ipc:// or inproc:// ZMQ endpoint, got {v!r}"
+
+
+def _limits_schema() -> dict[str, _Key]:
+    out: dict[str, _Key] = {}
+    defaults = RelayLimits()
+    for f in fields(RelayLimits):
+        value = getattr(defaults, f.name)
+        if f.name.endswith("_s"):
+            out[f.name] = _Key("float", value, check=_positive_s)
+        else:
+            out[f.name] = _Key("int", value, check=_int_range(1, 1 << 62))
+    return out
+
+
+RELAY_KEYS: dict[str, _Key] = {
+    "bind": _Key("str", DEFAULT_BIND, check=_bind_check),
+    "dc_name": _Key("str", required=True, check=_text),
+    "drt_instance_id": _Key("int", None, check=_int_range(1, U64_MAX)),
+    "discovery_interval_s": _Key("float", 5.0, check=_positive_s),
+    "discovery_timeout_s": _Key("float", 2.0, check=_positive_s),
+    "metrics_scrape_interval_s": _Key("float", 1.0, check=_positive_s),
+    "engine_down_grace_s": _Key("float", 30.0, check=_positive_s),
+    "dns_interval_s": _Key("float", 10.0, check=_positive_s),
+    "dns_server": _Key("str", None, check=_bind_check),
+    "state_dir": _Key("str", None, check=lambda v: None if v == "" else _text(v)),
+    "state_max_age_s": _Key("float", 3600.0, check=_positive_s),
+    "event_loop": _kw("asyncio", EVENT_LOOPS),
+    "workers": _Key("int", 1, check=_int_range(1, 256)),
+    "shutdown_timeout_s": _Key(
+        "float", 10.0, check=lambda v: None if 0 < v <= 300 else f"must be in (0, 300], got {v}"
+    ),
+}
+LIMITS_KEYS = _limits_schema()
+LOGGING_KEYS: dict[str, _Key] = {
+    "level": _kw("info", LOG_LEVELS),
+    "format": _kw("auto", LOG_FORMATS),
+}
+METRICS_KEYS: dict[str, _Key] = {
+    "enabled": _Key("bool", True),
+    "bind": _Key("str", DEFAULT_METRICS_BIND, check=_bind_check),
+    "per_member": _Key("bool", True),
+}
+TLS_KEYS: dict[str, _Key] = {
+    "cert": _Key("str", None, check=_text),
+    "key": _Key("str", None, check=_text),
+    "client_ca": _Key("str", None, check=_text),
+}
+def _upstream_check(v: str) -> str | None:
+    from kvrelay.mirror.settings import UpstreamAddress
+
+    try:
+        UpstreamAddress.parse(v)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _subscriber_id(v: str) -> str | None:
+    if not v or len(v.encode()) > 128 or any(ord(c) < 32 or 127 <= ord(c) <= 159 for c in v):
+        return "must be 1..128 bytes of UTF-8 without control characters"
+    return None
+
+
+MIRROR_KEYS: dict[str, _Key] = {
+    "upstream": _Key("str", required=True, check=_upstream_check),
+    "subscriber_id": _Key("str", "kvrelay-mirror", check=_subscriber_id),
+    "sync_wait_s": _Key("float", 10.0, check=_positive_s),
+    "upstream_heartbeat_s": _Key("float", 10.0, check=_positive_s),
+    "tls_ca": _Key("str", None, check=_text),
+    "tls_cert": _Key("str", None, check=_text),
+    "tls_key": _Key("str", None, check=_text),
+}
+POOL_KEYS: dict[str, _Key] = {
+    "namespace": _Key("str", required=True, check=_text),
+    "component": _Key("str", required=True, check=_text),
+    "endpoint": _Key("str", required=True, check=_text),
+    "role": _kw("aggregated", ROLES),
+    "needs": _Key("dnf", []),
+    "hash_format": _kw("standard", HASH_FORMATS),
+    "expected_blocks": _Key("int", 1_048_576, check=_expected_blocks),
+    "ckf_seed": _Key("int", DEFAULT_CKF_SEED, check=_int_range(0, U64_MAX)),
+    "model": _Key("str", None, check=_text),
+    "model_source": _Key("str", None, check=_text),
+    "kv_block_size": _Key("int", None, check=_int_range(1, 1 << 20)),
+    "cache_salt_namespacing": _Key("bool", False),
+    "multimodal_hashing": _Key("bool", False),
+}
+ENGINE_KEYS: dict[str, _Key] = {
+    "name": _Key("str", required=True, check=_text),
+    "host": _Key("str", "127.0.0.1", check=_text),
+    "grpc_port": _Key("int", None, check=_int_range(1, 65535)),
+    "metrics_port": _Key("int", None, check=_int_range(1, 65535)),
+    "total_kv_blocks": _Key("int", None, check=_int_range(1, 1 << 40)),
+    "kind": _kw("vllm", ENGINE_KINDS),
+    "dns": _Key("str", None, check=_text),
+    "dns_srv": _Key("bool", False),
+}
+STATIC_KEYS: dict[str, _Key] = {
+    "endpoint": _Key("str", required=True, check=_endpoint),
+    "replay_endpoint": _Key("str", None, check=_endpoint),
+    "dp_ranks": _Key("ints", [0]),
+    "topic": _Key("str", ""),
+    "buffer_steps": _Key("int", 10000, check=_int_range(1, 1 << 31)),
+    "hwm": _Key("int", 100000, check=_int_range(0, 1 << 31)),
+    "max_queue_size": _Key("int", 100000, check=_int_range(1, 1 << 31)),
+}
+def _pattern(v: str) -> str | None:
+    try:
+        TopicPattern(v)
+    except PatternError as exc:
+        return f"bad topic pattern: {exc}"
+    return None
+
+
+def _bind_endpoints(v: list[str]) -> str | None:
+    for ep in v:
+        problem = _endpoint(ep)
+        if problem is not None:
+            return problem
+    if len(set(v)) != len(v):
+        return f"duplicate endpoints in {v!r}"
+    return None
+
+
+CONNECT_KEYS: dict[str, _Key] = {
+    "bind": _Key("strs", required=True, check=_bind_endpoints),
+    "topic_pattern": _Key("str", required=True, check=_pattern),
+    "kind": _kw("vllm", ENGINE_KINDS),
+    "max_members": _Key("int", 1024, check=_int_range(1, 65536)),
+    "member_silence_s": _Key("float", 600.0, check=_positive_s),
+}
+#: Sections reachable through environment overrides (scalar keys only), longest prefix first.
+ENV_SECTIONS: tuple[tuple[str, str, dict[str, _Key]], ...] = (
+    ("RELAY_LIMITS_", "relay.limits", LIMITS_KEYS),
+    ("RELAY_", "relay", RELAY_KEYS),
+    ("LOGGING_", "logging", LOGGING_KEYS),
+    ("METRICS_", "metrics", METRICS_KEYS),
+    ("TLS_", "tls", TLS_KEYS),
+    ("MIRROR_", "mirror", MIRROR_KEYS),
+)
+TOP_KEYS = ("relay", "pools", "logging", "metrics", "tls", "mirror")
+
+#: Keys people bring from Dynamo's relay, and what kvrelay calls them (docs/dynamo.md).
+KEY_HINTS: dict[str, str] = {
+    "dc_id": "dc_name",  # Dynamo's --dc-id / DYN_DC_ID
+    "expected_unique_blocks": "expected_blocks",  # --expected-unique-blocks
+}
+
+_TYPE_NAMES = {
+    "str": "a string",
+    "int": "an integer",
+    "float": "a number",
+    "bool": "a boolean (true/false)",
+    "ints": "a list of integers",
+    "strs": "a string or a non-empty list of strings",
+    "dnf": "a list of lists of roles, e.g. [[\"prefill\"]]",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# reader
+
+
+class _Reader:
+    """Collects problems while reading typed values out of nested TOML tables."""
+
+    def __init__(self, origins: Mapping[str, str]) -> None:
+        self.problems: list[ConfigProblem] = []
+        self.origins = origins  # key path → environment variable that set it
+
+    def err(self, path: str, reason: str) -> None:
+        env = self.origins.get(path)
+        if env is not None:
+            reason = f"{reason} (set by {env})"
+        self.problems.append(ConfigProblem(path, reason))
+
+    def warn(self, path: str, reason: str) -> None:
+        self.problems.append(ConfigProblem(path, reason, "warning"))
+
+    def table(self, path: str, value: Any) -> dict[str, Any] | None:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            self.err(path, f"must be a table, got {_tname(value)}")
+            return None
+        return value
+
+    def tables(self, path: str, value: Any) -> list[dict[str, Any]]:
+        if value is None:
+            return []
+        if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+            self.err(path, f"must be an array of tables ([[{path.split('.')[-1]}]])")
+            return []
+        return value
+
+    def keys(
+        self,
+        path: str,
+        raw: Mapping[str, Any],
+        schema: Mapping[str, _Key],
+        extra: Iterable[str] = (),
+    ) -> dict[str, Any]:
+        """Typed values for every schema key (defaults filled); unknown keys are problems."""
+        allowed = set(schema) | set(extra)
+        for k in raw:
+            if k not in allowed:
+                hint = [KEY_HINTS[k]] if KEY_HINTS.get(k) in allowed else difflib.get_close_matches(
+                    k, sorted(allowed), n=1
+                )
+                known = ", ".join(sorted(allowed))
+                more = f"; did you mean {hint[0]!r}?" if hint else f"; known keys: {known}"
+                if k in KEY_HINTS:
+                    more += f" (Dynamo's {k} is kvrelay's {KEY_HINTS[k]})"
+                self.err(_join(path, k), f"unknown key{more}")
+        out: dict[str, Any] = {}
+        for k, spec in schema.items():
+            p = _join(path, k)
+            if k not in raw:
+                if spec.required:
+                    self.err(p, "required key is missing")
+                out[k] = spec.default
+                continue
+            value = self._typed(p, raw[k], spec)
+            if value is _BAD:
+                out[k] = spec.default
+                continue
+            if spec.check is not None and value is not None:
+                problem = spec.check(value)
+                if problem is not None:
+                    self.err(p, problem)
+                    out[k] = spec.default
+                    continue
+            if spec.lower:
+                value = value.lower()
+            out[k] = value
+        return out
+
+    def _typed(self, path: str, v: Any, spec: _Key) -> Any:
+        kind = spec.kind
+        ok = (
+            (kind == "str" and isinstance(v, str))
+            or (kind == "int" and isinstance(v, int) and not isinstance(v, bool))
+            or (kind == "float" and isinstance(v, int | float) and not isinstance(v, bool))
+            or (kind == "bool" and isinstance(v, bool))
+        )
+        if kind == "float" and ok:
+            return float(v)
+        if ok:
+            return v
+        if kind == "strs" and (
+            isinstance(v, str)
+            or (isinstance(v, list) and v and all(isinstance(x, str) for x in v))
+        ):
+            return [v] if isinstance(v, str) else list(v)
+        if kind == "ints" and isinstance(v, list):
+            if not v:
+                self.err(path, "must list at least one value")
+                return _BAD
+            if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1024 for x in v):
+                self.err(path, f"must be a list of integers in 0..1023, got {v!r}")
+                return _BAD
+            if len(set(v)) != len(v):
+                self.err(path, f"duplicate values in {v!r}")
+                return _BAD
+            return list(v)
+        if kind == "dnf" and isinstance(v, list):
+            return self._dnf(path, v)
+        self.err(path, f"must be {_TYPE_NAMES[kind]}, got {_tname(v)} {v!r}")
+        return _BAD
+
+    def _dnf(self, path: str, v: list[Any]) -> Any:
+        out: list[frozenset[pb.WorkerRole]] = []
+        bad = False
+        for i, alt in enumerate(v):
+            if not isinstance(alt, list) or not alt:
+                self.err(f"{path}[{i}]", "must be a non-empty list of roles, e.g. [\"prefill\"]")
+                bad = True
+                continue
+            roles: set[pb.WorkerRole] = set()
+            for j, r in enumerate(alt):
+                name = r.lower() if isinstance(r, str) else None
+                if name not in ROLES or name == "legacy":
+                    allowed = ", ".join(n for n in ROLES if n != "legacy")
+                    self.err(f"{path}[{i}][{j}]", f"must be one of {allowed}, got {r!r}")
+                    bad = True
+                    continue
+                roles.add(ROLES[name])
+            out.append(frozenset(roles))
+        return _BAD if bad else out
+
+
+_BAD = object()
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _tname(v: Any) -> str:
+    return {
+        bool: "boolean", int: "integer", float: "float", str: "string", list: "array",
+        dict: "table",
+    }.get(type(v), type(v).__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# environment overrides
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def apply_env(
+    raw: dict[str, Any], env: Mapping[str, str]
+) -> tuple[dict[str, str], list[ConfigProblem]]:
+    """Apply ``KVRELAY_<SECTION>_<KEY>`` overrides to ``raw`` in place.
+
+    Returns (key path → variable name, problems). Variables whose section is not one of relay,
+    relay.limits, logging, metrics, tls (e.g. ``KVRELAY_CONFIG``) are ignored.
+    """
+    origins: dict[str, str] = {}
+    problems: list[ConfigProblem] = []
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX):
+            continue
+        rest = name[len(ENV_PREFIX) :]
+        match = next((sec for sec in ENV_SECTIONS if rest.startswith(sec[0])), None)
+        if match is None:
+            continue
+        prefix, section, schema = match
+        key = rest[len(prefix) :].lower()
+        path = f"{section}.{key}"
+        spec = schema.get(key)
+        if spec is None or spec.kind not in ("str", "int", "float", "bool"):
+            hint = [KEY_HINTS[key]] if KEY_HINTS.get(key) in schema else difflib.get_close_matches(
+                key, sorted(schema), n=1
+            )
+            more = f"; did you mean {ENV_PREFIX}{prefix}{hint[0].upper()}?" if hint else ""
+            problems.append(ConfigProblem(f"env.{name}", f"no scalar key {path}{more}"))
+            continue
+        text = env[name]
+        try:
+            value = _convert(text, spec.kind)
+        except ValueError as exc:
+            problems.append(ConfigProblem(f"env.{name}", f"{path}: {exc}"))
+            continue
+        target = raw
+        for part in section.split("."):
+            nxt = target.get(part)
+            if not isinstance(nxt, dict):
+                nxt = {}
+                target[part] = nxt
+            target = nxt
+        target[key] = value
+        origins[path] = name
+    return origins, problems
+
+
+def _convert(text: str, kind: str) -> Any:
+    t = text.strip()
+    if kind == "str":
+        return text
+    if kind == "int":
+        try:
+            return int(t, 0)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {text!r}") from None
+    if kind == "float":
+        try:
+            return float(t)
+        except ValueError:
+            raise ValueError(f"expected a number, got {text!r}") from None
+    if t.lower() in _TRUE:
+        return True
+    if t.lower() in _FALSE:
+        return False
+    raise ValueError(f"expected a boolean (true/false/1/0/yes/no), got {text!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# build
+
+
+def parse_config(
+    raw: Mapping[str, Any], env: Mapping[str, str] | None = None
+) -> tuple[DaemonConfig | None, list[ConfigProblem]]:
+    """Validate a parsed TOML document (plus overrides); config is None when any error exists."""
+    data: dict[str, Any] = _deep_copy(dict(raw))
+    environ = os.environ if env is None else env
+    origins, problems = apply_env(data, environ)
+    _dynamo_dc_fallback(data, environ, origins)
+    r = _Reader(origins)
+    r.problems.extend(problems)
+    for k in data:
+        if k not in TOP_KEYS:
+            hint = difflib.get_close_matches(k, TOP_KEYS, n=1)
+            r.err(k, "unknown section" + (f"; did you mean {hint[0]!r}?" if hint else ""))
+
+    relay_raw = r.table("relay", data.get("relay")) or {}
+    mirror_raw = r.table("mirror", data.get("mirror")) if "mirror" in data else None
+    if "relay" not in data and mirror_raw is None:
+        r.err("relay", "required section [relay] is missing (it needs at least dc_name)")
+    relay_schema = RELAY_KEYS
+    if mirror_raw is not None:  # a mirror's identity comes from its upstream: no dc_name needed
+        relay_schema = {**RELAY_KEYS, "dc_name": _Key("str", "mirror", check=_text)}
+    relay = r.keys("relay", relay_raw, relay_schema, extra=("limits",))
+    limits_raw = r.table("relay.limits", relay_raw.get("limits")) or {}
+    limits_vals = r.keys("relay.limits", limits_raw, LIMITS_KEYS)
+    logging_vals = r.keys("logging", r.table("logging", data.get("logging")) or {}, LOGGING_KEYS)
+    metrics_vals = r.keys("metrics", r.table("metrics", data.get("metrics")) or {}, METRICS_KEYS)
+    tls_vals = r.keys("tls", r.table("tls", data.get("tls")) or {}, TLS_KEYS)
+
+    limits = _limits(r, limits_vals)
+
+    _check_tls(r, tls_vals)
+    mirror = None
+    if mirror_raw is not None:
+        mirror = _mirror(r, mirror_raw)
+        pools: list[PoolSpec] | None = []
+        if "pools" in data:
+            r.err("pools", "a mirror has no [[pools]]: it serves its upstream's pools")
+    else:
+        pools = _pools(r, data.get("pools"))
+        if pools is not None:
+            _port_collisions(r, pools)
+
+    bind_host, bind_port = parse_bind(relay["bind"])
+    m_host, m_port = parse_bind(metrics_vals["bind"])
+    if not tls_vals["cert"] and not is_loopback(bind_host):
+        r.warn(
+            "relay.bind",
+            f"plaintext gRPC on non-loopback address {relay['bind']}; "
+            "configure [tls] cert/key (and client_ca) for anything beyond one host",
+        )
+    if metrics_vals["enabled"] and (m_host, m_port) == (bind_host, bind_port) and m_port != 0:
+        r.err("metrics.bind", f"same address as relay.bind ({metrics_vals['bind']})")
+
+    errors = [p for p in r.problems if p.severity == "error"]
+    if errors or limits is None or pools is None or (mirror_raw is not None and mirror is None):
+        return None, r.problems
+    try:
+        settings = RelaySettings(
+            dc_name=relay["dc_name"],
+            pools=tuple(pools),
+            limits=limits,
+            drt_instance_id=relay["drt_instance_id"],
+            discovery_interval_s=relay["discovery_interval_s"],
+            discovery_timeout_s=relay["discovery_timeout_s"],
+            metrics_scrape_interval_s=relay["metrics_scrape_interval_s"],
+            engine_down_grace_s=relay["engine_down_grace_s"],
+            dns_interval_s=relay["dns_interval_s"],
+            dns_server=relay["dns_server"],
+            state_dir=_state_dir(relay["state_dir"], environ),
+            state_max_age_s=relay["state_max_age_s"],
+        )
+    except ValueError as exc:  # a rule checked only by the settings themselves
+        r.err("relay", str(exc))
+        return None, r.problems
+    warnings = tuple(p for p in r.problems if p.severity == "warning")
+    cfg = DaemonConfig(
+        relay=settings,
+        bind_host=bind_host,
+        bind_port=bind_port,
+        logging=LoggingConfig(level=logging_vals["level"], format=logging_vals["format"]),
+        metrics=MetricsConfig(
+            enabled=metrics_vals["enabled"], host=m_host, port=m_port,
+            per_member=metrics_vals["per_member"],
+        ),
+        tls=TlsConfig(
+            cert=tls_vals["cert"], key=tls_vals["key"], client_ca=tls_vals["client_ca"]
+        ),
+        event_loop=relay["event_loop"],
+        shutdown_timeout_s=relay["shutdown_timeout_s"],
+        warnings=warnings,
+        workers=relay["workers"],
+        mirror=mirror,
+    )
+    return cfg, r.problems
+
+
+def _state_dir(value: str | None, env: Mapping[str, str]) -> str | None:
+    """``state_dir``: the file's value (``""`` = off), else systemd's ``StateDirectory=``
+    (``$STATE_DIRECTORY``), else off."""
+    if value is not None:
+        return value or None
+    systemd = env.get("STATE_DIRECTORY", "").split(":")[0]
+    return systemd or None
+
+
+def _dynamo_dc_fallback(
+    data: dict[str, Any], env: Mapping[str, str], origins: dict[str, str]
+) -> None:
+    """``dc_name`` from Dynamo's ``DYN_DC_ID`` when neither the file nor KVRELAY_RELAY_DC_NAME
+    sets it, so a relay deployed beside Dynamo's shares its data-centre identity by default."""
+    relay = data.get("relay")
+    value = env.get(DYNAMO_DC_ENV)
+    if value is None or (isinstance(relay, dict) and "dc_name" in relay):
+        return
+    if relay is None:
+        relay = data["relay"] = {}
+    if isinstance(relay, dict):
+        relay["dc_name"] = value
+        origins["relay.dc_name"] = DYNAMO_DC_ENV
+
+
+def _port_collisions(r: _Reader, pools: list[PoolSpec]) -> None:
+    """Warn when two static sources need one host:port.
+
+    vLLM adds the DP rank to the publisher *and* the replay port, so bases fewer than dp-size
+    ports apart collide (5557/5558 with two ranks: rank 1 publishes on 5558, rank 0's replay
+    port) and the engine fails to start with "Address already in use". Engines on one host need
+    distinct ranges too. Warnings, because the relay itself binds none of these ports.
+    """
+    seen: dict[tuple[str, int], str] = {}
+    for i, pool in enumerate(pools):
+        for j, eng in enumerate(pool.engines):
+            st = eng.static
+            if st is None:
+                continue
+            base = f"pools[{i}].engines[{j}].static"
+            for key, ep in (("endpoint", st.endpoint), ("replay_endpoint", st.replay_endpoint)):
+                if not ep or not ep.startswith("tcp://"):
+                    continue
+                host, port = split_tcp(ep)
+                if port == 0:
+                    continue  # ephemeral: the engine picks distinct ports itself
+                host = eng.host if host in WILDCARD_HOSTS else host
+                role = "publisher" if key == "endpoint" else "replay"
+                for rank in sorted(set(st.dp_ranks)):
+                    what = f"rank {rank} {role} port {port + rank}"
+                    other = seen.setdefault((host, port + rank), f"the {what} of {base}")
+                    if other != f"the {what} of {base}":
+                        r.warn(
+                            f"{base}.{key}",
+                            f"{what} on {host} is also {other}: vLLM adds the DP rank to both "
+                            "endpoints' ports, so keep the bases at least as many ports apart as "
+                            "there are ranks (e.g. tcp://*:5557 and tcp://*:5657), and give "
+                            "engines on one host distinct ranges",
+                        )
+
+def _mirror(r: _Reader, raw: dict[str, Any]) -> MirrorConfig | None:
+    n_before = len(r.problems)
+    m = r.keys("mirror", raw, MIRROR_KEYS)
+    ca, cert, key = m["tls_ca"], m["tls_cert"], m["tls_key"]
+    if (cert is None) != (key is None):
+        r.err("mirror.tls_key" if cert else "mirror.tls_cert",
+              "tls_cert and tls_key go together (a client certificate for mTLS)")  # fmt: skip
+    if cert is not None and ca is None:
+        r.err("mirror.tls_ca", "required when a client certificate is set (TLS to the upstream)")
+    for name in ("tls_ca", "tls_cert", "tls_key"):
+        path = m[name]
+        if path and not os.access(path, os.R_OK):
+            why = "does not exist" if not os.path.exists(path) else "is not readable"
+            r.err(f"mirror.{name}", f"file {path!r} {why}")
+    upstream = m["upstream"]
+    if upstream is not None and not upstream.startswith("unix:") and ca is None:
+        host = upstream.rpartition(":")[0].strip("[]")
+        if not is_loopback(host):
+            r.warn("mirror.upstream", f"plaintext gRPC to non-loopback upstream {upstream}; "
+                   "set mirror.tls_ca (and tls_cert/tls_key for mTLS)")  # fmt: skip
+    if upstream is None or any(q.severity == "error" for q in r.problems[n_before:]):
+        return None
+    return MirrorConfig(
+        upstream=upstream,
+        subscriber_id=m["subscriber_id"],
+        sync_wait_s=m["sync_wait_s"],
+        upstream_heartbeat_s=m["upstream_heartbeat_s"],
+        tls_ca=ca,
+        tls_cert=cert,
+        tls_key=key,
+    )
+
+
+def _limits(r: _Reader, values: dict[str, Any]) -> RelayLimits | None:
+    """Cross-field limit rules (bad single values were already replaced by defaults)."""
+    try:
+        return RelayLimits(**values)
+    except ValueError as exc:
+        text = str(exc)
+        name = next((k for k in LIMITS_KEYS if text.startswith(k)), None)
+        r.err("relay.limits" + (f".{name}" if name else ""), text)
+        return None
+
+
+def _check_tls(r: _Reader, tls: dict[str, Any]) -> None:
+    cert, key, ca = tls["cert"], tls["key"], tls["client_ca"]
+    if cert and not key:
+        r.err("tls.key", "required when tls.cert is set")
+    if key and not cert:
+        r.err("tls.cert", "required when tls.key is set")
+    if ca and not cert:
+        r.err("tls.cert", "required when tls.client_ca is set (mTLS needs a server certificate)")
+    for name in ("cert", "key", "client_ca"):
+        path = tls[name]
+        if path and not os.access(path, os.R_OK):
+            why = "does not exist" if not os.path.exists(path) else "is not readable"
+            r.err(f"tls.{name}", f"file {path!r} {why}")
+
+
+def _pools(r: _Reader, value: Any) -> list[PoolSpec] | None:
+    if value is None:
+        r.err("pools", "no pools configured: add at least one [[pools]] table")
+        return None
+    raws = r.tables("pools", value)
+    if not raws:
+        if isinstance(value, list):
+            r.err("pools", "no pools configured: add at least one [[pools]] table")
+        return None
+    out: list[PoolSpec] = []
+    seen_triples: dict[tuple[str, str, str], int] = {}
+    seen_engines: dict[str, str] = {}
+    ok = True
+    for i, praw in enumerate(raws):
+        path = f"pools[{i}]"
+        n_before = len(r.problems)
+        p = r.keys(path, praw, POOL_KEYS, extra=("engines", "connect"))
+        connect = _connect(r, path, praw)
+        triple = (p["namespace"], p["component"], p["endpoint"])
+        if None not in triple:
+            if triple in seen_triples:
+                r.err(path, f"same namespace/component/endpoint as pools[{seen_triples[triple]}]")
+            seen_triples.setdefault(triple, i)
+        if connect is not None and "engines" not in praw:
+            engines: list[EngineSpec] = []  # every engine connects to the pool's endpoint
+        else:
+            engines = _engines(r, path, praw.get("engines"), seen_engines)
+        if connect is not None:
+            for k in ("model", "kv_block_size"):
+                if p[k] is None:
+                    r.err(f"{path}.{k}", "required with [pools.connect] (no engine reports it)")
+        if engines and any(e.grpc_port is None for e in engines):
+            for k in ("model", "kv_block_size"):
+                if p[k] is None:
+                    r.err(
+                        f"{path}.{k}", "required when an engine has no grpc_port (static sources)"
+                    )
+        if p["role"] == "legacy" and p["needs"]:
+            r.err(f"{path}.needs", "a legacy pool (no worker type) cannot declare needs")
+        if len(r.problems) != n_before and any(
+            q.severity == "error" for q in r.problems[n_before:]
+        ):
+            ok = False
+            continue
+        try:
+            out.append(
+                PoolSpec(
+                    namespace=p["namespace"],
+                    component=p["component"],
+                    endpoint=p["endpoint"],
+                    engines=tuple(engines),
+                    role=ROLES[p["role"]],
+                    needs=tuple(p["needs"]),
+                    hash_format=HASH_FORMATS[p["hash_format"]],
+                    expected_blocks=p["expected_blocks"],
+                    ckf_seed=p["ckf_seed"],
+                    model=p["model"],
+                    model_source=p["model_source"],
+                    kv_block_size=p["kv_block_size"],
+                    decode=DecodeOptions(
+                        cache_salt_namespacing=p["cache_salt_namespacing"],
+                        multimodal_hashing=p["multimodal_hashing"],
+                    ),
+                    connect=connect,
+                )
+            )
+        except ValueError as exc:
+            r.err(path, str(exc))
+            ok = False
+    return out if ok else None
+
+
+def _connect(r: _Reader, pool_path: str, praw: dict[str, Any]) -> ConnectConfig | None:
+    """``[pools.connect]``: the pool's bound ingest endpoint (§22), or None."""
+    if "connect" not in praw:
+        return None
+    path = f"{pool_path}.connect"
+    raw = r.table(path, praw["connect"])
+    if raw is None:
+        return None
+    n_before = len(r.problems)
+    c = r.keys(path, raw, CONNECT_KEYS)
+    if any(q.severity == "error" for q in r.problems[n_before:]):
+        return None
+    for ep in c["bind"]:
+        if ep.startswith("tcp://") and split_tcp(ep)[1] == 0:
+            r.err(f"{path}.bind", f"{ep}: engines need a fixed port to connect to")
+            return None
+    try:
+        return ConnectConfig(
+            bind=tuple(c["bind"]),
+            topic_pattern=c["topic_pattern"],
+            kind=ENGINE_KINDS[c["kind"]],
+            max_members=c["max_members"],
+            member_silence_s=c["member_silence_s"],
+        )
+    except ValueError as exc:
+        r.err(path, str(exc))
+        return None
+
+
+def _engines(
+    r: _Reader, pool_path: str, value: Any, seen: dict[str, str]
+) -> list[EngineSpec]:
+    path = f"{pool_path}.engines"
+    raws = r.tables(path, value)
+    if not raws:
+        if value is None or isinstance(value, list):
+            r.err(path, "a pool needs at least one [[pools.engines]] table")
+        return []
+    out: list[EngineSpec] = []
+    names: dict[str, int] = {}
+    for j, eraw in enumerate(raws):
+        epath = f"{path}[{j}]"
+        n_before = len(r.problems)
+        e = r.keys(epath, eraw, ENGINE_KEYS, extra=("static",))
+        static: StaticSourceConfig | None = None
+        if "static" in eraw:
+            sraw = r.table(f"{epath}.static", eraw["static"])
+            if sraw is not None:
+                s = r.keys(f"{epath}.static", sraw, STATIC_KEYS)
+                if s["endpoint"] is not None:
+                    static = StaticSourceConfig(
+                        endpoint=s["endpoint"],
+                        replay_endpoint=s["replay_endpoint"],
+                        dp_ranks=tuple(s["dp_ranks"]),
+                        topic=s["topic"],
+                        buffer_steps=s["buffer_steps"],
+                        hwm=s["hwm"],
+                        max_queue_size=s["max_queue_size"],
+                    )
+        name = e["name"]
+        if name is not None:
+            if name in names:
+                r.err(
+                    f"{epath}.name", f"duplicate engine name {name!r} (also {path}[{names[name]}])"
+                )
+            elif name in seen:
+                r.err(f"{epath}.name", f"engine name {name!r} already used in {seen[name]}")
+            names.setdefault(name, j)
+            seen.setdefault(name, epath)
+        if e["kind"] == "sglang":
+            if "grpc_port" in eraw or e["dns_srv"]:
+                r.err(f"{epath}.grpc_port", "SGLang has no vllm.Control: give static sources")
+            if "static" not in eraw:
+                r.err(f"{epath}.static", "required for an SGLang engine (no gRPC discovery)")
+        elif "grpc_port" not in eraw and "static" not in eraw and not e["dns_srv"]:
+            r.err(
+                f"{epath}.grpc_port",
+                "required unless [pools.engines.static] sources are given (vLLM < 0.27)"
+                " or dns_srv names SRV records",
+            )
+        if name is not None and "@" in name:
+            r.err(f"{epath}.name", "'@' is reserved for engines found by DNS (name@address)")
+        if e["dns_srv"] and not e["dns"]:
+            r.err(f"{epath}.dns_srv", "needs dns = the SRV name to resolve")
+        if e["dns"] and "host" in eraw:
+            r.err(f"{epath}.host", "an engine found by DNS takes its host from the records")
+        if any(q.severity == "error" for q in r.problems[n_before:]):
+            continue
+        try:
+            out.append(
+                EngineSpec(
+                    name=name,
+                    host=e["host"],
+                    grpc_port=e["grpc_port"],
+                    static=static,
+                    metrics_port=e["metrics_port"],
+                    total_kv_blocks=e["total_kv_blocks"],
+                    kind=ENGINE_KINDS[e["kind"]],
+                    dns=e["dns"],
+                    dns_srv=e["dns_srv"],
+                )
+            )
+        except ValueError as exc:
+            r.err(epath, str(exc))
+    return out
+
+
+def _deep_copy(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _deep_copy(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_deep_copy(x) for x in v]
+    return v
+
+
+def check_file(
+    path: str | os.PathLike[str], env: Mapping[str, str] | None = None
+) -> tuple[DaemonConfig | None, list[ConfigProblem]]:
+    """Read and validate one file; unreadable files and TOML syntax errors are problems too."""
+    p = Path(path)
+    try:
+        text = p.read_bytes()
+    except OSError as exc:
+        return None, [ConfigProblem(str(p), f"cannot read the file: {exc.strerror or exc}")]
+    try:
+        raw = tomllib.loads(text.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        return None, [ConfigProblem(str(p), f"not UTF-8 text: {exc}")]
+    except tomllib.TOMLDecodeError as exc:
+        return None, [ConfigProblem(str(p), f"TOML syntax error: {exc}")]
+    return parse_config(raw, env)
+
+
+def load_config(
+    path: str | os.PathLike[str], env: Mapping[str, str] | None = None
+) -> DaemonConfig:
+    """``check_file`` that raises :class:`ConfigError` listing every problem."""
+    cfg, problems = check_file(path, env)
+    if cfg is None:
+        raise ConfigError(problems)
+    return cfg

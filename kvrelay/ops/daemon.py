@@ -1,0 +1,467 @@
+"""``kvrelay serve``: the daemon lifecycle around ``Relay`` + ``RelayServer`` (+ metrics).
+
+Order matters for operators: kernels are compiled (or loaded from the numba cache) *before*
+readiness, so the first real batch never pays a JIT pause; systemd hears ``READY=1`` only once the
+gRPC port is bound; on SIGTERM/SIGINT the daemon says ``STOPPING=1``, stops accepting, ends every
+stream with a clean EOF, stops the relay and exits 0 — or 1 if that takes longer than
+``relay.shutdown_timeout_s``. SIGHUP reloads the configuration file (``ops/reload.py``).
+
+The source is the relay, or a mirror of another relay (``[mirror]``). With ``[relay] workers = N
+≥ 2`` the source serves only an internal UNIX socket and N−1 fan-out workers (``ops/front.py``,
+``ops/supervisor.py``) serve the public port; READY=1 waits for all of them, SIGTERM drains them
+first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import signal
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, TypeVar
+
+from kvrelay import __version__
+from kvrelay._aio import cancel_all
+from kvrelay.logging import configure, get_logger
+from kvrelay.ops.config import DaemonConfig, format_bind
+from kvrelay.ops.reload import (
+    ReloadResult,
+    ReloadStats,
+    keep_restart_only,
+    read_config,
+    reload_tls,
+    restart_only_changes,
+)
+from kvrelay.ops.sdnotify import Notifier
+
+_LOG = get_logger("kvrelay.ops.daemon")
+
+T = TypeVar("T")
+
+#: Loop-lag sampling period: short enough to see a stall, long enough to cost nothing.
+LOOP_LAG_PERIOD_S = 0.25
+
+
+def warm_kernels(progress: Callable[[str], None] | None = None) -> float:
+    """Run every hot numba kernel once on tiny inputs; returns the seconds it took.
+
+    Covers the ingest path end to end: msgpack decode with token parsing, the pool apply kernel
+    (store with token hashing, remove, clear), CKF inserts/lookups, publication take and a CBI1
+    delta encode. With ``cache=True`` kernels this is a cache load after the first run.
+    ``progress`` hears one line per step (``kvrelay warm``, the demo), so a first-time compile
+    is never a silent minute.
+    """
+    t0 = time.perf_counter()
+    step_t = t0
+
+    def note(step: str) -> None:
+        nonlocal step_t
+        if progress is not None:
+            now = time.perf_counter()
+            progress(f"{step} ({now - step_t:.1f} s)")
+            step_t = now
+
+    import msgspec
+    import numpy as np
+
+    from kvrelay.hashing.identity import DEFAULT_CKF_SEED, bucket_count_for
+    from kvrelay.ingest.decoder import Decoder
+    from kvrelay.pool.batch import BatchBuilder
+    from kvrelay.pool.pool import FORMAT_EAGLE, FORMAT_STANDARD, Pool
+    from kvrelay.publication import cbi1
+
+    stored = {
+        "type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None,
+        "token_ids": list(range(1, 10)), "block_size": 4, "lora_id": None, "medium": "GPU",
+        "lora_name": None,
+    }
+    removed = {"type": "BlockRemoved", "block_hashes": [12], "medium": "GPU"}
+    payload = msgspec.msgpack.encode([time.time(), [stored, removed], 0])
+    bc = bucket_count_for(64)
+    note("modules and their eagerly compiled kernels (XXH3, msgpack walker, CKF)")
+    for fmt in (FORMAT_STANDARD, FORMAT_EAGLE):
+        name = "standard" if fmt == FORMAT_STANDARD else "eagle"
+        batch = Decoder(kv_block_size=4, dp_rank=0, hash_format=fmt).decode(payload).batch
+        note(f"{name}: msgpack decode and token parsing")
+        pool = Pool(bucket_count=bc, seed=DEFAULT_CKF_SEED, block_size=4, hash_format=fmt)
+        member = pool.add_member(1, 0)
+        result = pool.apply(member, batch)
+        if result.events_rejected:
+            raise RuntimeError(f"kernel warm-up batch rejected: {result.errors}")
+        note(f"{name}: pool apply (lineage, refcounts, cuckoo filter)")
+        pub = pool.take_publication()
+        if pub is not None:
+            buckets, words = pub
+            cbi1.encode_delta(
+                buckets.astype(np.uint64), words, seed=pool.seed, bucket_count=bc, dc_id=1,
+                base_epoch=0, epoch=1,
+            )
+        pool.contains(np.array([1, 2], dtype=np.uint64))
+        pool.resident_canonical(member)
+        pool.apply(member, BatchBuilder().clear().build())
+        pool.reset_member(member)
+        pool.remove_member(member)
+        note(f"{name}: publication take, CBI1 delta, lookups, member reset")
+    return time.perf_counter() - t0
+
+
+async def _in_daemon_thread(fn: Callable[[], T]) -> T:
+    """Run ``fn`` in a daemon thread: a SIGTERM during a long first-time JIT compile must not
+    wait for it (the default executor would be joined at loop shutdown)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def deliver(result: T | None, exc: BaseException | None) -> None:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)  # type: ignore[arg-type]
+
+    def target() -> None:
+        try:
+            result, exc = fn(), None
+        except BaseException as e:
+            result, exc = None, e
+        with contextlib.suppress(RuntimeError):  # loop already closed: nobody is waiting
+            loop.call_soon_threadsafe(deliver, result, exc)
+
+    threading.Thread(target=target, name="kvrelay-warmup", daemon=True).start()
+    return await fut
+
+
+def configure_logging(cfg: DaemonConfig) -> None:
+    json = {"auto": None, "json": True, "console": False}[cfg.logging.format]
+    configure(level=cfg.logging.level.upper(), json=json)
+
+
+class Daemon:
+    """One relay process: start() brings everything up, stop() takes it down (idempotent)."""
+
+    def __init__(
+        self,
+        cfg: DaemonConfig,
+        notifier: Notifier | None = None,
+        *,
+        config_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.config_path = config_path
+        self.notifier = notifier if notifier is not None else Notifier()
+        self.reloads = ReloadStats()
+        self._reload_wanted = asyncio.Event()
+        self._ssl: ssl.SSLContext | None = None
+        self._reload_task: asyncio.Task[None] | None = None
+        self.relay: Any = None
+        self.mirror: Any = None
+        self.server: Any = None
+        self.front: Any = None  # workers = N >= 2: internal socket + supervised workers
+        self.metrics: Any = None
+        self.grpc_port: int | None = None
+        self.metrics_port: int | None = None
+        self.loop_lag_max_s = 0.0
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopped = False
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        tls = self.cfg.tls
+        if not tls.enabled:
+            return None
+        from kvrelay.ops.tls import server_ssl_context
+
+        assert tls.cert is not None and tls.key is not None
+        return server_ssl_context(tls.cert, tls.key, tls.client_ca)
+
+    async def _start_source(self) -> Any:
+        """The relay (kernels warm first) or the mirror (synchronized first); its limits are
+        sized for the workers when they are its only subscribers."""
+        from kvrelay.ops.front import internal_limits
+
+        cfg = self.cfg
+        limits = cfg.relay.limits
+        if cfg.workers > 1:
+            limits = internal_limits(limits, cfg.workers)
+        if cfg.mirror is not None:
+            from kvrelay.mirror.mirror import Mirror
+            from kvrelay.ops.front import mirror_settings
+
+            self.mirror = Mirror(mirror_settings(cfg.mirror, limits))
+            if cfg.metrics.enabled:
+                from kvrelay.ops.mirror_metrics import MirrorMetrics
+
+                self.metrics = MirrorMetrics(self.mirror)
+            self.mirror.start()
+            _LOG.info("mirror_synchronizing", upstream=cfg.mirror.upstream)
+            await self.mirror.synced.wait()
+            return self.mirror
+        from kvrelay.relay.relay import Relay
+
+        warm_s = await _in_daemon_thread(warm_kernels)
+        _LOG.info("kernels_warm", seconds=round(warm_s, 3))
+        self.relay = Relay(replace(cfg.relay, limits=limits))
+        if cfg.metrics.enabled:  # before the relay starts, so every delta is observed
+            from kvrelay.ops.metrics import RelayMetrics
+
+            self.metrics = RelayMetrics(self.relay, per_member=cfg.metrics.per_member)
+            self.metrics.attach_reloads(self.reloads)
+        await self.relay.start()
+        return self.relay
+
+    async def start(self) -> None:
+        from kvrelay.ops.tls import is_loopback
+        from kvrelay.service.server import RelayServer
+
+        cfg = self.cfg
+        for w in cfg.warnings:
+            _LOG.warning("config_warning", path=w.path, reason=w.reason)
+        self._ssl = context = self._ssl_context()
+        view = await self._start_source()
+        service: Any
+        if cfg.workers > 1:
+            from kvrelay.ops.front import WorkerFront
+
+            self.front = WorkerFront(cfg, view)
+            await self.front.start()
+            self.grpc_port = self.front.port
+            service = self.front.supervisor
+            if self.metrics is not None:
+                from kvrelay.ops.mirror_metrics import WorkersCollector
+
+                self.metrics.registry.register(WorkersCollector(self.front.supervisor))
+        else:
+            self.server = RelayServer(view, cfg.relay.limits)
+            await self.server.start(cfg.bind_host, cfg.bind_port, ssl=context)
+            self.grpc_port = self.server.port
+            service = self.server.service
+        if context is None and not is_loopback(cfg.bind_host):
+            _LOG.warning(
+                "plaintext_grpc_on_network",
+                bind=format_bind(cfg.bind_host, self.grpc_port),
+                hint="configure [tls] cert/key (and client_ca for mTLS)",
+            )
+        if self.metrics is not None:
+            self.metrics.attach_service(service)
+            server = self.server
+            healthy = (lambda: server.serving) if server is not None else (
+                lambda: not self._stopped
+            )
+            self.metrics_port = await self.metrics.start_http(
+                cfg.metrics.host, cfg.metrics.port, healthy=healthy
+            )
+        self._tasks.append(asyncio.create_task(self._loop_lag(), name="kvrelay-loop-lag"))
+        self._tasks.append(
+            asyncio.create_task(self.notifier.watchdog_loop(), name="kvrelay-watchdog")
+        )
+        self._reload_task = asyncio.create_task(self._reload_loop(), name="kvrelay-reload")
+        _LOG.info(
+            "relay_serving",
+            version=__version__,
+            grpc=format_bind(cfg.bind_host, self.grpc_port),
+            tls="mtls" if cfg.tls.client_ca else ("tls" if context else "off"),
+            metrics=None
+            if self.metrics_port is None
+            else format_bind(cfg.metrics.host, self.metrics_port),
+            pools=len(cfg.relay.pools),
+            event_loop=cfg.event_loop,
+            workers=cfg.workers,
+            mirror_of=None if cfg.mirror is None else cfg.mirror.upstream,
+        )
+        what = (
+            f"{len(cfg.relay.pools)} pool(s)" if cfg.mirror is None
+            else f"mirror of {cfg.mirror.upstream}"
+        )
+        if cfg.workers > 1:
+            what += f", {cfg.workers - 1} fan-out worker(s)"
+        self.notifier.ready(
+            f"serving gRPC on {format_bind(cfg.bind_host, self.grpc_port)}, {what}"
+        )
+
+    # ---- reload ----------------------------------------------------------------------------------
+
+    def request_reload(self) -> None:
+        """SIGHUP: reload once the daemon serves; signals during a reload coalesce into one more."""
+        self._reload_wanted.set()
+
+    async def _reload_loop(self) -> None:
+        while True:
+            await self._reload_wanted.wait()
+            self._reload_wanted.clear()
+            if self.config_path is None:
+                _LOG.warning("config_reload_unavailable", reason="started without a config file")
+                continue
+            await self.reload(self.config_path)
+
+    async def reload(self, path: str | os.PathLike[str]) -> ReloadResult:
+        """Re-read ``path`` and apply it live; the running configuration stays on any error."""
+        self.notifier.reloading()
+        status = "reload applied"
+        try:
+            new, problems = read_config(path)
+            if new is None:
+                status = "reload rejected: configuration invalid, running configuration kept"
+                self.reloads.outcome("rejected")
+                _LOG.error(
+                    "config_reload_rejected", path=str(path), problems=[str(p) for p in problems]
+                )
+                return ReloadResult("rejected", tuple(problems))
+            if self.relay is None:  # a mirror follows its upstream: nothing here to change
+                status = "reload rejected: a mirror applies a new configuration on restart"
+                self.reloads.outcome("rejected")
+                _LOG.error("config_reload_rejected", path=str(path),
+                           problems=["mirror mode: restart the mirror to apply a configuration"])
+                return ReloadResult("rejected")
+            for w in new.warnings:
+                _LOG.warning("config_warning", path=w.path, reason=w.reason)
+            restart = restart_only_changes(self.cfg, new)
+            if self.front is not None and new.tls.enabled:
+                restart.append("tls (workers read certificates when they start)")
+            effective = keep_restart_only(self.cfg, new)
+            try:
+                if self.front is None:
+                    reload_tls(self._ssl, effective)
+                # the running relay's limits (sized for the workers when they are its only
+                # subscribers) stay: limits are restart-only
+                plan = await self.relay.reconfigure(
+                    dataclasses.replace(effective.relay, limits=self.relay.settings.limits)
+                )
+            except Exception as exc:
+                status = "reload failed: see the log"
+                self.reloads.outcome("failed")
+                _LOG.exception("config_reload_failed", path=str(path), error=f"{exc}")
+                return ReloadResult("failed")
+            restart += plan.restart_required
+            if restart:
+                _LOG.warning("config_reload_restart_required", settings=restart)
+            logging_changed = effective.logging != self.cfg.logging
+            running = dataclasses.replace(self.relay.settings, limits=self.cfg.relay.limits)
+            self.cfg = dataclasses.replace(effective, relay=running)
+            if logging_changed:
+                configure_logging(self.cfg)
+            self.reloads.outcome("applied")
+            summary = plan.summary()
+            _LOG.info("config_reloaded", path=str(path), **summary)
+            return ReloadResult("applied", tuple(new.warnings), tuple(restart), summary)
+        finally:
+            self.notifier.ready(status)
+
+    async def _loop_lag(self) -> None:
+        """Sample scheduling lag: how late a timer fires is how late every stream is."""
+        loop = asyncio.get_running_loop()
+        while True:
+            t0 = loop.time()
+            await asyncio.sleep(LOOP_LAG_PERIOD_S)
+            lag = max(0.0, loop.time() - t0 - LOOP_LAG_PERIOD_S)
+            self.loop_lag_max_s = max(self.loop_lag_max_s, lag)
+            if self.metrics is not None:
+                self.metrics.observe_loop_lag(lag)
+
+    async def stop(self) -> None:
+        """Stop accepting, end streams cleanly, stop the relay, close sockets."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.notifier.stopping()
+        _LOG.info("relay_stopping")
+        if self._reload_task is not None:  # a reload half-way must not race the shutdown
+            await cancel_all([self._reload_task])
+        grace = max(0.1, self.cfg.shutdown_timeout_s / 2)
+        try:
+            if self.front is not None:
+                await self.front.stop(grace)
+            if self.server is not None:
+                await self.server.close(grace_s=grace)
+            if self.mirror is not None:
+                await self.mirror.stop()
+            if self.relay is not None:
+                await self.relay.stop()
+            if self.metrics is not None:
+                await self.metrics.close()
+        finally:
+            await cancel_all(self._tasks)
+            self._tasks.clear()
+            self.notifier.close()
+
+
+async def serve(
+    cfg: DaemonConfig,
+    notifier: Notifier | None = None,
+    *,
+    config_path: str | os.PathLike[str] | None = None,
+) -> int:
+    """Run until SIGTERM/SIGINT (SIGHUP reloads ``config_path``); the process exit code (0
+    clean, 1 failure or slow shutdown)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals_seen: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        signals_seen.append(signum)
+        if len(signals_seen) > 1:
+            _LOG.error("forced_exit", signal=signal.Signals(signum).name)
+            os._exit(1)  # second signal: the operator insists
+        _LOG.info("signal_received", signal=signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    daemon = Daemon(cfg, notifier, config_path=config_path)
+    loop.add_signal_handler(signal.SIGHUP, daemon.request_reload)
+    code = 0
+    try:
+        starting = asyncio.create_task(daemon.start())
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():  # signal during start-up (e.g. a long first JIT compile)
+            starting.cancel()
+        try:
+            await starting
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:
+            _LOG.error("start_failed", error=f"{type(exc).__name__}: {exc}")
+            code = 1
+        else:
+            await stop.wait()
+        stopping.cancel()
+        try:
+            await asyncio.wait_for(daemon.stop(), cfg.shutdown_timeout_s)
+        except TimeoutError:
+            _LOG.error("shutdown_timeout", seconds=cfg.shutdown_timeout_s)
+            return 1
+        except Exception as exc:
+            _LOG.error("shutdown_failed", error=f"{type(exc).__name__}: {exc}")
+            return 1
+        _LOG.info("relay_stopped", exit_code=code)
+        return code
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+
+
+def run(
+    cfg: DaemonConfig,
+    main: Callable[..., Any] = serve,
+    *,
+    config_path: str | os.PathLike[str] | None = None,
+) -> int:
+    """Configure logging, pick the event loop (asyncio or uvloop) and run ``main(cfg)`` (with
+    ``config_path=`` when given: the file SIGHUP reloads)."""
+    configure_logging(cfg)
+    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    if cfg.event_loop == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            _LOG.error("uvloop_unavailable", hint="install uvloop or set relay.event_loop")
+            return 1
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        coro = main(cfg) if config_path is None else main(cfg, config_path=config_path)
+        return int(runner.run(coro))

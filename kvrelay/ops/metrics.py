@@ -1,0 +1,616 @@
+"""Prometheus metrics: a collector that reads ``Relay.stats()`` at scrape time.
+
+Nothing here runs per ZMQ message: subscribers, pools and hubs keep plain ints and the relay folds
+the counters of whatever it replaces (subscribers, generations) into monotonic totals, so a scrape
+is one ``stats()`` call turned into metric families. The only per-event work is one histogram
+observation per *published delta* (the collector is a ``RelayObserver``) and one per loop-lag
+sample. The HTTP endpoint is ``kvrelay.ops.metrics_http``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+from kvrelay import __version__
+from kvrelay.contract.wire import SLOTS_PER_BUCKET
+from kvrelay.ingest.counters import LAG_BUCKETS_S, SubscriberCounters
+from kvrelay.ops.metrics_http import MetricsServer
+from kvrelay.relay.observer import Observers
+from kvrelay.relay.stats import GenerationTotals, RelayStats
+
+DELTA_LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)
+LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+_MEMBER = ("pool", "worker", "dp_rank")
+Flat = dict[tuple[str, str], int]
+_LAG_HELP = (
+    "Live messages: relay wall clock when applied minus the engine's batch timestamp "
+    "(includes clock offset between hosts)."
+)
+
+# Subscriber counters → (metric name without _total, help, extra label or None).
+_SUB_SCALARS: dict[str, tuple[str, str]] = {
+    "messages": ("kvrelay_ingest_messages", "ZMQ messages received (live and replayed)."),
+    "replayed_messages": ("kvrelay_ingest_replayed_messages", "Messages received by replay."),
+    "batches": ("kvrelay_ingest_batches", "Event batches delivered to the pool."),
+    "events": ("kvrelay_ingest_events_delivered", "Events delivered to the pool."),
+    "blocks": ("kvrelay_ingest_blocks", "Block hashes delivered to the pool."),
+    "duplicates": ("kvrelay_ingest_duplicates", "Messages already applied (replay overlap)."),
+    "gaps": ("kvrelay_ingest_gaps", "Sequence gaps detected on the live stream."),
+    "replays": ("kvrelay_ingest_replays", "Replay requests sent to the engine."),
+    "replay_failures": ("kvrelay_ingest_replay_failures", "Replays that timed out or broke."),
+    "missing_history": (
+        "kvrelay_ingest_missing_history", "Replays that started later than requested."
+    ),
+    "reorder_overflows": (
+        "kvrelay_ingest_reorder_overflows", "Reorder buffer bound hit while awaiting a replay."
+    ),
+    "reconnects": ("kvrelay_ingest_reconnects", "SUB connections re-established after a drop."),
+    "incarnations_detected": (
+        "kvrelay_ingest_incarnations_detected",
+        "Replays that did not hold the last applied batch (engine restarted): member rebuilt.",
+    ),
+    "epoch_changes": (
+        "kvrelay_ingest_epoch_changes", "SGLang publisher epochs that changed (restarts)."
+    ),
+    "bad_batches": (
+        "kvrelay_ingest_bad_batches", "Batches that could not be decoded or were malformed."
+    ),
+    "repairs": ("kvrelay_ingest_repairs", "Bad batches applied correctly when re-fetched."),
+}
+_SUB_ANOMALIES = ("unknown_tags", "unknown_fields", "malformed_events", "eagle_bigram", "truncated")
+_SUB_DICTS: dict[str, tuple[str, str, str]] = {
+    "events_by_kind": ("kvrelay_ingest_events", "Decoded events by kind.", "kind"),
+    "rejections": (
+        "kvrelay_ingest_decode_rejections", "Frames/messages rejected by kind.", "kind"
+    ),
+    "drops": ("kvrelay_ingest_dropped_events", "Events dropped by reason.", "reason"),
+    "resets_by_reason": (
+        "kvrelay_ingest_member_resets", "Member state clears by reason (ingest side).", "reason"
+    ),
+}
+# Generation counters → (metric name, help, extra label or None).
+_GEN_COUNTERS: dict[str, tuple[str, str, str | None]] = {
+    "capacity_omissions": (
+        "kvrelay_ckf_capacity_omissions", "Fingerprints the CKF could not place.", None
+    ),
+    "unknown_removals": ("kvrelay_pool_unknown_removals", "Removals of unknown blocks.", None),
+    "invariant_violations": (
+        "kvrelay_pool_invariant_violations", "Exact-state invariant violations (fences).", None
+    ),
+    "errors": ("kvrelay_pool_errors", "Pool apply errors by kind.", "kind"),
+    "deltas": ("kvrelay_deltas_published", "Deltas published (sequence advances).", None),
+    "hub_resets": (
+        "kvrelay_hub_resets", "Oversized publications forcing subscribers to re-snapshot.", None
+    ),
+    "lagged": (
+        "kvrelay_pool_lag_terminations", "Pool subscribers ended for lagging (queue full).", None
+    ),
+    "snapshots_served": (
+        "kvrelay_snapshots_sent", "Snapshots sent to pool subscribers (one per subscription).", None
+    ),
+    "snapshots_built": (
+        "kvrelay_snapshots_built", "Snapshot encodes (shared by joiners at one sequence).", None
+    ),
+}
+# PoolCounters attribute → (metric name, help).
+_POOL_COUNTERS: dict[str, tuple[str, str]] = {
+    "batches": ("kvrelay_pool_batches_applied", "Batches applied to the pool's exact state."),
+    "events": ("kvrelay_pool_events_applied", "Events in applied batches."),
+    "events_rejected": ("kvrelay_pool_events_rejected", "Events the pool rejected."),
+    "dropped_without_generation": (
+        "kvrelay_pool_dropped_without_generation", "Batches dropped while no generation existed."
+    ),
+    "generations": ("kvrelay_pool_generations", "Generations materialized."),
+    "fences": ("kvrelay_pool_fences", "Generations fenced (withdrawn and rebuilt)."),
+    "block_size_conflicts": (
+        "kvrelay_pool_block_size_conflicts", "Engines skipped for a conflicting kv_block_size."
+    ),
+    "source_failures": (
+        "kvrelay_pool_source_failures", "Subscribers that crashed or failed to start (restarted)."
+    ),
+    "engines_down": (
+        "kvrelay_pool_engines_down",
+        "Engines declared down (Control and ZMQ silent for the grace): members cleared.",
+    ),
+    "identity_changes": (
+        "kvrelay_pool_identity_changes", "Re-materializations for a new model or block size."
+    ),
+    "identity_conflicts": (
+        "kvrelay_pool_identity_conflicts", "Withdrawals because engines disagree on the pool."
+    ),
+    "rebuild_backoffs": (
+        "kvrelay_pool_rebuild_backoffs", "Rebuilds after repeated fences that waited (backoff)."
+    ),
+    "members_resumed": (
+        "kvrelay_pool_members_resumed",
+        "Restored members resumed from their saved sequence (then vouched for or reset).",
+    ),
+    "restores_discarded": (
+        "kvrelay_pool_restores_discarded",
+        "Restored pool states not used (another identity, or arrays that do not load).",
+    ),
+    "reconfigurations": (
+        "kvrelay_pool_reconfigurations",
+        "Re-materializations because a reload changed a filter setting.",
+    ),
+    # connect mode (a bound SUB fed by many engines, §22)
+    "connect_messages": ("kvrelay_connect_messages", "Messages on the pool's bound SUB."),
+    "connect_topic_unmatched": (
+        "kvrelay_connect_topic_unmatched", "Messages whose topic the pattern does not match."
+    ),
+    "connect_topic_malformed": (
+        "kvrelay_connect_topic_malformed",
+        "Messages whose topic matches but names no valid member (bad UTF-8, engine or rank).",
+    ),
+    "connect_model_mismatch": (
+        "kvrelay_connect_model_mismatch", "Messages whose topic names another model."
+    ),
+    "connect_frames_rejected": (
+        "kvrelay_connect_frames_rejected", "Messages with a bad frame count or sequence frame."
+    ),
+    "connect_members_added": ("kvrelay_connect_members_added", "Members admitted by topic."),
+    "connect_members_refused": (
+        "kvrelay_connect_members_refused", "Messages naming a configured engine (refused)."
+    ),
+    "connect_members_over_limit": (
+        "kvrelay_connect_members_over_limit", "Messages naming a new member past max_members."
+    ),
+    "connect_members_expired": (
+        "kvrelay_connect_members_expired", "Members removed after member_silence_s of silence."
+    ),
+    "connect_unattributed": (
+        "kvrelay_connect_unattributed",
+        "Undecodable payloads whose DP rank could not be read (the engine's members reset).",
+    ),
+}
+
+
+class RelaySource(Protocol):
+    """What the collector reads: statistics on demand, and observers to register with."""
+
+    @property
+    def observers(self) -> Observers: ...
+
+    def stats(self) -> RelayStats: ...
+
+
+class ReloadSource(Protocol):
+    """Configuration reload outcomes (``kvrelay.ops.reload.ReloadStats``)."""
+
+    applied: int
+    rejected: int
+    failed: int
+    last_successful: bool
+    last_success_unix: float
+
+
+class ServiceSource(Protocol):
+    def stats(self) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
+        """(stream kind → (open streams, limit), error reason → count)."""
+        ...
+
+
+def _flatten_subscriber(c: SubscriberCounters) -> Flat:
+    out: Flat = {}
+    for attr in _SUB_SCALARS:
+        out[(attr, "")] = getattr(c, attr)
+    for attr in _SUB_ANOMALIES:
+        out[("anomalies", attr)] = getattr(c, attr)
+    for attr in _SUB_DICTS:
+        d: dict[str, int] = getattr(c, attr)
+        for label, n in d.items():
+            out[(attr, label)] = n
+    return out
+
+
+def _flatten_generations(t: GenerationTotals) -> Flat:
+    out: Flat = {(attr, ""): getattr(t, attr) for attr, (_n, _d, label) in _GEN_COUNTERS.items()
+                 if label is None}
+    for kind, n in t.errors.items():
+        out[("errors", kind)] = n
+    return out
+
+
+def default_registry() -> CollectorRegistry:
+    """A private registry with the standard process/platform/GC collectors (not the global one,
+    so several relays in one process — tests — never clash)."""
+    reg = CollectorRegistry()
+    ProcessCollector(registry=reg)
+    PlatformCollector(registry=reg)
+    GCCollector(registry=reg)
+    return reg
+
+
+class RelayMetrics:
+    """All kvrelay metrics for one relay, plus the ``/metrics`` HTTP endpoint."""
+
+    def __init__(
+        self,
+        relay: RelaySource,
+        registry: CollectorRegistry | None = None,
+        *,
+        service: ServiceSource | None = None,
+        per_member: bool = True,
+    ) -> None:
+        self.relay = relay
+        self.registry = registry if registry is not None else default_registry()
+        self._service = service
+        self._reloads: ReloadSource | None = None
+        self.per_member = per_member  # False: ingest families summed per pool
+        self.delta_latency = Histogram(
+            "kvrelay_delta_latency_seconds",
+            "First applied command of a delta to its publication (relay share of latency).",
+            ["pool"],
+            buckets=DELTA_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.loop_lag = Histogram(
+            "kvrelay_event_loop_lag_seconds",
+            "Event loop scheduling lag samples.",
+            buckets=LOOP_LAG_BUCKETS,
+            registry=self.registry,
+        )
+        self.loop_lag_last = Gauge(
+            "kvrelay_event_loop_lag_last_seconds",
+            "Most recent event loop lag sample.",
+            registry=self.registry,
+        )
+        self.registry.register(_RelayCollector(self))
+        self._http: MetricsServer | None = None
+        relay.observers.add(self)
+
+    # ---- wiring ----------------------------------------------------------------------------------
+
+    def attach_service(self, service: ServiceSource) -> None:
+        """Export the gRPC service's per-stream-kind subscriber counts and error counts."""
+        self._service = service
+
+    def attach_reloads(self, reloads: ReloadSource) -> None:
+        """Export configuration reload outcomes (the daemon's SIGHUP handling)."""
+        self._reloads = reloads
+
+    def observe_loop_lag(self, seconds: float) -> None:
+        if math.isnan(seconds):
+            return
+        s = max(0.0, seconds)
+        self.loop_lag.observe(s)
+        self.loop_lag_last.set(s)
+
+    # ---- RelayObserver ---------------------------------------------------------------------------
+
+    def delta_published(self, pool: str, seconds: float) -> None:
+        self.delta_latency.labels(pool=pool).observe(seconds)
+
+    # ---- collection (called by the registry at scrape time) -------------------------------------
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.relay.stats()
+        yield from _relay_metrics(stats)
+        yield from _pool_metrics(stats)
+        yield from _member_metrics(stats, self.per_member)
+        yield from _source_metrics(stats)
+        yield from _generation_metrics(stats)
+        yield from self._service_metrics()
+        yield from self._reload_metrics()
+
+    def _reload_metrics(self) -> Iterator[Metric]:
+        r = self._reloads
+        if r is None:
+            return
+        total = CounterMetricFamily(
+            "kvrelay_config_reloads", "Configuration reloads (SIGHUP) by result: applied, "
+            "rejected (invalid file, running configuration kept), failed.", labels=["result"],
+        )  # fmt: skip
+        for result in ("applied", "rejected", "failed"):
+            total.add_metric([result], getattr(r, result))
+        yield total
+        yield GaugeMetricFamily(
+            "kvrelay_config_last_reload_successful",
+            "1 if the last reload was applied (or none happened since start).",
+            value=1 if r.last_successful else 0,
+        )
+        yield GaugeMetricFamily(
+            "kvrelay_config_last_reload_success_timestamp_seconds",
+            "Unix time of the last applied reload (or of start).",
+            value=r.last_success_unix,
+        )
+
+    def _service_metrics(self) -> Iterator[Metric]:
+        svc = self._service
+        if svc is None:
+            return
+        streams, errors_by_reason = svc.stats()
+        subs = GaugeMetricFamily(
+            "kvrelay_stream_subscribers", "Open streams by kind.", labels=["kind"]
+        )
+        limit = GaugeMetricFamily(
+            "kvrelay_stream_subscriber_limit", "Configured stream limit by kind.", labels=["kind"]
+        )
+        for kind, (open_, cap) in streams.items():
+            subs.add_metric([kind], open_)
+            limit.add_metric([kind], cap)
+        errors = CounterMetricFamily(
+            "kvrelay_stream_errors", "Streams/calls ended with a contract error, by reason.",
+            labels=["reason"],
+        )
+        for reason, n in sorted(errors_by_reason.items()):
+            errors.add_metric([reason], n)
+        yield subs
+        yield limit
+        yield errors
+
+    # ---- HTTP endpoint ---------------------------------------------------------------------------
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def start_http(
+        self, host: str, port: int, healthy: Callable[[], bool] | None = None
+    ) -> int:
+        """Serve ``/metrics`` (and ``/healthz``: 200 while ``healthy()``) on the running loop;
+        returns the bound port."""
+        if self._http is not None:
+            raise RuntimeError("metrics endpoint already started")
+        self._http = MetricsServer(self.render, healthy or (lambda: True))
+        return await self._http.start(host, port)
+
+    async def close(self) -> None:
+        """Stop the endpoint and stop observing the relay."""
+        self.relay.observers.remove(self)
+        http, self._http = self._http, None
+        if http is not None:
+            await http.close()
+
+
+def _relay_metrics(r: RelayStats) -> Iterator[Metric]:
+    info = InfoMetricFamily("kvrelay_relay", "Relay identity.")
+    info.add_metric(
+        [],
+        {
+            "version": __version__,
+            "dc_name": r.dc_name,
+            "dc_id": str(r.dc_id),
+            "drt_instance_id": str(r.drt_instance_id),
+            "incarnation": str(r.relay_incarnation),
+        },
+    )
+    yield info
+    for name, doc, value in (
+        ("kvrelay_catalog_revision", "Current pool catalog revision.", r.catalog_revision),
+        ("kvrelay_readiness_revision", "Current serving readiness revision.",
+         r.readiness_revision),
+        ("kvrelay_load_revision", "Current load window version.", r.load_version),
+        ("kvrelay_pool_hubs_initialized", "Publication hubs holding a permit.",
+         r.hubs_initialized),
+        ("kvrelay_pool_hubs_limit", "max_initialized_pool_hubs.", r.hubs_limit),
+    ):
+        yield GaugeMetricFamily(name, doc, value=value)
+    yield CounterMetricFamily(
+        "kvrelay_pool_metadata_rejections",
+        "Catalog/topology refreshes that rejected a pool's engine metadata.",
+        value=r.metadata_errors,
+    )
+    by_rule = CounterMetricFamily(
+        "kvrelay_metadata_rejections",
+        "Pools or endpoints left out of a plane for invalid metadata, by plane and rule.",
+        labels=["plane", "rule"],
+    )
+    for (plane, rule), n in sorted(r.metadata_rejections.items()):
+        by_rule.add_metric([plane, rule], n)
+    yield by_rule
+    for name, doc, value in (
+        ("kvrelay_pool_hubs_evicted", "Idle hubs retired to free a hub permit.", r.hubs_evicted),
+        ("kvrelay_scrape_errors", "Engine /metrics scrapes that failed unexpectedly.",
+         r.scrape_errors),
+    ):
+        yield CounterMetricFamily(name, doc, value=value)
+    restores = CounterMetricFamily(
+        "kvrelay_state_restores",
+        "State files at start by outcome: restored, none, corrupt, version, stale, incompatible, "
+        "unreadable.", labels=["result"],
+    )  # fmt: skip
+    for result, n in sorted(r.state_restores.items()):
+        restores.add_metric([result], n)
+    yield restores
+    saves = CounterMetricFamily(
+        "kvrelay_state_saves", "Pool states written at a clean stop, by result: saved, failed.",
+        labels=["result"],
+    )
+    for result, n in sorted(r.state_saves.items()):
+        saves.add_metric([result], n)
+    yield saves
+
+
+def _pool_metrics(r: RelayStats) -> Iterator[Metric]:
+    pc = {
+        attr: CounterMetricFamily(name, doc, labels=["pool"])
+        for attr, (name, doc) in _POOL_COUNTERS.items()
+    }
+    resets = CounterMetricFamily(
+        "kvrelay_pool_member_resets", "Member clears by reason (pool side, incl. incarnation).",
+        labels=["pool", "reason"],
+    )
+    g = {
+        name: GaugeMetricFamily(name, doc, labels=["pool"])
+        for name, doc in (
+            ("kvrelay_ckf_capacity_slots", "CKF fingerprint slots (buckets × 4)."),
+            ("kvrelay_ckf_buckets", "CKF bucket count."),
+            ("kvrelay_pool_materialized", "1 while the pool has a live generation."),
+        )
+    }
+    sources = GaugeMetricFamily(
+        "kvrelay_ingest_sources", "Subscribers by state.", labels=["pool", "state"]
+    )
+    engines = GaugeMetricFamily(
+        "kvrelay_engine_reachable", "1 if the engine's last probe reached it.",
+        labels=["pool", "worker"],
+    )
+    down = GaugeMetricFamily(
+        "kvrelay_engine_down", "1 while the engine is declared down (members cleared).",
+        labels=["pool", "worker"],
+    )
+    unknown = GaugeMetricFamily(
+        "kvrelay_engine_control_unknown",
+        "1 for each optional Control RPC that failed on the last probe (value kept, not trusted).",
+        labels=["pool", "worker", "rpc"],
+    )
+    for p in r.pools:
+        for attr, fam in pc.items():
+            fam.add_metric([p.name], p.counters[attr])
+        for reason, n in sorted(p.member_resets.items()):
+            resets.add_metric([p.name, reason], n)
+        g["kvrelay_ckf_capacity_slots"].add_metric([p.name], p.bucket_count * SLOTS_PER_BUCKET)
+        g["kvrelay_ckf_buckets"].add_metric([p.name], p.bucket_count)
+        g["kvrelay_pool_materialized"].add_metric([p.name], int(p.materialized))
+        states: dict[str, int] = {}
+        for s in p.sources:
+            if s.state != "stopped":
+                states[s.state] = states.get(s.state, 0) + 1
+        for state, n in sorted(states.items()):
+            sources.add_metric([p.name, state], n)
+        for e in p.engines:
+            engines.add_metric([p.name, e.name], int(e.reachable))
+            down.add_metric([p.name, e.name], int(e.down))
+            for rpc in e.control_unknown:
+                unknown.add_metric([p.name, e.name, rpc], 1)
+    yield from pc.values()
+    yield resets
+    yield from g.values()
+    yield sources
+    yield engines
+    yield down
+    yield unknown
+
+
+def _member_metrics(r: RelayStats, per_member: bool = True) -> Iterator[Metric]:
+    """Ingest counters and the lag histogram per (pool, worker, dp_rank), or summed per pool."""
+    member = list(_MEMBER) if per_member else ["pool"]
+    fams: dict[str, CounterMetricFamily] = {}
+    for attr, (name, doc) in _SUB_SCALARS.items():
+        fams[attr] = CounterMetricFamily(name, doc, labels=member)
+    fams["anomalies"] = CounterMetricFamily(
+        "kvrelay_ingest_decode_anomalies", "Tolerated decode anomalies by kind.",
+        labels=[*member, "kind"],
+    )
+    for attr, (name, doc, label) in _SUB_DICTS.items():
+        fams[attr] = CounterMetricFamily(name, doc, labels=[*member, label])
+    lag = HistogramMetricFamily("kvrelay_ingest_engine_lag_seconds", _LAG_HELP, labels=member)
+    for p in r.pools:
+        groups: dict[tuple[str, ...], list[SubscriberCounters]] = {}
+        for s in p.sources:
+            key: tuple[str, ...] = (p.name, s.engine, str(s.dp_rank)) if per_member else (p.name,)
+            groups.setdefault(key, []).append(s.counters)
+        for key, counters in groups.items():
+            flat: Flat = {}
+            for c in counters:
+                for k, n in _flatten_subscriber(c).items():
+                    flat[k] = flat.get(k, 0) + n
+            for (attr, label), n in sorted(flat.items()):
+                fams[attr].add_metric(
+                    list(key) if attr in _SUB_SCALARS else [*key, label], n
+                )
+            buckets, lag_sum = _lag_buckets(counters)
+            lag.add_metric(list(key), buckets, lag_sum)
+    yield from fams.values()
+    yield lag
+
+
+def _lag_buckets(counters: Iterable[SubscriberCounters]) -> tuple[list[tuple[str, float]], float]:
+    """Cumulative Prometheus buckets from the counters' per-bucket counts."""
+    per: dict[str, int] = {}
+    total_s = 0.0
+    for c in counters:
+        for k, n in c.lag_buckets.items():
+            per[k] = per.get(k, 0) + n
+        total_s += c.lag_sum_s
+    out: list[tuple[str, float]] = []
+    running = 0
+    for key in (*(repr(b) for b in LAG_BUCKETS_S), "+Inf"):
+        running += per.get(key, 0)
+        out.append((key, running))
+    return out, total_s
+
+
+def _source_metrics(r: RelayStats) -> Iterator[Metric]:
+    """Per running source, always (bounded by the configuration): when it last delivered."""
+    last = GaugeMetricFamily(
+        "kvrelay_ingest_last_message_timestamp_seconds",
+        "Unix time of the source's last applied message (0: none yet); staleness = time() - it.",
+        labels=list(_MEMBER),
+    )
+    for p in r.pools:
+        for s in p.sources:
+            if s.state != "stopped":
+                last.add_metric([p.name, s.engine, str(s.dp_rank)], s.counters.last_message_unix)
+    yield last
+
+
+def _generation_metrics(r: RelayStats) -> Iterator[Metric]:
+    fams: dict[str, CounterMetricFamily] = {
+        attr: CounterMetricFamily(name, doc, labels=["pool"] + ([label] if label else []))
+        for attr, (name, doc, label) in _GEN_COUNTERS.items()
+    }
+    for p in r.pools:
+        for (attr, label), n in sorted(_flatten_generations(p.generations).items()):
+            fams[attr].add_metric([p.name, label] if label else [p.name], n)
+    yield from fams.values()
+    g = {
+        name: GaugeMetricFamily(name, doc, labels=["pool"])
+        for name, doc in (
+            ("kvrelay_ckf_occupancy_fingerprints", "Fingerprints in the CKF table."),
+            ("kvrelay_pool_members", "Members (engine, dp_rank) in the generation."),
+            ("kvrelay_pool_memberships", "Member-to-block lineage edges."),
+            ("kvrelay_pool_distinct_blocks", "Distinct canonical blocks owned."),
+            ("kvrelay_pool_state_bytes", "Allocated bytes of the exact state (not the CKF)."),
+            ("kvrelay_pool_sequence", "Current producer sequence."),
+            ("kvrelay_pool_layout_generation", "Current layout generation."),
+            ("kvrelay_pool_subscribers", "Open SubscribeKvPool streams on the pool."),
+        )
+    }
+    for p in r.pools:
+        gen = p.generation
+        if gen is None:
+            continue
+        for name, value in (
+            ("kvrelay_ckf_occupancy_fingerprints", gen.occupancy),
+            ("kvrelay_pool_members", gen.members),
+            ("kvrelay_pool_memberships", gen.memberships),
+            ("kvrelay_pool_distinct_blocks", gen.distinct_blocks),
+            ("kvrelay_pool_state_bytes", gen.state_bytes),
+            ("kvrelay_pool_sequence", gen.sequence),
+            ("kvrelay_pool_layout_generation", gen.layout_generation),
+            ("kvrelay_pool_subscribers", gen.subscribers),
+        ):
+            g[name].add_metric([p.name], value)
+    yield from g.values()
+
+
+class _RelayCollector(Collector):
+    """Registry adapter; ``describe`` is empty so registration never triggers a collection."""
+
+    def __init__(self, metrics: RelayMetrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        return self._metrics.collect()

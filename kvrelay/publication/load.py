@@ -1,0 +1,239 @@
+"""Pool load plane: one complete ``KvPoolLoadUpdate`` per window (§4.5, §10.1).
+
+A window is a full picture (every active pool generation, possibly none), so a subscriber that
+misses windows loses nothing but freshness; the broadcast keeps only the newest one. Windows are
+numbered from 0 (the window available at construction) and the timer builds the next one every
+``window_ms``; a late tick is delayed, never bursted, so the sequence advances by exactly 1 per
+published window and ``observed_ms`` says when it was built.
+
+Unknown is never zero: a rank whose usage has not been reported adds 0 to ``kv_used_blocks`` but
+is *not* counted in ``kv_observed_ranks`` (so observed < expected tells the consumer the sum is
+partial), and any rank with unknown capacity makes ``total_kv_blocks`` 0 (no authoritative
+capacity). Consumers must not read either as "idle".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.contract.envelope import copy_relay
+from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION, U32_MAX, U64_MAX
+from kvrelay.logging import get_logger
+from kvrelay.publication.broadcast import VersionedBroadcast
+
+__all__ = [
+    "LoadPlane",
+    "LoadProvider",
+    "PoolLoadInput",
+    "RankLoad",
+    "load_entry",
+    "saturating_sum",
+]
+
+_log = get_logger(__name__)
+
+MAX_WINDOW_MS = 365 * 24 * 3600 * 1000  # §3.4: any duration must be > 0 and <= 1 year
+
+
+@dataclass(frozen=True, slots=True)
+class RankLoad:
+    """Latest observation of one expected rank; None = not known (never "zero")."""
+
+    kv_used_blocks: int | None = None
+    total_kv_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("kv_used_blocks", "total_kv_blocks"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"RankLoad.{name} must be a non-negative int or None, got {v!r}")
+
+
+PoolLoadInput = tuple[pb.ProducerIdentity, Sequence[RankLoad]]
+"""One active pool generation and one :class:`RankLoad` per *declared* (expected) rank."""
+
+LoadProvider = Callable[[], Iterable[PoolLoadInput]]
+
+
+def saturating_sum(values: Iterable[int]) -> int:
+    """Sum clamped to u64::MAX (values above it count as u64::MAX), as Dynamo forwards it."""
+    total = 0
+    for v in values:
+        total += min(v, U64_MAX)
+        if total >= U64_MAX:
+            return U64_MAX
+    return total
+
+
+def load_entry(producer: pb.ProducerIdentity, ranks: Sequence[RankLoad]) -> pb.KvPoolLoadEntry:
+    """§10.1 entry for one pool generation from its per-rank observations (pure).
+
+    ``kv_expected_ranks`` = ``len(ranks)``; ``kv_observed_ranks`` = ranks with known usage (both
+    clamped to u32). ``kv_used_blocks`` = saturating sum of known usage (unknown contributes 0,
+    visible as observed < expected). ``total_kv_blocks`` = saturating sum of capacities, or 0
+    if any rank's capacity is unknown or there are no ranks (0 means "no authoritative
+    capacity", never "full").
+    """
+    return _entry(bytes(producer), ranks)
+
+
+def _entry(producer_bytes: bytes, ranks: Sequence[RankLoad]) -> pb.KvPoolLoadEntry:
+    """:func:`load_entry` with the producer already serialized (its private copy is parsed)."""
+    used = [r.kv_used_blocks for r in ranks if r.kv_used_blocks is not None]
+    caps = [r.total_kv_blocks for r in ranks]
+    known_caps = [c for c in caps if c is not None]
+    total = saturating_sum(known_caps) if ranks and len(known_caps) == len(caps) else 0
+    return pb.KvPoolLoadEntry(
+        producer=pb.ProducerIdentity.parse(producer_bytes),
+        kv_used_blocks=saturating_sum(used),
+        total_kv_blocks=total,
+        kv_observed_ranks=min(len(used), U32_MAX),
+        kv_expected_ranks=min(len(ranks), U32_MAX),
+    )
+
+
+def _unix_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class LoadPlane:
+    """The ``SubscribeKvPoolLoad`` plane (a ``Plane[pb.KvPoolLoadUpdate]``); version =
+    ``window_sequence``.
+
+    ``provider`` is called once per window on the event loop and must be cheap and non-blocking.
+    If it raises, that window is skipped (counted in ``provider_errors``, logged) rather than
+    published as an empty window, which would falsely withdraw every pool's load.
+    """
+
+    def __init__(
+        self,
+        relay_identity: pb.RelayIdentity,
+        window_ms: int = 1000,
+        provider: LoadProvider | None = None,
+    ) -> None:
+        if isinstance(window_ms, bool) or not isinstance(window_ms, int):
+            raise TypeError(f"window_ms must be int, got {window_ms!r}")
+        if not 0 < window_ms <= MAX_WINDOW_MS:
+            raise ValueError(f"window_ms must be in (0, {MAX_WINDOW_MS}], got {window_ms}")
+        self._relay = copy_relay(relay_identity)
+        self._window_ms = window_ms
+        self._provider = provider
+        self._task: asyncio.Task[None] | None = None
+        self.provider_errors = 0
+        self.entry_errors = 0
+        pools = self._entries()
+        self._bc: VersionedBroadcast[pb.KvPoolLoadUpdate] = VersionedBroadcast(
+            0, self._message(0, [] if pools is None else pools)
+        )
+
+    @property
+    def window_ms(self) -> int:
+        return self._window_ms
+
+    @property
+    def broadcast(self) -> VersionedBroadcast[pb.KvPoolLoadUpdate]:
+        return self._bc
+
+    def set_provider(self, provider: LoadProvider | None) -> None:
+        self._provider = provider
+
+    def current(self) -> tuple[int, pb.KvPoolLoadUpdate]:
+        return self._bc.current()
+
+    async def wait_newer(self, version: int) -> tuple[int, pb.KvPoolLoadUpdate]:
+        return await self._bc.wait_newer(version)
+
+    def start(self) -> None:
+        """Start the window timer on the running loop; idempotent while running."""
+        if self._bc.closed:
+            raise RuntimeError("LoadPlane is closed")
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(
+                self._run(), name="kvrelay-load-windows"
+            )
+
+    def close(self) -> None:
+        """Stop the timer and wake subscribers with ``PlaneClosed``; idempotent."""
+        if self._task is not None:
+            self._task.cancel()
+        self._bc.close()
+
+    async def wait_closed(self) -> None:
+        """After :meth:`close`, wait until the window task has actually finished."""
+        task, self._task = self._task, None
+        if task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def publish_window(self) -> bool:
+        """Build and publish the next window now; False if the provider failed (skipped)."""
+        pools = self._entries()
+        if pools is None:
+            return False
+        seq = self._bc.version + 1
+        self._bc.publish(seq, self._message(seq, pools))
+        return True
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        period = self._window_ms / 1000.0
+        deadline = loop.time() + period
+        while True:
+            await asyncio.sleep(max(0.0, deadline - loop.time()))
+            if self._bc.closed:
+                return
+            try:
+                self.publish_window()
+            except Exception:  # the timer must outlive any single bad window
+                self.provider_errors += 1
+                _log.exception("load_window_failed", errors=self.provider_errors)
+            now = loop.time()
+            deadline += period
+            if deadline <= now:  # fell behind (loop stall): delay, do not burst missed windows
+                deadline = now + period
+
+    def _entries(self) -> list[pb.KvPoolLoadEntry] | None:
+        if self._provider is None:
+            return []
+        try:
+            inputs = list(self._provider())
+        except Exception:
+            self.provider_errors += 1
+            _log.exception("load_provider_failed", errors=self.provider_errors)
+            return None
+        keyed: list[tuple[bytes, pb.KvPoolLoadEntry]] = []
+        for producer, ranks in inputs:
+            try:
+                key = bytes(producer)
+                entry = _entry(key, ranks)
+            except Exception:
+                # One bad pool must not hide the others' load: drop it and count it.
+                self.entry_errors += 1
+                _log.exception("load_entry_invalid", errors=self.entry_errors)
+                continue
+            keyed.append((key, entry))
+        keyed.sort(key=lambda kv: kv[0])
+        out: list[pb.KvPoolLoadEntry] = []
+        for i, (key, entry) in enumerate(keyed):
+            if i and keyed[i - 1][0] == key:
+                # A generation listed twice would give consumers two competing loads: keep one.
+                self.entry_errors += 1
+                continue
+            out.append(entry)
+        return out
+
+    def _message(self, seq: int, pools: list[pb.KvPoolLoadEntry]) -> pb.KvPoolLoadUpdate:
+        return pb.KvPoolLoadUpdate(
+            protocol_version=PROTOCOL_VERSION,
+            relay=self._relay,
+            window_sequence=seq,
+            observed_ms=_unix_ms(),
+            window_ms=self._window_ms,
+            pools=pools,
+            contract_marker=CONTRACT_MARKER,
+        )

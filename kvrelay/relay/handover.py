@@ -1,0 +1,190 @@
+"""State handover across relay restarts: what a clean stop saves and a start may restore.
+
+vLLM's replay buffer holds the last ``buffer_steps`` batches; a relay that restarts from nothing
+loses every block stored before them until it is stored again. So a clean stop writes, per pool,
+its exact state (``Pool.export_state``: lineage, refcounts and the cuckoo table) and, per member,
+where that state stands in the engine's stream: the engine incarnation (``instance_id``), the
+last applied sequence and a digest of that batch's bytes.
+
+A start restores a file only if nothing about it is in doubt, and each member only once the
+engine vouches for it: the same incarnation, and a replay that still holds the last applied batch
+with the same bytes (see ``Subscriber(resume=...)``); the member then goes on from the next
+sequence. Anything else — a corrupt, truncated or foreign file, another format version, a file
+older than ``state_max_age_s``, other filter settings or pool identity, another incarnation,
+history gone, no replay, no answer within ``RESTORE_VOUCH_S`` — is counted and rebuilds that
+file's pool, or that member, exactly as a start without a file would. A file is consumed when it
+is read, so a crash after a restore never brings back an older state.
+
+The restored generation is a new one for routers (the new process has a new relay incarnation,
+as the contract requires); what survives is its coverage.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy.typing as npt
+import xxhash
+
+from kvrelay import __version__
+from kvrelay.ingest.sink import SourceKey
+from kvrelay.pool.pool import Pool
+from kvrelay.relay import state_file
+from kvrelay.relay.engines import PoolIdentity
+from kvrelay.relay.settings import PoolSpec
+
+SUFFIX = ".kvstate"
+#: A restored member whose engine has not vouched for it by then is reset.
+RESTORE_VOUCH_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class MemberResume:
+    """Where one member's saved state stands in its engine's stream."""
+
+    worker_id: int
+    dp_rank: int
+    engine: str
+    incarnation: str  # the engine's instance_id when saved ("" for static engines)
+    last_seq: int
+    digest: int  # XXH3-64 of the last applied batch's payload
+
+    @property
+    def key(self) -> SourceKey:
+        return SourceKey(self.worker_id, self.dp_rank)
+
+
+@dataclass(frozen=True, slots=True)
+class RestoredPool:
+    """A state file that passed every check that does not need the engines."""
+
+    identity: PoolIdentity
+    pool_meta: dict[str, Any]
+    arrays: dict[str, npt.NDArray[Any]]
+    members: dict[SourceKey, MemberResume]
+    written_unix: float
+
+    def pool(self, spec: PoolSpec) -> Pool:
+        return Pool.from_state(
+            self.pool_meta, self.arrays, bucket_count=spec.bucket_count, seed=spec.ckf_seed,
+            block_size=self.identity.block_size, hash_format=int(spec.hash_format),
+        )  # fmt: skip
+
+
+class Refused(Exception):
+    """The file is not used; ``kind`` is the counted reason."""
+
+    def __init__(self, kind: str, why: str) -> None:
+        super().__init__(why)
+        self.kind = kind
+
+
+def path_for(state_dir: str | Path, spec: PoolSpec) -> Path:
+    """One file per pool; named by a digest of its endpoint (names hold ``/`` and more)."""
+    digest = xxhash.xxh3_64_hexdigest("/".join(spec.triple).encode())
+    return Path(state_dir) / f"pool-{digest}{SUFFIX}"
+
+
+def _filter_settings(spec: PoolSpec) -> dict[str, Any]:
+    """What shapes the filter and its contents: a file saved under other values is not used."""
+    return {
+        "bucket_count": spec.bucket_count,
+        "ckf_seed": spec.ckf_seed,
+        "hash_format": int(spec.hash_format),
+        "cache_salt_namespacing": spec.decode.cache_salt_namespacing,
+        "multimodal_hashing": spec.decode.multimodal_hashing,
+    }
+
+
+def save(
+    state_dir: str | Path,
+    spec: PoolSpec,
+    identity: PoolIdentity,
+    pool: Pool,
+    members: list[MemberResume],
+) -> int:
+    """Write one pool's state atomically; returns the bytes written."""
+    meta, arrays = pool.export_state()
+    header = {
+        "kind": "kvrelay-pool-state",
+        "kvrelay": __version__,
+        "pool_layout": Pool.STATE_VERSION,
+        "pool": list(spec.triple),
+        "written_unix": time.time(),
+        "filter": _filter_settings(spec),
+        "identity": {"model": identity.model, "model_source": identity.model_source,
+                     "block_size": identity.block_size},
+        "pool_meta": meta,
+        "members": [
+            {
+                "worker_id": m.worker_id, "dp_rank": m.dp_rank, "engine": m.engine,
+                "incarnation": m.incarnation, "last_seq": m.last_seq, "digest": m.digest,
+            }
+            for m in members
+        ],
+    }
+    return state_file.write(path_for(state_dir, spec), header, arrays)
+
+
+def load(
+    state_dir: str | Path, spec: PoolSpec, *, max_age_s: float, now: float | None = None
+) -> RestoredPool | None:
+    """Read and consume the pool's file: None when there is none; ``Refused`` when unusable."""
+    path = path_for(state_dir, spec)
+    try:
+        parsed = state_file.read(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise Refused("unreadable", f"{path}: {exc}") from None
+    except state_file.StateFileError as exc:
+        raise Refused(exc.kind, f"{path}: {exc}") from None
+    finally:
+        path.unlink(missing_ok=True)  # consumed: never restored twice
+    return _check(parsed, spec, max_age_s, time.time() if now is None else now)
+
+
+def _check(
+    parsed: state_file.StateFile, spec: PoolSpec, max_age_s: float, now: float
+) -> RestoredPool:
+    h = parsed.header
+    try:
+        if h.get("kind") != "kvrelay-pool-state":
+            raise Refused("corrupt", "not a pool state")
+        if h.get("pool_layout") != Pool.STATE_VERSION:
+            raise Refused("version", f"pool layout {h.get('pool_layout')!r}, this kvrelay "
+                                     f"uses {Pool.STATE_VERSION}")  # fmt: skip
+        if h.get("pool") != list(spec.triple):
+            raise Refused("incompatible", f"saved for pool {h.get('pool')!r}")
+        written = float(h["written_unix"])
+        if not now - max_age_s <= written <= now + 60:
+            raise Refused("stale", f"written {now - written:.0f} s ago (limit {max_age_s:g} s)")
+        if h.get("filter") != _filter_settings(spec):
+            raise Refused("incompatible", "saved under other filter settings")
+        ident = h["identity"]
+        identity = PoolIdentity(
+            model=str(ident["model"]), model_source=str(ident["model_source"]),
+            block_size=int(ident["block_size"]),
+        )  # fmt: skip
+        members: dict[SourceKey, MemberResume] = {}
+        for m in h["members"]:
+            r = MemberResume(
+                worker_id=int(m["worker_id"]), dp_rank=int(m["dp_rank"]), engine=str(m["engine"]),
+                incarnation=str(m["incarnation"]), last_seq=int(m["last_seq"]),
+                digest=int(m["digest"]),
+            )  # fmt: skip
+            if not (0 <= r.last_seq < 2**64 and 0 <= r.digest < 2**64):
+                raise Refused("corrupt", "member position out of range")
+            members[r.key] = r
+        meta = h["pool_meta"]
+        if not isinstance(meta, dict):
+            raise Refused("corrupt", "pool metadata is not an object")
+    except Refused:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise Refused("corrupt", f"header field: {exc}") from None
+    return RestoredPool(identity, meta, parsed.arrays, members, written)
+

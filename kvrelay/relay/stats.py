@@ -1,0 +1,125 @@
+"""Read-only statistics of a running relay, for metrics and diagnostics.
+
+Counters must never go backwards, but subscribers and generations are replaced while the relay
+runs (a fence, an engine restart, a pool withdrawn and re-materialized). So each pool folds the
+final counters of what it retires into per-pool and per-member totals, and ``Relay.stats()``
+returns those totals plus the live objects' current values: monotonic and exact, with nothing for
+the reader to track. Everything here is plain data (snapshots), built on demand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from kvrelay.ingest.counters import SubscriberCounters
+
+
+@dataclass(slots=True)
+class GenerationTotals:
+    """Counters of a pool's generations (live + retired), per pool."""
+
+    capacity_omissions: int = 0
+    unknown_removals: int = 0
+    invariant_violations: int = 0
+    deltas: int = 0
+    hub_resets: int = 0
+    lagged: int = 0
+    snapshots_served: int = 0
+    snapshots_built: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def add(self, other: GenerationTotals) -> None:
+        for f in fields(self):
+            if f.name == "errors":
+                for kind, n in other.errors.items():
+                    self.errors[kind] = self.errors.get(kind, 0) + n
+            else:
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def copy(self) -> GenerationTotals:
+        out = GenerationTotals()
+        out.add(self)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationStats:
+    """Gauges of the pool's live generation."""
+
+    layout_generation: int
+    sequence: int
+    subscribers: int
+    occupancy: int
+    members: int
+    memberships: int
+    distinct_blocks: int
+    state_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class SourceStats:
+    """One (engine, DP rank) event source: its subscriber state and cumulative counters."""
+
+    engine: str
+    dp_rank: int
+    state: str  # the live subscriber's state, or "stopped" when none runs
+    counters: SubscriberCounters
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    name: str
+    reachable: bool
+    down: bool = False
+    #: Optional Control RPCs that failed on the last probe (their values are kept, not trusted).
+    control_unknown: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    name: str
+    bucket_count: int
+    materialized: bool
+    counters: dict[str, int]  # PoolCounters scalars
+    member_resets: dict[str, int]  # reason → count (pool side, incl. incarnation)
+    generations: GenerationTotals
+    generation: GenerationStats | None
+    sources: tuple[SourceStats, ...]
+    engines: tuple[EngineStats, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RelayStats:
+    dc_name: str
+    dc_id: int
+    drt_instance_id: int
+    relay_incarnation: int
+    catalog_revision: int
+    readiness_revision: int
+    load_version: int
+    hubs_initialized: int
+    hubs_limit: int
+    metadata_errors: int
+    metadata_rejections: dict[tuple[str, str], int]
+    hubs_evicted: int
+    scrape_errors: int
+    pools: tuple[PoolStats, ...]
+    state_restores: dict[str, int] = field(default_factory=dict)
+    state_saves: dict[str, int] = field(default_factory=dict)
+
+
+def merged(a: SubscriberCounters, b: SubscriberCounters) -> SubscriberCounters:
+    """A new ``SubscriberCounters`` holding ``a + b`` (field by field, dicts by key)."""
+    out = SubscriberCounters()
+    for c in (a, b):
+        for f in fields(c):
+            value = getattr(c, f.name)
+            if isinstance(value, dict):
+                target: dict[str, int] = getattr(out, f.name)
+                for k, n in value.items():
+                    target[k] = target.get(k, 0) + n
+            elif f.metadata.get("merge") == "max":  # a time, not a count
+                setattr(out, f.name, max(getattr(out, f.name), value))
+            else:
+                setattr(out, f.name, getattr(out, f.name) + value)
+    return out

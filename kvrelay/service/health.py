@@ -1,0 +1,52 @@
+"""Standard health checking and the descriptors reflection serves, for generic gRPC tools.
+
+Health answers for ``dynamo.kvrelay.v1.KvEventRelay`` and for the whole server (``""``): SERVING
+once the listener is up, NOT_SERVING from the first moment of a drain, so Kubernetes gRPC probes,
+load balancers and ``grpcurl`` see the relay leave before its streams end. Reflection describes
+the relay, health and reflection services themselves (``grpcurl describe``, ``buf curl
+--list-methods``), not only ``relay.proto``.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from google.protobuf import descriptor_pb2, descriptor_pool
+from grpclib.health.check import ServiceStatus
+from grpclib.health.service import Health
+from grpclib.health.v1 import health_pb2
+from grpclib.reflection.v1 import reflection_pb2 as reflection_v1
+from grpclib.reflection.v1alpha import reflection_pb2 as reflection_v1alpha
+
+from kvrelay.service.descriptor import RELAY_FILE_DESCRIPTOR_SET
+
+RELAY_SERVICE = "dynamo.kvrelay.v1.KvEventRelay"
+
+
+class RelayHealth:
+    """``grpc.health.v1.Health`` over one status shared by the relay service and the server."""
+
+    def __init__(self, service: Any) -> None:
+        self._status = ServiceStatus()  # None (UNKNOWN) until the listener is up
+        self.service = Health({service: [self._status]})
+
+    @property
+    def serving(self) -> bool:
+        return self._status.__status__() is True
+
+    def set_serving(self, serving: bool) -> None:
+        self._status.set(serving)
+
+
+@cache
+def reflection_pool() -> descriptor_pool.DescriptorPool:
+    """relay.proto plus the health and reflection protos, for the reflection service."""
+    pool = descriptor_pool.DescriptorPool()
+    for fd in descriptor_pb2.FileDescriptorSet.FromString(RELAY_FILE_DESCRIPTOR_SET).file:
+        pool.Add(fd)
+    for module in (health_pb2, reflection_v1, reflection_v1alpha):
+        proto = descriptor_pb2.FileDescriptorProto()
+        module.DESCRIPTOR.CopyToProto(proto)
+        pool.Add(proto)
+    return pool

@@ -1,0 +1,213 @@
+"""State handover across a relay restart (``[relay] state_dir``), over real sockets.
+
+The engines' replay buffers hold far less than their history (``buffer_steps`` 8 against
+hundreds of steps), so a relay that restarts from replay alone misses most of what they hold.
+With the state file the restarted relay is exact again; every way the file or the fleet can have
+changed meanwhile makes it fall back to what a start without a file gives (a subset, never a
+phantom), counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from kvrelay.relay import handover, state_file
+from kvrelay.relay.relay import Relay
+from kvrelay.relay.settings import RelaySettings
+from kvrelay.sim.config import SimConfig
+from kvrelay.sim.engine import SimEngine
+from tests.support.fleet import eventually, ground_truth, relay_view
+from tests.support.rig import Rig, make_settings, start_relay, stop_relay, subscribe, verify
+
+HISTORY_STEPS = 240
+BUFFER_STEPS = 8
+
+
+def _cfg(name: str, seed: int) -> SimConfig:
+    return SimConfig(name=name, seed=seed, dp_size=2, capacity_blocks=4096,
+                     buffer_steps=BUFFER_STEPS)  # fmt: skip
+
+
+@asynccontextmanager
+async def _relay(engines: list[SimEngine], settings: RelaySettings) -> AsyncIterator[Rig]:
+    relay, server = await start_relay(settings)
+    r = Rig(engines, relay, server, settings)
+    try:
+        yield r
+    finally:
+        await r.server.close(grace_s=1.0)
+        await stop_relay(r.relay)
+
+
+async def _first_run(engines: list[SimEngine], settings: RelaySettings) -> None:
+    """Fill the fleet's history under a relay, then stop it cleanly (which saves the state)."""
+    async with _relay(engines, settings) as r:
+        await _live(r, 2 * len(engines))  # stepping before would outrun the replay buffer
+        for _ in range(HISTORY_STEPS // 8):
+            for e in engines:
+                await e.step(8)
+        await eventually(lambda: _exact(r.relay, engines), what="first run exact")
+
+
+async def _live(r: Rig, members: int) -> None:
+    await eventually(lambda: len(r.pool.subscribers) == members
+                     and all(s.state == "live" for s in r.pool.subscribers.values()),
+                     what="every member live")  # fmt: skip
+
+
+def _exact(relay: Relay, engines: list[SimEngine]) -> bool:
+    if relay.pools[0].generation is None:
+        return False
+    truth, view = ground_truth(engines), relay_view(relay)
+    return all(view.get(k, set()) == v for k, v in truth.items())
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[list[SimEngine]]:
+    engines = [SimEngine(_cfg("ho0", 101)), SimEngine(_cfg("ho1", 102))]
+    for e in engines:
+        await e.start()
+    yield engines
+    for e in engines:
+        await e.stop()
+
+
+def _settings(engines: list[SimEngine], state_dir: Path, **kw: object) -> RelaySettings:
+    return dataclasses.replace(
+        make_settings(engines, expected_blocks=16_384), state_dir=str(state_dir), **kw
+    )  # type: ignore[arg-type]
+
+
+async def _rebuilt_subset(
+    r: Rig, engines: list[SimEngine]
+) -> tuple[dict[object, set[int]], dict[object, set[int]]]:
+    """A generation rebuilt without the file, live after more traffic: never a phantom."""
+    await eventually(lambda: r.pool.generation is not None, what="rebuilt from replay")
+    await _live(r, 2 * len(engines))
+    for e in engines:
+        await e.step(2)
+    await _live(r, 2 * len(engines))
+    view, truth = relay_view(r.relay), ground_truth(engines)
+    for key, held in view.items():
+        assert held <= truth[key], "never a phantom"
+    return view, truth  # type: ignore[return-value]
+
+
+def _lost_without_state(engines: list[SimEngine]) -> int:
+    """Held blocks stored before the replay window (what a replay-only restart cannot know)."""
+    return sum(len(e.ground_truth(r)) for e in engines for r in range(e.cfg.dp_size))
+
+
+async def test_a_restart_resumes_every_member_and_is_exact(
+    fleet: list[SimEngine], tmp_path: Path
+) -> None:
+    settings = _settings(fleet, tmp_path)
+    await _first_run(fleet, settings)
+    (saved,) = tmp_path.iterdir()
+    assert saved.suffix == handover.SUFFIX
+    for e in fleet:  # traffic while the relay is down, within the replay window
+        await e.step(BUFFER_STEPS // 2)
+    async with _relay(fleet, settings) as r, r.channel() as ch:
+        await eventually(lambda: _exact(r.relay, fleet), what="exact after the restart")
+        pool = r.pool
+        assert pool.counters.members_resumed == 4
+        assert pool.counters.member_resets == {}, "every member resumed, none rebuilt"
+        assert r.relay.state_restores == {"restored": 1}
+        assert list(tmp_path.iterdir()) == [], "the file is consumed when read"
+        consumer = await subscribe(r, ch)
+        for e in fleet:
+            await e.step(4)
+        await verify(r, consumer, probes=2_000)
+        await consumer.stop()
+    assert r.relay.state_saves == {"saved": 1}
+
+
+async def test_without_a_state_file_a_restart_is_only_a_subset(
+    fleet: list[SimEngine], tmp_path: Path
+) -> None:
+    """The baseline the handover improves on (and a check that the test can fail)."""
+    await _first_run(fleet, _settings(fleet, tmp_path))
+    for f in tmp_path.iterdir():
+        f.unlink()
+    async with _relay(fleet, _settings(fleet, tmp_path)) as r:
+        view, truth = await _rebuilt_subset(r, fleet)
+        missing = sum(len(truth[k] - view.get(k, set())) for k in truth)
+        assert missing > 0.5 * _lost_without_state(fleet), missing
+        assert r.relay.state_restores == {"none": 1}
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "stale", "other_version"])
+async def test_a_damaged_or_unfit_file_is_refused_and_counted(
+    fleet: list[SimEngine], tmp_path: Path, damage: str
+) -> None:
+    settings = _settings(fleet, tmp_path)
+    await _first_run(fleet, settings)
+    (path,) = tmp_path.iterdir()
+    data = path.read_bytes()
+    if damage == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "flipped":
+        path.write_bytes(data[:100] + bytes([data[100] ^ 0x10]) + data[101:])
+    elif damage == "stale":
+        settings = dataclasses.replace(settings, state_max_age_s=1e-3)
+    else:
+        parsed = state_file.decode(data)
+        state_file.write(path, {**parsed.header, "pool_layout": -1}, parsed.arrays)
+    kind = {"truncated": "corrupt", "flipped": "corrupt", "stale": "stale",
+            "other_version": "version"}[damage]  # fmt: skip
+    async with _relay(fleet, settings) as r:
+        await eventually(lambda: r.relay.state_restores == {kind: 1}, what=kind)
+        await _rebuilt_subset(r, fleet)
+        assert r.pool.counters.members_resumed == 0
+
+
+async def test_an_engine_restarted_meanwhile_is_rebuilt_and_the_others_resume(
+    fleet: list[SimEngine], tmp_path: Path
+) -> None:
+    settings = _settings(fleet, tmp_path)
+    await _first_run(fleet, settings)
+    await fleet[1].restart()  # new instance_id, seq 0, empty cache
+    await fleet[1].step(5)
+    async with _relay(fleet, settings) as r:
+        await eventually(lambda: _exact(r.relay, fleet), what="exact")
+        assert r.pool.counters.members_resumed == 2  # ho0's two ranks
+        assert r.pool.counters.member_resets.get("incarnation") == 2
+
+
+async def test_history_gone_while_down_resets_that_member(
+    fleet: list[SimEngine], tmp_path: Path
+) -> None:
+    settings = _settings(fleet, tmp_path)
+    await _first_run(fleet, settings)
+    await fleet[0].step(3 * BUFFER_STEPS)  # more than the replay window
+    async with _relay(fleet, settings) as r:
+        await _live(r, 4)
+        await eventually(lambda: _exact_for(r.relay, fleet[1]), what="ho1 resumed exactly")
+        resets = r.pool.counters.member_resets
+        assert resets.get("gap_unrecoverable", 0) + resets.get("missing_history", 0) >= 1
+        view, truth = relay_view(r.relay), ground_truth(fleet)
+        for key, held in view.items():
+            assert held <= truth[key], "never a phantom"
+
+
+def _exact_for(relay: Relay, engine: SimEngine) -> bool:
+    view, truth = relay_view(relay), ground_truth([engine])
+    return all(view.get(k, set()) == v for k, v in truth.items())
+
+
+async def test_another_filter_setting_refuses_the_file(
+    fleet: list[SimEngine], tmp_path: Path
+) -> None:
+    settings = _settings(fleet, tmp_path)
+    await _first_run(fleet, settings)
+    pool = dataclasses.replace(settings.pools[0], expected_blocks=65_536)
+    async with _relay(fleet, dataclasses.replace(settings, pools=(pool,))) as r:
+        assert r.relay.state_restores == {"incompatible": 1}
+        await eventually(lambda: r.pool.generation is not None, what="rebuilt")
+        assert r.pool.counters.members_resumed == 0
+

@@ -1,0 +1,177 @@
+"""Membership that follows the fleet: engines from DNS (a real DNS server on loopback UDP), each
+resolved address an engine on its own loopback IP; records appear and disappear under traffic."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvrelay.relay.relay import Relay
+from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
+from kvrelay.service.server import RelayServer
+from kvrelay.sim.config import SimConfig
+from kvrelay.sim.engine import SimEngine
+from tests.support.dns_server import DnsServer
+from tests.support.rig import Rig, eventually, subscribe, verify, wait_live
+
+NAME = "vllm.kvrelay.test"
+
+
+def _free_port(hosts: list[str]) -> int:
+    """A port free on every one of ``hosts`` (the DNS entry's grpc_port applies to all)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind((hosts[0], 0))
+            port = int(s.getsockname()[1])
+        ok = True
+        for h in hosts[1:]:
+            with socket.socket() as s2:
+                try:
+                    s2.bind((h, port))
+                except OSError:
+                    ok = False
+        if ok:
+            return port
+    raise AssertionError("no common free port")
+
+
+def _engine(ip: str, port: int, seed: int) -> SimEngine:
+    return SimEngine(
+        SimConfig(name=f"e-{ip}", seed=seed, capacity_blocks=96, host_ip=ip, grpc_port=port)
+    )
+
+
+def _truth(engines: list[SimEngine]) -> dict[tuple[str, int], set[int]]:
+    return {(f"vllm@{e.cfg.host_ip}", 0): e.ground_truth(0) for e in engines}
+
+
+@contextlib.asynccontextmanager
+async def dns_rig(
+    dns: DnsServer, engines: list[SimEngine], template: EngineSpec, server: str
+) -> AsyncIterator[Rig]:
+    settings = RelaySettings(
+        dc_name="dc-dns",
+        pools=(PoolSpec(namespace="ns", component="backend", endpoint="generate",
+                        engines=(template,), expected_blocks=8192),),
+        discovery_interval_s=0.1,
+        discovery_timeout_s=0.5,
+        engine_down_grace_s=0.6,
+        dns_interval_s=0.2,
+        dns_server=server,
+    )  # fmt: skip
+    relay = Relay(settings)
+    await relay.start()
+    srv = RelayServer(relay, settings.limits)
+    await srv.start("127.0.0.1", 0)
+    try:
+        yield Rig(engines, relay, srv, settings)
+    finally:
+        await srv.close(grace_s=1.0)
+        await relay.stop()
+        for e in engines:
+            await e.stop()
+
+
+def _names(r: Any) -> set[str]:
+    return {st.spec.name for st in r.pool.engines.values()}
+
+
+async def test_a_records_follow_the_fleet_under_traffic() -> None:
+    ips = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+    port = _free_port(ips)
+    dns = DnsServer(records={(NAME, "A"): ips[:2]})
+    server = await dns.start()
+    a, b, c = (_engine(ip, port, 90 + i) for i, ip in enumerate(ips))
+    for e in (a, b):
+        await e.start()
+    template = EngineSpec(name="vllm", dns=NAME, grpc_port=port)
+    try:
+        async with dns_rig(dns, [a, b], template, server) as r, r.channel() as ch:
+            await wait_live(r.relay, 2)
+            assert _names(r) == {"vllm@127.0.0.2", "vllm@127.0.0.3"}
+            ids = {st.spec.name: st.worker_id for st in r.pool.engines.values()}
+            consumer = await subscribe(r, ch)
+            for e in (a, b):
+                await e.step(6)
+            await verify(r, consumer, truth=_truth([a, b]), probes=2_000)
+            # a pod appears: a new record, a new engine, subscribed and exact
+            await c.start()
+            r.engines.append(c)
+            dns.records[(NAME, "A")] = ips
+            await wait_live(r.relay, 3)
+            await c.step(6)
+            await verify(r, consumer, truth=_truth([a, b, c]), probes=2_000)
+            # a pod goes: after two answers without it, its engine and members are removed
+            dns.records[(NAME, "A")] = [ips[0], ips[2]]
+            await eventually(lambda: "vllm@127.0.0.3" not in _names(r), what="engine removed")
+            await a.step(4)
+            await verify(r, consumer, truth=_truth([a, c]), probes=2_000)
+            assert consumer.end is None  # one pool, one generation, all along
+            m = r.relay.membership
+            assert m is not None
+            assert (m.counters.engines_added, m.counters.engines_removed) == (3, 1)
+            # names (so worker ids) are stable per address
+            now = {st.spec.name: st.worker_id for st in r.pool.engines.values()}
+            assert all(now[n] == ids[n] for n in now if n in ids)
+            await consumer.stop()
+    finally:
+        dns.close()
+
+
+async def test_a_dns_outage_changes_nothing() -> None:
+    ips = ["127.0.0.5", "127.0.0.6"]
+    port = _free_port(ips)
+    dns = DnsServer(records={(NAME, "A"): ips})
+    server = await dns.start()
+    engines = [_engine(ip, port, 95 + i) for i, ip in enumerate(ips)]
+    for e in engines:
+        await e.start()
+    try:
+        async with dns_rig(dns, engines, EngineSpec(name="vllm", dns=NAME, grpc_port=port),
+                           server) as r, r.channel() as ch:  # fmt: skip
+            await wait_live(r.relay, 2)
+            consumer = await subscribe(r, ch)
+            m = r.relay.membership
+            assert m is not None
+            for mode in ("servfail", "silent"):
+                dns.mode = mode
+                before = m.counters.failures
+                await eventually(lambda b=before: m.counters.failures >= b + 2, timeout=20,
+                                 what=f"{mode} counted")  # fmt: skip
+                assert len(_names(r)) == 2 and m.counters.engines_removed == 0
+            dns.mode = "answer"
+            dns.records[(NAME, "A")] = []  # the name resolves to nothing: every pod gone
+            await eventually(lambda: not _names(r), what="engines removed")
+            end = await consumer.wait_end()
+            assert end.reason == "RELAY_ERROR_REASON_PUBLICATION_UNAVAILABLE"
+    finally:
+        dns.close()
+
+
+async def test_srv_records_give_hosts_and_ports() -> None:
+    ips = ["127.0.0.7", "127.0.0.8"]
+    engines = [_engine(ip, 0, 97 + i) for i, ip in enumerate(ips)]  # ephemeral, distinct ports
+    for e in engines:
+        await e.start()
+    srv_name = "_grpc._tcp." + NAME
+    dns = DnsServer(records={
+        (srv_name, "SRV"): [f"0 0 {e.grpc_port} e{i}.{NAME}." for i, e in enumerate(engines)],
+        **{(f"e{i}.{NAME}", "A"): [ip] for i, ip in enumerate(ips)},
+    })  # fmt: skip
+    server = await dns.start()
+    try:
+        async with dns_rig(dns, engines, EngineSpec(name="vllm", dns=srv_name, dns_srv=True),
+                           server) as r, r.channel() as ch:  # fmt: skip
+            await wait_live(r.relay, 2)
+            assert _names(r) == {f"vllm@{e.cfg.host_ip}:{e.grpc_port}" for e in engines}
+            consumer = await subscribe(r, ch)
+            for e in engines:
+                await e.step(5)
+            truth = {(f"vllm@{e.cfg.host_ip}:{e.grpc_port}", 0): e.ground_truth(0)
+                     for e in engines}  # fmt: skip
+            await verify(r, consumer, truth=truth, probes=2_000)
+            await consumer.stop()
+    finally:
+        dns.close()
