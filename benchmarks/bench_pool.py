@@ -220,8 +220,9 @@ def bench_apply(quick: bool) -> dict[str, Any]:
     }
 
 
-def bench_memory(target: int, shared: bool) -> dict[str, Any]:
-    """Build ``target`` memberships over 4 members (B=1: memory does not depend on B).
+def bench_memory(target: int, shared: bool, restore: bool = False) -> dict[str, Any]:
+    """Build ``target`` memberships over 4 members (B=1: memory does not depend on B); with
+    ``restore``, also time ``Pool.from_state`` of the result.
 
     shared: each member's chains start with a 4-block prefix common to all members, then 4
     member-unique blocks (distinct canonical ≈ 0.625 × memberships). unshared: nothing shared."""
@@ -268,7 +269,7 @@ def bench_memory(target: int, shared: bool) -> dict[str, Any]:
             assert res.events_rejected == 0 and pool.invariant_violations == 0
     ms = pool.memberships
     assert ms == chains * members * 8
-    return {
+    out: dict[str, Any] = {
         "memberships": ms,
         "distinct_canonical": pool.distinct_canonical,
         "exact_state_bytes": pool.memory_bytes(),
@@ -278,6 +279,16 @@ def bench_memory(target: int, shared: bool) -> dict[str, Any]:
         "fill_memberships_per_s": ms / t_apply,
         "fill_memberships_per_cpu_s": ms / c_apply,
     }
+    if restore:  # a restart with state handover: every check of a state file's arrays
+        meta, arrays = pool.export_state()
+        t = time.perf_counter()
+        back = Pool.from_state(
+            meta, arrays, bucket_count=1 << 22, seed=SEED, block_size=1, hash_format=1,
+            max_kicks=0,
+        )  # fmt: skip
+        out["from_state_s"] = time.perf_counter() - t
+        assert back.memberships == ms and back.memory_bytes() == pool.memory_bytes()
+    return out
 
 
 def bench_memory_sweep(lo: int, hi: int, points: int) -> dict[str, Any]:
@@ -321,13 +332,13 @@ def main() -> None:
     out["memory"] = []
     for size in sizes:
         for shared in (True, False):
-            r = bench_memory(size, shared) | {"shared_prefixes": shared}
+            r = bench_memory(size, shared, restore=True) | {"shared_prefixes": shared}
             out["memory"].append(r)
             print(
                 f"memory {r['memberships']:>10} memberships "
                 f"({'shared' if shared else 'unshared'}, {r['distinct_canonical']} distinct): "
                 f"{r['bytes_per_membership']:.2f} B/membership {r['breakdown_bytes']}; filled at "
-                f"{r['fill_memberships_per_s'] / 1e6:.2f} M/s"
+                f"{r['fill_memberships_per_s'] / 1e6:.2f} M/s; from_state {r['from_state_s']:.2f} s"
             )
     points = 4 if args.quick else 11
     out["memory_sweep"] = bench_memory_sweep(1_000_000, 2_000_000, points)

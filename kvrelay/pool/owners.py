@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 from numba import njit
 
-from kvrelay.pool.packed import Int, pay_of, set_pay
+from kvrelay.pool.packed import TM_CAP, Int, pay_of, set_pay
 from kvrelay.pool.tables import EMPTY32, tab_del, tab_find, tab_put
 
 U64 = npt.NDArray[np.uint64]
@@ -87,3 +87,35 @@ def remap_overflow(ok: U64, ov: U32, nk: U64, nv: U32, remap: U32) -> None:
     for i in range(ok.shape[0]):
         if ov[i] != EMPTY32:
             tab_put(nk, nv, EMPTY32, np.uint64(remap[np.int64(ok[i])]), ov[i])
+
+
+@njit(cache=True, _nrt=False)  # type: ignore[misc,call-overload,untyped-decorator]
+def check_counts(otm: U64, ow: U64, xk: U64, xv: U32, n_big: Int, edges: U32) -> Int:
+    """Resident owners, or -1 unless every owner's refcount equals ``edges[slot]`` (lineage
+    edges naming it), no edge names a free slot, and the overflow table holds exactly the
+    ``n_big`` counts of the owners whose code says overflow, each above the in-slot maximum."""
+    big = 0
+    res = 0
+    for q in range(np.int64(otm[TM_CAP]) >> 3):
+        wd = ow[q]
+        for i in range(8):
+            s = q * 8 + i
+            if (wd >> np.uint64(8 * i)) & np.uint64(0x80) == np.uint64(0):
+                if edges[s] != np.uint32(0):
+                    return -1
+                continue
+            p = pay_of(otm, ow, s)
+            code = p & CODE_MASK
+            if code == CODE_OVERFLOW:
+                t = tab_find(xk, xv, EMPTY32, np.uint64(s))
+                if t < 0 or xv[t] <= np.uint32(INLINE_MAX):
+                    return -1
+                c = np.int64(xv[t])
+                big += 1
+            else:
+                c = np.int64(code) + 1
+            if np.int64(edges[s]) != c:
+                return -1
+            if p & RES_BIT:
+                res += 1
+    return res if big == n_big else -1

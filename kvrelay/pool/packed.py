@@ -620,6 +620,23 @@ def check_entries(tm: U64, w: U64) -> Int:
     return n
 
 
+@njit(cache=True, _nrt=False)  # type: ignore[misc,call-overload,untyped-decorator]
+def count_payloads(tm: U64, w: U64, counts: U32) -> bool:
+    """``counts[payload] += 1`` per entry (lineage: edges per owner slot); False, with counts
+    partly added, if a payload is not an index of ``counts``."""
+    n = counts.shape[0]
+    for q in range(np.int64(tm[TM_CAP]) >> 3):
+        v = w[q] & _H8
+        while v != _ZERO:
+            s = q * 8 + (ctz(v) >> 3)
+            v &= v - _ONE
+            p = pay_of(tm, w, s)
+            if p >= np.uint64(n):
+                return False
+            counts[np.int64(p)] += np.uint32(1)
+    return True
+
+
 # ---- Python side ---------------------------------------------------------------------------------
 
 

@@ -51,7 +51,6 @@ from kvrelay.pool.errors import (
 from kvrelay.pool.owners import (
     CODE_MASK,
     CODE_OVERFLOW,
-    INLINE_MAX,
     OWNER_PBITS,
     PM_LEN,
     PM_OVERFLOW,
@@ -59,9 +58,16 @@ from kvrelay.pool.owners import (
     PM_RESIDENT,
     PM_STOP,
     RES_BIT,
+    check_counts,
     remap_overflow,
 )
-from kvrelay.pool.packed import TM_LIVE, PackedTable, Scratch, check_entries
+from kvrelay.pool.packed import (
+    TM_LIVE,
+    PackedTable,
+    Scratch,
+    check_entries,
+    count_payloads,
+)
 from kvrelay.pool.sizing import LINEAGE, OWNERS
 from kvrelay.pool.tables import (
     EMPTY32,
@@ -111,9 +117,11 @@ def _warm_layout_kernels() -> None:
     lin.repacked(1, remap)
     lin.entries()
     check_entries(lin.tm, lin.w)  # a restart's restore (from_state) checks every table
+    count_payloads(lin.tm, lin.w, np.zeros(2, dtype=np.uint32))
     xk = np.zeros(MIN_CAP, dtype=np.uint64)
     xv = np.full(MIN_CAP, EMPTY32, dtype=np.uint32)
     remap_overflow(xk, xv, xk.copy(), xv.copy(), remap)
+    check_counts(own.tm, own.w, xk, xv, 0, np.zeros(own.cap, dtype=np.uint32))
     tab_rehash(xk, xv, EMPTY32, xk.copy(), xv.copy())
     _warmed = True
 
@@ -631,26 +639,18 @@ class Pool:
             _state_array(arrays, "own.tm", np.uint64), _state_array(arrays, "own.w", np.uint64),
         )  # fmt: skip
         own.bounds = OWNERS.bounds(own.nb0)
-        _, opays, oslots = own.entries()
+        resident_in_table = int(np.count_nonzero(table.view(np.uint16)))
         xk = _state_array(arrays, "ovf.keys", np.uint64)
         xv = _state_array(arrays, "ovf.counts", np.uint32, xk.shape[0])
-        big = xv != EMPTY32
-        big_slots, big_counts = xk[big], xv[big]
-        n_big = int(big_slots.shape[0])
+        n_big = int(np.count_nonzero(xv != EMPTY32))
         if xk.shape[0] < MIN_CAP or grown_cap(xk.shape[0], n_big + 1) != xk.shape[0]:
             raise ValueError("overflow count table size out of range")
-        code = opays & CODE_MASK
-        counts = np.zeros(own.cap, dtype=np.int64)
-        counts[oslots] = code.astype(np.int64) + 1
-        over = np.sort(oslots[code == CODE_OVERFLOW].astype(np.uint64))
-        if not np.array_equal(np.sort(big_slots), over) or np.any(big_counts <= INLINE_MAX):
-            raise ValueError("overflow counts do not match the owners that need them")
-        counts[big_slots.astype(np.int64)] = big_counts
-        resident = int(np.count_nonzero(opays & RES_BIT))
-        if resident != int(np.count_nonzero(table.view(np.uint16))):
-            raise ValueError("the table does not hold exactly the resident owners")
+        # re-inserted into a fresh table of the same size: probe positions are not trusted
+        big_k = np.zeros(xk.shape[0], dtype=np.uint64)
+        big_v = np.full(xk.shape[0], EMPTY32, dtype=np.uint32)
+        tab_rehash(xk, xv, EMPTY32, big_k, big_v)
         ref_bits = _ref_bits(own.cap)
-        edges = np.zeros(own.cap, dtype=np.int64)
+        edges = np.zeros(own.cap, dtype=np.uint32)  # lineage edges per owner slot
         for mid, wid, rank, salt in rows:
             if not 0 <= mid < next_id or mid in pool._members or (wid, rank) in pool._ids:
                 raise ValueError(f"member {mid} ({wid}, {rank}) repeated or out of range")
@@ -661,25 +661,22 @@ class Pool:
                 _state_array(arrays, f"m{mid}.lin.w", np.uint64),
             )  # fmt: skip
             m.lin.bounds = LINEAGE.bounds(m.lin.nb0)
-            lkeys, lpays, _ = m.lin.entries()
-            if lpays.shape[0] and int(lpays.max()) >= own.cap:
+            if not count_payloads(m.lin.tm, m.lin.w, edges):
                 raise ValueError(f"member {mid}: lineage names a slot outside the owners table")
-            edges += np.bincount(lpays.astype(np.int64), minlength=own.cap)
-            m.nkeys, m.nvals, m.nmeta = _namespace(arrays, mid, lkeys)
+            m.nkeys, m.nvals, m.nmeta = _namespace(arrays, mid, m.lin)
             pool._members[mid] = m
             pool._ids[(wid, rank)] = mid
-        if not np.array_equal(edges, counts):
-            raise ValueError("owner refcounts differ from the members' lineage")
+        resident = int(check_counts(own.tm, own.w, big_k, big_v, n_big, edges))
+        if resident < 0:
+            raise ValueError("owner refcounts (or their overflow counts) differ from the lineage")
+        if resident != resident_in_table:
+            raise ValueError("the table does not hold exactly the resident owners")
         pool._next_id = next_id
         pool._salt_state = salt_state
         pool.table[:] = table
         pool._rng[:] = rng
         pool._own, pool._ref_bits = own, ref_bits
-        # a fresh overflow table of the same size: the entries are checked above, their probe
-        # positions are not (nor need to be)
-        pool._xk = np.zeros(xk.shape[0], dtype=np.uint64)
-        pool._xv = np.full(xk.shape[0], EMPTY32, dtype=np.uint32)
-        tab_rehash(xk, xv, EMPTY32, pool._xk, pool._xv)
+        pool._xk, pool._xv = big_k, big_v
         pool._pm[:] = 0
         pool._pm[PM_RESIDENT] = resident
         pool._pm[PM_OVERFLOW] = n_big
@@ -698,7 +695,7 @@ def _state_array(
 
 
 def _namespace(
-    arrays: dict[str, npt.NDArray[Any]], mid: int, lineage_keys: U64
+    arrays: dict[str, npt.NDArray[Any]], mid: int, lineage: PackedTable
 ) -> tuple[U64, U64, npt.NDArray[np.int64]]:
     """One member's namespace side table, checked (entries only for its lineage edges, the live
     count, room for one more) and re-inserted into a fresh table of the same size."""
@@ -711,7 +708,7 @@ def _namespace(
     n = int(keys.shape[0])
     if cap < 2 or grown_cap(cap, n + 1) != cap or n != int(nmeta[0]):
         raise ValueError(f"member {mid}: namespace table size or count out of range")
-    if np.unique(keys).shape[0] != n or not np.all(np.isin(keys, lineage_keys)):
+    if n and (np.unique(keys).shape[0] != n or not np.isin(keys, lineage.entries()[0]).all()):
         raise ValueError(f"member {mid}: namespace entries for edges it does not have")
     fk = np.zeros(cap, dtype=np.uint64)
     fv = np.zeros(cap, dtype=np.uint64)

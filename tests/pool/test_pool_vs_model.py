@@ -445,13 +445,19 @@ def test_an_inconsistent_state_is_refused() -> None:
         k, v = a["m0.nkeys"], a["m0.nvals"]
         k[int(np.flatnonzero(v)[0])] ^= 1
 
+    def dangling(m: dict[str, Any], a: dict[str, np.ndarray]) -> None:
+        tags = a["own.w"].view(np.uint8)[: int(a["own.tm"][pk.TM_CAP])]
+        free = int(np.flatnonzero((tags & 0x80) == 0)[0])
+        tm, w = a["m0.lin.tm"], a["m0.lin.w"]
+        pk.set_pay(tm, w, int(_used_slots(tm, w)[0]), np.uint64(free))
+
+    refs = r"refcounts \(or their overflow counts\) differ"
     cases = {
-        flip_table: "resident owners", drop_edge: "refcounts differ",
-        drop_entry_not_count: "entries are not", bump_ref: "refcounts differ",
-        bump_big_ref: "refcounts differ", drop_big_ref: "overflow counts",
+        flip_table: "resident owners", drop_edge: refs, drop_entry_not_count: "entries are not",
+        bump_ref: refs, bump_big_ref: refs, drop_big_ref: "overflow counts",
         wrong_dtype: "'own.w' missing or of the wrong type", twice: "repeated",
         missing: "'m1.lin.w' missing", resized: "buckets", resized_lineage: "size disagrees",
-        other_salt: "shape or salt", stray_namespace: "namespace entries",
+        other_salt: "shape or salt", stray_namespace: "namespace entries", dangling: refs,
     }  # fmt: skip
     for mutate, why in cases.items():
         state: State = _exported(pool)
