@@ -198,7 +198,7 @@ class Fleet:
 
 
 def start_subscribers(fleet: Fleet, n: int, tag: str, per_proc: int = 32,
-                      probe: bool = True) -> list[tuple[Proc, str]]:
+                      probe: bool = True, read_mbps: float = 0.0) -> list[tuple[Proc, str]]:
     """Stream 0 (probe + replica) in its own process; the others ``per_proc`` to a process."""
     procs: list[tuple[Proc, str]] = []
     groups = [1] + [min(per_proc, n - 1 - k) for k in range(0, n - 1, per_proc)]
@@ -209,6 +209,8 @@ def start_subscribers(fleet: Fleet, n: int, tag: str, per_proc: int = 32,
                 "--channels", str(max(1, streams // 8))]
         if j == 0 and probe:
             argv += ["--probe-file", str(fleet.probe_file), "--probe-start", str(fleet.next_probe)]
+        if read_mbps > 0:
+            argv += ["--read-mbps", str(read_mbps)]
         procs.append((Proc(f"sub-{tag}-{j}", argv), out))
     for p, _ in procs:
         p.expect("SNAPSHOTS_DONE", 120)

@@ -134,6 +134,7 @@ class Prober:
 async def run_stream(
     ch: Channel, producer: pb.ProducerIdentity, st: StreamStats, sid: str,
     prober: Prober | None, done: asyncio.Event, chunk_count: int, use_bp2: bool,
+    read_bps: float = 0.0,
 ) -> None:
     req = pb.SubscribeKvPoolRequest(
         subscriber_id=sid, expected_producer=producer, contract_marker=MARKER
@@ -170,6 +171,10 @@ async def run_stream(
                 elif kind == KIND_SNAPSHOT:
                     chunks += 1
                     st.snapshot_bytes += len(data)
+                    if read_bps > 0:  # a slow reader: at most read_bps on average so far
+                        ahead = st.t_request + st.snapshot_bytes / read_bps - time.time()
+                        if ahead > 0:
+                            await asyncio.sleep(ahead)
                     complete = prober.snapshot(payload) if prober is not None else (
                         chunks == chunk_count
                     )
@@ -218,6 +223,7 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
             run_stream(
                 channels[i % len(channels)], producer, st, f"{a.id}-{i}",
                 prober if i == 0 else None, dones[i], cbi1.chunk_count_for(bc), a.decode == "bp2",
+                a.read_mbps * 1e6,
             )
         )
         for i, st in enumerate(stats)
@@ -264,6 +270,8 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--duration", type=float, default=0.0, help="0 = until SIGTERM")
     p.add_argument("--out", required=True)
+    p.add_argument("--read-mbps", type=float, default=0.0,
+                   help="throttle snapshot reading to this many MB/s (0 = full speed)")
     p.add_argument("--uvloop", action="store_true")
     a = p.parse_args()
     if a.uvloop:

@@ -45,6 +45,8 @@ class RelayLimits:
     load_fanout_capacity: int = 16
     publish_every_n_events: int = 16
     publication_delay_s: float = 0.001
+    #: While a subscriber receives its snapshot, publications are spaced up to this far apart.
+    snapshot_publication_delay_s: float = 0.25
 
     def __post_init__(self) -> None:
         for f in fields(self):

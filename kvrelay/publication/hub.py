@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -42,6 +42,7 @@ BATCH_BYTES = 512 * 1024
 
 Send = Callable[[bytes], Awaitable[None]]
 SendBatch = Callable[[list[bytes]], Awaitable[None]]
+SendParts = Callable[[Sequence[bytes]], Awaitable[None]]
 Reset = Callable[[], None]
 
 
@@ -77,6 +78,10 @@ class PublicationHub:
         self._subs: set[Subscription] = set()
         self._active = 0  # admitted, not yet ended (counts against max_subscribers_per_pool)
         self._snapshot: tuple[int, asyncio.Future[list[bytes]]] | None = None
+        self._joining: set[Subscription] = set()  # admitted, not caught up yet (see joiners)
+        #: Called (synchronously) when the last joiner caught up or ended: the producer may
+        #: publish what it held back at once (see ``publication_hold``).
+        self.on_hold_released: Callable[[], None] | None = None
         self._retired = False
         self.idle_since: float | None = time.monotonic()  # None while someone subscribes
         self.resets = 0
@@ -100,6 +105,31 @@ class PublicationHub:
 
     def mirror_copy(self) -> npt.NDArray[np.uint64]:
         return self._mirror.copy()
+
+    @property
+    def joiners(self) -> int:
+        """Subscribers admitted that have not caught up yet: their snapshot is still being sent,
+        or the deltas queued meanwhile are (their queue has not been empty since they joined)."""
+        return len(self._joining)
+
+    def publication_hold(self) -> float:
+        """Seconds the producer should leave between publications now (0.0: no reason to wait).
+
+        Deltas published while a subscriber is still receiving its snapshot wait in that
+        subscriber's queue (§4.6), so each one uses up one of its ``publication_queue_capacity``
+        slots however small it is; after the snapshot it must drain them while new ones keep
+        coming. While any subscriber has not caught up (``joiners``), the spacing doubles with
+        every delta queued for the fullest such queue — ``publication_delay_s`` × 2^queued — up
+        to ``snapshot_publication_delay_s``: a snapshot sent in a few milliseconds barely
+        changes the cadence, a long one (a 64 MiB lane to a reader at 80 MB/s) gets more
+        commands per delta, and the 16 slots last about 2 s at the default bounds. The other
+        subscribers' deltas are then up to that much later; nothing is dropped or merged.
+        """
+        if not self._joining:
+            return 0.0
+        queued = max(len(s._frames) for s in self._joining)
+        lim = self.limits
+        return float(min(lim.snapshot_publication_delay_s, lim.publication_delay_s * 2.0**queued))
 
     # --- producer side ---
     def publish(self, sequence: int, buckets: npt.ArrayLike, words: npt.ArrayLike) -> None:
@@ -192,6 +222,7 @@ class PublicationHub:
             raise
         sub = Subscription(self, self._sequence, snapshot, on_release)
         self._subs.add(sub)
+        self._joining.add(sub)
         self.snapshots_served += 1
         return sub
 
@@ -235,6 +266,14 @@ class PublicationHub:
 
     def _detach(self, sub: Subscription) -> None:
         self._subs.discard(sub)
+        self._caught_up(sub)
+
+    def _caught_up(self, sub: Subscription) -> None:
+        """``sub`` sent its snapshot and emptied its queue, or ended: it holds nothing back."""
+        if sub in self._joining:
+            self._joining.discard(sub)
+            if not self._joining and self.on_hold_released is not None:
+                self.on_hold_released()
 
     def _slot_released(self) -> None:
         self._active -= 1
@@ -369,13 +408,19 @@ class Subscription:
 
     # --- called by the stream handler ---
     async def pump(
-        self, send: Send, send_batch: SendBatch | None = None, reset: Reset | None = None
+        self,
+        send: Send,
+        send_batch: SendBatch | None = None,
+        reset: Reset | None = None,
+        send_parts: SendParts | None = None,
     ) -> None:
         """Send snapshot, deltas and heartbeats until EOF (return) or error (RelayError).
 
         With ``send_batch``, frames already queued are written together (one HTTP/2 write for
-        several gRPC messages): the per-write cost dominates server CPU under fan-out. ``reset``
-        aborts the transport stream (used only when a client stalls past the grace).
+        several gRPC messages): the per-write cost dominates server CPU under fan-out. With
+        ``send_parts``, each snapshot chunk goes out as (envelope head, shared payload, tail),
+        so the 4 MiB payload is never joined into a per-subscriber copy. ``reset`` aborts the
+        transport stream (used only when a client stalls past the grace).
         """
         loop = asyncio.get_running_loop()
         self._task = asyncio.current_task()
@@ -398,7 +443,10 @@ class Subscription:
             handle = loop.call_later(timeout, self._on_snapshot_timeout)
             try:
                 # stamped now: a cut shared by later joiners must not carry its build time
-                await send(encoder.encode(KIND_SNAPSHOT_CHUNK, seq0, seq0, payload))
+                if send_parts is not None:
+                    await send_parts(encoder.encode_parts(KIND_SNAPSHOT_CHUNK, seq0, seq0, payload))
+                else:
+                    await send(encoder.encode(KIND_SNAPSHOT_CHUNK, seq0, seq0, payload))
             finally:
                 handle.cancel()
         del payloads
@@ -433,6 +481,7 @@ class Subscription:
                     await asyncio.sleep(0)
                 continue
             n = 0
+            hub._caught_up(self)  # snapshot sent, queue empty: no longer holds publication back
             delay = last_sent + heartbeat_s - loop.time()
             if delay > 0:
                 waiter = loop.create_future()

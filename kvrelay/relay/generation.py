@@ -16,11 +16,13 @@ from collections.abc import Callable
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.errors import RelayError
+from kvrelay.contract.limits import QUEUE_FRAME_OVERHEAD
 from kvrelay.contract.producer import ProducerKey, producer_key
 from kvrelay.ingest.sink import SourceKey
 from kvrelay.pool.batch import EventBatch
 from kvrelay.pool.errors import MalformedBatch
 from kvrelay.pool.pool import ApplyResult, Pool
+from kvrelay.publication import cbi1
 from kvrelay.publication.hub import PublicationHub, PublicationInvariantError
 from kvrelay.publication.splice import FilterUpdateEncoder
 from kvrelay.relay.context import RelayContext
@@ -56,6 +58,7 @@ class Generation:
         self._pending_since: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._soon = False
+        self._last_cut = 0.0  # time.monotonic() of the last publication cut (snapshot hold)
 
     @property
     def layout_generation(self) -> int:
@@ -156,7 +159,8 @@ class Generation:
 
     def _note_events(self, n: int) -> None:
         """Count applied commands; publish once ``publish_every_n_events`` accumulated (at the end
-        of the current loop iteration) or after ``publication_delay_s``, whichever comes first.
+        of the current loop iteration) or after ``publication_delay_s``, whichever comes first —
+        later while a subscriber receives its snapshot (``_cut_or_hold``).
 
         Boundaries fall only between whole commands because every member operation notes after
         it completed.
@@ -174,17 +178,60 @@ class Generation:
                 self._soon = True
                 asyncio.get_running_loop().call_soon(self._on_soon)
         elif self._timer is None:
-            loop = asyncio.get_running_loop()
-            self._timer = loop.call_later(self.limits.publication_delay_s, self._on_timer)
+            self._arm(self.limits.publication_delay_s)
+
+    def _arm(self, delay: float) -> None:
+        """A cut attempt ``delay`` from now, unless one is already due sooner."""
+        loop = asyncio.get_running_loop()
+        timer = self._timer
+        if timer is not None:
+            if timer.when() <= loop.time() + delay:
+                return
+            timer.cancel()
+        self._timer = loop.call_later(delay, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
-        self.flush()
+        self._cut_or_hold()
 
     def _on_soon(self) -> None:
         self._soon = False
-        if self._pending_events:
-            self.flush()
+        self._cut_or_hold()
+
+    def _on_hold_released(self) -> None:
+        """The last subscriber receiving a snapshot has it (or ended): cut what was held back at
+        the end of this loop iteration (never inside the hub call that released it)."""
+        if not self._soon and not self.retired:
+            self._soon = True
+            asyncio.get_running_loop().call_soon(self._on_soon)
+
+    def _cut_or_hold(self) -> None:
+        """Publish the pending commands now, or later while the hub asks for spacing.
+
+        While a subscriber is receiving its snapshot, every delta takes one of its queue slots
+        (§4.6), so cuts are spaced as the hub asks (``PublicationHub.publication_hold``) and more
+        commands go into each delta. The held delta never grows past what a subscriber queue can
+        take: once the pool's touched buckets reach ``_held_bucket_cap`` it is cut anyway.
+        """
+        if not self._pending_events or self.retired:
+            return
+        hub = self._hub
+        if hub is not None:
+            hold = hub.publication_hold()
+            if hold > 0.0:
+                wait = self._last_cut + hold - time.monotonic()
+                if wait > 0.0 and self.pool.pending_dirty < self._held_bucket_cap():
+                    self._arm(wait)
+                    return
+        self.flush()
+
+    def _held_bucket_cap(self) -> int:
+        """Touched buckets at which a held delta is cut anyway: a full queue of deltas this size
+        (12 bytes per image) stays within ``publication_queue_bytes``."""
+        lim = self.limits
+        per_frame = lim.publication_queue_bytes // lim.publication_queue_capacity
+        images = (per_frame - QUEUE_FRAME_OVERHEAD - cbi1.delta_frame_len(0)) // cbi1.DELTA_ENTRY
+        return max(1, min(cbi1.MAX_DELTA_IMAGES, images))
 
     def flush(self) -> None:
         """Publish the net-changed buckets as the next sequence (nothing when nothing changed)."""
@@ -195,6 +242,7 @@ class Generation:
         since, self._pending_since = self._pending_since, None
         if self.retired:
             return
+        self._last_cut = time.monotonic()
         publication = self.pool.take_publication()
         if publication is None:
             return
@@ -236,6 +284,7 @@ class Generation:
                 limits=self.limits,
                 encode_gate=self._ctx.encode_gate,
             )
+            self._hub.on_hold_released = self._on_hold_released
         return self._hub
 
     @property

@@ -313,3 +313,64 @@ async def test_cancelled_subscriber_does_not_cancel_shared_snapshot_build() -> N
     assert seq == 0 and got.tobytes() == table.tobytes()
     hub.retire(None)
     await tb
+
+
+async def test_publication_hold_while_a_snapshot_is_being_sent() -> None:
+    """The spacing a producer is asked for: 0 without a joiner; doubling with each delta queued
+    for a subscriber that is still receiving its snapshot, up to the bound; 0 again, with one
+    release callback, once that subscriber holds its snapshot and has drained its queue."""
+    hub, table = make_hub(publication_delay_s=0.001, snapshot_publication_delay_s=0.05)
+    released: list[int] = []
+    hub.on_hold_released = lambda: released.append(hub.sequence)
+    assert hub.publication_hold() == 0.0 and hub.joiners == 0
+    sub = await hub.subscribe()
+    assert hub.joiners == 1
+    holds = [hub.publication_hold()]
+    rng = np.random.default_rng(3)
+    for seq in range(1, 8):
+        b = rng.choice(1024, size=4, replace=False)
+        w = rng.integers(1, 2**64, size=4, dtype=np.uint64)
+        table[b] = w
+        hub.publish(seq, b, w)
+        holds.append(hub.publication_hold())
+    assert holds == pytest.approx([0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.05, 0.05])
+    assert released == []
+    col = Collector(block_after=3)  # the snapshot chunk and two deltas, then a stalled send
+    task = asyncio.ensure_future(sub.pump(col))
+    for _ in range(400):
+        if len(col.frames) == 3:
+            break
+        await asyncio.sleep(0.005)
+    assert len(col.frames) == 3 and col.frames[0].kind == pb.FilterUpdateKind.SNAPSHOT_CHUNK
+    # snapshot out, deltas still queued: catching up holds publication back as well
+    assert hub.joiners == 1 and hub.publication_hold() > 0.0 and released == []
+    col.gate.set()
+    for _ in range(400):
+        if len(col.frames) == 8 and released:
+            break
+        await asyncio.sleep(0.005)
+    assert hub.publication_hold() == 0.0 and hub.joiners == 0
+    assert released == [7]  # once, when the snapshot and the 7 deltas were out
+    got, seq = rebuild(col.frames, 1024)
+    assert seq == 7 and got.tobytes() == table.tobytes()  # every held delta, base + 1 each
+    hub.retire(None)
+    await task
+    sub.close()
+    assert released == [7]
+
+
+async def test_hold_released_by_a_joiner_that_ends_or_lags() -> None:
+    hub, _ = make_hub(publication_queue_capacity=2)
+    released: list[str] = []
+    hub.on_hold_released = lambda: released.append("x")
+    a, b = (await hub.subscribe()), (await hub.subscribe())
+    assert hub.joiners == 2
+    a.close()  # a client that went away mid-snapshot holds nothing back
+    assert hub.joiners == 1 and released == []
+    for seq in (1, 2, 3):  # the third delta overflows b's 2-frame queue
+        hub.publish(seq, np.array([seq]), np.array([seq], dtype=np.uint64))
+    assert b.error is not None and b.error.reason == R.SUBSCRIBER_LAGGED
+    assert hub.joiners == 0 and released == ["x"]
+    assert hub.publication_hold() == 0.0
+    b.close()
+    assert released == ["x"]

@@ -1,0 +1,129 @@
+"""Publication cadence while a subscriber receives its snapshot (§4.6, §8.4).
+
+A real relay over a simulated engine publishing continuously, and a real grpclib subscriber
+that reads the first chunk of a two-chunk snapshot, then stops reading for a while, as a slow
+reader of a large lane does. Every delta published meanwhile waits in its 16-frame queue. With
+the snapshot hold the relay spaces its publications out, the snapshot completes, the deltas that
+follow obey base + 1 and the replica ends equal to the producer's table and to the simulator's
+ground truth. With the hold switched off (its bound equal to the normal delay), the same reader
+is ended as lagged: the test can tell the two apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import numpy as np
+import pytest
+from grpclib.client import Stream
+from grpclib.const import Cardinality
+from grpclib.exceptions import GRPCError
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.contract.limits import RelayLimits
+from kvrelay.relay.relay import Relay
+from kvrelay.sim.config import SimConfig
+from kvrelay.sim.engine import SimEngine
+from tests.support.fleet import eventually, fleet_and_relay, ground_truth, in_sync, wait_subscribed
+from tests.support.mem_relay import grpclib_channel, sub_request
+from tests.support.replica import Replica
+
+SUBSCRIBE = "/dynamo.kvrelay.v1.KvEventRelay/SubscribeKvPool"
+#: 2,097,152 expected blocks → 1,048,576 buckets: a snapshot of two 4 MiB chunks.
+TWO_CHUNKS = 1 << 21
+PAUSE_S = 0.8  # a reader of a 64 MiB lane at 80 MB/s takes about this long
+
+
+async def _produce(engine: SimEngine, stop: asyncio.Event) -> int:
+    """Engine steps every few milliseconds until ``stop`` (commands keep arriving)."""
+    steps = 0
+    while not stop.is_set():
+        await engine.step(1)
+        steps += 1
+        await asyncio.sleep(0.003)
+    return steps
+
+
+async def _next(st: Stream[pb.SubscribeKvPoolRequest, pb.FilterUpdate]) -> pb.FilterUpdate:
+    """The next frame; at the end of the stream its status is raised (GRPCError)."""
+    msg = await st.recv_message()
+    if msg is None:
+        await st.recv_trailing_metadata()  # raises for any status but OK
+        raise AssertionError("stream ended with status OK")
+    return msg
+
+
+async def _slow_subscriber(
+    relay: Relay, port: int, replica_box: list[Replica], engine: SimEngine
+) -> str | None:
+    """Read chunk 0, stop reading for PAUSE_S while the engine publishes, then read on until the
+    replica holds the producer's sequence; returns the error trailer, None on success."""
+    gen = relay.pools[0].generation
+    assert gen is not None
+    replica = Replica(gen.producer, relay.relay_identity)
+    replica_box.append(replica)
+    stop = asyncio.Event()
+    producer = asyncio.create_task(_produce(engine, stop))
+    ch = grpclib_channel(port, window=65535)  # a client that reads slowly holds little data
+    try:
+        async with ch.request(
+            SUBSCRIBE, Cardinality.UNARY_STREAM, pb.SubscribeKvPoolRequest, pb.FilterUpdate
+        ) as st:
+            await st.send_message(sub_request(gen.producer, "slow"), end=True)
+            try:
+                first = await _next(st)
+                assert first.kind == pb.FilterUpdateKind.SNAPSHOT_CHUNK
+                replica.feed(first)
+                await asyncio.sleep(PAUSE_S)  # mid-snapshot, not reading; deltas keep coming
+                while replica.table is None:  # the rest of the snapshot
+                    replica.feed(await _next(st))
+                await asyncio.sleep(0.2)
+                stop.set()
+                await producer
+                await eventually(lambda: in_sync([engine], relay), what="relay = ground truth")
+                async with asyncio.timeout(20):
+                    while replica.sequence != gen.sequence:
+                        replica.feed(await _next(st))  # asserts base + 1 for every delta
+                await st.cancel()
+                return None
+            except GRPCError:
+                return dict(st.trailing_metadata or {}).get("kv-relay-error-reason", "?")
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await producer
+        ch.close()
+
+
+@pytest.mark.parametrize("hold", [True, False], ids=["hold", "no-hold"])
+async def test_slow_reader_gets_its_snapshot_while_deltas_are_produced(hold: bool) -> None:
+    limits = RelayLimits(
+        publication_delay_s=0.001,
+        snapshot_publication_delay_s=0.25 if hold else 0.001,
+    )
+    cfg = SimConfig(name="c0", seed=21, capacity_blocks=4096, max_running=32)
+    async with fleet_and_relay([cfg], expected_blocks=TWO_CHUNKS, limits=limits) as (
+        engines,
+        relay,
+        server,
+    ):
+        (engine,) = engines
+        await wait_subscribed(relay, 1)
+        await engine.step(20)
+        await eventually(lambda: in_sync(engines, relay), what="initial sync")
+        gen = relay.pools[0].generation
+        assert gen is not None and gen.pool.bucket_count == 1 << 20
+        box: list[Replica] = []
+        reason = await _slow_subscriber(relay, server.port, box, engine)
+        (replica,) = box
+        if not hold:
+            assert reason == "RELAY_ERROR_REASON_SUBSCRIBER_LAGGED"
+            return
+        assert reason is None
+        assert replica.kinds["snapshot"] == 2 and replica.kinds["delta"] > 0
+        assert replica.table is not None and np.array_equal(replica.table, gen.pool.table)
+        truth = set().union(*ground_truth(engines).values())
+        assert truth and bool(np.all(replica.contains(sorted(truth))))
+        hub = gen._hub
+        assert hub is not None and hub.lagged == 0 and hub.joiners == 0
