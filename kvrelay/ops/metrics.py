@@ -136,6 +136,10 @@ _POOL_COUNTERS: dict[str, tuple[str, str]] = {
     "rebuild_backoffs": (
         "kvrelay_pool_rebuild_backoffs", "Rebuilds after repeated fences that waited (backoff)."
     ),
+    "reconfigurations": (
+        "kvrelay_pool_reconfigurations",
+        "Re-materializations because a reload changed a filter setting.",
+    ),
 }
 
 
@@ -148,6 +152,16 @@ class RelaySource(Protocol):
     def observers(self) -> Observers: ...
 
     def stats(self) -> RelayStats: ...
+
+
+class ReloadSource(Protocol):
+    """Configuration reload outcomes (``kvrelay.ops.reload.ReloadStats``)."""
+
+    applied: int
+    rejected: int
+    failed: int
+    last_successful: bool
+    last_success_unix: float
 
 
 class ServiceSource(Protocol):
@@ -201,6 +215,7 @@ class RelayMetrics:
         self.relay = relay
         self.registry = registry if registry is not None else default_registry()
         self._service = service
+        self._reloads: ReloadSource | None = None
         self.per_member = per_member  # False: ingest families summed per pool
         self.delta_latency = Histogram(
             "kvrelay_delta_latency_seconds",
@@ -230,6 +245,10 @@ class RelayMetrics:
         """Export the gRPC service's per-stream-kind subscriber counts and error counts."""
         self._service = service
 
+    def attach_reloads(self, reloads: ReloadSource) -> None:
+        """Export configuration reload outcomes (the daemon's SIGHUP handling)."""
+        self._reloads = reloads
+
     def observe_loop_lag(self, seconds: float) -> None:
         if math.isnan(seconds):
             return
@@ -252,6 +271,29 @@ class RelayMetrics:
         yield from _source_metrics(stats)
         yield from _generation_metrics(stats)
         yield from self._service_metrics()
+        yield from self._reload_metrics()
+
+    def _reload_metrics(self) -> Iterator[Metric]:
+        r = self._reloads
+        if r is None:
+            return
+        total = CounterMetricFamily(
+            "kvrelay_config_reloads", "Configuration reloads (SIGHUP) by result: applied, "
+            "rejected (invalid file, running configuration kept), failed.", labels=["result"],
+        )  # fmt: skip
+        for result in ("applied", "rejected", "failed"):
+            total.add_metric([result], getattr(r, result))
+        yield total
+        yield GaugeMetricFamily(
+            "kvrelay_config_last_reload_successful",
+            "1 if the last reload was applied (or none happened since start).",
+            value=1 if r.last_successful else 0,
+        )
+        yield GaugeMetricFamily(
+            "kvrelay_config_last_reload_success_timestamp_seconds",
+            "Unix time of the last applied reload (or of start).",
+            value=r.last_success_unix,
+        )
 
     def _service_metrics(self) -> Iterator[Metric]:
         svc = self._service

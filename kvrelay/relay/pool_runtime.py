@@ -101,6 +101,7 @@ class PoolCounters:
     identity_changes: int = 0  # re-materialized for a new model / model source / block size
     identity_conflicts: int = 0  # withdrawn because reachable engines disagree
     rebuild_backoffs: int = 0  # rebuilds after a fence that waited (repeated fences)
+    reconfigurations: int = 0  # re-materialized because a reload changed filter settings
 
     def reset(self, reason: str) -> None:
         self.member_resets[reason] = self.member_resets.get(reason, 0) + 1
@@ -405,8 +406,9 @@ class PoolRuntime:
                 return key
         return None
 
-    async def remove_engine(self, engine_name: str) -> None:
-        """The engine left the fleet: its subscribers stop and its members are removed."""
+    async def remove_engine(self, engine_name: str, *, reconcile: bool = True) -> None:
+        """The engine left the fleet: its subscribers stop and its members are removed
+        (``reconcile=False``: a reload that adds engines next reconciles once at the end)."""
         key = self.target_of(engine_name)
         if key is None:
             return
@@ -422,7 +424,8 @@ class PoolRuntime:
                         self.counters.reset("engine_removed")
             del self.engines[key]
             del self.by_worker[st.worker_id]
-        await self.reconcile()
+        if reconcile:
+            await self.reconcile()
 
     async def _restart_engine_members(self, worker_id: int) -> None:
         """New incarnation: stop the engine's subscribers, clear its members; ``reconcile`` then
@@ -539,6 +542,8 @@ class PoolRuntime:
         desired = self._desired(ident.block_size)
         now = time.monotonic()
         if not any(self._startable(k, now) or k in self.subscribers for k in desired):
+            if any(not st.probed for st in self.engines.values()):
+                return  # an engine just added (a reload, DNS) may bring sources: its probe decides
             await self._withdraw("pool withdrawn: no active source")
             return
         if self.generation is None:
@@ -581,6 +586,24 @@ class PoolRuntime:
                 with contextlib.suppress(Exception):
                     await sub.stop()
                 self._fold_source(key, sub.counters)
+
+    async def respec(self, spec: PoolSpec, *, rematerialize: bool) -> None:
+        """A reload changed the pool's settings (the caller adds and removes engines, then
+        reconciles). With ``rematerialize`` the generation is withdrawn, to be rebuilt under the
+        new settings; otherwise it goes on (sources whose settings changed restart on reconcile)."""
+        async with self._reconcile_lock:
+            self.spec = spec
+            if rematerialize:
+                self.counters.reconfigurations += 1
+                await self._withdraw("pool settings changed by a reload; requires a fresh snapshot")
+                self._restarts.clear()
+
+    async def close(self, why: str) -> None:
+        """The pool left the configuration: its subscribers end with PUBLICATION_UNAVAILABLE
+        (after the catalog without it is published) and its sources stop."""
+        self._stopped = True
+        async with self._reconcile_lock:
+            await self._withdraw(why)
 
     async def stop(self) -> None:
         self._stopped = True

@@ -41,7 +41,7 @@ KNOWN = {
     "Unit": {"Description", "Documentation", "Wants", "After", "Requires", "Before",
              "StartLimitIntervalSec", "StartLimitBurst", "PartOf"},
     "Service": {
-        "Type", "NotifyAccess", "ExecStartPre", "ExecStart", "Restart", "RestartSec",
+        "Type", "NotifyAccess", "ExecStartPre", "ExecStart", "ExecReload", "Restart", "RestartSec",
         "WatchdogSec", "TimeoutStartSec", "TimeoutStopSec", "KillSignal", "KillMode",
         "LimitNOFILE", "CacheDirectory", "CacheDirectoryMode", "ConfigurationDirectory",
         "ConfigurationDirectoryMode", "Environment", "SyslogIdentifier", "DynamicUser",
@@ -118,6 +118,10 @@ def test_unit_has_required_directives(name: str) -> None:
         assert exec_start[3] == "/etc/kvrelay/kvrelay.toml"
         assert cache == "kvrelay"
     assert _one(unit, "ExecStartPre") == f"{VENV_KVRELAY} check-config {exec_start[3]}"
+    # systemctl reload validates the same file, then signals the main process
+    assert _one(unit, "ExecReload") == (
+        f"{VENV_KVRELAY} reload --config {exec_start[3]} --pid $MAINPID"
+    )
     readme = (DEPLOY / "README.md").read_text()
     assert f"python3 -m venv {VENV_KVRELAY.removesuffix('/bin/kvrelay')}" in readme
 
@@ -128,8 +132,8 @@ def test_template_differs_from_the_plain_unit_only_in_instance_bits() -> None:
         k for k in set(plain["Service"]) | set(tmpl["Service"])
         if plain["Service"].get(k) != tmpl["Service"].get(k)
     }
-    assert differing == {"ExecStartPre", "ExecStart", "CacheDirectory", "Environment",
-                         "SyslogIdentifier"}
+    assert differing == {"ExecStartPre", "ExecStart", "ExecReload", "CacheDirectory",
+                         "Environment", "SyslogIdentifier"}
 
 
 def _verify_with_systemd(src: Path, tmp_path: Path) -> list[str]:
