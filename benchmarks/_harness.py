@@ -198,8 +198,10 @@ class Fleet:
 
 
 def start_subscribers(fleet: Fleet, n: int, tag: str, per_proc: int = 32,
-                      probe: bool = True, read_mbps: float = 0.0) -> list[tuple[Proc, str]]:
-    """Stream 0 (probe + replica) in its own process; the others ``per_proc`` to a process."""
+                      probe: bool = True, read_mbps: float = 0.0,
+                      barrier: bool = False) -> list[tuple[Proc, str]]:
+    """Stream 0 (probe + replica) in its own process; the others ``per_proc`` to a process.
+    ``barrier``: every process connects first, then all open their streams at once."""
     procs: list[tuple[Proc, str]] = []
     groups = [1] + [min(per_proc, n - 1 - k) for k in range(0, n - 1, per_proc)]
     for j, streams in enumerate(groups):
@@ -211,7 +213,14 @@ def start_subscribers(fleet: Fleet, n: int, tag: str, per_proc: int = 32,
             argv += ["--probe-file", str(fleet.probe_file), "--probe-start", str(fleet.next_probe)]
         if read_mbps > 0:
             argv += ["--read-mbps", str(read_mbps)]
-        procs.append((Proc(f"sub-{tag}-{j}", argv), out))
+        if barrier:
+            argv.append("--barrier")
+        procs.append((Proc(f"sub-{tag}-{j}", argv, stdin=barrier), out))
+    if barrier:
+        for p, _ in procs:
+            p.expect("CONNECTED", 120)
+        for p, _ in procs:
+            p.send("go")
     for p, _ in procs:
         p.expect("SNAPSHOTS_DONE", 120)
     return procs

@@ -149,12 +149,13 @@ def ingest_ramp(fleet: Fleet, plan: Plan) -> dict[str, Any]:
 
 
 def snapshot_times(fleet: Fleet, repeats: int, streams: int = 1) -> dict[str, Any]:
-    """Idle relay: subscribe → snapshot complete, ``repeats`` times with ``streams`` at once."""
+    """Idle relay: subscribe → snapshot complete, ``repeats`` times with ``streams`` at once
+    (the subscriber processes connect first, then all subscribe together)."""
     times: list[float] = []
     sizes = set()
     for k in range(repeats):
         procs = start_subscribers(fleet, streams, f"snap-{fleet.cfg.tag}-{streams}-{k}",
-                                  probe=False)
+                                  probe=False, barrier=True)
         res, _ = stop_subscribers(procs)
         for r in res:
             for st in r["streams"]:

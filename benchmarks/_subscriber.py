@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import sys
 import time
 from typing import Any
 
@@ -216,6 +217,11 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
         with open(a.probe_file) as f:
             probes = np.array(json.load(f)["probes"], dtype=np.uint64).reshape(-1, 8)
         prober = Prober(probes, a.probe_start, seed, bc)
+    if a.barrier:  # several processes "joining at once": start together, after the imports
+        for ch in channels[1:]:
+            await ch.__connect__()
+        print("CONNECTED", flush=True)
+        await loop.run_in_executor(None, sys.stdin.readline)
     stats = [StreamStats(i) for i in range(a.streams)]
     dones = [asyncio.Event() for _ in stats]
     tasks = [
@@ -270,6 +276,8 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--duration", type=float, default=0.0, help="0 = until SIGTERM")
     p.add_argument("--out", required=True)
+    p.add_argument("--barrier", action="store_true",
+                   help="print CONNECTED, then open the streams when a line arrives on stdin")
     p.add_argument("--read-mbps", type=float, default=0.0,
                    help="throttle snapshot reading to this many MB/s (0 = full speed)")
     p.add_argument("--uvloop", action="store_true")

@@ -10,6 +10,11 @@ Bounds: a snapshot cut copies the mirror only after taking a slot of the relay-w
 joiners at one sequence share one cut. A subscriber leaves the per-pool count the moment it
 fails or ends, not when its stream handler gets around to closing.
 
+Joining under load: deltas published while a subscriber receives its snapshot wait in its queue
+and count against its bound (§4.6). The hub tracks the *joiners* (admitted, not caught up yet)
+and tells the producer how far apart to cut publications meanwhile (``publication_hold``); it
+calls ``on_hold_released`` when the last one caught up, so what was held back goes out at once.
+
 A stream that ends with an error while its client is not reading keeps the error pending: the send
 in flight completes when the client reads again, then the stream ends with the status (the frames
 already sent come first). A client that does not read for ``stalled_stream_reset_s`` after that

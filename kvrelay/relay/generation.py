@@ -160,7 +160,7 @@ class Generation:
     def _note_events(self, n: int) -> None:
         """Count applied commands; publish once ``publish_every_n_events`` accumulated (at the end
         of the current loop iteration) or after ``publication_delay_s``, whichever comes first —
-        later while a subscriber receives its snapshot (``_cut_or_hold``).
+        later while a subscriber catches up (``_cut_or_hold``).
 
         Boundaries fall only between whole commands because every member operation notes after
         it completed.
@@ -199,8 +199,8 @@ class Generation:
         self._cut_or_hold()
 
     def _on_hold_released(self) -> None:
-        """The last subscriber receiving a snapshot has it (or ended): cut what was held back at
-        the end of this loop iteration (never inside the hub call that released it)."""
+        """The last joiner caught up (or ended): cut what was held back at the end of this loop
+        iteration (never inside the hub call that released it)."""
         if not self._soon and not self.retired:
             self._soon = True
             asyncio.get_running_loop().call_soon(self._on_soon)
@@ -208,10 +208,11 @@ class Generation:
     def _cut_or_hold(self) -> None:
         """Publish the pending commands now, or later while the hub asks for spacing.
 
-        While a subscriber is receiving its snapshot, every delta takes one of its queue slots
-        (§4.6), so cuts are spaced as the hub asks (``PublicationHub.publication_hold``) and more
-        commands go into each delta. The held delta never grows past what a subscriber queue can
-        take: once the pool's touched buckets reach ``_held_bucket_cap`` it is cut anyway.
+        While a subscriber catches up (its snapshot, then the deltas queued meanwhile), every delta
+        takes one of its queue slots (§4.6), so cuts are spaced as the hub asks
+        (``PublicationHub.publication_hold``) and more commands go into each delta. A held delta
+        never grows past what a subscriber queue can take: once the pool's touched buckets reach
+        ``_held_bucket_cap`` it is cut anyway.
         """
         if not self._pending_events or self.retired:
             return

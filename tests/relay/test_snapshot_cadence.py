@@ -21,11 +21,19 @@ from grpclib.const import Cardinality
 from grpclib.exceptions import GRPCError
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.contract.limits import RelayLimits
+from kvrelay.contract.limits import PermitCounter, RelayLimits
+from kvrelay.ingest.sink import SourceKey
+from kvrelay.pool.batch import BatchBuilder, EventBatch
+from kvrelay.pool.pool import FORMAT_STANDARD, Pool
+from kvrelay.publication import cbi1
+from kvrelay.relay.context import RelayContext
+from kvrelay.relay.generation import Generation
+from kvrelay.relay.observer import Observers
 from kvrelay.relay.relay import Relay
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
 from tests.support.fleet import eventually, fleet_and_relay, ground_truth, in_sync, wait_subscribed
+from tests.support.identities import make_producer
 from tests.support.mem_relay import grpclib_channel, sub_request
 from tests.support.replica import Replica
 
@@ -127,3 +135,100 @@ async def test_slow_reader_gets_its_snapshot_while_deltas_are_produced(hold: boo
         assert truth and bool(np.all(replica.contains(sorted(truth))))
         hub = gen._hub
         assert hub is not None and hub.lagged == 0 and hub.joiners == 0
+
+
+# ---- Generation + PublicationHub in one loop, no network: what a held cut may contain -----------
+
+
+def _generation(limits: RelayLimits, buckets: int = 1 << 14) -> Generation:
+    relay = pb.RelayIdentity(drt_instance_id=1, relay_incarnation=2)
+    ctx = RelayContext(
+        relay_identity=relay,
+        dc_id=7,
+        limits=limits,
+        hub_permits=PermitCounter("hubs", 4),
+        encode_gate=asyncio.Semaphore(1),
+        next_layout_generation=lambda: 1,
+        schedule=lambda coro: coro.close(),
+        changed=lambda: None,
+        evict_idle_hub=lambda: False,
+        observers=Observers(),
+    )
+    producer = make_producer(3)
+    assert producer.ckf_format is not None
+    producer.ckf_format.bucket_count = buckets
+    fenced: list[str] = []
+    gen = Generation(
+        name="p",
+        pool=Pool(buckets, int(producer.ckf_format.seed), BLOCK, FORMAT_STANDARD),
+        producer=producer,
+        ctx=ctx,
+        on_fence=lambda _g, why: fenced.append(why),
+    )
+    return gen
+
+
+def _stores(rng: np.random.Generator, n: int) -> EventBatch:
+    """One engine message: ``n`` single-block root stores (new canonical hashes)."""
+    b = BatchBuilder()
+    for h in rng.integers(1, 2**63, size=n, dtype=np.uint64):
+        b.store([int(h)], rng.integers(0, 50_000, size=BLOCK))
+    return b.build()
+
+
+BLOCK = 4
+SOURCE = SourceKey(worker_id=11, dp_rank=0)
+
+
+async def test_a_held_delta_is_cut_once_it_would_not_fit_a_queue_slot() -> None:
+    """A joiner that never reads: the hold (5 s here) would keep every command back for the
+    whole test, yet deltas keep coming once the touched buckets reach a slot's share of the
+    byte bound, and the joiner's queue stays within it (it is not ended)."""
+    limits = RelayLimits(
+        publication_queue_capacity=1024,  # 4 KiB of the 4 MiB byte bound per slot
+        publication_queue_bytes=4_194_624,
+        publication_delay_s=5.0,
+        snapshot_publication_delay_s=60.0,
+    )
+    gen = _generation(limits)
+    cap = gen._held_bucket_cap()
+    assert cap == (4_194_624 // 1024 - 256 - 60) // 12 == 315
+    hub = gen.hub()
+    joiner = await hub.subscribe()
+    rng = np.random.default_rng(5)
+    for _ in range(40):  # 40 messages × 64 stores, one message per loop iteration
+        gen.apply(SOURCE, _stores(rng, 64))
+        await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert hub.publication_hold() > 1.0  # still holding: only the cap can have cut
+    assert gen.sequence >= 4 and joiner.error is None and hub.lagged == 0
+    sizes = []
+    for frame, _cost, _seq in joiner._frames:
+        fu = pb.FilterUpdate.parse(frame)
+        d = cbi1.decode(fu.payload, expected_seed=gen.pool.seed, expected_bucket_count=1 << 14)
+        assert isinstance(d, cbi1.Delta)
+        sizes.append(len(d.buckets))
+    assert len(sizes) == gen.sequence and max(sizes) < cap + 64 * 4  # one message past the cap
+    assert joiner._bytes <= limits.publication_queue_bytes
+    joiner.close()
+    gen.retire(None)
+
+
+async def test_held_commands_go_out_when_the_last_joiner_catches_up() -> None:
+    limits = RelayLimits(publication_delay_s=5.0, snapshot_publication_delay_s=60.0)
+    gen = _generation(limits)
+    hub = gen.hub()
+    a, b = (await hub.subscribe()), (await hub.subscribe())
+    gen.apply(SOURCE, _stores(np.random.default_rng(6), 20))  # 20 commands ≥ 16: a cut is due
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert gen.sequence == 0 and hub.joiners == 2  # held back for the joiners
+    a.close()
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert gen.sequence == 0  # b still catching up
+    b.close()
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert gen.sequence == 1  # released: published at once, not 5 s later
+    gen.retire(None)
