@@ -9,6 +9,7 @@ import select
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -199,9 +200,11 @@ class Fleet:
 
 def start_subscribers(fleet: Fleet, n: int, tag: str, per_proc: int = 32,
                       probe: bool = True, read_mbps: float = 0.0,
-                      barrier: bool = False) -> list[tuple[Proc, str]]:
+                      barrier: bool = False,
+                      before_go: Callable[[], None] | None = None) -> list[tuple[Proc, str]]:
     """Stream 0 (probe + replica) in its own process; the others ``per_proc`` to a process.
-    ``barrier``: every process connects first, then all open their streams at once."""
+    ``barrier``: every process connects first, then all open their streams at once (right
+    after ``before_go`` is called)."""
     procs: list[tuple[Proc, str]] = []
     groups = [1] + [min(per_proc, n - 1 - k) for k in range(0, n - 1, per_proc)]
     for j, streams in enumerate(groups):
@@ -219,6 +222,8 @@ def start_subscribers(fleet: Fleet, n: int, tag: str, per_proc: int = 32,
     if barrier:
         for p, _ in procs:
             p.expect("CONNECTED", 120)
+        if before_go is not None:
+            before_go()
         for p, _ in procs:
             p.send("go")
     for p, _ in procs:

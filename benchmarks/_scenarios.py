@@ -151,11 +151,20 @@ def ingest_ramp(fleet: Fleet, plan: Plan) -> dict[str, Any]:
 def snapshot_times(fleet: Fleet, repeats: int, streams: int = 1) -> dict[str, Any]:
     """Idle relay: subscribe → snapshot complete, ``repeats`` times with ``streams`` at once
     (the subscriber processes connect first, then all subscribe together)."""
+    assert fleet.relay is not None
+    relay_pid = fleet.relay.pid
     times: list[float] = []
     sizes = set()
+    cpu_s = 0.0
     for k in range(repeats):
+        start: list[float] = []
+
+        def mark(start: list[float] = start) -> None:
+            start.append(proc_sample(relay_pid).cpu_s)
+
         procs = start_subscribers(fleet, streams, f"snap-{fleet.cfg.tag}-{streams}-{k}",
-                                  probe=False, barrier=True)
+                                  probe=False, barrier=True, before_go=mark)
+        cpu_s += proc_sample(relay_pid).cpu_s - start[0]  # until every snapshot is complete
         res, _ = stop_subscribers(procs)
         for r in res:
             for st in r["streams"]:
@@ -169,6 +178,9 @@ def snapshot_times(fleet: Fleet, repeats: int, streams: int = 1) -> dict[str, An
         "wire_bytes": sorted(sizes),
         "concurrent_streams": streams,
         "subscribe_to_complete_ms": percentiles(times, 1e3),
+        # relay process CPU from the joint start to the last complete snapshot, per snapshot
+        # (/proc counts in clock ticks of 10 ms: a sum over the repeats, then divided)
+        "relay_cpu_ms_per_snapshot": round(cpu_s * 1e3 / max(1, len(times)), 2),
     }
 
 
@@ -176,22 +188,26 @@ def snapshot_under_load(fleet: Fleet, rate: float, repeats: int, *,
                         read_mbps: float = 0.0) -> dict[str, Any]:
     """One subscriber at a time joins while the fleet offers ``rate`` block events/s: does its
     snapshot complete (or is it ended as lagged, and after how many chunks), how long it takes,
-    and what the deltas that follow look like. ``read_mbps`` > 0 throttles the reader. A
-    *bystander*, subscribed and caught up before the joins, shows what the joins cost the
-    subscribers already there (its delta latency over the whole window)."""
+    and what the deltas that follow look like. ``read_mbps`` > 0 throttles the reader.
+
+    A *bystander*, subscribed and caught up before the joins, shows what they cost the
+    subscribers already there: the end-to-end latency of the probe chains (engine publish → all
+    8 hashes in its replica) published while a joiner was catching up (its request until 0.3 s
+    after its snapshot completed) against those published outside these windows. The publication
+    spacing a joiner causes shows there, not in the delta latency (stamped at publication)."""
     assert fleet.relay is not None
-    bystander = start_subscribers(fleet, 1, f"bystander-{fleet.cfg.tag}-{int(read_mbps)}",
-                                  probe=False)
+    bystander = start_subscribers(fleet, 1, f"bystander-{fleet.cfg.tag}-{int(read_mbps)}")
     chunk_wire = 4_194_368 + 150  # one full chunk on the wire: CBI1 frame + FilterUpdate envelope
     per = rate / len(fleet.loadgens)
     s = max(1, round(per / (2 * fleet.cfg.chain_blocks) / 2000))
     seconds = 1.0 + repeats * 3.0
     before = counters(fleet.fresh_stats())
-    for lg in fleet.loadgens:
-        lg.send(f"run {per} {seconds} {s} 0")
+    for i, lg in enumerate(fleet.loadgens):
+        lg.send(f"run {per} {seconds} {s} {fleet.cfg.probe_hz if i == 0 else 0}")
     t_end = time.monotonic() + seconds
     time.sleep(0.8)  # steady state before the first join
     runs = []
+    windows: list[tuple[float, float]] = []  # wall time a joiner was catching up
     for k in range(repeats):
         if time.monotonic() > t_end - 1.5:
             break
@@ -200,6 +216,7 @@ def snapshot_under_load(fleet: Fleet, rate: float, repeats: int, *,
         time.sleep(max(0.0, min(1.0, t_end - time.monotonic() - 0.3)))
         res, lat = stop_subscribers(procs)
         st = res[0]["streams"][0]
+        windows.append((st["t_request"], st["t_request"] + (st["snapshot_s"] or 1.0) + 0.3))
         runs.append({
             "completed": st["snapshot_s"] is not None,
             "snapshot_ms": None if st["snapshot_s"] is None else round(st["snapshot_s"] * 1e3, 1),
@@ -211,8 +228,16 @@ def snapshot_under_load(fleet: Fleet, rate: float, repeats: int, *,
             "delta_latency_ms": percentiles(lat, 1e-3),
         })
     sent = [json.loads(lg.expect("{", seconds + 60)) for lg in fleet.loadgens]
+    fleet.next_probe = int(sent[0]["next_probe"])
     by_res, by_lat = stop_subscribers(bystander)
     by = by_res[0]["streams"][0]
+    found = {int(i): int(t) for i, t in by_res[0].get("probe_found", [])}
+    during, outside = [], []
+    for i, t_us in sent[0]["probes"]:
+        if int(i) in found:
+            e2e = found[int(i)] - int(t_us)
+            t = int(t_us) / 1e6
+            (during if any(a <= t <= b for a, b in windows) else outside).append(e2e)
     after = counters(fleet.fresh_stats())
     p = fleet.stats()["pools"][0]
     done = [r for r in runs if r["completed"] and not r["error"]]
@@ -236,13 +261,16 @@ def snapshot_under_load(fleet: Fleet, rate: float, repeats: int, *,
             "seq_errors": by["seq_errors"],
             "error": None if (by["error"] or "").startswith("EOF") else by["error"],
             "delta_latency_ms": percentiles(by_lat, 1e-3),
+            "probes_sent": len(sent[0]["probes"]),
+            "e2e_while_joining_ms": percentiles(during, 1e-3),
+            "e2e_otherwise_ms": percentiles(outside, 1e-3),
         },
     }
 
 
 def big_lane_fleet() -> Fleet:
     """A separate relay with a 64 MiB lane (``expected_blocks`` 16,777,216) and one engine."""
-    return Fleet(FleetConfig(engines=1, base_port=27190, working_set_chains=4096, probes=0,
+    return Fleet(FleetConfig(engines=1, base_port=27190, working_set_chains=4096, probes=4000,
                              expected_blocks=16_777_216, tag="snap64"))
 
 

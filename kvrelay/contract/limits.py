@@ -45,7 +45,10 @@ class RelayLimits:
     load_fanout_capacity: int = 16
     publish_every_n_events: int = 16
     publication_delay_s: float = 0.001
-    #: While a subscriber receives its snapshot, publications are spaced up to this far apart.
+    #: While a subscriber catches up (its snapshot, then what queued meanwhile), publications are
+    #: spaced so that a reader at this rate always gets through (§8.4) ...
+    snapshot_reader_bytes_per_second: int = 80_000_000
+    #: ... but never further apart than this.
     snapshot_publication_delay_s: float = 0.25
 
     def __post_init__(self) -> None:

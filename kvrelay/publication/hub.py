@@ -12,8 +12,9 @@ fails or ends, not when its stream handler gets around to closing.
 
 Joining under load: deltas published while a subscriber receives its snapshot wait in its queue
 and count against its bound (§4.6). The hub tracks the *joiners* (admitted, not caught up yet)
-and tells the producer how far apart to cut publications meanwhile (``publication_hold``); it
-calls ``on_hold_released`` when the last one caught up, so what was held back goes out at once.
+and tells the producer how far apart to cut publications meanwhile (``publication_hold``, from
+what each joiner still has to read and its free queue slots); it calls ``on_hold_released`` when
+the last one caught up, so what was held back goes out at once.
 
 A stream that ends with an error while its client is not reading keeps the error pending: the send
 in flight completes when the client reads again, then the stream ends with the status (the frames
@@ -120,21 +121,28 @@ class PublicationHub:
     def publication_hold(self) -> float:
         """Seconds the producer should leave between publications now (0.0: no reason to wait).
 
-        Deltas published while a subscriber is still receiving its snapshot wait in that
-        subscriber's queue (§4.6), so each one uses up one of its ``publication_queue_capacity``
-        slots however small it is; after the snapshot it must drain them while new ones keep
-        coming. While any subscriber has not caught up (``joiners``), the spacing doubles with
-        every delta queued for the fullest such queue — ``publication_delay_s`` × 2^queued — up
-        to ``snapshot_publication_delay_s``: a snapshot sent in a few milliseconds barely
-        changes the cadence, a long one (a 64 MiB lane to a reader at 80 MB/s) gets more
-        commands per delta, and the 16 slots last about 2 s at the default bounds. The other
-        subscribers' deltas are then up to that much later; nothing is dropped or merged.
+        Deltas published while a subscriber receives its snapshot wait in its queue (§4.6), so
+        each one takes one of its ``publication_queue_capacity`` slots however small it is, and
+        after the snapshot it must drain them while new ones keep coming. While any subscriber
+        has not caught up (``joiners``), publications are spaced so that a reader at
+        ``snapshot_reader_bytes_per_second`` gets through: what it still has to read (the rest of
+        its snapshot and its queued deltas) at that rate, spread over its free slots but one, for
+        the joiner that needs most — within [``publication_delay_s``,
+        ``snapshot_publication_delay_s``]. A fast reader shortens its own hold as it goes; the
+        other subscribers' deltas are up to that much later; nothing is dropped or merged.
         """
         if not self._joining:
             return 0.0
-        queued = max(len(s._frames) for s in self._joining)
         lim = self.limits
-        return float(min(lim.snapshot_publication_delay_s, lim.publication_delay_s * 2.0**queued))
+        longest = lim.snapshot_publication_delay_s
+        need = 0.0  # bytes to read per free slot, for the joiner that needs most
+        for sub in self._joining:
+            spare = lim.publication_queue_capacity - len(sub._frames) - 1
+            if spare <= 0:
+                return longest
+            need = max(need, (sub._snapshot_left + sub._bytes) / spare)
+        spacing = need / lim.snapshot_reader_bytes_per_second
+        return min(longest, max(lim.publication_delay_s, spacing))
 
     # --- producer side ---
     def publish(self, sequence: int, buckets: npt.ArrayLike, words: npt.ArrayLike) -> None:
@@ -300,6 +308,7 @@ class Subscription:
         "_on_release",
         "_reset",
         "_snapshot",
+        "_snapshot_left",
         "_task",
         "_waiter",
         "_watchdog",
@@ -317,6 +326,8 @@ class Subscription:
         self.start_sequence = sequence
         self._last_seq = sequence
         self._snapshot = snapshot
+        # snapshot bytes not yet handed to the stream (estimated until the chunks exist)
+        self._snapshot_left = 8 * hub.bucket_count + 128 * cbi1.chunk_count_for(hub.bucket_count)
         self._frames: deque[tuple[bytes, int, int]] = deque()
         self._bytes = 0
         self._error: RelayError | None = None
@@ -442,6 +453,7 @@ class Subscription:
             raise RelayError.internal(f"snapshot encoding failed: {exc!r}") from exc
         timeout = limits.snapshot_progress_timeout_s
         seq0 = self.start_sequence
+        self._snapshot_left = sum(len(p) for p in payloads)
         for payload in payloads:
             if self._check():
                 return
@@ -454,6 +466,7 @@ class Subscription:
                     await send(encoder.encode(KIND_SNAPSHOT_CHUNK, seq0, seq0, payload))
             finally:
                 handle.cancel()
+            self._snapshot_left -= len(payload)
         del payloads
         self._snapshot = None  # type: ignore[assignment]
         heartbeat_s = limits.pool_heartbeat_s

@@ -316,16 +316,25 @@ async def test_cancelled_subscriber_does_not_cancel_shared_snapshot_build() -> N
 
 
 async def test_publication_hold_while_a_snapshot_is_being_sent() -> None:
-    """The spacing a producer is asked for: 0 without a joiner; doubling with each delta queued
-    for a subscriber that is still receiving its snapshot, up to the bound; 0 again, with one
-    release callback, once that subscriber holds its snapshot and has drained its queue."""
-    hub, table = make_hub(publication_delay_s=0.001, snapshot_publication_delay_s=0.05)
+    """The spacing a producer is asked for: 0 without a joiner; while one catches up, what it
+    still has to read at ``snapshot_reader_bytes_per_second`` over its free queue slots but one,
+    within [publication_delay_s, snapshot_publication_delay_s]; 0 again, with one release
+    callback, once it holds its snapshot and has drained its queue."""
+    rate = 100_000  # bytes/s: a 1024-bucket snapshot (8,256 bytes) then "takes" 83 ms
+    hub, table = make_hub(
+        publication_queue_capacity=8,
+        publication_delay_s=0.001,
+        snapshot_publication_delay_s=0.2,
+        snapshot_reader_bytes_per_second=rate,
+    )
     released: list[int] = []
     hub.on_hold_released = lambda: released.append(hub.sequence)
     assert hub.publication_hold() == 0.0 and hub.joiners == 0
     sub = await hub.subscribe()
     assert hub.joiners == 1
-    holds = [hub.publication_hold()]
+    # nothing sent yet: the whole snapshot (estimated until encoded) over 7 spare slots
+    assert hub.publication_hold() == pytest.approx((8 * 1024 + 128) / 7 / rate)
+    holds = []
     rng = np.random.default_rng(3)
     for seq in range(1, 8):
         b = rng.choice(1024, size=4, replace=False)
@@ -333,7 +342,9 @@ async def test_publication_hold_while_a_snapshot_is_being_sent() -> None:
         table[b] = w
         hub.publish(seq, b, w)
         holds.append(hub.publication_hold())
-    assert holds == pytest.approx([0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.05, 0.05])
+    assert all(x < y for x, y in zip(holds, holds[1:], strict=False))  # fuller queue: wider
+    assert holds[-2] == pytest.approx((8 * 1024 + 128 + 6 * sub._frames[0][1]) / 1 / rate)
+    assert holds[-1] == 0.2  # no spare slot left: the longest spacing
     assert released == []
     col = Collector(block_after=3)  # the snapshot chunk and two deltas, then a stalled send
     task = asyncio.ensure_future(sub.pump(col))
@@ -342,8 +353,12 @@ async def test_publication_hold_while_a_snapshot_is_being_sent() -> None:
             break
         await asyncio.sleep(0.005)
     assert len(col.frames) == 3 and col.frames[0].kind == pb.FilterUpdateKind.SNAPSHOT_CHUNK
-    # snapshot out, deltas still queued: catching up holds publication back as well
-    assert hub.joiners == 1 and hub.publication_hold() > 0.0 and released == []
+    # snapshot out, 5 deltas still to read: still holding back
+    assert sub._snapshot_left == 0 and hub.joiners == 1 and released == []
+    queued = len(sub._frames)
+    assert hub.publication_hold() == pytest.approx(
+        max(0.001, sub._bytes / (8 - queued - 1) / rate)
+    )
     col.gate.set()
     for _ in range(400):
         if len(col.frames) == 8 and released:

@@ -108,6 +108,8 @@ async def _slow_subscriber(
 async def test_slow_reader_gets_its_snapshot_while_deltas_are_produced(hold: bool) -> None:
     limits = RelayLimits(
         publication_delay_s=0.001,
+        # designed for a reader pausing PAUSE_S on a 4 MiB chunk (~5 MB/s); no hold: 1 ms
+        snapshot_reader_bytes_per_second=4_000_000,
         snapshot_publication_delay_s=0.25 if hold else 0.001,
     )
     cfg = SimConfig(name="c0", seed=21, capacity_blocks=4096, max_running=32)
