@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 import numpy as np
@@ -342,7 +343,7 @@ async def test_publication_hold_while_a_snapshot_is_being_sent() -> None:
         table[b] = w
         hub.publish(seq, b, w)
         holds.append(hub.publication_hold())
-    assert all(x < y for x, y in zip(holds, holds[1:], strict=False))  # fuller queue: wider
+    assert all(x < y for x, y in itertools.pairwise(holds))  # fuller queue: wider
     assert holds[-2] == pytest.approx((8 * 1024 + 128 + 6 * sub._frames[0][1]) / 1 / rate)
     assert holds[-1] == 0.2  # no spare slot left: the longest spacing
     assert released == []
