@@ -467,6 +467,7 @@ class Subscription:
             finally:
                 handle.cancel()
             self._snapshot_left -= len(payload)
+            await asyncio.sleep(0)  # a fast reader never hogs the loop for a whole large lane
         del payloads
         self._snapshot = None  # type: ignore[assignment]
         heartbeat_s = limits.pool_heartbeat_s
