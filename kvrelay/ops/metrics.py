@@ -67,6 +67,9 @@ _SUB_SCALARS: dict[str, tuple[str, str]] = {
         "kvrelay_ingest_incarnations_detected",
         "Replays that did not hold the last applied batch (engine restarted): member rebuilt.",
     ),
+    "epoch_changes": (
+        "kvrelay_ingest_epoch_changes", "SGLang publisher epochs that changed (restarts)."
+    ),
     "bad_batches": (
         "kvrelay_ingest_bad_batches", "Batches that could not be decoded or were malformed."
     ),
@@ -140,9 +143,36 @@ _POOL_COUNTERS: dict[str, tuple[str, str]] = {
         "kvrelay_pool_reconfigurations",
         "Re-materializations because a reload changed a filter setting.",
     ),
+    # connect mode (a bound SUB fed by many engines, §22)
+    "connect_messages": ("kvrelay_connect_messages", "Messages on the pool's bound SUB."),
+    "connect_topic_unmatched": (
+        "kvrelay_connect_topic_unmatched", "Messages whose topic the pattern does not match."
+    ),
+    "connect_topic_malformed": (
+        "kvrelay_connect_topic_malformed",
+        "Messages whose topic matches but names no valid member (bad UTF-8, engine or rank).",
+    ),
+    "connect_model_mismatch": (
+        "kvrelay_connect_model_mismatch", "Messages whose topic names another model."
+    ),
+    "connect_frames_rejected": (
+        "kvrelay_connect_frames_rejected", "Messages with a bad frame count or sequence frame."
+    ),
+    "connect_members_added": ("kvrelay_connect_members_added", "Members admitted by topic."),
+    "connect_members_refused": (
+        "kvrelay_connect_members_refused", "Messages naming a configured engine (refused)."
+    ),
+    "connect_members_over_limit": (
+        "kvrelay_connect_members_over_limit", "Messages naming a new member past max_members."
+    ),
+    "connect_members_expired": (
+        "kvrelay_connect_members_expired", "Members removed after member_silence_s of silence."
+    ),
+    "connect_unattributed": (
+        "kvrelay_connect_unattributed",
+        "Undecodable payloads whose DP rank could not be read (the engine's members reset).",
+    ),
 }
-
-
 
 
 class RelaySource(Protocol):

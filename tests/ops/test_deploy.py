@@ -231,14 +231,16 @@ def test_example_config_documents_every_key() -> None:
     schemas = {
         "relay": cfgmod.RELAY_KEYS, "relay.limits": cfgmod.LIMITS_KEYS,
         "pools": cfgmod.POOL_KEYS, "pools.engines": cfgmod.ENGINE_KEYS,
-        "pools.engines.static": cfgmod.STATIC_KEYS, "logging": cfgmod.LOGGING_KEYS,
+        "pools.engines.static": cfgmod.STATIC_KEYS, "pools.connect": cfgmod.CONNECT_KEYS,
+        "logging": cfgmod.LOGGING_KEYS,
         "metrics": cfgmod.METRICS_KEYS, "tls": cfgmod.TLS_KEYS,
     }
     for section, schema in schemas.items():
         missing = set(schema) - present
         assert not missing, f"[{section}] keys not in the example: {sorted(missing)}"
     for header in ("[relay]", "[relay.limits]", "[[pools]]", "[[pools.engines]]",
-                   "[pools.engines.static]", "[logging]", "[metrics]", "[tls]"):
+                   "[pools.engines.static]", "[pools.connect]", "[logging]", "[metrics]",
+                   "[tls]"):
         i = text.index(header)
         before = text[:i].rstrip().splitlines()[-1]
         assert before.startswith("#"), f"{header} has no comment right above it"
