@@ -104,6 +104,8 @@ class StreamStats:
         self.status: str | None = None  # gRPC status name when the relay ended the stream
         self.reason: str | None = None  # the kv-relay-error-reason trailer, if any
         self.lat_us: list[int] = []
+        self.recv_us: list[int] | None = None  # with --detail: receive time of every delta
+        self.channel = 0
 
 
 class Prober:
@@ -202,6 +204,8 @@ async def run_stream(
                 if kind == KIND_DELTA:
                     st.deltas += 1
                     st.lat_us.append(int(now * 1e6) - ts)
+                    if st.recv_us is not None:
+                        st.recv_us.append(int(now * 1e6))
                     if base != last_seq:
                         st.seq_errors += 1
                     last_seq = seq
@@ -259,6 +263,10 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
             probes = np.array(json.load(f)["probes"], dtype=np.uint64).reshape(-1, 8)
         prober = Prober(probes, a.probe_start, seed, bc)
     stats = [StreamStats(i) for i in range(a.streams)]
+    for st in stats:
+        st.channel = st.idx % len(channels)
+        if a.detail:
+            st.recv_us = []
     dones = [asyncio.Event() for _ in stats]
     tasks = [
         asyncio.create_task(
@@ -307,9 +315,14 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
         ch.close()
     lat = np.array([x for st in stats for x in st.lat_us], dtype=np.int64)
     np.save(a.out + ".lat.npy", lat)
+    if a.detail:  # per stream: receive time and latency of every delta (diagnostics)
+        np.savez(a.out + ".detail.npz", **{
+            f"s{st.idx}": np.array([st.recv_us or [], st.lat_us], dtype=np.int64).reshape(2, -1)
+            for st in stats})
     out: dict[str, Any] = {
         "streams": [
-            {k: v for k, v in vars(st).items() if k != "lat_us"} | {"lat_n": len(st.lat_us)}
+            {k: v for k, v in vars(st).items() if k not in ("lat_us", "recv_us")}
+            | {"lat_n": len(st.lat_us), "lat_p99_us": _p99(st.lat_us)}
             for st in stats
         ],
         "bucket_count": bc,
@@ -319,6 +332,10 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
         out["probe_found"] = [[int(i), int(prober.found_us[i])] for i in found]
         out["check"] = prober.check
     return out
+
+
+def _p99(values: list[int]) -> int | None:
+    return int(np.percentile(np.asarray(values), 99)) if values else None
 
 
 def main() -> None:
@@ -335,6 +352,8 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=0.0, help="0 = until SIGTERM")
     p.add_argument("--out", required=True)
     p.add_argument("--check-file", default="", help="loadgen working-set .npz, read on SIGUSR1")
+    p.add_argument("--detail", action="store_true",
+                   help="also write --out.detail.npz: receive time and latency of every delta")
     p.add_argument("--uvloop", action="store_true")
     a = p.parse_args()
     if a.uvloop:
