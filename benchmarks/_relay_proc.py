@@ -130,12 +130,16 @@ def stats(relay: Relay, server: RelayServer, started: float) -> dict[str, Any]:
 def warm() -> float:
     """Compile or load every hot kernel before READY, as ``kvrelay serve`` does before it
     declares readiness: without it a cold numba cache turns the first ingested batch into a
-    ~20 s event-loop stall (seen on this 2-core machine) inside the measured window."""
-    try:  # the architecture refactor moves the daemon module under kvrelay/ops/
-        from kvrelay.ops.daemon import warm_kernels  # type: ignore[import-not-found]
-    except ImportError:
-        from kvrelay.daemon import warm_kernels
-    return float(warm_kernels())
+    ~20 s event-loop stall (seen on this 2-core machine) inside the measured window. Then, as
+    the daemon does, drop LLVM's code pages (``kvrelay.ops.memory``)."""
+    from kvrelay.ops.daemon import warm_kernels
+
+    seconds = float(warm_kernels())
+    with contextlib.suppress(ImportError):
+        from kvrelay.ops.memory import release_compiler_pages
+
+        release_compiler_pages()
+    return seconds
 
 
 def _profile_toggle(path: str) -> Any:
@@ -222,6 +226,10 @@ def main() -> None:
     a = p.parse_args()
     if not a.engine:
         p.error("at least one --engine is required")
+    with contextlib.suppress(ImportError):  # as `kvrelay serve` does before it starts
+        from kvrelay.ops.memory import tune_malloc
+
+        tune_malloc()
     if a.uvloop:
         import uvloop
 

@@ -180,7 +180,12 @@ class Daemon:
         for w in cfg.warnings:
             _LOG.warning("config_warning", path=w.path, reason=w.reason)
         warm_s = await _in_daemon_thread(warm_kernels)
-        _LOG.info("kernels_warm", seconds=round(warm_s, 3))
+        from kvrelay.ops.memory import release_compiler_pages
+
+        released = release_compiler_pages()  # LLVM is not needed to run the kernels
+        _LOG.info(
+            "kernels_warm", seconds=round(warm_s, 3), compiler_pages_released_mib=released >> 20
+        )
         self._ssl = context = self._ssl_context()
         self.relay = Relay(cfg.relay)
         if cfg.metrics.enabled:  # before the relay starts, so every delta is observed
@@ -378,6 +383,9 @@ def run(
     """Configure logging, pick the event loop (asyncio or uvloop) and run ``main(cfg)`` (with
     ``config_path=`` when given: the file SIGHUP reloads)."""
     configure_logging(cfg)
+    from kvrelay.ops.memory import tune_malloc
+
+    tune_malloc()  # before the relay allocates anything large
     factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     if cfg.event_loop == "uvloop":
         try:
