@@ -58,8 +58,8 @@ def tune_malloc(mmap_threshold: int = MMAP_THRESHOLD, arena_max: int = ARENA_MAX
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    ok_threshold = mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)) == 1
-    ok_arenas = mallopt(_M_ARENA_MAX, int(arena_max)) == 1
+    ok_threshold = bool(mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)) == 1)
+    ok_arenas = bool(mallopt(_M_ARENA_MAX, int(arena_max)) == 1)
     return ok_threshold and ok_arenas
 
 
