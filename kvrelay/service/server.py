@@ -34,6 +34,7 @@ from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION, TRAILER_KEY
 from kvrelay.publication.hub import SendBatch, Subscription
 from kvrelay.publication.plane import Plane, PlaneClosed
 from kvrelay.service.codec import PassThroughCodec
+from kvrelay.service.direct import direct_writer
 from kvrelay.service.health import RelayHealth, reflection_pool
 from kvrelay.service.status import status_of, trailers_of
 from kvrelay.service.validation import check_marker, validate_stream_request
@@ -286,7 +287,12 @@ class KvEventRelayService:
             self._subscriptions.add(sub)
             if self._closing:
                 return
-            await sub.pump(stream.send_message, _batch_sender(stream), _resetter(stream))
+            await sub.pump(
+                stream.send_message,
+                _batch_sender(stream),
+                _resetter(stream),
+                direct_writer(stream),
+            )
         finally:
             if sub is not None:
                 self._subscriptions.discard(sub)

@@ -153,6 +153,51 @@ async def test_heartbeats_after_silence_only_after_snapshot(start_relay: StartRe
     assert replica.table is not None and replica.table.tobytes() == gen.table.tobytes()
 
 
+async def test_small_deltas_are_written_by_the_publisher_to_both_clients(
+    start_relay: StartRelay, grpcio_client: Callable[[int], GrpcioClient]
+) -> None:
+    """Deltas published while the streams are idle go straight to the HTTP/2 transport (the
+    hub's ``direct_frames``), and both an independent grpcio client and grpclib rebuild the
+    producer table exactly from base+1 contiguous deltas."""
+    view, server = await start_relay()
+    gen = view.add_pool("pool-a", 4096)
+    rng = np.random.default_rng(5)
+    gen.random_step(rng, 10)
+    ch = grpclib_channel(server.port)
+    gio = grpcio_client(server.port)
+    r1 = Replica(view.relay_identity, gen.producer)
+    r2 = Replica(view.relay_identity, gen.producer)
+    try:
+        async with ch.request(
+            SVC + "SubscribeKvPool",
+            Cardinality.UNARY_STREAM,
+            pb.SubscribeKvPoolRequest,
+            pb.FilterUpdate,
+        ) as st:
+            await st.send_message(sub_request(gen.producer, "direct-a"), end=True)
+            call = gio.stub.SubscribeKvPool(gio.convert(sub_request(gen.producer, "direct-b")))
+            r1.feed(await st.recv_message())
+            r2.feed(pb.FilterUpdate.parse((await call.read()).SerializeToString()))
+            hub = gen.hub_or_none
+            assert hub is not None
+            await asyncio.sleep(0.05)  # both pumps idle after their snapshots
+            published = 0
+            for _ in range(60):
+                gen.random_step(rng, int(rng.integers(1, 50)))
+                published += 1
+                await _reader(st, r1, lambda: gen.sequence)
+                while r2.installed is None or r2.installed < gen.sequence:
+                    r2.feed(pb.FilterUpdate.parse((await call.read()).SerializeToString()))
+            assert hub.direct_frames == 2 * published
+            call.cancel()
+            await st.cancel()
+    finally:
+        ch.close()
+    for r in (r1, r2):
+        assert r.deltas == published
+        assert r.table is not None and r.table.tobytes() == gen.table.tobytes()
+
+
 async def test_catalog_stream_both_clients(
     start_relay: StartRelay, grpcio_client: Callable[[int], GrpcioClient]
 ) -> None:
@@ -296,6 +341,7 @@ async def test_lagging_subscriber_alone_is_dropped(start_relay: StartRelay) -> N
             assert err.status == Status.RESOURCE_EXHAUSTED
             assert s1.trailing_metadata[K] == "RELAY_ERROR_REASON_SUBSCRIBER_LAGGED"
             assert 0 < slow.deltas < 40
+            assert hub.direct_frames == 0  # 24 KB deltas exceed one HTTP/2 frame: queued
             await s2.cancel()
     finally:
         slow_ch.close()
