@@ -185,6 +185,11 @@ async def amain(a: argparse.Namespace) -> None:
         tmp.write_text(json.dumps(stats(relay, server, started)))
         tmp.replace(out)
 
+    upkeep = None
+    with contextlib.suppress(ImportError):  # as `kvrelay serve` does
+        from kvrelay.ops.memory import keep_compiler_pages_released
+
+        upkeep = asyncio.create_task(keep_compiler_pages_released())
     if a.stats_interval <= 0:  # on demand: the dump is the benchmark's, not the relay's
         loop.add_signal_handler(signal.SIGUSR1, dump)
         dump()
@@ -197,6 +202,8 @@ async def amain(a: argparse.Namespace) -> None:
     else:
         await stop.wait()
     dump()
+    if upkeep is not None:
+        upkeep.cancel()
     await server.close(grace_s=1.0)
     await relay.stop()
 

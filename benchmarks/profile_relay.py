@@ -61,6 +61,23 @@ def thread_cpu(pid: int) -> dict[str, tuple[float, float]]:
     return out
 
 
+def rss_by_mapping(pid: int, n: int = 8) -> list[tuple[str, float]]:
+    """Resident MiB per mapped file ([heap], [anon] for anonymous memory), largest first."""
+    agg: collections.Counter[str] = collections.Counter()
+    cur = "[anon]"
+    try:
+        text = Path(f"/proc/{pid}/smaps").read_text()
+    except OSError:
+        return []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 5 and "-" in parts[0] and not parts[0].endswith(":"):
+            cur = parts[5].rsplit("/", 1)[-1] if len(parts) > 5 else "[anon]"
+        elif parts and parts[0] == "Rss:":
+            agg[cur] += int(parts[1])
+    return [(k, round(v / 1024, 1)) for k, v in agg.most_common(n)]
+
+
 def top_self(raw: Path, n: int = 25) -> list[tuple[str, float]]:
     """Functions by share of samples where they are the innermost frame."""
     counts: collections.Counter[str] = collections.Counter()
@@ -160,6 +177,7 @@ def measure(fleet: Fleet, seconds: float, rate: float, pyspy: str | None,
         "involuntary_switches_per_s": round((s1[1] - s0[1]) / wall),
         "deltas_per_s": round((after["sequence"] - before["sequence"]) / wall, 1),
         "rss_mib": round(c1.rss_bytes / 2**20, 1),
+        "rss_top": rss_by_mapping(pid),
         "threads_user_sys": {
             k: [round((u - t0.get(k, (0.0, 0.0))[0]) / wall, 4),
                 round((y - t0.get(k, (0.0, 0.0))[1]) / wall, 4)]

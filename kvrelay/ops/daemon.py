@@ -210,6 +210,11 @@ class Daemon:
                 cfg.metrics.host, cfg.metrics.port, healthy=lambda: server.serving
             )
         self._tasks.append(asyncio.create_task(self._loop_lag(), name="kvrelay-loop-lag"))
+        from kvrelay.ops.memory import keep_compiler_pages_released
+
+        self._tasks.append(
+            asyncio.create_task(keep_compiler_pages_released(), name="kvrelay-memory")
+        )
         self._tasks.append(
             asyncio.create_task(self.notifier.watchdog_loop(), name="kvrelay-watchdog")
         )

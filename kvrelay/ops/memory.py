@@ -5,9 +5,10 @@ Why this exists, measured on a warm relay (kernel cache present):
 * About 85 MiB of a ~190 MiB resident set is llvmlite's shared library (LLVM). LLVM is needed to
   load or compile the numba kernels, never to run them: once they are loaded its code pages sit
   in memory unused. They are clean, read-only file pages, so ``release_compiler_pages`` tells the
-  kernel to drop them (``MADV_DONTNEED``); if LLVM runs again (a kernel compiled later) they are
-  read back from the page cache on first touch. Mappings holding modified pages (relocations)
-  are never touched.
+  kernel to drop them (``MADV_DONTNEED``); if LLVM runs again (a kernel compiled, or loaded from
+  the cache on first use) they are read back from the page cache on first touch, and
+  ``keep_compiler_pages_released`` drops them again. Mappings holding modified pages
+  (relocations) are never touched.
 * glibc raises its mmap threshold each time a large block is freed (up to 32 MiB), after which
   multi-MiB buffers — snapshot cuts and chunks, one set per joining subscriber — come from the
   heap, where fragmentation keeps them resident long after they are freed (64 subscribers joining
@@ -21,6 +22,7 @@ Both are Linux/glibc only and do nothing elsewhere (musl has no ``mallopt``). An
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 import sys
@@ -35,6 +37,9 @@ MMAP_THRESHOLD = 1 << 20
 ARENA_MAX = 2
 #: Path fragment of the shared library whose clean pages are dropped after warm-up.
 COMPILER_LIBRARY = "libllvmlite"
+#: How often ``keep_compiler_pages_released`` looks again (a kernel loaded on first use, such as
+#: a table rehash, runs LLVM and brings ~25 MiB of its pages back).
+RELEASE_PERIOD_S = 30.0
 
 _OPERATOR_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX", "GLIBC_TUNABLES")
 
@@ -131,3 +136,12 @@ def release_compiler_pages(library: str = COMPILER_LIBRARY) -> int:
         if madvise(m.start, m.end - m.start, _MADV_DONTNEED) == 0:
             released += m.rss_kb * 1024
     return released
+
+
+async def keep_compiler_pages_released(period_s: float = RELEASE_PERIOD_S) -> None:
+    """Run for ever: every ``period_s`` drop LLVM's pages again if something (a kernel loaded
+    from the cache on first use) brought them back. ~6 ms of CPU per look, in a worker thread
+    so the event loop never waits for it."""
+    while True:
+        await asyncio.sleep(period_s)
+        await asyncio.to_thread(release_compiler_pages)

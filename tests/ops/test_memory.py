@@ -98,3 +98,30 @@ def test_release_compiler_pages_keeps_kernels_and_compiler_working() -> None:
         return s
 
     assert tri(1000) == 500500
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps")
+async def test_pages_brought_back_by_a_later_compile_are_dropped_again() -> None:
+    import asyncio
+
+    import numba
+
+    memory.release_compiler_pages()
+
+    @numba.njit(cache=False)
+    def sq(x: int) -> int:
+        return x * x
+
+    assert sq(12) == 144  # compiling ran LLVM: its pages are resident again
+    if _llvm_resident_kb() == 0:
+        pytest.skip("llvmlite not mapped from a file here")
+    task = asyncio.create_task(memory.keep_compiler_pages_released(period_s=0.01))
+    try:
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if _llvm_resident_kb() == 0:
+                break
+        assert _llvm_resident_kb() == 0
+    finally:
+        task.cancel()
+    assert sq(13) == 169
