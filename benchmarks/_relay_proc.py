@@ -116,6 +116,7 @@ def stats(relay: Relay, server: RelayServer, started: float) -> dict[str, Any]:
                 unknown_removals=gen.pool.unknown_removals,
                 subscribers=gen.subscriber_count,
                 hub_lagged=0 if hub is None else int(getattr(hub, "lagged", 0)),
+                hub_direct_frames=0 if hub is None else int(getattr(hub, "direct_frames", 0)),
             )
         pools.append(item)
     return {

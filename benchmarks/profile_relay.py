@@ -147,10 +147,13 @@ def latency_by_connection(outs: list[str], t0_us: int, t1_us: int) -> list[dict[
 
 
 def measure(fleet: Fleet, seconds: float, rate: float, pyspy: str | None,
-            tag: str, cprofile: bool = False) -> dict[str, Any]:
+            tag: str, cprofile: bool = False, subs: list[int] | None = None) -> dict[str, Any]:
     assert fleet.relay is not None
     pid = fleet.relay.pid
-    before = counters(fleet.fresh_stats())
+    sub_pids = subs or []
+    s_before = fleet.fresh_stats()
+    before = counters(s_before)
+    sc0 = [tree_sample(p) for p in sub_pids]
     c0, s0, t0 = tree_sample(pid), ctx_switches(pid), thread_cpu(pid)
     spy = None
     raw = WORK / f"profile-{tag}.txt"
@@ -168,7 +171,9 @@ def measure(fleet: Fleet, seconds: float, rate: float, pyspy: str | None,
     if cprofile:
         os.kill(pid, signal.SIGUSR2)
     c1, s1, t1 = tree_sample(pid), ctx_switches(pid), thread_cpu(pid)
-    after = counters(fleet.fresh_stats())
+    sc1 = [tree_sample(p) for p in sub_pids]
+    s_after = fleet.fresh_stats()
+    after = counters(s_after)
     wall = c1.wall - c0.wall
     out: dict[str, Any] = {
         "rate": rate, "seconds": round(wall, 2),
@@ -176,6 +181,11 @@ def measure(fleet: Fleet, seconds: float, rate: float, pyspy: str | None,
         "voluntary_switches_per_s": round((s1[0] - s0[0]) / wall),
         "involuntary_switches_per_s": round((s1[1] - s0[1]) / wall),
         "deltas_per_s": round((after["sequence"] - before["sequence"]) / wall, 1),
+        "frames_written_by_publisher_per_s": round(
+            (s_after["pools"][0].get("hub_direct_frames", 0)
+             - s_before["pools"][0].get("hub_direct_frames", 0)) / wall),
+        "subscriber_cpu_per_process": [
+            round((b.cpu_s - a.cpu_s) / wall, 3) for a, b in zip(sc0, sc1, strict=True)],
         "rss_mib": round(c1.rss_bytes / 2**20, 1),
         "rss_top": rss_by_mapping(pid),
         "threads_user_sys": {
@@ -221,10 +231,12 @@ def main() -> None:
         t_start = int(time.time() * 1e6)
         if a.idle:
             print(json.dumps({"idle": measure(fleet, a.idle, 0, pyspy if a.pyspy else None,
-                                              f"idle-{a.subs}", a.cprofile)}), flush=True)
+                                              f"idle-{a.subs}", a.cprofile,
+                                              [p.pid for p, _ in subs])}), flush=True)
         for r in (float(x) for x in a.rate.split(",") if x):
             print(json.dumps(measure(fleet, a.seconds, r, pyspy if a.pyspy else None,
-                                     f"{int(r)}-{a.subs}", a.cprofile)), flush=True)
+                                     f"{int(r)}-{a.subs}", a.cprofile,
+                                     [p.pid for p, _ in subs])), flush=True)
         t_end = int(time.time() * 1e6)
     finally:
         if subs:
