@@ -411,6 +411,7 @@ class Subscription:
         send: Send,
         send_batch: SendBatch | None = None,
         reset: Reset | None = None,
+        *,
         send_now: SendNow | None = None,
     ) -> None:
         """Send snapshot, deltas and heartbeats until EOF (return) or error (RelayError).

@@ -291,7 +291,7 @@ class KvEventRelayService:
                 stream.send_message,
                 _batch_sender(stream),
                 _resetter(stream),
-                direct_writer(stream),
+                send_now=direct_writer(stream),
             )
         finally:
             if sub is not None:

@@ -312,7 +312,7 @@ async def test_send_now_writes_idle_streams_in_order_and_falls_back_to_the_queue
         col.frames.append(pb.FilterUpdate.parse(frame))
         return True
 
-    task = asyncio.ensure_future(sub.pump(col, None, None, send_now))
+    task = asyncio.ensure_future(sub.pump(col, send_now=send_now))
     for _ in range(100):
         if sub._parked:
             break
