@@ -349,6 +349,27 @@ async def test_send_now_writes_idle_streams_in_order_and_falls_back_to_the_queue
     await task
 
 
+async def test_a_refusing_send_now_still_ends_a_stalled_subscriber_as_lagged() -> None:
+    """The direct path never bypasses the bound: a transport that takes nothing more (its
+    client stopped reading) leaves frames to the queue, which overflows as before."""
+    hub, _ = make_hub(bc=1024, publication_queue_capacity=3)
+    sub = await hub.subscribe()
+    col = Collector(block_after=1)  # the pump blocks in its first send after the snapshot
+    task = asyncio.ensure_future(sub.pump(col, send_now=lambda frame: False))
+    for _ in range(100):
+        if sub._parked:
+            break
+        await asyncio.sleep(0.001)
+    for seq in range(1, 7):
+        hub.publish(seq, np.array([seq]), np.array([seq], np.uint64))
+        await asyncio.sleep(0)
+    assert hub.lagged == 1 and hub.direct_frames == 0
+    assert sub.error is not None and sub.error.reason == R.SUBSCRIBER_LAGGED
+    col.gate.set()
+    with pytest.raises(RelayError):
+        await asyncio.wait_for(task, 5)
+
+
 async def test_cancelled_subscriber_does_not_cancel_shared_snapshot_build() -> None:
     hub, table = make_hub(bc=1 << 20)  # built in a thread: still pending when we cancel
     a, b = (await hub.subscribe()), (await hub.subscribe())
