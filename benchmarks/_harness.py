@@ -102,6 +102,7 @@ class FleetConfig:
     queue_capacity: int = 16  # RelayLimits.publication_queue_capacity (frames per subscriber)
     tag: str = "main"
     workers: int = 1  # [relay] workers: N-1 fan-out worker processes when >= 2
+    stats_interval: float = 0.5  # relay counter dumps; 0 = on demand (SIGUSR1), none while idle
 
 
 @dataclass
@@ -135,7 +136,8 @@ class Fleet:
             lg.expect("BOUND", 30)
         argv = [PY, "-m", "benchmarks._relay_proc", "--stats", str(self.stats_file),
                 "--expected-blocks", str(c.expected_blocks),
-                "--queue-capacity", str(c.queue_capacity)]
+                "--queue-capacity", str(c.queue_capacity),
+                "--stats-interval", str(c.stats_interval)]
         for i in range(c.engines):
             argv += ["--engine", f"engine-{i}=tcp://{engine_host(i)}:{c.base_port + i}"]
         if c.uvloop:
@@ -162,6 +164,8 @@ class Fleet:
         """Stats dumped after now (the relay writes every 0.5 s)."""
         t = time.time()
         deadline = t + 5
+        if self.cfg.stats_interval <= 0 and self.relay is not None:
+            os.kill(self.relay.pid, signal.SIGUSR1)
         while time.time() < deadline:
             s = self.stats()
             if s["wall"] > t:
@@ -172,6 +176,8 @@ class Fleet:
     def wait_stats(self, pred: Any, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if self.cfg.stats_interval <= 0 and self.relay is not None:
+                os.kill(self.relay.pid, signal.SIGUSR1)
             if self.stats_file.exists():
                 s = self.stats()
                 if pred(s):

@@ -106,6 +106,8 @@ class StreamStats:
         self.reason: str | None = None  # the kv-relay-error-reason trailer, if any
         self.lat_us: list[int] = []
         self.seq_recv: list[tuple[int, int]] = []  # (sequence, receive µs), --seq-log only
+        self.recv_us: list[int] | None = None  # with --detail: receive time of every delta
+        self.channel = 0
 
 
 class Prober:
@@ -208,6 +210,8 @@ async def run_stream(
                     st.lat_us.append(int(now * 1e6) - ts)
                     if seq_log:
                         st.seq_recv.append((seq, int(now * 1e6)))
+                    if st.recv_us is not None:
+                        st.recv_us.append(int(now * 1e6))
                     if base != last_seq:
                         st.seq_errors += 1
                     last_seq = seq
@@ -274,6 +278,10 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
         print("CONNECTED", flush=True)
         await loop.run_in_executor(None, sys.stdin.readline)
     stats = [StreamStats(i) for i in range(a.streams)]
+    for st in stats:
+        st.channel = st.idx % len(channels)
+        if a.detail:
+            st.recv_us = []
     dones = [asyncio.Event() for _ in stats]
     tasks = [
         asyncio.create_task(
@@ -326,10 +334,14 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
     np.save(a.out + ".lat.npy", lat)
     if a.seq_log:  # stream 0: when each sequence arrived (mirror hop: compare two subscribers)
         np.save(a.out + ".seq.npy", np.array(stats[0].seq_recv, dtype=np.int64).reshape(-1, 2))
+    if a.detail:  # per stream: receive time and latency of every delta (diagnostics)
+        np.savez(a.out + ".detail.npz", **{
+            f"s{st.idx}": np.array([st.recv_us or [], st.lat_us], dtype=np.int64).reshape(2, -1)
+            for st in stats})
     out: dict[str, Any] = {
         "streams": [
-            {k: v for k, v in vars(st).items() if k not in ("lat_us", "seq_recv")}
-            | {"lat_n": len(st.lat_us)}
+            {k: v for k, v in vars(st).items() if k not in ("lat_us", "seq_recv", "recv_us")}
+            | {"lat_n": len(st.lat_us), "lat_p99_us": _p99(st.lat_us)}
             for st in stats
         ],
         "bucket_count": bc,
@@ -339,6 +351,10 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
         out["probe_found"] = [[int(i), int(prober.found_us[i])] for i in found]
         out["check"] = prober.check
     return out
+
+
+def _p99(values: list[int]) -> int | None:
+    return int(np.percentile(np.asarray(values), 99)) if values else None
 
 
 def main() -> None:
@@ -359,6 +375,8 @@ def main() -> None:
     p.add_argument("--read-mbps", type=float, default=0.0,
                    help="throttle snapshot reading to this many MB/s (0 = full speed)")
     p.add_argument("--check-file", default="", help="loadgen working-set .npz, read on SIGUSR1")
+    p.add_argument("--detail", action="store_true",
+                   help="also write --out.detail.npz: receive time and latency of every delta")
     p.add_argument("--uvloop", action="store_true")
     p.add_argument("--seq-log", action="store_true", help="stream 0: save (sequence, recv µs)")
     a = p.parse_args()

@@ -16,13 +16,12 @@ from collections.abc import Callable
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.errors import RelayError
-from kvrelay.contract.limits import QUEUE_FRAME_OVERHEAD
 from kvrelay.contract.producer import ProducerKey, producer_key
 from kvrelay.ingest.sink import SourceKey
 from kvrelay.pool.batch import EventBatch
 from kvrelay.pool.errors import MalformedBatch
 from kvrelay.pool.pool import ApplyResult, Pool
-from kvrelay.publication import cbi1
+from kvrelay.publication.cadence import Pacer, held_bucket_cap
 from kvrelay.publication.hub import PublicationHub, PublicationInvariantError
 from kvrelay.publication.splice import FilterUpdateEncoder
 from kvrelay.relay.context import RelayContext
@@ -59,6 +58,8 @@ class Generation:
         self._timer: asyncio.TimerHandle | None = None
         self._soon = False
         self._last_cut = 0.0  # time.monotonic() of the last publication cut (snapshot hold)
+        self._pacer = Pacer(ctx.limits)
+        self._bucket_cap = held_bucket_cap(ctx.limits)
 
     @property
     def layout_generation(self) -> int:
@@ -160,7 +161,7 @@ class Generation:
     def _note_events(self, n: int) -> None:
         """Count applied commands; publish once ``publish_every_n_events`` accumulated (at the end
         of the current loop iteration) or after ``publication_delay_s``, whichever comes first —
-        later while a subscriber catches up (``_cut_or_hold``).
+        later while publishing is expensive or a subscriber catches up (``_cut_or_wait``).
 
         Boundaries fall only between whole commands because every member operation notes after
         it completed.
@@ -192,11 +193,11 @@ class Generation:
 
     def _on_timer(self) -> None:
         self._timer = None
-        self._cut_or_hold()
+        self._cut_or_wait()
 
     def _on_soon(self) -> None:
         self._soon = False
-        self._cut_or_hold()
+        self._cut_or_wait()
 
     def _on_hold_released(self) -> None:
         """The last joiner caught up (or ended): cut what was held back at the end of this loop
@@ -205,34 +206,34 @@ class Generation:
             self._soon = True
             asyncio.get_running_loop().call_soon(self._on_soon)
 
-    def _cut_or_hold(self) -> None:
-        """Publish the pending commands now, or later while the hub asks for spacing.
+    def _cut_or_wait(self) -> None:
+        """Publish the pending commands now, or later — whichever of two waits is longer:
 
-        While a subscriber catches up (its snapshot, then the deltas queued meanwhile), every delta
-        takes one of its queue slots (§4.6), so cuts are spaced as the hub asks
-        (``PublicationHub.publication_hold``) and more commands go into each delta. A held delta
-        never grows past what a subscriber queue can take: once the pool's touched buckets reach
-        ``_held_bucket_cap`` it is cut anyway.
+        * the pacer's (``publication.cadence``): publishing kept to about
+          ``publication_cpu_percent`` of the wall clock, never later than
+          ``publication_max_delay_s`` after the first pending command;
+        * the snapshot hold: while a subscriber catches up (its snapshot, then the deltas queued
+          meanwhile), every delta takes one of its queue slots (§4.6), so cuts are spaced as the
+          hub asks (``PublicationHub.publication_hold``, at most
+          ``snapshot_publication_delay_s`` after the last cut) and more commands go into each
+          delta.
+
+        Either way a held delta never grows past what a subscriber queue can take: once the
+        pool's touched buckets reach ``held_bucket_cap`` it is cut at once.
         """
         if not self._pending_events or self.retired:
             return
+        now = time.monotonic()
+        wait = self._pacer.wait(now, now if self._pending_since is None else self._pending_since)
         hub = self._hub
         if hub is not None:
             hold = hub.publication_hold()
             if hold > 0.0:
-                wait = self._last_cut + hold - time.monotonic()
-                if wait > 0.0 and self.pool.pending_dirty < self._held_bucket_cap():
-                    self._arm(wait)
-                    return
+                wait = max(wait, self._last_cut + hold - now)
+        if wait > 0.0 and self.pool.pending_dirty < self._bucket_cap:
+            self._arm(wait)
+            return
         self.flush()
-
-    def _held_bucket_cap(self) -> int:
-        """Touched buckets at which a held delta is cut anyway: a full queue of deltas this size
-        (12 bytes per image) stays within ``publication_queue_bytes``."""
-        lim = self.limits
-        per_frame = lim.publication_queue_bytes // lim.publication_queue_capacity
-        images = (per_frame - QUEUE_FRAME_OVERHEAD - cbi1.delta_frame_len(0)) // cbi1.DELTA_ENTRY
-        return max(1, min(cbi1.MAX_DELTA_IMAGES, images))
 
     def flush(self) -> None:
         """Publish the net-changed buckets as the next sequence (nothing when nothing changed)."""
@@ -243,7 +244,8 @@ class Generation:
         since, self._pending_since = self._pending_since, None
         if self.retired:
             return
-        self._last_cut = time.monotonic()
+        started = time.monotonic()
+        self._last_cut = started
         publication = self.pool.take_publication()
         if publication is None:
             return
@@ -252,13 +254,15 @@ class Generation:
         self.batches_published += 1
         observers = self._ctx.observers
         if observers and since is not None:
-            observers.delta_published(self.name, time.monotonic() - since)
+            observers.delta_published(self.name, started - since)
         if self._hub is None:
             return  # no subscriber lease: dirty tracking ran, payload materialization skipped
         try:
             self._hub.publish(self.sequence, buckets, words)
         except PublicationInvariantError as exc:
             self._on_fence(self, f"publication invariant: {exc}")
+            return
+        self._pacer.record(started, time.monotonic())
 
     # ---- subscribers -----------------------------------------------------------------------------
 

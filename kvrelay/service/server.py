@@ -37,6 +37,7 @@ from kvrelay.publication.hub import SendBatch, Subscription
 from kvrelay.publication.plane import Plane, PlaneClosed, PlaneEnded
 from kvrelay.service.bulk import bulk_sender
 from kvrelay.service.codec import PassThroughCodec
+from kvrelay.service.direct import direct_writer
 from kvrelay.service.health import RelayHealth, reflection_pool
 from kvrelay.service.status import status_of, trailers_of
 from kvrelay.service.validation import check_marker, validate_stream_request
@@ -304,7 +305,13 @@ class KvEventRelayService:
             if self._closing:
                 return
             bulk = bulk_sender(stream, self.limits.max_message_bytes)
-            await sub.pump(stream.send_message, _batch_sender(stream), _resetter(stream), bulk)
+            await sub.pump(
+                stream.send_message,
+                _batch_sender(stream),
+                _resetter(stream),
+                bulk,
+                send_now=direct_writer(stream),
+            )
         finally:
             if bulk is not None:
                 bulk.close()

@@ -114,6 +114,10 @@ async def test_invariants_never_half_apply() -> None:
         (5, [3, 3], [1, 2]),  # duplicate
         (5, [1, 2], [1]),  # length mismatch
         (5, [1.5], [1]),  # not integers
+        (5, [7, 1, 1024, 3], [1, 2, 3, 4]),  # out of range, not first
+        (5, [7, -2, 3], [1, 2, 3]),  # negative among others
+        (5, [9, 4, 2, 4, 8], [1, 2, 3, 4, 5]),  # duplicate, not adjacent
+        (5, np.array([5, 5], np.uint32), [1, 2]),  # duplicate, the pool's dtype
     ]:
         with pytest.raises(PublicationInvariantError):
             hub.publish(seq, np.asarray(b), np.asarray(w))
@@ -291,6 +295,80 @@ async def test_batched_pump_preserves_order_and_bounds() -> None:
     assert batches == [15] and sum(batches) == 15
     hub.retire(None)
     await task
+
+
+async def test_send_now_writes_idle_streams_in_order_and_falls_back_to_the_queue() -> None:
+    """Deltas published while the pump is idle go out through ``send_now`` (no pump wake-up);
+    when it refuses (transport full), frames queue and the pump sends them, and ``send_now`` is
+    not used again before the queue has drained: the stream stays base+1 contiguous."""
+    hub, table = make_hub(bc=1024)
+    sub = await hub.subscribe()
+    col = Collector()
+    accept = [True]
+
+    def send_now(frame: bytes) -> bool:
+        if not accept[0]:
+            return False
+        col.raw.append(frame)
+        col.frames.append(pb.FilterUpdate.parse(frame))
+        return True
+
+    task = asyncio.ensure_future(sub.pump(col, send_now=send_now))
+    for _ in range(100):
+        if sub._parked:
+            break
+        await asyncio.sleep(0.001)
+    assert sub._parked  # snapshot sent, pump idle
+    seq = 0
+
+    def step(k: int) -> None:
+        nonlocal seq
+        for _ in range(k):
+            seq += 1
+            b = np.array([seq % 1024, (seq * 7 + 3) % 1024])
+            b = np.unique(b)
+            hub.publish(seq, b, np.full(b.size, seq, np.uint64))
+            table[b] = seq
+
+    step(5)  # written synchronously by publish itself
+    assert hub.direct_frames == 5 and len(col.frames) == 6 and not sub._frames
+    accept[0] = False
+    step(3)  # refused: queued for the pump
+    assert hub.direct_frames == 5 and len(sub._frames) >= 1
+    accept[0] = True
+    step(2)  # the queue is not empty yet: these queue behind it, never overtake
+    for _ in range(100):
+        if not sub._frames and sub._parked:
+            break
+        await asyncio.sleep(0.001)
+    step(4)  # idle again: direct once more
+    await asyncio.sleep(0)
+    got, last = rebuild(col.frames, 1024)  # asserts base+1 contiguity frame by frame
+    assert last == seq == 14 and got.tobytes() == table.tobytes()
+    assert hub.direct_frames == 5 + 4
+    hub.retire(None)
+    await task
+
+
+async def test_a_refusing_send_now_still_ends_a_stalled_subscriber_as_lagged() -> None:
+    """The direct path never bypasses the bound: a transport that takes nothing more (its
+    client stopped reading) leaves frames to the queue, which overflows as before."""
+    hub, _ = make_hub(bc=1024, publication_queue_capacity=3)
+    sub = await hub.subscribe()
+    col = Collector(block_after=1)  # the pump blocks in its first send after the snapshot
+    task = asyncio.ensure_future(sub.pump(col, send_now=lambda frame: False))
+    for _ in range(100):
+        if sub._parked:
+            break
+        await asyncio.sleep(0.001)
+    for seq in range(1, 7):
+        hub.publish(seq, np.array([seq]), np.array([seq], np.uint64))
+        await asyncio.sleep(0)
+    assert hub.lagged == 1 and hub.direct_frames == 0
+    assert sub.error is not None and sub.error.reason == R.SUBSCRIBER_LAGGED
+    col.gate.set()
+    with pytest.raises(RelayError):
+        await asyncio.wait_for(task, 5)
 
 
 async def test_cancelled_subscriber_does_not_cancel_shared_snapshot_build() -> None:

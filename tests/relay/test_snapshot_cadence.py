@@ -193,7 +193,7 @@ async def test_a_held_delta_is_cut_once_it_would_not_fit_a_queue_slot() -> None:
         snapshot_publication_delay_s=60.0,
     )
     gen = _generation(limits)
-    cap = gen._held_bucket_cap()
+    cap = gen._bucket_cap  # publication.cadence.held_bucket_cap, shared with the pacer
     assert cap == (4_194_624 // 1024 - 256 - 60) // 12 == 315
     hub = gen.hub()
     joiner = await hub.subscribe()
@@ -233,4 +233,28 @@ async def test_held_commands_go_out_when_the_last_joiner_catches_up() -> None:
     for _ in range(3):
         await asyncio.sleep(0)
     assert gen.sequence == 1  # released: published at once, not 5 s later
+    gen.retire(None)
+
+
+async def test_the_hold_outlasts_the_pacers_max_delay_and_pacing_resumes_after() -> None:
+    """Of the pacer's wait (at most ``publication_max_delay_s``) and the snapshot hold, the
+    longer applies: with a joiner, commands pending for 8× the max delay are still held; once it
+    leaves they go out at once, and with no joiner later commands are cut within the max delay."""
+    limits = RelayLimits(
+        publication_max_delay_s=0.005,
+        publication_delay_s=0.001,
+        snapshot_publication_delay_s=60.0,
+        snapshot_reader_bytes_per_second=1_000,  # the joiner's snapshot keeps the hold for seconds
+    )
+    gen = _generation(limits)
+    hub = gen.hub()
+    joiner = await hub.subscribe()
+    rng = np.random.default_rng(7)
+    gen.apply(SOURCE, _stores(rng, 20))
+    await asyncio.sleep(8 * limits.publication_max_delay_s)
+    assert hub.publication_hold() > 1.0 and gen.sequence == 0
+    joiner.close()
+    await eventually(lambda: gen.sequence == 1, timeout=1.0)
+    gen.apply(SOURCE, _stores(rng, 3))  # fewer than publish_every_n_events: the timer cuts
+    await eventually(lambda: gen.sequence == 2, timeout=1.0)
     gen.retire(None)
