@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         res["fanout"] = fanout_cost(res["latency"])
         res["ingest_ramp"] = ingest_ramp(fleet, plan)
         res["relay_final_stats"] = fleet.stats()
-        res["snapshot"] = snapshot_suite(fleet, plan)
+        res["snapshot"], res["snapshot_under_load"] = snapshot_suite(fleet, plan)
     finally:
         fleet.stop()
     if a.micro:

@@ -204,7 +204,12 @@ class Daemon:
         from kvrelay.relay.relay import Relay
 
         warm_s = await _in_daemon_thread(warm_kernels)
-        _LOG.info("kernels_warm", seconds=round(warm_s, 3))
+        from kvrelay.ops.memory import release_compiler_pages
+
+        released = release_compiler_pages()  # LLVM is not needed to run the kernels
+        _LOG.info(
+            "kernels_warm", seconds=round(warm_s, 3), compiler_pages_released_mib=released >> 20
+        )
         self.relay = Relay(replace(cfg.relay, limits=limits))
         if cfg.metrics.enabled:  # before the relay starts, so every delta is observed
             from kvrelay.ops.metrics import RelayMetrics
@@ -256,6 +261,11 @@ class Daemon:
                 cfg.metrics.host, cfg.metrics.port, healthy=healthy
             )
         self._tasks.append(asyncio.create_task(self._loop_lag(), name="kvrelay-loop-lag"))
+        from kvrelay.ops.memory import keep_compiler_pages_released
+
+        self._tasks.append(
+            asyncio.create_task(keep_compiler_pages_released(), name="kvrelay-memory")
+        )
         self._tasks.append(
             asyncio.create_task(self.notifier.watchdog_loop(), name="kvrelay-watchdog")
         )
@@ -454,6 +464,9 @@ def run(
     """Configure logging, pick the event loop (asyncio or uvloop) and run ``main(cfg)`` (with
     ``config_path=`` when given: the file SIGHUP reloads)."""
     configure_logging(cfg)
+    from kvrelay.ops.memory import tune_malloc
+
+    tune_malloc()  # before the relay allocates anything large
     factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     if cfg.event_loop == "uvloop":
         try:
