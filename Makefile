@@ -52,7 +52,8 @@ docs: $(STAMP)
 	$(PY) -m tools.metrics_table --write
 
 # Loopback benchmarks (benchmarks/README.md). Short (< 2 min) by default; FULL=1: full sweep,
-# micro-benchmarks and the Dynamo side-by-side; SIDE=1 adds the side-by-side to the short run.
+# micro-benchmarks and the Dynamo side-by-side, light and heavy (side_by_side --heavy, ~15 min);
+# SIDE=1 adds the light side-by-side to the short run.
 bench: $(STAMP)
 	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m benchmarks.run $(if $(FULL),--full --micro --side-by-side,$(if $(SIDE),--side-by-side,))

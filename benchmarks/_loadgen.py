@@ -13,15 +13,21 @@ Probe chains: every ``1/probe_hz`` s one extra, never-reused 8-block chain is st
 written to ``--probe-file`` before traffic starts; subscribers report when all 8 appear in their
 replica filter, which gives the end-to-end engine → subscriber latency.
 
-Protocol: prints ``BOUND``, then ``READY`` once the relay's SUB socket subscribed (XPUB sees it),
-then reads commands on stdin: ``run RATE SECONDS STORES_PER_BATCH`` answers one JSON line;
-``quit`` exits.
+Working-set file (``--state-file``, for the side by side's final-state check): after every run,
+the canonical hashes of the chains the engine still holds (``present``, shape (W, C)) and of up to
+2,048 chains it removed most recently (``absent``) go to an ``.npz``, so a consumer can check its
+replica against what the engine really holds, independently of any relay counter.
+
+Protocol: prints ``BOUND``, then ``READY`` once ``--subscribers`` SUB sockets subscribed (XPUB sees
+each subscription), then reads commands on stdin: ``run RATE SECONDS STORES_PER_BATCH [PROBE_HZ]``
+answers one JSON line; ``quit`` exits.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import struct
 import sys
 import time
@@ -83,6 +89,22 @@ class Traffic:
         self.probe_canonical = [dynamo_sequence_hashes(ptoks[i].tolist(), b)
                                 for i in range(a.probes)]
         self.next_probe = 0
+        self.removed: deque[int] = deque(maxlen=2048)
+        self.canonical: np.ndarray | None = None
+        if a.state_file:  # ~6 µs per chain with the xxhash oracle
+            self.canonical = np.array(
+                [dynamo_sequence_hashes(toks[i].tolist(), b) for i in range(n)], dtype=np.uint64
+            )
+
+    def write_state(self, path: str) -> None:
+        """``present``/``absent`` canonical hashes (see the module docstring)."""
+        assert self.canonical is not None
+        held = set(self.resident)
+        gone = [i for i in self.removed if i not in held]
+        tmp = path + ".tmp.npz"
+        np.savez(tmp, present=self.canonical[list(self.resident)],
+                 absent=self.canonical[gone].reshape(-1, self.c))
+        os.replace(tmp, path)
 
     def batch(self, s: int) -> tuple[list[bytes], int]:
         """Events of one batch (``s`` stores, up to ``s`` removes) and its block-event count."""
@@ -95,7 +117,9 @@ class Traffic:
             self.resident.append(i)
             blocks += self.c
             if len(self.resident) > self.w:
-                evs.append(self.removes[self.resident.popleft()])
+                gone = self.resident.popleft()
+                evs.append(self.removes[gone])
+                self.removed.append(gone)
                 blocks += self.c
         return evs, blocks
 
@@ -159,6 +183,7 @@ def run(
         pub.send_multipart([b"", state["seq"].to_bytes(8, "big"), payload])
         state["seq"] += 1
         sent_blocks += 8 * len(evs)
+    end_wall_us = int(time.time() * 1e6)  # the last event of this run has been handed to ZMQ
     return {
         "offered_rate": rate,
         "seconds": elapsed,
@@ -170,6 +195,7 @@ def run(
         "fell_behind": late_resets,
         "probes": probes_sent,
         "next_seq": state["seq"],
+        "end_wall_us": end_wall_us,
     }
 
 
@@ -187,18 +213,23 @@ def main() -> None:
     p.add_argument("--probe-hz", type=float, default=100.0)
     p.add_argument("--probe-ttl", type=float, default=3.0)
     p.add_argument("--hwm", type=int, default=100_000)
+    p.add_argument("--subscribers", type=int, default=1, help="SUB sockets to wait for")
+    p.add_argument("--state-file", default="", help="working-set .npz written after each run")
     a = p.parse_args()
     ctx = zmq.Context()
     pub = ctx.socket(zmq.XPUB)
     pub.setsockopt(zmq.SNDHWM, a.hwm)
     pub.setsockopt(zmq.LINGER, 0)
+    if a.subscribers > 1:  # otherwise XPUB passes up only the first subscription to a topic
+        pub.setsockopt(zmq.XPUB_VERBOSE, 1)
     pub.bind(f"tcp://{a.host}:{a.port}")
     print("BOUND", flush=True)
     tr = Traffic(a)
     if a.probe_file:
         with open(a.probe_file, "w") as f:
             json.dump({"probes": tr.probe_canonical}, f)
-    pub.recv()  # the relay's subscription message: traffic sent before it would be lost
+    for _ in range(a.subscribers):  # each subscription message; traffic sent before is lost
+        pub.recv()
     print("READY", flush=True)
     state = {"seq": 0}
     for line in sys.stdin:
@@ -212,6 +243,8 @@ def main() -> None:
             hz = float(parts[4]) if len(parts) > 4 else a.probe_hz
             res = run(pub, tr, state, rate, seconds, s, hz, a.probe_ttl, a.dp_rank)
             res["next_probe"] = tr.next_probe
+            if a.state_file:
+                tr.write_state(a.state_file)
             print(json.dumps(res), flush=True)
     pub.close(0)
     ctx.term()

@@ -117,8 +117,23 @@ def stats(relay: Relay, server: RelayServer, started: float) -> dict[str, Any]:
     }
 
 
+def warm() -> float:
+    """Compile or load every hot kernel before READY, as ``kvrelay serve`` does before it
+    declares readiness: without it a cold numba cache turns the first ingested batch into a
+    ~20 s event-loop stall (seen on this 2-core machine) inside the measured window."""
+    try:  # kvrelay/ops/warmup.py; older trees: kvrelay/ops/daemon.py, kvrelay/daemon.py
+        from kvrelay.ops.warmup import warm_kernels
+    except ImportError:
+        try:
+            from kvrelay.ops.daemon import warm_kernels  # type: ignore[attr-defined,no-redef]
+        except ImportError:
+            from kvrelay.daemon import warm_kernels  # type: ignore[import-not-found,no-redef]
+    return float(warm_kernels())
+
+
 async def amain(a: argparse.Namespace) -> None:
     settings = build_settings(a)
+    warm()
     started = time.monotonic()
     relay = Relay(settings)
     await relay.start()

@@ -183,6 +183,7 @@ def sbs_markdown(res: dict[str, Any]) -> str:
     if res.get("skipped"):
         return "\n".join([*lines, f"Skipped: {res['reason']}", ""])
     lines += [machine_md(res["machine"]), "", res.get("setup", ""), ""]
+    lines += [*_sbs_headline(res), ""]
     lines += ["| metric | kvrelay | Dynamo 1.6.1 | kvrelay / Dynamo |", "|---|---:|---:|---:|"]
     for row in res["rows"]:
         nd = 3 if "CPU" in row["metric"] else 2
@@ -191,3 +192,28 @@ def sbs_markdown(res: dict[str, Any]) -> str:
             f"{_f(row['ratio'], 2)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _sbs_headline(res: dict[str, Any]) -> list[str]:
+    """The two light-load targets in one place: relay CPU and RSS, kvrelay / Dynamo."""
+    cpu, rss = [], []
+    for p in res.get("points", []):
+        k, d = p["relays"]["kvrelay"], p["relays"]["dynamo"]
+        tag = f"{p['requests_per_s_achieved']:.0f} req/s"
+        if d["cpu_util"]:
+            cpu.append((tag, k["cpu_util"] / d["cpu_util"]))
+        if d["rss_bytes"]:
+            rss.append((tag, k["rss_bytes"] / d["rss_bytes"]))
+    if not cpu or not rss:
+        return []
+    lo, hi = min(r for _, r in cpu), max(r for _, r in cpu)
+    rlo, rhi = min(r for _, r in rss), max(r for _, r in rss)
+    return [
+        "## Light load: relay CPU and RSS, kvrelay / Dynamo", "",
+        f"- **relay CPU: {lo:.2f}–{hi:.2f}× Dynamo** ("
+        + ", ".join(f"{t}: {r:.2f}×" for t, r in cpu) + "; target ≤ 1.0×).",
+        f"- **relay RSS: {rlo:.2f}–{rhi:.2f}× Dynamo** ("
+        + ", ".join(f"{t}: {r:.2f}×" for t, r in rss) + "; target ≤ 1.2×).",
+        "- CPU = process-tree utime + stime over the driver window / wall; RSS = process-tree "
+        "VmRSS at the end of each rate.",
+    ]

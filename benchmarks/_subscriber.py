@@ -11,6 +11,13 @@ Frames are read with the grpclib client and a pass-through codec, parsed with th
 reader in ``_common`` (or betterproto2 with ``--decode betterproto2``), payloads with ``cbi1``.
 Prints ``SNAPSHOTS_DONE`` once every stream holds a full snapshot. On SIGTERM writes ``--out``
 (JSON) and ``--out``.lat.npy (int64 µs of every delta of every stream).
+
+Final-state check (``--check-file``, probe stream only): on SIGUSR1 the subscriber loads the
+engine's working set (``present``/``absent`` canonical hashes written by the loadgen) and looks
+it up in its replica every 10 ms until every present hash is found; it reports that wall time,
+the present hashes still missing at the last look, and the removed chains whose 8 hashes are all
+still in the filter (a stale replica; an exact one shows ~0). Stream ends are classified from the
+outside the same way for every relay: the gRPC status and the ``kv-relay-error-reason`` trailer.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ from kvrelay.pool.ckf import contains
 from kvrelay.publication import cbi1
 
 PROBE_WINDOW = 256
+CHECK_PERIOD_S = 0.01
+REASON_KEY = "kv-relay-error-reason"
 
 
 class RawCodec(CodecBase):
@@ -90,7 +99,10 @@ class StreamStats:
         self.frames = 0
         self.bytes = 0
         self.seq_errors = 0
+        self.late_snapshot_chunks = 0  # snapshot chunks after the first complete snapshot
         self.error: str | None = None
+        self.status: str | None = None  # gRPC status name when the relay ended the stream
+        self.reason: str | None = None  # the kv-relay-error-reason trailer, if any
         self.lat_us: list[int] = []
 
 
@@ -105,6 +117,33 @@ class Prober:
         self.bc = bucket_count
         self.asm = cbi1.SnapshotAssembler()
         self.table: np.ndarray | None = None
+        self.present: np.ndarray | None = None
+        self.absent: np.ndarray | None = None
+        self.check: dict[str, Any] = {}
+
+    def start_check(self, path: str) -> None:
+        z = np.load(path)
+        self.present = np.ascontiguousarray(z["present"], dtype=np.uint64).ravel()
+        self.absent = np.ascontiguousarray(z["absent"], dtype=np.uint64)
+        self.check = {"started_us": int(time.time() * 1e6), "present_hashes": int(
+            self.present.size), "absent_chains": len(self.absent), "complete_us": None,
+            "missing_hashes": None, "stale_chains": None, "stale_hashes": None, "looks": 0}
+
+    def look(self) -> bool:
+        """One look at the replica; True once every present hash is in it."""
+        if self.present is None or self.table is None:
+            return False
+        c = self.check
+        hit = contains(self.table, self.seed, self.present)
+        c["looks"] += 1
+        c["missing_hashes"] = int(hit.size - int(hit.sum()))
+        if self.absent is not None and len(self.absent):
+            gone = contains(self.table, self.seed, self.absent.ravel()).reshape(self.absent.shape)
+            c["stale_chains"] = int(gone.all(axis=1).sum())
+            c["stale_hashes"] = int(gone.sum())
+        if c["missing_hashes"] == 0 and c["complete_us"] is None:
+            c["complete_us"] = int(time.time() * 1e6)
+        return c["complete_us"] is not None
 
     def snapshot(self, payload: memoryview) -> bool:
         chunk = cbi1.decode(payload, expected_seed=self.seed, expected_bucket_count=self.bc)
@@ -140,6 +179,7 @@ async def run_stream(
     )
     chunks = 0
     last_seq = -1
+    stream = None
     try:
         async with ch.request(
             SUBSCRIBE_PATH, Cardinality.UNARY_STREAM, pb.SubscribeKvPoolRequest, pb.FilterUpdate
@@ -167,6 +207,8 @@ async def run_stream(
                     last_seq = seq
                     if prober is not None:
                         prober.delta(payload, int(now * 1e6))
+                elif kind == KIND_SNAPSHOT and st.snapshot_s is not None:
+                    st.late_snapshot_chunks += 1  # a consumer would have to rebuild its replica
                 elif kind == KIND_SNAPSHOT:
                     chunks += 1
                     st.snapshot_bytes += len(data)
@@ -182,8 +224,13 @@ async def run_stream(
             st.error = f"EOF {stream.trailing_metadata!r}"
     except GRPCError as exc:
         st.error = f"{exc.status.name}: {exc.message}"
+        st.status = exc.status.name
+        trailers = dict(getattr(stream, "trailing_metadata", None) or {})
+        st.reason = trailers.get(REASON_KEY)
     except (StreamTerminatedError, ConnectionError) as exc:
         st.error = f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # a frame this client cannot apply: record it, keep the others
+        st.error = f"client {type(exc).__name__}: {exc}"
     finally:
         done.set()
 
@@ -223,12 +270,34 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
         for i, st in enumerate(stats)
     ]
     await asyncio.wait_for(asyncio.gather(*(d.wait() for d in dones)), a.timeout)
+    checker: asyncio.Task[None] | None = None
+    if prober is not None and a.check_file:
+        p0 = prober
+
+        async def check_loop() -> None:
+            p0.start_check(a.check_file)
+            while not p0.look():
+                await asyncio.sleep(CHECK_PERIOD_S)
+            print(f"CHECK_COMPLETE {p0.check['complete_us']}", flush=True)
+
+        def start_checking() -> None:
+            nonlocal checker
+            if checker is None:
+                checker = asyncio.create_task(check_loop())
+
+        loop.add_signal_handler(signal.SIGUSR1, start_checking)
     print("SNAPSHOTS_DONE", flush=True)
     if a.duration > 0:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), a.duration)
     else:
         await stop.wait()
+    if checker is not None:
+        checker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await checker
+        if prober is not None and prober.check.get("complete_us") is None:
+            prober.look()  # the state at the end, for the report
     for t in tasks:
         t.cancel()
     for t in tasks:
@@ -248,6 +317,7 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
     if prober is not None:
         found = np.flatnonzero(prober.found_us)
         out["probe_found"] = [[int(i), int(prober.found_us[i])] for i in found]
+        out["check"] = prober.check
     return out
 
 
@@ -264,6 +334,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--duration", type=float, default=0.0, help="0 = until SIGTERM")
     p.add_argument("--out", required=True)
+    p.add_argument("--check-file", default="", help="loadgen working-set .npz, read on SIGUSR1")
     p.add_argument("--uvloop", action="store_true")
     a = p.parse_args()
     if a.uvloop:

@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--full", action="store_true", help="the full sweep (tens of minutes)")
     ap.add_argument("--micro", action="store_true", help="also run the bench_*.py scripts")
-    ap.add_argument("--side-by-side", action="store_true", help="also run side_by_side.py")
+    ap.add_argument("--side-by-side", action="store_true",
+                    help="also run side_by_side.py (with --full: light and --heavy)")
     ap.add_argument("--uvloop", action="store_true", help="uvloop in relay processes")
     ap.add_argument("--queue-capacity", type=int, default=16,
                     help="relay publication_queue_capacity (default: the relay's default, 16)")
@@ -95,9 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     log(f"wrote {RESULTS}/relay_e2e{suffix}.{{json,md}} and {len(plots)} plots "
         f"in {res['wall_s']} s")
     if a.side_by_side:
-        return subprocess.call(
+        rc = subprocess.call(
             [PY, "-m", "benchmarks.side_by_side", *(["--full"] if a.full else [])], cwd=ROOT
         )
+        if a.full:  # the heavy-load side by side (~15 min) only with the full sweep
+            rc = subprocess.call([PY, "-m", "benchmarks.side_by_side", "--heavy"], cwd=ROOT) or rc
+        return rc
     return 0
 
 

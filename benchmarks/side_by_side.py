@@ -1,14 +1,20 @@
-"""kvrelay side by side with Dynamo's reference relay (ai-dynamo 1.6.1), fed by ONE event stream.
+"""kvrelay side by side with Dynamo's reference relay (ai-dynamo 1.6.1).
 
-Inside a private network namespace (only ``lo``): Dynamo's mocker serves a weightless tiny Llama
-and publishes KV events twice — on Dynamo's event plane (read by ``dynamo.kv_dc_relay``) and, with
-``--zmq-kv-events-ports``, as vLLM-format ZMQ (read by kvrelay as a static source). Requests go
-through Dynamo's runtime client (``_dynamo_driver``, in ``.venv-dynamo``); each prompt is 64
-blocks of 16 tokens, and the Dynamo canonical hashes of its first 8 blocks are a probe. One
-subscriber process per relay runs the *same* code (``_subscriber``, grpclib + betterproto2 parse
-+ cbi1 decode + replica table) and reports, per relay: delta latency (receive − that relay's
-``send_ts_us``), end-to-end latency (request submit → all 8 probe hashes in the replica), relay
-process CPU during the window and RSS. Ratios are kvrelay / Dynamo from the same run.
+Light load (default): inside a private network namespace (only ``lo``), Dynamo's mocker serves a
+weightless tiny Llama and publishes KV events twice — on Dynamo's event plane (read by
+``dynamo.kv_dc_relay``) and, with ``--zmq-kv-events-ports``, as vLLM-format ZMQ (read by kvrelay
+as a static source): ONE event stream feeds both relays. Requests go through Dynamo's runtime
+client (``_dynamo_driver``, in ``.venv-dynamo``); each prompt is 64 blocks of 16 tokens, and the
+Dynamo canonical hashes of its first 8 blocks are a probe. One subscriber process per relay runs
+the *same* code (``_subscriber``, grpclib + betterproto2 parse + cbi1 decode + replica table) and
+reports, per relay: delta latency (receive − that relay's ``send_ts_us``), end-to-end latency
+(request submit → all 8 probe hashes in the replica), relay process CPU during the window and
+RSS. Ratios are kvrelay / Dynamo from the same run. The mocker's request path limits this mode
+to ≤ ~25K stored blocks/s: it is the light-load CPU and RSS comparison.
+
+Heavy load (``--heavy``, see ``_heavy``): a paced vLLM loadgen at 10K–1M block events/s with 1,
+16 and 64 subscribers, Dynamo's relay fed through Dynamo's own worker-side ``KvEventPublisher``,
+plus an ingest ramp with a strict keeping-up criterion; ``results/side_by_side_heavy.*``.
 
 Dynamo is never a kvrelay dependency: it lives in ``.venv-dynamo`` (installed here on first use,
 ~226 MB from PyPI). Everything generated goes to ``benchmarks/.work/``. When the install, root or
@@ -19,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,68 +43,22 @@ from benchmarks._common import (
     tree_sample,
     write_json,
 )
+from benchmarks._dynamo_env import (
+    DPY,
+    delete_netns,
+    dyn_env,
+    ensure_netns,
+    ensure_venv,
+    log,
+    sh,
+    sigterm_as_exit,
+)
 from benchmarks._harness import Proc
 
 NS = "kvrbench"
-VENV = ROOT / ".venv-dynamo"
-DPY = str(VENV / "bin" / "python")
 ZMQ_PORT, DYN_PORT, KVR_PORT = 5600, 5561, 5562
 PROMPT_BLOCKS, BLOCK = 64, 16
 OUT = RESULTS / "side_by_side.json"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] side-by-side: {msg}", flush=True)
-
-
-def sh(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
-
-
-def ensure_venv() -> str | None:
-    """None when .venv-dynamo imports Dynamo, else the reason it could not be made to."""
-    check = "import dynamo.mocker, dynamo.kv_dc_relay, dynamo.runtime, tokenizers"
-    if Path(DPY).exists() and sh(DPY, "-c", check).returncode == 0:
-        return None
-    log("installing ai-dynamo-runtime==1.6.1 / ai-dynamo==1.6.1 into .venv-dynamo (~226 MB)")
-    steps = [
-        [sys.executable, "-m", "venv", str(VENV)],
-        [DPY, "-m", "pip", "install", "-q", "ai-dynamo-runtime==1.6.1"],
-        [DPY, "-m", "pip", "install", "-q", "--no-deps", "ai-dynamo==1.6.1"],
-        [DPY, "-m", "pip", "install", "-q", "aiohttp", "msgspec", "prometheus-client", "pyzmq",
-         "uvloop", "tokenizers"],
-    ]
-    for st in steps:
-        try:
-            r = sh(*st, timeout=1200)
-        except (OSError, subprocess.SubprocessError) as exc:
-            return f"install step {st[2:]} failed: {exc}"
-        if r.returncode != 0:
-            return f"install step {' '.join(st[2:])} failed: {r.stderr.strip()[-400:]}"
-    r = sh(DPY, "-c", check)
-    return None if r.returncode == 0 else f"Dynamo import failed: {r.stderr.strip()[-400:]}"
-
-
-def ensure_netns() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root for a private network namespace (ip netns add)"
-    if shutil.which("ip") is None:
-        return "iproute2 'ip' not found"
-    sh("ip", "netns", "del", NS)
-    r = sh("ip", "netns", "add", NS)
-    if r.returncode != 0:
-        return f"ip netns add failed: {r.stderr.strip()}"
-    r = sh("ip", "netns", "exec", NS, "ip", "link", "set", "lo", "up")
-    return None if r.returncode == 0 else f"lo up failed: {r.stderr.strip()}"
-
-
-def dyn_env(kv_dir: Path) -> dict[str, str]:
-    return {
-        "DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(kv_dir), "DYN_EVENT_PLANE": "zmq",
-        "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE_HOST": "127.0.0.1",
-        "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
-        "DYN_SYSTEM_HOST": "127.0.0.1",
-    }
 
 
 def make_prompts(n: int) -> tuple[Path, Path]:
@@ -202,6 +160,14 @@ def ratios(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def _per_rate(rows: list[dict[str, Any]]) -> list[dict[str, float | None]]:
+    """Ratio rows grouped per rate (``ratios`` emits 8 rows per point, in order)."""
+    out: list[dict[str, float | None]] = []
+    for i in range(0, len(rows) - len(rows) % 8, 8):
+        out.append({r["metric"].split(" @")[0]: r["ratio"] for r in rows[i:i + 8]})
+    return out
+
+
 def plot(res: dict[str, Any]) -> Path:
     import matplotlib
 
@@ -236,10 +202,25 @@ def plot(res: dict[str, Any]) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--full", action="store_true")
-    ap.add_argument("--rates", default="", help="comma-separated requests/s")
-    ap.add_argument("--seconds", type=float, default=0.0)
+    ap.add_argument("--full", action="store_true", help="light mode: all five request rates")
+    ap.add_argument("--rates", default="",
+                    help="comma-separated requests/s (light) or block events/s (--heavy)")
+    ap.add_argument("--seconds", type=float, default=0.0, help="per load point")
+    ap.add_argument("--heavy", action="store_true",
+                    help="heavy load: paced vLLM stream, Dynamo fed through its KvEventPublisher")
+    ap.add_argument("--short", action="store_true", help="--heavy: a ~3 minute smoke version")
+    ap.add_argument("--concurrent", action="store_true",
+                    help="--heavy: one loadgen feeds both relays at once (default: sequential)")
+    ap.add_argument("--subs", default="", help="--heavy: comma-separated subscriber counts")
+    ap.add_argument("--ramp", default="", help="--heavy: comma-separated ramp rates")
+    ap.add_argument("--ramp-seconds", type=float, default=0.0)
+    ap.add_argument("--working-set", type=int, default=0, help="--heavy: chains per engine")
+    ap.add_argument("--render", action="store_true",
+                    help="--heavy: redo results/side_by_side_heavy.{md,png} from its JSON")
     a = ap.parse_args(argv)
+    if a.heavy:
+        return heavy(a)
+    sigterm_as_exit()
     rates = [float(r) for r in a.rates.split(",")] if a.rates else (
         [25, 50, 100, 200, 400] if a.full else [25, 100])
     seconds = a.seconds or (8.0 if a.full else 4.0)
@@ -247,13 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     reason = ensure_venv()
     if reason:
         return skipped(reason)
-    reason = ensure_netns()
+    reason = ensure_netns(NS)
     if reason:
         return skipped(reason)
     model = WORK / "fakemodel"
     r = sh(DPY, str(ROOT / "benchmarks" / "_fakemodel.py"), str(model))
     if r.returncode != 0:
-        sh("ip", "netns", "del", NS)
+        delete_netns(NS)
         return skipped(f"fake model: {r.stderr.strip()[-300:]}")
     kv_dir = WORK / "dynkv"
     shutil.rmtree(kv_dir, ignore_errors=True)
@@ -312,13 +293,17 @@ def main(argv: list[str] | None = None) -> int:
         res["rows"].append({"metric": "relay CPU idle (cores)", "kvrelay": idle["kvrelay"],
                             "dynamo": idle["dynamo"],
                             "ratio": idle["kvrelay"] / idle["dynamo"] if idle["dynamo"] else None})
+        res["light_load_ratios"] = {  # the two light-load targets, kvrelay / Dynamo per rate
+            f"{p['requests_per_s_achieved']:.0f} req/s": {
+                "relay_cpu": r["relay CPU (cores)"], "relay_rss": r["relay RSS MiB"]}
+            for p, r in zip(points, _per_rate(res["rows"]), strict=True)}
         res["kvrelay_stats"] = json.loads((WORK / "sbs-kvrelay-stats.json").read_text())
         res["setup"] = (
             f"One Dynamo mocker (block 16, 65,536 GPU blocks, speedup 100) in netns `{NS}`; "
             f"prompts of {PROMPT_BLOCKS} blocks, max_tokens 1; {seconds:.0f} s per rate; "
             "same subscriber code for both relays (grpclib + betterproto2 + cbi1 replica)."
         )
-    except Exception as exc:  # report, never leave a half-written result
+    except (Exception, KeyboardInterrupt) as exc:  # report, never leave a half-written result
         res = {"benchmark": "side_by_side", "skipped": True,
                "reason": f"run failed: {type(exc).__name__}: {exc}"[:2000],
                "machine": machine()}
@@ -326,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for proc in procs.values():
             proc.stop()
-        sh("ip", "netns", "del", NS)
+        delete_netns(NS)
     from benchmarks._report import sbs_markdown
 
     write_json(OUT, res)
@@ -336,6 +321,33 @@ def main(argv: list[str] | None = None) -> int:
     (RESULTS / "side_by_side.md").write_text(md)
     print(md)
     return 0
+
+
+def heavy(a: argparse.Namespace) -> int:
+    """``--heavy``: the full sweep unless ``--short`` or explicit lists say otherwise."""
+    from dataclasses import replace
+
+    from benchmarks._heavy import FULL, SHORT
+    from benchmarks._heavy_sweep import render, run
+
+    if a.render:
+        render(RESULTS / f"side_by_side_heavy{'-concurrent' if a.concurrent else ''}.json")
+        return 0
+
+    def floats(text: str) -> tuple[float, ...]:
+        return tuple(float(x) for x in text.split(",") if x)
+
+    plan = SHORT if a.short else FULL
+    plan = replace(
+        plan, concurrent=a.concurrent,
+        rates=floats(a.rates) or plan.rates,
+        subs=tuple(int(x) for x in floats(a.subs)) or plan.subs,
+        point_s=a.seconds or plan.point_s,
+        ramp=floats(a.ramp) or plan.ramp,
+        ramp_s=a.ramp_seconds or plan.ramp_s,
+        working_set_chains=a.working_set or plan.working_set_chains,
+    )
+    return run(plan)
 
 
 if __name__ == "__main__":

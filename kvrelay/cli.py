@@ -9,6 +9,7 @@ first imported.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
@@ -38,6 +39,7 @@ examples:
   kvrelay systemd-unit > /etc/systemd/system/kvrelay.service
   kvrelay warm                      # compile/load the numba kernels once, with progress
   kvrelay serve --config /etc/kvrelay/kvrelay.toml
+  kvrelay reload --config /etc/kvrelay/kvrelay.toml --pid-file /run/kvrelay.pid   # live
   KVRELAY_RELAY_BIND=127.0.0.1:6000 kvrelay serve --config kvrelay.toml
   kvrelay demo                      # relay + simulated fleet + live view, ~30 s
   kvrelay demo --headless --duration 10
@@ -54,8 +56,8 @@ exit codes:
 environment:
   KVRELAY_<SECTION>_<KEY>  override a scalar key of [relay], [relay.limits], [logging],
                            [metrics] or [tls], e.g. KVRELAY_LOGGING_LEVEL=debug
-  KVRELAY_CONFIG           default for serve --config
-  NOTIFY_SOCKET, WATCHDOG_USEC  systemd notification (READY/WATCHDOG/STOPPING), set by systemd
+  KVRELAY_CONFIG           default for serve --config and reload --config
+  NOTIFY_SOCKET, WATCHDOG_USEC  systemd notification (READY/RELOADING/WATCHDOG/STOPPING)
   CACHE_DIRECTORY          numba kernel cache goes to $CACHE_DIRECTORY/numba (systemd)
   KVRELAY_RELAY            default --relay of watch/subscribe/query
   DYN_DC_ID                dc_name when neither the file nor KVRELAY_RELAY_DC_NAME sets it
@@ -103,6 +105,47 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         default=os.environ.get("KVRELAY_CONFIG"),
         help="TOML configuration file (default: $KVRELAY_CONFIG)",
+    )
+
+    serve.add_argument(
+        "--pid-file",
+        metavar="FILE",
+        default=None,
+        help="write the daemon's PID here (for 'kvrelay reload --pid-file'); removed on exit",
+    )
+
+    reload = sub.add_parser(
+        "reload",
+        help="validate the configuration, then make the running relay reload it (SIGHUP)",
+        description=(
+            "Validate FILE like check-config (nothing is signalled when it has errors), send\n"
+            "SIGHUP to the running relay, and wait for the outcome on its metrics endpoint.\n"
+            "Pools and engines change live; unchanged pools keep their generation, so routers\n"
+            "do not re-snapshot. Exit 0 when applied, 1 when the relay rejected or failed it\n"
+            "(see its log), 2 on an invalid file or usage error."
+        ),
+        epilog=(
+            "examples:\n  kvrelay reload --config /etc/kvrelay/kvrelay.toml --pid-file "
+            "/run/kvrelay.pid\n  systemctl reload kvrelay   # ExecReload= runs kvrelay reload"
+        ),
+        formatter_class=_Formatter,
+    )
+    reload.add_argument(
+        "--config",
+        "-c",
+        metavar="FILE",
+        default=os.environ.get("KVRELAY_CONFIG"),
+        help="the relay's TOML configuration file (default: $KVRELAY_CONFIG)",
+    )
+    who = reload.add_mutually_exclusive_group(required=True)
+    who.add_argument("--pid", type=int, metavar="PID", help="the relay's process id")
+    who.add_argument("--pid-file", metavar="FILE", help="file written by 'serve --pid-file'")
+    reload.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long to wait for the outcome (default: 30)",
     )
 
     check = sub.add_parser(
@@ -245,7 +288,56 @@ def _warm() -> int:
     return EXIT_OK
 
 
-def _serve(path: str | None) -> int:
+def _reload(args: argparse.Namespace) -> int:
+    import signal
+    import time
+
+    from kvrelay.ops.config import check_file
+    from kvrelay.ops.reload import read_pid_file, reload_counts
+
+    path = args.config
+    if not path:
+        print("kvrelay reload: --config FILE is required (or set KVRELAY_CONFIG)", file=sys.stderr)
+        return EXIT_USAGE
+    cfg, problems = check_file(path)
+    print_problems(problems, sys.stderr)
+    if cfg is None:
+        print(f"kvrelay reload: {path} is invalid; the relay was not signalled", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        pid = args.pid if args.pid is not None else read_pid_file(args.pid_file)
+    except (OSError, ValueError) as exc:
+        print(f"kvrelay reload: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    metrics = cfg.metrics
+    before = reload_counts(metrics.host, metrics.port) if metrics.enabled else None
+    try:
+        os.kill(pid, signal.SIGHUP)
+    except OSError as exc:
+        print(f"kvrelay reload: cannot signal process {pid}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    if before is None:
+        print(f"kvrelay reload: SIGHUP sent to {pid}; its metrics endpoint is not readable, "
+              "so the outcome is in its log (config_reloaded / config_reload_rejected)")
+        return EXIT_OK
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = reload_counts(metrics.host, metrics.port)
+        if now is None:
+            continue
+        for result in ("applied", "rejected", "failed"):
+            if now.get(result, 0) > before.get(result, 0):
+                ok = result == "applied"
+                print(f"kvrelay reload: {result}" + ("" if ok else "; see the relay's log"),
+                      file=sys.stdout if ok else sys.stderr)
+                return EXIT_OK if ok else EXIT_FAILURE
+    print(f"kvrelay reload: no outcome after {args.timeout:g} s; see the relay's log",
+          file=sys.stderr)
+    return EXIT_FAILURE
+
+
+def _serve(path: str | None, pid_file: str | None = None) -> int:
     if not path:
         print("kvrelay serve: --config FILE is required (or set KVRELAY_CONFIG)", file=sys.stderr)
         return EXIT_USAGE
@@ -259,7 +351,20 @@ def _serve(path: str | None) -> int:
         return EXIT_USAGE
     from kvrelay.ops.daemon import run
 
-    return run(cfg)
+    if pid_file is None:
+        return run(cfg, config_path=path)
+    from kvrelay.ops.reload import write_pid_file
+
+    try:
+        write_pid_file(pid_file)
+    except OSError as exc:
+        print(f"kvrelay serve: cannot write --pid-file {pid_file}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return run(cfg, config_path=path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(pid_file)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -301,7 +406,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "check-config":
         return _check_config(args.file)
     if args.command == "serve":
-        return _serve(args.config)
+        return _serve(args.config, args.pid_file)
+    if args.command == "reload":
+        return _reload(args)
     if args.command == "demo":
         return _demo(args)
     if args.command == "example-config":

@@ -30,6 +30,7 @@ class SubscriberCounters:
     reorder_overflows: int = 0
     reconnects: int = 0  # the SUB connection came back after a disconnect
     incarnations_detected: int = 0  # replay did not hold the last applied batch (restart)
+    epoch_changes: int = 0  # an SGLang publisher announced another epoch (restart)
     bad_batches: int = 0  # batches that failed to decode or were rejected as malformed
     repairs: int = 0  # bad batches applied correctly when re-fetched from the replay
     unknown_tags: int = 0

@@ -11,6 +11,9 @@ Two paths with identical results (differentially fuzzed in tests/ingest): the nu
 (``fastwalk``) decodes clean vLLM output straight from the bytes; anything it does not accept
 (bytes hashes, unknown tags/fields/strings, the per-pool options) goes through msgspec structs
 with ``token_ids`` kept raw and parsed by ``tokens_kernel``.
+
+The engine kind picks the array-form field layout: SGLang's positions differ from vLLM's
+(``ingest/sglang.py``, §21); everything after decoding — gates, hashing, counters — is shared.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import xxhash
 from msgspec import Raw
 
 from kvrelay.ingest import fastwalk as FW
+from kvrelay.ingest import sglang as SG
 from kvrelay.ingest import stats as S
 from kvrelay.ingest import wire
 from kvrelay.ingest.errors import (
@@ -34,6 +38,7 @@ from kvrelay.ingest.errors import (
     MalformedEnvelopeError,
     MalformedPayloadError,
 )
+from kvrelay.ingest.kinds import EngineKind
 from kvrelay.ingest.options import DecodeOptions
 from kvrelay.ingest.salt import namespace_part, request_salt
 from kvrelay.ingest.stats import DecodeStats
@@ -59,6 +64,25 @@ _TIERS = {
 }
 _FULL_ATTENTION = frozenset({"full_attention", "mla_attention"})
 _STORE, _REMOVE, _CLEAR = wire.STORE, wire.REMOVE, wire.CLEAR
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """The array-form (positional) event structs of one engine kind."""
+
+    envelope: msgspec.msgpack.Decoder[Any]
+    event: msgspec.msgpack.Decoder[Any]
+    lengths: dict[str, int]  # known positions per tag (longer = unknown fields)
+    walker_ids: npt.NDArray[np.int64]  # the numba walker's key per (tag, position)
+    walker_len: npt.NDArray[np.int64]  # … and its positions per tag (longer = fallback)
+
+
+_LAYOUTS = {
+    EngineKind.VLLM: _Layout(
+        wire.ARR_ENVELOPE, wire.ARR_EVENT, wire.ARR_LEN, FW.ARR_IDS, FW.ARR_LEN
+    ),
+    EngineKind.SGLANG: _Layout(SG.ARR_ENVELOPE, SG.ARR_EVENT, SG.ARR_LEN, FW.SGL_IDS, FW.SGL_LEN),
+}
 
 
 @dataclass(slots=True)
@@ -171,6 +195,7 @@ class Decoder:
         "_fast",
         "_garr",
         "_gextra",
+        "_layout",
         "_lora_bytes",
         "_map_first",
         "_salts",
@@ -188,6 +213,7 @@ class Decoder:
         hash_format: int = HASH_FORMAT_STANDARD,
         options: DecodeOptions | None = None,
         fast: bool = True,
+        kind: EngineKind = EngineKind.VLLM,
     ) -> None:
         if kv_block_size <= 0:
             raise ValueError("kv_block_size must be positive")
@@ -197,6 +223,7 @@ class Decoder:
         self.dp_rank = dp_rank
         self.extra = 1 if hash_format == HASH_FORMAT_EAGLE else 0
         self.options = options or DecodeOptions()
+        self._layout = _LAYOUTS[kind]
         # learned kv-cache group kinds: -1 unknown, 0 not full attention, 1 full attention
         self._garr = np.full(FW.MAX_GROUPS, -1, dtype=np.int8)
         self._gextra: dict[int, bool] = {}
@@ -257,6 +284,8 @@ class Decoder:
             self.block_size,
             self.extra,
             self.options.drop_self_reference,
+            self._layout.walker_ids,
+            self._layout.walker_len,
         )
         if rc != FW.OK:
             return None
@@ -313,11 +342,8 @@ class Decoder:
     def _envelope(
         self, payload: bytes, stats: DecodeStats
     ) -> tuple[float, int | None, list[Any], bool]:
-        order = (
-            (wire.MAP_ENVELOPE, wire.ARR_ENVELOPE)
-            if self._map_first
-            else (wire.ARR_ENVELOPE, wire.MAP_ENVELOPE)
-        )
+        arr = self._layout.envelope
+        order = (wire.MAP_ENVELOPE, arr) if self._map_first else (arr, wire.MAP_ENVELOPE)
         for dec in order:
             try:
                 env = dec.decode(payload)
@@ -359,8 +385,8 @@ class Decoder:
                 items = wire.ARR_ITEMS.decode(raw)
                 tag = wire.STR.decode(items[0]) if items else None
                 if tag in wire.KNOWN_TAGS:
-                    ev = wire.ARR_EVENT.decode(raw)
-                    stats.unknown_fields += max(0, len(items) - wire.ARR_LEN[tag])
+                    ev = self._layout.event.decode(raw)
+                    stats.unknown_fields += max(0, len(items) - self._layout.lengths[tag])
                     return ev
             else:
                 tag = None

@@ -86,10 +86,28 @@ _ARR_STORE = (K_TYPE, K_HASHES, K_PARENT, K_TOKENS, K_BS, K_LORA_ID, K_MEDIUM, K
 _ARR_REMOVE = (K_TYPE, K_HASHES, K_MEDIUM, K_GROUP, K_LOCALITY, K_OWNERSHIP)
 
 
-ARR_IDS = np.full((2, len(_ARR_STORE)), -1, dtype=np.int64)
-ARR_IDS[0, :] = _ARR_STORE
-ARR_IDS[1, : len(_ARR_REMOVE)] = _ARR_REMOVE
-ARR_LEN = np.array([len(_ARR_STORE), len(_ARR_REMOVE)], dtype=np.int64)
+
+def _positions(store: tuple[int, ...], remove: tuple[int, ...], clear: tuple[int, ...]) -> Any:
+    """``(ids, lens)``: key id per array position, per tag (stored, removed, cleared); more
+    positions than ``lens[tag]`` make the walker fall back (the msgspec path counts them)."""
+    ids = np.full((3, len(_ARR_STORE)), -1, dtype=np.int64)
+    for row, keys in enumerate((store, remove, clear)):
+        ids[row, : len(keys)] = keys
+    lens = np.array([len(store), len(remove), len(clear)], dtype=np.int64)
+    ids.flags.writeable = lens.flags.writeable = False
+    return ids, lens
+
+
+ARR_IDS, ARR_LEN = _positions(_ARR_STORE, _ARR_REMOVE, (K_TYPE,))
+#: SGLang sources (§21): stores share vLLM's positions 1–13 and carry the salt map at 14 (opaque
+#: here: only the namespacing option reads it, and that takes the msgspec path); a map in vLLM's
+#: lora_name slot (one revision) falls back. Removes: medium, group, then kind and window
+#: (ignored), locality, ownership. Cleared: one trailing ownership slot.
+SGL_IDS, SGL_LEN = _positions(
+    _ARR_STORE[:15],
+    (K_TYPE, K_HASHES, K_MEDIUM, K_GROUP, K_LORA_ID, K_WINDOW, K_LOCALITY, K_OWNERSHIP),
+    (K_TYPE, K_OWNERSHIP),
+)
 
 
 @inline  # type: ignore[misc]
@@ -454,6 +472,7 @@ _layout_nb = njit(cache=True)(layout)
 @njit(cache=True)  # type: ignore[misc]
 def _walk(  # type: ignore[no-untyped-def]
     buf, bsz, extra, drop_self, groups, ops, w64, i64, has_parent, tokens, stats, ts_out,
+    arr_ids, arr_len,
 ):  # fmt: skip
     """Fills the outputs; returns ``OK`` or ``FALLBACK`` (then nothing is meaningful)."""
     e = ops.shape[0]
@@ -544,15 +563,12 @@ def _walk(  # type: ignore[no-untyped-def]
                 pos = p2
                 if f == 0 and key != 0:
                     return FALLBACK  # msgspec writes the tag first
+            elif tag < 0:
+                key = 0
             else:
-                if tag < 0:
-                    key = 0
-                elif tag <= 1:
-                    if f >= ARR_LEN[tag]:
-                        return FALLBACK
-                    key = ARR_IDS[tag, f]
-                else:
+                if f >= arr_len[tag]:
                     return FALLBACK
+                key = arr_ids[tag, f]
             bit = 1 << key
             if seen & bit:
                 return FALLBACK
@@ -786,10 +802,18 @@ def _walk(  # type: ignore[no-untyped-def]
         types.int64,  # block size
         types.int64,  # eagle extra token (0/1)
         types.boolean,  # drop self reference
+        types.Array(types.int64, 2, "C", readonly=True),  # array-form key id per tag, position
+        types.Array(types.int64, 1, "C", readonly=True),  # array-form positions per tag
     ),
 )
 def walk(
-    buf: npt.NDArray[np.uint8], work: npt.NDArray[np.uint8], bsz: int, extra: int, drop_self: bool
+    buf: npt.NDArray[np.uint8],
+    work: npt.NDArray[np.uint8],
+    bsz: int,
+    extra: int,
+    drop_self: bool,
+    arr_ids: npt.NDArray[np.int64],
+    arr_len: npt.NDArray[np.int64],
 ) -> int:
     """Entry point: ``work`` holds the groups state on input and every output on return."""
     n = buf.shape[0] + 1
@@ -809,4 +833,6 @@ def walk(
         work[o_tok : o_tok + 4 * n].view(np.uint32),
         stats,
         work[o_ts:o_groups].view(np.float64),
+        arr_ids,
+        arr_len,
     )

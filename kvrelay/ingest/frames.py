@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvrelay.ingest.errors import FrameCountError, SeqLengthError, TopicMismatchError
+from kvrelay.ingest.sglang import EPOCH_MARKER, split_topic
 
 END_SEQ = b"\xff" * 8
 
@@ -30,6 +31,25 @@ def check_live(frames: Sequence[bytes], topic: bytes) -> tuple[int, bytes]:
     if not seen.startswith(topic):
         raise TopicMismatchError("topic frame does not start with the configured topic", seen)
     return parse_seq(frames[1]), bytes(frames[2])
+
+
+def check_live_sglang(frames: Sequence[bytes], topic: bytes) -> tuple[int, bytes, bytes | None]:
+    """``check_live`` for SGLang: after the topic prefix the frame may carry the publisher's
+    epoch (and a snapshot barrier id, §21.3); returns ``(seq, payload, epoch or None)``. A
+    malformed epoch decoration is a topic mismatch."""
+    if len(frames) != 3:
+        raise FrameCountError(f"live message has {len(frames)} frames, expected 3")
+    seen = bytes(frames[0])
+    if not seen.startswith(topic):
+        raise TopicMismatchError("topic frame does not start with the configured topic", seen)
+    epoch = None
+    cut = seen.find(EPOCH_MARKER, len(topic))
+    if cut >= 0:
+        parts = split_topic(seen, seen[:cut])
+        if parts is None:
+            raise TopicMismatchError("malformed SGLang epoch in the topic frame", seen)
+        epoch = parts[0]
+    return parse_seq(frames[1]), bytes(frames[2]), epoch
 
 
 def check_replay(frames: Sequence[bytes], topic: bytes) -> tuple[int, bytes] | None:

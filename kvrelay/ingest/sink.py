@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
+from kvrelay.ingest.kinds import EngineKind
 from kvrelay.ingest.options import DecodeOptions
 from kvrelay.pool.batch import EventBatch
 
@@ -50,6 +51,7 @@ class SourceSpec:
 
     ``endpoint``/``replay_endpoint`` are connectable addresses (DP offset applied, wildcard hosts
     already substituted by discovery). ``hash_format``: 1 = DYNAMO_STANDARD_V1, 2 = EAGLE_V1.
+    ``kind``: the engine family, which picks the event layout and topic rules (§21).
     ``engine`` and ``pool`` are the operator's names, for logs (the key holds hashed ids).
     """
 
@@ -61,6 +63,7 @@ class SourceSpec:
     kv_block_size: int
     hash_format: int = 1
     options: DecodeOptions = field(default_factory=DecodeOptions)
+    kind: EngineKind = EngineKind.VLLM
     engine: str = ""
     pool: str = ""
 

@@ -23,6 +23,9 @@ other answer (other bytes, a later first batch, nothing) means the state can no 
 for, and the member is reset and rebuilt from the new incarnation's replay at 0. Without a replay
 endpoint a reconnect resets the member.
 
+SGLang publishers with a snapshot endpoint name their epoch (incarnation) in the topic frame
+(§21.3): a change of epoch is a restart, handled like a backwards sequence whatever the sequence.
+
 Bad batches. A batch that fails to decode (or that the pool rejects as malformed) leaves the
 member's state untouched but stale: the relay asks the replay for that batch again (a corrupted
 live message repairs itself); if it is bad again, or no replay exists, the member is reset and
@@ -49,7 +52,8 @@ from kvrelay._aio import cancel_and_wait
 from kvrelay.ingest.counters import SubscriberCounters
 from kvrelay.ingest.decoder import Decoder
 from kvrelay.ingest.errors import DecodeError, FrameError, TopicMismatchError
-from kvrelay.ingest.frames import check_live, check_replay
+from kvrelay.ingest.frames import check_live, check_live_sglang, check_replay
+from kvrelay.ingest.kinds import EngineKind
 from kvrelay.ingest.reorder import ReorderBuffer
 from kvrelay.ingest.sink import BatchSink, ResetReason, SourceSpec
 from kvrelay.logging import get_logger
@@ -109,7 +113,11 @@ class Subscriber:
             dp_rank=spec.dp_rank,
             hash_format=spec.hash_format,
             options=spec.options,
+            kind=spec.kind,
         )
+        self._sglang = spec.kind is EngineKind.SGLANG
+        self._epoch: bytes | None = None  # SGLang: the publisher epoch last seen
+        self._epoch_known = False
         self._start_seq = start_seq
         self._next: int | None = None
         self._dup_lo, self._dup_hi = 0, -1
@@ -193,6 +201,10 @@ class Subscriber:
             poller.register(self._monitor, zmq.POLLIN)
             drain = self._drain
             while True:
+                while self._replay_from is not None:
+                    start, self._replay_from = self._replay_from, None
+                    await self._sync(start, bootstrap=False)
+                    self._set_state("live")
                 await poller.poll()
                 self._watch_connection()
                 if self._reconnected:
@@ -206,10 +218,6 @@ class Subscriber:
                     except zmq.Again:
                         break
                     self._on_live(frames)
-                if self._replay_from is not None:
-                    start, self._replay_from = self._replay_from, None
-                    await self._sync(start, bootstrap=False)
-                    self._set_state("live")
                 await asyncio.sleep(0)
         except asyncio.CancelledError:
             raise
@@ -271,14 +279,33 @@ class Subscriber:
             self._replay_from = self._next  # the replay checks the last batch first
 
     # ---- live path ------------------------------------------------------------------------
+    def _check(self, frames: list[bytes]) -> tuple[int, bytes, bool]:
+        """``(seq, payload, new_epoch)``; raises ``FrameError``. ``new_epoch``: an SGLang
+        publisher announced an epoch other than the one seen before (it restarted)."""
+        if not self._sglang:
+            seq, payload = check_live(frames, self.spec.topic)
+            return seq, payload, False
+        seq, payload, epoch = check_live_sglang(frames, self.spec.topic)
+        if not self._epoch_known:
+            self._epoch, self._epoch_known = epoch, True
+            return seq, payload, False
+        if epoch == self._epoch:
+            return seq, payload, False
+        self._epoch = epoch
+        self.counters.epoch_changes += 1
+        return seq, payload, True
+
     def _on_live(self, frames: list[bytes]) -> None:
         c = self.counters
         c.messages += 1
         self.last_message_at = time.monotonic()
         try:
-            seq, payload = check_live(frames, self.spec.topic)
+            seq, payload, new_epoch = self._check(frames)
         except FrameError as exc:
             self._rejected(exc)
+            return
+        if new_epoch:
+            self._incarnation(seq, payload, epoch=True)
             return
         nxt = self._next
         if nxt is None:
@@ -310,8 +337,11 @@ class Subscriber:
             c.gaps += 1
             self._replay_from = nxt
 
-    def _incarnation(self, seq: int, payload: bytes) -> None:
-        self._log.warning("sequence_backwards", seq=seq, expected=self._next)
+    def _incarnation(self, seq: int, payload: bytes, *, epoch: bool = False) -> None:
+        if epoch:
+            self._log.warning("epoch_changed", seq=seq, expected=self._next)
+        else:
+            self._log.warning("sequence_backwards", seq=seq, expected=self._next)
         replay = seq > 0 and bool(self.spec.replay_endpoint)
         self._restart_from_zero(ResetReason.INCARNATION, replay=replay)
         if replay:
@@ -586,10 +616,15 @@ class Subscriber:
             c.messages += 1
             self.last_message_at = time.monotonic()
             try:
-                seq, payload = check_live(frames, self.spec.topic)
+                seq, payload, new_epoch = self._check(frames)
             except FrameError as exc:
                 self._rejected(exc)
                 continue
+            if new_epoch:  # a restart while replaying: start over from the new epoch's 0
+                self._log.warning("epoch_changed", seq=seq, during="replay")
+                self._restart_from_zero(ResetReason.INCARNATION)
+                self._buf.put(seq, payload)
+                return False
             if self._next is not None and seq < self._next:
                 c.duplicates += 1
                 continue

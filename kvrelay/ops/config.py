@@ -22,9 +22,11 @@ from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.discovery.endpoints import WILDCARD_HOSTS, StaticSourceConfig, split_tcp
 from kvrelay.hashing.identity import DEFAULT_CKF_SEED, bucket_count_for
+from kvrelay.ingest.kinds import ENGINE_KINDS
 from kvrelay.ingest.options import DecodeOptions
+from kvrelay.ingest.topic_pattern import PatternError, TopicPattern
 from kvrelay.ops.tls import is_loopback
-from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
+from kvrelay.relay.settings import ConnectConfig, EngineSpec, PoolSpec, RelaySettings
 
 DEFAULT_BIND = "127.0.0.1:50161"
 DEFAULT_METRICS_BIND = "127.0.0.1:50162"
@@ -117,9 +119,11 @@ class DaemonConfig:
         metrics = (
             format_bind(self.metrics.host, self.metrics.port) if self.metrics.enabled else "off"
         )
+        n_connect = sum(1 for p in self.relay.pools if p.connect is not None)
+        connect = f", {n_connect} connect endpoint(s)" if n_connect else ""
         return (
-            f"dc {self.relay.dc_name!r}: {len(self.relay.pools)} pool(s), {n_engines} engine(s); "
-            f"gRPC {grpc}; metrics {metrics}; {len(self.warnings)} warning(s)"
+            f"dc {self.relay.dc_name!r}: {len(self.relay.pools)} pool(s), {n_engines} engine(s)"
+            f"{connect}; gRPC {grpc}; metrics {metrics}; {len(self.warnings)} warning(s)"
         )
 
 
@@ -290,6 +294,7 @@ ENGINE_KEYS: dict[str, _Key] = {
     "grpc_port": _Key("int", None, check=_int_range(1, 65535)),
     "metrics_port": _Key("int", None, check=_int_range(1, 65535)),
     "total_kv_blocks": _Key("int", None, check=_int_range(1, 1 << 40)),
+    "kind": _kw("vllm", ENGINE_KINDS),
     "dns": _Key("str", None, check=_text),
     "dns_srv": _Key("bool", False),
 }
@@ -301,6 +306,31 @@ STATIC_KEYS: dict[str, _Key] = {
     "buffer_steps": _Key("int", 10000, check=_int_range(1, 1 << 31)),
     "hwm": _Key("int", 100000, check=_int_range(0, 1 << 31)),
     "max_queue_size": _Key("int", 100000, check=_int_range(1, 1 << 31)),
+}
+def _pattern(v: str) -> str | None:
+    try:
+        TopicPattern(v)
+    except PatternError as exc:
+        return f"bad topic pattern: {exc}"
+    return None
+
+
+def _bind_endpoints(v: list[str]) -> str | None:
+    for ep in v:
+        problem = _endpoint(ep)
+        if problem is not None:
+            return problem
+    if len(set(v)) != len(v):
+        return f"duplicate endpoints in {v!r}"
+    return None
+
+
+CONNECT_KEYS: dict[str, _Key] = {
+    "bind": _Key("strs", required=True, check=_bind_endpoints),
+    "topic_pattern": _Key("str", required=True, check=_pattern),
+    "kind": _kw("vllm", ENGINE_KINDS),
+    "max_members": _Key("int", 1024, check=_int_range(1, 65536)),
+    "member_silence_s": _Key("float", 600.0, check=_positive_s),
 }
 #: Sections reachable through environment overrides (scalar keys only), longest prefix first.
 ENV_SECTIONS: tuple[tuple[str, str, dict[str, _Key]], ...] = (
@@ -324,6 +354,7 @@ _TYPE_NAMES = {
     "float": "a number",
     "bool": "a boolean (true/false)",
     "ints": "a list of integers",
+    "strs": "a string or a non-empty list of strings",
     "dnf": "a list of lists of roles, e.g. [[\"prefill\"]]",
 }
 
@@ -418,6 +449,11 @@ class _Reader:
             return float(v)
         if ok:
             return v
+        if kind == "strs" and (
+            isinstance(v, str)
+            or (isinstance(v, list) and v and all(isinstance(x, str) for x in v))
+        ):
+            return [v] if isinstance(v, str) else list(v)
         if kind == "ints" and isinstance(v, list):
             if not v:
                 self.err(path, "must list at least one value")
@@ -724,13 +760,21 @@ def _pools(r: _Reader, value: Any) -> list[PoolSpec] | None:
     for i, praw in enumerate(raws):
         path = f"pools[{i}]"
         n_before = len(r.problems)
-        p = r.keys(path, praw, POOL_KEYS, extra=("engines",))
+        p = r.keys(path, praw, POOL_KEYS, extra=("engines", "connect"))
+        connect = _connect(r, path, praw)
         triple = (p["namespace"], p["component"], p["endpoint"])
         if None not in triple:
             if triple in seen_triples:
                 r.err(path, f"same namespace/component/endpoint as pools[{seen_triples[triple]}]")
             seen_triples.setdefault(triple, i)
-        engines = _engines(r, path, praw.get("engines"), seen_engines)
+        if connect is not None and "engines" not in praw:
+            engines: list[EngineSpec] = []  # every engine connects to the pool's endpoint
+        else:
+            engines = _engines(r, path, praw.get("engines"), seen_engines)
+        if connect is not None:
+            for k in ("model", "kv_block_size"):
+                if p[k] is None:
+                    r.err(f"{path}.{k}", "required with [pools.connect] (no engine reports it)")
         if engines and any(e.grpc_port is None for e in engines):
             for k in ("model", "kv_block_size"):
                 if p[k] is None:
@@ -763,12 +807,42 @@ def _pools(r: _Reader, value: Any) -> list[PoolSpec] | None:
                         cache_salt_namespacing=p["cache_salt_namespacing"],
                         multimodal_hashing=p["multimodal_hashing"],
                     ),
+                    connect=connect,
                 )
             )
         except ValueError as exc:
             r.err(path, str(exc))
             ok = False
     return out if ok else None
+
+
+def _connect(r: _Reader, pool_path: str, praw: dict[str, Any]) -> ConnectConfig | None:
+    """``[pools.connect]``: the pool's bound ingest endpoint (§22), or None."""
+    if "connect" not in praw:
+        return None
+    path = f"{pool_path}.connect"
+    raw = r.table(path, praw["connect"])
+    if raw is None:
+        return None
+    n_before = len(r.problems)
+    c = r.keys(path, raw, CONNECT_KEYS)
+    if any(q.severity == "error" for q in r.problems[n_before:]):
+        return None
+    for ep in c["bind"]:
+        if ep.startswith("tcp://") and split_tcp(ep)[1] == 0:
+            r.err(f"{path}.bind", f"{ep}: engines need a fixed port to connect to")
+            return None
+    try:
+        return ConnectConfig(
+            bind=tuple(c["bind"]),
+            topic_pattern=c["topic_pattern"],
+            kind=ENGINE_KINDS[c["kind"]],
+            max_members=c["max_members"],
+            member_silence_s=c["member_silence_s"],
+        )
+    except ValueError as exc:
+        r.err(path, str(exc))
+        return None
 
 
 def _engines(
@@ -811,7 +885,12 @@ def _engines(
                 r.err(f"{epath}.name", f"engine name {name!r} already used in {seen[name]}")
             names.setdefault(name, j)
             seen.setdefault(name, epath)
-        if "grpc_port" not in eraw and "static" not in eraw and not e["dns_srv"]:
+        if e["kind"] == "sglang":
+            if "grpc_port" in eraw or e["dns_srv"]:
+                r.err(f"{epath}.grpc_port", "SGLang has no vllm.Control: give static sources")
+            if "static" not in eraw:
+                r.err(f"{epath}.static", "required for an SGLang engine (no gRPC discovery)")
+        elif "grpc_port" not in eraw and "static" not in eraw and not e["dns_srv"]:
             r.err(
                 f"{epath}.grpc_port",
                 "required unless [pools.engines.static] sources are given (vLLM < 0.27)"
@@ -834,6 +913,7 @@ def _engines(
                     static=static,
                     metrics_port=e["metrics_port"],
                     total_kv_blocks=e["total_kv_blocks"],
+                    kind=ENGINE_KINDS[e["kind"]],
                     dns=e["dns"],
                     dns_srv=e["dns_srv"],
                 )

@@ -7,13 +7,15 @@ seconds, ``EXTEND_TIMEOUT_USEC=`` so ``TimeoutStartSec`` does not kill a first s
 making progress, and ``WATCHDOG=1``; the log gets one ``kernels_progress`` line per step. systemd
 hears ``READY=1`` only once the gRPC port is bound; on SIGTERM/SIGINT the daemon says
 ``STOPPING=1``, stops accepting, ends every stream with a clean EOF, stops the relay and exits 0 —
-or 1 if that takes longer than ``relay.shutdown_timeout_s``.
+or 1 if that takes longer than ``relay.shutdown_timeout_s``. SIGHUP reloads the configuration
+file (``ops/reload.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import ssl
@@ -25,6 +27,14 @@ from kvrelay import __version__
 from kvrelay._aio import cancel_all
 from kvrelay.logging import configure, get_logger
 from kvrelay.ops.config import DaemonConfig, format_bind
+from kvrelay.ops.reload import (
+    ReloadResult,
+    ReloadStats,
+    keep_restart_only,
+    read_config,
+    reload_tls,
+    restart_only_changes,
+)
 from kvrelay.ops.sdnotify import Notifier
 
 _LOG = get_logger("kvrelay.ops.daemon")
@@ -75,9 +85,20 @@ def configure_logging(cfg: DaemonConfig) -> None:
 class Daemon:
     """One relay process: start() brings everything up, stop() takes it down (idempotent)."""
 
-    def __init__(self, cfg: DaemonConfig, notifier: Notifier | None = None) -> None:
+    def __init__(
+        self,
+        cfg: DaemonConfig,
+        notifier: Notifier | None = None,
+        *,
+        config_path: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.cfg = cfg
+        self.config_path = config_path
         self.notifier = notifier if notifier is not None else Notifier()
+        self.reloads = ReloadStats()
+        self._reload_wanted = asyncio.Event()
+        self._ssl: ssl.SSLContext | None = None
+        self._reload_task: asyncio.Task[None] | None = None
         self.relay: Any = None
         self.server: Any = None
         self.metrics: Any = None
@@ -113,12 +134,13 @@ class Daemon:
             _LOG.warning("kernel_cache", dir=cache.path, source=cache.source, persistent=False)
         warm_s = await self._warm_kernels()
         _LOG.info("kernels_warm", seconds=round(warm_s, 3))
-        context = self._ssl_context()
+        self._ssl = context = self._ssl_context()
         self.relay = Relay(cfg.relay)
         if cfg.metrics.enabled:  # before the relay starts, so every delta is observed
             from kvrelay.ops.metrics import RelayMetrics
 
             self.metrics = RelayMetrics(self.relay, per_member=cfg.metrics.per_member)
+            self.metrics.attach_reloads(self.reloads)
         await self.relay.start()
         self.server = RelayServer(self.relay, cfg.relay.limits)
         await self.server.start(cfg.bind_host, cfg.bind_port, ssl=context)
@@ -139,6 +161,7 @@ class Daemon:
         self._tasks.append(
             asyncio.create_task(self.notifier.watchdog_loop(), name="kvrelay-watchdog")
         )
+        self._reload_task = asyncio.create_task(self._reload_loop(), name="kvrelay-reload")
         _LOG.info(
             "relay_serving",
             version=__version__,
@@ -193,6 +216,60 @@ class Daemon:
         finally:
             warm.cancel()
 
+    # ---- reload ----------------------------------------------------------------------------------
+
+    def request_reload(self) -> None:
+        """SIGHUP: reload once the daemon serves; signals during a reload coalesce into one more."""
+        self._reload_wanted.set()
+
+    async def _reload_loop(self) -> None:
+        while True:
+            await self._reload_wanted.wait()
+            self._reload_wanted.clear()
+            if self.config_path is None:
+                _LOG.warning("config_reload_unavailable", reason="started without a config file")
+                continue
+            await self.reload(self.config_path)
+
+    async def reload(self, path: str | os.PathLike[str]) -> ReloadResult:
+        """Re-read ``path`` and apply it live; the running configuration stays on any error."""
+        self.notifier.reloading()
+        status = "reload applied"
+        try:
+            new, problems = read_config(path)
+            if new is None:
+                status = "reload rejected: configuration invalid, running configuration kept"
+                self.reloads.outcome("rejected")
+                _LOG.error(
+                    "config_reload_rejected", path=str(path), problems=[str(p) for p in problems]
+                )
+                return ReloadResult("rejected", tuple(problems))
+            for w in new.warnings:
+                _LOG.warning("config_warning", path=w.path, reason=w.reason)
+            restart = restart_only_changes(self.cfg, new)
+            effective = keep_restart_only(self.cfg, new)
+            try:
+                reload_tls(self._ssl, effective)
+                plan = await self.relay.reconfigure(effective.relay)
+            except Exception as exc:
+                status = "reload failed: see the log"
+                self.reloads.outcome("failed")
+                _LOG.exception("config_reload_failed", path=str(path), error=f"{exc}")
+                return ReloadResult("failed")
+            restart += plan.restart_required
+            if restart:
+                _LOG.warning("config_reload_restart_required", settings=restart)
+            logging_changed = effective.logging != self.cfg.logging
+            self.cfg = dataclasses.replace(effective, relay=self.relay.settings)
+            if logging_changed:
+                configure_logging(self.cfg)
+            self.reloads.outcome("applied")
+            summary = plan.summary()
+            _LOG.info("config_reloaded", path=str(path), **summary)
+            return ReloadResult("applied", tuple(new.warnings), tuple(restart), summary)
+        finally:
+            self.notifier.ready(status)
+
     async def _loop_lag(self) -> None:
         """Sample scheduling lag: how late a timer fires is how late every stream is."""
         loop = asyncio.get_running_loop()
@@ -211,6 +288,8 @@ class Daemon:
         self._stopped = True
         self.notifier.stopping()
         _LOG.info("relay_stopping")
+        if self._reload_task is not None:  # a reload half-way must not race the shutdown
+            await cancel_all([self._reload_task])
         grace = max(0.1, self.cfg.shutdown_timeout_s / 2)
         try:
             if self.server is not None:
@@ -225,8 +304,14 @@ class Daemon:
             self.notifier.close()
 
 
-async def serve(cfg: DaemonConfig, notifier: Notifier | None = None) -> int:
-    """Run until SIGTERM/SIGINT; the process exit code (0 clean, 1 failure or slow shutdown)."""
+async def serve(
+    cfg: DaemonConfig,
+    notifier: Notifier | None = None,
+    *,
+    config_path: str | os.PathLike[str] | None = None,
+) -> int:
+    """Run until SIGTERM/SIGINT (SIGHUP reloads ``config_path``); the process exit code (0
+    clean, 1 failure or slow shutdown)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals_seen: list[int] = []
@@ -241,7 +326,8 @@ async def serve(cfg: DaemonConfig, notifier: Notifier | None = None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
-    daemon = Daemon(cfg, notifier)
+    daemon = Daemon(cfg, notifier, config_path=config_path)
+    loop.add_signal_handler(signal.SIGHUP, daemon.request_reload)
     code = 0
     try:
         starting = asyncio.create_task(daemon.start())
@@ -270,12 +356,18 @@ async def serve(cfg: DaemonConfig, notifier: Notifier | None = None) -> int:
         _LOG.info("relay_stopped", exit_code=code)
         return code
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
 
 
-def run(cfg: DaemonConfig, main: Callable[[DaemonConfig], Any] = serve) -> int:
-    """Configure logging, pick the event loop (asyncio or uvloop) and run ``main(cfg)``."""
+def run(
+    cfg: DaemonConfig,
+    main: Callable[..., Any] = serve,
+    *,
+    config_path: str | os.PathLike[str] | None = None,
+) -> int:
+    """Configure logging, pick the event loop (asyncio or uvloop) and run ``main(cfg)`` (with
+    ``config_path=`` when given: the file SIGHUP reloads)."""
     configure_logging(cfg)
     factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     if cfg.event_loop == "uvloop":
@@ -286,4 +378,5 @@ def run(cfg: DaemonConfig, main: Callable[[DaemonConfig], Any] = serve) -> int:
             return 1
         factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
-        return int(runner.run(main(cfg)))
+        coro = main(cfg) if config_path is None else main(cfg, config_path=config_path)
+        return int(runner.run(coro))

@@ -67,6 +67,9 @@ _SUB_SCALARS: dict[str, tuple[str, str]] = {
         "kvrelay_ingest_incarnations_detected",
         "Replays that did not hold the last applied batch (engine restarted): member rebuilt.",
     ),
+    "epoch_changes": (
+        "kvrelay_ingest_epoch_changes", "SGLang publisher epochs that changed (restarts)."
+    ),
     "bad_batches": (
         "kvrelay_ingest_bad_batches", "Batches that could not be decoded or were malformed."
     ),
@@ -136,9 +139,40 @@ _POOL_COUNTERS: dict[str, tuple[str, str]] = {
     "rebuild_backoffs": (
         "kvrelay_pool_rebuild_backoffs", "Rebuilds after repeated fences that waited (backoff)."
     ),
+    "reconfigurations": (
+        "kvrelay_pool_reconfigurations",
+        "Re-materializations because a reload changed a filter setting.",
+    ),
+    # connect mode (a bound SUB fed by many engines, §22)
+    "connect_messages": ("kvrelay_connect_messages", "Messages on the pool's bound SUB."),
+    "connect_topic_unmatched": (
+        "kvrelay_connect_topic_unmatched", "Messages whose topic the pattern does not match."
+    ),
+    "connect_topic_malformed": (
+        "kvrelay_connect_topic_malformed",
+        "Messages whose topic matches but names no valid member (bad UTF-8, engine or rank).",
+    ),
+    "connect_model_mismatch": (
+        "kvrelay_connect_model_mismatch", "Messages whose topic names another model."
+    ),
+    "connect_frames_rejected": (
+        "kvrelay_connect_frames_rejected", "Messages with a bad frame count or sequence frame."
+    ),
+    "connect_members_added": ("kvrelay_connect_members_added", "Members admitted by topic."),
+    "connect_members_refused": (
+        "kvrelay_connect_members_refused", "Messages naming a configured engine (refused)."
+    ),
+    "connect_members_over_limit": (
+        "kvrelay_connect_members_over_limit", "Messages naming a new member past max_members."
+    ),
+    "connect_members_expired": (
+        "kvrelay_connect_members_expired", "Members removed after member_silence_s of silence."
+    ),
+    "connect_unattributed": (
+        "kvrelay_connect_unattributed",
+        "Undecodable payloads whose DP rank could not be read (the engine's members reset).",
+    ),
 }
-
-
 
 
 class RelaySource(Protocol):
@@ -148,6 +182,16 @@ class RelaySource(Protocol):
     def observers(self) -> Observers: ...
 
     def stats(self) -> RelayStats: ...
+
+
+class ReloadSource(Protocol):
+    """Configuration reload outcomes (``kvrelay.ops.reload.ReloadStats``)."""
+
+    applied: int
+    rejected: int
+    failed: int
+    last_successful: bool
+    last_success_unix: float
 
 
 class ServiceSource(Protocol):
@@ -201,6 +245,7 @@ class RelayMetrics:
         self.relay = relay
         self.registry = registry if registry is not None else default_registry()
         self._service = service
+        self._reloads: ReloadSource | None = None
         self.per_member = per_member  # False: ingest families summed per pool
         self.delta_latency = Histogram(
             "kvrelay_delta_latency_seconds",
@@ -230,6 +275,10 @@ class RelayMetrics:
         """Export the gRPC service's per-stream-kind subscriber counts and error counts."""
         self._service = service
 
+    def attach_reloads(self, reloads: ReloadSource) -> None:
+        """Export configuration reload outcomes (the daemon's SIGHUP handling)."""
+        self._reloads = reloads
+
     def observe_loop_lag(self, seconds: float) -> None:
         if math.isnan(seconds):
             return
@@ -252,6 +301,29 @@ class RelayMetrics:
         yield from _source_metrics(stats)
         yield from _generation_metrics(stats)
         yield from self._service_metrics()
+        yield from self._reload_metrics()
+
+    def _reload_metrics(self) -> Iterator[Metric]:
+        r = self._reloads
+        if r is None:
+            return
+        total = CounterMetricFamily(
+            "kvrelay_config_reloads", "Configuration reloads (SIGHUP) by result: applied, "
+            "rejected (invalid file, running configuration kept), failed.", labels=["result"],
+        )  # fmt: skip
+        for result in ("applied", "rejected", "failed"):
+            total.add_metric([result], getattr(r, result))
+        yield total
+        yield GaugeMetricFamily(
+            "kvrelay_config_last_reload_successful",
+            "1 if the last reload was applied (or none happened since start).",
+            value=1 if r.last_successful else 0,
+        )
+        yield GaugeMetricFamily(
+            "kvrelay_config_last_reload_success_timestamp_seconds",
+            "Unix time of the last applied reload (or of start).",
+            value=r.last_success_unix,
+        )
 
     def _service_metrics(self) -> Iterator[Metric]:
         svc = self._service

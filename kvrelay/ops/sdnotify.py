@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import time
 from collections.abc import Mapping
 
 from kvrelay.logging import get_logger
@@ -20,7 +21,7 @@ _LOG = get_logger(__name__)
 
 
 class Notifier:
-    """Sends ``READY=1`` / ``WATCHDOG=1`` / ``STOPPING=1`` / ``STATUS=...`` /
+    """Sends ``READY=1`` / ``RELOADING=1`` / ``WATCHDOG=1`` / ``STOPPING=1`` / ``STATUS=...`` /
     ``EXTEND_TIMEOUT_USEC=...`` to systemd."""
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
@@ -57,6 +58,12 @@ class Notifier:
 
     def stopping(self) -> bool:
         return self.notify("STOPPING=1")
+
+    def reloading(self) -> bool:
+        """``RELOADING=1`` with the ``MONOTONIC_USEC`` systemd ≥ 253 wants (``Type=notify-reload``
+        and ``ExecReload=`` both work); ``ready()`` ends the reload."""
+        usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        return self.notify(f"RELOADING=1\nMONOTONIC_USEC={usec}")
 
     def status(self, text: str) -> bool:
         return self.notify(f"STATUS={text}")

@@ -11,6 +11,7 @@ resolution that fails (timeout, SERVFAIL) changes nothing: a DNS outage is not a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -90,13 +91,41 @@ class DnsMembership:
         self.counters = DnsCounters()
         self.current: dict[tuple[str, str], dict[str, EngineSpec]] = {}
         self._missing: dict[tuple[str, str], int] = {}  # (pool, engine) → answers missing from
+        self._wake = asyncio.Event()
+        #: Held while resolving and while a reload edits the templates, so a resolution never
+        #: re-adds the engines of a template a reload just retired.
+        self.lock = asyncio.Lock()
 
     async def run(self) -> None:
         while True:
+            self._wake.clear()
             await self.resolve_once()
-            await asyncio.sleep(self.interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+
+    def wake(self) -> None:
+        """Resolve again now (a reload changed the templates), not after the interval."""
+        self._wake.set()
+
+    def forget(self, pool: str, template: str) -> list[str]:
+        """Stop following ``template`` of ``pool``; the names of the engines it had expanded to
+        (the caller removes them — or nothing, when the whole pool goes)."""
+        self.templates = [(p, t) for p, t in self.templates if (p, t.name) != (pool, template)]
+        engines = list(self.current.pop((pool, template), {}))
+        for name in engines:
+            self._missing.pop((pool, name), None)
+        return engines
+
+    def set_templates(self, templates: list[tuple[str, EngineSpec]]) -> None:
+        """The templates after a reload (retired ones already forgotten)."""
+        self.templates = templates
+        self.wake()
 
     async def resolve_once(self) -> None:
+        async with self.lock:
+            await self._resolve_all()
+
+    async def _resolve_all(self) -> None:
         for pool, template in self.templates:
             assert template.dns is not None
             key = (pool, template.name)

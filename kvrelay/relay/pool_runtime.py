@@ -24,6 +24,9 @@ then ``reconcile`` makes subscribers and the generation match what the snapshots
   active source.
 * Any doubt about exact state fences the generation. The catalog withdrawal is published before
   the generation is torn down, and a pool that keeps getting fenced is rebuilt with backoff.
+* Connect mode (§22, ``relay/connected.py``): members that connect to the pool's bound SUB count
+  as active sources; the pool materializes before a member's first batch (nothing can be
+  replayed) and withdraws when the last one leaves.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ import asyncio
 import contextlib
 import random
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.errors import RelayError
@@ -54,6 +59,7 @@ from kvrelay.pool.pool import Pool
 from kvrelay.publication.catalog import LoraSpec, descriptor
 from kvrelay.publication.load import RankLoad
 from kvrelay.publication.readiness import EndpointState
+from kvrelay.relay.connected import ConnectedMembers, counter_values
 from kvrelay.relay.context import RelayContext
 from kvrelay.relay.engines import EngineState, PoolIdentity, pool_identity, worker_id_for
 from kvrelay.relay.generation import Generation
@@ -101,6 +107,7 @@ class PoolCounters:
     identity_changes: int = 0  # re-materialized for a new model / model source / block size
     identity_conflicts: int = 0  # withdrawn because reachable engines disagree
     rebuild_backoffs: int = 0  # rebuilds after a fence that waited (repeated fences)
+    reconfigurations: int = 0  # re-materialized because a reload changed filter settings
 
     def reset(self, reason: str) -> None:
         self.member_resets[reason] = self.member_resets.get(reason, 0) + 1
@@ -135,6 +142,7 @@ class PoolRuntime:
         # Final counters of retired subscribers and generations (monotonic stats).
         self._source_totals: dict[SourceKey, SubscriberCounters] = {}
         self._generation_totals = GenerationTotals()
+        self.connected = ConnectedMembers(self) if spec.connect is not None else None
 
     # ---- BatchSink -------------------------------------------------------------------------------
 
@@ -185,6 +193,32 @@ class PoolRuntime:
             gen.reset_member(source)
         self._ctx.schedule(self._reconcile_after(0.0))
         self._ctx.schedule(self._reconcile_after(delay))
+
+    # ---- what connected members need (relay/connected.py: PoolHost) ------------------------------
+
+    def is_configured(self, worker_id: int) -> bool:
+        return worker_id in self.by_worker
+
+    def count_reset(self, reason: str) -> None:
+        self.counters.reset(reason)
+
+    def count_source_failure(self) -> None:
+        self.counters.source_failures += 1
+
+    def schedule(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self._ctx.schedule(coro)
+
+    def ensure_generation(self) -> None:
+        """Materialize now if the pool can (a connected member's first batch is due)."""
+        if self.generation is not None or self._stopped:
+            return
+        if time.monotonic() < self._rebuild_not_before:
+            return  # a delayed rebuild after repeated fences: batches until then are dropped
+        ident, conflict = pool_identity(self.spec, list(self.engines.values()), self.identity)
+        if conflict is None and ident is not None:
+            self.identity = ident
+            self._materialize(ident)
+            self._ctx.changed()
 
     async def _reconcile_after(self, delay: float) -> None:
         if delay > 0:
@@ -254,7 +288,8 @@ class PoolRuntime:
             roles=frozenset({self.spec.role}) if self.spec.role != pb.WorkerRole.LEGACY
             else frozenset(),
             needs=self.spec.needs,
-            live=sum(1 for st in self.engines.values() if st.serving),
+            live=sum(1 for st in self.engines.values() if st.serving)
+            + (self.connected.live_engines() if self.connected else 0),
             probed=all(st.probed for st in self.engines.values()),
             models=frozenset({model}),
             adapters={n: model for n in self.lora_names()},
@@ -280,6 +315,8 @@ class PoolRuntime:
                 if usage is not None and total is not None:
                     used = max(0, round(usage * total))
                 ranks.append(RankLoad(kv_used_blocks=used, total_kv_blocks=total))
+        if self.connected is not None:
+            ranks += self.connected.rank_loads()
         return gen.producer, ranks
 
     def _producer(self, ident: PoolIdentity) -> pb.ProducerIdentity:
@@ -405,8 +442,9 @@ class PoolRuntime:
                 return key
         return None
 
-    async def remove_engine(self, engine_name: str) -> None:
-        """The engine left the fleet: its subscribers stop and its members are removed."""
+    async def remove_engine(self, engine_name: str, *, reconcile: bool = True) -> None:
+        """The engine left the fleet: its subscribers stop and its members are removed
+        (``reconcile=False``: a reload that adds engines next reconciles once at the end)."""
         key = self.target_of(engine_name)
         if key is None:
             return
@@ -422,7 +460,8 @@ class PoolRuntime:
                         self.counters.reset("engine_removed")
             del self.engines[key]
             del self.by_worker[st.worker_id]
-        await self.reconcile()
+        if reconcile:
+            await self.reconcile()
 
     async def _restart_engine_members(self, worker_id: int) -> None:
         """New incarnation: stop the engine's subscribers, clear its members; ``reconcile`` then
@@ -436,7 +475,10 @@ class PoolRuntime:
 
     def tick(self, now: float) -> None:
         """Periodic checks (the relay calls this about once a second): engines down, and
-        restart backoff forgotten for sources that have been healthy again for a while."""
+        restart backoff forgotten for sources that have been healthy again for a while; the
+        connect endpoint bound (or re-bound after a failure)."""
+        if self.connected is not None:
+            self.connected.tick(now)
         for key, (_attempt, not_before) in list(self._restarts.items()):
             sub = self.subscribers.get(key)
             if sub is not None and sub.connected and now - not_before >= RESTART_STABLE_S:
@@ -500,6 +542,7 @@ class PoolRuntime:
                     kv_block_size=block_size,
                     hash_format=int(self.spec.hash_format),
                     options=self.spec.decode,
+                    kind=st.spec.kind,
                     engine=st.spec.name,
                     pool=self.name,
                 )
@@ -538,7 +581,12 @@ class PoolRuntime:
         self.identity = ident
         desired = self._desired(ident.block_size)
         now = time.monotonic()
-        if not any(self._startable(k, now) or k in self.subscribers for k in desired):
+        connected = self.connected is not None and self.connected.live
+        if not connected and not any(
+            self._startable(k, now) or k in self.subscribers for k in desired
+        ):
+            if any(not st.probed for st in self.engines.values()):
+                return  # an engine just added (a reload, DNS) may bring sources: its probe decides
             await self._withdraw("pool withdrawn: no active source")
             return
         if self.generation is None:
@@ -582,9 +630,36 @@ class PoolRuntime:
                     await sub.stop()
                 self._fold_source(key, sub.counters)
 
+    async def respec(self, spec: PoolSpec, *, rematerialize: bool) -> None:
+        """A reload changed the pool's settings (the caller adds and removes engines, then
+        reconciles). With ``rematerialize`` the generation is withdrawn, to be rebuilt under the
+        new settings; otherwise it goes on (sources whose settings changed restart on reconcile)."""
+        async with self._reconcile_lock:
+            connect_changed = spec.connect != self.spec.connect
+            self.spec = spec
+            if connect_changed:  # a new endpoint or pattern: its members start over (§22)
+                if self.connected is not None:
+                    await self.connected.stop(retire=True)
+                self.connected = ConnectedMembers(self) if spec.connect is not None else None
+            if rematerialize:
+                self.counters.reconfigurations += 1
+                await self._withdraw("pool settings changed by a reload; requires a fresh snapshot")
+                self._restarts.clear()
+
+    async def close(self, why: str) -> None:
+        """The pool left the configuration: its subscribers end with PUBLICATION_UNAVAILABLE
+        (after the catalog without it is published) and its sources stop."""
+        self._stopped = True
+        async with self._reconcile_lock:
+            if self.connected is not None:
+                await self.connected.stop()
+            await self._withdraw(why)
+
     async def stop(self) -> None:
         self._stopped = True
         async with self._reconcile_lock:
+            if self.connected is not None:
+                await self.connected.stop()
             await self._stop_subscribers(list(self.subscribers))
             if self.generation is not None:  # shutdown: clean EOF for subscribers
                 self._retire(self.generation, None, publish=False)
@@ -625,12 +700,15 @@ class PoolRuntime:
                 state = sub.state
             name = self._engine_name(key.worker_id)
             sources.append(SourceStats(name, key.dp_rank, state, counters))
+        if self.connected is not None:
+            sources += self.connected.source_stats()
         c = self.counters
         return PoolStats(
             name=self.name,
             bucket_count=self.spec.bucket_count,
             materialized=gen is not None,
-            counters={f.name: getattr(c, f.name) for f in fields(c) if f.name != "member_resets"},
+            counters={f.name: getattr(c, f.name) for f in fields(c) if f.name != "member_resets"}
+            | counter_values(self.connected.counters if self.connected else None),
             member_resets=dict(c.member_resets),
             generations=totals,
             generation=gstats,
@@ -646,7 +724,10 @@ class PoolRuntime:
 
     def _engine_name(self, worker_id: int) -> str:
         st = self.by_worker.get(worker_id)
-        return st.spec.name if st is not None else str(worker_id)
+        if st is not None:
+            return st.spec.name
+        named = self.connected.name_of(worker_id) if self.connected else None
+        return named if named is not None else str(worker_id)
 
 
 def _generation_totals(gen: Generation) -> GenerationTotals:

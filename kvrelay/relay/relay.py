@@ -29,7 +29,8 @@ from kvrelay.relay.generation import Generation
 from kvrelay.relay.membership import DnsMembership
 from kvrelay.relay.observer import Observers
 from kvrelay.relay.pool_runtime import EngineState, PoolRuntime
-from kvrelay.relay.settings import EngineSpec, RelaySettings
+from kvrelay.relay.reconfigure import ReloadPlan, plan_reload
+from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
 from kvrelay.relay.stats import RelayStats
 
 _log = get_logger(__name__)
@@ -57,7 +58,7 @@ class Relay:
         )
         self.observers = Observers()
         self._tasks: set[asyncio.Task[Any]] = set()
-        ctx = RelayContext(
+        self._ctx = ctx = RelayContext(
             relay_identity=self.relay_identity,
             dc_id=self.dc_id,
             limits=self.limits,
@@ -87,18 +88,11 @@ class Relay:
             interval=settings.discovery_interval_s,
             timeout=settings.discovery_timeout_s,
         )
-        templates = [(p.name, e) for p in self.pools for e in p.spec.engines if e.dns is not None]
         self.membership: DnsMembership | None = None
-        if templates:
-            self.membership = DnsMembership(
-                templates,
-                make_resolver(settings.dns_server, settings.discovery_timeout_s),
-                settings.dns_interval_s,
-                self.add_engine,
-                self.remove_engine,
-            )
         self._membership_task: asyncio.Task[None] | None = None
-        self._scrapers: list[asyncio.Task[None]] = []
+        self._sync_membership()
+        self._scrapers: dict[tuple[str, str], asyncio.Task[None]] = {}  # (pool, engine) → task
+        self._reload_lock = asyncio.Lock()
         self._ticker: asyncio.Task[None] | None = None
         self.started = False
         self.metadata_errors = 0
@@ -114,14 +108,10 @@ class Relay:
         self.load.start()
         self.watcher.start()
         self._ticker = asyncio.create_task(self._tick_loop(), name="kvrelay-relay-tick")
-        if self.membership is not None:
-            self._membership_task = asyncio.create_task(
-                self.membership.run(), name="kvrelay-dns-membership"
-            )
+        self._start_membership()
         for p in self.pools:
             for st in p.engines.values():
-                if st.spec.metrics_port is not None:
-                    self._scrapers.append(asyncio.create_task(self._scrape_loop(p, st)))
+                self._start_scraper(p, st)
 
     async def stop(self) -> None:
         if self._membership_task is not None:
@@ -131,7 +121,7 @@ class Relay:
         if self._ticker is not None:
             await cancel_all([self._ticker])
             self._ticker = None
-        await cancel_all(self._scrapers)
+        await cancel_all(list(self._scrapers.values()))
         self._scrapers.clear()
         for p in self.pools:
             await p.stop()
@@ -271,9 +261,8 @@ class Relay:
         )
 
     async def _tick_loop(self) -> None:
-        period = min(1.0, self.settings.engine_down_grace_s / 4)
         while True:
-            await asyncio.sleep(period)
+            await asyncio.sleep(min(1.0, self.settings.engine_down_grace_s / 4))
             now = time.monotonic()
             for p in self.pools:
                 try:
@@ -287,13 +276,16 @@ class Relay:
         return next(p for p in self.pools if p.name == name)
 
     async def add_engine(self, pool: str, spec: EngineSpec) -> None:
-        """A new engine of ``pool`` (found by DNS): watched and, once probed, subscribed."""
+        """A new engine of ``pool`` (found by DNS, or added by a reload): watched and, once
+        probed, subscribed."""
         p = self._pool(pool)
         target = p.add_engine(spec)
         self._by_target[target.name] = p
         self.watcher.add_target(target)
+        if self.started:
+            self._start_scraper(p, p.engines[target.name])
 
-    async def remove_engine(self, pool: str, engine: str) -> None:
+    async def remove_engine(self, pool: str, engine: str, *, reconcile: bool = True) -> None:
         """``engine`` left ``pool``: no longer watched; its subscribers stop, its members go."""
         p = self._pool(pool)
         target = p.target_of(engine)
@@ -301,7 +293,99 @@ class Relay:
             return
         await self.watcher.remove_target(target)
         self._by_target.pop(target, None)
-        await p.remove_engine(engine)
+        await self._stop_scraper(pool, engine)
+        await p.remove_engine(engine, reconcile=reconcile)
+
+    def _templates(self) -> list[tuple[str, EngineSpec]]:
+        return [(p.name, e) for p in self.pools for e in p.spec.engines if e.dns is not None]
+
+    def _sync_membership(self) -> None:
+        """Follow the DNS templates of the current pools (a membership exists once any does)."""
+        templates, s = self._templates(), self.settings
+        if self.membership is None:
+            if not templates:
+                return
+            self.membership = DnsMembership(
+                templates,
+                make_resolver(s.dns_server, s.discovery_timeout_s),
+                s.dns_interval_s,
+                self.add_engine,
+                self.remove_engine,
+            )
+            return
+        self.membership.interval_s = s.dns_interval_s
+        self.membership.set_templates(templates)
+
+    def _start_membership(self) -> None:
+        if self.membership is not None and self._membership_task is None:
+            self._membership_task = asyncio.create_task(
+                self.membership.run(), name="kvrelay-dns-membership"
+            )
+
+    # ---- reload ----------------------------------------------------------------------------------
+
+    async def reconfigure(self, new: RelaySettings) -> ReloadPlan:
+        """Apply a reloaded configuration live (see ``relay/reconfigure.py`` for what changes
+        how). Removals go first, so an engine that moved between pools is never in two."""
+        async with self._reload_lock:
+            plan = plan_reload(self.settings, new)
+            membership = self.membership
+            lock = membership.lock if membership is not None else contextlib.nullcontext()
+            async with lock:  # no DNS pass re-adds what this reload retires
+                for name in plan.removed:
+                    await self._remove_pool(self._pool(name))
+                for change in plan.changed:
+                    p = self._pool(change.name)
+                    for template in change.templates_retired:
+                        assert membership is not None  # a template existed, so membership does
+                        for engine in membership.forget(p.name, template):
+                            await self.remove_engine(p.name, engine, reconcile=False)
+                    for engine in change.engines_removed:
+                        await self.remove_engine(p.name, engine, reconcile=False)
+                if self.settings.dns_server != plan.settings.dns_server and membership is not None:
+                    membership.resolver = make_resolver(
+                        plan.settings.dns_server, plan.settings.discovery_timeout_s
+                    )
+                self.settings = plan.settings
+                self.watcher.interval = plan.settings.discovery_interval_s
+                self.watcher.timeout = plan.settings.discovery_timeout_s
+                for p in self.pools:
+                    p.engine_down_grace_s = plan.settings.engine_down_grace_s
+                for change in plan.changed:
+                    p = self._pool(change.name)
+                    await p.respec(change.spec, rematerialize=change.rematerialize)
+                    for spec in change.engines_added:
+                        await self.add_engine(p.name, spec)
+                    await p.reconcile()
+                for pool_spec in plan.added:
+                    self._add_pool(pool_spec)
+                self._sync_membership()
+            if self.started:
+                self._start_membership()
+            self.refresh_planes()
+            return plan
+
+    def _add_pool(self, spec: PoolSpec) -> None:
+        p = PoolRuntime(spec, self._ctx, engine_down_grace_s=self.settings.engine_down_grace_s)
+        self.pools.append(p)
+        for name, st in p.engines.items():
+            self._by_target[name] = p
+            self.watcher.add_target(st.target)
+            if self.started:
+                self._start_scraper(p, st)
+
+    async def _remove_pool(self, p: PoolRuntime) -> None:
+        """The pool left the configuration: out of the planes first, then its streams end."""
+        self.pools.remove(p)
+        if self.membership is not None:
+            for _pool, template in [t for t in self.membership.templates if t[0] == p.name]:
+                self.membership.forget(p.name, template.name)
+        for name, st in list(p.engines.items()):
+            await self.watcher.remove_target(name)
+            self._by_target.pop(name, None)
+            await self._stop_scraper(p.name, st.spec.name)
+        await p.close("pool removed from the relay's configuration")
+        self.refresh_planes()
 
     # ---- discovery -------------------------------------------------------------------------------
 
@@ -309,6 +393,18 @@ class Relay:
         pool = self._by_target.get(ev.target)
         if pool is not None:
             await pool.on_engine_event(ev)
+
+    def _start_scraper(self, pool: PoolRuntime, st: EngineState) -> None:
+        key = (pool.name, st.spec.name)
+        if st.spec.metrics_port is not None and key not in self._scrapers:
+            self._scrapers[key] = asyncio.create_task(
+                self._scrape_loop(pool, st), name=f"kvrelay-scrape-{st.spec.name}"
+            )
+
+    async def _stop_scraper(self, pool: str, engine: str) -> None:
+        task = self._scrapers.pop((pool, engine), None)
+        if task is not None:
+            await cancel_all([task])
 
     async def _scrape_loop(self, pool: PoolRuntime, st: EngineState) -> None:
         port = st.spec.metrics_port

@@ -8,7 +8,9 @@ from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.discovery.endpoints import StaticSourceConfig
 from kvrelay.hashing.identity import DEFAULT_CKF_SEED, bucket_count_for
+from kvrelay.ingest.kinds import EngineKind
 from kvrelay.ingest.options import DecodeOptions
+from kvrelay.ingest.topic_pattern import TopicPattern
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +21,8 @@ class EngineSpec:
     incarnation, so a restart is the same member with cleared state. Engines reached through
     ``vllm.Control`` give ``host`` + ``grpc_port``; engines without gRPC (vLLM < 0.27) give
     ``static`` sources, and then the pool's ``model`` / ``kv_block_size`` are required.
+    ``kind`` names the engine family: SGLang engines have no ``vllm.Control``, so they are
+    always static (§21).
     """
 
     name: str
@@ -27,6 +31,7 @@ class EngineSpec:
     static: StaticSourceConfig | None = None
     metrics_port: int | None = None
     total_kv_blocks: int | None = None  # capacity for static engines (load plane)
+    kind: EngineKind = EngineKind.VLLM
     #: A DNS name standing for a set of engines (a headless Service): every A/AAAA record is an
     #: engine ``name@address`` on these ports; with ``dns_srv`` the name is an SRV name whose
     #: targets and ports are the engines' Control endpoints.
@@ -40,6 +45,31 @@ class EngineSpec:
             raise ValueError(f"engine {self.name!r}: dns_srv needs a dns name")
         if self.grpc_port is None and self.static is None and not self.dns_srv:
             raise ValueError(f"engine {self.name!r} needs grpc_port or static sources")
+        if self.kind is EngineKind.SGLANG and (self.grpc_port is not None or self.static is None):
+            raise ValueError(f"SGLang engine {self.name!r} needs static sources and no grpc_port")
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectConfig:
+    """A pool-level bound ingest endpoint that engines' PUB sockets connect to (§22).
+
+    ``topic_pattern`` names each message's member (``ingest/topic_pattern.py``); ``kind`` is the
+    publishers' engine family. There is no replay: a gap or a restart resets the member, and a
+    member silent for ``member_silence_s`` is removed.
+    """
+
+    bind: tuple[str, ...]
+    topic_pattern: str
+    kind: EngineKind = EngineKind.VLLM
+    max_members: int = 1024
+    member_silence_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.bind:
+            raise ValueError("connect mode needs at least one bind endpoint")
+        TopicPattern(self.topic_pattern)  # raises PatternError (a ValueError)
+        if self.max_members < 1 or self.member_silence_s <= 0:
+            raise ValueError("max_members must be >= 1 and member_silence_s > 0")
 
 
 
@@ -64,14 +94,19 @@ class PoolSpec:
     #: Block size for static engines; with Control it comes from ``ServerInfo.kv_block_size``.
     kv_block_size: int | None = None
     decode: DecodeOptions = field(default_factory=DecodeOptions)
+    #: Engines that connect to a bound endpoint of the pool (then ``engines`` may be empty,
+    #: and ``model`` and ``kv_block_size`` are required).
+    connect: ConnectConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("namespace", "component", "endpoint"):
             value = getattr(self, name)
             if not value or value != value.strip():
                 raise ValueError(f"pool {name} must be non-empty without surrounding whitespace")
-        if not self.engines:
-            raise ValueError("a pool needs at least one engine")
+        if not self.engines and self.connect is None:
+            raise ValueError("a pool needs at least one engine or a connect endpoint")
+        if self.connect is not None and (self.model is None or self.kv_block_size is None):
+            raise ValueError("a pool with a connect endpoint needs model and kv_block_size")
         names = [e.name for e in self.engines]
         if len(set(names)) != len(names):
             raise ValueError("engine names must be unique within a pool")
@@ -112,3 +147,6 @@ class RelaySettings:
         engine_names = [e.name for p in self.pools for e in p.engines]
         if len(set(engine_names)) != len(engine_names):
             raise ValueError("an engine name appears in more than one pool")
+        binds = [b for p in self.pools if p.connect is not None for b in p.connect.bind]
+        if len(set(binds)) != len(binds):
+            raise ValueError("two pools bind the same connect endpoint")

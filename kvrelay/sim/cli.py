@@ -1,4 +1,5 @@
-"""``kvrelay sim``: run simulated vLLM engines (mounted by kvrelay/cli.py; entry ``main``)."""
+"""``kvrelay sim``: run simulated vLLM (or SGLang) engines (mounted by kvrelay/cli.py; entry
+``main``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import zmq
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimFleet
 from kvrelay.sim.kv_events_config import apply_kv_events_config
+from kvrelay.sim.sglang_wire import SglLayout
 from kvrelay.sim.traffic import TrafficConfig
 from kvrelay.sim.wire import Era, HashMode
 
@@ -73,6 +75,16 @@ def build_parser(prog: str = "kvrelay sim") -> argparse.ArgumentParser:
     p.add_argument("--rate", type=float, default=20.0, help="scheduler steps per second")
     p.add_argument("--arrivals", type=float, default=1.0, help="new requests per step per rank")
     p.add_argument("--duration", type=float, default=None, help="seconds (default: until Ctrl-C)")
+    p.add_argument(
+        "--flavor", choices=["vllm", "sglang"], default="vllm",
+        help="wire format: vLLM's, or SGLang's (no Control, no /metrics; docs/sglang.md)",
+    )  # fmt: skip
+    p.add_argument("--sglang-layout", choices=[x.value for x in SglLayout], default="aligned")
+    p.add_argument(
+        "--connect", default=None, metavar="ENDPOINT",
+        help="connect each PUB to ENDPOINT (a relay's [pools.connect] bind) instead of binding; "
+        "with --topic containing {engine}, e.g. 'kv@{engine}@sim-model'",
+    )  # fmt: skip
     return p
 
 
@@ -94,6 +106,9 @@ def configs_from_args(a: argparse.Namespace) -> list[SimConfig]:
         host_ip=a.host,
         buffer_steps=a.buffer_steps,
         traffic=TrafficConfig(arrivals_per_step=a.arrivals),
+        flavor=a.flavor,
+        sglang_layout=SglLayout(a.sglang_layout),
+        pub_connect=a.connect,
     )
     if a.served_model_name:
         base = replace(base, served_model_name=a.served_model_name, model_id=a.served_model_name)
@@ -111,6 +126,7 @@ def configs_from_args(a: argparse.Namespace) -> list[SimConfig]:
             replace(
                 base,
                 name=f"engine-{i}",
+                topic=base.topic.replace("{engine}", f"engine-{i}"),
                 pub_port=shift(a.pub_port, 200, i) or 0,
                 replay_port=shift(_opt_port(a.replay_port), 200, i),
                 grpc_port=shift(_opt_port(a.grpc_port), 1, i),

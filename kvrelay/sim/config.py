@@ -4,13 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvrelay.sim.sglang_wire import SglLayout
 from kvrelay.sim.traffic import TrafficConfig
 from kvrelay.sim.wire import Era, HashMode
 
 
 @dataclass(frozen=True, slots=True)
 class SimConfig:
-    """Engine configuration. ``pub_port``/``replay_port`` 0 = ephemeral (vLLM >= 0.31 style)."""
+    """Engine configuration. ``pub_port``/``replay_port`` 0 = ephemeral (vLLM >= 0.31 style).
+
+    ``flavor="sglang"``: the engine speaks SGLang's stream instead (``sim/sglang_wire.py``):
+    positional events in ``sglang_layout``, signed hashes, one store per page (coalesced in the
+    aligned layout), 3-frame replay replies, no LoRA names on the wire (so no LoRAs), no
+    Control. ``sglang_epoch`` puts a per-incarnation epoch in the topic frame (a publisher with
+    a snapshot endpoint); ``eagle`` publishes bigram pages. ``pub_connect``: the PUB connects to
+    this endpoint (DP offset applied) instead of binding, as both engines do for an endpoint
+    without a wildcard.
+    """
 
     name: str = "engine-0"
     seed: int = 0
@@ -46,6 +56,18 @@ class SimConfig:
     medium: str = "GPU"
     report_reused: bool = False  # re-announce prefix-cache hits as duplicate BlockStored
     traffic: TrafficConfig = field(default_factory=TrafficConfig)
+    flavor: str = "vllm"  # "vllm" | "sglang"
+    sglang_layout: SglLayout = SglLayout.ALIGNED
+    sglang_rank_in_envelope: bool = True
+    sglang_epoch: bool = False
+    eagle: bool = False
+    pub_connect: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.flavor not in ("vllm", "sglang"):
+            raise ValueError(f"flavor must be 'vllm' or 'sglang', got {self.flavor!r}")
+        if self.eagle and self.flavor != "sglang":
+            raise ValueError("eagle bigram pages are an SGLang feature (flavor='sglang')")
 
     @property
     def endpoint(self) -> str:

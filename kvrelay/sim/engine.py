@@ -2,6 +2,7 @@
 
 Tests drive engines step by step (``await engine.step(n)``); ``run(rate)`` runs steps in the
 background. Ground truth (exactly what each rank holds) is always available synchronously.
+With ``flavor="sglang"`` the engine publishes SGLang's stream instead (no Control, no /metrics).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import asyncio
 import hashlib
 import time
 from dataclasses import replace
+from typing import Any
 
 import zmq.asyncio
 
@@ -22,6 +24,7 @@ from kvrelay.sim.metrics_http import start_metrics_server, stop_metrics_server
 from kvrelay.sim.publisher import RankPublisher
 from kvrelay.sim.render import render_event
 from kvrelay.sim.scheduler import RankScheduler, SimEvent
+from kvrelay.sim.sglang_wire import encode_sglang_batch, render_sglang
 from kvrelay.sim.traffic import RequestSpec, TrafficGenerator
 from kvrelay.sim.wire import encode_batch
 
@@ -64,16 +67,27 @@ class SimEngine:
             none_digest(cfg.seed),
             cfg.max_running,
             report_reused=cfg.report_reused,
+            eagle=cfg.eagle,
         )
+
+    @property
+    def sglang(self) -> bool:
+        return self.cfg.flavor == "sglang"
+
+    def _epoch(self, rank: int) -> bytes | None:
+        """SGLang's per-publisher epoch token (32 hex digits), new with every incarnation."""
+        if not (self.sglang and self.cfg.sglang_epoch):
+            return None
+        return hashlib.sha256(f"{self.instance_id}/{rank}".encode()).hexdigest()[:32].encode()
 
     # ---- lifecycle ----
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
         await self._open_publishers()
-        if self.cfg.grpc_port is not None:
+        if self.cfg.grpc_port is not None and not self.sglang:
             server, self.grpc_port = await start_control_server(self)
             self._grpc = server
-        if self.cfg.metrics_port is not None:
+        if self.cfg.metrics_port is not None and not self.sglang:
             msrv, self.metrics_port = await start_metrics_server(self)
             self._metrics = msrv
 
@@ -90,8 +104,10 @@ class SimEngine:
                 cfg.topic,
                 cfg.buffer_steps,
                 cfg.hwm,
-                cfg.replay_frames,
+                3 if self.sglang else cfg.replay_frames,  # SGLang replies without a topic
                 cfg.host_ip,
+                connect=cfg.pub_connect,
+                epoch=self._epoch(r),
             )
             await _retry_bind(pub)
             self.publishers.append(pub)
@@ -109,6 +125,11 @@ class SimEngine:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+
+    async def wait_subscribed(self, timeout: float = 10.0) -> None:
+        """Connect mode: until every rank's PUB has the bound SUB's subscription."""
+        for p in self.publishers:
+            await p.wait_subscribed(timeout)
 
     async def stop_control(self) -> None:
         """Take only the Control frontend down (a Control outage); the ZMQ publishers go on."""
@@ -139,6 +160,13 @@ class SimEngine:
         if not self.publishers:
             raise RuntimeError("engine not started: call await engine.start() first")
         cfg = self.cfg
+        if self.sglang:
+            out: list[list[Any]] = []
+            for e in events:
+                out += render_sglang(e, cfg.sglang_layout, cfg.block_size, cfg.eagle)
+            rank_field = rank if cfg.sglang_rank_in_envelope else None
+            self.publishers[rank].publish(encode_sglang_batch(time.time(), out, rank_field))
+            return
         lora_ids = {n: li.lora_id for n, li in self.loras.items()}
         wire = [
             render_event(e, cfg.era, cfg.hash_mode, cfg.block_size, lora_ids, cfg.medium)
@@ -207,8 +235,8 @@ class SimEngine:
                 await p.close()
             await self._open_publishers()
         else:
-            for p in self.publishers:
-                p.reset()
+            for r, p in enumerate(self.publishers):
+                p.reset(self._epoch(r))
 
     def drop_next(self, n: int, keep_in_replay: bool, rank: int | None = None) -> None:
         """Skip publishing the next ``n`` batches live (seq still advances). With
@@ -246,6 +274,8 @@ class SimEngine:
         self.paused = False
 
     def load_lora(self, name: str, source_path: str = "") -> LoraInfo:
+        if self.sglang:  # its events name no adapter: a consumer could not salt them
+            raise ValueError("the SGLang simulator serves no LoRA adapters")
         if name not in self.loras:
             if len(self.loras) >= self.cfg.max_loras:
                 raise ValueError(f"max_loras={self.cfg.max_loras} reached")

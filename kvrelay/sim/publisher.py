@@ -4,6 +4,12 @@ Live: ``[topic, seq8, payload]``. Replay (DEALER client): request ``[b"", start8
 ``[b"", seq8, payload]`` (<= 0.25) or ``[b"", topic, seq8, payload]`` (>= 0.26), then the END
 marker with seq 0xFF*8 and an empty payload. Malformed requests get no reply (counted). The replay
 buffer keeps the last ``buffer_steps`` batches; older ones are silently dropped (as in vLLM).
+
+``connect``: the PUB connects to that endpoint (rank offset applied) instead of binding, as the
+engines do for an endpoint without a wildcard. It is an XPUB then (the same wire behaviour as a
+PUB) so that tests can wait until the bound SUB's subscription has arrived (``wait_subscribed``):
+a PUB drops what it sends before that. ``epoch``: SGLang's per-publisher epoch, appended
+to the live topic frame after a NUL marker (replies keep the bare topic).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from kvrelay._aio import cancel_and_wait
+from kvrelay.sim.sglang_wire import EPOCH_MARKER
 from kvrelay.sim.wire import END_SEQ, offset_endpoint, seq_bytes
 
 
@@ -56,6 +63,8 @@ class RankPublisher:
         hwm: int,
         replay_frames: int,
         host_ip: str,
+        connect: str | None = None,
+        epoch: bytes | None = None,
     ) -> None:
         if replay_frames not in (3, 4):
             raise ValueError("replay_frames must be 3 (vLLM <= 0.25) or 4 (>= 0.26)")
@@ -64,6 +73,9 @@ class RankPublisher:
         self.cfg_endpoint = offset_endpoint(endpoint, rank)
         self.cfg_replay = offset_endpoint(replay_endpoint, rank) if replay_endpoint else None
         self.topic = topic.encode()
+        self.connect = offset_endpoint(connect, rank) if connect else None
+        self.live_topic = self.topic
+        self.set_epoch(epoch)
         self.buffer_steps = buffer_steps
         self.hwm = hwm
         self.replay_frames = replay_frames
@@ -80,10 +92,14 @@ class RankPublisher:
         self._corrupt: list[bool] = []  # queued corruptions (replay keeps the good bytes flag)
 
     async def start(self) -> None:
-        pub = self.ctx.socket(zmq.PUB)
+        pub = self.ctx.socket(zmq.XPUB if self.connect else zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, self.hwm)
-        self.endpoint = _bind(pub, self.cfg_endpoint, self.host_ip)
+        if self.connect:
+            pub.connect(self.connect)
+            self.endpoint = self.connect
+        else:
+            self.endpoint = _bind(pub, self.cfg_endpoint, self.host_ip)
         self._pub = pub
         if self.cfg_replay:
             router = self.ctx.socket(zmq.ROUTER)
@@ -102,8 +118,20 @@ class RankPublisher:
                 s.close(linger=0)
         self._pub = self._router = None
 
-    def reset(self) -> None:
-        """New incarnation: sequence back to 0, replay history gone."""
+    async def wait_subscribed(self, timeout: float = 10.0) -> None:
+        """Connect mode: until the bound SUB's subscription has reached this publisher."""
+        assert self._pub is not None and self.connect, "only a connecting publisher can tell"
+        if not await self._pub.poll(int(timeout * 1000)):
+            raise TimeoutError(f"no subscription from {self.connect} within {timeout} s")
+        await self._pub.recv()
+
+    def set_epoch(self, epoch: bytes | None) -> None:
+        self.epoch = epoch
+        self.live_topic = self.topic if epoch is None else self.topic + EPOCH_MARKER + epoch
+
+    def reset(self, epoch: bytes | None = None) -> None:
+        """New incarnation: sequence back to 0, replay history gone (and a new epoch)."""
+        self.set_epoch(epoch)
         self.seq = 0
         self.buffer.clear()
         self._drop.clear()
@@ -139,7 +167,9 @@ class RankPublisher:
         if live and self._pub is not None:
             # PUB never blocks: past SNDHWM ZeroMQ drops for slow subscribers, like vLLM
             with contextlib.suppress(zmq.Again):
-                self._pub.send_multipart([self.topic, seq_bytes(seq), sent], flags=zmq.NOBLOCK)
+                self._pub.send_multipart(
+                    [self.live_topic, seq_bytes(seq), sent], flags=zmq.NOBLOCK
+                )
             self.stats.published += 1
         if keep:
             self.buffer.append((seq, stored))

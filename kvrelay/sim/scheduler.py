@@ -2,6 +2,10 @@
 
 Events are produced in an encoding-neutral form (``Stored``/``Removed``/``Cleared``); the engine
 renders them in the configured era and hash mode. One call to ``step`` = one vLLM scheduler step.
+
+``eagle``: SGLang's EAGLE radix keys are token *bigrams*, so a page of ``B`` keys spans ``B + 1``
+tokens and becomes hashable one token later; its block's window is those ``B + 1`` tokens (the
+Dynamo EAGLE_V1 window). Physical block accounting is unchanged.
 """
 
 from __future__ import annotations
@@ -57,12 +61,14 @@ class RankScheduler:
         max_running: int,
         max_waiting: int = 256,
         report_reused: bool = False,
+        eagle: bool = False,
     ) -> None:
         self.blocks = blocks
         self.traffic = traffic
         self.root = root_digest
         self.max_running = max_running
         self.report_reused = report_reused  # kv_cache_report_mode="full": re-announce hits
+        self.eagle = eagle
         self.running: list[_Request] = []
         self.waiting: deque[RequestSpec] = deque(maxlen=max_waiting)  # full: oldest dropped
         self.gen_rng = random.Random(traffic.rng.getrandbits(64))
@@ -73,14 +79,22 @@ class RankScheduler:
         self.dropped_waiting = 0  # arrivals discarded because the waiting queue was full
 
     # ---- helpers ----
+    def _hashable(self, n_tokens: int) -> int:
+        """Blocks of a request with ``n_tokens`` tokens that are full enough to be cached."""
+        bs = self.blocks.block_size
+        return max(0, n_tokens - 1) // bs if self.eagle else n_tokens // bs
+
+    def _window(self, tokens: list[int], i: int) -> tuple[int, ...]:
+        bs = self.blocks.block_size
+        return tuple(tokens[i * bs : (i + 1) * bs + (1 if self.eagle else 0)])
+
     def _stores_from(self, req: _Request, start: int, end: int, out: list[SimEvent]) -> None:
         """Cache the request's full blocks [start, end) as contiguous store runs."""
-        bs = self.blocks.block_size
         run: list[HeldBlock] = []
         run_parent: tuple[int | None, bytes | None] = (None, None)
         for i in range(start, end):
             parent = (req.chain.hashes[-1], req.chain.digests[-1]) if i > 0 else (None, None)
-            blk = req.chain.extend(self.root, tuple(req.tokens[i * bs : (i + 1) * bs]))
+            blk = req.chain.extend(self.root, self._window(req.tokens, i))
             req.partial -= 1
             if self.blocks.commit_full(blk):
                 if not run:
@@ -95,13 +109,13 @@ class RankScheduler:
     def _admit(self, spec: RequestSpec, out: list[SimEvent]) -> bool:
         bm, bs = self.blocks, self.blocks.block_size
         req = _Request(spec)
-        n_full = len(req.tokens) // bs
+        n_full = self._hashable(len(req.tokens))
         need_total = (len(req.tokens) + 1 + bs - 1) // bs  # room for the first generated token
         # longest cached prefix (hash chain, so a hit implies identical content)
         probe = ChainState(spec.lora_name, spec.cache_salt)
         hits = 0
         for i in range(n_full):
-            blk = probe.extend(self.root, tuple(req.tokens[i * bs : (i + 1) * bs]))
+            blk = probe.extend(self.root, self._window(req.tokens, i))
             if blk.vllm_hash not in bm.cached:
                 break
             hits += 1
@@ -142,16 +156,16 @@ class RankScheduler:
         for req in self.running:
             req.tokens.append(self.gen_rng.randint(vocab[0], vocab[1]))
             req.max_new -= 1
-            n_full = len(req.tokens) // bs
+            n_full = self._hashable(len(req.tokens))
             if n_full > len(req.chain.hashes):
                 self._stores_from(req, len(req.chain.hashes), n_full, out)
-                if req.max_new > 0:
-                    removed: list[HeldBlock] = []
-                    if bm.allocate(1, removed):
-                        req.partial += 1
-                    else:
-                        req.max_new = 0  # preempted: no room to grow
-                    out.extend(Removed(b.vllm_hash, b.digest) for b in removed)
+            if len(req.tokens) % bs == 0 and req.max_new > 0:  # a physical block filled up
+                removed: list[HeldBlock] = []
+                if bm.allocate(1, removed):
+                    req.partial += 1
+                else:
+                    req.max_new = 0  # preempted: no room to grow
+                out.extend(Removed(b.vllm_hash, b.digest) for b in removed)
             if req.max_new <= 0:
                 done.append(req)
         for req in done:

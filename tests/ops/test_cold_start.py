@@ -96,7 +96,7 @@ async def test_first_start_compiles_with_progress_and_the_next_loads(tmp_path: P
                    for m in early), early
     # A first start takes longer than one 5 s tick, so systemd heard it is still making progress.
     assert "EXTEND_TIMEOUT_USEC=30000000" in early, early
-    assert [e for e in log if e.get("event") == "kernel_cache"][0]["dir"] == str(cache)
+    assert next(e for e in log if e.get("event") == "kernel_cache")["dir"] == str(cache)
     done = _done(log)
     assert set(done) == set(STEPS)
     assert done["hashing"]["compiled"] > 0 and done["ingest"]["compiled"] > 0

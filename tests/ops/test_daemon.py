@@ -27,6 +27,7 @@ from kvrelay.ops.sdnotify import Notifier
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
 from tests.support.commands import MINIMAL, REPO, clean_env
+from tests.support.notify import Notifications
 
 MARKER = 0x4B565231
 SHUTDOWN_BOUND_S = 10.0
@@ -60,39 +61,6 @@ grpc_port = {grpc_port}
 """
     )
     return path
-
-
-class Notifications:
-    """Collects datagrams from the test-owned NOTIFY_SOCKET."""
-
-    def __init__(self, path: Path) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(str(path))
-        self.sock.setblocking(False)
-        self.messages: list[str] = []
-        self._task = asyncio.create_task(self._recv())
-
-    async def _recv(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            data = await loop.sock_recv(self.sock, 4096)
-            self.messages.append(data.decode())
-
-    async def wait_for(self, prefix: str, count: int = 1, timeout: float = 40.0) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            hits = [m for m in self.messages if m.startswith(prefix)]
-            if len(hits) >= count:
-                return hits[count - 1]
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no {prefix!r} x{count}; got {self.messages}")
-            await asyncio.sleep(0.02)
-
-    async def close(self) -> None:
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        self.sock.close()
 
 
 async def _drain(stream: object, seen: list[object]) -> str:

@@ -41,7 +41,7 @@ KNOWN = {
     "Unit": {"Description", "Documentation", "Wants", "After", "Requires", "Before",
              "StartLimitIntervalSec", "StartLimitBurst", "PartOf"},
     "Service": {
-        "Type", "NotifyAccess", "ExecStartPre", "ExecStart", "Restart", "RestartSec",
+        "Type", "NotifyAccess", "ExecStartPre", "ExecStart", "ExecReload", "Restart", "RestartSec",
         "WatchdogSec", "TimeoutStartSec", "TimeoutStopSec", "KillSignal", "KillMode",
         "LimitNOFILE", "CacheDirectory", "CacheDirectoryMode", "ConfigurationDirectory",
         "ConfigurationDirectoryMode", "Environment", "SyslogIdentifier", "DynamicUser",
@@ -118,6 +118,10 @@ def test_unit_has_required_directives(name: str) -> None:
         assert exec_start[3] == "/etc/kvrelay/kvrelay.toml"
         assert cache == "kvrelay"
     assert _one(unit, "ExecStartPre") == f"{VENV_KVRELAY} check-config {exec_start[3]}"
+    # systemctl reload validates the same file, then signals the main process
+    assert _one(unit, "ExecReload") == (
+        f"{VENV_KVRELAY} reload --config {exec_start[3]} --pid $MAINPID"
+    )
     readme = (DEPLOY / "README.md").read_text()
     assert f"python3 -m venv {VENV_KVRELAY.removesuffix('/bin/kvrelay')}" in readme
 
@@ -128,8 +132,8 @@ def test_template_differs_from_the_plain_unit_only_in_instance_bits() -> None:
         k for k in set(plain["Service"]) | set(tmpl["Service"])
         if plain["Service"].get(k) != tmpl["Service"].get(k)
     }
-    assert differing == {"ExecStartPre", "ExecStart", "CacheDirectory", "Environment",
-                         "SyslogIdentifier"}
+    assert differing == {"ExecStartPre", "ExecStart", "ExecReload", "CacheDirectory",
+                         "Environment", "SyslogIdentifier"}
 
 
 def _verify_with_systemd(src: Path, tmp_path: Path) -> list[str]:
@@ -227,14 +231,16 @@ def test_example_config_documents_every_key() -> None:
     schemas = {
         "relay": cfgmod.RELAY_KEYS, "relay.limits": cfgmod.LIMITS_KEYS,
         "pools": cfgmod.POOL_KEYS, "pools.engines": cfgmod.ENGINE_KEYS,
-        "pools.engines.static": cfgmod.STATIC_KEYS, "logging": cfgmod.LOGGING_KEYS,
+        "pools.engines.static": cfgmod.STATIC_KEYS, "pools.connect": cfgmod.CONNECT_KEYS,
+        "logging": cfgmod.LOGGING_KEYS,
         "metrics": cfgmod.METRICS_KEYS, "tls": cfgmod.TLS_KEYS,
     }
     for section, schema in schemas.items():
         missing = set(schema) - present
         assert not missing, f"[{section}] keys not in the example: {sorted(missing)}"
     for header in ("[relay]", "[relay.limits]", "[[pools]]", "[[pools.engines]]",
-                   "[pools.engines.static]", "[logging]", "[metrics]", "[tls]"):
+                   "[pools.engines.static]", "[pools.connect]", "[logging]", "[metrics]",
+                   "[tls]"):
         i = text.index(header)
         before = text[:i].rstrip().splitlines()[-1]
         assert before.startswith("#"), f"{header} has no comment right above it"

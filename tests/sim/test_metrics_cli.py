@@ -84,3 +84,15 @@ def test_cli_runs_for_a_duration() -> None:
         ]
     )
     assert rc == 0
+
+
+def test_sglang_and_connect_flags() -> None:
+    args = build_parser().parse_args(
+        ["--engines", "2", "--flavor", "sglang", "--sglang-layout", "metadata",
+         "--connect", "tcp://10.0.0.9:5557", "--topic", "kv@{engine}@m"]
+    )  # fmt: skip
+    c0, c1 = configs_from_args(args)
+    assert (c0.flavor, c0.sglang_layout.value, c0.pub_connect) == (
+        "sglang", "metadata", "tcp://10.0.0.9:5557"
+    )
+    assert (c0.topic, c1.topic) == ("kv@engine-0@m", "kv@engine-1@m")

@@ -94,10 +94,9 @@ def relay_view(relay: Relay) -> dict[tuple[str, int], set[int]]:
     pool = relay.pools[0]
     gen = pool.generation
     assert gen is not None
-    names = {st.worker_id: st.spec.name for st in pool.engines.values()}
     out: dict[tuple[str, int], set[int]] = {}
-    for mid, (wid, rank) in gen.pool.members().items():
-        out[(names[wid], rank)] = {int(h) for h in gen.pool.resident_canonical(mid)}
+    for mid, (wid, rank) in gen.pool.members().items():  # configured or connected members
+        out[(pool._engine_name(wid), rank)] = {int(h) for h in gen.pool.resident_canonical(mid)}
     return out
 
 

@@ -1,0 +1,398 @@
+"""Connect mode: one bound SUB per pool that many engines' PUB sockets connect to (§22).
+
+vLLM and SGLang connect their PUB instead of binding when the endpoint has no wildcard; some
+deployments (llm-d) run one such bound socket fed by every pod, topics ``kv@<pod>@<model>``. The
+topic pattern names the member: ``{engine}`` (→ ``worker_id``, chosen by the sink) and ``{rank}``
+(else the batch's DP rank field, else 0).
+
+There is no replay in this mode (the engines' ROUTER sockets are not known), so each member's
+sequence is its only integrity check, and every publisher has its own sequence space:
+
+* A member appears with its first message; that message is its baseline. A first sequence above
+  0 means the engine published before the relay saw it (``missing_history``): its earlier blocks
+  are unknown, the member holds only what follows.
+* Next sequence: applied. A gap: the member is reset, and the message applied as a new baseline.
+  A backwards sequence (a restart numbers from 0 again), or a new SGLang epoch: reset, same.
+* A batch that cannot be decoded, or that the pool rejects: reset (nothing to re-fetch it from).
+* A member silent for ``member_silence_s`` is removed (its state cleared): the engine left, and
+  its blocks cannot be vouched for any more.
+* At most ``max_members`` members; messages naming a new member past that are counted and
+  dropped. Topics the pattern does not accept are counted and dropped.
+
+The socket is drained like a subscriber's (wait, then up to ``drain`` messages with NOBLOCK on a
+sync shadow, then yield). A bound SUB attaches new connections only while its owner calls into
+it; the loop does so continuously, so a publisher's messages flow once its connection is up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvrelay._aio import cancel_and_wait
+from kvrelay.ingest.counters import SubscriberCounters
+from kvrelay.ingest.decoder import Decoder
+from kvrelay.ingest.errors import DecodeError, FrameError
+from kvrelay.ingest.frames import parse_seq
+from kvrelay.ingest.kinds import EngineKind
+from kvrelay.ingest.options import DecodeOptions
+from kvrelay.ingest.sglang import EPOCH_MARKER, split_topic
+from kvrelay.ingest.sink import ResetReason, SourceKey
+from kvrelay.ingest.topic_pattern import TopicError, TopicMatch, TopicPattern
+from kvrelay.logging import get_logger
+from kvrelay.pool.batch import EventBatch
+from kvrelay.pool.errors import MalformedBatch
+
+_LOGGER = "kvrelay.ingest.connect"
+
+
+class _RankPeek(msgspec.Struct, array_like=True):
+    ts: msgspec.Raw
+    events: msgspec.Raw
+    dp_rank: int | None = None
+
+
+_PEEK = msgspec.msgpack.Decoder(_RankPeek)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectSpec:
+    """A pool's bound ingest endpoint. ``model``: what a ``{model}`` part must equal."""
+
+    bind: tuple[str, ...]
+    pattern: TopicPattern
+    kv_block_size: int
+    hash_format: int = 1
+    options: DecodeOptions = field(default_factory=DecodeOptions)
+    kind: EngineKind = EngineKind.VLLM
+    model: str | None = None
+    max_members: int = 1024
+    member_silence_s: float = 600.0
+    pool: str = ""  # the operator's pool name, for logs
+
+
+@dataclass(slots=True)
+class ConnectCounters:
+    """Socket-level counters (per-member ones are each member's ``SubscriberCounters``)."""
+
+    messages: int = 0
+    topic_unmatched: int = 0
+    topic_malformed: int = 0
+    model_mismatch: int = 0
+    members_added: int = 0
+    members_refused: int = 0  # the sink would not admit the name (e.g. a configured engine's)
+    members_over_limit: int = 0  # messages dropped because max_members were present
+    members_expired: int = 0
+    unattributed: int = 0  # undecodable payloads whose rank could not be read
+    rejections: dict[str, int] = field(default_factory=dict)  # frame checks by kind
+
+    def reject(self, kind: str) -> None:
+        self.rejections[kind] = self.rejections.get(kind, 0) + 1
+
+
+class ConnectSink(Protocol):
+    def on_batch(self, source: SourceKey, seq: int, batch: EventBatch) -> None:
+        """As ``BatchSink.on_batch``: raises ``MalformedBatch`` (state untouched) to reject."""
+        ...
+
+    def on_reset(self, source: SourceKey, reason: ResetReason) -> None:
+        """Drop everything the member holds."""
+        ...
+
+    def admit(self, engine: str, dp_rank: int) -> SourceKey | None:
+        """The member key for a new ``(engine, rank)``, or None to refuse it."""
+        ...
+
+    def on_member_gone(self, source: SourceKey, counters: SubscriberCounters) -> None:
+        """The member was removed (silent too long): drop its state; its final counters."""
+        ...
+
+    def on_connect_failed(self, error: BaseException) -> None:
+        """The bound socket's task crashed: every member it fed can no longer be vouched for."""
+        ...
+
+
+@dataclass(slots=True)
+class _Member:
+    name: str
+    key: SourceKey
+    decoder: Decoder
+    last_message_at: float
+    counters: SubscriberCounters = field(default_factory=SubscriberCounters)
+    next_seq: int | None = None
+    epoch: bytes | None = None
+    dirty: bool = False
+
+
+class ConnectSource:
+    """Lifecycle: ``await start()`` (binds; raises if it cannot) … ``await stop()``."""
+
+    def __init__(
+        self,
+        spec: ConnectSpec,
+        sink: ConnectSink,
+        counters: ConnectCounters | None = None,
+        *,
+        context: zmq.asyncio.Context | None = None,
+        drain: int = 256,
+        rcvhwm: int = 100_000,
+    ) -> None:
+        self.spec = spec
+        self.counters = counters if counters is not None else ConnectCounters()
+        self.state = "new"
+        self.failure: BaseException | None = None
+        self.endpoints: tuple[str, ...] = ()  # resolved bind addresses
+        self._sink = sink
+        self._ctx = context if context is not None else zmq.asyncio.Context.instance()
+        self._drain = drain
+        self._rcvhwm = rcvhwm
+        self._members: dict[tuple[str, int], _Member] = {}
+        # accepted topics → their match (bounded: cleared when full)
+        self._topics: dict[bytes, TopicMatch] = {}
+        self._topics_max = 4 * spec.max_members
+        self._sub: zmq.asyncio.Socket | None = None
+        self._shadow: zmq.Socket[Any] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._sglang = spec.kind is EngineKind.SGLANG
+        self._log = get_logger(_LOGGER, pool=spec.pool)
+
+    # ---- introspection ------------------------------------------------------------------------
+    def members(self) -> Iterator[tuple[SourceKey, str, SubscriberCounters]]:
+        for m in self._members.values():
+            yield m.key, m.name, m.counters
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        sub = self._ctx.socket(zmq.SUB)
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
+            sub.setsockopt(zmq.SUBSCRIBE, self.spec.pattern.prefix)
+            resolved = []
+            for ep in self.spec.bind:
+                sub.bind(ep)
+                last = sub.getsockopt(zmq.LAST_ENDPOINT)
+                resolved.append(last.decode() if isinstance(last, bytes) else ep)
+        except BaseException:
+            sub.close(linger=0)
+            raise
+        self.endpoints = tuple(resolved)
+        self._sub = sub
+        self._shadow = zmq.Socket.shadow(sub.underlying)
+        self.state = "live"
+        self._task = asyncio.create_task(self._run(), name="kvrelay-connect")
+        self._log.info(
+            "connect_listening", endpoints=self.endpoints, pattern=self.spec.pattern.text
+        )
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            await cancel_and_wait(task)
+        if self._sub is not None:
+            self._sub.close(linger=0)
+        self._sub = self._shadow = None
+        if self.state != "failed":
+            self.state = "stopped"
+
+    async def _run(self) -> None:
+        assert self._sub is not None and self._shadow is not None
+        sub, shadow = self._sub, self._shadow
+        period = min(1.0, self.spec.member_silence_s / 4)
+        next_sweep = time.monotonic() + period
+        try:
+            while True:
+                timeout = max(1, int((next_sweep - time.monotonic()) * 1000))
+                if await sub.poll(timeout):
+                    for _ in range(self._drain):
+                        try:
+                            frames = shadow.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_message(frames)
+                now = time.monotonic()
+                if now >= next_sweep:
+                    self.sweep(now)
+                    next_sweep = now + period
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.failure = exc
+            self.state = "failed"
+            self._log.exception("connect_crashed", error=f"{type(exc).__name__}: {exc}")
+            self._sink.on_connect_failed(exc)
+
+    # ---- messages -------------------------------------------------------------------------------
+    def _on_message(self, frames: list[bytes]) -> None:
+        c = self.counters
+        c.messages += 1
+        if len(frames) != 3:
+            c.reject("frame_count")
+            return
+        topic, epoch = bytes(frames[0]), None
+        if self._sglang:
+            cut = topic.find(EPOCH_MARKER)
+            if cut >= 0:
+                parts = split_topic(topic, topic[:cut])
+                if parts is None:
+                    c.topic_malformed += 1
+                    return
+                topic, epoch = topic[:cut], parts[0]
+        match = self._topics.get(topic)
+        if match is None:
+            try:
+                match = self.spec.pattern.match(topic)
+            except TopicError as exc:
+                if exc.kind == "topic_unmatched":
+                    c.topic_unmatched += 1
+                else:
+                    c.topic_malformed += 1
+                return
+            if len(self._topics) >= self._topics_max:
+                self._topics.clear()
+            self._topics[topic] = match
+        model = self.spec.model
+        if match.model is not None and model is not None and match.model != model:
+            c.model_mismatch += 1
+            return
+        try:
+            seq = parse_seq(frames[1])
+        except FrameError as exc:
+            c.reject(exc.kind)
+            return
+        payload = bytes(frames[2])
+        rank = match.rank
+        if rank is None:
+            try:
+                rank = _PEEK.decode(payload).dp_rank or 0
+            except (msgspec.DecodeError, OverflowError):
+                self._unattributed(match.engine)
+                return
+        m = self._members.get((match.engine, rank))
+        if m is None:
+            m = self._admit(match.engine, rank, seq)
+            if m is None:
+                return
+        self._on_member_message(m, seq, payload, epoch)
+
+    def _admit(self, name: str, rank: int, seq: int) -> _Member | None:
+        c = self.counters
+        if len(self._members) >= self.spec.max_members:
+            c.members_over_limit += 1
+            return None
+        if not 0 <= rank <= 1023:
+            c.topic_malformed += 1
+            return None
+        key = self._sink.admit(name, rank)
+        if key is None:
+            c.members_refused += 1
+            return None
+        s = self.spec
+        m = _Member(
+            name=name,
+            key=key,
+            decoder=Decoder(
+                kv_block_size=s.kv_block_size, dp_rank=rank, hash_format=s.hash_format,
+                options=s.options, kind=s.kind,
+            ),
+            last_message_at=time.monotonic(),
+        )  # fmt: skip
+        self._members[(name, rank)] = m
+        c.members_added += 1
+        if seq > 0:
+            m.counters.missing_history += 1  # it published before the relay saw it
+        self._log.info("connect_member_added", engine=name, dp_rank=rank, first_seq=seq)
+        return m
+
+    def _on_member_message(
+        self, m: _Member, seq: int, payload: bytes, epoch: bytes | None
+    ) -> None:
+        c = m.counters
+        c.messages += 1
+        m.last_message_at = time.monotonic()
+        nxt = m.next_seq
+        if self._sglang and nxt is not None and epoch != m.epoch:
+            c.epoch_changes += 1
+            self._reset(m, ResetReason.INCARNATION)
+        elif nxt is None or seq == nxt:
+            pass
+        elif seq > nxt:
+            c.gaps += 1
+            self._reset(m, ResetReason.GAP_NO_REPLAY)
+        else:  # a restarted publisher numbers from 0 again
+            self._reset(m, ResetReason.INCARNATION)
+        m.epoch = epoch
+        self._apply(m, seq, payload)
+
+    def _apply(self, m: _Member, seq: int, payload: bytes) -> None:
+        c = m.counters
+        m.next_seq = seq + 1
+        try:
+            res = m.decoder.decode(payload)
+        except DecodeError as exc:
+            c.reject(exc.kind)
+            self._bad_batch(m)
+            return
+        c.add_stats(res.stats)
+        try:
+            self._sink.on_batch(m.key, seq, res.batch)
+        except MalformedBatch:
+            c.reject("malformed_batch")
+            self._bad_batch(m)
+            return
+        c.batches += 1
+        c.events += res.batch.n_events
+        c.blocks += res.batch.n_blocks
+        m.dirty = True
+
+    def _bad_batch(self, m: _Member) -> None:
+        """What the engine did in that batch is unknown and there is no replay: reset."""
+        m.counters.bad_batches += 1
+        m.dirty = True  # whatever it held before, it no longer matches the engine
+        self._reset(m, ResetReason.BAD_BATCH)
+
+    def _unattributed(self, engine: str) -> None:
+        """An undecodable payload whose rank cannot be read: reset every rank of that engine."""
+        self.counters.unattributed += 1
+        for m in self._members.values():
+            if m.name == engine:
+                m.counters.bad_batches += 1
+                m.dirty = True
+                m.next_seq = None  # its sequence space is unknown now: next message = baseline
+                self._reset(m, ResetReason.BAD_BATCH)
+
+    def _reset(self, m: _Member, reason: ResetReason) -> None:
+        m.decoder.reset()
+        if not m.dirty:
+            return
+        m.dirty = False
+        c = m.counters
+        c.resets += 1
+        c.resets_by_reason[reason.value] = c.resets_by_reason.get(reason.value, 0) + 1
+        self._sink.on_reset(m.key, reason)  # the pool logs member_reset
+
+    # ---- silence --------------------------------------------------------------------------------
+    def sweep(self, now: float) -> None:
+        """Remove members silent for ``member_silence_s``."""
+        limit = self.spec.member_silence_s
+        for ident, m in list(self._members.items()):
+            if now - m.last_message_at < limit:
+                continue
+            del self._members[ident]
+            self.counters.members_expired += 1
+            self._log.warning("connect_member_expired", engine=m.name, dp_rank=m.key.dp_rank,
+                         silent_s=round(now - m.last_message_at, 1))  # fmt: skip
+            self._sink.on_member_gone(m.key, m.counters)

@@ -1,0 +1,144 @@
+"""Reload on SIGHUP: re-read the configuration file and apply what the running process can.
+
+The file is validated exactly as ``kvrelay check-config`` does; a file with errors is rejected
+with the same messages and the running configuration stays. A valid file is split in two:
+
+* applied live — pools and engines (see ``kvrelay/relay/reconfigure.py``), discovery, DNS and
+  liveness intervals, logging, the shutdown timeout, and the TLS certificate and key (the files
+  are read again, so a rotated certificate takes effect for new connections);
+* kept until a restart — listener addresses, metrics settings, TLS on/off and ``client_ca``, the
+  event loop, ``dc_name``, ``drt_instance_id`` and the limits. Each such difference is logged.
+
+systemd hears ``RELOADING=1`` when a reload starts and ``READY=1`` when it ends, applied or not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvrelay.logging import get_logger
+from kvrelay.ops.config import ConfigProblem, DaemonConfig, check_file
+
+if TYPE_CHECKING:
+    import ssl
+
+_LOG = get_logger("kvrelay.ops.reload")
+
+#: DaemonConfig fields only a restart applies, by the path an operator knows them by.
+RESTART_FIELDS: dict[str, Callable[[DaemonConfig], Any]] = {
+    "relay.bind": lambda c: (c.bind_host, c.bind_port),
+    "relay.event_loop": lambda c: c.event_loop,
+    "metrics": lambda c: c.metrics,
+    "tls (on/off)": lambda c: c.tls.enabled,
+    "tls.client_ca": lambda c: c.tls.client_ca,
+}
+
+
+@dataclass(slots=True)
+class ReloadStats:
+    """Outcomes since start (``kvrelay_config_reloads_total`` and the last-reload gauges)."""
+
+    applied: int = 0
+    rejected: int = 0
+    failed: int = 0
+    last_successful: bool = True
+    last_success_unix: float = field(default_factory=time.time)
+
+    def outcome(self, result: str) -> None:
+        setattr(self, result, getattr(self, result) + 1)
+        self.last_successful = result == "applied"
+        if self.last_successful:
+            self.last_success_unix = time.time()
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadResult:
+    result: str  # "applied" | "rejected" | "failed"
+    problems: tuple[ConfigProblem, ...] = ()
+    restart_required: tuple[str, ...] = ()
+    summary: dict[str, object] = field(default_factory=dict)
+
+
+def restart_only_changes(old: DaemonConfig, new: DaemonConfig) -> list[str]:
+    return [path for path, get in RESTART_FIELDS.items() if get(old) != get(new)]
+
+
+def keep_restart_only(old: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
+    """``new`` with the fields a restart applies left as they run now."""
+    tls = dataclasses.replace(new.tls, client_ca=old.tls.client_ca)
+    if old.tls.enabled != new.tls.enabled:
+        tls = old.tls
+    return dataclasses.replace(
+        new, bind_host=old.bind_host, bind_port=old.bind_port, event_loop=old.event_loop,
+        metrics=old.metrics, tls=tls,
+    )  # fmt: skip
+
+
+def reload_tls(context: ssl.SSLContext | None, cfg: DaemonConfig) -> None:
+    """Read the certificate and key again into the live context (new connections use them).
+    A fresh context is built first, so files that do not load leave the live one untouched."""
+    if context is None or not cfg.tls.enabled:
+        return
+    from kvrelay.ops.tls import server_ssl_context
+
+    assert cfg.tls.cert is not None and cfg.tls.key is not None
+    server_ssl_context(cfg.tls.cert, cfg.tls.key, cfg.tls.client_ca)  # raises if unusable
+    context.load_cert_chain(cfg.tls.cert, cfg.tls.key)
+
+
+def read_config(path: str | os.PathLike[str]) -> tuple[DaemonConfig | None, list[ConfigProblem]]:
+    """The file as ``check-config`` sees it (environment overrides included)."""
+    return check_file(path)
+
+
+# ---- the ``kvrelay reload`` side ---------------------------------------------------------------
+
+#: Series ``kvrelay reload`` watches to learn a reload's outcome.
+_RELOADS_SERIES = "kvrelay_config_reloads_total"
+
+
+def reload_counts(host: str, port: int, timeout: float = 2.0) -> dict[str, int] | None:
+    """Reload outcomes from the relay's ``/metrics`` (None when it cannot be read)."""
+    import urllib.error
+    import urllib.request
+
+    from kvrelay.ops.config import format_bind
+
+    url = f"http://{format_bind(host, port)}/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            text = resp.read().decode("utf-8", "replace")
+    except (OSError, urllib.error.URLError):
+        return None
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        if not line.startswith(_RELOADS_SERIES + "{"):
+            continue
+        labels, _, value = line.rpartition(" ")
+        result = labels.partition('result="')[2].partition('"')[0]
+        try:
+            counts[result] = int(float(value))
+        except ValueError:
+            continue
+    return counts if counts else None
+
+
+def read_pid_file(path: str | os.PathLike[str]) -> int:
+    """The PID ``kvrelay serve --pid-file`` wrote; ValueError when the file is not one."""
+    text = open(path, encoding="ascii").read().strip()  # noqa: SIM115 (tiny file)
+    if not text.isdigit() or int(text) <= 1:
+        raise ValueError(f"{path}: not a process id: {text[:32]!r}")
+    return int(text)
+
+
+def write_pid_file(path: str | os.PathLike[str]) -> None:
+    """Write this process's PID atomically (a reader never sees a partial file)."""
+    tmp = f"{os.fspath(path)}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="ascii") as f:
+        f.write(f"{os.getpid()}\n")
+    os.replace(tmp, path)

@@ -1,0 +1,212 @@
+"""``kvrelay serve`` reloads on SIGHUP and through ``kvrelay reload``, as real processes.
+
+An engine joins by a reload while a router streams the pool: the stream goes on from deltas (no
+second snapshot) and the replica gains the new engine's blocks. An invalid file is refused by
+``kvrelay reload`` before anything is signalled, and by the daemon itself on a bare SIGHUP, with
+``check-config``'s messages; the running configuration stays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import signal
+import socket
+import ssl
+import sys
+from pathlib import Path
+
+import pytest
+from grpclib.client import Channel
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.ops.config import load_config
+from kvrelay.ops.daemon import Daemon
+from kvrelay.ops.reload import reload_counts
+from kvrelay.ops.sdnotify import Notifier
+from kvrelay.ops.tls import client_ssl_context
+from kvrelay.sim.config import SimConfig
+from kvrelay.sim.engine import SimEngine
+from tests.support.certs import make_pki
+from tests.support.commands import REPO, clean_env
+from tests.support.fleet import eventually
+from tests.support.notify import Notifications
+from tests.support.rig import Consumer, catalog_producer, relay_info
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _config(grpc: int, metrics: int, engines: list[SimEngine], extra: str = "") -> str:
+    text = f"""
+[relay]
+dc_name = "dc-reload"
+bind = "127.0.0.1:{grpc}"
+discovery_interval_s = 0.2
+discovery_timeout_s = 1.0
+{extra}
+[metrics]
+bind = "127.0.0.1:{metrics}"
+
+[logging]
+format = "json"
+
+[[pools]]
+namespace = "ns"
+component = "backend"
+endpoint = "generate"
+expected_blocks = 4096
+"""
+    for e in engines:
+        text += f'\n[[pools.engines]]\nname = "{e.cfg.name}"\ngrpc_port = {e.grpc_port}\n'
+    return text
+
+
+async def _reload_cli(cfg: Path, pid_file: Path) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvrelay", "reload", "--config", str(cfg), "--pid-file",
+        str(pid_file), "--timeout", "20", env=clean_env(), cwd=REPO,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode()
+
+
+async def test_reload_adds_an_engine_without_a_resnapshot_and_refuses_bad_files(
+    tmp_path: Path,
+) -> None:
+    e0 = SimEngine(SimConfig(name="rl0", seed=91, capacity_blocks=128))
+    e1 = SimEngine(SimConfig(name="rl1", seed=92, capacity_blocks=128))
+    for e in (e0, e1):
+        await e.start()
+    grpc, metrics = _free_port(), _free_port()
+    cfg = tmp_path / "kvrelay.toml"
+    cfg.write_text(_config(grpc, metrics, [e0]))
+    pid_file = tmp_path / "kvrelay.pid"
+    notes = Notifications(tmp_path / "notify.sock")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvrelay", "serve", "--config", str(cfg), "--pid-file",
+        str(pid_file), env=clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock")), cwd=REPO,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    consumer: Consumer | None = None
+    try:
+        await notes.wait_for("READY=1")
+        assert int(pid_file.read_text()) == proc.pid
+        async with Channel("127.0.0.1", grpc) as ch:
+            info = await relay_info(ch)
+            assert info.relay is not None
+            await e0.step(5)
+            producer = await catalog_producer(ch)
+            consumer = Consumer(ch, producer, info.relay).start()
+            await asyncio.wait_for(consumer.first.wait(), 15)
+
+            def holds(engine: SimEngine) -> bool:
+                want = sorted(engine.ground_truth(0))
+                table = consumer.replica.table if consumer is not None else None
+                return bool(want) and table is not None and bool(
+                    consumer.replica.contains(want).all()  # type: ignore[union-attr]
+                )
+
+            await eventually(lambda: holds(e0), what="e0's blocks in the replica")
+            snapshots = consumer.replica.kinds["snapshot"]
+
+            # ---- an engine joins through `kvrelay reload`
+            cfg.write_text(_config(grpc, metrics, [e0, e1]))
+            rc, out = await _reload_cli(cfg, pid_file)
+            assert rc == 0 and "applied" in out, out
+            await notes.wait_for("RELOADING=1")
+            await notes.wait_for("READY=1", count=2)
+            for _ in range(5):
+                await e1.step(2)
+                await asyncio.sleep(0.1)
+            await eventually(lambda: holds(e1), what="the new engine's blocks in the replica")
+            assert consumer.end is None, consumer.end
+            assert consumer.replica.kinds["snapshot"] == snapshots, "the reload re-snapshotted"
+            assert (await catalog_producer(ch)) == producer  # same generation
+
+            # ---- an invalid file: `kvrelay reload` refuses it and signals nothing
+            good = cfg.read_text()
+            cfg.write_text(good.replace("discovery_interval_s", "discovery_intervall_s"))
+            rc, out = await _reload_cli(cfg, pid_file)
+            assert rc == 2 and "discovery_intervall_s" in out and "not signalled" in out, out
+            assert reload_counts("127.0.0.1", metrics) == {"applied": 1, "rejected": 0,
+                                                           "failed": 0}  # fmt: skip
+
+            # ---- a bare SIGHUP with that file: the daemon rejects it, keeps running
+            proc.send_signal(signal.SIGHUP)
+            await eventually(
+                lambda: (reload_counts("127.0.0.1", metrics) or {}).get("rejected") == 1,
+                what="the daemon counted the rejected reload",
+            )
+            await notes.wait_for("READY=1", count=3)
+            await e0.step(2)
+            await e1.step(2)
+            await eventually(lambda: holds(e0) and holds(e1), what="state still followed")
+            assert consumer.end is None
+    finally:
+        if consumer is not None:
+            await consumer.stop()
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(proc.wait(), 20)
+        await notes.close()
+        for e in (e0, e1):
+            await e.stop()
+    assert proc.returncode == 0
+    assert not pid_file.exists(), "the pid file is removed on exit"
+    assert proc.stdout is not None and proc.stderr is not None
+    lines = (await proc.stdout.read() + await proc.stderr.read()).decode().splitlines()
+    events = [json.loads(ln) for ln in lines if ln.startswith("{")]
+    rejected = [ev for ev in events if ev.get("event") == "config_reload_rejected"]
+    assert len(rejected) == 1
+    # the same message check-config prints for that file
+    assert any("discovery_intervall_s" in p and p.startswith("error:")
+               for p in rejected[0]["problems"])  # fmt: skip
+    (applied,) = [ev for ev in events if ev.get("event") == "config_reloaded"]
+    assert applied["engines_added"] == 1 and applied["pools_changed"] == ["ns/backend/generate"]
+
+
+async def test_reload_reads_a_rotated_certificate_for_new_connections(tmp_path: Path) -> None:
+    """cert-manager style rotation: new files at the same paths, then SIGHUP (here: reload())."""
+    (tmp_path / "old").mkdir()
+    (tmp_path / "new").mkdir()
+    old, new = make_pki(tmp_path / "old"), make_pki(tmp_path / "new")
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    shutil.copy(old.server_cert, cert)
+    shutil.copy(old.server_key, key)
+    engine = SimEngine(SimConfig(name="tl0", seed=93, capacity_blocks=32))
+    await engine.start()
+    cfg_path = tmp_path / "kvrelay.toml"
+    cfg_path.write_text(_config(0, 0, [engine]) + f'\n[tls]\ncert = "{cert}"\nkey = "{key}"\n')
+    daemon = Daemon(load_config(cfg_path), Notifier({}), config_path=cfg_path)
+
+    async def info(ca: Path) -> pb.RelayInfo:
+        async with Channel("127.0.0.1", daemon.grpc_port, ssl=client_ssl_context(str(ca))) as c:
+            return await asyncio.wait_for(pb.KvEventRelayStub(c).get_relay_info(
+                pb.RelayInfoRequest(contract_marker=0x4B565231)), 10)  # fmt: skip
+
+    try:
+        await daemon.start()
+        assert (await info(old.server_ca)).relay is not None
+        shutil.copy(new.server_cert, cert)
+        shutil.copy(new.server_key, key)
+        result = await daemon.reload(cfg_path)
+        assert result.result == "applied" and result.restart_required == ()
+        assert (await info(new.server_ca)).relay is not None
+        with pytest.raises(ssl.SSLCertVerificationError):
+            await info(old.server_ca)
+        # a key that does not match the certificate: rejected as a failed reload, and the
+        # listener keeps the certificate it had
+        shutil.copy(old.server_key, key)
+        result = await daemon.reload(cfg_path)
+        assert result.result == "failed" and not daemon.reloads.last_successful
+        assert (await info(new.server_ca)).relay is not None
+    finally:
+        await daemon.stop()
+        await engine.stop()
