@@ -108,3 +108,41 @@ def test_groups_list_their_kernels() -> None:
         _jit.kernel("nope", "int64()")
     with pytest.raises(ValueError):
         _jit.kernel("hashing")
+
+
+EXERCISE_PROBE = """
+import gc, json
+import numba
+from kvrelay import _jit
+from kvrelay.ops import warmup
+for g in warmup.STEPS:
+    warmup._import(g)
+    _jit.warm(g)
+
+def counts():
+    return {id(d): (sum(d.stats.cache_hits.values()), sum(d.stats.cache_misses.values()),
+                    len(d.overloads), d.py_func.__qualname__)
+            for d in gc.get_objects() if isinstance(d, numba.core.registry.CPUDispatcher)}
+
+out = {}
+for g in warmup.STEPS:
+    before = counts()
+    warmup._EXERCISE[g]()
+    after = counts()
+    out[g] = sorted(v[3] for k, v in after.items() if before.get(k) != v)
+print(json.dumps(out))
+"""
+
+
+def test_steps_that_skip_their_exercise_on_a_warm_start_need_nothing_else() -> None:
+    """After ``_jit.warm``, a step outside ``EXERCISE_ALWAYS`` loads or compiles nothing more
+    when the relay's paths run: its declared kernels are all those paths call from Python."""
+    from kvrelay.ops.warmup import EXERCISE_ALWAYS, STEPS
+
+    res = subprocess.run([sys.executable, "-c", EXERCISE_PROBE], cwd=REPO, env=clean_env(),
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    touched = json.loads(res.stdout.splitlines()[-1])
+    for step in STEPS:
+        if step not in EXERCISE_ALWAYS:
+            assert touched[step] == [], (step, touched[step])

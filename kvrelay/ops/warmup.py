@@ -3,9 +3,9 @@
 Three steps, one per kernel group of ``kvrelay._jit``: ``hashing`` (XXH3 entry points, the salt
 of LoRA adapters and cache namespaces), ``ingest`` (msgpack walker, token parser) and ``pool``
 (apply, cuckoo filter, publication take). Each imports its modules (which compile nothing),
-compiles or loads the group's declared signatures, then runs the relay's Python paths once on
-tiny inputs, so a kernel compiled lazily on some path is covered too: the first real batch never
-pays a JIT pause on the event loop.
+compiles or loads the group's declared signatures, then, after a compile, runs the relay's Python
+paths once on tiny inputs, so a kernel compiled lazily on some path is covered too: the first real
+batch never pays a JIT pause on the event loop.
 
 A first start (kernels missing from the on-disk cache) on a machine with two or more CPUs runs
 the ``pool`` step in a worker process (``python -m kvrelay.ops.warmup --worker pool``) while this
@@ -43,6 +43,10 @@ _WHAT = {
 }
 #: Steps worth a worker process when their kernels are missing from the cache.
 _OFFLOAD = ("pool",)
+#: Steps whose Python paths may still call a kernel that is not a declared ``_jit.kernel``: their
+#: exercise runs on every start. For the others it runs only when something was compiled (a
+#: test holds that, after ``_jit.warm``, their exercise loads and compiles nothing).
+EXERCISE_ALWAYS = frozenset({"pool"})
 WORKERS_ENV = "KVRELAY_WARM_WORKERS"
 
 
@@ -149,7 +153,8 @@ def run_step(group: str, progress: Progress | None = None) -> WarmEvent:
         what = f"compiling ({len(missing)} missing from the cache)" if missing else "loading"
         progress(WarmEvent(group, state, f"{group}: {what}: {_WHAT[group]}"))
     rep = _jit.warm(group)
-    _EXERCISE[group]()
+    if rep.compiled or group in EXERCISE_ALWAYS:
+        _EXERCISE[group]()
     seconds = time.perf_counter() - t0
     verb = "compiled" if rep.compiled else "loaded"
     done = WarmEvent(
