@@ -26,7 +26,7 @@ from numba import njit
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-__all__ = ["GROUPS", "GroupReport", "inline", "kernel", "kernels", "missing", "warm"]
+__all__ = ["GROUPS", "GroupReport", "declared", "inline", "kernel", "kernels", "missing", "warm"]
 
 #: Group names in the order the daemon warms them (hashing is called by the other two).
 GROUPS = ("hashing", "ingest", "pool")
@@ -75,13 +75,28 @@ def kernel(group: str, *signatures: Any, **options: Any) -> Callable[[F], F]:
     """``njit(*signatures, cache=True, **options)``, compiled by ``warm(group)`` or first use."""
     if group not in _KERNELS:
         raise ValueError(f"unknown kernel group {group!r}; one of {GROUPS}")
+    return _declare(group, signatures, options)
+
+
+def declared(*signatures: Any, **options: Any) -> Callable[[F], F]:
+    """A callee of kernels with declared signatures, compiled when a caller is first typed.
+
+    Without them numba compiles a callee once per distinct argument type, e.g. once for a
+    read-only and once for a writable array; with them a caller's argument converts to the
+    declared type (writable to read-only, C to any layout) and every caller shares one copy.
+    """
+    return _declare(None, signatures, options)
+
+
+def _declare(group: str | None, signatures: tuple[Any, ...], options: Any) -> Callable[[F], F]:
     if not signatures:
         raise ValueError("a kernel declares at least one signature")
 
     def wrap(fn: F) -> F:
         disp: Any = njit(cache=True, **options)(fn)
-        k = _Kernel(group, disp, signatures)
-        _KERNELS[group].append(k)
+        k = _Kernel(group or "", disp, signatures)
+        if group is not None:
+            _KERNELS[group].append(k)
         template = disp.get_call_template
 
         def first_call(*args: Any, **kws: Any) -> Any:

@@ -20,10 +20,10 @@ from typing import Any, cast
 
 import numpy as np
 from llvmlite import ir  # type: ignore[import-untyped]
-from numba import njit, types
+from numba import types
 from numba.extending import intrinsic, overload
 
-from kvrelay._jit import inline, kernel
+from kvrelay._jit import declared, inline, kernel
 
 if sys.byteorder != "little":  # token arrays are hashed through a zero-copy byte view
     raise ImportError("kvrelay.hashing.xxh3 requires a little-endian host")
@@ -79,6 +79,18 @@ _S13_FLIP = np.uint64(int(_kw32(0)) ^ int(_kw32(4)))
 _S48_FLIP = np.uint64(int(_kw(8)) ^ int(_kw(16)))
 _S916_FLIP1 = np.uint64(int(_kw(24)) ^ int(_kw(32)))
 _S916_FLIP2 = np.uint64(int(_kw(40)) ^ int(_kw(48)))
+
+
+# Declared argument types: writable arrays convert to the read-only ones, so the Python entry
+# points (read-only bytes) and the apply kernel (writable token buffers) share one compiled copy.
+_RO_U8 = types.Array(types.uint8, 1, "C", readonly=True)
+_RO_U32 = types.Array(types.uint32, 1, "C", readonly=True)
+_RO_U64 = types.Array(types.uint64, 1, "C", readonly=True)
+_U8 = types.Array(types.uint8, 1, "C")
+_U64 = types.Array(types.uint64, 1, "C")
+_I64 = types.int64
+_SEED = types.uint64
+_H = types.uint64  # a hash
 
 
 @inline  # type: ignore[misc]
@@ -196,7 +208,7 @@ def _mix16(d: np.ndarray, p: _Idx, s: np.ndarray, sp: _Idx, seed: np.uint64) -> 
     return _mul128_fold64(lo ^ (_r64(s, sp) + seed), hi ^ (_r64(s, sp + 8) - seed))
 
 
-@njit(cache=True)  # type: ignore[misc]
+@declared(_H(_RO_U8, _I64, _I64, _SEED))  # type: ignore[misc]
 def _len_0to16(d: np.ndarray, p: _Idx, n: _Idx, seed: np.uint64) -> np.uint64:
     ln = np.uint64(n)
     if n > 8:
@@ -223,7 +235,7 @@ def _len_0to16(d: np.ndarray, p: _Idx, n: _Idx, seed: np.uint64) -> np.uint64:
     return _xxh64_avalanche(seed ^ _S0_FLIP)
 
 
-@njit(cache=True)  # type: ignore[misc]
+@declared(_H(_RO_U8, _I64, _I64, _SEED), _H(_RO_U32, _I64, _I64, _SEED))  # type: ignore[misc]
 def _len_17to128(d: np.ndarray, p: _Idx, n: _Idx, seed: np.uint64) -> np.uint64:
     """Also compiled for u32 token arrays: with ``p`` and ``n`` multiples of 4 every read offset
     here is one, so ``_r64`` loads whole words (the token-block hot path)."""
@@ -244,7 +256,7 @@ def _len_17to128(d: np.ndarray, p: _Idx, n: _Idx, seed: np.uint64) -> np.uint64:
     return _avalanche(acc)
 
 
-@njit(cache=True)  # type: ignore[misc]
+@declared(_H(_RO_U8, _I64, _I64, _SEED))  # type: ignore[misc]
 def _len_129to240(d: np.ndarray, p: _Idx, n: _Idx, seed: np.uint64) -> np.uint64:
     s = KSECRET
     acc = np.uint64(n) * PRIME64_1
@@ -277,7 +289,7 @@ def _scramble(acc: np.ndarray, s: np.ndarray, sp: _Idx) -> None:
         acc[i] = a
 
 
-@njit(cache=True)  # type: ignore[misc]
+@declared(_H(_RO_U8, _I64, _I64, _SEED, _U8, _U64))  # type: ignore[misc]
 def _hash_long_with(
     d: np.ndarray, p: _Idx, n: _Idx, seed: np.uint64, s: np.ndarray, acc: np.ndarray
 ) -> np.uint64:
@@ -323,14 +335,11 @@ def _hash_long_with(
     return _avalanche(result)
 
 
-@njit(cache=True)  # type: ignore[misc]
+@declared(_H(_RO_U8, _I64, _I64, _SEED))  # type: ignore[misc]
 def _hash_long(d: np.ndarray, p: _Idx, n: _Idx, seed: np.uint64) -> np.uint64:
     s = np.empty(SECRET_SIZE, dtype=np.uint8)
     acc = np.empty(8, dtype=np.uint64)
     return _hash_long_with(d, p, n, seed, s, acc)
-
-
-_RO_U8 = types.Array(types.uint8, 1, "C", readonly=True)  # writable arrays convert to it
 
 
 @kernel("hashing", types.uint64(_RO_U8, types.int64, types.int64, types.uint64))  # type: ignore[misc]
@@ -354,7 +363,7 @@ def xxh3_64_bytes(data: np.ndarray, start: int, length: int, seed: np.uint64) ->
     return _hash_long(data, p, n, s)
 
 
-@njit(cache=True)  # type: ignore[misc]
+@declared(_H(_RO_U8, _I64, _I64, _SEED, _U8, _U64))  # type: ignore[misc]
 def xxh3_64_bytes_with(
     data: np.ndarray,
     start: int,
@@ -408,7 +417,7 @@ def xxh3_64_u64x2(a: np.uint64, b: np.uint64, seed: np.uint64) -> np.uint64:
     return _avalanche(acc)
 
 
-@njit(cache=True)  # type: ignore[misc]
+@declared(_H(_RO_U32, _I64, _I64, _SEED))  # type: ignore[misc]
 def xxh3_64_tokens(tokens: np.ndarray, start: int, count: int, seed: np.uint64) -> np.uint64:
     """XXH3-64 of the u32-LE bytes of ``tokens[start:start+count]``, hashed in place (no copy)."""
     if 5 <= count <= 32 and start >= 0 and start + count <= tokens.size:
@@ -417,7 +426,7 @@ def xxh3_64_tokens(tokens: np.ndarray, start: int, count: int, seed: np.uint64) 
     return xxh3_64_bytes(raw, 4 * start, 4 * count, np.uint64(seed))
 
 
-@njit(cache=True)  # type: ignore[misc]
+@declared(_H(_RO_U32, _RO_U8, _I64, _I64, _SEED, _U8, _U64))  # type: ignore[misc]
 def xxh3_64_tokens_with(
     tokens: np.ndarray,
     tok8: np.ndarray,
@@ -437,7 +446,9 @@ def xxh3_64_tokens_with(
     )
 
 
-@njit(cache=True)  # type: ignore[misc]
+@declared(  # type: ignore[misc]
+    _H(_RO_U32, _I64, _I64, _RO_U64, _I64, _I64, _SEED, _U8, _U8, _U64)
+)
 def xxh3_64_tokens_mm_into(
     tokens: np.ndarray,
     start: int,
@@ -471,7 +482,7 @@ def xxh3_64_tokens_mm_into(
     return xxh3_64_bytes_with(scratch, _I0, n, np.uint64(seed), secret_scratch, acc_scratch)
 
 
-@njit(cache=True)  # type: ignore[misc]
+@declared(_H(_RO_U32, _I64, _I64, _RO_U64, _I64, _I64, _SEED))  # type: ignore[misc]
 def xxh3_64_tokens_mm(
     tokens: np.ndarray,
     start: int,
