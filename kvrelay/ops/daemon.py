@@ -184,17 +184,18 @@ class Daemon:
 
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        current = ["starting"]
+        steps: dict[str, str] = {}  # the latest report of each step, in the order they began
 
         def tell(extend: bool) -> None:
             elapsed = loop.time() - t0
-            self.notifier.status(f"warming up numba kernels: {current[0]} ({elapsed:.0f} s)")
+            now = "; ".join(steps.values()) or "importing the kernel modules"
+            self.notifier.status(f"warming up numba kernels ({elapsed:.0f} s): {now}")
             if extend and elapsed < WARM_EXTEND_CAP_S:
                 self.notifier.extend_timeout(WARM_EXTEND_S)
             self.notifier.watchdog()
 
         def on_event(ev: WarmEvent) -> None:
-            current[0] = ev.text
+            steps[ev.group] = ev.text
             _LOG.info(
                 "kernels_progress", group=ev.group, state=ev.state, step=ev.text,
                 **({"seconds": ev.seconds, "compiled": ev.compiled, "loaded": ev.loaded}
@@ -206,6 +207,7 @@ class Daemon:
             with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening
                 loop.call_soon_threadsafe(on_event, ev)
 
+        tell(extend=False)
         warm = asyncio.ensure_future(_in_daemon_thread(lambda: warm_kernels(progress)))
         try:
             while True:

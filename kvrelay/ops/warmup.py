@@ -8,10 +8,11 @@ paths once on tiny inputs, so a kernel compiled lazily on some path is covered t
 batch never pays a JIT pause on the event loop.
 
 A first start (kernels missing from the on-disk cache) on a machine with two or more CPUs runs
-the ``pool`` step in a worker process (``python -m kvrelay.ops.warmup --worker pool``) while this
-process does the other two; the worker fills the cache and this process then loads from it.
-numba compiles under one process-wide lock, so threads would not overlap; processes do. With a
-warm cache nothing is spawned. ``KVRELAY_WARM_WORKERS=0`` turns the worker off.
+each cold step but the first in a worker process (``python -m kvrelay.ops.warmup --worker
+STEP``) while this process compiles the first; the workers fill the cache and this process then
+loads from it. numba compiles under one process-wide lock, so threads would not overlap;
+processes do. With a warm cache nothing is spawned. ``KVRELAY_WARM_WORKERS=0`` turns the workers
+off.
 """
 
 from __future__ import annotations
@@ -41,8 +42,6 @@ _WHAT = {
     "ingest": "msgpack walker, token parser",
     "pool": "apply, cuckoo filter, publication",
 }
-#: Steps worth a worker process when their kernels are missing from the cache.
-_OFFLOAD = ("pool",)
 #: Steps whose Python paths may still call a kernel that is not a declared ``_jit.kernel``: their
 #: exercise runs on every start. For the others it runs only when something was compiled (a
 #: test holds that, after ``_jit.warm``, their exercise loads and compiles nothing).
@@ -149,9 +148,12 @@ def run_step(group: str, progress: Progress | None = None) -> WarmEvent:
     _import(group)
     missing = _jit.missing(group)
     if progress is not None:
-        state = "compiling" if missing else "loading"
-        what = f"compiling ({len(missing)} missing from the cache)" if missing else "loading"
-        progress(WarmEvent(group, state, f"{group}: {what}: {_WHAT[group]}"))
+        what = _WHAT[group]
+        if missing:
+            text = f"{group}: compiling {what} ({len(missing)} kernels not in the cache)"
+        else:
+            text = f"{group}: loading {what} from the cache"
+        progress(WarmEvent(group, "compiling" if missing else "loading", text))
     rep = _jit.warm(group)
     if rep.compiled or group in EXERCISE_ALWAYS:
         _EXERCISE[group]()
@@ -223,9 +225,10 @@ def _workers_allowed() -> bool:
 def warm_kernels(progress: Progress | None = None, workers: bool | None = None) -> float:
     """Compile or load every kernel (all steps); returns the seconds it took.
 
-    ``workers``: offload a cold ``pool`` step to a worker process (default: when 2+ CPUs are
-    usable and ``KVRELAY_WARM_WORKERS`` is not ``0``). A worker that fails is reported and its
-    step is simply done here.
+    ``workers``: when two or more steps have kernels missing from the cache, the first is
+    compiled here and each other one in its own worker process, all at once (default: when 2+
+    CPUs are usable and ``KVRELAY_WARM_WORKERS`` is not ``0``). A worker that fails is
+    reported and its step is simply done here.
     """
     t0 = time.perf_counter()
     for g in STEPS:
@@ -233,12 +236,11 @@ def warm_kernels(progress: Progress | None = None, workers: bool | None = None) 
     offload: dict[str, _Worker] = {}
     if workers if workers is not None else _workers_allowed():
         cold = [g for g in STEPS if _jit.missing(g)]
-        for g in _OFFLOAD:
-            if g in cold and len(cold) > 1:
-                offload[g] = _Worker(g, progress)
-                if progress is not None:
-                    progress(WarmEvent(g, "worker", f"{g}: compiling in a worker process "
-                                                    f"(pid {offload[g].proc.pid})"))
+        for g in cold[1:]:  # this process compiles the first (hashing, which the others call)
+            offload[g] = _Worker(g, progress)
+            if progress is not None:
+                progress(WarmEvent(g, "worker", f"{g}: compiling {_WHAT[g]} in a worker "
+                                                f"process (pid {offload[g].proc.pid})"))
     try:
         for g in STEPS:
             w = offload.pop(g, None)
