@@ -26,7 +26,10 @@ from numba import njit
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-__all__ = ["GROUPS", "GroupReport", "declared", "inline", "kernel", "kernels", "missing", "warm"]
+__all__ = [
+    "GROUPS", "GroupReport", "declared", "inline", "kernel", "kernels", "missing", "signature_of",
+    "warm",
+]
 
 #: Group names in the order the daemon warms them (hashing is called by the other two).
 GROUPS = ("hashing", "ingest", "pool")
@@ -72,10 +75,50 @@ _KERNELS: dict[str, list[_Kernel]] = {g: [] for g in GROUPS}
 
 
 def kernel(group: str, *signatures: Any, **options: Any) -> Callable[[F], F]:
-    """``njit(*signatures, cache=True, **options)``, compiled by ``warm(group)`` or first use."""
+    """``njit(*signatures, cache=True, **options)``, compiled by ``warm(group)`` or first use.
+
+    Without ``signatures`` the one signature is read from the function's annotations
+    (``signature_of``), so a kernel with forty array arguments declares its types once.
+    """
     if group not in _KERNELS:
         raise ValueError(f"unknown kernel group {group!r}; one of {GROUPS}")
     return _declare(group, signatures, options)
+
+
+def signature_of(fn: Callable[..., Any]) -> Any:
+    """numba signature from annotations: ``npt.NDArray[np.X]`` is a 1-D C-contiguous array of X,
+    ``int`` (or ``int | np.int64``) int64, ``bool`` boolean, ``np.uint64`` etc. themselves,
+    ``-> None`` void. Anything else is a ``TypeError`` at import, not a guess."""
+    import typing
+
+    import numpy as np
+    from numba import types
+    from numba.np.numpy_support import from_dtype
+
+    def nb(t: Any, where: str) -> Any:
+        if t is type(None):
+            return types.void
+        if typing.get_origin(t) is np.ndarray:
+            dtype = typing.get_args(typing.get_args(t)[1])[0]
+            return types.Array(from_dtype(np.dtype(dtype)), 1, "C")
+        if typing.get_origin(t) in (typing.Union, __import__("types").UnionType):
+            options = set(typing.get_args(t))
+            if options <= {int, np.int64}:
+                return types.int64
+        if t is int:
+            return types.int64
+        if t is bool:
+            return types.boolean
+        if isinstance(t, type) and issubclass(t, np.generic):
+            return from_dtype(np.dtype(t))
+        raise TypeError(f"{fn.__qualname__}: no numba type for {where} annotation {t!r}")
+
+    hints = typing.get_type_hints(fn)
+    ret = hints.pop("return", None)
+    if ret is None:
+        raise TypeError(f"{fn.__qualname__}: annotate the return type")
+    args = [nb(hints[name], name) for name in fn.__code__.co_varnames[: fn.__code__.co_argcount]]
+    return nb(ret, "return")(*args)
 
 
 def declared(*signatures: Any, **options: Any) -> Callable[[F], F]:
@@ -89,12 +132,9 @@ def declared(*signatures: Any, **options: Any) -> Callable[[F], F]:
 
 
 def _declare(group: str | None, signatures: tuple[Any, ...], options: Any) -> Callable[[F], F]:
-    if not signatures:
-        raise ValueError("a kernel declares at least one signature")
-
     def wrap(fn: F) -> F:
         disp: Any = njit(cache=True, **options)(fn)
-        k = _Kernel(group or "", disp, signatures)
+        k = _Kernel(group or "", disp, signatures or (signature_of(fn),))
         if group is not None:
             _KERNELS[group].append(k)
         template = disp.get_call_template

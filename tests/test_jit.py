@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from kvrelay import _jit
@@ -106,8 +107,31 @@ def test_groups_list_their_kernels() -> None:
     assert {n.rsplit(".", 1)[1] for n, _, _ in _jit.kernels("ingest")} >= {"walk", "fill_tokens"}
     with pytest.raises(ValueError):
         _jit.kernel("nope", "int64()")
-    with pytest.raises(ValueError):
-        _jit.kernel("hashing")
+
+
+def test_signatures_from_annotations() -> None:
+    from numba import types
+
+    def k(a: npt.NDArray[np.uint64], b: npt.NDArray[np.bool_], n: int | np.int64,
+          s: np.uint64, f: bool) -> int:
+        return 0
+
+    def v(x: np.uint32) -> None:
+        return None
+
+    def bad(x: float) -> int:
+        return 0
+
+    def unannotated(x: int):  # type: ignore[no-untyped-def]
+        return x
+
+    assert _jit.signature_of(k) == types.int64(
+        types.uint64[::1], types.boolean[::1], types.int64, types.uint64, types.boolean
+    )
+    assert _jit.signature_of(v) == types.void(types.uint32)
+    for fn in (bad, unannotated):
+        with pytest.raises(TypeError):
+            _jit.signature_of(fn)
 
 
 EXERCISE_PROBE = """

@@ -51,9 +51,10 @@ WARM_EXTEND_S = 30.0
 WARM_EXTEND_CAP_S = 600.0
 
 
-async def _in_daemon_thread(fn: Callable[[], T]) -> T:
-    """Run ``fn`` in a daemon thread: a SIGTERM during a long first-time JIT compile must not
-    wait for it (the default executor would be joined at loop shutdown)."""
+def _in_daemon_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
+    """Start ``fn`` in a daemon thread now; the future of its result. A daemon thread, because a
+    SIGTERM during a long first-time JIT compile must not wait for it (the default executor
+    would be joined at loop shutdown)."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[T] = loop.create_future()
 
@@ -74,7 +75,7 @@ async def _in_daemon_thread(fn: Callable[[], T]) -> T:
             loop.call_soon_threadsafe(deliver, result, exc)
 
     threading.Thread(target=target, name="kvrelay-warmup", daemon=True).start()
-    return await fut
+    return fut
 
 
 def configure_logging(cfg: DaemonConfig) -> None:
@@ -118,27 +119,34 @@ class Daemon:
         return server_ssl_context(tls.cert, tls.key, tls.client_ca)
 
     async def start(self) -> None:
-        from kvrelay.ops.tls import is_loopback
-        from kvrelay.relay.relay import Relay
-        from kvrelay.service.server import RelayServer
+        from kvrelay.ops import kernelcache
 
         cfg = self.cfg
         for w in cfg.warnings:
             _LOG.warning("config_warning", path=w.path, reason=w.reason)
-        from kvrelay.ops import kernelcache
-
         cache = kernelcache.chosen()
         if cache is not None and cache.persistent:
             _LOG.info("kernel_cache", dir=cache.path, source=cache.source, persistent=True)
         elif cache is not None:
             _LOG.warning("kernel_cache", dir=cache.path, source=cache.source, persistent=False)
-        warm_s = await self._warm_kernels()
+        warming = self._warm_kernels()  # the warm-up thread starts now ...
+        try:
+            # ... and the rest of the relay is imported meanwhile (a kernel load from the cache
+            # spends about half its time in LLVM, without the GIL).
+            from kvrelay.ops.tls import is_loopback
+            from kvrelay.relay.relay import Relay
+            from kvrelay.service.server import RelayServer
+
+            if cfg.metrics.enabled:
+                from kvrelay.ops.metrics import RelayMetrics
+        except BaseException:
+            warming.cancel()
+            raise
+        warm_s = await warming
         _LOG.info("kernels_warm", seconds=round(warm_s, 3))
         self._ssl = context = self._ssl_context()
         self.relay = Relay(cfg.relay)
         if cfg.metrics.enabled:  # before the relay starts, so every delta is observed
-            from kvrelay.ops.metrics import RelayMetrics
-
             self.metrics = RelayMetrics(self.relay, per_member=cfg.metrics.per_member)
             self.metrics.attach_reloads(self.reloads)
         await self.relay.start()
@@ -178,8 +186,9 @@ class Daemon:
             f"{len(cfg.relay.pools)} pool(s)"
         )
 
-    async def _warm_kernels(self) -> float:
-        """``warm_kernels`` in a thread; progress goes to the log and to systemd (see above)."""
+    def _warm_kernels(self) -> asyncio.Future[float]:
+        """Start ``warm_kernels`` in a thread; progress goes to the log and to systemd (see
+        above). The future's result is the seconds it took."""
         from kvrelay.ops.warmup import WarmEvent, warm_kernels
 
         loop = asyncio.get_running_loop()
@@ -200,6 +209,7 @@ class Daemon:
                 "kernels_progress", group=ev.group, state=ev.state, step=ev.text,
                 **({"seconds": ev.seconds, "compiled": ev.compiled, "loaded": ev.loaded}
                    if ev.state == "done" else {}),
+                **({"worker": ev.worker} if ev.worker else {}),
             )
             tell(extend=False)
 
@@ -208,15 +218,19 @@ class Daemon:
                 loop.call_soon_threadsafe(on_event, ev)
 
         tell(extend=False)
-        warm = asyncio.ensure_future(_in_daemon_thread(lambda: warm_kernels(progress)))
-        try:
-            while True:
-                done, _ = await asyncio.wait({warm}, timeout=WARM_TICK_S)
-                if done:
-                    return warm.result()
-                tell(extend=True)
-        finally:
-            warm.cancel()
+        warm = _in_daemon_thread(lambda: warm_kernels(progress))
+
+        async def ticks() -> float:
+            try:
+                while True:
+                    done, _ = await asyncio.wait({warm}, timeout=WARM_TICK_S)
+                    if done:
+                        return warm.result()
+                    tell(extend=True)
+            finally:
+                warm.cancel()
+
+        return asyncio.ensure_future(ticks())
 
     # ---- reload ----------------------------------------------------------------------------------
 

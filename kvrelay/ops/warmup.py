@@ -18,6 +18,7 @@ off.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import os
@@ -59,6 +60,7 @@ class WarmEvent:
     seconds: float = 0.0
     compiled: int = 0
     loaded: int = 0
+    worker: int = 0  # pid of the worker process that reported it, 0 for this process
 
     def __str__(self) -> str:
         return self.text
@@ -188,7 +190,7 @@ class _Worker:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             try:
-                ev = WarmEvent(**json.loads(line))
+                ev = dataclasses.replace(WarmEvent(**json.loads(line)), worker=self.proc.pid)
             except (ValueError, TypeError):
                 continue
             if ev.state == "done":
