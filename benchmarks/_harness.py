@@ -100,6 +100,7 @@ class FleetConfig:
     uvloop: bool = False
     queue_capacity: int = 16  # RelayLimits.publication_queue_capacity (frames per subscriber)
     tag: str = "main"
+    workers: int = 1  # [relay] workers: N-1 fan-out worker processes when >= 2
 
 
 @dataclass
@@ -138,6 +139,8 @@ class Fleet:
             argv += ["--engine", f"engine-{i}=tcp://{engine_host(i)}:{c.base_port + i}"]
         if c.uvloop:
             argv.append("--uvloop")
+        if c.workers > 1:
+            argv += ["--workers", str(c.workers)]
         self.relay = Proc(f"relay-{c.tag}", argv)
         self.port = int(self.relay.expect("READY", 60).split()[1])
         for lg in self.loadgens:

@@ -4,6 +4,11 @@ read from /proc, and dump its counters to a JSON file every ``--stats-interval``
 Engines are static ZMQ sources (``--engine NAME=tcp://host:port``), the way a pre-0.27 vLLM or
 Dynamo's mocker is configured. Prints ``READY <port>`` once the gRPC server listens; SIGTERM/SIGINT
 stop it cleanly (a final stats dump is written first).
+
+``--workers N`` (≥ 2) runs the daemon's worker topology (``kvrelay.ops.front``): the relay serves
+a UNIX socket and N−1 fan-out worker processes (children of this one, so ``/proc`` tree CPU
+counts them) serve the port; ``service_errors`` are then the workers' (router-facing) errors and
+``internal_service_errors`` the relay's own (a worker lagging its upstream would show there).
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ def build_settings(a: argparse.Namespace) -> RelaySettings:
     )
 
 
-def stats(relay: Relay, server: RelayServer, started: float) -> dict[str, Any]:
+def stats(relay: Relay, server: Any, started: float, front: Any = None) -> dict[str, Any]:
     pools = []
     for p in relay.pools:
         gen = p.generation
@@ -108,13 +113,21 @@ def stats(relay: Relay, server: RelayServer, started: float) -> dict[str, Any]:
                 hub_lagged=0 if hub is None else int(getattr(hub, "lagged", 0)),
             )
         pools.append(item)
-    return {
+    out = {
         "pid": os.getpid(),
         "uptime_s": time.monotonic() - started,
         "wall": time.time(),
         "service_errors": dict(server.service.errors),
         "pools": pools,
     }
+    if front is not None:  # router-facing errors are the workers'
+        out["internal_service_errors"] = out["service_errors"]
+        out["service_errors"] = front.supervisor.stats()[1]
+        out["workers"] = {"alive": front.supervisor.alive, "restarts": front.supervisor.restarts,
+                          "pids": front.supervisor.pids,
+                          "mirrors": [w.get("mirror", {}).get("pool_totals", {})
+                                      for w in front.supervisor.worker_stats()]}  # fmt: skip
+    return out
 
 
 def warm() -> float:
@@ -135,11 +148,29 @@ async def amain(a: argparse.Namespace) -> None:
     settings = build_settings(a)
     warm()
     started = time.monotonic()
-    relay = Relay(settings)
-    await relay.start()
-    server = RelayServer(relay, settings.limits)  # type: ignore[arg-type]  # as tests/e2e do
-    await server.start(a.host, a.port)
-    print(f"READY {server.port}", flush=True)
+    front: Any = None
+    if a.workers > 1:
+        from dataclasses import replace
+
+        from kvrelay.ops.config import DaemonConfig, LoggingConfig
+        from kvrelay.ops.front import WorkerFront, internal_limits
+
+        relay = Relay(replace(settings, limits=internal_limits(settings.limits, a.workers)))
+        await relay.start()
+        cfg = DaemonConfig(relay=settings, bind_host=a.host, bind_port=a.port, workers=a.workers,
+                           logging=LoggingConfig(level="warning", format="json"),
+                           event_loop="uvloop" if a.uvloop else "asyncio")  # fmt: skip
+        front = WorkerFront(cfg, relay)
+        await front.start()
+        server = front.internal
+        port = front.port
+    else:
+        relay = Relay(settings)
+        await relay.start()
+        server = RelayServer(relay, settings.limits)  # type: ignore[arg-type]  # as tests/e2e do
+        await server.start(a.host, a.port)
+        port = server.port
+    print(f"READY {port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -150,7 +181,7 @@ async def amain(a: argparse.Namespace) -> None:
         if out is None:
             return
         tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(stats(relay, server, started)))
+        tmp.write_text(json.dumps(stats(relay, server, started, front)))
         tmp.replace(out)
 
     while not stop.is_set():
@@ -158,7 +189,10 @@ async def amain(a: argparse.Namespace) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), a.stats_interval)
     dump()
-    await server.close(grace_s=1.0)
+    if front is not None:
+        await front.stop(2.0)
+    else:
+        await server.close(grace_s=1.0)
     await relay.stop()
 
 
@@ -182,6 +216,7 @@ def main() -> None:
     p.add_argument("--stats", default="")
     p.add_argument("--stats-interval", type=float, default=0.5)
     p.add_argument("--uvloop", action="store_true")
+    p.add_argument("--workers", type=int, default=1, help="processes serving gRPC (N-1 workers)")
     a = p.parse_args()
     if not a.engine:
         p.error("at least one --engine is required")

@@ -104,6 +104,7 @@ class StreamStats:
         self.status: str | None = None  # gRPC status name when the relay ended the stream
         self.reason: str | None = None  # the kv-relay-error-reason trailer, if any
         self.lat_us: list[int] = []
+        self.seq_recv: list[tuple[int, int]] = []  # (sequence, receive µs), --seq-log only
 
 
 class Prober:
@@ -173,6 +174,7 @@ class Prober:
 async def run_stream(
     ch: Channel, producer: pb.ProducerIdentity, st: StreamStats, sid: str,
     prober: Prober | None, done: asyncio.Event, chunk_count: int, use_bp2: bool,
+    seq_log: bool = False,
 ) -> None:
     req = pb.SubscribeKvPoolRequest(
         subscriber_id=sid, expected_producer=producer, contract_marker=MARKER
@@ -202,6 +204,8 @@ async def run_stream(
                 if kind == KIND_DELTA:
                     st.deltas += 1
                     st.lat_us.append(int(now * 1e6) - ts)
+                    if seq_log:
+                        st.seq_recv.append((seq, int(now * 1e6)))
                     if base != last_seq:
                         st.seq_errors += 1
                     last_seq = seq
@@ -265,6 +269,7 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
             run_stream(
                 channels[i % len(channels)], producer, st, f"{a.id}-{i}",
                 prober if i == 0 else None, dones[i], cbi1.chunk_count_for(bc), a.decode == "bp2",
+                a.seq_log and i == 0,
             )
         )
         for i, st in enumerate(stats)
@@ -307,9 +312,12 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
         ch.close()
     lat = np.array([x for st in stats for x in st.lat_us], dtype=np.int64)
     np.save(a.out + ".lat.npy", lat)
+    if a.seq_log:  # stream 0: when each sequence arrived (mirror hop: compare two subscribers)
+        np.save(a.out + ".seq.npy", np.array(stats[0].seq_recv, dtype=np.int64).reshape(-1, 2))
     out: dict[str, Any] = {
         "streams": [
-            {k: v for k, v in vars(st).items() if k != "lat_us"} | {"lat_n": len(st.lat_us)}
+            {k: v for k, v in vars(st).items() if k not in ("lat_us", "seq_recv")}
+            | {"lat_n": len(st.lat_us)}
             for st in stats
         ],
         "bucket_count": bc,
@@ -336,6 +344,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--check-file", default="", help="loadgen working-set .npz, read on SIGUSR1")
     p.add_argument("--uvloop", action="store_true")
+    p.add_argument("--seq-log", action="store_true", help="stream 0: save (sequence, recv µs)")
     a = p.parse_args()
     if a.uvloop:
         import uvloop

@@ -40,6 +40,8 @@ examples:
   kvrelay warm                      # compile/load the numba kernels once, with progress
   kvrelay serve --config /etc/kvrelay/kvrelay.toml
   kvrelay reload --config /etc/kvrelay/kvrelay.toml --pid-file /run/kvrelay.pid   # live
+  KVRELAY_RELAY_WORKERS=2 kvrelay serve --config kvrelay.toml   # ingest + 1 fan-out worker
+  kvrelay mirror --upstream relay.dc-a:50161 --bind 0.0.0.0:50161 --config mirror.toml
   KVRELAY_RELAY_BIND=127.0.0.1:6000 kvrelay serve --config kvrelay.toml
   kvrelay demo                      # relay + simulated fleet + live view, ~30 s
   kvrelay demo --headless --duration 10
@@ -55,7 +57,7 @@ exit codes:
 
 environment:
   KVRELAY_<SECTION>_<KEY>  override a scalar key of [relay], [relay.limits], [logging],
-                           [metrics] or [tls], e.g. KVRELAY_LOGGING_LEVEL=debug
+                           [metrics], [tls] or [mirror], e.g. KVRELAY_LOGGING_LEVEL=debug
   KVRELAY_CONFIG           default for serve --config and reload --config
   NOTIFY_SOCKET, WATCHDOG_USEC  systemd notification (READY/RELOADING/WATCHDOG/STOPPING)
   CACHE_DIRECTORY          numba kernel cache goes to $CACHE_DIRECTORY/numba (systemd)
@@ -148,6 +150,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long to wait for the outcome (default: 30)",
     )
 
+    mirror = sub.add_parser(
+        "mirror",
+        help="serve another relay's contract (kvrelay's or Dynamo's) from a mirror of it",
+        description=(
+            "Mirror an upstream KvEventRelay and re-serve it: same identities, sequences and\n"
+            "CBI1 bytes, with this process's own limits for its own subscribers. Options\n"
+            "override the [mirror] upstream and [relay] bind of --config (TLS both ways,\n"
+            "limits, metrics and logging come from the file)."
+        ),
+        epilog=(
+            "examples:\n  kvrelay mirror --upstream 10.0.0.5:50161 --bind 127.0.0.1:50171\n"
+            "  kvrelay mirror --config /etc/kvrelay/mirror.toml"
+        ),
+        formatter_class=_Formatter,
+    )
+    mirror.add_argument("--upstream", metavar="HOST:PORT", help="upstream relay (or unix:/path)")
+    mirror.add_argument("--bind", metavar="HOST:PORT", help="gRPC address of the mirror")
+    mirror.add_argument(
+        "--metrics-bind", metavar="HOST:PORT|off", help="Prometheus endpoint (or off)"
+    )
+    mirror.add_argument("--workers", metavar="N", type=int, help="processes serving gRPC")
+    mirror.add_argument("--config", "-c", metavar="FILE", help="TOML file with a [mirror] section")
+
     check = sub.add_parser(
         "check-config",
         help="validate a configuration file and print every problem",
@@ -222,6 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         default="127.0.0.1:0",
         help="gRPC address of the relay (default: 127.0.0.1 with an ephemeral port)",
+    )
+    demo.add_argument(
+        "--workers",
+        metavar="N",
+        type=int,
+        default=1,
+        help="processes serving gRPC: the relay plus N-1 fan-out workers (default: 1)",
     )
     demo.add_argument(
         "--duration",
@@ -367,6 +399,47 @@ def _serve(path: str | None, pid_file: str | None = None) -> int:
             os.unlink(pid_file)
 
 
+def _mirror(args: argparse.Namespace) -> int:
+    import tomllib
+
+    from kvrelay.ops.config import parse_config
+
+    raw: dict[str, object] = {}
+    if args.config:
+        try:
+            with open(args.config, "rb") as f:
+                raw = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            print(f"kvrelay mirror: {args.config}: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    section = raw.setdefault("mirror", {})
+    relay = raw.setdefault("relay", {})
+    if not isinstance(section, dict) or not isinstance(relay, dict):
+        print("kvrelay mirror: [mirror] and [relay] must be tables", file=sys.stderr)
+        return EXIT_USAGE
+    if args.upstream:
+        section["upstream"] = args.upstream
+    if args.bind:
+        relay["bind"] = args.bind
+    if args.workers is not None:
+        relay["workers"] = args.workers
+    if args.metrics_bind:
+        metrics = raw.setdefault("metrics", {})
+        assert isinstance(metrics, dict)
+        if args.metrics_bind == "off":
+            metrics["enabled"] = False
+        else:
+            metrics["bind"] = args.metrics_bind
+    cfg, problems = parse_config(raw)
+    if cfg is None:
+        print_problems(problems, sys.stderr)
+        print("kvrelay mirror: refusing to start: invalid configuration", file=sys.stderr)
+        return EXIT_USAGE
+    from kvrelay.ops.daemon import run
+
+    return run(cfg)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from kvrelay.ops.config import parse_bind
 
@@ -378,9 +451,15 @@ def _demo(args: argparse.Namespace) -> int:
     if not 0 < args.duration <= 24 * 3600:
         print("kvrelay demo: --duration must be in (0, 86400]", file=sys.stderr)
         return EXIT_USAGE
+    if not 1 <= args.workers <= 64:
+        print("kvrelay demo: --workers must be in 1..64", file=sys.stderr)
+        return EXIT_USAGE
     from kvrelay.demo import run_demo
 
-    return run_demo(host=host, port=port, duration=args.duration, headless=args.headless)
+    return run_demo(
+        host=host, port=port, duration=args.duration, headless=args.headless,
+        workers=args.workers,
+    )  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -417,6 +496,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _print_asset("kvrelay@.service" if args.template else "kvrelay.service")
     if args.command == "warm":
         return _warm()
+    if args.command == "mirror":
+        _numba_cache_from_systemd()
+        return _mirror(args)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse rejects first
 
 

@@ -22,10 +22,11 @@ FLOORS: dict[str, int] = {
     "pool": 3, "publication": 3,
     "ingest": 4,
     "relay": 5, "service": 5, "client": 5,
-    "ops": 6,
-    "demo": 7,
-    "cli": 8,
-    "__main__": 9,
+    "mirror": 6,
+    "ops": 7,
+    "demo": 8,
+    "cli": 9,
+    "__main__": 10,
 }
 
 

@@ -95,11 +95,15 @@ async def run_stream(
     on_message: Callable[[T], None],
     *,
     silence_s: float | None = None,
+    yield_every: int = 0,
 ) -> StreamEnd:
     """Run one server stream to its end, calling ``on_message`` for each reply.
 
     With ``silence_s``, a stream that delivers nothing for that long is cancelled and ends as
     ``silent``: a relay that stopped sending (even heartbeats) must not hold a replica for ever.
+    With ``yield_every`` = N > 0, the loop yields to the event loop after every N messages: a
+    burst of buffered messages then never runs far ahead of the tasks they woke (a mirror's
+    senders).
     """
     n = 0
     stream = None
@@ -118,6 +122,8 @@ async def run_stream(
                         break
                     n += 1
                     on_message(msg)
+                    if yield_every and n % yield_every == 0:
+                        await asyncio.sleep(0)
                 await stream.recv_trailing_metadata()
         return StreamEnd(E.EOF, Status.OK, "", n)
     except TimeoutError:

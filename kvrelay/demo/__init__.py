@@ -13,6 +13,7 @@ import json
 import signal
 import sys
 import time
+from dataclasses import replace
 from typing import Any, TextIO
 
 from kvrelay.demo.fleet import DemoFleet
@@ -24,7 +25,7 @@ TICK_S = 1.0
 
 
 async def _demo(
-    host: str, port: int, duration: float, headless: bool, out: TextIO
+    host: str, port: int, duration: float, headless: bool, out: TextIO, workers: int = 1
 ) -> int:
     from kvrelay.demo.consumer import Consumer
     from kvrelay.demo.view import (
@@ -60,17 +61,35 @@ async def _demo(
     fleet = DemoFleet()
     relay: Relay | None = None
     server: RelayServer | None = None
+    front: Any = None
     consumer: Consumer | None = None
     try:
         await fleet.start()
         settings = fleet.settings()
-        relay = Relay(settings)
-        await relay.start()
-        view: Any = relay  # Relay implements the RelayView protocol structurally
-        server = RelayServer(view, settings.limits)
-        await server.start(host, port)
-        address = format_bind(host, server.port)
-        consumer = Consumer("127.0.0.1" if host in ("0.0.0.0", "::") else host, server.port)
+        if workers > 1:  # the relay serves a UNIX socket, N-1 worker processes the public port
+            from kvrelay.ops.config import DaemonConfig, LoggingConfig
+            from kvrelay.ops.front import WorkerFront, internal_limits
+
+            relay = Relay(replace(settings, limits=internal_limits(settings.limits, workers)))
+            await relay.start()
+            cfg = DaemonConfig(
+                relay=settings, bind_host=host, bind_port=port, workers=workers,
+                logging=LoggingConfig(level="warning" if headless else "error", format="json"),
+            )  # fmt: skip
+            front = WorkerFront(cfg, relay)
+            await front.start()
+            port = front.port
+        else:
+            relay = Relay(settings)
+            await relay.start()
+            view: Any = relay  # Relay implements the RelayView protocol structurally
+            server = RelayServer(view, settings.limits)
+            await server.start(host, port)
+            port = server.port
+        address = format_bind(host, port)
+        if workers > 1:
+            address += f" ({workers - 1} fan-out workers)"
+        consumer = Consumer("127.0.0.1" if host in ("0.0.0.0", "::") else host, port)
         await consumer.start()
         fleet.run_traffic()
         events: list[str] = []
@@ -111,6 +130,8 @@ async def _demo(
     finally:
         if consumer is not None:
             await consumer.stop()
+        if front is not None:
+            await front.stop(2.0)
         if server is not None:
             await server.close(grace_s=1.0)
         if relay is not None:
@@ -140,7 +161,7 @@ async def _scenario(fleet: DemoFleet, duration: float, events: list[str]) -> Non
 
 def run_demo(
     *, host: str = "127.0.0.1", port: int = 0, duration: float = 30.0, headless: bool = False,
-    out: TextIO | None = None,
+    out: TextIO | None = None, workers: int = 1,
 ) -> int:
     """Exit code: 0 after the run (duration or Ctrl-C), 1 if anything failed to start."""
     from kvrelay.logging import configure
@@ -149,7 +170,7 @@ def run_demo(
     # Logs go to stderr and only when they matter: the view owns the terminal.
     configure(level="WARNING" if headless else "ERROR", json=headless)
     try:
-        return asyncio.run(_demo(host, port, duration, headless, stream))
+        return asyncio.run(_demo(host, port, duration, headless, stream, workers))
     except OSError as exc:
         print(f"kvrelay demo: {exc}", file=sys.stderr)
         return 1

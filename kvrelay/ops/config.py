@@ -98,6 +98,19 @@ class TlsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MirrorConfig:
+    """``[mirror]``: serve another relay's contract instead of ingesting engines."""
+
+    upstream: str  # HOST:PORT or unix:/path
+    subscriber_id: str = "kvrelay-mirror"
+    sync_wait_s: float = 10.0
+    upstream_heartbeat_s: float = 10.0
+    tls_ca: str | None = None  # set: TLS to the upstream, verified against this CA
+    tls_cert: str | None = None  # client certificate (mTLS upstream)
+    tls_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class DaemonConfig:
     relay: RelaySettings
     bind_host: str = "127.0.0.1"
@@ -108,10 +121,14 @@ class DaemonConfig:
     event_loop: str = "asyncio"
     shutdown_timeout_s: float = 10.0
     warnings: tuple[ConfigProblem, ...] = ()
+    #: processes serving gRPC: 1 = the relay itself; N ≥ 2 = ingest + N−1 fan-out workers
+    workers: int = 1
+    mirror: MirrorConfig | None = None
 
     def summary(self) -> str:
         """One line for ``check-config`` and the start-up log."""
         n_engines = sum(len(p.engines) for p in self.relay.pools)
+        workers = f"; {self.workers} processes" if self.workers > 1 else ""
         mode = "plaintext"
         if self.tls.enabled:
             mode = "mTLS" if self.tls.client_ca else "TLS"
@@ -119,11 +136,19 @@ class DaemonConfig:
         metrics = (
             format_bind(self.metrics.host, self.metrics.port) if self.metrics.enabled else "off"
         )
-        n_connect = sum(1 for p in self.relay.pools if p.connect is not None)
-        connect = f", {n_connect} connect endpoint(s)" if n_connect else ""
+        if self.mirror is not None:
+            up = "TLS" if self.mirror.tls_ca else "plaintext"
+            source = f"mirror of {self.mirror.upstream} ({up})"
+        else:
+            n_connect = sum(1 for p in self.relay.pools if p.connect is not None)
+            connect = f", {n_connect} connect endpoint(s)" if n_connect else ""
+            source = (
+                f"dc {self.relay.dc_name!r}: {len(self.relay.pools)} pool(s), "
+                f"{n_engines} engine(s){connect}"
+            )
         return (
-            f"dc {self.relay.dc_name!r}: {len(self.relay.pools)} pool(s), {n_engines} engine(s)"
-            f"{connect}; gRPC {grpc}; metrics {metrics}; {len(self.warnings)} warning(s)"
+            f"{source}; gRPC {grpc}{workers}; metrics {metrics}; "
+            f"{len(self.warnings)} warning(s)"
         )
 
 
@@ -254,6 +279,7 @@ RELAY_KEYS: dict[str, _Key] = {
     "dns_interval_s": _Key("float", 10.0, check=_positive_s),
     "dns_server": _Key("str", None, check=_bind_check),
     "event_loop": _kw("asyncio", EVENT_LOOPS),
+    "workers": _Key("int", 1, check=_int_range(1, 256)),
     "shutdown_timeout_s": _Key(
         "float", 10.0, check=lambda v: None if 0 < v <= 300 else f"must be in (0, 300], got {v}"
     ),
@@ -272,6 +298,31 @@ TLS_KEYS: dict[str, _Key] = {
     "cert": _Key("str", None, check=_text),
     "key": _Key("str", None, check=_text),
     "client_ca": _Key("str", None, check=_text),
+}
+def _upstream_check(v: str) -> str | None:
+    from kvrelay.mirror.settings import UpstreamAddress
+
+    try:
+        UpstreamAddress.parse(v)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _subscriber_id(v: str) -> str | None:
+    if not v or len(v.encode()) > 128 or any(ord(c) < 32 or 127 <= ord(c) <= 159 for c in v):
+        return "must be 1..128 bytes of UTF-8 without control characters"
+    return None
+
+
+MIRROR_KEYS: dict[str, _Key] = {
+    "upstream": _Key("str", required=True, check=_upstream_check),
+    "subscriber_id": _Key("str", "kvrelay-mirror", check=_subscriber_id),
+    "sync_wait_s": _Key("float", 10.0, check=_positive_s),
+    "upstream_heartbeat_s": _Key("float", 10.0, check=_positive_s),
+    "tls_ca": _Key("str", None, check=_text),
+    "tls_cert": _Key("str", None, check=_text),
+    "tls_key": _Key("str", None, check=_text),
 }
 POOL_KEYS: dict[str, _Key] = {
     "namespace": _Key("str", required=True, check=_text),
@@ -339,8 +390,9 @@ ENV_SECTIONS: tuple[tuple[str, str, dict[str, _Key]], ...] = (
     ("LOGGING_", "logging", LOGGING_KEYS),
     ("METRICS_", "metrics", METRICS_KEYS),
     ("TLS_", "tls", TLS_KEYS),
+    ("MIRROR_", "mirror", MIRROR_KEYS),
 )
-TOP_KEYS = ("relay", "pools", "logging", "metrics", "tls")
+TOP_KEYS = ("relay", "pools", "logging", "metrics", "tls", "mirror")
 
 #: Keys people bring from Dynamo's relay, and what kvrelay calls them (docs/dynamo.md).
 KEY_HINTS: dict[str, str] = {
@@ -600,9 +652,13 @@ def parse_config(
             r.err(k, "unknown section" + (f"; did you mean {hint[0]!r}?" if hint else ""))
 
     relay_raw = r.table("relay", data.get("relay")) or {}
-    if "relay" not in data:
+    mirror_raw = r.table("mirror", data.get("mirror")) if "mirror" in data else None
+    if "relay" not in data and mirror_raw is None:
         r.err("relay", "required section [relay] is missing (it needs at least dc_name)")
-    relay = r.keys("relay", relay_raw, RELAY_KEYS, extra=("limits",))
+    relay_schema = RELAY_KEYS
+    if mirror_raw is not None:  # a mirror's identity comes from its upstream: no dc_name needed
+        relay_schema = {**RELAY_KEYS, "dc_name": _Key("str", "mirror", check=_text)}
+    relay = r.keys("relay", relay_raw, relay_schema, extra=("limits",))
     limits_raw = r.table("relay.limits", relay_raw.get("limits")) or {}
     limits_vals = r.keys("relay.limits", limits_raw, LIMITS_KEYS)
     logging_vals = r.keys("logging", r.table("logging", data.get("logging")) or {}, LOGGING_KEYS)
@@ -612,9 +668,16 @@ def parse_config(
     limits = _limits(r, limits_vals)
 
     _check_tls(r, tls_vals)
-    pools = _pools(r, data.get("pools"))
-    if pools is not None:
-        _port_collisions(r, pools)
+    mirror = None
+    if mirror_raw is not None:
+        mirror = _mirror(r, mirror_raw)
+        pools: list[PoolSpec] | None = []
+        if "pools" in data:
+            r.err("pools", "a mirror has no [[pools]]: it serves its upstream's pools")
+    else:
+        pools = _pools(r, data.get("pools"))
+        if pools is not None:
+            _port_collisions(r, pools)
 
     bind_host, bind_port = parse_bind(relay["bind"])
     m_host, m_port = parse_bind(metrics_vals["bind"])
@@ -628,7 +691,7 @@ def parse_config(
         r.err("metrics.bind", f"same address as relay.bind ({metrics_vals['bind']})")
 
     errors = [p for p in r.problems if p.severity == "error"]
-    if errors or limits is None or pools is None:
+    if errors or limits is None or pools is None or (mirror_raw is not None and mirror is None):
         return None, r.problems
     try:
         settings = RelaySettings(
@@ -662,6 +725,8 @@ def parse_config(
         event_loop=relay["event_loop"],
         shutdown_timeout_s=relay["shutdown_timeout_s"],
         warnings=warnings,
+        workers=relay["workers"],
+        mirror=mirror,
     )
     return cfg, r.problems
 
@@ -716,6 +781,38 @@ def _port_collisions(r: _Reader, pools: list[PoolSpec]) -> None:
                             "there are ranks (e.g. tcp://*:5557 and tcp://*:5657), and give "
                             "engines on one host distinct ranges",
                         )
+
+def _mirror(r: _Reader, raw: dict[str, Any]) -> MirrorConfig | None:
+    n_before = len(r.problems)
+    m = r.keys("mirror", raw, MIRROR_KEYS)
+    ca, cert, key = m["tls_ca"], m["tls_cert"], m["tls_key"]
+    if (cert is None) != (key is None):
+        r.err("mirror.tls_key" if cert else "mirror.tls_cert",
+              "tls_cert and tls_key go together (a client certificate for mTLS)")  # fmt: skip
+    if cert is not None and ca is None:
+        r.err("mirror.tls_ca", "required when a client certificate is set (TLS to the upstream)")
+    for name in ("tls_ca", "tls_cert", "tls_key"):
+        path = m[name]
+        if path and not os.access(path, os.R_OK):
+            why = "does not exist" if not os.path.exists(path) else "is not readable"
+            r.err(f"mirror.{name}", f"file {path!r} {why}")
+    upstream = m["upstream"]
+    if upstream is not None and not upstream.startswith("unix:") and ca is None:
+        host = upstream.rpartition(":")[0].strip("[]")
+        if not is_loopback(host):
+            r.warn("mirror.upstream", f"plaintext gRPC to non-loopback upstream {upstream}; "
+                   "set mirror.tls_ca (and tls_cert/tls_key for mTLS)")  # fmt: skip
+    if upstream is None or any(q.severity == "error" for q in r.problems[n_before:]):
+        return None
+    return MirrorConfig(
+        upstream=upstream,
+        subscriber_id=m["subscriber_id"],
+        sync_wait_s=m["sync_wait_s"],
+        upstream_heartbeat_s=m["upstream_heartbeat_s"],
+        tls_ca=ca,
+        tls_cert=cert,
+        tls_key=key,
+    )
 
 
 def _limits(r: _Reader, values: dict[str, Any]) -> RelayLimits | None:

@@ -9,6 +9,11 @@ hears ``READY=1`` only once the gRPC port is bound; on SIGTERM/SIGINT the daemon
 ``STOPPING=1``, stops accepting, ends every stream with a clean EOF, stops the relay and exits 0 —
 or 1 if that takes longer than ``relay.shutdown_timeout_s``. SIGHUP reloads the configuration
 file (``ops/reload.py``).
+
+The source is the relay, or a mirror of another relay (``[mirror]``: no numba kernels, so no
+warm-up). With ``[relay] workers = N ≥ 2`` the source serves only an internal UNIX socket and N−1
+fan-out workers (``ops/front.py``, ``ops/supervisor.py``; they import no kernels either) serve
+the public port; READY=1 waits for all of them, SIGTERM drains them first.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import signal
 import ssl
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from kvrelay import __version__
@@ -101,7 +107,9 @@ class Daemon:
         self._ssl: ssl.SSLContext | None = None
         self._reload_task: asyncio.Task[None] | None = None
         self.relay: Any = None
+        self.mirror: Any = None
         self.server: Any = None
+        self.front: Any = None  # workers = N >= 2: internal socket + supervised workers
         self.metrics: Any = None
         self.grpc_port: int | None = None
         self.metrics_port: int | None = None
@@ -118,12 +126,30 @@ class Daemon:
         assert tls.cert is not None and tls.key is not None
         return server_ssl_context(tls.cert, tls.key, tls.client_ca)
 
-    async def start(self) -> None:
+    async def _start_source(self) -> Any:
+        """The relay (kernels warm first) or the mirror (synchronized first); its limits are
+        sized for the workers when they are its only subscribers."""
+        cfg = self.cfg
+        limits = cfg.relay.limits
+        if cfg.workers > 1:
+            from kvrelay.ops.front import internal_limits
+
+            limits = internal_limits(limits, cfg.workers)
+        if cfg.mirror is not None:
+            from kvrelay.mirror.mirror import Mirror
+            from kvrelay.ops.front import mirror_settings
+
+            self.mirror = Mirror(mirror_settings(cfg.mirror, limits))
+            if cfg.metrics.enabled:
+                from kvrelay.ops.mirror_metrics import MirrorMetrics
+
+                self.metrics = MirrorMetrics(self.mirror)
+            self.mirror.start()
+            _LOG.info("mirror_synchronizing", upstream=cfg.mirror.upstream)
+            await self.mirror.synced.wait()
+            return self.mirror
         from kvrelay.ops import kernelcache
 
-        cfg = self.cfg
-        for w in cfg.warnings:
-            _LOG.warning("config_warning", path=w.path, reason=w.reason)
         cache = kernelcache.chosen()
         if cache is not None and cache.persistent:
             _LOG.info("kernel_cache", dir=cache.path, source=cache.source, persistent=True)
@@ -133,9 +159,9 @@ class Daemon:
         try:
             # ... and the rest of the relay is imported meanwhile (a kernel load from the cache
             # spends about half its time in LLVM, without the GIL).
-            from kvrelay.ops.tls import is_loopback
+            import kvrelay.ops.tls
+            import kvrelay.service.server  # noqa: F401 (start() serves both)
             from kvrelay.relay.relay import Relay
-            from kvrelay.service.server import RelayServer
 
             if cfg.metrics.enabled:
                 from kvrelay.ops.metrics import RelayMetrics
@@ -144,15 +170,39 @@ class Daemon:
             raise
         warm_s = await warming
         _LOG.info("kernels_warm", seconds=round(warm_s, 3))
-        self._ssl = context = self._ssl_context()
-        self.relay = Relay(cfg.relay)
+        self.relay = Relay(replace(cfg.relay, limits=limits))
         if cfg.metrics.enabled:  # before the relay starts, so every delta is observed
             self.metrics = RelayMetrics(self.relay, per_member=cfg.metrics.per_member)
             self.metrics.attach_reloads(self.reloads)
         await self.relay.start()
-        self.server = RelayServer(self.relay, cfg.relay.limits)
-        await self.server.start(cfg.bind_host, cfg.bind_port, ssl=context)
-        self.grpc_port = self.server.port
+        return self.relay
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        for w in cfg.warnings:
+            _LOG.warning("config_warning", path=w.path, reason=w.reason)
+        self._ssl = context = self._ssl_context()
+        view = await self._start_source()
+        from kvrelay.ops.tls import is_loopback  # (imported while the kernels warmed up)
+        from kvrelay.service.server import RelayServer
+
+        service: Any
+        if cfg.workers > 1:
+            from kvrelay.ops.front import WorkerFront
+
+            self.front = WorkerFront(cfg, view)
+            await self.front.start()
+            self.grpc_port = self.front.port
+            service = self.front.supervisor
+            if self.metrics is not None:
+                from kvrelay.ops.mirror_metrics import WorkersCollector
+
+                self.metrics.registry.register(WorkersCollector(self.front.supervisor))
+        else:
+            self.server = RelayServer(view, cfg.relay.limits)
+            await self.server.start(cfg.bind_host, cfg.bind_port, ssl=context)
+            self.grpc_port = self.server.port
+            service = self.server.service
         if context is None and not is_loopback(cfg.bind_host):
             _LOG.warning(
                 "plaintext_grpc_on_network",
@@ -160,10 +210,13 @@ class Daemon:
                 hint="configure [tls] cert/key (and client_ca for mTLS)",
             )
         if self.metrics is not None:
-            self.metrics.attach_service(self.server.service)
+            self.metrics.attach_service(service)
             server = self.server
+            healthy = (lambda: server.serving) if server is not None else (
+                lambda: not self._stopped
+            )
             self.metrics_port = await self.metrics.start_http(
-                cfg.metrics.host, cfg.metrics.port, healthy=lambda: server.serving
+                cfg.metrics.host, cfg.metrics.port, healthy=healthy
             )
         self._tasks.append(asyncio.create_task(self._loop_lag(), name="kvrelay-loop-lag"))
         self._tasks.append(
@@ -180,10 +233,17 @@ class Daemon:
             else format_bind(cfg.metrics.host, self.metrics_port),
             pools=len(cfg.relay.pools),
             event_loop=cfg.event_loop,
+            workers=cfg.workers,
+            mirror_of=None if cfg.mirror is None else cfg.mirror.upstream,
         )
+        what = (
+            f"{len(cfg.relay.pools)} pool(s)" if cfg.mirror is None
+            else f"mirror of {cfg.mirror.upstream}"
+        )
+        if cfg.workers > 1:
+            what += f", {cfg.workers - 1} fan-out worker(s)"
         self.notifier.ready(
-            f"serving gRPC on {format_bind(cfg.bind_host, self.grpc_port)}, "
-            f"{len(cfg.relay.pools)} pool(s)"
+            f"serving gRPC on {format_bind(cfg.bind_host, self.grpc_port)}, {what}"
         )
 
     def _warm_kernels(self) -> asyncio.Future[float]:
@@ -260,13 +320,26 @@ class Daemon:
                     "config_reload_rejected", path=str(path), problems=[str(p) for p in problems]
                 )
                 return ReloadResult("rejected", tuple(problems))
+            if self.relay is None:  # a mirror follows its upstream: nothing here to change
+                status = "reload rejected: a mirror applies a new configuration on restart"
+                self.reloads.outcome("rejected")
+                _LOG.error("config_reload_rejected", path=str(path),
+                           problems=["mirror mode: restart the mirror to apply a configuration"])
+                return ReloadResult("rejected")
             for w in new.warnings:
                 _LOG.warning("config_warning", path=w.path, reason=w.reason)
             restart = restart_only_changes(self.cfg, new)
+            if self.front is not None and new.tls.enabled:
+                restart.append("tls (workers read certificates when they start)")
             effective = keep_restart_only(self.cfg, new)
             try:
-                reload_tls(self._ssl, effective)
-                plan = await self.relay.reconfigure(effective.relay)
+                if self.front is None:
+                    reload_tls(self._ssl, effective)
+                # the running relay's limits (sized for the workers when they are its only
+                # subscribers) stay: limits are restart-only
+                plan = await self.relay.reconfigure(
+                    dataclasses.replace(effective.relay, limits=self.relay.settings.limits)
+                )
             except Exception as exc:
                 status = "reload failed: see the log"
                 self.reloads.outcome("failed")
@@ -276,7 +349,8 @@ class Daemon:
             if restart:
                 _LOG.warning("config_reload_restart_required", settings=restart)
             logging_changed = effective.logging != self.cfg.logging
-            self.cfg = dataclasses.replace(effective, relay=self.relay.settings)
+            running = dataclasses.replace(self.relay.settings, limits=self.cfg.relay.limits)
+            self.cfg = dataclasses.replace(effective, relay=running)
             if logging_changed:
                 configure_logging(self.cfg)
             self.reloads.outcome("applied")
@@ -308,8 +382,12 @@ class Daemon:
             await cancel_all([self._reload_task])
         grace = max(0.1, self.cfg.shutdown_timeout_s / 2)
         try:
+            if self.front is not None:
+                await self.front.stop(grace)
             if self.server is not None:
                 await self.server.close(grace_s=grace)
+            if self.mirror is not None:
+                await self.mirror.stop()
             if self.relay is not None:
                 await self.relay.stop()
             if self.metrics is not None:

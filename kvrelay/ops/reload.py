@@ -36,6 +36,9 @@ RESTART_FIELDS: dict[str, Callable[[DaemonConfig], Any]] = {
     "metrics": lambda c: c.metrics,
     "tls (on/off)": lambda c: c.tls.enabled,
     "tls.client_ca": lambda c: c.tls.client_ca,
+    "relay.limits": lambda c: c.relay.limits,
+    "relay.workers": lambda c: c.workers,
+    "mirror": lambda c: c.mirror,
 }
 
 
@@ -75,7 +78,8 @@ def keep_restart_only(old: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
         tls = old.tls
     return dataclasses.replace(
         new, bind_host=old.bind_host, bind_port=old.bind_port, event_loop=old.event_loop,
-        metrics=old.metrics, tls=tls,
+        metrics=old.metrics, tls=tls, workers=old.workers, mirror=old.mirror,
+        relay=dataclasses.replace(new.relay, limits=old.relay.limits),
     )  # fmt: skip
 
 

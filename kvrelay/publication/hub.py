@@ -14,6 +14,11 @@ A stream that ends with an error while its client is not reading keeps the error
 in flight completes when the client reads again, then the stream ends with the status (the frames
 already sent come first). A client that does not read for ``stalled_stream_reset_s`` after that
 gets its stream reset, so no HTTP/2 stream is left open for ever.
+
+A mirror (``kvrelay.mirror``) feeds a hub with frames another relay already encoded:
+``publish_encoded`` applies the images and fans the received bytes out unchanged, ``cut`` seeds
+the snapshot at the starting sequence with the received chunk payloads, and ``vouch`` withholds
+heartbeats while the mirror cannot vouch that its upstream is alive.
 """
 
 from __future__ import annotations
@@ -63,7 +68,12 @@ class PublicationHub:
         sequence: int,
         limits: RelayLimits | None = None,
         encode_gate: asyncio.Semaphore | None = None,
+        cut: list[bytes] | None = None,
+        vouch: Callable[[], bool] | None = None,
     ) -> None:
+        """``cut``: CBI1 chunk payloads of ``table`` at ``sequence``, already encoded (shared by
+        the first joiners instead of a new encode). ``vouch``: called before each heartbeat; a
+        heartbeat claims the stream is current, so it is withheld while this returns False."""
         if table.shape != (bucket_count,):
             raise ValueError(f"table shape {table.shape} != ({bucket_count},)")
         self.encoder = encoder
@@ -77,6 +87,11 @@ class PublicationHub:
         self._subs: set[Subscription] = set()
         self._active = 0  # admitted, not yet ended (counts against max_subscribers_per_pool)
         self._snapshot: tuple[int, asyncio.Future[list[bytes]]] | None = None
+        if cut is not None:
+            done: asyncio.Future[list[bytes]] = asyncio.get_running_loop().create_future()
+            done.set_result(list(cut))
+            self._snapshot = (sequence, done)
+        self.vouch = vouch
         self._retired = False
         self.idle_since: float | None = time.monotonic()  # None while someone subscribes
         self.resets = 0
@@ -140,6 +155,41 @@ class PublicationHub:
             )
             frame = self.encoder.encode(KIND_DELTA, base, sequence, payload)
             cost = len(payload) + QUEUE_FRAME_OVERHEAD
+        self._apply_and_offer(sequence, b, w, frame, cost, oversized)
+
+    def publish_encoded(
+        self,
+        sequence: int,
+        buckets: npt.NDArray[np.uint32],
+        words: npt.NDArray[np.uint64],
+        frame: bytes,
+        payload_len: int,
+    ) -> None:
+        """Apply delta S→S+1 that another relay encoded and fan ``frame`` out unchanged.
+
+        ``buckets``/``words`` come from ``cbi1.decode`` of the frame's payload, which already
+        checked range, uniqueness and the image bound; only the sequence is checked here."""
+        if self._retired:
+            raise PublicationInvariantError("publish on a retired hub")
+        if sequence != self._sequence + 1:
+            raise PublicationInvariantError(
+                f"sequence gap: hub at {self._sequence}, got {sequence}"
+            )
+        if buckets.shape != words.shape or buckets.ndim != 1:
+            raise PublicationInvariantError("buckets and words must be 1-D of equal length")
+        self._apply_and_offer(
+            sequence, buckets, words, frame, payload_len + QUEUE_FRAME_OVERHEAD, False
+        )
+
+    def _apply_and_offer(
+        self,
+        sequence: int,
+        b: npt.NDArray[np.uint32],
+        w: npt.NDArray[np.uint64],
+        frame: bytes,
+        cost: int,
+        oversized: bool,
+    ) -> None:
         self._mirror[b] = w
         self._sequence = sequence
         self._snapshot = None
@@ -447,6 +497,11 @@ class Subscription:
                     continue
                 if loop.time() < last_sent + heartbeat_s:
                     continue
+            vouch = hub.vouch
+            if vouch is not None and not vouch():
+                # cannot claim the stream is current: stay silent, look again within a second
+                last_sent = loop.time() - heartbeat_s + min(heartbeat_s, 1.0)
+                continue
             await send(encoder.heartbeat(self._last_seq))
             last_sent = loop.time()
 

@@ -56,10 +56,17 @@ class FilterUpdateEncoder:
 
     __slots__ = ("_prefix", "producer", "relay")
 
-    def __init__(self, relay: pb.RelayIdentity, producer: pb.ProducerIdentity) -> None:
+    def __init__(
+        self,
+        relay: pb.RelayIdentity,
+        producer: pb.ProducerIdentity,
+        prefix: bytes | None = None,
+    ) -> None:
+        """``prefix``: fields 1–3 exactly as another relay encoded them (a mirror re-serving it),
+        so frames built here carry that relay's envelope bytes; default: encoded here."""
         self.relay = relay
         self.producer = producer
-        self._prefix = bytes(
+        self._prefix = prefix if prefix is not None else bytes(
             pb.FilterUpdate(protocol_version=PROTOCOL_VERSION, relay=relay, producer=producer)
         )
 

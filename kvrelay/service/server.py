@@ -3,7 +3,9 @@
 Handlers are mapped by hand (`__mapping__`) so every stream can end with
 `send_trailing_metadata(status, message, {"kv-relay-error-reason": NAME})`. The unary RPC raises
 `GRPCError` and a `SendTrailingMetadata` listener adds the trailer from a contextvar.
-Plane messages are encoded once per version and the same bytes go to every subscriber.
+Plane messages are encoded once per version and the same bytes go to every subscriber (a plane
+that already holds bytes, as a mirror's does, passes them through). The relay identity is read
+from the view at each `GetRelayInfo`, so a mirror answers with its upstream's current identity.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from kvrelay.contract.limits import PermitCounter, RelayLimits
 from kvrelay.contract.producer import producer_key
 from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION, TRAILER_KEY
 from kvrelay.publication.hub import SendBatch, Subscription
-from kvrelay.publication.plane import Plane, PlaneClosed
+from kvrelay.publication.plane import Plane, PlaneClosed, PlaneEnded
 from kvrelay.service.codec import PassThroughCodec
 from kvrelay.service.health import RelayHealth, reflection_pool
 from kvrelay.service.status import status_of, trailers_of
@@ -57,6 +59,8 @@ class _EncodedPlane:
         self._cache: tuple[int, bytes] | None = None
 
     def encode(self, version: int, message: Any) -> bytes:
+        if isinstance(message, bytes):
+            return message  # already the wire bytes (a mirror's plane): nothing to cache
         cached = self._cache
         if cached is not None and cached[0] == version:
             return cached[1]
@@ -79,13 +83,7 @@ class KvEventRelayService:
         self._catalog = _EncodedPlane(view.catalog)
         self._readiness = _EncodedPlane(view.readiness)
         self._load = _EncodedPlane(view.load)
-        self._info = bytes(
-            pb.RelayInfo(
-                protocol_version=PROTOCOL_VERSION,
-                relay=view.relay_identity,
-                contract_marker=CONTRACT_MARKER,
-            )
-        )
+        self._info: tuple[bytes, bytes] | None = None  # (identity bytes, RelayInfo bytes)
         self._closing = False
         self._closed: asyncio.Future[None] | None = None
         self._subscriptions: set[Subscription] = set()
@@ -165,11 +163,26 @@ class KvEventRelayService:
         try:
             request = await self._recv(stream)  # an undecodable body is INVALID_REQUEST too
             check_marker(request.contract_marker)
+            info = self._relay_info()
         except RelayError as err:
             self._count(err)
             _UNARY_REASON.set(err.trailer_value)
             raise GRPCError(status_of(err), err.message) from None
-        await stream.send_message(self._info)
+        await stream.send_message(info)
+
+    def _relay_info(self) -> bytes:
+        """RelayInfo for the view's identity now (encoded once per identity); the view raises
+        RelayError when it has none to vouch for (a mirror whose upstream is unreachable)."""
+        relay = self.view.relay_identity
+        key = bytes(relay)
+        cached = self._info
+        if cached is None or cached[0] != key:
+            info = pb.RelayInfo(
+                protocol_version=PROTOCOL_VERSION, relay=relay, contract_marker=CONTRACT_MARKER
+            )
+            cached = (key, bytes(info))
+            self._info = cached
+        return cached[1]
 
     # --- helpers ---
     async def _recv(self, stream: Stream[Any, Any]) -> Any:
@@ -224,6 +237,8 @@ class KvEventRelayService:
                         new_version, message = pending.result()
                     except PlaneClosed:
                         raise RelayError.publication_unavailable("publisher closed") from None
+                    except PlaneEnded:
+                        return  # the source shut down: end with status OK, like it did
                     pending = None
                     if max_gap is not None and new_version - version > max_gap:
                         raise RelayError.subscriber_lagged(
@@ -412,12 +427,26 @@ class RelayServer:
         """What health reports: True from listening until the drain starts."""
         return self.health.serving
 
-    async def start(self, host: str, port: int, ssl: _ssl.SSLContext | None = None) -> None:
-        await self._server.start(host, port, ssl=ssl)
+    async def start(
+        self,
+        host: str,
+        port: int,
+        ssl: _ssl.SSLContext | None = None,
+        *,
+        reuse_port: bool = False,
+    ) -> None:
+        """Listen on TCP; ``reuse_port``: share the port with other processes (SO_REUSEPORT),
+        the way a daemon's fan-out workers share the public listener."""
+        await self._server.start(host, port, ssl=ssl, reuse_port=reuse_port or None)
         listener: Any = self._server._server
         sockets = listener.sockets if listener is not None else ()
         self._port = int(sockets[0].getsockname()[1]) if sockets else port
         self.health.set_serving(True)
+
+    async def start_unix(self, path: str) -> None:
+        """Listen on a UNIX socket (the daemon's internal transport to its workers)."""
+        await self._server.start(path=path)
+        self._port = 0
 
     async def close(self, grace_s: float = 5.0) -> None:
         """Stop accepting, end open streams with a clean EOF, then close connections."""

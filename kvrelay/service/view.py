@@ -4,12 +4,15 @@ The service never mutates pool state: it reads planes (versioned complete messag
 a pool subscription by the exact producer identity a router copied from the catalog. Admission —
 which generation is live, whether it changed or retired while its hub was being set up — is
 decided where that state lives, so the service resolves nothing itself.
+
+The service only ever sends plane messages, so a plane may hold any message that converts to its
+wire bytes: the relay's planes hold betterproto2 messages, a mirror's hold the bytes it received.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, SupportsBytes
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.publication.hub import Subscription
@@ -21,16 +24,18 @@ class RelayView(Protocol):
 
     # Read-only members (properties), so an implementation may hold concrete plane classes.
     @property
-    def relay_identity(self) -> pb.RelayIdentity: ...
+    def relay_identity(self) -> pb.RelayIdentity:
+        """May raise ``RelayError`` (a mirror with no upstream session to vouch for)."""
+        ...
 
     @property
-    def catalog(self) -> Plane[pb.KvPoolCatalogUpdate]: ...
+    def catalog(self) -> Plane[SupportsBytes]: ...
 
     @property
-    def readiness(self) -> Plane[pb.ServingReadinessUpdate]: ...
+    def readiness(self) -> Plane[SupportsBytes]: ...
 
     @property
-    def load(self) -> Plane[pb.KvPoolLoadUpdate]: ...
+    def load(self) -> Plane[SupportsBytes]: ...
 
     async def open_pool(
         self, expected: pb.ProducerIdentity, on_release: Callable[[], None] | None = None

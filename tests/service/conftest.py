@@ -1,9 +1,16 @@
-"""Fixtures: a real RelayServer on loopback over the in-memory RelayView, and a grpcio client."""
+"""Fixtures: a real RelayServer on loopback over the in-memory RelayView, and a grpcio client.
+
+``start_relay`` runs every contract test three ways: served directly, through a mirror over
+TCP, and through a mirror over a UNIX socket on a SO_REUSEPORT listener (a ``workers = N``
+daemon's fan-out worker). ``tests/support/mirror_rig.py`` has the accessors the tests that look
+inside the serving relay use.
+"""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -11,24 +18,22 @@ from kvrelay.contract.limits import RelayLimits
 from kvrelay.service.server import RelayServer
 from tests.support.identities import pool_id, producer, relay
 from tests.support.mem_relay import GrpcioClient, MemRelayView, StartRelay
+from tests.support.mirror_rig import close_served, start_served
 
 __all__ = ["pool_id", "producer", "relay"]  # identity-builder fixtures for the plane wire tests
 
+SERVED = ("direct", "mirror", "workers")
 
-@pytest.fixture
-async def start_relay() -> AsyncIterator[StartRelay]:
-    servers: list[RelayServer] = []
+
+@pytest.fixture(params=SERVED)
+async def start_relay(request: pytest.FixtureRequest) -> AsyncIterator[StartRelay]:
+    cleanup: list[Any] = []
 
     async def start(limits: RelayLimits | None = None) -> tuple[MemRelayView, RelayServer]:
-        view = MemRelayView(limits)
-        server = RelayServer(view, limits)
-        await server.start("127.0.0.1", 0)
-        servers.append(server)
-        return view, server
+        return await start_served(request.param, limits, cleanup)
 
     yield start
-    for s in servers:
-        await s.close(grace_s=1.0)
+    await close_served(cleanup)
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from tests.support.mem_relay import (
     make_producer,
     sub_request,
 )
+from tests.support.mirror_rig import is_direct, served_hub, set_limits
 
 BC = 1024
 K = "kv-relay-error-reason"
@@ -316,7 +317,10 @@ async def test_stale_request_does_not_initialize_replacement_hub(start_relay: St
         r = await grpclib_collect(ch, "SubscribeKvPool", sub_request(stale), pb.FilterUpdate)
         assert r.status == Status.FAILED_PRECONDITION
         assert r.trailers[K] == "RELAY_ERROR_REASON_PRODUCER_CHANGED"
-        assert new.hub_inits == 0 and old.hub_inits == 0
+        assert old.hub_inits == 0
+        # a mirror subscribes to every listed generation itself; directly, nothing did
+        assert new.hub_inits == (0 if is_direct(server) else 1)
+        assert served_hub(server, old) is None
     finally:
         ch.close()
 
@@ -366,7 +370,7 @@ async def test_resource_limits(start_relay: StartRelay) -> None:
             ch, "SubscribeKvPool", sub_request(b.producer, "b1"), pb.FilterUpdate
         )
         assert (r.status, r.trailers[K]) == (Status.RESOURCE_EXHAUSTED, reason)
-        view.limits = RelayLimits(max_initialized_pool_hubs=2)
+        set_limits(view, server, RelayLimits(max_initialized_pool_hubs=2))
         await open_stream("SubscribeKvPool", sub_request(b.producer, "b1"), pb.FilterUpdate)
         r = await grpclib_collect(
             ch, "SubscribeKvPool", sub_request(b.producer, "b2"), pb.FilterUpdate
@@ -397,7 +401,8 @@ async def test_resource_limits(start_relay: StartRelay) -> None:
         await asyncio.sleep(0.01)
     assert server.service.pool_permits.in_use == 0
     assert server.service.catalog_permits.in_use == 0
-    assert a.hub_or_none is not None and a.hub_or_none.subscriber_count == 0
+    hub = served_hub(server, a)
+    assert hub is not None and hub.subscriber_count == 0
 
 
 async def test_65th_subscriber_default_limits(start_relay: StartRelay) -> None:

@@ -24,6 +24,7 @@ from tests.support.mem_relay import (
     grpclib_collect,
     sub_request,
 )
+from tests.support.mirror_rig import served_hub, settle
 
 K = "kv-relay-error-reason"
 
@@ -76,6 +77,7 @@ async def test_replica_equals_producer_after_long_random_run(
                         await late_task
                         late_task = None
                 if step == 200:
+                    await settle(view, server)  # the late joiner's cut is at gen.sequence
                     ch3 = grpclib_channel(server.port)
                     cm3 = ch3.request(
                         SVC + "SubscribeKvPool",
@@ -158,6 +160,7 @@ async def test_catalog_stream_both_clients(
 ) -> None:
     view, server = await start_relay()
     view.add_pool("pool-a", 1024)
+    await settle(view, server)
     ch = grpclib_channel(server.port)
     gio = grpcio_client(server.port)
     req = pb.WatchKvPoolCatalogRequest(subscriber_id="cat", contract_marker=MARKER)
@@ -215,7 +218,8 @@ async def test_readiness_initial_change_and_resend(
 async def test_load_windows_lag_and_close(start_relay: StartRelay) -> None:
     view, server = await start_relay(RelayLimits(load_fanout_capacity=3))
     view.add_pool("pool-a", 1024)
-    view.load.publish(view.load_msg(0, used=1), 0)
+    view.load.publish(view.load_msg(1, used=1), 1)
+    await settle(view, server)
     ch = grpclib_channel(server.port)
     req = pb.SubscribeKvPoolLoadRequest(subscriber_id="l", contract_marker=MARKER)
     try:
@@ -226,15 +230,15 @@ async def test_load_windows_lag_and_close(start_relay: StartRelay) -> None:
             pb.KvPoolLoadUpdate,
         ) as st:
             await st.send_message(req, end=True)
-            w0 = await st.recv_message()
-            assert w0.window_sequence == 0 and w0.pools[0].kv_used_blocks == 1
-            for i in (1, 2):
-                view.load.publish(view.load_msg(i, used=i + 1), i)
+            w1 = await st.recv_message()
+            assert w1.window_sequence == 1 and w1.pools[0].kv_used_blocks == 1
+            for i in (2, 3):
+                view.load.publish(view.load_msg(i, used=i), i)
                 w = await st.recv_message()
-                assert w.window_sequence == i and w.pools[0].kv_used_blocks == i + 1
-            view.load.publish(view.load_msg(5, used=9), 5)  # 3 behind: still allowed
-            assert (await st.recv_message()).window_sequence == 5
-            view.load.publish(view.load_msg(9, used=9), 9)  # 4 behind > capacity 3
+                assert w.window_sequence == i and w.pools[0].kv_used_blocks == i
+            view.load.publish(view.load_msg(6, used=9), 6)  # 3 behind: still allowed
+            assert (await st.recv_message()).window_sequence == 6
+            view.load.publish(view.load_msg(10, used=9), 10)  # 4 behind > capacity 3
             err = await expect_error(st)
             assert err.status == Status.RESOURCE_EXHAUSTED
             assert st.trailing_metadata[K] == "RELAY_ERROR_REASON_SUBSCRIBER_LAGGED"
@@ -245,7 +249,7 @@ async def test_load_windows_lag_and_close(start_relay: StartRelay) -> None:
             pb.KvPoolLoadUpdate,
         ) as st:
             await st.send_message(req, end=True)
-            assert (await st.recv_message()).window_sequence == 9
+            assert (await st.recv_message()).window_sequence == 10
             view.load.close()
             err = await expect_error(st)
             assert err.status == Status.UNAVAILABLE
@@ -283,7 +287,7 @@ async def test_lagging_subscriber_alone_is_dropped(start_relay: StartRelay) -> N
             await s2.send_message(sub_request(gen.producer, "fast"), end=True)
             slow.feed(await s1.recv_message())
             fast.feed(await s2.recv_message())
-            hub = gen.hub_or_none
+            hub = served_hub(server, gen)
             assert hub is not None
             for _ in range(40):  # 40 × 24 KB deltas: far beyond a 64 KiB window + 2 frames
                 gen.random_step(rng, 2000)
@@ -317,9 +321,10 @@ async def test_snapshot_progress_timeout(start_relay: StartRelay) -> None:
         ) as st:
             await st.send_message(sub_request(gen.producer), end=True)
             await asyncio.sleep(0.6)  # stop draining the bootstrap snapshot
-            hub = gen.hub_or_none
+            hub = served_hub(server, gen)
             assert hub is not None
             gen.random_step(np.random.default_rng(6), 10)  # timed-out subscriber is detached
+            await settle(view, server)
             got: list[Any] = []
             err = await expect_error(st, got.append)
             assert err.status == Status.RESOURCE_EXHAUSTED
@@ -418,7 +423,8 @@ async def test_server_close_ends_streams_with_clean_eof(start_relay: StartRelay)
 
     tasks = [asyncio.ensure_future(pool_reader()), asyncio.ensure_future(cat_reader())]
     for _ in range(200):
-        if server.service._active == 2 and gen.hub_or_none and gen.hub_or_none.subscriber_count:
+        hub = served_hub(server, gen)
+        if server.service._active == 2 and hub is not None and hub.subscriber_count:
             break
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.05)

@@ -125,6 +125,8 @@ class Script:
     frames: list[pb.FilterUpdate]
     end: tuple[Status, str] | None = None  # error to end with; None: clean EOF
     hold: bool = False  # keep the stream open after the frames
+    gate: asyncio.Event | None = None  # set: wait for it after ``frames``, then send ``after``
+    after: list[pb.FilterUpdate] = field(default_factory=list)
 
 
 @dataclass
@@ -215,6 +217,10 @@ class ScriptedRelay:
         script = self.scripts.popleft() if self.scripts else self.default()
         for fu in script.frames:
             await stream.send_message(fu)
+        if script.gate is not None:
+            await script.gate.wait()
+            for fu in script.after:
+                await stream.send_message(fu)
         if script.end is not None:
             status, reason = script.end
             await stream.send_trailing_metadata(

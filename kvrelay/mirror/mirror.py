@@ -1,0 +1,335 @@
+"""``Mirror``: a ``RelayView`` whose source is another KvEventRelay.
+
+One upstream stream per plane (catalog, readiness, load) and per catalog pool, all on one
+channel. Identity: the mirror *is* its upstream to its subscribers — same relay identity,
+producers, sequences, bytes. A plane message or frame with another relay identity means the
+upstream restarted: every local stream ends cleanly (as the upstream's own streams did), every
+mirrored pool is dropped and the mirror follows the new identity.
+
+Admission (``open_pool``): a key the mirror holds (live, or still synchronizing) is served
+locally; any other key is decided by the upstream — the mirror subscribes upstream with exactly
+that key, and the upstream's answer (POOL_NOT_FOUND, PRODUCER_CHANGED, RESOURCE_LIMIT, …) is the
+mirror's answer, or the stream becomes the pool's mirror. So a router whose catalog is newer
+than the mirror's gets the same answer as from the upstream, without the mirror guessing.
+
+Bounds: at most ``max_initialized_pool_hubs`` pools are mirrored (listed pools in catalog order,
+then on demand); the rest of the catalog is still listed, and subscribing to such a pool gets
+RESOURCE_LIMIT. There is no idle eviction: a mirror holds every pool it mirrors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.client import errors as E
+from kvrelay.client import rpc
+from kvrelay.contract.errors import Reason, RelayError
+from kvrelay.contract.producer import ProducerKey, producer_key
+from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION
+from kvrelay.logging import get_logger
+from kvrelay.mirror.checker import relay_key
+from kvrelay.mirror.plane import MirrorPlane, PlaneViolation
+from kvrelay.mirror.pool import MirrorPool, PoolContext, PoolState
+from kvrelay.mirror.settings import MirrorSettings
+from kvrelay.mirror.upstream import Upstream, upstream_error
+from kvrelay.mirror.wire import WireError, parse_envelope
+from kvrelay.publication.hub import PublicationHub, Subscription
+
+_log = get_logger(__name__)
+_BEHIND = frozenset({int(Reason.SUBSCRIBER_LAGGED), int(Reason.SNAPSHOT_PROGRESS_TIMEOUT)})
+
+
+class Mirror:
+    """Start inside a running event loop; ``stop()`` ends everything (local streams cleanly)."""
+
+    def __init__(self, settings: MirrorSettings) -> None:
+        self.settings = settings
+        self.limits = settings.limits
+        self.upstream = Upstream(settings)
+        self.catalog = MirrorPlane("catalog")
+        self.readiness = MirrorPlane("readiness")
+        self.load = MirrorPlane("load")
+        self._identity: pb.RelayIdentity | None = None
+        self._identity_key: tuple[int, int] | None = None
+        self._identity_bytes = b""
+        self._listed: dict[ProducerKey, pb.ProducerIdentity] = {}
+        self._pools: dict[ProducerKey, MirrorPool] = {}
+        self._ctx = PoolContext(
+            settings=settings,
+            upstream=self.upstream,
+            encode_gate=asyncio.Semaphore(self.limits.publication_encoding_concurrency),
+            identity=self._current_identity,
+            listed=lambda key: key in self._listed,
+            changed=self._pool_changed,
+        )
+        self._tasks: list[asyncio.Task[None]] = []
+        self.synced = asyncio.Event()
+        self.identity_changes = 0
+        self.catalog_invalid = 0  # descriptors whose producer is not a valid key (not mirrored)
+        self.pools_over_limit = 0  # listed pools not mirrored at the last catalog: hub cap
+        self.plane_ends: Counter[str] = Counter()
+        self.plane_violations: Counter[str] = Counter()
+        self._retired: Counter[str] = Counter()  # pool counters folded in when pools go
+        self.started = False
+
+    # ------------------------------------------------------------------ RelayView
+    @property
+    def relay_identity(self) -> pb.RelayIdentity:
+        if self._identity is None or not self.catalog.live:
+            raise RelayError.publication_unavailable("the mirror has no upstream session")
+        return self._identity
+
+    def _current_identity(self) -> pb.RelayIdentity:
+        assert self._identity is not None
+        return self._identity
+
+    async def open_pool(
+        self, expected: pb.ProducerIdentity, on_release: Callable[[], None] | None = None
+    ) -> Subscription:
+        key = producer_key(expected)
+        if self._identity is None or not self.catalog.live:
+            raise RelayError.publication_unavailable("the mirror has no upstream session")
+        pool = self._pools.get(key)
+        if pool is None or pool.state is PoolState.GONE:
+            if not self._room():
+                raise RelayError.resource_limit(
+                    f"Relay initialized pool hub limit {self.limits.max_initialized_pool_hubs} "
+                    "reached"
+                )
+            pool = self._start_pool(key, expected)  # the upstream decides this key
+        deadline = asyncio.get_running_loop().time() + self.settings.sync_wait_s
+        return await pool.admit(on_release, deadline)
+
+    # ------------------------------------------------------------------ pools
+    def _room(self) -> bool:
+        active = sum(1 for p in self._pools.values() if p.state is not PoolState.GONE)
+        return active < self.limits.max_initialized_pool_hubs
+
+    def _start_pool(self, key: ProducerKey, producer: pb.ProducerIdentity) -> MirrorPool:
+        pool = MirrorPool(self._ctx, key, producer)
+        self._pools[key] = pool
+        pool.start()
+        return pool
+
+    def _pool_changed(self, pool: MirrorPool) -> None:
+        if pool.state is PoolState.GONE and self._pools.get(pool.key) is pool:
+            del self._pools[pool.key]
+            self._fold(pool)
+        self._check_synced()
+
+    def _fold(self, pool: MirrorPool) -> None:
+        self._retired["attempts"] += pool.attempts
+        self._retired["installs"] += pool.installs
+        self._retired["deltas"] += pool.deltas
+        self._retired["lagged"] += pool.lagged
+        for k, v in pool.ends.items():
+            self._retired[f"end_{k}"] += v
+        for k, v in pool.violations.items():
+            self._retired[f"violation_{k}"] += v
+
+    def _reconcile(self) -> None:
+        """Mirror every listed pool (catalog order) while there is room for its hub."""
+        over = 0
+        for key, producer in self._listed.items():
+            pool = self._pools.get(key)
+            if pool is not None and pool.state is not PoolState.GONE:
+                continue
+            if not self._room():
+                over += 1
+                continue
+            self._start_pool(key, producer)
+        self.pools_over_limit = over
+        self._check_synced()
+
+    def _check_synced(self) -> None:
+        if self.synced.is_set() or self._identity is None:
+            return
+        if not (self.catalog.live and self.readiness.live and self.load.live):
+            return
+        if all(p.first_done for k, p in self._pools.items() if k in self._listed):
+            self.synced.set()
+
+    def hub_for(self, producer: pb.ProducerIdentity) -> PublicationHub | None:
+        """The local hub serving ``producer`` (tests and diagnostics)."""
+        pool = self._pools.get(producer_key(producer))
+        return None if pool is None else pool.hub
+
+    # ------------------------------------------------------------------ identity
+    def _observe_relay(self, raw: bytes | None) -> None:
+        """Adopt the upstream identity, or follow a new one (the upstream restarted)."""
+        if raw is None:
+            raise PlaneViolation("message without a relay identity")
+        if raw == self._identity_bytes:
+            return
+        try:
+            relay = pb.RelayIdentity.parse(raw)
+        except Exception as exc:  # betterproto2 raises several types on bad bytes
+            raise PlaneViolation(f"undecodable relay identity: {exc}") from None
+        key = relay_key(raw)
+        if not key[1]:
+            raise PlaneViolation("relay identity with incarnation 0")
+        if key == self._identity_key:
+            return
+        if self._identity is not None:
+            self._follow(relay)
+        self._identity, self._identity_key, self._identity_bytes = relay, key, raw
+        _log.info("mirror_upstream_identity", drt_instance_id=key[0], relay_incarnation=key[1])
+
+    def _follow(self, relay: pb.RelayIdentity) -> None:
+        """End everything of the old upstream incarnation cleanly and start over."""
+        self.identity_changes += 1
+        _log.warning("mirror_upstream_restarted", old=self._identity_key,
+                     new=(int(relay.drt_instance_id), int(relay.relay_incarnation)))  # fmt: skip
+        for plane in (self.catalog, self.readiness, self.load):
+            plane.end(None, "the upstream restarted")
+        for pool in list(self._pools.values()):
+            pool.stop(None, "the upstream restarted: refresh the catalog")
+        self._pools.clear()
+        self._listed = {}
+
+    # ------------------------------------------------------------------ planes
+    def _on_catalog(self, data: bytes) -> None:
+        try:
+            upd = pb.KvPoolCatalogUpdate.parse(data)
+        except Exception as exc:
+            raise PlaneViolation(f"undecodable catalog: {exc}") from None
+        listed: dict[ProducerKey, pb.ProducerIdentity] = {}
+        for d in upd.snapshot.pools if upd.snapshot is not None else []:
+            try:
+                key = producer_key(d.producer)
+            except RelayError:
+                self.catalog_invalid += 1
+                continue
+            assert d.producer is not None
+            listed.setdefault(key, d.producer)
+        self._listed = listed
+        self._reconcile()
+
+    async def _plane_loop(self, plane: MirrorPlane, method: str, request: Any) -> None:
+        failures = 0
+        is_catalog = plane is self.catalog
+        silence = None if is_catalog else 3 * self.settings.upstream_heartbeat_s
+        while True:
+            delivered = False
+
+            def on(data: bytes) -> None:
+                nonlocal delivered
+                try:
+                    env = parse_envelope(data)
+                except WireError as exc:
+                    raise PlaneViolation(f"{plane.name}: {exc}") from None
+                if env.marker != CONTRACT_MARKER or env.protocol_version != PROTOCOL_VERSION:
+                    raise PlaneViolation(f"{plane.name}: envelope marker/version")
+                self._observe_relay(env.relay)
+                if plane.offer(env.version, data) and is_catalog:
+                    self._on_catalog(data)
+                delivered = True
+                self._check_synced()
+
+            local: RelayError | None
+            try:
+                end, channel = await self.upstream.stream(method, request, on, silence_s=silence)
+            except PlaneViolation as v:
+                self.plane_violations[plane.name] += 1
+                _log.warning("mirror_plane_violation", plane=plane.name, detail=str(v))
+                local = RelayError.publication_unavailable(f"the mirror refused the upstream "
+                                                           f"{plane.name} stream: {v}")
+                why = "upstream stream broke a rule"
+            except Exception as exc:  # a bug here must not stop the plane for good
+                self.plane_ends[f"{plane.name}_internal"] += 1
+                _log.exception("mirror_plane_failed", plane=plane.name, error=repr(exc))
+                local = RelayError.publication_unavailable(f"mirror failure: {type(exc).__name__}")
+                why = "mirror failure"
+            else:
+                self.plane_ends[f"{plane.name}_{end.reason}"] += 1
+                local, why = self._plane_end(end)
+                if is_catalog and end.reason in (E.EOF, E.CONNECTION):
+                    # the session's stream: a relay shutting down may still accept streams on
+                    # its old connection, so every stream starts over on a fresh one
+                    self.upstream.reset(channel)
+            plane.end(local, why)
+            failures = 0 if delivered else failures + 1
+            await asyncio.sleep(self.settings.backoff(failures))
+
+    @staticmethod
+    def _plane_end(end: rpc.StreamEnd) -> tuple[RelayError | None, str]:
+        if end.reason == E.EOF:
+            return None, "the upstream ended the stream (shutdown)"
+        answer = upstream_error(end)
+        if answer is not None:
+            if int(answer.reason) in _BEHIND:
+                return RelayError.publication_unavailable(
+                    f"the mirror fell behind its upstream ({answer.trailer_value})"
+                ), "fell behind"
+            if int(answer.reason) == int(Reason.PUBLICATION_UNAVAILABLE):
+                return answer, "upstream plane unavailable"
+            return RelayError.publication_unavailable(
+                f"upstream ended the stream: {answer.trailer_value}: {answer.message}"
+            ), "upstream error"
+        return RelayError.publication_unavailable(
+            f"upstream connection lost ({end.reason}: {end.message})"
+        ), "upstream unreachable"
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self.started = True
+        sid = self.settings.subscriber_id
+        loop = asyncio.get_running_loop()
+        for plane, method, request in (
+            (self.catalog, "WatchKvPoolCatalog", rpc.catalog_request(sid)),
+            (self.readiness, "SubscribeServingReadiness", rpc.readiness_request(sid)),
+            (self.load, "SubscribeKvPoolLoad", rpc.load_request(sid)),
+        ):
+            task = loop.create_task(
+                self._plane_loop(plane, method, request), name=f"kvrelay-mirror-{plane.name}"
+            )
+            self._tasks.append(task)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        for pool in list(self._pools.values()):
+            pool.stop(None)
+        self._pools.clear()
+        for plane in (self.catalog, self.readiness, self.load):
+            plane.end(None, "the mirror is shutting down")
+        self.upstream.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Plain counters and gauges (for logs, metrics and the benchmarks)."""
+        totals = Counter(self._retired)
+        pools = {}
+        for key, pool in self._pools.items():
+            pools[f"{key.routing_scope_digest.hex()[:8]}/{key.layout_generation}"] = pool.stats()
+            for name in ("attempts", "installs", "deltas", "lagged"):
+                totals[name] += int(getattr(pool, name))
+            for k, v in pool.ends.items():
+                totals[f"end_{k}"] += v
+            for k, v in pool.violations.items():
+                totals[f"violation_{k}"] += v
+        return {
+            "upstream": str(self.settings.upstream),
+            "identity": self._identity_key,
+            "identity_changes": self.identity_changes,
+            "synced": self.synced.is_set(),
+            "planes": {
+                p.name: {"live": p.live, "epochs": p.epochs, "version": p.upstream_version}
+                for p in (self.catalog, self.readiness, self.load)
+            },
+            "plane_ends": dict(self.plane_ends),
+            "plane_violations": dict(self.plane_violations),
+            "catalog_invalid": self.catalog_invalid,
+            "pools_over_limit": self.pools_over_limit,
+            "channel_resets": self.upstream.resets,
+            "pool_totals": dict(totals),
+            "pools": pools,
+        }

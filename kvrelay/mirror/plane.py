@@ -1,0 +1,122 @@
+"""``MirrorPlane``: a ``Plane`` of the bytes an upstream plane stream delivered.
+
+Each upstream stream is one *epoch*. While it delivers, the plane holds its newest message (kept
+as received) under a local version that preserves the upstream's differences (revision or
+window sequence), so the service's per-version logic — load lag (§4.5), readiness re-sends —
+behaves as on the upstream. When the stream ends, every reader of that epoch ends the way the
+upstream ended it (its error, or cleanly), and new readers are refused until another stream
+delivers: a mirror never serves a plane message from a source it has lost. The next epoch starts
+above every version used before, so a reader of an old epoch can never mistake a new message
+for the continuation of its own stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+from kvrelay.contract.errors import RelayError
+from kvrelay.publication.plane import PlaneEnded
+
+#: Ended epochs remembered for readers that come back to wait after their epoch ended.
+ENDED_EPOCHS = 16
+
+
+class PlaneViolation(Exception):
+    """An upstream plane stream broke a rule (version went backwards, changed at one version)."""
+
+
+class MirrorPlane:
+    """Latest upstream message of one plane, with epochs. Single event loop; never blocks."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._version = -1
+        self._data: bytes | None = None
+        self._live = False
+        self._base = 0  # local version of this epoch's first message
+        self._first = 0  # upstream version of this epoch's first message
+        self._upstream = -1  # newest upstream version of this epoch
+        self._ends: deque[tuple[int, RelayError | None]] = deque(maxlen=ENDED_EPOCHS)
+        self._down = self._unavailable("not connected to the upstream yet")
+        self._event = asyncio.Event()
+        self.epochs = 0
+        self.messages = 0
+
+    def _unavailable(self, why: str) -> RelayError:
+        return RelayError.publication_unavailable(f"mirror {self.name} plane: {why}")
+
+    @property
+    def live(self) -> bool:
+        return self._live
+
+    @property
+    def upstream_version(self) -> int | None:
+        """Newest upstream version of the live epoch (None while down)."""
+        return self._upstream if self._live else None
+
+    # --- Plane ---
+    def current(self) -> tuple[int, bytes]:
+        if not self._live or self._data is None:
+            raise RelayError(self._down.reason, self._down.message)
+        return self._version, self._data
+
+    async def wait_newer(self, version: int) -> tuple[int, bytes]:
+        while True:
+            if version < self._base or not self._live:
+                raise self._end_of(version)
+            if self._version > version:
+                assert self._data is not None
+                return self._version, self._data
+            await self._event.wait()
+
+    def _end_of(self, version: int) -> Exception:
+        for base, error in reversed(self._ends):
+            if base <= version:
+                if error is None:
+                    return PlaneEnded(f"upstream {self.name} stream ended")
+                return RelayError(error.reason, error.message)
+        return self._unavailable("the upstream stream this reader followed is gone")
+
+    # --- fed by the mirror ---
+    def offer(self, upstream_version: int, data: bytes) -> bool:
+        """One upstream message; True if it is new. Raises PlaneViolation if the upstream went
+        backwards, or sent other bytes under the version it already sent."""
+        if not self._live:
+            self._live = True
+            self.epochs += 1
+            self._base = self._version + 1
+            self._first = upstream_version
+            self._publish(self._base, upstream_version, data)
+            return True
+        if upstream_version < self._upstream:
+            raise PlaneViolation(
+                f"{self.name} version went backwards: {upstream_version} < {self._upstream}"
+            )
+        if upstream_version == self._upstream:
+            if data != self._data:
+                raise PlaneViolation(f"{self.name} changed at version {upstream_version}")
+            return False  # a re-send (readiness heartbeat): the mirror's own server re-sends
+        self._publish(self._base + upstream_version - self._first, upstream_version, data)
+        return True
+
+    def _publish(self, version: int, upstream_version: int, data: bytes) -> None:
+        self._version = version
+        self._upstream = upstream_version
+        self._data = data
+        self.messages += 1
+        self._wake()
+
+    def end(self, error: RelayError | None, why: str = "upstream stream ended") -> None:
+        """The epoch's upstream stream ended: its readers end with ``error`` (None: cleanly) and
+        new readers are refused until the next stream delivers."""
+        self._down = self._unavailable(why if error is None else f"{why}: {error.message}")
+        if not self._live:
+            return
+        self._live = False
+        self._ends.append((self._base, error))
+        self._wake()
+
+    def _wake(self) -> None:
+        event, self._event = self._event, asyncio.Event()
+        event.set()

@@ -1,0 +1,292 @@
+"""``MirrorPool``: one upstream pool stream re-served through a local ``PublicationHub``.
+
+Each upstream subscription is checked frame by frame (``checker``). Once its snapshot is
+assembled the pool goes live: a local hub starts at the upstream's cut (its chunk payloads seed
+the first local snapshot), every upstream delta is applied to the hub's mirror table and its
+received bytes are fanned out unchanged, and later joiners get snapshots cut locally from that
+table with the upstream's envelope (byte-identical chunks; only ``send_ts_us`` differs).
+
+When the upstream stream ends, the local subscribers end as the contract says for that case:
+
+| upstream stream ended with | local subscribers get |
+| --- | --- |
+| clean EOF (upstream shut down) | clean EOF |
+| PUBLICATION_UNAVAILABLE, INTERNAL (fence, withdrawal, oversized) | the same status, message |
+| SUBSCRIBER_LAGGED, SNAPSHOT_PROGRESS_TIMEOUT (mirror fell behind) | PUBLICATION_UNAVAILABLE |
+| anything else, a silent or lost connection, a frame breaking a rule | PUBLICATION_UNAVAILABLE |
+
+A live pool that ends resubscribes at once (a fresh snapshot); an attempt that fails before its
+snapshot backs off. POOL_NOT_FOUND / PRODUCER_CHANGED end the pool for good (the catalog brings
+the next generation). Subscribers that arrive while an attempt runs wait for it (bounded by
+``sync_wait_s``); one that arrives after a failed attempt gets that attempt's answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.client import errors as E
+from kvrelay.client import rpc
+from kvrelay.contract.errors import Reason, RelayError
+from kvrelay.contract.limits import RelayLimits
+from kvrelay.contract.producer import ProducerKey
+from kvrelay.logging import get_logger
+from kvrelay.mirror.checker import Installed, PoolStreamChecker, Violation
+from kvrelay.mirror.settings import MirrorSettings
+from kvrelay.mirror.upstream import Upstream, upstream_error
+from kvrelay.publication import cbi1
+from kvrelay.publication.hub import PublicationHub, Subscription
+from kvrelay.publication.splice import FilterUpdateEncoder
+
+_log = get_logger(__name__)
+_FORWARDED = frozenset({int(Reason.PUBLICATION_UNAVAILABLE), int(Reason.INTERNAL)})
+_BEHIND = frozenset({int(Reason.SUBSCRIBER_LAGGED), int(Reason.SNAPSHOT_PROGRESS_TIMEOUT)})
+_GONE = frozenset({int(Reason.POOL_NOT_FOUND), int(Reason.PRODUCER_CHANGED)})
+VOUCH_SLACK_S = 0.25
+
+
+class PoolState(enum.Enum):
+    SYNCING = "syncing"  # an upstream attempt runs; no local hub yet
+    LIVE = "live"  # local hub serving
+    FAILED = "failed"  # the last attempt failed before its snapshot; backing off
+    GONE = "gone"  # this generation is over (or the mirror stopped it)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolContext:
+    """What a pool gets from its mirror (no back-pointer)."""
+
+    settings: MirrorSettings
+    upstream: Upstream
+    encode_gate: asyncio.Semaphore
+    identity: Callable[[], pb.RelayIdentity]
+    listed: Callable[[ProducerKey], bool]
+    changed: Callable[[MirrorPool], None]
+
+    @property
+    def limits(self) -> RelayLimits:
+        return self.settings.limits
+
+
+class MirrorPool:
+    """One mirrored generation. Single event loop."""
+
+    def __init__(self, ctx: PoolContext, key: ProducerKey, producer: pb.ProducerIdentity) -> None:
+        self.ctx = ctx
+        self.key = key
+        self.producer = producer
+        self.name = f"layout {key.layout_generation} dc {key.dc_id:016x}"
+        self.state = PoolState.SYNCING
+        self.error: RelayError | None = None
+        self.hub: PublicationHub | None = None
+        self.first_done = False  # the first attempt reached a snapshot or failed
+        self.attempts = 0
+        self.installs = 0
+        self.deltas = 0
+        self.lagged = 0  # local subscribers ended as lagged, over every local hub
+        self.ends: Counter[str] = Counter()  # how upstream streams ended (mirror vocabulary)
+        self.violations: Counter[str] = Counter()
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._checker: PoolStreamChecker | None = None
+        self._last_frame = time.monotonic()
+        self._heartbeat_s = ctx.settings.upstream_heartbeat_s
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"kvrelay-mirror-pool-{self.key.layout_generation}"
+        )
+
+    def stop(self, error: RelayError | None, why: str = "the mirror stopped this pool") -> None:
+        """End this pool now: local subscribers end with ``error`` (None: cleanly); subscribers
+        still waiting for it get PUBLICATION_UNAVAILABLE saying ``why``."""
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        hub, self.hub = self.hub, None
+        if hub is not None:
+            hub.retire(error)
+            self.lagged += hub.lagged
+        self._set(PoolState.GONE, error or RelayError.publication_unavailable(why))
+
+    @property
+    def sequence(self) -> int | None:
+        return None if self.hub is None else self.hub.sequence
+
+    def _set(self, state: PoolState, error: RelayError | None = None) -> None:
+        self.state = state
+        self.error = error
+        if state is not PoolState.SYNCING:
+            self.first_done = True
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+        self.ctx.changed(self)
+
+    # ------------------------------------------------------------------ admission
+    async def admit(
+        self, on_release: Callable[[], None] | None, deadline: float
+    ) -> Subscription:
+        """A local subscription once the pool is live; the failed attempt's error, or
+        PUBLICATION_UNAVAILABLE after ``deadline`` (loop time) while still synchronizing."""
+        loop = asyncio.get_running_loop()
+        while True:
+            state, hub = self.state, self.hub
+            if state is PoolState.LIVE and hub is not None:
+                sub = await hub.subscribe(on_release)  # may wait for a snapshot slot
+                if hub.retired:
+                    sub.close()
+                    raise RelayError.publication_unavailable(
+                        "upstream stream ended during admission"
+                    )
+                return sub
+            if state in (PoolState.FAILED, PoolState.GONE):
+                err = self.error or RelayError.publication_unavailable("pool not mirrored")
+                raise RelayError(err.reason, err.message)
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise RelayError.publication_unavailable(
+                    "the mirror is still synchronizing this pool with its upstream"
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
+
+    # ------------------------------------------------------------------ upstream
+    def _vouch(self) -> bool:
+        """A local heartbeat claims the stream is current: only while the upstream stream has
+        shown life within 1.5 of its heartbeat periods (+0.25 s of scheduling slack)."""
+        return time.monotonic() - self._last_frame <= 1.5 * self._heartbeat_s + VOUCH_SLACK_S
+
+    def _on_frame(self, data: bytes) -> None:
+        checker = self._checker
+        assert checker is not None
+        frame, extra = checker.feed(data)
+        now = time.monotonic()
+        if isinstance(extra, cbi1.Delta):
+            hub = self.hub
+            assert hub is not None
+            n = len(frame.payload)
+            hub.publish_encoded(frame.sequence, extra.buckets, extra.words, data, n)
+            self.deltas += 1
+        elif isinstance(extra, Installed):
+            self._install(extra)
+        elif frame.kind == int(pb.FilterUpdateKind.HEARTBEAT):
+            # heartbeats come after one upstream period of silence: learn the period
+            self._heartbeat_s = min(3600.0, max(0.05, now - self._last_frame))
+        self._last_frame = now
+
+    def _install(self, snap: Installed) -> None:
+        key = self.key
+        hub = PublicationHub(
+            FilterUpdateEncoder(snap.relay, snap.producer, prefix=snap.prefix),
+            seed=key.seed,
+            bucket_count=key.bucket_count,
+            dc_id=key.dc_id,
+            table=snap.table,
+            sequence=snap.sequence,
+            limits=self.ctx.limits,
+            encode_gate=self.ctx.encode_gate,
+            cut=snap.chunks,
+            vouch=self._vouch,
+        )
+        self.hub = hub
+        self.installs += 1
+        self._set(PoolState.LIVE)
+
+    async def _attempt(self) -> tuple[bool, RelayError | None, RelayError | None]:
+        """One upstream subscription to its end: (was live, error for local subscribers,
+        the upstream's own error if it answered with one)."""
+        ctx = self.ctx
+        self.attempts += 1
+        self._checker = PoolStreamChecker(self.key, ctx.identity())
+        self._last_frame = time.monotonic()
+        request = rpc.pool_request(ctx.settings.subscriber_id, self.producer)
+        local: RelayError | None
+        answer: RelayError | None = None
+        try:
+            end, _channel = await ctx.upstream.stream(
+                "SubscribeKvPool", request, self._on_frame, silence_s=3 * self._heartbeat_s
+            )
+        except Violation as v:
+            self.violations[v.reason] += 1
+            self.ends["violation"] += 1
+            _log.warning("mirror_upstream_violation", pool=self.name, reason=v.reason,
+                         detail=v.detail)  # fmt: skip
+            local = RelayError.publication_unavailable(
+                f"the mirror refused an upstream frame ({v.reason})"
+            )
+        except Exception as exc:  # a hub invariant, or a bug here: never a crash
+            self.ends["internal"] += 1
+            _log.exception("mirror_pool_failed", pool=self.name, error=repr(exc))
+            local = RelayError.publication_unavailable(f"mirror failure: {type(exc).__name__}")
+        else:
+            self.ends[end.reason] += 1
+            answer = upstream_error(end)
+            if end.reason == E.EOF:
+                local = None
+            elif answer is not None:
+                if int(answer.reason) in _FORWARDED:
+                    local = answer
+                elif int(answer.reason) in _BEHIND:
+                    local = RelayError.publication_unavailable(
+                        f"the mirror fell behind its upstream ({answer.trailer_value})"
+                    )
+                else:
+                    local = RelayError.publication_unavailable(
+                        f"upstream ended the stream: {answer.trailer_value}: {answer.message}"
+                    )
+            elif end.reason == E.SILENT:
+                local = RelayError.publication_unavailable("upstream pool stream went silent")
+            else:
+                local = RelayError.publication_unavailable(
+                    f"upstream connection lost ({end.reason}: {end.message})"
+                )
+        hub, self.hub = self.hub, None
+        self._checker = None
+        if hub is not None:
+            hub.retire(local)
+            self.lagged += hub.lagged
+        return hub is not None, local, answer
+
+    async def _run(self) -> None:
+        failures = 0
+        while True:
+            if self.state is not PoolState.SYNCING:
+                self._set(PoolState.SYNCING)
+            was_live, local, answer = await self._attempt()
+            if answer is not None and int(answer.reason) in _GONE:
+                # this generation is gone upstream; subscribers still asking get its answer
+                self._set(PoolState.GONE, answer)
+                return
+            if was_live:
+                failures = 0
+                continue  # resubscribe at once: a fresh snapshot for the next subscribers
+            refusal = answer or local or RelayError.publication_unavailable(
+                "upstream ended the stream before its snapshot"
+            )
+            if not self.ctx.listed(self.key):
+                self._set(PoolState.GONE, refusal)
+                return
+            failures += 1
+            self._set(PoolState.FAILED, refusal)
+            await asyncio.sleep(self.ctx.settings.backoff(failures))
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "state": self.state.value,
+            "sequence": self.sequence,
+            "attempts": self.attempts,
+            "installs": self.installs,
+            "deltas": self.deltas,
+            "subscribers": 0 if self.hub is None else self.hub.subscriber_count,
+            "lagged": self.lagged + (0 if self.hub is None else self.hub.lagged),
+            "ends": dict(self.ends),
+            "violations": dict(self.violations),
+        }

@@ -1,0 +1,116 @@
+"""The mirror's connection to its upstream relay: one HTTP/2 channel, replies kept as bytes.
+
+Streams run through the SDK's ``run_stream`` (trailers, silence, transport errors → one
+``StreamEnd``); the codec hands every reply over as the bytes received, because the mirror
+forwards frames unchanged and parses only what it checks (``mirror.wire``). How a stream ended is
+turned back into the upstream's ``RelayError`` (reason and message) so it can be forwarded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from grpclib.client import Channel
+from grpclib.config import Configuration
+from grpclib.const import Status
+from grpclib.encoding.base import CodecBase
+from grpclib.exceptions import GRPCError
+
+from kvrelay.client import errors as E
+from kvrelay.client import rpc
+from kvrelay.contract.errors import RelayError, reason_from_name
+from kvrelay.mirror.settings import MirrorSettings
+
+SERVICE = "/dynamo.kvrelay.v1.KvEventRelay/"
+StreamEnd = rpc.StreamEnd
+
+
+class RawCodec(CodecBase):
+    """Requests: betterproto2 messages → bytes. Replies: the received bytes, size-bounded."""
+
+    __content_subtype__ = "proto"
+
+    def __init__(self, max_message_bytes: int) -> None:
+        self.max_message_bytes = max_message_bytes
+
+    def encode(self, message: Any, message_type: Any) -> bytes:
+        return message if isinstance(message, bytes) else bytes(message)
+
+    def decode(self, data: bytes, message_type: Any) -> bytes:
+        if len(data) > self.max_message_bytes:
+            raise GRPCError(
+                Status.RESOURCE_EXHAUSTED,
+                f"inbound message of {len(data)} bytes exceeds {self.max_message_bytes}",
+            )
+        return data
+
+
+def upstream_error(end: StreamEnd) -> RelayError | None:
+    """The upstream's own error for a stream that ended with a relay reason (None otherwise)."""
+    if end.reason in (E.EOF, E.CONNECTION, E.SILENT) or end.reason.startswith("status_"):
+        return None
+    reason = reason_from_name("RELAY_ERROR_REASON_" + end.reason.upper())
+    return None if reason is None else RelayError(reason, end.message)
+
+
+class Upstream:
+    """One channel to the upstream relay, replaced when the upstream goes away."""
+
+    def __init__(self, settings: MirrorSettings) -> None:
+        self.settings = settings
+        self.resets = 0
+        self._channel = self._open()
+
+    def _open(self) -> Channel:
+        s = self.settings
+        config = Configuration(
+            _keepalive_time=s.keepalive_s,
+            _keepalive_timeout=s.keepalive_timeout_s,
+            _keepalive_permit_without_calls=True,
+            http2_stream_window_size=s.window_bytes,
+            http2_connection_window_size=min(4 * s.window_bytes, 2**31 - 1),
+        )
+        codec = RawCodec(s.limits.max_message_bytes)
+        a = s.upstream
+        if a.path is not None:
+            return Channel(path=a.path, codec=codec, config=config)
+        return Channel(a.host, a.port, ssl=s.ssl, codec=codec, config=config)
+
+    @property
+    def channel(self) -> Channel:
+        return self._channel
+
+    def reset(self, used: Channel | None = None) -> None:
+        """Open a fresh channel (unless ``used`` is no longer the current one): a relay that is
+        shutting down may still accept streams on its old connection."""
+        if used is not None and used is not self._channel:
+            return
+        self.resets += 1
+        old, self._channel = self._channel, self._open()
+        old.close()
+
+    async def stream(
+        self,
+        method: str,
+        request: Any,
+        on_message: Callable[[bytes], None],
+        *,
+        silence_s: float | None = None,
+    ) -> tuple[StreamEnd, Channel]:
+        """Run one upstream stream to its end (exceptions raised by ``on_message`` propagate and
+        reset the HTTP/2 stream). Returns how it ended and the channel it used.
+
+        The loop yields after every half local queue of messages: a burst of buffered upstream
+        deltas must not queue more frames per local subscriber than its bound before the senders
+        run, or every local subscriber would lag at once; yielding less often than every frame
+        keeps the senders' batched writes (several frames per HTTP/2 write)."""
+        channel = self._channel
+        every = max(1, self.settings.limits.publication_queue_capacity // 2)
+        end = await rpc.run_stream(
+            channel, method, request, bytes, on_message, silence_s=silence_s, yield_every=every
+        )
+        return end, channel
+
+    def close(self) -> None:
+        self._channel.close()

@@ -1,0 +1,135 @@
+"""The daemon's public front with ``workers = N ≥ 2``: an internal socket and N−1 workers.
+
+The source (the relay, or a mirror) is served on a UNIX socket in a private directory (mode
+0700, under ``$RUNTIME_DIRECTORY`` when systemd gives one); its only subscribers are the
+workers, one stream per pool and plane each, so its limits are sized for them
+(:func:`internal_limits`) while the configured ``[relay.limits]`` apply in every worker to its
+router streams. Limits are per worker: each process bounds what it holds (queues, hubs, streams),
+so ``N−1`` workers admit up to ``N−1`` times each stream limit (``docs/scaling.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import tempfile
+from dataclasses import asdict, replace
+from typing import Any
+
+from kvrelay.contract.limits import RelayLimits
+from kvrelay.logging import get_logger
+from kvrelay.ops.config import DaemonConfig, MirrorConfig
+from kvrelay.ops.supervisor import Supervisor, reserve_port
+from kvrelay.ops.worker import WorkerSpec
+
+_LOG = get_logger("kvrelay.ops.front")
+
+MiB = 1024 * 1024
+#: A worker must never lag its ingest process: room for ~1.5 s of deltas at 600/s, or 64 MiB.
+INTERNAL_QUEUE_FRAMES = 1024
+INTERNAL_QUEUE_BYTES = 64 * MiB
+
+
+def internal_limits(limits: RelayLimits, workers: int) -> RelayLimits:
+    """Limits of the source when only its ``workers - 1`` fan-out workers subscribe to it."""
+    w = max(1, workers - 1)
+    return replace(
+        limits,
+        publication_queue_capacity=max(limits.publication_queue_capacity, INTERNAL_QUEUE_FRAMES),
+        publication_queue_bytes=max(limits.publication_queue_bytes, INTERNAL_QUEUE_BYTES),
+        # one stream per mirrored pool, plus the per-key probes a worker's routers can cause
+        max_pool_streams_total=max(
+            limits.max_pool_streams_total,
+            w * (limits.max_initialized_pool_hubs + limits.max_pool_streams_total),
+        ),
+        max_subscribers_per_pool=max(limits.max_subscribers_per_pool, 2 * w),
+        max_catalog_subscribers=max(limits.max_catalog_subscribers, 2 * w),
+        max_readiness_subscribers=max(limits.max_readiness_subscribers, 2 * w),
+        max_load_subscribers=max(limits.max_load_subscribers, 2 * w),
+    )
+
+
+def mirror_settings(m: MirrorConfig, limits: RelayLimits) -> Any:
+    """``MirrorSettings`` for a ``[mirror]`` section (TLS to the upstream when ``tls_ca``)."""
+    from kvrelay.mirror.settings import MirrorSettings, UpstreamAddress
+
+    context = None
+    if m.tls_ca is not None:
+        from kvrelay.ops.tls import client_ssl_context
+
+        context = client_ssl_context(m.tls_ca, m.tls_cert, m.tls_key)
+    return MirrorSettings(
+        upstream=UpstreamAddress.parse(m.upstream),
+        limits=limits,
+        ssl=context,
+        subscriber_id=m.subscriber_id,
+        sync_wait_s=m.sync_wait_s,
+        upstream_heartbeat_s=m.upstream_heartbeat_s,
+    )
+
+
+class WorkerFront:
+    """Internal listener + reserved public port + supervised workers."""
+
+    def __init__(self, cfg: DaemonConfig, view: Any, *, start_timeout_s: float = 120.0) -> None:
+        self.cfg = cfg
+        self.view = view
+        self.start_timeout_s = start_timeout_s
+        self.dir: str | None = None
+        self.path: str | None = None
+        self.internal: Any = None
+        self.supervisor: Supervisor | None = None
+        self._reserved: socket.socket | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        from kvrelay.service.server import RelayServer
+
+        cfg = self.cfg
+        base = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or None
+        self.dir = tempfile.mkdtemp(prefix="kvrelay-", dir=base)  # mode 0700
+        self.path = os.path.join(self.dir, "ingest.sock")
+        self.internal = RelayServer(self.view, internal_limits(cfg.relay.limits, cfg.workers))
+        await self.internal.start_unix(self.path)
+        self._reserved = reserve_port(cfg.bind_host, cfg.bind_port)
+        self.port = int(self._reserved.getsockname()[1])
+        self.supervisor = Supervisor(self._spec, cfg.workers - 1,
+                                     start_timeout_s=self.start_timeout_s)  # fmt: skip
+        await self.supervisor.start()
+
+    def _spec(self, index: int) -> WorkerSpec:
+        cfg = self.cfg
+        assert self.path is not None
+        json_logs = {"auto": None, "json": True, "console": False}[cfg.logging.format]
+        return WorkerSpec(
+            index=index,
+            upstream=f"unix:{self.path}",
+            host=cfg.bind_host,
+            port=self.port,
+            limits=asdict(cfg.relay.limits),
+            tls_cert=cfg.tls.cert,
+            tls_key=cfg.tls.key,
+            tls_client_ca=cfg.tls.client_ca,
+            log_level=cfg.logging.level.upper(),
+            log_json=json_logs,
+            event_loop=cfg.event_loop,
+            # a worker drains in a quarter of the daemon's bound, the supervisor waits half
+            shutdown_timeout_s=cfg.shutdown_timeout_s / 2,
+            sync_timeout_s=self.start_timeout_s,
+        )
+
+    async def stop(self, grace_s: float) -> None:
+        """Workers first (their router streams end with a clean EOF), then the internal socket."""
+        if self.supervisor is not None:
+            await self.supervisor.stop(grace_s)
+        if self.internal is not None:
+            await self.internal.close(grace_s=grace_s)
+        if self._reserved is not None:
+            self._reserved.close()
+            self._reserved = None
+        if self.dir is not None:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(self.dir)
+            self.dir = None

@@ -1,0 +1,176 @@
+"""Metrics of mirrors and fan-out workers, read from their ``stats()`` at scrape time.
+
+``MirrorCollector`` turns mirror statistics into ``kvrelay_mirror_*`` families labelled by
+``worker`` (``""`` for a standalone mirror); ``WorkersCollector`` adds the supervisor's
+``kvrelay_workers`` and ``kvrelay_worker_restarts_total`` and every worker's mirror. A ``workers
+= N`` relay registers it next to ``RelayMetrics``; ``MirrorMetrics`` is the whole endpoint of a
+mirror daemon (mirror, service streams under the relay's metric names, loop lag).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvrelay.ops.metrics import LOOP_LAG_BUCKETS, ServiceSource, default_registry
+from kvrelay.ops.metrics_http import MetricsServer
+
+MirrorStats = Callable[[], list[tuple[str, dict[str, Any]]]]  # (worker label, Mirror.stats())
+
+
+class MirrorCollector(Collector):
+    def __init__(self, source: MirrorStats) -> None:
+        self.source = source
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        lw = ["worker"]
+        synced = GaugeMetricFamily("kvrelay_mirror_synced", "1 once the mirror synchronized.",
+                                   labels=lw)  # fmt: skip
+        changes = CounterMetricFamily(
+            "kvrelay_mirror_upstream_identity_changes",
+            "Upstream relay identity changes followed (upstream restarts).", labels=lw,
+        )  # fmt: skip
+        pools = GaugeMetricFamily("kvrelay_mirror_pools", "Mirrored pools by state.",
+                                  labels=[*lw, "state"])  # fmt: skip
+        ends = CounterMetricFamily("kvrelay_mirror_pool_stream_ends",
+                                   "Upstream pool streams ended, by how.",
+                                   labels=[*lw, "reason"])  # fmt: skip
+        violations = CounterMetricFamily(
+            "kvrelay_mirror_violations", "Upstream frames refused by the strict checker.",
+            labels=[*lw, "reason"],
+        )  # fmt: skip
+        deltas = CounterMetricFamily("kvrelay_mirror_deltas", "Upstream deltas re-served.",
+                                     labels=lw)  # fmt: skip
+        lagged = CounterMetricFamily("kvrelay_mirror_subscribers_lagged",
+                                     "Local subscribers ended as lagged.", labels=lw)  # fmt: skip
+        planes = CounterMetricFamily("kvrelay_mirror_plane_stream_ends",
+                                     "Upstream plane streams ended, by plane and how.",
+                                     labels=[*lw, "plane", "reason"])  # fmt: skip
+        for worker, s in self.source():
+            if not s:
+                continue
+            synced.add_metric([worker], 1.0 if s.get("synced") else 0.0)
+            changes.add_metric([worker], float(s.get("identity_changes", 0)))
+            states: dict[str, int] = {}
+            for p in s.get("pools", {}).values():
+                states[p["state"]] = states.get(p["state"], 0) + 1
+            for state, n in sorted(states.items()):
+                pools.add_metric([worker, state], n)
+            totals = s.get("pool_totals", {})
+            for k, v in sorted(totals.items()):
+                if k.startswith("end_"):
+                    ends.add_metric([worker, k[4:]], float(v))
+                elif k.startswith("violation_"):
+                    violations.add_metric([worker, k[10:]], float(v))
+            deltas.add_metric([worker], float(totals.get("deltas", 0)))
+            lagged.add_metric([worker], float(totals.get("lagged", 0)))
+            for k, v in sorted(s.get("plane_ends", {}).items()):
+                plane, _, reason = k.partition("_")
+                planes.add_metric([worker, plane, reason], float(v))
+        yield from (synced, changes, pools, ends, violations, deltas, lagged, planes)
+
+
+class WorkersCollector(Collector):
+    """The supervisor's view: configured and serving workers, restarts."""
+
+    def __init__(self, supervisor: Any) -> None:
+        self.supervisor = supervisor
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        sup = self.supervisor
+        workers = GaugeMetricFamily("kvrelay_workers", "Fan-out worker processes.",
+                                    labels=["state"])  # fmt: skip
+        workers.add_metric(["configured"], sup.count)
+        workers.add_metric(["serving"], sup.alive)
+        restarts = CounterMetricFamily("kvrelay_worker_restarts",
+                                       "Fan-out workers restarted after exiting.")  # fmt: skip
+        restarts.add_metric([], sup.restarts)
+        yield workers
+        yield restarts
+        yield from MirrorCollector(self._mirrors).collect()
+
+    def _mirrors(self) -> list[tuple[str, dict[str, Any]]]:
+        return [
+            (str(i + 1), s.get("mirror", {})) for i, s in enumerate(self.supervisor.worker_stats())
+        ]
+
+
+def _service_families(svc: ServiceSource) -> Iterator[Metric]:
+    streams, errors_by_reason = svc.stats()
+    subs = GaugeMetricFamily("kvrelay_stream_subscribers", "Open streams by kind.",
+                             labels=["kind"])  # fmt: skip
+    limit = GaugeMetricFamily("kvrelay_stream_subscriber_limit",
+                              "Configured stream limit by kind.", labels=["kind"])  # fmt: skip
+    for kind, (open_, cap) in streams.items():
+        subs.add_metric([kind], open_)
+        limit.add_metric([kind], cap)
+    errors = CounterMetricFamily("kvrelay_stream_errors",
+                                 "Streams/calls ended with a contract error, by reason.",
+                                 labels=["reason"])  # fmt: skip
+    for reason, n in sorted(errors_by_reason.items()):
+        errors.add_metric([reason], n)
+    yield from (subs, limit, errors)
+
+
+class _ServiceCollector(Collector):
+    def __init__(self, metrics: MirrorMetrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        svc = self.metrics.service
+        if svc is not None:
+            yield from _service_families(svc)
+
+
+class MirrorMetrics:
+    """The ``/metrics`` endpoint of a mirror daemon (same surface as ``RelayMetrics``)."""
+
+    def __init__(self, mirror: Any, registry: CollectorRegistry | None = None) -> None:
+        self.mirror = mirror
+        self.registry = registry if registry is not None else default_registry()
+        self.service: ServiceSource | None = None
+        self.loop_lag = Histogram("kvrelay_event_loop_lag_seconds",
+                                  "Event loop scheduling lag samples.",
+                                  buckets=LOOP_LAG_BUCKETS, registry=self.registry)  # fmt: skip
+        self.loop_lag_last = Gauge("kvrelay_event_loop_lag_last_seconds",
+                                   "Most recent event loop lag sample.",
+                                   registry=self.registry)  # fmt: skip
+        self.registry.register(MirrorCollector(lambda: [("", self.mirror.stats())]))
+        self.registry.register(_ServiceCollector(self))
+        self._http: MetricsServer | None = None
+
+    def attach_service(self, service: ServiceSource) -> None:
+        self.service = service
+
+    def observe_loop_lag(self, seconds: float) -> None:
+        if not math.isnan(seconds):
+            self.loop_lag.observe(max(0.0, seconds))
+            self.loop_lag_last.set(max(0.0, seconds))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def start_http(
+        self, host: str, port: int, healthy: Callable[[], bool] | None = None
+    ) -> int:
+        self._http = MetricsServer(self.render, healthy or (lambda: True))
+        return await self._http.start(host, port)
+
+    async def close(self) -> None:
+        http, self._http = self._http, None
+        if http is not None:
+            await http.close()

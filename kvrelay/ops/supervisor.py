@@ -1,0 +1,277 @@
+"""The daemon as supervisor of its fan-out workers (``[relay] workers = N``).
+
+The ingest process (discovery, ingest, pools, publication) serves only a UNIX socket; N−1 worker
+processes (``ops/worker.py``) mirror it and share the public port with ``SO_REUSEPORT``. The
+supervisor holds that port bound (not listening) for its whole life, so the port is known before
+any worker starts (``bind = "…:0"`` works) and a restarted worker always gets it back.
+
+* ``start`` returns once every worker reported READY (its mirror synchronized, its listener up):
+  only then may the daemon tell systemd READY=1. Workers get an environment without
+  ``NOTIFY_SOCKET``/``WATCHDOG_*``: only the supervisor talks to systemd.
+* A worker that exits while the daemon runs is restarted with backoff (0.5 s doubling to 30 s;
+  back to 0.5 s after it served 60 s) and counted in ``restarts``. Its router connections drop;
+  routers reconnect and ``SO_REUSEPORT`` spreads them over the live workers. A worker that stops
+  reporting (its event loop is wedged: no ``STATS`` line for ``HANG_S``) is killed, which then
+  counts as an exit.
+* ``stop`` sends SIGTERM to every worker (each ends its streams with a clean EOF and exits 0)
+  and kills those still running after the timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvrelay.logging import get_logger
+from kvrelay.ops.worker import WorkerSpec
+
+_LOG = get_logger("kvrelay.ops.supervisor")
+
+RESTART_INITIAL_S = 0.5
+RESTART_MAX_S = 30.0
+#: A worker that served this long before exiting restarts after the initial delay again.
+RESTART_RESET_S = 60.0
+#: A serving worker silent this long (it reports every second) is wedged: killed and restarted.
+HANG_S = 30.0
+#: Longest worker line read (a STATS report grows with the number of mirrored pools).
+STATS_LINE_MAX = 4 * 1024 * 1024
+_SYSTEMD_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
+
+
+class WorkerStartError(RuntimeError):
+    """A worker did not report READY in time (or exited first)."""
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """Bind (never listen) ``host:port`` with SO_REUSEPORT: the port the workers share."""
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def worker_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    for name in _SYSTEMD_ENV:
+        env.pop(name, None)
+    return env
+
+
+@dataclass
+class _Slot:
+    index: int
+    proc: asyncio.subprocess.Process | None = None
+    started: float = 0.0
+    ready: asyncio.Future[int] | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    exits: int = 0
+    last_report: float = 0.0
+
+
+class Supervisor:
+    """Runs ``count`` workers built from ``spec_for(index)``. Single event loop."""
+
+    def __init__(
+        self,
+        spec_for: Callable[[int], WorkerSpec],
+        count: int,
+        *,
+        start_timeout_s: float = 60.0,
+        argv: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        if count < 1:
+            raise ValueError("a supervisor needs at least one worker")
+        self.spec_for = spec_for
+        self.count = count
+        self.start_timeout_s = start_timeout_s
+        self.argv = argv or [sys.executable, "-m", "kvrelay.ops.worker"]
+        self.env = worker_env(env)
+        self.restarts = 0
+        self.hung = 0  # workers killed for not reporting
+        self.hang_s = HANG_S
+        self._slots = [_Slot(i) for i in range(1, count + 1)]
+        self._watchers: list[asyncio.Task[None]] = []
+        self._readers: set[asyncio.Task[None]] = set()
+        self._exited_errors: dict[str, int] = {}  # final error counts of workers that exited
+        self._stopping = False
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Spawn every worker and wait until all of them serve; raises WorkerStartError."""
+        for slot in self._slots:
+            await self._spawn(slot)
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(self._ready(s) for s in self._slots)), self.start_timeout_s
+            )
+        except (TimeoutError, WorkerStartError) as exc:
+            await self.stop(5.0)
+            raise WorkerStartError(f"workers did not all become ready: {exc!r}") from None
+        for slot in self._slots:
+            self._watchers.append(asyncio.create_task(self._watch(slot)))
+        self._watchers.append(asyncio.create_task(self._hang_check()))
+        _LOG.info("workers_ready", workers=self.count, pids=self.pids)
+
+    async def _hang_check(self) -> None:
+        while True:
+            await asyncio.sleep(self.hang_s / 4)
+            now = time.monotonic()
+            for slot in self._slots:
+                proc, ready = slot.proc, slot.ready
+                serving = ready is not None and ready.done() and not ready.exception()
+                if (proc is None or proc.returncode is not None or not serving
+                        or now - slot.last_report < self.hang_s):  # fmt: skip
+                    continue
+                self.hung += 1
+                _LOG.error("worker_hung", worker=slot.index, pid=proc.pid,
+                           silent_s=round(now - slot.last_report, 1))  # fmt: skip
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+
+    async def _ready(self, slot: _Slot) -> int:
+        assert slot.ready is not None
+        return await slot.ready
+
+    async def _spawn(self, slot: _Slot) -> None:
+        spec = self.spec_for(slot.index)
+        proc = await asyncio.create_subprocess_exec(
+            *self.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            env=self.env, limit=STATS_LINE_MAX,
+        )  # fmt: skip
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(spec.to_json().encode() + b"\n")
+        await proc.stdin.drain()  # stdin stays open: the worker exits when it closes
+        slot.proc = proc
+        slot.started = slot.last_report = time.monotonic()
+        slot.ready = asyncio.get_running_loop().create_future()
+        reader = asyncio.create_task(self._read(slot, proc))
+        self._readers.add(reader)
+        reader.add_done_callback(self._readers.discard)
+
+    async def _read(self, slot: _Slot, proc: asyncio.subprocess.Process) -> None:
+        """Worker → supervisor lines: READY <port>, STATS <json>."""
+        assert proc.stdout is not None
+        ready = slot.ready
+        while True:
+            try:
+                line = await proc.stdout.readline()
+            except ValueError:  # a line over STATS_LINE_MAX: dropped, the next one is read
+                continue
+            if not line:
+                break
+            text = line.decode(errors="replace").rstrip("\n")
+            if text.startswith("READY") and ready is not None and not ready.done():
+                ready.set_result(int(text.split()[1]))
+            elif text.startswith("STATS "):
+                slot.last_report = time.monotonic()
+                with contextlib.suppress(ValueError):
+                    slot.stats = json.loads(text[len("STATS ") :])
+        if ready is not None and not ready.done():
+            ready.set_exception(WorkerStartError(f"worker {slot.index} exited before READY"))
+
+    async def _watch(self, slot: _Slot) -> None:
+        delay = RESTART_INITIAL_S
+        while True:
+            proc = slot.proc
+            assert proc is not None
+            code = await proc.wait()
+            if self._stopping:
+                return
+            slot.exits += 1
+            for reason, n in slot.stats.get("service", {}).get("errors", {}).items():
+                self._exited_errors[reason] = self._exited_errors.get(reason, 0) + int(n)
+            slot.stats = {}
+            served = time.monotonic() - slot.started
+            if served >= RESTART_RESET_S:
+                delay = RESTART_INITIAL_S
+            _LOG.error("worker_exited", worker=slot.index, pid=proc.pid, code=code,
+                       served_s=round(served, 1), restart_in_s=delay)  # fmt: skip
+            await asyncio.sleep(delay)
+            if self._stopping:
+                return
+            delay = min(RESTART_MAX_S, delay * 2)
+            self.restarts += 1
+            await self._spawn(slot)
+            try:
+                port = await asyncio.wait_for(self._ready(slot), self.start_timeout_s)
+                _LOG.info("worker_restarted", worker=slot.index, pid=slot.proc.pid if slot.proc
+                          else None, port=port, restarts=self.restarts)  # fmt: skip
+            except (TimeoutError, WorkerStartError) as exc:
+                _LOG.error("worker_restart_failed", worker=slot.index, error=repr(exc))
+                if slot.proc is not None and slot.proc.returncode is None:
+                    slot.proc.kill()
+
+    async def stop(self, timeout_s: float) -> None:
+        """SIGTERM every worker, wait up to ``timeout_s``, then SIGKILL what is left."""
+        self._stopping = True
+        for t in self._watchers:
+            t.cancel()
+        procs = [s.proc for s in self._slots if s.proc is not None and s.proc.returncode is None]
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.terminate()
+        if procs:
+            _done, pending = await asyncio.wait(
+                [asyncio.ensure_future(p.wait()) for p in procs], timeout=timeout_s
+            )
+            if pending:
+                _LOG.error("workers_killed", count=len(pending))
+                for p in procs:
+                    if p.returncode is None:
+                        with contextlib.suppress(ProcessLookupError):
+                            p.kill()
+                await asyncio.wait(pending, timeout=5.0)
+        for s in self._slots:
+            if s.proc is not None and s.proc.stdin is not None:
+                s.proc.stdin.close()
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def pids(self) -> list[int | None]:
+        return [s.proc.pid if s.proc is not None else None for s in self._slots]
+
+    @property
+    def alive(self) -> int:
+        return sum(
+            1 for s in self._slots
+            if s.proc is not None and s.proc.returncode is None and s.ready is not None
+            and s.ready.done() and not s.ready.exception()
+        )  # fmt: skip
+
+    def worker_stats(self) -> list[dict[str, Any]]:
+        """The last STATS report of every worker ({} while it is not serving)."""
+        return [dict(s.stats) for s in self._slots]
+
+    def stats(self) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
+        """The router-facing service, summed over workers: (kind → (open, limit), errors).
+
+        Same shape as ``KvEventRelayService.stats`` (limits apply per worker, so the limit
+        shown is the sum of the workers' limits)."""
+        streams: dict[str, list[int]] = {}
+        errors = dict(self._exited_errors)  # monotonic across worker restarts
+        for s in self._slots:
+            svc = s.stats.get("service", {})
+            for kind, (n, cap) in svc.get("streams", {}).items():
+                acc = streams.setdefault(kind, [0, 0])
+                acc[0] += int(n)
+                acc[1] += int(cap)
+            for reason, n in svc.get("errors", {}).items():
+                errors[reason] = errors.get(reason, 0) + int(n)
+        return {k: (v[0], v[1]) for k, v in streams.items()}, errors

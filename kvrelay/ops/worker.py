@@ -1,0 +1,156 @@
+"""A fan-out worker of a ``workers = N`` daemon: a mirror of the ingest process, own process.
+
+The supervisor (``ops/supervisor.py``) starts ``python -m kvrelay.ops.worker`` and writes one
+line of JSON (:class:`WorkerSpec`) to its stdin. The worker mirrors the ingest process over its
+UNIX socket, listens on the public address with ``SO_REUSEPORT`` (so router connections spread
+over the workers) and talks back on stdout, one line each: ``READY <port>`` once its mirror is
+synchronized and its listener is up, then ``STATS <json>`` every ``stats_interval_s``.
+
+It never talks to systemd (the supervisor owns ``NOTIFY_SOCKET``), ends every stream cleanly and
+exits 0 on SIGTERM/SIGINT, and exits as well when its stdin closes: the supervisor is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from kvrelay.contract.limits import RelayLimits
+from kvrelay.logging import configure, get_logger
+
+_LOG = get_logger("kvrelay.ops.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """Everything a worker needs, as plain JSON (the supervisor validated the config)."""
+
+    index: int
+    upstream: str  # unix:/path of the ingest process's internal listener
+    host: str
+    port: int
+    limits: dict[str, Any] = field(default_factory=dict)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    log_level: str = "INFO"
+    log_json: bool | None = None
+    event_loop: str = "asyncio"
+    shutdown_timeout_s: float = 10.0
+    sync_timeout_s: float = 60.0
+    stats_interval_s: float = 1.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        raw = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+    def relay_limits(self) -> RelayLimits:
+        return RelayLimits(**self.limits)
+
+
+async def run_worker(spec: WorkerSpec, stop: asyncio.Event, out: Any = None) -> int:
+    """Mirror, serve, report; returns the exit code once ``stop`` is set."""
+    from kvrelay.mirror.mirror import Mirror
+    from kvrelay.mirror.settings import MirrorSettings, UpstreamAddress
+    from kvrelay.service.server import RelayServer
+
+    stream = sys.stdout if out is None else out
+    limits = spec.relay_limits()
+    context = None
+    if spec.tls_cert is not None:
+        from kvrelay.ops.tls import server_ssl_context
+
+        assert spec.tls_key is not None
+        context = server_ssl_context(spec.tls_cert, spec.tls_key, spec.tls_client_ca)
+    mirror = Mirror(
+        MirrorSettings(
+            upstream=UpstreamAddress.parse(spec.upstream),
+            limits=limits,
+            subscriber_id=f"kvrelay-worker-{spec.index}",
+            upstream_heartbeat_s=limits.pool_heartbeat_s,  # one config for both processes
+        )
+    )
+    mirror.start()
+    server: RelayServer | None = None
+    try:
+        synced = asyncio.ensure_future(mirror.synced.wait())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait((synced, stopping), timeout=spec.sync_timeout_s,
+                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        synced.cancel()
+        stopping.cancel()
+        if stop.is_set():
+            return 0
+        if not mirror.synced.is_set():
+            _LOG.error("worker_sync_timeout", worker=spec.index, seconds=spec.sync_timeout_s)
+            return 1
+        server = RelayServer(mirror, limits)
+        await server.start(spec.host, spec.port, ssl=context, reuse_port=True)
+        _LOG.info("worker_serving", worker=spec.index, port=server.port)
+        print(f"READY {server.port}", file=stream, flush=True)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), spec.stats_interval_s)
+            report = {"service": _service_stats(server), "mirror": mirror.stats()}
+            print("STATS " + json.dumps(report, default=str), file=stream, flush=True)
+        return 0
+    finally:
+        grace = max(0.1, spec.shutdown_timeout_s / 2)
+        if server is not None:
+            await server.close(grace_s=grace)
+        await mirror.stop()
+
+
+def _service_stats(server: Any) -> dict[str, Any]:
+    streams, errors = server.service.stats()
+    return {"streams": {k: list(v) for k, v in streams.items()}, "errors": errors}
+
+
+async def _main(spec: WorkerSpec) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    watch = asyncio.ensure_future(_parent_gone(stop))
+    try:
+        return await run_worker(spec, stop)
+    finally:
+        watch.cancel()
+
+
+async def _parent_gone(stop: asyncio.Event) -> None:
+    """stdin closes when the supervisor dies (even by SIGKILL): stop then."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while await reader.read(4096):
+        pass
+    _LOG.warning("worker_supervisor_gone")
+    stop.set()
+
+
+def main() -> int:
+    line = sys.stdin.buffer.readline()
+    spec = WorkerSpec.from_json(line.decode())
+    configure(level=spec.log_level.upper(), json=spec.log_json)
+    factory = None
+    if spec.event_loop == "uvloop":
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return int(runner.run(_main(spec)))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

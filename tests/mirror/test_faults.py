@@ -1,0 +1,329 @@
+"""Mirror fault matrix: upstream restart, fence, unreachable, lag, broken frames, mirror restart.
+
+Every local stream ends with the status the contract gives for the case (§4.6), subscribers
+resubscribe, and their replicas equal the producer's table and the simulator's ground truth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from grpclib.const import Cardinality, Status
+from grpclib.exceptions import GRPCError
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.pool.pool import Pool
+from kvrelay.sim.config import SimConfig
+from tests.support import scripted_relay as S
+from tests.support.mirror_rig import mirrored, start_mirror
+from tests.support.rig import (
+    MARKER,
+    SVC,
+    Consumer,
+    catalog_producer,
+    collect_end,
+    eventually,
+    relay_info,
+    rig,
+    start_relay,
+    stop_relay,
+    verify,
+    wait_live,
+)
+
+K = "kv-relay-error-reason"
+UNAVAILABLE = "RELAY_ERROR_REASON_PUBLICATION_UNAVAILABLE"
+
+
+async def through(ch: Any) -> Consumer:
+    """A strict consumer of the single pool, catalog and identity read from ``ch``."""
+    info = await relay_info(ch)
+    assert info.relay is not None
+    c = Consumer(ch, await catalog_producer(ch), info.relay).start()
+    await asyncio.wait_for(c.first.wait(), 15)
+    return c
+
+
+async def test_upstream_restart_ends_streams_cleanly_and_the_mirror_follows() -> None:
+    cfg = SimConfig(name="u0", seed=81, dp_size=2, capacity_blocks=64)
+    async with rig([cfg]) as r:
+        await wait_live(r.relay, 2)
+        await r.engines[0].step(8)
+        port = r.port
+        async with mirrored(port) as m:
+            ch = m.channel()
+            try:
+                consumer = await through(ch)
+                old = await relay_info(ch)
+                await r.server.close(grace_s=1.0)
+                await stop_relay(r.relay)
+                end = await consumer.wait_end()
+                assert end.status is None, "upstream shutdown: clean EOF, as directly"
+                # while no upstream session exists the mirror refuses rather than guesses
+                await eventually(lambda: not m.mirror.catalog.live, what="session lost")
+                with pytest.raises(GRPCError) as ei:
+                    await relay_info(ch)
+                assert ei.value.status == Status.UNAVAILABLE
+                await r.engines[0].step(4)
+                r.relay, r.server = await start_relay(r.settings, port)
+                await eventually(lambda: m.mirror.identity_changes == 1 and m.mirror.catalog.live,
+                                 what="new identity, catalog stream up")  # fmt: skip
+                info = await relay_info(ch)
+                assert info.relay is not None and old.relay is not None
+                assert info.relay.relay_incarnation == r.relay.relay_incarnation
+                assert info.relay.relay_incarnation != old.relay.relay_incarnation
+                await wait_live(r.relay, 2)
+                await catalog_producer(ch)  # the new generation is listed: a stale key is
+                _m, stale = await collect_end(  # PRODUCER_CHANGED (before: POOL_NOT_FOUND)
+                    ch, "SubscribeKvPool",
+                    pb.SubscribeKvPoolRequest(subscriber_id="stale",
+                                              expected_producer=consumer.producer,
+                                              contract_marker=MARKER),
+                    pb.FilterUpdate,
+                )  # fmt: skip
+                assert stale.reason == "RELAY_ERROR_REASON_PRODUCER_CHANGED"
+                again = await through(ch)
+                await r.engines[0].step(6)
+                await verify(r, again, probes=5_000)
+                await again.stop()
+            finally:
+                ch.close()
+
+
+async def test_upstream_fence_forwards_publication_unavailable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cfg = SimConfig(name="u1", seed=82, capacity_blocks=128)
+    async with rig([cfg]) as r:
+        await wait_live(r.relay, 1)
+        await r.engines[0].step(6)
+        async with mirrored(r.port) as m:
+            ch = m.channel()
+            try:
+                consumer = await through(ch)
+                real = Pool.apply
+
+                def broken(self: Pool, member: int, batch: Any) -> Any:
+                    monkeypatch.setattr(Pool, "apply", real)
+                    raise MemoryError("injected")
+
+                monkeypatch.setattr(Pool, "apply", broken)
+                await r.engines[0].step(3)
+                end = await consumer.wait_end()
+                assert end.status == Status.UNAVAILABLE and end.reason == UNAVAILABLE
+                assert "fenced" in (end.message or ""), "the upstream's own message is forwarded"
+                await wait_live(r.relay, 1)
+                await eventually(lambda: r.pool.generation is not None
+                                 and m.mirror.hub_for(r.pool.generation.producer) is not None,
+                                 what="mirror holds the rebuilt generation")  # fmt: skip
+                again = await through(ch)
+                assert again.producer.layout_generation > consumer.producer.layout_generation
+                await r.engines[0].step(3)
+                await verify(r, again, probes=5_000)
+                await again.stop()
+            finally:
+                ch.close()
+
+
+async def test_mirror_restart_on_the_same_port() -> None:
+    cfg = SimConfig(name="u2", seed=83, dp_size=2, capacity_blocks=64)
+    async with rig([cfg]) as r:
+        await wait_live(r.relay, 2)
+        await r.engines[0].step(5)
+        m = await start_mirror(r.port)
+        port = m.port
+        ch = m.channel()
+        consumer = await through(ch)
+        await m.close()
+        end = await consumer.wait_end()
+        assert end.status is None, "a mirror that shuts down ends its streams with a clean EOF"
+        ch.close()
+        await r.engines[0].step(5)
+        m = await start_mirror(r.port, port=port)
+        ch = m.channel()
+        try:
+            again = await through(ch)
+            await r.engines[0].step(5)
+            await verify(r, again, probes=5_000)
+            await again.stop()
+        finally:
+            ch.close()
+            await m.close()
+
+
+async def test_unreachable_upstream_refuses_every_rpc_with_a_status() -> None:
+    relay = S.ScriptedRelay()
+    server = await S.serve(relay)
+    port = S.port_of(server)
+    server.close()
+    await server.wait_closed()
+    m = await start_mirror(port, sync=False)
+    ch = m.channel()
+    try:
+        with pytest.raises(GRPCError) as ei:
+            await relay_info(ch)
+        assert ei.value.status == Status.UNAVAILABLE
+        for method, request, reply in (
+            ("WatchKvPoolCatalog", pb.WatchKvPoolCatalogRequest(subscriber_id="c",
+                                                                contract_marker=MARKER),
+             pb.KvPoolCatalogUpdate),
+            ("SubscribeKvPool", pb.SubscribeKvPoolRequest(subscriber_id="p",
+                                                          expected_producer=S.producer(),
+                                                          contract_marker=MARKER),
+             pb.FilterUpdate),
+        ):  # fmt: skip
+            msgs, end = await collect_end(ch, method, request, reply)
+            assert not msgs and end.status == Status.UNAVAILABLE and end.reason == UNAVAILABLE
+    finally:
+        ch.close()
+        await m.close()
+
+
+async def _one_stream(ch: Any) -> tuple[list[Any], Any]:
+    """Subscribe the scripted pool through the mirror; returns (frames, end)."""
+    req = pb.SubscribeKvPoolRequest(
+        subscriber_id="m", expected_producer=S.producer(), contract_marker=MARKER
+    )
+    return await collect_end(ch, "SubscribeKvPool", req, pb.FilterUpdate)
+
+
+@pytest.mark.parametrize(
+    "end,status,reason,message",
+    [
+        ((Status.RESOURCE_EXHAUSTED, "SUBSCRIBER_LAGGED"), Status.UNAVAILABLE,
+         "PUBLICATION_UNAVAILABLE", "fell behind"),
+        ((Status.UNAVAILABLE, "PUBLICATION_UNAVAILABLE"), Status.UNAVAILABLE,
+         "PUBLICATION_UNAVAILABLE", "PUBLICATION_UNAVAILABLE"),
+        ((Status.INTERNAL, "INTERNAL"), Status.INTERNAL, "INTERNAL", "INTERNAL"),
+        (None, None, None, None),
+    ],
+)  # fmt: skip
+async def test_upstream_stream_endings_map_to_local_ones(
+    end: tuple[Status, str] | None, status: Status | None, reason: str | None,
+    message: str | None,
+) -> None:  # fmt: skip
+    gate = asyncio.Event()
+    relay = S.ScriptedRelay()
+    relay.scripts.append(S.Script(S.snapshot(10), end=end, gate=gate, after=[S.delta(10, 11)]))
+    server = await S.serve(relay)
+    try:
+        async with mirrored(S.port_of(server), sync=False) as m:
+            ch = m.channel()
+            try:
+                task = asyncio.ensure_future(_one_stream(ch))
+                await eventually(lambda: (h := m.mirror.hub_for(S.producer())) is not None
+                                 and h.subscriber_count == 1, what="local subscriber")  # fmt: skip
+                gate.set()
+                frames, got = await asyncio.wait_for(task, 10)
+                # frames queued when a stream fails are dropped, directly too (§4.6)
+                assert [int(f.kind) for f in frames] in ([1], [1, 2])
+                assert got.status == status
+                assert got.reason == (None if reason is None else f"RELAY_ERROR_REASON_{reason}")
+                if message is not None:
+                    assert message in (got.message or "")
+                # the mirror resubscribes (the default script) and serves the next subscriber
+                await next_subscriber_reaches(ch, 11)
+            finally:
+                ch.close()
+    finally:
+        server.close()
+
+
+async def next_subscriber_reaches(ch: Any, sequence: int) -> list[Any]:
+    """A new subscriber through the mirror gets a snapshot, then frames up to ``sequence``."""
+    out: list[Any] = []
+    req = pb.SubscribeKvPoolRequest(
+        subscriber_id="next", expected_producer=S.producer(), contract_marker=MARKER
+    )
+    async with asyncio.timeout(10):
+        async with ch.request(SVC + "SubscribeKvPool", Cardinality.UNARY_STREAM,
+                              pb.SubscribeKvPoolRequest, pb.FilterUpdate) as st:  # fmt: skip
+            await st.send_message(req, end=True)
+            while not out or out[-1].sequence < sequence:
+                out.append(await st.recv_message())
+            await st.cancel()
+    assert int(out[0].kind) == 1 and all(int(f.kind) == 2 for f in out[1:])
+    return out
+
+
+@pytest.mark.parametrize(
+    "bad,rule",
+    [
+        (S.corrupt_checksum(S.delta(10, 11)), "cbi1_checksum_mismatch"),
+        (S.delta(11, 12), "sequence_gap"),
+        (S.delta(10, 12), "bad_increment"),
+        (S.frame(2, 10, 11, S.delta(10, 11).payload, relay=S.OTHER_RELAY),
+         "relay_identity_changed"),
+        (S.frame(2, 10, 11, S.delta(10, 11).payload, prod=S.producer(layout_generation=2)),
+         "producer_identity"),
+        (S.delta(10, 11, dc_id=5), "dc_id_mismatch"),
+        (S.heartbeat(9), "heartbeat_sequence"),
+        (S.frame(9, 10, 10, b""), "unknown_kind"),
+    ],
+)  # fmt: skip
+async def test_a_frame_breaking_a_consumer_rule_is_never_served(bad: Any, rule: str) -> None:
+    """The mirror checks like a strict consumer: the bad frame is not forwarded, its local
+    subscribers end with PUBLICATION_UNAVAILABLE, the violation is counted, the next
+    subscription is clean."""
+    gate = asyncio.Event()
+    relay = S.ScriptedRelay()
+    relay.scripts.append(S.Script(S.snapshot(10), gate=gate, after=[bad], hold=True))
+    server = await S.serve(relay)
+    try:
+        async with mirrored(S.port_of(server), sync=False) as m:
+            ch = m.channel()
+            try:
+                task = asyncio.ensure_future(_one_stream(ch))
+                await eventually(lambda: (h := m.mirror.hub_for(S.producer())) is not None
+                                 and h.subscriber_count == 1, what="local subscriber")  # fmt: skip
+                gate.set()
+                frames, got = await asyncio.wait_for(task, 10)
+                assert [int(f.kind) for f in frames] == [1], "nothing after the snapshot"
+                assert got.status == Status.UNAVAILABLE and got.reason == UNAVAILABLE
+                assert rule in (got.message or "")
+                totals = m.mirror.stats()["pool_totals"]
+                assert totals.get(f"violation_{rule}") == 1, totals
+                await next_subscriber_reaches(ch, 11)
+            finally:
+                ch.close()
+    finally:
+        server.close()
+
+
+async def test_a_failure_inside_the_mirror_ends_the_pool_with_a_status(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whatever raises while a delta is applied (here: the hub), the pool's local subscribers
+    end with PUBLICATION_UNAVAILABLE, it is counted, and the pool is mirrored again."""
+    from kvrelay.publication.hub import PublicationHub
+
+    real = PublicationHub.publish_encoded
+
+    def broken(self: PublicationHub, *a: Any) -> None:
+        monkeypatch.setattr(PublicationHub, "publish_encoded", real)
+        raise RuntimeError("injected")
+
+    gate = asyncio.Event()
+    relay = S.ScriptedRelay()
+    relay.scripts.append(S.Script(S.snapshot(10), gate=gate, after=[S.delta(10, 11)], hold=True))
+    server = await S.serve(relay)
+    try:
+        async with mirrored(S.port_of(server), sync=False) as m:
+            ch = m.channel()
+            try:
+                task = asyncio.ensure_future(_one_stream(ch))
+                await eventually(lambda: (h := m.mirror.hub_for(S.producer())) is not None
+                                 and h.subscriber_count == 1, what="local subscriber")  # fmt: skip
+                monkeypatch.setattr(PublicationHub, "publish_encoded", broken)
+                gate.set()
+                _frames, got = await asyncio.wait_for(task, 10)
+                assert got.status == Status.UNAVAILABLE and got.reason == UNAVAILABLE
+                assert "RuntimeError" in (got.message or "")
+                assert m.mirror.stats()["pool_totals"].get("end_internal") == 1
+                await next_subscriber_reaches(ch, 11)
+            finally:
+                ch.close()
+    finally:
+        server.close()

@@ -1,0 +1,116 @@
+"""The supervisor with scripted worker processes (real processes, the worker's line protocol):
+start waits for READY, exits and hangs are restarted and counted, stop escalates to SIGKILL,
+workers never see the systemd variables."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvrelay.ops.supervisor import Supervisor, WorkerStartError, reserve_port
+from kvrelay.ops.worker import WorkerSpec
+
+# A stand-in worker: reads its spec line, then follows the script named by KVR_FAKE (per
+# incarnation, counted in a file): "serve" reports forever, "exit" dies, "hang" stops reporting,
+# "stubborn" ignores SIGTERM, "mute" never says READY.
+FAKE = r"""
+import json, os, signal, sys, time
+spec = json.loads(sys.stdin.readline())
+d = os.environ["KVR_DIR"]
+n = sum(1 for f in os.listdir(d) if f.startswith(f"{spec['index']}-"))
+open(os.path.join(d, f"{spec['index']}-{n}.json"), "w").write(json.dumps(dict(os.environ)))
+plan = os.environ["KVR_FAKE"].split(",")
+mode = plan[min(n, len(plan) - 1)]
+if mode == "stubborn":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if mode != "mute":
+    print("READY 1234", flush=True)
+t0 = time.monotonic()
+while True:
+    if mode == "exit" and time.monotonic() - t0 > 0.3:
+        sys.exit(3)
+    if mode != "hang" or time.monotonic() - t0 < 0.3:
+        print("STATS " + json.dumps({"service": {"streams": {"pool": [2, 64]},
+                                               "errors": {"R": 1}}}), flush=True)
+    time.sleep(0.1)
+"""
+
+
+def _supervisor(tmp: Path, plan: str, count: int = 1, **kw: object) -> Supervisor:
+    env = dict(os.environ, KVR_DIR=str(tmp), KVR_FAKE=plan, NOTIFY_SOCKET="/x",
+               WATCHDOG_USEC="1")  # fmt: skip
+    def spec(index: int) -> WorkerSpec:
+        return WorkerSpec(index=index, upstream="unix:/nowhere", host="127.0.0.1", port=1)
+
+    return Supervisor(spec, count, argv=[sys.executable, "-c", FAKE], env=env,
+                      **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+async def _eventually(check: object, timeout: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not check():  # type: ignore[operator]
+        assert loop.time() < deadline, "condition not met"
+        await asyncio.sleep(0.05)
+
+
+async def test_start_waits_for_ready_and_restarts_an_exited_worker(tmp_path: Path) -> None:
+    sup = _supervisor(tmp_path, "exit,serve", count=2)
+    await sup.start()
+    try:
+        assert sup.alive == 2 and len(set(sup.pids)) == 2
+        for f in tmp_path.glob("*.json"):
+            env = json.loads(f.read_text())
+            assert "NOTIFY_SOCKET" not in env and "WATCHDOG_USEC" not in env
+        await _eventually(lambda: sup.restarts == 2 and sup.alive == 2)
+        await _eventually(lambda: sup.stats()[0].get("pool") == (4, 128))
+        _streams, errors = sup.stats()
+        assert errors["R"] >= 4  # the exited workers' final counts are kept
+    finally:
+        await sup.stop(5.0)
+    assert sup.alive == 0
+
+
+async def test_a_worker_that_stops_reporting_is_killed_and_restarted(tmp_path: Path) -> None:
+    sup = _supervisor(tmp_path, "hang,serve")
+    sup.hang_s = 1.0
+    await sup.start()
+    try:
+        await _eventually(lambda: sup.hung == 1 and sup.restarts == 1 and sup.alive == 1)
+    finally:
+        await sup.stop(5.0)
+
+
+async def test_stop_kills_what_ignores_sigterm(tmp_path: Path) -> None:
+    sup = _supervisor(tmp_path, "stubborn")
+    await sup.start()
+    [pid] = sup.pids
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    await sup.stop(0.5)
+    assert loop.time() - t0 < 5
+    assert sup.alive == 0 and pid is not None and not Path(f"/proc/{pid}/cmdline").exists()
+
+
+async def test_a_worker_that_never_serves_fails_the_start(tmp_path: Path) -> None:
+    sup = _supervisor(tmp_path, "mute", start_timeout_s=1.0)
+    with pytest.raises(WorkerStartError):
+        await sup.start()
+    assert sup.alive == 0
+
+
+def test_reserved_port_is_bound_not_listening() -> None:
+    import socket
+
+    sock = reserve_port("127.0.0.1", 0)
+    try:
+        port = sock.getsockname()[1]
+        with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            pass
+    finally:
+        sock.close()

@@ -1,0 +1,287 @@
+"""``[relay] workers = 2`` as real processes: READY after the worker serves, replicas through
+the worker equal the ingest process's, a killed worker is restarted and counted, SIGTERM drains
+everything; ``kvrelay mirror`` with TLS both ways; ``check-config`` validates the settings.
+
+Oracles: a consumer on the ingest process's own UNIX socket (what the worker mirrors) and the
+simulator's ground truth; the worker's streams are compared with both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+from grpclib.client import Channel
+
+from kvrelay.ops.tls import client_ssl_context, server_ssl_context
+from kvrelay.relay.relay import Relay
+from kvrelay.service.server import RelayServer
+from kvrelay.sim.config import SimConfig
+from kvrelay.sim.engine import SimEngine
+from tests.ops.test_daemon import Notifications, _config
+from tests.support.certs import make_pki
+from tests.support.commands import REPO, clean_env, kvrelay
+from tests.support.fleet import ground_truth
+from tests.support.rig import (
+    Consumer,
+    catalog_producer,
+    eventually,
+    in_sync,
+    make_settings,
+    relay_info,
+    wait_live,
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rpartition(")")[2].split()
+            if int(fields[1]) == pid:
+                out.append(int(stat.parent.name))
+    return out
+
+
+def _workers(pid: int) -> list[int]:
+    found = []
+    for child in _children(pid):
+        with contextlib.suppress(OSError):
+            if b"kvrelay.ops.worker" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(child)
+    return found
+
+
+async def _metrics(port: int) -> str:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    await writer.drain()
+    data = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    return data.decode().partition("\r\n\r\n")[2]
+
+
+async def _consumer(ch: Channel) -> Consumer:
+    info = await relay_info(ch)
+    assert info.relay is not None
+    c = Consumer(ch, await catalog_producer(ch), info.relay).start()
+    await asyncio.wait_for(c.first.wait(), 20)
+    return c
+
+
+async def _same_table(a: Consumer, b: Consumer, engine: SimEngine) -> None:
+    """Both replicas settle at one sequence with byte-identical tables holding every block the
+    engine holds."""
+    def settled() -> bool:
+        ra, rb = a.replica, b.replica
+        return ra.sequence is not None and ra.sequence == rb.sequence
+
+    await eventually(settled, what="both replicas at one sequence", timeout=20)
+    await asyncio.sleep(0.3)  # nothing in flight any more
+    await eventually(settled, what="still at one sequence", timeout=20)
+    ta, tb = a.replica.table, b.replica.table
+    assert ta is not None and tb is not None and np.array_equal(ta, tb)
+    held = set().union(*ground_truth([engine]).values())
+    assert held and bool(np.all(a.replica.contains(sorted(held))))
+
+
+async def test_two_workers_serve_are_restarted_and_drain(tmp_path: Path) -> None:
+    engine = SimEngine(SimConfig(name="e0", seed=15, dp_size=2, capacity_blocks=96))
+    await engine.start()
+    assert engine.grpc_port is not None
+    notes = Notifications(tmp_path / "notify.sock")
+    metrics_port = _free_port()
+    cfg = _config(tmp_path / "kvrelay.toml", engine.grpc_port, extra="workers = 2\n")
+    cfg.write_text(cfg.read_text().replace('bind = "127.0.0.1:0"\n\n[logging]',
+                                           f'bind = "127.0.0.1:{metrics_port}"\n\n[logging]'))
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    env = clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), RUNTIME_DIRECTORY=str(runtime))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvrelay", "serve", "--config", str(cfg),
+        env=env, cwd=REPO, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    consumers: list[Consumer] = []
+    try:
+        try:
+            ready = await notes.wait_for("READY=1", timeout=120)
+        except AssertionError:
+            proc.kill()
+            raise AssertionError((await proc.stderr.read()).decode()[-3000:]) from None  # type: ignore[union-attr]
+        assert "1 fan-out worker" in ready
+        m = re.search(r"serving gRPC on 127\.0\.0\.1:(\d+)", ready)
+        assert m, ready
+        port = int(m.group(1))
+        [worker] = _workers(proc.pid)
+        environ = Path(f"/proc/{worker}/environ").read_bytes()
+        assert b"NOTIFY_SOCKET" not in environ, "only the supervisor talks to systemd"
+        [internal] = list(runtime.glob("kvrelay-*/ingest.sock"))
+        async with Channel("127.0.0.1", port) as pub, Channel(path=str(internal)) as ing:
+            assert bytes((await relay_info(pub)).relay) == bytes((await relay_info(ing)).relay)
+            direct = await _consumer(ing)
+            via = await _consumer(pub)
+            consumers += [direct, via]
+            for _ in range(5):
+                await engine.step(4)
+                await asyncio.sleep(0.05)
+            await _same_table(via, direct, engine)
+
+            os.kill(worker, signal.SIGKILL)  # a crashed worker: its router streams drop
+            end = await via.wait_end()
+            assert end.status is not None, "a dead worker cannot end with OK"
+            await eventually(lambda: bool(_workers(proc.pid)) and _workers(proc.pid) != [worker],
+                             what="worker restarted", timeout=30)  # fmt: skip
+
+            async def served() -> bool:
+                try:
+                    async with Channel("127.0.0.1", port) as probe:
+                        await relay_info(probe)
+                    return True
+                except (OSError, ConnectionError, Exception):
+                    return False
+
+            for _ in range(200):
+                if await served():
+                    break
+                await asyncio.sleep(0.1)
+            text = await _metrics(metrics_port)
+            assert re.search(r"^kvrelay_worker_restarts_total 1\.0$", text, re.M), text[-2000:]
+            assert 'kvrelay_workers{state="configured"} 1.0' in text
+            await engine.step(4)
+            again = await _consumer(pub)
+            consumers.append(again)
+            assert direct.end is None, "the ingest socket is not affected by a worker crash"
+            await engine.step(4)
+            await _same_table(again, direct, engine)
+
+            proc.send_signal(signal.SIGTERM)
+            rc = await asyncio.wait_for(proc.wait(), 20)
+            stderr = (await proc.stderr.read()).decode()  # type: ignore[union-attr]
+            assert rc == 0, stderr[-3000:]
+            assert (await again.wait_end()).status is None, "drained: clean EOF"
+            assert (await direct.wait_end()).status is None
+        assert not _workers(proc.pid) and not Path(f"/proc/{worker}").exists()
+        assert '"worker_exited"' in stderr and '"worker_restarted"' in stderr
+        await notes.wait_for("STOPPING=1")
+        kinds = [n.split("=", 1)[0] for n in notes.messages]
+        assert kinds.count("READY") == 1 and kinds.count("STOPPING") == 1
+        assert not list(runtime.glob("kvrelay-*")), "the internal socket directory is removed"
+    finally:
+        for c in consumers:
+            await c.stop()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await notes.close()
+        await engine.stop()
+
+
+def test_check_config_validates_workers_and_mirror(tmp_path: Path) -> None:
+    f = tmp_path / "k.toml"
+    f.write_text('[relay]\ndc_name = "d"\nworkers = 0\n\n[[pools]]\nnamespace = "n"\n'
+                 'component = "c"\nendpoint = "e"\n[[pools.engines]]\nname = "e0"\n'
+                 'grpc_port = 1\n')  # fmt: skip
+    r = kvrelay("check-config", str(f))
+    assert r.returncode == 2 and "error: relay.workers: must be in 1..256, got 0" in r.stdout
+    f.write_text(f.read_text().replace("workers = 0", "workers = 3"))
+    r = kvrelay("check-config", str(f))
+    assert r.returncode == 0 and "3 processes" in r.stdout, r.stdout
+    r = kvrelay("check-config", str(f), env=clean_env(KVRELAY_RELAY_WORKERS="2"))
+    assert r.returncode == 0 and "2 processes" in r.stdout
+    m = tmp_path / "m.toml"
+    m.write_text('[mirror]\nupstream = "relay.dc-b:50161"\ntls_cert = "/nonexistent.crt"\n\n'
+                 '[[pools]]\nnamespace = "n"\n')  # fmt: skip
+    r = kvrelay("check-config", str(m))
+    assert r.returncode == 2
+    for line in ("error: pools: a mirror has no [[pools]]",
+                 "error: mirror.tls_key: tls_cert and tls_key go together",
+                 "error: mirror.tls_cert: file '/nonexistent.crt' does not exist"):  # fmt: skip
+        assert line in r.stdout, r.stdout
+    m.write_text('[mirror]\nupstream = "10.1.2.3:50161"\n')
+    r = kvrelay("check-config", str(m))
+    assert r.returncode == 0 and "mirror of 10.1.2.3:50161 (plaintext)" in r.stdout
+    assert "warning: mirror.upstream: plaintext gRPC to non-loopback upstream" in r.stdout
+    r = kvrelay("check-config", str(m), env=clean_env(KVRELAY_MIRROR_UPSTREAM="bad"))
+    assert r.returncode == 2 and "mirror.upstream" in r.stdout
+
+
+async def test_kvrelay_mirror_with_tls_both_ways(tmp_path: Path) -> None:
+    """``kvrelay mirror --workers 2`` in front of an mTLS relay, its worker serving mTLS: READY,
+    an exact replica through mirror and worker, clean SIGTERM."""
+    pki = make_pki(tmp_path)
+    engine = SimEngine(SimConfig(name="t0", seed=16, capacity_blocks=64))
+    await engine.start()
+    settings = make_settings([engine])
+    relay = Relay(settings)
+    await relay.start()
+    upstream = RelayServer(relay, settings.limits)
+    await upstream.start("127.0.0.1", 0, ssl=server_ssl_context(
+        str(pki.server_cert), str(pki.server_key), str(pki.client_ca)))  # fmt: skip
+    conf = tmp_path / "mirror.toml"
+    conf.write_text(f"""
+[mirror]
+upstream = "localhost:{upstream.port}"
+tls_ca = "{pki.server_ca}"
+tls_cert = "{pki.client_cert}"
+tls_key = "{pki.client_key}"
+
+[tls]
+cert = "{pki.server_cert}"
+key = "{pki.server_key}"
+client_ca = "{pki.client_ca}"
+
+[logging]
+format = "json"
+""")
+    notes = Notifications(tmp_path / "notify.sock")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvrelay", "mirror", "--config", str(conf),
+        "--bind", "127.0.0.1:0", "--metrics-bind", "off", "--workers", "2",
+        env=clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock")), cwd=REPO,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    consumer: Consumer | None = None
+    try:
+        ready = await notes.wait_for("READY=1", timeout=60)
+        m = re.search(r"serving gRPC on 127\.0\.0\.1:(\d+), mirror of localhost:\d+, "
+                      r"1 fan-out worker", ready)  # fmt: skip
+        assert m, ready
+        ctx = client_ssl_context(str(pki.server_ca), str(pki.client_cert), str(pki.client_key))
+        async with Channel("127.0.0.1", int(m.group(1)), ssl=ctx) as ch:
+            await wait_live(relay, 1)
+            consumer = await _consumer(ch)
+            await engine.step(6)
+            await eventually(lambda: in_sync([engine], relay), what="relay = ground truth")
+            gen = relay.pools[0].generation
+            assert gen is not None
+            gen.flush()
+            await eventually(lambda: consumer.replica.sequence == gen.sequence,
+                             what="replica at the producer's sequence")  # fmt: skip
+            assert np.array_equal(consumer.replica.table, gen.pool.table)
+            proc.send_signal(signal.SIGTERM)
+            rc = await asyncio.wait_for(proc.wait(), 20)
+            assert rc == 0, (await proc.stderr.read()).decode()[-2000:]  # type: ignore[union-attr]
+            assert (await consumer.wait_end()).status is None
+    finally:
+        if consumer is not None:
+            await consumer.stop()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await notes.close()
+        await upstream.close(grace_s=1.0)
+        await relay.stop()
+        await engine.stop()
