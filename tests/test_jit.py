@@ -170,3 +170,20 @@ def test_steps_that_skip_their_exercise_on_a_warm_start_need_nothing_else() -> N
     for step in STEPS:
         if step not in EXERCISE_ALWAYS:
             assert touched[step] == [], (step, touched[step])
+
+
+NO_KERNELS_PROBE = """
+import json, sys
+import kvrelay.ops.worker, kvrelay.ops.tls  # what `python -m kvrelay.ops.worker` imports
+import kvrelay.mirror.mirror, kvrelay.mirror.settings, kvrelay.service.server
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("numba", "llvmlite"))))
+"""
+
+
+def test_fan_out_workers_import_no_kernels() -> None:
+    """``workers = N``'s fan-out worker processes and the mirror they run only re-serve bytes:
+    they load no numba at all, so they rightly skip the warm-up and never touch the cache."""
+    res = subprocess.run([sys.executable, "-c", NO_KERNELS_PROBE], cwd=REPO, env=clean_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout.splitlines()[-1]) == []
