@@ -146,7 +146,7 @@ def warm() -> float:
     declares readiness: without it a cold numba cache turns the first ingested batch into a
     ~20 s event-loop stall (seen on this 2-core machine) inside the measured window. Then, as
     the daemon does, drop LLVM's code pages (``kvrelay.ops.memory``)."""
-    from kvrelay.ops.daemon import warm_kernels
+    from kvrelay.ops.warmup import warm_kernels
 
     seconds = float(warm_kernels())
     with contextlib.suppress(ImportError):
