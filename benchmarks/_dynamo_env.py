@@ -26,6 +26,15 @@ VENV = ROOT / ".venv-dynamo"
 DPY = str(VENV / "bin" / "python")
 
 
+def netns_name(base: str) -> str:
+    """``base`` plus a short digest of this checkout's path: two checkouts on one machine (git
+    worktrees) can run side by side at once without one deleting the other's namespace, while a
+    namespace left by an earlier, killed run of the same checkout is still found and removed."""
+    import zlib
+
+    return f"{base}-{zlib.crc32(str(ROOT).encode()):08x}"
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] side-by-side: {msg}", flush=True)
 

@@ -9,6 +9,7 @@ import select
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -101,6 +102,7 @@ class FleetConfig:
     queue_capacity: int = 16  # RelayLimits.publication_queue_capacity (frames per subscriber)
     tag: str = "main"
     workers: int = 1  # [relay] workers: N-1 fan-out worker processes when >= 2
+    stats_interval: float = 0.5  # relay counter dumps; 0 = on demand (SIGUSR1), none while idle
 
 
 @dataclass
@@ -134,7 +136,8 @@ class Fleet:
             lg.expect("BOUND", 30)
         argv = [PY, "-m", "benchmarks._relay_proc", "--stats", str(self.stats_file),
                 "--expected-blocks", str(c.expected_blocks),
-                "--queue-capacity", str(c.queue_capacity)]
+                "--queue-capacity", str(c.queue_capacity),
+                "--stats-interval", str(c.stats_interval)]
         for i in range(c.engines):
             argv += ["--engine", f"engine-{i}=tcp://{engine_host(i)}:{c.base_port + i}"]
         if c.uvloop:
@@ -161,6 +164,8 @@ class Fleet:
         """Stats dumped after now (the relay writes every 0.5 s)."""
         t = time.time()
         deadline = t + 5
+        if self.cfg.stats_interval <= 0 and self.relay is not None:
+            os.kill(self.relay.pid, signal.SIGUSR1)
         while time.time() < deadline:
             s = self.stats()
             if s["wall"] > t:
@@ -171,6 +176,8 @@ class Fleet:
     def wait_stats(self, pred: Any, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if self.cfg.stats_interval <= 0 and self.relay is not None:
+                os.kill(self.relay.pid, signal.SIGUSR1)
             if self.stats_file.exists():
                 s = self.stats()
                 if pred(s):
@@ -201,8 +208,12 @@ class Fleet:
 
 
 def start_subscribers(fleet: Fleet, n: int, tag: str, per_proc: int = 32,
-                      probe: bool = True) -> list[tuple[Proc, str]]:
-    """Stream 0 (probe + replica) in its own process; the others ``per_proc`` to a process."""
+                      probe: bool = True, read_mbps: float = 0.0,
+                      barrier: bool = False,
+                      before_go: Callable[[], None] | None = None) -> list[tuple[Proc, str]]:
+    """Stream 0 (probe + replica) in its own process; the others ``per_proc`` to a process.
+    ``barrier``: every process connects first, then all open their streams at once (right
+    after ``before_go`` is called)."""
     procs: list[tuple[Proc, str]] = []
     groups = [1] + [min(per_proc, n - 1 - k) for k in range(0, n - 1, per_proc)]
     for j, streams in enumerate(groups):
@@ -212,7 +223,18 @@ def start_subscribers(fleet: Fleet, n: int, tag: str, per_proc: int = 32,
                 "--channels", str(max(1, streams // 8))]
         if j == 0 and probe:
             argv += ["--probe-file", str(fleet.probe_file), "--probe-start", str(fleet.next_probe)]
-        procs.append((Proc(f"sub-{tag}-{j}", argv), out))
+        if read_mbps > 0:
+            argv += ["--read-mbps", str(read_mbps)]
+        if barrier:
+            argv.append("--barrier")
+        procs.append((Proc(f"sub-{tag}-{j}", argv, stdin=barrier), out))
+    if barrier:
+        for p, _ in procs:
+            p.expect("CONNECTED", 120)
+        if before_go is not None:
+            before_go()
+        for p, _ in procs:
+            p.send("go")
     for p, _ in procs:
         p.expect("SNAPSHOTS_DONE", 120)
     return procs

@@ -133,7 +133,8 @@ class Bench:
     def _kvrelay(self, lg_port: int, tag: str) -> Proc:
         relay = Proc(f"heavy-kvrelay-{tag}", [
             PY, "-m", "benchmarks._relay_proc", "--engine", f"engine-0=tcp://127.0.0.1:{lg_port}",
-            "--port", "5562", "--stats", str(WORK / f"heavy-kvrelay-stats-{tag}.json")],
+            "--port", "5562", "--stats", str(WORK / f"heavy-kvrelay-stats-{tag}.json"),
+            "--stats-interval", "0"],
             prefix=self.nsx)
         relay.expect("READY", 120)
         return relay

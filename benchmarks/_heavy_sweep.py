@@ -18,13 +18,14 @@ from benchmarks._dynamo_env import (
     ensure_netns,
     ensure_venv,
     log,
+    netns_name,
     sh,
     sigterm_as_exit,
 )
 from benchmarks._heavy import FULL, Bench, HeavyPlan
 from benchmarks._heavy_report import heavy_markdown, heavy_plot, summary
 
-NS = "kvrheavy"
+NS = netns_name("kvrheavy")
 SIDES = ("kvrelay", "dynamo")
 
 

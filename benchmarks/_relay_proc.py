@@ -1,5 +1,6 @@
 """Run one kvrelay (``Relay`` + ``RelayServer``) in its own process, so its CPU and RSS can be
-read from /proc, and dump its counters to a JSON file every ``--stats-interval`` seconds.
+read from /proc, and dump its counters to a JSON file every ``--stats-interval`` seconds (with
+``--stats-interval 0``: at start, on SIGUSR1 and at exit only).
 
 Engines are static ZMQ sources (``--engine NAME=tcp://host:port``), the way a pre-0.27 vLLM or
 Dynamo's mocker is configured. Prints ``READY <port>`` once the gRPC server listens; SIGTERM/SIGINT
@@ -20,6 +21,7 @@ import json
 import os
 import signal
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,10 @@ from kvrelay.discovery.endpoints import StaticSourceConfig
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
 from kvrelay.service.server import RelayServer
+
+_DEFAULT_DISCOVERY_S = next(
+    float(f.default) for f in fields(RelaySettings) if f.name == "discovery_interval_s"
+)
 
 
 def build_settings(a: argparse.Namespace) -> RelaySettings:
@@ -43,9 +49,13 @@ def build_settings(a: argparse.Namespace) -> RelaySettings:
                 static=StaticSourceConfig(endpoint=endpoint, replay_endpoint=None, hwm=a.zmq_hwm),
             )
         )
+    cadence: dict[str, Any] = {}  # unset: the relay's own defaults (what `kvrelay serve` runs)
+    if a.publish_every_n is not None:
+        cadence["publish_every_n_events"] = a.publish_every_n
+    if a.publication_delay_ms is not None:
+        cadence["publication_delay_s"] = a.publication_delay_ms / 1000.0
     limits = RelayLimits(
-        publish_every_n_events=a.publish_every_n,
-        publication_delay_s=a.publication_delay_ms / 1000.0,
+        **cadence,
         publication_queue_capacity=a.queue_capacity,
         max_pool_streams_total=a.max_streams,
         max_subscribers_per_pool=a.max_streams,
@@ -63,7 +73,7 @@ def build_settings(a: argparse.Namespace) -> RelaySettings:
         dc_name=a.dc,
         pools=(pool,),
         limits=limits,
-        discovery_interval_s=1.0,
+        discovery_interval_s=a.discovery_interval,
         discovery_timeout_s=1.0,
     )
 
@@ -111,6 +121,7 @@ def stats(relay: Relay, server: Any, started: float, front: Any = None) -> dict[
                 unknown_removals=gen.pool.unknown_removals,
                 subscribers=gen.subscriber_count,
                 hub_lagged=0 if hub is None else int(getattr(hub, "lagged", 0)),
+                hub_direct_frames=0 if hub is None else int(getattr(hub, "direct_frames", 0)),
             )
         pools.append(item)
     out = {
@@ -133,12 +144,35 @@ def stats(relay: Relay, server: Any, started: float, front: Any = None) -> dict[
 def warm() -> float:
     """Compile or load every hot kernel before READY, as ``kvrelay serve`` does before it
     declares readiness: without it a cold numba cache turns the first ingested batch into a
-    ~20 s event-loop stall (seen on this 2-core machine) inside the measured window."""
-    try:  # the architecture refactor moves the daemon module under kvrelay/ops/
-        from kvrelay.ops.daemon import warm_kernels  # type: ignore[import-not-found]
-    except ImportError:
-        from kvrelay.daemon import warm_kernels
-    return float(warm_kernels())
+    ~20 s event-loop stall (seen on this 2-core machine) inside the measured window. Then, as
+    the daemon does, drop LLVM's code pages (``kvrelay.ops.memory``)."""
+    from kvrelay.ops.warmup import warm_kernels
+
+    seconds = float(warm_kernels())
+    with contextlib.suppress(ImportError):
+        from kvrelay.ops.memory import release_compiler_pages
+
+        release_compiler_pages()
+    return seconds
+
+
+def _profile_toggle(path: str) -> Any:
+    import cProfile
+
+    state: dict[str, Any] = {"prof": None, "n": 0}
+
+    def toggle() -> None:
+        prof = state["prof"]
+        if prof is None:
+            state["prof"] = cProfile.Profile()
+            state["prof"].enable()
+            return
+        prof.disable()
+        prof.dump_stats(f"{path}.{state['n']}")
+        state["n"] += 1
+        state["prof"] = None
+
+    return toggle
 
 
 async def amain(a: argparse.Namespace) -> None:
@@ -167,11 +201,13 @@ async def amain(a: argparse.Namespace) -> None:
         server = RelayServer(relay, settings.limits)  # type: ignore[arg-type]  # as tests/e2e do
         await server.start(a.host, a.port)
         port = server.port
-    print(f"READY {port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    prof_out = os.environ.get("KVR_BENCH_CPROFILE")
+    if prof_out:  # diagnostic (profile_relay --cprofile): SIGUSR2 starts, the next one dumps
+        loop.add_signal_handler(signal.SIGUSR2, _profile_toggle(prof_out))
     out = Path(a.stats) if a.stats else None
 
     def dump() -> None:
@@ -181,11 +217,25 @@ async def amain(a: argparse.Namespace) -> None:
         tmp.write_text(json.dumps(stats(relay, server, started, front)))
         tmp.replace(out)
 
-    while not stop.is_set():
+    upkeep = None
+    with contextlib.suppress(ImportError):  # as `kvrelay serve` does
+        from kvrelay.ops.memory import keep_compiler_pages_released
+
+        upkeep = asyncio.create_task(keep_compiler_pages_released())
+    if a.stats_interval <= 0:  # on demand: the dump is the benchmark's, not the relay's
+        loop.add_signal_handler(signal.SIGUSR1, dump)
         dump()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), a.stats_interval)
+    print(f"READY {port}", flush=True)
+    if a.stats_interval > 0:
+        while not stop.is_set():
+            dump()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), a.stats_interval)
+    else:
+        await stop.wait()
     dump()
+    if upkeep is not None:
+        upkeep.cancel()
     if front is not None:
         await front.stop(2.0)
     else:
@@ -206,17 +256,23 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--expected-blocks", type=int, default=1_048_576)
     p.add_argument("--zmq-hwm", type=int, default=100_000)
-    p.add_argument("--publish-every-n", type=int, default=16)
-    p.add_argument("--publication-delay-ms", type=float, default=1.0)
+    p.add_argument("--publish-every-n", type=int, default=None)
+    p.add_argument("--publication-delay-ms", type=float, default=None)
+    p.add_argument("--discovery-interval", type=float, default=_DEFAULT_DISCOVERY_S,
+                   help="seconds between engine probes (default: the relay's own)")
     p.add_argument("--queue-capacity", type=int, default=16)
     p.add_argument("--max-streams", type=int, default=128)
     p.add_argument("--stats", default="")
-    p.add_argument("--stats-interval", type=float, default=0.5)
+    p.add_argument("--stats-interval", type=float, default=0.5, help="0: on SIGUSR1 only")
     p.add_argument("--uvloop", action="store_true")
     p.add_argument("--workers", type=int, default=1, help="processes serving gRPC (N-1 workers)")
     a = p.parse_args()
     if not a.engine:
         p.error("at least one --engine is required")
+    with contextlib.suppress(ImportError):  # as `kvrelay serve` does before it starts
+        from kvrelay.ops.memory import tune_malloc
+
+        tune_malloc()
     if a.uvloop:
         import uvloop
 

@@ -3,12 +3,20 @@ memory per membership. Each returns plain dicts (written to JSON by ``run``)."""
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from benchmarks._common import percentiles, proc_sample
-from benchmarks._harness import Fleet, FleetConfig, load_point, start_subscribers, stop_subscribers
+from benchmarks._harness import (
+    Fleet,
+    FleetConfig,
+    counters,
+    load_point,
+    start_subscribers,
+    stop_subscribers,
+)
 
 
 @dataclass(frozen=True)
@@ -141,12 +149,22 @@ def ingest_ramp(fleet: Fleet, plan: Plan) -> dict[str, Any]:
 
 
 def snapshot_times(fleet: Fleet, repeats: int, streams: int = 1) -> dict[str, Any]:
-    """Idle relay: subscribe → snapshot complete, ``repeats`` times with ``streams`` at once."""
+    """Idle relay: subscribe → snapshot complete, ``repeats`` times with ``streams`` at once
+    (the subscriber processes connect first, then all subscribe together)."""
+    assert fleet.relay is not None
+    relay_pid = fleet.relay.pid
     times: list[float] = []
     sizes = set()
+    cpu_s = 0.0
     for k in range(repeats):
+        start: list[float] = []
+
+        def mark(start: list[float] = start) -> None:
+            start.append(proc_sample(relay_pid).cpu_s)
+
         procs = start_subscribers(fleet, streams, f"snap-{fleet.cfg.tag}-{streams}-{k}",
-                                  probe=False)
+                                  probe=False, barrier=True, before_go=mark)
+        cpu_s += proc_sample(relay_pid).cpu_s - start[0]  # until every snapshot is complete
         res, _ = stop_subscribers(procs)
         for r in res:
             for st in r["streams"]:
@@ -160,16 +178,123 @@ def snapshot_times(fleet: Fleet, repeats: int, streams: int = 1) -> dict[str, An
         "wire_bytes": sorted(sizes),
         "concurrent_streams": streams,
         "subscribe_to_complete_ms": percentiles(times, 1e3),
+        # relay process CPU from the joint start to the last complete snapshot, per snapshot
+        # (/proc counts in clock ticks of 10 ms: a sum over the repeats, then divided)
+        "relay_cpu_ms_per_snapshot": round(cpu_s * 1e3 / max(1, len(times)), 2),
     }
 
 
-def snapshot_suite(main: Fleet, plan: Plan) -> list[dict[str, Any]]:
+def snapshot_under_load(fleet: Fleet, rate: float, repeats: int, *,
+                        read_mbps: float = 0.0) -> dict[str, Any]:
+    """One subscriber at a time joins while the fleet offers ``rate`` block events/s: does its
+    snapshot complete (or is it ended as lagged, and after how many chunks), how long it takes,
+    and what the deltas that follow look like. ``read_mbps`` > 0 throttles the reader.
+
+    A *bystander*, subscribed and caught up before the joins, shows what they cost the
+    subscribers already there: the end-to-end latency of the probe chains (engine publish → all
+    8 hashes in its replica) published while a joiner was catching up (its request until 0.3 s
+    after its snapshot completed) against those published outside these windows. The publication
+    spacing a joiner causes shows there, not in the delta latency (stamped at publication)."""
+    assert fleet.relay is not None
+    bystander = start_subscribers(fleet, 1, f"bystander-{fleet.cfg.tag}-{int(read_mbps)}")
+    chunk_wire = 4_194_368 + 150  # one full chunk on the wire: CBI1 frame + FilterUpdate envelope
+    per = rate / len(fleet.loadgens)
+    s = max(1, round(per / (2 * fleet.cfg.chain_blocks) / 2000))
+    seconds = 1.0 + repeats * 3.0
+    before = counters(fleet.fresh_stats())
+    for i, lg in enumerate(fleet.loadgens):
+        lg.send(f"run {per} {seconds} {s} {fleet.cfg.probe_hz if i == 0 else 0}")
+    t_end = time.monotonic() + seconds
+    time.sleep(0.8)  # steady state before the first join
+    runs = []
+    windows: list[tuple[float, float]] = []  # wall time a joiner was catching up
+    for k in range(repeats):
+        if time.monotonic() > t_end - 1.5:
+            break
+        tag = f"snapload-{fleet.cfg.tag}-{int(read_mbps)}-{k}"
+        procs = start_subscribers(fleet, 1, tag, probe=False, read_mbps=read_mbps)
+        time.sleep(max(0.0, min(1.0, t_end - time.monotonic() - 0.3)))
+        res, lat = stop_subscribers(procs)
+        st = res[0]["streams"][0]
+        windows.append((st["t_request"], st["t_request"] + (st["snapshot_s"] or 1.0) + 0.3))
+        runs.append({
+            "completed": st["snapshot_s"] is not None,
+            "snapshot_ms": None if st["snapshot_s"] is None else round(st["snapshot_s"] * 1e3, 1),
+            "chunks_received": round(st["snapshot_bytes"] / chunk_wire),  # whole chunks only
+            "snapshot_bytes": st["snapshot_bytes"],
+            "deltas_after": st["deltas"],
+            "seq_errors": st["seq_errors"],
+            "error": None if (st["error"] or "").startswith("EOF") else st["error"],
+            "delta_latency_ms": percentiles(lat, 1e-3),
+        })
+    sent = [json.loads(lg.expect("{", seconds + 60)) for lg in fleet.loadgens]
+    fleet.next_probe = int(sent[0]["next_probe"])
+    by_res, by_lat = stop_subscribers(bystander)
+    by = by_res[0]["streams"][0]
+    found = {int(i): int(t) for i, t in by_res[0].get("probe_found", [])}
+    during, outside = [], []
+    for i, t_us in sent[0]["probes"]:
+        if int(i) in found:
+            e2e = found[int(i)] - int(t_us)
+            t = int(t_us) / 1e6
+            (during if any(a <= t <= b for a, b in windows) else outside).append(e2e)
+    after = counters(fleet.fresh_stats())
+    p = fleet.stats()["pools"][0]
+    done = [r for r in runs if r["completed"] and not r["error"]]
+    chunks = -(-int(p["bucket_count"]) // 524_288)
+    return {
+        "bucket_count": p["bucket_count"],
+        "table_bytes": p["table_bytes"],
+        "chunk_count": chunks,
+        "offered_rate": rate,
+        "achieved_rate": round(sum(float(x["achieved_rate"]) for x in sent)),
+        "read_mbps_limit": read_mbps or None,
+        "runs": runs,
+        "completed": len(done),
+        "joins": len(runs),
+        "lag_errors": after["lag_errors"] - before["lag_errors"],
+        "publications": after["sequence"] - before["sequence"],
+        "ingest_gaps": after["ingest_gaps"] - before["ingest_gaps"],
+        "snapshot_ms": percentiles([r["snapshot_ms"] for r in done]),
+        "bystander": {
+            "deltas": by["deltas"],
+            "seq_errors": by["seq_errors"],
+            "error": None if (by["error"] or "").startswith("EOF") else by["error"],
+            "delta_latency_ms": percentiles(by_lat, 1e-3),
+            "probes_sent": len(sent[0]["probes"]),
+            "e2e_while_joining_ms": percentiles(during, 1e-3),
+            "e2e_otherwise_ms": percentiles(outside, 1e-3),
+        },
+    }
+
+
+def big_lane_fleet() -> Fleet:
+    """A separate relay with a 64 MiB lane (``expected_blocks`` 16,777,216) and one engine."""
+    return Fleet(FleetConfig(engines=1, base_port=27190, working_set_chains=4096, probes=4000,
+                             expected_blocks=16_777_216, tag="snap64"))
+
+
+def snapshot_load_suite(big: Fleet, rate: float, repeats: int) -> list[dict[str, Any]]:
+    """The 64 MiB lane joined while the pool publishes ``rate``: full speed, then 80 MB/s."""
+    out = []
+    for mbps in (0.0, 80.0):
+        log(f"snapshot under load: 64 MiB lane, {rate:,.0f} block events/s, reader "
+            + (f"{mbps:.0f} MB/s" if mbps else "at full speed"))
+        r = snapshot_under_load(big, rate, repeats, read_mbps=mbps)
+        log(f"  {r['completed']}/{r['joins']} completed, p50 {r['snapshot_ms']['p50']} ms, "
+            f"lag errors {r['lag_errors']}, chunks "
+            + ", ".join(f"{x['chunks_received']}/{r['chunk_count']}" for x in r["runs"]))
+        out.append(r)
+    return out
+
+
+def snapshot_suite(main: Fleet, plan: Plan) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Idle snapshot times (4 and 64 MiB lanes), then the 64 MiB lane under 100 K events/s."""
     log("snapshot: 4 MiB lane (524,288 buckets)")
     out = [snapshot_times(main, plan.snapshot_repeats, 1),
            snapshot_times(main, plan.snapshot_repeats, 8)]
     log("snapshot: 64 MiB lane (8,388,608 buckets; separate relay, expected_blocks 16,777,216)")
-    big = Fleet(FleetConfig(engines=1, base_port=27190, working_set_chains=4096, probes=0,
-                            expected_blocks=16_777_216, tag="snap64"))
+    big = big_lane_fleet()
     try:
         big.start()
         fill(big)
@@ -177,13 +302,15 @@ def snapshot_suite(main: Fleet, plan: Plan) -> list[dict[str, Any]]:
         out.append(snapshot_times(big, max(1, plan.snapshot_repeats // 2), 4))
         assert big.relay is not None
         out[-1]["relay_rss_bytes"] = proc_sample(big.relay.pid).rss_bytes
+        for s in out:
+            log(f"  {s['table_bytes'] / 2**20:.0f} MiB x{s['concurrent_streams']}: "
+                f"p50 {s['subscribe_to_complete_ms']['p50']} ms max "
+                f"{s['subscribe_to_complete_ms']['max']} ms")
+        # joins per reader: 1 in the short run (it must stay under 2 minutes), 2 in the full one
+        loaded = snapshot_load_suite(big, 100_000, max(1, plan.snapshot_repeats // 2))
     finally:
         big.stop()
-    for s in out:
-        log(f"  {s['table_bytes'] / 2**20:.0f} MiB x{s['concurrent_streams']}: "
-            f"p50 {s['subscribe_to_complete_ms']['p50']} ms max "
-            f"{s['subscribe_to_complete_ms']['max']} ms")
-    return out
+    return out, loaded
 
 
 def fanout_cost(points: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import sys
 import time
 from typing import Any
 
@@ -105,6 +106,8 @@ class StreamStats:
         self.reason: str | None = None  # the kv-relay-error-reason trailer, if any
         self.lat_us: list[int] = []
         self.seq_recv: list[tuple[int, int]] = []  # (sequence, receive µs), --seq-log only
+        self.recv_us: list[int] | None = None  # with --detail: receive time of every delta
+        self.channel = 0
 
 
 class Prober:
@@ -174,6 +177,7 @@ class Prober:
 async def run_stream(
     ch: Channel, producer: pb.ProducerIdentity, st: StreamStats, sid: str,
     prober: Prober | None, done: asyncio.Event, chunk_count: int, use_bp2: bool,
+    read_bps: float = 0.0,
     seq_log: bool = False,
 ) -> None:
     req = pb.SubscribeKvPoolRequest(
@@ -206,6 +210,8 @@ async def run_stream(
                     st.lat_us.append(int(now * 1e6) - ts)
                     if seq_log:
                         st.seq_recv.append((seq, int(now * 1e6)))
+                    if st.recv_us is not None:
+                        st.recv_us.append(int(now * 1e6))
                     if base != last_seq:
                         st.seq_errors += 1
                     last_seq = seq
@@ -216,6 +222,10 @@ async def run_stream(
                 elif kind == KIND_SNAPSHOT:
                     chunks += 1
                     st.snapshot_bytes += len(data)
+                    if read_bps > 0:  # a slow reader: at most read_bps on average so far
+                        ahead = st.t_request + st.snapshot_bytes / read_bps - time.time()
+                        if ahead > 0:
+                            await asyncio.sleep(ahead)
                     complete = prober.snapshot(payload) if prober is not None else (
                         chunks == chunk_count
                     )
@@ -262,13 +272,23 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
         with open(a.probe_file) as f:
             probes = np.array(json.load(f)["probes"], dtype=np.uint64).reshape(-1, 8)
         prober = Prober(probes, a.probe_start, seed, bc)
+    if a.barrier:  # several processes "joining at once": start together, after the imports
+        for ch in channels[1:]:
+            await ch.__connect__()
+        print("CONNECTED", flush=True)
+        await loop.run_in_executor(None, sys.stdin.readline)
     stats = [StreamStats(i) for i in range(a.streams)]
+    for st in stats:
+        st.channel = st.idx % len(channels)
+        if a.detail:
+            st.recv_us = []
     dones = [asyncio.Event() for _ in stats]
     tasks = [
         asyncio.create_task(
             run_stream(
                 channels[i % len(channels)], producer, st, f"{a.id}-{i}",
                 prober if i == 0 else None, dones[i], cbi1.chunk_count_for(bc), a.decode == "bp2",
+                a.read_mbps * 1e6,
                 a.seq_log and i == 0,
             )
         )
@@ -314,10 +334,14 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
     np.save(a.out + ".lat.npy", lat)
     if a.seq_log:  # stream 0: when each sequence arrived (mirror hop: compare two subscribers)
         np.save(a.out + ".seq.npy", np.array(stats[0].seq_recv, dtype=np.int64).reshape(-1, 2))
+    if a.detail:  # per stream: receive time and latency of every delta (diagnostics)
+        np.savez(a.out + ".detail.npz", **{
+            f"s{st.idx}": np.array([st.recv_us or [], st.lat_us], dtype=np.int64).reshape(2, -1)
+            for st in stats})
     out: dict[str, Any] = {
         "streams": [
-            {k: v for k, v in vars(st).items() if k not in ("lat_us", "seq_recv")}
-            | {"lat_n": len(st.lat_us)}
+            {k: v for k, v in vars(st).items() if k not in ("lat_us", "seq_recv", "recv_us")}
+            | {"lat_n": len(st.lat_us), "lat_p99_us": _p99(st.lat_us)}
             for st in stats
         ],
         "bucket_count": bc,
@@ -327,6 +351,10 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
         out["probe_found"] = [[int(i), int(prober.found_us[i])] for i in found]
         out["check"] = prober.check
     return out
+
+
+def _p99(values: list[int]) -> int | None:
+    return int(np.percentile(np.asarray(values), 99)) if values else None
 
 
 def main() -> None:
@@ -342,7 +370,13 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--duration", type=float, default=0.0, help="0 = until SIGTERM")
     p.add_argument("--out", required=True)
+    p.add_argument("--barrier", action="store_true",
+                   help="print CONNECTED, then open the streams when a line arrives on stdin")
+    p.add_argument("--read-mbps", type=float, default=0.0,
+                   help="throttle snapshot reading to this many MB/s (0 = full speed)")
     p.add_argument("--check-file", default="", help="loadgen working-set .npz, read on SIGUSR1")
+    p.add_argument("--detail", action="store_true",
+                   help="also write --out.detail.npz: receive time and latency of every delta")
     p.add_argument("--uvloop", action="store_true")
     p.add_argument("--seq-log", action="store_true", help="stream 0: save (sequence, recv µs)")
     a = p.parse_args()

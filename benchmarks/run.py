@@ -49,6 +49,17 @@ def run_micro() -> dict[str, Any]:
     return out
 
 
+def run_start(full: bool) -> dict[str, Any]:
+    """Daemon start-up (bench_start.py): warm starts only in the short run; cold starts (fresh
+    kernel cache) and the per-kernel compile profile in the full one."""
+    log("start-up: " + ("cold and warm starts, compile profile" if full else "warm starts"))
+    t = time.monotonic()
+    r = subprocess.run([PY, "-m", "benchmarks.bench_start", *([] if full else ["--short"])],
+                       cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    print(r.stdout[-4000:], end="")
+    return {"rc": r.returncode, "seconds": round(time.monotonic() - t, 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--full", action="store_true", help="the full sweep (tens of minutes)")
@@ -79,11 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         res["fanout"] = fanout_cost(res["latency"])
         res["ingest_ramp"] = ingest_ramp(fleet, plan)
         res["relay_final_stats"] = fleet.stats()
-        res["snapshot"] = snapshot_suite(fleet, plan)
+        res["snapshot"], res["snapshot_under_load"] = snapshot_suite(fleet, plan)
     finally:
         fleet.stop()
     if a.micro:
         res["micro"] = run_micro()
+    res["start"] = run_start(a.full)
     res["wall_s"] = round(time.monotonic() - t0, 1)
     suffix = ("-full" if a.full else "") + (
         f"-q{a.queue_capacity}" if a.queue_capacity != 16 else "")

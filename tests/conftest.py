@@ -18,7 +18,7 @@ def _warm_numba_kernels() -> None:
     """Compile (or load from cache) every hot numba kernel before the first test, as the daemon
     does before READY: on a fresh clone compilation takes tens of seconds, and it must not land
     inside a test that waits for the relay with a deadline."""
-    from kvrelay.ops.daemon import warm_kernels
+    from kvrelay.ops.warmup import warm_kernels
 
     warm_kernels()
 

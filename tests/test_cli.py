@@ -158,5 +158,7 @@ def test_warm_prints_progress_and_exits_0() -> None:
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
     assert lines[0].startswith("kvrelay warm: numba kernel cache: ")
-    assert any("pool apply" in line for line in lines)
+    for step in ("hashing", "ingest", "pool"):  # one line when a step starts, one when done
+        assert sum(line.startswith(f"  {step}: ") for line in lines) == 2, lines
+    assert any(line.startswith("  pool: apply, cuckoo filter") for line in lines), lines
     assert lines[-1].startswith("kvrelay warm: every kernel ready in ")

@@ -45,6 +45,15 @@ class RelayLimits:
     load_fanout_capacity: int = 16
     publish_every_n_events: int = 16
     publication_delay_s: float = 0.001
+    #: Pacing (``publication.cadence``): publishing takes at most about this share of the time…
+    publication_cpu_percent: int = 10
+    #: …and never holds a pending command back longer than this.
+    publication_max_delay_s: float = 0.005
+    #: While a subscriber catches up (its snapshot, then what queued meanwhile), publications are
+    #: spaced so that a reader at this rate always gets through (§8.4) ...
+    snapshot_reader_bytes_per_second: int = 80_000_000
+    #: ... but never further apart than this.
+    snapshot_publication_delay_s: float = 0.25
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -68,6 +77,8 @@ class RelayLimits:
             )
         if self.load_fanout_capacity > 65_536:
             raise LimitsError("load_fanout_capacity must be <= 65536")
+        if self.publication_cpu_percent > 100:
+            raise LimitsError("publication_cpu_percent must be <= 100")
 
 
 class PermitCounter:

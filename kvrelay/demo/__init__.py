@@ -38,7 +38,7 @@ async def _demo(
         summary_text,
         take_snapshot,
     )
-    from kvrelay.ops.daemon import warm_kernels
+    from kvrelay.ops.warmup import WarmEvent, warm_kernels
     from kvrelay.relay.relay import Relay
     from kvrelay.service.server import RelayServer
 
@@ -48,11 +48,11 @@ async def _demo(
         loop.add_signal_handler(sig, stop.set)
     color = not headless and out.isatty()
 
-    def progress(step: str) -> None:  # stderr: --headless keeps stdout to its one JSON line
-        print(f"kvrelay demo: kernels: {step}", file=sys.stderr, flush=True)
+    def progress(ev: WarmEvent) -> None:  # stderr: --headless keeps stdout to its one JSON line
+        print(f"kvrelay demo: kernels: {ev}", file=sys.stderr, flush=True)
 
     print(
-        "kvrelay demo: compiling or loading the numba kernels (first run: about a minute)",
+        "kvrelay demo: compiling or loading the numba kernels (first run: ~20 s)",
         file=sys.stderr, flush=True,
     )
     await loop.run_in_executor(None, warm_kernels, progress)

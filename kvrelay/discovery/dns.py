@@ -9,11 +9,10 @@ a ``DnsError``: the caller keeps the engines it had, because a DNS outage is not
 
 from __future__ import annotations
 
-import dns.asyncresolver
-import dns.exception
-import dns.name
-import dns.rdatatype
-import dns.resolver
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # dnspython is imported when a resolver is made: ~20 ms of every start else
+    import dns.asyncresolver
 
 Endpoint = tuple[str, "int | None"]
 
@@ -24,6 +23,8 @@ class DnsError(Exception):
 
 def make_resolver(server: str | None, timeout: float) -> dns.asyncresolver.Resolver:
     """The system resolver, or one asking only ``server`` (``host:port``; tests, custom DNS)."""
+    import dns.asyncresolver
+
     if server is None:
         resolver = dns.asyncresolver.Resolver()
     else:
@@ -37,6 +38,10 @@ def make_resolver(server: str | None, timeout: float) -> dns.asyncresolver.Resol
 
 
 async def _addresses(resolver: dns.asyncresolver.Resolver, name: str) -> set[str]:
+    import dns.exception
+    import dns.rdatatype
+    import dns.resolver
+
     out: set[str] = set()
     missing = 0
     for rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA):
@@ -56,6 +61,10 @@ async def resolve_engines(
 ) -> set[Endpoint]:
     """The engines ``name`` stands for now: ``{(address, None)}`` for A/AAAA names (the entry's
     ports apply), ``{(address, port)}`` for SRV names. Raises ``DnsError`` when unresolvable."""
+    import dns.exception
+    import dns.rdatatype
+    import dns.resolver
+
     if not srv:
         return {(a, None) for a in await _addresses(resolver, name)}
     try:

@@ -5,18 +5,25 @@ njit loops, where calling the C extension is impossible. Implemented from the pu
 algorithm description (constants are the published ones); only uint64 arithmetic is used, so no
 value ever promotes to float.
 
-All entry points are ``@njit(cache=True)`` and callable both from Python and from other njit code.
+All entry points are cached numba functions callable both from Python and from other njit code;
+the ones the relay calls from Python are ``kernel("hashing", ...)`` with declared signatures
+(``kvrelay._jit``: compiled when the daemon warms up, not at import). Helpers are compiled once
+each and marked ``forceinline`` (LLVM inlines them into every caller): numba's own
+``inline="always"`` re-types the helper at every call site and made these kernels take ~10 s
+each to compile, for the same machine code.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from llvmlite import ir  # type: ignore[import-untyped]
-from numba import njit, types
+from numba import types
 from numba.extending import intrinsic, overload
+
+from kvrelay._jit import declared, inline, kernel
 
 if sys.byteorder != "little":  # token arrays are hashed through a zero-copy byte view
     raise ImportError("kvrelay.hashing.xxh3 requires a little-endian host")
@@ -49,6 +56,13 @@ SECRET_SIZE = 192
 STRIPE_LEN = 64
 _STRIPES_PER_BLOCK = (SECRET_SIZE - STRIPE_LEN) // 8  # 16
 _BLOCK_LEN = STRIPE_LEN * _STRIPES_PER_BLOCK  # 1024
+# Offsets passed to helpers as int64 values: a plain constant argument is typed as a literal, and
+# numba compiles a helper once per distinct literal (measured: 18 copies of ``_mix16``).
+_S = tuple(np.int64(16 * i) for i in range(8))  # secret offsets of the 17..128-byte path
+_I0 = cast(int, np.int64(0))
+_I119 = np.int64(136 - 17)
+_I121 = np.int64(SECRET_SIZE - STRIPE_LEN - 7)
+_I128 = np.int64(SECRET_SIZE - STRIPE_LEN)
 
 
 def _kw(off: int) -> np.uint64:
@@ -67,12 +81,24 @@ _S916_FLIP1 = np.uint64(int(_kw(24)) ^ int(_kw(32)))
 _S916_FLIP2 = np.uint64(int(_kw(40)) ^ int(_kw(48)))
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+# Declared argument types: writable arrays convert to the read-only ones, so the Python entry
+# points (read-only bytes) and the apply kernel (writable token buffers) share one compiled copy.
+_RO_U8 = types.Array(types.uint8, 1, "C", readonly=True)
+_RO_U32 = types.Array(types.uint32, 1, "C", readonly=True)
+_RO_U64 = types.Array(types.uint64, 1, "C", readonly=True)
+_U8 = types.Array(types.uint8, 1, "C")
+_U64 = types.Array(types.uint64, 1, "C")
+_I64 = types.int64
+_SEED = types.uint64
+_H = types.uint64  # a hash
+
+
+@inline  # type: ignore[misc]
 def _rotl(x: np.uint64, r: np.uint64) -> np.uint64:
     return (x << r) | (x >> (np.uint64(64) - r))
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline  # type: ignore[misc]
 def _swap32(x: np.uint64) -> np.uint64:
     x = x & _M32
     return (
@@ -83,7 +109,7 @@ def _swap32(x: np.uint64) -> np.uint64:
     )
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline  # type: ignore[misc]
 def _swap64(x: np.uint64) -> np.uint64:
     return (_swap32(x & _M32) << np.uint64(32)) | _swap32(x >> np.uint64(32))
 
@@ -107,13 +133,13 @@ def _mul128_fold64_ir(typingctx: Any, a: Any, b: Any) -> Any:
     return sig, codegen
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline  # type: ignore[misc]
 def _mul128_fold64(a: np.uint64, b: np.uint64) -> np.uint64:
     """Low 64 bits XOR high 64 bits of the full 128-bit product a*b."""
     return _mul128_fold64_ir(a, b)  # type: ignore[no-any-return,call-arg]
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline  # type: ignore[misc]
 def _xxh64_avalanche(h: np.uint64) -> np.uint64:
     h ^= h >> np.uint64(33)
     h *= PRIME64_2
@@ -123,7 +149,7 @@ def _xxh64_avalanche(h: np.uint64) -> np.uint64:
     return h
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline  # type: ignore[misc]
 def _avalanche(h: np.uint64) -> np.uint64:
     h ^= h >> np.uint64(37)
     h *= PRIME_MX1
@@ -131,7 +157,7 @@ def _avalanche(h: np.uint64) -> np.uint64:
     return h
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline  # type: ignore[misc]
 def _rrmxmx(h: np.uint64, length: np.uint64) -> np.uint64:
     h ^= _rotl(h, np.uint64(49)) ^ _rotl(h, np.uint64(24))
     h *= PRIME_MX2
@@ -141,7 +167,7 @@ def _rrmxmx(h: np.uint64, length: np.uint64) -> np.uint64:
     return h
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline  # type: ignore[misc]
 def _r32(d: np.ndarray, p: _Idx) -> np.uint64:
     return (
         np.uint64(d[p])
@@ -156,7 +182,7 @@ def _r64(d: np.ndarray, p: _Idx) -> np.uint64:
     raise NotImplementedError("_r64 is resolved inside numba-compiled code only")
 
 
-@overload(_r64, inline="always")  # type: ignore[misc]
+@overload(_r64, jit_options={"forceinline": True})  # type: ignore[misc]
 def _r64_for(d: Any, p: Any) -> Any:
     """Byte arrays load eight bytes; u32 token arrays load two whole words (``p`` is still a
     byte offset and a multiple of 4 there), so the 17..128-byte path hashes token blocks in
@@ -175,14 +201,14 @@ def _r64_for(d: Any, p: Any) -> Any:
     return from_bytes
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline  # type: ignore[misc]
 def _mix16(d: np.ndarray, p: _Idx, s: np.ndarray, sp: _Idx, seed: np.uint64) -> np.uint64:
     lo = _r64(d, p)
     hi = _r64(d, p + 8)
     return _mul128_fold64(lo ^ (_r64(s, sp) + seed), hi ^ (_r64(s, sp + 8) - seed))
 
 
-@njit(cache=True)  # type: ignore[misc]
+@declared(_H(_RO_U8, _I64, _I64, _SEED))  # type: ignore[misc]
 def _len_0to16(d: np.ndarray, p: _Idx, n: _Idx, seed: np.uint64) -> np.uint64:
     ln = np.uint64(n)
     if n > 8:
@@ -209,27 +235,28 @@ def _len_0to16(d: np.ndarray, p: _Idx, n: _Idx, seed: np.uint64) -> np.uint64:
     return _xxh64_avalanche(seed ^ _S0_FLIP)
 
 
-@njit(cache=True)  # type: ignore[misc]
+@declared(_H(_RO_U8, _I64, _I64, _SEED), _H(_RO_U32, _I64, _I64, _SEED))  # type: ignore[misc]
 def _len_17to128(d: np.ndarray, p: _Idx, n: _Idx, seed: np.uint64) -> np.uint64:
     """Also compiled for u32 token arrays: with ``p`` and ``n`` multiples of 4 every read offset
     here is one, so ``_r64`` loads whole words (the token-block hot path)."""
     s = KSECRET
     acc = np.uint64(n) * PRIME64_1
+    # Secret offsets are int64 values (``_S``), not literals: ``_mix16`` compiles once.
     if n > 32:
         if n > 64:
             if n > 96:
-                acc += _mix16(d, p + 48, s, 96, seed)
-                acc += _mix16(d, p + n - 64, s, 112, seed)
-            acc += _mix16(d, p + 32, s, 64, seed)
-            acc += _mix16(d, p + n - 48, s, 80, seed)
-        acc += _mix16(d, p + 16, s, 32, seed)
-        acc += _mix16(d, p + n - 32, s, 48, seed)
-    acc += _mix16(d, p, s, 0, seed)
-    acc += _mix16(d, p + n - 16, s, 16, seed)
+                acc += _mix16(d, p + 48, s, _S[6], seed)
+                acc += _mix16(d, p + n - 64, s, _S[7], seed)
+            acc += _mix16(d, p + 32, s, _S[4], seed)
+            acc += _mix16(d, p + n - 48, s, _S[5], seed)
+        acc += _mix16(d, p + 16, s, _S[2], seed)
+        acc += _mix16(d, p + n - 32, s, _S[3], seed)
+    acc += _mix16(d, p, s, _S[0], seed)
+    acc += _mix16(d, p + n - 16, s, _S[1], seed)
     return _avalanche(acc)
 
 
-@njit(cache=True)  # type: ignore[misc]
+@declared(_H(_RO_U8, _I64, _I64, _SEED))  # type: ignore[misc]
 def _len_129to240(d: np.ndarray, p: _Idx, n: _Idx, seed: np.uint64) -> np.uint64:
     s = KSECRET
     acc = np.uint64(n) * PRIME64_1
@@ -239,11 +266,11 @@ def _len_129to240(d: np.ndarray, p: _Idx, n: _Idx, seed: np.uint64) -> np.uint64
     acc = _avalanche(acc)
     for i in range(8, rounds):
         acc += _mix16(d, p + 16 * i, s, 16 * (i - 8) + 3, seed)
-    acc += _mix16(d, p + n - 16, s, 136 - 17, seed)
+    acc += _mix16(d, p + n - 16, s, _I119, seed)
     return _avalanche(acc)
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline  # type: ignore[misc]
 def _accumulate_512(acc: np.ndarray, d: np.ndarray, p: _Idx, s: np.ndarray, sp: _Idx) -> None:
     for i in range(8):
         v = _r64(d, p + 8 * i)
@@ -252,7 +279,7 @@ def _accumulate_512(acc: np.ndarray, d: np.ndarray, p: _Idx, s: np.ndarray, sp: 
         acc[i] += (k & _M32) * (k >> np.uint64(32))
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline  # type: ignore[misc]
 def _scramble(acc: np.ndarray, s: np.ndarray, sp: _Idx) -> None:
     for i in range(8):
         a = acc[i]
@@ -262,7 +289,7 @@ def _scramble(acc: np.ndarray, s: np.ndarray, sp: _Idx) -> None:
         acc[i] = a
 
 
-@njit(cache=True)  # type: ignore[misc]
+@declared(_H(_RO_U8, _I64, _I64, _SEED, _U8, _U64))  # type: ignore[misc]
 def _hash_long_with(
     d: np.ndarray, p: _Idx, n: _Idx, seed: np.uint64, s: np.ndarray, acc: np.ndarray
 ) -> np.uint64:
@@ -294,12 +321,12 @@ def _hash_long_with(
         base = p + b * _BLOCK_LEN
         for st in range(_STRIPES_PER_BLOCK):
             _accumulate_512(acc, d, base + st * STRIPE_LEN, s, st * 8)
-        _scramble(acc, s, SECRET_SIZE - STRIPE_LEN)
+        _scramble(acc, s, _I128)
     nb_stripes = ((n - 1) - _BLOCK_LEN * nb_blocks) // STRIPE_LEN
     base = p + nb_blocks * _BLOCK_LEN
     for st in range(nb_stripes):
         _accumulate_512(acc, d, base + st * STRIPE_LEN, s, st * 8)
-    _accumulate_512(acc, d, p + n - STRIPE_LEN, s, SECRET_SIZE - STRIPE_LEN - 7)
+    _accumulate_512(acc, d, p + n - STRIPE_LEN, s, _I121)
     result = np.uint64(n) * PRIME64_1
     for i in range(4):
         result += _mul128_fold64(
@@ -308,14 +335,14 @@ def _hash_long_with(
     return _avalanche(result)
 
 
-@njit(cache=True)  # type: ignore[misc]
+@declared(_H(_RO_U8, _I64, _I64, _SEED))  # type: ignore[misc]
 def _hash_long(d: np.ndarray, p: _Idx, n: _Idx, seed: np.uint64) -> np.uint64:
     s = np.empty(SECRET_SIZE, dtype=np.uint8)
     acc = np.empty(8, dtype=np.uint64)
     return _hash_long_with(d, p, n, seed, s, acc)
 
 
-@njit(cache=True)  # type: ignore[misc]
+@kernel("hashing", types.uint64(_RO_U8, types.int64, types.int64, types.uint64))  # type: ignore[misc]
 def xxh3_64_bytes(data: np.ndarray, start: int, length: int, seed: np.uint64) -> np.uint64:
     """XXH3-64 of ``data[start:start+length]``; raises ValueError if the range is out of bounds.
 
@@ -336,7 +363,7 @@ def xxh3_64_bytes(data: np.ndarray, start: int, length: int, seed: np.uint64) ->
     return _hash_long(data, p, n, s)
 
 
-@njit(cache=True)  # type: ignore[misc]
+@declared(_H(_RO_U8, _I64, _I64, _SEED, _U8, _U64))  # type: ignore[misc]
 def xxh3_64_bytes_with(
     data: np.ndarray,
     start: int,
@@ -362,7 +389,7 @@ def xxh3_64_bytes_with(
     return _hash_long_with(data, p, n, s, secret_scratch, acc_scratch)
 
 
-@njit(types.uint64(types.uint64, types.uint64), cache=True)  # type: ignore[misc]
+@kernel("hashing", types.uint64(types.uint64, types.uint64))  # type: ignore[misc]
 def xxh3_64_u64(x: np.uint64, seed: np.uint64) -> np.uint64:
     """XXH3-64 of the 8-byte little-endian encoding of ``x`` (the 4..8-byte path, specialised)."""
     s2 = seed ^ (_swap32(seed & _M32) << np.uint64(32))
@@ -371,7 +398,7 @@ def xxh3_64_u64(x: np.uint64, seed: np.uint64) -> np.uint64:
     return _rrmxmx(keyed, np.uint64(8))
 
 
-@njit(types.uint64(types.uint64, types.uint64), cache=True)  # type: ignore[misc]
+@kernel("hashing", types.uint64(types.uint64, types.uint64))  # type: ignore[misc]
 def xxh3_64_u16(x: np.uint64, seed: np.uint64) -> np.uint64:
     """XXH3-64 of the 2-byte little-endian encoding of ``x & 0xFFFF`` (the 1..3-byte path)."""
     b0 = x & np.uint64(0xFF)
@@ -381,7 +408,7 @@ def xxh3_64_u16(x: np.uint64, seed: np.uint64) -> np.uint64:
     return _xxh64_avalanche(combined ^ flip)
 
 
-@njit(types.uint64(types.uint64, types.uint64, types.uint64), cache=True)  # type: ignore[misc]
+@kernel("hashing", types.uint64(types.uint64, types.uint64, types.uint64))  # type: ignore[misc]
 def xxh3_64_u64x2(a: np.uint64, b: np.uint64, seed: np.uint64) -> np.uint64:
     """XXH3-64 of the 16 bytes ``le64(a) || le64(b)`` (the sequence-hash chain step)."""
     lo = a ^ (_S916_FLIP1 + seed)
@@ -390,7 +417,7 @@ def xxh3_64_u64x2(a: np.uint64, b: np.uint64, seed: np.uint64) -> np.uint64:
     return _avalanche(acc)
 
 
-@njit(cache=True)  # type: ignore[misc]
+@declared(_H(_RO_U32, _I64, _I64, _SEED))  # type: ignore[misc]
 def xxh3_64_tokens(tokens: np.ndarray, start: int, count: int, seed: np.uint64) -> np.uint64:
     """XXH3-64 of the u32-LE bytes of ``tokens[start:start+count]``, hashed in place (no copy)."""
     if 5 <= count <= 32 and start >= 0 and start + count <= tokens.size:
@@ -399,7 +426,7 @@ def xxh3_64_tokens(tokens: np.ndarray, start: int, count: int, seed: np.uint64) 
     return xxh3_64_bytes(raw, 4 * start, 4 * count, np.uint64(seed))
 
 
-@njit(cache=True)  # type: ignore[misc]
+@declared(_H(_RO_U32, _RO_U8, _I64, _I64, _SEED, _U8, _U64))  # type: ignore[misc]
 def xxh3_64_tokens_with(
     tokens: np.ndarray,
     tok8: np.ndarray,
@@ -419,7 +446,9 @@ def xxh3_64_tokens_with(
     )
 
 
-@njit(cache=True)  # type: ignore[misc]
+@declared(  # type: ignore[misc]
+    _H(_RO_U32, _I64, _I64, _RO_U64, _I64, _I64, _SEED, _U8, _U8, _U64)
+)
 def xxh3_64_tokens_mm_into(
     tokens: np.ndarray,
     start: int,
@@ -450,10 +479,10 @@ def xxh3_64_tokens_mm_into(
         v = np.uint64(mm[mm_start + i])
         for j in range(8):
             scratch[off + 8 * i + j] = np.uint8((v >> np.uint64(8 * j)) & np.uint64(0xFF))
-    return xxh3_64_bytes_with(scratch, 0, n, np.uint64(seed), secret_scratch, acc_scratch)
+    return xxh3_64_bytes_with(scratch, _I0, n, np.uint64(seed), secret_scratch, acc_scratch)
 
 
-@njit(cache=True)  # type: ignore[misc]
+@declared(_H(_RO_U32, _I64, _I64, _RO_U64, _I64, _I64, _SEED))  # type: ignore[misc]
 def xxh3_64_tokens_mm(
     tokens: np.ndarray,
     start: int,

@@ -10,12 +10,13 @@ counters. Results are identical to that path (property-tested in tests/ingest).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
 from numba import njit, types
 
+from kvrelay._jit import inline, kernel
 from kvrelay.ingest.tokens_kernel import _pair_header, _read_u32
 
 OK = 0
@@ -42,6 +43,9 @@ N_STATS = DROP_BASE + len(DROP_REASONS)
 _D_HOST, _D_DISK, _D_EXT, _D_LOC, _D_NONFULL, _D_GROUP = 6, 7, 8, 9, 10, 11
 _D_PLACEHOLDER, _D_BS, _D_SHORT, _D_EMPTY, _D_SELF, _D_MALF = 12, 13, 14, 15, 16, 17
 MAX_GROUPS = 64
+# int64 / bool values, not literals, for the counters below (see ``_walk``); typed for mypy.
+_I0 = cast(int, np.int64(0))
+_NO = cast(bool, np.bool_(False))
 
 # ---- string tables (exact bytes; anything else falls back) ------------------------------------
 # medium → 0 device, 1 host_pinned, 2 disk, 3 external
@@ -106,7 +110,7 @@ SGL_IDS, SGL_LEN = _positions(
 )
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline  # type: ignore[misc]
 def _words(buf: npt.NDArray[np.uint8], pos: int, n: int) -> tuple[np.uint64, np.uint64]:
     """First 8 and last 8 bytes (big-endian words; together they cover strings <= 16 bytes)."""
     w1 = np.uint64(0)
@@ -139,7 +143,7 @@ def _gen_lookup(name: str, table: dict[bytes, int]) -> Any:
     lines.append("    return -1")
     ns: dict[str, Any] = {"np": np, "_words": _words}
     exec("\n".join(lines), ns)
-    return njit(cache=False, inline="always")(ns[name])
+    return inline(ns[name])
 
 
 _lk_media = _gen_lookup("_lk_media", _MEDIA)
@@ -149,7 +153,7 @@ _lk_tags = _gen_lookup("_lk_tags", _TAGS)
 _lk_keys = _gen_lookup("_lk_keys", _KEYS)
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline  # type: ignore[misc]
 def _be_u64(buf: npt.NDArray[np.uint8], pos: int, k: int) -> np.uint64:
     v = np.uint64(0)
     for j in range(k):
@@ -157,7 +161,7 @@ def _be_u64(buf: npt.NDArray[np.uint8], pos: int, k: int) -> np.uint64:
     return v
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline  # type: ignore[misc]
 def _int(buf: npt.NDArray[np.uint8], pos: int, end: int) -> tuple[int, np.uint64, bool]:
     """msgpack int → (next_pos or -1, u64 two's complement bits, negative?)."""
     if pos >= end:
@@ -198,7 +202,7 @@ def _int(buf: npt.NDArray[np.uint8], pos: int, end: int) -> tuple[int, np.uint64
     return pos + 1 + w, v, neg
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline  # type: ignore[misc]
 def _str(buf: npt.NDArray[np.uint8], pos: int, end: int) -> tuple[int, int, int]:
     """msgpack str → (next_pos or -1, data_pos, length)."""
     if pos >= end:
@@ -219,7 +223,7 @@ def _str(buf: npt.NDArray[np.uint8], pos: int, end: int) -> tuple[int, int, int]
     return pos + h + n, pos + h, n
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline  # type: ignore[misc]
 def _arr(buf: npt.NDArray[np.uint8], pos: int, end: int) -> tuple[int, int]:
     """array header → (next_pos or -1, n)."""
     if pos >= end:
@@ -234,7 +238,7 @@ def _arr(buf: npt.NDArray[np.uint8], pos: int, end: int) -> tuple[int, int]:
     return -1, 0
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline  # type: ignore[misc]
 def _map(buf: npt.NDArray[np.uint8], pos: int, end: int) -> tuple[int, int]:
     if pos >= end:
         return -1, 0
@@ -361,7 +365,7 @@ def _utf8_ok(buf: npt.NDArray[np.uint8], pos: int, n: int) -> bool:
     return True
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline  # type: ignore[misc]
 def _tok_hdr(buf: npt.NDArray[np.uint8], pos: int, end: int) -> tuple[int, int, bool]:
     """token_ids value → (data_pos or -1, n, bigram); nil = empty."""
     if pos < end and buf[pos] == 0xC0:
@@ -507,9 +511,11 @@ def _walk(  # type: ignore[no-untyped-def]
     pos, n_ev_in = _arr(buf, pos, end)
     if pos < 0:
         return FALLBACK
+    # Counters start as int64 values, not literals: numba types a call as soon as its argument
+    # types are known, so a literal first value compiles the callee once more for the literal.
     ne = 0  # output events
-    nb = 0  # output blocks
-    nt = 0  # output tokens
+    nb = _I0  # output blocks
+    nt = _I0  # output tokens
     blk_off[0] = 0
     tok_off[0] = 0
     for _ in range(n_ev_in):
@@ -531,7 +537,7 @@ def _walk(  # type: ignore[no-untyped-def]
         nh = 0
         have_hashes = False
         par = np.uint64(0)
-        hp = False
+        hp = _NO
         tok_bad = 1 << 62
         tok_n = 0
         tok_big = False
@@ -788,7 +794,8 @@ def _walk(  # type: ignore[no-untyped-def]
     return OK
 
 
-@njit(  # type: ignore[misc]
+@kernel(  # type: ignore[misc]
+    "ingest",
     types.int64(
         types.Array(types.uint8, 1, "C", readonly=True),  # payload
         types.Array(types.uint8, 1, "C"),  # workspace (see ``layout``)
@@ -798,15 +805,22 @@ def _walk(  # type: ignore[no-untyped-def]
         types.Array(types.int64, 2, "C", readonly=True),  # array-form key id per tag, position
         types.Array(types.int64, 1, "C", readonly=True),  # array-form positions per tag
     ),
-    cache=True,
 )
-def walk(buf, work, bsz, extra, drop_self, arr_ids, arr_len):  # type: ignore[no-untyped-def]
+def walk(
+    buf: npt.NDArray[np.uint8],
+    work: npt.NDArray[np.uint8],
+    bsz: int,
+    extra: int,
+    drop_self: bool,
+    arr_ids: npt.NDArray[np.int64],
+    arr_len: npt.NDArray[np.int64],
+) -> int:
     """Entry point: ``work`` holds the groups state on input and every output on return."""
     n = buf.shape[0] + 1
     o_stats, o_ts, o_groups, o_ops, o_hp, o_w64, o_i64, o_tok, _, e = _layout_nb(n)
     stats = work[o_stats:o_ts].view(np.int64)
     stats[:] = 0
-    return _walk(
+    return _walk(  # type: ignore[no-any-return]
         buf,
         bsz,
         extra,

@@ -32,9 +32,12 @@ live message repairs itself); if it is bad again, or no replay exists, the membe
 continues after it. A subscriber that crashes reports it to its sink (which resets the member and
 restarts the source); it never keeps running as if its state were exact.
 
-Receive loop: wait for the SUB socket or its monitor, then drain up to ``drain`` messages with
-NOBLOCK on a sync shadow socket, then yield. Only state changes are logged; per-message outcomes
-are counters.
+Receive loop: a reader callback on the SUB socket's and its monitor's ZMQ file descriptors
+drains up to ``drain`` messages with NOBLOCK right in the event loop's callback (again on the next
+iteration when more remain); the subscriber task sleeps until the callback hands it something
+that needs awaiting (a reconnect to vouch for, a replay, a crash). pyzmq's asyncio layer is not
+used: its Poller builds futures and watchers for every wait, which cost about as much as the
+decoding of a small batch. Only state changes are logged; per-message outcomes are counters.
 """
 
 from __future__ import annotations
@@ -45,7 +48,6 @@ from typing import Any
 
 import xxhash
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvrelay._aio import cancel_and_wait
@@ -70,8 +72,24 @@ _RESTARTED = 3  # the replay does not hold the last applied batch: another incar
 _KEEPALIVE_IDLE_S, _KEEPALIVE_INTVL_S, _KEEPALIVE_CNT = 10, 5, 3
 
 
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
+_EVENTS = int(zmq.EVENTS)
+
+
 def _digest(payload: bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
+
+
+def _readable(sock: zmq.Socket[Any]) -> bool:
+    """A message is waiting. Reading ZMQ_EVENTS also re-arms the socket's FD (ZMQ signals
+    changes, not levels), so this is checked before every wait."""
+    return bool(int(sock.getsockopt(_EVENTS)) & _POLLIN)
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class Subscriber:
@@ -86,7 +104,7 @@ class Subscriber:
         spec: SourceSpec,
         sink: BatchSink,
         *,
-        context: zmq.asyncio.Context | None = None,
+        context: zmq.Context[Any] | None = None,
         start_seq: int = 0,
         drain: int = 256,
         rcvhwm: int = 100_000,
@@ -108,7 +126,8 @@ class Subscriber:
         self.last_message_at: float | None = None
         self.failure: BaseException | None = None
         self._sink = sink
-        self._ctx = context if context is not None else zmq.asyncio.Context.instance()
+        ctx = context if context is not None else zmq.Context.instance()
+        self._ctx: zmq.Context[Any] = zmq.Context.shadow(ctx.underlying)  # plain sockets
         self._drain = drain
         self._rcvhwm = rcvhwm
         self._replay_timeout_ms = max(1, int(replay_timeout * 1000))
@@ -136,11 +155,13 @@ class Subscriber:
             self._next, self._last, self._dirty = resume[0] + 1, resume, True
         self._ever_connected = False
         self._reconnected = False
-        self._sub: zmq.asyncio.Socket | None = None
-        self._sub_sync: zmq.Socket[Any] | None = None
-        self._monitor: zmq.asyncio.Socket | None = None
-        self._monitor_sync: zmq.Socket[Any] | None = None
+        self._sub: zmq.Socket[Any] | None = None
+        self._monitor: zmq.Socket[Any] | None = None
         self._task: asyncio.Task[None] | None = None
+        self._live = False  # the reader callback drains (the task waits for a hand-over)
+        self._wake_fut: asyncio.Future[None] | None = None  # what the task awaits, if anything
+        self._crash: BaseException | None = None  # raised in the callback, re-raised by the task
+        self._again_soon = False
         self._topic_warned = False
         # operator names, not hashed ids: which engine, pool and rank a line is about
         self._log = get_logger(
@@ -183,9 +204,7 @@ class Subscriber:
             sub.close(linger=0)
             raise
         self._sub = sub
-        self._sub_sync = zmq.Socket.shadow(sub.underlying)
         self._monitor = monitor
-        self._monitor_sync = zmq.Socket.shadow(monitor.underlying)
         self.disconnected_since = time.monotonic()
         self._task = asyncio.create_task(self._run(), name=f"kvrelay-sub-{self.key}")
 
@@ -193,21 +212,24 @@ class Subscriber:
         task, self._task = self._task, None
         if task is not None:
             await cancel_and_wait(task)
+        self._live = False
         if self._sub is not None:
             if self._monitor is not None:
                 self._sub.disable_monitor()
                 self._monitor.close(linger=0)
             self._sub.close(linger=0)
-        self._sub = self._sub_sync = None
-        self._monitor = self._monitor_sync = None
+        self._sub = None
+        self._monitor = None
         if self.state != "failed":
             self.state = "stopped"
 
     # ---- main loop ------------------------------------------------------------------------
     async def _run(self) -> None:
-        assert self._sub is not None and self._sub_sync is not None
-        assert self._monitor is not None
-        sub, shadow = self._sub, self._sub_sync
+        assert self._sub is not None and self._monitor is not None
+        loop = asyncio.get_running_loop()
+        fds = (int(self._sub.getsockopt(zmq.FD)), int(self._monitor.getsockopt(zmq.FD)))
+        for fd in fds:
+            loop.add_reader(fd, self._on_readable)
         try:
             if self._resume is not None:
                 if self.spec.replay_endpoint:
@@ -221,29 +243,24 @@ class Subscriber:
             elif self._start_seq > 0:
                 self._next = self._start_seq
             self._set_state("live")
-            poller = zmq.asyncio.Poller()
-            poller.register(sub, zmq.POLLIN)
-            poller.register(self._monitor, zmq.POLLIN)
-            drain = self._drain
             while True:
-                while self._replay_from is not None:
-                    start, self._replay_from = self._replay_from, None
-                    await self._sync(start, bootstrap=False)
-                    self._set_state("live")
-                await poller.poll()
-                self._watch_connection()
+                fut = loop.create_future()
+                self._wake_fut = fut
+                self._live = True
+                self._on_readable()  # whatever is queued already: the FDs signal changes only
+                if self._live:
+                    await fut
+                self._live = False
+                self._wake_fut = None
+                if self._crash is not None:
+                    raise self._crash
                 if self._reconnected:
                     self._reconnected = False
                     self._after_reconnect()
-                for _ in range(drain):
-                    if self._replay_from is not None:
-                        break
-                    try:
-                        frames = shadow.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._on_live(frames)
-                await asyncio.sleep(0)
+                while self._replay_from is not None:  # a replay may ask for another
+                    start, self._replay_from = self._replay_from, None
+                    await self._sync(start, bootstrap=False)
+                    self._set_state("live")
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -251,6 +268,66 @@ class Subscriber:
             self.state = "failed"
             self._log.exception("subscriber_crashed", error=f"{type(exc).__name__}: {exc}")
             self._sink.on_failed(self.key, exc)
+        finally:
+            self._live = False
+            self._wake_fut = None
+            for fd in fds:
+                loop.remove_reader(fd)
+
+    def _on_readable(self) -> None:
+        """Reader callback of both FDs (and its own continuation). Live: drain here. Otherwise
+        (a replay in progress) wake whatever the task waits for."""
+        self._again_soon = False
+        if not self._live:
+            self._poke()
+            return
+        sub, mon = self._sub, self._monitor
+        if sub is None or mon is None:
+            return
+        try:
+            if _readable(mon):
+                self._watch_connection()
+            if self._reconnected or self._replay_from is not None:
+                self._hand_over()
+                return
+            for _ in range(self._drain):
+                if not _readable(sub):
+                    return
+                self._on_live(sub.recv_multipart(_NOBLOCK))
+                if self._replay_from is not None:
+                    self._hand_over()
+                    return
+            # more may be queued: go on after the loop has run everything else once
+            if not self._again_soon:
+                self._again_soon = True
+                asyncio.get_running_loop().call_soon(self._on_readable)
+        except Exception as exc:  # the task reports it (crash path), never the event loop
+            self._crash = exc
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        self._live = False
+        self._poke()
+
+    def _poke(self) -> None:
+        fut = self._wake_fut
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    async def _wait_input(self, socks: tuple[zmq.Socket[Any], ...], timeout: float) -> None:
+        """Until one of ``socks`` may have input or ``timeout`` s passed (spurious wakes happen:
+        callers check ``_readable`` again)."""
+        if any(_readable(x) for x in socks):
+            return
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._wake_fut = fut
+        handle = loop.call_later(timeout, _wake, fut)
+        try:
+            await fut
+        finally:
+            handle.cancel()
+            self._wake_fut = None
 
     def _set_state(self, state: str) -> None:
         if state != self.state:
@@ -262,11 +339,11 @@ class Subscriber:
         """Apply the SUB socket's connect/disconnect events. A disconnect first drains what the
         old connection delivered (those batches precede any reconnect); a connect after a
         disconnect is a reconnect the next loop step must vouch for."""
-        mon = self._monitor_sync
+        mon = self._monitor
         assert mon is not None
         while True:
             try:
-                msg = mon.recv_multipart(zmq.NOBLOCK)
+                msg = mon.recv_multipart(_NOBLOCK)
             except zmq.Again:
                 return
             event = parse_monitor_message(msg)["event"]
@@ -283,10 +360,10 @@ class Subscriber:
                 self._drain_queued()
 
     def _drain_queued(self) -> None:
-        assert self._sub_sync is not None
+        assert self._sub is not None
         while self._replay_from is None:
             try:
-                frames = self._sub_sync.recv_multipart(zmq.NOBLOCK)
+                frames = self._sub.recv_multipart(_NOBLOCK)
             except zmq.Again:
                 return
             self._on_live(frames)
@@ -549,43 +626,53 @@ class Subscriber:
     ) -> int:
         c = self.counters
         c.replays += 1
-        assert self.spec.replay_endpoint and self._sub is not None and self._sub_sync is not None
-        dealer = self._ctx.socket(zmq.DEALER)
+        sub = self._sub
+        assert self.spec.replay_endpoint and sub is not None
+        dealer: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.RCVHWM, 0)
         ask = start if verify is None else verify[0]
         self._in_replay = True
+        loop = asyncio.get_running_loop()
+        dfd = int(dealer.getsockopt(zmq.FD))
+        loop.add_reader(dfd, self._poke)
         try:
             dealer.connect(self.spec.replay_endpoint)
-            dsync: zmq.Socket[Any] = zmq.Socket.shadow(dealer.underlying)
-            await dealer.send_multipart([b"", ask.to_bytes(8, "big")])
-            self._dup_lo, self._dup_hi = ask, ask - 1
-            self._next = start if self._next is None else self._next
-            poller = zmq.asyncio.Poller()
-            poller.register(dealer, zmq.POLLIN)
-            poller.register(self._sub, zmq.POLLIN)
-            first = True
-            topic = self.spec.topic
-            loop = asyncio.get_running_loop()
             timeout = self._replay_timeout_ms / 1000
             deadline = loop.time() + timeout  # replay inactivity; live traffic does not extend it
+            request = [b"", ask.to_bytes(8, "big")]
+            while True:  # a fresh DEALER queues at once; a full pipe waits (within the timeout)
+                try:
+                    dealer.send_multipart(request, _NOBLOCK)
+                    break
+                except zmq.Again:
+                    if loop.time() >= deadline:
+                        c.replay_failures += 1
+                        self._log.warning("replay_timeout", start=ask)
+                        return _FAILED
+                    await asyncio.sleep(0.001)
+            self._dup_lo, self._dup_hi = ask, ask - 1
+            self._next = start if self._next is None else self._next
+            first = True
+            topic = self.spec.topic
+            socks = (dealer, sub)
             while True:
                 remaining = deadline - loop.time()
-                ready = (
-                    dict(await poller.poll(max(1, int(remaining * 1000)))) if remaining > 0 else {}
-                )
-                if not ready and loop.time() >= deadline:
+                if remaining > 0:
+                    await self._wait_input(socks, remaining)
+                sub_ready, dealer_ready = _readable(sub), _readable(dealer)
+                if not (sub_ready or dealer_ready) and loop.time() >= deadline:
                     c.replay_failures += 1
                     self._log.warning("replay_timeout", start=ask)
                     return _FAILED
-                if self._sub in ready and not self._buffer_live():
+                if sub_ready and not self._buffer_live():
                     return _ABORTED
-                if dealer not in ready:
+                if not dealer_ready:
                     continue
                 deadline = loop.time() + timeout
                 for _ in range(self._drain):
                     try:
-                        frames = dsync.recv_multipart(zmq.NOBLOCK)
+                        frames = dealer.recv_multipart(_NOBLOCK)
                     except zmq.Again:
                         break
                     try:
@@ -627,15 +714,16 @@ class Subscriber:
                 await asyncio.sleep(0)
         finally:
             self._in_replay = False
+            loop.remove_reader(dfd)
             dealer.close(linger=0)
 
     def _buffer_live(self) -> bool:
         """Moves ready live messages into the reorder buffer; False on overflow (reset done)."""
-        assert self._sub_sync is not None
+        assert self._sub is not None
         c = self.counters
         for _ in range(self._drain):
             try:
-                frames = self._sub_sync.recv_multipart(zmq.NOBLOCK)
+                frames = self._sub.recv_multipart(_NOBLOCK)
             except zmq.Again:
                 break
             c.messages += 1

@@ -14,10 +14,12 @@ import numpy as np
 import numpy.typing as npt
 from numba import njit, types
 
+from kvrelay._jit import inline, kernel
+
 _BAD = np.int64(-1)
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline  # type: ignore[misc]
 def _be(buf: npt.NDArray[np.uint8], pos: int, k: int) -> int:
     v = 0
     for j in range(k):
@@ -93,7 +95,7 @@ _SIG = types.int64(
 )
 
 
-@njit(_SIG, cache=True)  # type: ignore[misc]
+@kernel("ingest", _SIG)  # type: ignore[misc]
 def fill_tokens(
     buf: npt.NDArray[np.uint8],
     seg_pos: npt.NDArray[np.int64],

@@ -1,15 +1,19 @@
 """``kvrelay serve``: the daemon lifecycle around ``Relay`` + ``RelayServer`` (+ metrics).
 
 Order matters for operators: kernels are compiled (or loaded from the numba cache) *before*
-readiness, so the first real batch never pays a JIT pause; systemd hears ``READY=1`` only once the
-gRPC port is bound; on SIGTERM/SIGINT the daemon says ``STOPPING=1``, stops accepting, ends every
-stream with a clean EOF, stops the relay and exits 0 — or 1 if that takes longer than
-``relay.shutdown_timeout_s``. SIGHUP reloads the configuration file (``ops/reload.py``).
+readiness, so the first real batch never pays a JIT pause. While that runs (seconds on a first
+start, well under one with a warm cache) systemd hears a ``STATUS=`` line per step and every few
+seconds, ``EXTEND_TIMEOUT_USEC=`` so ``TimeoutStartSec`` does not kill a first start that is
+making progress, and ``WATCHDOG=1``; the log gets one ``kernels_progress`` line per step. systemd
+hears ``READY=1`` only once the gRPC port is bound; on SIGTERM/SIGINT the daemon says
+``STOPPING=1``, stops accepting, ends every stream with a clean EOF, stops the relay and exits 0 —
+or 1 if that takes longer than ``relay.shutdown_timeout_s``. SIGHUP reloads the configuration
+file (``ops/reload.py``).
 
-The source is the relay, or a mirror of another relay (``[mirror]``). With ``[relay] workers = N
-≥ 2`` the source serves only an internal UNIX socket and N−1 fan-out workers (``ops/front.py``,
-``ops/supervisor.py``) serve the public port; READY=1 waits for all of them, SIGTERM drains them
-first.
+The source is the relay, or a mirror of another relay (``[mirror]``: no numba kernels, so no
+warm-up). With ``[relay] workers = N ≥ 2`` the source serves only an internal UNIX socket and N−1
+fan-out workers (``ops/front.py``, ``ops/supervisor.py``; they import no kernels either) serve
+the public port; READY=1 waits for all of them, SIGTERM drains them first.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import os
 import signal
 import ssl
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -46,74 +49,18 @@ T = TypeVar("T")
 
 #: Loop-lag sampling period: short enough to see a stall, long enough to cost nothing.
 LOOP_LAG_PERIOD_S = 0.25
+#: While the kernels warm up: a STATUS/EXTEND_TIMEOUT/WATCHDOG tick this often, each extending
+#: systemd's start timeout by WARM_EXTEND_S, for at most WARM_EXTEND_CAP_S in total (a warm-up
+#: that hangs must still hit TimeoutStartSec eventually).
+WARM_TICK_S = 5.0
+WARM_EXTEND_S = 30.0
+WARM_EXTEND_CAP_S = 600.0
 
 
-def warm_kernels(progress: Callable[[str], None] | None = None) -> float:
-    """Run every hot numba kernel once on tiny inputs; returns the seconds it took.
-
-    Covers the ingest path end to end: msgpack decode with token parsing, the pool apply kernel
-    (store with token hashing, remove, clear), CKF inserts/lookups, publication take and a CBI1
-    delta encode. With ``cache=True`` kernels this is a cache load after the first run.
-    ``progress`` hears one line per step (``kvrelay warm``, the demo), so a first-time compile
-    is never a silent minute.
-    """
-    t0 = time.perf_counter()
-    step_t = t0
-
-    def note(step: str) -> None:
-        nonlocal step_t
-        if progress is not None:
-            now = time.perf_counter()
-            progress(f"{step} ({now - step_t:.1f} s)")
-            step_t = now
-
-    import msgspec
-    import numpy as np
-
-    from kvrelay.hashing.identity import DEFAULT_CKF_SEED, bucket_count_for
-    from kvrelay.ingest.decoder import Decoder
-    from kvrelay.pool.batch import BatchBuilder
-    from kvrelay.pool.pool import FORMAT_EAGLE, FORMAT_STANDARD, Pool
-    from kvrelay.publication import cbi1
-
-    stored = {
-        "type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None,
-        "token_ids": list(range(1, 10)), "block_size": 4, "lora_id": None, "medium": "GPU",
-        "lora_name": None,
-    }
-    removed = {"type": "BlockRemoved", "block_hashes": [12], "medium": "GPU"}
-    payload = msgspec.msgpack.encode([time.time(), [stored, removed], 0])
-    bc = bucket_count_for(64)
-    note("modules and their eagerly compiled kernels (XXH3, msgpack walker, CKF)")
-    for fmt in (FORMAT_STANDARD, FORMAT_EAGLE):
-        name = "standard" if fmt == FORMAT_STANDARD else "eagle"
-        batch = Decoder(kv_block_size=4, dp_rank=0, hash_format=fmt).decode(payload).batch
-        note(f"{name}: msgpack decode and token parsing")
-        pool = Pool(bucket_count=bc, seed=DEFAULT_CKF_SEED, block_size=4, hash_format=fmt)
-        member = pool.add_member(1, 0)
-        result = pool.apply(member, batch)
-        if result.events_rejected:
-            raise RuntimeError(f"kernel warm-up batch rejected: {result.errors}")
-        note(f"{name}: pool apply (lineage, refcounts, cuckoo filter)")
-        pub = pool.take_publication()
-        if pub is not None:
-            buckets, words = pub
-            cbi1.encode_delta(
-                buckets.astype(np.uint64), words, seed=pool.seed, bucket_count=bc, dc_id=1,
-                base_epoch=0, epoch=1,
-            )
-        pool.contains(np.array([1, 2], dtype=np.uint64))
-        pool.resident_canonical(member)
-        pool.apply(member, BatchBuilder().clear().build())
-        pool.reset_member(member)
-        pool.remove_member(member)
-        note(f"{name}: publication take, CBI1 delta, lookups, member reset")
-    return time.perf_counter() - t0
-
-
-async def _in_daemon_thread(fn: Callable[[], T]) -> T:
-    """Run ``fn`` in a daemon thread: a SIGTERM during a long first-time JIT compile must not
-    wait for it (the default executor would be joined at loop shutdown)."""
+def _in_daemon_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
+    """Start ``fn`` in a daemon thread now; the future of its result. A daemon thread, because a
+    SIGTERM during a long first-time JIT compile must not wait for it (the default executor
+    would be joined at loop shutdown)."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[T] = loop.create_future()
 
@@ -134,7 +81,7 @@ async def _in_daemon_thread(fn: Callable[[], T]) -> T:
             loop.call_soon_threadsafe(deliver, result, exc)
 
     threading.Thread(target=target, name="kvrelay-warmup", daemon=True).start()
-    return await fut
+    return fut
 
 
 def configure_logging(cfg: DaemonConfig) -> None:
@@ -182,11 +129,11 @@ class Daemon:
     async def _start_source(self) -> Any:
         """The relay (kernels warm first) or the mirror (synchronized first); its limits are
         sized for the workers when they are its only subscribers."""
-        from kvrelay.ops.front import internal_limits
-
         cfg = self.cfg
         limits = cfg.relay.limits
         if cfg.workers > 1:
+            from kvrelay.ops.front import internal_limits
+
             limits = internal_limits(limits, cfg.workers)
         if cfg.mirror is not None:
             from kvrelay.mirror.mirror import Mirror
@@ -201,28 +148,49 @@ class Daemon:
             _LOG.info("mirror_synchronizing", upstream=cfg.mirror.upstream)
             await self.mirror.synced.wait()
             return self.mirror
-        from kvrelay.relay.relay import Relay
+        from kvrelay.ops import kernelcache
 
-        warm_s = await _in_daemon_thread(warm_kernels)
-        _LOG.info("kernels_warm", seconds=round(warm_s, 3))
+        cache = kernelcache.chosen()
+        if cache is not None and cache.persistent:
+            _LOG.info("kernel_cache", dir=cache.path, source=cache.source, persistent=True)
+        elif cache is not None:
+            _LOG.warning("kernel_cache", dir=cache.path, source=cache.source, persistent=False)
+        warming = self._warm_kernels()  # the warm-up thread starts now ...
+        try:
+            # ... and the rest of the relay is imported meanwhile (a kernel load from the cache
+            # spends about half its time in LLVM, without the GIL).
+            import kvrelay.ops.tls
+            import kvrelay.service.server  # noqa: F401 (start() serves both)
+            from kvrelay.relay.relay import Relay
+
+            if cfg.metrics.enabled:
+                from kvrelay.ops.metrics import RelayMetrics
+        except BaseException:
+            warming.cancel()
+            raise
+        warm_s = await warming
+        from kvrelay.ops.memory import release_compiler_pages
+
+        released = release_compiler_pages()  # LLVM is not needed to run the kernels
+        _LOG.info(
+            "kernels_warm", seconds=round(warm_s, 3), compiler_pages_released_mib=released >> 20
+        )
         self.relay = Relay(replace(cfg.relay, limits=limits))
         if cfg.metrics.enabled:  # before the relay starts, so every delta is observed
-            from kvrelay.ops.metrics import RelayMetrics
-
             self.metrics = RelayMetrics(self.relay, per_member=cfg.metrics.per_member)
             self.metrics.attach_reloads(self.reloads)
         await self.relay.start()
         return self.relay
 
     async def start(self) -> None:
-        from kvrelay.ops.tls import is_loopback
-        from kvrelay.service.server import RelayServer
-
         cfg = self.cfg
         for w in cfg.warnings:
             _LOG.warning("config_warning", path=w.path, reason=w.reason)
         self._ssl = context = self._ssl_context()
         view = await self._start_source()
+        from kvrelay.ops.tls import is_loopback  # (imported while the kernels warmed up)
+        from kvrelay.service.server import RelayServer
+
         service: Any
         if cfg.workers > 1:
             from kvrelay.ops.front import WorkerFront
@@ -256,6 +224,11 @@ class Daemon:
                 cfg.metrics.host, cfg.metrics.port, healthy=healthy
             )
         self._tasks.append(asyncio.create_task(self._loop_lag(), name="kvrelay-loop-lag"))
+        from kvrelay.ops.memory import keep_compiler_pages_released
+
+        self._tasks.append(
+            asyncio.create_task(keep_compiler_pages_released(), name="kvrelay-memory")
+        )
         self._tasks.append(
             asyncio.create_task(self.notifier.watchdog_loop(), name="kvrelay-watchdog")
         )
@@ -282,6 +255,52 @@ class Daemon:
         self.notifier.ready(
             f"serving gRPC on {format_bind(cfg.bind_host, self.grpc_port)}, {what}"
         )
+
+    def _warm_kernels(self) -> asyncio.Future[float]:
+        """Start ``warm_kernels`` in a thread; progress goes to the log and to systemd (see
+        above). The future's result is the seconds it took."""
+        from kvrelay.ops.warmup import WarmEvent, warm_kernels
+
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        steps: dict[str, str] = {}  # the latest report of each step, in the order they began
+
+        def tell(extend: bool) -> None:
+            elapsed = loop.time() - t0
+            now = "; ".join(steps.values()) or "importing the kernel modules"
+            self.notifier.status(f"warming up numba kernels ({elapsed:.0f} s): {now}")
+            if extend and elapsed < WARM_EXTEND_CAP_S:
+                self.notifier.extend_timeout(WARM_EXTEND_S)
+            self.notifier.watchdog()
+
+        def on_event(ev: WarmEvent) -> None:
+            steps[ev.group] = ev.text
+            _LOG.info(
+                "kernels_progress", group=ev.group, state=ev.state, step=ev.text,
+                **({"seconds": ev.seconds, "compiled": ev.compiled, "loaded": ev.loaded}
+                   if ev.state == "done" else {}),
+                **({"worker": ev.worker} if ev.worker else {}),
+            )
+            tell(extend=False)
+
+        def progress(ev: WarmEvent) -> None:  # warm-up thread → event loop
+            with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening
+                loop.call_soon_threadsafe(on_event, ev)
+
+        tell(extend=False)
+        warm = _in_daemon_thread(lambda: warm_kernels(progress))
+
+        async def ticks() -> float:
+            try:
+                while True:
+                    done, _ = await asyncio.wait({warm}, timeout=WARM_TICK_S)
+                    if done:
+                        return warm.result()
+                    tell(extend=True)
+            finally:
+                warm.cancel()
+
+        return asyncio.ensure_future(ticks())
 
     # ---- reload ----------------------------------------------------------------------------------
 
@@ -454,6 +473,9 @@ def run(
     """Configure logging, pick the event loop (asyncio or uvloop) and run ``main(cfg)`` (with
     ``config_path=`` when given: the file SIGHUP reloads)."""
     configure_logging(cfg)
+    from kvrelay.ops.memory import tune_malloc
+
+    tune_malloc()  # before the relay allocates anything large
     factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     if cfg.event_loop == "uvloop":
         try:

@@ -21,8 +21,8 @@ _LOG = get_logger(__name__)
 
 
 class Notifier:
-    """Sends ``READY=1`` / ``RELOADING=1`` / ``WATCHDOG=1`` / ``STOPPING=1`` / ``STATUS=...`` to
-    systemd."""
+    """Sends ``READY=1`` / ``RELOADING=1`` / ``WATCHDOG=1`` / ``STOPPING=1`` / ``STATUS=...`` /
+    ``EXTEND_TIMEOUT_USEC=...`` to systemd."""
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
         env = os.environ if env is None else env
@@ -67,6 +67,16 @@ class Notifier:
 
     def status(self, text: str) -> bool:
         return self.notify(f"STATUS={text}")
+
+    def extend_timeout(self, seconds: float) -> bool:
+        """Ask systemd for ``seconds`` more before its start (or stop) timeout fires."""
+        return self.notify(f"EXTEND_TIMEOUT_USEC={int(seconds * 1_000_000)}")
+
+    def watchdog(self) -> bool:
+        """One ``WATCHDOG=1`` ping (only when systemd asked for a watchdog)."""
+        if self.watchdog_s is None:
+            return False
+        return self.notify("WATCHDOG=1")
 
     async def watchdog_loop(self) -> None:
         """Ping ``WATCHDOG=1`` at half the watchdog interval until cancelled.

@@ -10,6 +10,12 @@ Bounds: a snapshot cut copies the mirror only after taking a slot of the relay-w
 joiners at one sequence share one cut. A subscriber leaves the per-pool count the moment it
 fails or ends, not when its stream handler gets around to closing.
 
+Joining under load: deltas published while a subscriber receives its snapshot wait in its queue
+and count against its bound (§4.6). The hub tracks the *joiners* (admitted, not caught up yet)
+and tells the producer how far apart to cut publications meanwhile (``publication_hold``, from
+what each joiner still has to read and its free queue slots); it calls ``on_hold_released`` when
+the last one caught up, so what was held back goes out at once.
+
 A stream that ends with an error while its client is not reading keeps the error pending: the send
 in flight completes when the client reads again, then the stream ends with the status (the frames
 already sent come first). A client that does not read for ``stalled_stream_reset_s`` after that
@@ -26,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -47,11 +53,43 @@ BATCH_BYTES = 512 * 1024
 
 Send = Callable[[bytes], Awaitable[None]]
 SendBatch = Callable[[list[bytes]], Awaitable[None]]
+SendParts = Callable[[Sequence[bytes]], Awaitable[None]]
+#: Writes one frame at once if the transport takes it without waiting (True), else does nothing.
+SendNow = Callable[[bytes], bool]
 Reset = Callable[[], None]
 
 
 class PublicationInvariantError(Exception):
     """The producer broke a hub invariant (gap, bad bucket, retired hub): fence the generation."""
+
+
+def _checked(
+    buckets: npt.ArrayLike, words: npt.ArrayLike, bucket_count: int
+) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint64]]:
+    """One publication's arrays as (uint32 buckets, uint64 words), every hub invariant checked
+    once: 1-D, equal lengths, integers, buckets in range and unique. These checks are all that
+    ``cbi1.encode_delta_validated`` relies on. One sort gives both the maximum and duplicates
+    (the pool hands over uint32 buckets, which cannot be negative)."""
+    b = np.asarray(buckets)
+    w = np.asarray(words)
+    if b.ndim != 1 or b.shape != w.shape:
+        raise PublicationInvariantError("buckets and words must be 1-D of equal length")
+    n = b.size
+    if n:
+        if b.dtype.kind not in "iu" or w.dtype.kind not in "iu":
+            raise PublicationInvariantError("buckets/words must be integer arrays")
+        if b.dtype.kind == "i" and int(b.min()) < 0:
+            raise PublicationInvariantError("bucket index out of range")
+        if n == 1:
+            if int(b[0]) >= bucket_count:
+                raise PublicationInvariantError("bucket index out of range")
+        else:
+            srt = np.sort(b)
+            if int(srt[-1]) >= bucket_count:
+                raise PublicationInvariantError("bucket index out of range")
+            if bool((srt[1:] == srt[:-1]).any()):
+                raise PublicationInvariantError("bucket repeated within one delta")
+    return b.astype(np.uint32, copy=False), w.astype(np.uint64, copy=False)
 
 
 class PublicationHub:
@@ -87,6 +125,10 @@ class PublicationHub:
         self._subs: set[Subscription] = set()
         self._active = 0  # admitted, not yet ended (counts against max_subscribers_per_pool)
         self._snapshot: tuple[int, asyncio.Future[list[bytes]]] | None = None
+        self._joining: set[Subscription] = set()  # admitted, not caught up yet (see joiners)
+        #: Called (synchronously) when the last joiner caught up or ended: the producer may
+        #: publish what it held back at once (see ``publication_hold``).
+        self.on_hold_released: Callable[[], None] | None = None
         if cut is not None:
             done: asyncio.Future[list[bytes]] = asyncio.get_running_loop().create_future()
             done.set_result(list(cut))
@@ -96,6 +138,7 @@ class PublicationHub:
         self.idle_since: float | None = time.monotonic()  # None while someone subscribes
         self.resets = 0
         self.lagged = 0
+        self.direct_frames = 0  # deltas written by the publisher itself (see Subscription._offer)
         self.snapshots_served = 0  # subscribers given a snapshot
         self.snapshots_built = 0  # snapshot encodes (shared by joiners at one sequence)
 
@@ -116,6 +159,38 @@ class PublicationHub:
     def mirror_copy(self) -> npt.NDArray[np.uint64]:
         return self._mirror.copy()
 
+    @property
+    def joiners(self) -> int:
+        """Subscribers admitted that have not caught up yet: their snapshot is still being sent,
+        or the deltas queued meanwhile are (their queue has not been empty since they joined)."""
+        return len(self._joining)
+
+    def publication_hold(self) -> float:
+        """Seconds the producer should leave between publications now (0.0: no reason to wait).
+
+        Deltas published while a subscriber receives its snapshot wait in its queue (§4.6), so
+        each one takes one of its ``publication_queue_capacity`` slots however small it is, and
+        after the snapshot it must drain them while new ones keep coming. While any subscriber
+        has not caught up (``joiners``), publications are spaced so that a reader at
+        ``snapshot_reader_bytes_per_second`` gets through: what it still has to read (the rest of
+        its snapshot and its queued deltas) at that rate, spread over its free slots but one, for
+        the joiner that needs most — within [``publication_delay_s``,
+        ``snapshot_publication_delay_s``]. A fast reader shortens its own hold as it goes; the
+        other subscribers' deltas are up to that much later; nothing is dropped or merged.
+        """
+        if not self._joining:
+            return 0.0
+        lim = self.limits
+        longest = lim.snapshot_publication_delay_s
+        need = 0.0  # bytes to read per free slot, for the joiner that needs most
+        for sub in self._joining:
+            spare = lim.publication_queue_capacity - len(sub._frames) - 1
+            if spare <= 0:
+                return longest
+            need = max(need, (sub._snapshot_left + sub._bytes) / spare)
+        spacing = need / lim.snapshot_reader_bytes_per_second
+        return min(longest, max(lim.publication_delay_s, spacing))
+
     # --- producer side ---
     def publish(self, sequence: int, buckets: npt.ArrayLike, words: npt.ArrayLike) -> None:
         """Apply one batch as delta S→S+1 and fan it out; raises PublicationInvariantError."""
@@ -125,26 +200,14 @@ class PublicationHub:
             raise PublicationInvariantError(
                 f"sequence gap: hub at {self._sequence}, got {sequence}"
             )
-        b = np.asarray(buckets)
-        w = np.asarray(words)
-        if b.ndim != 1 or b.shape != w.shape:
-            raise PublicationInvariantError("buckets and words must be 1-D of equal length")
-        if b.size:
-            if b.dtype.kind not in "iu" or w.dtype.kind not in "iu":
-                raise PublicationInvariantError("buckets/words must be integer arrays")
-            if int(b.min()) < 0 or int(b.max()) >= self.bucket_count:
-                raise PublicationInvariantError("bucket index out of range")
-            if np.unique(b).size != b.size:
-                raise PublicationInvariantError("bucket repeated within one delta")
-        b = b.astype(np.uint32, copy=False)
-        w = w.astype(np.uint64, copy=False)
+        b, w = _checked(buckets, words, self.bucket_count)
         base = self._sequence
         oversized = b.size > cbi1.MAX_DELTA_IMAGES
         frame = b""
         cost = 0
         if self._subs and not oversized:
             # Encode before touching the mirror: an encoder failure must not half-apply.
-            payload = cbi1.encode_delta(
+            payload = cbi1.encode_delta_validated(
                 b,
                 w,
                 seed=self.seed,
@@ -242,6 +305,7 @@ class PublicationHub:
             raise
         sub = Subscription(self, self._sequence, snapshot, on_release)
         self._subs.add(sub)
+        self._joining.add(sub)
         self.snapshots_served += 1
         return sub
 
@@ -285,6 +349,14 @@ class PublicationHub:
 
     def _detach(self, sub: Subscription) -> None:
         self._subs.discard(sub)
+        self._caught_up(sub)
+
+    def _caught_up(self, sub: Subscription) -> None:
+        """``sub`` sent its snapshot and emptied its queue, or ended: it holds nothing back."""
+        if sub in self._joining:
+            self._joining.discard(sub)
+            if not self._joining and self.on_hold_released is not None:
+                self.on_hold_released()
 
     def _slot_released(self) -> None:
         self._active -= 1
@@ -302,10 +374,15 @@ class Subscription:
         "_error",
         "_frames",
         "_hub",
+        "_last_sent",
         "_last_seq",
+        "_loop",
         "_on_release",
+        "_parked",
         "_reset",
+        "_send_now",
         "_snapshot",
+        "_snapshot_left",
         "_task",
         "_waiter",
         "_watchdog",
@@ -322,7 +399,13 @@ class Subscription:
         self._hub = hub
         self.start_sequence = sequence
         self._last_seq = sequence
+        self._last_sent = 0.0  # loop time of the last frame written (heartbeat clock)
+        self._parked = False  # pump idle: snapshot sent, queue empty, waiting
+        self._send_now: SendNow | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._snapshot = snapshot
+        # snapshot bytes not yet handed to the stream (estimated until the chunks exist)
+        self._snapshot_left = 8 * hub.bucket_count + 128 * cbi1.chunk_count_for(hub.bucket_count)
         self._frames: deque[tuple[bytes, int, int]] = deque()
         self._bytes = 0
         self._error: RelayError | None = None
@@ -345,6 +428,16 @@ class Subscription:
 
     # --- called by the hub (synchronous, never blocks) ---
     def _offer(self, frame: bytes, cost: int, seq: int) -> None:
+        if self._parked and not self._frames:
+            # The pump is idle and nothing is queued before this frame: write it now, in order,
+            # without waking the pump (one task switch and one grpclib pass less per frame).
+            # Whatever the transport cannot take at once is queued as usual.
+            send_now, loop = self._send_now, self._loop
+            if send_now is not None and loop is not None and send_now(frame):
+                self._last_seq = seq
+                self._last_sent = loop.time()
+                self._hub.direct_frames += 1
+                return
         limits = self._hub.limits
         if (
             len(self._frames) >= limits.publication_queue_capacity
@@ -419,15 +512,27 @@ class Subscription:
 
     # --- called by the stream handler ---
     async def pump(
-        self, send: Send, send_batch: SendBatch | None = None, reset: Reset | None = None
+        self,
+        send: Send,
+        send_batch: SendBatch | None = None,
+        reset: Reset | None = None,
+        send_parts: SendParts | None = None,
+        *,
+        send_now: SendNow | None = None,
     ) -> None:
         """Send snapshot, deltas and heartbeats until EOF (return) or error (RelayError).
 
         With ``send_batch``, frames already queued are written together (one HTTP/2 write for
-        several gRPC messages): the per-write cost dominates server CPU under fan-out. ``reset``
-        aborts the transport stream (used only when a client stalls past the grace).
+        several gRPC messages): the per-write cost dominates server CPU under fan-out. With
+        ``send_parts``, each snapshot chunk goes out as (envelope head, shared payload, tail),
+        so the 4 MiB payload is never joined into a per-subscriber copy. ``reset`` aborts the
+        transport stream (used only when a client stalls past the grace). With ``send_now``, a
+        delta published while this pump is idle is written by the publisher itself when the
+        transport can take it at once (see ``_offer``); the pump then only wakes for
+        heartbeats, queued frames and the end of the stream.
         """
         loop = asyncio.get_running_loop()
+        self._loop = loop
         self._task = asyncio.current_task()
         self._reset = reset
         hub = self._hub
@@ -442,26 +547,33 @@ class Subscription:
             raise RelayError.internal(f"snapshot encoding failed: {exc!r}") from exc
         timeout = limits.snapshot_progress_timeout_s
         seq0 = self.start_sequence
+        self._snapshot_left = sum(len(p) for p in payloads)
         for payload in payloads:
             if self._check():
                 return
             handle = loop.call_later(timeout, self._on_snapshot_timeout)
             try:
                 # stamped now: a cut shared by later joiners must not carry its build time
-                await send(encoder.encode(KIND_SNAPSHOT_CHUNK, seq0, seq0, payload))
+                if send_parts is not None:
+                    await send_parts(encoder.encode_parts(KIND_SNAPSHOT_CHUNK, seq0, seq0, payload))
+                else:
+                    await send(encoder.encode(KIND_SNAPSHOT_CHUNK, seq0, seq0, payload))
             finally:
                 handle.cancel()
+            self._snapshot_left -= len(payload)
+            await asyncio.sleep(0)  # a fast reader never hogs the loop for a whole large lane
         del payloads
         self._snapshot = None  # type: ignore[assignment]
         heartbeat_s = limits.pool_heartbeat_s
-        last_sent = loop.time()
+        self._last_sent = loop.time()
+        self._send_now = send_now
         frames = self._frames
         n = 0
         while True:
             if self._check():
                 return
             if frames:
-                if send_batch is not None and len(frames) > 1:
+                if send_batch is not None:
                     batch: list[bytes] = []
                     size = 0
                     while frames and len(batch) < BATCH_FRAMES and size < BATCH_BYTES:
@@ -476,34 +588,37 @@ class Subscription:
                     self._bytes -= cost
                     self._last_seq = seq
                     await send(frame)
-                last_sent = loop.time()
+                self._last_sent = loop.time()
                 n += 1
                 if n >= YIELD_EVERY:
                     n = 0
                     await asyncio.sleep(0)
                 continue
             n = 0
-            delay = last_sent + heartbeat_s - loop.time()
+            hub._caught_up(self)  # snapshot sent, queue empty: no longer holds publication back
+            delay = self._last_sent + heartbeat_s - loop.time()
             if delay > 0:
                 waiter = loop.create_future()
                 self._waiter = waiter
                 timer = loop.call_later(delay, _wake, waiter)
+                self._parked = True
                 try:
                     await waiter
                 finally:
+                    self._parked = False
                     timer.cancel()
                     self._waiter = None
                 if frames or self._error is not None or self._eof:
                     continue
-                if loop.time() < last_sent + heartbeat_s:
-                    continue
+                if loop.time() < self._last_sent + heartbeat_s:
+                    continue  # frames were written meanwhile: the heartbeat is due later
             vouch = hub.vouch
             if vouch is not None and not vouch():
                 # cannot claim the stream is current: stay silent, look again within a second
-                last_sent = loop.time() - heartbeat_s + min(heartbeat_s, 1.0)
+                self._last_sent = loop.time() - heartbeat_s + min(heartbeat_s, 1.0)
                 continue
             await send(encoder.heartbeat(self._last_seq))
-            last_sent = loop.time()
+            self._last_sent = loop.time()
 
     def shutdown(self) -> None:
         """End this stream with a clean EOF (relay shutdown)."""

@@ -79,6 +79,20 @@ class FilterUpdateEncoder:
         send_ts_us: int | None = None,
     ) -> bytes:
         """One complete FilterUpdate message (what goes into the gRPC frame)."""
+        head, body, tail = self.encode_parts(kind, base_sequence, sequence, payload, send_ts_us)
+        return b"".join((head, body, tail))
+
+    def encode_parts(
+        self,
+        kind: int,
+        base_sequence: int,
+        sequence: int,
+        payload: bytes = b"",
+        send_ts_us: int | None = None,
+    ) -> tuple[bytes, bytes, bytes]:
+        """The same message as ``encode``, as (head, payload, tail) with the payload not copied:
+        a snapshot chunk (4 MiB) shared by every joiner is written to each stream from the one
+        buffer, with only its small envelope built per stream."""
         ts = now_us() if send_ts_us is None else send_ts_us
         parts = [self._prefix]
         if base_sequence:
@@ -90,9 +104,8 @@ class FilterUpdateEncoder:
         if kind:
             parts += (_TAG_KIND, varint(kind))
         if payload:
-            parts += (_TAG_PAYLOAD, varint(len(payload)), payload)
-        parts.append(_MARKER_FIELD)
-        return b"".join(parts)
+            parts += (_TAG_PAYLOAD, varint(len(payload)))
+        return b"".join(parts), payload, _MARKER_FIELD
 
     def heartbeat(self, sequence: int, send_ts_us: int | None = None) -> bytes:
         return self.encode(KIND_HEARTBEAT, sequence, sequence, b"", send_ts_us)

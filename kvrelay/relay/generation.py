@@ -21,6 +21,7 @@ from kvrelay.ingest.sink import SourceKey
 from kvrelay.pool.batch import EventBatch
 from kvrelay.pool.errors import MalformedBatch
 from kvrelay.pool.pool import ApplyResult, Pool
+from kvrelay.publication.cadence import Pacer, held_bucket_cap
 from kvrelay.publication.hub import PublicationHub, PublicationInvariantError
 from kvrelay.publication.splice import FilterUpdateEncoder
 from kvrelay.relay.context import RelayContext
@@ -56,6 +57,9 @@ class Generation:
         self._pending_since: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._soon = False
+        self._last_cut = 0.0  # time.monotonic() of the last publication cut (snapshot hold)
+        self._pacer = Pacer(ctx.limits)
+        self._bucket_cap = held_bucket_cap(ctx.limits)
 
     @property
     def layout_generation(self) -> int:
@@ -156,7 +160,8 @@ class Generation:
 
     def _note_events(self, n: int) -> None:
         """Count applied commands; publish once ``publish_every_n_events`` accumulated (at the end
-        of the current loop iteration) or after ``publication_delay_s``, whichever comes first.
+        of the current loop iteration) or after ``publication_delay_s``, whichever comes first —
+        later while publishing is expensive or a subscriber catches up (``_cut_or_wait``).
 
         Boundaries fall only between whole commands because every member operation notes after
         it completed.
@@ -174,17 +179,61 @@ class Generation:
                 self._soon = True
                 asyncio.get_running_loop().call_soon(self._on_soon)
         elif self._timer is None:
-            loop = asyncio.get_running_loop()
-            self._timer = loop.call_later(self.limits.publication_delay_s, self._on_timer)
+            self._arm(self.limits.publication_delay_s)
+
+    def _arm(self, delay: float) -> None:
+        """A cut attempt ``delay`` from now, unless one is already due sooner."""
+        loop = asyncio.get_running_loop()
+        timer = self._timer
+        if timer is not None:
+            if timer.when() <= loop.time() + delay:
+                return
+            timer.cancel()
+        self._timer = loop.call_later(delay, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
-        self.flush()
+        self._cut_or_wait()
 
     def _on_soon(self) -> None:
         self._soon = False
-        if self._pending_events:
-            self.flush()
+        self._cut_or_wait()
+
+    def _on_hold_released(self) -> None:
+        """The last joiner caught up (or ended): cut what was held back at the end of this loop
+        iteration (never inside the hub call that released it)."""
+        if not self._soon and not self.retired:
+            self._soon = True
+            asyncio.get_running_loop().call_soon(self._on_soon)
+
+    def _cut_or_wait(self) -> None:
+        """Publish the pending commands now, or later — whichever of two waits is longer:
+
+        * the pacer's (``publication.cadence``): publishing kept to about
+          ``publication_cpu_percent`` of the wall clock, never later than
+          ``publication_max_delay_s`` after the first pending command;
+        * the snapshot hold: while a subscriber catches up (its snapshot, then the deltas queued
+          meanwhile), every delta takes one of its queue slots (§4.6), so cuts are spaced as the
+          hub asks (``PublicationHub.publication_hold``, at most
+          ``snapshot_publication_delay_s`` after the last cut) and more commands go into each
+          delta.
+
+        Either way a held delta never grows past what a subscriber queue can take: once the
+        pool's touched buckets reach ``held_bucket_cap`` it is cut at once.
+        """
+        if not self._pending_events or self.retired:
+            return
+        now = time.monotonic()
+        wait = self._pacer.wait(now, now if self._pending_since is None else self._pending_since)
+        hub = self._hub
+        if hub is not None:
+            hold = hub.publication_hold()
+            if hold > 0.0:
+                wait = max(wait, self._last_cut + hold - now)
+        if wait > 0.0 and self.pool.pending_dirty < self._bucket_cap:
+            self._arm(wait)
+            return
+        self.flush()
 
     def flush(self) -> None:
         """Publish the net-changed buckets as the next sequence (nothing when nothing changed)."""
@@ -195,6 +244,8 @@ class Generation:
         since, self._pending_since = self._pending_since, None
         if self.retired:
             return
+        started = time.monotonic()
+        self._last_cut = started
         publication = self.pool.take_publication()
         if publication is None:
             return
@@ -203,13 +254,15 @@ class Generation:
         self.batches_published += 1
         observers = self._ctx.observers
         if observers and since is not None:
-            observers.delta_published(self.name, time.monotonic() - since)
+            observers.delta_published(self.name, started - since)
         if self._hub is None:
             return  # no subscriber lease: dirty tracking ran, payload materialization skipped
         try:
             self._hub.publish(self.sequence, buckets, words)
         except PublicationInvariantError as exc:
             self._on_fence(self, f"publication invariant: {exc}")
+            return
+        self._pacer.record(started, time.monotonic())
 
     # ---- subscribers -----------------------------------------------------------------------------
 
@@ -236,6 +289,7 @@ class Generation:
                 limits=self.limits,
                 encode_gate=self._ctx.encode_gate,
             )
+            self._hub.on_hold_released = self._on_hold_released
         return self._hub
 
     @property

@@ -15,13 +15,15 @@ import contextlib
 import dataclasses
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-
-import dns.asyncresolver
+from typing import TYPE_CHECKING
 
 from kvrelay.discovery.dns import DnsError, Endpoint, resolve_engines
 from kvrelay.discovery.endpoints import StaticSourceConfig, split_tcp
 from kvrelay.logging import get_logger
 from kvrelay.relay.settings import EngineSpec
+
+if TYPE_CHECKING:
+    import dns.asyncresolver
 
 _log = get_logger(__name__)
 

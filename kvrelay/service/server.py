@@ -35,7 +35,9 @@ from kvrelay.contract.producer import producer_key
 from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION, TRAILER_KEY
 from kvrelay.publication.hub import SendBatch, Subscription
 from kvrelay.publication.plane import Plane, PlaneClosed, PlaneEnded
+from kvrelay.service.bulk import bulk_sender
 from kvrelay.service.codec import PassThroughCodec
+from kvrelay.service.direct import direct_writer
 from kvrelay.service.health import RelayHealth, reflection_pool
 from kvrelay.service.status import status_of, trailers_of
 from kvrelay.service.validation import check_marker, validate_stream_request
@@ -294,6 +296,7 @@ class KvEventRelayService:
                 self.pool_permits.release()
 
         sub: Subscription | None = None
+        bulk = None
         try:
             if self._closing:
                 return
@@ -301,8 +304,17 @@ class KvEventRelayService:
             self._subscriptions.add(sub)
             if self._closing:
                 return
-            await sub.pump(stream.send_message, _batch_sender(stream), _resetter(stream))
+            bulk = bulk_sender(stream, self.limits.max_message_bytes)
+            await sub.pump(
+                stream.send_message,
+                _batch_sender(stream),
+                _resetter(stream),
+                bulk,
+                send_now=direct_writer(stream),
+            )
         finally:
+            if bulk is not None:
+                bulk.close()
             if sub is not None:
                 self._subscriptions.discard(sub)
                 sub.close()

@@ -101,8 +101,11 @@ async def test_forced_lag_recovers() -> None:
     # every few ms) when the client subscribes, so deltas are produced while the 4 MiB snapshot is
     # still crossing HTTP/2 flow control: they overflow the queue and the relay ends the stream
     # LAGGED. Every resubscription snapshots again under the same traffic, so lag recurs until the
-    # engine stops; then the replica must rebuild to exactly the producer's table.
-    limits = RelayLimits(publication_queue_capacity=1, publish_every_n_events=1)
+    # engine stops; then the replica must rebuild to exactly the producer's table. (The relay's
+    # spacing of deltas while a subscriber catches up is switched off: it would prevent the lag.)
+    limits = RelayLimits(
+        publication_queue_capacity=1, publish_every_n_events=1, snapshot_publication_delay_s=0.001
+    )
     configs = [SimConfig(name="l0", seed=3, dp_size=2, capacity_blocks=96)]
     async with stack(configs, limits, expected_blocks=1_048_576) as st:
         key = key_of(st.address)

@@ -135,7 +135,14 @@ async def test_serve_notifies_streams_and_shuts_down_cleanly_on_sigterm(tmp_path
 
         await notes.wait_for("STOPPING=1")
         kinds = [m.split("=", 1)[0] for m in notes.messages]
-        assert kinds[0] == "READY", kinds
+        ready_at = kinds.index("READY")
+        # Before READY only the kernel warm-up speaks: one STATUS per step (and, on a slow
+        # first start, EXTEND_TIMEOUT_USEC and WATCHDOG ticks).
+        assert set(kinds[:ready_at]) <= {"STATUS", "EXTEND_TIMEOUT_USEC", "WATCHDOG"}, kinds
+        warming = [m for m in notes.messages[:ready_at] if m.startswith("STATUS=")]
+        assert warming[0].startswith("STATUS=warming up numba kernels (0 s): importing")
+        for step in ("hashing", "ingest", "pool"):
+            assert any(f"; {step}: " in m or f"): {step}: " in m for m in warming), warming
         assert kinds.count("STOPPING") == 1 and kinds.count("READY") == 1
         stop_at = kinds.index("STOPPING")
         assert "WATCHDOG" in kinds[1:stop_at], kinds

@@ -121,6 +121,22 @@ def test_a4_delta_round_trip_and_bytes() -> None:
     assert d.buckets.dtype == np.uint32 and d.words.dtype == np.uint64
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    images=st.dictionaries(st.integers(0, BC - 1), st.integers(0, 2**64 - 1), max_size=40),
+    base=st.integers(0, 2**64 - 2),
+)
+def test_validated_delta_encoder_matches_the_oracle(images: dict[int, int], base: int) -> None:
+    """The hub's unchecked encoder writes the §5.1 bytes for any valid delta (0..40 images)."""
+    items = list(images.items())
+    payload = cbi1.encode_delta_validated(
+        np.array([b for b, _ in items], np.uint32),
+        np.array([w for _, w in items], np.uint64),
+        seed=SEED, bucket_count=BC, dc_id=7, base_epoch=base, epoch=base + 1,
+    )  # fmt: skip
+    assert payload == oracle_frame(delta_body(base, items), flags=2, dc=7, epoch=base + 1)
+
+
 def _a4_delta() -> bytes:
     return encode_delta(
         np.array([3, 1000]),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 import numpy as np
@@ -113,6 +114,10 @@ async def test_invariants_never_half_apply() -> None:
         (5, [3, 3], [1, 2]),  # duplicate
         (5, [1, 2], [1]),  # length mismatch
         (5, [1.5], [1]),  # not integers
+        (5, [7, 1, 1024, 3], [1, 2, 3, 4]),  # out of range, not first
+        (5, [7, -2, 3], [1, 2, 3]),  # negative among others
+        (5, [9, 4, 2, 4, 8], [1, 2, 3, 4, 5]),  # duplicate, not adjacent
+        (5, np.array([5, 5], np.uint32), [1, 2]),  # duplicate, the pool's dtype
     ]:
         with pytest.raises(PublicationInvariantError):
             hub.publish(seq, np.asarray(b), np.asarray(w))
@@ -292,6 +297,80 @@ async def test_batched_pump_preserves_order_and_bounds() -> None:
     await task
 
 
+async def test_send_now_writes_idle_streams_in_order_and_falls_back_to_the_queue() -> None:
+    """Deltas published while the pump is idle go out through ``send_now`` (no pump wake-up);
+    when it refuses (transport full), frames queue and the pump sends them, and ``send_now`` is
+    not used again before the queue has drained: the stream stays base+1 contiguous."""
+    hub, table = make_hub(bc=1024)
+    sub = await hub.subscribe()
+    col = Collector()
+    accept = [True]
+
+    def send_now(frame: bytes) -> bool:
+        if not accept[0]:
+            return False
+        col.raw.append(frame)
+        col.frames.append(pb.FilterUpdate.parse(frame))
+        return True
+
+    task = asyncio.ensure_future(sub.pump(col, send_now=send_now))
+    for _ in range(100):
+        if sub._parked:
+            break
+        await asyncio.sleep(0.001)
+    assert sub._parked  # snapshot sent, pump idle
+    seq = 0
+
+    def step(k: int) -> None:
+        nonlocal seq
+        for _ in range(k):
+            seq += 1
+            b = np.array([seq % 1024, (seq * 7 + 3) % 1024])
+            b = np.unique(b)
+            hub.publish(seq, b, np.full(b.size, seq, np.uint64))
+            table[b] = seq
+
+    step(5)  # written synchronously by publish itself
+    assert hub.direct_frames == 5 and len(col.frames) == 6 and not sub._frames
+    accept[0] = False
+    step(3)  # refused: queued for the pump
+    assert hub.direct_frames == 5 and len(sub._frames) >= 1
+    accept[0] = True
+    step(2)  # the queue is not empty yet: these queue behind it, never overtake
+    for _ in range(100):
+        if not sub._frames and sub._parked:
+            break
+        await asyncio.sleep(0.001)
+    step(4)  # idle again: direct once more
+    await asyncio.sleep(0)
+    got, last = rebuild(col.frames, 1024)  # asserts base+1 contiguity frame by frame
+    assert last == seq == 14 and got.tobytes() == table.tobytes()
+    assert hub.direct_frames == 5 + 4
+    hub.retire(None)
+    await task
+
+
+async def test_a_refusing_send_now_still_ends_a_stalled_subscriber_as_lagged() -> None:
+    """The direct path never bypasses the bound: a transport that takes nothing more (its
+    client stopped reading) leaves frames to the queue, which overflows as before."""
+    hub, _ = make_hub(bc=1024, publication_queue_capacity=3)
+    sub = await hub.subscribe()
+    col = Collector(block_after=1)  # the pump blocks in its first send after the snapshot
+    task = asyncio.ensure_future(sub.pump(col, send_now=lambda frame: False))
+    for _ in range(100):
+        if sub._parked:
+            break
+        await asyncio.sleep(0.001)
+    for seq in range(1, 7):
+        hub.publish(seq, np.array([seq]), np.array([seq], np.uint64))
+        await asyncio.sleep(0)
+    assert hub.lagged == 1 and hub.direct_frames == 0
+    assert sub.error is not None and sub.error.reason == R.SUBSCRIBER_LAGGED
+    col.gate.set()
+    with pytest.raises(RelayError):
+        await asyncio.wait_for(task, 5)
+
+
 async def test_cancelled_subscriber_does_not_cancel_shared_snapshot_build() -> None:
     hub, table = make_hub(bc=1 << 20)  # built in a thread: still pending when we cancel
     a, b = (await hub.subscribe()), (await hub.subscribe())
@@ -313,3 +392,79 @@ async def test_cancelled_subscriber_does_not_cancel_shared_snapshot_build() -> N
     assert seq == 0 and got.tobytes() == table.tobytes()
     hub.retire(None)
     await tb
+
+
+async def test_publication_hold_while_a_snapshot_is_being_sent() -> None:
+    """The spacing a producer is asked for: 0 without a joiner; while one catches up, what it
+    still has to read at ``snapshot_reader_bytes_per_second`` over its free queue slots but one,
+    within [publication_delay_s, snapshot_publication_delay_s]; 0 again, with one release
+    callback, once it holds its snapshot and has drained its queue."""
+    rate = 100_000  # bytes/s: a 1024-bucket snapshot (8,256 bytes) then "takes" 83 ms
+    hub, table = make_hub(
+        publication_queue_capacity=8,
+        publication_delay_s=0.001,
+        snapshot_publication_delay_s=0.2,
+        snapshot_reader_bytes_per_second=rate,
+    )
+    released: list[int] = []
+    hub.on_hold_released = lambda: released.append(hub.sequence)
+    assert hub.publication_hold() == 0.0 and hub.joiners == 0
+    sub = await hub.subscribe()
+    assert hub.joiners == 1
+    # nothing sent yet: the whole snapshot (estimated until encoded) over 7 spare slots
+    assert hub.publication_hold() == pytest.approx((8 * 1024 + 128) / 7 / rate)
+    holds = []
+    rng = np.random.default_rng(3)
+    for seq in range(1, 8):
+        b = rng.choice(1024, size=4, replace=False)
+        w = rng.integers(1, 2**64, size=4, dtype=np.uint64)
+        table[b] = w
+        hub.publish(seq, b, w)
+        holds.append(hub.publication_hold())
+    assert all(x < y for x, y in itertools.pairwise(holds))  # fuller queue: wider
+    assert holds[-2] == pytest.approx((8 * 1024 + 128 + 6 * sub._frames[0][1]) / 1 / rate)
+    assert holds[-1] == 0.2  # no spare slot left: the longest spacing
+    assert released == []
+    col = Collector(block_after=3)  # the snapshot chunk and two deltas, then a stalled send
+    task = asyncio.ensure_future(sub.pump(col))
+    for _ in range(400):
+        if len(col.frames) == 3:
+            break
+        await asyncio.sleep(0.005)
+    assert len(col.frames) == 3 and col.frames[0].kind == pb.FilterUpdateKind.SNAPSHOT_CHUNK
+    # snapshot out, 5 deltas still to read: still holding back
+    assert sub._snapshot_left == 0 and hub.joiners == 1 and released == []
+    queued = len(sub._frames)
+    assert hub.publication_hold() == pytest.approx(
+        max(0.001, sub._bytes / (8 - queued - 1) / rate)
+    )
+    col.gate.set()
+    for _ in range(400):
+        if len(col.frames) == 8 and released:
+            break
+        await asyncio.sleep(0.005)
+    assert hub.publication_hold() == 0.0 and hub.joiners == 0
+    assert released == [7]  # once, when the snapshot and the 7 deltas were out
+    got, seq = rebuild(col.frames, 1024)
+    assert seq == 7 and got.tobytes() == table.tobytes()  # every held delta, base + 1 each
+    hub.retire(None)
+    await task
+    sub.close()
+    assert released == [7]
+
+
+async def test_hold_released_by_a_joiner_that_ends_or_lags() -> None:
+    hub, _ = make_hub(publication_queue_capacity=2)
+    released: list[str] = []
+    hub.on_hold_released = lambda: released.append("x")
+    a, b = (await hub.subscribe()), (await hub.subscribe())
+    assert hub.joiners == 2
+    a.close()  # a client that went away mid-snapshot holds nothing back
+    assert hub.joiners == 1 and released == []
+    for seq in (1, 2, 3):  # the third delta overflows b's 2-frame queue
+        hub.publish(seq, np.array([seq]), np.array([seq], dtype=np.uint64))
+    assert b.error is not None and b.error.reason == R.SUBSCRIBER_LAGGED
+    assert hub.joiners == 0 and released == ["x"]
+    assert hub.publication_hold() == 0.0
+    b.close()
+    assert released == ["x"]

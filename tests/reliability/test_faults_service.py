@@ -119,7 +119,9 @@ async def test_subscriber_that_never_reads_is_dropped_as_lagged() -> None:
             task = asyncio.create_task(read_later(slow, producer, go))
             hub = r.pool.generation.hub()
             await eventually(lambda: hub.subscriber_count == 2, what="stalled subscriber admitted")
-            for _ in range(40):
+            # while it is a joiner the relay spaces deltas out (up to 0.25 s apart) so that a
+            # reader that reads gets through; one that never reads still overflows its queue
+            for _ in range(600):
                 await r.engines[0].step(1)
                 await asyncio.sleep(0.003)
                 if hub.lagged:

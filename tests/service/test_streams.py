@@ -155,6 +155,99 @@ async def test_heartbeats_after_silence_only_after_snapshot(start_relay: StartRe
     assert replica.table is not None and replica.table.tobytes() == gen.table.tobytes()
 
 
+async def test_small_deltas_are_written_by_the_publisher_to_both_clients(
+    start_relay: StartRelay, grpcio_client: Callable[[int], GrpcioClient]
+) -> None:
+    """Deltas published while the streams are idle go straight to the HTTP/2 transport (the
+    hub's ``direct_frames``), and both an independent grpcio client and grpclib rebuild the
+    producer table exactly from base+1 contiguous deltas."""
+    view, server = await start_relay()
+    gen = view.add_pool("pool-a", 4096)
+    rng = np.random.default_rng(5)
+    gen.random_step(rng, 10)
+    ch = grpclib_channel(server.port)
+    gio = grpcio_client(server.port)
+    r1 = Replica(view.relay_identity, gen.producer)
+    r2 = Replica(view.relay_identity, gen.producer)
+    try:
+        async with ch.request(
+            SVC + "SubscribeKvPool",
+            Cardinality.UNARY_STREAM,
+            pb.SubscribeKvPoolRequest,
+            pb.FilterUpdate,
+        ) as st:
+            await st.send_message(sub_request(gen.producer, "direct-a"), end=True)
+            call = gio.stub.SubscribeKvPool(gio.convert(sub_request(gen.producer, "direct-b")))
+            r1.feed(await st.recv_message())
+            r2.feed(pb.FilterUpdate.parse((await call.read()).SerializeToString()))
+            hub = served_hub(server, gen)
+            assert hub is not None
+            await asyncio.sleep(0.05)  # both pumps idle after their snapshots
+            published = 0
+            for _ in range(60):
+                gen.random_step(rng, int(rng.integers(1, 50)))
+                published += 1
+                await _reader(st, r1, lambda: gen.sequence)
+                while r2.installed is None or r2.installed < gen.sequence:
+                    r2.feed(pb.FilterUpdate.parse((await call.read()).SerializeToString()))
+            assert hub.direct_frames == 2 * published
+            call.cancel()
+            await st.cancel()
+    finally:
+        ch.close()
+    for r in (r1, r2):
+        assert r.deltas == published
+        assert r.table is not None and r.table.tobytes() == gen.table.tobytes()
+
+
+async def test_streams_sharing_a_connection_get_every_delta_in_order(
+    start_relay: StartRelay,
+) -> None:
+    """Six streams on one HTTP/2 connection: the frames written directly for all of them go
+    out in one write per connection and loop iteration, interleaved with heartbeats grpclib
+    writes itself; every stream rebuilds the table from base+1 contiguous deltas."""
+    view, server = await start_relay(RelayLimits(pool_heartbeat_s=0.05))
+    gen = view.add_pool("pool-a", 4096)
+    rng = np.random.default_rng(11)
+    gen.random_step(rng, 10)
+    ch = grpclib_channel(server.port)
+    replicas = [Replica(view.relay_identity, gen.producer) for _ in range(6)]
+    try:
+        cms = [
+            ch.request(
+                SVC + "SubscribeKvPool",
+                Cardinality.UNARY_STREAM,
+                pb.SubscribeKvPoolRequest,
+                pb.FilterUpdate,
+            )
+            for _ in replicas
+        ]
+        streams = [await cm.__aenter__() for cm in cms]
+        for i, st in enumerate(streams):
+            await st.send_message(sub_request(gen.producer, f"shared-{i}"), end=True)
+        for st, r in zip(streams, replicas, strict=True):
+            r.feed(await st.recv_message())
+        hub = served_hub(server, gen)
+        assert hub is not None
+        await asyncio.sleep(0.05)
+        for step in range(40):
+            gen.random_step(rng, int(rng.integers(1, 30)))
+            if step % 10 == 9:
+                await asyncio.sleep(0.08)  # idle long enough for heartbeats in between
+            for st, r in zip(streams, replicas, strict=True):
+                await _reader(st, r, lambda: gen.sequence)
+        assert hub.direct_frames >= 6 * 30  # (a delta may meet a pump busy with a heartbeat)
+        for st in streams:
+            await st.cancel()
+        for cm in cms:
+            await cm.__aexit__(None, None, None)
+    finally:
+        ch.close()
+    for r in replicas:
+        assert r.deltas == 40 and r.heartbeats > 0
+        assert r.table is not None and r.table.tobytes() == gen.table.tobytes()
+
+
 async def test_catalog_stream_both_clients(
     start_relay: StartRelay, grpcio_client: Callable[[int], GrpcioClient]
 ) -> None:
@@ -300,6 +393,7 @@ async def test_lagging_subscriber_alone_is_dropped(start_relay: StartRelay) -> N
             assert err.status == Status.RESOURCE_EXHAUSTED
             assert s1.trailing_metadata[K] == "RELAY_ERROR_REASON_SUBSCRIBER_LAGGED"
             assert 0 < slow.deltas < 40
+            assert hub.direct_frames == 0  # 24 KB deltas exceed one HTTP/2 frame: queued
             await s2.cancel()
     finally:
         slow_ch.close()

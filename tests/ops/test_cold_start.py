@@ -1,0 +1,127 @@
+"""A first start with an empty kernel cache, then a start with the cache it filled.
+
+``kvrelay serve`` runs as a subprocess with its own ``NUMBA_CACHE_DIR`` and a test-owned
+NOTIFY_SOCKET, so this compiles every kernel for real (10-40 s on 2 shared cores): what systemd
+hears (STATUS per step, EXTEND_TIMEOUT_USEC while compiling, READY once) and what the log says.
+How long it takes is measured in benchmarks/bench_start.py, not here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvrelay import _jit
+from kvrelay.ops.warmup import warm_kernels
+from tests.ops.test_daemon import Notifications
+from tests.support.commands import REPO, clean_env
+
+STEPS = ("hashing", "ingest", "pool")
+
+
+def _config(path: Path) -> Path:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path.write_text(f"""
+[relay]
+dc_name = "dc-cold"
+bind = "127.0.0.1:0"
+[metrics]
+enabled = false
+[logging]
+format = "json"
+[[pools]]
+namespace = "ns"
+component = "backend"
+endpoint = "generate"
+model = "m"
+kv_block_size = 16
+[[pools.engines]]
+name = "e0"
+host = "127.0.0.1"
+[pools.engines.static]
+endpoint = "tcp://127.0.0.1:{port}"
+""")
+    return path
+
+
+async def _start(tmp: Path, cache: Path, name: str) -> tuple[list[str], list[dict[str, Any]]]:
+    """One start to READY and a clean SIGTERM; the notifications and the JSON log lines."""
+    notes = Notifications(tmp / f"{name}.sock")
+    env = clean_env(NOTIFY_SOCKET=str(tmp / f"{name}.sock"), NUMBA_CACHE_DIR=str(cache))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvrelay", "serve", "--config", str(_config(tmp / f"{name}.toml")),
+        env=env, cwd=REPO, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        await notes.wait_for("READY=1", timeout=400)
+        proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0, err.decode()[-2000:]
+        return notes.messages, [json.loads(x) for x in err.decode().splitlines() if x]
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await notes.close()
+
+
+def _before_ready(messages: list[str]) -> list[str]:
+    i = next(i for i, m in enumerate(messages) if m.startswith("READY=1"))
+    assert sum(m.startswith("READY=1") for m in messages) == 1
+    return messages[:i]
+
+
+def _done(log: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per step, its last ``done`` report in the daemon itself (not one relayed from a worker)."""
+    return {e["group"]: e for e in log if e.get("event") == "kernels_progress"
+            and e["state"] == "done" and "worker" not in e}
+
+
+def _compiled(log: list[dict[str, Any]], step: str) -> int:
+    """Kernels of ``step`` compiled anywhere: in the daemon or in a worker it started."""
+    return sum(e["compiled"] for e in log if e.get("event") == "kernels_progress"
+               and e["state"] == "done" and e["group"] == step)
+
+
+async def test_first_start_compiles_with_progress_and_the_next_loads(tmp_path: Path) -> None:
+    warm_kernels()  # (already done by the session) imports every step's modules
+    declared = [g for g in STEPS if list(_jit.kernels(g))]  # steps with declared kernels
+    assert declared[:2] == ["hashing", "ingest"]
+    cache = tmp_path / "numba"
+    messages, log = await _start(tmp_path, cache, "cold")
+    early = _before_ready(messages)
+    for step in declared:  # e.g. "STATUS=warming up numba kernels (3 s): ...; ingest: compiling"
+        assert any(m.startswith("STATUS=warming up numba kernels (") and f"{step}: compiling" in m
+                   for m in early), early
+    # A first start takes longer than one 5 s tick, so systemd heard it is still making progress.
+    assert "EXTEND_TIMEOUT_USEC=30000000" in early, early
+    assert next(e for e in log if e.get("event") == "kernel_cache")["dir"] == str(cache)
+    assert set(_done(log)) == set(STEPS)
+    for step in declared:
+        assert _compiled(log, step) > 0, step
+    workers = {e["group"] for e in log
+               if e.get("event") == "kernels_progress" and e["state"] == "worker"}
+    if len(os.sched_getaffinity(0)) >= 2:  # every cold step but the first ran in a worker
+        assert workers == set(declared) - {"hashing"}, workers
+        for step in workers:  # and the daemon then loaded what the worker compiled
+            assert _done(log)[step]["compiled"] == 0 and _done(log)[step]["loaded"] > 0
+    else:
+        assert workers == set()
+
+    messages, log = await _start(tmp_path, cache, "warm")
+    early = _before_ready(messages)
+    assert not any(m.startswith("EXTEND_TIMEOUT_USEC") for m in early), early
+    for step in STEPS:
+        assert any(f"{step}: loading" in m for m in early if m.startswith("STATUS=")), early
+    done = _done(log)
+    assert set(done) == set(STEPS)
+    assert all(e["compiled"] == 0 for e in done.values()), done
+    assert not any(e.get("state") == "worker" for e in log)
