@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 from numba import njit
 
+from kvrelay._jit import inline
 from kvrelay.pool.packed import TM_CAP, Int, pay_of, set_pay
 from kvrelay.pool.tables import EMPTY32, tab_del, tab_find, tab_put
 
@@ -36,7 +37,7 @@ RES_BIT = np.uint64(8)
 _ONE = np.uint64(1)
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def owner_count(otm: U64, ow: U64, xk: U64, xv: U32, s: Int) -> Int:
     code = pay_of(otm, ow, s) & CODE_MASK
     if code != CODE_OVERFLOW:
@@ -44,7 +45,7 @@ def owner_count(otm: U64, ow: U64, xk: U64, xv: U32, s: Int) -> Int:
     return np.int64(xv[tab_find(xk, xv, EMPTY32, np.uint64(s))])  # type: ignore[no-any-return]
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def owner_incref(otm: U64, ow: U64, xk: U64, xv: U32, pm: I64, s: Int) -> None:
     """count += 1 (7 → 8 moves the count into the overflow table; capacity reserved)."""
     p = pay_of(otm, ow, s)
@@ -60,7 +61,7 @@ def owner_incref(otm: U64, ow: U64, xk: U64, xv: U32, pm: I64, s: Int) -> None:
         xv[t] += np.uint32(1)
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def owner_decref(otm: U64, ow: U64, xk: U64, xv: U32, pm: I64, s: Int) -> bool:
     """count −= 1; True when the count was 1 (the caller frees the owner, nothing changed)."""
     p = pay_of(otm, ow, s)

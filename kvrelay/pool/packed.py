@@ -35,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 from numba import njit
 
+from kvrelay._jit import inline
 from kvrelay.pool.bitops import ctz, popcount
 from kvrelay.pool.ckf import splitmix_next
 from kvrelay.pool.prefetch import prefetch
@@ -87,7 +88,7 @@ _S7 = np.uint64(0x7F7F7F7F7F7F7F7F)
 # ---- bit helpers ---------------------------------------------------------------------------------
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def fmix(x: np.uint64) -> np.uint64:
     """MurmurHash3's 64-bit finalizer: a bijection with full avalanche."""
     x ^= x >> np.uint64(33)
@@ -98,7 +99,7 @@ def fmix(x: np.uint64) -> np.uint64:
     return x
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def unfmix(y: np.uint64) -> np.uint64:
     y ^= y >> np.uint64(33)
     y *= _C2_INV
@@ -108,7 +109,7 @@ def unfmix(y: np.uint64) -> np.uint64:
     return y
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def byte_eq(w: np.uint64, tag: np.uint64) -> np.uint64:
     """Bit 7 of each byte of ``w`` that equals ``tag``, other bits zero (exact SWAR compare; a
     slot's index in its word is ``ctz(mask) >> 3``)."""
@@ -117,7 +118,7 @@ def byte_eq(w: np.uint64, tag: np.uint64) -> np.uint64:
     return ~(t | _S7)  # type: ignore[no-any-return]
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def get_bits(a: U64, off: Int, n: Int) -> np.uint64:
     """``n`` (1..64) bits of ``a`` starting at bit ``off`` (little-endian bit order)."""
     w = off >> 6
@@ -130,7 +131,7 @@ def get_bits(a: U64, off: Int, n: Int) -> np.uint64:
     return v  # type: ignore[no-any-return]
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def put_bits(a: U64, off: Int, n: Int, v: np.uint64) -> None:
     w = off >> 6
     sh = off & 63
@@ -141,7 +142,7 @@ def put_bits(a: U64, off: Int, n: Int, v: np.uint64) -> None:
         a[w + 1] = (a[w + 1] & ~(m >> r)) | (v >> r)
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def rng_next(tm: U64) -> np.uint64:
     """xorshift64*: the cuckoo walk's victim choices (deterministic per table)."""
     s = tm[TM_RNG]
@@ -155,25 +156,25 @@ def rng_next(tm: U64) -> np.uint64:
 # ---- addressing ----------------------------------------------------------------------------------
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def mix(tm: U64, x: np.uint64) -> np.uint64:
     """The table's mixed key (one per key, shared by all subtables)."""
     return fmix(x ^ tm[TM_SALT])
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def unmix(tm: U64, y: np.uint64) -> np.uint64:
     return unfmix(y) ^ tm[TM_SALT]  # type: ignore[no-any-return]
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def _rotl(y: np.uint64, r: np.uint64) -> np.uint64:
     if r == _ZERO:
         return y
     return (y << r) | (y >> (np.uint64(64) - r))  # type: ignore[no-any-return]
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def split(tm: U64, j: Int, y: np.uint64) -> tuple[Int, np.uint64, np.uint64]:
     """``(bucket, tag byte, rest)`` of mixed key ``y`` in subtable ``j``."""
     o = TM_SUB + SUB_W * j
@@ -184,7 +185,7 @@ def split(tm: U64, j: Int, y: np.uint64) -> tuple[Int, np.uint64, np.uint64]:
     return np.int64(p >> np.uint64(32)), _USED | (yj & _M7), rest  # type: ignore[return-value]
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def unsplit(tm: U64, j: Int, h: Int, tag: np.uint64, rest: np.uint64) -> np.uint64:
     """Inverse of ``split``. The true product ``hi32 · nb`` lies in ``[num, num + 2^k)``, which
     holds exactly one multiple of ``nb`` (``2^k ≤ nb``), so ``hi32 = ceil(num / nb)``."""
@@ -197,19 +198,19 @@ def unsplit(tm: U64, j: Int, h: Int, tag: np.uint64, rest: np.uint64) -> np.uint
     return _rotl((hi << np.uint64(32)) | lo, (np.uint64(64) - r) & np.uint64(63))
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def locate(tm: U64, j: Int, x: np.uint64) -> tuple[Int, np.uint64, np.uint64]:
     """``(bucket, tag byte, rest)`` of key ``x`` in subtable ``j``."""
     return split(tm, j, mix(tm, x))  # type: ignore[no-any-return]
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def key_at(tm: U64, j: Int, h: Int, tag: np.uint64, rest: np.uint64) -> np.uint64:
     """The key stored as ``(tag, rest)`` in bucket ``h`` of subtable ``j``."""
     return unmix(tm, unsplit(tm, j, h, tag, rest))
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def sub_of(tm: U64, s: Int) -> Int:
     """Subtable of global slot ``s``."""
     j = np.int64(tm[TM_D]) - 1
@@ -218,12 +219,12 @@ def sub_of(tm: U64, s: Int) -> Int:
     return j  # type: ignore[no-any-return]
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def bucket_start(tm: U64, j: Int, h: Int) -> Int:
     return np.int64(tm[TM_SUB + SUB_W * j + S_SLOT0]) + h * np.int64(tm[TM_B])  # type: ignore[no-any-return]
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def fill(w: U64, s0: Int, b: Int) -> Int:
     """Used slots of the bucket at ``s0`` (``b`` a multiple of 8, ``s0`` of ``b``)."""
     n = 0
@@ -233,7 +234,7 @@ def fill(w: U64, s0: Int, b: Int) -> Int:
     return n
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def first_free(w: U64, s0: Int, b: Int) -> Int:
     """Global slot of the bucket's first free slot, or -1 when it is full."""
     w0 = s0 >> 3
@@ -244,48 +245,48 @@ def first_free(w: U64, s0: Int, b: Int) -> Int:
     return -1
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def slot_off(tm: U64, j: Int, s: Int) -> Int:
     """Bit offset in ``w`` of global slot ``s`` (in subtable ``j``)."""
     o = TM_SUB + SUB_W * j
     return np.int64(tm[o + S_BIT0]) + (s - np.int64(tm[o + S_SLOT0])) * np.int64(tm[o + S_WIDTH])  # type: ignore[no-any-return]
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def rest_at(tm: U64, w: U64, j: Int, s: Int) -> np.uint64:
     return get_bits(w, slot_off(tm, j, s), np.int64(tm[TM_SUB + SUB_W * j + S_RBITS]))  # type: ignore[no-any-return]
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def pay_off(tm: U64, s: Int) -> Int:
     """Bit offset in ``w`` of global slot ``s``'s payload."""
     j = sub_of(tm, s)
     return slot_off(tm, j, s) + np.int64(tm[TM_SUB + SUB_W * j + S_RBITS])  # type: ignore[no-any-return]
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def pay_of(tm: U64, w: U64, s: Int) -> np.uint64:
     """Payload of used global slot ``s``."""
     return get_bits(w, pay_off(tm, s), np.int64(tm[TM_PBITS]))  # type: ignore[no-any-return]
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def set_pay(tm: U64, w: U64, s: Int, pay: np.uint64) -> None:
     put_bits(w, pay_off(tm, s), np.int64(tm[TM_PBITS]), pay)
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def tag_of(w: U64, s: Int) -> np.uint64:
     return (w[s >> 3] >> np.uint64(8 * (s & 7))) & _FF  # type: ignore[no-any-return]
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def _set_tag(w: U64, s: Int, tag: np.uint64) -> None:
     sh = np.uint64(8 * (s & 7))
     w[s >> 3] = (w[s >> 3] & ~(_FF << sh)) | (tag << sh)
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def y_of(tm: U64, w: U64, s: Int) -> np.uint64:
     """The mixed key held by used global slot ``s``."""
     j = sub_of(tm, s)
@@ -294,13 +295,13 @@ def y_of(tm: U64, w: U64, s: Int) -> np.uint64:
     return unsplit(tm, j, h, tag_of(w, s), rest_at(tm, w, j, s))
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def key_of(tm: U64, w: U64, s: Int) -> np.uint64:
     """The key held by used global slot ``s``."""
     return unmix(tm, y_of(tm, w, s))
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def holds(tm: U64, w: U64, s: Int, y: np.uint64) -> bool:
     """Whether used global slot ``s`` holds mixed key ``y`` (compares stored bits)."""
     j = sub_of(tm, s)
@@ -311,7 +312,7 @@ def holds(tm: U64, w: U64, s: Int, y: np.uint64) -> bool:
     return tag_of(w, s) == tag and rest_at(tm, w, j, s) == rest  # type: ignore[no-any-return]
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def write_slot(
     tm: U64, w: U64, j: Int, s: Int, tag: np.uint64, rest: np.uint64, pay: np.uint64
 ) -> None:
@@ -325,7 +326,7 @@ def write_slot(
 # ---- operations ----------------------------------------------------------------------------------
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def find(tm: U64, w: U64, y: np.uint64) -> Int:
     """Global slot holding mixed key ``y``, or -1."""
     b = np.int64(tm[TM_B])
@@ -342,7 +343,7 @@ def find(tm: U64, w: U64, y: np.uint64) -> Int:
     return -1
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def home_words(tm: U64, j: Int, y: np.uint64) -> tuple[Int, Int, Int]:
     """``(tag word, first data word, last data word)`` of ``y``'s bucket in subtable ``j`` (for
     prefetching: a bucket's data often spans two cache lines)."""
@@ -353,7 +354,7 @@ def home_words(tm: U64, j: Int, y: np.uint64) -> tuple[Int, Int, Int]:
     return s0 >> 3, off >> 6, end >> 6
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def find_or_insert_stable(tm: U64, w: U64, y: np.uint64, pay: np.uint64) -> tuple[Int, bool]:
     """``(slot, created)``: the slot holding mixed key ``y``, else ``y`` inserted with ``pay``
     into the least-loaded candidate bucket (ties to the lowest subtable); ``(-1, True)`` when
@@ -388,7 +389,7 @@ def find_or_insert_stable(tm: U64, w: U64, y: np.uint64, pay: np.uint64) -> tupl
     return s, True
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def _place_free(tm: U64, w: U64, j: Int, y: np.uint64, pay: np.uint64, b: Int) -> bool:
     h, tag, rest = split(tm, j, y)
     s = first_free(w, bucket_start(tm, j, h), b)
@@ -398,7 +399,7 @@ def _place_free(tm: U64, w: U64, j: Int, y: np.uint64, pay: np.uint64, b: Int) -
     return True
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def insert_cuckoo(tm: U64, w: U64, y: np.uint64, pay: np.uint64, walk: U64) -> bool:
     """Insert absent mixed key ``y`` (two subtables); False leaves the table exactly as before.
     ``walk`` is caller scratch of at least ``3 · tm[TM_KICKS]`` words (the undo log)."""
@@ -444,7 +445,7 @@ def insert_cuckoo(tm: U64, w: U64, y: np.uint64, pay: np.uint64, walk: U64) -> b
     return False
 
 
-@njit(cache=True, inline="always")  # type: ignore[misc]
+@inline
 def delete(tm: U64, w: U64, s: Int) -> None:
     _set_tag(w, s, _ZERO)
     tm[TM_LIVE] -= _ONE

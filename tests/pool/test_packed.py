@@ -311,6 +311,12 @@ def _copy_entry(tm, w, s, h):  # type: ignore[no-untyped-def]
     return f
 
 
+@njit(cache=False)
+def _bucket_of(tm, s):  # type: ignore[no-untyped-def]
+    j = pk.sub_of(tm, s)
+    return (s - np.int64(tm[pk.TM_SUB + pk.SUB_W * j + pk.S_SLOT0])) >> np.int64(tm[pk.TM_LOGB])
+
+
 @pytest.mark.parametrize(("d", "b", "kicks", "pbits"), [(3, 16, 0, 4), (2, 8, 64, 13)])
 def test_restored_takes_exactly_the_tables_this_layout_writes(
     d: int, b: int, kicks: int, pbits: int
@@ -322,7 +328,7 @@ def test_restored_takes_exactly_the_tables_this_layout_writes(
     used = np.flatnonzero(t.w.view(np.uint8)[: t.cap] & 0x80)
     free = np.flatnonzero((t.w.view(np.uint8)[: t.cap] & 0x80) == 0)
     s = int(used[0])
-    h = (s - int(t.tm[pk.TM_SUB + pk.SUB_W * int(pk.sub_of(t.tm, s)) + pk.S_SLOT0])) // b
+    h = int(_bucket_of(t.tm, s))
 
     def dup(tm: np.ndarray, w: np.ndarray) -> None:
         _copy_entry(tm, w, s, h)

@@ -18,6 +18,7 @@ import pytest
 import xxhash
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from numba import njit
 
 from kvrelay.pool import ckf
 from kvrelay.pool import packed as pk
@@ -361,6 +362,16 @@ def _used_slots(tm: np.ndarray, w: np.ndarray) -> np.ndarray:
     return np.flatnonzero(tags & 0x80)
 
 
+@njit(cache=False)
+def _pay(tm, w, s):  # type: ignore[no-untyped-def]
+    return pk.pay_of(tm, w, s)
+
+
+@njit(cache=False)
+def _set_pay(tm, w, s, p):  # type: ignore[no-untyped-def]
+    pk.set_pay(tm, w, s, p)
+
+
 def _sharing_pool() -> tuple[Pool, EventBatch]:
     """Nine members share one chain (counts above the in-slot maximum), member 0 also holds a
     namespaced chain of its own (count 1, namespace entries); and a batch to go on with."""
@@ -412,8 +423,8 @@ def test_an_inconsistent_state_is_refused() -> None:
 
     def bump_ref(m: dict[str, Any], a: dict[str, np.ndarray]) -> None:
         tm, w = a["own.tm"], a["own.w"]
-        s = next(int(s) for s in _used_slots(tm, w) if pk.pay_of(tm, w, s) & 7 == 0)
-        pk.set_pay(tm, w, s, pk.pay_of(tm, w, s) + np.uint64(1))
+        s = next(int(s) for s in _used_slots(tm, w) if _pay(tm, w, s) & 7 == 0)
+        _set_pay(tm, w, s, _pay(tm, w, s) + np.uint64(1))
 
     def bump_big_ref(m: dict[str, Any], a: dict[str, np.ndarray]) -> None:
         c = a["ovf.counts"]
@@ -449,7 +460,7 @@ def test_an_inconsistent_state_is_refused() -> None:
         tags = a["own.w"].view(np.uint8)[: int(a["own.tm"][pk.TM_CAP])]
         free = int(np.flatnonzero((tags & 0x80) == 0)[0])
         tm, w = a["m0.lin.tm"], a["m0.lin.w"]
-        pk.set_pay(tm, w, int(_used_slots(tm, w)[0]), np.uint64(free))
+        _set_pay(tm, w, int(_used_slots(tm, w)[0]), np.uint64(free))
 
     refs = r"refcounts \(or their overflow counts\) differ"
     cases = {
