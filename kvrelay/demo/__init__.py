@@ -52,7 +52,7 @@ async def _demo(
         print(f"kvrelay demo: kernels: {ev}", file=sys.stderr, flush=True)
 
     print(
-        "kvrelay demo: compiling or loading the numba kernels (first run: ~20 s)",
+        "kvrelay demo: compiling or loading the numba kernels (first run: ~15 s)",
         file=sys.stderr, flush=True,
     )
     await loop.run_in_executor(None, warm_kernels, progress)

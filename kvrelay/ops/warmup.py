@@ -8,11 +8,11 @@ paths once on tiny inputs, so a kernel compiled lazily on some path is covered t
 batch never pays a JIT pause on the event loop.
 
 A first start (kernels missing from the on-disk cache) on a machine with two or more CPUs runs
-each cold step but the first in a worker process (``python -m kvrelay.ops.warmup --worker
-STEP``) while this process compiles the first; the workers fill the cache and this process then
-loads from it. numba compiles under one process-wide lock, so threads would not overlap;
-processes do. With a warm cache nothing is spawned. ``KVRELAY_WARM_WORKERS=0`` turns the workers
-off.
+each cold step of declared kernels in a worker process (``python -m kvrelay.ops.warmup --worker
+STEP``) while this process does the pool step, the longest; the workers fill the cache and this
+process then loads from it. numba compiles under one process-wide lock, so threads would not
+overlap; processes do. With a warm cache nothing is spawned. ``KVRELAY_WARM_WORKERS=0`` turns
+the workers off.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass
 
 from kvrelay import _jit
 
-#: Step order: hashing first (the other two call it), the heaviest (pool) last.
+#: Step order: hashing first (the other two call it). Steps done in this process run before
+#: those handed to workers are waited for.
 STEPS = ("hashing", "ingest", "pool")
 _MODULES: dict[str, tuple[str, ...]] = {
     "hashing": ("kvrelay.hashing.xxh3", "kvrelay.hashing.tokens", "kvrelay.ingest.salt"),
@@ -153,6 +154,8 @@ def run_step(group: str, progress: Progress | None = None) -> WarmEvent:
         what = _WHAT[group]
         if missing:
             text = f"{group}: compiling {what} ({len(missing)} kernels not in the cache)"
+        elif group in EXERCISE_ALWAYS:  # kernels typed on first use: the cache may lack them
+            text = f"{group}: loading {what} from the cache, or compiling what it lacks"
         else:
             text = f"{group}: loading {what} from the cache"
         progress(WarmEvent(group, "compiling" if missing else "loading", text))
@@ -160,7 +163,7 @@ def run_step(group: str, progress: Progress | None = None) -> WarmEvent:
     if rep.compiled or group in EXERCISE_ALWAYS:
         _EXERCISE[group]()
     seconds = time.perf_counter() - t0
-    verb = "compiled" if rep.compiled else "loaded"
+    verb = "compiled" if rep.compiled else "ready" if group in EXERCISE_ALWAYS else "loaded"
     done = WarmEvent(
         group, "done", f"{group}: {_WHAT[group]} {verb} in {seconds:.1f} s",
         round(seconds, 3), rep.compiled, rep.loaded,
@@ -227,8 +230,8 @@ def _workers_allowed() -> bool:
 def warm_kernels(progress: Progress | None = None, workers: bool | None = None) -> float:
     """Compile or load every kernel (all steps); returns the seconds it took.
 
-    ``workers``: when two or more steps have kernels missing from the cache, the first is
-    compiled here and each other one in its own worker process, all at once (default: when 2+
+    ``workers``: each step with declared kernels missing from the cache is compiled in its own
+    worker process while this process does the pool step, all at once (default: when 2+
     CPUs are usable and ``KVRELAY_WARM_WORKERS`` is not ``0``). A worker that fails is
     reported and its step is simply done here.
     """
@@ -238,15 +241,22 @@ def warm_kernels(progress: Progress | None = None, workers: bool | None = None) 
     offload: dict[str, _Worker] = {}
     if workers if workers is not None else _workers_allowed():
         cold = [g for g in STEPS if _jit.missing(g)]
-        for g in cold[1:]:  # this process compiles the first (hashing, which the others call)
+        # this process compiles the pool step (the longest; typed on first use, so it cannot be
+        # told cold from the cache index), every cold step of declared kernels goes to a worker
+        for g in cold:
             offload[g] = _Worker(g, progress)
             if progress is not None:
                 progress(WarmEvent(g, "worker", f"{g}: compiling {_WHAT[g]} in a worker "
                                                 f"process (pid {offload[g].proc.pid})"))
     try:
-        for g in STEPS:
-            w = offload.pop(g, None)
-            if w is not None and not w.wait() and progress is not None:
+        # this process's own steps first (hashing, then pool, which compiles lazily through
+        # its exercise), so they overlap the workers instead of waiting for them
+        for g in sorted(STEPS, key=lambda g: g not in EXERCISE_ALWAYS):
+            if g not in offload:
+                run_step(g, progress)
+        for g in [g for g in STEPS if g in offload]:
+            w = offload.pop(g)
+            if not w.wait() and progress is not None:
                 progress(WarmEvent(g, "compiling", f"{g}: worker failed ({w.error()}); "
                                                    "compiling here"))
             run_step(g, progress)  # after a worker: loads what it compiled
