@@ -379,9 +379,7 @@ class ConnectSource:
         if not m.dirty:
             return
         m.dirty = False
-        c = m.counters
-        c.resets += 1
-        c.resets_by_reason[reason.value] = c.resets_by_reason.get(reason.value, 0) + 1
+        m.counters.count_reset(reason.value)
         self._sink.on_reset(m.key, reason)  # the pool logs member_reset
 
     # ---- silence --------------------------------------------------------------------------------

@@ -54,6 +54,11 @@ class SubscriberCounters:
     lag_sum_s: float = 0.0
     lag_count: int = 0
 
+    def count_reset(self, reason: str) -> None:
+        """One member reset, by reason (``ResetReason.value``)."""
+        self.resets += 1
+        self.resets_by_reason[reason] = self.resets_by_reason.get(reason, 0) + 1
+
     def observe_applied(self, engine_ts: float, *, live: bool) -> None:
         """One applied message: its arrival time, and on the live path its lag."""
         now = time.time()

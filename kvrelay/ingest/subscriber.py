@@ -545,9 +545,7 @@ class Subscriber:
         if not self._dirty:
             return
         self._dirty = False
-        c = self.counters
-        c.resets += 1
-        c.resets_by_reason[reason.value] = c.resets_by_reason.get(reason.value, 0) + 1
+        self.counters.count_reset(reason.value)
         self._sink.on_reset(self.key, reason)  # the pool logs member_reset
 
     def _drain_buffer(self) -> bool:

@@ -36,6 +36,8 @@ from grpclib.exceptions import GRPCError
 from h2.connection import ConnectionInputs
 from h2.stream import StreamInputs
 
+from kvrelay.service.h2_internals import stream_internals
+
 #: Payload bytes per socket write (several DATA frames joined): one copy, one system call.
 WRITE_BYTES = 256 * 1024
 
@@ -217,20 +219,7 @@ class BulkSender:
 def bulk_sender(stream: Any, max_message_bytes: int) -> BulkSender | None:
     """A ``BulkSender`` for this grpclib server stream; None when the grpclib/h2 internals it
     needs are missing (the caller then sends through grpclib)."""
-    inner: Any = getattr(stream, "_stream", None)
-    conn: Any = getattr(inner, "connection", None)
-    h2: Any = getattr(inner, "_h2_connection", None)
-    if (
-        inner is None
-        or getattr(inner, "_transport", None) is None
-        or not hasattr(inner, "window_updated")
-        or not hasattr(conn, "write_ready")
-        or not hasattr(conn, "data_send_process")
-        or not hasattr(h2, "outbound_flow_control_window")
-        or not hasattr(h2, "max_outbound_frame_size")
-        or not hasattr(h2, "state_machine")
-        or not isinstance(getattr(h2, "streams", None), dict)
-        or not hasattr(stream, "_messages_sent")
-    ):
+    parts = stream_internals(stream)
+    if parts is None or not hasattr(parts[0], "window_updated"):
         return None
-    return BulkSender(stream, inner, max_message_bytes)
+    return BulkSender(stream, parts[0], max_message_bytes)

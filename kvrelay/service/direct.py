@@ -38,6 +38,8 @@ from typing import Any
 from h2.connection import ConnectionInputs
 from h2.stream import StreamInputs
 
+from kvrelay.service.h2_internals import stream_internals
+
 #: HTTP/2 frame header: 24-bit length (as 8 + 16 bits), type 0 (DATA), flags 0, stream id.
 _DATA_HEADER = struct.Struct(">BHBBI")
 _GRPC_PREFIX = struct.Struct(">BI")  # compressed flag 0, message length
@@ -46,20 +48,12 @@ _GRPC_PREFIX = struct.Struct(">BI")  # compressed flag 0, message length
 def direct_writer(stream: Any) -> Callable[[bytes], bool] | None:
     """A synchronous writer for this grpclib server stream (see the module docstring), or None
     when grpclib/h2 do not have the internals it needs."""
-    inner: Any = getattr(stream, "_stream", None)
-    conn: Any = getattr(inner, "connection", None)
-    h2: Any = getattr(inner, "_h2_connection", None)
+    parts = stream_internals(stream)
+    if parts is None:
+        return None
+    inner, conn, h2 = parts
     if (
-        inner is None
-        or getattr(inner, "_transport", None) is None
-        or not hasattr(conn, "write_ready")
-        or not hasattr(conn, "data_send_process")
-        or not hasattr(h2, "outbound_flow_control_window")
-        or not hasattr(h2, "max_outbound_frame_size")
-        or not hasattr(h2, "state_machine")
-        or not isinstance(getattr(h2, "streams", None), dict)
-        or not hasattr(stream, "_messages_sent")
-        or not hasattr(stream, "_send_initial_metadata_done")
+        not hasattr(stream, "_send_initial_metadata_done")
         or not isinstance(getattr(h2, "_data_to_send", None), bytearray)
         or not callable(getattr(conn, "flush", None))
     ):
