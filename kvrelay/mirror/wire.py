@@ -83,6 +83,21 @@ def _skip(buf: bytes, i: int, wire_type: int) -> int:
     raise WireError(f"unsupported wire type {wire_type}")
 
 
+def _fixed32(buf: bytes, i: int) -> tuple[int, int]:
+    if i + 4 > len(buf):
+        raise WireError("truncated fixed32")
+    return int.from_bytes(buf[i : i + 4], "little"), i + 4
+
+
+def _bytes(buf: bytes, i: int) -> tuple[bytes, int]:
+    """A length-delimited field's contents (``i`` at its length) and the offset after it."""
+    ln, j = _varint(buf, i)
+    end = j + ln
+    if end > len(buf):
+        raise WireError("length-delimited field runs past the end")
+    return buf[j:end], end
+
+
 _PREFIX_FIELDS = ((1, _VARINT), (2, _LEN), (3, _LEN))
 
 
@@ -121,26 +136,19 @@ def parse_frame(buf: bytes) -> Frame:
                     seen_version = True
                     version = v
             elif wt == _LEN:
-                ln, j = _varint(buf, i)
-                end = j + ln
-                if end > n:
-                    raise WireError("length-delimited field runs past the end")
+                data, i = _bytes(buf, i)
                 if field == 8:
-                    payload = buf[j:end]
+                    payload = data
                 elif field == 2:
                     if relay is not None:
                         raise WireError("relay occurs twice")
-                    relay = buf[j:end]
+                    relay = data
                 elif field == 3:
                     if producer is not None:
                         raise WireError("producer occurs twice")
-                    producer = buf[j:end]
-                i = end
+                    producer = data
             elif wt == _FIXED32 and field == _MARKER_FIELD:
-                if i + 4 > n:
-                    raise WireError("truncated fixed32")
-                marker = int.from_bytes(buf[i : i + 4], "little")
-                i += 4
+                marker, i = _fixed32(buf, i)
             else:
                 i = _skip(buf, i, wt)
             if i > n:
@@ -171,18 +179,12 @@ def parse_envelope(buf: bytes) -> Envelope:
                 else:
                     value = v
             elif wt == _LEN and field == 2:
-                ln, j = _varint(buf, i)
-                if j + ln > n:
-                    raise WireError("length-delimited field runs past the end")
+                data, i = _bytes(buf, i)
                 if relay is not None:
                     raise WireError("relay occurs twice")
-                relay = buf[j : j + ln]
-                i = j + ln
+                relay = data
             elif wt == _FIXED32 and field == _MARKER_FIELD:
-                if i + 4 > n:
-                    raise WireError("truncated fixed32")
-                marker = int.from_bytes(buf[i : i + 4], "little")
-                i += 4
+                marker, i = _fixed32(buf, i)
             else:
                 i = _skip(buf, i, wt)
             if i > n:
