@@ -12,9 +12,13 @@ that key, and the upstream's answer (POOL_NOT_FOUND, PRODUCER_CHANGED, RESOURCE_
 mirror's answer, or the stream becomes the pool's mirror. So a router whose catalog is newer
 than the mirror's gets the same answer as from the upstream, without the mirror guessing.
 
-Bounds: at most ``max_initialized_pool_hubs`` pools are mirrored (listed pools in catalog order,
-then on demand); the rest of the catalog is still listed, and subscribing to such a pool gets
-RESOURCE_LIMIT. There is no idle eviction: a mirror holds every pool it mirrors.
+Bounds: at most ``max_initialized_pool_hubs`` pools are mirrored at once (listed pools in
+catalog order while there is room, then on demand). A subscriber to a pool that is not mirrored
+when there is no room evicts the pool idle the longest (no local subscriber, nobody being
+admitted), as a relay retires its idle hubs: its upstream stream ends and its table is dropped;
+the next subscriber to it waits for a fresh sync. Only when every mirrored pool is in use is the
+answer RESOURCE_LIMIT, so every listed pool stays servable behind a mirror and behind
+``workers = N``.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ class Mirror:
         self.identity_changes = 0
         self.catalog_invalid = 0  # descriptors whose producer is not a valid key (not mirrored)
         self.pools_over_limit = 0  # listed pools not mirrored at the last catalog: hub cap
+        self.pools_evicted = 0  # idle mirrored pools dropped to make room for another
         self.plane_ends: Counter[str] = Counter()
         self.plane_violations: Counter[str] = Counter()
         self._retired: Counter[str] = Counter()  # pool counters folded in when pools go
@@ -96,7 +101,7 @@ class Mirror:
             raise RelayError.publication_unavailable("the mirror has no upstream session")
         pool = self._pools.get(key)
         if pool is None or pool.state is PoolState.GONE:
-            if not self._room():
+            if not self._room() and not self._evict_idle():
                 raise RelayError.resource_limit(
                     f"Relay initialized pool hub limit {self.limits.max_initialized_pool_hubs} "
                     "reached"
@@ -109,6 +114,22 @@ class Mirror:
     def _room(self) -> bool:
         active = sum(1 for p in self._pools.values() if p.state is not PoolState.GONE)
         return active < self.limits.max_initialized_pool_hubs
+
+    def _evict_idle(self) -> bool:
+        """Make room: stop the mirrored pool idle the longest (no local subscriber, nobody
+        being admitted). False when every mirrored pool is in use."""
+        idle = [
+            (since, pool)
+            for pool in self._pools.values()
+            if pool.state is not PoolState.GONE and (since := pool.idle_since) is not None
+        ]
+        if not idle:
+            return False
+        _since, pool = min(idle, key=lambda item: item[0])
+        self.pools_evicted += 1
+        _log.info("mirror_pool_evicted", pool=pool.name, state=pool.state.value)
+        pool.stop(None, "the mirror evicted this idle pool to make room for another")
+        return True
 
     def _start_pool(self, key: ProducerKey, producer: pb.ProducerIdentity) -> MirrorPool:
         pool = MirrorPool(self._ctx, key, producer)
@@ -329,6 +350,7 @@ class Mirror:
             "plane_violations": dict(self.plane_violations),
             "catalog_invalid": self.catalog_invalid,
             "pools_over_limit": self.pools_over_limit,
+            "pools_evicted": self.pools_evicted,
             "channel_resets": self.upstream.resets,
             "pool_totals": dict(totals),
             "pools": pools,

@@ -98,6 +98,8 @@ class MirrorPool:
         self._checker: PoolStreamChecker | None = None
         self._last_frame = time.monotonic()
         self._heartbeat_s = ctx.settings.upstream_heartbeat_s
+        self._waiting = 0  # admissions in progress (waiting for the sync or a snapshot slot)
+        self._idle_mark = time.monotonic()  # since when nobody used this pool, between hubs
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -121,6 +123,15 @@ class MirrorPool:
     def sequence(self) -> int | None:
         return None if self.hub is None else self.hub.sequence
 
+    @property
+    def idle_since(self) -> float | None:
+        """Since when no local subscriber used this pool (monotonic); None while one does or one
+        is being admitted. The mirror evicts the pool idle the longest when it needs room."""
+        if self._waiting:
+            return None
+        hub = self.hub
+        return self._idle_mark if hub is None else hub.idle_since
+
     def _set(self, state: PoolState, error: RelayError | None = None) -> None:
         self.state = state
         self.error = error
@@ -136,6 +147,17 @@ class MirrorPool:
     ) -> Subscription:
         """A local subscription once the pool is live; the failed attempt's error, or
         PUBLICATION_UNAVAILABLE after ``deadline`` (loop time) while still synchronizing."""
+        self._waiting += 1
+        try:
+            return await self._admit(on_release, deadline)
+        finally:
+            self._waiting -= 1
+            if not self._waiting and self.hub is None:
+                self._idle_mark = time.monotonic()
+
+    async def _admit(
+        self, on_release: Callable[[], None] | None, deadline: float
+    ) -> Subscription:
         loop = asyncio.get_running_loop()
         while True:
             state, hub = self.state, self.hub
@@ -196,6 +218,7 @@ class MirrorPool:
             cut=snap.chunks,
             vouch=self._vouch,
         )
+        hub.idle_since = self._idle_mark  # a resubscription is no use of the pool
         self.hub = hub
         self.installs += 1
         self._set(PoolState.LIVE)
@@ -251,6 +274,7 @@ class MirrorPool:
         hub, self.hub = self.hub, None
         self._checker = None
         if hub is not None:
+            self._idle_mark = hub.idle_since or time.monotonic()
             hub.retire(local)
             self.lagged += hub.lagged
         return hub is not None, local, answer

@@ -44,6 +44,9 @@ def internal_limits(limits: RelayLimits, workers: int) -> RelayLimits:
             limits.max_pool_streams_total,
             w * (limits.max_initialized_pool_hubs + limits.max_pool_streams_total),
         ),
+        # each worker mirrors at most max_initialized_pool_hubs pools, and one it evicts may
+        # hold its upstream hub a moment longer than the pool that replaces it: the slack
+        max_initialized_pool_hubs=(w + 1) * limits.max_initialized_pool_hubs,
         max_subscribers_per_pool=max(limits.max_subscribers_per_pool, 2 * w),
         max_catalog_subscribers=max(limits.max_catalog_subscribers, 2 * w),
         max_readiness_subscribers=max(limits.max_readiness_subscribers, 2 * w),
