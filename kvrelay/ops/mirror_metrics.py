@@ -101,8 +101,17 @@ class WorkersCollector(Collector):
         restarts = CounterMetricFamily("kvrelay_worker_restarts",
                                        "Fan-out workers restarted after exiting.")  # fmt: skip
         restarts.add_metric([], sup.restarts)
+        dropped = CounterMetricFamily(
+            "kvrelay_worker_reports_dropped",
+            "STATS reports a worker dropped because the supervisor read its pipe late.",
+            labels=["worker"],
+        )  # fmt: skip
+        for i, s in enumerate(sup.worker_stats()):
+            if s:
+                dropped.add_metric([str(i + 1)], float(s.get("reports_dropped", 0)))
         yield workers
         yield restarts
+        yield dropped
         yield from MirrorCollector(self._mirrors).collect()
 
     def _mirrors(self) -> list[tuple[str, dict[str, Any]]]:
