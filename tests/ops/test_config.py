@@ -508,3 +508,21 @@ def test_per_member_metrics_switch(tmp_path: Path) -> None:
     assert cfg is not None and not cfg.metrics.per_member
     cfg, _ = _check(tmp_path, MINIMAL, {"KVRELAY_METRICS_PER_MEMBER": "no"})
     assert cfg is not None and not cfg.metrics.per_member
+
+
+@pytest.mark.parametrize(
+    "text,env,expected",
+    [
+        ("", {}, None),
+        ("", {"XDG_RUNTIME_DIR": "/run/user/7"}, "/run/user/7"),
+        ("", {"RUNTIME_DIRECTORY": "/run/kvrelay:/run/b", "XDG_RUNTIME_DIR": "/x"}, "/run/kvrelay"),
+        ('runtime_dir = "/srv/run"\n', {"RUNTIME_DIRECTORY": "/run/kvrelay"}, "/srv/run"),
+        ("", {"KVRELAY_RELAY_RUNTIME_DIR": "/var/run/k", "RUNTIME_DIRECTORY": "/r"}, "/var/run/k"),
+    ],
+)  # fmt: skip
+def test_runtime_dir_from_the_file_systemd_or_xdg(
+    tmp_path: Path, text: str, env: dict[str, str], expected: str | None
+) -> None:
+    f = tmp_path / "k.toml"
+    f.write_text(MINIMAL.replace('dc_name = "dc-test"\n', f'dc_name = "dc-test"\n{text}'))
+    assert load_config(f, env=env).runtime_dir == expected
