@@ -43,9 +43,24 @@ from kvrelay.mirror.settings import MirrorSettings
 from kvrelay.mirror.upstream import Upstream, upstream_error
 from kvrelay.mirror.wire import WireError, parse_envelope
 from kvrelay.publication.hub import PublicationHub, Subscription
+from kvrelay.service.canonical import WireFormatError, canonicalize
 
 _log = get_logger(__name__)
 _BEHIND = frozenset({int(Reason.SUBSCRIBER_LAGGED), int(Reason.SNAPSHOT_PROGRESS_TIMEOUT)})
+
+
+def _same_message(cls: type) -> Callable[[bytes, bytes], bool]:
+    """Canonical protobuf equality of two encodings of ``cls`` (the service's request rule:
+    fields as official protobuf resolves them, deterministic order, unknown fields dropped).
+    A re-send may be encoded otherwise than the first send (field order, packing)."""
+
+    def same(held: bytes, resent: bytes) -> bool:
+        try:
+            return canonicalize(held, cls) == canonicalize(resent, cls)
+        except WireFormatError:
+            return False
+
+    return same
 
 
 class Mirror:
@@ -55,9 +70,10 @@ class Mirror:
         self.settings = settings
         self.limits = settings.limits
         self.upstream = Upstream(settings)
-        self.catalog = MirrorPlane("catalog")
-        self.readiness = MirrorPlane("readiness")
-        self.load = MirrorPlane("load")
+        self.catalog = MirrorPlane("catalog", same=_same_message(pb.KvPoolCatalogUpdate))
+        self.readiness = MirrorPlane("readiness",
+                                     same=_same_message(pb.ServingReadinessUpdate))  # fmt: skip
+        self.load = MirrorPlane("load", same=_same_message(pb.KvPoolLoadUpdate))
         self._identity: pb.RelayIdentity | None = None
         self._identity_key: tuple[int, int] | None = None
         self._identity_bytes = b""
@@ -343,7 +359,8 @@ class Mirror:
             "identity_changes": self.identity_changes,
             "synced": self.synced.is_set(),
             "planes": {
-                p.name: {"live": p.live, "epochs": p.epochs, "version": p.upstream_version}
+                p.name: {"live": p.live, "epochs": p.epochs, "version": p.upstream_version,
+                         "equivalent_resends": p.equivalent_resends}
                 for p in (self.catalog, self.readiness, self.load)
             },
             "plane_ends": dict(self.plane_ends),
