@@ -115,9 +115,8 @@ class PoolReplica:
 
     def _snapshot(self, fu: pb.FilterUpdate, base: int, seq: int) -> FrameInfo:
         rules.chunk_sequence(self.sequence, base, seq)
-        frame = rules.chunk_frame(
-            rules.decode(fu.payload, self.key), self.dc_id, seq, self._assembling_seq
-        )
+        decoded = rules.decode(fu.payload, self.seed, self.bucket_count)
+        frame = rules.chunk_frame(decoded, self.dc_id, seq, self._assembling_seq)
         done = rules.assemble(self._assembler, frame)
         self._assembling_seq = seq
         info = FrameInfo(
@@ -135,7 +134,8 @@ class PoolReplica:
         table, installed = self.table, self.sequence
         rules.delta_sequence(installed, base, seq)
         assert table is not None  # installed together with the sequence
-        frame = rules.delta_frame(rules.decode(fu.payload, self.key), self.dc_id, base, seq)
+        decoded = rules.decode(fu.payload, self.seed, self.bucket_count)
+        frame = rules.delta_frame(decoded, self.dc_id, base, seq)
         table[frame.buckets.astype(np.intp)] = frame.words
         self.sequence = seq
         return FrameInfo(

@@ -63,10 +63,10 @@ def unknown_kind(kind: int) -> NoReturn:
     raise ConsumerViolation(E.UNKNOWN_KIND, str(kind))
 
 
-def decode(payload: bytes, key: ProducerKey) -> cbi1.SnapshotChunk | cbi1.Delta:
+def decode(payload: bytes, seed: int, bucket_count: int) -> cbi1.SnapshotChunk | cbi1.Delta:
     """The frame's CBI1 payload, checked against the subscribed filter's seed and size."""
     try:
-        return cbi1.decode(payload, expected_seed=key.seed, expected_bucket_count=key.bucket_count)
+        return cbi1.decode(payload, expected_seed=seed, expected_bucket_count=bucket_count)
     except cbi1.Cbi1Error as exc:
         raise ConsumerViolation(E.CBI1_PREFIX + exc.reason, str(exc)) from None
 

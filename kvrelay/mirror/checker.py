@@ -107,9 +107,9 @@ class PoolStreamChecker:
     def _chunk(self, f: Frame) -> Installed | None:
         seq = f.sequence
         rules.chunk_sequence(self.sequence, f.base_sequence, seq)
-        frame = rules.chunk_frame(
-            rules.decode(f.payload, self.key), self.key.dc_id, seq, self._assembling
-        )
+        key = self.key
+        decoded = rules.decode(f.payload, key.seed, key.bucket_count)
+        frame = rules.chunk_frame(decoded, key.dc_id, seq, self._assembling)
         if frame.chunk_index == 0:
             self._chunks = []
         done = rules.assemble(self._assembler, frame)
@@ -127,6 +127,8 @@ class PoolStreamChecker:
         installed = self.sequence
         base, seq = f.base_sequence, f.sequence
         rules.delta_sequence(installed, base, seq)
-        d = rules.delta_frame(rules.decode(f.payload, self.key), self.key.dc_id, base, seq)
+        key = self.key
+        decoded = rules.decode(f.payload, key.seed, key.bucket_count)
+        d = rules.delta_frame(decoded, key.dc_id, base, seq)
         self.sequence = seq
         return d
