@@ -8,8 +8,8 @@ proto3 as the official runtime does: unknown fields are skipped, a known field s
 wire type is an unknown field, the last value of a repeated scalar wins. Sub-messages that occur
 twice (protobuf would merge them) are refused: the mirror compares identities as bytes and will
 not vouch for a frame whose identity it would have to merge first. ``parse_filter_update`` is the
-lenient mode of the same reader, for measuring any relay's output (Dynamo's too): only the fields
-a subscriber times, payload as a view, no duplicate or marker checks.
+lenient mode of the same reader, for measuring any relay's output (Dynamo's too): repeated fields
+are not refused.
 """
 
 from __future__ import annotations
@@ -105,8 +105,9 @@ def _bytes(buf: bytes, i: int) -> tuple[bytes, int]:
 _PREFIX_FIELDS = ((1, _VARINT), (2, _LEN), (3, _LEN))
 
 
-def parse_frame(buf: bytes) -> Frame:
-    """Parse one encoded ``FilterUpdate``; raises WireError."""
+def parse_frame(buf: bytes, *, strict: bool = True) -> Frame:
+    """Parse one encoded ``FilterUpdate``; raises WireError. ``strict=False`` (the lenient mode)
+    lets a repeated field's last occurrence win instead of refusing it."""
     version = base = seq = ts = kind = 0
     relay: bytes | None = None
     producer: bytes | None = None
@@ -135,7 +136,7 @@ def parse_frame(buf: bytes) -> Frame:
                 elif field == 7:
                     kind = v
                 elif field == 1:
-                    if seen_version:
+                    if seen_version and strict:
                         raise WireError("protocol_version occurs twice")
                     seen_version = True
                     version = v
@@ -144,11 +145,11 @@ def parse_frame(buf: bytes) -> Frame:
                 if field == 8:
                     payload = data
                 elif field == 2:
-                    if relay is not None:
+                    if relay is not None and strict:
                         raise WireError("relay occurs twice")
                     relay = data
                 elif field == 3:
-                    if producer is not None:
+                    if producer is not None and strict:
                         raise WireError("producer occurs twice")
                     producer = data
             elif wt == _FIXED32 and field == _MARKER_FIELD:
@@ -198,34 +199,10 @@ def parse_envelope(buf: bytes) -> Envelope:
     return Envelope(version, relay, value, marker)
 
 
+
 def parse_filter_update(buf: bytes) -> tuple[int, int, int, int, memoryview]:
-    """``(kind, base_sequence, sequence, send_ts_us, payload)`` of an encoded FilterUpdate, the
-    lenient mode (see the module docstring); raises WireError on bytes that do not parse."""
-    kind = base = seq = ts = 0
-    payload = memoryview(b"")
-    mv = memoryview(buf)
-    n = len(buf)
-    i = 0
-    try:
-        while i < n:
-            key, i = _varint(buf, i)
-            field, wt = key >> 3, key & 7
-            if wt == _VARINT:
-                v, i = _varint(buf, i)
-                if field == 4:
-                    base = v
-                elif field == 5:
-                    seq = v
-                elif field == 6:
-                    ts = v
-                elif field == 7:
-                    kind = v
-            elif wt == _LEN and field == 8:
-                ln, i = _varint(buf, i)
-                payload = mv[i : i + ln]
-                i += ln
-            else:
-                i = _skip(buf, i, wt)
-    except IndexError:
-        raise WireError("truncated message") from None
-    return kind, base, seq, ts, payload
+    """``(kind, base_sequence, sequence, send_ts_us, payload)`` of an encoded FilterUpdate: the
+    lenient mode of ``parse_frame``, for measuring any relay's output without judging it;
+    raises WireError on bytes that do not parse."""
+    f = parse_frame(buf, strict=False)
+    return f.kind, f.base_sequence, f.sequence, f.send_ts_us, memoryview(f.payload)
