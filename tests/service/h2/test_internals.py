@@ -7,6 +7,7 @@ here with its name instead of slowing the relay down unnoticed.
 
 from __future__ import annotations
 
+import ast
 import socket
 import tomllib
 from pathlib import Path
@@ -17,6 +18,7 @@ from grpclib.client import Channel
 from grpclib.const import Cardinality, Handler
 from grpclib.encoding.base import CodecBase
 
+import kvrelay
 from kvrelay.service.h2.internals import INSTANCE_NEEDS, missing, missing_in_classes
 from kvrelay.service.h2.writer import StreamWriter
 
@@ -102,3 +104,31 @@ def test_h2_is_a_bounded_dependency_next_to_grpclib() -> None:
     for name in ("grpclib", "h2"):
         [spec] = [d for d in deps if d.split(">")[0].split("<")[0].split("=")[0] == name]
         assert ">=" in spec and "<" in spec.replace("<=", ""), spec
+
+
+def _imports(path: Path) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return out
+
+
+def test_no_module_outside_service_h2_imports_h2_or_grpclib_internals() -> None:
+    """The SDK (``client/``) may catch h2's public exceptions; nothing else touches h2 or
+    grpclib's protocol layer."""
+    root = Path(kvrelay.__file__).resolve().parent
+    private = ("h2", "grpclib.protocol", "grpclib.stream")
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).parts
+        if rel[:2] == ("service", "h2"):
+            continue
+        for mod in sorted(_imports(path)):
+            if any(mod == p or mod.startswith(p + ".") for p in private):
+                if rel[0] == "client" and mod == "h2.exceptions":
+                    continue
+                bad.append(f"{'/'.join(rel)} imports {mod}")
+    assert not bad, "\n".join(bad)
