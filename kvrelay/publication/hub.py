@@ -16,6 +16,13 @@ and tells the producer how far apart to cut publications meanwhile (``publicatio
 what each joiner still has to read and its free queue slots); it calls ``on_hold_released`` when
 the last one caught up, so what was held back goes out at once.
 
+Snapshots on one connection go out one stream after another (``service/h2/bulk.py``). A joiner
+whose cut is ready but whose turn on its connection has not come (``turn``) holds nothing back:
+its clocks have not started (the progress timer runs from its turn, and it is no joiner for
+``publication_hold``), and deltas published meanwhile are not queued for it; they make its cut
+stale, and at its turn a stale cut is replaced by one at the current sequence, before its first
+byte. A stream that failed while it waited gives up its turn unsent.
+
 A stream that ends with an error while its client is not reading keeps the error pending: the send
 in flight completes when the client reads again, then the stream ends with the status (the frames
 already sent come first). A client that does not read for ``stalled_stream_reset_s`` after that
@@ -56,6 +63,8 @@ SendBatch = Callable[[list[bytes]], Awaitable[None]]
 SendParts = Callable[[Sequence[bytes]], Awaitable[None]]
 #: Writes one frame at once if the transport takes it without waiting (True), else does nothing.
 SendNow = Callable[[bytes], bool]
+#: Returns once this stream's turn to write a snapshot chunk on its connection has come.
+Turn = Callable[[], Awaitable[None]]
 Reset = Callable[[], None]
 
 
@@ -141,6 +150,7 @@ class PublicationHub:
         self.direct_frames = 0  # deltas written by the publisher itself (see Subscription._offer)
         self.snapshots_served = 0  # subscribers given a snapshot
         self.snapshots_built = 0  # snapshot encodes (shared by joiners at one sequence)
+        self.recuts = 0  # cuts replaced at a stream's turn (deltas came while it waited)
 
     # --- state ---
     @property
@@ -383,8 +393,10 @@ class Subscription:
         "_send_now",
         "_snapshot",
         "_snapshot_left",
+        "_stale",
         "_task",
         "_waiter",
+        "_waiting",
         "_watchdog",
         "start_sequence",
     )
@@ -416,6 +428,8 @@ class Subscription:
         self._task: asyncio.Task[None] | None = None
         self._reset: Reset | None = None
         self._watchdog: asyncio.TimerHandle | None = None
+        self._waiting = False  # cut ready, waiting for its turn: deltas are not queued
+        self._stale = False  # a delta was published while it waited: its cut is behind
 
     @property
     def error(self) -> RelayError | None:
@@ -428,6 +442,9 @@ class Subscription:
 
     # --- called by the hub (synchronous, never blocks) ---
     def _offer(self, frame: bytes, cost: int, seq: int) -> None:
+        if self._waiting:
+            self._stale = True  # not sent a byte yet: the cut is taken again at its turn
+            return
         if self._parked and not self._frames:
             # The pump is idle and nothing is queued before this frame: write it now, in order,
             # without waking the pump (one task switch and one grpclib pass less per frame).
@@ -519,6 +536,7 @@ class Subscription:
         send_parts: SendParts | None = None,
         *,
         send_now: SendNow | None = None,
+        turn: Turn | None = None,
     ) -> None:
         """Send snapshot, deltas and heartbeats until EOF (return) or error (RelayError).
 
@@ -529,7 +547,9 @@ class Subscription:
         transport stream (used only when a client stalls past the grace). With ``send_now``, a
         delta published while this pump is idle is written by the publisher itself when the
         transport can take it at once (see ``_offer``); the pump then only wakes for
-        heartbeats, queued frames and the end of the stream.
+        heartbeats, queued frames and the end of the stream. With ``turn``, each snapshot chunk
+        waits for the stream's turn on its connection before its progress timer starts (see
+        the module docstring: a cut that went stale meanwhile is taken again).
         """
         loop = asyncio.get_running_loop()
         self._loop = loop
@@ -538,17 +558,15 @@ class Subscription:
         hub = self._hub
         limits = hub.limits
         encoder = hub.encoder
-        try:
-            # shield: this stream being cancelled must not cancel a build other subscribers share
-            payloads = await asyncio.shield(self._snapshot)
-        except RelayError:
-            raise
-        except Exception as exc:  # encoder bug: never a half-sent snapshot
-            raise RelayError.internal(f"snapshot encoding failed: {exc!r}") from exc
+        payloads = await self._payloads()
+        if turn is not None:
+            payloads = await self._take_turn(turn, payloads)
         timeout = limits.snapshot_progress_timeout_s
         seq0 = self.start_sequence
         self._snapshot_left = sum(len(p) for p in payloads)
-        for payload in payloads:
+        for i, payload in enumerate(payloads):
+            if i and turn is not None:
+                await turn()  # the progress timer runs from the turn
             if self._check():
                 return
             handle = loop.call_later(timeout, self._on_snapshot_timeout)
@@ -619,6 +637,40 @@ class Subscription:
                 continue
             await send(encoder.heartbeat(self._last_seq))
             self._last_sent = loop.time()
+
+    async def _payloads(self) -> list[bytes]:
+        try:
+            # shield: this stream being cancelled must not cancel a build other subscribers share
+            return await asyncio.shield(self._snapshot)
+        except RelayError:
+            raise
+        except Exception as exc:  # encoder bug: never a half-sent snapshot
+            raise RelayError.internal(f"snapshot encoding failed: {exc!r}") from exc
+
+    async def _take_turn(self, turn: Turn, payloads: list[bytes]) -> list[bytes]:
+        """Wait for this stream's turn on its connection without holding anything back: no
+        deltas queued (they only make the cut stale), no joiner for the hub's spacing. At the
+        turn, a stale cut is replaced by one at the current sequence, once; the queue then
+        starts over. Returns the payloads to send (an ended stream sends none)."""
+        hub = self._hub
+        self._waiting = True
+        hub._caught_up(self)
+        try:
+            await turn()
+            if self._check() or not self._stale:
+                return payloads
+            self._frames.clear()  # continuations of the old cut
+            self._bytes = 0
+            snapshot = await hub._snapshot_at_current_sequence()  # deltas still dropped
+            self.start_sequence = self._last_seq = hub.sequence  # the cut's (no await between)
+            self._snapshot = snapshot
+            hub.recuts += 1
+        finally:
+            self._waiting = False
+            self._stale = False
+            if not self.ended:
+                hub._joining.add(self)
+        return await self._payloads()
 
     def shutdown(self) -> None:
         """End this stream with a clean EOF (relay shutdown)."""

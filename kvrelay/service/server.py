@@ -307,6 +307,7 @@ class KvEventRelayService:
                 writer.reset,
                 writer.bulk,
                 send_now=writer.send_now,
+                turn=None if writer.bulk is None else writer.bulk.acquire,
             )
         finally:
             if writer is not None:
