@@ -39,7 +39,7 @@ from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION
 from kvrelay.logging import get_logger
 from kvrelay.mirror.checker import relay_key
 from kvrelay.mirror.plane import MirrorPlane, PlaneViolation
-from kvrelay.mirror.pool import MirrorPool, PoolContext, PoolState
+from kvrelay.mirror.pool import HOLD_TTL_S, MirrorPool, PoolContext, PoolState
 from kvrelay.mirror.settings import MirrorSettings
 from kvrelay.mirror.upstream import Upstream, upstream_error
 from kvrelay.publication.hub import PublicationHub, Subscription
@@ -126,6 +126,20 @@ class Mirror:
         deadline = asyncio.get_running_loop().time() + self.settings.sync_wait_s
         return await pool.admit(on_release, deadline)
 
+    async def hold_pool(
+        self, expected: pb.ProducerIdentity, requester: str, seconds: float
+    ) -> float:
+        """A mirror of this mirror asks for spacing: its local hub takes the request like a
+        joiner's, and this mirror passes the need on to its own upstream (``MirrorPool``)."""
+        pool = self._pools.get(producer_key(expected))
+        hub = None if pool is None else pool.hub
+        if hub is None:
+            raise RelayError.publication_unavailable("the mirror does not serve this pool now")
+        granted = hub.request_hold(requester, seconds, HOLD_TTL_S)
+        assert pool is not None
+        pool._space(hub)
+        return granted
+
     # ------------------------------------------------------------------ pools
     def _room(self) -> bool:
         active = sum(1 for p in self._pools.values() if p.state is not PoolState.GONE)
@@ -164,6 +178,7 @@ class Mirror:
         self._retired["installs"] += pool.installs
         self._retired["deltas"] += pool.deltas
         self._retired["lagged"] += pool.lagged
+        self._retired["holds_sent"] += pool.holds_sent
         for k, v in pool.ends.items():
             self._retired[f"end_{k}"] += v
         for k, v in pool.violations.items():
@@ -347,7 +362,7 @@ class Mirror:
         pools = {}
         for key, pool in self._pools.items():
             pools[f"{key.routing_scope_digest.hex()[:8]}/{key.layout_generation}"] = pool.stats()
-            for name in ("attempts", "installs", "deltas", "lagged"):
+            for name in ("attempts", "installs", "deltas", "lagged", "holds_sent"):
                 totals[name] += int(getattr(pool, name))
             for k, v in pool.ends.items():
                 totals[f"end_{k}"] += v

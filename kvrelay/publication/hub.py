@@ -54,6 +54,9 @@ INLINE_SNAPSHOT_BUCKETS = 1 << 16
 #: Yield to the event loop after this many frames sent back to back.
 YIELD_EVERY = 8
 
+#: Downstream relays whose spacing requests a hub remembers at once (the rest are refused).
+MAX_HOLD_REQUESTERS = 64
+
 #: At most this many queued delta frames / bytes go out in one coalesced write.
 BATCH_FRAMES = 16
 BATCH_BYTES = 512 * 1024
@@ -117,10 +120,14 @@ class PublicationHub:
         encode_gate: asyncio.Semaphore | None = None,
         cut: list[bytes] | None = None,
         vouch: Callable[[], bool] | None = None,
+        late_cut: bool = False,
     ) -> None:
         """``cut``: CBI1 chunk payloads of ``table`` at ``sequence``, already encoded (shared by
         the first joiners instead of a new encode). ``vouch``: called before each heartbeat; a
-        heartbeat claims the stream is current, so it is withheld while this returns False."""
+        heartbeat claims the stream is current, so it is withheld while this returns False.
+        ``late_cut``: a joiner's deltas are not queued while its snapshot is being built either
+        (a mirror: its upstream's spacing, asked for when the joiner came, is not in effect yet);
+        a cut that went stale meanwhile is taken again when its stream begins to send."""
         if table.shape != (bucket_count,):
             raise ValueError(f"table shape {table.shape} != ({bucket_count},)")
         self.encoder = encoder
@@ -143,6 +150,7 @@ class PublicationHub:
             done.set_result(list(cut))
             self._snapshot = (sequence, done)
         self.vouch = vouch
+        self.late_cut = late_cut
         self._retired = False
         self.idle_since: float | None = time.monotonic()  # None while someone subscribes
         self.resets = 0
@@ -151,6 +159,8 @@ class PublicationHub:
         self.snapshots_served = 0  # subscribers given a snapshot
         self.snapshots_built = 0  # snapshot encodes (shared by joiners at one sequence)
         self.recuts = 0  # cuts replaced at a stream's turn (deltas came while it waited)
+        self._holds: dict[str, tuple[float, float]] = {}  # requester → (seconds, until)
+        self.holds_requested = 0  # spacing requests of downstream relays (request_hold)
 
     # --- state ---
     @property
@@ -188,8 +198,9 @@ class PublicationHub:
         ``snapshot_publication_delay_s``]. A fast reader shortens its own hold as it goes; the
         other subscribers' deltas are up to that much later; nothing is dropped or merged.
         """
+        held = self._requested_hold() if self._holds else 0.0
         if not self._joining:
-            return 0.0
+            return held
         lim = self.limits
         longest = lim.snapshot_publication_delay_s
         need = 0.0  # bytes to read per free slot, for the joiner that needs most
@@ -199,7 +210,33 @@ class PublicationHub:
                 return longest
             need = max(need, (sub._snapshot_left + sub._bytes) / spare)
         spacing = need / lim.snapshot_reader_bytes_per_second
-        return min(longest, max(lim.publication_delay_s, spacing))
+        return max(held, min(longest, max(lim.publication_delay_s, spacing)))
+
+    def request_hold(self, requester: str, seconds: float, ttl_s: float) -> float:
+        """A downstream relay that serves this lane to joiners of its own (a mirror: every
+        fan-out worker) asks for the spacing its joiners need, since it forwards this hub's
+        sequences and cannot space them itself. Honoured like a joiner of this hub: at most
+        ``snapshot_publication_delay_s``, for ``ttl_s`` unless renewed; 0 ends the request.
+        Returns the spacing granted (RESOURCE_LIMIT past ``MAX_HOLD_REQUESTERS``)."""
+        now = time.monotonic()
+        self._holds = {k: v for k, v in self._holds.items() if v[1] > now}
+        granted = min(max(0.0, seconds), self.limits.snapshot_publication_delay_s)
+        self.holds_requested += 1
+        if granted <= 0.0:
+            ended = self._holds.pop(requester, None) is not None and not self._requested_hold()
+            if ended and not self._joining and self.on_hold_released is not None:
+                self.on_hold_released()
+            return 0.0
+        if requester not in self._holds and len(self._holds) >= MAX_HOLD_REQUESTERS:
+            raise RelayError.resource_limit(
+                f"publication hold requesters limit {MAX_HOLD_REQUESTERS} reached"
+            )
+        self._holds[requester] = (granted, now + ttl_s)
+        return granted
+
+    def _requested_hold(self) -> float:
+        now = time.monotonic()
+        return max((s for s, until in self._holds.values() if until > now), default=0.0)
 
     # --- producer side ---
     def publish(self, sequence: int, buckets: npt.ArrayLike, words: npt.ArrayLike) -> None:
@@ -428,7 +465,7 @@ class Subscription:
         self._task: asyncio.Task[None] | None = None
         self._reset: Reset | None = None
         self._watchdog: asyncio.TimerHandle | None = None
-        self._waiting = False  # cut ready, waiting for its turn: deltas are not queued
+        self._waiting = hub.late_cut  # not sending yet: deltas are not queued (see _take_turn)
         self._stale = False  # a delta was published while it waited: its cut is behind
 
     @property
@@ -559,7 +596,7 @@ class Subscription:
         limits = hub.limits
         encoder = hub.encoder
         payloads = await self._payloads()
-        if turn is not None:
+        if turn is not None or self._waiting:
             payloads = await self._take_turn(turn, payloads)
         timeout = limits.snapshot_progress_timeout_s
         seq0 = self.start_sequence
@@ -647,16 +684,17 @@ class Subscription:
         except Exception as exc:  # encoder bug: never a half-sent snapshot
             raise RelayError.internal(f"snapshot encoding failed: {exc!r}") from exc
 
-    async def _take_turn(self, turn: Turn, payloads: list[bytes]) -> list[bytes]:
+    async def _take_turn(self, turn: Turn | None, payloads: list[bytes]) -> list[bytes]:
         """Wait for this stream's turn on its connection without holding anything back: no
         deltas queued (they only make the cut stale), no joiner for the hub's spacing. At the
         turn, a stale cut is replaced by one at the current sequence, once; the queue then
         starts over. Returns the payloads to send (an ended stream sends none)."""
         hub = self._hub
         self._waiting = True
-        hub._caught_up(self)
         try:
-            await turn()
+            if turn is not None:
+                hub._caught_up(self)
+                await turn()
             if self._check() or not self._stale:
                 return payloads
             self._frames.clear()  # continuations of the old cut
