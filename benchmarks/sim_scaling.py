@@ -21,13 +21,14 @@ Prints the table and writes ``results/scaling_model.{json,md}``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from typing import Any
 
 import numpy as np
 
-from benchmarks._common import RESULTS, machine, write_json
+from benchmarks._common import RESULTS, machine, results_dir, write_json
 
 UTIL_OK = 0.6
 DEFAULTS = {"frame_us": 28.0, "mirror_delta_us": 60.0, "ingest_events_per_core": 800_000.0}
@@ -131,7 +132,10 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="write to .work/smoke (same model)")
+    smoke = ap.parse_args(argv).smoke
     inputs = measured()
     res = {
         "benchmark": "scaling_model", "machine": machine(), "inputs": inputs,
@@ -139,9 +143,10 @@ def main() -> int:
         "max_routers": {str(c): {str(d): max_routers(inputs, c, d) for d in DELTAS_PER_S}
                         for c in CORES},
     }  # fmt: skip
-    write_json(RESULTS / "scaling_model.json", res)
+    out = results_dir(smoke)
+    write_json(out / "scaling_model.json", res)
     md = markdown(res)
-    (RESULTS / "scaling_model.md").write_text(md)
+    (out / "scaling_model.md").write_text(md)
     print(md)
     return 0
 
