@@ -198,8 +198,11 @@ def render(path: Path) -> None:
     res = json.loads(path.read_text())
     md = heavy_markdown(res)
     if res.get("latency"):
-        png = heavy_plot(res, path.with_suffix(".png"))
-        md += f"\n![{path.stem}]({png.name})\n"
+        try:
+            png = heavy_plot(res, path.with_suffix(".png"))
+            md += f"\n![{path.stem}]({png.name})\n"
+        except ImportError as exc:  # matplotlib: the `bench` extra (make bench installs it)
+            log(f"no plot: {exc}")
     path.with_suffix(".md").write_text(md)
     print(md)
     log(f"wrote {path.with_suffix('')}.{{json,md,png}}")

@@ -342,7 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     write_json(out_json, res)
     md = sbs_markdown(res)
     if not res.get("skipped"):
-        md += f"\n![side_by_side]({plot(res, out_json.with_suffix('.png')).name})\n"
+        try:
+            md += f"\n![side_by_side]({plot(res, out_json.with_suffix('.png')).name})\n"
+        except ImportError as exc:  # matplotlib: the `bench` extra (make bench installs it)
+            log(f"no plot: {exc}")
     out_json.with_suffix(".md").write_text(md)
     print(md)
     return 1 if res.get("skipped") else 0
