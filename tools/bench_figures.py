@@ -1,14 +1,14 @@
 """Benchmark figures quoted in README.md and docs/*.md against the committed results.
 
-The convention (benchmarks/README.md, "Quoting a figure"): a paragraph or table row that quotes
-a measured figure names the result it comes from, ``benchmarks/results/NAME.md`` (or ``.json``;
-``results/NAME.md`` and ``NAME[-full].md`` for both variants are understood), as a link or in
-code; a table quotes what the paragraph just above it names. Every number with a unit in such a
-paragraph (``400,800 block events/s``, ``0.3–1.1 ms``, ``1.6M``, ``0.26×``, ``14.3 B``,
-``85 MiB``, ``2.5%``, ``0.18 cores``; both ends of a range) must then be found in one of the named results: a number in its Markdown, or a numeric value in its
-JSON, equal at the precision quoted (``1.6M`` matches 1,600,523; ``0.26`` matches 0.2561).
-Figures in paragraphs that name no result are not taken for measurements (targets, defaults,
-limits).
+The convention (benchmarks/README.md, "Quoting a figure"): a paragraph or table row that quotes a
+measured figure names the result it comes from, ``benchmarks/results/NAME.md`` (or ``.json``;
+``results/NAME.md`` and ``NAME[-full].md`` for both variants are understood), as a link or in code;
+a table quotes what the paragraph just above it names. Every number with a unit in such a paragraph
+(``400,800 block events/s``, ``0.3–1.1 ms``, ``1.6M``, ``0.26×``, ``14.3 B``, ``85 MiB``, ``2.5%``,
+``0.18 cores``; both ends of a range) must then be found in one of the named results: a number in
+its Markdown, or a numeric value in its JSON, equal at the precision quoted (``1.6M`` matches
+1,600,523; ``0.26`` matches 0.2561). Figures in paragraphs that name no result are not taken for
+measurements (targets, defaults, limits).
 
 A paragraph that names a result only for context (it states criteria, not measurements) says
 so with ``<!-- bench-figures: none -->``.
