@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             [PY, "-m", "benchmarks.side_by_side", *(["--full"] if a.full else [])], cwd=ROOT
         )
         if a.full:  # the heavy-load side by side (~15 min) only with the full sweep
-            rc = subprocess.call([PY, "-m", "benchmarks.side_by_side", "--heavy"], cwd=ROOT) or rc
+            rc = subprocess.call([PY, "-m", "benchmarks.side_by_side", "--heavy", "--repeats",
+                                  "3"], cwd=ROOT) or rc
         return rc
     return 0
 
