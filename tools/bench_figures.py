@@ -8,7 +8,8 @@ a table quotes what the paragraph just above it names. Every number with a unit 
 ``0.18 cores``; both ends of a range) must then be found in one of the named results: a number in
 its Markdown, or a numeric value in its JSON, equal at the precision quoted (``1.6M`` matches
 1,600,523; ``0.26`` matches 0.2561). Figures in paragraphs that name no result are not taken for
-measurements (targets, defaults, limits).
+measurements (targets, defaults, limits), except ingest rates (``… block events/s``, ``events/s``,
+``ev/s``): kvrelay's headline kind of figure, which must always name the result it comes from.
 
 A paragraph that names a result only for context (it states criteria, not measurements) says
 so with ``<!-- bench-figures: none -->``.
@@ -37,6 +38,8 @@ UNITS = ("block events/s", "events/s", "ev/s", "req/s", "frames/s", "deltas/s", 
          "bytes", "MiB", "GiB", "KiB", "MB/s", "ms", "µs", "us", "cores", "core", "×", "%", "s",
          "B")
 SKIP_MARK = "<!-- bench-figures: none -->"
+#: figures that are always taken for measurements: they must name their result
+RATE_UNITS = ("block events/s", "events/s", "ev/s")
 _NUM = r"(\d{1,3}(?:,\d{3})+|\d+(?:\.\d+)?)"
 _SUFFIX = r"(?:\s?([kKM])(?![a-zA-Z]))?"
 _UNIT = "|".join(re.escape(u) for u in UNITS)
@@ -73,10 +76,17 @@ def _stems(ref: str) -> list[str]:
     return [ref]
 
 
+ITEM_RE = re.compile(r"(?:[*-]|\d+\.) ")
+
+
 def paragraphs(text: str) -> Iterator[tuple[int, str]]:
-    """(first line number, text) of each paragraph; every table row counts as one."""
+    """(first line number, text) of each paragraph; every table row and every top-level list
+    item counts as one."""
     start, buf = 1, []
     for i, line in enumerate([*text.splitlines(), ""], 1):
+        if ITEM_RE.match(line) and buf:
+            yield start, "\n".join(buf)
+            buf, start = [], i
         if line.lstrip().startswith("|"):
             if buf:
                 yield start, "\n".join(buf)
@@ -109,12 +119,14 @@ def figures(doc: Path) -> Iterator[Figure]:
             stems = stems or caption
         else:
             caption = [] if SKIP_MARK in para else stems
-        if not stems or SKIP_MARK in para:
+        if SKIP_MARK in para or para.lstrip().startswith("#"):
             continue
         for m in FIGURE_RE.finditer(_strip(para)):
             a, sa, b, sb, unit = m.groups()
             if unit is None and not (sa or sb):
                 continue  # a bare number (a count, a year, a step): not a figure
+            if not stems and unit not in RATE_UNITS:
+                continue
             for num, suf in ((a, sa or sb), (b, sb)):
                 if num is None:
                     continue
@@ -158,6 +170,7 @@ def result_numbers(stem: str) -> tuple[float, ...] | None:
 
 
 def found(fig: Figure) -> bool:
+    """In one of the results its paragraph names (never, when it names none)."""
     for stem in fig.results:
         nums = result_numbers(stem)
         if nums and any(abs(x - fig.value) <= fig.tolerance * 1.0001 for x in nums):
@@ -229,7 +242,8 @@ def main() -> int:
         return 0
     missing, unknown = check()
     for fig in missing:
-        print(f"{fig.doc}:{fig.line}: {fig.text!r} not in {', '.join(fig.results)}")
+        print(f"{fig.doc}:{fig.line}: {fig.text!r} not in "
+              f"{', '.join(fig.results) or 'any result: the paragraph names none'}")
     for u in unknown:
         print(u)
     n = sum(1 for d in documents() for _ in figures(d))

@@ -7,7 +7,7 @@ pointed at a temporary directory: a smoke run writes to ``<work>/smoke``, and no
 the committed ``benchmarks/results``.
 
 Two tiers (benchmarks/README.md, "Smoke runs"): the in-process scripts and renders always run
-(~20 s); the ones that start relays, engines and subscriber processes (~3 min together on two
+(~20 s); the ones that start relays, engines and subscriber processes (2.5-4 min together on two
 busy cores) run with ``KVRELAY_BENCH_SMOKE=1`` (``make bench-smoke``). Those that need Dynamo's
 ``.venv-dynamo`` or root for a network namespace skip with the reason when it is missing.
 """

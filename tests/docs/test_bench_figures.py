@@ -37,15 +37,18 @@ def test_a_figure_the_results_do_not_hold_is_caught(tmp_path: Path) -> None:
         "| it sustained | 50,797 block events/s |\n\n"
         "A criterion paragraph naming results/relay_e2e.md <!-- bench-figures: none --> "
         "above 2 × 25 ms.\n\n"
-        "No result named: 400,800 block events/s.\n")
+        "No result named: 400,800 block events/s, 20 ms.\n\n"
+        "- a list item naming results/relay_e2e.md: 50,797 block events/s\n"
+        "- the next item names none: 3 ms\n")
     figs = list(bf.figures(doc))
-    bad = sorted(f.text for f in figs if not bf.found(f))
+    bad = sorted((f.text, f.results) for f in figs if not bf.found(f))
     # 400,800 was the README's figure from an older run: relay_e2e holds 50,797 (and 0.329,
     # 1.116, 1.182); the table quotes what the paragraph above it names; the marked paragraph
-    # and the one that names no result are not read
-    assert bad == ["400,800 block events/s"]
-    assert {f.text for f in figs} == {"400,800 block events/s", "0.33 ms", "1.1–1.2 ms",
-                                      "50,797 block events/s"}
+    # is not read; in a paragraph that names no result only an ingest rate counts, and fails
+    assert bad == [("400,800 block events/s", ()), ("400,800 block events/s", ("relay_e2e",))]
+    assert sorted(f.text for f in figs) == [  # a range gives one figure per end
+        "0.33 ms", "1.1–1.2 ms", "1.1–1.2 ms", "400,800 block events/s",
+        "400,800 block events/s", "50,797 block events/s", "50,797 block events/s"]
 
 
 def test_precision_is_the_quoted_one(tmp_path: Path) -> None:
