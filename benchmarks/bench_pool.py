@@ -158,11 +158,11 @@ class Workload:
         return b, blocks
 
 
-def bench_apply(quick: bool) -> dict[str, Any]:
+def bench_apply(quick: bool, smoke: bool = False) -> dict[str, Any]:
     members, bs = 4, 16
     pool = Pool(524_288, SEED, bs, 1)
     mids = [pool.add_member(10 + i, 0) for i in range(members)]
-    live_target = 40_000 if quick else 120_000
+    live_target = 4_000 if smoke else 40_000 if quick else 120_000
     wl = Workload(members, bs, prefixes=20_000, live_target=live_target, seed=3)
     # warm-up to steady state (compiles the kernel on the first call)
     while min(len(s) for s in wl.live) < live_target:
@@ -171,7 +171,7 @@ def bench_apply(quick: bool) -> dict[str, Any]:
             res = pool.apply(mid, b)
             assert res.events_rejected == 0, res.errors[:3]
     pool.take_publication()
-    rounds = 3 if quick else 8
+    rounds = 1 if smoke else 3 if quick else 8
     big = [[wl.batch(i, 4000) for i in range(members)] for _ in range(rounds)]
     t_total = 0.0
     c_total = 0.0
@@ -189,7 +189,7 @@ def bench_apply(quick: bool) -> dict[str, Any]:
     big_rate = blocks / t_total
     big_cpu_rate = blocks / c_total
     # vLLM-sized batches: ~2 stores (+16 removes) per engine message, through Pool.apply
-    small = [wl.batch(i % members, 2) for i in range(4000 if quick else 20000)]
+    small = [wl.batch(i % members, 2) for i in range(400 if smoke else 4000 if quick else 20000)]
     t = time.perf_counter()
     c = time.process_time()
     sb = 0
@@ -323,7 +323,7 @@ def main() -> None:
             f"{k['contains_miss_keys_per_s'] / 1e6:.1f} M/s, remove "
             f"{k['remove_keys_per_s'] / 1e6:.1f} M/s (fpr {k['false_positive_rate']:.5f})"
         )
-    out["apply"] = bench_apply(args.quick)
+    out["apply"] = bench_apply(args.quick, args.smoke)
     a = out["apply"]
     print(
         f"apply: {a['block_events_per_s_large_batches'] / 1e6:.2f} M block events/s wall, "
