@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,11 @@ pytestmark = pytest.mark.slow
 
 PY = ".venv/bin/python"
 RATE, SECONDS, PROBE_HZ = 10_000.0, 0.3, 1000.0
+# resident chains: a run (at most ~190 batches of one chain) stores more than this, so chains
+# are removed and the final-state check sees removals, but less than the 2 × CHAINS the loadgen
+# cycles through, so the working set after a run is never the one before it (the check would
+# pass on the old snapshot, before the run's delta arrived)
+CHAINS = 128
 
 
 class Rig:
@@ -47,7 +53,7 @@ class Rig:
         self.stats_file = work / "stats.json"
         self.lg = Proc("probecheck-loadgen", [
             PY, "-m", "benchmarks._loadgen", "--port", str(lg_port),
-            "--working-set-chains", "64", "--probes", "1000", "--probe-hz", str(PROBE_HZ),
+            "--working-set-chains", str(CHAINS), "--probes", "1000", "--probe-hz", str(PROBE_HZ),
             "--probe-file", str(self.probe_file), "--state-file", str(self.state_file)],
             stdin=True)  # fmt: skip
         self.lg.expect("BOUND", 60)
@@ -68,6 +74,16 @@ class Rig:
     def ingested(self) -> int:
         return int(counters(final_stats(self.relay, self.stats_file))["ingest_blocks"])
 
+    def ingested_since(self, before: int, want: int, timeout: float = 60.0) -> int:
+        """Block events the relay ingested since ``before``, once it has ingested ``want`` (or
+        what it had at the deadline): the last message may still be on its way."""
+        deadline = time.monotonic() + timeout
+        got = self.ingested() - before
+        while got < want and time.monotonic() < deadline:
+            time.sleep(0.1)
+            got = self.ingested() - before
+        return got
+
     def point(self, tag: str, *extra: str) -> tuple[dict[str, Any], dict[str, Any], int]:
         """One run with a probe subscriber whose final-state check must pass: what the loadgen
         sent, what the subscriber saw, the block events the relay ingested meanwhile."""
@@ -83,7 +99,7 @@ class Rig:
             sent = self.run(PROBE_HZ, *extra)
             sub.p.send_signal(signal.SIGUSR1)
             sub.expect("CHECK_COMPLETE", 60)  # the replica holds every block the engine holds
-            ingested = self.ingested() - before
+            ingested = self.ingested_since(before, int(sent["block_events"]))
         finally:
             sub.stop(30)
         self.next_probe = int(sent["next_probe"])
@@ -117,7 +133,7 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
 def test_flush_at_the_end_loses_probes_the_relay_delivered(rig: Rig) -> None:
     sent, res, ingested = rig.point("flush", "flush")  # the old end of a run
     probes = _probes(sent)
-    assert len(probes) >= 100
+    assert len(probes) >= 10  # one per loadgen batch at most: fewer on a busy machine
     lost = [p for p in probes if p not in _found(res)]
     assert lost, "the stores and the removal of the last probes went out in one delta"
     assert probes[-1] in lost  # the losses are at the end of the run
@@ -134,7 +150,7 @@ def test_flush_at_the_end_loses_probes_the_relay_delivered(rig: Rig) -> None:
 def test_removals_wait_for_the_next_run_and_every_probe_is_seen(rig: Rig) -> None:
     sent, res, ingested = rig.point("deferred")
     probes = _probes(sent)
-    assert len(probes) >= 100
+    assert len(probes) >= 10  # one per loadgen batch at most: fewer on a busy machine
     assert int(sent["probes_pending_removal"]) == len(probes)  # nothing removed at the end
     assert ingested == int(sent["block_events"])
     assert set(probes) <= _found(res)  # through the same coalescing relay
