@@ -15,6 +15,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from benchmarks._common import PY, RESULTS, ROOT, machine
 from benchmarks._load import load_at_start, warn_if_loaded
@@ -47,11 +48,12 @@ def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] all: {msg}", flush=True)
 
 
-def provenance_problems(commit: str) -> tuple[list[str], list[str]]:
+def provenance_problems(commit: str, results: Path = RESULTS) -> tuple[list[str], list[str]]:
     """(results not from ``commit`` with a clean tree, results from a machine not quiet)."""
     stale, loaded = [], []
-    for path in sorted(RESULTS.glob("*.json")):
-        m = json.loads(path.read_text()).get("machine")
+    for path in sorted(results.glob("*.json")):
+        doc = json.loads(path.read_text())
+        m = doc.get("machine") if isinstance(doc, dict) else None
         m = m if isinstance(m, dict) else {}
         if m.get("git_commit") != commit or m.get("git_dirty"):
             dirty = " + local changes" if m.get("git_dirty") else ""

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 
+from benchmarks._all import STEPS, provenance_problems
 from benchmarks._common import RESULTS
 from benchmarks._heavy_report import (
     heavy_markdown,
@@ -91,3 +93,24 @@ def test_a_loaded_machine_is_warned_about(capsys: pytest.CaptureFixture[str]) ->
     text = warn_if_loaded(block, "bench")
     assert text is not None and "not quiet" in text and text in capsys.readouterr().err
     assert warn_if_loaded(assess(0.0, 0, 2, None), "bench") is None
+
+
+def test_regeneration_covers_every_committed_result() -> None:
+    written = {stem for _, _, stems in STEPS for stem in stems}
+    assert written == {p.stem for p in RESULTS.glob("*.json")}
+
+
+def test_provenance_problems(tmp_path: Path) -> None:
+    def result(name: str, **machine: object) -> None:
+        (tmp_path / f"{name}.json").write_text(json.dumps({"machine": machine}))
+
+    result("ok", git_commit="abc1234", git_dirty=False, quiet=True)
+    result("loaded", git_commit="abc1234", git_dirty=False, quiet=False,
+           not_quiet_because="1-min load average 7.7")
+    result("old", git_commit="0000000", git_dirty=False, quiet=True)
+    result("dirty", git_commit="abc1234", git_dirty=True, quiet=True)
+    (tmp_path / "none.json").write_text(json.dumps([1, 2]))  # no machine block at all
+    stale, loaded = provenance_problems("abc1234", tmp_path)
+    assert stale == ["dirty.json: commit abc1234 + local changes", "none.json: commit None",
+                     "old.json: commit 0000000"]
+    assert loaded == ["loaded.json: 1-min load average 7.7"]
