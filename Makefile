@@ -65,7 +65,7 @@ bench: $(STAMP)
 
 # Every benchmark script once in its --smoke mode (seconds each, tiny sizes, nothing written to
 # benchmarks/results): the in-process ones run in `make test` too, this adds the ones that start
-# relays, engines and subscribers (~3 min; the Dynamo ones when .venv-dynamo and root are there).
+# relays, engines and subscribers (3-6 min; the Dynamo ones when .venv-dynamo and root are there).
 .PHONY: bench-smoke
 bench-smoke: $(STAMP)
 	$(PY) -m kvrelay warm

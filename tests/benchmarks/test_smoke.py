@@ -7,7 +7,7 @@ pointed at a temporary directory: a smoke run writes to ``<work>/smoke``, and no
 the committed ``benchmarks/results``.
 
 Two tiers (benchmarks/README.md, "Smoke runs"): the in-process scripts and renders always run
-(~20 s); the ones that start relays, engines and subscriber processes (2.5-4 min together on two
+(~20 s); the ones that start relays, engines and subscriber processes (3-6 min together on two
 busy cores) run with ``KVRELAY_BENCH_SMOKE=1`` (``make bench-smoke``). Those that need Dynamo's
 ``.venv-dynamo`` or root for a network namespace skip with the reason when it is missing.
 """
@@ -28,7 +28,7 @@ from benchmarks._dynamo_env import DPY
 
 PROCESS_TIER = os.environ.get("KVRELAY_BENCH_SMOKE") == "1"
 NEEDS_TIER = pytest.mark.skipif(
-    not PROCESS_TIER, reason="starts relay processes (~3 min in all): KVRELAY_BENCH_SMOKE=1 "
+    not PROCESS_TIER, reason="starts relay processes (3-6 min in all): KVRELAY_BENCH_SMOKE=1 "
     "or make bench-smoke")  # fmt: skip
 
 
