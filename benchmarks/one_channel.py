@@ -1,5 +1,6 @@
 """Many lanes joined at once on one HTTP/2 connection under traffic: ``python -m
-benchmarks.one_channel [--lanes 32] [--mib 4] [--deltas-per-s 200] [--window-kib 1024]``.
+benchmarks.one_channel [--lanes 32] [--mib 4] [--deltas-per-s 200] [--window-kib 1024]
+[--smoke]`` (``--smoke``: 4 lanes of 1 MiB, to ``.work/smoke``).
 
 The SDK and every mirror subscribe all pools of a relay on one connection, and the relay writes
 their snapshots one stream after another. This subscribes ``--lanes`` lanes of ``--mib`` MiB each
@@ -26,7 +27,7 @@ from grpclib.client import Channel
 from grpclib.config import Configuration
 from grpclib.const import Cardinality
 
-from benchmarks._common import RESULTS, machine, write_json
+from benchmarks._common import machine, results_dir, write_json
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.contract.wire import CONTRACT_MARKER
@@ -167,10 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mib", type=int, default=4)
     ap.add_argument("--deltas-per-s", type=float, default=200.0)
     ap.add_argument("--window-kib", type=int, default=1024)
+    ap.add_argument("--smoke", action="store_true", help="4 lanes of 1 MiB, to .work/smoke")
     a = ap.parse_args(argv)
+    if a.smoke:
+        a.lanes, a.mib = 4, 1
+    out = results_dir(a.smoke)
+    out.mkdir(parents=True, exist_ok=True)
     res = {"benchmark": "one_channel", "machine": machine(),
            "result": asyncio.run(run(a.lanes, a.mib, a.deltas_per_s, a.window_kib))}  # fmt: skip
-    write_json(RESULTS / "one_channel.json", res)
+    write_json(out / "one_channel.json", res)
     r = res["result"]
     md = (
         "# Many lanes joined at once on one connection, under traffic\n\n"
@@ -182,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{r['completed']}/{r['lanes']} | {r['bytes_ratio']} | {r['complete_s']['first']} / "
         f"{r['complete_s']['last']} | {r['recuts']} | {r['lagged']} |\n"
     )
-    (RESULTS / "one_channel.md").write_text(md)
+    (out / "one_channel.md").write_text(md)
     print(md)
     return 0
 

@@ -7,7 +7,7 @@ idle 64 MiB lane (1 and 4), then the 64 MiB lane while the pool publishes 100,00
 (one subscriber at a time joins, reading at full speed and throttled to 80 MB/s). Real processes
 on loopback, as in ``run``. Writes ``benchmarks/results/snapshots.{json,md}``; with
 ``--workers N`` (≥ 2) every subscriber is served by the relay's N−1 fan-out workers (mirrors of
-it) and the results go to ``snapshots-workers<N>.{json,md}``.
+it) and the results go to ``snapshots_workers<N>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             big.stop()
     res["wall_s"] = round(time.monotonic() - t0, 1)
     res["workers"] = a.workers
-    name = "snapshots" if a.workers <= 1 else f"snapshots-workers{a.workers}"
+    name = "snapshots" if a.workers <= 1 else f"snapshots_workers{a.workers}"
     out = results_dir(a.smoke)
     write_json(out / f"{name}.json", res)
     md = snapshot_markdown(res)
