@@ -60,7 +60,7 @@ class Mirror:
         self.catalog = MirrorPlane("catalog")
         self.readiness = MirrorPlane("readiness")
         self.load = MirrorPlane("load")
-        self.serving_load = MirrorPlane("serving_load")
+        self.serving_load = MirrorPlane("serving-load")  # no "_": metrics split "<plane>_<reason>"
         self._identity: pb.RelayIdentity | None = None
         self._identity_key: tuple[int, int] | None = None
         self._identity_bytes = b""

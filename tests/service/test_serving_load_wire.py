@@ -128,7 +128,7 @@ async def test_mirror_of_a_relay_without_the_rpc_answers_unimplemented(
         assert res.status == grpc.StatusCode.UNIMPLEMENTED  # as its upstream answers
         assert K not in res.trailers  # plain gRPC: no relay reason for an absent RPC
         assert local.service.unsupported == 1
-        assert mirror.plane_ends["serving_load_unimplemented"] >= 1
+        assert mirror.plane_ends["serving-load_unimplemented"] >= 1
         # Every other plane is served as usual.
         load = await gio.collect("SubscribeKvPoolLoad", pb.SubscribeKvPoolLoadRequest(
             subscriber_id="l", contract_marker=MARKER), limit=1)  # fmt: skip
