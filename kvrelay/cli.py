@@ -62,7 +62,8 @@ environment:
   NOTIFY_SOCKET, WATCHDOG_USEC  systemd notification (READY/RELOADING/WATCHDOG/STOPPING)
   CACHE_DIRECTORY          numba kernel cache goes to $CACHE_DIRECTORY/numba (systemd)
   KVRELAY_RELAY            default --relay of watch/subscribe/query
-  DYN_DC_ID                dc_name when neither the file nor KVRELAY_RELAY_DC_NAME sets it
+  DYN_CLUSTER_ID, DYN_DC_ID  dc_name (first found) when neither the file nor
+                           KVRELAY_RELAY_DC_NAME sets it (Dynamo 1.7's, then 1.6's)
 
 docs: docs/operations.md, docs/vllm.md (connecting vLLM), docs/dynamo.md
 """

@@ -31,8 +31,9 @@ from kvrelay.relay.settings import ConnectConfig, EngineSpec, PoolSpec, RelaySet
 DEFAULT_BIND = "127.0.0.1:50161"
 DEFAULT_METRICS_BIND = "127.0.0.1:50162"
 ENV_PREFIX = "KVRELAY_"
-#: Dynamo's variable for the data-centre name (its relay's --dc-id): dc_name's last fallback.
-DYNAMO_DC_ENV = "DYN_DC_ID"
+#: Dynamo's variables for the data-centre name, dc_name's last fallbacks, first found wins:
+#: 1.7's Pool Relay ``--cluster-id`` / DYN_CLUSTER_ID, then 1.6's ``--dc-id`` / DYN_DC_ID.
+DYNAMO_DC_ENVS = ("DYN_CLUSTER_ID", "DYN_DC_ID")
 U64_MAX = (1 << 64) - 1
 
 ROLES: dict[str, pb.WorkerRole] = {
@@ -398,7 +399,8 @@ TOP_KEYS = ("relay", "pools", "logging", "metrics", "tls", "mirror")
 
 #: Keys people bring from Dynamo's relay, and what kvrelay calls them (docs/dynamo.md).
 KEY_HINTS: dict[str, str] = {
-    "dc_id": "dc_name",  # Dynamo's --dc-id / DYN_DC_ID
+    "dc_id": "dc_name",  # Dynamo 1.6's --dc-id / DYN_DC_ID
+    "cluster_id": "dc_name",  # Dynamo 1.7's --cluster-id / DYN_CLUSTER_ID
     "expected_unique_blocks": "expected_blocks",  # --expected-unique-blocks
 }
 
@@ -747,17 +749,19 @@ def _state_dir(value: str | None, env: Mapping[str, str]) -> str | None:
 def _dynamo_dc_fallback(
     data: dict[str, Any], env: Mapping[str, str], origins: dict[str, str]
 ) -> None:
-    """``dc_name`` from Dynamo's ``DYN_DC_ID`` when neither the file nor KVRELAY_RELAY_DC_NAME
-    sets it, so a relay deployed beside Dynamo's shares its data-centre identity by default."""
+    """``dc_name`` from Dynamo's ``DYN_CLUSTER_ID`` (1.7), else ``DYN_DC_ID`` (1.6), when neither
+    the file nor KVRELAY_RELAY_DC_NAME sets it, so a relay deployed beside Dynamo's shares its
+    data-centre identity by default."""
     relay = data.get("relay")
-    value = env.get(DYNAMO_DC_ENV)
-    if value is None or (isinstance(relay, dict) and "dc_name" in relay):
+    source = next((name for name in DYNAMO_DC_ENVS if env.get(name) is not None), None)
+    if source is None or (isinstance(relay, dict) and "dc_name" in relay):
         return
+    value = env[source]
     if relay is None:
         relay = data["relay"] = {}
     if isinstance(relay, dict):
         relay["dc_name"] = value
-        origins["relay.dc_name"] = DYNAMO_DC_ENV
+        origins["relay.dc_name"] = source
 
 
 def _port_collisions(r: _Reader, pools: list[PoolSpec]) -> None:

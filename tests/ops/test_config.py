@@ -501,6 +501,26 @@ def test_dynamo_dc_id_variable_is_the_last_fallback_for_dc_name(tmp_path: Path) 
     assert cfg is None and "(set by DYN_DC_ID)" in _errors(problems)["relay.dc_name"]
 
 
+def test_dynamo_1_7_cluster_id_names(tmp_path: Path) -> None:
+    """Dynamo 1.7 renamed --dc-id / DYN_DC_ID to --cluster-id / DYN_CLUSTER_ID: both fall back
+    for dc_name (1.7's first), and check-config suggests dc_name for cluster_id."""
+    no_dc = MINIMAL.replace('dc_name = "dc-test"\n', "")
+    cfg, problems = _check(tmp_path, no_dc, {"DYN_CLUSTER_ID": "dc-17"})
+    assert problems == [] and cfg is not None and cfg.relay.dc_name == "dc-17"
+    cfg, _ = _check(tmp_path, no_dc, {"DYN_CLUSTER_ID": "dc-17", "DYN_DC_ID": "dc-16"})
+    assert cfg is not None and cfg.relay.dc_name == "dc-17"
+    cfg, _ = _check(tmp_path, MINIMAL, {"DYN_CLUSTER_ID": "dc-17"})
+    assert cfg is not None and cfg.relay.dc_name == "dc-test"  # the file wins
+    cfg, problems = _check(tmp_path, no_dc, {"DYN_CLUSTER_ID": " padded "})
+    assert cfg is None and "(set by DYN_CLUSTER_ID)" in _errors(problems)["relay.dc_name"]
+    _, problems = _check(tmp_path, MINIMAL.replace("dc_name", "cluster_id"))
+    errors = _errors(problems)
+    assert "did you mean 'dc_name'" in errors["relay.cluster_id"]
+    assert "Dynamo's cluster_id is kvrelay's dc_name" in errors["relay.cluster_id"]
+    _, problems = _check(tmp_path, MINIMAL, {"KVRELAY_RELAY_CLUSTER_ID": "x"})
+    assert "did you mean KVRELAY_RELAY_DC_NAME" in _errors(problems)["env.KVRELAY_RELAY_CLUSTER_ID"]
+
+
 def test_per_member_metrics_switch(tmp_path: Path) -> None:
     cfg, _ = _check(tmp_path, MINIMAL)
     assert cfg is not None and cfg.metrics.per_member
