@@ -37,6 +37,12 @@ from kvrelay.contract.producer import producer_key
 from kvrelay.publication import cbi1
 
 _KINDS = {1: "SNAPSHOT_CHUNK", 2: "DELTA", 3: "HEARTBEAT"}
+#: What an empty catalog means, printed under it (people read "0 pool(s)" as "relay broken").
+NO_POOL_HINT = (
+    "  (a pool is listed once one of its engines is reachable and its KV event stream is live: "
+    "with every engine unreachable the catalog is empty. Check the relay's engine_unreachable "
+    "log lines and the kvrelay_engine_reachable metric)"
+)
 _STATES = {0: "UNKNOWN", 1: "UNAVAILABLE", 2: "READY"}
 _FORMATS = {1: "STANDARD", 2: "EAGLE"}
 
@@ -284,6 +290,8 @@ def _catalog_item(addr: str, m: pb.KvPoolCatalogUpdate) -> tuple[dict[str, Any],
     text = f"[{addr}] catalog revision {m.revision}: {len(items)} pool(s)"
     if items:
         text += "\n" + _table(rows)
+    else:
+        text += "\n" + NO_POOL_HINT
     return obj, text
 
 
@@ -564,7 +572,14 @@ async def _find_pool(
     except _Stop:
         end = None
     if not found:
-        return None, None, "" if end is None else f"catalog stream ended: {end.reason}"
+        if end is None:
+            return None, None, ""
+        why = f"catalog stream ended: {end.reason}"
+        if end.message:
+            why += f" ({end.message})"
+        if end.reason == "connection":
+            why += "; is a relay listening there? (--relay HOST:PORT, or $KVRELAY_RELAY)"
+        return None, None, why
     m = found[0]
     pools = m.snapshot.pools if m.snapshot is not None else []
     exact = [d for d in pools if _ep(d.serving_endpoint) == name]
@@ -608,6 +623,7 @@ async def _subscribe(
     config = ClientConfig(subscriber_id=args.subscriber_id)
     problems = 0
     violations = 0
+    checked = 0
 
     async def one(addr: rpc.RelayAddress) -> None:
         nonlocal problems, violations
@@ -627,7 +643,9 @@ async def _subscribe(
 
                 def on(fu: pb.FilterUpdate, state: PoolReplica | Inspector = state,
                        pool: str = pool) -> None:  # fmt: skip
+                    nonlocal checked
                     info = state.feed(fu)
+                    checked += 1
                     if limiter.tick():
                         obj, text = _frame_obj(str(addr), pool, info, state.occupancy())
                         out.emit(obj, text)
@@ -656,6 +674,16 @@ async def _subscribe(
             channel.close()
 
     await limiter.run([asyncio.create_task(one(a)) for a in relays])
+    if args.verify:
+        ok = not problems and not violations and checked > 0
+        verdict = "PASS" if ok else "FAIL"
+        why = f"{checked} frame(s) checked against every consumer rule, {violations} violation(s)"
+        if problems:
+            why += f", {problems} stream problem(s)"
+        if not checked and not violations:
+            why += ": nothing was checked"
+        out.emit({"verdict": verdict.lower(), "frames": checked, "violations": violations,
+                  "problems": problems}, f"verify: {verdict} ({why})")  # fmt: skip
     return 1 if problems or violations else 0
 
 
@@ -667,23 +695,45 @@ async def _query(
     out: Output, tokens: list[int],
 ) -> int:  # fmt: skip
     config = ClientConfig(subscriber_id=args.subscriber_id, verification_window=args.window,
-                          watch_load=False)  # fmt: skip
+                          watch_load=False, watch_serving_load=False)  # fmt: skip
     client = RelayClient(relays, ssl=ssl, config=config)
     await client.start()
     try:
         started = time.monotonic()
-        await client.wait_ready(args.wait)
+        # Ready, or every relay without a catalog has told why (a refused connection is known
+        # at once: there is nothing to wait for).
+        await client.wait_for(
+            lambda: all(
+                c.catalog_error is not None if c.catalog_revision is None
+                else all(s.installed is not None or s.quarantined for s in c.slots.values())
+                for c in client.connections
+            ),
+            args.wait,
+        )
+        failed = [(c.name, c.catalog_error or "no catalog within --wait")
+                  for c in client.connections if c.catalog_revision is None]  # fmt: skip
         # readiness arrives on its own stream: give it the rest of the wait
         await client.wait_for(
-            lambda: all(c.readiness is not None for c in client.connections),
+            lambda: all(
+                c.readiness is not None for c in client.connections
+                if c.catalog_revision is not None
+            ),
             max(0.0, args.wait - (time.monotonic() - started)),
         )
         everything = client.overlap(tokens, args.model, args.lora, args.cache_salt,
                                     routable_only=False)  # fmt: skip
         routable = client.overlap(tokens, args.model, args.lora, args.cache_salt)
         descs = client.pools()
+        served = sorted({
+            name for c in client.connections for s in c.slots.values()
+            for r in s.descriptor.registrations for name in (r.canonical_model_id, *r.aliases)
+        })  # fmt: skip
     finally:
         await client.close()
+    for name, error in failed:
+        print(f"[{name}] catalog stream ended: {error}", file=sys.stderr)
+    if failed and len(failed) == len(relays):
+        return 1
     shown = everything if args.all else routable
     rows = [["POOL", "DEPTH_BLOCKS", "DEPTH_TOKENS", "BLOCK", "ROUTABLE"]]
     pools = []
@@ -704,5 +754,9 @@ async def _query(
     hidden = len(everything) - len(routable)
     if hidden and not args.all:
         text += f"\n  ({hidden} pool(s) serving the model are not routable; --all shows them)"
+    if not everything:
+        known = ", ".join(served) if served else "none"
+        text += f"\n  (no pool serves {args.model!r}; the catalog's models: {known})"
+        obj["catalog_models"] = served
     out.emit(obj, text)
     return 0 if everything else 1

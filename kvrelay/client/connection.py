@@ -77,6 +77,9 @@ class RelayConnection:
         self.identity: tuple[int, int] | None = None
         self.identity_msg: pb.RelayIdentity | None = None
         self.catalog_revision: int | None = None
+        #: How the last catalog stream that delivered nothing ended (``reason: message``): why
+        #: there is no catalog yet. None once a catalog arrives.
+        self.catalog_error: str | None = None
         self.slots: dict[PoolKey, PoolSlot] = {}
         self.readiness: pb.ServingReadinessUpdate | None = None
         self.load: pb.KvPoolLoadUpdate | None = None
@@ -172,6 +175,9 @@ class RelayConnection:
                 rpc.catalog_request(self.config.subscriber_id), pb.KvPoolCatalogUpdate, on,
             )  # fmt: skip
             self.counters[f"catalog_end_{end.reason}"] += 1
+            if not got:
+                self.catalog_error = f"{end.reason}: {end.message}".rstrip(": ")
+                self._notify()
             if end.reason in (E.EOF, E.CONNECTION):
                 # The relay is going away (or gone): reconnect from scratch rather than reuse an
                 # HTTP/2 connection a stopping server may still accept streams on.
@@ -192,6 +198,7 @@ class RelayConnection:
         self._observe_relay(upd.relay, from_catalog=True)
         self.counters["catalog_updates"] += 1
         self.catalog_revision = int(upd.revision)
+        self.catalog_error = None
         wanted: dict[PoolKey, pb.KvPoolDescriptor] = {}
         pools = upd.snapshot.pools if upd.snapshot is not None else []
         for desc in pools:

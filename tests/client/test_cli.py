@@ -7,12 +7,17 @@ import asyncio
 import contextlib
 import json
 import random
+import socket
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from kvrelay.client import cli
+from kvrelay.relay.relay import Relay
+from kvrelay.relay.settings import RelaySettings
+from kvrelay.service.server import RelayServer
 from kvrelay.sim.config import SimConfig
 from tests.support.client_stack import eventually, query_set, stack, truth_depth
 from tests.support.scripted_relay import Script, ScriptedRelay, delta, port_of, serve, snapshot
@@ -93,6 +98,52 @@ async def test_subscribe_verify_reports_violation_and_recovers(
     assert frames[2]["base_sequence"] == 10 and frames[2]["sequence"] == 11
     assert frames[2]["images"] == 1 and frames[2]["occupancy"] == 3 * 2 + 4
     assert isinstance(frames[2]["checksum"], int)
+    assert lines[-1]["verdict"] == "fail" and lines[-1]["violations"] == 1  # the last line
+
+
+async def test_subscribe_verify_ends_with_a_verdict(capsys: pytest.CaptureFixture[str]) -> None:
+    async with scripted() as addr:
+        rc, out, _ = await run_cli(capsys, "subscribe", "gen", "--relay", addr, "--verify",
+                                   "--count", "2")  # fmt: skip
+    assert rc == 0
+    last = out.splitlines()[-1]
+    assert last.startswith("verify: PASS") and "0 violation(s)" in last, out
+
+
+def _closed_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens once it is closed
+
+
+async def test_a_relay_that_is_down_is_reported_not_waited_for(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    addr = _closed_port()
+    t0 = time.monotonic()
+    rc, out, err = await run_cli(capsys, "query", "--relay", addr, "--model", "m",
+                                 "--tokens", "1,2", "--wait", "60")  # fmt: skip
+    assert rc == 1 and out == ""  # no "0 pool(s)" that reads like a wrong model name
+    assert f"[{addr}] catalog stream ended: connection" in err and "Error" in err, err
+    assert time.monotonic() - t0 < 50, "waited out --wait instead of reporting the error"
+    rc, _, err = await run_cli(capsys, "subscribe", "gen", "--relay", addr, "--count", "1")
+    assert rc == 1 and "catalog stream ended: connection (" in err
+    assert "is a relay listening there?" in err, err
+
+
+async def test_an_empty_catalog_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+    relay = Relay(RelaySettings(dc_name="dc-empty"))
+    await relay.start()
+    server = RelayServer(relay)
+    await server.start("127.0.0.1", 0)
+    try:
+        rc, out, _ = await run_cli(capsys, "watch", "catalog", "--relay",
+                                   f"127.0.0.1:{server.port}", "--count", "1")  # fmt: skip
+    finally:
+        await server.close(grace_s=0.5)
+        await relay.stop()
+    assert rc == 0 and "0 pool(s)" in out
+    assert "with every engine unreachable the catalog is empty" in out
 
 
 async def test_subscribe_table_without_verify(capsys: pytest.CaptureFixture[str]) -> None:
@@ -141,6 +192,7 @@ async def test_query_against_a_real_relay(
         rc, out, _ = await run_cli(capsys, "query", "--relay", st.address, "--model", "nope",
                                    "--tokens", "1,2,3", "--wait", "2")  # fmt: skip
         assert rc == 1 and "0 pool(s)" in out
+        assert "no pool serves 'nope'; the catalog's models: sim-model, sim-model-alias" in out
 
 
 @pytest.mark.parametrize(
