@@ -237,3 +237,31 @@ def test_relay_defaults_to_the_environment_then_kvrelays_port() -> None:
 def test_tls_option_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(argv) == 2
     assert "kvrelay-client: error:" in capsys.readouterr().err
+
+
+async def test_the_documented_hit_query_hits_the_simulator(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """docs/client.md's `kvrelay query` line, run as printed against `kvrelay sim`'s default
+    engine (what `kvrelay sim` prints at start): depth 2."""
+    from kvrelay.sim.cli import build_parser, configs_from_args, hot_tokens
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "client.md").read_text()
+    (line,) = [x for x in doc.splitlines() if x.startswith("kvrelay query --model sim-model ")]
+    cfg = configs_from_args(build_parser().parse_args(
+        ["--pub-port", "0", "--replay-port", "0", "--grpc-port", "0", "--metrics-port", "-1"]
+    ))[0]  # fmt: skip
+    async with stack([cfg]) as st:
+        engine = st.engines[0]
+        printed = ",".join(map(str, hot_tokens(engine)))
+        assert line.endswith(f"--tokens {printed}"), "docs/client.md's list is not the sim's"
+        for _ in range(20):
+            await engine.step(10)
+            await asyncio.sleep(0.01)
+        await eventually(st.in_sync, what="relay in sync")
+        assert truth_depth(hot_tokens(engine), None, st.truth()) == 2  # the engine holds it
+        argv = [*line.split()[1:], "--relay", st.address, "--json", "--wait", "20"]
+        rc, out, _ = await run_cli(capsys, *argv)
+        assert rc == 0, out
+        (msg,) = jsonl(out)
+        assert msg["overlap"] == {f"{st.address}/ns/backend/generate": 2}, msg
