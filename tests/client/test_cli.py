@@ -8,6 +8,7 @@ import contextlib
 import json
 import random
 import socket
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,6 +21,7 @@ from kvrelay.relay.settings import RelaySettings
 from kvrelay.service.server import RelayServer
 from kvrelay.sim.config import SimConfig
 from tests.support.client_stack import eventually, query_set, stack, truth_depth
+from tests.support.commands import clean_env
 from tests.support.scripted_relay import Script, ScriptedRelay, delta, port_of, serve, snapshot
 
 
@@ -265,3 +267,38 @@ async def test_the_documented_hit_query_hits_the_simulator(
         assert rc == 0, out
         (msg,) = jsonl(out)
         assert msg["overlap"] == {f"{st.address}/ns/backend/generate": 2}, msg
+
+
+async def test_the_documented_sdk_example_runs(tmp_path: Path) -> None:
+    """docs/client.md's SDK example, run as printed: depth 2 against the simulator's default
+    engine; against a relay that is down, wait_ready() is False and it exits 1 saying so."""
+    from kvrelay.sim.cli import build_parser, configs_from_args
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "client.md").read_text()
+    code = doc.split("<!-- sdk-example -->\n```python\n", 1)[1].split("\n```\n", 1)[0]
+    script = tmp_path / "example.py"
+    script.write_text(code + "\n")
+    cfg = configs_from_args(build_parser().parse_args(
+        ["--pub-port", "0", "--replay-port", "0", "--grpc-port", "0", "--metrics-port", "-1"]
+    ))[0]  # fmt: skip
+
+    async def run(relay: str) -> tuple[int, str, str]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(script), env=clean_env(KVRELAY_RELAY=relay),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode is not None
+        return proc.returncode, out.decode(), err.decode()
+
+    async with stack([cfg]) as st:
+        for _ in range(20):
+            await st.engines[0].step(10)
+            await asyncio.sleep(0.01)
+        await eventually(st.in_sync, what="relay in sync")
+        rc, out, err = await run(st.address)
+    assert rc == 0, err[-2000:]
+    assert f"{st.address}/ns/backend/generate: 2 cached block(s)" in out, out
+    assert "ServingLoadViews(" in out
+    rc, out, err = await run(_closed_port())
+    assert rc == 1 and "not ready" in err and "cached block" not in out, (out, err)
