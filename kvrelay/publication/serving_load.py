@@ -266,7 +266,7 @@ class ServingLoadPlane(WindowPlane[pb.ServingLoadUpdate]):
     """The ``SubscribeServingLoad`` plane (a ``Plane[pb.ServingLoadUpdate]``); version =
     ``window_sequence``. ``provider`` is called once per window on the event loop."""
 
-    _event_prefix = "serving_load"
+    _plane_name = "serving_load"
 
     def __init__(
         self,

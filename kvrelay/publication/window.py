@@ -34,7 +34,8 @@ class WindowPlane(Generic[M]):
     """A ``Plane[M]`` whose version is the window sequence. Subclasses build one window in
     :meth:`_build` (None: skip it) and call :meth:`_init_windows` at the end of ``__init__``."""
 
-    _event_prefix = "load"
+    #: Names the plane in its log events (``load``, ``serving_load``).
+    _plane_name = "load"
 
     def __init__(self, window_ms: int, task_name: str) -> None:
         if isinstance(window_ms, bool) or not isinstance(window_ms, int):
@@ -113,7 +114,8 @@ class WindowPlane(Generic[M]):
                 self.publish_window()
             except Exception:  # the timer must outlive any single bad window
                 self.provider_errors += 1
-                _log.exception(f"{self._event_prefix}_window_failed", errors=self.provider_errors)
+                _log.exception("load_window_failed", plane=self._plane_name,
+                               errors=self.provider_errors)  # fmt: skip
             now = loop.time()
             deadline += period
             if deadline <= now:  # fell behind (loop stall): delay, do not burst missed windows
