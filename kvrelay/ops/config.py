@@ -682,6 +682,7 @@ def parse_config(
         pools = _pools(r, data.get("pools"))
         if pools is not None:
             _port_collisions(r, pools)
+            _unmet_needs(r, pools)
 
     bind_host, bind_port = parse_bind(relay["bind"])
     m_host, m_port = parse_bind(metrics_vals["bind"])
@@ -762,6 +763,32 @@ def _dynamo_dc_fallback(
     if isinstance(relay, dict):
         relay["dc_name"] = value
         origins["relay.dc_name"] = source
+
+
+def _unmet_needs(r: _Reader, pools: list[PoolSpec]) -> None:
+    """Warn when no alternative of a pool's ``needs`` can be met by the configured pools of its
+    namespace: readiness then keeps the model UNAVAILABLE for ever (an aggregated fleet that
+    kept the example's decode pool but deleted its prefill pool)."""
+    roles: dict[str, set[pb.WorkerRole]] = {}
+    for pool in pools:
+        roles.setdefault(pool.namespace, set()).add(pool.role)
+    names = {v: k for k, v in ROLES.items()}
+    for i, pool in enumerate(pools):
+        if not pool.needs:
+            continue
+        present = roles[pool.namespace]
+        if any(alt <= present for alt in pool.needs):
+            continue
+        wanted = " or ".join(
+            "+".join(sorted(names.get(x, str(int(x))) for x in alt)) for alt in pool.needs
+        )
+        have = ", ".join(sorted(names.get(x, str(int(x))) for x in present))
+        r.warn(
+            f"pools[{i}].needs",
+            f"needs {wanted} in namespace {pool.namespace!r}, but its configured pools there "
+            f"have only {have}: readiness will keep the model UNAVAILABLE. Add the pool that "
+            "provides it, or remove `needs` (and make the role aggregated) for a fleet without it",
+        )
 
 
 def _port_collisions(r: _Reader, pools: list[PoolSpec]) -> None:

@@ -528,3 +528,25 @@ def test_per_member_metrics_switch(tmp_path: Path) -> None:
     assert cfg is not None and not cfg.metrics.per_member
     cfg, _ = _check(tmp_path, MINIMAL, {"KVRELAY_METRICS_PER_MEMBER": "no"})
     assert cfg is not None and not cfg.metrics.per_member
+
+
+def test_needs_that_no_configured_pool_meets_warn(tmp_path: Path) -> None:
+    """The example's first pool is a decode pool that needs prefill: an aggregated fleet that
+    deletes the prefill pool must hear that its model will stay UNAVAILABLE."""
+    example = (Path(__file__).resolve().parents[2] / "deploy" / "kvrelay.example.toml").read_text()
+    second = example.index("\n[[pools]]\n", example.index("\n[[pools]]\n") + 1)
+    decode_only = example[:second]
+    assert 'role = "decode"' in decode_only and 'role = "prefill"' not in decode_only
+    cfg, problems = _check(tmp_path, decode_only)
+    assert cfg is not None
+    warnings = {p.path: p.reason for p in problems if p.severity == "warning"}
+    assert "pools[0].needs" in warnings, problems
+    why = warnings["pools[0].needs"]
+    assert "needs prefill in namespace 'dynamo'" in why and "have only decode" in why
+    assert "UNAVAILABLE" in why
+    # the full example (decode + prefill) and a pool meeting an alternative of a DNF: no warning
+    _, problems = _check(tmp_path, example)
+    assert not [p for p in problems if p.path.endswith(".needs")]
+    dnf = decode_only.replace('needs = [["prefill"]]', 'needs = [["prefill"], ["decode"]]')
+    _, problems = _check(tmp_path, dnf)
+    assert not [p for p in problems if p.path.endswith(".needs")]
