@@ -30,6 +30,8 @@ from kvrelay.relay.settings import ConnectConfig, EngineSpec, PoolSpec, RelaySet
 
 DEFAULT_BIND = "127.0.0.1:50161"
 DEFAULT_METRICS_BIND = "127.0.0.1:50162"
+#: A mirror's own default: a relay and a mirror of it on one host must not collide on 50162.
+MIRROR_METRICS_BIND = "127.0.0.1:50172"
 ENV_PREFIX = "KVRELAY_"
 #: Dynamo's variables for the data-centre name, dc_name's last fallbacks, first found wins:
 #: 1.7's Pool Relay ``--cluster-id`` / DYN_CLUSTER_ID, then 1.6's ``--dc-id`` / DYN_DC_ID.
@@ -666,7 +668,11 @@ def parse_config(
     limits_raw = r.table("relay.limits", relay_raw.get("limits")) or {}
     limits_vals = r.keys("relay.limits", limits_raw, LIMITS_KEYS)
     logging_vals = r.keys("logging", r.table("logging", data.get("logging")) or {}, LOGGING_KEYS)
-    metrics_vals = r.keys("metrics", r.table("metrics", data.get("metrics")) or {}, METRICS_KEYS)
+    metrics_schema = METRICS_KEYS
+    if mirror_raw is not None:
+        mirror_bind = _Key("str", MIRROR_METRICS_BIND, check=_bind_check)
+        metrics_schema = {**METRICS_KEYS, "bind": mirror_bind}
+    metrics_vals = r.keys("metrics", r.table("metrics", data.get("metrics")) or {}, metrics_schema)
     tls_vals = r.keys("tls", r.table("tls", data.get("tls")) or {}, TLS_KEYS)
 
     limits = _limits(r, limits_vals)

@@ -550,3 +550,17 @@ def test_needs_that_no_configured_pool_meets_warn(tmp_path: Path) -> None:
     dnf = decode_only.replace('needs = [["prefill"]]', 'needs = [["prefill"], ["decode"]]')
     _, problems = _check(tmp_path, dnf)
     assert not [p for p in problems if p.path.endswith(".needs")]
+
+
+def test_a_mirror_has_its_own_default_metrics_port() -> None:
+    """A relay and a mirror of it on one host must not collide on 50162 by default."""
+    from kvrelay.ops.config import parse_config
+
+    relay, _ = parse_config({"relay": {"dc_name": "dc"}, "pools": []})
+    mirror, problems = parse_config({"mirror": {"upstream": "127.0.0.1:50161"}})
+    assert mirror is not None, problems
+    assert relay is None or relay.metrics.port == 50162
+    assert (mirror.metrics.host, mirror.metrics.port) == ("127.0.0.1", 50172)
+    given, _ = parse_config({"mirror": {"upstream": "127.0.0.1:50161"},
+                             "metrics": {"bind": "127.0.0.1:9100"}})  # fmt: skip
+    assert given is not None and given.metrics.port == 9100
