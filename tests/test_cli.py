@@ -173,3 +173,35 @@ def test_the_demo_view_clears_what_a_shorter_line_leaves() -> None:
 
     frame = redraw("a long first line\nshort")
     assert frame == f"{HOME}a long first line{CLEAR_LINE}\nshort{CLEAR_LINE}\n{CLEAR_DOWN}"
+
+
+def test_warm_progress_lines_are_never_glued_together() -> None:
+    """Progress comes from the workers' reader threads and the warming thread at once; a caller
+    that writes the text and then its newline (print) gets whole lines only."""
+    import io
+    import threading
+    import time
+
+    from kvrelay.ops.warmup import WarmEvent, serialized
+
+    out = io.StringIO()
+
+    def printer(ev: WarmEvent) -> None:  # what print() does: the text, then the newline
+        out.write(ev.text)
+        time.sleep(0.001)
+        out.write("\n")
+
+    report = serialized(printer)
+    assert report is not None
+
+    def worker(i: int) -> None:
+        for j in range(20):
+            report(WarmEvent("pool", "compiling", f"t{i}-{j}"))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lines = out.getvalue().splitlines()
+    assert sorted(lines) == sorted(f"t{i}-{j}" for i in range(4) for j in range(20))
