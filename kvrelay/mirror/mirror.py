@@ -403,6 +403,8 @@ class Mirror:
             "pools_over_limit": self.pools_over_limit,
             "pools_evicted": self.pools_evicted,
             "channel_resets": self.upstream.resets,
+            "upstream_spacing": self.upstream.spacing,
+            "hold_failures": self.upstream.hold_failures,
             "pool_totals": dict(totals),
             "pools": pools,
         }

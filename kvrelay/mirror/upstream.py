@@ -43,6 +43,7 @@ class Upstream:
         self.settings = settings
         self.resets = 0
         self.spacing = True  # the upstream answers spacing requests (kvrelay does)
+        self.hold_failures = 0  # spacing requests that failed (transport, refusal, timeout)
         self._channel = self._open()
 
     def _open(self) -> Channel:
@@ -119,8 +120,10 @@ class Upstream:
             if err.status in _UNSUPPORTED and channel is self._channel:
                 self.spacing = False
                 return False
+            self.hold_failures += 1
             return None
         except Exception:  # transport errors, a closed channel: a request is best effort
+            self.hold_failures += 1
             return None
 
     def close(self) -> None:
