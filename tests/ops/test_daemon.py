@@ -15,8 +15,8 @@ import socket
 import sys
 import time
 from pathlib import Path
+from unittest.mock import patch
 
-import pytest
 from grpclib.client import Channel
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
@@ -24,8 +24,10 @@ from kvrelay.cli import _numba_cache_from_systemd
 from kvrelay.ops.config import load_config
 from kvrelay.ops.daemon import Daemon
 from kvrelay.ops.sdnotify import Notifier
+from kvrelay.ops.warmup import STEPS
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
+from tests.support.cache_env import cache_env, child_cache_view
 from tests.support.commands import MINIMAL, REPO, clean_env
 from tests.support.notify import Notifications
 
@@ -223,15 +225,29 @@ async def test_defaults_that_run(tmp_path: Path) -> None:
             raise AssertionError(f"port {port} still accepts connections")
 
 
-def test_numba_cache_follows_systemd_cache_directory(monkeypatch: pytest.MonkeyPatch) -> None:
-    mp = monkeypatch
-    mp.delenv("NUMBA_CACHE_DIR", raising=False)
-    mp.setenv("CACHE_DIRECTORY", "/var/cache/kvrelay:/other")
-    _numba_cache_from_systemd()
-    assert os.environ["NUMBA_CACHE_DIR"] == "/var/cache/kvrelay/numba"
-    mp.setenv("NUMBA_CACHE_DIR", "/explicit")
-    _numba_cache_from_systemd()
-    assert os.environ["NUMBA_CACHE_DIR"] == "/explicit"
+def test_numba_cache_follows_systemd_cache_directory() -> None:
+    # patch.dict restores the whole environment, including the NUMBA_CACHE_DIR the CLI itself
+    # sets (monkeypatch would restore the value it first saw set, and later daemons inherit it)
+    with patch.dict(os.environ):
+        os.environ.pop("NUMBA_CACHE_DIR", None)
+        os.environ["CACHE_DIRECTORY"] = "/var/cache/kvrelay:/other"
+        _numba_cache_from_systemd()
+        assert os.environ["NUMBA_CACHE_DIR"] == "/var/cache/kvrelay/numba"
+        os.environ["NUMBA_CACHE_DIR"] = "/explicit"
+        _numba_cache_from_systemd()
+        assert os.environ["NUMBA_CACHE_DIR"] == "/explicit"
+
+
+def test_a_daemon_started_after_the_cache_dir_test_loads_every_kernel() -> None:
+    """The test above, then what a ``kvrelay serve`` a later test starts sees: the session's
+    cache, every declared kernel in it (a leaked NUMBA_CACHE_DIR once sent the reload test's
+    daemon to an empty cache, to compile for a minute past its READY deadline)."""
+    session = cache_env()
+    test_numba_cache_follows_systemd_cache_directory()
+    assert cache_env() == session
+    view = child_cache_view()
+    assert view["dir"] == session.get("NUMBA_CACHE_DIR"), view
+    assert view["missing"] == {g: [] for g in STEPS}, view
 
 
 async def test_health_and_healthz_turn_not_serving_as_the_drain_starts(tmp_path: Path) -> None:
