@@ -17,6 +17,13 @@ REPO = Path(__file__).resolve().parent.parent
 PROTOS = REPO / "protos"
 
 
+def pytest_report_header() -> str:
+    """The measured slowdown every scaled deadline uses (``tests/support/timing.py``)."""
+    from tests.support.timing import slowdown
+
+    return f"kvrelay test deadlines: slowdown x{slowdown():.2f} (KVRELAY_TEST_SLOWDOWN to set)"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _warm_numba_kernels() -> None:
     """Compile (or load from cache) every hot numba kernel before the first test, as the daemon

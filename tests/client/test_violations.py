@@ -26,6 +26,7 @@ from tests.support.scripted_relay import (
     serve,
     snapshot,
 )
+from tests.support.timing import scaled
 
 FAST = ClientConfig(backoff_initial_s=0.01, backoff_max_s=0.05)
 
@@ -120,8 +121,10 @@ async def test_silent_stream_is_ended_and_resubscribed() -> None:
 
 
 async def test_heartbeats_keep_a_quiet_stream_alive() -> None:
+    # the period stretches on a busy machine, so a late wake-up of this test cannot outlast it
     quick = ClientConfig(
-        backoff_initial_s=0.01, backoff_max_s=0.05, heartbeat_interval_s=0.2, silence_heartbeats=3
+        backoff_initial_s=0.01, backoff_max_s=0.05, heartbeat_interval_s=scaled(0.2),
+        silence_heartbeats=3,
     )
     beats = Script([*snapshot(5), *(heartbeat(5) for _ in range(1))], hold=True)
     async with scripted(beats, config=quick) as (relay, client, key):

@@ -30,6 +30,7 @@ from kvrelay.sim.engine import SimEngine
 from tests.support.cache_env import cache_env, child_cache_view
 from tests.support.commands import MINIMAL, REPO, clean_env
 from tests.support.notify import Notifications
+from tests.support.timing import scaled
 
 MARKER = 0x4B565231
 SHUTDOWN_BOUND_S = 10.0
@@ -126,10 +127,10 @@ async def test_serve_notifies_streams_and_shuts_down_cleanly_on_sigterm(tmp_path
 
             t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)
-            rc = await asyncio.wait_for(proc.wait(), SHUTDOWN_BOUND_S + 5)
+            rc = await asyncio.wait_for(proc.wait(), scaled(SHUTDOWN_BOUND_S + 5))
             elapsed = time.monotonic() - t0
             assert rc == 0, (await proc.stderr.read()).decode()  # type: ignore[union-attr]
-            assert elapsed < SHUTDOWN_BOUND_S
+            assert elapsed < scaled(SHUTDOWN_BOUND_S)
             # Both open streams saw a clean end (status OK), not a reset or an error.
             results = await asyncio.wait_for(asyncio.gather(*tasks), 5)
             assert results == ["clean", "clean"]
