@@ -153,5 +153,5 @@ async def test_a_reader_that_never_resumes_is_reset(official_pb2: dict[str, Modu
             svc = r.server.service
             await eventually(lambda: svc._active == 1, what="stream admitted")
             await eventually(lambda: svc._active == 0, what="stalled stream reset", timeout=10)
-            code = await asyncio.wait_for(call.code(), 10)
+            code = await asyncio.wait_for(call.code(), scaled(10))
             assert code != grpc.StatusCode.OK

@@ -158,7 +158,7 @@ async def test_replica_through_a_mirror_of_a_mirror_equals_the_producer() -> Non
                 assert info.relay is not None
                 assert info.relay.relay_incarnation == r.relay.relay_incarnation
                 consumer = Consumer(ch, await catalog_producer(ch), info.relay).start()
-                await asyncio.wait_for(consumer.first.wait(), 15)
+                await asyncio.wait_for(consumer.first.wait(), scaled(15))
                 for _ in range(4):
                     await r.engines[0].step(5)
                     await asyncio.sleep(0.05)
@@ -221,7 +221,7 @@ async def test_heartbeats_only_while_the_upstream_shows_life() -> None:
             ch = m.channel()
             got: list[tuple[float, int]] = []
             try:
-                async with asyncio.timeout(10):
+                async with asyncio.timeout(scaled(10)):
                     with contextlib.suppress(GRPCError):
                         async with ch.request(SVC + "SubscribeKvPool", Cardinality.UNARY_STREAM,
                                               pb.SubscribeKvPoolRequest, pb.FilterUpdate) as st:
@@ -275,7 +275,7 @@ async def test_a_burst_of_upstream_deltas_does_not_lag_local_subscribers() -> No
                                  and h.subscriber_count == 8, what="8 subscribers")  # fmt: skip
                 hub = m.mirror.hub_for(S.producer())
                 gate.set()
-                got = await asyncio.wait_for(asyncio.gather(*tasks), 20)
+                got = await asyncio.wait_for(asyncio.gather(*tasks), scaled(20))
                 assert got == [60] * 8 and hub is not None and hub.lagged == 0
             finally:
                 for ch in chans:

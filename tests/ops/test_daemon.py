@@ -132,7 +132,7 @@ async def test_serve_notifies_streams_and_shuts_down_cleanly_on_sigterm(tmp_path
             assert rc == 0, (await proc.stderr.read()).decode()  # type: ignore[union-attr]
             assert elapsed < scaled(SHUTDOWN_BOUND_S)
             # Both open streams saw a clean end (status OK), not a reset or an error.
-            results = await asyncio.wait_for(asyncio.gather(*tasks), 5)
+            results = await asyncio.wait_for(asyncio.gather(*tasks), scaled(5))
             assert results == ["clean", "clean"]
             assert catalog_seen, "the catalog stream delivered its first snapshot"
 
@@ -175,7 +175,7 @@ async def test_serve_exits_1_when_the_port_is_taken(tmp_path: Path) -> None:
             env=clean_env(), cwd=REPO, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
-        out, err = await asyncio.wait_for(proc.communicate(), 40)
+        out, err = await asyncio.wait_for(proc.communicate(), scaled(40))
         assert proc.returncode == 1
         assert b"start_failed" in out + err
     finally:
@@ -186,7 +186,7 @@ async def _http_get(port: int, path: str) -> tuple[int, str]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
     await writer.drain()
-    data = await asyncio.wait_for(reader.read(), 5)
+    data = await asyncio.wait_for(reader.read(), scaled(5))
     writer.close()
     head, _, body = data.decode().partition("\r\n\r\n")
     return int(head.split()[1]), body
@@ -300,7 +300,7 @@ async def test_health_and_healthz_turn_not_serving_as_the_drain_starts(tmp_path:
                 assert (await _http_get(daemon.metrics_port, "/healthz")) == (
                     503, "not serving\n"
                 )
-                await asyncio.wait_for(stopping, 10)
+                await asyncio.wait_for(stopping, scaled(10))
     finally:
         if stopping is None:
             await daemon.stop()

@@ -15,6 +15,7 @@ from kvrelay.contract.limits import RelayLimits
 from kvrelay.publication import cbi1
 from kvrelay.publication.hub import PublicationHub, PublicationInvariantError, Subscription
 from kvrelay.publication.splice import FilterUpdateEncoder
+from tests.support.timing import scaled
 
 SEED, DC = 0x5EED, 7
 R = pb.RelayErrorReason
@@ -95,7 +96,7 @@ def rebuild(frames: list[pb.FilterUpdate], bc: int) -> tuple[np.ndarray, int]:
 async def pump_until(sub: Subscription, col: Collector) -> asyncio.Task[None]:
     """Start pumping and wait until the whole snapshot has been sent."""
     task = asyncio.ensure_future(sub.pump(col))
-    chunks = await asyncio.wait_for(asyncio.shield(sub._snapshot), 10)
+    chunks = await asyncio.wait_for(asyncio.shield(sub._snapshot), scaled(10))
     for _ in range(1000):
         if len(col.frames) >= len(chunks) or task.done():
             break
@@ -368,7 +369,7 @@ async def test_a_refusing_send_now_still_ends_a_stalled_subscriber_as_lagged() -
     assert sub.error is not None and sub.error.reason == R.SUBSCRIBER_LAGGED
     col.gate.set()
     with pytest.raises(RelayError):
-        await asyncio.wait_for(task, 5)
+        await asyncio.wait_for(task, scaled(5))
 
 
 async def test_cancelled_subscriber_does_not_cancel_shared_snapshot_build() -> None:
@@ -382,7 +383,7 @@ async def test_cancelled_subscriber_does_not_cancel_shared_snapshot_build() -> N
     with pytest.raises(asyncio.CancelledError):
         await ta
     a.close()
-    chunks = await asyncio.wait_for(asyncio.shield(b._snapshot), 10)
+    chunks = await asyncio.wait_for(asyncio.shield(b._snapshot), scaled(10))
     assert len(chunks) == 2
     for _ in range(1000):
         if len(col.frames) == 2:

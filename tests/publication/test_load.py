@@ -193,7 +193,7 @@ async def test_close_wakes_subscribers(relay: pb.RelayIdentity) -> None:
     await asyncio.sleep(0)
     plane.close()
     with pytest.raises(PlaneClosed):
-        await asyncio.wait_for(waiter, 1)
+        await asyncio.wait_for(waiter, scaled(1))
     await plane.wait_closed()
     with pytest.raises(RuntimeError):
         plane.start()

@@ -155,7 +155,7 @@ class _Follower:
 
 async def _stop_relay(relay: Relay) -> None:
     """``relay.stop()``, bounded: a shutdown that hangs fails the soak instead of stalling it."""
-    await asyncio.wait_for(relay.stop(), 30)
+    await asyncio.wait_for(relay.stop(), scaled(30))
 
 
 def _percentiles(samples: list[int]) -> dict[str, float]:
