@@ -118,7 +118,7 @@ async def test_serve_notifies_streams_and_shuts_down_cleanly_on_sigterm(tmp_path
                     contract_marker=MARKER,
                 )
             ), pool_seen)))  # type: ignore[arg-type]
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + scaled(20)
             while not any(f.kind == pb.FilterUpdateKind.DELTA for f in pool_seen):
                 assert time.monotonic() < deadline, "no delta reached the subscriber"
                 await engine.step(2)
