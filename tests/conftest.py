@@ -35,6 +35,14 @@ def _warm_numba_kernels() -> None:
 
 
 @pytest.fixture(autouse=True)
+def _fresh_slowdown() -> None:
+    """Re-measure the deadline scale between tests when it is old (``tests/support/timing.py``)."""
+    from tests.support.timing import refresh_if_stale
+
+    refresh_if_stale()
+
+
+@pytest.fixture(autouse=True)
 def _kernel_cache_env_unchanged() -> Iterator[None]:
     """Fail a test that leaves ``NUMBA_*`` (or what picks the cache directory) changed, and put
     them back: every daemon a later test starts inherits them, and one sent to an empty cache

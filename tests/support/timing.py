@@ -3,8 +3,8 @@
 A test that waits for a condition needs a deadline, and a deadline right for a quiet machine is
 too short for a laptop whose other core compiles something, or a shared CI runner. Sleeping
 longer would slow every run; instead each deadline is ``scaled(seconds)``: ``seconds`` times
-``slowdown()``, measured at the first deadline of the session (again once that measurement is
-two minutes old: a busy neighbour comes and goes) by timing a fixed CPU-bound loop in two
+``slowdown()``, measured at the start of the session (again between tests once that measurement
+is two minutes old: a busy neighbour comes and goes) by timing a fixed CPU-bound loop in two
 processes at once (a test and the daemon it talks to compete for cores the same way) against the
 same loop on an idle core of the suite's 2-core machines. Bounded: never below 1 (a fast machine
 keeps the written deadline), never above ``MAX_SLOWDOWN`` (a machine slower than that fails).
@@ -73,13 +73,22 @@ def measure() -> float:
 
 def slowdown() -> float:
     """The factor now (``KVRELAY_TEST_SLOWDOWN`` when set, else the latest measurement)."""
-    global _factor, _measured_at
     forced = os.environ.get(ENV)
     if forced:
         return min(MAX_SLOWDOWN, max(1.0, float(forced)))
+    if _factor is None:
+        refresh_if_stale()
+    assert _factor is not None
+    return _factor
+
+
+def refresh_if_stale() -> None:
+    """Measure again when the last measurement is ``REFRESH_S`` old (or there is none). Called
+    between tests (``tests/conftest.py``), never inside one: a measurement takes the CPU for a
+    moment, and a test's timers must not see that."""
+    global _factor, _measured_at
     if _factor is None or time.monotonic() - _measured_at > REFRESH_S:
         _factor, _measured_at = measure(), time.monotonic()
-    return _factor
 
 
 def scaled(seconds: float) -> float:
