@@ -71,7 +71,7 @@ expected_blocks = 4096
 async def _reload_cli(cfg: Path, pid_file: Path) -> tuple[int, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvrelay", "reload", "--config", str(cfg), "--pid-file",
-        str(pid_file), "--timeout", "20", env=clean_env(), cwd=REPO,
+        str(pid_file), "--timeout", f"{scaled(20):.0f}", env=clean_env(), cwd=REPO,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )  # fmt: skip
     out, _ = await asyncio.wait_for(proc.communicate(), scaled(60))
