@@ -15,6 +15,7 @@ import re
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -154,9 +155,8 @@ async def test_two_workers_serve_are_restarted_and_drain(tmp_path: Path) -> None
                 except (OSError, ConnectionError, Exception):
                     return False
 
-            for _ in range(200):
-                if await served():
-                    break
+            deadline = time.monotonic() + scaled(20)
+            while not await served() and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
             text = await _metrics(metrics_port)
             assert re.search(r"^kvrelay_worker_restarts_total 1\.0$", text, re.M), text[-2000:]
