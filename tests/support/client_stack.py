@@ -56,7 +56,7 @@ def settings_for(
         ),
         limits=limits,
         discovery_interval_s=0.2,
-        discovery_timeout_s=1.0,
+        discovery_timeout_s=scaled(1.0),
         engine_down_grace_s=ENGINE_DOWN_GRACE_S,
     )
 

@@ -60,7 +60,7 @@ async def fleet_and_relay(
         dc_name="dc-e2e",
         pools=pool_specs,
         discovery_interval_s=0.2,
-        discovery_timeout_s=1.0,
+        discovery_timeout_s=scaled(1.0),
         engine_down_grace_s=ENGINE_DOWN_GRACE_S,
         limits=limits or RelayLimits(),
     )

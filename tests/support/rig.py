@@ -113,7 +113,7 @@ def make_settings(
         ),
         limits=limits or RelayLimits(),
         discovery_interval_s=0.1,
-        discovery_timeout_s=0.5,
+        discovery_timeout_s=scaled(0.5),
         engine_down_grace_s=ENGINE_DOWN_GRACE_S,
     )
 
