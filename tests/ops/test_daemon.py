@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from unittest.mock import patch
 
+import pytest
 from grpclib.client import Channel
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
