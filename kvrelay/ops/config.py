@@ -127,6 +127,8 @@ class DaemonConfig:
     #: processes serving gRPC: 1 = the relay itself; N ≥ 2 = ingest + N−1 fan-out workers
     workers: int = 1
     mirror: MirrorConfig | None = None
+    #: where ``workers = N`` puts its internal socket's private directory (None: $TMPDIR)
+    runtime_dir: str | None = None
 
     def summary(self) -> str:
         """One line for ``check-config`` and the start-up log."""
@@ -285,6 +287,7 @@ RELAY_KEYS: dict[str, _Key] = {
     "state_max_age_s": _Key("float", 3600.0, check=_positive_s),
     "event_loop": _kw("asyncio", EVENT_LOOPS),
     "workers": _Key("int", 1, check=_int_range(1, 256)),
+    "runtime_dir": _Key("str", None, check=_text),
     "shutdown_timeout_s": _Key(
         "float", 10.0, check=lambda v: None if 0 < v <= 300 else f"must be in (0, 300], got {v}"
     ),
@@ -740,8 +743,21 @@ def parse_config(
         warnings=warnings,
         workers=relay["workers"],
         mirror=mirror,
+        runtime_dir=_runtime_dir(relay["runtime_dir"], environ),
     )
     return cfg, r.problems
+
+
+def _runtime_dir(value: str | None, env: Mapping[str, str]) -> str | None:
+    """``runtime_dir``: the file's value, else systemd's ``RuntimeDirectory=``
+    (``$RUNTIME_DIRECTORY``), else ``$XDG_RUNTIME_DIR``, else None (the temp directory)."""
+    if value:
+        return value
+    for name in ("RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):
+        found = env.get(name, "").split(":")[0]
+        if found:
+            return found
+    return None
 
 
 def _state_dir(value: str | None, env: Mapping[str, str]) -> str | None:

@@ -51,6 +51,10 @@ class MirrorCollector(Collector):
                                      labels=lw)  # fmt: skip
         lagged = CounterMetricFamily("kvrelay_mirror_subscribers_lagged",
                                      "Local subscribers ended as lagged.", labels=lw)  # fmt: skip
+        evicted = CounterMetricFamily(
+            "kvrelay_mirror_pools_evicted",
+            "Idle mirrored pools dropped to make room for another (hub limit).", labels=lw,
+        )  # fmt: skip
         planes = CounterMetricFamily("kvrelay_mirror_plane_stream_ends",
                                      "Upstream plane streams ended, by plane and how.",
                                      labels=[*lw, "plane", "reason"])  # fmt: skip
@@ -72,10 +76,11 @@ class MirrorCollector(Collector):
                     violations.add_metric([worker, k[10:]], float(v))
             deltas.add_metric([worker], float(totals.get("deltas", 0)))
             lagged.add_metric([worker], float(totals.get("lagged", 0)))
+            evicted.add_metric([worker], float(s.get("pools_evicted", 0)))
             for k, v in sorted(s.get("plane_ends", {}).items()):
                 plane, _, reason = k.partition("_")
                 planes.add_metric([worker, plane, reason], float(v))
-        yield from (synced, changes, pools, ends, violations, deltas, lagged, planes)
+        yield from (synced, changes, pools, ends, violations, deltas, lagged, evicted, planes)
 
 
 class WorkersCollector(Collector):
@@ -96,8 +101,17 @@ class WorkersCollector(Collector):
         restarts = CounterMetricFamily("kvrelay_worker_restarts",
                                        "Fan-out workers restarted after exiting.")  # fmt: skip
         restarts.add_metric([], sup.restarts)
+        dropped = CounterMetricFamily(
+            "kvrelay_worker_reports_dropped",
+            "STATS reports a worker dropped because the supervisor read its pipe late.",
+            labels=["worker"],
+        )  # fmt: skip
+        for i, s in enumerate(sup.worker_stats()):
+            if s:
+                dropped.add_metric([str(i + 1)], float(s.get("reports_dropped", 0)))
         yield workers
         yield restarts
+        yield dropped
         yield from MirrorCollector(self._mirrors).collect()
 
     def _mirrors(self) -> list[tuple[str, dict[str, Any]]]:

@@ -38,6 +38,7 @@ RESTART_FIELDS: dict[str, Callable[[DaemonConfig], Any]] = {
     "tls.client_ca": lambda c: c.tls.client_ca,
     "relay.limits": lambda c: c.relay.limits,
     "relay.workers": lambda c: c.workers,
+    "relay.runtime_dir": lambda c: c.runtime_dir,
     "mirror": lambda c: c.mirror,
 }
 
@@ -79,6 +80,7 @@ def keep_restart_only(old: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
     return dataclasses.replace(
         new, bind_host=old.bind_host, bind_port=old.bind_port, event_loop=old.event_loop,
         metrics=old.metrics, tls=tls, workers=old.workers, mirror=old.mirror,
+        runtime_dir=old.runtime_dir,
         relay=dataclasses.replace(new.relay, limits=old.relay.limits),
     )  # fmt: skip
 

@@ -73,6 +73,12 @@ class Generation:
     def subscriber_count(self) -> int:
         return 0 if self._hub is None else self._hub.subscriber_count
 
+    def request_hold(self, requester: str, seconds: float, ttl_s: float) -> float:
+        """A downstream relay's spacing request (``PublicationHub.request_hold``); without a hub
+        nothing is published to anyone, so there is nothing to space."""
+        hub = self._hub
+        return 0.0 if hub is None else hub.request_hold(requester, seconds, ttl_s)
+
     def hub_stats(self) -> dict[str, int]:
         """Read-only hub counters (zeros before the first subscription)."""
         hub = self._hub

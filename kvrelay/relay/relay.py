@@ -39,6 +39,9 @@ from kvrelay.relay.serving import Page, ServingInputs
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
 from kvrelay.relay.stats import RelayStats
 
+#: A downstream relay's spacing request lapses this long after its last renewal.
+HOLD_TTL_S = 1.0
+
 _log = get_logger(__name__)
 
 
@@ -266,6 +269,13 @@ class Relay:
             sub.close()
             raise RelayError.publication_unavailable("generation retired during hub initialization")
         return sub
+
+    async def hold_pool(
+        self, expected: pb.ProducerIdentity, requester: str, seconds: float
+    ) -> float:
+        """Space ``expected``'s publications for a downstream relay whose joiners catch up
+        (``PublicationHub.request_hold``); no hub yet: nothing to space (0)."""
+        return self._live_generation(expected).request_hold(requester, seconds, HOLD_TTL_S)
 
     # ---- planes ----------------------------------------------------------------------------------
 

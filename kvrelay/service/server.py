@@ -35,6 +35,7 @@ from kvrelay.service.codec import PassThroughCodec
 from kvrelay.service.h2.closing import ClosingServer
 from kvrelay.service.h2.writer import StreamWriter
 from kvrelay.service.health import RelayHealth, reflection_pool
+from kvrelay.service.spacing import SpacingService
 from kvrelay.service.status import UNSUPPORTED_RPC, status_of, trailers_of
 from kvrelay.service.validation import check_marker, validate_stream_request
 from kvrelay.service.view import RelayView
@@ -328,6 +329,7 @@ class KvEventRelayService:
                 writer.reset,
                 writer.bulk,
                 send_now=writer.send_now,
+                turn=None if writer.bulk is None else writer.bulk.acquire,
             )
         finally:
             if writer is not None:
@@ -364,9 +366,11 @@ class RelayServer:
         self.limits = limits or RelayLimits()
         self.service = KvEventRelayService(view, self.limits)
         self.health = RelayHealth(self.service)
-        handlers = ServerReflection.extend(
+        self.spacing = SpacingService(view, self.service._relay_info)
+        # the spacing service is kvrelay's own (not Dynamo's contract): not listed by reflection
+        handlers = [*ServerReflection.extend(
             [self.service, self.health.service], pool=reflection_pool()
-        )
+        ), self.spacing]  # fmt: skip
         config = Configuration(
             _keepalive_time=self.limits.keepalive_interval_s,
             _keepalive_timeout=self.limits.keepalive_timeout_s,

@@ -564,3 +564,21 @@ def test_a_mirror_has_its_own_default_metrics_port() -> None:
     given, _ = parse_config({"mirror": {"upstream": "127.0.0.1:50161"},
                              "metrics": {"bind": "127.0.0.1:9100"}})  # fmt: skip
     assert given is not None and given.metrics.port == 9100
+
+
+@pytest.mark.parametrize(
+    "text,env,expected",
+    [
+        ("", {}, None),
+        ("", {"XDG_RUNTIME_DIR": "/run/user/7"}, "/run/user/7"),
+        ("", {"RUNTIME_DIRECTORY": "/run/kvrelay:/run/b", "XDG_RUNTIME_DIR": "/x"}, "/run/kvrelay"),
+        ('runtime_dir = "/srv/run"\n', {"RUNTIME_DIRECTORY": "/run/kvrelay"}, "/srv/run"),
+        ("", {"KVRELAY_RELAY_RUNTIME_DIR": "/var/run/k", "RUNTIME_DIRECTORY": "/r"}, "/var/run/k"),
+    ],
+)  # fmt: skip
+def test_runtime_dir_from_the_file_systemd_or_xdg(
+    tmp_path: Path, text: str, env: dict[str, str], expected: str | None
+) -> None:
+    f = tmp_path / "k.toml"
+    f.write_text(MINIMAL.replace('dc_name = "dc-test"\n', f'dc_name = "dc-test"\n{text}'))
+    assert load_config(f, env=env).runtime_dir == expected
