@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector
 from kvrelay import __version__
 from kvrelay.contract.wire import SLOTS_PER_BUCKET
 from kvrelay.ingest.counters import LAG_BUCKETS_S, SubscriberCounters
-from kvrelay.ops.metrics_http import MetricsServer
+from kvrelay.ops.metrics_http import HttpCounters, HttpLimits, MetricsServer, http_metrics
 from kvrelay.relay.observer import Observers
 from kvrelay.relay.stats import GenerationTotals, RelayStats
 
@@ -275,6 +275,7 @@ class RelayMetrics:
         )
         self.registry.register(_RelayCollector(self))
         self._http: MetricsServer | None = None
+        self.http_counters = HttpCounters()
         relay.observers.add(self)
 
     # ---- wiring ----------------------------------------------------------------------------------
@@ -310,6 +311,7 @@ class RelayMetrics:
         yield from _generation_metrics(stats)
         yield from self._service_metrics()
         yield from self._reload_metrics()
+        yield from http_metrics(self.http_counters)
 
     def _reload_metrics(self) -> Iterator[Metric]:
         r = self._reloads
@@ -363,13 +365,19 @@ class RelayMetrics:
         return generate_latest(self.registry)
 
     async def start_http(
-        self, host: str, port: int, healthy: Callable[[], bool] | None = None
+        self,
+        host: str,
+        port: int,
+        healthy: Callable[[], bool] | None = None,
+        limits: HttpLimits | None = None,
     ) -> int:
         """Serve ``/metrics`` (and ``/healthz``: 200 while ``healthy()``) on the running loop;
         returns the bound port."""
         if self._http is not None:
             raise RuntimeError("metrics endpoint already started")
-        self._http = MetricsServer(self.render, healthy or (lambda: True))
+        self._http = MetricsServer(
+            self.render, healthy or (lambda: True), limits, self.http_counters
+        )
         return await self._http.start(host, port)
 
     async def close(self) -> None:

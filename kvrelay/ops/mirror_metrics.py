@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvrelay.ops.metrics import LOOP_LAG_BUCKETS, ServiceSource, default_registry
-from kvrelay.ops.metrics_http import MetricsServer
+from kvrelay.ops.metrics_http import HttpCounters, MetricsServer, http_metrics
 
 MirrorStats = Callable[[], list[tuple[str, dict[str, Any]]]]  # (worker label, Mirror.stats())
 
@@ -134,6 +134,7 @@ class _ServiceCollector(Collector):
         svc = self.metrics.service
         if svc is not None:
             yield from _service_families(svc)
+        yield from http_metrics(self.metrics.http_counters)
 
 
 class MirrorMetrics:
@@ -143,6 +144,7 @@ class MirrorMetrics:
         self.mirror = mirror
         self.registry = registry if registry is not None else default_registry()
         self.service: ServiceSource | None = None
+        self.http_counters = HttpCounters()
         self.loop_lag = Histogram("kvrelay_event_loop_lag_seconds",
                                   "Event loop scheduling lag samples.",
                                   buckets=LOOP_LAG_BUCKETS, registry=self.registry)  # fmt: skip
@@ -167,7 +169,9 @@ class MirrorMetrics:
     async def start_http(
         self, host: str, port: int, healthy: Callable[[], bool] | None = None
     ) -> int:
-        self._http = MetricsServer(self.render, healthy or (lambda: True))
+        self._http = MetricsServer(
+            self.render, healthy or (lambda: True), counters=self.http_counters
+        )
         return await self._http.start(host, port)
 
     async def close(self) -> None:
