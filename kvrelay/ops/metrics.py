@@ -208,6 +208,30 @@ class ServiceSource(Protocol):
         ...
 
 
+def guard_families(svc: object) -> Iterator[Metric]:
+    """Streams refused by a per-connection/per-peer share and plane streams reset for not
+    reading (``KvEventRelayService.guard_stats``); zero for a service without them."""
+    guard = getattr(svc, "guard_stats", None)
+    refusals, stalled = guard() if callable(guard) else ({}, {})
+    fam = CounterMetricFamily(
+        "kvrelay_stream_share_refusals",
+        "Streams refused because one connection or one peer address held its share of the "
+        "stream limit, by kind and scope (connection, peer).", labels=["kind", "scope"],
+    )  # fmt: skip
+    for kind in ("catalog", "pool", "readiness", "load"):
+        for scope in ("connection", "peer"):
+            fam.add_metric([kind, scope], refusals.get((kind, scope), 0))
+    yield fam
+    resets = CounterMetricFamily(
+        "kvrelay_stream_stalled_resets",
+        "Plane streams reset because their client took no message for stalled_stream_reset_s.",
+        labels=["kind"],
+    )
+    for kind in ("catalog", "readiness", "load"):
+        resets.add_metric([kind], stalled.get(kind, 0))
+    yield resets
+
+
 def _flatten_subscriber(c: SubscriberCounters) -> Flat:
     out: Flat = {}
     for attr in _SUB_SCALARS:
@@ -358,6 +382,7 @@ class RelayMetrics:
         yield subs
         yield limit
         yield errors
+        yield from guard_families(svc)
 
     # ---- HTTP endpoint ---------------------------------------------------------------------------
 

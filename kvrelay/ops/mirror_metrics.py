@@ -17,7 +17,12 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvrelay.ops.metrics import LOOP_LAG_BUCKETS, ServiceSource, default_registry
+from kvrelay.ops.metrics import (
+    LOOP_LAG_BUCKETS,
+    ServiceSource,
+    default_registry,
+    guard_families,
+)
 from kvrelay.ops.metrics_http import HttpCounters, MetricsServer, http_metrics
 
 MirrorStats = Callable[[], list[tuple[str, dict[str, Any]]]]  # (worker label, Mirror.stats())
@@ -121,6 +126,7 @@ def _service_families(svc: ServiceSource) -> Iterator[Metric]:
     for reason, n in sorted(errors_by_reason.items()):
         errors.add_metric([reason], n)
     yield from (subs, limit, errors)
+    yield from guard_families(svc)
 
 
 class _ServiceCollector(Collector):
