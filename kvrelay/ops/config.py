@@ -25,7 +25,7 @@ from kvrelay.hashing.identity import DEFAULT_CKF_SEED, bucket_count_for
 from kvrelay.ingest.kinds import ENGINE_KINDS
 from kvrelay.ingest.options import DecodeOptions
 from kvrelay.ingest.topic_pattern import PatternError, TopicPattern
-from kvrelay.ops.tls import is_loopback
+from kvrelay.ops.tls import TlsConfigError, client_ssl_context, is_loopback, server_ssl_context
 from kvrelay.relay.settings import ConnectConfig, EngineSpec, PoolSpec, RelaySettings
 
 DEFAULT_BIND = "127.0.0.1:50161"
@@ -809,6 +809,11 @@ def _mirror(r: _Reader, raw: dict[str, Any]) -> MirrorConfig | None:
         if path and not os.access(path, os.R_OK):
             why = "does not exist" if not os.path.exists(path) else "is not readable"
             r.err(f"mirror.{name}", f"file {path!r} {why}")
+    if ca and len(r.problems) == n_before:
+        try:
+            client_ssl_context(ca, cert, key)
+        except TlsConfigError as exc:
+            r.err("mirror.tls_cert" if cert else "mirror.tls_ca", str(exc))
     upstream = m["upstream"]
     if upstream is not None and not upstream.startswith("unix:") and ca is None:
         host = upstream.rpartition(":")[0].strip("[]")
@@ -847,11 +852,17 @@ def _check_tls(r: _Reader, tls: dict[str, Any]) -> None:
         r.err("tls.cert", "required when tls.key is set")
     if ca and not cert:
         r.err("tls.cert", "required when tls.client_ca is set (mTLS needs a server certificate)")
+    n_before = len(r.problems)
     for name in ("cert", "key", "client_ca"):
         path = tls[name]
         if path and not os.access(path, os.R_OK):
             why = "does not exist" if not os.path.exists(path) else "is not readable"
             r.err(f"tls.{name}", f"file {path!r} {why}")
+    if cert and key and len(r.problems) == n_before:
+        try:  # PEM, a key that matches the certificate, a CA bundle that loads: here, not at start
+            server_ssl_context(cert, key, ca)
+        except TlsConfigError as exc:
+            r.err("tls.cert", str(exc))
 
 
 def _pools(r: _Reader, value: Any) -> list[PoolSpec] | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.core import (
@@ -232,6 +232,26 @@ def guard_families(svc: object) -> Iterator[Metric]:
     yield resets
 
 
+TlsSource = Callable[[], Iterable[Any]]  # () → LoadedCertificate-like (role, subject, not_after)
+
+
+def tls_families(source: TlsSource | None) -> Iterator[Metric]:
+    """Expiry of every certificate a TLS context was loaded with (after each reload)."""
+    fam = GaugeMetricFamily(
+        "kvrelay_tls_certificate_expiry_timestamp_seconds",
+        "notAfter (Unix time) of each loaded certificate, by role (server, client_ca, "
+        "upstream_ca, upstream_client) and subject CN; time left = it - time().",
+        labels=["role", "subject"],
+    )
+    earliest: dict[tuple[str, str], float] = {}
+    for c in source() if source is not None else ():
+        key = (c.role, c.subject)
+        earliest[key] = min(earliest.get(key, c.not_after_unix), c.not_after_unix)
+    for (role, subject), t in sorted(earliest.items()):
+        fam.add_metric([role, subject], t)
+    yield fam
+
+
 def _flatten_subscriber(c: SubscriberCounters) -> Flat:
     out: Flat = {}
     for attr in _SUB_SCALARS:
@@ -300,6 +320,7 @@ class RelayMetrics:
         self.registry.register(_RelayCollector(self))
         self._http: MetricsServer | None = None
         self.http_counters = HttpCounters()
+        self._tls: TlsSource | None = None
         relay.observers.add(self)
 
     # ---- wiring ----------------------------------------------------------------------------------
@@ -307,6 +328,10 @@ class RelayMetrics:
     def attach_service(self, service: ServiceSource) -> None:
         """Export the gRPC service's per-stream-kind subscriber counts and error counts."""
         self._service = service
+
+    def attach_tls(self, certificates: TlsSource) -> None:
+        """Export the expiry of the certificates the listener serves and trusts."""
+        self._tls = certificates
 
     def attach_reloads(self, reloads: ReloadSource) -> None:
         """Export configuration reload outcomes (the daemon's SIGHUP handling)."""
@@ -336,6 +361,7 @@ class RelayMetrics:
         yield from self._service_metrics()
         yield from self._reload_metrics()
         yield from http_metrics(self.http_counters)
+        yield from tls_families(self._tls)
 
     def _reload_metrics(self) -> Iterator[Metric]:
         r = self._reloads

@@ -22,6 +22,7 @@ from kvrelay.ops.metrics import (
     ServiceSource,
     default_registry,
     guard_families,
+    tls_families,
 )
 from kvrelay.ops.metrics_http import HttpCounters, MetricsServer, http_metrics
 
@@ -141,6 +142,7 @@ class _ServiceCollector(Collector):
         if svc is not None:
             yield from _service_families(svc)
         yield from http_metrics(self.metrics.http_counters)
+        yield from tls_families(self.metrics.tls)
 
 
 class MirrorMetrics:
@@ -151,6 +153,7 @@ class MirrorMetrics:
         self.registry = registry if registry is not None else default_registry()
         self.service: ServiceSource | None = None
         self.http_counters = HttpCounters()
+        self.tls: Callable[[], Iterable[Any]] | None = None
         self.loop_lag = Histogram("kvrelay_event_loop_lag_seconds",
                                   "Event loop scheduling lag samples.",
                                   buckets=LOOP_LAG_BUCKETS, registry=self.registry)  # fmt: skip
@@ -163,6 +166,9 @@ class MirrorMetrics:
 
     def attach_service(self, service: ServiceSource) -> None:
         self.service = service
+
+    def attach_tls(self, certificates: Callable[[], Iterable[Any]]) -> None:
+        self.tls = certificates
 
     def observe_loop_lag(self, seconds: float) -> None:
         if not math.isnan(seconds):
