@@ -378,12 +378,27 @@ def _bind_endpoints(v: list[str]) -> str | None:
     return None
 
 
+def _addresses(v: list[str]) -> str | None:
+    import ipaddress
+
+    for a in v:
+        try:
+            ipaddress.ip_network(a, strict=False)
+        except ValueError:
+            return f"{a!r} is not an IP address or network (10.0.0.5, 10.0.0.0/24, ::1)"
+    return None
+
+
 CONNECT_KEYS: dict[str, _Key] = {
     "bind": _Key("strs", required=True, check=_bind_endpoints),
     "topic_pattern": _Key("str", required=True, check=_pattern),
     "kind": _kw("vllm", ENGINE_KINDS),
     "max_members": _Key("int", 1024, check=_int_range(1, 65536)),
     "member_silence_s": _Key("float", 600.0, check=_positive_s),
+    "allow": _Key("strs", None, check=_addresses),
+    "max_topic_bytes": _Key("int", 256, check=_int_range(8, 65536)),
+    "max_batch_bytes": _Key("int", 16 * 1024 * 1024, check=_int_range(1024, 1 << 30)),
+    "max_member_blocks": _Key("int", 1 << 22, check=_int_range(1, 1 << 31)),
 }
 #: Sections reachable through environment overrides (scalar keys only), longest prefix first.
 ENV_SECTIONS: tuple[tuple[str, str, dict[str, _Key]], ...] = (
@@ -946,7 +961,17 @@ def _connect(r: _Reader, pool_path: str, praw: dict[str, Any]) -> ConnectConfig 
     if raw is None:
         return None
     n_before = len(r.problems)
-    c = r.keys(path, raw, CONNECT_KEYS)
+    c = r.keys(path, raw, CONNECT_KEYS, extra=("addresses",))
+    addresses: list[tuple[str, tuple[str, ...]]] = []
+    table = r.table(f"{path}.addresses", raw.get("addresses")) or {}
+    for name, v in table.items():
+        vals = [v] if isinstance(v, str) else v
+        if not (isinstance(vals, list) and vals and all(isinstance(x, str) for x in vals)):
+            r.err(f"{path}.addresses.{name}", "a string or a non-empty list of strings")
+        elif (problem := _addresses(vals)) is not None:
+            r.err(f"{path}.addresses.{name}", problem)
+        else:
+            addresses.append((str(name), tuple(vals)))
     if any(q.severity == "error" for q in r.problems[n_before:]):
         return None
     for ep in c["bind"]:
@@ -960,6 +985,11 @@ def _connect(r: _Reader, pool_path: str, praw: dict[str, Any]) -> ConnectConfig 
             kind=ENGINE_KINDS[c["kind"]],
             max_members=c["max_members"],
             member_silence_s=c["member_silence_s"],
+            allow=tuple(c["allow"] or ()),
+            addresses=tuple(addresses),
+            max_topic_bytes=c["max_topic_bytes"],
+            max_batch_bytes=c["max_batch_bytes"],
+            max_member_blocks=c["max_member_blocks"],
         )
     except ValueError as exc:
         r.err(path, str(exc))

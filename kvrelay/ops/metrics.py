@@ -176,6 +176,24 @@ _POOL_COUNTERS: dict[str, tuple[str, str]] = {
     "connect_members_expired": (
         "kvrelay_connect_members_expired", "Members removed after member_silence_s of silence."
     ),
+    "connect_peer_refused": (
+        "kvrelay_connect_peer_refused", "Messages from an address outside the pool's allow list."
+    ),
+    "connect_address_mismatch": (
+        "kvrelay_connect_address_mismatch",
+        "Messages naming an engine bound to another publisher address (dropped).",
+    ),
+    "connect_topic_too_long": (
+        "kvrelay_connect_topic_too_long", "Messages whose topic is over max_topic_bytes."
+    ),
+    "connect_batch_too_large": (
+        "kvrelay_connect_batch_too_large",
+        "Payloads over max_batch_bytes (dropped; the member is reset).",
+    ),
+    "connect_member_block_cap": (
+        "kvrelay_connect_member_block_cap",
+        "Members reset for holding more than max_member_blocks blocks.",
+    ),
     "connect_unattributed": (
         "kvrelay_connect_unattributed",
         "Undecodable payloads whose DP rank could not be read (the engine's members reset).",
