@@ -70,6 +70,14 @@ def mirror_settings(m: MirrorConfig, limits: RelayLimits) -> Any:
     )
 
 
+def private_runtime_dir(base: str | None) -> str:
+    """A new directory for the internal socket that only this user can enter (0700); the
+    internal listener also checks each peer's credentials (``service/peercred.py``)."""
+    d = tempfile.mkdtemp(prefix="kvrelay-", dir=base)
+    os.chmod(d, 0o700)  # mkdtemp's mode already, stated here because the socket relies on it
+    return d
+
+
 class WorkerFront:
     """Internal listener + reserved public port + supervised workers."""
 
@@ -89,7 +97,7 @@ class WorkerFront:
 
         cfg = self.cfg
         base = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or None
-        self.dir = tempfile.mkdtemp(prefix="kvrelay-", dir=base)  # mode 0700
+        self.dir = private_runtime_dir(base)
         self.path = os.path.join(self.dir, "ingest.sock")
         self.internal = RelayServer(self.view, internal_limits(cfg.relay.limits, cfg.workers))
         await self.internal.start_unix(self.path)

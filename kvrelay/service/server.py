@@ -35,6 +35,7 @@ from kvrelay.service.codec import PassThroughCodec
 from kvrelay.service.h2.closing import ClosingServer
 from kvrelay.service.h2.writer import StreamWriter, stream_resetter
 from kvrelay.service.health import RelayHealth, reflection_pool
+from kvrelay.service.peercred import SameUserOnly
 from kvrelay.service.shares import Addr, StreamShares, peer_addr
 from kvrelay.service.status import status_of, trailers_of
 from kvrelay.service.validation import check_marker, validate_stream_request
@@ -411,6 +412,7 @@ class RelayServer:
         )
         listen(self._server, SendTrailingMetadata, _add_reason_trailer)
         self._port: int | None = None
+        self.peer_check: SameUserOnly | None = None  # set on a UNIX listener
 
     @property
     def port(self) -> int:
@@ -440,7 +442,9 @@ class RelayServer:
         self.health.set_serving(True)
 
     async def start_unix(self, path: str) -> None:
-        """Listen on a UNIX socket (the daemon's internal transport to its workers)."""
+        """Listen on a UNIX socket (the daemon's internal transport to its workers); peers that
+        are neither this user nor root are refused (``service/peercred.py``)."""
+        self._server.peer_check = self.peer_check = SameUserOnly()
         await self._server.start(path=path)
         self._port = 0
 

@@ -5,11 +5,16 @@ connections open, so a client could keep calling a relay that has shut down (and
 identity). kvrelay closes every connection once all streams have ended (their EOFs and trailers
 are already written; the transport flushes them before closing). It needs grpclib's private
 ``Server._protocol_factory`` (listed in ``internals.py``).
+
+``peer_check``: a test of each accepted transport (the internal UNIX socket's peer credentials);
+a connection that fails it is aborted as soon as it is made, before any HTTP/2 frame is read.
 """
 
 from __future__ import annotations
 
+import asyncio
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from grpclib.server import Server
@@ -25,10 +30,21 @@ class ClosingServer(Server):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._protocols: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
+        self.peer_check: Callable[[asyncio.BaseTransport], bool] | None = None
 
     def _protocol_factory(self) -> H2Protocol:
         proto = super()._protocol_factory()
         self._protocols.add(proto)
+        check = self.peer_check
+        if check is not None:
+            made = proto.connection_made
+
+            def connection_made(transport: asyncio.BaseTransport) -> None:
+                made(transport)  # the protocol is whole, so its connection_lost works as usual
+                if not check(transport):
+                    transport.abort()  # type: ignore[attr-defined]
+
+            proto.connection_made = connection_made  # type: ignore[method-assign]
         return proto
 
     def close_connections(self) -> None:
