@@ -40,9 +40,15 @@ class ClosingServer(Server):
             made = proto.connection_made
 
             def connection_made(transport: asyncio.BaseTransport) -> None:
-                made(transport)  # the protocol is whole, so its connection_lost works as usual
-                if not check(transport):
-                    transport.abort()  # type: ignore[attr-defined]
+                if check(transport):
+                    made(transport)
+                    return
+                # refused before grpclib writes its SETTINGS: the protocol never starts, so
+                # nothing of it needs closing either
+                proto.connection_lost = _ignore  # type: ignore[method-assign,assignment]
+                proto.data_received = _ignore  # type: ignore[method-assign,assignment]
+                self._protocols.discard(proto)
+                transport.abort()  # type: ignore[attr-defined]
 
             proto.connection_made = connection_made  # type: ignore[method-assign]
         return proto
@@ -54,3 +60,7 @@ class ClosingServer(Server):
             if conn is None or processor is None:
                 continue
             processor.close("relay shut down")
+
+
+def _ignore(*_args: Any) -> None:
+    """A refused connection's protocol callbacks."""
