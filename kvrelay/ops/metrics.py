@@ -32,6 +32,7 @@ from kvrelay.ingest.counters import LAG_BUCKETS_S, SubscriberCounters
 from kvrelay.ops.metrics_http import HttpCounters, HttpLimits, MetricsServer, http_metrics
 from kvrelay.relay.observer import Observers
 from kvrelay.relay.stats import GenerationTotals, RelayStats
+from kvrelay.service.h2.guard import ABUSE_REASONS
 
 DELTA_LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -230,7 +231,7 @@ def guard_families(svc: object) -> Iterator[Metric]:
     """Streams refused by a per-connection/per-peer share and plane streams reset for not
     reading (``KvEventRelayService.guard_stats``); zero for a service without them."""
     guard = getattr(svc, "guard_stats", None)
-    refusals, stalled = guard() if callable(guard) else ({}, {})
+    refusals, stalled, h2 = guard() if callable(guard) else ({}, {}, {})
     fam = CounterMetricFamily(
         "kvrelay_stream_share_refusals",
         "Streams refused because one connection or one peer address held its share of the "
@@ -248,6 +249,15 @@ def guard_families(svc: object) -> Iterator[Metric]:
     for kind in ("catalog", "readiness", "load"):
         resets.add_metric([kind], stalled.get(kind, 0))
     yield resets
+    abuse = CounterMetricFamily(
+        "kvrelay_http2_abuse",
+        "gRPC connections closed with GOAWAY ENHANCE_YOUR_CALM for breaking a per-connection "
+        "budget (rapid_reset, ping_flood, settings_flood, oversized_headers), and streams whose "
+        "request never came (request_timeout).", labels=["reason"],
+    )  # fmt: skip
+    for reason in (*ABUSE_REASONS, "request_timeout"):
+        abuse.add_metric([reason], h2.get(reason, 0))
+    yield abuse
 
 
 TlsSource = Callable[[], Iterable[Any]]  # () → LoadedCertificate-like (role, subject, not_after)

@@ -33,6 +33,7 @@ from kvrelay.publication.hub import Subscription
 from kvrelay.publication.plane import Plane, PlaneClosed, PlaneEnded
 from kvrelay.service.codec import PassThroughCodec
 from kvrelay.service.h2.closing import ClosingServer
+from kvrelay.service.h2.guard import H2Budgets, H2Counters
 from kvrelay.service.h2.writer import StreamWriter, stream_resetter
 from kvrelay.service.health import RelayHealth, reflection_pool
 from kvrelay.service.peercred import SameUserOnly
@@ -42,6 +43,8 @@ from kvrelay.service.validation import check_marker, validate_stream_request
 from kvrelay.service.view import RelayView
 
 SERVICE = "/dynamo.kvrelay.v1.KvEventRelay/"
+#: A stream (or call) whose request message has not arrived after this long ends INVALID_REQUEST.
+REQUEST_TIMEOUT_S = 10.0
 _UNARY_REASON: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "kv_relay_unary_reason", default=None
 )
@@ -97,6 +100,10 @@ class KvEventRelayService:
         #: stream kind → plane streams reset because their client did not read a message for
         #: ``stalled_stream_reset_s``.
         self.stalled_resets: dict[str, int] = {}
+        #: connections closed for breaking an HTTP/2 budget (``service/h2/guard.py``)
+        self.h2_counters = H2Counters()
+        #: a stream whose request message has not arrived after this long is ended
+        self.request_timeout_s = REQUEST_TIMEOUT_S
 
     # --- grpclib plumbing ---
     def __mapping__(self) -> dict[str, Handler]:
@@ -136,9 +143,12 @@ class KvEventRelayService:
         }
         return {k: (p.in_use, p.capacity) for k, p in permits.items()}, dict(self.errors)
 
-    def guard_stats(self) -> tuple[dict[tuple[str, str], int], dict[str, int]]:
-        """((kind, scope) → streams refused by a share, kind → stalled plane streams reset)."""
-        return dict(self.shares.refusals), dict(self.stalled_resets)
+    def guard_stats(
+        self,
+    ) -> tuple[dict[tuple[str, str], int], dict[str, int], dict[str, int]]:
+        """((kind, scope) → streams refused by a share, kind → stalled plane streams reset,
+        reason → connections closed for an HTTP/2 budget or a request that never came)."""
+        return dict(self.shares.refusals), dict(self.stalled_resets), dict(self.h2_counters.closed)
 
     def _admit(self, stream: Stream[Any, Any], kind: str, permits: PermitCounter) -> Addr | None:
         """Take this stream's connection and peer shares, then the relay-wide permit; raises
@@ -241,7 +251,15 @@ class KvEventRelayService:
 
     # --- helpers ---
     async def _recv(self, stream: Stream[Any, Any]) -> Any:
-        request = await stream.recv_message()
+        try:
+            request = await asyncio.wait_for(stream.recv_message(), self.request_timeout_s)
+        except TimeoutError:
+            self.h2_counters.closed["request_timeout"] = (
+                self.h2_counters.closed.get("request_timeout", 0) + 1
+            )
+            raise RelayError.invalid_request(
+                f"no request message within {self.request_timeout_s} s"
+            ) from None
         if request is None:
             raise RelayError.invalid_request("missing request message")
         return request
@@ -411,6 +429,7 @@ class RelayServer:
             handlers, codec=PassThroughCodec(self.limits.max_message_bytes), config=config
         )
         listen(self._server, SendTrailingMetadata, _add_reason_trailer)
+        self._server.h2_guard = (H2Budgets(), self.service.h2_counters)
         self._port: int | None = None
         self.peer_check: SameUserOnly | None = None  # set on a UNIX listener
 

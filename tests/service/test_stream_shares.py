@@ -85,7 +85,7 @@ async def test_one_client_holding_unread_streams_cannot_lock_routers_out(kind: s
             opened.append(streams)
             await _eventually(lambda s=streams, n=admitted: len(_refused(s)) == 64 - n)
         assert permits.in_use == per_peer
-        refusals, _stalled = svc.guard_stats()
+        refusals, _stalled, _h2 = svc.guard_stats()
         assert refusals[(kind, "connection")] == 64 - per_conn
         assert refusals[(kind, "peer")] == 64 + 64 - (per_peer - per_conn)
         assert "share 32 per connection" in str(_refused(opened[0])[0].message)

@@ -19,6 +19,7 @@ from typing import Any
 
 from grpclib.server import Server
 
+from kvrelay.service.h2.guard import H2Budgets, H2Counters, guard_protocol
 from kvrelay.service.h2.internals import H2Protocol
 
 __all__ = ["ClosingServer"]
@@ -31,10 +32,14 @@ class ClosingServer(Server):
         super().__init__(*args, **kwargs)
         self._protocols: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
         self.peer_check: Callable[[asyncio.BaseTransport], bool] | None = None
+        #: per-connection HTTP/2 budgets (``guard.py``); None: none
+        self.h2_guard: tuple[H2Budgets, H2Counters] | None = None
 
     def _protocol_factory(self) -> H2Protocol:
         proto = super()._protocol_factory()
         self._protocols.add(proto)
+        if self.h2_guard is not None:
+            guard_protocol(proto, *self.h2_guard)
         check = self.peer_check
         if check is not None:
             made = proto.connection_made
