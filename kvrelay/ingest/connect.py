@@ -254,10 +254,10 @@ class ConnectSource:
                 if await sub.poll(timeout):
                     for _ in range(self._drain):
                         try:
-                            parts = shadow.recv_multipart(zmq.NOBLOCK, copy=False)
+                            first = shadow.recv(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._on_message([p.bytes for p in parts], _peer(parts[0]))
+                        self._on_message(_rest(shadow, first.bytes), _peer(first))
                 now = time.monotonic()
                 if now >= next_sweep:
                     self.sweep(now)
@@ -484,6 +484,18 @@ def _in(peer: str, networks: Networks) -> bool:
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         addr = addr.ipv4_mapped
     return any(addr in n for n in networks)
+
+
+def _rest(sock: zmq.Socket[Any], first: bytes) -> list[bytes]:
+    """The message whose first part is ``first``: its other parts (one Frame object per message,
+    for the peer address, not one per part); parts past a fourth are read and dropped, so the
+    frame-count check sees a bad message without holding all of it."""
+    frames = [first]
+    while sock.getsockopt(zmq.RCVMORE):
+        part = sock.recv()
+        if len(frames) < 4:
+            frames.append(part)
+    return frames
 
 
 def _peer(frame: zmq.Frame) -> str:
