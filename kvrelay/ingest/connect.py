@@ -29,6 +29,8 @@ permissions).
   other engine is bound to the address its first message came from, for as long as it has a
   member. A message naming that engine from another address is counted and dropped, so another
   peer can neither reset the member (a lower sequence) nor feed it.
+* ``curve_secret_key``: the socket is a CURVE server; only publishers that encrypt to its public
+  key can connect (vLLM and SGLang publishers would need CURVE options of their own).
 * Topics longer than ``max_topic_bytes`` are dropped before they are matched or cached; a payload
   over ``max_batch_bytes`` is never decoded and resets the engine's members (the batch is lost,
   its rank unknown); a member whose stored blocks
@@ -102,6 +104,9 @@ class ConnectSpec:
     max_topic_bytes: int = 256
     max_batch_bytes: int = 16 * 1024 * 1024
     max_member_blocks: int = 1 << 22
+    #: CURVE: the socket's secret key (Z85, 40 characters): publishers must then encrypt to its
+    #: public key, and plaintext peers cannot connect at all.
+    curve_secret_key: str | None = None
 
 
 @dataclass(slots=True)
@@ -216,6 +221,9 @@ class ConnectSource:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
             sub.setsockopt(zmq.SUBSCRIBE, self.spec.pattern.prefix)
+            if self.spec.curve_secret_key is not None:
+                sub.curve_secretkey = self.spec.curve_secret_key.encode("ascii")
+                sub.curve_server = True
             resolved = []
             for ep in self.spec.bind:
                 sub.bind(ep)

@@ -399,6 +399,7 @@ CONNECT_KEYS: dict[str, _Key] = {
     "max_topic_bytes": _Key("int", 256, check=_int_range(8, 65536)),
     "max_batch_bytes": _Key("int", 16 * 1024 * 1024, check=_int_range(1024, 1 << 30)),
     "max_member_blocks": _Key("int", 1 << 22, check=_int_range(1, 1 << 31)),
+    "curve_secret_key_file": _Key("str", None, check=_text),
 }
 #: Sections reachable through environment overrides (scalar keys only), longest prefix first.
 ENV_SECTIONS: tuple[tuple[str, str, dict[str, _Key]], ...] = (
@@ -972,6 +973,9 @@ def _connect(r: _Reader, pool_path: str, praw: dict[str, Any]) -> ConnectConfig 
             r.err(f"{path}.addresses.{name}", problem)
         else:
             addresses.append((str(name), tuple(vals)))
+    curve = None
+    if c["curve_secret_key_file"] is not None:
+        curve = _curve_key(r, f"{path}.curve_secret_key_file", c["curve_secret_key_file"])
     if any(q.severity == "error" for q in r.problems[n_before:]):
         return None
     for ep in c["bind"]:
@@ -990,10 +994,31 @@ def _connect(r: _Reader, pool_path: str, praw: dict[str, Any]) -> ConnectConfig 
             max_topic_bytes=c["max_topic_bytes"],
             max_batch_bytes=c["max_batch_bytes"],
             max_member_blocks=c["max_member_blocks"],
+            curve_secret_key=curve,
         )
     except ValueError as exc:
         r.err(path, str(exc))
         return None
+
+
+def _curve_key(r: _Reader, path: str, file: str) -> str | None:
+    """A Z85 CURVE secret key (40 characters) from ``file`` (the key never sits in the config)."""
+    try:
+        with open(file, encoding="ascii") as f:
+            key = f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        r.err(path, f"cannot read {file!r}: {exc}")
+        return None
+    from zmq.utils import z85
+
+    try:
+        if len(key) != 40:
+            raise ValueError("not 40 characters")
+        z85.decode(key)
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        r.err(path, f"{file!r} does not hold a Z85 CURVE secret key ({exc})")
+        return None
+    return key
 
 
 def _engines(

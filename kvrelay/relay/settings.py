@@ -70,6 +70,8 @@ class ConnectConfig:
     max_topic_bytes: int = 256
     max_batch_bytes: int = 16 * 1024 * 1024
     max_member_blocks: int = 1 << 22
+    #: CURVE secret key (Z85) read from ``curve_secret_key_file``; None: plaintext ZMTP.
+    curve_secret_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.bind:

@@ -8,6 +8,7 @@ cause.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import zmq.asyncio
@@ -120,3 +121,61 @@ async def test_caps_on_topic_length_batch_size_and_member_blocks(
         assert [b[2] for b in sink.batches()] == [1, 2, 3]  # seq 0 was the dropped topic
     finally:
         await src.stop()
+
+
+async def test_a_curve_socket_takes_only_publishers_that_encrypt_to_it(
+    ctx: zmq.asyncio.Context,  # noqa: F811
+) -> None:
+    server_public, server_secret = zmq.curve_keypair()
+    sink = Sink()
+    src = await source(ctx, sink, curve_secret_key=server_secret.decode())
+    try:
+        c_public, c_secret = zmq.curve_keypair()
+        curve = Pub.__new__(Pub)
+        curve.topic, curve.seq = b"kv@pod-a@m", 0
+        curve.sock = ctx.socket(zmq.XPUB)
+        curve.sock.setsockopt(zmq.LINGER, 0)
+        curve.sock.curve_serverkey = server_public
+        curve.sock.curve_publickey, curve.sock.curve_secretkey = c_public, c_secret
+        curve.sock.connect(src.endpoints[0])
+        await curve.ready()
+        plain = Pub(ctx, src.endpoints[0], b"kv@pod-b@m")  # no CURVE: the handshake fails
+        await curve.send()
+        for _ in range(3):
+            await plain.send()
+        await curve.send()
+        await until(lambda: len(sink.batches()) == 2)
+        assert sink.batches() == [("pod-a", 0, 0), ("pod-a", 0, 1)]
+        assert src.counters.messages == 2 and len(src) == 1
+        plain.sock.close(linger=0)
+        curve.sock.close(linger=0)
+    finally:
+        await src.stop()
+
+
+def test_check_config_reads_the_curve_key_and_the_allow_list(tmp_path: Path) -> None:
+    from kvrelay.ops.config import check_file
+
+    def check(extra: str) -> list[tuple[str, str]]:
+        p = tmp_path / "kvrelay.toml"
+        p.write_text(
+            '[relay]\ndc_name = "dc"\n[[pools]]\nnamespace = "ns"\ncomponent = "c"\n'
+            'endpoint = "e"\nmodel = "m"\nkv_block_size = 16\n[pools.connect]\n'
+            'bind = "tcp://127.0.0.1:5557"\ntopic_pattern = "kv@{engine}@{model}"\n' + extra
+        )
+        _cfg, problems = check_file(p, env={})
+        return [(q.path, q.severity) for q in problems
+                if q.severity == "error" and q.path.startswith("pools[0].connect")]  # fmt: skip
+
+    good = tmp_path / "curve.key"
+    good.write_text(zmq.curve_keypair()[1].decode() + "\n")
+    bad = tmp_path / "bad.key"
+    bad.write_text("not a key\n")
+    assert check(f'curve_secret_key_file = "{good}"\nallow = ["10.0.0.0/24", "::1"]\n') == []
+    assert check(f'curve_secret_key_file = "{bad}"\n') == [
+        ("pools[0].connect.curve_secret_key_file", "error")
+    ]
+    assert check('allow = ["10.0.0.300"]\n') == [("pools[0].connect.allow", "error")]
+    assert check('[pools.connect.addresses]\n"pod-a" = ["nope"]\n') == [
+        ("pools[0].connect.addresses.pod-a", "error")
+    ]
