@@ -237,7 +237,7 @@ def guard_families(svc: object) -> Iterator[Metric]:
         "Streams refused because one connection or one peer address held its share of the "
         "stream limit, by kind and scope (connection, peer).", labels=["kind", "scope"],
     )  # fmt: skip
-    for kind in ("catalog", "pool", "readiness", "load"):
+    for kind in ("catalog", "pool", "readiness", "load", "serving_load"):
         for scope in ("connection", "peer"):
             fam.add_metric([kind, scope], refusals.get((kind, scope), 0))
     yield fam
@@ -246,7 +246,7 @@ def guard_families(svc: object) -> Iterator[Metric]:
         "Plane streams reset because their client took no message for stalled_stream_reset_s.",
         labels=["kind"],
     )
-    for kind in ("catalog", "readiness", "load"):
+    for kind in ("catalog", "readiness", "load", "serving_load"):
         resets.add_metric([kind], stalled.get(kind, 0))
     yield resets
     abuse = CounterMetricFamily(

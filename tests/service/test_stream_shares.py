@@ -30,6 +30,7 @@ KINDS = {
     "catalog": ("WatchKvPoolCatalog", "catalog_permits"),
     "readiness": ("SubscribeServingReadiness", "readiness_permits"),
     "load": ("SubscribeKvPoolLoad", "load_permits"),
+    "serving_load": ("SubscribeServingLoad", "serving_load_permits"),
 }
 
 
@@ -58,6 +59,9 @@ async def _first_message(port: int, kind: str) -> object:
                 pb.SubscribeServingReadinessRequest(**req)
             ),
             "load": lambda: stub.subscribe_kv_pool_load(pb.SubscribeKvPoolLoadRequest(**req)),
+            "serving_load": lambda: stub.subscribe_serving_load(
+                pb.SubscribeServingLoadRequest(**req)
+            ),
         }
         stream: AsyncIterator[object] = calls[kind]()
         return await asyncio.wait_for(anext(aiter(stream)), 10)
