@@ -25,7 +25,7 @@ from kvrelay.hashing.identity import DEFAULT_CKF_SEED, bucket_count_for
 from kvrelay.ingest.kinds import ENGINE_KINDS
 from kvrelay.ingest.options import DecodeOptions
 from kvrelay.ingest.topic_pattern import PatternError, TopicPattern
-from kvrelay.ops.tls import is_loopback
+from kvrelay.ops.tls import TlsConfigError, client_ssl_context, is_loopback, server_ssl_context
 from kvrelay.relay.settings import ConnectConfig, EngineSpec, PoolSpec, RelaySettings
 
 DEFAULT_BIND = "127.0.0.1:50161"
@@ -384,12 +384,28 @@ def _bind_endpoints(v: list[str]) -> str | None:
     return None
 
 
+def _addresses(v: list[str]) -> str | None:
+    import ipaddress
+
+    for a in v:
+        try:
+            ipaddress.ip_network(a, strict=False)
+        except ValueError:
+            return f"{a!r} is not an IP address or network (10.0.0.5, 10.0.0.0/24, ::1)"
+    return None
+
+
 CONNECT_KEYS: dict[str, _Key] = {
     "bind": _Key("strs", required=True, check=_bind_endpoints),
     "topic_pattern": _Key("str", required=True, check=_pattern),
     "kind": _kw("vllm", ENGINE_KINDS),
     "max_members": _Key("int", 1024, check=_int_range(1, 65536)),
     "member_silence_s": _Key("float", 600.0, check=_positive_s),
+    "allow": _Key("strs", None, check=_addresses),
+    "max_topic_bytes": _Key("int", 256, check=_int_range(8, 65536)),
+    "max_batch_bytes": _Key("int", 16 * 1024 * 1024, check=_int_range(1024, 1 << 30)),
+    "max_member_blocks": _Key("int", 1 << 22, check=_int_range(1, 1 << 31)),
+    "curve_secret_key_file": _Key("str", None, check=_text),
 }
 #: Sections reachable through environment overrides (scalar keys only), longest prefix first.
 ENV_SECTIONS: tuple[tuple[str, str, dict[str, _Key]], ...] = (
@@ -862,6 +878,11 @@ def _mirror(r: _Reader, raw: dict[str, Any]) -> MirrorConfig | None:
         if path and not os.access(path, os.R_OK):
             why = "does not exist" if not os.path.exists(path) else "is not readable"
             r.err(f"mirror.{name}", f"file {path!r} {why}")
+    if ca and len(r.problems) == n_before:
+        try:
+            client_ssl_context(ca, cert, key)
+        except TlsConfigError as exc:
+            r.err("mirror.tls_cert" if cert else "mirror.tls_ca", str(exc))
     upstream = m["upstream"]
     if upstream is not None and not upstream.startswith("unix:") and ca is None:
         host = upstream.rpartition(":")[0].strip("[]")
@@ -900,11 +921,17 @@ def _check_tls(r: _Reader, tls: dict[str, Any]) -> None:
         r.err("tls.cert", "required when tls.key is set")
     if ca and not cert:
         r.err("tls.cert", "required when tls.client_ca is set (mTLS needs a server certificate)")
+    n_before = len(r.problems)
     for name in ("cert", "key", "client_ca"):
         path = tls[name]
         if path and not os.access(path, os.R_OK):
             why = "does not exist" if not os.path.exists(path) else "is not readable"
             r.err(f"tls.{name}", f"file {path!r} {why}")
+    if cert and key and len(r.problems) == n_before:
+        try:  # PEM, a key that matches the certificate, a CA bundle that loads: here, not at start
+            server_ssl_context(cert, key, ca)
+        except TlsConfigError as exc:
+            r.err("tls.cert", str(exc))
 
 
 def _pools(r: _Reader, value: Any) -> list[PoolSpec] | None:
@@ -988,7 +1015,20 @@ def _connect(r: _Reader, pool_path: str, praw: dict[str, Any]) -> ConnectConfig 
     if raw is None:
         return None
     n_before = len(r.problems)
-    c = r.keys(path, raw, CONNECT_KEYS)
+    c = r.keys(path, raw, CONNECT_KEYS, extra=("addresses",))
+    addresses: list[tuple[str, tuple[str, ...]]] = []
+    table = r.table(f"{path}.addresses", raw.get("addresses")) or {}
+    for name, v in table.items():
+        vals = [v] if isinstance(v, str) else v
+        if not (isinstance(vals, list) and vals and all(isinstance(x, str) for x in vals)):
+            r.err(f"{path}.addresses.{name}", "a string or a non-empty list of strings")
+        elif (problem := _addresses(vals)) is not None:
+            r.err(f"{path}.addresses.{name}", problem)
+        else:
+            addresses.append((str(name), tuple(vals)))
+    curve = None
+    if c["curve_secret_key_file"] is not None:
+        curve = _curve_key(r, f"{path}.curve_secret_key_file", c["curve_secret_key_file"])
     if any(q.severity == "error" for q in r.problems[n_before:]):
         return None
     for ep in c["bind"]:
@@ -1002,10 +1042,36 @@ def _connect(r: _Reader, pool_path: str, praw: dict[str, Any]) -> ConnectConfig 
             kind=ENGINE_KINDS[c["kind"]],
             max_members=c["max_members"],
             member_silence_s=c["member_silence_s"],
+            allow=tuple(c["allow"] or ()),
+            addresses=tuple(addresses),
+            max_topic_bytes=c["max_topic_bytes"],
+            max_batch_bytes=c["max_batch_bytes"],
+            max_member_blocks=c["max_member_blocks"],
+            curve_secret_key=curve,
         )
     except ValueError as exc:
         r.err(path, str(exc))
         return None
+
+
+def _curve_key(r: _Reader, path: str, file: str) -> str | None:
+    """A Z85 CURVE secret key (40 characters) from ``file`` (the key never sits in the config)."""
+    try:
+        with open(file, encoding="ascii") as f:
+            key = f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        r.err(path, f"cannot read {file!r}: {exc}")
+        return None
+    from zmq.utils import z85
+
+    try:
+        if len(key) != 40:
+            raise ValueError("not 40 characters")
+        z85.decode(key)
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        r.err(path, f"{file!r} does not hold a Z85 CURVE secret key ({exc})")
+        return None
+    return key
 
 
 def _engines(

@@ -74,6 +74,14 @@ def mirror_settings(m: MirrorConfig, limits: RelayLimits) -> Any:
     )
 
 
+def private_runtime_dir(base: str | None) -> str:
+    """A new directory for the internal socket that only this user can enter (0700); the
+    internal listener also checks each peer's credentials (``service/peercred.py``)."""
+    d = tempfile.mkdtemp(prefix="kvrelay-", dir=base)
+    os.chmod(d, 0o700)  # mkdtemp's mode already, stated here because the socket relies on it
+    return d
+
+
 class WorkerFront:
     """Internal listener + reserved public port + supervised workers."""
 
@@ -94,7 +102,7 @@ class WorkerFront:
         cfg = self.cfg
         base = cfg.runtime_dir
         try:
-            self.dir = tempfile.mkdtemp(prefix="kvrelay-", dir=base)  # mode 0700
+            self.dir = private_runtime_dir(base)
         except OSError as exc:
             raise RuntimeError(
                 f"workers = {cfg.workers} needs a writable runtime directory for its internal "

@@ -19,13 +19,10 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvrelay.logging import get_logger
 from kvrelay.ops.config import ConfigProblem, DaemonConfig, check_file
-
-if TYPE_CHECKING:
-    import ssl
 
 _LOG = get_logger("kvrelay.ops.reload")
 
@@ -85,16 +82,13 @@ def keep_restart_only(old: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
     )  # fmt: skip
 
 
-def reload_tls(context: ssl.SSLContext | None, cfg: DaemonConfig) -> None:
-    """Read the certificate and key again into the live context (new connections use them).
-    A fresh context is built first, so files that do not load leave the live one untouched."""
+def reload_tls(context: Any, cfg: DaemonConfig) -> None:
+    """Load the certificate and key once into a new context and hand it to new handshakes
+    (``ReloadableServerContext.reload``); files that do not load leave the live one untouched."""
     if context is None or not cfg.tls.enabled:
         return
-    from kvrelay.ops.tls import server_ssl_context
-
     assert cfg.tls.cert is not None and cfg.tls.key is not None
-    server_ssl_context(cfg.tls.cert, cfg.tls.key, cfg.tls.client_ca)  # raises if unusable
-    context.load_cert_chain(cfg.tls.cert, cfg.tls.key)
+    context.reload(cfg.tls.cert, cfg.tls.key, cfg.tls.client_ca)
 
 
 def read_config(path: str | os.PathLike[str]) -> tuple[DaemonConfig | None, list[ConfigProblem]]:

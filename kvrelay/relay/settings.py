@@ -63,10 +63,25 @@ class ConnectConfig:
     kind: EngineKind = EngineKind.VLLM
     max_members: int = 1024
     member_silence_s: float = 600.0
+    #: Publisher addresses/networks accepted (empty: any); see ``ingest/connect.py``.
+    allow: tuple[str, ...] = ()
+    #: (engine, addresses/networks it may publish from); others bind to their first address.
+    addresses: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    max_topic_bytes: int = 256
+    max_batch_bytes: int = 16 * 1024 * 1024
+    max_member_blocks: int = 1 << 22
+    #: CURVE secret key (Z85) read from ``curve_secret_key_file``; None: plaintext ZMTP.
+    curve_secret_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.bind:
             raise ValueError("connect mode needs at least one bind endpoint")
+        import ipaddress
+
+        for a in (*self.allow, *(x for _n, xs in self.addresses for x in xs)):
+            ipaddress.ip_network(a, strict=False)  # raises ValueError
+        if min(self.max_topic_bytes, self.max_batch_bytes, self.max_member_blocks) < 1:
+            raise ValueError("connect caps must be >= 1")
         TopicPattern(self.topic_pattern)  # raises PatternError (a ValueError)
         if self.max_members < 1 or self.member_silence_s <= 0:
             raise ValueError("max_members must be >= 1 and member_silence_s > 0")

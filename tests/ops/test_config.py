@@ -20,6 +20,7 @@ from kvrelay.ops.config import (
     load_config,
     parse_bind,
 )
+from tests.support.certs import make_pki
 from tests.support.commands import MINIMAL, kvrelay
 
 POOL = """
@@ -228,9 +229,9 @@ def test_plaintext_on_network_is_a_warning_not_an_error(tmp_path: Path) -> None:
     assert (w.severity, w.path) == ("warning", "relay.bind") and "plaintext" in w.reason
     assert cfg.warnings == (w,)
     # the same bind with TLS configured raises no warning
-    cert = tmp_path / "c.pem"
-    cert.write_text("x")
-    cfg, problems = _check(tmp_path, text + f'\n[tls]\ncert = "{cert}"\nkey = "{cert}"\n')
+    pki = make_pki(tmp_path)  # check-config loads the files: they must be a real pair
+    cert, key = pki.server_cert, pki.server_key
+    cfg, problems = _check(tmp_path, text + f'\n[tls]\ncert = "{cert}"\nkey = "{key}"\n')
     assert cfg is not None and problems == [] and cfg.tls.enabled
 
 
