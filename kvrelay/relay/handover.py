@@ -154,7 +154,7 @@ def _check(
     try:
         if h.get("kind") != "kvrelay-pool-state":
             raise Refused("corrupt", "not a pool state")
-        if h.get("pool_layout") != Pool.STATE_VERSION:
+        if h.get("pool_layout") not in Pool.READABLE_STATE_VERSIONS:
             raise Refused("version", f"pool layout {h.get('pool_layout')!r}, this kvrelay "
                                      f"uses {Pool.STATE_VERSION}")  # fmt: skip
         if h.get("pool") != list(spec.triple):
