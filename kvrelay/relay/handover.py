@@ -71,6 +71,7 @@ class RestoredPool:
         return Pool.from_state(
             self.pool_meta, self.arrays, bucket_count=spec.bucket_count, seed=spec.ckf_seed,
             block_size=self.identity.block_size, hash_format=int(spec.hash_format),
+            reports=spec.engine_reports,
         )  # fmt: skip
 
 

@@ -381,6 +381,7 @@ class PoolRuntime:
                 seed=self.spec.ckf_seed,
                 block_size=ident.block_size,
                 hash_format=int(self.spec.hash_format),
+                reports=self.spec.engine_reports,
             ), {}
         gen = Generation(
             name=self.name, pool=pool, producer=self._producer(ident), ctx=self._ctx,
