@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from kvrelay.ops.metrics import RelayMetrics
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import PoolSpec
 from kvrelay.sim.config import SimConfig
@@ -46,10 +47,19 @@ BASE = SimConfig(
 
 
 def _pool_stats(relay: Relay) -> tuple[int, int, int]:
+    """The pool's counters, checked against what the metrics page says."""
     gen = relay.pools[0].generation
     assert gen is not None
     p = gen.pool
-    return p.duplicate_stores, p.copy_removals, p.ambiguous_stores
+    out = (p.duplicate_stores, p.copy_removals, p.ambiguous_stores)
+    reg = RelayMetrics(relay).registry
+    names = ("duplicate_stores", "copy_removals", "ambiguous_stores")
+    scraped = tuple(
+        reg.get_sample_value(f"kvrelay_pool_{n}_total", {"pool": "ns/backend/generate"})
+        for n in names
+    )
+    assert scraped == tuple(float(v) for v in out)
+    return out
 
 
 def _copies_held(engines: list[SimEngine]) -> int:
