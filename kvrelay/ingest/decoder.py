@@ -554,8 +554,12 @@ class Decoder:
                 entries = None
                 if want_ek and len(ev.extra_keys):
                     entries = self._extra_keys(ev.extra_keys, stats)
-                if opts.cache_salt_namespacing:
-                    ns = ev.cache_salt
+                # An explicit salt field (SGLang's salt map, a map-form ``cache_salt``) is
+                # honoured always, as Dynamo does: salted and unsalted blocks never merge.
+                # vLLM's bare salt in block 0's extra keys only with the namespacing option.
+                explicit = ev.cache_salt or None
+                if opts.cache_salt_namespacing or explicit:
+                    ns = explicit
                     if not ns and parent is None and entries:
                         ns = self._cache_salt(entries, lora)
                     if ns:

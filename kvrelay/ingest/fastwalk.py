@@ -99,9 +99,9 @@ def _positions(store: tuple[int, ...], remove: tuple[int, ...], clear: tuple[int
 
 
 ARR_IDS, ARR_LEN = _positions(_ARR_STORE, _ARR_REMOVE, (K_TYPE,))
-#: SGLang sources (§21): stores share vLLM's positions 1–13 and carry the salt map at 14 (opaque
-#: here: only the namespacing option reads it, and that takes the msgspec path); a map in vLLM's
-#: lora_name slot (one revision) falls back. Removes: medium, group, then kind and window
+#: SGLang sources (§21): stores share vLLM's positions 1–13 and carry the salt map at 14 (a map
+#: there, like a non-empty map-form ``cache_salt``, falls back: the msgspec path reads it); a map
+#: in vLLM's lora_name slot (one revision) falls back. Removes: medium, group, then kind and window
 #: (ignored), locality, ownership. Cleared: one trailing ownership slot.
 SGL_IDS, SGL_LEN = _positions(
     _ARR_STORE[:15],
@@ -667,8 +667,11 @@ def _walk(  # type: ignore[no-untyped-def]
                     return FALLBACK
                 elif key == 7:
                     lpos, llen = sp, sn
-                # key 16 (cache_salt): only used by the namespacing option (not this path)
+                if key == 16 and sn > 0:  # a salted store: the msgspec path namespaces it
+                    return FALLBACK
                 continue
+            if key == 14 and (0x80 <= c <= 0x8F or c == 0xDE or c == 0xDF):
+                return FALLBACK  # SGLang's salt map at slot 14: the msgspec path reads it
             # lora_id, extra_keys, sliding window, ownership, session_id, lookahead: opaque
             p2 = skip(buf, pos, end)
             if p2 < 0:
