@@ -143,6 +143,25 @@ def _tok_header(raw: Raw) -> tuple[int, int, bool]:
     return n, h, big
 
 
+def _lookahead(raw: Raw, n_blocks: int) -> int:
+    """The first lookahead token of block ``n_blocks - 1`` (vLLM >= 0.33 ``lookahead_token_ids``:
+    per block, the tokens past it that went into its hash), or -1 when there is none to use. With
+    it, an EAGLE window of the last stored block is complete instead of one token short."""
+    if not raw:
+        return -1
+    try:
+        la = msgspec.msgpack.decode(raw)
+    except msgspec.DecodeError:
+        return -1
+    if not isinstance(la, list) or len(la) != n_blocks:
+        return -1
+    last = la[-1]
+    if not isinstance(last, list) or not last:
+        return -1
+    t = last[0]
+    return t if type(t) is int and 0 <= t < 1 << 32 else -1
+
+
 def _self_referencing(hs: list[int], parent: int | None) -> bool:
     """Duplicate hash among the blocks, or the parent among them (compared as u64)."""
     norm = {h & M64 for h in hs}
@@ -467,6 +486,8 @@ class Decoder:
         s_nsp: list[int] = []
         s_nsi: list[bool] = []
         s_need: list[int] = []
+        s_fill: list[int] = []  # tokens taken from token_ids (s_need less a lookahead token)
+        s_la: list[int] = []
         seg_raw: list[Raw] = []
         seg_hdr: list[int] = []
         seg_n: list[int] = []
@@ -532,6 +553,11 @@ class Decoder:
                 nh = len(hs)
                 if k > nh:
                     k = nh
+                la = -1  # the last block's lookahead token (EAGLE window), when sent
+                if extra and not big and k == nh - 1 and ntok == nh * B:
+                    la = _lookahead(getattr(ev, "lookahead_token_ids", wire.NO_RAW), nh)
+                    if la >= 0:
+                        k = nh
                 if k <= 0:
                     stats.drop(S.DROP_TOKENS_SHORT)
                     continue
@@ -585,6 +611,8 @@ class Decoder:
                 s_nsp.append(nsp)
                 s_nsi.append(nsi)
                 s_need.append(k * B + extra)
+                s_fill.append(k * B if la >= 0 else k * B + extra)
+                s_la.append(la)
                 seg_raw.append(raw)
                 seg_hdr.append(hdr)
                 seg_n.append(n)
@@ -629,11 +657,14 @@ class Decoder:
                 starts + lens,
                 np.array(seg_n, dtype=np.int64),
                 np.array(seg_big, dtype=np.bool_),
-                need,
+                np.array(s_fill, dtype=np.int64),
                 out_off,
                 tokens,
                 status,
             )
+            for j, tok in enumerate(s_la):
+                if tok >= 0:  # the EAGLE window's last token, from lookahead_token_ids
+                    tokens[out_off[j] + need[j] - 1] = tok
             if bad:
                 keep = np.ones(n_ev, dtype=np.bool_)
                 keep[si[status != 0]] = False

@@ -670,6 +670,8 @@ def _walk(  # type: ignore[no-untyped-def]
                 if key == 16 and sn > 0:  # a salted store: the msgspec path namespaces it
                     return FALLBACK
                 continue
+            if key == 15 and extra == 1 and c != 0xC0:
+                return FALLBACK  # EAGLE lookahead tokens: the msgspec path completes the window
             if key == 14 and (0x80 <= c <= 0x8F or c == 0xDE or c == 0xDF):
                 return FALLBACK  # SGLang's salt map at slot 14: the msgspec path reads it
             # lora_id, extra_keys, sliding window, ownership, session_id, lookahead: opaque

@@ -234,6 +234,26 @@ def test_eagle_bigrams_follow_the_pool_format() -> None:
     assert eag_flat.batch.tokens.tolist() == list(range(B + 1))
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_eagle_window_of_the_last_block_comes_from_lookahead_tokens(fast: bool) -> None:
+    """vLLM >= 0.33 sends ``lookahead_token_ids``: the tokens past each block that went into its
+    hash. Under the EAGLE format the last block's window is then complete and it is kept."""
+    la = [[B + 7, 99], [2 * B + 5, 98]]  # block 0's lookahead is token B of the store anyway
+    ev = W.stored("map", block_hashes=[1, 2], token_ids=list(range(2 * B)), block_size=B,
+                  lookahead_token_ids=la)  # fmt: skip
+    eag = dec(hash_format=2, fast=fast).decode(W.batch([ev]))
+    assert eag.batch.ext_hashes.tolist() == [1, 2] and eag.stats.truncated == 0
+    assert eag.batch.tokens.tolist() == [*range(2 * B), 2 * B + 5]
+    std = dec(hash_format=1, fast=fast).decode(W.batch([ev]))  # standard windows: not needed
+    assert std.batch.tokens.tolist() == list(range(2 * B))
+    for bad in ([[1]], [[], []], [[1], ["x"]], [[1], [-1]], [[1], [1 << 32]]):
+        odd = W.stored("map", block_hashes=[1, 2], token_ids=list(range(2 * B)), block_size=B,
+                       lookahead_token_ids=bad)  # fmt: skip
+        got = dec(hash_format=2, fast=fast).decode(W.batch([odd]))  # unusable: dropped as before
+        assert got.batch.ext_hashes.tolist() == [1], bad
+        assert got.batch.tokens.tolist() == list(range(B + 1))
+
+
 def test_lora_salt_matches_xxhash() -> None:
     ev = W.stored(
         "map", block_hashes=[1], token_ids=list(range(B)), block_size=B, lora_name="adapter-a"
