@@ -238,7 +238,7 @@ def test_eagle_bigrams_follow_the_pool_format() -> None:
 def test_eagle_window_of_the_last_block_comes_from_lookahead_tokens(fast: bool) -> None:
     """vLLM >= 0.33 sends ``lookahead_token_ids``: the tokens past each block that went into its
     hash. Under the EAGLE format the last block's window is then complete and it is kept."""
-    la = [[B + 7, 99], [2 * B + 5, 98]]  # block 0's lookahead is token B of the store anyway
+    la = [[B, B + 1], [2 * B + 5, 98]]  # block 0: token B, already in the store
     ev = W.stored("map", block_hashes=[1, 2], token_ids=list(range(2 * B)), block_size=B,
                   lookahead_token_ids=la)  # fmt: skip
     eag = dec(hash_format=2, fast=fast).decode(W.batch([ev]))
