@@ -112,6 +112,16 @@ _GEN_COUNTERS: dict[str, tuple[str, str, str | None]] = {
         "Removes that dropped one of several physical copies (the block stays held).",
         None,
     ),
+    "rebuild_holds": (
+        "kvrelay_pool_rebuild_holds",
+        "Member rebuilds from replay published as one delta (publications held meanwhile).",
+        None,
+    ),
+    "rebuild_holds_broken": (
+        "kvrelay_pool_rebuild_holds_broken",
+        "Rebuild holds cut short (time or size bound): the rest published as it came.",
+        None,
+    ),
     "invariant_violations": (
         "kvrelay_pool_invariant_violations", "Exact-state invariant violations (fences).", None
     ),

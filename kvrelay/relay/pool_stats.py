@@ -36,6 +36,8 @@ def generation_totals(gen: Generation) -> GenerationTotals:
         report_stores=p.report_stores,
         ambiguous_stores=p.ambiguous_stores,
         copy_removals=p.copy_removals,
+        rebuild_holds=gen.rebuild_holds,
+        rebuild_holds_broken=gen.rebuild_holds_broken,
         invariant_violations=p.invariant_violations,
         deltas=gen.batches_published,
         hub_resets=hub["resets"],
