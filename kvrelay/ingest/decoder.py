@@ -43,7 +43,15 @@ from kvrelay.ingest.options import DecodeOptions
 from kvrelay.ingest.salt import namespace_part, request_salt
 from kvrelay.ingest.stats import DecodeStats
 from kvrelay.ingest.tokens_kernel import fill_tokens
-from kvrelay.pool.batch import OP_CLEAR, OP_REMOVE, OP_STORE, EventBatch
+from kvrelay.pool.batch import (
+    OP_CLEAR,
+    OP_REMOVE,
+    OP_STORE,
+    ORIGIN_NEW,
+    ORIGIN_REPORT,
+    ORIGIN_UNKNOWN,
+    EventBatch,
+)
 
 M64 = (1 << 64) - 1
 HASH_FORMAT_STANDARD = 1
@@ -141,6 +149,10 @@ def _tok_header(raw: Raw) -> tuple[int, int, bool]:
         return -1, 0, False
     big = n > 0 and len(mv) > h and (0x90 <= mv[h] <= 0x9F or mv[h] in (0xDC, 0xDD))
     return n, h, big
+
+
+#: ``BlockStored.origin`` (map form): what the engine says a store is (contract §8.2.1)
+_ORIGINS = {"NEW": ORIGIN_NEW, "REUSED": ORIGIN_REPORT}
 
 
 def _lookahead(raw: Raw, n_blocks: int) -> int:
@@ -488,6 +500,7 @@ class Decoder:
         s_need: list[int] = []
         s_fill: list[int] = []  # tokens taken from token_ids (s_need less a lookahead token)
         s_la: list[int] = []
+        s_org: list[int] = []
         seg_raw: list[Raw] = []
         seg_hdr: list[int] = []
         seg_n: list[int] = []
@@ -613,6 +626,7 @@ class Decoder:
                 s_need.append(k * B + extra)
                 s_fill.append(k * B if la >= 0 else k * B + extra)
                 s_la.append(la)
+                s_org.append(_ORIGINS.get(getattr(ev, "origin", None) or "", ORIGIN_UNKNOWN))
                 seg_raw.append(raw)
                 seg_hdr.append(hdr)
                 seg_n.append(n)
@@ -631,6 +645,7 @@ class Decoder:
         salt_a = np.zeros(n_ev, dtype=np.uint64)
         nsp_a = np.zeros(n_ev, dtype=np.uint64)
         nsi_a = np.zeros(n_ev, dtype=np.bool_)
+        org_a = np.zeros(n_ev if any(s_org) else 0, dtype=np.uint8)
         tcount = np.zeros(n_ev, dtype=np.int64)
         tokens = np.zeros(0, dtype=np.uint32)
         keep: npt.NDArray[np.bool_] | None = None
@@ -641,6 +656,8 @@ class Decoder:
             salt_a[si] = _u64(s_salt)
             nsp_a[si] = _u64(s_nsp)
             nsi_a[si] = s_nsi
+            if org_a.shape[0]:
+                org_a[si] = s_org
             need = np.array(s_need, dtype=np.int64)
             tcount[si] = need
             out_off = np.zeros(len(s_idx), dtype=np.int64)
@@ -680,6 +697,8 @@ class Decoder:
             ops_a, counts_a, tcount = ops_a[keep], counts_a[keep], tcount[keep]
             parent_a, has_a, salt_a = parent_a[keep], has_a[keep], salt_a[keep]
             nsp_a, nsi_a = nsp_a[keep], nsi_a[keep]
+            if org_a.shape[0]:
+                org_a = org_a[keep]
             if ops_a.shape[0] == 0:
                 return _empty_batch()
         m_ev = int(ops_a.shape[0])
@@ -698,6 +717,7 @@ class Decoder:
             ext_hashes=ext_a,
             tok_off=tok_off,
             tokens=tokens,
+            origin=org_a,
         )
         if mm_events:
             self._attach_mm(batch, mm_events, counts_a, kept_idx)

@@ -67,17 +67,17 @@ _TAGS = {b"BlockStored": 0, b"BlockRemoved": 1, b"AllBlocksCleared": 2}
 # map keys → field id
 (K_TYPE, K_HASHES, K_PARENT, K_TOKENS, K_BS, K_LORA_ID, K_MEDIUM, K_LORA, K_EXTRA, K_GROUP,
  K_KIND, K_WINDOW, K_LOCALITY, K_OWNERSHIP, K_SESSION, K_LOOKAHEAD,
- K_CACHE_SALT) = range(17)  # fmt: skip
+ K_CACHE_SALT, K_ORIGIN) = range(18)  # fmt: skip
 _KEYS = {
     b"type": K_TYPE, b"block_hashes": K_HASHES, b"parent_block_hash": K_PARENT,
     b"token_ids": K_TOKENS, b"block_size": K_BS, b"lora_id": K_LORA_ID, b"medium": K_MEDIUM,
     b"lora_name": K_LORA, b"extra_keys": K_EXTRA, b"group_idx": K_GROUP,
     b"kv_cache_spec_kind": K_KIND, b"kv_cache_spec_sliding_window": K_WINDOW,
     b"locality": K_LOCALITY, b"ownership": K_OWNERSHIP, b"session_id": K_SESSION,
-    b"lookahead_token_ids": K_LOOKAHEAD, b"cache_salt": K_CACHE_SALT,
+    b"lookahead_token_ids": K_LOOKAHEAD, b"cache_salt": K_CACHE_SALT, b"origin": K_ORIGIN,
 }  # fmt: skip
 # fields allowed per tag in map form (bit set of key ids)
-_STORE_KEYS = sum(1 << k for k in range(17))
+_STORE_KEYS = sum(1 << k for k in range(18))
 _REMOVE_KEYS = sum(1 << k for k in (K_TYPE, K_HASHES, K_MEDIUM, K_GROUP, K_LOCALITY, K_OWNERSHIP))
 # array-era positions → key ids (index = position)
 _ARR_STORE = (K_TYPE, K_HASHES, K_PARENT, K_TOKENS, K_BS, K_LORA_ID, K_MEDIUM, K_LORA,
@@ -641,6 +641,11 @@ def _walk(  # type: ignore[no-untyped-def]
                     if neg or v >= np.uint64(MAX_GROUPS):
                         return FALLBACK
                     group = int(np.int64(v))
+                continue
+            if key == 17:  # origin: nil, or the msgspec path reads it
+                if c != 0xC0:
+                    return FALLBACK
+                pos += 1
                 continue
             if key == 6 or key == 10 or key == 12 or key == 7 or key == 16:  # str or nil
                 if c == 0xC0:
