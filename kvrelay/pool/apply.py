@@ -589,7 +589,7 @@ BS_BLK_OFF = 2
 BS_TOK_OFF = 3
 BS_MM_OFF = 4
 BS_CLEAR_BLOCKS = 5
-BS_ORIGIN = 6
+BS_ORIGIN = 6  # checked in Python (one argument less per call)
 
 
 @njit(cache=True, _nrt=False)  # type: ignore[misc,call-overload,untyped-decorator]
@@ -606,7 +606,6 @@ def batch_summary(
     tokens: npt.NDArray[np.uint32],
     mm_off: I64,
     mm: U64,
-    origin: U8,
     out: I64,
 ) -> int:
     """Structural checks in one call; ``out = [store_blocks, max_event_blocks, uses_ns]``."""
@@ -619,8 +618,6 @@ def batch_summary(
         or ns_inherit.shape[0] != n
     ):
         return BS_LENGTHS
-    if origin.shape[0] != 0 and origin.shape[0] != n:
-        return BS_ORIGIN
     nb = ext.shape[0]
     if _offsets_bad_nb(blk_off, n, nb):
         return BS_BLK_OFF

@@ -431,8 +431,10 @@ class Pool:
             b = _normalized(batch)
             code = batch_summary(
                 b.ops, b.parent, b.has_parent, b.salt, b.ns_part, b.ns_inherit, b.blk_off,
-                b.ext_hashes, b.tok_off, b.tokens, b.mm_off, b.mm, b.origin, self._summary,
+                b.ext_hashes, b.tok_off, b.tokens, b.mm_off, b.mm, self._summary,
             )  # fmt: skip
+            if code == BS_OK and b.origin.shape[0] not in (0, b.ops.shape[0]):
+                code = BS_ORIGIN
             if code != BS_OK:
                 raise MalformedBatch(_SUMMARY_MESSAGES[code])
         except MalformedBatch as bad:

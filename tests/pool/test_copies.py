@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvrelay.pool.batch import ORIGIN_NEW, ORIGIN_REPORT, BatchBuilder
+from kvrelay.pool.errors import MalformedBatch
 from kvrelay.pool.pool import Pool
 from tests.support.pool_model import RefPool
 
@@ -167,3 +168,12 @@ def test_an_inconsistent_copy_table_is_refused(damage: str) -> None:
         why = "size"
     with pytest.raises(ValueError, match=why):
         _restore(meta, a)
+
+
+def test_an_origin_array_of_the_wrong_length_is_a_malformed_batch() -> None:
+    pool, _, m = _pools(reports=False)
+    b = BatchBuilder().store([1], TOK[:BS]).store([2], TOK[:BS]).build()
+    b.origin = np.ones(1, dtype=np.uint8)
+    with pytest.raises(MalformedBatch, match="origin"):
+        pool.apply(m, b)
+    assert pool.lineage(m) == {}
