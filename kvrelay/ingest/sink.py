@@ -41,6 +41,11 @@ class BatchSink(Protocol):
         """Drop everything the member holds."""
         ...
 
+    def on_rebuild(self, source: SourceKey, active: bool) -> None:
+        """``active``: the member is reset and is being rebuilt from its engine's replay (one
+        transaction for subscribers); False: the replay is applied (or abandoned)."""
+        ...
+
     def on_failed(self, source: SourceKey, error: BaseException) -> None:
         """The subscriber crashed and stopped: its member can no longer be vouched for."""
         ...

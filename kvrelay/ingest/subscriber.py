@@ -125,6 +125,7 @@ class Subscriber:
         self.spec = spec
         self.key = spec.key
         self.counters = SubscriberCounters()
+        self._rebuilding = False  # a reset member being rebuilt from the replay
         self.state = "new"
         self.connected = False
         self._connected_at = 0.0
@@ -251,6 +252,7 @@ class Subscriber:
                 await self._sync(self._start_seq, bootstrap=True)
             elif self._start_seq > 0:
                 self._next = self._start_seq
+            self._end_rebuild()
             self._set_state("live")
             while True:
                 fut = loop.create_future()
@@ -269,6 +271,8 @@ class Subscriber:
                 while self._replay_from is not None:  # a replay may ask for another
                     start, self._replay_from = self._replay_from, None
                     await self._sync(start, bootstrap=False)
+                    if self._replay_from is None:
+                        self._end_rebuild()
                     self._set_state("live")
         except asyncio.CancelledError:
             raise
@@ -278,6 +282,7 @@ class Subscriber:
             self._log.exception("subscriber_crashed", error=f"{type(exc).__name__}: {exc}")
             self._sink.on_failed(self.key, exc)
         finally:
+            self._end_rebuild()
             self._live = False
             self._wake_fut = None
             for fd in fds:
@@ -486,6 +491,8 @@ class Subscriber:
 
     def _restart_from_zero(self, reason: ResetReason, *, replay: bool = True) -> None:
         """Another incarnation: drop the member's state and rebuild from its replay at 0."""
+        if replay and self.spec.replay_endpoint:
+            self._begin_rebuild()
         self._reset(reason)
         self._buf.clear()
         self._replay_from = None
@@ -573,11 +580,24 @@ class Subscriber:
         self._reset(ResetReason.BAD_BATCH)
         self._last = (seq, _digest(payload))
 
+    def _begin_rebuild(self) -> None:
+        """The member is about to be reset and rebuilt from the replay: one transaction."""
+        if not self._rebuilding:
+            self._rebuilding = True
+            self._sink.on_rebuild(self.key, True)
+
+    def _end_rebuild(self) -> None:
+        if self._rebuilding:
+            self._rebuilding = False
+            self._sink.on_rebuild(self.key, False)
+
     def _reset(self, reason: ResetReason) -> None:
         self._decoder.reset()
         if not self._dirty:
             return
         self._dirty = False
+        if self.state == "replaying":  # reset inside a replay: what follows rebuilds it
+            self._begin_rebuild()
         self.counters.count_reset(reason.value)
         self._sink.on_reset(self.key, reason)  # the pool logs member_reset
 

@@ -346,6 +346,7 @@ POOL_KEYS: dict[str, _Key] = {
     "kv_block_size": _Key("int", None, check=_int_range(1, 1 << 20)),
     "cache_salt_namespacing": _Key("bool", False),
     "multimodal_hashing": _Key("bool", False),
+    "engine_reports": _Key("bool", False),
 }
 ENGINE_KEYS: dict[str, _Key] = {
     "name": _Key("str", required=True, check=_text),
@@ -997,6 +998,7 @@ def _pools(r: _Reader, value: Any) -> list[PoolSpec] | None:
                         cache_salt_namespacing=p["cache_salt_namespacing"],
                         multimodal_hashing=p["multimodal_hashing"],
                     ),
+                    engine_reports=p["engine_reports"],
                     connect=connect,
                 )
             )

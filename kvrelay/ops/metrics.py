@@ -93,6 +93,36 @@ _GEN_COUNTERS: dict[str, tuple[str, str, str | None]] = {
         "kvrelay_ckf_capacity_omissions", "Fingerprints the CKF could not place.", None
     ),
     "unknown_removals": ("kvrelay_pool_unknown_removals", "Removals of unknown blocks.", None),
+    "duplicate_stores": (
+        "kvrelay_pool_duplicate_stores",
+        "Stored blocks a member already held, counted as one more physical copy.",
+        None,
+    ),
+    "report_stores": (
+        "kvrelay_pool_report_stores",
+        "Stored blocks a member already held, taken as reports (no new copy).",
+        None,
+    ),
+    "ambiguous_stores": (
+        "kvrelay_pool_ambiguous_stores",
+        "Store events that were reports or new copies, the stream cannot tell (taken as reports).",
+        None,
+    ),
+    "copy_removals": (
+        "kvrelay_pool_copy_removals",
+        "Removes that dropped one of several physical copies (the block stays held).",
+        None,
+    ),
+    "rebuild_holds": (
+        "kvrelay_pool_rebuild_holds",
+        "Member rebuilds from replay published as one delta (publications held meanwhile).",
+        None,
+    ),
+    "rebuild_holds_broken": (
+        "kvrelay_pool_rebuild_holds_broken",
+        "Rebuild holds cut short (time or size bound): the rest published as it came.",
+        None,
+    ),
     "invariant_violations": (
         "kvrelay_pool_invariant_violations", "Exact-state invariant violations (fences).", None
     ),

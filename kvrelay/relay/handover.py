@@ -30,6 +30,7 @@ import numpy.typing as npt
 import xxhash
 
 from kvrelay import __version__
+from kvrelay.ingest.kinds import EngineKind
 from kvrelay.ingest.sink import SourceKey
 from kvrelay.pool.pool import Pool
 from kvrelay.relay import state_file
@@ -71,6 +72,7 @@ class RestoredPool:
         return Pool.from_state(
             self.pool_meta, self.arrays, bucket_count=spec.bucket_count, seed=spec.ckf_seed,
             block_size=self.identity.block_size, hash_format=int(spec.hash_format),
+            reports=spec.engine_reports,
         )  # fmt: skip
 
 
@@ -86,6 +88,11 @@ def path_for(state_dir: str | Path, spec: PoolSpec) -> Path:
     """One file per pool; named by a digest of its endpoint (names hold ``/`` and more)."""
     digest = xxhash.xxh3_64_hexdigest("/".join(spec.triple).encode())
     return Path(state_dir) / f"pool-{digest}{SUFFIX}"
+
+
+def _has_sglang(spec: PoolSpec) -> bool:
+    kinds = [e.kind for e in spec.engines] + ([spec.connect.kind] if spec.connect else [])
+    return EngineKind.SGLANG in kinds
 
 
 def _filter_settings(spec: PoolSpec) -> dict[str, Any]:
@@ -154,9 +161,11 @@ def _check(
     try:
         if h.get("kind") != "kvrelay-pool-state":
             raise Refused("corrupt", "not a pool state")
-        if h.get("pool_layout") != Pool.STATE_VERSION:
+        if h.get("pool_layout") not in Pool.READABLE_STATE_VERSIONS:
             raise Refused("version", f"pool layout {h.get('pool_layout')!r}, this kvrelay "
                                      f"uses {Pool.STATE_VERSION}")  # fmt: skip
+        if h.get("pool_layout") == 2 and _has_sglang(spec):  # salts were not honoured then
+            raise Refused("version", "pool layout 2 indexed SGLang's salted blocks unsalted")
         if h.get("pool") != list(spec.triple):
             raise Refused("incompatible", f"saved for pool {h.get('pool')!r}")
         written = float(h["written_unix"])

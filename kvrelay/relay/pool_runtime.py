@@ -151,6 +151,15 @@ class PoolRuntime:
             dp_rank=source.dp_rank, reason=reason.value,
         )  # fmt: skip
 
+    def on_rebuild(self, source: SourceKey, active: bool) -> None:
+        gen = self.generation
+        if gen is None:
+            return
+        if active:
+            gen.hold(source)
+        else:
+            gen.release(source)
+
     def on_failed(self, source: SourceKey, error: BaseException) -> None:
         """A subscriber crashed: reset its member, count it, restart it later with backoff."""
         sub = self.subscribers.get(source)

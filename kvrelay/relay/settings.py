@@ -109,6 +109,10 @@ class PoolSpec:
     #: Block size for static engines; with Control it comes from ``ServerInfo.kv_block_size``.
     kv_block_size: int | None = None
     decode: DecodeOptions = field(default_factory=DecodeOptions)
+    #: The engines may re-announce prefix-cache hits as stores (vLLM ``kv_cache_report_mode =
+    #: "full"``): a store with no parent whose blocks are all held is then taken as a report, not
+    #: as new physical copies (docs/contract.md, "Duplicate stores").
+    engine_reports: bool = False
     #: Engines that connect to a bound endpoint of the pool (then ``engines`` may be empty,
     #: and ``model`` and ``kv_block_size`` are required).
     connect: ConnectConfig | None = None

@@ -45,6 +45,12 @@ class GenerationTotals:
 
     capacity_omissions: int = 0
     unknown_removals: int = 0
+    duplicate_stores: int = 0
+    report_stores: int = 0
+    ambiguous_stores: int = 0
+    copy_removals: int = 0
+    rebuild_holds: int = 0
+    rebuild_holds_broken: int = 0
     invariant_violations: int = 0
     deltas: int = 0
     hub_resets: int = 0
