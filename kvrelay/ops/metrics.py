@@ -143,6 +143,10 @@ _POOL_COUNTERS: dict[str, tuple[str, str]] = {
         "kvrelay_pool_members_resumed",
         "Restored members resumed from their saved sequence (then vouched for or reset).",
     ),
+    "members_vouched": (
+        "kvrelay_pool_members_vouched",
+        "Restored members their engine vouched for (same incarnation and batch bytes): kept.",
+    ),
     "restores_discarded": (
         "kvrelay_pool_restores_discarded",
         "Restored pool states not used (another identity, or arrays that do not load).",
@@ -425,13 +429,14 @@ def _relay_metrics(r: RelayStats) -> Iterator[Metric]:
     restores = CounterMetricFamily(
         "kvrelay_state_restores",
         "State files at start by outcome: restored, none, corrupt, version, stale, incompatible, "
-        "unreadable.", labels=["result"],
+        "oversized, unreadable, unsafe_dir, unusable_dir.", labels=["result"],
     )  # fmt: skip
     for result, n in sorted(r.state_restores.items()):
         restores.add_metric([result], n)
     yield restores
     saves = CounterMetricFamily(
-        "kvrelay_state_saves", "Pool states written at a clean stop, by result: saved, failed.",
+        "kvrelay_state_saves",
+        "Pool states written at a clean stop, by result: saved, failed, unsafe_dir, unusable_dir.",
         labels=["result"],
     )
     for result, n in sorted(r.state_saves.items()):

@@ -37,6 +37,12 @@ from kvrelay.relay.engines import PoolIdentity
 from kvrelay.relay.settings import PoolSpec
 
 SUFFIX = ".kvstate"
+#: A pool's exact state costs well under 32 bytes per membership (a lineage slot and an owners
+#: slot at their max loads, with growth slack); a file for more than this many memberships per
+#: expected block is refused unread (``max_state_bytes``).
+MAX_MEMBERSHIPS_PER_BLOCK = 64
+_BYTES_PER_MEMBERSHIP = 32
+_FIXED_BYTES = 16 << 20  # header, per-member metadata and minimum table sizes
 #: A restored member whose engine has not vouched for it by then is reset.
 RESTORE_VOUCH_S = 5.0
 
@@ -70,7 +76,7 @@ class RestoredPool:
     def pool(self, spec: PoolSpec) -> Pool:
         return Pool.from_state(
             self.pool_meta, self.arrays, bucket_count=spec.bucket_count, seed=spec.ckf_seed,
-            block_size=self.identity.block_size, hash_format=int(spec.hash_format),
+            block_size=self.identity.block_size, hash_format=int(spec.hash_format), take=True,
         )  # fmt: skip
 
 
@@ -86,6 +92,13 @@ def path_for(state_dir: str | Path, spec: PoolSpec) -> Path:
     """One file per pool; named by a digest of its endpoint (names hold ``/`` and more)."""
     digest = xxhash.xxh3_64_hexdigest("/".join(spec.triple).encode())
     return Path(state_dir) / f"pool-{digest}{SUFFIX}"
+
+
+def max_state_bytes(spec: PoolSpec) -> int:
+    """The largest file a pool of these settings could have written (a bigger one is refused
+    before it is read)."""
+    per_block = MAX_MEMBERSHIPS_PER_BLOCK * _BYTES_PER_MEMBERSHIP
+    return spec.bucket_count * 8 + per_block * spec.expected_blocks + _FIXED_BYTES
 
 
 def _filter_settings(spec: PoolSpec) -> dict[str, Any]:
@@ -132,19 +145,30 @@ def save(
 def load(
     state_dir: str | Path, spec: PoolSpec, *, max_age_s: float, now: float | None = None
 ) -> RestoredPool | None:
-    """Read and consume the pool's file: None when there is none; ``Refused`` when unusable."""
+    """Read and consume the pool's file: None when there is none; ``Refused`` when unusable.
+
+    A file that was read (usable or not) is consumed, so it is never restored twice; one that
+    could not be read (a transient ``OSError``: EIO, EMFILE, a permission being fixed, or a
+    symbolic link, which is never followed) stays where it is."""
     path = path_for(state_dir, spec)
     try:
-        parsed = state_file.read(path)
+        parsed = state_file.read(path, max_state_bytes(spec))
     except FileNotFoundError:
         return None
+    except state_file.StateFileError as exc:
+        _consume(path)
+        raise Refused(exc.kind, f"{path}: {exc}") from None
     except OSError as exc:
         raise Refused("unreadable", f"{path}: {exc}") from None
-    except state_file.StateFileError as exc:
-        raise Refused(exc.kind, f"{path}: {exc}") from None
-    finally:
-        path.unlink(missing_ok=True)  # consumed: never restored twice
+    _consume(path)
     return _check(parsed, spec, max_age_s, time.time() if now is None else now)
+
+
+def _consume(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:  # a file that stays could be restored twice: not used
+        raise Refused("unreadable", f"{path}: cannot be consumed: {exc}") from None
 
 
 def _check(

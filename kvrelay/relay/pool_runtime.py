@@ -110,6 +110,7 @@ class PoolCounters:
     rebuild_backoffs: int = 0  # rebuilds after a fence that waited (repeated fences)
     reconfigurations: int = 0  # re-materialized because a reload changed filter settings
     members_resumed: int = 0  # restored members whose subscriber resumed (then vouched or reset)
+    members_vouched: int = 0  # restored members their engine vouched for (kept)
     restores_discarded: int = 0  # restored state not used: another identity, or unloadable
 
     def reset(self, reason: str) -> None:
@@ -175,6 +176,10 @@ class PoolRuntime:
             "member_reset", pool=self.name, engine=self._engine_name(source.worker_id),
             dp_rank=source.dp_rank, reason=reason.value,
         )  # fmt: skip
+
+    def on_vouched(self, source: SourceKey) -> None:
+        """A member restored from a state file was vouched for by its engine."""
+        self.counters.members_vouched += 1
 
     def on_failed(self, source: SourceKey, error: BaseException) -> None:
         """A subscriber crashed: reset its member, count it, restart it later with backoff."""

@@ -25,7 +25,7 @@ from kvrelay.publication.catalog import CatalogPlane, validate_descriptor
 from kvrelay.publication.hub import Subscription
 from kvrelay.publication.load import LoadPlane, PoolLoadInput
 from kvrelay.publication.readiness import EndpointState, ReadinessPlane, validate_endpoint
-from kvrelay.relay import handover
+from kvrelay.relay import handover, safe_files
 from kvrelay.relay.context import RelayContext
 from kvrelay.relay.engines import PoolIdentity
 from kvrelay.relay.generation import Generation
@@ -131,7 +131,7 @@ class Relay:
             self._ticker = None
         await cancel_all(list(self._scrapers.values()))
         self._scrapers.clear()
-        save = self._save_pool if self._state_dir() is not None else None
+        save = self._save_pool if self._state_dir(self.state_saves) is not None else None
         for p in self.pools:
             await p.stop(save)
         for t in list(self._tasks):
@@ -145,24 +145,35 @@ class Relay:
 
     # ---- state handover ------------------------------------------------------------------------
 
-    def _state_dir(self) -> Path | None:
+    def _state_dir(self, counts: dict[str, int] | None = None) -> Path | None:
+        """The state directory, created private if missing; None (counted in ``counts`` and
+        logged) when it cannot be made or another user could write to it (``safe_files``)."""
         d = self.settings.state_dir
         if d is None:
             return None
         path = Path(d)
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            safe_files.check_private_dir(path)
+        except safe_files.UnsafeDirectory as exc:
+            if counts is not None:
+                self._count(counts, exc.kind)
+            _log.error("state_dir_unusable", path=d, reason=exc.kind, error=str(exc))
+            return None
         except OSError as exc:
-            _log.error("state_dir_unusable", path=d, error=str(exc))
+            if counts is not None:
+                self._count(counts, "unusable_dir")
+            _log.error("state_dir_unusable", path=d, reason="unusable_dir", error=str(exc))
             return None
         return path
 
     def _restore_state(self) -> None:
         """Offer each pool its state file (``relay/handover.py``): used if nothing is in doubt."""
-        d = self._state_dir()
+        d = self._state_dir(self.state_restores)
         if d is None:
             return
         for p in self.pools:
+            safe_files.remove_stale_temps(d, handover.path_for(d, p.spec).name)
             try:
                 r = handover.load(d, p.spec, max_age_s=self.settings.state_max_age_s)
             except handover.Refused as exc:
@@ -184,7 +195,7 @@ class Relay:
     def _save_pool(
         self, spec: PoolSpec, ident: PoolIdentity, pool: Any, members: list[handover.MemberResume]
     ) -> None:
-        d = self._state_dir()
+        d = self._state_dir(self.state_saves)
         if d is None:
             return
         name = "/".join(spec.triple)

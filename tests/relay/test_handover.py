@@ -211,3 +211,19 @@ async def test_another_filter_setting_refuses_the_file(
         await eventually(lambda: r.pool.generation is not None, what="rebuilt")
         assert r.pool.counters.members_resumed == 0
 
+
+
+async def test_an_unsafe_state_dir_is_refused_and_counted(
+    fleet: list[SimEngine], tmp_path: Path
+) -> None:
+    """A directory others can write to is neither read nor written: whoever can write there
+    could hand the relay a state it made up."""
+    d = tmp_path / "state"
+    d.mkdir()
+    d.chmod(0o777)
+    async with _relay(fleet, _settings(fleet, d)) as r:
+        await _live(r, 4)
+        assert r.relay.state_restores == {"unsafe_dir": 1}
+        assert r.metric("kvrelay_state_restores_total", result="unsafe_dir") == 1
+    assert r.relay.state_saves == {"unsafe_dir": 1}
+    assert list(d.iterdir()) == []
