@@ -422,6 +422,9 @@ def _relay_metrics(r: RelayStats) -> Iterator[Metric]:
     yield by_rule
     for name, doc, value in (
         ("kvrelay_pool_hubs_evicted", "Idle hubs retired to free a hub permit.", r.hubs_evicted),
+        ("kvrelay_dns_removals_deferred",
+         "Engines absent from DNS kept because their ZMQ stream was live (once per absence).",
+         r.dns_removals_deferred),
         ("kvrelay_scrape_errors", "Engine /metrics scrapes that failed unexpectedly.",
          r.scrape_errors),
     ):

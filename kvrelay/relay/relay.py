@@ -338,6 +338,9 @@ class Relay:
             pools=tuple(p.stats() for p in self.pools),
             state_restores=dict(self.state_restores),
             state_saves=dict(self.state_saves),
+            dns_removals_deferred=(
+                0 if self.membership is None else self.membership.counters.removals_deferred
+            ),
         )
 
     async def _tick_loop(self) -> None:
@@ -376,6 +379,21 @@ class Relay:
         await self._stop_scraper(pool, engine)
         await p.remove_engine(engine, reconcile=reconcile)
 
+    def _dns_removable(self, pool: str, engine: str) -> bool:
+        """May an engine absent from DNS go? Only once every ZMQ stream of it has been
+        disconnected for ``engine_down_grace_s`` (a live stream keeps the state exact)."""
+        p = self._pool(pool)
+        target = p.target_of(engine)
+        if target is None:
+            return True
+        wid, now = p.engines[target].worker_id, time.monotonic()
+        grace = self.settings.engine_down_grace_s
+        return all(
+            sub.disconnected_since is not None and now - sub.disconnected_since >= grace
+            for key, sub in p.subscribers.items()
+            if key.worker_id == wid
+        )
+
     def _templates(self) -> list[tuple[str, EngineSpec]]:
         return [(p.name, e) for p in self.pools for e in p.spec.engines if e.dns is not None]
 
@@ -391,6 +409,7 @@ class Relay:
                 s.dns_interval_s,
                 self.add_engine,
                 self.remove_engine,
+                self._dns_removable,
             )
             return
         self.membership.interval_s = s.dns_interval_s

@@ -106,6 +106,7 @@ class RelayStats:
     pools: tuple[PoolStats, ...]
     state_restores: dict[str, int] = field(default_factory=dict)
     state_saves: dict[str, int] = field(default_factory=dict)
+    dns_removals_deferred: int = 0
 
 
 def merged(a: SubscriberCounters, b: SubscriberCounters) -> SubscriberCounters:
