@@ -439,12 +439,21 @@ def _relay_metrics(r: RelayStats) -> Iterator[Metric]:
     yield restores
     saves = CounterMetricFamily(
         "kvrelay_state_saves",
-        "Pool states written at a clean stop, by result: saved, failed, unsafe_dir, unusable_dir.",
+        "Pool states written, by result: saved, failed (a clean stop), checkpointed, "
+        "checkpoint_failed, checkpoint_busy (periodic), unsafe_dir, unusable_dir.",
         labels=["result"],
     )
     for result, n in sorted(r.state_saves.items()):
         saves.add_metric([result], n)
     yield saves
+    ckpt = GaugeMetricFamily(
+        "kvrelay_state_checkpoint_timestamp_seconds",
+        "Unix time of each pool's last checkpoint written (absent before the first).",
+        labels=["pool"],
+    )
+    for pool, t in sorted(r.checkpoint_unix.items()):
+        ckpt.add_metric([pool], t)
+    yield ckpt
 
 
 def _pool_metrics(r: RelayStats) -> Iterator[Metric]:

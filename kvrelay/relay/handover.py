@@ -119,8 +119,21 @@ def save(
     pool: Pool,
     members: list[MemberResume],
 ) -> int:
-    """Write one pool's state atomically; returns the bytes written."""
+    """Write one pool's state atomically (the pool must not change meanwhile); returns the bytes
+    written."""
     meta, arrays = pool.export_state()
+    return save_state(state_dir, spec, identity, meta, arrays, members)
+
+
+def save_state(
+    state_dir: str | Path,
+    spec: PoolSpec,
+    identity: PoolIdentity,
+    meta: dict[str, Any],
+    arrays: dict[str, npt.NDArray[Any]],
+    members: list[MemberResume],
+) -> int:
+    """Write an exported state (``Pool.export_state``, or a copy of it) atomically."""
     header = {
         "kind": "kvrelay-pool-state",
         "kvrelay": __version__,

@@ -742,18 +742,23 @@ class PoolRuntime:
             await self._stop_subscribers(list(self.subscribers))
             gen = self.generation
             if save is not None and gen is not None and self.identity is not None:
-                members = list(self._resume.values())  # restored, not yet vouched: unchanged
-                for key, sub in subs.items():
-                    point = sub.resume_point()
-                    st = self.by_worker.get(key.worker_id)
-                    if point is None or st is None:
-                        continue
-                    inc = "" if st.snapshot is None else st.snapshot.instance_id
-                    members.append(MemberResume(key.worker_id, key.dp_rank, st.spec.name, inc,
-                                                point[0], point[1]))  # fmt: skip
-                save(self.spec, self.identity, gen.pool, members)
+                save(self.spec, self.identity, gen.pool, self.members_to_save(subs))
             if gen is not None:  # shutdown: clean EOF for subscribers
                 self._retire(gen, None, publish=False)
+
+    def members_to_save(self, subs: dict[SourceKey, Subscriber]) -> list[MemberResume]:
+        """Where each member stands for a state file: restored members not yet vouched for
+        unchanged, and each subscriber's resume point (none: not saved, rebuilt on restore)."""
+        members = list(self._resume.values())
+        for key, sub in subs.items():
+            point = sub.resume_point()
+            st = self.by_worker.get(key.worker_id)
+            if point is None or st is None:
+                continue
+            inc = "" if st.snapshot is None else st.snapshot.instance_id
+            members.append(MemberResume(key.worker_id, key.dp_rank, st.spec.name, inc,
+                                        point[0], point[1]))  # fmt: skip
+        return members
 
     def _fold_source(self, key: SourceKey, counters: SubscriberCounters) -> None:
         prev = self._source_totals.get(key)

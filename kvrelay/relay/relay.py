@@ -25,7 +25,7 @@ from kvrelay.publication.catalog import CatalogPlane, validate_descriptor
 from kvrelay.publication.hub import Subscription
 from kvrelay.publication.load import LoadPlane, PoolLoadInput
 from kvrelay.publication.readiness import EndpointState, ReadinessPlane, validate_endpoint
-from kvrelay.relay import handover, safe_files
+from kvrelay.relay import checkpoint, handover, safe_files
 from kvrelay.relay.context import RelayContext
 from kvrelay.relay.engines import PoolIdentity
 from kvrelay.relay.generation import Generation
@@ -107,6 +107,9 @@ class Relay:
         #: saves at stop (saved, failed).
         self.state_restores: dict[str, int] = {}
         self.state_saves: dict[str, int] = {}
+        #: Periodic checkpoints (``relay/checkpoint.py``), counted in ``state_saves``.
+        self.checkpoints = checkpoint.Checkpointer(lambda r: self._count(self.state_saves, r))
+        self._next_checkpoint = 0.0
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -131,9 +134,11 @@ class Relay:
             self._ticker = None
         await cancel_all(list(self._scrapers.values()))
         self._scrapers.clear()
+        await self.checkpoints.drain()  # the final save below is the last word
         save = self._save_pool if self._state_dir(self.state_saves) is not None else None
         for p in self.pools:
             await p.stop(save)
+        self.checkpoints.close()
         for t in list(self._tasks):
             t.cancel()
         for t in list(self._tasks):
@@ -338,20 +343,49 @@ class Relay:
             pools=tuple(p.stats() for p in self.pools),
             state_restores=dict(self.state_restores),
             state_saves=dict(self.state_saves),
+            checkpoint_unix=dict(self.checkpoints.last_unix),
             dns_removals_deferred=(
                 0 if self.membership is None else self.membership.counters.removals_deferred
             ),
         )
 
     async def _tick_loop(self) -> None:
+        interval = self.settings.checkpoint_interval_s
+        self._next_checkpoint = time.monotonic() + interval
         while True:
-            await asyncio.sleep(min(1.0, self.settings.engine_down_grace_s / 4))
+            every = min(1.0, self.settings.engine_down_grace_s / 4)
+            if self.settings.checkpoint_interval_s > 0 and self.settings.state_dir is not None:
+                every = min(every, self.settings.checkpoint_interval_s)
+            await asyncio.sleep(every)
             now = time.monotonic()
             for p in self.pools:
                 try:
                     p.tick(now)
                 except Exception:  # a bug in one pool's checks must not stop the others
                     _log.exception("pool_tick_failed", pool=p.name)
+            interval = self.settings.checkpoint_interval_s
+            if interval > 0 and now >= self._next_checkpoint:
+                self._next_checkpoint = now + interval
+                self.checkpoint_now()
+
+    def checkpoint_now(self) -> int:
+        """Cut every materialized pool's state and hand it to the checkpoint writer (a no-op
+        without ``state_dir``); returns how many were submitted."""
+        if self.settings.state_dir is None:
+            return 0
+        d = self._state_dir(self.state_saves)
+        if d is None:
+            return 0
+        n = 0
+        for p in self.pools:
+            gen, ident = p.generation, p.identity
+            if gen is None or ident is None or self.checkpoints.busy(p.name):
+                if gen is not None and self.checkpoints.busy(p.name):
+                    self._count(self.state_saves, checkpoint.BUSY)
+                continue
+            c = checkpoint.cut(p.spec, ident, gen.pool, p.members_to_save(p.subscribers))
+            n += self.checkpoints.submit(d, c)
+        return n
 
     # ---- membership ------------------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ from kvrelay.relay import safe_files
 MAGIC = b"KVRSTATE"
 FORMAT_VERSION = 1
 _ALIGN = 64
+_CHUNK = 4 << 20
 _DIGEST = 16
 _PREFIX = struct.Struct("<8sII")
 #: dtypes a state file may hold (anything else is refused before numpy sees it).
@@ -114,8 +115,10 @@ def write(path: Path, header: dict[str, Any], arrays: dict[str, npt.NDArray[Any]
         safe_files.write_all(fd, prefix)
         for raw in views:
             mv = memoryview(raw)
-            h.update(mv)
-            safe_files.write_all(fd, mv)
+            for i in range(0, len(mv), _CHUNK):  # bounded pieces: other threads get the GIL
+                piece = mv[i:i + _CHUNK]
+                h.update(piece)
+                safe_files.write_all(fd, piece)
             pad = b"\0" * _pad(len(mv))
             h.update(pad)
             safe_files.write_all(fd, pad)

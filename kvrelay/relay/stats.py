@@ -107,6 +107,7 @@ class RelayStats:
     state_restores: dict[str, int] = field(default_factory=dict)
     state_saves: dict[str, int] = field(default_factory=dict)
     dns_removals_deferred: int = 0
+    checkpoint_unix: dict[str, float] = field(default_factory=dict)
 
 
 def merged(a: SubscriberCounters, b: SubscriberCounters) -> SubscriberCounters:
