@@ -69,6 +69,7 @@ from kvrelay.pool.packed import (
     check_entries,
     count_payloads,
 )
+from kvrelay.pool.refill import refill
 from kvrelay.pool.sizing import LINEAGE, OWNERS
 from kvrelay.pool.tables import (
     EMPTY32,
@@ -265,6 +266,16 @@ class Pool:
         self.last_error: tuple[int, PoolError] | None = None
         self.invariant_violations = 0
         self.forced_growths = 0
+
+    def refiltered(self, bucket_count: int, seed: int) -> Pool:
+        """A new pool holding a copy of this pool's exact state under another bucket count or
+        CKF seed, its filter rebuilt from the owners (the exact state does not depend on
+        either); this pool is left as it is."""
+        meta, arrays = self.export_state()
+        return Pool.from_state(
+            meta, arrays, bucket_count=bucket_count, seed=seed, block_size=self.block_size,
+            hash_format=self.hash_format, max_kicks=self.max_kicks, refilter=True,
+        )  # fmt: skip
 
     def _next_salt(self) -> int:
         self._salt_state, out = ckf.splitmix_next(self._salt_state)
@@ -626,6 +637,7 @@ class Pool:
         hash_format: int,
         max_kicks: int = ckf.DEFAULT_MAX_KICKS,
         take: bool = False,
+        refilter: bool = False,
     ) -> Pool:
         """A pool holding exported state, after checks that it is one consistent state (ValueError
         otherwise): every array of the right type and shape, every table exactly what this
@@ -633,7 +645,9 @@ class Pool:
         owner, refcounts (overflow table included) equal to the lineage edges, namespace entries
         only for lineage edges, and the CKF holding exactly the resident owners' fingerprints, each
         in one of its two buckets (``pool/verify.py``). ``take``: the big arrays become the
-        pool's own, not copied (a state file's reader allocated them for it)."""
+        pool's own, not copied (a state file's reader allocated them for it). ``refilter``: the
+        state may come from a pool of another bucket count or seed; its table is not used, the
+        filter is rebuilt from the owners (``pool/refill.py``)."""
         try:
             next_id = int(meta["next_id"])
             salt_state = int(meta["salt_state"])
@@ -646,7 +660,7 @@ class Pool:
         pool = cls(bucket_count, seed, block_size, hash_format, max_kicks, layout_seed=salt_state)
         table = _state_array(arrays, "table", np.uint64, take=take)
         rng = _state_array(arrays, "rng", np.uint64, 1)
-        if table.shape != pool.table.shape:
+        if table.shape != pool.table.shape and not refilter:
             raise ValueError(f"table has {table.shape[0]} buckets, the pool {bucket_count}")
         own = PackedTable.restored(
             OWNERS.d, OWNERS.b, OWNER_PBITS, 0, owners_salt,
@@ -684,15 +698,18 @@ class Pool:
         resident = int(check_counts(own.tm, own.w, big_k, big_v, n_big, edges))
         if resident < 0:
             raise ValueError("owner refcounts (or their overflow counts) differ from the lineage")
-        if resident != resident_in_table:
-            raise ValueError("the table does not hold exactly the resident owners")
-        why = filter_divergence(own.tm, own.w, table, np.uint64(pool.seed), pool._deltas)
-        if why is not None:
-            raise ValueError(why)
+        if refilter:
+            resident = _refill_into(pool, own)
+        else:
+            if resident != resident_in_table:
+                raise ValueError("the table does not hold exactly the resident owners")
+            why = filter_divergence(own.tm, own.w, table, np.uint64(pool.seed), pool._deltas)
+            if why is not None:
+                raise ValueError(why)
+            pool.table[:] = table
+            pool._rng[:] = rng
         pool._next_id = next_id
         pool._salt_state = salt_state
-        pool.table[:] = table
-        pool._rng[:] = rng
         pool._own, pool._ref_bits = own, ref_bits
         pool._xk, pool._xv = big_k, big_v
         pool._pm[:] = 0
@@ -700,6 +717,18 @@ class Pool:
         pool._pm[PM_OVERFLOW] = n_big
         pool._pm[PM_OVF_ROOM] = xk.shape[0] * MAX_LOAD_NUM // MAX_LOAD_DEN - 1
         return pool
+
+
+def _refill_into(pool: Pool, own: PackedTable) -> int:
+    """``pool``'s empty filter filled from ``own`` (resident bits set to match); the dirty log
+    is cleared after: a new generation starts with nothing pending. Returns the residents."""
+    lane = pool.lane
+    res = int(refill(own.tm, own.w, lane.table, lane.cfg, lane.deltas, lane.rng, lane.mark,
+                     lane.dlog_b, lane.dlog_o, lane.dmeta, lane.undo_b, lane.undo_o))  # fmt: skip
+    lane.mark[:] = 0
+    lane.dmeta[0] = 0
+    pool._stats[ST_CAPACITY] += own.live - res
+    return res
 
 
 def filter_divergence(otm: U64, ow: U64, table: U64, seed: np.uint64, deltas: U64) -> str | None:

@@ -72,11 +72,17 @@ class RestoredPool:
     arrays: dict[str, npt.NDArray[Any]]
     members: dict[SourceKey, MemberResume]
     written_unix: float
+    filter_shape: tuple[int, int] = (0, 0)  # (bucket_count, ckf_seed) the file was saved under
+
+    def refiltered(self, spec: PoolSpec) -> bool:
+        """Saved under another bucket count or seed: the filter is rebuilt from the state."""
+        return self.filter_shape != (spec.bucket_count, spec.ckf_seed)
 
     def pool(self, spec: PoolSpec) -> Pool:
         return Pool.from_state(
             self.pool_meta, self.arrays, bucket_count=spec.bucket_count, seed=spec.ckf_seed,
             block_size=self.identity.block_size, hash_format=int(spec.hash_format), take=True,
+            refilter=self.refiltered(spec),
         )  # fmt: skip
 
 
@@ -101,8 +107,14 @@ def max_state_bytes(spec: PoolSpec) -> int:
     return spec.bucket_count * 8 + per_block * spec.expected_blocks + _FIXED_BYTES
 
 
+#: Filter settings the exact state does not depend on: a file saved under other values is used,
+#: its filter rebuilt from the state (``Pool.from_state(refilter=True)``).
+_SHAPE_ONLY = ("bucket_count", "ckf_seed")
+
+
 def _filter_settings(spec: PoolSpec) -> dict[str, Any]:
-    """What shapes the filter and its contents: a file saved under other values is not used."""
+    """What shapes the filter and its contents: a file saved under other values of anything but
+    ``_SHAPE_ONLY`` (what the canonical hashes are) is not used."""
     return {
         "bucket_count": spec.bucket_count,
         "ckf_seed": spec.ckf_seed,
@@ -110,6 +122,10 @@ def _filter_settings(spec: PoolSpec) -> dict[str, Any]:
         "cache_salt_namespacing": spec.decode.cache_salt_namespacing,
         "multimodal_hashing": spec.decode.multimodal_hashing,
     }
+
+
+def _content(settings: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in settings.items() if k not in _SHAPE_ONLY}
 
 
 def save(
@@ -199,8 +215,11 @@ def _check(
         written = float(h["written_unix"])
         if not now - max_age_s <= written <= now + 60:
             raise Refused("stale", f"written {now - written:.0f} s ago (limit {max_age_s:g} s)")
-        if h.get("filter") != _filter_settings(spec):
-            raise Refused("incompatible", "saved under other filter settings")
+        saved = h.get("filter")
+        want = _filter_settings(spec)
+        if not isinstance(saved, dict) or _content(saved) != _content(want):
+            raise Refused("incompatible", "saved under other hash or decode settings")
+        shape = (int(saved["bucket_count"]), int(saved["ckf_seed"]))
         ident = h["identity"]
         identity = PoolIdentity(
             model=str(ident["model"]), model_source=str(ident["model_source"]),
@@ -223,5 +242,5 @@ def _check(
         raise
     except (KeyError, TypeError, ValueError) as exc:
         raise Refused("corrupt", f"header field: {exc}") from None
-    return RestoredPool(identity, meta, parsed.arrays, members, written)
+    return RestoredPool(identity, meta, parsed.arrays, members, written, shape)
 

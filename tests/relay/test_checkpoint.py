@@ -57,7 +57,8 @@ async def test_a_start_from_a_checkpoint_resumes_every_member(
     shutil.copy(aside / ckpt.name, state / ckpt.name)
     async with _relay(fleet, settings) as r:
         await eventually(lambda: _exact(r.relay, fleet), what="exact from the checkpoint")
-        assert r.pool.counters.members_resumed == 4 and r.pool.counters.members_vouched == 4
+        await eventually(lambda: r.pool.counters.members_vouched == 4, what="vouched")
+        assert r.pool.counters.members_resumed == 4
         assert r.pool.counters.member_resets == {}, "every member resumed, none rebuilt"
         assert r.relay.state_restores == {"restored": 1}
 
