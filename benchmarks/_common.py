@@ -1,5 +1,7 @@
-"""Shared helpers of the process-level benchmarks: /proc sampling, percentiles, machine facts,
-and a minimal FilterUpdate wire reader so subscriber processes never run betterproto2 per frame.
+"""Shared helpers of the process-level benchmarks: /proc sampling, percentiles, machine facts.
+
+Subscriber processes read FilterUpdates with the lenient mode of the SDK's wire reader
+(``kvrelay.client.wire.parse_filter_update``), never with betterproto2 per frame.
 """
 
 from __future__ import annotations
@@ -172,54 +174,3 @@ def _jsonable(o: Any) -> Any:
     if isinstance(o, np.ndarray):
         return o.tolist()
     raise TypeError(type(o))
-
-
-# ---- FilterUpdate wire reader --------------------------------------------------------------------
-
-
-def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    shift = result = 0
-    while True:
-        b = buf[i]
-        i += 1
-        result |= (b & 0x7F) << shift
-        if b < 0x80:
-            return result, i
-        shift += 7
-
-
-def parse_filter_update(buf: bytes) -> tuple[int, int, int, int, memoryview]:
-    """(kind, base_sequence, sequence, send_ts_us, payload) of an encoded FilterUpdate.
-
-    A few µs in Python, against ~80 µs for a betterproto2 parse: subscriber processes must not
-    become the bottleneck they are measuring. Unknown fields are skipped by wire type.
-    """
-    kind = base = seq = ts = 0
-    payload = memoryview(b"")
-    i, n = 0, len(buf)
-    mv = memoryview(buf)
-    while i < n:
-        key, i = _varint(buf, i)
-        field, wt = key >> 3, key & 7
-        if wt == 0:
-            v, i = _varint(buf, i)
-            if field == 4:
-                base = v
-            elif field == 5:
-                seq = v
-            elif field == 6:
-                ts = v
-            elif field == 7:
-                kind = v
-        elif wt == 2:
-            ln, i = _varint(buf, i)
-            if field == 8:
-                payload = mv[i : i + ln]
-            i += ln
-        elif wt == 5:
-            i += 4
-        elif wt == 1:
-            i += 8
-        else:
-            raise ValueError(f"unsupported wire type {wt}")
-    return kind, base, seq, ts, payload

@@ -23,11 +23,11 @@ from grpclib.const import Cardinality
 from grpclib.exceptions import GRPCError
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.client.codec import RawCodec
 from kvrelay.client.errors import ConsumerViolation
 from kvrelay.client.replica import PoolReplica
+from kvrelay.client.wire import parse_frame
 from kvrelay.contract.wire import CONTRACT_MARKER
-from kvrelay.mirror.upstream import RawCodec
-from kvrelay.mirror.wire import parse_frame
 
 SVC = "/dynamo.kvrelay.v1.KvEventRelay/"
 

@@ -7,8 +7,9 @@ when it hands the frame to gRPC; both clocks are this machine's ``time.time()``)
 next pending probe chains of ``--probe-file``; the wall time a probe's 8 hashes are first all
 present is its receive time (joined later with the loadgen's publish time: end-to-end latency).
 
-Frames are read with the grpclib client and a pass-through codec, parsed with the small wire
-reader in ``_common`` (or betterproto2 with ``--decode betterproto2``), payloads with ``cbi1``.
+Frames are read with the grpclib client and a pass-through codec, parsed with the lenient mode
+of the wire reader in ``kvrelay.client.wire`` (or betterproto2 with ``--decode betterproto2``),
+payloads with ``cbi1``.
 Prints ``SNAPSHOTS_DONE`` once every stream holds a full snapshot. On SIGTERM writes ``--out``
 (JSON) and ``--out``.lat.npy (int64 µs of every delta of every stream).
 
@@ -34,7 +35,6 @@ from typing import Any
 import numpy as np
 from grpclib.client import Channel
 from grpclib.const import Cardinality
-from grpclib.encoding.base import CodecBase
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
 from benchmarks._common import (
@@ -44,27 +44,16 @@ from benchmarks._common import (
     KIND_SNAPSHOT,
     MARKER,
     SUBSCRIBE_PATH,
-    parse_filter_update,
 )
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.client.codec import RawCodec
+from kvrelay.client.wire import parse_filter_update
 from kvrelay.pool.ckf import contains
 from kvrelay.publication import cbi1
 
 PROBE_WINDOW = 256
 CHECK_PERIOD_S = 0.01
 REASON_KEY = "kv-relay-error-reason"
-
-
-class RawCodec(CodecBase):
-    """Requests: betterproto2 messages → bytes. Replies: raw bytes (parsed by the caller)."""
-
-    __content_subtype__ = "proto"
-
-    def encode(self, message: Any, message_type: Any) -> bytes:
-        return bytes(message)
-
-    def decode(self, data: bytes, message_type: Any) -> Any:
-        return data
 
 
 async def fetch_producer(ch: Channel, sid: str, timeout: float) -> pb.ProducerIdentity:

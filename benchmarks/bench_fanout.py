@@ -26,9 +26,9 @@ import numpy as np
 from grpclib.client import Channel
 from grpclib.config import Configuration
 from grpclib.const import Cardinality
-from grpclib.encoding.base import CodecBase
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.client.codec import RawCodec
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PATH = "/dynamo.kvrelay.v1.KvEventRelay/SubscribeKvPool"
@@ -160,16 +160,6 @@ async def _server(conn: Connection) -> None:
 
 
 # ------------------------------------------------------------------ clients
-class RawCodec(CodecBase):
-    __content_subtype__ = "proto"
-
-    def encode(self, message: Any, message_type: Any) -> bytes:
-        return message if isinstance(message, bytes) else bytes(message)
-
-    def decode(self, data: bytes, message_type: Any) -> bytes:
-        return data
-
-
 def channel(port: int) -> Channel:
     return Channel(
         "127.0.0.1",

@@ -27,6 +27,7 @@ import numpy as np
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import rpc
+from kvrelay.client import stream_rules as rules
 from kvrelay.client.client import RelayClient, role_name
 from kvrelay.client.config import ClientConfig
 from kvrelay.client.errors import ConsumerViolation
@@ -400,17 +401,10 @@ class Inspector:
             return info
         info.checksum = int.from_bytes(fu.payload[44:48], "little") if len(fu.payload) >= 48 \
             else None
-        try:
-            frame = cbi1.decode(fu.payload, expected_seed=self.seed,
-                                expected_bucket_count=self.bucket_count)  # fmt: skip
-        except cbi1.Cbi1Error as exc:
-            raise ConsumerViolation("cbi1_" + exc.reason, str(exc)) from None
+        frame = rules.decode(fu.payload, self.seed, self.bucket_count)
         if isinstance(frame, cbi1.SnapshotChunk):
             info.chunk = (frame.chunk_index, frame.chunk_count)
-            try:
-                done = self.assembler.feed(frame)
-            except cbi1.Cbi1Error as exc:
-                raise ConsumerViolation("cbi1_" + exc.reason, str(exc)) from None
+            done = rules.assemble(self.assembler, frame)
             if done is not None:
                 self.table = np.array(done.words, dtype=np.uint64, copy=True)
                 info.installed = True

@@ -4,7 +4,7 @@ A pure state machine (no I/O) so the SDK and ``kvrelay-client subscribe --verify
 same rules. ``feed`` either applies a frame completely or raises :class:`ConsumerViolation` and
 leaves the installed table untouched (the caller then drops the whole replica): §4.7 consumer
 rules, §5 CBI1 validation and assembly (via ``kvrelay.publication.cbi1``), plus the dc_id check
-the decoder leaves to the consumer.
+the decoder leaves to the consumer; every rule is in ``stream_rules.py``, shared with the mirror.
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ import numpy.typing as npt
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import errors as E
+from kvrelay.client import stream_rules as rules
 from kvrelay.client.probe import contains
-from kvrelay.contract.errors import RelayError
 from kvrelay.contract.producer import ProducerKey, producer_key
-from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION
 from kvrelay.publication import cbi1
 
 U64 = npt.NDArray[np.uint64]
@@ -87,28 +86,12 @@ class PoolReplica:
         return self.table is not None
 
     # ------------------------------------------------------------------ rules
-    def _decode(self, payload: bytes) -> cbi1.SnapshotChunk | cbi1.Delta:
-        try:
-            return cbi1.decode(
-                payload, expected_seed=self.seed, expected_bucket_count=self.bucket_count
-            )
-        except cbi1.Cbi1Error as exc:
-            raise E.ConsumerViolation(E.CBI1_PREFIX + exc.reason, str(exc)) from None
-
     def _check_envelope(self, fu: pb.FilterUpdate) -> None:
-        if fu.contract_marker != CONTRACT_MARKER or fu.protocol_version != PROTOCOL_VERSION:
-            raise E.ConsumerViolation(
-                E.ENVELOPE, f"marker {fu.contract_marker:#x} version {fu.protocol_version}"
-            )
+        rules.envelope(fu.contract_marker, fu.protocol_version)
         rk = relay_key(fu.relay)
         if self.relay is not None and rk != self.relay:
             raise E.ConsumerViolation(E.RELAY_IDENTITY_CHANGED, f"{rk} != {self.relay}")
-        try:
-            pk = producer_key(fu.producer)
-        except RelayError as exc:
-            raise E.ConsumerViolation(E.PRODUCER_IDENTITY, exc.message) from None
-        if pk != self.key:
-            raise E.ConsumerViolation(E.PRODUCER_IDENTITY, "frame producer != subscribed one")
+        rules.producer(fu.producer, self.key)
 
     def feed(self, fu: pb.FilterUpdate) -> FrameInfo:
         """Validate and apply one frame; raises ConsumerViolation (state then undefined: drop)."""
@@ -120,17 +103,10 @@ class PoolReplica:
         elif kind == pb.FilterUpdateKind.DELTA:
             info = self._delta(fu, base, seq)
         elif kind == pb.FilterUpdateKind.HEARTBEAT:
-            if self.table is None:
-                raise E.ConsumerViolation(E.HEARTBEAT_BEFORE_SNAPSHOT)
-            if base != seq or seq != self.sequence:
-                raise E.ConsumerViolation(
-                    E.HEARTBEAT_SEQUENCE, f"{base}->{seq}, installed {self.sequence}"
-                )
-            if fu.payload:
-                raise E.ConsumerViolation(E.HEARTBEAT_PAYLOAD, f"{len(fu.payload)} bytes")
+            rules.heartbeat(self.sequence, base, seq, len(fu.payload))
             info = FrameInfo("heartbeat", base, seq, 0)
         else:
-            raise E.ConsumerViolation(E.UNKNOWN_KIND, str(kind))
+            rules.unknown_kind(kind)
         c = self.counters
         c.frames[info.kind] += 1
         c.bytes += len(fu.payload)
@@ -138,23 +114,10 @@ class PoolReplica:
         return info
 
     def _snapshot(self, fu: pb.FilterUpdate, base: int, seq: int) -> FrameInfo:
-        if self.table is not None:
-            raise E.ConsumerViolation(E.UNEXPECTED_SNAPSHOT, f"chunk at {seq} after install")
-        if base != seq:
-            raise E.ConsumerViolation(E.SNAPSHOT_SEQUENCE, f"base {base} != sequence {seq}")
-        frame = self._decode(fu.payload)
-        if not isinstance(frame, cbi1.SnapshotChunk):
-            raise E.ConsumerViolation(E.KIND_MISMATCH, "SNAPSHOT_CHUNK frame carries a delta")
-        if frame.dc_id != self.dc_id:
-            raise E.ConsumerViolation(E.DC_ID_MISMATCH, f"{frame.dc_id} != {self.dc_id}")
-        if frame.epoch != seq:
-            raise E.ConsumerViolation(E.EPOCH_MISMATCH, f"epoch {frame.epoch} != sequence {seq}")
-        if frame.chunk_index > 0 and self._assembling_seq not in (None, seq):
-            raise E.ConsumerViolation(E.SNAPSHOT_SEQUENCE, "chunk from another snapshot cut")
-        try:
-            done = self._assembler.feed(frame)
-        except cbi1.Cbi1Error as exc:
-            raise E.ConsumerViolation(E.CBI1_PREFIX + exc.reason, str(exc)) from None
+        rules.chunk_sequence(self.sequence, base, seq)
+        decoded = rules.decode(fu.payload, self.seed, self.bucket_count)
+        frame = rules.chunk_frame(decoded, self.dc_id, seq, self._assembling_seq)
+        done = rules.assemble(self._assembler, frame)
         self._assembling_seq = seq
         info = FrameInfo(
             "snapshot_chunk", base, seq, len(fu.payload), _header_checksum(fu.payload),
@@ -169,23 +132,10 @@ class PoolReplica:
 
     def _delta(self, fu: pb.FilterUpdate, base: int, seq: int) -> FrameInfo:
         table, installed = self.table, self.sequence
-        if table is None or installed is None:
-            raise E.ConsumerViolation(E.DELTA_BEFORE_SNAPSHOT)
-        if base > installed:
-            raise E.ConsumerViolation(E.SEQUENCE_GAP, f"base {base} > installed {installed}")
-        if base < installed:
-            raise E.ConsumerViolation(E.WRONG_BASE, f"base {base} < installed {installed}")
-        if seq != base + 1:
-            raise E.ConsumerViolation(E.BAD_INCREMENT, f"{base} -> {seq}")
-        frame = self._decode(fu.payload)
-        if not isinstance(frame, cbi1.Delta):
-            raise E.ConsumerViolation(E.KIND_MISMATCH, "DELTA frame carries a snapshot chunk")
-        if frame.dc_id != self.dc_id:
-            raise E.ConsumerViolation(E.DC_ID_MISMATCH, f"{frame.dc_id} != {self.dc_id}")
-        if frame.base_epoch != base or frame.epoch != seq:
-            raise E.ConsumerViolation(
-                E.EPOCH_MISMATCH, f"CBI1 {frame.base_epoch}->{frame.epoch} vs {base}->{seq}"
-            )
+        rules.delta_sequence(installed, base, seq)
+        assert table is not None  # installed together with the sequence
+        decoded = rules.decode(fu.payload, self.seed, self.bucket_count)
+        frame = rules.delta_frame(decoded, self.dc_id, base, seq)
         table[frame.buckets.astype(np.intp)] = frame.words
         self.sequence = seq
         return FrameInfo(

@@ -1,7 +1,7 @@
 """Strict consumer rules over one upstream pool stream, on wire bytes (§4.3, §4.7, §5).
 
-The same rules as the SDK's ``PoolReplica`` (and with its reason strings), checked on the raw
-frame so the mirror never pays a betterproto2 parse per frame: envelope, relay identity of the
+The SDK's rules (``client/stream_rules.py``, which ``PoolReplica`` checks too), on the raw frame
+so the mirror never pays a betterproto2 parse per frame: envelope, relay identity of the
 session, the exact producer subscribed to, snapshot assembly in order at one cut, contiguous
 deltas whose CBI1 epochs match the envelope, heartbeats only at the installed sequence. A frame
 that breaks one raises :class:`Violation` and the mirror drops the stream (and its subscribers).
@@ -16,10 +16,10 @@ import numpy.typing as npt
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import errors as E
-from kvrelay.contract.errors import RelayError
-from kvrelay.contract.producer import ProducerKey, producer_key
-from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION
-from kvrelay.mirror.wire import Frame, WireError, parse_frame
+from kvrelay.client import stream_rules as rules
+from kvrelay.client.errors import ConsumerViolation
+from kvrelay.client.wire import Frame, WireError, parse_frame
+from kvrelay.contract.producer import ProducerKey
 from kvrelay.publication import cbi1
 
 KIND_SNAPSHOT_CHUNK = int(pb.FilterUpdateKind.SNAPSHOT_CHUNK)
@@ -28,13 +28,8 @@ KIND_HEARTBEAT = int(pb.FilterUpdateKind.HEARTBEAT)
 WIRE = "wire"  # the frame does not parse as a FilterUpdate (mirror-only reason)
 
 
-class Violation(Exception):
-    """The upstream broke a consumer rule; ``reason`` is the SDK's vocabulary."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-        self.detail = detail
+#: The upstream broke a consumer rule; ``reason`` is the SDK's vocabulary.
+Violation = ConsumerViolation
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -81,23 +76,14 @@ class PoolStreamChecker:
         if kind == KIND_DELTA:
             return f, self._delta(f)
         if kind == KIND_HEARTBEAT:
-            if self.sequence is None:
-                raise Violation(E.HEARTBEAT_BEFORE_SNAPSHOT)
-            if f.base_sequence != f.sequence or f.sequence != self.sequence:
-                raise Violation(
-                    E.HEARTBEAT_SEQUENCE,
-                    f"{f.base_sequence}->{f.sequence}, installed {self.sequence}",
-                )
-            if f.payload:
-                raise Violation(E.HEARTBEAT_PAYLOAD, f"{len(f.payload)} bytes")
+            rules.heartbeat(self.sequence, f.base_sequence, f.sequence, len(f.payload))
             return f, None
         if kind == KIND_SNAPSHOT_CHUNK:
             return f, self._chunk(f)
-        raise Violation(E.UNKNOWN_KIND, str(kind))
+        rules.unknown_kind(kind)
 
     def _envelope(self, f: Frame, data: bytes) -> None:
-        if f.marker != CONTRACT_MARKER or f.protocol_version != PROTOCOL_VERSION:
-            raise Violation(E.ENVELOPE, f"marker {f.marker} version {f.protocol_version}")
+        rules.envelope(f.marker, f.protocol_version)
         if f.relay != self._relay:
             try:
                 same = f.relay is not None and relay_key(f.relay) == self._relay_key
@@ -109,13 +95,10 @@ class PoolStreamChecker:
             if f.producer is None:
                 raise Violation(E.PRODUCER_IDENTITY, "frame without a producer")
             try:
-                pk = producer_key(pb.ProducerIdentity.parse(f.producer))
-            except RelayError as exc:
-                raise Violation(E.PRODUCER_IDENTITY, exc.message) from None
-            except Exception as exc:
+                identity = pb.ProducerIdentity.parse(f.producer)
+            except Exception as exc:  # betterproto2 raises several types on bad bytes
                 raise Violation(E.PRODUCER_IDENTITY, f"undecodable producer: {exc}") from None
-            if pk != self.key:
-                raise Violation(E.PRODUCER_IDENTITY, "frame producer != subscribed one")
+            rules.producer(identity, self.key)
             if self._producer is None:
                 self._producer = f.producer
                 if f.prefix:
@@ -123,25 +106,13 @@ class PoolStreamChecker:
 
     def _chunk(self, f: Frame) -> Installed | None:
         seq = f.sequence
-        if self.sequence is not None:
-            raise Violation(E.UNEXPECTED_SNAPSHOT, f"chunk at {seq} after install")
-        if f.base_sequence != seq:
-            raise Violation(E.SNAPSHOT_SEQUENCE, f"base {f.base_sequence} != sequence {seq}")
-        frame = self._decode(f.payload)
-        if not isinstance(frame, cbi1.SnapshotChunk):
-            raise Violation(E.KIND_MISMATCH, "SNAPSHOT_CHUNK frame carries a delta")
-        if frame.dc_id != self.key.dc_id:
-            raise Violation(E.DC_ID_MISMATCH, f"{frame.dc_id} != {self.key.dc_id}")
-        if frame.epoch != seq:
-            raise Violation(E.EPOCH_MISMATCH, f"epoch {frame.epoch} != sequence {seq}")
-        if frame.chunk_index > 0 and self._assembling not in (None, seq):
-            raise Violation(E.SNAPSHOT_SEQUENCE, "chunk from another snapshot cut")
+        rules.chunk_sequence(self.sequence, f.base_sequence, seq)
+        key = self.key
+        decoded = rules.decode(f.payload, key.seed, key.bucket_count)
+        frame = rules.chunk_frame(decoded, key.dc_id, seq, self._assembling)
         if frame.chunk_index == 0:
             self._chunks = []
-        try:
-            done = self._assembler.feed(frame)
-        except cbi1.Cbi1Error as exc:
-            raise Violation(E.CBI1_PREFIX + exc.reason, str(exc)) from None
+        done = rules.assemble(self._assembler, frame)
         self._assembling = seq
         self._chunks.append(f.payload)
         if done is None:
@@ -155,30 +126,9 @@ class PoolStreamChecker:
     def _delta(self, f: Frame) -> cbi1.Delta:
         installed = self.sequence
         base, seq = f.base_sequence, f.sequence
-        if installed is None:
-            raise Violation(E.DELTA_BEFORE_SNAPSHOT)
-        if base > installed:
-            raise Violation(E.SEQUENCE_GAP, f"base {base} > installed {installed}")
-        if base < installed:
-            raise Violation(E.WRONG_BASE, f"base {base} < installed {installed}")
-        if seq != base + 1:
-            raise Violation(E.BAD_INCREMENT, f"{base} -> {seq}")
-        d = self._decode(f.payload)
-        if not isinstance(d, cbi1.Delta):
-            raise Violation(E.KIND_MISMATCH, "DELTA frame carries a snapshot chunk")
-        if d.dc_id != self.key.dc_id:
-            raise Violation(E.DC_ID_MISMATCH, f"{d.dc_id} != {self.key.dc_id}")
-        if d.base_epoch != base or d.epoch != seq:
-            raise Violation(
-                E.EPOCH_MISMATCH, f"CBI1 {d.base_epoch}->{d.epoch} vs {base}->{seq}"
-            )
+        rules.delta_sequence(installed, base, seq)
+        key = self.key
+        decoded = rules.decode(f.payload, key.seed, key.bucket_count)
+        d = rules.delta_frame(decoded, key.dc_id, base, seq)
         self.sequence = seq
         return d
-
-    def _decode(self, payload: bytes) -> cbi1.SnapshotChunk | cbi1.Delta:
-        try:
-            return cbi1.decode(
-                payload, expected_seed=self.key.seed, expected_bucket_count=self.key.bucket_count
-            )
-        except cbi1.Cbi1Error as exc:
-            raise Violation(E.CBI1_PREFIX + exc.reason, str(exc)) from None

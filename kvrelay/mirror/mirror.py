@@ -28,6 +28,7 @@ from typing import Any
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import errors as E
 from kvrelay.client import rpc
+from kvrelay.client.wire import WireError, parse_envelope
 from kvrelay.contract.errors import Reason, RelayError
 from kvrelay.contract.producer import ProducerKey, producer_key
 from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION
@@ -37,7 +38,6 @@ from kvrelay.mirror.plane import MirrorPlane, PlaneViolation
 from kvrelay.mirror.pool import MirrorPool, PoolContext, PoolState
 from kvrelay.mirror.settings import MirrorSettings
 from kvrelay.mirror.upstream import Upstream, upstream_error
-from kvrelay.mirror.wire import WireError, parse_envelope
 from kvrelay.publication.hub import PublicationHub, Subscription
 
 _log = get_logger(__name__)

@@ -2,7 +2,7 @@
 
 Streams run through the SDK's ``run_stream`` (trailers, silence, transport errors → one
 ``StreamEnd``); the codec hands every reply over as the bytes received, because the mirror
-forwards frames unchanged and parses only what it checks (``mirror.wire``). How a stream ended is
+forwards frames unchanged and parses only what it checks (``client/wire.py``). How a stream ended is
 turned back into the upstream's ``RelayError`` (reason and message) so it can be forwarded.
 """
 
@@ -13,37 +13,15 @@ from typing import Any
 
 from grpclib.client import Channel
 from grpclib.config import Configuration
-from grpclib.const import Status
-from grpclib.encoding.base import CodecBase
-from grpclib.exceptions import GRPCError
 
 from kvrelay.client import errors as E
 from kvrelay.client import rpc
+from kvrelay.client.codec import RawCodec
 from kvrelay.contract.errors import RelayError, reason_from_name
 from kvrelay.mirror.settings import MirrorSettings
 
 SERVICE = "/dynamo.kvrelay.v1.KvEventRelay/"
 StreamEnd = rpc.StreamEnd
-
-
-class RawCodec(CodecBase):
-    """Requests: betterproto2 messages → bytes. Replies: the received bytes, size-bounded."""
-
-    __content_subtype__ = "proto"
-
-    def __init__(self, max_message_bytes: int) -> None:
-        self.max_message_bytes = max_message_bytes
-
-    def encode(self, message: Any, message_type: Any) -> bytes:
-        return message if isinstance(message, bytes) else bytes(message)
-
-    def decode(self, data: bytes, message_type: Any) -> bytes:
-        if len(data) > self.max_message_bytes:
-            raise GRPCError(
-                Status.RESOURCE_EXHAUSTED,
-                f"inbound message of {len(data)} bytes exceeds {self.max_message_bytes}",
-            )
-        return data
 
 
 def upstream_error(end: StreamEnd) -> RelayError | None:

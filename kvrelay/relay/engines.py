@@ -1,7 +1,9 @@
 """What a pool knows about each of its engines, and what the engines say the pool *is*.
 
 ``EngineState`` holds an engine's latest discovery snapshot plus the relay's own judgement of it
-(when its probe started failing, whether it was declared down). ``pool_identity`` turns the
+(when its probe started failing, whether it was declared down); ``EngineTable`` is a pool's
+engines by target and by member id, and records what each discovery event says of its engine.
+``pool_identity`` turns the
 engines' reports into the identity a generation is built for — model, model source, block size —
 or into a conflict when reachable engines disagree (the pool is then withdrawn, never merged into
 one filter, as Dynamo refuses a card conflict).
@@ -9,13 +11,18 @@ one filter, as Dynamo refuses a card conflict).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import blake3
 
+from kvrelay.discovery.events import ChangeEvent, EngineReachable, EngineUnreachableEvent
 from kvrelay.discovery.snapshot import EngineSnapshot
 from kvrelay.discovery.watcher import EngineTarget
+from kvrelay.logging import get_logger
 from kvrelay.relay.settings import EngineSpec, PoolSpec
+
+_log = get_logger("kvrelay.relay.pool_runtime")  # the events keep the logger they had
 
 
 def worker_id_for(engine_name: str) -> int:
@@ -62,6 +69,55 @@ class EngineState:
                 return tuple(sorted({s.dp_rank for s in snap.sources}))
             return tuple(range(max(1, snap.data_parallel_size_local)))
         return (0,)  # never reached: at least one rank whose usage is unknown
+
+
+class EngineTable:
+    """A pool's engines, by watcher target (``engines``) and by member id (``by_worker``)."""
+
+    __slots__ = ("by_worker", "engines")
+
+    def __init__(self) -> None:
+        self.engines: dict[str, EngineState] = {}
+        self.by_worker: dict[int, EngineState] = {}
+
+    def add(self, spec: EngineSpec) -> EngineTarget:
+        """A new engine of this pool (from config, or found by DNS); probed before it is used."""
+        target = EngineTarget(host=spec.host, grpc_port=spec.grpc_port, static=spec.static)
+        st = EngineState(spec, worker_id_for(spec.name), target)
+        self.engines[target.name] = st
+        self.by_worker[st.worker_id] = st
+        return target
+
+    def target_of(self, engine_name: str) -> str | None:
+        for key, st in self.engines.items():
+            if st.spec.name == engine_name:
+                return key
+        return None
+
+    def remove(self, target: str) -> None:
+        st = self.engines.pop(target)
+        del self.by_worker[st.worker_id]
+
+    def observe(self, ev: ChangeEvent, pool: str) -> EngineState | None:
+        """Store what a discovery event says of its engine (None: not one of this pool's)."""
+        st = self.engines.get(ev.target)
+        if st is None:
+            return None
+        st.snapshot = ev.snapshot
+        st.probed = True
+        if ev.snapshot.reachable:
+            st.last_good = ev.snapshot
+            st.unreachable_since = None
+            if st.down:
+                st.down = False
+                _log.info("engine_back", pool=pool, engine=st.spec.name)
+        elif st.unreachable_since is None:
+            st.unreachable_since = time.monotonic()
+        if isinstance(ev, EngineUnreachableEvent):  # once per outage
+            _log.warning("engine_unreachable", pool=pool, engine=st.spec.name, error=ev.error)
+        elif isinstance(ev, EngineReachable):
+            _log.info("engine_reachable", pool=pool, engine=st.spec.name)
+        return st
 
 
 @dataclass(frozen=True, slots=True)

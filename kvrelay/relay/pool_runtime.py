@@ -1,5 +1,10 @@
 """One configured pool at run time: its engines, subscribers and current generation.
 
+This module is the member lifecycle (subscribers, reconcile, fences, withdrawal, stop); its
+other jobs sit beside it: the engine table (``engines.py``), what the planes see of the pool
+(``pool_view.py``), a new generation's parts (``materialize.py``), the restored state from a
+state file to vouched members and back (``restore.py``), and the pool's stats (``pool_stats.py``).
+
 Discovery is level-triggered here: every watcher event stores the engine's latest snapshot and
 then ``reconcile`` makes subscribers and the generation match what the snapshots say. Rules:
 
@@ -36,43 +41,37 @@ import contextlib
 import random
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.errors import RelayError
-from kvrelay.discovery.events import (
-    ChangeEvent,
-    EngineReachable,
-    EngineUnreachableEvent,
-    IncarnationChanged,
-)
-from kvrelay.discovery.snapshot import EngineSnapshot
+from kvrelay.discovery.events import ChangeEvent, IncarnationChanged
 from kvrelay.discovery.watcher import EngineTarget
-from kvrelay.hashing import identity
 from kvrelay.ingest.counters import SubscriberCounters
 from kvrelay.ingest.sink import ResetReason, SourceKey, SourceSpec
 from kvrelay.ingest.subscriber import Subscriber
 from kvrelay.logging import get_logger
 from kvrelay.pool.batch import EventBatch
 from kvrelay.pool.pool import Pool
-from kvrelay.publication.catalog import LoraSpec, descriptor
 from kvrelay.publication.load import RankLoad
 from kvrelay.publication.readiness import EndpointState
-from kvrelay.relay.connected import ConnectedMembers, counter_values
+from kvrelay.relay import pool_view
+from kvrelay.relay.connected import ConnectedMembers
 from kvrelay.relay.context import RelayContext
-from kvrelay.relay.engines import EngineState, PoolIdentity, pool_identity, worker_id_for
-from kvrelay.relay.generation import Generation
-from kvrelay.relay.handover import RESTORE_VOUCH_S, MemberResume, RestoredPool
-from kvrelay.relay.settings import EngineSpec, PoolSpec
-from kvrelay.relay.stats import (
-    EngineStats,
-    GenerationStats,
-    GenerationTotals,
-    PoolStats,
-    SourceStats,
-    merged,
+from kvrelay.relay.engines import (
+    EngineState,
+    EngineTable,
+    PoolIdentity,
+    pool_identity,
+    worker_id_for,
 )
+from kvrelay.relay.generation import Generation
+from kvrelay.relay.handover import MemberResume
+from kvrelay.relay.materialize import empty_pool, producer_identity
+from kvrelay.relay.pool_stats import generation_totals, pool_stats
+from kvrelay.relay.restore import PoolRestore
+from kvrelay.relay.settings import EngineSpec, PoolSpec
+from kvrelay.relay.stats import GenerationTotals, PoolCounters, PoolStats, merged
 
 __all__ = ["EngineState", "PoolCounters", "PoolRuntime", "worker_id_for"]
 
@@ -93,30 +92,6 @@ def _jittered(initial: float, ceiling: float, attempt: int) -> float:
     return float(min(ceiling, initial * (2 ** min(attempt, 16))) * random.uniform(0.5, 1.0))
 
 
-@dataclass(slots=True)
-class PoolCounters:
-    batches: int = 0
-    events: int = 0
-    events_rejected: int = 0
-    dropped_without_generation: int = 0
-    member_resets: dict[str, int] = field(default_factory=dict)
-    generations: int = 0
-    fences: int = 0
-    block_size_conflicts: int = 0
-    source_failures: int = 0  # subscribers that crashed or failed to start
-    engines_down: int = 0  # engines declared down (members cleared)
-    identity_changes: int = 0  # re-materialized for a new model / model source / block size
-    identity_conflicts: int = 0  # withdrawn because reachable engines disagree
-    rebuild_backoffs: int = 0  # rebuilds after a fence that waited (repeated fences)
-    reconfigurations: int = 0  # re-materialized because a reload changed filter settings
-    members_resumed: int = 0  # restored members whose subscriber resumed (then vouched or reset)
-    members_vouched: int = 0  # restored members their engine vouched for (kept)
-    restores_discarded: int = 0  # restored state not used: another identity, or unloadable
-
-    def reset(self, reason: str) -> None:
-        self.member_resets[reason] = self.member_resets.get(reason, 0) + 1
-
-
 class PoolRuntime:
     """Implements ``kvrelay.ingest.sink.BatchSink`` for the pool's members."""
 
@@ -126,8 +101,9 @@ class PoolRuntime:
         self.spec = spec
         self._ctx = ctx
         self.engine_down_grace_s = engine_down_grace_s
-        self.engines: dict[str, EngineState] = {}
-        self.by_worker: dict[int, EngineState] = {}
+        self.table = EngineTable()
+        self.engines: dict[str, EngineState] = self.table.engines  # the same dicts
+        self.by_worker: dict[int, EngineState] = self.table.by_worker
         for e in spec.engines:
             if e.dns is None:  # DNS templates stand for engines that membership adds later
                 self.add_engine(e)
@@ -147,10 +123,8 @@ class PoolRuntime:
         self._source_totals: dict[SourceKey, SubscriberCounters] = {}
         self._generation_totals = GenerationTotals()
         self.connected = ConnectedMembers(self) if spec.connect is not None else None
-        #: A state file's contents, used by the first materialization if the identity matches.
-        self.restored: RestoredPool | None = None
-        self._resume: dict[SourceKey, MemberResume] = {}  # restored members not yet resumed
-        self._resume_deadline = 0.0
+        #: The state file's pool and members, from a start's restore to their vouching.
+        self.restore = PoolRestore(self.counters)
 
     # ---- BatchSink -------------------------------------------------------------------------------
 
@@ -244,151 +218,38 @@ class PoolRuntime:
     def name(self) -> str:
         return "/".join(self.spec.triple)
 
-    def _first_snapshot(self) -> EngineSnapshot | None:
-        for st in self.engines.values():
-            if st.reachable and st.snapshot is not None and st.snapshot.sources_via != "static":
-                return st.snapshot
-        return None
-
     def base_model(self) -> str | None:
         """The canonical model id the pool registers (config, else what its engines serve)."""
-        if self.identity is not None:
-            return self.identity.model
-        target, _conflict = pool_identity(self.spec, list(self.engines.values()), None)
-        if target is not None:
-            return target.model
-        snap = self._first_snapshot()
-        return self.spec.model or (snap.served_model_name if snap is not None else None) or None
+        return pool_view.base_model(self.spec, self.engines.values(), self.identity)
 
     def lora_names(self) -> list[str]:
-        """LoRA adapters any reachable engine serves (names that could not be a registration,
-        empty, padded or equal to the base model, are left out)."""
-        names: set[str] = set()
-        for st in self.engines.values():
-            if st.reachable and st.snapshot is not None:
-                names |= st.snapshot.lora_names
-        base = self.base_model()
-        return sorted(n for n in names if n and n == n.strip() and n != base)
+        """LoRA adapters any reachable engine serves (see ``pool_view.lora_names``)."""
+        return pool_view.lora_names(self.spec, self.engines.values(), self.identity)
 
     def descriptor(self) -> pb.KvPoolDescriptor | None:
-        gen, ident = self.generation, self.identity
-        if gen is None or ident is None:
-            return None
-        snap = self._first_snapshot()
-        aliases = snap.served_model_aliases if snap is not None else ()
-        return descriptor(
-            producer=gen.producer,
-            namespace=self.spec.namespace,
-            component=self.spec.component,
-            endpoint=self.spec.endpoint,
-            base_model=ident.model,
-            kv_block_size=ident.block_size,
-            hash_format=self.spec.hash_format,
-            roles=[self.spec.role],
-            base_aliases=[a for a in aliases if a.strip() == a and a],
-            loras=[LoraSpec(canonical_model_id=n) for n in self.lora_names()],
+        return pool_view.pool_descriptor(
+            self.spec, self.engines.values(), self.generation, self.identity
         )
 
     def endpoint_state(self) -> EndpointState | None:
-        model = self.base_model()
-        if model is None:
-            return None
-        return EndpointState(
-            namespace=self.spec.namespace,
-            component=self.spec.component,
-            endpoint=self.spec.endpoint,
-            roles=frozenset({self.spec.role}) if self.spec.role != pb.WorkerRole.LEGACY
-            else frozenset(),
-            needs=self.spec.needs,
-            live=sum(1 for st in self.engines.values() if st.serving)
-            + (self.connected.live_engines() if self.connected else 0),
-            probed=all(st.probed for st in self.engines.values()),
-            models=frozenset({model}),
-            adapters={n: model for n in self.lora_names()},
-            pool_id=None if self.generation is None else self.generation.producer.pool_id,
+        return pool_view.endpoint_state(
+            self.spec, self.engines.values(), self.generation, self.identity, self.connected
         )
 
     def load_input(self) -> tuple[pb.ProducerIdentity, list[RankLoad]] | None:
-        """One entry per rank every engine declares, reachable or not: a rank without a live
-        source or a fresh scrape is unknown (observed < expected), never zero."""
-        gen = self.generation
-        if gen is None:
-            return None
-        ranks: list[RankLoad] = []
-        for st in self.engines.values():
-            total = st.spec.total_kv_blocks
-            if st.snapshot is not None and st.snapshot.reachable and st.snapshot.total_kv_blocks:
-                total = st.snapshot.total_kv_blocks
-            for rank in st.declared_ranks():
-                usage = None
-                if SourceKey(st.worker_id, rank) in self.subscribers and not st.down:
-                    usage = st.usage.get(rank)
-                used = None
-                if usage is not None and total is not None:
-                    used = max(0, round(usage * total))
-                ranks.append(RankLoad(kv_used_blocks=used, total_kv_blocks=total))
-        if self.connected is not None:
-            ranks += self.connected.rank_loads()
-        return gen.producer, ranks
-
-    def _producer(self, ident: PoolIdentity) -> pb.ProducerIdentity:
-        fmt = identity.CkfFormatSpec(seed=self.spec.ckf_seed, bucket_count=self.spec.bucket_count)
-        return pb.ProducerIdentity(
-            pool_id=pb.KvPoolId(
-                identity_version=1,
-                indexer_domain=pb.IndexerDomainId(
-                    cache_semantics=pb.DigestIdentity(
-                        digest=identity.cache_semantics_digest(
-                            ident.model_source, ident.block_size, int(self.spec.hash_format)
-                        ),
-                        source=pb.IdentitySource.DEFAULT_DERIVED,
-                    ),
-                    routing_scope=pb.DigestIdentity(
-                        digest=identity.routing_scope_digest(*self.spec.triple),
-                        source=pb.IdentitySource.DEFAULT_DERIVED,
-                    ),
-                ),
-                dc_id=self._ctx.dc_id,
-            ),
-            producer_incarnation=self._ctx.relay_incarnation,
-            layout_generation=self._ctx.next_layout_generation(),
-            ckf_format=fmt.to_proto(),
+        """One entry per rank every engine declares (see ``pool_view.load_input``)."""
+        return pool_view.load_input(
+            self.engines.values(), self.generation, self.subscribers, self.connected
         )
 
     # ---- generations -----------------------------------------------------------------------------
 
-    def _restored_pool(
-        self, ident: PoolIdentity
-    ) -> tuple[Pool, dict[SourceKey, MemberResume]] | None:
-        """The state file's pool, if it was saved under this identity (consumed either way)."""
-        r, self.restored = self.restored, None
-        if r is None:
-            return None
-        why = None
-        if r.identity != ident:
-            why = f"saved for {r.identity!r}, the engines now give {ident!r}"
-        else:
-            try:
-                return r.pool(self.spec), dict(r.members)
-            except Exception as exc:  # arrays that do not make a consistent pool: not trusted
-                why = f"unloadable: {type(exc).__name__}: {exc}"
-        self.counters.restores_discarded += 1
-        _log.warning("state_discarded", pool=self.name, why=why)
-        return None
-
     def _materialize(self, ident: PoolIdentity) -> Generation:
-        restored = self._restored_pool(ident)
-        if restored is not None:
-            pool, resume = restored
-        else:
-            pool, resume = Pool(
-                bucket_count=self.spec.bucket_count,
-                seed=self.spec.ckf_seed,
-                block_size=ident.block_size,
-                hash_format=int(self.spec.hash_format),
-            ), {}
+        restored = self.restore.take_pool(self.spec, ident, self.name)
+        pool, resume = restored if restored is not None else (empty_pool(self.spec, ident), {})
         gen = Generation(
-            name=self.name, pool=pool, producer=self._producer(ident), ctx=self._ctx,
+            name=self.name, pool=pool, producer=producer_identity(self.spec, self._ctx, ident),
+            ctx=self._ctx,
             on_fence=self.fence,
         )  # fmt: skip
         self.generation = gen
@@ -400,34 +261,8 @@ class PoolRuntime:
             restored_members=len(resume),
         )  # fmt: skip
         if restored is not None:
-            # members saved without a resume point (nothing applied, a rebuild under way) or of
-            # engines no longer configured hold nothing the relay can vouch for
-            for wid, rank in list(pool.members().values()):
-                key = SourceKey(wid, rank)
-                if key in resume and wid in self.by_worker:
-                    continue
-                if wid in self.by_worker:
-                    gen.reset_member(key)
-                else:
-                    gen.remove_member(key)
-            self._resume = {k: r for k, r in resume.items() if k.worker_id in self.by_worker}
-            self._resume_deadline = self._materialized_at + RESTORE_VOUCH_S
+            self.restore.begin(gen, resume, self.by_worker, self._materialized_at)
         return gen
-
-    def _resume_for(self, key: SourceKey, gen: Generation) -> tuple[int, int] | None:
-        """The restored position to resume ``key`` from, if its engine is the incarnation that
-        was saved; otherwise its restored state is dropped before a fresh start."""
-        r = self._resume.pop(key, None)
-        if r is None:
-            return None
-        st = self.by_worker.get(key.worker_id)
-        now = "" if st is None or st.snapshot is None else st.snapshot.instance_id
-        if now != r.incarnation:
-            gen.reset_member(key)
-            self.counters.reset("incarnation")
-            return None
-        self.counters.members_resumed += 1
-        return (r.last_seq, r.digest)
 
     def fence(self, gen: Generation, why: str) -> None:
         """Withdraw ``gen`` and rebuild a fresh generation from replay + live events (with
@@ -465,28 +300,14 @@ class PoolRuntime:
             self._ctx.changed()
         if not gen.retired:
             gen.retire(error)
-            self._generation_totals.add(_generation_totals(gen))
+            self._generation_totals.add(generation_totals(gen))
 
     # ---- discovery -------------------------------------------------------------------------------
 
     async def on_engine_event(self, ev: ChangeEvent) -> None:
-        st = self.engines.get(ev.target)
+        st = self.table.observe(ev, self.name)
         if st is None:
             return
-        st.snapshot = ev.snapshot
-        st.probed = True
-        if ev.snapshot.reachable:
-            st.last_good = ev.snapshot
-            st.unreachable_since = None
-            if st.down:
-                st.down = False
-                _log.info("engine_back", pool=self.name, engine=st.spec.name)
-        elif st.unreachable_since is None:
-            st.unreachable_since = time.monotonic()
-        if isinstance(ev, EngineUnreachableEvent):  # once per outage
-            _log.warning("engine_unreachable", pool=self.name, engine=st.spec.name, error=ev.error)
-        elif isinstance(ev, EngineReachable):
-            _log.info("engine_reachable", pool=self.name, engine=st.spec.name)
         if isinstance(ev, IncarnationChanged):
             async with self._reconcile_lock:
                 await self._restart_engine_members(st.worker_id)
@@ -494,17 +315,10 @@ class PoolRuntime:
 
     def add_engine(self, spec: EngineSpec) -> EngineTarget:
         """A new engine of this pool (from config, or found by DNS); probed before it is used."""
-        target = EngineTarget(host=spec.host, grpc_port=spec.grpc_port, static=spec.static)
-        st = EngineState(spec, worker_id_for(spec.name), target)
-        self.engines[target.name] = st
-        self.by_worker[st.worker_id] = st
-        return target
+        return self.table.add(spec)
 
     def target_of(self, engine_name: str) -> str | None:
-        for key, st in self.engines.items():
-            if st.spec.name == engine_name:
-                return key
-        return None
+        return self.table.target_of(engine_name)
 
     async def remove_engine(self, engine_name: str, *, reconcile: bool = True) -> None:
         """The engine left the fleet: its subscribers stop and its members are removed
@@ -522,8 +336,7 @@ class PoolRuntime:
                     if wid == st.worker_id:
                         gen.remove_member(SourceKey(wid, rank))
                         self.counters.reset("engine_removed")
-            del self.engines[key]
-            del self.by_worker[st.worker_id]
+            self.table.remove(key)
         if reconcile:
             await self.reconcile()
 
@@ -543,8 +356,8 @@ class PoolRuntime:
         connect endpoint bound (or re-bound after a failure); restored members expired."""
         if self.connected is not None:
             self.connected.tick(now)
-        if self._resume and now >= self._resume_deadline:
-            self._expire_resumes()
+        if self.restore.due(now):
+            self.restore.expire(self.generation, self.name)
         for key, (_attempt, not_before) in list(self._restarts.items()):
             sub = self.subscribers.get(key)
             if sub is not None and sub.connected and now - not_before >= RESTART_STABLE_S:
@@ -564,15 +377,6 @@ class PoolRuntime:
                 error=None if st.snapshot is None else st.snapshot.error,
             )  # fmt: skip
             self._ctx.schedule(self._engine_down(st.worker_id))
-
-    def _expire_resumes(self) -> None:
-        """Restored members whose engine never offered a source to vouch for them: cleared."""
-        gen, pending, self._resume = self.generation, self._resume, {}
-        for key in pending:
-            if gen is not None:
-                gen.reset_member(key)
-            self.counters.reset("restore_unverified")
-        _log.warning("state_members_unverified", pool=self.name, members=len(pending))
 
     async def _engine_down(self, worker_id: int) -> None:
         async with self._reconcile_lock:
@@ -679,7 +483,7 @@ class PoolRuntime:
         for key, spec in desired.items():
             if key in self.subscribers or not self._startable(key, now):
                 continue
-            sub = Subscriber(spec, self, resume=self._resume_for(key, gen))
+            sub = Subscriber(spec, self, resume=self.restore.resume_for(key, gen, self.by_worker))
             self.subscribers[key] = sub
             self.source_specs[key] = spec
             try:
@@ -747,18 +551,8 @@ class PoolRuntime:
                 self._retire(gen, None, publish=False)
 
     def members_to_save(self, subs: dict[SourceKey, Subscriber]) -> list[MemberResume]:
-        """Where each member stands for a state file: restored members not yet vouched for
-        unchanged, and each subscriber's resume point (none: not saved, rebuilt on restore)."""
-        members = list(self._resume.values())
-        for key, sub in subs.items():
-            point = sub.resume_point()
-            st = self.by_worker.get(key.worker_id)
-            if point is None or st is None:
-                continue
-            inc = "" if st.snapshot is None else st.snapshot.instance_id
-            members.append(MemberResume(key.worker_id, key.dp_rank, st.spec.name, inc,
-                                        point[0], point[1]))  # fmt: skip
-        return members
+        """Where each member stands for a state file (a clean stop's or a checkpoint's)."""
+        return self.restore.members_to_save(subs, self.by_worker)
 
     def _fold_source(self, key: SourceKey, counters: SubscriberCounters) -> None:
         prev = self._source_totals.get(key)
@@ -768,54 +562,17 @@ class PoolRuntime:
 
     def stats(self) -> PoolStats:
         """A snapshot of the pool's counters and gauges (monotonic across replacements)."""
-        gen = self.generation
-        totals = self._generation_totals.copy()
-        gstats: GenerationStats | None = None
-        if gen is not None:
-            totals.add(_generation_totals(gen))
-            pool = gen.pool
-            gstats = GenerationStats(
-                layout_generation=gen.layout_generation,
-                sequence=gen.sequence,
-                subscribers=gen.subscriber_count,
-                occupancy=pool.occupancy,
-                members=len(pool.members()),
-                memberships=pool.memberships,
-                distinct_blocks=pool.distinct_canonical,
-                state_bytes=pool.memory_bytes(),
-            )
-        sources: list[SourceStats] = []
-        for key in sorted(set(self._source_totals) | set(self.subscribers)):
-            sub = self.subscribers.get(key)
-            prev = self._source_totals.get(key)
-            if sub is None:
-                assert prev is not None
-                counters, state = prev, "stopped"
-            else:
-                counters = sub.counters if prev is None else merged(prev, sub.counters)
-                state = sub.state
-            name = self._engine_name(key.worker_id)
-            sources.append(SourceStats(name, key.dp_rank, state, counters))
-        if self.connected is not None:
-            sources += self.connected.source_stats()
-        c = self.counters
-        return PoolStats(
+        return pool_stats(
             name=self.name,
             bucket_count=self.spec.bucket_count,
-            materialized=gen is not None,
-            counters={f.name: getattr(c, f.name) for f in fields(c) if f.name != "member_resets"}
-            | counter_values(self.connected.counters if self.connected else None),
-            member_resets=dict(c.member_resets),
-            generations=totals,
-            generation=gstats,
-            sources=tuple(sources),
-            engines=tuple(
-                EngineStats(
-                    st.spec.name, st.reachable, st.down,
-                    tuple(sorted(st.snapshot.unknown)) if st.snapshot is not None else (),
-                )
-                for st in self.engines.values()
-            ),
+            gen=self.generation,
+            retired=self._generation_totals,
+            source_totals=self._source_totals,
+            subscribers=self.subscribers,
+            connected=self.connected,
+            counters=self.counters,
+            engines=self.engines.values(),
+            engine_name=self._engine_name,
         )
 
     def _engine_name(self, worker_id: int) -> str:
@@ -825,18 +582,3 @@ class PoolRuntime:
         named = self.connected.name_of(worker_id) if self.connected else None
         return named if named is not None else str(worker_id)
 
-
-def _generation_totals(gen: Generation) -> GenerationTotals:
-    p = gen.pool
-    hub = gen.hub_stats()
-    return GenerationTotals(
-        capacity_omissions=p.capacity_omissions,
-        unknown_removals=p.unknown_removals,
-        invariant_violations=p.invariant_violations,
-        deltas=gen.batches_published,
-        hub_resets=hub["resets"],
-        lagged=hub["lagged"],
-        snapshots_served=hub["snapshots_served"],
-        snapshots_built=hub["snapshots_built"],
-        errors=dict(p.errors_by_kind),
-    )

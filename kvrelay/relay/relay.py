@@ -192,7 +192,7 @@ class Relay:
             if r is None:
                 self._count(self.state_restores, "none")
                 continue
-            p.restored = r
+            p.restore.file = r
             self._count(self.state_restores, "restored")
             _log.info("state_loaded", pool=p.name, members=len(r.members),
                       age_s=round(time.time() - r.written_unix, 3))  # fmt: skip

@@ -15,6 +15,32 @@ from kvrelay.ingest.counters import SubscriberCounters
 
 
 @dataclass(slots=True)
+class PoolCounters:
+    """A pool's own counters (``PoolStats.counters`` holds the scalars)."""
+
+    batches: int = 0
+    events: int = 0
+    events_rejected: int = 0
+    dropped_without_generation: int = 0
+    member_resets: dict[str, int] = field(default_factory=dict)
+    generations: int = 0
+    fences: int = 0
+    block_size_conflicts: int = 0
+    source_failures: int = 0  # subscribers that crashed or failed to start
+    engines_down: int = 0  # engines declared down (members cleared)
+    identity_changes: int = 0  # re-materialized for a new model / model source / block size
+    identity_conflicts: int = 0  # withdrawn because reachable engines disagree
+    rebuild_backoffs: int = 0  # rebuilds after a fence that waited (repeated fences)
+    reconfigurations: int = 0  # re-materialized because a reload changed filter settings
+    members_resumed: int = 0  # restored members whose subscriber resumed (then vouched or reset)
+    members_vouched: int = 0  # restored members their engine vouched for (kept)
+    restores_discarded: int = 0  # restored state not used: another identity, or unloadable
+
+    def reset(self, reason: str) -> None:
+        self.member_resets[reason] = self.member_resets.get(reason, 0) + 1
+
+
+@dataclass(slots=True)
 class GenerationTotals:
     """Counters of a pool's generations (live + retired), per pool."""
 

@@ -14,8 +14,6 @@ import asyncio
 import contextlib
 import contextvars
 import ssl as _ssl
-import time
-import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -23,21 +21,19 @@ from grpclib.config import Configuration
 from grpclib.const import Cardinality, Handler
 from grpclib.events import SendTrailingMetadata, listen
 from grpclib.exceptions import GRPCError
-from grpclib.protocol import H2Protocol
 from grpclib.reflection.service import ServerReflection
-from grpclib.server import Server, Stream
-from h2.errors import ErrorCodes
+from grpclib.server import Stream
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.errors import RelayError
 from kvrelay.contract.limits import PermitCounter, RelayLimits
 from kvrelay.contract.producer import producer_key
 from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION, TRAILER_KEY
-from kvrelay.publication.hub import SendBatch, Subscription
+from kvrelay.publication.hub import Subscription
 from kvrelay.publication.plane import Plane, PlaneClosed, PlaneEnded
-from kvrelay.service.bulk import bulk_sender
 from kvrelay.service.codec import PassThroughCodec
-from kvrelay.service.direct import direct_writer
+from kvrelay.service.h2.closing import ClosingServer
+from kvrelay.service.h2.writer import StreamWriter
 from kvrelay.service.health import RelayHealth, reflection_pool
 from kvrelay.service.status import status_of, trailers_of
 from kvrelay.service.validation import check_marker, validate_stream_request
@@ -296,7 +292,7 @@ class KvEventRelayService:
                 self.pool_permits.release()
 
         sub: Subscription | None = None
-        bulk = None
+        writer: StreamWriter | None = None
         try:
             if self._closing:
                 return
@@ -304,17 +300,17 @@ class KvEventRelayService:
             self._subscriptions.add(sub)
             if self._closing:
                 return
-            bulk = bulk_sender(stream, self.limits.max_message_bytes)
+            writer = StreamWriter(stream, self.limits.max_message_bytes)
             await sub.pump(
                 stream.send_message,
-                _batch_sender(stream),
-                _resetter(stream),
-                bulk,
-                send_now=direct_writer(stream),
+                writer.send_batch,
+                writer.reset,
+                writer.bulk,
+                send_now=writer.send_now,
             )
         finally:
-            if bulk is not None:
-                bulk.close()
+            if writer is not None:
+                writer.close()
             if sub is not None:
                 self._subscriptions.discard(sub)
                 sub.close()
@@ -334,77 +330,10 @@ class KvEventRelayService:
                 await asyncio.wait_for(self._idle.wait(), grace_s)
 
 
-def _resetter(stream: Stream[Any, Any]) -> Callable[[], None] | None:
-    """RST_STREAM for a stream whose client stopped reading (it is written even then)."""
-    inner = getattr(stream, "_stream", None)
-    if inner is None or not hasattr(inner, "reset_nowait"):
-        return None
-
-    def reset() -> None:
-        with contextlib.suppress(Exception):  # already closed: nothing left to reset
-            inner.reset_nowait(ErrorCodes.CANCEL)
-
-    return reset
-
-
-def _batch_sender(stream: Stream[Any, Any]) -> SendBatch | None:
-    """Write several pre-encoded messages as one DATA write (gRPC framing: 0, u32 BE length).
-
-    Uses grpclib 0.4 internals (`Stream._stream.send_data`, the counters `send_message`
-    keeps); returns None (one write per message) if they are not there.
-    """
-    inner = getattr(stream, "_stream", None)
-    if inner is None or not hasattr(inner, "send_data") or not hasattr(stream, "_messages_sent"):
-        return None
-    connection = inner.connection
-
-    async def send_batch(frames: list[bytes]) -> None:
-        if not stream._send_initial_metadata_done:
-            await stream.send_initial_metadata()
-        parts: list[bytes] = []
-        for f in frames:
-            parts.append(b"\x00" + len(f).to_bytes(4, "big"))
-            parts.append(f)
-        await inner.send_data(b"".join(parts))
-        stream._send_message_done = True
-        stream._messages_sent += len(frames)
-        connection.messages_sent += len(frames)
-        connection.last_message_sent = time.monotonic()
-
-    return send_batch
-
-
 async def _add_reason_trailer(event: SendTrailingMetadata) -> None:
     reason = _UNARY_REASON.get()
     if reason is not None:
         event.metadata[TRAILER_KEY] = reason
-
-
-class _ClosingServer(Server):
-    """grpclib ``Server`` that also closes live HTTP/2 connections on shutdown.
-
-    ``Server.close()`` stops listening and cancels running requests but leaves accepted
-    connections open, so a client could keep calling a relay that has shut down (and see its old
-    identity). kvrelay closes every connection once all streams have ended (their EOFs and
-    trailers are already written; the transport flushes them before closing).
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._protocols: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
-
-    def _protocol_factory(self) -> H2Protocol:
-        proto = super()._protocol_factory()
-        self._protocols.add(proto)
-        return proto
-
-    def close_connections(self) -> None:
-        for proto in list(self._protocols):
-            conn = getattr(proto, "connection", None)
-            processor = getattr(proto, "processor", None)
-            if conn is None or processor is None:
-                continue
-            processor.close("relay shut down")
 
 
 class RelayServer:
@@ -422,7 +351,7 @@ class RelayServer:
             _keepalive_timeout=self.limits.keepalive_timeout_s,
             _keepalive_permit_without_calls=True,
         )
-        self._server = _ClosingServer(
+        self._server = ClosingServer(
             handlers, codec=PassThroughCodec(self.limits.max_message_bytes), config=config
         )
         listen(self._server, SendTrailingMetadata, _add_reason_trailer)

@@ -12,9 +12,9 @@ from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.client.codec import RawCodec
+from kvrelay.client.wire import parse_envelope, parse_frame
 from kvrelay.contract.limits import RelayLimits
-from kvrelay.mirror.upstream import RawCodec
-from kvrelay.mirror.wire import parse_envelope, parse_frame
 from kvrelay.service.server import RelayServer
 from kvrelay.sim.config import SimConfig
 from tests.support import scripted_relay as S

@@ -18,8 +18,9 @@ opens, so it never holds up the others; waiting for the connection window or the
 its turn, since every stream of the connection waits for those alike. Small messages (deltas,
 heartbeats) keep going through grpclib and are never queued behind a large one.
 
-Uses grpclib 0.4 / h2 4 internals (the same ones grpclib's own ``send_data`` uses);
-``bulk_sender`` returns None when they are not there, and the caller sends through grpclib.
+Uses grpclib 0.4 / h2 4 internals (the same ones grpclib's own ``send_data`` uses), all listed in
+``internals.py``; ``bulk_sender`` returns None when they are not there, and the caller sends
+through grpclib.
 """
 
 from __future__ import annotations
@@ -33,10 +34,8 @@ from typing import Any
 
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
-from h2.connection import ConnectionInputs
-from h2.stream import StreamInputs
 
-from kvrelay.service.h2_internals import stream_internals
+from kvrelay.service.h2.internals import SEND_DATA_CONNECTION, SEND_DATA_STREAM, live_internals
 
 #: Payload bytes per socket write (several DATA frames joined): one copy, one system call.
 WRITE_BYTES = 256 * 1024
@@ -189,8 +188,8 @@ class BulkSender:
         inner, h2, conn = self._inner, self._h2, self._conn
         sid = inner.id
         h2_stream = h2.streams[sid]
-        h2.state_machine.process_input(ConnectionInputs.SEND_DATA)  # raises when closed
-        h2_stream.state_machine.process_input(StreamInputs.SEND_DATA)
+        h2.state_machine.process_input(SEND_DATA_CONNECTION)  # raises when closed
+        h2_stream.state_machine.process_input(SEND_DATA_STREAM)
         n = min(window, cur.left, WRITE_BYTES)
         pieces: list[bytes | memoryview] = []
         pending = h2.data_to_send()  # h2's own frames first (they may precede ours)
@@ -219,7 +218,7 @@ class BulkSender:
 def bulk_sender(stream: Any, max_message_bytes: int) -> BulkSender | None:
     """A ``BulkSender`` for this grpclib server stream; None when the grpclib/h2 internals it
     needs are missing (the caller then sends through grpclib)."""
-    parts = stream_internals(stream)
-    if parts is None or not hasattr(parts[0], "window_updated"):
+    parts = live_internals(stream)
+    if parts is None:
         return None
-    return BulkSender(stream, parts[0], max_message_bytes)
+    return BulkSender(stream, parts.inner, max_message_bytes)

@@ -22,8 +22,8 @@ with everything grpclib writes meanwhile (its writes drain the same buffer first
 buffered this way are bounded by the flow-control windows and by the transport's high-water
 mark, which is checked before each frame.
 
-Uses grpclib 0.4 / h2 4 internals; returns None when they are not there, and every frame then
-goes through grpclib.
+Uses grpclib 0.4 / h2 4 internals, all listed in ``internals.py``; returns None when they are
+not there, and every frame then goes through grpclib.
 """
 
 from __future__ import annotations
@@ -35,10 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from h2.connection import ConnectionInputs
-from h2.stream import StreamInputs
-
-from kvrelay.service.h2_internals import stream_internals
+from kvrelay.service.h2.internals import SEND_DATA_CONNECTION, SEND_DATA_STREAM, live_internals
 
 #: HTTP/2 frame header: 24-bit length (as 8 + 16 bits), type 0 (DATA), flags 0, stream id.
 _DATA_HEADER = struct.Struct(">BHBBI")
@@ -48,16 +45,10 @@ _GRPC_PREFIX = struct.Struct(">BI")  # compressed flag 0, message length
 def direct_writer(stream: Any) -> Callable[[bytes], bool] | None:
     """A synchronous writer for this grpclib server stream (see the module docstring), or None
     when grpclib/h2 do not have the internals it needs."""
-    parts = stream_internals(stream)
+    parts = live_internals(stream)
     if parts is None:
         return None
-    inner, conn, h2 = parts
-    if (
-        not hasattr(stream, "_send_initial_metadata_done")
-        or not isinstance(getattr(h2, "_data_to_send", None), bytearray)
-        or not callable(getattr(conn, "flush", None))
-    ):
-        return None
+    _, inner, conn, h2 = parts
     write_ready = conn.write_ready
     transport = inner._transport
 
@@ -76,8 +67,8 @@ def direct_writer(stream: Any) -> Callable[[bytes], bool] | None:
         ):
             return False
         try:  # the same transitions h2's send_data makes; they raise when the stream is over
-            h2.state_machine.process_input(ConnectionInputs.SEND_DATA)
-            h2_stream.state_machine.process_input(StreamInputs.SEND_DATA)
+            h2.state_machine.process_input(SEND_DATA_CONNECTION)
+            h2_stream.state_machine.process_input(SEND_DATA_STREAM)
         except Exception:
             return False
         h2.outbound_flow_control_window -= size

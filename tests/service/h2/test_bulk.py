@@ -1,4 +1,4 @@
-"""Snapshot chunks written as raw HTTP/2 DATA frames (``service/bulk.py``), over real loopback.
+"""Snapshot chunks written as raw HTTP/2 DATA frames (``service/h2/bulk.py``), over real loopback.
 
 The oracle is the producer's table: every client — grpclib (h2) and grpcio (the C core) — must
 reassemble exactly it, whatever the windows and frame sizes its client advertises. The
@@ -19,7 +19,7 @@ from grpclib.const import Cardinality
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.publication import cbi1
-from kvrelay.service.bulk import _Lane, bulk_sender
+from kvrelay.service.h2.bulk import _Lane, bulk_sender
 from tests.support.mem_relay import (
     SVC,
     GrpcioClient,

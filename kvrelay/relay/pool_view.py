@@ -1,0 +1,137 @@
+"""What one pool shows the planes: its catalog descriptor, readiness endpoint state and load.
+
+Read-only functions over a pool's parts (its settings, engines, live generation, identity and
+connected members), so the catalog, readiness and load planes see a pool the same way wherever
+it is asked from; ``PoolRuntime`` calls them with its own state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.discovery.snapshot import EngineSnapshot
+from kvrelay.ingest.sink import SourceKey
+from kvrelay.publication.catalog import LoraSpec, descriptor
+from kvrelay.publication.load import RankLoad
+from kvrelay.publication.readiness import EndpointState
+from kvrelay.relay.connected import ConnectedMembers
+from kvrelay.relay.engines import EngineState, PoolIdentity, pool_identity
+from kvrelay.relay.generation import Generation
+from kvrelay.relay.settings import PoolSpec
+
+__all__ = ["base_model", "endpoint_state", "first_snapshot", "load_input", "lora_names",
+           "pool_descriptor"]  # fmt: skip
+
+
+def first_snapshot(engines: Iterable[EngineState]) -> EngineSnapshot | None:
+    """The first reachable engine's Control snapshot (static sources say nothing of a model)."""
+    for st in engines:
+        if st.reachable and st.snapshot is not None and st.snapshot.sources_via != "static":
+            return st.snapshot
+    return None
+
+
+def base_model(
+    spec: PoolSpec, engines: Collection[EngineState], identity: PoolIdentity | None
+) -> str | None:
+    """The canonical model id the pool registers (config, else what its engines serve)."""
+    if identity is not None:
+        return identity.model
+    target, _conflict = pool_identity(spec, list(engines), None)
+    if target is not None:
+        return target.model
+    snap = first_snapshot(engines)
+    return spec.model or (snap.served_model_name if snap is not None else None) or None
+
+
+def lora_names(
+    spec: PoolSpec, engines: Collection[EngineState], identity: PoolIdentity | None
+) -> list[str]:
+    """LoRA adapters any reachable engine serves (names that could not be a registration,
+    empty, padded or equal to the base model, are left out)."""
+    names: set[str] = set()
+    for st in engines:
+        if st.reachable and st.snapshot is not None:
+            names |= st.snapshot.lora_names
+    base = base_model(spec, engines, identity)
+    return sorted(n for n in names if n and n == n.strip() and n != base)
+
+
+def pool_descriptor(
+    spec: PoolSpec,
+    engines: Collection[EngineState],
+    gen: Generation | None,
+    ident: PoolIdentity | None,
+) -> pb.KvPoolDescriptor | None:
+    """The catalog entry of a materialized pool (None while it has no generation)."""
+    if gen is None or ident is None:
+        return None
+    snap = first_snapshot(engines)
+    aliases = snap.served_model_aliases if snap is not None else ()
+    return descriptor(
+        producer=gen.producer,
+        namespace=spec.namespace,
+        component=spec.component,
+        endpoint=spec.endpoint,
+        base_model=ident.model,
+        kv_block_size=ident.block_size,
+        hash_format=spec.hash_format,
+        roles=[spec.role],
+        base_aliases=[a for a in aliases if a.strip() == a and a],
+        loras=[LoraSpec(canonical_model_id=n) for n in lora_names(spec, engines, ident)],
+    )
+
+
+def endpoint_state(
+    spec: PoolSpec,
+    engines: Collection[EngineState],
+    gen: Generation | None,
+    identity: PoolIdentity | None,
+    connected: ConnectedMembers | None,
+) -> EndpointState | None:
+    """The pool's endpoint for the readiness plane (None while no model is known)."""
+    model = base_model(spec, engines, identity)
+    if model is None:
+        return None
+    return EndpointState(
+        namespace=spec.namespace,
+        component=spec.component,
+        endpoint=spec.endpoint,
+        roles=frozenset({spec.role}) if spec.role != pb.WorkerRole.LEGACY else frozenset(),
+        needs=spec.needs,
+        live=sum(1 for st in engines if st.serving)
+        + (connected.live_engines() if connected else 0),
+        probed=all(st.probed for st in engines),
+        models=frozenset({model}),
+        adapters={n: model for n in lora_names(spec, engines, identity)},
+        pool_id=None if gen is None else gen.producer.pool_id,
+    )
+
+
+def load_input(
+    engines: Iterable[EngineState],
+    gen: Generation | None,
+    subscribed: Collection[SourceKey],
+    connected: ConnectedMembers | None,
+) -> tuple[pb.ProducerIdentity, list[RankLoad]] | None:
+    """One entry per rank every engine declares, reachable or not: a rank without a live
+    source or a fresh scrape is unknown (observed < expected), never zero."""
+    if gen is None:
+        return None
+    ranks: list[RankLoad] = []
+    for st in engines:
+        total = st.spec.total_kv_blocks
+        if st.snapshot is not None and st.snapshot.reachable and st.snapshot.total_kv_blocks:
+            total = st.snapshot.total_kv_blocks
+        for rank in st.declared_ranks():
+            usage = None
+            if SourceKey(st.worker_id, rank) in subscribed and not st.down:
+                usage = st.usage.get(rank)
+            used = None
+            if usage is not None and total is not None:
+                used = max(0, round(usage * total))
+            ranks.append(RankLoad(kv_used_blocks=used, total_kv_blocks=total))
+    if connected is not None:
+        ranks += connected.rank_loads()
+    return gen.producer, ranks

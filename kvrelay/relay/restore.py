@@ -1,0 +1,126 @@
+"""A pool's side of the state handover: from a restored state file to vouched members, and
+back to the members a clean stop saves.
+
+``handover.py`` reads and writes the file; this holds what one pool does with it while it runs:
+the file's pool is used by the first materialization only if it was saved under the identity the
+engines now give; each restored member then waits for its engine to vouch for it (the saved
+incarnation, a replay holding the last applied batch) within ``RESTORE_VOUCH_S``, and is reset
+otherwise. Every discarded or unverified state is counted and logged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from kvrelay.ingest.sink import SourceKey
+from kvrelay.ingest.subscriber import Subscriber
+from kvrelay.logging import get_logger
+from kvrelay.pool.pool import Pool
+from kvrelay.relay.engines import EngineState, PoolIdentity
+from kvrelay.relay.generation import Generation
+from kvrelay.relay.handover import RESTORE_VOUCH_S, MemberResume, RestoredPool
+from kvrelay.relay.settings import PoolSpec
+from kvrelay.relay.stats import PoolCounters
+
+__all__ = ["PoolRestore"]
+
+_log = get_logger("kvrelay.relay.pool_runtime")  # the events keep the logger they had
+
+
+class PoolRestore:
+    """One pool's restored state: the file not yet used, then the members not yet vouched."""
+
+    __slots__ = ("_counters", "_deadline", "_pending", "file")
+
+    def __init__(self, counters: PoolCounters) -> None:
+        self._counters = counters
+        #: A state file's contents, used by the first materialization if the identity matches.
+        self.file: RestoredPool | None = None
+        self._pending: dict[SourceKey, MemberResume] = {}  # restored members not yet resumed
+        self._deadline = 0.0
+
+    def take_pool(
+        self, spec: PoolSpec, ident: PoolIdentity, name: str
+    ) -> tuple[Pool, dict[SourceKey, MemberResume]] | None:
+        """The state file's pool, if it was saved under this identity (consumed either way)."""
+        r, self.file = self.file, None
+        if r is None:
+            return None
+        why = None
+        if r.identity != ident:
+            why = f"saved for {r.identity!r}, the engines now give {ident!r}"
+        else:
+            try:
+                return r.pool(spec), dict(r.members)
+            except Exception as exc:  # arrays that do not make a consistent pool: not trusted
+                why = f"unloadable: {type(exc).__name__}: {exc}"
+        self._counters.restores_discarded += 1
+        _log.warning("state_discarded", pool=name, why=why)
+        return None
+
+    def begin(
+        self,
+        gen: Generation,
+        resume: dict[SourceKey, MemberResume],
+        by_worker: Mapping[int, EngineState],
+        now: float,
+    ) -> None:
+        """``gen`` was built on the restored pool: members saved without a resume point (nothing
+        applied, a rebuild under way) or of engines no longer configured hold nothing the relay
+        can vouch for; the others wait for their engine until ``RESTORE_VOUCH_S`` from ``now``."""
+        for wid, rank in list(gen.pool.members().values()):
+            key = SourceKey(wid, rank)
+            if key in resume and wid in by_worker:
+                continue
+            if wid in by_worker:
+                gen.reset_member(key)
+            else:
+                gen.remove_member(key)
+        self._pending = {k: r for k, r in resume.items() if k.worker_id in by_worker}
+        self._deadline = now + RESTORE_VOUCH_S
+
+    def resume_for(
+        self, key: SourceKey, gen: Generation, by_worker: Mapping[int, EngineState]
+    ) -> tuple[int, int] | None:
+        """The restored position to resume ``key`` from, if its engine is the incarnation that
+        was saved; otherwise its restored state is dropped before a fresh start."""
+        r = self._pending.pop(key, None)
+        if r is None:
+            return None
+        st = by_worker.get(key.worker_id)
+        now = "" if st is None or st.snapshot is None else st.snapshot.instance_id
+        if now != r.incarnation:
+            gen.reset_member(key)
+            self._counters.reset("incarnation")
+            return None
+        self._counters.members_resumed += 1
+        return (r.last_seq, r.digest)
+
+    def due(self, now: float) -> bool:
+        """Restored members are still waiting and their time is up."""
+        return bool(self._pending) and now >= self._deadline
+
+    def expire(self, gen: Generation | None, name: str) -> None:
+        """Restored members whose engine never offered a source to vouch for them: cleared."""
+        pending, self._pending = self._pending, {}
+        for key in pending:
+            if gen is not None:
+                gen.reset_member(key)
+            self._counters.reset("restore_unverified")
+        _log.warning("state_members_unverified", pool=name, members=len(pending))
+
+    def members_to_save(
+        self, subs: Mapping[SourceKey, Subscriber], by_worker: Mapping[int, EngineState]
+    ) -> list[MemberResume]:
+        """Where each member stands for a clean stop's state file: restored members not yet
+        vouched for unchanged, and each stopped subscriber's resume point."""
+        members = list(self._pending.values())
+        for key, sub in subs.items():
+            point = sub.resume_point()
+            st = by_worker.get(key.worker_id)
+            if point is None or st is None:
+                continue
+            inc = "" if st.snapshot is None else st.snapshot.instance_id
+            members.append(MemberResume(key.worker_id, key.dp_rank, st.spec.name, inc,
+                                        point[0], point[1]))  # fmt: skip
+        return members

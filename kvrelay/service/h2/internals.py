@@ -1,0 +1,142 @@
+"""Every grpclib and h2 internal the relay's own HTTP/2 writers rely on, listed and checked once.
+
+Why: the writers in this package (``bulk``, ``direct``, ``batch``, ``reset``, ``closing``) work
+beside grpclib on its private stream, connection and h2 state. A grpclib or h2 release may drop
+or rename any of it; ``missing`` then names what is gone and ``StreamWriter`` falls back to
+grpclib's public path (the relay gets slower, never wrong). ``tests/service/h2/test_internals.py``
+checks the whole list against the installed versions on a real stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from grpclib.protocol import Connection as _GrpclibConnection
+from grpclib.protocol import H2Protocol
+from grpclib.protocol import Stream as _GrpclibStream
+from grpclib.server import Server
+from h2.connection import ConnectionInputs, H2Connection
+from h2.errors import ErrorCodes
+from h2.stream import StreamInputs
+
+__all__ = [
+    "CANCEL",
+    "CLASS_NEEDS",
+    "INSTANCE_NEEDS",
+    "SEND_DATA_CONNECTION",
+    "SEND_DATA_STREAM",
+    "H2Protocol",
+    "Parts",
+    "live_internals",
+    "missing",
+    "missing_in_classes",
+    "stream_internals",
+]
+
+#: h2's inputs for sending DATA (the transitions its own ``send_data`` makes) and RST_STREAM code.
+SEND_DATA_CONNECTION = ConnectionInputs.SEND_DATA
+SEND_DATA_STREAM = StreamInputs.SEND_DATA
+CANCEL = ErrorCodes.CANCEL
+
+#: Methods looked up on the classes: ``(class, attribute)``.
+CLASS_NEEDS: tuple[tuple[type, str], ...] = (
+    (Server, "_protocol_factory"),  # closing: remember each connection's protocol
+    (_GrpclibStream, "send_data"),  # batch: one DATA write for several messages
+    (_GrpclibStream, "reset_nowait"),  # reset: RST_STREAM for a client that stopped reading
+    (_GrpclibConnection, "data_send_process"),
+    (_GrpclibConnection, "flush"),
+    (H2Connection, "local_flow_control_window"),
+    (H2Connection, "data_to_send"),
+)
+
+#: Attributes of one live server stream: ``(where, attribute)``; ``where`` is ``stream`` (the
+#: grpclib server ``Stream``), ``inner`` (its ``grpclib.protocol.Stream``), ``connection`` (the
+#: grpclib ``Connection``), ``h2`` (the ``H2Connection``) or ``h2_stream`` (h2's own stream).
+INSTANCE_NEEDS: tuple[tuple[str, str], ...] = (
+    ("stream", "_stream"),
+    ("stream", "_send_initial_metadata_done"),
+    ("stream", "_send_message_done"),
+    ("stream", "_messages_sent"),
+    ("stream", "send_initial_metadata"),
+    ("inner", "_transport"),
+    ("inner", "_h2_connection"),
+    ("inner", "connection"),
+    ("inner", "id"),
+    ("inner", "window_updated"),
+    ("inner", "data_sent"),
+    ("inner", "send_data"),
+    ("inner", "reset_nowait"),
+    ("connection", "write_ready"),
+    ("connection", "data_send_process"),
+    ("connection", "flush"),
+    ("connection", "data_sent"),
+    ("connection", "messages_sent"),
+    ("connection", "last_message_sent"),
+    ("h2", "outbound_flow_control_window"),
+    ("h2", "max_outbound_frame_size"),
+    ("h2", "state_machine"),
+    ("h2", "streams"),
+    ("h2", "_data_to_send"),
+    ("h2", "local_flow_control_window"),
+    ("h2", "data_to_send"),
+    ("h2_stream", "state_machine"),
+    ("h2_stream", "outbound_flow_control_window"),
+)
+
+
+class Parts(NamedTuple):
+    """The private objects behind one grpclib server stream."""
+
+    stream: Any
+    inner: Any
+    connection: Any
+    h2: Any
+
+
+def missing_in_classes() -> list[str]:
+    """``Class.attribute`` for each class-level need the installed versions lack."""
+    return [f"{c.__module__}.{c.__qualname__}.{a}" for c, a in CLASS_NEEDS if not hasattr(c, a)]
+
+
+def missing(stream: Any) -> list[str]:
+    """``where.attribute`` for each need this grpclib server stream lacks (empty: all there).
+
+    ``h2_stream`` is looked up only while h2 holds the stream (an ended stream has none)."""
+    inner: Any = getattr(stream, "_stream", None)
+    h2: Any = getattr(inner, "_h2_connection", None)
+    streams = getattr(h2, "streams", None)
+    objects: dict[str, Any] = {
+        "stream": stream,
+        "inner": inner,
+        "connection": getattr(inner, "connection", None),
+        "h2": h2,
+    }
+    sid = getattr(inner, "id", None)
+    if isinstance(streams, dict) and sid in streams:
+        objects["h2_stream"] = streams[sid]
+    out = []
+    for where, attr in INSTANCE_NEEDS:
+        if where in objects and not hasattr(objects[where], attr):
+            out.append(f"{where}.{attr}")
+    if hasattr(h2, "streams") and not isinstance(streams, dict):
+        out.append("h2.streams (a dict)")
+    if hasattr(h2, "_data_to_send") and not isinstance(h2._data_to_send, bytearray):
+        out.append("h2._data_to_send (a bytearray)")
+    return out
+
+
+def stream_internals(stream: Any) -> Parts | None:
+    """The private objects of a grpclib server stream when every need is there; None otherwise."""
+    if missing(stream) or missing_in_classes():
+        return None
+    inner = stream._stream
+    return Parts(stream, inner, inner.connection, inner._h2_connection)
+
+
+def live_internals(stream: Any) -> Parts | None:
+    """``stream_internals`` of a stream whose transport is still there (the frame writers write
+    to it directly); None otherwise."""
+    parts = stream_internals(stream)
+    if parts is None or parts.inner._transport is None:
+        return None
+    return parts

@@ -1,0 +1,80 @@
+"""``StreamWriter``: the relay's ways of writing on one grpclib server stream, in one object.
+
+Why: the publication hub's pump takes a writer for each kind of message it sends — a pre-encoded
+delta at once while the stream is idle (``send_now``), several queued deltas as one DATA write
+(``send_batch``), a snapshot chunk from its parts (``bulk``) — and a way to reset a stream whose
+client stopped reading (``reset``). Each works beside grpclib on its private state, with the
+same window accounting as h2's ``send_data``. When the installed grpclib or h2 lacks any internal
+``internals.py`` lists, every one of them is None and the pump sends through grpclib's public
+``send_message`` (slower, the same bytes); trailers always go through grpclib.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvrelay.publication.hub import SendBatch
+from kvrelay.service.h2.bulk import BulkSender, bulk_sender
+from kvrelay.service.h2.direct import direct_writer
+from kvrelay.service.h2.internals import CANCEL, stream_internals
+
+__all__ = ["StreamWriter"]
+
+
+class StreamWriter:
+    """The writers for one grpclib server stream (see the module docstring); ``close()`` when
+    the stream's subscription ends."""
+
+    __slots__ = ("bulk", "reset", "send_batch", "send_now")
+
+    def __init__(self, stream: Any, max_message_bytes: int) -> None:
+        self.bulk: BulkSender | None = bulk_sender(stream, max_message_bytes)
+        self.send_batch: SendBatch | None = _batch_sender(stream)
+        self.reset: Callable[[], None] | None = _resetter(stream)
+        self.send_now: Callable[[bytes], bool] | None = direct_writer(stream)
+
+    def close(self) -> None:
+        """Give up the stream's place among the bulk writers of its connection."""
+        if self.bulk is not None:
+            self.bulk.close()
+
+
+def _resetter(stream: Any) -> Callable[[], None] | None:
+    """RST_STREAM for a stream whose client stopped reading (it is written even then)."""
+    parts = stream_internals(stream)
+    if parts is None:
+        return None
+    inner = parts.inner
+
+    def reset() -> None:
+        with contextlib.suppress(Exception):  # already closed: nothing left to reset
+            inner.reset_nowait(CANCEL)
+
+    return reset
+
+
+def _batch_sender(stream: Any) -> SendBatch | None:
+    """Write several pre-encoded messages as one DATA write (gRPC framing: 0, u32 BE length),
+    keeping the counters grpclib's ``send_message`` keeps."""
+    parts = stream_internals(stream)
+    if parts is None:
+        return None
+    inner, connection = parts.inner, parts.connection
+
+    async def send_batch(frames: list[bytes]) -> None:
+        if not stream._send_initial_metadata_done:
+            await stream.send_initial_metadata()
+        pieces: list[bytes] = []
+        for f in frames:
+            pieces.append(b"\x00" + len(f).to_bytes(4, "big"))
+            pieces.append(f)
+        await inner.send_data(b"".join(pieces))
+        stream._send_message_done = True
+        stream._messages_sent += len(frames)
+        connection.messages_sent += len(frames)
+        connection.last_message_sent = time.monotonic()
+
+    return send_batch

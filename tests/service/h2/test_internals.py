@@ -1,0 +1,134 @@
+"""Every grpclib/h2 internal ``kvrelay/service/h2/`` relies on is there in the installed versions.
+
+The list lives in ``kvrelay/service/h2/internals.py``; this checks it on a real server stream over
+loopback (grpclib's own objects, not stand-ins), so an h2 or grpclib upgrade that drops one fails
+here with its name instead of slowing the relay down unnoticed.
+"""
+
+from __future__ import annotations
+
+import ast
+import socket
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import grpclib.server
+from grpclib.client import Channel
+from grpclib.const import Cardinality, Handler
+from grpclib.encoding.base import CodecBase
+
+import kvrelay
+from kvrelay.service.h2.internals import INSTANCE_NEEDS, missing, missing_in_classes
+from kvrelay.service.h2.writer import StreamWriter
+
+PATH = "/kvrelay.test.Internals/Probe"
+
+
+class _Raw(CodecBase):
+    __content_subtype__ = "proto"
+
+    def encode(self, message: Any, message_type: Any) -> bytes:
+        return bytes(message)
+
+    def decode(self, data: bytes, message_type: Any) -> Any:
+        return data
+
+
+class _Without:
+    """A real stream with one attribute hidden."""
+
+    def __init__(self, stream: Any, hidden: str) -> None:
+        self._target, self._hidden = stream, hidden
+
+    def __getattr__(self, name: str) -> Any:
+        if name == self._hidden:
+            raise AttributeError(name)
+        return getattr(self._target, name)
+
+
+class _Probe:
+    def __init__(self) -> None:
+        self.seen: list[tuple[list[str], list[str], StreamWriter]] = []
+
+    async def probe(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+        await stream.recv_message()
+        hidden = missing(_Without(stream, "_messages_sent"))
+        self.seen.append((missing(stream), hidden, StreamWriter(stream, 1 << 20)))
+        await stream.send_message(b"ok")
+
+    def __mapping__(self) -> dict[str, Handler]:
+        return {PATH: Handler(self.probe, Cardinality.UNARY_STREAM, bytes, bytes)}
+
+
+def test_the_classes_have_every_method_the_writers_use() -> None:
+    gone = missing_in_classes()
+    assert not gone, f"grpclib/h2 no longer have: {', '.join(gone)}"
+
+
+async def test_a_live_server_stream_has_every_internal_and_gets_every_writer() -> None:
+    probe = _Probe()
+    server = grpclib.server.Server([probe], codec=_Raw())
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    await server.start(sock=sock)
+    ch = Channel("127.0.0.1", port, codec=_Raw())
+    try:
+        async with ch.request(PATH, Cardinality.UNARY_STREAM, bytes, bytes) as st:
+            await st.send_message(b"x", end=True)
+            assert await st.recv_message() == b"ok"
+    finally:
+        ch.close()
+        server.close()
+        await server.wait_closed()
+    [(gone, hidden, writer)] = probe.seen
+    assert not gone, f"grpclib/h2 internals missing on a live stream: {', '.join(gone)}"
+    assert hidden == ["stream._messages_sent"]  # a missing one is named, and only it
+    assert writer.bulk is not None and writer.send_batch is not None
+    assert writer.reset is not None and writer.send_now is not None
+    writer.close()
+
+
+def test_an_object_that_is_no_grpclib_stream_gets_no_writer_and_every_need_named() -> None:
+    gone = missing(object())
+    assert gone[0] == "stream._stream"
+    assert {f"{w}.{a}" for w, a in INSTANCE_NEEDS if w != "h2_stream"} <= set(gone)
+    w = StreamWriter(object(), 1 << 20)
+    assert (w.bulk, w.send_batch, w.reset, w.send_now) == (None, None, None, None)
+
+
+def test_h2_is_a_bounded_dependency_next_to_grpclib() -> None:
+    pyproject = Path(__file__).resolve().parents[3] / "pyproject.toml"
+    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    for name in ("grpclib", "h2"):
+        [spec] = [d for d in deps if d.split(">")[0].split("<")[0].split("=")[0] == name]
+        assert ">=" in spec and "<" in spec.replace("<=", ""), spec
+
+
+def _imports(path: Path) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return out
+
+
+def test_no_module_outside_service_h2_imports_h2_or_grpclib_internals() -> None:
+    """The SDK (``client/``) may catch h2's public exceptions; nothing else touches h2 or
+    grpclib's protocol layer."""
+    root = Path(kvrelay.__file__).resolve().parent
+    private = ("h2", "grpclib.protocol", "grpclib.stream")
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).parts
+        if rel[:2] == ("service", "h2"):
+            continue
+        for mod in sorted(_imports(path)):
+            if any(mod == p or mod.startswith(p + ".") for p in private):
+                if rel[0] == "client" and mod == "h2.exceptions":
+                    continue
+                bad.append(f"{'/'.join(rel)} imports {mod}")
+    assert not bad, "\n".join(bad)
