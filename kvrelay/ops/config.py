@@ -285,6 +285,7 @@ RELAY_KEYS: dict[str, _Key] = {
     "state_dir": _Key("str", None, check=lambda v: None if v == "" else _text(v)),
     "state_max_age_s": _Key("float", 3600.0, check=_positive_s),
     "checkpoint_interval_s": _Key("float", 30.0, check=_off_or_positive_s),
+    "scrub_interval_s": _Key("float", 300.0, check=_off_or_positive_s),
     "event_loop": _kw("asyncio", EVENT_LOOPS),
     "workers": _Key("int", 1, check=_int_range(1, 256)),
     "shutdown_timeout_s": _Key(
@@ -715,6 +716,7 @@ def parse_config(
             state_dir=_state_dir(relay["state_dir"], environ),
             state_max_age_s=relay["state_max_age_s"],
             checkpoint_interval_s=relay["checkpoint_interval_s"],
+            scrub_interval_s=relay["scrub_interval_s"],
         )
     except ValueError as exc:  # a rule checked only by the settings themselves
         r.err("relay", str(exc))

@@ -10,6 +10,7 @@ sample. The HTTP endpoint is ``kvrelay.ops.metrics_http``.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
@@ -142,6 +143,11 @@ _POOL_COUNTERS: dict[str, tuple[str, str]] = {
     "members_resumed": (
         "kvrelay_pool_members_resumed",
         "Restored members resumed from their saved sequence (then vouched for or reset).",
+    ),
+    "scrub_passes": ("kvrelay_pool_scrub_passes", "Full scrub passes over a generation."),
+    "scrub_divergences": (
+        "kvrelay_pool_scrub_divergences",
+        "Scrub passes that found the filter or the exact state wrong (the generation fenced).",
     ),
     "members_vouched": (
         "kvrelay_pool_members_vouched",
@@ -454,6 +460,21 @@ def _relay_metrics(r: RelayStats) -> Iterator[Metric]:
     for pool, t in sorted(r.checkpoint_unix.items()):
         ckpt.add_metric([pool], t)
     yield ckpt
+    age = GaugeMetricFamily(
+        "kvrelay_pool_scrub_last_pass_age_seconds",
+        "Seconds since each pool's last full scrub pass (absent before the first).",
+        labels=["pool"],
+    )
+    ok = GaugeMetricFamily(
+        "kvrelay_pool_scrub_last_pass_ok",
+        "1 when each pool's last full scrub pass found nothing wrong, else 0.", labels=["pool"],
+    )
+    now = time.time()
+    for pool, (t, good) in sorted(r.scrub_last.items()):
+        age.add_metric([pool], max(0.0, now - t))
+        ok.add_metric([pool], 1.0 if good else 0.0)
+    yield age
+    yield ok
 
 
 def _pool_metrics(r: RelayStats) -> Iterator[Metric]:

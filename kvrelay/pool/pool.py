@@ -133,9 +133,12 @@ def _warm_layout_kernels() -> None:
     remap_overflow(xk, xv, xk.copy(), xv.copy(), remap)
     check_counts(own.tm, own.w, xk, xv, 0, np.zeros(own.cap, dtype=np.uint32))
     tab_rehash(xk, xv, EMPTY32, xk.copy(), xv.copy())
-    # restores and scrubs compare the filter with the owners
+    # restores and scrubs compare the filter with the owners; reloads refill a filter
     filter_divergence(own.tm, own.w, np.zeros(2, dtype=np.uint64), np.uint64(0),
                       np.ones(65536, dtype=np.uint64))  # fmt: skip
+    lane = ckf.Lane(2, 0, 0)
+    refill(own.tm, own.w, lane.table, lane.cfg, lane.deltas, lane.rng, lane.mark, lane.dlog_b,
+           lane.dlog_o, lane.dmeta, lane.undo_b, lane.undo_o)  # fmt: skip
     _warmed = True
 
 

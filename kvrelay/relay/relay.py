@@ -33,6 +33,7 @@ from kvrelay.relay.membership import DnsMembership
 from kvrelay.relay.observer import Observers
 from kvrelay.relay.pool_runtime import EngineState, PoolRuntime
 from kvrelay.relay.reconfigure import ReloadPlan, plan_reload
+from kvrelay.relay.scrubber import Scrubber
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
 from kvrelay.relay.stats import RelayStats
 
@@ -110,6 +111,9 @@ class Relay:
         #: Periodic checkpoints (``relay/checkpoint.py``), counted in ``state_saves``.
         self.checkpoints = checkpoint.Checkpointer(lambda r: self._count(self.state_saves, r))
         self._next_checkpoint = 0.0
+        #: The online scrub (``relay/scrubber.py``): one task, a bounded step per loop turn.
+        self.scrubber = Scrubber(lambda: self.pools, lambda: self.settings.scrub_interval_s)
+        self._scrub_task: asyncio.Task[None] | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -119,6 +123,7 @@ class Relay:
         self.load.start()
         self.watcher.start()
         self._ticker = asyncio.create_task(self._tick_loop(), name="kvrelay-relay-tick")
+        self._scrub_task = asyncio.create_task(self.scrubber.run(), name="kvrelay-scrub")
         self._start_membership()
         for p in self.pools:
             for st in p.engines.values():
@@ -132,6 +137,9 @@ class Relay:
         if self._ticker is not None:
             await cancel_all([self._ticker])
             self._ticker = None
+        if self._scrub_task is not None:
+            await cancel_all([self._scrub_task])
+            self._scrub_task = None
         await cancel_all(list(self._scrapers.values()))
         self._scrapers.clear()
         await self.checkpoints.drain()  # the final save below is the last word
@@ -229,7 +237,7 @@ class Relay:
         key = producer_key(expected)
         changed = False
         for p in self.pools:
-            gen = p.generation
+            gen = p.published  # not a generation whose restored members await their vouch
             if gen is None:
                 continue
             if gen.key == key:
@@ -344,6 +352,7 @@ class Relay:
             state_restores=dict(self.state_restores),
             state_saves=dict(self.state_saves),
             checkpoint_unix=dict(self.checkpoints.last_unix),
+            scrub_last=dict(self.scrubber.last),
             dns_removals_deferred=(
                 0 if self.membership is None else self.membership.counters.removals_deferred
             ),

@@ -30,6 +30,7 @@ import json
 import os
 import stat
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -100,35 +101,49 @@ def _layout(arrays: dict[str, npt.NDArray[Any]]) -> tuple[list[dict[str, Any]], 
     return specs, views
 
 
-def write(path: Path, header: dict[str, Any], arrays: dict[str, npt.NDArray[Any]]) -> int:
-    """Atomically replace ``path``; returns the bytes written. The arrays must not change
-    meanwhile (callers write a stopped pool's state, or a copy)."""
+def _emit(put: Callable[[bytes | memoryview], object], header: dict[str, Any],
+          arrays: dict[str, npt.NDArray[Any]]) -> int:
+    """Stream the file's bytes to ``put`` (hashing them on the way); returns their count."""
     specs, views = _layout(arrays)
     head = json.dumps({**header, "arrays": specs}, separators=(",", ":")).encode()
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(head)) + head
     prefix += b"\0" * _pad(len(prefix))
     h = xxhash.xxh3_128()
+    total = len(prefix)
+    h.update(prefix)
+    put(prefix)
+    for raw in views:
+        mv = memoryview(raw)
+        for i in range(0, len(mv), _CHUNK):  # bounded pieces: other threads get the GIL
+            piece = mv[i:i + _CHUNK]
+            h.update(piece)
+            put(piece)
+        pad = b"\0" * _pad(len(mv))
+        h.update(pad)
+        put(pad)
+        total += len(mv) + len(pad)
+    put(h.digest())
+    return total + _DIGEST
+
+
+def encode(header: dict[str, Any], arrays: dict[str, npt.NDArray[Any]]) -> bytes:
+    """The file's bytes in memory (tests; files are written by :func:`write`)."""
+    out = io.BytesIO()
+    _emit(out.write, header, arrays)
+    return out.getvalue()
+
+
+def write(path: Path, header: dict[str, Any], arrays: dict[str, npt.NDArray[Any]]) -> int:
+    """Atomically replace ``path``; returns the bytes written. The arrays must not change
+    meanwhile (callers write a stopped pool's state, or a copy)."""
     fd, tmp = safe_files.create_temp(path.parent, path.name)
     try:
-        total = len(prefix)
-        h.update(prefix)
-        safe_files.write_all(fd, prefix)
-        for raw in views:
-            mv = memoryview(raw)
-            for i in range(0, len(mv), _CHUNK):  # bounded pieces: other threads get the GIL
-                piece = mv[i:i + _CHUNK]
-                h.update(piece)
-                safe_files.write_all(fd, piece)
-            pad = b"\0" * _pad(len(mv))
-            h.update(pad)
-            safe_files.write_all(fd, pad)
-            total += len(mv) + len(pad)
-        safe_files.write_all(fd, h.digest())
+        n = _emit(lambda data: safe_files.write_all(fd, data), header, arrays)
     except BaseException:
         safe_files.abandon(fd, tmp)
         raise
     safe_files.commit(fd, tmp, path)
-    return total + _DIGEST
+    return n
 
 
 def read(path: Path, max_bytes: int = 1 << 34) -> StateFile:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvrelay.contract.errors import RelayError
 from kvrelay.sim.engine import SimEngine
 from tests.relay.test_handover import _cfg, _first_run, _live, _relay, _settings
 from tests.support.fleet import eventually, ground_truth, relay_view
@@ -55,3 +56,30 @@ async def test_a_restored_member_whose_replay_hangs_is_rebuilt(
         for rank in range(2):
             lost = truth[("vo0", rank)] - view.get(("vo0", rank), set())
             assert lost, "rebuilt from what the engine still offers, not kept from the file"
+
+
+async def test_restored_members_stay_unpublished_until_their_engine_vouches(
+    fleet: list[SimEngine], tmp_path: Path
+) -> None:
+    """While any member restored from the file waits for its engine, the generation is not in
+    the catalog, readiness or load planes and no pool stream can open on it: routers never see
+    blocks nobody vouched for."""
+    settings = _settings(fleet, tmp_path)
+    await _first_run(fleet, settings)
+    fleet[0].mute_replay()
+    async with _relay(fleet, settings) as r:
+        await eventually(lambda: r.pool.counters.members_resumed == 4, what="resumed")
+        gen = r.pool.generation
+        assert gen is not None and r.pool.published is None
+        assert r.pool.descriptor() is None and r.pool.load_input() is None
+        with pytest.raises(RelayError) as err:
+            r.relay._live_generation(gen.producer)
+        assert err.value.trailer_value.endswith("POOL_NOT_FOUND")
+        await eventually(lambda: r.pool.counters.members_vouched == 2, what="vo1 vouched")
+        assert r.pool.published is None, "vo0 still waits"
+        await eventually(lambda: r.pool.published is not None, timeout=30, what="published")
+        assert r.pool.counters.member_resets.get("vouch_timeout") == 2
+        assert r.pool.descriptor() is not None
+        view, truth = relay_view(r.relay), ground_truth(fleet)
+        for key, held in view.items():
+            assert held <= truth[key], "never a phantom"
