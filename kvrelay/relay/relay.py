@@ -392,8 +392,9 @@ class Relay:
                 if gen is not None and self.checkpoints.busy(p.name):
                     self._count(self.state_saves, checkpoint.BUSY)
                 continue
-            c = checkpoint.cut(p.spec, ident, gen.pool, p.members_to_save(p.subscribers))
-            n += self.checkpoints.submit(d, c)
+            n += self.checkpoints.submit(
+                d, p.spec, ident, gen.pool, p.members_to_save(p.subscribers)
+            )
         return n
 
     # ---- membership ------------------------------------------------------------------------------

@@ -28,6 +28,20 @@ from tests.support.rig import Consumer, catalog_producer, relay_info
 BUFFER_STEPS = 40
 
 
+def _running_with(arg: str) -> list[int]:
+    """Processes whose command line holds ``arg`` (the relay and any fork of it)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if arg.encode() in cmd.split(b"\0"):
+                out.append(int(d.name))
+    return out
+
+
 def _metrics(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         return str(resp.read().decode())
@@ -101,6 +115,8 @@ async def test_sigkill_mid_traffic_resumes_every_member_from_its_checkpoint(
         await stepped.wait()
         procs[0].send_signal(signal.SIGKILL)  # mid-traffic, maybe mid-checkpoint
         assert await asyncio.wait_for(procs[0].wait(), 20) == -signal.SIGKILL
+        # a checkpoint writer (a fork of the relay) dies with it: nothing left behind
+        await eventually(lambda: not _running_with(str(cfg)), what="no writer left")
         procs.append(await serve())
         await notes.wait_for("READY=1", count=2)
         ready = time.monotonic()
