@@ -110,7 +110,7 @@ async def _phase(pool: Pool, live: int, seconds: float, ckpt: checkpoint.Checkpo
 
     def sample() -> None:
         while not stop.is_set():  # the relay's RSS plus what the writing child holds alone
-            child = sum(_private(w.pid) for w in list(ckpt._inflight.values())) if ckpt else 0
+            child = sum(_private(pid) for pid in ckpt.pids()) if ckpt else 0
             rss_peak[0] = max(rss_peak[0], _rss() + child)
             time.sleep(0.002)
 

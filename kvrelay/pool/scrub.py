@@ -1,9 +1,9 @@
 """One online check of a pool against itself, in bounded steps: the scrub.
 
 No fault test catches a bit flip in RAM or a kernel bug that corrupts a table silently; left
-alone, a wrong filter lives until the next restart. A scrub pass checks, over a copy of the state
-taken when it starts (one ``memcpy`` per array, on the event loop, so the pass sees one
-consistent state however much is applied meanwhile):
+alone, a wrong filter lives until the next restart. A scrub pass checks one consistent state of
+the pool however much is applied meanwhile: a copy taken when it starts, or (what the relay does,
+``relay/scrubber.py``) the frozen copy-on-write image a forked child sees:
 
 1. **lineage vs owner counts**: every member's lineage edges are counted per owner slot
    (``count_payloads_range``), then every owner's refcount must equal its edges, no edge may name
@@ -54,10 +54,13 @@ class Finding:
 class ScrubPass:
     """A full check of one pool, ``step`` by ``step``; ``finding`` is set once it is done."""
 
-    def __init__(self, pool: Pool, step_words: int = STEP_WORDS) -> None:
+    def __init__(self, pool: Pool, step_words: int = STEP_WORDS, *, copy: bool = True) -> None:
+        """``copy=False``: check the pool's own arrays (a forked child's frozen image of them;
+        in the live process they must not change until the pass is done)."""
         meta, arrays = pool.export_state()
-        self._a: dict[str, npt.NDArray[Any]] = {k: np.array(a, copy=True)
-                                                for k, a in arrays.items()}  # fmt: skip
+        self._a: dict[str, npt.NDArray[Any]] = {
+            k: np.array(a, copy=True) if copy else a for k, a in arrays.items()
+        }
         self._mids = [int(row[0]) for row in meta["members"]]
         self._resident = pool.occupancy
         self._seed = np.uint64(pool.seed)
