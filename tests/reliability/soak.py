@@ -342,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     out: dict[str, Any] = asdict(res)
     out["ok"] = res.ok
+    from benchmarks._common import machine  # the commit and machine, like every result file
+
+    out["machine"] = machine()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps({k: v for k, v in out.items() if k != "rss_mb"}, indent=2))
