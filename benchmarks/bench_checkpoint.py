@@ -1,6 +1,6 @@
 """What a periodic checkpoint (``relay/checkpoint.py``) costs a busy relay: delta latency and RSS.
 
-A pool of N memberships (10M by default, ``--short``: 1M) is built with the real apply kernel.
+A pool of N memberships (10M by default, ``--smoke``: 100K) is built with the real apply kernel.
 An event-loop task then plays ingest: every 5 ms one batch (8 stores of 4 blocks, and the
 removal of an earlier batch's) is applied to a live member and its delta taken
 (``take_publication``), as a relay does before fanning it out. Its latency is measured from the
@@ -11,8 +11,9 @@ written, fsynced and renamed by the child). RSS is sampled every 2 ms: the relay
 (``/proc/self/statm``) plus the private pages of the writing child (``smaps_rollup``), which is
 what a checkpoint adds.
 
-Prints and writes ``benchmarks/results/checkpoint.{json,md}``: delta p50/p99/max per phase, the
-cut's time on the loop, the write time, the file size and the peak RSS a checkpoint adds.
+Prints and writes ``benchmarks/results/checkpoint.{json,md}`` (``--smoke``: ``.work/smoke``):
+delta p50/p99/max per phase, the cut's time on the loop, the write time, the file size and the
+peak RSS a checkpoint adds.
 Figures from a shared machine are noisy: compare the two phases of one run.
 """
 
@@ -29,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._common import RESULTS, machine, write_json
+from benchmarks._common import machine, results_dir, write_json
 from kvrelay.pool.batch import EventBatch
 from kvrelay.pool.pool import Pool
 from kvrelay.relay import checkpoint
@@ -191,15 +192,15 @@ async def run(target: int, seconds: float) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--short", action="store_true", help="1M memberships, 3 s phases")
+    ap.add_argument("--smoke", action="store_true", help="100K memberships, 1 s phases")
     ap.add_argument("--memberships", type=int, default=None)
     args = ap.parse_args()
-    target = args.memberships or (1_000_000 if args.short else 10_000_000)
-    seconds = 3.0 if args.short else 6.0
+    target = args.memberships or (100_000 if args.smoke else 10_000_000)
+    seconds = 1.0 if args.smoke else 6.0
     r = asyncio.run(run(target, seconds))
     r["machine"] = machine()
-    name = "checkpoint_short" if args.short else "checkpoint"
-    write_json(RESULTS / f"{name}.json", r)
+    out = results_dir(args.smoke)
+    write_json(out / "checkpoint.json", r)
     w, c = r["without_checkpoints"], r["with_checkpoints"]
     lines = [
         f"# Checkpoint cost ({r['memberships']:,} memberships, "
@@ -217,7 +218,7 @@ def main() -> None:
               f"{cut_med:.1f} ms, max {cut_max:.1f} ms; write (child process): median "
               f"{c.get('write_s_median') or 0:.2f} s."]  # fmt: skip
     text = "\n".join(lines) + "\n"
-    (RESULTS / f"{name}.md").write_text(text)
+    (out / "checkpoint.md").write_text(text)
     print(text)
 
 
