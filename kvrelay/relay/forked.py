@@ -54,18 +54,29 @@ class Child:
         os.close(w)
         self.pid = pid
         self._report = r
-        self._pidfd = os.pidfd_open(pid)
-        loop.add_reader(self._pidfd, self._reap)
+        self._pidfd = -1
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except OSError:  # no pidfd (an old kernel, a seccomp filter): a thread waits instead
+            fut = loop.run_in_executor(None, os.waitpid, pid, 0)
+            fut.add_done_callback(lambda f: self._reap(f.result()[1]))
+        else:
+            loop.add_reader(self._pidfd, self._reap)
 
-    def _reap(self) -> None:
-        asyncio.get_running_loop().remove_reader(self._pidfd)
-        _pid, status = os.waitpid(self.pid, 0)
+    def _reap(self, status: int | None = None) -> None:
+        if self.done.done():
+            return
+        if self._pidfd >= 0:
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = -1
+        if status is None:
+            _pid, status = os.waitpid(self.pid, 0)
         chunks = []
         with contextlib.suppress(OSError):
             while chunk := os.read(self._report, REPORT_MAX):
                 chunks.append(chunk)
         os.close(self._report)
-        os.close(self._pidfd)
         code = os.waitstatus_to_exitcode(status)
         text = b"".join(chunks).decode(errors="replace") or f"child exited with {code}"
         if not self.done.done():
@@ -77,7 +88,8 @@ class Child:
             return
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
-        self._reap()
+        if self._pidfd >= 0:
+            self._reap()
 
 
 def _die_with(parent: int) -> None:

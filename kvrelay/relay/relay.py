@@ -392,9 +392,13 @@ class Relay:
                 if gen is not None and self.checkpoints.busy(p.name):
                     self._count(self.state_saves, checkpoint.BUSY)
                 continue
-            n += self.checkpoints.submit(
-                d, p.spec, ident, gen.pool, p.members_to_save(p.subscribers)
-            )
+            try:
+                n += self.checkpoints.submit(
+                    d, p.spec, ident, gen.pool, p.members_to_save(p.subscribers)
+                )
+            except OSError as exc:  # no fork (EAGAIN, ENOMEM): this round is skipped
+                self._count(self.state_saves, checkpoint.FAILED)
+                _log.error("state_checkpoint_failed", pool=p.name, error=str(exc))
         return n
 
     # ---- membership ------------------------------------------------------------------------------

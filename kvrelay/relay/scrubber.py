@@ -62,7 +62,11 @@ class Scrubber:
             f = ScrubPass(pool, copy=False).run()
             return json.dumps(None if f is None else [f.why, f.exact_state])
 
-        child = Child(work)
+        try:
+            child = Child(work)
+        except OSError as exc:  # no fork (EAGAIN, ENOMEM): the next pass tries again
+            _log.error("scrub_failed", pool=p.name, error=str(exc))
+            return None
         try:
             ok, text = await asyncio.shield(child.done)
         except asyncio.CancelledError:  # the relay stops: the pass goes with it

@@ -8,6 +8,7 @@ import os
 import time
 
 import numpy as np
+import pytest
 
 from kvrelay.relay.forked import Child
 
@@ -39,3 +40,12 @@ async def test_a_killed_child_is_reaped() -> None:
     ok, text = await asyncio.wait_for(child.done, 30)
     assert not ok and "exited with" in text
     assert not os.path.exists(f"/proc/{child.pid}")
+
+
+async def test_without_pidfd_a_thread_waits_for_the_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_pidfd(_pid: int) -> int:
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(os, "pidfd_open", no_pidfd)
+    ok, text = await asyncio.wait_for(Child(lambda: "done").done, 30)
+    assert ok and text == "done"
