@@ -118,6 +118,9 @@ async def _server(conn: Connection) -> None:
             pb.ServingReadinessUpdate(protocol_version=1, relay=relay, contract_marker=MARKER)
         )
         load = Plane(pb.KvPoolLoadUpdate(protocol_version=1, relay=relay, contract_marker=MARKER))
+        serving_load = Plane(
+            pb.ServingLoadUpdate(protocol_version=1, relay=relay, contract_marker=MARKER)
+        )
 
         async def open_pool(
             self, expected: pb.ProducerIdentity, on_release: Any = None

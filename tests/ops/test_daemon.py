@@ -288,3 +288,31 @@ async def test_health_and_healthz_turn_not_serving_as_the_drain_starts(tmp_path:
         if stopping is None:
             await daemon.stop()
         await engine.stop()
+
+
+@pytest.mark.parametrize("setting", ["relay.bind", "metrics.bind"])
+def test_a_port_in_use_fails_before_the_warm_up_naming_the_setting(
+    setting: str, tmp_path: Path
+) -> None:
+    """Both listeners are probed before the kernels warm up: a held port ends the start at once
+    (exit 1), and the error names the setting and its variable, not only the address."""
+    from tests.support.commands import kvrelay
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        cfg = tmp_path / "kvrelay.toml"
+        section = "[relay]" if setting == "relay.bind" else "[metrics]"
+        text = MINIMAL + "\n[metrics]\nbind = \"127.0.0.1:0\"\n"
+        text = text.replace(f"{section}\n", f"{section}\nbind = \"127.0.0.1:{port}\"\n", 1)
+        if setting == "metrics.bind":
+            text = text.replace('bind = "127.0.0.1:0"\n', "", 1)
+            text = text.replace("[relay]\n", '[relay]\nbind = "127.0.0.1:0"\n', 1)
+        cfg.write_text(text)
+        run = kvrelay("serve", "--config", str(cfg), env=clean_env(), timeout=120)
+    assert run.returncode == 1, run.stderr[-3000:]
+    env = "KVRELAY_RELAY_BIND" if setting == "relay.bind" else "KVRELAY_METRICS_BIND"
+    assert f"{setting} = '127.0.0.1:{port}'" in run.stderr and env in run.stderr, run.stderr
+    assert '"start_failed"' in run.stderr or "start_failed" in run.stderr
+    assert "kernels_progress" not in run.stderr and "kernels_warm" not in run.stderr

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 from grpclib.client import Channel
 
+from kvrelay.client import RelayClient
 from kvrelay.ops.tls import client_ssl_context, server_ssl_context
 from kvrelay.relay.relay import Relay
 from kvrelay.service.server import RelayServer
@@ -98,6 +99,25 @@ async def _same_table(a: Consumer, b: Consumer, engine: SimEngine) -> None:
     assert held and bool(np.all(a.replica.contains(sorted(held))))
 
 
+async def _serving_load_through_the_worker(port: int, engine: SimEngine) -> None:
+    """SubscribeServingLoad through the fan-out worker, read with the SDK: both views COMPLETE
+    and the counters equal the engine's own."""
+    async with RelayClient([f"127.0.0.1:{port}"]) as client:
+        finished = sum(s.finished for s in engine.schedulers)
+
+        def complete() -> bool:
+            v = client.serving_load()
+            return (
+                len(v.models) == 1 and v.models[0].complete
+                and v.models[0].requests_completed_total == finished
+                and [p.status for p in v.pools.values()] == ["COMPLETE"]
+            )  # fmt: skip
+
+        assert await client.wait_for(complete, 30), client.serving_load()
+        (pool,) = client.serving_load().pools.values()
+        assert pool.live_workers == 1 and pool.active_decode_blocks is not None
+
+
 async def test_two_workers_serve_are_restarted_and_drain(tmp_path: Path) -> None:
     engine = SimEngine(SimConfig(name="e0", seed=15, dp_size=2, capacity_blocks=96))
     await engine.start()
@@ -106,7 +126,8 @@ async def test_two_workers_serve_are_restarted_and_drain(tmp_path: Path) -> None
     metrics_port = _free_port()
     cfg = _config(tmp_path / "kvrelay.toml", engine.grpc_port, extra="workers = 2\n")
     cfg.write_text(cfg.read_text().replace('bind = "127.0.0.1:0"\n\n[logging]',
-                                           f'bind = "127.0.0.1:{metrics_port}"\n\n[logging]'))
+                                           f'bind = "127.0.0.1:{metrics_port}"\n\n[logging]')
+                   + f"metrics_port = {engine.metrics_port}\n")  # fmt: skip
     runtime = tmp_path / "run"
     runtime.mkdir()
     env = clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), RUNTIME_DIRECTORY=str(runtime))
@@ -138,6 +159,7 @@ async def test_two_workers_serve_are_restarted_and_drain(tmp_path: Path) -> None
                 await engine.step(4)
                 await asyncio.sleep(0.05)
             await _same_table(via, direct, engine)
+            await _serving_load_through_the_worker(port, engine)
 
             os.kill(worker, signal.SIGKILL)  # a crashed worker: its router streams drop
             end = await via.wait_end()

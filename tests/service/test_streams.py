@@ -561,6 +561,7 @@ async def test_health_and_reflection(start_relay: StartRelay, official_pb2: Any)
             "SubscribeKvPool",
             "SubscribeServingReadiness",
             "SubscribeKvPoolLoad",
+            "SubscribeServingLoad",
         ]
         official = official_pb2["relay"].DESCRIPTOR.services_by_name["KvEventRelay"]
         assert [m.name for m in official.methods] == methods

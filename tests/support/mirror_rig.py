@@ -123,6 +123,7 @@ async def settle(view: MemRelayView, server: RelayServer, timeout: float = 5.0) 
             (view.catalog, mirror.catalog),
             (view.readiness, mirror.readiness),
             (view.load, mirror.load),
+            (view.serving_load, mirror.serving_load),
         ):
             if mine.upstream_version != plane.current()[0]:
                 return False
