@@ -27,6 +27,7 @@ import pytest
 
 from kvrelay.sim.ports import free_port_block
 from tests.support.commands import REPO, clean_env
+from tests.support.timing import scaled
 
 DOC = REPO / "docs" / "vllm.md"
 RECIPE = re.compile(r"<!-- recipe:([a-z-]+) -->\n```[a-z]+\n(.*?)\n```", re.S)
@@ -136,7 +137,7 @@ def test_documented_recipe_runs_against_the_simulator(flavour: str, tmp_path: Pa
     try:
         spawn("sim", sim_command(moved(r[f"{flavour}-sim"], ports)))
         serve = spawn("serve", [sys.executable, "-m", "kvrelay", "serve", "--config", str(config)])
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + scaled(90)
         text = ""
         while time.monotonic() < deadline:
             assert all(p.poll() is None for p in procs), (logs / "serve.err").read_text()[-3000:]

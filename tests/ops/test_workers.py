@@ -15,6 +15,7 @@ import re
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,7 @@ from tests.support.rig import (
     relay_info,
     wait_live,
 )
+from tests.support.timing import scaled
 
 
 def _free_port() -> int:
@@ -70,7 +72,7 @@ async def _metrics(port: int) -> str:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     await writer.drain()
-    data = await asyncio.wait_for(reader.read(), 5)
+    data = await asyncio.wait_for(reader.read(), scaled(5))
     writer.close()
     return data.decode().partition("\r\n\r\n")[2]
 
@@ -79,7 +81,7 @@ async def _consumer(ch: Channel) -> Consumer:
     info = await relay_info(ch)
     assert info.relay is not None
     c = Consumer(ch, await catalog_producer(ch), info.relay).start()
-    await asyncio.wait_for(c.first.wait(), 20)
+    await asyncio.wait_for(c.first.wait(), scaled(20))
     return c
 
 
@@ -175,9 +177,8 @@ async def test_two_workers_serve_are_restarted_and_drain(tmp_path: Path) -> None
                 except (OSError, ConnectionError, Exception):
                     return False
 
-            for _ in range(200):
-                if await served():
-                    break
+            deadline = time.monotonic() + scaled(20)
+            while not await served() and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
             text = await _metrics(metrics_port)
             assert re.search(r"^kvrelay_worker_restarts_total 1\.0$", text, re.M), text[-2000:]
@@ -190,7 +191,7 @@ async def test_two_workers_serve_are_restarted_and_drain(tmp_path: Path) -> None
             await _same_table(again, direct, engine)
 
             proc.send_signal(signal.SIGTERM)
-            rc = await asyncio.wait_for(proc.wait(), 20)
+            rc = await asyncio.wait_for(proc.wait(), scaled(20))
             stderr = (await proc.stderr.read()).decode()  # type: ignore[union-attr]
             assert rc == 0, stderr[-3000:]
             assert (await again.wait_end()).status is None, "drained: clean EOF"
@@ -294,7 +295,7 @@ format = "json"
                              what="replica at the producer's sequence")  # fmt: skip
             assert np.array_equal(consumer.replica.table, gen.pool.table)
             proc.send_signal(signal.SIGTERM)
-            rc = await asyncio.wait_for(proc.wait(), 20)
+            rc = await asyncio.wait_for(proc.wait(), scaled(20))
             assert rc == 0, (await proc.stderr.read()).decode()[-2000:]  # type: ignore[union-attr]
             assert (await consumer.wait_end()).status is None
     finally:

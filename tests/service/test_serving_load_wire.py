@@ -21,6 +21,7 @@ from kvrelay.service.codec import PassThroughCodec
 from kvrelay.service.server import KvEventRelayService, RelayServer
 from tests.support.mem_relay import MARKER, GrpcioClient, MemRelayView, StartRelay
 from tests.support.mirror_rig import mirror_settings, settle
+from tests.support.timing import scaled
 
 K = "kv-relay-error-reason"
 
@@ -56,7 +57,7 @@ async def test_windows_reach_an_official_client_byte_for_byte(
     assert (model.deployment.expected_frontends, model.deployment.observed_frontends) == (3, 2)
     for seq in (2, 3):
         view.serving_load.publish(view.serving_load_msg(seq, started=5 + seq), seq)
-        nxt = await asyncio.wait_for(call.read(), 10)
+        nxt = await asyncio.wait_for(call.read(), scaled(10))
         assert nxt.window_sequence == seq
         assert nxt.models[0].load.requests.requests_started_total == 5 + seq
     call.cancel()
@@ -78,7 +79,7 @@ async def test_request_validation_and_lag(
     assert (await call.read()).window_sequence == 0
     view.serving_load.publish(view.serving_load_msg(9), 9)
     try:
-        async with asyncio.timeout(10):
+        async with asyncio.timeout(scaled(10)):
             while True:
                 if await call.read() is grpc.aio.EOF:
                     raise AssertionError("the stream ended cleanly")
@@ -114,7 +115,7 @@ async def test_mirror_of_a_relay_without_the_rpc_answers_unimplemented(
     local = RelayServer(mirror)
     await local.start("127.0.0.1", 0)
     try:
-        await asyncio.wait_for(mirror.synced.wait(), 10)  # in sync without that plane
+        await asyncio.wait_for(mirror.synced.wait(), scaled(10))  # in sync without that plane
         direct = await grpcio_client(port).collect("SubscribeServingLoad", _request())
         assert direct.status == grpc.StatusCode.UNIMPLEMENTED
 
@@ -122,7 +123,7 @@ async def test_mirror_of_a_relay_without_the_rpc_answers_unimplemented(
             while not mirror.serving_load.unsupported:
                 await asyncio.sleep(0.01)
 
-        await asyncio.wait_for(unsupported_seen(), 10)
+        await asyncio.wait_for(unsupported_seen(), scaled(10))
         gio = grpcio_client(local.port)
         res = await gio.collect("SubscribeServingLoad", _request())
         assert res.status == grpc.StatusCode.UNIMPLEMENTED  # as its upstream answers

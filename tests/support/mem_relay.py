@@ -30,6 +30,7 @@ from kvrelay.publication.hub import PublicationHub, Subscription
 from kvrelay.publication.plane import PlaneClosed
 from kvrelay.publication.splice import FilterUpdateEncoder
 from kvrelay.service.server import RelayServer
+from tests.support.timing import scaled
 
 T = TypeVar("T")
 StartRelay = Callable[..., Awaitable[tuple["MemRelayView", RelayServer]]]
@@ -364,7 +365,7 @@ class GrpcioClient:
         res = StreamResult()
         call = getattr(self.stub, method)(self.convert(request))
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(scaled(timeout)):
                 async for msg in call:
                     res.messages.append(msg)
                     if limit is not None and len(res.messages) >= limit:
@@ -424,7 +425,7 @@ async def grpclib_collect(
 ) -> StreamResult:
     """Read a server stream with grpclib + betterproto2; stop after `limit` messages."""
     res = StreamResult()
-    async with asyncio.timeout(timeout):
+    async with asyncio.timeout(scaled(timeout)):
         async with channel.request(
             SVC + method, Cardinality.UNARY_STREAM, type(request), reply
         ) as st:
