@@ -19,8 +19,10 @@ Vouching for the incarnation. A restarted engine numbers its batches from 0 agai
 reconnect (seen on the SUB socket's monitor) or before a gap is filled, the relay cannot tell its
 new batches from the old ones by sequence alone. It remembers a digest of the last batch it
 applied and asks the replay for that batch first: the same bytes mean the same incarnation; any
-other answer (other bytes, a later first batch, nothing) means the state can no longer be vouched
-for, and the member is reset and rebuilt from the new incarnation's replay at 0. Without a replay
+other answer (other bytes, a later first batch, nothing, no answer within the replay timeout: a
+replay that does not answer is not a vouch) means the state can no longer be vouched for, and the
+member is reset and rebuilt from the replay at 0 (or, if that does not answer either, from the
+live stream). Without a replay
 endpoint a reconnect resets the member.
 
 SGLang publishers with a snapshot endpoint name their epoch (incarnation) in the topic frame
@@ -72,6 +74,7 @@ _ABORTED = 2  # replay outcome: reorder overflow, buffer dropped
 _DONE = 1
 _FAILED = 0
 _RESTARTED = 3  # the replay does not hold the last applied batch: another incarnation
+_UNVOUCHED = 4  # asked to vouch for the last applied batch, the replay did not answer in time
 
 #: TCP keepalive on the SUB connection, so a silent network partition shows up as a disconnect.
 _KEEPALIVE_IDLE_S, _KEEPALIVE_INTVL_S, _KEEPALIVE_CNT = 10, 5, 3
@@ -161,6 +164,7 @@ class Subscriber:
         self._bad_seq: int | None = None  # a batch that failed once and is being re-fetched
         self._in_replay = False
         self._resume = resume
+        self._resume_pending = resume is not None  # restored state nobody vouched for yet
         if resume is not None:
             self._next, self._last, self._dirty = resume[0] + 1, resume, True
         self._ever_connected = False
@@ -593,6 +597,7 @@ class Subscriber:
 
     def _reset(self, reason: ResetReason) -> None:
         self._decoder.reset()
+        self._resume_pending = False  # the restored state is gone with the rest
         if not self._dirty:
             return
         self._dirty = False
@@ -647,11 +652,17 @@ class Subscriber:
             )
             if outcome == _ABORTED:
                 return
-            if outcome == _RESTARTED and not restarted:
+            if outcome == _UNVOUCHED and len(self._buf):
+                outcome = _FAILED  # a live hole as well: reset and go on after it (below)
+            if outcome == _UNVOUCHED or (outcome == _RESTARTED and not restarted):
                 restarted = True  # rebuild once from 0; a second mismatch is a plain hole
-                self.counters.incarnations_detected += 1
-                self._log.warning("incarnation_unverified", asked=start)
-                self._restart_from_zero(ResetReason.INCARNATION)
+                if outcome == _RESTARTED:
+                    self.counters.incarnations_detected += 1
+                    self._log.warning("incarnation_unverified", asked=start)
+                    self._restart_from_zero(ResetReason.INCARNATION)
+                else:  # a replay that does not answer is not a vouch
+                    self._log.warning("vouch_unanswered", asked=start - 1)
+                    self._restart_from_zero(ResetReason.VOUCH_TIMEOUT)
                 self._replay_from = None
                 start, bootstrap, attempt = 0, True, 0
                 continue
@@ -700,7 +711,7 @@ class Subscriber:
                     if loop.time() >= deadline:
                         c.replay_failures += 1
                         self._log.warning("replay_timeout", start=ask)
-                        return _FAILED
+                        return _FAILED if verify is None else _UNVOUCHED
                     await asyncio.sleep(0.001)
             self._dup_lo, self._dup_hi = ask, ask - 1
             self._next = start if self._next is None else self._next
@@ -715,7 +726,7 @@ class Subscriber:
                 if not (sub_ready or dealer_ready) and loop.time() >= deadline:
                     c.replay_failures += 1
                     self._log.warning("replay_timeout", start=ask)
-                    return _FAILED
+                    return _UNVOUCHED if first and verify is not None else _FAILED
                 if sub_ready and not self._buffer_live():
                     return _ABORTED
                 if not dealer_ready:
@@ -742,6 +753,9 @@ class Subscriber:
                             return _RESTARTED  # same number, other bytes: another incarnation
                         self._dup_hi = seq
                         c.duplicates += 1
+                        if self._resume_pending:
+                            self._resume_pending = False
+                            self._sink.on_vouched(self.key)
                         continue
                     # (a first batch later than the one asked for: history is gone, handled
                     # below like any missing history — reset, then go on from here)

@@ -218,6 +218,10 @@ def _positive_s(v: float) -> str | None:
     return None if 0 < v <= 365 * 24 * 3600 else f"must be > 0 and <= 1 year (seconds), got {v}"
 
 
+def _off_or_positive_s(v: float) -> str | None:
+    return None if v == 0 else _positive_s(v)
+
+
 def _one_of(options: Iterable[str]) -> Check:
     opts = tuple(options)
     return lambda v: None if v.lower() in opts else f"must be one of {', '.join(opts)}, got {v!r}"
@@ -285,6 +289,8 @@ RELAY_KEYS: dict[str, _Key] = {
     "dns_server": _Key("str", None, check=_bind_check),
     "state_dir": _Key("str", None, check=lambda v: None if v == "" else _text(v)),
     "state_max_age_s": _Key("float", 3600.0, check=_positive_s),
+    "checkpoint_interval_s": _Key("float", 30.0, check=_off_or_positive_s),
+    "scrub_interval_s": _Key("float", 300.0, check=_off_or_positive_s),
     "event_loop": _kw("asyncio", EVENT_LOOPS),
     "workers": _Key("int", 1, check=_int_range(1, 256)),
     "runtime_dir": _Key("str", None, check=_text),
@@ -738,6 +744,8 @@ def parse_config(
             dns_server=relay["dns_server"],
             state_dir=_state_dir(relay["state_dir"], environ),
             state_max_age_s=relay["state_max_age_s"],
+            checkpoint_interval_s=relay["checkpoint_interval_s"],
+            scrub_interval_s=relay["scrub_interval_s"],
         )
     except ValueError as exc:  # a rule checked only by the settings themselves
         r.err("relay", str(exc))

@@ -10,6 +10,7 @@ sample. The HTTP endpoint is ``kvrelay.ops.metrics_http``.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
@@ -173,6 +174,15 @@ _POOL_COUNTERS: dict[str, tuple[str, str]] = {
     "members_resumed": (
         "kvrelay_pool_members_resumed",
         "Restored members resumed from their saved sequence (then vouched for or reset).",
+    ),
+    "scrub_passes": ("kvrelay_pool_scrub_passes", "Full scrub passes over a generation."),
+    "scrub_divergences": (
+        "kvrelay_pool_scrub_divergences",
+        "Scrub passes that found the filter or the exact state wrong (the generation fenced).",
+    ),
+    "members_vouched": (
+        "kvrelay_pool_members_vouched",
+        "Restored members their engine vouched for (same incarnation and batch bytes): kept.",
     ),
     "restores_discarded": (
         "kvrelay_pool_restores_discarded",
@@ -535,6 +545,9 @@ def _relay_metrics(r: RelayStats) -> Iterator[Metric]:
     yield by_rule
     for name, doc, value in (
         ("kvrelay_pool_hubs_evicted", "Idle hubs retired to free a hub permit.", r.hubs_evicted),
+        ("kvrelay_dns_removals_deferred",
+         "Engines absent from DNS kept because their ZMQ stream was live (once per absence).",
+         r.dns_removals_deferred),
         ("kvrelay_scrape_errors", "Engine /metrics scrapes that failed unexpectedly.",
          r.scrape_errors),
     ):
@@ -542,18 +555,43 @@ def _relay_metrics(r: RelayStats) -> Iterator[Metric]:
     restores = CounterMetricFamily(
         "kvrelay_state_restores",
         "State files at start by outcome: restored, none, corrupt, version, stale, incompatible, "
-        "unreadable.", labels=["result"],
+        "oversized, unreadable, unsafe_dir, unusable_dir.", labels=["result"],
     )  # fmt: skip
     for result, n in sorted(r.state_restores.items()):
         restores.add_metric([result], n)
     yield restores
     saves = CounterMetricFamily(
-        "kvrelay_state_saves", "Pool states written at a clean stop, by result: saved, failed.",
+        "kvrelay_state_saves",
+        "Pool states written, by result: saved, failed (a clean stop), checkpointed, "
+        "checkpoint_failed, checkpoint_busy (periodic), unsafe_dir, unusable_dir.",
         labels=["result"],
     )
     for result, n in sorted(r.state_saves.items()):
         saves.add_metric([result], n)
     yield saves
+    ckpt = GaugeMetricFamily(
+        "kvrelay_state_checkpoint_timestamp_seconds",
+        "Unix time of each pool's last checkpoint written (absent before the first).",
+        labels=["pool"],
+    )
+    for pool, t in sorted(r.checkpoint_unix.items()):
+        ckpt.add_metric([pool], t)
+    yield ckpt
+    age = GaugeMetricFamily(
+        "kvrelay_pool_scrub_last_pass_age_seconds",
+        "Seconds since each pool's last full scrub pass (absent before the first).",
+        labels=["pool"],
+    )
+    ok = GaugeMetricFamily(
+        "kvrelay_pool_scrub_last_pass_ok",
+        "1 when each pool's last full scrub pass found nothing wrong, else 0.", labels=["pool"],
+    )
+    now = time.time()
+    for pool, (t, good) in sorted(r.scrub_last.items()):
+        age.add_metric([pool], max(0.0, now - t))
+        ok.add_metric([pool], 1.0 if good else 0.0)
+    yield age
+    yield ok
 
 
 def _pool_metrics(r: RelayStats) -> Iterator[Metric]:

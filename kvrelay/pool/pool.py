@@ -71,12 +71,14 @@ from kvrelay.pool.owners import (
     remap_overflow,
 )
 from kvrelay.pool.packed import (
+    TM_CAP,
     TM_LIVE,
     PackedTable,
     Scratch,
     check_entries,
     count_payloads,
 )
+from kvrelay.pool.refill import refill
 from kvrelay.pool.sizing import LINEAGE, OWNERS
 from kvrelay.pool.tables import (
     EMPTY32,
@@ -85,6 +87,14 @@ from kvrelay.pool.tables import (
     MIN_CAP,
     grown_cap,
     tab_rehash,
+)
+from kvrelay.pool.verify import (
+    ACC_COUNT,
+    ACC_MISSING,
+    ACC_SUM,
+    filter_digest,
+    new_acc,
+    owners_digest,
 )
 
 U64 = npt.NDArray[np.uint64]
@@ -132,6 +142,12 @@ def _warm_layout_kernels() -> None:
     remap_overflow(xk, xv, xk.copy(), xv.copy(), remap)
     check_counts(own.tm, own.w, xk, xv, 0, np.zeros(own.cap, dtype=np.uint32))
     tab_rehash(xk, xv, EMPTY32, xk.copy(), xv.copy())
+    # restores and scrubs compare the filter with the owners; reloads refill a filter
+    filter_divergence(own.tm, own.w, np.zeros(2, dtype=np.uint64), np.uint64(0),
+                      np.ones(65536, dtype=np.uint64))  # fmt: skip
+    lane = ckf.Lane(2, 0, 0)
+    refill(own.tm, own.w, lane.table, lane.cfg, lane.deltas, lane.rng, lane.mark, lane.dlog_b,
+           lane.dlog_o, lane.dmeta, lane.undo_b, lane.undo_o)  # fmt: skip
     _warmed = True
 
 
@@ -309,6 +325,17 @@ class Pool:
         self.last_error: tuple[int, PoolError] | None = None
         self.invariant_violations = 0
         self.forced_growths = 0
+
+    def refiltered(self, bucket_count: int, seed: int) -> Pool:
+        """A new pool holding a copy of this pool's exact state under another bucket count or
+        CKF seed, its filter rebuilt from the owners (the exact state does not depend on
+        either); this pool is left as it is."""
+        meta, arrays = self.export_state()
+        return Pool.from_state(
+            meta, arrays, bucket_count=bucket_count, seed=seed, block_size=self.block_size,
+            hash_format=self.hash_format, max_kicks=self.max_kicks, reports=self.reports,
+            refilter=True,
+        )  # fmt: skip
 
     def _next_salt(self) -> int:
         self._salt_state, out = ckf.splitmix_next(self._salt_state)
@@ -719,13 +746,18 @@ class Pool:
         hash_format: int,
         max_kicks: int = ckf.DEFAULT_MAX_KICKS,
         reports: bool = False,
+        take: bool = False,
+        refilter: bool = False,
     ) -> Pool:
         """A pool holding exported state, after checks that it is one consistent state (ValueError
         otherwise): every array of the right type and shape, every table exactly what this
         layout could have written (``PackedTable.restored``), every lineage entry naming a live
         owner, refcounts (overflow table included) equal to the lineage edges, namespace entries
-        only for lineage edges, and the CKF holding as many fingerprints as there are resident
-        owners."""
+        only for lineage edges, and the CKF holding exactly the resident owners' fingerprints, each
+        in one of its two buckets (``pool/verify.py``). ``take``: the big arrays become the
+        pool's own, not copied (a state file's reader allocated them for it). ``refilter``: the
+        state may come from a pool of another bucket count or seed; its table is not used, the
+        filter is rebuilt from the owners (``pool/refill.py``)."""
         try:
             next_id = int(meta["next_id"])
             salt_state = int(meta["salt_state"])
@@ -739,13 +771,14 @@ class Pool:
             bucket_count, seed, block_size, hash_format, max_kicks, layout_seed=salt_state,
             reports=reports,
         )  # fmt: skip
-        table = _state_array(arrays, "table", np.uint64)
+        table = _state_array(arrays, "table", np.uint64, take=take)
         rng = _state_array(arrays, "rng", np.uint64, 1)
-        if table.shape != pool.table.shape:
+        if table.shape != pool.table.shape and not refilter:
             raise ValueError(f"table has {table.shape[0]} buckets, the pool {bucket_count}")
         own = PackedTable.restored(
             OWNERS.d, OWNERS.b, OWNER_PBITS, 0, owners_salt,
-            _state_array(arrays, "own.tm", np.uint64), _state_array(arrays, "own.w", np.uint64),
+            _state_array(arrays, "own.tm", np.uint64, take=take),
+            _state_array(arrays, "own.w", np.uint64, take=take),
         )  # fmt: skip
         own.bounds = OWNERS.bounds(own.nb0)
         resident_in_table = int(np.count_nonzero(table.view(np.uint16)))
@@ -766,8 +799,8 @@ class Pool:
             m = _Member(wid, rank, salt, ref_bits)
             m.lin = PackedTable.restored(
                 LINEAGE.d, LINEAGE.b, ref_bits, LIN_KICKS, salt,
-                _state_array(arrays, f"m{mid}.lin.tm", np.uint64),
-                _state_array(arrays, f"m{mid}.lin.w", np.uint64),
+                _state_array(arrays, f"m{mid}.lin.tm", np.uint64, take=take),
+                _state_array(arrays, f"m{mid}.lin.w", np.uint64, take=take),
             )  # fmt: skip
             m.lin.bounds = LINEAGE.bounds(m.lin.nb0)
             if not count_payloads(m.lin.tm, m.lin.w, edges):
@@ -780,12 +813,18 @@ class Pool:
         resident = int(check_counts(own.tm, own.w, big_k, big_v, n_big, edges))
         if resident < 0:
             raise ValueError("owner refcounts (or their overflow counts) differ from the lineage")
-        if resident != resident_in_table:
-            raise ValueError("the table does not hold exactly the resident owners")
+        if refilter:
+            resident = _refill_into(pool, own)
+        else:
+            if resident != resident_in_table:
+                raise ValueError("the table does not hold exactly the resident owners")
+            why = filter_divergence(own.tm, own.w, table, np.uint64(pool.seed), pool._deltas)
+            if why is not None:
+                raise ValueError(why)
+            pool.table[:] = table
+            pool._rng[:] = rng
         pool._next_id = next_id
         pool._salt_state = salt_state
-        pool.table[:] = table
-        pool._rng[:] = rng
         pool._own, pool._ref_bits = own, ref_bits
         pool._xk, pool._xv = big_k, big_v
         pool._pm[:] = 0
@@ -795,14 +834,42 @@ class Pool:
         return pool
 
 
+def _refill_into(pool: Pool, own: PackedTable) -> int:
+    """``pool``'s empty filter filled from ``own`` (resident bits set to match); the dirty log
+    is cleared after: a new generation starts with nothing pending. Returns the residents."""
+    lane = pool.lane
+    res = int(refill(own.tm, own.w, lane.table, lane.cfg, lane.deltas, lane.rng, lane.mark,
+                     lane.dlog_b, lane.dlog_o, lane.dmeta, lane.undo_b, lane.undo_o))  # fmt: skip
+    lane.mark[:] = 0
+    lane.dmeta[0] = 0
+    pool._stats[ST_CAPACITY] += own.live - res
+    return res
+
+
+def filter_divergence(otm: U64, ow: U64, table: U64, seed: np.uint64, deltas: U64) -> str | None:
+    """Why ``table`` is not exactly the resident owners' fingerprints (None when it is)."""
+    own = new_acc()
+    owners_digest(otm, ow, table, seed, deltas, 0, int(otm[TM_CAP]) >> 3, own)
+    if own[ACC_MISSING]:
+        return f"{int(own[ACC_MISSING])} resident owners' fingerprints are in neither bucket"
+    filt = new_acc()
+    filter_digest(table, deltas, 0, table.shape[0], filt)
+    if filt[ACC_COUNT] != own[ACC_COUNT] or filt[ACC_SUM] != own[ACC_SUM]:
+        return "the table's fingerprints are not those of the resident owners"
+    return None
+
+
 def _state_array(
-    arrays: dict[str, npt.NDArray[Any]], name: str, dtype: type, length: int | None = None
+    arrays: dict[str, npt.NDArray[Any]], name: str, dtype: type, length: int | None = None,
+    take: bool = False,
 ) -> npt.NDArray[Any]:
     a = arrays.get(name)
     bad_length = a is not None and length is not None and a.shape[0] != length
     if a is None or a.dtype != dtype or a.ndim != 1 or bad_length:
         raise ValueError(f"state array {name!r} missing or of the wrong type or shape")
-    return np.array(a, copy=True)  # owned and writable: files may be read into shared buffers
+    if take and a.flags.writeable and a.flags.owndata and a.flags.c_contiguous:
+        return a
+    return np.array(a, copy=True)  # owned and writable
 
 
 def _namespace(

@@ -160,6 +160,11 @@ class RelaySettings:
     state_dir: str | None = None
     #: A state file older than this is ignored (its members would need history long gone).
     state_max_age_s: float = 3600.0
+    #: With ``state_dir``: how often each pool's state is also checkpointed while running, so a
+    #: crash loses no more than the engines' replay buffers cover (0: only at a clean stop).
+    checkpoint_interval_s: float = 30.0
+    #: How often a full scrub pass checks each pool's filter against its exact state (0: off).
+    scrub_interval_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not self.dc_name or self.dc_name != self.dc_name.strip():

@@ -250,6 +250,11 @@ class SimEngine:
             if rank is None or rank == r:
                 p.drop_next(n, keep_in_replay)
 
+    def mute_replay(self, muted: bool = True) -> None:
+        """Every rank's replay takes requests and does not answer them (or answers again)."""
+        for p in self.publishers:
+            p.replay_muted = muted
+
     def corrupt_next(self, n: int, replay_good: bool, rank: int | None = None) -> None:
         """Publish the next ``n`` batches live as garbage; ``replay_good``: the replay buffer
         still holds the real batches (else the same garbage)."""

@@ -40,6 +40,9 @@ class RecordingSink:
         # where in ``items`` the rebuild began / ended (kept apart: tests index ``items``)
         self.rebuilds.append((active, len(self.items)))
 
+    def on_vouched(self, source: SourceKey) -> None:
+        self.items.append(("vouched", source))
+
     @property
     def seqs(self) -> list[int]:
         return [v[0] for k, v in self.items if k == "batch"]
@@ -449,8 +452,35 @@ async def test_a_resumed_member_is_vouched_for_then_continues(ctx: zmq.asyncio.C
         assert pub.requests == [9]  # the replay is asked for the last batch the state holds
         assert_exact(sink, list(range(10, 21)))
         assert sink.resets == [] and sub.counters.resets == 0
+        assert sink.items[0] == ("vouched", SourceKey(42, 0)), "vouched before anything applies"
     finally:
         await sub.stop()
+        await pub.close()
+
+
+async def test_a_replay_that_does_not_answer_is_not_a_vouch(ctx: zmq.asyncio.Context) -> None:
+    """The replay takes the vouching request and never answers (a hung engine): the restored
+    state is reset and rebuilt (here from the live stream, as its replay stays silent), never
+    kept as exact."""
+    pub = TestPublisher(ctx)
+    for s in range(20):
+        await pub.publish(msg(s), live=False)
+    mute = ctx.socket(zmq.ROUTER)
+    port = mute.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        sink, sub = await _resumed(ctx, pub, (9, _digest(msg(9))),
+                                   replay_endpoint=f"tcp://127.0.0.1:{port}", replay_timeout=0.3)
+        try:
+            assert sink.resets == [ResetReason.VOUCH_TIMEOUT]
+            assert ("vouched", SourceKey(42, 0)) not in sink.items
+            assert sub.counters.replay_failures == 2  # the vouch, then the rebuild's replay
+            await pub.publish(msg(pub.seq))
+            await until(lambda: len(sink.seqs) == 1)  # a fresh baseline, nothing kept
+            assert sink.items[0] == ("reset", ResetReason.VOUCH_TIMEOUT)
+        finally:
+            await sub.stop()
+    finally:
+        mute.close(linger=0)
         await pub.close()
 
 

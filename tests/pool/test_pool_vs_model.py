@@ -489,6 +489,15 @@ def test_an_inconsistent_state_is_refused() -> None:
         tm, w = a["m0.lin.tm"], a["m0.lin.w"]
         _set_pay(tm, w, int(_used_slots(tm, w)[0]), np.uint64(free))
 
+    def moved_fingerprint(m: dict[str, Any], a: dict[str, np.ndarray]) -> None:
+        t = a["table"]  # same count, but the fingerprint now sits outside both its buckets
+        src = int(np.flatnonzero(t)[0])
+        fp = int(t[src]) & 0xFFFF
+        dst = next(x for x in range(t.shape[0]) if int(t[x]) == 0 and x != src
+                   and x != src ^ int(ckf.make_deltas(np.uint64(7), np.uint64(63))[fp]))
+        t[src] = np.uint64(int(t[src]) & ~0xFFFF)
+        t[dst] = np.uint64(fp)
+
     refs = r"refcounts \(or their overflow counts\) differ"
     cases = {
         flip_table: "resident owners", drop_edge: refs, drop_entry_not_count: "entries are not",
@@ -496,6 +505,7 @@ def test_an_inconsistent_state_is_refused() -> None:
         wrong_dtype: "'own.w' missing or of the wrong type", twice: "repeated",
         missing: "'m1.lin.w' missing", resized: "buckets", resized_lineage: "size disagrees",
         other_salt: "shape or salt", stray_namespace: "namespace entries", dangling: refs,
+        moved_fingerprint: "in neither bucket",
     }  # fmt: skip
     for mutate, why in cases.items():
         state: State = _exported(pool)
