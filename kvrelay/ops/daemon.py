@@ -196,6 +196,7 @@ class Daemon:
         self._probe_listeners()  # before the warm-up: a port in use fails now, named
         view = await self._start_source()
         from kvrelay.ops.tls import is_loopback  # (imported while the kernels warmed up)
+        from kvrelay.service.authz import authorization_of
         from kvrelay.service.server import RelayServer
 
         service: Any
@@ -212,6 +213,7 @@ class Daemon:
                 self.metrics.registry.register(WorkersCollector(self.front.supervisor))
         else:
             self.server = RelayServer(view, cfg.relay.limits)
+            self.server.service.set_authorization(authorization_of(cfg.authorization))
             await self.server.start(cfg.bind_host, cfg.bind_port, ssl=context)
             self.grpc_port = self.server.port
             service = self.server.service
@@ -374,6 +376,11 @@ class Daemon:
                 self.reloads.outcome("failed")
                 _LOG.exception("config_reload_failed", path=str(path), error=f"{exc}")
                 return ReloadResult("failed")
+            if self.server is not None and effective.authorization != self.cfg.authorization:
+                from kvrelay.service.authz import authorization_of
+
+                self.server.service.set_authorization(authorization_of(effective.authorization))
+                _LOG.info("authorization_reloaded", rules=len(effective.authorization or ()))
             restart += plan.restart_required
             if restart:
                 _LOG.warning("config_reload_restart_required", settings=restart)

@@ -714,6 +714,10 @@ class Subscription:
         """End this stream with a clean EOF (relay shutdown)."""
         self._close_clean()
 
+    def end(self, error: RelayError) -> None:
+        """End this stream with ``error`` (its client lost the right to see the pool)."""
+        self._fail(error)
+
     def close(self) -> None:
         """Release the subscriber slot (idempotent); the stream handler calls this last."""
         self._hub._detach(self)

@@ -130,6 +130,8 @@ class Generation:
         self.retired = False
         self._hub: PublicationHub | None = None
         self.hub_inits = 0
+        #: the catalog's serving endpoint (None: ns/c/e); republish the catalog after setting
+        self.endpoint: pb.DynamoEndpointId | None = None
 
     @property
     def hub_or_none(self) -> PublicationHub | None:
@@ -192,9 +194,8 @@ class MemRelayView:
             [
                 pb.KvPoolDescriptor(
                     producer=g.producer,
-                    serving_endpoint=pb.DynamoEndpointId(
-                        namespace="ns", component="c", endpoint="e"
-                    ),
+                    serving_endpoint=g.endpoint
+                    or pb.DynamoEndpointId(namespace="ns", component="c", endpoint="e"),
                     registrations=[
                         pb.ModelRegistration(
                             canonical_model_id="m",
