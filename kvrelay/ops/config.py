@@ -431,8 +431,16 @@ ENV_SECTIONS: tuple[tuple[str, str, dict[str, _Key]], ...] = (
 TOP_KEYS = ("relay", "pools", "logging", "metrics", "tls", "mirror", "authorization")
 #: ``[[authorization]]``: who (any of uri/dns/cn) sees which pools (any of the selectors);
 #: every value is a list of exact names or fnmatch globs (``service/authz.py``).
+def _names(v: list[str]) -> str | None:
+    for name in v:
+        problem = _text(name)
+        if problem is not None:
+            return f"{name!r}: {problem}"
+    return None
+
+
 AUTHORIZATION_KEYS: dict[str, _Key] = {
-    name: _Key("strs", None, check=_text)
+    name: _Key("strs", None, check=_names)
     for name in ("uri", "dns", "cn", "namespaces", "pools", "models")
 }
 

@@ -325,3 +325,84 @@ async def test_systemctl_restart_under_traffic_keeps_the_filter_complete(tmp_pat
         await notes.close()
         for e in engines:
             await e.stop()
+
+
+async def test_reload_changes_which_pools_each_client_sees(tmp_path: Path) -> None:
+    """``[[authorization]]`` through the daemon: team A sees the pool, team B does not; a reload
+    swaps them. A's open catalog stream is re-sent without the pool (same revision), and its
+    pool stream ends as a withdrawn pool's."""
+    from grpclib.const import Cardinality, Status
+
+    from tests.support.certs import make_leaf
+    from tests.support.mem_relay import grpclib_collect, sub_request
+
+    pki = make_pki(tmp_path)
+    cca = (pki.client_ca, tmp_path / "client-ca.key")
+    a = make_leaf(tmp_path, "team-a", cca, server=False,
+                  sans=("URI:spiffe://cluster.local/ns/team-a/sa/router",))  # fmt: skip
+    b = make_leaf(tmp_path, "team-b", cca, server=False, sans=("DNS:router.team-b.svc",))
+    engine = SimEngine(SimConfig(name="az0", seed=95, capacity_blocks=32))
+    await engine.start()
+    tls = (f'\n[tls]\ncert = "{pki.server_cert}"\nkey = "{pki.server_key}"\n'
+           f'client_ca = "{pki.client_ca}"\n')  # fmt: skip
+
+    def rules(a_sees: str, b_sees: str) -> str:
+        return (f'\n[[authorization]]\nuri = ["spiffe://cluster.local/ns/team-a/*"]\n'
+                f'namespaces = ["{a_sees}"]\n'
+                f'\n[[authorization]]\ndns = ["router.team-b.svc"]\n'
+                f'pools = ["{b_sees}"]\n')  # fmt: skip
+
+    cfg_path = tmp_path / "kvrelay.toml"
+    base = _config(0, 0, [engine]) + tls
+    cfg_path.write_text(base + rules("ns", "other/x/y"))
+    daemon = Daemon(load_config(cfg_path), Notifier({}), config_path=cfg_path)
+
+    def channel(cert: tuple[Path, Path]) -> Channel:
+        ctx = client_ssl_context(str(pki.server_ca), str(cert[0]), str(cert[1]))
+        return Channel("127.0.0.1", daemon.grpc_port, ssl=ctx)
+
+    async def pools_seen(cert: tuple[Path, Path]) -> int:
+        async with channel(cert) as ch:
+            request = pb.WatchKvPoolCatalogRequest(subscriber_id="t", contract_marker=0x4B565231)
+            res = await grpclib_collect(
+                ch, "WatchKvPoolCatalog", request, pb.KvPoolCatalogUpdate, limit=1
+            )
+            assert res.status is None
+            snap = res.messages[0].snapshot
+            return 0 if snap is None else len(snap.pools)
+
+    try:
+        await daemon.start()
+        ch_a = channel(a)
+        producer = await catalog_producer(ch_a)  # team A sees the pool once it materializes
+        assert await pools_seen(b) == 0
+        async with channel(b) as ch_b:
+            hidden = await grpclib_collect(ch_b, "SubscribeKvPool", sub_request(producer, "b"),
+                                           pb.FilterUpdate, limit=1)  # fmt: skip
+        assert hidden.status == Status.NOT_FOUND
+        stream = asyncio.ensure_future(grpclib_collect(
+            ch_a, "SubscribeKvPool", sub_request(producer, "a"), pb.FilterUpdate,
+            limit=100_000, timeout=60.0))  # fmt: skip
+        async with ch_a.request("/dynamo.kvrelay.v1.KvEventRelay/WatchKvPoolCatalog",
+                                Cardinality.UNARY_STREAM, pb.WatchKvPoolCatalogRequest,
+                                pb.KvPoolCatalogUpdate) as cat:  # fmt: skip
+            await cat.send_message(pb.WatchKvPoolCatalogRequest(
+                subscriber_id="a", contract_marker=0x4B565231), end=True)  # fmt: skip
+            first = await cat.recv_message()
+            assert first is not None and first.snapshot is not None and first.snapshot.pools
+            assert daemon.server is not None
+            await eventually(lambda: len(daemon.server.service._pool_clients) == 1)
+            cfg_path.write_text(base + rules("other", "ns/backend/*"))
+            result = await daemon.reload(cfg_path)
+            assert result.result == "applied"
+            again = await asyncio.wait_for(cat.recv_message(), scaled(10))
+            assert again is not None and again.revision == first.revision
+            assert again.snapshot is None or not again.snapshot.pools
+            await cat.cancel()
+        ended = await asyncio.wait_for(stream, scaled(20))
+        assert ended.status == Status.UNAVAILABLE
+        assert await pools_seen(b) == 1
+        ch_a.close()
+    finally:
+        await daemon.stop()
+        await engine.stop()

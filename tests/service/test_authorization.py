@@ -238,8 +238,14 @@ async def test_spacing_refuses_a_hidden_pool_as_an_absent_one(rig: Rig) -> None:
                     return exc.status, exc.message
         return Status.OK, None
 
-    if isinstance(rig.server.service.view, MemRelayView):
-        pytest.skip("the in-memory view has no spacing (UNIMPLEMENTED for every pool)")
+    view = rig.server.service.view
+    if isinstance(view, MemRelayView):  # give the in-memory view the relay's rule for spacing
+
+        async def hold_pool(expected: pb.ProducerIdentity, requester: str, s: float) -> float:
+            await view.open_pool(expected)  # POOL_NOT_FOUND / PRODUCER_CHANGED, as the relay
+            return 0.0
+
+        view.hold_pool = hold_pool  # type: ignore[attr-defined]
     hidden = await hold(rig.pools["b1"].producer)
     assert hidden[0] != Status.OK
     assert hidden == await hold(make_producer("no-such-pool", bucket_count=4096))
