@@ -723,7 +723,7 @@ def parse_config(
     limits = _limits(r, limits_vals)
 
     _check_tls(r, tls_vals)
-    authorization = _authorization(r, data.get("authorization"), tls_vals, relay["workers"])
+    authorization = _authorization(r, data.get("authorization"), tls_vals)
     mirror = None
     if mirror_raw is not None:
         mirror = _mirror(r, mirror_raw)
@@ -795,10 +795,9 @@ def parse_config(
 
 
 def _authorization(
-    r: _Reader, value: Any, tls: dict[str, Any], workers: int
+    r: _Reader, value: Any, tls: dict[str, Any]
 ) -> tuple[AuthorizationRule, ...] | None:
-    """``[[authorization]]`` rules; they need client certificates (``[tls] client_ca``), and
-    the fan-out workers of ``workers = N`` do not apply them (refused, not ignored)."""
+    """``[[authorization]]`` rules; they need client certificates (``[tls] client_ca``)."""
     if value is None:
         return None
     raws = r.tables("authorization", value)
@@ -818,9 +817,6 @@ def _authorization(
     if not tls["client_ca"]:
         r.err("authorization", "rules need client certificates: set [tls] cert, key and "
               "client_ca (mutual TLS)")  # fmt: skip
-    if workers > 1:
-        r.err("authorization", "not applied by the fan-out workers of relay.workers > 1: "
-              "set workers = 1, or put the rules on mirrors of this relay")  # fmt: skip
     return tuple(rules)
 
 

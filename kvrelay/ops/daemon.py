@@ -376,10 +376,15 @@ class Daemon:
                 self.reloads.outcome("failed")
                 _LOG.exception("config_reload_failed", path=str(path), error=f"{exc}")
                 return ReloadResult("failed")
-            if self.server is not None and effective.authorization != self.cfg.authorization:
+            if effective.authorization != self.cfg.authorization:
                 from kvrelay.service.authz import authorization_of
 
-                self.server.service.set_authorization(authorization_of(effective.authorization))
+                if self.front is not None:  # the workers serve the clients: to each of them
+                    self.front.set_authorization(effective.authorization)
+                elif self.server is not None:
+                    self.server.service.set_authorization(
+                        authorization_of(effective.authorization)
+                    )
                 _LOG.info("authorization_reloaded", rules=len(effective.authorization or ()))
             restart += plan.restart_required
             if restart:

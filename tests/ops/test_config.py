@@ -646,6 +646,13 @@ def test_authorization_rule_errors_name_the_rule(
     assert cfg is None and fragment in _errors(problems).get(path, ""), _errors(problems)
 
 
-def test_authorization_with_fanout_workers_is_refused(tmp_path: Path) -> None:
+def test_authorization_is_carried_to_the_fanout_workers(tmp_path: Path) -> None:
+    from kvrelay.ops.worker import WorkerSpec, rules_from_json, rules_json
+
     cfg, problems = _check(tmp_path, _relay("workers = 2") + _mtls(tmp_path) + AUTHZ)
-    assert cfg is None and "fan-out workers" in _errors(problems)["authorization"]
+    assert problems == [] and cfg is not None and cfg.authorization is not None
+    spec = WorkerSpec(index=1, upstream="unix:/x", host="h", port=1,
+                      authorization=rules_json(cfg.authorization))  # fmt: skip
+    assert rules_from_json(WorkerSpec.from_json(spec.to_json()).authorization) == (
+        cfg.authorization
+    )

@@ -327,11 +327,14 @@ async def test_systemctl_restart_under_traffic_keeps_the_filter_complete(tmp_pat
             await e.stop()
 
 
-async def test_reload_changes_which_pools_each_client_sees(tmp_path: Path) -> None:
-    """``[[authorization]]`` through the daemon: team A sees the pool, team B does not; a reload
-    swaps them. A's open catalog stream is re-sent without the pool (same revision), and its
-    pool stream ends as a withdrawn pool's."""
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_reload_changes_which_pools_each_client_sees(tmp_path: Path, workers: int) -> None:
+    """``[[authorization]]`` through the daemon (and, with ``workers = 2``, through its fan-out
+    worker): team A sees the pool, team B does not; a reload swaps them. A's open catalog stream
+    is re-sent without the pool (same revision), and its pool stream ends as a withdrawn pool's."""
     from grpclib.const import Cardinality, Status
+    from grpclib.exceptions import GRPCError
 
     from tests.support.certs import make_leaf
     from tests.support.mem_relay import grpclib_collect, sub_request
@@ -345,6 +348,8 @@ async def test_reload_changes_which_pools_each_client_sees(tmp_path: Path) -> No
     await engine.start()
     tls = (f'\n[tls]\ncert = "{pki.server_cert}"\nkey = "{pki.server_key}"\n'
            f'client_ca = "{pki.client_ca}"\n')  # fmt: skip
+    (tmp_path / "run").mkdir()
+    extra = f'workers = {workers}\nruntime_dir = "{tmp_path / "run"}"\n'
 
     def rules(a_sees: str, b_sees: str) -> str:
         return (f'\n[[authorization]]\nuri = ["spiffe://cluster.local/ns/team-a/*"]\n'
@@ -353,7 +358,7 @@ async def test_reload_changes_which_pools_each_client_sees(tmp_path: Path) -> No
                 f'pools = ["{b_sees}"]\n')  # fmt: skip
 
     cfg_path = tmp_path / "kvrelay.toml"
-    base = _config(0, 0, [engine]) + tls
+    base = _config(0, 0, [engine], extra=extra) + tls
     cfg_path.write_text(base + rules("ns", "other/x/y"))
     daemon = Daemon(load_config(cfg_path), Notifier({}), config_path=cfg_path)
 
@@ -371,8 +376,10 @@ async def test_reload_changes_which_pools_each_client_sees(tmp_path: Path) -> No
             snap = res.messages[0].snapshot
             return 0 if snap is None else len(snap.pools)
 
+    svc = "/dynamo.kvrelay.v1.KvEventRelay/"
     try:
         await daemon.start()
+        assert (daemon.front is not None) == (workers > 1)  # the worker serves these clients
         ch_a = channel(a)
         producer = await catalog_producer(ch_a)  # team A sees the pool once it materializes
         assert await pools_seen(b) == 0
@@ -380,27 +387,40 @@ async def test_reload_changes_which_pools_each_client_sees(tmp_path: Path) -> No
             hidden = await grpclib_collect(ch_b, "SubscribeKvPool", sub_request(producer, "b"),
                                            pb.FilterUpdate, limit=1)  # fmt: skip
         assert hidden.status == Status.NOT_FOUND
-        stream = asyncio.ensure_future(grpclib_collect(
-            ch_a, "SubscribeKvPool", sub_request(producer, "a"), pb.FilterUpdate,
-            limit=100_000, timeout=60.0))  # fmt: skip
-        async with ch_a.request("/dynamo.kvrelay.v1.KvEventRelay/WatchKvPoolCatalog",
-                                Cardinality.UNARY_STREAM, pb.WatchKvPoolCatalogRequest,
-                                pb.KvPoolCatalogUpdate) as cat:  # fmt: skip
+
+        def denials() -> float:  # from the worker's reports when it serves the clients
+            from prometheus_client.parser import text_string_to_metric_families
+
+            return sum(s.value for fam in text_string_to_metric_families(
+                daemon.metrics.render().decode()) if fam.name == "kvrelay_authorization_denials"
+                for s in fam.samples if s.labels.get("rpc") == "SubscribeKvPool")  # fmt: skip
+
+        await eventually(lambda: denials() == 1, what="the denial counted")
+        async with (
+            ch_a.request(svc + "WatchKvPoolCatalog", Cardinality.UNARY_STREAM,
+                         pb.WatchKvPoolCatalogRequest, pb.KvPoolCatalogUpdate) as cat,
+            ch_a.request(svc + "SubscribeKvPool", Cardinality.UNARY_STREAM,
+                         pb.SubscribeKvPoolRequest, pb.FilterUpdate) as pool,
+        ):  # fmt: skip
             await cat.send_message(pb.WatchKvPoolCatalogRequest(
                 subscriber_id="a", contract_marker=0x4B565231), end=True)  # fmt: skip
             first = await cat.recv_message()
             assert first is not None and first.snapshot is not None and first.snapshot.pools
-            assert daemon.server is not None
-            await eventually(lambda: len(daemon.server.service._pool_clients) == 1)
+            await pool.send_message(sub_request(producer, "a"), end=True)
+            assert await asyncio.wait_for(pool.recv_message(), scaled(20)) is not None
             cfg_path.write_text(base + rules("other", "ns/backend/*"))
             result = await daemon.reload(cfg_path)
             assert result.result == "applied"
-            again = await asyncio.wait_for(cat.recv_message(), scaled(10))
+            again = await asyncio.wait_for(cat.recv_message(), scaled(20))
             assert again is not None and again.revision == first.revision
             assert again.snapshot is None or not again.snapshot.pools
             await cat.cancel()
-        ended = await asyncio.wait_for(stream, scaled(20))
-        assert ended.status == Status.UNAVAILABLE
+            with pytest.raises(GRPCError) as ended:
+                async with asyncio.timeout(scaled(20)):
+                    while await pool.recv_message() is not None:
+                        pass
+                    await pool.recv_trailing_metadata()
+            assert ended.value.status == Status.UNAVAILABLE
         assert await pools_seen(b) == 1
         ch_a.close()
     finally:
