@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import sys
 from dataclasses import asdict, dataclass, field, fields
@@ -204,9 +205,20 @@ async def _parent_gone(stop: asyncio.Event, control: WorkerControl) -> None:
     stop.set()
 
 
+def _spec_line() -> bytes:
+    """The first stdin line, read unbuffered: a buffered read could swallow a rules line sent
+    right after it, which the event loop's reader would then never see."""
+    out = bytearray()
+    while not out.endswith(b"\n"):
+        byte = os.read(sys.stdin.fileno(), 1)
+        if not byte:
+            break
+        out += byte
+    return bytes(out)
+
+
 def main() -> int:
-    line = sys.stdin.buffer.readline()
-    spec = WorkerSpec.from_json(line.decode())
+    spec = WorkerSpec.from_json(_spec_line().decode())
     configure(level=spec.log_level.upper(), json=spec.log_json)
     factory = None
     if spec.event_loop == "uvloop":
