@@ -9,7 +9,6 @@ first imported.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 from collections.abc import Sequence
@@ -387,18 +386,18 @@ def _serve(path: str | None, pid_file: str | None = None) -> int:
 
     if pid_file is None:
         return run(cfg, config_path=path)
-    from kvrelay.ops.reload import write_pid_file
+    from kvrelay.ops.reload import remove_pid_file, write_pid_file
+    from kvrelay.relay.safe_files import UnsafeDirectory
 
     try:
         write_pid_file(pid_file)
-    except OSError as exc:
+    except (OSError, UnsafeDirectory) as exc:
         print(f"kvrelay serve: cannot write --pid-file {pid_file}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
         return run(cfg, config_path=path)
     finally:
-        with contextlib.suppress(OSError):
-            os.unlink(pid_file)
+        remove_pid_file(pid_file)
 
 
 def _mirror(args: argparse.Namespace) -> int:
