@@ -260,6 +260,10 @@ def warm_kernels(progress: Progress | None = None, workers: bool | None = None) 
         _import(g)
     offload: dict[str, _Worker] = {}
     if workers if workers is not None else _workers_allowed():
+        # LOCAL_STEP's few declared kernels (and the XXH3 ones they call) before any worker
+        # competes for the CPU, as when importing its modules compiled them: measured, starting
+        # the workers first made a first start slower (its pool step is the critical path)
+        _jit.warm(LOCAL_STEP)
         # this process does LOCAL_STEP; every other cold step of declared kernels goes to a worker
         cold = [g for g in STEPS if g != LOCAL_STEP and _jit.missing(g)]
         for g in cold:

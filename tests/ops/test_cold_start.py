@@ -94,7 +94,9 @@ def _compiled(log: list[dict[str, Any]], step: str) -> int:
 
 async def test_first_start_compiles_with_progress_and_the_next_loads(tmp_path: Path) -> None:
     warm_kernels()  # (already done by the session) imports every step's modules
-    declared = [g for g in STEPS if list(_jit.kernels(g))]  # steps with declared kernels
+    # steps with declared kernels that a first start reports cold (the daemon's own step, whose
+    # few declared kernels it compiles before starting workers, reports "loading ... or compiling")
+    declared = [g for g in STEPS if list(_jit.kernels(g)) and g != LOCAL_STEP]
     assert declared[:2] == ["hashing", "ingest"]
     cache = tmp_path / "numba"
     messages, log = await _start(tmp_path, cache, "cold")
@@ -110,8 +112,8 @@ async def test_first_start_compiles_with_progress_and_the_next_loads(tmp_path: P
         assert _compiled(log, step) > 0, step
     workers = {e["group"] for e in log
                if e.get("event") == "kernels_progress" and e["state"] == "worker"}
-    if len(os.sched_getaffinity(0)) >= 2:  # every cold declared step but the local one: a worker
-        assert workers == set(declared) - {LOCAL_STEP}, workers
+    if len(os.sched_getaffinity(0)) >= 2:  # every cold declared step ran in a worker
+        assert workers == set(declared), workers
         for step in workers:  # and the daemon then loaded what the worker compiled
             assert _done(log)[step]["compiled"] == 0 and _done(log)[step]["loaded"] > 0
     else:
