@@ -302,8 +302,8 @@ def guard_families(svc: object) -> Iterator[Metric]:
     denials, revoked = authz() if callable(authz) else ({}, 0)
     denied = CounterMetricFamily(
         "kvrelay_authorization_denials",
-        "Requests for an existing pool the client may not see under [[authorization]], answered "
-        "POOL_NOT_FOUND as an absent pool (SubscribeKvPool, HoldPublication).", labels=["rpc"],
+        "Requests for an existing pool the client may not see under [[authorization]], answered as "
+        "for an absent pool (SubscribeKvPool, HoldPublication).", labels=["rpc"],
     )  # fmt: skip
     for rpc in ("SubscribeKvPool", "HoldPublication"):
         denied.add_metric([rpc], denials.get(rpc, 0))
