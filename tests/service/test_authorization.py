@@ -13,8 +13,10 @@ import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+import grpc
 import pytest
 from grpclib.client import Channel
 from grpclib.const import Cardinality, Status
@@ -32,6 +34,7 @@ from tests.support.certs import make_ca, make_leaf
 from tests.support.mem_relay import (
     MARKER,
     Generation,
+    GrpcioClient,
     MemRelayView,
     grpclib_collect,
     make_producer,
@@ -222,6 +225,39 @@ async def test_a_hidden_pool_is_answered_exactly_as_an_absent_one(rig: Rig) -> N
                    if f.name == "kvrelay_authorization_denials")  # fmt: skip
     counted = {s.labels["rpc"]: s.value for s in denials.samples if s.name.endswith("_total")}
     assert counted["SubscribeKvPool"] == 2
+
+
+async def test_grpcio_sees_a_hidden_pool_answered_as_an_absent_one(
+    rig: Rig, official_pb2: dict[str, ModuleType]
+) -> None:
+    """The independent peer (grpcio, BoringSSL, official protobuf): same code, details and
+    trailing metadata for a hidden pool and for one that does not exist."""
+    crt, key = rig.certs.clients["a"]
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=rig.certs.server_ca.read_bytes(), private_key=key.read_bytes(),
+        certificate_chain=crt.read_bytes(),
+    )  # fmt: skip
+    client = GrpcioClient(official_pb2, rig.server.port, creds)
+    try:
+        own = await client.collect(
+            "SubscribeKvPool", sub_request(rig.pools["a2"].producer, "a"), limit=1
+        )
+        assert own.status is None and len(own.messages) == 1
+        hidden = await client.collect("SubscribeKvPool", sub_request(rig.pools["b1"].producer))
+        absent = await client.collect(
+            "SubscribeKvPool", sub_request(make_producer("no-such-pool", bucket_count=4096))
+        )
+        assert hidden.status == grpc.StatusCode.NOT_FOUND
+        assert (hidden.status, hidden.message, hidden.trailers, hidden.messages) == (
+            absent.status, absent.message, absent.trailers, absent.messages
+        )
+        catalog = await client.collect("WatchKvPoolCatalog", pb.WatchKvPoolCatalogRequest(
+            subscriber_id="a", contract_marker=MARKER), limit=1)  # fmt: skip
+        got = {bytes(pb.ProducerIdentity.parse(d.producer.SerializeToString()).pool_id)
+               for d in catalog.messages[0].snapshot.pools}  # fmt: skip
+        assert got == {bytes(rig.pools[n].producer.pool_id) for n in ("a1", "a2")}  # type: ignore[arg-type]
+    finally:
+        await client.close()
 
 
 async def test_spacing_refuses_a_hidden_pool_as_an_absent_one(rig: Rig) -> None:

@@ -345,14 +345,22 @@ EIGHT_MIB = 8 * 1024 * 1024
 class GrpcioClient:
     """grpc.aio + official protobuf stubs (the independent peer)."""
 
-    def __init__(self, pb2: dict[str, ModuleType], port: int) -> None:
+    def __init__(
+        self,
+        pb2: dict[str, ModuleType],
+        port: int,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self.m = pb2["relay"]
-        self.channel = grpc.aio.insecure_channel(
-            f"127.0.0.1:{port}",
-            options=[
-                ("grpc.max_receive_message_length", EIGHT_MIB),
-                ("grpc.max_send_message_length", EIGHT_MIB),
-            ],
+        options = [
+            ("grpc.max_receive_message_length", EIGHT_MIB),
+            ("grpc.max_send_message_length", EIGHT_MIB),
+        ]
+        target = f"127.0.0.1:{port}"
+        self.channel = (
+            grpc.aio.insecure_channel(target, options=options)
+            if credentials is None
+            else grpc.aio.secure_channel(target, credentials, options=options)
         )
         self.stub = pb2["relay_grpc"].KvEventRelayStub(self.channel)
 
