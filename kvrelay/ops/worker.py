@@ -3,7 +3,9 @@
 The supervisor (``ops/supervisor.py``) starts ``python -m kvrelay.ops.worker`` and writes one
 line of JSON (:class:`WorkerSpec`) to its stdin. The worker mirrors the ingest process over its
 UNIX socket, listens on the public address with ``SO_REUSEPORT`` (so router connections spread
-over the workers) and talks back on stdout, one line each: ``READY <port>`` once its mirror is
+over the workers), applies the ``[[authorization]]`` rules to the clients whose TLS it
+terminates (from the spec, then from each ``AUTHZ`` line a reload writes to its stdin) and talks
+back on stdout, one line each: ``READY <port>`` once its mirror is
 synchronized and its listener is up, then ``STATS <json>`` every ``stats_interval_s``.
 
 Lines go out through ``ReportPipe`` (a writer thread): a supervisor that reads late never
