@@ -351,6 +351,11 @@ class Daemon:
                     "config_reload_rejected", path=str(path), problems=[str(p) for p in problems]
                 )
                 return ReloadResult("rejected", tuple(problems))
+            if self.relay is None and self._only_rules_changed(new):
+                self._apply_rules(new.authorization)  # a mirror's own rules reload live
+                self.cfg = dataclasses.replace(self.cfg, authorization=new.authorization)
+                self.reloads.outcome("applied")
+                return ReloadResult("applied", tuple(new.warnings))
             if self.relay is None:  # a mirror follows its upstream: nothing here to change
                 status = "reload rejected: a mirror applies a new configuration on restart"
                 self.reloads.outcome("rejected")
@@ -377,15 +382,7 @@ class Daemon:
                 _LOG.exception("config_reload_failed", path=str(path), error=f"{exc}")
                 return ReloadResult("failed")
             if effective.authorization != self.cfg.authorization:
-                from kvrelay.service.authz import authorization_of
-
-                if self.front is not None:  # the workers serve the clients: to each of them
-                    self.front.set_authorization(effective.authorization)
-                elif self.server is not None:
-                    self.server.service.set_authorization(
-                        authorization_of(effective.authorization)
-                    )
-                _LOG.info("authorization_reloaded", rules=len(effective.authorization or ()))
+                self._apply_rules(effective.authorization)
             restart += plan.restart_required
             if restart:
                 _LOG.warning("config_reload_restart_required", settings=restart)
@@ -400,6 +397,23 @@ class Daemon:
             return ReloadResult("applied", tuple(new.warnings), tuple(restart), summary)
         finally:
             self.notifier.ready(status)
+
+    def _only_rules_changed(self, new: DaemonConfig) -> bool:
+        """A file that differs from the running one in ``[[authorization]]`` alone."""
+        same = dataclasses.replace(
+            new, authorization=self.cfg.authorization, warnings=self.cfg.warnings
+        )
+        return same == self.cfg and new.authorization != self.cfg.authorization
+
+    def _apply_rules(self, rules: Any) -> None:
+        """New ``[[authorization]]`` rules to whatever serves the clients (the workers, each)."""
+        from kvrelay.service.authz import authorization_of
+
+        if self.front is not None:
+            self.front.set_authorization(rules)
+        elif self.server is not None:
+            self.server.service.set_authorization(authorization_of(rules))
+        _LOG.info("authorization_reloaded", rules=len(rules or ()))
 
     async def _loop_lag(self) -> None:
         """Sample scheduling lag: how late a timer fires is how late every stream is."""

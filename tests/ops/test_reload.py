@@ -426,3 +426,67 @@ async def test_reload_changes_which_pools_each_client_sees(tmp_path: Path, worke
     finally:
         await daemon.stop()
         await engine.stop()
+
+
+async def test_a_mirror_reloads_its_rules_live_and_nothing_else(tmp_path: Path) -> None:
+    """A mirror daemon applies a file that changes only ``[[authorization]]``; any other change
+    is still rejected (a mirror applies its configuration on restart)."""
+    from kvrelay.service.server import RelayServer
+    from tests.support.certs import make_leaf
+    from tests.support.mem_relay import MemRelayView, grpclib_collect
+
+    pki = make_pki(tmp_path)
+    a = make_leaf(tmp_path, "team-a", (pki.client_ca, tmp_path / "client-ca.key"), server=False,
+                  sans=("URI:spiffe://cluster.local/ns/team-a/sa/router",))  # fmt: skip
+    view = MemRelayView()
+    view.add_pool("p1", 4096)  # serving endpoint ns/c/e
+    upstream = RelayServer(view)
+    await upstream.start("127.0.0.1", 0)
+    text = f"""
+[relay]
+bind = "127.0.0.1:0"
+
+[metrics]
+bind = "127.0.0.1:0"
+
+[mirror]
+upstream = "127.0.0.1:{upstream.port}"
+
+[tls]
+cert = "{pki.server_cert}"
+key = "{pki.server_key}"
+client_ca = "{pki.client_ca}"
+
+[[authorization]]
+uri = ["spiffe://cluster.local/ns/team-a/*"]
+namespaces = ["NS"]
+"""
+    cfg_path = tmp_path / "mirror.toml"
+    cfg_path.write_text(text)
+    daemon = Daemon(load_config(cfg_path), Notifier({}), config_path=cfg_path)
+
+    async def seen() -> int:
+        ctx = client_ssl_context(str(pki.server_ca), str(a[0]), str(a[1]))
+        async with Channel("127.0.0.1", daemon.grpc_port, ssl=ctx) as ch:
+            request = pb.WatchKvPoolCatalogRequest(subscriber_id="a", contract_marker=0x4B565231)
+            res = await grpclib_collect(
+                ch, "WatchKvPoolCatalog", request, pb.KvPoolCatalogUpdate, limit=1
+            )
+        snap = res.messages[0].snapshot
+        return 0 if snap is None else len(snap.pools)
+
+    try:
+        await daemon.start()
+        assert daemon.relay is None  # a mirror
+        assert await seen() == 0  # globs are case-sensitive: "NS" is not "ns"
+        cfg_path.write_text(text.replace('namespaces = ["NS"]', 'namespaces = ["n?"]'))
+        result = await daemon.reload(cfg_path)
+        assert result.result == "applied"
+        assert await seen() == 1
+        cfg_path.write_text(text.replace('namespaces = ["NS"]', 'namespaces = ["n?"]')
+                            .replace('[mirror]', '[mirror]\nsync_wait_s = 3.0'))  # fmt: skip
+        assert (await daemon.reload(cfg_path)).result == "rejected"
+        assert await seen() == 1
+    finally:
+        await daemon.stop()
+        await upstream.close(grace_s=0.5)
