@@ -125,8 +125,7 @@ class StreamShares:
             if held >= share:
                 self.refusals[(kind, scope)] = self.refusals.get((kind, scope), 0) + 1
                 raise RelayError.resource_limit(
-                    f"Relay {permits.name} limit {permits.capacity} reached and this {scope} "
-                    f"already holds its share ({share})"
+                    f"{full.message}; this {scope} already holds its share ({share})"
                 )
         victim = self._victim(kind, per_conn, per_peer)
         if victim is None:
