@@ -21,6 +21,7 @@ from grpclib.client import Channel
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.limits import LimitsError, PermitCounter, RelayLimits
 from kvrelay.contract.wire import CONTRACT_MARKER
+from kvrelay.ops.metrics import guard_families
 from kvrelay.service.server import RelayServer
 from kvrelay.service.shares import StreamShares, peer_addr, share_of
 from tests.support.h2_client import RawH2Client, RawStream, plane_request
@@ -93,6 +94,15 @@ async def _first_message(port: int, kind: str, view: MemRelayView | None = None)
         return first
 
 
+def _preemptions(svc: object, kind: str, scope: str) -> float:
+    for fam in guard_families(svc):
+        if fam.name == "kvrelay_stream_share_preemptions":
+            return next(
+                s.value for s in fam.samples if s.labels == {"kind": kind, "scope": scope}
+            )
+    raise AssertionError("no preemption counter")
+
+
 def _refused(streams: list[RawStream]) -> list[RawStream]:
     return [s for s in streams if s.status == RESOURCE_EXHAUSTED and s.reason == LIMIT]
 
@@ -142,6 +152,7 @@ async def test_a_router_preempts_a_connection_holding_the_whole_limit(kind: str)
         async with _router(server.port, kind, view) as first:
             assert first is not None
             assert svc.preemption_stats() == {(kind, "connection"): 1}
+            assert _preemptions(svc, kind, "connection") == 1  # what /metrics reports
             assert permits.in_use == 64
             # the hostile client opening more, on this connection or a new one, is refused
             more = hostile.open(ALL_KINDS[kind][0], _request(view, kind, "more"))
