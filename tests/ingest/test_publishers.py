@@ -117,18 +117,27 @@ def test_llmd_simulator_map_format_nil_parent_is_exact() -> None:
     assert _held(pool) == {5, 6} and pool.copies(M) == {}
 
 
-def test_llmd_simulator_array_format_root_parent_zero_is_rejected() -> None:
-    """Its default positional format writes a root store's parent as 0: kvrelay reads a parent
-    it does not hold and rejects the store and its chain (misses, never phantoms; §8.2.2 says to
-    run the simulator with its map format)."""
-    d, pool, model, m = _rig()
-    assert m == M
-    root = ["BlockStored", [5, 6], 0, TOK[: 2 * B], B, None, "GPU", None, None]
-    child = ["BlockStored", [7], 6, TOK[2 * B : 3 * B], B, None, "GPU", None, None]
-    _, got = _apply(d, pool, model, enc([time.time(), [root, child], 0]))
-    assert got.events_rejected == 2
-    assert {type(e).__name__ for _, e in got.errors} == {"ParentBlockNotFound"}
-    assert _held(pool) == set() and not pool.table.any()
+def test_llmd_simulator_array_format_root_parent_zero_is_no_parent() -> None:
+    """Its default positional format writes a root store's parent as 0 (llm-d's empty hash), not
+    nil: kvrelay reads a parent of 0 as none, on the fast walker and on the msgspec path alike,
+    so the chain applies (before, the root store and its whole chain were rejected)."""
+    for fast in (True, False):
+        pool = Pool(1024, SEED, B, 1)
+        m = pool.add_member(1, 0)
+        assert m == M
+        d, model = Decoder(kv_block_size=B, dp_rank=0, fast=fast), RefPool(1024, SEED, B, 1, 500)
+        root = ["BlockStored", [5, 6], 0, TOK[: 2 * B], B, None, "GPU", None, None]
+        child = ["BlockStored", [7], 6, TOK[2 * B : 3 * B], B, None, "GPU", None, None]
+        res, got = _apply(d, pool, model, enc([time.time(), [root, child], 0]))
+        assert res.stats.slow_path == (0 if fast else 1)  # each decode path was exercised
+        assert got.events_rejected == 0 and _held(pool) == {5, 6, 7}
+        assert not bool(res.batch.has_parent[0]) and bool(res.batch.has_parent[1])
+        # the same chain sent with a nil parent lands on the same canonical hashes
+        twin = Pool(1024, SEED, B, 1)
+        tm = twin.add_member(1, 0)
+        nil = enc([time.time(), [_stored([5, 6], None, TOK[: 2 * B]), child], 0])
+        twin.apply(tm, Decoder(kv_block_size=B, dp_rank=0).decode(nil).batch)
+        assert np.array_equal(twin.table, pool.table) and twin.table.any()
 
 
 @pytest.mark.parametrize("frames", [[b"payload"], [b"topic", b"payload"]])
