@@ -60,7 +60,8 @@ def _held(pool: Pool) -> set[int]:
 
 def test_lmcache_tier_events_never_reach_the_gpu_record() -> None:
     """LMCache hands its chunk events to vLLM's publisher, in the engine's own batches, with a
-    host or storage medium in any case (`cpu`, `CPU`, `STORAGE`): only vLLM's GPU events count."""
+    host or storage medium (`CPU`, `STORAGE`; vLLM's Mooncake store connector writes `cpu`):
+    only vLLM's GPU events count."""
     d, pool, model, m = _rig()
     assert m == M
     gpu = _stored([11, 12], None, TOK[: 2 * B], medium="GPU")
