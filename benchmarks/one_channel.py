@@ -73,6 +73,7 @@ class LanesView:
         self.catalog = _Plane(pb.KvPoolCatalogUpdate())
         self.readiness = _Plane(pb.ServingReadinessUpdate())
         self.load = _Plane(pb.KvPoolLoadUpdate())
+        self.serving_load = _Plane(pb.ServingLoadUpdate())
         self.producers = [_producer(i, buckets) for i in range(lanes)]
         self.hubs: dict[bytes, PublicationHub] = {}
         for p in self.producers:
