@@ -710,6 +710,12 @@ class Subscription:
                 hub._joining.add(self)
         return await self._payloads()
 
+    def fail(self, error: RelayError) -> None:
+        """End this stream with ``error`` (a preemption), as a lagged subscriber is ended: the
+        slot is released now, the pump raises it, and a client that never reads is reset after
+        the stall grace."""
+        self._fail(error)
+
     def shutdown(self) -> None:
         """End this stream with a clean EOF (relay shutdown)."""
         self._close_clean()
