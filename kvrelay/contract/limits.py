@@ -54,9 +54,10 @@ class RelayLimits:
     snapshot_reader_bytes_per_second: int = 80_000_000
     #: ... but never further apart than this.
     snapshot_publication_delay_s: float = 0.25
-    #: One HTTP/2 connection may hold at most this share of each stream limit (rounded up)...
+    #: The share of each stream limit (rounded up) one HTTP/2 connection is guaranteed when the
+    #: limit is full (a newcomer below it preempts whoever is furthest over; service/shares.py)...
     stream_share_per_connection_percent: int = 50
-    #: ... and one peer address (all its connections together) at most this share.
+    #: ... and one peer address (all its connections together).
     stream_share_per_peer_percent: int = 75
 
     def __post_init__(self) -> None:

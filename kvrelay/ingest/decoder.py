@@ -582,6 +582,8 @@ class Decoder:
                     hs = [norm_hash(h) for h in hs]
                     if parent is not None:
                         parent = norm_hash(parent)
+                if parent is not None and norm_hash(parent) == 0:
+                    parent = None  # llm-d's "no parent" (its positional format); §17.3
                 if opts.drop_self_reference and _self_referencing(hs, parent):
                     stats.drop(S.DROP_SELF_REFERENCE)
                     continue

@@ -610,7 +610,7 @@ def _walk(  # type: ignore[no-untyped-def]
                     if p2 < 0:
                         return FALLBACK
                     par = v
-                    hp = True
+                    hp = v != 0  # a parent of 0 is no parent (llm-d's positional format)
                     pos = p2
                 continue
             if key == 3:  # token_ids: parsed now into tokens[nt:], kept later if needed

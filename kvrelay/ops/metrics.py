@@ -274,13 +274,26 @@ def guard_families(svc: object) -> Iterator[Metric]:
     refusals, stalled, h2 = guard() if callable(guard) else ({}, {}, {})
     fam = CounterMetricFamily(
         "kvrelay_stream_share_refusals",
-        "Streams refused because one connection or one peer address held its share of the "
-        "stream limit, by kind and scope (connection, peer).", labels=["kind", "scope"],
+        "Streams refused on a full relay because their connection or peer address already held "
+        "its share of the stream limit, by kind and scope (connection, peer).",
+        labels=["kind", "scope"],
     )  # fmt: skip
     for kind in ("catalog", "pool", "readiness", "load", "serving_load"):
         for scope in ("connection", "peer"):
             fam.add_metric([kind, scope], refusals.get((kind, scope), 0))
     yield fam
+    stats = getattr(svc, "preemption_stats", None)
+    preempted = stats() if callable(stats) else {}
+    pre = CounterMetricFamily(
+        "kvrelay_stream_share_preemptions",
+        "Streams ended with RESOURCE_LIMIT to make room, on a full relay, for a client below its "
+        "share, by kind and the scope (connection, peer) that was over its share.",
+        labels=["kind", "scope"],
+    )
+    for kind in ("catalog", "pool", "readiness", "load", "serving_load"):
+        for scope in ("connection", "peer"):
+            pre.add_metric([kind, scope], preempted.get((kind, scope), 0))
+    yield pre
     resets = CounterMetricFamily(
         "kvrelay_stream_stalled_resets",
         "Plane streams reset because their client took no message for stalled_stream_reset_s.",

@@ -710,13 +710,16 @@ class Subscription:
                 hub._joining.add(self)
         return await self._payloads()
 
+    def fail(self, error: RelayError) -> None:
+        """End this stream with ``error`` (a preemption, or its client lost the right to see the
+        pool), as a lagged subscriber is ended: the
+        slot is released now, the pump raises it, and a client that never reads is reset after
+        the stall grace."""
+        self._fail(error)
+
     def shutdown(self) -> None:
         """End this stream with a clean EOF (relay shutdown)."""
         self._close_clean()
-
-    def end(self, error: RelayError) -> None:
-        """End this stream with ``error`` (its client lost the right to see the pool)."""
-        self._fail(error)
 
     def close(self) -> None:
         """Release the subscriber slot (idempotent); the stream handler calls this last."""

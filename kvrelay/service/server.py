@@ -38,7 +38,7 @@ from kvrelay.service.h2.guard import H2Budgets, H2Counters
 from kvrelay.service.h2.writer import StreamWriter, stream_resetter
 from kvrelay.service.health import RelayHealth, reflection_pool
 from kvrelay.service.peercred import SameUserOnly
-from kvrelay.service.shares import Addr, StreamShares, peer_addr
+from kvrelay.service.shares import StreamShares, StreamTicket, peer_addr
 from kvrelay.service.spacing import SpacingService
 from kvrelay.service.status import UNSUPPORTED_RPC, status_of, trailers_of
 from kvrelay.service.validation import check_marker, validate_stream_request
@@ -134,7 +134,7 @@ class KvEventRelayService:
         for sub, (who, producer) in tuple(self._pool_clients.items()):
             if not authorization.may_see(authorization.rights(who), producer, catalog):
                 self.authz_revoked += 1
-                sub.end(revoked())
+                sub.fail(revoked())
 
     def may_see(self, stream: Stream[Any, Any], producer: pb.ProducerIdentity) -> bool:
         """Whether this stream's client may see ``producer``'s pool under the current rules."""
@@ -228,26 +228,14 @@ class KvEventRelayService:
         reason → connections closed for an HTTP/2 budget or a request that never came)."""
         return dict(self.shares.refusals), dict(self.stalled_resets), dict(self.h2_counters.closed)
 
-    def _admit(self, stream: Stream[Any, Any], kind: str, permits: PermitCounter) -> Addr | None:
-        """Take this stream's connection and peer shares, then the relay-wide permit; raises
-        RESOURCE_LIMIT naming whichever is full. Returns the address to release with."""
-        addr = peer_addr(stream.peer.addr())
-        scope = self.shares.try_acquire(kind, permits.capacity, addr)
-        if scope is not None:
-            per_conn, per_peer = self.shares.limits(permits.capacity)
-            share = per_conn if scope == "connection" else per_peer
-            raise RelayError.resource_limit(
-                f"Relay {permits.name} limit share {share} per {scope} reached "
-                f"(of {permits.capacity})"
-            )
-        if not permits.try_acquire():
-            self.shares.release(kind, addr)
-            raise RelayError.resource_limit(
-                f"Relay {permits.name} subscriber limit {permits.capacity} reached"
-                if kind != "pool"
-                else f"Relay total pool stream limit {permits.capacity} reached"
-            )
-        return addr
+    def _admit(self, stream: Stream[Any, Any], kind: str, permits: PermitCounter) -> StreamTicket:
+        """Take a relay-wide permit, making room by preemption when the kind is full
+        (``service/shares.py``); raises RESOURCE_LIMIT when it cannot."""
+        return self.shares.admit(kind, permits, peer_addr(stream.peer.addr()))
+
+    def preemption_stats(self) -> dict[tuple[str, str], int]:
+        """(kind, scope) → streams ended to make room for a client below its share."""
+        return dict(self.shares.preemptions)
 
     async def _send_plane(self, stream: Stream[Any, Any], kind: str, data: bytes) -> None:
         """Send one plane message. A client that does not take it within
@@ -349,13 +337,16 @@ class KvEventRelayService:
         self,
         pending: asyncio.Future[T],
         timeout: float | None = None,
+        preempted: asyncio.Future[None] | None = None,
         rules: asyncio.Future[None] | None = None,
     ) -> bool:
-        """Wait for `pending`, server close or (given) a rules change; False if closing."""
+        """Wait for `pending`, server close, `preempted` or (given) a rules change; False if
+        the server is closing."""
         assert self._closed is not None
         waits: tuple[asyncio.Future[Any], ...] = (pending, self._closed)
-        if rules is not None:
-            waits += (rules,)
+        for extra in (preempted, rules):
+            if extra is not None:
+                waits += (extra,)
         await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         return not self._closing
 
@@ -376,23 +367,32 @@ class KvEventRelayService:
     ) -> None:
         request = await self._recv(stream)
         validate_stream_request(request.contract_marker, request.subscriber_id)
-        addr = self._admit(stream, kind, permits)
+        ticket = self._admit(stream, kind, permits)
         self._closed_future()
         who = ClientIdentity.from_cert(stream.peer.cert())
         rules = self._rules_future()
         pending: asyncio.Future[tuple[int, Any]] | None = None
+        loop = asyncio.get_running_loop()
+        preempted: asyncio.Future[None] = loop.create_future()
+
+        def wake(_err: RelayError) -> None:
+            if not preempted.done():
+                preempted.set_result(None)
+
+        ticket.on_preempt = wake
         try:
-            loop = asyncio.get_running_loop()
             version, message = plane.plane.current()
             first = self._encode_for(plane, kind, version, message, who)
             await self._send_plane(stream, kind, first)
+            ticket.check()
             next_tick = loop.time() + resend_every if resend_every is not None else None
             while not self._closing:
                 if pending is None:
                     pending = asyncio.ensure_future(plane.plane.wait_newer(version))
                 timeout = None if next_tick is None else max(0.0, next_tick - loop.time())
-                if not await self._until_newer(pending, timeout, rules):
+                if not await self._until_newer(pending, timeout, preempted, rules):
                     return
+                ticket.check()  # preempted: end with RESOURCE_LIMIT (the status path below)
                 refiltered = rules.done()  # a rules reload: re-send what this client may see
                 if refiltered:
                     rules = self._rules_future()
@@ -422,8 +422,7 @@ class KvEventRelayService:
         finally:
             if pending is not None and not pending.done():
                 pending.cancel()
-            permits.release()
-            self.shares.release(kind, addr)
+            ticket.release()
 
     # --- RPC bodies ---
     async def _watch_catalog(self, stream: Stream[Any, Any]) -> None:
@@ -459,16 +458,8 @@ class KvEventRelayService:
         expected = request.expected_producer
         producer_key(expected)  # malformed identities fail before a permit is taken, as Dynamo's
         assert expected is not None
-        addr = self._admit(stream, "pool", self.pool_permits)
-        held = True
-
-        def release() -> None:  # at the first of: subscription failed/ended, handler done
-            nonlocal held
-            if held:
-                held = False
-                self.pool_permits.release()
-                self.shares.release("pool", addr)
-
+        ticket = self._admit(stream, "pool", self.pool_permits)
+        release = ticket.release  # at the first of: subscription failed/ended, handler done
         sub: Subscription | None = None
         writer: StreamWriter | None = None
         try:
@@ -483,6 +474,8 @@ class KvEventRelayService:
                 return
             if not self.may_see(stream, expected):  # the rules changed while it opened
                 raise self.deny("SubscribeKvPool", expected)
+            ticket.check()  # preempted while it opened
+            ticket.on_preempt = sub.fail  # ends like a lagged subscriber: the pump raises it
             writer = StreamWriter(stream, self.limits.max_message_bytes)
             await sub.pump(
                 stream.send_message,

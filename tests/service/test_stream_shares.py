@@ -1,15 +1,17 @@
-"""One client cannot take every plane stream: per-connection and per-peer shares, and the stall
-reset of plane streams whose client does not read.
+"""Fair shares of each stream limit: a lone client may hold the whole limit; on a full relay a
+client below its share makes room by preemption; plus the stall reset of plane streams whose
+client does not read.
 
 The hostile client is a raw HTTP/2 client (``tests/support/h2_client.py``) on 127.0.0.2 that
-advertises a zero flow-control window, so the relay can send it no message at all; the router
-is a grpclib client with the generated stub on 127.0.0.1. Oracles: the statuses and reasons
-each client reads, and the first message the router receives.
+advertises a zero flow-control window, so the relay can send it no message until it starts
+reading; the router is a grpclib client with the generated stub on 127.0.0.1. Oracles: the
+statuses, reasons and messages each client reads, and the first message the router receives.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -17,21 +19,25 @@ import pytest
 from grpclib.client import Channel
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.contract.limits import LimitsError, RelayLimits
+from kvrelay.contract.limits import LimitsError, PermitCounter, RelayLimits
 from kvrelay.contract.wire import CONTRACT_MARKER
+from kvrelay.ops.metrics import guard_families
 from kvrelay.service.server import RelayServer
 from kvrelay.service.shares import StreamShares, peer_addr, share_of
 from tests.support.h2_client import RawH2Client, RawStream, plane_request
-from tests.support.mem_relay import MemRelayView
+from tests.support.mem_relay import MemRelayView, sub_request
 
 RESOURCE_EXHAUSTED = "8"
 LIMIT = "RELAY_ERROR_REASON_RESOURCE_LIMIT"
+MAKE_ROOM = "ended to make room for another client"
 KINDS = {
     "catalog": ("WatchKvPoolCatalog", "catalog_permits"),
     "readiness": ("SubscribeServingReadiness", "readiness_permits"),
     "load": ("SubscribeKvPoolLoad", "load_permits"),
     "serving_load": ("SubscribeServingLoad", "serving_load_permits"),
 }
+ALL_KINDS = {**KINDS, "pool": ("SubscribeKvPool", "pool_permits")}
+BC = 1024
 
 
 async def _eventually(cond: Callable[[], bool], timeout: float = 20.0) -> None:
@@ -43,13 +49,26 @@ async def _eventually(cond: Callable[[], bool], timeout: float = 20.0) -> None:
 
 async def _served(limits: RelayLimits) -> tuple[MemRelayView, RelayServer]:
     view = MemRelayView(limits)
+    view.add_pool("pool-a", BC)
     server = RelayServer(view, limits)
     await server.start("127.0.0.1", 0)
     return view, server
 
 
-async def _first_message(port: int, kind: str) -> object:
-    """What a well-behaved router gets: the plane's current message, at once."""
+def _producer(view: MemRelayView) -> pb.ProducerIdentity:
+    return next(iter(view.pools.values())).producer
+
+
+def _request(view: MemRelayView, kind: str, sid: str) -> bytes:
+    if kind == "pool":
+        return bytes(sub_request(_producer(view), sid))
+    return plane_request(sid)
+
+
+@contextlib.asynccontextmanager
+async def _router(port: int, kind: str, view: MemRelayView | None = None) -> AsyncIterator[object]:
+    """A well-behaved router's stream, held open: yields the plane's current message (or the
+    pool's first snapshot chunk), which it gets at once."""
     async with Channel("127.0.0.1", port) as ch:
         stub = pb.KvEventRelayStub(ch)
         req = {"contract_marker": CONTRACT_MARKER, "subscriber_id": "router"}
@@ -62,40 +81,124 @@ async def _first_message(port: int, kind: str) -> object:
             "serving_load": lambda: stub.subscribe_serving_load(
                 pb.SubscribeServingLoadRequest(**req)
             ),
+            "pool": lambda: stub.subscribe_kv_pool(
+                sub_request(_producer(view) if view is not None else None, "router")
+            ),
         }
         stream: AsyncIterator[object] = calls[kind]()
-        return await asyncio.wait_for(anext(aiter(stream)), 10)
+        yield await asyncio.wait_for(anext(aiter(stream)), 10)
+
+
+async def _first_message(port: int, kind: str, view: MemRelayView | None = None) -> object:
+    async with _router(port, kind, view) as first:
+        return first
+
+
+def _preemptions(svc: object, kind: str, scope: str) -> float:
+    for fam in guard_families(svc):
+        if fam.name == "kvrelay_stream_share_preemptions":
+            return next(
+                s.value for s in fam.samples if s.labels == {"kind": kind, "scope": scope}
+            )
+    raise AssertionError("no preemption counter")
 
 
 def _refused(streams: list[RawStream]) -> list[RawStream]:
     return [s for s in streams if s.status == RESOURCE_EXHAUSTED and s.reason == LIMIT]
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
-async def test_one_client_holding_unread_streams_cannot_lock_routers_out(kind: str) -> None:
-    method, permits_attr = KINDS[kind]
-    limits = RelayLimits(stalled_stream_reset_s=600.0)  # the shares alone must protect here
-    _view, server = await _served(limits)
+async def _hold(
+    client: RawH2Client, view: MemRelayView, kind: str, n: int, permits: PermitCounter, tag: str
+) -> list[RawStream]:
+    """Open ``n`` streams of ``kind`` on ``client`` and wait until the relay holds them."""
+    before = permits.in_use
+    streams = [client.open(ALL_KINDS[kind][0], _request(view, kind, f"{tag}{i}")) for i in range(n)]
+    await _eventually(lambda: permits.in_use == before + n)
+    return streams
+
+
+@pytest.mark.parametrize("kind", list(ALL_KINDS))
+async def test_a_lone_client_may_hold_the_whole_limit(kind: str) -> None:
+    """No share applies while the limit has room: one connection holds all 64; the 65th gets
+    the contract's RESOURCE_LIMIT (nobody is over a share: there is nobody else)."""
+    view, server = await _served(RelayLimits())
     svc = server.service
-    permits = getattr(svc, permits_attr)
-    hostile = [await RawH2Client.connect(server.port, "127.0.0.2", window=0) for _ in range(3)]
+    permits = getattr(svc, ALL_KINDS[kind][1])
+    client = await RawH2Client.connect(server.port, "127.0.0.1", window=0)
     try:
-        per_conn, per_peer = svc.shares.limits(permits.capacity)
-        assert (per_conn, per_peer) == (32, 48)  # 50 % and 75 % of 64
-        # first connection: its share; second: what is left of the address's share; third: none
-        opened: list[list[RawStream]] = []
-        for c, admitted in zip(hostile, (per_conn, per_peer - per_conn, 0), strict=True):
-            streams = [c.open(method, plane_request(f"h{i}")) for i in range(64)]
-            opened.append(streams)
-            await _eventually(lambda s=streams, n=admitted: len(_refused(s)) == 64 - n)
-        assert permits.in_use == per_peer
-        refusals, _stalled, _h2 = svc.guard_stats()
-        assert refusals[(kind, "connection")] == 64 - per_conn
-        assert refusals[(kind, "peer")] == 64 + 64 - (per_peer - per_conn)
-        assert "share 32 per connection" in str(_refused(opened[0])[0].message)
-        assert "share 48 per peer" in str(_refused(opened[1])[0].message)
-        # a router on another address is served at once
-        assert await _first_message(server.port, kind) is not None
+        streams = await _hold(client, view, kind, 64, permits, "s")
+        extra = client.open(ALL_KINDS[kind][0], _request(view, kind, "s64"))
+        await asyncio.wait_for(extra.ended.wait(), 20)
+        assert (extra.status, extra.reason) == (RESOURCE_EXHAUSTED, LIMIT)
+        assert "limit 64 reached" in str(extra.message)
+        assert not any(s.ended.is_set() for s in streams)
+        assert permits.in_use == 64 and not svc.preemption_stats()
+    finally:
+        await client.close()
+        await server.close()
+    assert permits.in_use == 0
+
+
+@pytest.mark.parametrize("kind", list(ALL_KINDS))
+async def test_a_router_preempts_a_connection_holding_the_whole_limit(kind: str) -> None:
+    view, server = await _served(RelayLimits())
+    svc = server.service
+    permits = getattr(svc, ALL_KINDS[kind][1])
+    hostile = await RawH2Client.connect(server.port, "127.0.0.2", window=0)
+    late = None
+    try:
+        streams = await _hold(hostile, view, kind, 64, permits, "h")
+        # a router on another address is served at once, though the relay was full
+        async with _router(server.port, kind, view) as first:
+            assert first is not None
+            assert svc.preemption_stats() == {(kind, "connection"): 1}
+            assert _preemptions(svc, kind, "connection") == 1  # what /metrics reports
+            assert permits.in_use == 64
+            # the hostile client opening more, on this connection or a new one, is refused
+            more = hostile.open(ALL_KINDS[kind][0], _request(view, kind, "more"))
+            late = await RawH2Client.connect(server.port, "127.0.0.2", window=0)
+            other = late.open(ALL_KINDS[kind][0], _request(view, kind, "other"))
+            await asyncio.wait_for(asyncio.gather(more.ended.wait(), other.ended.wait()), 20)
+            assert _refused([more, other]) == [more, other]
+            assert "connection already holds its share (32)" in str(more.message)
+            assert "peer already holds its share (48)" in str(other.message)
+            refusals = svc.guard_stats()[0]
+            assert refusals[(kind, "connection")] == 1 and refusals[(kind, "peer")] == 1
+            # the preempted stream (the newest) ends with the status once its client reads
+            hostile.start_reading()
+            await asyncio.wait_for(streams[-1].ended.wait(), 20)
+            assert not streams[-1].reset
+            assert (streams[-1].status, streams[-1].reason) == (RESOURCE_EXHAUSTED, LIMIT)
+            assert MAKE_ROOM in str(streams[-1].message)
+            assert not any(s.ended.is_set() for s in streams[:-1])
+    finally:
+        for c in (hostile, late):
+            if c is not None:
+                await c.close()
+        await server.close()
+    assert permits.in_use == 0
+
+
+@pytest.mark.parametrize("kind", ["catalog", "pool"])
+async def test_a_router_preempts_an_address_over_its_share(kind: str) -> None:
+    """Four connections from one address, 16 streams each: no connection is over its share,
+    the address is (64 > 48); its newest stream makes room for a router on 127.0.0.1."""
+    view, server = await _served(RelayLimits())
+    svc = server.service
+    permits = getattr(svc, ALL_KINDS[kind][1])
+    hostile = [await RawH2Client.connect(server.port, "127.0.0.2", window=0) for _ in range(4)]
+    try:
+        held = [await _hold(c, view, kind, 16, permits, f"c{i}-") for i, c in enumerate(hostile)]
+        async with _router(server.port, kind, view) as first:
+            assert first is not None
+            assert svc.preemption_stats() == {(kind, "peer"): 1}
+            newest = held[-1][-1]
+            hostile[-1].start_reading()
+            await asyncio.wait_for(newest.ended.wait(), 20)
+            assert (newest.status, newest.reason) == (RESOURCE_EXHAUSTED, LIMIT)
+            assert MAKE_ROOM in str(newest.message) and "peer held more" in str(newest.message)
+            assert not any(s.ended.is_set() for c in held for s in c if s is not newest)
+            assert permits.in_use == 64
     finally:
         for c in hostile:
             await c.close()
@@ -123,22 +226,35 @@ async def test_plane_streams_whose_client_does_not_read_are_reset(kind: str) -> 
         await server.close()
 
 
-def test_shares_round_up_keep_one_and_exempt_unix_peers() -> None:
+def test_shares_preempt_the_newest_of_the_furthest_over_and_exempt_unix_peers() -> None:
     assert share_of(64, 50) == 32 and share_of(3, 50) == 2 and share_of(1, 1) == 1
     shares = StreamShares(50, 75)
-    a, b = ("10.0.0.1", 1000), ("10.0.0.1", 1001)
-    assert [shares.try_acquire("pool", 4, a) for _ in range(3)] == [None, None, "connection"]
-    assert shares.try_acquire("pool", 4, b) is None  # address share 3
-    assert shares.try_acquire("pool", 4, b) == "peer"
-    assert shares.try_acquire("catalog", 4, b) is None  # each kind has its own shares
-    for _ in range(2):
-        shares.release("pool", a)
-    shares.release("pool", b)
-    shares.release("catalog", b)
-    assert shares.held("pool", a) == (0, 0) and not shares._conns and not shares._peers
+    permits = PermitCounter("pool streams", 4)
+    a, b, c = ("10.0.0.1", 1000), ("10.0.0.1", 1001), ("10.0.0.2", 1000)
+    held = [shares.admit("pool", permits, a) for _ in range(4)]  # room: no share applies
+    assert shares.held("pool", a) == (4, 4) and permits.in_use == 4
+    with pytest.raises(Exception, match="connection already holds its share"):
+        shares.admit("pool", permits, a)
+    with pytest.raises(Exception, match="peer already holds its share"):
+        shares.admit("pool", permits, b)  # address share 3, held 4
+    newcomer = shares.admit("pool", permits, c)  # below both: the newest of `a` makes room
+    assert held[-1].released and held[-1].error is not None and not held[0].released
+    assert shares.held("pool", a) == (3, 3) and permits.in_use == 4
+    assert shares.preemptions == {("pool", "connection"): 1}
     assert shares.refusals == {("pool", "connection"): 1, ("pool", "peer"): 1}
+    held[-1].release()  # idempotent: the handler's finally after the preemption
+    assert permits.in_use == 4
+    # the internal socket never preempts and is never preempted
+    with pytest.raises(Exception, match="limit 4 reached"):
+        shares.admit("pool", permits, None)
+    for t in (*held[:-1], newcomer):
+        t.release()
+    assert permits.in_use == 0 and not shares._conns and not shares._peers
+    unix = [shares.admit("pool", permits, None) for _ in range(4)]
+    with pytest.raises(Exception, match="limit 4 reached"):
+        shares.admit("pool", permits, c)  # nobody over a share
+    assert not any(t.released for t in unix)
     assert peer_addr(("10.0.0.1", 5)) == ("10.0.0.1", 5)
     assert peer_addr("") is None and peer_addr(None) is None  # UNIX socket peers
-    assert shares.try_acquire("pool", 4, None) is None
     with pytest.raises(LimitsError):
         RelayLimits(stream_share_per_peer_percent=101)

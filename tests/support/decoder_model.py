@@ -83,7 +83,7 @@ class Ref:
                 continue
             hs = hs[:k]
             parent = ev.get("parent_block_hash")
-            parent = None if parent is None else u64(parent)
+            parent = None if parent is None or u64(parent) == 0 else u64(parent)
             if len(set(hs)) != k or (parent is not None and parent in hs):
                 continue
             cs = ev.get("cache_salt") or None  # an explicit salt field is always honoured

@@ -94,6 +94,12 @@ class RawH2Client:
         self.flush()
         return st
 
+    def start_reading(self) -> None:
+        """From now on read everything: open every stream's window and acknowledge DATA."""
+        self._read_data = True
+        self.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 65535})
+        self.flush()
+
     async def _pump(self) -> None:
         try:
             while data := await self._reader.read(65536):
