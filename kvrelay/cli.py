@@ -150,6 +150,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long to wait for the outcome (default: 30)",
     )
 
+    upgrade = sub.add_parser(
+        "upgrade",
+        help="hot-upgrade the running relay (SIGUSR2): a new process takes over, no ingest gap",
+        description=(
+            "Send SIGUSR2 to the running relay: it starts its own command line again (the code\n"
+            "and configuration now installed), hands the new process its listeners and its\n"
+            "exact state, and exits once the new process serves. Waits for that. Exit 0 when\n"
+            "the old process is gone, 1 when it is still serving after --timeout (a failed\n"
+            "upgrade: see its log, upgrade_failed), 2 on a usage error."
+        ),
+        epilog=(
+            "examples:\n  kvrelay upgrade --pid-file /run/kvrelay.pid\n"
+            "  systemctl kill --kill-whom=main --signal=SIGUSR2 kvrelay   # under systemd"
+        ),
+        formatter_class=_Formatter,
+    )
+    whom = upgrade.add_mutually_exclusive_group(required=True)
+    whom.add_argument("--pid", type=int, metavar="PID", help="the relay's process id")
+    whom.add_argument("--pid-file", metavar="FILE", help="file written by 'serve --pid-file'")
+    upgrade.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="how long to wait for the old process to hand over (default: 120)",
+    )
+
     mirror = sub.add_parser(
         "mirror",
         help="serve another relay's contract (kvrelay's or Dynamo's) from a mirror of it",
@@ -369,6 +396,41 @@ def _reload(args: argparse.Namespace) -> int:
     return EXIT_FAILURE
 
 
+def _upgrade(args: argparse.Namespace) -> int:
+    import signal
+    import time
+
+    from kvrelay.ops.reload import read_pid_file
+
+    try:
+        pid = args.pid if args.pid is not None else read_pid_file(args.pid_file)
+    except (OSError, ValueError) as exc:
+        print(f"kvrelay upgrade: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        os.kill(pid, signal.SIGUSR2)
+    except OSError as exc:
+        print(f"kvrelay upgrade: cannot signal process {pid}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            new = None
+            if args.pid_file is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    new = read_pid_file(args.pid_file)
+            print("kvrelay upgrade: handed over" + ("" if new is None else f" to pid {new}"))
+            return EXIT_OK
+        except OSError:
+            continue
+    print(f"kvrelay upgrade: process {pid} still serves after {args.timeout:g} s; the upgrade "
+          "failed or is still warming up (see its log: upgrade_failed)", file=sys.stderr)
+    return EXIT_FAILURE
+
+
 def _serve(path: str | None, pid_file: str | None = None) -> int:
     if not path:
         print("kvrelay serve: --config FILE is required (or set KVRELAY_CONFIG)", file=sys.stderr)
@@ -385,18 +447,21 @@ def _serve(path: str | None, pid_file: str | None = None) -> int:
 
     if pid_file is None:
         return run(cfg, config_path=path)
-    from kvrelay.ops.reload import write_pid_file
+    from kvrelay.ops.reload import read_pid_file, write_pid_file
+    from kvrelay.ops.upgrade import ENV as TAKEOVER_ENV
 
+    if not os.environ.get(TAKEOVER_ENV):  # a hot upgrade's successor: written at hand-over
+        try:
+            write_pid_file(pid_file)
+        except OSError as exc:
+            print(f"kvrelay serve: cannot write --pid-file {pid_file}: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     try:
-        write_pid_file(pid_file)
-    except OSError as exc:
-        print(f"kvrelay serve: cannot write --pid-file {pid_file}: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        return run(cfg, config_path=path)
+        return run(cfg, config_path=path, pid_file=pid_file)
     finally:
-        with contextlib.suppress(OSError):
-            os.unlink(pid_file)
+        with contextlib.suppress(OSError, ValueError):
+            if read_pid_file(pid_file) == os.getpid():  # not a successor's
+                os.unlink(pid_file)
 
 
 def _mirror(args: argparse.Namespace) -> int:
@@ -488,6 +553,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args.config, args.pid_file)
     if args.command == "reload":
         return _reload(args)
+    if args.command == "upgrade":
+        return _upgrade(args)
     if args.command == "demo":
         return _demo(args)
     if args.command == "example-config":

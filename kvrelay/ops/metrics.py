@@ -10,6 +10,7 @@ sample. The HTTP endpoint is ``kvrelay.ops.metrics_http``.
 from __future__ import annotations
 
 import math
+import socket
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
@@ -202,6 +203,12 @@ class ReloadSource(Protocol):
     last_success_unix: float
 
 
+class UpgradeSource(Protocol):
+    """Hot upgrade outcomes (``kvrelay.ops.upgrade.UpgradeStats``)."""
+
+    results: dict[str, int]
+
+
 class ServiceSource(Protocol):
     def stats(self) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
         """(stream kind → (open streams, limit), error reason → count)."""
@@ -254,6 +261,7 @@ class RelayMetrics:
         self.registry = registry if registry is not None else default_registry()
         self._service = service
         self._reloads: ReloadSource | None = None
+        self._upgrades: UpgradeSource | None = None
         self.per_member = per_member  # False: ingest families summed per pool
         self.delta_latency = Histogram(
             "kvrelay_delta_latency_seconds",
@@ -287,6 +295,10 @@ class RelayMetrics:
         """Export configuration reload outcomes (the daemon's SIGHUP handling)."""
         self._reloads = reloads
 
+    def attach_upgrades(self, upgrades: UpgradeSource) -> None:
+        """Export hot upgrade outcomes (the daemon's SIGUSR2 handling)."""
+        self._upgrades = upgrades
+
     def observe_loop_lag(self, seconds: float) -> None:
         if math.isnan(seconds):
             return
@@ -310,6 +322,20 @@ class RelayMetrics:
         yield from _generation_metrics(stats)
         yield from self._service_metrics()
         yield from self._reload_metrics()
+        yield from self._upgrade_metrics()
+
+    def _upgrade_metrics(self) -> Iterator[Metric]:
+        u = self._upgrades
+        if u is None:
+            return
+        total = CounterMetricFamily(
+            "kvrelay_upgrades", "Hot upgrades (SIGUSR2) by result: handed_over and taken_over "
+            "(the old and the new process), refused, spawn_failed, successor_exited, "
+            "successor_failed, timeout (the old process keeps serving).", labels=["result"],
+        )  # fmt: skip
+        for result, n in sorted(u.results.items()):
+            total.add_metric([result], n)
+        yield total
 
     def _reload_metrics(self) -> Iterator[Metric]:
         r = self._reloads
@@ -363,14 +389,19 @@ class RelayMetrics:
         return generate_latest(self.registry)
 
     async def start_http(
-        self, host: str, port: int, healthy: Callable[[], bool] | None = None
+        self, host: str, port: int, healthy: Callable[[], bool] | None = None,
+        sock: socket.socket | None = None,
     ) -> int:
-        """Serve ``/metrics`` (and ``/healthz``: 200 while ``healthy()``) on the running loop;
-        returns the bound port."""
+        """Serve ``/metrics`` (and ``/healthz``: 200 while ``healthy()``) on the running loop
+        (on ``sock`` when given: a hot upgrade's inherited listener); returns the bound port."""
         if self._http is not None:
             raise RuntimeError("metrics endpoint already started")
         self._http = MetricsServer(self.render, healthy or (lambda: True))
-        return await self._http.start(host, port)
+        return await self._http.start(host, port, sock)
+
+    def listening_socket(self) -> socket.socket | None:
+        """The endpoint's listener, if it serves one."""
+        return None if self._http is None else self._http.listening_socket()
 
     async def close(self) -> None:
         """Stop the endpoint and stop observing the relay."""
