@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from grpclib.client import Channel
 
 from kvrelay.sim.config import SimConfig
@@ -45,11 +46,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _config(grpc: int, metrics: int, engines: list[SimEngine]) -> str:
+def _config(grpc: int, metrics: int, engines: list[SimEngine], loop: str = "asyncio") -> str:
     text = f"""
 [relay]
 dc_name = "dc-upgrade"
 bind = "127.0.0.1:{grpc}"
+event_loop = "{loop}"
 discovery_interval_s = 0.2
 discovery_timeout_s = 1.0
 
@@ -175,12 +177,16 @@ def _upgrade_dirs(tmp: Path) -> list[str]:
     return sorted(p.name for p in tmp.iterdir() if p.name.startswith("kvrelay-upgrade-"))
 
 
-async def test_hot_upgrade_mid_traffic_loses_nothing_and_never_refuses(tmp_path: Path) -> None:
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+async def test_hot_upgrade_mid_traffic_loses_nothing_and_never_refuses(
+    tmp_path: Path, loop: str
+) -> None:
+    """``kvrelay upgrade --pid-file`` (SIGUSR2) under ~100 steps/s, on either event loop."""
     fleet = Fleet(2, seed=510)
     await fleet.start()
     grpc, metrics = _free_port(), _free_port()
     cfg = tmp_path / "kvrelay.toml"
-    cfg.write_text(_config(grpc, metrics, fleet.engines))
+    cfg.write_text(_config(grpc, metrics, fleet.engines, loop))
     pid_file = tmp_path / "kvrelay.pid"
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
@@ -206,8 +212,13 @@ async def test_hot_upgrade_mid_traffic_loses_nothing_and_never_refuses(tmp_path:
         await asyncio.sleep(0.5)
         steps_before = fleet.steps
         assert old.pid is not None
-        os.kill(old.pid, signal.SIGUSR2)
-        assert await asyncio.wait_for(old.wait(), 120) == 0
+        cli = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvrelay", "upgrade", "--pid-file", str(pid_file), env=env,
+            cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(cli.communicate(), 150)
+        assert cli.returncode == 0, err.decode()
+        assert await asyncio.wait_for(old.wait(), 30) == 0
         steps_during = fleet.steps - steps_before
         await asyncio.sleep(0.5)  # traffic goes on after the hand-over, into the successor
         await fleet.quiet()
@@ -216,6 +227,7 @@ async def test_hot_upgrade_mid_traffic_loses_nothing_and_never_refuses(tmp_path:
         assert steps_during > BUFFER_STEPS, "the hand-over outlasts the replay buffer"
         new_pid = int(pid_file.read_text())
         assert new_pid != old.pid
+        assert out.decode().strip() == f"kvrelay upgrade: handed over to pid {new_pid}"
         os.kill(new_pid, 0)  # the successor lives
         await notes.wait_for(f"MAINPID={new_pid}")
         second = await _exact(grpc, fleet)
