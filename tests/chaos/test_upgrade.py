@@ -46,12 +46,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _config(grpc: int, metrics: int, engines: list[SimEngine], loop: str = "asyncio") -> str:
+def _config(
+    grpc: int, metrics: int, engines: list[SimEngine], loop: str = "asyncio", state: str = ""
+) -> str:
     text = f"""
 [relay]
 dc_name = "dc-upgrade"
 bind = "127.0.0.1:{grpc}"
 event_loop = "{loop}"
+state_dir = "{state}"
 discovery_interval_s = 0.2
 discovery_timeout_s = 1.0
 
@@ -186,7 +189,8 @@ async def test_hot_upgrade_mid_traffic_loses_nothing_and_never_refuses(
     await fleet.start()
     grpc, metrics = _free_port(), _free_port()
     cfg = tmp_path / "kvrelay.toml"
-    cfg.write_text(_config(grpc, metrics, fleet.engines, loop))
+    state = tmp_path / "state"
+    cfg.write_text(_config(grpc, metrics, fleet.engines, loop, str(state)))
     pid_file = tmp_path / "kvrelay.pid"
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
@@ -242,10 +246,13 @@ async def test_hot_upgrade_mid_traffic_loses_nothing_and_never_refuses(
         events = [json.loads(ln) for ln in log.read_text().splitlines() if ln.startswith("{")]
         names = [e.get("event") for e in events]
         assert "upgrade_state_cut" in names and "upgrade_handed_over" in names, names
-        assert "state_saved" not in names  # the old process saves nothing behind it
+        assert "state_saved" not in names and list(state.iterdir()) == []  # nothing behind it
+        assert sorted(os.listdir(tmp_path)) == [
+            "kvrelay.pid", "kvrelay.toml", "log.jsonl", "notify.sock", "state", "tmp"]
         os.kill(new_pid, signal.SIGTERM)
         await eventually(lambda: not _alive(new_pid), timeout=30, what="the successor stops")
         assert not pid_file.exists()
+        assert len(list(state.iterdir())) == 1  # the successor's own clean stop saves
         new_pid = None
     finally:
         print("\n".join(log.read_text().splitlines()[-60:]))  # shown when the test fails

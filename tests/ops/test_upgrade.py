@@ -115,6 +115,22 @@ async def test_the_successor_inherits_the_listener_and_the_cut(runtime: Path) ->
     await asyncio.wait_for(asyncio.to_thread(up.proc.wait), 20)
 
 
+async def test_a_stop_during_the_upgrade_kills_the_successor(runtime: Path) -> None:
+    """SIGTERM while the successor warms up: the upgrade is cancelled, nothing outlives it."""
+    lst = _listener()
+    up = Upgrader({"grpc": lst}, argv=[sys.executable, "-c", "import time; time.sleep(60)"])
+    task = asyncio.create_task(up.run(lambda d: {}, lambda pid: None))
+    try:
+        while up.proc is None:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert up.proc.poll() is not None and _dirs(runtime) == []
+    finally:
+        lst.close()
+
+
 def test_the_takeover_variable_is_parsed_strictly_and_not_inherited() -> None:
     env = {ENV: "chan=7,grpc=8,metrics=9", "OTHER": "x"}
     h = Handoff.from_env(env)
