@@ -237,7 +237,10 @@ class Daemon:
             raise
         self.handoff.close()
         self.upgrades.outcome("taken_over")
-        _LOG.info("upgrade_took_over", pid=os.getpid())
+        pools = [p.stats() for p in self.relay.pools]
+        _LOG.info("upgrade_took_over", pid=os.getpid(),
+                  members_resumed=sum(p.counters.get("members_resumed", 0) for p in pools),
+                  members_reset=sum(sum(p.member_resets.values()) for p in pools))  # fmt: skip
 
     async def _start(self) -> None:
         cfg = self.cfg

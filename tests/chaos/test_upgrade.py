@@ -246,6 +246,8 @@ async def test_hot_upgrade_mid_traffic_loses_nothing_and_never_refuses(
         events = [json.loads(ln) for ln in log.read_text().splitlines() if ln.startswith("{")]
         names = [e.get("event") for e in events]
         assert "upgrade_state_cut" in names and "upgrade_handed_over" in names, names
+        took = next(e for e in events if e.get("event") == "upgrade_took_over")
+        assert (took["members_resumed"], took["members_reset"]) == (4, 0)
         assert "state_saved" not in names and list(state.iterdir()) == []  # nothing behind it
         assert sorted(os.listdir(tmp_path)) == [
             "kvrelay.pid", "kvrelay.toml", "log.jsonl", "notify.sock", "state", "tmp"]
