@@ -102,7 +102,7 @@ async def _run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         while True:
             for e in engines:
                 await e.step(1)
-            nxt += period
+            nxt = max(nxt + period, time.monotonic())  # at most the rate: no catch-up burst
             await asyncio.sleep(max(0.0, nxt - time.monotonic()))
 
     cfg_client = ClientConfig(backoff_initial_s=0.01, backoff_max_s=0.1)

@@ -205,21 +205,31 @@ class Daemon:
         except takeover.TakeoverRefused as exc:
             raise UpgradeFailed("successor_failed", f"{exc.kind}: {exc}") from None
         await self.relay.start(restored)
-        await self._vouched(set(restored))
+        await self._settled(restored)
         return self.relay
 
-    async def _vouched(self, pools: set[str]) -> None:
-        """Until every pool handed over is materialized and its restored members are vouched
-        for or reset (bounded: an engine that never answers is reset by the pool's own timer)."""
+    async def _settled(self, restored: dict[str, Any]) -> None:
+        """Until every pool handed over is materialized and each member of its cut that the
+        configuration still has is live again: vouched for and resumed from its cursor, or reset
+        and rebuilt. Bounded: a member whose engine never answers is reset by the pool's own
+        timer, and the old process serves until then."""
         from kvrelay.relay.handover import RESTORE_VOUCH_S
+
+        def settled(p: Any) -> bool:
+            cut = restored.get(p.name)
+            if cut is None:
+                return True
+            if p.generation is None:
+                return False
+            for key in cut.members:
+                sub = p.subscribers.get(key)
+                if key.worker_id in p.by_worker and (sub is None or sub.state != "live"):
+                    return False
+            return True
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + RESTORE_VOUCH_S + 5.0
-        waiting = [p for p in self.relay.pools if p.name in pools]
-        while loop.time() < deadline and any(
-            p.generation is None or p.restore.file is not None or p.restore.waiting
-            for p in waiting
-        ):
+        while loop.time() < deadline and not all(settled(p) for p in self.relay.pools):
             await asyncio.sleep(0.01)
 
     async def start(self) -> None:
@@ -231,6 +241,7 @@ class Daemon:
             raise UpgradeFailed("successor_failed", "hot upgrade needs workers = 1, no mirror")
         try:
             await self._start()
+            self._write_pid_file()
             await self.handoff.send({"msg": "serving", "pid": os.getpid()})
         except BaseException as exc:
             await self.handoff.fail(f"{type(exc).__name__}: {exc}")
@@ -471,18 +482,24 @@ class Daemon:
             _LOG.error("upgrade_failed", result=exc.result, why=str(exc))
             self.notifier.status(f"hot upgrade failed ({exc.result}); still serving")
 
+    def _write_pid_file(self) -> None:
+        """A successor takes the pid file over once it serves (``serve --pid-file`` leaves it to
+        the process it replaces until then); a failure is logged, not fatal."""
+        if self.pid_file is None:
+            return
+        from kvrelay.ops.reload import write_pid_file
+
+        try:
+            write_pid_file(self.pid_file)
+        except Exception as exc:  # OSError, or a directory others may write to
+            _LOG.error("pid_file_unwritable", path=self.pid_file, error=str(exc))
+
     def _handed_over(self, pid: int) -> None:
-        """The successor serves: it becomes systemd's main PID and the pid file's; we stop."""
+        """The successor serves (and names itself in the pid file): it becomes systemd's main
+        PID; we stop."""
         self.handed_over = True
         self.upgrades.outcome("handed_over")
         self.notifier.notify(f"MAINPID={pid}\nSTATUS=handed over to pid {pid}")
-        if self.pid_file is not None:
-            from kvrelay.ops.reload import write_pid_file
-
-            try:
-                write_pid_file(self.pid_file, pid)
-            except OSError as exc:
-                _LOG.error("pid_file_unwritable", path=self.pid_file, error=str(exc))
         _LOG.info("upgrade_handed_over", successor_pid=pid)
         if self.on_handed_over is not None:
             self.on_handed_over()

@@ -140,10 +140,9 @@ def read_pid_file(path: str | os.PathLike[str]) -> int:
     return int(text)
 
 
-def write_pid_file(path: str | os.PathLike[str], pid: int | None = None) -> None:
-    """Write this process's PID (or ``pid``: a hot upgrade's successor) atomically (a reader
-    never sees a partial file)."""
+def write_pid_file(path: str | os.PathLike[str]) -> None:
+    """Write this process's PID atomically (a reader never sees a partial file)."""
     tmp = f"{os.fspath(path)}.{os.getpid()}.tmp"
     with open(tmp, "w", encoding="ascii") as f:
-        f.write(f"{os.getpid() if pid is None else pid}\n")
+        f.write(f"{os.getpid()}\n")
     os.replace(tmp, path)

@@ -14,9 +14,10 @@ nginx's convention, adapted to a relay whose state is in memory:
 3. The successor starts from the cut: each member resumes from its cursor once the engine vouches
    (the same incarnation, the cut batch still in replay with the same bytes), the replay filling
    what the predecessor applied after the cut; a member that cannot be vouched for is rebuilt.
-   It accepts on the inherited listener (never closed, so the port never refuses a connection),
-   waits until its restored members are vouched for or reset (bounded), and says ``serving``.
-4. The predecessor tells systemd ``MAINPID=<successor>``, rewrites the pid file, stops accepting,
+   Once its members are live again (vouched for, or reset; bounded) it accepts on the inherited
+   listener (never closed, so the port never refuses a connection), writes the pid file and says
+   ``serving``.
+4. The predecessor tells systemd ``MAINPID=<successor>``, stops accepting,
    ends every stream as a shutdown does (status OK, §4.8 of the contract: routers resubscribe
    and land on the successor), stops without saving state, removes the cut directory, exits 0.
 

@@ -96,11 +96,6 @@ class PoolRestore:
         self._counters.members_resumed += 1
         return (r.last_seq, r.digest)
 
-    @property
-    def waiting(self) -> int:
-        """Restored members whose engine has not vouched for them yet."""
-        return len(self._pending)
-
     def due(self, now: float) -> bool:
         """Restored members are still waiting and their time is up."""
         return bool(self._pending) and now >= self._deadline

@@ -139,7 +139,7 @@ class Fleet:
             nxt = time.monotonic()
             while True:
                 await self.step(1)
-                nxt += period
+                nxt = max(nxt + period, time.monotonic())  # at most the rate: no catch-up burst
                 await asyncio.sleep(max(0.0, nxt - time.monotonic()))
 
         self._traffic = asyncio.create_task(run())
