@@ -44,7 +44,7 @@ lint: $(STAMP)
 	$(PY) -m mypy kvrelay
 
 demo: $(RUN_STAMP)
-	@echo "==> kvrelay demo (compiles the numba kernels on its first run, ~15 s)"
+	@echo "==> kvrelay demo (compiles the numba kernels on its first run: ~15 s on 2 quiet cores, up to ~75 s on busy ones)"
 	$(PY) -m kvrelay demo
 
 proto: $(STAMP)
@@ -54,12 +54,22 @@ proto: $(STAMP)
 docs: $(STAMP)
 	$(PY) -m tools.metrics_table --write
 
-# Loopback benchmarks (benchmarks/README.md). Short (< 2 min) by default; FULL=1: full sweep,
-# micro-benchmarks and the Dynamo side-by-side, light and heavy (side_by_side --heavy, ~15 min);
-# SIDE=1 adds the light side-by-side to the short run.
+# Loopback benchmarks (benchmarks/README.md). Short (< 2 min) by default; FULL=1: every committed
+# result regenerated from this commit (benchmarks.run --all: micro, loopback short and full,
+# start-up, snapshots, restart, workers, scaling model, soak, Dynamo side by side light and heavy
+# with 3 repeats, mirror; about two hours, on a quiet machine); SIDE=1 adds the light side by side
+# to the short run.
 bench: $(STAMP)
 	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q -e '.[bench]'
-	$(PY) -m benchmarks.run $(if $(FULL),--full --micro --side-by-side,$(if $(SIDE),--side-by-side,))
+	$(PY) -m benchmarks.run $(if $(FULL),--all,$(if $(SIDE),--side-by-side,))
+
+# Every benchmark script once in its --smoke mode (seconds each, tiny sizes, nothing written to
+# benchmarks/results): the in-process ones run in `make test` too, this adds the ones that start
+# relays, engines and subscribers (3-6 min; the Dynamo ones when .venv-dynamo and root are there).
+.PHONY: bench-smoke
+bench-smoke: $(STAMP)
+	$(PY) -m kvrelay warm
+	KVRELAY_BENCH_SMOKE=1 $(PY) -m pytest -q tests/benchmarks/test_smoke.py
 
 # Bounded soak (tests/reliability, docs/fault-matrix.md): 64 pool subscribers at a steady rate;
 # fails on RSS growth, lag terminations or latency drift. SOAK_SECONDS (default 600) sets the length.

@@ -19,10 +19,20 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks._load import load_at_start
+
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
-WORK = ROOT / "benchmarks" / ".work"
+# KVRELAY_BENCH_RESULTS / KVRELAY_BENCH_WORK: a smoke run (tests/benchmarks) writes elsewhere,
+# never over the committed results.
+RESULTS = Path(os.environ.get("KVRELAY_BENCH_RESULTS") or ROOT / "benchmarks" / "results")
+WORK = Path(os.environ.get("KVRELAY_BENCH_WORK") or ROOT / "benchmarks" / ".work")
 PY = str(ROOT / ".venv" / "bin" / "python")
+
+
+def results_dir(smoke: bool = False) -> Path:
+    """Where a run writes its results: ``--smoke`` runs never go to the committed ones."""
+    return WORK / "smoke" if smoke else RESULTS
+
 MARKER = 0x4B565231
 SUBSCRIBE_PATH = "/dynamo.kvrelay.v1.KvEventRelay/SubscribeKvPool"
 CATALOG_PATH = "/dynamo.kvrelay.v1.KvEventRelay/WatchKvPoolCatalog"
@@ -135,16 +145,16 @@ def machine() -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             pkgs[name] = None
     try:
-        load = os.getloadavg()
-    except OSError:
-        load = (0.0, 0.0, 0.0)
-    try:
         commit = subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
             capture_output=True, text=True, timeout=5,
         ).stdout.strip()
+        dirty = bool(subprocess.run(  # tracked files edited since that commit
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=5,
+        ).stdout.strip())
     except (OSError, subprocess.SubprocessError):
-        commit = ""
+        commit, dirty = "", False
     return {
         "cpu_model": cpu,
         "cores": os.cpu_count(),
@@ -153,8 +163,9 @@ def machine() -> dict[str, Any]:
         "os": platform.platform(),
         "python": sys.version.split()[0],
         "packages": pkgs,
-        "loadavg_at_start": [round(x, 2) for x in load],
+        **load_at_start(),
         "git_commit": commit,
+        "git_dirty": dirty,
         "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 

@@ -76,6 +76,8 @@ FULL = HeavyPlan((10_000, 30_000, 100_000, 300_000, 1_000_000), (1, 16, 64), 8.0
                  (100_000, 200_000, 300_000, 400_000, 600_000, 800_000, 1_200_000, 1_600_000,
                   2_000_000, 2_400_000, 3_200_000), 6.0)
 SHORT = HeavyPlan((10_000, 100_000), (1, 16), 3.0, (200_000, 800_000), 3.0, 8192)
+#: ``--smoke``: every code path once (both stacks, a point, a ramp point), seconds; no figures.
+SMOKE = HeavyPlan((5_000,), (1,), 1.0, (10_000,), 1.0, 256)
 
 
 @dataclass
@@ -370,6 +372,10 @@ class Bench:
         probes = {int(i): int(t) for i, t in sent["probes"]}
         found = {int(i): int(t) for i, t in results[0].get("probe_found", [])}
         e2e = [found[i] - t for i, t in probes.items() if i in found]
+        # where the probes never seen were published, in ms before the loadgen's end: a probe
+        # lost to the check lies at the end, a probe lost by the relay anywhere
+        missed = sorted(round((sent["end_wall_us"] - t) / 1e3, 1)
+                        for i, t in probes.items() if i not in found)
         chk = dict(results[0].get("check") or {})
         done = chk.get("complete_us")
         chk["complete_after_end_s"] = (
@@ -389,6 +395,7 @@ class Bench:
             "delta_latency_ms": percentiles(lat, 1e-3),
             "e2e_latency_ms": percentiles(e2e, 1e-3),
             "probes_seen": len(e2e),
+            "probes_missed_ms_before_end": missed[:20],
             "deltas": sum(st["deltas"] for st in streams),
             "heartbeats": sum(st["heartbeats"] for st in streams),
             "lag_terminations": len(lagged),

@@ -99,6 +99,93 @@ def summary(res: dict[str, Any], light: dict[str, Any] | None) -> dict[str, Any]
     return out
 
 
+#: The headline figures aggregated over repeats: (label, path in a summary).
+REPEATED = (
+    ("max sustained ingest, kvrelay (block events/s)", ("max_sustained", "kvrelay")),
+    ("max sustained ingest, Dynamo (block events/s)", ("max_sustained", "dynamo")),
+    ("max sustained ratio kvrelay / Dynamo", ("max_sustained", "ratio")),
+    ("max ingest (ingest only), kvrelay", ("max_ingest", "kvrelay")),
+    ("max ingest (ingest only), Dynamo", ("max_ingest", "dynamo")),
+    ("max ingest ratio kvrelay / Dynamo", ("max_ingest", "ratio")),
+    ("worst delta p99 ratio where Dynamo keeps up", ("delta_p99_ratio_max",)),
+    ("heavy RSS ratio, lowest", ("heavy_rss_ratio_range", 0)),
+    ("heavy RSS ratio, highest", ("heavy_rss_ratio_range", 1)),
+)
+
+
+def _get(s: Any, path: tuple[Any, ...]) -> float | None:
+    for k in path:
+        if s is None:
+            return None
+        s = s[k] if isinstance(k, int) else s.get(k)
+    return s if isinstance(s, int | float) else None
+
+
+def median(values: list[float]) -> float:
+    """The middle value (the mean of the two middle ones for an even count)."""
+    v = sorted(values)
+    n = len(v)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+
+def repeat_spread(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each headline figure over the repeats: median, min, max and every value (a repeat that
+    did not produce a figure gives None there and is left out of the median)."""
+    out: dict[str, Any] = {"repeats": len(summaries)}
+    for label, path in REPEATED:
+        vals = [_get(s, path) for s in summaries]
+        have = [v for v in vals if v is not None]
+        out[label] = {"median": median(have) if have else None,
+                      "min": min(have) if have else None, "max": max(have) if have else None,
+                      "values": vals, "path": list(path)}
+    return out
+
+
+def median_summary(summaries: list[dict[str, Any]], spread: dict[str, Any]) -> dict[str, Any]:
+    """``summaries[0]`` with every repeated figure replaced by its median over the repeats: what
+    the targets table and the README quote. Per-point lists stay those of the representative
+    repeat."""
+    import copy
+
+    out = copy.deepcopy(summaries[0])
+    for label, path in REPEATED:
+        m = spread[label]["median"]
+        node = out
+        for k in path[:-1]:
+            node = node.get(k) if isinstance(node, dict) else None
+            if node is None:
+                break
+        if node is not None and m is not None:
+            node[path[-1]] = m
+    return out
+
+
+def representative(summaries: list[dict[str, Any]]) -> int:
+    """The repeat whose kvrelay strict maximum is the median (its tables are the ones shown)."""
+    vals = [(_get(s, ("max_sustained", "kvrelay")) or 0.0, i) for i, s in enumerate(summaries)]
+    return sorted(vals)[len(vals) // 2][1] if vals else 0
+
+
+def _repeats_md(res: dict[str, Any]) -> list[str]:
+    sp = res.get("summary_repeats")
+    if not sp or sp.get("repeats", 1) < 2:
+        return []
+    lines = [f"## Over {sp['repeats']} repeats (median, range)", "",
+             "Each repeat is the whole sweep and ramp from fresh stacks. The targets table above "
+             "and the README quote the median; the tables below are those of repeat "
+             f"{res.get('representative_repeat', 0) + 1} (the median kvrelay strict maximum).", "",
+             "| figure | median | range | each repeat |", "|---|---:|---:|---|"]
+    for label, _ in REPEATED:
+        f = sp.get(label) or {}
+        if f.get("median") is None:
+            continue
+        nd = 2 if abs(f["median"]) < 100 else 0
+        each = ", ".join(_f(v, nd) for v in f["values"])
+        lines.append(f"| {label} | {_f(f['median'], nd)} | {_f(f['min'], nd)}–"
+                     f"{_f(f['max'], nd)} | {each} |")
+    return [*lines, ""]
+
+
 def _ms(x: dict[str, Any]) -> str:
     return f"{_f(x['p50'], 2)} / {_f(x['p99'], 2)} / {_f(x['p999'], 2)}"
 
@@ -217,7 +304,9 @@ def _notes(res: dict[str, Any]) -> list[str]:
 
 
 def heavy_markdown(res: dict[str, Any]) -> str:
-    lines = ["# kvrelay vs Dynamo's relay under heavy load (one vLLM event stream, one run)", ""]
+    n = (res.get("summary_repeats") or {}).get("repeats", 1)
+    runs = "one run" if n == 1 else f"median of {n} runs"
+    lines = [f"# kvrelay vs Dynamo's relay under heavy load (one vLLM event stream, {runs})", ""]
     if res.get("skipped"):
         return "\n".join([*lines, f"Skipped: {res['reason']}", ""])
     plan = res["plan"]
@@ -282,6 +371,7 @@ def heavy_markdown(res: dict[str, Any]) -> str:
     s = res.get("summary")
     if s:
         lines += _targets_md(s)
+    lines += _repeats_md(res)
     pts = res.get("latency") or []
     if pts:
         lines += ["## Ratios kvrelay / Dynamo per load point", "",

@@ -23,7 +23,14 @@ from benchmarks._dynamo_env import (
     sigterm_as_exit,
 )
 from benchmarks._heavy import FULL, Bench, HeavyPlan
-from benchmarks._heavy_report import heavy_markdown, heavy_plot, summary
+from benchmarks._heavy_report import (
+    heavy_markdown,
+    heavy_plot,
+    median_summary,
+    repeat_spread,
+    representative,
+    summary,
+)
 
 NS = netns_name("kvrheavy")
 SIDES = ("kvrelay", "dynamo")
@@ -115,7 +122,9 @@ def ingest_ramp(bench: Bench) -> dict[str, Any]:
             "stopped_at": stop, "points": points, "first_rate": plan.ramp[0]}
 
 
-def run(plan: HeavyPlan) -> int:
+def run(plan: HeavyPlan, repeats: int = 1) -> int:
+    """The sweep and the ramp ``repeats`` times (fresh stacks each time); figures are reported
+    as the median and range over the repeats (``_heavy_report.repeat_spread``)."""
     sigterm_as_exit()
     WORK.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"benchmark": "side_by_side_heavy", "skipped": False,
@@ -137,10 +146,14 @@ def run(plan: HeavyPlan) -> int:
     try:
         log(f"heavy side by side in netns {NS} "
             f"({'concurrent: one loadgen feeds both' if plan.concurrent else 'sequential'})")
-        bench.start(SIDES)
-        res["latency"] = []
-        latency_sweep(bench, res["latency"])
-        res["ramp"] = ingest_ramp(bench)
+        res["repeats"] = []
+        for k in range(repeats):
+            log(f"repeat {k + 1} of {repeats}: fresh stacks")
+            bench.start(SIDES)
+            rep: dict[str, Any] = {"repeat": k, "latency": []}
+            res["repeats"].append(rep)
+            latency_sweep(bench, rep["latency"])
+            rep["ramp"] = ingest_ramp(bench)
     except KeyboardInterrupt:
         res["interrupted"] = True
         log("interrupted: stopping every process and dropping the namespace")
@@ -156,11 +169,23 @@ def run(plan: HeavyPlan) -> int:
     res["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     light_path = RESULTS / "side_by_side.json"
     light = json.loads(light_path.read_text()) if light_path.exists() else None
-    res["summary"] = summary(res, light)
+    done = [r for r in res.get("repeats", []) if r.get("ramp")]
+    sums = [summary(r, light) for r in done]
+    for r, sm in zip(done, sums, strict=True):
+        r["summary"] = sm
+    if sums:
+        res["summary_repeats"] = repeat_spread(sums)
+        res["summary"] = median_summary(sums, res["summary_repeats"])
+        res["representative_repeat"] = rep_i = representative(sums)
+        res["latency"], res["ramp"] = done[rep_i]["latency"], done[rep_i]["ramp"]
+    else:  # nothing complete: what the first repeat measured, for the report
+        first = (res.get("repeats") or [{}])[0]
+        res["latency"], res["ramp"] = first.get("latency"), first.get("ramp")
+        res["summary"] = summary(res, light)
     ok = "error" not in res and not res.get("interrupted")
-    # only a complete run of the full plan replaces the committed results; failed, interrupted,
-    # --short and custom runs go to benchmarks/.work/
-    full = replace(plan, concurrent=False) == FULL
+    # only a complete run of the full plan, repeated at least 3 times, replaces the committed
+    # results; failed, interrupted, --short, --smoke, custom and single runs go to .work/
+    full = replace(plan, concurrent=False) == FULL and repeats >= 3
     out_dir = RESULTS if ok and full else WORK
     stem = "side_by_side_heavy" + ("-concurrent" if plan.concurrent else "")
     write_json(out_dir / f"{stem}.json", res)
@@ -173,8 +198,11 @@ def render(path: Path) -> None:
     res = json.loads(path.read_text())
     md = heavy_markdown(res)
     if res.get("latency"):
-        png = heavy_plot(res, path.with_suffix(".png"))
-        md += f"\n![{path.stem}]({png.name})\n"
+        try:
+            png = heavy_plot(res, path.with_suffix(".png"))
+            md += f"\n![{path.stem}]({png.name})\n"
+        except ImportError as exc:  # matplotlib: the `bench` extra (make bench installs it)
+            log(f"no plot: {exc}")
     path.with_suffix(".md").write_text(md)
     print(md)
     log(f"wrote {path.with_suffix('')}.{{json,md,png}}")

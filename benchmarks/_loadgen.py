@@ -13,14 +13,21 @@ Probe chains: every ``1/probe_hz`` s one extra, never-reused 8-block chain is st
 written to ``--probe-file`` before traffic starts; subscribers report when all 8 appear in their
 replica filter, which gives the end-to-end engine → subscriber latency.
 
+A probe's removal that is not due when a run ends waits for the next run (it goes out first
+thing then): removing it right after the run's last batch would let a relay that coalesces
+commands into one delta — any relay a little behind at the end of a run, as the contract allows —
+publish the store and the removal together, and no consumer could ever see that probe although
+every event arrived and the relay's state was exact (``run ... flush`` still does that, for the
+test that shows it).
+
 Working-set file (``--state-file``, for the side by side's final-state check): after every run,
 the canonical hashes of the chains the engine still holds (``present``, shape (W, C)) and of up to
 2,048 chains it removed most recently (``absent``) go to an ``.npz``, so a consumer can check its
 replica against what the engine really holds, independently of any relay counter.
 
 Protocol: prints ``BOUND``, then ``READY`` once ``--subscribers`` SUB sockets subscribed (XPUB sees
-each subscription), then reads commands on stdin: ``run RATE SECONDS STORES_PER_BATCH [PROBE_HZ]``
-answers one JSON line; ``quit`` exits.
+each subscription), then reads commands on stdin: ``run RATE SECONDS STORES_PER_BATCH [PROBE_HZ]
+[flush]`` answers one JSON line; ``quit`` exits.
 """
 
 from __future__ import annotations
@@ -89,6 +96,8 @@ class Traffic:
         self.probe_canonical = [dynamo_sequence_hashes(ptoks[i].tolist(), b)
                                 for i in range(a.probes)]
         self.next_probe = 0
+        # (perf_counter deadline, probe) of stored probes not yet removed; kept across runs
+        self.probe_removals: deque[tuple[float, int]] = deque()
         self.removed: deque[int] = deque(maxlen=2048)
         self.canonical: np.ndarray | None = None
         if a.state_file:  # ~6 µs per chain with the xxhash oracle
@@ -126,10 +135,12 @@ class Traffic:
 
 def run(
     pub: zmq.Socket[bytes], tr: Traffic, state: dict[str, int], rate: float, seconds: float,
-    s: int, probe_hz: float, probe_ttl: float, dp_rank: int,
+    s: int, probe_hz: float, probe_ttl: float, dp_rank: int, flush: bool = False,
 ) -> dict[str, object]:
+    """One paced run. Probe removals not due at the end stay pending for the next run (see
+    the module docstring); ``flush`` sends them right after the last batch instead."""
     probes_sent: list[tuple[int, int]] = []
-    probe_removals: deque[tuple[float, int]] = deque()
+    probe_removals = tr.probe_removals
     sent_blocks = batches = again = late_resets = 0
     t0 = time.perf_counter()
     end = t0 + seconds
@@ -176,9 +187,9 @@ def run(
         batches += 1
         due += blocks / rate
     elapsed = time.perf_counter() - t0
-    # flush pending probe removals so the next run starts clean
-    if probe_removals:
+    if flush and probe_removals:  # the old end of a run: every pending probe removed at once
         evs = [tr.probe_remove[p] for _, p in probe_removals]
+        probe_removals.clear()
         payload = envelope(time.time(), evs, dp_rank)
         pub.send_multipart([b"", state["seq"].to_bytes(8, "big"), payload])
         state["seq"] += 1
@@ -194,6 +205,7 @@ def run(
         "hwm_drops": again,
         "fell_behind": late_resets,
         "probes": probes_sent,
+        "probes_pending_removal": len(probe_removals),
         "next_seq": state["seq"],
         "end_wall_us": end_wall_us,
     }
@@ -241,7 +253,8 @@ def main() -> None:
         if parts[0] == "run":
             rate, seconds, s = float(parts[1]), float(parts[2]), int(parts[3])
             hz = float(parts[4]) if len(parts) > 4 else a.probe_hz
-            res = run(pub, tr, state, rate, seconds, s, hz, a.probe_ttl, a.dp_rank)
+            flush = len(parts) > 5 and parts[5] == "flush"
+            res = run(pub, tr, state, rate, seconds, s, hz, a.probe_ttl, a.dp_rank, flush)
             res["next_probe"] = tr.next_probe
             if a.state_file:
                 tr.write_state(a.state_file)

@@ -21,7 +21,9 @@ def machine_md(m: dict[str, Any]) -> str:
     return (
         f"Machine: {m['cpu_model']}, {m['cores']} cores, kernel {m['kernel']}, Python "
         f"{m['python']}, load average at start {m['loadavg_at_start']}; {pk}; "
-        f"git {m['git_commit']}; {m['utc']}.\n"
+        f"git {m['git_commit']}{' (modified tree)' if m.get('git_dirty') else ''}; {m['utc']}."
+        + ("" if m.get("quiet", True) else f" **Not a quiet machine** ({m['not_quiet_because']}): "
+           "these figures are not comparable with quiet runs.") + "\n"
     )
 
 

@@ -30,8 +30,11 @@ class Plan:
     ramp: tuple[float, ...]
     ramp_s: float
     snapshot_repeats: int
+    big_lane: bool = True  # the 64 MiB lane (a second relay) in the snapshot suite
 
 
+#: ``--smoke``: every scenario once with tiny sizes (seconds); figures mean nothing.
+SMOKE = Plan("smoke", 1, 256, (5_000,), (1, 2), 0.5, (10_000,), 0.5, 1, big_lane=False)
 SHORT = Plan("short", 2, 8192, (20_000, 100_000), (1, 16), 3.0,
              (50_000, 150_000, 400_000), 3.0, 2)
 FULL = Plan("full", 4, 16384, (10_000, 30_000, 100_000, 300_000, 1_000_000), (1, 16, 64), 8.0,
@@ -293,6 +296,8 @@ def snapshot_suite(main: Fleet, plan: Plan) -> tuple[list[dict[str, Any]], list[
     log("snapshot: 4 MiB lane (524,288 buckets)")
     out = [snapshot_times(main, plan.snapshot_repeats, 1),
            snapshot_times(main, plan.snapshot_repeats, 8)]
+    if not plan.big_lane:
+        return out, []
     log("snapshot: 64 MiB lane (8,388,608 buckets; separate relay, expected_blocks 16,777,216)")
     big = big_lane_fleet()
     try:

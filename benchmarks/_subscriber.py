@@ -134,6 +134,10 @@ class Prober:
             gone = contains(self.table, self.seed, self.absent.ravel()).reshape(self.absent.shape)
             c["stale_chains"] = int(gone.all(axis=1).sum())
             c["stale_hashes"] = int(gone.sum())
+        if self.pending:  # probes never seen that are in the replica now (none, when exact)
+            window = self.pending[:PROBE_WINDOW]
+            hit = contains(self.table, self.seed, self.probes[window].ravel()).reshape(-1, 8)
+            c["unseen_probes_present"] = int(hit.all(axis=1).sum())
         if c["missing_hashes"] == 0 and c["complete_us"] is None:
             c["complete_us"] = int(time.time() * 1e6)
         return c["complete_us"] is not None

@@ -1,5 +1,6 @@
 """Consumer SDK costs: depth query per pool and replica frame application (no network).
 
+Usage: .venv/bin/python -m benchmarks.bench_client [--smoke]
 Prints numbers and writes ``benchmarks/results/bench_client.json``. A default-size lane
 (524,288 buckets) is filled to ~75% with random keys; queries use 1024- and 8192-token prompts
 whose first half is cached.
@@ -7,12 +8,14 @@ whose first half is cached.
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
-from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from benchmarks._common import machine, results_dir
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client.query import HashCache
 from kvrelay.client.replica import PoolReplica
@@ -50,11 +53,15 @@ def fu(kind: int, base: int, seq: int, payload: bytes) -> pb.FilterUpdate:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, results to .work/smoke")
+    smoke = ap.parse_args().smoke
+    n_prompts, n_deltas = (4, 20) if smoke else (200, 2000)
     rng = np.random.default_rng(1)
     lane = Lane(BUCKETS, SEED)
     lane.insert(rng.integers(0, 2**63, size=int(BUCKETS * 4 * 0.70), dtype=np.uint64))
     prompts = {
-        n: [rng.integers(1, 150_000, size=n, dtype=np.uint32) for _ in range(200)]
+        n: [rng.integers(1, 150_000, size=n, dtype=np.uint32) for _ in range(n_prompts)]
         for n in (1024, 8192)
     }
     for group in prompts.values():  # the first half of every prompt is cached
@@ -72,7 +79,7 @@ def main() -> None:
     results["snapshot_install_ms"] = (time.perf_counter() - t) * 1e3
 
     deltas = []
-    for i in range(2000):
+    for i in range(n_deltas):
         b = np.unique(rng.integers(0, BUCKETS, size=64)).astype(np.uint64)
         w = lane.table[b.astype(np.intp)]  # same words: queries below see the lane intact
         deltas.append(fu(2, i, i + 1, cbi1.encode_delta(b, w, seed=SEED, bucket_count=BUCKETS,
@@ -93,27 +100,29 @@ def main() -> None:
                 int(seq.size), lambda i, s=seq: bool(contains(table, SEED, s[i : i + 1])[0])
             ))  # fmt: skip
         results[f"query_us_{n_tokens}_tokens_search_probe_per_position"] = (
-            (time.perf_counter() - t) / 200 * 1e6
+            (time.perf_counter() - t) / len(group) * 1e6
         )
         t = time.perf_counter()
         for p in group:  # what RelayClient.overlap does per pool
             seq = HashCache(p).get(16, False, 1337)
             present = contains(table, SEED, seq).tolist()
             prefix_depth(len(present), present.__getitem__)
-        results[f"query_us_{n_tokens}_tokens_overlap_path"] = (time.perf_counter() - t) / 200 * 1e6
+        results[f"query_us_{n_tokens}_tokens_overlap_path"] = (
+            (time.perf_counter() - t) / len(group) * 1e6)
         results[f"mean_depth_{n_tokens}_tokens"] = float(np.mean(depths))
         t = time.perf_counter()
         for p in group:
             seq = HashCache(p).get(16, False, 1337)
             contains(table, SEED, seq)
         results[f"query_us_{n_tokens}_tokens_hash_plus_full_probe"] = (
-            (time.perf_counter() - t) / 200 * 1e6
+            (time.perf_counter() - t) / len(group) * 1e6
         )
     for k, v in results.items():
         print(f"{k:48s} {v:10.2f}")
-    out = Path(__file__).parent / "results" / "bench_client.json"
+    doc: dict[str, Any] = {**results, "machine": machine()}
+    out = results_dir(smoke) / "bench_client.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    out.write_text(json.dumps(doc, indent=2) + "\n")
 
 
 if __name__ == "__main__":

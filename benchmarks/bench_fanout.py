@@ -7,7 +7,7 @@ Clients are grpclib streams in the parent reading raw bytes (no protobuf decode 
 Targets: ≤ 10 µs server CPU per delivered frame; ≤ 20 ms subscribe → snapshot complete for a
 4 MiB (524,288-bucket) lane, over loopback.
 
-    .venv/bin/python benchmarks/bench_fanout.py [--subscribers 16] [--deltas 3000]
+    .venv/bin/python -m benchmarks.bench_fanout [--subscribers 16] [--deltas 3000] [--smoke]
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import multiprocessing as mp
 import statistics
 import time
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,10 +26,10 @@ from grpclib.client import Channel
 from grpclib.config import Configuration
 from grpclib.const import Cardinality
 
+from benchmarks._common import machine, results_dir
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client.codec import RawCodec
 
-RESULTS = Path(__file__).resolve().parent / "results"
 PATH = "/dynamo.kvrelay.v1.KvEventRelay/SubscribeKvPool"
 MARKER = 0x4B565231
 LANE = 524_288
@@ -119,6 +118,9 @@ async def _server(conn: Connection) -> None:
             pb.ServingReadinessUpdate(protocol_version=1, relay=relay, contract_marker=MARKER)
         )
         load = Plane(pb.KvPoolLoadUpdate(protocol_version=1, relay=relay, contract_marker=MARKER))
+        serving_load = Plane(
+            pb.ServingLoadUpdate(protocol_version=1, relay=relay, contract_marker=MARKER)
+        )
 
         async def open_pool(
             self, expected: pb.ProducerIdentity, on_release: Any = None
@@ -308,15 +310,18 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=16)
     ap.add_argument("--interval-ms", type=float, default=1.0)
     ap.add_argument("--snapshot-trials", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, results to .work/smoke")
     args = ap.parse_args()
+    if args.smoke:
+        args.subscribers, args.deltas, args.snapshot_trials = [1, 2], 20, 2
     result = asyncio.run(run(args))
     result["targets"] = {"server_cpu_us_per_frame": 10.0, "snapshot_complete_ms": 20.0}
     result["marginal"] = marginal_cost(result["fanout"])
     import os
 
-    result["machine"] = {"cpus": mp.cpu_count(), "loadavg_after": os.getloadavg()}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "fanout.json"
+    result["machine"] = machine() | {"cpus": mp.cpu_count(), "loadavg_after": os.getloadavg()}
+    out = results_dir(args.smoke) / "fanout.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     s = result["snapshot"]
     print(

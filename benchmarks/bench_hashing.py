@@ -1,6 +1,6 @@
 """Block-hash throughput: numba batch kernel vs a per-block ``xxhash`` call loop.
 
-Usage: .venv/bin/python benchmarks/bench_hashing.py [--blocks N]
+Usage: .venv/bin/python -m benchmarks.bench_hashing [--blocks N] [--smoke]
 Prints the rates and writes benchmarks/results/hashing.json.
 """
 
@@ -10,13 +10,13 @@ import argparse
 import json
 import platform
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import xxhash
 from numba import njit
 
+from benchmarks._common import machine, results_dir
 from kvrelay.hashing.tokens import block_hashes, sequence_hashes
 from kvrelay.hashing.xxh3 import xxh3_64_u64
 
@@ -45,7 +45,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--blocks", type=int, default=200_000)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, results to .work/smoke")
     args = ap.parse_args()
+    if args.smoke:
+        args.blocks, args.repeat = 2_000, 1
     n = args.blocks
     tokens = np.random.default_rng(0).integers(0, 2**32, size=n * BLOCK, dtype=np.uint32)
 
@@ -72,7 +75,7 @@ def main() -> None:
     t_u64 = _best(lambda: [xxh3_64_u64(k, 0x5DEECE66D1B54A33) for k in keys], args.repeat)
 
     # The cuckoo filter's per-key hash, called from njit code (no dispatcher in the loop).
-    ukeys = np.arange(2_000_000, dtype=np.uint64)
+    ukeys = np.arange(20_000 if args.smoke else 2_000_000, dtype=np.uint64)
     useed = np.uint64(0x5DEECE66D1B54A33)
     _u64_loop(ukeys[:8], useed)
     t_u64_nb = _best(lambda: _u64_loop(ukeys, useed), args.repeat)
@@ -87,11 +90,12 @@ def main() -> None:
         "njit_xxh3_64_u64_keys_per_s": ukeys.size / t_u64_nb,
         "python_call_xxh3_64_u64_per_s": len(keys) / t_u64,
         "python": platform.python_version(),
-        "machine": platform.machine(),
+        "arch": platform.machine(),
     }
     for k, v in res.items():
         print(f"{k:36s} {v:,.0f}" if isinstance(v, float) else f"{k:36s} {v}")
-    out = Path(__file__).resolve().parent / "results" / "hashing.json"
+    res["machine"] = machine()
+    out = results_dir(args.smoke) / "hashing.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")
     print(f"wrote {out}")

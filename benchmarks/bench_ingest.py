@@ -3,24 +3,24 @@
 Realistic steady-state steps: 8-block stores of 16-token blocks with parents (prefill chunks)
 balanced by one-hash removes (evictions), map era (vLLM >= 0.24) with int hashes; plus the
 array era, the bytes-hash (slow path) variant and a removes-only step. Prints block events/s and
-writes benchmarks/results/ingest.json.
+writes benchmarks/results/ingest.json. Usage: ``python -m benchmarks.bench_ingest [--smoke]``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
 import time
-from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from benchmarks._common import machine, results_dir
 from kvrelay.ingest.decoder import Decoder
 
 B = 16
-RESULTS = Path(__file__).resolve().parent / "results" / "ingest.json"
 
 
 def _store(era: str, rng: random.Random, hashes: list[Any], parent: Any) -> Any:
@@ -170,18 +170,24 @@ def e2e(n_msgs: int = 3000, warm_chains: int = 20_000, stores: int = 4) -> dict[
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, results to .work/smoke")
+    smoke = ap.parse_args().smoke
+    k = 50 if smoke else 1  # messages per case divided by this
     cases = [
-        ("map: 4x8-block stores + 32 removes", payloads("map", 4, 32, 2000)),
-        ("map: 16x8-block stores + 128 removes", payloads("map", 16, 128, 500)),
-        ("map: 1x8-block store + 8 removes", payloads("map", 1, 8, 5000)),
-        ("array: 4x8-block stores + 32 removes", payloads("array", 4, 32, 2000)),
-        ("map: 256 one-hash removes", payloads("map", 0, 256, 500)),
-        ("map bytes hashes (slow path): 4x8 + 32", payloads("map", 4, 32, 1000, as_bytes=True)),
+        ("map: 4x8-block stores + 32 removes", payloads("map", 4, 32, 2000 // k)),
+        ("map: 16x8-block stores + 128 removes", payloads("map", 16, 128, 500 // k)),
+        ("map: 1x8-block store + 8 removes", payloads("map", 1, 8, 5000 // k)),
+        ("array: 4x8-block stores + 32 removes", payloads("array", 4, 32, 2000 // k)),
+        ("map: 256 one-hash removes", payloads("map", 0, 256, 500 // k)),
+        ("map bytes hashes (slow path): 4x8 + 32",
+         payloads("map", 4, 32, 1000 // k, as_bytes=True)),
     ]
-    results = [run(name, msgs, blocks) for name, (msgs, blocks) in cases]
-    results.append(e2e(stores=4))
-    results.append(e2e(n_msgs=1000, warm_chains=5_000, stores=16))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    results = [run(name, msgs, blocks, 1 if smoke else 9) for name, (msgs, blocks) in cases]
+    results.append(e2e(n_msgs=3000 // k, warm_chains=20_000 // k, stores=4))
+    results.append(e2e(n_msgs=1000 // k, warm_chains=5_000 // k, stores=16))
+    out = results_dir(smoke) / "ingest.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "benchmark": "ingest_decode",
         "note": (
@@ -191,9 +197,10 @@ def main() -> None:
         "block_size": B,
         "loadavg_1m": os.getloadavg()[0],
         "results": results,
+        "machine": machine(),
     }
-    RESULTS.write_text(json.dumps(doc, indent=2))
-    print(f"wrote {RESULTS}")
+    out.write_text(json.dumps(doc, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Plane update costs at fleet scale: catalog/readiness recompute, load window build, fan-out.
 
-Usage: .venv/bin/python benchmarks/bench_planes.py [--pools N]
+Usage: .venv/bin/python -m benchmarks.bench_planes [--pools N] [--smoke]
 Prints per-operation times and writes benchmarks/results/planes.json.
 """
 
@@ -12,9 +12,9 @@ import json
 import platform
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+from benchmarks._common import machine, results_dir
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.publication.broadcast import VersionedBroadcast
 from kvrelay.publication.catalog import CatalogPlane, LoraSpec, descriptor
@@ -63,7 +63,11 @@ async def _fanout(waiters: int, rounds: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pools", type=int, default=64)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, results to .work/smoke")
     args = ap.parse_args()
+    rounds = 2 if args.smoke else 50
+    if args.smoke:
+        args.pools = 4
     n = args.pools
     descs = [
         descriptor(
@@ -103,20 +107,23 @@ def main() -> None:
     load = LoadPlane(RELAY, provider=lambda: [(_producer(i), ranks) for i in range(n)])
     results: dict[str, Any] = {
         "pools": n,
-        "catalog_set_pools_unchanged_ms": _time(lambda: catalog.set_pools(descs), 50) * 1e3,
-        "readiness_set_topology_unchanged_ms": _time(lambda: readiness.set_topology(eps), 50) * 1e3,
-        "load_window_build_ms": _time(load.publish_window, 50) * 1e3,
+        "catalog_set_pools_unchanged_ms": _time(lambda: catalog.set_pools(descs), rounds) * 1e3,
+        "readiness_set_topology_unchanged_ms": _time(
+            lambda: readiness.set_topology(eps), rounds) * 1e3,
+        "load_window_build_ms": _time(load.publish_window, rounds) * 1e3,
         "catalog_snapshot_bytes": len(bytes(catalog.current()[1])),
         "readiness_snapshot_bytes": len(bytes(readiness.current()[1])),
         "load_window_bytes": len(bytes(load.current()[1])),
-        "fanout_publish_wake_64_waiters_us": asyncio.run(_fanout(64, 200)) * 1e6,
+        "fanout_publish_wake_64_waiters_us": asyncio.run(
+            _fanout(64, 4 if args.smoke else 200)) * 1e6,
         "python": platform.python_version(),
-        "machine": platform.machine(),
+        "arch": platform.machine(),
     }
     for k, v in results.items():
         print(f"{k:40s} {v:.3f}" if isinstance(v, float) else f"{k:40s} {v}")
-    out = Path(__file__).resolve().parent / "results" / "planes.json"
-    out.parent.mkdir(exist_ok=True)
+    results["machine"] = machine()
+    out = results_dir(args.smoke) / "planes.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
 
 

@@ -1,8 +1,9 @@
 """Pool benchmarks: CKF kernel rates, apply rate for a realistic event mix, exact-state memory
 (at fixed sizes, and swept over a size range since tables grow in steps).
 
-Run: ``.venv/bin/python benchmarks/bench_pool.py [--quick]``. Prints numbers and writes
-``benchmarks/results/pool.json``. Timings exclude numba compilation (a warm-up call runs first).
+Run: ``.venv/bin/python -m benchmarks.bench_pool [--quick | --smoke]``. Prints numbers and
+writes ``benchmarks/results/pool.json`` (``--quick``, ``--smoke``: ``.work/smoke/pool.json``).
+Timings exclude numba compilation (a warm-up call runs first).
 """
 
 from __future__ import annotations
@@ -12,17 +13,16 @@ import json
 import platform
 import time
 from collections import deque
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from benchmarks._common import machine, results_dir
 from kvrelay.pool import ckf
 from kvrelay.pool.batch import OP_REMOVE, OP_STORE, EventBatch
 from kvrelay.pool.pool import Pool
 
 SEED = 0x5DEECE66D1B54A33
-RESULTS = Path(__file__).resolve().parent / "results" / "pool.json"
 
 
 def bench_kernels(buckets: int) -> dict[str, float]:
@@ -158,11 +158,11 @@ class Workload:
         return b, blocks
 
 
-def bench_apply(quick: bool) -> dict[str, Any]:
+def bench_apply(quick: bool, smoke: bool = False) -> dict[str, Any]:
     members, bs = 4, 16
     pool = Pool(524_288, SEED, bs, 1)
     mids = [pool.add_member(10 + i, 0) for i in range(members)]
-    live_target = 40_000 if quick else 120_000
+    live_target = 4_000 if smoke else 40_000 if quick else 120_000
     wl = Workload(members, bs, prefixes=20_000, live_target=live_target, seed=3)
     # warm-up to steady state (compiles the kernel on the first call)
     while min(len(s) for s in wl.live) < live_target:
@@ -171,7 +171,7 @@ def bench_apply(quick: bool) -> dict[str, Any]:
             res = pool.apply(mid, b)
             assert res.events_rejected == 0, res.errors[:3]
     pool.take_publication()
-    rounds = 3 if quick else 8
+    rounds = 1 if smoke else 3 if quick else 8
     big = [[wl.batch(i, 4000) for i in range(members)] for _ in range(rounds)]
     t_total = 0.0
     c_total = 0.0
@@ -189,7 +189,7 @@ def bench_apply(quick: bool) -> dict[str, Any]:
     big_rate = blocks / t_total
     big_cpu_rate = blocks / c_total
     # vLLM-sized batches: ~2 stores (+16 removes) per engine message, through Pool.apply
-    small = [wl.batch(i % members, 2) for i in range(4000 if quick else 20000)]
+    small = [wl.batch(i % members, 2) for i in range(400 if smoke else 4000 if quick else 20000)]
     t = time.perf_counter()
     c = time.process_time()
     sb = 0
@@ -308,10 +308,14 @@ def bench_memory_sweep(lo: int, hi: int, points: int) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
+    ap.add_argument("--quick", action="store_true", help="smaller sizes")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (seconds)")
     args = ap.parse_args()
-    out: dict[str, Any] = {"python": platform.python_version(), "machine": platform.machine()}
-    out["kernels"] = [bench_kernels(b) for b in (524_288, 4_194_304)]
+    args.quick = args.quick or args.smoke
+    out: dict[str, Any] = {"python": platform.python_version(), "arch": platform.machine(),
+                           "machine": machine()}
+    out["kernels"] = [bench_kernels(b) for b in (
+        (16_384,) if args.smoke else (524_288, 4_194_304))]
     for k in out["kernels"]:
         print(
             f"CKF {k['table_mib']:.0f} MiB: insert {k['insert_keys_per_s'] / 1e6:.1f} M/s, "
@@ -319,7 +323,7 @@ def main() -> None:
             f"{k['contains_miss_keys_per_s'] / 1e6:.1f} M/s, remove "
             f"{k['remove_keys_per_s'] / 1e6:.1f} M/s (fpr {k['false_positive_rate']:.5f})"
         )
-    out["apply"] = bench_apply(args.quick)
+    out["apply"] = bench_apply(args.quick, args.smoke)
     a = out["apply"]
     print(
         f"apply: {a['block_events_per_s_large_batches'] / 1e6:.2f} M block events/s wall, "
@@ -328,7 +332,7 @@ def main() -> None:
         f"{a['small_batch_blocks_avg']:.0f}-block batches ({a['apply_call_us_small_batch']:.1f} "
         f"us/call); steady memberships {a['steady_memberships']}"
     )
-    sizes = (1_000_000,) if args.quick else (1_000_000, 10_000_000)
+    sizes = (50_000,) if args.smoke else (1_000_000,) if args.quick else (1_000_000, 10_000_000)
     out["memory"] = []
     for size in sizes:
         for shared in (True, False):
@@ -340,17 +344,19 @@ def main() -> None:
                 f"{r['bytes_per_membership']:.2f} B/membership {r['breakdown_bytes']}; filled at "
                 f"{r['fill_memberships_per_s'] / 1e6:.2f} M/s; from_state {r['from_state_s']:.2f} s"
             )
-    points = 4 if args.quick else 11
-    out["memory_sweep"] = bench_memory_sweep(1_000_000, 2_000_000, points)
+    points = 2 if args.smoke else 4 if args.quick else 11
+    lo = 50_000 if args.smoke else 1_000_000
+    out["memory_sweep"] = bench_memory_sweep(lo, 2 * lo, points)
     for kind in ("unshared", "shared"):
         sw = out["memory_sweep"][kind]
         print(
-            f"memory sweep 1M..2M ({points} sizes, {kind}): min {sw['min']:.2f}, mean "
+            f"memory sweep {lo:,}..{2 * lo:,} ({points} sizes, {kind}): min {sw['min']:.2f}, mean "
             f"{sw['mean']:.2f}, max {sw['max']:.2f} B/membership"
         )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    path = results_dir(args.quick) / "pool.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

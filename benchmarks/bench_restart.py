@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import RESULTS, ROOT, machine, write_json
+from benchmarks._common import ROOT, machine, results_dir, write_json
 from kvrelay.client import ClientConfig, RelayClient
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
@@ -228,14 +228,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--buffer-steps", type=int, default=32)
     ap.add_argument("--steps-per-s", type=float, default=20.0)
     ap.add_argument("--no-write", action="store_true", help="print only")
+    ap.add_argument("--smoke", action="store_true", help="seconds, tiny sizes, to .work/smoke")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.engines, args.capacity, args.history_steps, args.buffer_steps = 1, 512, 20, 64
     runs = [asyncio.run(_run(mode, args)) for mode in ("state_dir", "replay_only")]
     doc = {"machine": machine(), "args": vars(args), "runs": runs}
     md = _markdown(doc)
     print(md)
     if not args.no_write:
-        write_json(RESULTS / "restart.json", doc)
-        (RESULTS / "restart.md").write_text(md)
+        out = results_dir(args.smoke)
+        write_json(out / "restart.json", doc)
+        (out / "restart.md").write_text(md)
     return 0
 
 

@@ -1,7 +1,8 @@
 """Simulator throughput: scheduler steps, events and wire bytes per second (one DP rank).
 
 Tells us how hard the simulator can drive an ingest pipeline from one Python process.
-Usage: .venv/bin/python benchmarks/bench_sim.py [--steps N]
+Usage: .venv/bin/python -m benchmarks.bench_sim [--steps N] [--smoke]
+Writes ``benchmarks/results/bench_sim.json``.
 """
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ import argparse
 import asyncio
 import json
 import time
-from pathlib import Path
 
 import msgspec
 
+from benchmarks._common import machine, results_dir
 from kvrelay.sim import Era, HashMode, SimConfig, SimEngine, TrafficConfig
 
 
@@ -54,7 +55,10 @@ async def run(era: Era, mode: HashMode, steps: int) -> dict[str, float | str]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, results to .work/smoke")
     args = ap.parse_args()
+    if args.smoke:
+        args.steps = 20
     results = [
         asyncio.run(run(era, mode, args.steps))
         for era, mode in [
@@ -65,9 +69,10 @@ def main() -> None:
     ]
     for r in results:
         print(json.dumps(r))
-    out = Path(__file__).parent / "results" / "bench_sim.json"
+    out = results_dir(args.smoke) / "bench_sim.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    doc = {"benchmark": "bench_sim", "machine": machine(), "results": results}
+    out.write_text(json.dumps(doc, indent=2) + "\n")
 
 
 if __name__ == "__main__":

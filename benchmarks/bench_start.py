@@ -1,6 +1,7 @@
 """Daemon start-up: process start → READY, cold (empty numba cache) and warm (cache present).
 
 Usage: .venv/bin/python -m benchmarks.bench_start [--cold N] [--warm N] [--no-profile] [--short]
+       [--smoke]
 
 Each run starts the real daemon (``python -m kvrelay serve --config ...``, one pool with a static
 ZMQ source) as a subprocess with ``NOTIFY_SOCKET`` pointing at an AF_UNIX datagram socket this
@@ -37,9 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
-WORK = ROOT / "benchmarks" / ".work"
+from benchmarks._common import ROOT, WORK, results_dir
+
 PY = sys.executable
 
 CONFIG = """\
@@ -317,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile")
     ap.add_argument("--short", action="store_true",
                     help="warm starts only, persistent cache (make bench)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="one warm start on the kernel cache in use (seconds), to .work/smoke")
     ap.add_argument("--profile-child", metavar="OUT", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.profile_child:
@@ -325,10 +327,12 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks._common import machine, write_json
 
     res: dict[str, Any] = {"benchmark": "start", "machine": machine(),
-                           "mode": "short" if a.short else "full"}
+                           "mode": "smoke" if a.smoke else "short" if a.short else "full"}
     scratch = Path(tempfile.mkdtemp(prefix="kvr-numba-"))
     try:
-        if a.short:
+        if a.smoke:  # the cache this environment already uses (kvrelay warm filled it)
+            res["warm"] = [start_once(None, timeout_s=120.0)]
+        elif a.short:
             cache = WORK / "numba-start"
             cache.mkdir(parents=True, exist_ok=True)
             first = start_once(cache)
@@ -350,10 +354,11 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     res["cold_ready_s_median"] = _median([r["ready_s"] for r in res.get("cold", [])])
     res["warm_ready_s_median"] = _median([r["ready_s"] for r in res["warm"]])
-    name = "start-short" if a.short else "start"
-    write_json(RESULTS / f"{name}.json", res)
+    name = "start-short" if a.short or a.smoke else "start"
+    out = results_dir(a.smoke)
+    write_json(out / f"{name}.json", res)
     md = markdown(res)
-    (RESULTS / f"{name}.md").write_text(md)
+    (out / f"{name}.md").write_text(md)
     print(md)
     bad = [r for r in res.get("cold", []) + res["warm"] if r["ready_s"] is None]
     for r in bad:

@@ -28,7 +28,16 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._common import PY, RESULTS, WORK, machine, percentiles, tree_sample, write_json
+from benchmarks._common import (
+    PY,
+    RESULTS,
+    WORK,
+    machine,
+    percentiles,
+    results_dir,
+    tree_sample,
+    write_json,
+)
 from benchmarks._harness import Fleet, FleetConfig, Proc, load_point
 from benchmarks._scenarios import log, sustained
 
@@ -36,7 +45,11 @@ TARGET_RATE, TARGET_SUBS = 300_000, 64
 HOP_RATE = 100_000
 
 
-def _plan(full: bool) -> dict[str, Any]:
+def _plan(full: bool, smoke: bool = False) -> dict[str, Any]:
+    if smoke:  # seconds: every code path once, nothing measured
+        return {"point_s": 0.5, "rates": (5_000,), "subs": (2,), "ramp": (10_000,),
+                "ramp_s": 0.5, "hop_s": 1.0, "engines": 1, "working_set_chains": 256,
+                "target": (5_000, 2), "hop_rate": 5_000}
     if full:
         return {"point_s": 6.0, "rates": (10_000, 30_000, 100_000, 300_000),
                 "subs": (16, 64, 128), "ramp": (200_000, 400_000, 800_000, 1_200_000),
@@ -71,9 +84,10 @@ def _internal(fleet: Fleet) -> dict[str, Any]:
 
 def compare(fleets: dict[int, Fleet], plan: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"target": {}, "grid": [], "ramp": {}}
-    log(f"target: {TARGET_RATE:,} block events/s, {TARGET_SUBS} subscribers")
+    t_rate, t_subs = plan.get("target", (TARGET_RATE, TARGET_SUBS))
+    log(f"target: {t_rate:,} block events/s, {t_subs} subscribers")
     for w, f in fleets.items():
-        r = load_point(f, TARGET_RATE, TARGET_SUBS, plan["point_s"], f"w{w}-target")
+        r = load_point(f, t_rate, t_subs, plan["point_s"], f"w{w}-target")
         out["target"][w] = _brief(r) | _internal(f)
         log(f"  workers={w}: delta p99 {r['delta_latency_ms']['p99']} ms, lagged "
             f"{r['relay_counters']['lag_errors']}, cpu {r['relay_cpu_util']}")
@@ -86,7 +100,7 @@ def compare(fleets: dict[int, Fleet], plan: dict[str, Any]) -> dict[str, Any]:
                 log(f"  {rate:>9,} ev/s x{n:<3} workers={w}: {b['frames_per_s']:>9,} frames/s "
                     f"p99 {r['delta_latency_ms']['p99']} ms lagged "
                     f"{r['relay_counters']['lag_errors']} ok={b['within_target']}")
-    ramps = {1: (1, "workers=1, 1 subscriber"), 2: (TARGET_SUBS, "workers=2, 64 subscribers")}
+    ramps = {1: (1, "workers=1, 1 subscriber"), 2: (t_subs, f"workers=2, {t_subs} subscribers")}
     for w, (n, name) in ramps.items():
         best, points = 0.0, []
         for rate in plan["ramp"]:
@@ -119,7 +133,7 @@ def _wait_port(port: int, timeout: float) -> None:
     raise TimeoutError(f"nothing listens on {port}")
 
 
-def mirror_hop(fleet: Fleet, seconds: float) -> dict[str, Any]:
+def mirror_hop(fleet: Fleet, seconds: float, rate: float = HOP_RATE) -> dict[str, Any]:
     """A ``kvrelay mirror`` process in front of ``fleet``'s relay: added latency per delta."""
     port, mport = _free_port(), _free_port()
     mirror = Proc("hop-mirror", [PY, "-m", "kvrelay", "mirror", "--upstream",
@@ -137,7 +151,7 @@ def mirror_hop(fleet: Fleet, seconds: float) -> dict[str, Any]:
             proc.expect("SNAPSHOTS_DONE", 120)
         time.sleep(0.3)
         c0 = tree_sample(mirror.pid)
-        sent = fleet.drive(HOP_RATE, seconds)
+        sent = fleet.drive(rate, seconds)
         c1 = tree_sample(mirror.pid)
         time.sleep(0.5)
         seqs: dict[str, dict[int, int]] = {}
@@ -154,7 +168,7 @@ def mirror_hop(fleet: Fleet, seconds: float) -> dict[str, Any]:
     added = [seqs["mirror"][s] - seqs["direct"][s] for s in common]
     ends = {k: v for k, v in metrics.items() if "pool_stream_ends" in k or "lagged" in k}
     return {
-        "offered_rate": HOP_RATE,
+        "offered_rate": rate,
         "achieved_rate": round(sum(float(s["achieved_rate"]) for s in sent)),
         "deltas_direct": len(seqs["direct"]),
         "deltas_mirror": len(seqs["mirror"]),
@@ -273,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--full", action="store_true")
     ap.add_argument("--render", metavar="JSON", help="only re-render the Markdown of a result")
+    ap.add_argument("--smoke", action="store_true", help="seconds, tiny sizes, to .work/smoke")
     a = ap.parse_args(argv)
     if a.render:
         path = RESULTS / a.render
@@ -281,20 +296,23 @@ def main(argv: list[str] | None = None) -> int:
         path.with_suffix(".md").write_text(md)
         print(md)
         return 0
-    plan = _plan(a.full)
-    res: dict[str, Any] = {"benchmark": "workers", "mode": "full" if a.full else "short",
+    plan = _plan(a.full, a.smoke)
+    res: dict[str, Any] = {"benchmark": "workers",
+                           "mode": "smoke" if a.smoke else "full" if a.full else "short",
                            "machine": machine(), "plan": plan}  # fmt: skip
     fleets = {
-        w: Fleet(FleetConfig(engines=4, working_set_chains=16384, workers=w, tag=f"w{w}",
-                             base_port=27500 + 40 * w))
+        w: Fleet(FleetConfig(engines=plan.get("engines", 4),
+                             working_set_chains=plan.get("working_set_chains", 16384),
+                             workers=w, tag=f"w{w}", base_port=27500 + 40 * w))
         for w in (1, 2)
     }  # fmt: skip
     try:
         for f in fleets.values():
             f.start()
         res["compare"] = compare(fleets, plan)
-        log(f"mirror hop at {HOP_RATE:,} block events/s")
-        res["hop"] = mirror_hop(fleets[1], plan["hop_s"])
+        hop_rate = plan.get("hop_rate", HOP_RATE)
+        log(f"mirror hop at {hop_rate:,} block events/s")
+        res["hop"] = mirror_hop(fleets[1], plan["hop_s"], hop_rate)
         log(f"  added latency {res['hop']['added_latency_ms']}")
     finally:
         for f in fleets.values():
@@ -304,9 +322,10 @@ def main(argv: list[str] | None = None) -> int:
     res["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     res["summary"] = summary(res)
     name = "workers-full" if a.full else "workers"
-    write_json(RESULTS / f"{name}.json", res)
+    out = results_dir(a.smoke)
+    write_json(out / f"{name}.json", res)
     md = markdown(res)
-    (RESULTS / f"{name}.md").write_text(md)
+    (out / f"{name}.md").write_text(md)
     print(md)
     print(json.dumps(res["summary"], indent=1))
     return 0

@@ -19,7 +19,8 @@ import sys
 import time
 from typing import Any
 
-from benchmarks._common import PY, RESULTS, ROOT, WORK, machine, tree_sample, write_json
+from benchmarks._common import PY, ROOT, WORK, machine, results_dir, tree_sample, write_json
+from benchmarks._dynamo_env import delete_netns, sigterm_as_exit
 from benchmarks._harness import Proc
 from benchmarks.side_by_side import (
     BLOCK,
@@ -34,7 +35,6 @@ from benchmarks.side_by_side import (
 )
 
 MIRROR_PORT = 5564
-OUT = RESULTS / "mirror_dynamo.json"
 
 
 def log(msg: str) -> None:
@@ -77,7 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rate", type=float, default=100.0, help="requests/s (64 blocks each)")
     ap.add_argument("--seconds", type=float, default=6.0)
+    ap.add_argument("--smoke", action="store_true", help="1 s at 20 requests/s, to .work/smoke")
     a = ap.parse_args(argv)
+    if a.smoke:
+        a.rate, a.seconds = 20.0, 1.0
+    sigterm_as_exit()
+    out_dir = results_dir(a.smoke)
+    out_json, out_md = out_dir / "mirror_dynamo.json", out_dir / "mirror_dynamo.md"
     WORK.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"benchmark": "mirror_dynamo", "skipped": False, "machine": machine()}
 
@@ -85,17 +91,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mirror-dynamo SKIPPED: {reason}", flush=True)
         out = {"benchmark": "mirror_dynamo", "skipped": True, "reason": reason,
                "machine": machine()}  # fmt: skip
-        write_json(OUT, out)
-        (RESULTS / "mirror_dynamo.md").write_text(markdown(out))
+        write_json(out_json, out)
+        out_md.write_text(markdown(out))
         return 0
 
-    reason = ensure_venv() or ensure_netns()
+    reason = ensure_venv() or ensure_netns(NS)
     if reason:
         return skip(reason)
     model = WORK / "fakemodel"
     r = sh(DPY, str(ROOT / "benchmarks" / "_fakemodel.py"), str(model))
     if r.returncode != 0:
-        sh("ip", "netns", "del", NS)
+        delete_netns(NS)
         return skip(f"fake model: {r.stderr.strip()[-300:]}")
     kv_dir = WORK / "dynkv-mirror"
     shutil.rmtree(kv_dir, ignore_errors=True)
@@ -152,19 +158,19 @@ def main(argv: list[str] | None = None) -> int:
                    f"`{NS}`; one checker subscribes the pool on Dynamo's relay and on the mirror "
                    "at once (SDK strict replicas + raw frames)."),
         )  # fmt: skip
-    except Exception as exc:  # report, never leave a half-written result
+    except (Exception, KeyboardInterrupt) as exc:  # report, never leave a half-written result
         res = {"benchmark": "mirror_dynamo", "skipped": True,
                "reason": f"run failed: {type(exc).__name__}: {exc}"[:2000], "machine": machine()}
         print(f"mirror-dynamo FAILED: {res['reason']}", flush=True)
     finally:
         for proc in procs.values():
             proc.stop()
-        sh("ip", "netns", "del", NS)
-    write_json(OUT, res)
+        delete_netns(NS)
+    write_json(out_json, res)
     md = markdown(res)
-    (RESULTS / "mirror_dynamo.md").write_text(md)
+    out_md.write_text(md)
     print(md)
-    return 0
+    return 1 if res.get("skipped") else 0
 
 
 if __name__ == "__main__":

@@ -214,7 +214,10 @@ def main() -> None:
     ap.add_argument("--cprofile", action="store_true",
                     help="cProfile the relay during each window: benchmarks/.work/cprofile.N")
     ap.add_argument("--working-set", type=int, default=8192)
+    ap.add_argument("--smoke", action="store_true", help="seconds: tiny sizes, one short point")
     a = ap.parse_args()
+    if a.smoke:
+        a.rate, a.subs, a.seconds, a.idle, a.working_set = "5000", 1, 0.5, 0.3, 256
     pyspy = shutil.which("py-spy") or str(ROOT / ".venv" / "bin" / "py-spy")
     if a.pyspy and not Path(pyspy).exists():
         raise SystemExit("py-spy not found: pip install py-spy into .venv")

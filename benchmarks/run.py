@@ -1,9 +1,16 @@
-"""Benchmark runner: ``python -m benchmarks.run [--full] [--micro] [--side-by-side]``.
+"""Benchmark runner: ``python -m benchmarks.run [--full] [--micro] [--side-by-side] [--smoke]``.
 
 Starts real processes on loopback (relay, loadgen engines, subscribers), measures latency vs
 offered load and subscriber count, maximum sustained ingest, snapshot time, CPU per delivered
 frame and memory per membership, then writes ``benchmarks/results/relay_e2e[-full].json``, a
-Markdown table (printed too) and PNG plots. The short mode (default) takes under 2 minutes.
+Markdown table (printed too) and PNG plots. The short mode (default) takes under 2 minutes;
+``--smoke`` runs every scenario once with tiny sizes (seconds) into ``.work/smoke``.
+
+``--all`` regenerates every committed result from one commit (``benchmarks._all``).
+
+At the start it looks at the machine's load (1-min load average less its own processes, and
+the cores busy outside it over one second): a machine more than half busy gives figures that
+are not comparable with quiet runs, so it warns on stderr and records the warning.
 """
 
 from __future__ import annotations
@@ -14,12 +21,14 @@ import sys
 import time
 from typing import Any
 
-from benchmarks._common import PY, RESULTS, ROOT, machine, write_json
+from benchmarks._common import PY, ROOT, machine, results_dir, write_json
 from benchmarks._harness import Fleet, FleetConfig
+from benchmarks._load import load_at_start, warn_if_loaded
 from benchmarks._report import e2e_markdown, e2e_plots
 from benchmarks._scenarios import (
     FULL,
     SHORT,
+    SMOKE,
     fanout_cost,
     fill,
     ingest_ramp,
@@ -28,22 +37,18 @@ from benchmarks._scenarios import (
     snapshot_suite,
 )
 
-MICRO = ["bench_hashing.py", "bench_ingest.py", "bench_pool.py", "bench_fanout.py",
-         "bench_sim.py", "bench_planes.py"]
+MICRO = ["bench_hashing", "bench_ingest", "bench_pool", "bench_fanout", "bench_sim",
+         "bench_planes", "bench_client"]
 
 
 def run_micro() -> dict[str, Any]:
     """The per-component scripts other engineers wrote (each writes its own JSON)."""
     out: dict[str, Any] = {}
     for name in MICRO:
-        path = ROOT / "benchmarks" / name
-        if not path.exists():
-            out[name] = "missing"
-            continue
         log(f"micro: {name}")
         t = time.monotonic()
-        r = subprocess.run([PY, str(path)], cwd=ROOT, capture_output=True, text=True,
-                           timeout=900)
+        r = subprocess.run([PY, "-m", f"benchmarks.{name}"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=900)
         out[name] = {"rc": r.returncode, "seconds": round(time.monotonic() - t, 1)}
         print(r.stdout[-3000:], end="")
     return out
@@ -69,12 +74,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--uvloop", action="store_true", help="uvloop in relay processes")
     ap.add_argument("--queue-capacity", type=int, default=16,
                     help="relay publication_queue_capacity (default: the relay's default, 16)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="every scenario once, tiny sizes (seconds), results to .work/smoke")
+    ap.add_argument("--all", action="store_true",
+                    help="regenerate every committed result from this commit (hours)")
+    ap.add_argument("--allow-dirty", action="store_true",
+                    help="--all: run even with modified tracked files (results say so)")
     a = ap.parse_args(argv)
-    plan = FULL if a.full else SHORT
+    if a.all:
+        from benchmarks._all import regenerate
+
+        return regenerate(allow_dirty=a.allow_dirty)
+    plan = SMOKE if a.smoke else FULL if a.full else SHORT
     t0 = time.monotonic()
-    res: dict[str, Any] = {"benchmark": "relay_e2e", "mode": plan.mode, "machine": machine(),
+    mach = machine() | ({} if a.smoke else load_at_start(sample_s=1.0))
+    res: dict[str, Any] = {"benchmark": "relay_e2e", "mode": plan.mode, "machine": mach,
                            "plan": vars(plan), "uvloop": a.uvloop,
-                           "queue_capacity": a.queue_capacity}
+                           "queue_capacity": a.queue_capacity,
+                           "load_warning": warn_if_loaded(mach, "benchmarks.run")}
     probe_s = len(plan.loads) * len(plan.subs) * plan.point_s + len(plan.ramp) * plan.ramp_s
     fleet = Fleet(FleetConfig(engines=plan.engines, working_set_chains=plan.working_set_chains,
                               uvloop=a.uvloop, queue_capacity=a.queue_capacity,
@@ -95,24 +112,32 @@ def main(argv: list[str] | None = None) -> int:
         fleet.stop()
     if a.micro:
         res["micro"] = run_micro()
-    res["start"] = run_start(a.full)
+    res["start"] = "skipped (smoke)" if a.smoke else run_start(a.full)
     res["wall_s"] = round(time.monotonic() - t0, 1)
     suffix = ("-full" if a.full else "") + (
         f"-q{a.queue_capacity}" if a.queue_capacity != 16 else "")
-    write_json(RESULTS / f"relay_e2e{suffix}.json", res)
+    out = results_dir(a.smoke)
+    write_json(out / f"relay_e2e{suffix}.json", res)
     md = e2e_markdown(res)
-    plots = e2e_plots(res, RESULTS, suffix)
+    try:
+        plots = e2e_plots(res, out, suffix)
+    except ImportError as exc:  # matplotlib is the `bench` extra (make bench installs it)
+        log(f"no plots: {exc}")
+        plots = []
     md += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"
-    (RESULTS / f"relay_e2e{suffix}.md").write_text(md)
+    (out / f"relay_e2e{suffix}.md").write_text(md)
     print(md)
-    log(f"wrote {RESULTS}/relay_e2e{suffix}.{{json,md}} and {len(plots)} plots "
+    log(f"wrote {out}/relay_e2e{suffix}.{{json,md}} and {len(plots)} plots "
         f"in {res['wall_s']} s")
+    if res["load_warning"]:
+        print(res["load_warning"], file=sys.stderr)
     if a.side_by_side:
         rc = subprocess.call(
             [PY, "-m", "benchmarks.side_by_side", *(["--full"] if a.full else [])], cwd=ROOT
         )
         if a.full:  # the heavy-load side by side (~15 min) only with the full sweep
-            rc = subprocess.call([PY, "-m", "benchmarks.side_by_side", "--heavy"], cwd=ROOT) or rc
+            rc = subprocess.call([PY, "-m", "benchmarks.side_by_side", "--heavy", "--repeats",
+                                  "3"], cwd=ROOT) or rc
         return rc
     return 0
 

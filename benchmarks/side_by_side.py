@@ -43,6 +43,7 @@ from benchmarks._common import (
     WORK,
     machine,
     percentiles,
+    results_dir,
     tree_sample,
     write_json,
 )
@@ -77,13 +78,13 @@ def make_prompts(n: int) -> tuple[Path, Path]:
     return pp, pr
 
 
-def skipped(reason: str) -> int:
+def skipped(reason: str, out: Path = OUT) -> int:
     print(f"side-by-side SKIPPED: {reason}", flush=True)
-    write_json(OUT, {"benchmark": "side_by_side", "skipped": True, "reason": reason,
+    write_json(out, {"benchmark": "side_by_side", "skipped": True, "reason": reason,
                      "machine": machine()})
     from benchmarks._report import sbs_markdown
 
-    (RESULTS / "side_by_side.md").write_text(sbs_markdown({"skipped": True, "reason": reason}))
+    out.with_suffix(".md").write_text(sbs_markdown({"skipped": True, "reason": reason}))
     return 0
 
 
@@ -186,7 +187,7 @@ def _per_rate(rows: list[dict[str, Any]]) -> list[dict[str, float | None]]:
     return out
 
 
-def plot(res: dict[str, Any]) -> Path:
+def plot(res: dict[str, Any], path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -212,7 +213,6 @@ def plot(res: dict[str, Any]) -> Path:
         ax.legend(fontsize=7)
     fig.suptitle("kvrelay vs Dynamo 1.6.1 relay, one mocker event stream")
     fig.tight_layout()
-    path = RESULTS / "side_by_side.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -226,7 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=0.0, help="per load point")
     ap.add_argument("--heavy", action="store_true",
                     help="heavy load: paced vLLM stream, Dynamo fed through its KvEventPublisher")
-    ap.add_argument("--short", action="store_true", help="--heavy: a ~3 minute smoke version")
+    ap.add_argument("--short", action="store_true", help="--heavy: a ~3 minute short version")
+    ap.add_argument("--smoke", action="store_true",
+                    help="seconds, tiny sizes, results to .work/ (light and --heavy)")
+    ap.add_argument("--repeats", type=int, default=0,
+                    help="--heavy: whole sweeps from fresh stacks, reported as median and range "
+                         "(default 3 for the full plan, else 1)")
     ap.add_argument("--concurrent", action="store_true",
                     help="--heavy: one loadgen feeds both relays at once (default: sequential)")
     ap.add_argument("--subs", default="", help="--heavy: comma-separated subscriber counts")
@@ -240,20 +245,21 @@ def main(argv: list[str] | None = None) -> int:
         return heavy(a)
     sigterm_as_exit()
     rates = [float(r) for r in a.rates.split(",")] if a.rates else (
-        [25, 50, 100, 200, 400] if a.full else [25, 100])
-    seconds = a.seconds or (8.0 if a.full else 4.0)
+        [10] if a.smoke else [25, 50, 100, 200, 400] if a.full else [25, 100])
+    seconds = a.seconds or (1.0 if a.smoke else 8.0 if a.full else 4.0)
+    out_json = results_dir(a.smoke) / "side_by_side.json"
     WORK.mkdir(parents=True, exist_ok=True)
     reason = ensure_venv()
     if reason:
-        return skipped(reason)
+        return skipped(reason, out_json)
     reason = ensure_netns(NS)
     if reason:
-        return skipped(reason)
+        return skipped(reason, out_json)
     model = WORK / "fakemodel"
     r = sh(DPY, str(ROOT / "benchmarks" / "_fakemodel.py"), str(model))
     if r.returncode != 0:
         delete_netns(NS)
-        return skipped(f"fake model: {r.stderr.strip()[-300:]}")
+        return skipped(f"fake model: {r.stderr.strip()[-300:]}", out_json)
     kv_dir = WORK / "dynkv"
     shutil.rmtree(kv_dir, ignore_errors=True)
     kv_dir.mkdir(parents=True)
@@ -333,20 +339,23 @@ def main(argv: list[str] | None = None) -> int:
         delete_netns(NS)
     from benchmarks._report import sbs_markdown
 
-    write_json(OUT, res)
+    write_json(out_json, res)
     md = sbs_markdown(res)
     if not res.get("skipped"):
-        md += f"\n![side_by_side]({plot(res).name})\n"
-    (RESULTS / "side_by_side.md").write_text(md)
+        try:
+            md += f"\n![side_by_side]({plot(res, out_json.with_suffix('.png')).name})\n"
+        except ImportError as exc:  # matplotlib: the `bench` extra (make bench installs it)
+            log(f"no plot: {exc}")
+    out_json.with_suffix(".md").write_text(md)
     print(md)
-    return 0
+    return 1 if res.get("skipped") else 0
 
 
 def heavy(a: argparse.Namespace) -> int:
     """``--heavy``: the full sweep unless ``--short`` or explicit lists say otherwise."""
     from dataclasses import replace
 
-    from benchmarks._heavy import FULL, SHORT
+    from benchmarks._heavy import FULL, SHORT, SMOKE
     from benchmarks._heavy_sweep import render, run
 
     if a.render:
@@ -356,7 +365,7 @@ def heavy(a: argparse.Namespace) -> int:
     def floats(text: str) -> tuple[float, ...]:
         return tuple(float(x) for x in text.split(",") if x)
 
-    plan = SHORT if a.short else FULL
+    plan = SMOKE if a.smoke else SHORT if a.short else FULL
     plan = replace(
         plan, concurrent=a.concurrent,
         rates=floats(a.rates) or plan.rates,
@@ -366,7 +375,8 @@ def heavy(a: argparse.Namespace) -> int:
         ramp_s=a.ramp_seconds or plan.ramp_s,
         working_set_chains=a.working_set or plan.working_set_chains,
     )
-    return run(plan)
+    repeats = a.repeats or (3 if replace(plan, concurrent=False) == FULL else 1)
+    return run(plan, repeats)
 
 
 if __name__ == "__main__":

@@ -21,13 +21,14 @@ Prints the table and writes ``results/scaling_model.{json,md}``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from typing import Any
 
 import numpy as np
 
-from benchmarks._common import RESULTS, machine, write_json
+from benchmarks._common import RESULTS, machine, results_dir, write_json
 
 UTIL_OK = 0.6
 DEFAULTS = {"frame_us": 28.0, "mirror_delta_us": 60.0, "ingest_events_per_core": 800_000.0}
@@ -59,10 +60,16 @@ def measured() -> dict[str, Any]:
     return out
 
 
-def imbalance(connections: int, workers: int, trials: int = 2000, seed: int = 1) -> float:
-    """E[max load / mean load] when ``connections`` hash uniformly onto ``workers``."""
+#: Monte Carlo trials per imbalance estimate (``--smoke``: a few, the figures mean nothing)
+TRIALS = 2000
+
+
+def imbalance(connections: int, workers: int, trials: int = 0, seed: int = 1) -> float:
+    """E[max load / mean load] when ``connections`` hash uniformly onto ``workers``
+    (``trials`` 0: ``TRIALS``)."""
     if workers == 1:
         return 1.0
+    trials = trials or TRIALS
     rng = np.random.default_rng(seed)
     loads = np.zeros((trials, workers))
     picks = rng.integers(0, workers, size=(trials, connections))
@@ -76,7 +83,7 @@ def model(inputs: dict[str, Any]) -> list[dict[str, Any]]:
     for cores in CORES:
         workers = cores - 1  # one core for ingest, the rest fan out
         for routers in ROUTERS:
-            imb = imbalance(routers, workers)
+            imb = imbalance(routers, workers, trials=TRIALS)
             for d in DELTAS_PER_S:
                 frames = d * routers  # one pool stream per router
                 per_worker = frames / workers * imb
@@ -99,7 +106,7 @@ def max_routers(inputs: dict[str, Any], cores: int, d: int) -> int:
     lo, hi = 1, 100_000
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        imb = imbalance(mid, workers, trials=300)
+        imb = imbalance(mid, workers, trials=max(1, TRIALS * 3 // 20))
         util = (d * mid / workers * imb * inputs["frame_us"] + d * inputs["mirror_delta_us"]) * 1e-6
         lo, hi = (mid, hi) if util <= UTIL_OK else (lo, mid - 1)
     return lo
@@ -131,7 +138,13 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="write to .work/smoke (same model)")
+    smoke = ap.parse_args(argv).smoke
+    global TRIALS
+    if smoke:
+        TRIALS = 20
     inputs = measured()
     res = {
         "benchmark": "scaling_model", "machine": machine(), "inputs": inputs,
@@ -139,9 +152,10 @@ def main() -> int:
         "max_routers": {str(c): {str(d): max_routers(inputs, c, d) for d in DELTAS_PER_S}
                         for c in CORES},
     }  # fmt: skip
-    write_json(RESULTS / "scaling_model.json", res)
+    out = results_dir(smoke)
+    write_json(out / "scaling_model.json", res)
     md = markdown(res)
-    (RESULTS / "scaling_model.md").write_text(md)
+    (out / "scaling_model.md").write_text(md)
     print(md)
     return 0
 

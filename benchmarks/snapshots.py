@@ -1,4 +1,5 @@
-"""Snapshots alone: ``python -m benchmarks.snapshots [--repeats N] [--skip-64] [--skip-4]``.
+"""Snapshots alone: ``python -m benchmarks.snapshots [--repeats N] [--skip-64] [--skip-4]``
+(``--smoke``: the 4 MiB lane once, tiny working set, to ``.work/smoke``).
 
 The snapshot part of ``benchmarks.run`` without the latency sweep, for iterating on the snapshot
 path: subscribe → snapshot complete on an idle 4 MiB lane (1 and 8 concurrent subscribers) and an
@@ -14,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks._common import RESULTS, machine, write_json
+from benchmarks._common import machine, results_dir, write_json
 from benchmarks._harness import Fleet, FleetConfig
 from benchmarks._report import snapshot_markdown
 from benchmarks._scenarios import big_lane_fleet, fill, log, snapshot_load_suite, snapshot_times
@@ -26,13 +27,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-4", action="store_true", help="no 4 MiB lane")
     ap.add_argument("--skip-64", action="store_true", help="no 64 MiB lane")
     ap.add_argument("--rate", type=float, default=100_000, help="block events/s under load")
+    ap.add_argument("--smoke", action="store_true",
+                    help="4 MiB lane only, one join, tiny working set, to .work/smoke")
     a = ap.parse_args(argv)
+    if a.smoke:
+        a.repeats, a.skip_64 = 1, True
     t0 = time.monotonic()
     res: dict[str, Any] = {"benchmark": "snapshots", "machine": machine(), "snapshot": [],
                            "snapshot_under_load": []}
     if not a.skip_4:
-        small = Fleet(FleetConfig(engines=1, base_port=27300, working_set_chains=8192, probes=0,
-                                  tag="snap4"))
+        small = Fleet(FleetConfig(engines=1, base_port=27300, probes=0, tag="snap4",
+                                  working_set_chains=256 if a.smoke else 8192))
         try:
             log("snapshot: 4 MiB lane (524,288 buckets)")
             small.start()
@@ -53,11 +58,12 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             big.stop()
     res["wall_s"] = round(time.monotonic() - t0, 1)
-    write_json(RESULTS / "snapshots.json", res)
+    out = results_dir(a.smoke)
+    write_json(out / "snapshots.json", res)
     md = snapshot_markdown(res)
-    (RESULTS / "snapshots.md").write_text(md)
+    (out / "snapshots.md").write_text(md)
     print(md)
-    log(f"wrote {RESULTS}/snapshots.{{json,md}} in {res['wall_s']} s")
+    log(f"wrote {out}/snapshots.{{json,md}} in {res['wall_s']} s")
     return 0
 
 

@@ -62,7 +62,8 @@ environment:
   NOTIFY_SOCKET, WATCHDOG_USEC  systemd notification (READY/RELOADING/WATCHDOG/STOPPING)
   CACHE_DIRECTORY          numba kernel cache goes to $CACHE_DIRECTORY/numba (systemd)
   KVRELAY_RELAY            default --relay of watch/subscribe/query
-  DYN_DC_ID                dc_name when neither the file nor KVRELAY_RELAY_DC_NAME sets it
+  DYN_CLUSTER_ID, DYN_DC_ID  dc_name (first found) when neither the file nor
+                           KVRELAY_RELAY_DC_NAME sets it (Dynamo 1.7's, then 1.6's)
 
 docs: docs/operations.md, docs/vllm.md (connecting vLLM), docs/dynamo.md
 """
@@ -241,8 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Compile every numba kernel the relay uses, or load it from the kernel cache\n"
             "(NUMBA_CACHE_DIR, else $CACHE_DIRECTORY/numba under systemd, else next to the\n"
-            "modules). The first run after an install takes about 15 s on 2 cores;\n"
-            "'serve' then starts in seconds. Exit 0 when every kernel is ready."
+            "modules). The first run after an install takes about 15 s on 2 quiet cores\n"
+            "(54-74 s measured on 2 busy ones); 'serve' then starts in seconds. Exit 0\n"
+            "when every kernel is ready."
         ),
         epilog="example:\n  NUMBA_CACHE_DIR=/var/cache/kvrelay/numba kvrelay warm",
         formatter_class=_Formatter,
@@ -334,8 +336,8 @@ def _warm() -> int:
     cache = kernelcache.configure()
     note = "" if cache.persistent else " (temporary: set NUMBA_CACHE_DIR to keep it)"
     print(f"kvrelay warm: numba kernel cache: {cache.path} ({cache.source}){note}", flush=True)
-    print("kvrelay warm: compiling or loading kernels (first run after an install: ~15 s)",
-          flush=True)
+    print("kvrelay warm: compiling or loading kernels (first run after an install: ~15 s on 2 "
+          "quiet cores, up to ~75 s on busy ones)", flush=True)
     from kvrelay.ops.warmup import warm_kernels
 
     try:

@@ -125,6 +125,31 @@ def configure(
     root.setLevel(numeric)
     # numba's own debug chatter is not operator information.
     logging.getLogger("numba").setLevel(max(numeric, logging.WARNING))
+    grpclib_server = logging.getLogger(GRPCLIB_SERVER_LOGGER)
+    for f in [f for f in grpclib_server.filters if isinstance(f, DemoteCancelled)]:
+        grpclib_server.removeFilter(f)
+    grpclib_server.addFilter(DemoteCancelled(numeric))
+
+
+#: grpclib's server logs every client that goes away mid-stream at INFO, under this logger and
+#: with this message prefix (grpclib 0.4's ``server.py``; ``tests/test_logging.py`` checks both
+#: against the installed grpclib). A router disconnecting is routine: it goes to DEBUG.
+GRPCLIB_SERVER_LOGGER = "grpclib.server"
+GRPCLIB_CANCELLED = "Request was cancelled"
+
+
+class DemoteCancelled(logging.Filter):
+    """Re-levels grpclib's "Request was cancelled" records to DEBUG (dropped below it)."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith(GRPCLIB_CANCELLED) and record.levelno > logging.DEBUG:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return self.level <= logging.DEBUG
+        return True
 
 
 _generation = 0  # bumped by configure(): bound loggers made before it are rebuilt

@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from tests.support.cache_env import cache_env
+
 REPO = Path(__file__).resolve().parent.parent
 PROTOS = REPO / "protos"
+
+
+def pytest_report_header() -> str:
+    """The measured slowdown every scaled deadline uses (``tests/support/timing.py``)."""
+    from tests.support.timing import slowdown
+
+    return f"kvrelay test deadlines: slowdown x{slowdown():.2f} (KVRELAY_TEST_SLOWDOWN to set)"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -21,6 +32,34 @@ def _warm_numba_kernels() -> None:
     from kvrelay.ops.warmup import warm_kernels
 
     warm_kernels()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_slowdown() -> None:
+    """Re-measure the deadline scale between tests when it is old (``tests/support/timing.py``)."""
+    from tests.support.timing import refresh_if_stale
+
+    refresh_if_stale()
+
+
+@pytest.fixture(autouse=True)
+def _kernel_cache_env_unchanged() -> Iterator[None]:
+    """Fail a test that leaves ``NUMBA_*`` (or what picks the cache directory) changed, and put
+    them back: every daemon a later test starts inherits them, and one sent to an empty cache
+    compiles for a minute and misses its READY deadline (``tests/support/cache_env.py``)."""
+    before = cache_env()
+    yield
+    after = cache_env()
+    if after != before:
+        for k in set(before) | set(after):
+            if k in before:
+                os.environ[k] = before[k]
+            else:
+                os.environ.pop(k, None)
+        changed = {k: (before.get(k), after.get(k)) for k in set(before) | set(after)
+                   if before.get(k) != after.get(k)}
+        pytest.fail(f"the test left the kernel cache's environment changed (before, after): "
+                    f"{changed}; restore it, e.g. with unittest.mock.patch.dict(os.environ)")
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ import pytest
 from kvrelay import __version__
 from kvrelay.cli import main
 from tests.support.commands import MINIMAL, kvrelay
+from tests.support.timing import scaled
 
 
 def test_help_lists_commands_examples_and_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -84,10 +85,18 @@ def test_serve_refuses_invalid_config_with_the_check_config_problems(tmp_path: P
 
 
 def test_demo_headless_runs_and_reports(tmp_path: Path) -> None:
-    run = kvrelay("demo", "--headless", "--duration", "5", timeout=120)
+    # five seconds of traffic on a quiet machine is enough for every pool's snapshot, deltas and
+    # READY; a busy one needs proportionally longer to get there (the report is taken at the
+    # end). Below 15 s: a longer demo puts the prefill engine to sleep mid-run.
+    duration = f"{min(scaled(5.0), 14.0):.1f}"
+    run = kvrelay("demo", "--headless", "--duration", duration, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert summary["deltas_total"] > 0 and summary["consumer_errors"] == {}, summary
+    hit = summary["hit_query"]  # the query the demo prints: its tokens are held
+    assert hit["command"].startswith("kvrelay query --relay 127.0.0.1:"), hit
+    assert "--model demo-llama-8b --tokens " in hit["command"]
+    assert hit["depth_blocks"] == 1, hit
     pools = {p["pool"]: p for p in summary["pools"]}
     assert set(pools) == {
         "demo/backend/generate", "demo-pd/prefill/generate", "demo-pd/decode/generate",
@@ -162,3 +171,42 @@ def test_warm_prints_progress_and_exits_0() -> None:
         assert sum(line.startswith(f"  {step}: ") for line in lines) == 2, lines
     assert any(line.startswith("  pool: apply, cuckoo filter") for line in lines), lines
     assert lines[-1].startswith("kvrelay warm: every kernel ready in ")
+
+
+def test_the_demo_view_clears_what_a_shorter_line_leaves() -> None:
+    from kvrelay.demo.view import CLEAR_DOWN, CLEAR_LINE, HOME, redraw
+
+    frame = redraw("a long first line\nshort")
+    assert frame == f"{HOME}a long first line{CLEAR_LINE}\nshort{CLEAR_LINE}\n{CLEAR_DOWN}"
+
+
+def test_warm_progress_lines_are_never_glued_together() -> None:
+    """Progress comes from the workers' reader threads and the warming thread at once; a caller
+    that writes the text and then its newline (print) gets whole lines only."""
+    import io
+    import threading
+    import time
+
+    from kvrelay.ops.warmup import WarmEvent, serialized
+
+    out = io.StringIO()
+
+    def printer(ev: WarmEvent) -> None:  # what print() does: the text, then the newline
+        out.write(ev.text)
+        time.sleep(0.001)
+        out.write("\n")
+
+    report = serialized(printer)
+    assert report is not None
+
+    def worker(i: int) -> None:
+        for j in range(20):
+            report(WarmEvent("pool", "compiling", f"t{i}-{j}"))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lines = out.getvalue().splitlines()
+    assert sorted(lines) == sorted(f"t{i}-{j}" for i in range(4) for j in range(20))

@@ -9,6 +9,7 @@ import sys
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import RelaySettings
 from kvrelay.service.server import RelayServer
+from tests.support.timing import scaled
 
 
 async def test_kvrelay_watch_catalog_json_against_a_live_relay() -> None:
@@ -22,7 +23,7 @@ async def test_kvrelay_watch_catalog_json_against_a_live_relay() -> None:
             "--relay", f"127.0.0.1:{server.port}", "--count", "1", "--json",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )
-        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        out, err = await asyncio.wait_for(proc.communicate(), scaled(60))
         assert proc.returncode == 0, err.decode()
         lines = [json.loads(line) for line in out.decode().splitlines() if line.strip()]
         assert len(lines) == 1

@@ -17,15 +17,17 @@ import pytest
 from kvrelay import __version__
 from kvrelay._proto import vllm as control
 from kvrelay._proto.dynamo.kvrelay import v1 as relay
+from kvrelay.contract import proto_fixes
 from tools.protogen import generate
 
 REPO = Path(__file__).resolve().parent.parent
 
-# sha256 of the upstream texts (Dynamo's relay.proto, vLLM's control.proto). Changing a proto by
-# accident fails here; changing it on purpose means updating this table in the same commit.
+# sha256 of the contract texts: relay.proto is Dynamo 1.6.1's plus the Dynamo 1.7 additions
+# (SubscribeServingLoad), vLLM's control.proto is unmodified. Changing a proto by accident fails
+# here; changing it on purpose means updating this table in the same commit.
 CANONICAL = {
     "protos/dynamo/kvrelay/v1/relay.proto": (
-        "1b736838cd686f737da9f6b7a76cbf7aebeeb6d9a46f9c01de90b77da4783ef2"
+        "1c15b4e707c1a382c2d0501431975e48b81d2a6adf68f72ffbd9f0f3bbacf066"
     ),
     "protos/vllm/control.proto": (
         "b6e7e78d15685759b6a828eecaad792eb2e47485dfec6ce620f000b48880d25b"
@@ -37,6 +39,33 @@ CANONICAL = {
 def test_protos_are_the_canonical_contract(path: str) -> None:
     digest = hashlib.sha256((REPO / path).read_bytes()).hexdigest()
     assert digest == CANONICAL[path]
+
+
+# Dynamo 1.6.1's relay.proto, byte for byte: what is left of ours once the 1.7 additions (one rpc
+# line in the service, and the section from the marker comment to the end) are taken out.
+RELAY_1_6_1 = "1b736838cd686f737da9f6b7a76cbf7aebeeb6d9a46f9c01de90b77da4783ef2"
+ADDED_RPC = (
+    "  rpc SubscribeServingLoad(SubscribeServingLoadRequest) returns (stream ServingLoadUpdate);\n"
+)
+ADDED_SECTION = (
+    "\n\n// Added in Dynamo 1.7 (additive v1 extension): the SubscribeServingLoad plane."
+)
+
+
+def test_relay_proto_is_dynamo_1_6_1_plus_the_1_7_additions() -> None:
+    text = (REPO / "protos/dynamo/kvrelay/v1/relay.proto").read_text()
+    assert text.count(ADDED_RPC) == 1 and text.count(ADDED_SECTION) == 1
+    base = text.replace(ADDED_RPC, "")
+    base, added = base[: base.index(ADDED_SECTION)], base[base.index(ADDED_SECTION) :]
+    assert hashlib.sha256(base.encode()).hexdigest() == RELAY_1_6_1
+    # The addition is additive only: one enum and new messages, no other rpc, no reused name.
+    defined = {w.split()[1] for w in added.splitlines() if w.startswith(("message ", "enum "))}
+    assert defined == {
+        "DataStatus", "SubscribeServingLoadRequest", "RequestLifecycleStats", "TokenLoadStats",
+        "LoadView", "PoolDeploymentStatus", "PoolServingLoad", "ModelDeploymentStatus",
+        "ModelServingLoad", "ServingLoadUpdate",
+    }  # fmt: skip
+    assert not any(f"message {name}" in base or f"enum {name}" in base for name in defined)
 
 
 def test_generated_code_is_fresh(tmp_path: Path) -> None:
@@ -144,9 +173,66 @@ def _catalog_update() -> relay.KvPoolCatalogUpdate:
     )
 
 
+def _serving_load_update() -> relay.ServingLoadUpdate:
+    fu = _filter_update()
+    assert fu.producer is not None and fu.producer.pool_id is not None
+    U64 = (1 << 64) - 1
+    return relay.ServingLoadUpdate(
+        protocol_version=1,
+        relay=fu.relay,
+        window_sequence=U64,
+        observed_ms=1_764_460_800_000,
+        window_ms=1000,
+        pools=[
+            relay.PoolServingLoad(
+                producer=fu.producer,
+                load=relay.LoadView(
+                    tokens=relay.TokenLoadStats(active_decode_blocks=0),  # set zero is not unset
+                    status=relay.DataStatus.COMPLETE,
+                    source_observed_ms=1_764_460_799_500,
+                ),
+                deployment=relay.PoolDeploymentStatus(live_workers=2, max_concurrency=U64),
+            )
+        ],
+        models=[
+            relay.ModelServingLoad(
+                namespace="prod",
+                canonical_model_id="meta/llama",
+                load=relay.LoadView(
+                    requests=relay.RequestLifecycleStats(
+                        requests_started_total=U64, requests_cancelled_total=3
+                    ),
+                    tokens=relay.TokenLoadStats(input_tokens_total=5, output_tokens_total=0),
+                    status=relay.DataStatus.DEGRADED,
+                ),
+                deployment=relay.ModelDeploymentStatus(
+                    expected_frontends=3,
+                    observed_frontends=2,
+                    ready_frontends=1,
+                    serving_pools=[fu.producer.pool_id, fu.producer.pool_id],
+                ),
+            )
+        ],
+        contract_marker=0x4B565231,
+    )
+
+
+def test_shadowed_load_field_needs_the_fix() -> None:
+    """betterproto2's ``parse`` is ``cls().load(stream)``; a field named ``load`` hides it."""
+    for cls in proto_fixes.SHADOWED:
+        assert cls().load is None  # the field, not the method: what the fix works around
+        assert "parse" in cls.__dict__  # installed by importing kvrelay.contract
+        msg = cls(load=relay.LoadView(status=relay.DataStatus.UNAVAILABLE))
+        assert cls.parse(bytes(msg)) == msg
+
+
 @pytest.mark.parametrize(
     ("factory", "official_name"),
-    [(_filter_update, "FilterUpdate"), (_catalog_update, "KvPoolCatalogUpdate")],
+    [
+        (_filter_update, "FilterUpdate"),
+        (_catalog_update, "KvPoolCatalogUpdate"),
+        (_serving_load_update, "ServingLoadUpdate"),
+    ],
 )
 def test_round_trip_byte_identical_with_official_protobuf(
     factory: object, official_name: str, official_pb2: dict[str, ModuleType]

@@ -69,3 +69,10 @@ def test_every_event_is_documented_and_every_documented_event_exists() -> None:
     assert not documented - events, (
         f"documented but never emitted: {sorted(documented - events)}"
     )
+
+
+def test_operations_md_has_one_event_table() -> None:
+    """A second, hand-kept event table elsewhere in the page drifts (one did): only one."""
+    text = DOC.read_text()
+    assert text.count("| Event | Level | Fields") == 1
+

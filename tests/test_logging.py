@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,31 @@ def test_journal_detection_follows_the_stream(
         journal.seek(0)
         first, second = journal.read().splitlines()
     assert first.startswith('<4>{"') and second.startswith('{"')
+
+
+def test_grpclib_cancelled_requests_go_to_debug() -> None:
+    """A router that disconnects mid-stream makes grpclib log "Request was cancelled" at INFO
+    (the installed grpclib's server.py, named here): kvrelay shows it at DEBUG only."""
+    import inspect
+
+    import grpclib.server
+
+    source = inspect.getsource(grpclib.server)
+    assert kvlog.GRPCLIB_CANCELLED in source and grpclib.server.log.name == "grpclib.server"
+    record = logging.LogRecord("grpclib.server", logging.INFO, __file__, 1,
+                               "Request was cancelled: %s", ("x",), None)  # fmt: skip
+    for level, shown in (("INFO", False), ("DEBUG", True)):
+        buf = io.StringIO()
+        kvlog.configure(level=level, json=True, stream=buf)
+        try:
+            logging.getLogger("grpclib.server").handle(record)
+            logging.getLogger("grpclib.server").info("other grpclib news")
+        finally:
+            kvlog.configure(level="WARNING", stream=sys.stderr)
+        lines = [json.loads(x) for x in buf.getvalue().splitlines()]
+        cancelled = [x for x in lines if str(x["event"]).startswith("Request was cancelled")]
+        assert bool(cancelled) is shown, (level, lines)
+        if shown:
+            assert cancelled[0]["level"] == "debug"
+        assert any(x["event"] == "other grpclib news" and x["level"] == "info" for x in lines)
+        record.levelno, record.levelname = logging.INFO, "INFO"  # handle() re-levelled it

@@ -32,9 +32,17 @@ from kvrelay.client.client import RelayClient, role_name
 from kvrelay.client.config import ClientConfig
 from kvrelay.client.errors import ConsumerViolation
 from kvrelay.client.replica import FrameInfo, PoolReplica, occupancy
+from kvrelay.contract.errors import RelayError
+from kvrelay.contract.producer import producer_key
 from kvrelay.publication import cbi1
 
 _KINDS = {1: "SNAPSHOT_CHUNK", 2: "DELTA", 3: "HEARTBEAT"}
+#: What an empty catalog means, printed under it (people read "0 pool(s)" as "relay broken").
+NO_POOL_HINT = (
+    "  (a pool is listed once one of its engines is reachable and its KV event stream is live: "
+    "with every engine unreachable the catalog is empty. Check the relay's engine_unreachable "
+    "log lines and the kvrelay_engine_reachable metric)"
+)
 _STATES = {0: "UNKNOWN", 1: "UNAVAILABLE", 2: "READY"}
 _FORMATS = {1: "STANDARD", 2: "EAGLE"}
 
@@ -72,8 +80,9 @@ def _common() -> argparse.ArgumentParser:
 def add_subcommands(subparsers: Any) -> None:
     """Add ``watch``, ``subscribe`` and ``query`` to an ``add_subparsers()`` object."""
     common = _common()
-    w = subparsers.add_parser("watch", parents=[common], help="print catalog/readiness/load")
-    w.add_argument("plane", choices=["catalog", "readiness", "load"])
+    w = subparsers.add_parser("watch", parents=[common],
+                              help="print catalog/readiness/load/serving-load")  # fmt: skip
+    w.add_argument("plane", choices=["catalog", "readiness", "load", "serving-load"])
     w.set_defaults(client_command="watch")
     s = subparsers.add_parser("subscribe", parents=[common], help="inspect one pool's stream")
     s.add_argument("pool", help="namespace/component/endpoint (or a unique suffix)")
@@ -281,6 +290,8 @@ def _catalog_item(addr: str, m: pb.KvPoolCatalogUpdate) -> tuple[dict[str, Any],
     text = f"[{addr}] catalog revision {m.revision}: {len(items)} pool(s)"
     if items:
         text += "\n" + _table(rows)
+    else:
+        text += "\n" + NO_POOL_HINT
     return obj, text
 
 
@@ -313,24 +324,41 @@ def _readiness_item(addr: str, m: pb.ServingReadinessUpdate) -> tuple[dict[str, 
     return obj, text
 
 
-def _load_item(addr: str, m: pb.KvPoolLoadUpdate) -> tuple[dict[str, Any], str]:
+#: Pool names a load window refers to by producer: ``ns/component/endpoint`` from the catalog.
+PoolNames = dict[Any, str]
+
+
+def _pool_name(p: pb.ProducerIdentity | None, names: PoolNames) -> tuple[str, str]:
+    """(``ns/component/endpoint`` or ``?`` while the catalog has not listed it, routing-scope
+    digest prefix)."""
+    dom = p.pool_id.indexer_domain if p is not None and p.pool_id is not None else None
+    rs = dom.routing_scope.digest.hex()[:12] if dom and dom.routing_scope else "?"
+    try:
+        name = names.get(producer_key(p), "?")
+    except RelayError:
+        name = "?"
+    return name, rs
+
+
+def _load_item(
+    addr: str, m: pb.KvPoolLoadUpdate, names: PoolNames
+) -> tuple[dict[str, Any], str]:
     items = []
-    rows = [["ROUTING_SCOPE", "GEN", "USED", "TOTAL", "RANKS", "UTILIZATION"]]
+    rows = [["POOL", "GEN", "USED", "TOTAL", "RANKS", "UTILIZATION"]]
     for e in m.pools:
         p = e.producer
-        dom = p.pool_id.indexer_domain if p is not None and p.pool_id is not None else None
-        rs = dom.routing_scope.digest.hex()[:12] if dom and dom.routing_scope else "?"
+        pool, rs = _pool_name(p, names)
         auth = (e.kv_expected_ranks > 0 and e.kv_observed_ranks == e.kv_expected_ranks
                 and e.total_kv_blocks > 0)  # fmt: skip
         util = min(1.0, e.kv_used_blocks / e.total_kv_blocks) if auth else None
-        item = {"routing_scope": rs, "layout_generation": None if p is None
+        item = {"pool": pool, "routing_scope": rs, "layout_generation": None if p is None
                 else int(p.layout_generation), "kv_used_blocks": int(e.kv_used_blocks),
                 "total_kv_blocks": int(e.total_kv_blocks),
                 "observed_ranks": int(e.kv_observed_ranks),
                 "expected_ranks": int(e.kv_expected_ranks), "authoritative": auth,
                 "utilization": util}  # fmt: skip
         items.append(item)
-        rows.append([rs, str(item["layout_generation"]), str(e.kv_used_blocks),
+        rows.append([pool, str(item["layout_generation"]), str(e.kv_used_blocks),
                      str(e.total_kv_blocks), f"{e.kv_observed_ranks}/{e.kv_expected_ranks}",
                      "unknown" if util is None else f"{util:.1%}"])  # fmt: skip
     obj = {"relay": addr, "plane": "load", "window_sequence": int(m.window_sequence),
@@ -342,12 +370,87 @@ def _load_item(addr: str, m: pb.KvPoolLoadUpdate) -> tuple[dict[str, Any], str]:
     return obj, text
 
 
+_STATUS = {1: "COMPLETE", 2: "DEGRADED", 3: "UNAVAILABLE"}
+
+
+def _n(v: int | None) -> str:
+    return "-" if v is None else str(v)
+
+
+def _serving_load_item(
+    addr: str, m: pb.ServingLoadUpdate, names: PoolNames
+) -> tuple[dict[str, Any], str]:
+    """Unset figures print ``-`` (JSON: null): unknown, never zero."""
+    pools, models = [], []
+    prow = [["POOL", "GEN", "STATUS", "DECODE_BLOCKS", "PREFILL_TOKENS", "LIVE", "MAX_CONC"]]
+    for e in m.pools:
+        pool, rs = _pool_name(e.producer, names)
+        load = e.load or pb.LoadView()
+        tok, dep = load.tokens or pb.TokenLoadStats(), e.deployment or pb.PoolDeploymentStatus()
+        item: dict[str, Any] = {
+            "pool": pool, "routing_scope": rs,
+            "layout_generation": None if e.producer is None else int(e.producer.layout_generation),
+            "status": _STATUS.get(int(load.status), "UNSPECIFIED"),
+            "active_decode_blocks": tok.active_decode_blocks,
+            "active_prefill_tokens": tok.active_prefill_tokens,
+            "live_workers": dep.live_workers, "max_concurrency": dep.max_concurrency,
+            "source_observed_ms": int(load.source_observed_ms),
+        }  # fmt: skip
+        pools.append(item)
+        prow.append([pool, str(item["layout_generation"]), item["status"],
+                     _n(tok.active_decode_blocks), _n(tok.active_prefill_tokens),
+                     _n(dep.live_workers), _n(dep.max_concurrency)])  # fmt: skip
+    mrow = [["NAMESPACE", "MODEL", "STATUS", "STARTED", "DONE", "FAILED", "CANCELLED",
+             "IN_TOKENS", "OUT_TOKENS", "FRONTENDS"]]  # fmt: skip
+    for e in m.models:
+        load = e.load or pb.LoadView()
+        r, tok = load.requests or pb.RequestLifecycleStats(), load.tokens or pb.TokenLoadStats()
+        d = e.deployment or pb.ModelDeploymentStatus()
+        item = {
+            "namespace": e.namespace, "model": e.canonical_model_id,
+            "status": _STATUS.get(int(load.status), "UNSPECIFIED"),
+            "requests_started_total": int(r.requests_started_total),
+            "requests_completed_total": int(r.requests_completed_total),
+            "requests_failed_total": int(r.requests_failed_total),
+            "requests_cancelled_total": int(r.requests_cancelled_total),
+            "requests_awaiting_first_token": r.requests_awaiting_first_token,
+            "requests_generating": r.requests_generating,
+            "input_tokens_total": tok.input_tokens_total,
+            "output_tokens_total": tok.output_tokens_total,
+            "expected_frontends": int(d.expected_frontends),
+            "observed_frontends": int(d.observed_frontends),
+            "ready_frontends": int(d.ready_frontends),
+            "source_observed_ms": int(load.source_observed_ms),
+        }  # fmt: skip
+        models.append(item)
+        mrow.append([e.namespace, e.canonical_model_id, item["status"],
+                     str(r.requests_started_total), str(r.requests_completed_total),
+                     str(r.requests_failed_total), str(r.requests_cancelled_total),
+                     _n(tok.input_tokens_total), _n(tok.output_tokens_total),
+                     f"{d.observed_frontends}/{d.expected_frontends} seen, "
+                     f"{d.ready_frontends} ready"])  # fmt: skip
+    obj = {"relay": addr, "plane": "serving-load", "window_sequence": int(m.window_sequence),
+           "observed_ms": int(m.observed_ms), "window_ms": int(m.window_ms),
+           "relay_incarnation": _incarnation(m), "pools": pools, "models": models}  # fmt: skip
+    text = (f"[{addr}] serving-load window {m.window_sequence}: {len(pools)} pool(s), "
+            f"{len(models)} model(s)")  # fmt: skip
+    if pools:
+        text += "\n" + _table(prow)
+    if models:
+        text += "\n" + _table(mrow)
+    return obj, text
+
+
 _PLANES: dict[str, tuple[str, Callable[[str], Any], type, Callable[..., Any]]] = {
     "catalog": ("WatchKvPoolCatalog", rpc.catalog_request, pb.KvPoolCatalogUpdate, _catalog_item),
     "readiness": ("SubscribeServingReadiness", rpc.readiness_request, pb.ServingReadinessUpdate,
                   _readiness_item),
     "load": ("SubscribeKvPoolLoad", rpc.load_request, pb.KvPoolLoadUpdate, _load_item),
+    "serving-load": ("SubscribeServingLoad", rpc.serving_load_request, pb.ServingLoadUpdate,
+                     _serving_load_item),
 }  # fmt: skip
+#: Planes whose windows name pools by producer: ``watch`` reads the catalog beside them.
+_BY_PRODUCER = frozenset({"load", "serving-load"})
 
 
 async def _watch(
@@ -355,18 +458,29 @@ async def _watch(
     out: Output,
 ) -> int:  # fmt: skip
     method, make_request, reply, render = _PLANES[args.plane]
+    by_producer = args.plane in _BY_PRODUCER
     limiter = Limiter(args.count, args.duration)
     failures = 0
 
     async def one(addr: rpc.RelayAddress) -> None:
         nonlocal failures
         channel = rpc.open_channel(addr, ssl)
+        names: PoolNames = {}
+        catalog: asyncio.Task[Any] | None = None
         try:
             def on(msg: Any) -> None:
                 if limiter.tick():
-                    obj, text = render(str(addr), msg)
+                    obj, text = render(str(addr), msg, names) if by_producer else render(
+                        str(addr), msg)
                     out.emit(obj, text)
 
+            if by_producer:
+                first = asyncio.Event()
+                catalog = asyncio.create_task(
+                    _catalog_names(channel, args.subscriber_id, names, first)
+                )
+                with contextlib.suppress(TimeoutError):  # names first, so rows are named
+                    await asyncio.wait_for(first.wait(), 2.0)
             end = await rpc.run_stream(channel, method, make_request(args.subscriber_id),
                                        reply, on)  # fmt: skip
             if not limiter.done.is_set():
@@ -374,10 +488,34 @@ async def _watch(
                 print(f"[{addr}] stream ended: {end.reason} {end.message}".rstrip(),
                       file=sys.stderr)  # fmt: skip
         finally:
+            if catalog is not None:
+                catalog.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await catalog
             channel.close()
 
     await limiter.run([asyncio.create_task(one(a)) for a in relays])
     return 1 if failures else 0
+
+
+async def _catalog_names(
+    channel: Any, subscriber_id: str, names: PoolNames, first: asyncio.Event
+) -> None:
+    """Keep ``names`` (producer key → ``ns/component/endpoint``) current from the catalog."""
+    def on(m: pb.KvPoolCatalogUpdate) -> None:
+        fresh: PoolNames = {}
+        for d in m.snapshot.pools if m.snapshot is not None else []:
+            with contextlib.suppress(RelayError):
+                fresh[producer_key(d.producer)] = _ep(d.serving_endpoint)
+        names.clear()
+        names.update(fresh)
+        first.set()
+
+    while True:
+        await rpc.run_stream(channel, "WatchKvPoolCatalog", rpc.catalog_request(subscriber_id),
+                             pb.KvPoolCatalogUpdate, on)  # fmt: skip
+        first.set()
+        await asyncio.sleep(1.0)
 
 
 # ------------------------------------------------------------------------------- subscribe
@@ -434,7 +572,14 @@ async def _find_pool(
     except _Stop:
         end = None
     if not found:
-        return None, None, "" if end is None else f"catalog stream ended: {end.reason}"
+        if end is None:
+            return None, None, ""
+        why = f"catalog stream ended: {end.reason}"
+        if end.message:
+            why += f" ({end.message})"
+        if end.reason == "connection":
+            why += "; is a relay listening there? (--relay HOST:PORT, or $KVRELAY_RELAY)"
+        return None, None, why
     m = found[0]
     pools = m.snapshot.pools if m.snapshot is not None else []
     exact = [d for d in pools if _ep(d.serving_endpoint) == name]
@@ -478,6 +623,7 @@ async def _subscribe(
     config = ClientConfig(subscriber_id=args.subscriber_id)
     problems = 0
     violations = 0
+    checked = 0
 
     async def one(addr: rpc.RelayAddress) -> None:
         nonlocal problems, violations
@@ -497,7 +643,9 @@ async def _subscribe(
 
                 def on(fu: pb.FilterUpdate, state: PoolReplica | Inspector = state,
                        pool: str = pool) -> None:  # fmt: skip
+                    nonlocal checked
                     info = state.feed(fu)
+                    checked += 1
                     if limiter.tick():
                         obj, text = _frame_obj(str(addr), pool, info, state.occupancy())
                         out.emit(obj, text)
@@ -526,6 +674,16 @@ async def _subscribe(
             channel.close()
 
     await limiter.run([asyncio.create_task(one(a)) for a in relays])
+    if args.verify:
+        ok = not problems and not violations and checked > 0
+        verdict = "PASS" if ok else "FAIL"
+        why = f"{checked} frame(s) checked against every consumer rule, {violations} violation(s)"
+        if problems:
+            why += f", {problems} stream problem(s)"
+        if not checked and not violations:
+            why += ": nothing was checked"
+        out.emit({"verdict": verdict.lower(), "frames": checked, "violations": violations,
+                  "problems": problems}, f"verify: {verdict} ({why})")  # fmt: skip
     return 1 if problems or violations else 0
 
 
@@ -537,23 +695,45 @@ async def _query(
     out: Output, tokens: list[int],
 ) -> int:  # fmt: skip
     config = ClientConfig(subscriber_id=args.subscriber_id, verification_window=args.window,
-                          watch_load=False)  # fmt: skip
+                          watch_load=False, watch_serving_load=False)  # fmt: skip
     client = RelayClient(relays, ssl=ssl, config=config)
     await client.start()
     try:
         started = time.monotonic()
-        await client.wait_ready(args.wait)
+        # Ready, or every relay without a catalog has told why (a refused connection is known
+        # at once: there is nothing to wait for).
+        await client.wait_for(
+            lambda: all(
+                c.catalog_error is not None if c.catalog_revision is None
+                else all(s.installed is not None or s.quarantined for s in c.slots.values())
+                for c in client.connections
+            ),
+            args.wait,
+        )
+        failed = [(c.name, c.catalog_error or "no catalog within --wait")
+                  for c in client.connections if c.catalog_revision is None]  # fmt: skip
         # readiness arrives on its own stream: give it the rest of the wait
         await client.wait_for(
-            lambda: all(c.readiness is not None for c in client.connections),
+            lambda: all(
+                c.readiness is not None for c in client.connections
+                if c.catalog_revision is not None
+            ),
             max(0.0, args.wait - (time.monotonic() - started)),
         )
         everything = client.overlap(tokens, args.model, args.lora, args.cache_salt,
                                     routable_only=False)  # fmt: skip
         routable = client.overlap(tokens, args.model, args.lora, args.cache_salt)
         descs = client.pools()
+        served = sorted({
+            name for c in client.connections for s in c.slots.values()
+            for r in s.descriptor.registrations for name in (r.canonical_model_id, *r.aliases)
+        })  # fmt: skip
     finally:
         await client.close()
+    for name, error in failed:
+        print(f"[{name}] catalog stream ended: {error}", file=sys.stderr)
+    if failed and len(failed) == len(relays):
+        return 1
     shown = everything if args.all else routable
     rows = [["POOL", "DEPTH_BLOCKS", "DEPTH_TOKENS", "BLOCK", "ROUTABLE"]]
     pools = []
@@ -574,5 +754,9 @@ async def _query(
     hidden = len(everything) - len(routable)
     if hidden and not args.all:
         text += f"\n  ({hidden} pool(s) serving the model are not routable; --all shows them)"
+    if not everything:
+        known = ", ".join(served) if served else "none"
+        text += f"\n  (no pool serves {args.model!r}; the catalog's models: {known})"
+        obj["catalog_models"] = served
     out.emit(obj, text)
     return 0 if everything else 1

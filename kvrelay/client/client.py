@@ -29,10 +29,23 @@ from kvrelay.client.probe import contains
 from kvrelay.client.query import HashCache, QueryPlan, plan_for
 from kvrelay.client.rpc import RelayAddress
 from kvrelay.client.search import prefix_depth
-from kvrelay.client.views import LoadView, PoolKey, ReadinessView, ReplicaStats
+from kvrelay.client.views import (
+    LoadView,
+    ModelServingView,
+    PoolKey,
+    PoolServingView,
+    ReadinessView,
+    ReplicaStats,
+    ServingLoadViews,
+)
 from kvrelay.contract.producer import producer_key
 
 _STATE = {0: "UNKNOWN", 1: "UNAVAILABLE", 2: "READY"}
+_DATA_STATUS = {1: "COMPLETE", 2: "DEGRADED", 3: "UNAVAILABLE"}  # else UNSPECIFIED (unknown)
+
+
+def _opt(v: int | None) -> int | None:
+    return None if v is None else int(v)
 
 
 def role_name(r: int) -> str:
@@ -200,6 +213,76 @@ class RelayClient:
                     int(upd.window_sequence), int(upd.observed_ms),
                 )  # fmt: skip
         return out
+
+    def serving_load(self) -> ServingLoadViews:
+        """The newest serving-load window of every relay (Dynamo 1.7): pools listed in the
+        catalog, and every (namespace, model). Empty for a relay whose stream is down; relays
+        that do not implement the RPC are named in ``unsupported``."""
+        pools: dict[PoolKey, PoolServingView] = {}
+        models: list[ModelServingView] = []
+        for c in self.connections:
+            upd = c.serving_load
+            if upd is None:
+                continue
+            seq = int(upd.window_sequence)
+            incarnation = 0 if upd.relay is None else int(upd.relay.relay_incarnation)
+            by_producer = {s.producer: s.key for s in c.slots.values()}
+            by_pool_id = {
+                bytes(s.descriptor.producer.pool_id): s.key
+                for s in c.slots.values()
+                if s.descriptor.producer is not None and s.descriptor.producer.pool_id is not None
+            }
+            for p in upd.pools:
+                try:
+                    key = by_producer.get(producer_key(p.producer))
+                except Exception:  # invalid identity in an entry: ignore, count
+                    c.counters["serving_load_entry_invalid"] += 1
+                    continue
+                if key is None or p.load is None:
+                    continue
+                tokens, dep = p.load.tokens, p.deployment
+                pools[key] = PoolServingView(
+                    status=_DATA_STATUS.get(int(p.load.status), "UNSPECIFIED"),
+                    active_decode_blocks=None if tokens is None
+                    else _opt(tokens.active_decode_blocks),
+                    active_prefill_tokens=None if tokens is None
+                    else _opt(tokens.active_prefill_tokens),
+                    live_workers=None if dep is None else _opt(dep.live_workers),
+                    max_concurrency=None if dep is None else _opt(dep.max_concurrency),
+                    source_observed_ms=int(p.load.source_observed_ms),
+                    window_sequence=seq,
+                )  # fmt: skip
+            for m in upd.models:
+                if m.load is None:
+                    continue
+                r = m.load.requests or pb.RequestLifecycleStats()
+                t = m.load.tokens or pb.TokenLoadStats()
+                d = m.deployment or pb.ModelDeploymentStatus()
+                models.append(
+                    ModelServingView(
+                        relay=c.name, namespace=m.namespace, model=m.canonical_model_id,
+                        status=_DATA_STATUS.get(int(m.load.status), "UNSPECIFIED"),
+                        requests_started_total=int(r.requests_started_total),
+                        requests_completed_total=int(r.requests_completed_total),
+                        requests_failed_total=int(r.requests_failed_total),
+                        requests_cancelled_total=int(r.requests_cancelled_total),
+                        requests_awaiting_first_token=_opt(r.requests_awaiting_first_token),
+                        requests_generating=_opt(r.requests_generating),
+                        input_tokens_total=_opt(t.input_tokens_total),
+                        output_tokens_total=_opt(t.output_tokens_total),
+                        inflight_input_tokens=_opt(t.inflight_input_tokens),
+                        expected_frontends=int(d.expected_frontends),
+                        observed_frontends=int(d.observed_frontends),
+                        ready_frontends=int(d.ready_frontends),
+                        serving_pools=tuple(
+                            by_pool_id[k] for k in map(bytes, d.serving_pools) if k in by_pool_id
+                        ),
+                        source_observed_ms=int(m.load.source_observed_ms),
+                        window_sequence=seq, relay_incarnation=incarnation,
+                    )
+                )  # fmt: skip
+        unsupported = tuple(c.name for c in self.connections if c.serving_load_unsupported)
+        return ServingLoadViews(pools, models, unsupported)
 
     def replica_stats(self) -> dict[PoolKey, ReplicaStats]:
         now = time.monotonic()

@@ -39,6 +39,9 @@ class ClientConfig:
     verification_window: int = 2
     watch_readiness: bool = True
     watch_load: bool = True
+    #: Dynamo 1.7's SubscribeServingLoad (a relay without it answers UNIMPLEMENTED: see
+    #: ``ServingLoadViews.unsupported``).
+    watch_serving_load: bool = True
     heartbeat_interval_s: float = 10.0
     silence_heartbeats: int = 3
 

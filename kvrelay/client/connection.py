@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from grpclib.const import Status
+
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import errors as E
 from kvrelay.client import rpc
@@ -75,9 +77,15 @@ class RelayConnection:
         self.identity: tuple[int, int] | None = None
         self.identity_msg: pb.RelayIdentity | None = None
         self.catalog_revision: int | None = None
+        #: How the last catalog stream that delivered nothing ended (``reason: message``): why
+        #: there is no catalog yet. None once a catalog arrives.
+        self.catalog_error: str | None = None
         self.slots: dict[PoolKey, PoolSlot] = {}
         self.readiness: pb.ServingReadinessUpdate | None = None
         self.load: pb.KvPoolLoadUpdate | None = None
+        self.serving_load: pb.ServingLoadUpdate | None = None
+        #: The relay answered SubscribeServingLoad UNIMPLEMENTED (until a window arrives).
+        self.serving_load_unsupported = False
         self.counters: Counter[str] = Counter()
         self.drops: Counter[str] = drops if drops is not None else Counter()
         self.changed = asyncio.Event()  # set on any state change (tests, CLI wait on it)
@@ -92,6 +100,8 @@ class RelayConnection:
             self._plane_tasks.append(asyncio.create_task(self._readiness_loop()))
         if self.config.watch_load:
             self._plane_tasks.append(asyncio.create_task(self._load_loop()))
+        if self.config.watch_serving_load:
+            self._plane_tasks.append(asyncio.create_task(self._serving_load_loop()))
 
     async def close(self) -> None:
         self._closing = True
@@ -132,6 +142,7 @@ class RelayConnection:
             self._remove_slot(key, E.RELAY_RESTARTED)
         self.readiness = None
         self.load = None
+        self.serving_load = None
         self.catalog_revision = None
         if not from_catalog:
             self.refresh_catalog()
@@ -164,6 +175,9 @@ class RelayConnection:
                 rpc.catalog_request(self.config.subscriber_id), pb.KvPoolCatalogUpdate, on,
             )  # fmt: skip
             self.counters[f"catalog_end_{end.reason}"] += 1
+            if not got:
+                self.catalog_error = f"{end.reason}: {end.message}".rstrip(": ")
+                self._notify()
             if end.reason in (E.EOF, E.CONNECTION):
                 # The relay is going away (or gone): reconnect from scratch rather than reuse an
                 # HTTP/2 connection a stopping server may still accept streams on.
@@ -184,6 +198,7 @@ class RelayConnection:
         self._observe_relay(upd.relay, from_catalog=True)
         self.counters["catalog_updates"] += 1
         self.catalog_revision = int(upd.revision)
+        self.catalog_error = None
         wanted: dict[PoolKey, pb.KvPoolDescriptor] = {}
         pools = upd.snapshot.pools if upd.snapshot is not None else []
         for desc in pools:
@@ -307,6 +322,8 @@ class RelayConnection:
                     return
                 self._observe_relay(msg.relay, from_catalog=False)
                 self.counters[f"{plane}_updates"] += 1
+                if plane == "serving_load":
+                    self.serving_load_unsupported = False
                 store(msg)
                 self._notify()
 
@@ -314,6 +331,8 @@ class RelayConnection:
                 self.channel, method, request, reply, on, silence_s=silence_s
             )
             self.counters[f"{plane}_end_{end.reason}"] += 1
+            if plane == "serving_load":
+                self.serving_load_unsupported = end.status == Status.UNIMPLEMENTED
             store(None)  # unknown while disconnected: never routable on stale data
             self._notify()
             await asyncio.sleep(self.config.backoff(attempt))
@@ -336,4 +355,13 @@ class RelayConnection:
         await self._plane_loop(
             "load", "SubscribeKvPoolLoad",
             rpc.load_request(self.config.subscriber_id), pb.KvPoolLoadUpdate, store,
+        )  # fmt: skip
+
+    async def _serving_load_loop(self) -> None:
+        def store(m: pb.ServingLoadUpdate | None) -> None:
+            self.serving_load = m
+
+        await self._plane_loop(
+            "serving_load", "SubscribeServingLoad",
+            rpc.serving_load_request(self.config.subscriber_id), pb.ServingLoadUpdate, store,
         )  # fmt: skip

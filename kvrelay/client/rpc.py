@@ -20,6 +20,7 @@ from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
+from kvrelay._grpc import effective_status
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import errors as E
 from kvrelay.client.codec import ClientCodec
@@ -83,8 +84,9 @@ def end_from_error(err: GRPCError, trailers: Any, messages: int) -> StreamEnd:
     if trailers is not None:
         raw = trailers.get(E.TRAILER_KEY)
         value = raw.decode() if isinstance(raw, bytes) else raw
-    reason = E.reason_from_trailer(value) or f"status_{err.status.name.lower()}"
-    return StreamEnd(reason, err.status, err.message or "", messages)
+    status = effective_status(err.status, err.message)
+    reason = E.reason_from_trailer(value) or f"status_{status.name.lower()}"
+    return StreamEnd(reason, status, err.message or "", messages)
 
 
 async def run_stream(
@@ -151,6 +153,12 @@ def readiness_request(subscriber_id: str) -> pb.SubscribeServingReadinessRequest
 
 def load_request(subscriber_id: str) -> pb.SubscribeKvPoolLoadRequest:
     return pb.SubscribeKvPoolLoadRequest(
+        subscriber_id=subscriber_id, contract_marker=CONTRACT_MARKER
+    )
+
+
+def serving_load_request(subscriber_id: str) -> pb.SubscribeServingLoadRequest:
+    return pb.SubscribeServingLoadRequest(
         subscriber_id=subscriber_id, contract_marker=CONTRACT_MARKER
     )
 

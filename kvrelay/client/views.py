@@ -70,6 +70,67 @@ class LoadView:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolServingView:
+    """One pool's serving-load window (Dynamo 1.7). ``status``: COMPLETE / DEGRADED /
+    UNAVAILABLE, or UNSPECIFIED for a value this SDK does not know (treat as unknown). A gauge is
+    None when the relay left it unset (unknown, never zero)."""
+
+    status: str
+    active_decode_blocks: int | None
+    active_prefill_tokens: int | None
+    live_workers: int | None
+    max_concurrency: int | None
+    source_observed_ms: int
+    window_sequence: int
+
+    @property
+    def complete(self) -> bool:
+        return self.status == "COMPLETE"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelServingView:
+    """One (namespace, model)'s serving-load window. The ``*_total`` counters are cumulative
+    within one relay incarnation (``relay_incarnation``): compute rates only between windows of
+    the same incarnation. Gauges and token figures are None when unset."""
+
+    relay: str
+    namespace: str
+    model: str
+    status: str
+    requests_started_total: int
+    requests_completed_total: int
+    requests_failed_total: int
+    requests_cancelled_total: int
+    requests_awaiting_first_token: int | None
+    requests_generating: int | None
+    input_tokens_total: int | None
+    output_tokens_total: int | None
+    inflight_input_tokens: int | None
+    expected_frontends: int
+    observed_frontends: int
+    ready_frontends: int
+    serving_pools: tuple[PoolKey, ...]
+    source_observed_ms: int
+    window_sequence: int
+    relay_incarnation: int
+
+    @property
+    def complete(self) -> bool:
+        return self.status == "COMPLETE"
+
+
+@dataclass(frozen=True, slots=True)
+class ServingLoadViews:
+    """What ``RelayClient.serving_load()`` returns: pools by key, models in relay order.
+    ``unsupported`` lists the relays that do not implement the RPC (Dynamo 1.6)."""
+
+    pools: dict[PoolKey, PoolServingView] = field(default_factory=dict)
+    models: list[ModelServingView] = field(default_factory=list)
+    unsupported: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaStats:
     pool: PoolKey
     installed: bool

@@ -6,3 +6,5 @@ generation" means, envelope validators, and the relay's limits. It imports nothi
 the generated protobuf classes, so the relay core, the publication layer, the gRPC service and the
 consumer SDK can all share it without importing each other. See ``docs/contract.md``.
 """
+
+from kvrelay.contract import proto_fixes as _proto_fixes  # noqa: F401  (before anything parses)

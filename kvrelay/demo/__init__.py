@@ -16,7 +16,7 @@ import time
 from dataclasses import replace
 from typing import Any, TextIO
 
-from kvrelay.demo.fleet import DemoFleet
+from kvrelay.demo.fleet import AGG_MODEL, DemoFleet
 from kvrelay.ops.config import format_bind
 
 __all__ = ["run_demo"]
@@ -30,10 +30,9 @@ async def _demo(
     from kvrelay.demo.consumer import Consumer
     from kvrelay.demo.view import (
         CLEAR,
-        CLEAR_DOWN,
         HIDE_CURSOR,
-        HOME,
         SHOW_CURSOR,
+        redraw,
         render,
         summary_text,
         take_snapshot,
@@ -52,7 +51,8 @@ async def _demo(
         print(f"kvrelay demo: kernels: {ev}", file=sys.stderr, flush=True)
 
     print(
-        "kvrelay demo: compiling or loading the numba kernels (first run: ~15 s)",
+        "kvrelay demo: compiling or loading the numba kernels (first run: ~15 s on 2 quiet "
+        "cores, up to ~75 s on busy ones)",
         file=sys.stderr, flush=True,
     )
     await loop.run_in_executor(None, warm_kernels, progress)
@@ -89,7 +89,11 @@ async def _demo(
         address = format_bind(host, port)
         if workers > 1:
             address += f" ({workers - 1} fan-out workers)"
-        consumer = Consumer("127.0.0.1" if host in ("0.0.0.0", "::") else host, port)
+        local = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        hit_tokens = fleet.hit_tokens()
+        hit_query = (f"kvrelay query --relay {format_bind(local, port)} --model {AGG_MODEL} "
+                     f"--tokens {','.join(map(str, hit_tokens))}")  # fmt: skip
+        consumer = Consumer(local, port)
         await consumer.start()
         fleet.run_traffic()
         events: list[str] = []
@@ -110,14 +114,17 @@ async def _demo(
                 previous=previous, interval_s=now - last,
             )
             snap.events = list(events)
+            snap.hit_query = hit_query
             last = now
             if not headless:
                 frame = render(snap, color=color)
-                out.write(HOME + frame + "\n" + CLEAR_DOWN if color else frame + "\n\n")
+                out.write(redraw(frame) if color else frame + "\n\n")
                 out.flush()
             if stop.is_set() or now - t0 >= duration:
                 break
         scenario.cancel()
+        if headless:  # the JSON report says whether the printed query hits
+            snap.hit_depth = await _hit_depth(format_bind(local, port), hit_tokens)
         if color:
             out.write(SHOW_CURSOR)
         assert snap is not None
@@ -139,6 +146,19 @@ async def _demo(
         await fleet.stop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+async def _hit_depth(address: str, tokens: list[int]) -> int | None:
+    """What the SDK answers for the printed query now (None: no routable pool answered)."""
+    from kvrelay.client import ClientConfig, RelayClient
+
+    config = ClientConfig(subscriber_id="kvrelay-demo-query", watch_load=False,
+                          watch_serving_load=False)  # fmt: skip
+    async with RelayClient([address], config=config) as client:
+        await client.wait_ready(10)
+        await client.wait_for(lambda: bool(client.readiness()), 5)
+        depths = client.overlap(tokens, AGG_MODEL)
+    return max(depths.values()) if depths else None
 
 
 async def _scenario(fleet: DemoFleet, duration: float, events: list[str]) -> None:

@@ -86,6 +86,12 @@ class DemoFleet:
                 await eng.start()
         self.engines["agg-0"].load_lora(LORA_NAME, f"/adapters/{LORA_NAME}")
 
+    def hit_tokens(self) -> list[int]:
+        """A prompt the aggregated pool holds under traffic: the first block of its engines'
+        most popular system prompt (both engines share it: same traffic seed)."""
+        eng = self.engines["agg-0"]
+        return eng.schedulers[0].traffic.hot_prefix(eng.cfg.block_size)
+
     def run_traffic(self, rate: float = STEPS_PER_SECOND) -> None:
         for eng in self.engines.values():
             self._runs.append(eng.run(rate))

@@ -15,6 +15,14 @@ from kvrelay.demo.consumer import Consumer, latency_percentiles
 RESET, BOLD, DIM = "\x1b[0m", "\x1b[1m", "\x1b[2m"
 GREEN, YELLOW, RED, CYAN = "\x1b[32m", "\x1b[33m", "\x1b[31m", "\x1b[36m"
 HOME, CLEAR_DOWN, CLEAR = "\x1b[H", "\x1b[J", "\x1b[2J"
+#: Erase to the end of the line: a redrawn line shorter than the one before leaves no old tail.
+CLEAR_LINE = "\x1b[K"
+
+
+def redraw(frame: str) -> str:
+    """One frame drawn over the previous one: home, every line cleared to its end, the rest of
+    the screen below it cleared."""
+    return HOME + frame.replace("\n", CLEAR_LINE + "\n") + CLEAR_LINE + "\n" + CLEAR_DOWN
 HIDE_CURSOR, SHOW_CURSOR = "\x1b[?25l", "\x1b[?25h"
 #: A CKF bucket is one u64 word of four 16-bit fingerprint slots (contract §6).
 SLOTS_PER_BUCKET = 4
@@ -71,6 +79,10 @@ class Snapshot:
     events: list[str] = field(default_factory=list)
     p50_ms: float | None = None
     p99_ms: float | None = None
+    #: A ``kvrelay query`` line whose tokens the aggregated pool holds (the simulator's most
+    #: popular system prompt), and the depth the demo's own SDK query found for it at the end.
+    hit_query: str = ""
+    hit_depth: int | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -82,6 +94,7 @@ class Snapshot:
             "latency_p50_ms": _r(self.p50_ms),
             "latency_p99_ms": _r(self.p99_ms),
             "consumer_errors": dict(self.errors),
+            "hit_query": {"command": self.hit_query, "depth_blocks": self.hit_depth},
             "pools": [
                 {
                     "pool": p.name,
@@ -233,6 +246,9 @@ def render(s: Snapshot, color: bool = True) -> str:
     ]
     if s.events:
         lines += ["", b("EVENTS")] + [f"  {e}" for e in s.events[-4:]]
+    if s.hit_query:
+        lines += ["", b("TRY IT  (another terminal, while the demo runs: a prompt that hits)"),
+                  f"  {s.hit_query}"]  # fmt: skip
     return "\n".join(lines)
 
 

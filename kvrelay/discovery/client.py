@@ -15,6 +15,7 @@ import grpclib.const
 import grpclib.exceptions
 from grpclib.client import Channel
 
+from kvrelay._grpc import effective_status
 from kvrelay._proto import vllm as vpb
 from kvrelay.discovery.endpoints import (
     SourceInfo,
@@ -33,7 +34,6 @@ from kvrelay.discovery.errors import (
 from kvrelay.discovery.snapshot import EngineSnapshot, LoraEntry
 
 KV_TRANSFER_SOURCES_PATH = "/vllm.KvTransfer/GetKvEventSources"
-_NO_CONTENT_TYPE = "Missing content-type header"
 T = TypeVar("T")
 
 
@@ -69,11 +69,7 @@ class EngineClient:
             # outer bound covers connection setup too, which grpclib's timeout may not
             return await asyncio.wait_for(fn(), timeout=self.timeout + 0.5)
         except grpclib.exceptions.GRPCError as exc:
-            status = exc.status
-            if status is grpclib.const.Status.UNKNOWN and exc.message == _NO_CONTENT_TYPE:
-                # grpclib servers answer an unknown method with a trailers-only 200 lacking
-                # content-type; grpclib's client reports that as UNKNOWN. It means UNIMPLEMENTED.
-                status = grpclib.const.Status.UNIMPLEMENTED
+            status = effective_status(exc.status, exc.message)  # grpclib's UNIMPLEMENTED
             if status is grpclib.const.Status.UNAVAILABLE:
                 raise EngineUnreachable(self.address, f"{what}: {exc.message}") from exc
             if status is grpclib.const.Status.DEADLINE_EXCEEDED:

@@ -1,5 +1,7 @@
 """Scrape an engine's Prometheus ``/metrics`` page (asyncio streams, no HTTP client dependency)
-and extract ``vllm:kv_cache_usage_perc`` per engine core (DP rank).
+and extract ``vllm:kv_cache_usage_perc`` per engine core (DP rank), with the serving figures the
+serving-load plane uses (running and waiting requests, token counters, finished requests by
+reason).
 
 Any malformed page — bad status line, chunk sizes or lengths that are not numbers, unparsable
 metric text, non-finite values — is a ``MetricsScrapeError``, never another exception: the load
@@ -12,11 +14,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 KV_USAGE = "vllm:kv_cache_usage_perc"
 KV_USAGE_LEGACY = "vllm:gpu_cache_usage_perc"  # name before vLLM renamed it
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+PROMPT_TOKENS = "vllm:prompt_tokens_total"  # counters: sample names
+GENERATION_TOKENS = "vllm:generation_tokens_total"
+REQUEST_SUCCESS = "vllm:request_success_total"  # finished requests, label finished_reason
 MAX_BODY = 8 * 1024 * 1024
 
 
@@ -100,27 +110,86 @@ def _http_body(raw: bytes, max_bytes: int) -> str:
     return body.decode("utf-8", errors="replace")
 
 
-def parse_kv_usage(text: str, model_name: str | None = None) -> dict[str, float]:
-    """``{engine_label: usage_fraction}`` from Prometheus text; optional model filter."""
+@dataclass(frozen=True, slots=True)
+class RankServing:
+    """One DP rank's serving counters and gauges as its page reports them (None: not on the page).
+
+    ``finished`` is ``vllm:request_success_total`` by its ``finished_reason`` label."""
+
+    running: int | None = None
+    waiting: int | None = None
+    prompt_tokens_total: int | None = None
+    generation_tokens_total: int | None = None
+    finished: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePage:
+    """What one scrape of an engine's page says: KV usage and serving figures per DP rank
+    (the ``engine`` label), and whether any sample names the model asked for."""
+
+    kv_usage: dict[str, float]
+    serving: dict[str, RankServing]
+    lists_model: bool
+
+
+_FIGURES = {
+    RUNNING: "running",
+    WAITING: "waiting",
+    PROMPT_TOKENS: "prompt_tokens_total",
+    GENERATION_TOKENS: "generation_tokens_total",
+}
+
+
+def _count(name: str, value: float) -> int:
+    if not math.isfinite(value) or value < 0:
+        raise MetricsScrapeError(f"{name} value {value!r} is not a count")
+    return int(value)
+
+
+def parse_engine_page(text: str, model_name: str | None = None) -> EnginePage:
+    """Parse one page (optional model filter); ``MetricsScrapeError`` for anything malformed."""
     found: dict[str, float] = {}
     legacy: dict[str, float] = {}
+    figures: dict[str, dict[str, Any]] = {}
+    lists_model = model_name is None
     try:
         for fam in text_string_to_metric_families(text):
-            if fam.name not in (KV_USAGE, KV_USAGE_LEGACY):
-                continue
-            dest = found if fam.name == KV_USAGE else legacy
             for s in fam.samples:
                 if model_name is not None and s.labels.get("model_name") != model_name:
                     continue
+                lists_model = True
+                rank = s.labels.get("engine", "0")
                 value = float(s.value)
-                if not math.isfinite(value) or not 0.0 <= value <= 1.0:
-                    raise MetricsScrapeError(f"{fam.name} value {value!r} is not a fraction")
-                dest[s.labels.get("engine", "0")] = value
+                name = s.name  # by sample name: pages differ in how they type counters
+                if name in (KV_USAGE, KV_USAGE_LEGACY):
+                    if not math.isfinite(value) or not 0.0 <= value <= 1.0:
+                        raise MetricsScrapeError(f"{name} value {value!r} is not a fraction")
+                    (found if name == KV_USAGE else legacy)[rank] = value
+                elif name in _FIGURES:
+                    figures.setdefault(rank, {})[_FIGURES[name]] = _count(name, value)
+                elif name == REQUEST_SUCCESS:
+                    reason = s.labels.get("finished_reason", "")
+                    done = figures.setdefault(rank, {}).setdefault("finished", {})
+                    done[reason] = done.get(reason, 0) + _count(name, value)
     except MetricsScrapeError:
         raise
     except Exception as exc:  # the parser raises ValueError, TypeError, IndexError, …
         raise MetricsScrapeError(f"unparsable metrics text: {exc!r}") from exc
-    return found or legacy
+    serving = {rank: RankServing(**f) for rank, f in figures.items()}
+    return EnginePage(found or legacy, serving, lists_model)
+
+
+def parse_kv_usage(text: str, model_name: str | None = None) -> dict[str, float]:
+    """``{engine_label: usage_fraction}`` from Prometheus text; optional model filter."""
+    return parse_engine_page(text, model_name).kv_usage
+
+
+async def scrape_engine_page(
+    host: str, port: int, model_name: str | None = None, timeout: float = 2.0
+) -> EnginePage:
+    text = await fetch_metrics_text(host, port, timeout=timeout)
+    return await asyncio.to_thread(parse_engine_page, text, model_name)
 
 
 async def scrape_kv_usage(

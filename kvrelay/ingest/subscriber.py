@@ -62,6 +62,11 @@ from kvrelay.logging import get_logger
 from kvrelay.pool.errors import MalformedBatch
 
 _LOGGER = "kvrelay.ingest"
+#: A connection that ends within this many seconds without a message is a flap: the source is
+#: not live (state ``flapping``) until a message arrives.
+FLAP_S = 2.0
+#: ``source_reconnected`` is logged at most this often per source.
+RECONNECT_LOG_S = 10.0
 
 _ABORTED = 2  # replay outcome: reorder overflow, buffer dropped
 _DONE = 1
@@ -122,6 +127,10 @@ class Subscriber:
         self.counters = SubscriberCounters()
         self.state = "new"
         self.connected = False
+        self._connected_at = 0.0
+        self._messages_at_connect = 0
+        self._reconnect_logged_at: float | None = None
+        self._reconnects_unlogged = 0
         self.disconnected_since: float | None = time.monotonic()
         self.last_message_at: float | None = None
         self.failure: BaseException | None = None
@@ -350,14 +359,22 @@ class Subscriber:
             if event == zmq.EVENT_CONNECTED and not self.connected:
                 self.connected = True
                 self.disconnected_since = None
+                self._connected_at = time.monotonic()
+                self._messages_at_connect = self.counters.messages
                 if self._ever_connected:
                     self.counters.reconnects += 1
                     self._reconnected = True
                 self._ever_connected = True
             elif event == zmq.EVENT_DISCONNECTED and self.connected:
                 self.connected = False
-                self.disconnected_since = time.monotonic()
+                self.disconnected_since = now = time.monotonic()
                 self._drain_queued()
+                # a peer that accepts and drops the connection without a message (no publisher
+                # behind the port, a proxy, a crash loop): not a live source
+                brief = now - self._connected_at < FLAP_S
+                silent = self.counters.messages == self._messages_at_connect
+                if brief and silent and self.state == "live":
+                    self._set_state("flapping")
 
     def _drain_queued(self) -> None:
         assert self._sub is not None
@@ -370,7 +387,7 @@ class Subscriber:
 
     def _after_reconnect(self) -> None:
         """The publisher may have restarted: vouch for the incarnation before going on."""
-        self._log.info("source_reconnected", next_seq=self._next)
+        self._log_reconnect()
         if self._next is None or self._last is None:
             return  # nothing applied yet: whatever comes is a baseline
         if not self.spec.replay_endpoint:
@@ -379,6 +396,20 @@ class Subscriber:
             return
         if self._replay_from is None:
             self._replay_from = self._next  # the replay checks the last batch first
+
+    def _log_reconnect(self) -> None:
+        """``source_reconnected`` at most once per ``RECONNECT_LOG_S`` per source, with how many
+        reconnects the lines in between would have been (a peer that accepts and drops
+        connections reconnects several times a second)."""
+        now = time.monotonic()
+        last = self._reconnect_logged_at
+        if last is not None and now - last < RECONNECT_LOG_S:
+            self._reconnects_unlogged += 1
+            return
+        self._reconnect_logged_at = now
+        self._log.info("source_reconnected", next_seq=self._next,
+                       reconnects_not_logged=self._reconnects_unlogged)  # fmt: skip
+        self._reconnects_unlogged = 0
 
     # ---- live path ------------------------------------------------------------------------
     def _check(self, frames: list[bytes]) -> tuple[int, bytes, bool]:
@@ -401,6 +432,8 @@ class Subscriber:
         c = self.counters
         c.messages += 1
         self.last_message_at = time.monotonic()
+        if self.state == "flapping":
+            self._set_state("live")  # a message: there is a publisher after all
         try:
             seq, payload, new_epoch = self._check(frames)
         except FrameError as exc:

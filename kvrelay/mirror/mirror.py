@@ -1,7 +1,11 @@
 """``Mirror``: a ``RelayView`` whose source is another KvEventRelay.
 
-One upstream stream per plane (catalog, readiness, load) and per catalog pool, all on one
-channel. Identity: the mirror *is* its upstream to its subscribers — same relay identity,
+One upstream stream per plane (catalog, readiness, load, serving load) and per catalog pool, all
+on one channel. An upstream that answers ``SubscribeServingLoad`` with ``UNIMPLEMENTED`` (a
+Dynamo 1.6 relay) is asked again with backoff, and meanwhile the mirror answers that RPC
+``UNIMPLEMENTED`` too; the mirror is in sync without it.
+
+Identity: the mirror *is* its upstream to its subscribers — same relay identity,
 producers, sequences, bytes. A plane message or frame with another relay identity means the
 upstream restarted: every local stream ends cleanly (as the upstream's own streams did), every
 mirrored pool is dropped and the mirror follows the new identity.
@@ -24,6 +28,8 @@ import contextlib
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
+
+from grpclib.const import Status
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import errors as E
@@ -54,6 +60,7 @@ class Mirror:
         self.catalog = MirrorPlane("catalog")
         self.readiness = MirrorPlane("readiness")
         self.load = MirrorPlane("load")
+        self.serving_load = MirrorPlane("serving-load")  # no "_": metrics split "<plane>_<reason>"
         self._identity: pb.RelayIdentity | None = None
         self._identity_key: tuple[int, int] | None = None
         self._identity_bytes = b""
@@ -104,6 +111,10 @@ class Mirror:
             pool = self._start_pool(key, expected)  # the upstream decides this key
         deadline = asyncio.get_running_loop().time() + self.settings.sync_wait_s
         return await pool.admit(on_release, deadline)
+
+    @property
+    def _planes(self) -> tuple[MirrorPlane, ...]:
+        return (self.catalog, self.readiness, self.load, self.serving_load)
 
     # ------------------------------------------------------------------ pools
     def _room(self) -> bool:
@@ -185,7 +196,7 @@ class Mirror:
         self.identity_changes += 1
         _log.warning("mirror_upstream_restarted", old=self._identity_key,
                      new=(int(relay.drt_instance_id), int(relay.relay_incarnation)))  # fmt: skip
-        for plane in (self.catalog, self.readiness, self.load):
+        for plane in self._planes:
             plane.end(None, "the upstream restarted")
         for pool in list(self._pools.values()):
             pool.stop(None, "the upstream restarted: refresh the catalog")
@@ -234,6 +245,12 @@ class Mirror:
             local: RelayError | None
             try:
                 end, channel = await self.upstream.stream(method, request, on, silence_s=silence)
+                if end.status == Status.UNIMPLEMENTED and not delivered:
+                    self.plane_ends[f"{plane.name}_unimplemented"] += 1
+                    plane.mark_unsupported("the upstream does not implement " + method)
+                    failures += 1
+                    await asyncio.sleep(self.settings.backoff(failures))
+                    continue
             except PlaneViolation as v:
                 self.plane_violations[plane.name] += 1
                 _log.warning("mirror_plane_violation", plane=plane.name, detail=str(v))
@@ -284,6 +301,7 @@ class Mirror:
             (self.catalog, "WatchKvPoolCatalog", rpc.catalog_request(sid)),
             (self.readiness, "SubscribeServingReadiness", rpc.readiness_request(sid)),
             (self.load, "SubscribeKvPoolLoad", rpc.load_request(sid)),
+            (self.serving_load, "SubscribeServingLoad", rpc.serving_load_request(sid)),
         ):
             task = loop.create_task(
                 self._plane_loop(plane, method, request), name=f"kvrelay-mirror-{plane.name}"
@@ -300,7 +318,7 @@ class Mirror:
         for pool in list(self._pools.values()):
             pool.stop(None)
         self._pools.clear()
-        for plane in (self.catalog, self.readiness, self.load):
+        for plane in self._planes:
             plane.end(None, "the mirror is shutting down")
         self.upstream.close()
 
@@ -323,7 +341,7 @@ class Mirror:
             "synced": self.synced.is_set(),
             "planes": {
                 p.name: {"live": p.live, "epochs": p.epochs, "version": p.upstream_version}
-                for p in (self.catalog, self.readiness, self.load)
+                for p in self._planes
             },
             "plane_ends": dict(self.plane_ends),
             "plane_violations": dict(self.plane_violations),

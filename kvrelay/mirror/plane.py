@@ -16,7 +16,7 @@ import asyncio
 from collections import deque
 
 from kvrelay.contract.errors import RelayError
-from kvrelay.publication.plane import PlaneEnded
+from kvrelay.publication.plane import PlaneEnded, PlaneUnsupported
 
 #: Ended epochs remembered for readers that come back to wait after their epoch ended.
 ENDED_EPOCHS = 16
@@ -40,6 +40,7 @@ class MirrorPlane:
         self._ends: deque[tuple[int, RelayError | None]] = deque(maxlen=ENDED_EPOCHS)
         self._down = self._unavailable("not connected to the upstream yet")
         self._event = asyncio.Event()
+        self._unsupported: str | None = None
         self.epochs = 0
         self.messages = 0
 
@@ -56,8 +57,16 @@ class MirrorPlane:
         return self._upstream if self._live else None
 
     # --- Plane ---
+    @property
+    def unsupported(self) -> bool:
+        """The upstream answered this plane's RPC ``UNIMPLEMENTED`` (and has not since served
+        it)."""
+        return self._unsupported is not None
+
     def current(self) -> tuple[int, bytes]:
         if not self._live or self._data is None:
+            if self._unsupported is not None:
+                raise PlaneUnsupported(self._unsupported)
             raise RelayError(self._down.reason, self._down.message)
         return self._version, self._data
 
@@ -84,6 +93,7 @@ class MirrorPlane:
         backwards, or sent other bytes under the version it already sent."""
         if not self._live:
             self._live = True
+            self._unsupported = None
             self.epochs += 1
             self._base = self._version + 1
             self._first = upstream_version
@@ -116,6 +126,12 @@ class MirrorPlane:
         self._live = False
         self._ends.append((self._base, error))
         self._wake()
+
+    def mark_unsupported(self, why: str) -> None:
+        """The upstream does not implement this plane's RPC: new readers get ``UNIMPLEMENTED``
+        until a stream delivers again (the upstream was upgraded)."""
+        self.end(None, why)
+        self._unsupported = f"mirror {self.name} plane: {why}"
 
     def _wake(self) -> None:
         event, self._event = self._event, asyncio.Event()

@@ -30,9 +30,12 @@ from kvrelay.relay.settings import ConnectConfig, EngineSpec, PoolSpec, RelaySet
 
 DEFAULT_BIND = "127.0.0.1:50161"
 DEFAULT_METRICS_BIND = "127.0.0.1:50162"
+#: A mirror's own default: a relay and a mirror of it on one host must not collide on 50162.
+MIRROR_METRICS_BIND = "127.0.0.1:50172"
 ENV_PREFIX = "KVRELAY_"
-#: Dynamo's variable for the data-centre name (its relay's --dc-id): dc_name's last fallback.
-DYNAMO_DC_ENV = "DYN_DC_ID"
+#: Dynamo's variables for the data-centre name, dc_name's last fallbacks, first found wins:
+#: 1.7's Pool Relay ``--cluster-id`` / DYN_CLUSTER_ID, then 1.6's ``--dc-id`` / DYN_DC_ID.
+DYNAMO_DC_ENVS = ("DYN_CLUSTER_ID", "DYN_DC_ID")
 U64_MAX = (1 << 64) - 1
 
 ROLES: dict[str, pb.WorkerRole] = {
@@ -398,7 +401,8 @@ TOP_KEYS = ("relay", "pools", "logging", "metrics", "tls", "mirror")
 
 #: Keys people bring from Dynamo's relay, and what kvrelay calls them (docs/dynamo.md).
 KEY_HINTS: dict[str, str] = {
-    "dc_id": "dc_name",  # Dynamo's --dc-id / DYN_DC_ID
+    "dc_id": "dc_name",  # Dynamo 1.6's --dc-id / DYN_DC_ID
+    "cluster_id": "dc_name",  # Dynamo 1.7's --cluster-id / DYN_CLUSTER_ID
     "expected_unique_blocks": "expected_blocks",  # --expected-unique-blocks
 }
 
@@ -664,7 +668,11 @@ def parse_config(
     limits_raw = r.table("relay.limits", relay_raw.get("limits")) or {}
     limits_vals = r.keys("relay.limits", limits_raw, LIMITS_KEYS)
     logging_vals = r.keys("logging", r.table("logging", data.get("logging")) or {}, LOGGING_KEYS)
-    metrics_vals = r.keys("metrics", r.table("metrics", data.get("metrics")) or {}, METRICS_KEYS)
+    metrics_schema = METRICS_KEYS
+    if mirror_raw is not None:
+        mirror_bind = _Key("str", MIRROR_METRICS_BIND, check=_bind_check)
+        metrics_schema = {**METRICS_KEYS, "bind": mirror_bind}
+    metrics_vals = r.keys("metrics", r.table("metrics", data.get("metrics")) or {}, metrics_schema)
     tls_vals = r.keys("tls", r.table("tls", data.get("tls")) or {}, TLS_KEYS)
 
     limits = _limits(r, limits_vals)
@@ -680,6 +688,7 @@ def parse_config(
         pools = _pools(r, data.get("pools"))
         if pools is not None:
             _port_collisions(r, pools)
+            _unmet_needs(r, pools)
 
     bind_host, bind_port = parse_bind(relay["bind"])
     m_host, m_port = parse_bind(metrics_vals["bind"])
@@ -747,17 +756,45 @@ def _state_dir(value: str | None, env: Mapping[str, str]) -> str | None:
 def _dynamo_dc_fallback(
     data: dict[str, Any], env: Mapping[str, str], origins: dict[str, str]
 ) -> None:
-    """``dc_name`` from Dynamo's ``DYN_DC_ID`` when neither the file nor KVRELAY_RELAY_DC_NAME
-    sets it, so a relay deployed beside Dynamo's shares its data-centre identity by default."""
+    """``dc_name`` from Dynamo's ``DYN_CLUSTER_ID`` (1.7), else ``DYN_DC_ID`` (1.6), when neither
+    the file nor KVRELAY_RELAY_DC_NAME sets it, so a relay deployed beside Dynamo's shares its
+    data-centre identity by default."""
     relay = data.get("relay")
-    value = env.get(DYNAMO_DC_ENV)
-    if value is None or (isinstance(relay, dict) and "dc_name" in relay):
+    source = next((name for name in DYNAMO_DC_ENVS if env.get(name) is not None), None)
+    if source is None or (isinstance(relay, dict) and "dc_name" in relay):
         return
+    value = env[source]
     if relay is None:
         relay = data["relay"] = {}
     if isinstance(relay, dict):
         relay["dc_name"] = value
-        origins["relay.dc_name"] = DYNAMO_DC_ENV
+        origins["relay.dc_name"] = source
+
+
+def _unmet_needs(r: _Reader, pools: list[PoolSpec]) -> None:
+    """Warn when no alternative of a pool's ``needs`` can be met by the configured pools of its
+    namespace: readiness then keeps the model UNAVAILABLE for ever (an aggregated fleet that
+    kept the example's decode pool but deleted its prefill pool)."""
+    roles: dict[str, set[pb.WorkerRole]] = {}
+    for pool in pools:
+        roles.setdefault(pool.namespace, set()).add(pool.role)
+    names = {v: k for k, v in ROLES.items()}
+    for i, pool in enumerate(pools):
+        if not pool.needs:
+            continue
+        present = roles[pool.namespace]
+        if any(alt <= present for alt in pool.needs):
+            continue
+        wanted = " or ".join(
+            "+".join(sorted(names.get(x, str(int(x))) for x in alt)) for alt in pool.needs
+        )
+        have = ", ".join(sorted(names.get(x, str(int(x))) for x in present))
+        r.warn(
+            f"pools[{i}].needs",
+            f"needs {wanted} in namespace {pool.namespace!r}, but its configured pools there "
+            f"have only {have}: readiness will keep the model UNAVAILABLE. Add the pool that "
+            "provides it, or remove `needs` (and make the role aggregated) for a fleet without it",
+        )
 
 
 def _port_collisions(r: _Reader, pools: list[PoolSpec]) -> None:

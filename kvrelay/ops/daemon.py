@@ -258,6 +258,7 @@ class Daemon:
         for w in cfg.warnings:
             _LOG.warning("config_warning", path=w.path, reason=w.reason)
         self._ssl = context = self._ssl_context()
+        self._probe_listeners()  # before the warm-up: a port in use fails now, named
         view = await self._start_source()
         from kvrelay.ops.tls import is_loopback  # (imported while the kernels warmed up)
         from kvrelay.service.server import RelayServer
@@ -328,6 +329,20 @@ class Daemon:
         self.notifier.ready(
             f"serving gRPC on {format_bind(cfg.bind_host, self.grpc_port)}, {what}"
         )
+
+    def _probe_listeners(self) -> None:
+        from kvrelay.ops.listeners import Listener, probe
+
+        cfg = self.cfg
+        wanted = [Listener("relay.bind", "KVRELAY_RELAY_BIND", cfg.bind_host, cfg.bind_port)]
+        if cfg.metrics.enabled:
+            wanted.append(
+                Listener("metrics.bind", "KVRELAY_METRICS_BIND", cfg.metrics.host, cfg.metrics.port)
+            )
+        if self.handoff is not None:  # a hot upgrade's inherited listeners are ours already
+            handed = {"relay.bind": "grpc", "metrics.bind": "metrics"}
+            wanted = [w for w in wanted if not self.handoff.has(handed[w.setting])]
+        probe(wanted)
 
     def _warm_kernels(self) -> asyncio.Future[float]:
         """Start ``warm_kernels`` in a thread; progress goes to the log and to systemd (see

@@ -259,6 +259,10 @@ class Handoff:
             raise ValueError(f"{ENV}: needs chan= and grpc=")
         return cls(fds)
 
+    def has(self, name: str) -> bool:
+        """Whether listener ``name`` was handed over (and not taken yet)."""
+        return name in self._fds
+
     def listener(self, name: str) -> socket.socket | None:
         """The inherited listening socket ``name`` (``grpc``, ``metrics``), if handed over."""
         fd = self._fds.pop(name, None)

@@ -227,6 +227,21 @@ def _workers_allowed() -> bool:
         return (os.cpu_count() or 1) >= 2
 
 
+def serialized(progress: Progress | None) -> Progress | None:
+    """``progress`` called under one lock: workers' reader threads and this thread report at
+    once, and a caller that prints (text, then its newline) would glue two lines together."""
+    if progress is None:
+        return None
+    lock = threading.Lock()
+    report = progress
+
+    def locked(ev: WarmEvent) -> None:
+        with lock:
+            report(ev)
+
+    return locked
+
+
 def warm_kernels(progress: Progress | None = None, workers: bool | None = None) -> float:
     """Compile or load every kernel (all steps); returns the seconds it took.
 
@@ -236,6 +251,7 @@ def warm_kernels(progress: Progress | None = None, workers: bool | None = None) 
     reported and its step is simply done here.
     """
     t0 = time.perf_counter()
+    progress = serialized(progress)
     for g in STEPS:
         _import(g)
     offload: dict[str, _Worker] = {}

@@ -14,9 +14,6 @@ capacity). Consumers must not read either as "idle".
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -24,9 +21,10 @@ from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.envelope import copy_relay
 from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION, U32_MAX, U64_MAX
 from kvrelay.logging import get_logger
-from kvrelay.publication.broadcast import VersionedBroadcast
+from kvrelay.publication.window import MAX_WINDOW_MS, WindowPlane, unix_ms
 
 __all__ = [
+    "MAX_WINDOW_MS",
     "LoadPlane",
     "LoadProvider",
     "PoolLoadInput",
@@ -36,9 +34,6 @@ __all__ = [
 ]
 
 _log = get_logger(__name__)
-
-MAX_WINDOW_MS = 365 * 24 * 3600 * 1000  # §3.4: any duration must be > 0 and <= 1 year
-
 
 @dataclass(frozen=True, slots=True)
 class RankLoad:
@@ -97,11 +92,7 @@ def _entry(producer_bytes: bytes, ranks: Sequence[RankLoad]) -> pb.KvPoolLoadEnt
     )
 
 
-def _unix_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
-class LoadPlane:
+class LoadPlane(WindowPlane[pb.KvPoolLoadUpdate]):
     """The ``SubscribeKvPoolLoad`` plane (a ``Plane[pb.KvPoolLoadUpdate]``); version =
     ``window_sequence``.
 
@@ -116,86 +107,22 @@ class LoadPlane:
         window_ms: int = 1000,
         provider: LoadProvider | None = None,
     ) -> None:
-        if isinstance(window_ms, bool) or not isinstance(window_ms, int):
-            raise TypeError(f"window_ms must be int, got {window_ms!r}")
-        if not 0 < window_ms <= MAX_WINDOW_MS:
-            raise ValueError(f"window_ms must be in (0, {MAX_WINDOW_MS}], got {window_ms}")
+        super().__init__(window_ms, "kvrelay-load-windows")
         self._relay = copy_relay(relay_identity)
-        self._window_ms = window_ms
         self._provider = provider
-        self._task: asyncio.Task[None] | None = None
-        self.provider_errors = 0
         self.entry_errors = 0
-        pools = self._entries()
-        self._bc: VersionedBroadcast[pb.KvPoolLoadUpdate] = VersionedBroadcast(
-            0, self._message(0, [] if pools is None else pools)
-        )
-
-    @property
-    def window_ms(self) -> int:
-        return self._window_ms
-
-    @property
-    def broadcast(self) -> VersionedBroadcast[pb.KvPoolLoadUpdate]:
-        return self._bc
+        self._init_windows()
 
     def set_provider(self, provider: LoadProvider | None) -> None:
         self._provider = provider
 
-    def current(self) -> tuple[int, pb.KvPoolLoadUpdate]:
-        return self._bc.current()
-
-    async def wait_newer(self, version: int) -> tuple[int, pb.KvPoolLoadUpdate]:
-        return await self._bc.wait_newer(version)
-
-    def start(self) -> None:
-        """Start the window timer on the running loop; idempotent while running."""
-        if self._bc.closed:
-            raise RuntimeError("LoadPlane is closed")
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(
-                self._run(), name="kvrelay-load-windows"
-            )
-
-    def close(self) -> None:
-        """Stop the timer and wake subscribers with ``PlaneClosed``; idempotent."""
-        if self._task is not None:
-            self._task.cancel()
-        self._bc.close()
-
-    async def wait_closed(self) -> None:
-        """After :meth:`close`, wait until the window task has actually finished."""
-        task, self._task = self._task, None
-        if task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    def publish_window(self) -> bool:
-        """Build and publish the next window now; False if the provider failed (skipped)."""
+    def _initial(self) -> pb.KvPoolLoadUpdate:
         pools = self._entries()
-        if pools is None:
-            return False
-        seq = self._bc.version + 1
-        self._bc.publish(seq, self._message(seq, pools))
-        return True
+        return self._message(0, [] if pools is None else pools)
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        period = self._window_ms / 1000.0
-        deadline = loop.time() + period
-        while True:
-            await asyncio.sleep(max(0.0, deadline - loop.time()))
-            if self._bc.closed:
-                return
-            try:
-                self.publish_window()
-            except Exception:  # the timer must outlive any single bad window
-                self.provider_errors += 1
-                _log.exception("load_window_failed", errors=self.provider_errors)
-            now = loop.time()
-            deadline += period
-            if deadline <= now:  # fell behind (loop stall): delay, do not burst missed windows
-                deadline = now + period
+    def _build(self, seq: int) -> pb.KvPoolLoadUpdate | None:
+        pools = self._entries()
+        return None if pools is None else self._message(seq, pools)
 
     def _entries(self) -> list[pb.KvPoolLoadEntry] | None:
         if self._provider is None:
@@ -232,7 +159,7 @@ class LoadPlane:
             protocol_version=PROTOCOL_VERSION,
             relay=self._relay,
             window_sequence=seq,
-            observed_ms=_unix_ms(),
+            observed_ms=unix_ms(),
             window_ms=self._window_ms,
             pools=pools,
             contract_marker=CONTRACT_MARKER,

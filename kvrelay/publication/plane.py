@@ -23,13 +23,19 @@ class PlaneEnded(Exception):
     """This reader's stream ends cleanly (status OK): the source it was reading shut down."""
 
 
+class PlaneUnsupported(Exception):
+    """This source does not implement the plane's RPC at all (a mirror of a relay that predates
+    it): a new reader's stream ends ``UNIMPLEMENTED``, as the source's own would."""
+
+
 class Plane(Protocol[T_co]):
     """A versioned stream of complete messages; readers only ever need the newest one."""
 
     def current(self) -> tuple[int, T_co]:
         """(version, full message). Catalog/readiness: revision; load: window_sequence.
 
-        May raise ``RelayError`` when no message can be vouched for right now."""
+        May raise ``RelayError`` when no message can be vouched for right now, and
+        ``PlaneUnsupported`` when the source does not implement the plane."""
         ...
 
     async def wait_newer(self, version: int) -> tuple[int, T_co]:

@@ -17,7 +17,7 @@ from kvrelay.contract.limits import PermitCounter
 from kvrelay.contract.producer import producer_key
 from kvrelay.discovery.dns import make_resolver
 from kvrelay.discovery.events import ChangeEvent
-from kvrelay.discovery.metrics_scrape import MetricsScrapeError, scrape_kv_usage
+from kvrelay.discovery.metrics_scrape import MetricsScrapeError, scrape_engine_page
 from kvrelay.discovery.watcher import EngineWatcher
 from kvrelay.hashing import identity
 from kvrelay.logging import get_logger
@@ -25,6 +25,8 @@ from kvrelay.publication.catalog import CatalogPlane, validate_descriptor
 from kvrelay.publication.hub import Subscription
 from kvrelay.publication.load import LoadPlane, PoolLoadInput
 from kvrelay.publication.readiness import EndpointState, ReadinessPlane, validate_endpoint
+from kvrelay.publication.serving_load import ServingLoadInputs, ServingLoadPlane
+from kvrelay.publication.window import unix_ms
 from kvrelay.relay import handover
 from kvrelay.relay.context import RelayContext
 from kvrelay.relay.engines import PoolIdentity
@@ -33,6 +35,7 @@ from kvrelay.relay.membership import DnsMembership
 from kvrelay.relay.observer import Observers
 from kvrelay.relay.pool_runtime import EngineState, PoolRuntime
 from kvrelay.relay.reconfigure import ReloadPlan, plan_reload
+from kvrelay.relay.serving import Page, ServingInputs
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
 from kvrelay.relay.stats import RelayStats
 
@@ -85,6 +88,12 @@ class Relay:
             window_ms=max(1, round(self.limits.load_window_s * 1000)),
             provider=self._load_inputs,
         )
+        self._serving = ServingInputs()
+        self.serving_load = ServingLoadPlane(
+            self.relay_identity,
+            window_ms=self.load.window_ms,
+            provider=self._serving_inputs,
+        )
         self.watcher = EngineWatcher(
             [st.target for p in self.pools for st in p.engines.values()],
             self._on_discovery,
@@ -120,6 +129,7 @@ class Relay:
             for p in self.pools:
                 p.restore.file = handed_over.get(p.name)
         self.load.start()
+        self.serving_load.start()
         self.watcher.start()
         self._ticker = asyncio.create_task(self._tick_loop(), name="kvrelay-relay-tick")
         self._start_membership()
@@ -148,6 +158,7 @@ class Relay:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self.load.close()
+        self.serving_load.close()
         self.catalog.close()
         self.readiness.close()
 
@@ -313,6 +324,9 @@ class Relay:
             if item is not None:
                 out.append(item)
         return out
+
+    def _serving_inputs(self) -> ServingLoadInputs:
+        return self._serving.build(self.pools)
 
     # ---- statistics ------------------------------------------------------------------------------
 
@@ -482,20 +496,24 @@ class Relay:
         task = self._scrapers.pop((pool, engine), None)
         if task is not None:
             await cancel_all([task])
+        self._serving.forget(pool, engine)
 
     async def _scrape_loop(self, pool: PoolRuntime, st: EngineState) -> None:
         port = st.spec.metrics_port
         assert port is not None
         while True:
             try:
-                usage = await scrape_kv_usage(
+                page = await scrape_engine_page(
                     st.spec.host, port, pool.base_model(), timeout=self.settings.discovery_timeout_s
                 )
-                st.usage = {int(k): v for k, v in usage.items() if k.isdigit()}
+                st.usage = {int(k): v for k, v in page.kv_usage.items() if k.isdigit()}
+                self._serving.store(pool.name, st.spec.name, Page(unix_ms(), page))
             except (TimeoutError, MetricsScrapeError, OSError):
                 st.usage = {}  # unknown, never zero
+                self._serving.store(pool.name, st.spec.name, None)
             except Exception:  # whatever else: unknown too, and the scraper goes on
                 st.usage = {}
+                self._serving.store(pool.name, st.spec.name, None)
                 self.scrape_errors += 1
                 _log.exception("scrape_failed", pool=pool.name, engine=st.spec.name)
             await asyncio.sleep(self.settings.metrics_scrape_interval_s)

@@ -1,4 +1,4 @@
-"""grpclib KvEventRelay server: the five v1 RPCs with contract error trailers.
+"""grpclib KvEventRelay server: the six v1 RPCs with contract error trailers.
 
 Handlers are mapped by hand (`__mapping__`) so every stream can end with
 `send_trailing_metadata(status, message, {"kv-relay-error-reason": NAME})`. The unary RPC raises
@@ -31,12 +31,12 @@ from kvrelay.contract.limits import PermitCounter, RelayLimits
 from kvrelay.contract.producer import producer_key
 from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION, TRAILER_KEY
 from kvrelay.publication.hub import Subscription
-from kvrelay.publication.plane import Plane, PlaneClosed, PlaneEnded
+from kvrelay.publication.plane import Plane, PlaneClosed, PlaneEnded, PlaneUnsupported
 from kvrelay.service.codec import PassThroughCodec
 from kvrelay.service.h2.closing import ClosingServer
 from kvrelay.service.h2.writer import StreamWriter
 from kvrelay.service.health import RelayHealth, reflection_pool
-from kvrelay.service.status import status_of, trailers_of
+from kvrelay.service.status import UNSUPPORTED_RPC, status_of, trailers_of
 from kvrelay.service.validation import check_marker, validate_stream_request
 from kvrelay.service.view import RelayView
 
@@ -70,7 +70,7 @@ class _EncodedPlane:
 
 
 class KvEventRelayService:
-    """The five RPCs over a RelayView. Counters are plain ints for the metrics layer."""
+    """The six RPCs over a RelayView. Counters are plain ints for the metrics layer."""
 
     def __init__(self, view: RelayView, limits: RelayLimits | None = None) -> None:
         self.view = view
@@ -79,9 +79,12 @@ class KvEventRelayService:
         self.pool_permits = PermitCounter("pool streams", limits.max_pool_streams_total)
         self.readiness_permits = PermitCounter("readiness", limits.max_readiness_subscribers)
         self.load_permits = PermitCounter("load", limits.max_load_subscribers)
+        # Dynamo 1.7's serving-load plane: its own count, under the same bound as load's.
+        self.serving_load_permits = PermitCounter("serving load", limits.max_load_subscribers)
         self._catalog = _EncodedPlane(view.catalog)
         self._readiness = _EncodedPlane(view.readiness)
         self._load = _EncodedPlane(view.load)
+        self._serving_load = _EncodedPlane(view.serving_load)
         self._info: tuple[bytes, bytes] | None = None  # (identity bytes, RelayInfo bytes)
         self._closing = False
         self._closed: asyncio.Future[None] | None = None
@@ -90,6 +93,7 @@ class KvEventRelayService:
         self._idle = asyncio.Event()
         self._idle.set()
         self.errors: dict[str, int] = {}
+        self.unsupported = 0  # streams ended UNIMPLEMENTED: the source lacks the plane
 
     # --- grpclib plumbing ---
     def __mapping__(self) -> dict[str, Handler]:
@@ -117,6 +121,11 @@ class KvEventRelayService:
             SERVICE + "SubscribeKvPoolLoad": stream(
                 self._subscribe_load, pb.SubscribeKvPoolLoadRequest, pb.KvPoolLoadUpdate
             ),
+            SERVICE + "SubscribeServingLoad": stream(
+                self._subscribe_serving_load,
+                pb.SubscribeServingLoadRequest,
+                pb.ServingLoadUpdate,
+            ),
         }
 
     def stats(self) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
@@ -126,6 +135,7 @@ class KvEventRelayService:
             "pool": self.pool_permits,
             "readiness": self.readiness_permits,
             "load": self.load_permits,
+            "serving_load": self.serving_load_permits,
         }
         return {k: (p.in_use, p.capacity) for k, p in permits.items()}, dict(self.errors)
 
@@ -143,6 +153,9 @@ class KvEventRelayService:
                 await stream.send_trailing_metadata(
                     status=status_of(err), status_message=err.message, metadata=trailers_of(err)
                 )
+            except PlaneUnsupported as exc:
+                self.unsupported += 1
+                await stream.send_trailing_metadata(status=UNSUPPORTED_RPC, status_message=str(exc))
             except (asyncio.CancelledError, GRPCError):
                 raise
             except Exception as exc:  # a bug: report INTERNAL with the trailer, keep serving
@@ -272,6 +285,14 @@ class KvEventRelayService:
     async def _subscribe_load(self, stream: Stream[Any, Any]) -> None:
         await self._plane_stream(
             stream, self._load, self.load_permits, max_gap=self.limits.load_fanout_capacity
+        )
+
+    async def _subscribe_serving_load(self, stream: Stream[Any, Any]) -> None:
+        await self._plane_stream(
+            stream,
+            self._serving_load,
+            self.serving_load_permits,
+            max_gap=self.limits.load_fanout_capacity,
         )
 
     async def _subscribe_pool(self, stream: Stream[Any, Any]) -> None:

@@ -36,6 +36,11 @@ def status_of(err: RelayError) -> Status:
     return STATUS_FOR_REASON.get(err.reason, Status.UNKNOWN)
 
 
+#: An RPC the source does not implement: plain gRPC, no relay reason (a relay that predates the
+#: RPC answers so, and a mirror of one answers the same).
+UNSUPPORTED_RPC = Status.UNIMPLEMENTED
+
+
 def trailers_of(err: RelayError) -> dict[str, str]:
     """The trailing metadata that carries ``err``'s reason."""
     return {TRAILER_KEY: err.trailer_value}

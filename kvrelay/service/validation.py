@@ -16,9 +16,13 @@ _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 
 
 def check_marker(marker: int) -> None:
+    """The message says what to send: a hand-written request (grpcurl, buf curl) usually has no
+    marker at all, and "0x00000000 != 0x4b565231" alone does not say where it goes."""
     if marker != CONTRACT_MARKER:
+        got = "no contract_marker" if marker == 0 else f"contract_marker 0x{marker:08x}"
         raise RelayError.contract_mismatch(
-            f"contract_marker 0x{marker:08x} != 0x{CONTRACT_MARKER:08x}"
+            f"{got}: send contract_marker = {CONTRACT_MARKER} (0x{CONTRACT_MARKER:08X}, field "
+            f"127, fixed32), e.g. grpcurl -d '{{\"contract_marker\": {CONTRACT_MARKER}}}'"
         )
 
 

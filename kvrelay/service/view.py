@@ -37,6 +37,12 @@ class RelayView(Protocol):
     @property
     def load(self) -> Plane[SupportsBytes]: ...
 
+    @property
+    def serving_load(self) -> Plane[SupportsBytes]:
+        """Dynamo 1.7's ``SubscribeServingLoad`` plane. Its ``current`` may raise
+        ``PlaneUnsupported`` (a mirror whose upstream does not implement the RPC)."""
+        ...
+
     async def open_pool(
         self, expected: pb.ProducerIdentity, on_release: Callable[[], None] | None = None
     ) -> Subscription:

@@ -13,7 +13,7 @@ from dataclasses import replace
 import zmq
 
 from kvrelay.sim.config import SimConfig
-from kvrelay.sim.engine import SimFleet
+from kvrelay.sim.engine import SimEngine, SimFleet
 from kvrelay.sim.kv_events_config import apply_kv_events_config
 from kvrelay.sim.sglang_wire import SglLayout
 from kvrelay.sim.traffic import TrafficConfig
@@ -21,7 +21,13 @@ from kvrelay.sim.wire import Era, HashMode
 
 
 def build_parser(prog: str = "kvrelay sim") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Simulated vLLM engines emitting KV events.")
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Simulated vLLM engines emitting KV events. Takes a `vllm serve` line's "
+        "model and flags: `kvrelay sim MODEL --port 8000 --grpc-port 50051 ...`.",
+    )
+    p.add_argument("model", nargs="?", default=None,
+                   help="the served model name, as `vllm serve MODEL` (= --served-model-name)")
     p.add_argument("--engines", type=int, default=1, help="number of engines (frontends)")
     p.add_argument("--dp-size", "--data-parallel-size", type=int, default=1,
                    help="data-parallel ranks per engine (vLLM: --data-parallel-size)")
@@ -44,11 +50,12 @@ def build_parser(prog: str = "kvrelay sim") -> argparse.ArgumentParser:
         help="Control gRPC port of engine 0 (+1 per engine); -1 disables; 0 = ephemeral",
     )
     p.add_argument(
-        "--metrics-port",
+        "--metrics-port", "--port",
         type=int,
         default=8000,
-        help="/metrics port of engine 0 (+1 per engine); -1 disables; 0 = ephemeral",
-    )
+        help="/metrics port of engine 0 (+1 per engine); -1 disables; 0 = ephemeral (vLLM: "
+        "--port, the HTTP server that serves /metrics)",
+    )  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="node IP for listeners and port-0 binds")
     p.add_argument("--bind-host", default="*", help="host part of the ZMQ endpoints")
     p.add_argument(
@@ -88,6 +95,11 @@ def build_parser(prog: str = "kvrelay sim") -> argparse.ArgumentParser:
     return p
 
 
+def hot_tokens(engine: SimEngine, blocks: int = 2) -> list[int]:
+    """Tokens whose first ``blocks`` blocks the engine almost always holds under traffic."""
+    return engine.schedulers[0].traffic.hot_prefix(blocks * engine.cfg.block_size)
+
+
 def _opt_port(v: int) -> int | None:
     return None if v < 0 else v
 
@@ -110,8 +122,12 @@ def configs_from_args(a: argparse.Namespace) -> list[SimConfig]:
         sglang_layout=SglLayout(a.sglang_layout),
         pub_connect=a.connect,
     )
-    if a.served_model_name:
-        base = replace(base, served_model_name=a.served_model_name, model_id=a.served_model_name)
+    if a.model and a.served_model_name and a.model != a.served_model_name:
+        # vLLM serves MODEL under --served-model-name; the simulator has no weights to load
+        base = replace(base, served_model_name=a.served_model_name, model_id=a.model)
+    elif a.served_model_name or a.model:
+        name = a.served_model_name or a.model
+        base = replace(base, served_model_name=name, model_id=name)
     if a.kv_events_config is not None:
         cfg = apply_kv_events_config(replace(base, pub_port=a.pub_port), a.kv_events_config)
         base = cfg
@@ -146,6 +162,13 @@ async def _run(cfgs: list[SimConfig], rate: float, duration: float | None) -> No
             + ", ".join(f"{p.endpoint}|{p.replay_endpoint or '-'}" for p in e.publishers),
             flush=True,
         )
+    first = fleet.engines[0]
+    if first.cfg.flavor == "vllm":
+        tokens = hot_tokens(first)
+        print(f"a prompt that hits once the relay is in sync (the most popular system prompt's "
+              f"first {len(tokens) // first.cfg.block_size} blocks):\n  kvrelay query --model "
+              f"{first.cfg.served_model_name} --tokens {','.join(map(str, tokens))}",
+              flush=True)  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

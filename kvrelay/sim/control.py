@@ -68,7 +68,7 @@ class SimControl(vpb.ControlBase):  # type: ignore[misc]
             max_model_len=cfg.max_model_len,
             kv_block_size=cfg.block_size,
             total_kv_blocks=total,
-            max_running_requests=cfg.max_running * cfg.dp_size,
+            max_running_requests=cfg.max_running,  # vLLM's max_num_seqs: per engine core
             max_batched_tokens=8192,
             max_loras=cfg.max_loras,
             rl_capabilities=vpb.RlCapabilities(sleep_mode_enabled=True),

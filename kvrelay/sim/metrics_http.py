@@ -64,6 +64,22 @@ def render_metrics(engine: EngineFace) -> str:
             [float(engine.schedulers[r].prefix_hits) for r in ranks],
         )
     )
+    gauges.append(
+        (
+            "vllm:prompt_tokens",
+            "counter",
+            "Number of prefill tokens processed.",
+            [float(engine.schedulers[r].prefix_queries) for r in ranks],
+        )
+    )
+    gauges.append(
+        (
+            "vllm:generation_tokens",
+            "counter",
+            "Number of generation tokens processed.",
+            [float(engine.schedulers[r].generated_tokens) for r in ranks],
+        )
+    )
     lines: list[str] = []
     for name, kind, help_text, values in gauges:
         sample = f"{name}_total" if kind == "counter" else name
@@ -71,6 +87,18 @@ def render_metrics(engine: EngineFace) -> str:
         lines.append(f"# TYPE {name} {kind}")
         for r, v in zip(ranks, values, strict=True):
             lines.append(f'{sample}{{engine="{r}",model_name="{model}"}} {v!r}')
+    # Finished requests by reason, as vLLM labels them: the simulator finishes by length, drops
+    # a waiting request when its queue is full (abort) and refuses a prompt that can never fit.
+    lines.append("# HELP vllm:request_success Count of successfully processed requests.")
+    lines.append("# TYPE vllm:request_success counter")
+    for r in ranks:
+        sch = engine.schedulers[r]
+        for reason, n in (("length", sch.finished), ("abort", sch.dropped_waiting),
+                          ("error", sch.rejected)):  # fmt: skip
+            lines.append(
+                f'vllm:request_success_total{{engine="{r}",finished_reason="{reason}",'
+                f'model_name="{model}"}} {float(n)!r}'
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -75,6 +75,7 @@ class RankScheduler:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.finished = 0
+        self.generated_tokens = 0  # every decoded token (vllm:generation_tokens_total)
         self.rejected = 0  # prompts that can never fit in the pool (dropped, like a 400)
         self.dropped_waiting = 0  # arrivals discarded because the waiting queue was full
 
@@ -156,6 +157,7 @@ class RankScheduler:
         for req in self.running:
             req.tokens.append(self.gen_rng.randint(vocab[0], vocab[1]))
             req.max_new -= 1
+            self.generated_tokens += 1
             n_full = self._hashable(len(req.tokens))
             if n_full > len(req.chain.hashes):
                 self._stores_from(req, len(req.chain.hashes), n_full, out)

@@ -53,6 +53,12 @@ class TrafficGenerator:
         self.rng = random.Random(stream_seed)
         self.recent: deque[tuple[list[int], str | None, str | None]] = deque(maxlen=16)
 
+    def hot_prefix(self, n_tokens: int) -> list[int]:
+        """The first ``n_tokens`` of the most popular system prompt: under traffic its blocks are
+        almost always cached, so a query for it shows a hit (``kvrelay sim`` / ``demo`` print
+        it)."""
+        return self.system_prompts[0][:n_tokens]
+
     def arrivals(self) -> int:
         """Number of new requests this step (integer part + Bernoulli fractional part)."""
         a = self.cfg.arrivals_per_step

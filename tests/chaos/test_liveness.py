@@ -147,7 +147,9 @@ async def test_an_engine_off_the_pinned_block_size_is_skipped_and_counted_once()
             SimConfig(name="bs32", seed=59, block_size=32)]  # fmt: skip
     async with rig(cfgs, kv_block_size=16) as r, r.channel() as ch:
         await wait_live(r.relay, 1)
-        await asyncio.sleep(0.6)  # several discovery passes (interval 0.1 s) see the conflict
+        await eventually(lambda: r.metric("kvrelay_pool_block_size_conflicts_total") == 1,
+                         what="the block size conflict counted")
+        await asyncio.sleep(0.6)  # several more discovery passes (interval 0.1 s): counted once
         assert r.metric("kvrelay_pool_block_size_conflicts_total") == 1
         (good,) = [st for st in r.pool.engines.values() if st.spec.name == "bs16"]
         assert {k.worker_id for k in r.pool.subscribers} == {good.worker_id}

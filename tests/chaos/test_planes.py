@@ -19,6 +19,7 @@ from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
 from tests.support.fleet import engine_spec, eventually, fleet_and_relay
 from tests.support.rig import SVC, collect_end, rig, subscribe, wait_live
+from tests.support.timing import scaled
 
 
 def _entry(relay: Any) -> pb.KvPoolLoadEntry | None:
@@ -128,7 +129,7 @@ async def _snapshot_frames(ch: Channel, producer: pb.ProducerIdentity) -> list[p
     async with ch.request(SVC + "SubscribeKvPool", grpclib.const.Cardinality.UNARY_STREAM,
                           pb.SubscribeKvPoolRequest, pb.FilterUpdate) as st:  # fmt: skip
         await st.send_message(req, end=True)
-        fu = await asyncio.wait_for(st.recv_message(), 10)
+        fu = await asyncio.wait_for(st.recv_message(), scaled(10))
         assert fu is not None and fu.kind == pb.FilterUpdateKind.SNAPSHOT_CHUNK
         out.append(fu)
         await st.cancel()

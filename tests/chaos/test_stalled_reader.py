@@ -20,9 +20,10 @@ from kvrelay.contract.limits import RelayLimits
 from kvrelay.contract.wire import CONTRACT_MARKER, TRAILER_KEY
 from kvrelay.sim.config import SimConfig
 from tests.support.rig import catalog_producer, eventually, rig, subscribe, verify, wait_live
+from tests.support.timing import scaled
 
 TIMEOUT_S = 1.0  # snapshot_progress_timeout_s for these tests
-STALL_S = 5 * TIMEOUT_S
+STALL_S = 5 * TIMEOUT_S  # how long the lag test may take to overflow the stalled queue
 
 OPTIONS = [
     ("grpc.http2.bdp_probe", 0),  # keep the initial 64 KiB window: a stalled reader stalls
@@ -40,9 +41,11 @@ def _request(pb2: ModuleType, producer: Any, sid: str) -> Any:
 
 
 async def _stall_then_drain(
-    pb2: dict[str, ModuleType], port: int, producer: Any, read_first: int, stalled: asyncio.Event
+    pb2: dict[str, ModuleType], port: int, producer: Any, read_first: int, stalled: asyncio.Event,
+    resume: asyncio.Event,
 ) -> tuple[int, grpc.StatusCode, str, float]:
-    """Read ``read_first`` frames, stall ``STALL_S``, then read to the end.
+    """Read ``read_first`` frames, stall until ``resume`` (the test has seen the relay act on the
+    stall), then read to the end.
 
     Returns (frames read, final status, reason trailer, seconds from resuming to the status)."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=OPTIONS) as channel:
@@ -53,7 +56,7 @@ async def _stall_then_drain(
             await call.read()
             frames += 1
         stalled.set()
-        await asyncio.sleep(STALL_S)
+        await resume.wait()
         resumed = time.monotonic()
         try:
             while (await call.read()) is not grpc.aio.EOF:
@@ -77,8 +80,8 @@ async def test_stall_during_a_snapshot_ends_with_snapshot_progress_timeout(
         await r.engines[0].step(8)
         async with r.channel() as ch:
             producer = await catalog_producer(ch)
-            stalled = asyncio.Event()
-            drain = _stall_then_drain(official_pb2, r.port, producer, 0, stalled)
+            stalled, resume = asyncio.Event(), asyncio.Event()
+            drain = _stall_then_drain(official_pb2, r.port, producer, 0, stalled, resume)
             task = asyncio.create_task(drain)
             await stalled.wait()
             svc = r.server.service
@@ -90,10 +93,11 @@ async def test_stall_during_a_snapshot_ends_with_snapshot_progress_timeout(
             # the failed stream stops counting against the limits at once, while still blocked
             hub = r.pool.generation.hub()
             assert hub.subscriber_count == 0 and svc.pool_permits.in_use == 0
-            frames, code, reason, took = await asyncio.wait_for(task, 30)
+            resume.set()
+            frames, code, reason, took = await asyncio.wait_for(task, scaled(30))
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert reason == "RELAY_ERROR_REASON_SNAPSHOT_PROGRESS_TIMEOUT"
-            assert frames <= 1 and took <= 2 * TIMEOUT_S
+            assert frames <= 1 and took <= scaled(2 * TIMEOUT_S)
             assert r.stream_errors("SNAPSHOT_PROGRESS_TIMEOUT") == 1
             consumer = await subscribe(r, ch)
             await r.engines[0].step(4)
@@ -112,21 +116,23 @@ async def test_stall_during_deltas_ends_with_subscriber_lagged(
         async with r.channel() as ch:
             good = await subscribe(r, ch, "healthy")
             producer = await catalog_producer(ch)
-            stalled = asyncio.Event()
-            drain = _stall_then_drain(official_pb2, r.port, producer, 1, stalled)
+            stalled, resume = asyncio.Event(), asyncio.Event()
+            drain = _stall_then_drain(official_pb2, r.port, producer, 1, stalled, resume)
             task = asyncio.create_task(drain)
             await stalled.wait()
             hub = r.pool.generation.hub()
-            deadline = time.monotonic() + STALL_S - 1.0
+            deadline = time.monotonic() + scaled(STALL_S)
             while not hub.lagged and time.monotonic() < deadline:
                 await r.engines[0].step(1)
                 await asyncio.sleep(0.002)
             assert hub.lagged == 1, "the stalled reader's bounded queue must overflow"
             assert hub.subscriber_count == 1  # only the healthy one still counts
-            frames, code, reason, took = await asyncio.wait_for(task, 30)
+            resume.set()
+            frames, code, reason, took = await asyncio.wait_for(task, scaled(30))
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert reason == "RELAY_ERROR_REASON_SUBSCRIBER_LAGGED"
-            assert frames > 1 and took <= 2 * TIMEOUT_S  # the deltas already sent came first
+            # the deltas already sent came first
+            assert frames > 1 and took <= scaled(2 * TIMEOUT_S)
             assert r.stream_errors("SUBSCRIBER_LAGGED") == 1
             await verify(r, good, probes=2_000)
             await good.stop()
@@ -147,5 +153,5 @@ async def test_a_reader_that_never_resumes_is_reset(official_pb2: dict[str, Modu
             svc = r.server.service
             await eventually(lambda: svc._active == 1, what="stream admitted")
             await eventually(lambda: svc._active == 0, what="stalled stream reset", timeout=10)
-            code = await asyncio.wait_for(call.code(), 10)
+            code = await asyncio.wait_for(call.code(), scaled(10))
             assert code != grpc.StatusCode.OK

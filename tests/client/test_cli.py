@@ -7,14 +7,21 @@ import asyncio
 import contextlib
 import json
 import random
+import socket
+import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from kvrelay.client import cli
+from kvrelay.relay.relay import Relay
+from kvrelay.relay.settings import RelaySettings
+from kvrelay.service.server import RelayServer
 from kvrelay.sim.config import SimConfig
 from tests.support.client_stack import eventually, query_set, stack, truth_depth
+from tests.support.commands import clean_env
 from tests.support.scripted_relay import Script, ScriptedRelay, delta, port_of, serve, snapshot
 
 
@@ -93,6 +100,52 @@ async def test_subscribe_verify_reports_violation_and_recovers(
     assert frames[2]["base_sequence"] == 10 and frames[2]["sequence"] == 11
     assert frames[2]["images"] == 1 and frames[2]["occupancy"] == 3 * 2 + 4
     assert isinstance(frames[2]["checksum"], int)
+    assert lines[-1]["verdict"] == "fail" and lines[-1]["violations"] == 1  # the last line
+
+
+async def test_subscribe_verify_ends_with_a_verdict(capsys: pytest.CaptureFixture[str]) -> None:
+    async with scripted() as addr:
+        rc, out, _ = await run_cli(capsys, "subscribe", "gen", "--relay", addr, "--verify",
+                                   "--count", "2")  # fmt: skip
+    assert rc == 0
+    last = out.splitlines()[-1]
+    assert last.startswith("verify: PASS") and "0 violation(s)" in last, out
+
+
+def _closed_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens once it is closed
+
+
+async def test_a_relay_that_is_down_is_reported_not_waited_for(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    addr = _closed_port()
+    t0 = time.monotonic()
+    rc, out, err = await run_cli(capsys, "query", "--relay", addr, "--model", "m",
+                                 "--tokens", "1,2", "--wait", "60")  # fmt: skip
+    assert rc == 1 and out == ""  # no "0 pool(s)" that reads like a wrong model name
+    assert f"[{addr}] catalog stream ended: connection" in err and "Error" in err, err
+    assert time.monotonic() - t0 < 50, "waited out --wait instead of reporting the error"
+    rc, _, err = await run_cli(capsys, "subscribe", "gen", "--relay", addr, "--count", "1")
+    assert rc == 1 and "catalog stream ended: connection (" in err
+    assert "is a relay listening there?" in err, err
+
+
+async def test_an_empty_catalog_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+    relay = Relay(RelaySettings(dc_name="dc-empty"))
+    await relay.start()
+    server = RelayServer(relay)
+    await server.start("127.0.0.1", 0)
+    try:
+        rc, out, _ = await run_cli(capsys, "watch", "catalog", "--relay",
+                                   f"127.0.0.1:{server.port}", "--count", "1")  # fmt: skip
+    finally:
+        await server.close(grace_s=0.5)
+        await relay.stop()
+    assert rc == 0 and "0 pool(s)" in out
+    assert "with every engine unreachable the catalog is empty" in out
 
 
 async def test_subscribe_table_without_verify(capsys: pytest.CaptureFixture[str]) -> None:
@@ -141,6 +194,7 @@ async def test_query_against_a_real_relay(
         rc, out, _ = await run_cli(capsys, "query", "--relay", st.address, "--model", "nope",
                                    "--tokens", "1,2,3", "--wait", "2")  # fmt: skip
         assert rc == 1 and "0 pool(s)" in out
+        assert "no pool serves 'nope'; the catalog's models: sim-model, sim-model-alias" in out
 
 
 @pytest.mark.parametrize(
@@ -185,3 +239,66 @@ def test_relay_defaults_to_the_environment_then_kvrelays_port() -> None:
 def test_tls_option_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(argv) == 2
     assert "kvrelay-client: error:" in capsys.readouterr().err
+
+
+async def test_the_documented_hit_query_hits_the_simulator(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """docs/client.md's `kvrelay query` line, run as printed against `kvrelay sim`'s default
+    engine (what `kvrelay sim` prints at start): depth 2."""
+    from kvrelay.sim.cli import build_parser, configs_from_args, hot_tokens
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "client.md").read_text()
+    (line,) = [x for x in doc.splitlines() if x.startswith("kvrelay query --model sim-model ")]
+    cfg = configs_from_args(build_parser().parse_args(
+        ["--pub-port", "0", "--replay-port", "0", "--grpc-port", "0", "--metrics-port", "-1"]
+    ))[0]  # fmt: skip
+    async with stack([cfg]) as st:
+        engine = st.engines[0]
+        printed = ",".join(map(str, hot_tokens(engine)))
+        assert line.endswith(f"--tokens {printed}"), "docs/client.md's list is not the sim's"
+        for _ in range(20):
+            await engine.step(10)
+            await asyncio.sleep(0.01)
+        await eventually(st.in_sync, what="relay in sync")
+        assert truth_depth(hot_tokens(engine), None, st.truth()) == 2  # the engine holds it
+        argv = [*line.split()[1:], "--relay", st.address, "--json", "--wait", "20"]
+        rc, out, _ = await run_cli(capsys, *argv)
+        assert rc == 0, out
+        (msg,) = jsonl(out)
+        assert msg["overlap"] == {f"{st.address}/ns/backend/generate": 2}, msg
+
+
+async def test_the_documented_sdk_example_runs(tmp_path: Path) -> None:
+    """docs/client.md's SDK example, run as printed: depth 2 against the simulator's default
+    engine; against a relay that is down, wait_ready() is False and it exits 1 saying so."""
+    from kvrelay.sim.cli import build_parser, configs_from_args
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "client.md").read_text()
+    code = doc.split("<!-- sdk-example -->\n```python\n", 1)[1].split("\n```\n", 1)[0]
+    script = tmp_path / "example.py"
+    script.write_text(code + "\n")
+    cfg = configs_from_args(build_parser().parse_args(
+        ["--pub-port", "0", "--replay-port", "0", "--grpc-port", "0", "--metrics-port", "-1"]
+    ))[0]  # fmt: skip
+
+    async def run(relay: str) -> tuple[int, str, str]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(script), env=clean_env(KVRELAY_RELAY=relay),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode is not None
+        return proc.returncode, out.decode(), err.decode()
+
+    async with stack([cfg]) as st:
+        for _ in range(20):
+            await st.engines[0].step(10)
+            await asyncio.sleep(0.01)
+        await eventually(st.in_sync, what="relay in sync")
+        rc, out, err = await run(st.address)
+    assert rc == 0, err[-2000:]
+    assert f"{st.address}/ns/backend/generate: 2 cached block(s)" in out, out
+    assert "ServingLoadViews(" in out
+    rc, out, err = await run(_closed_port())
+    assert rc == 1 and "not ready" in err and "cached block" not in out, (out, err)

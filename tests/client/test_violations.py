@@ -26,6 +26,7 @@ from tests.support.scripted_relay import (
     serve,
     snapshot,
 )
+from tests.support.timing import scaled
 
 FAST = ClientConfig(backoff_initial_s=0.01, backoff_max_s=0.05)
 
@@ -73,7 +74,7 @@ CASES = {
 @pytest.mark.parametrize("reason", sorted(CASES))
 async def test_violation_drops_counts_and_resubscribes(reason: str) -> None:
     async with scripted(Script(CASES[reason], hold=True)) as (relay, client, key):
-        assert await client.wait_for(lambda: installed_at(client, key, 11), 10), reason
+        assert await client.wait_for(lambda: installed_at(client, key, 11), scaled(10)), reason
         st = client.replica_stats()[key]
         assert st.drops == {reason: 1}, st.drops
         assert client.drops[reason] == 1
@@ -93,13 +94,13 @@ async def test_violation_drops_counts_and_resubscribes(reason: str) -> None:
 )
 async def test_relay_errors_drop_and_resubscribe(status: Status, reason: str) -> None:
     async with scripted(Script(snapshot(5), end=(status, reason))) as (_relay, client, key):
-        assert await client.wait_for(lambda: installed_at(client, key, 11), 10)
+        assert await client.wait_for(lambda: installed_at(client, key, 11), scaled(10))
         assert client.replica_stats()[key].drops == {reason.lower(): 1}
 
 
 async def test_clean_eof_is_an_invalidation() -> None:
     async with scripted(Script([*snapshot(5), delta(5, 6)])) as (_relay, client, key):
-        assert await client.wait_for(lambda: installed_at(client, key, 11), 10)
+        assert await client.wait_for(lambda: installed_at(client, key, 11), scaled(10))
         assert client.replica_stats()[key].drops == {"eof": 1}
 
 
@@ -111,21 +112,23 @@ async def test_silent_stream_is_ended_and_resubscribed() -> None:
     )
     held = Script(snapshot(5), hold=True)
     async with scripted(held, config=quick) as (relay, client, key):
-        assert await client.wait_for(lambda: installed_at(client, key, 5), 10)
+        assert await client.wait_for(lambda: installed_at(client, key, 5), scaled(10))
         assert await client.wait_for(
-            lambda: client.replica_stats()[key].drops.get("silent", 0) >= 1, 10
+            lambda: client.replica_stats()[key].drops.get("silent", 0) >= 1, scaled(10)
         )
-        assert await client.wait_for(lambda: installed_at(client, key, 11), 10)
+        assert await client.wait_for(lambda: installed_at(client, key, 11), scaled(10))
         assert relay.subscriptions >= 2
 
 
 async def test_heartbeats_keep_a_quiet_stream_alive() -> None:
+    # the period stretches on a busy machine, so a late wake-up of this test cannot outlast it
     quick = ClientConfig(
-        backoff_initial_s=0.01, backoff_max_s=0.05, heartbeat_interval_s=0.2, silence_heartbeats=3
+        backoff_initial_s=0.01, backoff_max_s=0.05, heartbeat_interval_s=scaled(0.2),
+        silence_heartbeats=3,
     )
     beats = Script([*snapshot(5), *(heartbeat(5) for _ in range(1))], hold=True)
     async with scripted(beats, config=quick) as (relay, client, key):
-        assert await client.wait_for(lambda: installed_at(client, key, 5), 10)
+        assert await client.wait_for(lambda: installed_at(client, key, 5), scaled(10))
         # within 3 periods of the last frame the stream is not ended
         await asyncio.sleep(0.3)
         assert client.replica_stats()[key].drops == {} and relay.subscriptions == 1
@@ -136,7 +139,7 @@ async def test_unsupported_feature_quarantines_the_pool() -> None:
     async with scripted(script) as (relay, client, key):
         assert await client.wait_for(
             lambda: client.replica_stats().get(key) is not None
-            and client.replica_stats()[key].quarantined, 10
+            and client.replica_stats()[key].quarantined, scaled(10)
         )
         st = client.replica_stats()[key]
         assert not st.installed and st.drops == {"unsupported_feature": 1}
@@ -145,9 +148,9 @@ async def test_unsupported_feature_quarantines_the_pool() -> None:
 
 async def test_withdrawal_drops_and_stops_resubscribing() -> None:
     async with scripted() as (relay, client, key):
-        assert await client.wait_for(lambda: installed_at(client, key, 11), 10)
+        assert await client.wait_for(lambda: installed_at(client, key, 11), scaled(10))
         relay.set_catalog([])
-        assert await client.wait_for(lambda: key not in client.replica_stats(), 10)
+        assert await client.wait_for(lambda: key not in client.replica_stats(), scaled(10))
         assert client.drops["withdrawn"] == 1
         assert client.overlap([1, 2, 3, 4], "m") == {}
         n = relay.subscriptions
@@ -156,7 +159,9 @@ async def test_withdrawal_drops_and_stops_resubscribing() -> None:
 
 async def test_readiness_and_load_views() -> None:
     async with scripted() as (_relay, client, key):
-        assert await client.wait_for(lambda: installed_at(client, key, 11) and client.load(), 10)
+        assert await client.wait_for(
+            lambda: installed_at(client, key, 11) and client.load(), scaled(10)
+        )
         (entry,) = client.readiness()
         assert entry.routable and entry.state == "READY" and entry.members == ("ns/be/gen",)
         lv = client.load()[key]

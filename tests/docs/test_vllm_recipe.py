@@ -1,8 +1,10 @@
 """docs/vllm.md's recipes, run as written against kvrelay's vLLM simulator.
 
-The documented ``vllm serve`` line is turned into ``kvrelay sim`` with the same flags (the
-simulator takes vLLM's names and the same ``--kv-events-config`` JSON), the documented TOML is the
-relay's config, and the documented verify commands are run. Only the port numbers change: every
+The simulator form of each recipe is run exactly as docs/vllm.md prints it (``kvrelay sim MODEL``
+with the ``vllm serve`` line's flags: the simulator takes vLLM's names and the same
+``--kv-events-config`` JSON), and it is checked to be the documented ``vllm serve`` line with
+``kvrelay sim`` in its place; the documented TOML is the relay's config, and the documented
+verify commands are run. Only the port numbers change: every
 documented port is moved into one free block with the same offsets (a shared machine may already
 use 8000 or 50161), and the relay's default ports are moved with the documented ``KVRELAY_*``
 overrides.
@@ -25,6 +27,7 @@ import pytest
 
 from kvrelay.sim.ports import free_port_block
 from tests.support.commands import REPO, clean_env
+from tests.support.timing import scaled
 
 DOC = REPO / "docs" / "vllm.md"
 RECIPE = re.compile(r"<!-- recipe:([a-z-]+) -->\n```[a-z]+\n(.*?)\n```", re.S)
@@ -52,21 +55,34 @@ def moved(text: str, ports: dict[int, int]) -> str:
     return text
 
 
-def sim_command(vllm_line: str) -> list[str]:
-    words = shlex.split(vllm_line.replace("\\\n", " "))
+def _words(line: str) -> list[str]:
+    words = shlex.split(line.replace("\\\n", " "))
     while "=" in words[0]:  # VLLM_USE_RUST_FRONTEND=1
         words.pop(0)
-    assert words[:2] == ["vllm", "serve"], words
-    model, rest = words[2], words[3:]
-    flags = dict(zip(rest[::2], rest[1::2], strict=True))
-    new = set(flags) - set(SIM_FLAGS)
-    assert not new, f"teach this test (and kvrelay sim) the new flag(s): {new}"
-    cmd = [sys.executable, "-m", "kvrelay", "sim", "--served-model-name", model, "--rate", "20"]
-    for flag, value in flags.items():
-        cmd += [SIM_FLAGS[flag], value]
-    if "--grpc-port" not in flags:
-        cmd += ["--grpc-port", "-1"]  # vLLM < 0.27: no Control frontend
-    return cmd
+    return words
+
+
+def sim_command(sim_line: str) -> list[str]:
+    """The documented ``kvrelay sim`` line, as printed (only the interpreter is spelled out)."""
+    words = _words(sim_line)
+    assert words[:2] == ["kvrelay", "sim"], words
+    return [sys.executable, "-m", "kvrelay", *words[1:]]
+
+
+@pytest.mark.parametrize("flavour", ["control", "static"])
+def test_the_simulator_form_is_the_vllm_line(flavour: str) -> None:
+    """Same model and flags as the `vllm serve` line; a static recipe (vLLM < 0.27) adds only
+    `--grpc-port -1` (no Control frontend). Every flag is one kvrelay sim knows."""
+    r = recipes()
+    vllm, sim = _words(r[f"{flavour}-vllm"]), _words(r[f"{flavour}-sim"])
+    assert vllm[:2] == ["vllm", "serve"] and sim[:2] == ["kvrelay", "sim"]
+    assert sim[2] == vllm[2]  # the positional model
+    v = dict(zip(vllm[3::2], vllm[4::2], strict=True))
+    m = dict(zip(sim[3::2], sim[4::2], strict=True))
+    new = set(v) - set(SIM_FLAGS)
+    assert not new, f"teach kvrelay sim (and SIM_FLAGS) the new flag(s): {new}"
+    extra = {} if "--grpc-port" in v else {"--grpc-port": "-1"}
+    assert m == {**v, **extra}
 
 
 def _metrics(port: int) -> str:
@@ -94,7 +110,8 @@ def _kvrelay(line: str, env: dict[str, str], path: Path, timeout: float = 90) ->
 @pytest.mark.parametrize("flavour", ["control", "static"])
 def test_documented_recipe_runs_against_the_simulator(flavour: str, tmp_path: Path) -> None:
     r = recipes()
-    assert {"control-vllm", "control-config", "static-vllm", "static-config", "verify"} <= set(r)
+    assert {"control-vllm", "control-sim", "control-config", "static-vllm", "static-sim",
+            "static-config", "verify"} <= set(r)  # fmt: skip
     ports = ports_map()
     config = tmp_path / "kvrelay.toml"
     config.write_text(moved(r[f"{flavour}-config"], ports))
@@ -118,9 +135,9 @@ def test_documented_recipe_runs_against_the_simulator(flavour: str, tmp_path: Pa
         return p
 
     try:
-        spawn("sim", sim_command(moved(r[f"{flavour}-vllm"], ports)))
+        spawn("sim", sim_command(moved(r[f"{flavour}-sim"], ports)))
         serve = spawn("serve", [sys.executable, "-m", "kvrelay", "serve", "--config", str(config)])
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + scaled(90)
         text = ""
         while time.monotonic() < deadline:
             assert all(p.poll() is None for p in procs), (logs / "serve.err").read_text()[-3000:]

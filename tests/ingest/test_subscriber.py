@@ -471,3 +471,45 @@ async def test_a_resumed_member_without_replay_cannot_be_vouched_for(
     finally:
         await sub.stop()
         await pub.close()
+
+
+async def test_a_peer_that_accepts_and_drops_is_not_live_and_logs_rarely(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A static endpoint whose port accepts TCP and closes at once (no publisher behind it):
+    ZMQ reconnects several times a second. The source is `flapping`, not `live`, and
+    `source_reconnected` is logged at most once per RECONNECT_LOG_S with the count it skipped."""
+    from kvrelay.ingest import subscriber as submod
+
+    accepted = 0
+
+    async def drop(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        nonlocal accepted
+        accepted += 1
+        w.close()
+
+    server = await asyncio.start_server(drop, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    buf = io.StringIO()
+    kvlog.configure(level="INFO", json=True, stream=buf)
+    spec = SourceSpec(endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=None, topic=b"",
+                      dp_rank=0, worker_id=42, kv_block_size=B)  # fmt: skip
+    sub = Subscriber(spec, RecordingSink(), context=ctx)
+    try:
+        await sub.start()
+        await until(lambda: sub.counters.reconnects >= 6, timeout=30)
+        await until(lambda: sub.state == "flapping", timeout=10)
+        assert sub.state == "flapping"
+    finally:
+        await sub.stop()
+        server.close()
+        await server.wait_closed()
+        kvlog.configure(level="WARNING", stream=sys.stderr)
+    lines = [json.loads(x) for x in buf.getvalue().splitlines()]
+    logged = [x for x in lines if x["event"] == "source_reconnected"]
+    elapsed_windows = 1 + int(30 / submod.RECONNECT_LOG_S)
+    assert 1 <= len(logged) <= elapsed_windows, (len(logged), sub.counters.reconnects)
+    assert len(logged) < sub.counters.reconnects  # rate-limited, not one per reconnect
+    assert logged[-1]["reconnects_not_logged"] >= 0 and accepted >= 6
+    states = [x["state"] for x in lines if x["event"] == "subscriber_state"]
+    assert states.count("flapping") == 1, states  # one transition, not one per flap

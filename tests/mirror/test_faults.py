@@ -32,6 +32,7 @@ from tests.support.rig import (
     verify,
     wait_live,
 )
+from tests.support.timing import scaled
 
 K = "kv-relay-error-reason"
 UNAVAILABLE = "RELAY_ERROR_REASON_PUBLICATION_UNAVAILABLE"
@@ -42,7 +43,7 @@ async def through(ch: Any) -> Consumer:
     info = await relay_info(ch)
     assert info.relay is not None
     c = Consumer(ch, await catalog_producer(ch), info.relay).start()
-    await asyncio.wait_for(c.first.wait(), 15)
+    await asyncio.wait_for(c.first.wait(), scaled(15))
     return c
 
 
@@ -216,7 +217,7 @@ async def test_upstream_stream_endings_map_to_local_ones(
                 await eventually(lambda: (h := m.mirror.hub_for(S.producer())) is not None
                                  and h.subscriber_count == 1, what="local subscriber")  # fmt: skip
                 gate.set()
-                frames, got = await asyncio.wait_for(task, 10)
+                frames, got = await asyncio.wait_for(task, scaled(10))
                 # frames queued when a stream fails are dropped, directly too (§4.6)
                 assert [int(f.kind) for f in frames] in ([1], [1, 2])
                 assert got.status == status
@@ -237,7 +238,7 @@ async def next_subscriber_reaches(ch: Any, sequence: int) -> list[Any]:
     req = pb.SubscribeKvPoolRequest(
         subscriber_id="next", expected_producer=S.producer(), contract_marker=MARKER
     )
-    async with asyncio.timeout(10):
+    async with asyncio.timeout(scaled(10)):
         async with ch.request(SVC + "SubscribeKvPool", Cardinality.UNARY_STREAM,
                               pb.SubscribeKvPoolRequest, pb.FilterUpdate) as st:  # fmt: skip
             await st.send_message(req, end=True)
@@ -279,7 +280,7 @@ async def test_a_frame_breaking_a_consumer_rule_is_never_served(bad: Any, rule: 
                 await eventually(lambda: (h := m.mirror.hub_for(S.producer())) is not None
                                  and h.subscriber_count == 1, what="local subscriber")  # fmt: skip
                 gate.set()
-                frames, got = await asyncio.wait_for(task, 10)
+                frames, got = await asyncio.wait_for(task, scaled(10))
                 assert [int(f.kind) for f in frames] == [1], "nothing after the snapshot"
                 assert got.status == Status.UNAVAILABLE and got.reason == UNAVAILABLE
                 assert rule in (got.message or "")
@@ -318,7 +319,7 @@ async def test_a_failure_inside_the_mirror_ends_the_pool_with_a_status(
                                  and h.subscriber_count == 1, what="local subscriber")  # fmt: skip
                 monkeypatch.setattr(PublicationHub, "publish_encoded", broken)
                 gate.set()
-                _frames, got = await asyncio.wait_for(task, 10)
+                _frames, got = await asyncio.wait_for(task, scaled(10))
                 assert got.status == Status.UNAVAILABLE and got.reason == UNAVAILABLE
                 assert "RuntimeError" in (got.message or "")
                 assert m.mirror.stats()["pool_totals"].get("end_internal") == 1

@@ -21,6 +21,7 @@ from kvrelay import _jit
 from kvrelay.ops.warmup import warm_kernels
 from tests.ops.test_daemon import Notifications
 from tests.support.commands import REPO, clean_env
+from tests.support.timing import scaled
 
 STEPS = ("hashing", "ingest", "pool")
 
@@ -63,7 +64,7 @@ async def _start(tmp: Path, cache: Path, name: str) -> tuple[list[str], list[dic
     try:
         await notes.wait_for("READY=1", timeout=400)
         proc.send_signal(signal.SIGTERM)
-        _, err = await asyncio.wait_for(proc.communicate(), 30)
+        _, err = await asyncio.wait_for(proc.communicate(), scaled(30))
         assert proc.returncode == 0, err.decode()[-2000:]
         return notes.messages, [json.loads(x) for x in err.decode().splitlines() if x]
     finally:

@@ -501,6 +501,26 @@ def test_dynamo_dc_id_variable_is_the_last_fallback_for_dc_name(tmp_path: Path) 
     assert cfg is None and "(set by DYN_DC_ID)" in _errors(problems)["relay.dc_name"]
 
 
+def test_dynamo_1_7_cluster_id_names(tmp_path: Path) -> None:
+    """Dynamo 1.7 renamed --dc-id / DYN_DC_ID to --cluster-id / DYN_CLUSTER_ID: both fall back
+    for dc_name (1.7's first), and check-config suggests dc_name for cluster_id."""
+    no_dc = MINIMAL.replace('dc_name = "dc-test"\n', "")
+    cfg, problems = _check(tmp_path, no_dc, {"DYN_CLUSTER_ID": "dc-17"})
+    assert problems == [] and cfg is not None and cfg.relay.dc_name == "dc-17"
+    cfg, _ = _check(tmp_path, no_dc, {"DYN_CLUSTER_ID": "dc-17", "DYN_DC_ID": "dc-16"})
+    assert cfg is not None and cfg.relay.dc_name == "dc-17"
+    cfg, _ = _check(tmp_path, MINIMAL, {"DYN_CLUSTER_ID": "dc-17"})
+    assert cfg is not None and cfg.relay.dc_name == "dc-test"  # the file wins
+    cfg, problems = _check(tmp_path, no_dc, {"DYN_CLUSTER_ID": " padded "})
+    assert cfg is None and "(set by DYN_CLUSTER_ID)" in _errors(problems)["relay.dc_name"]
+    _, problems = _check(tmp_path, MINIMAL.replace("dc_name", "cluster_id"))
+    errors = _errors(problems)
+    assert "did you mean 'dc_name'" in errors["relay.cluster_id"]
+    assert "Dynamo's cluster_id is kvrelay's dc_name" in errors["relay.cluster_id"]
+    _, problems = _check(tmp_path, MINIMAL, {"KVRELAY_RELAY_CLUSTER_ID": "x"})
+    assert "did you mean KVRELAY_RELAY_DC_NAME" in _errors(problems)["env.KVRELAY_RELAY_CLUSTER_ID"]
+
+
 def test_per_member_metrics_switch(tmp_path: Path) -> None:
     cfg, _ = _check(tmp_path, MINIMAL)
     assert cfg is not None and cfg.metrics.per_member
@@ -508,3 +528,39 @@ def test_per_member_metrics_switch(tmp_path: Path) -> None:
     assert cfg is not None and not cfg.metrics.per_member
     cfg, _ = _check(tmp_path, MINIMAL, {"KVRELAY_METRICS_PER_MEMBER": "no"})
     assert cfg is not None and not cfg.metrics.per_member
+
+
+def test_needs_that_no_configured_pool_meets_warn(tmp_path: Path) -> None:
+    """The example's first pool is a decode pool that needs prefill: an aggregated fleet that
+    deletes the prefill pool must hear that its model will stay UNAVAILABLE."""
+    example = (Path(__file__).resolve().parents[2] / "deploy" / "kvrelay.example.toml").read_text()
+    second = example.index("\n[[pools]]\n", example.index("\n[[pools]]\n") + 1)
+    decode_only = example[:second]
+    assert 'role = "decode"' in decode_only and 'role = "prefill"' not in decode_only
+    cfg, problems = _check(tmp_path, decode_only)
+    assert cfg is not None
+    warnings = {p.path: p.reason for p in problems if p.severity == "warning"}
+    assert "pools[0].needs" in warnings, problems
+    why = warnings["pools[0].needs"]
+    assert "needs prefill in namespace 'dynamo'" in why and "have only decode" in why
+    assert "UNAVAILABLE" in why
+    # the full example (decode + prefill) and a pool meeting an alternative of a DNF: no warning
+    _, problems = _check(tmp_path, example)
+    assert not [p for p in problems if p.path.endswith(".needs")]
+    dnf = decode_only.replace('needs = [["prefill"]]', 'needs = [["prefill"], ["decode"]]')
+    _, problems = _check(tmp_path, dnf)
+    assert not [p for p in problems if p.path.endswith(".needs")]
+
+
+def test_a_mirror_has_its_own_default_metrics_port() -> None:
+    """A relay and a mirror of it on one host must not collide on 50162 by default."""
+    from kvrelay.ops.config import parse_config
+
+    relay, _ = parse_config({"relay": {"dc_name": "dc"}, "pools": []})
+    mirror, problems = parse_config({"mirror": {"upstream": "127.0.0.1:50161"}})
+    assert mirror is not None, problems
+    assert relay is None or relay.metrics.port == 50162
+    assert (mirror.metrics.host, mirror.metrics.port) == ("127.0.0.1", 50172)
+    given, _ = parse_config({"mirror": {"upstream": "127.0.0.1:50161"},
+                             "metrics": {"bind": "127.0.0.1:9100"}})  # fmt: skip
+    assert given is not None and given.metrics.port == 9100

@@ -134,6 +134,11 @@ def test_deployment_probes_ports_security_and_config(objects: dict[str, dict[str
     assert cfg is not None, problems
     assert (cfg.bind_host, cfg.bind_port, cfg.metrics.port) == ("0.0.0.0", 50161, 50162)
     assert [p.path for p in problems] == ["relay.bind"]  # the plaintext-on-network warning
+    # a writable state_dir on a volume (the root is read-only): warm filters after a restart
+    assert cfg.relay.state_dir == env["KVRELAY_RELAY_STATE_DIR"] and cfg.relay.state_dir in mounts
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    (state,) = [m for m in main["volumeMounts"] if m["mountPath"] == cfg.relay.state_dir]
+    assert "emptyDir" in volumes[state["name"]] and not state.get("readOnly")
 
 
 def test_service_monitor_structure(objects: dict[str, dict[str, Any]]) -> None:
@@ -179,3 +184,23 @@ def test_dockerfile_is_slim_non_root_warm_and_exposes_the_ports() -> None:
     # the init container copies the cache the image warmed
     deploy_text = (BASE / "deployment.yaml").read_text()
     assert "/var/cache/kvrelay/numba/." in deploy_text
+
+
+def test_dockerignore_keeps_only_what_the_dockerfile_copies() -> None:
+    """The build context is what COPY needs and nothing else (a .venv is hundreds of MB)."""
+    rules = [ln for ln in (REPO / ".dockerignore").read_text().splitlines()
+             if ln and not ln.startswith("#")]  # fmt: skip
+    assert rules[0] == "**"  # exclude everything, then re-include
+    kept = {r[1:].rstrip("/") for r in rules if r.startswith("!")}
+    steps = _instructions(DOCKERFILE.read_text())
+    copies = [rest for w, rest in steps if w == "COPY" and not rest.startswith("--from")]
+    copied = {src for rest in copies for src in rest.split()[:-1]}
+    assert kept == copied, (kept, copied)
+
+
+def test_documented_docker_run_binds_both_listeners_on_every_interface() -> None:
+    readme = (REPO / "deploy" / "README.md").read_text()
+    run = readme.split("docker run", 1)[1].split("```", 1)[0]
+    assert "-e KVRELAY_RELAY_BIND=0.0.0.0:50161" in run
+    assert "-e KVRELAY_METRICS_BIND=0.0.0.0:50162" in run
+

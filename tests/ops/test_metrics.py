@@ -39,6 +39,7 @@ from tests.support.scrape import (
     value,
     wait_subscribed,
 )
+from tests.support.timing import scaled
 
 MARKER = 0x4B565231
 LAGGED = "RELAY_ERROR_REASON_SUBSCRIBER_LAGGED"  # contract trailer value
@@ -307,7 +308,7 @@ async def test_lagging_pool_subscriber_is_counted() -> None:
 
                 task = asyncio.create_task(consume())
                 try:
-                    await asyncio.wait_for(got_snapshot.wait(), 10)
+                    await asyncio.wait_for(got_snapshot.wait(), scaled(10))
                     for _ in range(5000):
                         if gen.hub_stats()["lagged"]:
                             break
@@ -315,7 +316,7 @@ async def test_lagging_pool_subscriber_is_counted() -> None:
                         await asyncio.sleep(0)
                     assert gen.hub_stats()["lagged"] == 1
                     resume.set()
-                    await asyncio.wait_for(task, 10)
+                    await asyncio.wait_for(task, scaled(10))
                 finally:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
@@ -381,8 +382,8 @@ async def test_http_endpoint_edges_and_clean_close() -> None:
         idle_r, idle_w = await asyncio.open_connection("127.0.0.1", port)
         await asyncio.sleep(0.05)
     finally:
-        await asyncio.wait_for(metrics.close(), 5)
-    assert await asyncio.wait_for(idle_r.read(), 5) == b""
+        await asyncio.wait_for(metrics.close(), scaled(5))
+    assert await asyncio.wait_for(idle_r.read(), scaled(5)) == b""
     idle_w.close()
     try:
         _r, w = await asyncio.open_connection("127.0.0.1", port)

@@ -91,3 +91,16 @@ def test_licence_files_are_what_the_metadata_says() -> None:
         assert proto in notice
         header = (REPO / proto).read_text().splitlines()[:3]
         assert any("SPDX-License-Identifier: Apache-2.0" in line for line in header), proto
+
+
+def test_the_repository_url_is_one_placeholder_the_install_docs_explain() -> None:
+    """pyproject.toml's Source URL is the one the install instructions clone, and while it is the
+    documented placeholder the docs say so (a reader must never guess a URL)."""
+    import tomllib
+
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    url = meta["urls"]["Source"]
+    readme = (REPO / "deploy" / "README.md").read_text()
+    assert f"KVRELAY_GIT={url}" in readme and 'git clone "$KVRELAY_GIT"' in readme
+    if url.split("/")[2].endswith(".invalid"):
+        assert "placeholder" in readme.split("## Install (systemd)", 1)[1].split("```", 1)[0]

@@ -34,6 +34,7 @@ from tests.support.commands import REPO, clean_env
 from tests.support.fleet import eventually
 from tests.support.notify import Notifications
 from tests.support.rig import Consumer, catalog_producer, relay_info
+from tests.support.timing import scaled
 
 
 def _free_port() -> int:
@@ -70,10 +71,10 @@ expected_blocks = 4096
 async def _reload_cli(cfg: Path, pid_file: Path) -> tuple[int, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvrelay", "reload", "--config", str(cfg), "--pid-file",
-        str(pid_file), "--timeout", "20", env=clean_env(), cwd=REPO,
+        str(pid_file), "--timeout", f"{scaled(20):.0f}", env=clean_env(), cwd=REPO,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )  # fmt: skip
-    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    out, _ = await asyncio.wait_for(proc.communicate(), scaled(60))
     assert proc.returncode is not None
     return proc.returncode, out.decode()
 
@@ -105,7 +106,7 @@ async def test_reload_adds_an_engine_without_a_resnapshot_and_refuses_bad_files(
             await e0.step(5)
             producer = await catalog_producer(ch)
             consumer = Consumer(ch, producer, info.relay).start()
-            await asyncio.wait_for(consumer.first.wait(), 15)
+            await asyncio.wait_for(consumer.first.wait(), scaled(15))
 
             def holds(engine: SimEngine) -> bool:
                 want = sorted(engine.ground_truth(0))
@@ -155,7 +156,7 @@ async def test_reload_adds_an_engine_without_a_resnapshot_and_refuses_bad_files(
             await consumer.stop()
         if proc.returncode is None:
             proc.send_signal(signal.SIGTERM)
-            await asyncio.wait_for(proc.wait(), 20)
+            await asyncio.wait_for(proc.wait(), scaled(20))
         await notes.close()
         for e in (e0, e1):
             await e.stop()
@@ -190,7 +191,7 @@ async def test_reload_reads_a_rotated_certificate_for_new_connections(tmp_path: 
     async def info(ca: Path) -> pb.RelayInfo:
         async with Channel("127.0.0.1", daemon.grpc_port, ssl=client_ssl_context(str(ca))) as c:
             return await asyncio.wait_for(pb.KvEventRelayStub(c).get_relay_info(
-                pb.RelayInfoRequest(contract_marker=0x4B565231)), 10)  # fmt: skip
+                pb.RelayInfoRequest(contract_marker=0x4B565231)), scaled(10))  # fmt: skip
 
     try:
         await daemon.start()
@@ -245,7 +246,7 @@ async def test_systemctl_restart_under_traffic_keeps_the_filter_complete(tmp_pat
         info = await relay_info(ch)
         assert info.relay is not None
         consumer = Consumer(ch, await catalog_producer(ch), info.relay).start()
-        await asyncio.wait_for(consumer.first.wait(), 15)
+        await asyncio.wait_for(consumer.first.wait(), scaled(15))
         return info, consumer
 
     notes = Notifications(tmp_path / "notify.sock")
@@ -274,7 +275,7 @@ async def test_systemctl_restart_under_traffic_keeps_the_filter_complete(tmp_pat
 
         traffic = asyncio.create_task(steady())  # under traffic from here on
         procs[0].send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(procs[0].wait(), 20) == 0
+        assert await asyncio.wait_for(procs[0].wait(), scaled(20)) == 0
         procs.append(await serve())
         await notes.wait_for("READY=1", count=2)
         traffic.cancel()
@@ -301,7 +302,7 @@ async def test_systemctl_restart_under_traffic_keeps_the_filter_complete(tmp_pat
         for p in procs:
             if p.returncode is None:
                 p.send_signal(signal.SIGTERM)
-                await asyncio.wait_for(p.wait(), 20)
+                await asyncio.wait_for(p.wait(), scaled(20))
         await notes.close()
         for e in engines:
             await e.stop()

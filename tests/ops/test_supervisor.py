@@ -14,6 +14,7 @@ import pytest
 
 from kvrelay.ops.supervisor import Supervisor, WorkerStartError, reserve_port
 from kvrelay.ops.worker import WorkerSpec
+from tests.support.timing import scaled
 
 # A stand-in worker: reads its spec line, then follows the script named by KVR_FAKE (per
 # incarnation, counted in a file): "serve" reports forever, "exit" dies, "hang" stops reporting,
@@ -93,7 +94,7 @@ async def test_stop_kills_what_ignores_sigterm(tmp_path: Path) -> None:
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     await sup.stop(0.5)
-    assert loop.time() - t0 < 5
+    assert loop.time() - t0 < scaled(5)
     assert sup.alive == 0 and pid is not None and not Path(f"/proc/{pid}/cmdline").exists()
 
 

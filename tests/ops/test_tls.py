@@ -22,6 +22,7 @@ from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import RelaySettings
 from kvrelay.service.server import RelayServer
 from tests.support.certs import Pki, make_pki
+from tests.support.timing import scaled
 
 MARKER = 0x4B565231
 # How grpclib surfaces a server-side mTLS refusal: with TLS 1.3 the client's handshake finishes
@@ -64,8 +65,7 @@ async def _info_grpclib(port: int, ctx: ssl.SSLContext | None) -> pb.RelayInfo:
     async with Channel("127.0.0.1", port, ssl=ctx) as channel:
         stub = pb.KvEventRelayStub(channel)
         return await asyncio.wait_for(
-            stub.get_relay_info(pb.RelayInfoRequest(contract_marker=MARKER)), 10
-        )
+            stub.get_relay_info(pb.RelayInfoRequest(contract_marker=MARKER)), scaled(10))
 
 
 async def _info_grpcio(
@@ -200,7 +200,7 @@ async def test_mtls_raw_handshake_without_cert_gets_alert(
         try:
             w.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
             await w.drain()
-            data = await asyncio.wait_for(r.read(1), 5)  # TLS 1.3: the alert arrives here
+            data = await asyncio.wait_for(r.read(1), scaled(5))  # TLS 1.3: the alert arrives here
             if not data:
                 raise ConnectionError("closed by server")
         finally:

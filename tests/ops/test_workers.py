@@ -15,11 +15,13 @@ import re
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 from grpclib.client import Channel
 
+from kvrelay.client import RelayClient
 from kvrelay.ops.tls import client_ssl_context, server_ssl_context
 from kvrelay.relay.relay import Relay
 from kvrelay.service.server import RelayServer
@@ -38,6 +40,7 @@ from tests.support.rig import (
     relay_info,
     wait_live,
 )
+from tests.support.timing import scaled
 
 
 def _free_port() -> int:
@@ -69,7 +72,7 @@ async def _metrics(port: int) -> str:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     await writer.drain()
-    data = await asyncio.wait_for(reader.read(), 5)
+    data = await asyncio.wait_for(reader.read(), scaled(5))
     writer.close()
     return data.decode().partition("\r\n\r\n")[2]
 
@@ -78,7 +81,7 @@ async def _consumer(ch: Channel) -> Consumer:
     info = await relay_info(ch)
     assert info.relay is not None
     c = Consumer(ch, await catalog_producer(ch), info.relay).start()
-    await asyncio.wait_for(c.first.wait(), 20)
+    await asyncio.wait_for(c.first.wait(), scaled(20))
     return c
 
 
@@ -98,6 +101,25 @@ async def _same_table(a: Consumer, b: Consumer, engine: SimEngine) -> None:
     assert held and bool(np.all(a.replica.contains(sorted(held))))
 
 
+async def _serving_load_through_the_worker(port: int, engine: SimEngine) -> None:
+    """SubscribeServingLoad through the fan-out worker, read with the SDK: both views COMPLETE
+    and the counters equal the engine's own."""
+    async with RelayClient([f"127.0.0.1:{port}"]) as client:
+        finished = sum(s.finished for s in engine.schedulers)
+
+        def complete() -> bool:
+            v = client.serving_load()
+            return (
+                len(v.models) == 1 and v.models[0].complete
+                and v.models[0].requests_completed_total == finished
+                and [p.status for p in v.pools.values()] == ["COMPLETE"]
+            )  # fmt: skip
+
+        assert await client.wait_for(complete, 30), client.serving_load()
+        (pool,) = client.serving_load().pools.values()
+        assert pool.live_workers == 1 and pool.active_decode_blocks is not None
+
+
 async def test_two_workers_serve_are_restarted_and_drain(tmp_path: Path) -> None:
     engine = SimEngine(SimConfig(name="e0", seed=15, dp_size=2, capacity_blocks=96))
     await engine.start()
@@ -106,7 +128,8 @@ async def test_two_workers_serve_are_restarted_and_drain(tmp_path: Path) -> None
     metrics_port = _free_port()
     cfg = _config(tmp_path / "kvrelay.toml", engine.grpc_port, extra="workers = 2\n")
     cfg.write_text(cfg.read_text().replace('bind = "127.0.0.1:0"\n\n[logging]',
-                                           f'bind = "127.0.0.1:{metrics_port}"\n\n[logging]'))
+                                           f'bind = "127.0.0.1:{metrics_port}"\n\n[logging]')
+                   + f"metrics_port = {engine.metrics_port}\n")  # fmt: skip
     runtime = tmp_path / "run"
     runtime.mkdir()
     env = clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), RUNTIME_DIRECTORY=str(runtime))
@@ -138,6 +161,7 @@ async def test_two_workers_serve_are_restarted_and_drain(tmp_path: Path) -> None
                 await engine.step(4)
                 await asyncio.sleep(0.05)
             await _same_table(via, direct, engine)
+            await _serving_load_through_the_worker(port, engine)
 
             os.kill(worker, signal.SIGKILL)  # a crashed worker: its router streams drop
             end = await via.wait_end()
@@ -153,9 +177,8 @@ async def test_two_workers_serve_are_restarted_and_drain(tmp_path: Path) -> None
                 except (OSError, ConnectionError, Exception):
                     return False
 
-            for _ in range(200):
-                if await served():
-                    break
+            deadline = time.monotonic() + scaled(20)
+            while not await served() and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
             text = await _metrics(metrics_port)
             assert re.search(r"^kvrelay_worker_restarts_total 1\.0$", text, re.M), text[-2000:]
@@ -168,7 +191,7 @@ async def test_two_workers_serve_are_restarted_and_drain(tmp_path: Path) -> None
             await _same_table(again, direct, engine)
 
             proc.send_signal(signal.SIGTERM)
-            rc = await asyncio.wait_for(proc.wait(), 20)
+            rc = await asyncio.wait_for(proc.wait(), scaled(20))
             stderr = (await proc.stderr.read()).decode()  # type: ignore[union-attr]
             assert rc == 0, stderr[-3000:]
             assert (await again.wait_end()).status is None, "drained: clean EOF"
@@ -272,7 +295,7 @@ format = "json"
                              what="replica at the producer's sequence")  # fmt: skip
             assert np.array_equal(consumer.replica.table, gen.pool.table)
             proc.send_signal(signal.SIGTERM)
-            rc = await asyncio.wait_for(proc.wait(), 20)
+            rc = await asyncio.wait_for(proc.wait(), scaled(20))
             assert rc == 0, (await proc.stderr.read()).decode()[-2000:]  # type: ignore[union-attr]
             assert (await consumer.wait_end()).status is None
     finally:

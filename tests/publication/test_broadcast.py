@@ -9,13 +9,14 @@ import pytest
 
 from kvrelay.publication.broadcast import NonMonotonicVersionError, VersionedBroadcast
 from kvrelay.publication.plane import Plane, PlaneClosed
+from tests.support.timing import scaled
 
 
 async def test_current_is_available_immediately() -> None:
     bc: VersionedBroadcast[str] = VersionedBroadcast(0, "initial")
     assert bc.current() == (0, "initial")
     # Already newer than what the caller has: returns without waiting.
-    assert await asyncio.wait_for(bc.wait_newer(-1), 1) == (0, "initial")
+    assert await asyncio.wait_for(bc.wait_newer(-1), scaled(1)) == (0, "initial")
 
 
 async def test_satisfies_the_service_plane_protocol() -> None:
@@ -31,7 +32,7 @@ async def test_many_waiters_all_wake_with_latest() -> None:
     assert not any(w.done() for w in waiters)  # nobody returns early
     bc.publish(1, 10)
     bc.publish(5, 50)  # coalesced: waiters see only the newest message
-    results = await asyncio.wait_for(asyncio.gather(*waiters), 1)
+    results = await asyncio.wait_for(asyncio.gather(*waiters), scaled(1))
     assert results == [(5, 50)] * 200
 
 
@@ -42,7 +43,7 @@ async def test_waiter_waits_past_versions_it_has_seen() -> None:
     await asyncio.sleep(0.01)
     assert not w.done()
     bc.publish(2, "c")
-    assert await asyncio.wait_for(w, 1) == (2, "c")
+    assert await asyncio.wait_for(w, scaled(1)) == (2, "c")
     assert await bc.wait_newer(0) == (2, "c")  # a stale reader jumps to the newest version
 
 
@@ -57,7 +58,7 @@ async def test_waiting_does_not_spin() -> None:
     assert cpu < 0.25 * wall, (cpu, wall)
     assert not any(w.done() for w in waiters)
     bc.publish(1, 1)
-    assert await asyncio.wait_for(asyncio.gather(*waiters), 1) == [(1, 1)] * 100
+    assert await asyncio.wait_for(asyncio.gather(*waiters), scaled(1)) == [(1, 1)] * 100
 
 
 @pytest.mark.parametrize("bad", [3, 2, -1])
@@ -75,7 +76,7 @@ async def test_close_wakes_waiters_with_plane_closed() -> None:
     waiters = [asyncio.create_task(bc.wait_newer(0)) for _ in range(20)]
     await asyncio.sleep(0)
     bc.close()
-    results = await asyncio.wait_for(asyncio.gather(*waiters, return_exceptions=True), 1)
+    results = await asyncio.wait_for(asyncio.gather(*waiters, return_exceptions=True), scaled(1))
     assert all(isinstance(r, PlaneClosed) for r in results)
     with pytest.raises(PlaneClosed):
         await bc.wait_newer(-1)  # closed wins even when a newer message exists
@@ -94,7 +95,7 @@ async def test_cancelled_waiter_does_not_disturb_others() -> None:
     a.cancel()
     await asyncio.sleep(0)
     bc.publish(1, "b")
-    assert await asyncio.wait_for(b, 1) == (1, "b")
+    assert await asyncio.wait_for(b, scaled(1)) == (1, "b")
     assert a.cancelled()
 
 

@@ -16,6 +16,7 @@ from kvrelay.publication.catalog import (
     descriptor,
     validate_descriptor,
 )
+from tests.support.timing import scaled
 
 Role = pb.WorkerRole
 STD = pb.KvQueryHashFormat.DYNAMO_STANDARD_V1
@@ -330,7 +331,7 @@ async def test_watchers_wake_on_change_only(
     await asyncio.sleep(0.01)
     assert not w.done()
     plane.set_pools([_desc(producer)])
-    rev, msg = await asyncio.wait_for(w, 1)
+    rev, msg = await asyncio.wait_for(w, scaled(1))
     assert rev == 1 and len(msg.snapshot.pools) == 1
     plane.close()
     from kvrelay.publication.plane import PlaneClosed

@@ -15,6 +15,8 @@ from kvrelay.contract.limits import RelayLimits
 from kvrelay.publication import cbi1
 from kvrelay.publication.hub import PublicationHub, PublicationInvariantError, Subscription
 from kvrelay.publication.splice import FilterUpdateEncoder
+from tests.support.fleet import eventually
+from tests.support.timing import scaled
 
 SEED, DC = 0x5EED, 7
 R = pb.RelayErrorReason
@@ -95,7 +97,7 @@ def rebuild(frames: list[pb.FilterUpdate], bc: int) -> tuple[np.ndarray, int]:
 async def pump_until(sub: Subscription, col: Collector) -> asyncio.Task[None]:
     """Start pumping and wait until the whole snapshot has been sent."""
     task = asyncio.ensure_future(sub.pump(col))
-    chunks = await asyncio.wait_for(asyncio.shield(sub._snapshot), 10)
+    chunks = await asyncio.wait_for(asyncio.shield(sub._snapshot), scaled(10))
     for _ in range(1000):
         if len(col.frames) >= len(chunks) or task.done():
             break
@@ -167,7 +169,7 @@ async def test_pump_delivers_snapshot_deltas_heartbeats() -> None:
         table[b] = w
         hub.publish(seq, b, w)
         await asyncio.sleep(0)
-    await asyncio.sleep(0.2)
+    await eventually(lambda: len(col.frames) >= 33, what="snapshot, 29 deltas, heartbeats")
     kinds = [int(f.kind) for f in col.frames]
     assert kinds[:2] == [1, 1] and kinds[2:31] == [2] * 29 and set(kinds[31:]) == {3}
     assert len(kinds) >= 33
@@ -229,12 +231,13 @@ async def test_oversize_resets_subscribers_and_rebootstraps() -> None:
 
 
 async def test_snapshot_progress_timeout_and_watchdog() -> None:
-    hub, _ = make_hub(snapshot_progress_timeout_s=0.05, stalled_stream_reset_s=0.3)
+    # the reset grace stretches on a busy machine: these waits must end inside it
+    hub, _ = make_hub(snapshot_progress_timeout_s=0.05, stalled_stream_reset_s=scaled(0.3))
     released: list[int] = []
     sub = await hub.subscribe(on_release=lambda: released.append(1))
     col = Collector(block_after=0)  # never drains the first snapshot frame
     task = asyncio.ensure_future(sub.pump(col))
-    await asyncio.sleep(0.1)
+    await eventually(lambda: sub.error is not None, what="snapshot progress timeout")
     assert sub.error is not None and sub.error.reason == R.SNAPSHOT_PROGRESS_TIMEOUT
     # the failed subscriber stops counting at once, while its send is still blocked
     assert hub.subscriber_count == 0 and released == [1] and not task.done()
@@ -254,9 +257,9 @@ async def test_snapshot_progress_timeout_and_watchdog() -> None:
     task2 = asyncio.ensure_future(
         sub2.pump(Collector(block_after=0), reset=lambda: resets.append(1))
     )
-    await asyncio.sleep(0.2)
-    assert sub2.error is not None and not task2.done() and resets == []
-    await asyncio.sleep(0.3)
+    await eventually(lambda: sub2.error is not None, what="second snapshot progress timeout")
+    assert not task2.done() and resets == []
+    await eventually(lambda: task2.done(), what="stalled stream reset")
     assert task2.cancelled() and resets == [1]
     sub2.close()
     assert hub.subscriber_count == 0
@@ -368,7 +371,7 @@ async def test_a_refusing_send_now_still_ends_a_stalled_subscriber_as_lagged() -
     assert sub.error is not None and sub.error.reason == R.SUBSCRIBER_LAGGED
     col.gate.set()
     with pytest.raises(RelayError):
-        await asyncio.wait_for(task, 5)
+        await asyncio.wait_for(task, scaled(5))
 
 
 async def test_cancelled_subscriber_does_not_cancel_shared_snapshot_build() -> None:
@@ -382,7 +385,7 @@ async def test_cancelled_subscriber_does_not_cancel_shared_snapshot_build() -> N
     with pytest.raises(asyncio.CancelledError):
         await ta
     a.close()
-    chunks = await asyncio.wait_for(asyncio.shield(b._snapshot), 10)
+    chunks = await asyncio.wait_for(asyncio.shield(b._snapshot), scaled(10))
     assert len(chunks) == 2
     for _ in range(1000):
         if len(col.frames) == 2:

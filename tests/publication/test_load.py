@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -14,6 +13,7 @@ from hypothesis import strategies as st
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.publication.load import LoadPlane, PoolLoadInput, RankLoad, load_entry
 from kvrelay.publication.plane import PlaneClosed
+from tests.support.timing import scaled
 
 U64 = (1 << 64) - 1
 MakeProducer = Callable[..., pb.ProducerIdentity]
@@ -156,13 +156,14 @@ async def test_window_cadence(relay: pb.RelayIdentity, producer: MakeProducer) -
     fleet.pools = {1: [RankLoad(1, 8)]}
     window_ms = 40
     plane = LoadPlane(relay, window_ms=window_ms, provider=fleet)
+    start_ms = time.time_ns() // 1_000_000
     plane.start()
     plane.start()  # idempotent: still one timer
     seen: list[pb.KvPoolLoadUpdate] = []
     t0 = time.monotonic()
     version = 0
     while len(seen) < 6:
-        version, msg = await asyncio.wait_for(plane.wait_newer(version), 2)
+        version, msg = await asyncio.wait_for(plane.wait_newer(version), scaled(2))
         seen.append(msg)
         fleet.pools[1] = [RankLoad(len(seen), 8)]
     elapsed = time.monotonic() - t0
@@ -170,8 +171,10 @@ async def test_window_cadence(relay: pb.RelayIdentity, producer: MakeProducer) -
     assert seqs == list(range(1, 7))  # +1 per window, no gaps, no bursts
     assert elapsed >= 5 * window_ms / 1000  # six windows need at least five periods after the 1st
     assert all(m.window_ms == window_ms for m in seen)
-    gaps = [b.observed_ms - a.observed_ms for a, b in itertools.pairwise(seen)]
-    assert min(gaps) >= 0.75 * window_ms, gaps  # paced by the timer, not bursted
+    # paced by the timer: window n no earlier than n periods after the start (a busy loop only
+    # makes windows later; 1 ms for observed_ms's granularity), however late the one before was
+    late = [m.observed_ms - start_ms - m.window_sequence * window_ms for m in seen]
+    assert min(late) >= -1, late
     # each window re-reads the provider (usage follows the fleet)
     assert [m.pools[0].kv_used_blocks for m in seen[1:]] == list(range(1, 6))
     plane.close()
@@ -190,7 +193,7 @@ async def test_close_wakes_subscribers(relay: pb.RelayIdentity) -> None:
     await asyncio.sleep(0)
     plane.close()
     with pytest.raises(PlaneClosed):
-        await asyncio.wait_for(waiter, 1)
+        await asyncio.wait_for(waiter, scaled(1))
     await plane.wait_closed()
     with pytest.raises(RuntimeError):
         plane.start()

@@ -19,6 +19,7 @@ from kvrelay.publication.readiness import (
     TopologyError,
     topology_entries,
 )
+from tests.support.timing import scaled
 
 Role = pb.WorkerRole
 S = pb.ServingReadinessState
@@ -383,7 +384,7 @@ async def test_plane_revision_only_on_change(relay: pb.RelayIdentity) -> None:
     assert not waiter.done()
     topo = [ep("pre", "P", 0), ep("dec", "D", needs=("P",))]
     assert plane.set_topology(topo) is True
-    rev, msg = await asyncio.wait_for(waiter, 1)
+    rev, msg = await asyncio.wait_for(waiter, scaled(1))
     assert rev == msg.revision == 1 and msg.entries[0].state == S.UNAVAILABLE
     assert plane.set_topology(list(reversed(topo))) is False  # same facts, other order
     assert plane.set_topology([ep("pre", "P"), ep("dec", "D", needs=("P",))]) is True

@@ -27,6 +27,7 @@ from tests.support.fleet import (
     wait_subscribed,
 )
 from tests.support.replica import Replica
+from tests.support.timing import scaled
 
 
 @pytest.mark.parametrize(
@@ -89,7 +90,7 @@ async def test_fleet_state_reaches_a_consumer_replica_exactly(limits: RelayLimit
 
             task = asyncio.create_task(consume())
             try:
-                await asyncio.wait_for(received.wait(), 10)
+                await asyncio.wait_for(received.wait(), scaled(10))
                 # Traffic while subscribed, including lost messages the subscriber must replay.
                 for round_ in range(6):
                     for e in engines:

@@ -36,6 +36,7 @@ from tests.support.fleet import eventually, fleet_and_relay, ground_truth, in_sy
 from tests.support.identities import make_producer
 from tests.support.mem_relay import grpclib_channel, sub_request
 from tests.support.replica import Replica
+from tests.support.timing import scaled
 
 SUBSCRIBE = "/dynamo.kvrelay.v1.KvEventRelay/SubscribeKvPool"
 #: 2,097,152 expected blocks → 1,048,576 buckets: a snapshot of two 4 MiB chunks.
@@ -90,7 +91,7 @@ async def _slow_subscriber(
                 stop.set()
                 await producer
                 await eventually(lambda: in_sync([engine], relay), what="relay = ground truth")
-                async with asyncio.timeout(20):
+                async with asyncio.timeout(scaled(20)):
                     while replica.sequence != gen.sequence:
                         replica.feed(await _next(st))  # asserts base + 1 for every delta
                 await st.cancel()

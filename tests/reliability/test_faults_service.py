@@ -32,6 +32,7 @@ from tests.support.rig import (
     verify,
     wait_live,
 )
+from tests.support.timing import scaled
 
 LAGGED = "RELAY_ERROR_REASON_SUBSCRIBER_LAGGED"
 TIMEOUT = "RELAY_ERROR_REASON_SNAPSHOT_PROGRESS_TIMEOUT"
@@ -93,7 +94,7 @@ async def test_subscriber_stalling_mid_snapshot_times_out() -> None:
                 what="snapshot progress deadline passed",
             )
             go.set()
-            frames, end = await asyncio.wait_for(task, 20)
+            frames, end = await asyncio.wait_for(task, scaled(20))
             assert end.status == Status.RESOURCE_EXHAUSTED and end.reason == TIMEOUT
             assert errors(r, TIMEOUT) == 1 and r.stream_errors("SNAPSHOT_PROGRESS_TIMEOUT") == 1
             assert frames <= 2, "the stream must end before any delta"
@@ -128,7 +129,7 @@ async def test_subscriber_that_never_reads_is_dropped_as_lagged() -> None:
                     break
             assert hub.lagged == 1, "the stalled subscriber's bounded queue must overflow"
             go.set()
-            _frames, end = await asyncio.wait_for(task, 20)
+            _frames, end = await asyncio.wait_for(task, scaled(20))
             assert end.status == Status.RESOURCE_EXHAUSTED and end.reason == LAGGED
             assert errors(r, LAGGED) == 1 and r.stream_errors("SUBSCRIBER_LAGGED") == 1
             assert r.metric("kvrelay_pool_lag_terminations_total") == 1
@@ -191,7 +192,7 @@ async def test_65th_subscriber_gets_resource_limit() -> None:
             consumers = [
                 Consumer(chans[i % 4], producer, info.relay, f"s{i}").start() for i in range(64)
             ]
-            await asyncio.wait_for(asyncio.gather(*(c.first.wait() for c in consumers)), 30)
+            await asyncio.wait_for(asyncio.gather(*(c.first.wait() for c in consumers)), scaled(30))
             assert svc.pool_permits.in_use == 64
             _msgs, end = await collect_end(
                 chans[1], "SubscribeKvPool", sub_req(producer, "s64"), pb.FilterUpdate

@@ -38,6 +38,7 @@ from tests.support.rig import (
     stop_relay,
     wait_live,
 )
+from tests.support.timing import scaled
 
 P = "RELAY_ERROR_REASON_"
 STATUS = {
@@ -356,7 +357,7 @@ def test_relay_still_serves_after_fuzzing(live_relay: Live, channel: grpc.Channe
     got, _ = call(channel, "GetRelayInfo", pb.RelayInfoRequest(contract_marker=MARKER).__bytes__())
     assert got == "OK"
     svc = live_relay.server.service
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     permits = (svc.pool_permits, svc.catalog_permits, svc.readiness_permits, svc.load_permits)
     while any(p.in_use for p in permits) and time.monotonic() < deadline:
         time.sleep(0.05)  # cancelled streams are released by the server's loop

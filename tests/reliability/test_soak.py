@@ -3,7 +3,7 @@ traffic, flat RSS, no lag terminations, stable latency, subscriber 0 exact at th
 
 from __future__ import annotations
 
-from tests.reliability.soak import run_soak
+from tests.reliability.soak import SoakResult, _judge, run_soak
 
 
 async def test_soak_30_seconds() -> None:
@@ -12,3 +12,25 @@ async def test_soak_30_seconds() -> None:
     assert res.subscribers == 64 and res.lag_terminations == 0 and res.streams_ended == 0
     assert res.deltas_received >= 64 * 100, "the soak did not exercise the fan-out"
     assert res.rss_last_mb <= res.rss_middle_mb * 1.10
+
+
+def _judged(windows: list[list[int]]) -> list[str]:
+    res = SoakResult(seconds=30.0, rate=10.0, subscribers=1, rss_mb=[100.0] * len(windows),
+                     replica_matches=True)
+    _judge(res, windows, rss_tolerance=0.10, latency_factor=2.0, slack_ms=25.0)
+    return res.failures
+
+
+def test_latency_drift_is_a_shift_of_every_window_not_one_busy_second() -> None:
+    """A neighbour that takes the CPU for two seconds of the last third (every delivery in
+    them 400 ms late) is not a drift; the last third's windows all twice as slow plus 40 ms is."""
+    quiet = [[5_000 + 100 * i for i in range(100)] for _ in range(30)]
+    busy = [list(w) for w in quiet]
+    busy[24] = busy[25] = [400_000] * 100
+    assert _judged(quiet) == [] and _judged(busy) == []
+    drift = [list(w) for w in quiet]
+    for w in drift[20:]:
+        w[:] = [2 * x + 40_000 for x in w]
+    failures = _judged(drift)
+    assert any("latency p50 drifted" in f for f in failures), failures
+    assert any("latency p99 drifted" in f for f in failures), failures

@@ -283,6 +283,12 @@ async def test_get_relay_info_both_clients(
     reply, code, trailers = await gio.unary("GetRelayInfo", pb.RelayInfoRequest())
     assert reply is None and code == grpc.StatusCode.FAILED_PRECONDITION
     assert trailers[K] == "RELAY_ERROR_REASON_CONTRACT_MISMATCH"
+    try:  # the message says which value to send, and where
+        await gio.stub.GetRelayInfo(gio.convert(pb.RelayInfoRequest()))
+    except grpc.aio.AioRpcError as exc:
+        details = exc.details() or ""
+    assert details.startswith("no contract_marker: send contract_marker = 1263948337 (0x4B565231")
+    assert "field 127, fixed32" in details
 
     from grpclib.const import Cardinality
     from grpclib.exceptions import GRPCError

@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 import pytest
-from google.protobuf import descriptor_pb2, descriptor_pool
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 from grpclib.reflection.v1.reflection_pb2 import ServerReflectionRequest, ServerReflectionResponse
 
@@ -80,12 +80,48 @@ async def test_reflection_describes_every_listed_service(server: RelayServer) ->
     relay = pool.FindServiceByName(RELAY)
     assert [m.name for m in relay.methods] == [
         "GetRelayInfo", "WatchKvPoolCatalog", "SubscribeKvPool", "SubscribeServingReadiness",
-        "SubscribeKvPoolLoad",
+        "SubscribeKvPoolLoad", "SubscribeServingLoad",
     ]  # fmt: skip
     (missing,) = await _reflect(
         server.port, [ServerReflectionRequest(file_containing_symbol="no.such.Service")]
     )
     assert missing.HasField("error_response")
+
+
+async def test_a_reflection_only_client_reads_serving_load_windows(server: RelayServer) -> None:
+    """A generic client (no stubs, no .proto: what grpcurl does) builds the messages of
+    SubscribeServingLoad from reflection alone, calls it and decodes consecutive windows."""
+    symbol = RELAY  # what grpcurl asks for before it calls a method of the service
+    (reply,) = await _reflect(server.port, [ServerReflectionRequest(file_containing_symbol=symbol)])
+    pool = descriptor_pool.DescriptorPool()
+    for raw in reply.file_descriptor_response.file_descriptor_proto:
+        pool.Add(descriptor_pb2.FileDescriptorProto.FromString(raw))
+    method = pool.FindServiceByName(RELAY).methods_by_name["SubscribeServingLoad"]
+    assert method.server_streaming and not method.client_streaming
+    request_cls = message_factory.GetMessageClass(method.input_type)
+    reply_cls = message_factory.GetMessageClass(method.output_type)
+    status = pool.FindEnumTypeByName("dynamo.kvrelay.v1.DataStatus")
+    assert [v.name for v in status.values] == [
+        "DATA_STATUS_UNSPECIFIED", "DATA_STATUS_COMPLETE", "DATA_STATUS_DEGRADED",
+        "DATA_STATUS_UNAVAILABLE",
+    ]  # fmt: skip
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        call = ch.unary_stream(
+            f"/{RELAY}/SubscribeServingLoad",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=reply_cls.FromString,
+        )(request_cls(subscriber_id="grpcurl", contract_marker=MARKER))
+        windows = []
+        async with asyncio.timeout(20):
+            async for w in call:
+                windows.append(w)
+                if len(windows) == 2:
+                    break
+        call.cancel()
+    assert [w.contract_marker for w in windows] == [MARKER, MARKER]
+    assert windows[1].window_sequence == windows[0].window_sequence + 1
+    assert windows[0].window_ms == 1000 and windows[0].protocol_version == 1
+    assert list(windows[1].pools) == [] and list(windows[1].models) == []  # a relay of no pools
 
 
 async def test_health_answers_for_the_relay_service_and_the_server(server: RelayServer) -> None:

@@ -8,6 +8,7 @@ connects to a bound SUB.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,7 +19,8 @@ import zmq.asyncio
 
 from kvrelay.sim import SimConfig, SimEngine, TrafficConfig
 from kvrelay.sim.sglang_wire import SglLayout, sglang_hash
-from tests.support.simwire_reader import replay, subscribe
+from tests.support.simwire_reader import recv_frames, replay, subscribe
+from tests.support.timing import scaled
 
 TRAFFIC = TrafficConfig(salt_fraction=0.5, system_len=(16, 64), max_prompt_tokens=256)
 STORE_SLOTS = {SglLayout.NO_MEDIUM: {6}, SglLayout.MEDIUM: {7}, SglLayout.METADATA: {7, 8},
@@ -43,10 +45,7 @@ async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
 
 async def capture(eng: SimEngine, sub: zmq.asyncio.Socket, steps: int) -> list[list[bytes]]:
     await eng.step(steps)
-    out: list[list[bytes]] = []
-    while await sub.poll(150):
-        out.append(await sub.recv_multipart())
-    return out
+    return await recv_frames(sub, eng.publishers[0])
 
 
 @pytest.mark.parametrize("layout", list(SglLayout))
@@ -55,7 +54,7 @@ async def test_layout_shapes(layout: SglLayout, zctx: zmq.asyncio.Context) -> No
     eng = SimEngine(cfg(sglang_layout=layout, sglang_rank_in_envelope=rank_field))
     await eng.start()
     try:
-        sub = await subscribe(zctx, eng.publishers[0].endpoint.replace("*", "127.0.0.1"))
+        sub = await subscribe(zctx, eng.publishers[0])
         msgs = await capture(eng, sub, 80)
     finally:
         await eng.stop()
@@ -97,7 +96,7 @@ async def test_eagle_pages_are_bigrams(zctx: zmq.asyncio.Context) -> None:
     eng = SimEngine(cfg(eagle=True, sglang_layout=SglLayout.MEDIUM))
     await eng.start()
     try:
-        sub = await subscribe(zctx, eng.publishers[0].endpoint.replace("*", "127.0.0.1"))
+        sub = await subscribe(zctx, eng.publishers[0])
         msgs = await capture(eng, sub, 30)
     finally:
         await eng.stop()
@@ -114,7 +113,7 @@ async def test_epoch_topic_and_three_frame_replay(zctx: zmq.asyncio.Context) -> 
     await eng.start()
     try:
         pub = eng.publishers[0]
-        sub = await subscribe(zctx, pub.endpoint.replace("*", "127.0.0.1"), b"kv")
+        sub = await subscribe(zctx, pub, b"kv")
         msgs = await capture(eng, sub, 10)
         topics = {f[0] for f in msgs}
         assert len(topics) == 1
@@ -145,8 +144,14 @@ async def test_pub_connects_to_a_bound_sub(zctx: zmq.asyncio.Context) -> None:
             await e.start()
             assert e.publishers[0].endpoint == f"tcp://127.0.0.1:{port}"
         # A bound SUB attaches a new connection (and sends it the subscription) only when its
-        # owner calls into it: keep polling while the publishers connect.
-        assert not await sub.poll(300)
+        # owner calls into it: keep polling while the publishers connect, until each publisher
+        # has seen the subscription.
+        waits = [asyncio.create_task(e.publishers[0].wait_subscribed(scaled(10)))
+                 for e in engines]
+        while not all(w.done() for w in waits):
+            assert not await sub.poll(20)
+        for w in waits:
+            w.result()
         msgs = []
         for e in engines:
             msgs += await capture(e, sub, 5)

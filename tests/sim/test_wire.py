@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -22,8 +21,10 @@ from tests.support.simwire_reader import (
     decode,
     fields_of,
     recv_all,
+    recv_frames,
     replay,
     subscribe,
+    wait_live,
 )
 
 TRAFFIC = TrafficConfig(
@@ -55,12 +56,9 @@ async def run_and_capture(
     await eng.start()
     if lora:
         eng.load_lora("adapter-a")
-    subs = [
-        await subscribe(zctx, p.endpoint.replace("*", "127.0.0.1"), cfg.topic.encode())
-        for p in eng.publishers
-    ]
+    subs = [await subscribe(zctx, p, cfg.topic.encode()) for p in eng.publishers]
     await eng.step(steps)
-    msgs = [await recv_all(s) for s in subs]
+    msgs = [await recv_all(s, p) for s, p in zip(subs, eng.publishers, strict=True)]
     for s in subs:
         s.close(linger=0)
     return eng, msgs
@@ -113,25 +111,26 @@ async def test_prefill_parent_and_decode_stores(zctx: zmq.asyncio.Context) -> No
     eng = SimEngine(cfg)
     await eng.start()
     try:
-        sub = await subscribe(zctx, eng.publishers[0].endpoint)
+        pub = eng.publishers[0]
+        sub = await subscribe(zctx, pub)
         prompt = list(range(1000, 1000 + 40))  # 2 full blocks + 8 tokens
         eng.submit(0, prompt, max_new_tokens=30)
         await eng.step(1)
-        (first,) = await recv_all(sub)
+        (first,) = await recv_all(sub, pub)
         (ev,) = first.events
         assert ev["type"] == "BlockStored" and ev["parent_block_hash"] is None
         assert ev["token_ids"] == prompt[:32] and len(ev["block_hashes"]) == 2
         # second request shares the 2-block prefix: only its new block is stored, parented
         eng.submit(0, prompt[:32] + list(range(5000, 5016)), max_new_tokens=1)
         await eng.step(1)
-        (second,) = await recv_all(sub)
+        (second,) = await recv_all(sub, pub)
         (ev2,) = [e for e in second.events if e["type"] == "BlockStored"]
         assert ev2["parent_block_hash"] == ev["block_hashes"][1]
         assert ev2["token_ids"] == list(range(5000, 5016))
         # decode: 8 more tokens fill block 2 of the first request -> one-block store
         await eng.step(8)
         decode_stores = [
-            e for m in await recv_all(sub) for e in m.events if e["type"] == "BlockStored"
+            e for m in await recv_all(sub, pub) for e in m.events if e["type"] == "BlockStored"
         ]
         assert len(decode_stores) == 1 and len(decode_stores[0]["block_hashes"]) == 1
         assert decode_stores[0]["parent_block_hash"] == ev["block_hashes"][1]
@@ -147,11 +146,12 @@ async def test_lora_and_salt_fields(zctx: zmq.asyncio.Context) -> None:
     await eng.start()
     try:
         li = eng.load_lora("adapter-a")
-        sub = await subscribe(zctx, eng.publishers[0].endpoint)
+        pub = eng.publishers[0]
+        sub = await subscribe(zctx, pub)
         eng.submit(0, list(range(2000, 2048)), lora_name="adapter-a", cache_salt="tenant-x")
         eng.submit(0, list(range(2000, 2048)))
         await eng.step(1)
-        (m,) = await recv_all(sub)
+        (m,) = await recv_all(sub, pub)
         lo, base = m.events
         assert lo["lora_name"] == "adapter-a" and lo["lora_id"] == li.lora_id
         assert lo["extra_keys"] == [["adapter-a", "tenant-x"], ["adapter-a"], ["adapter-a"]]
@@ -232,10 +232,11 @@ async def test_replay_shapes_end_marker_and_missing_history(
     eng = SimEngine(cfg)
     await eng.start()
     try:
-        sub = await subscribe(zctx, eng.publishers[0].endpoint)
+        pub = eng.publishers[0]
+        sub = await subscribe(zctx, pub)
         while eng.publishers[0].seq < 5:
             await eng.step(1)
-        live = {m.seq: m.payload for m in await recv_all(sub)}
+        live = {m.seq: m.payload for m in await recv_all(sub, pub)}
         ep = eng.publishers[0].replay_endpoint
         assert ep.startswith("tcp://127.0.0.1:")
         reply = await replay(zctx, ep, 0)
@@ -269,7 +270,7 @@ async def test_drops_keep_or_lose_history(zctx: zmq.asyncio.Context) -> None:
     await eng.start()
     try:
         pub = eng.publishers[0]
-        sub = await subscribe(zctx, pub.endpoint)
+        sub = await subscribe(zctx, pub)
         while pub.seq < 2:
             await eng.step(1)
         eng.drop_next(2, keep_in_replay=True)
@@ -278,7 +279,7 @@ async def test_drops_keep_or_lose_history(zctx: zmq.asyncio.Context) -> None:
         eng.drop_next(1, keep_in_replay=False)
         while pub.seq < 7:
             await eng.step(1)
-        seen = [m.seq for m in await recv_all(sub)]
+        seen = [m.seq for m in await recv_all(sub, pub)]
         assert seen == [0, 1, 4, 6]
         got = [int.from_bytes(r[-2], "big") for r in (await replay(zctx, pub.replay_endpoint, 2))]
         assert got[:-1] == [2, 3, 4, 6]  # 5 is gone for good
@@ -294,20 +295,21 @@ async def test_restart_resets_sequence_and_state(rebind: bool, zctx: zmq.asyncio
     eng = SimEngine(replace(BASE, pub_port=base, replay_port=base + 1))
     await eng.start()
     try:
-        sub = await subscribe(zctx, f"tcp://127.0.0.1:{base}")
+        sub = await subscribe(zctx, eng.publishers[0], endpoint=f"tcp://127.0.0.1:{base}")
         await eng.step(10)
+        before = await recv_all(sub, eng.publishers[0])
         old_id = eng.instance_id
         assert eng.held_blocks(0)
         await eng.restart(rebind=rebind)
         assert eng.instance_id != old_id
         assert eng.held_blocks(0) == {} and eng.ground_truth(0) == set()
-        assert eng.publishers[0].seq == 0
+        pub = eng.publishers[0]
+        assert pub.seq == 0
         assert len(await replay(zctx, f"tcp://127.0.0.1:{base + 1}", 0)) == 1  # history gone
-        before = await recv_all(sub)
         if rebind:
-            await asyncio.sleep(0.3)  # SUB reconnects to the re-bound PUB
+            await wait_live(sub, pub)  # the SUB reconnects to the re-bound PUB
         await eng.step(3)
-        after = await recv_all(sub)
+        after = await recv_all(sub, pub)
         assert before[0].seq == 0 and after[0].seq == 0
         ref = RefModel()
         for m in after:
@@ -323,22 +325,23 @@ async def test_reset_prefix_cache_and_sleep(zctx: zmq.asyncio.Context) -> None:
     eng = SimEngine(cfg)
     await eng.start()
     try:
-        subs = [await subscribe(zctx, p.endpoint) for p in eng.publishers]
+        pubs = eng.publishers
+        subs = [await subscribe(zctx, p) for p in pubs]
         await eng.step(5)
-        for s in subs:
-            await recv_all(s)
+        for s, p in zip(subs, pubs, strict=True):
+            await recv_all(s, p)
         eng.reset_prefix_cache()
-        for r, s in enumerate(subs):
-            (m,) = await recv_all(s)
+        for r, (s, p) in enumerate(zip(subs, pubs, strict=True)):
+            (m,) = await recv_all(s, p)
             assert m.events == [{"type": "AllBlocksCleared"}] and m.dp_rank == r
             assert eng.ground_truth(r) == set()
         await eng.step(3)
         assert eng.held_blocks(0)
-        for s in subs:
-            await recv_all(s)
+        for s, p in zip(subs, pubs, strict=True):
+            await recv_all(s, p)
         eng.sleep()
         assert await eng.step(5) == 0
-        cleared = [await recv_all(s) for s in subs]  # the cleared batch only
+        cleared = [await recv_all(s, p) for s, p in zip(subs, pubs, strict=True)]  # cleared only
         assert [[m.events for m in c] for c in cleared] == [[[{"type": "AllBlocksCleared"}]]] * 2
         eng.wake()
         eng.pause()
@@ -355,9 +358,10 @@ async def test_array_era_all_blocks_cleared_bytes(zctx: zmq.asyncio.Context) -> 
     eng = SimEngine(replace(BASE, era=Era.ARRAY))
     await eng.start()
     try:
-        sub = await subscribe(zctx, eng.publishers[0].endpoint)
+        pub = eng.publishers[0]
+        sub = await subscribe(zctx, pub)
         eng.reset_prefix_cache()
-        (frames,) = [await sub.recv_multipart()]
+        (frames,) = await recv_frames(sub, pub)
         raw = frames[2]
         assert raw[0] == 0x93 and raw[1] == 0xCB  # array(3), float64 ts
         assert msgspec.msgpack.decode(raw)[1:] == [[["AllBlocksCleared"]], 0]
@@ -389,13 +393,14 @@ async def test_report_reused_emits_idempotent_duplicate_stores(zctx: zmq.asyncio
     eng = SimEngine(cfg)
     await eng.start()
     try:
-        sub = await subscribe(zctx, eng.publishers[0].endpoint)
+        pub = eng.publishers[0]
+        sub = await subscribe(zctx, pub)
         prompt = list(range(3000, 3048))
         eng.submit(0, prompt, max_new_tokens=1)
         await eng.step(1)
         eng.submit(0, [*prompt[:32], *range(7000, 7020)], max_new_tokens=1)
         await eng.step(1)
-        first, second = await recv_all(sub)
+        first, second = await recv_all(sub, pub)
         dup, new = second.events
         assert dup["parent_block_hash"] is None
         assert dup["block_hashes"] == first.events[0]["block_hashes"][:2]

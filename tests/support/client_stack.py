@@ -26,6 +26,7 @@ from tests.support.fleet import (
     ENGINE_DOWN_GRACE_S,
     eventually,  # noqa: F401  (the shared fleet harness; tests import it here)
 )
+from tests.support.timing import scaled
 
 BLOCK = 16
 
@@ -33,7 +34,7 @@ BLOCK = 16
 async def _stop_relay(relay: Relay) -> None:
     """``relay.stop()`` must finish: a shutdown that hangs (a swallowed cancellation in a
     discovery loop once did) fails the test instead of hanging it."""
-    await asyncio.wait_for(relay.stop(), timeout=20.0)
+    await asyncio.wait_for(relay.stop(), timeout=scaled(20.0))
 
 
 def settings_for(
@@ -55,7 +56,7 @@ def settings_for(
         ),
         limits=limits,
         discovery_interval_s=0.2,
-        discovery_timeout_s=1.0,
+        discovery_timeout_s=scaled(1.0),
         engine_down_grace_s=ENGINE_DOWN_GRACE_S,
     )
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support.timing import scaled
+
 REPO = Path(__file__).resolve().parents[2]
 
 MINIMAL = """\
@@ -41,5 +43,5 @@ def kvrelay(
         text=True,
         env=clean_env() if env is None else env,
         cwd=REPO,
-        timeout=timeout,
+        timeout=scaled(timeout),
     )

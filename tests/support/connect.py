@@ -14,6 +14,7 @@ from kvrelay.sim.engine import SimEngine
 from kvrelay.sim.ports import free_port_block
 from tests.support.fleet import ENGINE_DOWN_GRACE_S, eventually
 from tests.support.rig import Rig, start_relay, stop_relay
+from tests.support.timing import scaled
 
 MODEL = "sim-model"
 PATTERN = "kv@{engine}@{model}"
@@ -58,7 +59,7 @@ async def connect_rig(
     spec = dataclasses.replace(spec, **pool)
     settings = RelaySettings(
         dc_name="dc-connect", pools=(spec,), discovery_interval_s=0.1,
-        discovery_timeout_s=0.5, engine_down_grace_s=ENGINE_DOWN_GRACE_S,
+        discovery_timeout_s=scaled(0.5), engine_down_grace_s=ENGINE_DOWN_GRACE_S,
     )  # fmt: skip
     relay, server = await start_relay(settings)
     r = Rig([], relay, server, settings)

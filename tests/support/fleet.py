@@ -13,6 +13,7 @@ from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
 from kvrelay.service.server import RelayServer
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
+from tests.support.timing import scaled
 
 MARKER = 0x4B565231
 #: Tests stop engines and expect their pool to go: a short grace instead of the default 30 s.
@@ -20,7 +21,7 @@ ENGINE_DOWN_GRACE_S = 0.6
 
 
 async def eventually(check: Callable[[], bool], timeout: float = 15.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while not check():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what or check}")
@@ -59,7 +60,7 @@ async def fleet_and_relay(
         dc_name="dc-e2e",
         pools=pool_specs,
         discovery_interval_s=0.2,
-        discovery_timeout_s=1.0,
+        discovery_timeout_s=scaled(1.0),
         engine_down_grace_s=ENGINE_DOWN_GRACE_S,
         limits=limits or RelayLimits(),
     )

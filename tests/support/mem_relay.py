@@ -30,6 +30,7 @@ from kvrelay.publication.hub import PublicationHub, Subscription
 from kvrelay.publication.plane import PlaneClosed
 from kvrelay.publication.splice import FilterUpdateEncoder
 from kvrelay.service.server import RelayServer
+from tests.support.timing import scaled
 
 T = TypeVar("T")
 StartRelay = Callable[..., Awaitable[tuple["MemRelayView", RelayServer]]]
@@ -183,6 +184,7 @@ class MemRelayView:
         self.catalog: MemPlane[pb.KvPoolCatalogUpdate] = MemPlane(self._catalog_msg(0))
         self.readiness: MemPlane[pb.ServingReadinessUpdate] = MemPlane(self.readiness_msg(0, []))
         self.load: MemPlane[pb.KvPoolLoadUpdate] = MemPlane(self.load_msg(0))
+        self.serving_load: MemPlane[pb.ServingLoadUpdate] = MemPlane(self.serving_load_msg(0))
 
     # --- planes ---
     def _catalog_msg(self, revision: int) -> pb.KvPoolCatalogUpdate:
@@ -242,6 +244,44 @@ class MemRelayView:
                     kv_expected_ranks=1,
                 )
                 for g in self.pools.values()
+            ],
+            contract_marker=MARKER,
+        )
+
+    def serving_load_msg(self, window: int, started: int = 0) -> pb.ServingLoadUpdate:
+        """One window: every pool COMPLETE with 7 decode blocks; model ``m`` DEGRADED (2 of 3
+        frontends) with ``started`` requests and no gauges."""
+        return pb.ServingLoadUpdate(
+            protocol_version=1,
+            relay=self.relay_identity,
+            window_sequence=window,
+            observed_ms=int(time.time() * 1000),
+            window_ms=1000,
+            pools=[
+                pb.PoolServingLoad(
+                    producer=g.producer,
+                    load=pb.LoadView(
+                        tokens=pb.TokenLoadStats(active_decode_blocks=7),
+                        status=pb.DataStatus.COMPLETE,
+                        source_observed_ms=int(time.time() * 1000),
+                    ),
+                    deployment=pb.PoolDeploymentStatus(live_workers=1),
+                )
+                for g in self.pools.values()
+            ],
+            models=[
+                pb.ModelServingLoad(
+                    namespace="ns",
+                    canonical_model_id="m",
+                    load=pb.LoadView(
+                        requests=pb.RequestLifecycleStats(requests_started_total=started),
+                        tokens=pb.TokenLoadStats(),
+                        status=pb.DataStatus.DEGRADED,
+                    ),
+                    deployment=pb.ModelDeploymentStatus(
+                        expected_frontends=3, observed_frontends=2, ready_frontends=2
+                    ),
+                )
             ],
             contract_marker=MARKER,
         )
@@ -325,7 +365,7 @@ class GrpcioClient:
         res = StreamResult()
         call = getattr(self.stub, method)(self.convert(request))
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(scaled(timeout)):
                 async for msg in call:
                     res.messages.append(msg)
                     if limit is not None and len(res.messages) >= limit:
@@ -385,7 +425,7 @@ async def grpclib_collect(
 ) -> StreamResult:
     """Read a server stream with grpclib + betterproto2; stop after `limit` messages."""
     res = StreamResult()
-    async with asyncio.timeout(timeout):
+    async with asyncio.timeout(scaled(timeout)):
         async with channel.request(
             SVC + method, Cardinality.UNARY_STREAM, type(request), reply
         ) as st:

@@ -30,6 +30,7 @@ from kvrelay.mirror.settings import MirrorSettings, UpstreamAddress
 from kvrelay.publication.hub import PublicationHub
 from kvrelay.service.server import RelayServer
 from tests.support.mem_relay import Generation, MemRelayView
+from tests.support.timing import scaled
 
 #: Upstream limits in mirror modes: one mirror stream per pool must never lag.
 UPSTREAM_LIMITS = RelayLimits(publication_queue_capacity=1024, publication_queue_bytes=64 << 20)
@@ -74,7 +75,7 @@ async def start_served(
     cleanup.extend([server, mirror, upstream])
     if mode == "workers":
         cleanup.append(lambda: shutil.rmtree(folder, ignore_errors=True))
-    await asyncio.wait_for(mirror.synced.wait(), 10)
+    await asyncio.wait_for(mirror.synced.wait(), scaled(10))
     return view, server
 
 
@@ -123,6 +124,7 @@ async def settle(view: MemRelayView, server: RelayServer, timeout: float = 5.0) 
             (view.catalog, mirror.catalog),
             (view.readiness, mirror.readiness),
             (view.load, mirror.load),
+            (view.serving_load, mirror.serving_load),
         ):
             if mine.upstream_version != plane.current()[0]:
                 return False
@@ -134,7 +136,7 @@ async def settle(view: MemRelayView, server: RelayServer, timeout: float = 5.0) 
                 return False
         return True
 
-    async with asyncio.timeout(timeout):
+    async with asyncio.timeout(scaled(timeout)):
         while not caught_up():
             await asyncio.sleep(0.005)
 
@@ -172,7 +174,7 @@ async def start_mirror(
     server = RelayServer(mirror, base.limits)
     await server.start("127.0.0.1", port)
     if sync:
-        await asyncio.wait_for(mirror.synced.wait(), 15)
+        await asyncio.wait_for(mirror.synced.wait(), scaled(15))
     return Mirrored(mirror, server)
 
 

@@ -8,6 +8,8 @@ import socket
 import time
 from pathlib import Path
 
+from tests.support.timing import scaled
+
 
 class Notifications:
     """Collects datagrams from the test-owned NOTIFY_SOCKET."""
@@ -26,7 +28,7 @@ class Notifications:
             self.messages.append(data.decode())
 
     async def wait_for(self, prefix: str, count: int = 1, timeout: float = 40.0) -> str:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + scaled(timeout)
         while True:
             hits = [m for m in self.messages if m.startswith(prefix)]
             if len(hits) >= count:

@@ -36,6 +36,7 @@ from tests.support.fleet import (  # the shared fleet harness
 )
 from tests.support.fleet import wait_subscribed as wait_live  # noqa: F401  (used by the fault tests)
 from tests.support.replica import Replica
+from tests.support.timing import scaled
 
 MARKER = 0x4B565231
 REASON = "kv-relay-error-reason"
@@ -112,14 +113,14 @@ def make_settings(
         ),
         limits=limits or RelayLimits(),
         discovery_interval_s=0.1,
-        discovery_timeout_s=0.5,
+        discovery_timeout_s=scaled(0.5),
         engine_down_grace_s=ENGINE_DOWN_GRACE_S,
     )
 
 
 async def stop_relay(relay: Relay) -> None:
     """``relay.stop()``, bounded: a teardown that hangs is a failure, not a stuck suite."""
-    await asyncio.wait_for(relay.stop(), 30)
+    await asyncio.wait_for(relay.stop(), scaled(30))
 
 
 async def start_relay(settings: RelaySettings, port: int = 0) -> tuple[Relay, RelayServer]:
@@ -254,7 +255,7 @@ class Consumer:
 
     async def wait_end(self, timeout: float = 15.0) -> StreamEnd:
         assert self.task is not None
-        await asyncio.wait_for(asyncio.shield(self.task), timeout)
+        await asyncio.wait_for(asyncio.shield(self.task), scaled(timeout))
         assert self.end is not None
         return self.end
 
@@ -274,7 +275,7 @@ async def first_matching(
     timeout: float = 15.0,
 ) -> Any:
     """Open a server stream and return the first message satisfying ``pred``."""
-    async with asyncio.timeout(timeout):
+    async with asyncio.timeout(scaled(timeout)):
         async with channel.request(
             SVC + method, Cardinality.UNARY_STREAM, type(request), reply
         ) as st:
@@ -293,7 +294,7 @@ async def collect_end(
     """Read a server stream to its end; returns messages and the end status + trailers."""
     msgs: list[Any] = []
     end = StreamEnd()
-    async with asyncio.timeout(timeout):
+    async with asyncio.timeout(scaled(timeout)):
         async with channel.request(
             SVC + method, Cardinality.UNARY_STREAM, type(request), reply
         ) as st:
@@ -374,7 +375,7 @@ async def subscribe(rig_: Rig, channel: Channel, sid: str = "replica") -> Consum
     assert info.relay is not None
     producer = await catalog_producer(channel)
     c = Consumer(channel, producer, info.relay, sid).start()
-    await asyncio.wait_for(c.first.wait(), 15)
+    await asyncio.wait_for(c.first.wait(), scaled(15))
     return c
 
 

@@ -9,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 # one in-process fleet harness for every end-to-end style test (tests/ is on sys.path)
 from tests.support.fleet import eventually, fleet_and_relay, in_sync, wait_subscribed
+from tests.support.timing import scaled
 
 POOL = "ns/backend/generate"
 
@@ -28,7 +29,7 @@ async def http_request(port: int, raw: bytes) -> HttpReply:
     try:
         w.write(raw)
         await w.drain()
-        data = await asyncio.wait_for(r.read(), 10)
+        data = await asyncio.wait_for(r.read(), scaled(10))
     finally:
         w.close()
     head, _, body = data.partition(b"\r\n\r\n")

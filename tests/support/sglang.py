@@ -16,6 +16,7 @@ from kvrelay.sim.engine import SimEngine
 from kvrelay.sim.ports import free_port_block
 from tests.support.fleet import ENGINE_DOWN_GRACE_S
 from tests.support.rig import Rig, start_relay, stop_relay
+from tests.support.timing import scaled
 
 
 def sglang_config(name: str, seed: int, **kw: Any) -> SimConfig:
@@ -64,7 +65,8 @@ async def sglang_rig(
     )  # fmt: skip
     spec = dataclasses.replace(spec, **pool)
     settings = RelaySettings(
-        dc_name="dc-sgl", pools=(spec,), discovery_interval_s=0.1, discovery_timeout_s=0.5,
+        dc_name="dc-sgl", pools=(spec,), discovery_interval_s=0.1,
+        discovery_timeout_s=scaled(0.5),
         engine_down_grace_s=ENGINE_DOWN_GRACE_S,
     )  # fmt: skip
     relay, server = await start_relay(settings)

@@ -2,19 +2,30 @@
 
 Uses only pyzmq, msgspec's *generic* msgpack decoder and the ``xxhash`` package: no kvrelay code,
 so it is an oracle for both the wire format and the simulator's ground truth.
+
+No fixed waits: ``subscribe`` returns once the subscription has reached the publisher, and
+``recv_all`` once everything the publisher sent before it was called has arrived. Both send a
+probe through the simulator's own PUB socket (so it queues behind every batch it published) and
+wait for it to come out of the SUB; probes never reach the caller.
 """
 
 from __future__ import annotations
 
-import asyncio
+import os
 import struct
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import xxhash
 import zmq
 import zmq.asyncio
+
+from tests.support.timing import scaled
+
+if TYPE_CHECKING:
+    from kvrelay.sim.publisher import RankPublisher
 
 MASK = (1 << 64) - 1
 STORED_MAP_REQUIRED = (
@@ -50,23 +61,77 @@ def decode(frames: list[bytes]) -> Msg:
     return Msg(frames[0], seq, frames[2], batch[0], batch[1], batch[2])
 
 
+PROBE = b"kvrelay-test-probe"
+
+
+def is_probe(frames: list[bytes]) -> bool:
+    return len(frames) == 3 and frames[1] == PROBE
+
+
+async def _send_probe(pub: RankPublisher) -> bytes:
+    """A probe with a fresh token on ``pub``'s own socket (behind everything it published)."""
+    sock = pub._pub
+    assert sock is not None, "the publisher is closed"
+    token = os.urandom(8)
+    await sock.send_multipart([pub.live_topic, PROBE, token], flags=zmq.NOBLOCK)
+    return token
+
+
+async def _until_probe(sub: zmq.asyncio.Socket, token: bytes, timeout: float) -> list[list[bytes]]:
+    """Frames that arrive before the probe carrying ``token`` (other probes skipped)."""
+    deadline = time.monotonic() + scaled(timeout)
+    out: list[list[bytes]] = []
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"the probe never arrived ({len(out)} messages before it)")
+        if not await sub.poll(int(min(left, 1.0) * 1000) + 1):
+            continue
+        frames = await sub.recv_multipart()
+        if not is_probe(frames):
+            out.append(frames)
+        elif frames[2] == token:
+            return out
+
+
+async def wait_live(sub: zmq.asyncio.Socket, pub: RankPublisher, timeout: float = 10.0) -> None:
+    """Until ``sub``'s subscription has reached ``pub`` (ZeroMQ's slow joiner: a PUB drops what
+    it sends before it has seen a subscription): probes until one arrives, then drains the rest."""
+    deadline = time.monotonic() + scaled(timeout)
+    while True:
+        await _send_probe(pub)
+        if await sub.poll(50):
+            frames = await sub.recv_multipart()
+            assert is_probe(frames), f"a batch arrived before the subscription was live: {frames}"
+            break
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no subscription from the SUB reached {pub.endpoint}")
+    stray = await _until_probe(sub, await _send_probe(pub), timeout)
+    assert stray == [], f"batches arrived while subscribing: {stray}"
+
+
 async def subscribe(
-    ctx: zmq.asyncio.Context, endpoint: str, topic: bytes = b""
+    ctx: zmq.asyncio.Context, pub: RankPublisher, topic: bytes = b"", endpoint: str | None = None
 ) -> zmq.asyncio.Socket:
+    """A SUB on ``pub`` (or on ``endpoint``), returned once its subscription is live."""
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, topic)
-    sub.connect(endpoint)
-    await asyncio.sleep(0.25)  # ZeroMQ slow joiner: let the subscription reach the PUB
+    sub.connect(endpoint or pub.endpoint.replace("*", "127.0.0.1"))
+    await wait_live(sub, pub)
     return sub
 
 
-async def recv_all(sub: zmq.asyncio.Socket, idle: float = 0.15) -> list[Msg]:
-    """Everything that arrives until ``idle`` seconds pass with nothing new."""
-    out: list[Msg] = []
-    while await sub.poll(int(idle * 1000)):
-        out.append(decode(await sub.recv_multipart()))
-    return out
+async def recv_frames(
+    sub: zmq.asyncio.Socket, pub: RankPublisher, timeout: float = 10.0
+) -> list[list[bytes]]:
+    """Every message ``pub`` sent to ``sub`` up to now, as raw frames, in order."""
+    return await _until_probe(sub, await _send_probe(pub), timeout)
+
+
+async def recv_all(sub: zmq.asyncio.Socket, pub: RankPublisher, timeout: float = 10.0) -> list[Msg]:
+    """Every message ``pub`` sent to ``sub`` up to now, decoded."""
+    return [decode(f) for f in await recv_frames(sub, pub, timeout)]
 
 
 async def replay(
@@ -80,7 +145,7 @@ async def replay(
         await d.send_multipart([b"", start.to_bytes(8, "big")])
         out: list[list[bytes]] = []
         while True:
-            assert await d.poll(int(timeout * 1000)), "replay reply timed out"
+            assert await d.poll(int(scaled(timeout) * 1000)), "replay reply timed out"
             frames = await d.recv_multipart()
             out.append(frames)
             if frames[-2] == b"\xff" * 8 and frames[-1] == b"":

@@ -15,6 +15,8 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
+from tests.support.timing import scaled
+
 END = b"\xff" * 8
 
 
@@ -52,7 +54,7 @@ class TestPublisher:
             self._task = asyncio.create_task(self._serve())
 
     async def wait_subscribed(self, timeout: float = 5.0) -> None:
-        frame = await asyncio.wait_for(self.pub.recv(), timeout)
+        frame = await asyncio.wait_for(self.pub.recv(), scaled(timeout))
         assert frame[:1] == b"\x01"
 
     async def publish(self, payload: bytes, *, live: bool = True) -> int:
@@ -99,7 +101,7 @@ class TestPublisher:
 
 
 async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while not cond():
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")

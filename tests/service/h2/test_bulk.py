@@ -27,6 +27,7 @@ from tests.support.mem_relay import (
     StartRelay,
     sub_request,
 )
+from tests.support.timing import scaled
 
 MIB = 1 << 20
 
@@ -101,8 +102,8 @@ async def test_concurrent_snapshots_on_one_connection_exact_and_in_order(
                 if i == 0:
                     at_first.extend(chunks)
 
-            await asyncio.wait_for(asyncio.gather(*(read(i) for i in range(4))), 30)
-            res = await asyncio.wait_for(official, 30)
+            await asyncio.wait_for(asyncio.gather(*(read(i) for i in range(4))), scaled(30))
+            res = await asyncio.wait_for(official, scaled(30))
             snap = gen.table.copy()
             gen.random_step(rng, 100)  # and the deltas after it
             for st, r in zip(streams, replicas, strict=True):
@@ -146,8 +147,8 @@ async def test_a_stalled_stream_steps_aside_for_the_next_on_its_connection(
             await sa.send_message(sub_request(gen.producer, "stalled"), end=True)
             await asyncio.sleep(0.3)  # A's snapshot is on its way and stuck at its window
             await sb.send_message(sub_request(gen.producer, "reader"), end=True)
-            await asyncio.wait_for(_snapshot(sb, b), 20)
-            await asyncio.wait_for(_snapshot(sa, a), 20)
+            await asyncio.wait_for(_snapshot(sb, b), scaled(20))
+            await asyncio.wait_for(_snapshot(sa, a), scaled(20))
             await sa.cancel()
             await sb.cancel()
     finally:

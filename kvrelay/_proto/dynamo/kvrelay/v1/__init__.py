@@ -7,6 +7,7 @@ __all__ = (
     "AdapterReadiness",
     "BaseModelTarget",
     "CkfFormat",
+    "DataStatus",
     "DigestIdentity",
     "DynamoEndpointId",
     "FilterUpdate",
@@ -23,19 +24,28 @@ __all__ = (
     "KvPoolLoadUpdate",
     "KvQueryHashFormat",
     "KvQuerySemantics",
+    "LoadView",
     "LoraModelTarget",
+    "ModelDeploymentStatus",
     "ModelRegistration",
+    "ModelServingLoad",
     "ModelTarget",
+    "PoolDeploymentStatus",
+    "PoolServingLoad",
     "ProducerIdentity",
     "RelayErrorReason",
     "RelayIdentity",
     "RelayInfo",
     "RelayInfoRequest",
+    "RequestLifecycleStats",
+    "ServingLoadUpdate",
     "ServingReadinessState",
     "ServingReadinessUpdate",
     "SubscribeKvPoolLoadRequest",
     "SubscribeKvPoolRequest",
+    "SubscribeServingLoadRequest",
     "SubscribeServingReadinessRequest",
+    "TokenLoadStats",
     "TopologyEntry",
     "TopologyMember",
     "WatchKvPoolCatalogRequest",
@@ -59,6 +69,38 @@ if TYPE_CHECKING:
 
 _COMPILER_VERSION = "0.10.1"
 betterproto2.check_compiler_version(_COMPILER_VERSION)
+
+
+class DataStatus(betterproto2.Enum):
+    """
+    Added in Dynamo 1.7 (additive v1 extension): the SubscribeServingLoad plane.
+    """
+
+    UNSPECIFIED = 0
+
+    COMPLETE = 1
+
+    DEGRADED = 2
+
+    UNAVAILABLE = 3
+
+    @classmethod
+    def betterproto_value_to_renamed_proto_names(cls) -> dict[int, str]:
+        return {
+            0: "DATA_STATUS_UNSPECIFIED",
+            1: "DATA_STATUS_COMPLETE",
+            2: "DATA_STATUS_DEGRADED",
+            3: "DATA_STATUS_UNAVAILABLE",
+        }
+
+    @classmethod
+    def betterproto_renamed_proto_names_to_value(cls) -> dict[str, int]:
+        return {
+            "DATA_STATUS_UNSPECIFIED": 0,
+            "DATA_STATUS_COMPLETE": 1,
+            "DATA_STATUS_DEGRADED": 2,
+            "DATA_STATUS_UNAVAILABLE": 3,
+        }
 
 
 class FilterUpdateKind(betterproto2.Enum):
@@ -501,6 +543,26 @@ default_message_pool.register_message("dynamo.kvrelay.v1", "KvQuerySemantics", K
 
 
 @dataclass(eq=False, repr=False)
+class LoadView(betterproto2.Message):
+    requests: "RequestLifecycleStats | None" = betterproto2.field(
+        1, betterproto2.TYPE_MESSAGE, optional=True
+    )
+
+    tokens: "TokenLoadStats | None" = betterproto2.field(
+        2, betterproto2.TYPE_MESSAGE, optional=True
+    )
+
+    status: "DataStatus" = betterproto2.field(
+        3, betterproto2.TYPE_ENUM, default_factory=lambda: DataStatus(0)
+    )
+
+    source_observed_ms: "int" = betterproto2.field(4, betterproto2.TYPE_UINT64)
+
+
+default_message_pool.register_message("dynamo.kvrelay.v1", "LoadView", LoadView)
+
+
+@dataclass(eq=False, repr=False)
 class LoraModelTarget(betterproto2.Message):
     base_model: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
 
@@ -508,6 +570,24 @@ class LoraModelTarget(betterproto2.Message):
 
 
 default_message_pool.register_message("dynamo.kvrelay.v1", "LoraModelTarget", LoraModelTarget)
+
+
+@dataclass(eq=False, repr=False)
+class ModelDeploymentStatus(betterproto2.Message):
+    expected_frontends: "int" = betterproto2.field(1, betterproto2.TYPE_UINT64)
+
+    observed_frontends: "int" = betterproto2.field(2, betterproto2.TYPE_UINT64)
+
+    ready_frontends: "int" = betterproto2.field(3, betterproto2.TYPE_UINT64)
+
+    serving_pools: "list[KvPoolId]" = betterproto2.field(
+        4, betterproto2.TYPE_MESSAGE, repeated=True
+    )
+
+
+default_message_pool.register_message(
+    "dynamo.kvrelay.v1", "ModelDeploymentStatus", ModelDeploymentStatus
+)
 
 
 @dataclass(eq=False, repr=False)
@@ -520,6 +600,22 @@ class ModelRegistration(betterproto2.Message):
 
 
 default_message_pool.register_message("dynamo.kvrelay.v1", "ModelRegistration", ModelRegistration)
+
+
+@dataclass(eq=False, repr=False)
+class ModelServingLoad(betterproto2.Message):
+    namespace: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    canonical_model_id: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+
+    load: "LoadView | None" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, optional=True)
+
+    deployment: "ModelDeploymentStatus | None" = betterproto2.field(
+        4, betterproto2.TYPE_MESSAGE, optional=True
+    )
+
+
+default_message_pool.register_message("dynamo.kvrelay.v1", "ModelServingLoad", ModelServingLoad)
 
 
 @dataclass(eq=False, repr=False)
@@ -542,6 +638,34 @@ class ModelTarget(betterproto2.Message):
 
 
 default_message_pool.register_message("dynamo.kvrelay.v1", "ModelTarget", ModelTarget)
+
+
+@dataclass(eq=False, repr=False)
+class PoolDeploymentStatus(betterproto2.Message):
+    live_workers: "int | None" = betterproto2.field(1, betterproto2.TYPE_UINT64, optional=True)
+
+    max_concurrency: "int | None" = betterproto2.field(2, betterproto2.TYPE_UINT64, optional=True)
+
+
+default_message_pool.register_message(
+    "dynamo.kvrelay.v1", "PoolDeploymentStatus", PoolDeploymentStatus
+)
+
+
+@dataclass(eq=False, repr=False)
+class PoolServingLoad(betterproto2.Message):
+    producer: "ProducerIdentity | None" = betterproto2.field(
+        1, betterproto2.TYPE_MESSAGE, optional=True
+    )
+
+    load: "LoadView | None" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, optional=True)
+
+    deployment: "PoolDeploymentStatus | None" = betterproto2.field(
+        3, betterproto2.TYPE_MESSAGE, optional=True
+    )
+
+
+default_message_pool.register_message("dynamo.kvrelay.v1", "PoolServingLoad", PoolServingLoad)
 
 
 @dataclass(eq=False, repr=False)
@@ -595,6 +719,54 @@ default_message_pool.register_message("dynamo.kvrelay.v1", "RelayInfoRequest", R
 
 
 @dataclass(eq=False, repr=False)
+class RequestLifecycleStats(betterproto2.Message):
+    requests_started_total: "int" = betterproto2.field(1, betterproto2.TYPE_UINT64)
+
+    requests_completed_total: "int" = betterproto2.field(2, betterproto2.TYPE_UINT64)
+
+    requests_failed_total: "int" = betterproto2.field(3, betterproto2.TYPE_UINT64)
+
+    requests_cancelled_total: "int" = betterproto2.field(4, betterproto2.TYPE_UINT64)
+
+    requests_awaiting_first_token: "int | None" = betterproto2.field(
+        5, betterproto2.TYPE_UINT64, optional=True
+    )
+
+    requests_generating: "int | None" = betterproto2.field(
+        6, betterproto2.TYPE_UINT64, optional=True
+    )
+
+
+default_message_pool.register_message(
+    "dynamo.kvrelay.v1", "RequestLifecycleStats", RequestLifecycleStats
+)
+
+
+@dataclass(eq=False, repr=False)
+class ServingLoadUpdate(betterproto2.Message):
+    protocol_version: "int" = betterproto2.field(1, betterproto2.TYPE_UINT32)
+
+    relay: "RelayIdentity | None" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, optional=True)
+
+    window_sequence: "int" = betterproto2.field(3, betterproto2.TYPE_UINT64)
+
+    observed_ms: "int" = betterproto2.field(4, betterproto2.TYPE_UINT64)
+
+    window_ms: "int" = betterproto2.field(5, betterproto2.TYPE_UINT64)
+
+    pools: "list[PoolServingLoad]" = betterproto2.field(6, betterproto2.TYPE_MESSAGE, repeated=True)
+
+    models: "list[ModelServingLoad]" = betterproto2.field(
+        7, betterproto2.TYPE_MESSAGE, repeated=True
+    )
+
+    contract_marker: "int" = betterproto2.field(127, betterproto2.TYPE_FIXED32)
+
+
+default_message_pool.register_message("dynamo.kvrelay.v1", "ServingLoadUpdate", ServingLoadUpdate)
+
+
+@dataclass(eq=False, repr=False)
 class ServingReadinessUpdate(betterproto2.Message):
     protocol_version: "int" = betterproto2.field(1, betterproto2.TYPE_UINT32)
 
@@ -641,6 +813,18 @@ default_message_pool.register_message(
 
 
 @dataclass(eq=False, repr=False)
+class SubscribeServingLoadRequest(betterproto2.Message):
+    subscriber_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    contract_marker: "int" = betterproto2.field(127, betterproto2.TYPE_FIXED32)
+
+
+default_message_pool.register_message(
+    "dynamo.kvrelay.v1", "SubscribeServingLoadRequest", SubscribeServingLoadRequest
+)
+
+
+@dataclass(eq=False, repr=False)
 class SubscribeServingReadinessRequest(betterproto2.Message):
     subscriber_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
 
@@ -650,6 +834,36 @@ class SubscribeServingReadinessRequest(betterproto2.Message):
 default_message_pool.register_message(
     "dynamo.kvrelay.v1", "SubscribeServingReadinessRequest", SubscribeServingReadinessRequest
 )
+
+
+@dataclass(eq=False, repr=False)
+class TokenLoadStats(betterproto2.Message):
+    active_prefill_tokens: "int | None" = betterproto2.field(
+        1, betterproto2.TYPE_UINT64, optional=True
+    )
+
+    active_decode_blocks: "int | None" = betterproto2.field(
+        2, betterproto2.TYPE_UINT64, optional=True
+    )
+
+    awaiting_first_token_input_tokens: "int | None" = betterproto2.field(
+        3, betterproto2.TYPE_UINT64, optional=True
+    )
+
+    inflight_input_tokens: "int | None" = betterproto2.field(
+        4, betterproto2.TYPE_UINT64, optional=True
+    )
+
+    input_tokens_total: "int | None" = betterproto2.field(
+        5, betterproto2.TYPE_UINT64, optional=True
+    )
+
+    output_tokens_total: "int | None" = betterproto2.field(
+        6, betterproto2.TYPE_UINT64, optional=True
+    )
+
+
+default_message_pool.register_message("dynamo.kvrelay.v1", "TokenLoadStats", TokenLoadStats)
 
 
 @dataclass(eq=False, repr=False)
@@ -824,6 +1038,25 @@ class KvEventRelayStub(betterproto2_grpclib.ServiceStub):
         ):
             yield response
 
+    async def subscribe_serving_load(
+        self,
+        message: "SubscribeServingLoadRequest",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "AsyncIterator[ServingLoadUpdate]":
+
+        async for response in self._unary_stream(
+            "/dynamo.kvrelay.v1.KvEventRelay/SubscribeServingLoad",
+            message,
+            ServingLoadUpdate,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        ):
+            yield response
+
 
 class KvEventRelayBase(betterproto2_grpclib.ServiceBase):
     """
@@ -866,6 +1099,13 @@ class KvEventRelayBase(betterproto2_grpclib.ServiceBase):
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
         yield KvPoolLoadUpdate()
+
+    async def subscribe_serving_load(
+        self, message: "SubscribeServingLoadRequest"
+    ) -> "AsyncIterator[ServingLoadUpdate]":
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+        yield ServingLoadUpdate()
 
     async def __rpc_get_relay_info(
         self, stream: "grpclib.server.Stream[RelayInfoRequest, RelayInfo]"
@@ -920,6 +1160,17 @@ class KvEventRelayBase(betterproto2_grpclib.ServiceBase):
             request,
         )
 
+    async def __rpc_subscribe_serving_load(
+        self, stream: "grpclib.server.Stream[SubscribeServingLoadRequest, ServingLoadUpdate]"
+    ) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        await self._call_rpc_handler_server_stream(
+            self.subscribe_serving_load,
+            stream,
+            request,
+        )
+
     def __mapping__(self) -> "dict[str, grpclib.const.Handler]":
         return {
             "/dynamo.kvrelay.v1.KvEventRelay/GetRelayInfo": grpclib.const.Handler(
@@ -951,5 +1202,11 @@ class KvEventRelayBase(betterproto2_grpclib.ServiceBase):
                 grpclib.const.Cardinality.UNARY_STREAM,
                 SubscribeKvPoolLoadRequest,
                 KvPoolLoadUpdate,
+            ),
+            "/dynamo.kvrelay.v1.KvEventRelay/SubscribeServingLoad": grpclib.const.Handler(
+                self.__rpc_subscribe_serving_load,
+                grpclib.const.Cardinality.UNARY_STREAM,
+                SubscribeServingLoadRequest,
+                ServingLoadUpdate,
             ),
         }

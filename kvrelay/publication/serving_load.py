@@ -1,0 +1,336 @@
+"""Serving-load plane: one complete ``ServingLoadUpdate`` per window (Dynamo 1.7's sixth RPC).
+
+Shaped like the pool load plane (``publication.load``): a provider called once per window, a
+window that fails to build is skipped, one bad entry is dropped and counted, entries are sorted
+and a duplicate key is kept once. What the relay can vouch for, and nothing else, goes out:
+
+* Coverage is :func:`coverage` of observed against expected sources, the one rule for both views:
+  every expected source observed → COMPLETE, some → DEGRADED, none (or none expected) →
+  UNAVAILABLE. A partial sum is never COMPLETE.
+* Gauges (pool ``active_decode_blocks``) are set only when the view is COMPLETE; a gauge no source
+  can provide is never set (unknown is never zero).
+* Cumulative counters come from :class:`RunningTotals`: per relay incarnation, each source counts
+  from its own running total when first heard; a source's counter reset (its process restarted)
+  continues from where it was; departed sources keep what they contributed. So a total is
+  monotonic within one incarnation, set whatever the status, and restarts with the relay.
+
+``docs/contract.md`` §10.4 says field by field what kvrelay fills.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.contract.envelope import copy_relay
+from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION, U64_MAX
+from kvrelay.logging import get_logger
+from kvrelay.publication.load import RankLoad, saturating_sum
+from kvrelay.publication.window import WindowPlane, unix_ms
+
+__all__ = [
+    "COUNTERS",
+    "ModelServingInput",
+    "PoolServingInput",
+    "RunningTotals",
+    "ServingLoadInputs",
+    "ServingLoadPlane",
+    "ServingLoadProvider",
+    "coverage",
+    "model_entry",
+    "pool_entry",
+]
+
+_log = get_logger(__name__)
+In = TypeVar("In")
+E = TypeVar("E")
+
+#: The cumulative counters of one model view, by the name :class:`RunningTotals` keeps them under.
+COUNTERS = (
+    "requests_started_total",
+    "requests_completed_total",
+    "requests_failed_total",
+    "requests_cancelled_total",
+    "input_tokens_total",
+    "output_tokens_total",
+)
+#: Counters that a source reports as derived sums of gauges and counters (not a counter of its
+#: own): a dip between two reports is a measurement skew, held at the last value, never a reset.
+DERIVED = frozenset({"requests_started_total"})
+#: Groups (models) remembered once absent, oldest forgotten first (a bound on config churn).
+MAX_GROUPS = 4096
+
+
+def coverage(observed: int, expected: int) -> pb.DataStatus:
+    """The contract's coverage of one aggregate (a partial sum is never COMPLETE)."""
+    if observed <= 0 or expected <= 0:
+        return pb.DataStatus.UNAVAILABLE
+    if observed < expected:
+        return pb.DataStatus.DEGRADED
+    return pb.DataStatus.COMPLETE
+
+
+@dataclass(frozen=True, slots=True)
+class PoolServingInput:
+    """One active pool generation. ``ranks``: one :class:`RankLoad` per expected rank (a rank is
+    observed when its usage is known); ``observed_ms``: wall-clock times of the source reports
+    the ranks come from; ``live_workers`` / ``max_concurrency``: None when not known."""
+
+    producer: pb.ProducerIdentity
+    ranks: Sequence[RankLoad]
+    observed_ms: Sequence[int] = ()
+    live_workers: int | None = None
+    max_concurrency: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelServingInput:
+    """One (namespace, canonical model). ``totals``: :data:`COUNTERS` from
+    :meth:`RunningTotals.totals` (a token total is absent while no source ever reported it);
+    ``observed_ms``: report times of the observed frontends."""
+
+    namespace: str
+    canonical_model_id: str
+    expected_frontends: int
+    observed_frontends: int
+    ready_frontends: int
+    serving_pools: Sequence[pb.KvPoolId] = ()
+    totals: Mapping[str, int] = field(default_factory=dict)
+    observed_ms: Sequence[int] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ServingLoadInputs:
+    pools: Sequence[PoolServingInput] = ()
+    models: Sequence[ModelServingInput] = ()
+
+
+ServingLoadProvider = Callable[[], ServingLoadInputs]
+
+
+def _u64(v: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"expected a non-negative int, got {v!r}")
+    return min(v, U64_MAX)
+
+
+def _oldest(times: Sequence[int]) -> int:
+    return _u64(min(times)) if times else 0
+
+
+def pool_entry(inp: PoolServingInput) -> pb.PoolServingLoad:
+    """The pool view (pure): no request stats; ``active_decode_blocks`` only when COMPLETE."""
+    used = [r.kv_used_blocks for r in inp.ranks if r.kv_used_blocks is not None]
+    status = coverage(len(used), len(inp.ranks))
+    tokens = pb.TokenLoadStats()
+    if status == pb.DataStatus.COMPLETE:
+        tokens.active_decode_blocks = saturating_sum(used)
+    deployment = pb.PoolDeploymentStatus()
+    if inp.live_workers is not None:
+        deployment.live_workers = _u64(inp.live_workers)
+    if inp.max_concurrency is not None:
+        deployment.max_concurrency = _u64(inp.max_concurrency)
+    return pb.PoolServingLoad(
+        producer=pb.ProducerIdentity.parse(bytes(inp.producer)),
+        load=pb.LoadView(
+            tokens=tokens,
+            status=status,
+            source_observed_ms=_oldest(inp.observed_ms) if used else 0,
+        ),
+        deployment=deployment,
+    )
+
+
+def model_entry(inp: ModelServingInput) -> pb.ModelServingLoad:
+    """The model view (pure): counters whatever the status; no gauge kvrelay could not vouch
+    for (it sets none: see §10.4)."""
+    if not inp.namespace or not inp.canonical_model_id:
+        raise ValueError("a model view needs a namespace and a canonical model id")
+    if not 0 <= inp.ready_frontends <= inp.observed_frontends <= inp.expected_frontends:
+        raise ValueError(
+            "frontends must satisfy ready <= observed <= expected, got "
+            f"{inp.ready_frontends}/{inp.observed_frontends}/{inp.expected_frontends}"
+        )
+    t = inp.totals
+    requests = pb.RequestLifecycleStats(
+        requests_started_total=_u64(t.get("requests_started_total", 0)),
+        requests_completed_total=_u64(t.get("requests_completed_total", 0)),
+        requests_failed_total=_u64(t.get("requests_failed_total", 0)),
+        requests_cancelled_total=_u64(t.get("requests_cancelled_total", 0)),
+    )
+    tokens = pb.TokenLoadStats()
+    if "input_tokens_total" in t:
+        tokens.input_tokens_total = _u64(t["input_tokens_total"])
+    if "output_tokens_total" in t:
+        tokens.output_tokens_total = _u64(t["output_tokens_total"])
+    observed = inp.observed_frontends
+    return pb.ModelServingLoad(
+        namespace=inp.namespace,
+        canonical_model_id=inp.canonical_model_id,
+        load=pb.LoadView(
+            requests=requests,
+            tokens=tokens,
+            status=coverage(observed, inp.expected_frontends),
+            source_observed_ms=_oldest(inp.observed_ms) if observed else 0,
+        ),
+        deployment=pb.ModelDeploymentStatus(
+            expected_frontends=_u64(inp.expected_frontends),
+            observed_frontends=_u64(observed),
+            ready_frontends=_u64(inp.ready_frontends),
+            serving_pools=[pb.KvPoolId.parse(bytes(p)) for p in inp.serving_pools],
+        ),
+    )
+
+
+class _Series:
+    """One source's counters: ``base`` carries what it counted before its last reset."""
+
+    __slots__ = ("base", "last")
+
+    def __init__(self) -> None:
+        self.base: dict[str, int] = {}
+        self.last: dict[str, int] = {}
+
+    def observe(self, values: Mapping[str, int]) -> None:
+        reset = any(
+            name not in DERIVED and v < self.last.get(name, 0) for name, v in values.items()
+        )
+        if reset:  # the source restarted: what it had counted stays counted
+            for name, v in self.last.items():
+                self.base[name] = self.base.get(name, 0) + v
+            self.last = {}
+        for name, v in values.items():
+            if v < 0:
+                raise ValueError(f"counter {name} is negative: {v}")
+            self.last[name] = v if reset else max(v, self.last.get(name, 0))
+
+    def totals(self) -> dict[str, int]:
+        names = self.base.keys() | self.last.keys()
+        return {n: self.base.get(n, 0) + self.last.get(n, 0) for n in names}
+
+
+class RunningTotals:
+    """Cumulative counters per group (a model) over every source heard from during this relay
+    incarnation. A source absent from a group's :meth:`window` has departed: its totals are
+    folded into the group. Bounded: sources by the relay's configured engines and ranks, groups
+    by :data:`MAX_GROUPS` (the longest-absent group is forgotten first)."""
+
+    def __init__(self, max_groups: int = MAX_GROUPS) -> None:
+        self._max_groups = max_groups
+        self._departed: dict[Hashable, dict[str, int]] = {}
+        self._live: dict[Hashable, dict[Hashable, _Series]] = {}
+
+    def window(
+        self,
+        group: Hashable,
+        present: Iterable[Hashable],
+        reports: Mapping[Hashable, Mapping[str, int]],
+    ) -> dict[str, int]:
+        """Fold in this window's ``reports`` (a present source that did not report keeps its
+        last values) and return the group's totals (a name no source ever reported is absent)."""
+        live = self._live.get(group)
+        if live is None:
+            live = self._live[group] = {}
+            self._departed.setdefault(group, {})
+        self._touch(group)
+        departed = self._departed[group]
+        keep = set(present)
+        for source in [s for s in live if s not in keep]:
+            for name, v in live.pop(source).totals().items():
+                departed[name] = departed.get(name, 0) + v
+        for source, values in reports.items():
+            if source not in keep:
+                continue
+            series = live.get(source)
+            if series is None:
+                series = live[source] = _Series()
+            series.observe(values)
+        out = dict(departed)
+        for series in live.values():
+            for name, v in series.totals().items():
+                out[name] = out.get(name, 0) + v
+        return out
+
+    def _touch(self, group: Hashable) -> None:
+        # dicts keep insertion order: re-inserting marks the group most recently used
+        self._departed[group] = self._departed.pop(group)
+        self._live[group] = self._live.pop(group)
+        while len(self._live) > self._max_groups:
+            oldest = next(iter(self._live))
+            del self._live[oldest], self._departed[oldest]
+
+
+class ServingLoadPlane(WindowPlane[pb.ServingLoadUpdate]):
+    """The ``SubscribeServingLoad`` plane (a ``Plane[pb.ServingLoadUpdate]``); version =
+    ``window_sequence``. ``provider`` is called once per window on the event loop."""
+
+    _plane_name = "serving_load"
+
+    def __init__(
+        self,
+        relay_identity: pb.RelayIdentity,
+        window_ms: int = 1000,
+        provider: ServingLoadProvider | None = None,
+    ) -> None:
+        super().__init__(window_ms, "kvrelay-serving-load-windows")
+        self._relay = copy_relay(relay_identity)
+        self._provider = provider
+        self.entry_errors = 0
+        self._init_windows()
+
+    def set_provider(self, provider: ServingLoadProvider | None) -> None:
+        self._provider = provider
+
+    def _initial(self) -> pb.ServingLoadUpdate:
+        return self._build(0) or self._message(0, [], [])
+
+    def _build(self, seq: int) -> pb.ServingLoadUpdate | None:
+        if self._provider is None:
+            return self._message(seq, [], [])
+        try:
+            inputs = self._provider()
+        except Exception:
+            self.provider_errors += 1
+            _log.exception("serving_load_provider_failed", errors=self.provider_errors)
+            return None
+        pools = self._entries(inputs.pools, pool_entry, lambda i: bytes(i.producer))
+        models = self._entries(
+            inputs.models, model_entry, lambda i: (i.namespace, i.canonical_model_id)
+        )
+        return self._message(seq, pools, models)
+
+    def _entries(
+        self, inputs: Iterable[In], build: Callable[[In], E], key: Callable[[In], Any]
+    ) -> list[E]:
+        keyed: list[tuple[Any, E]] = []
+        for inp in inputs:
+            try:
+                keyed.append((key(inp), build(inp)))
+            except Exception:
+                # One bad entry must not hide the others: drop it and count it.
+                self.entry_errors += 1
+                _log.exception("serving_load_entry_invalid", errors=self.entry_errors)
+        keyed.sort(key=lambda kv: kv[0])
+        out: list[E] = []
+        for i, (k, entry) in enumerate(keyed):
+            if i and keyed[i - 1][0] == k:
+                self.entry_errors += 1  # one key listed twice: keep one
+                continue
+            out.append(entry)
+        return out
+
+    def _message(
+        self, seq: int, pools: list[pb.PoolServingLoad], models: list[pb.ModelServingLoad]
+    ) -> pb.ServingLoadUpdate:
+        return pb.ServingLoadUpdate(
+            protocol_version=PROTOCOL_VERSION,
+            relay=self._relay,
+            window_sequence=seq,
+            observed_ms=unix_ms(),
+            window_ms=self.window_ms,
+            pools=pools,
+            models=models,
+            contract_marker=CONTRACT_MARKER,
+        )

@@ -1,0 +1,122 @@
+"""A plane of complete windows on a timer: the load (§10) and serving-load planes share it.
+
+A window is a full picture, so a subscriber that misses windows loses nothing but freshness; the
+broadcast keeps only the newest one. Windows are numbered from 0 (the window available at
+construction) and the timer builds the next one every ``window_ms``; a late tick is delayed,
+never bursted, so the sequence advances by exactly 1 per published window. If building a window
+fails, that window is skipped (counted in ``provider_errors``, logged) rather than published
+empty, which would falsely withdraw everything it lists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Generic, TypeVar
+
+from kvrelay.logging import get_logger
+from kvrelay.publication.broadcast import VersionedBroadcast
+
+__all__ = ["MAX_WINDOW_MS", "WindowPlane", "unix_ms"]
+
+_log = get_logger(__name__)
+
+MAX_WINDOW_MS = 365 * 24 * 3600 * 1000  # §3.4: any duration must be > 0 and <= 1 year
+M = TypeVar("M")
+
+
+def unix_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class WindowPlane(Generic[M]):
+    """A ``Plane[M]`` whose version is the window sequence. Subclasses build one window in
+    :meth:`_build` (None: skip it) and call :meth:`_init_windows` at the end of ``__init__``."""
+
+    #: Names the plane in its log events (``load``, ``serving_load``).
+    _plane_name = "load"
+
+    def __init__(self, window_ms: int, task_name: str) -> None:
+        if isinstance(window_ms, bool) or not isinstance(window_ms, int):
+            raise TypeError(f"window_ms must be int, got {window_ms!r}")
+        if not 0 < window_ms <= MAX_WINDOW_MS:
+            raise ValueError(f"window_ms must be in (0, {MAX_WINDOW_MS}], got {window_ms}")
+        self._window_ms = window_ms
+        self._task_name = task_name
+        self._task: asyncio.Task[None] | None = None
+        self.provider_errors = 0
+
+    def _build(self, seq: int) -> M | None:
+        raise NotImplementedError
+
+    def _initial(self) -> M:
+        """Window 0 (built even if the provider fails: then it lists nothing)."""
+        raise NotImplementedError
+
+    def _init_windows(self) -> None:
+        self._bc: VersionedBroadcast[M] = VersionedBroadcast(0, self._initial())
+
+    @property
+    def window_ms(self) -> int:
+        return self._window_ms
+
+    @property
+    def broadcast(self) -> VersionedBroadcast[M]:
+        return self._bc
+
+    def current(self) -> tuple[int, M]:
+        return self._bc.current()
+
+    async def wait_newer(self, version: int) -> tuple[int, M]:
+        return await self._bc.wait_newer(version)
+
+    def start(self) -> None:
+        """Start the window timer on the running loop; idempotent while running."""
+        if self._bc.closed:
+            raise RuntimeError(f"{type(self).__name__} is closed")
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(
+                self._run(), name=self._task_name
+            )
+
+    def close(self) -> None:
+        """Stop the timer and wake subscribers with ``PlaneClosed``; idempotent."""
+        if self._task is not None:
+            self._task.cancel()
+        self._bc.close()
+
+    async def wait_closed(self) -> None:
+        """After :meth:`close`, wait until the window task has actually finished."""
+        task, self._task = self._task, None
+        if task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def publish_window(self) -> bool:
+        """Build and publish the next window now; False if building it failed (skipped)."""
+        seq = self._bc.version + 1
+        message = self._build(seq)
+        if message is None:
+            return False
+        self._bc.publish(seq, message)
+        return True
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        period = self._window_ms / 1000.0
+        deadline = loop.time() + period
+        while True:
+            await asyncio.sleep(max(0.0, deadline - loop.time()))
+            if self._bc.closed:
+                return
+            try:
+                self.publish_window()
+            except Exception:  # the timer must outlive any single bad window
+                self.provider_errors += 1
+                _log.exception("load_window_failed", plane=self._plane_name,
+                               errors=self.provider_errors)  # fmt: skip
+            now = loop.time()
+            deadline += period
+            if deadline <= now:  # fell behind (loop stall): delay, do not burst missed windows
+                deadline = now + period

@@ -1,0 +1,165 @@
+"""What the serving-load plane is fed: the relay's pools and its engines' Prometheus pages.
+
+vLLM's OpenAI server is the frontend of its engine, so each configured engine is one frontend
+and each of its DP ranks one source of counters. The scrape loop (``Relay._scrape_loop``) stores
+each engine's latest page here, or forgets it when a scrape fails; a window reads only what is
+stored now, so a page is never older than one scrape interval plus its timeout.
+
+Judgment calls (``docs/contract.md`` §10.4 has the field-by-field table):
+
+* Frontends of a model are the engines of its AGGREGATED, DECODE and LEGACY pools. A PREFILL (or
+  ENCODE) engine's requests are the prefill legs of requests a decode engine also counts, so
+  counting both would count every disaggregated request twice.
+* ``requests_started_total`` of a rank is every request it finished plus those running and
+  waiting: vLLM has no counter of admitted requests. Requests refused before the engine queued
+  them (a frontend 400) are not counted anywhere.
+* LoRA adapters are not listed as models: vLLM's pages do not split counters by adapter, and an
+  adapter's view filled with its base model's figures would be wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.discovery.metrics_scrape import EnginePage, RankServing
+from kvrelay.publication.load import RankLoad
+from kvrelay.publication.serving_load import (
+    ModelServingInput,
+    PoolServingInput,
+    RunningTotals,
+    ServingLoadInputs,
+)
+from kvrelay.relay.engines import EngineState
+from kvrelay.relay.pool_runtime import PoolRuntime
+
+#: Pool roles whose engines are a model's frontends (see the module docstring).
+FRONTEND_ROLES = frozenset(
+    {pb.WorkerRole.AGGREGATED, pb.WorkerRole.DECODE, pb.WorkerRole.LEGACY}
+)
+_COMPLETED = ("stop", "length")
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    """One successful scrape: when (unix ms) and what it said."""
+
+    observed_ms: int
+    page: EnginePage
+
+
+def rank_counters(r: RankServing) -> dict[str, int]:
+    """The serving-load counters one rank's page figures give (absent figures give none)."""
+    out: dict[str, int] = {}
+    f = r.finished
+    if f or r.running is not None:
+        out["requests_completed_total"] = sum(f.get(k, 0) for k in _COMPLETED)
+        out["requests_cancelled_total"] = f.get("abort", 0)
+        out["requests_failed_total"] = f.get("error", 0)
+    if r.running is not None and r.waiting is not None:
+        out["requests_started_total"] = sum(f.values()) + r.running + r.waiting
+    if r.prompt_tokens_total is not None:
+        out["input_tokens_total"] = r.prompt_tokens_total
+    if r.generation_tokens_total is not None:
+        out["output_tokens_total"] = r.generation_tokens_total
+    return out
+
+
+class ServingInputs:
+    """Builds one window's ``ServingLoadInputs``; keeps the pages and the running totals."""
+
+    def __init__(self) -> None:
+        self.pages: dict[tuple[str, str], Page] = {}  # (pool, engine) → latest good scrape
+        self.totals = RunningTotals()
+
+    def store(self, pool: str, engine: str, page: Page | None) -> None:
+        if page is None:
+            self.pages.pop((pool, engine), None)
+        else:
+            self.pages[(pool, engine)] = page
+
+    def forget(self, pool: str, engine: str) -> None:
+        self.pages.pop((pool, engine), None)
+
+    def build(self, pools: Iterable[PoolRuntime]) -> ServingLoadInputs:
+        pool_inputs: list[PoolServingInput] = []
+        groups: dict[tuple[str, str], list[PoolRuntime]] = {}
+        for p in pools:
+            item = p.load_input()
+            if item is None:
+                continue
+            producer, ranks = item
+            pool_inputs.append(self._pool(p, producer, ranks))
+            if p.identity is not None and producer.pool_id is not None:
+                groups.setdefault((p.spec.namespace, p.identity.model), []).append(p)
+        models = [self._model(ns, model, ps) for (ns, model), ps in groups.items()]
+        return ServingLoadInputs(pools=pool_inputs, models=models)
+
+    def _pool(
+        self, p: PoolRuntime, producer: pb.ProducerIdentity, ranks: list[RankLoad]
+    ) -> PoolServingInput:
+        engines = list(p.engines.values())
+        live = [st for st in engines if st.serving]
+        connected = p.connected.live_engines() if p.connected is not None else 0
+        times = [pg.observed_ms for st in engines if (pg := self.pages.get((p.name, st.spec.name)))]
+        return PoolServingInput(
+            producer=producer,
+            ranks=ranks,
+            observed_ms=times,
+            live_workers=len(live) + connected,
+            max_concurrency=None if connected else _max_concurrency(live),
+        )
+
+    def _model(self, namespace: str, model: str, pools: list[PoolRuntime]) -> ModelServingInput:
+        expected = observed = ready = 0
+        times: list[int] = []
+        present: list[Hashable] = []
+        reports: dict[Hashable, dict[str, int]] = {}
+        for p in pools:
+            if p.spec.role not in FRONTEND_ROLES:
+                continue
+            for st in p.engines.values():
+                expected += 1
+                ranks = st.declared_ranks()
+                present += [(p.name, st.spec.name, r) for r in ranks]
+                pg = self.pages.get((p.name, st.spec.name))
+                if pg is None:
+                    continue
+                observed += 1
+                times.append(pg.observed_ms)
+                if not pg.page.lists_model:
+                    continue  # a frontend that does not list the model contributes zero
+                if st.serving:
+                    ready += 1
+                for label, figures in pg.page.serving.items():
+                    if label.isdigit() and int(label) in ranks:
+                        reports[(p.name, st.spec.name, int(label))] = rank_counters(figures)
+        serving_pools = sorted(
+            (pid for p in pools if (pid := _pool_id(p)) is not None), key=bytes
+        )
+        return ModelServingInput(
+            namespace=namespace,
+            canonical_model_id=model,
+            expected_frontends=expected,
+            observed_frontends=observed,
+            ready_frontends=ready,
+            serving_pools=serving_pools,
+            totals=self.totals.window((namespace, model), present, reports),
+            observed_ms=times,
+        )
+
+
+def _pool_id(p: PoolRuntime) -> pb.KvPoolId | None:
+    return None if p.generation is None else p.generation.producer.pool_id
+
+
+def _max_concurrency(live: list[EngineState]) -> int | None:
+    """Sum of max running sequences × local DP size, only while every live engine declares it."""
+    total = 0
+    for st in live:
+        snap = st.snapshot
+        if snap is None or snap.max_running_requests <= 0:
+            return None
+        total += snap.max_running_requests * max(1, snap.data_parallel_size_local)
+    return total

@@ -1,0 +1,116 @@
+"""The benchmarks' own bookkeeping: heavy figures over repeats (median, range, which repeat the
+tables show) and the quiet-machine verdict every result carries."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks._all import STEPS, provenance_problems
+from benchmarks._common import RESULTS
+from benchmarks._heavy_report import (
+    heavy_markdown,
+    median,
+    median_summary,
+    repeat_spread,
+    representative,
+)
+from benchmarks._load import assess, load_at_start, warn_if_loaded
+
+
+def _summary(k: float, d: float, p99: float) -> dict[str, object]:
+    return {"light": {"available": False}, "delta_p99_where_dynamo_keeps_up": [[1e4, 1, p99]],
+            "delta_p99_ratio_max": p99, "heavy_rss_ratio_range": [0.2, 1.0],
+            "max_sustained": {"kvrelay": k, "dynamo": d, "ratio": k / d, "first_rate": 1e5},
+            "max_ingest": {"kvrelay": 2 * k, "dynamo": 2 * d, "ratio": k / d}}
+
+
+def test_median() -> None:
+    assert median([3.0, 1.0, 2.0]) == 2.0
+    assert median([4.0, 1.0, 2.0, 3.0]) == 2.5
+
+
+def test_repeats_give_median_and_range_and_the_median_run_is_shown() -> None:
+    # the two machines of the issue: one lucky run (1.6M) among two ordinary ones
+    sums = [_summary(1_600_523, 300_400, 0.26), _summary(200_400, 100_400, 0.5),
+            _summary(400_000, 200_000, 0.3)]
+    spread = repeat_spread(sums)
+    k = spread["max sustained ingest, kvrelay (block events/s)"]
+    assert (k["median"], k["min"], k["max"]) == (400_000, 200_400, 1_600_523)
+    assert k["values"] == [1_600_523, 200_400, 400_000]
+    ratio = spread["max sustained ratio kvrelay / Dynamo"]
+    assert ratio["median"] == pytest.approx(2.0)  # the median of the ratios, not of the maxima
+    med = median_summary(sums, spread)
+    assert med["max_sustained"]["kvrelay"] == 400_000  # type: ignore[index]
+    assert med["delta_p99_ratio_max"] == 0.3
+    assert med["heavy_rss_ratio_range"] == [0.2, 1.0]
+    assert sums[0]["max_sustained"]["kvrelay"] == 1_600_523  # type: ignore[index]
+    assert representative(sums) == 2  # its tables are those shown
+
+
+def test_a_repeat_without_a_figure_is_left_out_of_the_median() -> None:
+    a, b = _summary(100.0, 50.0, 0.2), _summary(300.0, 50.0, 0.4)
+    b["delta_p99_ratio_max"] = None
+    spread = repeat_spread([a, b])
+    assert spread["worst delta p99 ratio where Dynamo keeps up"]["median"] == 0.2
+    assert spread["worst delta p99 ratio where Dynamo keeps up"]["values"] == [0.2, None]
+
+
+def test_heavy_markdown_says_it_shows_medians() -> None:
+    res = json.loads((RESULTS / "side_by_side_heavy.json").read_text())
+    one = heavy_markdown(res)
+    assert "one run" in one and "## Over" not in one  # the committed single run, as before
+    sums = [copy.deepcopy(res["summary"]) for _ in range(3)]
+    for s, k in zip(sums, (1_000_000, 1_600_523, 1_200_000), strict=True):
+        s["max_sustained"]["kvrelay"] = k
+    res["summary_repeats"] = repeat_spread(sums)
+    res["summary"] = median_summary(sums, res["summary_repeats"])
+    res["representative_repeat"] = representative(sums)
+    md = heavy_markdown(res)
+    assert "median of 3 runs" in md and "## Over 3 repeats (median, range)" in md
+    assert "| max sustained ingest, kvrelay (block events/s) | 1,200,000 | 1,000,000–1,600,523 |" \
+        in md
+    assert "kvrelay 1,200,000" in md  # the targets table quotes the median
+
+
+def test_quiet_verdict() -> None:
+    assert assess(0.9, 1, 2, None)["quiet"]  # the benchmark itself and a little more
+    loaded = assess(3.5, 1, 2, None)
+    assert not loaded["quiet"] and "3.5" in loaded["not_quiet_because"]
+    assert loaded["load_1min_excess"] == 2.5
+    busy = assess(0.2, 0, 2, 1.4)  # the load average lags: the sample says busy
+    assert not busy["quiet"] and "1.4 cores busy" in busy["not_quiet_because"]
+    assert assess(1.0, 0, 2, 1.0)["quiet"]  # half the cores is still quiet
+
+
+def test_a_loaded_machine_is_warned_about(capsys: pytest.CaptureFixture[str]) -> None:
+    block = load_at_start()
+    assert set(block) >= {"loadavg_at_start", "load_1min", "quiet", "not_quiet_because"}
+    block |= assess(9.0, 1, 2, None)
+    text = warn_if_loaded(block, "bench")
+    assert text is not None and "not quiet" in text and text in capsys.readouterr().err
+    assert warn_if_loaded(assess(0.0, 0, 2, None), "bench") is None
+
+
+def test_regeneration_covers_every_committed_result() -> None:
+    written = {stem for _, _, stems in STEPS for stem in stems}
+    assert written == {p.stem for p in RESULTS.glob("*.json")}
+
+
+def test_provenance_problems(tmp_path: Path) -> None:
+    def result(name: str, **machine: object) -> None:
+        (tmp_path / f"{name}.json").write_text(json.dumps({"machine": machine}))
+
+    result("ok", git_commit="abc1234", git_dirty=False, quiet=True)
+    result("loaded", git_commit="abc1234", git_dirty=False, quiet=False,
+           not_quiet_because="1-min load average 7.7")
+    result("old", git_commit="0000000", git_dirty=False, quiet=True)
+    result("dirty", git_commit="abc1234", git_dirty=True, quiet=True)
+    (tmp_path / "none.json").write_text(json.dumps([1, 2]))  # no machine block at all
+    stale, loaded = provenance_problems("abc1234", tmp_path)
+    assert stale == ["dirty.json: commit abc1234 + local changes", "none.json: commit None",
+                     "old.json: commit 0000000"]
+    assert loaded == ["loaded.json: 1-min load average 7.7"]

@@ -1,0 +1,66 @@
+"""README.md and docs/*.md quote only benchmark figures the committed results contain, and
+benchmarks/results/INDEX.md says truthfully where each result comes from.
+
+The convention (benchmarks/README.md, "Quoting a figure"): a paragraph or table that quotes a
+measured figure names the result it comes from; every number with a unit there must be in that
+result (its Markdown or JSON) at the precision quoted. ``tools.bench_figures`` does the work.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tools import bench_figures as bf
+
+
+def test_every_quoted_figure_is_in_the_result_it_names() -> None:
+    missing, unknown = bf.check()
+    assert not unknown, unknown
+    assert not missing, "\n".join(
+        f"{f.doc}:{f.line}: {f.text!r} is not in {', '.join(f.results)} (fix the text or "
+        "re-run the benchmark: benchmarks/README.md, 'Quoting a figure')" for f in missing)
+
+
+def test_the_check_finds_the_readme_figures() -> None:
+    """It does look: the README's headline figures are parsed, each with the result named."""
+    figs = list(bf.figures(bf.ROOT / "README.md"))
+    texts = {f.text for f in figs}
+    assert "800,400 block events/s" in texts and "1.6M block events/s" in texts
+    assert all(f.results for f in figs)
+
+
+def test_a_figure_the_results_do_not_hold_is_caught(tmp_path: Path) -> None:
+    doc = tmp_path / "doc.md"
+    doc.write_text(
+        "The short run ([r](benchmarks/results/relay_e2e.md)) sustained 400,800 block "
+        "events/s, a delta p50 of 0.33 ms and 1.1–1.2 ms.\n\n"
+        "| it sustained | 50,797 block events/s |\n\n"
+        "A criterion paragraph naming results/relay_e2e.md <!-- bench-figures: none --> "
+        "above 2 × 25 ms.\n\n"
+        "No result named: 400,800 block events/s, 20 ms.\n\n"
+        "- a list item naming results/relay_e2e.md: 50,797 block events/s\n"
+        "- the next item names none: 3 ms\n")
+    figs = list(bf.figures(doc))
+    bad = sorted((f.text, f.results) for f in figs if not bf.found(f))
+    # 400,800 was the README's figure from an older run: relay_e2e holds 50,797 (and 0.329,
+    # 1.116, 1.182); the table quotes what the paragraph above it names; the marked paragraph
+    # is not read; in a paragraph that names no result only an ingest rate counts, and fails
+    assert bad == [("400,800 block events/s", ()), ("400,800 block events/s", ("relay_e2e",))]
+    assert sorted(f.text for f in figs) == [  # a range gives one figure per end
+        "0.33 ms", "1.1–1.2 ms", "1.1–1.2 ms", "400,800 block events/s",
+        "400,800 block events/s", "50,797 block events/s", "50,797 block events/s"]
+
+
+def test_precision_is_the_quoted_one(tmp_path: Path) -> None:
+    doc = tmp_path / "doc.md"
+    doc.write_text("From benchmarks/results/relay_e2e-full.md: 0.8M block events/s, 800 K "
+                   "events/s, 800,400 block events/s, 800,401 block events/s, 1.1M ev/s.\n")
+    found = {f.text: bf.found(f) for f in bf.figures(doc)}
+    assert found == {"0.8M block events/s": True, "800 K events/s": True,
+                     "800,400 block events/s": True, "800,401 block events/s": False,
+                     "1.1M ev/s": False}
+
+
+def test_results_index_is_current() -> None:
+    path = bf.RESULTS / "INDEX.md"
+    assert path.read_text() == bf.index(), "run: python -m tools.bench_figures --index"
