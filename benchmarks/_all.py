@@ -34,6 +34,7 @@ STEPS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
      ("relay_e2e-full", "start")),
     ("snapshots", ("benchmarks.snapshots",), ("snapshots",)),
     ("restart", ("benchmarks.bench_restart",), ("restart",)),
+    ("hot upgrade vs stop-and-start", ("benchmarks.bench_upgrade",), ("upgrade",)),
     ("workers = 1 vs 2, mirror hop", ("benchmarks.bench_workers", "--full"), ("workers-full",)),
     ("scaling model", ("benchmarks.sim_scaling",), ("scaling_model",)),
     ("soak, 600 s", ("tests.reliability.soak", "--seconds", "600"), ("soak",)),

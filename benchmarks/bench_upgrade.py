@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._common import RESULTS, ROOT, machine, write_json
+from benchmarks._common import ROOT, machine, results_dir, write_json
 from benchmarks.bench_restart import Notify, _config, _free_port
 from kvrelay.client import ClientConfig, RelayClient
 from kvrelay.sim.config import SimConfig
@@ -220,14 +220,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps-per-s", type=float, default=100.0)
     ap.add_argument("--settle-s", type=float, default=5.0)
     ap.add_argument("--no-write", action="store_true", help="print only")
+    ap.add_argument("--smoke", action="store_true", help="seconds, tiny sizes, to .work/smoke")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.engines, args.capacity, args.history_steps, args.settle_s = 1, 512, 60, 2.0
     runs = [asyncio.run(_run(mode, args)) for mode in ("hot_upgrade", "stop_start")]
     doc = {"machine": machine(), "args": vars(args), "runs": runs}
     md = _markdown(doc)
     print(md)
     if not args.no_write:
-        write_json(RESULTS / "upgrade.json", doc)
-        (RESULTS / "upgrade.md").write_text(md)
+        out = results_dir(args.smoke)
+        write_json(out / "upgrade.json", doc)
+        (out / "upgrade.md").write_text(md)
     return 0
 
 
