@@ -87,12 +87,14 @@ class Dialer:
         self.port = port
         self.connects = 0
         self.refused = 0
+        self._stopping = False
         self.task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:  # (3.11's wait_for may swallow a cancel: a flag as well)
             try:
-                _, w = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", self.port), 5)
+                async with asyncio.timeout(5):
+                    _, w = await asyncio.open_connection("127.0.0.1", self.port)
             except OSError as exc:
                 if exc.errno == errno.ECONNREFUSED:
                     self.refused += 1
@@ -104,6 +106,7 @@ class Dialer:
             await asyncio.sleep(0.005)
 
     async def stop(self) -> None:
+        self._stopping = True
         self.task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self.task
