@@ -5,7 +5,9 @@ The snapshot part of ``benchmarks.run`` without the latency sweep, for iterating
 path: subscribe → snapshot complete on an idle 4 MiB lane (1 and 8 concurrent subscribers) and an
 idle 64 MiB lane (1 and 4), then the 64 MiB lane while the pool publishes 100,000 block events/s
 (one subscriber at a time joins, reading at full speed and throttled to 80 MB/s). Real processes
-on loopback, as in ``run``. Writes ``benchmarks/results/snapshots.{json,md}``.
+on loopback, as in ``run``. Writes ``benchmarks/results/snapshots.{json,md}``; with
+``--workers N`` (≥ 2) every subscriber is served by the relay's N−1 fan-out workers (mirrors of
+it) and the results go to ``snapshots_workers<N>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-4", action="store_true", help="no 4 MiB lane")
     ap.add_argument("--skip-64", action="store_true", help="no 64 MiB lane")
     ap.add_argument("--rate", type=float, default=100_000, help="block events/s under load")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="[relay] workers: >= 2 serves through N-1 fan-out workers")
     ap.add_argument("--smoke", action="store_true",
                     help="4 MiB lane only, one join, tiny working set, to .work/smoke")
     a = ap.parse_args(argv)
@@ -37,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
                            "snapshot_under_load": []}
     if not a.skip_4:
         small = Fleet(FleetConfig(engines=1, base_port=27300, probes=0, tag="snap4",
-                                  working_set_chains=256 if a.smoke else 8192))
+                                  working_set_chains=256 if a.smoke else 8192,
+                                  workers=a.workers))
         try:
             log("snapshot: 4 MiB lane (524,288 buckets)")
             small.start()
@@ -47,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             small.stop()
     if not a.skip_64:
-        big = big_lane_fleet()
+        big = big_lane_fleet(a.workers)
         try:
             log("snapshot: 64 MiB lane (8,388,608 buckets)")
             big.start()
@@ -58,12 +63,14 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             big.stop()
     res["wall_s"] = round(time.monotonic() - t0, 1)
+    res["workers"] = a.workers
+    name = "snapshots" if a.workers <= 1 else f"snapshots_workers{a.workers}"
     out = results_dir(a.smoke)
-    write_json(out / "snapshots.json", res)
+    write_json(out / f"{name}.json", res)
     md = snapshot_markdown(res)
-    (out / "snapshots.md").write_text(md)
+    (out / f"{name}.md").write_text(md)
     print(md)
-    log(f"wrote {out}/snapshots.{{json,md}} in {res['wall_s']} s")
+    log(f"wrote {out}/{name}.{{json,md}} in {res['wall_s']} s")
     return 0
 
 

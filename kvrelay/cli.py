@@ -449,21 +449,20 @@ def _serve(path: str | None, pid_file: str | None = None) -> int:
 
     if pid_file is None:
         return run(cfg, config_path=path)
-    from kvrelay.ops.reload import read_pid_file, write_pid_file
+    from kvrelay.ops.reload import remove_pid_file, write_pid_file
     from kvrelay.ops.upgrade import ENV as TAKEOVER_ENV
+    from kvrelay.relay.safe_files import UnsafeDirectory
 
     if not os.environ.get(TAKEOVER_ENV):  # a hot upgrade's successor: written at hand-over
         try:
             write_pid_file(pid_file)
-        except OSError as exc:
+        except (OSError, UnsafeDirectory) as exc:
             print(f"kvrelay serve: cannot write --pid-file {pid_file}: {exc}", file=sys.stderr)
             return EXIT_USAGE
     try:
         return run(cfg, config_path=path, pid_file=pid_file)
     finally:
-        with contextlib.suppress(OSError, ValueError):
-            if read_pid_file(pid_file) == os.getpid():  # not a successor's
-                os.unlink(pid_file)
+        remove_pid_file(pid_file)
 
 
 def _mirror(args: argparse.Namespace) -> int:

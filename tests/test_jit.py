@@ -187,3 +187,32 @@ def test_fan_out_workers_import_no_kernels() -> None:
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout.splitlines()[-1]) == []
+
+
+IMPORT_PROBE = """
+import json
+from kvrelay import _jit
+from kvrelay.ops import warmup
+for step in warmup.STEPS:
+    warmup._import(step)
+print(json.dumps({g: _jit.missing(g) for g in warmup.STEPS}))
+"""
+
+
+def test_importing_the_kernel_modules_compiles_nothing(tmp_path: Path) -> None:
+    """An eager ``njit(signature)`` would compile inside ``import`` (before a first start can hand
+    its step to a worker) and hide the kernels it calls from ``missing``."""
+    cache = tmp_path / "c"
+    res = subprocess.run(
+        [sys.executable, "-c", IMPORT_PROBE], cwd=REPO, env=clean_env(NUMBA_CACHE_DIR=str(cache)),
+        capture_output=True, text=True, timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    missing = json.loads(res.stdout)
+    import kvrelay.ingest.fastwalk
+    import kvrelay.pool.ckf  # noqa: F401  (so _jit.kernels lists every group here too)
+
+    assert missing["pool"], missing
+    for step in ("hashing", "ingest", "pool"):  # every declared kernel is still missing
+        assert missing[step] == [name for name, _, _ in _jit.kernels(step)], step
+    assert not any(p.is_file() for p in cache.rglob("*")), sorted(cache.rglob("*"))

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from kvrelay.ingest.counters import SubscriberCounters
 from kvrelay.ops.metrics import _POOL_COUNTERS, RelayMetrics
 from kvrelay.ops.reload import ReloadStats
+from kvrelay.ops.tls import LoadedCertificate
 from kvrelay.ops.upgrade import UpgradeStats
 from kvrelay.relay.observer import Observers
 from kvrelay.relay.stats import (
@@ -76,6 +77,7 @@ def families(per_member: bool = True) -> list[Family]:
     )
     metrics.attach_reloads(ReloadStats())
     metrics.attach_upgrades(UpgradeStats())
+    metrics.attach_tls(lambda: [LoadedCertificate("server", "relay", 1.0)])
     metrics.observe_loop_lag(0.001)
     metrics.delta_published("ns/backend/generate", 0.001)
     out = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl as _ssl
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -79,6 +80,36 @@ def open_channel(
     )
 
 
+class _ChannelActivity:
+    """The silence clocks of one channel's streams that have not received their first message.
+
+    A relay writes the snapshots of one connection's streams one after another: a stream whose
+    turn has not come yet receives nothing while the connection is busy with the others. Its
+    silence clock therefore runs from the channel's last message until its own first one."""
+
+    __slots__ = ("waiting",)
+
+    def __init__(self) -> None:
+        self.waiting: dict[asyncio.Timeout, float] = {}  # clock → its silence_s
+
+    def message(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self.waiting:
+            now = loop.time()
+            for clock, silence_s in self.waiting.items():
+                if not clock.expired():  # an expired one is on its way out
+                    clock.reschedule(now + silence_s)
+
+
+_ACTIVITY: weakref.WeakKeyDictionary[Channel, _ChannelActivity] = weakref.WeakKeyDictionary()
+
+
+def _activity(channel: Channel) -> _ChannelActivity:
+    found = _ACTIVITY.get(channel)
+    if found is None:
+        found = _ACTIVITY[channel] = _ChannelActivity()
+    return found
+
+
 def end_from_error(err: GRPCError, trailers: Any, messages: int) -> StreamEnd:
     value = None
     if trailers is not None:
@@ -103,6 +134,8 @@ async def run_stream(
 
     With ``silence_s``, a stream that delivers nothing for that long is cancelled and ends as
     ``silent``: a relay that stopped sending (even heartbeats) must not hold a replica for ever.
+    Until its first message, a stream is silent only while its whole channel is (it may be
+    waiting for its turn behind other streams' snapshots on the same connection).
     With ``yield_every`` = N > 0, the loop yields to the event loop after every N messages: a
     burst of buffered messages then never runs far ahead of the tasks they woke (a mirror's
     senders).
@@ -110,14 +143,21 @@ async def run_stream(
     n = 0
     stream = None
     loop = asyncio.get_running_loop()
+    activity = _activity(channel)
+    quiet: asyncio.Timeout | None = None
     try:
         async with asyncio.timeout(silence_s) as quiet:
+            if silence_s is not None:
+                activity.waiting[quiet] = silence_s
             async with channel.request(
                 SERVICE + method, Cardinality.UNARY_STREAM, type(request), reply_type
             ) as stream:
                 await stream.send_message(request, end=True)
                 while True:
                     msg = await stream.recv_message()
+                    if not n:
+                        activity.waiting.pop(quiet, None)
+                    activity.message(loop)
                     if silence_s is not None:
                         quiet.reschedule(loop.time() + silence_s)
                     if msg is None:
@@ -129,7 +169,7 @@ async def run_stream(
                 await stream.recv_trailing_metadata()
         return StreamEnd(E.EOF, Status.OK, "", n)
     except TimeoutError:
-        if silence_s is not None and quiet.expired():
+        if silence_s is not None and quiet is not None and quiet.expired():
             return StreamEnd(E.SILENT, None, f"nothing received for {silence_s:g} s", n)
         return StreamEnd(E.CONNECTION, None, "TimeoutError", n)
     except GRPCError as err:
@@ -137,6 +177,9 @@ async def run_stream(
         return end_from_error(err, trailers, n)
     except _TRANSPORT_ERRORS as exc:
         return StreamEnd(E.CONNECTION, None, f"{type(exc).__name__}: {exc}", n)
+    finally:
+        if quiet is not None:
+            activity.waiting.pop(quiet, None)
 
 
 def catalog_request(subscriber_id: str) -> pb.WatchKvPoolCatalogRequest:

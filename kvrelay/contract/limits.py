@@ -54,6 +54,10 @@ class RelayLimits:
     snapshot_reader_bytes_per_second: int = 80_000_000
     #: ... but never further apart than this.
     snapshot_publication_delay_s: float = 0.25
+    #: One HTTP/2 connection may hold at most this share of each stream limit (rounded up)...
+    stream_share_per_connection_percent: int = 50
+    #: ... and one peer address (all its connections together) at most this share.
+    stream_share_per_peer_percent: int = 75
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -77,8 +81,12 @@ class RelayLimits:
             )
         if self.load_fanout_capacity > 65_536:
             raise LimitsError("load_fanout_capacity must be <= 65536")
-        if self.publication_cpu_percent > 100:
-            raise LimitsError("publication_cpu_percent must be <= 100")
+        for name in (
+            "publication_cpu_percent", "stream_share_per_connection_percent",
+            "stream_share_per_peer_percent",
+        ):  # fmt: skip
+            if getattr(self, name) > 100:
+                raise LimitsError(f"{name} must be <= 100")
 
 
 class PermitCounter:

@@ -19,6 +19,24 @@ sequence is its only integrity check, and every publisher has its own sequence s
 * At most ``max_members`` members; messages naming a new member past that are counted and
   dropped. Topics the pattern does not accept are counted and dropped.
 
+Who may publish (the socket is reachable by anything that can reach its port, and a message
+can name any member): each message carries its sender's address (ZMQ's ``Peer-Address``
+property, read per message; IPC peers have none and are trusted by the socket file's
+permissions).
+
+* ``allow`` (IP addresses or networks): messages from any other address are counted and dropped.
+* A member's engine name is bound to an address: ``addresses`` names them for some engines; any
+  other engine is bound to the address its first message came from, for as long as it has a
+  member. A message naming that engine from another address is counted and dropped, so another
+  peer can neither reset the member (a lower sequence) nor feed it.
+* ``curve_secret_key``: the socket is a CURVE server; only publishers that encrypt to its public
+  key can connect (vLLM and SGLang publishers would need CURVE options of their own).
+* Topics longer than ``max_topic_bytes`` are dropped before they are matched or cached; a payload
+  over ``max_batch_bytes`` is never decoded and resets the engine's members (the batch is lost,
+  its rank unknown); a member whose stored blocks
+  (stores minus removes since its baseline) pass ``max_member_blocks`` is reset, which drops its
+  lineage from the pool. Each is counted.
+
 The socket is drained like a subscriber's (wait, then up to ``drain`` messages with NOBLOCK on a
 sync shadow, then yield). A bound SUB attaches new connections only while its owner calls into
 it; the loop does so continuously, so a publisher's messages flow once its connection is up.
@@ -27,12 +45,14 @@ it; the loop does so continuously, so a publisher's messages flow once its conne
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
+import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -47,7 +67,7 @@ from kvrelay.ingest.sglang import EPOCH_MARKER, split_topic
 from kvrelay.ingest.sink import ResetReason, SourceKey
 from kvrelay.ingest.topic_pattern import TopicError, TopicMatch, TopicPattern
 from kvrelay.logging import get_logger
-from kvrelay.pool.batch import EventBatch
+from kvrelay.pool.batch import OP_CLEAR, OP_REMOVE, OP_STORE, EventBatch
 from kvrelay.pool.errors import MalformedBatch
 
 _LOGGER = "kvrelay.ingest.connect"
@@ -76,6 +96,17 @@ class ConnectSpec:
     max_members: int = 1024
     member_silence_s: float = 600.0
     pool: str = ""  # the operator's pool name, for logs
+    #: Publisher addresses or networks messages are accepted from (empty: any).
+    allow: tuple[str, ...] = ()
+    #: (engine name, addresses or networks it may publish from); other engines are bound to the
+    #: address that first published for them.
+    addresses: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    max_topic_bytes: int = 256
+    max_batch_bytes: int = 16 * 1024 * 1024
+    max_member_blocks: int = 1 << 22
+    #: CURVE: the socket's secret key (Z85, 40 characters): publishers must then encrypt to its
+    #: public key, and plaintext peers cannot connect at all.
+    curve_secret_key: str | None = None
 
 
 @dataclass(slots=True)
@@ -91,6 +122,11 @@ class ConnectCounters:
     members_over_limit: int = 0  # messages dropped because max_members were present
     members_expired: int = 0
     unattributed: int = 0  # undecodable payloads whose rank could not be read
+    peer_refused: int = 0  # messages from an address outside ``allow``
+    address_mismatch: int = 0  # messages naming an engine bound to another address
+    topic_too_long: int = 0  # topics over ``max_topic_bytes``
+    batch_too_large: int = 0  # payloads over ``max_batch_bytes`` (member reset)
+    member_block_cap: int = 0  # members reset past ``max_member_blocks``
     rejections: dict[str, int] = field(default_factory=dict)  # frame checks by kind
 
     def reject(self, kind: str) -> None:
@@ -129,6 +165,7 @@ class _Member:
     next_seq: int | None = None
     epoch: bytes | None = None
     dirty: bool = False
+    blocks: int = 0  # stored minus removed blocks since the baseline (an estimate, >= 0)
 
 
 class ConnectSource:
@@ -162,6 +199,10 @@ class ConnectSource:
         self._task: asyncio.Task[None] | None = None
         self._sglang = spec.kind is EngineKind.SGLANG
         self._log = get_logger(_LOGGER, pool=spec.pool)
+        self._allow = _networks(spec.allow)
+        self._pinned = {name: _networks(addrs) for name, addrs in spec.addresses}
+        #: engine name → the address it is bound to (engines with a member only: bounded)
+        self._owners: dict[str, str] = {}
 
     # ---- introspection ------------------------------------------------------------------------
     def members(self) -> Iterator[tuple[SourceKey, str, SubscriberCounters]]:
@@ -180,6 +221,9 @@ class ConnectSource:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
             sub.setsockopt(zmq.SUBSCRIBE, self.spec.pattern.prefix)
+            if self.spec.curve_secret_key is not None:
+                sub.curve_secretkey = self.spec.curve_secret_key.encode("ascii")
+                sub.curve_server = True
             resolved = []
             for ep in self.spec.bind:
                 sub.bind(ep)
@@ -218,10 +262,10 @@ class ConnectSource:
                 if await sub.poll(timeout):
                     for _ in range(self._drain):
                         try:
-                            frames = shadow.recv_multipart(zmq.NOBLOCK)
+                            first = shadow.recv(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._on_message(frames)
+                        self._on_message(_rest(shadow, first.bytes), _peer(first))
                 now = time.monotonic()
                 if now >= next_sweep:
                     self.sweep(now)
@@ -236,11 +280,17 @@ class ConnectSource:
             self._sink.on_connect_failed(exc)
 
     # ---- messages -------------------------------------------------------------------------------
-    def _on_message(self, frames: list[bytes]) -> None:
+    def _on_message(self, frames: list[bytes], peer: str = "") -> None:
         c = self.counters
         c.messages += 1
+        if peer and self._allow and not _in(peer, self._allow):
+            c.peer_refused += 1
+            return
         if len(frames) != 3:
             c.reject("frame_count")
+            return
+        if len(frames[0]) > self.spec.max_topic_bytes:
+            c.topic_too_long += 1
             return
         topic, epoch = bytes(frames[0]), None
         if self._sglang:
@@ -268,12 +318,19 @@ class ConnectSource:
         if match.model is not None and model is not None and match.model != model:
             c.model_mismatch += 1
             return
+        if peer and not self._may_publish(match.engine, peer):
+            c.address_mismatch += 1
+            return
         try:
             seq = parse_seq(frames[1])
         except FrameError as exc:
             c.reject(exc.kind)
             return
         payload = bytes(frames[2])
+        if len(payload) > self.spec.max_batch_bytes:  # never decoded, not even for its rank
+            c.batch_too_large += 1
+            self._reset_engine(match.engine)
+            return
         rank = match.rank
         if rank is None:
             try:
@@ -286,7 +343,17 @@ class ConnectSource:
             m = self._admit(match.engine, rank, seq)
             if m is None:
                 return
+            if peer and match.engine not in self._pinned:
+                self._owners.setdefault(match.engine, peer)
         self._on_member_message(m, seq, payload, epoch)
+
+    def _may_publish(self, engine: str, peer: str) -> bool:
+        """The address binding: named addresses for pinned engines, else the first claimant."""
+        pinned = self._pinned.get(engine)
+        if pinned is not None:
+            return _in(peer, pinned)
+        owner = self._owners.get(engine)
+        return owner is None or owner == peer
 
     def _admit(self, name: str, rank: int, seq: int) -> _Member | None:
         c = self.counters
@@ -357,6 +424,12 @@ class ConnectSource:
         c.events += res.batch.n_events
         c.blocks += res.batch.n_blocks
         m.dirty = True
+        m.blocks = _held_after(m.blocks, res.batch)
+        if m.blocks > self.spec.max_member_blocks:
+            self.counters.member_block_cap += 1
+            self._log.warning("connect_member_over_block_cap", engine=m.name,
+                              dp_rank=m.key.dp_rank, limit=self.spec.max_member_blocks)  # fmt: skip
+            self._reset(m, ResetReason.BAD_BATCH)
 
     def _bad_batch(self, m: _Member) -> None:
         """What the engine did in that batch is unknown and there is no replay: reset."""
@@ -367,6 +440,10 @@ class ConnectSource:
     def _unattributed(self, engine: str) -> None:
         """An undecodable payload whose rank cannot be read: reset every rank of that engine."""
         self.counters.unattributed += 1
+        self._reset_engine(engine)
+
+    def _reset_engine(self, engine: str) -> None:
+        """A batch of ``engine``'s was lost and its rank is unknown: reset each of its ranks."""
         for m in self._members.values():
             if m.name == engine:
                 m.counters.bad_batches += 1
@@ -376,6 +453,7 @@ class ConnectSource:
 
     def _reset(self, m: _Member, reason: ResetReason) -> None:
         m.decoder.reset()
+        m.blocks = 0
         if not m.dirty:
             return
         m.dirty = False
@@ -390,7 +468,62 @@ class ConnectSource:
             if now - m.last_message_at < limit:
                 continue
             del self._members[ident]
+            if not any(other.name == m.name for other in self._members.values()):
+                self._owners.pop(m.name, None)  # its last member left: the name is free again
             self.counters.members_expired += 1
             self._log.warning("connect_member_expired", engine=m.name, dp_rank=m.key.dp_rank,
                          silent_s=round(now - m.last_message_at, 1))  # fmt: skip
             self._sink.on_member_gone(m.key, m.counters)
+
+
+Networks = tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
+
+
+def _networks(addrs: tuple[str, ...]) -> Networks:
+    """Addresses or networks (``10.0.0.5``, ``10.0.0.0/24``, ``::1``); validated by the config."""
+    return tuple(ipaddress.ip_network(a, strict=False) for a in addrs)
+
+
+def _in(peer: str, networks: Networks) -> bool:
+    try:
+        addr = ipaddress.ip_address(peer)
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return any(addr in n for n in networks)
+
+
+def _rest(sock: zmq.Socket[Any], first: bytes) -> list[bytes]:
+    """The message whose first part is ``first``: its other parts (one Frame object per message,
+    for the peer address, not one per part); parts past a fourth are read and dropped, so the
+    frame-count check sees a bad message without holding all of it."""
+    frames = [first]
+    while sock.getsockopt(zmq.RCVMORE):
+        part = sock.recv()
+        if len(frames) < 4:
+            frames.append(part)
+    return frames
+
+
+def _peer(frame: zmq.Frame) -> str:
+    """The sender's address (TCP), or "" where ZMQ has none (IPC, inproc)."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except (zmq.ZMQError, UnicodeDecodeError):
+        return ""
+
+
+def _held_after(held: int, batch: EventBatch) -> int:
+    """``held`` plus the blocks ``batch`` stores minus those it removes (a clear empties it)."""
+    ops = batch.ops
+    if ops.shape[0] == 0:
+        return held
+    sizes = np.diff(batch.blk_off)
+    clears = np.flatnonzero(ops == OP_CLEAR)
+    if clears.shape[0]:
+        start = int(clears[-1]) + 1
+        held, ops, sizes = 0, ops[start:], sizes[start:]
+    stored = int(sizes[ops == OP_STORE].sum())
+    removed = int(sizes[ops == OP_REMOVE].sum())
+    return max(0, held + stored - removed)

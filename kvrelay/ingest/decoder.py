@@ -43,7 +43,15 @@ from kvrelay.ingest.options import DecodeOptions
 from kvrelay.ingest.salt import namespace_part, request_salt
 from kvrelay.ingest.stats import DecodeStats
 from kvrelay.ingest.tokens_kernel import fill_tokens
-from kvrelay.pool.batch import OP_CLEAR, OP_REMOVE, OP_STORE, EventBatch
+from kvrelay.pool.batch import (
+    OP_CLEAR,
+    OP_REMOVE,
+    OP_STORE,
+    ORIGIN_NEW,
+    ORIGIN_REPORT,
+    ORIGIN_UNKNOWN,
+    EventBatch,
+)
 
 M64 = (1 << 64) - 1
 HASH_FORMAT_STANDARD = 1
@@ -141,6 +149,29 @@ def _tok_header(raw: Raw) -> tuple[int, int, bool]:
         return -1, 0, False
     big = n > 0 and len(mv) > h and (0x90 <= mv[h] <= 0x9F or mv[h] in (0xDC, 0xDD))
     return n, h, big
+
+
+#: ``BlockStored.origin`` (map form): what the engine says a store is (contract §8.2.1)
+_ORIGINS = {"NEW": ORIGIN_NEW, "REUSED": ORIGIN_REPORT}
+
+
+def _lookahead(raw: Raw, n_blocks: int) -> int:
+    """The first lookahead token of block ``n_blocks - 1`` (vLLM >= 0.33 ``lookahead_token_ids``:
+    per block, the tokens past it that went into its hash), or -1 when there is none to use. With
+    it, an EAGLE window of the last stored block is complete instead of one token short."""
+    if not raw:
+        return -1
+    try:
+        la = msgspec.msgpack.decode(raw)
+    except msgspec.DecodeError:
+        return -1
+    if not isinstance(la, list) or len(la) != n_blocks:
+        return -1
+    last = la[-1]
+    if not isinstance(last, list) or not last:
+        return -1
+    t = last[0]
+    return t if type(t) is int and 0 <= t < 1 << 32 else -1
 
 
 def _self_referencing(hs: list[int], parent: int | None) -> bool:
@@ -467,6 +498,9 @@ class Decoder:
         s_nsp: list[int] = []
         s_nsi: list[bool] = []
         s_need: list[int] = []
+        s_fill: list[int] = []  # tokens taken from token_ids (s_need less a lookahead token)
+        s_la: list[int] = []
+        s_org: list[int] = []
         seg_raw: list[Raw] = []
         seg_hdr: list[int] = []
         seg_n: list[int] = []
@@ -532,6 +566,11 @@ class Decoder:
                 nh = len(hs)
                 if k > nh:
                     k = nh
+                la = -1  # the last block's lookahead token (EAGLE window), when sent
+                if extra and not big and k == nh - 1 and ntok == nh * B:
+                    la = _lookahead(getattr(ev, "lookahead_token_ids", wire.NO_RAW), nh)
+                    if la >= 0:
+                        k = nh
                 if k <= 0:
                     stats.drop(S.DROP_TOKENS_SHORT)
                     continue
@@ -543,6 +582,8 @@ class Decoder:
                     hs = [norm_hash(h) for h in hs]
                     if parent is not None:
                         parent = norm_hash(parent)
+                if parent is not None and norm_hash(parent) == 0:
+                    parent = None  # llm-d's "no parent" (its positional format); §17.3
                 if opts.drop_self_reference and _self_referencing(hs, parent):
                     stats.drop(S.DROP_SELF_REFERENCE)
                     continue
@@ -554,8 +595,12 @@ class Decoder:
                 entries = None
                 if want_ek and len(ev.extra_keys):
                     entries = self._extra_keys(ev.extra_keys, stats)
-                if opts.cache_salt_namespacing:
-                    ns = ev.cache_salt
+                # An explicit salt field (SGLang's salt map, a map-form ``cache_salt``) is
+                # honoured always, as Dynamo does: salted and unsalted blocks never merge.
+                # vLLM's bare salt in block 0's extra keys only with the namespacing option.
+                explicit = ev.cache_salt or None
+                if opts.cache_salt_namespacing or explicit:
+                    ns = explicit
                     if not ns and parent is None and entries:
                         ns = self._cache_salt(entries, lora)
                     if ns:
@@ -581,6 +626,9 @@ class Decoder:
                 s_nsp.append(nsp)
                 s_nsi.append(nsi)
                 s_need.append(k * B + extra)
+                s_fill.append(k * B if la >= 0 else k * B + extra)
+                s_la.append(la)
+                s_org.append(_ORIGINS.get(getattr(ev, "origin", None) or "", ORIGIN_UNKNOWN))
                 seg_raw.append(raw)
                 seg_hdr.append(hdr)
                 seg_n.append(n)
@@ -599,6 +647,7 @@ class Decoder:
         salt_a = np.zeros(n_ev, dtype=np.uint64)
         nsp_a = np.zeros(n_ev, dtype=np.uint64)
         nsi_a = np.zeros(n_ev, dtype=np.bool_)
+        org_a = np.zeros(n_ev if any(s_org) else 0, dtype=np.uint8)
         tcount = np.zeros(n_ev, dtype=np.int64)
         tokens = np.zeros(0, dtype=np.uint32)
         keep: npt.NDArray[np.bool_] | None = None
@@ -609,6 +658,8 @@ class Decoder:
             salt_a[si] = _u64(s_salt)
             nsp_a[si] = _u64(s_nsp)
             nsi_a[si] = s_nsi
+            if org_a.shape[0]:
+                org_a[si] = s_org
             need = np.array(s_need, dtype=np.int64)
             tcount[si] = need
             out_off = np.zeros(len(s_idx), dtype=np.int64)
@@ -625,11 +676,14 @@ class Decoder:
                 starts + lens,
                 np.array(seg_n, dtype=np.int64),
                 np.array(seg_big, dtype=np.bool_),
-                need,
+                np.array(s_fill, dtype=np.int64),
                 out_off,
                 tokens,
                 status,
             )
+            for j, tok in enumerate(s_la):
+                if tok >= 0:  # the EAGLE window's last token, from lookahead_token_ids
+                    tokens[out_off[j] + need[j] - 1] = tok
             if bad:
                 keep = np.ones(n_ev, dtype=np.bool_)
                 keep[si[status != 0]] = False
@@ -645,6 +699,8 @@ class Decoder:
             ops_a, counts_a, tcount = ops_a[keep], counts_a[keep], tcount[keep]
             parent_a, has_a, salt_a = parent_a[keep], has_a[keep], salt_a[keep]
             nsp_a, nsi_a = nsp_a[keep], nsi_a[keep]
+            if org_a.shape[0]:
+                org_a = org_a[keep]
             if ops_a.shape[0] == 0:
                 return _empty_batch()
         m_ev = int(ops_a.shape[0])
@@ -663,6 +719,7 @@ class Decoder:
             ext_hashes=ext_a,
             tok_off=tok_off,
             tokens=tokens,
+            origin=org_a,
         )
         if mm_events:
             self._attach_mm(batch, mm_events, counts_a, kept_idx)

@@ -67,17 +67,17 @@ _TAGS = {b"BlockStored": 0, b"BlockRemoved": 1, b"AllBlocksCleared": 2}
 # map keys → field id
 (K_TYPE, K_HASHES, K_PARENT, K_TOKENS, K_BS, K_LORA_ID, K_MEDIUM, K_LORA, K_EXTRA, K_GROUP,
  K_KIND, K_WINDOW, K_LOCALITY, K_OWNERSHIP, K_SESSION, K_LOOKAHEAD,
- K_CACHE_SALT) = range(17)  # fmt: skip
+ K_CACHE_SALT, K_ORIGIN) = range(18)  # fmt: skip
 _KEYS = {
     b"type": K_TYPE, b"block_hashes": K_HASHES, b"parent_block_hash": K_PARENT,
     b"token_ids": K_TOKENS, b"block_size": K_BS, b"lora_id": K_LORA_ID, b"medium": K_MEDIUM,
     b"lora_name": K_LORA, b"extra_keys": K_EXTRA, b"group_idx": K_GROUP,
     b"kv_cache_spec_kind": K_KIND, b"kv_cache_spec_sliding_window": K_WINDOW,
     b"locality": K_LOCALITY, b"ownership": K_OWNERSHIP, b"session_id": K_SESSION,
-    b"lookahead_token_ids": K_LOOKAHEAD, b"cache_salt": K_CACHE_SALT,
+    b"lookahead_token_ids": K_LOOKAHEAD, b"cache_salt": K_CACHE_SALT, b"origin": K_ORIGIN,
 }  # fmt: skip
 # fields allowed per tag in map form (bit set of key ids)
-_STORE_KEYS = sum(1 << k for k in range(17))
+_STORE_KEYS = sum(1 << k for k in range(18))
 _REMOVE_KEYS = sum(1 << k for k in (K_TYPE, K_HASHES, K_MEDIUM, K_GROUP, K_LOCALITY, K_OWNERSHIP))
 # array-era positions → key ids (index = position)
 _ARR_STORE = (K_TYPE, K_HASHES, K_PARENT, K_TOKENS, K_BS, K_LORA_ID, K_MEDIUM, K_LORA,
@@ -99,9 +99,9 @@ def _positions(store: tuple[int, ...], remove: tuple[int, ...], clear: tuple[int
 
 
 ARR_IDS, ARR_LEN = _positions(_ARR_STORE, _ARR_REMOVE, (K_TYPE,))
-#: SGLang sources (§21): stores share vLLM's positions 1–13 and carry the salt map at 14 (opaque
-#: here: only the namespacing option reads it, and that takes the msgspec path); a map in vLLM's
-#: lora_name slot (one revision) falls back. Removes: medium, group, then kind and window
+#: SGLang sources (§21): stores share vLLM's positions 1–13 and carry the salt map at 14 (a map
+#: there, like a non-empty map-form ``cache_salt``, falls back: the msgspec path reads it); a map
+#: in vLLM's lora_name slot (one revision) falls back. Removes: medium, group, then kind and window
 #: (ignored), locality, ownership. Cleared: one trailing ownership slot.
 SGL_IDS, SGL_LEN = _positions(
     _ARR_STORE[:15],
@@ -610,7 +610,7 @@ def _walk(  # type: ignore[no-untyped-def]
                     if p2 < 0:
                         return FALLBACK
                     par = v
-                    hp = True
+                    hp = v != 0  # a parent of 0 is no parent (llm-d's positional format)
                     pos = p2
                 continue
             if key == 3:  # token_ids: parsed now into tokens[nt:], kept later if needed
@@ -642,6 +642,11 @@ def _walk(  # type: ignore[no-untyped-def]
                         return FALLBACK
                     group = int(np.int64(v))
                 continue
+            if key == 17:  # origin: nil, or the msgspec path reads it
+                if c != 0xC0:
+                    return FALLBACK
+                pos += 1
+                continue
             if key == 6 or key == 10 or key == 12 or key == 7 or key == 16:  # str or nil
                 if c == 0xC0:
                     pos += 1
@@ -667,8 +672,13 @@ def _walk(  # type: ignore[no-untyped-def]
                     return FALLBACK
                 elif key == 7:
                     lpos, llen = sp, sn
-                # key 16 (cache_salt): only used by the namespacing option (not this path)
+                if key == 16 and sn > 0:  # a salted store: the msgspec path namespaces it
+                    return FALLBACK
                 continue
+            if key == 15 and extra == 1 and c != 0xC0:
+                return FALLBACK  # EAGLE lookahead tokens: the msgspec path completes the window
+            if key == 14 and (0x80 <= c <= 0x8F or c == 0xDE or c == 0xDF):
+                return FALLBACK  # SGLang's salt map at slot 14: the msgspec path reads it
             # lora_id, extra_keys, sliding window, ownership, session_id, lookahead: opaque
             p2 = skip(buf, pos, end)
             if p2 < 0:

@@ -30,6 +30,7 @@ class ResetReason(enum.Enum):
     RECONNECT = "reconnect"  # the publisher reconnected and no replay can vouch for its state
     BAD_BATCH = "bad_batch"  # a batch that cannot be decoded or applied, even when re-fetched
     RESTORE_UNVERIFIED = "restore_unverified"  # restored state, and no replay to vouch for it
+    VOUCH_TIMEOUT = "vouch_timeout"  # the replay asked to vouch for the state did not answer
 
 
 class BatchSink(Protocol):
@@ -41,8 +42,18 @@ class BatchSink(Protocol):
         """Drop everything the member holds."""
         ...
 
+    def on_rebuild(self, source: SourceKey, active: bool) -> None:
+        """``active``: the member is reset and is being rebuilt from its engine's replay (one
+        transaction for subscribers); False: the replay is applied (or abandoned)."""
+        ...
+
     def on_failed(self, source: SourceKey, error: BaseException) -> None:
         """The subscriber crashed and stopped: its member can no longer be vouched for."""
+        ...
+
+    def on_vouched(self, source: SourceKey) -> None:
+        """The engine vouched for a member resumed from saved state (``Subscriber(resume=...)``):
+        its state is that of the stream up to the resume point, exactly."""
         ...
 
 

@@ -19,8 +19,10 @@ Vouching for the incarnation. A restarted engine numbers its batches from 0 agai
 reconnect (seen on the SUB socket's monitor) or before a gap is filled, the relay cannot tell its
 new batches from the old ones by sequence alone. It remembers a digest of the last batch it
 applied and asks the replay for that batch first: the same bytes mean the same incarnation; any
-other answer (other bytes, a later first batch, nothing) means the state can no longer be vouched
-for, and the member is reset and rebuilt from the new incarnation's replay at 0. Without a replay
+other answer (other bytes, a later first batch, nothing, no answer within the replay timeout: a
+replay that does not answer is not a vouch) means the state can no longer be vouched for, and the
+member is reset and rebuilt from the replay at 0 (or, if that does not answer either, from the
+live stream). Without a replay
 endpoint a reconnect resets the member.
 
 SGLang publishers with a snapshot endpoint name their epoch (incarnation) in the topic frame
@@ -72,6 +74,7 @@ _ABORTED = 2  # replay outcome: reorder overflow, buffer dropped
 _DONE = 1
 _FAILED = 0
 _RESTARTED = 3  # the replay does not hold the last applied batch: another incarnation
+_UNVOUCHED = 4  # asked to vouch for the last applied batch, the replay did not answer in time
 
 #: TCP keepalive on the SUB connection, so a silent network partition shows up as a disconnect.
 _KEEPALIVE_IDLE_S, _KEEPALIVE_INTVL_S, _KEEPALIVE_CNT = 10, 5, 3
@@ -125,6 +128,7 @@ class Subscriber:
         self.spec = spec
         self.key = spec.key
         self.counters = SubscriberCounters()
+        self._rebuilding = False  # a reset member being rebuilt from the replay
         self.state = "new"
         self.connected = False
         self._connected_at = 0.0
@@ -160,6 +164,7 @@ class Subscriber:
         self._bad_seq: int | None = None  # a batch that failed once and is being re-fetched
         self._in_replay = False
         self._resume = resume
+        self._resume_pending = resume is not None  # restored state nobody vouched for yet
         if resume is not None:
             self._next, self._last, self._dirty = resume[0] + 1, resume, True
         self._ever_connected = False
@@ -251,6 +256,7 @@ class Subscriber:
                 await self._sync(self._start_seq, bootstrap=True)
             elif self._start_seq > 0:
                 self._next = self._start_seq
+            self._end_rebuild()
             self._set_state("live")
             while True:
                 fut = loop.create_future()
@@ -269,6 +275,8 @@ class Subscriber:
                 while self._replay_from is not None:  # a replay may ask for another
                     start, self._replay_from = self._replay_from, None
                     await self._sync(start, bootstrap=False)
+                    if self._replay_from is None:
+                        self._end_rebuild()
                     self._set_state("live")
         except asyncio.CancelledError:
             raise
@@ -278,6 +286,7 @@ class Subscriber:
             self._log.exception("subscriber_crashed", error=f"{type(exc).__name__}: {exc}")
             self._sink.on_failed(self.key, exc)
         finally:
+            self._end_rebuild()
             self._live = False
             self._wake_fut = None
             for fd in fds:
@@ -486,6 +495,8 @@ class Subscriber:
 
     def _restart_from_zero(self, reason: ResetReason, *, replay: bool = True) -> None:
         """Another incarnation: drop the member's state and rebuild from its replay at 0."""
+        if replay and self.spec.replay_endpoint:
+            self._begin_rebuild()
         self._reset(reason)
         self._buf.clear()
         self._replay_from = None
@@ -573,11 +584,25 @@ class Subscriber:
         self._reset(ResetReason.BAD_BATCH)
         self._last = (seq, _digest(payload))
 
+    def _begin_rebuild(self) -> None:
+        """The member is about to be reset and rebuilt from the replay: one transaction."""
+        if not self._rebuilding:
+            self._rebuilding = True
+            self._sink.on_rebuild(self.key, True)
+
+    def _end_rebuild(self) -> None:
+        if self._rebuilding:
+            self._rebuilding = False
+            self._sink.on_rebuild(self.key, False)
+
     def _reset(self, reason: ResetReason) -> None:
         self._decoder.reset()
+        self._resume_pending = False  # the restored state is gone with the rest
         if not self._dirty:
             return
         self._dirty = False
+        if self.state == "replaying":  # reset inside a replay: what follows rebuilds it
+            self._begin_rebuild()
         self.counters.count_reset(reason.value)
         self._sink.on_reset(self.key, reason)  # the pool logs member_reset
 
@@ -627,11 +652,17 @@ class Subscriber:
             )
             if outcome == _ABORTED:
                 return
-            if outcome == _RESTARTED and not restarted:
+            if outcome == _UNVOUCHED and len(self._buf):
+                outcome = _FAILED  # a live hole as well: reset and go on after it (below)
+            if outcome == _UNVOUCHED or (outcome == _RESTARTED and not restarted):
                 restarted = True  # rebuild once from 0; a second mismatch is a plain hole
-                self.counters.incarnations_detected += 1
-                self._log.warning("incarnation_unverified", asked=start)
-                self._restart_from_zero(ResetReason.INCARNATION)
+                if outcome == _RESTARTED:
+                    self.counters.incarnations_detected += 1
+                    self._log.warning("incarnation_unverified", asked=start)
+                    self._restart_from_zero(ResetReason.INCARNATION)
+                else:  # a replay that does not answer is not a vouch
+                    self._log.warning("vouch_unanswered", asked=start - 1)
+                    self._restart_from_zero(ResetReason.VOUCH_TIMEOUT)
                 self._replay_from = None
                 start, bootstrap, attempt = 0, True, 0
                 continue
@@ -680,7 +711,7 @@ class Subscriber:
                     if loop.time() >= deadline:
                         c.replay_failures += 1
                         self._log.warning("replay_timeout", start=ask)
-                        return _FAILED
+                        return _FAILED if verify is None else _UNVOUCHED
                     await asyncio.sleep(0.001)
             self._dup_lo, self._dup_hi = ask, ask - 1
             self._next = start if self._next is None else self._next
@@ -695,7 +726,7 @@ class Subscriber:
                 if not (sub_ready or dealer_ready) and loop.time() >= deadline:
                     c.replay_failures += 1
                     self._log.warning("replay_timeout", start=ask)
-                    return _FAILED
+                    return _UNVOUCHED if first and verify is not None else _FAILED
                 if sub_ready and not self._buffer_live():
                     return _ABORTED
                 if not dealer_ready:
@@ -722,6 +753,9 @@ class Subscriber:
                             return _RESTARTED  # same number, other bytes: another incarnation
                         self._dup_hi = seq
                         c.duplicates += 1
+                        if self._resume_pending:
+                            self._resume_pending = False
+                            self._sink.on_vouched(self.key)
                         continue
                     # (a first batch later than the one asked for: history is gone, handled
                     # below like any missing history — reset, then go on from here)

@@ -41,6 +41,9 @@ class MapStored(Struct, tag="BlockStored", tag_field="type", forbid_unknown_fiel
     session_id: Raw = NO_RAW
     lookahead_token_ids: Raw = NO_RAW
     cache_salt: str | None = None
+    #: ``NEW`` (newly cached blocks) or ``REUSED`` (a report of cached ones): proposed to vLLM,
+    #: relied on by llm-d; tells physical copies from reports (contract §8.2.1)
+    origin: str | None = None
 
 
 class MapRemoved(Struct, tag="BlockRemoved", tag_field="type", forbid_unknown_fields=True):

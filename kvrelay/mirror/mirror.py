@@ -16,9 +16,13 @@ that key, and the upstream's answer (POOL_NOT_FOUND, PRODUCER_CHANGED, RESOURCE_
 mirror's answer, or the stream becomes the pool's mirror. So a router whose catalog is newer
 than the mirror's gets the same answer as from the upstream, without the mirror guessing.
 
-Bounds: at most ``max_initialized_pool_hubs`` pools are mirrored (listed pools in catalog order,
-then on demand); the rest of the catalog is still listed, and subscribing to such a pool gets
-RESOURCE_LIMIT. There is no idle eviction: a mirror holds every pool it mirrors.
+Bounds: at most ``max_initialized_pool_hubs`` pools are mirrored at once (listed pools in
+catalog order while there is room, then on demand). A subscriber to a pool that is not mirrored
+when there is no room evicts the pool idle the longest (no local subscriber, nobody being
+admitted), as a relay retires its idle hubs: its upstream stream ends and its table is dropped;
+the next subscriber to it waits for a fresh sync. Only when every mirrored pool is in use is the
+answer RESOURCE_LIMIT, so every listed pool stays servable behind a mirror and behind
+``workers = N``.
 """
 
 from __future__ import annotations
@@ -41,13 +45,28 @@ from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION
 from kvrelay.logging import get_logger
 from kvrelay.mirror.checker import relay_key
 from kvrelay.mirror.plane import MirrorPlane, PlaneViolation
-from kvrelay.mirror.pool import MirrorPool, PoolContext, PoolState
+from kvrelay.mirror.pool import HOLD_TTL_S, MirrorPool, PoolContext, PoolState
 from kvrelay.mirror.settings import MirrorSettings
 from kvrelay.mirror.upstream import Upstream, upstream_error
 from kvrelay.publication.hub import PublicationHub, Subscription
+from kvrelay.service.canonical import WireFormatError, canonicalize
 
 _log = get_logger(__name__)
 _BEHIND = frozenset({int(Reason.SUBSCRIBER_LAGGED), int(Reason.SNAPSHOT_PROGRESS_TIMEOUT)})
+
+
+def _same_message(cls: type) -> Callable[[bytes, bytes], bool]:
+    """Canonical protobuf equality of two encodings of ``cls`` (the service's request rule:
+    fields as official protobuf resolves them, deterministic order, unknown fields dropped).
+    A re-send may be encoded otherwise than the first send (field order, packing)."""
+
+    def same(held: bytes, resent: bytes) -> bool:
+        try:
+            return canonicalize(held, cls) == canonicalize(resent, cls)
+        except WireFormatError:
+            return False
+
+    return same
 
 
 class Mirror:
@@ -57,10 +76,12 @@ class Mirror:
         self.settings = settings
         self.limits = settings.limits
         self.upstream = Upstream(settings)
-        self.catalog = MirrorPlane("catalog")
-        self.readiness = MirrorPlane("readiness")
-        self.load = MirrorPlane("load")
-        self.serving_load = MirrorPlane("serving-load")  # no "_": metrics split "<plane>_<reason>"
+        self.catalog = MirrorPlane("catalog", same=_same_message(pb.KvPoolCatalogUpdate))
+        self.readiness = MirrorPlane("readiness",
+                                     same=_same_message(pb.ServingReadinessUpdate))  # fmt: skip
+        self.load = MirrorPlane("load", same=_same_message(pb.KvPoolLoadUpdate))
+        # no "_" in the name: metrics split "<plane>_<reason>"
+        self.serving_load = MirrorPlane("serving-load", same=_same_message(pb.ServingLoadUpdate))
         self._identity: pb.RelayIdentity | None = None
         self._identity_key: tuple[int, int] | None = None
         self._identity_bytes = b""
@@ -79,6 +100,7 @@ class Mirror:
         self.identity_changes = 0
         self.catalog_invalid = 0  # descriptors whose producer is not a valid key (not mirrored)
         self.pools_over_limit = 0  # listed pools not mirrored at the last catalog: hub cap
+        self.pools_evicted = 0  # idle mirrored pools dropped to make room for another
         self.plane_ends: Counter[str] = Counter()
         self.plane_violations: Counter[str] = Counter()
         self._retired: Counter[str] = Counter()  # pool counters folded in when pools go
@@ -103,7 +125,7 @@ class Mirror:
             raise RelayError.publication_unavailable("the mirror has no upstream session")
         pool = self._pools.get(key)
         if pool is None or pool.state is PoolState.GONE:
-            if not self._room():
+            if not self._room() and not self._evict_idle():
                 raise RelayError.resource_limit(
                     f"Relay initialized pool hub limit {self.limits.max_initialized_pool_hubs} "
                     "reached"
@@ -111,6 +133,20 @@ class Mirror:
             pool = self._start_pool(key, expected)  # the upstream decides this key
         deadline = asyncio.get_running_loop().time() + self.settings.sync_wait_s
         return await pool.admit(on_release, deadline)
+
+    async def hold_pool(
+        self, expected: pb.ProducerIdentity, requester: str, seconds: float
+    ) -> float:
+        """A mirror of this mirror asks for spacing: its local hub takes the request like a
+        joiner's, and this mirror passes the need on to its own upstream (``MirrorPool``)."""
+        pool = self._pools.get(producer_key(expected))
+        hub = None if pool is None else pool.hub
+        if hub is None:
+            raise RelayError.publication_unavailable("the mirror does not serve this pool now")
+        granted = hub.request_hold(requester, seconds, HOLD_TTL_S)
+        assert pool is not None
+        pool._space(hub)
+        return granted
 
     @property
     def _planes(self) -> tuple[MirrorPlane, ...]:
@@ -120,6 +156,22 @@ class Mirror:
     def _room(self) -> bool:
         active = sum(1 for p in self._pools.values() if p.state is not PoolState.GONE)
         return active < self.limits.max_initialized_pool_hubs
+
+    def _evict_idle(self) -> bool:
+        """Make room: stop the mirrored pool idle the longest (no local subscriber, nobody
+        being admitted). False when every mirrored pool is in use."""
+        idle = [
+            (since, pool)
+            for pool in self._pools.values()
+            if pool.state is not PoolState.GONE and (since := pool.idle_since) is not None
+        ]
+        if not idle:
+            return False
+        _since, pool = min(idle, key=lambda item: item[0])
+        self.pools_evicted += 1
+        _log.info("mirror_pool_evicted", pool=pool.name, state=pool.state.value)
+        pool.stop(None, "the mirror evicted this idle pool to make room for another")
+        return True
 
     def _start_pool(self, key: ProducerKey, producer: pb.ProducerIdentity) -> MirrorPool:
         pool = MirrorPool(self._ctx, key, producer)
@@ -138,6 +190,7 @@ class Mirror:
         self._retired["installs"] += pool.installs
         self._retired["deltas"] += pool.deltas
         self._retired["lagged"] += pool.lagged
+        self._retired["holds_sent"] += pool.holds_sent
         for k, v in pool.ends.items():
             self._retired[f"end_{k}"] += v
         for k, v in pool.violations.items():
@@ -328,7 +381,7 @@ class Mirror:
         pools = {}
         for key, pool in self._pools.items():
             pools[f"{key.routing_scope_digest.hex()[:8]}/{key.layout_generation}"] = pool.stats()
-            for name in ("attempts", "installs", "deltas", "lagged"):
+            for name in ("attempts", "installs", "deltas", "lagged", "holds_sent"):
                 totals[name] += int(getattr(pool, name))
             for k, v in pool.ends.items():
                 totals[f"end_{k}"] += v
@@ -340,14 +393,18 @@ class Mirror:
             "identity_changes": self.identity_changes,
             "synced": self.synced.is_set(),
             "planes": {
-                p.name: {"live": p.live, "epochs": p.epochs, "version": p.upstream_version}
+                p.name: {"live": p.live, "epochs": p.epochs, "version": p.upstream_version,
+                         "equivalent_resends": p.equivalent_resends}
                 for p in self._planes
             },
             "plane_ends": dict(self.plane_ends),
             "plane_violations": dict(self.plane_violations),
             "catalog_invalid": self.catalog_invalid,
             "pools_over_limit": self.pools_over_limit,
+            "pools_evicted": self.pools_evicted,
             "channel_resets": self.upstream.resets,
+            "upstream_spacing": self.upstream.spacing,
+            "hold_failures": self.upstream.hold_failures,
             "pool_totals": dict(totals),
             "pools": pools,
         }

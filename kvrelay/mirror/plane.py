@@ -8,12 +8,19 @@ upstream ended it (its error, or cleanly), and new readers are refused until ano
 delivers: a mirror never serves a plane message from a source it has lost. The next epoch starts
 above every version used before, so a reader of an old epoch can never mistake a new message
 for the continuation of its own stream.
+
+A re-send at the version already held (readiness heartbeats) is not published again. Its bytes
+need not be the same: another encoder may order fields or pack repeated ones differently. With
+``same`` (the mirror passes canonical protobuf equality), a re-send whose bytes differ but whose
+message is the one held is counted (``equivalent_resends``) and dropped; only a different
+message at one version is a violation.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 
 from kvrelay.contract.errors import RelayError
 from kvrelay.publication.plane import PlaneEnded, PlaneUnsupported
@@ -29,8 +36,11 @@ class PlaneViolation(Exception):
 class MirrorPlane:
     """Latest upstream message of one plane, with epochs. Single event loop; never blocks."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, same: Callable[[bytes, bytes], bool] | None = None) -> None:
+        """``same(held, resent)``: whether two encodings carry one message (default: equal
+        bytes)."""
         self.name = name
+        self._same = same
         self._version = -1
         self._data: bytes | None = None
         self._live = False
@@ -43,6 +53,7 @@ class MirrorPlane:
         self._unsupported: str | None = None
         self.epochs = 0
         self.messages = 0
+        self.equivalent_resends = 0  # re-sends with other bytes for the same message
 
     def _unavailable(self, why: str) -> RelayError:
         return RelayError.publication_unavailable(f"mirror {self.name} plane: {why}")
@@ -105,7 +116,10 @@ class MirrorPlane:
             )
         if upstream_version == self._upstream:
             if data != self._data:
-                raise PlaneViolation(f"{self.name} changed at version {upstream_version}")
+                held = self._data
+                if held is None or self._same is None or not self._same(held, data):
+                    raise PlaneViolation(f"{self.name} changed at version {upstream_version}")
+                self.equivalent_resends += 1
             return False  # a re-send (readiness heartbeat): the mirror's own server re-sends
         self._publish(self._base + upstream_version - self._first, upstream_version, data)
         return True

@@ -50,6 +50,11 @@ _FORWARDED = frozenset({int(Reason.PUBLICATION_UNAVAILABLE), int(Reason.INTERNAL
 _BEHIND = frozenset({int(Reason.SUBSCRIBER_LAGGED), int(Reason.SNAPSHOT_PROGRESS_TIMEOUT)})
 _GONE = frozenset({int(Reason.POOL_NOT_FOUND), int(Reason.PRODUCER_CHANGED)})
 VOUCH_SLACK_S = 0.25
+#: While local joiners need spacing, the request to the upstream is renewed this often (it
+#: lapses upstream after ``relay.HOLD_TTL_S`` = 1 s).
+HOLD_RENEW_S = 0.25
+#: A spacing request of a mirror of this mirror lapses this long after its last renewal.
+HOLD_TTL_S = 1.0
 
 
 class PoolState(enum.Enum):
@@ -98,6 +103,13 @@ class MirrorPool:
         self._checker: PoolStreamChecker | None = None
         self._last_frame = time.monotonic()
         self._heartbeat_s = ctx.settings.upstream_heartbeat_s
+        self._spacing: asyncio.Task[None] | None = None  # a spacing request in flight
+        self._held = False  # the upstream was last asked for a spacing > 0
+        self._asked = 0.0  # the spacing last asked for
+        self._hold_renew = 0.0
+        self.holds_sent = 0  # spacing requests the upstream granted
+        self._waiting = 0  # admissions in progress (waiting for the sync or a snapshot slot)
+        self._idle_mark = time.monotonic()  # since when nobody used this pool, between hubs
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -111,6 +123,9 @@ class MirrorPool:
         if self._task is not None:
             self._task.cancel()
             self._task = None
+        if self._spacing is not None:
+            self._spacing.cancel()
+            self._spacing = None
         hub, self.hub = self.hub, None
         if hub is not None:
             hub.retire(error)
@@ -120,6 +135,15 @@ class MirrorPool:
     @property
     def sequence(self) -> int | None:
         return None if self.hub is None else self.hub.sequence
+
+    @property
+    def idle_since(self) -> float | None:
+        """Since when no local subscriber used this pool (monotonic); None while one does or one
+        is being admitted. The mirror evicts the pool idle the longest when it needs room."""
+        if self._waiting:
+            return None
+        hub = self.hub
+        return self._idle_mark if hub is None else hub.idle_since
 
     def _set(self, state: PoolState, error: RelayError | None = None) -> None:
         self.state = state
@@ -136,6 +160,17 @@ class MirrorPool:
     ) -> Subscription:
         """A local subscription once the pool is live; the failed attempt's error, or
         PUBLICATION_UNAVAILABLE after ``deadline`` (loop time) while still synchronizing."""
+        self._waiting += 1
+        try:
+            return await self._admit(on_release, deadline)
+        finally:
+            self._waiting -= 1
+            if not self._waiting and self.hub is None:
+                self._idle_mark = time.monotonic()
+
+    async def _admit(
+        self, on_release: Callable[[], None] | None, deadline: float
+    ) -> Subscription:
         loop = asyncio.get_running_loop()
         while True:
             state, hub = self.state, self.hub
@@ -175,12 +210,45 @@ class MirrorPool:
             n = len(frame.payload)
             hub.publish_encoded(frame.sequence, extra.buckets, extra.words, data, n)
             self.deltas += 1
+            if hub.joiners or self._held or hub.holds_requested:
+                self._space(hub)
         elif isinstance(extra, Installed):
             self._install(extra)
         elif frame.kind == int(pb.FilterUpdateKind.HEARTBEAT):
             # heartbeats come after one upstream period of silence: learn the period
             self._heartbeat_s = min(3600.0, max(0.05, now - self._last_frame))
         self._last_frame = now
+
+    def _space(self, hub: PublicationHub) -> None:
+        """Ask the upstream to space its publications while this hub has joiners (or mirrors of
+        this mirror ask it to): a mirror forwards the upstream's sequences and cannot space them
+        (``service/spacing.py``). For its own joiners it asks for the longest spacing,
+        ``snapshot_publication_delay_s``, not the finer estimate a relay computes at every cut:
+        its requests reach the upstream a round trip and a renewal late, after deltas already
+        in flight (the hub's joiners queue no deltas until their streams begin to send:
+        ``late_cut``). Renewed every ``HOLD_RENEW_S`` while needed and at once when the need
+        grows by a quarter, ended with 0; one request in flight at most; never again once the
+        upstream said it cannot."""
+        if self._spacing is not None or not self.ctx.upstream.spacing:
+            return
+        hold = hub.limits.snapshot_publication_delay_s if hub.joiners else hub.publication_hold()
+        now = time.monotonic()
+        if hold <= 0.0 and not self._held:
+            return
+        if hold > 0.0 and self._held and now < self._hold_renew and hold <= 1.25 * self._asked:
+            return
+        self._held = hold > 0.0
+        self._asked = hold
+        self._hold_renew = now + HOLD_RENEW_S
+        request = rpc.pool_request(self.ctx.settings.subscriber_id, self.producer)
+        self._spacing = asyncio.get_running_loop().create_task(self._ask(request, hold))
+
+    async def _ask(self, request: pb.SubscribeKvPoolRequest, hold: float) -> None:
+        try:
+            if await self.ctx.upstream.hold(request, hold):
+                self.holds_sent += 1
+        finally:
+            self._spacing = None
 
     def _install(self, snap: Installed) -> None:
         key = self.key
@@ -195,7 +263,9 @@ class MirrorPool:
             encode_gate=self.ctx.encode_gate,
             cut=snap.chunks,
             vouch=self._vouch,
+            late_cut=True,  # its joiners' spacing is asked of the upstream (see _space)
         )
+        hub.idle_since = self._idle_mark  # a resubscription is no use of the pool
         self.hub = hub
         self.installs += 1
         self._set(PoolState.LIVE)
@@ -251,6 +321,7 @@ class MirrorPool:
         hub, self.hub = self.hub, None
         self._checker = None
         if hub is not None:
+            self._idle_mark = hub.idle_since or time.monotonic()
             hub.retire(local)
             self.lagged += hub.lagged
         return hub is not None, local, answer
@@ -285,6 +356,7 @@ class MirrorPool:
             "attempts": self.attempts,
             "installs": self.installs,
             "deltas": self.deltas,
+            "holds_sent": self.holds_sent,
             "subscribers": 0 if self.hub is None else self.hub.subscriber_count,
             "lagged": self.lagged + (0 if self.hub is None else self.hub.lagged),
             "ends": dict(self.ends),

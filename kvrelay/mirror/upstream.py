@@ -13,14 +13,18 @@ from typing import Any
 
 from grpclib.client import Channel
 from grpclib.config import Configuration
+from grpclib.const import Cardinality, Status
+from grpclib.exceptions import GRPCError
 
 from kvrelay.client import errors as E
 from kvrelay.client import rpc
 from kvrelay.client.codec import RawCodec
 from kvrelay.contract.errors import RelayError, reason_from_name
 from kvrelay.mirror.settings import MirrorSettings
+from kvrelay.service.spacing import HOLD_HEADER, HOLD_METHOD
 
 SERVICE = "/dynamo.kvrelay.v1.KvEventRelay/"
+_UNSUPPORTED = frozenset({Status.UNIMPLEMENTED, Status.UNKNOWN})
 StreamEnd = rpc.StreamEnd
 
 
@@ -38,6 +42,8 @@ class Upstream:
     def __init__(self, settings: MirrorSettings) -> None:
         self.settings = settings
         self.resets = 0
+        self.spacing = True  # the upstream answers spacing requests (kvrelay does)
+        self.hold_failures = 0  # spacing requests that failed (transport, refusal, timeout)
         self._channel = self._open()
 
     def _open(self) -> Channel:
@@ -65,6 +71,7 @@ class Upstream:
         if used is not None and used is not self._channel:
             return
         self.resets += 1
+        self.spacing = True  # maybe another relay now
         old, self._channel = self._channel, self._open()
         old.close()
 
@@ -89,6 +96,35 @@ class Upstream:
             channel, method, request, bytes, on_message, silence_s=silence_s, yield_every=every
         )
         return end, channel
+
+    async def hold(self, request: Any, seconds: float) -> bool | None:
+        """Ask the upstream to space ``request``'s pool for local joiners
+        (``service/spacing.py``): True if granted, False if the upstream cannot (a relay other
+        than kvrelay: UNIMPLEMENTED, remembered until the channel is replaced), None if this
+        request failed otherwise (the next one may succeed)."""
+        if not self.spacing:
+            return False
+        channel = self._channel
+        try:
+            async with channel.request(
+                HOLD_METHOD, Cardinality.UNARY_UNARY, type(request), bytes, timeout=2.0,
+                metadata={HOLD_HEADER: str(max(0, round(seconds * 1000)))},
+            ) as st:  # fmt: skip
+                await st.send_message(request, end=True)
+                await st.recv_message()
+                await st.recv_trailing_metadata()
+            return True
+        except GRPCError as err:
+            # UNIMPLEMENTED (tonic: Dynamo), or UNKNOWN: grpclib servers answer an unknown
+            # method without a content-type, which grpclib clients report as UNKNOWN
+            if err.status in _UNSUPPORTED and channel is self._channel:
+                self.spacing = False
+                return False
+            self.hold_failures += 1
+            return None
+        except Exception:  # transport errors, a closed channel: a request is best effort
+            self.hold_failures += 1
+            return None
 
     def close(self) -> None:
         self._channel.close()

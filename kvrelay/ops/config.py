@@ -25,7 +25,7 @@ from kvrelay.hashing.identity import DEFAULT_CKF_SEED, bucket_count_for
 from kvrelay.ingest.kinds import ENGINE_KINDS
 from kvrelay.ingest.options import DecodeOptions
 from kvrelay.ingest.topic_pattern import PatternError, TopicPattern
-from kvrelay.ops.tls import is_loopback
+from kvrelay.ops.tls import TlsConfigError, client_ssl_context, is_loopback, server_ssl_context
 from kvrelay.relay.settings import ConnectConfig, EngineSpec, PoolSpec, RelaySettings
 
 DEFAULT_BIND = "127.0.0.1:50161"
@@ -127,6 +127,8 @@ class DaemonConfig:
     #: processes serving gRPC: 1 = the relay itself; N ≥ 2 = ingest + N−1 fan-out workers
     workers: int = 1
     mirror: MirrorConfig | None = None
+    #: where ``workers = N`` puts its internal socket's private directory (None: $TMPDIR)
+    runtime_dir: str | None = None
 
     def summary(self) -> str:
         """One line for ``check-config`` and the start-up log."""
@@ -216,6 +218,10 @@ def _positive_s(v: float) -> str | None:
     return None if 0 < v <= 365 * 24 * 3600 else f"must be > 0 and <= 1 year (seconds), got {v}"
 
 
+def _off_or_positive_s(v: float) -> str | None:
+    return None if v == 0 else _positive_s(v)
+
+
 def _one_of(options: Iterable[str]) -> Check:
     opts = tuple(options)
     return lambda v: None if v.lower() in opts else f"must be one of {', '.join(opts)}, got {v!r}"
@@ -283,8 +289,11 @@ RELAY_KEYS: dict[str, _Key] = {
     "dns_server": _Key("str", None, check=_bind_check),
     "state_dir": _Key("str", None, check=lambda v: None if v == "" else _text(v)),
     "state_max_age_s": _Key("float", 3600.0, check=_positive_s),
+    "checkpoint_interval_s": _Key("float", 30.0, check=_off_or_positive_s),
+    "scrub_interval_s": _Key("float", 300.0, check=_off_or_positive_s),
     "event_loop": _kw("asyncio", EVENT_LOOPS),
     "workers": _Key("int", 1, check=_int_range(1, 256)),
+    "runtime_dir": _Key("str", None, check=_text),
     "shutdown_timeout_s": _Key(
         "float", 10.0, check=lambda v: None if 0 < v <= 300 else f"must be in (0, 300], got {v}"
     ),
@@ -343,6 +352,7 @@ POOL_KEYS: dict[str, _Key] = {
     "kv_block_size": _Key("int", None, check=_int_range(1, 1 << 20)),
     "cache_salt_namespacing": _Key("bool", False),
     "multimodal_hashing": _Key("bool", False),
+    "engine_reports": _Key("bool", False),
 }
 ENGINE_KEYS: dict[str, _Key] = {
     "name": _Key("str", required=True, check=_text),
@@ -381,12 +391,28 @@ def _bind_endpoints(v: list[str]) -> str | None:
     return None
 
 
+def _addresses(v: list[str]) -> str | None:
+    import ipaddress
+
+    for a in v:
+        try:
+            ipaddress.ip_network(a, strict=False)
+        except ValueError:
+            return f"{a!r} is not an IP address or network (10.0.0.5, 10.0.0.0/24, ::1)"
+    return None
+
+
 CONNECT_KEYS: dict[str, _Key] = {
     "bind": _Key("strs", required=True, check=_bind_endpoints),
     "topic_pattern": _Key("str", required=True, check=_pattern),
     "kind": _kw("vllm", ENGINE_KINDS),
     "max_members": _Key("int", 1024, check=_int_range(1, 65536)),
     "member_silence_s": _Key("float", 600.0, check=_positive_s),
+    "allow": _Key("strs", None, check=_addresses),
+    "max_topic_bytes": _Key("int", 256, check=_int_range(8, 65536)),
+    "max_batch_bytes": _Key("int", 16 * 1024 * 1024, check=_int_range(1024, 1 << 30)),
+    "max_member_blocks": _Key("int", 1 << 22, check=_int_range(1, 1 << 31)),
+    "curve_secret_key_file": _Key("str", None, check=_text),
 }
 #: Sections reachable through environment overrides (scalar keys only), longest prefix first.
 ENV_SECTIONS: tuple[tuple[str, str, dict[str, _Key]], ...] = (
@@ -718,6 +744,8 @@ def parse_config(
             dns_server=relay["dns_server"],
             state_dir=_state_dir(relay["state_dir"], environ),
             state_max_age_s=relay["state_max_age_s"],
+            checkpoint_interval_s=relay["checkpoint_interval_s"],
+            scrub_interval_s=relay["scrub_interval_s"],
         )
     except ValueError as exc:  # a rule checked only by the settings themselves
         r.err("relay", str(exc))
@@ -740,8 +768,21 @@ def parse_config(
         warnings=warnings,
         workers=relay["workers"],
         mirror=mirror,
+        runtime_dir=_runtime_dir(relay["runtime_dir"], environ),
     )
     return cfg, r.problems
+
+
+def _runtime_dir(value: str | None, env: Mapping[str, str]) -> str | None:
+    """``runtime_dir``: the file's value, else systemd's ``RuntimeDirectory=``
+    (``$RUNTIME_DIRECTORY``), else ``$XDG_RUNTIME_DIR``, else None (the temp directory)."""
+    if value:
+        return value
+    for name in ("RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):
+        found = env.get(name, "").split(":")[0]
+        if found:
+            return found
+    return None
 
 
 def _state_dir(value: str | None, env: Mapping[str, str]) -> str | None:
@@ -846,6 +887,11 @@ def _mirror(r: _Reader, raw: dict[str, Any]) -> MirrorConfig | None:
         if path and not os.access(path, os.R_OK):
             why = "does not exist" if not os.path.exists(path) else "is not readable"
             r.err(f"mirror.{name}", f"file {path!r} {why}")
+    if ca and len(r.problems) == n_before:
+        try:
+            client_ssl_context(ca, cert, key)
+        except TlsConfigError as exc:
+            r.err("mirror.tls_cert" if cert else "mirror.tls_ca", str(exc))
     upstream = m["upstream"]
     if upstream is not None and not upstream.startswith("unix:") and ca is None:
         host = upstream.rpartition(":")[0].strip("[]")
@@ -884,11 +930,17 @@ def _check_tls(r: _Reader, tls: dict[str, Any]) -> None:
         r.err("tls.cert", "required when tls.key is set")
     if ca and not cert:
         r.err("tls.cert", "required when tls.client_ca is set (mTLS needs a server certificate)")
+    n_before = len(r.problems)
     for name in ("cert", "key", "client_ca"):
         path = tls[name]
         if path and not os.access(path, os.R_OK):
             why = "does not exist" if not os.path.exists(path) else "is not readable"
             r.err(f"tls.{name}", f"file {path!r} {why}")
+    if cert and key and len(r.problems) == n_before:
+        try:  # PEM, a key that matches the certificate, a CA bundle that loads: here, not at start
+            server_ssl_context(cert, key, ca)
+        except TlsConfigError as exc:
+            r.err("tls.cert", str(exc))
 
 
 def _pools(r: _Reader, value: Any) -> list[PoolSpec] | None:
@@ -954,6 +1006,7 @@ def _pools(r: _Reader, value: Any) -> list[PoolSpec] | None:
                         cache_salt_namespacing=p["cache_salt_namespacing"],
                         multimodal_hashing=p["multimodal_hashing"],
                     ),
+                    engine_reports=p["engine_reports"],
                     connect=connect,
                 )
             )
@@ -972,7 +1025,20 @@ def _connect(r: _Reader, pool_path: str, praw: dict[str, Any]) -> ConnectConfig 
     if raw is None:
         return None
     n_before = len(r.problems)
-    c = r.keys(path, raw, CONNECT_KEYS)
+    c = r.keys(path, raw, CONNECT_KEYS, extra=("addresses",))
+    addresses: list[tuple[str, tuple[str, ...]]] = []
+    table = r.table(f"{path}.addresses", raw.get("addresses")) or {}
+    for name, v in table.items():
+        vals = [v] if isinstance(v, str) else v
+        if not (isinstance(vals, list) and vals and all(isinstance(x, str) for x in vals)):
+            r.err(f"{path}.addresses.{name}", "a string or a non-empty list of strings")
+        elif (problem := _addresses(vals)) is not None:
+            r.err(f"{path}.addresses.{name}", problem)
+        else:
+            addresses.append((str(name), tuple(vals)))
+    curve = None
+    if c["curve_secret_key_file"] is not None:
+        curve = _curve_key(r, f"{path}.curve_secret_key_file", c["curve_secret_key_file"])
     if any(q.severity == "error" for q in r.problems[n_before:]):
         return None
     for ep in c["bind"]:
@@ -986,10 +1052,36 @@ def _connect(r: _Reader, pool_path: str, praw: dict[str, Any]) -> ConnectConfig 
             kind=ENGINE_KINDS[c["kind"]],
             max_members=c["max_members"],
             member_silence_s=c["member_silence_s"],
+            allow=tuple(c["allow"] or ()),
+            addresses=tuple(addresses),
+            max_topic_bytes=c["max_topic_bytes"],
+            max_batch_bytes=c["max_batch_bytes"],
+            max_member_blocks=c["max_member_blocks"],
+            curve_secret_key=curve,
         )
     except ValueError as exc:
         r.err(path, str(exc))
         return None
+
+
+def _curve_key(r: _Reader, path: str, file: str) -> str | None:
+    """A Z85 CURVE secret key (40 characters) from ``file`` (the key never sits in the config)."""
+    try:
+        with open(file, encoding="ascii") as f:
+            key = f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        r.err(path, f"cannot read {file!r}: {exc}")
+        return None
+    from zmq.utils import z85
+
+    try:
+        if len(key) != 40:
+            raise ValueError("not 40 characters")
+        z85.decode(key)
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        r.err(path, f"{file!r} does not hold a Z85 CURVE secret key ({exc})")
+        return None
+    return key
 
 
 def _engines(

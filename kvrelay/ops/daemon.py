@@ -118,7 +118,7 @@ class Daemon:
         self.notifier = notifier if notifier is not None else Notifier()
         self.reloads = ReloadStats()
         self._reload_wanted = asyncio.Event()
-        self._ssl: ssl.SSLContext | None = None
+        self._tls: Any = None  # ReloadableServerContext while [tls] is on
         self._reload_task: asyncio.Task[None] | None = None
         self.relay: Any = None
         self.mirror: Any = None
@@ -132,13 +132,19 @@ class Daemon:
         self._stopped = False
 
     def _ssl_context(self) -> ssl.SSLContext | None:
+        """The listener's context; reloads hand each handshake the newest fully loaded one."""
         tls = self.cfg.tls
         if not tls.enabled:
             return None
-        from kvrelay.ops.tls import server_ssl_context
+        from kvrelay.ops.tls import ReloadableServerContext
 
         assert tls.cert is not None and tls.key is not None
-        return server_ssl_context(tls.cert, tls.key, tls.client_ca)
+        self._tls = ReloadableServerContext(tls.cert, tls.key, tls.client_ca)
+        return self._tls.listener  # type: ignore[no-any-return]
+
+    def tls_certificates(self) -> tuple[Any, ...]:
+        """The certificates the listener serves and trusts now (``LoadedCertificate``)."""
+        return tuple(self._tls.certificates) if self._tls is not None else ()
 
     async def _start_source(self) -> Any:
         """The relay (kernels warm first) or the mirror (synchronized first); its limits are
@@ -257,7 +263,7 @@ class Daemon:
         cfg = self.cfg
         for w in cfg.warnings:
             _LOG.warning("config_warning", path=w.path, reason=w.reason)
-        self._ssl = context = self._ssl_context()
+        context = self._ssl_context()
         self._probe_listeners()  # before the warm-up: a port in use fails now, named
         view = await self._start_source()
         from kvrelay.ops.tls import is_loopback  # (imported while the kernels warmed up)
@@ -289,6 +295,7 @@ class Daemon:
             )
         if self.metrics is not None:
             self.metrics.attach_service(service)
+            self.metrics.attach_tls(self.tls_certificates)
             server = self.server
             healthy = (lambda: server.serving) if server is not None else (
                 lambda: not self._stopped
@@ -432,7 +439,7 @@ class Daemon:
             effective = keep_restart_only(self.cfg, new)
             try:
                 if self.front is None:
-                    reload_tls(self._ssl, effective)
+                    reload_tls(self._tls, effective)
                 # the running relay's limits (sized for the workers when they are its only
                 # subscribers) stay: limits are restart-only
                 plan = await self.relay.reconfigure(

@@ -1,7 +1,8 @@
 """The daemon's public front with ``workers = N ≥ 2``: an internal socket and N−1 workers.
 
 The source (the relay, or a mirror) is served on a UNIX socket in a private directory (mode
-0700, under ``$RUNTIME_DIRECTORY`` when systemd gives one); its only subscribers are the
+0700, under ``[relay] runtime_dir``: by default ``$RUNTIME_DIRECTORY`` when systemd gives one,
+else ``$XDG_RUNTIME_DIR``, else the temp directory); its only subscribers are the
 workers, one stream per pool and plane each, so its limits are sized for them
 (:func:`internal_limits`) while the configured ``[relay.limits]`` apply in every worker to its
 router streams. Limits are per worker: each process bounds what it holds (queues, hubs, streams),
@@ -44,6 +45,9 @@ def internal_limits(limits: RelayLimits, workers: int) -> RelayLimits:
             limits.max_pool_streams_total,
             w * (limits.max_initialized_pool_hubs + limits.max_pool_streams_total),
         ),
+        # each worker mirrors at most max_initialized_pool_hubs pools, and one it evicts may
+        # hold its upstream hub a moment longer than the pool that replaces it: the slack
+        max_initialized_pool_hubs=(w + 1) * limits.max_initialized_pool_hubs,
         max_subscribers_per_pool=max(limits.max_subscribers_per_pool, 2 * w),
         max_catalog_subscribers=max(limits.max_catalog_subscribers, 2 * w),
         max_readiness_subscribers=max(limits.max_readiness_subscribers, 2 * w),
@@ -70,6 +74,14 @@ def mirror_settings(m: MirrorConfig, limits: RelayLimits) -> Any:
     )
 
 
+def private_runtime_dir(base: str | None) -> str:
+    """A new directory for the internal socket that only this user can enter (0700); the
+    internal listener also checks each peer's credentials (``service/peercred.py``)."""
+    d = tempfile.mkdtemp(prefix="kvrelay-", dir=base)
+    os.chmod(d, 0o700)  # mkdtemp's mode already, stated here because the socket relies on it
+    return d
+
+
 class WorkerFront:
     """Internal listener + reserved public port + supervised workers."""
 
@@ -88,8 +100,16 @@ class WorkerFront:
         from kvrelay.service.server import RelayServer
 
         cfg = self.cfg
-        base = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or None
-        self.dir = tempfile.mkdtemp(prefix="kvrelay-", dir=base)  # mode 0700
+        base = cfg.runtime_dir
+        try:
+            self.dir = private_runtime_dir(base)
+        except OSError as exc:
+            raise RuntimeError(
+                f"workers = {cfg.workers} needs a writable runtime directory for its internal "
+                f"socket; {base or tempfile.gettempdir()!r}: {exc.strerror}. Set [relay] "
+                "runtime_dir (KVRELAY_RELAY_RUNTIME_DIR) to a writable directory, e.g. an "
+                "emptyDir on Kubernetes"
+            ) from None
         self.path = os.path.join(self.dir, "ingest.sock")
         self.internal = RelayServer(self.view, internal_limits(cfg.relay.limits, cfg.workers))
         await self.internal.start_unix(self.path)

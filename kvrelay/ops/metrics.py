@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 import socket
+import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.core import (
@@ -30,9 +31,10 @@ from prometheus_client.registry import Collector
 from kvrelay import __version__
 from kvrelay.contract.wire import SLOTS_PER_BUCKET
 from kvrelay.ingest.counters import LAG_BUCKETS_S, SubscriberCounters
-from kvrelay.ops.metrics_http import MetricsServer
+from kvrelay.ops.metrics_http import HttpCounters, HttpLimits, MetricsServer, http_metrics
 from kvrelay.relay.observer import Observers
 from kvrelay.relay.stats import GenerationTotals, RelayStats
+from kvrelay.service.h2.guard import ABUSE_REASONS
 
 DELTA_LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -93,6 +95,36 @@ _GEN_COUNTERS: dict[str, tuple[str, str, str | None]] = {
         "kvrelay_ckf_capacity_omissions", "Fingerprints the CKF could not place.", None
     ),
     "unknown_removals": ("kvrelay_pool_unknown_removals", "Removals of unknown blocks.", None),
+    "duplicate_stores": (
+        "kvrelay_pool_duplicate_stores",
+        "Stored blocks a member already held, counted as one more physical copy.",
+        None,
+    ),
+    "report_stores": (
+        "kvrelay_pool_report_stores",
+        "Stored blocks a member already held, taken as reports (no new copy).",
+        None,
+    ),
+    "ambiguous_stores": (
+        "kvrelay_pool_ambiguous_stores",
+        "Store events that were reports or new copies, the stream cannot tell (taken as reports).",
+        None,
+    ),
+    "copy_removals": (
+        "kvrelay_pool_copy_removals",
+        "Removes that dropped one of several physical copies (the block stays held).",
+        None,
+    ),
+    "rebuild_holds": (
+        "kvrelay_pool_rebuild_holds",
+        "Member rebuilds from replay published as one delta (publications held meanwhile).",
+        None,
+    ),
+    "rebuild_holds_broken": (
+        "kvrelay_pool_rebuild_holds_broken",
+        "Rebuild holds cut short (time or size bound): the rest published as it came.",
+        None,
+    ),
     "invariant_violations": (
         "kvrelay_pool_invariant_violations", "Exact-state invariant violations (fences).", None
     ),
@@ -144,6 +176,15 @@ _POOL_COUNTERS: dict[str, tuple[str, str]] = {
         "kvrelay_pool_members_resumed",
         "Restored members resumed from their saved sequence (then vouched for or reset).",
     ),
+    "scrub_passes": ("kvrelay_pool_scrub_passes", "Full scrub passes over a generation."),
+    "scrub_divergences": (
+        "kvrelay_pool_scrub_divergences",
+        "Scrub passes that found the filter or the exact state wrong (the generation fenced).",
+    ),
+    "members_vouched": (
+        "kvrelay_pool_members_vouched",
+        "Restored members their engine vouched for (same incarnation and batch bytes): kept.",
+    ),
     "restores_discarded": (
         "kvrelay_pool_restores_discarded",
         "Restored pool states not used (another identity, or arrays that do not load).",
@@ -176,6 +217,24 @@ _POOL_COUNTERS: dict[str, tuple[str, str]] = {
     ),
     "connect_members_expired": (
         "kvrelay_connect_members_expired", "Members removed after member_silence_s of silence."
+    ),
+    "connect_peer_refused": (
+        "kvrelay_connect_peer_refused", "Messages from an address outside the pool's allow list."
+    ),
+    "connect_address_mismatch": (
+        "kvrelay_connect_address_mismatch",
+        "Messages naming an engine bound to another publisher address (dropped).",
+    ),
+    "connect_topic_too_long": (
+        "kvrelay_connect_topic_too_long", "Messages whose topic is over max_topic_bytes."
+    ),
+    "connect_batch_too_large": (
+        "kvrelay_connect_batch_too_large",
+        "Payloads over max_batch_bytes (dropped; the member is reset).",
+    ),
+    "connect_member_block_cap": (
+        "kvrelay_connect_member_block_cap",
+        "Members reset for holding more than max_member_blocks blocks.",
     ),
     "connect_unattributed": (
         "kvrelay_connect_unattributed",
@@ -213,6 +272,59 @@ class ServiceSource(Protocol):
     def stats(self) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
         """(stream kind → (open streams, limit), error reason → count)."""
         ...
+
+
+def guard_families(svc: object) -> Iterator[Metric]:
+    """Streams refused by a per-connection/per-peer share and plane streams reset for not
+    reading (``KvEventRelayService.guard_stats``); zero for a service without them."""
+    guard = getattr(svc, "guard_stats", None)
+    refusals, stalled, h2 = guard() if callable(guard) else ({}, {}, {})
+    fam = CounterMetricFamily(
+        "kvrelay_stream_share_refusals",
+        "Streams refused because one connection or one peer address held its share of the "
+        "stream limit, by kind and scope (connection, peer).", labels=["kind", "scope"],
+    )  # fmt: skip
+    for kind in ("catalog", "pool", "readiness", "load", "serving_load"):
+        for scope in ("connection", "peer"):
+            fam.add_metric([kind, scope], refusals.get((kind, scope), 0))
+    yield fam
+    resets = CounterMetricFamily(
+        "kvrelay_stream_stalled_resets",
+        "Plane streams reset because their client took no message for stalled_stream_reset_s.",
+        labels=["kind"],
+    )
+    for kind in ("catalog", "readiness", "load", "serving_load"):
+        resets.add_metric([kind], stalled.get(kind, 0))
+    yield resets
+    abuse = CounterMetricFamily(
+        "kvrelay_http2_abuse",
+        "gRPC connections closed with GOAWAY ENHANCE_YOUR_CALM for breaking a per-connection "
+        "budget (rapid_reset, ping_flood, settings_flood, oversized_headers), and streams whose "
+        "request never came (request_timeout).", labels=["reason"],
+    )  # fmt: skip
+    for reason in (*ABUSE_REASONS, "request_timeout"):
+        abuse.add_metric([reason], h2.get(reason, 0))
+    yield abuse
+
+
+TlsSource = Callable[[], Iterable[Any]]  # () → LoadedCertificate-like (role, subject, not_after)
+
+
+def tls_families(source: TlsSource | None) -> Iterator[Metric]:
+    """Expiry of every certificate a TLS context was loaded with (after each reload)."""
+    fam = GaugeMetricFamily(
+        "kvrelay_tls_certificate_expiry_timestamp_seconds",
+        "notAfter (Unix time) of each loaded certificate, by role (server, client_ca, "
+        "upstream_ca, upstream_client) and subject CN; time left = it - time().",
+        labels=["role", "subject"],
+    )
+    earliest: dict[tuple[str, str], float] = {}
+    for c in source() if source is not None else ():
+        key = (c.role, c.subject)
+        earliest[key] = min(earliest.get(key, c.not_after_unix), c.not_after_unix)
+    for (role, subject), t in sorted(earliest.items()):
+        fam.add_metric([role, subject], t)
+    yield fam
 
 
 def _flatten_subscriber(c: SubscriberCounters) -> Flat:
@@ -283,6 +395,8 @@ class RelayMetrics:
         )
         self.registry.register(_RelayCollector(self))
         self._http: MetricsServer | None = None
+        self.http_counters = HttpCounters()
+        self._tls: TlsSource | None = None
         relay.observers.add(self)
 
     # ---- wiring ----------------------------------------------------------------------------------
@@ -290,6 +404,10 @@ class RelayMetrics:
     def attach_service(self, service: ServiceSource) -> None:
         """Export the gRPC service's per-stream-kind subscriber counts and error counts."""
         self._service = service
+
+    def attach_tls(self, certificates: TlsSource) -> None:
+        """Export the expiry of the certificates the listener serves and trusts."""
+        self._tls = certificates
 
     def attach_reloads(self, reloads: ReloadSource) -> None:
         """Export configuration reload outcomes (the daemon's SIGHUP handling)."""
@@ -322,6 +440,8 @@ class RelayMetrics:
         yield from _generation_metrics(stats)
         yield from self._service_metrics()
         yield from self._reload_metrics()
+        yield from http_metrics(self.http_counters)
+        yield from tls_families(self._tls)
         yield from self._upgrade_metrics()
 
     def _upgrade_metrics(self) -> Iterator[Metric]:
@@ -382,6 +502,7 @@ class RelayMetrics:
         yield subs
         yield limit
         yield errors
+        yield from guard_families(svc)
 
     # ---- HTTP endpoint ---------------------------------------------------------------------------
 
@@ -389,14 +510,20 @@ class RelayMetrics:
         return generate_latest(self.registry)
 
     async def start_http(
-        self, host: str, port: int, healthy: Callable[[], bool] | None = None,
+        self,
+        host: str,
+        port: int,
+        healthy: Callable[[], bool] | None = None,
+        limits: HttpLimits | None = None,
         sock: socket.socket | None = None,
     ) -> int:
         """Serve ``/metrics`` (and ``/healthz``: 200 while ``healthy()``) on the running loop
         (on ``sock`` when given: a hot upgrade's inherited listener); returns the bound port."""
         if self._http is not None:
             raise RuntimeError("metrics endpoint already started")
-        self._http = MetricsServer(self.render, healthy or (lambda: True))
+        self._http = MetricsServer(
+            self.render, healthy or (lambda: True), limits, self.http_counters
+        )
         return await self._http.start(host, port, sock)
 
     def listening_socket(self) -> socket.socket | None:
@@ -449,6 +576,9 @@ def _relay_metrics(r: RelayStats) -> Iterator[Metric]:
     yield by_rule
     for name, doc, value in (
         ("kvrelay_pool_hubs_evicted", "Idle hubs retired to free a hub permit.", r.hubs_evicted),
+        ("kvrelay_dns_removals_deferred",
+         "Engines absent from DNS kept because their ZMQ stream was live (once per absence).",
+         r.dns_removals_deferred),
         ("kvrelay_scrape_errors", "Engine /metrics scrapes that failed unexpectedly.",
          r.scrape_errors),
     ):
@@ -456,18 +586,43 @@ def _relay_metrics(r: RelayStats) -> Iterator[Metric]:
     restores = CounterMetricFamily(
         "kvrelay_state_restores",
         "State files at start by outcome: restored, none, corrupt, version, stale, incompatible, "
-        "unreadable.", labels=["result"],
+        "oversized, unreadable, unsafe_dir, unusable_dir.", labels=["result"],
     )  # fmt: skip
     for result, n in sorted(r.state_restores.items()):
         restores.add_metric([result], n)
     yield restores
     saves = CounterMetricFamily(
-        "kvrelay_state_saves", "Pool states written at a clean stop, by result: saved, failed.",
+        "kvrelay_state_saves",
+        "Pool states written, by result: saved, failed (a clean stop), checkpointed, "
+        "checkpoint_failed, checkpoint_busy (periodic), unsafe_dir, unusable_dir.",
         labels=["result"],
     )
     for result, n in sorted(r.state_saves.items()):
         saves.add_metric([result], n)
     yield saves
+    ckpt = GaugeMetricFamily(
+        "kvrelay_state_checkpoint_timestamp_seconds",
+        "Unix time of each pool's last checkpoint written (absent before the first).",
+        labels=["pool"],
+    )
+    for pool, t in sorted(r.checkpoint_unix.items()):
+        ckpt.add_metric([pool], t)
+    yield ckpt
+    age = GaugeMetricFamily(
+        "kvrelay_pool_scrub_last_pass_age_seconds",
+        "Seconds since each pool's last full scrub pass (absent before the first).",
+        labels=["pool"],
+    )
+    ok = GaugeMetricFamily(
+        "kvrelay_pool_scrub_last_pass_ok",
+        "1 when each pool's last full scrub pass found nothing wrong, else 0.", labels=["pool"],
+    )
+    now = time.time()
+    for pool, (t, good) in sorted(r.scrub_last.items()):
+        age.add_metric([pool], max(0.0, now - t))
+        ok.add_metric([pool], 1.0 if good else 0.0)
+    yield age
+    yield ok
 
 
 def _pool_metrics(r: RelayStats) -> Iterator[Metric]:

@@ -1,8 +1,19 @@
 """The ``/metrics`` and ``/healthz`` HTTP endpoint, served on the relay's own event loop.
 
 Collection then never races the loop that mutates the counters (no locks, no thread-safety
-questions). Bounded: request heads of at most 8 KiB, 10 s to send one, 16 concurrent connections
-(beyond that: 503), one response per connection.
+questions). The port is often reachable by a whole pod network and ``/healthz`` is the liveness
+probe, so no peer may be able to make it fail by holding connections:
+
+- every connection must send its whole request head within ``head_timeout_s`` (one deadline for
+  the head, not per read, so a slowloris client is cut off as surely as an idle one), and every
+  response must drain within ``drain_timeout_s``;
+- at most ``max_per_peer`` open connections per peer address (more are answered 503 and closed);
+- at most ``max_connections`` in all: a new connection past it evicts the oldest one still
+  reading its request head, so a probe that sends its request at once is always read;
+- at most ``max_scrapes`` ``/metrics`` responses in flight (the body can be megabytes);
+  ``/healthz`` is outside that limit (a few bytes).
+
+Every refusal is counted by reason (``kvrelay_metrics_http_rejections_total``).
 """
 
 from __future__ import annotations
@@ -10,9 +21,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from kvrelay.logging import get_logger
@@ -20,8 +34,15 @@ from kvrelay.logging import get_logger
 _log = get_logger(__name__)
 
 MAX_REQUEST_HEAD = 8192
-REQUEST_TIMEOUT_S = 10.0
-MAX_HTTP_CONNECTIONS = 16
+HEAD_TIMEOUT_S = 5.0
+DRAIN_TIMEOUT_S = 10.0
+MAX_HTTP_CONNECTIONS = 64
+MAX_CONNECTIONS_PER_PEER = 8
+MAX_SCRAPES = 4
+REJECTION_REASONS = (
+    "per_peer", "evicted", "head_timeout", "head_too_large", "bad_request", "busy",
+    "drain_timeout",
+)  # fmt: skip
 
 _REASONS = {
     200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
@@ -30,16 +51,68 @@ _REASONS = {
 }
 
 
+@dataclass(slots=True)
+class HttpLimits:
+    """The endpoint's bounds (defaults above; tests shrink them)."""
+
+    max_connections: int = MAX_HTTP_CONNECTIONS
+    max_per_peer: int = MAX_CONNECTIONS_PER_PEER
+    max_scrapes: int = MAX_SCRAPES
+    head_timeout_s: float = HEAD_TIMEOUT_S
+    drain_timeout_s: float = DRAIN_TIMEOUT_S
+
+
+@dataclass(slots=True)
+class _Conn:
+    peer: str
+    writer: asyncio.StreamWriter
+    opened: float
+    reading: bool = True  # still waiting for its request head (evictable)
+
+
+@dataclass(slots=True)
+class HttpCounters:
+    """Connections refused or cut off, by reason (one of ``REJECTION_REASONS``)."""
+
+    rejections: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECTION_REASONS, 0))
+
+    def count(self, reason: str) -> None:
+        self.rejections[reason] += 1
+
+
+def http_metrics(counters: HttpCounters | None) -> Iterator[Metric]:
+    """The endpoint's own families (zero before it starts, so the series always exist)."""
+    fam = CounterMetricFamily(
+        "kvrelay_metrics_http_rejections",
+        "Metrics/health connections refused or cut off, by reason: per_peer, evicted (oldest "
+        "unfinished request head, past the connection limit), head_timeout, head_too_large, "
+        "bad_request, busy (too many /metrics responses in flight), drain_timeout.",
+        labels=["reason"],
+    )
+    c = counters if counters is not None else HttpCounters()
+    for reason in REJECTION_REASONS:
+        fam.add_metric([reason], c.rejections[reason])
+    yield fam
+
+
 class MetricsServer:
     """``GET /metrics`` → ``render()`` (text format 0.0.4); ``GET /healthz`` → ``healthy()``."""
 
     def __init__(
-        self, render: Callable[[], bytes], healthy: Callable[[], bool] = lambda: True
+        self,
+        render: Callable[[], bytes],
+        healthy: Callable[[], bool] = lambda: True,
+        limits: HttpLimits | None = None,
+        counters: HttpCounters | None = None,
     ) -> None:
         self._render = render
         self._healthy = healthy
+        self.limits = limits if limits is not None else HttpLimits()
+        self.counters = counters if counters is not None else HttpCounters()
         self._server: asyncio.base_events.Server | None = None
-        self._conns: set[asyncio.Task[Any]] = set()
+        self._conns: dict[asyncio.Task[Any], _Conn] = {}
+        self._per_peer: dict[str, int] = {}
+        self._scrapes = 0
 
     async def start(self, host: str, port: int, sock: socket.socket | None = None) -> int:
         """Listen; returns the bound port (``port`` 0 = ephemeral). ``sock``: accept on this
@@ -52,7 +125,7 @@ class MetricsServer:
             )
         else:
             self._server = await asyncio.start_server(
-                self._handle, host, port, limit=MAX_REQUEST_HEAD
+                self._handle, host, port, limit=MAX_REQUEST_HEAD, backlog=256
             )
         bound = int(self._server.sockets[0].getsockname()[1])
         _log.info("metrics_listening", host=host, port=bound)
@@ -70,73 +143,152 @@ class MetricsServer:
         if server is None:
             return
         server.close()
-        for t in list(self._conns):
+        tasks = list(self._conns)
+        for t in tasks:
             t.cancel()
-        for t in list(self._conns):
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         await server.wait_closed()
 
+    def _admit(self, task: asyncio.Task[Any], conn: _Conn) -> str | None:
+        """Track ``conn``, or say why it is refused (``per_peer``/``busy``)."""
+        lim = self.limits
+        if self._per_peer.get(conn.peer, 0) >= lim.max_per_peer:
+            return "per_peer"
+        if len(self._conns) >= lim.max_connections:
+            oldest = min(
+                (t for t, c in self._conns.items() if c.reading),
+                key=lambda t: self._conns[t].opened, default=None,
+            )  # fmt: skip
+            if oldest is None:
+                return "busy"
+            self._forget(oldest)
+            oldest.cancel()
+            self.counters.count("evicted")
+        self._conns[task] = conn
+        self._per_peer[conn.peer] = self._per_peer.get(conn.peer, 0) + 1
+        return None
+
+    def _forget(self, task: asyncio.Task[Any]) -> None:
+        conn = self._conns.pop(task, None)
+        if conn is None:
+            return
+        left = self._per_peer[conn.peer] - 1
+        if left:
+            self._per_peer[conn.peer] = left
+        else:
+            del self._per_peer[conn.peer]
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._conns.add(task)
+        peername = writer.get_extra_info("peername")
+        peer = str(peername[0]) if isinstance(peername, tuple) else str(peername)
+        conn = _Conn(peer, writer, time.monotonic())
+        refused = self._admit(task, conn)
         try:
-            if len(self._conns) > MAX_HTTP_CONNECTIONS:
-                await _respond(writer, 503, b"too many concurrent scrapes\n")
+            if refused is not None:
+                self.counters.count(refused)
+                # a few bytes into the socket buffer; never waits on the peer
+                writer.write(_head(503, b"too many connections\n") + b"too many connections\n")
                 return
-            try:
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
-            except (asyncio.LimitOverrunError, ValueError):
-                await _respond(writer, 431, b"request head too large\n")
-                return
-            except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
-                return
-            parts = head.split(b"\r\n", 1)[0].split()
-            if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
-                await _respond(writer, 400, b"bad request\n")
-                return
-            method, path = parts[0], parts[1].split(b"?", 1)[0]
-            head_only = method == b"HEAD"
-            if method not in (b"GET", b"HEAD"):
-                await _respond(writer, 405, b"method not allowed\n", extra=b"Allow: GET, HEAD\r\n")
-            elif path == b"/metrics":
-                try:
-                    body = self._render()
-                except Exception:
-                    _log.exception("metrics_collect_failed")
-                    await _respond(writer, 500, b"collection failed\n")
-                    return
-                # Classic text format 0.0.4: every Prometheus understands it.
-                await _respond(writer, 200, body, CONTENT_TYPE_PLAIN_0_0_4, head_only=head_only)
-            elif path in (b"/", b"/healthz"):
-                if self._healthy():
-                    await _respond(writer, 200, b"ok\n", head_only=head_only)
-                else:
-                    await _respond(writer, 503, b"not serving\n", head_only=head_only)
-            else:
-                await _respond(writer, 404, b"not found\n", head_only=head_only)
+            await self._serve(reader, writer, conn)
+        except asyncio.CancelledError:
+            pass  # evicted, or the endpoint is closing
         except ConnectionError:
             pass
         finally:
-            self._conns.discard(task)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            self._forget(task)
+            _shut(writer)
+
+    async def _serve(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: _Conn
+    ) -> None:
+        try:
+            head = await asyncio.wait_for(
+                reader.readuntil(b"\r\n\r\n"), self.limits.head_timeout_s
+            )
+        except (asyncio.LimitOverrunError, ValueError):
+            self.counters.count("head_too_large")
+            await self._respond(writer, 431, b"request head too large\n")
+            return
+        except TimeoutError:
+            self.counters.count("head_timeout")
+            return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+        conn.reading = False
+        parts = head.split(b"\r\n", 1)[0].split()
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
+            self.counters.count("bad_request")
+            await self._respond(writer, 400, b"bad request\n")
+            return
+        method, path = parts[0], parts[1].split(b"?", 1)[0]
+        head_only = method == b"HEAD"
+        if method not in (b"GET", b"HEAD"):
+            await self._respond(
+                writer, 405, b"method not allowed\n", extra=b"Allow: GET, HEAD\r\n"
+            )
+        elif path == b"/metrics":
+            await self._scrape(writer, head_only)
+        elif path in (b"/", b"/healthz"):
+            if self._healthy():
+                await self._respond(writer, 200, b"ok\n", head_only=head_only)
+            else:
+                await self._respond(writer, 503, b"not serving\n", head_only=head_only)
+        else:
+            await self._respond(writer, 404, b"not found\n", head_only=head_only)
+
+    async def _scrape(self, writer: asyncio.StreamWriter, head_only: bool) -> None:
+        if self._scrapes >= self.limits.max_scrapes:
+            self.counters.count("busy")
+            await self._respond(writer, 503, b"too many concurrent scrapes\n")
+            return
+        self._scrapes += 1
+        try:
+            try:
+                body = self._render()
+            except Exception:
+                _log.exception("metrics_collect_failed")
+                await self._respond(writer, 500, b"collection failed\n")
+                return
+            # Classic text format 0.0.4: every Prometheus understands it.
+            await self._respond(writer, 200, body, CONTENT_TYPE_PLAIN_0_0_4, head_only=head_only)
+        finally:
+            self._scrapes -= 1
+
+    async def _respond(
+        self,
+        writer: asyncio.StreamWriter,
+        status: int,
+        body: bytes,
+        content_type: str = "text/plain; charset=utf-8",
+        *,
+        head_only: bool = False,
+        extra: bytes = b"",
+    ) -> None:
+        head = _head(status, body, content_type, extra)
+        writer.write(head if head_only else head + body)
+        try:
+            await asyncio.wait_for(writer.drain(), self.limits.drain_timeout_s)
+        except TimeoutError:
+            self.counters.count("drain_timeout")
 
 
-async def _respond(
-    writer: asyncio.StreamWriter,
-    status: int,
-    body: bytes,
-    content_type: str = "text/plain; charset=utf-8",
-    *,
-    head_only: bool = False,
-    extra: bytes = b"",
-) -> None:
-    head = (
+def _head(
+    status: int, body: bytes, content_type: str = "text/plain; charset=utf-8", extra: bytes = b""
+) -> bytes:
+    return (
         f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {content_type}\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n"
     ).encode() + extra + b"\r\n"
-    writer.write(head if head_only else head + body)
-    await writer.drain()
+
+
+def _shut(writer: asyncio.StreamWriter) -> None:
+    """Close without waiting on the peer: flush what the kernel takes, drop the rest on abort."""
+    transport = writer.transport
+    if transport.get_write_buffer_size():
+        transport.abort()
+    else:
+        writer.close()

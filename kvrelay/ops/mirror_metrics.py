@@ -17,8 +17,14 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvrelay.ops.metrics import LOOP_LAG_BUCKETS, ServiceSource, default_registry
-from kvrelay.ops.metrics_http import MetricsServer
+from kvrelay.ops.metrics import (
+    LOOP_LAG_BUCKETS,
+    ServiceSource,
+    default_registry,
+    guard_families,
+    tls_families,
+)
+from kvrelay.ops.metrics_http import HttpCounters, MetricsServer, http_metrics
 
 MirrorStats = Callable[[], list[tuple[str, dict[str, Any]]]]  # (worker label, Mirror.stats())
 
@@ -51,6 +57,10 @@ class MirrorCollector(Collector):
                                      labels=lw)  # fmt: skip
         lagged = CounterMetricFamily("kvrelay_mirror_subscribers_lagged",
                                      "Local subscribers ended as lagged.", labels=lw)  # fmt: skip
+        evicted = CounterMetricFamily(
+            "kvrelay_mirror_pools_evicted",
+            "Idle mirrored pools dropped to make room for another (hub limit).", labels=lw,
+        )  # fmt: skip
         planes = CounterMetricFamily("kvrelay_mirror_plane_stream_ends",
                                      "Upstream plane streams ended, by plane and how.",
                                      labels=[*lw, "plane", "reason"])  # fmt: skip
@@ -72,10 +82,11 @@ class MirrorCollector(Collector):
                     violations.add_metric([worker, k[10:]], float(v))
             deltas.add_metric([worker], float(totals.get("deltas", 0)))
             lagged.add_metric([worker], float(totals.get("lagged", 0)))
+            evicted.add_metric([worker], float(s.get("pools_evicted", 0)))
             for k, v in sorted(s.get("plane_ends", {}).items()):
                 plane, _, reason = k.partition("_")
                 planes.add_metric([worker, plane, reason], float(v))
-        yield from (synced, changes, pools, ends, violations, deltas, lagged, planes)
+        yield from (synced, changes, pools, ends, violations, deltas, lagged, evicted, planes)
 
 
 class WorkersCollector(Collector):
@@ -96,8 +107,17 @@ class WorkersCollector(Collector):
         restarts = CounterMetricFamily("kvrelay_worker_restarts",
                                        "Fan-out workers restarted after exiting.")  # fmt: skip
         restarts.add_metric([], sup.restarts)
+        dropped = CounterMetricFamily(
+            "kvrelay_worker_reports_dropped",
+            "STATS reports a worker dropped because the supervisor read its pipe late.",
+            labels=["worker"],
+        )  # fmt: skip
+        for i, s in enumerate(sup.worker_stats()):
+            if s:
+                dropped.add_metric([str(i + 1)], float(s.get("reports_dropped", 0)))
         yield workers
         yield restarts
+        yield dropped
         yield from MirrorCollector(self._mirrors).collect()
 
     def _mirrors(self) -> list[tuple[str, dict[str, Any]]]:
@@ -121,6 +141,7 @@ def _service_families(svc: ServiceSource) -> Iterator[Metric]:
     for reason, n in sorted(errors_by_reason.items()):
         errors.add_metric([reason], n)
     yield from (subs, limit, errors)
+    yield from guard_families(svc)
 
 
 class _ServiceCollector(Collector):
@@ -134,6 +155,8 @@ class _ServiceCollector(Collector):
         svc = self.metrics.service
         if svc is not None:
             yield from _service_families(svc)
+        yield from http_metrics(self.metrics.http_counters)
+        yield from tls_families(self.metrics.tls)
 
 
 class MirrorMetrics:
@@ -143,6 +166,8 @@ class MirrorMetrics:
         self.mirror = mirror
         self.registry = registry if registry is not None else default_registry()
         self.service: ServiceSource | None = None
+        self.http_counters = HttpCounters()
+        self.tls: Callable[[], Iterable[Any]] | None = None
         self.loop_lag = Histogram("kvrelay_event_loop_lag_seconds",
                                   "Event loop scheduling lag samples.",
                                   buckets=LOOP_LAG_BUCKETS, registry=self.registry)  # fmt: skip
@@ -156,6 +181,9 @@ class MirrorMetrics:
     def attach_service(self, service: ServiceSource) -> None:
         self.service = service
 
+    def attach_tls(self, certificates: Callable[[], Iterable[Any]]) -> None:
+        self.tls = certificates
+
     def observe_loop_lag(self, seconds: float) -> None:
         if not math.isnan(seconds):
             self.loop_lag.observe(max(0.0, seconds))
@@ -167,7 +195,9 @@ class MirrorMetrics:
     async def start_http(
         self, host: str, port: int, healthy: Callable[[], bool] | None = None
     ) -> int:
-        self._http = MetricsServer(self.render, healthy or (lambda: True))
+        self._http = MetricsServer(
+            self.render, healthy or (lambda: True), counters=self.http_counters
+        )
         return await self._http.start(host, port)
 
     async def close(self) -> None:

@@ -19,13 +19,12 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 from kvrelay.logging import get_logger
 from kvrelay.ops.config import ConfigProblem, DaemonConfig, check_file
-
-if TYPE_CHECKING:
-    import ssl
+from kvrelay.relay import safe_files
 
 _LOG = get_logger("kvrelay.ops.reload")
 
@@ -38,6 +37,7 @@ RESTART_FIELDS: dict[str, Callable[[DaemonConfig], Any]] = {
     "tls.client_ca": lambda c: c.tls.client_ca,
     "relay.limits": lambda c: c.relay.limits,
     "relay.workers": lambda c: c.workers,
+    "relay.runtime_dir": lambda c: c.runtime_dir,
     "mirror": lambda c: c.mirror,
 }
 
@@ -79,20 +79,18 @@ def keep_restart_only(old: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
     return dataclasses.replace(
         new, bind_host=old.bind_host, bind_port=old.bind_port, event_loop=old.event_loop,
         metrics=old.metrics, tls=tls, workers=old.workers, mirror=old.mirror,
+        runtime_dir=old.runtime_dir,
         relay=dataclasses.replace(new.relay, limits=old.relay.limits),
     )  # fmt: skip
 
 
-def reload_tls(context: ssl.SSLContext | None, cfg: DaemonConfig) -> None:
-    """Read the certificate and key again into the live context (new connections use them).
-    A fresh context is built first, so files that do not load leave the live one untouched."""
+def reload_tls(context: Any, cfg: DaemonConfig) -> None:
+    """Load the certificate and key once into a new context and hand it to new handshakes
+    (``ReloadableServerContext.reload``); files that do not load leave the live one untouched."""
     if context is None or not cfg.tls.enabled:
         return
-    from kvrelay.ops.tls import server_ssl_context
-
     assert cfg.tls.cert is not None and cfg.tls.key is not None
-    server_ssl_context(cfg.tls.cert, cfg.tls.key, cfg.tls.client_ca)  # raises if unusable
-    context.load_cert_chain(cfg.tls.cert, cfg.tls.key)
+    context.reload(cfg.tls.cert, cfg.tls.key, cfg.tls.client_ca)
 
 
 def read_config(path: str | os.PathLike[str]) -> tuple[DaemonConfig | None, list[ConfigProblem]]:
@@ -132,17 +130,47 @@ def reload_counts(host: str, port: int, timeout: float = 2.0) -> dict[str, int] 
     return counts if counts else None
 
 
+#: A pid file holds one decimal PID and a newline; anything longer is not one.
+_PID_FILE_MAX = 32
+
+
 def read_pid_file(path: str | os.PathLike[str]) -> int:
-    """The PID ``kvrelay serve --pid-file`` wrote; ValueError when the file is not one."""
-    text = open(path, encoding="ascii").read().strip()  # noqa: SIM115 (tiny file)
-    if not text.isdigit() or int(text) <= 1:
-        raise ValueError(f"{path}: not a process id: {text[:32]!r}")
+    """The PID ``kvrelay serve --pid-file`` wrote; ValueError when the file is not one (a
+    symbolic link is not followed, and at most a few bytes are read)."""
+    fd = os.open(path, safe_files.READ_FLAGS)
+    try:
+        raw = os.read(fd, _PID_FILE_MAX + 1)
+    finally:
+        os.close(fd)
+    text = raw.decode("ascii", "replace").strip()
+    if len(raw) > _PID_FILE_MAX or not text.isdigit() or int(text) <= 1:
+        raise ValueError(f"{os.fspath(path)}: not a process id: {text[:32]!r}")
     return int(text)
 
 
 def write_pid_file(path: str | os.PathLike[str]) -> None:
-    """Write this process's PID atomically (a reader never sees a partial file)."""
-    tmp = f"{os.fspath(path)}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="ascii") as f:
-        f.write(f"{os.getpid()}\n")
-    os.replace(tmp, path)
+    """Write this process's PID atomically (a reader never sees a partial file) through an
+    ``O_EXCL|O_NOFOLLOW`` temporary file, in a directory others cannot write to (a sticky one,
+    such as ``/tmp``, is allowed: nobody else can rename over the file there)."""
+    target = Path(path)
+    safe_files.check_private_dir(target.parent, owner=False)
+    fd, tmp = safe_files.create_temp(target.parent, target.name, 0o644)
+    try:
+        safe_files.write_all(fd, f"{os.getpid()}\n".encode())
+    except BaseException:
+        safe_files.abandon(fd, tmp)
+        raise
+    safe_files.commit(fd, tmp, target)
+
+
+def remove_pid_file(path: str | os.PathLike[str]) -> bool:
+    """Remove the pid file if it still names this process (another process, e.g. the relay that
+    took over in a hot upgrade, may have written its own); a file that cannot be read is left
+    alone. True when removed."""
+    try:
+        if read_pid_file(path) != os.getpid():
+            return False
+        os.unlink(path)
+    except (OSError, ValueError):
+        return False
+    return True

@@ -48,6 +48,10 @@ _WHAT = {
 #: exercise runs on every start. For the others it runs only when something was compiled (a
 #: test holds that, after ``_jit.warm``, their exercise loads and compiles nothing).
 EXERCISE_ALWAYS = frozenset({"pool"})
+#: The step a first start always does in this process, while workers do the others: the longest
+#: (most of its kernels are typed on first use, so a worker could not do it without the same
+#: exercise, and the cache index cannot tell it cold).
+LOCAL_STEP = "pool"
 WORKERS_ENV = "KVRELAY_WARM_WORKERS"
 
 
@@ -256,9 +260,12 @@ def warm_kernels(progress: Progress | None = None, workers: bool | None = None) 
         _import(g)
     offload: dict[str, _Worker] = {}
     if workers if workers is not None else _workers_allowed():
-        cold = [g for g in STEPS if _jit.missing(g)]
-        # this process compiles the pool step (the longest; typed on first use, so it cannot be
-        # told cold from the cache index), every cold step of declared kernels goes to a worker
+        # LOCAL_STEP's few declared kernels (and the XXH3 ones they call) before any worker
+        # competes for the CPU, as when importing its modules compiled them: measured, starting
+        # the workers first made a first start slower (its pool step is the critical path)
+        _jit.warm(LOCAL_STEP)
+        # this process does LOCAL_STEP; every other cold step of declared kernels goes to a worker
+        cold = [g for g in STEPS if g != LOCAL_STEP and _jit.missing(g)]
         for g in cold:
             offload[g] = _Worker(g, progress)
             if progress is not None:
@@ -267,7 +274,7 @@ def warm_kernels(progress: Progress | None = None, workers: bool | None = None) 
     try:
         # this process's own steps first (hashing, then pool, which compiles lazily through
         # its exercise), so they overlap the workers instead of waiting for them
-        for g in sorted(STEPS, key=lambda g: g not in EXERCISE_ALWAYS):
+        for g in sorted(STEPS, key=lambda g: g != LOCAL_STEP):
             if g not in offload:
                 run_step(g, progress)
         for g in [g for g in STEPS if g in offload]:

@@ -6,6 +6,10 @@ UNIX socket, listens on the public address with ``SO_REUSEPORT`` (so router conn
 over the workers) and talks back on stdout, one line each: ``READY <port>`` once its mirror is
 synchronized and its listener is up, then ``STATS <json>`` every ``stats_interval_s``.
 
+Lines go out through ``ReportPipe`` (a writer thread): a supervisor that reads late never
+blocks the worker's event loop; STATS reports it could not take are dropped and counted
+(``reports_dropped`` in the next report that arrives).
+
 It never talks to systemd (the supervisor owns ``NOTIFY_SOCKET``), ends every stream cleanly and
 exits 0 on SIGTERM/SIGINT, and exits as well when its stdin closes: the supervisor is gone.
 """
@@ -22,6 +26,7 @@ from typing import Any
 
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.logging import configure, get_logger
+from kvrelay.ops.report_pipe import ReportPipe
 
 _LOG = get_logger("kvrelay.ops.worker")
 
@@ -58,13 +63,18 @@ class WorkerSpec:
         return RelayLimits(**self.limits)
 
 
-async def run_worker(spec: WorkerSpec, stop: asyncio.Event, out: Any = None) -> int:
-    """Mirror, serve, report; returns the exit code once ``stop`` is set."""
+async def run_worker(spec: WorkerSpec, stop: asyncio.Event, out: ReportPipe | None = None) -> int:
+    """Mirror, serve, report (on ``out``, else stdout); returns the exit code once ``stop`` is
+    set."""
     from kvrelay.mirror.mirror import Mirror
     from kvrelay.mirror.settings import MirrorSettings, UpstreamAddress
     from kvrelay.service.server import RelayServer
 
-    stream = sys.stdout if out is None else out
+    if out is None:
+        sys.stdout.flush()
+        report_pipe = ReportPipe(sys.stdout.fileno())
+    else:
+        report_pipe = out
     limits = spec.relay_limits()
     context = None
     if spec.tls_cert is not None:
@@ -97,18 +107,21 @@ async def run_worker(spec: WorkerSpec, stop: asyncio.Event, out: Any = None) -> 
         server = RelayServer(mirror, limits)
         await server.start(spec.host, spec.port, ssl=context, reuse_port=True)
         _LOG.info("worker_serving", worker=spec.index, port=server.port)
-        print(f"READY {server.port}", file=stream, flush=True)
+        report_pipe.send(f"READY {server.port}", droppable=False)
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), spec.stats_interval_s)
-            report = {"service": _service_stats(server), "mirror": mirror.stats()}
-            print("STATS " + json.dumps(report, default=str), file=stream, flush=True)
+            report = {"service": _service_stats(server), "mirror": mirror.stats(),
+                      "reports_dropped": report_pipe.dropped}  # fmt: skip
+            report_pipe.send("STATS " + json.dumps(report, default=str))
         return 0
     finally:
         grace = max(0.1, spec.shutdown_timeout_s / 2)
         if server is not None:
             await server.close(grace_s=grace)
         await mirror.stop()
+        if out is None:
+            report_pipe.close(timeout_s=0.5)
 
 
 def _service_stats(server: Any) -> dict[str, Any]:

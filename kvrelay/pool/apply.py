@@ -34,7 +34,7 @@ from kvrelay.pool.owners import (
 )
 from kvrelay.pool.packed import Int
 from kvrelay.pool.prefetch import prefetch
-from kvrelay.pool.tables import _mix, tab_del, tab_find, tab_put
+from kvrelay.pool.tables import EMPTY32, _mix, tab_del, tab_find, tab_put
 
 U64 = npt.NDArray[np.uint64]
 U32 = npt.NDArray[np.uint32]
@@ -53,14 +53,31 @@ ST_REMOVED = 3
 ST_UNKNOWN = 4
 ST_CAPACITY = 5
 ST_INVARIANT = 6
-ST_REOFFER = 7
-N_STATS = 8
+ST_REOFFER = 7  # stored blocks the member already held (every kind below)
+ST_DUP = 8  # of those, counted as one more physical copy
+ST_REPORT = 9  # of those, taken as a report (no new copy)
+ST_AMBIGUOUS = 10  # store events that could be either; taken as reports
+ST_COPY_REMOVED = 11  # removes that dropped one extra copy (the edge stays)
+N_STATS = 12
 
 # why apply_batch returned before the end of the batch (pm[PM_STOP])
 STOP_CLEAR = 1  # a CLEAR event: Python runs clear_member (it allocates)
 STOP_LINEAGE_FULL = 2  # the member's lineage table had no room: grow it, resume at the event
 STOP_OWNERS_FULL = 3  # the owners table had no room: grow it, resume at the event
 STOP_COUNTS_FULL = 4  # the overflow count table might run out of room: grow it, resume
+STOP_COPIES_FULL = 5  # the member's copy-count table might run out of room: grow it, resume
+
+# origin[i] of a store (``EventBatch.origin``; an empty array means all unknown)
+ORIGIN_UNKNOWN = 0
+ORIGIN_NEW = 1  # the engine says: new physical blocks
+ORIGIN_REPORT = 2  # the engine says: a report of blocks it already holds
+
+# cmeta (per member copy-count table): live entries, entries it takes without a rehash
+CM_LIVE = 0
+CM_ROOM = 1
+#: most physical copies of one hash one member may hold; a store past it is rejected (no engine
+#: has that many blocks, and a count must never wrap)
+MAX_COPIES = 1 << 24
 
 # own_buf[g] = owner slot · 4 + kind, per block of one store
 K_REOFFER = 0  # the edge exists (same canonical)
@@ -79,6 +96,7 @@ CFG_MASK = 1
 CFG_BLOCK = 2
 CFG_FORMAT = 3
 CFG_KICKS = 4
+CFG_REPORTS = 5  # 1: the engine may send reports (vLLM kv_cache_report_mode "full")
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
@@ -162,6 +180,9 @@ def clear_member(
     nkeys: U64,
     nvals: U64,
     nmeta: I64,
+    ck: U64,
+    cv: U32,
+    cmeta: I64,
     otm: U64,
     ow: U64,
     pm: I64,
@@ -169,7 +190,8 @@ def clear_member(
     xv: U32,
     stats: I64,
 ) -> None:
-    """Drop every lineage edge of the member, in ascending external-hash order."""
+    """Drop every lineage edge of the member, in ascending external-hash order (extra copies
+    go with their edge: a clear empties the rank's cache)."""
     n = np.int64(ltm[pk.TM_LIVE])
     ks = np.empty(n, dtype=np.uint64)
     ps = np.empty(n, dtype=np.uint64)
@@ -187,6 +209,9 @@ def clear_member(
     if nmeta[0] > 0:
         nvals[:] = _NS_EMPTY
         nmeta[0] = 0
+    if cmeta[CM_LIVE] > 0:
+        cv[:] = EMPTY32
+        cmeta[CM_LIVE] = 0
 
 
 # Compiled without NRT: no reference counting on the ~40 arrays at every inlined helper boundary
@@ -206,6 +231,7 @@ def apply_batch(
     tokens: npt.NDArray[np.uint32],
     mm_off: I64,
     mm: U64,
+    origin: U8,
     cfg: U64,
     table: U64,
     deltas: U64,
@@ -221,6 +247,9 @@ def apply_batch(
     nkeys: U64,
     nvals: U64,
     nmeta: I64,
+    ck: U64,
+    cv: U32,
+    cmeta: I64,
     otm: U64,
     ow: U64,
     pm: I64,
@@ -248,6 +277,8 @@ def apply_batch(
     extra = 1 if eagle else 0
     win = bs + extra
     mk = np.int64(cfg[CFG_KICKS])
+    reports = cfg[CFG_REPORTS] != np.uint64(0)
+    has_origin = origin.shape[0] > 0
     cseed = cfg[CFG_SEED]
     cmask = cfg[CFG_MASK]
     ocap = np.int64(otm[pk.TM_CAP])
@@ -338,6 +369,7 @@ def apply_batch(
                             break
                         set_stamp[h] = stamp
                         set_keys[h] = e
+            held = 0
             if code == E_OK and k > 0:
                 seed = salt[i] + pns
                 tb = tok_off[i]
@@ -362,8 +394,33 @@ def apply_batch(
                             code = E_INVALID_SEQ
                             break
                         own_buf[g] = o * 4 + K_REOFFER
+                        held += 1
                     else:
                         own_buf[g] = K_NEW
+            # ---- held blocks: one more physical copy each, or a report of what is held ----
+            copies = False
+            if code == E_OK and held > 0:
+                org = origin[i] if has_origin else np.uint8(ORIGIN_UNKNOWN)
+                if org == ORIGIN_NEW:
+                    copies = True
+                elif org == ORIGIN_REPORT:
+                    copies = False
+                elif not reports or hp or held < k:
+                    # a report names the request's cache hit: a prefix from block 0 (no parent),
+                    # every block of it held
+                    copies = True
+                else:
+                    stats[ST_AMBIGUOUS] += 1
+                if copies:
+                    if cmeta[CM_LIVE] + held > cmeta[CM_ROOM]:
+                        pm[PM_STOP] = STOP_COPIES_FULL
+                        return i
+                    if cmeta[CM_LIVE] > 0:
+                        for g in range(b0, b1):
+                            if own_buf[g] & 3 == K_REOFFER:
+                                t = tab_find(ck, cv, EMPTY32, ext[g])
+                                if t >= 0 and cv[t] >= np.uint32(MAX_COPIES - 1):
+                                    code = E_INVALID_SEQ
             if code == E_OK and k > 0:
                 # ---- place: owner slots and lineage entries of the new edges, all undone when
                 # a table has no room (duplicates inside one event were rejected above) ----
@@ -409,6 +466,16 @@ def apply_batch(
                     kind = own_buf[g] & 3
                     if kind == K_REOFFER:
                         stats[ST_REOFFER] += 1
+                        if copies:
+                            stats[ST_DUP] += 1
+                            t = tab_find(ck, cv, EMPTY32, ext[g])
+                            if t < 0:
+                                tab_put(ck, cv, EMPTY32, ext[g], np.uint32(1))
+                                cmeta[CM_LIVE] += 1
+                            else:
+                                cv[t] += np.uint32(1)
+                        else:
+                            stats[ST_REPORT] += 1
                         p = pk.pay_of(otm, ow, o)
                         if (p & RES_BIT) == np.uint64(0):
                             fp = addr_buf[g] >> np.uint64(32)
@@ -446,6 +513,17 @@ def apply_batch(
                 if s < 0:
                     stats[ST_UNKNOWN] += 1
                     continue
+                if cmeta[CM_LIVE] > 0:
+                    t = tab_find(ck, cv, EMPTY32, e)
+                    if t >= 0:  # one of several physical copies: the block stays
+                        c = cv[t]
+                        if c == np.uint32(1):
+                            tab_del(ck, cv, EMPTY32, t)
+                            cmeta[CM_LIVE] -= 1
+                        else:
+                            cv[t] = c - np.uint32(1)
+                        stats[ST_COPY_REMOVED] += 1
+                        continue
                 o = np.int64(pk.pay_of(ltm, lw, s))
                 pk.delete(ltm, lw, s)
                 if nmeta[0] > 0:
@@ -511,6 +589,7 @@ BS_BLK_OFF = 2
 BS_TOK_OFF = 3
 BS_MM_OFF = 4
 BS_CLEAR_BLOCKS = 5
+BS_ORIGIN = 6  # checked in Python (one argument less per call)
 
 
 @njit(cache=True, _nrt=False)  # type: ignore[misc,call-overload,untyped-decorator]

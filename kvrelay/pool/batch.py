@@ -24,6 +24,10 @@ Layout (``n`` events, ``b`` block hashes in total):
 * ``tokens`` (uint32).
 * ``mm_off[b+1]`` (int64) / ``mm`` (uint64): per-block multimodal hashes, sorted ascending, appended
   to the block bytes (§7.2). Empty arrays (``mm_off`` of length 0) mean "no multimodal data".
+* ``origin[n]`` (uint8) or empty: what the engine says a store is, ``ORIGIN_NEW`` (new physical
+  blocks) or ``ORIGIN_REPORT`` (a report of blocks it already holds), ``ORIGIN_UNKNOWN`` (0) when
+  it says nothing; an empty array (the usual case) means unknown for every event. The pool
+  infers what it is not told (docs/contract.md, "Duplicate stores").
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ import numpy.typing as npt
 OP_STORE = 0
 OP_REMOVE = 1
 OP_CLEAR = 2
+
+ORIGIN_UNKNOWN = 0
+ORIGIN_NEW = 1
+ORIGIN_REPORT = 2
 
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
@@ -61,6 +69,7 @@ class EventBatch:
     tokens: npt.NDArray[np.uint32]
     mm_off: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     mm: U64 = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
+    origin: npt.NDArray[np.uint8] = field(default_factory=lambda: np.zeros(0, dtype=np.uint8))
 
     @property
     def n_events(self) -> int:
@@ -87,6 +96,7 @@ class BatchBuilder:
         "_ns_inherit",
         "_ns_part",
         "_ops",
+        "_origin",
         "_parent",
         "_salt",
         "_tok_off",
@@ -96,6 +106,7 @@ class BatchBuilder:
 
     def __init__(self) -> None:
         self._ops: list[int] = []
+        self._origin: list[int] = []
         self._parent: list[int] = []
         self._has_parent: list[bool] = []
         self._salt: list[int] = []
@@ -120,8 +131,10 @@ class BatchBuilder:
         ns_inherit: bool = False,
         tokens: npt.ArrayLike | None = None,
         mm: list[list[int]] | None = None,
+        origin: int = ORIGIN_UNKNOWN,
     ) -> None:
         self._ops.append(op)
+        self._origin.append(origin)
         self._parent.append(0 if parent is None else parent & 0xFFFF_FFFF_FFFF_FFFF)
         self._has_parent.append(parent is not None)
         self._salt.append(salt & 0xFFFF_FFFF_FFFF_FFFF)
@@ -152,6 +165,7 @@ class BatchBuilder:
         ns_part: int = 0,
         ns_inherit: bool = False,
         mm: list[list[int]] | None = None,
+        origin: int = ORIGIN_UNKNOWN,
     ) -> BatchBuilder:
         self._push(
             OP_STORE,
@@ -162,6 +176,7 @@ class BatchBuilder:
             ns_inherit=ns_inherit,
             tokens=tokens,
             mm=mm,
+            origin=origin,
         )
         return self
 
@@ -190,4 +205,5 @@ class BatchBuilder:
             tokens=tokens,
             mm_off=np.asarray(self._mm_off if self._use_mm else [], dtype=np.int64),
             mm=np.asarray(self._mm, dtype=np.uint64),
+            origin=np.asarray(self._origin if any(self._origin) else [], dtype=np.uint8),
         )

@@ -21,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 from numba import njit, types
 
+from kvrelay._jit import kernel
 from kvrelay.hashing.xxh3 import xxh3_64_u16, xxh3_64_u64
 
 U64 = npt.NDArray[np.uint64]
@@ -84,7 +85,11 @@ def probe_one(
     return fp, a, a ^ d
 
 
-@njit(types.uint64[::1](types.uint64, types.uint64), cache=True)  # type: ignore[misc]
+# The three signature-typed kernels here are declared (``_jit.kernel``), not eager ``njit(sig)``:
+# that compiled them (and, through them, the XXH3 kernels they call) inside ``import
+# kvrelay.pool.ckf``, before a first start could hand the hashing step to a worker, and hid those
+# XXH3 kernels from ``_jit.missing("hashing")``.
+@kernel("pool", types.uint64[::1](types.uint64, types.uint64))  # type: ignore[misc]
 def make_deltas(seed: np.uint64, mask: np.uint64) -> U64:
     """``alt`` XOR distance for every fingerprint (index 0 unused)."""
     out = np.empty(65536, dtype=np.uint64)
@@ -287,9 +292,8 @@ def ckf_remove_many(
     return missing
 
 
-@njit(  # type: ignore[misc,call-overload,untyped-decorator]
-    types.void(types.uint64[::1], types.uint64, types.uint64[::1], types.boolean[::1]),
-    cache=True,
+@kernel(  # type: ignore[misc]
+    "pool", types.void(types.uint64[::1], types.uint64, types.uint64[::1], types.boolean[::1]),
     _nrt=False,
 )
 def contains_into(table: U64, seed: np.uint64, hashes: U64, out: npt.NDArray[np.bool_]) -> None:
@@ -300,7 +304,8 @@ def contains_into(table: U64, seed: np.uint64, hashes: U64, out: npt.NDArray[np.
         out[i] = _word_has(table[a], fp) or _word_has(table[b], fp)
 
 
-@njit(
+@kernel(  # type: ignore[misc]
+    "pool",
     types.void(
         types.uint64,
         types.uint64,
@@ -309,8 +314,7 @@ def contains_into(table: U64, seed: np.uint64, hashes: U64, out: npt.NDArray[np.
         types.uint64[::1],
         types.uint64[::1],
     ),
-    cache=True,
-)  # type: ignore[misc]
+)
 def probe_into(seed: np.uint64, mask: np.uint64, hashes: U64, fps: U64, bas: U64, bbs: U64) -> None:
     """§6.3 addressing for many hashes (tests, diagnostics)."""
     for i in range(hashes.shape[0]):

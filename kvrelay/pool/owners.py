@@ -15,7 +15,7 @@ import numpy.typing as npt
 from numba import njit
 
 from kvrelay._jit import inline
-from kvrelay.pool.packed import TM_CAP, Int, pay_of, set_pay
+from kvrelay.pool.packed import TM_CAP, Int, clamp, pay_of, set_pay
 from kvrelay.pool.tables import EMPTY32, tab_del, tab_find, tab_put
 
 U64 = npt.NDArray[np.uint64]
@@ -91,32 +91,47 @@ def remap_overflow(ok: U64, ov: U32, nk: U64, nv: U32, remap: U32) -> None:
 
 
 @njit(cache=True, _nrt=False)  # type: ignore[misc,call-overload,untyped-decorator]
-def check_counts(otm: U64, ow: U64, xk: U64, xv: U32, n_big: Int, edges: U32) -> Int:
-    """Resident owners, or -1 unless every owner's refcount equals ``edges[slot]`` (lineage
-    edges naming it), no edge names a free slot, and the overflow table holds exactly the
-    ``n_big`` counts of the owners whose code says overflow, each above the in-slot maximum."""
+def check_counts_range(
+    otm: U64, ow: U64, xk: U64, xv: U32, edges: U32, q0: Int, q1: Int, acc: I64
+) -> bool:
+    """Owner tag words ``[q0, q1)`` of :func:`check_counts` (a scrub checks in bounded steps):
+    ``acc[0] +=`` resident owners, ``acc[1] +=`` owners whose count is in the overflow table;
+    False at the first owner whose refcount is not ``edges[slot]`` or an edge naming a free slot."""
     big = 0
     res = 0
-    for q in range(np.int64(otm[TM_CAP]) >> 3):
+    nw = np.int64(otm[TM_CAP]) >> 3
+    for q in range(clamp(q0, 0, nw), clamp(q1, 0, nw)):
         wd = ow[q]
         for i in range(8):
             s = q * 8 + i
             if (wd >> np.uint64(8 * i)) & np.uint64(0x80) == np.uint64(0):
                 if edges[s] != np.uint32(0):
-                    return -1
+                    return False
                 continue
             p = pay_of(otm, ow, s)
             code = p & CODE_MASK
             if code == CODE_OVERFLOW:
                 t = tab_find(xk, xv, EMPTY32, np.uint64(s))
                 if t < 0 or xv[t] <= np.uint32(INLINE_MAX):
-                    return -1
+                    return False
                 c = np.int64(xv[t])
                 big += 1
             else:
                 c = np.int64(code) + 1
             if np.int64(edges[s]) != c:
-                return -1
+                return False
             if p & RES_BIT:
                 res += 1
-    return res if big == n_big else -1
+    acc[0] += res
+    acc[1] += big
+    return True
+
+
+def check_counts(otm: U64, ow: U64, xk: U64, xv: U32, n_big: int, edges: U32) -> int:
+    """Resident owners, or -1 unless every owner's refcount equals ``edges[slot]`` (lineage
+    edges naming it), no edge names a free slot, and the overflow table holds exactly the
+    ``n_big`` counts of the owners whose code says overflow, each above the in-slot maximum."""
+    acc = np.zeros(2, dtype=np.int64)
+    if not check_counts_range(otm, ow, xk, xv, edges, 0, int(otm[TM_CAP]) >> 3, acc):
+        return -1
+    return int(acc[0]) if int(acc[1]) == n_big else -1

@@ -153,6 +153,17 @@ def rng_next(tm: U64) -> np.uint64:
     return s * np.uint64(0x2545F4914F6CDD1D)  # type: ignore[no-any-return]
 
 
+@inline
+def clamp(x: Int, lo: Int, hi: Int) -> Int:
+    """``x`` limited to ``[lo, hi]`` (ranged kernels take any range)."""
+    v = np.int64(x)
+    if v < lo:
+        return np.int64(lo)
+    if v > hi:
+        return np.int64(hi)
+    return v
+
+
 # ---- addressing ----------------------------------------------------------------------------------
 
 
@@ -622,11 +633,12 @@ def check_entries(tm: U64, w: U64) -> Int:
 
 
 @njit(cache=True, _nrt=False)  # type: ignore[misc,call-overload,untyped-decorator]
-def count_payloads(tm: U64, w: U64, counts: U32) -> bool:
-    """``counts[payload] += 1`` per entry (lineage: edges per owner slot); False, with counts
-    partly added, if a payload is not an index of ``counts``."""
+def count_payloads_range(tm: U64, w: U64, counts: U32, q0: Int, q1: Int) -> bool:
+    """``counts[payload] += 1`` per entry in tag words ``[q0, q1)`` (lineage: edges per owner
+    slot); False, with counts partly added, if a payload is not an index of ``counts``."""
     n = counts.shape[0]
-    for q in range(np.int64(tm[TM_CAP]) >> 3):
+    nw = np.int64(tm[TM_CAP]) >> 3
+    for q in range(clamp(q0, 0, nw), clamp(q1, 0, nw)):
         v = w[q] & _H8
         while v != _ZERO:
             s = q * 8 + (ctz(v) >> 3)
@@ -636,6 +648,11 @@ def count_payloads(tm: U64, w: U64, counts: U32) -> bool:
                 return False
             counts[np.int64(p)] += np.uint32(1)
     return True
+
+
+def count_payloads(tm: U64, w: U64, counts: U32) -> bool:
+    """:func:`count_payloads_range` over the whole table."""
+    return bool(count_payloads_range(tm, w, counts, 0, int(tm[TM_CAP]) >> 3))
 
 
 # ---- Python side ---------------------------------------------------------------------------------

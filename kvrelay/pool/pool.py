@@ -22,16 +22,25 @@ from kvrelay.pool.apply import (
     BS_LENGTHS,
     BS_MM_OFF,
     BS_OK,
+    BS_ORIGIN,
     BS_TOK_OFF,
+    CM_LIVE,
+    CM_ROOM,
+    MAX_COPIES,
     N_STATS,
+    ST_AMBIGUOUS,
     ST_APPLIED,
     ST_CAPACITY,
+    ST_COPY_REMOVED,
+    ST_DUP,
     ST_INVARIANT,
     ST_REJECTED,
     ST_REMOVED,
+    ST_REPORT,
     ST_STORED,
     ST_UNKNOWN,
     STOP_CLEAR,
+    STOP_COPIES_FULL,
     STOP_COUNTS_FULL,
     STOP_LINEAGE_FULL,
     apply_batch,
@@ -62,12 +71,14 @@ from kvrelay.pool.owners import (
     remap_overflow,
 )
 from kvrelay.pool.packed import (
+    TM_CAP,
     TM_LIVE,
     PackedTable,
     Scratch,
     check_entries,
     count_payloads,
 )
+from kvrelay.pool.refill import refill
 from kvrelay.pool.sizing import LINEAGE, OWNERS
 from kvrelay.pool.tables import (
     EMPTY32,
@@ -76,6 +87,14 @@ from kvrelay.pool.tables import (
     MIN_CAP,
     grown_cap,
     tab_rehash,
+)
+from kvrelay.pool.verify import (
+    ACC_COUNT,
+    ACC_MISSING,
+    ACC_SUM,
+    filter_digest,
+    new_acc,
+    owners_digest,
 )
 
 U64 = npt.NDArray[np.uint64]
@@ -123,6 +142,12 @@ def _warm_layout_kernels() -> None:
     remap_overflow(xk, xv, xk.copy(), xv.copy(), remap)
     check_counts(own.tm, own.w, xk, xv, 0, np.zeros(own.cap, dtype=np.uint32))
     tab_rehash(xk, xv, EMPTY32, xk.copy(), xv.copy())
+    # restores and scrubs compare the filter with the owners; reloads refill a filter
+    filter_divergence(own.tm, own.w, np.zeros(2, dtype=np.uint64), np.uint64(0),
+                      np.ones(65536, dtype=np.uint64))  # fmt: skip
+    lane = ckf.Lane(2, 0, 0)
+    refill(own.tm, own.w, lane.table, lane.cfg, lane.deltas, lane.rng, lane.mark, lane.dlog_b,
+           lane.dlog_o, lane.dmeta, lane.undo_b, lane.undo_o)  # fmt: skip
     _warmed = True
 
 
@@ -135,12 +160,29 @@ class ApplyResult:
     unknown_removals: int
     capacity_omissions: int
     errors: tuple[tuple[int, PoolError], ...]
+    #: stored blocks the member already held, counted as one more physical copy each
+    duplicate_stores: int = 0
+    #: stored blocks the member already held, taken as reports (no new copy)
+    report_stores: int = 0
+    #: store events that could have been either (taken as reports; see docs/contract.md)
+    ambiguous_stores: int = 0
+    #: removes that dropped one extra physical copy (the block stays held)
+    copy_removals: int = 0
+
+
+def _copy_room(cap: int) -> int:
+    return max(0, cap * MAX_LOAD_NUM // MAX_LOAD_DEN - 1)
 
 
 class _Member:
-    """One member's lineage table (external hash → owner slot) and namespace side table."""
+    """One member's lineage table (external hash → owner slot), namespace side table, and
+    copy-count side table: external hash → extra physical copies (≥ 1) for the hashes the rank
+    holds more than once. A hash held once has no entry, so the table is empty (2 slots) for
+    most members and bounded by the lineage (one entry per edge at most)."""
 
-    __slots__ = ("dp_rank", "lin", "nkeys", "nmeta", "nvals", "worker_id")
+    __slots__ = (
+        "ckeys", "cmeta", "cvals", "dp_rank", "lin", "nkeys", "nmeta", "nvals", "worker_id",
+    )  # fmt: skip
 
     def __init__(self, worker_id: int, dp_rank: int, salt: int, ref_bits: int) -> None:
         self.worker_id = worker_id
@@ -150,6 +192,26 @@ class _Member:
         self.nkeys = np.zeros(2, dtype=np.uint64)  # unused until a namespace is recorded
         self.nvals = np.zeros(2, dtype=np.uint64)
         self.nmeta = np.zeros(1, dtype=np.int64)
+        self.ckeys = np.zeros(2, dtype=np.uint64)
+        self.cvals = np.full(2, EMPTY32, dtype=np.uint32)
+        self.cmeta = np.zeros(2, dtype=np.int64)
+
+    def fit_copies(self, add: int) -> None:
+        """Size the copy-count table for its entries plus ``add`` (back to 2 slots when empty)."""
+        live = int(self.cmeta[CM_LIVE])
+        cur = self.ckeys.shape[0]
+        if live == 0 and add == 0:
+            cap = 2
+        else:
+            cap = grown_cap(max(cur, MIN_CAP), live + add + 1)
+            if cur > MIN_CAP and (live + add + 1) * 8 < cur:
+                cap = grown_cap(MIN_CAP, (live + add + 1) * 2)
+        if cap != cur:
+            dk = np.zeros(cap, dtype=np.uint64)
+            dv = np.full(cap, EMPTY32, dtype=np.uint32)
+            tab_rehash(self.ckeys, self.cvals, EMPTY32, dk, dv)
+            self.ckeys, self.cvals = dk, dv
+        self.cmeta[CM_ROOM] = _copy_room(cap) if cap > 2 else 0
 
     def resize(self, nb: int, sc: Scratch) -> None:
         """Rebuild the lineage with ``nb`` buckets per subtable (more if the rebuild's cuckoo
@@ -182,7 +244,13 @@ class _Member:
             self.nvals = np.zeros(2, dtype=np.uint64)
 
     def nbytes(self) -> int:
-        return int(self.lin.nbytes + self.nkeys.nbytes + self.nvals.nbytes)
+        return int(
+            self.lin.nbytes
+            + self.nkeys.nbytes
+            + self.nvals.nbytes
+            + self.ckeys.nbytes
+            + self.cvals.nbytes
+        )
 
 
 class Pool:
@@ -200,6 +268,7 @@ class Pool:
         max_kicks: int = ckf.DEFAULT_MAX_KICKS,
         *,
         layout_seed: int | None = None,
+        reports: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
@@ -213,8 +282,11 @@ class Pool:
         self.block_size = block_size
         self.hash_format = hash_format
         self.max_kicks = max_kicks
+        #: whether the engines may send reports (a store of held blocks that adds no copy)
+        self.reports = reports
         self._cfg = np.array(
-            [self.seed, bucket_count - 1, block_size, hash_format, max_kicks], dtype=np.uint64
+            [self.seed, bucket_count - 1, block_size, hash_format, max_kicks, int(reports)],
+            dtype=np.uint64,
         )
         self.table: U64 = lane.table
         self._deltas = lane.deltas
@@ -254,6 +326,17 @@ class Pool:
         self.invariant_violations = 0
         self.forced_growths = 0
 
+    def refiltered(self, bucket_count: int, seed: int) -> Pool:
+        """A new pool holding a copy of this pool's exact state under another bucket count or
+        CKF seed, its filter rebuilt from the owners (the exact state does not depend on
+        either); this pool is left as it is."""
+        meta, arrays = self.export_state()
+        return Pool.from_state(
+            meta, arrays, bucket_count=bucket_count, seed=seed, block_size=self.block_size,
+            hash_format=self.hash_format, max_kicks=self.max_kicks, reports=self.reports,
+            refilter=True,
+        )  # fmt: skip
+
     def _next_salt(self) -> int:
         self._salt_state, out = ckf.splitmix_next(self._salt_state)
         return out
@@ -283,8 +366,8 @@ class Pool:
         lin, own = m.lin, self._own
         clear_member(
             self._cfg, self.table, self._deltas, self._mark, self._dlog_b, self._dlog_o,
-            self._dmeta, lin.tm, lin.w, m.nkeys, m.nvals, m.nmeta, own.tm, own.w, self._pm,
-            self._xk, self._xv, stats,
+            self._dmeta, lin.tm, lin.w, m.nkeys, m.nvals, m.nmeta, m.ckeys, m.cvals, m.cmeta,
+            own.tm, own.w, self._pm, self._xk, self._xv, stats,
         )  # fmt: skip
 
     def reset_member(self, member: int) -> None:
@@ -307,6 +390,7 @@ class Pool:
         if m is not None:
             m.reserve(0, False, self._sc)
             m.drop_namespace()
+            m.fit_copies(0)
         self._reserve_owners(0)
         self._fit_counts(0)
 
@@ -376,6 +460,8 @@ class Pool:
                 b.ops, b.parent, b.has_parent, b.salt, b.ns_part, b.ns_inherit, b.blk_off,
                 b.ext_hashes, b.tok_off, b.tokens, b.mm_off, b.mm, self._summary,
             )  # fmt: skip
+            if code == BS_OK and b.origin.shape[0] not in (0, b.ops.shape[0]):
+                code = BS_ORIGIN
             if code != BS_OK:
                 raise MalformedBatch(_SUMMARY_MESSAGES[code])
         except MalformedBatch as bad:
@@ -406,12 +492,12 @@ class Pool:
             lin, own = m.lin, self._own
             stop = apply_batch(
                 b.ops, b.parent, b.has_parent, b.salt, b.ns_part, b.ns_inherit, b.blk_off,
-                b.ext_hashes, b.tok_off, b.tokens, b.mm_off, b.mm, self._cfg, self.table,
-                self._deltas, self._rng, self._mark, self._dlog_b, self._dlog_o, self._dmeta,
-                self._undo_b, self._undo_o, lin.tm, lin.w, m.nkeys, m.nvals, m.nmeta, own.tm,
-                own.w, self._pm, self._xk, self._xv, self._okey_buf, self._addr_buf,
-                self._own_buf, set_keys,
-                set_stamp, walk, mm_scratch, self._hash_sec, self._hash_acc, start, err, stats,
+                b.ext_hashes, b.tok_off, b.tokens, b.mm_off, b.mm, b.origin, self._cfg,
+                self.table, self._deltas, self._rng, self._mark, self._dlog_b, self._dlog_o,
+                self._dmeta, self._undo_b, self._undo_o, lin.tm, lin.w, m.nkeys, m.nvals,
+                m.nmeta, m.ckeys, m.cvals, m.cmeta, own.tm, own.w, self._pm, self._xk, self._xv,
+                self._okey_buf, self._addr_buf, self._own_buf, set_keys, set_stamp, walk,
+                mm_scratch, self._hash_sec, self._hash_acc, start, err, stats,
             )  # fmt: skip
             if stop >= n:
                 break
@@ -424,6 +510,10 @@ class Pool:
             set_stamp[:] = 0
             if self._pm[PM_STOP] == STOP_COUNTS_FULL:  # room for every count the event raises
                 self._fit_counts(max_k)
+                start = stop
+                continue
+            if self._pm[PM_STOP] == STOP_COPIES_FULL:  # room for a copy of every block it holds
+                m.fit_copies(max_k)
                 start = stop
                 continue
             # a table had no room for event `stop` (nothing of it applied): grow, resume there
@@ -454,6 +544,10 @@ class Pool:
             unknown_removals=int(stats[ST_UNKNOWN]),
             capacity_omissions=int(stats[ST_CAPACITY]),
             errors=tuple(errors),
+            duplicate_stores=int(stats[ST_DUP]),
+            report_stores=int(stats[ST_REPORT]),
+            ambiguous_stores=int(stats[ST_AMBIGUOUS]),
+            copy_removals=int(stats[ST_COPY_REMOVED]),
         )
 
     def _record_error(self, index: int, exc: PoolError) -> None:
@@ -498,6 +592,13 @@ class Pool:
         r = np.empty(n, dtype=np.bool_)
         member_edges(lin.tm, lin.w, own.tm, own.w, e, c, r)
         return e, c, r
+
+    def copies(self, member: int) -> dict[int, int]:
+        """External hash → physical copies, for the hashes the member holds more than once."""
+        m = self._member(member)
+        live = m.cvals != EMPTY32
+        keys, extra = m.ckeys[live].tolist(), m.cvals[live].tolist()
+        return {int(k): int(v) + 1 for k, v in zip(keys, extra, strict=True)}
 
     def owned_canonical(self, member: int) -> U64:
         """Distinct canonical hashes the member owns (sorted)."""
@@ -547,6 +648,26 @@ class Pool:
         return int(self._stats[ST_UNKNOWN])
 
     @property
+    def duplicate_stores(self) -> int:
+        """Stored blocks counted as one more physical copy of a hash the member held."""
+        return int(self._stats[ST_DUP])
+
+    @property
+    def report_stores(self) -> int:
+        """Stored blocks taken as a report of a hash the member held (no new copy)."""
+        return int(self._stats[ST_REPORT])
+
+    @property
+    def ambiguous_stores(self) -> int:
+        """Store events that were a report or new copies, the stream cannot tell."""
+        return int(self._stats[ST_AMBIGUOUS])
+
+    @property
+    def copy_removals(self) -> int:
+        """Removes that dropped one extra copy of a hash (the member still holds it)."""
+        return int(self._stats[ST_COPY_REMOVED])
+
+    @property
     def events_rejected(self) -> int:
         return int(self._stats[ST_REJECTED])
 
@@ -555,6 +676,10 @@ class Pool:
         return {
             "lineage": sum(m.lin.nbytes for m in self._members.values()),
             "namespace": sum(int(m.nkeys.nbytes + m.nvals.nbytes) for m in self._members.values()),
+            "copies": sum(
+                int(m.ckeys.nbytes + m.cvals.nbytes + m.cmeta.nbytes)
+                for m in self._members.values()
+            ),
             "owners": self._own.nbytes,
             "owner_counts": int(self._xk.nbytes + self._xv.nbytes),
         }
@@ -565,19 +690,26 @@ class Pool:
 
     def snapshot_state(
         self,
-    ) -> tuple[bytes, dict[int, dict[int, int]], dict[int, tuple[int, bool]]]:
+    ) -> tuple[
+        bytes, dict[int, dict[int, int]], dict[int, tuple[int, bool]], dict[int, dict[int, int]]
+    ]:
         """Table bytes + exact state as plain data (tests compare before/after a rejection)."""
         return (
             self.table.tobytes(),
             {mid: self.lineage(mid) for mid in self._members},
             self.owners(),
+            {mid: self.copies(mid) for mid in self._members},
         )
 
     # ---- state handover -------------------------------------------------------------------------
 
     #: Bumped whenever the exported arrays change meaning; a file of another version is refused.
     #: 2: packed tables (cuckoo lineage → owner slot, d-left owners, overflow counts).
-    STATE_VERSION = 2
+    #: 3: + per member copy-count tables (``m{id}.ckeys``/``cvals``/``cmeta``).
+    STATE_VERSION = 3
+    #: versions ``from_state`` reads: a version 2 state has no copy counts (its pool counted
+    #: none), so it restores with every hash held once
+    READABLE_STATE_VERSIONS = (2, 3)
 
     def export_state(self) -> tuple[dict[str, Any], dict[str, npt.NDArray[Any]]]:
         """The exact state as plain metadata + named arrays (views, not copies: the caller writes
@@ -594,7 +726,7 @@ class Pool:
             members.append([mid, m.worker_id, m.dp_rank, m.lin.salt])
             arrays[f"m{mid}.lin.tm"] = m.lin.tm
             arrays[f"m{mid}.lin.w"] = m.lin.w
-            for name in ("nkeys", "nvals", "nmeta"):
+            for name in ("nkeys", "nvals", "nmeta", "ckeys", "cvals", "cmeta"):
                 arrays[f"m{mid}.{name}"] = getattr(m, name)
         meta = {
             "next_id": self._next_id, "members": members, "salt_state": self._salt_state,
@@ -613,13 +745,19 @@ class Pool:
         block_size: int,
         hash_format: int,
         max_kicks: int = ckf.DEFAULT_MAX_KICKS,
+        reports: bool = False,
+        take: bool = False,
+        refilter: bool = False,
     ) -> Pool:
         """A pool holding exported state, after checks that it is one consistent state (ValueError
         otherwise): every array of the right type and shape, every table exactly what this
         layout could have written (``PackedTable.restored``), every lineage entry naming a live
         owner, refcounts (overflow table included) equal to the lineage edges, namespace entries
-        only for lineage edges, and the CKF holding as many fingerprints as there are resident
-        owners."""
+        only for lineage edges, and the CKF holding exactly the resident owners' fingerprints, each
+        in one of its two buckets (``pool/verify.py``). ``take``: the big arrays become the
+        pool's own, not copied (a state file's reader allocated them for it). ``refilter``: the
+        state may come from a pool of another bucket count or seed; its table is not used, the
+        filter is rebuilt from the owners (``pool/refill.py``)."""
         try:
             next_id = int(meta["next_id"])
             salt_state = int(meta["salt_state"])
@@ -629,14 +767,18 @@ class Pool:
             raise ValueError(f"pool metadata: {type(exc).__name__}: {exc}") from None
         if not all(0 <= x <= _M64 for x in (salt_state, owners_salt, *(r[3] for r in rows))):
             raise ValueError("pool metadata: salt out of range")
-        pool = cls(bucket_count, seed, block_size, hash_format, max_kicks, layout_seed=salt_state)
-        table = _state_array(arrays, "table", np.uint64)
+        pool = cls(
+            bucket_count, seed, block_size, hash_format, max_kicks, layout_seed=salt_state,
+            reports=reports,
+        )  # fmt: skip
+        table = _state_array(arrays, "table", np.uint64, take=take)
         rng = _state_array(arrays, "rng", np.uint64, 1)
-        if table.shape != pool.table.shape:
+        if table.shape != pool.table.shape and not refilter:
             raise ValueError(f"table has {table.shape[0]} buckets, the pool {bucket_count}")
         own = PackedTable.restored(
             OWNERS.d, OWNERS.b, OWNER_PBITS, 0, owners_salt,
-            _state_array(arrays, "own.tm", np.uint64), _state_array(arrays, "own.w", np.uint64),
+            _state_array(arrays, "own.tm", np.uint64, take=take),
+            _state_array(arrays, "own.w", np.uint64, take=take),
         )  # fmt: skip
         own.bounds = OWNERS.bounds(own.nb0)
         resident_in_table = int(np.count_nonzero(table.view(np.uint16)))
@@ -657,24 +799,32 @@ class Pool:
             m = _Member(wid, rank, salt, ref_bits)
             m.lin = PackedTable.restored(
                 LINEAGE.d, LINEAGE.b, ref_bits, LIN_KICKS, salt,
-                _state_array(arrays, f"m{mid}.lin.tm", np.uint64),
-                _state_array(arrays, f"m{mid}.lin.w", np.uint64),
+                _state_array(arrays, f"m{mid}.lin.tm", np.uint64, take=take),
+                _state_array(arrays, f"m{mid}.lin.w", np.uint64, take=take),
             )  # fmt: skip
             m.lin.bounds = LINEAGE.bounds(m.lin.nb0)
             if not count_payloads(m.lin.tm, m.lin.w, edges):
                 raise ValueError(f"member {mid}: lineage names a slot outside the owners table")
             m.nkeys, m.nvals, m.nmeta = _namespace(arrays, mid, m.lin)
+            if f"m{mid}.ckeys" in arrays:  # absent from version 2 states: no copies
+                m.ckeys, m.cvals, m.cmeta = _copy_counts(arrays, mid, m.lin)
             pool._members[mid] = m
             pool._ids[(wid, rank)] = mid
         resident = int(check_counts(own.tm, own.w, big_k, big_v, n_big, edges))
         if resident < 0:
             raise ValueError("owner refcounts (or their overflow counts) differ from the lineage")
-        if resident != resident_in_table:
-            raise ValueError("the table does not hold exactly the resident owners")
+        if refilter:
+            resident = _refill_into(pool, own)
+        else:
+            if resident != resident_in_table:
+                raise ValueError("the table does not hold exactly the resident owners")
+            why = filter_divergence(own.tm, own.w, table, np.uint64(pool.seed), pool._deltas)
+            if why is not None:
+                raise ValueError(why)
+            pool.table[:] = table
+            pool._rng[:] = rng
         pool._next_id = next_id
         pool._salt_state = salt_state
-        pool.table[:] = table
-        pool._rng[:] = rng
         pool._own, pool._ref_bits = own, ref_bits
         pool._xk, pool._xv = big_k, big_v
         pool._pm[:] = 0
@@ -684,14 +834,42 @@ class Pool:
         return pool
 
 
+def _refill_into(pool: Pool, own: PackedTable) -> int:
+    """``pool``'s empty filter filled from ``own`` (resident bits set to match); the dirty log
+    is cleared after: a new generation starts with nothing pending. Returns the residents."""
+    lane = pool.lane
+    res = int(refill(own.tm, own.w, lane.table, lane.cfg, lane.deltas, lane.rng, lane.mark,
+                     lane.dlog_b, lane.dlog_o, lane.dmeta, lane.undo_b, lane.undo_o))  # fmt: skip
+    lane.mark[:] = 0
+    lane.dmeta[0] = 0
+    pool._stats[ST_CAPACITY] += own.live - res
+    return res
+
+
+def filter_divergence(otm: U64, ow: U64, table: U64, seed: np.uint64, deltas: U64) -> str | None:
+    """Why ``table`` is not exactly the resident owners' fingerprints (None when it is)."""
+    own = new_acc()
+    owners_digest(otm, ow, table, seed, deltas, 0, int(otm[TM_CAP]) >> 3, own)
+    if own[ACC_MISSING]:
+        return f"{int(own[ACC_MISSING])} resident owners' fingerprints are in neither bucket"
+    filt = new_acc()
+    filter_digest(table, deltas, 0, table.shape[0], filt)
+    if filt[ACC_COUNT] != own[ACC_COUNT] or filt[ACC_SUM] != own[ACC_SUM]:
+        return "the table's fingerprints are not those of the resident owners"
+    return None
+
+
 def _state_array(
-    arrays: dict[str, npt.NDArray[Any]], name: str, dtype: type, length: int | None = None
+    arrays: dict[str, npt.NDArray[Any]], name: str, dtype: type, length: int | None = None,
+    take: bool = False,
 ) -> npt.NDArray[Any]:
     a = arrays.get(name)
     bad_length = a is not None and length is not None and a.shape[0] != length
     if a is None or a.dtype != dtype or a.ndim != 1 or bad_length:
         raise ValueError(f"state array {name!r} missing or of the wrong type or shape")
-    return np.array(a, copy=True)  # owned and writable: files may be read into shared buffers
+    if take and a.flags.writeable and a.flags.owndata and a.flags.c_contiguous:
+        return a
+    return np.array(a, copy=True)  # owned and writable
 
 
 def _namespace(
@@ -716,6 +894,32 @@ def _namespace(
     return fk, fv, nmeta
 
 
+def _copy_counts(
+    arrays: dict[str, npt.NDArray[Any]], mid: int, lineage: PackedTable
+) -> tuple[U64, npt.NDArray[np.uint32], npt.NDArray[np.int64]]:
+    """One member's copy-count table, checked (entries only for its lineage edges, each count in
+    range, the live count, the room) and re-inserted into a fresh table of the same size."""
+    ckeys = _state_array(arrays, f"m{mid}.ckeys", np.uint64)
+    cvals = _state_array(arrays, f"m{mid}.cvals", np.uint32, ckeys.shape[0])
+    cmeta = _state_array(arrays, f"m{mid}.cmeta", np.int64, 2)
+    live = cvals != EMPTY32
+    keys = ckeys[live]
+    cap = ckeys.shape[0]
+    n = int(keys.shape[0])
+    room = _copy_room(cap) if cap > 2 else 0
+    if cap < 2 or (cap > 2 and grown_cap(cap, n + 1) != cap) or (cap == 2 and n):
+        raise ValueError(f"member {mid}: copy-count table size out of range")
+    if n != int(cmeta[CM_LIVE]) or int(cmeta[CM_ROOM]) != room:
+        raise ValueError(f"member {mid}: copy-count table count or room out of range")
+    if n and (not (cvals[live] < MAX_COPIES).all() or np.unique(keys).shape[0] != n
+              or not np.isin(keys, lineage.entries()[0]).all()):  # fmt: skip
+        raise ValueError(f"member {mid}: copy counts out of range or for edges it does not have")
+    fk = np.zeros(cap, dtype=np.uint64)
+    fv = np.full(cap, EMPTY32, dtype=np.uint32)
+    tab_rehash(ckeys, cvals, EMPTY32, fk, fv)
+    return fk, fv, cmeta
+
+
 _SPEC: tuple[tuple[str, type], ...] = (
     ("ops", np.uint8),
     ("parent", np.uint64),
@@ -729,6 +933,7 @@ _SPEC: tuple[tuple[str, type], ...] = (
     ("tokens", np.uint32),
     ("mm_off", np.int64),
     ("mm", np.uint64),
+    ("origin", np.uint8),
 )
 
 _SUMMARY_MESSAGES = {
@@ -737,6 +942,7 @@ _SUMMARY_MESSAGES = {
     BS_TOK_OFF: "tok_off is not a valid offset array over tokens",
     BS_MM_OFF: "mm_off is not a valid offset array over mm",
     BS_CLEAR_BLOCKS: "a clear event carries block hashes",
+    BS_ORIGIN: "origin is neither empty nor one entry per event",
 }
 
 

@@ -16,6 +16,13 @@ and tells the producer how far apart to cut publications meanwhile (``publicatio
 what each joiner still has to read and its free queue slots); it calls ``on_hold_released`` when
 the last one caught up, so what was held back goes out at once.
 
+Snapshots on one connection go out one stream after another (``service/h2/bulk.py``). A joiner
+whose cut is ready but whose turn on its connection has not come (``turn``) holds nothing back:
+its clocks have not started (the progress timer runs from its turn, and it is no joiner for
+``publication_hold``), and deltas published meanwhile are not queued for it; they make its cut
+stale, and at its turn a stale cut is replaced by one at the current sequence, before its first
+byte. A stream that failed while it waited gives up its turn unsent.
+
 A stream that ends with an error while its client is not reading keeps the error pending: the send
 in flight completes when the client reads again, then the stream ends with the status (the frames
 already sent come first). A client that does not read for ``stalled_stream_reset_s`` after that
@@ -47,6 +54,9 @@ INLINE_SNAPSHOT_BUCKETS = 1 << 16
 #: Yield to the event loop after this many frames sent back to back.
 YIELD_EVERY = 8
 
+#: Downstream relays whose spacing requests a hub remembers at once (the rest are refused).
+MAX_HOLD_REQUESTERS = 64
+
 #: At most this many queued delta frames / bytes go out in one coalesced write.
 BATCH_FRAMES = 16
 BATCH_BYTES = 512 * 1024
@@ -56,6 +66,8 @@ SendBatch = Callable[[list[bytes]], Awaitable[None]]
 SendParts = Callable[[Sequence[bytes]], Awaitable[None]]
 #: Writes one frame at once if the transport takes it without waiting (True), else does nothing.
 SendNow = Callable[[bytes], bool]
+#: Returns once this stream's turn to write a snapshot chunk on its connection has come.
+Turn = Callable[[], Awaitable[None]]
 Reset = Callable[[], None]
 
 
@@ -108,10 +120,14 @@ class PublicationHub:
         encode_gate: asyncio.Semaphore | None = None,
         cut: list[bytes] | None = None,
         vouch: Callable[[], bool] | None = None,
+        late_cut: bool = False,
     ) -> None:
         """``cut``: CBI1 chunk payloads of ``table`` at ``sequence``, already encoded (shared by
         the first joiners instead of a new encode). ``vouch``: called before each heartbeat; a
-        heartbeat claims the stream is current, so it is withheld while this returns False."""
+        heartbeat claims the stream is current, so it is withheld while this returns False.
+        ``late_cut``: a joiner's deltas are not queued while its snapshot is being built either
+        (a mirror: its upstream's spacing, asked for when the joiner came, is not in effect yet);
+        a cut that went stale meanwhile is taken again when its stream begins to send."""
         if table.shape != (bucket_count,):
             raise ValueError(f"table shape {table.shape} != ({bucket_count},)")
         self.encoder = encoder
@@ -134,6 +150,7 @@ class PublicationHub:
             done.set_result(list(cut))
             self._snapshot = (sequence, done)
         self.vouch = vouch
+        self.late_cut = late_cut
         self._retired = False
         self.idle_since: float | None = time.monotonic()  # None while someone subscribes
         self.resets = 0
@@ -141,6 +158,9 @@ class PublicationHub:
         self.direct_frames = 0  # deltas written by the publisher itself (see Subscription._offer)
         self.snapshots_served = 0  # subscribers given a snapshot
         self.snapshots_built = 0  # snapshot encodes (shared by joiners at one sequence)
+        self.recuts = 0  # cuts replaced at a stream's turn (deltas came while it waited)
+        self._holds: dict[str, tuple[float, float]] = {}  # requester → (seconds, until)
+        self.holds_requested = 0  # spacing requests of downstream relays (request_hold)
 
     # --- state ---
     @property
@@ -178,8 +198,9 @@ class PublicationHub:
         ``snapshot_publication_delay_s``]. A fast reader shortens its own hold as it goes; the
         other subscribers' deltas are up to that much later; nothing is dropped or merged.
         """
+        held = self._requested_hold() if self._holds else 0.0
         if not self._joining:
-            return 0.0
+            return held
         lim = self.limits
         longest = lim.snapshot_publication_delay_s
         need = 0.0  # bytes to read per free slot, for the joiner that needs most
@@ -189,7 +210,33 @@ class PublicationHub:
                 return longest
             need = max(need, (sub._snapshot_left + sub._bytes) / spare)
         spacing = need / lim.snapshot_reader_bytes_per_second
-        return min(longest, max(lim.publication_delay_s, spacing))
+        return max(held, min(longest, max(lim.publication_delay_s, spacing)))
+
+    def request_hold(self, requester: str, seconds: float, ttl_s: float) -> float:
+        """A downstream relay that serves this lane to joiners of its own (a mirror: every
+        fan-out worker) asks for the spacing its joiners need, since it forwards this hub's
+        sequences and cannot space them itself. Honoured like a joiner of this hub: at most
+        ``snapshot_publication_delay_s``, for ``ttl_s`` unless renewed; 0 ends the request.
+        Returns the spacing granted (RESOURCE_LIMIT past ``MAX_HOLD_REQUESTERS``)."""
+        now = time.monotonic()
+        self._holds = {k: v for k, v in self._holds.items() if v[1] > now}
+        granted = min(max(0.0, seconds), self.limits.snapshot_publication_delay_s)
+        self.holds_requested += 1
+        if granted <= 0.0:
+            ended = self._holds.pop(requester, None) is not None and not self._requested_hold()
+            if ended and not self._joining and self.on_hold_released is not None:
+                self.on_hold_released()
+            return 0.0
+        if requester not in self._holds and len(self._holds) >= MAX_HOLD_REQUESTERS:
+            raise RelayError.resource_limit(
+                f"publication hold requesters limit {MAX_HOLD_REQUESTERS} reached"
+            )
+        self._holds[requester] = (granted, now + ttl_s)
+        return granted
+
+    def _requested_hold(self) -> float:
+        now = time.monotonic()
+        return max((s for s, until in self._holds.values() if until > now), default=0.0)
 
     # --- producer side ---
     def publish(self, sequence: int, buckets: npt.ArrayLike, words: npt.ArrayLike) -> None:
@@ -383,8 +430,10 @@ class Subscription:
         "_send_now",
         "_snapshot",
         "_snapshot_left",
+        "_stale",
         "_task",
         "_waiter",
+        "_waiting",
         "_watchdog",
         "start_sequence",
     )
@@ -416,6 +465,8 @@ class Subscription:
         self._task: asyncio.Task[None] | None = None
         self._reset: Reset | None = None
         self._watchdog: asyncio.TimerHandle | None = None
+        self._waiting = hub.late_cut  # not sending yet: deltas are not queued (see _take_turn)
+        self._stale = False  # a delta was published while it waited: its cut is behind
 
     @property
     def error(self) -> RelayError | None:
@@ -428,6 +479,9 @@ class Subscription:
 
     # --- called by the hub (synchronous, never blocks) ---
     def _offer(self, frame: bytes, cost: int, seq: int) -> None:
+        if self._waiting:
+            self._stale = True  # not sent a byte yet: the cut is taken again at its turn
+            return
         if self._parked and not self._frames:
             # The pump is idle and nothing is queued before this frame: write it now, in order,
             # without waking the pump (one task switch and one grpclib pass less per frame).
@@ -519,6 +573,7 @@ class Subscription:
         send_parts: SendParts | None = None,
         *,
         send_now: SendNow | None = None,
+        turn: Turn | None = None,
     ) -> None:
         """Send snapshot, deltas and heartbeats until EOF (return) or error (RelayError).
 
@@ -529,7 +584,9 @@ class Subscription:
         transport stream (used only when a client stalls past the grace). With ``send_now``, a
         delta published while this pump is idle is written by the publisher itself when the
         transport can take it at once (see ``_offer``); the pump then only wakes for
-        heartbeats, queued frames and the end of the stream.
+        heartbeats, queued frames and the end of the stream. With ``turn``, each snapshot chunk
+        waits for the stream's turn on its connection before its progress timer starts (see
+        the module docstring: a cut that went stale meanwhile is taken again).
         """
         loop = asyncio.get_running_loop()
         self._loop = loop
@@ -538,17 +595,15 @@ class Subscription:
         hub = self._hub
         limits = hub.limits
         encoder = hub.encoder
-        try:
-            # shield: this stream being cancelled must not cancel a build other subscribers share
-            payloads = await asyncio.shield(self._snapshot)
-        except RelayError:
-            raise
-        except Exception as exc:  # encoder bug: never a half-sent snapshot
-            raise RelayError.internal(f"snapshot encoding failed: {exc!r}") from exc
+        payloads = await self._payloads()
+        if turn is not None or self._waiting:
+            payloads = await self._take_turn(turn, payloads)
         timeout = limits.snapshot_progress_timeout_s
         seq0 = self.start_sequence
         self._snapshot_left = sum(len(p) for p in payloads)
-        for payload in payloads:
+        for i, payload in enumerate(payloads):
+            if i and turn is not None:
+                await turn()  # the progress timer runs from the turn
             if self._check():
                 return
             handle = loop.call_later(timeout, self._on_snapshot_timeout)
@@ -619,6 +674,41 @@ class Subscription:
                 continue
             await send(encoder.heartbeat(self._last_seq))
             self._last_sent = loop.time()
+
+    async def _payloads(self) -> list[bytes]:
+        try:
+            # shield: this stream being cancelled must not cancel a build other subscribers share
+            return await asyncio.shield(self._snapshot)
+        except RelayError:
+            raise
+        except Exception as exc:  # encoder bug: never a half-sent snapshot
+            raise RelayError.internal(f"snapshot encoding failed: {exc!r}") from exc
+
+    async def _take_turn(self, turn: Turn | None, payloads: list[bytes]) -> list[bytes]:
+        """Wait for this stream's turn on its connection without holding anything back: no
+        deltas queued (they only make the cut stale), no joiner for the hub's spacing. At the
+        turn, a stale cut is replaced by one at the current sequence, once; the queue then
+        starts over. Returns the payloads to send (an ended stream sends none)."""
+        hub = self._hub
+        self._waiting = True
+        try:
+            if turn is not None:
+                hub._caught_up(self)
+                await turn()
+            if self._check() or not self._stale:
+                return payloads
+            self._frames.clear()  # continuations of the old cut
+            self._bytes = 0
+            snapshot = await hub._snapshot_at_current_sequence()  # deltas still dropped
+            self.start_sequence = self._last_seq = hub.sequence  # the cut's (no await between)
+            self._snapshot = snapshot
+            hub.recuts += 1
+        finally:
+            self._waiting = False
+            self._stale = False
+            if not self.ended:
+                hub._joining.add(self)
+        return await self._payloads()
 
     def shutdown(self) -> None:
         """End this stream with a clean EOF (relay shutdown)."""

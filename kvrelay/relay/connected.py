@@ -175,7 +175,9 @@ class ConnectedMembers:
             kv_block_size=spec.kv_block_size, hash_format=int(spec.hash_format),
             options=spec.decode, kind=cfg.kind, model=spec.model,
             max_members=cfg.max_members, member_silence_s=cfg.member_silence_s,
-            pool=self._host.name,
+            pool=self._host.name, allow=cfg.allow, addresses=cfg.addresses,
+            max_topic_bytes=cfg.max_topic_bytes, max_batch_bytes=cfg.max_batch_bytes,
+            max_member_blocks=cfg.max_member_blocks, curve_secret_key=cfg.curve_secret_key,
         )  # fmt: skip
 
     # ---- what the pool reports ------------------------------------------------------------------

@@ -6,6 +6,13 @@ relay cannot vouch for. The member operations (apply, reset, remove, reset an en
 that the check for an invariant violation — and the fence it triggers — happens in one place,
 after every mutation, and no caller has to notice it. Sequences count published batches; the
 first batch after a snapshot cut at S is S→S+1.
+
+A member rebuilt from its engine's replay (a reset, then the replayed history) is one
+transaction: publication is held from the reset until the replay is applied (``hold`` /
+``release``), so subscribers get one delta from the old image to the new one and never see the
+member's blocks vanish and come back. The hold is bounded: it ends after ``REBUILD_HOLD_MAX_S``
+or once the held delta reaches what a subscriber queue takes (``held_bucket_cap``), counted in
+``rebuild_holds_broken``; a subscriber that joins meanwhile gets its snapshot as things are.
 """
 
 from __future__ import annotations
@@ -27,6 +34,10 @@ from kvrelay.publication.splice import FilterUpdateEncoder
 from kvrelay.relay.context import RelayContext
 
 FenceCallback = Callable[["Generation", str], None]
+
+#: Longest a member rebuild holds the pool's publications (a replay that takes longer publishes
+#: the rest as it comes).
+REBUILD_HOLD_MAX_S = 2.0
 
 
 class Generation:
@@ -60,6 +71,9 @@ class Generation:
         self._last_cut = 0.0  # time.monotonic() of the last publication cut (snapshot hold)
         self._pacer = Pacer(ctx.limits)
         self._bucket_cap = held_bucket_cap(ctx.limits)
+        self._holds: dict[SourceKey, float] = {}  # members rebuilding → when they began
+        self.rebuild_holds = 0
+        self.rebuild_holds_broken = 0
 
     @property
     def layout_generation(self) -> int:
@@ -72,6 +86,12 @@ class Generation:
     @property
     def subscriber_count(self) -> int:
         return 0 if self._hub is None else self._hub.subscriber_count
+
+    def request_hold(self, requester: str, seconds: float, ttl_s: float) -> float:
+        """A downstream relay's spacing request (``PublicationHub.request_hold``); without a hub
+        nothing is published to anyone, so there is nothing to space."""
+        hub = self._hub
+        return 0.0 if hub is None else hub.request_hold(requester, seconds, ttl_s)
 
     def hub_stats(self) -> dict[str, int]:
         """Read-only hub counters (zeros before the first subscription)."""
@@ -156,6 +176,25 @@ class Generation:
         self._on_fence(self, f"exact state invariant violated while {what}")
         return True
 
+    # ---- member rebuilds (one transaction each) --------------------------------------------------
+
+    def hold(self, source: SourceKey) -> None:
+        """``source`` is being rebuilt (reset, replay to follow): hold publications until
+        ``release``."""
+        if self.retired or source in self._holds:
+            return
+        self._holds[source] = time.monotonic()
+        self.rebuild_holds += 1
+
+    def release(self, source: SourceKey) -> None:
+        """``source``'s rebuild is applied (or abandoned): publish once no rebuild is left."""
+        if self._holds.pop(source, None) is not None and not self._holds:
+            self._on_hold_released()
+
+    @property
+    def rebuilding(self) -> int:
+        return len(self._holds)
+
     # ---- publication cadence ---------------------------------------------------------------------
 
     def _note_events(self, n: int) -> None:
@@ -224,6 +263,13 @@ class Generation:
         if not self._pending_events or self.retired:
             return
         now = time.monotonic()
+        if self._holds:
+            left = min(self._holds.values()) + REBUILD_HOLD_MAX_S - now
+            if left > 0.0 and self.pool.pending_dirty < self._bucket_cap:
+                self._arm(left)  # ``release`` cuts sooner
+                return
+            self.rebuild_holds_broken += 1
+            self._holds.clear()
         wait = self._pacer.wait(now, now if self._pending_since is None else self._pending_since)
         hub = self._hub
         if hub is not None:
@@ -309,6 +355,7 @@ class Generation:
         if self.retired:
             return
         self.retired = True
+        self._holds.clear()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

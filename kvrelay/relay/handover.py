@@ -30,6 +30,7 @@ import numpy.typing as npt
 import xxhash
 
 from kvrelay import __version__
+from kvrelay.ingest.kinds import EngineKind
 from kvrelay.ingest.sink import SourceKey
 from kvrelay.pool.pool import Pool
 from kvrelay.relay import state_file
@@ -37,6 +38,12 @@ from kvrelay.relay.engines import PoolIdentity
 from kvrelay.relay.settings import PoolSpec
 
 SUFFIX = ".kvstate"
+#: A pool's exact state costs well under 32 bytes per membership (a lineage slot and an owners
+#: slot at their max loads, with growth slack); a file for more than this many memberships per
+#: expected block is refused unread (``max_state_bytes``).
+MAX_MEMBERSHIPS_PER_BLOCK = 64
+_BYTES_PER_MEMBERSHIP = 32
+_FIXED_BYTES = 16 << 20  # header, per-member metadata and minimum table sizes
 #: A restored member whose engine has not vouched for it by then is reset.
 RESTORE_VOUCH_S = 5.0
 
@@ -66,11 +73,17 @@ class RestoredPool:
     arrays: dict[str, npt.NDArray[Any]]
     members: dict[SourceKey, MemberResume]
     written_unix: float
+    filter_shape: tuple[int, int] = (0, 0)  # (bucket_count, ckf_seed) the file was saved under
+
+    def refiltered(self, spec: PoolSpec) -> bool:
+        """Saved under another bucket count or seed: the filter is rebuilt from the state."""
+        return self.filter_shape != (spec.bucket_count, spec.ckf_seed)
 
     def pool(self, spec: PoolSpec) -> Pool:
         return Pool.from_state(
             self.pool_meta, self.arrays, bucket_count=spec.bucket_count, seed=spec.ckf_seed,
             block_size=self.identity.block_size, hash_format=int(spec.hash_format),
+            reports=spec.engine_reports, take=True, refilter=self.refiltered(spec),
         )  # fmt: skip
 
 
@@ -88,8 +101,26 @@ def path_for(state_dir: str | Path, spec: PoolSpec) -> Path:
     return Path(state_dir) / f"pool-{digest}{SUFFIX}"
 
 
+def _has_sglang(spec: PoolSpec) -> bool:
+    kinds = [e.kind for e in spec.engines] + ([spec.connect.kind] if spec.connect else [])
+    return EngineKind.SGLANG in kinds
+
+
+def max_state_bytes(spec: PoolSpec) -> int:
+    """The largest file a pool of these settings could have written (a bigger one is refused
+    before it is read)."""
+    per_block = MAX_MEMBERSHIPS_PER_BLOCK * _BYTES_PER_MEMBERSHIP
+    return spec.bucket_count * 8 + per_block * spec.expected_blocks + _FIXED_BYTES
+
+
+#: Filter settings the exact state does not depend on: a file saved under other values is used,
+#: its filter rebuilt from the state (``Pool.from_state(refilter=True)``).
+_SHAPE_ONLY = ("bucket_count", "ckf_seed")
+
+
 def _filter_settings(spec: PoolSpec) -> dict[str, Any]:
-    """What shapes the filter and its contents: a file saved under other values is not used."""
+    """What shapes the filter and its contents: a file saved under other values of anything but
+    ``_SHAPE_ONLY`` (what the canonical hashes are) is not used."""
     return {
         "bucket_count": spec.bucket_count,
         "ckf_seed": spec.ckf_seed,
@@ -99,6 +130,10 @@ def _filter_settings(spec: PoolSpec) -> dict[str, Any]:
     }
 
 
+def _content(settings: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in settings.items() if k not in _SHAPE_ONLY}
+
+
 def save(
     state_dir: str | Path,
     spec: PoolSpec,
@@ -106,8 +141,21 @@ def save(
     pool: Pool,
     members: list[MemberResume],
 ) -> int:
-    """Write one pool's state atomically; returns the bytes written."""
+    """Write one pool's state atomically (the pool must not change meanwhile); returns the bytes
+    written."""
     meta, arrays = pool.export_state()
+    return save_state(state_dir, spec, identity, meta, arrays, members)
+
+
+def save_state(
+    state_dir: str | Path,
+    spec: PoolSpec,
+    identity: PoolIdentity,
+    meta: dict[str, Any],
+    arrays: dict[str, npt.NDArray[Any]],
+    members: list[MemberResume],
+) -> int:
+    """Write an exported state (``Pool.export_state``, or a copy of it) atomically."""
     header = {
         "kind": "kvrelay-pool-state",
         "kvrelay": __version__,
@@ -132,19 +180,30 @@ def save(
 def load(
     state_dir: str | Path, spec: PoolSpec, *, max_age_s: float, now: float | None = None
 ) -> RestoredPool | None:
-    """Read and consume the pool's file: None when there is none; ``Refused`` when unusable."""
+    """Read and consume the pool's file: None when there is none; ``Refused`` when unusable.
+
+    A file that was read (usable or not) is consumed, so it is never restored twice; one that
+    could not be read (a transient ``OSError``: EIO, EMFILE, a permission being fixed, or a
+    symbolic link, which is never followed) stays where it is."""
     path = path_for(state_dir, spec)
     try:
-        parsed = state_file.read(path)
+        parsed = state_file.read(path, max_state_bytes(spec))
     except FileNotFoundError:
         return None
+    except state_file.StateFileError as exc:
+        _consume(path)
+        raise Refused(exc.kind, f"{path}: {exc}") from None
     except OSError as exc:
         raise Refused("unreadable", f"{path}: {exc}") from None
-    except state_file.StateFileError as exc:
-        raise Refused(exc.kind, f"{path}: {exc}") from None
-    finally:
-        path.unlink(missing_ok=True)  # consumed: never restored twice
+    _consume(path)
     return _check(parsed, spec, max_age_s, time.time() if now is None else now)
+
+
+def _consume(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:  # a file that stays could be restored twice: not used
+        raise Refused("unreadable", f"{path}: cannot be consumed: {exc}") from None
 
 
 def _check(
@@ -154,16 +213,21 @@ def _check(
     try:
         if h.get("kind") != "kvrelay-pool-state":
             raise Refused("corrupt", "not a pool state")
-        if h.get("pool_layout") != Pool.STATE_VERSION:
+        if h.get("pool_layout") not in Pool.READABLE_STATE_VERSIONS:
             raise Refused("version", f"pool layout {h.get('pool_layout')!r}, this kvrelay "
                                      f"uses {Pool.STATE_VERSION}")  # fmt: skip
+        if h.get("pool_layout") == 2 and _has_sglang(spec):  # salts were not honoured then
+            raise Refused("version", "pool layout 2 indexed SGLang's salted blocks unsalted")
         if h.get("pool") != list(spec.triple):
             raise Refused("incompatible", f"saved for pool {h.get('pool')!r}")
         written = float(h["written_unix"])
         if not now - max_age_s <= written <= now + 60:
             raise Refused("stale", f"written {now - written:.0f} s ago (limit {max_age_s:g} s)")
-        if h.get("filter") != _filter_settings(spec):
-            raise Refused("incompatible", "saved under other filter settings")
+        saved = h.get("filter")
+        want = _filter_settings(spec)
+        if not isinstance(saved, dict) or _content(saved) != _content(want):
+            raise Refused("incompatible", "saved under other hash or decode settings")
+        shape = (int(saved["bucket_count"]), int(saved["ckf_seed"]))
         ident = h["identity"]
         identity = PoolIdentity(
             model=str(ident["model"]), model_source=str(ident["model_source"]),
@@ -186,5 +250,5 @@ def _check(
         raise
     except (KeyError, TypeError, ValueError) as exc:
         raise Refused("corrupt", f"header field: {exc}") from None
-    return RestoredPool(identity, meta, parsed.arrays, members, written)
+    return RestoredPool(identity, meta, parsed.arrays, members, written, shape)
 

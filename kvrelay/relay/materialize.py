@@ -51,4 +51,5 @@ def empty_pool(spec: PoolSpec, ident: PoolIdentity) -> Pool:
         seed=spec.ckf_seed,
         block_size=ident.block_size,
         hash_format=int(spec.hash_format),
+        reports=spec.engine_reports,
     )

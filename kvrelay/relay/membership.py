@@ -3,8 +3,11 @@ resolved address, re-resolved every ``dns_interval_s``.
 
 An engine found by DNS is named ``<entry name>@<address>`` (``@<address>:<port>`` for SRV), so
 its ``worker_id`` — derived from the name — is stable per address across resolutions and relay
-restarts. A new address adds an engine (it is probed and subscribed like a configured one); an
-address missing from two consecutive successful answers removes it (its members are cleared). A
+restarts. A new address adds an engine (it is probed and subscribed like a configured one). DNS
+absence is treated like an unreachable Control: the data plane decides. An address missing from
+two consecutive successful answers is removed (its members are cleared) only once its engine's
+ZMQ streams have also been disconnected for ``engine_down_grace_s`` (the relay's ``removable``
+check); until then the engine is kept, counted once per absence, and its state stays exact. A
 resolution that fails (timeout, SERVFAIL) changes nothing: a DNS outage is not a fleet change.
 """
 
@@ -32,6 +35,7 @@ MISSING_ANSWERS_TO_REMOVE = 2
 
 AddEngine = Callable[[str, EngineSpec], Awaitable[None]]
 RemoveEngine = Callable[[str, str], Awaitable[None]]
+Removable = Callable[[str, str], bool]
 
 
 @dataclass(slots=True)
@@ -40,6 +44,7 @@ class DnsCounters:
     failures: int = 0
     engines_added: int = 0
     engines_removed: int = 0
+    removals_deferred: int = 0  # absences from DNS while the engine's stream was still live
 
 
 def expand(template: EngineSpec, endpoint: Endpoint) -> EngineSpec:
@@ -84,12 +89,15 @@ class DnsMembership:
         interval_s: float,
         add: AddEngine,
         remove: RemoveEngine,
+        removable: Removable = lambda _pool, _engine: True,
     ) -> None:
         self.templates = templates  # (pool name, template)
         self.resolver = resolver
         self.interval_s = interval_s
         self._add = add
         self._remove = remove
+        self._removable = removable
+        self._deferred: set[tuple[str, str]] = set()  # absent engines kept for a live stream
         self.counters = DnsCounters()
         self.current: dict[tuple[str, str], dict[str, EngineSpec]] = {}
         self._missing: dict[tuple[str, str], int] = {}  # (pool, engine) → answers missing from
@@ -116,6 +124,7 @@ class DnsMembership:
         engines = list(self.current.pop((pool, template), {}))
         for name in engines:
             self._missing.pop((pool, name), None)
+            self._deferred.discard((pool, name))
         return engines
 
     def set_templates(self, templates: list[tuple[str, EngineSpec]]) -> None:
@@ -142,6 +151,7 @@ class DnsMembership:
             have = self.current.setdefault(key, {})
             for name, spec in wanted.items():
                 self._missing.pop((pool, name), None)
+                self._deferred.discard((pool, name))
                 if name not in have:
                     have[name] = spec
                     self.counters.engines_added += 1
@@ -151,6 +161,13 @@ class DnsMembership:
                 misses = self._missing.get((pool, name), 0) + 1
                 self._missing[(pool, name)] = misses
                 if misses >= MISSING_ANSWERS_TO_REMOVE:
+                    if not self._removable(pool, name):
+                        if (pool, name) not in self._deferred:
+                            self._deferred.add((pool, name))
+                            self.counters.removals_deferred += 1
+                            _log.info("dns_engine_kept", pool=pool, engine=name)
+                        continue
+                    self._deferred.discard((pool, name))
                     del have[name]
                     del self._missing[(pool, name)]
                     self.counters.engines_removed += 1

@@ -53,6 +53,7 @@ from kvrelay.ingest.subscriber import Subscriber
 from kvrelay.logging import get_logger
 from kvrelay.pool.batch import EventBatch
 from kvrelay.pool.pool import Pool
+from kvrelay.pool.scrub import Finding
 from kvrelay.publication.load import RankLoad
 from kvrelay.publication.readiness import EndpointState
 from kvrelay.relay import pool_view
@@ -146,10 +147,37 @@ class PoolRuntime:
         if gen is None:
             return
         gen.reset_member(source)
+        self._settled(source)
         _log.warning(
             "member_reset", pool=self.name, engine=self._engine_name(source.worker_id),
             dp_rank=source.dp_rank, reason=reason.value,
         )  # fmt: skip
+
+    def on_rebuild(self, source: SourceKey, active: bool) -> None:
+        gen = self.generation
+        if gen is None:
+            return
+        if active:
+            gen.hold(source)
+        else:
+            gen.release(source)
+
+    def on_vouched(self, source: SourceKey) -> None:
+        """A member restored from a state file was vouched for by its engine."""
+        self.counters.members_vouched += 1
+        self._settled(source)
+
+    def _settled(self, source: SourceKey) -> None:
+        if self.restore.settled(source):
+            _log.info("state_members_vouched", pool=self.name)
+            self._ctx.changed()  # the generation is published now
+
+    @property
+    def published(self) -> Generation | None:
+        """The generation routers may see: none while members restored from a file still wait
+        for their engine to vouch for them (``restore.awaiting``)."""
+        gen = self.generation
+        return None if gen is None or self.restore.awaiting else gen
 
     def on_failed(self, source: SourceKey, error: BaseException) -> None:
         """A subscriber crashed: reset its member, count it, restart it later with backoff."""
@@ -173,6 +201,7 @@ class PoolRuntime:
         gen = self.generation
         if gen is not None:
             gen.reset_member(source)
+            self._settled(source)
         self._ctx.schedule(self._reconcile_after(0.0))
         self._ctx.schedule(self._reconcile_after(delay))
 
@@ -224,18 +253,18 @@ class PoolRuntime:
 
     def descriptor(self) -> pb.KvPoolDescriptor | None:
         return pool_view.pool_descriptor(
-            self.spec, self.engines.values(), self.generation, self.identity
+            self.spec, self.engines.values(), self.published, self.identity
         )
 
     def endpoint_state(self) -> EndpointState | None:
         return pool_view.endpoint_state(
-            self.spec, self.engines.values(), self.generation, self.identity, self.connected
+            self.spec, self.engines.values(), self.published, self.identity, self.connected
         )
 
     def load_input(self) -> tuple[pb.ProducerIdentity, list[RankLoad]] | None:
         """One entry per rank every engine declares (see ``pool_view.load_input``)."""
         return pool_view.load_input(
-            self.engines.values(), self.generation, self.subscribers, self.connected
+            self.engines.values(), self.published, self.subscribers, self.connected
         )
 
     # ---- generations -----------------------------------------------------------------------------
@@ -354,6 +383,12 @@ class PoolRuntime:
             self.connected.tick(now)
         if self.restore.due(now):
             self.restore.expire(self.generation, self.name)
+            if not self.restore.awaiting:
+                self._ctx.changed()
+        for key in self.restore.overdue(now):  # resumed, never vouched for nor reset: restarted
+            self.on_failed(key, TimeoutError("restored state not vouched for in time"))
+            if not self.restore.awaiting:
+                self._ctx.changed()
         for key, (_attempt, not_before) in list(self._restarts.items()):
             sub = self.subscribers.get(key)
             if sub is not None and sub.connected and now - not_before >= RESTART_STABLE_S:
@@ -479,7 +514,8 @@ class PoolRuntime:
         for key, spec in desired.items():
             if key in self.subscribers or not self._startable(key, now):
                 continue
-            sub = Subscriber(spec, self, resume=self.restore.resume_for(key, gen, self.by_worker))
+            resume = self.restore.resume_for(key, gen, self.by_worker, now)
+            sub = Subscriber(spec, self, resume=resume)
             self.subscribers[key] = sub
             self.source_specs[key] = spec
             try:
@@ -500,6 +536,8 @@ class PoolRuntime:
         for key in keys:
             sub = self.subscribers.pop(key, None)
             self.source_specs.pop(key, None)
+            # no longer awaited: every caller resets, removes or retires its state next
+            self.restore.settled(key)
             if sub is not None:
                 with contextlib.suppress(Exception):
                     await sub.stop()
@@ -507,19 +545,86 @@ class PoolRuntime:
 
     async def respec(self, spec: PoolSpec, *, rematerialize: bool) -> None:
         """A reload changed the pool's settings (the caller adds and removes engines, then
-        reconciles). With ``rematerialize`` the generation is withdrawn, to be rebuilt under the
-        new settings; otherwise it goes on (sources whose settings changed restart on reconcile)."""
+        reconciles). With ``rematerialize`` a new generation is needed: when only the filter's
+        shape changed (``expected_blocks``, ``ckf_seed``) it is built at once from the exact
+        state the relay holds, its sources going on; otherwise (hash or decode settings: other
+        canonical hashes) the generation is withdrawn and rebuilt from replay. Without it the
+        generation goes on (sources whose settings changed restart on reconcile)."""
         async with self._reconcile_lock:
             connect_changed = spec.connect != self.spec.connect
-            self.spec = spec
+            old_spec, self.spec = self.spec, spec
             if connect_changed:  # a new endpoint or pattern: its members start over (§22)
                 if self.connected is not None:
                     await self.connected.stop(retire=True)
                 self.connected = ConnectedMembers(self) if spec.connect is not None else None
             if rematerialize:
                 self.counters.reconfigurations += 1
-                await self._withdraw("pool settings changed by a reload; requires a fresh snapshot")
+                if not self._refilter(old_spec, spec):
+                    await self._withdraw(
+                        "pool settings changed by a reload; requires a fresh snapshot"
+                    )
                 self._restarts.clear()
+
+    def _refilter(self, old: PoolSpec, new: PoolSpec) -> bool:
+        """Replace the generation by one holding the same exact state under the new filter shape;
+        False when that does not apply (no generation, or settings that change what the exact
+        state holds)."""
+        gen = self.generation
+        shape_only = old.hash_format == new.hash_format and old.decode == new.decode
+        if gen is None or not shape_only:
+            return False
+        return self._regenerate(
+            gen, "pool settings changed by a reload; requires a fresh snapshot", "reload"
+        )
+
+    def _regenerate(self, gen: Generation, why: str, cause: str) -> bool:
+        """Retire ``gen`` (its streams end with ``PUBLICATION_UNAVAILABLE: why``) for a new
+        generation whose filter is built from ``gen``'s exact state under the current settings
+        (``Pool.refiltered``); its sources go on, nothing is replayed. False, changing nothing,
+        when there is no identity or the exact state does not load as one consistent state."""
+        ident = self.identity
+        if ident is None or gen.retired or gen is not self.generation:
+            return False
+        try:
+            pool = gen.pool.refiltered(self.spec.bucket_count, self.spec.ckf_seed)
+        except ValueError as exc:
+            _log.error("pool_refilter_failed", pool=self.name, cause=cause, error=str(exc))
+            return False
+        self._retire(gen, RelayError.publication_unavailable(why))
+        fresh = Generation(
+            name=self.name, pool=pool, producer=producer_identity(self.spec, self._ctx, ident),
+            ctx=self._ctx, on_fence=self.fence,
+        )  # fmt: skip
+        self.generation = fresh
+        self._materialized_at = time.monotonic()
+        self.counters.generations += 1
+        _log.info(
+            "pool_refiltered", pool=self.name, cause=cause,
+            layout_generation=fresh.layout_generation, bucket_count=self.spec.bucket_count,
+            fingerprints=pool.occupancy, capacity_omissions=pool.capacity_omissions,
+        )  # fmt: skip
+        self._ctx.changed()
+        return True
+
+    def on_scrubbed(self, gen: Generation, finding: Finding | None) -> None:
+        """A full scrub pass over ``gen`` ended. A divergence fences it: a filter that is not the
+        exact state's is rebuilt from the exact state at once; an exact state that disagrees
+        with itself is rebuilt from replay (``fence``)."""
+        if gen is not self.generation:
+            return
+        self.counters.scrub_passes += 1
+        if finding is None:
+            return
+        self.counters.scrub_divergences += 1
+        _log.error(
+            "scrub_divergence", pool=self.name, generation=gen.layout_generation,
+            why=finding.why, exact_state=finding.exact_state,
+        )  # fmt: skip
+        why = f"generation fenced: scrub: {finding.why}"
+        if not finding.exact_state and self._regenerate(gen, why, "scrub"):
+            self.counters.fences += 1
+            return
+        self.fence(gen, f"scrub: {finding.why}")
 
     async def close(self, why: str) -> None:
         """The pool left the configuration: its subscribers end with PUBLICATION_UNAVAILABLE
@@ -542,10 +647,13 @@ class PoolRuntime:
             await self._stop_subscribers(list(self.subscribers))
             gen = self.generation
             if save is not None and gen is not None and self.identity is not None:
-                members = self.restore.members_to_save(subs, self.by_worker)
-                save(self.spec, self.identity, gen.pool, members)
+                save(self.spec, self.identity, gen.pool, self.members_to_save(subs))
             if gen is not None:  # shutdown: clean EOF for subscribers
                 self._retire(gen, None, publish=False)
+
+    def members_to_save(self, subs: dict[SourceKey, Subscriber]) -> list[MemberResume]:
+        """Where each member stands for a state file (a clean stop's or a checkpoint's)."""
+        return self.restore.members_to_save(subs, self.by_worker)
 
     def _fold_source(self, key: SourceKey, counters: SubscriberCounters) -> None:
         prev = self._source_totals.get(key)

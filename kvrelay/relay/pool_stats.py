@@ -32,6 +32,12 @@ def generation_totals(gen: Generation) -> GenerationTotals:
     return GenerationTotals(
         capacity_omissions=p.capacity_omissions,
         unknown_removals=p.unknown_removals,
+        duplicate_stores=p.duplicate_stores,
+        report_stores=p.report_stores,
+        ambiguous_stores=p.ambiguous_stores,
+        copy_removals=p.copy_removals,
+        rebuild_holds=gen.rebuild_holds,
+        rebuild_holds_broken=gen.rebuild_holds_broken,
         invariant_violations=p.invariant_violations,
         deltas=gen.batches_published,
         hub_resets=hub["resets"],

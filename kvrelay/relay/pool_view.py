@@ -121,10 +121,13 @@ def load_input(
         return None
     ranks: list[RankLoad] = []
     for st in engines:
-        total = st.spec.total_kv_blocks
+        declared = st.declared_ranks()
+        total = st.spec.total_kv_blocks  # per rank (config)
         if st.snapshot is not None and st.snapshot.reachable and st.snapshot.total_kv_blocks:
-            total = st.snapshot.total_kv_blocks
-        for rank in st.declared_ranks():
+            # vLLM's frontend reports the sum over the engine cores it serves (one per DP rank):
+            # each rank has its share
+            total = st.snapshot.total_kv_blocks // max(1, len(declared))
+        for rank in declared:
             usage = None
             if SourceKey(st.worker_id, rank) in subscribed and not st.down:
                 usage = st.usage.get(rank)

@@ -27,7 +27,7 @@ from kvrelay.publication.load import LoadPlane, PoolLoadInput
 from kvrelay.publication.readiness import EndpointState, ReadinessPlane, validate_endpoint
 from kvrelay.publication.serving_load import ServingLoadInputs, ServingLoadPlane
 from kvrelay.publication.window import unix_ms
-from kvrelay.relay import handover
+from kvrelay.relay import checkpoint, handover, safe_files
 from kvrelay.relay.context import RelayContext
 from kvrelay.relay.engines import PoolIdentity
 from kvrelay.relay.generation import Generation
@@ -35,9 +35,13 @@ from kvrelay.relay.membership import DnsMembership
 from kvrelay.relay.observer import Observers
 from kvrelay.relay.pool_runtime import EngineState, PoolRuntime
 from kvrelay.relay.reconfigure import ReloadPlan, plan_reload
+from kvrelay.relay.scrubber import Scrubber
 from kvrelay.relay.serving import Page, ServingInputs
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
 from kvrelay.relay.stats import RelayStats
+
+#: A downstream relay's spacing request lapses this long after its last renewal.
+HOLD_TTL_S = 1.0
 
 _log = get_logger(__name__)
 
@@ -116,6 +120,12 @@ class Relay:
         #: saves at stop (saved, failed).
         self.state_restores: dict[str, int] = {}
         self.state_saves: dict[str, int] = {}
+        #: Periodic checkpoints (``relay/checkpoint.py``), counted in ``state_saves``.
+        self.checkpoints = checkpoint.Checkpointer(lambda r: self._count(self.state_saves, r))
+        self._next_checkpoint = 0.0
+        #: The online scrub (``relay/scrubber.py``): one task, a bounded step per loop turn.
+        self.scrubber = Scrubber(lambda: self.pools, lambda: self.settings.scrub_interval_s)
+        self._scrub_task: asyncio.Task[None] | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -132,6 +142,7 @@ class Relay:
         self.serving_load.start()
         self.watcher.start()
         self._ticker = asyncio.create_task(self._tick_loop(), name="kvrelay-relay-tick")
+        self._scrub_task = asyncio.create_task(self.scrubber.run(), name="kvrelay-scrub")
         self._start_membership()
         for p in self.pools:
             for st in p.engines.values():
@@ -147,11 +158,17 @@ class Relay:
         if self._ticker is not None:
             await cancel_all([self._ticker])
             self._ticker = None
+        if self._scrub_task is not None:
+            await cancel_all([self._scrub_task])
+            self._scrub_task = None
         await cancel_all(list(self._scrapers.values()))
         self._scrapers.clear()
-        save = self._save_pool if save_state and self._state_dir() is not None else None
+        await self.checkpoints.drain()  # the final save below is the last word
+        keep = save_state and self._state_dir(self.state_saves) is not None
+        save = self._save_pool if keep else None
         for p in self.pools:
             await p.stop(save)
+        self.checkpoints.close()
         for t in list(self._tasks):
             t.cancel()
         for t in list(self._tasks):
@@ -164,24 +181,35 @@ class Relay:
 
     # ---- state handover ------------------------------------------------------------------------
 
-    def _state_dir(self) -> Path | None:
+    def _state_dir(self, counts: dict[str, int] | None = None) -> Path | None:
+        """The state directory, created private if missing; None (counted in ``counts`` and
+        logged) when it cannot be made or another user could write to it (``safe_files``)."""
         d = self.settings.state_dir
         if d is None:
             return None
         path = Path(d)
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            safe_files.check_private_dir(path)
+        except safe_files.UnsafeDirectory as exc:
+            if counts is not None:
+                self._count(counts, exc.kind)
+            _log.error("state_dir_unusable", path=d, reason=exc.kind, error=str(exc))
+            return None
         except OSError as exc:
-            _log.error("state_dir_unusable", path=d, error=str(exc))
+            if counts is not None:
+                self._count(counts, "unusable_dir")
+            _log.error("state_dir_unusable", path=d, reason="unusable_dir", error=str(exc))
             return None
         return path
 
     def _restore_state(self) -> None:
         """Offer each pool its state file (``relay/handover.py``): used if nothing is in doubt."""
-        d = self._state_dir()
+        d = self._state_dir(self.state_restores)
         if d is None:
             return
         for p in self.pools:
+            safe_files.remove_stale_temps(d, handover.path_for(d, p.spec).name)
             try:
                 r = handover.load(d, p.spec, max_age_s=self.settings.state_max_age_s)
             except handover.Refused as exc:
@@ -203,7 +231,7 @@ class Relay:
     def _save_pool(
         self, spec: PoolSpec, ident: PoolIdentity, pool: Any, members: list[handover.MemberResume]
     ) -> None:
-        d = self._state_dir()
+        d = self._state_dir(self.state_saves)
         if d is None:
             return
         name = "/".join(spec.triple)
@@ -232,7 +260,7 @@ class Relay:
         key = producer_key(expected)
         changed = False
         for p in self.pools:
-            gen = p.generation
+            gen = p.published  # not a generation whose restored members await their vouch
             if gen is None:
                 continue
             if gen.key == key:
@@ -274,6 +302,13 @@ class Relay:
             sub.close()
             raise RelayError.publication_unavailable("generation retired during hub initialization")
         return sub
+
+    async def hold_pool(
+        self, expected: pb.ProducerIdentity, requester: str, seconds: float
+    ) -> float:
+        """Space ``expected``'s publications for a downstream relay whose joiners catch up
+        (``PublicationHub.request_hold``); no hub yet: nothing to space (0)."""
+        return self._live_generation(expected).request_hold(requester, seconds, HOLD_TTL_S)
 
     # ---- planes ----------------------------------------------------------------------------------
 
@@ -349,17 +384,55 @@ class Relay:
             pools=tuple(p.stats() for p in self.pools),
             state_restores=dict(self.state_restores),
             state_saves=dict(self.state_saves),
+            checkpoint_unix=dict(self.checkpoints.last_unix),
+            scrub_last=dict(self.scrubber.last),
+            dns_removals_deferred=(
+                0 if self.membership is None else self.membership.counters.removals_deferred
+            ),
         )
 
     async def _tick_loop(self) -> None:
+        interval = self.settings.checkpoint_interval_s
+        self._next_checkpoint = time.monotonic() + interval
         while True:
-            await asyncio.sleep(min(1.0, self.settings.engine_down_grace_s / 4))
+            every = min(1.0, self.settings.engine_down_grace_s / 4)
+            if self.settings.checkpoint_interval_s > 0 and self.settings.state_dir is not None:
+                every = min(every, self.settings.checkpoint_interval_s)
+            await asyncio.sleep(every)
             now = time.monotonic()
             for p in self.pools:
                 try:
                     p.tick(now)
                 except Exception:  # a bug in one pool's checks must not stop the others
                     _log.exception("pool_tick_failed", pool=p.name)
+            interval = self.settings.checkpoint_interval_s
+            if interval > 0 and now >= self._next_checkpoint:
+                self._next_checkpoint = now + interval
+                self.checkpoint_now()
+
+    def checkpoint_now(self) -> int:
+        """Cut every materialized pool's state and hand it to the checkpoint writer (a no-op
+        without ``state_dir``); returns how many were submitted."""
+        if self.settings.state_dir is None:
+            return 0
+        d = self._state_dir(self.state_saves)
+        if d is None:
+            return 0
+        n = 0
+        for p in self.pools:
+            gen, ident = p.generation, p.identity
+            if gen is None or ident is None or self.checkpoints.busy(p.name):
+                if gen is not None and self.checkpoints.busy(p.name):
+                    self._count(self.state_saves, checkpoint.BUSY)
+                continue
+            try:
+                n += self.checkpoints.submit(
+                    d, p.spec, ident, gen.pool, p.members_to_save(p.subscribers)
+                )
+            except OSError as exc:  # no fork (EAGAIN, ENOMEM): this round is skipped
+                self._count(self.state_saves, checkpoint.FAILED)
+                _log.error("state_checkpoint_failed", pool=p.name, error=str(exc))
+        return n
 
     # ---- membership ------------------------------------------------------------------------------
 
@@ -387,6 +460,21 @@ class Relay:
         await self._stop_scraper(pool, engine)
         await p.remove_engine(engine, reconcile=reconcile)
 
+    def _dns_removable(self, pool: str, engine: str) -> bool:
+        """May an engine absent from DNS go? Only once every ZMQ stream of it has been
+        disconnected for ``engine_down_grace_s`` (a live stream keeps the state exact)."""
+        p = self._pool(pool)
+        target = p.target_of(engine)
+        if target is None:
+            return True
+        wid, now = p.engines[target].worker_id, time.monotonic()
+        grace = self.settings.engine_down_grace_s
+        return all(
+            sub.disconnected_since is not None and now - sub.disconnected_since >= grace
+            for key, sub in p.subscribers.items()
+            if key.worker_id == wid
+        )
+
     def _templates(self) -> list[tuple[str, EngineSpec]]:
         return [(p.name, e) for p in self.pools for e in p.spec.engines if e.dns is not None]
 
@@ -402,6 +490,7 @@ class Relay:
                 s.dns_interval_s,
                 self.add_engine,
                 self.remove_engine,
+                self._dns_removable,
             )
             return
         self.membership.interval_s = s.dns_interval_s

@@ -6,6 +6,9 @@ the file's pool is used by the first materialization only if it was saved under 
 engines now give; each restored member then waits for its engine to vouch for it (the saved
 incarnation, a replay holding the last applied batch) within ``RESTORE_VOUCH_S``, and is reset
 otherwise. Every discarded or unverified state is counted and logged.
+
+Until every restored member is vouched for or reset (``awaiting``), the generation is not
+published: routers never see blocks nobody vouched for.
 """
 
 from __future__ import annotations
@@ -30,13 +33,15 @@ _log = get_logger("kvrelay.relay.pool_runtime")  # the events keep the logger th
 class PoolRestore:
     """One pool's restored state: the file not yet used, then the members not yet vouched."""
 
-    __slots__ = ("_counters", "_deadline", "_pending", "file")
+    __slots__ = ("_counters", "_deadline", "_pending", "_vouching", "file")
 
     def __init__(self, counters: PoolCounters) -> None:
         self._counters = counters
         #: A state file's contents, used by the first materialization if the identity matches.
         self.file: RestoredPool | None = None
         self._pending: dict[SourceKey, MemberResume] = {}  # restored members not yet resumed
+        #: Restored members whose subscriber resumed and waits for the vouch → its deadline.
+        self._vouching: dict[SourceKey, float] = {}
         self._deadline = 0.0
 
     def take_pool(
@@ -77,10 +82,12 @@ class PoolRestore:
             else:
                 gen.remove_member(key)
         self._pending = {k: r for k, r in resume.items() if k.worker_id in by_worker}
+        self._vouching = {}
         self._deadline = now + RESTORE_VOUCH_S
 
     def resume_for(
-        self, key: SourceKey, gen: Generation, by_worker: Mapping[int, EngineState]
+        self, key: SourceKey, gen: Generation, by_worker: Mapping[int, EngineState],
+        at: float = 0.0,
     ) -> tuple[int, int] | None:
         """The restored position to resume ``key`` from, if its engine is the incarnation that
         was saved; otherwise its restored state is dropped before a fresh start."""
@@ -94,7 +101,28 @@ class PoolRestore:
             self._counters.reset("incarnation")
             return None
         self._counters.members_resumed += 1
+        self._vouching[key] = at + RESTORE_VOUCH_S
         return (r.last_seq, r.digest)
+
+    @property
+    def awaiting(self) -> bool:
+        """Restored members neither vouched for nor reset yet: the generation stays unpublished."""
+        return bool(self._pending or self._vouching)
+
+    def settled(self, key: SourceKey) -> bool:
+        """``key`` was vouched for, reset or stopped; True when that was the last one awaited
+        (the generation may be published now)."""
+        if self._vouching.pop(key, None) is None and self._pending.pop(key, None) is None:
+            return False
+        return not self.awaiting
+
+    def overdue(self, now: float) -> list[SourceKey]:
+        """Resumed members whose vouch has not come in time (forgotten here: the caller restarts
+        their subscribers, which resets them)."""
+        late = [k for k, t in self._vouching.items() if now >= t]
+        for k in late:
+            del self._vouching[k]
+        return late
 
     def due(self, now: float) -> bool:
         """Restored members are still waiting and their time is up."""
@@ -103,7 +131,7 @@ class PoolRestore:
     def expire(self, gen: Generation | None, name: str) -> None:
         """Restored members whose engine never offered a source to vouch for them: cleared."""
         pending, self._pending = self._pending, {}
-        for key in pending:
+        for key in pending:  # (members already resumed wait for their own vouch: ``overdue``)
             if gen is not None:
                 gen.reset_member(key)
             self._counters.reset("restore_unverified")

@@ -63,10 +63,25 @@ class ConnectConfig:
     kind: EngineKind = EngineKind.VLLM
     max_members: int = 1024
     member_silence_s: float = 600.0
+    #: Publisher addresses/networks accepted (empty: any); see ``ingest/connect.py``.
+    allow: tuple[str, ...] = ()
+    #: (engine, addresses/networks it may publish from); others bind to their first address.
+    addresses: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    max_topic_bytes: int = 256
+    max_batch_bytes: int = 16 * 1024 * 1024
+    max_member_blocks: int = 1 << 22
+    #: CURVE secret key (Z85) read from ``curve_secret_key_file``; None: plaintext ZMTP.
+    curve_secret_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.bind:
             raise ValueError("connect mode needs at least one bind endpoint")
+        import ipaddress
+
+        for a in (*self.allow, *(x for _n, xs in self.addresses for x in xs)):
+            ipaddress.ip_network(a, strict=False)  # raises ValueError
+        if min(self.max_topic_bytes, self.max_batch_bytes, self.max_member_blocks) < 1:
+            raise ValueError("connect caps must be >= 1")
         TopicPattern(self.topic_pattern)  # raises PatternError (a ValueError)
         if self.max_members < 1 or self.member_silence_s <= 0:
             raise ValueError("max_members must be >= 1 and member_silence_s > 0")
@@ -94,6 +109,10 @@ class PoolSpec:
     #: Block size for static engines; with Control it comes from ``ServerInfo.kv_block_size``.
     kv_block_size: int | None = None
     decode: DecodeOptions = field(default_factory=DecodeOptions)
+    #: The engines may re-announce prefix-cache hits as stores (vLLM ``kv_cache_report_mode =
+    #: "full"``): a store with no parent whose blocks are all held is then taken as a report, not
+    #: as new physical copies (docs/contract.md, "Duplicate stores").
+    engine_reports: bool = False
     #: Engines that connect to a bound endpoint of the pool (then ``engines`` may be empty,
     #: and ``model`` and ``kv_block_size`` are required).
     connect: ConnectConfig | None = None
@@ -141,6 +160,11 @@ class RelaySettings:
     state_dir: str | None = None
     #: A state file older than this is ignored (its members would need history long gone).
     state_max_age_s: float = 3600.0
+    #: With ``state_dir``: how often each pool's state is also checkpointed while running, so a
+    #: crash loses no more than the engines' replay buffers cover (0: only at a clean stop).
+    checkpoint_interval_s: float = 30.0
+    #: How often a full scrub pass checks each pool's filter against its exact state (0: off).
+    scrub_interval_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not self.dc_name or self.dc_name != self.dc_name.strip():

@@ -33,6 +33,9 @@ class PoolCounters:
     rebuild_backoffs: int = 0  # rebuilds after a fence that waited (repeated fences)
     reconfigurations: int = 0  # re-materialized because a reload changed filter settings
     members_resumed: int = 0  # restored members whose subscriber resumed (then vouched or reset)
+    members_vouched: int = 0  # restored members their engine vouched for (kept)
+    scrub_passes: int = 0  # full scrub passes over a generation
+    scrub_divergences: int = 0  # passes that found the filter or exact state wrong (fenced)
     restores_discarded: int = 0  # restored state not used: another identity, or unloadable
 
     def reset(self, reason: str) -> None:
@@ -45,6 +48,12 @@ class GenerationTotals:
 
     capacity_omissions: int = 0
     unknown_removals: int = 0
+    duplicate_stores: int = 0
+    report_stores: int = 0
+    ambiguous_stores: int = 0
+    copy_removals: int = 0
+    rebuild_holds: int = 0
+    rebuild_holds_broken: int = 0
     invariant_violations: int = 0
     deltas: int = 0
     hub_resets: int = 0
@@ -131,6 +140,10 @@ class RelayStats:
     pools: tuple[PoolStats, ...]
     state_restores: dict[str, int] = field(default_factory=dict)
     state_saves: dict[str, int] = field(default_factory=dict)
+    dns_removals_deferred: int = 0
+    checkpoint_unix: dict[str, float] = field(default_factory=dict)
+    #: pool → (unix time of the last full scrub pass, whether it found nothing wrong)
+    scrub_last: dict[str, tuple[float, bool]] = field(default_factory=dict)
 
 
 def merged(a: SubscriberCounters, b: SubscriberCounters) -> SubscriberCounters:

@@ -34,13 +34,19 @@ from kvrelay.publication.hub import Subscription
 from kvrelay.publication.plane import Plane, PlaneClosed, PlaneEnded, PlaneUnsupported
 from kvrelay.service.codec import PassThroughCodec
 from kvrelay.service.h2.closing import ClosingServer
-from kvrelay.service.h2.writer import StreamWriter
+from kvrelay.service.h2.guard import H2Budgets, H2Counters
+from kvrelay.service.h2.writer import StreamWriter, stream_resetter
 from kvrelay.service.health import RelayHealth, reflection_pool
+from kvrelay.service.peercred import SameUserOnly
+from kvrelay.service.shares import Addr, StreamShares, peer_addr
+from kvrelay.service.spacing import SpacingService
 from kvrelay.service.status import UNSUPPORTED_RPC, status_of, trailers_of
 from kvrelay.service.validation import check_marker, validate_stream_request
 from kvrelay.service.view import RelayView
 
 SERVICE = "/dynamo.kvrelay.v1.KvEventRelay/"
+#: A stream (or call) whose request message has not arrived after this long ends INVALID_REQUEST.
+REQUEST_TIMEOUT_S = 10.0
 _UNARY_REASON: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "kv_relay_unary_reason", default=None
 )
@@ -93,6 +99,16 @@ class KvEventRelayService:
         self._idle = asyncio.Event()
         self._idle.set()
         self.errors: dict[str, int] = {}
+        self.shares = StreamShares(
+            limits.stream_share_per_connection_percent, limits.stream_share_per_peer_percent
+        )
+        #: stream kind → plane streams reset because their client did not read a message for
+        #: ``stalled_stream_reset_s``.
+        self.stalled_resets: dict[str, int] = {}
+        #: connections closed for breaking an HTTP/2 budget (``service/h2/guard.py``)
+        self.h2_counters = H2Counters()
+        #: a stream whose request message has not arrived after this long is ended
+        self.request_timeout_s = REQUEST_TIMEOUT_S
         self.unsupported = 0  # streams ended UNIMPLEMENTED: the source lacks the plane
 
     # --- grpclib plumbing ---
@@ -138,6 +154,58 @@ class KvEventRelayService:
             "serving_load": self.serving_load_permits,
         }
         return {k: (p.in_use, p.capacity) for k, p in permits.items()}, dict(self.errors)
+
+    def guard_stats(
+        self,
+    ) -> tuple[dict[tuple[str, str], int], dict[str, int], dict[str, int]]:
+        """((kind, scope) → streams refused by a share, kind → stalled plane streams reset,
+        reason → connections closed for an HTTP/2 budget or a request that never came)."""
+        return dict(self.shares.refusals), dict(self.stalled_resets), dict(self.h2_counters.closed)
+
+    def _admit(self, stream: Stream[Any, Any], kind: str, permits: PermitCounter) -> Addr | None:
+        """Take this stream's connection and peer shares, then the relay-wide permit; raises
+        RESOURCE_LIMIT naming whichever is full. Returns the address to release with."""
+        addr = peer_addr(stream.peer.addr())
+        scope = self.shares.try_acquire(kind, permits.capacity, addr)
+        if scope is not None:
+            per_conn, per_peer = self.shares.limits(permits.capacity)
+            share = per_conn if scope == "connection" else per_peer
+            raise RelayError.resource_limit(
+                f"Relay {permits.name} limit share {share} per {scope} reached "
+                f"(of {permits.capacity})"
+            )
+        if not permits.try_acquire():
+            self.shares.release(kind, addr)
+            raise RelayError.resource_limit(
+                f"Relay {permits.name} subscriber limit {permits.capacity} reached"
+                if kind != "pool"
+                else f"Relay total pool stream limit {permits.capacity} reached"
+            )
+        return addr
+
+    async def _send_plane(self, stream: Stream[Any, Any], kind: str, data: bytes) -> None:
+        """Send one plane message. A client that does not take it within
+        ``stalled_stream_reset_s`` gets its stream reset (RST_STREAM needs no flow-control
+        window) and this handler is cancelled, as a stalled pool stream's pump is: the send will
+        never complete. A timer, not ``wait_for``: the send starts in this task at once, so plane
+        messages keep their order with respect to pool stream ends."""
+        task = asyncio.current_task()
+        assert task is not None
+        reset = stream_resetter(stream)
+
+        def give_up() -> None:
+            self.stalled_resets[kind] = self.stalled_resets.get(kind, 0) + 1
+            if reset is not None:
+                reset()
+            task.cancel()
+
+        handle = asyncio.get_running_loop().call_later(
+            self.limits.stalled_stream_reset_s, give_up
+        )
+        try:
+            await stream.send_message(data)
+        finally:
+            handle.cancel()
 
     def _count(self, err: RelayError) -> None:
         self.errors[err.trailer_value] = self.errors.get(err.trailer_value, 0) + 1
@@ -198,7 +266,15 @@ class KvEventRelayService:
 
     # --- helpers ---
     async def _recv(self, stream: Stream[Any, Any]) -> Any:
-        request = await stream.recv_message()
+        try:
+            request = await asyncio.wait_for(stream.recv_message(), self.request_timeout_s)
+        except TimeoutError:
+            self.h2_counters.closed["request_timeout"] = (
+                self.h2_counters.closed.get("request_timeout", 0) + 1
+            )
+            raise RelayError.invalid_request(
+                f"no request message within {self.request_timeout_s} s"
+            ) from None
         if request is None:
             raise RelayError.invalid_request("missing request message")
         return request
@@ -221,22 +297,20 @@ class KvEventRelayService:
         stream: Stream[Any, Any],
         plane: _EncodedPlane,
         permits: PermitCounter,
+        kind: str,
         *,
         resend_every: float | None = None,
         max_gap: int | None = None,
     ) -> None:
         request = await self._recv(stream)
         validate_stream_request(request.contract_marker, request.subscriber_id)
-        if not permits.try_acquire():
-            raise RelayError.resource_limit(
-                f"Relay {permits.name} subscriber limit {permits.capacity} reached"
-            )
+        addr = self._admit(stream, kind, permits)
         self._closed_future()
         pending: asyncio.Future[tuple[int, Any]] | None = None
         try:
             loop = asyncio.get_running_loop()
             version, message = plane.plane.current()
-            await stream.send_message(plane.encode(version, message))
+            await self._send_plane(stream, kind, plane.encode(version, message))
             next_tick = loop.time() + resend_every if resend_every is not None else None
             while not self._closing:
                 if pending is None:
@@ -259,7 +333,7 @@ class KvEventRelayService:
                     version = new_version
                 elif next_tick is None or loop.time() < next_tick:
                     continue
-                await stream.send_message(plane.encode(version, message))
+                await self._send_plane(stream, kind, plane.encode(version, message))
                 if next_tick is not None:
                     now = loop.time()
                     while next_tick <= now:
@@ -269,22 +343,25 @@ class KvEventRelayService:
             if pending is not None and not pending.done():
                 pending.cancel()
             permits.release()
+            self.shares.release(kind, addr)
 
     # --- RPC bodies ---
     async def _watch_catalog(self, stream: Stream[Any, Any]) -> None:
-        await self._plane_stream(stream, self._catalog, self.catalog_permits)
+        await self._plane_stream(stream, self._catalog, self.catalog_permits, "catalog")
 
     async def _subscribe_readiness(self, stream: Stream[Any, Any]) -> None:
         await self._plane_stream(
             stream,
             self._readiness,
             self.readiness_permits,
+            "readiness",
             resend_every=self.limits.readiness_heartbeat_s,
         )
 
     async def _subscribe_load(self, stream: Stream[Any, Any]) -> None:
         await self._plane_stream(
-            stream, self._load, self.load_permits, max_gap=self.limits.load_fanout_capacity
+            stream, self._load, self.load_permits, "load",
+            max_gap=self.limits.load_fanout_capacity,
         )
 
     async def _subscribe_serving_load(self, stream: Stream[Any, Any]) -> None:
@@ -292,6 +369,7 @@ class KvEventRelayService:
             stream,
             self._serving_load,
             self.serving_load_permits,
+            "serving_load",
             max_gap=self.limits.load_fanout_capacity,
         )
 
@@ -301,10 +379,7 @@ class KvEventRelayService:
         expected = request.expected_producer
         producer_key(expected)  # malformed identities fail before a permit is taken, as Dynamo's
         assert expected is not None
-        if not self.pool_permits.try_acquire():
-            raise RelayError.resource_limit(
-                f"Relay total pool stream limit {self.pool_permits.capacity} reached"
-            )
+        addr = self._admit(stream, "pool", self.pool_permits)
         held = True
 
         def release() -> None:  # at the first of: subscription failed/ended, handler done
@@ -312,6 +387,7 @@ class KvEventRelayService:
             if held:
                 held = False
                 self.pool_permits.release()
+                self.shares.release("pool", addr)
 
         sub: Subscription | None = None
         writer: StreamWriter | None = None
@@ -329,6 +405,7 @@ class KvEventRelayService:
                 writer.reset,
                 writer.bulk,
                 send_now=writer.send_now,
+                turn=None if writer.bulk is None else writer.bulk.acquire,
             )
         finally:
             if writer is not None:
@@ -365,9 +442,11 @@ class RelayServer:
         self.limits = limits or RelayLimits()
         self.service = KvEventRelayService(view, self.limits)
         self.health = RelayHealth(self.service)
-        handlers = ServerReflection.extend(
+        self.spacing = SpacingService(view, self.service._relay_info)
+        # the spacing service is kvrelay's own (not Dynamo's contract): not listed by reflection
+        handlers = [*ServerReflection.extend(
             [self.service, self.health.service], pool=reflection_pool()
-        )
+        ), self.spacing]  # fmt: skip
         config = Configuration(
             _keepalive_time=self.limits.keepalive_interval_s,
             _keepalive_timeout=self.limits.keepalive_timeout_s,
@@ -377,7 +456,9 @@ class RelayServer:
             handlers, codec=PassThroughCodec(self.limits.max_message_bytes), config=config
         )
         listen(self._server, SendTrailingMetadata, _add_reason_trailer)
+        self._server.h2_guard = (H2Budgets(), self.service.h2_counters)
         self._port: int | None = None
+        self.peer_check: SameUserOnly | None = None  # set on a UNIX listener
 
     @property
     def port(self) -> int:
@@ -419,7 +500,9 @@ class RelayServer:
         return cast(socket.socket, listener.sockets[0])
 
     async def start_unix(self, path: str) -> None:
-        """Listen on a UNIX socket (the daemon's internal transport to its workers)."""
+        """Listen on a UNIX socket (the daemon's internal transport to its workers); peers that
+        are neither this user nor root are refused (``service/peercred.py``)."""
+        self._server.peer_check = self.peer_check = SameUserOnly()
         await self._server.start(path=path)
         self._port = 0
 

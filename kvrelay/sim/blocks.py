@@ -5,8 +5,10 @@ physical blocks; full blocks are cached under their chained hash; blocks of fini
 cached but evictable (LRU, tail blocks first); allocating a block when nothing is free evicts the
 least recently freed cached block and emits a one-hash ``BlockRemoved``.
 
-Simplification vs vLLM: a hash is cached at most once (vLLM can hold duplicate physical blocks for
-one hash); a request whose chain meets an already-cached hash reuses that block, no store.
+Like vLLM, a hash may be held by several physical blocks (``commit_full(dedupe=False)``: vLLM never
+merges a newly filled block into an identical cached one, so block tables stay append-only); each
+copy is stored, evicted and reported on its own, and lookups use the oldest copy. SGLang's radix
+cache merges instead (``dedupe=True``): a block whose hash is cached reuses it, no store.
 """
 
 from __future__ import annotations
@@ -90,21 +92,39 @@ class ChainState:
 
 
 class BlockManager:
-    """Fixed-capacity block pool with a prefix cache. Not thread-safe (one scheduler owns it)."""
+    """Fixed-capacity block pool with a prefix cache. Not thread-safe (one scheduler owns it).
+
+    Physical blocks are ids; ``refs``/``free_lru`` count and order ids, ``by_hash`` lists the ids
+    holding each hash (oldest first)."""
 
     def __init__(self, capacity: int, block_size: int) -> None:
         if capacity <= 0 or block_size <= 0:
             raise ValueError("capacity and block_size must be positive")
         self.capacity = capacity
         self.block_size = block_size
-        self.cached: dict[int, HeldBlock] = {}
+        self.phys: dict[int, HeldBlock] = {}
+        self.by_hash: dict[int, list[int]] = {}
         self.refs: dict[int, int] = {}
-        self.free_lru: OrderedDict[int, None] = OrderedDict()  # ref-0 cached, oldest first
+        self.free_lru: OrderedDict[int, None] = OrderedDict()  # ref-0 cached ids, oldest first
         self.uncached_in_use = 0  # partial (not yet hashable) blocks held by requests
+        self._next_id = 0
+
+    @property
+    def cached(self) -> dict[int, HeldBlock]:
+        """Held hash → its block (one entry per hash, however many copies)."""
+        return {h: self.phys[ids[0]] for h, ids in self.by_hash.items()}
+
+    def lookup(self, h: int) -> int | None:
+        """The physical block a prefix-cache hit on ``h`` uses, or None."""
+        ids = self.by_hash.get(h)
+        return ids[0] if ids else None
+
+    def copies(self, h: int) -> int:
+        return len(self.by_hash.get(h, ()))
 
     # ---- accounting ----
     def free_slots(self) -> int:
-        return self.capacity - len(self.cached) - self.uncached_in_use
+        return self.capacity - len(self.phys) - self.uncached_in_use
 
     def can_allocate(self, n: int) -> bool:
         return self.free_slots() + len(self.free_lru) >= n
@@ -114,43 +134,55 @@ class BlockManager:
         return self.capacity - self.free_slots() - len(self.free_lru)
 
     # ---- operations ----
-    def ref(self, h: int) -> None:
-        self.refs[h] += 1
-        self.free_lru.pop(h, None)
+    def ref(self, pid: int) -> None:
+        self.refs[pid] += 1
+        self.free_lru.pop(pid, None)
 
-    def unref(self, h: int) -> None:
-        n = self.refs[h] - 1
-        self.refs[h] = n
+    def unref(self, pid: int) -> None:
+        n = self.refs[pid] - 1
+        self.refs[pid] = n
         if n == 0:
-            self.free_lru[h] = None
+            self.free_lru[pid] = None
 
     def allocate(self, n: int, removed: list[HeldBlock]) -> bool:
         """Reserve ``n`` uncached slots, evicting LRU cached blocks (appended to ``removed``)."""
         if not self.can_allocate(n):
             return False
         while self.free_slots() < n:
-            h, _ = self.free_lru.popitem(last=False)
-            del self.refs[h]
-            removed.append(self.cached.pop(h))
+            pid, _ = self.free_lru.popitem(last=False)
+            del self.refs[pid]
+            blk = self.phys.pop(pid)
+            ids = self.by_hash[blk.vllm_hash]
+            ids.remove(pid)
+            if not ids:
+                del self.by_hash[blk.vllm_hash]
+            removed.append(blk)
         self.uncached_in_use += n
         return True
 
-    def commit_full(self, blk: HeldBlock) -> bool:
-        """Turn a reserved slot into cached block ``blk``; False if its hash was already cached."""
+    def commit_full(self, blk: HeldBlock, dedupe: bool = True) -> tuple[int, bool]:
+        """Turn a reserved slot into cached block ``blk``: ``(id, True)`` for a new physical block
+        (one more copy when the hash is held and ``dedupe`` is off), ``(id of the held block,
+        False)`` when ``dedupe`` merges it into the held copy (the slot goes back to free)."""
         self.uncached_in_use -= 1
-        if blk.vllm_hash in self.cached:
-            self.ref(blk.vllm_hash)  # reuse the existing block, slot goes back to free
-            return False
-        self.cached[blk.vllm_hash] = blk
-        self.refs[blk.vllm_hash] = 1
-        return True
+        held = self.lookup(blk.vllm_hash)
+        if dedupe and held is not None:
+            self.ref(held)
+            return held, False
+        pid = self._next_id
+        self._next_id += 1
+        self.phys[pid] = blk
+        self.by_hash.setdefault(blk.vllm_hash, []).append(pid)
+        self.refs[pid] = 1
+        return pid, True
 
     def release_partial(self, n: int = 1) -> None:
         self.uncached_in_use -= n
 
     def clear(self) -> None:
         """Drop every cached block (reset_prefix_cache); callers must have released requests."""
-        self.cached.clear()
+        self.phys.clear()
+        self.by_hash.clear()
         self.refs.clear()
         self.free_lru.clear()
         self.uncached_in_use = 0
@@ -158,5 +190,5 @@ class BlockManager:
     def ground_truth(self, cache_salt_namespacing: bool = False) -> set[int]:
         """Dynamo canonical sequence hashes of every held block."""
         if cache_salt_namespacing:
-            return {b.canonical_ns for b in self.cached.values()}
-        return {b.canonical for b in self.cached.values()}
+            return {b.canonical_ns for b in self.phys.values()}
+        return {b.canonical for b in self.phys.values()}

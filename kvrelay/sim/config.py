@@ -55,6 +55,9 @@ class SimConfig:
     max_loras: int = 4
     medium: str = "GPU"
     report_reused: bool = False  # re-announce prefix-cache hits as duplicate BlockStored
+    #: vLLM with EAGLE/MTP speculative decoding: the last block of a prefix-cache hit is dropped
+    #: and recomputed (a second physical block under the same hash)
+    spec_eagle: bool = False
     traffic: TrafficConfig = field(default_factory=TrafficConfig)
     flavor: str = "vllm"  # "vllm" | "sglang"
     sglang_layout: SglLayout = SglLayout.ALIGNED
@@ -68,6 +71,8 @@ class SimConfig:
             raise ValueError(f"flavor must be 'vllm' or 'sglang', got {self.flavor!r}")
         if self.eagle and self.flavor != "sglang":
             raise ValueError("eagle bigram pages are an SGLang feature (flavor='sglang')")
+        if (self.spec_eagle or self.report_reused) and self.flavor != "vllm":
+            raise ValueError("spec_eagle and report_reused are vLLM features (flavor='vllm')")
 
     @property
     def endpoint(self) -> str:

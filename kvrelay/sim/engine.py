@@ -68,6 +68,8 @@ class SimEngine:
             cfg.max_running,
             report_reused=cfg.report_reused,
             eagle=cfg.eagle,
+            copies=cfg.flavor == "vllm",
+            drop_last_hit=cfg.spec_eagle,
         )
 
     @property
@@ -198,11 +200,14 @@ class SimEngine:
         max_new_tokens: int = 1,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        n: int = 1,
     ) -> None:
-        """Queue an exact request on one rank (admitted at the next step)."""
-        self.schedulers[rank].submit(
-            RequestSpec(list(prompt), lora_name, cache_salt, max_new_tokens)
-        )
+        """Queue an exact request on one rank (admitted at the next step); ``n`` > 1 queues
+        that many sibling requests (parallel sampling)."""
+        for _ in range(n):
+            self.schedulers[rank].submit(
+                RequestSpec(list(prompt), lora_name, cache_salt, max_new_tokens)
+            )
 
     def run(self, rate: float, duration: float | None = None) -> asyncio.Task[None]:
         """Step ``rate`` times per second in the background until ``stop_running``/duration."""
@@ -244,6 +249,11 @@ class SimEngine:
         for r, p in enumerate(self.publishers):
             if rank is None or rank == r:
                 p.drop_next(n, keep_in_replay)
+
+    def mute_replay(self, muted: bool = True) -> None:
+        """Every rank's replay takes requests and does not answer them (or answers again)."""
+        for p in self.publishers:
+            p.replay_muted = muted
 
     def corrupt_next(self, n: int, replay_good: bool, rank: int | None = None) -> None:
         """Publish the next ``n`` batches live as garbage; ``replay_good``: the replay buffer

@@ -34,6 +34,7 @@ class PublisherStats:
     corrupted_live: int = 0  # sent with a garbled payload (corrupt_next)
     lost: int = 0  # dropped from live and replay
     replay_requests: int = 0
+    replay_unanswered: int = 0  # requests dropped while the replay was muted
     invalid_replay_requests: int = 0
 
 
@@ -90,6 +91,7 @@ class RankPublisher:
         self._task: asyncio.Task[None] | None = None
         self._drop: list[bool] = []  # queued drop decisions (keep_in_replay flag each)
         self._corrupt: list[bool] = []  # queued corruptions (replay keeps the good bytes flag)
+        self.replay_muted = False  # a replay that takes requests and never answers (a hung engine)
 
     async def start(self) -> None:
         pub = self.ctx.socket(zmq.XPUB if self.connect else zmq.PUB)
@@ -184,6 +186,9 @@ class RankPublisher:
                 self.stats.invalid_replay_requests += 1
                 continue
             self.stats.replay_requests += 1
+            if self.replay_muted:
+                self.stats.replay_unanswered += 1
+                continue
             ident, start = frames[0], int.from_bytes(frames[2], "big")
             head = [ident, b""] + ([self.topic] if self.replay_frames == 4 else [])
             for seq, payload in list(self.buffer):

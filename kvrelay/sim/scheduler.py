@@ -6,6 +6,12 @@ renders them in the configured era and hash mode. One call to ``step`` = one vLL
 ``eagle``: SGLang's EAGLE radix keys are token *bigrams*, so a page of ``B`` keys spans ``B + 1``
 tokens and becomes hashable one token later; its block's window is those ``B + 1`` tokens (the
 Dynamo EAGLE_V1 window). Physical block accounting is unchanged.
+
+``copies`` (vLLM): a newly filled block is never merged into a cached one with the same hash, and
+a prefix-cache hit is capped so that the prompt's last token is computed: a fully cached prompt
+of whole blocks recomputes its last block into a second physical block under the same hash;
+``drop_last_hit`` (vLLM with EAGLE/MTP) also drops the last hit block and recomputes it. With
+``report_reused`` the hit (after both rules) is re-announced as a store from block 0.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ SimEvent = Stored | Removed | Cleared
 
 
 class _Request:
-    __slots__ = ("chain", "max_new", "partial", "spec", "tokens")
+    __slots__ = ("chain", "max_new", "partial", "pids", "spec", "tokens")
 
     def __init__(self, spec: RequestSpec) -> None:
         self.spec = spec
@@ -48,6 +54,7 @@ class _Request:
         self.chain = ChainState(spec.lora_name, spec.cache_salt)
         self.max_new = spec.max_new_tokens
         self.partial = 0  # reserved, not-yet-full slots held
+        self.pids: list[int] = []  # physical block of each chain block
 
 
 class RankScheduler:
@@ -62,6 +69,8 @@ class RankScheduler:
         max_waiting: int = 256,
         report_reused: bool = False,
         eagle: bool = False,
+        copies: bool = False,
+        drop_last_hit: bool = False,
     ) -> None:
         self.blocks = blocks
         self.traffic = traffic
@@ -69,6 +78,8 @@ class RankScheduler:
         self.max_running = max_running
         self.report_reused = report_reused  # kv_cache_report_mode="full": re-announce hits
         self.eagle = eagle
+        self.copies = copies
+        self.drop_last_hit = drop_last_hit
         self.running: list[_Request] = []
         self.waiting: deque[RequestSpec] = deque(maxlen=max_waiting)  # full: oldest dropped
         self.gen_rng = random.Random(traffic.rng.getrandbits(64))
@@ -97,7 +108,9 @@ class RankScheduler:
             parent = (req.chain.hashes[-1], req.chain.digests[-1]) if i > 0 else (None, None)
             blk = req.chain.extend(self.root, self._window(req.tokens, i))
             req.partial -= 1
-            if self.blocks.commit_full(blk):
+            pid, new = self.blocks.commit_full(blk, dedupe=not self.copies)
+            req.pids.append(pid)
+            if new:
                 if not run:
                     run_parent = parent
                 run.append(blk)
@@ -117,24 +130,31 @@ class RankScheduler:
         hits = 0
         for i in range(n_full):
             blk = probe.extend(self.root, self._window(req.tokens, i))
-            if blk.vllm_hash not in bm.cached:
+            if bm.lookup(blk.vllm_hash) is None:
                 break
             hits += 1
-        for h in probe.hashes[:hits]:
-            bm.ref(h)
+        if self.copies:
+            hits = min(hits, (len(req.tokens) - 1) // bs)  # the last token is always computed
+            if self.drop_last_hit and hits:
+                hits -= 1
+        pids = [bm.lookup(h) for h in probe.hashes[:hits]]
+        hit_ids = [p for p in pids if p is not None]
+        for pid in hit_ids:
+            bm.ref(pid)
         removed: list[HeldBlock] = []
         if not bm.allocate(need_total - hits, removed):
-            for h in probe.hashes[:hits]:
-                bm.unref(h)
+            for pid in hit_ids:
+                bm.unref(pid)
             return False
         out.extend(Removed(b.vllm_hash, b.digest) for b in removed)
         req.chain.digests = probe.digests[:hits]
         req.chain.hashes = probe.hashes[:hits]
         req.chain.canon = probe.canon[:hits]
         req.chain.canon_ns = probe.canon_ns[:hits]
+        req.pids = hit_ids
         req.partial = need_total - hits
         if self.report_reused and hits:
-            out.append(Stored(None, None, tuple(bm.cached[h] for h in probe.hashes[:hits])))
+            out.append(Stored(None, None, tuple(bm.phys[p] for p in hit_ids)))
         self.prefix_queries += len(req.tokens)
         self.prefix_hits += hits * bs
         self._stores_from(req, hits, n_full, out)
@@ -142,8 +162,8 @@ class RankScheduler:
         return True
 
     def _release(self, req: _Request) -> None:
-        for h in reversed(req.chain.hashes):  # tail first: evicted before shared prefixes
-            self.blocks.unref(h)
+        for pid in reversed(req.pids):  # tail first: evicted before shared prefixes
+            self.blocks.unref(pid)
         self.blocks.release_partial(req.partial)
         req.partial = 0
 
@@ -176,7 +196,9 @@ class RankScheduler:
             self.finished += 1
         if admit:
             for _ in range(self.traffic.arrivals()):
-                self._enqueue(self.traffic.next_request(loras))
+                spec = self.traffic.next_request(loras, bs)
+                for _ in range(self.traffic.siblings()):
+                    self._enqueue(spec)
         while self.waiting and len(self.running) < self.max_running:
             head = self.waiting[0]
             if len(head.prompt) // bs + 1 > bm.capacity:

@@ -2,7 +2,10 @@
 
 Prompts = one of a small pool of system prompts (Zipf-ish popularity, shared by every engine built
 from the same seed) + a random user suffix; some requests continue an earlier prompt (multi-turn),
-some use a loaded LoRA adapter, some carry a cache salt. All draws come from a seeded RNG.
+some use a loaded LoRA adapter, some carry a cache salt; optionally some resend a recent prompt
+cut to whole blocks (``repeat_fraction``: vLLM recomputes the last block of a fully cached prompt)
+and some ask for ``parallel_n`` samples (``parallel_fraction``: sibling requests of one prompt).
+All draws come from a seeded RNG (the optional ones only when their fraction is not 0).
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ class TrafficConfig:
     salts: tuple[str, ...] = ("tenant-a", "tenant-b")
     vocab: tuple[int, int] = (1000, 150000)
     max_prompt_tokens: int = 1024  # multi-turn prompts stop growing past this
+    repeat_fraction: float = 0.0  # resend a recent prompt cut to a multiple of the block size
+    parallel_fraction: float = 0.0  # requests sampled n > 1 times (parallel_n siblings)
+    parallel_n: int = 2
 
 
 @dataclass(slots=True)
@@ -65,8 +71,21 @@ class TrafficGenerator:
         n = int(a)
         return n + (1 if self.rng.random() < a - n else 0)
 
-    def next_request(self, loras: list[str]) -> RequestSpec:
+    def siblings(self) -> int:
+        """How many samples the next request asks for (its sibling requests)."""
+        cfg = self.cfg
+        if cfg.parallel_fraction and self.rng.random() < cfg.parallel_fraction:
+            return max(1, cfg.parallel_n)
+        return 1
+
+    def next_request(self, loras: list[str], block_size: int = 0) -> RequestSpec:
         cfg, rng = self.cfg, self.rng
+        repeat = cfg.repeat_fraction and self.recent and block_size
+        if repeat and rng.random() < cfg.repeat_fraction:
+            base, lora, salt = self.recent[rng.randrange(len(self.recent))]
+            cut = len(base) // block_size * block_size
+            if cut:
+                return RequestSpec(base[:cut], lora, salt, rng.randint(*cfg.max_new_tokens))
         turn = rng.random() < cfg.multi_turn_fraction
         user = rng.randint(*cfg.user_len)
         base, lora, salt = (

@@ -17,6 +17,7 @@ import zmq.asyncio
 from kvrelay.relay.engines import worker_id_for
 from kvrelay.sim.engine import SimEngine
 from tests.support.connect import ConnectRig, connect_rig
+from tests.support.fleet import ground_truth
 from tests.support.rig import catalog_pool_count, eventually, stored_after, subscribe, verify
 
 FLAVORS = ["vllm", "sglang"]
@@ -24,7 +25,7 @@ POOL = "ns/backend/generate"
 
 
 def truth(*engines: SimEngine) -> dict[tuple[str, int], set[int]]:
-    return {(e.cfg.name, 0): e.ground_truth(0) for e in engines}
+    return {(e.cfg.name, 0): ground_truth([e])[(e.cfg.name, 0)] for e in engines}
 
 
 async def started(c: ConnectRig, n: int, seed: int) -> list[SimEngine]:

@@ -194,3 +194,17 @@ async def test_catalog_withdrawal_is_seen_before_the_stream_ends() -> None:
             contract_marker=CONTRACT_MARKER), pb.FilterUpdate)  # fmt: skip
         assert end.reason in ("RELAY_ERROR_REASON_POOL_NOT_FOUND",
                               "RELAY_ERROR_REASON_PRODUCER_CHANGED")  # fmt: skip
+
+
+async def test_capacity_is_per_rank_not_the_frontends_sum() -> None:
+    """vLLM's ``ServerInfo.total_kv_blocks`` is the frontend's sum over its DP engine cores: a
+    DP-2 engine of 64 blocks per rank is 128 blocks in all, not 256."""
+    cfg = SimConfig(name="cap0", seed=76, dp_size=2, capacity_blocks=64)
+    async with rig([cfg]) as r:
+        await wait_live(r.relay, 2)
+        await eventually(
+            lambda: (e := _entry(r.relay)) is not None and e.total_kv_blocks > 0,
+            what="a capacity for both ranks",
+        )
+        e = _entry(r.relay)
+        assert e is not None and e.kv_expected_ranks == 2 and e.total_kv_blocks == 2 * 64

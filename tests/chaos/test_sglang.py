@@ -37,8 +37,12 @@ async def test_every_sglang_layout_is_exact(layout: SglLayout) -> None:
     async with sglang_rig([cfg]) as r, r.channel() as ch:
         await wait_live(r.relay, 1)
         consumer = await subscribe(r, ch)
-        await r.engines[0].step(40)
-        await verify(r, consumer, probes=2_000)
+        eng = r.engines[0]
+        await eng.step(40)
+        # the layouts with a salt slot carry it, and it is honoured by default
+        salted = layout in (SglLayout.METADATA, SglLayout.ALIGNED)
+        truth = {("sg0", 0): eng.ground_truth(0, cache_salt_namespacing=salted)}
+        await verify(r, consumer, truth=truth, probes=2_000)
         (sub,) = _subs(r)
         c = sub.counters
         assert c.batches >= 30 and c.malformed_events == 0 and not c.rejections
@@ -46,12 +50,16 @@ async def test_every_sglang_layout_is_exact(layout: SglLayout) -> None:
         await consumer.stop()
 
 
+@pytest.mark.parametrize("namespacing", [False, True])
 @pytest.mark.parametrize("layout", [SglLayout.METADATA, SglLayout.ALIGNED])
-async def test_cache_salt_namespaces_from_the_metadata_slot(layout: SglLayout) -> None:
-    """With ``cache_salt_namespacing``, the salt SGLang attaches to every salted store becomes
-    the namespace: the filter equals the namespaced ground truth."""
+async def test_cache_salt_namespaces_from_the_metadata_slot(
+    layout: SglLayout, namespacing: bool
+) -> None:
+    """The salt SGLang attaches to every salted store becomes the namespace, by default (as
+    Dynamo does) and with ``cache_salt_namespacing``: salted and unsalted blocks never merge, the
+    filter equals the namespaced ground truth."""
     cfg = sglang_config("sg1", 62, sglang_layout=layout, traffic=SALTY)
-    opts = DecodeOptions(cache_salt_namespacing=True)
+    opts = DecodeOptions(cache_salt_namespacing=namespacing)
     async with sglang_rig([cfg], decode=opts) as r, r.channel() as ch:
         await wait_live(r.relay, 1)
         consumer = await subscribe(r, ch)

@@ -21,7 +21,14 @@ from kvrelay.ingest.errors import (
     MalformedPayloadError,
 )
 from kvrelay.ingest.options import DecodeOptions
-from kvrelay.pool.batch import OP_CLEAR, OP_REMOVE, OP_STORE
+from kvrelay.pool.batch import (
+    OP_CLEAR,
+    OP_REMOVE,
+    OP_STORE,
+    ORIGIN_NEW,
+    ORIGIN_REPORT,
+    ORIGIN_UNKNOWN,
+)
 from tests.support import vllm_wire as W
 from tests.support.decoder_model import Ref, assert_batch_equal, salt_of
 
@@ -232,6 +239,41 @@ def test_eagle_bigrams_follow_the_pool_format() -> None:
     eag_flat = dec(hash_format=2).decode(W.batch([flat]))  # last block lacks its lookahead token
     assert eag_flat.batch.ext_hashes.tolist() == [1]
     assert eag_flat.batch.tokens.tolist() == list(range(B + 1))
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_eagle_window_of_the_last_block_comes_from_lookahead_tokens(fast: bool) -> None:
+    """vLLM >= 0.33 sends ``lookahead_token_ids``: the tokens past each block that went into its
+    hash. Under the EAGLE format the last block's window is then complete and it is kept."""
+    la = [[B, B + 1], [2 * B + 5, 98]]  # block 0: token B, already in the store
+    ev = W.stored("map", block_hashes=[1, 2], token_ids=list(range(2 * B)), block_size=B,
+                  lookahead_token_ids=la)  # fmt: skip
+    eag = dec(hash_format=2, fast=fast).decode(W.batch([ev]))
+    assert eag.batch.ext_hashes.tolist() == [1, 2] and eag.stats.truncated == 0
+    assert eag.batch.tokens.tolist() == [*range(2 * B), 2 * B + 5]
+    std = dec(hash_format=1, fast=fast).decode(W.batch([ev]))  # standard windows: not needed
+    assert std.batch.tokens.tolist() == list(range(2 * B))
+    for bad in ([[1]], [[], []], [[1], ["x"]], [[1], [-1]], [[1], [1 << 32]]):
+        odd = W.stored("map", block_hashes=[1, 2], token_ids=list(range(2 * B)), block_size=B,
+                       lookahead_token_ids=bad)  # fmt: skip
+        got = dec(hash_format=2, fast=fast).decode(W.batch([odd]))  # unusable: dropped as before
+        assert got.batch.ext_hashes.tolist() == [1], bad
+        assert got.batch.tokens.tolist() == list(range(B + 1))
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_origin_says_whether_a_store_is_new_blocks_or_a_report(fast: bool) -> None:
+    """The proposed ``BlockStored.origin`` (``NEW`` / ``REUSED``) reaches the pool as
+    ``EventBatch.origin``; a stream without it has no origin array (the pool infers)."""
+    def ev(origin: str | None, h: int) -> Any:
+        return W.stored("map", block_hashes=[h], token_ids=list(range(B)), block_size=B,
+                        origin=origin)  # fmt: skip
+
+    got = dec(fast=fast).decode(W.batch([ev("NEW", 1), ev(None, 2), W.removed("map", [1]),
+                                        ev("REUSED", 3), ev("other", 4)])).batch  # fmt: skip
+    assert got.origin.tolist() == [ORIGIN_NEW, ORIGIN_UNKNOWN, 0, ORIGIN_REPORT, ORIGIN_UNKNOWN]
+    plain = dec(fast=fast).decode(W.batch([ev(None, 1)])).batch
+    assert plain.origin.shape == (0,)
 
 
 def test_lora_salt_matches_xxhash() -> None:

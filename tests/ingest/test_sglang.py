@@ -94,11 +94,11 @@ def test_salt_map_after_medium_needs_the_sglang_layout() -> None:
     payload = batch([sgl(ev, "metadata")])
     as_vllm = dec(kind=EngineKind.VLLM).decode(payload)
     assert as_vllm.batch.n_events == 0 and as_vllm.stats.malformed_events == 1
-    plain = dec().decode(payload)
-    assert plain.batch.ops.tolist() == [OP_STORE] and plain.batch.salt.tolist() == [1337]
-    ns = dec(options=DecodeOptions(cache_salt_namespacing=True)).decode(payload)
-    assert ns.batch.salt.tolist() == [request_salt(None, "tenant-a")]
-    assert ns.batch.ns_part.tolist() == [namespace_part("tenant-a")]
+    for opts in (DecodeOptions(), DecodeOptions(cache_salt_namespacing=True)):  # always honoured
+        ns = dec(options=opts).decode(payload)
+        assert ns.batch.ops.tolist() == [OP_STORE]
+        assert ns.batch.salt.tolist() == [request_salt(None, "tenant-a")]
+        assert ns.batch.ns_part.tolist() == [namespace_part("tenant-a")]
 
 
 @pytest.mark.parametrize("parent", [None, -9])
@@ -108,10 +108,11 @@ def test_aligned_salt_map_at_slot_14_namespaces_every_store(parent: int | None) 
     ev = {"kind": "store", "block_hashes": [-7], "parent_block_hash": parent,
           "token_ids": [1, 2, 3, 4], "block_size": B, "medium": "GPU", "cache_salt": "t-b"}
     payload = batch([sgl(ev, "aligned")])
-    res = dec(options=DecodeOptions(cache_salt_namespacing=True)).decode(payload)
-    assert res.batch.salt.tolist() == [request_salt(None, "t-b")]
-    assert res.batch.ns_part.tolist() == [namespace_part("t-b")]
-    assert res.stats.unknown_fields == 0
+    for fast in (True, False):  # by default, on both decoder paths
+        res = dec(fast=fast).decode(payload)
+        assert res.batch.salt.tolist() == [request_salt(None, "t-b")]
+        assert res.batch.ns_part.tolist() == [namespace_part("t-b")]
+        assert res.stats.unknown_fields == 0
 
 
 def test_removes_read_locality_at_sglangs_position() -> None:
@@ -172,7 +173,10 @@ def sgl_events(draw: st.DrawFn, layout: str) -> dict[str, Any]:
         "parent_block_hash": draw(st.one_of(st.none(), i64)),
         "token_ids": toks,
         "block_size": draw(st.sampled_from([B, B, B, 2 * B])),
-        "cache_salt": draw(st.sampled_from([None, None, "tenant-a"])),
+        # only these layouts carry a salt (the reference model honours whatever it is given)
+        "cache_salt": draw(st.sampled_from([None, None, "tenant-a"]))
+        if layout in ("metadata", "aligned")
+        else None,
         **common,
     }
     if layout == "aligned":

@@ -27,6 +27,7 @@ B = 4
 class RecordingSink:
     def __init__(self) -> None:
         self.items: list[tuple[str, Any]] = []
+        self.rebuilds: list[tuple[bool, int]] = []
 
     def on_batch(self, source: SourceKey, seq: int, batch: EventBatch) -> None:
         assert source == SourceKey(42, 0)
@@ -34,6 +35,13 @@ class RecordingSink:
 
     def on_reset(self, source: SourceKey, reason: ResetReason) -> None:
         self.items.append(("reset", reason))
+
+    def on_rebuild(self, source: SourceKey, active: bool) -> None:
+        # where in ``items`` the rebuild began / ended (kept apart: tests index ``items``)
+        self.rebuilds.append((active, len(self.items)))
+
+    def on_vouched(self, source: SourceKey) -> None:
+        self.items.append(("vouched", source))
 
     @property
     def seqs(self) -> list[int]:
@@ -214,6 +222,29 @@ async def test_sequence_decrease_is_a_new_incarnation(
         await until(lambda: len(sink.seqs) >= 8)
         assert sink.resets == [ResetReason.INCARNATION]
         assert_exact(sink, [0, 1, 2, 3, 4, 0, 1, 2])
+        assert sink.items[5] == ("reset", ResetReason.INCARNATION)
+        assert sink.rebuilds == []  # seq 0 arrived live: nothing to rebuild from a replay
+    finally:
+        await sub.stop()
+        await pub.close()
+
+
+async def test_a_rebuild_from_the_replay_is_reported_as_one(ctx: zmq.asyncio.Context) -> None:
+    """A new incarnation seen first at seq 2: the reset and the replayed 0, 1 (and 2) form one
+    rebuild, begun before the reset and ended after the replayed batches."""
+    pub = TestPublisher(ctx)
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx)
+    try:
+        await _synced(pub, sink, sub, 5)
+        pub.restart()
+        for _ in range(2):
+            await pub.publish(msg(pub.seq), live=False)  # only in the replay
+        await pub.publish(msg(pub.seq))
+        await until(lambda: len(sink.seqs) >= 8 and len(sink.rebuilds) == 2)
+        assert sink.resets == [ResetReason.INCARNATION]
+        assert_exact(sink, [0, 1, 2, 3, 4, 0, 1, 2])
+        assert sink.rebuilds == [(True, 5), (False, 9)]  # around items 5 (reset) .. 8
         assert sink.items[5] == ("reset", ResetReason.INCARNATION)
     finally:
         await sub.stop()
@@ -421,8 +452,35 @@ async def test_a_resumed_member_is_vouched_for_then_continues(ctx: zmq.asyncio.C
         assert pub.requests == [9]  # the replay is asked for the last batch the state holds
         assert_exact(sink, list(range(10, 21)))
         assert sink.resets == [] and sub.counters.resets == 0
+        assert sink.items[0] == ("vouched", SourceKey(42, 0)), "vouched before anything applies"
     finally:
         await sub.stop()
+        await pub.close()
+
+
+async def test_a_replay_that_does_not_answer_is_not_a_vouch(ctx: zmq.asyncio.Context) -> None:
+    """The replay takes the vouching request and never answers (a hung engine): the restored
+    state is reset and rebuilt (here from the live stream, as its replay stays silent), never
+    kept as exact."""
+    pub = TestPublisher(ctx)
+    for s in range(20):
+        await pub.publish(msg(s), live=False)
+    mute = ctx.socket(zmq.ROUTER)
+    port = mute.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        sink, sub = await _resumed(ctx, pub, (9, _digest(msg(9))),
+                                   replay_endpoint=f"tcp://127.0.0.1:{port}", replay_timeout=0.3)
+        try:
+            assert sink.resets == [ResetReason.VOUCH_TIMEOUT]
+            assert ("vouched", SourceKey(42, 0)) not in sink.items
+            assert sub.counters.replay_failures == 2  # the vouch, then the rebuild's replay
+            await pub.publish(msg(pub.seq))
+            await until(lambda: len(sink.seqs) == 1)  # a fresh baseline, nothing kept
+            assert sink.items[0] == ("reset", ResetReason.VOUCH_TIMEOUT)
+        finally:
+            await sub.stop()
+    finally:
+        mute.close(linger=0)
         await pub.close()
 
 

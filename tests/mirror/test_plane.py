@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.errors import Reason, RelayError
 from kvrelay.mirror.plane import MirrorPlane, PlaneViolation
 from kvrelay.publication.plane import PlaneEnded
@@ -60,3 +61,43 @@ async def test_readers_of_an_ended_epoch_end_with_its_status() -> None:
     p.end(None, "the upstream restarted")
     with pytest.raises(PlaneEnded):
         await p.wait_newer(nv)
+
+
+def _readiness(revision: int, model: str) -> pb.ServingReadinessUpdate:
+    return pb.ServingReadinessUpdate(
+        protocol_version=1, relay=pb.RelayIdentity(drt_instance_id=7, relay_incarnation=9),
+        revision=revision, contract_marker=0x4B565231,
+        entries=[pb.TopologyEntry(namespace="ns", canonical_model_id=model,
+                                  state=pb.ServingReadinessState.READY,
+                                  present_roles=[pb.WorkerRole.PREFILL, pb.WorkerRole.DECODE])],
+    )  # fmt: skip
+
+
+def _reordered(msg: pb.ServingReadinessUpdate) -> bytes:
+    """The same message with its fields in another order (valid protobuf: a parser merges)."""
+    tail = pb.ServingReadinessUpdate(revision=msg.revision, protocol_version=1,
+                                     contract_marker=msg.contract_marker)  # fmt: skip
+    head = pb.ServingReadinessUpdate(relay=msg.relay, entries=msg.entries)
+    return bytes(tail) + bytes(head)
+
+
+async def test_a_resend_encoded_otherwise_is_the_same_message() -> None:
+    """Readiness re-sends carry the version already held. Encoded in another field order they
+    are still the same message (canonical protobuf equality): counted, never a violation, the
+    held bytes stay; a different message at that version is still one."""
+    from kvrelay.mirror.mirror import _same_message
+
+    plane = MirrorPlane("readiness", same=_same_message(pb.ServingReadinessUpdate))
+    first = _readiness(4, "m")
+    assert plane.offer(4, bytes(first))
+    other = _reordered(first)
+    assert other != bytes(first)
+    assert pb.ServingReadinessUpdate.parse(other) == first  # the oracle: one message
+    assert not plane.offer(4, other)
+    assert plane.current()[1] == bytes(first) and plane.equivalent_resends == 1
+    with pytest.raises(PlaneViolation):
+        plane.offer(4, bytes(_readiness(4, "another-model")))
+    strict = MirrorPlane("readiness")  # without ``same``: bytes decide
+    strict.offer(4, bytes(first))
+    with pytest.raises(PlaneViolation):
+        strict.offer(4, other)

@@ -20,6 +20,7 @@ from kvrelay.ops.config import (
     load_config,
     parse_bind,
 )
+from tests.support.certs import make_pki
 from tests.support.commands import MINIMAL, kvrelay
 
 POOL = """
@@ -228,9 +229,9 @@ def test_plaintext_on_network_is_a_warning_not_an_error(tmp_path: Path) -> None:
     assert (w.severity, w.path) == ("warning", "relay.bind") and "plaintext" in w.reason
     assert cfg.warnings == (w,)
     # the same bind with TLS configured raises no warning
-    cert = tmp_path / "c.pem"
-    cert.write_text("x")
-    cfg, problems = _check(tmp_path, text + f'\n[tls]\ncert = "{cert}"\nkey = "{cert}"\n')
+    pki = make_pki(tmp_path)  # check-config loads the files: they must be a real pair
+    cert, key = pki.server_cert, pki.server_key
+    cfg, problems = _check(tmp_path, text + f'\n[tls]\ncert = "{cert}"\nkey = "{key}"\n')
     assert cfg is not None and problems == [] and cfg.tls.enabled
 
 
@@ -564,3 +565,21 @@ def test_a_mirror_has_its_own_default_metrics_port() -> None:
     given, _ = parse_config({"mirror": {"upstream": "127.0.0.1:50161"},
                              "metrics": {"bind": "127.0.0.1:9100"}})  # fmt: skip
     assert given is not None and given.metrics.port == 9100
+
+
+@pytest.mark.parametrize(
+    "text,env,expected",
+    [
+        ("", {}, None),
+        ("", {"XDG_RUNTIME_DIR": "/run/user/7"}, "/run/user/7"),
+        ("", {"RUNTIME_DIRECTORY": "/run/kvrelay:/run/b", "XDG_RUNTIME_DIR": "/x"}, "/run/kvrelay"),
+        ('runtime_dir = "/srv/run"\n', {"RUNTIME_DIRECTORY": "/run/kvrelay"}, "/srv/run"),
+        ("", {"KVRELAY_RELAY_RUNTIME_DIR": "/var/run/k", "RUNTIME_DIRECTORY": "/r"}, "/var/run/k"),
+    ],
+)  # fmt: skip
+def test_runtime_dir_from_the_file_systemd_or_xdg(
+    tmp_path: Path, text: str, env: dict[str, str], expected: str | None
+) -> None:
+    f = tmp_path / "k.toml"
+    f.write_text(MINIMAL.replace('dc_name = "dc-test"\n', f'dc_name = "dc-test"\n{text}'))
+    assert load_config(f, env=env).runtime_dir == expected

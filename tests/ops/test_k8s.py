@@ -204,3 +204,188 @@ def test_documented_docker_run_binds_both_listeners_on_every_interface() -> None
     assert "-e KVRELAY_RELAY_BIND=0.0.0.0:50161" in run
     assert "-e KVRELAY_METRICS_BIND=0.0.0.0:50162" in run
 
+def test_the_pod_runs_four_workers_with_a_writable_runtime_directory(
+    objects: dict[str, dict[str, Any]],
+) -> None:
+    """``workers = 4`` needs a writable runtime directory for its internal socket: the runtime
+    directory the Deployment names is an in-memory emptyDir mounted there."""
+    dep, cm = objects["Deployment"], objects["ConfigMap"]
+    (main,) = dep["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in main["env"]}
+    cfg, problems = parse_config(tomllib.loads(cm["data"]["kvrelay.toml"]), env=env)
+    assert cfg is not None, problems
+    assert cfg.workers == 4
+    assert main["resources"]["requests"]["cpu"] == "4", "one CPU per process"
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in main["volumeMounts"]}
+    assert cfg.runtime_dir in mounts, "the runtime directory is a mounted volume"
+    assert volumes[mounts[cfg.runtime_dir]]["emptyDir"]["medium"] == "Memory"
+
+
+# ---- a real start of the manifest's settings on a read-only root ------------------------------
+
+
+def _seed_kernel_cache(dst: Path) -> None:
+    """What the init container does (copy the image's compiled kernels into ``/cache``), from
+    this checkout's in-tree numba cache: ``NUMBA_CACHE_DIR`` keeps each source directory's files
+    in ``<dir name>_<sha1 of its absolute path>``. If numba ever lays it out otherwise, the
+    daemon compiles instead: slower, never wrong."""
+    import hashlib
+
+    for index in (REPO / "kvrelay").rglob("__pycache__/*.nbi"):
+        src = index.parent.parent
+        sub = dst / f"{src.name}_{hashlib.sha1(str(src).encode()).hexdigest()}"
+        sub.mkdir(parents=True, exist_ok=True)
+        for f in index.parent.glob(index.name.rsplit(".", 2)[0] + ".*"):
+            shutil.copy2(f, sub / f.name)
+
+
+#: Inside a private mount namespace: every mount but /dev, /proc and /sys read-only (the pod's
+#: readOnlyRootFilesystem), then the Deployment's volumes as the only writable paths.
+_READ_ONLY_ROOT = r"""
+set -e
+awk '{print $2}' /proc/self/mounts | sort -u | while read -r m; do
+  case "$m" in /dev|/dev/*|/proc|/proc/*|/sys|/sys/*) continue ;; esac
+  mount -o remount,bind,ro "$m" 2>/dev/null || true
+done
+if touch "$KVRELAY_TEST_PROBE" 2>/dev/null; then echo "root still writable" >&2; exit 97; fi
+for d in $KVRELAY_TEST_WRITABLE; do mount --bind "$d" "$d"; mount -o remount,bind,rw "$d"; done
+exec "$@"
+"""
+
+
+def _can_unshare() -> bool:
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return False
+    res = subprocess.run([unshare, "--mount", "--propagation", "private", "true"],
+                         capture_output=True, timeout=30)  # fmt: skip
+    return res.returncode == 0
+
+
+async def test_the_manifest_starts_four_workers_on_a_read_only_root(
+    objects: dict[str, dict[str, Any]], tmp_path: Path,
+) -> None:
+    """The Deployment's container (its args, env and the ConfigMap's TOML) started for real with
+    ``workers`` = 2 (two processes fit this machine; 4 only adds workers) on a read-only root.
+
+    Where the test can unshare a mount namespace (root), every mount is read-only there and the
+    pod's volumes are the only writable paths, as in the pod; otherwise the same start runs
+    without it and $TMPDIR and $HOME, where a process writes by default, must stay empty. The
+    volumes' mount paths (/etc/kvrelay, /cache, /run/kvrelay) become directories of the test,
+    the listeners bind loopback ports chosen here (the manifest's fixed ports may be taken on a
+    shared machine), and the engine is a simulator. The startup probe's check (gRPC health of
+    the relay's service) must pass and a router must be served through a fan-out worker."""
+    import asyncio
+    import os
+    import re
+    import socket
+    import sys
+
+    from grpclib.client import Channel
+    from grpclib.health.v1.health_grpc import HealthStub
+    from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+
+    from kvrelay._proto.dynamo.kvrelay import v1 as pb
+    from kvrelay.sim.config import SimConfig
+    from kvrelay.sim.engine import SimEngine
+    from tests.support.commands import clean_env
+    from tests.support.rig import catalog_producer, first_matching
+
+    dep, cm = objects["Deployment"], objects["ConfigMap"]
+    pod = dep["spec"]["template"]["spec"]
+    (main,) = pod["containers"]
+    vol = tmp_path / "volumes"
+    mapped = {m["mountPath"]: vol / m["name"] for m in main["volumeMounts"]}
+
+    def local(path: str) -> str:
+        for mount, where in mapped.items():
+            if path == mount or path.startswith(mount + "/"):
+                return str(where) + path[len(mount):]
+        return path
+
+    engine = SimEngine(SimConfig(name="k0", seed=24, capacity_blocks=64))
+    await engine.start()
+    assert engine.grpc_port is not None and engine.metrics_port is not None
+    toml = cm["data"]["kvrelay.toml"]
+    host = re.search(r'^host = "([^"]+)"$', toml, re.M)
+    assert host and "grpc_port = 50051" in toml and "metrics_port = 8000" in toml
+    toml = (toml.replace(host.group(0), 'host = "127.0.0.1"')
+            .replace("grpc_port = 50051", f"grpc_port = {engine.grpc_port}")
+            .replace("metrics_port = 8000", f"metrics_port = {engine.metrics_port}"))  # fmt: skip
+    for where in mapped.values():
+        where.mkdir(parents=True)
+    config_mount = next(m["mountPath"] for m in main["volumeMounts"] if m["name"] == "config")
+    (Path(local(config_mount)) / "kvrelay.toml").write_text(toml)
+    env = {e["name"]: local(e["value"]) for e in main["env"]}
+    assert env["KVRELAY_RELAY_WORKERS"] == "4"
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    env.update(KVRELAY_RELAY_WORKERS="2", KVRELAY_RELAY_BIND=f"127.0.0.1:{ports[0]}",
+               KVRELAY_METRICS_BIND=f"127.0.0.1:{ports[1]}")  # fmt: skip
+    _seed_kernel_cache(Path(env["NUMBA_CACHE_DIR"]))
+    runtime = Path(env["KVRELAY_RELAY_RUNTIME_DIR"])
+    scratch = {name: tmp_path / name for name in ("tmp", "home")}
+    for d in scratch.values():
+        d.mkdir()
+    writable = [str(mapped[m["mountPath"]]) for m in main["volumeMounts"]
+                if not m.get("readOnly")]  # fmt: skip
+    args = [local(a) for a in main["args"]]
+    command = [sys.executable, "-m", "kvrelay", *args]
+    namespaced = _can_unshare()
+    if namespaced:
+        command = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                   _READ_ONLY_ROOT, "sh", *command]  # fmt: skip
+    full_env = clean_env(**env, TMPDIR=str(scratch["tmp"]), HOME=str(scratch["home"]),
+                         KVRELAY_TEST_PROBE=str(tmp_path / "probe"),
+                         KVRELAY_TEST_WRITABLE=" ".join(writable))  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        *command, env=full_env, cwd=REPO, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        async def serving() -> bool:
+            try:
+                async with Channel("127.0.0.1", ports[0]) as ch:
+                    reply = await asyncio.wait_for(HealthStub(ch).Check(
+                        HealthCheckRequest(service=HEALTH_SERVICE)), 5)  # fmt: skip
+                return bool(reply.status == HealthCheckResponse.SERVING)
+            except Exception:
+                return False
+
+        for _ in range(600):
+            if proc.returncode is not None or await serving():
+                break
+            await asyncio.sleep(0.2)
+        if proc.returncode is not None or not await serving():
+            if proc.returncode is None:
+                proc.kill()
+            err = (await proc.stderr.read()).decode()  # type: ignore[union-attr]
+            raise AssertionError(f"not serving (rc {proc.returncode}): {err[-3000:]}")
+        [sock] = list(runtime.glob("kvrelay-*/ingest.sock"))
+        assert os.stat(sock.parent).st_mode & 0o777 == 0o700
+        async with Channel("127.0.0.1", ports[0]) as ch:
+            producer = await catalog_producer(ch)  # served by the fan-out worker
+            first = await first_matching(
+                ch, "SubscribeKvPool",
+                pb.SubscribeKvPoolRequest(subscriber_id="k8s", expected_producer=producer,
+                                          contract_marker=0x4B565231),
+                pb.FilterUpdate, lambda fu: True,
+            )  # fmt: skip
+            assert int(first.kind) == int(pb.FilterUpdateKind.SNAPSHOT_CHUNK)
+        proc.terminate()
+        rc = await asyncio.wait_for(proc.wait(), 30)
+        err = (await proc.stderr.read()).decode()  # type: ignore[union-attr]
+        assert rc == 0, err[-3000:]
+        assert '"worker_serving"' in err or "worker_serving" in err
+        assert not list(runtime.iterdir()), "the internal socket's directory is removed"
+        for name, d in scratch.items():
+            assert not list(d.iterdir()), f"${name.upper()} was written: {list(d.iterdir())}"
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await engine.stop()

@@ -198,20 +198,39 @@ async def test_reload_reads_a_rotated_certificate_for_new_connections(tmp_path: 
         assert (await info(old.server_ca)).relay is not None
         shutil.copy(new.server_cert, cert)
         shutil.copy(new.server_key, key)
+        before = _expiry(daemon)
         result = await daemon.reload(cfg_path)
         assert result.result == "applied" and result.restart_required == ()
         assert (await info(new.server_ca)).relay is not None
+        # the expiry gauge follows the certificate the listener now serves
+        assert set(_expiry(daemon)) == {("server", "relay")} and set(before) == set(_expiry(daemon))
+        assert [c.not_after_unix for c in daemon.tls_certificates()] == list(
+            _expiry(daemon).values()
+        )
         with pytest.raises(ssl.SSLCertVerificationError):
             await info(old.server_ca)
-        # a key that does not match the certificate: rejected as a failed reload, and the
-        # listener keeps the certificate it had
+        # a key that does not match the certificate: check-config's load rejects the file, and
+        # the listener keeps the certificate it had
         shutil.copy(old.server_key, key)
         result = await daemon.reload(cfg_path)
-        assert result.result == "failed" and not daemon.reloads.last_successful
+        assert result.result == "rejected" and not daemon.reloads.last_successful
+        assert [p.path for p in result.problems] == ["tls.cert"]
         assert (await info(new.server_ca)).relay is not None
     finally:
         await daemon.stop()
         await engine.stop()
+
+
+def _expiry(daemon: Daemon) -> dict[tuple[str, str], float]:
+    """``kvrelay_tls_certificate_expiry_timestamp_seconds`` as the daemon's registry serves it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(daemon.metrics.render().decode()):
+        if fam.name == "kvrelay_tls_certificate_expiry_timestamp_seconds":
+            for s in fam.samples:
+                out[(s.labels["role"], s.labels["subject"])] = s.value
+    return out
 
 
 def _fingerprints(table: np.ndarray | None) -> int:

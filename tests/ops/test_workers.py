@@ -20,8 +20,11 @@ from pathlib import Path
 
 import numpy as np
 from grpclib.client import Channel
+from grpclib.const import Cardinality
 
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import RelayClient
+from kvrelay.contract.wire import CONTRACT_MARKER as MARKER
 from kvrelay.ops.tls import client_ssl_context, server_ssl_context
 from kvrelay.relay.relay import Relay
 from kvrelay.service.server import RelayServer
@@ -35,6 +38,7 @@ from tests.support.rig import (
     Consumer,
     catalog_producer,
     eventually,
+    first_matching,
     in_sync,
     make_settings,
     relay_info,
@@ -308,3 +312,117 @@ format = "json"
         await upstream.close(grace_s=1.0)
         await relay.stop()
         await engine.stop()
+
+
+async def _pool_snapshot(ch: Channel, producer: pb.ProducerIdentity) -> pb.FilterUpdate:
+    """The first frame of a subscription (its snapshot chunk); the stream is then left."""
+    async with asyncio.timeout(30):
+        async with ch.request("/dynamo.kvrelay.v1.KvEventRelay/SubscribeKvPool",
+                              Cardinality.UNARY_STREAM, pb.SubscribeKvPoolRequest,
+                              pb.FilterUpdate) as st:  # fmt: skip
+            await st.send_message(pb.SubscribeKvPoolRequest(
+                subscriber_id="hop", expected_producer=producer, contract_marker=MARKER),
+                end=True)  # fmt: skip
+            fu = await st.recv_message()
+            await st.cancel()
+    assert fu is not None
+    return fu
+
+
+async def test_more_pools_than_hubs_are_served_behind_two_workers(tmp_path: Path) -> None:
+    """Three pools, ``max_initialized_pool_hubs = 2``, ``workers = 2``: the worker mirrors two,
+    and a router subscribing to the third (then to each again) is served, because the worker
+    evicts its idle mirrored pool as the relay evicts an idle hub (before: RESOURCE_LIMIT for
+    ever). Counted in ``kvrelay_mirror_pools_evicted_total``."""
+    engines = [SimEngine(SimConfig(name=f"h{i}", seed=30 + i, capacity_blocks=64))
+               for i in range(3)]  # fmt: skip
+    for e in engines:
+        await e.start()
+    metrics_port = _free_port()
+    pools = "".join(f"""
+[[pools]]
+namespace = "ns"
+component = "c{i}"
+endpoint = "generate"
+expected_blocks = 1024
+
+[[pools.engines]]
+name = "h{i}"
+grpc_port = {e.grpc_port}
+""" for i, e in enumerate(engines))  # fmt: skip
+    cfg = tmp_path / "kvrelay.toml"
+    cfg.write_text(f"""
+[relay]
+dc_name = "dc-ops"
+bind = "127.0.0.1:0"
+discovery_interval_s = 0.2
+discovery_timeout_s = 1.0
+workers = 2
+
+[relay.limits]
+max_initialized_pool_hubs = 2
+
+[metrics]
+bind = "127.0.0.1:{metrics_port}"
+
+[logging]
+format = "json"
+{pools}""")
+    notes = Notifications(tmp_path / "notify.sock")
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    env = clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), RUNTIME_DIRECTORY=str(runtime))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvrelay", "serve", "--config", str(cfg),
+        env=env, cwd=REPO, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        try:
+            ready = await notes.wait_for("READY=1", timeout=120)
+        except AssertionError:
+            proc.kill()
+            raise AssertionError((await proc.stderr.read()).decode()[-3000:]) from None  # type: ignore[union-attr]
+        m = re.search(r"serving gRPC on 127\.0\.0\.1:(\d+)", ready)
+        assert m, ready
+        async with Channel("127.0.0.1", int(m.group(1))) as ch:
+            producers: list[pb.ProducerIdentity] = []
+
+            async def listed() -> bool:
+                upd = await first_matching(
+                    ch, "WatchKvPoolCatalog",
+                    pb.WatchKvPoolCatalogRequest(subscriber_id="c", contract_marker=MARKER),
+                    pb.KvPoolCatalogUpdate, lambda u: True,
+                )  # fmt: skip
+                assert upd.snapshot is not None
+                producers[:] = [d.producer for d in upd.snapshot.pools if d.producer]
+                return len(producers) == 3
+
+            for _ in range(200):
+                if await listed():
+                    break
+                await asyncio.sleep(0.1)
+            assert len(producers) == 3, producers
+            for _round in range(2):
+                for producer in reversed(producers):  # the last listed is not mirrored yet
+                    fu = await _pool_snapshot(ch, producer)
+                    assert int(fu.kind) == int(pb.FilterUpdateKind.SNAPSHOT_CHUNK)
+                    assert bytes(fu.producer) == bytes(producer)
+        text = ""
+        for _ in range(50):  # STATS reach the supervisor once a second
+            text = await _metrics(metrics_port)
+            got = re.search(r'^kvrelay_mirror_pools_evicted_total\{worker="1"\} (\d+)', text, re.M)
+            if got and int(got.group(1)) >= 2:
+                break
+            await asyncio.sleep(0.2)
+        assert got and int(got.group(1)) >= 2, text[-3000:]
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), 20)
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await notes.close()
+        for e in engines:
+            await e.stop()

@@ -60,6 +60,7 @@ class Store:
     wrong: bool
     bad_tokens: bool
     self_ref: bool
+    origin: int = 0  # what the engine says the store is (EventBatch.origin)
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ stores = st.builds(
     wrong=st.sampled_from([False] * 12 + [True]),
     bad_tokens=st.sampled_from([False] * 15 + [True]),
     self_ref=st.sampled_from([False] * 15 + [True]),
+    origin=st.sampled_from([0] * 8 + [1, 2]),
 )
 removes = st.builds(
     Remove,
@@ -134,6 +136,7 @@ def build(evts: list[Store | Remove | Clear], eagle: bool) -> EventBatch:
                 salt=(base + (ns if root else 0)) & 0xFFFF_FFFF_FFFF_FFFF,
                 ns_part=ns if root else 0,
                 ns_inherit=not root,
+                origin=e.origin,
             )
         elif isinstance(e, Remove):
             hs = [ext_hash(*k) for k in e.keys] + [0xDEAD_0000 + i for i in range(e.unknown)]
@@ -155,6 +158,7 @@ def check_state(pool: Pool, model: RefPool, mids: list[int]) -> None:
     assert nz == pool.occupancy
     for i, mid in enumerate(mids):
         assert pool.lineage(mid) == model.lineage.get(i, {})
+        assert pool.copies(mid) == model.copies.get(i, {})
         assert set(pool.owned_canonical(mid).tolist()) == model.owned(i)
         res = model.resident(i)
         assert set(pool.resident_canonical(mid).tolist()) == res
@@ -170,6 +174,10 @@ class RunStats:
     max_ref: int
     ns_recorded: bool
     publications: int
+    duplicates: int = 0
+    reports: int = 0
+    ambiguous: int = 0
+    copy_removals: int = 0
 
 
 def run_history(
@@ -178,14 +186,16 @@ def run_history(
     eagle: bool,
     history: list[tuple[int, str, list[Store | Remove | Clear]]],
     restore_every: int = 0,
+    reports: bool = False,
 ) -> RunStats:
     """Drive pool and model with the same history, checking everything after each batch;
     with ``restore_every``, the pool is replaced by ``Pool.from_state`` of its own export that
     often (a relay restart with state handover): the model does not notice."""
     seed = 0x5DEECE66D1B54A33
     fmt = 2 if eagle else 1
-    pool = Pool(buckets, seed, BS, fmt, max_kicks)
-    model = RefPool(buckets, seed, BS, fmt, max_kicks)
+    pool = Pool(buckets, seed, BS, fmt, max_kicks, reports=reports)
+    model = RefPool(buckets, seed, BS, fmt, max_kicks, reports=reports)
+    dup = [0, 0, 0, 0]
     mids = [pool.add_member(100 + i // 2, i % 2) for i in range(4)]
     assert mids == [pool.add_member(100 + i // 2, i % 2) for i in range(4)]
     replica = pool.table.copy()
@@ -201,7 +211,7 @@ def run_history(
             counted = (dict(pool.errors_by_kind), pool.capacity_omissions)
             pool = Pool.from_state(
                 meta, {k: a.copy() for k, a in arrays.items()}, bucket_count=buckets, seed=seed,
-                block_size=BS, hash_format=fmt, max_kicks=max_kicks,
+                block_size=BS, hash_format=fmt, max_kicks=max_kicks, reports=reports,
             )  # fmt: skip
             assert [pool.add_member(100 + i // 2, i % 2) for i in range(4)] == mids
             check_state(pool, model, mids)
@@ -224,6 +234,10 @@ def run_history(
             assert res.blocks_removed == exp.removed
             assert res.unknown_removals == exp.unknown
             assert res.capacity_omissions == exp.capacity
+            got = (res.duplicate_stores, res.report_stores, res.ambiguous_stores, res.copy_removals)
+            assert got == (exp.duplicate, exp.report, exp.ambiguous, exp.copy_removed)
+            for j, v in enumerate(got):
+                dup[j] += v
             errors_seen += exp.rejected
             cap_seen += exp.capacity
         check_state(pool, model, mids)
@@ -240,7 +254,7 @@ def run_history(
     assert sum(pool.errors_by_kind.values()) == errors_seen
     assert pool.capacity_omissions == cap_seen
     assert pool.invariant_violations == 0
-    return RunStats(dict(pool.errors_by_kind), cap_seen, max_ref, ns_rec, pubs)
+    return RunStats(dict(pool.errors_by_kind), cap_seen, max_ref, ns_rec, pubs, *dup)
 
 
 @settings(max_examples=120, deadline=None)
@@ -249,14 +263,18 @@ def run_history(
     max_kicks=st.sampled_from([0, 2, 500]),
     eagle=st.booleans(),
     history=st.lists(batches, min_size=4, max_size=30),
+    reports=st.booleans(),
 )
 def test_pool_matches_model(
     buckets: int,
     max_kicks: int,
     eagle: bool,
     history: list[tuple[int, str, list[Store | Remove | Clear]]],
+    reports: bool,
 ) -> None:
-    r = run_history(buckets, max_kicks, eagle, history)
+    r = run_history(buckets, max_kicks, eagle, history, reports=reports)
+    event(f"duplicates: {r.duplicates > 0}, copy removals: {r.copy_removals > 0}")
+    event(f"ambiguous: {r.ambiguous > 0}")
     for kind in r.errors:
         event(f"error:{kind}")
     event(f"capacity omissions: {'yes' if r.capacity else 'no'}")
@@ -283,6 +301,7 @@ def _random_history(
                         wrong=rng.random() < 0.05,
                         bad_tokens=rng.random() < 0.05,
                         self_ref=rng.random() < 0.05,
+                        origin=rng.choice([0] * 8 + [1, 2]),
                     )
                 )
             elif r < 0.95:
@@ -308,10 +327,15 @@ def test_seeded_histories_cover_every_path() -> None:
     cap = 0
     max_ref = 0
     ns = False
+    dups = [0, 0, 0, 0]
     for i in range(24):
         rng = random.Random(i)
         buckets = [2, 4, 8, 16, 64, 1024][i % 6]
-        r = run_history(buckets, [500, 2, 0][i % 3], i % 4 == 3, _random_history(rng, 40))
+        r = run_history(
+            buckets, [500, 2, 0][i % 3], i % 4 == 3, _random_history(rng, 40), reports=i % 2 == 1
+        )
+        for j, v in enumerate((r.duplicates, r.reports, r.ambiguous, r.copy_removals)):
+            dups[j] += v
         for k, v in r.errors.items():
             totals[k] = totals.get(k, 0) + v
         cap += r.capacity
@@ -333,18 +357,21 @@ def test_seeded_histories_cover_every_path() -> None:
         "token_count_mismatch",
     }
     assert cap > 0 and max_ref >= 3 and ns
+    assert all(dups), dups  # copies counted, reports taken, ambiguous stores, copies removed
 
 
 def test_a_restored_pool_goes_on_exactly_like_the_model() -> None:
     """Export + ``from_state`` every few batches, kicks and omissions included: the restored pool
     keeps agreeing with the model batch by batch (state, table and publications)."""
     cap = 0
+    copies = 0
     for i in range(12):
         rng = random.Random(5000 + i)
         r = run_history([4, 16, 1024][i % 3], [500, 2][i % 2], i % 4 == 3,
-                        _random_history(rng, 40), restore_every=3)  # fmt: skip
+                        _random_history(rng, 40), restore_every=3, reports=i % 2 == 0)  # fmt: skip
         cap += r.capacity
-    assert cap > 0
+        copies += r.duplicates
+    assert cap > 0 and copies > 0
 
 
 def _exported(pool: Pool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -462,6 +489,15 @@ def test_an_inconsistent_state_is_refused() -> None:
         tm, w = a["m0.lin.tm"], a["m0.lin.w"]
         _set_pay(tm, w, int(_used_slots(tm, w)[0]), np.uint64(free))
 
+    def moved_fingerprint(m: dict[str, Any], a: dict[str, np.ndarray]) -> None:
+        t = a["table"]  # same count, but the fingerprint now sits outside both its buckets
+        src = int(np.flatnonzero(t)[0])
+        fp = int(t[src]) & 0xFFFF
+        dst = next(x for x in range(t.shape[0]) if int(t[x]) == 0 and x != src
+                   and x != src ^ int(ckf.make_deltas(np.uint64(7), np.uint64(63))[fp]))
+        t[src] = np.uint64(int(t[src]) & ~0xFFFF)
+        t[dst] = np.uint64(fp)
+
     refs = r"refcounts \(or their overflow counts\) differ"
     cases = {
         flip_table: "resident owners", drop_edge: refs, drop_entry_not_count: "entries are not",
@@ -469,6 +505,7 @@ def test_an_inconsistent_state_is_refused() -> None:
         wrong_dtype: "'own.w' missing or of the wrong type", twice: "repeated",
         missing: "'m1.lin.w' missing", resized: "buckets", resized_lineage: "size disagrees",
         other_salt: "shape or salt", stray_namespace: "namespace entries", dangling: refs,
+        moved_fingerprint: "in neither bucket",
     }  # fmt: skip
     for mutate, why in cases.items():
         state: State = _exported(pool)

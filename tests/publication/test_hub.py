@@ -471,3 +471,72 @@ async def test_hold_released_by_a_joiner_that_ends_or_lags() -> None:
     assert hub.publication_hold() == 0.0
     b.close()
     assert released == ["x"]
+
+
+class Turns:
+    """A connection's turn as the hub sees it: ``__call__`` returns once the test opens it."""
+
+    def __init__(self) -> None:
+        self.open = asyncio.Event()
+        self.asked = 0
+
+    async def __call__(self) -> None:
+        self.asked += 1
+        await self.open.wait()
+
+
+async def test_a_joiner_waiting_its_turn_holds_nothing_and_its_clocks_wait() -> None:
+    """While its turn on the connection has not come: no progress timer (it would have fired
+    ten times over), no joiner for the spacing, no queued deltas; at its turn the stale cut is
+    taken again at the current sequence and the replica is exact there."""
+    hub, table = make_hub(bc=1024, snapshot_progress_timeout_s=0.05)
+    sub = await hub.subscribe()
+    turns, col = Turns(), Collector()
+    task = asyncio.ensure_future(sub.pump(col, turn=turns))
+    for _ in range(200):
+        if turns.asked:
+            break
+        await asyncio.sleep(0.005)
+    assert turns.asked == 1 and hub.publication_hold() == 0.0, "waiting: holds nothing back"
+    rng = np.random.default_rng(3)
+    for seq in range(1, 41):  # far more than the queue's 16 slots
+        b = rng.choice(1024, size=4, replace=False)
+        w = rng.integers(1, 2**63, size=4, dtype=np.uint64)
+        hub.publish(seq, b, w)
+        table[b] = w
+    await asyncio.sleep(0.3)  # six progress timeouts' worth of waiting
+    assert sub.error is None and len(sub._frames) == 0 and not col.frames
+    turns.open.set()
+    for _ in range(400):
+        if col.frames and int(col.frames[-1].kind) == int(pb.FilterUpdateKind.SNAPSHOT_CHUNK):
+            break
+        await asyncio.sleep(0.005)
+    assert hub.recuts == 1 and sub.start_sequence == 40
+    hub.publish(41, np.array([5]), np.array([77], dtype=np.uint64))
+    table[5] = 77
+    for _ in range(400):
+        if col.frames and col.frames[-1].sequence == 41:
+            break
+        await asyncio.sleep(0.005)
+    got, seq = rebuild(col.frames, 1024)
+    assert seq == 41 and np.array_equal(got, table)
+    sub.shutdown()
+    await asyncio.wait_for(task, 5)
+    sub.close()
+
+
+async def test_a_joiner_that_fails_while_waiting_gives_up_its_turn_unsent() -> None:
+    hub, _ = make_hub(bc=1024)
+    sub = await hub.subscribe()
+    turns, col = Turns(), Collector()
+    task = asyncio.ensure_future(sub.pump(col, turn=turns))
+    for _ in range(200):
+        if turns.asked:
+            break
+        await asyncio.sleep(0.005)
+    hub.retire(RelayError.publication_unavailable("fenced"))
+    turns.open.set()
+    with pytest.raises(RelayError) as ei:
+        await asyncio.wait_for(task, 5)
+    assert ei.value.reason == R.PUBLICATION_UNAVAILABLE and not col.raw, "not one byte"
+    sub.close()

@@ -200,14 +200,55 @@ def _exact_for(relay: Relay, engine: SimEngine) -> bool:
     return all(view.get(k, set()) == v for k, v in truth.items())
 
 
-async def test_another_filter_setting_refuses_the_file(
+@pytest.mark.parametrize("change", ["expected_blocks", "ckf_seed"])
+async def test_a_restart_with_another_filter_shape_rebuilds_the_filter_from_the_state(
+    fleet: list[SimEngine], tmp_path: Path, change: str
+) -> None:
+    """The exact state does not depend on the filter's size or seed: the file is used, its
+    filter rebuilt from the owners, and every member resumes (nothing rebuilt from replay)."""
+    settings = _settings(fleet, tmp_path)
+    await _first_run(fleet, settings)
+    value = {"expected_blocks": 65_536, "ckf_seed": 424242}[change]
+    pool = dataclasses.replace(settings.pools[0], **{change: value})  # type: ignore[arg-type]
+    async with _relay(fleet, dataclasses.replace(settings, pools=(pool,))) as r, \
+            r.channel() as ch:  # fmt: skip
+        await eventually(lambda: _exact(r.relay, fleet), what="exact under the new filter")
+        assert r.relay.state_restores == {"restored": 1}
+        await eventually(lambda: r.pool.counters.members_vouched == 4, what="vouched")
+        assert r.pool.counters.member_resets == {}
+        gen = r.pool.generation
+        assert gen is not None and gen.pool.bucket_count == pool.bucket_count
+        assert gen.pool.seed == pool.ckf_seed
+        consumer = await subscribe(r, ch)
+        await verify(r, consumer, probes=2_000)
+        await consumer.stop()
+
+
+async def test_another_hash_setting_refuses_the_file(
     fleet: list[SimEngine], tmp_path: Path
 ) -> None:
     settings = _settings(fleet, tmp_path)
     await _first_run(fleet, settings)
-    pool = dataclasses.replace(settings.pools[0], expected_blocks=65_536)
+    pool = settings.pools[0]
+    pool = dataclasses.replace(pool, decode=dataclasses.replace(
+        pool.decode, cache_salt_namespacing=not pool.decode.cache_salt_namespacing))  # fmt: skip
     async with _relay(fleet, dataclasses.replace(settings, pools=(pool,))) as r:
         assert r.relay.state_restores == {"incompatible": 1}
         await eventually(lambda: r.pool.generation is not None, what="rebuilt")
         assert r.pool.counters.members_resumed == 0
 
+
+async def test_an_unsafe_state_dir_is_refused_and_counted(
+    fleet: list[SimEngine], tmp_path: Path
+) -> None:
+    """A directory others can write to is neither read nor written: whoever can write there
+    could hand the relay a state it made up."""
+    d = tmp_path / "state"
+    d.mkdir()
+    d.chmod(0o777)
+    async with _relay(fleet, _settings(fleet, d)) as r:
+        await _live(r, 4)
+        assert r.relay.state_restores == {"unsafe_dir": 1}
+        assert r.metric("kvrelay_state_restores_total", result="unsafe_dir") == 1
+    assert r.relay.state_saves == {"unsafe_dir": 1}
+    assert list(d.iterdir()) == []

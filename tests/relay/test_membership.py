@@ -103,7 +103,9 @@ async def test_a_records_follow_the_fleet_under_traffic() -> None:
             await wait_live(r.relay, 3)
             await c.step(6)
             await verify(r, consumer, truth=_truth([a, b, c]), probes=2_000)
-            # a pod goes: after two answers without it, its engine and members are removed
+            # a pod goes: after two answers without it and its stream down for the grace, its
+            # engine and members are removed
+            await b.stop()
             dns.records[(NAME, "A")] = [ips[0], ips[2]]
             await eventually(lambda: "vllm@127.0.0.3" not in _names(r), what="engine removed")
             await a.step(4)
@@ -142,6 +144,8 @@ async def test_a_dns_outage_changes_nothing() -> None:
                                  what=f"{mode} counted")  # fmt: skip
                 assert len(_names(r)) == 2 and m.counters.engines_removed == 0
             dns.mode = "answer"
+            for e in engines:
+                await e.stop()
             dns.records[(NAME, "A")] = []  # the name resolves to nothing: every pod gone
             await eventually(lambda: not _names(r), what="engines removed")
             end = await consumer.wait_end()
@@ -172,6 +176,54 @@ async def test_srv_records_give_hosts_and_ports() -> None:
             truth = {(f"vllm@{e.cfg.host_ip}:{e.grpc_port}", 0): e.ground_truth(0)
                      for e in engines}  # fmt: skip
             await verify(r, consumer, truth=truth, probes=2_000)
+            await consumer.stop()
+    finally:
+        dns.close()
+
+
+async def test_a_dns_flap_keeps_an_engine_whose_stream_is_live() -> None:
+    """DNS absence is treated like an unreachable Control: an engine whose ZMQ stream is live
+    stays, with its state, however long its record is missing; it goes only once it is absent
+    and disconnected for ``engine_down_grace_s``."""
+    ips = ["127.0.0.7", "127.0.0.8"]
+    port = _free_port(ips)
+    dns = DnsServer(records={(NAME, "A"): ips})
+    server = await dns.start()
+    a, b = (_engine(ip, port, 97 + i) for i, ip in enumerate(ips))
+    for e in (a, b):
+        await e.start()
+    try:
+        async with dns_rig(dns, [a, b], EngineSpec(name="vllm", dns=NAME, grpc_port=port),
+                           server) as r, r.channel() as ch:  # fmt: skip
+            await wait_live(r.relay, 2)
+            consumer = await subscribe(r, ch)
+            for e in (a, b):
+                await e.step(6)
+            await verify(r, consumer, truth=_truth([a, b]), probes=2_000)
+            m = r.relay.membership
+            assert m is not None
+            dns.records[(NAME, "A")] = [ips[0]]  # b's record flaps away; b keeps publishing
+            await eventually(lambda: m.counters.removals_deferred == 1, what="kept, counted")
+            seen = m.counters.resolutions
+            await eventually(lambda: m.counters.resolutions >= seen + 6, timeout=20,
+                             what="absent for longer than the grace")  # fmt: skip
+            assert "vllm@127.0.0.8" in _names(r) and m.counters.engines_removed == 0
+            assert m.counters.removals_deferred == 1, "counted once per absence"
+            assert r.metric("kvrelay_dns_removals_deferred_total") == 1
+            await b.step(4)
+            await verify(r, consumer, truth=_truth([a, b]), probes=2_000)
+            dns.records[(NAME, "A")] = ips  # back: nothing to add, nothing changed
+            seen = m.counters.resolutions
+            await eventually(lambda: m.counters.resolutions >= seen + 2, what="answers")
+            assert m.counters.engines_added == 2
+            await b.stop()  # now the pod is really gone: absent and disconnected
+            dns.records[(NAME, "A")] = [ips[0]]
+            await eventually(lambda: "vllm@127.0.0.8" not in _names(r), timeout=20,
+                             what="removed once absent and down for the grace")  # fmt: skip
+            assert m.counters.engines_removed == 1 and m.counters.removals_deferred in (1, 2)
+            await a.step(3)
+            await verify(r, consumer, truth=_truth([a]), probes=2_000)
+            assert consumer.end is None  # one pool, one generation, all along
             await consumer.stop()
     finally:
         dns.close()

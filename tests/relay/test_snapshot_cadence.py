@@ -92,7 +92,12 @@ async def _slow_subscriber(
                 await producer
                 await eventually(lambda: in_sync([engine], relay), what="relay = ground truth")
                 async with asyncio.timeout(scaled(20)):
-                    while replica.sequence != gen.sequence:
+                    # caught up = at the generation's sequence with nothing left to publish (a
+                    # spaced publication may still be pending when the sequences first match)
+                    while replica.sequence != gen.sequence or gen.pool.pending_dirty:
+                        if replica.sequence == gen.sequence:
+                            await asyncio.sleep(0.01)
+                            continue
                         replica.feed(await _next(st))  # asserts base + 1 for every delta
                 await st.cancel()
                 return None

@@ -180,7 +180,9 @@ async def _steps(e: SimEngine, n: int) -> None:
 
 async def test_65th_subscriber_gets_resource_limit() -> None:
     cfg = SimConfig(name="m0", seed=24, dp_size=1, capacity_blocks=64)
-    async with rig([cfg]) as r:
+    # every consumer is on 127.0.0.1: the contract limit alone, without the per-peer share
+    shares_off = RelayLimits(stream_share_per_peer_percent=100)
+    async with rig([cfg], limits=shares_off) as r:
         await wait_live(r.relay, 1)
         await r.engines[0].step(5)
         svc = r.server.service

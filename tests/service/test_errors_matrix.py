@@ -338,6 +338,9 @@ async def test_resource_limits(start_relay: StartRelay) -> None:
             max_pool_streams_total=3,
             max_initialized_pool_hubs=1,
             max_catalog_subscribers=1,
+            # the contract's own limits, one connection: no per-connection/peer share
+            stream_share_per_connection_percent=100,
+            stream_share_per_peer_percent=100,
         )
     )
     a = view.add_pool("pool-a", BC)
@@ -412,12 +415,17 @@ async def test_resource_limits(start_relay: StartRelay) -> None:
 
 
 async def test_65th_subscriber_default_limits(start_relay: StartRelay) -> None:
-    """Defaults: 64 pool streams in total; the 65th gets RESOURCE_EXHAUSTED / RESOURCE_LIMIT."""
+    """Defaults: 64 pool streams in total; the 65th gets RESOURCE_EXHAUSTED / RESOURCE_LIMIT.
+
+    One connection holds them all here, so kvrelay's per-connection and per-peer shares
+    (``tests/service/test_stream_shares.py``) are lifted to the whole limit."""
     import asyncio
 
     from grpclib.const import Cardinality
 
-    view, server = await start_relay()
+    view, server = await start_relay(
+        RelayLimits(stream_share_per_connection_percent=100, stream_share_per_peer_percent=100)
+    )
     gens = [view.add_pool("pool-a", BC), view.add_pool("pool-b", BC)]
     ch = grpclib_channel(server.port)
     opened: list[Any] = []

@@ -108,10 +108,13 @@ def test_block_manager_lru_evicts_tail_first() -> None:
     root = none_digest(0)
     assert bm.allocate(3, [])
     blocks = [chain_state.extend(root, (i, i + 1)) for i in range(3)]
+    ids = []
     for b in blocks:
-        assert bm.commit_full(b)
-    for b in reversed(blocks):  # finished request frees tail first
-        bm.unref(b.vllm_hash)
+        pid, new = bm.commit_full(b)
+        assert new
+        ids.append(pid)
+    for pid in reversed(ids):  # finished request frees tail first
+        bm.unref(pid)
     removed: list = []
     assert bm.allocate(2, removed)  # 1 free slot + 1 eviction
     assert [r.vllm_hash for r in removed] == [blocks[2].vllm_hash]

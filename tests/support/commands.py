@@ -28,7 +28,8 @@ grpc_port = 50051
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The test process environment without KVRELAY_* / systemd variables, plus ``extra``."""
-    drop = ("KVRELAY_", "NOTIFY_SOCKET", "WATCHDOG_", "CACHE_DIRECTORY", "STATE_DIRECTORY")
+    drop = ("KVRELAY_", "NOTIFY_SOCKET", "WATCHDOG_", "CACHE_DIRECTORY", "STATE_DIRECTORY",
+            "RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env.update(extra)
     return env

@@ -83,14 +83,16 @@ class Ref:
                 continue
             hs = hs[:k]
             parent = ev.get("parent_block_hash")
-            parent = None if parent is None else u64(parent)
+            parent = None if parent is None or u64(parent) == 0 else u64(parent)
             if len(set(hs)) != k or (parent is not None and parent in hs):
                 continue
+            cs = ev.get("cache_salt") or None  # an explicit salt field is always honoured
             b.store(
                 hs,
                 np.array(toks[: k * bs + e], dtype=np.uint32),
                 parent=parent,
-                salt=salt_of(ev.get("lora_name")),
+                salt=salt_of(ev.get("lora_name"), cs),
+                ns_part=xxhash.xxh3_64_intdigest(cs.encode(), seed=1) if cs else 0,
             )
         return b.build()
 

@@ -3,6 +3,11 @@
 Independent of ``kvrelay``: hashing via the ``xxhash`` package, dict-based exact state, a naive
 list-of-slots cuckoo filter with the §6.3 addressing and the §6.4 insert/kick/rollback rules, and
 the §8.2 event semantics. It reads ``EventBatch`` arrays (the shared interface) directly.
+
+Duplicate stores (docs/contract.md): a store of a hash the member already holds is one more
+physical copy (a later remove drops a copy, the last remove the block) unless it is a report:
+the engine says so (``origin``), or, with ``reports`` on, the store has no parent and every block
+of it is held (a report names a cache hit, a prefix from block 0); that last case is ambiguous.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ M64 = 0xFFFF_FFFF_FFFF_FFFF
 GOLDEN = 0x9E3779B97F4A7C15
 
 OK, PARENT, INVALID, TOKENS, BAD_OP = 0, 1, 2, 3, 4
+NEW, REPORT = 1, 2  # EventBatch.origin values
+MAX_COPIES = 1 << 24
 
 
 def xxh(data: bytes, seed: int) -> int:
@@ -116,23 +123,36 @@ class Counts:
     removed: int = 0
     unknown: int = 0
     capacity: int = 0
+    duplicate: int = 0
+    report: int = 0
+    ambiguous: int = 0
+    copy_removed: int = 0
     codes: list[int] = field(default_factory=list)
 
 
 class RefPool:
     def __init__(
-        self, bucket_count: int, seed: int, block_size: int, fmt: int, max_kicks: int
+        self,
+        bucket_count: int,
+        seed: int,
+        block_size: int,
+        fmt: int,
+        max_kicks: int,
+        reports: bool = False,
     ) -> None:
         self.ckf = RefCKF(bucket_count, seed)
         self.bs = block_size
         self.eagle = fmt == 2
         self.max_kicks = max_kicks
+        self.reports = reports
         self.lineage: dict[int, dict[int, int]] = {}
+        self.copies: dict[int, dict[int, int]] = {}  # member -> ext -> physical copies (>= 2)
         self.ns: dict[int, dict[int, int]] = {}
         self.owners: dict[int, list[int]] = {}  # canon -> [count, resident(0/1)]
 
     def _mem(self, m: int) -> dict[int, int]:
         self.ns.setdefault(m, {})
+        self.copies.setdefault(m, {})
         return self.lineage.setdefault(m, {})
 
     def _drop(self, canon: int) -> None:
@@ -151,6 +171,7 @@ class RefPool:
             c.removed += 1
         lin.clear()
         self.ns[m].clear()
+        self.copies[m].clear()
 
     def _block_hash(self, b: EventBatch, g: int, start: int, win: int, seed: int) -> int:
         data = b.tokens[start : start + win].astype("<u4").tobytes()
@@ -192,8 +213,24 @@ class RefPool:
                 return INVALID
             canons.append(cval)
             prev = cval
+        held = sum(1 for e in exts if e in lin)
+        org = int(b.origin[i]) if b.origin.shape[0] else 0
+        if org == NEW or (org != REPORT and (not self.reports or hp or held < k)):
+            copies = True
+        else:
+            copies = False
+            if held and org != REPORT:
+                c.ambiguous += 1
+        cnt = self.copies[m]
+        if held and copies and any(cnt.get(e, 1) >= MAX_COPIES for e in exts if e in lin):
+            return INVALID
         for e, cval in zip(exts, canons, strict=True):
             if e in lin:
+                if copies:
+                    cnt[e] = cnt.get(e, 1) + 1
+                    c.duplicate += 1
+                else:
+                    c.report += 1
                 o = self.owners[cval]
                 if not o[1] and self.ckf.insert(cval, 0):
                     o[1] = 1
@@ -224,6 +261,13 @@ class RefPool:
                 for e in (int(x) for x in b.ext_hashes[b.blk_off[i] : b.blk_off[i + 1]]):
                     if e not in lin:
                         c.unknown += 1
+                        continue
+                    cnt = self.copies[m]
+                    if cnt.get(e, 1) > 1:  # one of several physical copies: the block stays
+                        cnt[e] -= 1
+                        if cnt[e] == 1:
+                            del cnt[e]
+                        c.copy_removed += 1
                         continue
                     self._drop(lin.pop(e))
                     self.ns[m].pop(e, None)

@@ -33,6 +33,7 @@ from tests.support.fleet import (  # the shared fleet harness
     eventually,
     ground_truth,
     relay_view,
+    salts_on_wire,
 )
 from tests.support.fleet import wait_subscribed as wait_live  # noqa: F401  (used by the fault tests)
 from tests.support.replica import Replica
@@ -180,7 +181,7 @@ def stored_after(engine: SimEngine, rank: int, before: set[int]) -> set[int]:
             if b is None:
                 ok = False
         if ok:
-            out.add(blk.canonical)
+            out.add(blk.canonical_ns if salts_on_wire(engine) else blk.canonical)
     return out
 
 

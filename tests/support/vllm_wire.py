@@ -54,6 +54,7 @@ class MapStored(Struct, tag="BlockStored", omit_defaults=True):
     ownership: str | None = None
     session_id: str | None = None
     lookahead_token_ids: list[list[int]] | None = None
+    origin: str | None = None  # proposed: NEW / REUSED (not in a vLLM release)
 
 
 class MapRemoved(Struct, tag="BlockRemoved", omit_defaults=True):

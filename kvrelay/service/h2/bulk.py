@@ -16,7 +16,9 @@ were alone, and none finishes later than with interleaving (the bytes to move ar
 stream whose own window is empty — its client is not reading that stream — steps aside until it
 opens, so it never holds up the others; waiting for the connection window or the socket keeps
 its turn, since every stream of the connection waits for those alike. Small messages (deltas,
-heartbeats) keep going through grpclib and are never queued behind a large one.
+heartbeats) keep going through grpclib and are never queued behind a large one. ``acquire``
+waits for the turn without writing: the hub starts a snapshot's clocks there, and a stream that
+failed while it waited gives its turn up (``close``) before its first byte.
 
 Uses grpclib 0.4 / h2 4 internals (the same ones grpclib's own ``send_data`` uses), all listed in
 ``internals.py``; ``bulk_sender`` returns None when they are not there, and the caller sends
@@ -140,6 +142,19 @@ class BulkSender:
             lane = _LANES[self._conn] = _Lane()
         self._lane = lane
         self._turn: _Turn | None = None
+
+    async def acquire(self) -> None:
+        """Return once this stream is the one of its connection that writes (its turn), kept
+        until its next message is sent or ``close``: nothing is written meanwhile."""
+        if self._turn is None:
+            self._turn = self._lane.join()
+        me = self._turn
+        self._lane.set_idle(me, False)
+        try:
+            await self._lane.wait(me)
+        except BaseException:
+            self._lane.set_idle(me, True)
+            raise
 
     async def __call__(self, parts: Sequence[bytes]) -> None:
         stream, inner, conn, h2 = self._stream, self._inner, self._conn, self._h2

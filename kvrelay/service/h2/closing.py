@@ -5,15 +5,21 @@ connections open, so a client could keep calling a relay that has shut down (and
 identity). kvrelay closes every connection once all streams have ended (their EOFs and trailers
 are already written; the transport flushes them before closing). It needs grpclib's private
 ``Server._protocol_factory`` (listed in ``internals.py``).
+
+``peer_check``: a test of each accepted transport (the internal UNIX socket's peer credentials);
+a connection that fails it is aborted as soon as it is made, before any HTTP/2 frame is read.
 """
 
 from __future__ import annotations
 
+import asyncio
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from grpclib.server import Server
 
+from kvrelay.service.h2.guard import H2Budgets, H2Counters, guard_protocol
 from kvrelay.service.h2.internals import H2Protocol
 
 __all__ = ["ClosingServer"]
@@ -25,10 +31,31 @@ class ClosingServer(Server):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._protocols: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
+        self.peer_check: Callable[[asyncio.BaseTransport], bool] | None = None
+        #: per-connection HTTP/2 budgets (``guard.py``); None: none
+        self.h2_guard: tuple[H2Budgets, H2Counters] | None = None
 
     def _protocol_factory(self) -> H2Protocol:
         proto = super()._protocol_factory()
         self._protocols.add(proto)
+        if self.h2_guard is not None:
+            guard_protocol(proto, *self.h2_guard)
+        check = self.peer_check
+        if check is not None:
+            made = proto.connection_made
+
+            def connection_made(transport: asyncio.BaseTransport) -> None:
+                if check(transport):
+                    made(transport)
+                    return
+                # refused before grpclib writes its SETTINGS: the protocol never starts, so
+                # nothing of it needs closing either
+                proto.connection_lost = _ignore  # type: ignore[method-assign,assignment]
+                proto.data_received = _ignore  # type: ignore[method-assign,assignment]
+                self._protocols.discard(proto)
+                transport.abort()  # type: ignore[attr-defined]
+
+            proto.connection_made = connection_made  # type: ignore[method-assign]
         return proto
 
     def close_connections(self) -> None:
@@ -38,3 +65,7 @@ class ClosingServer(Server):
             if conn is None or processor is None:
                 continue
             processor.close("relay shut down")
+
+
+def _ignore(*_args: Any) -> None:
+    """A refused connection's protocol callbacks."""

@@ -21,7 +21,7 @@ from kvrelay.service.h2.bulk import BulkSender, bulk_sender
 from kvrelay.service.h2.direct import direct_writer
 from kvrelay.service.h2.internals import CANCEL, stream_internals
 
-__all__ = ["StreamWriter"]
+__all__ = ["StreamWriter", "stream_resetter"]
 
 
 class StreamWriter:
@@ -40,6 +40,12 @@ class StreamWriter:
         """Give up the stream's place among the bulk writers of its connection."""
         if self.bulk is not None:
             self.bulk.close()
+
+
+def stream_resetter(stream: Any) -> Callable[[], None] | None:
+    """The reset alone, for a plane stream whose client stopped reading (it needs no other
+    writer); None when the internals are missing."""
+    return _resetter(stream)
 
 
 def _resetter(stream: Any) -> Callable[[], None] | None:

@@ -1,0 +1,226 @@
+"""What a periodic checkpoint (``relay/checkpoint.py``) costs a busy relay: delta latency and RSS.
+
+A pool of N memberships (10M by default, ``--smoke``: 100K) is built with the real apply kernel.
+An event-loop task then plays ingest: every 5 ms one batch (8 stores of 4 blocks, and the
+removal of an earlier batch's) is applied to a live member and its delta taken
+(``take_publication``), as a relay does before fanning it out. Its latency is measured from the
+moment the batch was due, so anything that holds the loop (the checkpoint's cut, a ``fork``, and
+copy-on-write faults afterwards) shows up in it. Two phases of the same length: without
+checkpoints, then with checkpoints back to back (each one a real fork on the loop and a real file
+written, fsynced and renamed by the child). RSS is sampled every 2 ms: the relay's own
+(``/proc/self/statm``) plus the private pages of the writing child (``smaps_rollup``), which is
+what a checkpoint adds.
+
+Prints and writes ``benchmarks/results/checkpoint.{json,md}`` (``--smoke``: ``.work/smoke``):
+delta p50/p99/max per phase, the cut's time on the loop, the write time, the file size and the
+peak RSS a checkpoint adds.
+Figures from a shared machine are noisy: compare the two phases of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks._common import machine, results_dir, write_json
+from kvrelay.pool.batch import EventBatch
+from kvrelay.pool.pool import Pool
+from kvrelay.relay import checkpoint
+from kvrelay.relay.engines import PoolIdentity
+from kvrelay.relay.handover import MemberResume
+from kvrelay.relay.settings import EngineSpec, PoolSpec
+
+PERIOD_S = 0.005
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+def _private(pid: int) -> int:
+    """Bytes only process ``pid`` holds (its private pages: what a fork adds)."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return 0
+    kib = 0
+    for line in text.splitlines():
+        if line.startswith(("Private_Clean:", "Private_Dirty:")):
+            kib += int(line.split()[1])
+    return kib * 1024
+
+
+def _stores(ext: np.ndarray, tok0: int) -> EventBatch:
+    """One store event per row of ``ext`` (chains of ``ext.shape[1]`` blocks, B=1)."""
+    n, k = ext.shape
+    return EventBatch(
+        ops=np.zeros(n, np.uint8), parent=np.zeros(n, np.uint64),
+        has_parent=np.zeros(n, np.bool_), salt=np.full(n, 1337, np.uint64),
+        ns_part=np.zeros(n, np.uint64), ns_inherit=np.zeros(n, np.bool_),
+        blk_off=np.arange(0, k * n + 1, k, dtype=np.int64), ext_hashes=ext.ravel(),
+        tok_off=np.arange(0, k * n + 1, k, dtype=np.int64),
+        tokens=((np.arange(k * n, dtype=np.uint64) + np.uint64(tok0)) % np.uint64(2**31)
+                ).astype(np.uint32),
+    )  # fmt: skip
+
+
+def _removal(ext: np.ndarray) -> EventBatch:
+    m = ext.size
+    return EventBatch(
+        ops=np.ones(1, np.uint8), parent=np.zeros(1, np.uint64),
+        has_parent=np.zeros(1, np.bool_), salt=np.full(1, 1337, np.uint64),
+        ns_part=np.zeros(1, np.uint64), ns_inherit=np.zeros(1, np.bool_),
+        blk_off=np.array([0, m], np.int64), ext_hashes=ext.ravel().copy(),
+        tok_off=np.zeros(2, np.int64), tokens=np.zeros(0, np.uint32),
+    )  # fmt: skip
+
+
+def filled(target: int) -> Pool:
+    """``target`` memberships over 4 members, chains of 8 unshared blocks."""
+    pool = Pool(1 << 23, 7, 1, 1)
+    chains = target // (4 * 8)
+    for m in range(4):
+        mid = pool.add_member(m, 0)
+        for c0 in range(0, chains, 2_000):
+            c1 = min(chains, c0 + 2_000)
+            cid = np.arange(c0, c1, dtype=np.uint64)
+            ext = (np.uint64(m + 1) << np.uint64(48)) + cid[:, None] * np.uint64(8) + np.arange(
+                8, dtype=np.uint64)[None, :]  # fmt: skip
+            pool.apply(mid, _stores(ext, (m << 27) + c0 * 8))
+    pool.take_publication()
+    return pool
+
+
+async def _phase(pool: Pool, live: int, seconds: float, ckpt: checkpoint.Checkpointer | None,
+                 state_dir: Path, spec: PoolSpec) -> dict[str, Any]:  # fmt: skip
+    lat: list[float] = []
+    cuts: list[float] = []
+    writes: list[float] = []
+    rss_peak = [0]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():  # the relay's RSS plus what the writing child holds alone
+            child = sum(_private(pid) for pid in ckpt.pids()) if ckpt else 0
+            rss_peak[0] = max(rss_peak[0], _rss() + child)
+            time.sleep(0.002)
+
+    base = _rss()
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    ident = PoolIdentity(model="m", model_source="m", block_size=1)
+    members = [MemberResume(m, 0, f"e{m}", "", 1000, 1) for m in range(5)]
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    due = start
+    i = 0
+    prev: np.ndarray | None = None
+    started_write = 0.0
+    while loop.time() - start < seconds:
+        due += PERIOD_S
+        delay = due - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        ext = (np.uint64(9) << np.uint64(56)) + np.uint64(i * 32) + np.arange(
+            32, dtype=np.uint64).reshape(8, 4)  # fmt: skip
+        pool.apply(live, _stores(ext, i * 32))
+        if prev is not None:
+            pool.apply(live, _removal(prev))
+        prev = ext
+        pool.take_publication()
+        lat.append(loop.time() - due)
+        due = max(due, loop.time() - PERIOD_S)  # a stall delays the next batch, not all of them
+        i += 1
+        if ckpt is not None and not ckpt.busy("ns/c/e"):
+            if started_write:
+                writes.append(loop.time() - started_write)
+            t = time.perf_counter()
+            ckpt.submit(state_dir, spec, ident, pool, members)  # the cut: a fork
+            cuts.append(time.perf_counter() - t)
+            started_write = loop.time()
+    if ckpt is not None:
+        await ckpt.drain()
+        if started_write:
+            writes.append(loop.time() - started_write)
+    stop.set()
+    sampler.join()
+    a = np.array(lat) * 1e3
+    out: dict[str, Any] = {
+        "batches": len(lat), "delta_p50_ms": float(np.percentile(a, 50)),
+        "delta_p99_ms": float(np.percentile(a, 99)), "delta_max_ms": float(a.max()),
+        "rss_added_peak_mib": (rss_peak[0] - base) / 2**20,
+    }  # fmt: skip
+    if cuts:
+        out |= {"checkpoints": len(cuts), "cut_on_loop_ms_median": float(np.median(cuts) * 1e3),
+                "cut_on_loop_ms_max": float(max(cuts) * 1e3),
+                "write_s_median": float(np.median(writes)) if writes else None}  # fmt: skip
+    return out
+
+
+async def run(target: int, seconds: float) -> dict[str, Any]:
+    t = time.perf_counter()
+    pool = filled(target)
+    fill_s = time.perf_counter() - t
+    live = pool.add_member(99, 0)
+    spec = PoolSpec(namespace="ns", component="c", endpoint="e", expected_blocks=1 << 24,
+                    engines=(EngineSpec(name="e0", host="127.0.0.1", grpc_port=1),))  # fmt: skip
+    _meta, arrays = pool.export_state()
+    state_bytes = sum(int(a.nbytes) for a in arrays.values())
+    with tempfile.TemporaryDirectory() as d:
+        state_dir = Path(d)
+        ck = checkpoint.Checkpointer(lambda _r: None)
+        without = await _phase(pool, live, seconds, None, state_dir, spec)
+        with_ = await _phase(pool, live, seconds, ck, state_dir, spec)
+        ck.close()
+        size = sum(p.stat().st_size for p in state_dir.iterdir())
+    return {
+        "memberships": pool.memberships, "state_bytes_exported": state_bytes,
+        "file_bytes": size, "fill_s": fill_s, "phase_s": seconds,
+        "without_checkpoints": without, "with_checkpoints": with_,
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="100K memberships, 1 s phases")
+    ap.add_argument("--memberships", type=int, default=None)
+    args = ap.parse_args()
+    target = args.memberships or (100_000 if args.smoke else 10_000_000)
+    seconds = 1.0 if args.smoke else 6.0
+    r = asyncio.run(run(target, seconds))
+    r["machine"] = machine()
+    out = results_dir(args.smoke)
+    write_json(out / "checkpoint.json", r)
+    w, c = r["without_checkpoints"], r["with_checkpoints"]
+    lines = [
+        f"# Checkpoint cost ({r['memberships']:,} memberships, "
+        f"{r['state_bytes_exported'] / 2**20:.0f} MiB exported state, "
+        f"{r['file_bytes'] / 2**20:.0f} MiB file)", "",
+        "| phase | batches | delta p50 ms | delta p99 ms | delta max ms | RSS added MiB |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]  # fmt: skip
+    for label, p in (("without checkpoints", w), ("checkpoints back to back", c)):
+        lines.append(f"| {label} | {p['batches']} | {p['delta_p50_ms']:.3f} | "
+                     f"{p['delta_p99_ms']:.3f} | {p['delta_max_ms']:.2f} | "
+                     f"{p['rss_added_peak_mib']:.0f} |")  # fmt: skip
+    cut_med, cut_max = c.get("cut_on_loop_ms_median", 0), c.get("cut_on_loop_ms_max", 0)
+    lines += ["", f"{c.get('checkpoints', 0)} checkpoints; cut (fork) on the loop: median "
+              f"{cut_med:.1f} ms, max {cut_max:.1f} ms; write (child process): median "
+              f"{c.get('write_s_median') or 0:.2f} s."]  # fmt: skip
+    text = "\n".join(lines) + "\n"
+    (out / "checkpoint.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

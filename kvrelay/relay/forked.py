@@ -1,0 +1,101 @@
+"""Work on a frozen image of the relay's memory, in a forked child: checkpoints and scrub passes.
+
+Both need one consistent view of a pool while ingest goes on. Copying the arrays costs the event
+loop a ``memcpy`` of the whole state (hundreds of milliseconds for a large pool once page faults
+are counted) and doubles its memory; a ``fork`` between two batches gives the child the memory
+as it was at that instant (copy-on-write), costs the loop only the page tables, and adds only
+the pages the relay writes while the child runs.
+
+The child runs one function, writes its text result to a pipe and ends with ``os._exit``: no
+logging, no sockets, no event loop, nothing that could take a lock another thread held at the
+fork. It runs at a lower priority (``nice`` 10, the relay's own work goes first) and is killed
+if the relay dies (``PR_SET_PDEATHSIG``), so a crash leaves no child behind. The parent learns
+the outcome through a ``pidfd`` on its event loop: :class:`Child.done` resolves to
+``(ok, text)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+from collections.abc import Callable
+
+_PR_SET_PDEATHSIG = 1
+REPORT_MAX = 16 << 10  # well under a pipe's capacity: the child never blocks on it
+
+
+class Child:
+    """One forked child running ``work``; ``done`` resolves to ``(ok, text)``."""
+
+    def __init__(self, work: Callable[[], str]) -> None:
+        loop = asyncio.get_running_loop()
+        self.done: asyncio.Future[tuple[bool, str]] = loop.create_future()
+        r, w = os.pipe()
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # the child: the work, its report, exit; nothing else
+            code = 1
+            try:
+                os.close(r)
+                _die_with(parent)
+                with contextlib.suppress(OSError):
+                    os.nice(10)
+                out = work().encode()[:REPORT_MAX]
+                os.write(w, out)
+                code = 0
+            except BaseException as exc:
+                with contextlib.suppress(BaseException):
+                    os.write(w, f"{type(exc).__name__}: {exc}".encode()[:REPORT_MAX])
+            finally:
+                os._exit(code)
+        os.close(w)
+        self.pid = pid
+        self._report = r
+        self._pidfd = -1
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except OSError:  # no pidfd (an old kernel, a seccomp filter): a thread waits instead
+            fut = loop.run_in_executor(None, os.waitpid, pid, 0)
+            fut.add_done_callback(lambda f: self._reap(f.result()[1]))
+        else:
+            loop.add_reader(self._pidfd, self._reap)
+
+    def _reap(self, status: int | None = None) -> None:
+        if self.done.done():
+            return
+        if self._pidfd >= 0:
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = -1
+        if status is None:
+            _pid, status = os.waitpid(self.pid, 0)
+        chunks = []
+        with contextlib.suppress(OSError):
+            while chunk := os.read(self._report, REPORT_MAX):
+                chunks.append(chunk)
+        os.close(self._report)
+        code = os.waitstatus_to_exitcode(status)
+        text = b"".join(chunks).decode(errors="replace") or f"child exited with {code}"
+        if not self.done.done():
+            self.done.set_result((code == 0, text))
+
+    def kill(self) -> None:
+        """End the child now (its result: not ok)."""
+        if self.done.done():
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        if self._pidfd >= 0:
+            self._reap()
+
+
+def _die_with(parent: int) -> None:
+    """Killed when the relay dies (Linux); exits at once if it already has."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)

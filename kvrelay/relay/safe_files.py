@@ -1,0 +1,103 @@
+"""Files the relay writes where others might reach them: state files, checkpoints, the pid file.
+
+Three rules, one implementation:
+
+* a directory that another user could write to (group- or world-writable, or owned by someone
+  else) is refused with a typed :class:`UnsafeDirectory` before anything is read from or written
+  to it: whoever can write there can replace the relay's state with one it made up;
+* temporary files are created with ``O_CREAT|O_EXCL|O_NOFOLLOW`` under an unguessable name, so a
+  planted file or symlink is never opened, written through or truncated;
+* a file replaces another only complete and fsynced (temporary file, fsync, rename, fsync of the
+  directory): a crash leaves the old file or the new one, never a torn one.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+from pathlib import Path
+
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+TEMP_SUFFIX = ".tmp"
+
+
+class UnsafeDirectory(Exception):
+    """A directory others can write to; ``kind`` is the counted reason."""
+
+    kind = "unsafe_dir"
+
+
+def check_private_dir(path: str | os.PathLike[str], *, owner: bool = True) -> None:
+    """Raise :class:`UnsafeDirectory` unless ``path`` is a directory only this user can write
+    (``owner=False``: any owner, and a sticky world-writable one such as ``/tmp`` is allowed,
+    for a pid file in a shared run directory). ``OSError`` if it cannot be examined."""
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeDirectory(f"{os.fspath(path)}: not a directory")
+    mode = stat.S_IMODE(st.st_mode)
+    if owner and st.st_uid != os.geteuid():
+        raise UnsafeDirectory(
+            f"{os.fspath(path)}: owned by uid {st.st_uid}, this process runs as {os.geteuid()}"
+        )
+    if mode & 0o022 and not (not owner and mode & stat.S_ISVTX):
+        raise UnsafeDirectory(f"{os.fspath(path)}: group- or world-writable (mode {mode:04o})")
+
+
+def create_temp(directory: Path, name: str, mode: int = 0o600) -> tuple[int, Path]:
+    """A new, empty temporary file beside ``directory / name``: ``(fd, path)``."""
+    for _ in range(16):
+        tmp = directory / f".{name}.{os.getpid()}.{secrets.token_hex(6)}{TEMP_SUFFIX}"
+        try:
+            return os.open(tmp, _CREATE, mode), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{directory}: no free temporary name for {name}")
+
+
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def commit(fd: int, tmp: Path, path: Path) -> None:
+    """fsync and close ``fd``, rename ``tmp`` over ``path``, fsync the directory; ``tmp`` is
+    removed if any step fails."""
+    try:
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def abandon(fd: int, tmp: Path) -> None:
+    """Close and remove a temporary file that will not be committed."""
+    os.close(fd)
+    tmp.unlink(missing_ok=True)
+
+
+def remove_stale_temps(directory: Path, name: str) -> int:
+    """Remove temporary files of ``name`` that a crashed writer left (unlink never follows a
+    link); returns how many. Called before this process writes its own."""
+    n = 0
+    for p in directory.glob(f".{name}.*{TEMP_SUFFIX}"):
+        try:
+            p.unlink()
+            n += 1
+        except OSError:
+            continue
+    return n

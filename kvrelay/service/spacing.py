@@ -1,0 +1,75 @@
+"""``/kvrelay.v1.Spacing/HoldPublication``: a downstream kvrelay asks for publication spacing.
+
+Why: a relay spaces its publications while one of its subscribers catches up (its snapshot,
+then the deltas queued meanwhile), so that a large lane joined under load completes. A mirror —
+and so every fan-out worker of ``workers = N`` — forwards its upstream's sequences one for one
+and cannot space them; its joiners would be ended as lagged. So while a mirror's own joiners
+catch up it asks its upstream for the spacing they need, and the upstream honours it as it would
+for a joiner of its own: at most ``snapshot_publication_delay_s``, lapsing unless renewed
+(``PublicationHub.request_hold``). Not part of Dynamo's contract: a separate service, which a
+Dynamo relay answers with UNIMPLEMENTED (the mirror then stops asking).
+
+Request: a ``SubscribeKvPoolRequest`` (contract marker, subscriber id = the requester,
+expected producer), checked as a subscription is; the spacing in milliseconds in the
+``kvrelay-hold-ms`` header (0 ends the request). Reply: ``RelayInfo``. Errors are the
+subscription's (POOL_NOT_FOUND, PRODUCER_CHANGED, RESOURCE_LIMIT, …).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpclib.const import Cardinality, Handler, Status
+from grpclib.exceptions import GRPCError
+from grpclib.server import Stream
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.contract.errors import RelayError
+from kvrelay.contract.producer import producer_key
+from kvrelay.service.status import status_of
+from kvrelay.service.validation import validate_stream_request
+
+SPACING = "/kvrelay.v1.Spacing/"
+HOLD_METHOD = SPACING + "HoldPublication"
+HOLD_HEADER = "kvrelay-hold-ms"
+#: The longest spacing a request may name (the relay caps it at its own bound anyway).
+MAX_HOLD_MS = 60_000
+
+
+class SpacingService:
+    """The handler; ``view`` is the served ``RelayView`` (its ``hold_pool``, when it has one)."""
+
+    def __init__(self, view: Any, relay_info: Any) -> None:
+        self.view = view
+        self._relay_info = relay_info  # () -> RelayInfo bytes
+        self.requests = 0
+        self.refused = 0
+
+    def __mapping__(self) -> dict[str, Handler]:
+        return {
+            HOLD_METHOD: Handler(
+                self._hold, Cardinality.UNARY_UNARY, pb.SubscribeKvPoolRequest, pb.RelayInfo
+            )
+        }
+
+    async def _hold(self, stream: Stream[Any, Any]) -> None:
+        hold = getattr(self.view, "hold_pool", None)
+        if hold is None:
+            raise GRPCError(Status.UNIMPLEMENTED, "this relay does not space for mirrors")
+        self.requests += 1
+        try:
+            request = await stream.recv_message()
+            if request is None:
+                raise RelayError.invalid_request("missing request message")
+            validate_stream_request(request.contract_marker, request.subscriber_id)
+            producer_key(request.expected_producer)
+            raw = dict(stream.metadata or {}).get(HOLD_HEADER, "")
+            text = raw.decode() if isinstance(raw, bytes) else str(raw)
+            if not text.isdigit() or int(text) > MAX_HOLD_MS:
+                raise RelayError.invalid_request(f"{HOLD_HEADER} must be 0..{MAX_HOLD_MS}")
+            await hold(request.expected_producer, request.subscriber_id, int(text) / 1000.0)
+            info = self._relay_info()
+        except RelayError as err:
+            self.refused += 1
+            raise GRPCError(status_of(err), err.message) from None
+        await stream.send_message(info)

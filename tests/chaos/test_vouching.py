@@ -1,0 +1,85 @@
+"""Vouching under faults: a restored member whose engine's replay hangs is rebuilt, not kept.
+
+The fleet's history is far longer than its replay buffers, so a member kept without a vouch and
+one rebuilt are told apart by what the relay holds; the simulator's ground truth is the oracle
+(never a phantom)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from kvrelay.contract.errors import RelayError
+from kvrelay.sim.engine import SimEngine
+from tests.relay.test_handover import _cfg, _first_run, _live, _relay, _settings
+from tests.support.fleet import eventually, ground_truth, relay_view
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[list[SimEngine]]:
+    engines = [SimEngine(_cfg("vo0", 201)), SimEngine(_cfg("vo1", 202))]
+    for e in engines:
+        await e.start()
+    yield engines
+    for e in engines:
+        await e.stop()
+
+
+async def test_a_restored_member_whose_replay_hangs_is_rebuilt(
+    fleet: list[SimEngine], tmp_path: Path
+) -> None:
+    settings = _settings(fleet, tmp_path)
+    await _first_run(fleet, settings)
+    fleet[0].mute_replay()  # takes the vouching request, never answers
+    async with _relay(fleet, settings) as r:
+        await eventually(
+            lambda: r.pool.counters.member_resets.get("vouch_timeout", 0) == 2,
+            what="vo0's two ranks reset for a vouch that never came", timeout=30,
+        )
+        assert r.pool.counters.members_vouched == 2  # vo1's ranks
+        assert sum(p.stats.replay_unanswered for p in fleet[0].publishers) >= 2
+        fleet[0].mute_replay(False)
+        await _live(r, 4)
+        for e in fleet:
+            await e.step(3)
+        await _live(r, 4)
+        def vo1_exact() -> bool:
+            v, t = relay_view(r.relay), ground_truth(fleet)
+            return all(v.get(("vo1", k)) == t[("vo1", k)] for k in range(2))
+
+        await eventually(vo1_exact, what="vo1 vouched for and resumed exactly")
+        view, truth = relay_view(r.relay), ground_truth(fleet)
+        for key, held in view.items():
+            assert held <= truth[key], "never a phantom"
+        for rank in range(2):
+            lost = truth[("vo0", rank)] - view.get(("vo0", rank), set())
+            assert lost, "rebuilt from what the engine still offers, not kept from the file"
+
+
+async def test_restored_members_stay_unpublished_until_their_engine_vouches(
+    fleet: list[SimEngine], tmp_path: Path
+) -> None:
+    """While any member restored from the file waits for its engine, the generation is not in
+    the catalog, readiness or load planes and no pool stream can open on it: routers never see
+    blocks nobody vouched for."""
+    settings = _settings(fleet, tmp_path)
+    await _first_run(fleet, settings)
+    fleet[0].mute_replay()
+    async with _relay(fleet, settings) as r:
+        await eventually(lambda: r.pool.counters.members_resumed == 4, what="resumed")
+        gen = r.pool.generation
+        assert gen is not None and r.pool.published is None
+        assert r.pool.descriptor() is None and r.pool.load_input() is None
+        with pytest.raises(RelayError) as err:
+            r.relay._live_generation(gen.producer)
+        assert err.value.trailer_value.endswith("POOL_NOT_FOUND")
+        await eventually(lambda: r.pool.counters.members_vouched == 2, what="vo1 vouched")
+        assert r.pool.published is None, "vo0 still waits"
+        await eventually(lambda: r.pool.published is not None, timeout=30, what="published")
+        assert r.pool.counters.member_resets.get("vouch_timeout") == 2
+        assert r.pool.descriptor() is not None
+        view, truth = relay_view(r.relay), ground_truth(fleet)
+        for key, held in view.items():
+            assert held <= truth[key], "never a phantom"

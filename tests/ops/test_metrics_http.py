@@ -1,0 +1,158 @@
+"""The metrics/health endpoint under hostile connections: real TCP clients on loopback.
+
+Attackers connect from other loopback addresses (127.0.0.2 and up, all on Linux's ``lo``), the
+probe and the scraper from 127.0.0.1, as kubelet and Prometheus would from their own hosts.
+Oracles: the HTTP status a plain client reads, the wall time it took, and prometheus_client's
+parser over what the scraper read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+
+from kvrelay.ops.metrics_http import HttpLimits, MetricsServer
+from tests.support.scrape import http_request
+
+HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+PROBE_DEADLINE_S = 1.0  # kubelet's default probe timeout is 1 s
+
+
+async def _eventually(cond: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def _endpoint(
+    limits: HttpLimits | None = None, render: Callable[[], bytes] | None = None
+) -> AsyncIterator[tuple[MetricsServer, int]]:
+    server = MetricsServer(render or (lambda: b"kvrelay_up 1\n"), limits=limits)
+    port = await server.start("127.0.0.1", 0)
+    try:
+        yield server, port
+    finally:
+        await asyncio.wait_for(server.close(), 10)
+
+
+async def _idle(port: int, source: str) -> asyncio.StreamWriter:
+    _r, w = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+    return w
+
+
+async def _slowloris(port: int, source: str, started: asyncio.Event) -> None:
+    """Sends a request head one header line at a time, forever (until the server hangs up)."""
+    r, w = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+    try:
+        w.write(b"GET /metrics HTTP/1.1\r\n")
+        started.set()
+        while not r.at_eof():
+            w.write(b"X-Slow: 1\r\n")
+            await w.drain()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(r.read(1), 0.2)
+    except ConnectionError:
+        pass
+    finally:
+        w.close()
+
+
+async def _probe_and_scrape(port: int) -> None:
+    t0 = time.monotonic()
+    reply = await http_request(port, HEALTHZ)
+    took = time.monotonic() - t0
+    assert reply.status == 200 and reply.body == b"ok\n"
+    assert took < PROBE_DEADLINE_S, f"/healthz took {took:.3f} s"
+    scraped = await http_request(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert scraped.status == 200 and scraped.body == b"kvrelay_up 1\n"
+
+
+async def _attack(port: int, sources: list[str], idle: int, slow: int) -> tuple[list[
+        asyncio.StreamWriter], list[asyncio.Task[None]]]:
+    writers = [await _idle(port, sources[i % len(sources)]) for i in range(idle)]
+    tasks = []
+    for i in range(slow):
+        started = asyncio.Event()
+        tasks.append(asyncio.create_task(_slowloris(port, sources[i % len(sources)], started)))
+        await asyncio.wait_for(started.wait(), 10)
+    return writers, tasks
+
+
+async def _stop(writers: list[asyncio.StreamWriter], tasks: list[asyncio.Task[None]]) -> None:
+    for w in writers:
+        w.close()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_healthz_answers_while_one_peer_holds_64_idle_and_64_slowloris_connections() -> None:
+    async with _endpoint() as (server, port):
+        writers, tasks = await _attack(port, ["127.0.0.2"], 64, 64)
+        try:
+            per_peer = server.limits.max_per_peer
+            await _eventually(lambda: server.counters.rejections["per_peer"] >= 128 - per_peer)
+            await _probe_and_scrape(port)
+        finally:
+            await _stop(writers, tasks)
+
+
+async def test_healthz_answers_while_64_peers_fill_the_connection_limit() -> None:
+    """Spread over 64 addresses no per-peer cap applies; the oldest unread heads are evicted."""
+    sources = [f"127.0.0.{i}" for i in range(2, 66)]
+    async with _endpoint() as (server, port):
+        writers, tasks = await _attack(port, sources, 64, 64)
+        try:
+            cap = server.limits.max_connections
+            await _eventually(lambda: server.counters.rejections["evicted"] >= 128 - cap)
+            await _probe_and_scrape(port)
+            assert server.counters.rejections["per_peer"] == 0
+        finally:
+            await _stop(writers, tasks)
+
+
+async def test_slowloris_and_idle_clients_are_cut_off_by_the_head_deadline() -> None:
+    async with _endpoint(HttpLimits(head_timeout_s=0.5)) as (server, port):
+        writers, tasks = await _attack(port, ["127.0.0.2"], 1, 1)
+        try:
+            # the slowloris client sends a line every 0.2 s and still loses its connection
+            await asyncio.wait_for(asyncio.gather(*tasks), 10)
+            await _eventually(lambda: server.counters.rejections["head_timeout"] == 2)
+        finally:
+            await _stop(writers, tasks)
+
+
+async def test_a_scraper_that_never_reads_is_cut_off_by_the_drain_deadline() -> None:
+    body = b"x" * (48 << 20)  # more than loopback socket buffers hold
+    async with _endpoint(HttpLimits(drain_timeout_s=0.5), render=lambda: body) as (server, port):
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            w.write(b"GET /metrics HTTP/1.1\r\n\r\n")
+            await _eventually(lambda: server.counters.rejections["drain_timeout"] == 1)
+            await _eventually(lambda: not server._conns)
+            assert (await http_request(port, HEALTHZ)).status == 200
+            received = 0
+            with contextlib.suppress(ConnectionError):
+                while chunk := await asyncio.wait_for(r.read(1 << 20), 10):
+                    received += len(chunk)
+            assert received < len(body)  # the server aborted the response, it did not wait
+        finally:
+            w.close()
+
+
+async def test_too_many_concurrent_scrapes_answer_503_but_healthz_does_not() -> None:
+    body = b"x" * (48 << 20)
+    async with _endpoint(HttpLimits(max_scrapes=1), render=lambda: body) as (server, port):
+        _r, w = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            w.write(b"GET /metrics HTTP/1.1\r\n\r\n")
+            await _eventually(lambda: server._scrapes == 1)
+            busy = await http_request(port, b"GET /metrics HTTP/1.1\r\n\r\n")
+            assert busy.status == 503 and server.counters.rejections["busy"] == 1
+            assert (await http_request(port, HEALTHZ)).status == 200
+        finally:
+            w.close()

@@ -1,0 +1,170 @@
+"""State and pid files where others might reach them (``relay/safe_files.py``, ``state_file``,
+``handover.load``, ``ops/reload`` pid files): unsafe directories refused, links never followed,
+planted temporary names never opened, oversized files refused unread, bounded memory, and a file
+that could not be read is not deleted."""
+
+from __future__ import annotations
+
+import os
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvrelay.ops.reload import read_pid_file, remove_pid_file, write_pid_file
+from kvrelay.pool.pool import Pool
+from kvrelay.relay import handover, safe_files, state_file
+from kvrelay.relay.settings import EngineSpec, PoolSpec
+
+SPEC = PoolSpec(namespace="ns", component="c", endpoint="e", expected_blocks=4096,
+                engines=(EngineSpec(name="e0", host="127.0.0.1", grpc_port=1),))
+
+
+def _arrays(mib: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    n = (mib << 20) // 8
+    return {"a": rng.integers(0, 2**63, n, dtype=np.uint64),
+            "b": rng.integers(0, 2**31, n // 2, dtype=np.uint32),
+            "flags": np.ones(1001, dtype=np.bool_)}  # fmt: skip
+
+
+def test_a_group_or_world_writable_or_foreign_directory_is_refused(tmp_path: Path) -> None:
+    d = tmp_path / "state"
+    d.mkdir(mode=0o700)
+    safe_files.check_private_dir(d)
+    for mode in (0o770, 0o702, 0o1777):
+        d.chmod(mode)
+        with pytest.raises(safe_files.UnsafeDirectory, match="writable"):
+            safe_files.check_private_dir(d)
+    d.chmod(0o700)
+    os.chown(d, 4321, -1)  # the suite runs as root: hand the directory to another user
+    with pytest.raises(safe_files.UnsafeDirectory, match="owned by uid 4321"):
+        safe_files.check_private_dir(d)
+    # a pid file's directory may be another user's (``/run``) or sticky (``/tmp``)
+    safe_files.check_private_dir(d, owner=False)
+    d.chmod(0o1777)
+    safe_files.check_private_dir(d, owner=False)
+    d.chmod(0o777)
+    with pytest.raises(safe_files.UnsafeDirectory):
+        safe_files.check_private_dir(d, owner=False)
+
+
+def test_a_planted_temporary_name_is_never_opened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    names = iter(["aaaa", "aaaa", "bbbb"])
+    monkeypatch.setattr(safe_files.secrets, "token_hex", lambda _n: next(names))
+    planted = tmp_path / f".x.{os.getpid()}.aaaa.tmp"
+    planted.symlink_to(victim)
+    fd, tmp = safe_files.create_temp(tmp_path, "x")
+    safe_files.abandon(fd, tmp)
+    assert tmp.name == f".x.{os.getpid()}.bbbb.tmp"
+    assert victim.read_bytes() == b"keep me" and planted.is_symlink()
+
+
+def test_a_symlinked_state_file_is_not_followed_nor_deleted(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"x" * 100)
+    path = handover.path_for(tmp_path, SPEC)
+    path.symlink_to(target)
+    with pytest.raises(handover.Refused) as err:
+        handover.load(tmp_path, SPEC, max_age_s=60)
+    assert err.value.kind == "unreadable"
+    assert path.is_symlink() and target.read_bytes() == b"x" * 100, "a read error keeps the file"
+    # a write replaces the link itself, never what it points to
+    state_file.write(path, {"k": 1}, {"a": np.arange(4, dtype=np.uint64)})
+    assert not path.is_symlink() and target.read_bytes() == b"x" * 100
+    assert state_file.read(path).header == {"k": 1}
+
+
+def test_an_oversized_file_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    path = handover.path_for(tmp_path, SPEC)
+    state_file.write(path, {"k": 1}, {"a": np.arange(4, dtype=np.uint64)})
+    with open(path, "r+b") as f:  # sparse: the size says 64 GiB, the disk holds almost nothing
+        f.truncate(handover.max_state_bytes(SPEC) + 1)
+    tracemalloc.start()
+    try:
+        with pytest.raises(handover.Refused) as err:
+            handover.load(tmp_path, SPEC, max_age_s=60)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert err.value.kind == "oversized"
+    assert peak < 1 << 20, peak
+    assert not path.exists(), "an unusable file that was examined is consumed"
+
+
+def test_save_and_load_stay_within_half_the_state_over_it(tmp_path: Path) -> None:
+    arrays = _arrays(48)
+    state = sum(a.nbytes for a in arrays.values())
+    path = tmp_path / "s.kvstate"
+    tracemalloc.start()
+    try:
+        state_file.write(path, {"k": 1}, arrays)
+        save_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        parsed = state_file.read(path)
+        load_peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert save_peak < 0.5 * state, (save_peak, state)  # nothing beyond the arrays themselves
+    assert load_peak < 1.5 * state, (load_peak, state)  # the arrays, and not much more
+    for k, a in arrays.items():
+        assert np.array_equal(parsed.arrays[k], a) and parsed.arrays[k].flags.owndata
+
+
+def test_a_restore_takes_the_read_arrays_without_copying_them(tmp_path: Path) -> None:
+    pool = Pool(64, 7, 4, 1)
+    pool.add_member(1, 0)
+    meta, arrays = pool.export_state()
+    path = tmp_path / "p.kvstate"
+    state_file.write(path, {}, arrays)
+    read = state_file.read(path).arrays
+    restored = Pool.from_state(meta, read, bucket_count=64, seed=7, block_size=4, hash_format=1,
+                               take=True)  # fmt: skip
+    assert restored._own.w is read["own.w"]
+    copied = Pool.from_state(meta, arrays, bucket_count=64, seed=7, block_size=4, hash_format=1)
+    assert copied._own.w is not arrays["own.w"], "without take the caller's arrays stay its own"
+
+
+def test_truncations_and_flips_anywhere_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "s.kvstate"
+    state_file.write(path, {"k": 1}, {"a": np.arange(100, dtype=np.uint64),
+                                      "b": np.ones(3, dtype=np.bool_)})  # fmt: skip
+    data = path.read_bytes()
+    assert state_file.decode(data).header == {"k": 1}
+    for cut in range(0, len(data), 37):
+        with pytest.raises(state_file.StateFileError):
+            state_file.decode(data[:cut])
+    for at in range(0, len(data), 29):
+        bad = bytearray(data)
+        bad[at] ^= 0x04
+        with pytest.raises(state_file.StateFileError):
+            state_file.decode(bytes(bad))
+
+
+def test_the_pid_file_is_written_safely_and_removed_only_by_its_process(tmp_path: Path) -> None:
+    pid = tmp_path / "run" / "kvrelay.pid"
+    pid.parent.mkdir(mode=0o755)
+    write_pid_file(pid)
+    assert read_pid_file(pid) == os.getpid() and oct(pid.stat().st_mode & 0o777) == "0o644"
+    pid.write_text("1234567\n")  # another process (a hot upgrade's successor) took it over
+    assert not remove_pid_file(pid) and pid.exists()
+    write_pid_file(pid)
+    assert remove_pid_file(pid) and not pid.exists()
+    pid.symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere").write_text(f"{os.getpid()}\n")
+    with pytest.raises(OSError):
+        read_pid_file(pid)  # a link is not followed
+    assert not remove_pid_file(pid) and pid.is_symlink(), "an unreadable pid file is left alone"
+    pid.unlink()
+    pid.write_text("9" * 100)
+    with pytest.raises(ValueError, match="not a process id"):
+        read_pid_file(pid)
+    pid.parent.chmod(0o777)
+    with pytest.raises(safe_files.UnsafeDirectory):
+        write_pid_file(pid)

@@ -1,0 +1,58 @@
+"""Pool state files of the previous layout (version 2, before copy counts and SGLang salts):
+read for vLLM pools (every hash held once), refused for pools with SGLang engines (their
+salted blocks were indexed unsalted then)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvrelay.pool.batch import BatchBuilder
+from kvrelay.pool.pool import Pool
+from kvrelay.relay import handover, state_file
+from kvrelay.relay.engines import PoolIdentity
+from kvrelay.relay.settings import EngineSpec, PoolSpec
+from kvrelay.sim.config import SimConfig
+from tests.support.sglang import sglang_spec
+
+
+def _spec(sglang: bool) -> PoolSpec:
+    engine = (
+        sglang_spec(SimConfig(name="e0", flavor="sglang", pub_port=5000))
+        if sglang
+        else EngineSpec(name="e0", host="127.0.0.1", grpc_port=5000)
+    )
+    return PoolSpec(
+        namespace="ns", component="backend", endpoint="generate", engines=(engine,),
+        expected_blocks=4096, model="m", kv_block_size=4,
+    )  # fmt: skip
+
+
+def _saved_as_version_2(tmp_path: Path, spec: PoolSpec) -> Pool:
+    pool = Pool(spec.bucket_count, spec.ckf_seed, 4, 1)
+    m = pool.add_member(1, 0)
+    pool.apply(m, BatchBuilder().store([1, 2], list(range(8))).build())
+    handover.save(tmp_path, spec, PoolIdentity("m", "m", 4), pool, [])
+    path = handover.path_for(tmp_path, spec)
+    parsed = state_file.read(path)
+    copies = (".ckeys", ".cvals", ".cmeta")  # version 2 had no copy-count tables
+    old = {k: a for k, a in parsed.arrays.items() if not k.endswith(copies)}
+    state_file.write(path, {**parsed.header, "pool_layout": 2}, old)
+    return pool
+
+
+def test_a_version_2_file_restores_a_vllm_pool(tmp_path: Path) -> None:
+    spec = _spec(sglang=False)
+    pool = _saved_as_version_2(tmp_path, spec)
+    restored = handover.load(tmp_path, spec, max_age_s=3600)
+    assert restored is not None
+    assert restored.pool(spec).snapshot_state() == pool.snapshot_state()
+
+
+def test_a_version_2_file_of_an_sglang_pool_is_refused(tmp_path: Path) -> None:
+    spec = _spec(sglang=True)
+    _saved_as_version_2(tmp_path, spec)
+    with pytest.raises(handover.Refused) as info:
+        handover.load(tmp_path, spec, max_age_s=3600)
+    assert info.value.kind == "version"

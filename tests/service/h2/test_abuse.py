@@ -1,0 +1,144 @@
+"""HTTP/2 abuse with real clients: rapid reset, PING and SETTINGS floods, oversized headers, a
+stream that never sends its request.
+
+The attacker is a raw ``h2`` client (``tests/support/h2_client.py``) writing frames as fast as
+it can; the bystanders are grpclib clients on their own connections. Oracles: the GOAWAY code
+the attacker reads, that its connection ends, and that the bystanders' call answers and their
+catalog stream receives the next update while it happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import h2.exceptions
+import h2.settings
+import pytest
+from grpclib.client import Channel
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.contract.wire import CONTRACT_MARKER
+from kvrelay.service.h2.guard import ENHANCE_YOUR_CALM, H2Budgets
+from kvrelay.service.server import RelayServer
+from tests.support.h2_client import RawH2Client, plane_request
+from tests.support.mem_relay import MemRelayView
+
+BUDGETS = H2Budgets()
+INFO = bytes(pb.RelayInfoRequest(contract_marker=CONTRACT_MARKER))
+
+
+def _rapid_reset(c: RawH2Client) -> None:
+    sid = c.h2.get_next_available_stream_id()
+    c.h2.send_headers(sid, [
+        (":method", "POST"), (":scheme", "http"), (":authority", "relay"),
+        (":path", "/dynamo.kvrelay.v1.KvEventRelay/GetRelayInfo"),
+        ("content-type", "application/grpc"), ("te", "trailers"),
+    ])  # fmt: skip
+    c.h2.reset_stream(sid)
+
+
+def _ping(c: RawH2Client) -> None:
+    c.h2.ping(b"12345678")
+
+
+def _settings(c: RawH2Client) -> None:
+    c.h2.update_settings({h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 100})
+
+
+def _oversized(c: RawH2Client) -> None:
+    sid = c.h2.get_next_available_stream_id()
+    c.h2.send_headers(sid, [
+        (":method", "POST"), (":scheme", "http"), (":authority", "relay"),
+        (":path", "/dynamo.kvrelay.v1.KvEventRelay/GetRelayInfo"),
+        ("content-type", "application/grpc"), ("x-big", "Zq~" * 25_000),
+    ])  # fmt: skip
+
+
+ATTACKS: dict[str, Callable[[RawH2Client], None]] = {
+    "rapid_reset": _rapid_reset,
+    "ping_flood": _ping,
+    "settings_flood": _settings,
+    "oversized_headers": _oversized,
+}
+
+
+async def _info(port: int) -> float:
+    t0 = time.monotonic()
+    async with Channel("127.0.0.1", port) as ch:
+        reply = await asyncio.wait_for(
+            pb.KvEventRelayStub(ch).get_relay_info(pb.RelayInfoRequest(contract_marker=CONTRACT_MARKER)),
+            10,
+        )
+    assert reply.contract_marker == CONTRACT_MARKER
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("reason", list(ATTACKS))
+async def test_abusive_connection_gets_goaway_and_others_keep_their_streams(reason: str) -> None:
+    view = MemRelayView()
+    server = RelayServer(view)
+    await server.start("127.0.0.1", 0)
+    svc = server.service
+    async with Channel("127.0.0.1", server.port) as bystander:
+        stub = pb.KvEventRelayStub(bystander)
+        catalog = stub.watch_kv_pool_catalog(pb.WatchKvPoolCatalogRequest(
+            contract_marker=CONTRACT_MARKER, subscriber_id="router"))  # fmt: skip
+        it = aiter(catalog)
+        first = await asyncio.wait_for(anext(it), 10)
+        attacker = await RawH2Client.connect(server.port, "127.0.0.2")
+        try:
+            sent = 0
+            while attacker.goaway is None and not attacker.closed.is_set() and sent < 100_000:
+                try:
+                    for _ in range(1 if reason == "oversized_headers" else 50):
+                        ATTACKS[reason](attacker)
+                        sent += 1
+                except h2.exceptions.ProtocolError:
+                    break  # the client's own h2 saw the GOAWAY
+                attacker.flush()
+                await asyncio.sleep(0)  # let the relay read (the attack is as fast as it gets)
+            await asyncio.wait_for(attacker.closed.wait(), 20)
+            assert attacker.goaway is not None
+            assert attacker.goaway.error_code == ENHANCE_YOUR_CALM
+            assert svc.guard_stats()[2][reason] == 1
+            limit = {
+                "rapid_reset": BUDGETS.max_resets, "ping_flood": BUDGETS.max_pings,
+                "settings_flood": BUDGETS.max_settings, "oversized_headers": 1,
+            }[reason]  # fmt: skip
+            assert sent <= 100 * limit  # closed early in the flood, not at its end
+            # the bystander: a new call answers, and its catalog stream gets the next update
+            assert await _info(server.port) < 5.0
+            view.add_pool("pool-after", 1024)
+            update = await asyncio.wait_for(anext(it), 10)
+            assert update != first
+        finally:
+            await attacker.close()
+    await server.close(grace_s=0.5)
+
+
+async def test_a_stream_that_never_sends_its_request_is_ended() -> None:
+    view = MemRelayView()
+    server = RelayServer(view)
+    server.service.request_timeout_s = 0.5
+    await server.start("127.0.0.1", 0)
+    c = await RawH2Client.connect(server.port, "127.0.0.2")
+    try:
+        streams = [c.open("WatchKvPoolCatalog", plane_request(), end=False) for _ in range(4)]
+        c.open("GetRelayInfo", INFO, end=False)
+        await asyncio.wait_for(asyncio.gather(*(s.ended.wait() for s in streams)), 20)
+        assert {s.status for s in streams} == {"3"}  # INVALID_ARGUMENT
+        assert {s.reason for s in streams} == {"RELAY_ERROR_REASON_INVALID_REQUEST"}
+        await _eventually(lambda: server.service.guard_stats()[2]["request_timeout"] == 5)
+        assert server.service.catalog_permits.in_use == 0  # no permit was ever taken
+    finally:
+        await c.close()
+        await server.close(grace_s=0.5)
+
+
+async def _eventually(cond: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
