@@ -38,6 +38,7 @@ STEPS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
      ("snapshots_workers2",)),
     ("many lanes on one connection", ("benchmarks.one_channel",), ("one_channel",)),
     ("restart", ("benchmarks.bench_restart",), ("restart",)),
+    ("hot upgrade vs stop-and-start", ("benchmarks.bench_upgrade",), ("upgrade",)),
     ("checkpoint cost", ("benchmarks.bench_checkpoint",), ("checkpoint",)),
     ("workers = 1 vs 2, mirror hop", ("benchmarks.bench_workers", "--full"), ("workers-full",)),
     ("scaling model", ("benchmarks.sim_scaling",), ("scaling_model",)),

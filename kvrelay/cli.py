@@ -9,6 +9,7 @@ first imported.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
@@ -148,6 +149,33 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         metavar="SECONDS",
         help="how long to wait for the outcome (default: 30)",
+    )
+
+    upgrade = sub.add_parser(
+        "upgrade",
+        help="hot-upgrade the running relay (SIGUSR2): a new process takes over, no ingest gap",
+        description=(
+            "Send SIGUSR2 to the running relay: it starts its own command line again (the code\n"
+            "and configuration now installed), hands the new process its listeners and its\n"
+            "exact state, and exits once the new process serves. Waits for that. Exit 0 when\n"
+            "the old process is gone, 1 when it is still serving after --timeout (a failed\n"
+            "upgrade: see its log, upgrade_failed), 2 on a usage error."
+        ),
+        epilog=(
+            "examples:\n  kvrelay upgrade --pid-file /run/kvrelay.pid\n"
+            "  systemctl kill --kill-whom=main --signal=SIGUSR2 kvrelay   # under systemd"
+        ),
+        formatter_class=_Formatter,
+    )
+    whom = upgrade.add_mutually_exclusive_group(required=True)
+    whom.add_argument("--pid", type=int, metavar="PID", help="the relay's process id")
+    whom.add_argument("--pid-file", metavar="FILE", help="file written by 'serve --pid-file'")
+    upgrade.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="how long to wait for the old process to hand over (default: 120)",
     )
 
     mirror = sub.add_parser(
@@ -370,6 +398,41 @@ def _reload(args: argparse.Namespace) -> int:
     return EXIT_FAILURE
 
 
+def _upgrade(args: argparse.Namespace) -> int:
+    import signal
+    import time
+
+    from kvrelay.ops.reload import read_pid_file
+
+    try:
+        pid = args.pid if args.pid is not None else read_pid_file(args.pid_file)
+    except (OSError, ValueError) as exc:
+        print(f"kvrelay upgrade: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        os.kill(pid, signal.SIGUSR2)
+    except OSError as exc:
+        print(f"kvrelay upgrade: cannot signal process {pid}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            new = None
+            if args.pid_file is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    new = read_pid_file(args.pid_file)
+            print("kvrelay upgrade: handed over" + ("" if new is None else f" to pid {new}"))
+            return EXIT_OK
+        except OSError:
+            continue
+    print(f"kvrelay upgrade: process {pid} still serves after {args.timeout:g} s; the upgrade "
+          "failed or is still warming up (see its log: upgrade_failed)", file=sys.stderr)
+    return EXIT_FAILURE
+
+
 def _serve(path: str | None, pid_file: str | None = None) -> int:
     if not path:
         print("kvrelay serve: --config FILE is required (or set KVRELAY_CONFIG)", file=sys.stderr)
@@ -387,15 +450,17 @@ def _serve(path: str | None, pid_file: str | None = None) -> int:
     if pid_file is None:
         return run(cfg, config_path=path)
     from kvrelay.ops.reload import remove_pid_file, write_pid_file
+    from kvrelay.ops.upgrade import ENV as TAKEOVER_ENV
     from kvrelay.relay.safe_files import UnsafeDirectory
 
+    if not os.environ.get(TAKEOVER_ENV):  # a hot upgrade's successor: written at hand-over
+        try:
+            write_pid_file(pid_file)
+        except (OSError, UnsafeDirectory) as exc:
+            print(f"kvrelay serve: cannot write --pid-file {pid_file}: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     try:
-        write_pid_file(pid_file)
-    except (OSError, UnsafeDirectory) as exc:
-        print(f"kvrelay serve: cannot write --pid-file {pid_file}: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        return run(cfg, config_path=path)
+        return run(cfg, config_path=path, pid_file=pid_file)
     finally:
         remove_pid_file(pid_file)
 
@@ -489,6 +554,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args.config, args.pid_file)
     if args.command == "reload":
         return _reload(args)
+    if args.command == "upgrade":
+        return _upgrade(args)
     if args.command == "demo":
         return _demo(args)
     if args.command == "example-config":

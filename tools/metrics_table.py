@@ -18,6 +18,7 @@ from kvrelay.ingest.counters import SubscriberCounters
 from kvrelay.ops.metrics import _POOL_COUNTERS, RelayMetrics
 from kvrelay.ops.reload import ReloadStats
 from kvrelay.ops.tls import LoadedCertificate
+from kvrelay.ops.upgrade import UpgradeStats
 from kvrelay.relay.observer import Observers
 from kvrelay.relay.stats import (
     EngineStats,
@@ -75,6 +76,7 @@ def families(per_member: bool = True) -> list[Family]:
         _Relay(), CollectorRegistry(), service=_Service(), per_member=per_member
     )
     metrics.attach_reloads(ReloadStats())
+    metrics.attach_upgrades(UpgradeStats())
     metrics.attach_tls(lambda: [LoadedCertificate("server", "relay", 1.0)])
     metrics.observe_loop_lag(0.001)
     metrics.delta_published("ns/backend/generate", 0.001)

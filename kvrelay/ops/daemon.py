@@ -8,7 +8,8 @@ making progress, and ``WATCHDOG=1``; the log gets one ``kernels_progress`` line 
 hears ``READY=1`` only once the gRPC port is bound; on SIGTERM/SIGINT the daemon says
 ``STOPPING=1``, stops accepting, ends every stream with a clean EOF, stops the relay and exits 0 —
 or 1 if that takes longer than ``relay.shutdown_timeout_s``. SIGHUP reloads the configuration
-file (``ops/reload.py``).
+file (``ops/reload.py``). SIGUSR2 starts a hot upgrade (``ops/upgrade.py``): a new process of
+the code now installed takes over the listeners and the exact state without an ingest gap.
 
 The source is the relay, or a mirror of another relay (``[mirror]``: no numba kernels, so no
 warm-up). With ``[relay] workers = N ≥ 2`` the source serves only an internal UNIX socket and N−1
@@ -42,6 +43,7 @@ from kvrelay.ops.reload import (
     restart_only_changes,
 )
 from kvrelay.ops.sdnotify import Notifier
+from kvrelay.ops.upgrade import Handoff, UpgradeFailed, Upgrader, UpgradeStats
 
 _LOG = get_logger("kvrelay.ops.daemon")
 
@@ -98,9 +100,21 @@ class Daemon:
         notifier: Notifier | None = None,
         *,
         config_path: str | os.PathLike[str] | None = None,
+        handoff: Handoff | None = None,
+        pid_file: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.config_path = config_path
+        #: Set when this process was started to take over from another (a hot upgrade).
+        self.handoff = handoff
+        self.pid_file = pid_file
+        self.upgrades = UpgradeStats()
+        #: Upgrader keyword arguments (deadlines; tests shorten them).
+        self.upgrade_options: dict[str, Any] = {}
+        #: Called once a successor serves: the process then stops (``serve`` sets it).
+        self.on_handed_over: Callable[[], None] | None = None
+        self.handed_over = False
+        self._upgrade_task: asyncio.Task[None] | None = None
         self.notifier = notifier if notifier is not None else Notifier()
         self.reloads = ReloadStats()
         self._reload_wanted = asyncio.Event()
@@ -185,10 +199,67 @@ class Daemon:
         if cfg.metrics.enabled:  # before the relay starts, so every delta is observed
             self.metrics = RelayMetrics(self.relay, per_member=cfg.metrics.per_member)
             self.metrics.attach_reloads(self.reloads)
-        await self.relay.start()
+            self.metrics.attach_upgrades(self.upgrades)
+        if self.handoff is None:
+            await self.relay.start()
+            return self.relay
+        from kvrelay.relay import takeover
+
+        directory = await self.handoff.state_dir()
+        try:
+            restored = takeover.load(self.relay.pools, directory)
+        except takeover.TakeoverRefused as exc:
+            raise UpgradeFailed("successor_failed", f"{exc.kind}: {exc}") from None
+        await self.relay.start(restored)
+        await self._settled(restored)
         return self.relay
 
+    async def _settled(self, restored: dict[str, Any]) -> None:
+        """Until every pool handed over is materialized and each member of its cut that the
+        configuration still has is live again: vouched for and resumed from its cursor, or reset
+        and rebuilt. Bounded: a member whose engine never answers is reset by the pool's own
+        timer, and the old process serves until then."""
+        from kvrelay.relay.handover import RESTORE_VOUCH_S
+
+        def settled(p: Any) -> bool:
+            cut = restored.get(p.name)
+            if cut is None:
+                return True
+            if p.generation is None:
+                return False
+            for key in cut.members:
+                sub = p.subscribers.get(key)
+                if key.worker_id in p.by_worker and (sub is None or sub.state != "live"):
+                    return False
+            return True
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RESTORE_VOUCH_S + 5.0
+        while loop.time() < deadline and not all(settled(p) for p in self.relay.pools):
+            await asyncio.sleep(0.01)
+
     async def start(self) -> None:
+        if self.handoff is None:
+            await self._start()
+            return
+        if self.cfg.workers > 1 or self.cfg.mirror is not None:
+            await self.handoff.fail("the successor runs with workers > 1 or as a mirror")
+            raise UpgradeFailed("successor_failed", "hot upgrade needs workers = 1, no mirror")
+        try:
+            await self._start()
+            self._write_pid_file()
+            await self.handoff.send({"msg": "serving", "pid": os.getpid()})
+        except BaseException as exc:
+            await self.handoff.fail(f"{type(exc).__name__}: {exc}")
+            raise
+        self.handoff.close()
+        self.upgrades.outcome("taken_over")
+        pools = [p.stats() for p in self.relay.pools]
+        _LOG.info("upgrade_took_over", pid=os.getpid(),
+                  members_resumed=sum(p.counters.get("members_resumed", 0) for p in pools),
+                  members_reset=sum(sum(p.member_resets.values()) for p in pools))  # fmt: skip
+
+    async def _start(self) -> None:
         cfg = self.cfg
         for w in cfg.warnings:
             _LOG.warning("config_warning", path=w.path, reason=w.reason)
@@ -214,7 +285,8 @@ class Daemon:
         else:
             self.server = RelayServer(view, cfg.relay.limits)
             self.server.service.set_authorization(authorization_of(cfg.authorization))
-            await self.server.start(cfg.bind_host, cfg.bind_port, ssl=context)
+            inherited = None if self.handoff is None else self.handoff.listener("grpc")
+            await self.server.start(cfg.bind_host, cfg.bind_port, ssl=context, sock=inherited)
             self.grpc_port = self.server.port
             service = self.server.service
         if context is None and not is_loopback(cfg.bind_host):
@@ -231,7 +303,8 @@ class Daemon:
                 lambda: not self._stopped
             )
             self.metrics_port = await self.metrics.start_http(
-                cfg.metrics.host, cfg.metrics.port, healthy=healthy
+                cfg.metrics.host, cfg.metrics.port, healthy=healthy,
+                sock=None if self.handoff is None else self.handoff.listener("metrics"),
             )
         self._tasks.append(asyncio.create_task(self._loop_lag(), name="kvrelay-loop-lag"))
         from kvrelay.ops.memory import keep_compiler_pages_released
@@ -275,6 +348,9 @@ class Daemon:
             wanted.append(
                 Listener("metrics.bind", "KVRELAY_METRICS_BIND", cfg.metrics.host, cfg.metrics.port)
             )
+        if self.handoff is not None:  # a hot upgrade's inherited listeners are ours already
+            handed = {"relay.bind": "grpc", "metrics.bind": "metrics"}
+            wanted = [w for w in wanted if not self.handoff.has(handed[w.setting])]
         probe(wanted)
 
     def _warm_kernels(self) -> asyncio.Future[float]:
@@ -415,6 +491,67 @@ class Daemon:
             self.server.service.set_authorization(authorization_of(rules))
         _LOG.info("authorization_reloaded", rules=len(rules or ()))
 
+    # ---- hot upgrade -----------------------------------------------------------------------------
+
+    def request_upgrade(self) -> None:
+        """SIGUSR2: start a hot upgrade (``ops/upgrade.py``), unless this process cannot hand over
+        (refused: logged and counted; it goes on serving)."""
+        why = None
+        if self.cfg.workers > 1:
+            why = "workers > 1: the fan-out workers cannot be handed over yet; restart instead"
+        elif self.cfg.mirror is not None:
+            why = "a mirror is not hot-upgraded yet; restart it (it resynchronizes)"
+        elif self.server is None or self.relay is None or self._stopped or self.handed_over:
+            why = "not serving (starting, stopping or already handed over)"
+        elif self._upgrade_task is not None and not self._upgrade_task.done():
+            why = "an upgrade is already under way"
+        if why is not None:
+            self.upgrades.outcome("refused")
+            _LOG.warning("upgrade_refused", reason=why)
+            return
+        self._upgrade_task = asyncio.create_task(self._upgrade(), name="kvrelay-upgrade")
+
+    async def _upgrade(self) -> None:
+        from kvrelay.relay import takeover
+
+        listeners = {"grpc": self.server.listening_socket()}
+        if self.metrics is not None and self.metrics.listening_socket() is not None:
+            listeners["metrics"] = self.metrics.listening_socket()
+
+        def cut(directory: Any) -> dict[str, Any]:
+            c = takeover.cut(self.relay.pools, directory)
+            return {"pools": list(c.pools), "members": c.members, "bytes": c.bytes}
+
+        self.notifier.status("hot upgrade: starting the successor")
+        try:
+            await Upgrader(listeners, **self.upgrade_options).run(cut, self._handed_over)
+        except UpgradeFailed as exc:
+            self.upgrades.outcome(exc.result)
+            _LOG.error("upgrade_failed", result=exc.result, why=str(exc))
+            self.notifier.status(f"hot upgrade failed ({exc.result}); still serving")
+
+    def _write_pid_file(self) -> None:
+        """A successor takes the pid file over once it serves (``serve --pid-file`` leaves it to
+        the process it replaces until then); a failure is logged, not fatal."""
+        if self.pid_file is None:
+            return
+        from kvrelay.ops.reload import write_pid_file
+
+        try:
+            write_pid_file(self.pid_file)
+        except Exception as exc:  # OSError, or a directory others may write to
+            _LOG.error("pid_file_unwritable", path=self.pid_file, error=str(exc))
+
+    def _handed_over(self, pid: int) -> None:
+        """The successor serves (and names itself in the pid file): it becomes systemd's main
+        PID; we stop."""
+        self.handed_over = True
+        self.upgrades.outcome("handed_over")
+        self.notifier.notify(f"MAINPID={pid}\nSTATUS=handed over to pid {pid}")
+        _LOG.info("upgrade_handed_over", successor_pid=pid)
+        if self.on_handed_over is not None:
+            self.on_handed_over()
+
     async def _loop_lag(self) -> None:
         """Sample scheduling lag: how late a timer fires is how late every stream is."""
         loop = asyncio.get_running_loop()
@@ -431,10 +568,13 @@ class Daemon:
         if self._stopped:
             return
         self._stopped = True
-        self.notifier.stopping()
-        _LOG.info("relay_stopping")
+        if not self.handed_over:  # after a hand-over, STOPPING=1 would stop the successor's unit
+            self.notifier.stopping()
+        _LOG.info("relay_stopping", handed_over=self.handed_over)
         if self._reload_task is not None:  # a reload half-way must not race the shutdown
             await cancel_all([self._reload_task])
+        if self._upgrade_task is not None:  # an upgrade half-way kills its successor
+            await cancel_all([self._upgrade_task])
         grace = max(0.1, self.cfg.shutdown_timeout_s / 2)
         try:
             if self.front is not None:
@@ -444,7 +584,7 @@ class Daemon:
             if self.mirror is not None:
                 await self.mirror.stop()
             if self.relay is not None:
-                await self.relay.stop()
+                await self.relay.stop(save_state=not self.handed_over)
             if self.metrics is not None:
                 await self.metrics.close()
         finally:
@@ -458,9 +598,10 @@ async def serve(
     notifier: Notifier | None = None,
     *,
     config_path: str | os.PathLike[str] | None = None,
+    pid_file: str | None = None,
 ) -> int:
-    """Run until SIGTERM/SIGINT (SIGHUP reloads ``config_path``); the process exit code (0
-    clean, 1 failure or slow shutdown)."""
+    """Run until SIGTERM/SIGINT (SIGHUP reloads ``config_path``, SIGUSR2 hot-upgrades), or until
+    a successor took over; the process exit code (0 clean, 1 failure or slow shutdown)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals_seen: list[int] = []
@@ -475,8 +616,15 @@ async def serve(
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
-    daemon = Daemon(cfg, notifier, config_path=config_path)
+    try:
+        handoff = Handoff.from_env()
+    except ValueError as exc:
+        _LOG.error("start_failed", error=str(exc))
+        return 1
+    daemon = Daemon(cfg, notifier, config_path=config_path, handoff=handoff, pid_file=pid_file)
+    daemon.on_handed_over = stop.set
     loop.add_signal_handler(signal.SIGHUP, daemon.request_reload)
+    loop.add_signal_handler(signal.SIGUSR2, daemon.request_upgrade)
     code = 0
     try:
         starting = asyncio.create_task(daemon.start())
@@ -505,7 +653,7 @@ async def serve(
         _LOG.info("relay_stopped", exit_code=code)
         return code
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2):
             loop.remove_signal_handler(sig)
 
 
@@ -514,9 +662,11 @@ def run(
     main: Callable[..., Any] = serve,
     *,
     config_path: str | os.PathLike[str] | None = None,
+    pid_file: str | None = None,
 ) -> int:
     """Configure logging, pick the event loop (asyncio or uvloop) and run ``main(cfg)`` (with
-    ``config_path=`` when given: the file SIGHUP reloads)."""
+    ``config_path=`` when given: the file SIGHUP reloads; ``pid_file=``: the file a hot
+    upgrade rewrites)."""
     configure_logging(cfg)
     from kvrelay.ops.memory import tune_malloc
 
@@ -530,5 +680,10 @@ def run(
             return 1
         factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
-        coro = main(cfg) if config_path is None else main(cfg, config_path=config_path)
+        kwargs: dict[str, Any] = {}
+        if config_path is not None:
+            kwargs["config_path"] = config_path
+        if pid_file is not None:
+            kwargs["pid_file"] = pid_file
+        coro = main(cfg, **kwargs)
         return int(runner.run(coro))

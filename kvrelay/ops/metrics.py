@@ -10,6 +10,7 @@ sample. The HTTP endpoint is ``kvrelay.ops.metrics_http``.
 from __future__ import annotations
 
 import math
+import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
@@ -261,6 +262,12 @@ class ReloadSource(Protocol):
     last_success_unix: float
 
 
+class UpgradeSource(Protocol):
+    """Hot upgrade outcomes (``kvrelay.ops.upgrade.UpgradeStats``)."""
+
+    results: dict[str, int]
+
+
 class ServiceSource(Protocol):
     def stats(self) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
         """(stream kind → (open streams, limit), error reason → count)."""
@@ -394,6 +401,7 @@ class RelayMetrics:
         self.registry = registry if registry is not None else default_registry()
         self._service = service
         self._reloads: ReloadSource | None = None
+        self._upgrades: UpgradeSource | None = None
         self.per_member = per_member  # False: ingest families summed per pool
         self.delta_latency = Histogram(
             "kvrelay_delta_latency_seconds",
@@ -433,6 +441,10 @@ class RelayMetrics:
         """Export configuration reload outcomes (the daemon's SIGHUP handling)."""
         self._reloads = reloads
 
+    def attach_upgrades(self, upgrades: UpgradeSource) -> None:
+        """Export hot upgrade outcomes (the daemon's SIGUSR2 handling)."""
+        self._upgrades = upgrades
+
     def observe_loop_lag(self, seconds: float) -> None:
         if math.isnan(seconds):
             return
@@ -458,6 +470,20 @@ class RelayMetrics:
         yield from self._reload_metrics()
         yield from http_metrics(self.http_counters)
         yield from tls_families(self._tls)
+        yield from self._upgrade_metrics()
+
+    def _upgrade_metrics(self) -> Iterator[Metric]:
+        u = self._upgrades
+        if u is None:
+            return
+        total = CounterMetricFamily(
+            "kvrelay_upgrades", "Hot upgrades (SIGUSR2) by result: handed_over and taken_over "
+            "(the old and the new process), refused, spawn_failed, successor_exited, "
+            "successor_failed, timeout (the old process keeps serving).", labels=["result"],
+        )  # fmt: skip
+        for result, n in sorted(u.results.items()):
+            total.add_metric([result], n)
+        yield total
 
     def _reload_metrics(self) -> Iterator[Metric]:
         r = self._reloads
@@ -517,15 +543,20 @@ class RelayMetrics:
         port: int,
         healthy: Callable[[], bool] | None = None,
         limits: HttpLimits | None = None,
+        sock: socket.socket | None = None,
     ) -> int:
-        """Serve ``/metrics`` (and ``/healthz``: 200 while ``healthy()``) on the running loop;
-        returns the bound port."""
+        """Serve ``/metrics`` (and ``/healthz``: 200 while ``healthy()``) on the running loop
+        (on ``sock`` when given: a hot upgrade's inherited listener); returns the bound port."""
         if self._http is not None:
             raise RuntimeError("metrics endpoint already started")
         self._http = MetricsServer(
             self.render, healthy or (lambda: True), limits, self.http_counters
         )
-        return await self._http.start(host, port)
+        return await self._http.start(host, port, sock)
+
+    def listening_socket(self) -> socket.socket | None:
+        """The endpoint's listener, if it serves one."""
+        return None if self._http is None else self._http.listening_socket()
 
     async def close(self) -> None:
         """Stop the endpoint and stop observing the relay."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -113,16 +114,28 @@ class MetricsServer:
         self._per_peer: dict[str, int] = {}
         self._scrapes = 0
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen; returns the bound port (``port`` 0 = ephemeral)."""
+    async def start(self, host: str, port: int, sock: socket.socket | None = None) -> int:
+        """Listen; returns the bound port (``port`` 0 = ephemeral). ``sock``: accept on this
+        already listening socket instead (a hot upgrade's inherited listener)."""
         if self._server is not None:
             raise RuntimeError("metrics endpoint already started")
-        self._server = await asyncio.start_server(
-            self._handle, host, port, limit=MAX_REQUEST_HEAD, backlog=256
-        )
+        if sock is not None:
+            self._server = await asyncio.start_server(
+                self._handle, sock=sock, limit=MAX_REQUEST_HEAD
+            )
+        else:
+            self._server = await asyncio.start_server(
+                self._handle, host, port, limit=MAX_REQUEST_HEAD, backlog=256
+            )
         bound = int(self._server.sockets[0].getsockname()[1])
         _log.info("metrics_listening", host=host, port=bound)
         return bound
+
+    def listening_socket(self) -> socket.socket:
+        """The listener (a hot upgrade hands its descriptor to the successor)."""
+        if self._server is None or not self._server.sockets:
+            raise RuntimeError("metrics endpoint not listening")
+        return self._server.sockets[0]
 
     async def close(self) -> None:
         """Stop listening and end in-flight requests."""

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -129,9 +129,15 @@ class Relay:
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, handed_over: Mapping[str, handover.RestoredPool] | None = None) -> None:
+        """Start every pool; ``handed_over`` (a hot upgrade's cut, ``relay/takeover.py``) stands in
+        for the state files a start would read."""
         self.started = True
-        self._restore_state()
+        if handed_over is None:
+            self._restore_state()
+        else:
+            for p in self.pools:
+                p.restore.file = handed_over.get(p.name)
         self.load.start()
         self.serving_load.start()
         self.watcher.start()
@@ -142,7 +148,9 @@ class Relay:
             for st in p.engines.values():
                 self._start_scraper(p, st)
 
-    async def stop(self) -> None:
+    async def stop(self, *, save_state: bool = True) -> None:
+        """Stop every source and end every stream; ``save_state=False`` after a hot upgrade handed
+        the state over (a file saved now would be older than the successor's own)."""
         if self._membership_task is not None:
             await cancel_all([self._membership_task])
             self._membership_task = None
@@ -156,7 +164,8 @@ class Relay:
         await cancel_all(list(self._scrapers.values()))
         self._scrapers.clear()
         await self.checkpoints.drain()  # the final save below is the last word
-        save = self._save_pool if self._state_dir(self.state_saves) is not None else None
+        keep = save_state and self._state_dir(self.state_saves) is not None
+        save = self._save_pool if keep else None
         for p in self.pools:
             await p.stop(save)
         self.checkpoints.close()

@@ -13,9 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import socket
 import ssl as _ssl
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from grpclib.config import Configuration
 from grpclib.const import Cardinality, Handler
@@ -557,14 +558,26 @@ class RelayServer:
         ssl: _ssl.SSLContext | None = None,
         *,
         reuse_port: bool = False,
+        sock: socket.socket | None = None,
     ) -> None:
         """Listen on TCP; ``reuse_port``: share the port with other processes (SO_REUSEPORT),
-        the way a daemon's fan-out workers share the public listener."""
-        await self._server.start(host, port, ssl=ssl, reuse_port=reuse_port or None)
+        the way a daemon's fan-out workers share the public listener; ``sock``: accept on this
+        already listening socket instead (a hot upgrade's inherited listener)."""
+        if sock is not None:
+            await self._server.start(sock=sock, ssl=ssl)
+        else:
+            await self._server.start(host, port, ssl=ssl, reuse_port=reuse_port or None)
         listener: Any = self._server._server
         sockets = listener.sockets if listener is not None else ()
         self._port = int(sockets[0].getsockname()[1]) if sockets else port
         self.health.set_serving(True)
+
+    def listening_socket(self) -> socket.socket:
+        """The TCP listener (a hot upgrade hands its descriptor to the successor)."""
+        listener: Any = self._server._server
+        if listener is None or not listener.sockets:
+            raise RuntimeError("server not listening")
+        return cast(socket.socket, listener.sockets[0])
 
     async def start_unix(self, path: str) -> None:
         """Listen on a UNIX socket (the daemon's internal transport to its workers); peers that

@@ -132,6 +132,11 @@ def test_restart_smoke(tmp_path: Path) -> None:
 
 
 @NEEDS_TIER
+def test_upgrade_smoke(tmp_path: Path) -> None:
+    _json(_smoke(tmp_path, "benchmarks.bench_upgrade", "--smoke") / "upgrade.json")
+
+
+@NEEDS_TIER
 def test_workers_smoke(tmp_path: Path) -> None:
     _json(_smoke(tmp_path, "benchmarks.bench_workers", "--smoke") / "workers.json")
 

@@ -44,7 +44,7 @@ KNOWN = {
         "Type", "NotifyAccess", "ExecStartPre", "ExecStart", "ExecReload", "Restart", "RestartSec",
         "WatchdogSec", "TimeoutStartSec", "TimeoutStopSec", "KillSignal", "KillMode",
         "LimitNOFILE", "CacheDirectory", "CacheDirectoryMode", "StateDirectory",
-        "StateDirectoryMode", "ConfigurationDirectory",
+        "StateDirectoryMode", "RuntimeDirectory", "RuntimeDirectoryMode", "ConfigurationDirectory",
         "ConfigurationDirectoryMode", "Environment", "SyslogIdentifier", "DynamicUser",
         "NoNewPrivileges", "ProtectSystem", "ProtectHome", "PrivateTmp", "PrivateDevices",
         "ProtectKernelTunables", "ProtectKernelModules", "ProtectKernelLogs",
@@ -135,7 +135,7 @@ def test_template_differs_from_the_plain_unit_only_in_instance_bits() -> None:
         if plain["Service"].get(k) != tmpl["Service"].get(k)
     }
     assert differing == {"ExecStartPre", "ExecStart", "ExecReload", "CacheDirectory",
-                         "StateDirectory", "Environment", "SyslogIdentifier"}
+                         "StateDirectory", "RuntimeDirectory", "Environment", "SyslogIdentifier"}
 
 
 def _verify_with_systemd(src: Path, tmp_path: Path) -> list[str]:
@@ -260,3 +260,12 @@ def test_deploy_readme_exists_and_mentions_units() -> None:
                    "check-config", "NUMBA_CACHE_DIR", "LoadCredential"):
         assert needle in readme, needle
     assert not (DEPLOY / ".gitkeep").exists()
+
+
+def test_units_give_workers_a_private_runtime_directory() -> None:
+    """``workers >= 2`` needs a writable directory for its internal socket; under the sandbox
+    (``ProtectSystem=strict``) only the unit's own directories are writable."""
+    for name, expect in (("kvrelay.service", "kvrelay"), ("kvrelay@.service", "kvrelay/%i")):
+        unit = _unit(name)
+        assert unit["Service"]["RuntimeDirectory"] == [expect], name
+        assert unit["Service"]["RuntimeDirectoryMode"] == ["0700"], name

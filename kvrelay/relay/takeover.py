@@ -1,0 +1,77 @@
+"""A hot upgrade's state hand-over: one live cut of every pool, in the clean stop's file format.
+
+A clean stop saves each pool's exact state and member cursors after its sources stopped
+(``handover.py``). A hot upgrade cannot stop them: the running relay keeps ingesting while its
+successor starts. So the old process cuts the state *between two batches* on its event loop
+(batches are applied whole inside the loop, so the pool's exact state and every member's resume
+point agree there), writes it with the same writer into a private directory, and goes on. The
+successor reads those files strictly and resumes each member from its cursor once the engine
+vouches for it (``PoolRestore``: the same incarnation, a replay that still holds the cut batch
+with the same bytes); the engine's replay buffer fills the batches the old process applied after
+the cut. A member the engine cannot vouch for is rebuilt, exactly as after a restart.
+
+Strict, because there is an alternative: a file the successor cannot use fails the takeover (and
+the old process keeps serving), instead of starting the pool from replay as a restart would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvrelay.relay import handover
+from kvrelay.relay.handover import RestoredPool
+from kvrelay.relay.pool_runtime import PoolRuntime
+
+__all__ = ["CutSummary", "TakeoverRefused", "cut", "load"]
+
+#: The successor reads the cut within seconds; anything older is not this hand-over's.
+MAX_AGE_S = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class CutSummary:
+    """What one cut wrote: pool names, members with a cursor, bytes."""
+
+    pools: tuple[str, ...]
+    members: int
+    bytes: int
+
+
+class TakeoverRefused(Exception):
+    """The successor cannot use the hand-over; ``kind`` is the counted reason."""
+
+    def __init__(self, kind: str, why: str) -> None:
+        super().__init__(why)
+        self.kind = kind
+
+
+def cut(pools: list[PoolRuntime], directory: Path) -> CutSummary:
+    """Write each materialized pool's exact state and member cursors into ``directory``, without
+    stopping anything (call on the event loop: nothing is applied while it runs). Pools without
+    a generation are left out: the successor builds them as any start would."""
+    names: list[str] = []
+    members = size = 0
+    for p in pools:
+        gen, ident = p.generation, p.identity
+        if gen is None or ident is None:
+            continue
+        resume = p.restore.members_to_save(p.subscribers, p.by_worker)
+        size += handover.save(directory, p.spec, ident, gen.pool, resume)
+        names.append(p.name)
+        members += len(resume)
+    return CutSummary(tuple(names), members, size)
+
+
+def load(pools: list[PoolRuntime], directory: Path) -> dict[str, RestoredPool]:
+    """Read (and consume) the cut for every configured pool; a pool without a file is absent
+    (the old process had no generation for it). Any file that is refused refuses the takeover."""
+    out: dict[str, RestoredPool] = {}
+    for p in pools:
+        try:
+            r = handover.load(directory, p.spec, max_age_s=MAX_AGE_S)
+        except handover.Refused as exc:
+            raise TakeoverRefused(f"state_{exc.kind}", f"pool {p.name}: {exc}") from None
+        if r is not None:
+            out[p.name] = r
+    return out

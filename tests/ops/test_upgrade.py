@@ -1,0 +1,160 @@
+"""The hot upgrade's process hand-over (``ops/upgrade.py``) with real child processes.
+
+The successor here is a small Python child speaking the control protocol (or failing to): it
+inherits the listener and the channel by descriptor, as ``kvrelay serve`` does; the full daemon
+hand-over under traffic is ``tests/chaos/test_upgrade.py``. Every failure kills the child, leaves
+no directory behind and names its counted result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvrelay.ops.config import parse_config
+from kvrelay.ops.daemon import Daemon
+from kvrelay.ops.sdnotify import Notifier
+from kvrelay.ops.upgrade import ENV, Handoff, UpgradeFailed, Upgrader
+
+#: A successor: reads KVRELAY_TAKEOVER, then does what argv[1] says.
+CHILD = r"""
+import json, os, socket, sys
+fds = dict(p.split("=") for p in os.environ["KVRELAY_TAKEOVER"].split(","))
+chan = socket.socket(fileno=int(fds["chan"]))
+mode = sys.argv[1]
+if mode == "garbage":
+    chan.sendall(b"not json\n")
+elif mode == "fail":
+    chan.sendall(b'{"msg":"failed","why":"cannot use the cut"}\n')
+elif mode == "exit":
+    sys.exit(3)
+elif mode == "serve":
+    chan.sendall(b'{"msg":"warm"}\n')
+    f = chan.makefile("rb")
+    state = json.loads(f.readline())
+    listener = socket.socket(fileno=int(fds["grpc"]))
+    names = sorted(os.listdir(state["dir"]))
+    chan.sendall(b'{"msg":"serving"}\n')
+    conn, _ = listener.accept()  # the predecessor has closed its copy by now
+    conn.sendall(json.dumps(names).encode())
+    conn.close()
+"""
+
+
+def _listener() -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(16)
+    return s
+
+
+def _dirs(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("kvrelay-upgrade-"))
+
+
+@pytest.fixture
+def runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("RUNTIME_DIRECTORY", str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("mode", "result", "why"),
+    [
+        ("sleep", "timeout", "no 'warm'"),
+        ("garbage", "successor_failed", "malformed"),
+        ("fail", "successor_failed", "cannot use the cut"),
+        ("exit", "successor_exited", "status 3"),
+    ],
+)
+async def test_a_successor_that_does_not_take_over_is_killed_and_named(
+    runtime: Path, mode: str, result: str, why: str
+) -> None:
+    lst = _listener()
+    argv = [sys.executable, "-c", "import time; time.sleep(60)"] if mode == "sleep" else [
+        sys.executable, "-c", CHILD, mode]  # fmt: skip
+    up = Upgrader({"grpc": lst}, argv=argv, warm_timeout_s=1.0)
+    cuts: list[Path] = []
+    try:
+        with pytest.raises(UpgradeFailed) as info:
+            await up.run(lambda d: cuts.append(d) or {}, lambda pid: None)
+        assert info.value.result == result and why in str(info.value)
+        assert up.proc is not None and up.proc.poll() is not None  # killed or exited, reaped
+        assert cuts == [] and _dirs(runtime) == []
+        lst.getsockname()  # the predecessor's listener is untouched
+    finally:
+        lst.close()
+
+
+async def test_the_successor_inherits_the_listener_and_the_cut(runtime: Path) -> None:
+    """The child gets the cut directory with what the predecessor wrote, says serving, and
+    accepts on the inherited listener after the predecessor closed its own copy."""
+    lst = _listener()
+    port = lst.getsockname()[1]
+    handed: list[int] = []
+
+    def cut(d: Path) -> dict[str, object]:
+        assert d.parent == runtime and (d.stat().st_mode & 0o777) == 0o700
+        (d / "pool-x.kvstate").write_bytes(b"state")
+        return {"pools": ["x"]}
+
+    up = Upgrader({"grpc": lst}, argv=[sys.executable, "-c", CHILD, "serve"])
+    pid = await up.run(cut, handed.append)
+    assert handed == [pid] and _dirs(runtime) == []
+    lst.close()  # the old process stops accepting: the socket stays open in the successor
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    assert json.loads(await asyncio.wait_for(reader.read(), 20)) == ["pool-x.kvstate"]
+    writer.close()
+    assert up.proc is not None
+    await asyncio.wait_for(asyncio.to_thread(up.proc.wait), 20)
+
+
+async def test_a_stop_during_the_upgrade_kills_the_successor(runtime: Path) -> None:
+    """SIGTERM while the successor warms up: the upgrade is cancelled, nothing outlives it."""
+    lst = _listener()
+    up = Upgrader({"grpc": lst}, argv=[sys.executable, "-c", "import time; time.sleep(60)"])
+    task = asyncio.create_task(up.run(lambda d: {}, lambda pid: None))
+    try:
+        while up.proc is None:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert up.proc.poll() is not None and _dirs(runtime) == []
+    finally:
+        lst.close()
+
+
+def test_the_takeover_variable_is_parsed_strictly_and_not_inherited() -> None:
+    env = {ENV: "chan=7,grpc=8,metrics=9", "OTHER": "x"}
+    h = Handoff.from_env(env)
+    assert h is not None and ENV not in env  # nothing this process starts inherits it
+    assert Handoff.from_env({}) is None
+    for bad in ("chan=7", "grpc=8", "chan=x,grpc=8", "chan=7,grpc=8,shell=9"):
+        with pytest.raises(ValueError):
+            Handoff.from_env({ENV: bad})
+
+
+@pytest.mark.parametrize("extra", [{"workers": 2}, {"mirror": {"upstream": "127.0.0.1:1"}}])
+async def test_sigusr2_is_refused_with_workers_or_as_a_mirror(extra: dict[str, object]) -> None:
+    raw: dict[str, object] = {"relay": {"bind": "127.0.0.1:0", "dc_name": "dc"}}
+    if "workers" in extra:
+        raw["relay"] = {**raw["relay"], "workers": extra["workers"]}  # type: ignore[dict-item]
+    else:
+        raw["mirror"] = extra["mirror"]
+    if "mirror" not in raw:
+        raw["pools"] = [{"namespace": "ns", "component": "c", "endpoint": "e",
+                         "engines": [{"name": "e0", "grpc_port": 1}]}]  # fmt: skip
+    cfg, problems = parse_config(raw, env={})
+    assert cfg is not None, problems
+    daemon = Daemon(cfg, Notifier({}))
+    daemon.request_upgrade()
+    assert daemon.upgrades.results["refused"] == 1
+    assert daemon._upgrade_task is None
+    assert os.environ.get(ENV) is None
