@@ -142,11 +142,16 @@ class Mirror:
         pool = self._pools.get(producer_key(expected))
         hub = None if pool is None else pool.hub
         if hub is None:
-            raise RelayError.publication_unavailable("the mirror does not serve this pool now")
+            raise self.absent_hold()
         granted = hub.request_hold(requester, seconds, HOLD_TTL_S)
         assert pool is not None
         pool._space(hub)
         return granted
+
+    def absent_hold(self) -> RelayError:
+        """``hold_pool``'s answer for a pool this mirror does not serve (also what a client
+        hears for a pool ``[[authorization]]`` hides from it)."""
+        return RelayError.publication_unavailable("the mirror does not serve this pool now")
 
     @property
     def _planes(self) -> tuple[MirrorPlane, ...]:

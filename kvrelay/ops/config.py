@@ -27,6 +27,7 @@ from kvrelay.ingest.options import DecodeOptions
 from kvrelay.ingest.topic_pattern import PatternError, TopicPattern
 from kvrelay.ops.tls import TlsConfigError, client_ssl_context, is_loopback, server_ssl_context
 from kvrelay.relay.settings import ConnectConfig, EngineSpec, PoolSpec, RelaySettings
+from kvrelay.service.authz import AuthorizationRule
 
 DEFAULT_BIND = "127.0.0.1:50161"
 DEFAULT_METRICS_BIND = "127.0.0.1:50162"
@@ -129,6 +130,8 @@ class DaemonConfig:
     mirror: MirrorConfig | None = None
     #: where ``workers = N`` puts its internal socket's private directory (None: $TMPDIR)
     runtime_dir: str | None = None
+    #: ``[[authorization]]`` rules; None: no table at all (every client sees every pool)
+    authorization: tuple[AuthorizationRule, ...] | None = None
 
     def summary(self) -> str:
         """One line for ``check-config`` and the start-up log."""
@@ -137,6 +140,8 @@ class DaemonConfig:
         mode = "plaintext"
         if self.tls.enabled:
             mode = "mTLS" if self.tls.client_ca else "TLS"
+        if self.authorization is not None:
+            mode += f", {len(self.authorization)} authorization rule(s)"
         grpc = f"{format_bind(self.bind_host, self.bind_port)} ({mode})"
         metrics = (
             format_bind(self.metrics.host, self.metrics.port) if self.metrics.enabled else "off"
@@ -423,7 +428,21 @@ ENV_SECTIONS: tuple[tuple[str, str, dict[str, _Key]], ...] = (
     ("TLS_", "tls", TLS_KEYS),
     ("MIRROR_", "mirror", MIRROR_KEYS),
 )
-TOP_KEYS = ("relay", "pools", "logging", "metrics", "tls", "mirror")
+TOP_KEYS = ("relay", "pools", "logging", "metrics", "tls", "mirror", "authorization")
+#: ``[[authorization]]``: who (any of uri/dns/cn) sees which pools (any of the selectors);
+#: every value is a list of exact names or fnmatch globs (``service/authz.py``).
+def _names(v: list[str]) -> str | None:
+    for name in v:
+        problem = _text(name)
+        if problem is not None:
+            return f"{name!r}: {problem}"
+    return None
+
+
+AUTHORIZATION_KEYS: dict[str, _Key] = {
+    name: _Key("strs", None, check=_names)
+    for name in ("uri", "dns", "cn", "namespaces", "pools", "models")
+}
 
 #: Keys people bring from Dynamo's relay, and what kvrelay calls them (docs/dynamo.md).
 KEY_HINTS: dict[str, str] = {
@@ -704,6 +723,7 @@ def parse_config(
     limits = _limits(r, limits_vals)
 
     _check_tls(r, tls_vals)
+    authorization = _authorization(r, data.get("authorization"), tls_vals)
     mirror = None
     if mirror_raw is not None:
         mirror = _mirror(r, mirror_raw)
@@ -769,8 +789,35 @@ def parse_config(
         workers=relay["workers"],
         mirror=mirror,
         runtime_dir=_runtime_dir(relay["runtime_dir"], environ),
+        authorization=authorization,
     )
     return cfg, r.problems
+
+
+def _authorization(
+    r: _Reader, value: Any, tls: dict[str, Any]
+) -> tuple[AuthorizationRule, ...] | None:
+    """``[[authorization]]`` rules; they need client certificates (``[tls] client_ca``)."""
+    if value is None:
+        return None
+    raws = r.tables("authorization", value)
+    rules: list[AuthorizationRule] = []
+    for i, raw in enumerate(raws):
+        path = f"authorization[{i}]"
+        v = r.keys(path, raw, AUTHORIZATION_KEYS)
+        rule = AuthorizationRule(**{k: tuple(v[k] or ()) for k in AUTHORIZATION_KEYS})
+        if not (rule.uri or rule.dns or rule.cn):
+            r.err(path, "names no client: set uri, dns or cn (exact names or globs)")
+        if not (rule.namespaces or rule.pools or rule.models):
+            r.err(path, "selects no pool: set namespaces, pools or models (names or globs)")
+        for pattern in rule.pools:
+            if pattern.count("/") < 2:
+                r.err(f"{path}.pools", f"{pattern!r} is not namespace/component/endpoint")
+        rules.append(rule)
+    if not tls["client_ca"]:
+        r.err("authorization", "rules need client certificates: set [tls] cert, key and "
+              "client_ca (mutual TLS)")  # fmt: skip
+    return tuple(rules)
 
 
 def _runtime_dir(value: str | None, env: Mapping[str, str]) -> str | None:

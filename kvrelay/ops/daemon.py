@@ -267,6 +267,7 @@ class Daemon:
         self._probe_listeners()  # before the warm-up: a port in use fails now, named
         view = await self._start_source()
         from kvrelay.ops.tls import is_loopback  # (imported while the kernels warmed up)
+        from kvrelay.service.authz import authorization_of
         from kvrelay.service.server import RelayServer
 
         service: Any
@@ -283,6 +284,7 @@ class Daemon:
                 self.metrics.registry.register(WorkersCollector(self.front.supervisor))
         else:
             self.server = RelayServer(view, cfg.relay.limits)
+            self.server.service.set_authorization(authorization_of(cfg.authorization))
             inherited = None if self.handoff is None else self.handoff.listener("grpc")
             await self.server.start(cfg.bind_host, cfg.bind_port, ssl=context, sock=inherited)
             self.grpc_port = self.server.port
@@ -425,6 +427,11 @@ class Daemon:
                     "config_reload_rejected", path=str(path), problems=[str(p) for p in problems]
                 )
                 return ReloadResult("rejected", tuple(problems))
+            if self.relay is None and self._only_rules_changed(new):
+                self._apply_rules(new.authorization)  # a mirror's own rules reload live
+                self.cfg = dataclasses.replace(self.cfg, authorization=new.authorization)
+                self.reloads.outcome("applied")
+                return ReloadResult("applied", tuple(new.warnings))
             if self.relay is None:  # a mirror follows its upstream: nothing here to change
                 status = "reload rejected: a mirror applies a new configuration on restart"
                 self.reloads.outcome("rejected")
@@ -450,6 +457,8 @@ class Daemon:
                 self.reloads.outcome("failed")
                 _LOG.exception("config_reload_failed", path=str(path), error=f"{exc}")
                 return ReloadResult("failed")
+            if effective.authorization != self.cfg.authorization:
+                self._apply_rules(effective.authorization)
             restart += plan.restart_required
             if restart:
                 _LOG.warning("config_reload_restart_required", settings=restart)
@@ -464,6 +473,23 @@ class Daemon:
             return ReloadResult("applied", tuple(new.warnings), tuple(restart), summary)
         finally:
             self.notifier.ready(status)
+
+    def _only_rules_changed(self, new: DaemonConfig) -> bool:
+        """A file that differs from the running one in ``[[authorization]]`` alone."""
+        same = dataclasses.replace(
+            new, authorization=self.cfg.authorization, warnings=self.cfg.warnings
+        )
+        return same == self.cfg and new.authorization != self.cfg.authorization
+
+    def _apply_rules(self, rules: Any) -> None:
+        """New ``[[authorization]]`` rules to whatever serves the clients (the workers, each)."""
+        from kvrelay.service.authz import authorization_of
+
+        if self.front is not None:
+            self.front.set_authorization(rules)
+        elif self.server is not None:
+            self.server.service.set_authorization(authorization_of(rules))
+        _LOG.info("authorization_reloaded", rules=len(rules or ()))
 
     # ---- hot upgrade -----------------------------------------------------------------------------
 

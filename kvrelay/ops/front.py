@@ -12,6 +12,7 @@ so ``N−1`` workers admit up to ``N−1`` times each stream limit (``docs/scali
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -23,7 +24,8 @@ from kvrelay.contract.limits import RelayLimits
 from kvrelay.logging import get_logger
 from kvrelay.ops.config import DaemonConfig, MirrorConfig
 from kvrelay.ops.supervisor import Supervisor, reserve_port
-from kvrelay.ops.worker import WorkerSpec
+from kvrelay.ops.worker import AUTHZ_LINE, WorkerSpec, rules_json
+from kvrelay.service.authz import AuthorizationRule
 
 _LOG = get_logger("kvrelay.ops.front")
 
@@ -138,7 +140,14 @@ class WorkerFront:
             # a worker drains in a quarter of the daemon's bound, the supervisor waits half
             shutdown_timeout_s=cfg.shutdown_timeout_s / 2,
             sync_timeout_s=self.start_timeout_s,
+            authorization=rules_json(cfg.authorization),
         )
+
+    def set_authorization(self, rules: tuple[AuthorizationRule, ...] | None) -> None:
+        """A reload's rules: to every running worker now, and in the spec of any started later."""
+        self.cfg = replace(self.cfg, authorization=rules)
+        if self.supervisor is not None:
+            self.supervisor.broadcast(AUTHZ_LINE + json.dumps(rules_json(rules)))
 
     async def stop(self, grace_s: float) -> None:
         """Workers first (their router streams end with a clean EOF), then the internal socket."""

@@ -318,6 +318,21 @@ def guard_families(svc: object) -> Iterator[Metric]:
     for reason in (*ABUSE_REASONS, "request_timeout"):
         abuse.add_metric([reason], h2.get(reason, 0))
     yield abuse
+    authz = getattr(svc, "authz_stats", None)
+    denials, revoked = authz() if callable(authz) else ({}, 0)
+    denied = CounterMetricFamily(
+        "kvrelay_authorization_denials",
+        "Requests for an existing pool the client may not see under [[authorization]], answered as "
+        "for an absent pool (SubscribeKvPool, HoldPublication).", labels=["rpc"],
+    )  # fmt: skip
+    for rpc in ("SubscribeKvPool", "HoldPublication"):
+        denied.add_metric([rpc], denials.get(rpc, 0))
+    yield denied
+    yield CounterMetricFamily(
+        "kvrelay_authorization_revoked_streams",
+        "Pool streams ended PUBLICATION_UNAVAILABLE because a rules reload took their pool away.",
+        value=revoked,
+    )
 
 
 TlsSource = Callable[[], Iterable[Any]]  # () → LoadedCertificate-like (role, subject, not_after)

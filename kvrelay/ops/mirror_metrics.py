@@ -10,6 +10,7 @@ mirror daemon (mirror, service streams under the relay's metric names, loop lag)
 from __future__ import annotations
 
 import math
+import socket
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -193,12 +194,17 @@ class MirrorMetrics:
         return generate_latest(self.registry)
 
     async def start_http(
-        self, host: str, port: int, healthy: Callable[[], bool] | None = None
+        self,
+        host: str,
+        port: int,
+        healthy: Callable[[], bool] | None = None,
+        sock: socket.socket | None = None,
     ) -> int:
+        """As ``RelayMetrics.start_http`` (the daemon passes ``sock`` for either)."""
         self._http = MetricsServer(
             self.render, healthy or (lambda: True), counters=self.http_counters
         )
-        return await self._http.start(host, port)
+        return await self._http.start(host, port, sock)
 
     async def close(self) -> None:
         http, self._http = self._http, None

@@ -110,6 +110,7 @@ class Supervisor:
         self._watchers: list[asyncio.Task[None]] = []
         self._readers: set[asyncio.Task[None]] = set()
         self._exited_errors: dict[str, int] = {}  # final error counts of workers that exited
+        self._exited_authz: tuple[dict[str, int], int] = ({}, 0)  # and their authz counts
         self._stopping = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -197,6 +198,7 @@ class Supervisor:
             slot.exits += 1
             for reason, n in slot.stats.get("service", {}).get("errors", {}).items():
                 self._exited_errors[reason] = self._exited_errors.get(reason, 0) + int(n)
+            self._exited_authz = self._sum_authz([slot.stats], self._exited_authz)
             slot.stats = {}
             served = time.monotonic() - slot.started
             if served >= RESTART_RESET_S:
@@ -254,6 +256,35 @@ class Supervisor:
             if s.proc is not None and s.proc.returncode is None and s.ready is not None
             and s.ready.done() and not s.ready.exception()
         )  # fmt: skip
+
+    def broadcast(self, line: str) -> int:
+        """Write ``line`` to every running worker's stdin (new rules on a reload); a worker
+        started later gets them in its spec. Returns how many workers it went to."""
+        sent = 0
+        for s in self._slots:
+            proc = s.proc
+            if proc is None or proc.returncode is not None or proc.stdin is None:
+                continue
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                proc.stdin.write(line.encode() + b"\n")
+                sent += 1
+        return sent
+
+    @staticmethod
+    def _sum_authz(
+        reports: list[dict[str, Any]], base: tuple[dict[str, int], int]
+    ) -> tuple[dict[str, int], int]:
+        denials, revoked = dict(base[0]), base[1]
+        for report in reports:
+            authz = report.get("service", {}).get("authz", {})
+            for rpc, n in authz.get("denials", {}).items():
+                denials[rpc] = denials.get(rpc, 0) + int(n)
+            revoked += int(authz.get("revoked", 0))
+        return denials, revoked
+
+    def authz_stats(self) -> tuple[dict[str, int], int]:
+        """``KvEventRelayService.authz_stats`` summed over the workers (exited ones included)."""
+        return self._sum_authz([s.stats for s in self._slots], self._exited_authz)
 
     def worker_stats(self) -> list[dict[str, Any]]:
         """The last STATS report of every worker ({} while it is not serving)."""

@@ -3,7 +3,9 @@
 The supervisor (``ops/supervisor.py``) starts ``python -m kvrelay.ops.worker`` and writes one
 line of JSON (:class:`WorkerSpec`) to its stdin. The worker mirrors the ingest process over its
 UNIX socket, listens on the public address with ``SO_REUSEPORT`` (so router connections spread
-over the workers) and talks back on stdout, one line each: ``READY <port>`` once its mirror is
+over the workers), applies the ``[[authorization]]`` rules to the clients whose TLS it
+terminates (from the spec, then from each ``AUTHZ`` line a reload writes to its stdin) and talks
+back on stdout, one line each: ``READY <port>`` once its mirror is
 synchronized and its listener is up, then ``STATS <json>`` every ``stats_interval_s``.
 
 Lines go out through ``ReportPipe`` (a writer thread): a supervisor that reads late never
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import sys
 from dataclasses import asdict, dataclass, field, fields
@@ -27,6 +30,7 @@ from typing import Any
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.logging import configure, get_logger
 from kvrelay.ops.report_pipe import ReportPipe
+from kvrelay.service.authz import AuthorizationRule, authorization_of
 
 _LOG = get_logger("kvrelay.ops.worker")
 
@@ -49,6 +53,8 @@ class WorkerSpec:
     shutdown_timeout_s: float = 10.0
     sync_timeout_s: float = 60.0
     stats_interval_s: float = 1.0
+    #: ``[[authorization]]`` rules as JSON objects (None: no rules); later ones arrive on stdin
+    authorization: list[dict[str, list[str]]] | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -63,9 +69,47 @@ class WorkerSpec:
         return RelayLimits(**self.limits)
 
 
-async def run_worker(spec: WorkerSpec, stop: asyncio.Event, out: ReportPipe | None = None) -> int:
+#: A line the supervisor writes on a worker's stdin after the spec: new ``[[authorization]]``
+#: rules (a reload), ``AUTHZ <json list or null>``.
+AUTHZ_LINE = "AUTHZ "
+
+
+def rules_json(rules: tuple[AuthorizationRule, ...] | None) -> list[dict[str, list[str]]] | None:
+    return None if rules is None else [
+        {k: list(v) for k, v in asdict(rule).items()} for rule in rules
+    ]  # fmt: skip
+
+
+def rules_from_json(raw: Any) -> tuple[AuthorizationRule, ...] | None:
+    if raw is None:
+        return None
+    return tuple(AuthorizationRule(**{k: tuple(v) for k, v in r.items()}) for r in raw)
+
+
+@dataclass(slots=True)
+class WorkerControl:
+    """What the supervisor changes in a running worker: its rules (applied to the server once
+    it serves; until then kept for it)."""
+
+    rules: list[dict[str, list[str]]] | None = None
+    server: Any = None
+
+    def apply(self, rules: list[dict[str, list[str]]] | None) -> None:
+        self.rules = rules
+        if self.server is not None:
+            self.server.service.set_authorization(authorization_of(rules_from_json(rules)))
+
+
+async def run_worker(
+    spec: WorkerSpec,
+    stop: asyncio.Event,
+    out: ReportPipe | None = None,
+    control: WorkerControl | None = None,
+) -> int:
     """Mirror, serve, report (on ``out``, else stdout); returns the exit code once ``stop`` is
-    set."""
+    set. ``control`` carries rules that arrive later (stdin)."""
+    if control is None:
+        control = WorkerControl(spec.authorization)
     from kvrelay.mirror.mirror import Mirror
     from kvrelay.mirror.settings import MirrorSettings, UpstreamAddress
     from kvrelay.service.server import RelayServer
@@ -105,6 +149,8 @@ async def run_worker(spec: WorkerSpec, stop: asyncio.Event, out: ReportPipe | No
             _LOG.error("worker_sync_timeout", worker=spec.index, seconds=spec.sync_timeout_s)
             return 1
         server = RelayServer(mirror, limits)
+        control.server = server
+        control.apply(control.rules)  # before the listener: no client is served without them
         await server.start(spec.host, spec.port, ssl=context, reuse_port=True)
         _LOG.info("worker_serving", worker=spec.index, port=server.port)
         report_pipe.send(f"READY {server.port}", droppable=False)
@@ -126,7 +172,9 @@ async def run_worker(spec: WorkerSpec, stop: asyncio.Event, out: ReportPipe | No
 
 def _service_stats(server: Any) -> dict[str, Any]:
     streams, errors = server.service.stats()
-    return {"streams": {k: list(v) for k, v in streams.items()}, "errors": errors}
+    denials, revoked = server.service.authz_stats()
+    return {"streams": {k: list(v) for k, v in streams.items()}, "errors": errors,
+            "authz": {"denials": denials, "revoked": revoked}}  # fmt: skip
 
 
 async def _main(spec: WorkerSpec) -> int:
@@ -134,27 +182,45 @@ async def _main(spec: WorkerSpec) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    watch = asyncio.ensure_future(_parent_gone(stop))
+    control = WorkerControl(spec.authorization)
+    watch = asyncio.ensure_future(_parent_gone(stop, control))
     try:
-        return await run_worker(spec, stop)
+        return await run_worker(spec, stop, control=control)
     finally:
         watch.cancel()
 
 
-async def _parent_gone(stop: asyncio.Event) -> None:
-    """stdin closes when the supervisor dies (even by SIGKILL): stop then."""
+async def _parent_gone(stop: asyncio.Event, control: WorkerControl) -> None:
+    """Read the supervisor's later lines (new rules); stdin closes when the supervisor dies
+    (even by SIGKILL): stop then."""
     loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
+    reader = asyncio.StreamReader(limit=1 << 24)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    while await reader.read(4096):
-        pass
+    while line := await reader.readline():
+        text = line.decode(errors="replace")
+        if text.startswith(AUTHZ_LINE):
+            try:
+                control.apply(json.loads(text[len(AUTHZ_LINE) :]))
+            except (ValueError, TypeError) as exc:  # a supervisor bug: keep the rules it had
+                _LOG.error("worker_rules_unreadable", error=str(exc))
     _LOG.warning("worker_supervisor_gone")
     stop.set()
 
 
+def _spec_line() -> bytes:
+    """The first stdin line, read unbuffered: a buffered read could swallow a rules line sent
+    right after it, which the event loop's reader would then never see."""
+    out = bytearray()
+    while not out.endswith(b"\n"):
+        byte = os.read(sys.stdin.fileno(), 1)
+        if not byte:
+            break
+        out += byte
+    return bytes(out)
+
+
 def main() -> int:
-    line = sys.stdin.buffer.readline()
-    spec = WorkerSpec.from_json(line.decode())
+    spec = WorkerSpec.from_json(_spec_line().decode())
     configure(level=spec.log_level.upper(), json=spec.log_json)
     factory = None
     if spec.event_loop == "uvloop":

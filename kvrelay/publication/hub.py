@@ -711,7 +711,8 @@ class Subscription:
         return await self._payloads()
 
     def fail(self, error: RelayError) -> None:
-        """End this stream with ``error`` (a preemption), as a lagged subscriber is ended: the
+        """End this stream with ``error`` (a preemption, or its client lost the right to see the
+        pool), as a lagged subscriber is ended: the
         slot is released now, the pump raises it, and a client that never reads is reset after
         the stall grace."""
         self._fail(error)

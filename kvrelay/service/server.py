@@ -32,6 +32,7 @@ from kvrelay.contract.producer import producer_key
 from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION, TRAILER_KEY
 from kvrelay.publication.hub import Subscription
 from kvrelay.publication.plane import Plane, PlaneClosed, PlaneEnded, PlaneUnsupported
+from kvrelay.service.authz import Authorization, ClientIdentity, not_visible, revoked
 from kvrelay.service.codec import PassThroughCodec
 from kvrelay.service.h2.closing import ClosingServer
 from kvrelay.service.h2.guard import H2Budgets, H2Counters
@@ -110,6 +111,72 @@ class KvEventRelayService:
         #: a stream whose request message has not arrived after this long is ended
         self.request_timeout_s = REQUEST_TIMEOUT_S
         self.unsupported = 0  # streams ended UNIMPLEMENTED: the source lacks the plane
+        #: ``[[authorization]]`` rules (None: every client sees every pool); set_authorization
+        self.authorization: Authorization | None = None
+        self._rules_changed: asyncio.Future[None] | None = None
+        #: open pool streams → (their client, their pool), to end those a rules reload forbids
+        self._pool_clients: dict[Subscription, tuple[ClientIdentity, pb.ProducerIdentity]] = {}
+        #: rpc → requests answered POOL_NOT_FOUND because the client may not see the pool
+        self.authz_denials: dict[str, int] = {}
+        #: pool streams ended because a rules reload took their pool away
+        self.authz_revoked = 0
+
+    # --- authorization ---
+    def set_authorization(self, authorization: Authorization | None) -> None:
+        """Apply a rule set (a reload): plane streams re-send their current message filtered
+        anew, pool streams whose pool is no longer visible end as a withdrawn pool's do."""
+        self.authorization = authorization
+        changed, self._rules_changed = self._rules_changed, None
+        if changed is not None and not changed.done():
+            changed.set_result(None)
+        if authorization is None:
+            return
+        catalog = self._catalog_now()
+        for sub, (who, producer) in tuple(self._pool_clients.items()):
+            if not authorization.may_see(authorization.rights(who), producer, catalog):
+                self.authz_revoked += 1
+                sub.fail(revoked())
+
+    def may_see(self, stream: Stream[Any, Any], producer: pb.ProducerIdentity) -> bool:
+        """Whether this stream's client may see ``producer``'s pool under the current rules."""
+        auth = self.authorization
+        if auth is None:
+            return True
+        who = ClientIdentity.from_cert(stream.peer.cert())
+        return auth.may_see(auth.rights(who), producer, self._catalog_now())
+
+    def deny(self, rpc: str, producer: pb.ProducerIdentity) -> RelayError:
+        """The error for a pool this client may not see: an absent pool's; counted when the
+        pool exists (a request for a truly absent pool is no refusal)."""
+        auth = self.authorization
+        if auth is not None and auth.hides(producer, self._catalog_now()):
+            self.authz_denials[rpc] = self.authz_denials.get(rpc, 0) + 1
+        return not_visible()
+
+    def authz_stats(self) -> tuple[dict[str, int], int]:
+        """(rpc → requests refused for an invisible pool, pool streams ended by a reload)."""
+        return dict(self.authz_denials), self.authz_revoked
+
+    def _catalog_now(self) -> tuple[int, Any] | None:
+        try:
+            return self.view.catalog.current()
+        except (RelayError, PlaneUnsupported):
+            return None
+
+    def _rules_future(self) -> asyncio.Future[None]:
+        if self._rules_changed is None:
+            self._rules_changed = asyncio.get_running_loop().create_future()
+        return self._rules_changed
+
+    def _encode_for(
+        self, plane: _EncodedPlane, kind: str, version: int, message: Any, who: ClientIdentity
+    ) -> bytes:
+        """The plane message as this client may see it (the shared bytes without rules)."""
+        auth = self.authorization
+        if auth is None:
+            return plane.encode(version, message)
+        catalog = None if kind == "catalog" else self._catalog_now()
+        return auth.filtered(kind, version, message, auth.rights(who), catalog)
 
     # --- grpclib plumbing ---
     def __mapping__(self) -> dict[str, Handler]:
@@ -272,12 +339,15 @@ class KvEventRelayService:
         pending: asyncio.Future[T],
         timeout: float | None = None,
         preempted: asyncio.Future[None] | None = None,
+        rules: asyncio.Future[None] | None = None,
     ) -> bool:
-        """Wait for `pending`, server close or `preempted`; False if the server is closing."""
+        """Wait for `pending`, server close, `preempted` or (given) a rules change; False if
+        the server is closing."""
         assert self._closed is not None
         waits: tuple[asyncio.Future[Any], ...] = (pending, self._closed)
-        if preempted is not None:
-            waits += (preempted,)
+        for extra in (preempted, rules):
+            if extra is not None:
+                waits += (extra,)
         await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         return not self._closing
 
@@ -300,6 +370,8 @@ class KvEventRelayService:
         validate_stream_request(request.contract_marker, request.subscriber_id)
         ticket = self._admit(stream, kind, permits)
         self._closed_future()
+        who = ClientIdentity.from_cert(stream.peer.cert())
+        rules = self._rules_future()
         pending: asyncio.Future[tuple[int, Any]] | None = None
         loop = asyncio.get_running_loop()
         preempted: asyncio.Future[None] = loop.create_future()
@@ -311,16 +383,20 @@ class KvEventRelayService:
         ticket.on_preempt = wake
         try:
             version, message = plane.plane.current()
-            await self._send_plane(stream, kind, plane.encode(version, message))
+            first = self._encode_for(plane, kind, version, message, who)
+            await self._send_plane(stream, kind, first)
             ticket.check()
             next_tick = loop.time() + resend_every if resend_every is not None else None
             while not self._closing:
                 if pending is None:
                     pending = asyncio.ensure_future(plane.plane.wait_newer(version))
                 timeout = None if next_tick is None else max(0.0, next_tick - loop.time())
-                if not await self._until_newer(pending, timeout, preempted):
+                if not await self._until_newer(pending, timeout, preempted, rules):
                     return
                 ticket.check()  # preempted: end with RESOURCE_LIMIT (the status path below)
+                refiltered = rules.done()  # a rules reload: re-send what this client may see
+                if refiltered:
+                    rules = self._rules_future()
                 if pending.done():
                     try:
                         new_version, message = pending.result()
@@ -334,9 +410,11 @@ class KvEventRelayService:
                             f"fell {new_version - version} windows behind (max {max_gap})"
                         )
                     version = new_version
-                elif next_tick is None or loop.time() < next_tick:
+                elif not refiltered and (next_tick is None or loop.time() < next_tick):
                     continue
-                await self._send_plane(stream, kind, plane.encode(version, message))
+                await self._send_plane(
+                    stream, kind, self._encode_for(plane, kind, version, message, who)
+                )
                 if next_tick is not None:
                     now = loop.time()
                     while next_tick <= now:
@@ -388,10 +466,15 @@ class KvEventRelayService:
         try:
             if self._closing:
                 return
+            if not self.may_see(stream, expected):
+                raise self.deny("SubscribeKvPool", expected)  # exactly an absent pool's answer
             sub = await self.view.open_pool(expected, on_release=release)
             self._subscriptions.add(sub)
+            self._pool_clients[sub] = (ClientIdentity.from_cert(stream.peer.cert()), expected)
             if self._closing:
                 return
+            if not self.may_see(stream, expected):  # the rules changed while it opened
+                raise self.deny("SubscribeKvPool", expected)
             ticket.check()  # preempted while it opened
             ticket.on_preempt = sub.fail  # ends like a lagged subscriber: the pump raises it
             writer = StreamWriter(stream, self.limits.max_message_bytes)
@@ -408,6 +491,7 @@ class KvEventRelayService:
                 writer.close()
             if sub is not None:
                 self._subscriptions.discard(sub)
+                self._pool_clients.pop(sub, None)
                 sub.close()
             release()
 
@@ -438,7 +522,7 @@ class RelayServer:
         self.limits = limits or RelayLimits()
         self.service = KvEventRelayService(view, self.limits)
         self.health = RelayHealth(self.service)
-        self.spacing = SpacingService(view, self.service._relay_info)
+        self.spacing = SpacingService(view, self.service._relay_info, self.service)
         # the spacing service is kvrelay's own (not Dynamo's contract): not listed by reflection
         handlers = [*ServerReflection.extend(
             [self.service, self.health.service], pool=reflection_pool()

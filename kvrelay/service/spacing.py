@@ -12,7 +12,9 @@ Dynamo relay answers with UNIMPLEMENTED (the mirror then stops asking).
 Request: a ``SubscribeKvPoolRequest`` (contract marker, subscriber id = the requester,
 expected producer), checked as a subscription is; the spacing in milliseconds in the
 ``kvrelay-hold-ms`` header (0 ends the request). Reply: ``RelayInfo``. Errors are the
-subscription's (POOL_NOT_FOUND, PRODUCER_CHANGED, RESOURCE_LIMIT, …).
+subscription's (POOL_NOT_FOUND, PRODUCER_CHANGED, RESOURCE_LIMIT, …); a pool the client may not
+see under ``[[authorization]]`` is answered as an absent one (POOL_NOT_FOUND; a mirror's
+``absent_hold``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from grpclib.server import Stream
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.errors import RelayError
 from kvrelay.contract.producer import producer_key
+from kvrelay.service.authz import not_visible
 from kvrelay.service.status import status_of
 from kvrelay.service.validation import validate_stream_request
 
@@ -39,9 +42,11 @@ MAX_HOLD_MS = 60_000
 class SpacingService:
     """The handler; ``view`` is the served ``RelayView`` (its ``hold_pool``, when it has one)."""
 
-    def __init__(self, view: Any, relay_info: Any) -> None:
+    def __init__(self, view: Any, relay_info: Any, rights: Any = None) -> None:
         self.view = view
         self._relay_info = relay_info  # () -> RelayInfo bytes
+        #: the relay service's ``may_see``/``deny`` (``[[authorization]]``); None: no rules
+        self._rights = rights
         self.requests = 0
         self.refused = 0
 
@@ -67,6 +72,11 @@ class SpacingService:
             text = raw.decode() if isinstance(raw, bytes) else str(raw)
             if not text.isdigit() or int(text) > MAX_HOLD_MS:
                 raise RelayError.invalid_request(f"{HOLD_HEADER} must be 0..{MAX_HOLD_MS}")
+            rights = self._rights
+            if rights is not None and not rights.may_see(stream, request.expected_producer):
+                rights.deny("HoldPublication", request.expected_producer)
+                absent = getattr(self.view, "absent_hold", None)  # a mirror's own answer
+                raise absent() if absent is not None else not_visible()
             await hold(request.expected_producer, request.subscriber_id, int(text) / 1000.0)
             info = self._relay_info()
         except RelayError as err:

@@ -583,3 +583,76 @@ def test_runtime_dir_from_the_file_systemd_or_xdg(
     f = tmp_path / "k.toml"
     f.write_text(MINIMAL.replace('dc_name = "dc-test"\n', f'dc_name = "dc-test"\n{text}'))
     assert load_config(f, env=env).runtime_dir == expected
+
+
+# ---- [[authorization]] ---------------------------------------------------------------------------
+AUTHZ = """
+[[authorization]]
+uri = ["spiffe://cluster.local/ns/team-a/*"]
+namespaces = ["team-a"]
+
+[[authorization]]
+dns = ["router.team-b.svc"]
+cn = ["router-b"]
+pools = ["team-b/router/*"]
+models = ["llama-*"]
+"""
+
+
+def _mtls(tmp_path: Path, client_ca: bool = True) -> str:
+    pki = make_pki(tmp_path)
+    ca = f'client_ca = "{pki.client_ca}"\n' if client_ca else ""
+    return f'\n[tls]\ncert = "{pki.server_cert}"\nkey = "{pki.server_key}"\n{ca}'
+
+
+def test_authorization_rules_are_read_with_mutual_tls(tmp_path: Path) -> None:
+    from kvrelay.service.authz import AuthorizationRule
+
+    cfg, problems = _check(tmp_path, MINIMAL + _mtls(tmp_path) + AUTHZ)
+    assert problems == [] and cfg is not None
+    assert cfg.authorization == (
+        AuthorizationRule(uri=("spiffe://cluster.local/ns/team-a/*",), namespaces=("team-a",)),
+        AuthorizationRule(dns=("router.team-b.svc",), cn=("router-b",),
+                          pools=("team-b/router/*",), models=("llama-*",)),
+    )  # fmt: skip
+    assert "2 authorization rule(s)" in cfg.summary()
+    cfg, _ = _check(tmp_path, MINIMAL + _mtls(tmp_path))
+    assert cfg is not None and cfg.authorization is None  # no table: everyone sees everything
+
+
+@pytest.mark.parametrize(("tls", "path", "fragment"), [
+    ("none", "authorization", "need client certificates"),
+    ("server-only", "authorization", "need client certificates"),
+])  # fmt: skip
+def test_authorization_without_client_certificates_is_refused(
+    tmp_path: Path, tls: str, path: str, fragment: str
+) -> None:
+    extra = "" if tls == "none" else _mtls(tmp_path, client_ca=False)
+    cfg, problems = _check(tmp_path, MINIMAL + extra + AUTHZ)
+    assert cfg is None and fragment in _errors(problems)[path]
+
+
+@pytest.mark.parametrize(("rule", "path", "fragment"), [
+    ('namespaces = ["a"]', "authorization[0]", "names no client"),
+    ('uri = ["spiffe://x/*"]', "authorization[0]", "selects no pool"),
+    ('cn = ["r"]\npools = ["team-a/router"]', "authorization[0].pools",
+     "not namespace/component/endpoint"),
+    ('cn = ["r"]\nnamespace = ["a"]', "authorization[0].namespace", "unknown key"),
+])  # fmt: skip
+def test_authorization_rule_errors_name_the_rule(
+    tmp_path: Path, rule: str, path: str, fragment: str
+) -> None:
+    cfg, problems = _check(tmp_path, MINIMAL + _mtls(tmp_path) + f"\n[[authorization]]\n{rule}\n")
+    assert cfg is None and fragment in _errors(problems).get(path, ""), _errors(problems)
+
+
+def test_authorization_is_carried_to_the_fanout_workers(tmp_path: Path) -> None:
+    from kvrelay.ops.worker import WorkerSpec, rules_from_json, rules_json
+
+    cfg, problems = _check(tmp_path, _relay("workers = 2") + _mtls(tmp_path) + AUTHZ)
+    assert problems == [] and cfg is not None and cfg.authorization is not None
+    spec = WorkerSpec(index=1, upstream="unix:/x", host="h", port=1,
+                      authorization=rules_json(cfg.authorization))  # fmt: skip
+    assert rules_from_json(WorkerSpec.from_json(spec.to_json()).authorization) == (
+        cfg.authorization
+    )

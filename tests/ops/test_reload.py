@@ -325,3 +325,168 @@ async def test_systemctl_restart_under_traffic_keeps_the_filter_complete(tmp_pat
         await notes.close()
         for e in engines:
             await e.stop()
+
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_reload_changes_which_pools_each_client_sees(tmp_path: Path, workers: int) -> None:
+    """``[[authorization]]`` through the daemon (and, with ``workers = 2``, through its fan-out
+    worker): team A sees the pool, team B does not; a reload swaps them. A's open catalog stream
+    is re-sent without the pool (same revision), and its pool stream ends as a withdrawn pool's."""
+    from grpclib.const import Cardinality, Status
+    from grpclib.exceptions import GRPCError
+
+    from tests.support.certs import make_leaf
+    from tests.support.mem_relay import grpclib_collect, sub_request
+
+    pki = make_pki(tmp_path)
+    cca = (pki.client_ca, tmp_path / "client-ca.key")
+    a = make_leaf(tmp_path, "team-a", cca, server=False,
+                  sans=("URI:spiffe://cluster.local/ns/team-a/sa/router",))  # fmt: skip
+    b = make_leaf(tmp_path, "team-b", cca, server=False, sans=("DNS:router.team-b.svc",))
+    engine = SimEngine(SimConfig(name="az0", seed=95, capacity_blocks=32))
+    await engine.start()
+    tls = (f'\n[tls]\ncert = "{pki.server_cert}"\nkey = "{pki.server_key}"\n'
+           f'client_ca = "{pki.client_ca}"\n')  # fmt: skip
+    (tmp_path / "run").mkdir()
+    extra = f'workers = {workers}\nruntime_dir = "{tmp_path / "run"}"\n'
+
+    def rules(a_sees: str, b_sees: str) -> str:
+        return (f'\n[[authorization]]\nuri = ["spiffe://cluster.local/ns/team-a/*"]\n'
+                f'namespaces = ["{a_sees}"]\n'
+                f'\n[[authorization]]\ndns = ["router.team-b.svc"]\n'
+                f'pools = ["{b_sees}"]\n')  # fmt: skip
+
+    cfg_path = tmp_path / "kvrelay.toml"
+    base = _config(0, 0, [engine], extra=extra) + tls
+    cfg_path.write_text(base + rules("ns", "other/x/y"))
+    daemon = Daemon(load_config(cfg_path), Notifier({}), config_path=cfg_path)
+
+    def channel(cert: tuple[Path, Path]) -> Channel:
+        ctx = client_ssl_context(str(pki.server_ca), str(cert[0]), str(cert[1]))
+        return Channel("127.0.0.1", daemon.grpc_port, ssl=ctx)
+
+    async def pools_seen(cert: tuple[Path, Path]) -> int:
+        async with channel(cert) as ch:
+            request = pb.WatchKvPoolCatalogRequest(subscriber_id="t", contract_marker=0x4B565231)
+            res = await grpclib_collect(
+                ch, "WatchKvPoolCatalog", request, pb.KvPoolCatalogUpdate, limit=1
+            )
+            assert res.status is None
+            snap = res.messages[0].snapshot
+            return 0 if snap is None else len(snap.pools)
+
+    svc = "/dynamo.kvrelay.v1.KvEventRelay/"
+    try:
+        await daemon.start()
+        assert (daemon.front is not None) == (workers > 1)  # the worker serves these clients
+        ch_a = channel(a)
+        producer = await catalog_producer(ch_a)  # team A sees the pool once it materializes
+        assert await pools_seen(b) == 0
+        async with channel(b) as ch_b:
+            hidden = await grpclib_collect(ch_b, "SubscribeKvPool", sub_request(producer, "b"),
+                                           pb.FilterUpdate, limit=1)  # fmt: skip
+        assert hidden.status == Status.NOT_FOUND
+
+        def denials() -> float:  # from the worker's reports when it serves the clients
+            from prometheus_client.parser import text_string_to_metric_families
+
+            return sum(s.value for fam in text_string_to_metric_families(
+                daemon.metrics.render().decode()) if fam.name == "kvrelay_authorization_denials"
+                for s in fam.samples if s.labels.get("rpc") == "SubscribeKvPool")  # fmt: skip
+
+        await eventually(lambda: denials() == 1, what="the denial counted")
+        async with (
+            ch_a.request(svc + "WatchKvPoolCatalog", Cardinality.UNARY_STREAM,
+                         pb.WatchKvPoolCatalogRequest, pb.KvPoolCatalogUpdate) as cat,
+            ch_a.request(svc + "SubscribeKvPool", Cardinality.UNARY_STREAM,
+                         pb.SubscribeKvPoolRequest, pb.FilterUpdate) as pool,
+        ):  # fmt: skip
+            await cat.send_message(pb.WatchKvPoolCatalogRequest(
+                subscriber_id="a", contract_marker=0x4B565231), end=True)  # fmt: skip
+            first = await cat.recv_message()
+            assert first is not None and first.snapshot is not None and first.snapshot.pools
+            await pool.send_message(sub_request(producer, "a"), end=True)
+            assert await asyncio.wait_for(pool.recv_message(), scaled(20)) is not None
+            cfg_path.write_text(base + rules("other", "ns/backend/*"))
+            result = await daemon.reload(cfg_path)
+            assert result.result == "applied"
+            again = await asyncio.wait_for(cat.recv_message(), scaled(20))
+            assert again is not None and again.revision == first.revision
+            assert again.snapshot is None or not again.snapshot.pools
+            await cat.cancel()
+            with pytest.raises(GRPCError) as ended:
+                async with asyncio.timeout(scaled(20)):
+                    while await pool.recv_message() is not None:
+                        pass
+                    await pool.recv_trailing_metadata()
+            assert ended.value.status == Status.UNAVAILABLE
+        assert await pools_seen(b) == 1
+        ch_a.close()
+    finally:
+        await daemon.stop()
+        await engine.stop()
+
+
+async def test_a_mirror_reloads_its_rules_live_and_nothing_else(tmp_path: Path) -> None:
+    """A mirror daemon applies a file that changes only ``[[authorization]]``; any other change
+    is still rejected (a mirror applies its configuration on restart)."""
+    from kvrelay.service.server import RelayServer
+    from tests.support.certs import make_leaf
+    from tests.support.mem_relay import MemRelayView, grpclib_collect
+
+    pki = make_pki(tmp_path)
+    a = make_leaf(tmp_path, "team-a", (pki.client_ca, tmp_path / "client-ca.key"), server=False,
+                  sans=("URI:spiffe://cluster.local/ns/team-a/sa/router",))  # fmt: skip
+    view = MemRelayView()
+    view.add_pool("p1", 4096)  # serving endpoint ns/c/e
+    upstream = RelayServer(view)
+    await upstream.start("127.0.0.1", 0)
+    text = f"""
+[relay]
+bind = "127.0.0.1:0"
+
+[metrics]
+bind = "127.0.0.1:0"
+
+[mirror]
+upstream = "127.0.0.1:{upstream.port}"
+
+[tls]
+cert = "{pki.server_cert}"
+key = "{pki.server_key}"
+client_ca = "{pki.client_ca}"
+
+[[authorization]]
+uri = ["spiffe://cluster.local/ns/team-a/*"]
+namespaces = ["NS"]
+"""
+    cfg_path = tmp_path / "mirror.toml"
+    cfg_path.write_text(text)
+    daemon = Daemon(load_config(cfg_path), Notifier({}), config_path=cfg_path)
+
+    async def seen() -> int:
+        ctx = client_ssl_context(str(pki.server_ca), str(a[0]), str(a[1]))
+        async with Channel("127.0.0.1", daemon.grpc_port, ssl=ctx) as ch:
+            request = pb.WatchKvPoolCatalogRequest(subscriber_id="a", contract_marker=0x4B565231)
+            res = await grpclib_collect(
+                ch, "WatchKvPoolCatalog", request, pb.KvPoolCatalogUpdate, limit=1
+            )
+        snap = res.messages[0].snapshot
+        return 0 if snap is None else len(snap.pools)
+
+    try:
+        await daemon.start()
+        assert daemon.relay is None  # a mirror
+        assert await seen() == 0  # globs are case-sensitive: "NS" is not "ns"
+        cfg_path.write_text(text.replace('namespaces = ["NS"]', 'namespaces = ["n?"]'))
+        result = await daemon.reload(cfg_path)
+        assert result.result == "applied"
+        assert await seen() == 1
+        cfg_path.write_text(text.replace('namespaces = ["NS"]', 'namespaces = ["n?"]')
+                            .replace('[mirror]', '[mirror]\nsync_wait_s = 3.0'))  # fmt: skip
+        assert (await daemon.reload(cfg_path)).result == "rejected"
+        assert await seen() == 1
+    finally:
+        await daemon.stop()
+        await upstream.close(grace_s=0.5)

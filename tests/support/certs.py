@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import secrets
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,10 +31,20 @@ def make_ca(d: Path, name: str) -> tuple[Path, Path]:
     return crt, key
 
 
-def make_leaf(d: Path, name: str, ca: tuple[Path, Path], *, server: bool) -> tuple[Path, Path]:
+def make_leaf(
+    d: Path,
+    name: str,
+    ca: tuple[Path, Path],
+    *,
+    server: bool,
+    sans: Sequence[str] = (),
+    cn: str | None = None,
+) -> tuple[Path, Path]:
+    """A leaf certificate; ``sans`` adds client SANs such as ``URI:spiffe://…`` or
+    ``DNS:router.team-b``; ``cn`` the subject CN (default ``name``)."""
     crt, key, csr, ext = (d / f"{name}.{s}" for s in ("crt", "key", "csr", "ext"))
-    _run("req", "-new", *_EC, "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={name}",
-         cwd=d)
+    _run("req", "-new", *_EC, "-keyout", str(key), "-out", str(csr),
+         "-subj", f"/CN={cn or name}", cwd=d)  # fmt: skip
     lines = [
         "basicConstraints=critical,CA:FALSE",
         "keyUsage=critical,digitalSignature,keyEncipherment",
@@ -43,6 +54,8 @@ def make_leaf(d: Path, name: str, ca: tuple[Path, Path], *, server: bool) -> tup
     ]
     if server:
         lines.append("subjectAltName=DNS:localhost,IP:127.0.0.1,IP:::1")
+    elif sans:
+        lines.append("subjectAltName=" + ",".join(sans))
     ext.write_text("\n".join(lines) + "\n")
     _run(
         "x509", "-req", "-in", str(csr), "-CA", str(ca[0]), "-CAkey", str(ca[1]),

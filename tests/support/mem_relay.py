@@ -130,6 +130,8 @@ class Generation:
         self.retired = False
         self._hub: PublicationHub | None = None
         self.hub_inits = 0
+        #: the catalog's serving endpoint (None: ns/c/e); republish the catalog after setting
+        self.endpoint: pb.DynamoEndpointId | None = None
 
     @property
     def hub_or_none(self) -> PublicationHub | None:
@@ -192,9 +194,8 @@ class MemRelayView:
             [
                 pb.KvPoolDescriptor(
                     producer=g.producer,
-                    serving_endpoint=pb.DynamoEndpointId(
-                        namespace="ns", component="c", endpoint="e"
-                    ),
+                    serving_endpoint=g.endpoint
+                    or pb.DynamoEndpointId(namespace="ns", component="c", endpoint="e"),
                     registrations=[
                         pb.ModelRegistration(
                             canonical_model_id="m",
@@ -344,14 +345,22 @@ EIGHT_MIB = 8 * 1024 * 1024
 class GrpcioClient:
     """grpc.aio + official protobuf stubs (the independent peer)."""
 
-    def __init__(self, pb2: dict[str, ModuleType], port: int) -> None:
+    def __init__(
+        self,
+        pb2: dict[str, ModuleType],
+        port: int,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self.m = pb2["relay"]
-        self.channel = grpc.aio.insecure_channel(
-            f"127.0.0.1:{port}",
-            options=[
-                ("grpc.max_receive_message_length", EIGHT_MIB),
-                ("grpc.max_send_message_length", EIGHT_MIB),
-            ],
+        options = [
+            ("grpc.max_receive_message_length", EIGHT_MIB),
+            ("grpc.max_send_message_length", EIGHT_MIB),
+        ]
+        target = f"127.0.0.1:{port}"
+        self.channel = (
+            grpc.aio.insecure_channel(target, options=options)
+            if credentials is None
+            else grpc.aio.secure_channel(target, credentials, options=options)
         )
         self.stub = pb2["relay_grpc"].KvEventRelayStub(self.channel)
 
