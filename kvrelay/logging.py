@@ -105,7 +105,10 @@ def configure(
             renderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        # one write per line (print() writes the line and its newline apart): a hot upgrade's
+        # two processes share one stderr, and unbuffered (PYTHONUNBUFFERED=1, as the units set)
+        # their lines would otherwise interleave mid-line
+        logger_factory=structlog.WriteLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
 

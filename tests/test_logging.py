@@ -138,3 +138,29 @@ def test_grpclib_cancelled_requests_go_to_debug() -> None:
             assert cancelled[0]["level"] == "debug"
         assert any(x["event"] == "other grpclib news" and x["level"] == "info" for x in lines)
         record.levelno, record.levelname = logging.INFO, "INFO"  # handle() re-levelled it
+
+
+def test_two_processes_sharing_an_unbuffered_stderr_never_split_a_line(tmp_path: Path) -> None:
+    """A hot upgrade's old and new process write to one inherited stderr, unbuffered under the
+    shipped units (PYTHONUNBUFFERED=1): every JSON line must reach the file in one piece."""
+    import subprocess
+
+    code = (
+        "from kvrelay import logging as L\n"
+        "L.configure(level='INFO', json=True)\n"
+        "log = L.get_logger('kvrelay.test')\n"
+        "for i in range(3000):\n"
+        "    log.info('line', i=i, pad='x' * 40)\n"
+    )
+    out = tmp_path / "shared.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with out.open("w") as f:
+        procs = [
+            subprocess.Popen([sys.executable, "-c", code], stderr=f, env=env,
+                             cwd=Path(__file__).resolve().parents[1])
+            for _ in range(2)
+        ]  # fmt: skip
+        assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    lines = out.read_text().splitlines()
+    assert len(lines) == 6000
+    assert sorted(json.loads(ln)["i"] for ln in lines) == sorted(list(range(3000)) * 2)
