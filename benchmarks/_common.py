@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._load import load_at_start
+from benchmarks._load import load_at_start, tree_pids
 
 ROOT = Path(__file__).resolve().parent.parent
 # KVRELAY_BENCH_RESULTS / KVRELAY_BENCH_WORK: a smoke run (tests/benchmarks) writes elsewhere,
@@ -66,18 +66,6 @@ def proc_sample(pid: int) -> ProcSample:
             elif line.startswith("VmHWM:"):
                 peak = int(line.split()[1]) * 1024
     return ProcSample(time.time(), cpu, rss, peak)
-
-
-def tree_pids(pid: int) -> list[int]:
-    """``pid`` and its descendants (Dynamo's mocker spawns helpers)."""
-    out = [pid]
-    try:
-        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        return out
-    for k in kids:
-        out.extend(tree_pids(int(k)))
-    return out
 
 
 def tree_sample(pid: int) -> ProcSample:

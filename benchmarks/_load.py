@@ -19,21 +19,23 @@ from typing import Any
 QUIET_SHARE = 0.5
 
 
+def tree_pids(pid: int) -> list[int]:
+    """``pid`` and its descendants (Dynamo's mocker spawns helpers)."""
+    out = [pid]
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return out
+    for k in kids:
+        out.extend(tree_pids(int(k)))
+    return out
+
+
 def _own_running() -> int:
     """Processes of this benchmark's tree (this process and its descendants) that are running
     or runnable now: the load average counts them, and they are not somebody else's load."""
-    def walk(pid: int) -> list[int]:
-        out = [pid]
-        try:
-            kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        except OSError:
-            return out
-        for k in kids:
-            out.extend(walk(int(k)))
-        return out
-
     n = 0
-    for pid in walk(os.getpid()):
+    for pid in tree_pids(os.getpid()):
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:

@@ -1,7 +1,7 @@
 """Server-streaming calls with grpclib that keep the ``kv-relay-error-reason`` trailer.
 
 The generated stub raises ``GRPCError`` without trailers, so streams go through
-``Channel.request`` and ``stream.trailing_metadata`` (STACK.md). Every way a stream ends becomes
+``Channel.request`` and ``stream.trailing_metadata``. Every way a stream ends becomes
 one :class:`StreamEnd` with a stable reason string; consumer violations raised by the message
 callback propagate unchanged (the ``async with`` then resets the HTTP/2 stream).
 """
