@@ -11,7 +11,8 @@ logging, no sockets, no event loop, nothing that could take a lock another threa
 fork. It runs at a lower priority (``nice`` 10, the relay's own work goes first) and is killed
 if the relay dies (``PR_SET_PDEATHSIG``), so a crash leaves no child behind. The parent learns
 the outcome through a ``pidfd`` on its event loop: :class:`Child.done` resolves to
-``(ok, text)``.
+``(ok, text)``. Once it has ended, ``relay/hugepages.py`` folds the huge pages the child's
+copy-on-write image made the relay split, so the next fork costs what the first one did.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import ctypes
 import os
 import signal
 from collections.abc import Callable
+
+from kvrelay.relay import hugepages
 
 _PR_SET_PDEATHSIG = 1
 REPORT_MAX = 16 << 10  # well under a pipe's capacity: the child never blocks on it
@@ -81,6 +84,7 @@ class Child:
         text = b"".join(chunks).decode(errors="replace") or f"child exited with {code}"
         if not self.done.done():
             self.done.set_result((code == 0, text))
+        hugepages.fold_soon()  # the child split huge pages: fold them before the next cut
 
     def kill(self) -> None:
         """End the child now (its result: not ok)."""
