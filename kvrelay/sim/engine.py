@@ -324,15 +324,19 @@ def _stable_seed(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "big")
 
 
-async def _retry_bind(pub: RankPublisher, attempts: int = 50) -> None:
-    """Bind, retrying briefly: a port just released by a restart can linger in the IO thread."""
-    for i in range(attempts):
+async def _retry_bind(pub: RankPublisher, within_s: float = 5.0) -> None:
+    """Bind, retrying for up to ``within_s`` while the port is in use. An engine restarting on its
+    old port finds it taken for a moment: the port lingers in the IO thread after a restart, or
+    one of the relay's reconnect attempts took it as its own local end (TCP's self-connect on
+    loopback) until ZMQ drops that connection. A fixed attempt count (1 s) was not enough."""
+    deadline = time.monotonic() + within_s
+    while True:
         try:
             await pub.start()
             return
         except zmq.ZMQError as exc:
             await pub.close()
-            if exc.errno != zmq.EADDRINUSE or i == attempts - 1:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
                 raise
             await asyncio.sleep(0.02)
 
