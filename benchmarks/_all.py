@@ -1,24 +1,33 @@
 """Every committed result from one commit: ``python -m benchmarks.run --all`` (``make bench
 FULL=1``), about two hours on two cores.
 
+Before each step it waits for the 1-min load average to fall back under the quiet limit
+(``settle``), so that a step is not judged by the load of the one before it.
+
 Each step is a benchmark script run as a subprocess, in an order where a result that reads
 another one runs after it (the scaling model reads ``workers-full``, the heavy side by side the
 light one). Afterwards every result's machine block must name this commit with no local
-changes, ``results/INDEX.md`` is rewritten, and results measured on a machine that was not quiet
-are listed: those are not comparable with quiet runs (benchmarks/README.md, "On a loaded
-machine"). A tree with modified tracked files is refused unless ``--allow-dirty``.
+changes (the results the run itself rewrites do not count), ``results/INDEX.md`` is rewritten,
+and results measured on a machine that was not quiet are listed: those are not comparable with
+quiet runs (benchmarks/README.md, "On a loaded machine"). A tree with modified tracked files
+is refused unless ``--allow-dirty``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from benchmarks._common import PY, RESULTS, ROOT, machine
-from benchmarks._load import load_at_start, warn_if_loaded
+from benchmarks._load import QUIET_SHARE, load_at_start, warn_if_loaded
+
+#: The longest wait between two steps for the load average to settle (``settle``): from the
+#: 2.5–3 a heavy step leaves on two cores it falls under 1 in about a minute.
+SETTLE_MAX_S = 150.0
 
 #: (what, argv after ``python -m``, the result stems it writes)
 STEPS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
@@ -54,6 +63,20 @@ def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] all: {msg}", flush=True)
 
 
+def settle(max_wait_s: float = SETTLE_MAX_S, poll_s: float = 5.0) -> float:
+    """Wait until the 1-min load average is back within the quiet limit (or ``max_wait_s``); the
+    seconds waited. Each result judges the machine by that average at its start, and the
+    average still carries the step before for a minute after it ended: without the wait, every
+    step after a heavy one would be flagged as measured on a loaded machine although nothing
+    else ran. It only waits; it never hides load: a step started past ``max_wait_s`` is judged
+    like any other."""
+    limit = QUIET_SHARE * (os.cpu_count() or 1)
+    t0 = time.monotonic()
+    while os.getloadavg()[0] > limit and time.monotonic() - t0 < max_wait_s:
+        time.sleep(poll_s)
+    return time.monotonic() - t0
+
+
 def provenance_problems(commit: str, results: Path = RESULTS) -> tuple[list[str], list[str]]:
     """(results not from ``commit`` with a clean tree, results from a machine not quiet)."""
     stale, loaded = [], []
@@ -79,6 +102,9 @@ def regenerate(allow_dirty: bool = False) -> int:
     t0 = time.monotonic()
     failed = []
     for what, argv, _ in STEPS:
+        waited = settle()
+        if waited:
+            _log(f"waited {waited:.0f} s for the previous step's load to leave the 1-min average")
         _log(f"{what}: python -m {' '.join(argv)}")
         t = time.monotonic()
         rc = subprocess.call([PY, "-m", *argv], cwd=ROOT)

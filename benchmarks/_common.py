@@ -106,6 +106,18 @@ def percentiles(values: Any, scale: float = 1.0) -> dict[str, float | int | None
 # ---- machine -------------------------------------------------------------------------------------
 
 
+def tracked_changes(root: Path) -> list[str]:
+    """Tracked files edited since HEAD, outside ``benchmarks/results/``: a result rewritten by
+    the run itself (``benchmarks.run --all`` writes them one after another) does not make the
+    measured code dirty."""
+    out = subprocess.run(
+        ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--", ".",
+         ":(exclude)benchmarks/results"],
+        capture_output=True, text=True, timeout=5, check=True,
+    ).stdout  # fmt: skip
+    return [line[3:] for line in out.splitlines() if line.strip()]
+
+
 def machine() -> dict[str, Any]:
     """CPU model, cores, kernel, Python and the versions of the packages on the measured path."""
     cpu = "unknown"
@@ -137,10 +149,7 @@ def machine() -> dict[str, Any]:
             ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
             capture_output=True, text=True, timeout=5,
         ).stdout.strip()
-        dirty = bool(subprocess.run(  # tracked files edited since that commit
-            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=5,
-        ).stdout.strip())
+        dirty = bool(tracked_changes(ROOT))
     except (OSError, subprocess.SubprocessError):
         commit, dirty = "", False
     return {

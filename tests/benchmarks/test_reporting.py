@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks._all import STEPS, provenance_problems
-from benchmarks._common import RESULTS
+from benchmarks._common import RESULTS, tracked_changes
 from benchmarks._heavy_report import (
     heavy_markdown,
     median,
@@ -114,3 +114,39 @@ def test_provenance_problems(tmp_path: Path) -> None:
     assert stale == ["dirty.json: commit abc1234 + local changes", "none.json: commit None",
                      "old.json: commit 0000000"]
     assert loaded == ["loaded.json: 1-min load average 7.7"]
+
+
+def test_a_result_rewritten_by_the_run_is_not_a_local_change(tmp_path: Path) -> None:
+    """``benchmarks.run --all`` rewrites results one after another: those must not make every
+    later step's code "dirty", while an edited source file must."""
+    import subprocess
+
+    def git(*argv: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *argv], check=True, capture_output=True)
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.invalid")
+    git("config", "user.name", "t")
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "pool.json").write_text("{}")
+    (tmp_path / "kvrelay.py").write_text("x = 1\n")
+    git("add", "-A")
+    git("commit", "-qm", "base")
+    assert tracked_changes(tmp_path) == []
+    (tmp_path / "benchmarks" / "results" / "pool.json").write_text('{"new": 1}')
+    assert tracked_changes(tmp_path) == []
+    (tmp_path / "kvrelay.py").write_text("x = 2\n")
+    assert tracked_changes(tmp_path) == ["kvrelay.py"]
+
+
+def test_settle_waits_only_while_the_load_average_is_over_the_limit() -> None:
+    import os
+
+    from benchmarks._all import settle
+    from benchmarks._load import QUIET_SHARE
+
+    over = os.getloadavg()[0] > QUIET_SHARE * (os.cpu_count() or 1)
+    waited = settle(max_wait_s=0.2, poll_s=0.05)
+    assert waited < 1.0  # bounded by max_wait_s
+    if not over and os.getloadavg()[0] <= QUIET_SHARE * (os.cpu_count() or 1):
+        assert waited < 0.05  # a quiet machine: no wait at all
