@@ -25,7 +25,7 @@ def test_the_check_finds_the_readme_figures() -> None:
     """It does look: the README's headline figures are parsed, each with the result named."""
     figs = list(bf.figures(bf.ROOT / "README.md"))
     texts = {f.text for f in figs}
-    assert "800,400 block events/s" in texts and "1.6M block events/s" in texts
+    assert "799,958 block events/s" in texts and "1.2M" in texts
     assert all(f.results for f in figs)
 
 
@@ -33,32 +33,32 @@ def test_a_figure_the_results_do_not_hold_is_caught(tmp_path: Path) -> None:
     doc = tmp_path / "doc.md"
     doc.write_text(
         "The short run ([r](benchmarks/results/relay_e2e.md)) sustained 400,800 block "
-        "events/s, a delta p50 of 0.33 ms and 1.1–1.2 ms.\n\n"
-        "| it sustained | 50,797 block events/s |\n\n"
+        "events/s, a delta p50 of 0.24 ms and 1.15–1.26 ms.\n\n"
+        "| it sustained | 400,006 block events/s |\n\n"
         "A criterion paragraph naming results/relay_e2e.md <!-- bench-figures: none --> "
         "above 2 × 25 ms.\n\n"
         "No result named: 400,800 block events/s, 20 ms.\n\n"
-        "- a list item naming results/relay_e2e.md: 50,797 block events/s\n"
+        "- a list item naming results/relay_e2e.md: 400,006 block events/s\n"
         "- the next item names none: 3 ms\n")
     figs = list(bf.figures(doc))
     bad = sorted((f.text, f.results) for f in figs if not bf.found(f))
-    # 400,800 was the README's figure from an older run: relay_e2e holds 50,797 (and 0.329,
-    # 1.116, 1.182); the table quotes what the paragraph above it names; the marked paragraph
-    # is not read; in a paragraph that names no result only an ingest rate counts, and fails
+    # relay_e2e holds 400,006 (and 0.24, 1.15, 1.26), not 400,800; the table quotes what the
+    # paragraph above it names; the marked paragraph is not read; in a paragraph that names no
+    # result only an ingest rate counts, and fails
     assert bad == [("400,800 block events/s", ()), ("400,800 block events/s", ("relay_e2e",))]
     assert sorted(f.text for f in figs) == [  # a range gives one figure per end
-        "0.33 ms", "1.1–1.2 ms", "1.1–1.2 ms", "400,800 block events/s",
-        "400,800 block events/s", "50,797 block events/s", "50,797 block events/s"]
+        "0.24 ms", "1.15–1.26 ms", "1.15–1.26 ms", "400,006 block events/s",
+        "400,006 block events/s", "400,800 block events/s", "400,800 block events/s"]
 
 
 def test_precision_is_the_quoted_one(tmp_path: Path) -> None:
     doc = tmp_path / "doc.md"
     doc.write_text("From benchmarks/results/relay_e2e-full.md: 0.8M block events/s, 800 K "
-                   "events/s, 800,400 block events/s, 800,401 block events/s, 1.1M ev/s.\n")
+                   "events/s, 799,958 block events/s, 799,959 block events/s, 4.4M ev/s.\n")
     found = {f.text: bf.found(f) for f in bf.figures(doc)}
     assert found == {"0.8M block events/s": True, "800 K events/s": True,
-                     "800,400 block events/s": True, "800,401 block events/s": False,
-                     "1.1M ev/s": False}
+                     "799,958 block events/s": True, "799,959 block events/s": False,
+                     "4.4M ev/s": False}
 
 
 def test_results_index_is_current() -> None:
