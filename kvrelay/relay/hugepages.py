@@ -118,10 +118,15 @@ def idle() -> bool:
 def fold_soon() -> None:
     """Start a pass on a worker thread, unless one is running (call on the event loop)."""
     global _running
-    if not _supported or (_running is not None and not _running.done()):
+    if not _supported:
         return
-    with contextlib.suppress(RuntimeError):  # no running loop (a child, a closing loop)
+    try:
         loop = asyncio.get_running_loop()
+    except RuntimeError:  # no running loop (a child, a closing loop)
+        return
+    if _running is not None and not _running.done() and _running.get_loop() is loop:
+        return  # one pass at a time (a pass left pending by another, closed loop is not one)
+    with contextlib.suppress(RuntimeError):  # the loop's executor is shutting down
         _running = loop.run_in_executor(None, fold)
         _running.add_done_callback(_logged)
 
