@@ -103,7 +103,7 @@ def regenerate(allow_dirty: bool = False) -> int:
     failed = []
     for what, argv, _ in STEPS:
         waited = settle()
-        if waited:
+        if waited >= 1.0:
             _log(f"waited {waited:.0f} s for the previous step's load to leave the 1-min average")
         _log(f"{what}: python -m {' '.join(argv)}")
         t = time.monotonic()

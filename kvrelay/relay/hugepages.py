@@ -53,7 +53,7 @@ def dense_spans(smaps: str) -> list[tuple[int, int]]:
     text of ``/proc/self/smaps``) that are at least 3/4 resident and not already all on huge
     pages: ``(start, length)`` each."""
     spans: list[tuple[int, int]] = []
-    cur: tuple[int, int] | None = None
+    cur: tuple[int, int, int] | None = None  # (mapping size, aligned start, aligned end)
     rss = 0
     for line in smaps.splitlines():
         head = line.split(None, 5)
@@ -65,14 +65,13 @@ def dense_spans(smaps: str) -> list[tuple[int, int]]:
                 lo, hi = (int(x, 16) for x in head[0].split("-"))
                 start, end = (lo + HUGE - 1) // HUGE * HUGE, hi // HUGE * HUGE
                 if end > start:
-                    cur = (lo, hi)
+                    cur = (hi - lo, start, end)
         elif cur is not None and line.startswith("Rss:"):
             rss = int(line.split()[1]) * 1024
         elif cur is not None and line.startswith("AnonHugePages:"):
-            lo, hi = cur
+            size, start, end = cur
             huge = int(line.split()[1]) * 1024
-            start, end = (lo + HUGE - 1) // HUGE * HUGE, hi // HUGE * HUGE
-            if rss >= _DENSE * (hi - lo) and huge < end - start:
+            if rss >= _DENSE * size and huge < end - start:
                 spans.append((start, end - start))
             cur = None
     return spans
