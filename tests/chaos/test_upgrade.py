@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import json
 import os
 import signal
@@ -28,6 +27,7 @@ import numpy as np
 import pytest
 from grpclib.client import Channel
 
+from benchmarks.bench_upgrade import Dialer
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
 from tests.support.commands import REPO, clean_env
@@ -78,38 +78,6 @@ expected_blocks = 8192
 def _fingerprints(table: np.ndarray | None) -> int:
     """Occupied slots of a CKF table (four 16-bit fingerprints per bucket, 0 = empty)."""
     return -1 if table is None else int(np.count_nonzero(table.view(np.uint16)))
-
-
-class Dialer:
-    """Connects to the port in a loop (a new TCP connection every few ms), counting refusals."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.connects = 0
-        self.refused = 0
-        self._stopping = False
-        self.task = asyncio.create_task(self._run())
-
-    async def _run(self) -> None:
-        while not self._stopping:  # (3.11's wait_for may swallow a cancel: a flag as well)
-            try:
-                async with asyncio.timeout(5):
-                    _, w = await asyncio.open_connection("127.0.0.1", self.port)
-            except OSError as exc:
-                if exc.errno == errno.ECONNREFUSED:
-                    self.refused += 1
-            else:
-                self.connects += 1
-                w.close()
-                with contextlib.suppress(OSError):
-                    await w.wait_closed()
-            await asyncio.sleep(0.005)
-
-    async def stop(self) -> None:
-        self._stopping = True
-        self.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.task
 
 
 class Fleet:
