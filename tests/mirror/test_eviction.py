@@ -40,6 +40,15 @@ BUCKETS = 1024
 K = "kv-relay-error-reason"
 
 
+async def _clean_up(cleanup: list[Any]) -> None:
+    """Undo what ``_upstream`` set up, newest first: servers closed, folders removed."""
+    for item in reversed(cleanup):
+        if isinstance(item, RelayServer):
+            await item.close(grace_s=1.0)
+        else:
+            shutil.rmtree(item, ignore_errors=True)
+
+
 async def _upstream(mode: str, cleanup: list[Any]) -> tuple[MemRelayView, UpstreamAddress]:
     # the upstream holds a hub for every pool (it is not what is under test)
     limits = RelayLimits(max_initialized_pool_hubs=4 * POOLS, max_pool_streams_total=4 * POOLS)
@@ -114,11 +123,7 @@ async def test_every_listed_pool_is_served_beyond_the_hub_limit(mode: str) -> No
             finally:
                 ch.close()
     finally:
-        for item in reversed(cleanup):
-            if isinstance(item, RelayServer):
-                await item.close(grace_s=1.0)
-            else:
-                shutil.rmtree(item, ignore_errors=True)
+        await _clean_up(cleanup)
 
 
 class _Held(Replica):
@@ -176,8 +181,4 @@ async def test_resource_limit_only_when_every_mirrored_pool_is_in_use() -> None:
             finally:
                 ch.close()
     finally:
-        for item in reversed(cleanup):
-            if isinstance(item, RelayServer):
-                await item.close(grace_s=1.0)
-            else:
-                shutil.rmtree(item, ignore_errors=True)
+        await _clean_up(cleanup)
