@@ -493,10 +493,7 @@ async def test_a_joiner_waiting_its_turn_holds_nothing_and_its_clocks_wait() -> 
     sub = await hub.subscribe()
     turns, col = Turns(), Collector()
     task = asyncio.ensure_future(sub.pump(col, turn=turns))
-    for _ in range(200):
-        if turns.asked:
-            break
-        await asyncio.sleep(0.005)
+    await eventually(lambda: turns.asked > 0, timeout=1.0, what="the stream asks for its turn")
     assert turns.asked == 1 and hub.publication_hold() == 0.0, "waiting: holds nothing back"
     rng = np.random.default_rng(3)
     for seq in range(1, 41):  # far more than the queue's 16 slots
@@ -507,17 +504,14 @@ async def test_a_joiner_waiting_its_turn_holds_nothing_and_its_clocks_wait() -> 
     await asyncio.sleep(0.3)  # six progress timeouts' worth of waiting
     assert sub.error is None and len(sub._frames) == 0 and not col.frames
     turns.open.set()
-    for _ in range(400):
-        if col.frames and int(col.frames[-1].kind) == int(pb.FilterUpdateKind.SNAPSHOT_CHUNK):
-            break
-        await asyncio.sleep(0.005)
+    await eventually(lambda: bool(col.frames) and int(col.frames[-1].kind)
+                     == int(pb.FilterUpdateKind.SNAPSHOT_CHUNK), timeout=2.0,
+                     what="the snapshot at its turn")  # fmt: skip
     assert hub.recuts == 1 and sub.start_sequence == 40
     hub.publish(41, np.array([5]), np.array([77], dtype=np.uint64))
     table[5] = 77
-    for _ in range(400):
-        if col.frames and col.frames[-1].sequence == 41:
-            break
-        await asyncio.sleep(0.005)
+    await eventually(lambda: bool(col.frames) and col.frames[-1].sequence == 41, timeout=2.0,
+                     what="the delta after the snapshot")  # fmt: skip
     got, seq = rebuild(col.frames, 1024)
     assert seq == 41 and np.array_equal(got, table)
     sub.shutdown()
@@ -530,10 +524,7 @@ async def test_a_joiner_that_fails_while_waiting_gives_up_its_turn_unsent() -> N
     sub = await hub.subscribe()
     turns, col = Turns(), Collector()
     task = asyncio.ensure_future(sub.pump(col, turn=turns))
-    for _ in range(200):
-        if turns.asked:
-            break
-        await asyncio.sleep(0.005)
+    await eventually(lambda: turns.asked > 0, timeout=1.0, what="the stream asks for its turn")
     hub.retire(RelayError.publication_unavailable("fenced"))
     turns.open.set()
     with pytest.raises(RelayError) as ei:
