@@ -32,21 +32,12 @@ from tests.support.mem_relay import (
     grpclib_collect,
     sub_request,
 )
-from tests.support.mirror_rig import mirrored
+from tests.support.mirror_rig import close_served, mirrored
 from tests.support.rig import eventually
 
 POOLS = 70  # > the default 64 pools a mirror holds at once
 BUCKETS = 1024
 K = "kv-relay-error-reason"
-
-
-async def _clean_up(cleanup: list[Any]) -> None:
-    """Undo what ``_upstream`` set up, newest first: servers closed, folders removed."""
-    for item in reversed(cleanup):
-        if isinstance(item, RelayServer):
-            await item.close(grace_s=1.0)
-        else:
-            shutil.rmtree(item, ignore_errors=True)
 
 
 async def _upstream(mode: str, cleanup: list[Any]) -> tuple[MemRelayView, UpstreamAddress]:
@@ -57,7 +48,7 @@ async def _upstream(mode: str, cleanup: list[Any]) -> tuple[MemRelayView, Upstre
     cleanup.append(server)
     if mode == "workers":
         folder = tempfile.mkdtemp(prefix="kvrelay-test-")
-        cleanup.append(folder)
+        cleanup.append(lambda: shutil.rmtree(folder, ignore_errors=True))
         path = os.path.join(folder, "ingest.sock")
         await server.start_unix(path)
         return view, UpstreamAddress(path=path)
@@ -123,7 +114,7 @@ async def test_every_listed_pool_is_served_beyond_the_hub_limit(mode: str) -> No
             finally:
                 ch.close()
     finally:
-        await _clean_up(cleanup)
+        await close_served(cleanup)
 
 
 class _Held(Replica):
@@ -181,4 +172,4 @@ async def test_resource_limit_only_when_every_mirrored_pool_is_in_use() -> None:
             finally:
                 ch.close()
     finally:
-        await _clean_up(cleanup)
+        await close_served(cleanup)
