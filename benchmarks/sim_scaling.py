@@ -11,8 +11,9 @@ when it exists (the ``bench_workers`` run on this machine), else the defaults be
   to its table), from the mirror hop run;
 * ``ingest_events_per_core``: sustained ingest of one process (the strict ramp criterion).
 
-SO_REUSEPORT hashes each router connection to one worker; the busiest worker gets more than its
-share. That imbalance is simulated (Monte Carlo over connection hashes) rather than assumed.
+Router connections are taken as assigned to workers uniformly at random (what a port hash gives,
+and the case of the shared accept socket when no worker is busier than another); the busiest
+worker gets more than its share. That imbalance is simulated (Monte Carlo) rather than assumed.
 A worker is "comfortable" below ``UTIL_OK`` of a core: above that its queueing delay, not its
 throughput, breaks a 20 ms p99 (at 0.6 the 64-subscriber points of ``relay_e2e`` still met it).
 
@@ -120,7 +121,7 @@ def markdown(res: dict[str, Any]) -> str:
         f"{i['mirror_delta_us']} µs per upstream delta in a worker, "
         f"{i['ingest_events_per_core']:,.0f} block events/s per ingest process; "
         f"a worker is comfortable below {UTIL_OK} of a core. One pool stream per router.", "",
-        "| cores | workers | routers | deltas/s | frames/s | SO_REUSEPORT max/mean | busiest "
+        "| cores | workers | routers | deltas/s | frames/s | connections max/mean | busiest "
         "worker (cores) | ingest → workers (cores) | comfortable |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]

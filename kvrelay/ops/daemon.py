@@ -164,9 +164,12 @@ class Daemon:
                 from kvrelay.ops.mirror_metrics import MirrorMetrics
 
                 self.metrics = MirrorMetrics(self.mirror)
+                self.metrics.attach_upgrades(self.upgrades)
             self.mirror.start()
             _LOG.info("mirror_synchronizing", upstream=cfg.mirror.upstream)
             await self.mirror.synced.wait()
+            if self.handoff is not None:  # a mirror's cut is empty: the hand-over's pacing only
+                await self.handoff.state_dir()
             return self.mirror
         from kvrelay.ops import kernelcache
 
@@ -242,19 +245,16 @@ class Daemon:
         if self.handoff is None:
             await self._start()
             return
-        if self.cfg.workers > 1 or self.cfg.mirror is not None:
-            await self.handoff.fail("the successor runs with workers > 1 or as a mirror")
-            raise UpgradeFailed("successor_failed", "hot upgrade needs workers = 1, no mirror")
         try:
             await self._start()
             self._write_pid_file()
+            pools = [p.stats() for p in self.relay.pools] if self.relay is not None else []
             await self.handoff.send({"msg": "serving", "pid": os.getpid()})
         except BaseException as exc:
             await self.handoff.fail(f"{type(exc).__name__}: {exc}")
             raise
         self.handoff.close()
         self.upgrades.outcome("taken_over")
-        pools = [p.stats() for p in self.relay.pools]
         _LOG.info("upgrade_took_over", pid=os.getpid(),
                   members_resumed=sum(p.counters.get("members_resumed", 0) for p in pools),
                   members_reset=sum(sum(p.member_resets.values()) for p in pools))  # fmt: skip
@@ -274,7 +274,8 @@ class Daemon:
         if cfg.workers > 1:
             from kvrelay.ops.front import WorkerFront
 
-            self.front = WorkerFront(cfg, view)
+            inherited = None if self.handoff is None else self.handoff.listener("grpc")
+            self.front = WorkerFront(cfg, view, listener=inherited)
             await self.front.start()
             self.grpc_port = self.front.port
             service = self.front.supervisor
@@ -497,11 +498,9 @@ class Daemon:
         """SIGUSR2: start a hot upgrade (``ops/upgrade.py``), unless this process cannot hand over
         (refused: logged and counted; it goes on serving)."""
         why = None
-        if self.cfg.workers > 1:
-            why = "workers > 1: the fan-out workers cannot be handed over yet; restart instead"
-        elif self.cfg.mirror is not None:
-            why = "a mirror is not hot-upgraded yet; restart it (it resynchronizes)"
-        elif self.server is None or self.relay is None or self._stopped or self.handed_over:
+        serving = self.server is not None or self.front is not None
+        source = self.relay is not None or self.mirror is not None
+        if not serving or not source or self._stopped or self.handed_over:
             why = "not serving (starting, stopping or already handed over)"
         elif self._upgrade_task is not None and not self._upgrade_task.done():
             why = "an upgrade is already under way"
@@ -514,12 +513,14 @@ class Daemon:
     async def _upgrade(self) -> None:
         from kvrelay.relay import takeover
 
-        listeners = {"grpc": self.server.listening_socket()}
+        front = self.front if self.front is not None else self.server
+        listeners = {"grpc": front.listening_socket()}
         if self.metrics is not None and self.metrics.listening_socket() is not None:
             listeners["metrics"] = self.metrics.listening_socket()
 
         def cut(directory: Any) -> dict[str, Any]:
-            c = takeover.cut(self.relay.pools, directory)
+            # a mirror holds no state of its own: its successor synchronizes from upstream
+            c = takeover.cut(self.relay.pools if self.relay is not None else [], directory)
             return {"pools": list(c.pools), "members": c.members, "bytes": c.bytes}
 
         self.notifier.status("hot upgrade: starting the successor")

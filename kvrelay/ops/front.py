@@ -23,7 +23,7 @@ from typing import Any
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.logging import get_logger
 from kvrelay.ops.config import DaemonConfig, MirrorConfig
-from kvrelay.ops.supervisor import Supervisor, reserve_port
+from kvrelay.ops.supervisor import Supervisor, shared_listener
 from kvrelay.ops.worker import AUTHZ_LINE, WorkerSpec, rules_json
 from kvrelay.service.authz import AuthorizationRule
 
@@ -85,9 +85,17 @@ def private_runtime_dir(base: str | None) -> str:
 
 
 class WorkerFront:
-    """Internal listener + reserved public port + supervised workers."""
+    """Internal listener + the shared public listener + supervised workers. ``listener``: a hot
+    upgrade's inherited one (already listening); otherwise it is opened on ``bind``."""
 
-    def __init__(self, cfg: DaemonConfig, view: Any, *, start_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        cfg: DaemonConfig,
+        view: Any,
+        *,
+        start_timeout_s: float = 120.0,
+        listener: socket.socket | None = None,
+    ) -> None:
         self.cfg = cfg
         self.view = view
         self.start_timeout_s = start_timeout_s
@@ -95,7 +103,7 @@ class WorkerFront:
         self.path: str | None = None
         self.internal: Any = None
         self.supervisor: Supervisor | None = None
-        self._reserved: socket.socket | None = None
+        self._listener = listener
         self.port = 0
 
     async def start(self) -> None:
@@ -115,11 +123,19 @@ class WorkerFront:
         self.path = os.path.join(self.dir, "ingest.sock")
         self.internal = RelayServer(self.view, internal_limits(cfg.relay.limits, cfg.workers))
         await self.internal.start_unix(self.path)
-        self._reserved = reserve_port(cfg.bind_host, cfg.bind_port)
-        self.port = int(self._reserved.getsockname()[1])
+        if self._listener is None:
+            self._listener = shared_listener(cfg.bind_host, cfg.bind_port)
+        self.port = int(self._listener.getsockname()[1])
         self.supervisor = Supervisor(self._spec, cfg.workers - 1,
-                                     start_timeout_s=self.start_timeout_s)  # fmt: skip
+                                     start_timeout_s=self.start_timeout_s,
+                                     pass_fds=(self._listener.fileno(),))  # fmt: skip
         await self.supervisor.start()
+
+    def listening_socket(self) -> socket.socket:
+        """The shared public listener (a hot upgrade hands its descriptor to the successor)."""
+        if self._listener is None:
+            raise RuntimeError("workers not started")
+        return self._listener
 
     def _spec(self, index: int) -> WorkerSpec:
         cfg = self.cfg
@@ -130,6 +146,7 @@ class WorkerFront:
             upstream=f"unix:{self.path}",
             host=cfg.bind_host,
             port=self.port,
+            listen_fd=None if self._listener is None else self._listener.fileno(),
             limits=asdict(cfg.relay.limits),
             tls_cert=cfg.tls.cert,
             tls_key=cfg.tls.key,
@@ -155,9 +172,9 @@ class WorkerFront:
             await self.supervisor.stop(grace_s)
         if self.internal is not None:
             await self.internal.close(grace_s=grace_s)
-        if self._reserved is not None:
-            self._reserved.close()
-            self._reserved = None
+        if self._listener is not None:  # after a hand-over the successor's workers hold it on
+            self._listener.close()
+            self._listener = None
         if self.dir is not None:
             with contextlib.suppress(OSError):
                 shutil.rmtree(self.dir)

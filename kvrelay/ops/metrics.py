@@ -473,17 +473,7 @@ class RelayMetrics:
         yield from self._upgrade_metrics()
 
     def _upgrade_metrics(self) -> Iterator[Metric]:
-        u = self._upgrades
-        if u is None:
-            return
-        total = CounterMetricFamily(
-            "kvrelay_upgrades", "Hot upgrades (SIGUSR2) by result: handed_over and taken_over "
-            "(the old and the new process), refused, spawn_failed, successor_exited, "
-            "successor_failed, timeout (the old process keeps serving).", labels=["result"],
-        )  # fmt: skip
-        for result, n in sorted(u.results.items()):
-            total.add_metric([result], n)
-        yield total
+        yield from upgrade_families(self._upgrades)
 
     def _reload_metrics(self) -> Iterator[Metric]:
         r = self._reloads
@@ -828,3 +818,17 @@ class _RelayCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         return self._metrics.collect()
+
+
+def upgrade_families(u: UpgradeSource | None) -> Iterator[Metric]:
+    """``kvrelay_upgrades_total`` (a relay's and a mirror's endpoint alike)."""
+    if u is None:
+        return
+    total = CounterMetricFamily(
+        "kvrelay_upgrades", "Hot upgrades (SIGUSR2) by result: handed_over and taken_over "
+        "(the old and the new process), refused, spawn_failed, successor_exited, "
+        "successor_failed, timeout (the old process keeps serving).", labels=["result"],
+    )  # fmt: skip
+    for result, n in sorted(u.results.items()):
+        total.add_metric([result], n)
+    yield total

@@ -21,9 +21,11 @@ from prometheus_client.registry import Collector
 from kvrelay.ops.metrics import (
     LOOP_LAG_BUCKETS,
     ServiceSource,
+    UpgradeSource,
     default_registry,
     guard_families,
     tls_families,
+    upgrade_families,
 )
 from kvrelay.ops.metrics_http import HttpCounters, MetricsServer, http_metrics
 
@@ -158,6 +160,7 @@ class _ServiceCollector(Collector):
             yield from _service_families(svc)
         yield from http_metrics(self.metrics.http_counters)
         yield from tls_families(self.metrics.tls)
+        yield from upgrade_families(self.metrics.upgrades)
 
 
 class MirrorMetrics:
@@ -169,6 +172,7 @@ class MirrorMetrics:
         self.service: ServiceSource | None = None
         self.http_counters = HttpCounters()
         self.tls: Callable[[], Iterable[Any]] | None = None
+        self.upgrades: UpgradeSource | None = None
         self.loop_lag = Histogram("kvrelay_event_loop_lag_seconds",
                                   "Event loop scheduling lag samples.",
                                   buckets=LOOP_LAG_BUCKETS, registry=self.registry)  # fmt: skip
@@ -184,6 +188,13 @@ class MirrorMetrics:
 
     def attach_tls(self, certificates: Callable[[], Iterable[Any]]) -> None:
         self.tls = certificates
+
+    def attach_upgrades(self, upgrades: UpgradeSource) -> None:
+        self.upgrades = upgrades
+
+    def listening_socket(self) -> socket.socket | None:
+        """The endpoint's listener, if it serves one (a hot upgrade hands it on)."""
+        return None if self._http is None else self._http.listening_socket()
 
     def observe_loop_lag(self, seconds: float) -> None:
         if not math.isnan(seconds):

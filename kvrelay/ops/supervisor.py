@@ -1,16 +1,21 @@
 """The daemon as supervisor of its fan-out workers (``[relay] workers = N``).
 
 The ingest process (discovery, ingest, pools, publication) serves only a UNIX socket; N−1 worker
-processes (``ops/worker.py``) mirror it and share the public port with ``SO_REUSEPORT``. The
-supervisor holds that port bound (not listening) for its whole life, so the port is known before
-any worker starts (``bind = "…:0"`` works) and a restarted worker always gets it back.
+processes (``ops/worker.py``) mirror it and accept router connections on one public listening
+socket that they all inherit (``pass_fds``). The daemon opens that socket before any worker
+starts and holds it for its whole life, so the port is known (``bind = "…:0"`` works), a
+connection that arrives while a worker restarts waits in the shared backlog for any live worker
+instead of being reset with a dead worker's own socket, and a hot upgrade hands the very same
+socket to the successor's workers (``ops/upgrade.py``): it is never closed, so the port never
+refuses a connection. Whichever worker's loop is free first accepts, so connections go to the
+workers with time for them.
 
 * ``start`` returns once every worker reported READY (its mirror synchronized, its listener up):
   only then may the daemon tell systemd READY=1. Workers get an environment without
   ``NOTIFY_SOCKET``/``WATCHDOG_*``: only the supervisor talks to systemd.
 * A worker that exits while the daemon runs is restarted with backoff (0.5 s doubling to 30 s;
   back to 0.5 s after it served 60 s) and counted in ``restarts``. Its router connections drop;
-  routers reconnect and ``SO_REUSEPORT`` spreads them over the live workers. A worker that stops
+  routers reconnect and a live worker accepts them from the shared socket. A worker that stops
   reporting (its event loop is wedged: no ``STATS`` line for ``HANG_S``) is killed, which then
   counts as an exit.
 * ``stop`` sends SIGTERM to every worker (each ends its streams with a clean EOF and exits 0)
@@ -50,16 +55,23 @@ class WorkerStartError(RuntimeError):
     """A worker did not report READY in time (or exited first)."""
 
 
-def reserve_port(host: str, port: int) -> socket.socket:
-    """Bind (never listen) ``host:port`` with SO_REUSEPORT: the port the workers share."""
+#: Accept backlog of the shared listener: connections wait here while every worker is busy.
+LISTEN_BACKLOG = 1024
+
+
+def shared_listener(host: str, port: int) -> socket.socket:
+    """The public listening socket every worker accepts on (the first address ``host``
+    resolves to, as a single relay's hand-over listener is; IPv6 only on an IPv6 address)."""
     family, kind, proto, _, addr = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind(addr)
+        sock.listen(LISTEN_BACKLOG)
     except OSError:
         sock.close()
         raise
@@ -95,6 +107,7 @@ class Supervisor:
         start_timeout_s: float = 60.0,
         argv: list[str] | None = None,
         env: dict[str, str] | None = None,
+        pass_fds: tuple[int, ...] = (),
     ) -> None:
         if count < 1:
             raise ValueError("a supervisor needs at least one worker")
@@ -103,6 +116,7 @@ class Supervisor:
         self.start_timeout_s = start_timeout_s
         self.argv = argv or [sys.executable, "-m", "kvrelay.ops.worker"]
         self.env = worker_env(env)
+        self.pass_fds = pass_fds  # the shared listener: every worker (and restart) inherits it
         self.restarts = 0
         self.hung = 0  # workers killed for not reporting
         self.hang_s = HANG_S
@@ -154,7 +168,7 @@ class Supervisor:
         spec = self.spec_for(slot.index)
         proc = await asyncio.create_subprocess_exec(
             *self.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            env=self.env, limit=STATS_LINE_MAX,
+            env=self.env, limit=STATS_LINE_MAX, pass_fds=self.pass_fds,
         )  # fmt: skip
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write(spec.to_json().encode() + b"\n")

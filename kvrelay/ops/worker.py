@@ -2,11 +2,12 @@
 
 The supervisor (``ops/supervisor.py``) starts ``python -m kvrelay.ops.worker`` and writes one
 line of JSON (:class:`WorkerSpec`) to its stdin. The worker mirrors the ingest process over its
-UNIX socket, listens on the public address with ``SO_REUSEPORT`` (so router connections spread
-over the workers), applies the ``[[authorization]]`` rules to the clients whose TLS it
-terminates (from the spec, then from each ``AUTHZ`` line a reload writes to its stdin) and talks
-back on stdout, one line each: ``READY <port>`` once its mirror is
-synchronized and its listener is up, then ``STATS <json>`` every ``stats_interval_s``.
+UNIX socket, accepts router connections on the public listening socket it inherited (descriptor
+``listen_fd``, shared by every worker and handed on by a hot upgrade), applies the
+``[[authorization]]`` rules to the clients whose TLS it terminates (from the spec, then from
+each ``AUTHZ`` line a reload writes to its stdin) and talks back on stdout, one line each:
+``READY <port>`` once its mirror is synchronized and its listener is up, then ``STATS <json>``
+every ``stats_interval_s``.
 
 Lines go out through ``ReportPipe`` (a writer thread): a supervisor that reads late never
 blocks the worker's event loop; STATS reports it could not take are dropped and counted
@@ -23,6 +24,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -43,6 +45,8 @@ class WorkerSpec:
     upstream: str  # unix:/path of the ingest process's internal listener
     host: str
     port: int
+    #: The inherited public listener (shared by all workers); None: bind ``host:port`` itself.
+    listen_fd: int | None = None
     limits: dict[str, Any] = field(default_factory=dict)
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -151,7 +155,8 @@ async def run_worker(
         server = RelayServer(mirror, limits)
         control.server = server
         control.apply(control.rules)  # before the listener: no client is served without them
-        await server.start(spec.host, spec.port, ssl=context, reuse_port=True)
+        inherited = None if spec.listen_fd is None else socket.socket(fileno=spec.listen_fd)
+        await server.start(spec.host, spec.port, ssl=context, sock=inherited)
         _LOG.info("worker_serving", worker=spec.index, port=server.port)
         report_pipe.send(f"READY {server.port}", droppable=False)
         while not stop.is_set():

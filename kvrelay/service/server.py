@@ -557,16 +557,14 @@ class RelayServer:
         port: int,
         ssl: _ssl.SSLContext | None = None,
         *,
-        reuse_port: bool = False,
         sock: socket.socket | None = None,
     ) -> None:
-        """Listen on TCP; ``reuse_port``: share the port with other processes (SO_REUSEPORT),
-        the way a daemon's fan-out workers share the public listener; ``sock``: accept on this
-        already listening socket instead (a hot upgrade's inherited listener)."""
+        """Listen on TCP; ``sock``: accept on this already listening socket instead (the
+        listener a daemon's fan-out workers share, or a hot upgrade's inherited one)."""
         if sock is not None:
             await self._server.start(sock=sock, ssl=ssl)
         else:
-            await self._server.start(host, port, ssl=ssl, reuse_port=reuse_port or None)
+            await self._server.start(host, port, ssl=ssl)
         listener: Any = self._server._server
         sockets = listener.sockets if listener is not None else ()
         self._port = int(sockets[0].getsockname()[1]) if sockets else port

@@ -28,12 +28,21 @@ import pytest
 from grpclib.client import Channel
 
 from benchmarks.bench_upgrade import Dialer
+from kvrelay.relay.relay import Relay
+from kvrelay.service.server import RelayServer
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
 from tests.support.commands import REPO, clean_env
 from tests.support.fleet import eventually
 from tests.support.notify import Notifications
-from tests.support.rig import Consumer, catalog_producer, relay_info
+from tests.support.rig import (
+    Consumer,
+    catalog_producer,
+    in_sync,
+    make_settings,
+    relay_info,
+    wait_live,
+)
 from tests.support.scrape import scrape, total, value
 
 STEPS_PER_S = 100.0
@@ -47,7 +56,8 @@ def _free_port() -> int:
 
 
 def _config(
-    grpc: int, metrics: int, engines: list[SimEngine], loop: str = "asyncio", state: str = ""
+    grpc: int, metrics: int, engines: list[SimEngine], loop: str = "asyncio", state: str = "",
+    workers: int = 1, runtime: str = "",
 ) -> str:
     text = f"""
 [relay]
@@ -55,6 +65,8 @@ dc_name = "dc-upgrade"
 bind = "127.0.0.1:{grpc}"
 event_loop = "{loop}"
 state_dir = "{state}"
+workers = {workers}
+{f'runtime_dir = "{runtime}"' if runtime else ""}
 discovery_interval_s = 0.2
 discovery_timeout_s = 1.0
 
@@ -151,20 +163,22 @@ def _upgrade_dirs(tmp: Path) -> list[str]:
     return sorted(p.name for p in tmp.iterdir() if p.name.startswith("kvrelay-upgrade-"))
 
 
-@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize(("loop", "workers"), [("asyncio", 1), ("uvloop", 1), ("asyncio", 2)])
 async def test_hot_upgrade_mid_traffic_loses_nothing_and_never_refuses(
-    tmp_path: Path, loop: str
+    tmp_path: Path, loop: str, workers: int
 ) -> None:
-    """``kvrelay upgrade --pid-file`` (SIGUSR2) under ~100 steps/s, on either event loop."""
+    """``kvrelay upgrade --pid-file`` (SIGUSR2) under ~100 steps/s, on either event loop, and
+    with ``workers = 2``: the successor's fan-out worker accepts on the same listening socket
+    while the old one still serves, and the old one's exit leaves its runtime directory gone."""
     fleet = Fleet(2, seed=510)
     await fleet.start()
     grpc, metrics = _free_port(), _free_port()
     cfg = tmp_path / "kvrelay.toml"
     state = tmp_path / "state"
-    cfg.write_text(_config(grpc, metrics, fleet.engines, loop, str(state)))
     pid_file = tmp_path / "kvrelay.pid"
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
+    cfg.write_text(_config(grpc, metrics, fleet.engines, loop, str(state), workers, str(tmpdir)))
     env = clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), TMPDIR=str(tmpdir))
     notes = Notifications(tmp_path / "notify.sock")
     log = tmp_path / "log.jsonl"  # the old process's (and, inherited, the successor's) log
@@ -214,6 +228,8 @@ async def test_hot_upgrade_mid_traffic_loses_nothing_and_never_refuses(
                      pool="ns/backend/generate") == 4  # fmt: skip
         assert total(samples, "kvrelay_pool_member_resets_total") == 0
         assert _upgrade_dirs(tmpdir) == []
+        runtime = [p for p in tmpdir.iterdir() if not p.name.startswith("kvrelay-upgrade-")]
+        assert len(runtime) == (1 if workers > 1 else 0), runtime  # the successor's alone
         events = [json.loads(ln) for ln in log.read_text().splitlines() if ln.startswith("{")]
         names = [e.get("event") for e in events]
         assert "upgrade_state_cut" in names and "upgrade_handed_over" in names, names
@@ -298,3 +314,95 @@ async def test_a_successor_that_cannot_start_leaves_the_old_process_serving(
             await old.wait()
         await notes.close()
         await fleet.stop()
+
+
+async def test_a_mirror_with_a_worker_hot_upgrades_and_never_refuses(tmp_path: Path) -> None:
+    """``kvrelay mirror --workers 2`` in front of a relay, SIGUSR2 while the engine publishes:
+    the successor synchronizes from upstream before it says it is warm, its worker accepts on
+    the same listening socket, the old process exits 0 and a router through the successor gets
+    a table identical to the relay's."""
+    engine = SimEngine(SimConfig(name="mu0", seed=540, capacity_blocks=512))
+    await engine.start()
+    settings = make_settings([engine])
+    relay = Relay(settings)
+    await relay.start()
+    upstream = RelayServer(relay, settings.limits)
+    await upstream.start("127.0.0.1", 0)
+    grpc, metrics = _free_port(), _free_port()
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), TMPDIR=str(tmpdir))
+    notes = Notifications(tmp_path / "notify.sock")
+    log = tmp_path / "log.jsonl"
+    with log.open("wb") as f:
+        old = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvrelay", "mirror", "--upstream",
+            f"127.0.0.1:{upstream.port}", "--bind", f"127.0.0.1:{grpc}", "--metrics-bind",
+            f"127.0.0.1:{metrics}", "--workers", "2", env=env, cwd=REPO,
+            stdout=asyncio.subprocess.DEVNULL, stderr=f,
+        )  # fmt: skip
+    dialer: Dialer | None = None
+    traffic: asyncio.Task[None] | None = None
+    new_pid: int | None = None
+    try:
+        await notes.wait_for("READY=1", timeout=60)
+        await wait_live(relay, 1)
+        await engine.step(5)
+        dialer = Dialer(grpc)
+
+        async def publish() -> None:
+            while True:
+                await engine.step(1)
+                await asyncio.sleep(0.01)
+
+        traffic = asyncio.create_task(publish())
+        assert old.pid is not None
+        os.kill(old.pid, signal.SIGUSR2)
+        assert await asyncio.wait_for(old.wait(), 150) == 0
+        main = await notes.wait_for("MAINPID=")
+        new_pid = int(main.split("MAINPID=")[1].split()[0])
+        assert new_pid != old.pid
+        await asyncio.sleep(0.3)
+        traffic.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await traffic
+        traffic = None
+        assert dialer.connects > 0
+        assert dialer.refused == 0, f"{dialer.refused} refused, {dialer.connects} accepted"
+        samples = await scrape(metrics)  # the successor's, on the inherited listener
+        assert value(samples, "kvrelay_upgrades_total", result="taken_over") == 1
+        await eventually(lambda: in_sync([engine], relay), what="relay = ground truth")
+        gen = relay.pools[0].generation
+        assert gen is not None
+        gen.flush()
+        async with Channel("127.0.0.1", grpc) as ch:
+            info = await relay_info(ch)
+            assert info.relay is not None
+            consumer = Consumer(ch, await catalog_producer(ch), info.relay).start()
+            try:
+                await asyncio.wait_for(consumer.first.wait(), 20)
+                await eventually(lambda: consumer.replica.sequence == gen.sequence,
+                                 what="replica at the relay's sequence")  # fmt: skip
+                assert np.array_equal(consumer.replica.table, gen.pool.table)
+            finally:
+                await consumer.stop()
+        assert _upgrade_dirs(tmpdir) == []
+        os.kill(new_pid, signal.SIGTERM)
+        await eventually(lambda: not _alive(new_pid), timeout=30, what="the successor stops")
+        new_pid = None
+        assert list(tmpdir.iterdir()) == []  # both runtime directories are gone
+    finally:
+        print("\n".join(log.read_text().splitlines()[-60:]))  # shown when the test fails
+        if traffic is not None:
+            traffic.cancel()
+        if dialer is not None:
+            await dialer.stop()
+        if old.returncode is None:
+            old.kill()
+            await old.wait()
+        if new_pid is not None and _alive(new_pid):
+            os.kill(new_pid, signal.SIGKILL)
+        await notes.close()
+        await upstream.close(grace_s=1.0)
+        await relay.stop()
+        await engine.stop()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.ops.supervisor import Supervisor, WorkerStartError, reserve_port
+from kvrelay.ops.supervisor import Supervisor, WorkerStartError, shared_listener
 from kvrelay.ops.worker import WorkerSpec
 from tests.support.timing import scaled
 
@@ -24,7 +24,9 @@ import json, os, signal, sys, time
 spec = json.loads(sys.stdin.readline())
 d = os.environ["KVR_DIR"]
 n = sum(1 for f in os.listdir(d) if f.startswith(f"{spec['index']}-"))
-open(os.path.join(d, f"{spec['index']}-{n}.json"), "w").write(json.dumps(dict(os.environ)))
+fd = spec.get("listen_fd")
+seen = dict(os.environ, LISTENER=str(os.fstat(fd).st_ino if fd is not None else ""))
+open(os.path.join(d, f"{spec['index']}-{n}.json"), "w").write(json.dumps(seen))
 plan = os.environ["KVR_FAKE"].split(",")
 mode = plan[min(n, len(plan) - 1)]
 if mode == "stubborn":
@@ -42,11 +44,14 @@ while True:
 """
 
 
-def _supervisor(tmp: Path, plan: str, count: int = 1, **kw: object) -> Supervisor:
+def _supervisor(
+    tmp: Path, plan: str, count: int = 1, listen_fd: int | None = None, **kw: object
+) -> Supervisor:
     env = dict(os.environ, KVR_DIR=str(tmp), KVR_FAKE=plan, NOTIFY_SOCKET="/x",
                WATCHDOG_USEC="1")  # fmt: skip
     def spec(index: int) -> WorkerSpec:
-        return WorkerSpec(index=index, upstream="unix:/nowhere", host="127.0.0.1", port=1)
+        return WorkerSpec(index=index, upstream="unix:/nowhere", host="127.0.0.1", port=1,
+                          listen_fd=listen_fd)  # fmt: skip
 
     return Supervisor(spec, count, argv=[sys.executable, "-c", FAKE], env=env,
                       **kw)  # type: ignore[arg-type]  # fmt: skip
@@ -77,6 +82,21 @@ async def test_start_waits_for_ready_and_restarts_an_exited_worker(tmp_path: Pat
     assert sup.alive == 0
 
 
+async def test_every_worker_and_every_restart_inherits_the_one_listener(tmp_path: Path) -> None:
+    sock = shared_listener("127.0.0.1", 0)
+    fd = sock.fileno()
+    sup = _supervisor(tmp_path, "exit,serve", count=2, listen_fd=fd, pass_fds=(fd,))
+    try:
+        await sup.start()
+        await _eventually(lambda: sup.restarts == 2 and sup.alive == 2)
+        await _eventually(lambda: len(list(tmp_path.glob("*.json"))) == 4)
+        seen = {json.loads(f.read_text())["LISTENER"] for f in tmp_path.glob("*.json")}
+        assert seen == {str(os.fstat(fd).st_ino)}  # the same socket, not a copy of the port
+    finally:
+        await sup.stop(5.0)
+        sock.close()
+
+
 async def test_a_worker_that_stops_reporting_is_killed_and_restarted(tmp_path: Path) -> None:
     sup = _supervisor(tmp_path, "hang,serve")
     sup.hang_s = 1.0
@@ -105,13 +125,19 @@ async def test_a_worker_that_never_serves_fails_the_start(tmp_path: Path) -> Non
     assert sup.alive == 0
 
 
-def test_reserved_port_is_bound_not_listening() -> None:
+def test_the_shared_listener_queues_connections_until_a_worker_accepts() -> None:
+    """The daemon's own socket: a router that dials while no worker accepts (all starting or
+    restarting) waits in the backlog, and any process holding the socket can accept it."""
     import socket
 
-    sock = reserve_port("127.0.0.1", 0)
+    sock = shared_listener("127.0.0.1", 0)
     try:
         port = sock.getsockname()[1]
-        with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
-            pass
+        with socket.create_connection(("127.0.0.1", port), 2.0) as client:
+            client.sendall(b"x")
+            sock.settimeout(2.0)
+            conn, _ = sock.accept()
+            with conn:
+                assert conn.recv(1) == b"x"
     finally:
         sock.close()

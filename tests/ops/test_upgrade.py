@@ -141,12 +141,16 @@ def test_the_takeover_variable_is_parsed_strictly_and_not_inherited() -> None:
             Handoff.from_env({ENV: bad})
 
 
-@pytest.mark.parametrize("extra", [{"workers": 2}, {"mirror": {"upstream": "127.0.0.1:1"}}])
-async def test_sigusr2_is_refused_with_workers_or_as_a_mirror(extra: dict[str, object]) -> None:
+@pytest.mark.parametrize(
+    "extra", [{}, {"workers": 2}, {"mirror": {"upstream": "127.0.0.1:1"}}]
+)
+async def test_sigusr2_is_refused_until_the_daemon_serves(extra: dict[str, object]) -> None:
+    """Before it serves there is nothing to hand over (a relay, ``workers = N`` or a mirror
+    alike): refused and counted, no successor started."""
     raw: dict[str, object] = {"relay": {"bind": "127.0.0.1:0", "dc_name": "dc"}}
     if "workers" in extra:
         raw["relay"] = {**raw["relay"], "workers": extra["workers"]}  # type: ignore[dict-item]
-    else:
+    elif "mirror" in extra:
         raw["mirror"] = extra["mirror"]
     if "mirror" not in raw:
         raw["pools"] = [{"namespace": "ns", "component": "c", "endpoint": "e",

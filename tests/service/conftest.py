@@ -1,9 +1,9 @@
 """Fixtures: a real RelayServer on loopback over the in-memory RelayView, and a grpcio client.
 
 ``start_relay`` runs every contract test three ways: served directly, through a mirror over
-TCP, and through a mirror over a UNIX socket on a SO_REUSEPORT listener (a ``workers = N``
-daemon's fan-out worker). ``tests/support/mirror_rig.py`` has the accessors the tests that look
-inside the serving relay use.
+TCP, and through a mirror over a UNIX socket that accepts on a listener opened for it (a
+``workers = N`` daemon's fan-out worker). ``tests/support/mirror_rig.py`` has the accessors the
+tests that look inside the serving relay use.
 """
 
 from __future__ import annotations

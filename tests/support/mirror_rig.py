@@ -27,6 +27,7 @@ from grpclib.client import Channel
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.mirror.mirror import Mirror
 from kvrelay.mirror.settings import MirrorSettings, UpstreamAddress
+from kvrelay.ops.supervisor import shared_listener
 from kvrelay.publication.hub import PublicationHub
 from kvrelay.service.server import RelayServer
 from tests.support.mem_relay import Generation, MemRelayView
@@ -51,7 +52,8 @@ async def start_served(
     mode: str, limits: RelayLimits | None, cleanup: list[Any]
 ) -> tuple[MemRelayView, RelayServer]:
     """``direct``: the view's own server. ``mirror``: a mirror over TCP. ``workers``: a mirror
-    over a UNIX socket on a SO_REUSEPORT listener, the worker topology of a daemon."""
+    over a UNIX socket, accepting on a listener opened for it (``shared_listener``), the worker
+    topology of a daemon."""
     if mode == "direct":
         view = MemRelayView(limits)
         server = RelayServer(view, limits)
@@ -71,7 +73,8 @@ async def start_served(
     mirror = Mirror(mirror_settings(address, limits))
     mirror.start()
     server = RelayServer(mirror, limits)
-    await server.start("127.0.0.1", 0, reuse_port=mode == "workers")
+    shared = shared_listener("127.0.0.1", 0) if mode == "workers" else None
+    await server.start("127.0.0.1", 0, sock=shared)
     cleanup.extend([server, mirror, upstream])
     if mode == "workers":
         cleanup.append(lambda: shutil.rmtree(folder, ignore_errors=True))
