@@ -518,9 +518,10 @@ class Daemon:
         if self.metrics is not None and self.metrics.listening_socket() is not None:
             listeners["metrics"] = self.metrics.listening_socket()
 
-        def cut(directory: Any) -> dict[str, Any]:
+        async def cut(directory: Any) -> dict[str, Any]:
             # a mirror holds no state of its own: its successor synchronizes from upstream
-            c = takeover.cut(self.relay.pools if self.relay is not None else [], directory)
+            pools = self.relay.pools if self.relay is not None else []
+            c = await takeover.cut_aside(pools, directory)
             return {"pools": list(c.pools), "members": c.members, "bytes": c.bytes}
 
         self.notifier.status("hot upgrade: starting the successor")

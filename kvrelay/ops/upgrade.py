@@ -9,7 +9,8 @@ nginx's convention, adapted to a relay whose state is in memory:
    but a ``0700`` temporary directory for the state cut.
 2. The *successor* warms its kernels and builds its relay, then says ``warm``. Only now does the
    predecessor cut every pool's exact state and member cursors (``relay/takeover.py``), between
-   two batches, and goes on ingesting and serving. The later the cut, the less of the engines'
+   two batches, by a fork: a child writes the cut while the predecessor goes on ingesting and
+   serving. The later the cut, the less of the engines'
    replay buffers the successor needs.
 3. The successor starts from the cut: each member resumes from its cursor once the engine vouches
    (the same incarnation, the cut batch still in replay with the same bytes), the replay filling
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import os
 import shutil
@@ -39,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,10 +60,11 @@ TAKEOVER_TIMEOUT_S = 30.0
 MAX_MESSAGE = 64 << 10
 _POLL_S = 0.05
 
-#: Counted outcomes (``kvrelay_upgrades_total{result}``). The predecessor counts the first six
-#: (and ``handed_over``, seen only until it exits); the successor counts ``taken_over``.
+#: Counted outcomes (``kvrelay_upgrades_total{result}``). The predecessor counts all but
+#: ``taken_over`` (``handed_over`` is seen only until it exits); the successor counts
+#: ``taken_over``.
 RESULTS = (
-    "handed_over", "taken_over", "refused", "spawn_failed", "successor_exited",
+    "handed_over", "taken_over", "refused", "spawn_failed", "cut_failed", "successor_exited",
     "successor_failed", "timeout",
 )  # fmt: skip
 
@@ -139,10 +142,13 @@ class Upgrader:
         self.proc: subprocess.Popen[bytes] | None = None
 
     async def run(
-        self, cut: Callable[[Path], Mapping[str, Any]], handed_over: Callable[[int], None]
+        self,
+        cut: Callable[[Path], Mapping[str, Any] | Awaitable[Mapping[str, Any]]],
+        handed_over: Callable[[int], None],
     ) -> int:
-        """Spawn the successor, cut the state when it is warm (``cut(directory)`` returns what
-        it wrote, for the log), and call ``handed_over(pid)`` once it serves; the successor's
+        """Spawn the successor, cut the state when it is warm (``cut(directory)`` returns, or
+        resolves to, what it wrote, for the log; any exception it raises fails the upgrade as
+        ``cut_failed``), and call ``handed_over(pid)`` once it serves; the successor's
         pid. Raises UpgradeFailed (the successor killed) otherwise."""
         work = Path(tempfile.mkdtemp(prefix="kvrelay-upgrade-", dir=_handover_parent()))
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -160,7 +166,11 @@ class Upgrader:
             reader, writer = await asyncio.open_unix_connection(sock=ours, limit=MAX_MESSAGE)
             await self._expect(reader, "warm", self.warm_timeout_s)
             t0 = time.monotonic()
-            summary = cut(work)
+            try:
+                made = cut(work)
+                summary = await made if inspect.isawaitable(made) else made
+            except Exception as exc:
+                raise UpgradeFailed("cut_failed", f"{type(exc).__name__}: {exc}") from None
             _LOG.info("upgrade_state_cut", cut_s=round(time.monotonic() - t0, 3), **summary)
             writer.write(_encode({"msg": "state", "dir": str(work)}))
             await writer.drain()

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from kvrelay.logging import get_logger
 from kvrelay.pool.pool import Pool
-from kvrelay.relay import handover
+from kvrelay.relay import forked, handover
 from kvrelay.relay.engines import PoolIdentity
 from kvrelay.relay.forked import Child
 from kvrelay.relay.handover import MemberResume
@@ -87,7 +87,8 @@ class Checkpointer:
         meta, arrays = pool.export_state()  # views: the child's copy-on-write image keeps them
 
         def write() -> str:
-            return str(handover.save_state(state_dir, spec, identity, meta, arrays, members))
+            return str(handover.save_state(state_dir, spec, identity, meta, arrays, members,
+                                           written=forked.give_back))  # fmt: skip
 
         wr = _Writer(Child(write), len(members), time.monotonic())
         self._inflight[name] = wr

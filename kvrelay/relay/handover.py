@@ -22,10 +22,12 @@ as the contract requires); what survives is its coverage.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import numpy.typing as npt
 import xxhash
 
@@ -140,11 +142,12 @@ def save(
     identity: PoolIdentity,
     pool: Pool,
     members: list[MemberResume],
+    written: Callable[[npt.NDArray[np.uint8], int, int], None] | None = None,
 ) -> int:
     """Write one pool's state atomically (the pool must not change meanwhile); returns the bytes
-    written."""
+    written. ``written`` as ``state_file.write``'s."""
     meta, arrays = pool.export_state()
-    return save_state(state_dir, spec, identity, meta, arrays, members)
+    return save_state(state_dir, spec, identity, meta, arrays, members, written)
 
 
 def save_state(
@@ -154,8 +157,10 @@ def save_state(
     meta: dict[str, Any],
     arrays: dict[str, npt.NDArray[Any]],
     members: list[MemberResume],
+    written: Callable[[npt.NDArray[np.uint8], int, int], None] | None = None,
 ) -> int:
-    """Write an exported state (``Pool.export_state``, or a copy of it) atomically."""
+    """Write an exported state (``Pool.export_state``, or a copy of it) atomically; ``written``
+    as ``state_file.write``'s."""
     header = {
         "kind": "kvrelay-pool-state",
         "kvrelay": __version__,
@@ -174,7 +179,7 @@ def save_state(
             for m in members
         ],
     }
-    return state_file.write(path_for(state_dir, spec), header, arrays)
+    return state_file.write(path_for(state_dir, spec), header, arrays, written)
 
 
 def load(

@@ -102,8 +102,11 @@ def _layout(arrays: dict[str, npt.NDArray[Any]]) -> tuple[list[dict[str, Any]], 
 
 
 def _emit(put: Callable[[bytes | memoryview], object], header: dict[str, Any],
-          arrays: dict[str, npt.NDArray[Any]]) -> int:
-    """Stream the file's bytes to ``put`` (hashing them on the way); returns their count."""
+          arrays: dict[str, npt.NDArray[Any]],
+          written: Callable[[npt.NDArray[np.uint8], int, int], None] | None = None) -> int:
+    """Stream the file's bytes to ``put`` (hashing them on the way); returns their count.
+    ``written(raw, start, end)``: bytes ``start:end`` of an array's flat view are out and hashed,
+    and never read again."""
     specs, views = _layout(arrays)
     head = json.dumps({**header, "arrays": specs}, separators=(",", ":")).encode()
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(head)) + head
@@ -118,6 +121,8 @@ def _emit(put: Callable[[bytes | memoryview], object], header: dict[str, Any],
             piece = mv[i:i + _CHUNK]
             h.update(piece)
             put(piece)
+            if written is not None:
+                written(raw, i, i + len(piece))
         pad = b"\0" * _pad(len(mv))
         h.update(pad)
         put(pad)
@@ -133,12 +138,18 @@ def encode(header: dict[str, Any], arrays: dict[str, npt.NDArray[Any]]) -> bytes
     return out.getvalue()
 
 
-def write(path: Path, header: dict[str, Any], arrays: dict[str, npt.NDArray[Any]]) -> int:
+def write(
+    path: Path,
+    header: dict[str, Any],
+    arrays: dict[str, npt.NDArray[Any]],
+    written: Callable[[npt.NDArray[np.uint8], int, int], None] | None = None,
+) -> int:
     """Atomically replace ``path``; returns the bytes written. The arrays must not change
-    meanwhile (callers write a stopped pool's state, or a copy)."""
+    meanwhile (callers write a stopped pool's state, a copy, or a forked child's image);
+    ``written`` is told each piece once it is out (a forked child gives its pages back)."""
     fd, tmp = safe_files.create_temp(path.parent, path.name)
     try:
-        n = _emit(lambda data: safe_files.write_all(fd, data), header, arrays)
+        n = _emit(lambda data: safe_files.write_all(fd, data), header, arrays, written)
     except BaseException:
         safe_files.abandon(fd, tmp)
         raise

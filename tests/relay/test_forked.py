@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from kvrelay.relay import forked
 from kvrelay.relay.forked import Child
 
 
@@ -49,3 +50,40 @@ async def test_without_pidfd_a_thread_waits_for_the_child(monkeypatch: pytest.Mo
     monkeypatch.setattr(os, "pidfd_open", no_pidfd)
     ok, text = await asyncio.wait_for(Child(lambda: "done").done, 30)
     assert ok and text == "done"
+
+
+def _released(raw: np.ndarray, start: int, end: int) -> range:
+    """Indices of uint64 elements in the whole huge pages ``give_back`` drops for a piece."""
+    base = int(raw.ctypes.data)
+    lo = max((base + start) // forked.HUGE * forked.HUGE,
+             (base + forked.HUGE - 1) // forked.HUGE * forked.HUGE)  # fmt: skip
+    hi = (base + end) // forked.HUGE * forked.HUGE
+    return range((lo - base) // 8, (hi - base) // 8) if hi > lo else range(0)
+
+
+async def test_a_child_gives_back_only_whole_written_huge_pages_and_the_relay_keeps_its_bytes(
+) -> None:
+    """In the child the pages it gave back read as zeros (they are gone from its image); the
+    relay's copy is untouched, and in the relay itself ``give_back`` does nothing."""
+    n = 3 * forked.HUGE // 8 + 1234
+    arr = np.arange(1, n + 1, dtype=np.uint64)  # no zero anywhere
+    raw = arr.view(np.uint8)
+    half = raw.nbytes // 2
+    first, second = _released(raw, 0, half), _released(raw, half, raw.nbytes)
+    assert len(first) + len(second) >= forked.HUGE // 8  # at least one whole huge page
+
+    def work() -> str:
+        forked.give_back(raw, 0, half)
+        after_first = int(np.count_nonzero(arr == 0))
+        forked.give_back(raw, half, raw.nbytes)
+        zero = np.flatnonzero(arr == 0)
+        return f"{after_first} {zero.size} {zero.min() if zero.size else -1}"
+
+    ok, text = await Child(work).done
+    assert ok, text
+    after_first, zeros, lowest = (int(x) for x in text.split())
+    assert after_first == len(first)
+    assert zeros == len(first) + len(second)
+    assert lowest == min([*first, *second])
+    forked.give_back(raw, 0, raw.nbytes)  # the relay: a no-op
+    assert np.array_equal(arr, np.arange(1, n + 1, dtype=np.uint64))

@@ -8,6 +8,7 @@ many times the replay buffer. A damaged cut refuses the takeover instead of rebu
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -34,9 +35,12 @@ def _live(relay: Relay, members: int) -> bool:
     return len(subs) == members and all(s.state == "live" for s in subs.values())
 
 
+@pytest.mark.parametrize("where", ["loop", "aside"])
 async def test_a_live_cut_resumes_every_member_while_the_old_relay_ingests(
-    tmp_path: Path,
+    tmp_path: Path, where: str
 ) -> None:
+    """``aside`` (what a hot upgrade does): the cut is a fork and the old relay ingests while
+    the child writes it."""
     engines = [SimEngine(SimConfig(name=f"tk{i}", seed=70 + i, dp_size=2, capacity_blocks=4096,
                                    buffer_steps=BUFFER_STEPS)) for i in range(2)]  # fmt: skip
     for e in engines:
@@ -51,7 +55,15 @@ async def test_a_live_cut_resumes_every_member_while_the_old_relay_ingests(
             for e in engines:
                 await e.step(8)
         await eventually(lambda: _exact(old, engines), what="old relay exact")
-        summary = takeover.cut(old.pools, tmp_path)
+        if where == "loop":
+            summary = takeover.cut(old.pools, tmp_path)
+        else:
+            writing = asyncio.ensure_future(takeover.cut_aside(old.pools, tmp_path))
+            await asyncio.sleep(0)  # the fork happens here, before the engines step again
+            for e in engines:  # published and ingested while the child writes
+                await e.step(2)
+            summary = await writing
+        assert summary.bytes > 0
         assert summary.pools == ("ns/backend/generate",) and summary.members == 4
         for e in engines:  # the old relay goes on ingesting after the cut
             await e.step(3)
@@ -91,6 +103,23 @@ async def test_a_damaged_cut_refuses_the_takeover(tmp_path: Path) -> None:
         with pytest.raises(takeover.TakeoverRefused) as info:
             takeover.load(Relay(settings).pools, tmp_path)
         assert info.value.kind == "state_corrupt"
+    finally:
+        await stop_relay(old)
+        await engines[0].stop()
+
+
+async def test_a_cut_whose_writer_fails_says_why(tmp_path: Path) -> None:
+    engines = [SimEngine(SimConfig(name="tk8", seed=78, dp_size=1, buffer_steps=BUFFER_STEPS))]
+    await engines[0].start()
+    old = Relay(make_settings(engines))
+    try:
+        await old.start()
+        await eventually(lambda: _live(old, 1), what="member live")
+        await engines[0].step(4)
+        await eventually(lambda: _exact(old, engines), what="exact")
+        with pytest.raises(takeover.CutFailed, match="FileNotFoundError"):
+            await takeover.cut_aside(old.pools, tmp_path / "gone")
+        assert _exact(old, engines)  # the relay itself is untouched
     finally:
         await stop_relay(old)
         await engines[0].stop()
