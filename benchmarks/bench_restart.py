@@ -38,13 +38,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _config(grpc: int, metrics: int, engines: list[SimEngine], state_dir: str) -> str:
+def _config(
+    grpc: int, metrics: int, engines: list[SimEngine], state_dir: str, workers: int = 1
+) -> str:
     text = f"""
 [relay]
 dc_name = "dc-restart-bench"
 bind = "127.0.0.1:{grpc}"
 discovery_interval_s = 1.0
 state_dir = "{state_dir}"
+workers = {workers}
 
 [metrics]
 bind = "127.0.0.1:{metrics}"

@@ -2,8 +2,9 @@
 
 Simulated engines (this process, real ZMQ and gRPC) publish ``--steps-per-s`` (default 100)
 with a ``--buffer-steps`` (default 50) replay buffer, after a history several times longer. A real
-``kvrelay serve`` process (with ``[relay] state_dir``) is then either hot-upgraded (SIGUSR2) or
-stopped with SIGTERM and started again, as ``systemctl restart`` does, while the traffic goes on
+``kvrelay serve`` process (with ``[relay] state_dir``) is then either hot-upgraded (SIGUSR2; also
+with ``workers = 2``, whose fan-out worker serves the port) or stopped with SIGTERM and started
+again, as ``systemctl restart`` does, while the traffic goes on
 and a client dials the gRPC port every 5 ms. Afterwards the traffic stops and a fresh SDK client
 compares its replica with the engines' caches.
 
@@ -84,7 +85,8 @@ async def _run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="kvrelay-upgrade-bench-"))
     grpc, metrics = _free_port(), _free_port()
     cfg = work / "kvrelay.toml"
-    cfg.write_text(_config(grpc, metrics, engines, str(work / "state")))
+    workers = 2 if mode.endswith("_workers2") else 1
+    cfg.write_text(_config(grpc, metrics, engines, str(work / "state"), workers))
     pid_file = work / "kvrelay.pid"
     notify = Notify(work / "notify.sock")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVRELAY_", "NOTIFY_"))}
@@ -146,7 +148,7 @@ async def _run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.monotonic()
         old = procs[0]
         assert old.pid is not None
-        if mode == "hot_upgrade":
+        if mode.startswith("hot_upgrade"):
             old.send_signal(signal.SIGUSR2)
             rc = await asyncio.wait_for(old.wait(), 300)
             successor = _read_pid(pid_file, old.pid)
@@ -198,7 +200,7 @@ def _markdown(doc: dict[str, Any]) -> str:
         "",
         f"{a['engines']} simulated engines × 2 DP ranks, {a['history_steps']} steps of history, "
         f"replay buffer {a['buffer_steps']} steps, traffic {a['steps_per_s']} steps/s during the "
-        "transition (and 1 s after it); `[relay] state_dir` set in both modes. A client dials the "
+        "transition (and 1 s after it); `[relay] state_dir` set in every mode. A client dials the "
         "gRPC port every 5 ms throughout. Missing / phantom: held blocks absent from a fresh "
         f"client's filter, and fingerprints beyond the present ones, after up to {a['settle_s']} s "
         "without traffic.",
@@ -227,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.smoke:
         args.engines, args.capacity, args.history_steps, args.settle_s = 1, 512, 60, 2.0
-    runs = [asyncio.run(_run(mode, args)) for mode in ("hot_upgrade", "stop_start")]
+    modes = ("hot_upgrade", "hot_upgrade_workers2", "stop_start")
+    runs = [asyncio.run(_run(mode, args)) for mode in modes]
     doc = {"machine": machine(), "args": vars(args), "runs": runs}
     md = _markdown(doc)
     print(md)
