@@ -826,7 +826,7 @@ def upgrade_families(u: UpgradeSource | None) -> Iterator[Metric]:
         return
     total = CounterMetricFamily(
         "kvrelay_upgrades", "Hot upgrades (SIGUSR2) by result: handed_over and taken_over "
-        "(the old and the new process), refused, spawn_failed, successor_exited, "
+        "(the old and the new process), refused, spawn_failed, cut_failed, successor_exited, "
         "successor_failed, timeout (the old process keeps serving).", labels=["result"],
     )  # fmt: skip
     for result, n in sorted(u.results.items()):
