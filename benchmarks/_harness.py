@@ -102,6 +102,7 @@ class FleetConfig:
     queue_capacity: int = 16  # RelayLimits.publication_queue_capacity (frames per subscriber)
     tag: str = "main"
     workers: int = 1  # [relay] workers: N-1 fan-out worker processes when >= 2
+    mirror: bool = False  # subscribers read a `kvrelay mirror` process in front of the relay
     stats_interval: float = 0.5  # relay counter dumps; 0 = on demand (SIGUSR1), none while idle
 
 
@@ -144,6 +145,8 @@ class Fleet:
             argv.append("--uvloop")
         if c.workers > 1:
             argv += ["--workers", str(c.workers)]
+        if c.mirror:
+            argv.append("--mirror")
         self.relay = Proc(f"relay-{c.tag}", argv)
         self.port = int(self.relay.expect("READY", 60).split()[1])
         for lg in self.loadgens:

@@ -10,6 +10,12 @@ stop it cleanly (a final stats dump is written first).
 a UNIX socket and N−1 fan-out worker processes (children of this one, so ``/proc`` tree CPU
 counts them) serve the port; ``service_errors`` are then the workers' (router-facing) errors and
 ``internal_service_errors`` the relay's own (a worker lagging its upstream would show there).
+
+``--mirror`` puts a ``kvrelay mirror`` process (a child of this one) in front of the relay over
+loopback TCP: the relay serves an internal port with the limits a daemon gives its own workers'
+streams (``internal_limits``), the mirror serves the port with this run's limits, and
+``READY`` names the mirror's port once it has synchronized. ``service_errors`` stay the
+relay's: the routers' view of the mirror is what the subscribers themselves report.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import contextlib
 import json
 import os
 import signal
+import sys
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -180,7 +187,19 @@ async def amain(a: argparse.Namespace) -> None:
     warm()
     started = time.monotonic()
     front: Any = None
-    if a.workers > 1:
+    mirror: asyncio.subprocess.Process | None = None
+    if a.mirror:
+        from dataclasses import replace
+
+        from kvrelay.ops.front import internal_limits
+
+        inner = internal_limits(settings.limits, 2)
+        relay = Relay(replace(settings, limits=inner))
+        await relay.start()
+        server = RelayServer(relay, inner)  # type: ignore[arg-type]
+        await server.start("127.0.0.1", 0)
+        mirror, port = await _start_mirror(a, server.port)
+    elif a.workers > 1:
         from dataclasses import replace
 
         from kvrelay.ops.config import DaemonConfig, LoggingConfig
@@ -236,11 +255,53 @@ async def amain(a: argparse.Namespace) -> None:
     dump()
     if upkeep is not None:
         upkeep.cancel()
+    if mirror is not None and mirror.returncode is None:
+        mirror.terminate()
+        await mirror.wait()
     if front is not None:
         await front.stop(2.0)
     else:
         await server.close(grace_s=1.0)
     await relay.stop()
+
+
+async def _start_mirror(a: argparse.Namespace, upstream: int) -> tuple[Any, int]:
+    """``kvrelay mirror`` of ``127.0.0.1:upstream`` on ``a.host:a.port`` (a free port when 0);
+    returns once it accepts connections (it listens only after it has synchronized)."""
+    import socket
+    import tempfile
+
+    port = a.port
+    if port == 0:
+        with socket.socket() as s:
+            s.bind((a.host, 0))
+            port = int(s.getsockname()[1])
+    conf = Path(tempfile.mkdtemp(prefix="kvrelay-bench-mirror-")) / "mirror.toml"
+    loop_name = "uvloop" if a.uvloop else "asyncio"
+    conf.write_text(
+        f'[relay]\nevent_loop = "{loop_name}"\n'
+        f'[relay.limits]\npublication_queue_capacity = {a.queue_capacity}\n'
+        f'max_pool_streams_total = {a.max_streams}\nmax_subscribers_per_pool = {a.max_streams}\n'
+        '[logging]\nlevel = "warning"\nformat = "json"\n'
+    )
+    argv = [sys.executable, "-m", "kvrelay", "mirror", "--config", str(conf), "--upstream",
+            f"127.0.0.1:{upstream}", "--bind", f"{a.host}:{port}", "--metrics-bind", "off"]
+    proc = await asyncio.create_subprocess_exec(*argv)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 120
+    while True:
+        if proc.returncode is not None:
+            raise RuntimeError(f"the mirror exited ({proc.returncode})")
+        try:
+            _, w = await asyncio.open_connection(a.host, port)
+        except OSError:
+            if loop.time() > deadline:
+                proc.kill()
+                raise RuntimeError("the mirror did not listen within 120 s") from None
+            await asyncio.sleep(0.1)
+            continue
+        w.close()
+        return proc, port
 
 
 def main() -> None:
@@ -266,6 +327,7 @@ def main() -> None:
     p.add_argument("--stats-interval", type=float, default=0.5, help="0: on SIGUSR1 only")
     p.add_argument("--uvloop", action="store_true")
     p.add_argument("--workers", type=int, default=1, help="processes serving gRPC (N-1 workers)")
+    p.add_argument("--mirror", action="store_true", help="serve through a kvrelay mirror process")
     a = p.parse_args()
     if not a.engine:
         p.error("at least one --engine is required")

@@ -271,11 +271,13 @@ def snapshot_under_load(fleet: Fleet, rate: float, repeats: int, *,
     }
 
 
-def big_lane_fleet(workers: int = 1) -> Fleet:
+def big_lane_fleet(workers: int = 1, mirror: bool = False) -> Fleet:
     """A separate relay with a 64 MiB lane (``expected_blocks`` 16,777,216) and one engine;
-    ``workers`` ≥ 2: served through its N−1 fan-out workers (mirrors of it)."""
+    ``workers`` ≥ 2: served through its N−1 fan-out workers (mirrors of it); ``mirror``:
+    through a ``kvrelay mirror`` process over loopback TCP."""
     return Fleet(FleetConfig(engines=1, base_port=27190, working_set_chains=4096, probes=4000,
-                             expected_blocks=16_777_216, tag="snap64", workers=workers))
+                             expected_blocks=16_777_216, tag="snap64", workers=workers,
+                             mirror=mirror))  # fmt: skip
 
 
 def snapshot_load_suite(big: Fleet, rate: float, repeats: int) -> list[dict[str, Any]]:

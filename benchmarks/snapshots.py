@@ -7,7 +7,9 @@ idle 64 MiB lane (1 and 4), then the 64 MiB lane while the pool publishes 100,00
 (one subscriber at a time joins, reading at full speed and throttled to 80 MB/s). Real processes
 on loopback, as in ``run``. Writes ``benchmarks/results/snapshots.{json,md}``; with
 ``--workers N`` (≥ 2) every subscriber is served by the relay's N−1 fan-out workers (mirrors of
-it) and the results go to ``snapshots_workers<N>.{json,md}``.
+it) and the results go to ``snapshots_workers<N>.{json,md}``; with ``--mirror`` every
+subscriber reads a ``kvrelay mirror`` process in front of the relay (loopback TCP), results in
+``snapshots_mirror.{json,md}``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=100_000, help="block events/s under load")
     ap.add_argument("--workers", type=int, default=1,
                     help="[relay] workers: >= 2 serves through N-1 fan-out workers")
+    ap.add_argument("--mirror", action="store_true",
+                    help="serve every subscriber through a kvrelay mirror process")
     ap.add_argument("--smoke", action="store_true",
                     help="4 MiB lane only, one join, tiny working set, to .work/smoke")
     a = ap.parse_args(argv)
@@ -42,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.skip_4:
         small = Fleet(FleetConfig(engines=1, base_port=27300, probes=0, tag="snap4",
                                   working_set_chains=256 if a.smoke else 8192,
-                                  workers=a.workers))
+                                  workers=a.workers, mirror=a.mirror))
         try:
             log("snapshot: 4 MiB lane (524,288 buckets)")
             small.start()
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             small.stop()
     if not a.skip_64:
-        big = big_lane_fleet(a.workers)
+        big = big_lane_fleet(a.workers, a.mirror)
         try:
             log("snapshot: 64 MiB lane (8,388,608 buckets)")
             big.start()
@@ -64,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
             big.stop()
     res["wall_s"] = round(time.monotonic() - t0, 1)
     res["workers"] = a.workers
+    res["mirror"] = a.mirror
     name = "snapshots" if a.workers <= 1 else f"snapshots_workers{a.workers}"
+    if a.mirror:
+        name = "snapshots_mirror" if a.workers <= 1 else f"snapshots_mirror_workers{a.workers}"
     out = results_dir(a.smoke)
     write_json(out / f"{name}.json", res)
     md = snapshot_markdown(res)
