@@ -127,6 +127,13 @@ def test_snapshots_smoke(tmp_path: Path) -> None:
 
 
 @NEEDS_TIER
+def test_snapshots_through_a_mirror_smoke(tmp_path: Path) -> None:
+    doc = _json(_smoke(tmp_path, "benchmarks.snapshots", "--smoke", "--mirror")
+                / "snapshots_mirror.json")  # fmt: skip
+    assert doc["mirror"] is True and doc["snapshot"]
+
+
+@NEEDS_TIER
 def test_restart_smoke(tmp_path: Path) -> None:
     _json(_smoke(tmp_path, "benchmarks.bench_restart", "--smoke") / "restart.json")
 
