@@ -21,6 +21,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
@@ -140,23 +141,30 @@ class Fleet:
             await e.stop()
 
 
-async def _exact(grpc: int, fleet: Fleet) -> int:
-    """A fresh router's replica equals the engines' caches; the relay incarnation it saw."""
+@contextlib.asynccontextmanager
+async def _router(grpc: int) -> AsyncIterator[tuple[Consumer, int]]:
+    """A fresh router on the port, past its first frame; with the relay incarnation it saw."""
     async with Channel("127.0.0.1", grpc) as ch:
         info = await relay_info(ch)
         assert info.relay is not None
         consumer = Consumer(ch, await catalog_producer(ch), info.relay).start()
         try:
             await asyncio.wait_for(consumer.first.wait(), 20)
-            want = fleet.truth()
-            await eventually(
-                lambda: bool(consumer.replica.contains(want).all())
-                and _fingerprints(consumer.replica.table) == len(want),
-                timeout=20, what="a filter equal to the engines' caches (0 missing, 0 phantom)",
-            )  # fmt: skip
+            yield consumer, int(info.relay.relay_incarnation)
         finally:
             await consumer.stop()
-        return int(info.relay.relay_incarnation)
+
+
+async def _exact(grpc: int, fleet: Fleet) -> int:
+    """A fresh router's replica equals the engines' caches; the relay incarnation it saw."""
+    async with _router(grpc) as (consumer, incarnation):
+        want = fleet.truth()
+        await eventually(
+            lambda: bool(consumer.replica.contains(want).all())
+            and _fingerprints(consumer.replica.table) == len(want),
+            timeout=20, what="a filter equal to the engines' caches (0 missing, 0 phantom)",
+        )  # fmt: skip
+    return incarnation
 
 
 def _upgrade_dirs(tmp: Path) -> list[str]:
@@ -244,16 +252,28 @@ async def test_hot_upgrade_mid_traffic_loses_nothing_and_never_refuses(
         assert len(list(state.iterdir())) == 1  # the successor's own clean stop saves
         new_pid = None
     finally:
-        print("\n".join(log.read_text().splitlines()[-60:]))  # shown when the test fails
-        if dialer is not None:
-            await dialer.stop()
-        if old.returncode is None:
-            old.kill()
-            await old.wait()
-        if new_pid is not None and _alive(new_pid):
-            os.kill(new_pid, signal.SIGKILL)
-        await notes.close()
+        await _end(log, dialer, old, new_pid, notes)
         await fleet.stop()
+
+
+async def _end(
+    log: Path,
+    dialer: Dialer | None,
+    old: asyncio.subprocess.Process,
+    new_pid: int | None,
+    notes: Notifications,
+) -> None:
+    """A hot-upgrade test's clean-up: its log shown (pytest prints it when the test fails),
+    the dialer stopped, both relay processes gone."""
+    print("\n".join(log.read_text().splitlines()[-60:]))
+    if dialer is not None:
+        await dialer.stop()
+    if old.returncode is None:
+        old.kill()
+        await old.wait()
+    if new_pid is not None and _alive(new_pid):
+        os.kill(new_pid, signal.SIGKILL)
+    await notes.close()
 
 
 def _alive(pid: int) -> bool:
@@ -375,34 +395,19 @@ async def test_a_mirror_with_a_worker_hot_upgrades_and_never_refuses(tmp_path: P
         gen = relay.pools[0].generation
         assert gen is not None
         gen.flush()
-        async with Channel("127.0.0.1", grpc) as ch:
-            info = await relay_info(ch)
-            assert info.relay is not None
-            consumer = Consumer(ch, await catalog_producer(ch), info.relay).start()
-            try:
-                await asyncio.wait_for(consumer.first.wait(), 20)
-                await eventually(lambda: consumer.replica.sequence == gen.sequence,
-                                 what="replica at the relay's sequence")  # fmt: skip
-                assert np.array_equal(consumer.replica.table, gen.pool.table)
-            finally:
-                await consumer.stop()
+        async with _router(grpc) as (consumer, _incarnation):
+            await eventually(lambda: consumer.replica.sequence == gen.sequence,
+                             what="replica at the relay's sequence")  # fmt: skip
+            assert np.array_equal(consumer.replica.table, gen.pool.table)
         assert _upgrade_dirs(tmpdir) == []
         os.kill(new_pid, signal.SIGTERM)
         await eventually(lambda: not _alive(new_pid), timeout=30, what="the successor stops")
         new_pid = None
         assert list(tmpdir.iterdir()) == []  # both runtime directories are gone
     finally:
-        print("\n".join(log.read_text().splitlines()[-60:]))  # shown when the test fails
         if traffic is not None:
             traffic.cancel()
-        if dialer is not None:
-            await dialer.stop()
-        if old.returncode is None:
-            old.kill()
-            await old.wait()
-        if new_pid is not None and _alive(new_pid):
-            os.kill(new_pid, signal.SIGKILL)
-        await notes.close()
+        await _end(log, dialer, old, new_pid, notes)
         await upstream.close(grace_s=1.0)
         await relay.stop()
         await engine.stop()
