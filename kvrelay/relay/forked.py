@@ -133,6 +133,4 @@ def give_back(raw: npt.NDArray[np.uint8], start: int, end: int) -> None:
     hi = (base + end) // HUGE * HUGE
     if hi <= lo:
         return
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_DONTNEED)
+    hugepages.madvise(lo, hi - lo, MADV_DONTNEED)

@@ -23,9 +23,11 @@ import asyncio
 import contextlib
 import ctypes
 import errno
+import functools
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from kvrelay.logging import get_logger
 
@@ -77,6 +79,26 @@ def dense_spans(smaps: str) -> list[tuple[int, int]]:
     return spans
 
 
+@functools.cache
+def _libc_madvise() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def madvise(at: int, length: int, advice: int) -> int:
+    """``madvise(2)`` on ``[at, at + length)``: 0, or the errno it failed with (``ENOSYS``
+    where the C library has none). It releases the GIL while the kernel works."""
+    fn = _libc_madvise()
+    if fn is None:
+        return errno.ENOSYS
+    return 0 if fn(at, length, advice) == 0 else ctypes.get_errno()
+
+
 def fold(pause_s: float = 0.0005) -> int:
     """One pass over this process's dense mappings, 2 MiB at a time with a short pause between
     (the kernel holds the mapping's lock while it copies one huge page, so the relay's own page
@@ -88,17 +110,15 @@ def fold(pause_s: float = 0.0005) -> int:
     try:
         with open("/proc/self/smaps") as f:
             spans = dense_spans(f.read())
-        libc = ctypes.CDLL(None, use_errno=True)
     except OSError:
         return 0
-    madvise = libc.madvise
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     folded = 0
     for start, length in spans:
         for at in range(start, start + length, HUGE):
-            if madvise(at, HUGE, MADV_COLLAPSE) == 0:
+            err = madvise(at, HUGE, MADV_COLLAPSE)
+            if err == 0:
                 folded += HUGE
-            elif ctypes.get_errno() == errno.EINVAL and folded == 0 and stats.passes == 0:
+            elif err in (errno.EINVAL, errno.ENOSYS) and folded == 0 and stats.passes == 0:
                 _supported = False  # an older kernel: no MADV_COLLAPSE
                 return 0
             else:
