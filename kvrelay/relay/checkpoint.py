@@ -35,7 +35,6 @@ from kvrelay.logging import get_logger
 from kvrelay.pool.pool import Pool
 from kvrelay.relay import forked, handover
 from kvrelay.relay.engines import PoolIdentity
-from kvrelay.relay.forked import Child
 from kvrelay.relay.handover import MemberResume
 from kvrelay.relay.settings import PoolSpec
 
@@ -48,7 +47,7 @@ BUSY = "checkpoint_busy"
 
 @dataclass(slots=True)
 class _Writer:
-    child: Child
+    child: forked.Child
     members: int
     started: float
 
@@ -90,7 +89,7 @@ class Checkpointer:
             return str(handover.save_state(state_dir, spec, identity, meta, arrays, members,
                                            written=forked.give_back))  # fmt: skip
 
-        wr = _Writer(Child(write), len(members), time.monotonic())
+        wr = _Writer(forked.Child(write), len(members), time.monotonic())
         self._inflight[name] = wr
         wr.child.done.add_done_callback(lambda f: self._done(name, wr, f))
         return True

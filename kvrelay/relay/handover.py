@@ -22,12 +22,10 @@ as the contract requires); what survives is its coverage.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import numpy.typing as npt
 import xxhash
 
@@ -142,7 +140,7 @@ def save(
     identity: PoolIdentity,
     pool: Pool,
     members: list[MemberResume],
-    written: Callable[[npt.NDArray[np.uint8], int, int], None] | None = None,
+    written: state_file.Written | None = None,
 ) -> int:
     """Write one pool's state atomically (the pool must not change meanwhile); returns the bytes
     written. ``written`` as ``state_file.write``'s."""
@@ -157,7 +155,7 @@ def save_state(
     meta: dict[str, Any],
     arrays: dict[str, npt.NDArray[Any]],
     members: list[MemberResume],
-    written: Callable[[npt.NDArray[np.uint8], int, int], None] | None = None,
+    written: state_file.Written | None = None,
 ) -> int:
     """Write an exported state (``Pool.export_state``, or a copy of it) atomically; ``written``
     as ``state_file.write``'s."""

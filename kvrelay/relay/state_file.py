@@ -81,6 +81,11 @@ def _pad(n: int) -> int:
     return (-n) % _ALIGN
 
 
+#: Told ``(raw, start, end)`` once bytes ``start:end`` of an array's flat view are written out
+#: and hashed, never to be read again (a forked writer gives those pages back).
+Written = Callable[[npt.NDArray[np.uint8], int, int], None]
+
+
 def _layout(arrays: dict[str, npt.NDArray[Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
     """Each array's spec and its bytes as a flat little-endian view (a copy only for an array
     that is not already C-contiguous and little-endian)."""
@@ -103,10 +108,9 @@ def _layout(arrays: dict[str, npt.NDArray[Any]]) -> tuple[list[dict[str, Any]], 
 
 def _emit(put: Callable[[bytes | memoryview], object], header: dict[str, Any],
           arrays: dict[str, npt.NDArray[Any]],
-          written: Callable[[npt.NDArray[np.uint8], int, int], None] | None = None) -> int:
-    """Stream the file's bytes to ``put`` (hashing them on the way); returns their count.
-    ``written(raw, start, end)``: bytes ``start:end`` of an array's flat view are out and hashed,
-    and never read again."""
+          written: Written | None = None) -> int:
+    """Stream the file's bytes to ``put`` (hashing them on the way); returns their count, and
+    tells ``written`` of each piece of an array once it is out."""
     specs, views = _layout(arrays)
     head = json.dumps({**header, "arrays": specs}, separators=(",", ":")).encode()
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(head)) + head
@@ -142,7 +146,7 @@ def write(
     path: Path,
     header: dict[str, Any],
     arrays: dict[str, npt.NDArray[Any]],
-    written: Callable[[npt.NDArray[np.uint8], int, int], None] | None = None,
+    written: Written | None = None,
 ) -> int:
     """Atomically replace ``path``; returns the bytes written. The arrays must not change
     meanwhile (callers write a stopped pool's state, a copy, or a forked child's image);

@@ -25,9 +25,8 @@ import asyncio
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from kvrelay.relay import forked, handover
+from kvrelay.relay import forked, handover, state_file
 from kvrelay.relay.handover import RestoredPool
 from kvrelay.relay.pool_runtime import PoolRuntime
 
@@ -58,7 +57,9 @@ class TakeoverRefused(Exception):
         self.kind = kind
 
 
-def cut(pools: list[PoolRuntime], directory: Path, written: Any = None) -> CutSummary:
+def cut(
+    pools: list[PoolRuntime], directory: Path, written: state_file.Written | None = None
+) -> CutSummary:
     """Write each materialized pool's exact state and member cursors into ``directory`` (on the
     event loop, nothing is applied while it runs; or in a forked child's image). Pools without
     a generation are left out: the successor builds them as any start would. ``written`` as
