@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
@@ -601,23 +601,17 @@ def _relay_metrics(r: RelayStats) -> Iterator[Metric]:
          r.scrape_errors),
     ):
         yield CounterMetricFamily(name, doc, value=value)
-    restores = CounterMetricFamily(
+    yield _by_result(
         "kvrelay_state_restores",
         "State files at start by outcome: restored, none, corrupt, version, stale, incompatible, "
-        "oversized, unreadable, unsafe_dir, unusable_dir.", labels=["result"],
+        "oversized, unreadable, unsafe_dir, unusable_dir.", r.state_restores,
     )  # fmt: skip
-    for result, n in sorted(r.state_restores.items()):
-        restores.add_metric([result], n)
-    yield restores
-    saves = CounterMetricFamily(
+    yield _by_result(
         "kvrelay_state_saves",
         "Pool states written, by result: saved, failed (a clean stop), checkpointed, "
         "checkpoint_failed, checkpoint_busy (periodic), unsafe_dir, unusable_dir.",
-        labels=["result"],
+        r.state_saves,
     )
-    for result, n in sorted(r.state_saves.items()):
-        saves.add_metric([result], n)
-    yield saves
     ckpt = GaugeMetricFamily(
         "kvrelay_state_checkpoint_timestamp_seconds",
         "Unix time of each pool's last checkpoint written (absent before the first).",
@@ -820,15 +814,20 @@ class _RelayCollector(Collector):
         return self._metrics.collect()
 
 
+def _by_result(name: str, doc: str, counts: Mapping[str, int]) -> CounterMetricFamily:
+    """A counter with one sample per ``result`` label, in label order."""
+    family = CounterMetricFamily(name, doc, labels=["result"])
+    for result, n in sorted(counts.items()):
+        family.add_metric([result], n)
+    return family
+
+
 def upgrade_families(u: UpgradeSource | None) -> Iterator[Metric]:
     """``kvrelay_upgrades_total`` (a relay's and a mirror's endpoint alike)."""
     if u is None:
         return
-    total = CounterMetricFamily(
+    yield _by_result(
         "kvrelay_upgrades", "Hot upgrades (SIGUSR2) by result: handed_over and taken_over "
         "(the old and the new process), refused, spawn_failed, cut_failed, successor_exited, "
-        "successor_failed, timeout (the old process keeps serving).", labels=["result"],
+        "successor_failed, timeout (the old process keeps serving).", u.results,
     )  # fmt: skip
-    for result, n in sorted(u.results.items()):
-        total.add_metric([result], n)
-    yield total
