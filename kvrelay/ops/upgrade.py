@@ -10,8 +10,7 @@ nginx's convention, adapted to a relay whose state is in memory:
 2. The *successor* warms its kernels and builds its relay, then says ``warm``. Only now does the
    predecessor cut every pool's exact state and member cursors (``relay/takeover.py``), between
    two batches, by a fork: a child writes the cut while the predecessor goes on ingesting and
-   serving. The later the cut, the less of the engines'
-   replay buffers the successor needs.
+   serving. The later the cut, the less of the engines' replay buffers the successor needs.
 3. The successor starts from the cut: each member resumes from its cursor once the engine vouches
    (the same incarnation, the cut batch still in replay with the same bytes), the replay filling
    what the predecessor applied after the cut; a member that cannot be vouched for is rebuilt.
@@ -32,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import json
 import os
 import shutil
@@ -143,11 +141,11 @@ class Upgrader:
 
     async def run(
         self,
-        cut: Callable[[Path], Mapping[str, Any] | Awaitable[Mapping[str, Any]]],
+        cut: Callable[[Path], Awaitable[Mapping[str, Any]]],
         handed_over: Callable[[int], None],
     ) -> int:
-        """Spawn the successor, cut the state when it is warm (``cut(directory)`` returns, or
-        resolves to, what it wrote, for the log; any exception it raises fails the upgrade as
+        """Spawn the successor, cut the state when it is warm (``await cut(directory)`` is what
+        it wrote, for the log; any exception it raises fails the upgrade as
         ``cut_failed``), and call ``handed_over(pid)`` once it serves; the successor's
         pid. Raises UpgradeFailed (the successor killed) otherwise."""
         work = Path(tempfile.mkdtemp(prefix="kvrelay-upgrade-", dir=_handover_parent()))
@@ -167,8 +165,7 @@ class Upgrader:
             await self._expect(reader, "warm", self.warm_timeout_s)
             t0 = time.monotonic()
             try:
-                made = cut(work)
-                summary = await made if inspect.isawaitable(made) else made
+                summary = await cut(work)
             except Exception as exc:
                 raise UpgradeFailed("cut_failed", f"{type(exc).__name__}: {exc}") from None
             _LOG.info("upgrade_state_cut", cut_s=round(time.monotonic() - t0, 3), **summary)

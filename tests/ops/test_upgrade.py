@@ -81,9 +81,14 @@ async def test_a_successor_that_does_not_take_over_is_killed_and_named(
         sys.executable, "-c", CHILD, mode]  # fmt: skip
     up = Upgrader({"grpc": lst}, argv=argv, warm_timeout_s=1.0)
     cuts: list[Path] = []
+
+    async def cut(d: Path) -> dict[str, object]:
+        cuts.append(d)
+        return {}
+
     try:
         with pytest.raises(UpgradeFailed) as info:
-            await up.run(lambda d: cuts.append(d) or {}, lambda pid: None)
+            await up.run(cut, lambda pid: None)
         assert info.value.result == result and why in str(info.value)
         assert up.proc is not None and up.proc.poll() is not None  # killed or exited, reaped
         assert cuts == [] and _dirs(runtime) == []
@@ -99,7 +104,7 @@ async def test_the_successor_inherits_the_listener_and_the_cut(runtime: Path) ->
     port = lst.getsockname()[1]
     handed: list[int] = []
 
-    def cut(d: Path) -> dict[str, object]:
+    async def cut(d: Path) -> dict[str, object]:
         assert d.parent == runtime and (d.stat().st_mode & 0o777) == 0o700
         (d / "pool-x.kvstate").write_bytes(b"state")
         return {"pools": ["x"]}
@@ -119,7 +124,10 @@ async def test_a_stop_during_the_upgrade_kills_the_successor(runtime: Path) -> N
     """SIGTERM while the successor warms up: the upgrade is cancelled, nothing outlives it."""
     lst = _listener()
     up = Upgrader({"grpc": lst}, argv=[sys.executable, "-c", "import time; time.sleep(60)"])
-    task = asyncio.create_task(up.run(lambda d: {}, lambda pid: None))
+    async def cut(d: Path) -> dict[str, object]:
+        return {}
+
+    task = asyncio.create_task(up.run(cut, lambda pid: None))
     try:
         while up.proc is None:
             await asyncio.sleep(0.01)
