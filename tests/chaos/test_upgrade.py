@@ -29,8 +29,6 @@ import pytest
 from grpclib.client import Channel
 
 from benchmarks.bench_upgrade import Dialer
-from kvrelay.relay.relay import Relay
-from kvrelay.service.server import RelayServer
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
 from tests.support.commands import REPO, clean_env
@@ -42,6 +40,7 @@ from tests.support.rig import (
     in_sync,
     make_settings,
     relay_info,
+    start_relay,
     wait_live,
 )
 from tests.support.scrape import scrape, total, value
@@ -343,11 +342,7 @@ async def test_a_mirror_with_a_worker_hot_upgrades_and_never_refuses(tmp_path: P
     a table identical to the relay's."""
     engine = SimEngine(SimConfig(name="mu0", seed=540, capacity_blocks=512))
     await engine.start()
-    settings = make_settings([engine])
-    relay = Relay(settings)
-    await relay.start()
-    upstream = RelayServer(relay, settings.limits)
-    await upstream.start("127.0.0.1", 0)
+    relay, upstream = await start_relay(make_settings([engine]))
     grpc, metrics = _free_port(), _free_port()
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()

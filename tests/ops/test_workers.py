@@ -26,8 +26,6 @@ from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import RelayClient
 from kvrelay.contract.wire import CONTRACT_MARKER as MARKER
 from kvrelay.ops.tls import client_ssl_context, server_ssl_context
-from kvrelay.relay.relay import Relay
-from kvrelay.service.server import RelayServer
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
 from tests.ops.test_daemon import Notifications, _config
@@ -42,6 +40,7 @@ from tests.support.rig import (
     in_sync,
     make_settings,
     relay_info,
+    start_relay,
     wait_live,
 )
 from tests.support.timing import scaled
@@ -251,11 +250,7 @@ async def test_kvrelay_mirror_with_tls_both_ways(tmp_path: Path) -> None:
     pki = make_pki(tmp_path)
     engine = SimEngine(SimConfig(name="t0", seed=16, capacity_blocks=64))
     await engine.start()
-    settings = make_settings([engine])
-    relay = Relay(settings)
-    await relay.start()
-    upstream = RelayServer(relay, settings.limits)
-    await upstream.start("127.0.0.1", 0, ssl=server_ssl_context(
+    relay, upstream = await start_relay(make_settings([engine]), ssl=server_ssl_context(
         str(pki.server_cert), str(pki.server_key), str(pki.client_ca)))  # fmt: skip
     conf = tmp_path / "mirror.toml"
     conf.write_text(f"""

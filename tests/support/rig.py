@@ -124,11 +124,14 @@ async def stop_relay(relay: Relay) -> None:
     await asyncio.wait_for(relay.stop(), scaled(30))
 
 
-async def start_relay(settings: RelaySettings, port: int = 0) -> tuple[Relay, RelayServer]:
+async def start_relay(
+    settings: RelaySettings, port: int = 0, ssl: Any = None
+) -> tuple[Relay, RelayServer]:
+    """A started relay and its server on loopback (``ssl``: a server context)."""
     relay = Relay(settings)
     await relay.start()
     server = RelayServer(relay, settings.limits)
-    await server.start("127.0.0.1", port)
+    await server.start("127.0.0.1", port, ssl=ssl)
     return relay, server
 
 
