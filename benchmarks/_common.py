@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 import time
@@ -50,6 +51,13 @@ class ProcSample:
     cpu_s: float  # utime + stime of the process (all threads)
     rss_bytes: int
     rss_peak_bytes: int
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (bound and released: a later bind may still race)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def proc_sample(pid: int) -> ProcSample:

@@ -268,14 +268,11 @@ async def amain(a: argparse.Namespace) -> None:
 async def _start_mirror(a: argparse.Namespace, upstream: int) -> tuple[Any, int]:
     """``kvrelay mirror`` of ``127.0.0.1:upstream`` on ``a.host:a.port`` (a free port when 0);
     returns once it accepts connections (it listens only after it has synchronized)."""
-    import socket
     import tempfile
 
-    port = a.port
-    if port == 0:
-        with socket.socket() as s:
-            s.bind((a.host, 0))
-            port = int(s.getsockname()[1])
+    from benchmarks._common import free_port
+
+    port = a.port or free_port(a.host)
     conf = Path(tempfile.mkdtemp(prefix="kvrelay-bench-mirror-")) / "mirror.toml"
     loop_name = "uvloop" if a.uvloop else "asyncio"
     conf.write_text(

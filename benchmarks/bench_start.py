@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import ROOT, WORK, results_dir
+from benchmarks._common import ROOT, WORK, free_port, results_dir
 
 PY = sys.executable
 
@@ -66,12 +66,6 @@ total_kv_blocks = 4096
 endpoint = "tcp://127.0.0.1:{port}"
 dp_ranks = [0]
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _env(cache: Path | None, notify: Path) -> dict[str, str]:
@@ -116,7 +110,7 @@ def start_once(cache: Path | None, timeout_s: float = 300.0,
     """One daemon start: spawn → READY=1, then SIGTERM; every notification with its time."""
     with tempfile.TemporaryDirectory(prefix="kvr-start-") as tmp:
         cfg = Path(tmp) / "kvrelay.toml"
-        cfg.write_text(CONFIG.format(port=_free_port()))
+        cfg.write_text(CONFIG.format(port=free_port()))
         notify = Path(tmp) / "notify.sock"
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.bind(str(notify))

@@ -32,6 +32,7 @@ from benchmarks._common import (
     PY,
     RESULTS,
     WORK,
+    free_port,
     machine,
     percentiles,
     results_dir,
@@ -116,12 +117,6 @@ def compare(fleets: dict[int, Fleet], plan: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _wait_port(port: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -135,7 +130,7 @@ def _wait_port(port: int, timeout: float) -> None:
 
 def mirror_hop(fleet: Fleet, seconds: float, rate: float = HOP_RATE) -> dict[str, Any]:
     """A ``kvrelay mirror`` process in front of ``fleet``'s relay: added latency per delta."""
-    port, mport = _free_port(), _free_port()
+    port, mport = free_port(), free_port()
     mirror = Proc("hop-mirror", [PY, "-m", "kvrelay", "mirror", "--upstream",
                                  f"127.0.0.1:{fleet.port}", "--bind", f"127.0.0.1:{port}",
                                  "--metrics-bind", f"127.0.0.1:{mport}"])  # fmt: skip

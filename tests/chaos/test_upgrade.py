@@ -18,7 +18,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -28,6 +27,7 @@ import numpy as np
 import pytest
 from grpclib.client import Channel
 
+from benchmarks._common import free_port
 from benchmarks.bench_upgrade import Dialer
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
@@ -47,12 +47,6 @@ from tests.support.scrape import scrape, total, value
 
 STEPS_PER_S = 100.0
 BUFFER_STEPS = 50
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _config(
@@ -179,7 +173,7 @@ async def test_hot_upgrade_mid_traffic_loses_nothing_and_never_refuses(
     while the old one still serves, and the old one's exit leaves its runtime directory gone."""
     fleet = Fleet(2, seed=510)
     await fleet.start()
-    grpc, metrics = _free_port(), _free_port()
+    grpc, metrics = free_port(), free_port()
     cfg = tmp_path / "kvrelay.toml"
     state = tmp_path / "state"
     pid_file = tmp_path / "kvrelay.pid"
@@ -290,7 +284,7 @@ async def test_a_successor_that_cannot_start_leaves_the_old_process_serving(
     process goes on serving (same incarnation, same pid file), logged and counted."""
     fleet = Fleet(1, seed=530)
     await fleet.start()
-    grpc, metrics = _free_port(), _free_port()
+    grpc, metrics = free_port(), free_port()
     cfg = tmp_path / "kvrelay.toml"
     cfg.write_text(_config(grpc, metrics, fleet.engines))
     pid_file = tmp_path / "kvrelay.pid"
@@ -343,7 +337,7 @@ async def test_a_mirror_with_a_worker_hot_upgrades_and_never_refuses(tmp_path: P
     engine = SimEngine(SimConfig(name="mu0", seed=540, capacity_blocks=512))
     await engine.start()
     relay, upstream = await start_relay(make_settings([engine]))
-    grpc, metrics = _free_port(), _free_port()
+    grpc, metrics = free_port(), free_port()
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     env = clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), TMPDIR=str(tmpdir))

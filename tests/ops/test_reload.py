@@ -12,7 +12,6 @@ import asyncio
 import json
 import shutil
 import signal
-import socket
 import ssl
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 from grpclib.client import Channel
 
+from benchmarks._common import free_port
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.ops.config import load_config
 from kvrelay.ops.daemon import Daemon
@@ -35,12 +35,6 @@ from tests.support.fleet import eventually
 from tests.support.notify import Notifications
 from tests.support.rig import Consumer, catalog_producer, relay_info
 from tests.support.timing import scaled
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _config(grpc: int, metrics: int, engines: list[SimEngine], extra: str = "") -> str:
@@ -86,7 +80,7 @@ async def test_reload_adds_an_engine_without_a_resnapshot_and_refuses_bad_files(
     e1 = SimEngine(SimConfig(name="rl1", seed=92, capacity_blocks=128))
     for e in (e0, e1):
         await e.start()
-    grpc, metrics = _free_port(), _free_port()
+    grpc, metrics = free_port(), free_port()
     cfg = tmp_path / "kvrelay.toml"
     cfg.write_text(_config(grpc, metrics, [e0]))
     pid_file = tmp_path / "kvrelay.pid"
@@ -246,7 +240,7 @@ async def test_systemctl_restart_under_traffic_keeps_the_filter_complete(tmp_pat
                                    buffer_steps=8)) for i in range(2)]  # fmt: skip
     for e in engines:
         await e.start()
-    grpc, metrics = _free_port(), _free_port()
+    grpc, metrics = free_port(), free_port()
     cfg = tmp_path / "kvrelay.toml"
     state = tmp_path / "state"
     cfg.write_text(_config(grpc, metrics, engines, extra=f'state_dir = "{state}"'))

@@ -13,7 +13,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import numpy as np
 from grpclib.client import Channel
 from grpclib.const import Cardinality
 
+from benchmarks._common import free_port
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import RelayClient
 from kvrelay.contract.wire import CONTRACT_MARKER as MARKER
@@ -44,12 +44,6 @@ from tests.support.rig import (
     wait_live,
 )
 from tests.support.timing import scaled
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _children(pid: int) -> list[int]:
@@ -128,7 +122,7 @@ async def test_two_workers_serve_are_restarted_and_drain(tmp_path: Path) -> None
     await engine.start()
     assert engine.grpc_port is not None
     notes = Notifications(tmp_path / "notify.sock")
-    metrics_port = _free_port()
+    metrics_port = free_port()
     cfg = _config(tmp_path / "kvrelay.toml", engine.grpc_port, extra="workers = 2\n")
     cfg.write_text(cfg.read_text().replace('bind = "127.0.0.1:0"\n\n[logging]',
                                            f'bind = "127.0.0.1:{metrics_port}"\n\n[logging]')
@@ -333,7 +327,7 @@ async def test_more_pools_than_hubs_are_served_behind_two_workers(tmp_path: Path
                for i in range(3)]  # fmt: skip
     for e in engines:
         await e.start()
-    metrics_port = _free_port()
+    metrics_port = free_port()
     pools = "".join(f"""
 [[pools]]
 namespace = "ns"
