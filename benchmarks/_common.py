@@ -114,6 +114,12 @@ def percentiles(values: Any, scale: float = 1.0) -> dict[str, float | int | None
 # ---- machine -------------------------------------------------------------------------------------
 
 
+def spread(values: list[float]) -> dict[str, Any]:
+    """A figure over repeated runs: median, min, max and every value."""
+    a = [float(v) for v in values]
+    return {"median": float(np.median(a)), "min": min(a), "max": max(a), "values": a}
+
+
 def tracked_changes(root: Path) -> list[str]:
     """Tracked files edited since HEAD, outside ``benchmarks/results/``: a result rewritten by
     the run itself (``benchmarks.run --all`` writes them one after another) does not make the

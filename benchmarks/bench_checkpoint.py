@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._common import machine, percentiles, results_dir, write_json
+from benchmarks._common import machine, percentiles, results_dir, spread, write_json
 from kvrelay.pool.batch import EventBatch
 from kvrelay.pool.pool import Pool
 from kvrelay.relay import checkpoint, hugepages
@@ -191,7 +191,7 @@ def _stats(lat: list[float], work: list[float]) -> dict[str, float | int | None]
             "apply_p50_ms": w["p50"], "apply_p99_ms": w["p99"]}  # fmt: skip
 
 
-async def run(target: int, seconds: float) -> dict[str, Any]:
+async def run(target: int, seconds: float, repeats: int = 1) -> dict[str, Any]:
     t = time.perf_counter()
     pool = filled(target)
     fill_s = time.perf_counter() - t
@@ -203,59 +203,100 @@ async def run(target: int, seconds: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as d:
         state_dir = Path(d)
         ck = checkpoint.Checkpointer(lambda _r: None)
-        without = await _phase(pool, live, seconds, None, state_dir, spec)
-        with_ = await _phase(pool, live, seconds, ck, state_dir, spec)
+        runs = []
+        for _ in range(repeats):  # the same pool each time: only the phases are repeated
+            without = await _phase(pool, live, seconds, None, state_dir, spec)
+            with_ = await _phase(pool, live, seconds, ck, state_dir, spec)
+            runs.append({"without_checkpoints": without, "with_checkpoints": with_})
         ck.close()
         size = sum(p.stat().st_size for p in state_dir.iterdir())
     return {
         "memberships": pool.memberships, "state_bytes_exported": state_bytes,
-        "file_bytes": size, "fill_s": fill_s, "phase_s": seconds,
-        "without_checkpoints": without, "with_checkpoints": with_,
+        "file_bytes": size, "fill_s": fill_s, "phase_s": seconds, "runs": runs,
+        "summary": _summary(runs),
     }  # fmt: skip
+
+
+#: Headline figures over the repeats: (label, phase, key).
+HEADLINE = (
+    ("delta p99 without checkpoints (ms)", "without_checkpoints", "delta_p99_ms"),
+    ("delta p99 during a checkpoint (ms)", "during_checkpoint", "delta_p99_ms"),
+    ("delta p50 without checkpoints (ms)", "without_checkpoints", "delta_p50_ms"),
+    ("delta p50 during a checkpoint (ms)", "during_checkpoint", "delta_p50_ms"),
+    ("apply p50 without checkpoints (ms)", "without_checkpoints", "apply_p50_ms"),
+    ("apply p50 during a checkpoint (ms)", "during_checkpoint", "apply_p50_ms"),
+    ("apply p99 without checkpoints (ms)", "without_checkpoints", "apply_p99_ms"),
+    ("apply p99 during a checkpoint (ms)", "during_checkpoint", "apply_p99_ms"),
+    ("memory a checkpoint adds at its peak (MiB)", "with_checkpoints", "memory_added_peak_mib"),
+    ("fork on the loop, median (ms)", "with_checkpoints", "cut_on_loop_ms_median"),
+)
+RATIO = "delta p99 ratio during / without"
+
+
+def _figure(run: dict[str, Any], phase: str, key: str) -> float:
+    w = run["with_checkpoints"]
+    return float((w["during_checkpoint"] if phase == "during_checkpoint" else run[phase])[key])
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median and range of each headline figure, and of the p99 ratio during / without."""
+    out: dict[str, Any] = {"repeats": len(runs)}
+    for label, phase, key in HEADLINE:
+        out[label] = spread([_figure(r, phase, key) for r in runs])
+    out[RATIO] = spread([_figure(r, "during_checkpoint", "delta_p99_ms")
+                         / _figure(r, "without_checkpoints", "delta_p99_ms") for r in runs])
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="100K memberships, 1 s phases")
+    ap.add_argument("--smoke", action="store_true", help="100K memberships, 1 s phases, 1 repeat")
     ap.add_argument("--memberships", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=3, help="pairs of phases on the one pool")
     args = ap.parse_args()
     target = args.memberships or (100_000 if args.smoke else 10_000_000)
     seconds = 1.0 if args.smoke else 12.0
-    r = asyncio.run(run(target, seconds))
+    r = asyncio.run(run(target, seconds, 1 if args.smoke else args.repeats))
     r["machine"] = machine()
     out = results_dir(args.smoke)
     write_json(out / "checkpoint.json", r)
-    w, c = r["without_checkpoints"], r["with_checkpoints"]
+    sm = r["summary"]
     lines = [
         f"# Checkpoint cost ({r['memberships']:,} memberships, "
         f"{r['state_bytes_exported'] / 2**20:.0f} MiB exported state, "
         f"{r['file_bytes'] / 2**20:.0f} MiB file)", "",
         f"One batch every {PERIOD_S * 1e3:g} ms (8 stores of 4 blocks and the removal of an "
         "earlier batch's) on a live member, its delta taken; delta latency counts from the "
-        "moment the batch was due, apply time is the batch's own work.", "",
-        "| phase | batches | delta p50 ms | delta p99 ms | delta max ms | apply p50 ms | "
-        "apply p99 ms | memory added MiB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "moment the batch was due, apply time is the batch's own work. "
+        f"{sm['repeats']} repeats of the two phases on the same pool.", "",
+        "| figure | median | min | max |", "| --- | ---: | ---: | ---: |",
     ]  # fmt: skip
-    d = c.get("during_checkpoint", {})
-    rows = (("without checkpoints", w), ("with checkpoints (whole phase)", c),
-            ("with checkpoints: batches during one", d))  # fmt: skip
-    added = c["memory_added_peak_mib"]
-    for label, p in rows:
-        if not p:
-            continue
-        lines.append(f"| {label} | {p['batches']} | {p['delta_p50_ms']:.3f} | "
-                     f"{p['delta_p99_ms']:.3f} | {p['delta_max_ms']:.2f} | "
-                     f"{p['apply_p50_ms']:.3f} | {p['apply_p99_ms']:.3f} | "
-                     f"{p.get('memory_added_peak_mib', added):.0f} |")  # fmt: skip
-    first = c.get("cut_on_loop_ms_first", 0)
-    lines += ["", f"{c.get('checkpoints', 0)} checkpoints, each {GAP_S:g} s after the previous"
-              f" one was written; cut (fork) on the loop: first {first:.1f} ms, median "
-              f"{c.get('cut_on_loop_ms_median', 0):.1f} ms, max "
-              f"{c.get('cut_on_loop_ms_max', 0):.1f} ms; write (child process): median "
-              f"{c.get('write_s_median') or 0:.2f} s; huge pages folded back after each: "
+    for label in [h[0] for h in HEADLINE] + [RATIO]:
+        f = sm[label]
+        lines.append(f"| {label} | {f['median']:.3f} | {f['min']:.3f} | {f['max']:.3f} |")
+    lines += ["", "| repeat | phase | batches | delta p50 ms | delta p99 ms | delta max ms | "
+              "apply p50 ms | apply p99 ms | memory added MiB |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for k, run_ in enumerate(r["runs"], 1):
+        w, c = run_["without_checkpoints"], run_["with_checkpoints"]
+        rows = (("without checkpoints", w), ("with checkpoints (whole phase)", c),
+                ("with checkpoints: batches during one", c.get("during_checkpoint", {})))
+        for label, p in rows:  # fmt: skip
+            if not p:
+                continue
+            lines.append(f"| {k} | {label} | {p['batches']} | {p['delta_p50_ms']:.3f} | "
+                         f"{p['delta_p99_ms']:.3f} | {p['delta_max_ms']:.2f} | "
+                         f"{p['apply_p50_ms']:.3f} | {p['apply_p99_ms']:.3f} | "
+                         f"{p.get('memory_added_peak_mib', c['memory_added_peak_mib']):.0f} |")
+        lines.append(f"| {k} | cut and write | {c.get('checkpoints', 0)} checkpoints | fork "
+                     f"first {c.get('cut_on_loop_ms_first', 0):.1f} ms | median "
+                     f"{c.get('cut_on_loop_ms_median', 0):.1f} ms | max "
+                     f"{c.get('cut_on_loop_ms_max', 0):.1f} ms | write median "
+                     f"{c.get('write_s_median') or 0:.2f} s | | |")  # fmt: skip
+    lines += ["", f"Each checkpoint starts {GAP_S:g} s after the previous one was written; "
+              "huge pages folded back after each: "
               f"{hugepages.stats.folded_bytes / 2**20 / max(1, hugepages.stats.passes):.0f} MiB "
-              f"a pass."]  # fmt: skip
+              "a pass."]  # fmt: skip
     text = "\n".join(lines) + "\n"
     (out / "checkpoint.md").write_text(text)
     print(text)

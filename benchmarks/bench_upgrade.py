@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._common import ROOT, free_port, machine, results_dir, write_json
+from benchmarks._common import ROOT, free_port, machine, results_dir, spread, write_json
 from benchmarks.bench_restart import Notify, _config
 from kvrelay.client import ClientConfig, RelayClient
 from kvrelay.sim.config import SimConfig
@@ -205,15 +205,42 @@ def _markdown(doc: dict[str, Any]) -> str:
         f"client's filter, and fingerprints beyond the present ones, after up to {a['settle_s']} s "
         "without traffic.",
         "",
-        "| mode | old exit | transition s | dials | refused | held blocks | missing | phantom |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+        f"Over {a['repeats']} runs of each mode (interleaved): the transition's median and range, "
+        "and the refused dials, missing and phantom blocks summed over the runs.",
+        "",
+        "| mode | runs | transition s median (min–max) | dials | refused | held blocks "
+        "(last run) | missing | phantom |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]  # fmt: skip
+    for mode, s in doc["summary"].items():
+        t = s["transition_s"]
+        lines.append(
+            f"| {mode} | {s['runs']} | {t['median']:.3f} ({t['min']:.3f}–{t['max']:.3f}) | "
+            f"{s['dials']} | {s['refused']} | {s['held_blocks']:,} | {s['missing']:,} | "
+            f"{s['phantom']:,} |"
+        )
+    lines += ["", "Every run:", "",
+              "| mode | old exit | transition s | dials | refused | held blocks | missing | "
+              "phantom |", "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in doc["runs"]:
         lines.append(
             f"| {r['mode']} | {r['old_exit_code']} | {r['transition_s']} | {r['dials']} | "
             f"{r['refused']} | {r['held_blocks']:,} | {r['missing']:,} | {r['phantom']:,} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per mode: the transition's spread, and what was refused or lost in all its runs."""
+    out: dict[str, dict[str, Any]] = {}
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+        mine = [r for r in runs if r["mode"] == mode]
+        out[mode] = {
+            "runs": len(mine), "transition_s": spread([r["transition_s"] for r in mine]),
+            "held_blocks": mine[-1]["held_blocks"],
+            **{k: sum(r[k] for r in mine) for k in ("dials", "refused", "missing", "phantom")},
+        }  # fmt: skip
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,14 +251,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--buffer-steps", type=int, default=50)
     ap.add_argument("--steps-per-s", type=float, default=100.0)
     ap.add_argument("--settle-s", type=float, default=5.0)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each mode")
     ap.add_argument("--no-write", action="store_true", help="print only")
     ap.add_argument("--smoke", action="store_true", help="seconds, tiny sizes, to .work/smoke")
     args = ap.parse_args(argv)
     if args.smoke:
         args.engines, args.capacity, args.history_steps, args.settle_s = 1, 512, 60, 2.0
+        args.repeats = 1
     modes = ("hot_upgrade", "hot_upgrade_workers2", "stop_start")
-    runs = [asyncio.run(_run(mode, args)) for mode in modes]
-    doc = {"machine": machine(), "args": vars(args), "runs": runs}
+    runs = [asyncio.run(_run(mode, args)) for _ in range(args.repeats) for mode in modes]
+    doc = {"machine": machine(), "args": vars(args), "runs": runs, "summary": _summary(runs)}
     md = _markdown(doc)
     print(md)
     if not args.no_write:
