@@ -252,6 +252,30 @@ def _sbs_headline(res: dict[str, Any]) -> list[str]:
             cpu.append((tag, k["cpu_util"] / d["cpu_util"]))
         if d["rss_bytes"]:
             rss.append((tag, k["rss_bytes"] / d["rss_bytes"]))
+    spread = res.get("light_load_spread") or {}
+    sweeps = len(res.get("sweeps") or [])
+    if sweeps > 1 and any("relay_cpu" in v for v in spread.values()):
+        # every sweep counts: per rate the median and range of the ratio over the sweeps
+        def med(key: str) -> list[tuple[str, dict[str, Any]]]:
+            return [(t, v[key]) for t, v in spread.items() if key in v]
+
+        lines = ["## Light load: relay CPU and RSS, kvrelay / Dynamo", ""]
+        for key, what, target in (("relay_cpu", "relay CPU", "1.0"), ("relay_rss", "relay RSS",
+                                                                        "1.2")):
+            vals = med(key)
+            meds = [v["median"] for _, v in vals]
+            lines.append(
+                f"- **{what}: {min(meds):.2f}–{max(meds):.2f}× Dynamo** (median of {sweeps} "
+                "sweeps per rate, range in brackets: "
+                + ", ".join(f"{t}: {v['median']:.2f}× ({v['min']:.2f}–{v['max']:.2f})"
+                            for t, v in vals)
+                + f"; target ≤ {target}×)."
+            )
+        lines += [
+            "- CPU = process-tree utime + stime over the driver window / wall; RSS = "
+            "process-tree VmRSS at the end of each rate. The table below is the first sweep.",
+        ]
+        return lines
     if not cpu or not rss:
         return []
     lo, hi = min(r for _, r in cpu), max(r for _, r in cpu)

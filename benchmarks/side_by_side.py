@@ -44,6 +44,7 @@ from benchmarks._common import (
     machine,
     percentiles,
     results_dir,
+    spread,
     tree_sample,
     write_json,
 )
@@ -144,6 +145,30 @@ def point(rate: float, seconds: float, start: int, procs: dict[str, Proc],
     }
 
 
+def sweep_row(p: dict[str, Any]) -> dict[str, Any]:
+    """One rate of one sweep: both relays' CPU and RSS and their ratios."""
+    k, d = p["relays"]["kvrelay"], p["relays"]["dynamo"]
+    return {
+        "requests_per_s": p["requests_per_s_offered"],
+        "kvrelay_cpu": k["cpu_util"], "dynamo_cpu": d["cpu_util"],
+        "relay_cpu": k["cpu_util"] / d["cpu_util"] if d["cpu_util"] else None,
+        "relay_rss": k["rss_bytes"] / d["rss_bytes"] if d["rss_bytes"] else None,
+    }
+
+
+def light_spread(runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per offered rate, the CPU and RSS ratios over every sweep (median, range, values)."""
+    out: dict[str, Any] = {}
+    for i, p in enumerate(runs[0]):
+        rows = [sweep_row(pts[i]) for pts in runs]
+        out[f"{p['requests_per_s_offered']:.0f} req/s"] = {
+            key: spread([r[key] for r in rows if r[key] is not None])
+            for key in ("relay_cpu", "relay_rss")
+            if any(r[key] is not None for r in rows)
+        }
+    return out
+
+
 def final_stats(relay: Proc, path: Path) -> dict[str, Any]:
     """Ask the relay for a counter dump (SIGUSR1) and read it once written."""
     t = time.time()
@@ -230,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true",
                     help="seconds, tiny sizes, results to .work/ (light and --heavy)")
     ap.add_argument("--repeats", type=int, default=0,
-                    help="--heavy: whole sweeps from fresh stacks, reported as median and range "
-                         "(default 3 for the full plan, else 1)")
+                    help="--heavy: whole sweeps from fresh stacks; light: sweeps of every rate "
+                         "in one stack; each reported as median and range (default 3 for "
+                         "--full and for the heavy full plan, else 1)")
     ap.add_argument("--concurrent", action="store_true",
                     help="--heavy: one loadgen feeds both relays at once (default: sequential)")
     ap.add_argument("--subs", default="", help="--heavy: comma-separated subscriber counts")
@@ -247,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     rates = [float(r) for r in a.rates.split(",")] if a.rates else (
         [10] if a.smoke else [25, 50, 100, 200, 400] if a.full else [25, 100])
     seconds = a.seconds or (1.0 if a.smoke else 8.0 if a.full else 4.0)
+    sweeps = a.repeats or (3 if a.full else 1)
     out_json = results_dir(a.smoke) / "side_by_side.json"
     WORK.mkdir(parents=True, exist_ok=True)
     reason = ensure_venv()
@@ -266,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dyn_env(kv_dir)
     nsx = ["ip", "netns", "exec", NS]
     warm = 40
-    total = int(sum(rates) * seconds) + warm + 10
+    total = int(sum(rates) * seconds) * sweeps + warm + 10
     prompts, probes = make_prompts(total)
     files = {"prompts": prompts, "probes": probes}
     procs: dict[str, Proc] = {}
@@ -300,19 +327,25 @@ def main(argv: list[str] | None = None) -> int:
         res["idle_cpu_util"] = {
             k: round((i1[k].cpu_s - i0[k].cpu_s) / (i1[k].wall - i0[k].wall), 4) for k in i0
         }
-        points = []
+        runs: list[list[dict[str, Any]]] = []
         start = warm
-        for rate in rates:
-            log(f"{rate:.0f} requests/s for {seconds:.0f} s "
-                f"({rate * PROMPT_BLOCKS:,.0f} stored blocks/s offered)")
-            p = point(rate, seconds, start, procs, files, env)
-            start += int(rate * seconds)
-            k, d = p["relays"]["kvrelay"], p["relays"]["dynamo"]
-            log(f"  e2e p50 kvrelay {k['e2e_latency_ms']['p50']} ms / Dynamo "
-                f"{d['e2e_latency_ms']['p50']} ms; CPU {k['cpu_util']} / {d['cpu_util']} cores; "
-                f"probes {k['probes_seen']}/{d['probes_seen']} of {p['requests']}")
-            points.append(p)
+        for sweep in range(sweeps):
+            points = []
+            for rate in rates:
+                log(f"sweep {sweep + 1}/{sweeps}: {rate:.0f} requests/s for {seconds:.0f} s "
+                    f"({rate * PROMPT_BLOCKS:,.0f} stored blocks/s offered)")
+                p = point(rate, seconds, start, procs, files, env)
+                start += int(rate * seconds)
+                k, d = p["relays"]["kvrelay"], p["relays"]["dynamo"]
+                log(f"  e2e p50 kvrelay {k['e2e_latency_ms']['p50']} ms / Dynamo "
+                    f"{d['e2e_latency_ms']['p50']} ms; CPU {k['cpu_util']} / {d['cpu_util']} "
+                    f"cores; probes {k['probes_seen']}/{d['probes_seen']} of {p['requests']}")
+                points.append(p)
+            runs.append(points)
+        points = runs[0]
         res["points"] = points
+        res["sweeps"] = [[sweep_row(p) for p in pts] for pts in runs]
+        res["light_load_spread"] = light_spread(runs)
         res["rows"] = ratios(points)
         idle = res["idle_cpu_util"]
         res["rows"].append({"metric": "relay CPU idle (cores)", "kvrelay": idle["kvrelay"],

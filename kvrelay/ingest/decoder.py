@@ -339,7 +339,8 @@ class Decoder:
         rank = self.dp_rank if dp < 0 else dp
         if rank != self.dp_rank:
             raise DpRankMismatchError(f"batch for dp_rank {rank} on the socket of {self.dp_rank}")
-        self._garr = work[o_groups:o_ops].view(np.int8).copy()
+        # what the walk learned, kept in place (the next walk copies it into its own workspace)
+        self._garr = work[o_groups:o_ops].view(np.int8)
         ds = DecodeStats(
             stored=st[FW.ST_STORED],
             removed=st[FW.ST_REMOVED],
@@ -367,6 +368,7 @@ class Decoder:
             ext_hashes=w64[2 * e : 2 * e + int(blk_off[ne])],
             tok_off=tok_off,
             tokens=work[o_tok : o_tok + 4 * int(tok_off[ne])].view(np.uint32),
+            normalized=True,
         )
         return DecodeResult(batch, rank, float(work[o_ts:o_groups].view(np.float64)[0]), ds)
 

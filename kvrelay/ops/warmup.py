@@ -37,7 +37,10 @@ STEPS = ("hashing", "ingest", "pool")
 _MODULES: dict[str, tuple[str, ...]] = {
     "hashing": ("kvrelay.hashing.xxh3", "kvrelay.hashing.tokens", "kvrelay.ingest.salt"),
     "ingest": ("kvrelay.ingest.tokens_kernel", "kvrelay.ingest.fastwalk", "kvrelay.ingest.decoder"),
-    "pool": ("kvrelay.pool.ckf", "kvrelay.pool.pool", "kvrelay.publication.cbi1"),
+    "pool": (
+        "kvrelay.pool.ckf", "kvrelay.pool.pool", "kvrelay.publication.cbi1",
+        "kvrelay.publication.delta_body",
+    ),
 }
 _WHAT = {
     "hashing": "XXH3, salts",

@@ -53,6 +53,13 @@ def _empty(dtype: type) -> npt.NDArray[np.generic]:
     return np.zeros(0, dtype=dtype)
 
 
+# One shared empty array per optional field: nothing can write into an array of length 0, and a
+# batch without multimodal data or origins (nearly every batch) then allocates nothing for them.
+_NO_MM_OFF = np.zeros(0, dtype=np.int64)
+_NO_MM = np.zeros(0, dtype=np.uint64)
+_NO_ORIGIN = np.zeros(0, dtype=np.uint8)
+
+
 @dataclass(slots=True)
 class EventBatch:
     """Flat arrays for one engine message (see module docstring for the layout)."""
@@ -67,9 +74,13 @@ class EventBatch:
     ext_hashes: U64
     tok_off: I64
     tokens: npt.NDArray[np.uint32]
-    mm_off: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    mm: U64 = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
-    origin: npt.NDArray[np.uint8] = field(default_factory=lambda: np.zeros(0, dtype=np.uint8))
+    mm_off: I64 = field(default_factory=lambda: _NO_MM_OFF)
+    mm: U64 = field(default_factory=lambda: _NO_MM)
+    origin: npt.NDArray[np.uint8] = field(default_factory=lambda: _NO_ORIGIN)
+    #: Every array is already 1-D, C-contiguous and of its field's dtype (the decoder's fast path
+    #: builds them as views of that dtype): the pool skips its per-array conversion check.
+    #: Contents are checked by the pool either way.
+    normalized: bool = False
 
     @property
     def n_events(self) -> int:

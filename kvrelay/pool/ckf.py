@@ -442,4 +442,6 @@ class Lane:
         k = take_dirty(self.table, self.mark, self.dlog_b, self.dlog_o, self.dmeta, ob, ow)
         if k == 0:
             return None
+        if k == n:  # every touched bucket net-changed (the usual case): no copy
+            return ob, ow
         return ob[:k].copy(), ow[:k].copy()

@@ -468,10 +468,9 @@ class Pool:
             self._record_error(-1, bad)
             raise
         n = b.ops.shape[0]
-        store_blocks = int(self._summary[0])
-        max_k = int(self._summary[1])
+        store_blocks, max_k, ns = self._summary.tolist()[:3]
         self._reserve_owners(store_blocks)  # may repack every lineage table: first
-        m.reserve(store_blocks, bool(self._summary[2]), self._sc)
+        m.reserve(store_blocks, bool(ns), self._sc)
         if self._xk.shape[0] > MIN_CAP and (int(self._pm[PM_OVERFLOW]) + 1) * 8 < self._xk.shape[0]:
             self._fit_counts(0)
         err = np.zeros(n, dtype=np.uint8)
@@ -528,26 +527,27 @@ class Pool:
                 self._resize_owners(OWNERS.grown(self._own.nb0))
             start = stop
         self._stats += stats
-        self._note_invariant(int(stats[ST_INVARIANT]))
+        st = stats.tolist()  # one conversion instead of one numpy scalar per counter
+        self._note_invariant(st[ST_INVARIANT])
         errors: list[tuple[int, PoolError]] = []
-        if stats[ST_REJECTED]:
+        if st[ST_REJECTED]:
             for i in np.flatnonzero(err).tolist():
                 code = int(err[i])
                 exc = CODE_TO_ERROR[code](f"event {i}: {CODE_MESSAGE[code]}")
                 errors.append((i, exc))
                 self._record_error(i, exc)
         return ApplyResult(
-            events_applied=int(stats[ST_APPLIED]),
-            events_rejected=int(stats[ST_REJECTED]),
-            blocks_stored=int(stats[ST_STORED]),
-            blocks_removed=int(stats[ST_REMOVED]),
-            unknown_removals=int(stats[ST_UNKNOWN]),
-            capacity_omissions=int(stats[ST_CAPACITY]),
+            events_applied=st[ST_APPLIED],
+            events_rejected=st[ST_REJECTED],
+            blocks_stored=st[ST_STORED],
+            blocks_removed=st[ST_REMOVED],
+            unknown_removals=st[ST_UNKNOWN],
+            capacity_omissions=st[ST_CAPACITY],
             errors=tuple(errors),
-            duplicate_stores=int(stats[ST_DUP]),
-            report_stores=int(stats[ST_REPORT]),
-            ambiguous_stores=int(stats[ST_AMBIGUOUS]),
-            copy_removals=int(stats[ST_COPY_REMOVED]),
+            duplicate_stores=st[ST_DUP],
+            report_stores=st[ST_REPORT],
+            ambiguous_stores=st[ST_AMBIGUOUS],
+            copy_removals=st[ST_COPY_REMOVED],
         )
 
     def _record_error(self, index: int, exc: PoolError) -> None:
@@ -966,6 +966,8 @@ def _arr(x: object, dtype: type, name: str) -> npt.NDArray[np.generic]:
 def _normalized(b: EventBatch) -> EventBatch:
     """The batch itself when every array already has the right dtype/layout (the normal case),
     else a converted copy. Raises MalformedBatch for arrays that cannot be converted."""
+    if b.normalized:
+        return b
     for name, dtype in _SPEC:
         a = getattr(b, name)
         if not (

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
 MAGIC = b"CBI1"
@@ -210,15 +211,17 @@ def _has_duplicates(a: np.ndarray) -> bool:
     return bool(np.any(s[1:] == s[:-1]))
 
 
-def _seal(buf: bytearray, flags: int, seed: int, bc: int, dc: int, epoch: int) -> bytes:
+def _seal(
+    buf: bytearray | npt.NDArray[np.uint8], flags: int, seed: int, bc: int, dc: int, epoch: int
+) -> bytes:
     """Fill the header of a frame whose body is already in place (checksum covers [48..end))."""
-    with memoryview(buf) as mv:
+    with memoryview(buf) as mv:  # type: ignore[arg-type]  # numpy arrays are buffers
         csum = checksum(mv[HEADER:])
-    _HEADER.pack_into(
-        buf, 0, MAGIC, WIRE_VERSION, flags, FINGERPRINT_BITS, SLOTS_PER_BUCKET, FORMAT_VERSION,
-        seed, bc, dc, epoch, csum,
-    )  # fmt: skip
-    return bytes(buf)
+        _HEADER.pack_into(
+            mv, 0, MAGIC, WIRE_VERSION, flags, FINGERPRINT_BITS, SLOTS_PER_BUCKET, FORMAT_VERSION,
+            seed, bc, dc, epoch, csum,
+        )  # fmt: skip
+        return bytes(mv)
 
 
 # --------------------------------------------------------------------------- encoding
@@ -305,6 +308,20 @@ def encode_delta_validated(
         seed, bucket_count, dc_id, epoch, checksum(body),
     )  # fmt: skip
     return head + body
+
+
+def seal_delta(
+    frame: bytearray | npt.NDArray[np.uint8],
+    *,
+    seed: int,
+    bucket_count: int,
+    dc_id: int,
+    epoch: int,
+) -> bytes:
+    """A delta frame whose body (from ``HEADER`` on: base epoch, count, entries) is already in
+    place, with its header filled in, for a caller that checked the body and the header fields
+    as ``encode_delta_validated`` trusts its own caller to. Same bytes as ``encode_delta``."""
+    return _seal(frame, FLAG_DELTA, seed, bucket_count, dc_id, epoch)
 
 
 # --------------------------------------------------------------------------- decoding

@@ -40,6 +40,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
+from types import ModuleType
 
 import numpy as np
 import numpy.typing as npt
@@ -73,6 +74,25 @@ Reset = Callable[[], None]
 
 class PublicationInvariantError(Exception):
     """The producer broke a hub invariant (gap, bad bucket, retired hub): fence the generation."""
+
+
+_DELTA_ERRORS = {
+    1: "bucket index out of range",  # delta_body.OUT_OF_RANGE
+    2: "bucket repeated within one delta",  # delta_body.REPEATED
+    3: "buckets and words must be 1-D of equal length",  # delta_body.LENGTHS
+}
+_delta_body: ModuleType | None = None
+
+
+def _kernels() -> ModuleType:
+    """``delta_body``, imported by the first hub that encodes a delta itself: a mirror's hubs
+    (every fan-out worker's) only forward frames another relay encoded, and load no numba."""
+    global _delta_body
+    if _delta_body is None:
+        from kvrelay.publication import delta_body
+
+        _delta_body = delta_body
+    return _delta_body
 
 
 def _checked(
@@ -247,25 +267,50 @@ class PublicationHub:
             raise PublicationInvariantError(
                 f"sequence gap: hub at {self._sequence}, got {sequence}"
             )
-        b, w = _checked(buckets, words, self.bucket_count)
         base = self._sequence
+        # Encode before touching the mirror: an encoder failure must not half-apply.
+        b, w, payload = self._checked_payload(buckets, words, base, sequence)
         oversized = b.size > cbi1.MAX_DELTA_IMAGES
         frame = b""
         cost = 0
-        if self._subs and not oversized:
-            # Encode before touching the mirror: an encoder failure must not half-apply.
-            payload = cbi1.encode_delta_validated(
-                b,
-                w,
-                seed=self.seed,
-                bucket_count=self.bucket_count,
-                dc_id=self.dc_id,
-                base_epoch=base,
-                epoch=sequence,
-            )
+        if payload is not None:
             frame = self.encoder.encode(KIND_DELTA, base, sequence, payload)
             cost = len(payload) + QUEUE_FRAME_OVERHEAD
         self._apply_and_offer(sequence, b, w, frame, cost, oversized)
+
+    def _checked_payload(
+        self, buckets: npt.ArrayLike, words: npt.ArrayLike, base: int, sequence: int
+    ) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint64], bytes | None]:
+        """The publication's arrays, checked, and its CBI1 delta when it is to be sent (there are
+        subscribers and it fits one delta), else None. The pool's own arrays take one kernel call
+        (``delta_body``); anything else takes the numpy path, its twin."""
+        wanted = bool(self._subs)
+        if isinstance(buckets, np.ndarray) and isinstance(words, np.ndarray):
+            kernels = _delta_body or _kernels()
+            k = buckets.shape[0] if buckets.ndim == 1 else -1
+            send = wanted and 0 <= k <= cbi1.MAX_DELTA_IMAGES
+            out = np.empty(cbi1.delta_frame_len(k), dtype=np.uint8) if send else kernels.NO_FRAME
+            try:
+                code = kernels.delta_frame(buckets, words, self.bucket_count, base, out)
+            except TypeError:  # not the kernel's array types
+                code = -1
+            if code == kernels.OK:
+                payload = None
+                if send:
+                    payload = cbi1.seal_delta(
+                        out, seed=self.seed, bucket_count=self.bucket_count, dc_id=self.dc_id,
+                        epoch=sequence,
+                    )  # fmt: skip
+                return buckets, words, payload
+            if code > 0:
+                raise PublicationInvariantError(_DELTA_ERRORS[code])
+        b, w = _checked(buckets, words, self.bucket_count)
+        if not wanted or b.size > cbi1.MAX_DELTA_IMAGES:
+            return b, w, None
+        return b, w, cbi1.encode_delta_validated(
+            b, w, seed=self.seed, bucket_count=self.bucket_count, dc_id=self.dc_id,
+            base_epoch=base, epoch=sequence,
+        )  # fmt: skip
 
     def publish_encoded(
         self,

@@ -12,7 +12,10 @@ flow-control window too small, the message larger than one frame, the stream or 
 open. The caller then queues the frame for the stream's pump, which sends it through grpclib.
 
 For each frame it does what h2's ``send_data`` does (connection and stream state transitions,
-both windows debited) and what grpclib's ``send_data`` and ``send_message`` count.
+both windows debited) and what grpclib's ``send_data`` and ``send_message`` count. The two
+transitions are skipped on an open stream of an open connection, where h2 makes them without an
+action and without leaving the state: the state machines' enum lookups were a measurable part of
+each frame.
 
 One write per connection per publication: the frame is appended to h2's own outbound buffer —
 the buffer grpclib writes out after every h2 operation — and the connection is flushed once at
@@ -36,6 +39,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kvrelay.service.h2.internals import SEND_DATA_CONNECTION, SEND_DATA_STREAM, live_internals
+from kvrelay.service.h2.internals import SEND_DATA_CONNECTION_NOOP as CONN_NOOP
+from kvrelay.service.h2.internals import SEND_DATA_STREAM_NOOP as STREAM_NOOP
 
 #: HTTP/2 frame header: 24-bit length (as 8 + 16 bits), type 0 (DATA), flags 0, stream id.
 _DATA_HEADER = struct.Struct(">BHBBI")
@@ -66,11 +71,14 @@ def direct_writer(stream: Any) -> Callable[[bytes], bool] | None:
             or size > h2_stream.outbound_flow_control_window
         ):
             return False
-        try:  # the same transitions h2's send_data makes; they raise when the stream is over
-            h2.state_machine.process_input(SEND_DATA_CONNECTION)
-            h2_stream.state_machine.process_input(SEND_DATA_STREAM)
-        except Exception:
-            return False
+        conn_sm, stream_sm = h2.state_machine, h2_stream.state_machine
+        if conn_sm.state is not CONN_NOOP or stream_sm.state not in STREAM_NOOP:
+            try:  # the same transitions h2's send_data makes; they raise when the stream is over
+                conn_sm.process_input(SEND_DATA_CONNECTION)
+                stream_sm.process_input(SEND_DATA_STREAM)
+            except Exception:
+                return False
+        # else: an open stream on an open connection, where both are no-ops (internals.py)
         h2.outbound_flow_control_window -= size
         h2_stream.outbound_flow_control_window -= size
         out = h2._data_to_send

@@ -15,16 +15,18 @@ from grpclib.protocol import Connection as _GrpclibConnection
 from grpclib.protocol import H2Protocol
 from grpclib.protocol import Stream as _GrpclibStream
 from grpclib.server import Server
-from h2.connection import ConnectionInputs, H2Connection
+from h2.connection import ConnectionInputs, ConnectionState, H2Connection
 from h2.errors import ErrorCodes
-from h2.stream import StreamInputs
+from h2.stream import StreamInputs, StreamState
 
 __all__ = [
     "CANCEL",
     "CLASS_NEEDS",
     "INSTANCE_NEEDS",
     "SEND_DATA_CONNECTION",
+    "SEND_DATA_CONNECTION_NOOP",
     "SEND_DATA_STREAM",
+    "SEND_DATA_STREAM_NOOP",
     "H2Protocol",
     "Parts",
     "live_internals",
@@ -36,6 +38,11 @@ __all__ = [
 #: h2's inputs for sending DATA (the transitions its own ``send_data`` makes) and RST_STREAM code.
 SEND_DATA_CONNECTION = ConnectionInputs.SEND_DATA
 SEND_DATA_STREAM = StreamInputs.SEND_DATA
+#: States in which h2 makes those transitions without an action and without leaving the state
+#: (its transition tables map them to ``(None, same state)``): a writer that finds the state
+#: machines there may skip the two ``process_input`` calls. ``test_internals`` checks it.
+SEND_DATA_CONNECTION_NOOP = ConnectionState.SERVER_OPEN
+SEND_DATA_STREAM_NOOP = (StreamState.OPEN, StreamState.HALF_CLOSED_REMOTE)
 CANCEL = ErrorCodes.CANCEL
 
 #: Methods looked up on the classes: ``(class, attribute)``.
@@ -51,7 +58,8 @@ CLASS_NEEDS: tuple[tuple[type, str], ...] = (
 
 #: Attributes of one live server stream: ``(where, attribute)``; ``where`` is ``stream`` (the
 #: grpclib server ``Stream``), ``inner`` (its ``grpclib.protocol.Stream``), ``connection`` (the
-#: grpclib ``Connection``), ``h2`` (the ``H2Connection``) or ``h2_stream`` (h2's own stream).
+#: grpclib ``Connection``), ``h2`` (the ``H2Connection``), ``h2_stream`` (h2's own stream) or
+#: ``h2_state_machine`` / ``h2_stream_state_machine`` (their state machines).
 INSTANCE_NEEDS: tuple[tuple[str, str], ...] = (
     ("stream", "_stream"),
     ("stream", "_send_initial_metadata_done"),
@@ -75,12 +83,14 @@ INSTANCE_NEEDS: tuple[tuple[str, str], ...] = (
     ("h2", "outbound_flow_control_window"),
     ("h2", "max_outbound_frame_size"),
     ("h2", "state_machine"),
+    ("h2_state_machine", "state"),
     ("h2", "streams"),
     ("h2", "_data_to_send"),
     ("h2", "local_flow_control_window"),
     ("h2", "data_to_send"),
     ("h2_stream", "state_machine"),
     ("h2_stream", "outbound_flow_control_window"),
+    ("h2_stream_state_machine", "state"),
 )
 
 
@@ -101,7 +111,8 @@ def missing_in_classes() -> list[str]:
 def missing(stream: Any) -> list[str]:
     """``where.attribute`` for each need this grpclib server stream lacks (empty: all there).
 
-    ``h2_stream`` is looked up only while h2 holds the stream (an ended stream has none)."""
+    ``h2_stream`` (and its state machine) is looked up only while h2 holds the stream (an ended
+    stream has none)."""
     inner: Any = getattr(stream, "_stream", None)
     h2: Any = getattr(inner, "_h2_connection", None)
     streams = getattr(h2, "streams", None)
@@ -112,8 +123,10 @@ def missing(stream: Any) -> list[str]:
         "h2": h2,
     }
     sid = getattr(inner, "id", None)
+    objects["h2_state_machine"] = getattr(h2, "state_machine", None)
     if isinstance(streams, dict) and sid in streams:
         objects["h2_stream"] = streams[sid]
+        objects["h2_stream_state_machine"] = getattr(streams[sid], "state_machine", None)
     out = []
     for where, attr in INSTANCE_NEEDS:
         if where in objects and not hasattr(objects[where], attr):

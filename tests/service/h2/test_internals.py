@@ -19,7 +19,15 @@ from grpclib.const import Cardinality, Handler
 from grpclib.encoding.base import CodecBase
 
 import kvrelay
-from kvrelay.service.h2.internals import INSTANCE_NEEDS, missing, missing_in_classes
+from kvrelay.service.h2.internals import (
+    INSTANCE_NEEDS,
+    SEND_DATA_CONNECTION,
+    SEND_DATA_CONNECTION_NOOP,
+    SEND_DATA_STREAM,
+    SEND_DATA_STREAM_NOOP,
+    missing,
+    missing_in_classes,
+)
 from kvrelay.service.h2.writer import StreamWriter
 
 PATH = "/kvrelay.test.Internals/Probe"
@@ -93,9 +101,26 @@ async def test_a_live_server_stream_has_every_internal_and_gets_every_writer() -
 def test_an_object_that_is_no_grpclib_stream_gets_no_writer_and_every_need_named() -> None:
     gone = missing(object())
     assert gone[0] == "stream._stream"
-    assert {f"{w}.{a}" for w, a in INSTANCE_NEEDS if w != "h2_stream"} <= set(gone)
+    assert {f"{w}.{a}" for w, a in INSTANCE_NEEDS if not w.startswith("h2_stream")} <= set(gone)
     w = StreamWriter(object(), 1 << 20)
     assert (w.bulk, w.send_batch, w.reset, w.send_now) == (None, None, None, None)
+
+
+def test_the_send_data_transitions_a_writer_may_skip_are_no_ops_in_h2() -> None:
+    """``direct`` skips h2's two SEND_DATA transitions in these states: h2 must take each without
+    an action, without events, and leave the state as it was."""
+    from h2.connection import H2ConnectionStateMachine
+    from h2.stream import H2StreamStateMachine
+
+    conn = H2ConnectionStateMachine()
+    conn.state = SEND_DATA_CONNECTION_NOOP
+    assert conn.process_input(SEND_DATA_CONNECTION) == []
+    assert conn.state is SEND_DATA_CONNECTION_NOOP
+    for state in SEND_DATA_STREAM_NOOP:
+        st = H2StreamStateMachine(1)
+        st.state = state
+        assert st.process_input(SEND_DATA_STREAM) == []
+        assert st.state is state
 
 
 def test_h2_is_a_bounded_dependency_next_to_grpclib() -> None:

@@ -1,0 +1,106 @@
+"""The one-call delta kernel against its numpy twin (the hub's checks + ``cbi1.encode_delta``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.publication import cbi1
+from kvrelay.publication.delta_body import (
+    LENGTHS,
+    NO_FRAME,
+    OK,
+    OUT_OF_RANGE,
+    REPEATED,
+    delta_frame,
+)
+from kvrelay.publication.hub import PublicationInvariantError, _checked
+from tests.publication.test_hub import DC, SEED, make_hub
+
+BC = 1 << 12
+
+
+def kernel_payload(b: np.ndarray, w: np.ndarray, base: int, epoch: int) -> bytes:
+    out = np.empty(cbi1.delta_frame_len(b.size), dtype=np.uint8)
+    assert delta_frame(b, w, BC, base, out) == OK
+    return cbi1.seal_delta(out, seed=SEED, bucket_count=BC, dc_id=DC, epoch=epoch)
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 7, 300, 4096])
+def test_the_kernel_writes_the_bytes_the_codec_writes(k: int) -> None:
+    rng = np.random.default_rng(k)
+    b = rng.permutation(BC)[:k].astype(np.uint32)
+    w = rng.integers(0, 2**64, size=k, dtype=np.uint64)
+    base = int(rng.integers(0, 2**63))
+    want = cbi1.encode_delta(b, w, seed=SEED, bucket_count=BC, dc_id=DC, base_epoch=base,
+                             epoch=base + 1)
+    assert kernel_payload(b, w, base, base + 1) == want
+    d = cbi1.decode(want, expected_seed=SEED, expected_bucket_count=BC)
+    assert isinstance(d, cbi1.Delta) and d.buckets.tolist() == b.tolist()
+
+
+def test_bad_publications_get_the_twins_verdict_and_leave_out_untouched() -> None:
+    rng = np.random.default_rng(3)
+    cases = {
+        OUT_OF_RANGE: np.array([3, BC, 5], dtype=np.uint32),
+        REPEATED: np.array([9, 4, 9, 1], dtype=np.uint32),
+    }
+    for want, b in cases.items():
+        w = rng.integers(0, 2**64, size=b.size, dtype=np.uint64)
+        out = np.full(cbi1.delta_frame_len(b.size), 0xAB, dtype=np.uint8)
+        assert delta_frame(b, w, BC, 0, out) == want
+        assert delta_frame(b, w, BC, 0, NO_FRAME) == want
+        assert (out == 0xAB).all()
+        with pytest.raises(PublicationInvariantError):
+            _checked(b, w, BC)  # the twin refuses it as well
+    b = np.array([1, 2], dtype=np.uint32)
+    w = np.array([1, 2, 3], dtype=np.uint64)
+    assert delta_frame(b, w, BC, 0, NO_FRAME) == LENGTHS
+    short = np.zeros(cbi1.delta_frame_len(2) - 1, dtype=np.uint8)
+    assert delta_frame(b, w[:2], BC, 0, short) == LENGTHS
+    assert (short == 0).all()
+
+
+def test_random_publications_agree_with_the_twin() -> None:
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        k = int(rng.integers(1, 40))
+        b = rng.integers(0, BC + 3, size=k).astype(np.uint32)
+        w = rng.integers(0, 2**64, size=k, dtype=np.uint64)
+        try:
+            _checked(b, w, BC)
+            twin = OK
+        except PublicationInvariantError:
+            twin = -1
+        code = delta_frame(b, w, BC, 0, NO_FRAME)
+        assert (code == OK) == (twin == OK)
+
+
+async def test_the_hub_sends_the_same_frames_from_any_array_type() -> None:
+    """The pool's own arrays take the kernel; lists and other dtypes take the numpy twin. Both
+    put the same delta bytes on the wire and refuse the same bad publications."""
+    frames: dict[str, list[bytes]] = {}
+    for kind in ("native", "int64", "list"):
+        hub, _ = make_hub(seq=4)
+        sub = await hub.subscribe()
+        await sub._snapshot
+        rng = np.random.default_rng(5)
+        for seq in range(5, 9):
+            b = rng.permutation(1024)[: 3 + seq].astype(np.uint32)
+            w = rng.integers(0, 2**64, size=b.size, dtype=np.uint64)
+            if kind == "native":
+                hub.publish(seq, b, w)
+            elif kind == "int64":
+                hub.publish(seq, b.astype(np.int64), w)
+            else:
+                hub.publish(seq, b.tolist(), w)
+        with pytest.raises(PublicationInvariantError, match="repeated"):
+            bad = np.array([1, 1], dtype=np.uint32)
+            hub.publish(9, bad if kind == "native" else bad.tolist(), np.zeros(2, np.uint64))
+        # send_ts_us differs per run: compare the CBI1 payloads
+        frames[kind] = [bytes(pb.FilterUpdate.parse(f).payload) for f, _, _ in sub._frames]
+        hub.retire(None)
+        sub.close()
+    assert len(frames["native"]) == 4
+    assert frames["native"] == frames["int64"] == frames["list"]
