@@ -225,15 +225,24 @@ async def amain(a: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     prof_out = os.environ.get("KVR_BENCH_CPROFILE")
+    timers = None
     if prof_out:  # diagnostic (profile_relay --cprofile): SIGUSR2 starts, the next one dumps
         loop.add_signal_handler(signal.SIGUSR2, _profile_toggle(prof_out))
+    elif os.environ.get("KVR_BENCH_STAGES"):  # diagnostic: SIGUSR2 turns the stage timers on/off
+        from benchmarks._stages import StageTimers
+
+        timers = StageTimers()
+        loop.add_signal_handler(signal.SIGUSR2, timers.toggle)
     out = Path(a.stats) if a.stats else None
 
     def dump() -> None:
         if out is None:
             return
+        doc = stats(relay, server, started, front)
+        if timers is not None:
+            doc["stage_cpu"] = timers.summary()
         tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(stats(relay, server, started, front)))
+        tmp.write_text(json.dumps(doc))
         tmp.replace(out)
 
     upkeep = None

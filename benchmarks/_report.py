@@ -177,6 +177,7 @@ def sbs_markdown(res: dict[str, Any]) -> str:
         return "\n".join([*lines, f"Skipped: {res['reason']}", ""])
     lines += [machine_md(res["machine"]), "", res.get("setup", ""), ""]
     lines += [*_sbs_headline(res), ""]
+    lines += _sbs_stages(res)
     lines += ["| metric | kvrelay | Dynamo 1.6.1 | kvrelay / Dynamo |", "|---|---:|---:|---:|"]
     for row in res["rows"]:
         nd = 3 if "CPU" in row["metric"] else 2
@@ -240,6 +241,31 @@ def snapshot_markdown(res: dict[str, Any]) -> str:
     """``benchmarks.snapshots``: the snapshot tables alone."""
     lines = ["# kvrelay snapshots (loopback)", "", machine_md(res["machine"])]
     return "\n".join([*lines, *snapshot_lines(res)]) + "\n"
+
+
+def _sbs_stages(res: dict[str, Any]) -> list[str]:
+    """kvrelay's thread CPU per call of each stage, from one extra point with the timers on."""
+    st = res.get("stage_cpu") or {}
+    stages = (st.get("timers") or {}).get("stages") or {}
+    if not stages:
+        return []
+    names = {
+        "message": "engine message (frame checks, decode, apply)",
+        "decode": "decode (msgpack walk)", "apply": "apply (exact state + filter)",
+        "cut": "publication cut (all of the publication below)",
+        "take": "take the net-changed buckets", "publish": "check, encode, fan out",
+        "send": "write to one stream",
+    }
+    lines = [
+        f"### Where kvrelay's CPU goes at {st['requests_per_s']:.0f} requests/s", "",
+        "Thread CPU time per call of each stage, in the running relay, from one extra point "
+        "after the sweeps with stage timers on (`benchmarks/_stages.py`; its relay CPU, "
+        f"{_f(st.get('kvrelay_cpu_with_timers'), 3)} cores, counts in no figure above).", "",
+        "| stage | calls | µs per call |", "|---|---:|---:|",
+    ]
+    for key, v in stages.items():
+        lines.append(f"| {names.get(key, key)} | {_f(v['calls'])} | {_f(v['us_per_call'], 1)} |")
+    return [*lines, ""]
 
 
 def _sbs_headline(res: dict[str, Any]) -> list[str]:

@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dyn_env(kv_dir)
     nsx = ["ip", "netns", "exec", NS]
     warm = 40
-    total = int(sum(rates) * seconds) * sweeps + warm + 10
+    total = int(sum(rates) * seconds) * sweeps + int(rates[0] * seconds) + warm + 10
     prompts, probes = make_prompts(total)
     files = {"prompts": prompts, "probes": probes}
     procs: dict[str, Proc] = {}
@@ -312,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
             PY, "-m", "benchmarks._relay_proc", "--engine", f"mocker=tcp://127.0.0.1:{ZMQ_PORT}",
             "--model", "fake", "--block-size", str(BLOCK), "--port", str(KVR_PORT),
             "--stats", str(WORK / "sbs-kvrelay-stats.json"), "--stats-interval", "0"],
-            prefix=nsx)  # counters dumped on demand: the dumps are not the relay's CPU
+            prefix=nsx, env={"KVR_BENCH_STAGES": "1"})  # counters dumped on demand: the dumps
+        # are not the relay's CPU; stage timers (benchmarks._stages) stay off until the last point
         procs["kvrelay"].expect("READY", 120)
         log("warm-up (kernels, caches, connections), then 3 s idle CPU")
         drv = Proc("sbs-driver-warmup", [
@@ -346,6 +347,19 @@ def main(argv: list[str] | None = None) -> int:
         res["points"] = points
         res["sweeps"] = [[sweep_row(p) for p in pts] for pts in runs]
         res["light_load_spread"] = light_spread(runs)
+        if not a.smoke:  # where kvrelay's CPU goes, at the lowest rate, timers on (not counted)
+            rate = rates[0]
+            log(f"stage timers on: {rate:.0f} requests/s for {seconds:.0f} s")
+            os.kill(procs["kvrelay"].pid, signal.SIGUSR2)
+            staged = point(rate, seconds, start, procs, files, env)
+            start += int(rate * seconds)
+            os.kill(procs["kvrelay"].pid, signal.SIGUSR2)
+            res["stage_cpu"] = {
+                "requests_per_s": rate,
+                "timers": final_stats(procs["kvrelay"], WORK / "sbs-kvrelay-stats.json")
+                .get("stage_cpu", {}),
+                "kvrelay_cpu_with_timers": staged["relays"]["kvrelay"]["cpu_util"],
+            }
         res["rows"] = ratios(points)
         idle = res["idle_cpu_util"]
         res["rows"].append({"metric": "relay CPU idle (cores)", "kvrelay": idle["kvrelay"],
