@@ -38,6 +38,7 @@ STEPS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("micro: simulator", ("benchmarks.bench_sim",), ("bench_sim",)),
     ("micro: planes", ("benchmarks.bench_planes",), ("planes",)),
     ("micro: client SDK", ("benchmarks.bench_client",), ("bench_client",)),
+    ("micro: calls after a sleep", ("benchmarks.bench_cold",), ("cold_calls",)),
     ("loopback, short (and start-up, short)", ("benchmarks.run",), ("relay_e2e", "start-short")),
     ("loopback, full (and start-up, full)", ("benchmarks.run", "--full"),
      ("relay_e2e-full", "start")),

@@ -38,7 +38,7 @@ from benchmarks._scenarios import (
 )
 
 MICRO = ["bench_hashing", "bench_ingest", "bench_pool", "bench_fanout", "bench_sim",
-         "bench_planes", "bench_client"]
+         "bench_planes", "bench_client", "bench_cold"]
 
 
 def run_micro() -> dict[str, Any]:

@@ -1,0 +1,141 @@
+"""What one call costs right after the relay slept: warm (back to back) against cold (after a
+sleep as long as the gap between engine messages at light load).
+
+At light load the relay sleeps between engine messages, and on a shared machine its caches are
+cold when it wakes: the per-message cost then follows how many calls a message takes more than
+how fast each is in a loop. This measures both for a few call shapes of the hot path, with thread
+CPU time (what the relay pays whatever else runs on its core):
+
+* a numba call with 1 and with 50 array arguments (the apply kernel takes 50);
+* ``np.zeros(0)`` and a small pure-Python method call;
+* ``Decoder.decode`` and ``Pool.apply`` of one 64-block engine message, as side_by_side's mocker
+  sends them.
+
+Usage: ``python -m benchmarks.bench_cold [--gap-ms 20] [--calls 300] [--smoke]``; writes
+``results/cold_calls.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import numpy as np
+from numba import njit, types
+
+from benchmarks._common import machine, results_dir, write_json
+
+B = 16
+
+
+def _numba_calls() -> dict[str, Callable[[], Any]]:
+    one = njit(types.int64(types.uint64[::1]))(lambda a: a.shape[0])
+    names = [f"a{i}" for i in range(50)]
+    src = f"def fifty({', '.join(names)}):\n    return a0.shape[0]\n"
+    ns: dict[str, Any] = {}
+    exec(src, ns)  # a 50-parameter function for the signature below
+    fifty = njit(types.int64(*([types.uint64[::1]] * 50)))(ns["fifty"])
+    arrs = [np.zeros(4, dtype=np.uint64) for _ in range(50)]
+    return {
+        "numba call, 1 array argument": lambda: one(arrs[0]),
+        "numba call, 50 array arguments": lambda: fifty(*arrs),
+    }
+
+
+class _Small:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def bump(self, k: int) -> int:
+        self.n += k
+        return self.n
+
+
+def _message(rng: random.Random, chains: list[list[int]]) -> bytes:
+    """One engine message: a 64-block store with its 1,024 tokens, evicting an older chain's
+    second half once the working set is full (what the mocker's steady state looks like)."""
+    hashes = [rng.getrandbits(64) for _ in range(64)]
+    events: list[Any] = [{
+        "type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
+        "token_ids": [rng.randrange(0, 150_000) for _ in range(64 * B)], "block_size": B,
+        "lora_id": None, "medium": "GPU", "lora_name": None,
+    }]  # fmt: skip
+    chains.append(hashes)
+    if len(chains) > 200:
+        old = chains.pop(0)
+        events += [{"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"}
+                   for h in old[32:]]
+    return msgspec.msgpack.encode([time.time(), events, 0])
+
+
+def measure(fn: Callable[[], Any], calls: int, gap_s: float) -> float:
+    """Median thread-CPU µs of ``fn()``, each call after ``gap_s`` asleep (0: back to back),
+    clock reads included (``rows`` subtract the empty call's)."""
+    fn()
+    out = []
+    for _ in range(calls):
+        if gap_s:
+            time.sleep(gap_s)
+        t0 = time.thread_time()
+        fn()
+        out.append(time.thread_time() - t0)
+    return float(np.median(out) * 1e6)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--gap-ms", type=float, default=20.0, help="sleep before each cold call")
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--smoke", action="store_true", help="a few calls, results to .work/smoke")
+    a = ap.parse_args()
+    if a.smoke:
+        a.calls, a.gap_ms = 5, 2.0
+    from kvrelay.ingest.decoder import Decoder
+    from kvrelay.pool.pool import Pool
+
+    small = _Small()
+    cases: dict[str, Callable[[], Any]] = {
+        **_numba_calls(),
+        "np.zeros(0)": lambda: np.zeros(0, dtype=np.int64),
+        "Python method call": lambda: small.bump(1),
+    }
+    rng = random.Random(7)
+    chains: list[list[int]] = []
+    dec = Decoder(kv_block_size=B, dp_rank=0)
+    pool = Pool(1 << 19, 0x5DEECE66D1B54A33, B, 1)
+    mid = pool.add_member(1, 0)
+    for _ in range(250):  # fill the working set; the removes then hit
+        pool.apply(mid, dec.decode(_message(rng, chains)).batch)
+        pool.take_publication()
+    msgs = iter([_message(rng, chains) for _ in range(4 * a.calls + 8)])
+
+    def decode_apply() -> None:
+        pool.apply(mid, dec.decode(next(msgs)).batch)
+        pool.take_publication()
+
+    cases["decode + Pool.apply + take, one 64-block message"] = decode_apply
+    base_warm = measure(lambda: None, a.calls, 0.0)
+    base_cold = measure(lambda: None, a.calls, a.gap_ms / 1e3)
+    print(f"{'(empty call and two clock reads)':52s} warm {base_warm:8.2f} µs   "
+          f"after {a.gap_ms:g} ms asleep {base_cold:8.2f} µs")
+    rows = []
+    for name, fn in cases.items():
+        warm = max(0.0, measure(fn, a.calls, 0.0) - base_warm)
+        cold = max(0.0, measure(fn, a.calls, a.gap_ms / 1e3) - base_cold)
+        rows.append({"call": name, "warm_us": round(warm, 2), "cold_us": round(cold, 2),
+                     "cold_over_warm": round(cold / warm, 1) if warm else None})
+        print(f"{name:52s} warm {warm:8.2f} µs   after {a.gap_ms:g} ms asleep {cold:8.2f} µs")
+    res = {"benchmark": "cold_calls", "gap_ms": a.gap_ms, "calls": a.calls,
+           "note": "median thread CPU per call, less the empty call's (clock reads); cold = "
+                   "each call after gap_ms asleep",
+           "empty_call_us": {"warm": round(base_warm, 2), "cold": round(base_cold, 2)},
+           "rows": rows, "machine": machine()}
+    write_json(results_dir(a.smoke) / "cold_calls.json", res)
+
+
+if __name__ == "__main__":
+    main()
