@@ -33,7 +33,8 @@ def e2e_markdown(res: dict[str, Any]) -> str:
         f"# kvrelay loopback benchmark ({res['mode']})", "", machine_md(res["machine"]), "",
         f"Setup: {plan['engines']} loadgen engines (own processes), working set "
         f"{plan['working_set_chains']:,} chains × 8 blocks per engine, {plan['point_s']} s per "
-        "load point; relay limits publish_every_n_events 16, publication_delay 1 ms, "
+        "load point; relay limits publish_every_n_events 16, publication_delay "
+        f"{res.get('publication_delay', '1 ms')}, "
         f"publication_queue_capacity {res.get('queue_capacity', 16)} (relay defaults unless "
         "stated).", "",
     ]

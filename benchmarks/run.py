@@ -41,6 +41,14 @@ MICRO = ["bench_hashing", "bench_ingest", "bench_pool", "bench_fanout", "bench_s
          "bench_planes", "bench_client", "bench_cold"]
 
 
+def _delay_text() -> str:
+    """The relay's default ``publication_delay_s``, as the report states it."""
+    from kvrelay.contract.limits import RelayLimits
+
+    d = RelayLimits().publication_delay_s
+    return "0 (end of the loop iteration)" if d == 0 else f"{d * 1e3:g} ms"
+
+
 def run_micro() -> dict[str, Any]:
     """The per-component scripts other engineers wrote (each writes its own JSON)."""
     out: dict[str, Any] = {}
@@ -91,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"benchmark": "relay_e2e", "mode": plan.mode, "machine": mach,
                            "plan": vars(plan), "uvloop": a.uvloop,
                            "queue_capacity": a.queue_capacity,
+                           "publication_delay": _delay_text(),
                            "load_warning": warn_if_loaded(mach, "benchmarks.run")}
     probe_s = len(plan.loads) * len(plan.subs) * plan.point_s + len(plan.ramp) * plan.ramp_s
     fleet = Fleet(FleetConfig(engines=plan.engines, working_set_chains=plan.working_set_chains,

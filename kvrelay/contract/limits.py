@@ -14,6 +14,8 @@ MAX_CBI1_FRAME_BYTES = 4_194_368
 #: Per-frame overhead counted against `publication_queue_bytes` (§3.4).
 QUEUE_FRAME_OVERHEAD = 256
 _ONE_YEAR_S = 365 * 24 * 3600.0
+#: Durations for which 0 means "at once" rather than a misconfiguration.
+_MAY_BE_ZERO = frozenset({"publication_delay_s"})
 
 
 class LimitsError(ValueError):
@@ -44,7 +46,10 @@ class RelayLimits:
     max_load_subscribers: int = 64
     load_fanout_capacity: int = 16
     publish_every_n_events: int = 16
-    publication_delay_s: float = 0.001
+    #: How long after the first pending command a publication is cut at the latest; 0 (the
+    #: default): at the end of the event-loop iteration that applied it, as with a full
+    #: ``publish_every_n_events``. Pacing still spaces cuts by their cost.
+    publication_delay_s: float = 0.0
     #: Pacing (``publication.cadence``): publishing takes at most about this share of the time…
     publication_cpu_percent: int = 10
     #: …and never holds a pending command back longer than this.
@@ -65,7 +70,10 @@ class RelayLimits:
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise LimitsError(f"{f.name} must be a number, got {value!r}")
-            if f.name.endswith("_s"):
+            if f.name in _MAY_BE_ZERO:
+                if not 0 <= float(value) <= _ONE_YEAR_S:
+                    raise LimitsError(f"{f.name} must be >= 0 and <= 1 year, got {value}")
+            elif f.name.endswith("_s"):
                 if not 0 < float(value) <= _ONE_YEAR_S:
                     raise LimitsError(f"{f.name} must be > 0 and <= 1 year, got {value}")
             elif not isinstance(value, int) or value < 1:

@@ -200,7 +200,10 @@ class Generation:
     def _note_events(self, n: int) -> None:
         """Count applied commands; publish once ``publish_every_n_events`` accumulated (at the end
         of the current loop iteration) or after ``publication_delay_s``, whichever comes first —
-        later while publishing is expensive or a subscriber catches up (``_cut_or_wait``).
+        later while publishing is expensive or a subscriber catches up (``_cut_or_wait``). A
+        delay of 0 (the default) cuts at the end of the iteration as well: a message that
+        arrives while the relay is idle is published at once, without a timer and a second
+        wakeup a millisecond later, and the pacer spaces cuts once publishing costs.
 
         Boundaries fall only between whole commands because every member operation notes after
         it completed.
@@ -210,7 +213,10 @@ class Generation:
         if self._pending_since is None:
             self._pending_since = time.monotonic()
         self._pending_events += n
-        if self._pending_events >= self.limits.publish_every_n_events:
+        if (
+            self._pending_events >= self.limits.publish_every_n_events
+            or self.limits.publication_delay_s == 0.0
+        ):
             # Publish at the end of this loop iteration, not inline: a subscriber draining a
             # burst of engine messages then yields one delta for the burst instead of one per
             # 16 events, so fan-out queues (16 frames) are not filled before any sender runs.

@@ -80,10 +80,12 @@ def test_limits_defaults_and_validation() -> None:
     assert (d.load_fanout_capacity, d.publish_every_n_events, d.publication_delay_s) == (
         16,
         16,
-        0.001,
+        0.0,
     )
+    assert RelayLimits(publication_delay_s=0.002).publication_delay_s == 0.002
     for bad in (
         {"pool_heartbeat_s": 0},
+        {"publication_delay_s": -0.001},
         {"pool_heartbeat_s": -1.0},
         {"load_window_s": 366 * 86400.0},
         {"max_message_bytes": 4_194_368},
