@@ -46,10 +46,10 @@ class RelayLimits:
     max_load_subscribers: int = 64
     load_fanout_capacity: int = 16
     publish_every_n_events: int = 16
-    #: How long after the first pending command a publication is cut at the latest; 0 (the
-    #: default): at the end of the event-loop iteration that applied it, as with a full
-    #: ``publish_every_n_events``. Pacing still spaces cuts by their cost.
-    publication_delay_s: float = 0.0
+    #: Cuts below ``publish_every_n_events`` are this far apart at least: a command that arrives
+    #: after a quiet spell is cut at the end of the loop iteration that applied it, one that
+    #: follows a cut sooner waits for the rest of this delay (0: never waits).
+    publication_delay_s: float = 0.001
     #: Pacing (``publication.cadence``): publishing takes at most about this share of the time…
     publication_cpu_percent: int = 10
     #: …and never holds a pending command back longer than this.

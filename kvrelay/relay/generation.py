@@ -199,11 +199,11 @@ class Generation:
 
     def _note_events(self, n: int) -> None:
         """Count applied commands; publish once ``publish_every_n_events`` accumulated (at the end
-        of the current loop iteration) or after ``publication_delay_s``, whichever comes first —
-        later while publishing is expensive or a subscriber catches up (``_cut_or_wait``). A
-        delay of 0 (the default) cuts at the end of the iteration as well: a message that
-        arrives while the relay is idle is published at once, without a timer and a second
-        wakeup a millisecond later, and the pacer spaces cuts once publishing costs.
+        of the current loop iteration), else ``publication_delay_s`` after the previous cut —
+        at the end of this iteration when that is past already (a message after a quiet spell
+        goes out at once, without a timer and a second wakeup) — and later while publishing is
+        expensive or a subscriber catches up (``_cut_or_wait``). A command never waits longer
+        than the delay for it, and cuts below the event threshold stay that far apart.
 
         Boundaries fall only between whole commands because every member operation notes after
         it completed.
@@ -213,18 +213,20 @@ class Generation:
         if self._pending_since is None:
             self._pending_since = time.monotonic()
         self._pending_events += n
-        if (
-            self._pending_events >= self.limits.publish_every_n_events
-            or self.limits.publication_delay_s == 0.0
-        ):
+        if self._pending_events >= self.limits.publish_every_n_events:
             # Publish at the end of this loop iteration, not inline: a subscriber draining a
             # burst of engine messages then yields one delta for the burst instead of one per
             # 16 events, so fan-out queues (16 frames) are not filled before any sender runs.
             if not self._soon:
                 self._soon = True
                 asyncio.get_running_loop().call_soon(self._on_soon)
-        elif self._timer is None:
-            self._arm(self.limits.publication_delay_s)
+        elif self._timer is None and not self._soon:
+            wait = self._last_cut + self.limits.publication_delay_s - time.monotonic()
+            if wait > 0.0:
+                self._arm(wait)
+            else:  # quiet since the last cut: at the end of this iteration, no timer
+                self._soon = True
+                asyncio.get_running_loop().call_soon(self._on_soon)
 
     def _arm(self, delay: float) -> None:
         """A cut attempt ``delay`` from now, unless one is already due sooner."""

@@ -80,9 +80,9 @@ def test_limits_defaults_and_validation() -> None:
     assert (d.load_fanout_capacity, d.publish_every_n_events, d.publication_delay_s) == (
         16,
         16,
-        0.0,
+        0.001,
     )
-    assert RelayLimits(publication_delay_s=0.002).publication_delay_s == 0.002
+    assert RelayLimits(publication_delay_s=0).publication_delay_s == 0  # never waits
     for bad in (
         {"pool_heartbeat_s": 0},
         {"publication_delay_s": -0.001},
