@@ -270,49 +270,25 @@ def _sbs_stages(res: dict[str, Any]) -> list[str]:
 
 
 def _sbs_headline(res: dict[str, Any]) -> list[str]:
-    """The two light-load targets in one place: relay CPU and RSS, kvrelay / Dynamo."""
-    cpu, rss = [], []
-    for p in res.get("points", []):
-        k, d = p["relays"]["kvrelay"], p["relays"]["dynamo"]
-        tag = f"{p['requests_per_s_achieved']:.0f} req/s"
-        if d["cpu_util"]:
-            cpu.append((tag, k["cpu_util"] / d["cpu_util"]))
-        if d["rss_bytes"]:
-            rss.append((tag, k["rss_bytes"] / d["rss_bytes"]))
+    """The two light-load targets in one place: relay CPU and RSS, kvrelay / Dynamo, per rate
+    (with several sweeps: the median and range over them)."""
     spread = res.get("light_load_spread") or {}
     sweeps = len(res.get("sweeps") or [])
-    if sweeps > 1 and any("relay_cpu" in v for v in spread.values()):
-        # every sweep counts: per rate the median and range of the ratio over the sweeps
-        def med(key: str) -> list[tuple[str, dict[str, Any]]]:
-            return [(t, v[key]) for t, v in spread.items() if key in v]
-
-        lines = ["## Light load: relay CPU and RSS, kvrelay / Dynamo", ""]
-        for key, what, target in (("relay_cpu", "relay CPU", "1.0"), ("relay_rss", "relay RSS",
-                                                                        "1.2")):
-            vals = med(key)
-            meds = [v["median"] for _, v in vals]
-            lines.append(
-                f"- **{what}: {min(meds):.2f}–{max(meds):.2f}× Dynamo** (median of {sweeps} "
-                "sweeps per rate, range in brackets: "
-                + ", ".join(f"{t}: {v['median']:.2f}× ({v['min']:.2f}–{v['max']:.2f})"
-                            for t, v in vals)
-                + f"; target ≤ {target}×)."
-            )
-        lines += [
-            "- CPU = process-tree utime + stime over the driver window / wall; RSS = "
-            "process-tree VmRSS at the end of each rate. The table below is the first sweep.",
-        ]
-        return lines
-    if not cpu or not rss:
-        return []
-    lo, hi = min(r for _, r in cpu), max(r for _, r in cpu)
-    rlo, rhi = min(r for _, r in rss), max(r for _, r in rss)
-    return [
-        "## Light load: relay CPU and RSS, kvrelay / Dynamo", "",
-        f"- **relay CPU: {lo:.2f}–{hi:.2f}× Dynamo** ("
-        + ", ".join(f"{t}: {r:.2f}×" for t, r in cpu) + "; target ≤ 1.0×).",
-        f"- **relay RSS: {rlo:.2f}–{rhi:.2f}× Dynamo** ("
-        + ", ".join(f"{t}: {r:.2f}×" for t, r in rss) + "; target ≤ 1.2×).",
+    lines = ["## Light load: relay CPU and RSS, kvrelay / Dynamo", ""]
+    for key, what, target in (("relay_cpu", "relay CPU", "1.0"), ("relay_rss", "relay RSS", "1.2")):
+        vals = [(t, v[key]) for t, v in spread.items() if key in v]
+        if not vals:
+            return []
+        meds = [v["median"] for _, v in vals]
+        if sweeps > 1:
+            detail = f"median of {sweeps} sweeps per rate, range in brackets: " + ", ".join(
+                f"{t}: {v['median']:.2f}× ({v['min']:.2f}–{v['max']:.2f})" for t, v in vals)
+        else:
+            detail = ", ".join(f"{t}: {v['median']:.2f}×" for t, v in vals)
+        lines.append(f"- **{what}: {min(meds):.2f}–{max(meds):.2f}× Dynamo** ({detail}; "
+                     f"target ≤ {target}×).")
+    lines.append(
         "- CPU = process-tree utime + stime over the driver window / wall; RSS = process-tree "
-        "VmRSS at the end of each rate.",
-    ]
+        "VmRSS at the end of each rate." + (" The table below is the first sweep." if sweeps > 1
+                                            else ""))
+    return lines

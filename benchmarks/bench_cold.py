@@ -28,8 +28,7 @@ import numpy as np
 from numba import njit, types
 
 from benchmarks._common import machine, results_dir, write_json
-
-B = 16
+from benchmarks.bench_ingest import B, _remove, _store
 
 
 def _numba_calls() -> dict[str, Callable[[], Any]]:
@@ -59,16 +58,10 @@ def _message(rng: random.Random, chains: list[list[int]]) -> bytes:
     """One engine message: a 64-block store with its 1,024 tokens, evicting an older chain's
     second half once the working set is full (what the mocker's steady state looks like)."""
     hashes = [rng.getrandbits(64) for _ in range(64)]
-    events: list[Any] = [{
-        "type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
-        "token_ids": [rng.randrange(0, 150_000) for _ in range(64 * B)], "block_size": B,
-        "lora_id": None, "medium": "GPU", "lora_name": None,
-    }]  # fmt: skip
+    events: list[Any] = [_store("map", rng, hashes, None)]
     chains.append(hashes)
     if len(chains) > 200:
-        old = chains.pop(0)
-        events += [{"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"}
-                   for h in old[32:]]
+        events += [_remove("map", h) for h in chains.pop(0)[32:]]
     return msgspec.msgpack.encode([time.time(), events, 0])
 
 

@@ -156,12 +156,13 @@ def sweep_row(p: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def light_spread(runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    """Per offered rate, the CPU and RSS ratios over every sweep (median, range, values)."""
+def light_spread(sweeps: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per offered rate, the CPU and RSS ratios over every sweep (``sweep_row``s; median, range,
+    values)."""
     out: dict[str, Any] = {}
-    for i, p in enumerate(runs[0]):
-        rows = [sweep_row(pts[i]) for pts in runs]
-        out[f"{p['requests_per_s_offered']:.0f} req/s"] = {
+    for i, first in enumerate(sweeps[0]):
+        rows = [sweep[i] for sweep in sweeps]
+        out[f"{first['requests_per_s']:.0f} req/s"] = {
             key: spread([r[key] for r in rows if r[key] is not None])
             for key in ("relay_cpu", "relay_rss")
             if any(r[key] is not None for r in rows)
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         points = runs[0]
         res["points"] = points
         res["sweeps"] = [[sweep_row(p) for p in pts] for pts in runs]
-        res["light_load_spread"] = light_spread(runs)
+        res["light_load_spread"] = light_spread(res["sweeps"])
         if not a.smoke:  # where kvrelay's CPU goes, at the lowest rate, timers on (not counted)
             rate = rates[0]
             log(f"stage timers on: {rate:.0f} requests/s for {seconds:.0f} s")

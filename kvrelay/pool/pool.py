@@ -468,7 +468,7 @@ class Pool:
             self._record_error(-1, bad)
             raise
         n = b.ops.shape[0]
-        store_blocks, max_k, ns = self._summary.tolist()[:3]
+        store_blocks, max_k, ns = self._summary.tolist()
         self._reserve_owners(store_blocks)  # may repack every lineage table: first
         m.reserve(store_blocks, bool(ns), self._sc)
         if self._xk.shape[0] > MIN_CAP and (int(self._pm[PM_OVERFLOW]) + 1) * 8 < self._xk.shape[0]:

@@ -23,6 +23,12 @@ OK = 0
 OUT_OF_RANGE = 1
 REPEATED = 2
 LENGTHS = 3
+#: What each refusal means (the numpy twin, ``hub._checked``, says the same).
+ERRORS = {
+    OUT_OF_RANGE: "bucket index out of range",
+    REPEATED: "bucket repeated within one delta",
+    LENGTHS: "buckets and words must be 1-D of equal length",
+}
 
 
 @kernel(  # type: ignore[misc]

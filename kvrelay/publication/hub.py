@@ -76,11 +76,6 @@ class PublicationInvariantError(Exception):
     """The producer broke a hub invariant (gap, bad bucket, retired hub): fence the generation."""
 
 
-_DELTA_ERRORS = {
-    1: "bucket index out of range",  # delta_body.OUT_OF_RANGE
-    2: "bucket repeated within one delta",  # delta_body.REPEATED
-    3: "buckets and words must be 1-D of equal length",  # delta_body.LENGTHS
-}
 _delta_body: ModuleType | None = None
 
 
@@ -286,7 +281,7 @@ class PublicationHub:
         (``delta_body``); anything else takes the numpy path, its twin."""
         wanted = bool(self._subs)
         if isinstance(buckets, np.ndarray) and isinstance(words, np.ndarray):
-            kernels = _delta_body or _kernels()
+            kernels = _kernels()
             k = buckets.shape[0] if buckets.ndim == 1 else -1
             send = wanted and 0 <= k <= cbi1.MAX_DELTA_IMAGES
             out = np.empty(cbi1.delta_frame_len(k), dtype=np.uint8) if send else kernels.NO_FRAME
@@ -303,7 +298,7 @@ class PublicationHub:
                     )  # fmt: skip
                 return buckets, words, payload
             if code > 0:
-                raise PublicationInvariantError(_DELTA_ERRORS[code])
+                raise PublicationInvariantError(kernels.ERRORS[code])
         b, w = _checked(buckets, words, self.bucket_count)
         if not wanted or b.size > cbi1.MAX_DELTA_IMAGES:
             return b, w, None

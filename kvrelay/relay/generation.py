@@ -217,16 +217,19 @@ class Generation:
             # Publish at the end of this loop iteration, not inline: a subscriber draining a
             # burst of engine messages then yields one delta for the burst instead of one per
             # 16 events, so fan-out queues (16 frames) are not filled before any sender runs.
-            if not self._soon:
-                self._soon = True
-                asyncio.get_running_loop().call_soon(self._on_soon)
+            self._cut_soon()
         elif self._timer is None and not self._soon:
             wait = self._last_cut + self.limits.publication_delay_s - time.monotonic()
             if wait > 0.0:
                 self._arm(wait)
             else:  # quiet since the last cut: at the end of this iteration, no timer
-                self._soon = True
-                asyncio.get_running_loop().call_soon(self._on_soon)
+                self._cut_soon()
+
+    def _cut_soon(self) -> None:
+        """A cut attempt at the end of this loop iteration (once, however often asked)."""
+        if not self._soon:
+            self._soon = True
+            asyncio.get_running_loop().call_soon(self._on_soon)
 
     def _arm(self, delay: float) -> None:
         """A cut attempt ``delay`` from now, unless one is already due sooner."""
@@ -249,9 +252,8 @@ class Generation:
     def _on_hold_released(self) -> None:
         """The last joiner caught up (or ended): cut what was held back at the end of this loop
         iteration (never inside the hub call that released it)."""
-        if not self._soon and not self.retired:
-            self._soon = True
-            asyncio.get_running_loop().call_soon(self._on_soon)
+        if not self.retired:
+            self._cut_soon()
 
     def _cut_or_wait(self) -> None:
         """Publish the pending commands now, or later — whichever of two waits is longer:
