@@ -1,15 +1,17 @@
 """The internal UNIX socket refuses peers of another user (``SO_PEERCRED``), and its daemon
 directory is private.
 
-A real second user: the hostile client runs as ``nobody`` (uid 65534) in a child process, which
-needs root to start (skipped otherwise). The socket is put in a world-writable directory with
-mode 0777 on purpose, so only the credential check stands between that user and the relay.
+A real second user: the hostile client runs as ``nobody`` (uid 65534) in a child process started
+through ``setpriv``, which needs root (skipped otherwise). The socket is put in a world-writable
+directory with mode 0777 on purpose, so only the credential check stands between that user and
+the relay.
 Oracle: whether the client reads the server's HTTP/2 SETTINGS frame (the start of any reply).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -22,6 +24,7 @@ from kvrelay.service.server import RelayServer
 from tests.support.mem_relay import MemRelayView
 
 NOBODY = 65534
+SETPRIV = shutil.which("setpriv")
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
 CLIENT = r"""
 import socket, sys
@@ -44,17 +47,24 @@ print("settings" if len(data) >= 9 and data[3] == 4 else "refused")
 
 
 def _client(path: str, user: int | None) -> str:
+    # Another user through setpriv, not subprocess's ``user=``: that forces a plain fork(), which
+    # runs the pytest process's atfork handlers (grpcio's, once an earlier test loaded it) in the
+    # child before exec, and those crashed it now and then (SIGSEGV). Without ``user=`` the child
+    # is started with vfork and runs no handler.
+    as_user = [] if user is None else [SETPRIV, f"--reuid={user}", f"--regid={user}",
+                                       "--clear-groups", "/usr/bin/python3"]
     run = subprocess.run(
-        ["/usr/bin/python3" if user is not None else sys.executable, "-c", CLIENT, path,
-         PREFACE.hex()],
-        capture_output=True, text=True, timeout=60, user=user,
+        [*(as_user or [sys.executable]), "-c", CLIENT, path, PREFACE.hex()],
+        capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     return run.stdout.strip()
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/python3"),
-                    reason="needs root to run a client as another user")  # fmt: skip
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists("/usr/bin/python3") or SETPRIV is None,
+    reason="needs root and setpriv (util-linux) to run a client as another user",
+)
 async def test_a_peer_of_another_user_is_refused_before_http2_starts() -> None:
     view = MemRelayView()
     server = RelayServer(view)
