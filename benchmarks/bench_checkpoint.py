@@ -8,11 +8,13 @@ removal of an earlier batch's) is applied to a live member and its delta taken
 moment the batch was due, so anything that holds the loop (the checkpoint's cut, a ``fork``, and
 copy-on-write faults afterwards) shows up in it; the batch's own apply time is reported beside
 it, which separates the copy-on-write faults (they lengthen the apply) from the loop starting
-late. Two phases of the same length: without checkpoints, then with a checkpoint every second
-(each one a real fork on the loop and a real file written, fsynced and renamed by the child; the
-next starts ``GAP_S`` after the previous one was written and the relay's huge pages were folded
-back, ``relay/hugepages.py``). The second phase is reported whole and for the batches applied
-while a checkpoint was in flight, the figure the checkpoint's cost is judged by.
+late, and so is the number of minor page faults the loop's thread took in that work (each
+copy-on-write is one). Two phases of the same length: without checkpoints, then with a
+checkpoint every second (each one a real fork on the loop and a real file written, fsynced and
+renamed by the child; the next starts ``GAP_S`` after the previous one was written and the
+relay's huge pages were folded back, ``relay/hugepages.py``). The second phase is reported
+whole and for the batches applied while a checkpoint was in flight, the figure the checkpoint's
+cost is judged by.
 
 Memory: the machine's anonymous memory (``AnonPages`` in ``/proc/meminfo``), sampled every 2 ms
 from a thread, less its value at the start of the phase: the pages the relay copies on write,
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import resource
 import tempfile
 import threading
 import time
@@ -110,6 +113,8 @@ async def _phase(pool: Pool, live: int, seconds: float, ckpt: checkpoint.Checkpo
     writes: list[float] = []
     work: list[float] = []  # each batch's own apply and take, without the loop's lateness
     work_during: list[float] = []
+    faults: list[float] = []  # minor page faults the loop's thread took in each batch's work
+    faults_during: list[float] = []
     peak = [0]
     stop = threading.Event()
 
@@ -136,6 +141,7 @@ async def _phase(pool: Pool, live: int, seconds: float, ckpt: checkpoint.Checkpo
         delay = due - loop.time()
         if delay > 0:
             await asyncio.sleep(delay)
+        f_apply = _minor_faults()
         t_apply = time.perf_counter()
         ext = (np.uint64(9) << np.uint64(56)) + np.uint64(i * 32) + np.arange(
             32, dtype=np.uint64).reshape(8, 4)  # fmt: skip
@@ -145,10 +151,12 @@ async def _phase(pool: Pool, live: int, seconds: float, ckpt: checkpoint.Checkpo
         prev = ext
         pool.take_publication()
         work.append(time.perf_counter() - t_apply)
+        faults.append(_minor_faults() - f_apply)
         lat.append(loop.time() - due)
         if in_ckpt:
             during.append(lat[-1])
             work_during.append(work[-1])
+            faults_during.append(faults[-1])
         due = max(due, loop.time() - PERIOD_S)  # a stall delays the next batch, not all of them
         i += 1
         if ckpt is None:
@@ -165,6 +173,7 @@ async def _phase(pool: Pool, live: int, seconds: float, ckpt: checkpoint.Checkpo
             in_ckpt = True
             during.append(lat[-1])  # the batch just before the cut waits for it too
             work_during.append(work[-1])
+            faults_during.append(faults[-1])
     if ckpt is not None:
         await ckpt.drain()
         if in_ckpt:
@@ -172,23 +181,30 @@ async def _phase(pool: Pool, live: int, seconds: float, ckpt: checkpoint.Checkpo
     stop.set()
     sampler.join()
     out: dict[str, Any] = {"batches": len(lat), "memory_added_peak_mib": (peak[0] - base) / 2**20}
-    out |= _stats(lat, work)
+    out |= _stats(lat, work, faults)
     if cuts:
         out |= {"checkpoints": len(cuts), "cut_on_loop_ms_median": float(np.median(cuts) * 1e3),
                 "cut_on_loop_ms_first": float(cuts[0] * 1e3),
                 "cut_on_loop_ms_max": float(max(cuts) * 1e3),
                 "write_s_median": float(np.median(writes)) if writes else None,
                 "during_checkpoint": {"batches": len(during)}
-                | _stats(during, work_during)}  # fmt: skip
+                | _stats(during, work_during, faults_during)}  # fmt: skip
     return out
 
 
-def _stats(lat: list[float], work: list[float]) -> dict[str, float | int | None]:
+def _minor_faults() -> int:
+    """Minor page faults the calling thread has taken (a copy-on-write fault is one)."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+
+def _stats(lat: list[float], work: list[float],
+           faults: list[float]) -> dict[str, float | int | None]:  # fmt: skip
     """Delta latency and apply time figures of a phase, in ms (the benchmarks' one
-    ``percentiles``)."""
-    p, w = percentiles(lat, 1e3), percentiles(work, 1e3)
+    ``percentiles``), and the page faults each batch's work took."""
+    p, w, f = percentiles(lat, 1e3), percentiles(work, 1e3), percentiles(faults)
     return {"delta_p50_ms": p["p50"], "delta_p99_ms": p["p99"], "delta_max_ms": p["max"],
-            "apply_p50_ms": w["p50"], "apply_p99_ms": w["p99"]}  # fmt: skip
+            "apply_p50_ms": w["p50"], "apply_p99_ms": w["p99"],
+            "faults_p50": f["p50"], "faults_p99": f["p99"]}  # fmt: skip
 
 
 async def run(target: int, seconds: float, repeats: int = 1) -> dict[str, Any]:
@@ -227,6 +243,9 @@ HEADLINE = (
     ("apply p50 during a checkpoint (ms)", "during_checkpoint", "apply_p50_ms"),
     ("apply p99 without checkpoints (ms)", "without_checkpoints", "apply_p99_ms"),
     ("apply p99 during a checkpoint (ms)", "during_checkpoint", "apply_p99_ms"),
+    ("page faults per batch p50 without checkpoints", "without_checkpoints", "faults_p50"),
+    ("page faults per batch p50 during a checkpoint", "during_checkpoint", "faults_p50"),
+    ("page faults per batch p99 during a checkpoint", "during_checkpoint", "faults_p99"),
     ("memory a checkpoint adds at its peak (MiB)", "with_checkpoints", "memory_added_peak_mib"),
     ("fork on the loop, median (ms)", "with_checkpoints", "cut_on_loop_ms_median"),
 )
