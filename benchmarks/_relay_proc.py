@@ -209,7 +209,7 @@ async def amain(a: argparse.Namespace) -> None:
         await relay.start()
         cfg = DaemonConfig(relay=settings, bind_host=a.host, bind_port=a.port, workers=a.workers,
                            logging=LoggingConfig(level="warning", format="json"),
-                           event_loop="uvloop" if a.uvloop else "asyncio")  # fmt: skip
+                           event_loop=a.event_loop)  # fmt: skip
         front = WorkerFront(cfg, relay)
         await front.start()
         server = front.internal
@@ -283,7 +283,7 @@ async def _start_mirror(a: argparse.Namespace, upstream: int) -> tuple[Any, int]
 
     port = a.port or free_port(a.host)
     conf = Path(tempfile.mkdtemp(prefix="kvrelay-bench-mirror-")) / "mirror.toml"
-    loop_name = "uvloop" if a.uvloop else "asyncio"
+    loop_name = a.event_loop
     conf.write_text(
         f'[relay]\nevent_loop = "{loop_name}"\n'
         f'[relay.limits]\npublication_queue_capacity = {a.queue_capacity}\n'
@@ -331,7 +331,10 @@ def main() -> None:
     p.add_argument("--max-streams", type=int, default=128)
     p.add_argument("--stats", default="")
     p.add_argument("--stats-interval", type=float, default=0.5, help="0: on SIGUSR1 only")
-    p.add_argument("--uvloop", action="store_true")
+    p.add_argument("--event-loop", default="auto", choices=("auto", "asyncio", "uvloop"),
+                   help="relay.event_loop, as `kvrelay serve` takes it (default: auto)")
+    p.add_argument("--uvloop", action="store_const", dest="event_loop", const="uvloop",
+                   help="shorthand for --event-loop uvloop")
     p.add_argument("--workers", type=int, default=1, help="processes serving gRPC (N-1 workers)")
     p.add_argument("--mirror", action="store_true", help="serve through a kvrelay mirror process")
     a = p.parse_args()
@@ -341,11 +344,10 @@ def main() -> None:
         from kvrelay.ops.memory import tune_malloc
 
         tune_malloc()
-    if a.uvloop:
-        import uvloop
+    from kvrelay.ops.event_loop import loop_factory
 
-        uvloop.install()
-    asyncio.run(amain(a))
+    with asyncio.Runner(loop_factory=loop_factory(a.event_loop)) as runner:
+        runner.run(amain(a))
 
 
 if __name__ == "__main__":

@@ -308,10 +308,10 @@ class Decoder:
         n = len(payload) + 1
         o_stats, o_ts, o_groups, o_ops, o_hp, o_w64, o_i64, o_tok, total, e = FW.layout(n)
         work = np.empty(total, dtype=np.uint8)
-        work[o_groups:o_ops] = self._garr.view(np.uint8)
         rc = FW.walk(
             np.frombuffer(payload, dtype=np.uint8),
             work,
+            self._garr,
             self.block_size,
             self.extra,
             self.options.drop_self_reference,

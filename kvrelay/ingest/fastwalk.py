@@ -809,6 +809,7 @@ def _walk(  # type: ignore[no-untyped-def]
     types.int64(
         types.Array(types.uint8, 1, "C", readonly=True),  # payload
         types.Array(types.uint8, 1, "C"),  # workspace (see ``layout``)
+        types.Array(types.int8, 1, "C"),  # groups learned so far (MAX_GROUPS)
         types.int64,  # block size
         types.int64,  # eagle extra token (0/1)
         types.boolean,  # drop self reference
@@ -819,17 +820,21 @@ def _walk(  # type: ignore[no-untyped-def]
 def walk(
     buf: npt.NDArray[np.uint8],
     work: npt.NDArray[np.uint8],
+    groups: npt.NDArray[np.int8],
     bsz: int,
     extra: int,
     drop_self: bool,
     arr_ids: npt.NDArray[np.int64],
     arr_len: npt.NDArray[np.int64],
 ) -> int:
-    """Entry point: ``work`` holds the groups state on input and every output on return."""
+    """Entry point: every output in ``work`` on return, the groups learned included (copied from
+    ``groups`` first, so a fallback leaves the caller's state as it was). The copy is made here,
+    not by a numpy slice assignment in the caller: at light load that costs more than the walk."""
     n = buf.shape[0] + 1
     o_stats, o_ts, o_groups, o_ops, o_hp, o_w64, o_i64, o_tok, _, e = _layout_nb(n)
     stats = work[o_stats:o_ts].view(np.int64)
     stats[:] = 0
+    work[o_groups:o_ops].view(np.int8)[:] = groups
     return _walk(  # type: ignore[no-any-return]
         buf,
         bsz,

@@ -52,7 +52,7 @@ HASH_FORMATS: dict[str, pb.KvQueryHashFormat] = {
 }
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOG_FORMATS = ("auto", "json", "console")
-EVENT_LOOPS = ("asyncio", "uvloop")
+EVENT_LOOPS = ("auto", "asyncio", "uvloop")
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +122,7 @@ class DaemonConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
-    event_loop: str = "asyncio"
+    event_loop: str = "auto"
     shutdown_timeout_s: float = 10.0
     warnings: tuple[ConfigProblem, ...] = ()
     #: processes serving gRPC: 1 = the relay itself; N ≥ 2 = ingest + N−1 fan-out workers
@@ -296,7 +296,7 @@ RELAY_KEYS: dict[str, _Key] = {
     "state_max_age_s": _Key("float", 3600.0, check=_positive_s),
     "checkpoint_interval_s": _Key("float", 30.0, check=_off_or_positive_s),
     "scrub_interval_s": _Key("float", 300.0, check=_off_or_positive_s),
-    "event_loop": _kw("asyncio", EVENT_LOOPS),
+    "event_loop": _kw("auto", EVENT_LOOPS),
     "workers": _Key("int", 1, check=_int_range(1, 256)),
     "runtime_dir": _Key("str", None, check=_text),
     "shutdown_timeout_s": _Key(

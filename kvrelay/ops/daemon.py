@@ -34,6 +34,7 @@ from kvrelay import __version__
 from kvrelay._aio import cancel_all
 from kvrelay.logging import configure, get_logger
 from kvrelay.ops.config import DaemonConfig, format_bind
+from kvrelay.ops.event_loop import loop_factory, loop_name
 from kvrelay.ops.reload import (
     ReloadResult,
     ReloadStats,
@@ -326,7 +327,7 @@ class Daemon:
             if self.metrics_port is None
             else format_bind(cfg.metrics.host, self.metrics_port),
             pools=len(cfg.relay.pools),
-            event_loop=cfg.event_loop,
+            event_loop=loop_name(asyncio.get_running_loop()),
             workers=cfg.workers,
             mirror_of=None if cfg.mirror is None else cfg.mirror.upstream,
         )
@@ -666,21 +667,18 @@ def run(
     config_path: str | os.PathLike[str] | None = None,
     pid_file: str | None = None,
 ) -> int:
-    """Configure logging, pick the event loop (asyncio or uvloop) and run ``main(cfg)`` (with
+    """Configure logging, pick the event loop (``ops/event_loop.py``) and run ``main(cfg)`` (with
     ``config_path=`` when given: the file SIGHUP reloads; ``pid_file=``: the file a hot
     upgrade rewrites)."""
     configure_logging(cfg)
     from kvrelay.ops.memory import tune_malloc
 
     tune_malloc()  # before the relay allocates anything large
-    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
-    if cfg.event_loop == "uvloop":
-        try:
-            import uvloop
-        except ImportError:
-            _LOG.error("uvloop_unavailable", hint="install uvloop or set relay.event_loop")
-            return 1
-        factory = uvloop.new_event_loop
+    try:
+        factory = loop_factory(cfg.event_loop)
+    except ImportError:
+        _LOG.error("uvloop_unavailable", hint="install uvloop or set relay.event_loop")
+        return 1
     with asyncio.Runner(loop_factory=factory) as runner:
         kwargs: dict[str, Any] = {}
         if config_path is not None:

@@ -31,6 +31,7 @@ from typing import Any
 
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.logging import configure, get_logger
+from kvrelay.ops.event_loop import loop_factory
 from kvrelay.ops.report_pipe import ReportPipe
 from kvrelay.service.authz import AuthorizationRule, authorization_of
 
@@ -53,7 +54,7 @@ class WorkerSpec:
     tls_client_ca: str | None = None
     log_level: str = "INFO"
     log_json: bool | None = None
-    event_loop: str = "asyncio"
+    event_loop: str = "auto"
     shutdown_timeout_s: float = 10.0
     sync_timeout_s: float = 60.0
     stats_interval_s: float = 1.0
@@ -227,12 +228,7 @@ def _spec_line() -> bytes:
 def main() -> int:
     spec = WorkerSpec.from_json(_spec_line().decode())
     configure(level=spec.log_level.upper(), json=spec.log_json)
-    factory = None
-    if spec.event_loop == "uvloop":
-        import uvloop
-
-        factory = uvloop.new_event_loop
-    with asyncio.Runner(loop_factory=factory) as runner:
+    with asyncio.Runner(loop_factory=loop_factory(spec.event_loop)) as runner:
         return int(runner.run(_main(spec)))
 
 

@@ -133,7 +133,7 @@ RULES = [
      "must be > 0 and <= 1 year"),
     ("limit-cross-field", MINIMAL + "", "relay.limits.max_message_bytes", "must be >= 4259904"),
     ("event-loop", _relay('event_loop = "trio"'),
-     "relay.event_loop", "must be one of asyncio, uvloop"),
+     "relay.event_loop", "must be one of auto, asyncio, uvloop"),
     ("log-level", MINIMAL + '\n[logging]\nlevel = "loud"\n', "logging.level",
      "must be one of debug"),
     ("log-format", MINIMAL + '\n[logging]\nformat = "xml"\n', "logging.format",
@@ -241,7 +241,7 @@ def test_minimal_file_gets_documented_defaults(tmp_path: Path) -> None:
     assert (cfg.bind_host, cfg.bind_port) == ("127.0.0.1", 50161)
     assert (cfg.metrics.enabled, cfg.metrics.host, cfg.metrics.port) == (True, "127.0.0.1", 50162)
     assert (cfg.logging.level, cfg.logging.format) == ("info", "auto")
-    assert not cfg.tls.enabled and cfg.event_loop == "asyncio" and cfg.shutdown_timeout_s == 10.0
+    assert not cfg.tls.enabled and cfg.event_loop == "auto" and cfg.shutdown_timeout_s == 10.0
     r = cfg.relay
     assert r.dc_name == "dc-test" and r.drt_instance_id is None and r.limits == RelayLimits()
     assert (r.discovery_interval_s, r.discovery_timeout_s, r.metrics_scrape_interval_s) == (
