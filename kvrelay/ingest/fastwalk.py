@@ -827,15 +827,17 @@ def walk(
     arr_ids: npt.NDArray[np.int64],
     arr_len: npt.NDArray[np.int64],
 ) -> int:
-    """Entry point: every output in ``work`` on return, the groups learned included (copied from
-    ``groups`` first, so a fallback leaves the caller's state as it was). The copy is made here,
-    not by a numpy slice assignment in the caller: at light load that costs more than the walk."""
+    """Entry point: every output in ``work`` (at least ``layout``'s total bytes) on return.
+    ``groups`` (the kv-cache group kinds learned so far) is updated only when the walk returns
+    ``OK``: a fallback leaves the caller's state as it was. The copies are made here, not by
+    numpy slice assignments in the caller: at light load those cost more than the walk."""
     n = buf.shape[0] + 1
     o_stats, o_ts, o_groups, o_ops, o_hp, o_w64, o_i64, o_tok, _, e = _layout_nb(n)
     stats = work[o_stats:o_ts].view(np.int64)
     stats[:] = 0
-    work[o_groups:o_ops].view(np.int8)[:] = groups
-    return _walk(  # type: ignore[no-any-return]
+    learned = work[o_groups:o_ops].view(np.int8)
+    learned[:] = groups
+    rc = _walk(
         buf,
         bsz,
         extra,
@@ -851,3 +853,6 @@ def walk(
         arr_ids,
         arr_len,
     )
+    if rc == OK:
+        groups[:] = learned
+    return rc  # type: ignore[no-any-return]

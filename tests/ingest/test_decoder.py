@@ -573,3 +573,33 @@ def test_mm_hash_takes_the_digest_prefix_only_for_64_hex_digits() -> None:
         "image-42",
     ):
         assert mm_hash(other) == xxhash.xxh3_64_intdigest(other.encode("utf-8"), seed=0), other
+
+
+def _fields(batch: Any) -> dict[str, Any]:
+    return {k: np.array(getattr(batch, k), copy=True) for k in
+            ("ops", "parent", "has_parent", "salt", "blk_off", "ext_hashes", "tok_off", "tokens")}
+
+
+def test_walker_workspace_reuse_never_overwrites_a_live_batch() -> None:
+    """The walker reuses its workspace only while nothing decoded from it is alive: a batch kept
+    across the next decode keeps its contents, and one dropped lets the next decode reuse it."""
+    d = dec()
+    msgs = [
+        W.batch([W.stored("map", block_hashes=[10 * i + j for j in range(1, 4)],
+                          parent_block_hash=None, token_ids=list(range(i, i + 3 * B)),
+                          block_size=B)])
+        for i in range(1, 5)
+    ]  # fmt: skip
+    first = d.decode(msgs[0]).batch
+    assert first.normalized  # the walker's result: views of its workspace
+    kept = _fields(first)
+    second = d.decode(msgs[1]).batch
+    for k, v in _fields(first).items():
+        np.testing.assert_array_equal(v, kept[k], err_msg=k)
+    assert second.ext_hashes.tolist() == [21, 22, 23]
+    base = id(second.ext_hashes.base)  # the workspace itself (an id: a reference would hold it)
+    del first, second
+    third = d.decode(msgs[2]).batch
+    assert id(third.ext_hashes.base) == base  # nothing alive held it: reused
+    assert third.ext_hashes.tolist() == [31, 32, 33]
+    assert third.tokens.tolist() == list(range(3, 3 + 3 * B))
