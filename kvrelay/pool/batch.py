@@ -49,10 +49,6 @@ U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
 
 
-def _empty(dtype: type) -> npt.NDArray[np.generic]:
-    return np.zeros(0, dtype=dtype)
-
-
 # One shared empty array per optional field: nothing can write into an array of length 0, and a
 # batch without multimodal data or origins (nearly every batch) then allocates nothing for them.
 _NO_MM_OFF = np.zeros(0, dtype=np.int64)
