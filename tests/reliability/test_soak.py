@@ -3,7 +3,7 @@ traffic, flat RSS, no lag terminations, stable latency, subscriber 0 exact at th
 
 from __future__ import annotations
 
-from tests.reliability.soak import SoakResult, _judge, run_soak
+from tests.reliability.soak import SoakResult, _judge, _Samples, run_soak
 
 
 async def test_soak_30_seconds() -> None:
@@ -34,3 +34,17 @@ def test_latency_drift_is_a_shift_of_every_window_not_one_busy_second() -> None:
     failures = _judged(drift)
     assert any("latency p50 drifted" in f for f in failures), failures
     assert any("latency p99 drifted" in f for f in failures), failures
+
+
+def test_latency_recorder_is_bounded_and_counts_what_it_drops() -> None:
+    """The recorder never grows: past its capacity samples are counted, and the soak fails
+    instead of judging latency on part of the run."""
+    rec = _Samples(5)
+    rec.add([1, 2, 3])
+    rec.add([4, 5, 6, 7])
+    assert rec.n == 5 and rec.dropped == 2 and rec.buf.tolist() == [1, 2, 3, 4, 5]
+    windows = [[5_000] * 100 for _ in range(30)]
+    res = SoakResult(seconds=30.0, rate=10.0, subscribers=1, rss_mb=[100.0] * len(windows),
+                     replica_matches=True, latency_samples_dropped=rec.dropped)
+    _judge(res, windows, rss_tolerance=0.10, latency_factor=2.0, slack_ms=25.0)
+    assert any("past the recorder's capacity" in f for f in res.failures), res.failures
