@@ -283,9 +283,8 @@ async def _start_mirror(a: argparse.Namespace, upstream: int) -> tuple[Any, int]
 
     port = a.port or free_port(a.host)
     conf = Path(tempfile.mkdtemp(prefix="kvrelay-bench-mirror-")) / "mirror.toml"
-    loop_name = a.event_loop
     conf.write_text(
-        f'[relay]\nevent_loop = "{loop_name}"\n'
+        f'[relay]\nevent_loop = "{a.event_loop}"\n'
         f'[relay.limits]\npublication_queue_capacity = {a.queue_capacity}\n'
         f'max_pool_streams_total = {a.max_streams}\nmax_subscribers_per_pool = {a.max_streams}\n'
         '[logging]\nlevel = "warning"\nformat = "json"\n'
