@@ -20,6 +20,14 @@ pool, that cost, spread over the whole write, not the fork itself, set the delta
 checkpoint. So a child that has written a stretch of an array gives its share of the whole huge
 pages in it back (:func:`give_back`, ``MADV_DONTNEED`` in the child only): the relay then owns
 them alone again, and its next write there reuses the page in place instead of copying it.
+
+That reuse is still one fault per small page the relay had split: its page table keeps every
+entry of the image write-protected until it is written once. So the child also tells the relay,
+through a second pipe, each range it gave back, and one thread of the relay (:class:`_Follower`)
+makes those ranges writable again ahead of the event loop (``MADV_POPULATE_WRITE``, Linux 5.14+:
+the kernel takes the faults, nothing is copied, no byte changes). The ranges are the relay's
+own pages again by then, so this adds no memory (it is skipped while another child, whose image
+could still share them, is running).
 """
 
 from __future__ import annotations
@@ -27,9 +35,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import os
 import signal
+import struct
 import sys
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -40,8 +51,12 @@ from kvrelay.relay import hugepages
 _PR_SET_PDEATHSIG = 1
 REPORT_MAX = 16 << 10  # well under a pipe's capacity: the child never blocks on it
 MADV_DONTNEED = 4
+MADV_POPULATE_WRITE = 23
 HUGE = hugepages.HUGE
+_RANGE = struct.Struct("=QQ")  # (start, length) of a range given back: one atomic pipe write
 _in_child = False
+_ranges_w = -1  # in a child: where give_back reports its ranges
+_live: set[int] = set()  # the relay's children not yet reaped
 
 
 class Child:
@@ -51,14 +66,18 @@ class Child:
         loop = asyncio.get_running_loop()
         self.done: asyncio.Future[tuple[bool, str]] = loop.create_future()
         r, w = os.pipe()
+        ranges_r, ranges_w = os.pipe()
         parent = os.getpid()
         pid = os.fork()
         if pid == 0:  # the child: the work, its report, exit; nothing else
             code = 1
             try:
-                global _in_child
+                global _in_child, _ranges_w
                 _in_child = True
                 os.close(r)
+                os.close(ranges_r)
+                os.set_blocking(ranges_w, False)  # a full pipe drops a range, never blocks
+                _ranges_w = ranges_w
                 _die_with(parent)
                 with contextlib.suppress(OSError):
                     os.nice(10)
@@ -71,6 +90,10 @@ class Child:
             finally:
                 os._exit(code)
         os.close(w)
+        os.close(ranges_w)
+        _live.add(pid)
+        self.follower = _Follower(ranges_r)
+        self.follower.start()
         self.pid = pid
         self._report = r
         self._pidfd = -1
@@ -96,6 +119,7 @@ class Child:
             while chunk := os.read(self._report, REPORT_MAX):
                 chunks.append(chunk)
         os.close(self._report)
+        _live.discard(self.pid)
         code = os.waitstatus_to_exitcode(status)
         text = b"".join(chunks).decode(errors="replace") or f"child exited with {code}"
         if not self.done.done():
@@ -133,4 +157,51 @@ def give_back(raw: npt.NDArray[np.uint8], start: int, end: int) -> None:
     hi = (base + end) // HUGE * HUGE
     if hi <= lo:
         return
-    hugepages.madvise(lo, hi - lo, MADV_DONTNEED)
+    if hugepages.madvise(lo, hi - lo, MADV_DONTNEED) == 0 and _ranges_w >= 0:
+        with contextlib.suppress(OSError):  # a full pipe: the relay takes those faults itself
+            os.write(_ranges_w, _RANGE.pack(lo, hi - lo))
+
+
+class _Follower(threading.Thread):
+    """In the relay: makes each range a child gave back writable again, off the event loop,
+    until the child closes its end (it ended). Only while that child is the relay's only one:
+    another child's image may still share the range, and writing it would copy it. Then the
+    loop takes those faults, and the fold after the children end (``hugepages``) repairs the
+    mapping."""
+
+    supported = sys.platform == "linux"
+
+    def __init__(self, fd: int) -> None:
+        super().__init__(name="kvrelay-cow-follower", daemon=True)
+        self._fd = fd
+        #: Bytes made writable again so far (tests and benchmarks read it).
+        self.populated = 0
+
+    def run(self) -> None:
+        buf = b""
+        try:
+            while chunk := os.read(self._fd, _RANGE.size * 256):
+                buf += chunk
+                whole = len(buf) - len(buf) % _RANGE.size
+                for at, length in _RANGE.iter_unpack(buf[:whole]):
+                    if _Follower.supported:
+                        self._populate(at, length)
+                buf = buf[whole:]
+        except OSError:
+            pass
+        finally:
+            os.close(self._fd)
+
+    def _populate(self, at: int, length: int) -> None:
+        """2 MiB at a time, so the relay's own faults on the mapping never wait long."""
+        for lo in range(at, at + length, HUGE):
+            if len(_live) > 1:  # another child's image may share it: writing would copy it
+                return
+            step = min(HUGE, at + length - lo)
+            err = hugepages.madvise(lo, step, MADV_POPULATE_WRITE)
+            if err == 0:
+                self.populated += step
+            elif err in (errno.EINVAL, errno.ENOSYS):
+                _Follower.supported = False  # a kernel before 5.14: the loop takes the faults
+                return
+            # another error (ENOMEM: the range was unmapped since; EFAULT): nothing to do

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
+import sys
 import time
 
 import numpy as np
 import pytest
 
-from kvrelay.relay import forked
+from kvrelay.relay import forked, hugepages
 from kvrelay.relay.forked import Child
 
 
@@ -87,3 +89,67 @@ async def test_a_child_gives_back_only_whole_written_huge_pages_and_the_relay_ke
     assert lowest == min([*first, *second])
     forked.give_back(raw, 0, raw.nbytes)  # the relay: a no-op
     assert np.array_equal(arr, np.arange(1, n + 1, dtype=np.uint64))
+
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+
+async def _given_back_then_written(others: int) -> tuple[int, int, int]:
+    while not hugepages.idle():  # a fold would make the pages writable too
+        await asyncio.sleep(0.01)
+    """The relay writes to each huge page of a 16 MiB array once (which splits its mapping, as
+    ingest does while a checkpoint's child runs); the child then gives the array back and stays
+    alive. Once its follower is done, the relay writes one byte per small page of the given-back
+    huge pages: (pages written, the writing thread's faults, bytes the follower made writable).
+    ``others`` more children hold the image meanwhile."""
+    arr = np.ones(8 * forked.HUGE, dtype=np.uint8)
+    base = int(arr.ctypes.data)
+    lo = (base + forked.HUGE - 1) // forked.HUGE * forked.HUGE - base
+    hi = (base + arr.nbytes) // forked.HUGE * forked.HUGE - base
+    holders = [Child(lambda: (time.sleep(3), "held")[1]) for _ in range(others)]
+    child = Child(lambda: (time.sleep(0.3), forked.give_back(arr, 0, arr.nbytes),
+                           time.sleep(3), "ok")[3])  # fmt: skip
+    arr[lo + 8192:hi:forked.HUGE] = 1  # before the give-back: a copy, and a split mapping
+    await asyncio.sleep(0.8)  # the child gave back at 0.3 s and sleeps on (for 3 s)
+    deadline = time.monotonic() + 2  # a slow machine: the follower may still be at work
+    while 0 < child.follower.populated < hi - lo and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    pages = arr[lo:hi:4096]
+    before = _faults()
+    pages += 1  # one write per small page
+    faults = _faults() - before
+    populated = child.follower.populated
+    for c in [child, *holders]:
+        c.kill()
+    assert np.count_nonzero(arr != 1) == pages.size and np.all(pages == 2)  # no byte changed
+    return pages.size, faults, populated
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_WRITE is Linux's")
+async def test_the_relay_takes_no_fault_on_pages_a_child_gave_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The follower makes every given-back page writable again off the event loop, without
+    changing a byte; with it off, the relay's first write to each page is a fault."""
+    monkeypatch.setattr(hugepages, "_supported", False)  # no fold after a child: only the follower
+    if not forked._Follower.supported:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    pages, faults, populated = await _given_back_then_written(0)
+    assert populated >= 7 * forked.HUGE
+    assert faults < pages // 16
+    monkeypatch.setattr(forked._Follower, "supported", False)
+    pages, faults, populated = await _given_back_then_written(0)
+    assert populated == 0 and faults >= pages // 2
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_WRITE is Linux's")
+async def test_the_follower_copies_nothing_while_another_child_shares_the_image(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a second child alive, writing a given-back range would copy it into the relay:
+    the follower leaves it alone (the relay takes those faults itself)."""
+    monkeypatch.setattr(hugepages, "_supported", False)
+    pages, faults, populated = await _given_back_then_written(1)
+    assert populated == 0 and faults >= pages // 2
