@@ -37,6 +37,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import selectors
 import signal
 import struct
 import sys
@@ -92,8 +93,7 @@ class Child:
         os.close(w)
         os.close(ranges_w)
         _live.add(pid)
-        self.follower = _Follower(ranges_r)
-        self.follower.start()
+        self.follower = _follower.watch(ranges_r)
         self.pid = pid
         self._report = r
         self._pidfd = -1
@@ -162,35 +162,32 @@ def give_back(raw: npt.NDArray[np.uint8], start: int, end: int) -> None:
             os.write(_ranges_w, _RANGE.pack(lo, hi - lo))
 
 
-class _Follower(threading.Thread):
-    """In the relay: makes each range a child gave back writable again, off the event loop,
-    until the child closes its end (it ended). Only while that child is the relay's only one:
-    another child's image may still share the range, and writing it would copy it. Then the
-    loop takes those faults, and the fold after the children end (``hugepages``) repairs the
-    mapping."""
-
-    supported = sys.platform == "linux"
+class Ranges:
+    """What one child reports: the ranges it gave back, read by the follower thread."""
 
     def __init__(self, fd: int) -> None:
-        super().__init__(name="kvrelay-cow-follower", daemon=True)
-        self._fd = fd
+        self.fd = fd
+        self._buf = b""
         #: Bytes made writable again so far (tests and benchmarks read it).
         self.populated = 0
 
-    def run(self) -> None:
-        buf = b""
+    def read(self) -> bool:
+        """Take what the pipe holds and make those ranges writable; False at its end."""
         try:
-            while chunk := os.read(self._fd, _RANGE.size * 256):
-                buf += chunk
-                whole = len(buf) - len(buf) % _RANGE.size
-                for at, length in _RANGE.iter_unpack(buf[:whole]):
-                    if _Follower.supported:
-                        self._populate(at, length)
-                buf = buf[whole:]
+            chunk = os.read(self.fd, _RANGE.size * 256)
+        except BlockingIOError:
+            return True
         except OSError:
-            pass
-        finally:
-            os.close(self._fd)
+            chunk = b""
+        if not chunk:
+            return False
+        buf = self._buf + chunk
+        whole = len(buf) - len(buf) % _RANGE.size
+        for at, length in _RANGE.iter_unpack(buf[:whole]):
+            if _Follower.supported:
+                self._populate(at, length)
+        self._buf = buf[whole:]
+        return True
 
     def _populate(self, at: int, length: int) -> None:
         """2 MiB at a time, so the relay's own faults on the mapping never wait long."""
@@ -205,3 +202,57 @@ class _Follower(threading.Thread):
                 _Follower.supported = False  # a kernel before 5.14: the loop takes the faults
                 return
             # another error (ENOMEM: the range was unmapped since; EFAULT): nothing to do
+
+
+class _Follower:
+    """In the relay: one thread, started with the first child and kept, that makes each range a
+    child gave back writable again, off the event loop, until that child closes its end (it
+    ended). Only while that child is the relay's only one: another child's image may still share
+    the range, and writing it would copy it. Then the loop takes those faults, and the fold after
+    the children end (``hugepages``) repairs the mapping. One kept thread, not one per child:
+    starting a thread costs the loop about half a millisecond, a fifth of the fork itself."""
+
+    supported = sys.platform == "linux"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._new: list[Ranges] = []
+        self._wake_w = -1
+        self._thread: threading.Thread | None = None
+
+    def watch(self, fd: int) -> Ranges:
+        """Follow the ranges a new child reports on ``fd`` (call on the event loop)."""
+        ranges = Ranges(fd)
+        os.set_blocking(fd, False)
+        with self._lock:
+            self._new.append(ranges)
+            if self._thread is None or not self._thread.is_alive():
+                wake_r, self._wake_w = os.pipe()
+                self._thread = threading.Thread(
+                    target=self._run, args=(wake_r,), name="kvrelay-cow-follower", daemon=True
+                )
+                self._thread.start()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"\0")
+        return ranges
+
+    def _run(self, wake_r: int) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(wake_r, selectors.EVENT_READ, None)
+        while True:
+            for key, _ in sel.select():
+                if key.data is None:
+                    with contextlib.suppress(OSError):
+                        os.read(wake_r, 4096)
+                    with self._lock:
+                        new, self._new = self._new, []
+                    for r in new:
+                        sel.register(r.fd, selectors.EVENT_READ, r)
+                    continue
+                r = key.data
+                if not r.read():
+                    sel.unregister(r.fd)
+                    os.close(r.fd)
+
+
+_follower = _Follower()

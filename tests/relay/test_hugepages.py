@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import numpy as np
 import pytest
@@ -82,7 +83,8 @@ def test_a_child_s_end_folds_back_what_its_image_split_and_changes_no_byte() -> 
     split = [0]
 
     async def fork_and_write() -> tuple[bool, str]:
-        child = Child(lambda: str(int(a[:: 4096 // 8].sum())))
+        # the child stays a while: a child that already ended shares nothing
+        child = Child(lambda: (str(int(a[:: 4096 // 8].sum())), time.sleep(0.5))[0])
         a[:: 4096 // 8] += np.uint64(1)  # one write per 4 KiB page while the child shares them
         split[0] = _anon_huge_kib(inside)
         return await child.done  # its end starts a fold; asyncio.run waits for the executor
