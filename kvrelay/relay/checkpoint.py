@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvrelay.logging import get_logger
 from kvrelay.pool.pool import Pool
@@ -50,6 +51,9 @@ class _Writer:
     child: forked.Child
     members: int
     started: float
+    #: The arrays the child writes, kept until it ends: the ranges it reports as given back
+    #: stay the pool's (not memory a replaced generation freed and something else reused).
+    arrays: dict[str, Any]
 
 
 class Checkpointer:
@@ -89,7 +93,7 @@ class Checkpointer:
             return str(handover.save_state(state_dir, spec, identity, meta, arrays, members,
                                            written=forked.give_back))  # fmt: skip
 
-        wr = _Writer(forked.Child(write), len(members), time.monotonic())
+        wr = _Writer(forked.Child(write), len(members), time.monotonic(), arrays)
         self._inflight[name] = wr
         wr.child.done.add_done_callback(lambda f: self._done(name, wr, f))
         return True
