@@ -223,15 +223,21 @@ class _Follower:
     def watch(self, fd: int) -> Ranges:
         """Follow the ranges a new child reports on ``fd`` (call on the event loop)."""
         ranges = Ranges(fd)
-        os.set_blocking(fd, False)
-        with self._lock:
-            self._new.append(ranges)
-            if self._thread is None or not self._thread.is_alive():
-                wake_r, self._wake_w = os.pipe()
-                self._thread = threading.Thread(
-                    target=self._run, args=(wake_r,), name="kvrelay-cow-follower", daemon=True
-                )
-                self._thread.start()
+        try:
+            os.set_blocking(fd, False)
+            with self._lock:
+                if self._thread is None or not self._thread.is_alive():
+                    wake_r, self._wake_w = os.pipe()
+                    os.set_blocking(self._wake_w, False)  # a full pipe is already a wake-up
+                    self._thread = threading.Thread(
+                        target=self._run, args=(wake_r,), name="kvrelay-cow-follower",
+                        daemon=True,
+                    )  # fmt: skip
+                    self._thread.start()
+                self._new.append(ranges)
+        except (OSError, RuntimeError):  # out of descriptors or threads: the loop takes the faults
+            os.close(fd)
+            return ranges
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"\0")
         return ranges
@@ -247,7 +253,10 @@ class _Follower:
                     with self._lock:
                         new, self._new = self._new, []
                     for r in new:
-                        sel.register(r.fd, selectors.EVENT_READ, r)
+                        try:
+                            sel.register(r.fd, selectors.EVENT_READ, r)
+                        except (OSError, ValueError):
+                            os.close(r.fd)
                     continue
                 r = key.data
                 if not r.read():
