@@ -1,4 +1,10 @@
-"""Plane update costs at fleet scale: catalog/readiness recompute, load window build, fan-out.
+"""Plane update costs at fleet scale: catalog/readiness recompute, load and serving-load window
+builds and their wire bytes, fan-out.
+
+The windows list the same generations' identity objects every second, as the relay's pools hand
+them over (a generation keeps its ``ProducerIdentity``). ``*_window_serialize_ms`` is what
+betterproto2 takes to serialize the same window from scratch: what every window cost a relay with
+a subscriber before the planes wrote their wire bytes from cached pieces (``*_window_wire_ms``).
 
 Usage: .venv/bin/python -m benchmarks.bench_planes [--pools N] [--smoke]
 Prints per-operation times and writes benchmarks/results/planes.json.
@@ -20,6 +26,13 @@ from kvrelay.publication.broadcast import VersionedBroadcast
 from kvrelay.publication.catalog import CatalogPlane, LoraSpec, descriptor
 from kvrelay.publication.load import LoadPlane, RankLoad
 from kvrelay.publication.readiness import EndpointState, ReadinessPlane
+from kvrelay.publication.serving_load import (
+    COUNTERS,
+    ModelServingInput,
+    PoolServingInput,
+    ServingLoadInputs,
+    ServingLoadPlane,
+)
 
 RELAY = pb.RelayIdentity(drt_instance_id=1, relay_incarnation=2)
 Role = pb.WorkerRole
@@ -104,16 +117,43 @@ def main() -> None:
     readiness = ReadinessPlane(RELAY)
     readiness.set_topology(eps)
     ranks = [RankLoad(100, 1000)] * 8
-    load = LoadPlane(RELAY, provider=lambda: [(_producer(i), ranks) for i in range(n)])
+    producers = [_producer(i) for i in range(n)]  # one object per generation, as in the relay
+    load = LoadPlane(RELAY, provider=lambda: [(p, ranks) for p in producers])
+    serving_inputs = ServingLoadInputs(
+        pools=[PoolServingInput(p, ranks, [1_700_000_000_000], 2, 256) for p in producers],
+        models=[
+            ModelServingInput(
+                "prod", f"model-{m}", 4, 4, 4,
+                [p.pool_id for i, p in enumerate(producers) if i % 8 == m and p.pool_id],
+                totals={c: 1_000 + m for c in COUNTERS}, observed_ms=[1_700_000_000_000],
+            )
+            for m in range(min(8, n))
+        ],
+    )  # fmt: skip
+    serving = ServingLoadPlane(RELAY, provider=lambda: serving_inputs)
+
+    def wire(plane: LoadPlane | ServingLoadPlane) -> Callable[[], object]:
+        def go() -> object:
+            plane.publish_window()  # a new window: its wire is written afresh
+            return plane.wire(plane.current()[0])
+
+        return go
     results: dict[str, Any] = {
         "pools": n,
         "catalog_set_pools_unchanged_ms": _time(lambda: catalog.set_pools(descs), rounds) * 1e3,
         "readiness_set_topology_unchanged_ms": _time(
             lambda: readiness.set_topology(eps), rounds) * 1e3,
         "load_window_build_ms": _time(load.publish_window, rounds) * 1e3,
+        "load_window_build_and_wire_ms": _time(wire(load), rounds) * 1e3,
+        "load_window_serialize_ms": _time(lambda: bytes(load.current()[1]), rounds) * 1e3,
+        "serving_load_window_build_ms": _time(serving.publish_window, rounds) * 1e3,
+        "serving_load_window_build_and_wire_ms": _time(wire(serving), rounds) * 1e3,
+        "serving_load_window_serialize_ms": _time(
+            lambda: bytes(serving.current()[1]), rounds) * 1e3,
         "catalog_snapshot_bytes": len(bytes(catalog.current()[1])),
         "readiness_snapshot_bytes": len(bytes(readiness.current()[1])),
         "load_window_bytes": len(bytes(load.current()[1])),
+        "serving_load_window_bytes": len(bytes(serving.current()[1])),
         "fanout_publish_wake_64_waiters_us": asyncio.run(
             _fanout(64, 4 if args.smoke else 200)) * 1e6,
         "python": platform.python_version(),

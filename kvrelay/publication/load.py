@@ -19,8 +19,10 @@ from dataclasses import dataclass
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.envelope import copy_relay
+from kvrelay.contract.identity_memo import IdentityMemo
 from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION, U32_MAX, U64_MAX
 from kvrelay.logging import get_logger
+from kvrelay.publication import window_wire as W
 from kvrelay.publication.window import MAX_WINDOW_MS, WindowPlane, unix_ms
 
 __all__ = [
@@ -74,17 +76,17 @@ def load_entry(producer: pb.ProducerIdentity, ranks: Sequence[RankLoad]) -> pb.K
     if any rank's capacity is unknown or there are no ranks (0 means "no authoritative
     capacity", never "full").
     """
-    return _entry(bytes(producer), ranks)
+    return _entry(pb.ProducerIdentity.parse(bytes(producer)), ranks)
 
 
-def _entry(producer_bytes: bytes, ranks: Sequence[RankLoad]) -> pb.KvPoolLoadEntry:
-    """:func:`load_entry` with the producer already serialized (its private copy is parsed)."""
+def _entry(producer_copy: pb.ProducerIdentity, ranks: Sequence[RankLoad]) -> pb.KvPoolLoadEntry:
+    """:func:`load_entry` with the producer's private copy at hand (the plane's memo has it)."""
     used = [r.kv_used_blocks for r in ranks if r.kv_used_blocks is not None]
     caps = [r.total_kv_blocks for r in ranks]
     known_caps = [c for c in caps if c is not None]
     total = saturating_sum(known_caps) if ranks and len(known_caps) == len(caps) else 0
     return pb.KvPoolLoadEntry(
-        producer=pb.ProducerIdentity.parse(producer_bytes),
+        producer=producer_copy,
         kv_used_blocks=saturating_sum(used),
         total_kv_blocks=total,
         kv_observed_ranks=min(len(used), U32_MAX),
@@ -111,20 +113,22 @@ class LoadPlane(WindowPlane[pb.KvPoolLoadUpdate]):
         self._relay = copy_relay(relay_identity)
         self._provider = provider
         self.entry_errors = 0
+        self._ids: IdentityMemo[pb.ProducerIdentity] = IdentityMemo()
         self._init_windows()
 
     def set_provider(self, provider: LoadProvider | None) -> None:
         self._provider = provider
 
-    def _initial(self) -> pb.KvPoolLoadUpdate:
+    def _initial(self) -> tuple[pb.KvPoolLoadUpdate, Callable[[], bytes]]:
         pools = self._entries()
         return self._message(0, [] if pools is None else pools)
 
-    def _build(self, seq: int) -> pb.KvPoolLoadUpdate | None:
+    def _build(self, seq: int) -> tuple[pb.KvPoolLoadUpdate, Callable[[], bytes]] | None:
         pools = self._entries()
         return None if pools is None else self._message(seq, pools)
 
-    def _entries(self) -> list[pb.KvPoolLoadEntry] | None:
+    def _entries(self) -> list[tuple[pb.KvPoolLoadEntry, bytes]] | None:
+        """Each listed generation's entry and its wire bytes, sorted by producer."""
         if self._provider is None:
             return []
         try:
@@ -133,34 +137,43 @@ class LoadPlane(WindowPlane[pb.KvPoolLoadUpdate]):
             self.provider_errors += 1
             _log.exception("load_provider_failed", errors=self.provider_errors)
             return None
-        keyed: list[tuple[bytes, pb.KvPoolLoadEntry]] = []
+        keyed: list[tuple[bytes, pb.KvPoolLoadEntry, bytes]] = []
         for producer, ranks in inputs:
             try:
-                key = bytes(producer)
-                entry = _entry(key, ranks)
+                key, copy = self._ids.encoded(producer)
+                entry = _entry(copy, ranks)
+                wire = W.message_field(1, key) + b"".join((
+                    W.uint_field(2, entry.kv_used_blocks),
+                    W.uint_field(3, entry.total_kv_blocks),
+                    W.uint_field(4, entry.kv_observed_ranks),
+                    W.uint_field(5, entry.kv_expected_ranks),
+                ))  # fmt: skip
             except Exception:
                 # One bad pool must not hide the others' load: drop it and count it.
                 self.entry_errors += 1
                 _log.exception("load_entry_invalid", errors=self.entry_errors)
                 continue
-            keyed.append((key, entry))
+            keyed.append((key, entry, wire))
         keyed.sort(key=lambda kv: kv[0])
-        out: list[pb.KvPoolLoadEntry] = []
-        for i, (key, entry) in enumerate(keyed):
+        out: list[tuple[pb.KvPoolLoadEntry, bytes]] = []
+        for i, (key, entry, wire) in enumerate(keyed):
             if i and keyed[i - 1][0] == key:
                 # A generation listed twice would give consumers two competing loads: keep one.
                 self.entry_errors += 1
                 continue
-            out.append(entry)
+            out.append((entry, wire))
         return out
 
-    def _message(self, seq: int, pools: list[pb.KvPoolLoadEntry]) -> pb.KvPoolLoadUpdate:
-        return pb.KvPoolLoadUpdate(
-            protocol_version=PROTOCOL_VERSION,
-            relay=self._relay,
-            window_sequence=seq,
-            observed_ms=unix_ms(),
-            window_ms=self._window_ms,
-            pools=pools,
-            contract_marker=CONTRACT_MARKER,
+    def _message(
+        self, seq: int, pools: list[tuple[pb.KvPoolLoadEntry, bytes]]
+    ) -> tuple[pb.KvPoolLoadUpdate, Callable[[], bytes]]:
+        fields = {
+            "protocol_version": PROTOCOL_VERSION, "relay": self._relay, "window_sequence": seq,
+            "observed_ms": unix_ms(), "window_ms": self._window_ms,
+        }  # fmt: skip
+        head = pb.KvPoolLoadUpdate(**fields)  # what the wire's entries follow
+        message = pb.KvPoolLoadUpdate(
+            **fields, pools=[e for e, _w in pools], contract_marker=CONTRACT_MARKER
         )
+        wires = [w for _e, w in pools]
+        return message, lambda: W.window(head, [(6, wires)], CONTRACT_MARKER)

@@ -25,8 +25,10 @@ from typing import Any, TypeVar
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.envelope import copy_relay
+from kvrelay.contract.identity_memo import IdentityMemo
 from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION, U64_MAX
 from kvrelay.logging import get_logger
+from kvrelay.publication import window_wire as W
 from kvrelay.publication.load import RankLoad, saturating_sum
 from kvrelay.publication.window import WindowPlane, unix_ms
 
@@ -45,6 +47,7 @@ __all__ = [
 
 _log = get_logger(__name__)
 In = TypeVar("In")
+_Wire = Callable[[], bytes]  # writes an encoded entry or window when first needed
 E = TypeVar("E")
 
 #: The cumulative counters of one model view, by the name :class:`RunningTotals` keeps them under.
@@ -122,6 +125,11 @@ def _oldest(times: Sequence[int]) -> int:
 
 def pool_entry(inp: PoolServingInput) -> pb.PoolServingLoad:
     """The pool view (pure): no request stats; ``active_decode_blocks`` only when COMPLETE."""
+    return _pool_entry(inp, pb.ProducerIdentity.parse(bytes(inp.producer)))
+
+
+def _pool_entry(inp: PoolServingInput, producer_copy: pb.ProducerIdentity) -> pb.PoolServingLoad:
+    """:func:`pool_entry` with the producer's private copy at hand (the plane's memo has it)."""
     used = [r.kv_used_blocks for r in inp.ranks if r.kv_used_blocks is not None]
     status = coverage(len(used), len(inp.ranks))
     tokens = pb.TokenLoadStats()
@@ -133,7 +141,7 @@ def pool_entry(inp: PoolServingInput) -> pb.PoolServingLoad:
     if inp.max_concurrency is not None:
         deployment.max_concurrency = _u64(inp.max_concurrency)
     return pb.PoolServingLoad(
-        producer=pb.ProducerIdentity.parse(bytes(inp.producer)),
+        producer=producer_copy,
         load=pb.LoadView(
             tokens=tokens,
             status=status,
@@ -146,6 +154,13 @@ def pool_entry(inp: PoolServingInput) -> pb.PoolServingLoad:
 def model_entry(inp: ModelServingInput) -> pb.ModelServingLoad:
     """The model view (pure): counters whatever the status; no gauge kvrelay could not vouch
     for (it sets none: see §10.4)."""
+    return _model_entry(inp, lambda p: pb.KvPoolId.parse(bytes(p)))
+
+
+def _model_entry(
+    inp: ModelServingInput, copy_of: Callable[[pb.KvPoolId], pb.KvPoolId]
+) -> pb.ModelServingLoad:
+    """:func:`model_entry` with each serving pool's private copy from ``copy_of``."""
     if not inp.namespace or not inp.canonical_model_id:
         raise ValueError("a model view needs a namespace and a canonical model id")
     if not 0 <= inp.ready_frontends <= inp.observed_frontends <= inp.expected_frontends:
@@ -179,7 +194,7 @@ def model_entry(inp: ModelServingInput) -> pb.ModelServingLoad:
             expected_frontends=_u64(inp.expected_frontends),
             observed_frontends=_u64(observed),
             ready_frontends=_u64(inp.ready_frontends),
-            serving_pools=[pb.KvPoolId.parse(bytes(p)) for p in inp.serving_pools],
+            serving_pools=[copy_of(p) for p in inp.serving_pools],
         ),
     )
 
@@ -278,15 +293,17 @@ class ServingLoadPlane(WindowPlane[pb.ServingLoadUpdate]):
         self._relay = copy_relay(relay_identity)
         self._provider = provider
         self.entry_errors = 0
+        self._producers: IdentityMemo[pb.ProducerIdentity] = IdentityMemo()
+        self._pool_ids: IdentityMemo[pb.KvPoolId] = IdentityMemo()
         self._init_windows()
 
     def set_provider(self, provider: ServingLoadProvider | None) -> None:
         self._provider = provider
 
-    def _initial(self) -> pb.ServingLoadUpdate:
+    def _initial(self) -> tuple[pb.ServingLoadUpdate, _Wire]:
         return self._build(0) or self._message(0, [], [])
 
-    def _build(self, seq: int) -> pb.ServingLoadUpdate | None:
+    def _build(self, seq: int) -> tuple[pb.ServingLoadUpdate, _Wire] | None:
         if self._provider is None:
             return self._message(seq, [], [])
         try:
@@ -295,19 +312,42 @@ class ServingLoadPlane(WindowPlane[pb.ServingLoadUpdate]):
             self.provider_errors += 1
             _log.exception("serving_load_provider_failed", errors=self.provider_errors)
             return None
-        pools = self._entries(inputs.pools, pool_entry, lambda i: bytes(i.producer))
-        models = self._entries(
-            inputs.models, model_entry, lambda i: (i.namespace, i.canonical_model_id)
-        )
+        pools = self._entries(inputs.pools, self._pool)
+        models = self._entries(inputs.models, self._model)
         return self._message(seq, pools, models)
 
-    def _entries(
-        self, inputs: Iterable[In], build: Callable[[In], E], key: Callable[[In], Any]
-    ) -> list[E]:
+    def _pool(self, inp: PoolServingInput) -> tuple[bytes, tuple[pb.PoolServingLoad, _Wire]]:
+        key, copy = self._producers.encoded(inp.producer)
+        entry = _pool_entry(inp, copy)
+        rest = pb.PoolServingLoad(load=entry.load, deployment=entry.deployment)
+        return key, (entry, lambda: W.leading_field(1, key, rest))
+
+    def _model(
+        self, inp: ModelServingInput
+    ) -> tuple[tuple[str, str], tuple[pb.ModelServingLoad, _Wire]]:
+        entry = _model_entry(inp, lambda p: self._pool_ids.encoded(p)[1])
+        pool_ids = [self._pool_ids.encoded(p)[0] for p in inp.serving_pools]
+        dep = entry.deployment or pb.ModelDeploymentStatus()  # _model_entry always sets it
+        dep_rest = pb.ModelDeploymentStatus(
+            expected_frontends=dep.expected_frontends,
+            observed_frontends=dep.observed_frontends,
+            ready_frontends=dep.ready_frontends,
+        )  # serving_pools (field 4) is its last field: appended as encoded
+        rest = pb.ModelServingLoad(
+            namespace=entry.namespace, canonical_model_id=entry.canonical_model_id, load=entry.load
+        )  # deployment (field 4) is its last field
+
+        def wire() -> bytes:
+            dep_wire = bytes(dep_rest) + b"".join(W.message_field(4, b) for b in pool_ids)
+            return bytes(rest) + W.message_field(4, dep_wire)
+
+        return (inp.namespace, inp.canonical_model_id), (entry, wire)
+
+    def _entries(self, inputs: Iterable[In], build: Callable[[In], tuple[Any, E]]) -> list[E]:
         keyed: list[tuple[Any, E]] = []
         for inp in inputs:
             try:
-                keyed.append((key(inp), build(inp)))
+                keyed.append(build(inp))
             except Exception:
                 # One bad entry must not hide the others: drop it and count it.
                 self.entry_errors += 1
@@ -322,15 +362,29 @@ class ServingLoadPlane(WindowPlane[pb.ServingLoadUpdate]):
         return out
 
     def _message(
-        self, seq: int, pools: list[pb.PoolServingLoad], models: list[pb.ModelServingLoad]
-    ) -> pb.ServingLoadUpdate:
-        return pb.ServingLoadUpdate(
-            protocol_version=PROTOCOL_VERSION,
-            relay=self._relay,
-            window_sequence=seq,
-            observed_ms=unix_ms(),
-            window_ms=self.window_ms,
-            pools=pools,
-            models=models,
+        self,
+        seq: int,
+        pools: list[tuple[pb.PoolServingLoad, _Wire]],
+        models: list[tuple[pb.ModelServingLoad, _Wire]],
+    ) -> tuple[pb.ServingLoadUpdate, _Wire]:
+        fields = {
+            "protocol_version": PROTOCOL_VERSION, "relay": self._relay, "window_sequence": seq,
+            "observed_ms": unix_ms(), "window_ms": self.window_ms,
+        }  # fmt: skip
+        head = pb.ServingLoadUpdate(**fields)  # what the wire's entries follow
+        message = pb.ServingLoadUpdate(
+            **fields,
+            pools=[e for e, _w in pools],
+            models=[e for e, _w in models],
             contract_marker=CONTRACT_MARKER,
         )
+        pool_wires, model_wires = [w for _e, w in pools], [w for _e, w in models]
+
+        def wire() -> bytes:
+            return W.window(
+                head,
+                [(6, [w() for w in pool_wires]), (7, [w() for w in model_wires])],
+                CONTRACT_MARKER,
+            )
+
+        return message, wire

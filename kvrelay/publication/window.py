@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from kvrelay.logging import get_logger
@@ -47,15 +48,30 @@ class WindowPlane(Generic[M]):
         self._task: asyncio.Task[None] | None = None
         self.provider_errors = 0
 
-    def _build(self, seq: int) -> M | None:
+    def _build(self, seq: int) -> tuple[M, Callable[[], bytes]] | None:
+        """Window ``seq``, and how to write its wire bytes (``bytes(message)``, from
+        ``window_wire``'s cached pieces: called only once someone is to be sent it)."""
         raise NotImplementedError
 
-    def _initial(self) -> M:
+    def _initial(self) -> tuple[M, Callable[[], bytes]]:
         """Window 0 (built even if the provider fails: then it lists nothing)."""
         raise NotImplementedError
 
     def _init_windows(self) -> None:
-        self._bc: VersionedBroadcast[M] = VersionedBroadcast(0, self._initial())
+        message, wire = self._initial()
+        self._bc: VersionedBroadcast[M] = VersionedBroadcast(0, message)
+        self._wire: tuple[int, Callable[[], bytes] | bytes] = (0, wire)
+
+    def wire(self, version: int) -> bytes | None:
+        """The wire bytes of window ``version`` while it is the newest (else None): what a
+        subscriber is sent, written from the window's pieces once, not serialized again."""
+        seq, data = self._wire
+        if seq != version:
+            return None
+        if not isinstance(data, bytes):
+            data = data()
+            self._wire = (seq, data)
+        return data
 
     @property
     def window_ms(self) -> int:
@@ -96,10 +112,11 @@ class WindowPlane(Generic[M]):
     def publish_window(self) -> bool:
         """Build and publish the next window now; False if building it failed (skipped)."""
         seq = self._bc.version + 1
-        message = self._build(seq)
-        if message is None:
+        built = self._build(seq)
+        if built is None:
             return False
-        self._bc.publish(seq, message)
+        self._wire = (seq, built[1])
+        self._bc.publish(seq, built[0])
         return True
 
     async def _run(self) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.contract.identity_memo import IdentityMemo
 from kvrelay.discovery.metrics_scrape import EnginePage, RankServing
 from kvrelay.publication.load import RankLoad
 from kvrelay.publication.serving_load import (
@@ -72,6 +73,7 @@ class ServingInputs:
     def __init__(self) -> None:
         self.pages: dict[tuple[str, str], Page] = {}  # (pool, engine) → latest good scrape
         self.totals = RunningTotals()
+        self._pool_ids: IdentityMemo[pb.KvPoolId] = IdentityMemo()  # sort keys, once per pool
 
     def store(self, pool: str, engine: str, page: Page | None) -> None:
         if page is None:
@@ -136,7 +138,8 @@ class ServingInputs:
                     if label.isdigit() and int(label) in ranks:
                         reports[(p.name, st.spec.name, int(label))] = rank_counters(figures)
         serving_pools = sorted(
-            (pid for p in pools if (pid := _pool_id(p)) is not None), key=bytes
+            (pid for p in pools if (pid := _pool_id(p)) is not None),
+            key=lambda pid: self._pool_ids.encoded(pid)[0],
         )
         return ModelServingInput(
             namespace=namespace,

@@ -32,6 +32,7 @@ from kvrelay.contract.producer import producer_key
 from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION, TRAILER_KEY
 from kvrelay.publication.hub import Subscription
 from kvrelay.publication.plane import Plane, PlaneClosed, PlaneEnded, PlaneUnsupported
+from kvrelay.publication.window import WindowPlane
 from kvrelay.service.authz import Authorization, ClientIdentity, not_visible, revoked
 from kvrelay.service.codec import PassThroughCodec
 from kvrelay.service.h2.closing import ClosingServer
@@ -70,7 +71,10 @@ class _EncodedPlane:
         cached = self._cache
         if cached is not None and cached[0] == version:
             return cached[1]
-        data = bytes(message)
+        plane = self.plane
+        data = plane.wire(version) if isinstance(plane, WindowPlane) else None
+        if data is None:  # not a window plane, or a window no longer the newest
+            data = bytes(message)
         if cached is None or version > cached[0]:
             self._cache = (version, data)
         return data
@@ -176,7 +180,8 @@ class KvEventRelayService:
         if auth is None:
             return plane.encode(version, message)
         catalog = None if kind == "catalog" else self._catalog_now()
-        return auth.filtered(kind, version, message, auth.rights(who), catalog)
+        return auth.filtered(kind, version, plane.encode(version, message), auth.rights(who),
+                             catalog)  # fmt: skip
 
     # --- grpclib plumbing ---
     def __mapping__(self) -> dict[str, Handler]:

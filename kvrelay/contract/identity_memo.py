@@ -1,0 +1,63 @@
+"""Wire bytes and a private parsed copy of identity messages, computed once per message object.
+
+betterproto2 takes about 60 µs to serialize a ``ProducerIdentity`` (91 bytes) and as long to
+parse it back. The load and serving-load planes list every pool generation's identity in every
+window (each second) and key, sort and copy it there: with 64 pools that was about 30 ms of event
+loop per second, with or without a subscriber, and it grew with every pool. An identity never
+changes once a generation holds it (nothing in the relay assigns its fields), so its encoding
+and one parsed copy are kept per object. The copy is what the planes' messages carry: none of
+them shares the generation's own object, and windows never change once published.
+
+The memo holds each object it describes (an ``id`` names one object only while it lives) and at
+most ``bound`` of them, the least recently used out first. Beyond that many identities in use,
+lookups miss and cost what they did before; nothing is ever wrong.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Generic, Protocol, TypeVar
+
+__all__ = ["DEFAULT_BOUND", "IdentityMemo"]
+
+DEFAULT_BOUND = 4096
+
+
+class _Message(Protocol):
+    def __bytes__(self) -> bytes: ...
+
+
+M = TypeVar("M", bound=_Message)
+
+
+class IdentityMemo(Generic[M]):
+    """``encoded(message)`` → ``(bytes(message), a parsed copy)``, once per object."""
+
+    __slots__ = ("_bound", "_items", "hits", "misses")
+
+    def __init__(self, bound: int = DEFAULT_BOUND) -> None:
+        if bound < 1:
+            raise ValueError(f"bound must be >= 1, got {bound}")
+        self._bound = bound
+        self._items: OrderedDict[int, tuple[M, bytes, M]] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def encoded(self, message: M) -> tuple[bytes, M]:
+        key = id(message)
+        hit = self._items.get(key)
+        if hit is not None and hit[0] is message:
+            self._items.move_to_end(key)
+            self.hits += 1
+            return hit[1], hit[2]
+        data = bytes(message)
+        copy: M = type(message).parse(data)  # type: ignore[attr-defined]
+        self._items[key] = (message, data, copy)
+        self._items.move_to_end(key)
+        self.misses += 1
+        while len(self._items) > self._bound:
+            self._items.popitem(last=False)
+        return data, copy
