@@ -4,7 +4,10 @@ builds and their wire bytes, fan-out.
 The windows list the same generations' identity objects every second, as the relay's pools hand
 them over (a generation keeps its ``ProducerIdentity``). ``*_window_serialize_ms`` is what
 betterproto2 takes to serialize the same window from scratch: what every window cost a relay with
-a subscriber before the planes wrote their wire bytes from cached pieces (``*_window_wire_ms``).
+a subscriber before the planes wrote their wire bytes from cached pieces (``*_build_and_wire_ms``
+is the new window with its bytes). ``load_window_build_fresh_identities_ms`` builds windows from
+new identity objects each time, as this script did before: every identity is serialized and
+parsed again, as the planes did for every pool before they cached them.
 
 Usage: .venv/bin/python -m benchmarks.bench_planes [--pools N] [--smoke]
 Prints per-operation times and writes benchmarks/results/planes.json.
@@ -119,6 +122,7 @@ def main() -> None:
     ranks = [RankLoad(100, 1000)] * 8
     producers = [_producer(i) for i in range(n)]  # one object per generation, as in the relay
     load = LoadPlane(RELAY, provider=lambda: [(p, ranks) for p in producers])
+    fresh = LoadPlane(RELAY, provider=lambda: [(_producer(i), ranks) for i in range(n)])
     serving_inputs = ServingLoadInputs(
         pools=[PoolServingInput(p, ranks, [1_700_000_000_000], 2, 256) for p in producers],
         models=[
@@ -144,6 +148,9 @@ def main() -> None:
         "readiness_set_topology_unchanged_ms": _time(
             lambda: readiness.set_topology(eps), rounds) * 1e3,
         "load_window_build_ms": _time(load.publish_window, rounds) * 1e3,
+        # this script's method before identities were cached: new objects every window, so
+        # every identity is serialized and parsed again (what the planes did for every pool)
+        "load_window_build_fresh_identities_ms": _time(fresh.publish_window, rounds) * 1e3,
         "load_window_build_and_wire_ms": _time(wire(load), rounds) * 1e3,
         "load_window_serialize_ms": _time(lambda: bytes(load.current()[1]), rounds) * 1e3,
         "serving_load_window_build_ms": _time(serving.publish_window, rounds) * 1e3,
