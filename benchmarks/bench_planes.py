@@ -157,6 +157,10 @@ def main() -> None:
         "serving_load_window_build_and_wire_ms": _time(wire(serving), rounds) * 1e3,
         "serving_load_window_serialize_ms": _time(
             lambda: bytes(serving.current()[1]), rounds) * 1e3,
+        "identity_serialize_us": _time(lambda: bytes(producers[0]), 20 * rounds) * 1e6,
+        "identity_parse_us": _time(
+            lambda: pb.ProducerIdentity.parse(bytes(producers[0])), 20 * rounds
+        ) * 1e6 - _time(lambda: bytes(producers[0]), 20 * rounds) * 1e6,
         "catalog_snapshot_bytes": len(bytes(catalog.current()[1])),
         "readiness_snapshot_bytes": len(bytes(readiness.current()[1])),
         "load_window_bytes": len(bytes(load.current()[1])),
