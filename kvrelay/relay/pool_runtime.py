@@ -120,6 +120,8 @@ class PoolRuntime:
         self._fence_streak = 0
         self._rebuild_not_before = 0.0
         self._stopped = False
+        #: The last catalog entry and what it was made of (``descriptor``).
+        self._descriptor: tuple[pool_view.DescriptorInputs, pb.KvPoolDescriptor] | None = None
         # Final counters of retired subscribers and generations (monotonic stats).
         self._source_totals: dict[SourceKey, SubscriberCounters] = {}
         self._generation_totals = GenerationTotals()
@@ -252,9 +254,19 @@ class PoolRuntime:
         return pool_view.lora_names(self.spec, self.engines.values(), self.identity)
 
     def descriptor(self) -> pb.KvPoolDescriptor | None:
-        return pool_view.pool_descriptor(
+        """The pool's catalog entry: the same object while nothing it is made of changed (so
+        ``Relay.refresh_planes`` can tell an unchanged catalog without serializing it)."""
+        inputs = pool_view.descriptor_inputs(
             self.spec, self.engines.values(), self.published, self.identity
         )
+        if inputs is None:
+            return None
+        held = self._descriptor
+        if held is not None and inputs.same(held[0]):
+            return held[1]
+        d = pool_view.build_descriptor(inputs)
+        self._descriptor = (inputs, d)
+        return d
 
     def endpoint_state(self) -> EndpointState | None:
         return pool_view.endpoint_state(

@@ -8,6 +8,7 @@ it is asked from; ``PoolRuntime`` calls them with its own state.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.discovery.snapshot import EngineSnapshot
@@ -20,7 +21,8 @@ from kvrelay.relay.engines import EngineState, PoolIdentity, pool_identity
 from kvrelay.relay.generation import Generation
 from kvrelay.relay.settings import PoolSpec
 
-__all__ = ["base_model", "endpoint_state", "first_snapshot", "load_input", "lora_names",
+__all__ = ["DescriptorInputs", "base_model", "build_descriptor", "descriptor_inputs",
+           "endpoint_state", "first_snapshot", "load_input", "lora_names",
            "pool_descriptor"]  # fmt: skip
 
 
@@ -65,11 +67,50 @@ def pool_descriptor(
     ident: PoolIdentity | None,
 ) -> pb.KvPoolDescriptor | None:
     """The catalog entry of a materialized pool (None while it has no generation)."""
+    inputs = descriptor_inputs(spec, engines, gen, ident)
+    return None if inputs is None else build_descriptor(inputs)
+
+
+@dataclass(frozen=True, slots=True)
+class DescriptorInputs:
+    """Everything a pool's catalog entry is made of: equal inputs make an equal descriptor
+    (``producer`` by identity: a generation's identity object never changes)."""
+
+    producer: pb.ProducerIdentity
+    namespace: str
+    component: str
+    endpoint: str
+    base_model: str
+    kv_block_size: int
+    hash_format: pb.KvQueryHashFormat
+    role: pb.WorkerRole
+    base_aliases: tuple[str, ...]
+    loras: tuple[str, ...]
+
+    def same(self, other: DescriptorInputs | None) -> bool:
+        return (
+            other is not None
+            and other.producer is self.producer
+            and other._rest() == self._rest()
+        )
+
+    def _rest(self) -> tuple[object, ...]:
+        return (self.namespace, self.component, self.endpoint, self.base_model,
+                self.kv_block_size, int(self.hash_format), int(self.role), self.base_aliases,
+                self.loras)  # fmt: skip
+
+
+def descriptor_inputs(
+    spec: PoolSpec,
+    engines: Collection[EngineState],
+    gen: Generation | None,
+    ident: PoolIdentity | None,
+) -> DescriptorInputs | None:
     if gen is None or ident is None:
         return None
     snap = first_snapshot(engines)
     aliases = snap.served_model_aliases if snap is not None else ()
-    return descriptor(
+    return DescriptorInputs(
         producer=gen.producer,
         namespace=spec.namespace,
         component=spec.component,
@@ -77,9 +118,24 @@ def pool_descriptor(
         base_model=ident.model,
         kv_block_size=ident.block_size,
         hash_format=spec.hash_format,
-        roles=[spec.role],
-        base_aliases=[a for a in aliases if a.strip() == a and a],
-        loras=[LoraSpec(canonical_model_id=n) for n in lora_names(spec, engines, ident)],
+        role=spec.role,
+        base_aliases=tuple(a for a in aliases if a.strip() == a and a),
+        loras=tuple(lora_names(spec, engines, ident)),
+    )
+
+
+def build_descriptor(inputs: DescriptorInputs) -> pb.KvPoolDescriptor:
+    return descriptor(
+        producer=inputs.producer,
+        namespace=inputs.namespace,
+        component=inputs.component,
+        endpoint=inputs.endpoint,
+        base_model=inputs.base_model,
+        kv_block_size=inputs.kv_block_size,
+        hash_format=inputs.hash_format,
+        roles=[inputs.role],
+        base_aliases=list(inputs.base_aliases),
+        loras=[LoraSpec(canonical_model_id=n) for n in inputs.loras],
     )
 
 

@@ -63,6 +63,9 @@ class Relay:
         self._layout = identity.LayoutGenerationCounter()
         self.catalog = CatalogPlane(self.relay_identity)
         self.readiness = ReadinessPlane(self.relay_identity)
+        #: What the planes were last set from without an error (``refresh_planes``).
+        self._catalog_set: list[pb.KvPoolDescriptor] | None = None
+        self._topology_set: list[tuple[object, ...]] | None = None
         self.hub_permits = PermitCounter(
             "initialized pool hubs", self.limits.max_initialized_pool_hubs
         )
@@ -312,10 +315,13 @@ class Relay:
 
     # ---- planes ----------------------------------------------------------------------------------
 
-    def refresh_planes(self) -> None:
+    def refresh_planes(self, *, force: bool = False) -> None:
         """Recompute the catalog and topology. Never raises: a pool whose engine-supplied
         metadata is invalid (a served name with surrounding whitespace, say) leaves the catalog,
-        or the topology, alone and counted; every other pool and endpoint is published."""
+        or the topology, alone and counted; every other pool and endpoint is published.
+
+        A plane whose inputs are the ones it was last set from is left alone (``force``: set
+        it anyway, e.g. after something other than this method changed it)."""
         descriptors: list[pb.KvPoolDescriptor] = []
         endpoints: list[EndpointState] = []
         for p in self.pools:
@@ -333,14 +339,21 @@ class Relay:
                     endpoints.append(e)
             except Exception as exc:  # TopologyError: this endpoint only
                 self._metadata_rejected(p.name, "readiness", exc)
-        try:
-            self.catalog.set_pools(descriptors)
-        except Exception as exc:  # cross-pool rules (e.g. a duplicate pool id)
-            self._metadata_rejected("*", "catalog", exc)
-        try:
-            self.readiness.set_topology(endpoints)
-        except Exception as exc:
-            self._metadata_rejected("*", "readiness", exc)
+        # Unchanged inputs make an unchanged plane: skip serializing every pool to find that out
+        # (at 64 pools the two recomputes took ~28 ms per engine or generation event).
+        if force or not _same_objects(descriptors, self._catalog_set):
+            try:
+                self.catalog.set_pools(descriptors)
+                self._catalog_set = descriptors
+            except Exception as exc:  # cross-pool rules (e.g. a duplicate pool id)
+                self._metadata_rejected("*", "catalog", exc)
+        topology = [_endpoint_key(e) for e in endpoints]
+        if force or topology != self._topology_set:
+            try:
+                self.readiness.set_topology(endpoints)
+                self._topology_set = topology
+            except Exception as exc:
+                self._metadata_rejected("*", "readiness", exc)
 
     def _metadata_rejected(self, pool: str, plane: str, exc: Exception) -> None:
         rule = str(getattr(exc, "rule", type(exc).__name__))
@@ -606,3 +619,16 @@ class Relay:
                 self.scrape_errors += 1
                 _log.exception("scrape_failed", pool=pool.name, engine=st.spec.name)
             await asyncio.sleep(self.settings.metrics_scrape_interval_s)
+
+
+def _same_objects(a: list[pb.KvPoolDescriptor], b: list[pb.KvPoolDescriptor] | None) -> bool:
+    """The same descriptor objects in the same order (a pool hands out the same object while
+    nothing its entry is made of changed, and nobody changes one once built)."""
+    return b is not None and len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
+def _endpoint_key(e: EndpointState) -> tuple[object, ...]:
+    """Everything ``ReadinessPlane.set_topology`` reads of an endpoint (its class compares by
+    identity); the pool id compares equal at once when it is the generation's same object."""
+    return (e.namespace, e.component, e.endpoint, e.roles, e.needs, e.live, e.probed, e.models,
+            tuple(sorted(e.adapters.items())), e.pool_id)  # fmt: skip

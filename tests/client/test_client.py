@@ -186,7 +186,7 @@ async def test_generation_change_producer_changed_then_new_generation() -> None:
             assert not client.replica_stats()[key].installed
             relay.catalog.set_pools = real_set_pools  # type: ignore[method-assign]
             await eventually(lambda: relay.pools[0].generation is not None, what="rebuilt gen")
-            relay.refresh_planes()
+            relay.refresh_planes(force=True)  # the stub took the new generation's entry
             new = relay.pools[0].generation
             assert new is not None and new.layout_generation != old.layout_generation
             await eventually(

@@ -208,3 +208,38 @@ async def test_prefill_decode_readiness_follows_sleep_and_wake() -> None:
             return e is not None and len(e.adapters) == 1 and e.adapters[0].state == State.READY
 
         await eventually(adapter_ready, what="adapter ready on both roles")
+
+
+async def test_an_unchanged_fleet_recomputes_no_plane() -> None:
+    """A pool hands out the same descriptor object while nothing in it changed, and
+    ``refresh_planes`` then leaves both planes alone (at 64 pools their recompute took ~28 ms per
+    event); any change still reaches them."""
+    async with fleet_and_relay([SimConfig(name="u0", seed=5)]) as (engines, relay, _server):
+        (eng,) = engines
+        await wait_subscribed(relay, 1)
+        await eventually(lambda: len(catalog_pools(relay)) == 1, what="pool in catalog")
+        (pool,) = relay.pools
+        assert pool.descriptor() is pool.descriptor()
+        calls: list[str] = []
+        set_pools, set_topology = relay.catalog.set_pools, relay.readiness.set_topology
+        relay.catalog.set_pools = lambda d: calls.append("catalog") or set_pools(d)  # type: ignore[method-assign]
+        relay.readiness.set_topology = lambda e: calls.append("readiness") or set_topology(e)  # type: ignore[method-assign]
+        relay.refresh_planes()
+        relay.refresh_planes()
+        rev, ready = relay.catalog.current()[0], relay.readiness.current()[0]
+        relay.refresh_planes()
+        assert (relay.catalog.current()[0], relay.readiness.current()[0]) == (rev, ready)
+        assert calls.count("catalog") <= 1 and calls.count("readiness") <= 1  # first: catch-up
+        calls.clear()
+        before = pool.descriptor()
+        eng.load_lora("sql-adapter")
+        await eventually(
+            lambda: "sql-adapter" in registrations(catalog_pools(relay)[0]), what="lora listed"
+        )
+        assert pool.descriptor() is not before and "catalog" in calls
+        assert relay.catalog.current()[0] > rev
+        calls.clear()
+        ready = relay.readiness.current()[0]
+        eng.sleep()  # not serving: its endpoint's live count changes
+        await eventually(lambda: relay.readiness.current()[0] > ready, what="readiness follows")
+        assert "readiness" in calls
