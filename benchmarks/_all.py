@@ -39,6 +39,8 @@ STEPS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("micro: planes", ("benchmarks.bench_planes",), ("planes",)),
     ("micro: client SDK", ("benchmarks.bench_client",), ("bench_client",)),
     ("micro: calls after a sleep", ("benchmarks.bench_cold",), ("cold_calls",)),
+    ("micro: planes of a running relay, 64 pools", ("benchmarks.bench_fleet_planes",),
+     ("fleet_planes",)),
     ("loopback, short (and start-up, short)", ("benchmarks.run",), ("relay_e2e", "start-short")),
     ("loopback, full (and start-up, full)", ("benchmarks.run", "--full"),
      ("relay_e2e-full", "start")),

@@ -38,7 +38,7 @@ from benchmarks._scenarios import (
 )
 
 MICRO = ["bench_hashing", "bench_ingest", "bench_pool", "bench_fanout", "bench_sim",
-         "bench_planes", "bench_client", "bench_cold"]
+         "bench_planes", "bench_client", "bench_cold", "bench_fleet_planes"]
 
 
 def _delay_text() -> str:

@@ -79,7 +79,8 @@ MICRO = [("bench_hashing", "hashing.json"), ("bench_ingest", "ingest.json"),
          ("bench_client", "bench_client.json"), ("bench_pool", "pool.json"),
          ("bench_fanout", "fanout.json"), ("bench_start", "start-short.json"),
          ("sim_scaling", "scaling_model.json"), ("one_channel", "one_channel.json"),
-         ("bench_checkpoint", "checkpoint.json"), ("bench_cold", "cold_calls.json")]  # fmt: skip
+         ("bench_checkpoint", "checkpoint.json"), ("bench_cold", "cold_calls.json"),
+         ("bench_fleet_planes", "fleet_planes.json")]  # fmt: skip
 
 
 @pytest.mark.parametrize(("module", "result"), MICRO, ids=[m for m, _ in MICRO])

@@ -1,0 +1,102 @@
+"""What the planes cost a running relay with many pools: one simulated engine per pool (real
+Control gRPC and ZMQ), the real ``Relay``, measured on its event loop.
+
+* ``refresh_planes`` with nothing changed, what every engine or generation event costs the relay
+  (``refresh_planes_unchanged_ms``), against the same call made to recompute both planes
+  (``refresh_planes_forced_ms``: what every such event cost before a pool kept its descriptor);
+* one load and one serving-load window with their wire bytes (what each second costs while
+  someone subscribes), against serializing the same windows anew (what it cost before).
+
+Usage: ``python -m benchmarks.bench_fleet_planes [--pools 64] [--rounds 20] [--smoke]``; writes
+``results/fleet_planes.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks._common import machine, results_dir, write_json
+from kvrelay.relay.relay import Relay
+from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
+from kvrelay.sim.config import SimConfig
+from kvrelay.sim.engine import SimEngine
+
+
+def _median_ms(fn: Callable[[], object], rounds: int) -> float:
+    fn()
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out) * 1e3
+
+
+async def run(pools: int, rounds: int) -> dict[str, Any]:
+    engines = [SimEngine(SimConfig(name=f"e{i}", seed=i)) for i in range(pools)]
+    for e in engines:
+        await e.start()
+    specs = tuple(
+        PoolSpec(namespace="bench", component=f"c{i}", endpoint="generate", expected_blocks=4096,
+                 engines=(EngineSpec(name=e.cfg.name, host="127.0.0.1", grpc_port=e.grpc_port),))
+        for i, e in enumerate(engines)
+    )  # fmt: skip
+    relay = Relay(RelaySettings(dc_name="dc-bench", pools=specs, discovery_interval_s=0.5))
+    await relay.start()
+    try:
+        deadline = time.monotonic() + 60 + pools
+        while len(relay.catalog.current()[1].snapshot.pools) < pools:  # type: ignore[union-attr]
+            if time.monotonic() > deadline:
+                raise RuntimeError("not every pool reached the catalog in time")
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)
+
+        def window(plane: Any) -> Callable[[], object]:
+            def go() -> object:
+                plane.publish_window()
+                return plane.wire(plane.current()[0])
+
+            return go
+
+        return {
+            "pools": pools,
+            "rounds": rounds,
+            "refresh_planes_unchanged_ms": _median_ms(relay.refresh_planes, rounds),
+            "refresh_planes_forced_ms": _median_ms(
+                lambda: relay.refresh_planes(force=True), rounds
+            ),
+            "load_window_with_wire_ms": _median_ms(window(relay.load), rounds),
+            "load_window_serialize_ms": _median_ms(lambda: bytes(relay.load.current()[1]), rounds),
+            "serving_load_window_with_wire_ms": _median_ms(window(relay.serving_load), rounds),
+            "serving_load_window_serialize_ms": _median_ms(
+                lambda: bytes(relay.serving_load.current()[1]), rounds
+            ),
+        }
+    finally:
+        await relay.stop()
+        for e in engines:
+            await e.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--pools", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="4 pools, results to .work/smoke")
+    a = ap.parse_args()
+    if a.smoke:
+        a.pools, a.rounds = 4, 3
+    res = asyncio.run(run(a.pools, a.rounds))
+    for k, v in res.items():
+        print(f"{k:36s} {v:.3f}" if isinstance(v, float) else f"{k:36s} {v}")
+    res["machine"] = machine()
+    write_json(results_dir(a.smoke) / "fleet_planes.json", res)
+
+
+if __name__ == "__main__":
+    main()
