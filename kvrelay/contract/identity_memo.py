@@ -1,9 +1,10 @@
 """Wire bytes and a private parsed copy of identity messages, computed once per message object.
 
-betterproto2 takes about 60 µs to serialize a ``ProducerIdentity`` (91 bytes) and as long to
-parse it back. The load and serving-load planes list every pool generation's identity in every
-window (each second) and key, sort and copy it there: with 64 pools that was about 30 ms of event
-loop per second, with or without a subscriber, and it grew with every pool. An identity never
+betterproto2 takes tens of microseconds to serialize a ``ProducerIdentity`` (91 bytes) and as
+long to parse it back (``benchmarks/results/planes.json``). The load and serving-load planes list
+every pool generation's identity in every window (each second) and key, sort and copy it there:
+with 64 pools that was tens of milliseconds of event loop every second, with or without a
+subscriber, and it grew with every pool. An identity never
 changes once a generation holds it (nothing in the relay assigns its fields), so its encoding
 and one parsed copy are kept per object. The copy is what the planes' messages carry: none of
 them shares the generation's own object, and windows never change once published.

@@ -69,7 +69,12 @@ class WindowPlane(Generic[M]):
         if seq != version:
             return None
         if not isinstance(data, bytes):
-            data = data()
+            try:
+                data = data()
+            except Exception:  # never the stream's failure: the caller serializes the message
+                self.provider_errors += 1
+                _log.exception("load_window_wire_failed", plane=self._plane_name)
+                return None
             self._wire = (seq, data)
         return data
 

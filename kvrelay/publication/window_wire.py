@@ -1,12 +1,12 @@
 """A window's wire bytes from pieces encoded once (the load and serving-load planes).
 
 Every window lists every pool generation, and betterproto2 serializes a window by serializing
-each nested identity again, about 60 µs apiece: a 64-pool load window took ~6 ms and its
-serving-load window ~9 ms, once per window while anyone subscribed. The planes already hold each
-identity's bytes (``contract/identity_memo.py``), so an entry here is laid out as protobuf's
-canonical encoding lays it out — fields in number order, a message field as tag, length and
-bytes — with those bytes in place of a new serialization, and betterproto2 writes only the small
-rest. The result is byte for byte ``bytes(message)`` (the tests compare both, and the official
+each nested identity again: a 64-pool load window took 5 ms and its serving-load window 9 ms,
+once per window while anyone subscribed (``benchmarks/results/planes.json``). The planes already
+hold each identity's bytes (``contract/identity_memo.py``), so an entry here is laid out as
+protobuf's canonical encoding lays it out — fields in number order, a message field as tag,
+length and bytes — with those bytes in place of a new serialization, and betterproto2 writes
+only the small rest. The result is byte for byte ``bytes(message)`` (the tests compare both, and the official
 runtime's canonical encoding, on random windows).
 """
 
