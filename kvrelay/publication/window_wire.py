@@ -6,8 +6,8 @@ once per window while anyone subscribed (``benchmarks/results/planes.json``). Th
 hold each identity's bytes (``contract/identity_memo.py``), so an entry here is laid out as
 protobuf's canonical encoding lays it out — fields in number order, a message field as tag,
 length and bytes — with those bytes in place of a new serialization, and betterproto2 writes
-only the small rest. The result is byte for byte ``bytes(message)`` (the tests compare both, and the official
-runtime's canonical encoding, on random windows).
+only the small rest. The result is byte for byte ``bytes(message)`` (the tests compare both,
+and the official runtime's canonical encoding, on random windows).
 """
 
 from __future__ import annotations
