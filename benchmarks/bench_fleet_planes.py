@@ -5,7 +5,9 @@ Control gRPC and ZMQ), the real ``Relay``, measured on its event loop.
   (``refresh_planes_unchanged_ms``), against the same call made to recompute both planes
   (``refresh_planes_forced_ms``: what every such event cost before a pool kept its descriptor);
 * one load and one serving-load window with their wire bytes (what each second costs while
-  someone subscribes), against serializing the same windows anew (what it cost before).
+  someone subscribes), against serializing the same windows anew (what it cost before);
+* one ``/metrics`` scrape: what its collection costs the loop, and writing out its text (in the
+  loop's executor thread since this change; on the loop before).
 
 Usage: ``python -m benchmarks.bench_fleet_planes [--pools 64] [--rounds 20] [--smoke]``; writes
 ``results/fleet_planes.json``.
@@ -21,6 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks._common import machine, results_dir, write_json
+from kvrelay.ops.metrics import RelayMetrics
+from kvrelay.ops.metrics_http import Collected
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
 from kvrelay.sim.config import SimConfig
@@ -63,8 +67,13 @@ async def run(pools: int, rounds: int) -> dict[str, Any]:
 
             return go
 
+        metrics = RelayMetrics(relay)
+        scrape = Collected(metrics.registry)
         return {
             "pools": pools,
+            "metrics_scrape_collect_ms": _median_ms(lambda: Collected(metrics.registry), rounds),
+            "metrics_scrape_text_ms": _median_ms(scrape.text, rounds),
+            "metrics_scrape_bytes": len(scrape.text()),
             "rounds": rounds,
             "refresh_planes_unchanged_ms": _median_ms(relay.refresh_planes, rounds),
             "refresh_planes_forced_ms": _median_ms(

@@ -31,7 +31,13 @@ from prometheus_client.registry import Collector
 from kvrelay import __version__
 from kvrelay.contract.wire import SLOTS_PER_BUCKET
 from kvrelay.ingest.counters import LAG_BUCKETS_S, SubscriberCounters
-from kvrelay.ops.metrics_http import HttpCounters, HttpLimits, MetricsServer, http_metrics
+from kvrelay.ops.metrics_http import (
+    Collected,
+    HttpCounters,
+    HttpLimits,
+    MetricsServer,
+    http_metrics,
+)
 from kvrelay.relay.observer import Observers
 from kvrelay.relay.stats import GenerationTotals, RelayStats
 from kvrelay.service.h2.guard import ABUSE_REASONS
@@ -527,6 +533,10 @@ class RelayMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def collected(self) -> Collected:
+        """What the endpoint serves: collected now, written out off the loop."""
+        return Collected(self.registry)
+
     async def start_http(
         self,
         host: str,
@@ -540,7 +550,7 @@ class RelayMetrics:
         if self._http is not None:
             raise RuntimeError("metrics endpoint already started")
         self._http = MetricsServer(
-            self.render, healthy or (lambda: True), limits, self.http_counters
+            self.collected, healthy or (lambda: True), limits, self.http_counters
         )
         return await self._http.start(host, port, sock)
 

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.registry import Collector
 
 from kvrelay.logging import get_logger
 
@@ -95,12 +96,31 @@ def http_metrics(counters: HttpCounters | None) -> Iterator[Metric]:
     yield fam
 
 
+class Collected:
+    """One scrape's metric families, collected on the event loop (collectors read the relay's
+    live state); :meth:`text` then writes them out in the loop's executor thread. The text is
+    most of a scrape's cost (at 64 pools a scrape took ~40 ms of the loop, more than half of it
+    formatting) and reads nothing but these finished ``Metric`` objects."""
+
+    __slots__ = ("families",)
+
+    def __init__(self, registry: Collector) -> None:
+        self.families: list[Metric] = list(registry.collect())
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
+
+    def text(self) -> bytes:
+        return generate_latest(self)
+
+
 class MetricsServer:
-    """``GET /metrics`` → ``render()`` (text format 0.0.4); ``GET /healthz`` → ``healthy()``."""
+    """``GET /metrics`` → ``render()`` (text format 0.0.4; a :class:`Collected` is written out
+    off the loop); ``GET /healthz`` → ``healthy()``."""
 
     def __init__(
         self,
-        render: Callable[[], bytes],
+        render: Callable[[], bytes | Collected],
         healthy: Callable[[], bool] = lambda: True,
         limits: HttpLimits | None = None,
         counters: HttpCounters | None = None,
@@ -249,6 +269,8 @@ class MetricsServer:
         try:
             try:
                 body = self._render()
+                if isinstance(body, Collected):
+                    body = await asyncio.get_running_loop().run_in_executor(None, body.text)
             except Exception:
                 _log.exception("metrics_collect_failed")
                 await self._respond(writer, 500, b"collection failed\n")

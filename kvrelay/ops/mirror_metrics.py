@@ -27,7 +27,7 @@ from kvrelay.ops.metrics import (
     tls_families,
     upgrade_families,
 )
-from kvrelay.ops.metrics_http import HttpCounters, MetricsServer, http_metrics
+from kvrelay.ops.metrics_http import Collected, HttpCounters, MetricsServer, http_metrics
 
 MirrorStats = Callable[[], list[tuple[str, dict[str, Any]]]]  # (worker label, Mirror.stats())
 
@@ -204,6 +204,10 @@ class MirrorMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def collected(self) -> Collected:
+        """What the endpoint serves: collected now, written out off the loop."""
+        return Collected(self.registry)
+
     async def start_http(
         self,
         host: str,
@@ -213,7 +217,7 @@ class MirrorMetrics:
     ) -> int:
         """As ``RelayMetrics.start_http`` (the daemon passes ``sock`` for either)."""
         self._http = MetricsServer(
-            self.render, healthy or (lambda: True), counters=self.http_counters
+            self.collected, healthy or (lambda: True), counters=self.http_counters
         )
         return await self._http.start(host, port, sock)
 

@@ -156,3 +156,43 @@ async def test_too_many_concurrent_scrapes_answer_503_but_healthz_does_not() -> 
             assert (await http_request(port, HEALTHZ)).status == 200
         finally:
             w.close()
+
+
+async def test_a_scrape_is_collected_on_the_loop_and_written_out_off_it() -> None:
+    """Collectors read the relay's live state, so they run on the event loop; the text (most of a
+    scrape at many pools) is written in the executor. The body is what ``generate_latest`` of the
+    same registry writes."""
+    import threading
+
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+    from prometheus_client.core import GaugeMetricFamily, Metric
+    from prometheus_client.registry import Collector
+
+    from kvrelay.ops.metrics_http import Collected
+
+    loop_thread = threading.get_ident()
+    seen: list[int] = []
+
+    class Live(Collector):
+        def collect(self) -> list[Metric]:
+            seen.append(threading.get_ident())
+            g = GaugeMetricFamily("kvrelay_test_pools", "pools", labels=["pool"])
+            for i in range(200):
+                g.add_metric([f"ns/c{i}/generate"], i)
+            return [g]
+
+    registry = CollectorRegistry()
+    registry.register(Live())
+    Counter("kvrelay_test_scrapes", "scrapes", registry=registry).inc(3)
+    written: list[int] = []
+
+    class Tracked(Collected):
+        def text(self) -> bytes:
+            written.append(threading.get_ident())
+            return super().text()
+
+    async with _endpoint(render=lambda: Tracked(registry)) as (_server, port):
+        reply = await http_request(port, b"GET /metrics HTTP/1.1\r\n\r\n")
+    assert reply.status == 200
+    assert reply.body == generate_latest(registry)
+    assert seen[0] == loop_thread and written and written[0] != loop_thread
