@@ -7,7 +7,10 @@ Control gRPC and ZMQ), the real ``Relay``, measured on its event loop.
 * one load and one serving-load window with their wire bytes (what each second costs while
   someone subscribes), against serializing the same windows anew (what it cost before);
 * one ``/metrics`` scrape: what its collection costs the loop, and writing out its text (in the
-  loop's executor thread since this change; on the loop before).
+  loop's executor thread since this change; on the loop before);
+* reading one engine's ``/metrics`` page, which the relay scrapes from every engine every
+  ``metrics_scrape_interval_s`` (1 s): the lines it reads, against prometheus_client's parse of
+  the whole page (what it did before).
 
 Usage: ``python -m benchmarks.bench_fleet_planes [--pools 64] [--rounds 20] [--smoke]``; writes
 ``results/fleet_planes.json``.
@@ -22,13 +25,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from benchmarks._common import machine, results_dir, write_json
+from kvrelay.discovery.metrics_scrape import parse_engine_page
 from kvrelay.ops.metrics import RelayMetrics
 from kvrelay.ops.metrics_http import Collected
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
+from kvrelay.sim.metrics_http import render_metrics
 
 
 def _median_ms(fn: Callable[[], object], rounds: int) -> float:
@@ -67,6 +74,8 @@ async def run(pools: int, rounds: int) -> dict[str, Any]:
 
             return go
 
+        page = render_metrics(engines[0])
+        model = engines[0].cfg.served_model_name
         metrics = RelayMetrics(relay)
         scrape = Collected(metrics.registry)
         return {
@@ -74,6 +83,11 @@ async def run(pools: int, rounds: int) -> dict[str, Any]:
             "metrics_scrape_collect_ms": _median_ms(lambda: Collected(metrics.registry), rounds),
             "metrics_scrape_text_ms": _median_ms(scrape.text, rounds),
             "metrics_scrape_bytes": len(scrape.text()),
+            "engine_page_bytes": len(page),
+            "engine_page_parse_ms": _median_ms(lambda: parse_engine_page(page, model), rounds),
+            "engine_page_parse_whole_ms": _median_ms(
+                lambda: list(text_string_to_metric_families(page)), rounds
+            ),
             "rounds": rounds,
             "refresh_planes_unchanged_ms": _median_ms(relay.refresh_planes, rounds),
             "refresh_planes_forced_ms": _median_ms(

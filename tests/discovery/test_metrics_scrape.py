@@ -1,15 +1,20 @@
-"""/metrics scraping against the simulator's page and a chunked-encoding server."""
+"""/metrics scraping against the simulator's page and a chunked-encoding server, and reading only
+the lines the relay needs against prometheus_client's parse of the whole page (the oracle)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import random
 import socket
+from typing import Any
 
 import pytest
 
 from kvrelay.discovery.metrics_scrape import (
     MetricsScrapeError,
     fetch_metrics_text,
+    parse_engine_page,
     parse_kv_usage,
     scrape_kv_usage,
 )
@@ -62,3 +67,91 @@ async def test_errors_are_typed() -> None:
         await fetch_metrics_text("127.0.0.1", port, timeout=0.5)
     with pytest.raises(MetricsScrapeError):
         parse_kv_usage('vllm:kv_cache_usage_perc{engine="0" 1\n')
+
+
+def _oracle(text: str, model: str | None) -> tuple[dict[str, float], dict[str, Any], bool]:
+    """The whole page through prometheus_client's parser, as the scrape read it before it kept
+    only the lines it reads."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    usage: dict[str, float] = {}
+    legacy: dict[str, float] = {}
+    figures: dict[str, dict[str, Any]] = {}
+    listed = model is None
+    names = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+             "vllm:prompt_tokens_total": "prompt_tokens_total",
+             "vllm:generation_tokens_total": "generation_tokens_total"}  # fmt: skip
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if model is not None and s.labels.get("model_name") != model:
+                continue
+            listed = True
+            rank = s.labels.get("engine", "0")
+            if s.name == "vllm:kv_cache_usage_perc":
+                usage[rank] = s.value
+            elif s.name == "vllm:gpu_cache_usage_perc":
+                legacy[rank] = s.value
+            elif s.name in names:
+                figures.setdefault(rank, {})[names[s.name]] = int(s.value)
+            elif s.name == "vllm:request_success_total":
+                done = figures.setdefault(rank, {}).setdefault("finished", {})
+                reason = s.labels.get("finished_reason", "")
+                done[reason] = done.get(reason, 0) + int(s.value)
+    return usage or legacy, figures, listed
+
+
+def _vllm_page(rng: random.Random, models: list[str], ranks: int) -> str:
+    """A page shaped like vLLM's: the figures the relay reads among many histograms it does not,
+    typed counters (``# TYPE x counter`` with ``x_total`` samples), labels in either order."""
+    lines = ["# HELP python_gc_objects_collected_total Objects collected during gc",
+             "# TYPE python_gc_objects_collected_total counter"]  # fmt: skip
+    lines += [f'python_gc_objects_collected_total{{generation="{g}"}} {g * 11}.0' for g in range(3)]
+    for m in models:
+        esc = m.replace("\\", "\\\\").replace('"', '\\"')
+        for r in range(ranks):
+            labels = [f'engine="{r}"', f'model_name="{esc}"']
+            rng.shuffle(labels)
+            lab = ",".join(labels)
+            for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+                lines.append(f"# TYPE vllm:{h} histogram")
+                lines += [f'vllm:{h}_bucket{{{lab},le="{0.01 * 2**i}"}} {i}.0' for i in range(20)]
+                lines.append(f'vllm:{h}_bucket{{{lab},le="+Inf"}} 20.0')
+                lines.append(f"vllm:{h}_count{{{lab}}} 20.0")
+            lines += ["# TYPE vllm:kv_cache_usage_perc gauge",
+                      f"vllm:kv_cache_usage_perc{{{lab}}} {rng.random():.6f}",
+                      f"vllm:num_requests_running{{{lab}}} {rng.randrange(64)}.0",
+                      f"vllm:num_requests_waiting{{{lab}}} {rng.randrange(8)}.0",
+                      "# TYPE vllm:prompt_tokens counter",
+                      f"vllm:prompt_tokens_total{{{lab}}} {rng.randrange(1 << 30)}.0",
+                      f"vllm:generation_tokens_total{{{lab}}} {rng.randrange(1 << 30)}.0",
+                      ]  # fmt: skip
+            for reason in ("stop", "length", "abort"):
+                lines.append(f'vllm:request_success_total{{finished_reason="{reason}",{lab}}}'
+                             f" {rng.randrange(1000)}.0")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_reading_only_the_wanted_lines_gives_what_the_whole_page_gives(seed: int) -> None:
+    rng = random.Random(seed)
+    models = rng.sample(["llama", 'we"ird\\name', "qwen", "llama-lora"], rng.randrange(1, 4))
+    page = _vllm_page(rng, models, rng.randrange(1, 4))
+    if rng.random() < 0.5:
+        page = page.replace("\n", "\r\n")
+    for model in [None, *models, "absent", "lama"]:
+        got = parse_engine_page(page, model)
+        usage, figures, listed = _oracle(page, model)
+        assert got.kv_usage == usage and got.lists_model == listed, model
+        assert {r: dataclasses.asdict(v) for r, v in got.serving.items()} == {
+            r: {"running": None, "waiting": None, "prompt_tokens_total": None,
+                "generation_tokens_total": None, "finished": {}, **f}
+            for r, f in figures.items()
+        }  # fmt: skip
+
+
+def test_a_family_the_relay_does_not_read_cannot_blank_the_load() -> None:
+    page = ('vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5\n'
+            "some_histogram_bucket{le= 1\n")  # fmt: skip
+    assert parse_engine_page(page).kv_usage == {"0": 0.5}
+    with pytest.raises(MetricsScrapeError):  # a malformed line it reads still does
+        parse_engine_page('vllm:kv_cache_usage_perc{engine="0" 1\n')
