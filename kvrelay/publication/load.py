@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.envelope import copy_relay
 from kvrelay.contract.identity_memo import IdentityMemo
-from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION, U32_MAX, U64_MAX
+from kvrelay.contract.wire import CONTRACT_MARKER, U32_MAX, U64_MAX
 from kvrelay.logging import get_logger
 from kvrelay.publication import window_wire as W
-from kvrelay.publication.window import MAX_WINDOW_MS, WindowPlane, unix_ms
+from kvrelay.publication.window import MAX_WINDOW_MS, WindowPlane
 
 __all__ = [
     "MAX_WINDOW_MS",
@@ -167,10 +167,7 @@ class LoadPlane(WindowPlane[pb.KvPoolLoadUpdate]):
     def _message(
         self, seq: int, pools: list[tuple[pb.KvPoolLoadEntry, bytes]]
     ) -> tuple[pb.KvPoolLoadUpdate, Callable[[], bytes]]:
-        fields = {
-            "protocol_version": PROTOCOL_VERSION, "relay": self._relay, "window_sequence": seq,
-            "observed_ms": unix_ms(), "window_ms": self._window_ms,
-        }  # fmt: skip
+        fields = self._header(seq, self._relay)
         head = pb.KvPoolLoadUpdate(**fields)  # what the wire's entries follow
         message = pb.KvPoolLoadUpdate(
             **fields, pools=[e for e, _w in pools], contract_marker=CONTRACT_MARKER

@@ -26,11 +26,11 @@ from typing import Any, TypeVar
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.envelope import copy_relay
 from kvrelay.contract.identity_memo import IdentityMemo
-from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION, U64_MAX
+from kvrelay.contract.wire import CONTRACT_MARKER, U64_MAX
 from kvrelay.logging import get_logger
 from kvrelay.publication import window_wire as W
 from kvrelay.publication.load import RankLoad, saturating_sum
-from kvrelay.publication.window import WindowPlane, unix_ms
+from kvrelay.publication.window import WindowPlane
 
 __all__ = [
     "COUNTERS",
@@ -367,10 +367,7 @@ class ServingLoadPlane(WindowPlane[pb.ServingLoadUpdate]):
         pools: list[tuple[pb.PoolServingLoad, _Wire]],
         models: list[tuple[pb.ModelServingLoad, _Wire]],
     ) -> tuple[pb.ServingLoadUpdate, _Wire]:
-        fields = {
-            "protocol_version": PROTOCOL_VERSION, "relay": self._relay, "window_sequence": seq,
-            "observed_ms": unix_ms(), "window_ms": self.window_ms,
-        }  # fmt: skip
+        fields = self._header(seq, self._relay)
         head = pb.ServingLoadUpdate(**fields)  # what the wire's entries follow
         message = pb.ServingLoadUpdate(
             **fields,

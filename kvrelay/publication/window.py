@@ -14,8 +14,9 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
+from kvrelay.contract.wire import PROTOCOL_VERSION
 from kvrelay.logging import get_logger
 from kvrelay.publication.broadcast import VersionedBroadcast
 
@@ -47,6 +48,13 @@ class WindowPlane(Generic[M]):
         self._task_name = task_name
         self._task: asyncio.Task[None] | None = None
         self.provider_errors = 0
+
+    def _header(self, seq: int, relay: object) -> dict[str, Any]:
+        """The fields every window message of either plane starts with."""
+        return {
+            "protocol_version": PROTOCOL_VERSION, "relay": relay, "window_sequence": seq,
+            "observed_ms": unix_ms(), "window_ms": self._window_ms,
+        }  # fmt: skip
 
     def _build(self, seq: int) -> tuple[M, Callable[[], bytes]] | None:
         """Window ``seq``, and how to write its wire bytes (``bytes(message)``, from
