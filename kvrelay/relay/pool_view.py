@@ -8,7 +8,7 @@ it is asked from; ``PoolRuntime`` calls them with its own state.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.discovery.snapshot import EngineSnapshot
@@ -22,8 +22,7 @@ from kvrelay.relay.generation import Generation
 from kvrelay.relay.settings import PoolSpec
 
 __all__ = ["DescriptorInputs", "base_model", "build_descriptor", "descriptor_inputs",
-           "endpoint_state", "first_snapshot", "load_input", "lora_names",
-           "pool_descriptor"]  # fmt: skip
+           "endpoint_state", "first_snapshot", "load_input", "lora_names"]  # fmt: skip
 
 
 def first_snapshot(engines: Iterable[EngineState]) -> EngineSnapshot | None:
@@ -60,23 +59,12 @@ def lora_names(
     return sorted(n for n in names if n and n == n.strip() and n != base)
 
 
-def pool_descriptor(
-    spec: PoolSpec,
-    engines: Collection[EngineState],
-    gen: Generation | None,
-    ident: PoolIdentity | None,
-) -> pb.KvPoolDescriptor | None:
-    """The catalog entry of a materialized pool (None while it has no generation)."""
-    inputs = descriptor_inputs(spec, engines, gen, ident)
-    return None if inputs is None else build_descriptor(inputs)
-
-
 @dataclass(frozen=True, slots=True)
 class DescriptorInputs:
     """Everything a pool's catalog entry is made of: equal inputs make an equal descriptor
     (``producer`` by identity: a generation's identity object never changes)."""
 
-    producer: pb.ProducerIdentity
+    producer: pb.ProducerIdentity = field(compare=False)
     namespace: str
     component: str
     endpoint: str
@@ -88,16 +76,7 @@ class DescriptorInputs:
     loras: tuple[str, ...]
 
     def same(self, other: DescriptorInputs | None) -> bool:
-        return (
-            other is not None
-            and other.producer is self.producer
-            and other._rest() == self._rest()
-        )
-
-    def _rest(self) -> tuple[object, ...]:
-        return (self.namespace, self.component, self.endpoint, self.base_model,
-                self.kv_block_size, int(self.hash_format), int(self.role), self.base_aliases,
-                self.loras)  # fmt: skip
+        return other is not None and other.producer is self.producer and other == self
 
 
 def descriptor_inputs(
@@ -106,6 +85,8 @@ def descriptor_inputs(
     gen: Generation | None,
     ident: PoolIdentity | None,
 ) -> DescriptorInputs | None:
+    """What the catalog entry of a materialized pool is made of (None while it has no
+    generation)."""
     if gen is None or ident is None:
         return None
     snap = first_snapshot(engines)
