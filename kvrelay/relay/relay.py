@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import secrets
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -628,7 +629,7 @@ def _same_objects(a: list[pb.KvPoolDescriptor], b: list[pb.KvPoolDescriptor] | N
 
 
 def _endpoint_key(e: EndpointState) -> tuple[object, ...]:
-    """Everything ``ReadinessPlane.set_topology`` reads of an endpoint (its class compares by
-    identity); the pool id compares equal at once when it is the generation's same object."""
-    return (e.namespace, e.component, e.endpoint, e.roles, e.needs, e.live, e.probed, e.models,
-            tuple(sorted(e.adapters.items())), e.pool_id)  # fmt: skip
+    """Every field of an endpoint, which is all ``ReadinessPlane.set_topology`` reads of it (its
+    class compares by identity); the pool id compares equal at once when it is the generation's
+    same object."""
+    return tuple(getattr(e, f.name) for f in dataclasses.fields(e))
