@@ -154,13 +154,12 @@ def _pool_entry(inp: PoolServingInput, producer_copy: pb.ProducerIdentity) -> pb
 def model_entry(inp: ModelServingInput) -> pb.ModelServingLoad:
     """The model view (pure): counters whatever the status; no gauge kvrelay could not vouch
     for (it sets none: see §10.4)."""
-    return _model_entry(inp, lambda p: pb.KvPoolId.parse(bytes(p)))
+    return _model_entry(inp, [pb.KvPoolId.parse(bytes(p)) for p in inp.serving_pools])
 
 
-def _model_entry(
-    inp: ModelServingInput, copy_of: Callable[[pb.KvPoolId], pb.KvPoolId]
-) -> pb.ModelServingLoad:
-    """:func:`model_entry` with each serving pool's private copy from ``copy_of``."""
+def _model_entry(inp: ModelServingInput, serving_pools: list[pb.KvPoolId]) -> pb.ModelServingLoad:
+    """:func:`model_entry` with the serving pools' private copies at hand (the plane's memo has
+    them), in ``inp.serving_pools``'s order."""
     if not inp.namespace or not inp.canonical_model_id:
         raise ValueError("a model view needs a namespace and a canonical model id")
     if not 0 <= inp.ready_frontends <= inp.observed_frontends <= inp.expected_frontends:
@@ -194,7 +193,7 @@ def _model_entry(
             expected_frontends=_u64(inp.expected_frontends),
             observed_frontends=_u64(observed),
             ready_frontends=_u64(inp.ready_frontends),
-            serving_pools=[copy_of(p) for p in inp.serving_pools],
+            serving_pools=serving_pools,
         ),
     )
 
@@ -325,8 +324,8 @@ class ServingLoadPlane(WindowPlane[pb.ServingLoadUpdate]):
     def _model(
         self, inp: ModelServingInput
     ) -> tuple[tuple[str, str], tuple[pb.ModelServingLoad, _Wire]]:
-        entry = _model_entry(inp, lambda p: self._pool_ids.encoded(p)[1])
-        pool_ids = [self._pool_ids.encoded(p)[0] for p in inp.serving_pools]
+        ids = [self._pool_ids.encoded(p) for p in inp.serving_pools]
+        entry = _model_entry(inp, [copy for _b, copy in ids])
         dep = entry.deployment or pb.ModelDeploymentStatus()  # _model_entry always sets it
         dep_rest = pb.ModelDeploymentStatus(
             expected_frontends=dep.expected_frontends,
@@ -338,7 +337,7 @@ class ServingLoadPlane(WindowPlane[pb.ServingLoadUpdate]):
         )  # deployment (field 4) is its last field
 
         def wire() -> bytes:
-            dep_wire = bytes(dep_rest) + b"".join(W.message_field(4, b) for b in pool_ids)
+            dep_wire = bytes(dep_rest) + b"".join(W.message_field(4, b) for b, _copy in ids)
             return bytes(rest) + W.message_field(4, dep_wire)
 
         return (inp.namespace, inp.canonical_model_id), (entry, wire)
