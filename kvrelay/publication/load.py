@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.contract.envelope import copy_relay
 from kvrelay.contract.identity_memo import IdentityMemo
 from kvrelay.contract.wire import CONTRACT_MARKER, U32_MAX, U64_MAX
 from kvrelay.logging import get_logger
@@ -109,8 +108,7 @@ class LoadPlane(WindowPlane[pb.KvPoolLoadUpdate]):
         window_ms: int = 1000,
         provider: LoadProvider | None = None,
     ) -> None:
-        super().__init__(window_ms, "kvrelay-load-windows")
-        self._relay = copy_relay(relay_identity)
+        super().__init__(relay_identity, window_ms, "kvrelay-load-windows")
         self._provider = provider
         self.entry_errors = 0
         self._ids: IdentityMemo[pb.ProducerIdentity] = IdentityMemo()
@@ -167,7 +165,7 @@ class LoadPlane(WindowPlane[pb.KvPoolLoadUpdate]):
     def _message(
         self, seq: int, pools: list[tuple[pb.KvPoolLoadEntry, bytes]]
     ) -> tuple[pb.KvPoolLoadUpdate, Callable[[], bytes]]:
-        fields = self._header(seq, self._relay)
+        fields = self._header(seq)
         head = pb.KvPoolLoadUpdate(**fields)  # what the wire's entries follow
         message = pb.KvPoolLoadUpdate(
             **fields, pools=[e for e, _w in pools], contract_marker=CONTRACT_MARKER

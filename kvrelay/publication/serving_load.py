@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.contract.envelope import copy_relay
 from kvrelay.contract.identity_memo import IdentityMemo
 from kvrelay.contract.wire import CONTRACT_MARKER, U64_MAX
 from kvrelay.logging import get_logger
@@ -288,8 +287,7 @@ class ServingLoadPlane(WindowPlane[pb.ServingLoadUpdate]):
         window_ms: int = 1000,
         provider: ServingLoadProvider | None = None,
     ) -> None:
-        super().__init__(window_ms, "kvrelay-serving-load-windows")
-        self._relay = copy_relay(relay_identity)
+        super().__init__(relay_identity, window_ms, "kvrelay-serving-load-windows")
         self._provider = provider
         self.entry_errors = 0
         self._producers: IdentityMemo[pb.ProducerIdentity] = IdentityMemo()
@@ -366,7 +364,7 @@ class ServingLoadPlane(WindowPlane[pb.ServingLoadUpdate]):
         pools: list[tuple[pb.PoolServingLoad, _Wire]],
         models: list[tuple[pb.ModelServingLoad, _Wire]],
     ) -> tuple[pb.ServingLoadUpdate, _Wire]:
-        fields = self._header(seq, self._relay)
+        fields = self._header(seq)
         head = pb.ServingLoadUpdate(**fields)  # what the wire's entries follow
         message = pb.ServingLoadUpdate(
             **fields,

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.contract.envelope import copy_relay
 from kvrelay.contract.wire import PROTOCOL_VERSION
 from kvrelay.logging import get_logger
 from kvrelay.publication.broadcast import VersionedBroadcast
@@ -39,20 +41,21 @@ class WindowPlane(Generic[M]):
     #: Names the plane in its log events (``load``, ``serving_load``).
     _plane_name = "load"
 
-    def __init__(self, window_ms: int, task_name: str) -> None:
+    def __init__(self, relay_identity: pb.RelayIdentity, window_ms: int, task_name: str) -> None:
         if isinstance(window_ms, bool) or not isinstance(window_ms, int):
             raise TypeError(f"window_ms must be int, got {window_ms!r}")
         if not 0 < window_ms <= MAX_WINDOW_MS:
             raise ValueError(f"window_ms must be in (0, {MAX_WINDOW_MS}], got {window_ms}")
+        self._relay = copy_relay(relay_identity)
         self._window_ms = window_ms
         self._task_name = task_name
         self._task: asyncio.Task[None] | None = None
         self.provider_errors = 0
 
-    def _header(self, seq: int, relay: object) -> dict[str, Any]:
+    def _header(self, seq: int) -> dict[str, Any]:
         """The fields every window message of either plane starts with."""
         return {
-            "protocol_version": PROTOCOL_VERSION, "relay": relay, "window_sequence": seq,
+            "protocol_version": PROTOCOL_VERSION, "relay": self._relay, "window_sequence": seq,
             "observed_ms": unix_ms(), "window_ms": self._window_ms,
         }  # fmt: skip
 
