@@ -120,6 +120,30 @@ def spread(values: list[float]) -> dict[str, Any]:
     return {"median": float(np.median(a)), "min": min(a), "max": max(a), "values": a}
 
 
+def over_repeats(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Repeated runs of one measurement as one result: each timing (a float) is its median, with
+    its ``spread`` under ``"spread"``; every other field is the first run's."""
+    out: dict[str, Any] = dict(runs[0])
+    spreads: dict[str, Any] = {}
+    for key, value in runs[0].items():
+        if isinstance(value, float):
+            spreads[key] = spread([r[key] for r in runs])
+            out[key] = spreads[key]["median"]
+    out["repeats"] = len(runs)
+    out["spread"] = spreads
+    return out
+
+
+def print_over_repeats(results: dict[str, Any], width: int = 40) -> None:
+    """One line per figure of an :func:`over_repeats` result: the median and its range."""
+    for k, v in results.items():
+        if k == "spread":
+            continue
+        s = results["spread"].get(k)
+        rng = f"  ({s['min']:.3f}–{s['max']:.3f})" if s else ""
+        print(f"{k:{width}s} {v:.3f}{rng}" if isinstance(v, float) else f"{k:{width}s} {v}")
+
+
 def tracked_changes(root: Path) -> list[str]:
     """Tracked files edited since HEAD, outside ``benchmarks/results/``: a result rewritten by
     the run itself (``benchmarks.run --all`` writes them one after another) does not make the

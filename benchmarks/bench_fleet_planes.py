@@ -12,7 +12,8 @@ Control gRPC and ZMQ), the real ``Relay``, measured on its event loop.
   ``metrics_scrape_interval_s`` (1 s): the lines it reads, against prometheus_client's parse of
   the whole page (what it did before).
 
-Usage: ``python -m benchmarks.bench_fleet_planes [--pools 64] [--rounds 20] [--smoke]``; writes
+Usage: ``python -m benchmarks.bench_fleet_planes [--pools 64] [--rounds 20] [--repeats 3]
+[--smoke]``; each figure is the median of the repeats, with its range under ``spread``; writes
 ``results/fleet_planes.json``.
 """
 
@@ -27,7 +28,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks._common import machine, results_dir, write_json
+from benchmarks._common import machine, over_repeats, print_over_repeats, results_dir, write_json
 from kvrelay.discovery.metrics_scrape import parse_engine_page
 from kvrelay.ops.metrics import RelayMetrics
 from kvrelay.ops.metrics_http import Collected
@@ -110,13 +111,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--pools", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=3, help="whole runs (median, range)")
     ap.add_argument("--smoke", action="store_true", help="4 pools, results to .work/smoke")
     a = ap.parse_args()
     if a.smoke:
-        a.pools, a.rounds = 4, 3
-    res = asyncio.run(run(a.pools, a.rounds))
-    for k, v in res.items():
-        print(f"{k:36s} {v:.3f}" if isinstance(v, float) else f"{k:36s} {v}")
+        a.pools, a.rounds, a.repeats = 4, 3, 1
+    res = over_repeats([asyncio.run(run(a.pools, a.rounds)) for _ in range(a.repeats)])
+    print_over_repeats(res, 36)
     res["machine"] = machine()
     write_json(results_dir(a.smoke) / "fleet_planes.json", res)
 

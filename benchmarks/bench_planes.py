@@ -9,8 +9,9 @@ is the new window with its bytes). ``load_window_build_fresh_identities_ms`` bui
 new identity objects each time, as this script did before: every identity is serialized and
 parsed again, as the planes did for every pool before they cached them.
 
-Usage: .venv/bin/python -m benchmarks.bench_planes [--pools N] [--smoke]
-Prints per-operation times and writes benchmarks/results/planes.json.
+Usage: .venv/bin/python -m benchmarks.bench_planes [--pools N] [--repeats 3] [--smoke]
+Prints per-operation times (the median of the repeats, with the range) and writes
+benchmarks/results/planes.json (each range under ``spread``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks._common import machine, results_dir
+from benchmarks._common import machine, over_repeats, print_over_repeats, results_dir
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.publication.broadcast import VersionedBroadcast
 from kvrelay.publication.catalog import CatalogPlane, LoraSpec, descriptor
@@ -79,6 +80,7 @@ async def _fanout(waiters: int, rounds: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pools", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="whole measurements (median, range)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, results to .work/smoke")
     args = ap.parse_args()
     rounds = 2 if args.smoke else 50
@@ -142,36 +144,39 @@ def main() -> None:
             return plane.wire(plane.current()[0])
 
         return go
-    results: dict[str, Any] = {
-        "pools": n,
-        "catalog_set_pools_unchanged_ms": _time(lambda: catalog.set_pools(descs), rounds) * 1e3,
-        "readiness_set_topology_unchanged_ms": _time(
-            lambda: readiness.set_topology(eps), rounds) * 1e3,
-        "load_window_build_ms": _time(load.publish_window, rounds) * 1e3,
-        # this script's method before identities were cached: new objects every window, so
-        # every identity is serialized and parsed again (what the planes did for every pool)
-        "load_window_build_fresh_identities_ms": _time(fresh.publish_window, rounds) * 1e3,
-        "load_window_build_and_wire_ms": _time(wire(load), rounds) * 1e3,
-        "load_window_serialize_ms": _time(lambda: bytes(load.current()[1]), rounds) * 1e3,
-        "serving_load_window_build_ms": _time(serving.publish_window, rounds) * 1e3,
-        "serving_load_window_build_and_wire_ms": _time(wire(serving), rounds) * 1e3,
-        "serving_load_window_serialize_ms": _time(
-            lambda: bytes(serving.current()[1]), rounds) * 1e3,
-        "identity_serialize_us": _time(lambda: bytes(producers[0]), 20 * rounds) * 1e6,
-        "identity_parse_us": _time(
-            lambda: pb.ProducerIdentity.parse(bytes(producers[0])), 20 * rounds
-        ) * 1e6 - _time(lambda: bytes(producers[0]), 20 * rounds) * 1e6,
-        "catalog_snapshot_bytes": len(bytes(catalog.current()[1])),
-        "readiness_snapshot_bytes": len(bytes(readiness.current()[1])),
-        "load_window_bytes": len(bytes(load.current()[1])),
-        "serving_load_window_bytes": len(bytes(serving.current()[1])),
-        "fanout_publish_wake_64_waiters_us": asyncio.run(
-            _fanout(64, 4 if args.smoke else 200)) * 1e6,
-        "python": platform.python_version(),
-        "arch": platform.machine(),
-    }
-    for k, v in results.items():
-        print(f"{k:40s} {v:.3f}" if isinstance(v, float) else f"{k:40s} {v}")
+
+    def measure() -> dict[str, Any]:
+        return {
+            "pools": n,
+            "catalog_set_pools_unchanged_ms": _time(lambda: catalog.set_pools(descs), rounds) * 1e3,
+            "readiness_set_topology_unchanged_ms": _time(
+                lambda: readiness.set_topology(eps), rounds) * 1e3,
+            "load_window_build_ms": _time(load.publish_window, rounds) * 1e3,
+            # this script's method before identities were cached: new objects every window, so
+            # every identity is serialized and parsed again (what the planes did for every pool)
+            "load_window_build_fresh_identities_ms": _time(fresh.publish_window, rounds) * 1e3,
+            "load_window_build_and_wire_ms": _time(wire(load), rounds) * 1e3,
+            "load_window_serialize_ms": _time(lambda: bytes(load.current()[1]), rounds) * 1e3,
+            "serving_load_window_build_ms": _time(serving.publish_window, rounds) * 1e3,
+            "serving_load_window_build_and_wire_ms": _time(wire(serving), rounds) * 1e3,
+            "serving_load_window_serialize_ms": _time(
+                lambda: bytes(serving.current()[1]), rounds) * 1e3,
+            "identity_serialize_us": _time(lambda: bytes(producers[0]), 20 * rounds) * 1e6,
+            "identity_parse_us": _time(
+                lambda: pb.ProducerIdentity.parse(bytes(producers[0])), 20 * rounds
+            ) * 1e6 - _time(lambda: bytes(producers[0]), 20 * rounds) * 1e6,
+            "catalog_snapshot_bytes": len(bytes(catalog.current()[1])),
+            "readiness_snapshot_bytes": len(bytes(readiness.current()[1])),
+            "load_window_bytes": len(bytes(load.current()[1])),
+            "serving_load_window_bytes": len(bytes(serving.current()[1])),
+            "fanout_publish_wake_64_waiters_us": asyncio.run(
+                _fanout(64, 4 if args.smoke else 200)) * 1e6,
+            "python": platform.python_version(),
+            "arch": platform.machine(),
+        }
+
+    results = over_repeats([measure() for _ in range(1 if args.smoke else args.repeats)])
+    print_over_repeats(results)
     results["machine"] = machine()
     out = results_dir(args.smoke) / "planes.json"
     out.parent.mkdir(parents=True, exist_ok=True)
