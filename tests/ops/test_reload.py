@@ -62,6 +62,27 @@ expected_blocks = 4096
     return text
 
 
+async def _sources_live(metrics: int, want: int) -> None:
+    """Until ``kvrelay_ingest_sources{state="live"}`` reaches ``want``, read from ``/metrics``."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def live() -> float:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            return 0.0
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "kvrelay_ingest_sources" and s.labels.get("state") == "live")  # fmt: skip
+
+    deadline = asyncio.get_running_loop().time() + scaled(15)
+    while (n := await asyncio.to_thread(live)) < want:
+        assert asyncio.get_running_loop().time() < deadline, f"{n} of {want} sources live"
+        await asyncio.sleep(0.05)
+
+
 async def _reload_cli(cfg: Path, pid_file: Path) -> tuple[int, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvrelay", "reload", "--config", str(cfg), "--pid-file",
@@ -246,11 +267,15 @@ async def test_systemctl_restart_under_traffic_keeps_the_filter_complete(tmp_pat
     cfg.write_text(_config(grpc, metrics, engines, extra=f'state_dir = "{state}"'))
     env = clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"))
 
+    logs: list[Path] = []
+
     async def serve() -> asyncio.subprocess.Process:
-        return await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvrelay", "serve", "--config", str(cfg), env=env, cwd=REPO,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
+        logs.append(tmp_path / f"relay{len(logs)}.log")
+        with logs[-1].open("wb") as log:
+            return await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "kvrelay", "serve", "--config", str(cfg), env=env,
+                cwd=REPO, stdout=asyncio.subprocess.DEVNULL, stderr=log,
+            )  # fmt: skip
 
     def truth() -> list[int]:
         return sorted(h for e in engines for r in range(2) for h in e.ground_truth(r))
@@ -268,13 +293,20 @@ async def test_systemctl_restart_under_traffic_keeps_the_filter_complete(tmp_pat
     try:
         procs.append(await serve())
         await notes.wait_for("READY=1")
+        # READY=1 follows the bind, not the sources' first replay: history made before a source
+        # has caught up is history an 8-step buffer no longer holds (the relay resets the member,
+        # rightly, and the replica can never be full)
+        await _sources_live(metrics, 4)
         async with Channel("127.0.0.1", grpc) as ch:
             first, consumer = await complete(ch)
             for _ in range(30):  # 240 steps of history
                 for e in engines:
                     await e.step(8)
             want = truth()
-            await eventually(lambda: bool(consumer.replica.contains(want).all()), what="full")
+            try:
+                await eventually(lambda: bool(consumer.replica.contains(want).all()), what="full")
+            except AssertionError:
+                raise AssertionError(logs[0].read_text()[-6000:]) from None
             await consumer.stop()
 
         async def steady() -> None:
