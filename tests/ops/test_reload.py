@@ -74,8 +74,12 @@ async def _sources_live(metrics: int, want: int) -> None:
                 text = r.read().decode()
         except OSError:
             return 0.0
-        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                   if s.name == "kvrelay_ingest_sources" and s.labels.get("state") == "live")  # fmt: skip
+        samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+        return sum(
+            s.value
+            for s in samples
+            if s.name == "kvrelay_ingest_sources" and s.labels.get("state") == "live"
+        )
 
     deadline = asyncio.get_running_loop().time() + scaled(15)
     while (n := await asyncio.to_thread(live)) < want:
