@@ -255,7 +255,8 @@ def _sbs_stages(res: dict[str, Any]) -> list[str]:
         "decode": "decode (msgpack walk)", "apply": "apply (exact state + filter)",
         "cut": "publication cut (all of the publication below)",
         "take": "take the net-changed buckets", "publish": "check, encode, fan out",
-        "send": "write to one stream",
+        "send": "frame it for one stream (HTTP/2 buffer)",
+        "write": "socket write of a connection's frames (end of the loop iteration)",
     }
     lines = [
         f"### Where kvrelay's CPU goes at {st['requests_per_s']:.0f} requests/s", "",

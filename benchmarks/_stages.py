@@ -8,8 +8,9 @@ benchmark reports. The timers cost two clock reads per wrapped call (about 1 µs
 reports the relay's CPU has them off.
 
 Stages nest: ``message`` contains ``decode`` and ``apply``; ``cut`` contains ``take`` and
-``publish``, which contains ``send``. Reading the ZMQ socket and the event loop itself are in no
-stage.
+``publish``, which contains ``send``. ``write`` is the socket write of a connection's buffered
+frames, at the end of the loop iteration (after ``cut``). Reading the ZMQ socket and the event loop
+itself are in no stage.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ STAGES: tuple[tuple[str, str, str, str], ...] = (
     ("take", "kvrelay.pool.pool", "Pool", "take_publication"),
     ("publish", "kvrelay.publication.hub", "PublicationHub", "publish"),
     ("send", "kvrelay.publication.hub", "Subscription", "_offer"),
+    ("write", "grpclib.protocol", "Connection", "flush"),
 )
 
 
