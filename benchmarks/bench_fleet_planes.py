@@ -3,7 +3,11 @@ Control gRPC and ZMQ), the real ``Relay``, measured on its event loop.
 
 * ``refresh_planes`` with nothing changed, what every engine or generation event costs the relay
   (``refresh_planes_unchanged_ms``), against the same call made to recompute both planes
-  (``refresh_planes_forced_ms``: what every such event cost before a pool kept its descriptor);
+  (``refresh_planes_forced_ms``);
+* ``refresh_planes`` after one pool built a new descriptor (a LoRA loaded, an engine joined), with
+  the catalog's per-descriptor memo (``refresh_planes_one_pool_rebuilt_ms``) and with that memo
+  emptied first (``…_unmemoized_ms``: every descriptor serialized and parsed, as before it); and
+  the catalog's wire bytes laid out from cached descriptors against serializing the message;
 * one load and one serving-load window with their wire bytes (what each second costs while
   someone subscribes), against serializing the same windows anew (what it cost before);
 * one ``/metrics`` scrape: what its collection costs the loop, and writing out its text (in the
@@ -75,6 +79,22 @@ async def run(pools: int, rounds: int) -> dict[str, Any]:
 
             return go
 
+        def rebuilt(unmemoized: bool) -> Callable[[], object]:
+            def go() -> object:
+                relay.pools[0]._descriptor = None  # the next descriptor() builds a new object
+                if unmemoized:
+                    relay.catalog._descriptors.clear()
+                    relay.catalog._pool_ids.clear()
+                relay.refresh_planes()
+                return None
+
+            return go
+
+        def catalog_wire() -> object:
+            version = relay.catalog.current()[0]
+            relay.catalog._wire = (version, None)  # written anew, as after each new revision
+            return relay.catalog.wire(version)
+
         page = render_metrics(engines[0])
         model = engines[0].cfg.served_model_name
         metrics = RelayMetrics(relay)
@@ -94,6 +114,10 @@ async def run(pools: int, rounds: int) -> dict[str, Any]:
             "refresh_planes_forced_ms": _median_ms(
                 lambda: relay.refresh_planes(force=True), rounds
             ),
+            "refresh_planes_one_pool_rebuilt_ms": _median_ms(rebuilt(False), rounds),
+            "refresh_planes_one_pool_rebuilt_unmemoized_ms": _median_ms(rebuilt(True), rounds),
+            "catalog_wire_ms": _median_ms(catalog_wire, rounds),
+            "catalog_serialize_ms": _median_ms(lambda: bytes(relay.catalog.current()[1]), rounds),
             "load_window_with_wire_ms": _median_ms(window(relay.load), rounds),
             "load_window_serialize_ms": _median_ms(lambda: bytes(relay.load.current()[1]), rounds),
             "serving_load_window_with_wire_ms": _median_ms(window(relay.serving_load), rounds),
@@ -117,7 +141,7 @@ def main() -> None:
     if a.smoke:
         a.pools, a.rounds, a.repeats = 4, 3, 1
     res = over_repeats([asyncio.run(run(a.pools, a.rounds)) for _ in range(a.repeats)])
-    print_over_repeats(res, 36)
+    print_over_repeats(res, 46)
     res["machine"] = machine()
     write_json(results_dir(a.smoke) / "fleet_planes.json", res)
 

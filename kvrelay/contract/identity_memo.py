@@ -9,6 +9,10 @@ changes once a generation holds it (nothing in the relay assigns its fields), so
 and one parsed copy are kept per object. The copy is what the planes' messages carry: none of
 them shares the generation's own object, and windows never change once published.
 
+The catalog plane keeps its descriptors the same way, with their canonical (normalized) bytes
+in place of ``bytes(message)``: a pool hands out the same descriptor object until something it is
+made of changes, so a catalog of 64 pools costs one pool's serialization when one pool changes.
+
 The memo holds each object it describes (an ``id`` names one object only while it lives) and at
 most ``bound`` of them, the least recently used out first. Beyond that many identities in use,
 lookups miss and cost what they did before; nothing is ever wrong.
@@ -17,6 +21,7 @@ lookups miss and cost what they did before; nothing is ever wrong.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
 __all__ = ["DEFAULT_BOUND", "IdentityMemo"]
@@ -32,20 +37,28 @@ M = TypeVar("M", bound=_Message)
 
 
 class IdentityMemo(Generic[M]):
-    """``encoded(message)`` → ``(bytes(message), a parsed copy)``, once per object."""
+    """``encoded(message)`` → ``(encode(message), a copy parsed from those bytes)``, once per
+    object; ``encode`` is ``bytes`` unless given."""
 
-    __slots__ = ("_bound", "_items", "hits", "misses")
+    __slots__ = ("_bound", "_encode", "_items", "hits", "misses")
 
-    def __init__(self, bound: int = DEFAULT_BOUND) -> None:
+    def __init__(
+        self, bound: int = DEFAULT_BOUND, encode: Callable[[M], bytes] | None = None
+    ) -> None:
         if bound < 1:
             raise ValueError(f"bound must be >= 1, got {bound}")
         self._bound = bound
+        self._encode: Callable[[M], bytes] = encode if encode is not None else bytes
         self._items: OrderedDict[int, tuple[M, bytes, M]] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def clear(self) -> None:
+        """Forget every object (the next lookups miss)."""
+        self._items.clear()
 
     def encoded(self, message: M) -> tuple[bytes, M]:
         key = id(message)
@@ -54,7 +67,7 @@ class IdentityMemo(Generic[M]):
             self._items.move_to_end(key)
             self.hits += 1
             return hit[1], hit[2]
-        data = bytes(message)
+        data = self._encode(message)
         copy: M = type(message).parse(data)  # type: ignore[attr-defined]
         self._items[key] = (message, data, copy)
         self._items.move_to_end(key)

@@ -30,6 +30,7 @@ from kvrelay.contract.errors import RelayError
 from kvrelay.contract.limits import PermitCounter, RelayLimits
 from kvrelay.contract.producer import producer_key
 from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION, TRAILER_KEY
+from kvrelay.publication.catalog import CatalogPlane
 from kvrelay.publication.hub import Subscription
 from kvrelay.publication.plane import Plane, PlaneClosed, PlaneEnded, PlaneUnsupported
 from kvrelay.publication.window import WindowPlane
@@ -72,8 +73,8 @@ class _EncodedPlane:
         if cached is not None and cached[0] == version:
             return cached[1]
         plane = self.plane
-        data = plane.wire(version) if isinstance(plane, WindowPlane) else None
-        if data is None:  # not a window plane, or a window no longer the newest
+        data = plane.wire(version) if isinstance(plane, WindowPlane | CatalogPlane) else None
+        if data is None:  # no cached pieces, or a message no longer the newest
             data = bytes(message)
         if cached is None or version > cached[0]:
             self._cache = (version, data)

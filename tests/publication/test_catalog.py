@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.contract.wire import U32_MAX
 from kvrelay.publication.catalog import (
     CatalogError,
     CatalogPlane,
@@ -16,6 +18,7 @@ from kvrelay.publication.catalog import (
     descriptor,
     validate_descriptor,
 )
+from kvrelay.service.canonical import _official, canonicalize
 from tests.support.timing import scaled
 
 Role = pb.WorkerRole
@@ -338,3 +341,78 @@ async def test_watchers_wake_on_change_only(
 
     with pytest.raises(PlaneClosed):
         await plane.wait_newer(1)
+
+
+# ---------------------------------------------------------------------------------- wire
+
+
+def _random_catalog(rng: random.Random, producer: MakeProducer) -> list[pb.KvPoolDescriptor]:
+    out = []
+    for n in rng.sample(range(1, 200), rng.randrange(0, 24)):
+        loras = [LoraSpec(f"lora-{k}", aliases=[f"a{k}", f"b{k}"][: rng.randrange(3)])
+                 for k in rng.sample(range(9), rng.randrange(0, 4))]  # fmt: skip
+        roles = rng.sample([Role.AGGREGATED, Role.PREFILL, Role.DECODE], rng.randrange(1, 3))
+        aliases = [f"alias-{rng.randrange(5)}" for _ in range(rng.randrange(3))]
+        out.append(_desc(producer, n, loras=loras, roles=roles, base_aliases=aliases,
+                         kv_block_size=rng.choice([1, 16, 64, U32_MAX])))  # fmt: skip
+    rng.shuffle(out)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_catalog_wire_matches_betterproto_and_canonical(
+    seed: int, relay: pb.RelayIdentity, producer: MakeProducer
+) -> None:
+    """The snapshot's wire bytes, laid out from each descriptor's cached canonical bytes, are
+    byte for byte betterproto2's serialization of the published message and protobuf's
+    canonical encoding (official runtime); revisions that changed a few pools stay so."""
+    rng = random.Random(seed)
+    plane = CatalogPlane(relay)
+    assert plane.wire(0) is None  # the empty revision 0 has no cached pieces: serialized as is
+    pools = _random_catalog(rng, producer)
+    for _ in range(4):
+        if plane.set_pools(pools):
+            version, message = plane.current()
+            wire = plane.wire(version)
+            assert wire is not None and wire == bytes(message)
+            assert wire == canonicalize(wire, pb.KvPoolCatalogUpdate)
+            official = _official("KvPoolCatalogUpdate")()
+            official.ParseFromString(wire)
+            assert official.revision == version and len(official.snapshot.pools) == len(
+                {bytes(d.producer.pool_id) for d in pools})  # fmt: skip
+            assert plane.wire(version - 1) is None  # an older revision has none
+        # the next revision: some pools kept (same objects), some rebuilt, some new
+        kept = [d for d in pools if rng.random() < 0.7]
+        rebuilt = [pb.KvPoolDescriptor.parse(bytes(d)) for d in pools if rng.random() < 0.2]
+        fresh = _random_catalog(rng, producer)[:2]
+        by_id = {bytes(d.producer.pool_id): d for d in [*kept, *rebuilt, *fresh]}
+        pools = list(by_id.values())
+
+
+async def test_an_unchanged_descriptor_is_serialized_once(
+    relay: pb.RelayIdentity, producer: MakeProducer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plane serializes a descriptor object once, however many catalogs list it: one pool
+    changing costs one pool's serialization. The copies it publishes are never the caller's."""
+    import kvrelay.publication.catalog as catalog
+
+    calls: list[int] = []
+    real = catalog._canonical_bytes
+
+    def counted(d: pb.KvPoolDescriptor) -> bytes:
+        calls.append(id(d))
+        return real(d)
+
+    monkeypatch.setattr(catalog, "_canonical_bytes", counted)
+    plane = CatalogPlane(relay)
+    pools = [_desc(producer, n) for n in range(1, 11)]
+    assert plane.set_pools(pools) is True
+    assert len(calls) == 10
+    changed = _desc(producer, 3, loras=[LoraSpec("sql")])
+    assert plane.set_pools([changed if i == 2 else d for i, d in enumerate(pools)]) is True
+    assert len(calls) == 11 and calls[-1] == id(changed)
+    assert plane.set_pools(pools) is True  # back: every object is known
+    assert len(calls) == 11
+    published = plane.current()[1].snapshot.pools
+    assert not {id(p) for p in published} & {id(d) for d in pools}
+    assert sorted(bytes(p) for p in published) == sorted(real(d) for d in pools)
