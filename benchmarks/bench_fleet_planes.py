@@ -3,11 +3,14 @@ Control gRPC and ZMQ), the real ``Relay``, measured on its event loop.
 
 * ``refresh_planes`` with nothing changed, what every engine or generation event costs the relay
   (``refresh_planes_unchanged_ms``), against the same call made to recompute both planes
-  (``refresh_planes_forced_ms``);
+  (``refresh_planes_forced_ms``, from the entries the planes keep encoded, and
+  ``…_forced_unmemoized_ms``, every descriptor and topology entry built and serialized again: what
+  an event that changed an endpoint cost before the planes kept them);
 * ``refresh_planes`` after one pool built a new descriptor (a LoRA loaded, an engine joined), with
   the catalog's per-descriptor memo (``refresh_planes_one_pool_rebuilt_ms``) and with that memo
   emptied first (``…_unmemoized_ms``: every descriptor serialized and parsed, as before it); and
-  the catalog's wire bytes laid out from cached descriptors against serializing the message;
+  the catalog's and the readiness plane's wire bytes laid out from their cached pieces against
+  serializing each message;
 * one load and one serving-load window with their wire bytes (what each second costs while
   someone subscribes), against serializing the same windows anew (what it cost before);
 * one ``/metrics`` scrape: what its collection costs the loop, and writing out its text (in the
@@ -90,6 +93,23 @@ async def run(pools: int, rounds: int) -> dict[str, Any]:
 
             return go
 
+        def forced(unmemoized: bool) -> Callable[[], object]:
+            def go() -> object:
+                if unmemoized:
+                    relay.catalog._descriptors.clear()
+                    relay.catalog._pool_ids.clear()
+                    relay.readiness._entries = {}
+                    relay.readiness._pool_ids.clear()
+                relay.refresh_planes(force=True)
+                return None
+
+            return go
+
+        def readiness_wire() -> object:
+            version = relay.readiness.current()[0]
+            relay.readiness._wire = (version, None)
+            return relay.readiness.wire(version)
+
         def catalog_wire() -> object:
             version = relay.catalog.current()[0]
             relay.catalog._wire = (version, None)  # written anew, as after each new revision
@@ -111,13 +131,16 @@ async def run(pools: int, rounds: int) -> dict[str, Any]:
             ),
             "rounds": rounds,
             "refresh_planes_unchanged_ms": _median_ms(relay.refresh_planes, rounds),
-            "refresh_planes_forced_ms": _median_ms(
-                lambda: relay.refresh_planes(force=True), rounds
-            ),
+            "refresh_planes_forced_ms": _median_ms(forced(False), rounds),
+            "refresh_planes_forced_unmemoized_ms": _median_ms(forced(True), rounds),
             "refresh_planes_one_pool_rebuilt_ms": _median_ms(rebuilt(False), rounds),
             "refresh_planes_one_pool_rebuilt_unmemoized_ms": _median_ms(rebuilt(True), rounds),
             "catalog_wire_ms": _median_ms(catalog_wire, rounds),
             "catalog_serialize_ms": _median_ms(lambda: bytes(relay.catalog.current()[1]), rounds),
+            "readiness_wire_ms": _median_ms(readiness_wire, rounds),
+            "readiness_serialize_ms": _median_ms(
+                lambda: bytes(relay.readiness.current()[1]), rounds
+            ),
             "load_window_with_wire_ms": _median_ms(window(relay.load), rounds),
             "load_window_serialize_ms": _median_ms(lambda: bytes(relay.load.current()[1]), rounds),
             "serving_load_window_with_wire_ms": _median_ms(window(relay.serving_load), rounds),

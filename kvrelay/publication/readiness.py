@@ -32,7 +32,9 @@ from types import MappingProxyType
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.envelope import as_role, copy_relay, text_problem
+from kvrelay.contract.identity_memo import IdentityMemo
 from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION
+from kvrelay.publication import window_wire
 from kvrelay.publication.broadcast import VersionedBroadcast
 
 __all__ = ["EndpointState", "ReadinessPlane", "TopologyError", "topology_entries"]
@@ -208,13 +210,11 @@ def _entry(namespace: str, model: str, participants: list[EndpointState]) -> pb.
     )
 
 
-def topology_entries(endpoints: Iterable[EndpointState]) -> list[pb.TopologyEntry]:
-    """Compute the §9 entries, sorted by ``(namespace, canonical_model_id)``.
-
-    One entry per (namespace, base canonical model id) registered by at least one endpoint;
-    LoRA ids only appear under their base's ``adapters``. Raises :class:`TopologyError` for a
-    malformed model (bad text, UNSPECIFIED/unknown/LEGACY roles, duplicate endpoint triples).
-    """
+def _grouped(
+    endpoints: Iterable[EndpointState],
+) -> list[tuple[str, str, list[EndpointState]]]:
+    """``(namespace, base model, its normalized endpoints by (component, endpoint))``, sorted
+    by ``(namespace, model)``; raises :class:`TopologyError` as :func:`topology_entries`."""
     by_key: dict[tuple[str, str], list[EndpointState]] = {}
     seen: set[tuple[str, str, str]] = set()
     for raw in endpoints:
@@ -225,7 +225,20 @@ def topology_entries(endpoints: Iterable[EndpointState]) -> list[pb.TopologyEntr
         seen.add(triple)
         for model in e.models:
             by_key.setdefault((e.namespace, model), []).append(e)
-    return [_entry(ns, model, by_key[(ns, model)]) for ns, model in sorted(by_key)]
+    return [
+        (ns, model, sorted(by_key[(ns, model)], key=lambda e: (e.component, e.endpoint)))
+        for ns, model in sorted(by_key)
+    ]
+
+
+def topology_entries(endpoints: Iterable[EndpointState]) -> list[pb.TopologyEntry]:
+    """Compute the §9 entries, sorted by ``(namespace, canonical_model_id)``.
+
+    One entry per (namespace, base canonical model id) registered by at least one endpoint;
+    LoRA ids only appear under their base's ``adapters``. Raises :class:`TopologyError` for a
+    malformed model (bad text, UNSPECIFIED/unknown/LEGACY roles, duplicate endpoint triples).
+    """
+    return [_entry(ns, model, parts) for ns, model, parts in _grouped(endpoints)]
 
 
 class ReadinessPlane:
@@ -240,6 +253,13 @@ class ReadinessPlane:
         self._relay = copy_relay(relay_identity)
         self._canonical = b""
         self.rejected = 0
+        # An entry's bytes and private copy by what it is computed from: its namespace, model
+        # and every field of its endpoints (a pool id by its bytes). Only the current
+        # topology's entries are kept, so the memo is as large as the topology.
+        self._pool_ids: IdentityMemo[pb.KvPoolId] = IdentityMemo()
+        self._entries: dict[tuple[object, ...], tuple[bytes, pb.TopologyEntry]] = {}
+        self._ordered: list[bytes] = []
+        self._wire: tuple[int, bytes | None] = (0, None)
         self._bc: VersionedBroadcast[pb.ServingReadinessUpdate] = VersionedBroadcast(
             0, self._message(0, [])
         )
@@ -265,20 +285,54 @@ class ReadinessPlane:
         """Recompute; publish and return True iff the entries changed.
 
         A :class:`TopologyError` is counted in ``rejected`` and re-raised; the current snapshot
-        stays as it was.
+        stays as it was. An entry none of whose inputs changed is not built or serialized again:
+        an event at one endpoint costs its entries, not the whole topology's.
         """
         try:
-            entries = topology_entries(endpoints)
+            groups = _grouped(endpoints)
         except TopologyError:
             self.rejected += 1
             raise
-        canonical = bytes(pb.ServingReadinessUpdate(entries=entries))
+        memo: dict[tuple[object, ...], tuple[bytes, pb.TopologyEntry]] = {}
+        built: list[tuple[bytes, pb.TopologyEntry]] = []
+        for ns, model, parts in groups:
+            key = (ns, model, *(self._signature(e) for e in parts))
+            hit = memo.get(key) or self._entries.get(key)
+            if hit is None:
+                data = bytes(_entry(ns, model, parts))
+                hit = (data, pb.TopologyEntry.parse(data))
+            memo[key] = hit
+            built.append(hit)
+        self._entries = memo
+        canonical = b"".join(len(d).to_bytes(4, "little") + d for d, _ in built)
         if canonical == self._canonical:
             return False
         revision = self._bc.version + 1
-        self._bc.publish(revision, self._message(revision, entries))
+        self._bc.publish(revision, self._message(revision, [copy for _, copy in built]))
         self._canonical = canonical
+        self._ordered = [d for d, _ in built]
+        self._wire = (revision, None)
         return True
+
+    def wire(self, version: int) -> bytes | None:
+        """The wire bytes of revision ``version`` while it is the newest (else None), laid out
+        from each entry's cached bytes; written when first asked for."""
+        revision, data = self._wire
+        if version != revision or revision == 0:
+            return None
+        if data is None:
+            header = pb.ServingReadinessUpdate(
+                protocol_version=PROTOCOL_VERSION, relay=self._relay, revision=revision
+            )
+            data = window_wire.window(header, [(4, self._ordered)], CONTRACT_MARKER)
+            self._wire = (revision, data)
+        return data
+
+    def _signature(self, e: EndpointState) -> tuple[object, ...]:
+        """Every field of a normalized endpoint, hashable; equal signatures give equal entries."""
+        pool = None if e.pool_id is None else self._pool_ids.encoded(e.pool_id)[0]
+        return (e.namespace, e.component, e.endpoint, e.roles, e.needs, e.live, e.probed,
+                frozenset(e.models), tuple(sorted(e.adapters.items())), pool)  # fmt: skip
 
     def _message(self, revision: int, entries: list[pb.TopologyEntry]) -> pb.ServingReadinessUpdate:
         return pb.ServingReadinessUpdate(

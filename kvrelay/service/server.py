@@ -33,6 +33,7 @@ from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION, TRAILER_KEY
 from kvrelay.publication.catalog import CatalogPlane
 from kvrelay.publication.hub import Subscription
 from kvrelay.publication.plane import Plane, PlaneClosed, PlaneEnded, PlaneUnsupported
+from kvrelay.publication.readiness import ReadinessPlane
 from kvrelay.publication.window import WindowPlane
 from kvrelay.service.authz import Authorization, ClientIdentity, not_visible, revoked
 from kvrelay.service.codec import PassThroughCodec
@@ -57,6 +58,10 @@ T = TypeVar("T")
 _Body = Callable[[Stream[Any, Any]], Awaitable[None]]
 
 
+#: Planes that lay their newest message's wire bytes out from pieces they keep encoded.
+_WIRED = (WindowPlane, CatalogPlane, ReadinessPlane)
+
+
 class _EncodedPlane:
     """Caches the encoding of a plane's newest message (one encode per version)."""
 
@@ -73,7 +78,7 @@ class _EncodedPlane:
         if cached is not None and cached[0] == version:
             return cached[1]
         plane = self.plane
-        data = plane.wire(version) if isinstance(plane, WindowPlane | CatalogPlane) else None
+        data = plane.wire(version) if isinstance(plane, _WIRED) else None
         if data is None:  # no cached pieces, or a message no longer the newest
             data = bytes(message)
         if cached is None or version > cached[0]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -19,6 +19,8 @@ from kvrelay.publication.readiness import (
     TopologyError,
     topology_entries,
 )
+from kvrelay.service.canonical import _official, canonicalize
+from tests.support.identities import make_pool_id
 from tests.support.timing import scaled
 
 Role = pb.WorkerRole
@@ -393,3 +395,61 @@ async def test_plane_revision_only_on_change(relay: pb.RelayIdentity) -> None:
     with pytest.raises(TopologyError):
         plane.set_topology([ep("x", "A", live=-1)])
     assert plane.rejected == 1 and plane.revision == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_topologies(), min_size=1, max_size=5), st.randoms(use_true_random=False))
+def test_plane_entries_and_wire_match_a_fresh_computation(
+    topologies: list[list[EndpointState]], rnd: random.Random
+) -> None:
+    """However a plane's cached entries came about, each published revision holds exactly the
+    entries ``topology_entries`` computes afresh, and its wire bytes are betterproto2's bytes of
+    the message and protobuf's canonical encoding (official runtime)."""
+    relay = pb.RelayIdentity(drt_instance_id=7, relay_incarnation=1)
+    plane = ReadinessPlane(relay)
+    ids = [make_pool_id(i) for i in range(6)]
+    for topo in topologies:
+        # some endpoints name a pool, sometimes a new object with the same content
+        topo = [replace(e, pool_id=rnd.choice([None, ids[i], pb.KvPoolId.parse(bytes(ids[i]))]))
+                for i, e in enumerate(topo)]  # fmt: skip
+        before = plane.revision
+        changed = plane.set_topology(topo)
+        version, message = plane.current()
+        assert version == before + (1 if changed else 0)
+        want = bytes(pb.ServingReadinessUpdate(entries=topology_entries(topo)))
+        assert bytes(pb.ServingReadinessUpdate(entries=message.entries)) == want
+        wire = plane.wire(version)
+        if version == 0:
+            assert wire is None
+            continue
+        assert wire is not None and wire == bytes(message)
+        assert wire == canonicalize(wire, pb.ServingReadinessUpdate)
+        official = _official("ServingReadinessUpdate")()
+        official.ParseFromString(wire)
+        assert official.revision == version
+        assert plane.wire(version - 1) is None
+
+
+async def test_an_event_at_one_endpoint_rebuilds_its_entries_only(
+    relay: pb.RelayIdentity, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Entries whose endpoints did not change are neither built nor serialized again."""
+    import kvrelay.publication.readiness as readiness
+
+    built: list[str] = []
+    real = readiness._entry
+
+    def counted(ns: str, model: str, parts: list[EndpointState]) -> pb.TopologyEntry:
+        built.append(model)
+        return real(ns, model, parts)
+
+    monkeypatch.setattr(readiness, "_entry", counted)
+    plane = ReadinessPlane(relay)
+    topo = [ep(f"c{i}", "A", models=(f"m{i}",)) for i in range(10)]
+    assert plane.set_topology(topo) is True and len(built) == 10
+    topo[4] = ep("c4", "A", live=0, models=("m4",))  # one engine went down
+    assert plane.set_topology(topo) is True
+    assert built[10:] == ["m4"]
+    entries = {e.canonical_model_id: e.state for e in plane.current()[1].entries}
+    assert entries["m4"] == S.UNAVAILABLE and entries["m3"] == S.READY
+    assert plane.set_topology(list(reversed(topo))) is False and len(built) == 11
