@@ -253,7 +253,7 @@ class ReadinessPlane:
         self._relay = copy_relay(relay_identity)
         self._canonical = b""
         self.rejected = 0
-        # An entry's bytes and private copy by what it is computed from: its namespace, model
+        # An entry's bytes and the entry by what it is computed from: its namespace, model
         # and every field of its endpoints (a pool id by its bytes). Only the current
         # topology's entries are kept, so the memo is as large as the topology.
         self._pool_ids: IdentityMemo[pb.KvPoolId] = IdentityMemo()
@@ -298,9 +298,9 @@ class ReadinessPlane:
         for ns, model, parts in groups:
             key = (ns, model, *(self._signature(e) for e in parts))
             hit = memo.get(key) or self._entries.get(key)
-            if hit is None:
-                data = bytes(_entry(ns, model, parts))
-                hit = (data, pb.TopologyEntry.parse(data))
+            if hit is None:  # built here from normalized copies: already the plane's own
+                entry = _entry(ns, model, parts)
+                hit = (bytes(entry), entry)
             memo[key] = hit
             built.append(hit)
         self._entries = memo
