@@ -49,7 +49,7 @@ class IdentityMemo(Generic[M]):
             raise ValueError(f"bound must be >= 1, got {bound}")
         self._bound = bound
         self._encode: Callable[[M], bytes] = encode if encode is not None else bytes
-        self._items: OrderedDict[int, tuple[M, bytes, M]] = OrderedDict()
+        self._items: OrderedDict[int, tuple[M, bytes, M | None]] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
@@ -61,6 +61,19 @@ class IdentityMemo(Generic[M]):
         self._items.clear()
 
     def encoded(self, message: M) -> tuple[bytes, M]:
+        """The bytes and the private copy (parsed the first time one is asked for)."""
+        key = id(message)
+        data, copy = self._entry(message)
+        if copy is None:
+            copy = type(message).parse(data)  # type: ignore[attr-defined]
+            self._items[key] = (message, data, copy)
+        return data, copy
+
+    def data(self, message: M) -> bytes:
+        """The bytes alone (a sort key, say): no copy is parsed for them."""
+        return self._entry(message)[0]
+
+    def _entry(self, message: M) -> tuple[bytes, M | None]:
         key = id(message)
         hit = self._items.get(key)
         if hit is not None and hit[0] is message:
@@ -68,10 +81,9 @@ class IdentityMemo(Generic[M]):
             self.hits += 1
             return hit[1], hit[2]
         data = self._encode(message)
-        copy: M = type(message).parse(data)  # type: ignore[attr-defined]
-        self._items[key] = (message, data, copy)
+        self._items[key] = (message, data, None)
         self._items.move_to_end(key)
         self.misses += 1
         while len(self._items) > self._bound:
             self._items.popitem(last=False)
-        return data, copy
+        return data, None

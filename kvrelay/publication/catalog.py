@@ -305,7 +305,7 @@ class CatalogPlane:
             for d in descriptors:
                 validate_descriptor(d)
                 assert d.producer is not None and d.producer.pool_id is not None  # validated
-                key = self._pool_ids.encoded(d.producer.pool_id)[0]
+                key = self._pool_ids.data(d.producer.pool_id)
                 if key in keyed:
                     raise CatalogError("catalog.duplicate_pool", "two descriptors share a KvPoolId")
                 keyed[key] = self._descriptors.encoded(d)

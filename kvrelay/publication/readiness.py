@@ -330,7 +330,7 @@ class ReadinessPlane:
 
     def _signature(self, e: EndpointState) -> tuple[object, ...]:
         """Every field of a normalized endpoint, hashable; equal signatures give equal entries."""
-        pool = None if e.pool_id is None else self._pool_ids.encoded(e.pool_id)[0]
+        pool = None if e.pool_id is None else self._pool_ids.data(e.pool_id)
         return (e.namespace, e.component, e.endpoint, e.roles, e.needs, e.live, e.probed,
                 frozenset(e.models), tuple(sorted(e.adapters.items())), pool)  # fmt: skip
 

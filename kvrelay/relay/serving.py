@@ -139,7 +139,7 @@ class ServingInputs:
                         reports[(p.name, st.spec.name, int(label))] = rank_counters(figures)
         serving_pools = sorted(
             (pid for p in pools if (pid := _pool_id(p)) is not None),
-            key=lambda pid: self._pool_ids.encoded(pid)[0],
+            key=lambda pid: self._pool_ids.data(pid),
         )
         return ModelServingInput(
             namespace=namespace,

@@ -150,3 +150,27 @@ def test_the_memo_encodes_each_object_once_and_stays_bounded(producer: MakeProdu
     assert memo.misses == 7  # a was evicted: encoded again, still right
     with pytest.raises(ValueError):
         IdentityMemo(bound=0)
+
+
+def test_the_memo_gives_bytes_alone_without_a_copy_and_its_own_encoding(
+    producer: MakeProducer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``data`` parses nothing; a later ``encoded`` parses the copy once, from the kept bytes.
+    A memo given an encoding keeps that instead of ``bytes(message)``."""
+    parsed: list[bytes] = []
+    real = pb.ProducerIdentity.parse
+
+    def counted(data: bytes) -> pb.ProducerIdentity:
+        parsed.append(data)
+        return real(data)
+
+    monkeypatch.setattr(pb.ProducerIdentity, "parse", staticmethod(counted))
+    memo: IdentityMemo[pb.ProducerIdentity] = IdentityMemo()
+    a = producer(1)
+    assert memo.data(a) == bytes(a) and parsed == []
+    data, copy = memo.encoded(a)
+    assert data == bytes(a) and copy == a and copy is not a and parsed == [data]
+    assert memo.encoded(a)[1] is copy and len(parsed) == 1
+    assert (memo.hits, memo.misses) == (2, 1)
+    tagged: IdentityMemo[pb.ProducerIdentity] = IdentityMemo(encode=lambda m: b"k" + bytes(m))
+    assert tagged.data(a) == b"k" + bytes(a) and tagged.data(a) is tagged.data(a)
