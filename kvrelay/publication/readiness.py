@@ -26,7 +26,7 @@ when something observable changed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
@@ -133,7 +133,9 @@ def _sorted_roles(roles: Iterable[pb.WorkerRole]) -> list[pb.WorkerRole]:
     return sorted({Role(int(r)) for r in roles})
 
 
-def _member(e: EndpointState) -> pb.TopologyMember:
+def _member(
+    e: EndpointState, pool_bytes: Callable[[pb.KvPoolId], bytes] = bytes
+) -> pb.TopologyMember:
     m = pb.TopologyMember(
         endpoint=pb.DynamoEndpointId(
             namespace=e.namespace, component=e.component, endpoint=e.endpoint
@@ -141,7 +143,7 @@ def _member(e: EndpointState) -> pb.TopologyMember:
         roles=[Role.LEGACY] if e.legacy else _sorted_roles(e.roles),
     )
     if e.pool_id is not None:
-        m.pool_id = pb.KvPoolId.parse(bytes(e.pool_id))
+        m.pool_id = pb.KvPoolId.parse(pool_bytes(e.pool_id))
     return m
 
 
@@ -179,7 +181,12 @@ def _adapter_readiness(
     )
 
 
-def _entry(namespace: str, model: str, participants: list[EndpointState]) -> pb.TopologyEntry:
+def _entry(
+    namespace: str,
+    model: str,
+    participants: list[EndpointState],
+    pool_bytes: Callable[[pb.KvPoolId], bytes] = bytes,
+) -> pb.TopologyEntry:
     present = {r for e in participants if e.live > 0 for r in e.roles}
     any_live = any(e.live > 0 for e in participants)
     legacy = any(e.legacy for e in participants)
@@ -203,7 +210,10 @@ def _entry(namespace: str, model: str, participants: list[EndpointState]) -> pb.
         state=state,
         present_roles=[] if unknown else _sorted_roles(present),
         missing_roles=[] if unknown else _sorted_roles(missing),
-        members=[_member(e) for e in sorted(participants, key=lambda e: (e.component, e.endpoint))],
+        members=[
+            _member(e, pool_bytes)
+            for e in sorted(participants, key=lambda e: (e.component, e.endpoint))
+        ],
         duplicate_role_endpoints=duplicates,
         legacy_fallback_active=legacy,
         adapters=[_adapter_readiness(a, model, state, participants, present) for a in adapter_ids],
@@ -299,7 +309,7 @@ class ReadinessPlane:
             key = (ns, model, *(self._signature(e) for e in parts))
             hit = memo.get(key) or self._entries.get(key)
             if hit is None:  # built here from normalized copies: already the plane's own
-                entry = _entry(ns, model, parts)
+                entry = _entry(ns, model, parts, self._pool_ids.data)
                 hit = (bytes(entry), entry)
             memo[key] = hit
             built.append(hit)

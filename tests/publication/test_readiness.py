@@ -439,9 +439,9 @@ async def test_an_event_at_one_endpoint_rebuilds_its_entries_only(
     built: list[str] = []
     real = readiness._entry
 
-    def counted(ns: str, model: str, parts: list[EndpointState]) -> pb.TopologyEntry:
+    def counted(ns: str, model: str, parts: list[EndpointState], *rest: Any) -> pb.TopologyEntry:
         built.append(model)
-        return real(ns, model, parts)
+        return real(ns, model, parts, *rest)
 
     monkeypatch.setattr(readiness, "_entry", counted)
     plane = ReadinessPlane(relay)
