@@ -107,12 +107,12 @@ async def run(pools: int, rounds: int) -> dict[str, Any]:
 
         def readiness_wire() -> object:
             version = relay.readiness.current()[0]
-            relay.readiness._wire = (version, None)
+            relay.readiness._wire.published(version)
             return relay.readiness.wire(version)
 
         def catalog_wire() -> object:
             version = relay.catalog.current()[0]
-            relay.catalog._wire = (version, None)  # written anew, as after each new revision
+            relay.catalog._wire.published(version)  # written anew, as after each new revision
             return relay.catalog.wire(version)
 
         page = render_metrics(engines[0])

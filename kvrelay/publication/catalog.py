@@ -271,7 +271,7 @@ class CatalogPlane:
         )
         self._pool_ids: IdentityMemo[pb.KvPoolId] = IdentityMemo()
         self._ordered: list[bytes] = []
-        self._wire: tuple[int, bytes | None] = (0, None)
+        self._wire = window_wire.NewestWire()
         self._bc: VersionedBroadcast[pb.KvPoolCatalogUpdate] = VersionedBroadcast(
             0, self._message(0, [])
         )
@@ -323,23 +323,20 @@ class CatalogPlane:
         self._bc.publish(revision, self._message(revision, pools))
         self._canonical = canonical
         self._ordered = ordered
-        self._wire = (revision, None)
+        self._wire.published(revision)
         return True
 
     def wire(self, version: int) -> bytes | None:
         """The wire bytes of revision ``version`` while it is the newest (else None), laid out
         from each descriptor's cached bytes; written when first asked for."""
-        revision, data = self._wire
-        if version != revision or revision == 0:
-            return None
-        if data is None:
-            header = pb.KvPoolCatalogUpdate(
-                protocol_version=PROTOCOL_VERSION, relay=self._relay, revision=revision
-            )
-            snapshot = b"".join(window_wire.message_field(1, c) for c in self._ordered)
-            data = window_wire.window(header, [(4, [snapshot])], CONTRACT_MARKER)
-            self._wire = (revision, data)
-        return data
+        return self._wire.get(version, self._build_wire)
+
+    def _build_wire(self, revision: int) -> bytes:
+        header = pb.KvPoolCatalogUpdate(
+            protocol_version=PROTOCOL_VERSION, relay=self._relay, revision=revision
+        )
+        snapshot = b"".join(window_wire.message_field(1, c) for c in self._ordered)
+        return window_wire.window(header, [(4, [snapshot])], CONTRACT_MARKER)
 
     def _message(self, revision: int, pools: list[pb.KvPoolDescriptor]) -> pb.KvPoolCatalogUpdate:
         return pb.KvPoolCatalogUpdate(

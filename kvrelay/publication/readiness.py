@@ -269,7 +269,7 @@ class ReadinessPlane:
         self._pool_ids: IdentityMemo[pb.KvPoolId] = IdentityMemo()
         self._entries: dict[tuple[object, ...], tuple[bytes, pb.TopologyEntry]] = {}
         self._ordered: list[bytes] = []
-        self._wire: tuple[int, bytes | None] = (0, None)
+        self._wire = window_wire.NewestWire()
         self._bc: VersionedBroadcast[pb.ServingReadinessUpdate] = VersionedBroadcast(
             0, self._message(0, [])
         )
@@ -321,22 +321,19 @@ class ReadinessPlane:
         self._bc.publish(revision, self._message(revision, [copy for _, copy in built]))
         self._canonical = canonical
         self._ordered = [d for d, _ in built]
-        self._wire = (revision, None)
+        self._wire.published(revision)
         return True
 
     def wire(self, version: int) -> bytes | None:
         """The wire bytes of revision ``version`` while it is the newest (else None), laid out
         from each entry's cached bytes; written when first asked for."""
-        revision, data = self._wire
-        if version != revision or revision == 0:
-            return None
-        if data is None:
-            header = pb.ServingReadinessUpdate(
-                protocol_version=PROTOCOL_VERSION, relay=self._relay, revision=revision
-            )
-            data = window_wire.window(header, [(4, self._ordered)], CONTRACT_MARKER)
-            self._wire = (revision, data)
-        return data
+        return self._wire.get(version, self._build_wire)
+
+    def _build_wire(self, revision: int) -> bytes:
+        header = pb.ServingReadinessUpdate(
+            protocol_version=PROTOCOL_VERSION, relay=self._relay, revision=revision
+        )
+        return window_wire.window(header, [(4, self._ordered)], CONTRACT_MARKER)
 
     def _signature(self, e: EndpointState) -> tuple[object, ...]:
         """Every field of a normalized endpoint, hashable; equal signatures give equal entries."""

@@ -13,11 +13,11 @@ and the official runtime's canonical encoding, on random windows).
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import betterproto2
 
-__all__ = ["leading_field", "message_field", "uint_field", "window"]
+__all__ = ["NewestWire", "leading_field", "message_field", "uint_field", "window"]
 
 _LEN = 2
 _FIXED32 = 5
@@ -61,3 +61,26 @@ def window(
         parts += [tag + _varint(len(e)) + e for e in entries]
     parts.append(_varint(127 << 3 | _FIXED32) + _MARKER.pack(marker))
     return b"".join(parts)
+
+
+class NewestWire:
+    """The wire bytes of a snapshot plane's newest revision, written the first time someone is
+    to be sent them (``build(revision)``), and None for any other revision (or revision 0, the
+    empty snapshot a plane starts with, which is serialized as it is)."""
+
+    __slots__ = ("_data", "_revision")
+
+    def __init__(self) -> None:
+        self._revision = 0
+        self._data: bytes | None = None
+
+    def published(self, revision: int) -> None:
+        """``revision`` is the newest now: its bytes are written when first asked for."""
+        self._revision, self._data = revision, None
+
+    def get(self, version: int, build: Callable[[int], bytes]) -> bytes | None:
+        if version != self._revision or version == 0:
+            return None
+        if self._data is None:
+            self._data = build(version)
+        return self._data
