@@ -9,6 +9,7 @@ second snapshot) and the replica gains the new engine's blocks. An invalid file 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import signal
@@ -34,6 +35,7 @@ from tests.support.commands import REPO, clean_env
 from tests.support.fleet import eventually
 from tests.support.notify import Notifications
 from tests.support.rig import Consumer, catalog_producer, relay_info
+from tests.support.scrape import scrape, total
 from tests.support.timing import scaled
 
 
@@ -63,27 +65,15 @@ expected_blocks = 4096
 
 
 async def _sources_live(metrics: int, want: int) -> None:
-    """Until ``kvrelay_ingest_sources{state="live"}`` reaches ``want``, read from ``/metrics``."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    def live() -> float:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5) as r:
-                text = r.read().decode()
-        except OSError:
-            return 0.0
-        samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
-        return sum(
-            s.value
-            for s in samples
-            if s.name == "kvrelay_ingest_sources" and s.labels.get("state") == "live"
-        )
-
+    """Until ``kvrelay_ingest_sources{state="live"}`` on ``/metrics`` reaches ``want``."""
     deadline = asyncio.get_running_loop().time() + scaled(15)
-    while (n := await asyncio.to_thread(live)) < want:
-        assert asyncio.get_running_loop().time() < deadline, f"{n} of {want} sources live"
+    live = 0.0
+    while True:
+        with contextlib.suppress(OSError):  # not listening yet
+            live = total(await scrape(metrics), "kvrelay_ingest_sources", state="live")
+        if live >= want:
+            return
+        assert asyncio.get_running_loop().time() < deadline, f"{live} of {want} sources live"
         await asyncio.sleep(0.05)
 
 
