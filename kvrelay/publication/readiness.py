@@ -27,7 +27,7 @@ when something observable changed.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
@@ -75,6 +75,9 @@ class EndpointState:
     def legacy(self) -> bool:
         """A card without ``worker_type``."""
         return not self.roles
+
+
+_ENDPOINT_FIELDS = tuple(f.name for f in fields(EndpointState))
 
 
 def validate_endpoint(e: EndpointState) -> None:
@@ -336,10 +339,19 @@ class ReadinessPlane:
         return window_wire.window(header, [(4, self._ordered)], CONTRACT_MARKER)
 
     def _signature(self, e: EndpointState) -> tuple[object, ...]:
-        """Every field of a normalized endpoint, hashable; equal signatures give equal entries."""
-        pool = None if e.pool_id is None else self._pool_ids.data(e.pool_id)
-        return (e.namespace, e.component, e.endpoint, e.roles, e.needs, e.live, e.probed,
-                frozenset(e.models), tuple(sorted(e.adapters.items())), pool)  # fmt: skip
+        """Every field of a normalized endpoint, hashable; equal signatures give equal entries.
+        Read from the dataclass's fields, so a field added later is part of it (one whose type
+        cannot be hashed fails loudly here rather than being left out)."""
+        return tuple(self._hashable(getattr(e, name)) for name in _ENDPOINT_FIELDS)
+
+    def _hashable(self, value: object) -> object:
+        if isinstance(value, pb.KvPoolId):
+            return self._pool_ids.data(value)
+        if isinstance(value, Mapping):
+            return tuple(sorted(value.items()))
+        if isinstance(value, set | list):  # a set-valued field given as a set or list
+            return frozenset(value)
+        return value
 
     def _message(self, revision: int, entries: list[pb.TopologyEntry]) -> pb.ServingReadinessUpdate:
         return pb.ServingReadinessUpdate(

@@ -453,3 +453,28 @@ async def test_an_event_at_one_endpoint_rebuilds_its_entries_only(
     entries = {e.canonical_model_id: e.state for e in plane.current()[1].entries}
     assert entries["m4"] == S.UNAVAILABLE and entries["m3"] == S.READY
     assert plane.set_topology(list(reversed(topo))) is False and len(built) == 11
+
+
+def test_every_field_of_an_endpoint_is_part_of_its_entry_key(relay: pb.RelayIdentity) -> None:
+    """A change to any field of an endpoint (this list must name each) reaches readiness, so no
+    field can be left out of what the plane keeps its entries by."""
+    import dataclasses
+
+    base = ep("c", "A", models=("m",))
+    other = {
+        "namespace": "ns2", "component": "c2", "endpoint": "e2", "roles": roles("D"),
+        "needs": (roles("P"),), "live": 3, "probed": False, "models": frozenset({"m", "z"}),
+        "adapters": {"x": "m"}, "pool_id": make_pool_id(9),
+    }  # fmt: skip
+    assert set(other) == {f.name for f in dataclasses.fields(EndpointState)}
+    plane = ReadinessPlane(relay)
+    keys = set()
+    for name, value in other.items():
+        plane.set_topology([base])
+        keys.add(plane._signature(base))
+        changed = replace(base, **{name: value})
+        plane.set_topology([changed])
+        keys.add(plane._signature(changed))
+        fresh = bytes(pb.ServingReadinessUpdate(entries=topology_entries([changed])))
+        assert bytes(pb.ServingReadinessUpdate(entries=plane.current()[1].entries)) == fresh, name
+    assert len(keys) == len(other) + 1  # the base, and one key per changed field
