@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from bisect import bisect_left
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from kvrelay.ingest.stats import DecodeStats
 
@@ -71,6 +72,14 @@ class SubscriberCounters:
         self.lag_sum_s += lag
         self.lag_count += 1
 
+    def frozen(self) -> SubscriberCounters:
+        """A copy the relay never changes (its dicts copied too, each in one C-level step that
+        no other thread interleaves with): a scrape builds its families from it off the loop."""
+        out = copy.copy(self)
+        for name in _DICT_FIELDS:
+            setattr(out, name, dict(getattr(self, name)))
+        return out
+
     def reject(self, kind: str) -> None:
         self.rejections[kind] = self.rejections.get(kind, 0) + 1
 
@@ -89,3 +98,11 @@ class SubscriberCounters:
             d = self.drops
             for reason, n in st.drops.items():
                 d[reason] = d.get(reason, 0) + n
+
+
+#: The fields that hold a dict (``frozen`` copies each; a test names them).
+_DICT_FIELDS = tuple(
+    f.name
+    for f in fields(SubscriberCounters)
+    if isinstance(getattr(SubscriberCounters(), f.name), dict)
+)

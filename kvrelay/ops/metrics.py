@@ -13,6 +13,7 @@ import math
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
@@ -37,6 +38,7 @@ from kvrelay.ops.metrics_http import (
     HttpLimits,
     MetricsServer,
     http_metrics,
+    pinned,
 )
 from kvrelay.relay.observer import Observers
 from kvrelay.relay.stats import GenerationTotals, RelayStats
@@ -392,6 +394,14 @@ def default_registry() -> CollectorRegistry:
     return reg
 
 
+@dataclass(frozen=True, slots=True)
+class _Scrape:
+    """What one scrape read on the event loop; its families are built from it in any thread."""
+
+    stats: RelayStats
+    live: tuple[Metric, ...]
+
+
 class RelayMetrics:
     """All kvrelay metrics for one relay, plus the ``/metrics`` HTTP endpoint."""
 
@@ -466,12 +476,22 @@ class RelayMetrics:
     # ---- collection (called by the registry at scrape time) -------------------------------------
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.relay.stats()
+        """Every kvrelay family: from the snapshot a :class:`Collected` pinned for this relay
+        (off the loop), else from the relay's state now (on the loop)."""
+        scrape = pinned(self)
+        if isinstance(scrape, _Scrape):
+            stats, live = scrape.stats, scrape.live
+        else:
+            stats, live = self.relay.stats(), None
         yield from _relay_metrics(stats)
         yield from _pool_metrics(stats)
         yield from _member_metrics(stats, self.per_member)
         yield from _source_metrics(stats)
         yield from _generation_metrics(stats)
+        yield from live if live is not None else self._live_families()
+
+    def _live_families(self) -> Iterator[Metric]:
+        """The families read from live objects as they are built (few samples each)."""
         yield from self._service_metrics()
         yield from self._reload_metrics()
         yield from http_metrics(self.http_counters)
@@ -534,8 +554,11 @@ class RelayMetrics:
         return generate_latest(self.registry)
 
     def collected(self) -> Collected:
-        """What the endpoint serves: collected now, written out off the loop."""
-        return Collected(self.registry)
+        """What the endpoint serves. On the loop: the relay's snapshot (``Relay.stats``, whose
+        counters are copies the relay no longer changes) and the few families read from live
+        objects. Off it, in the executor: every family built from that snapshot, and the text."""
+        scrape = _Scrape(self.relay.stats(), tuple(self._live_families()))
+        return Collected(self.registry, pins={self: scrape})
 
     async def start_http(
         self,

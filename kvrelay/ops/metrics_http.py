@@ -1,8 +1,9 @@
 """The ``/metrics`` and ``/healthz`` HTTP endpoint, served on the relay's own event loop.
 
-Collection then never races the loop that mutates the counters (no locks, no thread-safety
-questions). Only the text of a scrape, written from finished ``Metric`` objects, runs in the
-loop's executor (:class:`Collected`): it is most of a scrape's cost on a relay with many pools.
+What a scrape reads from the relay's live state it reads on the loop that mutates it (no locks,
+no thread-safety questions). The rest runs in the loop's executor (:class:`Collected`): the text,
+and on a relay the families themselves, built from a snapshot the loop took. Both grow with
+every pool, and together they are most of a scrape's cost on a relay with many pools.
 The port is often reachable by a whole pod network and ``/healthz`` is the liveness probe, so no
 peer may be able to make it fail by holding connections:
 
@@ -23,8 +24,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,21 +101,45 @@ def http_metrics(counters: HttpCounters | None) -> Iterator[Metric]:
 
 
 class Collected:
-    """One scrape's metric families, collected on the event loop (collectors read the relay's
-    live state); :meth:`text` then writes them out in the loop's executor thread. The text is
-    most of a scrape's cost (at 64 pools two thirds of it, ``benchmarks/results/
-    fleet_planes.json``) and reads nothing but these finished ``Metric`` objects."""
+    """One scrape. Without ``pins`` its families are collected now, on the event loop
+    (collectors that read the relay's live state), and :meth:`text` writes them out in the
+    loop's executor thread.
 
-    __slots__ = ("families",)
+    With ``pins`` (``{owner: snapshot}``, each taken on the loop), :meth:`text` collects the whole
+    registry in the executor instead, and an owner's collector builds its families from its pinned
+    snapshot (:func:`pinned`) rather than from live state. prometheus_client's own metrics lock
+    themselves, so they may be read from any thread. At 64 pools the families are about two thirds
+    of what a scrape held the loop for (``benchmarks/results/fleet_planes.json``)."""
 
-    def __init__(self, registry: Collector) -> None:
-        self.families: list[Metric] = list(registry.collect())
+    __slots__ = ("_pins", "_registry", "families")
+
+    def __init__(self, registry: Collector, pins: Mapping[object, object] | None = None) -> None:
+        self._registry = registry
+        self._pins = dict(pins) if pins is not None else None
+        self.families: list[Metric] = [] if pins is not None else list(registry.collect())
 
     def collect(self) -> Iterator[Metric]:
         return iter(self.families)
 
     def text(self) -> bytes:
-        return generate_latest(self)
+        if self._pins is None:
+            return generate_latest(self)
+        held = getattr(_pins, "held", None)
+        _pins.held = self._pins
+        try:
+            return generate_latest(self._registry)
+        finally:
+            _pins.held = held
+
+
+_pins = threading.local()
+
+
+def pinned(owner: object) -> object | None:
+    """The snapshot a :class:`Collected` pinned for ``owner`` on this thread while it writes its
+    text, or None (a collection on the loop, which reads live state)."""
+    held: dict[object, object] | None = getattr(_pins, "held", None)
+    return None if held is None else held.get(owner)
 
 
 class MetricsServer:

@@ -202,9 +202,9 @@ class ConnectedMembers:
         out = []
         src = self.source
         if src is not None:
-            out = [SourceStats(n, k.dp_rank, src.state, c) for k, n, c in src.members()]
+            out = [SourceStats(n, k.dp_rank, src.state, c.frozen()) for k, n, c in src.members()]
         if self._departed.messages:
-            out.append(SourceStats(DEPARTED, 0, "stopped", self._departed))
+            out.append(SourceStats(DEPARTED, 0, "stopped", self._departed.frozen()))
         return out
 
 

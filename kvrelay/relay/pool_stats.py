@@ -81,11 +81,11 @@ def pool_stats(
     for key in sorted(set(source_totals) | set(subscribers)):
         sub = subscribers.get(key)
         prev = source_totals.get(key)
-        if sub is None:
+        if sub is None:  # frozen: the snapshot is read off the loop (a scrape's families)
             assert prev is not None
-            sc, state = prev, "stopped"
+            sc, state = prev.frozen(), "stopped"
         else:
-            sc = sub.counters if prev is None else merged(prev, sub.counters)
+            sc = sub.counters.frozen() if prev is None else merged(prev, sub.counters)
             state = sub.state
         sources.append(SourceStats(engine_name(key.worker_id), key.dp_rank, state, sc))
     if connected is not None:

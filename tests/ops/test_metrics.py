@@ -473,3 +473,83 @@ def test_retired_counters_fold_lag_by_bucket_and_keep_the_newest_message_time() 
     c.observe_applied(c_ts := 0.0, live=True)  # an engine clock far behind: the +Inf bucket
     c.observe_applied(c_ts + 1e12, live=True)  # an engine clock ahead: clamped to 0, first bucket
     assert c.lag_buckets == {"+Inf": 1, "0.001": 1} and c.lag_count == 2
+
+
+def test_frozen_counters_copy_every_dict_and_never_follow_the_live_ones() -> None:
+    """A scrape builds its families from ``frozen`` copies off the loop, while the loop goes on
+    counting into the live ones. The dict fields are named here: a new one must be copied too."""
+    from dataclasses import fields
+
+    from kvrelay.ingest.counters import _DICT_FIELDS, SubscriberCounters
+
+    assert set(_DICT_FIELDS) == {
+        "events_by_kind", "rejections", "drops", "resets_by_reason", "lag_buckets",
+    }  # fmt: skip
+    live = SubscriberCounters(messages=5)
+    live.reject("oversized")
+    live.count_reset("gap")
+    live.observe_applied(0.0, live=True)
+    copy = live.frozen()
+    assert copy == live and copy is not live
+    for f in fields(live):
+        value = getattr(live, f.name)
+        if isinstance(value, dict):
+            assert getattr(copy, f.name) is not value, f.name
+            value["added-later"] = 1
+        else:
+            setattr(live, f.name, value + 1)
+    assert all("added-later" not in getattr(copy, name) for name in _DICT_FIELDS)
+    assert copy.messages == 5 and live.messages == 6
+
+
+async def test_a_scrape_is_the_relay_as_it_was_when_taken_and_built_off_the_loop() -> None:
+    """``collected()`` takes the relay's snapshot on the loop; traffic after that does not reach
+    its text, which is written (families included) in the executor; a new scrape sees the traffic.
+    Oracle: the simulator's publishers' sequence numbers."""
+    import threading
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    import kvrelay.ops.metrics as metrics_mod
+
+    built: list[int] = []
+    orig = metrics_mod._member_metrics
+
+    def tracked(*args: object, **kwargs: object) -> object:
+        built.append(threading.get_ident())
+        return orig(*args, **kwargs)  # type: ignore[arg-type]
+
+    def net_messages(body: bytes) -> float:
+        """Messages received less duplicates, over every member: each sequence number once."""
+        out = 0.0
+        for fam in text_string_to_metric_families(body.decode()):
+            for s in fam.samples:
+                if s.name == "kvrelay_ingest_messages_total":
+                    out += s.value
+                elif s.name == "kvrelay_ingest_duplicates_total":
+                    out -= s.value
+        return out
+
+    async with fleet_and_relay(CONFIGS[:1]) as (engines, relay, _server):
+        metrics = RelayMetrics(relay, CollectorRegistry())
+        await wait_subscribed(relay, 2)
+        await engines[0].step(6)
+        await eventually(lambda: in_sync(engines, relay), what="initial sync")
+        sent = sum(p.seq for p in engines[0].publishers)
+        metrics_mod._member_metrics = tracked  # type: ignore[assignment]
+        try:
+            taken = metrics.collected()
+            assert built == []  # only the snapshot was read on the loop
+            await engines[0].step(4)
+            await eventually(lambda: in_sync(engines, relay), what="second sync")
+            loop = asyncio.get_running_loop()
+            old = await loop.run_in_executor(None, taken.text)
+            new = await loop.run_in_executor(None, metrics.collected().text)
+        finally:
+            metrics_mod._member_metrics = orig  # type: ignore[assignment]
+        assert built and threading.get_ident() not in built
+        now = sum(p.seq for p in engines[0].publishers)
+        assert sent < now
+        assert net_messages(old) == sent
+        assert net_messages(new) == now
+        await metrics.close()

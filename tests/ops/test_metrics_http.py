@@ -196,3 +196,49 @@ async def test_a_scrape_is_collected_on_the_loop_and_written_out_off_it() -> Non
     assert reply.status == 200
     assert reply.body == generate_latest(registry)
     assert seen[0] == loop_thread and written and written[0] != loop_thread
+
+
+async def test_a_pinned_scrape_builds_its_families_off_the_loop_from_its_own_snapshot() -> None:
+    """With ``pins``, nothing is collected when the scrape is taken: its text, families included,
+    is written in the executor, where a collector sees the snapshot pinned for its owner (and only
+    there: not on the loop, not after the text, not another scrape's)."""
+    import threading
+
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import GaugeMetricFamily, Metric
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.registry import Collector
+
+    from kvrelay.ops.metrics_http import Collected, pinned
+
+    owner = object()
+    live = {"value": 1.0}
+    seen: list[tuple[int, object]] = []
+
+    class Snapshotting(Collector):
+        def collect(self) -> list[Metric]:
+            snap = pinned(owner)
+            seen.append((threading.get_ident(), snap))
+            v = snap if isinstance(snap, float) else live["value"]
+            return [GaugeMetricFamily("kvrelay_test_value", "value", value=v)]
+
+    registry = CollectorRegistry()
+    registry.register(Snapshotting())
+    loop = asyncio.get_running_loop()
+    first, second = Collected(registry, pins={owner: 10.0}), Collected(registry, pins={owner: 20.0})
+    assert seen == [] and first.families == []  # nothing read when the scrape was taken
+    live["value"] = 99.0
+    texts = await asyncio.gather(
+        loop.run_in_executor(None, first.text), loop.run_in_executor(None, second.text)
+    )
+
+    def gauge(body: bytes) -> float:
+        fams = {f.name: f for f in text_string_to_metric_families(body.decode())}
+        return fams["kvrelay_test_value"].samples[0].value
+
+    assert [gauge(t) for t in texts] == [10.0, 20.0]
+    loop_thread = threading.get_ident()
+    assert len(seen) == 2 and all(t != loop_thread for t, _ in seen)
+    assert pinned(owner) is None  # on the loop: live state
+    assert gauge(Collected(registry).text()) == 99.0
+    assert await loop.run_in_executor(None, pinned, owner) is None  # the pin ends with the text
