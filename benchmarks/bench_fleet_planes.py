@@ -17,7 +17,12 @@ Control gRPC and ZMQ), the real ``Relay``, measured on its event loop.
   relay's snapshot and the few families read from live objects) and what runs in the loop's
   executor (``metrics_scrape_text_ms``: every family built from that snapshot, and the text),
   against collecting every family on the loop (``metrics_scrape_collect_all_on_loop_ms``, what a
-  scrape held the loop for before, its text then written off it);
+  scrape held the loop for before, its text then written off it); and the longest a ticker on
+  the loop waited during one whole scrape (``metrics_scrape_longest_loop_stall_ms``, with the 1 ms
+  GIL switch interval the daemon sets, ``ops/event_loop.py``: the executor thread holds the GIL
+  while it builds the families, so the loop may wait for it; ``…_5ms_switch_ms`` with CPython's
+  default; ``metrics_scrape_all_on_loop_longest_loop_stall_ms``: collected on the loop, at 5 ms,
+  as before);
 * reading one engine's ``/metrics`` page, which the relay scrapes from every engine every
   ``metrics_scrape_interval_s`` (1 s): the lines it reads, against prometheus_client's parse of
   the whole page (what it did before).
@@ -32,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +46,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks._common import machine, over_repeats, print_over_repeats, results_dir, write_json
 from kvrelay.discovery.metrics_scrape import parse_engine_page
+from kvrelay.ops.event_loop import tune_thread_switching
 from kvrelay.ops.metrics import RelayMetrics
 from kvrelay.ops.metrics_http import Collected
 from kvrelay.relay.relay import Relay
@@ -56,6 +63,34 @@ def _median_ms(fn: Callable[[], object], rounds: int) -> float:
         t0 = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)
+    return statistics.median(out) * 1e3
+
+
+async def _longest_stall_ms(take: Callable[[], Collected], rounds: int) -> float:
+    """The longest a 0.5 ms ticker on the loop waited past its time during one whole scrape (taken
+    on the loop, its text written in the executor), median over ``rounds``: what a delta arriving
+    during a scrape could wait, the executor thread's hold on the GIL included."""
+    loop = asyncio.get_running_loop()
+    out = []
+    worst = [0.0]
+    running = [True]
+
+    async def ticker() -> None:
+        while running[0]:
+            t0 = loop.time()
+            await asyncio.sleep(0.0005)
+            worst[0] = max(worst[0], loop.time() - t0 - 0.0005)
+
+    for _ in range(rounds):
+        running[0] = True
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0.005)
+        worst[0] = 0.0
+        scrape = take()
+        await loop.run_in_executor(None, scrape.text)
+        running[0] = False
+        await task
+        out.append(worst[0])
     return statistics.median(out) * 1e3
 
 
@@ -122,8 +157,20 @@ async def run(pools: int, rounds: int) -> dict[str, Any]:
         model = engines[0].cfg.served_model_name
         metrics = RelayMetrics(relay)
         scrape = metrics.collected()
+        default = sys.getswitchinterval()
+        try:
+            sys.setswitchinterval(0.005)  # CPython's default: what the relay ran with before
+            stall_default = await _longest_stall_ms(metrics.collected, rounds)
+            stall_all_on_loop = await _longest_stall_ms(lambda: Collected(metrics.registry), rounds)
+            tune_thread_switching()  # what the daemon and its workers run with
+            stall = await _longest_stall_ms(metrics.collected, rounds)
+        finally:
+            sys.setswitchinterval(default)
         return {
             "pools": pools,
+            "metrics_scrape_longest_loop_stall_ms": stall,
+            "metrics_scrape_longest_loop_stall_5ms_switch_ms": stall_default,
+            "metrics_scrape_all_on_loop_longest_loop_stall_ms": stall_all_on_loop,
             "metrics_scrape_collect_ms": _median_ms(metrics.collected, rounds),
             "metrics_scrape_text_ms": _median_ms(scrape.text, rounds),
             "metrics_scrape_collect_all_on_loop_ms": _median_ms(
@@ -173,7 +220,7 @@ def main() -> None:
     if a.smoke:
         a.pools, a.rounds, a.repeats = 4, 3, 1
     res = over_repeats([asyncio.run(run(a.pools, a.rounds)) for _ in range(a.repeats)])
-    print_over_repeats(res, 46)
+    print_over_repeats(res, 50)
     res["machine"] = machine()
     write_json(results_dir(a.smoke) / "fleet_planes.json", res)
 

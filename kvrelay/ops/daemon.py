@@ -25,6 +25,7 @@ import dataclasses
 import os
 import signal
 import ssl
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import replace
@@ -34,7 +35,7 @@ from kvrelay import __version__
 from kvrelay._aio import cancel_all
 from kvrelay.logging import configure, get_logger
 from kvrelay.ops.config import DaemonConfig, format_bind
-from kvrelay.ops.event_loop import loop_factory, loop_name
+from kvrelay.ops.event_loop import loop_factory, loop_name, tune_thread_switching
 from kvrelay.ops.reload import (
     ReloadResult,
     ReloadStats,
@@ -328,6 +329,7 @@ class Daemon:
             else format_bind(cfg.metrics.host, self.metrics_port),
             pools=len(cfg.relay.pools),
             event_loop=loop_name(asyncio.get_running_loop()),
+            gil_switch_interval_s=sys.getswitchinterval(),
             workers=cfg.workers,
             mirror_of=None if cfg.mirror is None else cfg.mirror.upstream,
         )
@@ -674,6 +676,7 @@ def run(
     from kvrelay.ops.memory import tune_malloc
 
     tune_malloc()  # before the relay allocates anything large
+    tune_thread_switching()
     try:
         factory = loop_factory(cfg.event_loop)
     except ImportError:
