@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Awaitable, Iterable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 _RECANCEL_S = 0.5
 
@@ -38,3 +40,23 @@ async def cancel_all(tasks: Iterable[asyncio.Task[Any]]) -> None:
         t.cancel()
     for t in tasks:
         await cancel_and_wait(t)
+
+
+async def bounded(aw: Awaitable[T], timeout: float) -> T:
+    """``asyncio.wait_for(aw, timeout)``, except that the inner call's outcome is always read.
+
+    When the caller is cancelled while the inner call is ending with an error of its own (grpclib
+    turns its deadline's cancellation into ``TimeoutError``; a socket close raises ``OSError``),
+    Python 3.11's ``wait_for`` re-raises the caller's cancellation and drops that error: the loop
+    then logs "Task exception was never retrieved", with a traceback, for something already
+    handled. Here the inner task reads its own outcome when it ends. The caller sees exactly
+    what ``wait_for`` gives it: the result, the error, ``TimeoutError`` or its own cancellation.
+    """
+    task = asyncio.ensure_future(aw)
+    task.add_done_callback(_read_outcome)
+    return await asyncio.wait_for(task, timeout)
+
+
+def _read_outcome(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()

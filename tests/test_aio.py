@@ -88,3 +88,67 @@ async def test_a_task_failure_is_raised() -> None:
     await asyncio.sleep(0.01)
     with pytest.raises(RuntimeError, match="boom"):
         await cancel_and_wait(task)
+
+
+async def _ends_with_its_own_error(started: asyncio.Event) -> None:
+    """A call that turns its cancellation into an error of its own, as grpclib's deadline turns
+    it into ``TimeoutError`` and a closing socket raises ``OSError``."""
+    started.set()
+    try:
+        await asyncio.sleep(60)
+    except asyncio.CancelledError:
+        await asyncio.sleep(0)
+        raise OSError("connection closed while cancelled") from None
+
+
+async def _cancelled_owner(wait: object) -> list[dict[str, object]]:
+    """Cancel a task waiting in ``wait(call, 10)``; what the loop reported as unhandled."""
+    import gc
+
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, object]] = []
+    old = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, ctx: reported.append(ctx))
+    try:
+        started = asyncio.Event()
+        owner = asyncio.create_task(wait(_ends_with_its_own_error(started), 10))  # type: ignore[operator]
+        await started.wait()
+        owner.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await owner  # the owner stays cancelled either way
+        del owner
+        for _ in range(3):
+            await asyncio.sleep(0)
+            gc.collect()
+    finally:
+        loop.set_exception_handler(old)
+    return reported
+
+
+async def test_bounded_reads_the_outcome_a_cancelled_caller_never_sees() -> None:
+    import sys
+
+    from kvrelay._aio import bounded
+
+    assert await _cancelled_owner(bounded) == []
+    if sys.version_info < (3, 12):  # the oracle: 3.11's wait_for drops the inner error
+        reported = await _cancelled_owner(asyncio.wait_for)
+        assert any("never retrieved" in str(c.get("message")) for c in reported), reported
+
+
+async def test_bounded_gives_what_wait_for_gives() -> None:
+    from kvrelay._aio import bounded
+
+    async def value() -> int:
+        await asyncio.sleep(0)
+        return 7
+
+    async def fails() -> None:
+        await asyncio.sleep(0)
+        raise OSError("refused")
+
+    assert await bounded(value(), 1) == 7
+    with pytest.raises(OSError, match="refused"):
+        await bounded(fails(), 1)
+    with pytest.raises(TimeoutError):
+        await bounded(asyncio.sleep(5), 0.01)

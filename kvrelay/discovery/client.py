@@ -7,7 +7,6 @@ Returned endpoints have wildcard hosts replaced by the host used to reach the en
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -15,6 +14,7 @@ import grpclib.const
 import grpclib.exceptions
 from grpclib.client import Channel
 
+from kvrelay._aio import bounded
 from kvrelay._grpc import effective_status
 from kvrelay._proto import vllm as vpb
 from kvrelay.discovery.endpoints import (
@@ -67,7 +67,7 @@ class EngineClient:
     async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
         try:
             # outer bound covers connection setup too, which grpclib's timeout may not
-            return await asyncio.wait_for(fn(), timeout=self.timeout + 0.5)
+            return await bounded(fn(), self.timeout + 0.5)
         except grpclib.exceptions.GRPCError as exc:
             status = effective_status(exc.status, exc.message)  # grpclib's UNIMPLEMENTED
             if status is grpclib.const.Status.UNAVAILABLE:

@@ -20,6 +20,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvrelay._aio import bounded
+
 KV_USAGE = "vllm:kv_cache_usage_perc"
 KV_USAGE_LEGACY = "vllm:gpu_cache_usage_perc"  # name before vLLM renamed it
 RUNNING = "vllm:num_requests_running"
@@ -79,7 +81,7 @@ async def fetch_metrics_text(
                 await writer.wait_closed()
 
     try:
-        raw = await asyncio.wait_for(go(), timeout=timeout)
+        raw = await bounded(go(), timeout)
     except (TimeoutError, OSError) as exc:
         raise MetricsScrapeError(f"{host}:{port}{path}: {exc!r}") from exc
     return _http_body(raw, max_bytes)

@@ -14,7 +14,7 @@ import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from kvrelay._aio import cancel_all, cancel_and_wait
+from kvrelay._aio import bounded, cancel_all, cancel_and_wait
 from kvrelay.discovery.client import EngineClient
 from kvrelay.discovery.endpoints import StaticSourceConfig, split_tcp, static_sources
 from kvrelay.discovery.errors import InvalidEndpoint
@@ -67,7 +67,7 @@ async def _tcp_alive(endpoint: str, host: str, timeout: float) -> str | None:
         return str(exc)
     h = h.strip("[]") or host
     try:
-        _, w = await asyncio.wait_for(asyncio.open_connection(h, port), timeout=timeout)
+        _, w = await bounded(asyncio.open_connection(h, port), timeout)
     except (TimeoutError, OSError) as exc:
         return f"{endpoint}: {exc!r}"
     w.close()

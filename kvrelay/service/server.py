@@ -25,6 +25,7 @@ from grpclib.exceptions import GRPCError
 from grpclib.reflection.service import ServerReflection
 from grpclib.server import Stream
 
+from kvrelay._aio import bounded
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.errors import RelayError
 from kvrelay.contract.limits import PermitCounter, RelayLimits
@@ -333,7 +334,7 @@ class KvEventRelayService:
     # --- helpers ---
     async def _recv(self, stream: Stream[Any, Any]) -> Any:
         try:
-            request = await asyncio.wait_for(stream.recv_message(), self.request_timeout_s)
+            request = await bounded(stream.recv_message(), self.request_timeout_s)
         except TimeoutError:
             self.h2_counters.closed["request_timeout"] = (
                 self.h2_counters.closed.get("request_timeout", 0) + 1
