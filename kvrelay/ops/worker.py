@@ -158,7 +158,8 @@ async def run_worker(
         control.apply(control.rules)  # before the listener: no client is served without them
         inherited = None if spec.listen_fd is None else socket.socket(fileno=spec.listen_fd)
         await server.start(spec.host, spec.port, ssl=context, sock=inherited)
-        _LOG.info("worker_serving", worker=spec.index, port=server.port)
+        _LOG.info("worker_serving", worker=spec.index, port=server.port,
+                  gil_switch_interval_s=sys.getswitchinterval())  # fmt: skip
         report_pipe.send(f"READY {server.port}", droppable=False)
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):

@@ -381,6 +381,9 @@ async def test_the_manifest_starts_four_workers_on_a_read_only_root(
         err = (await proc.stderr.read()).decode()  # type: ignore[union-attr]
         assert rc == 0, err[-3000:]
         assert '"worker_serving"' in err or "worker_serving" in err
+        # the worker set the daemon's 1 ms GIL switch interval too (ops/event_loop.py)
+        served = [line for line in err.splitlines() if "worker_serving" in line]
+        assert served and all("gil_switch_interval_s" in ln and "0.001" in ln for ln in served)
         assert not list(runtime.iterdir()), "the internal socket's directory is removed"
         for name, d in scratch.items():
             assert not list(d.iterdir()), f"${name.upper()} was written: {list(d.iterdir())}"
