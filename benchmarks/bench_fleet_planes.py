@@ -23,6 +23,11 @@ Control gRPC and ZMQ), the real ``Relay``, measured on its event loop.
   while it builds the families, so the loop may wait for it; ``…_5ms_switch_ms`` with CPython's
   default; ``metrics_scrape_all_on_loop_longest_loop_stall_ms``: collected on the loop, at 5 ms,
   as before);
+* one full garbage collection (``gc.collect(2)``, on the loop) in that process, with the objects
+  alive before the engines and the relay were made frozen out of it as the daemon freezes its
+  own after the warm-up (``gc_full_collection_ms``, ``ops/gc_freeze.py``), and with nothing frozen
+  (``gc_full_collection_unfrozen_ms``). The simulated engines live in this process too, so both
+  walk their objects as well as the relay's;
 * reading one engine's ``/metrics`` page, which the relay scrapes from every engine every
   ``metrics_scrape_interval_s`` (1 s): the lines it reads, against prometheus_client's parse of
   the whole page (what it did before).
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import statistics
 import sys
 import time
@@ -47,8 +53,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from benchmarks._common import machine, over_repeats, print_over_repeats, results_dir, write_json
 from kvrelay.discovery.metrics_scrape import parse_engine_page
 from kvrelay.ops.event_loop import tune_thread_switching
+from kvrelay.ops.gc_freeze import freeze_startup_objects
 from kvrelay.ops.metrics import RelayMetrics
 from kvrelay.ops.metrics_http import Collected
+from kvrelay.ops.warmup import warm_kernels
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
 from kvrelay.sim.config import SimConfig
@@ -95,6 +103,8 @@ async def _longest_stall_ms(take: Callable[[], Collected], rounds: int) -> float
 
 
 async def run(pools: int, rounds: int) -> dict[str, Any]:
+    gc.unfreeze()
+    freeze_startup_objects()  # as the daemon does after its warm-up, before any pool exists
     engines = [SimEngine(SimConfig(name=f"e{i}", seed=i)) for i in range(pools)]
     for e in engines:
         await e.start()
@@ -166,8 +176,13 @@ async def run(pools: int, rounds: int) -> dict[str, Any]:
             stall = await _longest_stall_ms(metrics.collected, rounds)
         finally:
             sys.setswitchinterval(default)
+        full_gc = _median_ms(lambda: gc.collect(2), rounds)
+        gc.unfreeze()  # the next run freezes anew before its engines and relay exist
+        full_gc_unfrozen = _median_ms(lambda: gc.collect(2), rounds)
         return {
             "pools": pools,
+            "gc_full_collection_ms": full_gc,
+            "gc_full_collection_unfrozen_ms": full_gc_unfrozen,
             "metrics_scrape_longest_loop_stall_ms": stall,
             "metrics_scrape_longest_loop_stall_5ms_switch_ms": stall_default,
             "metrics_scrape_all_on_loop_longest_loop_stall_ms": stall_all_on_loop,
@@ -219,6 +234,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.smoke:
         a.pools, a.rounds, a.repeats = 4, 3, 1
+    warm_kernels()  # loaded before the freeze, as in the daemon
     res = over_repeats([asyncio.run(run(a.pools, a.rounds)) for _ in range(a.repeats)])
     print_over_repeats(res, 50)
     res["machine"] = machine()

@@ -116,6 +116,10 @@ class Daemon:
         #: Called once a successor serves: the process then stops (``serve`` sets it).
         self.on_handed_over: Callable[[], None] | None = None
         self.handed_over = False
+        #: Freeze the objects alive after the warm-up out of the collector's walks
+        #: (``ops/gc_freeze.py``). ``serve`` sets it: the process is then this daemon's alone,
+        #: where tests run many daemons in one process.
+        self.freeze_gc = False
         self._upgrade_task: asyncio.Task[None] | None = None
         self.notifier = notifier if notifier is not None else Notifier()
         self.reloads = ReloadStats()
@@ -160,7 +164,9 @@ class Daemon:
         if cfg.mirror is not None:
             from kvrelay.mirror.mirror import Mirror
             from kvrelay.ops.front import mirror_settings
-
+            if cfg.metrics.enabled:
+                import kvrelay.ops.mirror_metrics  # imported before the freeze
+            self._freeze_startup_objects()
             self.mirror = Mirror(mirror_settings(cfg.mirror, limits))
             if cfg.metrics.enabled:
                 from kvrelay.ops.mirror_metrics import MirrorMetrics
@@ -197,9 +203,11 @@ class Daemon:
         from kvrelay.ops.memory import release_compiler_pages
 
         released = release_compiler_pages()  # LLVM is not needed to run the kernels
+        frozen = self._freeze_startup_objects()
         _LOG.info(
-            "kernels_warm", seconds=round(warm_s, 3), compiler_pages_released_mib=released >> 20
-        )
+            "kernels_warm", seconds=round(warm_s, 3), compiler_pages_released_mib=released >> 20,
+            gc_frozen_objects=frozen,
+        )  # fmt: skip
         self.relay = Relay(replace(cfg.relay, limits=limits))
         if cfg.metrics.enabled:  # before the relay starts, so every delta is observed
             self.metrics = RelayMetrics(self.relay, per_member=cfg.metrics.per_member)
@@ -218,6 +226,14 @@ class Daemon:
         await self.relay.start(restored)
         await self._settled(restored)
         return self.relay
+
+    def _freeze_startup_objects(self) -> int:
+        """Before any pool or connection exists (``ops/gc_freeze.py``); 0 when not asked to."""
+        if not self.freeze_gc:
+            return 0
+        from kvrelay.ops.gc_freeze import freeze_startup_objects
+
+        return freeze_startup_objects()
 
     async def _settled(self, restored: dict[str, Any]) -> None:
         """Until every pool handed over is materialized and each member of its cut that the
@@ -628,6 +644,7 @@ async def serve(
         return 1
     daemon = Daemon(cfg, notifier, config_path=config_path, handoff=handoff, pid_file=pid_file)
     daemon.on_handed_over = stop.set
+    daemon.freeze_gc = True
     loop.add_signal_handler(signal.SIGHUP, daemon.request_reload)
     loop.add_signal_handler(signal.SIGUSR2, daemon.request_upgrade)
     code = 0

@@ -32,6 +32,7 @@ from typing import Any
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.logging import configure, get_logger
 from kvrelay.ops.event_loop import loop_factory, tune_thread_switching
+from kvrelay.ops.gc_freeze import freeze_startup_objects
 from kvrelay.ops.report_pipe import ReportPipe
 from kvrelay.service.authz import AuthorizationRule, authorization_of
 
@@ -230,6 +231,7 @@ def main() -> int:
     spec = WorkerSpec.from_json(_spec_line().decode())
     configure(level=spec.log_level.upper(), json=spec.log_json)
     tune_thread_switching()
+    freeze_startup_objects()  # its imports, before its mirror exists (ops/gc_freeze.py)
     with asyncio.Runner(loop_factory=loop_factory(spec.event_loop)) as runner:
         return int(runner.run(_main(spec)))
 
