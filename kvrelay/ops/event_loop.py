@@ -10,7 +10,7 @@ Both also shorten how long another Python thread may keep the GIL while the loop
 Python work: building a scrape's families and text, parsing engines' pages, following a
 checkpoint's child. A loop that wants the GIL back waits up to one interval each time, and more
 than once while such a thread runs: at 64 pools, during one ``/metrics`` scrape the loop waited up
-to 22.00 ms at 5 ms and 4.97 ms at 1 ms (``benchmarks/results/fleet_planes.json``). A switch is only
+to 21.07 ms at 5 ms and 6.53 ms at 1 ms (``benchmarks/results/fleet_planes.json``). A switch is only
 forced while another thread wants the GIL, so a relay without such work pays nothing.
 """
 

@@ -341,7 +341,7 @@ class Relay:
             except Exception as exc:  # TopologyError: this endpoint only
                 self._metadata_rejected(p.name, "readiness", exc)
         # Unchanged inputs make an unchanged plane: skip serializing every pool to find that out
-        # (at 64 pools: 1.02 ms instead of 2.11, or 30.47 from nothing kept; fleet_planes.json).
+        # (at 64 pools: 0.99 ms instead of 2.10, or 29.37 from nothing kept; fleet_planes.json).
         if force or not _same_objects(descriptors, self._catalog_set):
             try:
                 self.catalog.set_pools(descriptors)
