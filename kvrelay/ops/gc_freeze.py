@@ -13,7 +13,7 @@ arriving then waits behind. Its length is in ``benchmarks/results/fleet_planes.j
 generation (``gc.freeze``), which no collection visits. Reference counting still frees a frozen
 object when its last reference goes. Only a reference cycle among frozen objects would never be
 collected, so this runs once: after the imports and the kernels, before any pool, connection or
-configuration that the relay later replaces exists.
+subscriber exists.
 """
 
 from __future__ import annotations
