@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 from kvrelay import __version__
 from kvrelay.contract.wire import SLOTS_PER_BUCKET
 from kvrelay.ingest.counters import LAG_BUCKETS_S, SubscriberCounters
+from kvrelay.ops.gc_pauses import pauses
 from kvrelay.ops.metrics_http import (
     Collected,
     HttpCounters,
@@ -438,6 +439,7 @@ class RelayMetrics:
             registry=self.registry,
         )
         self.registry.register(_RelayCollector(self))
+        pauses()  # garbage collections are timed from now on
         self._http: MetricsServer | None = None
         self.http_counters = HttpCounters()
         self._tls: TlsSource | None = None
@@ -492,6 +494,7 @@ class RelayMetrics:
 
     def _live_families(self) -> Iterator[Metric]:
         """The families read from live objects as they are built (few samples each)."""
+        yield from pauses().families()
         yield from self._service_metrics()
         yield from self._reload_metrics()
         yield from http_metrics(self.http_counters)

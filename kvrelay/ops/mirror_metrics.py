@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvrelay.ops.gc_pauses import pauses
 from kvrelay.ops.metrics import (
     LOOP_LAG_BUCKETS,
     ServiceSource,
@@ -158,6 +159,7 @@ class _ServiceCollector(Collector):
         svc = self.metrics.service
         if svc is not None:
             yield from _service_families(svc)
+        yield from pauses().families()
         yield from http_metrics(self.metrics.http_counters)
         yield from tls_families(self.metrics.tls)
         yield from upgrade_families(self.metrics.upgrades)
@@ -181,6 +183,7 @@ class MirrorMetrics:
                                    registry=self.registry)  # fmt: skip
         self.registry.register(MirrorCollector(lambda: [("", self.mirror.stats())]))
         self.registry.register(_ServiceCollector(self))
+        pauses()  # garbage collections are timed from now on
         self._http: MetricsServer | None = None
 
     def attach_service(self, service: ServiceSource) -> None:

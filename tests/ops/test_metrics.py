@@ -553,3 +553,45 @@ async def test_a_scrape_is_the_relay_as_it_was_when_taken_and_built_off_the_loop
         assert net_messages(old) == sent
         assert net_messages(new) == now
         await metrics.close()
+
+
+def test_garbage_collection_pauses_are_timed_by_generation() -> None:
+    """Oracle: CPython's own count of collections per generation (``gc.get_stats``), which
+    the hook never reads. Every collection from the first ``RelayMetrics`` on is in the
+    histogram, once, in the bucket of its duration."""
+    import gc
+
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvrelay.ops.gc_pauses import BUCKETS_S
+
+    def read(metrics: RelayMetrics) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {"0": {}, "1": {}, "2": {}}
+        text = generate_latest(metrics.registry).decode()
+        for fam in text_string_to_metric_families(text):
+            if fam.name == "kvrelay_gc_pause_seconds":
+                for s in fam.samples:
+                    key = s.name.rsplit("_", 1)[1] + s.labels.get("le", "")
+                    out[s.labels["generation"]][key] = s.value
+        return out
+
+    relay = Relay(RelaySettings(dc_name="dc-gc", pools=()))  # not started: nothing to collect
+    metrics = RelayMetrics(relay, CollectorRegistry())
+    gc.disable()  # only the collections made here, none started by the test's own allocations
+    try:
+        before, cpython = read(metrics), [g["collections"] for g in gc.get_stats()]
+        for _ in range(3):
+            gc.collect(2)
+        gc.collect(0)
+        after, now = read(metrics), [g["collections"] for g in gc.get_stats()]
+    finally:
+        gc.enable()
+    for gen in ("0", "1", "2"):
+        counted = after[gen]["count"] - before[gen]["count"]
+        assert counted == now[int(gen)] - cpython[int(gen)], gen  # every one, once
+        assert after[gen]["bucket+Inf"] == after[gen]["count"]
+        bounds = [after[gen][f"bucket{b!r}"] for b in BUCKETS_S] + [after[gen]["bucket+Inf"]]
+        assert bounds == sorted(bounds)  # cumulative
+    assert after["2"]["count"] - before["2"]["count"] >= 3
+    assert after["2"]["sum"] > before["2"]["sum"]
