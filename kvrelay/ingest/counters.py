@@ -73,8 +73,9 @@ class SubscriberCounters:
         self.lag_count += 1
 
     def frozen(self) -> SubscriberCounters:
-        """A copy the relay never changes (its dicts copied too, each in one C-level step that
-        no other thread interleaves with): a scrape builds its families from it off the loop."""
+        """A copy the relay never changes, its dicts copied too (taken on the loop, the only
+        writer): a scrape builds its families from it off the loop. ``stats.merged`` with empty
+        counters gives the same copy at about three times the cost (15 against 4.5 µs)."""
         out = copy.copy(self)
         for name in _DICT_FIELDS:
             setattr(out, name, dict(getattr(self, name)))

@@ -164,13 +164,11 @@ class Daemon:
         if cfg.mirror is not None:
             from kvrelay.mirror.mirror import Mirror
             from kvrelay.ops.front import mirror_settings
-            if cfg.metrics.enabled:
-                import kvrelay.ops.mirror_metrics  # imported before the freeze
-            self._freeze_startup_objects()
+            from kvrelay.ops.mirror_metrics import MirrorMetrics
+
+            self._freeze_startup_objects()  # after the imports
             self.mirror = Mirror(mirror_settings(cfg.mirror, limits))
             if cfg.metrics.enabled:
-                from kvrelay.ops.mirror_metrics import MirrorMetrics
-
                 self.metrics = MirrorMetrics(self.mirror)
                 self.metrics.attach_upgrades(self.upgrades)
             self.mirror.start()

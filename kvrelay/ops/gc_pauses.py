@@ -7,7 +7,7 @@ collection is a pause of the event loop that every delta then arriving waits beh
 The hook keeps plain integers and floats. It runs inside whatever allocation started the
 collection, on any thread. Taking a lock there (a prometheus_client ``Histogram`` takes one)
 could wait on a lock that the same thread already holds. The families are built from those
-numbers at scrape time.
+numbers at scrape time (``ops/metrics.gc_pause_families``).
 """
 
 from __future__ import annotations
@@ -15,21 +15,20 @@ from __future__ import annotations
 import gc
 import time
 from bisect import bisect_left
-from collections.abc import Iterator
 from typing import Any
-
-from prometheus_client.core import HistogramMetricFamily, Metric
 
 #: Upper bounds (seconds) of the pause histogram.
 BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 GENERATIONS = (0, 1, 2)
+_KEYS = (*(repr(b) for b in BUCKETS_S), "+Inf")
 
 
 class GcPauses:
-    """Per generation: a count per bucket (not cumulative), the sum of seconds."""
+    """Per generation: a count per bucket keyed by its bound's text (not cumulative, as the
+    ingest lag histogram keeps them), the sum of seconds."""
 
     def __init__(self) -> None:
-        self.counts = [[0] * (len(BUCKETS_S) + 1) for _ in GENERATIONS]
+        self.counts: list[dict[str, int]] = [dict.fromkeys(_KEYS, 0) for _ in GENERATIONS]
         self.sums = [0.0 for _ in GENERATIONS]
         self._started = 0.0
 
@@ -42,23 +41,8 @@ class GcPauses:
         if gen not in GENERATIONS or not self._started:
             return
         took = time.perf_counter() - self._started
-        self.counts[gen][bisect_left(BUCKETS_S, took)] += 1
+        self.counts[gen][_KEYS[bisect_left(BUCKETS_S, took)]] += 1
         self.sums[gen] += took
-
-    def families(self) -> Iterator[Metric]:
-        fam = HistogramMetricFamily(
-            "kvrelay_gc_pause_seconds",
-            "Wall time of each garbage collection, by generation (2: a full collection). It "
-            "holds the thread that allocated, usually the event loop.",
-            labels=["generation"],
-        )  # fmt: skip
-        for gen in GENERATIONS:
-            cumulative, buckets = 0, []
-            for bound, n in zip((*map(repr, BUCKETS_S), "+Inf"), self.counts[gen], strict=True):
-                cumulative += n
-                buckets.append((bound, cumulative))
-            fam.add_metric([str(gen)], buckets, self.sums[gen])
-        yield fam
 
 
 _pauses: GcPauses | None = None

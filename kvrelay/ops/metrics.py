@@ -32,7 +32,8 @@ from prometheus_client.registry import Collector
 from kvrelay import __version__
 from kvrelay.contract.wire import SLOTS_PER_BUCKET
 from kvrelay.ingest.counters import LAG_BUCKETS_S, SubscriberCounters
-from kvrelay.ops.gc_pauses import pauses
+from kvrelay.ops import gc_pauses
+from kvrelay.ops.gc_pauses import GcPauses, pauses
 from kvrelay.ops.metrics_http import (
     Collected,
     HttpCounters,
@@ -494,7 +495,7 @@ class RelayMetrics:
 
     def _live_families(self) -> Iterator[Metric]:
         """The families read from live objects as they are built (few samples each)."""
-        yield from pauses().families()
+        yield from gc_pause_families(pauses())
         yield from self._service_metrics()
         yield from self._reload_metrics()
         yield from http_metrics(self.http_counters)
@@ -775,12 +776,34 @@ def _lag_buckets(counters: Iterable[SubscriberCounters]) -> tuple[list[tuple[str
         for k, n in c.lag_buckets.items():
             per[k] = per.get(k, 0) + n
         total_s += c.lag_sum_s
+    return cumulative_buckets(LAG_BUCKETS_S, per), total_s
+
+
+def cumulative_buckets(
+    bounds: Iterable[float], per: Mapping[str, int]
+) -> list[tuple[str, float]]:
+    """Prometheus's cumulative buckets from counts per bucket keyed by the bound's ``repr``
+    (and ``+Inf``)."""
     out: list[tuple[str, float]] = []
     running = 0
-    for key in (*(repr(b) for b in LAG_BUCKETS_S), "+Inf"):
+    for key in (*(repr(b) for b in bounds), "+Inf"):
         running += per.get(key, 0)
         out.append((key, running))
-    return out, total_s
+    return out
+
+
+def gc_pause_families(p: GcPauses) -> Iterator[Metric]:
+    """``kvrelay_gc_pause_seconds`` (a relay's and a mirror's endpoint alike)."""
+    fam = HistogramMetricFamily(
+        "kvrelay_gc_pause_seconds",
+        "Wall time of each garbage collection, by generation (2: a full collection). It holds "
+        "the thread that allocated, usually the event loop.",
+        labels=["generation"],
+    )  # fmt: skip
+    for gen in gc_pauses.GENERATIONS:
+        buckets = cumulative_buckets(gc_pauses.BUCKETS_S, p.counts[gen])
+        fam.add_metric([str(gen)], buckets, p.sums[gen])
+    yield fam
 
 
 def _source_metrics(r: RelayStats) -> Iterator[Metric]:

@@ -24,6 +24,7 @@ from kvrelay.ops.metrics import (
     ServiceSource,
     UpgradeSource,
     default_registry,
+    gc_pause_families,
     guard_families,
     tls_families,
     upgrade_families,
@@ -159,7 +160,7 @@ class _ServiceCollector(Collector):
         svc = self.metrics.service
         if svc is not None:
             yield from _service_families(svc)
-        yield from pauses().families()
+        yield from gc_pause_families(pauses())
         yield from http_metrics(self.metrics.http_counters)
         yield from tls_families(self.metrics.tls)
         yield from upgrade_families(self.metrics.upgrades)
