@@ -28,10 +28,11 @@ import os
 import sys
 from dataclasses import dataclass
 
+from kvrelay._madvise import MADV_DONTNEED, madvise
+
 #: mallopt parameters (glibc <malloc.h>).
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
-_MADV_DONTNEED = 4
 
 MMAP_THRESHOLD = 1 << 20
 ARENA_MAX = 2
@@ -145,10 +146,7 @@ def release_compiler_pages(library: str = COMPILER_LIBRARY) -> int:
             _CHECKED[library] = (lines, ranges)
     except OSError:
         return 0
-    madvise = libc.madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    ok = [madvise(start, end - start, _MADV_DONTNEED) == 0 for start, end in ranges]
+    ok = [madvise(start, end - start, MADV_DONTNEED) == 0 for start, end in ranges]
     return resident if all(ok) else 0
 
 

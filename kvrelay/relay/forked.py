@@ -1,10 +1,13 @@
-"""Work on a frozen image of the relay's memory, in a forked child: checkpoints and scrub passes.
+"""Work on a frozen image of the relay's memory, in a forked child: scrub passes and a hot
+upgrade's cut.
 
-Both need one consistent view of a pool while ingest goes on. Copying the arrays costs the event
-loop a ``memcpy`` of the whole state (hundreds of milliseconds for a large pool once page faults
-are counted) and doubles its memory; a ``fork`` between two batches gives the child the memory
-as it was at that instant (copy-on-write), costs the loop only the page tables, and adds only
-the pages the relay writes while the child runs.
+Both need one consistent view of the pools while ingest goes on, and both need more than
+streaming it out: a scrub looks owners up in the filter, an upgrade's cut takes every pool at
+one instant. Copying the arrays costs the event loop a ``memcpy`` of the whole state and doubles
+its memory; a ``fork`` between two batches gives the child the memory as it was at that instant
+(copy-on-write), costs the loop only the page tables, and adds only the pages the relay writes
+while the child runs. (A periodic checkpoint only streams one pool out, and does without a
+fork: ``pool/image.py``.)
 
 The child runs one function, writes its text result to a pipe and ends with ``os._exit``: no
 logging, no sockets, no event loop, nothing that could take a lock another thread held at the
@@ -16,10 +19,11 @@ copy-on-write image made the relay split, so the next fork costs what the first 
 
 While the child holds the image, every first write the relay makes to a shared page is a
 copy-on-write fault, and on a huge page it also splits the relay's mapping: measured on a 10M
-pool, that cost, spread over the whole write, not the fork itself, set the delta p99 during a
-checkpoint. So a child that has written a stretch of an array gives its share of the whole huge
-pages in it back (:func:`give_back`, ``MADV_DONTNEED`` in the child only): the relay then owns
-them alone again, and its next write there reuses the page in place instead of copying it.
+pool, that cost, spread over the whole write, not the fork itself, doubled the delta p99 while
+a child wrote a checkpoint (when checkpoints still forked). So a child that has written a
+stretch of an array gives its share of the whole huge pages in it back (:func:`give_back`,
+``MADV_DONTNEED`` in the child only): the relay then owns them alone again, and its next write
+there reuses the page in place instead of copying it.
 
 That reuse is still one fault per small page the relay had split: its page table keeps every
 entry of the image write-protected until it is written once. So the child also tells the relay,
@@ -47,12 +51,11 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
+from kvrelay._madvise import MADV_DONTNEED, MADV_POPULATE_WRITE, madvise
 from kvrelay.relay import hugepages
 
 _PR_SET_PDEATHSIG = 1
 REPORT_MAX = 16 << 10  # well under a pipe's capacity: the child never blocks on it
-MADV_DONTNEED = 4
-MADV_POPULATE_WRITE = 23
 HUGE = hugepages.HUGE
 _RANGE = struct.Struct("=QQ")  # (start, length) of a range given back: one atomic pipe write
 _in_child = False
@@ -157,7 +160,7 @@ def give_back(raw: npt.NDArray[np.uint8], start: int, end: int) -> None:
     hi = (base + end) // HUGE * HUGE
     if hi <= lo:
         return
-    if hugepages.madvise(lo, hi - lo, MADV_DONTNEED) == 0 and _ranges_w >= 0:
+    if madvise(lo, hi - lo, MADV_DONTNEED) == 0 and _ranges_w >= 0:
         with contextlib.suppress(OSError):  # a full pipe: the relay takes those faults itself
             os.write(_ranges_w, _RANGE.pack(lo, hi - lo))
 
@@ -195,7 +198,7 @@ class Ranges:
             if len(_live) > 1:  # another child's image may share it: writing would copy it
                 return
             step = min(HUGE, at + length - lo)
-            err = hugepages.madvise(lo, step, MADV_POPULATE_WRITE)
+            err = madvise(lo, step, MADV_POPULATE_WRITE)
             if err == 0:
                 self.populated += step
             elif err in (errno.EINVAL, errno.ENOSYS):

@@ -1,12 +1,12 @@
 """Put the relay's dense memory back on huge pages after a forked child ends, so the next fork
-(a checkpoint's or a scrub's cut, ``relay/forked.py``) stays cheap.
+(a scrub's or an upgrade's cut, ``relay/forked.py``) stays cheap.
 
 A ``fork`` costs the event loop one copy of the page tables. The pool's big arrays start on
 transparent huge pages (numpy asks for them), where 2 MiB is one entry. But while a child holds
 the copy-on-write image, every first write the relay makes to a huge page splits it into 512
 small entries, and the kernel folds them back only slowly (``khugepaged``). On a
 10M-membership pool the next cut then copies ~4× more entries: measured here, 5 ms fresh,
-12–28 ms after one checkpoint. So when a child ends, one background thread asks the kernel to
+12–28 ms after one child had written. So when a child ends, one background thread asks the kernel to
 fold the dense anonymous mappings back (``MADV_COLLAPSE``, Linux 6.1+); it does not change a
 byte of memory, and the event loop is not involved (``madvise`` releases the GIL).
 
@@ -21,19 +21,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import errno
-import functools
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
 
+from kvrelay._madvise import MADV_COLLAPSE, madvise
 from kvrelay.logging import get_logger
 
 _log = get_logger(__name__)
 
-MADV_COLLAPSE = 25
 HUGE = 2 << 20
 _DENSE = 0.75
 
@@ -79,26 +76,6 @@ def dense_spans(smaps: str) -> list[tuple[int, int]]:
     return spans
 
 
-@functools.cache
-def _libc_madvise() -> Any:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def madvise(at: int, length: int, advice: int) -> int:
-    """``madvise(2)`` on ``[at, at + length)``: 0, or the errno it failed with (``ENOSYS``
-    where the C library has none). It releases the GIL while the kernel works."""
-    fn = _libc_madvise()
-    if fn is None:
-        return errno.ENOSYS
-    return 0 if fn(at, length, advice) == 0 else ctypes.get_errno()
-
-
 def fold(pause_s: float = 0.0005) -> int:
     """One pass over this process's dense mappings, 2 MiB at a time with a short pause between
     (the kernel holds the mapping's lock while it copies one huge page, so the relay's own page
@@ -130,7 +107,7 @@ def fold(pause_s: float = 0.0005) -> int:
 
 
 def idle() -> bool:
-    """No pass is running (benchmarks wait for it between checkpoints)."""
+    """No pass is running (tests wait for it)."""
     return _running is None or _running.done()
 
 
