@@ -20,6 +20,7 @@ import numpy.typing as npt
 from numba import njit
 
 from kvrelay.hashing.xxh3 import xxh3_64_tokens_mm_into, xxh3_64_tokens_with, xxh3_64_u64x2
+from kvrelay.pool import cow
 from kvrelay.pool import packed as pk
 from kvrelay.pool.ckf import _addr, ckf_insert_fp, ckf_remove_fp
 from kvrelay.pool.errors import E_BAD_OP, E_INVALID_SEQ, E_OK, E_PARENT, E_TOKENS
@@ -75,6 +76,12 @@ ORIGIN_REPORT = 2  # the engine says: a report of blocks it already holds
 # cmeta (per member copy-count table): live entries, entries it takes without a rehash
 CM_LIVE = 0
 CM_ROOM = 1
+# a member's side tables' checkpoint barrier (mc: u64[MC_LEN], ``pool/cow.py``; 0: not armed)
+MC_NS_KEYS = 0
+MC_NS_VALS = 1
+MC_CP_KEYS = 2
+MC_CP_VALS = 3
+MC_LEN = 4
 #: most physical copies of one hash one member may hold; a store past it is rejected (no engine
 #: has that many blocks, and a count must never wrap)
 MAX_COPIES = 1 << 24
@@ -123,11 +130,12 @@ def _drop_ref(
     pm: I64,
     xk: U64,
     xv: U32,
+    pc: U64,
     stats: I64,
 ) -> None:
     """One reference to owner slot ``o`` gone; 1→0 removes the fingerprint (if resident) and
     frees the owner."""
-    if not owner_decref(otm, ow, xk, xv, pm, o):
+    if not owner_decref(otm, ow, xk, xv, pm, pc, o):
         return
     if (pk.pay_of(otm, ow, o) & RES_BIT) != np.uint64(0):
         fp, a = _addr(pk.key_of(otm, ow, o), cfg[CFG_SEED], cfg[CFG_MASK], deltas)
@@ -188,6 +196,8 @@ def clear_member(
     pm: I64,
     xk: U64,
     xv: U32,
+    pc: U64,
+    mc: U64,
     stats: I64,
 ) -> None:
     """Drop every lineage edge of the member, in ascending external-hash order (extra copies
@@ -201,15 +211,17 @@ def clear_member(
     for t in range(n):
         _drop_ref(
             np.int64(ps[order[t]]), table, cfg, deltas, mark, dlog_b, dlog_o, dmeta, otm, ow, pm,
-            xk, xv, stats,
+            xk, xv, pc, stats,
         )  # fmt: skip
         stats[ST_REMOVED] += 1
     for t in range(n):
         pk.delete(ltm, lw, ss[t])
     if nmeta[0] > 0:
+        cow.touch_all(mc[MC_NS_VALS], nvals)
         nvals[:] = _NS_EMPTY
         nmeta[0] = 0
     if cmeta[CM_LIVE] > 0:
+        cow.touch_all(mc[MC_CP_VALS], cv)
         cv[:] = EMPTY32
         cmeta[CM_LIVE] = 0
 
@@ -255,6 +267,8 @@ def apply_batch(
     pm: I64,
     xk: U64,
     xv: U32,
+    pc: U64,
+    mc: U64,
     okey_buf: U64,
     addr_buf: U64,
     own_buf: I64,
@@ -470,9 +484,11 @@ def apply_batch(
                             stats[ST_DUP] += 1
                             t = tab_find(ck, cv, EMPTY32, ext[g])
                             if t < 0:
-                                tab_put(ck, cv, EMPTY32, ext[g], np.uint32(1))
+                                tab_put(ck, cv, EMPTY32, ext[g], np.uint32(1), mc[MC_CP_KEYS],
+                                        mc[MC_CP_VALS])  # fmt: skip
                                 cmeta[CM_LIVE] += 1
                             else:
+                                cow.touch_item(mc[MC_CP_VALS], cv, t)
                                 cv[t] += np.uint32(1)
                         else:
                             stats[ST_REPORT] += 1
@@ -489,9 +505,10 @@ def apply_batch(
                         continue
                     first = kind == K_FIRST
                     if not first:
-                        owner_incref(otm, ow, xk, xv, pm, o)
+                        owner_incref(otm, ow, xk, xv, pm, pc, o)
                     if ns_blk != np.uint64(0):
-                        tab_put(nkeys, nvals, _NS_EMPTY, ext[g], ns_blk)
+                        tab_put(nkeys, nvals, _NS_EMPTY, ext[g], ns_blk, mc[MC_NS_KEYS],
+                                mc[MC_NS_VALS])  # fmt: skip
                         nmeta[0] += 1
                     stats[ST_STORED] += 1
                     p = pk.pay_of(otm, ow, o)
@@ -518,9 +535,10 @@ def apply_batch(
                     if t >= 0:  # one of several physical copies: the block stays
                         c = cv[t]
                         if c == np.uint32(1):
-                            tab_del(ck, cv, EMPTY32, t)
+                            tab_del(ck, cv, EMPTY32, t, mc[MC_CP_KEYS], mc[MC_CP_VALS])
                             cmeta[CM_LIVE] -= 1
                         else:
+                            cow.touch_item(mc[MC_CP_VALS], cv, t)
                             cv[t] = c - np.uint32(1)
                         stats[ST_COPY_REMOVED] += 1
                         continue
@@ -529,10 +547,10 @@ def apply_batch(
                 if nmeta[0] > 0:
                     t = tab_find(nkeys, nvals, _NS_EMPTY, e)
                     if t >= 0:
-                        tab_del(nkeys, nvals, _NS_EMPTY, t)
+                        tab_del(nkeys, nvals, _NS_EMPTY, t, mc[MC_NS_KEYS], mc[MC_NS_VALS])
                         nmeta[0] -= 1
                 _drop_ref(
-                    o, table, cfg, deltas, mark, dlog_b, dlog_o, dmeta, otm, ow, pm, xk, xv,
+                    o, table, cfg, deltas, mark, dlog_b, dlog_o, dmeta, otm, ow, pm, xk, xv, pc,
                     stats,
                 )  # fmt: skip
                 stats[ST_REMOVED] += 1

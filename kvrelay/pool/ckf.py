@@ -23,6 +23,7 @@ from numba import njit, types
 
 from kvrelay._jit import kernel
 from kvrelay.hashing.xxh3 import xxh3_64_u16, xxh3_64_u64
+from kvrelay.pool import cow
 
 U64 = npt.NDArray[np.uint64]
 
@@ -34,6 +35,10 @@ _ONE = np.uint64(1)
 _ZERO = np.uint64(0)
 MAX_BUCKETS = 1 << 24
 DEFAULT_MAX_KICKS = 500
+# dirty-log meta (dmeta: i64[DM_LEN])
+DM_LOG = 0  # entries in the dirty log
+DM_COW = 1  # the table's checkpoint barrier (``pool/cow.py``): its control block's address, or 0
+DM_LEN = 2
 
 
 def splitmix_next(state: int) -> tuple[int, int]:
@@ -146,7 +151,11 @@ def _write(
     dlog_o: U64,
     dmeta: npt.NDArray[np.int64],
 ) -> None:
-    """Physical write + first-touch dirty record (the only way kernels change the table)."""
+    """Physical write + first-touch dirty record (the only way kernels change the table, but
+    for the undo of a kick chain, which rewrites buckets this wrote before: their chunks are
+    already captured while a checkpoint reads the table)."""
+    if dmeta.shape[0] > DM_COW:
+        cow.touch_word(np.uint64(dmeta[DM_COW]), table, b)
     if mark[b] == 0:
         mark[b] = 1
         n = dmeta[0]
@@ -385,7 +394,7 @@ class Lane:
         self.mark = np.zeros(bucket_count, dtype=np.uint8)
         self.dlog_b = np.zeros(bucket_count, dtype=np.uint32)
         self.dlog_o = np.zeros(bucket_count, dtype=np.uint64)
-        self.dmeta = np.zeros(1, dtype=np.int64)
+        self.dmeta = np.zeros(DM_LEN, dtype=np.int64)
         self.undo_b = np.zeros(max_kicks + 1, dtype=np.uint32)
         self.undo_o = np.zeros(max_kicks + 1, dtype=np.uint64)
 

@@ -15,6 +15,7 @@ import numpy.typing as npt
 from numba import njit
 
 from kvrelay._jit import inline
+from kvrelay.pool import cow
 from kvrelay.pool.packed import TM_CAP, Int, clamp, pay_of, set_pay
 from kvrelay.pool.tables import EMPTY32, tab_del, tab_find, tab_put
 
@@ -28,6 +29,10 @@ PM_OVERFLOW = 1  # entries in the overflow table
 PM_OVF_ROOM = 2  # entries the overflow table takes without a rehash
 PM_STOP = 3  # why the apply kernel returned early
 PM_LEN = 4
+# the overflow table's checkpoint barrier (pc: u64[PC_LEN], ``pool/cow.py``; 0 when not armed)
+PC_OVF_KEYS = 0
+PC_OVF_COUNTS = 1
+PC_LEN = 2
 
 OWNER_PBITS = 4
 CODE_MASK = np.uint64(7)
@@ -35,6 +40,7 @@ CODE_OVERFLOW = np.uint64(7)
 INLINE_MAX = 7  # largest count held in the slot
 RES_BIT = np.uint64(8)
 _ONE = np.uint64(1)
+_NONE = np.uint64(0)  # no checkpoint barrier: a table just allocated
 
 
 @inline
@@ -46,23 +52,25 @@ def owner_count(otm: U64, ow: U64, xk: U64, xv: U32, s: Int) -> Int:
 
 
 @inline
-def owner_incref(otm: U64, ow: U64, xk: U64, xv: U32, pm: I64, s: Int) -> None:
+def owner_incref(otm: U64, ow: U64, xk: U64, xv: U32, pm: I64, pc: U64, s: Int) -> None:
     """count += 1 (7 → 8 moves the count into the overflow table; capacity reserved)."""
     p = pay_of(otm, ow, s)
     code = p & CODE_MASK
     if code < np.uint64(INLINE_MAX - 1):
         set_pay(otm, ow, s, p + _ONE)
     elif code == np.uint64(INLINE_MAX - 1):
-        tab_put(xk, xv, EMPTY32, np.uint64(s), np.uint32(INLINE_MAX + 1))
+        tab_put(xk, xv, EMPTY32, np.uint64(s), np.uint32(INLINE_MAX + 1), pc[PC_OVF_KEYS],
+                pc[PC_OVF_COUNTS])  # fmt: skip
         pm[PM_OVERFLOW] += 1
         set_pay(otm, ow, s, (p & RES_BIT) | CODE_OVERFLOW)
     else:
         t = tab_find(xk, xv, EMPTY32, np.uint64(s))
+        cow.touch_item(pc[PC_OVF_COUNTS], xv, t)
         xv[t] += np.uint32(1)
 
 
 @inline
-def owner_decref(otm: U64, ow: U64, xk: U64, xv: U32, pm: I64, s: Int) -> bool:
+def owner_decref(otm: U64, ow: U64, xk: U64, xv: U32, pm: I64, pc: U64, s: Int) -> bool:
     """count −= 1; True when the count was 1 (the caller frees the owner, nothing changed)."""
     p = pay_of(otm, ow, s)
     code = p & CODE_MASK
@@ -74,10 +82,11 @@ def owner_decref(otm: U64, ow: U64, xk: U64, xv: U32, pm: I64, s: Int) -> bool:
     t = tab_find(xk, xv, EMPTY32, np.uint64(s))
     c = xv[t]
     if c == np.uint32(INLINE_MAX + 1):
-        tab_del(xk, xv, EMPTY32, t)
+        tab_del(xk, xv, EMPTY32, t, pc[PC_OVF_KEYS], pc[PC_OVF_COUNTS])
         pm[PM_OVERFLOW] -= 1
         set_pay(otm, ow, s, (p & RES_BIT) | np.uint64(INLINE_MAX - 1))
     else:
+        cow.touch_item(pc[PC_OVF_COUNTS], xv, t)
         xv[t] = c - np.uint32(1)
     return False
 
@@ -87,7 +96,7 @@ def remap_overflow(ok: U64, ov: U32, nk: U64, nv: U32, remap: U32) -> None:
     """Re-key the overflow table after the owners table was rebuilt (slots moved)."""
     for i in range(ok.shape[0]):
         if ov[i] != EMPTY32:
-            tab_put(nk, nv, EMPTY32, np.uint64(remap[np.int64(ok[i])]), ov[i])
+            tab_put(nk, nv, EMPTY32, np.uint64(remap[np.int64(ok[i])]), ov[i], _NONE, _NONE)
 
 
 @njit(cache=True, _nrt=False)  # type: ignore[misc,call-overload,untyped-decorator]

@@ -36,6 +36,7 @@ import numpy.typing as npt
 from numba import njit
 
 from kvrelay._jit import inline
+from kvrelay.pool import cow
 from kvrelay.pool.bitops import ctz, popcount
 from kvrelay.pool.ckf import splitmix_next
 from kvrelay.pool.prefetch import prefetch
@@ -55,6 +56,9 @@ TM_KICKS = 5
 TM_CAP = 6
 TM_SALT = 7
 TM_LOGB = 8  # log2(slots per bucket): bucket index = slot >> TM_LOGB (no division)
+#: Address of the control block that arms ``w`` while a checkpoint reads it (``pool/cow.py``);
+#: 0 otherwise, and always 0 in an exported or restored table.
+TM_COW = 9
 TM_SUB = 10  # per-subtable block of SUB_W words
 SUB_W = 8
 S_NB = 0
@@ -282,8 +286,20 @@ def pay_of(tm: U64, w: U64, s: Int) -> np.uint64:
 
 
 @inline
+def _touch_bits(tm: U64, w: U64, off: Int, n: Int) -> None:
+    """Before writing bits ``[off, off + n)`` of ``w``: its checkpoint barrier (``cow``)."""
+    c = tm[TM_COW]
+    if c != _ZERO:
+        cow.touch_word(c, w, off >> 6)
+        cow.touch_word(c, w, (off + n - 1) >> 6)
+
+
+@inline
 def set_pay(tm: U64, w: U64, s: Int, pay: np.uint64) -> None:
-    put_bits(w, pay_off(tm, s), np.int64(tm[TM_PBITS]), pay)
+    off = pay_off(tm, s)
+    pb = np.int64(tm[TM_PBITS])
+    _touch_bits(tm, w, off, pb)
+    put_bits(w, off, pb, pay)
 
 
 @inline
@@ -327,9 +343,13 @@ def holds(tm: U64, w: U64, s: Int, y: np.uint64) -> bool:
 def write_slot(
     tm: U64, w: U64, j: Int, s: Int, tag: np.uint64, rest: np.uint64, pay: np.uint64
 ) -> None:
-    _set_tag(w, s, tag)
     off = slot_off(tm, j, s)
     rb = np.int64(tm[TM_SUB + SUB_W * j + S_RBITS])
+    c = tm[TM_COW]
+    if c != _ZERO:
+        cow.touch_word(c, w, s >> 3)
+        _touch_bits(tm, w, off, rb + np.int64(tm[TM_PBITS]))
+    _set_tag(w, s, tag)
     put_bits(w, off, rb, rest)
     put_bits(w, off + rb, np.int64(tm[TM_PBITS]), pay)
 
@@ -458,6 +478,7 @@ def insert_cuckoo(tm: U64, w: U64, y: np.uint64, pay: np.uint64, walk: U64) -> b
 
 @inline
 def delete(tm: U64, w: U64, s: Int) -> None:
+    cow.touch_word(tm[TM_COW], w, s >> 3)
     _set_tag(w, s, _ZERO)
     tm[TM_LIVE] -= _ONE
 
@@ -541,8 +562,11 @@ def rebuild(otm: U64, ow: U64, ntm: U64, nw: U64, remap: U32, walk: U64) -> bool
                 t0 = ns0 + h2 * b
                 if fill(nw, t0, b) < b - spare:
                     ns = np.int64(first_free(nw, t0, b))
-                    _set_tag(nw, ns, tag)
                     off2 = nb0 + (ns - ns0) * nwd
+                    if ntm[TM_COW] != _ZERO:  # never: a rebuild fills a new table
+                        cow.touch_word(ntm[TM_COW], nw, ns >> 3)
+                        _touch_bits(ntm, nw, off2, nwd)
+                    _set_tag(nw, ns, tag)
                     if nwd <= 64:
                         put_bits(nw, off2, nwd, rest2 | (p << np.uint64(nrb)))
                     else:
@@ -606,6 +630,7 @@ def repack(otm: U64, ow: U64, ntm: U64, nw: U64, remap: U32) -> None:
                 if mapped:
                     p = np.uint64(remap[np.int64(p)])
                 off2 = nb0 + local * nwd
+                _touch_bits(ntm, nw, off2, rb + npb)  # in place on an armed table
                 put_bits(nw, off2, rb, rest)
                 put_bits(nw, off2 + rb, npb, p)
 
@@ -743,10 +768,12 @@ class PackedTable:
 
     def repacked(self, pbits: int, remap: U32) -> PackedTable:
         """The same entries in the same slots with a ``pbits``-wide payload, mapped by
-        ``remap`` (empty: unchanged); in place when the width does not change."""
-        if pbits == self.pbits:
+        ``remap`` (empty: unchanged); in place when the width does not change and no checkpoint
+        is reading the table."""
+        if pbits == self.pbits and self.tm[TM_COW] == 0:
             repack(self.tm, self.w, self.tm, self.w, remap)
             return self
+        # (an armed table is rewritten into a new one: in place, every chunk would be captured)
         t = self.empty_like(self.nbs, pbits)
         t.tm[TM_LIVE] = self.tm[TM_LIVE]
         repack(self.tm, self.w, t.tm, t.w, remap)

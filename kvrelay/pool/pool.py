@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvrelay.pool import ckf
+from kvrelay.pool import ckf, cow
 from kvrelay.pool.apply import (
     BS_BLK_OFF,
     BS_CLEAR_BLOCKS,
@@ -27,6 +27,11 @@ from kvrelay.pool.apply import (
     CM_LIVE,
     CM_ROOM,
     MAX_COPIES,
+    MC_CP_KEYS,
+    MC_CP_VALS,
+    MC_LEN,
+    MC_NS_KEYS,
+    MC_NS_VALS,
     N_STATS,
     ST_AMBIGUOUS,
     ST_APPLIED,
@@ -57,10 +62,14 @@ from kvrelay.pool.errors import (
     PoolError,
     UnknownMember,
 )
+from kvrelay.pool.image import EAGER_BYTES, Arming, PoolImage
 from kvrelay.pool.owners import (
     CODE_MASK,
     CODE_OVERFLOW,
     OWNER_PBITS,
+    PC_LEN,
+    PC_OVF_COUNTS,
+    PC_OVF_KEYS,
     PM_LEN,
     PM_OVERFLOW,
     PM_OVF_ROOM,
@@ -72,6 +81,7 @@ from kvrelay.pool.owners import (
 )
 from kvrelay.pool.packed import (
     TM_CAP,
+    TM_COW,
     TM_LIVE,
     PackedTable,
     Scratch,
@@ -148,6 +158,11 @@ def _warm_layout_kernels() -> None:
     lane = ckf.Lane(2, 0, 0)
     refill(own.tm, own.w, lane.table, lane.cfg, lane.deltas, lane.rng, lane.mark, lane.dlog_b,
            lane.dlog_o, lane.dmeta, lane.undo_b, lane.undo_o)  # fmt: skip
+    # a checkpoint's reader (its first run in the writer thread would hold the GIL while numba
+    # loads it)
+    armed = cow.Armed([np.zeros(64, dtype=np.uint64)], cow.CHUNK)
+    armed.read(0, 0, 512, np.empty(512, dtype=np.uint8))
+    armed.release()
     _warmed = True
 
 
@@ -181,7 +196,7 @@ class _Member:
     most members and bounded by the lineage (one entry per edge at most)."""
 
     __slots__ = (
-        "ckeys", "cmeta", "cvals", "dp_rank", "lin", "nkeys", "nmeta", "nvals", "worker_id",
+        "ckeys", "cmeta", "cow", "cvals", "dp_rank", "lin", "nkeys", "nmeta", "nvals", "worker_id",
     )  # fmt: skip
 
     def __init__(self, worker_id: int, dp_rank: int, salt: int, ref_bits: int) -> None:
@@ -195,6 +210,8 @@ class _Member:
         self.ckeys = np.zeros(2, dtype=np.uint64)
         self.cvals = np.full(2, EMPTY32, dtype=np.uint32)
         self.cmeta = np.zeros(2, dtype=np.int64)
+        #: the side tables' checkpoint barrier while an image is read (``pool/cow.py``)
+        self.cow = np.zeros(MC_LEN, dtype=np.uint64)
 
     def fit_copies(self, add: int) -> None:
         """Size the copy-count table for its entries plus ``add`` (back to 2 slots when empty)."""
@@ -306,6 +323,9 @@ class Pool:
         self._xk = np.zeros(MIN_CAP, dtype=np.uint64)
         self._xv = np.full(MIN_CAP, EMPTY32, dtype=np.uint32)
         self._pm[PM_OVF_ROOM] = MIN_CAP * MAX_LOAD_NUM // MAX_LOAD_DEN - 1
+        #: the overflow table's checkpoint barrier while an image is read (``pool/cow.py``)
+        self._pcow = np.zeros(PC_LEN, dtype=np.uint64)
+        self._image: PoolImage | None = None
         self._sc = Scratch(LIN_KICKS)
         self._mm_scratch = np.empty(8, dtype=np.uint8)
         # XXH3 long-input scratch (blocks over 240 bytes, e.g. 64-token blocks): the apply kernel
@@ -367,7 +387,7 @@ class Pool:
         clear_member(
             self._cfg, self.table, self._deltas, self._mark, self._dlog_b, self._dlog_o,
             self._dmeta, lin.tm, lin.w, m.nkeys, m.nvals, m.nmeta, m.ckeys, m.cvals, m.cmeta,
-            own.tm, own.w, self._pm, self._xk, self._xv, stats,
+            own.tm, own.w, self._pm, self._xk, self._xv, self._pcow, m.cow, stats,
         )  # fmt: skip
 
     def reset_member(self, member: int) -> None:
@@ -495,8 +515,8 @@ class Pool:
                 self.table, self._deltas, self._rng, self._mark, self._dlog_b, self._dlog_o,
                 self._dmeta, self._undo_b, self._undo_o, lin.tm, lin.w, m.nkeys, m.nvals,
                 m.nmeta, m.ckeys, m.cvals, m.cmeta, own.tm, own.w, self._pm, self._xk, self._xv,
-                self._okey_buf, self._addr_buf, self._own_buf, set_keys, set_stamp, walk,
-                mm_scratch, self._hash_sec, self._hash_acc, start, err, stats,
+                self._pcow, m.cow, self._okey_buf, self._addr_buf, self._own_buf, set_keys,
+                set_stamp, walk, mm_scratch, self._hash_sec, self._hash_acc, start, err, stats,
             )  # fmt: skip
             if stop >= n:
                 break
@@ -712,19 +732,20 @@ class Pool:
     READABLE_STATE_VERSIONS = (2, 3)
 
     def export_state(self) -> tuple[dict[str, Any], dict[str, npt.NDArray[Any]]]:
-        """The exact state as plain metadata + named arrays (views, not copies: the caller writes
-        them out before the pool changes). The CKF kick RNG, the lineage tables' walk RNGs and
-        the table salts go with it, so a restored pool places fingerprints and entries exactly as
-        the saved one would have. The dirty log and counters do not: a restored pool starts with
-        nothing pending, as a fresh generation does."""
+        """The exact state as plain metadata + named arrays (views, not copies, but for the
+        tables' small metas: the caller writes them out before the pool changes). The CKF kick
+        RNG, the lineage tables' walk RNGs and the table salts go with it, so a restored pool
+        places fingerprints and entries exactly as the saved one would have. The dirty log and
+        counters do not: a restored pool starts with nothing pending, as a fresh generation
+        does, and neither does a checkpoint's barrier (``TM_COW`` is 0 in what is exported)."""
         arrays: dict[str, npt.NDArray[Any]] = {
-            "table": self.table, "rng": self._rng, "own.tm": self._own.tm, "own.w": self._own.w,
-            "ovf.keys": self._xk, "ovf.counts": self._xv,
+            "table": self.table, "rng": self._rng, "own.tm": _meta_copy(self._own.tm),
+            "own.w": self._own.w, "ovf.keys": self._xk, "ovf.counts": self._xv,
         }  # fmt: skip
         members = []
         for mid, m in self._members.items():
             members.append([mid, m.worker_id, m.dp_rank, m.lin.salt])
-            arrays[f"m{mid}.lin.tm"] = m.lin.tm
+            arrays[f"m{mid}.lin.tm"] = _meta_copy(m.lin.tm)
             arrays[f"m{mid}.lin.w"] = m.lin.w
             for name in ("nkeys", "nvals", "nmeta", "ckeys", "cvals", "cmeta"):
                 arrays[f"m{mid}.{name}"] = getattr(m, name)
@@ -733,6 +754,36 @@ class Pool:
             "owners_salt": self._own.salt,
         }  # fmt: skip
         return meta, arrays
+
+    def open_image(
+        self, side_bytes: int | None = None, *, eager_bytes: int = EAGER_BYTES
+    ) -> PoolImage:
+        """The exported state as it is now, readable from another thread while the pool goes on
+        (``pool/image.py``; call between batches). At most one is open per pool; close it on the
+        thread that applies batches. ``side_bytes`` bounds the pre-images it keeps (default:
+        half the armed arrays, so the image stays under 1.5× the state); arrays up to
+        ``eager_bytes`` are copied at once instead of armed."""
+        if self._image is not None:
+            raise RuntimeError("an image of this pool is already open")
+        meta, arrays = self.export_state()
+        armings = {
+            "table": Arming(self._dmeta, ckf.DM_COW), "own.w": Arming(self._own.tm, TM_COW),
+            "ovf.keys": Arming(self._pcow, PC_OVF_KEYS),
+            "ovf.counts": Arming(self._pcow, PC_OVF_COUNTS),
+        }  # fmt: skip
+        for mid, m in self._members.items():
+            armings[f"m{mid}.lin.w"] = Arming(m.lin.tm, TM_COW)
+            armings[f"m{mid}.nkeys"] = Arming(m.cow, MC_NS_KEYS)
+            armings[f"m{mid}.nvals"] = Arming(m.cow, MC_NS_VALS)
+            armings[f"m{mid}.ckeys"] = Arming(m.cow, MC_CP_KEYS)
+            armings[f"m{mid}.cvals"] = Arming(m.cow, MC_CP_VALS)
+
+        def closed() -> None:
+            self._image = None
+
+        self._image = PoolImage(meta, arrays, armings, side_bytes, on_close=closed,
+                                eager_bytes=eager_bytes)  # fmt: skip
+        return self._image
 
     @classmethod
     def from_state(
@@ -832,6 +883,13 @@ class Pool:
         pool._pm[PM_OVERFLOW] = n_big
         pool._pm[PM_OVF_ROOM] = xk.shape[0] * MAX_LOAD_NUM // MAX_LOAD_DEN - 1
         return pool
+
+
+def _meta_copy(tm: U64) -> U64:
+    """A table's meta words as exported: a copy, without the checkpoint barrier's address."""
+    out = tm.copy()
+    out[TM_COW] = 0
+    return out
 
 
 def _refill_into(pool: Pool, own: PackedTable) -> int:

@@ -8,6 +8,8 @@ Linear probing with backward-shift deletion (no tombstones, so equal-rate puts a
 degrade probes). Slots are addressed with multiply-shift range reduction of a mixed hash, so
 capacities need not be powers of two and grow by 1.25×.
 Capacity is reserved from Python before each kernel call; kernels never grow tables.
+Writes take the control blocks of the checkpoint barrier of ``keys`` and ``vals`` (``kc``, ``vc``:
+``pool/cow.py``; 0 when no checkpoint reads the table).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 from numba import njit
+
+from kvrelay.pool import cow
 
 U64 = npt.NDArray[np.uint64]
 U32 = npt.NDArray[np.uint32]
@@ -26,6 +30,7 @@ MAX_LOAD_DEN = 20
 GROW_NUM = 5  # growth factor 1.25
 GROW_DEN = 4
 MIN_CAP = 16
+_NONE = np.uint64(0)  # no checkpoint barrier: a table just allocated
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
@@ -59,7 +64,13 @@ def tab_find(keys: U64, vals: npt.NDArray[np.generic], empty: np.generic, key: n
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
 def tab_put(
-    keys: U64, vals: npt.NDArray[np.generic], empty: np.generic, key: np.uint64, val: np.generic
+    keys: U64,
+    vals: npt.NDArray[np.generic],
+    empty: np.generic,
+    key: np.uint64,
+    val: np.generic,
+    kc: np.uint64,
+    vc: np.uint64,
 ) -> None:
     """Insert a key known to be absent (caller reserved capacity)."""
     cap = keys.shape[0]
@@ -68,12 +79,21 @@ def tab_put(
         i += 1
         if i == cap:
             i = 0
+    cow.touch_item(kc, keys, i)
+    cow.touch_item(vc, vals, i)
     keys[i] = key
     vals[i] = val
 
 
 @njit(cache=True, inline="always")  # type: ignore[misc]
-def tab_del(keys: U64, vals: npt.NDArray[np.generic], empty: np.generic, i: int) -> None:
+def tab_del(
+    keys: U64,
+    vals: npt.NDArray[np.generic],
+    empty: np.generic,
+    i: int,
+    kc: np.uint64,
+    vc: np.uint64,
+) -> None:
     """Backward-shift deletion of slot ``i``."""
     cap = keys.shape[0]
     j = i
@@ -85,9 +105,12 @@ def tab_del(keys: U64, vals: npt.NDArray[np.generic], empty: np.generic, i: int)
             break
         k = home(keys[j], cap)
         if (j - k + cap) % cap >= (j - i + cap) % cap:
+            cow.touch_item(kc, keys, i)
+            cow.touch_item(vc, vals, i)
             keys[i] = keys[j]
             vals[i] = vals[j]
             i = j
+    cow.touch_item(vc, vals, i)
     vals[i] = empty
 
 
@@ -101,7 +124,7 @@ def tab_rehash(
 ) -> None:
     for i in range(okeys.shape[0]):
         if ovals[i] != empty:
-            tab_put(nkeys, nvals, empty, okeys[i], ovals[i])
+            tab_put(nkeys, nvals, empty, okeys[i], ovals[i], _NONE, _NONE)
 
 
 def grown_cap(cap: int, need: int) -> int:
