@@ -153,12 +153,12 @@ def save_state(
     spec: PoolSpec,
     identity: PoolIdentity,
     meta: dict[str, Any],
-    arrays: dict[str, npt.NDArray[Any]],
+    arrays: state_file.Arrays,
     members: list[MemberResume],
     written: state_file.Written | None = None,
 ) -> int:
-    """Write an exported state (``Pool.export_state``, or a copy of it) atomically; ``written``
-    as ``state_file.write``'s."""
+    """Write an exported state (``Pool.export_state``, a copy of it, or a ``PoolImage``'s
+    arrays) atomically; ``written`` as ``state_file.write``'s."""
     header = {
         "kind": "kvrelay-pool-state",
         "kvrelay": __version__,

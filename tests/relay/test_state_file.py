@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -39,6 +42,41 @@ def test_round_trip_keeps_every_array_and_the_header(tmp_path: Path) -> None:
         assert b.dtype == a.dtype and b.shape == a.shape and np.array_equal(a, b)
         assert b.flags.writeable and b.flags.owndata
     assert [p.name for p in tmp_path.iterdir()] == ["p.kvstate"]  # no temporary left
+
+
+@pytest.mark.parametrize("size", [0, 1, sf.DIRECT_BLOCK - 300, sf.DIRECT_BLOCK - 64,
+                                  3 * sf.DIRECT_BLOCK + 4100])  # fmt: skip
+def test_direct_and_page_cache_writes_give_the_same_file(tmp_path: Path, size: int) -> None:
+    """Past the page cache (``O_DIRECT``: whole aligned blocks, the file cut to its size after
+    the last) or through it, the bytes on disk are the same, whatever the size."""
+    arrays = _arrays() | {"bulk": np.arange(size, dtype=np.uint8)}
+    a, b = tmp_path / "direct.kvstate", tmp_path / "cached.kvstate"
+    assert sf.write(a, {"k": 1}, arrays, direct=True) == sf.write(b, {"k": 1}, arrays, direct=False)
+    assert a.read_bytes() == b.read_bytes() == sf.encode({"k": 1}, arrays)
+    got = sf.read(a)
+    assert all(np.array_equal(got.arrays[k], v) for k, v in arrays.items())
+
+
+def test_a_direct_write_the_file_system_refuses_goes_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Some file systems take ``O_DIRECT`` when the file is opened and refuse the first write
+    (``EINVAL``): the writer then goes on through the page cache, nothing lost."""
+    refused = []
+    real = sf.safe_files.write_all
+
+    def picky(fd: int, data: bytes | memoryview) -> None:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(len(data))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real(fd, data)
+
+    monkeypatch.setattr(sf.safe_files, "write_all", picky)
+    arrays = _arrays() | {"bulk": np.arange(3 * sf.DIRECT_BLOCK + 7, dtype=np.uint8)}
+    path = tmp_path / "p.kvstate"
+    sf.write(path, {"k": 2}, arrays)
+    assert refused == [sf.DIRECT_BLOCK], "one direct write tried, then the page cache"
+    assert path.read_bytes() == sf.encode({"k": 2}, arrays)
 
 
 @settings(max_examples=60, deadline=None)
