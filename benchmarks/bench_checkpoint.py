@@ -5,23 +5,23 @@ A pool of N memberships (10M by default, ``--smoke``: 100K) is built with the re
 An event-loop task then plays ingest: every 5 ms one batch (8 stores of 4 blocks, and the
 removal of an earlier batch's) is applied to a live member and its delta taken
 (``take_publication``), as a relay does before fanning it out. Its latency is measured from the
-moment the batch was due, so anything that holds the loop (the checkpoint's cut, a ``fork``, and
-copy-on-write faults afterwards) shows up in it; the batch's own apply time is reported beside
-it, which separates the copy-on-write faults (they lengthen the apply) from the loop starting
-late, and so is the number of minor page faults the loop's thread took in that work (each
-copy-on-write is one). Two phases of the same length: without checkpoints, then with a
-checkpoint every second (each one a real fork on the loop and a real file written, fsynced and
-renamed by the child; the next starts ``GAP_S`` after the previous one was written and the
-relay's huge pages were folded back, ``relay/hugepages.py``). The second phase is reported
+moment the batch was due, so anything that holds the loop (the checkpoint's cut, the
+copy-before-write captures its writes make, the writer thread's share of the GIL) shows up in
+it; the batch's own apply time is reported beside it, which separates what lengthens the apply
+(the captures, page faults) from the loop starting late, and so is the number of minor page
+faults the loop's thread took in that work. Two phases of the same length: without checkpoints,
+then with a checkpoint every second (each one a real cut on the loop, ``Pool.open_image``, and a
+real file written, fsynced and renamed by the relay's checkpoint thread, ``relay/checkpoint.py``;
+the next starts ``GAP_S`` after the previous one was written). The second phase is reported
 whole and for the batches applied while a checkpoint was in flight, the figure the checkpoint's
-cost is judged by; the first batch after each cut is also reported alone (it takes the most
-copy-on-write faults: its first writes to the pool's arrays and to the interpreter's heap).
+cost is judged by; the first batch after each cut is also reported alone (it makes the most
+captures: every chunk it writes is one). The process runs with the daemon's GIL switch interval
+(``ops/event_loop.tune_thread_switching``).
 
 Memory: the machine's anonymous memory (``AnonPages`` in ``/proc/meminfo``), sampled every 2 ms
-from a thread, less its value at the start of the phase: the pages the relay copies on write,
-plus the child's own, which is what a checkpoint adds. (An O(1) read: walking the child's page
-tables for its private pages, ``smaps_rollup``, every 2 ms measurably slowed the loop it
-measures.) Run it on a quiet machine.
+from a thread, less its value at the start of the phase: the pre-images a checkpoint keeps, its
+bookkeeping and its writer's buffer, which is what a checkpoint adds (the file's page cache is
+not anonymous memory). Run it on a quiet machine.
 
 Prints and writes ``benchmarks/results/checkpoint.{json,md}`` (``--smoke``: ``.work/smoke``):
 delta p50/p99/max and apply p50/p99 per phase and during checkpoints, the cut's time on the
@@ -43,16 +43,17 @@ from typing import Any
 import numpy as np
 
 from benchmarks._common import machine, percentiles, results_dir, spread, write_json
+from kvrelay.ops.event_loop import tune_thread_switching
 from kvrelay.pool.batch import EventBatch
 from kvrelay.pool.pool import Pool
-from kvrelay.relay import checkpoint, hugepages
+from kvrelay.relay import checkpoint
 from kvrelay.relay.engines import PoolIdentity
 from kvrelay.relay.handover import MemberResume
-from kvrelay.relay.settings import EngineSpec, PoolSpec
+from kvrelay.relay.settings import CHECKPOINT_BYTES_PER_SECOND, EngineSpec, PoolSpec
 
 PERIOD_S = 0.005
-#: Quiet time between checkpoints (after the previous one is written and its huge pages are
-#: folded back): the relay's default interval is 30 s; 1 s fits several checkpoints in a phase.
+#: Quiet time between checkpoints (after the previous one is written): the relay's default
+#: interval is 30 s; 1 s fits several checkpoints in a phase.
 GAP_S = 1.0
 
 
@@ -112,6 +113,7 @@ async def _phase(pool: Pool, live: int, seconds: float, ckpt: checkpoint.Checkpo
     during: list[float] = []  # batches applied while a checkpoint was being cut or written
     cuts: list[float] = []
     writes: list[float] = []
+    captured: list[int] = []  # pre-image bytes each checkpoint kept
     work: list[float] = []  # each batch's own apply and take, without the loop's lateness
     work_during: list[float] = []
     faults: list[float] = []  # minor page faults the loop's thread took in each batch's work
@@ -172,11 +174,13 @@ async def _phase(pool: Pool, live: int, seconds: float, ckpt: checkpoint.Checkpo
         if in_ckpt and not ckpt.busy("ns/c/e"):
             in_ckpt = False
             writes.append(loop.time() - started_write)
+            captured.append(ckpt.last_captured_bytes)
             ended = loop.time()
         late = loop.time() - start > seconds - 4 * PERIOD_S  # no batch would follow the cut
-        if not in_ckpt and not late and loop.time() - ended >= GAP_S and hugepages.idle():
+        if not in_ckpt and not late and loop.time() - ended >= GAP_S:
             t = time.perf_counter()
-            ckpt.submit(state_dir, spec, ident, pool, members)  # the cut: a fork
+            ckpt.submit("ns/c/e", state_dir,
+                        lambda: checkpoint.Cut(spec, ident, pool, members))  # the cut: an image
             cuts.append(time.perf_counter() - t)
             started_write = loop.time()
             in_ckpt = True
@@ -188,6 +192,7 @@ async def _phase(pool: Pool, live: int, seconds: float, ckpt: checkpoint.Checkpo
         await ckpt.drain()
         if in_ckpt:
             writes.append(loop.time() - started_write)
+            captured.append(ckpt.last_captured_bytes)
     stop.set()
     sampler.join()
     out: dict[str, Any] = {"batches": len(lat), "memory_added_peak_mib": (peak[0] - base) / 2**20}
@@ -197,6 +202,7 @@ async def _phase(pool: Pool, live: int, seconds: float, ckpt: checkpoint.Checkpo
                 "cut_on_loop_ms_first": float(cuts[0] * 1e3),
                 "cut_on_loop_ms_max": float(max(cuts) * 1e3),
                 "write_s_median": float(np.median(writes)) if writes else None,
+                "captured_mib_median": float(np.median(captured)) / 2**20 if captured else None,
                 "first_batch_apply_ms_median": float(np.median(first_work) * 1e3),
                 "first_batch_faults_median": float(np.median(first_faults)),
                 "during_checkpoint": {"batches": len(during)}
@@ -219,7 +225,8 @@ def _stats(lat: list[float], work: list[float],
             "faults_p50": f["p50"], "faults_p99": f["p99"]}  # fmt: skip
 
 
-async def run(target: int, seconds: float, repeats: int = 1) -> dict[str, Any]:
+async def run(target: int, seconds: float, repeats: int = 1,
+              rate: int = CHECKPOINT_BYTES_PER_SECOND) -> dict[str, Any]:  # fmt: skip
     t = time.perf_counter()
     pool = filled(target)
     fill_s = time.perf_counter() - t
@@ -230,7 +237,7 @@ async def run(target: int, seconds: float, repeats: int = 1) -> dict[str, Any]:
     state_bytes = sum(int(a.nbytes) for a in arrays.values())
     with tempfile.TemporaryDirectory() as d:
         state_dir = Path(d)
-        ck = checkpoint.Checkpointer(lambda _r: None)
+        ck = checkpoint.Checkpointer(lambda _r: None, rate=lambda: rate)
         runs = []
         for _ in range(repeats):  # the same pool each time: only the phases are repeated
             without = await _phase(pool, live, seconds, None, state_dir, spec)
@@ -241,6 +248,7 @@ async def run(target: int, seconds: float, repeats: int = 1) -> dict[str, Any]:
     return {
         "memberships": pool.memberships, "state_bytes_exported": state_bytes,
         "file_bytes": size, "fill_s": fill_s, "phase_s": seconds, "runs": runs,
+        "checkpoint_bytes_per_second": rate,
         "summary": _summary(runs),
     }  # fmt: skip
 
@@ -263,7 +271,8 @@ HEADLINE = (
     ("page faults of the first batch after a cut, median", "with_checkpoints",
      "first_batch_faults_median"),
     ("memory a checkpoint adds at its peak (MiB)", "with_checkpoints", "memory_added_peak_mib"),
-    ("fork on the loop, median (ms)", "with_checkpoints", "cut_on_loop_ms_median"),
+    ("pre-images a checkpoint keeps, median (MiB)", "with_checkpoints", "captured_mib_median"),
+    ("cut on the loop, median (ms)", "with_checkpoints", "cut_on_loop_ms_median"),
 )
 RATIO = "delta p99 ratio during / without"
 
@@ -283,15 +292,22 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _rate_text(rate: int) -> str:
+    return "full speed" if rate <= 0 else f"{rate / 2**20:g} MiB/s"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="100K memberships, 1 s phases, 1 repeat")
     ap.add_argument("--memberships", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=3, help="pairs of phases on the one pool")
+    ap.add_argument("--rate", type=int, default=CHECKPOINT_BYTES_PER_SECOND,
+                    help="checkpoint_bytes_per_second (0: unpaced)")  # fmt: skip
     args = ap.parse_args()
     target = args.memberships or (100_000 if args.smoke else 10_000_000)
     seconds = 1.0 if args.smoke else 12.0
-    r = asyncio.run(run(target, seconds, 1 if args.smoke else args.repeats))
+    tune_thread_switching()  # as the daemon runs
+    r = asyncio.run(run(target, seconds, 1 if args.smoke else args.repeats, args.rate))
     r["machine"] = machine()
     out = results_dir(args.smoke)
     write_json(out / "checkpoint.json", r)
@@ -303,7 +319,9 @@ def main() -> None:
         f"One batch every {PERIOD_S * 1e3:g} ms (8 stores of 4 blocks and the removal of an "
         "earlier batch's) on a live member, its delta taken; delta latency counts from the "
         "moment the batch was due, apply time is the batch's own work. "
-        f"{sm['repeats']} repeats of the two phases on the same pool.", "",
+        f"{sm['repeats']} repeats of the two phases on the same pool. Checkpoints read the "
+        f"state at {_rate_text(r['checkpoint_bytes_per_second'])} "
+        "(`checkpoint_bytes_per_second`).", "",
         "| figure | median | min | max |", "| --- | ---: | ---: | ---: |",
     ]  # fmt: skip
     for label in [h[0] for h in HEADLINE] + [RATIO]:
@@ -323,15 +341,12 @@ def main() -> None:
                          f"{p['delta_p99_ms']:.3f} | {p['delta_max_ms']:.2f} | "
                          f"{p['apply_p50_ms']:.3f} | {p['apply_p99_ms']:.3f} | "
                          f"{p.get('memory_added_peak_mib', c['memory_added_peak_mib']):.0f} |")
-        lines.append(f"| {k} | cut and write | {c.get('checkpoints', 0)} checkpoints | fork "
+        lines.append(f"| {k} | cut and write | {c.get('checkpoints', 0)} checkpoints | cut "
                      f"first {c.get('cut_on_loop_ms_first', 0):.1f} ms | median "
                      f"{c.get('cut_on_loop_ms_median', 0):.1f} ms | max "
                      f"{c.get('cut_on_loop_ms_max', 0):.1f} ms | write median "
                      f"{c.get('write_s_median') or 0:.2f} s | | |")  # fmt: skip
-    lines += ["", f"Each checkpoint starts {GAP_S:g} s after the previous one was written; "
-              "huge pages folded back after each: "
-              f"{hugepages.stats.folded_bytes / 2**20 / max(1, hugepages.stats.passes):.0f} MiB "
-              "a pass."]  # fmt: skip
+    lines += ["", f"Each checkpoint starts {GAP_S:g} s after the previous one was written."]
     text = "\n".join(lines) + "\n"
     (out / "checkpoint.md").write_text(text)
     print(text)

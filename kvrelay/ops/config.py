@@ -26,7 +26,13 @@ from kvrelay.ingest.kinds import ENGINE_KINDS
 from kvrelay.ingest.options import DecodeOptions
 from kvrelay.ingest.topic_pattern import PatternError, TopicPattern
 from kvrelay.ops.tls import TlsConfigError, client_ssl_context, is_loopback, server_ssl_context
-from kvrelay.relay.settings import ConnectConfig, EngineSpec, PoolSpec, RelaySettings
+from kvrelay.relay.settings import (
+    CHECKPOINT_BYTES_PER_SECOND,
+    ConnectConfig,
+    EngineSpec,
+    PoolSpec,
+    RelaySettings,
+)
 from kvrelay.service.authz import AuthorizationRule
 
 DEFAULT_BIND = "127.0.0.1:50161"
@@ -295,6 +301,9 @@ RELAY_KEYS: dict[str, _Key] = {
     "state_dir": _Key("str", None, check=lambda v: None if v == "" else _text(v)),
     "state_max_age_s": _Key("float", 3600.0, check=_positive_s),
     "checkpoint_interval_s": _Key("float", 30.0, check=_off_or_positive_s),
+    "checkpoint_bytes_per_second": _Key(
+        "int", CHECKPOINT_BYTES_PER_SECOND, check=_int_range(0, 1 << 40)
+    ),
     "scrub_interval_s": _Key("float", 300.0, check=_off_or_positive_s),
     "event_loop": _kw("auto", EVENT_LOOPS),
     "workers": _Key("int", 1, check=_int_range(1, 256)),
@@ -765,6 +774,7 @@ def parse_config(
             state_dir=_state_dir(relay["state_dir"], environ),
             state_max_age_s=relay["state_max_age_s"],
             checkpoint_interval_s=relay["checkpoint_interval_s"],
+            checkpoint_bytes_per_second=relay["checkpoint_bytes_per_second"],
             scrub_interval_s=relay["scrub_interval_s"],
         )
     except ValueError as exc:  # a rule checked only by the settings themselves

@@ -6,9 +6,9 @@ light load, and uvloop's is lower. ``asyncio`` forces the standard loop; ``uvloo
 the package (start-up fails without it).
 
 Both also shorten how long another Python thread may keep the GIL while the loop waits for it
-(:data:`GIL_SWITCH_INTERVAL_S`, 1 ms; CPython's default is 5 ms). The relay's threads do real
-Python work: building a scrape's families and text, parsing engines' pages, following a
-checkpoint's child. A loop that wants the GIL back waits up to one interval each time, and more
+(:data:`GIL_SWITCH_INTERVAL_S`, 1 ms; CPython's default is 5 ms). The relay's threads do real Python
+work: building a scrape's families and text, parsing engines' pages, a checkpoint's writer between
+its reads and writes. A loop that wants the GIL back waits up to one interval each time, and more
 than once while such a thread runs: at 64 pools, during one ``/metrics`` scrape the loop waited up
 to 21.07 ms at 5 ms and 6.53 ms at 1 ms (``benchmarks/results/fleet_planes.json``). A switch is only
 forced while another thread wants the GIL, so a relay without such work pays nothing.

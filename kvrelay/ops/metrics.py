@@ -646,7 +646,8 @@ def _relay_metrics(r: RelayStats) -> Iterator[Metric]:
     yield _by_result(
         "kvrelay_state_saves",
         "Pool states written, by result: saved, failed (a clean stop), checkpointed, "
-        "checkpoint_failed, checkpoint_busy (periodic), unsafe_dir, unusable_dir.",
+        "checkpoint_failed, checkpoint_busy, checkpoint_overrun (periodic), unsafe_dir, "
+        "unusable_dir.",
         r.state_saves,
     )
     ckpt = GaugeMetricFamily(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import secrets
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -125,7 +126,10 @@ class Relay:
         self.state_restores: dict[str, int] = {}
         self.state_saves: dict[str, int] = {}
         #: Periodic checkpoints (``relay/checkpoint.py``), counted in ``state_saves``.
-        self.checkpoints = checkpoint.Checkpointer(lambda r: self._count(self.state_saves, r))
+        self.checkpoints = checkpoint.Checkpointer(
+            lambda r: self._count(self.state_saves, r),
+            rate=lambda: self.settings.checkpoint_bytes_per_second,
+        )  # fmt: skip
         self._next_checkpoint = 0.0
         #: The online scrub (``relay/scrubber.py``): one task, a bounded step per loop turn.
         self.scrubber = Scrubber(lambda: self.pools, lambda: self.settings.scrub_interval_s)
@@ -434,18 +438,9 @@ class Relay:
             return 0
         n = 0
         for p in self.pools:
-            gen, ident = p.generation, p.identity
-            if gen is None or ident is None or self.checkpoints.busy(p.name):
-                if gen is not None and self.checkpoints.busy(p.name):
-                    self._count(self.state_saves, checkpoint.BUSY)
+            if p.generation is None or p.identity is None:
                 continue
-            try:
-                n += self.checkpoints.submit(
-                    d, p.spec, ident, gen.pool, p.members_to_save(p.subscribers)
-                )
-            except OSError as exc:  # no fork (EAGAIN, ENOMEM): this round is skipped
-                self._count(self.state_saves, checkpoint.FAILED)
-                _log.error("state_checkpoint_failed", pool=p.name, error=str(exc))
+            n += self.checkpoints.submit(p.name, d, functools.partial(_cut, p))
         return n
 
     # ---- membership ------------------------------------------------------------------------------
@@ -620,6 +615,15 @@ class Relay:
                 self.scrape_errors += 1
                 _log.exception("scrape_failed", pool=pool.name, engine=st.spec.name)
             await asyncio.sleep(self.settings.metrics_scrape_interval_s)
+
+
+def _cut(p: PoolRuntime) -> checkpoint.Cut | None:
+    """What a checkpoint of ``p`` holds, taken now (the writer's turn came): its generation's pool
+    and every member's cursor (None when it has no generation any more)."""
+    gen, ident = p.generation, p.identity
+    if gen is None or ident is None:
+        return None
+    return checkpoint.Cut(p.spec, ident, gen.pool, p.members_to_save(p.subscribers))
 
 
 def _same_objects(a: list[pb.KvPoolDescriptor], b: list[pb.KvPoolDescriptor] | None) -> bool:

@@ -12,6 +12,8 @@ from kvrelay.ingest.kinds import EngineKind
 from kvrelay.ingest.options import DecodeOptions
 from kvrelay.ingest.topic_pattern import TopicPattern
 
+#: Default of ``checkpoint_bytes_per_second``.
+CHECKPOINT_BYTES_PER_SECOND = 256 << 20
 
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
@@ -163,6 +165,9 @@ class RelaySettings:
     #: With ``state_dir``: how often each pool's state is also checkpointed while running, so a
     #: crash loses no more than the engines' replay buffers cover (0: only at a clean stop).
     checkpoint_interval_s: float = 30.0
+    #: How fast a checkpoint reads a pool's state (0: as fast as it can): its stream through
+    #: memory shares the CPU caches the event loop's next batch needs.
+    checkpoint_bytes_per_second: int = CHECKPOINT_BYTES_PER_SECOND
     #: How often a full scrub pass checks each pool's filter against its exact state (0: off).
     scrub_interval_s: float = 300.0
 
