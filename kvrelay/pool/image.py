@@ -26,7 +26,7 @@ from kvrelay.pool.cow import CHUNK, Armed
 
 #: An armable array this small is copied at the cut instead (cheaper than its control block).
 EAGER_BYTES = 4096
-#: Below this the side store may hold a whole pool's pre-images (a small pool never overruns).
+#: A side store may always hold this much (a small pool's whole state: it never overruns).
 SIDE_FLOOR = 4 << 20
 #: Side store faulted in ahead of the captures, by the reading thread: more than the event loop
 #: captures while one piece of the file is read.
@@ -88,9 +88,9 @@ class PoolImage:
         tracked = sum(int(a.nbytes) for _, a, _ in armed)
         chunks = sum(-(-int(a.nbytes) // CHUNK) for _, a, _ in armed)
         if side_bytes is None:
-            # Each armed chunk is captured at most once: a store as large as the armed arrays can
-            # never fill up; half of them, with the slot words, keeps an image under 1.5x the
-            # state (a small pool may use the floor instead).
+            # Each armed chunk is captured at most once, and only before it is read: half the
+            # armed bytes, the slot words included, keeps an image under 1.5x the state whatever
+            # the pool does meanwhile; a small pool may keep up to SIDE_FLOOR (all of itself).
             side_bytes = min(chunks * CHUNK, max(SIDE_FLOOR, tracked // 2 - 4 * chunks))
         #: Bound of the side store.
         self.side_bytes = max(CHUNK, side_bytes)
