@@ -35,8 +35,7 @@ _ONE = np.uint64(1)
 _ZERO = np.uint64(0)
 MAX_BUCKETS = 1 << 24
 DEFAULT_MAX_KICKS = 500
-# dirty-log meta (dmeta: i64[DM_LEN])
-DM_LOG = 0  # entries in the dirty log
+# dirty-log meta (dmeta: i64[DM_LEN]): [0] the entries in the dirty log, then
 DM_COW = 1  # the table's checkpoint barrier (``pool/cow.py``): its control block's address, or 0
 DM_LEN = 2
 
@@ -155,7 +154,7 @@ def _write(
     for the undo of a kick chain, which rewrites buckets this wrote before: their chunks are
     already captured while a checkpoint reads the table)."""
     if dmeta.shape[0] > DM_COW:
-        cow.touch_word(np.uint64(dmeta[DM_COW]), table, b)
+        cow.touch_item(np.uint64(dmeta[DM_COW]), table, b)
     if mark[b] == 0:
         mark[b] = 1
         n = dmeta[0]

@@ -151,7 +151,6 @@ copy: Callable[[Any, Any, Any], None] = _copy  # type: ignore[assignment]
 _ONE = np.uint64(1)
 _SHIFT = np.uint64(CHUNK_SHIFT)
 _CHUNK = np.uint64(CHUNK)
-_W = np.uint64(8)
 
 
 @njit(cache=True, _nrt=False, no_cpython_wrapper=True, no_cfunc_wrapper=True)  # type: ignore[misc,call-overload,untyped-decorator]
@@ -186,15 +185,8 @@ def touch(ctl: np.uint64, addr: np.uint64) -> None:
 
 
 @inline
-def touch_word(ctl: np.uint64, a: Any, i: Any) -> None:
-    """:func:`touch` for element ``i`` of array ``a`` (8-byte elements)."""
-    if ctl != np.uint64(0):
-        touch(ctl, np.uint64(a.ctypes.data) + np.uint64(i) * _W)
-
-
-@inline
 def touch_item(ctl: np.uint64, a: Any, i: Any) -> None:
-    """:func:`touch` for element ``i`` of array ``a`` (any element size)."""
+    """:func:`touch` for element ``i`` of array ``a``."""
     if ctl != np.uint64(0):
         touch(ctl, np.uint64(a.ctypes.data) + np.uint64(i) * np.uint64(a.itemsize))
 
@@ -275,8 +267,8 @@ class Armed:
 
     def __init__(self, arrays: Sequence[npt.NDArray[Any]], side_bytes: int) -> None:
         self.arrays = list(arrays)
-        self.nbytes = [int(a.nbytes) for a in self.arrays]
-        chunks = [-(-n // CHUNK) for n in self.nbytes]
+        nbytes = [int(a.nbytes) for a in self.arrays]
+        chunks = [-(-n // CHUNK) for n in nbytes]
         self.ctls = np.zeros((len(self.arrays), CTL_LEN), dtype=np.uint64)
         self.count = np.zeros(COUNT_LEN, dtype=np.uint64)
         cap = max(1, side_bytes // CHUNK)
@@ -291,9 +283,8 @@ class Armed:
         for i, a in enumerate(self.arrays):
             if not a.flags.c_contiguous:
                 raise ValueError("only C-contiguous arrays can be armed")
-            self.ctls[i] = (a.ctypes.data, self.nbytes[i], slot_at, side_at, cap, count_at, 0, 0)
+            self.ctls[i] = (a.ctypes.data, nbytes[i], slot_at, side_at, cap, count_at, 0, 0)
             slot_at += 4 * chunks[i]
-        self.capacity_bytes = cap * CHUNK
 
     def ctl(self, i: int) -> int:
         """Address of array ``i``'s control block (what the kernels are given)."""

@@ -105,7 +105,6 @@ class PoolImage:
             how.holder[how.index] = self._armed.ctl(i)
             self._holders.append(how)
         self.armed_bytes = tracked
-        self.copied_bytes = sum(int(a.nbytes) for a in self._copies.values())
         self.closed = False
         self._on_close = on_close
         #: Called (from the reading thread) once every armed byte has been read.
@@ -170,7 +169,7 @@ class PoolImage:
         for how in self._holders:
             how.holder[how.index] = 0
         self._holders = []
-        self.captured_bytes = max(self.captured_bytes, self._armed.captured_bytes)
+        self.captured_bytes = self._armed.captured_bytes
         self.broken = self.broken or self._armed.broken
         self._armed.release()
         if self._on_close is not None:

@@ -289,9 +289,8 @@ def pay_of(tm: U64, w: U64, s: Int) -> np.uint64:
 def _touch_bits(tm: U64, w: U64, off: Int, n: Int) -> None:
     """Before writing bits ``[off, off + n)`` of ``w``: its checkpoint barrier (``cow``)."""
     c = tm[TM_COW]
-    if c != _ZERO:
-        cow.touch_word(c, w, off >> 6)
-        cow.touch_word(c, w, (off + n - 1) >> 6)
+    cow.touch_item(c, w, off >> 6)
+    cow.touch_item(c, w, (off + n - 1) >> 6)
 
 
 @inline
@@ -345,10 +344,8 @@ def write_slot(
 ) -> None:
     off = slot_off(tm, j, s)
     rb = np.int64(tm[TM_SUB + SUB_W * j + S_RBITS])
-    c = tm[TM_COW]
-    if c != _ZERO:
-        cow.touch_word(c, w, s >> 3)
-        _touch_bits(tm, w, off, rb + np.int64(tm[TM_PBITS]))
+    cow.touch_item(tm[TM_COW], w, s >> 3)
+    _touch_bits(tm, w, off, rb + np.int64(tm[TM_PBITS]))
     _set_tag(w, s, tag)
     put_bits(w, off, rb, rest)
     put_bits(w, off + rb, np.int64(tm[TM_PBITS]), pay)
@@ -478,7 +475,7 @@ def insert_cuckoo(tm: U64, w: U64, y: np.uint64, pay: np.uint64, walk: U64) -> b
 
 @inline
 def delete(tm: U64, w: U64, s: Int) -> None:
-    cow.touch_word(tm[TM_COW], w, s >> 3)
+    cow.touch_item(tm[TM_COW], w, s >> 3)
     _set_tag(w, s, _ZERO)
     tm[TM_LIVE] -= _ONE
 
@@ -563,9 +560,6 @@ def rebuild(otm: U64, ow: U64, ntm: U64, nw: U64, remap: U32, walk: U64) -> bool
                 if fill(nw, t0, b) < b - spare:
                     ns = np.int64(first_free(nw, t0, b))
                     off2 = nb0 + (ns - ns0) * nwd
-                    if ntm[TM_COW] != _ZERO:  # never: a rebuild fills a new table
-                        cow.touch_word(ntm[TM_COW], nw, ns >> 3)
-                        _touch_bits(ntm, nw, off2, nwd)
                     _set_tag(nw, ns, tag)
                     if nwd <= 64:
                         put_bits(nw, off2, nwd, rest2 | (p << np.uint64(nrb)))

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvrelay.pool import ckf, cow
+from kvrelay.pool import ckf
 from kvrelay.pool.apply import (
     BS_BLK_OFF,
     BS_CLEAR_BLOCKS,
@@ -158,11 +158,6 @@ def _warm_layout_kernels() -> None:
     lane = ckf.Lane(2, 0, 0)
     refill(own.tm, own.w, lane.table, lane.cfg, lane.deltas, lane.rng, lane.mark, lane.dlog_b,
            lane.dlog_o, lane.dmeta, lane.undo_b, lane.undo_o)  # fmt: skip
-    # a checkpoint's reader (its first run in the writer thread would hold the GIL while numba
-    # loads it)
-    armed = cow.Armed([np.zeros(64, dtype=np.uint64)], cow.CHUNK)
-    armed.read(0, 0, 512, np.empty(512, dtype=np.uint8))
-    armed.release()
     _warmed = True
 
 

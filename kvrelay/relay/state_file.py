@@ -272,8 +272,8 @@ def _emit(sink: _Sink, header: dict[str, Any], arrays: Arrays,
                 # direct buffer where there is one
                 want = min(n - i, SOURCE_PIECE)
                 out = sink.space(want)
-                if out is not None and (len(out) == want or len(out) >= 4096):
-                    k = len(out) if len(out) == want else len(out) // 4096 * 4096
+                if out is not None and (len(out) == want or len(out) >= _DIRECT_ALIGN):
+                    k = len(out) if len(out) == want else len(out) // _DIRECT_ALIGN * _DIRECT_ALIGN
                     piece = raw.read(i, i + k, out)
                     h.update(piece)
                     sink.advance(k)
