@@ -288,8 +288,24 @@ def _sbs_headline(res: dict[str, Any]) -> list[str]:
             detail = ", ".join(f"{t}: {v['median']:.2f}×" for t, v in vals)
         lines.append(f"- **{what}: {min(meds):.2f}–{max(meds):.2f}× Dynamo** ({detail}; "
                      f"target ≤ {target}×).")
+    floor = [(t, v["floor_cpu_ratio"], v.get("above_floor_cpu")) for t, v in spread.items()
+             if "floor_cpu_ratio" in v]
+    if floor:
+        lines.append(
+            "- **ingest floor: " + _span([f["median"] for _, f, _ in floor]) + "× Dynamo's relay "
+            "CPU; kvrelay above the floor: " + _span([a["median"] for _, _, a in floor if a])
+            + "×** (" + ", ".join(f"{t}: {f['median']:.2f}× and {a['median']:.2f}×"
+                                  for t, f, a in floor if a)
+            + "; medians). The floor (`benchmarks/_ingest_floor.py`) reads the same engine "
+            "messages as kvrelay, with pyzmq from a uvloop reader callback as the relay does, and "
+            "does nothing else: what any relay built that way pays before its own work. kvrelay "
+            "above the floor = (kvrelay CPU − floor CPU) / Dynamo's.")
     lines.append(
         "- CPU = process-tree utime + stime over the driver window / wall; RSS = process-tree "
         "VmRSS at the end of each rate." + (" The table below is the first sweep." if sweeps > 1
                                             else ""))
     return lines
+
+
+def _span(values: list[float]) -> str:
+    return f"{min(values):.2f}–{max(values):.2f}" if values else "–"

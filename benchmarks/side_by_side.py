@@ -103,6 +103,7 @@ def point(rate: float, seconds: float, start: int, procs: dict[str, Proc],
     for p, _ in subs.values():
         p.expect("SNAPSHOTS_DONE", 120)
     time.sleep(0.5)
+    read0, ns0 = _floor_count(procs["floor"])
     c0 = {k: tree_sample(procs[k].pid) for k in ("kvrelay", "dynamo", "mocker")}
     drv = Proc(f"sbs-driver-{int(rate)}", [
         DPY, str(ROOT / "benchmarks" / "_dynamo_driver.py"), "--prompts", str(files["prompts"]),
@@ -110,6 +111,7 @@ def point(rate: float, seconds: float, start: int, procs: dict[str, Proc],
     sent_res = json.loads(drv.expect("{", seconds + 120))
     drv.stop()
     c1 = {k: tree_sample(procs[k].pid) for k in ("kvrelay", "dynamo", "mocker")}
+    read1, ns1 = _floor_count(procs["floor"])
     time.sleep(1.0)  # let the last deltas arrive
     sent = {int(i): int(t) for i, t in sent_res["sent"]}
     window = c1["kvrelay"].wall - c0["kvrelay"].wall
@@ -142,17 +144,31 @@ def point(rate: float, seconds: float, start: int, procs: dict[str, Proc],
         "seconds": round(window, 2),
         "mocker_cpu_util": round((c1["mocker"].cpu_s - c0["mocker"].cpu_s) / window, 3),
         "relays": per,
+        # the same engine messages read by the ingest floor (benchmarks/_ingest_floor.py)
+        "floor": {"messages": read1 - read0, "cpu_util": round((ns1 - ns0) / 1e9 / window, 4)},
     }
 
 
+def _floor_count(floor: Proc) -> tuple[int, int]:
+    """Engine messages the ingest floor has read so far, and its CPU time (ns, every thread)."""
+    floor.send("count")
+    read, ns = floor.readline(30).split()
+    return int(read), int(ns)
+
+
 def sweep_row(p: dict[str, Any]) -> dict[str, Any]:
-    """One rate of one sweep: both relays' CPU and RSS and their ratios."""
-    k, d = p["relays"]["kvrelay"], p["relays"]["dynamo"]
+    """One rate of one sweep: both relays' CPU and RSS and their ratios; the ingest floor's CPU
+    against Dynamo's, and kvrelay's CPU above that floor against Dynamo's."""
+    k, d, f = p["relays"]["kvrelay"], p["relays"]["dynamo"], p["floor"]["cpu_util"]
+    dc = d["cpu_util"]
     return {
         "requests_per_s": p["requests_per_s_offered"],
-        "kvrelay_cpu": k["cpu_util"], "dynamo_cpu": d["cpu_util"],
-        "relay_cpu": k["cpu_util"] / d["cpu_util"] if d["cpu_util"] else None,
+        "kvrelay_cpu": k["cpu_util"], "dynamo_cpu": dc, "floor_cpu": f,
+        "messages": p["floor"]["messages"],
+        "relay_cpu": k["cpu_util"] / dc if dc else None,
         "relay_rss": k["rss_bytes"] / d["rss_bytes"] if d["rss_bytes"] else None,
+        "floor_cpu_ratio": f / dc if dc else None,
+        "above_floor_cpu": (k["cpu_util"] - f) / dc if dc else None,
     }
 
 
@@ -164,7 +180,7 @@ def light_spread(sweeps: list[list[dict[str, Any]]]) -> dict[str, Any]:
         rows = [sweep[i] for sweep in sweeps]
         out[f"{first['requests_per_s']:.0f} req/s"] = {
             key: spread([r[key] for r in rows if r[key] is not None])
-            for key in ("relay_cpu", "relay_rss")
+            for key in ("relay_cpu", "relay_rss", "floor_cpu_ratio", "above_floor_cpu")
             if any(r[key] is not None for r in rows)
         }
     return out
@@ -268,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--render", action="store_true",
                     help="--heavy: redo results/side_by_side_heavy.{md,png} from its JSON")
     a = ap.parse_args(argv)
+    if a.render and not a.heavy:  # a light run would overwrite results/side_by_side.*
+        ap.error("--render redoes the heavy result: use it with --heavy")
     if a.heavy:
         return heavy(a)
     sigterm_as_exit()
@@ -316,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
             prefix=nsx, env={"KVR_BENCH_STAGES": "1"})  # counters dumped on demand: the dumps
         # are not the relay's CPU; stage timers (benchmarks._stages) stay off until the last point
         procs["kvrelay"].expect("READY", 120)
+        procs["floor"] = Proc("sbs-floor", [  # reads the same messages, does nothing else
+            PY, "-m", "benchmarks._ingest_floor", "--endpoint", f"tcp://127.0.0.1:{ZMQ_PORT}"],
+            prefix=nsx, stdin=True)
+        procs["floor"].expect("READY", 60)
         log("warm-up (kernels, caches, connections), then 3 s idle CPU")
         drv = Proc("sbs-driver-warmup", [
             DPY, str(ROOT / "benchmarks" / "_dynamo_driver.py"), "--prompts", str(prompts),
