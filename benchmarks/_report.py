@@ -300,6 +300,13 @@ def _sbs_headline(res: dict[str, Any]) -> list[str]:
             "messages as kvrelay, with pyzmq from a uvloop reader callback as the relay does, and "
             "does nothing else: what any relay built that way pays before its own work. kvrelay "
             "above the floor = (kvrelay CPU − floor CPU) / Dynamo's.")
+    zmtp = [v["zmtp_floor_cpu_ratio"]["median"] for v in spread.values()
+            if "zmtp_floor_cpu_ratio" in v]
+    if zmtp:
+        lines.append(
+            f"- **A reader speaking ZMTP on the event loop: {_span(zmtp)}× Dynamo's relay CPU** "
+            "(the same messages read over one asyncio TCP connection, no libzmq I/O thread; "
+            "medians per rate): what the floor would be with such a reader instead of pyzmq.")
     lines.append(
         "- CPU = process-tree utime + stime over the driver window / wall; RSS = process-tree "
         "VmRSS at the end of each rate." + (" The table below is the first sweep." if sweeps > 1

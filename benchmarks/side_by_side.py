@@ -103,7 +103,8 @@ def point(rate: float, seconds: float, start: int, procs: dict[str, Proc],
     for p, _ in subs.values():
         p.expect("SNAPSHOTS_DONE", 120)
     time.sleep(0.5)
-    read0, ns0 = _floor_count(procs["floor"])
+    floors = {"floor": procs["floor"], "floor_zmtp": procs["floor_zmtp"]}
+    at0 = {k: _floor_count(f) for k, f in floors.items()}
     c0 = {k: tree_sample(procs[k].pid) for k in ("kvrelay", "dynamo", "mocker")}
     drv = Proc(f"sbs-driver-{int(rate)}", [
         DPY, str(ROOT / "benchmarks" / "_dynamo_driver.py"), "--prompts", str(files["prompts"]),
@@ -111,7 +112,7 @@ def point(rate: float, seconds: float, start: int, procs: dict[str, Proc],
     sent_res = json.loads(drv.expect("{", seconds + 120))
     drv.stop()
     c1 = {k: tree_sample(procs[k].pid) for k in ("kvrelay", "dynamo", "mocker")}
-    read1, ns1 = _floor_count(procs["floor"])
+    at1 = {k: _floor_count(f) for k, f in floors.items()}
     time.sleep(1.0)  # let the last deltas arrive
     sent = {int(i): int(t) for i, t in sent_res["sent"]}
     window = c1["kvrelay"].wall - c0["kvrelay"].wall
@@ -144,8 +145,10 @@ def point(rate: float, seconds: float, start: int, procs: dict[str, Proc],
         "seconds": round(window, 2),
         "mocker_cpu_util": round((c1["mocker"].cpu_s - c0["mocker"].cpu_s) / window, 3),
         "relays": per,
-        # the same engine messages read by the ingest floor (benchmarks/_ingest_floor.py)
-        "floor": {"messages": read1 - read0, "cpu_util": round((ns1 - ns0) / 1e9 / window, 4)},
+        # the same engine messages read by the ingest floors (benchmarks/_ingest_floor.py):
+        # pyzmq as the relay reads, and ZMTP spoken on the loop
+        **{k: {"messages": at1[k][0] - at0[k][0],
+               "cpu_util": round((at1[k][1] - at0[k][1]) / 1e9 / window, 4)} for k in floors},
     }
 
 
@@ -157,8 +160,9 @@ def _floor_count(floor: Proc) -> tuple[int, int]:
 
 
 def sweep_row(p: dict[str, Any]) -> dict[str, Any]:
-    """One rate of one sweep: both relays' CPU and RSS and their ratios; the ingest floor's CPU
-    against Dynamo's, and kvrelay's CPU above that floor against Dynamo's."""
+    """One rate of one sweep: both relays' CPU and RSS and their ratios; the ingest floors' CPU
+    against Dynamo's (pyzmq as the relay reads, and ZMTP on the loop), and kvrelay's CPU above
+    the pyzmq floor against Dynamo's."""
     k, d, f = p["relays"]["kvrelay"], p["relays"]["dynamo"], p["floor"]["cpu_util"]
     dc = d["cpu_util"]
     return {
@@ -169,6 +173,8 @@ def sweep_row(p: dict[str, Any]) -> dict[str, Any]:
         "relay_rss": k["rss_bytes"] / d["rss_bytes"] if d["rss_bytes"] else None,
         "floor_cpu_ratio": f / dc if dc else None,
         "above_floor_cpu": (k["cpu_util"] - f) / dc if dc else None,
+        "zmtp_floor_cpu_ratio": p["floor_zmtp"]["cpu_util"] / dc if dc and "floor_zmtp" in p
+        else None,
     }
 
 
@@ -180,7 +186,8 @@ def light_spread(sweeps: list[list[dict[str, Any]]]) -> dict[str, Any]:
         rows = [sweep[i] for sweep in sweeps]
         out[f"{first['requests_per_s']:.0f} req/s"] = {
             key: spread([r[key] for r in rows if r[key] is not None])
-            for key in ("relay_cpu", "relay_rss", "floor_cpu_ratio", "above_floor_cpu")
+            for key in ("relay_cpu", "relay_rss", "floor_cpu_ratio", "above_floor_cpu",
+                        "zmtp_floor_cpu_ratio")
             if any(r[key] is not None for r in rows)
         }
     return out
@@ -334,10 +341,11 @@ def main(argv: list[str] | None = None) -> int:
             prefix=nsx, env={"KVR_BENCH_STAGES": "1"})  # counters dumped on demand: the dumps
         # are not the relay's CPU; stage timers (benchmarks._stages) stay off until the last point
         procs["kvrelay"].expect("READY", 120)
-        procs["floor"] = Proc("sbs-floor", [  # reads the same messages, does nothing else
-            PY, "-m", "benchmarks._ingest_floor", "--endpoint", f"tcp://127.0.0.1:{ZMQ_PORT}"],
-            prefix=nsx, stdin=True)
-        procs["floor"].expect("READY", 60)
+        for key, reader in (("floor", "pyzmq"), ("floor_zmtp", "zmtp")):
+            procs[key] = Proc(f"sbs-{key}", [  # read the same messages, do nothing else
+                PY, "-m", "benchmarks._ingest_floor", "--endpoint",
+                f"tcp://127.0.0.1:{ZMQ_PORT}", "--reader", reader], prefix=nsx, stdin=True)
+            procs[key].expect("READY", 60)
         log("warm-up (kernels, caches, connections), then 3 s idle CPU")
         drv = Proc("sbs-driver-warmup", [
             DPY, str(ROOT / "benchmarks" / "_dynamo_driver.py"), "--prompts", str(prompts),

@@ -152,3 +152,38 @@ def test_settle_waits_only_while_the_load_average_is_over_the_limit() -> None:
     assert waited < 1.0  # bounded by max_wait_s
     if not over and os.getloadavg()[0] <= QUIET_SHARE * (os.cpu_count() or 1):
         assert waited < 0.05  # a quiet machine: no wait at all
+
+
+def test_light_side_by_side_splits_kvrelay_cpu_at_the_ingest_floor() -> None:
+    """Per rate, over the sweeps: the floor against Dynamo's relay CPU and kvrelay's CPU above
+    it, (kvrelay - floor) / Dynamo, as medians; the headline quotes their spans."""
+    from benchmarks._report import _sbs_headline
+    from benchmarks.side_by_side import light_spread, sweep_row
+
+    def point(rate: float, k: float, d: float, f: float) -> dict[str, object]:
+        relay = {"cpu_util": 0.0, "rss_bytes": 100}
+        return {"requests_per_s_offered": rate, "floor": {"messages": 10, "cpu_util": f},
+                "floor_zmtp": {"messages": 10, "cpu_util": f / 2},
+                "relays": {"kvrelay": dict(relay, cpu_util=k), "dynamo": dict(relay, cpu_util=d)}}
+
+    sweeps = [[sweep_row(point(25, k, 0.010, f)), sweep_row(point(100, 2 * k, 0.040, 2 * f))]
+              for k, f in ((0.014, 0.004), (0.012, 0.003), (0.016, 0.005))]
+    spread = light_spread(sweeps)
+    assert spread["25 req/s"]["floor_cpu_ratio"]["median"] == pytest.approx(0.4)
+    assert spread["25 req/s"]["above_floor_cpu"]["median"] == pytest.approx(1.0)
+    assert spread["100 req/s"]["floor_cpu_ratio"]["median"] == pytest.approx(0.2)
+    assert spread["100 req/s"]["above_floor_cpu"]["median"] == pytest.approx(0.5)
+    md = "\n".join(_sbs_headline({"sweeps": sweeps, "light_load_spread": spread}))
+    assert "**ingest floor: 0.20–0.40× Dynamo's relay CPU; kvrelay above the floor: " \
+           "0.50–1.00×**" in md
+    assert spread["25 req/s"]["zmtp_floor_cpu_ratio"]["median"] == pytest.approx(0.2)
+    assert "**A reader speaking ZMTP on the event loop: 0.10–0.20× Dynamo's relay CPU**" in md
+
+
+def test_light_side_by_side_refuses_render() -> None:
+    """``--render`` redoes the heavy result; a light run would overwrite the light one."""
+    from benchmarks.side_by_side import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--render"])
+    assert exc.value.code == 2
