@@ -24,14 +24,15 @@ import asyncio
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 from urllib.parse import urlsplit
 
 import zmq
 
+from kvrelay.ingest.subscriber import readable
 from kvrelay.ops.event_loop import loop_factory
 
-_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+_NOBLOCK = int(zmq.NOBLOCK)
 
 # ZMTP 3.0 (RFC 23): signature, version 3.0, mechanism NULL, not as-server, filler.
 _GREETING = b"\xff" + bytes(7) + b"\x01\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
@@ -98,9 +99,6 @@ async def _pyzmq(endpoint: str) -> tuple[Callable[[], int], Callable[[], None]]:
     sub.connect(endpoint)
     loop = asyncio.get_running_loop()
     read = 0
-
-    def readable(sock: zmq.Socket[Any]) -> bool:
-        return bool(int(sock.getsockopt(_EVENTS)) & _POLLIN)
 
     def on_readable() -> None:
         nonlocal read

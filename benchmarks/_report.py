@@ -286,7 +286,7 @@ def _sbs_headline(res: dict[str, Any]) -> list[str]:
                 f"{t}: {v['median']:.2f}× ({v['min']:.2f}–{v['max']:.2f})" for t, v in vals)
         else:
             detail = ", ".join(f"{t}: {v['median']:.2f}×" for t, v in vals)
-        lines.append(f"- **{what}: {min(meds):.2f}–{max(meds):.2f}× Dynamo** ({detail}; "
+        lines.append(f"- **{what}: {_span(meds)}× Dynamo** ({detail}; "
                      f"target ≤ {target}×).")
     floor = [(t, v["floor_cpu_ratio"], v.get("above_floor_cpu")) for t, v in spread.items()
              if "floor_cpu_ratio" in v]

@@ -103,8 +103,7 @@ def point(rate: float, seconds: float, start: int, procs: dict[str, Proc],
     for p, _ in subs.values():
         p.expect("SNAPSHOTS_DONE", 120)
     time.sleep(0.5)
-    floors = {"floor": procs["floor"], "floor_zmtp": procs["floor_zmtp"]}
-    at0 = {k: _floor_count(f) for k, f in floors.items()}
+    at0 = {k: _floor_count(procs[k]) for k in FLOORS}
     c0 = {k: tree_sample(procs[k].pid) for k in ("kvrelay", "dynamo", "mocker")}
     drv = Proc(f"sbs-driver-{int(rate)}", [
         DPY, str(ROOT / "benchmarks" / "_dynamo_driver.py"), "--prompts", str(files["prompts"]),
@@ -112,7 +111,7 @@ def point(rate: float, seconds: float, start: int, procs: dict[str, Proc],
     sent_res = json.loads(drv.expect("{", seconds + 120))
     drv.stop()
     c1 = {k: tree_sample(procs[k].pid) for k in ("kvrelay", "dynamo", "mocker")}
-    at1 = {k: _floor_count(f) for k, f in floors.items()}
+    at1 = {k: _floor_count(procs[k]) for k in FLOORS}
     time.sleep(1.0)  # let the last deltas arrive
     sent = {int(i): int(t) for i, t in sent_res["sent"]}
     window = c1["kvrelay"].wall - c0["kvrelay"].wall
@@ -145,11 +144,15 @@ def point(rate: float, seconds: float, start: int, procs: dict[str, Proc],
         "seconds": round(window, 2),
         "mocker_cpu_util": round((c1["mocker"].cpu_s - c0["mocker"].cpu_s) / window, 3),
         "relays": per,
-        # the same engine messages read by the ingest floors (benchmarks/_ingest_floor.py):
-        # pyzmq as the relay reads, and ZMTP spoken on the loop
+        # the same engine messages read by the ingest floors (FLOORS)
         **{k: {"messages": at1[k][0] - at0[k][0],
-               "cpu_util": round((at1[k][1] - at0[k][1]) / 1e9 / window, 4)} for k in floors},
+               "cpu_util": round((at1[k][1] - at0[k][1]) / 1e9 / window, 4)} for k in FLOORS},
     }
+
+
+#: The ingest floors each light point also measures, and the reader each one runs
+#: (``benchmarks/_ingest_floor.py``): pyzmq as the relay reads, and ZMTP spoken on the loop.
+FLOORS = {"floor": "pyzmq", "floor_zmtp": "zmtp"}
 
 
 def _floor_count(floor: Proc) -> tuple[int, int]:
@@ -173,8 +176,7 @@ def sweep_row(p: dict[str, Any]) -> dict[str, Any]:
         "relay_rss": k["rss_bytes"] / d["rss_bytes"] if d["rss_bytes"] else None,
         "floor_cpu_ratio": f / dc if dc else None,
         "above_floor_cpu": (k["cpu_util"] - f) / dc if dc else None,
-        "zmtp_floor_cpu_ratio": p["floor_zmtp"]["cpu_util"] / dc if dc and "floor_zmtp" in p
-        else None,
+        "zmtp_floor_cpu_ratio": p["floor_zmtp"]["cpu_util"] / dc if dc else None,
     }
 
 
@@ -341,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             prefix=nsx, env={"KVR_BENCH_STAGES": "1"})  # counters dumped on demand: the dumps
         # are not the relay's CPU; stage timers (benchmarks._stages) stay off until the last point
         procs["kvrelay"].expect("READY", 120)
-        for key, reader in (("floor", "pyzmq"), ("floor_zmtp", "zmtp")):
+        for key, reader in FLOORS.items():
             procs[key] = Proc(f"sbs-{key}", [  # read the same messages, do nothing else
                 PY, "-m", "benchmarks._ingest_floor", "--endpoint",
                 f"tcp://127.0.0.1:{ZMQ_PORT}", "--reader", reader], prefix=nsx, stdin=True)

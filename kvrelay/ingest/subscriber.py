@@ -89,7 +89,7 @@ def _digest(payload: bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
-def _readable(sock: zmq.Socket[Any]) -> bool:
+def readable(sock: zmq.Socket[Any]) -> bool:
     """A message is waiting. Reading ZMQ_EVENTS also re-arms the socket's FD (ZMQ signals
     changes, not levels), so this is checked before every wait."""
     return bool(int(sock.getsockopt(_EVENTS)) & _POLLIN)
@@ -303,13 +303,13 @@ class Subscriber:
         if sub is None or mon is None:
             return
         try:
-            if _readable(mon):
+            if readable(mon):
                 self._watch_connection()
             if self._reconnected or self._replay_from is not None:
                 self._hand_over()
                 return
             for _ in range(self._drain):
-                if not _readable(sub):
+                if not readable(sub):
                     return
                 self._on_live(sub.recv_multipart(_NOBLOCK))
                 if self._replay_from is not None:
@@ -334,8 +334,8 @@ class Subscriber:
 
     async def _wait_input(self, socks: tuple[zmq.Socket[Any], ...], timeout: float) -> None:
         """Until one of ``socks`` may have input or ``timeout`` s passed (spurious wakes happen:
-        callers check ``_readable`` again)."""
-        if any(_readable(x) for x in socks):
+        callers check ``readable`` again)."""
+        if any(readable(x) for x in socks):
             return
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
@@ -722,7 +722,7 @@ class Subscriber:
                 remaining = deadline - loop.time()
                 if remaining > 0:
                     await self._wait_input(socks, remaining)
-                sub_ready, dealer_ready = _readable(sub), _readable(dealer)
+                sub_ready, dealer_ready = readable(sub), readable(dealer)
                 if not (sub_ready or dealer_ready) and loop.time() >= deadline:
                     c.replay_failures += 1
                     self._log.warning("replay_timeout", start=ask)
