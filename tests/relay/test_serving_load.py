@@ -110,13 +110,15 @@ async def test_views_match_the_engines_through_a_restart_and_an_outage() -> None
             assert await client.wait_for(lambda: settled(expect), 30), (model(), expect)
 
             # An engine gone: the pool's sum is partial (gauge unset), the model DEGRADED, its
-            # departed engine's counters still counted while it stays configured.
+            # departed engine's counters still counted while it stays configured. The pool's
+            # status follows the ranks the load plane still sees and its live workers the probe
+            # of each engine: two observations, not one instant, so the test waits for both.
             await engines[1].stop()
             assert await client.wait_for(
-                lambda: (q := pool()) is not None and q.status == "DEGRADED", 30
+                lambda: (q := pool()) is not None and q.status == "DEGRADED"
+                and q.active_decode_blocks is None and q.live_workers == 1,
+                30,
             ), pool()
-            q = pool()
-            assert q is not None and q.active_decode_blocks is None and q.live_workers == 1
             assert await client.wait_for(lambda: settled(expect, "DEGRADED"), 30), model()
             m = model()
             assert m is not None and (m.observed_frontends, m.expected_frontends) == (1, 2)
