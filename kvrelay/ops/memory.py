@@ -127,8 +127,7 @@ def release_compiler_pages(library: str = COMPILER_LIBRARY) -> int:
     Which mappings qualify is read from /proc/self/smaps (~6 ms) the first time and whenever
     the library's lines in /proc/self/maps (~0.2 ms) changed; otherwise the ranges found then are
     dropped again as they are (a read-only mapping cannot gain modified pages)."""
-    libc = _libc()
-    if libc is None:
+    if not sys.platform.startswith("linux"):
         return 0
     try:
         with open("/proc/self/maps") as f:
