@@ -48,7 +48,7 @@ KIND_SNAPSHOT, KIND_DELTA, KIND_HEARTBEAT = 1, 2, 3
 @dataclass(frozen=True, slots=True)
 class ProcSample:
     wall: float
-    cpu_s: float  # utime + stime of the process (all threads)
+    cpu_s: float  # CPU time of the process, every thread (exited ones too), in seconds
     rss_bytes: int
     rss_peak_bytes: int
 
@@ -60,12 +60,32 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def proc_sample(pid: int) -> ProcSample:
-    """CPU seconds and RSS of one process from /proc (no psutil needed)."""
+def process_cpu_clock(pid: int) -> int:
+    """The clock id of another process's CPU time (what ``clock_getcpuclockid(3)`` returns on
+    Linux: ``CPUCLOCK_SCHED`` of the whole thread group, ``(~pid << 3) | 2``).
+
+    It reads the scheduler's runtime in ns, exited threads included. ``utime + stime`` in
+    ``/proc/<pid>/stat`` is the same total (the kernel scales its tick samples to it) but in
+    clock ticks of 10 ms: about five ticks over a light-load point of a relay using 0.006 core.
+    """
+    return (~pid << 3) | 2
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds of one process, every thread: its CPU clock, else ``/proc`` clock ticks."""
+    try:
+        return time.clock_gettime_ns(process_cpu_clock(pid)) / 1e9
+    except OSError:
+        pass
     with open(f"/proc/{pid}/stat") as f:
         stat = f.read()
     fields = stat[stat.rindex(")") + 2 :].split()
-    cpu = (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime (fields 14, 15)
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime (fields 14, 15)
+
+
+def proc_sample(pid: int) -> ProcSample:
+    """CPU seconds and RSS of one process (its CPU clock and /proc; no psutil needed)."""
+    cpu = process_cpu_s(pid)
     rss = peak = 0
     with open(f"/proc/{pid}/status") as f:
         for line in f:

@@ -308,7 +308,8 @@ def _sbs_headline(res: dict[str, Any]) -> list[str]:
             "(the same messages read over one asyncio TCP connection, no libzmq I/O thread; "
             "medians per rate): what the floor would be with such a reader instead of pyzmq.")
     lines.append(
-        "- CPU = process-tree utime + stime over the driver window / wall; RSS = process-tree "
+        "- CPU = process-tree CPU time (utime + stime, read in ns from each process's CPU clock) "
+        "over the driver window / wall; RSS = process-tree "
         "VmRSS at the end of each rate." + (" The table below is the first sweep." if sweeps > 1
                                             else ""))
     return lines

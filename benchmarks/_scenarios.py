@@ -182,7 +182,7 @@ def snapshot_times(fleet: Fleet, repeats: int, streams: int = 1) -> dict[str, An
         "concurrent_streams": streams,
         "subscribe_to_complete_ms": percentiles(times, 1e3),
         # relay process CPU from the joint start to the last complete snapshot, per snapshot
-        # (/proc counts in clock ticks of 10 ms: a sum over the repeats, then divided)
+        # (a sum over the repeats, then divided)
         "relay_cpu_ms_per_snapshot": round(cpu_s * 1e3 / max(1, len(times)), 2),
     }
 

@@ -187,3 +187,36 @@ def test_light_side_by_side_refuses_render() -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--render"])
     assert exc.value.code == 2
+
+
+def test_process_cpu_is_the_kernels_total_in_ns_exited_threads_included() -> None:
+    """The benchmarks' CPU reading of another process agrees with /proc's clock ticks (the
+    independent total) and keeps the CPU of a thread that has exited."""
+    import subprocess
+    import sys
+
+    from benchmarks._common import CLK_TCK, process_cpu_s
+
+    spin = (
+        "import threading, time, sys\n"
+        "def burn():\n"
+        "    t = time.thread_time()\n"
+        "    while time.thread_time() - t < 0.3: pass\n"
+        "th = threading.Thread(target=burn); th.start(); th.join()\n"
+        "print('done', flush=True); sys.stdin.readline()\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "done"
+        cpu = process_cpu_s(p.pid)
+        with open(f"/proc/{p.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks = (int(fields[11]) + int(fields[12])) / CLK_TCK
+        assert cpu >= 0.3  # the exited thread's 0.3 s is in it
+        assert abs(cpu - ticks) <= 2.5 / CLK_TCK  # one total, read to the tick
+        assert cpu * CLK_TCK != round(cpu * CLK_TCK)  # read in ns, not in ticks
+    finally:
+        assert p.stdin is not None
+        p.stdin.close()
+        p.wait(10)
