@@ -131,8 +131,8 @@ def point(rate: float, seconds: float, start: int, procs: dict[str, Proc],
             "delta_bytes": st["bytes"] - st["snapshot_bytes"],
             "snapshot_ms": round(st["snapshot_s"] * 1e3, 2) if st["snapshot_s"] else None,
             "stream_error": st["error"],
-            "cpu_s": round(c1[name].cpu_s - c0[name].cpu_s, 3),
-            "cpu_util": round((c1[name].cpu_s - c0[name].cpu_s) / window, 3),
+            "cpu_s": round(c1[name].cpu_s - c0[name].cpu_s, 5),
+            "cpu_util": round((c1[name].cpu_s - c0[name].cpu_s) / window, 5),
             "rss_bytes": c1[name].rss_bytes,
         }
     return {
@@ -146,7 +146,7 @@ def point(rate: float, seconds: float, start: int, procs: dict[str, Proc],
         "relays": per,
         # the same engine messages read by the ingest floors (FLOORS)
         **{k: {"messages": at1[k][0] - at0[k][0],
-               "cpu_util": round((at1[k][1] - at0[k][1]) / 1e9 / window, 4)} for k in FLOORS},
+               "cpu_util": round((at1[k][1] - at0[k][1]) / 1e9 / window, 5)} for k in FLOORS},
     }
 
 
