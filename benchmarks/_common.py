@@ -76,7 +76,11 @@ def process_cpu_s(pid: int) -> float:
     try:
         return time.clock_gettime_ns(process_cpu_clock(pid)) / 1e9
     except OSError:
-        pass
+        return process_ticks_s(pid)
+
+
+def process_ticks_s(pid: int) -> float:
+    """``utime + stime`` of one process from ``/proc/<pid>/stat``, in whole clock ticks."""
     with open(f"/proc/{pid}/stat") as f:
         stat = f.read()
     fields = stat[stat.rindex(")") + 2 :].split()
