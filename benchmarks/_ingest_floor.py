@@ -4,9 +4,10 @@ it, so that side by side a relay's CPU splits into this floor and the relay's ow
 Two readers (``--reader``):
 
 * ``pyzmq`` reads the way the relay does: a SUB socket and its monitor socket watched from a uvloop
-  reader callback, ``ZMQ_EVENTS`` checked before each non-blocking ``recv_multipart`` (the reading
-  pattern of ``kvrelay/ingest/subscriber.py`` without decoding, applying or publishing). Its CPU
-  per message is what any relay built on pyzmq and this event loop pays before its own work.
+  reader callback, ``ZMQ_EVENTS`` checked before each non-blocking read (``recv_message``: the
+  reading pattern of ``kvrelay/ingest/subscriber.py`` without decoding, applying or publishing).
+  Its CPU per message is what any relay built on pyzmq and this event loop pays before its own
+  work.
 * ``zmtp`` speaks ZMTP 3.0 itself over one asyncio TCP connection (NULL mechanism, subscribe to
   everything, frames counted as they arrive): no libzmq I/O thread and no mailbox between the
   socket and the loop. It sizes what a reader of that kind would pay instead. It is a
@@ -29,7 +30,7 @@ from urllib.parse import urlsplit
 
 import zmq
 
-from kvrelay.ingest.subscriber import readable
+from kvrelay.ingest.subscriber import readable, recv_message
 from kvrelay.ops.event_loop import loop_factory
 
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -109,7 +110,7 @@ async def _pyzmq(endpoint: str) -> tuple[Callable[[], int], Callable[[], None]]:
                 except zmq.Again:
                     break
         while readable(sub):
-            sub.recv_multipart(_NOBLOCK)
+            recv_message(sub)
             read += 1
 
     fds = [int(sock.getsockopt(zmq.FD)) for sock in (sub, mon)]

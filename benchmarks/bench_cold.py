@@ -9,7 +9,7 @@ CPU time (what the relay pays whatever else runs on its core):
 * a numba call with 1 and with 50 array arguments (the apply kernel takes 50);
 * ``np.zeros(0)`` and a small pure-Python method call;
 * ``Decoder.decode`` and ``Pool.apply`` of one 64-block engine message, as side_by_side's mocker
-  sends them.
+  sends them: as an ``EventBatch`` of views, and as the ``PackedBatch`` the subscriber hands on.
 
 Usage: ``python -m benchmarks.bench_cold [--gap-ms 20] [--calls 300] [--smoke]``; writes
 ``results/cold_calls.json``.
@@ -104,13 +104,18 @@ def main() -> None:
     for _ in range(250):  # fill the working set; the removes then hit
         pool.apply(mid, dec.decode(_message(rng, chains)).batch)
         pool.take_publication()
-    msgs = iter([_message(rng, chains) for _ in range(4 * a.calls + 8)])
+    msgs = iter([_message(rng, chains) for _ in range(6 * a.calls + 8)])
 
     def decode_apply() -> None:
         pool.apply(mid, dec.decode(next(msgs)).batch)
         pool.take_publication()
 
+    def decode_apply_packed() -> None:
+        pool.apply(mid, dec.decode(next(msgs), packed=True).batch)
+        pool.take_publication()
+
     cases["decode + Pool.apply + take, one 64-block message"] = decode_apply
+    cases["the same, the batch packed (the relay's live path)"] = decode_apply_packed
     base_warm = measure(lambda: None, a.calls, 0.0)
     base_cold = measure(lambda: None, a.calls, a.gap_ms / 1e3)
     print(f"{'(empty call and two clock reads)':52s} warm {base_warm:8.2f} µs   "

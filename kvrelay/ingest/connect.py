@@ -67,7 +67,7 @@ from kvrelay.ingest.sglang import EPOCH_MARKER, split_topic
 from kvrelay.ingest.sink import ResetReason, SourceKey
 from kvrelay.ingest.topic_pattern import TopicError, TopicMatch, TopicPattern
 from kvrelay.logging import get_logger
-from kvrelay.pool.batch import OP_CLEAR, OP_REMOVE, OP_STORE, EventBatch
+from kvrelay.pool.batch import OP_CLEAR, OP_REMOVE, OP_STORE, EventBatch, as_events
 from kvrelay.pool.errors import MalformedBatch
 
 _LOGGER = "kvrelay.ingest.connect"
@@ -414,17 +414,18 @@ class ConnectSource:
             self._bad_batch(m)
             return
         c.add_stats(res.stats)
+        batch = as_events(res.batch)
         try:
-            self._sink.on_batch(m.key, seq, res.batch)
+            self._sink.on_batch(m.key, seq, batch)
         except MalformedBatch:
             c.reject("malformed_batch")
             self._bad_batch(m)
             return
         c.batches += 1
-        c.events += res.batch.n_events
-        c.blocks += res.batch.n_blocks
+        c.events += batch.n_events
+        c.blocks += batch.n_blocks
         m.dirty = True
-        m.blocks = _held_after(m.blocks, res.batch)
+        m.blocks = _held_after(m.blocks, batch)
         if m.blocks > self.spec.max_member_blocks:
             self.counters.member_block_cap += 1
             self._log.warning("connect_member_over_block_cap", engine=m.name,

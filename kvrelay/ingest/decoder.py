@@ -51,7 +51,9 @@ from kvrelay.pool.batch import (
     ORIGIN_NEW,
     ORIGIN_REPORT,
     ORIGIN_UNKNOWN,
+    AnyBatch,
     EventBatch,
+    PackedBatch,
 )
 
 M64 = (1 << 64) - 1
@@ -101,7 +103,7 @@ _LAYOUTS = {
 
 @dataclass(slots=True)
 class DecodeResult:
-    batch: EventBatch
+    batch: AnyBatch  # a PackedBatch only when asked for (``decode(packed=True)``)
     dp_rank: int
     ts: float
     stats: DecodeStats
@@ -289,18 +291,20 @@ class Decoder:
         elif len(self._gextra) < 1024:  # odd group ids from a broken engine stay bounded
             self._gextra[g] = full
 
-    def decode(self, payload: bytes) -> DecodeResult:
+    def decode(self, payload: bytes, *, packed: bool = False) -> DecodeResult:
+        """``packed``: the walker's batch may come as the ``PackedBatch`` it wrote (what the
+        pool applies with the fewest Python objects); otherwise always an ``EventBatch``."""
         try:
-            return self._decode(payload)
+            return self._decode(payload, packed)
         except DecodeError:
             raise
         except Exception as exc:  # defensive: a bug must still be a typed, counted rejection
             raise InternalDecodeError(repr(exc)) from exc
 
     # ---- envelope -------------------------------------------------------------------------
-    def _decode(self, payload: bytes) -> DecodeResult:
+    def _decode(self, payload: bytes, packed: bool = False) -> DecodeResult:
         if self._fast:
-            res = self._walk(payload)
+            res = self._walk(payload, packed)
             if res is not None:
                 return res
         stats = DecodeStats(slow_path=1)
@@ -311,7 +315,7 @@ class Decoder:
         batch = self._build(events, loose, stats)
         return DecodeResult(batch, rank, ts, stats)
 
-    def _walk(self, payload: bytes) -> DecodeResult | None:
+    def _walk(self, payload: bytes, packed: bool = False) -> DecodeResult | None:
         """numba fast path; ``None`` = fall back to the msgspec path (nothing committed)."""
         n = len(payload) + 1
         o_stats, o_ts, o_groups, o_ops, o_hp, o_w64, o_i64, o_tok, total, e = FW.layout(n)
@@ -335,10 +339,9 @@ class Decoder:
             return None
         st = work[o_stats:o_ts].view(np.int64).tolist()
         ne, dp, n_lora = st[FW.META], st[FW.META + 1], st[FW.META + 2]
-        w64 = work[o_w64:o_i64].view(np.uint64)
-        i64 = work[o_i64:o_tok].view(np.int64)
-        salt = w64[e : e + ne]
         if n_lora:
+            salt = work[o_w64:o_i64].view(np.uint64)[e : e + ne]
+            i64 = work[o_i64:o_tok].view(np.int64)
             lpos, llen = i64[2 * e + 2 : 2 * e + 2 + ne], i64[3 * e + 2 : 3 * e + 2 + ne]
             for i in np.flatnonzero(llen).tolist():
                 p = int(lpos[i])
@@ -365,23 +368,9 @@ class Decoder:
                 v = st[FW.DROP_BASE + j]
                 if v:
                     ds.drops[reason] = v
-        blk_off = i64[: ne + 1]
-        tok_off = i64[e + 1 : e + 2 + ne]
-        zeros = np.zeros(2 * ne, dtype=np.uint64)
-        batch = EventBatch(
-            ops=work[o_ops : o_ops + ne],
-            parent=w64[:ne],
-            has_parent=work[o_hp : o_hp + ne].view(np.bool_),
-            salt=salt,
-            ns_part=zeros[:ne],
-            ns_inherit=zeros[ne:].view(np.bool_)[:ne],
-            blk_off=blk_off,
-            ext_hashes=w64[2 * e : 2 * e + int(blk_off[ne])],
-            tok_off=tok_off,
-            tokens=work[o_tok : o_tok + 4 * int(tok_off[ne])].view(np.uint32),
-            normalized=True,
-        )
-        return DecodeResult(batch, rank, float(work[o_ts:o_groups].view(np.float64)[0]), ds)
+        batch = PackedBatch(work, ne, st[FW.META + 3], e, o_ops, o_hp, o_w64, o_i64, o_tok)
+        ts = float(work[o_ts:o_groups].view(np.float64)[0])
+        return DecodeResult(batch if packed else batch.unpack(), rank, ts, ds)
 
     def _envelope(
         self, payload: bytes, stats: DecodeStats

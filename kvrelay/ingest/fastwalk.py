@@ -438,7 +438,7 @@ def _has_dup(ext: npt.NDArray[np.uint64], start: int, k: int, parent: np.uint64,
     return False
 
 
-N_META = 3  # after the stats: n_events, dp (-1 = nil), events with a lora name
+N_META = 4  # after the stats: n_events, dp (-1 = nil), events with a lora name, block hashes
 META = N_STATS
 
 
@@ -801,6 +801,7 @@ def _walk(  # type: ignore[no-untyped-def]
     stats[META] = ne
     stats[META + 1] = dp
     stats[META + 2] = n_lora
+    stats[META + 3] = nb
     return OK
 
 

@@ -8,7 +8,7 @@ from typing import NamedTuple, Protocol
 
 from kvrelay.ingest.kinds import EngineKind
 from kvrelay.ingest.options import DecodeOptions
-from kvrelay.pool.batch import EventBatch
+from kvrelay.pool.batch import AnyBatch
 
 
 class SourceKey(NamedTuple):
@@ -34,7 +34,7 @@ class ResetReason(enum.Enum):
 
 
 class BatchSink(Protocol):
-    def on_batch(self, source: SourceKey, seq: int, batch: EventBatch) -> None:
+    def on_batch(self, source: SourceKey, seq: int, batch: AnyBatch) -> None:
         """Apply one decoded batch; raises ``MalformedBatch`` (state untouched) to reject it."""
         ...
 

@@ -95,6 +95,19 @@ def readable(sock: zmq.Socket[Any]) -> bool:
     return bool(int(sock.getsockopt(_EVENTS)) & _POLLIN)
 
 
+def recv_message(sock: zmq.Socket[Any]) -> list[bytes]:
+    """One waiting message, every frame as bytes (``recv_multipart(NOBLOCK)``). Each frame's
+    MORE flag is read from the frame itself: ``recv_multipart`` asks ``getsockopt(RCVMORE)``,
+    which builds a ``SocketOption`` enum in Python for every frame. ZMQ delivers a message's
+    frames together, so only the first read can find nothing (``zmq.Again``)."""
+    frame = sock.recv(_NOBLOCK, copy=False)
+    parts = [frame.bytes]
+    while frame.more:
+        frame = sock.recv(_NOBLOCK, copy=False)
+        parts.append(frame.bytes)
+    return parts
+
+
 def _wake(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -311,7 +324,7 @@ class Subscriber:
             for _ in range(self._drain):
                 if not readable(sub):
                     return
-                self._on_live(sub.recv_multipart(_NOBLOCK))
+                self._on_live(recv_message(sub))
                 if self._replay_from is not None:
                     self._hand_over()
                     return
@@ -389,7 +402,7 @@ class Subscriber:
         assert self._sub is not None
         while self._replay_from is None:
             try:
-                frames = self._sub.recv_multipart(_NOBLOCK)
+                frames = recv_message(self._sub)
             except zmq.Again:
                 return
             self._on_live(frames)
@@ -523,7 +536,7 @@ class Subscriber:
         c = self.counters
         self._next = seq + 1
         try:
-            res = self._decoder.decode(payload)
+            res = self._decoder.decode(payload, packed=True)
         except DecodeError as exc:
             c.reject(exc.kind)
             self._bad_batch(seq, payload, exc.kind)
@@ -788,7 +801,7 @@ class Subscriber:
         c = self.counters
         for _ in range(self._drain):
             try:
-                frames = self._sub.recv_multipart(_NOBLOCK)
+                frames = recv_message(self._sub)
             except zmq.Again:
                 break
             c.messages += 1

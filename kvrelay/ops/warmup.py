@@ -113,7 +113,7 @@ def _exercise_pool() -> None:
     import numpy as np
 
     from kvrelay.hashing.identity import DEFAULT_CKF_SEED, bucket_count_for
-    from kvrelay.pool.batch import BatchBuilder
+    from kvrelay.pool.batch import BatchBuilder, PackedBatch
     from kvrelay.pool.pool import FORMAT_EAGLE, FORMAT_STANDARD, Pool
     from kvrelay.publication import cbi1
 
@@ -131,6 +131,11 @@ def _exercise_pool() -> None:
         result = pool.apply(member, batch)
         if result.events_rejected:
             raise RuntimeError(f"kernel warm-up batch rejected: {result.errors}")
+        # what a live engine message takes (apply_packed), twice: the first one sizes buffers
+        for _ in range(2):
+            again = pool.apply(member, PackedBatch.pack(batch))
+            if again.events_rejected:
+                raise RuntimeError(f"kernel warm-up batch rejected: {again.errors}")
         pub = pool.take_publication()
         if pub is not None:
             buckets, words = pub

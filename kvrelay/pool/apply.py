@@ -660,3 +660,155 @@ def batch_summary(
     out[1] = max_k
     out[2] = uses_ns
     return BS_OK
+
+
+# apply_packed's answers
+PACKED_APPLIED = 0  # applied from event 0 up to io[IO_STOP] (the whole batch unless it stopped)
+PACKED_GENERAL = 1  # nothing done: the batch needs the general path (Pool.apply of an EventBatch)
+# apply_packed's io: batch_summary's three outputs, then where it stopped and the set capacity
+IO_STOP = 3
+IO_SET_CAP = 4
+IO_LEN = 5
+
+
+def set_capacity(max_k: int) -> int:
+    """Slots of the per-event duplicate-check set for stores of up to ``max_k`` blocks: a power
+    of two at least twice as large (16 at least), or 1 (a linear scan) up to 16 blocks."""
+    if max_k <= 16:
+        return 1
+    bits = 0
+    v = 2 * max_k
+    while v:
+        bits += 1
+        v >>= 1
+    return 1 << max(4, bits)
+
+
+_set_capacity_nb = njit(cache=True, inline="always")(set_capacity)
+
+
+@njit(cache=True)  # type: ignore[misc,call-overload,untyped-decorator]
+def apply_packed(
+    work: U8,
+    ne: int,
+    e: int,
+    o_ops: int,
+    o_hp: int,
+    o_w64: int,
+    o_i64: int,
+    o_tok: int,
+    add_lo: int,
+    add_hi: int,
+    io: I64,
+    cfg: U64,
+    table: U64,
+    deltas: U64,
+    rng: U64,
+    mark: U8,
+    dlog_b: U32,
+    dlog_o: U64,
+    dmeta: I64,
+    undo_b: U32,
+    undo_o: U64,
+    ltm: U64,
+    lw: U64,
+    nkeys: U64,
+    nvals: U64,
+    nmeta: I64,
+    ck: U64,
+    cv: U32,
+    cmeta: I64,
+    otm: U64,
+    ow: U64,
+    pm: I64,
+    xk: U64,
+    xv: U32,
+    pc: U64,
+    mc: U64,
+    okey_buf: U64,
+    addr_buf: U64,
+    own_buf: I64,
+    set_keys: U64,
+    set_stamp: I64,
+    walk: U64,
+    mm_scratch: U8,
+    sec: U8,
+    acc: U64,
+    err: U8,
+    stats: I64,
+) -> int:
+    """``batch_summary`` and ``apply_batch`` of a ``PackedBatch`` in one call: what a message
+    costs at light load is mostly per call and per Python object, not per event.
+
+    Only the common case: the batch passes ``batch_summary``, uses no namespace, fits the
+    caller's buffers (``err``, ``set_keys``/``set_stamp``, ``okey_buf``) and adds a number of
+    stored blocks in ``[add_lo, add_hi]``, the range in which ``Pool.apply`` would reserve no
+    table change. Otherwise it returns ``PACKED_GENERAL`` before touching anything. Else the
+    answer is ``PACKED_APPLIED``, ``err[:ne]`` and ``stats`` filled as ``apply_batch`` fills
+    them, and ``io[IO_STOP]`` where ``apply_batch`` stopped (``ne`` when done)."""
+    n = work.shape[0]
+    if (
+        ne < 0
+        or e < ne
+        or not (0 <= o_ops <= o_hp <= o_w64 <= o_i64 <= o_tok <= n)
+        or o_ops + ne > o_hp
+        or o_hp + ne > o_w64
+        or (o_i64 - o_w64) % 8 != 0
+        or (o_tok - o_i64) % 8 != 0
+        or (o_i64 - o_w64) // 8 < 2 * e
+        or (o_tok - o_i64) // 8 < 2 * e + 2
+    ):
+        return PACKED_GENERAL
+    w64 = work[o_w64:o_i64].view(np.uint64)
+    i64 = work[o_i64:o_tok].view(np.int64)
+    blk_off = i64[: ne + 1]
+    tok_off = i64[e + 1 : e + 2 + ne]
+    nb = blk_off[ne]
+    nt = tok_off[ne]
+    if nb < 0 or 2 * e + nb > w64.shape[0] or nt < 0 or o_tok + 4 * nt > n:
+        return PACKED_GENERAL
+    ops = work[o_ops : o_ops + ne]
+    has_parent = work[o_hp : o_hp + ne].view(np.bool_)
+    parent = w64[:ne]
+    salt = w64[e : e + ne]
+    ext = w64[2 * e : 2 * e + nb]
+    tokens = work[o_tok : o_tok + 4 * nt].view(np.uint32)
+    ns_part = np.zeros(ne, dtype=np.uint64)
+    ns_inherit = np.zeros(ne, dtype=np.bool_)
+    mm_off = np.zeros(0, dtype=np.int64)
+    mm = np.zeros(0, dtype=np.uint64)
+    origin = np.zeros(0, dtype=np.uint8)
+    summary = io[:3]
+    code = batch_summary(
+        ops, parent, has_parent, salt, ns_part, ns_inherit, blk_off, ext, tok_off, tokens, mm_off,
+        mm, summary,
+    )  # fmt: skip
+    if code != BS_OK:
+        return PACKED_GENERAL
+    store_blocks = summary[0]
+    set_cap = _set_capacity_nb(summary[1])
+    if (
+        summary[2] != 0
+        or store_blocks < add_lo
+        or store_blocks > add_hi
+        or nb > okey_buf.shape[0]
+        or ne > err.shape[0]
+        or set_cap > set_keys.shape[0]
+    ):
+        return PACKED_GENERAL
+    sk = set_keys[:set_cap]
+    ss = set_stamp[:set_cap]
+    ev = err[:ne]
+    sk[:] = 0
+    ss[:] = 0
+    ev[:] = 0
+    stats[:] = 0
+    stop = apply_batch(
+        ops, parent, has_parent, salt, ns_part, ns_inherit, blk_off, ext, tok_off, tokens, mm_off,
+        mm, origin, cfg, table, deltas, rng, mark, dlog_b, dlog_o, dmeta, undo_b, undo_o, ltm, lw,
+        nkeys, nvals, nmeta, ck, cv, cmeta, otm, ow, pm, xk, xv, pc, mc, okey_buf, addr_buf,
+        own_buf, sk, ss, walk, mm_scratch, sec, acc, np.int64(0), ev, stats,
+    )  # fmt: skip
+    io[IO_STOP] = stop
+    io[IO_SET_CAP] = set_cap
+    return PACKED_APPLIED

@@ -26,6 +26,7 @@ from kvrelay.pool.apply import (
     BS_TOK_OFF,
     CM_LIVE,
     CM_ROOM,
+    IO_LEN,
     MAX_COPIES,
     MC_CP_KEYS,
     MC_CP_VALS,
@@ -33,6 +34,7 @@ from kvrelay.pool.apply import (
     MC_NS_KEYS,
     MC_NS_VALS,
     N_STATS,
+    PACKED_APPLIED,
     ST_AMBIGUOUS,
     ST_APPLIED,
     ST_CAPACITY,
@@ -49,11 +51,13 @@ from kvrelay.pool.apply import (
     STOP_COUNTS_FULL,
     STOP_LINEAGE_FULL,
     apply_batch,
+    apply_packed,
     batch_summary,
     clear_member,
     member_edges,
+    set_capacity,
 )
-from kvrelay.pool.batch import EventBatch
+from kvrelay.pool.batch import AnyBatch, EventBatch, PackedBatch
 from kvrelay.pool.errors import (
     CODE_MESSAGE,
     CODE_TO_ERROR,
@@ -119,6 +123,10 @@ LIN_KICKS = 256
 # Placement failures despite the reservation (all candidate buckets full) force a growth; this
 # many in one batch means something is wrong: the pool reports an invariant violation instead.
 MAX_FORCED_GROWTHS = 8
+#: A PackedBatch of at most this many events, with stores of up to 2,047 blocks (the duplicate
+#: check's set), is applied in one call; larger ones take the general path.
+_PACKED_EVENTS = 4096
+_PACKED_SET = 4096
 _M64 = 0xFFFF_FFFF_FFFF_FFFF
 
 
@@ -332,6 +340,13 @@ class Pool:
         self._next_id = 0
         self._stats = np.zeros(N_STATS, dtype=np.int64)
         self._summary = np.zeros(3, dtype=np.int64)
+        # apply_packed's reused buffers (a batch with more events or longer stores takes the
+        # general path, which allocates its own)
+        self._io = np.zeros(IO_LEN, dtype=np.int64)
+        self._err = np.zeros(_PACKED_EVENTS, dtype=np.uint8)
+        self._packed_stats = np.zeros(N_STATS, dtype=np.int64)
+        self._set_keys = np.zeros(_PACKED_SET, dtype=np.uint64)
+        self._set_stamp = np.zeros(_PACKED_SET, dtype=np.int64)
         self._okey_buf = np.empty(0, dtype=np.uint64)  # owners-table keys of canonical hashes
         self._addr_buf = np.empty(0, dtype=np.uint64)  # CKF (fingerprint << 32 | bucket)
         self._own_buf = np.empty(0, dtype=np.int64)
@@ -465,10 +480,17 @@ class Pool:
 
     # ---- apply ----------------------------------------------------------------------------------
 
-    def apply(self, member: int, batch: EventBatch) -> ApplyResult:
+    def apply(self, member: int, batch: AnyBatch) -> ApplyResult:
         """Apply one engine batch for one member (one kernel call, more only for CLEAR events and
-        the rare table without room)."""
+        the rare table without room). A ``PackedBatch`` goes through ``apply_packed`` when it
+        needs no table change first; anything else is applied as the ``EventBatch`` it is."""
         m = self._member(member)
+        if type(batch) is PackedBatch:
+            done = self._apply_packed(m, batch)
+            if done is not None:
+                return done
+            batch = batch.unpack()
+        assert isinstance(batch, EventBatch)
         try:
             b = _normalized(batch)
             code = batch_summary(
@@ -486,7 +508,7 @@ class Pool:
         store_blocks, max_k, ns = self._summary.tolist()
         self._reserve_owners(store_blocks)  # may repack every lineage table: first
         m.reserve(store_blocks, bool(ns), self._sc)
-        if self._xk.shape[0] > MIN_CAP and (int(self._pm[PM_OVERFLOW]) + 1) * 8 < self._xk.shape[0]:
+        if self._counts_oversized():
             self._fit_counts(0)
         err = np.zeros(n, dtype=np.uint8)
         stats = np.zeros(N_STATS, dtype=np.int64)
@@ -495,42 +517,100 @@ class Pool:
             self._okey_buf = np.empty(nb, dtype=np.uint64)
             self._addr_buf = np.empty(nb, dtype=np.uint64)
             self._own_buf = np.full(nb, -1, dtype=np.int64)
-        set_cap = 1 << max(4, (2 * max_k).bit_length()) if max_k > 16 else 1
+        set_cap = set_capacity(max_k)
         set_keys = np.zeros(set_cap, dtype=np.uint64)
         set_stamp = np.zeros(set_cap, dtype=np.int64)
-        mm_scratch = self._mm_scratch_for(b)
+        self._run(m, b, None, max_k, err, stats, set_keys, set_stamp, self._mm_scratch_for(b))
+        return self._finish(stats, err)
+
+    def _counts_oversized(self) -> bool:
+        """The overflow count table is over eight times larger than its entries need."""
+        cap = self._xk.shape[0]
+        return cap > MIN_CAP and (int(self._pm[PM_OVERFLOW]) + 1) * 8 < cap
+
+    def _state(self, m: _Member) -> tuple[Any, ...]:
+        """The tables ``apply_batch`` (and ``apply_packed``) work on for member ``m``, in their
+        argument order; read again after any resize."""
+        lin, own = m.lin, self._own
+        return (
+            self._cfg, self.table, self._deltas, self._rng, self._mark, self._dlog_b,
+            self._dlog_o, self._dmeta, self._undo_b, self._undo_o, lin.tm, lin.w, m.nkeys,
+            m.nvals, m.nmeta, m.ckeys, m.cvals, m.cmeta, own.tm, own.w, self._pm, self._xk,
+            self._xv, self._pcow, m.cow, self._okey_buf, self._addr_buf, self._own_buf,
+        )  # fmt: skip
+
+    def _apply_packed(self, m: _Member, pb: PackedBatch) -> ApplyResult | None:
+        """One ``apply_packed`` call; None when the batch needs the general path (nothing was
+        done). The store-block range it may take is the one in which ``_reserve_owners`` and
+        ``reserve`` would change no table."""
+        if self._counts_oversized():
+            return None
+        own, lin = self._own, m.lin
+        own_live, lin_live = int(own.tm[TM_LIVE]), int(lin.tm[TM_LIVE])
+        (own_lo, own_hi), (lin_lo, lin_hi) = own.bounds, lin.bounds
+        io = self._io
+        code = apply_packed(  # type: ignore[call-arg]
+            pb.work, pb.n_events, pb.e, pb.o_ops, pb.o_hp, pb.o_w64, pb.o_i64, pb.o_tok,
+            max(own_lo - own_live, lin_lo - lin_live), min(own_hi - own_live, lin_hi - lin_live),
+            io, *self._state(m), self._set_keys, self._set_stamp, self._sc.walk,
+            self._mm_scratch, self._hash_sec, self._hash_acc, self._err, self._packed_stats,
+        )  # fmt: skip
+        if code != PACKED_APPLIED:
+            return None
+        ne = pb.n_events
+        err, stats = self._err[:ne], self._packed_stats
+        _, max_k, _, stop, set_cap = io.tolist()
+        if stop < ne:  # a CLEAR or a table without room: the general loop goes on from there
+            self._run(m, pb.unpack(), stop, max_k, err, stats, self._set_keys[:set_cap],
+                      self._set_stamp[:set_cap], self._mm_scratch)  # fmt: skip
+        return self._finish(stats, err)
+
+    def _run(
+        self,
+        m: _Member,
+        b: EventBatch,
+        stop: int | None,
+        max_k: int,
+        err: npt.NDArray[np.uint8],
+        stats: npt.NDArray[np.int64],
+        set_keys: U64,
+        set_stamp: npt.NDArray[np.int64],
+        mm_scratch: npt.NDArray[np.uint8],
+    ) -> None:
+        """``apply_batch`` from event 0 until the batch is done, handling each stop (a CLEAR, a
+        table without room). ``stop``: the first call already ran and stopped there. ``max_k``:
+        the most blocks one store of the batch holds."""
+        n = b.ops.shape[0]
         walk = self._sc.walk
         forced = 0
         start = 0
         while start < n:
-            lin, own = m.lin, self._own
-            stop = apply_batch(
-                b.ops, b.parent, b.has_parent, b.salt, b.ns_part, b.ns_inherit, b.blk_off,
-                b.ext_hashes, b.tok_off, b.tokens, b.mm_off, b.mm, b.origin, self._cfg,
-                self.table, self._deltas, self._rng, self._mark, self._dlog_b, self._dlog_o,
-                self._dmeta, self._undo_b, self._undo_o, lin.tm, lin.w, m.nkeys, m.nvals,
-                m.nmeta, m.ckeys, m.cvals, m.cmeta, own.tm, own.w, self._pm, self._xk, self._xv,
-                self._pcow, m.cow, self._okey_buf, self._addr_buf, self._own_buf, set_keys,
-                set_stamp, walk, mm_scratch, self._hash_sec, self._hash_acc, start, err, stats,
-            )  # fmt: skip
-            if stop >= n:
+            if stop is None:
+                stop = apply_batch(
+                    b.ops, b.parent, b.has_parent, b.salt, b.ns_part, b.ns_inherit, b.blk_off,
+                    b.ext_hashes, b.tok_off, b.tokens, b.mm_off, b.mm, b.origin, *self._state(m),
+                    set_keys, set_stamp, walk, mm_scratch, self._hash_sec, self._hash_acc, start,
+                    err, stats,
+                )  # fmt: skip
+            at, stop = stop, None
+            if at >= n:
                 break
             if self._pm[PM_STOP] == STOP_CLEAR:
                 self._clear(m, stats)
                 stats[ST_APPLIED] += 1
-                start = stop + 1
+                start = at + 1
                 continue
             # The event stopped at is validated again on resume: forget its duplicate-check stamps.
             set_stamp[:] = 0
             if self._pm[PM_STOP] == STOP_COUNTS_FULL:  # room for every count the event raises
                 self._fit_counts(max_k)
-                start = stop
+                start = at
                 continue
             if self._pm[PM_STOP] == STOP_COPIES_FULL:  # room for a copy of every block it holds
                 m.fit_copies(max_k)
-                start = stop
+                start = at
                 continue
-            # a table had no room for event `stop` (nothing of it applied): grow, resume there
+            # a table had no room for event `at` (nothing of it applied): grow, resume there
             forced += 1
             self.forced_growths += 1
             if forced > MAX_FORCED_GROWTHS:
@@ -540,7 +620,10 @@ class Pool:
                 m.resize(LINEAGE.grown(m.lin.nb0), self._sc)
             else:
                 self._resize_owners(OWNERS.grown(self._own.nb0))
-            start = stop
+            start = at
+
+    def _finish(self, stats: npt.NDArray[np.int64], err: npt.NDArray[np.uint8]) -> ApplyResult:
+        """Count a batch's ``stats`` and report its per-event errors."""
         self._stats += stats
         st = stats.tolist()  # one conversion instead of one numpy scalar per counter
         self._note_invariant(st[ST_INVARIANT])

@@ -22,7 +22,7 @@ from kvrelay.ingest.counters import SubscriberCounters
 from kvrelay.ingest.sink import ResetReason, SourceKey
 from kvrelay.ingest.topic_pattern import TopicPattern
 from kvrelay.logging import get_logger
-from kvrelay.pool.batch import EventBatch
+from kvrelay.pool.batch import AnyBatch
 from kvrelay.publication.load import RankLoad
 from kvrelay.relay.engines import worker_id_for
 from kvrelay.relay.generation import Generation
@@ -52,7 +52,7 @@ class PoolHost(Protocol):
     def count_source_failure(self) -> None: ...
     def schedule(self, coro: Coroutine[Any, Any, Any]) -> None: ...
     async def reconcile(self) -> None: ...
-    def on_batch(self, source: SourceKey, seq: int, batch: EventBatch) -> None: ...
+    def on_batch(self, source: SourceKey, seq: int, batch: AnyBatch) -> None: ...
     def on_reset(self, source: SourceKey, reason: ResetReason) -> None: ...
 
 
@@ -80,7 +80,7 @@ class ConnectedMembers:
         self._host.ensure_generation()
         return SourceKey(wid, dp_rank)
 
-    def on_batch(self, source: SourceKey, seq: int, batch: EventBatch) -> None:
+    def on_batch(self, source: SourceKey, seq: int, batch: AnyBatch) -> None:
         self._host.on_batch(source, seq, batch)
 
     def on_reset(self, source: SourceKey, reason: ResetReason) -> None:

@@ -25,7 +25,7 @@ from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.errors import RelayError
 from kvrelay.contract.producer import ProducerKey, producer_key
 from kvrelay.ingest.sink import SourceKey
-from kvrelay.pool.batch import EventBatch
+from kvrelay.pool.batch import AnyBatch
 from kvrelay.pool.errors import MalformedBatch
 from kvrelay.pool.pool import ApplyResult, Pool
 from kvrelay.publication.cadence import Pacer, held_bucket_cap
@@ -107,7 +107,7 @@ class Generation:
 
     # ---- member operations (the only way exact state changes) ----------------------------------
 
-    def apply(self, source: SourceKey, batch: EventBatch) -> ApplyResult | None:
+    def apply(self, source: SourceKey, batch: AnyBatch) -> ApplyResult | None:
         """Apply one decoded engine batch for ``source``; None once retired (or fenced by it).
 
         A malformed batch raises ``MalformedBatch`` with the state untouched (the caller repairs

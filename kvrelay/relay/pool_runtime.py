@@ -51,7 +51,7 @@ from kvrelay.ingest.counters import SubscriberCounters
 from kvrelay.ingest.sink import ResetReason, SourceKey, SourceSpec
 from kvrelay.ingest.subscriber import Subscriber
 from kvrelay.logging import get_logger
-from kvrelay.pool.batch import EventBatch
+from kvrelay.pool.batch import AnyBatch
 from kvrelay.pool.pool import Pool
 from kvrelay.pool.scrub import Finding
 from kvrelay.publication.load import RankLoad
@@ -131,7 +131,7 @@ class PoolRuntime:
 
     # ---- BatchSink -------------------------------------------------------------------------------
 
-    def on_batch(self, source: SourceKey, seq: int, batch: EventBatch) -> None:
+    def on_batch(self, source: SourceKey, seq: int, batch: AnyBatch) -> None:
         gen = self.generation
         if gen is None:
             self.counters.dropped_without_generation += 1

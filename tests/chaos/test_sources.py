@@ -54,7 +54,7 @@ async def test_subscriber_crash_resets_counts_restarts_and_repairs(
         before = set(r.pool.subscribers.values())
         real = Decoder.decode
 
-        def buggy(self: Decoder, payload: bytes) -> Any:  # an unexpected error in the ingest task
+        def buggy(self: Decoder, payload: bytes, **kw: Any) -> Any:  # an unexpected ingest error
             monkeypatch.setattr(Decoder, "decode", real)
             raise RuntimeError("injected decoder bug")
 
@@ -88,7 +88,7 @@ async def test_crash_of_the_only_source_withdraws_then_rebuilds(
         await verify(r, consumer, probes=2_000)
         real = Decoder.decode
 
-        def buggy(self: Decoder, payload: bytes) -> Any:
+        def buggy(self: Decoder, payload: bytes, **kw: Any) -> Any:
             monkeypatch.setattr(Decoder, "decode", real)
             raise RuntimeError("injected decoder bug")
 

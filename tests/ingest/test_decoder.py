@@ -473,7 +473,7 @@ def _outcome(d: Decoder, payload: bytes) -> tuple[str, Any]:
     b = r.batch
     return "ok", (
         r.dp_rank,
-        r.ts,
+        r.ts if r.ts == r.ts else "nan",  # a NaN time stamp (a mutated float) equals no float
         [
             getattr(b, f).tolist()
             for f in (

@@ -17,7 +17,7 @@ import zmq.asyncio
 from kvrelay import logging as kvlog
 from kvrelay.ingest.sink import ResetReason, SourceKey, SourceSpec
 from kvrelay.ingest.subscriber import Subscriber
-from kvrelay.pool.batch import EventBatch
+from kvrelay.pool.batch import AnyBatch, as_events
 from tests.support import vllm_wire as W
 from tests.support.vllm_publisher import TestPublisher, until
 
@@ -29,9 +29,9 @@ class RecordingSink:
         self.items: list[tuple[str, Any]] = []
         self.rebuilds: list[tuple[bool, int]] = []
 
-    def on_batch(self, source: SourceKey, seq: int, batch: EventBatch) -> None:
+    def on_batch(self, source: SourceKey, seq: int, batch: AnyBatch) -> None:
         assert source == SourceKey(42, 0)
-        self.items.append(("batch", (seq, batch.ext_hashes.tolist())))
+        self.items.append(("batch", (seq, as_events(batch).ext_hashes.tolist())))
 
     def on_reset(self, source: SourceKey, reason: ResetReason) -> None:
         self.items.append(("reset", reason))

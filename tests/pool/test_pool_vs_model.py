@@ -9,6 +9,7 @@ replica rebuilt only from ``take_publication()`` must equal the producer table b
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,7 @@ from numba import njit
 from kvrelay.pool import ckf
 from kvrelay.pool import packed as pk
 from kvrelay.pool.apply import ST_CAPACITY
-from kvrelay.pool.batch import BatchBuilder, EventBatch
+from kvrelay.pool.batch import BatchBuilder, EventBatch, PackedBatch
 from kvrelay.pool.pool import Pool
 from tests.support.pool_model import Counts, RefPool, lora_salt
 
@@ -108,7 +109,9 @@ batches = st.tuples(
 )
 
 
-def build(evts: list[Store | Remove | Clear], eagle: bool) -> EventBatch:
+def build(evts: list[Store | Remove | Clear], eagle: bool, walker: bool = False) -> EventBatch:
+    """``walker``: as ingest's walker writes it, where only a store under a namespace inherits
+    its parent's (a namespace component of 0 is no namespace: the same chain either way)."""
     bb = BatchBuilder()
     for e in evts:
         if isinstance(e, Store):
@@ -135,7 +138,7 @@ def build(evts: list[Store | Remove | Clear], eagle: bool) -> EventBatch:
                 parent=parent,
                 salt=(base + (ns if root else 0)) & 0xFFFF_FFFF_FFFF_FFFF,
                 ns_part=ns if root else 0,
-                ns_inherit=not root,
+                ns_inherit=not root and (ns != 0 or not walker),
                 origin=e.origin,
             )
         elif isinstance(e, Remove):
@@ -144,6 +147,14 @@ def build(evts: list[Store | Remove | Clear], eagle: bool) -> EventBatch:
         else:
             bb.clear()
     return bb.build()
+
+
+def packed_if_possible(batch: EventBatch) -> EventBatch | PackedBatch:
+    """The batch as the walker would write it, when it could (no namespace, no origin)."""
+    try:
+        return PackedBatch.pack(batch)
+    except ValueError:
+        return batch
 
 
 def check_state(pool: Pool, model: RefPool, mids: list[int]) -> None:
@@ -187,10 +198,12 @@ def run_history(
     history: list[tuple[int, str, list[Store | Remove | Clear]]],
     restore_every: int = 0,
     reports: bool = False,
+    packed: bool = False,
 ) -> RunStats:
     """Drive pool and model with the same history, checking everything after each batch;
     with ``restore_every``, the pool is replaced by ``Pool.from_state`` of its own export that
-    often (a relay restart with state handover): the model does not notice."""
+    often (a relay restart with state handover): the model does not notice. ``packed``: the
+    pool gets every batch a walker could write as a ``PackedBatch`` (the model the batch)."""
     seed = 0x5DEECE66D1B54A33
     fmt = 2 if eagle else 1
     pool = Pool(buckets, seed, BS, fmt, max_kicks, reports=reports)
@@ -222,8 +235,8 @@ def run_history(
             pool.reset_member(mids[member])
             model.clear(member, Counts())
         else:
-            batch = build(evts, eagle)
-            res = pool.apply(mids[member], batch)
+            batch = build(evts, eagle, walker=packed)
+            res = pool.apply(mids[member], packed_if_possible(batch) if packed else batch)
             exp = model.apply(member, batch)
             assert res.events_applied == exp.applied
             assert res.events_rejected == exp.rejected
@@ -358,6 +371,84 @@ def test_seeded_histories_cover_every_path() -> None:
     }
     assert cap > 0 and max_ref >= 3 and ns
     assert all(dups), dups  # copies counted, reports taken, ambiguous stores, copies removed
+
+
+class _PackedCalls:
+    """Counts what ``apply_packed`` answered (the real kernel runs; only its answers are
+    tallied), so a test can show the one-call path and its continuations were taken."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import kvrelay.pool.pool as pool_module
+
+        self.applied = self.general = self.continued = 0
+        kernel = pool_module.apply_packed
+
+        def counted(*args: Any) -> int:
+            code = int(kernel(*args))
+            if code == pool_module.PACKED_APPLIED:
+                self.applied += 1
+                io = args[10]
+                self.continued += int(io[3] < args[1])  # IO_STOP < events: the loop went on
+            else:
+                self.general += 1
+            return code
+
+        monkeypatch.setattr(pool_module, "apply_packed", counted)
+
+
+def test_packed_batches_match_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every batch a walker could write goes to the pool packed: the one-call path, its
+    continuations after a CLEAR or a table without room, and its fallbacks to the general path
+    (a table to resize first, a batch that fails its checks) agree with the model batch by
+    batch, state, results and publications alike."""
+    calls = _PackedCalls(monkeypatch)
+    totals: dict[str, int] = {}
+    cap = 0
+    for i in range(24):
+        rng = random.Random(5000 + i)
+        r = run_history(
+            [2, 4, 8, 16, 64, 1024][i % 6], [500, 2, 0][i % 3], i % 4 == 3,
+            _random_history(rng, 40, p_variant=0.15), reports=i % 2 == 1, packed=True,
+        )  # fmt: skip
+        for k, v in r.errors.items():
+            totals[k] = totals.get(k, 0) + v
+        cap += r.capacity
+    assert calls.applied > 250 and calls.general > 20 and calls.continued > 40, vars(calls)
+    kinds = {"parent_block_not_found", "invalid_block_sequence", "token_count_mismatch"}
+    assert set(totals) == kinds
+    assert cap > 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    buckets=st.sampled_from([2, 8, 1024]),
+    max_kicks=st.sampled_from([0, 500]),
+    eagle=st.booleans(),
+    history=st.lists(batches, min_size=4, max_size=30),
+)
+def test_packed_batches_match_the_model_on_any_history(
+    buckets: int,
+    max_kicks: int,
+    eagle: bool,
+    history: list[tuple[int, str, list[Store | Remove | Clear]]],
+) -> None:
+    run_history(buckets, max_kicks, eagle, history, packed=True)
+
+
+def test_a_packed_batch_unpacks_to_the_batch_it_was_packed_from() -> None:
+    rng = random.Random(3)
+    for _ in range(50):
+        evts = _random_history(rng, 1, p_variant=0.0)[0][2]
+        evts = [dataclasses.replace(e, origin=0) if isinstance(e, Store) else e for e in evts]
+        batch = build(evts, rng.random() < 0.5, walker=True)
+        got = PackedBatch.pack(batch).unpack()
+        for name in ("ops", "parent", "has_parent", "salt", "ns_part", "ns_inherit", "blk_off",
+                     "ext_hashes", "tok_off", "tokens"):  # fmt: skip
+            a, b = getattr(got, name), getattr(batch, name)
+            assert a.dtype == b.dtype and np.array_equal(a, b), name
+        assert got.n_events == batch.n_events and got.n_blocks == batch.n_blocks
+    with pytest.raises(ValueError):
+        PackedBatch.pack(BatchBuilder().store([1], np.arange(2, dtype=np.uint32), origin=1).build())
 
 
 def test_a_restored_pool_goes_on_exactly_like_the_model() -> None:

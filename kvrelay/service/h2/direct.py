@@ -32,7 +32,6 @@ not there, and every frame then goes through grpclib.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import struct
 import time
 from collections.abc import Callable
@@ -111,5 +110,7 @@ def _flush_soon(conn: Any) -> None:
 
 def _flush(conn: Any) -> None:
     setattr(conn, _FLUSH_PENDING, False)
-    with contextlib.suppress(Exception):  # transport closed: the stream's error path reports it
+    try:  # not contextlib.suppress: three Python calls more on every delta
         conn.flush()
+    except Exception:  # transport closed: the stream's error path reports it
+        return
