@@ -131,11 +131,9 @@ def _exercise_pool() -> None:
         result = pool.apply(member, batch)
         if result.events_rejected:
             raise RuntimeError(f"kernel warm-up batch rejected: {result.errors}")
-        # what a live engine message takes (apply_packed), twice: the first one sizes buffers
-        for _ in range(2):
-            again = pool.apply(member, PackedBatch.pack(batch))
-            if again.events_rejected:
-                raise RuntimeError(f"kernel warm-up batch rejected: {again.errors}")
+        again = pool.apply(member, PackedBatch.pack(batch))  # a live message's path: apply_packed
+        if again.events_rejected:
+            raise RuntimeError(f"kernel warm-up batch rejected: {again.errors}")
         pub = pool.take_publication()
         if pub is not None:
             buckets, words = pub

@@ -130,6 +130,14 @@ _PACKED_SET = 4096
 _M64 = 0xFFFF_FFFF_FFFF_FFFF
 
 
+def _room(t: PackedTable) -> tuple[int, int]:
+    """``(lo, hi)``: how many entries ``t`` may gain (lose, below 0) and keep its size; outside
+    that range ``reserve`` / ``_reserve_owners`` resize it (the table's ``bounds``)."""
+    live = int(t.tm[TM_LIVE])
+    lo, hi = t.bounds
+    return lo - live, hi - live
+
+
 def _ref_bits(owner_cap: int) -> int:
     return max(1, (owner_cap - 1).bit_length())
 
@@ -242,11 +250,10 @@ class _Member:
         self.lin = new
 
     def reserve(self, add: int, ns: bool, sc: Scratch) -> None:
-        need = int(self.lin.tm[TM_LIVE]) + add
-        lo, hi = self.lin.bounds
-        if need > hi or need < lo:
+        lo, hi = _room(self.lin)
+        if add > hi or add < lo:
             nb = self.lin.nb0
-            want = LINEAGE.sized(nb, need)
+            want = LINEAGE.sized(nb, int(self.lin.tm[TM_LIVE]) + add)
             if want != nb:
                 self.resize(want, sc)
         if ns:
@@ -444,11 +451,10 @@ class Pool:
         self._ref_bits = bits
 
     def _reserve_owners(self, add: int) -> None:
-        need = int(self._own.tm[TM_LIVE]) + add
-        lo, hi = self._own.bounds
-        if need > hi or need < lo:
+        lo, hi = _room(self._own)
+        if add > hi or add < lo:
             nb = self._own.nb0
-            want = OWNERS.sized(nb, need)
+            want = OWNERS.sized(nb, int(self._own.tm[TM_LIVE]) + add)
             if want != nb:
                 self._resize_owners(want)
 
@@ -545,13 +551,11 @@ class Pool:
         ``reserve`` would change no table."""
         if self._counts_oversized():
             return None
-        own, lin = self._own, m.lin
-        own_live, lin_live = int(own.tm[TM_LIVE]), int(lin.tm[TM_LIVE])
-        (own_lo, own_hi), (lin_lo, lin_hi) = own.bounds, lin.bounds
+        (own_lo, own_hi), (lin_lo, lin_hi) = _room(self._own), _room(m.lin)
         io = self._io
         code = apply_packed(  # type: ignore[call-arg]
             pb.work, pb.n_events, pb.e, pb.o_ops, pb.o_hp, pb.o_w64, pb.o_i64, pb.o_tok,
-            max(own_lo - own_live, lin_lo - lin_live), min(own_hi - own_live, lin_hi - lin_live),
+            max(own_lo, lin_lo), min(own_hi, lin_hi),
             io, *self._state(m), self._set_keys, self._set_stamp, self._sc.walk,
             self._mm_scratch, self._hash_sec, self._hash_acc, self._err, self._packed_stats,
         )  # fmt: skip
