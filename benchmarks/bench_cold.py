@@ -11,6 +11,13 @@ CPU time (what the relay pays whatever else runs on its core):
 * ``Decoder.decode`` and ``Pool.apply`` of one 64-block engine message, as side_by_side's mocker
   sends them: as an ``EventBatch`` of views, and as the ``PackedBatch`` the subscriber hands on.
 
+Then what makes a call cold (``wake`` in the JSON): the packed message's call after 1, 5 and
+20 ms asleep, and back to back after reading 64 MiB of other memory (another process's use of
+the caches, without a sleep). On the 2-core benchmark VM the sleep itself does it: a thread that
+slept 20 ms runs its next calls far slower than one whose caches were merely flushed, and 1 ms
+asleep costs almost nothing, so a relay pays the cold price once per wakeup at light load
+whatever else runs on the machine.
+
 Usage: ``python -m benchmarks.bench_cold [--gap-ms 20] [--calls 300] [--smoke]``; writes
 ``results/cold_calls.json``.
 """
@@ -25,6 +32,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 from numba import njit, types
 
 from benchmarks._common import machine, results_dir, write_json
@@ -65,12 +73,20 @@ def _message(rng: random.Random, chains: list[list[int]]) -> bytes:
     return msgspec.msgpack.encode([time.time(), events, 0])
 
 
-def measure(fn: Callable[[], Any], calls: int, gap_s: float) -> float:
-    """Median thread-CPU µs of ``fn()``, each call after ``gap_s`` asleep (0: back to back),
-    clock reads included (``rows`` subtract the empty call's)."""
+_OTHER = np.ones(0, dtype=np.uint8)  # grown to 64 MiB by ``wake``'s flushed row only
+
+
+def measure(
+    fn: Callable[[], Any], calls: int, gap_s: float, other: npt.NDArray[np.uint8] = _OTHER
+) -> float:
+    """Median thread-CPU µs of ``fn()``, each call after ``gap_s`` asleep (0: back to back)
+    and after reading ``other`` (empty: nothing), clock reads included (``rows`` subtract the
+    empty call's)."""
     fn()
     out = []
     for _ in range(calls):
+        if other.size:
+            other.sum()
         if gap_s:
             time.sleep(gap_s)
         t0 = time.thread_time()
@@ -104,7 +120,7 @@ def main() -> None:
     for _ in range(250):  # fill the working set; the removes then hit
         pool.apply(mid, dec.decode(_message(rng, chains)).batch)
         pool.take_publication()
-    msgs = iter([_message(rng, chains) for _ in range(6 * a.calls + 8)])
+    msgs = iter([_message(rng, chains) for _ in range(10 * a.calls + 16)])
 
     def decode_apply() -> None:
         pool.apply(mid, dec.decode(next(msgs)).batch)
@@ -127,11 +143,27 @@ def main() -> None:
         rows.append({"call": name, "warm_us": round(warm, 2), "cold_us": round(cold, 2),
                      "cold_over_warm": round(cold / warm, 1) if warm else None})
         print(f"{name:52s} warm {warm:8.2f} µs   after {a.gap_ms:g} ms asleep {cold:8.2f} µs")
+    wake = []
+    flushed = np.ones(64 << 20, dtype=np.uint8)
+    for label, gap, other in (
+        ("back to back", 0.0, _OTHER),
+        ("after 1 ms asleep", 0.001, _OTHER),
+        ("after 5 ms asleep", 0.005, _OTHER),
+        (f"after {a.gap_ms:g} ms asleep", a.gap_ms / 1e3, _OTHER),
+        ("back to back after reading 64 MiB of other memory", 0.0, flushed),
+    ):
+        us = measure(decode_apply_packed, a.calls, gap, other)
+        wake.append({"when": label, "us": round(us, 2)})
+        print(f"{'packed message ' + label:52s} {us:8.2f} µs")
+    del flushed
     res = {"benchmark": "cold_calls", "gap_ms": a.gap_ms, "calls": a.calls,
            "note": "median thread CPU per call, less the empty call's (clock reads); cold = "
                    "each call after gap_ms asleep",
            "empty_call_us": {"warm": round(base_warm, 2), "cold": round(base_cold, 2)},
-           "rows": rows, "machine": machine()}
+           "rows": rows,
+           "wake_note": "the packed message's call (decode + Pool.apply + take, clock reads "
+                        "included) by what came before it",
+           "wake": wake, "machine": machine()}
     write_json(results_dir(a.smoke) / "cold_calls.json", res)
 
 

@@ -18,6 +18,7 @@ The engine kind picks the array-form field layout: SGLang's positions differ fro
 
 from __future__ import annotations
 
+import struct
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +79,9 @@ _TIERS = {
 #: is allocated so messages of other sizes can reuse it.
 _WORK_MIN = 1 << 18
 _WORK_KEEP = 1 << 20
+#: The head of the walker's workspace: its stats and meta (int64) and the time stamp (float64).
+_HEAD = struct.Struct(f"<{FW.N_STATS + FW.N_META}qd")
+assert FW.layout(1)[1] == _HEAD.size - 8  # the time stamp follows the stats and meta
 _FULL_ATTENTION = frozenset({"full_attention", "mla_attention"})
 _STORE, _REMOVE, _CLEAR = wire.STORE, wire.REMOVE, wire.CLEAR
 
@@ -295,18 +299,19 @@ class Decoder:
         """``packed``: the walker's batch may come as the ``PackedBatch`` it wrote (what the
         pool applies with the fewest Python objects); otherwise always an ``EventBatch``."""
         try:
-            return self._decode(payload, packed)
+            if self._fast:  # the walker first, without a frame between (a message's hot path)
+                res = self._walk(payload, packed)
+                if res is not None:
+                    return res
+            return self._decode(payload)
         except DecodeError:
             raise
         except Exception as exc:  # defensive: a bug must still be a typed, counted rejection
             raise InternalDecodeError(repr(exc)) from exc
 
     # ---- envelope -------------------------------------------------------------------------
-    def _decode(self, payload: bytes, packed: bool = False) -> DecodeResult:
-        if self._fast:
-            res = self._walk(payload, packed)
-            if res is not None:
-                return res
+    def _decode(self, payload: bytes) -> DecodeResult:
+        """The msgspec path: what the walker hands back, and every decoder without it."""
         stats = DecodeStats(slow_path=1)
         ts, dp, events, loose = self._envelope(payload, stats)
         rank = self.dp_rank if dp is None else dp
@@ -315,30 +320,36 @@ class Decoder:
         batch = self._build(events, loose, stats)
         return DecodeResult(batch, rank, ts, stats)
 
+    def _workspace(self, n: int) -> npt.NDArray[np.uint8]:
+        """A new workspace for a payload of ``n - 1`` bytes, kept for the next message when it
+        is at most ``_WORK_KEEP`` bytes."""
+        total = FW.layout(n)[8]
+        work = np.empty(max(total, _WORK_MIN), dtype=np.uint8)
+        self._work = work if total <= _WORK_KEEP else None
+        return work
+
     def _walk(self, payload: bytes, packed: bool = False) -> DecodeResult | None:
-        """numba fast path; ``None`` = fall back to the msgspec path (nothing committed)."""
-        n = len(payload) + 1
-        o_stats, o_ts, o_groups, o_ops, o_hp, o_w64, o_i64, o_tok, total, e = FW.layout(n)
+        """numba fast path; ``None`` = fall back to the msgspec path (nothing committed).
+
+        At light load every statement here runs with cold caches, so the walk's outcome (its
+        stats, the arrays' offsets and the time stamp) is read with one ``struct.unpack_from``
+        and the workspace's size is checked by the walker itself."""
         work = self._work
         # reused while nothing decoded from it is alive (a batch's arrays are views of it, each
         # one a reference): one allocation less per message, and its cache lines still warm
-        if work is None or work.shape[0] < total or sys.getrefcount(work) > 3:
-            work = np.empty(max(total, _WORK_MIN), dtype=np.uint8)
-            self._work = work if total <= _WORK_KEEP else None
-        rc = FW.walk(
-            np.frombuffer(payload, dtype=np.uint8),
-            work,
-            self._garr,
-            self.block_size,
-            self.extra,
-            self.options.drop_self_reference,
-            self._layout.walker_ids,
-            self._layout.walker_len,
-        )
+        if work is None or sys.getrefcount(work) > 3:
+            work = self._workspace(len(payload) + 1)
+        buf = np.frombuffer(payload, dtype=np.uint8)
+        args = (self._garr, self.block_size, self.extra, self.options.drop_self_reference,
+                self._layout.walker_ids, self._layout.walker_len)  # fmt: skip
+        rc = FW.walk(buf, work, *args)
+        if rc == FW.SMALL:
+            work = self._workspace(len(payload) + 1)
+            rc = FW.walk(buf, work, *args)
         if rc != FW.OK:
             return None
-        st = work[o_stats:o_ts].view(np.int64).tolist()
-        ne, dp, n_lora = st[FW.META], st[FW.META + 1], st[FW.META + 2]
+        st = _HEAD.unpack_from(work)  # type: ignore[arg-type]  # numpy arrays are buffers
+        ne, dp, n_lora, nb, e, o_ops, o_hp, o_w64, o_i64, o_tok = st[FW.META : FW.META + FW.N_META]
         if n_lora:
             salt = work[o_w64:o_i64].view(np.uint64)[e : e + ne]
             i64 = work[o_i64:o_tok].view(np.int64)
@@ -368,9 +379,8 @@ class Decoder:
                 v = st[FW.DROP_BASE + j]
                 if v:
                     ds.drops[reason] = v
-        batch = PackedBatch(work, ne, st[FW.META + 3], e, o_ops, o_hp, o_w64, o_i64, o_tok)
-        ts = float(work[o_ts:o_groups].view(np.float64)[0])
-        return DecodeResult(batch if packed else batch.unpack(), rank, ts, ds)
+        batch = PackedBatch(work, ne, nb, e, o_ops, o_hp, o_w64, o_i64, o_tok)
+        return DecodeResult(batch if packed else batch.unpack(), rank, st[-1], ds)
 
     def _envelope(
         self, payload: bytes, stats: DecodeStats

@@ -21,6 +21,7 @@ from kvrelay.ingest.tokens_kernel import _pair_header, _read_u32
 
 OK = 0
 FALLBACK = 1
+SMALL = 2  # the workspace is smaller than ``layout``'s total: nothing written
 
 # stats slots
 ST_STORED, ST_REMOVED, ST_CLEARED, ST_TRUNCATED, ST_EAGLE, ST_MALFORMED = 0, 1, 2, 3, 4, 5
@@ -438,7 +439,10 @@ def _has_dup(ext: npt.NDArray[np.uint64], start: int, k: int, parent: np.uint64,
     return False
 
 
-N_META = 4  # after the stats: n_events, dp (-1 = nil), events with a lora name, block hashes
+#: After the stats: n_events, dp (-1 = nil), events with a lora name, block hashes, then where
+#: the arrays are (``layout``'s e, ops, has_parent, w64, i64 and tokens), so the caller reads the
+#: walk's whole outcome, time stamp included, with one ``struct.unpack_from`` and no layout call.
+N_META = 10
 META = N_STATS
 
 
@@ -828,12 +832,15 @@ def walk(
     arr_ids: npt.NDArray[np.int64],
     arr_len: npt.NDArray[np.int64],
 ) -> int:
-    """Entry point: every output in ``work`` (at least ``layout``'s total bytes) on return.
-    ``groups`` (the kv-cache group kinds learned so far) is updated only when the walk returns
-    ``OK``: a fallback leaves the caller's state as it was. The copies are made here, not by
-    numpy slice assignments in the caller: at light load those cost more than the walk."""
+    """Entry point: every output in ``work`` on return (``SMALL``, and nothing written, when it
+    is shorter than ``layout``'s total). ``groups`` (the kv-cache group kinds learned so far) is
+    updated only when the walk returns ``OK``: a fallback leaves the caller's state as it was.
+    The copies are made here, not by numpy slice assignments in the caller: at light load those
+    cost more than the walk."""
     n = buf.shape[0] + 1
-    o_stats, o_ts, o_groups, o_ops, o_hp, o_w64, o_i64, o_tok, _, e = _layout_nb(n)
+    o_stats, o_ts, o_groups, o_ops, o_hp, o_w64, o_i64, o_tok, total, e = _layout_nb(n)
+    if work.shape[0] < total:
+        return SMALL
     stats = work[o_stats:o_ts].view(np.int64)
     stats[:] = 0
     learned = work[o_groups:o_ops].view(np.int8)
@@ -856,4 +863,10 @@ def walk(
     )
     if rc == OK:
         groups[:] = learned
+        stats[META + 4] = e
+        stats[META + 5] = o_ops
+        stats[META + 6] = o_hp
+        stats[META + 7] = o_w64
+        stats[META + 8] = o_i64
+        stats[META + 9] = o_tok
     return rc  # type: ignore[no-any-return]

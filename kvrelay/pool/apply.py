@@ -663,8 +663,9 @@ def batch_summary(
 
 
 # apply_packed's answers
-PACKED_APPLIED = 0  # applied from event 0 up to io[IO_STOP] (the whole batch unless it stopped)
+PACKED_APPLIED = 0  # the whole batch applied, its stats added to the running totals too
 PACKED_GENERAL = 1  # nothing done: the batch needs the general path (Pool.apply of an EventBatch)
+PACKED_STOPPED = 2  # applied from event 0 up to io[IO_STOP] (a CLEAR, a full table): go on there
 # apply_packed's io: batch_summary's three outputs, then where it stopped and the set capacity
 IO_STOP = 3
 IO_SET_CAP = 4
@@ -736,6 +737,7 @@ def apply_packed(
     acc: U64,
     err: U8,
     stats: I64,
+    totals: I64,
 ) -> int:
     """``batch_summary`` and ``apply_batch`` of a ``PackedBatch`` in one call: what a message
     costs at light load is mostly per call and per Python object, not per event.
@@ -743,9 +745,12 @@ def apply_packed(
     Only the common case: the batch passes ``batch_summary``, uses no namespace, fits the
     caller's buffers (``err``, ``set_keys``/``set_stamp``, ``okey_buf``) and adds a number of
     stored blocks in ``[add_lo, add_hi]``, the range in which ``Pool.apply`` would reserve no
-    table change. Otherwise it returns ``PACKED_GENERAL`` before touching anything. Else the
-    answer is ``PACKED_APPLIED``, ``err[:ne]`` and ``stats`` filled as ``apply_batch`` fills
-    them, and ``io[IO_STOP]`` where ``apply_batch`` stopped (``ne`` when done)."""
+    table change. Otherwise it returns ``PACKED_GENERAL`` before touching anything. Else
+    ``err[:ne]`` and ``stats`` are filled as ``apply_batch`` fills them, and the answer is
+    ``PACKED_APPLIED`` when the whole batch was applied (``stats`` then added to ``totals``, the
+    pool's running counts: a numpy ``+=`` costs more than the walk at light load), or
+    ``PACKED_STOPPED`` with ``io[IO_STOP]`` where ``apply_batch`` stopped and ``io[IO_SET_CAP]``
+    the duplicate-check set it used (the caller goes on from there, and adds the totals)."""
     n = work.shape[0]
     if (
         ne < 0
@@ -811,4 +816,8 @@ def apply_packed(
     )  # fmt: skip
     io[IO_STOP] = stop
     io[IO_SET_CAP] = set_cap
+    if stop < ne:
+        return PACKED_STOPPED
+    for i in range(stats.shape[0]):
+        totals[i] += stats[i]
     return PACKED_APPLIED

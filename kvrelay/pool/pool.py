@@ -35,6 +35,7 @@ from kvrelay.pool.apply import (
     MC_NS_VALS,
     N_STATS,
     PACKED_APPLIED,
+    PACKED_STOPPED,
     ST_AMBIGUOUS,
     ST_APPLIED,
     ST_CAPACITY,
@@ -558,15 +559,18 @@ class Pool:
             max(own_lo, lin_lo), min(own_hi, lin_hi),
             io, *self._state(m), self._set_keys, self._set_stamp, self._sc.walk,
             self._mm_scratch, self._hash_sec, self._hash_acc, self._err, self._packed_stats,
+            self._stats,
         )  # fmt: skip
-        if code != PACKED_APPLIED:
-            return None
         ne = pb.n_events
         err, stats = self._err[:ne], self._packed_stats
+        if code == PACKED_APPLIED:  # the whole batch, its stats already in the totals
+            return self._finish(stats, err, counted=True)
+        if code != PACKED_STOPPED:
+            return None
+        # a CLEAR or a table without room: the general loop goes on from where it stopped
         _, max_k, _, stop, set_cap = io.tolist()
-        if stop < ne:  # a CLEAR or a table without room: the general loop goes on from there
-            self._run(m, pb.unpack(), stop, max_k, err, stats, self._set_keys[:set_cap],
-                      self._set_stamp[:set_cap], self._mm_scratch)  # fmt: skip
+        self._run(m, pb.unpack(), stop, max_k, err, stats, self._set_keys[:set_cap],
+                  self._set_stamp[:set_cap], self._mm_scratch)  # fmt: skip
         return self._finish(stats, err)
 
     def _run(
@@ -626,11 +630,16 @@ class Pool:
                 self._resize_owners(OWNERS.grown(self._own.nb0))
             start = at
 
-    def _finish(self, stats: npt.NDArray[np.int64], err: npt.NDArray[np.uint8]) -> ApplyResult:
-        """Count a batch's ``stats`` and report its per-event errors."""
-        self._stats += stats
+    def _finish(
+        self, stats: npt.NDArray[np.int64], err: npt.NDArray[np.uint8], *, counted: bool = False
+    ) -> ApplyResult:
+        """Count a batch's ``stats`` (unless ``counted``: ``apply_packed`` added them) and
+        report its per-event errors."""
+        if not counted:
+            self._stats += stats
         st = stats.tolist()  # one conversion instead of one numpy scalar per counter
-        self._note_invariant(st[ST_INVARIANT])
+        if st[ST_INVARIANT]:
+            self._note_invariant(st[ST_INVARIANT])
         errors: list[tuple[int, PoolError]] = []
         if st[ST_REJECTED]:
             for i in np.flatnonzero(err).tolist():

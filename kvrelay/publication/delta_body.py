@@ -6,7 +6,9 @@ codec's structured-array fill and ``tobytes``). Each costs little in a loop, but
 sleeps between deltas runs them with cold caches, where each small call costs several times
 more. ``delta_frame`` makes the same checks and writes the whole body in one call; its pure
 numpy twin (``hub._checked`` with ``cbi1.encode_delta_validated``) is the test oracle and the
-path for any input that is not already the pool's own array types.
+path for any input that is not already the pool's own array types. ``scatter`` writes a checked
+publication into the hub's table image, which numpy's ``mirror[buckets] = words`` (its twin)
+does with a fancy-indexing call that costs as much again as the kernel call cold.
 """
 
 from __future__ import annotations
@@ -85,3 +87,27 @@ def delta_frame(
 
 #: An empty ``out``: check only.
 NO_FRAME = np.zeros(0, dtype=np.uint8)
+
+
+@kernel(  # type: ignore[misc]
+    "pool",
+    types.int64(types.uint64[::1], types.uint32[::1], types.uint64[::1]),
+)
+def scatter(
+    mirror: npt.NDArray[np.uint64],
+    buckets: npt.NDArray[np.uint32],
+    words: npt.NDArray[np.uint64],
+) -> int:
+    """``mirror[buckets] = words`` for a publication ``delta_frame`` accepted (every bucket in
+    range, one word each); ``LENGTHS`` (nothing written) when the lengths disagree or a bucket is
+    past the mirror, else ``OK``."""
+    k = buckets.shape[0]
+    if words.shape[0] != k:
+        return LENGTHS
+    n = mirror.shape[0]
+    for i in range(k):
+        if buckets[i] >= n:
+            return LENGTHS
+    for i in range(k):
+        mirror[buckets[i]] = words[i]
+    return OK

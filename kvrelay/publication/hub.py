@@ -90,6 +90,21 @@ def _kernels() -> ModuleType:
     return _delta_body
 
 
+def _scatter(
+    mirror: npt.NDArray[np.uint64], b: npt.NDArray[np.uint32], w: npt.NDArray[np.uint64]
+) -> None:
+    """``mirror[b] = w``: with ``delta_body.scatter`` once a hub of this process loaded it and
+    the arrays are its types (a relay's own publications), else with numpy (a mirror's hubs)."""
+    kernels = _delta_body
+    if kernels is not None:
+        try:
+            if kernels.scatter(mirror, b, w) == kernels.OK:
+                return
+        except TypeError:  # not the kernel's array types
+            pass
+    mirror[b] = w
+
+
 def _checked(
     buckets: npt.ArrayLike, words: npt.ArrayLike, bucket_count: int
 ) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint64]]:
@@ -340,7 +355,7 @@ class PublicationHub:
         cost: int,
         oversized: bool,
     ) -> None:
-        self._mirror[b] = w
+        _scatter(self._mirror, b, w)
         self._sequence = sequence
         self._snapshot = None
         if oversized:

@@ -387,8 +387,11 @@ class _PackedCalls:
             code = int(kernel(*args))
             if code == pool_module.PACKED_APPLIED:
                 self.applied += 1
+            elif code == pool_module.PACKED_STOPPED:  # the general loop went on from IO_STOP
                 io = args[10]
-                self.continued += int(io[3] < args[1])  # IO_STOP < events: the loop went on
+                assert 0 <= io[3] < args[1]
+                self.applied += 1
+                self.continued += 1
             else:
                 self.general += 1
             return code

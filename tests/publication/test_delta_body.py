@@ -14,6 +14,7 @@ from kvrelay.publication.delta_body import (
     OUT_OF_RANGE,
     REPEATED,
     delta_frame,
+    scatter,
 )
 from kvrelay.publication.hub import PublicationInvariantError, _checked
 from tests.publication.test_hub import DC, SEED, make_hub
@@ -75,6 +76,26 @@ def test_random_publications_agree_with_the_twin() -> None:
             twin = -1
         code = delta_frame(b, w, BC, 0, NO_FRAME)
         assert (code == OK) == (twin == OK)
+
+
+def test_scatter_writes_what_numpy_fancy_assignment_writes() -> None:
+    """``scatter`` (the hub's mirror update) against ``mirror[b] = w``, its twin; a bucket past
+    the mirror or lengths that disagree write nothing."""
+    rng = np.random.default_rng(5)
+    for k in (0, 1, 2, 64, 700):
+        mirror = rng.integers(0, 2**64, size=BC, dtype=np.uint64)
+        twin = mirror.copy()
+        b = rng.permutation(BC)[:k].astype(np.uint32)
+        w = rng.integers(0, 2**64, size=k, dtype=np.uint64)
+        assert scatter(mirror, b, w) == OK
+        twin[b] = w
+        assert np.array_equal(mirror, twin)
+    mirror = np.zeros(BC, dtype=np.uint64)
+    assert scatter(mirror, np.array([1, BC], dtype=np.uint32), np.ones(2, np.uint64)) == LENGTHS
+    assert scatter(mirror, np.array([1, 2], dtype=np.uint32), np.ones(3, np.uint64)) == LENGTHS
+    assert not mirror.any()
+    with pytest.raises(TypeError):  # not its array types: the hub takes numpy's path
+        scatter(mirror, np.array([1], dtype=np.int64), np.ones(1, np.uint64))
 
 
 async def test_the_hub_sends_the_same_frames_from_any_array_type() -> None:
