@@ -153,7 +153,8 @@ def main() -> None:
         ("back to back after reading 64 MiB of other memory", 0.0, flushed),
     ):
         us = measure(decode_apply_packed, a.calls, gap, other)
-        wake.append({"when": label, "us": round(us, 2)})
+        wake.append({"when": label, "asleep_ms": round(gap * 1e3, 3),
+                     "other_memory_mib": other.size >> 20, "us": round(us, 2)})
         print(f"{'packed message ' + label:52s} {us:8.2f} µs")
     del flushed
     res = {"benchmark": "cold_calls", "gap_ms": a.gap_ms, "calls": a.calls,
