@@ -35,7 +35,7 @@ from kvrelay.pool.owners import (
 )
 from kvrelay.pool.packed import Int
 from kvrelay.pool.prefetch import prefetch
-from kvrelay.pool.tables import EMPTY32, _mix, tab_del, tab_find, tab_put
+from kvrelay.pool.tables import EMPTY32, MIN_CAP, _mix, tab_del, tab_find, tab_put
 
 U64 = npt.NDArray[np.uint64]
 U32 = npt.NDArray[np.uint32]
@@ -672,6 +672,22 @@ IO_SET_CAP = 4
 IO_LEN = 5
 
 
+def room(live: int, lo: int, hi: int) -> tuple[int, int]:
+    """How many entries a table of ``live`` entries and size bounds ``(lo, hi)`` may gain (lose,
+    below 0) and keep its size: outside that range ``Pool.reserve`` resizes it."""
+    return lo - live, hi - live
+
+
+def counts_oversized(cap: int, overflow: int) -> bool:
+    """The overflow count table (``cap`` slots, ``overflow`` entries) is over eight times larger
+    than its entries need: ``Pool.apply`` shrinks it before applying."""
+    return cap > MIN_CAP and (overflow + 1) * 8 < cap
+
+
+_room_nb = njit(cache=True, inline="always")(room)
+_counts_oversized_nb = njit(cache=True, inline="always")(counts_oversized)
+
+
 def set_capacity(max_k: int) -> int:
     """Slots of the per-event duplicate-check set for stores of up to ``max_k`` blocks: a power
     of two at least twice as large (16 at least), or 1 (a linear scan) up to 16 blocks."""
@@ -688,7 +704,10 @@ def set_capacity(max_k: int) -> int:
 _set_capacity_nb = njit(cache=True, inline="always")(set_capacity)
 
 
-@njit(cache=True)  # type: ignore[misc,call-overload,untyped-decorator]
+# Without NRT, as ``apply_batch``: it allocates nothing (the batch's all-zero namespace columns are
+# views of the caller's ``zeros``), and numba then unboxes its ~50 array arguments without a
+# reference-counted wrapper each, which is most of what a call costs when the caches are cold.
+@njit(cache=True, _nrt=False)  # type: ignore[misc,call-overload,untyped-decorator]
 def apply_packed(
     work: U8,
     ne: int,
@@ -698,8 +717,10 @@ def apply_packed(
     o_w64: int,
     o_i64: int,
     o_tok: int,
-    add_lo: int,
-    add_hi: int,
+    own_lo: int,
+    own_hi: int,
+    lin_lo: int,
+    lin_hi: int,
     io: I64,
     cfg: U64,
     table: U64,
@@ -738,20 +759,30 @@ def apply_packed(
     err: U8,
     stats: I64,
     totals: I64,
+    zeros: U8,
 ) -> int:
     """``batch_summary`` and ``apply_batch`` of a ``PackedBatch`` in one call: what a message
     costs at light load is mostly per call and per Python object, not per event.
 
     Only the common case: the batch passes ``batch_summary``, uses no namespace, fits the
-    caller's buffers (``err``, ``set_keys``/``set_stamp``, ``okey_buf``) and adds a number of
-    stored blocks in ``[add_lo, add_hi]``, the range in which ``Pool.apply`` would reserve no
-    table change. Otherwise it returns ``PACKED_GENERAL`` before touching anything. Else
+    caller's buffers (``err``, ``set_keys``/``set_stamp``, ``okey_buf``, 9 bytes per event of
+    ``zeros``, which must stay all zero and is only read), finds the overflow count table not
+    oversized (``counts_oversized``) and adds a number of stored blocks that both the owners
+    table (size bounds ``own_lo``/``own_hi``) and the member's lineage table (``lin_lo``/
+    ``lin_hi``) take without a resize (``room``): where ``Pool.apply`` would change no table
+    first. Otherwise it returns ``PACKED_GENERAL`` before touching anything. Else
     ``err[:ne]`` and ``stats`` are filled as ``apply_batch`` fills them, and the answer is
     ``PACKED_APPLIED`` when the whole batch was applied (``stats`` then added to ``totals``, the
     pool's running counts: a numpy ``+=`` costs more than the walk at light load), or
     ``PACKED_STOPPED`` with ``io[IO_STOP]`` where ``apply_batch`` stopped and ``io[IO_SET_CAP]``
     the duplicate-check set it used (the caller goes on from there, and adds the totals)."""
     n = work.shape[0]
+    if _counts_oversized_nb(xk.shape[0], pm[PM_OVERFLOW]):
+        return PACKED_GENERAL
+    o_add_lo, o_add_hi = _room_nb(np.int64(otm[pk.TM_LIVE]), own_lo, own_hi)  # type: ignore[arg-type]
+    l_add_lo, l_add_hi = _room_nb(np.int64(ltm[pk.TM_LIVE]), lin_lo, lin_hi)  # type: ignore[arg-type]
+    add_lo = max(o_add_lo, l_add_lo)
+    add_hi = min(o_add_hi, l_add_hi)
     if (
         ne < 0
         or e < ne
@@ -778,11 +809,13 @@ def apply_packed(
     salt = w64[e : e + ne]
     ext = w64[2 * e : 2 * e + nb]
     tokens = work[o_tok : o_tok + 4 * nt].view(np.uint32)
-    ns_part = np.zeros(ne, dtype=np.uint64)
-    ns_inherit = np.zeros(ne, dtype=np.bool_)
-    mm_off = np.zeros(0, dtype=np.int64)
-    mm = np.zeros(0, dtype=np.uint64)
-    origin = np.zeros(0, dtype=np.uint8)
+    if 9 * ne > zeros.shape[0]:
+        return PACKED_GENERAL
+    ns_part = zeros[: 8 * ne].view(np.uint64)
+    ns_inherit = zeros[8 * ne : 9 * ne].view(np.bool_)
+    mm_off = zeros[:0].view(np.int64)
+    mm = zeros[:0].view(np.uint64)
+    origin = zeros[:0]
     summary = io[:3]
     code = batch_summary(
         ops, parent, has_parent, salt, ns_part, ns_inherit, blk_off, ext, tok_off, tokens, mm_off,

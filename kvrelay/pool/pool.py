@@ -55,7 +55,9 @@ from kvrelay.pool.apply import (
     apply_packed,
     batch_summary,
     clear_member,
+    counts_oversized,
     member_edges,
+    room,
     set_capacity,
 )
 from kvrelay.pool.batch import AnyBatch, EventBatch, PackedBatch
@@ -134,9 +136,8 @@ _M64 = 0xFFFF_FFFF_FFFF_FFFF
 def _room(t: PackedTable) -> tuple[int, int]:
     """``(lo, hi)``: how many entries ``t`` may gain (lose, below 0) and keep its size; outside
     that range ``reserve`` / ``_reserve_owners`` resize it (the table's ``bounds``)."""
-    live = int(t.tm[TM_LIVE])
     lo, hi = t.bounds
-    return lo - live, hi - live
+    return room(int(t.tm[TM_LIVE]), lo, hi)
 
 
 def _ref_bits(owner_cap: int) -> int:
@@ -353,6 +354,8 @@ class Pool:
         self._io = np.zeros(IO_LEN, dtype=np.int64)
         self._err = np.zeros(_PACKED_EVENTS, dtype=np.uint8)
         self._packed_stats = np.zeros(N_STATS, dtype=np.int64)
+        #: read-only zeros for ``apply_packed``: a packed batch's namespace columns (9 B/event)
+        self._packed_zeros = np.zeros(9 * _PACKED_EVENTS, dtype=np.uint8)
         self._set_keys = np.zeros(_PACKED_SET, dtype=np.uint64)
         self._set_stamp = np.zeros(_PACKED_SET, dtype=np.int64)
         self._okey_buf = np.empty(0, dtype=np.uint64)  # owners-table keys of canonical hashes
@@ -532,8 +535,7 @@ class Pool:
 
     def _counts_oversized(self) -> bool:
         """The overflow count table is over eight times larger than its entries need."""
-        cap = self._xk.shape[0]
-        return cap > MIN_CAP and (int(self._pm[PM_OVERFLOW]) + 1) * 8 < cap
+        return counts_oversized(self._xk.shape[0], int(self._pm[PM_OVERFLOW]))
 
     def _state(self, m: _Member) -> tuple[Any, ...]:
         """The tables ``apply_batch`` (and ``apply_packed``) work on for member ``m``, in their
@@ -548,18 +550,15 @@ class Pool:
 
     def _apply_packed(self, m: _Member, pb: PackedBatch) -> ApplyResult | None:
         """One ``apply_packed`` call; None when the batch needs the general path (nothing was
-        done). The store-block range it may take is the one in which ``_reserve_owners`` and
-        ``reserve`` would change no table."""
-        if self._counts_oversized():
-            return None
-        (own_lo, own_hi), (lin_lo, lin_hi) = _room(self._own), _room(m.lin)
+        done). The kernel checks, from the tables' size bounds, that ``_reserve_owners`` and
+        ``reserve`` would change no table (``room``) and that no count table is to shrink."""
         io = self._io
         code = apply_packed(  # type: ignore[call-arg]
             pb.work, pb.n_events, pb.e, pb.o_ops, pb.o_hp, pb.o_w64, pb.o_i64, pb.o_tok,
-            max(own_lo, lin_lo), min(own_hi, lin_hi),
+            *self._own.bounds, *m.lin.bounds,
             io, *self._state(m), self._set_keys, self._set_stamp, self._sc.walk,
             self._mm_scratch, self._hash_sec, self._hash_acc, self._err, self._packed_stats,
-            self._stats,
+            self._stats, self._packed_zeros,
         )  # fmt: skip
         ne = pb.n_events
         err, stats = self._err[:ne], self._packed_stats

@@ -48,7 +48,12 @@ import numpy.typing as npt
 from kvrelay.contract.errors import RelayError
 from kvrelay.contract.limits import QUEUE_FRAME_OVERHEAD, RelayLimits
 from kvrelay.publication import cbi1
-from kvrelay.publication.splice import KIND_DELTA, KIND_SNAPSHOT_CHUNK, FilterUpdateEncoder
+from kvrelay.publication.splice import (
+    KIND_DELTA,
+    KIND_SNAPSHOT_CHUNK,
+    FilterUpdateEncoder,
+    now_us,
+)
 
 #: Lanes at or below this many buckets are encoded inline (cheaper than a thread hop).
 INLINE_SNAPSHOT_BUCKETS = 1 << 16
@@ -161,6 +166,8 @@ class PublicationHub:
         if table.shape != (bucket_count,):
             raise ValueError(f"table shape {table.shape} != ({bucket_count},)")
         self.encoder = encoder
+        #: the encoder's fields 1–3 as an array, for ``delta_body.delta_message``
+        self._prefix = np.frombuffer(encoder.prefix, dtype=np.uint8)
         self.seed = seed
         self.bucket_count = bucket_count
         self.dc_id = dc_id
@@ -279,48 +286,55 @@ class PublicationHub:
             )
         base = self._sequence
         # Encode before touching the mirror: an encoder failure must not half-apply.
-        b, w, payload = self._checked_payload(buckets, words, base, sequence)
+        b, w, frame, size = self._checked_frame(buckets, words, base, sequence)
         oversized = b.size > cbi1.MAX_DELTA_IMAGES
-        frame = b""
-        cost = 0
-        if payload is not None:
-            frame = self.encoder.encode(KIND_DELTA, base, sequence, payload)
-            cost = len(payload) + QUEUE_FRAME_OVERHEAD
+        cost = size + QUEUE_FRAME_OVERHEAD if frame else 0
         self._apply_and_offer(sequence, b, w, frame, cost, oversized)
 
-    def _checked_payload(
+    def _checked_frame(
         self, buckets: npt.ArrayLike, words: npt.ArrayLike, base: int, sequence: int
-    ) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint64], bytes | None]:
-        """The publication's arrays, checked, and its CBI1 delta when it is to be sent (there are
-        subscribers and it fits one delta), else None. The pool's own arrays take one kernel call
-        (``delta_body``); anything else takes the numpy path, its twin."""
+    ) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint64], bytes, int]:
+        """The publication's arrays, checked, and, when it is to be sent (there are subscribers
+        and it fits one delta), its FilterUpdate message and CBI1 payload size, else ``b""``
+        and 0. The pool's own arrays take one kernel call (``delta_body.delta_message``, or
+        ``delta_frame`` to check only); anything else takes the numpy path, its twin (the
+        hub's checks, ``cbi1.encode_delta_validated`` and the encoder)."""
         wanted = bool(self._subs)
         if isinstance(buckets, np.ndarray) and isinstance(words, np.ndarray):
             kernels = _kernels()
             k = buckets.shape[0] if buckets.ndim == 1 else -1
             send = wanted and 0 <= k <= cbi1.MAX_DELTA_IMAGES
-            out = np.empty(cbi1.delta_frame_len(k), dtype=np.uint8) if send else kernels.NO_FRAME
+            out = kernels.NO_FRAME
+            n = 0
             try:
-                code = kernels.delta_frame(buckets, words, self.bucket_count, base, out)
+                if send:
+                    prefix = self._prefix
+                    out = np.empty(kernels.delta_message_cap(prefix.shape[0], k), dtype=np.uint8)
+                    n = kernels.delta_message(
+                        buckets, words, self.bucket_count, base, sequence, now_us(), self.seed,
+                        self.dc_id, prefix, out,
+                    )  # fmt: skip
+                    code = kernels.OK if n > 0 else -n
+                else:
+                    code = kernels.delta_frame(
+                        buckets, words, self.bucket_count, base, kernels.NO_FRAME
+                    )
             except TypeError:  # not the kernel's array types
                 code = -1
             if code == kernels.OK:
-                payload = None
                 if send:
-                    payload = cbi1.seal_delta(
-                        out, seed=self.seed, bucket_count=self.bucket_count, dc_id=self.dc_id,
-                        epoch=sequence,
-                    )  # fmt: skip
-                return buckets, words, payload
+                    return buckets, words, out[:n].tobytes(), cbi1.delta_frame_len(k)
+                return buckets, words, b"", 0
             if code > 0:
                 raise PublicationInvariantError(kernels.ERRORS[code])
         b, w = _checked(buckets, words, self.bucket_count)
         if not wanted or b.size > cbi1.MAX_DELTA_IMAGES:
-            return b, w, None
-        return b, w, cbi1.encode_delta_validated(
+            return b, w, b"", 0
+        payload = cbi1.encode_delta_validated(
             b, w, seed=self.seed, bucket_count=self.bucket_count, dc_id=self.dc_id,
             base_epoch=base, epoch=sequence,
         )  # fmt: skip
+        return b, w, self.encoder.encode(KIND_DELTA, base, sequence, payload), len(payload)
 
     def publish_encoded(
         self,

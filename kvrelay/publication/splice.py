@@ -21,7 +21,7 @@ KIND_HEARTBEAT = int(pb.FilterUpdateKind.HEARTBEAT)
 
 _U64_MAX = (1 << 64) - 1
 # Field 127, wire type 5 (fixed32): key 127 << 3 | 5 = 0x3FD → varint fd 07.
-_MARKER_FIELD = b"\xfd\x07" + struct.pack("<I", CONTRACT_MARKER)
+MARKER_FIELD = b"\xfd\x07" + struct.pack("<I", CONTRACT_MARKER)
 _TAG_BASE = b"\x20"  # field 4, varint
 _TAG_SEQ = b"\x28"  # field 5, varint
 _TAG_TS = b"\x30"  # field 6, varint
@@ -70,6 +70,11 @@ class FilterUpdateEncoder:
             pb.FilterUpdate(protocol_version=PROTOCOL_VERSION, relay=relay, producer=producer)
         )
 
+    @property
+    def prefix(self) -> bytes:
+        """Fields 1–3 as this encoder writes them (``delta_body.delta_message`` starts with it)."""
+        return self._prefix
+
     def encode(
         self,
         kind: int,
@@ -105,7 +110,7 @@ class FilterUpdateEncoder:
             parts += (_TAG_KIND, varint(kind))
         if payload:
             parts += (_TAG_PAYLOAD, varint(len(payload)))
-        return b"".join(parts), payload, _MARKER_FIELD
+        return b"".join(parts), payload, MARKER_FIELD
 
     def heartbeat(self, sequence: int, send_ts_us: int | None = None) -> bytes:
         return self.encode(KIND_HEARTBEAT, sequence, sequence, b"", send_ts_us)

@@ -385,10 +385,11 @@ class _PackedCalls:
 
         def counted(*args: Any) -> int:
             code = int(kernel(*args))
+            assert not args[-1].any()  # its zeros (a batch's namespace columns) stay zero
             if code == pool_module.PACKED_APPLIED:
                 self.applied += 1
             elif code == pool_module.PACKED_STOPPED:  # the general loop went on from IO_STOP
-                io = args[10]
+                io = args[12]
                 assert 0 <= io[3] < args[1]
                 self.applied += 1
                 self.continued += 1

@@ -14,9 +14,12 @@ from kvrelay.publication.delta_body import (
     OUT_OF_RANGE,
     REPEATED,
     delta_frame,
+    delta_message,
+    delta_message_cap,
     scatter,
 )
 from kvrelay.publication.hub import PublicationInvariantError, _checked
+from kvrelay.publication.splice import KIND_DELTA
 from tests.publication.test_hub import DC, SEED, make_hub
 
 BC = 1 << 12
@@ -78,6 +81,45 @@ def test_random_publications_agree_with_the_twin() -> None:
         assert (code == OK) == (twin == OK)
 
 
+@pytest.mark.parametrize("k", [0, 1, 2, 64, 3000])
+def test_the_message_kernel_writes_what_the_codec_and_encoder_write(k: int) -> None:
+    """``delta_message`` against its twins: ``cbi1.encode_delta`` inside
+    ``FilterUpdateEncoder.encode``, byte for byte, for sequences and times whose varints take one
+    to ten bytes and a base sequence of 0 (a field protobuf omits)."""
+    hub, _ = make_hub(bc=BC)
+    enc = hub.encoder
+    prefix = np.frombuffer(enc.prefix, dtype=np.uint8)
+    rng = np.random.default_rng(k)
+    for base, ts in ((0, 1), (1, 127), (127, 128), (2**35, 1_733_400_000_000_000),
+                     (2**63, 2**64 - 1)):  # fmt: skip
+        b = rng.permutation(BC)[:k].astype(np.uint32)
+        w = rng.integers(0, 2**64, size=k, dtype=np.uint64)
+        epoch = (base + 1) % 2**64
+        out = np.full(delta_message_cap(prefix.size, k), 0xAB, dtype=np.uint8)
+        n = delta_message(b, w, BC, base, epoch, ts, SEED, DC, prefix, out)
+        payload = cbi1.encode_delta(b, w, seed=SEED, bucket_count=BC, dc_id=DC, base_epoch=base,
+                                    epoch=epoch)  # fmt: skip
+        assert out[:n].tobytes() == enc.encode(KIND_DELTA, base, epoch, payload, send_ts_us=ts)
+        msg = pb.FilterUpdate.parse(out[:n].tobytes())
+        assert (msg.base_sequence, msg.sequence, msg.send_ts_us) == (base, epoch, ts)
+
+
+def test_the_message_kernel_refuses_what_delta_frame_refuses_and_writes_nothing() -> None:
+    hub, _ = make_hub(bc=BC)
+    prefix = np.frombuffer(hub.encoder.prefix, dtype=np.uint8)
+    w = np.ones(4, dtype=np.uint64)
+    for want, b in ((OUT_OF_RANGE, np.array([3, BC, 5, 6], dtype=np.uint32)),
+                    (REPEATED, np.array([9, 4, 9, 1], dtype=np.uint32))):  # fmt: skip
+        out = np.full(delta_message_cap(prefix.size, 4), 0xAB, dtype=np.uint8)
+        assert delta_message(b, w, BC, 1, 2, 3, SEED, DC, prefix, out) == -want
+        assert (out == 0xAB).all()
+    b = np.array([1, 2, 3, 4], dtype=np.uint32)
+    short = np.full(delta_message_cap(prefix.size, 4) - 1, 0xAB, dtype=np.uint8)
+    assert delta_message(b, w, BC, 1, 2, 3, SEED, DC, prefix, short) == -LENGTHS
+    assert (short == 0xAB).all()
+    assert delta_message(b, w[:3], BC, 1, 2, 3, SEED, DC, prefix, short) == -LENGTHS
+
+
 def test_scatter_writes_what_numpy_fancy_assignment_writes() -> None:
     """``scatter`` (the hub's mirror update) against ``mirror[b] = w``, its twin; a bucket past
     the mirror or lengths that disagree write nothing."""
@@ -119,8 +161,13 @@ async def test_the_hub_sends_the_same_frames_from_any_array_type() -> None:
         with pytest.raises(PublicationInvariantError, match="repeated"):
             bad = np.array([1, 1], dtype=np.uint32)
             hub.publish(9, bad if kind == "native" else bad.tolist(), np.zeros(2, np.uint64))
-        # send_ts_us differs per run: compare the CBI1 payloads
-        frames[kind] = [bytes(pb.FilterUpdate.parse(f).payload) for f, _, _ in sub._frames]
+        # send_ts_us differs per run: compare every other field (the kernel writes the whole
+        # message, the numpy twin's goes through the encoder)
+        msgs = [pb.FilterUpdate.parse(f) for f, _, _ in sub._frames]
+        assert all(m.send_ts_us > 0 for m in msgs)
+        for m in msgs:
+            m.send_ts_us = 0
+        frames[kind] = [bytes(m) for m in msgs]
         hub.retire(None)
         sub.close()
     assert len(frames["native"]) == 4
