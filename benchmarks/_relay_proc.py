@@ -152,14 +152,14 @@ def warm() -> float:
     """Compile or load every hot kernel before READY, as ``kvrelay serve`` does before it
     declares readiness: without it a cold numba cache turns the first ingested batch into a
     ~20 s event-loop stall (seen on this 2-core machine) inside the measured window. Then, as
-    the daemon does, drop LLVM's code pages (``kvrelay.ops.memory``)."""
+    the daemon does, release what only compiling needs (``kvrelay.ops.memory``)."""
     from kvrelay.ops.warmup import warm_kernels
 
     seconds = float(warm_kernels())
     with contextlib.suppress(ImportError):
-        from kvrelay.ops.memory import release_compiler_pages
+        from kvrelay.ops.memory import release_after_warmup
 
-        release_compiler_pages()
+        release_after_warmup()
     return seconds
 
 

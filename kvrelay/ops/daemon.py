@@ -198,12 +198,14 @@ class Daemon:
             warming.cancel()
             raise
         warm_s = await warming
-        from kvrelay.ops.memory import release_compiler_pages
+        from kvrelay.ops.memory import release_after_warmup
 
-        released = release_compiler_pages()  # LLVM is not needed to run the kernels
+        released = release_after_warmup()  # LLVM is not needed to run the kernels
         frozen = self._freeze_startup_objects()
         _LOG.info(
-            "kernels_warm", seconds=round(warm_s, 3), compiler_pages_released_mib=released >> 20,
+            "kernels_warm", seconds=round(warm_s, 3),
+            compiler_pages_released_mib=released.compiler_pages >> 20,
+            link_bitcode_released_mib=round(released.link_bitcode / 2**20, 1),
             gc_frozen_objects=frozen,
         )  # fmt: skip
         self.relay = Relay(replace(cfg.relay, limits=limits))

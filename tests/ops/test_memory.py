@@ -132,3 +132,40 @@ async def test_pages_brought_back_by_a_later_compile_are_dropped_again() -> None
     finally:
         task.cancel()
     assert sq(13) == 169
+
+
+def test_link_modules_are_released_and_parsed_again_when_a_later_compile_links_them() -> None:
+    """The numba internals ``release_link_modules`` relies on, named: a code library's
+    ``_shared_module`` (the LLVM module kept for linking), ``CPUCodeLibrary.
+    _get_module_for_linking`` (what linking asks for), a dispatcher's ``overloads`` and each
+    overload's ``library``. After the release a kernel still runs, bit-exact; a new function that
+    calls it compiles (its module parsed again) and agrees with the xxhash package."""
+    import numba
+    from numba.core.codegen import CPUCodeLibrary
+
+    from kvrelay import _jit
+    from kvrelay.hashing.xxh3 import xxh3_64_u64
+
+    assert hasattr(CPUCodeLibrary, "_get_module_for_linking")
+    seed = np.uint64(0x5DEECE66D1B54A33)
+    before = int(xxh3_64_u64(np.uint64(99), seed))
+    libs = [cres.library for cres in xxh3_64_u64.overloads.values()]
+    assert libs and all(hasattr(lib, "_shared_module") for lib in libs)
+    _jit.release_link_modules()
+    assert all(lib._shared_module is None for lib in libs)  # released (this or an earlier call)
+    assert int(xxh3_64_u64(np.uint64(99), seed)) == before
+
+    @numba.njit(cache=False)
+    def twice(x: np.uint64) -> np.uint64:
+        return xxh3_64_u64(xxh3_64_u64(x, seed), seed)
+
+    first = xxhash.xxh3_64_intdigest((7).to_bytes(8, "little"), seed=int(seed))
+    want = xxhash.xxh3_64_intdigest(first.to_bytes(8, "little"), seed=int(seed))
+    assert int(twice(np.uint64(7))) == want
+    assert all(lib._shared_module is not None for lib in libs)  # parsed again to link
+
+
+def test_release_after_warmup_keeps_nothing_twice() -> None:
+    """After one release every loaded module is kept as bitcode: a second releases nothing."""
+    memory.release_after_warmup()
+    assert memory.release_after_warmup().link_bitcode == 0
