@@ -13,10 +13,11 @@ CPU time (what the relay pays whatever else runs on its core):
 
 Then what makes a call cold (``wake`` in the JSON): the packed message's call after 1, 5 and
 20 ms asleep, and back to back after reading 64 MiB of other memory (another process's use of
-the caches, without a sleep). On the 2-core benchmark VM the sleep itself does it: a thread that
-slept 20 ms runs its next calls far slower than one whose caches were merely flushed, and 1 ms
-asleep costs almost nothing, so a relay pays the cold price once per wakeup at light load
-whatever else runs on the machine.
+the caches, without a sleep). On the 2-core benchmark VM the sleep itself does it: a thread
+that slept 20 ms runs its next calls slower than one whose caches were merely flushed, and 1 ms
+asleep costs little, so a relay pays the cold price once per wakeup at light load whatever else
+runs on the machine. Figures compared with each other are measured taking turns, call by call
+(``measure_interleaved``): what a sleep costs drifts with what the host does meanwhile.
 
 Usage: ``python -m benchmarks.bench_cold [--gap-ms 20] [--calls 300] [--smoke]``; writes
 ``results/cold_calls.json``.
@@ -95,6 +96,27 @@ def measure(
     return float(np.median(out) * 1e6)
 
 
+def measure_interleaved(
+    conditions: list[tuple[Callable[[], Any], float, npt.NDArray[np.uint8]]], calls: int
+) -> list[float]:
+    """``measure`` of several ``(fn, gap_s, other)`` at once, taking turns call by call: the
+    cost after a sleep depends on what the host does meanwhile, which drifts over a run, so
+    figures compared with each other are measured in the same stretch of it."""
+    for fn, _, _ in conditions:
+        fn()
+    out: list[list[float]] = [[] for _ in conditions]
+    for _ in range(calls):
+        for j, (fn, gap_s, other) in enumerate(conditions):
+            if other.size:
+                other.sum()
+            if gap_s:
+                time.sleep(gap_s)
+            t0 = time.thread_time()
+            fn()
+            out[j].append(time.thread_time() - t0)
+    return [float(np.median(v) * 1e6) for v in out]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--gap-ms", type=float, default=20.0, help="sleep before each cold call")
@@ -132,28 +154,34 @@ def main() -> None:
 
     cases["decode + Pool.apply + take, one 64-block message"] = decode_apply
     cases["the same, the batch packed (the relay's live path)"] = decode_apply_packed
+    gap = a.gap_ms / 1e3
     base_warm = measure(lambda: None, a.calls, 0.0)
-    base_cold = measure(lambda: None, a.calls, a.gap_ms / 1e3)
+    warms = {name: measure(fn, a.calls, 0.0) for name, fn in cases.items()}
+    # cold: every case and the empty call in turn, call by call
+    base_cold, *colds = measure_interleaved(
+        [(lambda: None, gap, _OTHER)] + [(fn, gap, _OTHER) for fn in cases.values()], a.calls
+    )
     print(f"{'(empty call and two clock reads)':52s} warm {base_warm:8.2f} µs   "
           f"after {a.gap_ms:g} ms asleep {base_cold:8.2f} µs")
     rows = []
-    for name, fn in cases.items():
-        warm = max(0.0, measure(fn, a.calls, 0.0) - base_warm)
-        cold = max(0.0, measure(fn, a.calls, a.gap_ms / 1e3) - base_cold)
+    for (name, w), c in zip(warms.items(), colds, strict=True):
+        warm = max(0.0, w - base_warm)
+        cold = max(0.0, c - base_cold)
         rows.append({"call": name, "warm_us": round(warm, 2), "cold_us": round(cold, 2),
                      "cold_over_warm": round(cold / warm, 1) if warm else None})
         print(f"{name:52s} warm {warm:8.2f} µs   after {a.gap_ms:g} ms asleep {cold:8.2f} µs")
     wake = []
     flushed = np.ones(64 << 20, dtype=np.uint8)
-    for label, gap, other in (
+    when = [
         ("back to back", 0.0, _OTHER),
         ("after 1 ms asleep", 0.001, _OTHER),
         ("after 5 ms asleep", 0.005, _OTHER),
-        (f"after {a.gap_ms:g} ms asleep", a.gap_ms / 1e3, _OTHER),
+        (f"after {a.gap_ms:g} ms asleep", gap, _OTHER),
         ("back to back after reading 64 MiB of other memory", 0.0, flushed),
-    ):
-        us = measure(decode_apply_packed, a.calls, gap, other)
-        wake.append({"when": label, "asleep_ms": round(gap * 1e3, 3),
+    ]
+    costs = measure_interleaved([(decode_apply_packed, g, o) for _, g, o in when], a.calls)
+    for (label, g, other), us in zip(when, costs, strict=True):
+        wake.append({"when": label, "asleep_ms": round(g * 1e3, 3),
                      "other_memory_mib": other.size >> 20, "us": round(us, 2)})
         print(f"{'packed message ' + label:52s} {us:8.2f} µs")
     del flushed
