@@ -11,13 +11,11 @@ CPU time (what the relay pays whatever else runs on its core):
 * ``Decoder.decode`` and ``Pool.apply`` of one 64-block engine message, as side_by_side's mocker
   sends them: as an ``EventBatch`` of views, and as the ``PackedBatch`` the subscriber hands on.
 
-Then what makes a call cold (``wake`` in the JSON): the packed message's call after 1, 5 and
-20 ms asleep, and back to back after reading 64 MiB of other memory (another process's use of
-the caches, without a sleep). On the 2-core benchmark VM the sleep itself does it: a thread
-that slept 20 ms runs its next calls slower than one whose caches were merely flushed, and 1 ms
-asleep costs little, so a relay pays the cold price once per wakeup at light load whatever else
-runs on the machine. Figures compared with each other are measured taking turns, call by call
-(``measure_interleaved``): what a sleep costs drifts with what the host does meanwhile.
+Then what makes a call cold (``wake`` in the JSON): the packed message's call back to back,
+after 1, 5 and 20 ms asleep, and after reading 64 MiB of other memory without a sleep (another
+process's use of the caches). Figures compared with each other are measured taking turns, call
+by call (``measure_interleaved``): on the 2-core benchmark VM what a sleep costs drifts with
+what the host does meanwhile, by a factor of two or more between runs an hour apart.
 
 Usage: ``python -m benchmarks.bench_cold [--gap-ms 20] [--calls 300] [--smoke]``; writes
 ``results/cold_calls.json``.
@@ -101,12 +99,17 @@ def measure_interleaved(
 ) -> list[float]:
     """``measure`` of several ``(fn, gap_s, other)`` at once, taking turns call by call: the
     cost after a sleep depends on what the host does meanwhile, which drifts over a run, so
-    figures compared with each other are measured in the same stretch of it."""
+    figures compared with each other are measured in the same stretch of it. The order turns
+    too (round ``r`` starts at condition ``r``): what a call leaves warm helps the next one,
+    so each condition follows every other equally often."""
     for fn, _, _ in conditions:
         fn()
+    n = len(conditions)
     out: list[list[float]] = [[] for _ in conditions]
-    for _ in range(calls):
-        for j, (fn, gap_s, other) in enumerate(conditions):
+    for r in range(calls):
+        for k in range(n):
+            j = (k + r) % n
+            fn, gap_s, other = conditions[j]
             if other.size:
                 other.sum()
             if gap_s:
@@ -172,8 +175,11 @@ def main() -> None:
         print(f"{name:52s} warm {warm:8.2f} µs   after {a.gap_ms:g} ms asleep {cold:8.2f} µs")
     wake = []
     flushed = np.ones(64 << 20, dtype=np.uint8)
+    back_to_back = measure(decode_apply_packed, a.calls, 0.0)
+    print(f"{'packed message back to back':52s} {back_to_back:8.2f} µs")
+    wake.append({"when": "back to back", "asleep_ms": 0.0, "other_memory_mib": 0,
+                 "us": round(back_to_back, 2)})
     when = [
-        ("back to back", 0.0, _OTHER),
         ("after 1 ms asleep", 0.001, _OTHER),
         ("after 5 ms asleep", 0.005, _OTHER),
         (f"after {a.gap_ms:g} ms asleep", gap, _OTHER),
