@@ -81,17 +81,7 @@ def measure(
     """Median thread-CPU µs of ``fn()``, each call after ``gap_s`` asleep (0: back to back)
     and after reading ``other`` (empty: nothing), clock reads included (``rows`` subtract the
     empty call's)."""
-    fn()
-    out = []
-    for _ in range(calls):
-        if other.size:
-            other.sum()
-        if gap_s:
-            time.sleep(gap_s)
-        t0 = time.thread_time()
-        fn()
-        out.append(time.thread_time() - t0)
-    return float(np.median(out) * 1e6)
+    return measure_interleaved([(fn, gap_s, other)], calls)[0]
 
 
 def measure_interleaved(
