@@ -39,6 +39,50 @@ ERRORS = {
 }
 
 
+@inline  # type: ignore[misc]
+def _le(out: npt.NDArray[np.uint8], p: int, v: np.uint64, n: int) -> int:
+    for j in range(n):
+        out[p + j] = np.uint8((v >> np.uint64(8 * j)) & np.uint64(0xFF))
+    return p + n
+
+
+@inline  # type: ignore[misc]
+def _check(
+    buckets: npt.NDArray[np.uint32], words: npt.NDArray[np.uint64], bucket_count: int
+) -> int:
+    """``OK``, or why the publication is refused (``LENGTHS``, ``OUT_OF_RANGE``, ``REPEATED``)."""
+    k = buckets.shape[0]
+    if words.shape[0] != k:
+        return LENGTHS
+    for i in range(k):
+        if buckets[i] >= bucket_count:
+            return OUT_OF_RANGE
+    if k > 1:
+        s = np.sort(buckets)
+        for i in range(1, k):
+            if s[i] == s[i - 1]:
+                return REPEATED
+    return OK
+
+
+@inline  # type: ignore[misc]
+def _body(
+    buckets: npt.NDArray[np.uint32],
+    words: npt.NDArray[np.uint64],
+    base_epoch: np.uint64,
+    out: npt.NDArray[np.uint8],
+    p: int,
+) -> None:
+    """A checked publication's CBI1 delta body at ``out[p:]``: base epoch (u64 LE), image count
+    (u32 LE), then each (bucket u32 LE, word u64 LE)."""
+    k = buckets.shape[0]
+    p = _le(out, p, base_epoch, 8)
+    p = _le(out, p, np.uint64(k), 4)
+    for i in range(k):
+        p = _le(out, p, np.uint64(buckets[i]), 4)
+        p = _le(out, p, words[i], 8)
+
+
 @kernel(  # type: ignore[misc]
     "pool",
     types.int64(types.uint32[::1], types.uint64[::1], types.int64, types.uint64, types.uint8[::1]),
@@ -56,38 +100,12 @@ def delta_frame(
     bytes or empty; the header (and its checksum) is the caller's. Returns ``OK``,
     ``OUT_OF_RANGE``, ``REPEATED`` or ``LENGTHS`` (not one word per bucket, or ``out`` of another
     size); nothing is written unless it is ``OK``."""
-    k = buckets.shape[0]
-    if words.shape[0] != k:
+    code = _check(buckets, words, bucket_count)
+    if code != OK or out.shape[0] == 0:
+        return code
+    if out.shape[0] != cbi1.HEADER + cbi1.DELTA_PREFIX + cbi1.DELTA_ENTRY * buckets.shape[0]:
         return LENGTHS
-    for i in range(k):
-        if buckets[i] >= bucket_count:
-            return OUT_OF_RANGE
-    if k > 1:
-        s = np.sort(buckets)
-        for i in range(1, k):
-            if s[i] == s[i - 1]:
-                return REPEATED
-    if out.shape[0] == 0:
-        return OK
-    if out.shape[0] != cbi1.HEADER + cbi1.DELTA_PREFIX + cbi1.DELTA_ENTRY * k:
-        return LENGTHS
-    p = cbi1.HEADER
-    v = base_epoch
-    for j in range(8):
-        out[p + j] = np.uint8((v >> np.uint64(8 * j)) & np.uint64(0xFF))
-    p += 8
-    c = np.uint64(k)
-    for j in range(4):
-        out[p + j] = np.uint8((c >> np.uint64(8 * j)) & np.uint64(0xFF))
-    p += 4
-    for i in range(k):
-        b = np.uint64(buckets[i])
-        for j in range(4):
-            out[p + j] = np.uint8((b >> np.uint64(8 * j)) & np.uint64(0xFF))
-        w = words[i]
-        for j in range(8):
-            out[p + 4 + j] = np.uint8((w >> np.uint64(8 * j)) & np.uint64(0xFF))
-        p += cbi1.DELTA_ENTRY
+    _body(buckets, words, base_epoch, out, cbi1.HEADER)
     return OK
 
 
@@ -135,13 +153,6 @@ def delta_message_cap(prefix_len: int, image_count: int) -> int:
 
 
 @inline  # type: ignore[misc]
-def _le(out: npt.NDArray[np.uint8], p: int, v: np.uint64, n: int) -> int:
-    for j in range(n):
-        out[p + j] = np.uint8((v >> np.uint64(8 * j)) & np.uint64(0xFF))
-    return p + n
-
-
-@inline  # type: ignore[misc]
 def _field(out: npt.NDArray[np.uint8], p: int, key: int, v: np.uint64) -> int:
     """A protobuf varint field (``key``, then ``v`` in base 128); omitted when ``v`` is 0, as
     protobuf omits a proto3 default."""
@@ -181,14 +192,12 @@ def delta_message(
     CBI1 delta frame (``delta_frame``'s checks and body, its header and checksum) as the
     payload, and the contract marker. Returns the message's length, or minus ``delta_frame``'s
     refusal (``-LENGTHS`` too when ``out`` is short); nothing is written unless it succeeds."""
-    k = buckets.shape[0]
-    code = delta_frame(buckets, words, bucket_count, base_epoch, out[:0])
+    code = _check(buckets, words, bucket_count)
     if code != OK:
         return -code
-    plen = cbi1.HEADER + cbi1.DELTA_PREFIX + cbi1.DELTA_ENTRY * k
+    plen = cbi1.HEADER + cbi1.DELTA_PREFIX + cbi1.DELTA_ENTRY * buckets.shape[0]
     if out.shape[0] < prefix.shape[0] + ENVELOPE_MAX + plen:
         return -LENGTHS
-    p = 0
     for i in range(prefix.shape[0]):
         out[i] = prefix[i]
     p = prefix.shape[0]
@@ -198,7 +207,7 @@ def delta_message(
     p = _field(out, p, 0x38, np.uint64(sp.KIND_DELTA))
     p = _field(out, p, 0x42, np.uint64(plen))
     f = p
-    delta_frame(buckets, words, bucket_count, base_epoch, out[f : f + plen])
+    _body(buckets, words, base_epoch, out, f + cbi1.HEADER)
     for j in range(_MAGIC.shape[0]):
         out[f + j] = _MAGIC[j]
     q = _le(out, f + 4, np.uint64(cbi1.WIRE_VERSION), 2)
