@@ -96,7 +96,7 @@ from kvrelay.pool.packed import (
     count_payloads,
 )
 from kvrelay.pool.refill import refill
-from kvrelay.pool.sizing import LINEAGE, OWNERS
+from kvrelay.pool.sizing import LINEAGE, OWNERS, Policy
 from kvrelay.pool.tables import (
     EMPTY32,
     MAX_LOAD_DEN,
@@ -133,11 +133,15 @@ _PACKED_SET = 4096
 _M64 = 0xFFFF_FFFF_FFFF_FFFF
 
 
-def _room(t: PackedTable) -> tuple[int, int]:
-    """``(lo, hi)``: how many entries ``t`` may gain (lose, below 0) and keep its size; outside
-    that range ``reserve`` / ``_reserve_owners`` resize it (the table's ``bounds``)."""
-    lo, hi = t.bounds
-    return room(int(t.tm[TM_LIVE]), lo, hi)
+def _resize_for(t: PackedTable, policy: Policy, add: int) -> int | None:
+    """The bucket count ``policy`` sizes ``t`` to for ``add`` more entries (fewer, below 0) when
+    that is outside ``t``'s room (``room`` of its bounds) and changes its size, else None."""
+    live = int(t.tm[TM_LIVE])
+    lo, hi = room(live, *t.bounds)
+    if lo <= add <= hi:
+        return None
+    want = policy.sized(t.nb0, live + add)
+    return None if want == t.nb0 else want
 
 
 def _ref_bits(owner_cap: int) -> int:
@@ -254,12 +258,9 @@ class _Member:
         self.lin = new
 
     def reserve(self, add: int, ns: bool, sc: Scratch) -> None:
-        lo, hi = _room(self.lin)
-        if add > hi or add < lo:
-            nb = self.lin.nb0
-            want = LINEAGE.sized(nb, int(self.lin.tm[TM_LIVE]) + add)
-            if want != nb:
-                self.resize(want, sc)
+        want = _resize_for(self.lin, LINEAGE, add)
+        if want is not None:
+            self.resize(want, sc)
         if ns:
             need = int(self.nmeta[0]) + add + 1
             cap = grown_cap(max(self.nkeys.shape[0], MIN_CAP), need)
@@ -457,12 +458,9 @@ class Pool:
         self._ref_bits = bits
 
     def _reserve_owners(self, add: int) -> None:
-        lo, hi = _room(self._own)
-        if add > hi or add < lo:
-            nb = self._own.nb0
-            want = OWNERS.sized(nb, int(self._own.tm[TM_LIVE]) + add)
-            if want != nb:
-                self._resize_owners(want)
+        want = _resize_for(self._own, OWNERS, add)
+        if want is not None:
+            self._resize_owners(want)
 
     def _fit_counts(self, add: int) -> None:
         """Size the overflow count table for its entries plus ``add`` (grown when the kernel asks,
@@ -639,8 +637,7 @@ class Pool:
         if not counted:
             self._stats += stats
         st = stats.tolist()  # one conversion instead of one numpy scalar per counter
-        if st[ST_INVARIANT]:
-            self._note_invariant(st[ST_INVARIANT])
+        self._note_invariant(st[ST_INVARIANT])
         errors: list[tuple[int, PoolError]] = []
         if st[ST_REJECTED]:
             for i in np.flatnonzero(err).tolist():
@@ -1056,10 +1053,10 @@ def _copy_counts(
     keys = ckeys[live]
     cap = ckeys.shape[0]
     n = int(keys.shape[0])
-    room = _copy_room(cap) if cap > 2 else 0
+    copy_room = _copy_room(cap) if cap > 2 else 0
     if cap < 2 or (cap > 2 and grown_cap(cap, n + 1) != cap) or (cap == 2 and n):
         raise ValueError(f"member {mid}: copy-count table size out of range")
-    if n != int(cmeta[CM_LIVE]) or int(cmeta[CM_ROOM]) != room:
+    if n != int(cmeta[CM_LIVE]) or int(cmeta[CM_ROOM]) != copy_room:
         raise ValueError(f"member {mid}: copy-count table count or room out of range")
     if n and (not (cvals[live] < MAX_COPIES).all() or np.unique(keys).shape[0] != n
               or not np.isin(keys, lineage.entries()[0]).all()):  # fmt: skip
