@@ -2,10 +2,17 @@
 
 A window is a full picture, so a subscriber that misses windows loses nothing but freshness; the
 broadcast keeps only the newest one. Windows are numbered from 0 (the window available at
-construction) and the timer builds the next one every ``window_ms``; a late tick is delayed,
-never bursted, so the sequence advances by exactly 1 per published window. If building a window
-fails, that window is skipped (counted in ``provider_errors``, logged) rather than published
-empty, which would falsely withdraw everything it lists.
+construction) and the timer makes the next one due every ``window_ms``; a late tick is delayed,
+never bursted, so the sequence advances by exactly 1 per window. If building a window fails,
+that window is skipped (counted in ``provider_errors``, logged) rather than published empty,
+which would falsely withdraw everything it lists.
+
+A window is built when it is due only while a stream waits for the next one. With nobody
+waiting, the due windows are counted and the newest is built when it is first read
+(``current``, ``wait_newer``), with ``observed_ms`` the time of that build: a reader sees the
+same sequence as if every window had been built on time, and fresher content. An idle relay
+(or one whose routers do not subscribe to load) then spends nothing on windows, where it
+spent a provider call and a message per plane every second.
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ class WindowPlane(Generic[M]):
         self._task_name = task_name
         self._task: asyncio.Task[None] | None = None
         self.provider_errors = 0
+        self._due = 0  # windows the timer passed that are not built yet (nobody was waiting)
+        self._waiting = 0  # streams in wait_newer: while any, windows are built when due
 
     def _header(self, seq: int) -> dict[str, Any]:
         """The fields every window message of either plane starts with."""
@@ -94,14 +103,21 @@ class WindowPlane(Generic[M]):
         return self._window_ms
 
     @property
-    def broadcast(self) -> VersionedBroadcast[M]:
-        return self._bc
+    def version(self) -> int:
+        """The newest window's sequence, built or due (what a reader would be sent now)."""
+        return self._bc.version + self._due
 
     def current(self) -> tuple[int, M]:
+        self._build_due()
         return self._bc.current()
 
     async def wait_newer(self, version: int) -> tuple[int, M]:
-        return await self._bc.wait_newer(version)
+        self._build_due()
+        self._waiting += 1
+        try:
+            return await self._bc.wait_newer(version)
+        finally:
+            self._waiting -= 1
 
     def start(self) -> None:
         """Start the window timer on the running loop; idempotent while running."""
@@ -127,13 +143,34 @@ class WindowPlane(Generic[M]):
 
     def publish_window(self) -> bool:
         """Build and publish the next window now; False if building it failed (skipped)."""
-        seq = self._bc.version + 1
-        built = self._build(seq)
+        self._due += 1
+        return self._build_due()
+
+    def _build_due(self) -> bool:
+        """Build the newest due window, numbered as if every due one had been built; False if
+        that failed (the due windows are skipped: the last good window stays the newest)."""
+        due, self._due = self._due, 0
+        if not due or self._bc.closed:
+            return True
+        seq = self._bc.version + due
+        try:
+            built = self._build(seq)
+        except Exception:  # a reader or the timer must outlive any single bad window
+            self.provider_errors += 1
+            _log.exception("load_window_failed", plane=self._plane_name,
+                           errors=self.provider_errors)  # fmt: skip
+            return False
         if built is None:
             return False
         self._wire = (seq, built[1])
         self._bc.publish(seq, built[0])
         return True
+
+    def _tick(self) -> None:
+        """The timer: one more window due, built now if a stream waits for it."""
+        self._due += 1
+        if self._waiting:
+            self._build_due()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -143,12 +180,7 @@ class WindowPlane(Generic[M]):
             await asyncio.sleep(max(0.0, deadline - loop.time()))
             if self._bc.closed:
                 return
-            try:
-                self.publish_window()
-            except Exception:  # the timer must outlive any single bad window
-                self.provider_errors += 1
-                _log.exception("load_window_failed", plane=self._plane_name,
-                               errors=self.provider_errors)  # fmt: skip
+            self._tick()
             now = loop.time()
             deadline += period
             if deadline <= now:  # fell behind (loop stall): delay, do not burst missed windows

@@ -392,7 +392,7 @@ class Relay:
             relay_incarnation=self.relay_incarnation,
             catalog_revision=self.catalog.revision,
             readiness_revision=self.readiness.revision,
-            load_version=self.load.broadcast.version,
+            load_version=self.load.version,
             hubs_initialized=self.hub_permits.in_use,
             hubs_limit=self.hub_permits.capacity,
             metadata_errors=self.metadata_errors,

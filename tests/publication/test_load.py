@@ -186,6 +186,61 @@ async def test_window_cadence(relay: pb.RelayIdentity, producer: MakeProducer) -
     assert fleet.calls == calls  # the timer really stopped
 
 
+async def test_windows_nobody_waits_for_are_built_when_read(
+    relay: pb.RelayIdentity, producer: MakeProducer
+) -> None:
+    """With no stream waiting, the timer only counts due windows: no provider call, no message.
+    The first read builds the newest one, numbered as if each had been built on time, from the
+    state at that read (observed_ms then); while a stream waits, each is built when due."""
+    fleet = Fleet()
+    fleet.make = producer
+    fleet.pools = {1: [RankLoad(1, 8)]}
+    window_ms = 30
+    plane = LoadPlane(relay, window_ms=window_ms, provider=fleet)
+    assert fleet.calls == 1  # window 0, at construction
+    t0 = time.monotonic()
+    plane.start()
+    await asyncio.sleep(6 * window_ms / 1000)
+    assert fleet.calls == 1  # six periods, nobody waiting: nothing built
+    ticks = int((time.monotonic() - t0) * 1000 // window_ms)
+    assert plane.version >= 1
+    fleet.pools[1] = [RankLoad(7, 8)]
+    before = time.time_ns() // 1_000_000
+    seq, msg = plane.current()
+    assert fleet.calls == 2 and seq == msg.window_sequence == plane.version
+    assert 1 <= seq <= ticks + 1  # the timer's count, not 1 (and no more windows than periods)
+    assert msg.observed_ms >= before and msg.pools[0].kv_used_blocks == 7  # fresh at the read
+    assert plane.current()[0] == seq and fleet.calls == 2  # built once
+    # a waiting stream: each window built when due, +1 each
+    got = [seq]
+    for _ in range(3):
+        seq, msg = await asyncio.wait_for(plane.wait_newer(seq), scaled(2))
+        got.append(seq)
+    assert got == list(range(got[0], got[0] + 4))
+    assert fleet.calls == 5
+    plane.close()
+    await plane.wait_closed()
+
+
+async def test_failed_read_build_keeps_last_good_window(
+    relay: pb.RelayIdentity, producer: MakeProducer
+) -> None:
+    fleet = Fleet()
+    fleet.make = producer
+    fleet.pools = {1: [RankLoad(1, 8)]}
+    plane = LoadPlane(relay, window_ms=1000, provider=fleet)
+    plane._tick()
+    plane._tick()
+    assert plane.version == 2 and fleet.calls == 1
+    fleet.fail = True
+    seq, msg = plane.current()
+    assert seq == 0 and len(msg.pools) == 1 and plane.provider_errors == 1
+    fleet.fail = False
+    assert plane.current()[0] == 0 and fleet.calls == 2  # the failed due windows are skipped
+    plane._tick()
+    assert plane.current()[0] == 1
+
+
 async def test_close_wakes_subscribers(relay: pb.RelayIdentity) -> None:
     plane = LoadPlane(relay, window_ms=10_000)
     plane.start()
