@@ -4,8 +4,9 @@ it, so that side by side a relay's CPU splits into this floor and the relay's ow
 Two readers (``--reader``):
 
 * ``pyzmq`` reads the way the relay does: a SUB socket and its monitor socket watched from a uvloop
-  reader callback, ``ZMQ_EVENTS`` checked before each non-blocking read (``recv_message``: the
-  reading pattern of ``kvrelay/ingest/subscriber.py`` without decoding, applying or publishing).
+  reader callback, the first read of a wake made at once and ``ZMQ_EVENTS`` checked before each
+  further one (``next_message``: the reading pattern of ``kvrelay/ingest/subscriber.py`` without
+  decoding, applying or publishing).
   Its CPU per message is what any relay built on pyzmq and this event loop pays before its own
   work.
 * ``zmtp`` speaks ZMTP 3.0 itself over one asyncio TCP connection (NULL mechanism, subscribe to
@@ -30,7 +31,7 @@ from urllib.parse import urlsplit
 
 import zmq
 
-from kvrelay.ingest.subscriber import readable, recv_message
+from kvrelay.ingest.subscriber import next_message, readable
 from kvrelay.ops.event_loop import loop_factory
 
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -109,8 +110,9 @@ async def _pyzmq(endpoint: str) -> tuple[Callable[[], int], Callable[[], None]]:
                     mon.recv_multipart(_NOBLOCK)
                 except zmq.Again:
                     break
-        while readable(sub):
-            recv_message(sub)
+        woken = True
+        while next_message(sub, woken) is not None:
+            woken = False
             read += 1
 
     fds = [int(sock.getsockopt(zmq.FD)) for sock in (sub, mon)]

@@ -108,6 +108,22 @@ def recv_message(sock: zmq.Socket[Any]) -> list[bytes]:
     return parts
 
 
+def next_message(sock: zmq.Socket[Any], woken: bool) -> list[bytes] | None:
+    """The next waiting message, or None when there is none (the FD is re-armed either way).
+
+    ``woken``: the first read after the socket's FD signalled. A wake almost always means a
+    message, and a non-blocking read that finds none processes ZMQ's pending commands itself
+    before it gives up (``zmq.Again``), which re-arms the FD as ``readable`` would: so it reads
+    straight away and saves one ``ZMQ_EVENTS`` read per wake (several µs on cold caches). The
+    reads after it ask ``readable`` first, as a drain would otherwise end in an exception."""
+    if woken:
+        try:
+            return recv_message(sock)
+        except zmq.Again:
+            return None
+    return recv_message(sock) if readable(sock) else None
+
+
 def _wake(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -321,10 +337,11 @@ class Subscriber:
             if self._reconnected or self._replay_from is not None:
                 self._hand_over()
                 return
-            for _ in range(self._drain):
-                if not readable(sub):
+            for i in range(self._drain):
+                frames = next_message(sub, i == 0)
+                if frames is None:
                     return
-                self._on_live(recv_message(sub))
+                self._on_live(frames)
                 if self._replay_from is not None:
                     self._hand_over()
                     return
