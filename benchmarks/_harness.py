@@ -99,6 +99,7 @@ class FleetConfig:
     probe_hz: float = 100.0
     expected_blocks: int = 1_048_576
     uvloop: bool = False
+    zmq_reader: str = "zmtp"  # relay.zmq_reader
     queue_capacity: int = 16  # RelayLimits.publication_queue_capacity (frames per subscriber)
     tag: str = "main"
     workers: int = 1  # [relay] workers: N-1 fan-out worker processes when >= 2
@@ -143,6 +144,8 @@ class Fleet:
             argv += ["--engine", f"engine-{i}=tcp://{engine_host(i)}:{c.base_port + i}"]
         if c.uvloop:
             argv.append("--uvloop")
+        if c.zmq_reader != "zmtp":
+            argv += ["--zmq-reader", c.zmq_reader]
         if c.workers > 1:
             argv += ["--workers", str(c.workers)]
         if c.mirror:

@@ -82,6 +82,7 @@ def build_settings(a: argparse.Namespace) -> RelaySettings:
         limits=limits,
         discovery_interval_s=a.discovery_interval,
         discovery_timeout_s=1.0,
+        zmq_reader=a.zmq_reader,
     )
 
 
@@ -334,6 +335,8 @@ def main() -> None:
                    help="relay.event_loop, as `kvrelay serve` takes it (default: auto)")
     p.add_argument("--uvloop", action="store_const", dest="event_loop", const="uvloop",
                    help="shorthand for --event-loop uvloop")
+    p.add_argument("--zmq-reader", default="zmtp", choices=("zmtp", "libzmq"),
+                   help="relay.zmq_reader (default: zmtp, as `kvrelay serve`)")
     p.add_argument("--workers", type=int, default=1, help="processes serving gRPC (N-1 workers)")
     p.add_argument("--mirror", action="store_true", help="serve through a kvrelay mirror process")
     a = p.parse_args()

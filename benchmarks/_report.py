@@ -297,16 +297,16 @@ def _sbs_headline(res: dict[str, Any]) -> list[str]:
             + "×** (" + ", ".join(f"{t}: {f['median']:.2f}× and {a['median']:.2f}×"
                                   for t, f, a in floor if a)
             + "; medians). The floor (`benchmarks/_ingest_floor.py`) reads the same engine "
-            "messages as kvrelay, with pyzmq from a uvloop reader callback as the relay does, and "
-            "does nothing else: what any relay built that way pays before its own work. kvrelay "
+            "messages as kvrelay, with the relay's own ZMTP reader on a uvloop loop as the relay "
+            "does, and does nothing else: what the relay pays before its own work. kvrelay "
             "above the floor = (kvrelay CPU − floor CPU) / Dynamo's.")
-    zmtp = [v["zmtp_floor_cpu_ratio"]["median"] for v in spread.values()
-            if "zmtp_floor_cpu_ratio" in v]
-    if zmtp:
+    libzmq = [v["libzmq_floor_cpu_ratio"]["median"] for v in spread.values()
+              if "libzmq_floor_cpu_ratio" in v]
+    if libzmq:
         lines.append(
-            f"- **A reader speaking ZMTP on the event loop: {_span(zmtp)}× Dynamo's relay CPU** "
-            "(the same messages read over one asyncio TCP connection, no libzmq I/O thread; "
-            "medians per rate): what the floor would be with such a reader instead of pyzmq.")
+            f"- **The same messages read with pyzmq: {_span(libzmq)}× Dynamo's relay CPU** "
+            "(a SUB socket read from a uvloop reader callback, libzmq's I/O thread included; "
+            "medians per rate): the floor with `zmq_reader = \"libzmq\"`.")
     lines.append(
         "- CPU = process-tree CPU time (utime + stime, read in ns from each process's CPU clock) "
         "over the driver window / wall; RSS = process-tree "

@@ -151,8 +151,9 @@ def point(rate: float, seconds: float, start: int, procs: dict[str, Proc],
 
 
 #: The ingest floors each light point also measures, and the reader each one runs
-#: (``benchmarks/_ingest_floor.py``): pyzmq as the relay reads, and ZMTP spoken on the loop.
-FLOORS = {"floor": "pyzmq", "floor_zmtp": "zmtp"}
+#: (``benchmarks/_ingest_floor.py``): the relay's own ZMTP reader, as the relay reads by
+#: default, and pyzmq, as it reads with ``zmq_reader = "libzmq"``.
+FLOORS = {"floor": "zmtp", "floor_libzmq": "pyzmq"}
 
 
 def _floor_count(floor: Proc) -> tuple[int, int]:
@@ -164,8 +165,8 @@ def _floor_count(floor: Proc) -> tuple[int, int]:
 
 def sweep_row(p: dict[str, Any]) -> dict[str, Any]:
     """One rate of one sweep: both relays' CPU and RSS and their ratios; the ingest floors' CPU
-    against Dynamo's (pyzmq as the relay reads, and ZMTP on the loop), and kvrelay's CPU above
-    the pyzmq floor against Dynamo's."""
+    against Dynamo's (the ZMTP reader the relay reads with, and pyzmq), and kvrelay's CPU above
+    its own reader's floor against Dynamo's."""
     k, d, f = p["relays"]["kvrelay"], p["relays"]["dynamo"], p["floor"]["cpu_util"]
     dc = d["cpu_util"]
     return {
@@ -176,7 +177,7 @@ def sweep_row(p: dict[str, Any]) -> dict[str, Any]:
         "relay_rss": k["rss_bytes"] / d["rss_bytes"] if d["rss_bytes"] else None,
         "floor_cpu_ratio": f / dc if dc else None,
         "above_floor_cpu": (k["cpu_util"] - f) / dc if dc else None,
-        "zmtp_floor_cpu_ratio": p["floor_zmtp"]["cpu_util"] / dc if dc else None,
+        "libzmq_floor_cpu_ratio": p["floor_libzmq"]["cpu_util"] / dc if dc else None,
     }
 
 
@@ -189,7 +190,7 @@ def light_spread(sweeps: list[list[dict[str, Any]]]) -> dict[str, Any]:
         out[f"{first['requests_per_s']:.0f} req/s"] = {
             key: spread([r[key] for r in rows if r[key] is not None])
             for key in ("relay_cpu", "relay_rss", "floor_cpu_ratio", "above_floor_cpu",
-                        "zmtp_floor_cpu_ratio")
+                        "libzmq_floor_cpu_ratio")
             if any(r[key] is not None for r in rows)
         }
     return out

@@ -2,9 +2,10 @@
 
 Algorithm (``docs/contract.md`` §16, kvrelay's decisions in §16.5):
 
-* SUB connects first, then (if a replay endpoint exists) a DEALER asks for ``[b"", seq_be8]``
-  from 0 (or ``start_seq``). Live messages arriving meanwhile wait in a bounded ``ReorderBuffer``;
-  replayed and live batches are applied in sequence order, duplicates dropped.
+* The live stream connects first (SUB), then (if a replay endpoint exists) a DEALER asks for
+  ``[b"", seq_be8]`` from 0 (or ``start_seq``). Live messages arriving meanwhile wait in a
+  bounded ``ReorderBuffer``; replayed and live batches are applied in sequence order, duplicates
+  dropped.
 * The first replayed seq later than asked = missing history: the member is reset and rebuilt from
   what is available.
 * At runtime a gap triggers one replay; a hole that is still open afterwards resets the member and
@@ -34,12 +35,13 @@ live message repairs itself); if it is bad again, or no replay exists, the membe
 continues after it. A subscriber that crashes reports it to its sink (which resets the member and
 restarts the source); it never keeps running as if its state were exact.
 
-Receive loop: a reader callback on the SUB socket's and its monitor's ZMQ file descriptors
-drains up to ``drain`` messages with NOBLOCK right in the event loop's callback (again on the next
-iteration when more remain); the subscriber task sleeps until the callback hands it something
-that needs awaiting (a reconnect to vouch for, a replay, a crash). pyzmq's asyncio layer is not
-used: its Poller builds futures and watchers for every wait, which cost about as much as the
-decoding of a small batch. Only state changes are logged; per-message outcomes are counters.
+Receive loop: the live source (``live_source.py``: the ZMTP reader on the event loop, or libzmq's
+SUB socket and its monitor) calls back when input may be waiting, and the callback drains up to
+``drain`` messages right there (again on the next iteration when more remain); the subscriber
+task sleeps until the callback hands it something that needs awaiting (a reconnect to vouch for,
+a replay, a crash). pyzmq's asyncio layer is not used: its Poller builds futures and watchers for
+every wait, which cost about as much as the decoding of a small batch. Only state changes are
+logged; per-message outcomes are counters.
 """
 
 from __future__ import annotations
@@ -50,7 +52,6 @@ from typing import Any
 
 import xxhash
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from kvrelay._aio import cancel_and_wait
 from kvrelay.ingest.counters import SubscriberCounters
@@ -58,8 +59,10 @@ from kvrelay.ingest.decoder import Decoder
 from kvrelay.ingest.errors import DecodeError, FrameError, TopicMismatchError
 from kvrelay.ingest.frames import check_live, check_live_sglang, check_replay
 from kvrelay.ingest.kinds import EngineKind
+from kvrelay.ingest.live_source import READERS, LiveSource, open_source, readable
 from kvrelay.ingest.reorder import ReorderBuffer
 from kvrelay.ingest.sink import BatchSink, ResetReason, SourceSpec
+from kvrelay.ingest.zmtp import CONNECTED, DISCONNECTED
 from kvrelay.logging import get_logger
 from kvrelay.pool.errors import MalformedBatch
 
@@ -76,52 +79,9 @@ _FAILED = 0
 _RESTARTED = 3  # the replay does not hold the last applied batch: another incarnation
 _UNVOUCHED = 4  # asked to vouch for the last applied batch, the replay did not answer in time
 
-#: TCP keepalive on the SUB connection, so a silent network partition shows up as a disconnect.
-_KEEPALIVE_IDLE_S, _KEEPALIVE_INTVL_S, _KEEPALIVE_CNT = 10, 5, 3
-
-
-_POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
-_EVENTS = int(zmq.EVENTS)
-
-
 def _digest(payload: bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
-
-
-def readable(sock: zmq.Socket[Any]) -> bool:
-    """A message is waiting. Reading ZMQ_EVENTS also re-arms the socket's FD (ZMQ signals
-    changes, not levels), so this is checked before every wait."""
-    return bool(int(sock.getsockopt(_EVENTS)) & _POLLIN)
-
-
-def recv_message(sock: zmq.Socket[Any]) -> list[bytes]:
-    """One waiting message, every frame as bytes (``recv_multipart(NOBLOCK)``). Each frame's
-    MORE flag is read from the frame itself: ``recv_multipart`` asks ``getsockopt(RCVMORE)``,
-    which builds a ``SocketOption`` enum in Python for every frame. ZMQ delivers a message's
-    frames together, so only the first read can find nothing (``zmq.Again``)."""
-    frame = sock.recv(_NOBLOCK, copy=False)
-    parts = [frame.bytes]
-    while frame.more:
-        frame = sock.recv(_NOBLOCK, copy=False)
-        parts.append(frame.bytes)
-    return parts
-
-
-def next_message(sock: zmq.Socket[Any], woken: bool) -> list[bytes] | None:
-    """The next waiting message, or None when there is none (the FD is re-armed either way).
-
-    ``woken``: the first read after the socket's FD signalled. A wake almost always means a
-    message, and a non-blocking read that finds none processes ZMQ's pending commands itself
-    before it gives up (``zmq.Again``), which re-arms the FD as ``readable`` would: so it reads
-    straight away and saves one ``ZMQ_EVENTS`` read per wake (several µs on cold caches). The
-    reads after it ask ``readable`` first, as a drain would otherwise end in an exception."""
-    if woken:
-        try:
-            return recv_message(sock)
-        except zmq.Again:
-            return None
-    return recv_message(sock) if readable(sock) else None
 
 
 def _wake(fut: asyncio.Future[None]) -> None:
@@ -149,11 +109,16 @@ class Subscriber:
         reorder_max_bytes: int = 64 << 20,
         replay_timeout: float = 2.0,
         resume: tuple[int, int] | None = None,
+        reader: str = "zmtp",
     ) -> None:
         """``resume=(seq, digest)``: the member's state is already that of every batch up to
         ``seq`` (restored from a state file), ``digest`` being that batch's. The subscriber
         vouches for it first — the replay must still hold that batch with the same bytes — and
-        then goes on from ``seq + 1``; anything else resets the member and rebuilds it."""
+        then goes on from ``seq + 1``; anything else resets the member and rebuilds it.
+        ``reader``: how the live stream is read (``live_source.READERS``)."""
+        if reader not in READERS:
+            raise ValueError(f"reader must be one of {READERS}, got {reader!r}")
+        self._reader = reader
         self.spec = spec
         self.key = spec.key
         self.counters = SubscriberCounters()
@@ -198,8 +163,8 @@ class Subscriber:
             self._next, self._last, self._dirty = resume[0] + 1, resume, True
         self._ever_connected = False
         self._reconnected = False
-        self._sub: zmq.Socket[Any] | None = None
-        self._monitor: zmq.Socket[Any] | None = None
+        self._src: LiveSource | None = None
+        self._errors_logged: set[str] = set()
         self._task: asyncio.Task[None] | None = None
         self._live = False  # the reader callback drains (the task waits for a hand-over)
         self._wake_fut: asyncio.Future[None] | None = None  # what the task awaits, if anything
@@ -232,22 +197,9 @@ class Subscriber:
     async def start(self) -> None:
         if self._task is not None:
             return
-        sub = self._ctx.socket(zmq.SUB)
-        try:
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
-            sub.setsockopt(zmq.TCP_KEEPALIVE, 1)
-            sub.setsockopt(zmq.TCP_KEEPALIVE_IDLE, _KEEPALIVE_IDLE_S)
-            sub.setsockopt(zmq.TCP_KEEPALIVE_INTVL, _KEEPALIVE_INTVL_S)
-            sub.setsockopt(zmq.TCP_KEEPALIVE_CNT, _KEEPALIVE_CNT)
-            sub.setsockopt(zmq.SUBSCRIBE, b"")  # topic prefix checked in frames.py: counted
-            monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-            sub.connect(self.spec.endpoint)
-        except BaseException:
-            sub.close(linger=0)
-            raise
-        self._sub = sub
-        self._monitor = monitor
+        self._src = open_source(
+            self._ctx, self.spec.endpoint, self._rcvhwm, self._reader, self._transport_error
+        )
         self.disconnected_since = time.monotonic()
         self._task = asyncio.create_task(self._run(), name=f"kvrelay-sub-{self.key}")
 
@@ -256,24 +208,20 @@ class Subscriber:
         if task is not None:
             await cancel_and_wait(task)
         self._live = False
-        if self._sub is not None:
-            if self._monitor is not None:
-                self._sub.disable_monitor()
-                self._monitor.close(linger=0)
-            self._sub.close(linger=0)
-        self._sub = None
-        self._monitor = None
+        if self._src is not None:
+            self._src.close()
+        self._src = None
         if self.state != "failed":
             self.state = "stopped"
 
     # ---- main loop ------------------------------------------------------------------------
     async def _run(self) -> None:
-        assert self._sub is not None and self._monitor is not None
+        assert self._src is not None
         loop = asyncio.get_running_loop()
-        fds = (int(self._sub.getsockopt(zmq.FD)), int(self._monitor.getsockopt(zmq.FD)))
-        for fd in fds:
-            loop.add_reader(fd, self._on_readable)
+        self._src.open(self._on_readable)
         try:
+            if self.spec.replay_endpoint:  # subscribed before the replay answers (see wait_ready)
+                await self._src.wait_ready(self._replay_timeout_ms / 1000)
             if self._resume is not None:
                 if self.spec.replay_endpoint:
                     await self._sync(self._resume[0] + 1, bootstrap=False)
@@ -318,27 +266,26 @@ class Subscriber:
             self._end_rebuild()
             self._live = False
             self._wake_fut = None
-            for fd in fds:
-                loop.remove_reader(fd)
+            self._src.detach()
 
     def _on_readable(self) -> None:
-        """Reader callback of both FDs (and its own continuation). Live: drain here. Otherwise
-        (a replay in progress) wake whatever the task waits for."""
+        """The source's callback (and its own continuation). Live: drain here. Otherwise (a
+        replay in progress) wake whatever the task waits for."""
         self._again_soon = False
         if not self._live:
             self._poke()
             return
-        sub, mon = self._sub, self._monitor
-        if sub is None or mon is None:
+        src = self._src
+        if src is None:
             return
         try:
-            if readable(mon):
+            if src.has_events():
                 self._watch_connection()
             if self._reconnected or self._replay_from is not None:
                 self._hand_over()
                 return
             for i in range(self._drain):
-                frames = next_message(sub, i == 0)
+                frames = src.next_message(i == 0)
                 if frames is None:
                     return
                 self._on_live(frames)
@@ -362,10 +309,11 @@ class Subscriber:
         if fut is not None and not fut.done():
             fut.set_result(None)
 
-    async def _wait_input(self, socks: tuple[zmq.Socket[Any], ...], timeout: float) -> None:
-        """Until one of ``socks`` may have input or ``timeout`` s passed (spurious wakes happen:
-        callers check ``readable`` again)."""
-        if any(readable(x) for x in socks):
+    async def _wait_input(self, dealer: zmq.Socket[Any] | None, timeout: float) -> None:
+        """Until the live stream or ``dealer`` may have input or ``timeout`` s passed (spurious
+        wakes happen: callers check again)."""
+        src = self._src
+        if (src is not None and src.readable()) or (dealer is not None and readable(dealer)):
             return
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
@@ -384,18 +332,12 @@ class Subscriber:
 
     # ---- connection monitor -----------------------------------------------------------------
     def _watch_connection(self) -> None:
-        """Apply the SUB socket's connect/disconnect events. A disconnect first drains what the
+        """Apply the source's connect/disconnect events. A disconnect first drains what the
         old connection delivered (those batches precede any reconnect); a connect after a
         disconnect is a reconnect the next loop step must vouch for."""
-        mon = self._monitor
-        assert mon is not None
-        while True:
-            try:
-                msg = mon.recv_multipart(_NOBLOCK)
-            except zmq.Again:
-                return
-            event = parse_monitor_message(msg)["event"]
-            if event == zmq.EVENT_CONNECTED and not self.connected:
+        assert self._src is not None
+        for event in self._src.take_events():
+            if event == CONNECTED and not self.connected:
                 self.connected = True
                 self.disconnected_since = None
                 self._connected_at = time.monotonic()
@@ -404,7 +346,7 @@ class Subscriber:
                     self.counters.reconnects += 1
                     self._reconnected = True
                 self._ever_connected = True
-            elif event == zmq.EVENT_DISCONNECTED and self.connected:
+            elif event == DISCONNECTED and self.connected:
                 self.connected = False
                 self.disconnected_since = now = time.monotonic()
                 self._drain_queued()
@@ -416,13 +358,20 @@ class Subscriber:
                     self._set_state("flapping")
 
     def _drain_queued(self) -> None:
-        assert self._sub is not None
+        assert self._src is not None
         while self._replay_from is None:
-            try:
-                frames = recv_message(self._sub)
-            except zmq.Again:
+            frames = self._src.next_message()
+            if frames is None:
                 return
             self._on_live(frames)
+
+    def _transport_error(self, kind: str) -> None:
+        """A protocol error of the publisher's connection (the ZMTP reader's; it reconnects):
+        counted by kind, logged once per kind."""
+        self.counters.reject(f"zmtp_{kind}")
+        if kind not in self._errors_logged:
+            self._errors_logged.add(kind)
+            self._log.warning("source_protocol_error", kind=kind, endpoint=self.spec.endpoint)
 
     def _after_reconnect(self) -> None:
         """The publisher may have restarted: vouch for the incarnation before going on."""
@@ -718,8 +667,8 @@ class Subscriber:
     ) -> int:
         c = self.counters
         c.replays += 1
-        sub = self._sub
-        assert self.spec.replay_endpoint and sub is not None
+        src = self._src
+        assert self.spec.replay_endpoint and src is not None
         dealer: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.RCVHWM, 0)
@@ -747,12 +696,11 @@ class Subscriber:
             self._next = start if self._next is None else self._next
             first = True
             topic = self.spec.topic
-            socks = (dealer, sub)
             while True:
                 remaining = deadline - loop.time()
                 if remaining > 0:
-                    await self._wait_input(socks, remaining)
-                sub_ready, dealer_ready = readable(sub), readable(dealer)
+                    await self._wait_input(dealer, remaining)
+                sub_ready, dealer_ready = src.readable(), readable(dealer)
                 if not (sub_ready or dealer_ready) and loop.time() >= deadline:
                     c.replay_failures += 1
                     self._log.warning("replay_timeout", start=ask)
@@ -814,12 +762,11 @@ class Subscriber:
 
     def _buffer_live(self) -> bool:
         """Moves ready live messages into the reorder buffer; False on overflow (reset done)."""
-        assert self._sub is not None
+        assert self._src is not None
         c = self.counters
         for _ in range(self._drain):
-            try:
-                frames = recv_message(self._sub)
-            except zmq.Again:
+            frames = self._src.next_message()
+            if frames is None:
                 break
             c.messages += 1
             self.last_message_at = time.monotonic()

@@ -23,6 +23,7 @@ from kvrelay.contract.limits import RelayLimits
 from kvrelay.discovery.endpoints import WILDCARD_HOSTS, StaticSourceConfig, split_tcp
 from kvrelay.hashing.identity import DEFAULT_CKF_SEED, bucket_count_for
 from kvrelay.ingest.kinds import ENGINE_KINDS
+from kvrelay.ingest.live_source import READERS
 from kvrelay.ingest.options import DecodeOptions
 from kvrelay.ingest.topic_pattern import PatternError, TopicPattern
 from kvrelay.ops.tls import TlsConfigError, client_ssl_context, is_loopback, server_ssl_context
@@ -306,6 +307,7 @@ RELAY_KEYS: dict[str, _Key] = {
     ),
     "scrub_interval_s": _Key("float", 300.0, check=_off_or_positive_s),
     "event_loop": _kw("auto", EVENT_LOOPS),
+    "zmq_reader": _kw("zmtp", READERS),
     "workers": _Key("int", 1, check=_int_range(1, 256)),
     "runtime_dir": _Key("str", None, check=_text),
     "shutdown_timeout_s": _Key(
@@ -776,6 +778,7 @@ def parse_config(
             checkpoint_interval_s=relay["checkpoint_interval_s"],
             checkpoint_bytes_per_second=relay["checkpoint_bytes_per_second"],
             scrub_interval_s=relay["scrub_interval_s"],
+            zmq_reader=relay["zmq_reader"],
         )
     except ValueError as exc:  # a rule checked only by the settings themselves
         r.err("relay", str(exc))

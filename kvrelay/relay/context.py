@@ -35,6 +35,8 @@ class RelayContext:
     #: At the initialized-hub cap: retire the longest-idle hub (no subscribers); False if none.
     evict_idle_hub: Callable[[], bool]
     observers: Observers
+    #: how engines' live streams are read (``RelaySettings.zmq_reader``)
+    zmq_reader: str = "zmtp"
 
     @property
     def relay_incarnation(self) -> int:

@@ -527,7 +527,7 @@ class PoolRuntime:
             if key in self.subscribers or not self._startable(key, now):
                 continue
             resume = self.restore.resume_for(key, gen, self.by_worker, now)
-            sub = Subscriber(spec, self, resume=resume)
+            sub = Subscriber(spec, self, resume=resume, reader=self._ctx.zmq_reader)
             self.subscribers[key] = sub
             self.source_specs[key] = spec
             try:

@@ -32,7 +32,7 @@ from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
 FILTER_FIELDS = ("expected_blocks", "ckf_seed", "hash_format", "decode")
 #: RelaySettings fields only a restart applies (identity, permits and queue bounds).
 RESTART_FIELDS = {"dc_name": "relay.dc_name", "drt_instance_id": "relay.drt_instance_id",
-                  "limits": "relay.limits"}  # fmt: skip
+                  "limits": "relay.limits", "zmq_reader": "relay.zmq_reader"}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,6 +84,7 @@ class Relay:
             changed=self.refresh_planes,
             evict_idle_hub=self._evict_idle_hub,
             observers=self.observers,
+            zmq_reader=self.settings.zmq_reader,
         )
         self.pools = [
             PoolRuntime(spec, ctx, engine_down_grace_s=settings.engine_down_grace_s)

@@ -9,6 +9,7 @@ from kvrelay.contract.limits import RelayLimits
 from kvrelay.discovery.endpoints import StaticSourceConfig
 from kvrelay.hashing.identity import DEFAULT_CKF_SEED, bucket_count_for
 from kvrelay.ingest.kinds import EngineKind
+from kvrelay.ingest.live_source import READERS
 from kvrelay.ingest.options import DecodeOptions
 from kvrelay.ingest.topic_pattern import TopicPattern
 
@@ -170,8 +171,13 @@ class RelaySettings:
     checkpoint_bytes_per_second: int = CHECKPOINT_BYTES_PER_SECOND
     #: How often a full scrub pass checks each pool's filter against its exact state (0: off).
     scrub_interval_s: float = 300.0
+    #: How engines' live streams are read: ``"zmtp"``, the relay's own ZMTP reader on the event
+    #: loop for ``tcp://`` and ``ipc://`` endpoints (libzmq for others), or ``"libzmq"`` always.
+    zmq_reader: str = "zmtp"
 
     def __post_init__(self) -> None:
+        if self.zmq_reader not in READERS:
+            raise ValueError(f"zmq_reader must be one of {READERS}, got {self.zmq_reader!r}")
         if not self.dc_name or self.dc_name != self.dc_name.strip():
             raise ValueError("dc_name must be non-empty without surrounding whitespace")
         triples = [p.triple for p in self.pools]

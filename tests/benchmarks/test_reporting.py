@@ -163,7 +163,7 @@ def test_light_side_by_side_splits_kvrelay_cpu_at_the_ingest_floor() -> None:
     def point(rate: float, k: float, d: float, f: float) -> dict[str, object]:
         relay = {"cpu_util": 0.0, "rss_bytes": 100}
         return {"requests_per_s_offered": rate, "floor": {"messages": 10, "cpu_util": f},
-                "floor_zmtp": {"messages": 10, "cpu_util": f / 2},
+                "floor_libzmq": {"messages": 10, "cpu_util": f * 2},
                 "relays": {"kvrelay": dict(relay, cpu_util=k), "dynamo": dict(relay, cpu_util=d)}}
 
     sweeps = [[sweep_row(point(25, k, 0.010, f)), sweep_row(point(100, 2 * k, 0.040, 2 * f))]
@@ -176,8 +176,8 @@ def test_light_side_by_side_splits_kvrelay_cpu_at_the_ingest_floor() -> None:
     md = "\n".join(_sbs_headline({"sweeps": sweeps, "light_load_spread": spread}))
     assert "**ingest floor: 0.20–0.40× Dynamo's relay CPU; kvrelay above the floor: " \
            "0.50–1.00×**" in md
-    assert spread["25 req/s"]["zmtp_floor_cpu_ratio"]["median"] == pytest.approx(0.2)
-    assert "**A reader speaking ZMTP on the event loop: 0.10–0.20× Dynamo's relay CPU**" in md
+    assert spread["25 req/s"]["libzmq_floor_cpu_ratio"]["median"] == pytest.approx(0.8)
+    assert "**The same messages read with pyzmq: 0.40–0.80× Dynamo's relay CPU**" in md
 
 
 def test_light_side_by_side_refuses_render() -> None:

@@ -61,6 +61,21 @@ def msg(seq: int, era: str = "map") -> bytes:
     return W.batch([ev])
 
 
+@pytest.fixture(autouse=True, params=["zmtp", "libzmq"])
+def reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs with both live readers (the ZMTP reader, libzmq's SUB socket)."""
+    from kvrelay.ingest import subscriber as submod
+
+    real = submod.open_source
+    monkeypatch.setattr(
+        submod, "open_source",
+        lambda c, endpoint, hwm, _reader, on_error=None: real(
+            c, endpoint, hwm, request.param, on_error
+        ),
+    )  # fmt: skip
+    return str(request.param)
+
+
 @pytest.fixture
 async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
     c = zmq.asyncio.Context()

@@ -134,6 +134,8 @@ RULES = [
     ("limit-cross-field", MINIMAL + "", "relay.limits.max_message_bytes", "must be >= 4259904"),
     ("event-loop", _relay('event_loop = "trio"'),
      "relay.event_loop", "must be one of auto, asyncio, uvloop"),
+    ("zmq-reader", _relay('zmq_reader = "czmq"'),
+     "relay.zmq_reader", "must be one of zmtp, libzmq"),
     ("log-level", MINIMAL + '\n[logging]\nlevel = "loud"\n', "logging.level",
      "must be one of debug"),
     ("log-format", MINIMAL + '\n[logging]\nformat = "xml"\n', "logging.format",
@@ -244,6 +246,7 @@ def test_minimal_file_gets_documented_defaults(tmp_path: Path) -> None:
     assert not cfg.tls.enabled and cfg.event_loop == "auto" and cfg.shutdown_timeout_s == 10.0
     r = cfg.relay
     assert r.dc_name == "dc-test" and r.drt_instance_id is None and r.limits == RelayLimits()
+    assert r.zmq_reader == "zmtp"
     assert (r.discovery_interval_s, r.discovery_timeout_s, r.metrics_scrape_interval_s) == (
         5.0, 2.0, 1.0,
     )

@@ -95,10 +95,12 @@ def test_identity_and_limits_wait_for_a_restart() -> None:
     new = RelaySettings(
         dc_name="dc-2", pools=old.pools, drt_instance_id=5,
         limits=RelayLimits(max_pool_streams_total=3), discovery_interval_s=1.0,
+        zmq_reader="libzmq",
     )  # fmt: skip
     plan = plan_reload(old, new)
     assert sorted(plan.restart_required) == ["relay.dc_name", "relay.drt_instance_id",
-                                             "relay.limits"]
+                                             "relay.limits", "relay.zmq_reader"]
+    assert plan.settings.zmq_reader == "zmtp"
     assert plan.settings.dc_name == "dc" and plan.settings.limits == old.limits
     assert plan.settings.drt_instance_id is None
     assert plan.settings.discovery_interval_s == 1.0  # live settings are taken

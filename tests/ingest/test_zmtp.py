@@ -1,0 +1,285 @@
+"""The ZMTP reader: its frame cutting against hand-written ZMTP bytes, and the source against
+libzmq's own PUB socket (pyzmq) over real TCP and IPC: the same messages libzmq's SUB would
+receive, the connection events, heartbeats, reconnects, backpressure and hostile peers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+from collections.abc import AsyncIterator
+
+import pytest
+import zmq
+
+from kvrelay.ingest.zmtp import (
+    CONNECTED,
+    DISCONNECTED,
+    GREETING,
+    FrameReader,
+    ZmtpError,
+    ZmtpSource,
+    supports,
+)
+from tests.support.timing import scaled
+
+
+def _frame(body: bytes, more: bool = False, command: bool = False) -> bytes:
+    flags = (1 if more else 0) | (4 if command else 0)
+    if len(body) > 255:
+        return bytes([flags | 2]) + len(body).to_bytes(8, "big") + body
+    return bytes([flags, len(body)]) + body
+
+
+def _ready(kind: bytes) -> bytes:
+    key = b"Socket-Type"
+    body = b"\x05READY" + bytes([len(key)]) + key + len(kind).to_bytes(4, "big") + kind
+    return _frame(body, command=True)
+
+
+def _peer_greeting(major: int = 3, mech: bytes = b"NULL") -> bytes:
+    return b"\xff" + bytes(8) + b"\x7f" + bytes([major, 1]) + mech.ljust(20, b"\0") + bytes(32)
+
+
+# ---- frame cutting -------------------------------------------------------------------------------
+
+
+def test_a_stream_cut_anywhere_gives_the_same_messages() -> None:
+    big = os.urandom(70_000)
+    stream = (
+        _peer_greeting() + _ready(b"PUB")
+        + _frame(b"kv", more=True) + _frame((7).to_bytes(8, "big"), more=True) + _frame(big)
+        + _frame(b"\x04PING\x00\x0aab", command=True)
+        + _frame(b"", more=True) + _frame(b"x")
+    )  # fmt: skip
+    whole = FrameReader(1 << 20).feed(stream)
+    want = [[b"kv", (7).to_bytes(8, "big"), big], [b"", b"x"]]
+    assert whole == (want, [(b"PING", b"\x00\x0aab")])
+    for step in (1, 7, 64, 1000):
+        r = FrameReader(1 << 20)
+        msgs: list[list[bytes]] = []
+        cmds: list[tuple[bytes, bytes]] = []
+        for at in range(0, len(stream), step):
+            m, c = r.feed(stream[at : at + step])
+            msgs += m
+            cmds += c
+        assert (msgs, cmds) == whole
+
+
+@pytest.mark.parametrize(
+    ("data", "kind"),
+    [
+        (b"GET / HTTP/1.1\r\n", "bad_greeting"),
+        (_peer_greeting(major=2), "bad_greeting"),
+        (_peer_greeting(mech=b"CURVE"), "bad_greeting"),
+        (_peer_greeting() + _ready(b"REP"), "peer_type"),
+        (_peer_greeting() + _frame(b"data"), "bad_frame"),  # a message before READY
+        (_peer_greeting() + _ready(b"PUB") + b"\x08\x01x", "bad_frame"),  # reserved flag bit
+        (_peer_greeting() + _ready(b"PUB") + _frame(b"\x04PING", more=True, command=True),
+         "bad_frame"),
+        (_peer_greeting() + _ready(b"PUB") + _ready(b"PUB"), "bad_command"),
+        (_peer_greeting() + _ready(b"PUB") + b"\x02" + (1 << 40).to_bytes(8, "big"), "oversized"),
+        (_peer_greeting() + _ready(b"PUB") + _frame(b"a" * 600, more=True) + _frame(b"b" * 600),
+         "oversized"),  # each frame fits, the message does not
+        (_peer_greeting() + _frame(b"\x05ERROR\x04nope", command=True), "peer_error"),
+        (_peer_greeting() + _ready(b"PUB") + _frame(b"", more=True) * 65, "too_many_frames"),
+    ],
+)
+def test_what_a_publisher_would_not_send_is_refused_by_kind(data: bytes, kind: str) -> None:
+    with pytest.raises(ZmtpError) as exc:
+        FrameReader(1000).feed(data)
+    assert exc.value.kind == kind
+
+
+def test_endpoints_it_connects_to() -> None:
+    assert supports("tcp://127.0.0.1:5557") and supports("tcp://[::1]:5557")
+    assert supports("tcp://engine-0.svc:5557") and supports("ipc:///tmp/kv.sock")
+    for other in ("inproc://x", "tcp://*:5557", "tcp://eth0;10.0.0.1:5557", "tcp://h:0",
+                  "tcp://h", "pgm://x", "ipc://"):  # fmt: skip
+        assert not supports(other), other
+
+
+# ---- against libzmq ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def zctx() -> AsyncIterator[zmq.Context[zmq.Socket[bytes]]]:
+    c: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+class _Inbox:
+    def __init__(self, src: ZmtpSource) -> None:
+        self.src = src
+        self.messages: list[list[bytes]] = []
+        self.events: list[int] = []
+        self.take = True
+
+    def __call__(self) -> None:
+        self.events += self.src.take_events()
+        while self.take and (m := self.src.next_message()) is not None:
+            self.messages.append(m)
+
+
+async def _until(cond: object, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + scaled(timeout)
+    while not cond():  # type: ignore[operator]
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+async def _publish_until_received(
+    pub: zmq.Socket[bytes], inbox: _Inbox, frames: list[bytes], n: int = 1
+) -> None:
+    """PUB drops what it sends before the subscription reached it: send until one arrives."""
+    before = len(inbox.messages)
+    while len(inbox.messages) < before + n:
+        pub.send_multipart(frames)
+        await asyncio.sleep(0.01)
+
+
+async def test_receives_what_libzmq_publishes(zctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    pub = zctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    src = ZmtpSource(f"tcp://127.0.0.1:{port}")
+    inbox = _Inbox(src)
+    src.open(inbox)
+    try:
+        await _until(lambda: src.ready)
+        assert inbox.events == [CONNECTED]
+        await _publish_until_received(pub, inbox, [b"warm"])
+        inbox.messages.clear()
+        sent = [[b"kv", i.to_bytes(8, "big"), os.urandom(i * 997)] for i in range(40)]
+        sent += [[b"", b""], [b"t", b"x" * 300_000], [b"one"]]
+        for m in sent:
+            pub.send_multipart(m)
+        await _until(lambda: len(inbox.messages) >= len(sent))
+        assert inbox.messages == sent  # every frame, in order, nothing torn
+        pub.close(linger=0)
+        await _until(lambda: DISCONNECTED in inbox.events)
+        assert inbox.events == [CONNECTED, DISCONNECTED]
+        # the publisher comes back on the same port: the reader reconnects by itself
+        pub = zctx.socket(zmq.PUB)
+        pub.bind(f"tcp://127.0.0.1:{port}")
+        await _until(lambda: inbox.events.count(CONNECTED) == 2 and src.ready)
+        await _publish_until_received(pub, inbox, [b"again"])
+        assert inbox.messages[-1] == [b"again"]
+        assert src.error_counts == {}
+    finally:
+        src.close()
+        pub.close(linger=0)
+
+
+async def test_answers_heartbeats_and_reads_ipc(zctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """A publisher with ZMTP heartbeats on drops a peer that does not answer its PINGs within
+    the timeout; the reader answers, so the one connection lasts many timeouts."""
+    pub = zctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.HEARTBEAT_IVL, 20)
+    pub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 60)
+    with tempfile.TemporaryDirectory() as d:
+        endpoint = f"ipc://{d}/kv.sock"
+        pub.bind(endpoint)
+        src = ZmtpSource(endpoint)
+        inbox = _Inbox(src)
+        src.open(inbox)
+        try:
+            await _until(lambda: src.ready)
+            await asyncio.sleep(0.6)  # ten heartbeat timeouts
+            await _publish_until_received(pub, inbox, [b"still", b"here"])
+            assert inbox.events == [CONNECTED]  # never dropped
+        finally:
+            src.close()
+            pub.close(linger=0)
+
+
+async def test_a_full_queue_stops_reading_until_drained(
+    zctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    pub = zctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    src = ZmtpSource(f"tcp://127.0.0.1:{port}", hwm=50)
+    inbox = _Inbox(src)
+    src.open(inbox)
+    try:
+        await _until(lambda: src.ready)
+        await _publish_until_received(pub, inbox, [b"warm"])
+        inbox.take = False
+        for i in range(20_000):
+            pub.send_multipart([b"kv", i.to_bytes(8, "big"), b"p" * 200])
+        await _until(lambda: src._paused)
+        queued = len(src._messages)
+        await asyncio.sleep(0.2)
+        assert len(src._messages) == queued  # nothing read while paused
+        assert queued < 50 + 2_000  # the bound plus what one read of the socket held
+        inbox.take = True
+        inbox()
+        await _until(lambda: len(inbox.messages) >= 1 + 20_000, timeout=20)
+        seqs = [int.from_bytes(m[1], "big") for m in inbox.messages[1:]]
+        assert seqs == list(range(20_000))  # paused, not dropped: TCP held the rest
+    finally:
+        src.close()
+        pub.close(linger=0)
+
+
+async def _serve(handler: object) -> tuple[asyncio.Server, int]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)  # type: ignore[arg-type]
+    return server, server.sockets[0].getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("reply", "kind"),
+    [
+        (b"HTTP/1.1 400 Bad Request\r\n\r\n", "bad_greeting"),
+        (_peer_greeting() + _ready(b"ROUTER"), "peer_type"),
+        (_peer_greeting() + _ready(b"PUB") + b"\x02" + (1 << 40).to_bytes(8, "big"), "oversized"),
+    ],
+)
+async def test_a_hostile_peer_is_counted_and_left(reply: bytes, kind: str) -> None:
+    accepted = 0
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        nonlocal accepted
+        accepted += 1
+        w.write(reply)
+        while await r.read(1 << 16):  # until the reader hangs up
+            pass
+        w.close()
+
+    server, port = await _serve(handler)
+    seen: list[str] = []
+    src = ZmtpSource(f"tcp://127.0.0.1:{port}", reconnect_s=0.05, on_error=seen.append)
+    inbox = _Inbox(src)
+    src.open(inbox)
+    try:
+        await _until(lambda: src.error_counts.get(kind, 0) >= 2)  # and it came back for more
+        assert set(seen) == {kind} and accepted >= 2 and inbox.messages == []
+        assert inbox.events[:2] == [CONNECTED, DISCONNECTED]
+    finally:
+        src.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_silent_peer_times_out_its_handshake() -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while await r.read(1 << 16):  # says nothing, reads until the reader hangs up
+            pass
+        w.close()
+
+    server, port = await _serve(handler)
+    src = ZmtpSource(f"tcp://127.0.0.1:{port}", handshake_s=0.1, reconnect_s=0.05)
+    src.open(_Inbox(src))
+    try:
+        await _until(lambda: src.error_counts.get("handshake_timeout", 0) >= 2)
+    finally:
+        src.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_greeting_is_zmtp3_null_as_client() -> None:
+    assert len(GREETING) == 64 and GREETING[0] == 0xFF and GREETING[9] == 0x7F
+    assert GREETING[10:12] == b"\x03\x00" and GREETING[12:32].rstrip(b"\0") == b"NULL"
+    assert GREETING[32] == 0  # not as-server
