@@ -220,8 +220,6 @@ class Subscriber:
         loop = asyncio.get_running_loop()
         self._src.open(self._on_readable)
         try:
-            if self.spec.replay_endpoint:  # subscribed before the replay answers (see wait_ready)
-                await self._src.wait_ready(self._replay_timeout_ms / 1000)
             if self._resume is not None:
                 if self.spec.replay_endpoint:
                     await self._sync(self._resume[0] + 1, bootstrap=False)
@@ -620,6 +618,10 @@ class Subscriber:
         there with the same bytes, the engine is another incarnation and the member is rebuilt
         from 0."""
         self._set_state("replaying")
+        # subscribed before the replay answers: a batch published meanwhile is then in the
+        # replay or on the live stream (after a connect or reconnect; at once otherwise)
+        if self._src is not None:
+            await self._src.wait_ready(self._replay_timeout_ms / 1000)
         attempt = 0
         restarted = False
         while attempt < 2:

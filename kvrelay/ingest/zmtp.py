@@ -139,7 +139,8 @@ class FrameReader:
     ``feed`` returns what the bytes completed; it raises ``ZmtpError`` on anything a NULL-mechanism
     publisher would not send. Pure: no I/O (the source writes the replies it asks for)."""
 
-    __slots__ = ("_buf", "_frames", "_greeted", "_msg_bytes", "max_frame_bytes", "ready")
+    __slots__ = ("_buf", "_frames", "_greeted", "_msg_bytes", "done_bytes", "max_frame_bytes",
+                 "ready")
 
     def __init__(self, max_frame_bytes: int) -> None:
         self.max_frame_bytes = max_frame_bytes
@@ -148,12 +149,19 @@ class FrameReader:
         self._frames: list[bytes] = []  # the message being assembled
         self._msg_bytes = 0
         self.ready = False  # the peer's READY arrived (and named a publisher)
+        self.done_bytes = 0  # the frame bytes of the messages the last ``feed`` completed
 
     def feed(self, data: bytes) -> tuple[list[list[bytes]], list[tuple[bytes, bytes]]]:
         """``(messages, commands)`` completed by ``data``: each message its frames, each command
-        ``(name, body)`` other than ``READY`` (checked here)."""
-        buf = self._buf
-        buf += data
+        ``(name, body)`` other than ``READY`` (checked here). Bytes that arrive whole (nothing
+        left over from the last read, the usual case) are cut where they are, not copied into
+        the buffer first."""
+        buf: bytes | bytearray
+        if self._buf or not self._greeted:
+            buf = self._buf
+            buf += data
+        else:
+            buf = data
         at = 0
         if not self._greeted:
             if len(buf) >= 1 and buf[0] != 0xFF:
@@ -173,6 +181,7 @@ class FrameReader:
         commands: list[tuple[bytes, bytes]] = []
         n = len(buf)
         limit = self.max_frame_bytes
+        done = 0
         while n - at >= 2:
             flags = buf[at]
             if flags & ~(_MORE | _LONG | _COMMAND):
@@ -188,7 +197,7 @@ class FrameReader:
             end = at + head + size
             if end > n:
                 break
-            body = bytes(buf[at + head : end])
+            body = bytes(buf[at + head : end])  # bytes slices bytes once; a bytearray's twice
             at = end
             if flags & _COMMAND:
                 if flags & _MORE:
@@ -205,9 +214,14 @@ class FrameReader:
             self._frames.append(body)
             if not flags & _MORE:
                 messages.append(self._frames)
+                done += self._msg_bytes
                 self._frames, self._msg_bytes = [], 0
-        if at:
-            del buf[:at]
+        self.done_bytes = done
+        if buf is self._buf:
+            if at:
+                del self._buf[:at]
+        elif at < n:
+            self._buf += buf[at:]  # the start of a frame: kept for the next read
         return messages, commands
 
     def _command(self, body: bytes) -> list[tuple[bytes, bytes]]:
@@ -266,7 +280,7 @@ class _Connection(asyncio.Protocol):
             if name == b"PING":
                 t.write(_pong(body))
         if messages:
-            self._source._on_messages(messages)
+            self._source._on_messages(messages, self._reader.done_bytes)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._source._on_lost(self)
@@ -315,7 +329,7 @@ class ZmtpSource:
         #: to ``on_error``; connects refused or failed are ``connect_failures``
         self.error_counts: dict[str, int] = {}
         self.connect_failures = 0
-        self._messages: deque[list[bytes]] = deque()
+        self._messages: deque[tuple[list[bytes], int]] = deque()  # (frames, their bytes)
         self._queued_bytes = 0
         self._events: list[int] = []
         self._notify: Callable[[], None] | None = None
@@ -387,8 +401,8 @@ class ZmtpSource:
         q = self._messages
         if not q:
             return None
-        frames = q.popleft()
-        self._queued_bytes -= sum(len(f) for f in frames)
+        frames, size = q.popleft()
+        self._queued_bytes -= size
         low = len(q) <= self.hwm // 2 and self._queued_bytes <= self.max_queue_bytes // 2
         if self._paused and low:
             self._paused = False
@@ -421,9 +435,13 @@ class ZmtpSource:
     def _on_error(self, exc: ZmtpError) -> None:
         self._count(exc.kind)
 
-    def _on_messages(self, messages: list[list[bytes]]) -> None:
-        self._messages.extend(messages)
-        self._queued_bytes += sum(len(f) for m in messages for f in m)
+    def _on_messages(self, messages: list[list[bytes]], size: int) -> None:
+        q = self._messages
+        if len(messages) == 1:
+            q.append((messages[0], size))
+        else:
+            q.extend((m, sum(len(f) for f in m)) for m in messages)
+        self._queued_bytes += size
         if (len(self._messages) >= self.hwm or self._queued_bytes >= self.max_queue_bytes) and (
             not self._paused
         ):

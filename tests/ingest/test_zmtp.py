@@ -55,15 +55,19 @@ def test_a_stream_cut_anywhere_gives_the_same_messages() -> None:
     whole = FrameReader(1 << 20).feed(stream)
     want = [[b"kv", (7).to_bytes(8, "big"), big], [b"", b"x"]]
     assert whole == (want, [(b"PING", b"\x00\x0aab")])
-    for step in (1, 7, 64, 1000):
+    total = sum(len(f) for m in want for f in m)
+    for step in (1, 7, 64, 1000, 70_000, len(stream)):
         r = FrameReader(1 << 20)
         msgs: list[list[bytes]] = []
         cmds: list[tuple[bytes, bytes]] = []
+        done = 0
         for at in range(0, len(stream), step):
             m, c = r.feed(stream[at : at + step])
             msgs += m
             cmds += c
-        assert (msgs, cmds) == whole
+            done += r.done_bytes
+            assert all(type(f) is bytes for x in m for f in x)
+        assert (msgs, cmds) == whole and done == total
 
 
 @pytest.mark.parametrize(
