@@ -378,8 +378,7 @@ class ZmtpSource:
         if self._task is not None:
             self._task.cancel()
             self._task = None
-        if self._handshake_timer is not None:
-            self._handshake_timer.cancel()
+        self._cancel_handshake()
         conn, self._conn = self._conn, None
         if conn is not None and conn.transport is not None:
             conn.transport.abort()
@@ -423,6 +422,9 @@ class ZmtpSource:
         self.ready = True
         if self._ready_evt is not None:
             self._ready_evt.set()
+        self._cancel_handshake()
+
+    def _cancel_handshake(self) -> None:
         if self._handshake_timer is not None:
             self._handshake_timer.cancel()
             self._handshake_timer = None
@@ -454,9 +456,7 @@ class ZmtpSource:
             notify()
 
     def _on_lost(self, conn: _Connection) -> None:
-        if self._handshake_timer is not None:
-            self._handshake_timer.cancel()
-            self._handshake_timer = None
+        self._cancel_handshake()
         if conn is self._conn:
             self._conn = None
         self.ready = False

@@ -222,25 +222,6 @@ async def test_windows_nobody_waits_for_are_built_when_read(
     await plane.wait_closed()
 
 
-async def test_failed_read_build_keeps_last_good_window(
-    relay: pb.RelayIdentity, producer: MakeProducer
-) -> None:
-    fleet = Fleet()
-    fleet.make = producer
-    fleet.pools = {1: [RankLoad(1, 8)]}
-    plane = LoadPlane(relay, window_ms=1000, provider=fleet)
-    plane._tick()
-    plane._tick()
-    assert plane.version == 2 and fleet.calls == 1
-    fleet.fail = True
-    seq, msg = plane.current()
-    assert seq == 0 and len(msg.pools) == 1 and plane.provider_errors == 1
-    fleet.fail = False
-    assert plane.current()[0] == 0 and fleet.calls == 2  # the failed due windows are skipped
-    plane._tick()
-    assert plane.current()[0] == 1
-
-
 async def test_close_wakes_subscribers(relay: pb.RelayIdentity) -> None:
     plane = LoadPlane(relay, window_ms=10_000)
     plane.start()
@@ -268,6 +249,18 @@ async def test_provider_failure_skips_window(
     assert seq == 0 and len(msg.pools) == 1  # last good window kept, not replaced by "no pools"
     fleet.fail = False
     assert plane.publish_window() is True and plane.current()[0] == 1
+    # windows due while nobody waited, built when read: a failure there keeps the last good
+    # window too, and skips the due ones
+    plane._tick()
+    plane._tick()
+    assert plane.version == 3 and fleet.calls == 3  # nothing built for them yet
+    fleet.fail = True
+    seq, msg = plane.current()
+    assert seq == 1 and len(msg.pools) == 1 and plane.provider_errors == 2
+    fleet.fail = False
+    assert plane.current()[0] == 1 and fleet.calls == 4  # not tried again
+    plane._tick()
+    assert plane.current()[0] == 2
 
 
 async def test_bad_pool_input_drops_only_that_entry(
