@@ -282,6 +282,13 @@ class _Connection(asyncio.Protocol):
         if messages:
             self._source._on_messages(messages, self._reader.done_bytes)
 
+    def pause_writing(self) -> None:
+        """The relay only writes its handshake and PONGs: a peer that sends PINGs and never
+        reads the answers would otherwise grow the write buffer without end."""
+        self._source._on_error(ZmtpError("write_backlog", "the peer does not read its PONGs"))
+        if self.transport is not None:
+            self.transport.abort()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._source._on_lost(self)
 
