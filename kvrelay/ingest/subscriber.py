@@ -80,6 +80,8 @@ _RESTARTED = 3  # the replay does not hold the last applied batch: another incar
 _UNVOUCHED = 4  # asked to vouch for the last applied batch, the replay did not answer in time
 
 _NOBLOCK = int(zmq.NOBLOCK)
+
+
 def _digest(payload: bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
@@ -307,11 +309,11 @@ class Subscriber:
         if fut is not None and not fut.done():
             fut.set_result(None)
 
-    async def _wait_input(self, dealer: zmq.Socket[Any] | None, timeout: float) -> None:
+    async def _wait_input(self, dealer: zmq.Socket[Any], timeout: float) -> None:
         """Until the live stream or ``dealer`` may have input or ``timeout`` s passed (spurious
         wakes happen: callers check again)."""
         src = self._src
-        if (src is not None and src.readable()) or (dealer is not None and readable(dealer)):
+        if (src is not None and src.readable()) or readable(dealer):
             return
         loop = asyncio.get_running_loop()
         fut = loop.create_future()

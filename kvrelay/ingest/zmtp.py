@@ -139,8 +139,7 @@ class FrameReader:
     ``feed`` returns what the bytes completed; it raises ``ZmtpError`` on anything a NULL-mechanism
     publisher would not send. Pure: no I/O (the source writes the replies it asks for)."""
 
-    __slots__ = ("_buf", "_frames", "_greeted", "_msg_bytes", "done_bytes", "max_frame_bytes",
-                 "ready")
+    __slots__ = ("_buf", "_frames", "_greeted", "_msg_bytes", "max_frame_bytes", "ready")
 
     def __init__(self, max_frame_bytes: int) -> None:
         self.max_frame_bytes = max_frame_bytes
@@ -149,13 +148,14 @@ class FrameReader:
         self._frames: list[bytes] = []  # the message being assembled
         self._msg_bytes = 0
         self.ready = False  # the peer's READY arrived (and named a publisher)
-        self.done_bytes = 0  # the frame bytes of the messages the last ``feed`` completed
 
-    def feed(self, data: bytes) -> tuple[list[list[bytes]], list[tuple[bytes, bytes]]]:
-        """``(messages, commands)`` completed by ``data``: each message its frames, each command
-        ``(name, body)`` other than ``READY`` (checked here). Bytes that arrive whole (nothing
-        left over from the last read, the usual case) are cut where they are, not copied into
-        the buffer first."""
+    def feed(
+        self, data: bytes
+    ) -> tuple[list[tuple[list[bytes], int]], list[tuple[bytes, bytes]]]:
+        """``(messages, commands)`` completed by ``data``: each message its frames and their
+        bytes, each command ``(name, body)`` other than ``READY`` (checked here). Bytes that
+        arrive whole (nothing left over from the last read, the usual case) are cut where they
+        are, not copied into the buffer first."""
         buf: bytes | bytearray
         if self._buf or not self._greeted:
             buf = self._buf
@@ -177,11 +177,10 @@ class FrameReader:
                 raise ZmtpError("bad_greeting", f"mechanism {mech!r} (NULL is supported)")
             at = 64
             self._greeted = True
-        messages: list[list[bytes]] = []
+        messages: list[tuple[list[bytes], int]] = []
         commands: list[tuple[bytes, bytes]] = []
         n = len(buf)
         limit = self.max_frame_bytes
-        done = 0
         while n - at >= 2:
             flags = buf[at]
             if flags & ~(_MORE | _LONG | _COMMAND):
@@ -213,10 +212,8 @@ class FrameReader:
                 raise ZmtpError("too_many_frames", f"message over {MAX_FRAMES} frames")
             self._frames.append(body)
             if not flags & _MORE:
-                messages.append(self._frames)
-                done += self._msg_bytes
+                messages.append((self._frames, self._msg_bytes))
                 self._frames, self._msg_bytes = [], 0
-        self.done_bytes = done
         if buf is self._buf:
             if at:
                 del self._buf[:at]
@@ -280,7 +277,7 @@ class _Connection(asyncio.Protocol):
             if name == b"PING":
                 t.write(_pong(body))
         if messages:
-            self._source._on_messages(messages, self._reader.done_bytes)
+            self._source._on_messages(messages)
 
     def pause_writing(self) -> None:
         """The relay only writes its handshake and PONGs: a peer that sends PINGs and never
@@ -345,16 +342,17 @@ class ZmtpSource:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._handshake_timer: asyncio.TimerHandle | None = None
-        self._lost: asyncio.Event | None = None
-        #: the current connection is subscribed (the peer's READY arrived)
-        self.ready = False
-        self._ready_evt: asyncio.Event | None = None
+        self._lost = asyncio.Event()  # the current connection ended
+        self._ready = asyncio.Event()  # the current connection is subscribed
+
+    @property
+    def ready(self) -> bool:
+        """The current connection is subscribed (the peer's READY arrived, ours was sent)."""
+        return self._ready.is_set()
 
     # ---- what the subscriber calls ---------------------------------------------------------
     def open(self, notify: Callable[[], None]) -> None:
         self._notify = notify
-        self._lost = asyncio.Event()
-        self._ready_evt = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(
             self._keep_connected(), name=f"kvrelay-zmtp-{self.endpoint}"
         )
@@ -365,11 +363,8 @@ class ZmtpSource:
         live stream then misses, with nothing after it to show the hole."""
         if self.ready:
             return True
-        evt = self._ready_evt
-        if evt is None:
-            return False
         try:
-            await asyncio.wait_for(evt.wait(), timeout)
+            await asyncio.wait_for(self._ready.wait(), timeout)
         except TimeoutError:
             return False
         return self.ready
@@ -426,9 +421,7 @@ class ZmtpSource:
         self._event(CONNECTED)
 
     def _on_ready(self) -> None:
-        self.ready = True
-        if self._ready_evt is not None:
-            self._ready_evt.set()
+        self._ready.set()
         self._cancel_handshake()
 
     def _cancel_handshake(self) -> None:
@@ -444,13 +437,11 @@ class ZmtpSource:
     def _on_error(self, exc: ZmtpError) -> None:
         self._count(exc.kind)
 
-    def _on_messages(self, messages: list[list[bytes]], size: int) -> None:
+    def _on_messages(self, messages: list[tuple[list[bytes], int]]) -> None:
         q = self._messages
-        if len(messages) == 1:
-            q.append((messages[0], size))
-        else:
-            q.extend((m, sum(len(f) for f in m)) for m in messages)
-        self._queued_bytes += size
+        for m in messages:
+            q.append(m)
+            self._queued_bytes += m[1]
         if (len(self._messages) >= self.hwm or self._queued_bytes >= self.max_queue_bytes) and (
             not self._paused
         ):
@@ -466,12 +457,9 @@ class ZmtpSource:
         self._cancel_handshake()
         if conn is self._conn:
             self._conn = None
-        self.ready = False
-        if self._ready_evt is not None:
-            self._ready_evt.clear()
+        self._ready.clear()
         self._paused = False
-        if self._lost is not None:
-            self._lost.set()
+        self._lost.set()
         if not self._closed:
             self._event(DISCONNECTED)
 
@@ -489,7 +477,6 @@ class ZmtpSource:
     async def _keep_connected(self) -> None:
         loop = asyncio.get_running_loop()
         lost = self._lost
-        assert lost is not None
         while not self._closed:
             lost.clear()
             try:
