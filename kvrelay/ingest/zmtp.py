@@ -23,13 +23,15 @@ or ``max_queue_bytes`` it stops reading the socket, so the publisher drops at it
 mark and the subscriber sees a gap it repairs from the replay, as before.
 
 Hostile peers: a greeting that is not ZMTP 3 with NULL, a peer that is not a publisher, a frame
-or message larger than ``max_frame_bytes``, a message of more than ``MAX_FRAMES`` frames or a
-malformed command ends the connection, is counted by kind
+or message larger than ``max_frame_bytes``, a message of more than ``MAX_FRAMES`` frames, a
+command over ``MAX_COMMAND_BYTES`` or malformed, or PINGs whose PONGs it never reads ends the
+connection, is counted by kind
 (``error_counts``) and the source reconnects later. Nothing of a message is handed on before all its
 frames arrived.
 
 Endpoints: ``tcp://host:port`` (names resolved at each connect, IPv6 in brackets) and
-``ipc://path``. Anything else stays on pyzmq (``supports``).
+``ipc://path``. Anything else stays on pyzmq (``supports``): abstract ``ipc://@name`` sockets,
+source-interface forms, and host names the resolver would refuse (libzmq reports those at once).
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ _PUBLISHERS = (b"PUB", b"XPUB")
 #: Frames one message may have (an engine's have 3): empty frames add no bytes, so the byte
 #: bound alone would let a peer grow one message's frame list without end.
 MAX_FRAMES = 64
+#: Bytes one command may have. A publisher's commands are a READY of a few properties and PINGs;
+#: without this, a READY of millions of properties up to the frame bound would hold the loop.
+MAX_COMMAND_BYTES = 65535
 
 
 def _command(name: bytes, body: bytes) -> bytes:
@@ -89,9 +94,12 @@ class ZmtpError(Exception):
 
 
 def supports(endpoint: str) -> bool:
-    """Whether this reader can connect to ``endpoint`` (else the subscriber uses pyzmq)."""
+    """Whether this reader can connect to ``endpoint`` (else the subscriber uses pyzmq, which
+    also reports an endpoint it cannot use at once, as before)."""
     if endpoint.startswith("ipc://"):
-        return sys.platform != "win32" and len(endpoint) > len("ipc://")
+        path = endpoint[len("ipc://") :]
+        # ``@name``: a Linux abstract socket, which libzmq knows and a file path is not
+        return sys.platform != "win32" and bool(path) and not path.startswith("@")
     if not endpoint.startswith("tcp://"):
         return False
     try:
@@ -112,6 +120,7 @@ def _split_tcp(endpoint: str) -> tuple[str, int]:
         if not host.endswith("]"):
             raise ValueError(endpoint)
         host = host[1:-1]
+    host.encode("idna")  # a name the resolver would refuse (an empty label): UnicodeError
     return host, int(port)
 
 
@@ -193,6 +202,8 @@ class FrameReader:
                 size, head = buf[at + 1], 2
             if size > limit:
                 raise ZmtpError("oversized", f"frame of {size} bytes (limit {limit})")
+            if flags & _COMMAND and size > MAX_COMMAND_BYTES:
+                raise ZmtpError("bad_command", f"command of {size} bytes")
             end = at + head + size
             if end > n:
                 break
@@ -386,6 +397,7 @@ class ZmtpSource:
             conn.transport.abort()
         self._messages.clear()
         self._queued_bytes = 0
+        self._events.clear()
 
     def has_events(self) -> bool:
         return bool(self._events)
@@ -491,6 +503,9 @@ class ZmtpSource:
                 await asyncio.wait_for(connecting, self.handshake_s)
             except (OSError, TimeoutError):
                 self.connect_failures += 1
+            except Exception:  # anything else the connect raised: counted, and tried again
+                self.connect_failures += 1
+                self._count("connect_error")
             else:
                 await lost.wait()
             await asyncio.sleep(self.reconnect_s)

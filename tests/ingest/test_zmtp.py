@@ -93,11 +93,21 @@ def test_what_a_publisher_would_not_send_is_refused_by_kind(data: bytes, kind: s
     assert exc.value.kind == kind
 
 
+def test_a_command_is_bounded_below_the_frame_bound() -> None:
+    """A READY of many properties is refused by its size before any property is read."""
+    ready = _frame(b"\x05READY" + b"\x01a\x00\x00\x00\x00" * 12_000, command=True)  # 84 KB
+    with pytest.raises(ZmtpError) as exc:
+        FrameReader(1 << 20).feed(_peer_greeting() + ready)
+    assert exc.value.kind == "bad_command" and "command of" in str(exc.value)
+    FrameReader(1 << 20).feed(_peer_greeting() + _ready(b"PUB"))  # a real one passes
+
+
 def test_endpoints_it_connects_to() -> None:
     assert supports("tcp://127.0.0.1:5557") and supports("tcp://[::1]:5557")
     assert supports("tcp://engine-0.svc:5557") and supports("ipc:///tmp/kv.sock")
     for other in ("inproc://x", "tcp://*:5557", "tcp://eth0;10.0.0.1:5557", "tcp://h:0",
-                  "tcp://h", "pgm://x", "ipc://"):  # fmt: skip
+                  "tcp://h", "pgm://x", "ipc://", "ipc://@kv-events", "tcp://a..b:5557",
+                  "tcp://" + "x" * 64 + ".svc:5557"):  # fmt: skip
         assert not supports(other), other
 
 
