@@ -26,9 +26,18 @@ __all__ = [
     "open_source",
     "readable",
     "recv_message",
+    "require_reader",
 ]
 
 READERS = ("zmtp", "libzmq")
+
+
+def require_reader(reader: str, name: str = "reader") -> str:
+    """``reader`` when it names one of ``READERS``, else ``ValueError`` naming ``name``."""
+    if reader not in READERS:
+        raise ValueError(f"{name} must be one of {READERS}, got {reader!r}")
+    return reader
+
 
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
@@ -184,8 +193,6 @@ def open_source(
     """The source for ``endpoint``: the ZMTP reader where ``reader`` asks for it and it can
     connect there (``on_error`` gets the kind of each protocol error of its peers), else
     libzmq."""
-    if reader not in READERS:
-        raise ValueError(f"reader must be one of {READERS}, got {reader!r}")
-    if reader == "zmtp" and zmtp.supports(endpoint):
+    if require_reader(reader) == "zmtp" and zmtp.supports(endpoint):
         return zmtp.ZmtpSource(endpoint, hwm=hwm, keepalive=KEEPALIVE, on_error=on_error)
     return PyzmqSource(ctx, endpoint, hwm)

@@ -59,7 +59,7 @@ from kvrelay.ingest.decoder import Decoder
 from kvrelay.ingest.errors import DecodeError, FrameError, TopicMismatchError
 from kvrelay.ingest.frames import check_live, check_live_sglang, check_replay
 from kvrelay.ingest.kinds import EngineKind
-from kvrelay.ingest.live_source import READERS, LiveSource, open_source, readable
+from kvrelay.ingest.live_source import LiveSource, open_source, readable, require_reader
 from kvrelay.ingest.reorder import ReorderBuffer
 from kvrelay.ingest.sink import BatchSink, ResetReason, SourceSpec
 from kvrelay.ingest.zmtp import CONNECTED, DISCONNECTED
@@ -118,9 +118,7 @@ class Subscriber:
         vouches for it first — the replay must still hold that batch with the same bytes — and
         then goes on from ``seq + 1``; anything else resets the member and rebuilds it.
         ``reader``: how the live stream is read (``live_source.READERS``)."""
-        if reader not in READERS:
-            raise ValueError(f"reader must be one of {READERS}, got {reader!r}")
-        self._reader = reader
+        self._reader = require_reader(reader)
         self.spec = spec
         self.key = spec.key
         self.counters = SubscriberCounters()

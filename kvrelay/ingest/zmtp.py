@@ -25,9 +25,9 @@ mark and the subscriber sees a gap it repairs from the replay, as before.
 Hostile peers: a greeting that is not ZMTP 3 with NULL, a peer that is not a publisher, a frame
 or message larger than ``max_frame_bytes``, a message of more than ``MAX_FRAMES`` frames, a
 command over ``MAX_COMMAND_BYTES`` or malformed, or PINGs whose PONGs it never reads ends the
-connection, is counted by kind
-(``error_counts``) and the source reconnects later. Nothing of a message is handed on before all its
-frames arrived.
+connection, is counted by kind (``error_counts``) and the source reconnects later (libzmq never
+reconnects after a protocol error). Nothing of a message is handed on before all its frames
+arrived; the messages a read completed before the fault are handed on first.
 
 Endpoints: ``tcp://host:port`` (names resolved at each connect, IPv6 in brackets) and
 ``ipc://path``. Anything else stays on pyzmq (``supports``): abstract ``ipc://@name`` sockets,
@@ -86,11 +86,14 @@ _READY = _ready()
 
 
 class ZmtpError(Exception):
-    """A peer broke the protocol; ``kind`` names how (the counter's label)."""
+    """A peer broke the protocol; ``kind`` names how (the counter's label). ``messages``: those
+    the same read completed before the fault, which are handed on first, as libzmq would have
+    delivered them frame by frame before it saw the bad one."""
 
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(f"{kind}: {detail}")
         self.kind = kind
+        self.messages: list[tuple[list[bytes], int]] = []
 
 
 def supports(endpoint: str) -> bool:
@@ -158,9 +161,7 @@ class FrameReader:
         self._msg_bytes = 0
         self.ready = False  # the peer's READY arrived (and named a publisher)
 
-    def feed(
-        self, data: bytes
-    ) -> tuple[list[tuple[list[bytes], int]], list[tuple[bytes, bytes]]]:
+    def feed(self, data: bytes) -> tuple[list[tuple[list[bytes], int]], list[tuple[bytes, bytes]]]:
         """``(messages, commands)`` completed by ``data``: each message its frames and their
         bytes, each command ``(name, body)`` other than ``READY`` (checked here). Bytes that
         arrive whole (nothing left over from the last read, the usual case) are cut where they
@@ -189,42 +190,46 @@ class FrameReader:
         messages: list[tuple[list[bytes], int]] = []
         commands: list[tuple[bytes, bytes]] = []
         n = len(buf)
-        limit = self.max_frame_bytes
-        while n - at >= 2:
-            flags = buf[at]
-            if flags & ~(_MORE | _LONG | _COMMAND):
-                raise ZmtpError("bad_frame", f"reserved flag bits set: {flags:#x}")
-            if flags & _LONG:
-                if n - at < 9:
+        try:
+            limit = self.max_frame_bytes
+            while n - at >= 2:
+                flags = buf[at]
+                if flags & ~(_MORE | _LONG | _COMMAND):
+                    raise ZmtpError("bad_frame", f"reserved flag bits set: {flags:#x}")
+                if flags & _LONG:
+                    if n - at < 9:
+                        break
+                    size, head = int.from_bytes(buf[at + 1 : at + 9], "big"), 9
+                else:
+                    size, head = buf[at + 1], 2
+                if size > limit:
+                    raise ZmtpError("oversized", f"frame of {size} bytes (limit {limit})")
+                if flags & _COMMAND and size > MAX_COMMAND_BYTES:
+                    raise ZmtpError("bad_command", f"command of {size} bytes")
+                end = at + head + size
+                if end > n:
                     break
-                size, head = int.from_bytes(buf[at + 1 : at + 9], "big"), 9
-            else:
-                size, head = buf[at + 1], 2
-            if size > limit:
-                raise ZmtpError("oversized", f"frame of {size} bytes (limit {limit})")
-            if flags & _COMMAND and size > MAX_COMMAND_BYTES:
-                raise ZmtpError("bad_command", f"command of {size} bytes")
-            end = at + head + size
-            if end > n:
-                break
-            body = bytes(buf[at + head : end])  # bytes slices bytes once; a bytearray's twice
-            at = end
-            if flags & _COMMAND:
-                if flags & _MORE:
-                    raise ZmtpError("bad_frame", "a command with the MORE flag")
-                commands.extend(self._command(body))
-                continue
-            if not self.ready:
-                raise ZmtpError("bad_frame", "a message before the peer's READY")
-            self._msg_bytes += size
-            if self._msg_bytes > limit:
-                raise ZmtpError("oversized", f"message over {limit} bytes")
-            if len(self._frames) >= MAX_FRAMES:
-                raise ZmtpError("too_many_frames", f"message over {MAX_FRAMES} frames")
-            self._frames.append(body)
-            if not flags & _MORE:
-                messages.append((self._frames, self._msg_bytes))
-                self._frames, self._msg_bytes = [], 0
+                body = bytes(buf[at + head : end])  # bytes slices bytes once; a bytearray's twice
+                at = end
+                if flags & _COMMAND:
+                    if flags & _MORE:
+                        raise ZmtpError("bad_frame", "a command with the MORE flag")
+                    commands.extend(self._command(body))
+                    continue
+                if not self.ready:
+                    raise ZmtpError("bad_frame", "a message before the peer's READY")
+                self._msg_bytes += size
+                if self._msg_bytes > limit:
+                    raise ZmtpError("oversized", f"message over {limit} bytes")
+                if len(self._frames) >= MAX_FRAMES:
+                    raise ZmtpError("too_many_frames", f"message over {MAX_FRAMES} frames")
+                self._frames.append(body)
+                if not flags & _MORE:
+                    messages.append((self._frames, self._msg_bytes))
+                    self._frames, self._msg_bytes = [], 0
+        except ZmtpError as exc:
+            exc.messages = messages
+            raise
         if buf is self._buf:
             if at:
                 del self._buf[:at]
@@ -278,6 +283,8 @@ class _Connection(asyncio.Protocol):
         try:
             messages, commands = self._reader.feed(data)
         except ZmtpError as exc:
+            if exc.messages:
+                self._source._on_messages(exc.messages)
             self._source._on_error(exc)
             t.abort()
             return

@@ -9,7 +9,7 @@ from kvrelay.contract.limits import RelayLimits
 from kvrelay.discovery.endpoints import StaticSourceConfig
 from kvrelay.hashing.identity import DEFAULT_CKF_SEED, bucket_count_for
 from kvrelay.ingest.kinds import EngineKind
-from kvrelay.ingest.live_source import READERS
+from kvrelay.ingest.live_source import require_reader
 from kvrelay.ingest.options import DecodeOptions
 from kvrelay.ingest.topic_pattern import TopicPattern
 
@@ -176,8 +176,7 @@ class RelaySettings:
     zmq_reader: str = "zmtp"
 
     def __post_init__(self) -> None:
-        if self.zmq_reader not in READERS:
-            raise ValueError(f"zmq_reader must be one of {READERS}, got {self.zmq_reader!r}")
+        require_reader(self.zmq_reader, "zmq_reader")
         if not self.dc_name or self.dc_name != self.dc_name.strip():
             raise ValueError("dc_name must be non-empty without surrounding whitespace")
         triples = [p.triple for p in self.pools]

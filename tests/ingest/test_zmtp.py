@@ -93,6 +93,19 @@ def test_what_a_publisher_would_not_send_is_refused_by_kind(data: bytes, kind: s
     assert exc.value.kind == kind
 
 
+def test_messages_before_a_fault_in_the_same_read_are_kept() -> None:
+    """libzmq delivers frame by frame, so what a read completed before a bad frame is handed on
+    with the error, not dropped with it."""
+    data = (
+        _peer_greeting() + _ready(b"PUB") + _frame(b"kv", more=True) + _frame(b"one")
+        + _frame(b"two") + b"\x08\x01x" + _frame(b"never")
+    )  # fmt: skip
+    with pytest.raises(ZmtpError) as exc:
+        FrameReader(1000).feed(data)
+    assert exc.value.kind == "bad_frame"
+    assert exc.value.messages == [([b"kv", b"one"], 5), ([b"two"], 3)]
+
+
 def test_a_command_is_bounded_below_the_frame_bound() -> None:
     """A READY of many properties is refused by its size before any property is read."""
     ready = _frame(b"\x05READY" + b"\x01a\x00\x00\x00\x00" * 12_000, command=True)  # 84 KB
@@ -267,6 +280,29 @@ async def test_a_hostile_peer_is_counted_and_left(reply: bytes, kind: str) -> No
     try:
         await _until(lambda: src.error_counts.get(kind, 0) >= 2)  # and it came back for more
         assert set(seen) == {kind} and accepted >= 2 and inbox.messages == []
+        assert inbox.events[:2] == [CONNECTED, DISCONNECTED]
+    finally:
+        src.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_faulty_peer_s_earlier_messages_arrive_before_it_is_left() -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(_peer_greeting() + _ready(b"PUB"))
+        await r.readexactly(64)  # the reader's greeting: its READY and subscription follow
+        w.write(_frame(b"kv", more=True) + _frame(b"good") + b"\x08\x01x")  # then a bad frame
+        while await r.read(1 << 16):
+            pass
+        w.close()
+
+    server, port = await _serve(handler)
+    src = ZmtpSource(f"tcp://127.0.0.1:{port}", reconnect_s=0.05)
+    inbox = _Inbox(src)
+    src.open(inbox)
+    try:
+        await _until(lambda: src.error_counts.get("bad_frame", 0) >= 1)
+        assert inbox.messages[0] == [b"kv", b"good"]
         assert inbox.events[:2] == [CONNECTED, DISCONNECTED]
     finally:
         src.close()
