@@ -5,7 +5,9 @@ receive, the connection events, heartbeats, reconnects, backpressure and hostile
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import socket
 import tempfile
 from collections.abc import AsyncIterator
 
@@ -308,6 +310,35 @@ async def test_a_faulty_peer_s_earlier_messages_arrive_before_it_is_left() -> No
         src.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_a_peer_that_never_reads_its_pongs_is_left() -> None:
+    """PINGs from a peer that reads nothing: the PONGs fill its small receive window, then the
+    relay's send buffer, then asyncio's write buffer; past its high-water mark the reader
+    disconnects (``write_backlog``) instead of buffering PONGs without end."""
+    ping = _frame(b"\x04PING\x00\x00" + b"c" * 16, command=True)
+    burst = ping * 40_000  # 1 MB of PINGs a write, 23 B of PONG each
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(_peer_greeting() + _ready(b"PUB"))
+        with contextlib.suppress(ConnectionError):
+            for _ in range(40):
+                w.write(burst)
+                await w.drain()
+        await asyncio.sleep(30)  # never reads
+
+    lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # accepted sockets inherit it
+    lsock.bind(("127.0.0.1", 0))
+    server = await asyncio.start_server(handler, sock=lsock)  # type: ignore[arg-type]
+    port = lsock.getsockname()[1]
+    src = ZmtpSource(f"tcp://127.0.0.1:{port}", reconnect_s=5.0)
+    src.open(_Inbox(src))
+    try:
+        await _until(lambda: src.error_counts.get("write_backlog", 0) >= 1, timeout=20.0)
+    finally:
+        src.close()
+        server.close()
 
 
 async def test_a_silent_peer_times_out_its_handshake() -> None:
