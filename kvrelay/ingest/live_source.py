@@ -10,6 +10,7 @@ endpoints with the ZMTP reader and anything else with libzmq; ``"libzmq"`` alway
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -110,10 +111,19 @@ class LiveSource(Protocol):
 
 #: TCP keepalive on the SUB connection, so a silent network partition shows up as a disconnect.
 KEEPALIVE = (10, 5, 3)  # idle s, interval s, probes
+#: How long after a disconnect libzmq may take to connect again before the source renews the
+#: connection itself: libzmq never reconnects to a peer that broke the protocol (a port taken
+#: over by another service, a publisher that sent a bad frame), so without this one such peer
+#: would end the member's live stream until the relay restarts.
+RENEW_AFTER_S = 1.0
 
 
 class PyzmqSource:
-    """libzmq's SUB socket plus a monitor socket for its connect/disconnect events."""
+    """libzmq's SUB socket plus a monitor socket for its connect/disconnect events.
+
+    ``renewals``: how often a disconnect was not followed by a connect within
+    ``RENEW_AFTER_S``, and the source disconnected and connected the endpoint again (once per
+    disconnect: an engine that is simply down is retried by libzmq as before)."""
 
     def __init__(self, ctx: zmq.Context[Any], endpoint: str, hwm: int) -> None:
         self.endpoint = endpoint
@@ -134,6 +144,9 @@ class PyzmqSource:
         self._sub: zmq.Socket[Any] | None = sub
         self._mon: zmq.Socket[Any] | None = monitor
         self._fds: tuple[int, ...] = ()
+        self._connected = False
+        self._renew: asyncio.TimerHandle | None = None
+        self.renewals = 0
 
     def open(self, notify: Callable[[], None]) -> None:
         assert self._sub is not None and self._mon is not None
@@ -154,6 +167,9 @@ class PyzmqSource:
 
     def close(self) -> None:
         self.detach()
+        if self._renew is not None:
+            self._renew.cancel()
+            self._renew = None
         sub, mon = self._sub, self._mon
         self._sub = self._mon = None
         if sub is not None:
@@ -173,8 +189,29 @@ class PyzmqSource:
                 msg = mon.recv_multipart(_NOBLOCK)
             except zmq.Again:
                 break
-            out.append(int(parse_monitor_message(msg)["event"]))
+            event = int(parse_monitor_message(msg)["event"])
+            out.append(event)
+            if event == zmtp.CONNECTED:
+                self._connected = True
+                if self._renew is not None:
+                    self._renew.cancel()
+                    self._renew = None
+            elif event == zmtp.DISCONNECTED:
+                self._connected = False
+                if self._renew is None:
+                    loop = asyncio.get_running_loop()
+                    self._renew = loop.call_later(RENEW_AFTER_S, self._renew_connection)
         return out
+
+    def _renew_connection(self) -> None:
+        self._renew = None
+        sub = self._sub
+        if sub is None or self._connected:
+            return
+        with contextlib.suppress(zmq.ZMQError):  # nothing of it left to end
+            sub.disconnect(self.endpoint)
+        sub.connect(self.endpoint)  # it was accepted once
+        self.renewals += 1
 
     def readable(self) -> bool:
         return self._sub is not None and readable(self._sub)

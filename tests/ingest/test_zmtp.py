@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 import pytest
 import zmq
 
+from kvrelay.ingest.live_source import PyzmqSource
 from kvrelay.ingest.zmtp import (
     CONNECTED,
     DISCONNECTED,
@@ -339,6 +340,48 @@ async def test_a_peer_that_never_reads_its_pongs_is_left() -> None:
     finally:
         src.close()
         server.close()
+
+
+async def test_libzmq_source_comes_back_after_a_peer_that_broke_the_protocol(
+    zctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """libzmq ends its connection to a peer that breaks the protocol and never tries it again;
+    the libzmq source renews the connection, so the engine that takes the port over later is
+    read (without the renewal: one accept, then nothing)."""
+    accepted = 0
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        nonlocal accepted
+        accepted += 1
+        w.write(_peer_greeting() + _ready(b"REP"))  # not a publisher: a protocol error
+        with contextlib.suppress(ConnectionError):
+            while await r.read(1 << 16):
+                pass
+        w.close()
+
+    server, port = await _serve(handler)
+    src = PyzmqSource(zctx, f"tcp://127.0.0.1:{port}", 1000)
+    inbox = _Inbox(src)  # type: ignore[arg-type]
+    src.open(inbox)
+    pub = None
+    try:
+        await _until(lambda: accepted >= 3 and src.renewals >= 2, timeout=10.0)
+        server.close()
+        await server.wait_closed()
+        await asyncio.sleep(0.2)  # the last hostile connection ends
+        pub = zctx.socket(zmq.PUB)
+        pub.bind(f"tcp://127.0.0.1:{port}")
+        deadline = asyncio.get_running_loop().time() + scaled(10.0)
+        while not inbox.messages:
+            assert asyncio.get_running_loop().time() < deadline, "never read the new publisher"
+            pub.send_multipart([b"kv", b"back"])
+            await asyncio.sleep(0.02)
+        assert inbox.messages[0] == [b"kv", b"back"]
+    finally:
+        src.close()
+        server.close()
+        if pub is not None:
+            pub.close(linger=0)
 
 
 async def test_a_silent_peer_times_out_its_handshake() -> None:
