@@ -10,6 +10,7 @@ import os
 import socket
 import tempfile
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import zmq
@@ -256,6 +257,21 @@ async def _serve(handler: object) -> tuple[asyncio.Server, int]:
     return server, server.sockets[0].getsockname()[1]
 
 
+@contextlib.asynccontextmanager
+async def _reading(handler: object, **kw: Any) -> AsyncIterator[tuple[ZmtpSource, _Inbox]]:
+    """A ZMTP source reading a peer played by ``handler`` (an asyncio stream server)."""
+    server, port = await _serve(handler)
+    src = ZmtpSource(f"tcp://127.0.0.1:{port}", **kw)
+    inbox = _Inbox(src)
+    src.open(inbox)
+    try:
+        yield src, inbox
+    finally:
+        src.close()
+        server.close()
+        await server.wait_closed()
+
+
 @pytest.mark.parametrize(
     ("reply", "kind"),
     [
@@ -275,19 +291,11 @@ async def test_a_hostile_peer_is_counted_and_left(reply: bytes, kind: str) -> No
             pass
         w.close()
 
-    server, port = await _serve(handler)
     seen: list[str] = []
-    src = ZmtpSource(f"tcp://127.0.0.1:{port}", reconnect_s=0.05, on_error=seen.append)
-    inbox = _Inbox(src)
-    src.open(inbox)
-    try:
+    async with _reading(handler, reconnect_s=0.05, on_error=seen.append) as (src, inbox):
         await _until(lambda: src.error_counts.get(kind, 0) >= 2)  # and it came back for more
         assert set(seen) == {kind} and accepted >= 2 and inbox.messages == []
         assert inbox.events[:2] == [CONNECTED, DISCONNECTED]
-    finally:
-        src.close()
-        server.close()
-        await server.wait_closed()
 
 
 async def test_a_faulty_peer_s_earlier_messages_arrive_before_it_is_left() -> None:
@@ -299,18 +307,10 @@ async def test_a_faulty_peer_s_earlier_messages_arrive_before_it_is_left() -> No
             pass
         w.close()
 
-    server, port = await _serve(handler)
-    src = ZmtpSource(f"tcp://127.0.0.1:{port}", reconnect_s=0.05)
-    inbox = _Inbox(src)
-    src.open(inbox)
-    try:
+    async with _reading(handler, reconnect_s=0.05) as (src, inbox):
         await _until(lambda: src.error_counts.get("bad_frame", 0) >= 1)
         assert inbox.messages[0] == [b"kv", b"good"]
         assert inbox.events[:2] == [CONNECTED, DISCONNECTED]
-    finally:
-        src.close()
-        server.close()
-        await server.wait_closed()
 
 
 async def test_a_peer_that_never_reads_its_pongs_is_left() -> None:
@@ -390,15 +390,8 @@ async def test_a_silent_peer_times_out_its_handshake() -> None:
             pass
         w.close()
 
-    server, port = await _serve(handler)
-    src = ZmtpSource(f"tcp://127.0.0.1:{port}", handshake_s=0.1, reconnect_s=0.05)
-    src.open(_Inbox(src))
-    try:
+    async with _reading(handler, handshake_s=0.1, reconnect_s=0.05) as (src, _):
         await _until(lambda: src.error_counts.get("handshake_timeout", 0) >= 2)
-    finally:
-        src.close()
-        server.close()
-        await server.wait_closed()
 
 
 async def test_greeting_is_zmtp3_null_as_client() -> None:
