@@ -63,6 +63,10 @@ COUNTERS = (
 DERIVED = frozenset({"requests_started_total"})
 #: Groups (models) remembered once absent, oldest forgotten first (a bound on config churn).
 MAX_GROUPS = 4096
+#: Departed sources a group remembers one by one, so that one coming back resumes its own count
+#: instead of being counted again from its running total. Past it the longest gone is folded
+#: into the group's anonymous sum (a bound on engine churn, e.g. DNS-discovered pods).
+MAX_DEPARTED_SOURCES = 1024
 
 
 def coverage(observed: int, expected: int) -> pb.DataStatus:
@@ -226,13 +230,20 @@ class _Series:
 
 class RunningTotals:
     """Cumulative counters per group (a model) over every source heard from during this relay
-    incarnation. A source absent from a group's :meth:`window` has departed: its totals are
-    folded into the group. Bounded: sources by the relay's configured engines and ranks, groups
-    by :data:`MAX_GROUPS` (the longest-absent group is forgotten first)."""
+    incarnation. A source absent from a group's :meth:`window` has departed: what it counted
+    stays in the group's totals, and when it is present again (an engine back in the config, a
+    pool published again) it goes on from its own last values, as if it had been missing a
+    while, so nothing is counted twice. Bounded: live sources by the relay's configured engines
+    and ranks, departed ones by ``max_departed`` per group (the longest gone is then folded into
+    an anonymous sum), groups by :data:`MAX_GROUPS` (the longest-absent one is forgotten)."""
 
-    def __init__(self, max_groups: int = MAX_GROUPS) -> None:
+    def __init__(
+        self, max_groups: int = MAX_GROUPS, max_departed: int = MAX_DEPARTED_SOURCES
+    ) -> None:
         self._max_groups = max_groups
-        self._departed: dict[Hashable, dict[str, int]] = {}
+        self._max_departed = max_departed
+        self._departed: dict[Hashable, dict[str, int]] = {}  # folded: sources no longer told apart
+        self._gone: dict[Hashable, dict[Hashable, _Series]] = {}
         self._live: dict[Hashable, dict[Hashable, _Series]] = {}
 
     def window(
@@ -247,32 +258,39 @@ class RunningTotals:
         if live is None:
             live = self._live[group] = {}
             self._departed.setdefault(group, {})
+            self._gone.setdefault(group, {})
         self._touch(group)
-        departed = self._departed[group]
+        departed, gone = self._departed[group], self._gone[group]
         keep = set(present)
         for source in [s for s in live if s not in keep]:
-            for name, v in live.pop(source).totals().items():
-                departed[name] = departed.get(name, 0) + v
+            gone[source] = live.pop(source)
+            if len(gone) > self._max_departed:
+                _add(departed, gone.pop(next(iter(gone))).totals())
         for source, values in reports.items():
             if source not in keep:
                 continue
             series = live.get(source)
-            if series is None:
-                series = live[source] = _Series()
+            if series is None:  # new, or back: then it goes on from its own last values
+                series = live[source] = gone.pop(source) if source in gone else _Series()
             series.observe(values)
         out = dict(departed)
-        for series in live.values():
-            for name, v in series.totals().items():
-                out[name] = out.get(name, 0) + v
+        for series in (*gone.values(), *live.values()):
+            _add(out, series.totals())
         return out
 
     def _touch(self, group: Hashable) -> None:
         # dicts keep insertion order: re-inserting marks the group most recently used
         self._departed[group] = self._departed.pop(group)
+        self._gone[group] = self._gone.pop(group)
         self._live[group] = self._live.pop(group)
         while len(self._live) > self._max_groups:
             oldest = next(iter(self._live))
-            del self._live[oldest], self._departed[oldest]
+            del self._live[oldest], self._departed[oldest], self._gone[oldest]
+
+
+def _add(into: dict[str, int], values: Mapping[str, int]) -> None:
+    for name, v in values.items():
+        into[name] = into.get(name, 0) + v
 
 
 class ServingLoadPlane(WindowPlane[pb.ServingLoadUpdate]):

@@ -34,6 +34,7 @@ from kvrelay.publication.serving_load import (
 )
 from kvrelay.relay.engines import EngineState
 from kvrelay.relay.pool_runtime import PoolRuntime
+from kvrelay.relay.pool_view import base_model
 
 #: Pool roles whose engines are a model's frontends (see the module docstring).
 FRONTEND_ROLES = frozenset(
@@ -85,16 +86,21 @@ class ServingInputs:
         self.pages.pop((pool, engine), None)
 
     def build(self, pools: Iterable[PoolRuntime]) -> ServingLoadInputs:
+        """Pools: the published ones. Models: every configured pool whose model is known, so a
+        model whose pools are all withdrawn (its engines down) stays, UNAVAILABLE, with its
+        totals, until its pools leave the configuration."""
         pool_inputs: list[PoolServingInput] = []
-        groups: dict[tuple[str, str], list[PoolRuntime]] = {}
+        groups: dict[tuple[str, str], list[tuple[PoolRuntime, bool]]] = {}
         for p in pools:
             item = p.load_input()
-            if item is None:
-                continue
-            producer, ranks = item
-            pool_inputs.append(self._pool(p, producer, ranks))
-            if p.identity is not None and producer.pool_id is not None:
-                groups.setdefault((p.spec.namespace, p.identity.model), []).append(p)
+            published = False
+            if item is not None:
+                producer, ranks = item
+                pool_inputs.append(self._pool(p, producer, ranks))
+                published = producer.pool_id is not None
+            model = base_model(p.spec, p.engines.values(), p.identity)
+            if model is not None:
+                groups.setdefault((p.spec.namespace, model), []).append((p, published))
         models = [self._model(ns, model, ps) for (ns, model), ps in groups.items()]
         return ServingLoadInputs(pools=pool_inputs, models=models)
 
@@ -113,12 +119,17 @@ class ServingInputs:
             max_concurrency=None if connected else _max_concurrency(live),
         )
 
-    def _model(self, namespace: str, model: str, pools: list[PoolRuntime]) -> ModelServingInput:
+    def _model(
+        self, namespace: str, model: str, pools: list[tuple[PoolRuntime, bool]]
+    ) -> ModelServingInput:
+        """A frontend is observed when its page is there and, if it lists the model, gives the
+        request figures of every rank it declares: a page without them (another engine's
+        format, a rank's label missing) is not a report of zero."""
         expected = observed = ready = 0
         times: list[int] = []
         present: list[Hashable] = []
         reports: dict[Hashable, dict[str, int]] = {}
-        for p in pools:
+        for p, _ in pools:
             if p.spec.role not in FRONTEND_ROLES:
                 continue
             for st in p.engines.values():
@@ -128,17 +139,22 @@ class ServingInputs:
                 pg = self.pages.get((p.name, st.spec.name))
                 if pg is None:
                     continue
+                if pg.page.lists_model:  # else: a frontend without the model contributes zero
+                    whole = True
+                    for r in ranks:
+                        figures = pg.page.serving.get(str(r))
+                        counters = rank_counters(figures) if figures is not None else {}
+                        if counters:
+                            reports[(p.name, st.spec.name, r)] = counters
+                        whole = whole and "requests_started_total" in counters
+                    if not whole:
+                        continue
+                    if st.serving:
+                        ready += 1
                 observed += 1
                 times.append(pg.observed_ms)
-                if not pg.page.lists_model:
-                    continue  # a frontend that does not list the model contributes zero
-                if st.serving:
-                    ready += 1
-                for label, figures in pg.page.serving.items():
-                    if label.isdigit() and int(label) in ranks:
-                        reports[(p.name, st.spec.name, int(label))] = rank_counters(figures)
         serving_pools = sorted(
-            (pid for p in pools if (pid := _pool_id(p)) is not None),
+            (pid for p, published in pools if published and (pid := _pool_id(p)) is not None),
             key=lambda pid: self._pool_ids.data(pid),
         )
         return ModelServingInput(

@@ -124,6 +124,8 @@ def test_running_totals_match_the_oracle_through_restarts_and_departures() -> No
             gone = rng.choice(sorted(present))  # removed from the config: its report unread
             present.discard(gone)
             window.pop(gone, None)
+        elif rng.random() < 0.05 and len(present) < 3:
+            present.add(rng.choice(sorted(set("abc") - present)))  # back: counted once, on
         history.append(window)
         got = totals.window("m", present, {k: v for k, v in window.items() if v is not None})
         assert got == _oracle(history)
@@ -144,6 +146,12 @@ def test_running_totals_are_monotonic_and_bounded() -> None:
     t.window("g2", [], {})
     t.window("g3", [], {})  # over the bound: the longest-unused group ("m") is forgotten
     assert t.window("m", [], {}) == {}
+    # departed sources past the bound are folded: their totals stay, told apart no more
+    few = RunningTotals(max_departed=1)
+    few.window("m", ["a", "b"], {"a": {"n": 5}, "b": {"n": 7}})
+    assert few.window("m", [], {}) == {"n": 12}
+    assert few.window("m", ["b"], {"b": {"n": 8}}) == {"n": 13}  # "b" went on from 7
+    assert few.window("m", ["a", "b"], {"a": {"n": 6}}) == {"n": 19}  # "a" was folded
 
 
 def test_plane_sorts_drops_bad_entries_and_skips_failed_windows(

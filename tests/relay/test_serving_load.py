@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -122,6 +123,57 @@ async def test_views_match_the_engines_through_a_restart_and_an_outage() -> None
             assert await client.wait_for(lambda: settled(expect, "DEGRADED"), 30), model()
             m = model()
             assert m is not None and (m.observed_frontends, m.expected_frontends) == (1, 2)
+
+            # Every engine gone: the pool is withdrawn, but the model is still configured: it
+            # stays, UNAVAILABLE, with its totals (absent would mean it is gone).
+            await engines[0].stop()  # it has not stepped since: ``expect`` still holds
+            assert await client.wait_for(lambda: settled(expect, "UNAVAILABLE"), 30), model()
+            m = model()
+            assert m is not None and (m.observed_frontends, m.expected_frontends) == (0, 2)
+            assert m.ready_frontends == 0 and m.serving_pools == ()
+
+
+async def test_a_page_without_request_figures_is_not_a_report_of_zero() -> None:
+    """An engine whose page lists the model but gives no request figures (another server's
+    format, a rank's label missing) is not an observed frontend: the model is DEGRADED, not
+    COMPLETE with that engine's requests read as zero."""
+    page = b'vllm:kv_cache_usage_perc{engine="0",model_name="sim-model"} 0.25\n'
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.readuntil(b"\r\n\r\n")
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
+                b"Connection: close\r\n\r\n%s" % (len(page), page))  # fmt: skip
+        await w.drain()
+        w.close()
+
+    stub = await asyncio.start_server(serve, "127.0.0.1", 0)
+    stub_port = stub.sockets[0].getsockname()[1]
+
+    def pools(engines: list[SimEngine]) -> tuple[PoolSpec, ...]:
+        (spec,) = _pools(engines)
+        e0, e1 = spec.engines
+        return (replace(spec, engines=(e0, replace(e1, metrics_port=stub_port))),)
+
+    configs = [SimConfig(name="f0", seed=51, capacity_blocks=128, max_running=4),
+               SimConfig(name="f1", seed=52, capacity_blocks=128, max_running=4)]  # fmt: skip
+    try:
+        async with fleet_and_relay(configs, pools=pools) as (engines, _relay, server):
+            async with RelayClient([f"127.0.0.1:{server.port}"]) as client:
+                assert await client.wait_ready(30)
+                await engines[0].step(20)
+                done = engines[0].schedulers[0].finished
+
+                def seen() -> bool:
+                    views = client.serving_load().models
+                    return len(views) == 1 and views[0].requests_completed_total == done
+
+                assert await client.wait_for(seen, 30), client.serving_load().models
+                (m,) = client.serving_load().models
+                assert (m.expected_frontends, m.observed_frontends) == (2, 1)
+                assert m.status == "DEGRADED"
+    finally:
+        stub.close()
+        await stub.wait_closed()
 
 
 async def test_watch_serving_load_and_load_name_pools(capsys: pytest.CaptureFixture[str]) -> None:
