@@ -16,7 +16,7 @@ import contextvars
 import socket
 import ssl as _ssl
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 from grpclib.config import Configuration
 from grpclib.const import Cardinality, Handler
@@ -25,7 +25,6 @@ from grpclib.exceptions import GRPCError
 from grpclib.reflection.service import ServerReflection
 from grpclib.server import Stream
 
-from kvrelay._aio import bounded
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.errors import RelayError
 from kvrelay.contract.limits import PermitCounter, RelayLimits
@@ -40,6 +39,7 @@ from kvrelay.service.authz import Authorization, ClientIdentity, not_visible, re
 from kvrelay.service.codec import PassThroughCodec
 from kvrelay.service.h2.closing import ClosingServer
 from kvrelay.service.h2.guard import H2Budgets, H2Counters
+from kvrelay.service.h2.request import REQUEST_TIMEOUT_S, recv_within
 from kvrelay.service.h2.writer import StreamWriter, stream_resetter
 from kvrelay.service.health import RelayHealth, reflection_pool
 from kvrelay.service.peercred import SameUserOnly
@@ -50,8 +50,6 @@ from kvrelay.service.validation import check_marker, validate_stream_request
 from kvrelay.service.view import RelayView
 
 SERVICE = "/dynamo.kvrelay.v1.KvEventRelay/"
-#: A stream (or call) whose request message has not arrived after this long ends INVALID_REQUEST.
-REQUEST_TIMEOUT_S = 10.0
 _UNARY_REASON: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "kv_relay_unary_reason", default=None
 )
@@ -312,10 +310,17 @@ class KvEventRelayService:
             check_marker(request.contract_marker)
             info = self._relay_info()
         except RelayError as err:
-            self._count(err)
-            _UNARY_REASON.set(err.trailer_value)
-            raise GRPCError(status_of(err), err.message) from None
+            self._unary_error(err)
+        except (asyncio.CancelledError, GRPCError):
+            raise
+        except Exception as exc:  # a bug: INTERNAL with the trailer, not grpclib's bare UNKNOWN
+            self._unary_error(RelayError.internal(f"internal error: {type(exc).__name__}"))
         await stream.send_message(info)
+
+    def _unary_error(self, err: RelayError) -> NoReturn:
+        self._count(err)
+        _UNARY_REASON.set(err.trailer_value)
+        raise GRPCError(status_of(err), err.message) from None
 
     def _relay_info(self) -> bytes:
         """RelayInfo for the view's identity now (encoded once per identity); the view raises
@@ -333,18 +338,9 @@ class KvEventRelayService:
 
     # --- helpers ---
     async def _recv(self, stream: Stream[Any, Any]) -> Any:
-        try:
-            request = await bounded(stream.recv_message(), self.request_timeout_s)
-        except TimeoutError:
-            self.h2_counters.closed["request_timeout"] = (
-                self.h2_counters.closed.get("request_timeout", 0) + 1
-            )
-            raise RelayError.invalid_request(
-                f"no request message within {self.request_timeout_s} s"
-            ) from None
-        if request is None:
-            raise RelayError.invalid_request("missing request message")
-        return request
+        return await recv_within(
+            stream, self.limits.max_message_bytes, self.request_timeout_s, self.h2_counters
+        )
 
     async def _until_newer(
         self,
@@ -534,7 +530,9 @@ class RelayServer:
         self.limits = limits or RelayLimits()
         self.service = KvEventRelayService(view, self.limits)
         self.health = RelayHealth(self.service)
-        self.spacing = SpacingService(view, self.service._relay_info, self.service)
+        self.spacing = SpacingService(
+            view, self.service._relay_info, self.service, self.limits.max_message_bytes
+        )
         # the spacing service is kvrelay's own (not Dynamo's contract): not listed by reflection
         handlers = [*ServerReflection.extend(
             [self.service, self.health.service], pool=reflection_pool()

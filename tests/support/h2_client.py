@@ -78,16 +78,21 @@ class RawH2Client:
         if data and not self._writer.is_closing():
             self._writer.write(data)
 
-    def open(self, method: str, message: bytes, *, end: bool = True) -> RawStream:
+    def open(
+        self, method: str, message: bytes, *, end: bool = True, raw: bytes | None = None
+    ) -> RawStream:
         """Start a call to ``/dynamo.kvrelay.v1.KvEventRelay/<method>`` and send ``message``
-        (``end=False``: the request body is never finished)."""
+        (``end=False``: the request body is never finished; ``raw``: these DATA bytes as they
+        are, gRPC prefix included, instead of ``message`` framed)."""
         sid = self.h2.get_next_available_stream_id()
         self.h2.send_headers(sid, [
             (":method", "POST"), (":scheme", "http"), (":authority", "relay"),
             (":path", f"/dynamo.kvrelay.v1.KvEventRelay/{method}"),
             ("content-type", "application/grpc"), ("te", "trailers"),
         ])  # fmt: skip
-        if end:
+        if raw is not None:
+            self.h2.send_data(sid, raw, end_stream=end)
+        elif end:
             framed = b"\x00" + len(message).to_bytes(4, "big") + message
             self.h2.send_data(sid, framed, end_stream=True)
         st = self.streams[sid] = RawStream()

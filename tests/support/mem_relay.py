@@ -435,11 +435,10 @@ async def grpclib_collect(
     """Read a server stream with grpclib + betterproto2; stop after `limit` messages."""
     res = StreamResult()
     async with asyncio.timeout(scaled(timeout)):
-        async with channel.request(
-            SVC + method, Cardinality.UNARY_STREAM, type(request), reply
-        ) as st:
-            await st.send_message(request, end=True)
-            try:
+        st = channel.request(SVC + method, Cardinality.UNARY_STREAM, type(request), reply)
+        try:
+            async with st:
+                await st.send_message(request, end=True)
                 while limit is None or len(res.messages) < limit:
                     msg = await st.recv_message()
                     if msg is None:
@@ -448,9 +447,13 @@ async def grpclib_collect(
                     res.messages.append(msg)
                 else:
                     await st.cancel()
-            except GRPCError as exc:
-                res.status, res.message = exc.status, exc.message
-            res.trailers = dict(st.trailing_metadata or {})
+        except GRPCError as exc:  # also an answer sent before the whole request was read
+            res.status, res.message = exc.status, exc.message
+        trailers = st.trailing_metadata
+        if trailers is None:  # grpclib keeps an early answer's trailers on its h2 stream only
+            inner = st._stream
+            trailers = inner.trailers or inner.headers if inner is not None else None
+        res.trailers = dict(trailers or {})
     return res
 
 

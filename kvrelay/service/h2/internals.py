@@ -23,6 +23,7 @@ __all__ = [
     "CANCEL",
     "CLASS_NEEDS",
     "INSTANCE_NEEDS",
+    "REQUEST_NEEDS",
     "SEND_DATA_CONNECTION",
     "SEND_DATA_CONNECTION_NOOP",
     "SEND_DATA_STREAM",
@@ -91,6 +92,19 @@ INSTANCE_NEEDS: tuple[tuple[str, str], ...] = (
     ("h2_stream", "state_machine"),
     ("h2_stream", "outbound_flow_control_window"),
     ("h2_stream_state_machine", "state"),
+)
+
+
+#: What ``request.recv_request`` reads a request through (its ``where`` as above); without any
+#: of them it falls back to grpclib's ``recv_message``.
+REQUEST_NEEDS: tuple[tuple[str, str], ...] = (
+    ("stream", "_stream"),
+    ("stream", "_codec"),
+    ("stream", "_recv_type"),
+    ("stream", "_messages_received"),
+    ("inner", "recv_data"),
+    ("inner", "connection"),
+    ("connection", "messages_received"),
 )
 
 

@@ -137,6 +137,36 @@ async def test_a_stream_that_never_sends_its_request_is_ended() -> None:
         await server.close(grace_s=0.5)
 
 
+@pytest.mark.parametrize(
+    ("method", "body"), [("WatchKvPoolCatalog", plane_request()), ("GetRelayInfo", INFO)]
+)
+async def test_request_framing_is_checked_before_the_body_is_read(method: str, body: bytes) -> None:
+    """A prefix claiming 2 GiB is refused at once (RESOURCE_LIMIT), before any of the body is
+    taken: the relay never buffers what a request claims. A body shorter than its prefix and a
+    compressed message are the client's fault (INVALID_REQUEST), not a relay bug (INTERNAL)."""
+    view = MemRelayView()
+    server = RelayServer(view)
+    server.service.request_timeout_s = 5.0  # what waiting for the claimed body would end in
+    await server.start("127.0.0.1", 0)
+    c = await RawH2Client.connect(server.port, "127.0.0.2")
+    try:
+        huge = c.open(method, b"", raw=b"\x00" + (2**31).to_bytes(4, "big") + bytes(16_000),
+                      end=False)  # fmt: skip
+        short = c.open(method, b"", raw=b"\x00" + (100).to_bytes(4, "big") + bytes(10))
+        packed = c.open(method, b"", raw=b"\x01" + len(body).to_bytes(4, "big") + body)
+        t0 = time.monotonic()
+        await asyncio.wait_for(huge.ended.wait(), 20)
+        assert time.monotonic() - t0 < 4.0, "waited for the claimed body"
+        await asyncio.wait_for(asyncio.gather(short.ended.wait(), packed.ended.wait()), 20)
+        assert (huge.status, huge.reason) == ("8", "RELAY_ERROR_REASON_RESOURCE_LIMIT")
+        for st in (short, packed):
+            assert (st.status, st.reason) == ("3", "RELAY_ERROR_REASON_INVALID_REQUEST")
+        assert not any("INTERNAL" in str(k) for k in server.service.errors), server.service.errors
+    finally:
+        await c.close()
+        await server.close(grace_s=0.5)
+
+
 async def _eventually(cond: Callable[[], bool], timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():

@@ -28,6 +28,7 @@ from kvrelay.service.h2.internals import (
     missing,
     missing_in_classes,
 )
+from kvrelay.service.h2.request import missing_request_needs, recv_request
 from kvrelay.service.h2.writer import StreamWriter
 
 PATH = "/kvrelay.test.Internals/Probe"
@@ -58,9 +59,11 @@ class _Without:
 class _Probe:
     def __init__(self) -> None:
         self.seen: list[tuple[list[str], list[str], StreamWriter]] = []
+        self.request: tuple[list[str], Any] | None = None
 
     async def probe(self, stream: grpclib.server.Stream[Any, Any]) -> None:
-        await stream.recv_message()
+        need = missing_request_needs(stream)
+        self.request = (need, await recv_request(stream, 1 << 20))  # the checked path
         hidden = missing(_Without(stream, "_messages_sent"))
         self.seen.append((missing(stream), hidden, StreamWriter(stream, 1 << 20)))
         await stream.send_message(b"ok")
@@ -91,6 +94,7 @@ async def test_a_live_server_stream_has_every_internal_and_gets_every_writer() -
         server.close()
         await server.wait_closed()
     [(gone, hidden, writer)] = probe.seen
+    assert probe.request == ([], b"x"), "the request reader lacks grpclib internals"
     assert not gone, f"grpclib/h2 internals missing on a live stream: {', '.join(gone)}"
     assert hidden == ["stream._messages_sent"]  # a missing one is named, and only it
     assert writer.bulk is not None and writer.send_batch is not None
@@ -101,6 +105,7 @@ async def test_a_live_server_stream_has_every_internal_and_gets_every_writer() -
 def test_an_object_that_is_no_grpclib_stream_gets_no_writer_and_every_need_named() -> None:
     gone = missing(object())
     assert gone[0] == "stream._stream"
+    assert missing_request_needs(object())[0] == "stream._stream"
     assert {f"{w}.{a}" for w, a in INSTANCE_NEEDS if not w.startswith("h2_stream")} <= set(gone)
     w = StreamWriter(object(), 1 << 20)
     assert (w.bulk, w.send_batch, w.reset, w.send_now) == (None, None, None, None)

@@ -1,0 +1,85 @@
+"""Reading one request message with its length checked before its bytes are taken.
+
+Why: grpclib's ``recv_message`` reads a message's 5-byte prefix and then takes as many bytes as
+the prefix claims (up to 4 GiB), granting the client flow-control window as they arrive, before
+the codec can see the size: a client that claims a huge request makes the relay buffer it. Here
+the prefix is read first, and a claim over ``max_bytes`` is refused with RESOURCE_EXHAUSTED /
+RESOURCE_LIMIT before any of its body is read. A body shorter than its prefix, or a compressed
+message (the relay offers no ``grpc-encoding``), is INVALID_ARGUMENT / INVALID_REQUEST, where
+grpclib raised ``AssertionError`` / ``NotImplementedError`` (which would read as a relay bug).
+
+It uses grpclib's private stream parts (``internals.REQUEST_NEEDS``); where the installed grpclib
+lacks one it falls back to ``recv_message`` with the same mapping of its framing errors. grpclib's
+``RecvMessage`` event is not dispatched on the checked path (the relay listens for none).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvrelay._aio import bounded
+from kvrelay.contract.errors import RelayError
+from kvrelay.service.h2.guard import H2Counters
+from kvrelay.service.h2.internals import REQUEST_NEEDS
+
+__all__ = ["REQUEST_TIMEOUT_S", "missing_request_needs", "recv_request", "recv_within"]
+
+#: A stream (or call) whose request message has not arrived after this long ends INVALID_REQUEST.
+REQUEST_TIMEOUT_S = 10.0
+_PREFIX = 5
+
+
+def missing_request_needs(stream: Any) -> list[str]:
+    """``where.attribute`` for each of ``REQUEST_NEEDS`` that ``stream`` lacks."""
+    objects = {"stream": stream, "inner": getattr(stream, "_stream", None)}
+    objects["connection"] = getattr(objects["inner"], "connection", None)
+    return [f"{w}.{a}" for w, a in REQUEST_NEEDS if not hasattr(objects[w], a)]
+
+
+async def recv_request(stream: Any, max_bytes: int) -> Any | None:
+    """The next request message of ``stream`` (a grpclib server stream), decoded by its codec,
+    or None when the client sent none; raises ``RelayError`` for a claim over ``max_bytes`` or
+    broken framing."""
+    if missing_request_needs(stream):
+        try:
+            return await stream.recv_message()
+        except (AssertionError, NotImplementedError) as exc:
+            raise RelayError.invalid_request(f"broken request framing: {exc}") from None
+    inner = stream._stream
+    try:  # grpclib's buffer raises AssertionError when the stream ends short of ``size``
+        prefix = await inner.recv_data(_PREFIX)
+    except AssertionError:
+        raise RelayError.invalid_request("request ended inside its message prefix") from None
+    if not prefix:
+        return None
+    if prefix[0]:
+        raise RelayError.invalid_request("compressed request (the relay offers no grpc-encoding)")
+    size = int.from_bytes(prefix[1:_PREFIX], "big")
+    if size > max_bytes:
+        raise RelayError.resource_limit(f"inbound message of {size} bytes exceeds {max_bytes}")
+    try:
+        body = await inner.recv_data(size)
+    except AssertionError:
+        body = b""
+    if len(body) != size:
+        raise RelayError.invalid_request(f"request ended before its {size} bytes")
+    message = stream._codec.decode(body, stream._recv_type)
+    stream._messages_received += 1
+    inner.connection.messages_received += 1
+    return message
+
+
+async def recv_within(
+    stream: Any, max_bytes: int, timeout_s: float, counters: H2Counters | None = None
+) -> Any:
+    """The one request of a call, within ``timeout_s``: none, or none in time (counted in
+    ``counters.closed["request_timeout"]``), is INVALID_ARGUMENT / INVALID_REQUEST."""
+    try:
+        request = await bounded(recv_request(stream, max_bytes), timeout_s)
+    except TimeoutError:
+        if counters is not None:
+            counters.closed["request_timeout"] = counters.closed.get("request_timeout", 0) + 1
+        raise RelayError.invalid_request(f"no request message within {timeout_s} s") from None
+    if request is None:
+        raise RelayError.invalid_request("missing request message")
+    return request
