@@ -117,6 +117,7 @@ class KvEventRelayService:
         self.stalled_resets: dict[str, int] = {}
         #: connections closed for breaking an HTTP/2 budget (``service/h2/guard.py``)
         self.h2_counters = H2Counters()
+        self._listed_keys: tuple[int, frozenset[Any]] | None = None  # catalog version, pools
         #: a stream whose request message has not arrived after this long is ended
         self.request_timeout_s = REQUEST_TIMEOUT_S
         self.unsupported = 0  # streams ended UNIMPLEMENTED: the source lacks the plane
@@ -239,10 +240,30 @@ class KvEventRelayService:
         reason → connections closed for an HTTP/2 budget or a request that never came)."""
         return dict(self.shares.refusals), dict(self.stalled_resets), dict(self.h2_counters.closed)
 
-    def _admit(self, stream: Stream[Any, Any], kind: str, permits: PermitCounter) -> StreamTicket:
+    def _admit(
+        self,
+        stream: Stream[Any, Any],
+        kind: str,
+        permits: PermitCounter,
+        admissible: Callable[[], bool] | None = None,
+    ) -> StreamTicket:
         """Take a relay-wide permit, making room by preemption when the kind is full
         (``service/shares.py``); raises RESOURCE_LIMIT when it cannot."""
-        return self.shares.admit(kind, permits, peer_addr(stream.peer.addr()))
+        return self.shares.admit(kind, permits, peer_addr(stream.peer.addr()), admissible)
+
+    def _listed(self, expected: pb.ProducerIdentity) -> bool:
+        """Whether the current catalog lists exactly ``expected`` (parsed once per version)."""
+        catalog = self._catalog_now()
+        if catalog is None:
+            return False
+        version, message = catalog
+        if self._listed_keys is None or self._listed_keys[0] != version:
+            data = message if isinstance(message, bytes) else bytes(message)
+            update = pb.KvPoolCatalogUpdate.parse(data)
+            pools = update.snapshot.pools if update.snapshot is not None else []
+            keys = frozenset(producer_key(d.producer) for d in pools if d.producer is not None)
+            self._listed_keys = (version, keys)
+        return producer_key(expected) in self._listed_keys[1]
 
     def preemption_stats(self) -> dict[tuple[str, str], int]:
         """(kind, scope) → streams ended to make room for a client below its share."""
@@ -467,7 +488,12 @@ class KvEventRelayService:
         expected = request.expected_producer
         producer_key(expected)  # malformed identities fail before a permit is taken, as Dynamo's
         assert expected is not None
-        ticket = self._admit(stream, "pool", self.pool_permits)
+        ticket = self._admit(
+            stream,
+            "pool",
+            self.pool_permits,
+            lambda: self.may_see(stream, expected) and self._listed(expected),
+        )
         release = ticket.release  # at the first of: subscription failed/ended, handler done
         sub: Subscription | None = None
         writer: StreamWriter | None = None

@@ -98,18 +98,33 @@ class StreamShares:
             share_of(capacity, self.per_peer_percent),
         )
 
-    def admit(self, kind: str, permits: PermitCounter, addr: Addr | None) -> StreamTicket:
+    def admit(
+        self,
+        kind: str,
+        permits: PermitCounter,
+        addr: Addr | None,
+        admissible: Callable[[], bool] | None = None,
+    ) -> StreamTicket:
         """Admit one stream of ``kind`` for ``addr``, preempting when the kind is full and the
-        requester is below its shares; raises RESOURCE_LIMIT when it cannot."""
+        requester is below its shares; raises RESOURCE_LIMIT when it cannot. ``admissible``:
+        asked before another client's stream is ended for this one; False (a pool that is not
+        listed, or that the client may not see) refuses instead, so a request that would fail
+        anyway never costs a bystander its stream."""
         if not permits.try_acquire():
-            self._make_room(kind, permits, addr)
+            self._make_room(kind, permits, addr, admissible)
         ticket = StreamTicket(self, kind, permits, addr)
         if addr is not None:
             self._conns.setdefault((kind, addr), {})[ticket] = None
             self._peers.setdefault((kind, addr[0]), {})[ticket] = None
         return ticket
 
-    def _make_room(self, kind: str, permits: PermitCounter, addr: Addr | None) -> None:
+    def _make_room(
+        self,
+        kind: str,
+        permits: PermitCounter,
+        addr: Addr | None,
+        admissible: Callable[[], bool] | None = None,
+    ) -> None:
         """Take a permit from the stream furthest over its share, or raise RESOURCE_LIMIT."""
         full = RelayError.resource_limit(
             f"Relay {permits.name} subscriber limit {permits.capacity} reached"
@@ -128,7 +143,7 @@ class StreamShares:
                     f"{full.message}; this {scope} already holds its share ({share})"
                 )
         victim = self._victim(kind, per_conn, per_peer)
-        if victim is None:
+        if victim is None or (admissible is not None and not admissible()):
             raise full
         ticket, scope = victim
         self.preemptions[(kind, scope)] = self.preemptions.get((kind, scope), 0) + 1

@@ -179,6 +179,36 @@ async def test_a_router_preempts_a_connection_holding_the_whole_limit(kind: str)
     assert permits.in_use == 0
 
 
+async def test_a_request_that_would_fail_never_preempts() -> None:
+    """On a full relay, a subscription to a pool that is not listed (or another generation of
+    a listed one) is refused as full: it would fail anyway, so no bystander's stream is ended
+    to make room for it. A real request from the same address then preempts as before."""
+    view, server = await _served(RelayLimits())
+    svc = server.service
+    permits = svc.pool_permits
+    holder = await RawH2Client.connect(server.port, "127.0.0.1", window=0)
+    stranger = await RawH2Client.connect(server.port, "127.0.0.2")
+    try:
+        streams = await _hold(holder, view, "pool", 64, permits, "h")
+        other_dc = pb.ProducerIdentity.parse(bytes(_producer(view)))  # copies
+        assert other_dc.pool_id is not None
+        other_dc.pool_id.dc_id ^= 1  # a pool this relay does not list
+        stale = pb.ProducerIdentity.parse(bytes(_producer(view)))
+        stale.layout_generation += 1  # a generation it does not serve
+        absent, stale = sub_request(other_dc, "absent"), sub_request(stale, "stale")
+        tries = [stranger.open("SubscribeKvPool", bytes(r)) for r in (absent, stale)]
+        await asyncio.wait_for(asyncio.gather(*(t.ended.wait() for t in tries)), 20)
+        assert _refused(tries) == tries and not svc.preemption_stats()
+        assert not any(s.ended.is_set() for s in streams)
+        real = stranger.open("SubscribeKvPool", _request(view, "pool", "real"))
+        await _eventually(lambda: svc.preemption_stats() == {("pool", "connection"): 1})
+        assert not real.ended.is_set()
+    finally:
+        await holder.close()
+        await stranger.close()
+        await server.close()
+
+
 @pytest.mark.parametrize("kind", ["catalog", "pool"])
 async def test_a_router_preempts_an_address_over_its_share(kind: str) -> None:
     """Four connections from one address, 16 streams each: no connection is over its share,
