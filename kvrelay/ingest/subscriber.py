@@ -56,7 +56,12 @@ import zmq
 from kvrelay._aio import cancel_and_wait
 from kvrelay.ingest.counters import SubscriberCounters
 from kvrelay.ingest.decoder import Decoder
-from kvrelay.ingest.errors import DecodeError, FrameError, TopicMismatchError
+from kvrelay.ingest.errors import (
+    DecodeError,
+    DpRankMismatchError,
+    FrameError,
+    TopicMismatchError,
+)
 from kvrelay.ingest.frames import check_live, check_live_sglang, check_replay
 from kvrelay.ingest.kinds import EngineKind
 from kvrelay.ingest.live_source import LiveSource, open_source, readable, require_reader
@@ -501,6 +506,13 @@ class Subscriber:
         self._next = seq + 1
         try:
             res = self._decoder.decode(payload, packed=True)
+        except DpRankMismatchError as exc:  # another rank's batch: not this member's, dropped
+            c.reject(exc.kind)
+            self._last = (seq, _digest(payload))  # its sequence is consumed all the same
+            if exc.kind not in self._errors_logged:
+                self._errors_logged.add(exc.kind)
+                self._log.warning("batch_for_another_rank", seq=seq, error=str(exc))
+            return
         except DecodeError as exc:
             c.reject(exc.kind)
             self._bad_batch(seq, payload, exc.kind)

@@ -139,8 +139,9 @@ async def test_undecodable_batches_reset_the_member_never_skipped() -> None:
             before = set(oracle.engine.held_blocks(0))  # what the last reset wiped
             for _ in range(8):
                 await raw.send_payload(oracle.next_nonempty())
+            resets = len(bad) - 1  # another rank's batch is dropped, not a bad batch
             await eventually(
-                lambda: sub.counters.bad_batches == len(bad), timeout=20, what="bad batches seen"
+                lambda: sub.counters.bad_batches == resets, timeout=20, what="bad batches seen"
             )
             rej = sub.counters.rejections
             # noise may happen to parse as msgpack: then it is a malformed envelope instead
@@ -148,12 +149,10 @@ async def test_undecodable_batches_reset_the_member_never_skipped() -> None:
             assert rej.get("malformed_envelope", 0) >= 2
             assert rej.get("malformed_payload", 0) + rej.get("malformed_envelope", 0) == 6
             assert rej.get("dp_rank_mismatch", 0) == 1
-            assert sub.counters.resets_by_reason == {"bad_batch": len(bad)}
-            assert r.pool.counters.member_resets == {"bad_batch": len(bad)}
+            assert sub.counters.resets_by_reason == {"bad_batch": resets}
+            assert r.pool.counters.member_resets == {"bad_batch": resets}
             w = {"worker": "raw", "dp_rank": "0"}
-            assert r.metric("kvrelay_ingest_member_resets_total", reason="bad_batch", **w) == len(
-                bad
-            )
+            assert r.metric("kvrelay_ingest_member_resets_total", reason="bad_batch", **w) == resets
             assert sub.state == "live" and r.pool.counters.fences == 0
             await verify(
                 r, consumer, exact=False, must_have=stored_after(oracle.engine, 0, before),
