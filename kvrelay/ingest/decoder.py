@@ -576,8 +576,9 @@ class Decoder:
                 ntok = n + 1 if big else n
                 k = (ntok - extra) // B
                 nh = len(hs)
-                if k > nh:
-                    k = nh
+                if k > nh:  # a sliding window's tokens: not aligned to its hashes from the head
+                    stats.drop(S.DROP_TOKENS_EXCESS)
+                    continue
                 la = -1  # the last block's lookahead token (EAGLE window), when sent
                 if extra and not big and k == nh - 1 and ntok == nh * B:
                     la = _lookahead(getattr(ev, "lookahead_token_ids", wire.NO_RAW), nh)

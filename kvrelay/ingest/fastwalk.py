@@ -39,10 +39,11 @@ DROP_REASONS = (
     "empty",
     "self_reference",
     "malformed_event",
+    "tokens_excess",
 )
 N_STATS = DROP_BASE + len(DROP_REASONS)
 _D_HOST, _D_DISK, _D_EXT, _D_LOC, _D_NONFULL, _D_GROUP = 6, 7, 8, 9, 10, 11
-_D_PLACEHOLDER, _D_BS, _D_SHORT, _D_EMPTY, _D_SELF, _D_MALF = 12, 13, 14, 15, 16, 17
+_D_PLACEHOLDER, _D_BS, _D_SHORT, _D_EMPTY, _D_SELF, _D_MALF, _D_EXCESS = 12, 13, 14, 15, 16, 17, 18
 MAX_GROUPS = 64
 # int64 / bool values, not literals, for the counters below (see ``_walk``); typed for mypy.
 _I0 = cast(int, np.int64(0))
@@ -757,8 +758,9 @@ def _walk(  # type: ignore[no-untyped-def]
             continue
         ntok = tok_n + 1 if tok_big else tok_n
         k = (ntok - extra) // bsz
-        if k > nh:
-            k = nh
+        if k > nh:  # more whole blocks of tokens than hashes: which tokens they hash is unknown
+            stats[_D_EXCESS] += 1
+            continue
         if k <= 0:
             stats[_D_SHORT] += 1
             continue

@@ -226,6 +226,21 @@ def test_medium_locality_group_gating_counted_by_reason() -> None:
     }
 
 
+def test_tokens_beyond_the_hashes_are_not_aligned_from_the_head() -> None:
+    """A store whose tokens span more whole blocks than it has hashes (a sliding window's
+    tokens, the hashes its last blocks) cannot be aligned: dropped (``tokens_excess``) on both
+    paths. Tokens of a trailing partial block are fine: the hashes are the leading blocks."""
+    evs = [
+        W.stored("map", block_hashes=[21], token_ids=list(range(3 * B)), block_size=B),
+        W.stored("map", block_hashes=[22], token_ids=list(range(B + B // 2)), block_size=B),
+    ]
+    for fast in (True, False):
+        res = dec(fast=fast).decode(W.batch(evs))
+        assert res.batch.ext_hashes.tolist() == [22], fast
+        assert res.batch.tokens.tolist() == list(range(B)), fast
+        assert res.stats.drops == {"tokens_excess": 1}, fast
+
+
 def test_eagle_bigrams_follow_the_pool_format() -> None:
     pairs = [[10 + i, 11 + i] for i in range(2 * B)]  # tokens 10..10+2B
     ev = W.stored("array", block_hashes=[1, 2], token_ids=pairs, block_size=B)
