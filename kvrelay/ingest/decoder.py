@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import struct
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -284,6 +285,19 @@ class Decoder:
         """Forget learned group kinds (new engine incarnation)."""
         self._garr[:] = -1
         self._gextra.clear()
+
+    def learned_groups(self) -> dict[int, bool]:
+        """The group kinds learned from this incarnation's stores (True: full attention). A
+        member saved with its state keeps them: a remove names only its group, and a resumed
+        member that had to learn them again would drop the removes of a non-zero full group."""
+        out = {g: bool(self._garr[g] == 1) for g in np.flatnonzero(self._garr >= 0).tolist()}
+        out.update(self._gextra)
+        return out
+
+    def learn_groups(self, groups: Mapping[int, bool]) -> None:
+        """Take group kinds learned before (a member resumed from saved state)."""
+        for g, full in groups.items():
+            self._group_learn(int(g), bool(full))
 
     def _group_ok(self, g: int, default: bool) -> bool:
         st = int(self._garr[g]) if 0 <= g < FW.MAX_GROUPS else int(self._gextra.get(g, -1))

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import xxhash
@@ -117,11 +118,13 @@ class Subscriber:
         replay_timeout: float = 2.0,
         resume: tuple[int, int] | None = None,
         reader: str = "zmtp",
+        groups: Mapping[int, bool] | None = None,
     ) -> None:
         """``resume=(seq, digest)``: the member's state is already that of every batch up to
         ``seq`` (restored from a state file), ``digest`` being that batch's. The subscriber
         vouches for it first — the replay must still hold that batch with the same bytes — and
         then goes on from ``seq + 1``; anything else resets the member and rebuilds it.
+        ``groups``: with ``resume``, the group kinds its decoder had learned (``learned_groups``).
         ``reader``: how the live stream is read (``live_source.READERS``)."""
         self._reader = require_reader(reader)
         self.spec = spec
@@ -151,6 +154,8 @@ class Subscriber:
             options=spec.options,
             kind=spec.kind,
         )
+        if resume is not None and groups:
+            self._decoder.learn_groups(groups)
         self._sglang = spec.kind is EngineKind.SGLANG
         self._epoch: bytes | None = None  # SGLang: the publisher epoch last seen
         self._epoch_known = False
@@ -186,6 +191,10 @@ class Subscriber:
     def next_seq(self) -> int | None:
         """Next expected sequence (``None`` before a baseline exists)."""
         return self._next
+
+    def learned_groups(self) -> dict[int, bool]:
+        """The group kinds learned since the member's last reset (saved with its resume point)."""
+        return self._decoder.learned_groups()
 
     def resume_point(self) -> tuple[int, int] | None:
         """``(seq, digest)`` of the last applied batch when the member's state is exactly that

@@ -58,6 +58,8 @@ class MemberResume:
     incarnation: str  # the engine's instance_id when saved ("" for static engines)
     last_seq: int
     digest: int  # XXH3-64 of the last applied batch's payload
+    #: the KV-cache group kinds its decoder had learned (group, full attention), sorted
+    groups: tuple[tuple[int, bool], ...] = ()
 
     @property
     def key(self) -> SourceKey:
@@ -173,6 +175,7 @@ def save_state(
             {
                 "worker_id": m.worker_id, "dp_rank": m.dp_rank, "engine": m.engine,
                 "incarnation": m.incarnation, "last_seq": m.last_seq, "digest": m.digest,
+                "groups": [[g, full] for g, full in m.groups],
             }
             for m in members
         ],
@@ -241,7 +244,7 @@ def _check(
             r = MemberResume(
                 worker_id=int(m["worker_id"]), dp_rank=int(m["dp_rank"]), engine=str(m["engine"]),
                 incarnation=str(m["incarnation"]), last_seq=int(m["last_seq"]),
-                digest=int(m["digest"]),
+                digest=int(m["digest"]), groups=_groups(m.get("groups", [])),
             )  # fmt: skip
             if not (0 <= r.last_seq < 2**64 and 0 <= r.digest < 2**64):
                 raise Refused("corrupt", "member position out of range")
@@ -255,3 +258,20 @@ def _check(
         raise Refused("corrupt", f"header field: {exc}") from None
     return RestoredPool(identity, meta, parsed.arrays, members, written, shape)
 
+
+
+#: Group kinds a member may carry (a decoder keeps 64 by index and 1,024 odd ids more).
+MAX_SAVED_GROUPS = 2048
+
+
+def _groups(raw: Any) -> tuple[tuple[int, bool], ...]:
+    """A member's saved group kinds (absent in files of kvrelay before it saved them)."""
+    if not isinstance(raw, list) or len(raw) > MAX_SAVED_GROUPS:
+        raise Refused("corrupt", "member groups are not a bounded list")
+    out = []
+    for item in raw:
+        if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is int
+                and isinstance(item[1], bool) and -(2**31) <= item[0] < 2**31):  # fmt: skip
+            raise Refused("corrupt", f"member group {item!r}")
+        out.append((item[0], item[1]))
+    return tuple(sorted(out))

@@ -526,8 +526,14 @@ class PoolRuntime:
         for key, spec in desired.items():
             if key in self.subscribers or not self._startable(key, now):
                 continue
-            resume = self.restore.resume_for(key, gen, self.by_worker, now)
-            sub = Subscriber(spec, self, resume=resume, reader=self._ctx.zmq_reader)
+            r = self.restore.resume_for(key, gen, self.by_worker, now)
+            sub = Subscriber(
+                spec,
+                self,
+                resume=None if r is None else (r.last_seq, r.digest),
+                groups=None if r is None else dict(r.groups),
+                reader=self._ctx.zmq_reader,
+            )
             self.subscribers[key] = sub
             self.source_specs[key] = spec
             try:

@@ -88,9 +88,10 @@ class PoolRestore:
     def resume_for(
         self, key: SourceKey, gen: Generation, by_worker: Mapping[int, EngineState],
         at: float = 0.0,
-    ) -> tuple[int, int] | None:
-        """The restored position to resume ``key`` from, if its engine is the incarnation that
-        was saved; otherwise its restored state is dropped before a fresh start."""
+    ) -> MemberResume | None:
+        """The restored position (and learned group kinds) to resume ``key`` from, if its
+        engine is the incarnation that was saved; otherwise its restored state is dropped
+        before a fresh start."""
         r = self._pending.pop(key, None)
         if r is None:
             return None
@@ -102,7 +103,7 @@ class PoolRestore:
             return None
         self._counters.members_resumed += 1
         self._vouching[key] = at + RESTORE_VOUCH_S
-        return (r.last_seq, r.digest)
+        return r
 
     @property
     def awaiting(self) -> bool:
@@ -149,6 +150,7 @@ class PoolRestore:
             if point is None or st is None:
                 continue
             inc = "" if st.snapshot is None else st.snapshot.instance_id
+            groups = tuple(sorted(sub.learned_groups().items()))
             members.append(MemberResume(key.worker_id, key.dp_rank, st.spec.name, inc,
-                                        point[0], point[1]))  # fmt: skip
+                                        point[0], point[1], groups))  # fmt: skip
         return members

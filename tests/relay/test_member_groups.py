@@ -1,0 +1,82 @@
+"""A member resumed from saved state keeps the KV-cache group kinds its decoder had learned.
+
+vLLM names a store's kind (``kv_cache_spec_kind``) but a remove only its ``group_idx``; the
+decoder learns each group's kind from the stores and gates removes by it (an unlearned
+non-zero group is dropped). Hybrid models often number their full-attention group above 0, so
+a member that restarted without what it had learned would drop that group's removes, and keep
+their blocks for ever. The oracle: the decoder's own gating, and the state file's header
+through a real write and read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvrelay.ingest.decoder import Decoder
+from kvrelay.pool.pool import Pool
+from kvrelay.relay import handover, state_file
+from kvrelay.relay.engines import PoolIdentity
+from kvrelay.relay.handover import MemberResume
+from kvrelay.relay.settings import EngineSpec, PoolSpec
+from tests.support import vllm_wire as W
+
+B = 16
+
+
+def _remove_of_group_2() -> bytes:
+    return W.batch([W.removed("map", [7], group_idx=2)])
+
+
+def test_a_decoder_given_what_was_learned_keeps_the_removes_of_that_group() -> None:
+    learner = Decoder(kv_block_size=B, dp_rank=0)
+    stores = W.batch([
+        W.stored("map", block_hashes=[7], token_ids=list(range(B)), block_size=B, group_idx=2,
+                 kv_cache_spec_kind="full_attention"),
+        W.stored("map", block_hashes=[8], token_ids=list(range(B)), block_size=B, group_idx=1,
+                 kv_cache_spec_kind="sliding_window"),
+    ])  # fmt: skip
+    learner.decode(stores)
+    assert learner.learned_groups() == {1: False, 2: True}
+    fresh = Decoder(kv_block_size=B, dp_rank=0)
+    assert fresh.decode(_remove_of_group_2()).stats.drops == {"group": 1}  # unlearned: dropped
+    resumed = Decoder(kv_block_size=B, dp_rank=0)
+    resumed.learn_groups(learner.learned_groups())
+    res = resumed.decode(_remove_of_group_2())
+    assert res.stats.drops == {} and res.batch.ext_hashes.tolist() == [7]
+
+
+def _spec() -> PoolSpec:
+    return PoolSpec(namespace="ns", component="c", endpoint="e", expected_blocks=1 << 12,
+                    engines=(EngineSpec(name="e0", host="127.0.0.1", grpc_port=1),))  # fmt: skip
+
+
+def test_the_state_file_keeps_each_member_s_groups(tmp_path: Path) -> None:
+    spec, ident = _spec(), PoolIdentity(model="m", model_source="m", block_size=1)
+    members = [
+        MemberResume(1, 0, "e0", "", 41, 5, ((1, False), (2, True))),
+        MemberResume(2, 0, "e0", "", 9, 6),  # nothing learned
+    ]
+    handover.save(tmp_path, spec, ident, Pool(1 << 12, 7, 1, 1), members)
+    restored = handover.load(tmp_path, spec, max_age_s=60)
+    assert restored is not None
+    assert {k.worker_id: m.groups for k, m in restored.members.items()} == {
+        1: ((1, False), (2, True)),
+        2: (),
+    }
+
+
+@pytest.mark.parametrize("bad", ["full", [[2, "yes"]], [[2]], [["2", True]], [[2, True]] * 3000])
+def test_a_file_with_malformed_groups_is_refused(tmp_path: Path, bad: object) -> None:
+    spec, ident = _spec(), PoolIdentity(model="m", model_source="m", block_size=1)
+    handover.save(tmp_path, spec, ident, Pool(1 << 12, 7, 1, 1),
+                  [MemberResume(1, 0, "e0", "", 41, 5, ((2, True),))])  # fmt: skip
+    path = handover.path_for(tmp_path, spec)
+    saved = state_file.read(path)
+    saved.header["members"][0]["groups"] = bad
+    path.unlink()
+    state_file.write(path, saved.header, saved.arrays)
+    with pytest.raises(handover.Refused) as exc:
+        handover.load(tmp_path, spec, max_age_s=60)
+    assert exc.value.kind == "corrupt"
