@@ -759,7 +759,8 @@ class Subscriber:
                             self._sink.on_vouched(self.key)
                         continue
                     # (a first batch later than the one asked for: history is gone, handled
-                    # below like any missing history — reset, then go on from here)
+                    # below like any missing history — reset, then go on from here; so is a
+                    # vouch whose batch is gone, even when the reply starts right after it)
                     if seq > self._dup_hi:
                         self._dup_hi = seq
                     nxt = self._next
@@ -767,7 +768,7 @@ class Subscriber:
                     if seq < nxt:
                         c.duplicates += 1
                         continue
-                    if seq > nxt or (first and seq > start):
+                    if seq > nxt or (first and (seq > start or verify is not None)):
                         c.missing_history += 1
                         self._log.warning("replay_history_missing", asked=nxt, first=seq)
                         self._reset(

@@ -531,6 +531,27 @@ async def test_a_resumed_member_whose_history_is_gone_resets(ctx: zmq.asyncio.Co
         await pub.close()
 
 
+async def test_a_resumed_member_whose_last_batch_just_left_the_replay_resets(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The replay starts exactly at the next batch: the one to vouch with is gone, so nothing
+    vouches for the saved state (the engine may have restarted and counted up to here again).
+    The member is reset and goes on from there, never applied onto the unvouched state."""
+    pub = TestPublisher(ctx, keep=10)
+    for s in range(20):
+        await pub.publish(msg(s), live=False)  # the replay holds 10..19; batch 9 is gone
+    sink, sub = await _resumed(ctx, pub, (9, _digest(msg(9))))
+    try:
+        await until(lambda: 19 in sink.seqs)
+        assert sink.resets == [ResetReason.GAP_UNRECOVERABLE]
+        assert sink.items[0] == ("reset", ResetReason.GAP_UNRECOVERABLE)  # before any batch
+        assert_exact(sink, list(range(10, 20)))
+        assert ("vouched", SourceKey(42, 0)) not in sink.items
+    finally:
+        await sub.stop()
+        await pub.close()
+
+
 async def test_a_resumed_member_without_replay_cannot_be_vouched_for(
     ctx: zmq.asyncio.Context,
 ) -> None:
