@@ -380,6 +380,12 @@ class KvEventRelayService:
         await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         return not self._closing
 
+    def _refuse_if_closing(self) -> None:
+        """A stream that starts while the relay drains is refused UNAVAILABLE: given the old
+        relay's data and an OK EOF, a client that reopens on OK would loop until the close."""
+        if self._closing:
+            raise RelayError.publication_unavailable("the relay is shutting down")
+
     def _closed_future(self) -> asyncio.Future[None]:
         if self._closed is None:
             self._closed = asyncio.get_running_loop().create_future()
@@ -397,6 +403,7 @@ class KvEventRelayService:
     ) -> None:
         request = await self._recv(stream)
         validate_stream_request(request.contract_marker, request.subscriber_id)
+        self._refuse_if_closing()
         ticket = self._admit(stream, kind, permits)
         self._closed_future()
         who = ClientIdentity.from_cert(stream.peer.cert())
@@ -488,6 +495,7 @@ class KvEventRelayService:
         expected = request.expected_producer
         producer_key(expected)  # malformed identities fail before a permit is taken, as Dynamo's
         assert expected is not None
+        self._refuse_if_closing()
         ticket = self._admit(
             stream,
             "pool",
