@@ -157,9 +157,14 @@ class KvEventRelayService:
 
     def deny(self, rpc: str, producer: pb.ProducerIdentity) -> RelayError:
         """The error for a pool this client may not see: an absent pool's; counted when the
-        pool exists (a request for a truly absent pool is no refusal)."""
+        pool exists (a request for a truly absent pool is no refusal). Without a catalog to
+        check against (a mirror without its upstream) nothing can be seen: UNAVAILABLE, as
+        the mirror answers everyone then, not an absent pool's NOT_FOUND."""
         auth = self.authorization
-        if auth is not None and auth.hides(producer, self._catalog_now()):
+        catalog = self._catalog_now()
+        if catalog is None:
+            return RelayError.publication_unavailable("no catalog to check the pool against")
+        if auth is not None and auth.hides(producer, catalog):
             self.authz_denials[rpc] = self.authz_denials.get(rpc, 0) + 1
         return not_visible()
 

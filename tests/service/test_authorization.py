@@ -9,6 +9,7 @@ selects, written out by hand below, and an absent pool's answer read from the sa
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -354,3 +355,32 @@ async def test_clients_with_the_same_rights_share_one_encode(rig: Rig) -> None:
     assert auth.encodes == 1
     b = auth.filtered("catalog", version, message, frozenset({1}), None)
     assert a != b and auth.encodes == 2
+
+
+async def test_a_mirror_without_its_upstream_answers_unavailable_not_an_absent_pool(
+    certs: Certs,
+) -> None:
+    """With rules and no upstream there is no catalog to check a pool against: the mirror says
+    it cannot serve now (UNAVAILABLE / PUBLICATION_UNAVAILABLE, as without rules), not that the
+    pool does not exist (NOT_FOUND would send a router off to forget it)."""
+    gone = socket.socket()
+    gone.bind(("127.0.0.1", 0))
+    port = gone.getsockname()[1]
+    gone.close()  # nothing listens there: the mirror never syncs
+    mirror = Mirror(mirror_settings(UpstreamAddress(host="127.0.0.1", port=port), None))
+    mirror.start()
+    server = RelayServer(mirror)
+    server.service.set_authorization(Authorization(RULES))
+    ctx = server_ssl_context(str(certs.server[0]), str(certs.server[1]), str(certs.client_ca))
+    await server.start("127.0.0.1", 0, ssl=ctx)
+    producer = MemRelayView().add_pool("a1", 4096).producer
+    try:
+        async with Channel("127.0.0.1", server.port, ssl=certs.client("a")) as ch:
+            res = await grpclib_collect(
+                ch, "SubscribeKvPool", sub_request(producer, "router-a"), pb.FilterUpdate
+            )
+        assert res.status is Status.UNAVAILABLE, res
+        assert res.trailers["kv-relay-error-reason"] == "RELAY_ERROR_REASON_PUBLICATION_UNAVAILABLE"
+    finally:
+        await server.close(grace_s=1.0)
+        await mirror.stop()
