@@ -99,6 +99,7 @@ class Relay:
             provider=self._load_inputs,
         )
         self._serving = ServingInputs()
+        self._totals_folded_at = 0.0
         self.serving_load = ServingLoadPlane(
             self.relay_identity,
             window_ms=self.load.window_ms,
@@ -597,6 +598,14 @@ class Relay:
             await cancel_all([task])
         self._serving.forget(pool, engine)
 
+    def _fold_serving_totals(self) -> None:
+        """At most once per scrape interval, whether or not anyone reads serving-load windows
+        (``ServingInputs.observe``: a restart between two reads loses nothing)."""
+        now = time.monotonic()
+        if now - self._totals_folded_at >= self.settings.metrics_scrape_interval_s:
+            self._totals_folded_at = now
+            self._serving.observe(self.pools)
+
     async def _scrape_loop(self, pool: PoolRuntime, st: EngineState) -> None:
         port = st.spec.metrics_port
         assert port is not None
@@ -607,6 +616,7 @@ class Relay:
                 )
                 st.usage = {int(k): v for k, v in page.kv_usage.items() if k.isdigit()}
                 self._serving.store(pool.name, st.spec.name, Page(unix_ms(), page))
+                self._fold_serving_totals()
             except (TimeoutError, MetricsScrapeError, OSError):
                 st.usage = {}  # unknown, never zero
                 self._serving.store(pool.name, st.spec.name, None)

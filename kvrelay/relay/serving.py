@@ -19,7 +19,7 @@ Judgment calls (``docs/contract.md`` §10.4 has the field-by-field table):
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Container, Hashable, Iterable
 from dataclasses import dataclass
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
@@ -89,20 +89,26 @@ class ServingInputs:
         """Pools: the published ones. Models: every configured pool whose model is known, so a
         model whose pools are all withdrawn (its engines down) stays, UNAVAILABLE, with its
         totals, until its pools leave the configuration."""
+        pools = list(pools)
         pool_inputs: list[PoolServingInput] = []
-        groups: dict[tuple[str, str], list[tuple[PoolRuntime, bool]]] = {}
+        published: set[str] = set()
         for p in pools:
             item = p.load_input()
-            published = False
             if item is not None:
                 producer, ranks = item
                 pool_inputs.append(self._pool(p, producer, ranks))
-                published = producer.pool_id is not None
-            model = base_model(p.spec, p.engines.values(), p.identity)
-            if model is not None:
-                groups.setdefault((p.spec.namespace, model), []).append((p, published))
+                if producer.pool_id is not None:
+                    published.add(p.name)
+        groups = _groups(pools, published)
         models = [self._model(ns, model, ps) for (ns, model), ps in groups.items()]
         return ServingLoadInputs(pools=pool_inputs, models=models)
+
+    def observe(self, pools: Iterable[PoolRuntime]) -> None:
+        """Fold the pages stored now into the running totals without building a window.
+        Windows are built only when read; the totals must still see each frontend's counters
+        between reads, or a restart in between would lose what it had counted since."""
+        for (ns, model), ps in _groups(pools, frozenset()).items():
+            self._model(ns, model, ps)
 
     def _pool(
         self, p: PoolRuntime, producer: pb.ProducerIdentity, ranks: list[RankLoad]
@@ -167,6 +173,18 @@ class ServingInputs:
             totals=self.totals.window((namespace, model), present, reports),
             observed_ms=times,
         )
+
+
+def _groups(
+    pools: Iterable[PoolRuntime], published: Container[str]
+) -> dict[tuple[str, str], list[tuple[PoolRuntime, bool]]]:
+    """Configured pools by (namespace, model), each with whether it is published now."""
+    groups: dict[tuple[str, str], list[tuple[PoolRuntime, bool]]] = {}
+    for p in pools:
+        model = base_model(p.spec, p.engines.values(), p.identity)
+        if model is not None:
+            groups.setdefault((p.spec.namespace, model), []).append((p, p.name in published))
+    return groups
 
 
 def _pool_id(p: PoolRuntime) -> pb.KvPoolId | None:

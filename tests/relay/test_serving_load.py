@@ -133,6 +133,30 @@ async def test_views_match_the_engines_through_a_restart_and_an_outage() -> None
             assert m.ready_frontends == 0 and m.serving_pools == ()
 
 
+async def test_totals_count_what_engines_did_while_nobody_read_the_windows() -> None:
+    """Windows are built only when read, but the running totals follow every scrape: an
+    engine that restarts while nobody subscribes keeps what it counted before the restart."""
+    configs = [SimConfig(name="n0", seed=61, capacity_blocks=128, max_running=4)]
+    async with fleet_and_relay(configs, pools=_pools) as (engines, _relay, server):
+        await engines[0].step(40)
+        before = _oracle(engines)
+        assert before["requests_completed_total"] > 0 and before["output_tokens_total"] > 0
+        await asyncio.sleep(2.5)  # at least two scrapes of the counts before the restart
+        await engines[0].restart()
+        await engines[0].step(10)
+        after = _oracle(engines)
+        expect = {k: before[k] + after[k] for k in before}
+        await asyncio.sleep(2.5)  # scraped since: the page holds only the new counts
+        async with RelayClient([f"127.0.0.1:{server.port}"]) as client:  # the first reader
+            assert await client.wait_ready(30)
+
+            def settled() -> bool:
+                views = client.serving_load().models
+                return len(views) == 1 and _totals(views[0]) == expect
+
+            assert await client.wait_for(settled, 30), (client.serving_load().models, expect)
+
+
 async def test_a_page_without_request_figures_is_not_a_report_of_zero() -> None:
     """An engine whose page lists the model but gives no request figures (another server's
     format, a rank's label missing) is not an observed frontend: the model is DEGRADED, not
