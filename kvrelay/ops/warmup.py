@@ -101,7 +101,8 @@ def _exercise_ingest() -> None:
     }
     removed = {"type": "BlockRemoved", "block_hashes": [12], "medium": "GPU"}
     fast = msgspec.msgpack.encode([time.time(), [stored, removed], 0])
-    slow = msgspec.msgpack.encode([time.time(), [{**stored, "block_hashes": [b"\x01" * 32]}], 0])
+    one = {**stored, "block_hashes": [b"\x01" * 32], "token_ids": list(range(1, 6))}  # 1 block
+    slow = msgspec.msgpack.encode([time.time(), [one], 0])
     for fmt in (HASH_FORMAT_STANDARD, HASH_FORMAT_EAGLE):
         for payload in (fast, slow):  # the walker, then msgspec + the token parser
             res = Decoder(kv_block_size=4, dp_rank=0, hash_format=fmt).decode(payload)
