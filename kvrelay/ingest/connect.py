@@ -59,7 +59,7 @@ import zmq.asyncio
 from kvrelay._aio import cancel_and_wait
 from kvrelay.ingest.counters import SubscriberCounters
 from kvrelay.ingest.decoder import Decoder
-from kvrelay.ingest.errors import DecodeError, FrameError
+from kvrelay.ingest.errors import DecodeError, DpRankMismatchError, FrameError
 from kvrelay.ingest.frames import parse_seq
 from kvrelay.ingest.kinds import EngineKind
 from kvrelay.ingest.options import DecodeOptions
@@ -409,6 +409,9 @@ class ConnectSource:
         m.next_seq = seq + 1
         try:
             res = m.decoder.decode(payload)
+        except DpRankMismatchError as exc:  # another rank's batch: not this member's, dropped
+            c.reject(exc.kind)
+            return
         except DecodeError as exc:
             c.reject(exc.kind)
             self._bad_batch(m)
