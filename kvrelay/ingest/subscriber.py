@@ -162,6 +162,8 @@ class Subscriber:
         self._start_seq = start_seq
         self._next: int | None = None
         self._dup_lo, self._dup_hi = 0, -1
+        #: (seq, digest) of the first batch the last replay gave (``_replaced``)
+        self._dup_first: tuple[int, int] | None = None
         self._replay_from: int | None = None
         self._dirty = start_seq > 0
         self._last: tuple[int, int] | None = None  # (seq, digest) of the last batch handled
@@ -454,7 +456,7 @@ class Subscriber:
                 self._drain_buffer()
             return
         if seq < nxt:
-            if self._dup_lo <= seq <= self._dup_hi:
+            if self._dup_lo <= seq <= self._dup_hi and not self._replaced(seq, payload):
                 c.duplicates += 1
                 return
             self._incarnation(seq, payload)
@@ -471,6 +473,13 @@ class Subscriber:
         if self._replay_from is None:
             c.gaps += 1
             self._replay_from = nxt
+
+    def _replaced(self, seq: int, payload: bytes) -> bool:
+        """A live batch numbered as the first one the last replay gave, with other bytes: the
+        engine restarted and counts from there again (a proxy between them hides the
+        reconnect), so it is no duplicate of what the replay applied."""
+        first = self._dup_first
+        return first is not None and seq == first[0] and _digest(payload) != first[1]
 
     def _incarnation(self, seq: int, payload: bytes, *, epoch: bool = False) -> None:
         if epoch:
@@ -716,6 +725,7 @@ class Subscriber:
                         return _FAILED if verify is None else _UNVOUCHED
                     await asyncio.sleep(0.001)
             self._dup_lo, self._dup_hi = ask, ask - 1
+            self._dup_first = None
             self._next = start if self._next is None else self._next
             first = True
             topic = self.spec.topic
@@ -748,6 +758,8 @@ class Subscriber:
                     seq, payload = item
                     c.messages += 1
                     c.replayed_messages += 1
+                    if first and seq == ask:
+                        self._dup_first = (seq, _digest(payload))
                     if first and verify is not None and seq == verify[0]:
                         first = False
                         if _digest(payload) != verify[1]:
@@ -801,6 +813,11 @@ class Subscriber:
                 continue
             if new_epoch:  # a restart while replaying: start over from the new epoch's 0
                 self._log.warning("epoch_changed", seq=seq, during="replay")
+                self._restart_from_zero(ResetReason.INCARNATION)
+                self._buf.put(seq, payload)
+                return False
+            if self._replaced(seq, payload):  # restarted (behind a proxy) while replaying
+                self._log.warning("sequence_backwards", seq=seq, during="replay")
                 self._restart_from_zero(ResetReason.INCARNATION)
                 self._buf.put(seq, payload)
                 return False

@@ -244,6 +244,34 @@ async def test_sequence_decrease_is_a_new_incarnation(
         await pub.close()
 
 
+async def test_a_restart_right_after_the_bootstrap_is_no_duplicate(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The bootstrap replayed 0..5 and no live batch has come since, so 0..5 count as the
+    replay's duplicates. The engine restarts behind a proxy (no reconnect seen) and sends its
+    new 0: other bytes than the replayed 0, so a new incarnation, not a duplicate; its batches
+    are never dropped as old ones, nor the next applied onto the old state."""
+    pub = TestPublisher(ctx)
+    for s in range(6):
+        await pub.publish(msg(s), live=False)
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx)
+    try:
+        await sub.start()
+        await pub.wait_subscribed()
+        await until(lambda: len(sink.seqs) >= 6)
+        pub.restart()
+        for s in range(8):
+            await pub.publish(msg(s, era="array"))  # the same blocks, other bytes
+        await until(lambda: len(sink.seqs) >= 14)
+        assert sink.resets == [ResetReason.INCARNATION]
+        assert_exact(sink, list(range(6)) + list(range(8)))
+        assert sub.counters.duplicates == 0
+    finally:
+        await sub.stop()
+        await pub.close()
+
+
 async def test_a_rebuild_from_the_replay_is_reported_as_one(ctx: zmq.asyncio.Context) -> None:
     """A new incarnation seen first at seq 2: the reset and the replayed 0, 1 (and 2) form one
     rebuild, begun before the reset and ended after the replayed batches."""
