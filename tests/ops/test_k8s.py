@@ -134,10 +134,13 @@ def test_deployment_probes_ports_security_and_config(objects: dict[str, dict[str
     assert cfg is not None, problems
     assert (cfg.bind_host, cfg.bind_port, cfg.metrics.port) == ("0.0.0.0", 50161, 50162)
     assert [p.path for p in problems] == ["relay.bind"]  # the plaintext-on-network warning
-    # a writable state_dir on a volume (the root is read-only): warm filters after a restart
-    assert cfg.relay.state_dir == env["KVRELAY_RELAY_STATE_DIR"] and cfg.relay.state_dir in mounts
+    # a writable state_dir on a volume (the root is read-only): warm filters after a restart; a
+    # subdirectory the relay makes private, as the kubelet leaves the volume group-writable
+    assert cfg.relay.state_dir == env["KVRELAY_RELAY_STATE_DIR"]
+    parent = str(Path(cfg.relay.state_dir).parent)
+    assert parent in mounts and cfg.relay.state_dir != parent
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
-    (state,) = [m for m in main["volumeMounts"] if m["mountPath"] == cfg.relay.state_dir]
+    (state,) = [m for m in main["volumeMounts"] if m["mountPath"] == parent]
     assert "emptyDir" in volumes[state["name"]] and not state.get("readOnly")
 
 
@@ -315,6 +318,8 @@ async def test_the_manifest_starts_four_workers_on_a_read_only_root(
             .replace("metrics_port = 8000", f"metrics_port = {engine.metrics_port}"))  # fmt: skip
     for where in mapped.values():
         where.mkdir(parents=True)
+        # as the kubelet leaves an emptyDir with fsGroup set: group- and world-writable, setgid
+        where.chmod(0o2777)
     config_mount = next(m["mountPath"] for m in main["volumeMounts"] if m["name"] == "config")
     (Path(local(config_mount)) / "kvrelay.toml").write_text(toml)
     env = {e["name"]: local(e["value"]) for e in main["env"]}
@@ -385,6 +390,9 @@ async def test_the_manifest_starts_four_workers_on_a_read_only_root(
         served = [line for line in err.splitlines() if "worker_serving" in line]
         assert served and all("gil_switch_interval_s" in ln and "0.001" in ln for ln in served)
         assert not list(runtime.iterdir()), "the internal socket's directory is removed"
+        # the clean stop saved the pool's state where the next container start finds it
+        assert "state_dir_unusable" not in err, err[-3000:]
+        assert list(Path(env["KVRELAY_RELAY_STATE_DIR"]).glob("*")), "no state saved"
         for name, d in scratch.items():
             assert not list(d.iterdir()), f"${name.upper()} was written: {list(d.iterdir())}"
     finally:
