@@ -664,10 +664,11 @@ async def serve(
         else:
             await stop.wait()
         stopping.cancel()
+        limit = daemon.cfg.shutdown_timeout_s  # as reloaded: it applies at once
         try:
-            await asyncio.wait_for(daemon.stop(), cfg.shutdown_timeout_s)
+            await asyncio.wait_for(daemon.stop(), limit)
         except TimeoutError:
-            _LOG.error("shutdown_timeout", seconds=cfg.shutdown_timeout_s)
+            _LOG.error("shutdown_timeout", seconds=limit)
             return 1
         except Exception as exc:
             _LOG.error("shutdown_failed", error=f"{type(exc).__name__}: {exc}")
