@@ -53,6 +53,8 @@ from kvrelay.service.canonical import WireFormatError, canonicalize
 
 _log = get_logger(__name__)
 _BEHIND = frozenset({int(Reason.SUBSCRIBER_LAGGED), int(Reason.SNAPSHOT_PROGRESS_TIMEOUT)})
+#: The window planes' period: a load or serving-load window comes at least this often.
+WINDOW_PERIOD_S = 1.0
 
 
 def _same_message(cls: type) -> Callable[[bytes, bytes], bool]:
@@ -282,7 +284,9 @@ class Mirror:
     async def _plane_loop(self, plane: MirrorPlane, method: str, request: Any) -> None:
         failures = 0
         is_catalog = plane is self.catalog
-        silence = None if is_catalog else 3 * self.settings.upstream_heartbeat_s
+        silence = None if is_catalog else 3 * max(self.settings.upstream_heartbeat_s, (
+            self.settings.upstream_readiness_s if plane is self.readiness else WINDOW_PERIOD_S
+        ))  # fmt: skip
         while True:
             delivered = False
 

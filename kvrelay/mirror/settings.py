@@ -57,6 +57,10 @@ class MirrorSettings:
     * ``upstream_heartbeat_s``: the upstream's pool heartbeat period until one is observed; the
       mirror stops vouching (local heartbeats) after 1.5 periods (+0.25 s) without an upstream
       frame and drops an upstream stream silent for 3 periods (the SDK's rule).
+    * ``upstream_readiness_s``: how often the upstream re-sends an unchanged readiness plane (its
+      ``readiness_heartbeat_s``; the contract's 10 s by default): the readiness stream is silent
+      only after 3 of whichever period is longer. The window planes (load, serving load) come
+      every second at least, so their floor is 3 s.
     * ``window_bytes``: HTTP/2 receive window per upstream stream (the connection gets 4×): a
       mirror must drain its upstream faster than the upstream's queue bound, never lag it.
     """
@@ -69,6 +73,7 @@ class MirrorSettings:
     backoff_initial_s: float = 0.05
     backoff_max_s: float = 5.0
     upstream_heartbeat_s: float = 10.0
+    upstream_readiness_s: float = 10.0
     window_bytes: int = 16 * MiB
     keepalive_s: float = 20.0
     keepalive_timeout_s: float = 10.0
@@ -80,7 +85,7 @@ class MirrorSettings:
         ):
             raise MirrorSettingsError("subscriber_id must be 1..128 bytes without control chars")
         for name in ("sync_wait_s", "backoff_initial_s", "upstream_heartbeat_s", "keepalive_s",
-                     "keepalive_timeout_s"):
+                     "keepalive_timeout_s", "upstream_readiness_s"):
             if not 0 < getattr(self, name) <= 3600:
                 raise MirrorSettingsError(f"{name} must be in (0, 3600] seconds")
         if not self.backoff_initial_s <= self.backoff_max_s <= 3600:

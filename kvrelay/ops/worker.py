@@ -138,6 +138,7 @@ async def run_worker(
             limits=limits,
             subscriber_id=f"kvrelay-worker-{spec.index}",
             upstream_heartbeat_s=limits.pool_heartbeat_s,  # one config for both processes
+            upstream_readiness_s=limits.readiness_heartbeat_s,
         )
     )
     mirror.start()

@@ -328,3 +328,27 @@ async def test_a_failure_inside_the_mirror_ends_the_pool_with_a_status(
                 ch.close()
     finally:
         server.close()
+
+
+async def test_a_quiet_readiness_plane_is_not_taken_for_a_silent_upstream() -> None:
+    """The upstream re-sends an unchanged readiness plane every ``readiness_heartbeat_s``; with a
+    pool heartbeat far shorter (a worker takes both from one config), the readiness stream is
+    silent only after 3 readiness periods, not 3 pool heartbeats: it is never dropped while the
+    upstream keeps its period."""
+    from kvrelay.contract.limits import RelayLimits
+    from kvrelay.service.server import RelayServer
+    from tests.support.mem_relay import MemRelayView
+
+    limits = RelayLimits(readiness_heartbeat_s=1.5)
+    view = MemRelayView(limits)
+    view.add_pool("p", 1024)
+    upstream = RelayServer(view, limits)
+    await upstream.start("127.0.0.1", 0)
+    try:
+        async with mirrored(upstream.port, upstream_heartbeat_s=0.2,
+                            upstream_readiness_s=1.5) as m:  # fmt: skip
+            await asyncio.sleep(scaled(4.0))  # more than 3 pool heartbeats between re-sends
+            assert m.mirror.plane_ends.get("readiness_silent", 0) == 0, m.mirror.plane_ends
+            assert m.mirror.readiness.live
+    finally:
+        await upstream.close(grace_s=1.0)
