@@ -240,7 +240,7 @@ class MirrorPool:
         self._held = hold > 0.0
         self._asked = hold
         self._hold_renew = now + HOLD_RENEW_S
-        request = rpc.pool_request(self.ctx.settings.subscriber_id, self.producer)
+        request = rpc.pool_request(self.ctx.upstream.hold_requester, self.producer)
         self._spacing = asyncio.get_running_loop().create_task(self._ask(request, hold))
 
     async def _ask(self, request: pb.SubscribeKvPoolRequest, hold: float) -> None:

@@ -8,6 +8,7 @@ turned back into the upstream's ``RelayError`` (reason and message) so it can be
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError
 
+from kvrelay._grpc import effective_status
 from kvrelay.client import errors as E
 from kvrelay.client import rpc
 from kvrelay.client.codec import RawCodec
@@ -24,7 +26,6 @@ from kvrelay.mirror.settings import MirrorSettings
 from kvrelay.service.spacing import HOLD_HEADER, HOLD_METHOD
 
 SERVICE = "/dynamo.kvrelay.v1.KvEventRelay/"
-_UNSUPPORTED = frozenset({Status.UNIMPLEMENTED, Status.UNKNOWN})
 StreamEnd = rpc.StreamEnd
 
 
@@ -36,6 +37,12 @@ def upstream_error(end: StreamEnd) -> RelayError | None:
     return None if reason is None else RelayError(reason, end.message)
 
 
+def hold_requester(subscriber_id: str) -> str:
+    """``subscriber_id`` with a random suffix, within the 128 bytes an id may take."""
+    base = subscriber_id.encode()[:110].decode(errors="ignore")
+    return f"{base}#{secrets.token_hex(6)}"
+
+
 class Upstream:
     """One channel to the upstream relay, replaced when the upstream goes away."""
 
@@ -44,6 +51,9 @@ class Upstream:
         self.resets = 0
         self.spacing = True  # the upstream answers spacing requests (kvrelay does)
         self.hold_failures = 0  # spacing requests that failed (transport, refusal, timeout)
+        #: who asks for spacing: the subscriber id made unique to this process, because the
+        #: upstream keeps one hold per requester and every mirror may carry the default id
+        self.hold_requester = hold_requester(settings.subscriber_id)
         self._channel = self._open()
 
     def _open(self) -> Channel:
@@ -115,9 +125,10 @@ class Upstream:
                 await st.recv_trailing_metadata()
             return True
         except GRPCError as err:
-            # UNIMPLEMENTED (tonic: Dynamo), or UNKNOWN: grpclib servers answer an unknown
-            # method without a content-type, which grpclib clients report as UNKNOWN
-            if err.status in _UNSUPPORTED and channel is self._channel:
+            # UNIMPLEMENTED (tonic: Dynamo), or what a grpclib server's answer to an unknown
+            # method reads as (``_grpc.effective_status``); any other UNKNOWN may pass
+            status = effective_status(err.status, err.message)
+            if status is Status.UNIMPLEMENTED and channel is self._channel:
                 self.spacing = False
                 return False
             self.hold_failures += 1

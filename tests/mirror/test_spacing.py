@@ -130,3 +130,14 @@ async def test_an_upstream_without_spacing_is_asked_once() -> None:
                 ch.close()
     finally:
         server.close()
+
+
+def test_each_mirror_asks_for_spacing_under_its_own_name() -> None:
+    """The upstream keeps one hold per requester: two mirrors with the default subscriber id
+    must not end or renew each other's hold, so each asks under the id made its own."""
+    from kvrelay.mirror.upstream import hold_requester
+
+    a, b = hold_requester("kvrelay-mirror"), hold_requester("kvrelay-mirror")
+    assert a != b and a.startswith("kvrelay-mirror#") and b.startswith("kvrelay-mirror#")
+    long = hold_requester("é" * 64)  # 128 bytes: the suffix still fits the id's bound
+    assert len(long.encode()) <= 128 and long.startswith("é" * 55)
