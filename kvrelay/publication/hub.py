@@ -61,7 +61,7 @@ INLINE_SNAPSHOT_BUCKETS = 1 << 16
 YIELD_EVERY = 8
 
 #: Downstream relays whose spacing requests a hub remembers at once (the rest are refused).
-MAX_HOLD_REQUESTERS = 64
+MAX_HOLD_REQUESTERS = 320  # every fan-out worker of the largest `workers` (256), and 64 mirrors
 
 #: At most this many queued delta frames / bytes go out in one coalesced write.
 BATCH_FRAMES = 16
