@@ -762,7 +762,7 @@ class Subscriber:
                         self._dup_first = (seq, _digest(payload))
                     if first and verify is not None and seq == verify[0]:
                         first = False
-                        if _digest(payload) != verify[1]:
+                        if self._dup_first is None or self._dup_first[1] != verify[1]:
                             return _RESTARTED  # same number, other bytes: another incarnation
                         self._dup_hi = seq
                         c.duplicates += 1
@@ -811,13 +811,11 @@ class Subscriber:
             except FrameError as exc:
                 self._rejected(exc)
                 continue
-            if new_epoch:  # a restart while replaying: start over from the new epoch's 0
-                self._log.warning("epoch_changed", seq=seq, during="replay")
-                self._restart_from_zero(ResetReason.INCARNATION)
-                self._buf.put(seq, payload)
-                return False
-            if self._replaced(seq, payload):  # restarted (behind a proxy) while replaying
-                self._log.warning("sequence_backwards", seq=seq, during="replay")
+            # a restart while replaying (a new epoch, or the first replayed number with other
+            # bytes behind a proxy): start over from the new incarnation's 0
+            if new_epoch or self._replaced(seq, payload):
+                event = "epoch_changed" if new_epoch else "sequence_backwards"
+                self._log.warning(event, seq=seq, during="replay")
                 self._restart_from_zero(ResetReason.INCARNATION)
                 self._buf.put(seq, payload)
                 return False

@@ -259,7 +259,6 @@ def _check(
     return RestoredPool(identity, meta, parsed.arrays, members, written, shape)
 
 
-
 #: Group kinds a member may carry (a decoder keeps 64 by index and 1,024 odd ids more).
 MAX_SAVED_GROUPS = 2048
 

@@ -511,8 +511,6 @@ class KvEventRelayService:
         sub: Subscription | None = None
         writer: StreamWriter | None = None
         try:
-            if self._closing:
-                return
             if not self.may_see(stream, expected):
                 raise self.deny("SubscribeKvPool", expected)  # exactly an absent pool's answer
             sub = await self.view.open_pool(expected, on_release=release)

@@ -43,9 +43,7 @@ MAX_HOLD_MS = 60_000
 class SpacingService:
     """The handler; ``view`` is the served ``RelayView`` (its ``hold_pool``, when it has one)."""
 
-    def __init__(
-        self, view: Any, relay_info: Any, rights: Any = None, max_message_bytes: int = 8 << 20
-    ) -> None:
+    def __init__(self, view: Any, relay_info: Any, rights: Any, max_message_bytes: int) -> None:
         self.view = view
         self._max_message_bytes = max_message_bytes
         self._relay_info = relay_info  # () -> RelayInfo bytes
