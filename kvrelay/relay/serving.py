@@ -51,6 +51,18 @@ class Page:
     page: EnginePage
 
 
+@dataclass(frozen=True, slots=True)
+class _Frontends:
+    """A model's frontends as their stored pages show them now."""
+
+    expected: int
+    observed: int
+    ready: int
+    times: list[int]  # scrape time (unix ms) of each observed frontend's page
+    present: list[Hashable]  # the sources (pool, engine, rank) configured now
+    reports: dict[Hashable, dict[str, int]]  # what each source's page reported
+
+
 def rank_counters(r: RankServing) -> dict[str, int]:
     """The serving-load counters one rank's page figures give (absent figures give none)."""
     out: dict[str, int] = {}
@@ -107,8 +119,9 @@ class ServingInputs:
         """Fold the pages stored now into the running totals without building a window.
         Windows are built only when read; the totals must still see each frontend's counters
         between reads, or a restart in between would lose what it had counted since."""
-        for (ns, model), ps in _groups(pools, frozenset()).items():
-            self._model(ns, model, ps)
+        for group, ps in _groups(pools, frozenset()).items():
+            f = self._frontends(ps)
+            self.totals.window(group, f.present, f.reports)
 
     def _pool(
         self, p: PoolRuntime, producer: pb.ProducerIdentity, ranks: list[RankLoad]
@@ -128,6 +141,23 @@ class ServingInputs:
     def _model(
         self, namespace: str, model: str, pools: list[tuple[PoolRuntime, bool]]
     ) -> ModelServingInput:
+        f = self._frontends(pools)
+        serving_pools = sorted(
+            (pid for p, published in pools if published and (pid := _pool_id(p)) is not None),
+            key=lambda pid: self._pool_ids.data(pid),
+        )
+        return ModelServingInput(
+            namespace=namespace,
+            canonical_model_id=model,
+            expected_frontends=f.expected,
+            observed_frontends=f.observed,
+            ready_frontends=f.ready,
+            serving_pools=serving_pools,
+            totals=self.totals.window((namespace, model), f.present, f.reports),
+            observed_ms=f.times,
+        )
+
+    def _frontends(self, pools: list[tuple[PoolRuntime, bool]]) -> _Frontends:
         """A frontend is observed when its page is there and, if it lists the model, gives the
         request figures of every rank it declares: a page without them (another engine's
         format, a rank's label missing) is not a report of zero."""
@@ -159,20 +189,7 @@ class ServingInputs:
                         ready += 1
                 observed += 1
                 times.append(pg.observed_ms)
-        serving_pools = sorted(
-            (pid for p, published in pools if published and (pid := _pool_id(p)) is not None),
-            key=lambda pid: self._pool_ids.data(pid),
-        )
-        return ModelServingInput(
-            namespace=namespace,
-            canonical_model_id=model,
-            expected_frontends=expected,
-            observed_frontends=observed,
-            ready_frontends=ready,
-            serving_pools=serving_pools,
-            totals=self.totals.window((namespace, model), present, reports),
-            observed_ms=times,
-        )
+        return _Frontends(expected, observed, ready, times, present, reports)
 
 
 def _groups(
