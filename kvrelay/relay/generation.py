@@ -68,6 +68,7 @@ class Generation:
         self._pending_since: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._soon = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # see _event_loop
         self._last_cut = 0.0  # time.monotonic() of the last publication cut (snapshot hold)
         self._pacer = Pacer(ctx.limits)
         self._bucket_cap = held_bucket_cap(ctx.limits)
@@ -225,15 +226,23 @@ class Generation:
             else:  # quiet since the last cut: at the end of this iteration, no timer
                 self._cut_soon()
 
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        """The running loop, kept: ``asyncio.get_running_loop`` makes a ``getpid`` system call
+        each time (its fork check), twice per engine message on these paths."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
+
     def _cut_soon(self) -> None:
         """A cut attempt at the end of this loop iteration (once, however often asked)."""
         if not self._soon:
             self._soon = True
-            asyncio.get_running_loop().call_soon(self._on_soon)
+            self._event_loop().call_soon(self._on_soon)
 
     def _arm(self, delay: float) -> None:
         """A cut attempt ``delay`` from now, unless one is already due sooner."""
-        loop = asyncio.get_running_loop()
+        loop = self._event_loop()
         timer = self._timer
         if timer is not None:
             if timer.when() <= loop.time() + delay:

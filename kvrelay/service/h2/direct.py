@@ -55,6 +55,8 @@ def direct_writer(stream: Any) -> Callable[[bytes], bool] | None:
     _, inner, conn, h2 = parts
     write_ready = conn.write_ready
     transport = inner._transport
+    # kept: ``asyncio.get_running_loop`` makes a ``getpid`` system call each time (its fork check)
+    call_soon = asyncio.get_running_loop().call_soon
 
     def write_now(message: bytes) -> bool:
         if not stream._send_initial_metadata_done or not write_ready.is_set():
@@ -84,7 +86,9 @@ def direct_writer(stream: Any) -> Callable[[bytes], bool] | None:
         out += _DATA_HEADER.pack(size >> 16, size & 0xFFFF, 0, 0, sid)
         out += _GRPC_PREFIX.pack(0, len(message))
         out += message
-        _flush_soon(conn)
+        if not getattr(conn, _FLUSH_PENDING, False):  # at the end of the iteration, once
+            setattr(conn, _FLUSH_PENDING, True)
+            call_soon(_flush, conn)
         inner.data_sent += size
         conn.data_sent += size
         conn.data_send_process()
@@ -98,14 +102,6 @@ def direct_writer(stream: Any) -> Callable[[bytes], bool] | None:
 
 
 _FLUSH_PENDING = "_kvrelay_flush_pending"
-
-
-def _flush_soon(conn: Any) -> None:
-    """Write the connection's buffered frames at the end of this loop iteration (once)."""
-    if getattr(conn, _FLUSH_PENDING, False):
-        return
-    setattr(conn, _FLUSH_PENDING, True)
-    asyncio.get_running_loop().call_soon(_flush, conn)
 
 
 def _flush(conn: Any) -> None:
