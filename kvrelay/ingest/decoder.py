@@ -239,6 +239,7 @@ class Decoder:
         "_fast",
         "_garr",
         "_gextra",
+        "_gunsure",
         "_layout",
         "_lora_bytes",
         "_map_first",
@@ -269,9 +270,11 @@ class Decoder:
         self.extra = 1 if hash_format == HASH_FORMAT_EAGLE else 0
         self.options = options or DecodeOptions()
         self._layout = _LAYOUTS[kind]
-        # learned kv-cache group kinds: -1 unknown, 0 not full attention, 1 full attention
+        # learned kv-cache group kinds: -1 unknown, 0 not full attention, 1 full attention,
+        # FW.UNSURE not known after a restore that did not keep them (``assume_unsure_groups``)
         self._garr = np.full(FW.MAX_GROUPS, -1, dtype=np.int8)
         self._gextra: dict[int, bool] = {}
+        self._gunsure = False
         self._salts: dict[str, int] = {}
         self._lora_bytes: dict[bytes, int] = {}
         self._map_first = True
@@ -285,14 +288,31 @@ class Decoder:
         """Forget learned group kinds (new engine incarnation)."""
         self._garr[:] = -1
         self._gextra.clear()
+        self._gunsure = False
 
     def learned_groups(self) -> dict[int, bool]:
         """The group kinds learned from this incarnation's stores (True: full attention). A
         member saved with its state keeps them: a remove names only its group, and a resumed
         member that had to learn them again would drop the removes of a non-zero full group."""
-        out = {g: bool(self._garr[g] == 1) for g in np.flatnonzero(self._garr >= 0).tolist()}
+        known = (self._garr == 0) | (self._garr == 1)
+        out = {g: bool(self._garr[g] == 1) for g in np.flatnonzero(known).tolist()}
         out.update(self._gextra)
         return out
+
+    @property
+    def groups_unsure(self) -> bool:
+        """Resumed without the group kinds learned before (``assume_unsure_groups``): a save
+        must say so again, the kinds learned since are not all there were."""
+        return self._gunsure
+
+    def assume_unsure_groups(self) -> None:
+        """A member resumed from state saved without its learned group kinds (files of kvrelay
+        before it saved them): a full-attention group numbered above 0 could be any group not
+        learned yet. Until a store teaches a group's kind, its removes are applied (at worst a
+        block the member still holds through another group is dropped: a miss, never a
+        phantom); its stores without a kind stay gated as an unknown group's."""
+        self._gunsure = True
+        self._garr[self._garr < 0] = FW.UNSURE
 
     def learn_groups(self, groups: Mapping[int, bool]) -> None:
         """Take group kinds learned before (a member resumed from saved state)."""
@@ -300,8 +320,19 @@ class Decoder:
             self._group_learn(int(g), bool(full))
 
     def _group_ok(self, g: int, default: bool) -> bool:
+        """A kind-less store of group ``g`` is kept (``default``: the group is 0)."""
         st = int(self._garr[g]) if 0 <= g < FW.MAX_GROUPS else int(self._gextra.get(g, -1))
-        return st == 1 or (st < 0 and default)
+        return st == 1 or (st != 0 and default)
+
+    def _remove_ok(self, g: int) -> bool:
+        """A remove of group ``g`` is applied: a full-attention group, group 0 unless learned
+        otherwise, or any group not learned yet while the kinds are unsure."""
+        if 0 <= g < FW.MAX_GROUPS:
+            st = int(self._garr[g])
+        else:
+            v = self._gextra.get(g)
+            st = (FW.UNSURE if self._gunsure else -1) if v is None else int(v)
+        return st == 1 or st == FW.UNSURE or (st < 0 and g == 0)
 
     def _group_learn(self, g: int, full: bool) -> None:
         if 0 <= g < FW.MAX_GROUPS:
@@ -511,6 +542,7 @@ class Decoder:
         B = self.block_size
         extra = self.extra
         group_ok = self._group_ok
+        remove_ok = self._remove_ok
         group_learn = self._group_learn
         opts = self.options
         want_ek = opts.cache_salt_namespacing or opts.multimodal_hashing
@@ -540,7 +572,7 @@ class Decoder:
                 if not _tier_and_locality_ok(ev, stats):
                     continue
                 g = ev.group_idx
-                if g is not None and not group_ok(g, g == 0):
+                if g is not None and not remove_ok(g):
                     stats.drop(S.DROP_GROUP)
                     continue
                 hs = ev.block_hashes

@@ -45,6 +45,9 @@ N_STATS = DROP_BASE + len(DROP_REASONS)
 _D_HOST, _D_DISK, _D_EXT, _D_LOC, _D_NONFULL, _D_GROUP = 6, 7, 8, 9, 10, 11
 _D_PLACEHOLDER, _D_BS, _D_SHORT, _D_EMPTY, _D_SELF, _D_MALF, _D_EXCESS = 12, 13, 14, 15, 16, 17, 18
 MAX_GROUPS = 64
+#: a group's kind in ``groups`` not known after a restore that did not keep the kinds learned
+#: before: its removes apply (``Decoder.assume_unsure_groups``); -1 unknown, 0/1 learned
+UNSURE = 2
 # int64 / bool values, not literals, for the counters below (see ``_walk``); typed for mypy.
 _I0 = cast(int, np.int64(0))
 _NO = cast(bool, np.bool_(False))
@@ -718,7 +721,8 @@ def _walk(  # type: ignore[no-untyped-def]
             stats[_D_LOC] += 1
             continue
         if tag == 1:
-            if group >= 0 and not (groups[group] == 1 or (groups[group] < 0 and group == 0)):
+            gk = groups[group] if group >= 0 else 1  # no group_idx: applied
+            if not (gk == 1 or gk == UNSURE or (gk < 0 and group == 0)):
                 stats[_D_GROUP] += 1
                 continue
             if nh == 0:
@@ -736,7 +740,7 @@ def _walk(  # type: ignore[no-untyped-def]
             continue
         # store
         if kind < 0:
-            if group >= 0 and not (groups[group] == 1 or (groups[group] < 0 and group == 0)):
+            if group >= 0 and not (groups[group] == 1 or (groups[group] != 0 and group == 0)):
                 stats[_D_NONFULL] += 1
                 continue
         elif kind == 1:

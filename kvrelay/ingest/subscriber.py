@@ -119,12 +119,15 @@ class Subscriber:
         resume: tuple[int, int] | None = None,
         reader: str = "zmtp",
         groups: Mapping[int, bool] | None = None,
+        groups_unsure: bool = False,
     ) -> None:
         """``resume=(seq, digest)``: the member's state is already that of every batch up to
         ``seq`` (restored from a state file), ``digest`` being that batch's. The subscriber
         vouches for it first — the replay must still hold that batch with the same bytes — and
         then goes on from ``seq + 1``; anything else resets the member and rebuilds it.
-        ``groups``: with ``resume``, the group kinds its decoder had learned (``learned_groups``).
+        ``groups``: with ``resume``, the group kinds its decoder had learned (``learned_groups``);
+        ``groups_unsure``: they were not saved, so any other group may be full attention
+        (``Decoder.assume_unsure_groups``).
         ``reader``: how the live stream is read (``live_source.READERS``)."""
         self._reader = require_reader(reader)
         self.spec = spec
@@ -156,6 +159,8 @@ class Subscriber:
         )
         if resume is not None and groups:
             self._decoder.learn_groups(groups)
+        if resume is not None and groups_unsure:
+            self._decoder.assume_unsure_groups()
         self._sglang = spec.kind is EngineKind.SGLANG
         self._epoch: bytes | None = None  # SGLang: the publisher epoch last seen
         self._epoch_known = False
@@ -197,6 +202,11 @@ class Subscriber:
     def learned_groups(self) -> dict[int, bool]:
         """The group kinds learned since the member's last reset (saved with its resume point)."""
         return self._decoder.learned_groups()
+
+    @property
+    def groups_unsure(self) -> bool:
+        """Resumed without the group kinds learned before, and not reset since."""
+        return self._decoder.groups_unsure
 
     def resume_point(self) -> tuple[int, int] | None:
         """``(seq, digest)`` of the last applied batch when the member's state is exactly that

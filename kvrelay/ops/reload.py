@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -139,6 +140,8 @@ def read_pid_file(path: str | os.PathLike[str]) -> int:
     symbolic link is not followed, and at most a few bytes are read)."""
     fd = os.open(path, safe_files.READ_FLAGS)
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{os.fspath(path)}: not a regular file")
         raw = os.read(fd, _PID_FILE_MAX + 1)
     finally:
         os.close(fd)

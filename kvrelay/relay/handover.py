@@ -60,6 +60,8 @@ class MemberResume:
     digest: int  # XXH3-64 of the last applied batch's payload
     #: the KV-cache group kinds its decoder had learned (group, full attention), sorted
     groups: tuple[tuple[int, bool], ...] = ()
+    #: ``groups`` are not all the kinds it learned: state saved without them, not reset since
+    groups_unsure: bool = False
 
     @property
     def key(self) -> SourceKey:
@@ -103,6 +105,27 @@ def path_for(state_dir: str | Path, spec: PoolSpec) -> Path:
     return Path(state_dir) / f"pool-{digest}{SUFFIX}"
 
 
+def remove_orphans(state_dir: Path, keep: set[str], older_than_s: float, now: float) -> int:
+    """Remove the state files of pools not configured any more (names not in ``keep``), and
+    temporary files a crashed writer left for them, once older than ``older_than_s`` (a state
+    file that old is refused as stale anyway, and a young one may still be restored if its
+    pool comes back or still be written by a process handing over): the directory does not
+    grow with the configuration's history. Returns how many were removed (unlink never follows
+    a link)."""
+    n = 0
+    for p in [*state_dir.glob(f"pool-*{SUFFIX}"), *state_dir.glob(f".pool-*{SUFFIX}.*.tmp")]:
+        owner = p.name.lstrip(".").split(".", 1)[0] + SUFFIX
+        if owner in keep:
+            continue
+        try:
+            if now - p.lstat().st_mtime > older_than_s:
+                p.unlink()
+                n += 1
+        except OSError:
+            continue
+    return n
+
+
 def _has_sglang(spec: PoolSpec) -> bool:
     kinds = [e.kind for e in spec.engines] + ([spec.connect.kind] if spec.connect else [])
     return EngineKind.SGLANG in kinds
@@ -129,11 +152,18 @@ def _filter_settings(spec: PoolSpec) -> dict[str, Any]:
         "hash_format": int(spec.hash_format),
         "cache_salt_namespacing": spec.decode.cache_salt_namespacing,
         "multimodal_hashing": spec.decode.multimodal_hashing,
+        # what a store of a block the member holds counted (a copy, or a report): the counts
+        "engine_reports": spec.engine_reports,
     }
 
 
+#: Content settings older files do not record, read as their defaults (the only value kvrelay
+#: 0.1.0 had).
+_CONTENT_DEFAULTS = {"engine_reports": False}
+
+
 def _content(settings: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in settings.items() if k not in _SHAPE_ONLY}
+    return _CONTENT_DEFAULTS | {k: v for k, v in settings.items() if k not in _SHAPE_ONLY}
 
 
 def save(
@@ -176,6 +206,7 @@ def save_state(
                 "worker_id": m.worker_id, "dp_rank": m.dp_rank, "engine": m.engine,
                 "incarnation": m.incarnation, "last_seq": m.last_seq, "digest": m.digest,
                 "groups": [[g, full] for g, full in m.groups],
+                "groups_unsure": m.groups_unsure,
             }
             for m in members
         ],
@@ -232,7 +263,8 @@ def _check(
         saved = h.get("filter")
         want = _filter_settings(spec)
         if not isinstance(saved, dict) or _content(saved) != _content(want):
-            raise Refused("incompatible", "saved under other hash or decode settings")
+            raise Refused("incompatible", "saved under other hash, decode or engine_reports "
+                                          "settings")
         shape = (int(saved["bucket_count"]), int(saved["ckf_seed"]))
         ident = h["identity"]
         identity = PoolIdentity(
@@ -245,6 +277,7 @@ def _check(
                 worker_id=int(m["worker_id"]), dp_rank=int(m["dp_rank"]), engine=str(m["engine"]),
                 incarnation=str(m["incarnation"]), last_seq=int(m["last_seq"]),
                 digest=int(m["digest"]), groups=_groups(m.get("groups", [])),
+                groups_unsure=_groups_unsure(m),
             )  # fmt: skip
             if not (0 <= r.last_seq < 2**64 and 0 <= r.digest < 2**64):
                 raise Refused("corrupt", "member position out of range")
@@ -261,6 +294,15 @@ def _check(
 
 #: Group kinds a member may carry (a decoder keeps 64 by index and 1,024 odd ids more).
 MAX_SAVED_GROUPS = 2048
+
+
+def _groups_unsure(m: dict[str, Any]) -> bool:
+    """Files of kvrelay before it saved the learned group kinds have no ``groups``: any group
+    but those the file lists may be full attention."""
+    unsure = m.get("groups_unsure", "groups" not in m)
+    if not isinstance(unsure, bool):
+        raise Refused("corrupt", "member groups_unsure is not a boolean")
+    return unsure
 
 
 def _groups(raw: Any) -> tuple[tuple[int, bool], ...]:

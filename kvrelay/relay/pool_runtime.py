@@ -333,6 +333,7 @@ class PoolRuntime:
         with ``error`` (or a clean EOF), and its final counters are kept."""
         if self.generation is gen:
             self.generation = None
+        self.restore.abandon(gen, self.name)
         if publish:
             self._ctx.changed()
         if not gen.retired:
@@ -532,6 +533,7 @@ class PoolRuntime:
                 self,
                 resume=None if r is None else (r.last_seq, r.digest),
                 groups=None if r is None else dict(r.groups),
+                groups_unsure=r is not None and r.groups_unsure,
                 reader=self._ctx.zmq_reader,
             )
             self.subscribers[key] = sub
@@ -588,7 +590,9 @@ class PoolRuntime:
         False when that does not apply (no generation, or settings that change what the exact
         state holds)."""
         gen = self.generation
-        shape_only = old.hash_format == new.hash_format and old.decode == new.decode
+        shape_only = (old.hash_format, old.decode, old.engine_reports) == (
+            new.hash_format, new.decode, new.engine_reports
+        )
         if gen is None or not shape_only:
             return False
         return self._regenerate(

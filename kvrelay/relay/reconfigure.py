@@ -10,8 +10,9 @@ new settings is one of:
   goes on; a removed or redefined engine's members are removed (a redefined one then rebuilds
   from its replay), an added one is probed and subscribed;
 * **re-materialized** — a setting that shapes the filter or its contents changed
-  (``expected_blocks``, ``ckf_seed``, ``hash_format``, the decode options): the generation is
-  withdrawn and a new one is built from replay (routers see the pool change and re-subscribe).
+  (``expected_blocks``, ``ckf_seed``, ``hash_format``, the decode options, ``engine_reports``,
+  which decides what a store of a held block counts): the generation is withdrawn and a new one
+  is built from replay (routers see the pool change and re-subscribe).
   ``model``, ``model_source`` and ``kv_block_size`` feed the pool identity check that already
   re-materializes when the identity they give actually changes;
 * **added** or **removed**.
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
 
 #: PoolSpec fields that define the filter's shape or contents.
-FILTER_FIELDS = ("expected_blocks", "ckf_seed", "hash_format", "decode")
+FILTER_FIELDS = ("expected_blocks", "ckf_seed", "hash_format", "decode", "engine_reports")
 #: RelaySettings fields only a restart applies (identity, permits and queue bounds).
 RESTART_FIELDS = {"dc_name": "relay.dc_name", "drt_instance_id": "relay.drt_instance_id",
                   "limits": "relay.limits", "zmq_reader": "relay.zmq_reader"}  # fmt: skip

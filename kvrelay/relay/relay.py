@@ -237,6 +237,10 @@ class Relay:
             self._count(self.state_restores, "restored")
             _log.info("state_loaded", pool=p.name, members=len(r.members),
                       age_s=round(time.time() - r.written_unix, 3))  # fmt: skip
+        keep = {handover.path_for(d, p.spec).name for p in self.pools}
+        removed = handover.remove_orphans(d, keep, self.settings.state_max_age_s, time.time())
+        if removed:
+            _log.info("state_orphans_removed", files=removed)
 
     def _save_pool(
         self, spec: PoolSpec, ident: PoolIdentity, pool: Any, members: list[handover.MemberResume]

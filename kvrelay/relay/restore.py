@@ -33,7 +33,7 @@ _log = get_logger("kvrelay.relay.pool_runtime")  # the events keep the logger th
 class PoolRestore:
     """One pool's restored state: the file not yet used, then the members not yet vouched."""
 
-    __slots__ = ("_counters", "_deadline", "_pending", "_vouching", "file")
+    __slots__ = ("_counters", "_deadline", "_gen", "_pending", "_vouching", "file")
 
     def __init__(self, counters: PoolCounters) -> None:
         self._counters = counters
@@ -43,6 +43,8 @@ class PoolRestore:
         #: Restored members whose subscriber resumed and waits for the vouch → its deadline.
         self._vouching: dict[SourceKey, float] = {}
         self._deadline = 0.0
+        #: The generation built on the file's pool: the saved positions belong to its state only.
+        self._gen: Generation | None = None
 
     def take_pool(
         self, spec: PoolSpec, ident: PoolIdentity, name: str
@@ -84,6 +86,7 @@ class PoolRestore:
         self._pending = {k: r for k, r in resume.items() if k.worker_id in by_worker}
         self._vouching = {}
         self._deadline = now + RESTORE_VOUCH_S
+        self._gen = gen
 
     def resume_for(
         self, key: SourceKey, gen: Generation, by_worker: Mapping[int, EngineState],
@@ -91,7 +94,10 @@ class PoolRestore:
     ) -> MemberResume | None:
         """The restored position (and learned group kinds) to resume ``key`` from, if its
         engine is the incarnation that was saved; otherwise its restored state is dropped
-        before a fresh start."""
+        before a fresh start. Only for the generation built on the file's pool: a position
+        resumed on any other would skip the events that built the state it no longer has."""
+        if gen is not self._gen:
+            return None
         r = self._pending.pop(key, None)
         if r is None:
             return None
@@ -104,6 +110,20 @@ class PoolRestore:
         self._counters.members_resumed += 1
         self._vouching[key] = at + RESTORE_VOUCH_S
         return r
+
+    def abandon(self, gen: Generation, name: str) -> None:
+        """``gen`` is retired (a fence, a withdrawal, a reload): if it was built on the file's
+        pool, its members still waiting or resumed are not vouched for (their state went with
+        it; the next generation starts them from replay), and nothing is awaited any more."""
+        if gen is not self._gen:
+            return
+        self._gen = None
+        left = len(self._pending) + len(self._vouching)
+        self._pending, self._vouching = {}, {}
+        if left:
+            for _ in range(left):
+                self._counters.reset("restore_unverified")
+            _log.warning("state_members_unverified", pool=name, members=left)
 
     @property
     def awaiting(self) -> bool:
@@ -152,5 +172,6 @@ class PoolRestore:
             inc = "" if st.snapshot is None else st.snapshot.instance_id
             groups = tuple(sorted(sub.learned_groups().items()))
             members.append(MemberResume(key.worker_id, key.dp_rank, st.spec.name, inc,
-                                        point[0], point[1], groups))  # fmt: skip
+                                        point[0], point[1], groups,
+                                        sub.groups_unsure))  # fmt: skip
         return members

@@ -19,7 +19,10 @@ import stat
 from pathlib import Path
 
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: For files read back: a symlink is not followed, and a FIFO planted at the name opens at once
+#: (and is then refused as no regular file) instead of blocking the opening thread for good;
+#: ``O_NONBLOCK`` changes nothing for a regular file's reads.
+READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 TEMP_SUFFIX = ".tmp"
 
 

@@ -17,6 +17,10 @@ write of every pool's state (about half a second for 10M memberships).
 
 Strict, because there is an alternative: a file the successor cannot use fails the takeover (and
 the old process keeps serving), instead of starting the pool from replay as a restart would.
+Except a pool the new configuration indexes otherwise (another hash, decode or
+``engine_reports`` setting: ``incompatible``): the old state is of no use to it whatever the
+hand-over, so it starts from replay, as a reload of that setting would rebuild it, and the
+other pools are handed over.
 """
 
 from __future__ import annotations
@@ -26,9 +30,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvrelay.logging import get_logger
 from kvrelay.relay import forked, handover, state_file
 from kvrelay.relay.handover import RestoredPool
 from kvrelay.relay.pool_runtime import PoolRuntime
+
+_log = get_logger("kvrelay.relay.relay")  # the state_refused event of a start's restore
 
 __all__ = ["CutFailed", "CutSummary", "TakeoverRefused", "cut", "cut_aside", "load"]
 
@@ -104,12 +111,17 @@ async def cut_aside(pools: list[PoolRuntime], directory: Path) -> CutSummary:
 
 def load(pools: list[PoolRuntime], directory: Path) -> dict[str, RestoredPool]:
     """Read (and consume) the cut for every configured pool; a pool without a file is absent
-    (the old process had no generation for it). Any file that is refused refuses the takeover."""
+    (the old process had no generation for it), and so is one whose file was saved under
+    settings the new configuration changed (it starts from replay). Any other refused file
+    refuses the takeover."""
     out: dict[str, RestoredPool] = {}
     for p in pools:
         try:
             r = handover.load(directory, p.spec, max_age_s=MAX_AGE_S)
         except handover.Refused as exc:
+            if exc.kind == "incompatible":
+                _log.warning("state_refused", pool=p.name, reason=exc.kind, why=str(exc))
+                continue
             raise TakeoverRefused(f"state_{exc.kind}", f"pool {p.name}: {exc}") from None
         if r is not None:
             out[p.name] = r

@@ -83,3 +83,30 @@ async def test_restored_members_stay_unpublished_until_their_engine_vouches(
         view, truth = relay_view(r.relay), ground_truth(fleet)
         for key, held in view.items():
             assert held <= truth[key], "never a phantom"
+
+
+async def test_a_restored_position_never_outlives_its_generation(
+    fleet: list[SimEngine], tmp_path: Path
+) -> None:
+    """A member restored from the file still waiting for its engine (its Control unreachable at
+    the restart) when the restored generation is fenced: its saved position belonged to that
+    generation's state. The next generation starts it from replay, counted as unverified, and
+    never resumes it as vouched on an empty state."""
+    settings = _settings(fleet, tmp_path)
+    await _first_run(fleet, settings)
+    await fleet[1].stop_control()
+    async with _relay(fleet, settings) as r:
+        await eventually(lambda: r.pool.generation is not None and len(r.pool.subscribers) == 2,
+                         what="vo0 resumed, vo1 still waiting")  # fmt: skip
+        gen = r.pool.generation
+        assert gen is not None and r.pool.counters.members_resumed == 2
+        r.pool.fence(gen, "injected")
+        await fleet[1].start_control()
+        await eventually(lambda: r.pool.generation not in (None, gen), what="rebuilt")
+        await _live(r, 4)
+        assert r.pool.counters.members_resumed == 2, "vo1 resumed on the rebuilt generation"
+        assert r.pool.counters.member_resets.get("restore_unverified") == 2
+        assert r.pool.published is not None
+        view, truth = relay_view(r.relay), ground_truth(fleet)
+        for key, held in view.items():
+            assert held <= truth[key], "never a phantom"

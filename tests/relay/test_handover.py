@@ -224,14 +224,21 @@ async def test_a_restart_with_another_filter_shape_rebuilds_the_filter_from_the_
         await consumer.stop()
 
 
-async def test_another_hash_setting_refuses_the_file(
-    fleet: list[SimEngine], tmp_path: Path
+@pytest.mark.parametrize("setting", ["cache_salt_namespacing", "engine_reports"])
+async def test_another_hash_or_counting_setting_refuses_the_file(
+    fleet: list[SimEngine], tmp_path: Path, setting: str
 ) -> None:
+    """``engine_reports`` decides whether a store of a held block was counted as a copy: copy
+    counts saved under the other value would keep blocks the engines evicted."""
     settings = _settings(fleet, tmp_path)
     await _first_run(fleet, settings)
     pool = settings.pools[0]
-    pool = dataclasses.replace(pool, decode=dataclasses.replace(
-        pool.decode, cache_salt_namespacing=not pool.decode.cache_salt_namespacing))  # fmt: skip
+    if setting == "engine_reports":
+        pool = dataclasses.replace(pool, engine_reports=not pool.engine_reports)
+    else:
+        salts = not pool.decode.cache_salt_namespacing
+        decode = dataclasses.replace(pool.decode, cache_salt_namespacing=salts)
+        pool = dataclasses.replace(pool, decode=decode)
     async with _relay(fleet, dataclasses.replace(settings, pools=(pool,))) as r:
         assert r.relay.state_restores == {"incompatible": 1}
         await eventually(lambda: r.pool.generation is not None, what="rebuilt")

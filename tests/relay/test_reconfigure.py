@@ -64,7 +64,8 @@ def test_engines_added_removed_and_redefined_keep_the_generation() -> None:
 
 def test_filter_settings_rematerialize_and_readiness_settings_do_not() -> None:
     base = _pool("a", _engine("e0"))
-    for field, value in (("expected_blocks", 4096), ("ckf_seed", 7), ("hash_format", 2)):
+    for field, value in (("expected_blocks", 4096), ("ckf_seed", 7), ("hash_format", 2),
+                         ("engine_reports", True)):
         new = dataclasses.replace(base, **{field: value})  # type: ignore[arg-type]
         (change,) = plan_reload(_settings(base), _settings(new)).changed
         assert change.rematerialize, field

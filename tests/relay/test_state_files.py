@@ -1,12 +1,14 @@
 """State and pid files where others might reach them (``relay/safe_files.py``, ``state_file``,
 ``handover.load``, ``ops/reload`` pid files): unsafe directories refused, links never followed,
-planted temporary names never opened, oversized files refused unread, bounded memory, and a file
-that could not be read is not deleted."""
+planted temporary names never opened, a planted FIFO refused without blocking, oversized files
+refused unread, bounded memory, and a file that could not be read is not deleted."""
 
 from __future__ import annotations
 
 import os
+import threading
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -78,6 +80,37 @@ def test_a_symlinked_state_file_is_not_followed_nor_deleted(tmp_path: Path) -> N
     state_file.write(path, {"k": 1}, {"a": np.arange(4, dtype=np.uint64)})
     assert not path.is_symlink() and target.read_bytes() == b"x" * 100
     assert state_file.read(path).header == {"k": 1}
+
+
+def _within(seconds: float, fn: Callable[[], object]) -> object:
+    """``fn()``'s result or exception, failing the test if it has not returned in time (a
+    daemon thread: a blocked open cannot hang the suite)."""
+    out: list[object] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:  # handed to the caller
+            out.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert out, f"still blocked after {seconds} s"
+    return out[0]
+
+
+def test_a_fifo_at_the_state_or_pid_file_is_refused_without_blocking(tmp_path: Path) -> None:
+    """Opening a FIFO for reading waits for a writer: a planted one would hang the start for
+    good (the restore runs on the event loop) or ``kvrelay reload``."""
+    path = handover.path_for(tmp_path, SPEC)
+    os.mkfifo(path, 0o600)
+    got = _within(5, lambda: handover.load(tmp_path, SPEC, max_age_s=60))
+    assert isinstance(got, handover.Refused), got
+    pid = tmp_path / "kvrelay.pid"
+    os.mkfifo(pid, 0o600)
+    got = _within(5, lambda: read_pid_file(pid))
+    assert isinstance(got, ValueError) and "not a regular file" in str(got), got
 
 
 def test_an_oversized_file_is_refused_before_it_is_read(tmp_path: Path) -> None:
@@ -168,3 +201,26 @@ def test_the_pid_file_is_written_safely_and_removed_only_by_its_process(tmp_path
     pid.parent.chmod(0o777)
     with pytest.raises(safe_files.UnsafeDirectory):
         write_pid_file(pid)
+
+
+def test_state_files_of_pools_no_longer_configured_are_removed_once_stale(tmp_path: Path) -> None:
+    """One file per pool ever configured would grow the directory with the configuration's
+    history: a removed pool's file (and a crashed writer's temporary file for it) goes once
+    older than the age limit; a configured pool's files and a young orphan stay."""
+    other = PoolSpec(namespace="ns", component="c", endpoint="gone", expected_blocks=4096,
+                     engines=SPEC.engines)  # fmt: skip
+    young = PoolSpec(namespace="ns", component="c", endpoint="young", expected_blocks=4096,
+                     engines=SPEC.engines)  # fmt: skip
+    arrays = {"a": np.arange(4, dtype=np.uint64)}
+    for spec in (SPEC, other, young):
+        state_file.write(handover.path_for(tmp_path, spec), {"k": 1}, arrays)
+    fd, crashed = safe_files.create_temp(tmp_path, handover.path_for(tmp_path, other).name)
+    os.close(fd)
+    old = 1_000_000.0
+    for p in (handover.path_for(tmp_path, SPEC), handover.path_for(tmp_path, other), crashed):
+        os.utime(p, (old, old))
+    keep = {handover.path_for(tmp_path, SPEC).name}
+    assert handover.remove_orphans(tmp_path, keep, 3600, now=old + 7200) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        handover.path_for(tmp_path, s).name for s in (SPEC, young)
+    )

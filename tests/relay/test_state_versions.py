@@ -4,6 +4,7 @@ salted blocks were indexed unsalted then)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,25 @@ def test_a_version_2_file_of_an_sglang_pool_is_refused(tmp_path: Path) -> None:
     with pytest.raises(handover.Refused) as info:
         handover.load(tmp_path, spec, max_age_s=3600)
     assert info.value.kind == "version"
+
+
+@pytest.mark.parametrize("reports", [False, True])
+def test_a_file_that_does_not_record_engine_reports_was_saved_with_the_default(
+    tmp_path: Path, reports: bool
+) -> None:
+    """Older files do not record ``engine_reports``; they were saved with ``false``, the only
+    value kvrelay 0.1.0 had: used under it, refused under ``true``."""
+    spec = _spec(sglang=False)
+    _saved_as_version_2(tmp_path, spec)
+    path = handover.path_for(tmp_path, spec)
+    parsed = state_file.read(path)
+    del parsed.header["filter"]["engine_reports"]
+    path.unlink()
+    state_file.write(path, parsed.header, parsed.arrays)
+    spec = dataclasses.replace(spec, engine_reports=reports)
+    if not reports:
+        assert handover.load(tmp_path, spec, max_age_s=3600) is not None
+        return
+    with pytest.raises(handover.Refused) as info:
+        handover.load(tmp_path, spec, max_age_s=3600)
+    assert info.value.kind == "incompatible"

@@ -3,12 +3,14 @@
 The first relay keeps ingesting after the cut; the second starts from the cut while the engines
 go on publishing, and every member resumes from its cursor through the engines' replay: exact
 against the simulator's ground truth, per member, with no member rebuilt, though the history is
-many times the replay buffer. A damaged cut refuses the takeover instead of rebuilding.
+many times the replay buffer. A damaged cut refuses the takeover instead of rebuilding; only a
+pool the new settings index otherwise starts from replay.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -103,6 +105,32 @@ async def test_a_damaged_cut_refuses_the_takeover(tmp_path: Path) -> None:
         with pytest.raises(takeover.TakeoverRefused) as info:
             takeover.load(Relay(settings).pools, tmp_path)
         assert info.value.kind == "state_corrupt"
+    finally:
+        await stop_relay(old)
+        await engines[0].stop()
+
+
+async def test_a_pool_the_new_settings_index_otherwise_starts_fresh_the_rest_is_handed_over(
+    tmp_path: Path,
+) -> None:
+    """An upgrade that also changes one pool's hash setting: that pool's cut is of no use to
+    the new process (refused as ``incompatible``, consumed) and the pool starts from replay;
+    the takeover itself goes on. Any other refusal stays strict (above)."""
+    engines = [SimEngine(SimConfig(name="tk7", seed=77, dp_size=1, buffer_steps=BUFFER_STEPS))]
+    await engines[0].start()
+    settings = make_settings(engines)
+    old = Relay(settings)
+    try:
+        await old.start()
+        await eventually(lambda: _live(old, 1), what="member live")
+        await engines[0].step(4)
+        await eventually(lambda: _exact(old, engines), what="exact")
+        takeover.cut(old.pools, tmp_path)
+        pool = settings.pools[0]
+        changed = dataclasses.replace(settings, pools=(dataclasses.replace(
+            pool, hash_format=2 if pool.hash_format == 1 else 1),))  # fmt: skip
+        assert takeover.load(Relay(changed).pools, tmp_path) == {}
+        assert list(tmp_path.iterdir()) == []
     finally:
         await stop_relay(old)
         await engines[0].stop()
