@@ -333,7 +333,8 @@ class PoolRuntime:
         with ``error`` (or a clean EOF), and its final counters are kept."""
         if self.generation is gen:
             self.generation = None
-        self.restore.abandon(gen, self.name)
+        if error is not None:  # (a clean stop saves the members still waiting as they were)
+            self.restore.abandon(gen, self.name)
         if publish:
             self._ctx.changed()
         if not gen.retired:
