@@ -39,7 +39,12 @@ from kvrelay.service.authz import Authorization, ClientIdentity, not_visible, re
 from kvrelay.service.codec import PassThroughCodec
 from kvrelay.service.h2.closing import ClosingServer
 from kvrelay.service.h2.guard import H2Budgets, H2Counters
-from kvrelay.service.h2.request import REQUEST_TIMEOUT_S, recv_within
+from kvrelay.service.h2.request import (
+    MAX_REQUEST_BYTES,
+    REQUEST_TIMEOUT_S,
+    BoundedRequests,
+    recv_within,
+)
 from kvrelay.service.h2.writer import StreamWriter, stream_resetter
 from kvrelay.service.health import RelayHealth, reflection_pool
 from kvrelay.service.peercred import SameUserOnly
@@ -336,14 +341,16 @@ class KvEventRelayService:
             check_marker(request.contract_marker)
             info = self._relay_info()
         except RelayError as err:
-            self._unary_error(err)
+            self.refuse(err)
         except (asyncio.CancelledError, GRPCError):
             raise
         except Exception as exc:  # a bug: INTERNAL with the trailer, not grpclib's bare UNKNOWN
-            self._unary_error(RelayError.internal(f"internal error: {type(exc).__name__}"))
+            self.refuse(RelayError.internal(f"internal error: {type(exc).__name__}"))
         await stream.send_message(info)
 
-    def _unary_error(self, err: RelayError) -> NoReturn:
+    def refuse(self, err: RelayError) -> NoReturn:
+        """End a call that has sent nothing yet with ``err``: counted, its status and the
+        reason trailer."""
         self._count(err)
         _UNARY_REASON.set(err.trailer_value)
         raise GRPCError(status_of(err), err.message) from None
@@ -365,7 +372,7 @@ class KvEventRelayService:
     # --- helpers ---
     async def _recv(self, stream: Stream[Any, Any]) -> Any:
         return await recv_within(
-            stream, self.limits.max_message_bytes, self.request_timeout_s, self.h2_counters
+            stream, MAX_REQUEST_BYTES, self.request_timeout_s, self.h2_counters
         )
 
     async def _until_newer(
@@ -567,17 +574,23 @@ class RelayServer:
         self.limits = limits or RelayLimits()
         self.service = KvEventRelayService(view, self.limits)
         self.health = RelayHealth(self.service)
-        self.spacing = SpacingService(
-            view, self.service._relay_info, self.service, self.limits.max_message_bytes
-        )
+        self.spacing = SpacingService(view, self.service._relay_info, self.service)
         # the spacing service is kvrelay's own (not Dynamo's contract): not listed by reflection
-        handlers = [*ServerReflection.extend(
-            [self.service, self.health.service], pool=reflection_pool()
-        ), self.spacing]  # fmt: skip
+        # grpclib's health and reflection services read requests through the relay's reader
+        listed = [self.service, self.health.service]
+        reflection = ServerReflection.extend(listed, pool=reflection_pool())[len(listed):]
+        foreign = [BoundedRequests(h, MAX_REQUEST_BYTES, REQUEST_TIMEOUT_S,
+                                   self.service.refuse, self.service.h2_counters)
+                   for h in (self.health.service, *reflection)]  # fmt: skip
+        handlers = [self.service, *foreign, self.spacing]
         config = Configuration(
             _keepalive_time=self.limits.keepalive_interval_s,
             _keepalive_timeout=self.limits.keepalive_timeout_s,
             _keepalive_permit_without_calls=True,
+            # grpclib's defaults ping at most every 300 s and twice without data: a peer gone
+            # silent would be noticed minutes late. Every interval, also with no call open.
+            _http2_max_pings_without_data=0,
+            _http2_min_sent_ping_interval_without_data=self.limits.keepalive_interval_s,
         )
         self._server = ClosingServer(
             handlers, codec=PassThroughCodec(self.limits.max_message_bytes), config=config

@@ -55,6 +55,7 @@ class RawH2Client:
         )
         self.streams: dict[int, RawStream] = {}
         self.goaway: h2.events.ConnectionTerminated | None = None
+        self.pings = 0  # PINGs the server sent (h2 answers each)
         self.closed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -81,13 +82,15 @@ class RawH2Client:
     def open(
         self, method: str, message: bytes, *, end: bool = True, raw: bytes | None = None
     ) -> RawStream:
-        """Start a call to ``/dynamo.kvrelay.v1.KvEventRelay/<method>`` and send ``message``
-        (``end=False``: the request body is never finished; ``raw``: these DATA bytes as they
-        are, gRPC prefix included, instead of ``message`` framed)."""
+        """Start a call to ``/dynamo.kvrelay.v1.KvEventRelay/<method>`` (or to ``method`` when
+        it is a whole path) and send ``message`` (``end=False``: the request body is never
+        finished; ``raw``: these DATA bytes as they are, gRPC prefix included, instead of
+        ``message`` framed)."""
         sid = self.h2.get_next_available_stream_id()
+        path = method if method.startswith("/") else f"/dynamo.kvrelay.v1.KvEventRelay/{method}"
         self.h2.send_headers(sid, [
             (":method", "POST"), (":scheme", "http"), (":authority", "relay"),
-            (":path", f"/dynamo.kvrelay.v1.KvEventRelay/{method}"),
+            (":path", path),
             ("content-type", "application/grpc"), ("te", "trailers"),
         ])  # fmt: skip
         if raw is not None:
@@ -136,6 +139,8 @@ class RawH2Client:
             st.ended.set()
         elif isinstance(ev, h2.events.ConnectionTerminated):
             self.goaway = ev
+        elif isinstance(ev, h2.events.PingReceived):
+            self.pings += 1
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):

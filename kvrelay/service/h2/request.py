@@ -11,21 +11,38 @@ grpclib raised ``AssertionError`` / ``NotImplementedError`` (which would read as
 It uses grpclib's private stream parts (``internals.REQUEST_NEEDS``); where the installed grpclib
 lacks one it falls back to ``recv_message`` with the same mapping of its framing errors. grpclib's
 ``RecvMessage`` event is not dispatched on the checked path (the relay listens for none).
+
+Requests are small (a pool id, a subscriber id, a producer identity; a service name for health
+and reflection), so the bound is ``MAX_REQUEST_BYTES``, not the outbound message limit: a stream
+pins at most that much of a client's sending. ``BoundedRequests`` puts grpclib's own health and
+reflection services on the same reader.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, NoReturn
+
+from grpclib.const import Handler
 
 from kvrelay._aio import bounded
 from kvrelay.contract.errors import RelayError
 from kvrelay.service.h2.guard import H2Counters
 from kvrelay.service.h2.internals import REQUEST_NEEDS
 
-__all__ = ["REQUEST_TIMEOUT_S", "missing_request_needs", "recv_request", "recv_within"]
+__all__ = [
+    "MAX_REQUEST_BYTES",
+    "REQUEST_TIMEOUT_S",
+    "BoundedRequests",
+    "missing_request_needs",
+    "recv_request",
+    "recv_within",
+]
 
 #: A stream (or call) whose request message has not arrived after this long ends INVALID_REQUEST.
 REQUEST_TIMEOUT_S = 10.0
+#: The largest request message read (every request of the contract is well under 1 KiB).
+MAX_REQUEST_BYTES = 64 * 1024
 _PREFIX = 5
 
 
@@ -83,3 +100,55 @@ async def recv_within(
     if request is None:
         raise RelayError.invalid_request("missing request message")
     return request
+
+
+class BoundedRequests:
+    """grpclib handlers (an object with ``__mapping__``, such as its health and reflection
+    services) whose streams read each request with ``recv_request``: grpclib's
+    ``recv_message`` buffers whatever a length prefix claims before anything can refuse it.
+    The first request must come within ``timeout_s``; later ones (reflection is a bidirectional
+    stream a tool may keep open) are bounded in size only. ``refuse`` ends the call for a
+    refused request (the relay's own: counted, with the reason trailer)."""
+
+    def __init__(
+        self,
+        handlers: Any,
+        max_bytes: int,
+        timeout_s: float,
+        refuse: Callable[[RelayError], NoReturn],
+        counters: H2Counters | None = None,
+    ) -> None:
+        self._handlers = handlers
+        self._max_bytes = max_bytes
+        self._timeout_s = timeout_s
+        self._refuse = refuse
+        self._counters = counters
+
+    def __mapping__(self) -> dict[str, Handler]:
+        return {
+            path: h._replace(func=self._bounded(h.func))
+            for path, h in self._handlers.__mapping__().items()
+        }
+
+    def _bounded(
+        self, func: Callable[[Any], Awaitable[None]]
+    ) -> Callable[[Any], Awaitable[None]]:
+        async def handle(stream: Any) -> None:
+            first = True
+
+            async def recv_message() -> Any:
+                nonlocal first
+                try:
+                    if first:
+                        first = False
+                        return await recv_within(
+                            stream, self._max_bytes, self._timeout_s, self._counters
+                        )
+                    return await recv_request(stream, self._max_bytes)
+                except RelayError as err:
+                    self._refuse(err)
+
+            stream.recv_message = recv_message
+            await func(stream)
+
+        return handle

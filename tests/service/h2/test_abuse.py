@@ -19,8 +19,10 @@ import pytest
 from grpclib.client import Channel
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.contract.limits import RelayLimits
 from kvrelay.contract.wire import CONTRACT_MARKER
 from kvrelay.service.h2.guard import ENHANCE_YOUR_CALM, H2Budgets
+from kvrelay.service.h2.request import MAX_REQUEST_BYTES
 from kvrelay.service.server import RelayServer
 from tests.support.h2_client import RawH2Client, plane_request
 from tests.support.mem_relay import MemRelayView
@@ -137,13 +139,25 @@ async def test_a_stream_that_never_sends_its_request_is_ended() -> None:
         await server.close(grace_s=0.5)
 
 
+_SERVICE = b"dynamo.kvrelay.v1.KvEventRelay"
+HEALTH_CHECK = b"\n" + bytes([len(_SERVICE)]) + _SERVICE  # HealthCheckRequest{service}
+REFLECT = b"\x3a\x00"  # ServerReflectionRequest{list_services: ""}
+
+
 @pytest.mark.parametrize(
-    ("method", "body"), [("WatchKvPoolCatalog", plane_request()), ("GetRelayInfo", INFO)]
-)
+    ("method", "body"),
+    [("WatchKvPoolCatalog", plane_request()), ("GetRelayInfo", INFO),
+     ("/grpc.health.v1.Health/Check", HEALTH_CHECK),
+     ("/grpc.health.v1.Health/Watch", HEALTH_CHECK),
+     ("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo", REFLECT),
+     ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", REFLECT)],
+)  # fmt: skip
 async def test_request_framing_is_checked_before_the_body_is_read(method: str, body: bytes) -> None:
-    """A prefix claiming 2 GiB is refused at once (RESOURCE_LIMIT), before any of the body is
-    taken: the relay never buffers what a request claims. A body shorter than its prefix and a
-    compressed message are the client's fault (INVALID_REQUEST), not a relay bug (INTERNAL)."""
+    """A prefix claiming 2 GiB, or just over the request bound, is refused at once
+    (RESOURCE_LIMIT), before any of the body is taken: the relay never buffers what a request
+    claims, on its own RPCs as on grpclib's health and reflection services. A body shorter than
+    its prefix and a compressed message are the client's fault (INVALID_REQUEST), not a relay
+    bug (INTERNAL)."""
     view = MemRelayView()
     server = RelayServer(view)
     server.service.request_timeout_s = 5.0  # what waiting for the claimed body would end in
@@ -152,11 +166,14 @@ async def test_request_framing_is_checked_before_the_body_is_read(method: str, b
     try:
         huge = c.open(method, b"", raw=b"\x00" + (2**31).to_bytes(4, "big") + bytes(16_000),
                       end=False)  # fmt: skip
+        over = c.open(method, b"", raw=b"\x00" + (MAX_REQUEST_BYTES + 1).to_bytes(4, "big"),
+                      end=False)  # fmt: skip
         short = c.open(method, b"", raw=b"\x00" + (100).to_bytes(4, "big") + bytes(10))
         packed = c.open(method, b"", raw=b"\x01" + len(body).to_bytes(4, "big") + body)
         t0 = time.monotonic()
-        await asyncio.wait_for(huge.ended.wait(), 20)
+        await asyncio.wait_for(asyncio.gather(huge.ended.wait(), over.ended.wait()), 20)
         assert time.monotonic() - t0 < 4.0, "waited for the claimed body"
+        assert (over.status, over.reason) == ("8", "RELAY_ERROR_REASON_RESOURCE_LIMIT")
         await asyncio.wait_for(asyncio.gather(short.ended.wait(), packed.ended.wait()), 20)
         assert (huge.status, huge.reason) == ("8", "RELAY_ERROR_REASON_RESOURCE_LIMIT")
         for st in (short, packed):
@@ -172,3 +189,18 @@ async def _eventually(cond: Callable[[], bool], timeout: float = 20.0) -> None:
     while not cond():
         assert time.monotonic() < deadline
         await asyncio.sleep(0.02)
+
+
+async def test_idle_connections_are_pinged_every_keepalive_interval() -> None:
+    """``keepalive_interval_s`` holds also with no call open and without data (grpclib's own
+    defaults would ping at most every 300 s, and twice in all on an idle connection): a peer
+    gone silent is noticed within the interval and the timeout."""
+    server = RelayServer(MemRelayView(), RelayLimits(keepalive_interval_s=0.3))
+    await server.start("127.0.0.1", 0)
+    c = await RawH2Client.connect(server.port, "127.0.0.2")
+    try:
+        await asyncio.sleep(2.0)
+        assert c.pings >= 4, c.pings
+    finally:
+        await c.close()
+        await server.close(grace_s=0.5)
