@@ -577,7 +577,7 @@ class RelayServer:
         self.spacing = SpacingService(view, self.service._relay_info, self.service)
         # the spacing service is kvrelay's own (not Dynamo's contract): not listed by reflection
         # grpclib's health and reflection services read requests through the relay's reader
-        listed = [self.service, self.health.service]
+        listed: list[Any] = [self.service, self.health.service]
         reflection = ServerReflection.extend(listed, pool=reflection_pool())[len(listed):]
         foreign = [BoundedRequests(h, MAX_REQUEST_BYTES, REQUEST_TIMEOUT_S,
                                    self.service.refuse, self.service.h2_counters)
