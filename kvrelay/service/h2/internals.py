@@ -23,6 +23,7 @@ __all__ = [
     "CANCEL",
     "CLASS_NEEDS",
     "INSTANCE_NEEDS",
+    "PROTOCOL_NEEDS",
     "REQUEST_NEEDS",
     "SEND_DATA_CONNECTION",
     "SEND_DATA_CONNECTION_NOOP",
@@ -33,6 +34,7 @@ __all__ = [
     "live_internals",
     "missing",
     "missing_in_classes",
+    "missing_in_protocol",
     "stream_internals",
 ]
 
@@ -93,6 +95,22 @@ INSTANCE_NEEDS: tuple[tuple[str, str], ...] = (
     ("h2_stream", "outbound_flow_control_window"),
     ("h2_stream_state_machine", "state"),
 )
+
+
+#: What ``closing.release_cancelled_streams`` uses of a server connection's protocol:
+#: ``(where, attribute)`` with ``where`` ``proto`` (grpclib's ``H2Protocol``) or ``handler``
+#: (its ``Handler``: the request tasks by stream).
+PROTOCOL_NEEDS: tuple[tuple[str, str], ...] = (
+    ("proto", "handler"),
+    ("handler", "accept"),
+    ("handler", "_tasks"),
+)
+
+
+def missing_in_protocol(proto: Any) -> list[str]:
+    """``where.attribute`` for each of ``PROTOCOL_NEEDS`` this server protocol lacks."""
+    objects = {"proto": proto, "handler": getattr(proto, "handler", None)}
+    return [f"{w}.{a}" for w, a in PROTOCOL_NEEDS if not hasattr(objects[w], a)]
 
 
 #: What ``request.recv_request`` reads a request through (its ``where`` as above); without any

@@ -204,3 +204,26 @@ async def test_idle_connections_are_pinged_every_keepalive_interval() -> None:
     finally:
         await c.close()
         await server.close(grace_s=0.5)
+
+
+async def test_streams_reset_before_their_handler_runs_are_forgotten() -> None:
+    """A stream reset in the same read as its HEADERS has its request task cancelled before it
+    runs; grpclib forgot a stream only at the end of that task, so such streams stayed for the
+    connection's life (within the reset budget, without end). They are released now."""
+    server = RelayServer(MemRelayView())
+    await server.start("127.0.0.1", 0)
+    c = await RawH2Client.connect(server.port, "127.0.0.2")
+    try:
+        await asyncio.sleep(0.2)  # the connection is up on the server's side
+        for _ in range(40):  # within the RST_STREAM budget; one write: HEADERS, RST_STREAM
+            _rapid_reset(c)
+        c.flush()
+        probe = c.open("GetRelayInfo", INFO)  # answered after the resets were read
+        await asyncio.wait_for(probe.ended.wait(), 10)
+        protos = [p for p in server._server._protocols if hasattr(p, "processor")]
+        assert len(protos) == 1
+        await _eventually(lambda: not protos[0].processor.streams, timeout=5)
+        assert server.service.guard_stats()[2]["rapid_reset"] == 0 and c.goaway is None
+    finally:
+        await c.close()
+        await server.close(grace_s=0.5)

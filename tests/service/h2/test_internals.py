@@ -21,12 +21,14 @@ from grpclib.encoding.base import CodecBase
 import kvrelay
 from kvrelay.service.h2.internals import (
     INSTANCE_NEEDS,
+    PROTOCOL_NEEDS,
     SEND_DATA_CONNECTION,
     SEND_DATA_CONNECTION_NOOP,
     SEND_DATA_STREAM,
     SEND_DATA_STREAM_NOOP,
     missing,
     missing_in_classes,
+    missing_in_protocol,
 )
 from kvrelay.service.h2.request import missing_request_needs, recv_request
 from kvrelay.service.h2.writer import StreamWriter
@@ -100,6 +102,16 @@ async def test_a_live_server_stream_has_every_internal_and_gets_every_writer() -
     assert writer.bulk is not None and writer.send_batch is not None
     assert writer.reset is not None and writer.send_now is not None
     writer.close()
+
+
+async def test_a_server_protocol_has_what_releasing_cancelled_streams_uses() -> None:
+    """``closing.release_cancelled_streams``: the protocol's handler, its ``accept`` and its
+    request tasks by stream; a protocol without them is named, each need once."""
+    server = grpclib.server.Server([_Probe()], codec=_Raw())
+    proto = server._protocol_factory()
+    assert missing_in_protocol(proto) == []
+    assert isinstance(proto.handler._tasks, dict)
+    assert missing_in_protocol(object()) == [f"{w}.{a}" for w, a in PROTOCOL_NEEDS]
 
 
 def test_an_object_that_is_no_grpclib_stream_gets_no_writer_and_every_need_named() -> None:
