@@ -64,6 +64,10 @@ class RelayLimits:
     stream_share_per_connection_percent: int = 50
     #: ... and one peer address (all its connections together).
     stream_share_per_peer_percent: int = 75
+    #: Connections the gRPC port holds in all, and per TCP peer address: each takes a file
+    #: descriptor and its buffers; one over a cap is closed as it is accepted.
+    max_connections: int = 4096
+    max_connections_per_address: int = 512
 
     def __post_init__(self) -> None:
         for f in fields(self):

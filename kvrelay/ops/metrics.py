@@ -322,8 +322,10 @@ def guard_families(svc: object) -> Iterator[Metric]:
     abuse = CounterMetricFamily(
         "kvrelay_http2_abuse",
         "gRPC connections closed with GOAWAY ENHANCE_YOUR_CALM for breaking a per-connection "
-        "budget (rapid_reset, ping_flood, settings_flood, oversized_headers), and streams whose "
-        "request never came (request_timeout).", labels=["reason"],
+        "budget (rapid_reset, stream_flood, empty_frames, ping_flood, settings_flood, "
+        "oversized_headers), connections closed as accepted over a connection cap "
+        "(too_many_connections), and streams whose request never came (request_timeout).",
+        labels=["reason"],
     )  # fmt: skip
     for reason in (*ABUSE_REASONS, "request_timeout"):
         abuse.add_metric([reason], h2.get(reason, 0))

@@ -38,7 +38,7 @@ from kvrelay.publication.window import WindowPlane
 from kvrelay.service.authz import Authorization, ClientIdentity, not_visible, revoked
 from kvrelay.service.codec import PassThroughCodec
 from kvrelay.service.h2.closing import ClosingServer
-from kvrelay.service.h2.guard import H2Budgets, H2Counters
+from kvrelay.service.h2.guard import ConnectionCaps, H2Budgets, H2Counters
 from kvrelay.service.h2.request import (
     MAX_REQUEST_BYTES,
     REQUEST_TIMEOUT_S,
@@ -597,6 +597,10 @@ class RelayServer:
         )
         listen(self._server, SendTrailingMetadata, _add_reason_trailer)
         self._server.h2_guard = (H2Budgets(), self.service.h2_counters)
+        self._server.connection_caps = ConnectionCaps(
+            self.limits.max_connections_per_address, self.limits.max_connections,
+            self.service.h2_counters,
+        )  # fmt: skip
         self._port: int | None = None
         self.peer_check: SameUserOnly | None = None  # set on a UNIX listener
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from grpclib.server import Server
 
-from kvrelay.service.h2.guard import H2Budgets, H2Counters, guard_protocol
+from kvrelay.service.h2.guard import ConnectionCaps, H2Budgets, H2Counters, guard_protocol
 from kvrelay.service.h2.internals import H2Protocol, missing_in_protocol
 
 __all__ = ["ClosingServer"]
@@ -40,6 +40,8 @@ class ClosingServer(Server):
         self.peer_check: Callable[[asyncio.BaseTransport], bool] | None = None
         #: per-connection HTTP/2 budgets (``guard.py``); None: none
         self.h2_guard: tuple[H2Budgets, H2Counters] | None = None
+        #: connections per peer address and in all (``guard.py``); None: unbounded
+        self.connection_caps: ConnectionCaps | None = None
 
     def _protocol_factory(self) -> H2Protocol:
         proto = super()._protocol_factory()
@@ -63,7 +65,35 @@ class ClosingServer(Server):
                 transport.abort()  # type: ignore[attr-defined]
 
             proto.connection_made = connection_made  # type: ignore[method-assign]
+        if self.connection_caps is not None:
+            self._capped(proto, self.connection_caps)
         return proto
+
+    def _capped(self, proto: H2Protocol, caps: ConnectionCaps) -> None:
+        """A connection over ``caps`` is aborted as it is accepted (before any frame). Both
+        callbacks are replaced now: uvloop's transports keep those they find when made."""
+        made, lost = proto.connection_made, proto.connection_lost
+        release: Callable[[], None] | None = None
+
+        def connection_made(transport: asyncio.BaseTransport) -> None:
+            nonlocal release
+            release = caps.admit(transport)
+            if release is None:
+                proto.data_received = _ignore  # type: ignore[method-assign,assignment]
+                self._protocols.discard(proto)
+                transport.abort()  # type: ignore[attr-defined]
+                return
+            made(transport)
+
+        def connection_lost(exc: BaseException | None) -> None:
+            if release is None:
+                return  # refused: the protocol never started
+            release()
+            if getattr(proto, "processor", None) is not None:  # (not refused by peer_check)
+                lost(exc)
+
+        proto.connection_made = connection_made  # type: ignore[method-assign]
+        proto.connection_lost = connection_lost  # type: ignore[method-assign]
 
     def close_connections(self) -> None:
         for proto in list(self._protocols):

@@ -1,4 +1,5 @@
-"""Per-connection HTTP/2 budgets: rapid reset, PING and SETTINGS floods, oversized headers.
+"""Per-connection HTTP/2 budgets: rapid reset, stream and empty-frame floods, PING and SETTINGS
+floods, oversized headers; the work one read may cost the loop; connections per peer.
 
 Why: h2 and grpclib answer every frame a client sends, however many. A client that opens a
 stream and resets it in a loop (CVE-2023-44487, "rapid reset"), or floods PING or SETTINGS
@@ -9,24 +10,55 @@ length) and counts, per connection and per ``window_s``, the frames that cost th
 without giving it any. Past a budget it writes GOAWAY with ``ENHANCE_YOUR_CALM`` (the code
 RFC 9113 gives for this) and closes the connection; other connections are untouched.
 
+Streams count when they open, however they end: a client that gets h2 itself to reset each
+stream (a stream ended, then DATA on it) is a rapid reset the RST_STREAM count never sees. Frames
+that carry nothing and ask nothing the relay needs (PRIORITY, an empty DATA frame that does not
+end its stream, an empty CONTINUATION, a frame type HTTP/2 does not define) have a budget of
+their own.
+
+One read hands h2 at most ``MAX_FEED_BYTES``: a read of tiny frames (up to 256 KiB, thousands of
+frames) kept the one event loop for seconds. The rest waits for the next loop turn, the
+transport's reading paused meanwhile, so other connections are served in between.
+
+``ConnectionCaps`` bounds the TCP connections one peer address may hold and the connections the
+port holds in all: each costs a file descriptor and its buffers, and one client could otherwise
+take every descriptor the process has. A connection over a cap is closed as it is accepted.
+
 The frames are read on the plain-text side (after TLS), as h2 sees them. Nothing of grpclib's
 or h2's private state is used: the guard wraps the protocol's public ``data_received``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ABUSE_REASONS", "FrameGuard", "H2Budgets", "H2Counters"]
+__all__ = [
+    "ABUSE_REASONS",
+    "MAX_FEED_BYTES",
+    "ConnectionCaps",
+    "FrameGuard",
+    "H2Budgets",
+    "H2Counters",
+]
 
 PREFACE_LEN = 24  # b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-HEADERS, RST_STREAM, SETTINGS, PING, CONTINUATION = 0x1, 0x3, 0x4, 0x6, 0x9
-ACK, END_HEADERS = 0x1, 0x4
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS = 0x0, 0x1, 0x2, 0x3, 0x4
+PING, CONTINUATION = 0x6, 0x9
+LAST_DEFINED = 0x9  # RFC 9113 defines types 0x0..0x9
+END_STREAM, ACK, END_HEADERS = 0x1, 0x1, 0x4
 ENHANCE_YOUR_CALM = 0xB
-ABUSE_REASONS = ("rapid_reset", "ping_flood", "settings_flood", "oversized_headers")
+ABUSE_REASONS = (
+    "rapid_reset", "stream_flood", "empty_frames", "ping_flood", "settings_flood",
+    "oversized_headers", "too_many_connections",
+)  # fmt: skip
+#: The bytes of one read handed to h2 in one loop turn (see the module docstring).
+MAX_FEED_BYTES = 16 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +67,8 @@ class H2Budgets:
 
     window_s: float = 10.0
     max_resets: int = 256  # RST_STREAM from the client
+    max_streams: int = 2048  # streams opened (HEADERS on a new stream id)
+    max_empty_frames: int = 4096  # PRIORITY, empty DATA not ending a stream, ... (module doc)
     max_pings: int = 64  # PING without ACK
     max_settings: int = 64  # SETTINGS without ACK
     max_header_block_bytes: int = 65536  # one HEADERS + CONTINUATION sequence
@@ -59,6 +93,7 @@ class FrameGuard:
     __slots__ = (
         "_budgets",
         "_counters",
+        "_empty",
         "_head",
         "_header_bytes",
         "_in_headers",
@@ -68,6 +103,7 @@ class FrameGuard:
         "_resets",
         "_settings",
         "_skip",
+        "_streams",
         "_transport",
         "_window_end",
         "tripped",
@@ -84,7 +120,7 @@ class FrameGuard:
         self._header_bytes = 0
         self._last_stream = 0
         self._window_end = time.monotonic() + budgets.window_s
-        self._resets = self._pings = self._settings = 0
+        self._resets = self._pings = self._settings = self._streams = self._empty = 0
         self.tripped: str | None = None
 
     def feed(self, data: bytes) -> bool:
@@ -124,15 +160,25 @@ class FrameGuard:
         now = time.monotonic()
         if now >= self._window_end:
             self._window_end = now + self._budgets.window_s
-            self._resets = self._pings = self._settings = 0
+            self._resets = self._pings = self._settings = self._streams = self._empty = 0
         b = self._budgets
         if kind == HEADERS:
-            self._last_stream = max(self._last_stream, stream)
+            if stream > self._last_stream:  # a new stream (trailers come on an open one)
+                self._last_stream = stream
+                self._streams += 1
+                if self._streams > b.max_streams:
+                    return "stream_flood"
             self._header_bytes = length
             self._in_headers = not flags & END_HEADERS
         elif kind == CONTINUATION and self._in_headers:
             self._header_bytes += length
             self._in_headers = not flags & END_HEADERS
+            if not length:
+                return self._empty_frame()
+        elif kind == PRIORITY or kind > LAST_DEFINED or (
+            kind == DATA and not length and not flags & END_STREAM
+        ):
+            return self._empty_frame()
         elif kind == RST_STREAM:
             self._resets += 1
             if self._resets > b.max_resets:
@@ -149,6 +195,10 @@ class FrameGuard:
             return "oversized_headers"
         return None
 
+    def _empty_frame(self) -> str | None:
+        self._empty += 1
+        return "empty_frames" if self._empty > self._budgets.max_empty_frames else None
+
     def _trip(self, reason: str) -> None:
         self.tripped = reason
         self._counters.closed[reason] += 1
@@ -159,18 +209,114 @@ class FrameGuard:
 
 
 def guard_protocol(proto: Any, budgets: H2Budgets, counters: H2Counters) -> None:
-    """Put a ``FrameGuard`` in front of ``proto.data_received`` once its connection is made."""
+    """Put a ``FrameGuard`` in front of ``proto.data_received``, handing h2 at most
+    ``MAX_FEED_BYTES`` per loop turn. Installed before the transport exists: uvloop's
+    transports keep the protocol's ``data_received`` as it is when they are made, so a
+    replacement made in ``connection_made`` would never be called there."""
     made: Callable[[Any], None] = proto.connection_made
     received: Callable[[bytes], None] = proto.data_received
+    waiting: deque[bytes] = deque()  # read, not yet handed on (reading paused meanwhile)
+    guard: FrameGuard | None = None
+    transport: Any = None
 
-    def connection_made(transport: Any) -> None:
-        made(transport)
-        guard = FrameGuard(transport, budgets, counters)
+    def connection_made(t: Any) -> None:
+        nonlocal guard, transport
+        transport = t
+        guard = FrameGuard(t, budgets, counters)
+        made(t)
 
-        def data_received(data: bytes) -> None:
-            if guard.feed(data):
-                received(data)
+    def hand_on(data: bytes) -> bool:
+        if guard is None or not guard.feed(data):
+            waiting.clear()
+            return False
+        received(data)
+        return True
 
-        proto.data_received = data_received
+    def data_received(data: bytes) -> None:
+        if waiting:
+            waiting.append(data)  # (a read that was under way as reading paused)
+            return
+        if len(data) <= MAX_FEED_BYTES:
+            hand_on(data)
+            return
+        waiting.append(data)
+        _pause(transport)
+        drain()
+
+    def drain() -> None:
+        budget = MAX_FEED_BYTES
+        while waiting and budget > 0:
+            data = waiting.popleft()
+            if len(data) > budget:
+                waiting.appendleft(data[budget:])
+                data = data[:budget]
+            budget -= len(data)
+            if not hand_on(data) or transport.is_closing():
+                waiting.clear()
+                return
+        if waiting:
+            asyncio.get_running_loop().call_soon(drain)
+        else:
+            _resume(transport)
 
     proto.connection_made = connection_made
+    proto.data_received = data_received
+
+
+def _pause(transport: Any) -> None:
+    try:
+        transport.pause_reading()
+    except Exception:  # a closing transport: nothing more comes
+        return
+
+
+def _resume(transport: Any) -> None:
+    try:
+        if not transport.is_closing():
+            transport.resume_reading()
+    except Exception:  # closed meanwhile
+        return
+
+
+class ConnectionCaps:
+    """Connections held per TCP peer address and in all (see the module docstring); UNIX
+    socket peers (the daemon's own fan-out workers) count in the total only."""
+
+    def __init__(self, per_address: int, total: int, counters: H2Counters) -> None:
+        self.per_address = per_address
+        self.total = total
+        self._counters = counters
+        self._by_address: dict[str, int] = {}
+        self.open = 0
+
+    def admit(self, transport: Any) -> Callable[[], None] | None:
+        """Take a place for a new connection: its release, or None when a cap is reached (the
+        caller closes it; counted as ``too_many_connections``)."""
+        peer = transport.get_extra_info("peername")
+        sock = transport.get_extra_info("socket")
+        tcp = sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6)
+        addr = str(peer[0]) if tcp and isinstance(peer, tuple) and peer else None
+        if self.open >= self.total or (
+            addr is not None and self._by_address.get(addr, 0) >= self.per_address
+        ):
+            self._counters.closed["too_many_connections"] += 1
+            return None
+        self.open += 1
+        if addr is not None:
+            self._by_address[addr] = self._by_address.get(addr, 0) + 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            self.open -= 1
+            if addr is not None:
+                left = self._by_address[addr] - 1
+                if left:
+                    self._by_address[addr] = left
+                else:
+                    del self._by_address[addr]
+
+        return release

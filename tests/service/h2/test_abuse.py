@@ -4,7 +4,8 @@ stream that never sends its request.
 The attacker is a raw ``h2`` client (``tests/support/h2_client.py``) writing frames as fast as
 it can; the bystanders are grpclib clients on their own connections. Oracles: the GOAWAY code
 the attacker reads, that its connection ends, and that the bystanders' call answers and their
-catalog stream receives the next update while it happens.
+catalog stream receives the next update while it happens. Every test runs on asyncio's loop and
+on uvloop's (``conftest.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable
 
 import h2.exceptions
 import h2.settings
+import hpack
 import pytest
 from grpclib.client import Channel
 
@@ -28,6 +30,8 @@ from tests.support.h2_client import RawH2Client, plane_request
 from tests.support.mem_relay import MemRelayView
 
 BUDGETS = H2Budgets()
+
+
 INFO = bytes(pb.RelayInfoRequest(contract_marker=CONTRACT_MARKER))
 
 
@@ -226,4 +230,88 @@ async def test_streams_reset_before_their_handler_runs_are_forgotten() -> None:
         assert server.service.guard_stats()[2]["rapid_reset"] == 0 and c.goaway is None
     finally:
         await c.close()
+        await server.close(grace_s=0.5)
+
+
+def _frame(kind: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + sid.to_bytes(4, "big") + payload
+
+
+def _server_reset_streams(n: int, first: int) -> bytes:
+    """``n`` new streams, each ended by the client at once and then sent an empty DATA frame:
+    h2 itself resets each (STREAM_CLOSED), so no RST_STREAM comes from the client."""
+    block = hpack.Encoder().encode([
+        (":method", "POST"), (":scheme", "http"), (":authority", "relay"),
+        (":path", "/dynamo.kvrelay.v1.KvEventRelay/GetRelayInfo"),
+        ("content-type", "application/grpc"), ("te", "trailers"),
+    ])  # fmt: skip
+    out = []
+    for i in range(n):
+        sid = first + 2 * i
+        out += [_frame(0x1, 0x5, sid, block), _frame(0x0, 0x0, sid)]
+    return b"".join(out)
+
+
+@pytest.mark.parametrize("reason", ["stream_flood", "empty_frames"])
+async def test_floods_the_reset_count_never_sees_are_closed(reason: str) -> None:
+    """Streams h2 resets itself (rapid reset without a client RST_STREAM) and frames that carry
+    nothing (PRIORITY here) have budgets of their own: GOAWAY ENHANCE_YOUR_CALM, counted, and a
+    bystander is answered."""
+    server = RelayServer(MemRelayView())
+    await server.start("127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port,
+                                                   local_addr=("127.0.0.2", 0))  # fmt: skip
+    got = bytearray()
+
+    async def read() -> None:
+        while data := await reader.read(65536):
+            got.extend(data)
+
+    pump = asyncio.ensure_future(read())
+    try:
+        writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(0x4, 0, 0))
+        if reason == "stream_flood":
+            burst = _server_reset_streams(BUDGETS.max_streams + 8, 1)
+        else:
+            burst = _frame(0x2, 0, 1, b"\x00\x00\x00\x00\x10") * (BUDGETS.max_empty_frames + 8)
+        writer.write(burst)
+        await asyncio.wait_for(pump, 20)  # the relay closes the connection
+        assert server.service.guard_stats()[2][reason] == 1
+        goaway = got.rfind(b"\x07\x00\x00\x00\x00\x00")  # type 7, flags 0, stream 0
+        calm = ENHANCE_YOUR_CALM.to_bytes(4, "big")
+        assert goaway >= 0 and got[goaway + 10 : goaway + 14] == calm
+        assert await _info(server.port) < 5.0
+    finally:
+        pump.cancel()
+        writer.close()
+        await server.close(grace_s=0.5)
+
+
+async def test_connections_over_the_caps_are_closed_as_they_are_accepted() -> None:
+    """Each connection costs a descriptor: one peer address holds at most
+    ``max_connections_per_address``, the port ``max_connections``; others are unaffected."""
+    limits = RelayLimits(max_connections=6, max_connections_per_address=3)
+    server = RelayServer(MemRelayView(), limits)
+    await server.start("127.0.0.1", 0)
+    held = []
+    try:
+        for _ in range(3):
+            held.append(await RawH2Client.connect(server.port, "127.0.0.2"))
+        extra = await RawH2Client.connect(server.port, "127.0.0.2")
+        await asyncio.wait_for(extra.closed.wait(), 10)  # over the address's cap
+        held.append(extra)
+        assert server.service.guard_stats()[2]["too_many_connections"] == 1
+        assert await _info(server.port) < 5.0  # another address (127.0.0.1) is served
+        for _ in range(3):
+            held.append(await RawH2Client.connect(server.port, "127.0.0.3"))
+        last = await RawH2Client.connect(server.port, "127.0.0.4")
+        await asyncio.wait_for(last.closed.wait(), 10)  # the port's 6 are taken
+        held.append(last)
+        assert server.service.guard_stats()[2]["too_many_connections"] == 2
+        await held[0].close()  # a place is given back when a connection ends
+        await asyncio.sleep(0.2)
+        assert await _info(server.port) < 5.0
+    finally:
+        for c in held:
+            await c.close()
         await server.close(grace_s=0.5)
