@@ -324,10 +324,12 @@ def guard_families(svc: object) -> Iterator[Metric]:
         "gRPC connections closed with GOAWAY ENHANCE_YOUR_CALM for breaking a per-connection "
         "budget (rapid_reset, stream_flood, empty_frames, ping_flood, settings_flood, "
         "oversized_headers), connections closed as accepted over a connection cap "
-        "(too_many_connections), and streams whose request never came (request_timeout).",
+        "(too_many_connections), connections closed with GOAWAY PROTOCOL_ERROR for input the "
+        "HTTP/2 stack could not take (protocol_error), streams reset for lacking :method or "
+        ":path (malformed_headers), and streams whose request never came (request_timeout).",
         labels=["reason"],
     )  # fmt: skip
-    for reason in (*ABUSE_REASONS, "request_timeout"):
+    for reason in (*ABUSE_REASONS, "protocol_error", "malformed_headers", "request_timeout"):
         abuse.add_metric([reason], h2.get(reason, 0))
     yield abuse
     authz = getattr(svc, "authz_stats", None)

@@ -9,16 +9,14 @@ are already written; the transport flushes them before closing). It needs grpcli
 ``peer_check``: a test of each accepted transport (the internal UNIX socket's peer credentials);
 a connection that fails it is aborted as soon as it is made, before any HTTP/2 frame is read.
 
-``release_cancelled_streams``: grpclib forgets a stream only in its request task's ``finally``;
-a stream reset in the same read as its HEADERS has its task cancelled before it ever runs, and
-grpclib then kept the stream (about 1.7 KiB) for the connection's life: a client resetting
-within its budget grew the relay without bound. The task's end now releases it (once).
+Each connection's protocol is also mended where grpclib mishandles hostile input
+(``mend.py``), guarded by the per-connection budgets (``guard.py``) and counted against the
+connection caps.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +24,8 @@ from typing import Any
 from grpclib.server import Server
 
 from kvrelay.service.h2.guard import ConnectionCaps, H2Budgets, H2Counters, guard_protocol
-from kvrelay.service.h2.internals import H2Protocol, missing_in_protocol
+from kvrelay.service.h2.internals import H2Protocol
+from kvrelay.service.h2.mend import mend_protocol
 
 __all__ = ["ClosingServer"]
 
@@ -46,8 +45,8 @@ class ClosingServer(Server):
     def _protocol_factory(self) -> H2Protocol:
         proto = super()._protocol_factory()
         self._protocols.add(proto)
-        release_cancelled_streams(proto)
         if self.h2_guard is not None:
+            mend_protocol(proto, self.h2_guard[1])  # under the guard: it sees frames first
             guard_protocol(proto, *self.h2_guard)
         check = self.peer_check
         if check is not None:
@@ -102,32 +101,6 @@ class ClosingServer(Server):
             if conn is None or processor is None:
                 continue
             processor.close("relay shut down")
-
-
-def release_cancelled_streams(proto: H2Protocol) -> None:
-    """See the module docstring; without grpclib's internals (``PROTOCOL_NEEDS``) nothing is
-    changed."""
-    if missing_in_protocol(proto):
-        return
-    handler: Any = proto.handler
-    accept = handler.accept
-
-    def accept_releasing(stream: Any, headers: Any, release_stream: Callable[[], Any]) -> None:
-        released = False
-
-        def release_once(*_: Any) -> None:
-            nonlocal released
-            if not released:
-                released = True
-                with contextlib.suppress(Exception):  # the connection is gone: nothing held
-                    release_stream()
-
-        accept(stream, headers, release_once)
-        task = handler._tasks.get(stream)  # (grpclib replaces the dict every 10 streams)
-        if task is not None:
-            task.add_done_callback(release_once)
-
-    handler.accept = accept_releasing
 
 
 def _ignore(*_args: Any) -> None:

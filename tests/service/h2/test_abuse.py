@@ -315,3 +315,50 @@ async def test_connections_over_the_caps_are_closed_as_they_are_accepted() -> No
         for c in held:
             await c.close()
         await server.close(grace_s=0.5)
+
+
+async def test_malformed_requests_and_unknown_frames_are_answered_not_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A request without ``:path`` is reset (``PROTOCOL_ERROR``) and counted, not an ERROR
+    with a traceback per stream; a frame type HTTP/2 does not define is ignored (RFC 9113), the
+    connection goes on; a header value that is not ASCII ends the connection with GOAWAY
+    ``PROTOCOL_ERROR``, counted. A bystander is answered throughout."""
+    server = RelayServer(MemRelayView())
+    await server.start("127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port,
+                                                   local_addr=("127.0.0.2", 0))  # fmt: skip
+    got = bytearray()
+
+    async def read() -> None:
+        while data := await reader.read(65536):
+            got.extend(data)
+
+    pump = asyncio.ensure_future(read())
+    enc = hpack.Encoder()
+    try:
+        writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(0x4, 0, 0))
+        no_path = enc.encode([(":method", "POST"), (":scheme", "http"),
+                              ("content-type", "application/grpc")])  # fmt: skip
+        for sid in range(1, 40, 2):
+            writer.write(_frame(0x1, 0x5, sid, no_path))
+        writer.write(_frame(0x20, 0, 0, b"whatever"))  # an extension frame type
+        writer.write(_frame(0x6, 0, 0, b"pingpong"))  # answered: the connection goes on
+        svc = server.service
+        await _eventually(lambda: svc.guard_stats()[2].get("malformed_headers") == 20)
+        await _eventually(lambda: b"\x06\x01\x00\x00\x00\x00pingpong" in got)
+        assert not pump.done()
+        rst = b"\x00\x00\x04\x03\x00"  # RST_STREAM frames, PROTOCOL_ERROR
+        assert got.count(rst) == 20 and got.count(rst + b"\x00\x00\x00\x01" + bytes(3) + b"\x01")
+        bad = enc.encode([(":method", "POST"), (":path", "/x"), ("x-name", "caf\xe9")])
+        writer.write(_frame(0x1, 0x5, 41, bad))
+        await asyncio.wait_for(pump, 10)  # closed
+        assert server.service.guard_stats()[2].get("protocol_error") == 1
+        goaway = got.rfind(b"\x07\x00\x00\x00\x00\x00")
+        assert goaway >= 0 and got[goaway + 10 : goaway + 14] == (1).to_bytes(4, "big")
+        assert await _info(server.port) < 5.0
+        assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+    finally:
+        pump.cancel()
+        writer.close()
+        await server.close(grace_s=0.5)

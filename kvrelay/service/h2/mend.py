@@ -1,0 +1,100 @@
+"""Where grpclib mishandles hostile input on a server connection, mended per connection.
+
+* **Streams reset before their task runs.** grpclib forgets a stream only in its request
+  task's ``finally``; a stream reset in the same read as its HEADERS has its task cancelled
+  before it ever runs, and grpclib kept the stream (about 1.7 KiB) for the connection's life: a
+  client resetting within its budget grew the relay without bound. The task's end releases it.
+* **Requests without ``:method`` or ``:path``.** grpclib reads them unchecked (h2 is set not to
+  validate): each such stream raised ``KeyError`` into an ERROR log with a traceback and was
+  never answered. Such a stream is reset (``PROTOCOL_ERROR``) before grpclib sees it, and counted
+  (``malformed_headers``).
+* **Frame types HTTP/2 does not define.** RFC 9113 says to ignore them; grpclib raised on h2's
+  event for one and the connection died without a GOAWAY. They are ignored.
+* **Anything else grpclib's ``data_received`` raises** (a header value that is not ASCII, for
+  one) ended the connection through the event loop's "fatal error" log, without a GOAWAY. The
+  connection now gets GOAWAY ``PROTOCOL_ERROR`` and is closed, counted (``protocol_error``).
+
+Uses grpclib's private protocol parts (``internals.PROTOCOL_NEEDS``); without them the protocol
+is left as grpclib made it. Installed before the transport exists (uvloop's transports keep the
+``data_received`` they find when made).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from h2.errors import ErrorCodes
+from h2.events import UnknownFrameReceived
+
+from kvrelay.service.h2.guard import H2Counters, goaway
+from kvrelay.service.h2.internals import H2Protocol, missing_in_protocol
+
+__all__ = ["mend_protocol"]
+
+_PROTOCOL_ERROR = 0x1
+
+
+def mend_protocol(proto: H2Protocol, counters: H2Counters) -> None:
+    """See the module docstring."""
+    if missing_in_protocol(proto):
+        return
+    handler: Any = proto.handler
+    accept = handler.accept
+    made = proto.connection_made
+    received = proto.data_received
+    transport: Any = None
+
+    def count(reason: str) -> None:
+        counters.closed[reason] = counters.closed.get(reason, 0) + 1
+
+    def accept_checked(stream: Any, headers: Any, release_stream: Callable[[], Any]) -> None:
+        released = False
+
+        def release_once(*_: Any) -> None:
+            nonlocal released
+            if not released:
+                released = True
+                with contextlib.suppress(Exception):  # the connection is gone: nothing held
+                    release_stream()
+
+        names = [h[0] for h in headers]
+        if names.count(":method") != 1 or names.count(":path") != 1:
+            count("malformed_headers")
+            with contextlib.suppress(Exception):
+                stream.reset_nowait(ErrorCodes.PROTOCOL_ERROR)
+            release_once()
+            return
+        accept(stream, headers, release_once)
+        task = handler._tasks.get(stream)  # (grpclib replaces the dict every 10 streams)
+        if task is not None:
+            task.add_done_callback(release_once)
+
+    def connection_made(t: Any) -> None:
+        nonlocal transport
+        transport = t
+        made(t)
+        processors = getattr(getattr(proto, "processor", None), "processors", None)
+        if isinstance(processors, dict):
+            processors.setdefault(UnknownFrameReceived, _ignore)
+
+    def data_received(data: bytes) -> None:
+        try:
+            received(data)
+        except Exception:
+            count("protocol_error")
+            t = transport
+            if t is not None and not t.is_closing():
+                h2 = getattr(getattr(proto, "connection", None), "_connection", None)
+                last = getattr(h2, "highest_inbound_stream_id", 0)
+                t.write(goaway(last if isinstance(last, int) else 0, _PROTOCOL_ERROR))
+                t.close()
+
+    handler.accept = accept_checked
+    proto.connection_made = connection_made  # type: ignore[method-assign,assignment]
+    proto.data_received = data_received  # type: ignore[method-assign]
+
+
+def _ignore(_event: Any) -> None:
+    """A frame type HTTP/2 does not define (RFC 9113 §5.5: ignored)."""
