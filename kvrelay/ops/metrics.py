@@ -313,10 +313,11 @@ def guard_families(svc: object) -> Iterator[Metric]:
     yield pre
     resets = CounterMetricFamily(
         "kvrelay_stream_stalled_resets",
-        "Plane streams reset because their client took no message for stalled_stream_reset_s.",
+        "Plane streams (and GetRelayInfo calls: relay_info) reset because their client took no "
+        "message for stalled_stream_reset_s.",
         labels=["kind"],
     )
-    for kind in ("catalog", "readiness", "load", "serving_load"):
+    for kind in ("catalog", "readiness", "load", "serving_load", "relay_info"):
         resets.add_metric([kind], stalled.get(kind, 0))
     yield resets
     abuse = CounterMetricFamily(

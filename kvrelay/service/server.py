@@ -346,7 +346,7 @@ class KvEventRelayService:
             raise
         except Exception as exc:  # a bug: INTERNAL with the trailer, not grpclib's bare UNKNOWN
             self.refuse(RelayError.internal(f"internal error: {type(exc).__name__}"))
-        await stream.send_message(info)
+        await self._send_plane(stream, "relay_info", info)  # a reply never taken: reset too
 
     def refuse(self, err: RelayError) -> NoReturn:
         """End a call that has sent nothing yet with ``err``: counted, its status and the

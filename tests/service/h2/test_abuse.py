@@ -362,3 +362,20 @@ async def test_malformed_requests_and_unknown_frames_are_answered_not_logged(
         pump.cancel()
         writer.close()
         await server.close(grace_s=0.5)
+
+
+async def test_a_relay_info_reply_never_taken_is_reset() -> None:
+    """A client with a zero window never takes a ``GetRelayInfo`` reply: the call is reset after
+    ``stalled_stream_reset_s`` and counted, as a stalled plane stream is, and its task ends."""
+    server = RelayServer(MemRelayView(), RelayLimits(stalled_stream_reset_s=0.5))
+    await server.start("127.0.0.1", 0)
+    c = await RawH2Client.connect(server.port, "127.0.0.2", window=0)
+    try:
+        calls = [c.open("GetRelayInfo", INFO) for _ in range(3)]
+        await asyncio.wait_for(asyncio.gather(*(s.ended.wait() for s in calls)), 10)
+        assert all(s.reset for s in calls)
+        await _eventually(lambda: server.service.stalled_resets.get("relay_info") == 3)
+        assert await _info(server.port) < 5.0
+    finally:
+        await c.close()
+        await server.close(grace_s=0.5)
