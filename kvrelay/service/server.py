@@ -40,7 +40,6 @@ from kvrelay.service.codec import PassThroughCodec
 from kvrelay.service.h2.closing import ClosingServer
 from kvrelay.service.h2.guard import ConnectionCaps, H2Budgets, H2Counters
 from kvrelay.service.h2.request import (
-    MAX_REQUEST_BYTES,
     REQUEST_TIMEOUT_S,
     BoundedRequests,
     recv_within,
@@ -372,7 +371,7 @@ class KvEventRelayService:
     # --- helpers ---
     async def _recv(self, stream: Stream[Any, Any]) -> Any:
         return await recv_within(
-            stream, MAX_REQUEST_BYTES, self.request_timeout_s, self.h2_counters
+            stream, self.limits.max_message_bytes, self.request_timeout_s, self.h2_counters
         )
 
     async def _until_newer(
@@ -574,12 +573,14 @@ class RelayServer:
         self.limits = limits or RelayLimits()
         self.service = KvEventRelayService(view, self.limits)
         self.health = RelayHealth(self.service)
-        self.spacing = SpacingService(view, self.service._relay_info, self.service)
+        self.spacing = SpacingService(
+            view, self.service._relay_info, self.service, self.limits.max_message_bytes
+        )
         # the spacing service is kvrelay's own (not Dynamo's contract): not listed by reflection
         # grpclib's health and reflection services read requests through the relay's reader
         listed: list[Any] = [self.service, self.health.service]
         reflection = ServerReflection.extend(listed, pool=reflection_pool())[len(listed):]
-        foreign = [BoundedRequests(h, MAX_REQUEST_BYTES, REQUEST_TIMEOUT_S,
+        foreign = [BoundedRequests(h, self.limits.max_message_bytes, REQUEST_TIMEOUT_S,
                                    self.service.refuse, self.service.h2_counters)
                    for h in (self.health.service, *reflection)]  # fmt: skip
         handlers = [self.service, *foreign, self.spacing]

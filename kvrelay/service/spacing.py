@@ -29,7 +29,7 @@ from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.errors import RelayError
 from kvrelay.contract.producer import producer_key
 from kvrelay.service.authz import not_visible
-from kvrelay.service.h2.request import MAX_REQUEST_BYTES, REQUEST_TIMEOUT_S, recv_within
+from kvrelay.service.h2.request import REQUEST_TIMEOUT_S, recv_within
 from kvrelay.service.status import status_of
 from kvrelay.service.validation import validate_stream_request
 
@@ -43,8 +43,9 @@ MAX_HOLD_MS = 60_000
 class SpacingService:
     """The handler; ``view`` is the served ``RelayView`` (its ``hold_pool``, when it has one)."""
 
-    def __init__(self, view: Any, relay_info: Any, rights: Any) -> None:
+    def __init__(self, view: Any, relay_info: Any, rights: Any, max_message_bytes: int) -> None:
         self.view = view
+        self._max_message_bytes = max_message_bytes
         self._relay_info = relay_info  # () -> RelayInfo bytes
         #: the relay service's ``may_see``/``deny`` (``[[authorization]]``); None: no rules
         self._rights = rights
@@ -64,7 +65,7 @@ class SpacingService:
             raise GRPCError(Status.UNIMPLEMENTED, "this relay does not space for mirrors")
         self.requests += 1
         try:
-            request = await recv_within(stream, MAX_REQUEST_BYTES, REQUEST_TIMEOUT_S)
+            request = await recv_within(stream, self._max_message_bytes, REQUEST_TIMEOUT_S)
             validate_stream_request(request.contract_marker, request.subscriber_id)
             producer_key(request.expected_producer)
             raw = dict(stream.metadata or {}).get(HOLD_HEADER, "")

@@ -13,9 +13,10 @@ lacks one it falls back to ``recv_message`` with the same mapping of its framing
 ``RecvMessage`` event is not dispatched on the checked path (the relay listens for none).
 
 Requests are small (a pool id, a subscriber id, a producer identity; a service name for health
-and reflection), so the bound is ``MAX_REQUEST_BYTES``, not the outbound message limit: a stream
-pins at most that much of a client's sending. ``BoundedRequests`` puts grpclib's own health and
-reflection services on the same reader.
+and reflection): one over ``MAX_REQUEST_BYTES`` cannot be valid and is refused as
+INVALID_REQUEST, also before its body is read (one over the message limit stays RESOURCE_LIMIT,
+as the contract says), so a stream pins at most that much of a client's sending.
+``BoundedRequests`` puts grpclib's own health and reflection services on the same reader.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ __all__ = [
 
 #: A stream (or call) whose request message has not arrived after this long ends INVALID_REQUEST.
 REQUEST_TIMEOUT_S = 10.0
-#: The largest request message read (every request of the contract is well under 1 KiB).
-MAX_REQUEST_BYTES = 64 * 1024
+#: The largest request message read: larger ones are no valid request (every request of the
+#: contract is well under 1 KiB) and refused unread.
+MAX_REQUEST_BYTES = 1024 * 1024
 _PREFIX = 5
 
 
@@ -74,6 +76,10 @@ async def recv_request(stream: Any, max_bytes: int) -> Any | None:
     size = int.from_bytes(prefix[1:_PREFIX], "big")
     if size > max_bytes:
         raise RelayError.resource_limit(f"inbound message of {size} bytes exceeds {max_bytes}")
+    if size > MAX_REQUEST_BYTES:
+        raise RelayError.invalid_request(
+            f"request of {size} bytes: larger than any valid request ({MAX_REQUEST_BYTES})"
+        )
     try:
         body = await inner.recv_data(size)
     except AssertionError:

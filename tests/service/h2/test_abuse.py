@@ -157,9 +157,10 @@ REFLECT = b"\x3a\x00"  # ServerReflectionRequest{list_services: ""}
      ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", REFLECT)],
 )  # fmt: skip
 async def test_request_framing_is_checked_before_the_body_is_read(method: str, body: bytes) -> None:
-    """A prefix claiming 2 GiB, or just over the request bound, is refused at once
-    (RESOURCE_LIMIT), before any of the body is taken: the relay never buffers what a request
-    claims, on its own RPCs as on grpclib's health and reflection services. A body shorter than
+    """A prefix claiming 2 GiB (over the message limit: RESOURCE_LIMIT), or just over the size
+    of any valid request (INVALID_REQUEST), is refused at once, before any of the body is
+    taken: the relay never buffers what a request claims, on its own RPCs as on grpclib's
+    health and reflection services. A body shorter than
     its prefix and a compressed message are the client's fault (INVALID_REQUEST), not a relay
     bug (INTERNAL)."""
     view = MemRelayView()
@@ -177,7 +178,7 @@ async def test_request_framing_is_checked_before_the_body_is_read(method: str, b
         t0 = time.monotonic()
         await asyncio.wait_for(asyncio.gather(huge.ended.wait(), over.ended.wait()), 20)
         assert time.monotonic() - t0 < 4.0, "waited for the claimed body"
-        assert (over.status, over.reason) == ("8", "RELAY_ERROR_REASON_RESOURCE_LIMIT")
+        assert (over.status, over.reason) == ("3", "RELAY_ERROR_REASON_INVALID_REQUEST")
         await asyncio.wait_for(asyncio.gather(short.ended.wait(), packed.ended.wait()), 20)
         assert (huge.status, huge.reason) == ("8", "RELAY_ERROR_REASON_RESOURCE_LIMIT")
         for st in (short, packed):
