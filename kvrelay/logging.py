@@ -44,7 +44,7 @@ def writes_to_journal(stream: TextIO, env: Mapping[str, str] | None = None) -> b
     (``device:inode``); an inherited variable with another stream does not count."""
     value = (os.environ if env is None else env).get("JOURNAL_STREAM", "")
     dev, sep, ino = value.partition(":")
-    if not sep or not dev.isdigit() or not ino.isdigit():
+    if not sep or not (dev.isascii() and dev.isdigit() and ino.isascii() and ino.isdigit()):
         return False
     try:
         st = os.fstat(stream.fileno())

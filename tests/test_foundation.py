@@ -255,3 +255,13 @@ def test_version_entry_point() -> None:
     )
     assert out.stdout.startswith(f"kvrelay {__version__}")
     assert __version__ != "0.0.0+unknown"
+
+
+def test_only_ascii_digits_are_decimal() -> None:
+    """``str.isdigit`` is true for digits ``int`` refuses (superscripts): every parser of
+    untrusted text checks with ``is_decimal`` before ``int``."""
+    from kvrelay._text import is_decimal
+
+    assert is_decimal("0123") and not is_decimal("") and not is_decimal("-1")
+    assert "²".isdigit() and not is_decimal("²") and not is_decimal("1²")
+    assert not is_decimal("١٢")  # Arabic-Indic digits: int() takes them, the relay does not

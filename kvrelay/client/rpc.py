@@ -23,6 +23,7 @@ from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from kvrelay._grpc import effective_status
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay._text import is_decimal
 from kvrelay.client import errors as E
 from kvrelay.client.codec import ClientCodec
 from kvrelay.contract.wire import CONTRACT_MARKER
@@ -48,7 +49,7 @@ class RelayAddress:
     @classmethod
     def parse(cls, text: str) -> RelayAddress:
         host, sep, port = text.strip().rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not sep or not host or not is_decimal(port) or not 0 < int(port) < 65536:
             raise ValueError(f"relay address must be HOST:PORT, got {text!r}")
         return cls(host.strip("[]"), int(port))
 

@@ -1,18 +1,22 @@
 """grpclib discovery client for vLLM's ``vllm.Control`` service (vLLM >= 0.27).
 
-Every RPC has a timeout and maps failures to the typed errors in ``errors.py``.
-``GetKvEventSources`` falls back to ``vllm.KvTransfer/GetKvEventSources`` on UNIMPLEMENTED.
-Returned endpoints have wildcard hosts replaced by the host used to reach the engine.
+Every RPC has a timeout and maps failures to the typed errors in ``errors.py``, a reply that
+does not decode (or is larger than ``MAX_REPLY_BYTES``: decoding one on the event loop took
+seconds) included. ``GetKvEventSources`` falls back to ``vllm.KvTransfer/GetKvEventSources`` on
+UNIMPLEMENTED. Returned endpoints have wildcard hosts replaced by the host used to reach the
+engine. Parallelism an engine cannot have (``MAX_PARALLEL``) fails its snapshot: the relay
+builds one structure per declared rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpclib.const
 import grpclib.exceptions
 from grpclib.client import Channel
+from grpclib.encoding.proto import ProtoCodec
 
 from kvrelay._aio import bounded
 from kvrelay._grpc import effective_status
@@ -37,6 +41,24 @@ KV_TRANSFER_SOURCES_PATH = "/vllm.KvTransfer/GetKvEventSources"
 T = TypeVar("T")
 
 
+#: The largest Control reply decoded (a ServerInfo is a few hundred bytes; 1 MiB holds thousands
+#: of LoRA adapters).
+MAX_REPLY_BYTES = 1024 * 1024
+#: The most data-parallel ranks (or tensor/pipeline degree) an engine may declare.
+MAX_PARALLEL = 4096
+
+
+class ReplyTooLarge(ValueError):
+    """A Control reply over ``MAX_REPLY_BYTES`` (refused before it is decoded)."""
+
+
+class _BoundedCodec(ProtoCodec):
+    def decode(self, data: bytes, message_type: Any) -> Any:
+        if len(data) > MAX_REPLY_BYTES:
+            raise ReplyTooLarge(f"reply of {len(data)} bytes (at most {MAX_REPLY_BYTES})")
+        return super().decode(data, message_type)
+
+
 class EngineClient:
     """Client for one engine frontend. Use as ``async with EngineClient(host, port) as c``."""
 
@@ -52,7 +74,7 @@ class EngineClient:
         self.timeout = timeout
         self.static = static
         self.address = f"{host}:{port}"
-        self._channel = Channel(host, port)
+        self._channel = Channel(host, port, codec=_BoundedCodec())
         self._stub = vpb.ControlStub(self._channel)
 
     async def __aenter__(self) -> EngineClient:
@@ -83,6 +105,8 @@ class EngineClient:
             grpclib.exceptions.ProtocolError,
         ) as exc:
             raise EngineUnreachable(self.address, f"{what}: {exc!r}") from exc
+        except Exception as exc:  # a reply that does not decode, or too large to: typed
+            raise RpcFailed(self.address, f"{what}: bad reply: {exc!r}", "INVALID_REPLY") from exc
 
     # ---- RPCs ----
     async def server_info(self) -> vpb.ServerInfo:
@@ -183,6 +207,14 @@ class EngineClient:
         except DiscoveryError:
             return fallback, False
 
+    def _check_parallelism(self, info: vpb.ServerInfo) -> None:
+        par = info.parallelism or vpb.ParallelismInfo()
+        sizes = (par.data_parallel_size, par.data_parallel_size_local, par.tensor_parallel_size,
+                 par.pipeline_parallel_size)  # fmt: skip
+        if max(sizes) > MAX_PARALLEL or par.data_parallel_rank > MAX_PARALLEL:
+            raise RpcFailed(self.address, f"GetServerInfo: implausible parallelism {sizes}",
+                            "INVALID_REPLY")  # fmt: skip
+
     async def snapshot(self, previous: EngineSnapshot | None = None) -> EngineSnapshot:
         """Full snapshot; never raises for network/RPC failures (``reachable=False`` instead).
 
@@ -193,6 +225,7 @@ class EngineClient:
         prev = previous if previous is not None and previous.reachable else None
         try:
             info = await self.server_info()
+            self._check_parallelism(info)
             model = await self.model_info()
             try:
                 sources, via = await self.kv_event_sources()
@@ -201,6 +234,10 @@ class EngineClient:
                     sources, via = static_sources(self.static, self.host), "static"
                 else:
                     sources, via = (), "none"
+            ranks = [s.dp_rank for s in sources]
+            if len(ranks) > MAX_PARALLEL or len(set(ranks)) != len(ranks):
+                raise RpcFailed(self.address, f"GetKvEventSources: {len(ranks)} sources with "
+                                f"{len(set(ranks))} distinct ranks", "INVALID_REPLY")  # fmt: skip
         except DiscoveryError as exc:
             return EngineSnapshot(host=self.host, port=self.port, reachable=False, error=str(exc))
         unknown: list[str] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvrelay._text import is_decimal
 from kvrelay.discovery.errors import InvalidEndpoint
 
 WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]", ""})
@@ -42,7 +43,7 @@ def split_tcp(endpoint: str) -> tuple[str, int]:
         raise InvalidEndpoint(f"not a tcp endpoint: {endpoint!r}")
     rest = endpoint[len("tcp://") :]
     host, sep, port = rest.rpartition(":")
-    if not sep or not port.isdigit() or int(port) > 65535:
+    if not sep or not is_decimal(port) or int(port) > 65535:
         raise InvalidEndpoint(f"bad port in endpoint: {endpoint!r}")
     return host, int(port)
 
@@ -70,7 +71,7 @@ def dp_offset(endpoint: str, rank: int) -> str:
         return f"{endpoint}_dp{rank}"
     if "tcp" in endpoint:
         head, sep, port = endpoint.rpartition(":")
-        if not sep or not port.isdigit():
+        if not sep or not is_decimal(port):
             raise InvalidEndpoint(f"bad port in endpoint: {endpoint!r}")
         p = int(port)
         if p == 0:

@@ -156,6 +156,7 @@ class EngineWatcher:
         self.last: dict[str, EngineSnapshot] = {}
         self.last_good: dict[str, EngineSnapshot] = {}
         self.callback_errors = 0
+        self.poll_errors = 0  # passes that raised (each retried at the next interval)
         self.polls = 0
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._started = False
@@ -185,7 +186,13 @@ class EngineWatcher:
     async def _loop(self, name: str) -> None:
         me = asyncio.current_task()
         while True:
-            await self.poll_once(name)
+            try:
+                await self.poll_once(name)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug must not end this engine's discovery for good
+                self.poll_errors += 1
+                _log.exception("discovery_poll_failed", target=name)
             if me is not None and me.cancelling():
                 # a stop() arrived while polling and was swallowed on the way (Python 3.11's
                 # wait_for can do that): honour it instead of polling forever

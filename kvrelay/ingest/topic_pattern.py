@@ -15,6 +15,8 @@ import itertools
 import re
 from dataclasses import dataclass
 
+from kvrelay._text import is_decimal
+
 PLACEHOLDERS = ("engine", "rank", "model")
 MAX_ENGINE_NAME = 256
 MAX_RANK = 1023
@@ -119,7 +121,7 @@ class TopicPattern:
         rank = None
         if self.has_rank:
             r = m.group("rank")
-            if not (r.isascii() and r.isdigit()) or len(r) > 4 or int(r) > MAX_RANK:
+            if not is_decimal(r) or len(r) > 4 or int(r) > MAX_RANK:
                 raise TopicMalformedError(f"rank is not a number in 0..{MAX_RANK}")
             rank = int(r)
         model = m.group("model") if "model" in self._regex.groupindex else None

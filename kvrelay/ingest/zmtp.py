@@ -43,6 +43,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import cast
 
+from kvrelay._text import is_decimal
+
 __all__ = [
     "CONNECTED",
     "DISCONNECTED",
@@ -117,7 +119,7 @@ def _split_tcp(endpoint: str) -> tuple[str, int]:
     if ";" in rest:  # a source-interface form libzmq knows: leave it to libzmq
         raise ValueError(endpoint)
     host, sep, port = rest.rpartition(":")
-    if not sep or not host or host == "*" or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or host == "*" or not is_decimal(port) or not 0 < int(port) < 65536:
         raise ValueError(endpoint)
     if host.startswith("["):
         if not host.endswith("]"):

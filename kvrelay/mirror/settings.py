@@ -6,6 +6,7 @@ import random
 import ssl as _ssl
 from dataclasses import dataclass, field
 
+from kvrelay._text import is_decimal
 from kvrelay.contract.limits import RelayLimits
 
 MiB = 1024 * 1024
@@ -32,7 +33,7 @@ class UpstreamAddress:
                 raise ValueError(f"unix: address needs an absolute path, got {text!r}")
             return cls(path=path)
         host, sep, port = t.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not sep or not host or not is_decimal(port) or not 0 < int(port) < 65536:
             raise ValueError(f"upstream must be HOST:PORT or unix:/path, got {text!r}")
         if host.startswith("[") and host.endswith("]"):
             host = host[1:-1]

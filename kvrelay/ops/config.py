@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay._text import is_decimal
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.discovery.endpoints import WILDCARD_HOSTS, StaticSourceConfig, split_tcp
 from kvrelay.hashing.identity import DEFAULT_CKF_SEED, bucket_count_for
@@ -183,7 +184,7 @@ def parse_bind(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host:
         raise ValueError(f"expected HOST:PORT, got {text!r}")
-    if not port.isdigit() or int(port) > 65535:
+    if not is_decimal(port) or int(port) > 65535:
         raise ValueError(f"port must be 0..65535, got {port!r}")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]

@@ -34,6 +34,7 @@ import sys
 from dataclasses import dataclass
 
 from kvrelay._madvise import MADV_DONTNEED, madvise
+from kvrelay._text import is_decimal
 
 #: mallopt parameters (glibc <malloc.h>).
 _M_MMAP_THRESHOLD = -3
@@ -140,7 +141,7 @@ def parse_smaps(text: str) -> list[Mapping]:
             perms = parts[1] if len(parts) > 1 else ""
             head = (int(lo, 16), int(hi, 16), perms, parts[5] if len(parts) > 5 else "")
             rss = anon = dirty = 0
-        elif head is not None and len(parts) >= 2 and parts[1].isdigit():
+        elif head is not None and len(parts) >= 2 and is_decimal(parts[1]):
             if key == "Rss:":
                 rss = int(parts[1])
             elif key == "Anonymous:":

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvrelay._text import is_decimal
 from kvrelay.logging import get_logger
 from kvrelay.ops.config import ConfigProblem, DaemonConfig, check_file
 from kvrelay.relay import safe_files
@@ -146,7 +147,7 @@ def read_pid_file(path: str | os.PathLike[str]) -> int:
     finally:
         os.close(fd)
     text = raw.decode("ascii", "replace").strip()
-    if len(raw) > _PID_FILE_MAX or not text.isdigit() or int(text) <= 1:
+    if len(raw) > _PID_FILE_MAX or not is_decimal(text) or int(text) <= 1:
         raise ValueError(f"{os.fspath(path)}: not a process id: {text[:32]!r}")
     return int(text)
 

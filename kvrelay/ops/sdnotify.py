@@ -15,6 +15,7 @@ import socket
 import time
 from collections.abc import Mapping
 
+from kvrelay._text import is_decimal
 from kvrelay.logging import get_logger
 
 _LOG = get_logger(__name__)
@@ -110,9 +111,9 @@ def _address(value: str) -> str | bytes | None:
 def _watchdog_interval(env: Mapping[str, str]) -> float | None:
     """``WATCHDOG_USEC`` in seconds, honouring ``WATCHDOG_PID`` (only when it names us)."""
     usec = env.get("WATCHDOG_USEC", "")
-    if not usec.isdigit() or int(usec) == 0:
+    if not is_decimal(usec) or int(usec) == 0:
         return None
     pid = env.get("WATCHDOG_PID", "")
-    if pid and (not pid.isdigit() or int(pid) != os.getpid()):
+    if pid and (not is_decimal(pid) or int(pid) != os.getpid()):
         return None
     return int(usec) / 1_000_000

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvrelay._text import is_decimal
 from kvrelay.logging import get_logger
 
 _LOG = get_logger("kvrelay.ops.upgrade")
@@ -259,7 +260,7 @@ class Handoff:
         fds: dict[str, int] = {}
         for part in raw.split(","):
             name, _, fd = part.partition("=")
-            if name not in ("chan", "grpc", "metrics") or not fd.isdigit():
+            if name not in ("chan", "grpc", "metrics") or not is_decimal(fd):
                 raise ValueError(f"{ENV}: malformed entry {part!r}")
             fds[name] = int(fd)
         if "chan" not in fds or "grpc" not in fds:

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvrelay._aio import cancel_all
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay._text import is_decimal
 from kvrelay.contract.errors import RelayError
 from kvrelay.contract.limits import PermitCounter
 from kvrelay.contract.producer import producer_key
@@ -618,7 +619,7 @@ class Relay:
                 page = await scrape_engine_page(
                     st.spec.host, port, pool.base_model(), timeout=self.settings.discovery_timeout_s
                 )
-                st.usage = {int(k): v for k, v in page.kv_usage.items() if k.isdigit()}
+                st.usage = {int(k): v for k, v in page.kv_usage.items() if is_decimal(k)}
                 self._serving.store(pool.name, st.spec.name, Page(unix_ms(), page))
                 self._fold_serving_totals()
             except (TimeoutError, MetricsScrapeError, OSError):

@@ -26,6 +26,7 @@ from grpclib.exceptions import GRPCError
 from grpclib.server import Stream
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay._text import is_decimal
 from kvrelay.contract.errors import RelayError
 from kvrelay.contract.producer import producer_key
 from kvrelay.service.authz import not_visible
@@ -70,7 +71,7 @@ class SpacingService:
             producer_key(request.expected_producer)
             raw = dict(stream.metadata or {}).get(HOLD_HEADER, "")
             text = raw.decode() if isinstance(raw, bytes) else str(raw)
-            if not text.isdigit() or int(text) > MAX_HOLD_MS:
+            if not is_decimal(text) or int(text) > MAX_HOLD_MS:
                 raise RelayError.invalid_request(f"{HOLD_HEADER} must be 0..{MAX_HOLD_MS}")
             rights = self._rights
             if rights is not None and not rights.may_see(stream, request.expected_producer):

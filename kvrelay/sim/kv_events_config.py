@@ -12,6 +12,7 @@ import json
 from dataclasses import replace
 from typing import Any
 
+from kvrelay._text import is_decimal
 from kvrelay.sim.config import SimConfig
 
 KNOWN = (
@@ -24,7 +25,7 @@ def _tcp(key: str, value: Any) -> tuple[str, int]:
     if not isinstance(value, str) or not value.startswith("tcp://"):
         raise ValueError(f"{key}: the simulator binds tcp://HOST:PORT endpoints, got {value!r}")
     host, sep, port = value[len("tcp://") :].rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
+    if not sep or not host or not is_decimal(port) or int(port) > 65535:
         raise ValueError(f"{key}: expected tcp://HOST:PORT, got {value!r}")
     return host, int(port)
 

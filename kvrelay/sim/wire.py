@@ -13,6 +13,8 @@ from typing import Any
 
 import msgspec
 
+from kvrelay._text import is_decimal
+
 U64_MASK = (1 << 64) - 1
 END_SEQ = b"\xff" * 8
 
@@ -134,7 +136,7 @@ def offset_endpoint(endpoint: str, rank: int) -> str:
         return f"{endpoint}_dp{rank}"
     if "tcp" in endpoint:
         head, sep, port = endpoint.rpartition(":")
-        if not sep or not port.isdigit():
+        if not sep or not is_decimal(port):
             raise ValueError(f"tcp endpoint without a numeric port: {endpoint!r}")
         p = int(port)
         return endpoint if p == 0 else f"{head}:{p + rank}"
