@@ -5,11 +5,17 @@ content-type; grpclib's client reports that as ``UNKNOWN`` "Missing content-type
 means ``UNIMPLEMENTED`` (other servers send that code), and callers that decide on
 ``UNIMPLEMENTED`` (an engine without an optional Control RPC, a relay without
 ``SubscribeServingLoad``) must see it whichever server answered.
+
+``recv_reply``: the one bounded reader of a client stream's replies (the SDK, the mirror, the
+benchmarks' subscribers), on grpclib's private client stream parts (``CLIENT_RECV_NEEDS``).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from grpclib.const import Status
+from grpclib.exceptions import GRPCError
 
 NO_CONTENT_TYPE = "Missing content-type header"
 
@@ -18,3 +24,75 @@ def effective_status(status: Status, message: str | None) -> Status:
     if status is Status.UNKNOWN and message == NO_CONTENT_TYPE:
         return Status.UNIMPLEMENTED
     return status
+
+
+#: What ``recv_reply`` reads a grpclib client stream through: ``(where, attribute)`` with
+#: ``where`` the client ``Stream`` (``stream``) or its protocol stream (``inner``). Without any
+#: of them it falls back to grpclib's ``recv_message`` (sizes then checked after the read).
+CLIENT_RECV_NEEDS: tuple[tuple[str, str], ...] = (
+    ("stream", "_recv_initial_metadata_done"),
+    ("stream", "recv_initial_metadata"),
+    ("stream", "_wrapper"),
+    ("stream", "_stream"),
+    ("stream", "_codec"),
+    ("stream", "_recv_type"),
+    ("stream", "_messages_received"),
+    ("inner", "recv_data"),
+    ("inner", "connection"),
+)
+
+
+class UndecodableReply(Exception):
+    """A reply message the client could not take: broken framing, or bytes that do not decode
+    as its type. (One larger than the bound is ``RESOURCE_EXHAUSTED``, as grpc clients say.)"""
+
+
+def missing_client_recv_needs(stream: Any) -> list[str]:
+    """``where.attribute`` for each of ``CLIENT_RECV_NEEDS`` that ``stream`` lacks."""
+    objects = {"stream": stream, "inner": getattr(stream, "_stream", None)}
+    return [f"{w}.{a}" for w, a in CLIENT_RECV_NEEDS if not hasattr(objects[w], a)]
+
+
+async def recv_reply(stream: Any, max_bytes: int | None) -> Any | None:
+    """The next reply of a grpclib client stream, or None at its end. Its length prefix is
+    checked before its body is read: grpclib's ``recv_message`` buffers whatever a prefix claims
+    (up to 4 GiB) before the codec can refuse it. Raises ``GRPCError(RESOURCE_EXHAUSTED)`` for a
+    claim over ``max_bytes`` (None: unbounded) and ``UndecodableReply`` for anything it cannot
+    decode."""
+    if missing_client_recv_needs(stream):
+        try:
+            return await stream.recv_message()
+        except (AssertionError, NotImplementedError, ValueError, EOFError, KeyError) as exc:
+            raise UndecodableReply(f"{type(exc).__name__}: {exc}") from None
+    if not stream._recv_initial_metadata_done:
+        await stream.recv_initial_metadata()
+    with stream._wrapper:
+        inner = stream._stream
+        try:
+            prefix = await inner.recv_data(5)
+        except AssertionError:
+            raise UndecodableReply("stream ended inside a message prefix") from None
+        if not prefix:
+            return None
+        if prefix[0]:
+            raise UndecodableReply("compressed reply (none was asked for)")
+        size = int.from_bytes(prefix[1:5], "big")
+        if max_bytes is not None and size > max_bytes:
+            raise GRPCError(
+                Status.RESOURCE_EXHAUSTED, f"inbound message of {size} bytes exceeds {max_bytes}"
+            )
+        try:
+            body = await inner.recv_data(size)
+        except AssertionError:
+            body = b""
+        if len(body) != size:
+            raise UndecodableReply(f"stream ended before the reply's {size} bytes")
+        try:
+            message = stream._codec.decode(body, stream._recv_type)
+        except GRPCError:
+            raise
+        except Exception as exc:  # betterproto2 raises EOFError, ValueError, KeyError, ...
+            raise UndecodableReply(f"{type(exc).__name__}: {exc}") from None
+        stream._messages_received += 1
+        inner.connection.messages_received += 1
+        return message

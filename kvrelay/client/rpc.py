@@ -21,7 +21,7 @@ from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
-from kvrelay._grpc import effective_status
+from kvrelay._grpc import UndecodableReply, effective_status, recv_reply
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay._text import is_decimal
 from kvrelay.client import errors as E
@@ -29,6 +29,7 @@ from kvrelay.client.codec import ClientCodec
 from kvrelay.contract.wire import CONTRACT_MARKER
 
 SERVICE = "/dynamo.kvrelay.v1.KvEventRelay/"
+_DEFAULT_BOUND = 8 << 20  # a codec that says none: the relay's message limit
 T = TypeVar("T")
 _TRANSPORT_ERRORS = (
     OSError,
@@ -140,6 +141,8 @@ async def run_stream(
     With ``yield_every`` = N > 0, the loop yields to the event loop after every N messages: a
     burst of buffered messages then never runs far ahead of the tasks they woke (a mirror's
     senders).
+    Replies are read with their length checked first (``recv_reply``, the bound the channel's
+    codec has); one that does not decode ends the stream as ``envelope``.
     """
     n = 0
     stream = None
@@ -154,8 +157,9 @@ async def run_stream(
                 SERVICE + method, Cardinality.UNARY_STREAM, type(request), reply_type
             ) as stream:
                 await stream.send_message(request, end=True)
+                bound = getattr(stream._codec, "max_message_bytes", _DEFAULT_BOUND)
                 while True:
-                    msg = await stream.recv_message()
+                    msg = await recv_reply(stream, bound)
                     if not n:
                         activity.waiting.pop(quiet, None)
                     activity.message(loop)
@@ -176,6 +180,8 @@ async def run_stream(
     except GRPCError as err:
         trailers = None if stream is None else stream.trailing_metadata
         return end_from_error(err, trailers, n)
+    except UndecodableReply as exc:
+        return StreamEnd(E.ENVELOPE, None, f"undecodable reply: {exc}", n)
     except _TRANSPORT_ERRORS as exc:
         return StreamEnd(E.CONNECTION, None, f"{type(exc).__name__}: {exc}", n)
     finally:

@@ -92,6 +92,21 @@ def chunk_frame(
         raise ConsumerViolation(E.EPOCH_MISMATCH, f"epoch {frame.epoch} != sequence {seq}")
     if frame.chunk_index > 0 and assembling not in (None, seq):
         raise ConsumerViolation(E.SNAPSHOT_SEQUENCE, "chunk from another snapshot cut")
+    # The producer's split is fixed (consecutive 524,288-bucket slices, the last one shorter):
+    # anything else could never complete, and a stream of empty chunks that claims 2^32 of them
+    # would be assembled for ever.
+    step = cbi1.SNAPSHOT_CHUNK_BUCKETS
+    want = min(step, frame.bucket_count - frame.chunk_index * step)
+    if (
+        frame.chunk_count != cbi1.chunk_count_for(frame.bucket_count)
+        or frame.bucket_offset != frame.chunk_index * step
+        or len(frame.words) != want
+    ):
+        raise ConsumerViolation(
+            E.CBI1_PREFIX + cbi1.BadChunk.reason,
+            f"chunk {frame.chunk_index}/{frame.chunk_count} at {frame.bucket_offset} with "
+            f"{len(frame.words)} words is not the producer's split of {frame.bucket_count}",
+        )
     return frame
 
 

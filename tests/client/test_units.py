@@ -227,3 +227,35 @@ def test_bad_envelope() -> None:
     fu.contract_marker = 1
     with pytest.raises(ConsumerViolation, match="envelope"):
         r.feed(fu)
+
+
+def test_chunk_rules_hold_the_producer_split_and_one_cut() -> None:
+    """A 2-chunk lane (2^20 buckets): chunk 1 of another cut than the one assembled is a
+    ``snapshot_sequence`` violation; a chunk that is not the producer's slice (another count,
+    offset or size, such as the endless stream of empty chunks claiming 2^32 of them) is
+    ``cbi1_bad_chunk``."""
+    import numpy as np
+    import pytest
+
+    from kvrelay.client import errors as E
+    from kvrelay.client import stream_rules as rules
+    from kvrelay.client.errors import ConsumerViolation
+    from kvrelay.publication import cbi1
+
+    bc, step = 1 << 20, cbi1.SNAPSHOT_CHUNK_BUCKETS
+
+    def chunk(epoch: int, index: int, count: int = 2, offset: int | None = None,
+              n: int = step) -> cbi1.SnapshotChunk:  # fmt: skip
+        off = index * step if offset is None else offset
+        return cbi1.SnapshotChunk(7, bc, 1, epoch, index, count, off, np.zeros(n, np.uint64))
+
+    assert rules.chunk_frame(chunk(5, 0), 1, 5, None).chunk_index == 0
+    assert rules.chunk_frame(chunk(5, 1), 1, 5, 5).chunk_index == 1
+    with pytest.raises(ConsumerViolation) as other:
+        rules.chunk_frame(chunk(6, 1), 1, 6, 5)
+    assert other.value.reason == E.SNAPSHOT_SEQUENCE
+    for bad in (chunk(5, 0, count=2**32 - 1), chunk(5, 0, n=0), chunk(5, 1, offset=step - 1),
+                chunk(5, 1, n=step - 1)):  # fmt: skip
+        with pytest.raises(ConsumerViolation) as split:
+            rules.chunk_frame(bad, 1, 5, 5)
+        assert split.value.reason == E.CBI1_PREFIX + "bad_chunk"

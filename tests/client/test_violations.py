@@ -60,7 +60,7 @@ CASES = {
     "bad_increment": [*snapshot(5), delta(5, 7)],
     "dc_id_mismatch": [*snapshot(5), delta(5, 6, dc_id=99)],
     "cbi1_checksum_mismatch": [*snapshot(5), corrupt_checksum(delta(5, 6))],
-    "cbi1_sequence_violation": [half_chunk(5, 1)],
+    "cbi1_bad_chunk": [half_chunk(5, 1)],  # 2 chunks of a lane the producer sends in 1
     "delta_before_snapshot": [delta(5, 6)],
     "relay_identity_changed": [*snapshot(5), frame(3, 5, 5, b"", relay=OTHER_RELAY)],
     "heartbeat_before_snapshot": [heartbeat(5)],

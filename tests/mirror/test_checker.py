@@ -50,7 +50,8 @@ CASES: dict[str, tuple[list[pb.FilterUpdate], str | None]] = {
     "chunk kind": ([frame(1, 4, 4, delta(3, 4).payload)], E.KIND_MISMATCH),
     "chunk dc": (snapshot(3, dc_id=1), E.DC_ID_MISMATCH),
     "chunk epoch": ([frame(1, 4, 4, snapshot(3)[0].payload)], E.EPOCH_MISMATCH),
-    "other cut": ([half_chunk(3, 0), half_chunk(4, 1)], E.SNAPSHOT_SEQUENCE),
+    # (a 1024 lane is one chunk: two are not the producer's split; other cuts: test_units)
+    "other cut": ([half_chunk(3, 0), half_chunk(4, 1)], E.CBI1_PREFIX + "bad_chunk"),
     "checksum": ([corrupt_checksum(snapshot(3)[0])], E.CBI1_PREFIX + "checksum_mismatch"),
 }
 

@@ -1,0 +1,87 @@
+"""The SDK's stream reader against a relay that sends what no relay should: a reply larger than
+the bound (refused from its length prefix, before its body is read) and bytes that do not decode
+as the reply type (the stream ends ``envelope``, a typed end, never an exception that kills the
+consumer's task). Real grpclib server on loopback, the SDK's own ``run_stream``; and the grpclib
+client internals the bounded reader relies on, named on a live stream."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpclib.const
+import pytest
+from grpclib.client import Channel
+from grpclib.encoding.base import CodecBase
+from grpclib.server import Server
+
+from kvrelay._grpc import CLIENT_RECV_NEEDS, missing_client_recv_needs
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.client import errors as E
+from kvrelay.client import rpc
+from kvrelay.client.codec import ClientCodec
+
+
+class _Raw(CodecBase):
+    __content_subtype__ = "proto"
+
+    def encode(self, message: Any, message_type: Any) -> bytes:
+        return message if isinstance(message, bytes) else bytes(message)
+
+    def decode(self, data: bytes, message_type: Any) -> bytes:
+        return data
+
+
+class _Relay:
+    def __init__(self, reply: bytes) -> None:
+        self.reply = reply
+
+    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
+        async def catalog(stream: Any) -> None:
+            await stream.recv_message()
+            await stream.send_message(self.reply)
+
+        return {rpc.SERVICE + "WatchKvPoolCatalog": grpclib.const.Handler(
+            catalog, grpclib.const.Cardinality.UNARY_STREAM, bytes, bytes)}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("reply", "reason"),
+    [(b"\x08", E.ENVELOPE),  # a varint field cut off (EOFError in the decoder)
+     (b"\xff" * 10, E.ENVELOPE),  # a tag no varint ends (ValueError)
+     (bytes(70_000), "status_resource_exhausted")],  # over the channel's 64 KiB bound here
+)  # fmt: skip
+async def test_a_reply_the_sdk_cannot_take_ends_its_stream_typed(reply: bytes, reason: str) -> None:
+    server = Server([_Relay(reply)], codec=_Raw())
+    await server.start("127.0.0.1", 0)
+    port = server._server.sockets[0].getsockname()[1]
+    ch = Channel("127.0.0.1", port, codec=ClientCodec(64 * 1024))
+    seen: list[Any] = []
+    try:
+        end = await rpc.run_stream(ch, "WatchKvPoolCatalog", rpc.catalog_request("t"),
+                                   pb.KvPoolCatalogUpdate, seen.append)  # fmt: skip
+        assert end.reason == reason, end
+        assert seen == []
+    finally:
+        ch.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_live_client_stream_has_what_the_bounded_reader_uses() -> None:
+    server = Server([_Relay(bytes(pb.KvPoolCatalogUpdate()))], codec=_Raw())
+    await server.start("127.0.0.1", 0)
+    port = server._server.sockets[0].getsockname()[1]
+    ch = Channel("127.0.0.1", port, codec=ClientCodec())
+    try:
+        async with ch.request(rpc.SERVICE + "WatchKvPoolCatalog",
+                              grpclib.const.Cardinality.UNARY_STREAM,
+                              pb.WatchKvPoolCatalogRequest,
+                              pb.KvPoolCatalogUpdate) as stream:  # fmt: skip
+            await stream.send_message(rpc.catalog_request("t"), end=True)
+            assert missing_client_recv_needs(stream) == []
+            await stream.recv_message()
+        assert missing_client_recv_needs(object()) == [f"{w}.{a}" for w, a in CLIENT_RECV_NEEDS]
+    finally:
+        ch.close()
+        server.close()
+        await server.wait_closed()
