@@ -24,9 +24,10 @@ class ClientConfig:
     * backoff: jittered exponential, ``delay = min(max, initial * 2**attempt) * U(1-jitter, 1)``;
       the attempt counter resets once a replica installs / a plane delivers a message.
     * ``verification_window``: linear check below the found boundary (§6.1, 1..8).
-    * ``heartbeat_interval_s`` × ``silence_heartbeats``: a pool or readiness stream silent that
-      long (no frame, not even a heartbeat; the relay sends one every 10 s) is ended as
-      ``silent`` and resubscribed.
+    * ``heartbeat_interval_s`` × ``silence_heartbeats``: a pool, readiness, load or serving-load
+      stream silent that long (no frame, not even a heartbeat; the relay sends one every 10 s,
+      load windows every second) is ended as ``silent`` and resubscribed; a stream's first
+      message may wait for its turn behind other streams of its channel, at most four times that.
     """
 
     subscriber_id: str = "kvrelay-client"

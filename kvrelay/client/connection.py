@@ -355,6 +355,7 @@ class RelayConnection:
         await self._plane_loop(
             "load", "SubscribeKvPoolLoad",
             rpc.load_request(self.config.subscriber_id), pb.KvPoolLoadUpdate, store,
+            silence_s=self.config.silence_s,  # windows come every second or so
         )  # fmt: skip
 
     async def _serving_load_loop(self) -> None:
@@ -364,4 +365,5 @@ class RelayConnection:
         await self._plane_loop(
             "serving_load", "SubscribeServingLoad",
             rpc.serving_load_request(self.config.subscriber_id), pb.ServingLoadUpdate, store,
+            silence_s=self.config.silence_s,
         )  # fmt: skip

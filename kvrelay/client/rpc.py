@@ -82,24 +82,32 @@ def open_channel(
     )
 
 
+#: A stream's first message comes within this many times its ``silence_s``, however busy its
+#: channel is with other streams (a plane's periodic windows would otherwise keep a pool stream
+#: that never answers waiting for ever).
+FIRST_MESSAGE_FACTOR = 4
+
+
 class _ChannelActivity:
     """The silence clocks of one channel's streams that have not received their first message.
 
     A relay writes the snapshots of one connection's streams one after another: a stream whose
     turn has not come yet receives nothing while the connection is busy with the others. Its
-    silence clock therefore runs from the channel's last message until its own first one."""
+    silence clock therefore runs from the channel's last message until its own first one, and
+    never past ``FIRST_MESSAGE_FACTOR`` × its ``silence_s`` from its start."""
 
     __slots__ = ("waiting",)
 
     def __init__(self) -> None:
-        self.waiting: dict[asyncio.Timeout, float] = {}  # clock → its silence_s
+        #: clock → (its silence_s, the latest its first message may come)
+        self.waiting: dict[asyncio.Timeout, tuple[float, float]] = {}
 
     def message(self, loop: asyncio.AbstractEventLoop) -> None:
         if self.waiting:
             now = loop.time()
-            for clock, silence_s in self.waiting.items():
+            for clock, (silence_s, last) in self.waiting.items():
                 if not clock.expired():  # an expired one is on its way out
-                    clock.reschedule(now + silence_s)
+                    clock.reschedule(min(now + silence_s, last))
 
 
 _ACTIVITY: weakref.WeakKeyDictionary[Channel, _ChannelActivity] = weakref.WeakKeyDictionary()
@@ -152,7 +160,8 @@ async def run_stream(
     try:
         async with asyncio.timeout(silence_s) as quiet:
             if silence_s is not None:
-                activity.waiting[quiet] = silence_s
+                first_by = loop.time() + FIRST_MESSAGE_FACTOR * silence_s
+                activity.waiting[quiet] = (silence_s, first_by)
             async with channel.request(
                 SERVICE + method, Cardinality.UNARY_STREAM, type(request), reply_type
             ) as stream:

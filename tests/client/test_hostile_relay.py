@@ -6,6 +6,7 @@ client internals the bounded reader relies on, named on a live stream."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import grpclib.const
@@ -82,6 +83,54 @@ async def test_a_live_client_stream_has_what_the_bounded_reader_uses() -> None:
             await stream.recv_message()
         assert missing_client_recv_needs(object()) == [f"{w}.{a}" for w, a in CLIENT_RECV_NEEDS]
     finally:
+        ch.close()
+        server.close()
+        await server.wait_closed()
+
+
+class _Chatty:
+    """A relay whose catalog stream talks every 50 ms and whose pool stream never says a word."""
+
+    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
+        async def catalog(stream: Any) -> None:
+            await stream.recv_message()
+            while True:
+                await stream.send_message(bytes(pb.KvPoolCatalogUpdate()))
+                await asyncio.sleep(0.05)
+
+        async def pool(stream: Any) -> None:
+            await stream.recv_message()
+            await asyncio.sleep(3600)
+
+        def handler(fn: Any) -> grpclib.const.Handler:
+            return grpclib.const.Handler(fn, grpclib.const.Cardinality.UNARY_STREAM, bytes, bytes)
+
+        return {rpc.SERVICE + "WatchKvPoolCatalog": handler(catalog),
+                rpc.SERVICE + "SubscribeKvPool": handler(pool)}
+
+
+async def test_a_first_message_that_never_comes_ends_silent_however_busy_the_channel() -> None:
+    """Until its first message a stream is silent only while its whole channel is (its turn
+    may come after other streams' snapshots), but never longer than ``FIRST_MESSAGE_FACTOR``
+    times its silence: a channel kept busy by another stream cannot hold it open for ever."""
+    server = Server([_Chatty()], codec=_Raw())
+    await server.start("127.0.0.1", 0)
+    port = server._server.sockets[0].getsockname()[1]
+    ch = Channel("127.0.0.1", port, codec=ClientCodec())
+    talk = asyncio.ensure_future(rpc.run_stream(
+        ch, "WatchKvPoolCatalog", rpc.catalog_request("t"), pb.KvPoolCatalogUpdate,
+        lambda _m: None, silence_s=5.0))  # fmt: skip
+    try:
+        t0 = asyncio.get_running_loop().time()
+        end = await asyncio.wait_for(rpc.run_stream(
+            ch, "SubscribeKvPool", pb.SubscribeKvPoolRequest(), pb.FilterUpdate,
+            lambda _m: None, silence_s=0.25), 10)  # fmt: skip
+        took = asyncio.get_running_loop().time() - t0
+        assert end.reason == E.SILENT
+        assert rpc.FIRST_MESSAGE_FACTOR * 0.25 - 0.05 <= took < 5.0, took
+        assert not talk.done()
+    finally:
+        talk.cancel()
         ch.close()
         server.close()
         await server.wait_closed()
