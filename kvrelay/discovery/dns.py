@@ -5,16 +5,26 @@ engine per target and port (targets resolved to their A/AAAA records). The answe
 ``(address, port | None)``: an empty set means the name exists but names no engine now
 (NXDOMAIN / no records: every pod gone). Anything else — a timeout, SERVFAIL, no nameserver — is
 a ``DnsError``: the caller keeps the engines it had, because a DNS outage is not a fleet change.
+So is an answer of more than ``MAX_ENGINES`` engines (each would get its own watcher, scraper and
+subscribers), and an SRV pass that takes longer than ``SRV_PASS_FACTOR`` resolver timeouts (its
+targets are resolved ``SRV_CONCURRENCY`` at a time, and a reload waits for the pass).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # dnspython is imported when a resolver is made: ~20 ms of every start else
     import dns.asyncresolver
 
 Endpoint = tuple[str, "int | None"]
+
+#: The most engines one DNS name may stand for.
+MAX_ENGINES = 1024
+#: SRV targets resolved at once, and the whole pass's bound in resolver timeouts.
+SRV_CONCURRENCY = 16
+SRV_PASS_FACTOR = 3
 
 
 class DnsError(Exception):
@@ -66,16 +76,32 @@ async def resolve_engines(
     import dns.resolver
 
     if not srv:
-        return {(a, None) for a in await _addresses(resolver, name)}
+        return _bounded(name, {(a, None) for a in await _addresses(resolver, name)})
     try:
         answer = await resolver.resolve(name, dns.rdatatype.SRV, search=False)
     except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
         return set()
     except (dns.exception.DNSException, OSError) as exc:
         raise DnsError(f"{name} SRV: {exc}") from exc
-    out: set[Endpoint] = set()
-    for rr in answer:
-        target = rr.target.to_text(omit_final_dot=True)
-        for address in await _addresses(resolver, target):
-            out.add((address, int(rr.port)))
-    return out
+    records = [(rr.target.to_text(omit_final_dot=True), int(rr.port)) for rr in answer]
+    _bounded(name, set(records))
+    targets = sorted({t for t, _ in records})
+    gate = asyncio.Semaphore(SRV_CONCURRENCY)
+
+    async def one(target: str) -> set[str]:
+        async with gate:
+            return await _addresses(resolver, target)
+
+    try:
+        async with asyncio.timeout(SRV_PASS_FACTOR * float(resolver.lifetime)):
+            found = await asyncio.gather(*(one(t) for t in targets))
+    except TimeoutError:
+        raise DnsError(f"{name} SRV: {len(targets)} targets not resolved in time") from None
+    addresses = dict(zip(targets, found, strict=True))
+    return _bounded(name, {(a, port) for t, port in records for a in addresses[t]})
+
+
+def _bounded(name: str, engines: set[Endpoint]) -> set[Endpoint]:
+    if len(engines) > MAX_ENGINES:
+        raise DnsError(f"{name}: {len(engines)} engines, more than {MAX_ENGINES}")
+    return engines

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from kvrelay.discovery.metrics_scrape import (
+    MAX_CHUNKS,
     MetricsScrapeError,
     fetch_metrics_text,
     parse_engine_page,
@@ -19,6 +20,37 @@ from kvrelay.discovery.metrics_scrape import (
     scrape_kv_usage,
 )
 from kvrelay.sim import SimConfig, SimEngine
+
+
+async def test_a_page_in_too_many_chunks_is_refused_off_the_loop() -> None:
+    """A page of 100,000 one-byte chunks: refused (``MetricsScrapeError``), and the event loop
+    keeps turning meanwhile (the body is taken apart in a thread)."""
+    body = b"1\r\na\r\n" * (MAX_CHUNKS + 10) + b"0\r\n\r\n"
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.readuntil(b"\r\n\r\n")
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + body)
+        await w.drain()
+        w.close()
+
+    srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0)
+            ticks += 1
+
+    ticker = asyncio.ensure_future(tick())
+    try:
+        with pytest.raises(MetricsScrapeError, match="chunks"):
+            await fetch_metrics_text("127.0.0.1", srv.sockets[0].getsockname()[1], timeout=10)
+        assert ticks > 1
+    finally:
+        ticker.cancel()
+        srv.close()
+        await srv.wait_closed()
 
 
 async def test_scrape_matches_engine_usage() -> None:
