@@ -380,3 +380,25 @@ async def test_a_relay_info_reply_never_taken_is_reset() -> None:
     finally:
         await c.close()
         await server.close(grace_s=0.5)
+
+
+async def test_health_watch_streams_are_bounded() -> None:
+    """Each ``Health/Watch`` stays until its client leaves: past the watcher limit one more is
+    answered ``RESOURCE_EXHAUSTED``, and a place comes back when a watcher leaves."""
+    server = RelayServer(MemRelayView())
+    server.health.watchers.capacity = 2
+    await server.start("127.0.0.1", 0)
+    c = await RawH2Client.connect(server.port, "127.0.0.2")
+    try:
+        watch = "/grpc.health.v1.Health/Watch"
+        held = [c.open(watch, HEALTH_CHECK) for _ in range(2)]
+        await _eventually(lambda: server.health.watchers.in_use == 2)
+        extra = c.open(watch, HEALTH_CHECK)
+        await asyncio.wait_for(extra.ended.wait(), 10)
+        assert extra.status == "8" and not any(s.ended.is_set() for s in held)
+        c.h2.reset_stream(min(c.streams))  # one watcher leaves
+        c.flush()
+        await _eventually(lambda: server.health.watchers.in_use == 1)
+    finally:
+        await c.close()
+        await server.close(grace_s=0.5)
