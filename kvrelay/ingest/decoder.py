@@ -514,14 +514,18 @@ class Decoder:
 
     @staticmethod
     def _cache_salt(entries: list[Any], lora: str | None) -> str | None:
-        """vLLM puts ``cache_salt`` as a bare string among block 0's keys (after the LoRA name)."""
+        """vLLM puts ``cache_salt`` as a bare string among block 0's keys, after the LoRA name
+        (which is first when there is one): only that first key is the LoRA's, so a salt that
+        happens to equal the adapter's name is still the salt."""
         if not entries:
             return None
         first = entries[0]
         keys = first if isinstance(first, list) else [first]
+        if lora is not None and keys and keys[0] == lora:
+            keys = keys[1:]
         found = None
         for k in keys:
-            if isinstance(k, str) and k and k != lora:
+            if isinstance(k, str) and k:
                 found = k
         return found
 

@@ -419,9 +419,10 @@ def apply_batch(
                     copies = True
                 elif org == ORIGIN_REPORT:
                     copies = False
-                elif not reports or hp or held < k:
-                    # a report names the request's cache hit: a prefix from block 0 (no parent),
-                    # every block of it held
+                elif not reports or hp:
+                    # a report names the request's cache hit: a prefix from block 0 (no parent).
+                    # Its blocks may not all be held here (a miss of an earlier wrong guess):
+                    # those are new edges, the held ones still taken as reported, never copies
                     copies = True
                 else:
                     stats[ST_AMBIGUOUS] += 1

@@ -333,6 +333,20 @@ def test_cache_salt_ignored_by_default_and_namespaced_on_option() -> None:
     assert on.ns_inherit.tolist() == [False, True]
 
 
+def test_a_cache_salt_equal_to_the_adapter_name_is_still_the_salt() -> None:
+    """vLLM's block 0 keys are the LoRA name first, then (multimodal keys and) the salt: a salt
+    spelled like the adapter is a salt, and the chain is namespaced by it."""
+    ev = W.stored("map", block_hashes=[1], token_ids=list(range(B)), block_size=B,
+                  lora_name="ad", extra_keys=[["ad", "ad"]])  # fmt: skip
+    on = dec(options=DecodeOptions(cache_salt_namespacing=True)).decode(W.batch([ev])).batch
+    assert on.salt.tolist() == [salt_of("ad", "ad")]
+    assert on.ns_part.tolist() == [xxhash.xxh3_64_intdigest(b"ad", seed=1)]
+    plain = W.stored("map", block_hashes=[1], token_ids=list(range(B)), block_size=B,
+                     lora_name="ad", extra_keys=[["ad"]])  # fmt: skip
+    off = dec(options=DecodeOptions(cache_salt_namespacing=True)).decode(W.batch([plain])).batch
+    assert off.salt.tolist() == [salt_of("ad")] and off.ns_part.tolist() == [0]
+
+
 def test_multimodal_extra_keys_option() -> None:
     hexid = "0123456789abcdef" + "f" * 48
     ev = W.stored(

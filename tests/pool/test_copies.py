@@ -74,12 +74,29 @@ def test_with_reports_a_parentless_store_of_held_blocks_is_ambiguous_and_not_cou
     _both(pool, model, m, BatchBuilder().store([1, 2, 3], TOK))
     _both(pool, model, m, BatchBuilder().store([1, 2], TOK[: 2 * BS]))
     assert pool.copies(m) == {} and pool.ambiguous_stores == 1 and pool.report_stores == 2
-    # with a parent, or with a block not held, it cannot be a report: copies
+    # with a parent it cannot be a report: copies
     _both(pool, model, m, BatchBuilder().store([3], TOK[2 * BS :], parent=2))
+    assert pool.copies(m) == {3: 2} and pool.ambiguous_stores == 1
+    # no parent and a block not held: still the report of a hit the relay lost track of (an
+    # earlier wrong guess's miss); the held blocks are not copies, the new one is an edge
     _both(pool, model, m, BatchBuilder().store([1, 2, 3, 4], TOK + [7] * BS))
-    assert pool.copies(m) == {1: 2, 2: 2, 3: 3} and pool.ambiguous_stores == 1
-    _both(pool, model, m, BatchBuilder().remove([1]).remove([1]))
+    assert pool.copies(m) == {3: 2} and pool.ambiguous_stores == 2 and 4 in _held(pool, m)
+    _both(pool, model, m, BatchBuilder().remove([1]))
     assert 1 not in _held(pool, m)
+
+
+def test_with_reports_a_lost_copy_never_turns_a_later_report_into_a_phantom() -> None:
+    """The sequence that made a phantom: a one-block prompt's recomputed block taken as a report
+    (the engine holds two copies, the relay one), the spare copy evicted (the relay drops the
+    block: a miss), then a full report of the hit [1, 2] with no parent. Counting 2 as a copy
+    there (1 was not held) left 2 held after the engine's only copy went."""
+    pool, model, m = _pools(reports=True)
+    _both(pool, model, m, BatchBuilder().store([1, 2], TOK[: 2 * BS]))
+    _both(pool, model, m, BatchBuilder().store([1], TOK[:BS]))  # recomputed: ambiguous
+    _both(pool, model, m, BatchBuilder().remove([1]))  # the engine still holds a copy of 1
+    _both(pool, model, m, BatchBuilder().store([1, 2], TOK[: 2 * BS]))  # the report of the hit
+    _both(pool, model, m, BatchBuilder().remove([2]))  # the engine's only 2
+    assert 2 not in _held(pool, m) and pool.copies(m) == {}
 
 
 def test_the_engine_saying_what_a_store_is_decides() -> None:

@@ -215,7 +215,7 @@ class RefPool:
             prev = cval
         held = sum(1 for e in exts if e in lin)
         org = int(b.origin[i]) if b.origin.shape[0] else 0
-        if org == NEW or (org != REPORT and (not self.reports or hp or held < k)):
+        if org == NEW or (org != REPORT and (not self.reports or hp)):
             copies = True
         else:
             copies = False
