@@ -386,7 +386,7 @@ class Decoder:
             work = self._workspace(len(payload) + 1)
         buf = np.frombuffer(payload, dtype=np.uint8)
         args = (self._garr, self.block_size, self.extra, self.options.drop_self_reference,
-                self._layout.walker_ids, self._layout.walker_len)  # fmt: skip
+                self._layout.walker_ids, self._layout.walker_len, self.dp_rank)  # fmt: skip
         rc = FW.walk(buf, work, *args)
         if rc == FW.SMALL:
             work = self._workspace(len(payload) + 1)

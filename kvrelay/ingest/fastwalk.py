@@ -826,6 +826,7 @@ def _walk(  # type: ignore[no-untyped-def]
         types.boolean,  # drop self reference
         types.Array(types.int64, 2, "C", readonly=True),  # array-form key id per tag, position
         types.Array(types.int64, 1, "C", readonly=True),  # array-form positions per tag
+        types.int64,  # the decoder's DP rank
     ),
 )
 def walk(
@@ -837,10 +838,13 @@ def walk(
     drop_self: bool,
     arr_ids: npt.NDArray[np.int64],
     arr_len: npt.NDArray[np.int64],
+    rank: int,
 ) -> int:
     """Entry point: every output in ``work`` on return (``SMALL``, and nothing written, when it
     is shorter than ``layout``'s total). ``groups`` (the kv-cache group kinds learned so far) is
-    updated only when the walk returns ``OK``: a fallback leaves the caller's state as it was.
+    updated only when the walk returns ``OK`` for a batch of ``rank`` (or naming none): a
+    fallback, or another rank's batch (which the decoder drops), leaves the caller's state as it
+    was, as the msgspec path does.
     The copies are made here, not by numpy slice assignments in the caller: at light load those
     cost more than the walk."""
     n = buf.shape[0] + 1
@@ -868,7 +872,8 @@ def walk(
         arr_len,
     )
     if rc == OK:
-        groups[:] = learned
+        if stats[META + 1] < 0 or stats[META + 1] == rank:
+            groups[:] = learned
         stats[META + 4] = e
         stats[META + 5] = o_ops
         stats[META + 6] = o_hp

@@ -130,3 +130,19 @@ def test_a_file_with_malformed_groups_is_refused(tmp_path: Path, bad: object) ->
     with pytest.raises(handover.Refused) as exc:
         handover.load(tmp_path, spec, max_age_s=60)
     assert exc.value.kind == "corrupt"
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_another_rank_s_batch_teaches_no_group_kinds(fast: bool) -> None:
+    """A batch naming another DP rank is dropped whole: the kinds its stores name are not
+    learned either, on the walker as on the msgspec path (they agreed on everything else)."""
+    from kvrelay.ingest.errors import DpRankMismatchError
+
+    d = Decoder(kv_block_size=B, dp_rank=0, fast=fast)
+    other = W.batch([W.stored("map", block_hashes=[7], token_ids=list(range(B)), block_size=B,
+                              group_idx=1, kv_cache_spec_kind="full_attention")],
+                    dp=1)  # fmt: skip
+    with pytest.raises(DpRankMismatchError):
+        d.decode(other)
+    assert d.learned_groups() == {}
+    assert d.decode(W.batch([W.removed("map", [7], group_idx=1)])).stats.drops == {"group": 1}
