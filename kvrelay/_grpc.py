@@ -13,6 +13,7 @@ benchmarks' subscribers), on grpclib's private client stream parts (``CLIENT_REC
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from grpclib.const import Status
@@ -48,6 +49,35 @@ CLIENT_RECV_NEEDS: tuple[tuple[str, str], ...] = (
 DECODE_IN_THREAD_BYTES = 256 * 1024
 
 
+class BrokenFraming(Exception):
+    """A message's framing is broken: the stream ended inside its prefix or before its bytes,
+    or it came compressed (nobody here offers a ``grpc-encoding``)."""
+
+
+async def read_framed(inner: Any, check: Callable[[int], None]) -> bytes | None:
+    """One length-prefixed gRPC message from a grpclib protocol stream (server or client side),
+    or None at the stream's end: ``check(size)`` judges the prefix's claim (and raises) before
+    any of the body is read. The one reader of both the relay's requests and the SDK's
+    replies."""
+    try:  # grpclib's buffer raises AssertionError when the stream ends short of ``size``
+        prefix = await inner.recv_data(5)
+    except AssertionError:
+        raise BrokenFraming("the stream ended inside a message prefix") from None
+    if not prefix:
+        return None
+    if prefix[0]:
+        raise BrokenFraming("a compressed message (no grpc-encoding is offered)")
+    size = int.from_bytes(prefix[1:5], "big")
+    check(size)
+    try:
+        body: bytes = await inner.recv_data(size)
+    except AssertionError:
+        body = b""
+    if len(body) != size:
+        raise BrokenFraming(f"the stream ended before the message's {size} bytes")
+    return body
+
+
 class UndecodableReply(Exception):
     """A reply message the client could not take: broken framing, or bytes that do not decode
     as its type. (One larger than the bound is ``RESOURCE_EXHAUSTED``, as grpc clients say.)"""
@@ -72,29 +102,22 @@ async def recv_reply(stream: Any, max_bytes: int | None) -> Any | None:
             raise UndecodableReply(f"{type(exc).__name__}: {exc}") from None
     if not stream._recv_initial_metadata_done:
         await stream.recv_initial_metadata()
-    with stream._wrapper:
-        inner = stream._stream
-        try:
-            prefix = await inner.recv_data(5)
-        except AssertionError:
-            raise UndecodableReply("stream ended inside a message prefix") from None
-        if not prefix:
-            return None
-        if prefix[0]:
-            raise UndecodableReply("compressed reply (none was asked for)")
-        size = int.from_bytes(prefix[1:5], "big")
+    def check(size: int) -> None:
         if max_bytes is not None and size > max_bytes:
             raise GRPCError(
                 Status.RESOURCE_EXHAUSTED, f"inbound message of {size} bytes exceeds {max_bytes}"
             )
+
+    with stream._wrapper:
+        inner = stream._stream
         try:
-            body = await inner.recv_data(size)
-        except AssertionError:
-            body = b""
-        if len(body) != size:
-            raise UndecodableReply(f"stream ended before the reply's {size} bytes")
+            body = await read_framed(inner, check)
+        except BrokenFraming as exc:
+            raise UndecodableReply(str(exc)) from None
+        if body is None:
+            return None
         try:
-            if size > DECODE_IN_THREAD_BYTES:  # (a message of many tiny entries: seconds)
+            if len(body) > DECODE_IN_THREAD_BYTES:  # (a message of many tiny entries: seconds)
                 message = await asyncio.to_thread(stream._codec.decode, body, stream._recv_type)
             else:
                 message = stream._codec.decode(body, stream._recv_type)

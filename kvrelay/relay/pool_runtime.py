@@ -328,12 +328,16 @@ class PoolRuntime:
             await self._stop_subscribers(list(self.subscribers))
         await self._reconcile_after(delay)
 
-    def _retire(self, gen: Generation, error: RelayError | None, *, publish: bool = True) -> None:
+    def _retire(
+        self, gen: Generation, error: RelayError | None, *, publish: bool = True,
+        state_goes: bool = True,
+    ) -> None:
         """Retire ``gen``: the catalog without it is published first, then its subscribers end
-        with ``error`` (or a clean EOF), and its final counters are kept."""
+        with ``error`` (or a clean EOF), and its final counters are kept. ``state_goes``: its
+        exact state goes with it (not so for a refilter, whose new generation carries it)."""
         if self.generation is gen:
             self.generation = None
-        if error is not None:  # (a clean stop saves the members still waiting as they were)
+        if error is not None and state_goes:  # (a clean stop saves the waiting members as is)
             self.restore.abandon(gen, self.name)
         if publish:
             self._ctx.changed()
@@ -613,12 +617,13 @@ class PoolRuntime:
         except ValueError as exc:
             _log.error("pool_refilter_failed", pool=self.name, cause=cause, error=str(exc))
             return False
-        self._retire(gen, RelayError.publication_unavailable(why))
+        self._retire(gen, RelayError.publication_unavailable(why), state_goes=False)
         fresh = Generation(
             name=self.name, pool=pool, producer=producer_identity(self.spec, self._ctx, ident),
             ctx=self._ctx, on_fence=self.fence,
         )  # fmt: skip
         self.generation = fresh
+        self.restore.carry(gen, fresh)  # restored members still waiting wait on in ``fresh``
         self._materialized_at = time.monotonic()
         self.counters.generations += 1
         _log.info(

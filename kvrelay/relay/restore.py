@@ -125,6 +125,12 @@ class PoolRestore:
                 self._counters.reset("restore_unverified")
             _log.warning("state_members_unverified", pool=name, members=left)
 
+    def carry(self, old: Generation, fresh: Generation) -> None:
+        """``fresh`` holds ``old``'s exact state (a refilter): the file's positions belong to it
+        now, and its members still waiting go on waiting there."""
+        if old is self._gen:
+            self._gen = fresh
+
     @property
     def awaiting(self) -> bool:
         """Restored members neither vouched for nor reset yet: the generation stays unpublished."""

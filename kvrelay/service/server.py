@@ -591,7 +591,9 @@ class RelayServer:
             # grpclib's defaults ping at most every 300 s and twice without data: a peer gone
             # silent would be noticed minutes late. Every interval, also with no call open.
             _http2_max_pings_without_data=0,
-            _http2_min_sent_ping_interval_without_data=self.limits.keepalive_interval_s,
+            # (0.9: uvloop's timers may fire a hair before the interval, and grpclib would then
+            # skip that ping)
+            _http2_min_sent_ping_interval_without_data=0.9 * self.limits.keepalive_interval_s,
         )
         self._server = ClosingServer(
             handlers, codec=PassThroughCodec(self.limits.max_message_bytes), config=config

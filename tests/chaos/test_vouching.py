@@ -110,3 +110,25 @@ async def test_a_restored_position_never_outlives_its_generation(
         view, truth = relay_view(r.relay), ground_truth(fleet)
         for key, held in view.items():
             assert held <= truth[key], "never a phantom"
+
+
+async def test_a_refilter_while_restored_members_wait_keeps_them_waiting(
+    fleet: list[SimEngine], tmp_path: Path
+) -> None:
+    """A refilter (a reload of ``expected_blocks`` or ``ckf_seed``, a scrub divergence) inside
+    the vouching window carries the exact state into a new generation, sources running: its
+    restored members still wait for their vouch there, and it stays unpublished meanwhile."""
+    settings = _settings(fleet, tmp_path)
+    await _first_run(fleet, settings)
+    fleet[0].mute_replay()  # vo0's resumed members never get their vouch
+    async with _relay(fleet, settings) as r:
+        await eventually(lambda: r.pool.counters.members_resumed == 4, what="resumed")
+        gen = r.pool.generation
+        assert gen is not None and r.pool.published is None
+        assert r.pool._regenerate(gen, "pool settings changed by a reload", "reload")
+        assert r.pool.generation is not gen
+        assert r.pool.published is None, "unvouched restored state published"
+        assert "restore_unverified" not in r.pool.counters.member_resets
+        await eventually(lambda: r.pool.counters.member_resets.get("vouch_timeout", 0) == 2,
+                         what="vo0 reset for the vouch that never came", timeout=30)  # fmt: skip
+        await eventually(lambda: r.pool.published is not None, timeout=30, what="published")

@@ -48,6 +48,8 @@ class ClosingServer(Server):
         if self.h2_guard is not None:
             mend_protocol(proto, self.h2_guard[1])  # under the guard: it sees frames first
             guard_protocol(proto, *self.h2_guard)
+        if self.connection_caps is not None:  # inside the peer check: a refused peer takes none
+            self._capped(proto, self.connection_caps)
         check = self.peer_check
         if check is not None:
             made = proto.connection_made
@@ -64,8 +66,6 @@ class ClosingServer(Server):
                 transport.abort()  # type: ignore[attr-defined]
 
             proto.connection_made = connection_made  # type: ignore[method-assign]
-        if self.connection_caps is not None:
-            self._capped(proto, self.connection_caps)
         return proto
 
     def _capped(self, proto: H2Protocol, caps: ConnectionCaps) -> None:

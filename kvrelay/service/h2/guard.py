@@ -246,14 +246,21 @@ def guard_protocol(proto: Any, budgets: H2Budgets, counters: H2Counters) -> None
     def drain() -> None:
         budget = MAX_FEED_BYTES
         while waiting and budget > 0:
+            if transport.is_closing():  # closed between turns: nothing more for h2
+                waiting.clear()
+                return
             data = waiting.popleft()
             if len(data) > budget:
                 waiting.appendleft(data[budget:])
                 data = data[:budget]
             budget -= len(data)
-            if not hand_on(data) or transport.is_closing():
+            try:
+                if not hand_on(data):
+                    return
+            except Exception:  # (on a later turn no transport error path would close it)
                 waiting.clear()
-                return
+                transport.abort()
+                raise
         if waiting:
             asyncio.get_running_loop().call_soon(drain)
         else:

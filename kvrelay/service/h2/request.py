@@ -27,6 +27,7 @@ from typing import Any, NoReturn
 from grpclib.const import Handler
 
 from kvrelay._aio import bounded
+from kvrelay._grpc import BrokenFraming, read_framed
 from kvrelay.contract.errors import RelayError
 from kvrelay.service.h2.guard import H2Counters
 from kvrelay.service.h2.internals import REQUEST_NEEDS
@@ -45,7 +46,6 @@ REQUEST_TIMEOUT_S = 10.0
 #: The largest request message read: larger ones are no valid request (every request of the
 #: contract is well under 1 KiB) and refused unread.
 MAX_REQUEST_BYTES = 1024 * 1024
-_PREFIX = 5
 
 
 def missing_request_needs(stream: Any) -> list[str]:
@@ -65,27 +65,23 @@ async def recv_request(stream: Any, max_bytes: int) -> Any | None:
         except (AssertionError, NotImplementedError) as exc:
             raise RelayError.invalid_request(f"broken request framing: {exc}") from None
     inner = stream._stream
-    try:  # grpclib's buffer raises AssertionError when the stream ends short of ``size``
-        prefix = await inner.recv_data(_PREFIX)
-    except AssertionError:
-        raise RelayError.invalid_request("request ended inside its message prefix") from None
-    if not prefix:
-        return None
-    if prefix[0]:
-        raise RelayError.invalid_request("compressed request (the relay offers no grpc-encoding)")
-    size = int.from_bytes(prefix[1:_PREFIX], "big")
-    if size > max_bytes:
-        raise RelayError.resource_limit(f"inbound message of {size} bytes exceeds {max_bytes}")
-    if size > MAX_REQUEST_BYTES:
-        raise RelayError.invalid_request(
-            f"request of {size} bytes: larger than any valid request ({MAX_REQUEST_BYTES})"
-        )
+
+    def check(size: int) -> None:
+        if size > max_bytes:
+            raise RelayError.resource_limit(
+                f"inbound message of {size} bytes exceeds {max_bytes}"
+            )
+        if size > MAX_REQUEST_BYTES:
+            raise RelayError.invalid_request(
+                f"request of {size} bytes: larger than any valid request ({MAX_REQUEST_BYTES})"
+            )
+
     try:
-        body = await inner.recv_data(size)
-    except AssertionError:
-        body = b""
-    if len(body) != size:
-        raise RelayError.invalid_request(f"request ended before its {size} bytes")
+        body = await read_framed(inner, check)
+    except BrokenFraming as exc:
+        raise RelayError.invalid_request(f"broken request framing: {exc}") from None
+    if body is None:
+        return None
     message = stream._codec.decode(body, stream._recv_type)
     stream._messages_received += 1
     inner.connection.messages_received += 1

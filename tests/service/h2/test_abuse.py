@@ -238,6 +238,23 @@ def _frame(kind: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
     return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + sid.to_bytes(4, "big") + payload
 
 
+async def _raw_connection(
+    port: int,
+) -> tuple[asyncio.StreamWriter, bytearray, asyncio.Future[None]]:
+    """A plain TCP connection from 127.0.0.2 that has sent the preface and empty SETTINGS:
+    its writer, every byte the relay sends on it (as they come), and the reader's task (done
+    when the relay closes the connection)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0))
+    got = bytearray()
+
+    async def read() -> None:
+        while data := await reader.read(65536):
+            got.extend(data)
+
+    writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(0x4, 0, 0))
+    return writer, got, asyncio.ensure_future(read())
+
+
 def _server_reset_streams(n: int, first: int) -> bytes:
     """``n`` new streams, each ended by the client at once and then sent an empty DATA frame:
     h2 itself resets each (STREAM_CLOSED), so no RST_STREAM comes from the client."""
@@ -260,17 +277,8 @@ async def test_floods_the_reset_count_never_sees_are_closed(reason: str) -> None
     bystander is answered."""
     server = RelayServer(MemRelayView())
     await server.start("127.0.0.1", 0)
-    reader, writer = await asyncio.open_connection("127.0.0.1", server.port,
-                                                   local_addr=("127.0.0.2", 0))  # fmt: skip
-    got = bytearray()
-
-    async def read() -> None:
-        while data := await reader.read(65536):
-            got.extend(data)
-
-    pump = asyncio.ensure_future(read())
+    writer, got, pump = await _raw_connection(server.port)
     try:
-        writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(0x4, 0, 0))
         if reason == "stream_flood":
             burst = _server_reset_streams(BUDGETS.max_streams + 8, 1)
         else:
@@ -327,18 +335,9 @@ async def test_malformed_requests_and_unknown_frames_are_answered_not_logged(
     ``PROTOCOL_ERROR``, counted. A bystander is answered throughout."""
     server = RelayServer(MemRelayView())
     await server.start("127.0.0.1", 0)
-    reader, writer = await asyncio.open_connection("127.0.0.1", server.port,
-                                                   local_addr=("127.0.0.2", 0))  # fmt: skip
-    got = bytearray()
-
-    async def read() -> None:
-        while data := await reader.read(65536):
-            got.extend(data)
-
-    pump = asyncio.ensure_future(read())
+    writer, got, pump = await _raw_connection(server.port)
     enc = hpack.Encoder()
     try:
-        writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(0x4, 0, 0))
         no_path = enc.encode([(":method", "POST"), (":scheme", "http"),
                               ("content-type", "application/grpc")])  # fmt: skip
         for sid in range(1, 40, 2):
@@ -401,4 +400,45 @@ async def test_health_watch_streams_are_bounded() -> None:
         await _eventually(lambda: server.health.watchers.in_use == 1)
     finally:
         await c.close()
+        await server.close(grace_s=0.5)
+
+
+async def test_a_connection_refused_by_the_peer_check_takes_no_place() -> None:
+    """The internal socket's peer check refuses a stranger as it connects: that connection must
+    not keep one of the connection caps' places, or strangers would lock the workers out."""
+    server = RelayServer(MemRelayView(), RelayLimits(max_connections=2))
+    await server.start("127.0.0.1", 0)
+    server._server.peer_check = lambda _t: False
+    try:
+        for _ in range(4):
+            c = await RawH2Client.connect(server.port, "127.0.0.2")
+            await asyncio.wait_for(c.closed.wait(), 10)
+            await c.close()
+        await asyncio.sleep(0.1)
+        server._server.peer_check = None
+        assert await _info(server.port) < 5.0
+        assert server.service.guard_stats()[2]["too_many_connections"] == 0
+    finally:
+        await server.close(grace_s=0.5)
+
+
+async def test_a_connection_closed_between_drain_turns_feeds_nothing_more() -> None:
+    """A read larger than one turn's 16 KiB is handed on over several loop turns; a connection
+    closed in between (a missed keepalive, the shutdown's close) gets nothing more fed to its
+    torn-down HTTP/2 state, which would count as a protocol error."""
+    server = RelayServer(MemRelayView())
+    await server.start("127.0.0.1", 0)
+    writer, got, pump = await _raw_connection(server.port)
+    try:
+        await _eventually(lambda: b"\x00\x00\x00\x04\x01" in got)  # our SETTINGS acknowledged
+        (proto,) = [p for p in server._server._protocols if hasattr(p, "processor")]
+        window_update = _frame(0x8, 0, 0, (1).to_bytes(4, "big"))
+        proto.data_received(window_update * 8000)  # a 104 KB read: seven turns
+        proto.processor.close("keepalive timeout")  # what grpclib does on a missed PING ack
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert server.service.guard_stats()[2].get("protocol_error", 0) == 0
+    finally:
+        pump.cancel()
+        writer.close()
         await server.close(grace_s=0.5)
