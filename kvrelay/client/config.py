@@ -26,7 +26,8 @@ class ClientConfig:
     * ``verification_window``: linear check below the found boundary (§6.1, 1..8).
     * ``heartbeat_interval_s`` × ``silence_heartbeats``: a pool, readiness, load or serving-load
       stream silent that long (no frame, not even a heartbeat; the relay sends one every 10 s,
-      load windows every second) is ended as ``silent`` and resubscribed; a stream's first
+      load windows every second; a window plane waits at least three of the windows its updates
+      announce) is ended as ``silent`` and resubscribed; a stream's first
       message may wait for its turn behind other streams of its channel, at most four times that.
     """
 

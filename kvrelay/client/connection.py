@@ -314,12 +314,14 @@ class RelayConnection:
         silence_s: float | None = None,
     ) -> None:
         attempt = 0
+        window_s = 0.0  # a window plane's period, as its updates say (``window_ms``)
         while not self._closing:
             def on(msg: Any) -> None:
-                nonlocal attempt
+                nonlocal attempt, window_s
                 attempt = 0
                 if not self._envelope_ok(msg, plane):
                     return
+                window_s = max(window_s, getattr(msg, "window_ms", 0) / 1000.0)
                 self._observe_relay(msg.relay, from_catalog=False)
                 self.counters[f"{plane}_updates"] += 1
                 if plane == "serving_load":
@@ -327,9 +329,8 @@ class RelayConnection:
                 store(msg)
                 self._notify()
 
-            end = await rpc.run_stream(
-                self.channel, method, request, reply, on, silence_s=silence_s
-            )
+            quiet = None if silence_s is None else max(silence_s, 3 * window_s)  # long windows
+            end = await rpc.run_stream(self.channel, method, request, reply, on, silence_s=quiet)
             self.counters[f"{plane}_end_{end.reason}"] += 1
             if plane == "serving_load":
                 self.serving_load_unsupported = end.status == Status.UNIMPLEMENTED
