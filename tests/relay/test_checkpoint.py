@@ -178,7 +178,10 @@ async def test_an_image_that_overruns_is_abandoned_and_the_previous_file_stays(
     await ck.drain()
     (path,) = tmp_path.iterdir()
     before = path.read_bytes()
-    tight = checkpoint.Checkpointer(results.append, side_bytes=4096)
+    # read slowly (256 KiB/s until the side store is a quarter full): the rewrites below then
+    # land while the image is open, however the writer thread and the loop are scheduled (on a
+    # busy machine an unpaced writer could finish reading before the first rewrite)
+    tight = checkpoint.Checkpointer(results.append, rate=lambda: 256 << 10, side_bytes=4096)
     tight.submit("ns/c/e", tmp_path, lambda: cut)
     for h in range(2 << 32, (2 << 32) + 30_000, 1000):  # more chunks rewritten than it keeps
         _store(pool, m, h, 1000)
