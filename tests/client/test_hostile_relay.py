@@ -12,24 +12,13 @@ from typing import Any
 import grpclib.const
 import pytest
 from grpclib.client import Channel
-from grpclib.encoding.base import CodecBase
 from grpclib.server import Server
 
 from kvrelay._grpc import CLIENT_RECV_NEEDS, missing_client_recv_needs
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import errors as E
 from kvrelay.client import rpc
-from kvrelay.client.codec import ClientCodec
-
-
-class _Raw(CodecBase):
-    __content_subtype__ = "proto"
-
-    def encode(self, message: Any, message_type: Any) -> bytes:
-        return message if isinstance(message, bytes) else bytes(message)
-
-    def decode(self, data: bytes, message_type: Any) -> bytes:
-        return data
+from kvrelay.client.codec import ClientCodec, RawCodec
 
 
 class _Relay:
@@ -52,7 +41,7 @@ class _Relay:
      (bytes(70_000), "status_resource_exhausted")],  # over the channel's 64 KiB bound here
 )  # fmt: skip
 async def test_a_reply_the_sdk_cannot_take_ends_its_stream_typed(reply: bytes, reason: str) -> None:
-    server = Server([_Relay(reply)], codec=_Raw())
+    server = Server([_Relay(reply)], codec=RawCodec())
     await server.start("127.0.0.1", 0)
     port = server._server.sockets[0].getsockname()[1]
     ch = Channel("127.0.0.1", port, codec=ClientCodec(64 * 1024))
@@ -69,7 +58,7 @@ async def test_a_reply_the_sdk_cannot_take_ends_its_stream_typed(reply: bytes, r
 
 
 async def test_a_live_client_stream_has_what_the_bounded_reader_uses() -> None:
-    server = Server([_Relay(bytes(pb.KvPoolCatalogUpdate()))], codec=_Raw())
+    server = Server([_Relay(bytes(pb.KvPoolCatalogUpdate()))], codec=RawCodec())
     await server.start("127.0.0.1", 0)
     port = server._server.sockets[0].getsockname()[1]
     ch = Channel("127.0.0.1", port, codec=ClientCodec())
@@ -113,7 +102,7 @@ async def test_a_first_message_that_never_comes_ends_silent_however_busy_the_cha
     """Until its first message a stream is silent only while its whole channel is (its turn
     may come after other streams' snapshots), but never longer than ``FIRST_MESSAGE_FACTOR``
     times its silence: a channel kept busy by another stream cannot hold it open for ever."""
-    server = Server([_Chatty()], codec=_Raw())
+    server = Server([_Chatty()], codec=RawCodec())
     await server.start("127.0.0.1", 0)
     port = server._server.sockets[0].getsockname()[1]
     ch = Channel("127.0.0.1", port, codec=ClientCodec())

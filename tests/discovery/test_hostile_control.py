@@ -11,22 +11,12 @@ from typing import Any
 
 import grpclib.const
 import pytest
-from grpclib.encoding.base import CodecBase
 from grpclib.server import Server
 
 from kvrelay._proto import vllm as vpb
+from kvrelay.client.codec import RawCodec
 from kvrelay.discovery.client import MAX_PARALLEL, MAX_REPLY_BYTES, EngineClient
 from kvrelay.discovery.watcher import EngineTarget, EngineWatcher
-
-
-class _Raw(CodecBase):
-    __content_subtype__ = "proto"
-
-    def encode(self, message: Any, message_type: Any) -> bytes:
-        return message if isinstance(message, bytes) else bytes(message)
-
-    def decode(self, data: bytes, message_type: Any) -> bytes:
-        return data
 
 
 def _info(**par: int) -> bytes:
@@ -74,7 +64,7 @@ class _Control:
 
 @pytest.mark.parametrize("case", list(CASES))
 async def test_a_hostile_control_reply_is_a_typed_failure_and_polling_goes_on(case: str) -> None:
-    server = Server([_Control(CASES[case])], codec=_Raw())
+    server = Server([_Control(CASES[case])], codec=RawCodec())
     await server.start("127.0.0.1", 0)
     port = server._server.sockets[0].getsockname()[1]
     events: list[Any] = []

@@ -48,35 +48,23 @@ class ClosingServer(Server):
         if self.h2_guard is not None:
             mend_protocol(proto, self.h2_guard[1])  # under the guard: it sees frames first
             guard_protocol(proto, *self.h2_guard)
-        if self.connection_caps is not None:  # inside the peer check: a refused peer takes none
-            self._capped(proto, self.connection_caps)
-        check = self.peer_check
-        if check is not None:
-            made = proto.connection_made
-
-            def connection_made(transport: asyncio.BaseTransport) -> None:
-                if check(transport):
-                    made(transport)
-                    return
-                # refused before grpclib writes its SETTINGS: the protocol never starts, so
-                # nothing of it needs closing either
-                proto.connection_lost = _ignore  # type: ignore[method-assign,assignment]
-                proto.data_received = _ignore  # type: ignore[method-assign,assignment]
-                self._protocols.discard(proto)
-                transport.abort()  # type: ignore[attr-defined]
-
-            proto.connection_made = connection_made  # type: ignore[method-assign]
+        if self.peer_check is not None or self.connection_caps is not None:
+            self._admitted(proto)
         return proto
 
-    def _capped(self, proto: H2Protocol, caps: ConnectionCaps) -> None:
-        """A connection over ``caps`` is aborted as it is accepted (before any frame). Both
-        callbacks are replaced now: uvloop's transports keep those they find when made."""
+    def _admitted(self, proto: H2Protocol) -> None:
+        """A connection the peer check refuses, or one over the connection caps (taken only
+        after the check passed), is aborted as it is accepted, before any frame: the protocol
+        never starts. Both callbacks are replaced now: uvloop's transports keep those they find
+        when made."""
+        check, caps = self.peer_check, self.connection_caps
         made, lost = proto.connection_made, proto.connection_lost
         release: Callable[[], None] | None = None
 
         def connection_made(transport: asyncio.BaseTransport) -> None:
             nonlocal release
-            release = caps.admit(transport)
+            if check is None or check(transport):
+                release = _nothing if caps is None else caps.admit(transport)
             if release is None:
                 proto.data_received = _ignore  # type: ignore[method-assign,assignment]
                 self._protocols.discard(proto)
@@ -88,8 +76,7 @@ class ClosingServer(Server):
             if release is None:
                 return  # refused: the protocol never started
             release()
-            if getattr(proto, "processor", None) is not None:  # (not refused by peer_check)
-                lost(exc)
+            lost(exc)
 
         proto.connection_made = connection_made  # type: ignore[method-assign]
         proto.connection_lost = connection_lost  # type: ignore[method-assign]
@@ -105,3 +92,7 @@ class ClosingServer(Server):
 
 def _ignore(*_args: Any) -> None:
     """A refused connection's protocol callbacks."""
+
+
+def _nothing() -> None:
+    """The release of a connection no cap counts."""

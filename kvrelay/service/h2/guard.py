@@ -76,9 +76,13 @@ class H2Budgets:
 
 @dataclass(slots=True)
 class H2Counters:
-    """Connections closed with GOAWAY ENHANCE_YOUR_CALM, by reason."""
+    """HTTP/2 abuse by reason: connections closed (GOAWAY, or refused over a cap) and streams
+    ended for what their client sent or never sent."""
 
     closed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ABUSE_REASONS, 0))
+
+    def count(self, reason: str) -> None:
+        self.closed[reason] = self.closed.get(reason, 0) + 1
 
 
 def goaway(last_stream_id: int, code: int = ENHANCE_YOUR_CALM) -> bytes:
@@ -201,7 +205,7 @@ class FrameGuard:
 
     def _trip(self, reason: str) -> None:
         self.tripped = reason
-        self._counters.closed[reason] += 1
+        self._counters.count(reason)
         t = self._transport
         if not t.is_closing():
             t.write(goaway(self._last_stream))
@@ -306,7 +310,7 @@ class ConnectionCaps:
         if self.open >= self.total or (
             addr is not None and self._by_address.get(addr, 0) >= self.per_address
         ):
-            self._counters.closed["too_many_connections"] += 1
+            self._counters.count("too_many_connections")
             return None
         self.open += 1
         if addr is not None:

@@ -46,9 +46,6 @@ def mend_protocol(proto: H2Protocol, counters: H2Counters) -> None:
     received = proto.data_received
     transport: Any = None
 
-    def count(reason: str) -> None:
-        counters.closed[reason] = counters.closed.get(reason, 0) + 1
-
     def accept_checked(stream: Any, headers: Any, release_stream: Callable[[], Any]) -> None:
         released = False
 
@@ -61,7 +58,7 @@ def mend_protocol(proto: H2Protocol, counters: H2Counters) -> None:
 
         names = [h[0] for h in headers]
         if names.count(":method") != 1 or names.count(":path") != 1:
-            count("malformed_headers")
+            counters.count("malformed_headers")
             with contextlib.suppress(Exception):
                 stream.reset_nowait(ErrorCodes.PROTOCOL_ERROR)
             release_once()
@@ -83,7 +80,7 @@ def mend_protocol(proto: H2Protocol, counters: H2Counters) -> None:
         try:
             received(data)
         except Exception:
-            count("protocol_error")
+            counters.count("protocol_error")
             t = transport
             if t is not None and not t.is_closing():
                 h2 = getattr(getattr(proto, "connection", None), "_connection", None)

@@ -97,7 +97,7 @@ async def recv_within(
         request = await bounded(recv_request(stream, max_bytes), timeout_s)
     except TimeoutError:
         if counters is not None:
-            counters.closed["request_timeout"] = counters.closed.get("request_timeout", 0) + 1
+            counters.count("request_timeout")
         raise RelayError.invalid_request(f"no request message within {timeout_s} s") from None
     if request is None:
         raise RelayError.invalid_request("missing request message")
