@@ -8,6 +8,9 @@ means ``UNIMPLEMENTED`` (other servers send that code), and callers that decide 
 
 ``recv_reply``: the one bounded reader of a client stream's replies (the SDK, the mirror, the
 benchmarks' subscribers), on grpclib's private client stream parts (``CLIENT_RECV_NEEDS``).
+
+``RelayChannel``: a grpclib ``Channel`` whose streams that have ended keep their replies and
+status when the connection closes (``keep_ended_streams``, on ``CLIENT_CLOSE_NEEDS``).
 """
 
 from __future__ import annotations
@@ -16,8 +19,11 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
+from grpclib.protocol import H2Protocol
+from h2.events import StreamEnded
 
 NO_CONTENT_TYPE = "Missing content-type header"
 
@@ -102,6 +108,7 @@ async def recv_reply(stream: Any, max_bytes: int | None) -> Any | None:
             raise UndecodableReply(f"{type(exc).__name__}: {exc}") from None
     if not stream._recv_initial_metadata_done:
         await stream.recv_initial_metadata()
+
     def check(size: int) -> None:
         if max_bytes is not None and size > max_bytes:
             raise GRPCError(
@@ -128,3 +135,71 @@ async def recv_reply(stream: Any, max_bytes: int | None) -> Any | None:
         stream._messages_received += 1
         inner.connection.messages_received += 1
         return message
+
+
+#: What ``keep_ended_streams`` uses of a grpclib client connection: ``(where, attribute)`` with
+#: ``where`` its ``H2Protocol`` (``proto``) or, once connected, its events processor
+#: (``processor``). Without any of them the connection is left as grpclib made it.
+CLIENT_CLOSE_NEEDS: tuple[tuple[str, str], ...] = (
+    ("proto", "connection_made"),
+    ("proto", "processor"),
+    ("processor", "processors"),
+    ("processor", "streams"),
+    ("processor", "close"),
+)
+
+
+def missing_client_close_needs(proto: Any) -> list[str]:
+    """``where.attribute`` for each of ``CLIENT_CLOSE_NEEDS`` this connected protocol lacks."""
+    objects = {"proto": proto, "processor": getattr(proto, "processor", None)}
+    return [f"{w}.{a}" for w, a in CLIENT_CLOSE_NEEDS if not hasattr(objects[w], a)]
+
+
+def keep_ended_streams(proto: H2Protocol) -> None:
+    """When this client connection closes (the server's GOAWAY, or its end), streams whose end
+    has already arrived keep what they received; only streams still open fail.
+
+    Why: grpclib fails every stream still registered on the connection, and a stream stays
+    registered until the application has read its trailers. A relay that drains ends each
+    stream with a status and then sends GOAWAY, often in the same read: the status was there,
+    unread, and grpclib turned it into ``StreamTerminatedError``."""
+    made = proto.connection_made
+
+    def connection_made(transport: Any) -> None:
+        made(transport)
+        if missing_client_close_needs(proto):
+            return
+        processor: Any = proto.processor
+        processors, streams, close = processor.processors, processor.streams, processor.close
+        ended_event = processors.get(StreamEnded)
+        if ended_event is None:
+            return
+        ended: set[int] = set()
+
+        def stream_ended(event: StreamEnded) -> None:
+            ended.add(event.stream_id)
+            if len(ended) > 2 * len(streams) + 64:  # bounded: forget the released ones
+                ended.intersection_update(streams)
+            ended_event(event)
+
+        def close_open_streams(reason: str = "Connection closed") -> None:
+            kept = {sid: streams.pop(sid) for sid in ended if sid in streams}
+            ended.clear()
+            try:
+                close(reason)
+            finally:
+                streams.update(kept)  # released by their readers, as before
+
+        processors[StreamEnded] = stream_ended
+        processor.close = close_open_streams
+
+    proto.connection_made = connection_made  # type: ignore[method-assign]
+
+
+class RelayChannel(Channel):
+    """A grpclib ``Channel`` whose connections ``keep_ended_streams``."""
+
+    def _protocol_factory(self) -> H2Protocol:
+        proto = super()._protocol_factory()
+        keep_ended_streams(proto)
+        return proto

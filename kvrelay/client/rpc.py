@@ -21,7 +21,7 @@ from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
-from kvrelay._grpc import UndecodableReply, effective_status, recv_reply
+from kvrelay._grpc import RelayChannel, UndecodableReply, effective_status, recv_reply
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay._text import is_decimal
 from kvrelay.client import errors as E
@@ -72,8 +72,9 @@ class StreamEnd:
 def open_channel(
     address: RelayAddress, ssl: _ssl.SSLContext | None = None, max_message_bytes: int = 8 << 20
 ) -> Channel:
-    """A grpclib channel with the relay's 8 MiB message bound (inbound checked by the codec)."""
-    return Channel(
+    """A grpclib channel with the relay's 8 MiB message bound (inbound checked by the codec),
+    whose ended streams keep their status when the connection closes (``RelayChannel``)."""
+    return RelayChannel(
         address.host,
         address.port,
         ssl=ssl,

@@ -17,7 +17,7 @@ from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError
 
-from kvrelay._grpc import effective_status
+from kvrelay._grpc import RelayChannel, effective_status
 from kvrelay.client import errors as E
 from kvrelay.client import rpc
 from kvrelay.client.codec import RawCodec
@@ -68,8 +68,8 @@ class Upstream:
         codec = RawCodec(s.limits.max_message_bytes)
         a = s.upstream
         if a.path is not None:
-            return Channel(path=a.path, codec=codec, config=config)
-        return Channel(a.host, a.port, ssl=s.ssl, codec=codec, config=config)
+            return RelayChannel(path=a.path, codec=codec, config=config)
+        return RelayChannel(a.host, a.port, ssl=s.ssl, codec=codec, config=config)
 
     @property
     def channel(self) -> Channel:

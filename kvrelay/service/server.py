@@ -658,6 +658,7 @@ class RelayServer:
             return  # never started
         self.health.set_serving(False)  # first: probes on open connections see the drain
         server.close()  # stop listening; existing connections stay up for the EOFs
+        self._server.announce_drain()  # new calls on new connections (GOAWAY, h2/drain.py)
         await self.service.shutdown(grace_s)
         self._server.close()
         await self._server.wait_closed()

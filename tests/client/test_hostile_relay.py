@@ -14,7 +14,13 @@ import pytest
 from grpclib.client import Channel
 from grpclib.server import Server
 
-from kvrelay._grpc import CLIENT_RECV_NEEDS, missing_client_recv_needs
+from kvrelay._grpc import (
+    CLIENT_CLOSE_NEEDS,
+    CLIENT_RECV_NEEDS,
+    RelayChannel,
+    missing_client_close_needs,
+    missing_client_recv_needs,
+)
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import errors as E
 from kvrelay.client import rpc
@@ -77,6 +83,34 @@ async def test_a_live_client_stream_has_what_the_bounded_reader_uses() -> None:
         await server.wait_closed()
 
 
+async def test_a_connected_client_protocol_has_what_keeping_ended_streams_uses() -> None:
+    """``keep_ended_streams``: the processor's event table (with grpclib's StreamEnded entry
+    replaced by the one that remembers), its streams and its close, on a real connection."""
+    from h2.events import StreamEnded
+
+    server = Server([_Relay(bytes(pb.KvPoolCatalogUpdate()))], codec=RawCodec())
+    await server.start("127.0.0.1", 0)
+    port = server._server.sockets[0].getsockname()[1]
+    ch = RelayChannel("127.0.0.1", port, codec=ClientCodec())
+    try:
+        async with ch.request(rpc.SERVICE + "WatchKvPoolCatalog",
+                              grpclib.const.Cardinality.UNARY_STREAM,
+                              pb.WatchKvPoolCatalogRequest,
+                              pb.KvPoolCatalogUpdate) as stream:  # fmt: skip
+            await stream.send_message(rpc.catalog_request("t"), end=True)
+            await stream.recv_message()
+        proto: Any = ch._protocol
+        assert missing_client_close_needs(proto) == []
+        assert proto.processor.processors[StreamEnded].__name__ == "stream_ended"
+        assert proto.processor.close.__name__ == "close_open_streams"
+        gone = missing_client_close_needs(object())
+        assert gone == [f"{w}.{a}" for w, a in CLIENT_CLOSE_NEEDS]
+    finally:
+        ch.close()
+        server.close()
+        await server.wait_closed()
+
+
 class _Chatty:
     """A relay whose catalog stream talks every 50 ms and whose pool stream never says a word."""
 
@@ -94,8 +128,10 @@ class _Chatty:
         def handler(fn: Any) -> grpclib.const.Handler:
             return grpclib.const.Handler(fn, grpclib.const.Cardinality.UNARY_STREAM, bytes, bytes)
 
-        return {rpc.SERVICE + "WatchKvPoolCatalog": handler(catalog),
-                rpc.SERVICE + "SubscribeKvPool": handler(pool)}
+        return {
+            rpc.SERVICE + "WatchKvPoolCatalog": handler(catalog),
+            rpc.SERVICE + "SubscribeKvPool": handler(pool),
+        }
 
 
 async def test_a_first_message_that_never_comes_ends_silent_however_busy_the_channel() -> None:

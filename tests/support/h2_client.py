@@ -55,6 +55,9 @@ class RawH2Client:
         )
         self.streams: dict[int, RawStream] = {}
         self.goaway: h2.events.ConnectionTerminated | None = None
+        #: what arrived, in order: ``("ended", stream id)`` (its trailers came, or a reply that
+        #: is trailers only), ``("reset", stream id)``, ``("goaway", last stream id)``
+        self.order: list[tuple[str, int]] = []
         self.pings = 0  # PINGs the server sent (h2 answers each)
         self.closed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -63,9 +66,7 @@ class RawH2Client:
     async def connect(
         cls, port: int, source: str = "127.0.0.1", *, window: int | None = None
     ) -> RawH2Client:
-        reader, writer = await asyncio.open_connection(
-            "127.0.0.1", port, local_addr=(source, 0)
-        )
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
         client = cls(reader, writer, read_data=window is None)
         client.h2.initiate_connection()
         if window is not None:
@@ -135,10 +136,13 @@ class RawH2Client:
         elif isinstance(ev, h2.events.StreamReset) and st is not None:
             st.reset = True
             st.ended.set()
+            self.order.append(("reset", ev.stream_id))
         elif isinstance(ev, h2.events.StreamEnded) and st is not None:
             st.ended.set()
+            self.order.append(("ended", ev.stream_id))
         elif isinstance(ev, h2.events.ConnectionTerminated):
             self.goaway = ev
+            self.order.append(("goaway", ev.last_stream_id or 0))
         elif isinstance(ev, h2.events.PingReceived):
             self.pings += 1
 

@@ -4,7 +4,9 @@ Why: ``Server.close()`` stops listening and cancels running requests but leaves 
 connections open, so a client could keep calling a relay that has shut down (and see its old
 identity). kvrelay closes every connection once all streams have ended (their EOFs and trailers
 are already written; the transport flushes them before closing). It needs grpclib's private
-``Server._protocol_factory`` (listed in ``internals.py``).
+``Server._protocol_factory`` (listed in ``internals.py``). ``announce_drain()`` first tells each
+connection's client, with a graceful GOAWAY, to make new calls on a new connection
+(``drain.py``).
 
 ``peer_check``: a test of each accepted transport (the internal UNIX socket's peer credentials);
 a connection that fails it is aborted as soon as it is made, before any HTTP/2 frame is read.
@@ -23,6 +25,7 @@ from typing import Any
 
 from grpclib.server import Server
 
+from kvrelay.service.h2.drain import DrainNotice
 from kvrelay.service.h2.guard import ConnectionCaps, H2Budgets, H2Counters, guard_protocol
 from kvrelay.service.h2.internals import H2Protocol
 from kvrelay.service.h2.mend import mend_protocol
@@ -36,6 +39,9 @@ class ClosingServer(Server):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._protocols: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
+        self._notices: weakref.WeakKeyDictionary[H2Protocol, DrainNotice] = (
+            weakref.WeakKeyDictionary()
+        )
         self.peer_check: Callable[[asyncio.BaseTransport], bool] | None = None
         #: per-connection HTTP/2 budgets (``guard.py``); None: none
         self.h2_guard: tuple[H2Budgets, H2Counters] | None = None
@@ -48,6 +54,9 @@ class ClosingServer(Server):
         if self.h2_guard is not None:
             mend_protocol(proto, self.h2_guard[1])  # under the guard: it sees frames first
             guard_protocol(proto, *self.h2_guard)
+        notice = DrainNotice.install(proto)
+        if notice is not None:
+            self._notices[proto] = notice
         if self.peer_check is not None or self.connection_caps is not None:
             self._admitted(proto)
         return proto
@@ -81,12 +90,21 @@ class ClosingServer(Server):
         proto.connection_made = connection_made  # type: ignore[method-assign]
         proto.connection_lost = connection_lost  # type: ignore[method-assign]
 
+    def announce_drain(self) -> None:
+        """Graceful GOAWAY on every connection: now where no stream is open, else after its
+        last stream ends (``drain.py``)."""
+        for notice in list(self._notices.values()):
+            notice.drain()
+
     def close_connections(self) -> None:
         for proto in list(self._protocols):
             conn = getattr(proto, "connection", None)
             processor = getattr(proto, "processor", None)
             if conn is None or processor is None:
                 continue
+            notice = self._notices.get(proto)
+            if notice is not None:
+                notice.final()
             processor.close("relay shut down")
 
 

@@ -1,10 +1,11 @@
 """Every grpclib and h2 internal the relay's own HTTP/2 writers rely on, listed and checked once.
 
-Why: the writers in this package (``bulk``, ``direct``, ``batch``, ``reset``, ``closing``) work
-beside grpclib on its private stream, connection and h2 state. A grpclib or h2 release may drop
-or rename any of it; ``missing`` then names what is gone and ``StreamWriter`` falls back to
-grpclib's public path (the relay gets slower, never wrong). ``tests/service/h2/test_internals.py``
-checks the whole list against the installed versions on a real stream.
+Why: the writers in this package (``bulk``, ``direct``, ``batch``, ``reset``, ``closing``,
+``drain``) work beside grpclib on its private stream, connection and h2 state. A grpclib or h2
+release may drop or rename any of it; ``missing`` then names what is gone and ``StreamWriter``
+falls back to grpclib's public path (the relay gets slower, never wrong).
+``tests/service/h2/test_internals.py`` checks the whole list against the installed versions on a
+real stream.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from h2.stream import StreamInputs, StreamState
 __all__ = [
     "CANCEL",
     "CLASS_NEEDS",
+    "DRAIN_NEEDS",
     "INSTANCE_NEEDS",
     "PROTOCOL_NEEDS",
     "REQUEST_NEEDS",
@@ -34,6 +36,7 @@ __all__ = [
     "live_internals",
     "missing",
     "missing_in_classes",
+    "missing_in_drain",
     "missing_in_protocol",
     "stream_internals",
 ]
@@ -111,6 +114,26 @@ def missing_in_protocol(proto: Any) -> list[str]:
     """``where.attribute`` for each of ``PROTOCOL_NEEDS`` this server protocol lacks."""
     objects = {"proto": proto, "handler": getattr(proto, "handler", None)}
     return [f"{w}.{a}" for w, a in PROTOCOL_NEEDS if not hasattr(objects[w], a)]
+
+
+#: What ``drain.DrainNotice`` uses of a connected server protocol, beside ``PROTOCOL_NEEDS``:
+#: ``where`` is ``proto``, ``connection`` (grpclib's ``Connection``) or ``h2`` (its
+#: ``H2Connection``).
+DRAIN_NEEDS: tuple[tuple[str, str], ...] = (
+    ("proto", "connection"),
+    ("connection", "_transport"),
+    ("connection", "_connection"),
+    ("connection", "flush"),
+    ("h2", "_data_to_send"),
+    ("h2", "highest_inbound_stream_id"),
+)
+
+
+def missing_in_drain(proto: Any) -> list[str]:
+    """``where.attribute`` for each of ``DRAIN_NEEDS`` this connected server protocol lacks."""
+    conn = getattr(proto, "connection", None)
+    objects = {"proto": proto, "connection": conn, "h2": getattr(conn, "_connection", None)}
+    return [f"{w}.{a}" for w, a in DRAIN_NEEDS if not hasattr(objects[w], a)]
 
 
 #: What ``request.recv_request`` reads a request through (its ``where`` as above); without any

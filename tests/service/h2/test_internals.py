@@ -19,7 +19,9 @@ from grpclib.const import Cardinality, Handler
 from grpclib.encoding.base import CodecBase
 
 import kvrelay
+from kvrelay.service.h2.closing import ClosingServer
 from kvrelay.service.h2.internals import (
+    DRAIN_NEEDS,
     INSTANCE_NEEDS,
     PROTOCOL_NEEDS,
     SEND_DATA_CONNECTION,
@@ -28,6 +30,7 @@ from kvrelay.service.h2.internals import (
     SEND_DATA_STREAM_NOOP,
     missing,
     missing_in_classes,
+    missing_in_drain,
     missing_in_protocol,
 )
 from kvrelay.service.h2.request import missing_request_needs, recv_request
@@ -114,6 +117,28 @@ async def test_a_server_protocol_has_what_releasing_cancelled_streams_uses() -> 
     assert missing_in_protocol(object()) == [f"{w}.{a}" for w, a in PROTOCOL_NEEDS]
 
 
+async def test_a_connected_server_protocol_has_what_the_drain_notice_uses() -> None:
+    """``drain.DrainNotice``: the connection's transport and flush, h2's outbound buffer and
+    the highest stream id it received, on a real connection after a call."""
+    server = ClosingServer([_Probe()], codec=_Raw())
+    await server.start("127.0.0.1", 0)
+    port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    ch = Channel("127.0.0.1", port, codec=_Raw())
+    try:
+        async with ch.request(PATH, Cardinality.UNARY_STREAM, bytes, bytes) as st:
+            await st.send_message(b"x", end=True)
+            assert await st.recv_message() == b"ok"
+        (proto,) = list(server._protocols)
+        assert missing_in_drain(proto) == []
+        assert isinstance(proto.connection._connection._data_to_send, bytearray)
+        assert proto.connection._connection.highest_inbound_stream_id == 1
+        assert missing_in_drain(object()) == [f"{w}.{a}" for w, a in DRAIN_NEEDS]
+    finally:
+        ch.close()
+        server.close()
+        await server.wait_closed()
+
+
 def test_an_object_that_is_no_grpclib_stream_gets_no_writer_and_every_need_named() -> None:
     gone = missing(object())
     assert gone[0] == "stream._stream"
@@ -159,14 +184,15 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_no_module_outside_service_h2_imports_h2_or_grpclib_internals() -> None:
-    """The SDK (``client/``) may catch h2's public exceptions; nothing else touches h2 or
-    grpclib's protocol layer."""
+    """The SDK (``client/``) may catch h2's public exceptions; ``_grpc.py`` is the client
+    side's one room for grpclib's and h2's internals (as ``service/h2/`` is the server's);
+    nothing else touches h2 or grpclib's protocol layer."""
     root = Path(kvrelay.__file__).resolve().parent
     private = ("h2", "grpclib.protocol", "grpclib.stream")
     bad = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).parts
-        if rel[:2] == ("service", "h2"):
+        if rel[:2] == ("service", "h2") or rel == ("_grpc.py",):
             continue
         for mod in sorted(_imports(path)):
             if any(mod == p or mod.startswith(p + ".") for p in private):
