@@ -23,7 +23,6 @@ from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from grpclib.protocol import H2Protocol
-from h2.events import StreamEnded
 
 NO_CONTENT_TYPE = "Missing content-type header"
 
@@ -138,31 +137,39 @@ async def recv_reply(stream: Any, max_bytes: int | None) -> Any | None:
 
 
 #: What ``keep_ended_streams`` uses of a grpclib client connection: ``(where, attribute)`` with
-#: ``where`` its ``H2Protocol`` (``proto``) or, once connected, its events processor
-#: (``processor``). Without any of them the connection is left as grpclib made it.
+#: ``where`` its ``H2Protocol`` (``proto``), once connected its events processor
+#: (``processor``), or one of its protocol streams (``stream``). Without any of them the
+#: connection is left as grpclib made it.
 CLIENT_CLOSE_NEEDS: tuple[tuple[str, str], ...] = (
     ("proto", "connection_made"),
     ("proto", "processor"),
-    ("processor", "processors"),
     ("processor", "streams"),
     ("processor", "close"),
+    ("stream", "headers"),
+    ("stream", "trailers"),
 )
 
 
-def missing_client_close_needs(proto: Any) -> list[str]:
-    """``where.attribute`` for each of ``CLIENT_CLOSE_NEEDS`` this connected protocol lacks."""
-    objects = {"proto": proto, "processor": getattr(proto, "processor", None)}
-    return [f"{w}.{a}" for w, a in CLIENT_CLOSE_NEEDS if not hasattr(objects[w], a)]
+def missing_client_close_needs(proto: Any, stream: Any = None) -> list[str]:
+    """``where.attribute`` for each of ``CLIENT_CLOSE_NEEDS`` this connected protocol (and, given
+    one, this protocol stream) lacks."""
+    objects = {"proto": proto, "processor": getattr(proto, "processor", None), "stream": stream}
+    return [
+        f"{w}.{a}"
+        for w, a in CLIENT_CLOSE_NEEDS
+        if (w != "stream" or stream is not None) and not hasattr(objects[w], a)
+    ]
 
 
 def keep_ended_streams(proto: H2Protocol) -> None:
-    """When this client connection closes (the server's GOAWAY, or its end), streams whose end
-    has already arrived keep what they received; only streams still open fail.
+    """When this client connection closes (the server's GOAWAY, or its end), streams whose
+    status has already arrived keep what they received; only the others fail.
 
     Why: grpclib fails every stream still registered on the connection, and a stream stays
-    registered until the application has read its trailers. A relay that drains ends each
-    stream with a status and then sends GOAWAY, often in the same read: the status was there,
-    unread, and grpclib turned it into ``StreamTerminatedError``."""
+    registered until the application has read its trailers. A server that ends each stream with
+    a status and then sends GOAWAY (as gRPC servers do at shutdown) often sends both in one
+    read: the status was there, unread, and grpclib turned it into ``StreamTerminatedError``.
+    A stream whose end came without a status still fails (its reader would wait for ever)."""
     made = proto.connection_made
 
     def connection_made(transport: Any) -> None:
@@ -170,30 +177,30 @@ def keep_ended_streams(proto: H2Protocol) -> None:
         if missing_client_close_needs(proto):
             return
         processor: Any = proto.processor
-        processors, streams, close = processor.processors, processor.streams, processor.close
-        ended_event = processors.get(StreamEnded)
-        if ended_event is None:
-            return
-        ended: set[int] = set()
-
-        def stream_ended(event: StreamEnded) -> None:
-            ended.add(event.stream_id)
-            if len(ended) > 2 * len(streams) + 64:  # bounded: forget the released ones
-                ended.intersection_update(streams)
-            ended_event(event)
+        streams, close = processor.streams, processor.close
 
         def close_open_streams(reason: str = "Connection closed") -> None:
-            kept = {sid: streams.pop(sid) for sid in ended if sid in streams}
-            ended.clear()
+            # (called again by connection_lost after a GOAWAY closed the transport)
+            kept = {sid: st for sid, st in streams.items() if _status_arrived(st)}
+            for sid in kept:
+                del streams[sid]
             try:
                 close(reason)
             finally:
                 streams.update(kept)  # released by their readers, as before
 
-        processors[StreamEnded] = stream_ended
         processor.close = close_open_streams
 
     proto.connection_made = connection_made  # type: ignore[method-assign]
+
+
+def _status_arrived(stream: Any) -> bool:
+    """The stream's trailers came, or a reply that is trailers only (its headers carry the
+    status)."""
+    if getattr(stream, "trailers", None) is not None:
+        return True
+    headers = getattr(stream, "headers", None) or ()
+    return any(name in ("grpc-status", b"grpc-status") for name, _ in headers)
 
 
 class RelayChannel(Channel):

@@ -84,10 +84,8 @@ async def test_a_live_client_stream_has_what_the_bounded_reader_uses() -> None:
 
 
 async def test_a_connected_client_protocol_has_what_keeping_ended_streams_uses() -> None:
-    """``keep_ended_streams``: the processor's event table (with grpclib's StreamEnded entry
-    replaced by the one that remembers), its streams and its close, on a real connection."""
-    from h2.events import StreamEnded
-
+    """``keep_ended_streams``: the processor's streams and its close (replaced), and each
+    protocol stream's headers and trailers, on a real connection."""
     server = Server([_Relay(bytes(pb.KvPoolCatalogUpdate()))], codec=RawCodec())
     await server.start("127.0.0.1", 0)
     port = server._server.sockets[0].getsockname()[1]
@@ -99,11 +97,10 @@ async def test_a_connected_client_protocol_has_what_keeping_ended_streams_uses()
                               pb.KvPoolCatalogUpdate) as stream:  # fmt: skip
             await stream.send_message(rpc.catalog_request("t"), end=True)
             await stream.recv_message()
-        proto: Any = ch._protocol
-        assert missing_client_close_needs(proto) == []
-        assert proto.processor.processors[StreamEnded].__name__ == "stream_ended"
+            proto: Any = ch._protocol
+            assert missing_client_close_needs(proto, stream._stream) == []
         assert proto.processor.close.__name__ == "close_open_streams"
-        gone = missing_client_close_needs(object())
+        gone = missing_client_close_needs(object(), object())
         assert gone == [f"{w}.{a}" for w, a in CLIENT_CLOSE_NEEDS]
     finally:
         ch.close()

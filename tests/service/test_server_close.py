@@ -5,6 +5,7 @@ calls elsewhere, and new streams on a connection not told yet are refused UNAVAI
 from __future__ import annotations
 
 import asyncio
+import gc
 from types import ModuleType
 
 import grpc
@@ -170,3 +171,25 @@ async def test_a_router_reopening_at_the_drain_reaches_the_successor(
             await new_server.close(grace_s=1.0)
             await old.stop()
             await new.stop()
+
+
+async def test_closed_connections_are_not_kept_by_the_server() -> None:
+    """The server tracks each connection (to close it, and for its drain notice) only while it
+    lives: a client reconnecting all day must not grow the relay."""
+    relay = Relay(RelaySettings(dc_name="dc-gone"))
+    await relay.start()
+    server = RelayServer(relay)
+    await server.start("127.0.0.1", 0)
+    try:
+        for _ in range(40):
+            raw = await RawH2Client.connect(server.port)
+            st = raw.open("GetRelayInfo", bytes(pb.RelayInfoRequest(contract_marker=MARKER)))
+            await asyncio.wait_for(st.ended.wait(), 5)
+            await raw.close()
+        await asyncio.sleep(0.2)  # the server sees each close
+        gc.collect()
+        assert len(server._server._protocols) == 0
+        assert len(server._server._notices) == 0
+    finally:
+        await server.close(grace_s=1.0)
+        await relay.stop()

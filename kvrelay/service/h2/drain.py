@@ -26,6 +26,7 @@ Uses grpclib's private protocol parts and h2's outbound buffer (``internals.PROT
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +45,9 @@ class DrainNotice:
     __slots__ = ("_draining", "_grpclib", "_open", "_proto", "sent")
 
     def __init__(self, proto: H2Protocol) -> None:
-        self._proto = proto
+        # weak: the server maps each protocol to its notice in a WeakKeyDictionary, and a strong
+        # reference back would keep every connection ever accepted
+        self._proto = weakref.ref(proto)
         self._open = 0
         self._draining = False
         self._grpclib = False  # a grpclib client's: never told (see the module docstring)
@@ -89,9 +92,10 @@ class DrainNotice:
             self._send()
 
     def _send(self) -> None:
-        if self.sent or missing_in_drain(self._proto):  # (no connection before connection_made)
+        proto = self._proto()
+        if self.sent or proto is None or missing_in_drain(proto):  # (none before connection_made)
             return
-        conn: Any = self._proto.connection
+        conn: Any = proto.connection
         if conn._transport.is_closing():
             return
         self.sent = True
