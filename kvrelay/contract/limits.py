@@ -68,6 +68,9 @@ class RelayLimits:
     #: descriptor and its buffers; one over a cap is closed as it is accepted.
     max_connections: int = 4096
     max_connections_per_address: int = 512
+    #: Bytes of requests larger than 16 KiB (no valid request is) the relay reads at once, in
+    #: all: one that would pass it is refused before its body is read (RESOURCE_LIMIT).
+    max_request_bytes_in_flight: int = 32 * 1024 * 1024
 
     def __post_init__(self) -> None:
         for f in fields(self):

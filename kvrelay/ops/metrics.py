@@ -327,10 +327,13 @@ def guard_families(svc: object) -> Iterator[Metric]:
         "oversized_headers), connections closed as accepted over a connection cap "
         "(too_many_connections), connections closed with GOAWAY PROTOCOL_ERROR for input the "
         "HTTP/2 stack could not take (protocol_error), streams reset for lacking :method or "
-        ":path (malformed_headers), and streams whose request never came (request_timeout).",
+        ":path (malformed_headers), streams whose request never came (request_timeout), and "
+        "requests refused because the requests being read held max_request_bytes_in_flight "
+        "(request_bytes).",
         labels=["reason"],
     )  # fmt: skip
-    for reason in (*ABUSE_REASONS, "protocol_error", "malformed_headers", "request_timeout"):
+    for reason in (*ABUSE_REASONS, "protocol_error", "malformed_headers", "request_timeout",
+                   "request_bytes"):  # fmt: skip
         abuse.add_metric([reason], h2.get(reason, 0))
     yield abuse
     authz = getattr(svc, "authz_stats", None)

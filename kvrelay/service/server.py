@@ -40,8 +40,10 @@ from kvrelay.service.codec import PassThroughCodec
 from kvrelay.service.h2.closing import ClosingServer
 from kvrelay.service.h2.guard import ConnectionCaps, H2Budgets, H2Counters
 from kvrelay.service.h2.request import (
+    INBOUND_WINDOW_BYTES,
     REQUEST_TIMEOUT_S,
     BoundedRequests,
+    RequestBytes,
     recv_within,
 )
 from kvrelay.service.h2.writer import StreamWriter, stream_resetter
@@ -124,6 +126,8 @@ class KvEventRelayService:
         self._listed_keys: tuple[int, frozenset[Any]] | None = None  # catalog version, pools
         #: a stream whose request message has not arrived after this long is ended
         self.request_timeout_s = REQUEST_TIMEOUT_S
+        #: the bytes of larger requests being read, on every service of the port
+        self.request_bytes = RequestBytes(limits.max_request_bytes_in_flight)
         self.unsupported = 0  # streams ended UNIMPLEMENTED: the source lacks the plane
         #: ``[[authorization]]`` rules (None: every client sees every pool); set_authorization
         self.authorization: Authorization | None = None
@@ -371,8 +375,9 @@ class KvEventRelayService:
     # --- helpers ---
     async def _recv(self, stream: Stream[Any, Any]) -> Any:
         return await recv_within(
-            stream, self.limits.max_message_bytes, self.request_timeout_s, self.h2_counters
-        )
+            stream, self.limits.max_message_bytes, self.request_timeout_s, self.h2_counters,
+            self.request_bytes,
+        )  # fmt: skip
 
     async def _until_newer(
         self,
@@ -581,7 +586,8 @@ class RelayServer:
         listed: list[Any] = [self.service, self.health.service]
         reflection = ServerReflection.extend(listed, pool=reflection_pool())[len(listed):]
         foreign = [BoundedRequests(h, self.limits.max_message_bytes, REQUEST_TIMEOUT_S,
-                                   self.service.refuse, self.service.h2_counters)
+                                   self.service.refuse, self.service.h2_counters,
+                                   self.service.request_bytes)
                    for h in (self.health.service, *reflection)]  # fmt: skip
         handlers = [self.service, *foreign, self.spacing]
         config = Configuration(
@@ -594,6 +600,8 @@ class RelayServer:
             # (0.9: uvloop's timers may fire a hair before the interval, and grpclib would then
             # skip that ping)
             _http2_min_sent_ping_interval_without_data=0.9 * self.limits.keepalive_interval_s,
+            http2_connection_window_size=INBOUND_WINDOW_BYTES,
+            http2_stream_window_size=INBOUND_WINDOW_BYTES,
         )
         self._server = ClosingServer(
             handlers, codec=PassThroughCodec(self.limits.max_message_bytes), config=config

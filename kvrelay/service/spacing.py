@@ -48,7 +48,8 @@ class SpacingService:
         self.view = view
         self._max_message_bytes = max_message_bytes
         self._relay_info = relay_info  # () -> RelayInfo bytes
-        #: the relay service's ``may_see``/``deny`` (``[[authorization]]``); None: no rules
+        #: the relay service: its ``may_see``/``deny`` (``[[authorization]]``), and its request
+        #: budget and counters; None: no rules, no budget
         self._rights = rights
         self.requests = 0
         self.refused = 0
@@ -66,7 +67,11 @@ class SpacingService:
             raise GRPCError(Status.UNIMPLEMENTED, "this relay does not space for mirrors")
         self.requests += 1
         try:
-            request = await recv_within(stream, self._max_message_bytes, REQUEST_TIMEOUT_S)
+            request = await recv_within(
+                stream, self._max_message_bytes, REQUEST_TIMEOUT_S,
+                getattr(self._rights, "h2_counters", None),
+                getattr(self._rights, "request_bytes", None),
+            )  # fmt: skip
             validate_stream_request(request.contract_marker, request.subscriber_id)
             producer_key(request.expected_producer)
             raw = dict(stream.metadata or {}).get(HOLD_HEADER, "")

@@ -15,7 +15,12 @@ lacks one it falls back to ``recv_message`` with the same mapping of its framing
 Requests are small (a pool id, a subscriber id, a producer identity; a service name for health
 and reflection): one over ``MAX_REQUEST_BYTES`` cannot be valid and is refused as
 INVALID_REQUEST, also before its body is read (one over the message limit stays RESOURCE_LIMIT,
-as the contract says), so a stream pins at most that much of a client's sending.
+as the contract says), so a stream pins at most that much of a client's sending. The bodies of
+requests over ``SMALL_REQUEST_BYTES`` being read hold places in one ``RequestBytes`` budget for
+the whole server: four connections of 100 streams, each sending a request of just under 1 MiB
+and never its last byte, held 520 MiB of the relay for the 10 s the requests may take, and a
+client repeats that at will. One that would pass the budget is refused RESOURCE_LIMIT before
+its body is read, and counted (``request_bytes``).
 ``BoundedRequests`` puts grpclib's own health and reflection services on the same reader.
 """
 
@@ -33,9 +38,12 @@ from kvrelay.service.h2.guard import H2Counters
 from kvrelay.service.h2.internals import REQUEST_NEEDS
 
 __all__ = [
+    "INBOUND_WINDOW_BYTES",
     "MAX_REQUEST_BYTES",
     "REQUEST_TIMEOUT_S",
+    "SMALL_REQUEST_BYTES",
     "BoundedRequests",
+    "RequestBytes",
     "missing_request_needs",
     "recv_request",
     "recv_within",
@@ -46,6 +54,34 @@ REQUEST_TIMEOUT_S = 10.0
 #: The largest request message read: larger ones are no valid request (every request of the
 #: contract is well under 1 KiB) and refused unread.
 MAX_REQUEST_BYTES = 1024 * 1024
+#: The flow-control windows the relay grants its clients, per stream and per connection (the
+#: HTTP/2 minimum): clients send requests only, all small, and a client's DATA that nothing
+#: reads (after a request, on a stream that reads no more) stays buffered up to the window.
+#: grpclib's 4 MiB let each connection pin 4 MiB that way.
+INBOUND_WINDOW_BYTES = 65_535
+#: Requests up to this size are read without a place in the ``RequestBytes`` budget (a stream
+#: pins at most this much then, as its own overhead does).
+SMALL_REQUEST_BYTES = 16 * 1024
+
+
+class RequestBytes:
+    """The bytes of larger requests being read, in all, under a limit (see the module
+    docstring)."""
+
+    __slots__ = ("held", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, size: int) -> bool:
+        if self.held + size > self.limit:
+            return False
+        self.held += size
+        return True
+
+    def give(self, size: int) -> None:
+        self.held -= size
 
 
 def missing_request_needs(stream: Any) -> list[str]:
@@ -55,18 +91,25 @@ def missing_request_needs(stream: Any) -> list[str]:
     return [f"{w}.{a}" for w, a in REQUEST_NEEDS if not hasattr(objects[w], a)]
 
 
-async def recv_request(stream: Any, max_bytes: int) -> Any | None:
+async def recv_request(
+    stream: Any,
+    max_bytes: int,
+    budget: RequestBytes | None = None,
+    counters: H2Counters | None = None,
+) -> Any | None:
     """The next request message of ``stream`` (a grpclib server stream), decoded by its codec,
-    or None when the client sent none; raises ``RelayError`` for a claim over ``max_bytes`` or
-    broken framing."""
+    or None when the client sent none; raises ``RelayError`` for a claim over ``max_bytes``, one
+    ``budget`` has no room for (counted in ``counters``), or broken framing."""
     if missing_request_needs(stream):
         try:
             return await stream.recv_message()
         except (AssertionError, NotImplementedError) as exc:
             raise RelayError.invalid_request(f"broken request framing: {exc}") from None
     inner = stream._stream
+    held = 0
 
     def check(size: int) -> None:
+        nonlocal held
         if size > max_bytes:
             raise RelayError.resource_limit(
                 f"inbound message of {size} bytes exceeds {max_bytes}"
@@ -75,11 +118,23 @@ async def recv_request(stream: Any, max_bytes: int) -> Any | None:
             raise RelayError.invalid_request(
                 f"request of {size} bytes: larger than any valid request ({MAX_REQUEST_BYTES})"
             )
+        if budget is not None and size > SMALL_REQUEST_BYTES:
+            if not budget.take(size):
+                if counters is not None:
+                    counters.count("request_bytes")
+                raise RelayError.resource_limit(
+                    f"request of {size} bytes: the relay is reading {budget.held} bytes of "
+                    f"requests, its limit is {budget.limit}"
+                )
+            held = size
 
     try:
         body = await read_framed(inner, check)
     except BrokenFraming as exc:
         raise RelayError.invalid_request(f"broken request framing: {exc}") from None
+    finally:
+        if held:
+            budget.give(held)  # type: ignore[union-attr]
     if body is None:
         return None
     message = stream._codec.decode(body, stream._recv_type)
@@ -89,12 +144,16 @@ async def recv_request(stream: Any, max_bytes: int) -> Any | None:
 
 
 async def recv_within(
-    stream: Any, max_bytes: int, timeout_s: float, counters: H2Counters | None = None
+    stream: Any,
+    max_bytes: int,
+    timeout_s: float,
+    counters: H2Counters | None = None,
+    budget: RequestBytes | None = None,
 ) -> Any:
     """The one request of a call, within ``timeout_s``: none, or none in time (counted in
     ``counters.closed["request_timeout"]``), is INVALID_ARGUMENT / INVALID_REQUEST."""
     try:
-        request = await bounded(recv_request(stream, max_bytes), timeout_s)
+        request = await bounded(recv_request(stream, max_bytes, budget, counters), timeout_s)
     except TimeoutError:
         if counters is not None:
             counters.count("request_timeout")
@@ -119,12 +178,14 @@ class BoundedRequests:
         timeout_s: float,
         refuse: Callable[[RelayError], NoReturn],
         counters: H2Counters | None = None,
+        budget: RequestBytes | None = None,
     ) -> None:
         self._handlers = handlers
         self._max_bytes = max_bytes
         self._timeout_s = timeout_s
         self._refuse = refuse
         self._counters = counters
+        self._budget = budget
 
     def __mapping__(self) -> dict[str, Handler]:
         return {
@@ -144,9 +205,12 @@ class BoundedRequests:
                     if first:
                         first = False
                         return await recv_within(
-                            stream, self._max_bytes, self._timeout_s, self._counters
-                        )
-                    return await recv_request(stream, self._max_bytes)
+                            stream, self._max_bytes, self._timeout_s, self._counters,
+                            self._budget,
+                        )  # fmt: skip
+                    return await recv_request(
+                        stream, self._max_bytes, self._budget, self._counters
+                    )
                 except RelayError as err:
                     self._refuse(err)
 

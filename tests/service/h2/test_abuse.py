@@ -442,3 +442,62 @@ async def test_a_connection_closed_between_drain_turns_feeds_nothing_more() -> N
         pump.cancel()
         writer.close()
         await server.close(grace_s=0.5)
+
+
+async def _feed(c: RawH2Client, sid: int, data: bytes, timeout: float = 20.0) -> None:
+    """Send ``data`` on stream ``sid`` as the relay's flow-control windows let it through."""
+    deadline = time.monotonic() + timeout
+    while data:
+        window = min(c.h2.local_flow_control_window(sid), c.h2.max_outbound_frame_size)
+        if window > 0:
+            c.h2.send_data(sid, data[:window])
+            data = data[window:]
+            c.flush()
+        else:
+            assert time.monotonic() < deadline, "the relay stopped granting window"
+            await asyncio.sleep(0.01)
+
+
+async def test_larger_requests_being_read_share_one_bounded_budget() -> None:
+    """Bodies of requests over 16 KiB being read hold places in one budget for the port
+    (``max_request_bytes_in_flight``): one that would pass it is refused RESOURCE_LIMIT at once,
+    on the relay's RPCs as on grpclib's health service, and counted; small requests are still
+    answered; a place comes back when its request ends. The relay grants clients the HTTP/2
+    minimum window (65,535), and a request larger than it is still read whole."""
+    size = 200_000
+    limits = RelayLimits(max_request_bytes_in_flight=3 * size)
+    server = RelayServer(MemRelayView(), limits)
+    await server.start("127.0.0.1", 0)
+    c = await RawH2Client.connect(server.port, "127.0.0.2")
+    prefix = b"\x00" + size.to_bytes(4, "big")
+    try:
+        await asyncio.sleep(0.1)  # the relay's SETTINGS
+        assert c.h2.remote_settings.initial_window_size == 65_535
+        assert c.h2.outbound_flow_control_window <= 65_535
+        holders = []
+        for _ in range(3):
+            st = c.open("WatchKvPoolCatalog", b"", raw=prefix, end=False)
+            await _feed(c, max(c.streams), bytes(size - 1))  # all but the last byte
+            holders.append((max(c.streams), st))
+        await _eventually(lambda: server.service.request_bytes.held == 3 * size)
+        over = c.open("WatchKvPoolCatalog", b"", raw=prefix, end=False)
+        health = c.open("/grpc.health.v1.Health/Check", b"", raw=prefix, end=False)
+        await asyncio.wait_for(asyncio.gather(over.ended.wait(), health.ended.wait()), 5)
+        for st in (over, health):
+            assert (st.status, st.reason) == ("8", "RELAY_ERROR_REASON_RESOURCE_LIMIT")
+        assert server.service.guard_stats()[2]["request_bytes"] == 2
+        assert await _info(server.port) < 5.0  # a small request is answered meanwhile
+        assert not any(st.ended.is_set() for _, st in holders)
+        sid, _ = holders[0]
+        c.h2.reset_stream(sid)  # a place comes back with its request's end
+        c.flush()
+        await _eventually(lambda: server.service.request_bytes.held == 2 * size)
+        again = c.open("WatchKvPoolCatalog", b"", raw=prefix, end=False)
+        await _feed(c, max(c.streams), b"\xff" * size)  # read whole: not protobuf
+        await asyncio.wait_for(again.ended.wait(), 10)
+        assert (again.status, again.reason) == ("3", "RELAY_ERROR_REASON_INVALID_REQUEST")
+        assert server.service.request_bytes.held == 2 * size
+    finally:
+        await c.close()
+        await server.close(grace_s=0.5)
+    assert server.service.request_bytes.held == 0
