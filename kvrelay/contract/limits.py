@@ -71,6 +71,9 @@ class RelayLimits:
     #: Bytes of requests larger than 16 KiB (no valid request is) the relay reads at once, in
     #: all: one that would pass it is refused before its body is read (RESOURCE_LIMIT).
     max_request_bytes_in_flight: int = 32 * 1024 * 1024
+    #: Streams that may wait longer than a second for their request, in all: past it, each new
+    #: stream ends the one that has waited longest (RESOURCE_LIMIT).
+    max_pending_requests: int = 1024
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -329,11 +329,12 @@ def guard_families(svc: object) -> Iterator[Metric]:
         "HTTP/2 stack could not take (protocol_error), streams reset for lacking :method or "
         ":path (malformed_headers), streams whose request never came (request_timeout), and "
         "requests refused because the requests being read held max_request_bytes_in_flight "
-        "(request_bytes).",
+        "(request_bytes), and streams ended to make room past max_pending_requests streams "
+        "waiting for their request (request_evicted).",
         labels=["reason"],
     )  # fmt: skip
     for reason in (*ABUSE_REASONS, "protocol_error", "malformed_headers", "request_timeout",
-                   "request_bytes"):  # fmt: skip
+                   "request_bytes", "request_evicted"):  # fmt: skip
         abuse.add_metric([reason], h2.get(reason, 0))
     yield abuse
     authz = getattr(svc, "authz_stats", None)

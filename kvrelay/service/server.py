@@ -43,9 +43,9 @@ from kvrelay.service.h2.request import (
     INBOUND_WINDOW_BYTES,
     REQUEST_TIMEOUT_S,
     BoundedRequests,
-    RequestBytes,
     recv_within,
 )
+from kvrelay.service.h2.request_guards import RequestGuards
 from kvrelay.service.h2.writer import StreamWriter, stream_resetter
 from kvrelay.service.health import RelayHealth, reflection_pool
 from kvrelay.service.peercred import SameUserOnly
@@ -126,8 +126,9 @@ class KvEventRelayService:
         self._listed_keys: tuple[int, frozenset[Any]] | None = None  # catalog version, pools
         #: a stream whose request message has not arrived after this long is ended
         self.request_timeout_s = REQUEST_TIMEOUT_S
-        #: the bytes of larger requests being read, on every service of the port
-        self.request_bytes = RequestBytes(limits.max_request_bytes_in_flight)
+        #: the bytes of larger requests being read, and the streams waiting for their request,
+        #: on every service of the port
+        self.request_guards = RequestGuards.of(limits, self.h2_counters)
         self.unsupported = 0  # streams ended UNIMPLEMENTED: the source lacks the plane
         #: ``[[authorization]]`` rules (None: every client sees every pool); set_authorization
         self.authorization: Authorization | None = None
@@ -375,9 +376,8 @@ class KvEventRelayService:
     # --- helpers ---
     async def _recv(self, stream: Stream[Any, Any]) -> Any:
         return await recv_within(
-            stream, self.limits.max_message_bytes, self.request_timeout_s, self.h2_counters,
-            self.request_bytes,
-        )  # fmt: skip
+            stream, self.limits.max_message_bytes, self.request_timeout_s, self.request_guards
+        )
 
     async def _until_newer(
         self,
@@ -586,8 +586,7 @@ class RelayServer:
         listed: list[Any] = [self.service, self.health.service]
         reflection = ServerReflection.extend(listed, pool=reflection_pool())[len(listed):]
         foreign = [BoundedRequests(h, self.limits.max_message_bytes, REQUEST_TIMEOUT_S,
-                                   self.service.refuse, self.service.h2_counters,
-                                   self.service.request_bytes)
+                                   self.service.refuse, self.service.request_guards)
                    for h in (self.health.service, *reflection)]  # fmt: skip
         handlers = [self.service, *foreign, self.spacing]
         config = Configuration(

@@ -48,8 +48,8 @@ class SpacingService:
         self.view = view
         self._max_message_bytes = max_message_bytes
         self._relay_info = relay_info  # () -> RelayInfo bytes
-        #: the relay service: its ``may_see``/``deny`` (``[[authorization]]``), and its request
-        #: budget and counters; None: no rules, no budget
+        #: the relay service: its ``may_see``/``deny`` (``[[authorization]]``) and its
+        #: ``request_guards``; None: no rules, no guards
         self._rights = rights
         self.requests = 0
         self.refused = 0
@@ -69,8 +69,7 @@ class SpacingService:
         try:
             request = await recv_within(
                 stream, self._max_message_bytes, REQUEST_TIMEOUT_S,
-                getattr(self._rights, "h2_counters", None),
-                getattr(self._rights, "request_bytes", None),
+                getattr(self._rights, "request_guards", None),
             )  # fmt: skip
             validate_stream_request(request.contract_marker, request.subscriber_id)
             producer_key(request.expected_producer)

@@ -15,17 +15,15 @@ lacks one it falls back to ``recv_message`` with the same mapping of its framing
 Requests are small (a pool id, a subscriber id, a producer identity; a service name for health
 and reflection): one over ``MAX_REQUEST_BYTES`` cannot be valid and is refused as
 INVALID_REQUEST, also before its body is read (one over the message limit stays RESOURCE_LIMIT,
-as the contract says), so a stream pins at most that much of a client's sending. The bodies of
-requests over ``SMALL_REQUEST_BYTES`` being read hold places in one ``RequestBytes`` budget for
-the whole server: four connections of 100 streams, each sending a request of just under 1 MiB
-and never its last byte, held 520 MiB of the relay for the 10 s the requests may take, and a
-client repeats that at will. One that would pass the budget is refused RESOURCE_LIMIT before
-its body is read, and counted (``request_bytes``).
+as the contract says), so a stream pins at most that much of a client's sending. Across the
+port, the bytes of larger requests being read and the streams waiting for their request are
+bounded too (``request_guards.py``).
 ``BoundedRequests`` puts grpclib's own health and reflection services on the same reader.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
@@ -36,14 +34,13 @@ from kvrelay._grpc import BrokenFraming, read_framed
 from kvrelay.contract.errors import RelayError
 from kvrelay.service.h2.guard import H2Counters
 from kvrelay.service.h2.internals import REQUEST_NEEDS
+from kvrelay.service.h2.request_guards import SMALL_REQUEST_BYTES, RequestGuards
 
 __all__ = [
     "INBOUND_WINDOW_BYTES",
     "MAX_REQUEST_BYTES",
     "REQUEST_TIMEOUT_S",
-    "SMALL_REQUEST_BYTES",
     "BoundedRequests",
-    "RequestBytes",
     "missing_request_needs",
     "recv_request",
     "recv_within",
@@ -59,31 +56,6 @@ MAX_REQUEST_BYTES = 1024 * 1024
 #: reads (after a request, on a stream that reads no more) stays buffered up to the window.
 #: grpclib's 4 MiB let each connection pin 4 MiB that way.
 INBOUND_WINDOW_BYTES = 65_535
-#: Requests up to this size are read without a place in the ``RequestBytes`` budget (a stream
-#: pins at most this much then, as its own overhead does).
-SMALL_REQUEST_BYTES = 16 * 1024
-
-
-class RequestBytes:
-    """The bytes of larger requests being read, in all, under a limit (see the module
-    docstring)."""
-
-    __slots__ = ("held", "limit")
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
-
-    def take(self, size: int) -> bool:
-        if self.held + size > self.limit:
-            return False
-        self.held += size
-        return True
-
-    def give(self, size: int) -> None:
-        self.held -= size
-
-
 def missing_request_needs(stream: Any) -> list[str]:
     """``where.attribute`` for each of ``REQUEST_NEEDS`` that ``stream`` lacks."""
     objects = {"stream": stream, "inner": getattr(stream, "_stream", None)}
@@ -92,14 +64,11 @@ def missing_request_needs(stream: Any) -> list[str]:
 
 
 async def recv_request(
-    stream: Any,
-    max_bytes: int,
-    budget: RequestBytes | None = None,
-    counters: H2Counters | None = None,
+    stream: Any, max_bytes: int, guards: RequestGuards | None = None
 ) -> Any | None:
     """The next request message of ``stream`` (a grpclib server stream), decoded by its codec,
     or None when the client sent none; raises ``RelayError`` for a claim over ``max_bytes``, one
-    ``budget`` has no room for (counted in ``counters``), or broken framing."""
+    the port's request budget has no room for (``guards``; counted), or broken framing."""
     if missing_request_needs(stream):
         try:
             return await stream.recv_message()
@@ -118,10 +87,10 @@ async def recv_request(
             raise RelayError.invalid_request(
                 f"request of {size} bytes: larger than any valid request ({MAX_REQUEST_BYTES})"
             )
-        if budget is not None and size > SMALL_REQUEST_BYTES:
+        if guards is not None and size > SMALL_REQUEST_BYTES:
+            budget = guards.budget
             if not budget.take(size):
-                if counters is not None:
-                    counters.count("request_bytes")
+                guards.counters.count("request_bytes")
                 raise RelayError.resource_limit(
                     f"request of {size} bytes: the relay is reading {budget.held} bytes of "
                     f"requests, its limit is {budget.limit}"
@@ -134,7 +103,7 @@ async def recv_request(
         raise RelayError.invalid_request(f"broken request framing: {exc}") from None
     finally:
         if held:
-            budget.give(held)  # type: ignore[union-attr]
+            guards.budget.give(held)  # type: ignore[union-attr]
     if body is None:
         return None
     message = stream._codec.decode(body, stream._recv_type)
@@ -144,16 +113,35 @@ async def recv_request(
 
 
 async def recv_within(
-    stream: Any,
-    max_bytes: int,
-    timeout_s: float,
-    counters: H2Counters | None = None,
-    budget: RequestBytes | None = None,
+    stream: Any, max_bytes: int, timeout_s: float, guards: RequestGuards | None = None
 ) -> Any:
-    """The one request of a call, within ``timeout_s``: none, or none in time (counted in
-    ``counters.closed["request_timeout"]``), is INVALID_ARGUMENT / INVALID_REQUEST."""
+    """The one request of a call, within ``timeout_s``: none, or none in time (counted as
+    ``request_timeout``), is INVALID_ARGUMENT / INVALID_REQUEST. With ``guards`` the wait holds
+    a place among the port's waiting streams, and one that is ended to make room is
+    RESOURCE_EXHAUSTED / RESOURCE_LIMIT (counted as ``request_evicted``)."""
+    read = asyncio.ensure_future(recv_request(stream, max_bytes, guards))
+    if guards is None:
+        return await _in_time(read, timeout_s, None)
+    pending = guards.pending
+    place, ended = pending.enter(read)
+    for _ in range(ended):
+        guards.counters.count("request_evicted")
     try:
-        request = await bounded(recv_request(stream, max_bytes, budget, counters), timeout_s)
+        return await _in_time(read, timeout_s, guards.counters)
+    except asyncio.CancelledError:
+        if not place.evicted:
+            raise
+        raise RelayError.resource_limit(
+            f"no request message within {pending.grace_s} s while {pending.limit} streams "
+            "waited for theirs"
+        ) from None
+    finally:
+        pending.leave(place)
+
+
+async def _in_time(read: asyncio.Future[Any], timeout_s: float, counters: H2Counters | None) -> Any:
+    try:
+        request = await bounded(read, timeout_s)
     except TimeoutError:
         if counters is not None:
             counters.count("request_timeout")
@@ -177,15 +165,13 @@ class BoundedRequests:
         max_bytes: int,
         timeout_s: float,
         refuse: Callable[[RelayError], NoReturn],
-        counters: H2Counters | None = None,
-        budget: RequestBytes | None = None,
+        guards: RequestGuards | None = None,
     ) -> None:
         self._handlers = handlers
         self._max_bytes = max_bytes
         self._timeout_s = timeout_s
         self._refuse = refuse
-        self._counters = counters
-        self._budget = budget
+        self._guards = guards
 
     def __mapping__(self) -> dict[str, Handler]:
         return {
@@ -205,12 +191,9 @@ class BoundedRequests:
                     if first:
                         first = False
                         return await recv_within(
-                            stream, self._max_bytes, self._timeout_s, self._counters,
-                            self._budget,
-                        )  # fmt: skip
-                    return await recv_request(
-                        stream, self._max_bytes, self._budget, self._counters
-                    )
+                            stream, self._max_bytes, self._timeout_s, self._guards
+                        )
+                    return await recv_request(stream, self._max_bytes, self._guards)
                 except RelayError as err:
                     self._refuse(err)
 

@@ -479,7 +479,7 @@ async def test_larger_requests_being_read_share_one_bounded_budget() -> None:
             st = c.open("WatchKvPoolCatalog", b"", raw=prefix, end=False)
             await _feed(c, max(c.streams), bytes(size - 1))  # all but the last byte
             holders.append((max(c.streams), st))
-        await _eventually(lambda: server.service.request_bytes.held == 3 * size)
+        await _eventually(lambda: server.service.request_guards.budget.held == 3 * size)
         over = c.open("WatchKvPoolCatalog", b"", raw=prefix, end=False)
         health = c.open("/grpc.health.v1.Health/Check", b"", raw=prefix, end=False)
         await asyncio.wait_for(asyncio.gather(over.ended.wait(), health.ended.wait()), 5)
@@ -491,13 +491,46 @@ async def test_larger_requests_being_read_share_one_bounded_budget() -> None:
         sid, _ = holders[0]
         c.h2.reset_stream(sid)  # a place comes back with its request's end
         c.flush()
-        await _eventually(lambda: server.service.request_bytes.held == 2 * size)
+        await _eventually(lambda: server.service.request_guards.budget.held == 2 * size)
         again = c.open("WatchKvPoolCatalog", b"", raw=prefix, end=False)
         await _feed(c, max(c.streams), b"\xff" * size)  # read whole: not protobuf
         await asyncio.wait_for(again.ended.wait(), 10)
         assert (again.status, again.reason) == ("3", "RELAY_ERROR_REASON_INVALID_REQUEST")
-        assert server.service.request_bytes.held == 2 * size
+        assert server.service.request_guards.budget.held == 2 * size
     finally:
         await c.close()
         await server.close(grace_s=0.5)
-    assert server.service.request_bytes.held == 0
+    assert server.service.request_guards.budget.held == 0
+
+
+async def test_streams_waiting_for_their_request_are_bounded_for_the_port() -> None:
+    """Past ``max_pending_requests`` streams waiting for their request, each new stream ends the
+    one that has waited longest (once it has waited the grace): RESOURCE_LIMIT, counted; a real
+    call, whose request comes with its headers, is answered meanwhile. Within the grace, a burst
+    of streams is let through."""
+    limits = RelayLimits(max_pending_requests=50)
+    server = RelayServer(MemRelayView(), limits)
+    pending = server.service.request_guards.pending
+    pending.grace_s = 0.3
+    await server.start("127.0.0.1", 0)
+    c = await RawH2Client.connect(server.port, "127.0.0.2")
+    try:
+        first = [c.open("WatchKvPoolCatalog", b"", end=False) for _ in range(50)]
+        burst = [c.open("GetRelayInfo", b"", end=False) for _ in range(20)]
+        await _eventually(lambda: len(pending) == 70)  # a burst within the grace: all wait
+        assert not any(st.ended.is_set() for st in first + burst)
+        await asyncio.sleep(0.4)
+        late = [c.open("WatchKvPoolCatalog", b"", end=False) for _ in range(10)]
+        await asyncio.wait_for(asyncio.gather(*(st.ended.wait() for st in first[:30])), 5)
+        for st in first[:30]:  # the oldest make room: 70 + 10 new, 50 may wait
+            assert (st.status, st.reason) == ("8", "RELAY_ERROR_REASON_RESOURCE_LIMIT")
+        assert not any(st.ended.is_set() for st in first[30:] + burst + late)
+        assert server.service.guard_stats()[2]["request_evicted"] == 30
+        assert len(pending) == 50
+        assert await _info(server.port) < 5.0  # answered; to wait, it ended one more
+        assert len(pending) == 49
+        assert server.service.guard_stats()[2]["request_evicted"] == 31
+    finally:
+        await c.close()
+        await server.close(grace_s=0.5)
+    assert len(pending) == 0
