@@ -63,29 +63,10 @@ async def test_a_reply_the_sdk_cannot_take_ends_its_stream_typed(reply: bytes, r
         await server.wait_closed()
 
 
-async def test_a_live_client_stream_has_what_the_bounded_reader_uses() -> None:
-    server = Server([_Relay(bytes(pb.KvPoolCatalogUpdate()))], codec=RawCodec())
-    await server.start("127.0.0.1", 0)
-    port = server._server.sockets[0].getsockname()[1]
-    ch = Channel("127.0.0.1", port, codec=ClientCodec())
-    try:
-        async with ch.request(rpc.SERVICE + "WatchKvPoolCatalog",
-                              grpclib.const.Cardinality.UNARY_STREAM,
-                              pb.WatchKvPoolCatalogRequest,
-                              pb.KvPoolCatalogUpdate) as stream:  # fmt: skip
-            await stream.send_message(rpc.catalog_request("t"), end=True)
-            assert missing_client_recv_needs(stream) == []
-            await stream.recv_message()
-        assert missing_client_recv_needs(object()) == [f"{w}.{a}" for w, a in CLIENT_RECV_NEEDS]
-    finally:
-        ch.close()
-        server.close()
-        await server.wait_closed()
-
-
-async def test_a_connected_client_protocol_has_what_keeping_ended_streams_uses() -> None:
-    """``keep_ended_streams``: the processor's streams and its close (replaced), and each
-    protocol stream's headers and trailers, on a real connection."""
+async def test_a_live_client_stream_has_what_the_reader_and_keeping_ended_streams_use() -> None:
+    """On a real connection of the SDK's channel: the bounded reader's stream parts, and what
+    ``keep_ended_streams`` uses (the processor's streams and its close, which it replaced, and
+    each protocol stream's headers and trailers); an object lacking them has each named."""
     server = Server([_Relay(bytes(pb.KvPoolCatalogUpdate()))], codec=RawCodec())
     await server.start("127.0.0.1", 0)
     port = server._server.sockets[0].getsockname()[1]
@@ -96,10 +77,12 @@ async def test_a_connected_client_protocol_has_what_keeping_ended_streams_uses()
                               pb.WatchKvPoolCatalogRequest,
                               pb.KvPoolCatalogUpdate) as stream:  # fmt: skip
             await stream.send_message(rpc.catalog_request("t"), end=True)
+            assert missing_client_recv_needs(stream) == []
             await stream.recv_message()
             proto: Any = ch._protocol
             assert missing_client_close_needs(proto, stream._stream) == []
         assert proto.processor.close.__name__ == "close_open_streams"
+        assert missing_client_recv_needs(object()) == [f"{w}.{a}" for w, a in CLIENT_RECV_NEEDS]
         gone = missing_client_close_needs(object(), object())
         assert gone == [f"{w}.{a}" for w, a in CLIENT_CLOSE_NEEDS]
     finally:
