@@ -30,6 +30,8 @@ from kvrelay.service.descriptor import RELAY_FILE_DESCRIPTOR_SET
 RELAY_SERVICE = "dynamo.kvrelay.v1.KvEventRelay"
 #: Health ``Watch`` streams held at once.
 MAX_HEALTH_WATCHERS = 256
+#: Server reflection streams (v1 and v1alpha together) open at once.
+MAX_REFLECTION_STREAMS = 256
 _WATCH = "/grpc.health.v1.Health/Watch"
 
 

@@ -47,7 +47,7 @@ from kvrelay.service.h2.request import (
 )
 from kvrelay.service.h2.request_guards import RequestGuards
 from kvrelay.service.h2.writer import StreamWriter, stream_resetter
-from kvrelay.service.health import RelayHealth, reflection_pool
+from kvrelay.service.health import MAX_REFLECTION_STREAMS, RelayHealth, reflection_pool
 from kvrelay.service.peercred import SameUserOnly
 from kvrelay.service.shares import StreamShares, StreamTicket, peer_addr
 from kvrelay.service.spacing import SpacingService
@@ -585,8 +585,10 @@ class RelayServer:
         # grpclib's health and reflection services read requests through the relay's reader
         listed: list[Any] = [self.service, self.health.service]
         reflection = ServerReflection.extend(listed, pool=reflection_pool())[len(listed):]
+        self.reflection_streams = PermitCounter("reflection", MAX_REFLECTION_STREAMS)
         foreign = [BoundedRequests(h, self.limits.max_message_bytes, REQUEST_TIMEOUT_S,
-                                   self.service.refuse, self.service.request_guards)
+                                   self.service.refuse, self.service.request_guards,
+                                   None if h is self.health.service else self.reflection_streams)
                    for h in (self.health.service, *reflection)]  # fmt: skip
         handlers = [self.service, *foreign, self.spacing]
         config = Configuration(

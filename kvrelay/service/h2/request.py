@@ -27,11 +27,12 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
-from grpclib.const import Handler
+from grpclib.const import Cardinality, Handler
 
 from kvrelay._aio import bounded
 from kvrelay._grpc import BrokenFraming, read_framed
 from kvrelay.contract.errors import RelayError
+from kvrelay.contract.limits import PermitCounter
 from kvrelay.service.h2.guard import H2Counters
 from kvrelay.service.h2.internals import REQUEST_NEEDS
 from kvrelay.service.h2.request_guards import SMALL_REQUEST_BYTES, RequestGuards
@@ -129,8 +130,9 @@ async def recv_within(
     try:
         return await _in_time(read, timeout_s, guards.counters)
     except asyncio.CancelledError:
-        if not place.evicted:
-            raise
+        task = asyncio.current_task()
+        if not place.evicted or (task is not None and task.cancelling()):
+            raise  # the call itself is cancelled (a reset, a deadline): not an eviction
         raise RelayError.resource_limit(
             f"no request message within {pending.grace_s} s while {pending.limit} streams "
             "waited for theirs"
@@ -155,9 +157,12 @@ class BoundedRequests:
     """grpclib handlers (an object with ``__mapping__``, such as its health and reflection
     services) whose streams read each request with ``recv_request``: grpclib's
     ``recv_message`` buffers whatever a length prefix claims before anything can refuse it.
-    The first request must come within ``timeout_s``; later ones (reflection is a bidirectional
-    stream a tool may keep open) are bounded in size only. ``refuse`` ends the call for a
-    refused request (the relay's own: counted, with the reason trailer)."""
+    The first request must come within ``timeout_s``, under the port's ``guards``; later ones
+    (reflection is a bidirectional stream a tool may keep open, idle between requests) may be
+    ``SMALL_REQUEST_BYTES`` at most, so an idle stream pins no more than that. ``streams`` caps
+    the bidirectional calls open at once (each costs its state for as long as the tool keeps
+    it). ``refuse`` ends the call for a refused request (the relay's own: counted, with the
+    reason trailer)."""
 
     def __init__(
         self,
@@ -166,23 +171,39 @@ class BoundedRequests:
         timeout_s: float,
         refuse: Callable[[RelayError], NoReturn],
         guards: RequestGuards | None = None,
+        streams: PermitCounter | None = None,
     ) -> None:
         self._handlers = handlers
         self._max_bytes = max_bytes
         self._timeout_s = timeout_s
         self._refuse = refuse
         self._guards = guards
+        self._streams = streams
 
     def __mapping__(self) -> dict[str, Handler]:
         return {
-            path: h._replace(func=self._bounded(h.func))
+            path: h._replace(func=self._bounded(h.func, h.cardinality))
             for path, h in self._handlers.__mapping__().items()
         }
 
     def _bounded(
-        self, func: Callable[[Any], Awaitable[None]]
+        self, func: Callable[[Any], Awaitable[None]], cardinality: Cardinality
     ) -> Callable[[Any], Awaitable[None]]:
+        streams = self._streams if cardinality is Cardinality.STREAM_STREAM else None
+        later_bytes = min(self._max_bytes, SMALL_REQUEST_BYTES)
+
         async def handle(stream: Any) -> None:
+            if streams is not None and not streams.try_acquire():
+                self._refuse(RelayError.resource_limit(
+                    f"{streams.capacity} {streams.name} streams already open"
+                ))  # fmt: skip
+            try:
+                await bounded_call(stream)
+            finally:
+                if streams is not None:
+                    streams.release()
+
+        async def bounded_call(stream: Any) -> None:
             first = True
 
             async def recv_message() -> Any:
@@ -193,7 +214,7 @@ class BoundedRequests:
                         return await recv_within(
                             stream, self._max_bytes, self._timeout_s, self._guards
                         )
-                    return await recv_request(stream, self._max_bytes, self._guards)
+                    return await recv_request(stream, later_bytes)
                 except RelayError as err:
                     self._refuse(err)
 

@@ -96,11 +96,15 @@ class PendingRequests:
         waiting = self._waiting
         while len(waiting) >= self.limit:
             oldest = next(iter(waiting))
+            read = oldest.read
+            if read.done() or (isinstance(read, asyncio.Task) and read.cancelling()):
+                del waiting[oldest]  # over already (its request came, or its call was
+                continue  # cancelled: a client's reset), only not yet left: not ended here
             if now - oldest.since < self.grace_s:
                 break  # a burst of streams, not a wait: let it through
             del waiting[oldest]
             oldest.evicted = True
-            oldest.read.cancel()
+            read.cancel()
             ended += 1
         place = Waiting(read, now)
         waiting[place] = None

@@ -534,3 +534,61 @@ async def test_streams_waiting_for_their_request_are_bounded_for_the_port() -> N
         await c.close()
         await server.close(grace_s=0.5)
     assert len(pending) == 0
+
+
+async def test_a_waiting_stream_its_client_resets_is_not_taken_for_an_evicted_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """At the bound, a client resets its oldest waiting stream and opens a new one in one write:
+    the reset call is cancelled, as any reset call, not counted as ended to make room, and the
+    relay logs nothing about it (it answered the reset stream, and grpclib logged an ERROR)."""
+    server = RelayServer(MemRelayView(), RelayLimits(max_pending_requests=5))
+    pending = server.service.request_guards.pending
+    pending.grace_s = 0.2
+    await server.start("127.0.0.1", 0)
+    c = await RawH2Client.connect(server.port, "127.0.0.2")
+    try:
+        for _ in range(5):
+            c.open("WatchKvPoolCatalog", b"", end=False)
+        await _eventually(lambda: len(pending) == 5)
+        await asyncio.sleep(0.3)
+        c.h2.reset_stream(min(c.streams))
+        c.open("WatchKvPoolCatalog", b"", end=False)  # the same write
+        await _eventually(lambda: len(pending) == 5)
+        await asyncio.sleep(0.3)
+        assert server.service.guard_stats()[2].get("request_evicted", 0) == 0
+        assert not server.service.errors
+    finally:
+        await c.close()
+        await server.close(grace_s=0.5)
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+
+
+async def test_reflection_streams_are_bounded_and_later_requests_small() -> None:
+    """A reflection stream may stay open, idle between requests: at most
+    ``MAX_REFLECTION_STREAMS`` are open at once (the next is refused RESOURCE_LIMIT), and a
+    later request on one may be 16 KiB at most, refused RESOURCE_LIMIT past it (the first is
+    read as every request)."""
+    server = RelayServer(MemRelayView())
+    server.reflection_streams.capacity = 3
+    await server.start("127.0.0.1", 0)
+    c = await RawH2Client.connect(server.port, "127.0.0.2")
+    path = "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"
+    framed = b"\x00" + len(REFLECT).to_bytes(4, "big") + REFLECT
+    try:
+        held = [c.open(path, b"", raw=framed, end=False) for _ in range(3)]
+        await _eventually(lambda: all(st.data for st in held))  # each answered, still open
+        extra = c.open(path, b"", raw=framed, end=False)
+        await asyncio.wait_for(extra.ended.wait(), 5)
+        assert (extra.status, extra.reason) == ("8", "RELAY_ERROR_REASON_RESOURCE_LIMIT")
+        sid = min(c.streams)
+        c.h2.send_data(sid, b"\x00" + (16 * 1024 + 1).to_bytes(4, "big"))
+        c.flush()
+        await asyncio.wait_for(held[0].ended.wait(), 5)
+        assert (held[0].status, held[0].reason) == ("8", "RELAY_ERROR_REASON_RESOURCE_LIMIT")
+        again = c.open(path, b"", raw=framed, end=False)  # its place came back
+        await _eventually(lambda: bool(again.data))
+        assert not again.ended.is_set()
+    finally:
+        await c.close()
+        await server.close(grace_s=0.5)
