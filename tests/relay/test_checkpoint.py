@@ -135,7 +135,11 @@ async def test_a_checkpoint_written_while_the_pool_changes_holds_the_cut(tmp_pat
     for i, m in enumerate(mids):
         _store(pool, m, (i + 1) << 32, 40_000)
     results: list[str] = []
-    ck = checkpoint.Checkpointer(results.append)
+    # read paced (4 MiB/s: about half a second for this pool) so that the changes below land
+    # while the image is open however the writer thread and the loop are scheduled (with the
+    # other core busy, an unpaced writer finished reading before the first change: nothing was
+    # captured)
+    ck = checkpoint.Checkpointer(results.append, rate=lambda: 4 << 20)
     meta, arrays = pool.export_state()
     oracle = {k: a.copy() for k, a in arrays.items()}
     members = [MemberResume(w, 0, f"e{w}", "", 100 + w, w) for w in range(3)]
