@@ -77,24 +77,23 @@ class DrainNotice:
 
     def _ended(self, _task: Any) -> None:
         self._open -= 1
-        if self._draining and self._open == 0 and not self._grpclib:
+        if self._draining and self._open == 0:
             self._send()
 
     def drain(self) -> None:
         """The relay drains: notify now if nothing is open, else after the last stream ends."""
         self._draining = True
-        if self._open == 0 and not self._grpclib:
+        if self._open == 0:
             self._send()
 
     def final(self) -> None:
         """The connection is about to be closed: notify if that has not happened yet."""
-        if not self._grpclib:
-            self._send()
+        self._send()
 
     def _send(self) -> None:
         proto = self._proto()
-        if self.sent or proto is None or missing_in_drain(proto):  # (none before connection_made)
-            return
+        if self.sent or self._grpclib or proto is None or missing_in_drain(proto):
+            return  # (a grpclib client's connection is never told; none before connection_made)
         conn: Any = proto.connection
         if conn._transport.is_closing():
             return

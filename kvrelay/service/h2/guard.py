@@ -81,8 +81,8 @@ class H2Counters:
 
     closed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ABUSE_REASONS, 0))
 
-    def count(self, reason: str) -> None:
-        self.closed[reason] = self.closed.get(reason, 0) + 1
+    def count(self, reason: str, n: int = 1) -> None:
+        self.closed[reason] = self.closed.get(reason, 0) + n
 
 
 def goaway(last_stream_id: int, code: int = ENHANCE_YOUR_CALM) -> bytes:

@@ -125,8 +125,8 @@ async def recv_within(
         return await _in_time(read, timeout_s, None)
     pending = guards.pending
     place, ended = pending.enter(read)
-    for _ in range(ended):
-        guards.counters.count("request_evicted")
+    if ended:
+        guards.counters.count("request_evicted", ended)
     try:
         return await _in_time(read, timeout_s, guards.counters)
     except asyncio.CancelledError:
