@@ -325,12 +325,12 @@ def guard_families(svc: object) -> Iterator[Metric]:
         "gRPC connections closed with GOAWAY ENHANCE_YOUR_CALM for breaking a per-connection "
         "budget (rapid_reset, stream_flood, empty_frames, ping_flood, settings_flood, "
         "oversized_headers), connections closed as accepted over a connection cap "
-        "(too_many_connections), connections closed with GOAWAY PROTOCOL_ERROR for input the "
-        "HTTP/2 stack could not take (protocol_error), streams reset for lacking :method or "
-        ":path (malformed_headers), streams whose request never came (request_timeout), and "
-        "requests refused because the requests being read held max_request_bytes_in_flight "
-        "(request_bytes), and streams ended to make room past max_pending_requests streams "
-        "waiting for their request (request_evicted).",
+        "(too_many_connections), connections closed for input the HTTP/2 stack could not take, "
+        "with the GOAWAY code HTTP/2 gives it (protocol_error), streams reset for lacking "
+        ":method or :path (malformed_headers), streams whose request never came "
+        "(request_timeout), and requests refused because the requests being read held "
+        "max_request_bytes_in_flight (request_bytes), and streams ended to make room past "
+        "max_pending_requests streams waiting for their request (request_evicted).",
         labels=["reason"],
     )  # fmt: skip
     for reason in (*ABUSE_REASONS, "protocol_error", "malformed_headers", "request_timeout",

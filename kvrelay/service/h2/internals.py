@@ -1,9 +1,9 @@
 """Every grpclib and h2 internal the relay's own HTTP/2 writers rely on, listed and checked once.
 
 Why: the writers in this package (``bulk``, ``direct``, ``batch``, ``reset``, ``closing``,
-``drain``) work beside grpclib on its private stream, connection and h2 state. A grpclib or h2
-release may drop or rename any of it; ``missing`` then names what is gone and ``StreamWriter``
-falls back to grpclib's public path (the relay gets slower, never wrong).
+``drain``, ``mend``) work beside grpclib on its private stream, connection and h2 state. A
+grpclib or h2 release may drop or rename any of it; ``missing`` then names what is gone and
+``StreamWriter`` falls back to grpclib's public path (the relay gets slower, never wrong).
 ``tests/service/h2/test_internals.py`` checks the whole list against the installed versions on a
 real stream.
 """
@@ -24,6 +24,7 @@ __all__ = [
     "CANCEL",
     "CLASS_NEEDS",
     "DRAIN_NEEDS",
+    "FEED_NEEDS",
     "INSTANCE_NEEDS",
     "PROTOCOL_NEEDS",
     "REQUEST_NEEDS",
@@ -37,6 +38,7 @@ __all__ = [
     "missing",
     "missing_in_classes",
     "missing_in_drain",
+    "missing_in_feed",
     "missing_in_protocol",
     "stream_internals",
 ]
@@ -131,9 +133,28 @@ DRAIN_NEEDS: tuple[tuple[str, str], ...] = (
 
 def missing_in_drain(proto: Any) -> list[str]:
     """``where.attribute`` for each of ``DRAIN_NEEDS`` this connected server protocol lacks."""
+    return _missing_on_connection(proto, DRAIN_NEEDS)
+
+
+def _missing_on_connection(proto: Any, needs: tuple[tuple[str, str], ...]) -> list[str]:
     conn = getattr(proto, "connection", None)
     objects = {"proto": proto, "connection": conn, "h2": getattr(conn, "_connection", None)}
-    return [f"{w}.{a}" for w, a in DRAIN_NEEDS if not hasattr(objects[w], a)]
+    return [f"{w}.{a}" for w, a in needs if not hasattr(objects[w], a)]
+
+
+#: What ``mend`` uses to write the GOAWAY h2 queued on a connection error (grpclib closes the
+#: transport without it): ``where`` as in ``DRAIN_NEEDS``.
+FEED_NEEDS: tuple[tuple[str, str], ...] = (
+    ("proto", "connection"),
+    ("connection", "feed"),
+    ("connection", "_connection"),
+    ("h2", "data_to_send"),
+)
+
+
+def missing_in_feed(proto: Any) -> list[str]:
+    """``where.attribute`` for each of ``FEED_NEEDS`` this connected server protocol lacks."""
+    return _missing_on_connection(proto, FEED_NEEDS)
 
 
 #: What ``request.recv_request`` reads a request through (its ``where`` as above); without any

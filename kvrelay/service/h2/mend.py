@@ -13,10 +13,16 @@
 * **Anything else grpclib's ``data_received`` raises** (a header value that is not ASCII, for
   one) ended the connection through the event loop's "fatal error" log, without a GOAWAY. The
   connection now gets GOAWAY ``PROTOCOL_ERROR`` and is closed, counted (``protocol_error``).
+* **Connection errors h2 detects** (DATA on stream 0, a zero WINDOW_UPDATE, a frame over the
+  size the relay allows, a SETTINGS value out of range). h2 queues the GOAWAY with the code the
+  RFC names, but grpclib closed the transport without writing it: the client saw the socket
+  close and could not tell its own bug from a crash. Those bytes are now written before the close,
+  and the error counted (``protocol_error``); so is a connection whose preface is not HTTP/2's,
+  which RFC 9113 §3.4 lets close without a GOAWAY.
 
-Uses grpclib's private protocol parts (``internals.PROTOCOL_NEEDS``); without them the protocol
-is left as grpclib made it. Installed before the transport exists (uvloop's transports keep the
-``data_received`` they find when made).
+Uses grpclib's private protocol parts (``internals.PROTOCOL_NEEDS``; for h2's connection errors
+also ``FEED_NEEDS``); without them the protocol is left as grpclib made it. Installed before
+the transport exists (uvloop's transports keep the ``data_received`` they find when made).
 """
 
 from __future__ import annotations
@@ -27,9 +33,10 @@ from typing import Any
 
 from h2.errors import ErrorCodes
 from h2.events import UnknownFrameReceived
+from h2.exceptions import ProtocolError
 
 from kvrelay.service.h2.guard import H2Counters, goaway
-from kvrelay.service.h2.internals import H2Protocol, missing_in_protocol
+from kvrelay.service.h2.internals import H2Protocol, missing_in_feed, missing_in_protocol
 
 __all__ = ["mend_protocol"]
 
@@ -75,6 +82,8 @@ def mend_protocol(proto: H2Protocol, counters: H2Counters) -> None:
         processors = getattr(getattr(proto, "processor", None), "processors", None)
         if isinstance(processors, dict):
             processors.setdefault(UnknownFrameReceived, _ignore)
+        if not missing_in_feed(proto):
+            _tell_connection_errors(proto.connection, t, counters)
 
     def data_received(data: bytes) -> None:
         try:
@@ -91,6 +100,25 @@ def mend_protocol(proto: H2Protocol, counters: H2Counters) -> None:
     handler.accept = accept_checked
     proto.connection_made = connection_made  # type: ignore[method-assign,assignment]
     proto.data_received = data_received  # type: ignore[method-assign]
+
+
+def _tell_connection_errors(conn: Any, transport: Any, counters: H2Counters) -> None:
+    """Write what h2 queued (its GOAWAY) when it finds a connection error, before grpclib closes
+    the transport on the ``ProtocolError`` it re-raises."""
+    feed = conn.feed
+
+    def feed_told(data: bytes) -> Any:
+        try:
+            return feed(data)
+        except ProtocolError:
+            counters.count("protocol_error")
+            with contextlib.suppress(Exception):  # the connection broke meanwhile
+                pending = conn._connection.data_to_send()
+                if pending and not transport.is_closing():
+                    transport.write(pending)
+            raise
+
+    conn.feed = feed_told
 
 
 def _ignore(_event: Any) -> None:

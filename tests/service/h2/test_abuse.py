@@ -364,6 +364,58 @@ async def test_malformed_requests_and_unknown_frames_are_answered_not_logged(
         await server.close(grace_s=0.5)
 
 
+#: Connection errors h2 finds, each with the GOAWAY code RFC 9113 gives it.
+CONNECTION_ERRORS: dict[str, tuple[bytes, int]] = {
+    "data_on_stream_0": (_frame(0x0, 0, 0, b"x"), 0x1),
+    "zero_window_update": (_frame(0x8, 0, 0, bytes(4)), 0x1),
+    "frame_too_large": (_frame(0x0, 0, 1, bytes(20_000)), 0x6),
+    "window_setting_out_of_range": (_frame(0x4, 0, 0, b"\x00\x04\x80\x00\x00\x00"), 0x3),
+}
+
+
+@pytest.mark.parametrize("error", sorted(CONNECTION_ERRORS))
+async def test_connection_errors_h2_finds_are_answered_with_its_goaway(
+    error: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """h2 queues a GOAWAY for a connection error and grpclib closed the socket without writing
+    it: the client now reads the GOAWAY with the RFC's code before the close, the error is
+    counted, nothing is logged as an error, and a bystander is answered."""
+    frame, code = CONNECTION_ERRORS[error]
+    server = RelayServer(MemRelayView())
+    await server.start("127.0.0.1", 0)
+    writer, got, pump = await _raw_connection(server.port)
+    try:
+        writer.write(frame)
+        await asyncio.wait_for(pump, 10)  # closed
+        goaway = got.rfind(b"\x07\x00\x00\x00\x00\x00")
+        assert goaway >= 0, bytes(got)
+        assert got[goaway + 10 : goaway + 14] == code.to_bytes(4, "big")
+        assert server.service.guard_stats()[2].get("protocol_error") == 1
+        assert await _info(server.port) < 5.0
+        assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+    finally:
+        pump.cancel()
+        writer.close()
+        await server.close(grace_s=0.5)
+
+
+async def test_a_connection_that_does_not_speak_http2_is_closed_and_counted() -> None:
+    """A preface that is not HTTP/2's: the connection is closed (RFC 9113 §3.4 lets the GOAWAY be
+    left out) and counted, and a bystander is answered."""
+    server = RelayServer(MemRelayView())
+    await server.start("127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    try:
+        writer.write(b"GET / HTTP/1.1\r\nHost: relay\r\n\r\n")
+        while await asyncio.wait_for(reader.read(65536), 10):
+            pass
+        assert server.service.guard_stats()[2].get("protocol_error") == 1
+        assert await _info(server.port) < 5.0
+    finally:
+        writer.close()
+        await server.close(grace_s=0.5)
+
+
 async def test_a_relay_info_reply_never_taken_is_reset() -> None:
     """A client with a zero window never takes a ``GetRelayInfo`` reply: the call is reset after
     ``stalled_stream_reset_s`` and counted, as a stalled plane stream is, and its task ends."""

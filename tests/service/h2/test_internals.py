@@ -22,6 +22,7 @@ import kvrelay
 from kvrelay.service.h2.closing import ClosingServer
 from kvrelay.service.h2.internals import (
     DRAIN_NEEDS,
+    FEED_NEEDS,
     INSTANCE_NEEDS,
     PROTOCOL_NEEDS,
     SEND_DATA_CONNECTION,
@@ -31,6 +32,7 @@ from kvrelay.service.h2.internals import (
     missing,
     missing_in_classes,
     missing_in_drain,
+    missing_in_feed,
     missing_in_protocol,
 )
 from kvrelay.service.h2.request import missing_request_needs, recv_request
@@ -117,9 +119,10 @@ async def test_a_server_protocol_has_what_releasing_cancelled_streams_uses() -> 
     assert missing_in_protocol(object()) == [f"{w}.{a}" for w, a in PROTOCOL_NEEDS]
 
 
-async def test_a_connected_server_protocol_has_what_the_drain_notice_uses() -> None:
+async def test_a_connected_server_protocol_has_what_the_drain_notice_and_mend_use() -> None:
     """``drain.DrainNotice``: the connection's transport and flush, h2's outbound buffer and
-    the highest stream id it received, on a real connection after a call."""
+    the highest stream id it received; ``mend``: the connection's ``feed`` and h2's
+    ``data_to_send``; on a real connection after a call."""
     server = ClosingServer([_Probe()], codec=_Raw())
     await server.start("127.0.0.1", 0)
     port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
@@ -133,6 +136,8 @@ async def test_a_connected_server_protocol_has_what_the_drain_notice_uses() -> N
         assert isinstance(proto.connection._connection._data_to_send, bytearray)
         assert proto.connection._connection.highest_inbound_stream_id == 1
         assert missing_in_drain(object()) == [f"{w}.{a}" for w, a in DRAIN_NEEDS]
+        assert missing_in_feed(proto) == []
+        assert missing_in_feed(object()) == [f"{w}.{a}" for w, a in FEED_NEEDS]
     finally:
         ch.close()
         server.close()
