@@ -414,6 +414,7 @@ class Mirror:
             "channel_resets": self.upstream.resets,
             "upstream_spacing": self.upstream.spacing,
             "hold_failures": self.upstream.hold_failures,
+            "hold_denied": self.upstream.hold_denied,
             "pool_totals": dict(totals),
             "pools": pools,
         }

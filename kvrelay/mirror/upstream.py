@@ -9,6 +9,7 @@ turned back into the upstream's ``RelayError`` (reason and message) so it can be
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,10 +23,15 @@ from kvrelay.client import errors as E
 from kvrelay.client import rpc
 from kvrelay.client.codec import RawCodec
 from kvrelay.contract.errors import RelayError, reason_from_name
+from kvrelay.logging import get_logger
 from kvrelay.mirror.settings import MirrorSettings
 from kvrelay.service.spacing import HOLD_HEADER, HOLD_METHOD
 
 SERVICE = "/dynamo.kvrelay.v1.KvEventRelay/"
+#: After a PERMISSION_DENIED spacing request, the next is asked this much later (the upstream's
+#: rules may be reloaded to grant it; meanwhile the mirror's joiners go unspaced).
+SPACING_DENIED_RETRY_S = 30.0
+_log = get_logger(__name__)
 StreamEnd = rpc.StreamEnd
 
 
@@ -51,6 +57,11 @@ class Upstream:
         self.resets = 0
         self.spacing = True  # the upstream answers spacing requests (kvrelay does)
         self.hold_failures = 0  # spacing requests that failed (transport, refusal, timeout)
+        #: requests refused PERMISSION_DENIED (the upstream's rules grant this mirror no
+        #: spacing); the next is asked ``SPACING_DENIED_RETRY_S`` later (a rules reload)
+        self.hold_denied = 0
+        self._denied_until = 0.0
+        self._denial_logged = False
         #: who asks for spacing: the subscriber id made unique to this process, because the
         #: upstream keeps one hold per requester and every mirror may carry the default id
         self.hold_requester = hold_requester(settings.subscriber_id)
@@ -111,8 +122,10 @@ class Upstream:
         """Ask the upstream to space ``request``'s pool for local joiners
         (``service/spacing.py``): True if granted, False if the upstream cannot (a relay other
         than kvrelay: UNIMPLEMENTED, remembered until the channel is replaced), None if this
-        request failed otherwise (the next one may succeed)."""
-        if not self.spacing:
+        request failed otherwise (the next one may succeed). An upstream whose rules do not grant
+        this mirror spacing (PERMISSION_DENIED) is asked again ``SPACING_DENIED_RETRY_S`` later,
+        its refusal logged once until a request is granted."""
+        if not self.spacing or time.monotonic() < self._denied_until:
             return False
         channel = self._channel
         try:
@@ -123,6 +136,7 @@ class Upstream:
                 await st.send_message(request, end=True)
                 await st.recv_message()
                 await st.recv_trailing_metadata()
+            self._denial_logged = False  # granted: a later refusal is news again
             return True
         except GRPCError as err:
             # UNIMPLEMENTED (tonic: Dynamo), or what a grpclib server's answer to an unknown
@@ -132,6 +146,13 @@ class Upstream:
                 self.spacing = False
                 return False
             self.hold_failures += 1
+            if status is Status.PERMISSION_DENIED:
+                if not self._denial_logged:
+                    self._denial_logged = True
+                    _log.warning("mirror_spacing_denied", detail=err.message)
+                self.hold_denied += 1
+                self._denied_until = time.monotonic() + SPACING_DENIED_RETRY_S
+                return False
             return None
         except Exception:  # transport errors, a closed channel: a request is best effort
             self.hold_failures += 1

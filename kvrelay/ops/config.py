@@ -452,8 +452,12 @@ def _names(v: list[str]) -> str | None:
 
 
 AUTHORIZATION_KEYS: dict[str, _Key] = {
-    name: _Key("strs", None, check=_names)
-    for name in ("uri", "dns", "cn", "namespaces", "pools", "models")
+    **{
+        name: _Key("strs", None, check=_names)
+        for name in ("uri", "dns", "cn", "namespaces", "pools", "models")
+    },
+    # its clients may ask for publication spacing (HoldPublication: mirrors, service/spacing.py)
+    "spacing": _Key("bool", False),
 }
 
 #: Keys people bring from Dynamo's relay, and what kvrelay calls them (docs/dynamo.md).
@@ -819,7 +823,10 @@ def _authorization(
     for i, raw in enumerate(raws):
         path = f"authorization[{i}]"
         v = r.keys(path, raw, AUTHORIZATION_KEYS)
-        rule = AuthorizationRule(**{k: tuple(v[k] or ()) for k in AUTHORIZATION_KEYS})
+        rule = AuthorizationRule(
+            **{k: tuple(v[k] or ()) for k in AUTHORIZATION_KEYS if k != "spacing"},
+            spacing=bool(v["spacing"]),
+        )
         if not (rule.uri or rule.dns or rule.cn):
             r.err(path, "names no client: set uri, dns or cn (exact names or globs)")
         if not (rule.namespaces or rule.pools or rule.models):

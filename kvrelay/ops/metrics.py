@@ -342,7 +342,8 @@ def guard_families(svc: object) -> Iterator[Metric]:
     denied = CounterMetricFamily(
         "kvrelay_authorization_denials",
         "Requests for an existing pool the client may not see under [[authorization]], answered as "
-        "for an absent pool (SubscribeKvPool, HoldPublication).", labels=["rpc"],
+        "for an absent pool (SubscribeKvPool, HoldPublication), and HoldPublication requests from "
+        "a client no rule with spacing = true names (PERMISSION_DENIED).", labels=["rpc"],
     )  # fmt: skip
     for rpc in ("SubscribeKvPool", "HoldPublication"):
         denied.add_metric([rpc], denials.get(rpc, 0))

@@ -80,16 +80,21 @@ class WorkerSpec:
 AUTHZ_LINE = "AUTHZ "
 
 
-def rules_json(rules: tuple[AuthorizationRule, ...] | None) -> list[dict[str, list[str]]] | None:
+def rules_json(rules: tuple[AuthorizationRule, ...] | None) -> list[dict[str, Any]] | None:
     return None if rules is None else [
-        {k: list(v) for k, v in asdict(rule).items()} for rule in rules
+        {k: v if isinstance(v, bool) else list(v) for k, v in asdict(rule).items()}
+        for rule in rules
     ]  # fmt: skip
 
 
 def rules_from_json(raw: Any) -> tuple[AuthorizationRule, ...] | None:
     if raw is None:
         return None
-    return tuple(AuthorizationRule(**{k: tuple(v) for k, v in r.items()}) for r in raw)
+    out = []
+    for r in raw:
+        values: dict[str, Any] = {k: v if isinstance(v, bool) else tuple(v) for k, v in r.items()}
+        out.append(AuthorizationRule(**values))
+    return tuple(out)
 
 
 @dataclass(slots=True)

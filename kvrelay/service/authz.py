@@ -8,6 +8,10 @@ globs too). A client sees the union of the rules that name it; once any rule exi
 no rule names sees nothing. No rules at all: everyone sees everything (the service then holds no
 ``Authorization`` and takes no step of this module).
 
+Asking for publication spacing (``service/spacing.py``, what a mirror does while its joiners
+catch up) slows a pool's deltas for every other reader of it, so under rules it is a right of
+its own: only a client named by a rule with ``spacing = true`` may ask, for the pools it sees.
+
 A pool a client may not see is answered as an absent one (``POOL_NOT_FOUND``, the relay's own
 message) and left out of every plane message it gets. Plane messages are re-encoded per set of
 matched rules (clients naming the same rules see the same bytes), and each set's newest copy per
@@ -100,6 +104,8 @@ class AuthorizationRule:
     namespaces: tuple[str, ...] = ()
     pools: tuple[str, ...] = ()
     models: tuple[str, ...] = ()
+    #: its clients may ask for publication spacing (mirrors), for the pools it shows them
+    spacing: bool = False
 
     def names(self, who: ClientIdentity) -> bool:
         return _any(self.uri, who.uris) or _any(self.dns, who.dns) or _any(self.cn, who.cns)
@@ -141,6 +147,10 @@ class Authorization:
     def rights(self, who: ClientIdentity) -> Rights:
         """The indices of the rules naming ``who`` (empty: sees nothing)."""
         return frozenset(i for i, rule in enumerate(self.rules) if rule.names(who))
+
+    def may_space(self, rights: Rights) -> bool:
+        """Whether a rule naming the client grants it publication spacing requests."""
+        return any(self.rules[i].spacing for i in rights)
 
     def _sees(self, rights: Rights, ns: str, key: str | None, models: Iterable[str]) -> bool:
         models = tuple(models)

@@ -164,6 +164,17 @@ class KvEventRelayService:
         who = ClientIdentity.from_cert(stream.peer.cert())
         return auth.may_see(auth.rights(who), producer, self._catalog_now())
 
+    def may_space(self, stream: Stream[Any, Any]) -> bool:
+        """Whether this stream's client may ask for publication spacing (no rules: anyone);
+        a refusal is counted."""
+        auth = self.authorization
+        if auth is None:
+            return True
+        if auth.may_space(auth.rights(ClientIdentity.from_cert(stream.peer.cert()))):
+            return True
+        self.authz_denials["HoldPublication"] = self.authz_denials.get("HoldPublication", 0) + 1
+        return False
+
     def deny(self, rpc: str, producer: pb.ProducerIdentity) -> RelayError:
         """The error for a pool this client may not see: an absent pool's; counted when the
         pool exists (a request for a truly absent pool is no refusal). Without a catalog to

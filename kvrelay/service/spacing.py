@@ -12,8 +12,10 @@ Dynamo relay answers with UNIMPLEMENTED (the mirror then stops asking).
 Request: a ``SubscribeKvPoolRequest`` (contract marker, subscriber id = the requester,
 expected producer), checked as a subscription is; the spacing in milliseconds in the
 ``kvrelay-hold-ms`` header (0 ends the request). Reply: ``RelayInfo``. Errors are the
-subscription's (POOL_NOT_FOUND, PRODUCER_CHANGED, RESOURCE_LIMIT, …); a pool the client may not
-see under ``[[authorization]]`` is answered as an absent one (POOL_NOT_FOUND; a mirror's
+subscription's (POOL_NOT_FOUND, PRODUCER_CHANGED, RESOURCE_LIMIT, …). Under
+``[[authorization]]`` a client no rule with ``spacing = true`` names is refused
+PERMISSION_DENIED before its pool is looked at (asking slows every other reader of the pool),
+and a pool it may not see is answered as an absent one (POOL_NOT_FOUND; a mirror's
 ``absent_hold``).
 """
 
@@ -39,6 +41,8 @@ HOLD_METHOD = SPACING + "HoldPublication"
 HOLD_HEADER = "kvrelay-hold-ms"
 #: The longest spacing a request may name (the relay caps it at its own bound anyway).
 MAX_HOLD_MS = 60_000
+#: The refusal's message: what the operator of the asking mirror needs to change.
+NOT_GRANTED = "no [[authorization]] rule with spacing = true names this client"
 
 
 class SpacingService:
@@ -78,6 +82,9 @@ class SpacingService:
             if not is_decimal(text) or int(text) > MAX_HOLD_MS:
                 raise RelayError.invalid_request(f"{HOLD_HEADER} must be 0..{MAX_HOLD_MS}")
             rights = self._rights
+            if rights is not None and not rights.may_space(stream):
+                self.refused += 1
+                raise GRPCError(Status.PERMISSION_DENIED, NOT_GRANTED)
             if rights is not None and not rights.may_see(stream, request.expected_producer):
                 rights.deny("HoldPublication", request.expected_producer)
                 absent = getattr(self.view, "absent_hold", None)  # a mirror's own answer

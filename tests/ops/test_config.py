@@ -593,6 +593,7 @@ AUTHZ = """
 [[authorization]]
 uri = ["spiffe://cluster.local/ns/team-a/*"]
 namespaces = ["team-a"]
+spacing = true
 
 [[authorization]]
 dns = ["router.team-b.svc"]
@@ -614,7 +615,8 @@ def test_authorization_rules_are_read_with_mutual_tls(tmp_path: Path) -> None:
     cfg, problems = _check(tmp_path, MINIMAL + _mtls(tmp_path) + AUTHZ)
     assert problems == [] and cfg is not None
     assert cfg.authorization == (
-        AuthorizationRule(uri=("spiffe://cluster.local/ns/team-a/*",), namespaces=("team-a",)),
+        AuthorizationRule(uri=("spiffe://cluster.local/ns/team-a/*",), namespaces=("team-a",),
+                          spacing=True),
         AuthorizationRule(dns=("router.team-b.svc",), cn=("router-b",),
                           pools=("team-b/router/*",), models=("llama-*",)),
     )  # fmt: skip
@@ -641,6 +643,8 @@ def test_authorization_without_client_certificates_is_refused(
     ('cn = ["r"]\npools = ["team-a/router"]', "authorization[0].pools",
      "not namespace/component/endpoint"),
     ('cn = ["r"]\nnamespace = ["a"]', "authorization[0].namespace", "unknown key"),
+    ('cn = ["r"]\nnamespaces = ["a"]\nspacing = "yes"', "authorization[0].spacing",
+     "a boolean"),
 ])  # fmt: skip
 def test_authorization_rule_errors_name_the_rule(
     tmp_path: Path, rule: str, path: str, fragment: str

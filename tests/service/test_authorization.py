@@ -9,6 +9,7 @@ selects, written out by hand below, and an absent pool's answer read from the sa
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import ssl
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ from typing import Any
 
 import grpc
 import pytest
+import structlog.testing
 from grpclib.client import Channel
 from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError
@@ -26,11 +28,12 @@ from grpclib.exceptions import GRPCError
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.mirror.mirror import Mirror
 from kvrelay.mirror.settings import UpstreamAddress
+from kvrelay.mirror.upstream import SPACING_DENIED_RETRY_S, Upstream
 from kvrelay.ops.metrics import guard_families
 from kvrelay.ops.tls import client_ssl_context, server_ssl_context
 from kvrelay.service.authz import Authorization, AuthorizationRule
 from kvrelay.service.server import RelayServer
-from kvrelay.service.spacing import HOLD_HEADER, HOLD_METHOD
+from kvrelay.service.spacing import HOLD_HEADER, HOLD_METHOD, NOT_GRANTED
 from tests.support.certs import make_ca, make_leaf
 from tests.support.mem_relay import (
     MARKER,
@@ -46,9 +49,10 @@ from tests.support.timing import scaled
 
 TEAM_A_ID = "spiffe://cluster.local/ns/team-a/sa/router"
 RULES = (
-    AuthorizationRule(uri=("spiffe://cluster.local/ns/team-a/*",), namespaces=("team-a",)),
+    AuthorizationRule(uri=("spiffe://cluster.local/ns/team-a/*",), namespaces=("team-a",),
+                      spacing=True),
     AuthorizationRule(dns=("router.team-b.svc",), pools=("team-b/router/*",)),
-)
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -261,32 +265,83 @@ async def test_grpcio_sees_a_hidden_pool_answered_as_an_absent_one(
         await client.close()
 
 
-async def test_spacing_refuses_a_hidden_pool_as_an_absent_one(rig: Rig) -> None:
-    async def hold(producer: pb.ProducerIdentity) -> tuple[Status, str | None]:
-        async with rig.channel("a") as ch:
-            async with ch.request(HOLD_METHOD, Cardinality.UNARY_UNARY,
-                                  pb.SubscribeKvPoolRequest, pb.RelayInfo,
-                                  metadata={HOLD_HEADER: "100"}) as st:  # fmt: skip
-                await st.send_message(sub_request(producer, "mirror-a"), end=True)
-                try:
-                    await st.recv_message()
-                    await st.recv_trailing_metadata()
-                except GRPCError as exc:
-                    return exc.status, exc.message
-        return Status.OK, None
+async def _hold(rig: Rig, who: str, producer: pb.ProducerIdentity) -> tuple[Status, str | None]:
+    """``who`` asks the served relay to space ``producer``'s pool: the status and message."""
+    async with rig.channel(who) as ch:
+        async with ch.request(HOLD_METHOD, Cardinality.UNARY_UNARY,
+                              pb.SubscribeKvPoolRequest, pb.RelayInfo,
+                              metadata={HOLD_HEADER: "100"}) as st:  # fmt: skip
+            await st.send_message(sub_request(producer, f"mirror-{who}"), end=True)
+            try:
+                await st.recv_message()
+                await st.recv_trailing_metadata()
+            except GRPCError as exc:
+                return exc.status, exc.message
+    return Status.OK, None
 
+
+def _spaces(rig: Rig) -> None:
+    """Give the in-memory view the relay's rule for spacing (a mirror has its own)."""
     view = rig.server.service.view
-    if isinstance(view, MemRelayView):  # give the in-memory view the relay's rule for spacing
+    if isinstance(view, MemRelayView):
 
         async def hold_pool(expected: pb.ProducerIdentity, requester: str, s: float) -> float:
             await view.open_pool(expected)  # POOL_NOT_FOUND / PRODUCER_CHANGED, as the relay
             return 0.0
 
         view.hold_pool = hold_pool  # type: ignore[attr-defined]
-    hidden = await hold(rig.pools["b1"].producer)
+
+
+async def test_spacing_refuses_a_hidden_pool_as_an_absent_one(rig: Rig) -> None:
+    _spaces(rig)
+    assert await _hold(rig, "a", rig.pools["a1"].producer) == (Status.OK, None)
+    hidden = await _hold(rig, "a", rig.pools["b1"].producer)
     assert hidden[0] != Status.OK
-    assert hidden == await hold(make_producer("no-such-pool", bucket_count=4096))
+    assert hidden == await _hold(rig, "a", make_producer("no-such-pool", bucket_count=4096))
     assert rig.server.service.authz_denials["HoldPublication"] == 1
+
+
+async def test_spacing_needs_a_rule_that_grants_it(rig: Rig) -> None:
+    """Asking for spacing slows every other reader of the pool: a client whose rules show it the
+    pool but do not grant ``spacing`` is refused PERMISSION_DENIED, before its pool is looked
+    at (so the answer says nothing of which pools exist), and counted."""
+    _spaces(rig)
+    assert (await _subscribe(rig, "b", rig.pools["b1"].producer)).status is None  # b sees b1
+    own = await _hold(rig, "b", rig.pools["b1"].producer)
+    assert own == (Status.PERMISSION_DENIED, NOT_GRANTED)
+    assert await _hold(rig, "b", rig.pools["a1"].producer) == own
+    assert await _hold(rig, "nobody", rig.pools["a1"].producer) == own
+    assert rig.server.service.authz_denials["HoldPublication"] == 3
+    assert await _hold(rig, "a", rig.pools["a2"].producer) == (Status.OK, None)
+
+
+async def test_a_mirror_refused_spacing_waits_before_asking_again(rig: Rig) -> None:
+    """The mirror side: an upstream whose rules grant the mirror's certificate no spacing answers
+    PERMISSION_DENIED; the mirror counts it, logs it once and does not ask again for
+    ``SPACING_DENIED_RETRY_S`` (its joiners go unspaced meanwhile); a granted identity is
+    answered at once."""
+    _spaces(rig)
+    address = UpstreamAddress(host="127.0.0.1", port=rig.server.port)
+
+    def upstream(who: str) -> Upstream:
+        settings = dataclasses.replace(mirror_settings(address, None), ssl=rig.certs.client(who))
+        return Upstream(settings)
+
+    refused, granted = upstream("b"), upstream("a")
+    try:
+        request = sub_request(rig.pools["b1"].producer, refused.hold_requester)
+        with structlog.testing.capture_logs() as logs:
+            assert await refused.hold(request, 0.1) is False
+            assert await refused.hold(request, 0.1) is False  # not asked again
+        assert (refused.hold_denied, refused.spacing) == (1, True)
+        assert rig.server.service.authz_denials["HoldPublication"] == 1
+        assert [e["event"] for e in logs] == ["mirror_spacing_denied"]
+        assert SPACING_DENIED_RETRY_S >= 10.0
+        ok = sub_request(rig.pools["a1"].producer, granted.hold_requester)
+        assert await granted.hold(ok, 0.1) is True and granted.hold_denied == 0
+    finally:
+        refused.close()
+        granted.close()
 
 
 async def test_a_rules_reload_narrows_live_streams(rig: Rig) -> None:
