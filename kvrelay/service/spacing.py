@@ -12,7 +12,8 @@ Dynamo relay answers with UNIMPLEMENTED (the mirror then stops asking).
 Request: a ``SubscribeKvPoolRequest`` (contract marker, subscriber id = the requester,
 expected producer), checked as a subscription is; the spacing in milliseconds in the
 ``kvrelay-hold-ms`` header (0 ends the request). Reply: ``RelayInfo``. Errors are the
-subscription's (POOL_NOT_FOUND, PRODUCER_CHANGED, RESOURCE_LIMIT, …). Under
+subscription's (POOL_NOT_FOUND, PRODUCER_CHANGED, RESOURCE_LIMIT, …), with its reason trailer,
+counted as the relay's other calls are. Under
 ``[[authorization]]`` a client no rule with ``spacing = true`` names is refused
 PERMISSION_DENIED before its pool is looked at (asking slows every other reader of the pool),
 and a pool it may not see is answered as an absent one (POOL_NOT_FOUND; a mirror's
@@ -93,5 +94,8 @@ class SpacingService:
             info = self._relay_info()
         except RelayError as err:
             self.refused += 1
+            refuse = getattr(self._rights, "refuse", None)  # the relay's: counted, with the
+            if refuse is not None:  # reason trailer, as its own calls are
+                refuse(err)
             raise GRPCError(status_of(err), err.message) from None
         await stream.send_message(info)

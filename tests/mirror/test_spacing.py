@@ -69,18 +69,21 @@ async def test_the_spacing_request_is_checked_like_a_subscription() -> None:
         async with r.channel() as ch:
             producer = await catalog_producer(ch)
 
+            reasons: list[str | None] = []
+
             async def hold(prod: pb.ProducerIdentity, ms: str) -> GRPCError | None:
-                try:
-                    async with ch.request(HOLD_METHOD, Cardinality.UNARY_UNARY,
-                                          pb.SubscribeKvPoolRequest, pb.RelayInfo,
-                                          metadata={HOLD_HEADER: ms}) as st:  # fmt: skip
+                async with ch.request(HOLD_METHOD, Cardinality.UNARY_UNARY,
+                                      pb.SubscribeKvPoolRequest, pb.RelayInfo,
+                                      metadata={HOLD_HEADER: ms}) as st:  # fmt: skip
+                    try:
                         await st.send_message(sub_request(prod, "probe"), end=True)
                         info = await st.recv_message()
                         await st.recv_trailing_metadata()
-                    assert info is not None and info.relay is not None
-                    return None
-                except GRPCError as err:
-                    return err
+                    except GRPCError as err:
+                        reasons.append(dict(st.trailing_metadata or {}).get(K))
+                        return err
+                assert info is not None and info.relay is not None
+                return None
 
             gen = r.pool.generation
             assert gen is not None
@@ -93,6 +96,9 @@ async def test_the_spacing_request_is_checked_like_a_subscription() -> None:
             assert bad is not None and bad.status == Status.INVALID_ARGUMENT
             gone = await hold(S.producer(), "10")
             assert gone is not None and gone.status == Status.NOT_FOUND
+            # with the reason trailer, as the relay's own calls
+            assert reasons == ["RELAY_ERROR_REASON_INVALID_REQUEST",
+                               "RELAY_ERROR_REASON_POOL_NOT_FOUND"]  # fmt: skip
             # capped at the relay's own bound, whatever is asked
             assert await hold(producer, "60000") is None
             limit = r.settings.limits.snapshot_publication_delay_s
