@@ -329,8 +329,11 @@ class RelayConnection:
                 store(msg)
                 self._notify()
 
-            quiet = None if silence_s is None else max(silence_s, 3 * window_s)  # long windows
-            end = await rpc.run_stream(self.channel, method, request, reply, on, silence_s=quiet)
+            def quiet(base: float = silence_s or 0.0) -> float:
+                return max(base, 3 * window_s)  # long windows: as their updates say, at once
+
+            end = await rpc.run_stream(self.channel, method, request, reply, on,
+                                       silence_s=None if silence_s is None else quiet)  # fmt: skip
             self.counters[f"{plane}_end_{end.reason}"] += 1
             if plane == "serving_load":
                 self.serving_load_unsupported = end.status == Status.UNIMPLEMENTED

@@ -138,13 +138,15 @@ async def run_stream(
     reply_type: type[T],
     on_message: Callable[[T], None],
     *,
-    silence_s: float | None = None,
+    silence_s: float | Callable[[], float] | None = None,
     yield_every: int = 0,
 ) -> StreamEnd:
     """Run one server stream to its end, calling ``on_message`` for each reply.
 
     With ``silence_s``, a stream that delivers nothing for that long is cancelled and ends as
     ``silent``: a relay that stopped sending (even heartbeats) must not hold a replica for ever.
+    A callable is asked again after each message (a window plane learns its period from its
+    first message, and that message's own stream must wait that long for the next).
     Until its first message, a stream is silent only while its whole channel is (it may be
     waiting for its turn behind other streams' snapshots on the same connection).
     With ``yield_every`` = N > 0, the loop yields to the event loop after every N messages: a
@@ -158,11 +160,16 @@ async def run_stream(
     loop = asyncio.get_running_loop()
     activity = _activity(channel)
     quiet: asyncio.Timeout | None = None
+
+    def silence() -> float | None:
+        return silence_s() if callable(silence_s) else silence_s
+
+    limit = silence()
     try:
-        async with asyncio.timeout(silence_s) as quiet:
-            if silence_s is not None:
-                first_by = loop.time() + FIRST_MESSAGE_FACTOR * silence_s
-                activity.waiting[quiet] = (silence_s, first_by)
+        async with asyncio.timeout(limit) as quiet:
+            if limit is not None:
+                first_by = loop.time() + FIRST_MESSAGE_FACTOR * limit
+                activity.waiting[quiet] = (limit, first_by)
             async with channel.request(
                 SERVICE + method, Cardinality.UNARY_STREAM, type(request), reply_type
             ) as stream:
@@ -173,19 +180,22 @@ async def run_stream(
                     if not n:
                         activity.waiting.pop(quiet, None)
                     activity.message(loop)
-                    if silence_s is not None:
-                        quiet.reschedule(loop.time() + silence_s)
+                    if limit is not None:
+                        quiet.reschedule(loop.time() + limit)
                     if msg is None:
                         break
                     n += 1
                     on_message(msg)
+                    if callable(silence_s) and (again := silence()) not in (None, limit):
+                        limit = again
+                        quiet.reschedule(loop.time() + again)
                     if yield_every and n % yield_every == 0:
                         await asyncio.sleep(0)
                 await stream.recv_trailing_metadata()
         return StreamEnd(E.EOF, Status.OK, "", n)
     except TimeoutError:
-        if silence_s is not None and quiet is not None and quiet.expired():
-            return StreamEnd(E.SILENT, None, f"nothing received for {silence_s:g} s", n)
+        if limit is not None and quiet is not None and quiet.expired():
+            return StreamEnd(E.SILENT, None, f"nothing received for {limit:g} s", n)
         return StreamEnd(E.CONNECTION, None, "TimeoutError", n)
     except GRPCError as err:
         trailers = None if stream is None else stream.trailing_metadata

@@ -15,9 +15,11 @@ from kvrelay.client import ClientConfig, RelayClient
 from kvrelay.client.replica import relay_key
 from kvrelay.client.views import PoolKey
 from kvrelay.contract.limits import RelayLimits
+from kvrelay.service.server import RelayServer
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.wire import Era
 from tests.support.client_stack import Stack, eventually, query_set, stack, truth_depth
+from tests.support.mem_relay import MemRelayView
 
 FAST = ClientConfig(backoff_initial_s=0.02, backoff_max_s=0.2)
 MODEL = "sim-model"
@@ -197,3 +199,27 @@ async def test_generation_change_producer_changed_then_new_generation() -> None:
             )
             assert client.drops["catalog_replaced"] + client.drops["producer_changed"] >= 1
             assert relay_key(relay.relay_identity) == client.connections[0].identity
+
+
+async def test_a_plane_with_long_windows_is_not_silent_between_them() -> None:
+    """A window plane's silence follows the period its updates state (``window_ms``) from its
+    first update on, on the stream that delivered it: the SDK read a relay whose windows came
+    less often than its silence bound as gone after each first window, and dropped what it held
+    (not routable) until it had reconnected."""
+    view = MemRelayView()
+    server = RelayServer(view)
+    await server.start("127.0.0.1", 0)
+    config = ClientConfig(heartbeat_interval_s=0.2, silence_heartbeats=2,
+                          backoff_initial_s=0.02, backoff_max_s=0.2)  # fmt: skip
+    try:
+        async with RelayClient([f"127.0.0.1:{server.port}"], config=config) as client:
+            conn = client.connections[0]
+            await eventually(lambda: conn.counters["load_updates"] >= 1, what="first window")
+            for window in range(1, 4):  # one each second (window_ms = 1000), silence 0.4 s
+                await asyncio.sleep(1.0)
+                view.load.publish(view.load_msg(window), window)
+            await eventually(lambda: conn.counters["load_updates"] >= 4, what="every window")
+            assert conn.counters["load_end_silent"] == 0
+            assert conn.load is not None and conn.load.window_sequence == 3
+    finally:
+        await server.close(grace_s=0.5)
