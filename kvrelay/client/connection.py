@@ -321,7 +321,7 @@ class RelayConnection:
                 attempt = 0
                 if not self._envelope_ok(msg, plane):
                     return
-                window_s = max(window_s, getattr(msg, "window_ms", 0) / 1000.0)
+                window_s = rpc.window_period_s(window_s, getattr(msg, "window_ms", 0) or 0)
                 self._observe_relay(msg.relay, from_catalog=False)
                 self.counters[f"{plane}_updates"] += 1
                 if plane == "serving_load":

@@ -87,6 +87,16 @@ def open_channel(
 #: channel is with other streams (a plane's periodic windows would otherwise keep a pool stream
 #: that never answers waiting for ever).
 FIRST_MESSAGE_FACTOR = 4
+#: The longest window period taken from a relay's updates (one day): a window plane waits three
+#: stated periods before it calls its stream silent, and a stated year would hold a stopped
+#: relay's plane for ever.
+MAX_WINDOW_MS = 86_400_000
+
+
+def window_period_s(known_s: float, window_ms: int) -> float:
+    """A window plane's period after an update stating ``window_ms``: the longest stated so
+    far (``known_s``), capped at ``MAX_WINDOW_MS``. The SDK and the mirror wait three of them."""
+    return max(known_s, min(window_ms, MAX_WINDOW_MS) / 1000.0)
 
 
 class _ChannelActivity:

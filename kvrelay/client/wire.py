@@ -46,12 +46,14 @@ class Frame(NamedTuple):
 
 class Envelope(NamedTuple):
     """``protocol_version`` (1), ``relay`` (2, raw), field 3 (catalog and readiness ``revision``,
-    load ``window_sequence``) and the marker (127) of a plane message."""
+    load ``window_sequence``), the marker (127) of a plane message, and a window plane's
+    ``window_ms`` (5; 0 when absent, and on the catalog and readiness planes, which have none)."""
 
     protocol_version: int
     relay: bytes | None
     version: int
     marker: int | None
+    window_ms: int = 0
 
 
 def _varint(buf: bytes, i: int) -> tuple[int, int]:
@@ -168,7 +170,7 @@ def parse_frame(buf: bytes, *, strict: bool = True) -> Frame:
 
 def parse_envelope(buf: bytes) -> Envelope:
     """Parse the envelope fields of a catalog, readiness or load update; raises WireError."""
-    version = value = 0
+    version = value = window_ms = 0
     relay: bytes | None = None
     marker: int | None = None
     n = len(buf)
@@ -177,12 +179,14 @@ def parse_envelope(buf: bytes) -> Envelope:
         while i < n:
             key, i = _varint(buf, i)
             field, wt = key >> 3, key & 7
-            if wt == _VARINT and field in (1, 3):
+            if wt == _VARINT and field in (1, 3, 5):
                 v, i = _varint(buf, i)
                 if field == 1:
                     version = v
-                else:
+                elif field == 3:
                     value = v
+                else:
+                    window_ms = v
             elif wt == _LEN and field == 2:
                 data, i = _bytes(buf, i)
                 if relay is not None:
@@ -196,7 +200,7 @@ def parse_envelope(buf: bytes) -> Envelope:
                 raise WireError("truncated field")
     except IndexError:
         raise WireError("truncated message") from None
-    return Envelope(version, relay, value, marker)
+    return Envelope(version, relay, value, marker, window_ms)
 
 
 

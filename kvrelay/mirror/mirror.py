@@ -53,7 +53,8 @@ from kvrelay.service.canonical import WireFormatError, canonicalize
 
 _log = get_logger(__name__)
 _BEHIND = frozenset({int(Reason.SUBSCRIBER_LAGGED), int(Reason.SNAPSHOT_PROGRESS_TIMEOUT)})
-#: The window planes' period: a load or serving-load window comes at least this often.
+#: The window planes' period when their updates state none shorter: a load or serving-load
+#: window comes at least this often unless its ``window_ms`` says otherwise.
 WINDOW_PERIOD_S = 1.0
 
 
@@ -284,20 +285,27 @@ class Mirror:
     async def _plane_loop(self, plane: MirrorPlane, method: str, request: Any) -> None:
         failures = 0
         is_catalog = plane is self.catalog
-        silence = None if is_catalog else 3 * max(self.settings.upstream_heartbeat_s, (
+        base = 3 * max(self.settings.upstream_heartbeat_s, (
             self.settings.upstream_readiness_s if plane is self.readiness else WINDOW_PERIOD_S
         ))  # fmt: skip
+        window_s = 0.0  # a window plane's period, as its updates state it (``window_ms``)
+
+        def quiet() -> float:
+            return max(base, 3 * window_s)  # at once, on the stream whose update stated it
+
+        silence = None if is_catalog else quiet
         while True:
             delivered = False
 
             def on(data: bytes) -> None:
-                nonlocal delivered
+                nonlocal delivered, window_s
                 try:
                     env = parse_envelope(data)
                 except WireError as exc:
                     raise PlaneViolation(f"{plane.name}: {exc}") from None
                 if env.marker != CONTRACT_MARKER or env.protocol_version != PROTOCOL_VERSION:
                     raise PlaneViolation(f"{plane.name}: envelope marker/version")
+                window_s = rpc.window_period_s(window_s, env.window_ms)
                 self._observe_relay(env.relay)
                 if plane.offer(env.version, data) and is_catalog:
                     self._on_catalog(data)

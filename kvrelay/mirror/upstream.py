@@ -102,7 +102,7 @@ class Upstream:
         request: Any,
         on_message: Callable[[bytes], None],
         *,
-        silence_s: float | None = None,
+        silence_s: float | Callable[[], float] | None = None,
     ) -> tuple[StreamEnd, Channel]:
         """Run one upstream stream to its end (exceptions raised by ``on_message`` propagate and
         reset the HTTP/2 stream). Returns how it ended and the channel it used.

@@ -352,3 +352,34 @@ async def test_a_quiet_readiness_plane_is_not_taken_for_a_silent_upstream() -> N
             assert m.mirror.readiness.live
     finally:
         await upstream.close(grace_s=1.0)
+
+
+async def test_a_window_plane_is_silent_only_after_three_of_its_stated_windows() -> None:
+    """A load window plane whose updates state 4 s windows (``window_ms``): the mirror waits
+    three of them, from the first update on, before it calls the upstream silent. It waited 3 s
+    whatever the windows, so a relay with longer windows had every mirror (every fan-out worker)
+    end its local load and serving-load streams UNAVAILABLE after each first window."""
+    from kvrelay.client.wire import parse_envelope
+    from kvrelay.service.server import RelayServer
+    from tests.support.mem_relay import MemRelayView
+
+    view = MemRelayView()
+    view.add_pool("p", 1024)
+
+    def window(n: int) -> None:
+        msg = view.load_msg(n)
+        msg.window_ms = 4000
+        view.load.publish(msg, n)
+
+    window(1)
+    upstream = RelayServer(view)
+    await upstream.start("127.0.0.1", 0)
+    try:
+        async with mirrored(upstream.port, upstream_heartbeat_s=0.2) as m:
+            await asyncio.sleep(4.0)  # past 3 s, within three stated windows
+            window(2)
+            await eventually(lambda: parse_envelope(m.mirror.load.current()[1]).version == 2,
+                             what="window 2 forwarded")  # fmt: skip
+            assert m.mirror.plane_ends.get("load_silent", 0) == 0, m.mirror.plane_ends
+    finally:
+        await upstream.close(grace_s=1.0)
