@@ -64,15 +64,20 @@ class _Frontends:
 
 
 def rank_counters(r: RankServing) -> dict[str, int]:
-    """The serving-load counters one rank's page figures give (absent figures give none)."""
+    """The serving-load counters one rank's page figures give (absent figures give none).
+
+    The request counters need ``vllm:request_success_total`` on the page for the rank: vLLM
+    lists every finish reason from its start, zeros included, so a page without the family is
+    cut short or not vLLM's. Read as zeros, it looked like the rank had restarted, and every
+    counter it had reported was counted a second time once a whole page came back."""
     out: dict[str, int] = {}
     f = r.finished
-    if f or r.running is not None:
+    if f:
         out["requests_completed_total"] = sum(f.get(k, 0) for k in _COMPLETED)
         out["requests_cancelled_total"] = f.get("abort", 0)
         out["requests_failed_total"] = f.get("error", 0)
-    if r.running is not None and r.waiting is not None:
-        out["requests_started_total"] = sum(f.values()) + r.running + r.waiting
+        if r.running is not None and r.waiting is not None:
+            out["requests_started_total"] = sum(f.values()) + r.running + r.waiting
     if r.prompt_tokens_total is not None:
         out["input_tokens_total"] = r.prompt_tokens_total
     if r.generation_tokens_total is not None:

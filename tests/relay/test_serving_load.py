@@ -239,3 +239,69 @@ async def test_watch_serving_load_and_load_name_pools(capsys: pytest.CaptureFixt
         rc, text = await asyncio.to_thread(watch, "watch", "load", "--relay", addr,
                                            "--count", "1")  # fmt: skip
         assert rc == 0 and "POOL" in text and "ns/backend/generate" in text
+
+
+async def test_a_page_cut_before_its_request_counter_counts_nothing_twice() -> None:
+    """A page that gives the gauges but not ``vllm:request_success_total`` (cut short, or
+    another server's): the frontend is not observed and its counters are not read as zeros. Read
+    as zeros they looked like an engine restart, and every count was added again once a whole
+    page came back (completed 201 and input tokens 2,000 where the engine had done 101 and
+    1,000)."""
+    labels = 'engine="0",model_name="sim-model"'
+
+    def render(completed: int | None) -> bytes:
+        lines = [f"vllm:num_requests_running{{{labels}}} 1",
+                 f"vllm:num_requests_waiting{{{labels}}} 0",
+                 f"vllm:prompt_tokens_total{{{labels}}} 1000",
+                 f"vllm:generation_tokens_total{{{labels}}} 500"]  # fmt: skip
+        if completed is not None:
+            lines += [f'vllm:request_success_total{{{labels},finished_reason="{r}"}} {n}'
+                      for r, n in (("stop", completed), ("length", 0), ("abort", 0),
+                                   ("error", 0))]  # fmt: skip
+        return ("\n".join(lines) + "\n").encode()
+
+    page = [render(100)]
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.readuntil(b"\r\n\r\n")
+        body = page[0]
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
+                b"Connection: close\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        await w.drain()
+        w.close()
+
+    stub = await asyncio.start_server(serve, "127.0.0.1", 0)
+    stub_port = stub.sockets[0].getsockname()[1]
+
+    def pools(engines: list[SimEngine]) -> tuple[PoolSpec, ...]:
+        (spec,) = _pools(engines)
+        return (replace(spec, engines=(replace(spec.engines[0], metrics_port=stub_port),)),)
+
+    try:
+        async with fleet_and_relay([SimConfig(name="c0", seed=61, capacity_blocks=128)],
+                                   pools=pools) as (_engines, _relay, server):  # fmt: skip
+            async with RelayClient([f"127.0.0.1:{server.port}"]) as client:
+                assert await client.wait_ready(30)
+
+                def model() -> ModelServingView | None:
+                    views = client.serving_load().models
+                    return views[0] if len(views) == 1 else None
+
+                def reached(completed: int, observed: int) -> bool:
+                    m = model()
+                    return m is not None and (m.requests_completed_total, m.observed_frontends,
+                                              m.input_tokens_total) == (completed, observed, 1000)
+
+                assert await client.wait_for(lambda: reached(100, 1), 30), model()
+                page[0] = render(None)  # the request counter's lines are gone
+                assert await client.wait_for(lambda: reached(100, 0), 30), model()
+                m = model()
+                assert m is not None and m.status == "UNAVAILABLE"
+                page[0] = render(101)
+                assert await client.wait_for(lambda: reached(101, 1), 30), model()
+                m = model()
+                assert m is not None and m.status == "COMPLETE"
+                assert (m.requests_started_total, m.output_tokens_total) == (102, 500)
+    finally:
+        stub.close()
+        await stub.wait_closed()
