@@ -33,6 +33,14 @@ def _names(reg: pb.ModelRegistration) -> set[str]:
     return {reg.canonical_model_id, *reg.aliases}
 
 
+def _known_target(reg: pb.ModelRegistration) -> bool:
+    """A registration whose ``ModelTarget`` is a base model or a LoRA adapter. An unset target
+    may be a variant added to the oneof after this SDK (§3.3): its pool is unsupported, and the
+    registration is never read as a base model (its hashes may be salted otherwise)."""
+    t = reg.target
+    return t is not None and (t.base is not None or t.lora is not None)
+
+
 def plan_for(
     desc: pb.KvPoolDescriptor, model: str, lora: str | None = None
 ) -> QueryPlan | None:
@@ -44,6 +52,8 @@ def plan_for(
     fmt = int(qs.hash_format)
     if fmt not in (1, 2):
         return None  # unknown hash format: fail closed
+    if not all(_known_target(r) for r in desc.registrations):
+        return None  # a target of a kind this SDK does not know: the whole pool is unsupported
     bases = [r for r in desc.registrations if r.target is not None and r.target.base is not None]
     loras = [r for r in desc.registrations if r.target is not None and r.target.lora is not None]
     base_id = bases[0].canonical_model_id if bases else ""

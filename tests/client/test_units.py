@@ -166,6 +166,22 @@ def test_plans_hash_like_the_reference(fmt: int, block: int) -> None:
     assert plan_for(d, "tuned", "other") is None
 
 
+def test_a_target_of_an_unknown_kind_makes_the_pool_unsupported() -> None:
+    """A registration whose ``ModelTarget`` carries a oneof variant this SDK does not know (a
+    field 3, parsed as an unset target): the pool answers no query, for that registration nor for
+    the pool's base model (§3.3: never read as a base-model target)."""
+    d = lora_descriptor(1, 4)
+    future = pb.ModelRegistration(canonical_model_id="future")
+    wire = bytes(future) + b"\x12\x04" + b"\x1a\x02" + b"xy"  # target { 3: "xy" }
+    parsed = pb.ModelRegistration.parse(wire)
+    assert parsed.target is not None and parsed.target.base is None and parsed.target.lora is None
+    assert plan_for(d, "base") is not None
+    d.registrations = [*d.registrations, parsed]
+    assert [plan_for(d, m) for m in ("future", "base", "tuned")] == [None, None, None]
+    d.registrations[-1] = pb.ModelRegistration(canonical_model_id="future")  # no target at all
+    assert plan_for(d, "base") is None
+
+
 # ----------------------------------------------------------------------------- replica
 
 
