@@ -417,6 +417,8 @@ def _serving_load_item(
             "requests_generating": r.requests_generating,
             "input_tokens_total": tok.input_tokens_total,
             "output_tokens_total": tok.output_tokens_total,
+            "inflight_input_tokens": tok.inflight_input_tokens,
+            "awaiting_first_token_input_tokens": tok.awaiting_first_token_input_tokens,
             "expected_frontends": int(d.expected_frontends),
             "observed_frontends": int(d.observed_frontends),
             "ready_frontends": int(d.ready_frontends),

@@ -271,6 +271,8 @@ class RelayClient:
                         input_tokens_total=_opt(t.input_tokens_total),
                         output_tokens_total=_opt(t.output_tokens_total),
                         inflight_input_tokens=_opt(t.inflight_input_tokens),
+                        awaiting_first_token_input_tokens=_opt(
+                            t.awaiting_first_token_input_tokens),
                         expected_frontends=int(d.expected_frontends),
                         observed_frontends=int(d.observed_frontends),
                         ready_frontends=int(d.ready_frontends),

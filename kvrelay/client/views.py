@@ -107,6 +107,7 @@ class ModelServingView:
     input_tokens_total: int | None
     output_tokens_total: int | None
     inflight_input_tokens: int | None
+    awaiting_first_token_input_tokens: int | None
     expected_frontends: int
     observed_frontends: int
     ready_frontends: int

@@ -11,9 +11,10 @@ import random
 
 import numpy as np
 
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import ClientConfig, RelayClient
 from kvrelay.client.replica import relay_key
-from kvrelay.client.views import PoolKey
+from kvrelay.client.views import ModelServingView, PoolKey
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.service.server import RelayServer
 from kvrelay.sim.config import SimConfig
@@ -221,5 +222,30 @@ async def test_a_plane_with_long_windows_is_not_silent_between_them() -> None:
             await eventually(lambda: conn.counters["load_updates"] >= 4, what="every window")
             assert conn.counters["load_end_silent"] == 0
             assert conn.load is not None and conn.load.window_sequence == 3
+    finally:
+        await server.close(grace_s=0.5)
+
+
+async def test_the_serving_load_view_has_every_token_figure_the_contract_defines() -> None:
+    """``TokenLoadStats`` fields 3 and 4 (a Dynamo 1.7 relay may set them) reach the SDK's
+    model view as sent, and unset ones as None, never zero."""
+    view = MemRelayView()
+    msg = view.serving_load_msg(1)
+    msg.models[0].load.tokens = pb.TokenLoadStats(awaiting_first_token_input_tokens=7,
+                                                  inflight_input_tokens=9)  # fmt: skip
+    view.serving_load.publish(msg, 1)
+    server = RelayServer(view)
+    await server.start("127.0.0.1", 0)
+    try:
+        async with RelayClient([f"127.0.0.1:{server.port}"], config=FAST) as client:
+            def model() -> ModelServingView | None:
+                views = client.serving_load().models
+                return views[0] if views and views[0].window_sequence == 1 else None
+
+            await eventually(lambda: model() is not None, what="window 1")
+            m = model()
+            assert m is not None
+            assert (m.awaiting_first_token_input_tokens, m.inflight_input_tokens) == (7, 9)
+            assert (m.input_tokens_total, m.output_tokens_total) == (None, None)
     finally:
         await server.close(grace_s=0.5)

@@ -91,6 +91,7 @@ async def test_views_match_the_engines_through_a_restart_and_an_outage() -> None
             assert (m.expected_frontends, m.observed_frontends, m.ready_frontends) == (2, 2, 2)
             assert m.requests_awaiting_first_token is None and m.requests_generating is None
             assert m.inflight_input_tokens is None  # no source for it: unset, never zero
+            assert m.awaiting_first_token_input_tokens is None
             assert [k.endpoint_path for k in m.serving_pools] == ["ns/backend/generate"]
             assert p.status == "COMPLETE" and p.active_prefill_tokens is None
             assert p.live_workers == 2
@@ -232,6 +233,9 @@ async def test_watch_serving_load_and_load_name_pools(capsys: pytest.CaptureFixt
         (model,) = msg["models"]
         assert model["requests_completed_total"] == engines[0].schedulers[0].finished
         assert model["requests_generating"] is None
+        assert (model["inflight_input_tokens"], model["awaiting_first_token_input_tokens"]) == (
+            None, None
+        )  # listed, unset: null, never zero
         rc, text = await asyncio.to_thread(watch, "watch", "serving-load", "--relay", addr,
                                            "--count", "1")  # fmt: skip
         assert rc == 0 and "serving-load window" in text and "ns/backend/generate" in text
