@@ -57,6 +57,28 @@ class BatchSink(Protocol):
         ...
 
 
+class DetachedSink:
+    """What a subscriber detached from its pool feeds: nothing (``Subscriber.detach``)."""
+
+    def on_batch(self, source: SourceKey, seq: int, batch: AnyBatch) -> None:
+        pass
+
+    def on_reset(self, source: SourceKey, reason: ResetReason) -> None:
+        pass
+
+    def on_rebuild(self, source: SourceKey, active: bool) -> None:
+        pass
+
+    def on_failed(self, source: SourceKey, error: BaseException) -> None:
+        pass
+
+    def on_vouched(self, source: SourceKey) -> None:
+        pass
+
+
+DETACHED = DetachedSink()
+
+
 @dataclass(frozen=True, slots=True)
 class SourceSpec:
     """Everything needed to subscribe one (engine, dp_rank) publisher.

@@ -67,7 +67,7 @@ from kvrelay.ingest.frames import check_live, check_live_sglang, check_replay
 from kvrelay.ingest.kinds import EngineKind
 from kvrelay.ingest.live_source import LiveSource, open_source, readable, require_reader
 from kvrelay.ingest.reorder import ReorderBuffer
-from kvrelay.ingest.sink import BatchSink, ResetReason, SourceSpec
+from kvrelay.ingest.sink import DETACHED, BatchSink, ResetReason, SourceSpec
 from kvrelay.ingest.zmtp import CONNECTED, DISCONNECTED
 from kvrelay.logging import get_logger
 from kvrelay.pool.errors import MalformedBatch
@@ -228,6 +228,12 @@ class Subscriber:
         )
         self.disconnected_since = time.monotonic()
         self._task = asyncio.create_task(self._run(), name=f"kvrelay-sub-{self.key}")
+
+    def detach(self) -> None:
+        """Feed the pool nothing more, from now on (``stop`` ends the task later): the pool has
+        dropped this member's state and may build a new generation before the task is gone, and
+        a batch applied there would be applied again by the subscriber that replaces this one."""
+        self._sink = DETACHED
 
     async def stop(self) -> None:
         task, self._task = self._task, None

@@ -119,6 +119,8 @@ class PoolRuntime:
         self._materialized_at = 0.0
         self._fence_streak = 0
         self._rebuild_not_before = 0.0
+        #: subscribers a fence took out, until its rebuild (or the pool's stop) has stopped them
+        self._detached: list[tuple[SourceKey, Subscriber]] = []
         self._stopped = False
         #: The last catalog entry and what it was made of (``descriptor``).
         self._descriptor: tuple[pool_view.DescriptorInputs, pb.KvPoolDescriptor] | None = None
@@ -321,12 +323,37 @@ class PoolRuntime:
             rebuild_in_s=round(delay, 3),
         )  # fmt: skip
         self._retire(gen, RelayError.publication_unavailable(f"generation fenced: {why}"))
-        self._ctx.schedule(self._rebuild(delay))
+        self._ctx.schedule(self._rebuild(self._detach_subscribers(), delay))
 
-    async def _rebuild(self, delay: float) -> None:
-        async with self._reconcile_lock:
-            await self._stop_subscribers(list(self.subscribers))
+    def _detach_subscribers(self) -> list[tuple[SourceKey, Subscriber]]:
+        """Take every subscriber out of the pool now, fed to nothing, to be stopped later. A
+        reconcile that runs before they stop (one already waiting for the lock, a connected
+        member's first batch) would otherwise build the next generation and keep them feeding
+        it; their replacements then replay from the start onto that generation, and its batches
+        count twice (stores as extra copies: phantoms once the engine evicts)."""
+        out = []
+        for key in list(self.subscribers):
+            sub = self.subscribers.pop(key)
+            self.source_specs.pop(key, None)
+            self.restore.settled(key)
+            sub.detach()
+            out.append((key, sub))
+        self._detached += out
+        return out
+
+    async def _rebuild(self, detached: list[tuple[SourceKey, Subscriber]], delay: float) -> None:
+        await self._stop_detached(detached)
         await self._reconcile_after(delay)
+
+    async def _stop_detached(self, detached: list[tuple[SourceKey, Subscriber]]) -> None:
+        for item in detached:
+            if item not in self._detached:
+                continue  # stopped already (the pool's stop came first)
+            self._detached.remove(item)
+            key, sub = item
+            with contextlib.suppress(Exception):
+                await sub.stop()
+            self._fold_source(key, sub.counters)
 
     def _retire(
         self, gen: Generation, error: RelayError | None, *, publish: bool = True,
@@ -673,6 +700,7 @@ class PoolRuntime:
                 await self.connected.stop()
             subs = dict(self.subscribers)
             await self._stop_subscribers(list(self.subscribers))
+            await self._stop_detached(list(self._detached))
             gen = self.generation
             if save is not None and gen is not None and self.identity is not None:
                 save(self.spec, self.identity, gen.pool, self.members_to_save(subs))
