@@ -680,7 +680,17 @@ class Subscriber:
             if outcome == _ABORTED:
                 return
             if outcome == _UNVOUCHED and len(self._buf):
-                outcome = _FAILED  # a live hole as well: reset and go on after it (below)
+                # the live stream went on meanwhile: no rebuild from 0 (the replay does not
+                # answer); the member goes on from the live stream. Its state is not vouched
+                # for: a hole before the buffered batches resets it (below); with none, it is
+                # reset here, before they apply (they may be another incarnation's)
+                first_buffered = self._buf.min_seq()
+                if first_buffered is not None and self._next is not None and (
+                    first_buffered <= self._next
+                ):
+                    self._log.warning("vouch_unanswered", asked=start - 1)
+                    self._reset(ResetReason.VOUCH_TIMEOUT)
+                outcome = _FAILED
             if outcome == _UNVOUCHED or (outcome == _RESTARTED and not restarted):
                 restarted = True  # rebuild once from 0; a second mismatch is a plain hole
                 if outcome == _RESTARTED:

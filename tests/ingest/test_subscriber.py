@@ -527,6 +527,41 @@ async def test_a_replay_that_does_not_answer_is_not_a_vouch(ctx: zmq.asyncio.Con
         await pub.close()
 
 
+async def test_a_reconnect_whose_vouch_is_not_answered_is_reset(ctx: zmq.asyncio.Context) -> None:
+    """The engine restarts on the same endpoint; its replay takes the vouching request and never
+    answers, and the new incarnation's live stream climbs past the old next sequence meanwhile.
+    Its numbers below that were dropped as duplicates, the ones above were contiguous, and the
+    member went on over the old incarnation's state with no reset: the old blocks were never
+    removed (phantoms). An unanswered vouch resets the member, whatever the live stream did."""
+    pub = TestPublisher(ctx)
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx, replay_timeout=1.0)
+    try:
+        await _synced(pub, sink, sub, 10)  # the old incarnation: 0..9 applied
+        endpoint = pub.endpoint
+        pub.pub.close(linger=0)
+        await asyncio.sleep(0.3)
+        restarted = ctx.socket(zmq.XPUB)
+        restarted.setsockopt(zmq.LINGER, 0)
+        restarted.bind(endpoint)
+        pub.pub = restarted
+        pub.restart()
+        pub.gate.clear()  # its replay takes requests and does not answer
+        await pub.wait_subscribed()
+        await until(lambda: sub.state == "replaying")
+        assert sink.seqs == list(range(10))
+        for s in range(12):  # the new incarnation: 0..11
+            await pub.publish(msg(s), live=True)
+            await asyncio.sleep(0.02)
+        await until(lambda: ResetReason.VOUCH_TIMEOUT in sink.resets, timeout=5.0)
+        after = sink.items[10:]
+        assert after[0] == ("reset", ResetReason.VOUCH_TIMEOUT), after  # before anything new
+    finally:
+        pub.gate.set()
+        await sub.stop()
+        await pub.close()
+
+
 async def test_a_resumed_member_of_another_incarnation_is_rebuilt(
     ctx: zmq.asyncio.Context,
 ) -> None:
