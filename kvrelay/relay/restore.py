@@ -175,7 +175,11 @@ class PoolRestore:
             st = by_worker.get(key.worker_id)
             if point is None or st is None:
                 continue
-            inc = "" if st.snapshot is None else st.snapshot.instance_id
+            # the last incarnation Control named: during an outage of Control alone (its ZMQ
+            # stream live, the state exact) the current snapshot names none, and saving that
+            # would reset the member at the restore though the same engine can vouch for it
+            known = st.last_good or st.snapshot
+            inc = "" if known is None else known.instance_id
             groups = tuple(sorted(sub.learned_groups().items()))
             members.append(MemberResume(key.worker_id, key.dp_rank, st.spec.name, inc,
                                         point[0], point[1], groups,

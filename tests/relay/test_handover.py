@@ -259,3 +259,31 @@ async def test_an_unsafe_state_dir_is_refused_and_counted(
         assert r.metric("kvrelay_state_restores_total", result="unsafe_dir") == 1
     assert r.relay.state_saves == {"unsafe_dir": 1}
     assert list(d.iterdir()) == []
+
+
+async def test_a_save_while_only_control_is_down_keeps_the_engines_incarnation(
+    fleet: list[SimEngine], tmp_path: Path
+) -> None:
+    """Control of ho1 does not answer while its event streams stay live (the state is exact): a
+    clean stop then saved the incarnation of its unreachable snapshot, none, and the next start
+    reset both its members as another incarnation though the same engine vouches for them. The
+    incarnation saved is the last one Control named."""
+    settings = dataclasses.replace(_settings(fleet, tmp_path), engine_down_grace_s=600.0)
+    async with _relay(fleet, settings) as r:
+        await _live(r, 4)
+        for _ in range(HISTORY_STEPS // 8):
+            for e in fleet:
+                await e.step(8)
+        await eventually(lambda: _exact(r.relay, fleet), what="first run exact")
+        await fleet[1].stop_control()
+        st = next(s for s in r.pool.engines.values() if s.spec.name == "ho1")
+        await eventually(lambda: st.snapshot is not None and not st.snapshot.reachable,
+                         what="ho1's Control unreachable")  # fmt: skip
+        await fleet[1].step(2)  # still read from its event stream
+        await eventually(lambda: _exact(r.relay, fleet), what="exact without Control")
+    await fleet[1].start_control()
+    async with _relay(fleet, settings) as r:
+        await eventually(lambda: _exact(r.relay, fleet) and r.pool.published is not None,
+                         what="exact after the restart")  # fmt: skip
+        assert r.pool.counters.members_resumed == 4
+        assert r.pool.counters.member_resets == {}, "every member resumed, none rebuilt"
