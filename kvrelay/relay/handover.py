@@ -12,8 +12,11 @@ with the same bytes (see ``Subscriber(resume=...)``); the member then goes on fr
 sequence. Anything else — a corrupt, truncated or foreign file, another format version, a file
 older than ``state_max_age_s``, other filter settings or pool identity, another incarnation,
 history gone, no replay, no answer within ``RESTORE_VOUCH_S`` — is counted and rebuilds that
-file's pool, or that member, exactly as a start without a file would. A file is consumed when it
-is read, so a crash after a restore never brings back an older state.
+file's pool, or that member, exactly as a start without a file would. An unusable file is
+removed once examined. A usable one stays until the pool's next checkpoint or stop replaces it:
+a crash, or a stop before the pool had a generation again, must not lose the only saved state,
+and restoring an older state is safe (each member is vouched for at its saved position, or
+rebuilt). A hot upgrade's cut lives in a directory of its own and is consumed when read.
 
 The restored generation is a new one for routers (the new process has a new relay incarnation,
 as the contract requires); what survives is its coverage.
@@ -215,13 +218,19 @@ def save_state(
 
 
 def load(
-    state_dir: str | Path, spec: PoolSpec, *, max_age_s: float, now: float | None = None
+    state_dir: str | Path,
+    spec: PoolSpec,
+    *,
+    max_age_s: float,
+    now: float | None = None,
+    keep: bool = False,
 ) -> RestoredPool | None:
-    """Read and consume the pool's file: None when there is none; ``Refused`` when unusable.
+    """Read the pool's file: None when there is none; ``Refused`` when unusable.
 
-    A file that was read (usable or not) is consumed, so it is never restored twice; one that
-    could not be read (a transient ``OSError``: EIO, EMFILE, a permission being fixed, or a
-    symbolic link, which is never followed) stays where it is."""
+    A file that was read and is unusable is consumed (never examined again); a usable one too,
+    unless ``keep`` (the state directory's: see the module docstring). One that could not be
+    read (a transient ``OSError``: EIO, EMFILE, a permission being fixed, or a symbolic link,
+    which is never followed) stays where it is."""
     path = path_for(state_dir, spec)
     try:
         parsed = state_file.read(path, max_state_bytes(spec))
@@ -232,8 +241,14 @@ def load(
         raise Refused(exc.kind, f"{path}: {exc}") from None
     except OSError as exc:
         raise Refused("unreadable", f"{path}: {exc}") from None
-    _consume(path)
-    return _check(parsed, spec, max_age_s, time.time() if now is None else now)
+    try:
+        restored = _check(parsed, spec, max_age_s, time.time() if now is None else now)
+    except Refused:
+        _consume(path)
+        raise
+    if not keep:
+        _consume(path)
+    return restored
 
 
 def _consume(path: Path) -> None:

@@ -222,7 +222,7 @@ class Relay:
         for p in self.pools:
             safe_files.remove_stale_temps(d, handover.path_for(d, p.spec).name)
             try:
-                r = handover.load(d, p.spec, max_age_s=self.settings.state_max_age_s)
+                r = handover.load(d, p.spec, max_age_s=self.settings.state_max_age_s, keep=True)
             except handover.Refused as exc:
                 self._count(self.state_restores, exc.kind)
                 _log.warning("state_refused", pool=p.name, reason=exc.kind, why=str(exc))

@@ -9,6 +9,7 @@ phantom), counted.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -118,7 +119,7 @@ async def test_a_restart_resumes_every_member_and_is_exact(
         assert pool.counters.members_resumed == 4
         assert pool.counters.member_resets == {}, "every member resumed, none rebuilt"
         assert r.relay.state_restores == {"restored": 1}
-        assert list(tmp_path.iterdir()) == [], "the file is consumed when read"
+        assert list(tmp_path.iterdir()) == [saved], "kept until a checkpoint or stop replaces it"
         consumer = await subscribe(r, ch)
         for e in fleet:
             await e.step(4)
@@ -287,3 +288,29 @@ async def test_a_save_while_only_control_is_down_keeps_the_engines_incarnation(
                          what="exact after the restart")  # fmt: skip
         assert r.pool.counters.members_resumed == 4
         assert r.pool.counters.member_resets == {}, "every member resumed, none rebuilt"
+
+
+async def test_a_restored_file_stays_until_something_replaces_it(
+    fleet: list[SimEngine], tmp_path: Path
+) -> None:
+    """A start reads the file, and stops (or crashes) before its pool had a generation again
+    (here: no engine's Control answers): the file used to be gone when read, so the next start
+    had nothing. It stays until the pool's next checkpoint or stop replaces it, and the next
+    start resumes every member from it."""
+    settings = _settings(fleet, tmp_path)
+    await _first_run(fleet, settings)
+    (saved,) = tmp_path.iterdir()
+    for e in fleet:
+        await e.stop_control()
+    async with _relay(fleet, settings) as r:
+        await eventually(lambda: r.relay.state_restores.get("restored") == 1, what="read")
+        await asyncio.sleep(0.5)
+        assert r.pool.generation is None
+    assert list(tmp_path.iterdir()) == [saved], "a stop without a generation saves nothing"
+    for e in fleet:
+        await e.start_control()
+    async with _relay(fleet, settings) as r:
+        await eventually(lambda: _exact(r.relay, fleet) and r.pool.published is not None,
+                         what="exact from the kept file")  # fmt: skip
+        assert r.pool.counters.members_resumed == 4
+        assert r.pool.counters.member_resets == {}
