@@ -1021,7 +1021,7 @@ def _pools(r: _Reader, value: Any) -> list[PoolSpec] | None:
             r.err("pools", "no pools configured: add at least one [[pools]] table")
         return None
     out: list[PoolSpec] = []
-    seen_triples: dict[tuple[str, str, str], int] = {}
+    seen_triples: dict[str, int] = {}
     seen_engines: dict[str, str] = {}
     ok = True
     for i, praw in enumerate(raws):
@@ -1031,9 +1031,13 @@ def _pools(r: _Reader, value: Any) -> list[PoolSpec] | None:
         connect = _connect(r, path, praw)
         triple = (p["namespace"], p["component"], p["endpoint"])
         if None not in triple:
-            if triple in seen_triples:
-                r.err(path, f"same namespace/component/endpoint as pools[{seen_triples[triple]}]")
-            seen_triples.setdefault(triple, i)
+            # the name is the key of the pool's state file, metrics and logs: two triples that
+            # join to one name ("a/b", "c" and "a", "b/c") would share them
+            name = "/".join(triple)
+            if name in seen_triples:
+                r.err(path, f"same pool name {name!r} (namespace/component/endpoint) as "
+                            f"pools[{seen_triples[name]}]")  # fmt: skip
+            seen_triples.setdefault(name, i)
         if connect is not None and "engines" not in praw:
             engines: list[EngineSpec] = []  # every engine connects to the pool's endpoint
         else:

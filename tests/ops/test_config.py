@@ -84,7 +84,14 @@ RULES = [
     ("engine-in-two-pools", MINIMAL + POOL.replace("backend", "b2") + ENGINE,
      "pools[1].engines[0].name", "already used in pools[0].engines[0]"),
     ("duplicate-pool", MINIMAL + POOL + ENGINE.replace("e0", "e1"), "pools[1]",
-     "same namespace/component/endpoint as pools[0]"),
+     "same pool name 'ns/backend/generate' (namespace/component/endpoint) as pools[0]"),
+    # another triple, one name: the pools would share a state file, metrics and logs
+    ("same-pool-name", MINIMAL
+     + '[[pools]]\nnamespace = "t"\ncomponent = "a/b"\nendpoint = "c"\n'
+     + ENGINE.replace("e0", "e1")
+     + '[[pools]]\nnamespace = "t/a"\ncomponent = "b"\nendpoint = "c"\n'
+     + ENGINE.replace("e0", "e2"),
+     "pools[2]", "same pool name 't/a/b/c' (namespace/component/endpoint) as pools[1]"),
     ("no-grpc-no-static", MINIMAL.replace("grpc_port = 50051", ""),
      "pools[0].engines[0].grpc_port", "required unless [pools.engines.static]"),
     ("static-needs-model", MINIMAL.replace(
