@@ -100,6 +100,8 @@ async def test_a_restored_position_never_outlives_its_generation(
                          what="vo0 resumed, vo1 still waiting")  # fmt: skip
         gen = r.pool.generation
         assert gen is not None and r.pool.counters.members_resumed == 2
+        # vo0's members vouched for first: only vo1's, still waiting, go with the generation
+        await eventually(lambda: r.pool.counters.members_vouched == 2, what="vo0 vouched")
         r.pool.fence(gen, "injected")
         await fleet[1].start_control()
         await eventually(lambda: r.pool.generation not in (None, gen), what="rebuilt")
