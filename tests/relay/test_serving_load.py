@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -158,21 +159,27 @@ async def test_totals_count_what_engines_did_while_nobody_read_the_windows() -> 
             assert await client.wait_for(settled, 30), (client.serving_load().models, expect)
 
 
+async def _metrics_stub(page: Callable[[], bytes]) -> tuple[asyncio.Server, int]:
+    """An engine's ``/metrics`` endpoint serving ``page()`` (its server and port)."""
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.readuntil(b"\r\n\r\n")
+        body = page()
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
+                b"Connection: close\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        await w.drain()
+        w.close()
+
+    stub = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return stub, stub.sockets[0].getsockname()[1]
+
+
 async def test_a_page_without_request_figures_is_not_a_report_of_zero() -> None:
     """An engine whose page lists the model but gives no request figures (another server's
     format, a rank's label missing) is not an observed frontend: the model is DEGRADED, not
     COMPLETE with that engine's requests read as zero."""
     page = b'vllm:kv_cache_usage_perc{engine="0",model_name="sim-model"} 0.25\n'
-
-    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await r.readuntil(b"\r\n\r\n")
-        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
-                b"Connection: close\r\n\r\n%s" % (len(page), page))  # fmt: skip
-        await w.drain()
-        w.close()
-
-    stub = await asyncio.start_server(serve, "127.0.0.1", 0)
-    stub_port = stub.sockets[0].getsockname()[1]
+    stub, stub_port = await _metrics_stub(lambda: page)
 
     def pools(engines: list[SimEngine]) -> tuple[PoolSpec, ...]:
         (spec,) = _pools(engines)
@@ -265,17 +272,7 @@ async def test_a_page_cut_before_its_request_counter_counts_nothing_twice() -> N
         return ("\n".join(lines) + "\n").encode()
 
     page = [render(100)]
-
-    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await r.readuntil(b"\r\n\r\n")
-        body = page[0]
-        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
-                b"Connection: close\r\n\r\n%s" % (len(body), body))  # fmt: skip
-        await w.drain()
-        w.close()
-
-    stub = await asyncio.start_server(serve, "127.0.0.1", 0)
-    stub_port = stub.sockets[0].getsockname()[1]
+    stub, stub_port = await _metrics_stub(lambda: page[0])
 
     def pools(engines: list[SimEngine]) -> tuple[PoolSpec, ...]:
         (spec,) = _pools(engines)

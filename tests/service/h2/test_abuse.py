@@ -326,6 +326,21 @@ async def test_connections_over_the_caps_are_closed_as_they_are_accepted() -> No
         await server.close(grace_s=0.5)
 
 
+async def _closed_with_goaway(
+    server: RelayServer, pump: asyncio.Future[None], got: bytearray, code: int,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The relay closed the raw connection after a GOAWAY with ``code``, counted it as a
+    protocol error, logged no error, and still answers a bystander."""
+    await asyncio.wait_for(pump, 10)  # closed
+    goaway = got.rfind(b"\x07\x00\x00\x00\x00\x00")
+    assert goaway >= 0, bytes(got)
+    assert got[goaway + 10 : goaway + 14] == code.to_bytes(4, "big")
+    assert server.service.guard_stats()[2].get("protocol_error") == 1
+    assert await _info(server.port) < 5.0
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+
+
 async def test_malformed_requests_and_unknown_frames_are_answered_not_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -352,12 +367,7 @@ async def test_malformed_requests_and_unknown_frames_are_answered_not_logged(
         assert got.count(rst) == 20 and got.count(rst + b"\x00\x00\x00\x01" + bytes(3) + b"\x01")
         bad = enc.encode([(":method", "POST"), (":path", "/x"), ("x-name", "caf\xe9")])
         writer.write(_frame(0x1, 0x5, 41, bad))
-        await asyncio.wait_for(pump, 10)  # closed
-        assert server.service.guard_stats()[2].get("protocol_error") == 1
-        goaway = got.rfind(b"\x07\x00\x00\x00\x00\x00")
-        assert goaway >= 0 and got[goaway + 10 : goaway + 14] == (1).to_bytes(4, "big")
-        assert await _info(server.port) < 5.0
-        assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+        await _closed_with_goaway(server, pump, got, 0x1, caplog)
     finally:
         pump.cancel()
         writer.close()
@@ -386,13 +396,7 @@ async def test_connection_errors_h2_finds_are_answered_with_its_goaway(
     writer, got, pump = await _raw_connection(server.port)
     try:
         writer.write(frame)
-        await asyncio.wait_for(pump, 10)  # closed
-        goaway = got.rfind(b"\x07\x00\x00\x00\x00\x00")
-        assert goaway >= 0, bytes(got)
-        assert got[goaway + 10 : goaway + 14] == code.to_bytes(4, "big")
-        assert server.service.guard_stats()[2].get("protocol_error") == 1
-        assert await _info(server.port) < 5.0
-        assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+        await _closed_with_goaway(server, pump, got, code, caplog)
     finally:
         pump.cancel()
         writer.close()
