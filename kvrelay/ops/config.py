@@ -258,6 +258,20 @@ def _bind_check(v: str) -> str | None:
     return None
 
 
+def _dns_server_check(v: str) -> str | None:
+    """``IP:PORT`` (``[v6]:PORT``): the DNS client asks that server alone, by address (a host
+    name there is refused at start, after ``check-config`` passed, and mid-reload)."""
+    problem = _bind_check(v)
+    if problem is not None:
+        return problem
+    host = v.rpartition(":")[0].strip("[]")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return f"the DNS server must be an IP address and port, got {v!r}"
+    return None
+
+
 def _expected_blocks(v: int) -> str | None:
     try:
         bucket_count_for(v)
@@ -299,7 +313,7 @@ RELAY_KEYS: dict[str, _Key] = {
     "metrics_scrape_interval_s": _Key("float", 1.0, check=_positive_s),
     "engine_down_grace_s": _Key("float", 30.0, check=_positive_s),
     "dns_interval_s": _Key("float", 10.0, check=_positive_s),
-    "dns_server": _Key("str", None, check=_bind_check),
+    "dns_server": _Key("str", None, check=_dns_server_check),
     "state_dir": _Key("str", None, check=lambda v: None if v == "" else _text(v)),
     "state_max_age_s": _Key("float", 3600.0, check=_positive_s),
     "checkpoint_interval_s": _Key("float", 30.0, check=_off_or_positive_s),

@@ -526,6 +526,11 @@ class Relay:
         async with self._reload_lock:
             plan = plan_reload(self.settings, new)
             membership = self.membership
+            resolver = None  # built before anything changes: a bad server changes nothing
+            if self.settings.dns_server != plan.settings.dns_server and membership is not None:
+                resolver = make_resolver(
+                    plan.settings.dns_server, plan.settings.discovery_timeout_s
+                )
             lock = membership.lock if membership is not None else contextlib.nullcontext()
             async with lock:  # no DNS pass re-adds what this reload retires
                 for name in plan.removed:
@@ -538,10 +543,8 @@ class Relay:
                             await self.remove_engine(p.name, engine, reconcile=False)
                     for engine in change.engines_removed:
                         await self.remove_engine(p.name, engine, reconcile=False)
-                if self.settings.dns_server != plan.settings.dns_server and membership is not None:
-                    membership.resolver = make_resolver(
-                        plan.settings.dns_server, plan.settings.discovery_timeout_s
-                    )
+                if resolver is not None and membership is not None:
+                    membership.resolver = resolver
                 self.settings = plan.settings
                 self.watcher.interval = plan.settings.discovery_interval_s
                 self.watcher.timeout = plan.settings.discovery_timeout_s

@@ -77,6 +77,10 @@ RULES = [
      "required section [relay]"),
     ("blank-dc-name", MINIMAL.replace('"dc-test"', '" dc"'), "relay.dc_name",
      "without surrounding whitespace"),
+    # the DNS client asks a server by address: a host name passed here and failed at start
+    ("dns-server-by-name", MINIMAL.replace('dc_name = "dc-test"',
+                                           'dc_name = "dc-test"\ndns_server = "localhost:53"'),
+     "relay.dns_server", "must be an IP address and port"),
     ("missing-pool-endpoint", MINIMAL.replace('endpoint = "generate"', ""), "pools[0].endpoint",
      "required key is missing"),
     ("duplicate-engine", MINIMAL + ENGINE.replace("50051", "50052"), "pools[1 - 1].engines[1].name",
