@@ -483,12 +483,17 @@ def _mirror(args: argparse.Namespace) -> int:
     if not isinstance(section, dict) or not isinstance(relay, dict):
         print("kvrelay mirror: [mirror] and [relay] must be tables", file=sys.stderr)
         return EXIT_USAGE
+    # a flag overrides the file and the KVRELAY_* variable of its key alike (the pod sets those)
+    env = dict(os.environ)
     if args.upstream:
         section["upstream"] = args.upstream
+        env.pop("KVRELAY_MIRROR_UPSTREAM", None)
     if args.bind:
         relay["bind"] = args.bind
+        env.pop("KVRELAY_RELAY_BIND", None)
     if args.workers is not None:
         relay["workers"] = args.workers
+        env.pop("KVRELAY_RELAY_WORKERS", None)
     if args.metrics_bind:
         metrics = raw.setdefault("metrics", {})
         assert isinstance(metrics, dict)
@@ -496,7 +501,9 @@ def _mirror(args: argparse.Namespace) -> int:
             metrics["enabled"] = False
         else:
             metrics["bind"] = args.metrics_bind
-    cfg, problems = parse_config(raw)
+        env.pop("KVRELAY_METRICS_BIND", None)
+        env.pop("KVRELAY_METRICS_ENABLED", None)
+    cfg, problems = parse_config(raw, env)
     if cfg is None:
         print_problems(problems, sys.stderr)
         print("kvrelay mirror: refusing to start: invalid configuration", file=sys.stderr)

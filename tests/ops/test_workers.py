@@ -240,7 +240,8 @@ def test_check_config_validates_workers_and_mirror(tmp_path: Path) -> None:
 
 async def test_kvrelay_mirror_with_tls_both_ways(tmp_path: Path) -> None:
     """``kvrelay mirror --workers 2`` in front of an mTLS relay, its worker serving mTLS: READY,
-    an exact replica through mirror and worker, clean SIGTERM."""
+    an exact replica through mirror and worker, clean SIGTERM. Its flags win over the
+    ``KVRELAY_*`` variables of their keys, which the Kubernetes pod sets (they won before)."""
     pki = make_pki(tmp_path)
     engine = SimEngine(SimConfig(name="t0", seed=16, capacity_blocks=64))
     await engine.start()
@@ -266,7 +267,10 @@ format = "json"
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvrelay", "mirror", "--config", str(conf),
         "--bind", "127.0.0.1:0", "--metrics-bind", "off", "--workers", "2",
-        env=clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock")), cwd=REPO,
+        env=clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"),
+                      KVRELAY_RELAY_BIND="127.0.0.1:1", KVRELAY_RELAY_WORKERS="1",
+                      KVRELAY_METRICS_ENABLED="true", KVRELAY_METRICS_BIND="127.0.0.1:2"),
+        cwd=REPO,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     consumer: Consumer | None = None
