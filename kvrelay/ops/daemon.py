@@ -125,6 +125,7 @@ class Daemon:
         self.reloads = ReloadStats()
         self._reload_wanted = asyncio.Event()
         self._tls: Any = None  # ReloadableServerContext while [tls] is on
+        self._upstream_certificates: tuple[Any, ...] = ()  # a mirror's, for the expiry gauge
         self._reload_task: asyncio.Task[None] | None = None
         self.relay: Any = None
         self.mirror: Any = None
@@ -149,8 +150,11 @@ class Daemon:
         return self._tls.listener  # type: ignore[no-any-return]
 
     def tls_certificates(self) -> tuple[Any, ...]:
-        """The certificates the listener serves and trusts now (``LoadedCertificate``)."""
-        return tuple(self._tls.certificates) if self._tls is not None else ()
+        """The certificates the listener serves and trusts now, and a mirror's upstream CA and
+        client certificate (``LoadedCertificate``; the latter read at start, as the mirror's
+        channel is)."""
+        served = tuple(self._tls.certificates) if self._tls is not None else ()
+        return served + self._upstream_certificates
 
     async def _start_source(self) -> Any:
         """The relay (kernels warm first) or the mirror (synchronized first); its limits are
@@ -168,8 +172,15 @@ class Daemon:
 
             self._freeze_startup_objects()  # after the imports
             self.mirror = Mirror(mirror_settings(cfg.mirror, limits))
+            if cfg.mirror.tls_ca is not None:
+                from kvrelay.ops.tls import client_certificates
+
+                self._upstream_certificates = client_certificates(
+                    cfg.mirror.tls_ca, cfg.mirror.tls_cert
+                )
             if cfg.metrics.enabled:
                 self.metrics = MirrorMetrics(self.mirror)
+                self.metrics.attach_reloads(self.reloads)
                 self.metrics.attach_upgrades(self.upgrades)
             self.mirror.start()
             _LOG.info("mirror_synchronizing", upstream=cfg.mirror.upstream)

@@ -516,26 +516,7 @@ class RelayMetrics:
         yield from upgrade_families(self._upgrades)
 
     def _reload_metrics(self) -> Iterator[Metric]:
-        r = self._reloads
-        if r is None:
-            return
-        total = CounterMetricFamily(
-            "kvrelay_config_reloads", "Configuration reloads (SIGHUP) by result: applied, "
-            "rejected (invalid file, running configuration kept), failed.", labels=["result"],
-        )  # fmt: skip
-        for result in ("applied", "rejected", "failed"):
-            total.add_metric([result], getattr(r, result))
-        yield total
-        yield GaugeMetricFamily(
-            "kvrelay_config_last_reload_successful",
-            "1 if the last reload was applied (or none happened since start).",
-            value=1 if r.last_successful else 0,
-        )
-        yield GaugeMetricFamily(
-            "kvrelay_config_last_reload_success_timestamp_seconds",
-            "Unix time of the last applied reload (or of start).",
-            value=r.last_success_unix,
-        )
+        yield from reload_families(self._reloads)
 
     def _service_metrics(self) -> Iterator[Metric]:
         svc = self._service
@@ -890,6 +871,30 @@ def _by_result(name: str, doc: str, counts: Mapping[str, int]) -> CounterMetricF
     for result, n in sorted(counts.items()):
         family.add_metric([result], n)
     return family
+
+
+def reload_families(r: ReloadSource | None) -> Iterator[Metric]:
+    """``kvrelay_config_reloads_total`` and the last reload's outcome (a relay's and a mirror's
+    endpoint alike: ``kvrelay reload`` reads them)."""
+    if r is None:
+        return
+    total = CounterMetricFamily(
+        "kvrelay_config_reloads", "Configuration reloads (SIGHUP) by result: applied, "
+        "rejected (invalid file, running configuration kept), failed.", labels=["result"],
+    )  # fmt: skip
+    for result in ("applied", "rejected", "failed"):
+        total.add_metric([result], getattr(r, result))
+    yield total
+    yield GaugeMetricFamily(
+        "kvrelay_config_last_reload_successful",
+        "1 if the last reload was applied (or none happened since start).",
+        value=1 if r.last_successful else 0,
+    )
+    yield GaugeMetricFamily(
+        "kvrelay_config_last_reload_success_timestamp_seconds",
+        "Unix time of the last applied reload (or of start).",
+        value=r.last_success_unix,
+    )
 
 
 def upgrade_families(u: UpgradeSource | None) -> Iterator[Metric]:

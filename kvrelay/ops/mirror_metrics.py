@@ -21,11 +21,13 @@ from prometheus_client.registry import Collector
 from kvrelay.ops.gc_pauses import pauses
 from kvrelay.ops.metrics import (
     LOOP_LAG_BUCKETS,
+    ReloadSource,
     ServiceSource,
     UpgradeSource,
     default_registry,
     gc_pause_families,
     guard_families,
+    reload_families,
     tls_families,
     upgrade_families,
 )
@@ -163,6 +165,7 @@ class _ServiceCollector(Collector):
         yield from gc_pause_families(pauses())
         yield from http_metrics(self.metrics.http_counters)
         yield from tls_families(self.metrics.tls)
+        yield from reload_families(self.metrics.reloads)
         yield from upgrade_families(self.metrics.upgrades)
 
 
@@ -176,6 +179,7 @@ class MirrorMetrics:
         self.http_counters = HttpCounters()
         self.tls: Callable[[], Iterable[Any]] | None = None
         self.upgrades: UpgradeSource | None = None
+        self.reloads: ReloadSource | None = None
         self.loop_lag = Histogram("kvrelay_event_loop_lag_seconds",
                                   "Event loop scheduling lag samples.",
                                   buckets=LOOP_LAG_BUCKETS, registry=self.registry)  # fmt: skip
@@ -195,6 +199,9 @@ class MirrorMetrics:
 
     def attach_upgrades(self, upgrades: UpgradeSource) -> None:
         self.upgrades = upgrades
+
+    def attach_reloads(self, reloads: ReloadSource) -> None:
+        self.reloads = reloads
 
     def listening_socket(self) -> socket.socket | None:
         """The endpoint's listener, if it serves one (a hot upgrade hands it on)."""

@@ -15,6 +15,7 @@ import re
 import signal
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -238,10 +239,17 @@ def test_check_config_validates_workers_and_mirror(tmp_path: Path) -> None:
     assert r.returncode == 2 and "mirror.upstream" in r.stdout
 
 
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
 async def test_kvrelay_mirror_with_tls_both_ways(tmp_path: Path) -> None:
     """``kvrelay mirror --workers 2`` in front of an mTLS relay, its worker serving mTLS: READY,
     an exact replica through mirror and worker, clean SIGTERM. Its flags win over the
-    ``KVRELAY_*`` variables of their keys, which the Kubernetes pod sets (they won before)."""
+    ``KVRELAY_*`` variables of their keys, which the Kubernetes pod sets (they won before). Its
+    ``/metrics`` shows the expiry of the certificates it uses upstream, and reload outcomes
+    (``kvrelay reload`` reads them; a mirror had neither)."""
     pki = make_pki(tmp_path)
     engine = SimEngine(SimConfig(name="t0", seed=16, capacity_blocks=64))
     await engine.start()
@@ -264,9 +272,10 @@ client_ca = "{pki.client_ca}"
 format = "json"
 """)
     notes = Notifications(tmp_path / "notify.sock")
+    metrics_port = free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvrelay", "mirror", "--config", str(conf),
-        "--bind", "127.0.0.1:0", "--metrics-bind", "off", "--workers", "2",
+        "--bind", "127.0.0.1:0", "--metrics-bind", f"127.0.0.1:{metrics_port}", "--workers", "2",
         env=clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"),
                       KVRELAY_RELAY_BIND="127.0.0.1:1", KVRELAY_RELAY_WORKERS="1",
                       KVRELAY_METRICS_ENABLED="true", KVRELAY_METRICS_BIND="127.0.0.1:2"),
@@ -279,6 +288,10 @@ format = "json"
         m = re.search(r"serving gRPC on 127\.0\.0\.1:(\d+), mirror of localhost:\d+, "
                       r"1 fan-out worker", ready)  # fmt: skip
         assert m, ready
+        page = await asyncio.to_thread(_get, f"http://127.0.0.1:{metrics_port}/metrics")
+        for role in ("server", "client_ca", "upstream_ca", "upstream_client"):
+            assert f'kvrelay_tls_certificate_expiry_timestamp_seconds{{role="{role}"' in page, role
+        assert 'kvrelay_config_reloads_total{result="applied"} 0.0' in page
         ctx = client_ssl_context(str(pki.server_ca), str(pki.client_cert), str(pki.client_key))
         async with Channel("127.0.0.1", int(m.group(1)), ssl=ctx) as ch:
             await wait_live(relay, 1)
