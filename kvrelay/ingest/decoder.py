@@ -83,7 +83,9 @@ _WORK_KEEP = 1 << 20
 #: The head of the walker's workspace: its stats and meta (int64) and the time stamp (float64).
 _HEAD = struct.Struct(f"<{FW.N_STATS + FW.N_META}qd")
 assert FW.layout(1)[1] == _HEAD.size - 8  # the time stamp follows the stats and meta
-_FULL_ATTENTION = frozenset({"full_attention", "mla_attention"})
+#: Kinds whose groups hold the prefix cache as full attention does (vLLM manages a sink full
+#: attention group with its full-attention manager: the same prefix hits)
+_FULL_ATTENTION = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
 _STORE, _REMOVE, _CLEAR = wire.STORE, wire.REMOVE, wire.CLEAR
 
 

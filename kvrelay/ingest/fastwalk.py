@@ -60,11 +60,11 @@ _MEDIA = {
     b"CPU_TIER2": 2, b"DISK": 2, b"NVME": 2, b"STORAGE": 2,
     b"EXTERNAL": 3, b"NETWORK": 3, b"REMOTE": 3, b"SHARED": 3,
 }  # fmt: skip
-# kv_cache_spec_kind → 1 full attention, 0 other (all kinds vLLM defines)
+# kv_cache_spec_kind → 1 full attention, 0 other (all kinds vLLM defines; as decoder.py's)
 _KINDS = {
-    b"full_attention": 1, b"mla_attention": 1,
+    b"full_attention": 1, b"mla_attention": 1, b"sink_full_attention": 1,
     b"sliding_window": 0, b"sliding_window_mla": 0, b"mamba": 0,
-    b"chunked_local_attention": 0, b"sink_full_attention": 0, b"encoder_only_attention": 0,
+    b"chunked_local_attention": 0, b"encoder_only_attention": 0,
     b"cross_attention": 0, b"unknown": 0,
 }  # fmt: skip
 _LOCALITY = {b"LOCAL": 1, b"": 1, b"REMOTE": 0}

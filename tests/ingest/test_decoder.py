@@ -98,7 +98,8 @@ def events(draw: st.DrawFn, allow_bytes: bool) -> tuple[dict[str, Any], str]:
         "block_size": bs,
         "lora_name": draw(st.sampled_from([None, "", "adapter-a", "λ-lora"])),
         "kv_cache_spec_kind": draw(
-            st.sampled_from([None, None, "full_attention", "mla_attention", "sliding_window"])
+            st.sampled_from([None, None, "full_attention", "mla_attention", "sink_full_attention",
+                             "sliding_window"])
         ),
         **common,
     }, era
@@ -224,6 +225,25 @@ def test_medium_locality_group_gating_counted_by_reason() -> None:
         "block_size_mismatch": 1,
         "tokens_short": 1,
     }
+
+
+def test_a_sink_full_attention_group_is_full_attention() -> None:
+    """vLLM manages a sink full-attention group (``StaticSinkAttention``) with its full-attention
+    manager: the same prefixes hit. Its stores and removes count on both paths; read as another
+    kind, every store was dropped, and the group's removes with it (an empty filter)."""
+    toks = list(range(B))
+    evs = [
+        W.stored("map", block_hashes=[31], token_ids=toks, block_size=B, group_idx=0,
+                 kv_cache_spec_kind="sink_full_attention"),
+        W.stored("map", block_hashes=[32], token_ids=toks, block_size=B, group_idx=1,
+                 kv_cache_spec_kind="sliding_window"),
+        W.removed("map", [31], group_idx=0),
+        W.removed("map", [32], group_idx=1),
+    ]  # fmt: skip
+    for fast in (True, False):
+        res = dec(fast=fast).decode(W.batch(evs))
+        assert res.batch.ext_hashes.tolist() == [31, 31], fast
+        assert res.stats.drops == {"non_full_attention": 1, "group": 1}, fast
 
 
 def test_tokens_beyond_the_hashes_are_not_aligned_from_the_head() -> None:

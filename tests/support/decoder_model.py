@@ -14,7 +14,7 @@ import xxhash
 from kvrelay.pool.batch import BatchBuilder, EventBatch
 
 M = (1 << 64) - 1
-FULL = {"full_attention", "mla_attention"}
+FULL = {"full_attention", "mla_attention", "sink_full_attention"}
 
 
 def salt_of(lora: str | None, ns: str | None = None) -> int:
