@@ -539,7 +539,9 @@ class Decoder:
             vals: list[int] = []
             if isinstance(entry, list):
                 for item in entry:
-                    if isinstance(item, list) and len(item) == 2 and isinstance(item[0], str):
+                    # an empty identifier names no input: it adds nothing to the block's hash
+                    if isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) \
+                            and item[0]:
                         vals.append(mm_hash(item[0]))
             out.append(sorted(vals))
         return out

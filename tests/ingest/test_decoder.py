@@ -374,7 +374,7 @@ def test_multimodal_extra_keys_option() -> None:
         block_hashes=[1, 2],
         token_ids=list(range(2 * B)),
         block_size=B,
-        extra_keys=[[["img-b", 0], [hexid, 3]], None],
+        extra_keys=[[["img-b", 0], [hexid, 3], ["", 5]], None],  # an empty identifier: none
     )
     rm = W.removed("map", [9])
     off = dec().decode(W.batch([ev, rm])).batch
