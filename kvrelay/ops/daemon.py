@@ -472,12 +472,13 @@ class Daemon:
             for w in new.warnings:
                 _LOG.warning("config_warning", path=w.path, reason=w.reason)
             restart = restart_only_changes(self.cfg, new)
-            if self.front is not None and new.tls.enabled:
-                restart.append("tls (workers read certificates when they start)")
             effective = keep_restart_only(self.cfg, new)
             try:
-                if self.front is None:
-                    reload_tls(self._tls, effective)
+                # loaded here first: files that do not load fail the reload before a worker
+                # is told (each worker then reads them for its own listener)
+                reload_tls(self._tls, effective)
+                if self.front is not None:
+                    self.front.reload_tls(effective.tls)
                 # the running relay's limits (sized for the workers when they are its only
                 # subscribers) stay: limits are restart-only
                 plan = await self.relay.reconfigure(
@@ -498,6 +499,8 @@ class Daemon:
             self.cfg = dataclasses.replace(effective, relay=running)
             if logging_changed:
                 configure_logging(self.cfg)
+                if self.front is not None:
+                    self.front.set_logging(self.cfg.logging)
             self.reloads.outcome("applied")
             summary = plan.summary()
             _LOG.info("config_reloaded", path=str(path), **summary)

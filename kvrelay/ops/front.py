@@ -22,9 +22,9 @@ from typing import Any
 
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.logging import get_logger
-from kvrelay.ops.config import DaemonConfig, MirrorConfig
+from kvrelay.ops.config import DaemonConfig, LoggingConfig, MirrorConfig, TlsConfig
 from kvrelay.ops.supervisor import Supervisor, shared_listener
-from kvrelay.ops.worker import AUTHZ_LINE, WorkerSpec, rules_json
+from kvrelay.ops.worker import AUTHZ_LINE, LOGGING_LINE, TLS_LINE, WorkerSpec, rules_json
 from kvrelay.service.authz import AuthorizationRule
 
 _LOG = get_logger("kvrelay.ops.front")
@@ -140,7 +140,7 @@ class WorkerFront:
     def _spec(self, index: int) -> WorkerSpec:
         cfg = self.cfg
         assert self.path is not None
-        json_logs = {"auto": None, "json": True, "console": False}[cfg.logging.format]
+        json_logs = _json_logs(cfg.logging)
         return WorkerSpec(
             index=index,
             upstream=f"unix:{self.path}",
@@ -166,6 +166,21 @@ class WorkerFront:
         if self.supervisor is not None:
             self.supervisor.broadcast(AUTHZ_LINE + json.dumps(rules_json(rules)))
 
+    def reload_tls(self, tls: TlsConfig) -> None:
+        """A reload's certificate files (already loaded once by the caller): every running
+        worker reads them again for its new handshakes, and a worker started later reads them."""
+        self.cfg = replace(self.cfg, tls=tls)
+        if self.supervisor is not None and tls.enabled:
+            files = {"cert": tls.cert, "key": tls.key, "client_ca": tls.client_ca}
+            self.supervisor.broadcast(TLS_LINE + json.dumps(files))
+
+    def set_logging(self, logging: LoggingConfig) -> None:
+        """A reload's ``[logging]``: to every running worker now, and to any started later."""
+        self.cfg = replace(self.cfg, logging=logging)
+        if self.supervisor is not None:
+            line = {"level": logging.level.upper(), "json": _json_logs(logging)}
+            self.supervisor.broadcast(LOGGING_LINE + json.dumps(line))
+
     async def stop(self, grace_s: float) -> None:
         """Workers first (their router streams end with a clean EOF), then the internal socket."""
         if self.supervisor is not None:
@@ -179,3 +194,8 @@ class WorkerFront:
             with contextlib.suppress(OSError):
                 shutil.rmtree(self.dir)
             self.dir = None
+
+
+def _json_logs(logging: LoggingConfig) -> bool | None:
+    """A worker's ``configure(json=...)`` for a ``[logging] format``."""
+    return {"auto": None, "json": True, "console": False}[logging.format]

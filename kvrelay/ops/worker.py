@@ -78,6 +78,11 @@ class WorkerSpec:
 #: A line the supervisor writes on a worker's stdin after the spec: new ``[[authorization]]``
 #: rules (a reload), ``AUTHZ <json list or null>``.
 AUTHZ_LINE = "AUTHZ "
+#: A reload's TLS files, read again for new handshakes:
+#: ``TLS {"cert": path, "key": path, "client_ca": path or null}``.
+TLS_LINE = "TLS "
+#: A reload's ``[logging]``: ``LOGGING {"level": "INFO", "json": true, false or null}``.
+LOGGING_LINE = "LOGGING "
 
 
 def rules_json(rules: tuple[AuthorizationRule, ...] | None) -> list[dict[str, Any]] | None:
@@ -100,15 +105,33 @@ def rules_from_json(raw: Any) -> tuple[AuthorizationRule, ...] | None:
 @dataclass(slots=True)
 class WorkerControl:
     """What the supervisor changes in a running worker: its rules (applied to the server once
-    it serves; until then kept for it)."""
+    it serves; until then kept for it), its TLS files and its logging."""
 
     rules: list[dict[str, list[str]]] | None = None
     server: Any = None
+    tls: Any = None  # the listener's ReloadableServerContext, with [tls]
 
     def apply(self, rules: list[dict[str, list[str]]] | None) -> None:
         self.rules = rules
         if self.server is not None:
             self.server.service.set_authorization(authorization_of(rules_from_json(rules)))
+
+    def line(self, text: str) -> None:
+        """One line from the supervisor; one that cannot be applied keeps what the worker had,
+        logged (the main process checked it first: this is a supervisor bug or a file changed
+        in between)."""
+        try:
+            if text.startswith(AUTHZ_LINE):
+                self.apply(json.loads(text[len(AUTHZ_LINE) :]))
+            elif text.startswith(TLS_LINE):
+                files = json.loads(text[len(TLS_LINE) :])
+                if self.tls is not None:
+                    self.tls.reload(files["cert"], files["key"], files["client_ca"])
+            elif text.startswith(LOGGING_LINE):
+                logging = json.loads(text[len(LOGGING_LINE) :])
+                configure(level=str(logging["level"]).upper(), json=logging["json"])
+        except Exception as exc:
+            _LOG.error("worker_reload_unreadable", error=f"{type(exc).__name__}: {exc}")
 
 
 async def run_worker(
@@ -133,10 +156,11 @@ async def run_worker(
     limits = spec.relay_limits()
     context = None
     if spec.tls_cert is not None:
-        from kvrelay.ops.tls import server_ssl_context
+        from kvrelay.ops.tls import ReloadableServerContext
 
         assert spec.tls_key is not None
-        context = server_ssl_context(spec.tls_cert, spec.tls_key, spec.tls_client_ca)
+        control.tls = ReloadableServerContext(spec.tls_cert, spec.tls_key, spec.tls_client_ca)
+        context = control.tls.listener
     mirror = Mirror(
         MirrorSettings(
             upstream=UpstreamAddress.parse(spec.upstream),
@@ -211,12 +235,7 @@ async def _parent_gone(stop: asyncio.Event, control: WorkerControl) -> None:
     reader = asyncio.StreamReader(limit=1 << 24)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     while line := await reader.readline():
-        text = line.decode(errors="replace")
-        if text.startswith(AUTHZ_LINE):
-            try:
-                control.apply(json.loads(text[len(AUTHZ_LINE) :]))
-            except (ValueError, TypeError) as exc:  # a supervisor bug: keep the rules it had
-                _LOG.error("worker_rules_unreadable", error=str(exc))
+        control.line(line.decode(errors="replace"))
     _LOG.warning("worker_supervisor_gone")
     stop.set()
 

@@ -15,7 +15,9 @@ import shutil
 import signal
 import ssl
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -183,8 +185,13 @@ async def test_reload_adds_an_engine_without_a_resnapshot_and_refuses_bad_files(
     assert applied["engines_added"] == 1 and applied["pools_changed"] == ["ns/backend/generate"]
 
 
-async def test_reload_reads_a_rotated_certificate_for_new_connections(tmp_path: Path) -> None:
-    """cert-manager style rotation: new files at the same paths, then SIGHUP (here: reload())."""
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_reload_reads_a_rotated_certificate_for_new_connections(
+    tmp_path: Path, workers: int
+) -> None:
+    """cert-manager style rotation: new files at the same paths, then SIGHUP (here: reload()).
+    With ``workers = 2`` the fan-out worker, which terminates the clients' TLS, reads them too
+    (it kept serving the old certificate while the reload said applied)."""
     (tmp_path / "old").mkdir()
     (tmp_path / "new").mkdir()
     old, new = make_pki(tmp_path / "old"), make_pki(tmp_path / "new")
@@ -194,7 +201,8 @@ async def test_reload_reads_a_rotated_certificate_for_new_connections(tmp_path: 
     engine = SimEngine(SimConfig(name="tl0", seed=93, capacity_blocks=32))
     await engine.start()
     cfg_path = tmp_path / "kvrelay.toml"
-    cfg_path.write_text(_config(0, 0, [engine]) + f'\n[tls]\ncert = "{cert}"\nkey = "{key}"\n')
+    cfg_path.write_text(_config(0, 0, [engine], extra=f"workers = {workers}")
+                        + f'\n[tls]\ncert = "{cert}"\nkey = "{key}"\n')  # fmt: skip
     daemon = Daemon(load_config(cfg_path), Notifier({}), config_path=cfg_path)
 
     async def info(ca: Path) -> pb.RelayInfo:
@@ -210,7 +218,7 @@ async def test_reload_reads_a_rotated_certificate_for_new_connections(tmp_path: 
         before = _expiry(daemon)
         result = await daemon.reload(cfg_path)
         assert result.result == "applied" and result.restart_required == ()
-        assert (await info(new.server_ca)).relay is not None
+        await _eventually_served(lambda: info(new.server_ca))  # (a worker reads its stdin)
         # the expiry gauge follows the certificate the listener now serves
         assert set(_expiry(daemon)) == {("server", "relay")} and set(before) == set(_expiry(daemon))
         assert [c.not_after_unix for c in daemon.tls_certificates()] == list(
@@ -228,6 +236,19 @@ async def test_reload_reads_a_rotated_certificate_for_new_connections(tmp_path: 
     finally:
         await daemon.stop()
         await engine.stop()
+
+
+async def _eventually_served(call: Callable[[], Awaitable[Any]]) -> None:
+    """``call`` succeeds within a few seconds (it may fail with a TLS error until then)."""
+    deadline = asyncio.get_running_loop().time() + scaled(10)
+    while True:
+        try:
+            await call()
+            return
+        except ssl.SSLError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.1)
 
 
 def _expiry(daemon: Daemon) -> dict[tuple[str, str], float]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
@@ -26,6 +27,7 @@ from benchmarks._common import free_port
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import RelayClient
 from kvrelay.contract.wire import CONTRACT_MARKER as MARKER
+from kvrelay.ops.config import load_config
 from kvrelay.ops.tls import client_ssl_context, server_ssl_context
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
@@ -432,3 +434,30 @@ format = "json"
         await notes.close()
         for e in engines:
             await e.stop()
+
+
+def test_a_logging_reload_reaches_running_and_later_workers(tmp_path: Path) -> None:
+    """``[logging]`` applies at once: the supervisor's LOGGING line reconfigures a running
+    worker, and a worker started later (a restart) gets the new level in its spec. Workers kept
+    the level they started with."""
+    import logging
+
+    from kvrelay.logging import configure
+    from kvrelay.ops.config import LoggingConfig
+    from kvrelay.ops.front import WorkerFront
+    from kvrelay.ops.worker import LOGGING_LINE, WorkerControl
+
+    cfg = load_config(_config(tmp_path / "w.toml", 1, "workers = 2"))
+    front = WorkerFront(cfg, view=None)
+    front.path = str(tmp_path / "ingest.sock")
+    assert front._spec(1).log_level == cfg.logging.level.upper()
+    front.set_logging(LoggingConfig(level="debug", format="console"))
+    spec = front._spec(1)
+    assert (spec.log_level, spec.log_json) == ("DEBUG", False)
+    try:
+        WorkerControl().line(LOGGING_LINE + json.dumps({"level": "WARNING", "json": True}))
+        assert logging.getLogger().level == logging.WARNING
+        WorkerControl().line(LOGGING_LINE + "{not json")  # kept as it was, logged
+        assert logging.getLogger().level == logging.WARNING
+    finally:
+        configure(level="INFO")
