@@ -102,6 +102,7 @@ class MirrorPool:
         self._task: asyncio.Task[None] | None = None
         self._checker: PoolStreamChecker | None = None
         self._last_frame = time.monotonic()
+        self._last_sent_us = 0  # the upstream's send stamp of the last frame
         self._heartbeat_s = ctx.settings.upstream_heartbeat_s
         self._spacing: asyncio.Task[None] | None = None  # a spacing request in flight
         self._held = False  # the upstream was last asked for a spacing > 0
@@ -214,10 +215,16 @@ class MirrorPool:
                 self._space(hub)
         elif isinstance(extra, Installed):
             self._install(extra)
-        elif frame.kind == int(pb.FilterUpdateKind.HEARTBEAT):
-            # heartbeats come after one upstream period of silence: learn the period
-            self._heartbeat_s = min(3600.0, max(0.05, now - self._last_frame))
+        elif frame.kind == int(pb.FilterUpdateKind.HEARTBEAT) and self._last_sent_us:
+            # heartbeats come after one upstream period of silence: learn the period from the
+            # upstream's own send stamps, not from arrivals (a delta and its heartbeat delayed
+            # and delivered together would teach a period of nothing, and the stream would be
+            # called silent over and over); a stamp going back (its clock stepped) teaches none
+            gap_s = (frame.send_ts_us - self._last_sent_us) / 1e6
+            if gap_s > 0:
+                self._heartbeat_s = min(3600.0, max(0.05, gap_s))
         self._last_frame = now
+        self._last_sent_us = frame.send_ts_us
 
     def _space(self, hub: PublicationHub) -> None:
         """Ask the upstream to space its publications while this hub has joiners (or mirrors of
@@ -277,6 +284,10 @@ class MirrorPool:
         self.attempts += 1
         self._checker = PoolStreamChecker(self.key, ctx.identity())
         self._last_frame = time.monotonic()
+        self._last_sent_us = 0
+        # each attempt starts from the configured period: what one stream taught is not carried
+        # into the next (a period learned wrong would otherwise call every later stream silent)
+        self._heartbeat_s = ctx.settings.upstream_heartbeat_s
         request = rpc.pool_request(ctx.settings.subscriber_id, self.producer)
         local: RelayError | None
         answer: RelayError | None = None

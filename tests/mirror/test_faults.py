@@ -383,3 +383,43 @@ async def test_a_window_plane_is_silent_only_after_three_of_its_stated_windows()
             assert m.mirror.plane_ends.get("load_silent", 0) == 0, m.mirror.plane_ends
     finally:
         await upstream.close(grace_s=1.0)
+
+
+class _Beating(S.ScriptedRelay):
+    """Scripted streams first; then healthy ones: a snapshot, a delta, a heartbeat each second."""
+
+    async def _pool(self, stream: Any) -> None:
+        if self.scripts:
+            await super()._pool(stream)
+            return
+        await stream.recv_message()
+        self.subscriptions += 1
+        for fu in [*S.snapshot(10), S.delta(10, 11)]:
+            await stream.send_message(fu)
+        while True:
+            await asyncio.sleep(1.0)
+            await stream.send_message(S.heartbeat(11))
+
+
+async def test_a_heartbeat_delivered_with_its_delta_teaches_no_wrong_period() -> None:
+    """A delta and the heartbeat its upstream sent a period later reach the mirror together (a
+    stalled network or loop), then that stream ends. The mirror learned the period from the
+    arrivals (nothing: 0.05 s) and kept it: every later stream of the pool was called silent
+    after 0.15 s, its local subscribers ended UNAVAILABLE each time. The period comes from the
+    upstream's send stamps, and each stream starts from the configured one."""
+    relay = _Beating()
+    d, hb = S.delta(10, 11), S.heartbeat(11)
+    d.send_ts_us, hb.send_ts_us = 5_000_000, 6_000_000  # sent a period (1 s) apart
+    relay.scripts.append(S.Script([*S.snapshot(10), d, hb],
+                                  end=(Status.RESOURCE_EXHAUSTED, "SUBSCRIBER_LAGGED")))
+    server = await S.serve(relay)
+    try:
+        async with mirrored(S.port_of(server), sync=False, upstream_heartbeat_s=1.0) as m:
+            await eventually(lambda: relay.subscriptions >= 2, what="subscribed again")
+            await asyncio.sleep(4.0)  # more than three periods: its heartbeats keep it up
+            (pool,) = m.mirror._pools.values()
+            assert pool.ends.get("silent", 0) == 0, dict(pool.ends)
+            assert relay.subscriptions == 2
+            assert pool._heartbeat_s == 1.0
+    finally:
+        server.close()
