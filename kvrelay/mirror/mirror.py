@@ -411,7 +411,7 @@ class Mirror:
             "synced": self.synced.is_set(),
             "planes": {
                 p.name: {"live": p.live, "epochs": p.epochs, "version": p.upstream_version,
-                         "equivalent_resends": p.equivalent_resends}
+                         "equivalent_resends": p.equivalent_resends, "replaced": p.replaced}
                 for p in self._planes
             },
             "plane_ends": dict(self.plane_ends),

@@ -12,8 +12,10 @@ for the continuation of its own stream.
 A re-send at the version already held (readiness heartbeats) is not published again. Its bytes
 need not be the same: another encoder may order fields or pack repeated ones differently. With
 ``same`` (the mirror passes canonical protobuf equality), a re-send whose bytes differ but whose
-message is the one held is counted (``equivalent_resends``) and dropped; only a different
-message at one version is a violation.
+message is the one held is counted (``equivalent_resends``) and dropped. A different message at
+the version held replaces it (``replaced``): a relay whose ``[[authorization]]`` rules were
+reloaded re-sends its current message filtered anew under the same version, and a direct
+subscriber takes it; the mirror's readers get it as the next local version.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class MirrorPlane:
         self.epochs = 0
         self.messages = 0
         self.equivalent_resends = 0  # re-sends with other bytes for the same message
+        self.replaced = 0  # other messages under the version held (a rules reload upstream)
 
     def _unavailable(self, why: str) -> RelayError:
         return RelayError.publication_unavailable(f"mirror {self.name} plane: {why}")
@@ -101,7 +104,10 @@ class MirrorPlane:
     # --- fed by the mirror ---
     def offer(self, upstream_version: int, data: bytes) -> bool:
         """One upstream message; True if it is new. Raises PlaneViolation if the upstream went
-        backwards, or sent other bytes under the version it already sent."""
+        backwards. Other content under the version it already sent replaces the held message
+        (a relay re-sends its current message filtered anew when its ``[[authorization]]``
+        rules are reloaded, under the same version; consumers replace their state with each
+        message), and local readers get it as the next local version."""
         if not self._live:
             self._live = True
             self._unsupported = None
@@ -115,12 +121,16 @@ class MirrorPlane:
                 f"{self.name} version went backwards: {upstream_version} < {self._upstream}"
             )
         if upstream_version == self._upstream:
-            if data != self._data:
-                held = self._data
-                if held is None or self._same is None or not self._same(held, data):
-                    raise PlaneViolation(f"{self.name} changed at version {upstream_version}")
+            if data == self._data:
+                return False  # a re-send (readiness heartbeat): the mirror's own server re-sends
+            held = self._data
+            if held is not None and self._same is not None and self._same(held, data):
                 self.equivalent_resends += 1
-            return False  # a re-send (readiness heartbeat): the mirror's own server re-sends
+                return False
+            self.replaced += 1
+            self._first -= 1  # upstream version v is local base + v - first: one more now
+            self._publish(self._version + 1, upstream_version, data)
+            return True
         self._publish(self._base + upstream_version - self._first, upstream_version, data)
         return True
 

@@ -31,8 +31,12 @@ async def test_versions_keep_upstream_differences_and_skip_resends() -> None:
     assert v1 - v0 == 4 and data == b"w104"  # load lag is computed on these differences
     with pytest.raises(PlaneViolation):
         p.offer(103, b"w103")
-    with pytest.raises(PlaneViolation):
-        p.offer(104, b"other bytes")
+    # other content under the version held (the upstream's rules were reloaded): it replaces
+    # the held message as the next local version, and later windows keep their differences
+    assert p.offer(104, b"other bytes") and p.current() == (v1 + 1, b"other bytes")
+    assert p.replaced == 1
+    p.offer(106, b"w106")
+    assert p.current() == (v1 + 3, b"w106")
 
 
 async def test_readers_of_an_ended_epoch_end_with_its_status() -> None:
@@ -83,8 +87,9 @@ def _reordered(msg: pb.ServingReadinessUpdate) -> bytes:
 
 async def test_a_resend_encoded_otherwise_is_the_same_message() -> None:
     """Readiness re-sends carry the version already held. Encoded in another field order they
-    are still the same message (canonical protobuf equality): counted, never a violation, the
-    held bytes stay; a different message at that version is still one."""
+    are still the same message (canonical protobuf equality): counted, nothing published, the
+    held bytes stay; a different message at that version replaces it (a rules reload
+    upstream)."""
     from kvrelay.mirror.mirror import _same_message
 
     plane = MirrorPlane("readiness", same=_same_message(pb.ServingReadinessUpdate))
@@ -95,9 +100,9 @@ async def test_a_resend_encoded_otherwise_is_the_same_message() -> None:
     assert pb.ServingReadinessUpdate.parse(other) == first  # the oracle: one message
     assert not plane.offer(4, other)
     assert plane.current()[1] == bytes(first) and plane.equivalent_resends == 1
-    with pytest.raises(PlaneViolation):
-        plane.offer(4, bytes(_readiness(4, "another-model")))
+    narrowed = bytes(_readiness(4, "another-model"))
+    assert plane.offer(4, narrowed) and plane.current()[1] == narrowed
+    assert (plane.equivalent_resends, plane.replaced) == (1, 1)
     strict = MirrorPlane("readiness")  # without ``same``: bytes decide
     strict.offer(4, bytes(first))
-    with pytest.raises(PlaneViolation):
-        strict.offer(4, other)
+    assert strict.offer(4, other) and strict.replaced == 1

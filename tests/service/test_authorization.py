@@ -126,8 +126,8 @@ def _publish_planes(view: MemRelayView, pools: dict[str, Generation]) -> None:
     view.load.publish(view.load_msg(4, used=9), 4)
 
 
-@pytest.fixture(params=("direct", "mirror"))
-async def rig(request: pytest.FixtureRequest, certs: Certs) -> AsyncIterator[Rig]:
+def _teams_view() -> tuple[MemRelayView, dict[str, Generation]]:
+    """Pools a1 and a2 of team A, b1 of team B, with their planes."""
     view = MemRelayView(UPSTREAM_LIMITS)
     pools: dict[str, Generation] = {}
     for name, triple in (("a1", "team-a/router/generate"), ("a2", "team-a/prefill/generate"),
@@ -137,6 +137,12 @@ async def rig(request: pytest.FixtureRequest, certs: Certs) -> AsyncIterator[Rig
         pools[name] = gen
     view._republish_catalog()
     _publish_planes(view, pools)
+    return view, pools
+
+
+@pytest.fixture(params=("direct", "mirror"))
+async def rig(request: pytest.FixtureRequest, certs: Certs) -> AsyncIterator[Rig]:
+    view, pools = _teams_view()
     ctx = server_ssl_context(str(certs.server[0]), str(certs.server[1]), str(certs.client_ca))
     cleanup: list[Any] = []
     source: Any = view
@@ -439,3 +445,54 @@ async def test_a_mirror_without_its_upstream_answers_unavailable_not_an_absent_p
     finally:
         await server.close(grace_s=1.0)
         await mirror.stop()
+
+
+async def test_an_upstream_rules_reload_reaches_a_mirrors_readers(certs: Certs) -> None:
+    """The upstream's rules name the mirror's certificate; a reload narrows what it may see.
+    The upstream re-sends its catalog filtered anew under the same revision, as a direct
+    subscriber gets it: the mirror's readers get it too, their streams open. The mirror took it
+    for a violation and ended every local reader of the plane UNAVAILABLE."""
+    view, pools = _teams_view()
+    ctx = server_ssl_context(str(certs.server[0]), str(certs.server[1]), str(certs.client_ca))
+    upstream = RelayServer(view, UPSTREAM_LIMITS)
+    upstream.service.set_authorization(Authorization(RULES))
+    await upstream.start("127.0.0.1", 0, ssl=ctx)
+    address = UpstreamAddress(host="127.0.0.1", port=upstream.port)
+    mirror = Mirror(dataclasses.replace(mirror_settings(address, None), ssl=certs.client("a")))
+    mirror.start()
+    local = RelayServer(mirror)
+    try:
+        await asyncio.wait_for(mirror.synced.wait(), scaled(10))
+        await local.start("127.0.0.1", 0)
+        by_id = {bytes(g.producer.pool_id): n for n, g in pools.items()}  # type: ignore[arg-type]
+
+        def names(update: pb.KvPoolCatalogUpdate) -> set[str]:
+            assert update.snapshot is not None
+            return {by_id[bytes(d.producer.pool_id)] for d in update.snapshot.pools
+                    if d.producer is not None and d.producer.pool_id}  # fmt: skip
+
+        async with Channel("127.0.0.1", local.port) as ch:
+            async with ch.request(
+                "/dynamo.kvrelay.v1.KvEventRelay/WatchKvPoolCatalog", Cardinality.UNARY_STREAM,
+                pb.WatchKvPoolCatalogRequest, pb.KvPoolCatalogUpdate,
+            ) as cat:  # fmt: skip
+                await cat.send_message(
+                    pb.WatchKvPoolCatalogRequest(subscriber_id="r", contract_marker=MARKER),
+                    end=True,
+                )
+                first = await cat.recv_message()
+                assert first is not None and names(first) == {"a1", "a2"}
+                narrowed = (AuthorizationRule(uri=("spiffe://cluster.local/ns/team-a/*",),
+                                              pools=("team-a/router/*",)), RULES[1])  # fmt: skip
+                upstream.service.set_authorization(Authorization(narrowed))
+                again = await asyncio.wait_for(cat.recv_message(), scaled(10))
+                assert again is not None, (mirror.plane_violations, mirror.plane_ends,
+                                           mirror.stats()["planes"])  # fmt: skip
+                assert again.revision == first.revision and names(again) == {"a1"}
+                await cat.cancel()
+        assert mirror.plane_violations == {}
+        assert mirror.stats()["planes"]["catalog"]["replaced"] == 1
+    finally:
+        await local.close(grace_s=0.5)
+        await mirror.stop()
+        await upstream.close(grace_s=0.5)
