@@ -39,7 +39,7 @@ from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import errors as E
 from kvrelay.client import rpc
 from kvrelay.client.wire import WireError, parse_envelope
-from kvrelay.contract.errors import Reason, RelayError
+from kvrelay.contract.errors import RelayError
 from kvrelay.contract.producer import ProducerKey, producer_key
 from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION
 from kvrelay.logging import get_logger
@@ -47,12 +47,11 @@ from kvrelay.mirror.checker import relay_key
 from kvrelay.mirror.plane import MirrorPlane, PlaneViolation
 from kvrelay.mirror.pool import HOLD_TTL_S, MirrorPool, PoolContext, PoolState
 from kvrelay.mirror.settings import MirrorSettings
-from kvrelay.mirror.upstream import Upstream, upstream_error
+from kvrelay.mirror.upstream import BEHIND, FORWARDED, Upstream, upstream_error
 from kvrelay.publication.hub import PublicationHub, Subscription
 from kvrelay.service.canonical import WireFormatError, canonicalize
 
 _log = get_logger(__name__)
-_BEHIND = frozenset({int(Reason.SUBSCRIBER_LAGGED), int(Reason.SNAPSHOT_PROGRESS_TIMEOUT)})
 #: The window planes' period when their updates state none shorter: a load or serving-load
 #: window comes at least this often unless its ``window_ms`` says otherwise.
 WINDOW_PERIOD_S = 1.0
@@ -349,11 +348,11 @@ class Mirror:
             return None, "the upstream ended the stream (shutdown)"
         answer = upstream_error(end)
         if answer is not None:
-            if int(answer.reason) in _BEHIND:
+            if int(answer.reason) in BEHIND:
                 return RelayError.publication_unavailable(
                     f"the mirror fell behind its upstream ({answer.trailer_value})"
                 ), "fell behind"
-            if int(answer.reason) == int(Reason.PUBLICATION_UNAVAILABLE):
+            if int(answer.reason) in FORWARDED:  # the same status and message (§4.9)
                 return answer, "upstream plane unavailable"
             return RelayError.publication_unavailable(
                 f"upstream ended the stream: {answer.trailer_value}: {answer.message}"

@@ -40,14 +40,12 @@ from kvrelay.contract.producer import ProducerKey
 from kvrelay.logging import get_logger
 from kvrelay.mirror.checker import Installed, PoolStreamChecker, Violation
 from kvrelay.mirror.settings import MirrorSettings
-from kvrelay.mirror.upstream import Upstream, upstream_error
+from kvrelay.mirror.upstream import BEHIND, FORWARDED, Upstream, upstream_error
 from kvrelay.publication import cbi1
 from kvrelay.publication.hub import PublicationHub, Subscription
 from kvrelay.publication.splice import FilterUpdateEncoder
 
 _log = get_logger(__name__)
-_FORWARDED = frozenset({int(Reason.PUBLICATION_UNAVAILABLE), int(Reason.INTERNAL)})
-_BEHIND = frozenset({int(Reason.SUBSCRIBER_LAGGED), int(Reason.SNAPSHOT_PROGRESS_TIMEOUT)})
 _GONE = frozenset({int(Reason.POOL_NOT_FOUND), int(Reason.PRODUCER_CHANGED)})
 VOUCH_SLACK_S = 0.25
 #: While local joiners need spacing, the request to the upstream is renewed this often (it
@@ -313,9 +311,9 @@ class MirrorPool:
             if end.reason == E.EOF:
                 local = None
             elif answer is not None:
-                if int(answer.reason) in _FORWARDED:
+                if int(answer.reason) in FORWARDED:
                     local = answer
-                elif int(answer.reason) in _BEHIND:
+                elif int(answer.reason) in BEHIND:
                     local = RelayError.publication_unavailable(
                         f"the mirror fell behind its upstream ({answer.trailer_value})"
                     )

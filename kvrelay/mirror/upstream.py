@@ -22,7 +22,7 @@ from kvrelay._grpc import RelayChannel, effective_status
 from kvrelay.client import errors as E
 from kvrelay.client import rpc
 from kvrelay.client.codec import RawCodec
-from kvrelay.contract.errors import RelayError, reason_from_name
+from kvrelay.contract.errors import Reason, RelayError, reason_from_name
 from kvrelay.logging import get_logger
 from kvrelay.mirror.settings import MirrorSettings
 from kvrelay.service.spacing import HOLD_HEADER, HOLD_METHOD
@@ -33,6 +33,12 @@ SERVICE = "/dynamo.kvrelay.v1.KvEventRelay/"
 SPACING_DENIED_RETRY_S = 30.0
 _log = get_logger(__name__)
 StreamEnd = rpc.StreamEnd
+
+
+#: Upstream reasons a mirror ends its local streams with as they came (contract §4.9: the same
+#: status and message), and those that mean the mirror fell behind (a local error of its own).
+FORWARDED = frozenset({int(Reason.PUBLICATION_UNAVAILABLE), int(Reason.INTERNAL)})
+BEHIND = frozenset({int(Reason.SUBSCRIBER_LAGGED), int(Reason.SNAPSHOT_PROGRESS_TIMEOUT)})
 
 
 def upstream_error(end: StreamEnd) -> RelayError | None:

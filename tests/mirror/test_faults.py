@@ -10,6 +10,7 @@ import asyncio
 from typing import Any
 
 import pytest
+from grpclib.client import Channel
 from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError
 
@@ -423,3 +424,45 @@ async def test_a_heartbeat_delivered_with_its_delta_teaches_no_wrong_period() ->
             assert pool._heartbeat_s == 1.0
     finally:
         server.close()
+
+
+async def test_an_upstream_plane_ending_internal_reaches_the_mirrors_readers_as_is() -> None:
+    """An upstream plane stream that ends INTERNAL (a fault injected in the upstream's view):
+    the mirror's readers get the status, reason and message a direct reader gets (contract
+    §4.9). It was rewritten to UNAVAILABLE / PUBLICATION_UNAVAILABLE."""
+    from kvrelay.service.server import RelayServer
+    from tests.support.mem_relay import MARKER, MemRelayView, grpclib_collect
+    from tests.support.mirror_rig import UPSTREAM_LIMITS
+
+    view = MemRelayView(UPSTREAM_LIMITS)
+    view.add_pool("p", 1024)
+    boom = asyncio.Event()
+
+    async def broken(_version: int) -> Any:
+        await boom.wait()
+        raise RuntimeError("injected upstream fault")
+
+    view.readiness.wait_newer = broken  # type: ignore[method-assign]
+    upstream = RelayServer(view, UPSTREAM_LIMITS)
+    await upstream.start("127.0.0.1", 0)
+    try:
+        async with mirrored(upstream.port) as m:
+            request = pb.SubscribeServingReadinessRequest(subscriber_id="r",
+                                                          contract_marker=MARKER)  # fmt: skip
+            direct, through = Channel("127.0.0.1", upstream.port), m.channel()
+            try:
+                ends = [asyncio.ensure_future(grpclib_collect(
+                    ch, "SubscribeServingReadiness", request, pb.ServingReadinessUpdate,
+                    limit=100, timeout=10,
+                )) for ch in (direct, through)]  # fmt: skip
+                await asyncio.sleep(0.5)
+                boom.set()
+                d, t = [await e for e in ends]
+            finally:
+                direct.close()
+                through.close()
+        assert d.status == Status.INTERNAL
+        assert (t.status, t.message) == (d.status, d.message)
+        assert t.trailers["kv-relay-error-reason"] == d.trailers["kv-relay-error-reason"]
+    finally:
+        await upstream.close(grace_s=1.0)
