@@ -284,9 +284,12 @@ class Mirror:
     async def _plane_loop(self, plane: MirrorPlane, method: str, request: Any) -> None:
         failures = 0
         is_catalog = plane is self.catalog
-        base = 3 * max(self.settings.upstream_heartbeat_s, (
-            self.settings.upstream_readiness_s if plane is self.readiness else WINDOW_PERIOD_S
-        ))  # fmt: skip
+        # readiness: re-sent every readiness period (or heartbeat); the window planes: a window
+        # at least every second unless their updates state a longer one (``quiet``)
+        base = 3 * (
+            max(self.settings.upstream_heartbeat_s, self.settings.upstream_readiness_s)
+            if plane is self.readiness else WINDOW_PERIOD_S
+        )
         window_s = 0.0  # a window plane's period, as its updates state it (``window_ms``)
 
         def quiet() -> float:

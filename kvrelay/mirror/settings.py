@@ -61,7 +61,8 @@ class MirrorSettings:
     * ``upstream_readiness_s``: how often the upstream re-sends an unchanged readiness plane (its
       ``readiness_heartbeat_s``; the contract's 10 s by default): the readiness stream is silent
       only after 3 of whichever period is longer. The window planes (load, serving load) come
-      every second at least, so their floor is 3 s.
+      every second unless their updates state a longer window, so they are silent after 3
+      windows (3 s by default), whatever the pool heartbeat.
     * ``window_bytes``: HTTP/2 receive window per upstream stream (the connection gets 4×): a
       mirror must drain its upstream faster than the upstream's queue bound, never lag it.
     """

@@ -466,3 +466,28 @@ async def test_an_upstream_plane_ending_internal_reaches_the_mirrors_readers_as_
         assert t.trailers["kv-relay-error-reason"] == d.trailers["kv-relay-error-reason"]
     finally:
         await upstream.close(grace_s=1.0)
+
+
+async def test_a_frozen_load_plane_is_silent_after_three_windows_whatever_the_heartbeat() -> None:
+    """The upstream's load plane stops producing windows (1 s each), its stream open. A mirror
+    with the default pool heartbeat (10 s; a worker's is its daemon's) served the last window
+    as current for 30 s; it is silent after three windows."""
+    import time
+
+    from kvrelay.service.server import RelayServer
+    from tests.support.mem_relay import MemRelayView
+    from tests.support.mirror_rig import UPSTREAM_LIMITS
+
+    view = MemRelayView(UPSTREAM_LIMITS)
+    view.add_pool("p", 1024)
+    view.load.publish(view.load_msg(1), 1)  # window_ms = 1000, and no window after it
+    upstream = RelayServer(view, UPSTREAM_LIMITS)
+    await upstream.start("127.0.0.1", 0)
+    try:
+        async with mirrored(upstream.port, upstream_heartbeat_s=10.0) as m:
+            t0 = time.monotonic()
+            await eventually(lambda: m.mirror.plane_ends.get("load_silent", 0) >= 1,
+                             timeout=15, what="load plane silent")  # fmt: skip
+            assert time.monotonic() - t0 < scaled(6.0)
+    finally:
+        await upstream.close(grace_s=1.0)
