@@ -125,6 +125,8 @@ class Supervisor:
         self._readers: set[asyncio.Task[None]] = set()
         self._exited_errors: dict[str, int] = {}  # final error counts of workers that exited
         self._exited_authz: tuple[dict[str, int], int] = ({}, 0)  # and their authz counts
+        #: and their guard counts: refusals, preempted, stalled, h2 (see ``guard_stats``)
+        self._exited_guard: dict[str, dict[str, int]] = {}
         self._stopping = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -213,6 +215,7 @@ class Supervisor:
             for reason, n in slot.stats.get("service", {}).get("errors", {}).items():
                 self._exited_errors[reason] = self._exited_errors.get(reason, 0) + int(n)
             self._exited_authz = self._sum_authz([slot.stats], self._exited_authz)
+            self._exited_guard = self._sum_guard([slot.stats], self._exited_guard)
             slot.stats = {}
             served = time.monotonic() - slot.started
             if served >= RESTART_RESET_S:
@@ -300,6 +303,34 @@ class Supervisor:
         """``KvEventRelayService.authz_stats`` summed over the workers (exited ones included)."""
         return self._sum_authz([s.stats for s in self._slots], self._exited_authz)
 
+    @staticmethod
+    def _sum_guard(
+        reports: list[dict[str, Any]], base: dict[str, dict[str, int]]
+    ) -> dict[str, dict[str, int]]:
+        out = {part: dict(counts) for part, counts in base.items()}
+        for report in reports:
+            guard = report.get("service", {}).get("guard", {})
+            for part, counts in guard.items():
+                acc = out.setdefault(part, {})
+                for key, n in counts.items():
+                    acc[key] = acc.get(key, 0) + int(n)
+        return out
+
+    def _guard(self) -> dict[str, dict[str, int]]:
+        return self._sum_guard([s.stats for s in self._slots], self._exited_guard)
+
+    def guard_stats(
+        self,
+    ) -> tuple[dict[tuple[str, str], int], dict[str, int], dict[str, int]]:
+        """``KvEventRelayService.guard_stats`` summed over the workers (exited ones included):
+        the workers hold the public connections, so their budgets and shares count."""
+        g = self._guard()
+        return _unscoped(g.get("refusals", {})), g.get("stalled", {}), g.get("h2", {})
+
+    def preemption_stats(self) -> dict[tuple[str, str], int]:
+        """``KvEventRelayService.preemption_stats`` summed over the workers."""
+        return _unscoped(self._guard().get("preempted", {}))
+
     def worker_stats(self) -> list[dict[str, Any]]:
         """The last STATS report of every worker ({} while it is not serving)."""
         return [dict(s.stats) for s in self._slots]
@@ -320,3 +351,12 @@ class Supervisor:
             for reason, n in svc.get("errors", {}).items():
                 errors[reason] = errors.get(reason, 0) + int(n)
         return {k: (v[0], v[1]) for k, v in streams.items()}, errors
+
+
+def _unscoped(counts: dict[str, int]) -> dict[tuple[str, str], int]:
+    """A worker's ``kind/scope`` keys back to ``(kind, scope)``."""
+    out: dict[tuple[str, str], int] = {}
+    for key, n in counts.items():
+        kind, _, scope = key.partition("/")
+        out[(kind, scope)] = out.get((kind, scope), 0) + n
+    return out

@@ -209,10 +209,19 @@ async def run_worker(
 
 
 def _service_stats(server: Any) -> dict[str, Any]:
-    streams, errors = server.service.stats()
-    denials, revoked = server.service.authz_stats()
+    svc = server.service
+    streams, errors = svc.stats()
+    denials, revoked = svc.authz_stats()
+    refusals, stalled, h2 = svc.guard_stats()
     return {"streams": {k: list(v) for k, v in streams.items()}, "errors": errors,
-            "authz": {"denials": denials, "revoked": revoked}}  # fmt: skip
+            "authz": {"denials": denials, "revoked": revoked},
+            "guard": {"refusals": _scoped(refusals), "preempted": _scoped(svc.preemption_stats()),
+                      "stalled": stalled, "h2": h2}}  # fmt: skip
+
+
+def _scoped(counts: dict[tuple[str, str], int]) -> dict[str, int]:
+    """``(kind, scope)`` counts as JSON keys ``kind/scope`` (the supervisor splits them)."""
+    return {f"{kind}/{scope}": n for (kind, scope), n in counts.items()}
 
 
 async def _main(spec: WorkerSpec) -> int:

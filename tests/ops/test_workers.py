@@ -68,6 +68,15 @@ def _workers(pid: int) -> list[int]:
     return found
 
 
+async def _not_http2(port: int) -> None:
+    """A client that does not speak HTTP/2 (the relay closes it, counted as a protocol error)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET / HTTP/1.1\r\nHost: relay\r\n\r\n")
+    await writer.drain()
+    await asyncio.wait_for(reader.read(), scaled(5))
+    writer.close()
+
+
 async def _metrics(port: int) -> str:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
@@ -162,6 +171,14 @@ async def test_two_workers_serve_are_restarted_and_drain(tmp_path: Path) -> None
                 await asyncio.sleep(0.05)
             await _same_table(via, direct, engine)
             await _serving_load_through_the_worker(port, engine)
+            # the worker holds the public connections: what its HTTP/2 guard counts is the
+            # daemon's (it read 0 with workers), also after the worker is gone (below)
+            abuse = r'^kvrelay_http2_abuse_total\{reason="protocol_error"\} 1\.0$'
+            await _not_http2(port)
+            deadline = time.monotonic() + scaled(10)
+            while not re.search(abuse, await _metrics(metrics_port), re.M):
+                assert time.monotonic() < deadline, "the worker's guard counts never came"
+                await asyncio.sleep(0.2)
 
             os.kill(worker, signal.SIGKILL)  # a crashed worker: its router streams drop
             end = await via.wait_end()
@@ -182,6 +199,7 @@ async def test_two_workers_serve_are_restarted_and_drain(tmp_path: Path) -> None
                 await asyncio.sleep(0.1)
             text = await _metrics(metrics_port)
             assert re.search(r"^kvrelay_worker_restarts_total 1\.0$", text, re.M), text[-2000:]
+            assert re.search(abuse, text, re.M), "counted still, its worker gone"
             assert 'kvrelay_workers{state="configured"} 1.0' in text
             await engine.step(4)
             again = await _consumer(pub)
