@@ -12,6 +12,7 @@ import difflib
 import ipaddress
 import os
 import re
+import socket
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
@@ -201,6 +202,23 @@ def parse_bind(text: str) -> tuple[str, int]:
         if not _HOSTNAME.match(host) or host.replace(".", "").isdigit():
             raise ValueError(f"bad host {host!r}") from None
     return host, int(port)
+
+
+def _overlap(a: str, b: str) -> bool:
+    """Whether listeners on hosts ``a`` and ``b`` (one port) would collide: the same host, a
+    wildcard address, or names that resolve to a shared address (``localhost`` and
+    ``127.0.0.1``); a name that does not resolve is left to the start to report."""
+    if a == b or {a, b} & {"0.0.0.0", "::"}:
+        return True
+
+    def addresses(host: str) -> set[str]:
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
+            return set()
+        return {str(info[4][0]) for info in infos}
+
+    return bool(addresses(a) & addresses(b))
 
 
 def format_bind(host: str, port: int) -> str:
@@ -774,8 +792,9 @@ def parse_config(
             f"plaintext gRPC on non-loopback address {relay['bind']}; "
             "configure [tls] cert/key (and client_ca) for anything beyond one host",
         )
-    if metrics_vals["enabled"] and (m_host, m_port) == (bind_host, bind_port) and m_port != 0:
-        r.err("metrics.bind", f"same address as relay.bind ({metrics_vals['bind']})")
+    if metrics_vals["enabled"] and m_port == bind_port != 0 and _overlap(m_host, bind_host):
+        r.err("metrics.bind", f"same address as relay.bind ({metrics_vals['bind']} and "
+                              f"{relay['bind']} listen on one port)")  # fmt: skip
 
     errors = [p for p in r.problems if p.severity == "error"]
     if errors or limits is None or pools is None or (mirror_raw is not None and mirror is None):

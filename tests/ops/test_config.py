@@ -153,6 +153,11 @@ RULES = [
      "must be one of auto, json, console"),
     ("metrics-same-port", _relay('bind = "127.0.0.1:7000"')
      + '\n[metrics]\nbind = "127.0.0.1:7000"\n', "metrics.bind", "same address as relay.bind"),
+    # other spellings of one listener: a name and its address, a wildcard and an address
+    ("metrics-same-port-by-name", _relay('bind = "localhost:7000"')
+     + '\n[metrics]\nbind = "127.0.0.1:7000"\n', "metrics.bind", "same address as relay.bind"),
+    ("metrics-same-port-wildcard", _relay('bind = "0.0.0.0:7000"')
+     + '\n[metrics]\nbind = "127.0.0.1:7000"\n', "metrics.bind", "same address as relay.bind"),
     ("tls-cert-without-key", MINIMAL + '\n[tls]\ncert = "{cert}"\n', "tls.key",
      "required when tls.cert is set"),
     ("tls-key-without-cert", MINIMAL + '\n[tls]\nkey = "{cert}"\n', "tls.cert",
