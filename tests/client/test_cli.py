@@ -300,5 +300,8 @@ async def test_the_documented_sdk_example_runs(tmp_path: Path) -> None:
     assert rc == 0, err[-2000:]
     assert f"{st.address}/ns/backend/generate: 2 cached block(s)" in out, out
     assert "ServingLoadViews(" in out
+    # the same script, waiting 2 s instead of 10 for a relay that never answers
+    assert "client.wait_ready(timeout=10)" in code
+    script.write_text(code.replace("client.wait_ready(timeout=10)", "client.wait_ready(timeout=2)"))
     rc, out, err = await run(_closed_port())
     assert rc == 1 and "not ready" in err and "cached block" not in out, (out, err)

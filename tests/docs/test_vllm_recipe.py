@@ -170,7 +170,9 @@ def test_documented_recipe_runs_against_the_simulator(flavour: str, tmp_path: Pa
         if flavour == "control":
             assert _sample(grep, "kvrelay_engine_reachable", worker="gpu-node-1") == 1.0, grep
 
-        out = _kvrelay(verify[3], env, config, timeout=120)  # subscribe --verify --duration 5
+        # subscribe --verify --duration 5, for 2 s: snapshot and deltas come in the first second
+        assert verify[3].endswith("--duration 5"), verify[3]
+        out = _kvrelay(verify[3].replace("--duration 5", "--duration 2"), env, config, timeout=120)
         assert "SNAPSHOT_CHUNK" in out and "DELTA" in out, out[-2000:]
 
         serve.send_signal(signal.SIGTERM)

@@ -12,6 +12,7 @@ Small arrays are armed too (``eager_bytes=0``), so the barrier of every kind of 
 from __future__ import annotations
 
 import random
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -166,6 +167,18 @@ def test_a_reader_thread_and_the_pool_racing_give_the_cut() -> None:
     for member, evts in _history(rng, 3000, d.docs, clears=0):
         d.apply(member, evts, model=False)
     assert d.pool.memberships > 5000
+    # the reader needs the GIL between its pieces: at the default 5 ms switch interval it got
+    # one piece per interval and outlasted the whole history (17 s a round); handing the GIL
+    # over every 0.2 ms interleaves reads and writes more finely, and the reader ends in seconds
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0002)
+    try:
+        _race_rounds(d, rng)
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def _race_rounds(d: _Driver, rng: random.Random) -> None:
     for _ in range(3):
         _, oracle = _exported(d.pool)
         image = d.pool.open_image(eager_bytes=0)

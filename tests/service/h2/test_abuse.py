@@ -54,6 +54,14 @@ def _settings(c: RawH2Client) -> None:
 
 
 def _oversized(c: RawH2Client) -> None:
+    # HPACK's Huffman coding of 75 KB takes about a second in pure Python; the literal is as big
+    # either way, so the attacker sends it plain (the guard counts header-block bytes)
+    encode = c.h2.encoder.encode
+    if not getattr(encode, "plain", False):
+        def plain(headers: object, huffman: bool = True) -> bytes:
+            return encode(headers, huffman=False)
+        plain.plain = True  # type: ignore[attr-defined]
+        c.h2.encoder.encode = plain  # type: ignore[method-assign]
     sid = c.h2.get_next_available_stream_id()
     c.h2.send_headers(sid, [
         (":method", "POST"), (":scheme", "http"), (":authority", "relay"),
