@@ -123,10 +123,8 @@ class Supervisor:
         self._slots = [_Slot(i) for i in range(1, count + 1)]
         self._watchers: list[asyncio.Task[None]] = []
         self._readers: set[asyncio.Task[None]] = set()
-        self._exited_errors: dict[str, int] = {}  # final error counts of workers that exited
-        self._exited_authz: tuple[dict[str, int], int] = ({}, 0)  # and their authz counts
-        #: and their guard counts: refusals, preempted, stalled, h2 (see ``guard_stats``)
-        self._exited_guard: dict[str, dict[str, int]] = {}
+        #: the final counters (``COUNTED``) of workers that exited, so the sums stay monotonic
+        self._exited: dict[str, Any] = {}
         self._stopping = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -212,10 +210,7 @@ class Supervisor:
             if self._stopping:
                 return
             slot.exits += 1
-            for reason, n in slot.stats.get("service", {}).get("errors", {}).items():
-                self._exited_errors[reason] = self._exited_errors.get(reason, 0) + int(n)
-            self._exited_authz = self._sum_authz([slot.stats], self._exited_authz)
-            self._exited_guard = self._sum_guard([slot.stats], self._exited_guard)
+            _add_counts(self._exited, _counters(slot.stats))
             slot.stats = {}
             served = time.monotonic() - slot.started
             if served >= RESTART_RESET_S:
@@ -287,37 +282,23 @@ class Supervisor:
                 sent += 1
         return sent
 
-    @staticmethod
-    def _sum_authz(
-        reports: list[dict[str, Any]], base: tuple[dict[str, int], int]
-    ) -> tuple[dict[str, int], int]:
-        denials, revoked = dict(base[0]), base[1]
-        for report in reports:
-            authz = report.get("service", {}).get("authz", {})
-            for rpc, n in authz.get("denials", {}).items():
-                denials[rpc] = denials.get(rpc, 0) + int(n)
-            revoked += int(authz.get("revoked", 0))
-        return denials, revoked
+    def _counted(self) -> dict[str, Any]:
+        """Every worker's counters (``COUNTED``) summed, exited workers' included."""
+        out: dict[str, Any] = {}
+        _add_counts(out, self._exited)
+        for s in self._slots:
+            _add_counts(out, _counters(s.stats))
+        return out
 
     def authz_stats(self) -> tuple[dict[str, int], int]:
         """``KvEventRelayService.authz_stats`` summed over the workers (exited ones included)."""
-        return self._sum_authz([s.stats for s in self._slots], self._exited_authz)
-
-    @staticmethod
-    def _sum_guard(
-        reports: list[dict[str, Any]], base: dict[str, dict[str, int]]
-    ) -> dict[str, dict[str, int]]:
-        out = {part: dict(counts) for part, counts in base.items()}
-        for report in reports:
-            guard = report.get("service", {}).get("guard", {})
-            for part, counts in guard.items():
-                acc = out.setdefault(part, {})
-                for key, n in counts.items():
-                    acc[key] = acc.get(key, 0) + int(n)
-        return out
+        authz = self._counted().get("authz", {})
+        return dict(authz.get("denials", {})), int(authz.get("revoked", 0))
 
     def _guard(self) -> dict[str, dict[str, int]]:
-        return self._sum_guard([s.stats for s in self._slots], self._exited_guard)
+        """Guard counts summed: refusals, preempted, stalled, h2 (see ``guard_stats``)."""
+        guard: dict[str, dict[str, int]] = self._counted().get("guard", {})
+        return guard
 
     def guard_stats(
         self,
@@ -341,16 +322,33 @@ class Supervisor:
         Same shape as ``KvEventRelayService.stats`` (limits apply per worker, so the limit
         shown is the sum of the workers' limits)."""
         streams: dict[str, list[int]] = {}
-        errors = dict(self._exited_errors)  # monotonic across worker restarts
-        for s in self._slots:
-            svc = s.stats.get("service", {})
-            for kind, (n, cap) in svc.get("streams", {}).items():
+        for s in self._slots:  # gauges: the live workers' only
+            for kind, (n, cap) in s.stats.get("service", {}).get("streams", {}).items():
                 acc = streams.setdefault(kind, [0, 0])
                 acc[0] += int(n)
                 acc[1] += int(cap)
-            for reason, n in svc.get("errors", {}).items():
-                errors[reason] = errors.get(reason, 0) + int(n)
+        errors: dict[str, int] = self._counted().get("errors", {})
         return {k: (v[0], v[1]) for k, v in streams.items()}, errors
+
+
+#: The parts of a worker's STATS ``service`` report that are counters: summed over the workers,
+#: and kept when a worker exits (its successor counts from 0). Each is a tree of counts.
+COUNTED = ("errors", "authz", "guard")
+
+
+def _counters(stats: dict[str, Any]) -> dict[str, Any]:
+    """The ``COUNTED`` parts of one worker's report."""
+    svc = stats.get("service", {})
+    return {part: svc[part] for part in COUNTED if part in svc}
+
+
+def _add_counts(acc: dict[str, Any], tree: dict[str, Any]) -> None:
+    """Add every count of ``tree`` into ``acc`` at the same path (nested dicts of ints)."""
+    for key, v in tree.items():
+        if isinstance(v, dict):
+            _add_counts(acc.setdefault(key, {}), v)
+        else:
+            acc[key] = acc.get(key, 0) + int(v)
 
 
 def _unscoped(counts: dict[str, int]) -> dict[tuple[str, str], int]:

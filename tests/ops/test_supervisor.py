@@ -37,9 +37,15 @@ t0 = time.monotonic()
 while True:
     if mode == "exit" and time.monotonic() - t0 > 0.3:
         sys.exit(3)
+    if mode == "flash" and time.monotonic() - t0 > 0.3:  # its last report, then gone at once
+        print("STATS " + json.dumps({"service": {"errors": {"F": 1}}}), flush=True)
+        os._exit(3)
     if mode != "hang" or time.monotonic() - t0 < 0.3:
-        print("STATS " + json.dumps({"service": {"streams": {"pool": [2, 64]},
-                                               "errors": {"R": 1}}}), flush=True)
+        print("STATS " + json.dumps({"service": {
+            "streams": {"pool": [2, 64]}, "errors": {"R": 1},
+            "authz": {"denials": {"WatchKvPool": 1}, "revoked": 1},
+            "guard": {"h2": {"ping_flood": 1}, "refusals": {"streams/10.0.0.1": 1},
+                      "preempted": {"streams/r": 1}, "stalled": {"deltas": 1}}}}), flush=True)
     time.sleep(0.1)
 """
 
@@ -75,11 +81,29 @@ async def test_start_waits_for_ready_and_restarts_an_exited_worker(tmp_path: Pat
             assert "NOTIFY_SOCKET" not in env and "WATCHDOG_USEC" not in env
         await _eventually(lambda: sup.restarts == 2 and sup.alive == 2)
         await _eventually(lambda: sup.stats()[0].get("pool") == (4, 128))
+        # the exited workers' final counts are kept: two exited and two live workers, each of
+        # which counted one of everything (the live workers' streams are gauges: not kept)
         _streams, errors = sup.stats()
-        assert errors["R"] >= 4  # the exited workers' final counts are kept
+        assert errors == {"R": 4}
+        assert sup.authz_stats() == ({"WatchKvPool": 4}, 4)
+        refusals, stalled, h2 = sup.guard_stats()
+        assert refusals == {("streams", "10.0.0.1"): 4} and stalled == {"deltas": 4}
+        assert h2 == {"ping_flood": 4} and sup.preemption_stats() == {("streams", "r"): 4}
     finally:
         await sup.stop(5.0)
     assert sup.alive == 0
+
+
+async def test_a_report_written_just_before_the_exit_is_counted_once(tmp_path: Path) -> None:
+    """A worker's last report, written just before it dies, is in the counts kept for it."""
+    sup = _supervisor(tmp_path, "flash,serve")
+    await sup.start()
+    try:
+        await _eventually(lambda: sup.restarts == 1 and sup.alive == 1)
+        await _eventually(lambda: sup.stats()[1].get("R") == 1)
+        assert sup.stats()[1].get("F") == 1, sup.stats()
+    finally:
+        await sup.stop(5.0)
 
 
 async def test_every_worker_and_every_restart_inherits_the_one_listener(tmp_path: Path) -> None:
