@@ -41,8 +41,8 @@ from kvrelay.ops.reload import (
     ReloadStats,
     keep_restart_only,
     read_config,
-    reload_tls,
     restart_only_changes,
+    stage_tls,
 )
 from kvrelay.ops.sdnotify import Notifier
 from kvrelay.ops.upgrade import Handoff, UpgradeFailed, Upgrader, UpgradeStats
@@ -474,16 +474,18 @@ class Daemon:
             restart = restart_only_changes(self.cfg, new)
             effective = keep_restart_only(self.cfg, new)
             try:
-                # loaded here first: files that do not load fail the reload before a worker
-                # is told (each worker then reads them for its own listener)
-                reload_tls(self._tls, effective)
-                if self.front is not None:
-                    self.front.reload_tls(effective.tls)
+                # loaded here first: files that do not load fail the reload before anything
+                # changed; they are put in use (and each worker told to read them for its own
+                # listener) only once the relay took the new pools
+                use_tls = stage_tls(self._tls, effective)
                 # the running relay's limits (sized for the workers when they are its only
                 # subscribers) stay: limits are restart-only
                 plan = await self.relay.reconfigure(
                     dataclasses.replace(effective.relay, limits=self.relay.settings.limits)
                 )
+                use_tls()
+                if self.front is not None:
+                    self.front.reload_tls(effective.tls)
             except Exception as exc:
                 status = "reload failed: see the log"
                 self.reloads.outcome("failed")

@@ -86,13 +86,15 @@ def keep_restart_only(old: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
     )  # fmt: skip
 
 
-def reload_tls(context: Any, cfg: DaemonConfig) -> None:
-    """Load the certificate and key once into a new context and hand it to new handshakes
-    (``ReloadableServerContext.reload``); files that do not load leave the live one untouched."""
+def stage_tls(context: Any, cfg: DaemonConfig) -> Callable[[], None]:
+    """Load the certificate and key once into a new context (``ReloadableServerContext.stage``)
+    and return what hands it to new handshakes; files that do not load raise here, before the
+    reload has changed anything, and leave the live context untouched."""
     if context is None or not cfg.tls.enabled:
-        return
+        return lambda: None
     assert cfg.tls.cert is not None and cfg.tls.key is not None
-    context.reload(cfg.tls.cert, cfg.tls.key, cfg.tls.client_ca)
+    use: Callable[[], None] = context.stage(cfg.tls.cert, cfg.tls.key, cfg.tls.client_ca)
+    return use
 
 
 def read_config(path: str | os.PathLike[str]) -> tuple[DaemonConfig | None, list[ConfigProblem]]:

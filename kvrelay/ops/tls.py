@@ -19,7 +19,7 @@ import ipaddress
 import os
 import ssl
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 ALPN_H2 = "h2"
@@ -145,7 +145,19 @@ class ReloadableServerContext:
     def reload(self, cert_file: str, key_file: str, client_ca_file: str | None) -> None:
         """Load the files once into a new context and use it for new handshakes; raises
         ``TlsConfigError`` (the running context stays) when they do not load."""
-        self.current, self.certificates = _server_context(cert_file, key_file, client_ca_file)
+        self.stage(cert_file, key_file, client_ca_file)()
+
+    def stage(
+        self, cert_file: str, key_file: str, client_ca_file: str | None
+    ) -> Callable[[], None]:
+        """Load the files into a new context now (``TlsConfigError`` when they do not load) and
+        return what puts it in use, so a reload changes nothing until all its steps have passed."""
+        loaded = _server_context(cert_file, key_file, client_ca_file)
+
+        def use() -> None:
+            self.current, self.certificates = loaded
+
+        return use
 
 
 def client_certificates(ca_file: str, cert_file: str | None) -> tuple[LoadedCertificate, ...]:

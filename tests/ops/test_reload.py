@@ -187,7 +187,7 @@ async def test_reload_adds_an_engine_without_a_resnapshot_and_refuses_bad_files(
 
 @pytest.mark.parametrize("workers", [1, 2])
 async def test_reload_reads_a_rotated_certificate_for_new_connections(
-    tmp_path: Path, workers: int
+    tmp_path: Path, workers: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """cert-manager style rotation: new files at the same paths, then SIGHUP (here: reload()).
     With ``workers = 2`` the fan-out worker, which terminates the clients' TLS, reads them too
@@ -233,6 +233,21 @@ async def test_reload_reads_a_rotated_certificate_for_new_connections(
         assert result.result == "rejected" and not daemon.reloads.last_successful
         assert [p.path for p in result.problems] == ["tls.cert"]
         assert (await info(new.server_ca)).relay is not None
+        # files that load, in a reload whose later step fails: nothing of it is put in use,
+        # neither here nor in the worker (it had the new files before the relay was asked)
+        shutil.copy(old.server_cert, cert)
+        shutil.copy(old.server_key, key)
+
+        async def broken(_settings: object) -> None:
+            raise RuntimeError("injected: the relay cannot take the new pools")
+
+        monkeypatch.setattr(daemon.relay, "reconfigure", broken)
+        result = await daemon.reload(cfg_path)
+        assert result.result == "failed"
+        await asyncio.sleep(0.5)  # a worker would have read a TLS line by now
+        assert (await info(new.server_ca)).relay is not None
+        with pytest.raises(ssl.SSLCertVerificationError):
+            await info(old.server_ca)
     finally:
         await daemon.stop()
         await engine.stop()
