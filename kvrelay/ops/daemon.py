@@ -138,8 +138,9 @@ class Daemon:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = False
 
-    def _ssl_context(self) -> ssl.SSLContext | None:
-        """The listener's context; reloads hand each handshake the newest fully loaded one."""
+    def _ssl_context(self) -> Callable[[], ssl.SSLContext] | None:
+        """What gives the listener's context; reloads hand each handshake the newest fully
+        loaded one."""
         tls = self.cfg.tls
         if not tls.enabled:
             return None
@@ -147,7 +148,7 @@ class Daemon:
 
         assert tls.cert is not None and tls.key is not None
         self._tls = ReloadableServerContext(tls.cert, tls.key, tls.client_ca)
-        return self._tls.listener  # type: ignore[no-any-return]
+        return self._tls.in_use  # type: ignore[no-any-return]
 
     def tls_certificates(self) -> tuple[Any, ...]:
         """The certificates the listener serves and trusts now, and a mirror's upstream CA and

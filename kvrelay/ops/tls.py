@@ -4,11 +4,13 @@ gRPC is HTTP/2, so both sides advertise ALPN ``h2`` (grpcio refuses a TLS peer w
 TLS 1.2 is the floor (HTTP/2 forbids older versions). With a client CA the server demands a
 client certificate signed by it (mTLS); without one any client that trusts the server may talk.
 
-Certificate rotation (``ReloadableServerContext``): the listener keeps the context it started
-with, and each handshake is handed the newest *fully loaded* context from the servername
-callback. A reload builds a new context from one read of the files and swaps it in only when it
-loaded; a file rotated halfway through a reload can then never leave the listener with a
-certificate and a key that do not match.
+Certificate rotation (``ReloadableServerContext``): each handshake is run with the newest
+*fully loaded* context (``in_use``, which the server's TLS gate asks for at every accepted
+connection: ``service/h2/tls_gate.py``). A reload builds a new context from one read of the
+files and swaps it in only when it loaded; a file rotated halfway through a reload can then
+never leave the listener with a certificate and a key that do not match. No servername callback
+is installed: CPython printed a traceback to stderr for every ClientHello whose server name is
+not ASCII, which any stranger could send.
 """
 
 from __future__ import annotations
@@ -132,15 +134,11 @@ class ReloadableServerContext:
     """The listener's context and the newest one loaded from the files (see the module doc)."""
 
     def __init__(self, cert_file: str, key_file: str, client_ca_file: str | None) -> None:
-        self.listener, self.certificates = _server_context(cert_file, key_file, client_ca_file)
-        self.current = self.listener
-        self.listener.sni_callback = self._pick
+        self.current, self.certificates = _server_context(cert_file, key_file, client_ca_file)
 
-    def _pick(self, conn: ssl.SSLObject | ssl.SSLSocket, _name: str | None,
-              _ctx: ssl.SSLContext) -> None:  # fmt: skip
-        current = self.current
-        if current is not self.listener:
-            conn.context = current
+    def in_use(self) -> ssl.SSLContext:
+        """The context a new handshake is run with (a server's ``ssl=`` source)."""
+        return self.current
 
     def reload(self, cert_file: str, key_file: str, client_ca_file: str | None) -> None:
         """Load the files once into a new context and use it for new handshakes; raises

@@ -160,7 +160,7 @@ async def run_worker(
 
         assert spec.tls_key is not None
         control.tls = ReloadableServerContext(spec.tls_cert, spec.tls_key, spec.tls_client_ca)
-        context = control.tls.listener
+        context = control.tls.in_use
     mirror = Mirror(
         MirrorSettings(
             upstream=UpstreamAddress.parse(spec.upstream),

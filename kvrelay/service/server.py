@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import contextvars
 import socket
-import ssl as _ssl
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn, TypeVar, cast
 
@@ -37,7 +36,7 @@ from kvrelay.publication.readiness import ReadinessPlane
 from kvrelay.publication.window import WindowPlane
 from kvrelay.service.authz import Authorization, ClientIdentity, not_visible, revoked
 from kvrelay.service.codec import PassThroughCodec
-from kvrelay.service.h2.closing import ClosingServer
+from kvrelay.service.h2.closing import ClosingServer, TlsSource
 from kvrelay.service.h2.guard import ConnectionCaps, H2Budgets, H2Counters
 from kvrelay.service.h2.request import (
     INBOUND_WINDOW_BYTES,
@@ -46,6 +45,7 @@ from kvrelay.service.h2.request import (
     recv_within,
 )
 from kvrelay.service.h2.request_guards import RequestGuards
+from kvrelay.service.h2.tls_gate import TLS_HANDSHAKE_TIMEOUT_S
 from kvrelay.service.h2.writer import StreamWriter, stream_resetter
 from kvrelay.service.health import MAX_REFLECTION_STREAMS, RelayHealth, reflection_pool
 from kvrelay.service.peercred import SameUserOnly
@@ -642,12 +642,15 @@ class RelayServer:
         self,
         host: str,
         port: int,
-        ssl: _ssl.SSLContext | None = None,
+        ssl: TlsSource | None = None,
         *,
         sock: socket.socket | None = None,
+        tls_handshake_timeout_s: float = TLS_HANDSHAKE_TIMEOUT_S,
     ) -> None:
         """Listen on TCP; ``sock``: accept on this already listening socket instead (the
-        listener a daemon's fan-out workers share, or a hot upgrade's inherited one)."""
+        listener a daemon's fan-out workers share, or a hot upgrade's inherited one). ``ssl``:
+        a context, or what gives the one in use now (each handshake asks: ``h2/tls_gate.py``)."""
+        self._server.tls_handshake_timeout_s = tls_handshake_timeout_s
         if sock is not None:
             await self._server.start(sock=sock, ssl=ssl)
         else:

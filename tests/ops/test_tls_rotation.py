@@ -105,7 +105,7 @@ async def test_a_rotation_between_two_reads_never_breaks_the_live_context(
     relay = Relay(RelaySettings(dc_name="dc-rot"))
     await relay.start()
     server = RelayServer(relay, relay.limits)
-    await server.start("127.0.0.1", 0, ssl=tls.listener)
+    await server.start("127.0.0.1", 0, ssl=tls.in_use)
     fifo: _KeyFifo | None = None
     try:
         assert (await _info(server.port, old.server_ca)).relay is not None

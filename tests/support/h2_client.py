@@ -81,18 +81,19 @@ class RawH2Client:
             self._writer.write(data)
 
     def open(
-        self, method: str, message: bytes, *, end: bool = True, raw: bytes | None = None
+        self, method: str, message: bytes, *, end: bool = True, raw: bytes | None = None,
+        headers: tuple[tuple[str, str], ...] = (),
     ) -> RawStream:
         """Start a call to ``/dynamo.kvrelay.v1.KvEventRelay/<method>`` (or to ``method`` when
         it is a whole path) and send ``message`` (``end=False``: the request body is never
         finished; ``raw``: these DATA bytes as they are, gRPC prefix included, instead of
-        ``message`` framed)."""
+        ``message`` framed; ``headers``: more request headers, e.g. ``grpc-timeout``)."""
         sid = self.h2.get_next_available_stream_id()
         path = method if method.startswith("/") else f"/dynamo.kvrelay.v1.KvEventRelay/{method}"
         self.h2.send_headers(sid, [
             (":method", "POST"), (":scheme", "http"), (":authority", "relay"),
             (":path", path),
-            ("content-type", "application/grpc"), ("te", "trailers"),
+            ("content-type", "application/grpc"), ("te", "trailers"), *headers,
         ])  # fmt: skip
         if raw is not None:
             self.h2.send_data(sid, raw, end_stream=end)

@@ -28,6 +28,7 @@ through grpclib.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 import time
 import weakref
@@ -37,7 +38,12 @@ from typing import Any
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
-from kvrelay.service.h2.internals import SEND_DATA_CONNECTION, SEND_DATA_STREAM, live_internals
+from kvrelay.service.h2.internals import (
+    CANCEL,
+    SEND_DATA_CONNECTION,
+    SEND_DATA_STREAM,
+    live_internals,
+)
 
 #: Payload bytes per socket write (several DATA frames joined): one copy, one system call.
 WRITE_BYTES = 256 * 1024
@@ -171,6 +177,7 @@ class BulkSender:
             self._turn = lane.join()
         me = self._turn
         lane.set_idle(me, False)
+        total = cur.left
         try:
             while cur.left:
                 await lane.wait(me)
@@ -190,6 +197,10 @@ class BulkSender:
                 await inner.window_updated.wait()
                 if own:
                     lane.set_idle(me, False)
+        except BaseException:  # e.g. the call's deadline, while the client reads slowly
+            if 0 < cur.left < total:
+                abandon(stream, inner)
+            raise
         finally:
             lane.set_idle(me, True)
         stream._send_message_done = True
@@ -228,6 +239,16 @@ class BulkSender:
         if self._turn is not None:
             self._lane.leave(self._turn)
             self._turn = None
+
+
+def abandon(stream: Any, inner: Any) -> None:
+    """A message cut short (its writer cancelled, e.g. by the call's deadline) cannot be followed
+    by trailers: its client would read them as the rest of the message and report a framing
+    error instead of the status. The stream is reset (RST_STREAM CANCEL) and grpclib told it is
+    cancelled, so it writes no trailers; the client sees the stream cancelled."""
+    with contextlib.suppress(Exception):  # already closed: nothing left to reset
+        inner.reset_nowait(CANCEL)
+    stream._cancel_done = True
 
 
 def bulk_sender(stream: Any, max_message_bytes: int) -> BulkSender | None:

@@ -13,12 +13,14 @@ a connection that fails it is aborted as soon as it is made, before any HTTP/2 f
 
 Each connection's protocol is also mended where grpclib mishandles hostile input
 (``mend.py``), guarded by the per-connection budgets (``guard.py``) and counted against the
-connection caps.
+connection caps. A TLS listener listens on plain TCP: each connection is admitted under the caps
+before its handshake, which ``tls_gate.py`` then runs under a deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +31,10 @@ from kvrelay.service.h2.drain import DrainNotice
 from kvrelay.service.h2.guard import ConnectionCaps, H2Budgets, H2Counters, guard_protocol
 from kvrelay.service.h2.internals import H2Protocol
 from kvrelay.service.h2.mend import mend_protocol
+from kvrelay.service.h2.tls_gate import TLS_HANDSHAKE_TIMEOUT_S, TlsGate
+
+#: A TLS listener's context: one, or what gives the one in use now (a reload may replace it).
+TlsSource = ssl.SSLContext | Callable[[], ssl.SSLContext]
 
 __all__ = ["ClosingServer"]
 
@@ -47,8 +53,18 @@ class ClosingServer(Server):
         self.h2_guard: tuple[H2Budgets, H2Counters] | None = None
         #: connections per peer address and in all (``guard.py``); None: unbounded
         self.connection_caps: ConnectionCaps | None = None
+        self.tls_handshake_timeout_s = TLS_HANDSHAKE_TIMEOUT_S
+        self._tls: Callable[[], ssl.SSLContext] | None = None
+        self._gates: weakref.WeakSet[TlsGate] = weakref.WeakSet()
 
-    def _protocol_factory(self) -> H2Protocol:
+    async def start(self, *args: Any, ssl: TlsSource | None = None, **kwargs: Any) -> None:
+        """grpclib's ``start``; with ``ssl``, on plain TCP, each connection's TLS handshake run
+        by its ``TlsGate`` once the connection is admitted (see the module docstring)."""
+        if ssl is not None:
+            self._tls = ssl if callable(ssl) else (lambda: ssl)
+        await super().start(*args, **kwargs)
+
+    def _protocol_factory(self) -> Any:
         proto = super()._protocol_factory()
         self._protocols.add(proto)
         if self.h2_guard is not None:
@@ -57,23 +73,33 @@ class ClosingServer(Server):
         notice = DrainNotice.install(proto)
         if notice is not None:
             self._notices[proto] = notice
+        if self._tls is not None:
+            counters = self.h2_guard[1] if self.h2_guard is not None else H2Counters()
+            gate = TlsGate(proto, self._tls, self._admit, counters, self.tls_handshake_timeout_s)
+            self._gates.add(gate)
+            return gate
         if self.peer_check is not None or self.connection_caps is not None:
             self._admitted(proto)
         return proto
 
-    def _admitted(self, proto: H2Protocol) -> None:
-        """A connection the peer check refuses, or one over the connection caps (taken only
-        after the check passed), is aborted as it is accepted, before any frame: the protocol
-        never starts. Both callbacks are replaced now: uvloop's transports keep those they find
-        when made."""
+    def _admit(self, transport: asyncio.BaseTransport) -> Callable[[], None] | None:
+        """The peer check, then a place under the caps (taken only after the check passed): the
+        place's release, or None when the connection is refused."""
         check, caps = self.peer_check, self.connection_caps
+        if check is not None and not check(transport):
+            return None
+        return _nothing if caps is None else caps.admit(transport)
+
+    def _admitted(self, proto: H2Protocol) -> None:
+        """A connection the peer check refuses, or one over the connection caps, is aborted as
+        it is accepted, before any frame: the protocol never starts. Both callbacks are replaced
+        now: uvloop's transports keep those they find when made."""
         made, lost = proto.connection_made, proto.connection_lost
         release: Callable[[], None] | None = None
 
         def connection_made(transport: asyncio.BaseTransport) -> None:
             nonlocal release
-            if check is None or check(transport):
-                release = _nothing if caps is None else caps.admit(transport)
+            release = self._admit(transport)
             if release is None:
                 proto.data_received = _ignore  # type: ignore[method-assign,assignment]
                 self._protocols.discard(proto)
@@ -97,6 +123,8 @@ class ClosingServer(Server):
             notice.drain()
 
     def close_connections(self) -> None:
+        for gate in list(self._gates):
+            gate.abort()  # still handshaking: it has no stream to end
         for proto in list(self._protocols):
             conn = getattr(proto, "connection", None)
             processor = getattr(proto, "processor", None)

@@ -55,7 +55,7 @@ END_STREAM, ACK, END_HEADERS = 0x1, 0x1, 0x4
 ENHANCE_YOUR_CALM = 0xB
 ABUSE_REASONS = (
     "rapid_reset", "stream_flood", "empty_frames", "ping_flood", "settings_flood",
-    "oversized_headers", "too_many_connections",
+    "oversized_headers", "too_many_connections", "tls_handshake",
 )  # fmt: skip
 #: The bytes of one read handed to h2 in one loop turn (see the module docstring).
 MAX_FEED_BYTES = 16 * 1024

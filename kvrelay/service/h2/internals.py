@@ -73,6 +73,7 @@ INSTANCE_NEEDS: tuple[tuple[str, str], ...] = (
     ("stream", "_send_initial_metadata_done"),
     ("stream", "_send_message_done"),
     ("stream", "_messages_sent"),
+    ("stream", "_cancel_done"),  # bulk.abandon: no trailers after a message cut short
     ("stream", "send_initial_metadata"),
     ("inner", "_transport"),
     ("inner", "_h2_connection"),

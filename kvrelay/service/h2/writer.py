@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvrelay.publication.hub import SendBatch
-from kvrelay.service.h2.bulk import BulkSender, bulk_sender
+from kvrelay.service.h2.bulk import BulkSender, abandon, bulk_sender
 from kvrelay.service.h2.direct import direct_writer
 from kvrelay.service.h2.internals import CANCEL, stream_internals
 
@@ -77,7 +77,14 @@ def _batch_sender(stream: Any) -> SendBatch | None:
         for f in frames:
             pieces.append(b"\x00" + len(f).to_bytes(4, "big"))
             pieces.append(f)
-        await inner.send_data(b"".join(pieces))
+        data = b"".join(pieces)
+        before = inner.data_sent
+        try:
+            await inner.send_data(data)
+        except BaseException:
+            if 0 < inner.data_sent - before < len(data):  # a message cut short
+                abandon(stream, inner)
+            raise
         stream._send_message_done = True
         stream._messages_sent += len(frames)
         connection.messages_sent += len(frames)

@@ -11,8 +11,11 @@ on uvloop's (``conftest.py``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ssl
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import h2.exceptions
 import h2.settings
@@ -23,6 +26,7 @@ from grpclib.client import Channel
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.contract.wire import CONTRACT_MARKER
+from kvrelay.ops.tls import client_ssl_context, server_ssl_context
 from kvrelay.service.h2.guard import ENHANCE_YOUR_CALM, H2Budgets
 from kvrelay.service.h2.request import MAX_REQUEST_BYTES
 from kvrelay.service.server import RelayServer
@@ -656,3 +660,91 @@ async def test_reflection_streams_are_bounded_and_later_requests_small() -> None
     finally:
         await c.close()
         await server.close(grace_s=0.5)
+
+
+def _client_hello(server_name: bytes) -> bytes:
+    """A real ClientHello (Python's own TLS client), its server name replaced with
+    ``server_name`` (8 bytes): the bytes a hostile peer can put there."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ctx.wrap_bio(incoming, outgoing, server_hostname="relay-01")
+    with contextlib.suppress(ssl.SSLWantReadError):
+        tls.do_handshake()
+    hello = outgoing.read()
+    assert hello.count(b"relay-01") == 1 and len(server_name) == 8
+    return hello.replace(b"relay-01", server_name)
+
+
+async def _closed_by_peer(reader: asyncio.StreamReader, timeout: float) -> bool:
+    """The relay closed this raw connection within ``timeout`` (whatever it sent first)."""
+    try:
+        async with asyncio.timeout(timeout):
+            while await reader.read(65536):
+                pass
+        return True
+    except TimeoutError:
+        return False
+    except ConnectionError:
+        return True
+
+
+async def test_tls_handshakes_are_capped_timed_out_and_counted(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """On a TLS port, a connection takes its place under the caps when it is accepted, not when
+    its handshake is done: a stranger who never finishes handshakes holds no more than
+    ``max_connections_per_address`` sockets, and each is closed after the handshake deadline and
+    counted (``tls_handshake``), its place given back. They were neither capped nor counted, and
+    held for asyncio's 60 s. A ClientHello whose server name is not ASCII is answered like any
+    other: no traceback on stderr (a servername callback printed one per connection)."""
+    from tests.support.certs import make_pki
+
+    pki = make_pki(tmp_path)
+    ctx = server_ssl_context(str(pki.server_cert), str(pki.server_key), None)
+    limits = RelayLimits(max_connections=16, max_connections_per_address=3)
+    server = RelayServer(MemRelayView(), limits)
+    await server.start("127.0.0.1", 0, ssl=ctx, tls_handshake_timeout_s=1.0)
+    def counted(reason: str) -> int:
+        return server.service.guard_stats()[2][reason]
+
+    stalled: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def dial(hello: bytes = b"") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        conn = await asyncio.open_connection("127.0.0.1", server.port, local_addr=("127.0.0.2", 0))
+        if hello:
+            conn[1].write(hello)
+        stalled.append(conn)
+        return conn
+
+    async def info() -> pb.RelayInfo:
+        tls = client_ssl_context(str(pki.server_ca))
+        async with Channel("127.0.0.1", server.port, ssl=tls) as ch:
+            return await asyncio.wait_for(
+                pb.KvEventRelayStub(ch).get_relay_info(pb.RelayInfoRequest(
+                    contract_marker=CONTRACT_MARKER)), 10)  # fmt: skip
+
+    try:
+        for round_ in (1, 2):  # the second: the first round's places were given back
+            t0 = time.monotonic()
+            held = [await dial() for _ in range(3)]
+            over, _ = await dial()
+            assert await _closed_by_peer(over, 0.5), "the 4th connection of an address is refused"
+            assert counted("too_many_connections") == round_
+            assert (await info()).contract_marker == CONTRACT_MARKER  # another address is served
+            for reader, _ in held:
+                assert await _closed_by_peer(reader, 5.0), "a stalled handshake is closed"
+            assert time.monotonic() - t0 >= 0.9  # by the deadline, not at once
+            async with asyncio.timeout(5):  # counted as the handshake task ends
+                while counted("tls_handshake") < 3 * round_:
+                    await asyncio.sleep(0.01)
+            assert counted("tls_handshake") == 3 * round_
+        reader, _ = await dial(_client_hello(b"\xff" * 8))
+        assert await _closed_by_peer(reader, 5.0)
+        assert (await info()).contract_marker == CONTRACT_MARKER
+    finally:
+        for _, writer in stalled:
+            writer.close()
+        await server.close(grace_s=0.5)
+    assert "Exception ignored" not in capfd.readouterr().err

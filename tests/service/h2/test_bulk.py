@@ -20,6 +20,7 @@ from grpclib.const import Cardinality
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.publication import cbi1
 from kvrelay.service.h2.bulk import _Lane, bulk_sender
+from tests.support.h2_client import RawH2Client
 from tests.support.mem_relay import (
     SVC,
     GrpcioClient,
@@ -177,3 +178,33 @@ class contextlib_streams:
     async def __aexit__(self, *exc: object) -> None:
         for cm in reversed(self._cms):
             await cm.__aexit__(None, None, None)
+
+
+async def test_a_deadline_in_the_middle_of_a_chunk_resets_the_stream(
+    start_relay: StartRelay,
+) -> None:
+    """The call's own deadline (``grpc-timeout``) fires while its 4 MiB chunk waits for a client
+    that reads 64 KiB and stops: the chunk is cut short, so the stream is reset (RST_STREAM
+    CANCEL) with no trailers after it. Trailers after a partial message read, to the client, as
+    the rest of the message: a framing error instead of a status."""
+    view, server = await start_relay()
+    gen = view.add_pool("pool-a", 1 << 19)  # one 4 MiB chunk
+    gen.random_step(np.random.default_rng(13), 20_000)
+    client = await RawH2Client.connect(server.port, window=65_535)
+    try:
+        st = client.open(
+            "SubscribeKvPool", bytes(sub_request(gen.producer, "slow")),
+            headers=(("grpc-timeout", "800m"),),
+        )  # fmt: skip
+        await asyncio.wait_for(st.ended.wait(), scaled(10))
+        assert 0 < len(st.data) < 4 * MIB, len(st.data)  # a message cut short
+        assert st.reset and st.trailers == {}, (st.reset, st.trailers)
+        assert (await _info(server.port)) is not None  # the connection and relay go on
+    finally:
+        await client.close()
+
+
+async def _info(port: int) -> pb.RelayInfo:
+    async with Channel("127.0.0.1", port) as ch:
+        return await asyncio.wait_for(pb.KvEventRelayStub(ch).get_relay_info(
+            pb.RelayInfoRequest(contract_marker=0x4B565231)), 10)  # fmt: skip

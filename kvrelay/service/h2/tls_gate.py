@@ -1,0 +1,161 @@
+"""``TlsGate``: a TLS listener's TCP connection from its accept to the end of its handshake.
+
+Why: with ``create_server(ssl=…)`` the event loop calls the application's ``connection_made``
+only once the TLS handshake is done, so the connection caps (``guard.py``) never saw a
+connection whose handshake was still under way, and asyncio and uvloop wait 60 s for one. A
+stranger needing no certificate could hold thousands of accepted sockets (a descriptor and the
+TLS buffers each) by opening connections and never finishing their handshake, and lock routers
+out when the descriptors ran out.
+
+The server listens on plain TCP instead. Each accepted connection first gets a gate: it takes a
+place under the caps (refused and closed at once when there is none), pauses reading, and
+upgrades the connection with ``loop.start_tls`` under ``handshake_timeout_s``, with the context
+in use *now* (``context()``: a reload's rotated certificate serves the next handshake without an
+SNI callback). A handshake that fails or times out is closed and counted
+(``kvrelay_http2_abuse_total{reason="tls_handshake"}``); a completed one hands the TLS transport
+to grpclib's protocol, which keeps the place until its connection is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+from collections.abc import Callable
+from typing import Any, cast
+
+from kvrelay.service.h2.guard import H2Counters
+
+__all__ = ["TLS_HANDSHAKE_TIMEOUT_S", "TlsGate"]
+
+#: Seconds a client has to finish its TLS handshake (asyncio's default is 60).
+TLS_HANDSHAKE_TIMEOUT_S = 10.0
+
+
+class TlsGate(asyncio.Protocol):
+    """One accepted TCP connection until its TLS handshake is done (see the module docstring).
+
+    ``admit(transport)``: the place's release, or None when the connection is refused (the
+    caller counted it). ``inner``: grpclib's protocol for the connection once it speaks TLS.
+    The gate is the TLS layer's protocol until then: what the client sends right after its
+    handshake (its HTTP/2 preface) is kept and handed to ``inner`` once it is made.
+    """
+
+    def __init__(
+        self,
+        inner: Any,
+        context: Callable[[], ssl.SSLContext],
+        admit: Callable[[asyncio.BaseTransport], Callable[[], None] | None],
+        counters: H2Counters,
+        handshake_timeout_s: float = TLS_HANDSHAKE_TIMEOUT_S,
+    ) -> None:
+        self.inner = inner
+        self._context = context
+        self._admit = admit
+        self._counters = counters
+        self._timeout_s = handshake_timeout_s
+        self._release: Callable[[], None] | None = None
+        self._raw: asyncio.Transport | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._early: list[bytes] = []  # at most what arrives in the loop turn of the handover
+        lost = inner.connection_lost
+
+        def connection_lost(exc: BaseException | None) -> None:
+            self._give_back()
+            lost(exc)
+
+        inner.connection_lost = connection_lost
+
+    @property
+    def handshaking(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self._raw is not None:
+            return  # the TLS layer's call (asyncio makes none; uvloop's may)
+        release = self._admit(transport)
+        if release is None:
+            transport.abort()  # type: ignore[attr-defined]
+            return
+        self._release = release
+        self._raw = cast(asyncio.Transport, transport)  # uvloop's is no asyncio.Transport
+        self._raw.pause_reading()  # the ClientHello waits for the TLS layer
+        self._task = asyncio.get_running_loop().create_task(self._handshake(self._raw))
+
+    async def _handshake(self, raw: asyncio.Transport) -> None:
+        loop = asyncio.get_running_loop()
+        upgrade = loop.create_task(loop.start_tls(
+            raw, self, self._context(), server_side=True, ssl_handshake_timeout=self._timeout_s,
+        ))  # fmt: skip
+        try:
+            await asyncio.sleep(0)  # its first step (tasks run in order) has taken the transport
+            self._hand_over_hello(raw)
+            tls = await upgrade
+        except asyncio.CancelledError:
+            upgrade.cancel()
+            raw.abort()
+            self._give_back()
+            raise
+        except Exception:  # a failed or timed-out handshake, a peer gone: closed and counted
+            self._counters.count("tls_handshake")
+            raw.abort()
+            self._give_back()
+            return
+        if tls is None or tls.is_closing() or self._release is None:
+            self._give_back()
+            return
+        tls.set_protocol(self.inner)
+        self.inner.connection_made(tls)
+        early, self._early = self._early, []
+        for data in early:
+            if tls.is_closing():
+                break
+            self.inner.data_received(data)
+
+    def _hand_over_hello(self, raw: asyncio.Transport) -> None:
+        """Bytes this gate read before the TLS layer took the transport (uvloop starts reading
+        only after ``connection_made`` returns, so the pause there does not hold it): the
+        ClientHello, handed to the TLS layer before its handshake starts reading."""
+        early, self._early = self._early, []
+        tls_layer: Any = raw.get_protocol()  # both loops' TLS layers are buffered protocols
+        if not early or tls_layer is self:
+            return
+        for data in early:
+            view = memoryview(data)
+            while view:
+                buf = memoryview(tls_layer.get_buffer(len(view)))
+                n = min(len(buf), len(view))
+                buf[:n] = view[:n]
+                tls_layer.buffer_updated(n)
+                view = view[n:]
+
+    def data_received(self, data: bytes) -> None:
+        """Bytes read before the TLS layer took the transport (raw, handed over to it), then
+        application data it decrypted before ``inner`` took over (handed to ``inner``)."""
+        self._early.append(data)
+
+    def eof_received(self) -> bool | None:
+        return None  # the TLS layer closes the connection
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        """The connection ended while this gate was its protocol: the raw one's (the handshake
+        task is cancelled), or the TLS layer's while handshaking (the layer fails the handshake
+        itself, which ``_handshake`` counts)."""
+        raw = self._raw
+        if (self._task is not None and not self._task.done() and raw is not None
+                and raw.get_protocol() is self):  # fmt: skip
+            self._task.cancel()
+        self._give_back()
+
+    def abort(self) -> None:
+        """Shutdown: a connection still handshaking is closed now."""
+        if self.handshaking and self._raw is not None:
+            with contextlib.suppress(Exception):
+                self._raw.abort()
+            assert self._task is not None
+            self._task.cancel()
+
+    def _give_back(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
