@@ -754,6 +754,7 @@ class Subscriber:
             self._dup_first = None
             self._next = start if self._next is None else self._next
             first = True
+            replayed = False
             topic = self.spec.topic
             while True:
                 remaining = deadline - loop.time()
@@ -784,8 +785,14 @@ class Subscriber:
                     seq, payload = item
                     c.messages += 1
                     c.replayed_messages += 1
-                    if first and seq == ask:
+                    if not replayed:
+                        # the duplicate window starts at the first batch the replay gave: when
+                        # history was gone, a live batch numbered below it duplicates nothing
+                        # (it is another incarnation's), and the first one's bytes tell a
+                        # restart behind a proxy from a repeat whatever its number
+                        replayed = True
                         self._dup_first = (seq, _digest(payload))
+                        self._dup_lo = max(ask, seq)
                     if first and verify is not None and seq == verify[0]:
                         first = False
                         if self._dup_first is None or self._dup_first[1] != verify[1]:
@@ -848,6 +855,13 @@ class Subscriber:
                 self._buf.put(seq, payload)
                 return False
             if self._next is not None and seq < self._next:
+                if self._dup_lo <= self._dup_hi and seq < self._dup_lo:
+                    # below the first batch the replay gave (its history was gone): a batch
+                    # the relay never had, from an engine that restarted behind a proxy
+                    self._log.warning("sequence_backwards", seq=seq, during="replay")
+                    self._restart_from_zero(ResetReason.INCARNATION)
+                    self._buf.put(seq, payload)
+                    return False
                 c.duplicates += 1
                 continue
             if not self._buf.put(seq, payload):

@@ -272,6 +272,45 @@ async def test_a_restart_right_after_the_bootstrap_is_no_duplicate(
         await pub.close()
 
 
+@pytest.mark.parametrize("during_replay", [False, True])
+async def test_a_restart_after_a_replay_that_lost_history_is_no_duplicate(
+    ctx: zmq.asyncio.Context, during_replay: bool
+) -> None:
+    """The engine keeps 3 batches: the bootstrap asks for 0 and gets 7, 8, 9 (history gone:
+    reset, then applied). The engine restarts behind a proxy and sends 0, 1, 2, … live, after
+    the replay or while it is still answering. Numbered below the first batch the replay gave,
+    they duplicate nothing: a new incarnation. They were taken for the replay's duplicates and
+    dropped, and the batches past 9 applied onto the old incarnation's blocks (phantoms)."""
+    pub = TestPublisher(ctx, keep=3)
+    for s in range(10):
+        await pub.publish(msg(s), live=False)
+    if during_replay:
+        pub.pause_after, pub.mid = 1, asyncio.Event()  # 7 comes, then the replay waits
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx)
+    try:
+        await sub.start()
+        await pub.wait_subscribed()
+        await until(lambda: sink.seqs[-1:] == ([7] if during_replay else [9]))
+        pub.restart()
+        for s in range(3 if during_replay else 13):  # (3: the new replay still has its 0)
+            await pub.publish(msg(s, era="array"))
+        if during_replay:
+            await until(lambda: ResetReason.INCARNATION in sink.resets)
+            pub.mid.set()  # the old replay ends; the new incarnation's is served
+        await until(lambda: sink.seqs[-1:] == [2 if during_replay else 12])
+        old = [7] if during_replay else [7, 8, 9]
+        assert sink.resets == [ResetReason.INCARNATION]  # (nothing was held before the 7)
+        assert sink.items[len(old)] == ("reset", ResetReason.INCARNATION)
+        assert_exact(sink, old + list(range(3 if during_replay else 13)))
+        if not during_replay:  # (there the new replay gives what came live: duplicates)
+            assert sub.counters.duplicates == 0
+    finally:
+        pub.mid.set()
+        await sub.stop()
+        await pub.close()
+
+
 async def test_a_rebuild_from_the_replay_is_reported_as_one(ctx: zmq.asyncio.Context) -> None:
     """A new incarnation seen first at seq 2: the reset and the replayed 0, 1 (and 2) form one
     rebuild, begun before the reset and ended after the replayed batches."""

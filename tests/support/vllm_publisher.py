@@ -43,6 +43,10 @@ class TestPublisher:
         self.requests: list[int] = []
         self.gate = asyncio.Event()
         self.gate.set()
+        #: a replay stops after this many batches until ``mid`` is set (None: never)
+        self.pause_after: int | None = None
+        self.mid = asyncio.Event()
+        self.mid.set()
         self.router: zmq.asyncio.Socket | None = None
         self.replay_endpoint: str | None = None
         self._task: asyncio.Task[None] | None = None
@@ -84,9 +88,13 @@ class TestPublisher:
             self.requests.append(start)
             await self.gate.wait()
             lead = [ident, b""] + ([self.topic] if self.reply_shape == 4 else [])
+            sent = 0
             for seq, payload in list(self.history):
                 if seq >= start:
+                    if sent == self.pause_after:
+                        await self.mid.wait()
                     await self.router.send_multipart([*lead, seq.to_bytes(8, "big"), payload])
+                    sent += 1
             end_lead = [ident, b""] + ([b""] if self.reply_shape == 4 else [])
             await self.router.send_multipart([*end_lead, END, b""])
 
