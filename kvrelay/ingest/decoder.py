@@ -40,6 +40,7 @@ from kvrelay.ingest.errors import (
     InternalDecodeError,
     MalformedEnvelopeError,
     MalformedPayloadError,
+    MalformedRemovalError,
 )
 from kvrelay.ingest.kinds import EngineKind
 from kvrelay.ingest.options import DecodeOptions
@@ -87,6 +88,8 @@ assert FW.layout(1)[1] == _HEAD.size - 8  # the time stamp follows the stats and
 #: attention group with its full-attention manager: the same prefix hits)
 _FULL_ATTENTION = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
 _STORE, _REMOVE, _CLEAR = wire.STORE, wire.REMOVE, wire.CLEAR
+#: Event kinds that take blocks away: one that does not decode makes the whole batch bad.
+_REMOVAL_TAGS = frozenset({"BlockRemoved", "AllBlocksCleared"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -461,6 +464,7 @@ class Decoder:
         b0 = memoryview(raw)[0]
         is_map = 0x80 <= b0 <= 0x8F or b0 in (0xDE, 0xDF)
         is_arr = 0x90 <= b0 <= 0x9F or b0 in (0xDC, 0xDD)
+        tag: Any = None
         try:
             if is_map:
                 keys = wire.MAP_KEYS.decode(raw)
@@ -481,14 +485,22 @@ class Decoder:
             else:
                 tag = None
         except msgspec.DecodeError:
-            tag = None
+            if tag in _REMOVAL_TAGS:
+                raise MalformedRemovalError(f"a {tag} event that does not decode") from None
+            if tag not in wire.KNOWN_TAGS:
+                tag = None
+        if tag in wire.KNOWN_TAGS:  # a store that does not decode: skipped, counted
+            stats.malformed_events += 1
+            stats.drop(S.DROP_MALFORMED)
+            return None
         if isinstance(tag, str):
             stats.unknown_tags += 1
             stats.drop(S.DROP_UNKNOWN_TAG)
-        else:
-            stats.malformed_events += 1
-            stats.drop(S.DROP_MALFORMED)
-        return None
+            return None
+        # A store skipped costs a miss; a remove or clear skipped would leave what the engine
+        # dropped held (phantoms), and an event whose kind cannot be read may be either: the
+        # batch is bad (re-fetched from the replay once, else the member is reset).
+        raise MalformedRemovalError("an event whose kind cannot be read")
 
     # ---- events → arrays ------------------------------------------------------------------
     def _salt(self, lora: str | None, ns: str | None) -> int:

@@ -43,6 +43,13 @@ class MalformedEnvelopeError(DecodeError):
     kind = "malformed_envelope"
 
 
+class MalformedRemovalError(DecodeError):
+    """A remove or clear event that does not decode, or an event whose kind cannot be read:
+    what the engine took away is unknown, so the batch cannot be applied as if exact."""
+
+    kind = "malformed_removal"
+
+
 class DpRankMismatchError(DecodeError):
     """The batch names another DP rank than the socket it came from (misconfiguration)."""
 

@@ -19,6 +19,7 @@ from kvrelay.ingest.errors import (
     InternalDecodeError,
     MalformedEnvelopeError,
     MalformedPayloadError,
+    MalformedRemovalError,
 )
 from kvrelay.ingest.options import DecodeOptions
 from kvrelay.pool.batch import (
@@ -166,15 +167,32 @@ def test_unknown_tags_and_fields_counted_not_fatal() -> None:
         ["SomethingOld", 1, 2],
         ["BlockRemoved", [8], "GPU", None, None, None, "extra-a", "extra-b"],
         {"type": "AllBlocksCleared", "why": "reset"},
-        5,  # not an event at all
-        {"type": "BlockRemoved", "block_hashes": [9], "medium": 17},  # badly typed known field
+        {"type": "BlockStored", "block_hashes": "x"},  # a store that does not decode
     ]
     res = dec().decode(enc([1.0, events, 0]))
     assert res.batch.ops.tolist() == [OP_REMOVE, OP_REMOVE, OP_CLEAR]
     assert res.batch.ext_hashes.tolist() == [7, 8]
     assert res.stats.unknown_tags == 2
     assert res.stats.unknown_fields == 1 + 2 + 1
-    assert res.stats.malformed_events == 2
+    assert res.stats.malformed_events == 1
+
+
+@pytest.mark.parametrize("bad", [
+    {"type": "BlockRemoved", "block_hashes": [9], "medium": 17},  # badly typed known field
+    {"type": "BlockRemoved", "block_hashes": [9], "group_idx": "0"},
+    ["BlockRemoved", "not a list"],
+    5,  # not an event at all
+    {"block_hashes": [9]},  # no kind
+])  # fmt: skip
+def test_a_removal_or_an_event_of_unknown_kind_that_does_not_decode_fails_the_batch(
+    bad: object,
+) -> None:
+    """A store skipped costs a miss; a remove or clear skipped would leave what the engine
+    dropped held (phantoms), and an event whose kind cannot be read may be either: the batch is
+    refused whole (the subscriber re-fetches it once, else resets the member)."""
+    events = [{"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}, bad]
+    with pytest.raises(MalformedRemovalError):
+        dec().decode(enc([1.0, events, 0]))
 
 
 def test_medium_locality_group_gating_counted_by_reason() -> None:

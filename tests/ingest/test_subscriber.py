@@ -709,3 +709,25 @@ async def test_a_peer_that_accepts_and_drops_is_not_live_and_logs_rarely(
     assert logged[-1]["reconnects_not_logged"] >= 0 and accepted >= 6
     states = [x["state"] for x in lines if x["event"] == "subscriber_state"]
     assert states.count("flapping") == 1, states  # one transition, not one per flap
+
+
+async def test_a_remove_that_does_not_decode_is_not_skipped(ctx: zmq.asyncio.Context) -> None:
+    """The engine removes a block in a batch whose remove event is badly typed: skipping the
+    event left the block held (a phantom, for as long as the member lived). The batch is bad:
+    re-fetched once from the replay (the same bytes), then the member is reset."""
+    pub = TestPublisher(ctx)
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx)
+    try:
+        await _synced(pub, sink, sub, 1)  # seq 0 stores block 10_000
+        bad = W.batch([{"type": "BlockRemoved", "block_hashes": [10_000], "group_idx": "0"}])
+        await pub.publish(bad)
+        await pub.publish(msg(2))
+        await until(lambda: 2 in sink.seqs)
+        assert sink.resets == [ResetReason.BAD_BATCH]
+        assert sub.counters.rejections.get("malformed_removal", 0) >= 1
+        assert_exact(sink, [0, 2])  # the reset comes before 2: 10_000 is no longer held
+        assert sink.items.index(("reset", ResetReason.BAD_BATCH)) == 1
+    finally:
+        await sub.stop()
+        await pub.close()

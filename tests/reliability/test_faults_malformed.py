@@ -61,12 +61,12 @@ async def test_malformed_frames_and_events_are_counted_never_fatal() -> None:
             await frames([b"kv", seq + b"\x00", ok])  # long sequence
             await frames([b"other-topic", seq, ok])  # does not start with "kv"
             await valid(3, mixed=True)  # int, negative-int and bytes hashes in one batch
-            # unknown tags and badly typed events inside a good envelope: skipped, rest applied
+            # unknown tags and a badly typed store inside a good envelope: skipped, rest applied
+            # (a badly typed remove fails its batch: test_a_remove_that_does_not_decode_...)
             extra: list[Any] = [
                 {"type": "KVCacheFutureEvent", "anything": [1, 2, 3]},
                 ["ArrayFutureEvent", 7],
                 {"type": "BlockStored", "block_hashes": "not-a-list", "block_size": 16},
-                {"type": "BlockRemoved", "block_hashes": [1.5], "medium": "GPU"},
             ]
             mixed = oracle.next_nonempty()
             obj = msgspec.msgpack.decode(mixed)
