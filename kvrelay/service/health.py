@@ -1,47 +1,46 @@
-"""Standard health checking and the descriptors reflection serves, for generic gRPC tools.
+"""Standard health checking (``grpc.health.v1``), for generic gRPC tools and probes.
 
 Health answers for ``dynamo.kvrelay.v1.KvEventRelay`` and for the whole server (``""``): SERVING
 once the listener is up, NOT_SERVING from the first moment of a drain, so Kubernetes gRPC probes,
 load balancers and ``grpcurl`` see the relay leave before its streams end. ``Watch`` streams are
 held at most ``MAX_HEALTH_WATCHERS`` at once (each is a task and a stream that stay until the
-client leaves); one more is answered ``RESOURCE_EXHAUSTED``. Reflection describes
-the relay, health and reflection services themselves (``grpcurl describe``, ``buf curl
---list-methods``), not only ``relay.proto``.
+client leaves); one more is answered ``RESOURCE_EXHAUSTED``. On a drain every ``Watch`` sends
+NOT_SERVING and ends with status OK (``generic_drain.py``). Reflection: ``reflection.py``.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
-from functools import cache
 from typing import Any
 
-from google.protobuf import descriptor_pb2, descriptor_pool
 from grpclib.const import Handler, Status
 from grpclib.exceptions import GRPCError
 from grpclib.health.check import ServiceStatus
 from grpclib.health.service import Health
-from grpclib.health.v1 import health_pb2
-from grpclib.reflection.v1 import reflection_pb2 as reflection_v1
-from grpclib.reflection.v1alpha import reflection_pb2 as reflection_v1alpha
+from grpclib.health.v1.health_pb2 import HealthCheckResponse
 
 from kvrelay.contract.limits import PermitCounter
-from kvrelay.service.descriptor import RELAY_FILE_DESCRIPTOR_SET
+from kvrelay.service.generic_drain import GenericDrain
 
 RELAY_SERVICE = "dynamo.kvrelay.v1.KvEventRelay"
 #: Health ``Watch`` streams held at once.
 MAX_HEALTH_WATCHERS = 256
-#: Server reflection streams (v1 and v1alpha together) open at once.
-MAX_REFLECTION_STREAMS = 256
 _WATCH = "/grpc.health.v1.Health/Watch"
 
 
 class RelayHealth:
-    """``grpc.health.v1.Health`` over one status shared by the relay service and the server."""
+    """``grpc.health.v1.Health`` over one status shared by the relay service and the server.
+    ``Check`` is grpclib's; ``Watch`` is the relay's, to end it on the drain."""
 
-    def __init__(self, service: Any) -> None:
+    def __init__(self, service: Any, drain: GenericDrain | None = None) -> None:
         self._status = ServiceStatus()  # None (UNKNOWN) until the listener is up
+        self._changed = asyncio.Event()  # set, and replaced, at each change of the status
+        self._drain = drain if drain is not None else GenericDrain()
+        # the names grpclib's Health answers for: the relay service's, and the server's ("")
+        self._names = frozenset(path.split("/")[1] for path in service.__mapping__()) | {""}
         self.watchers = PermitCounter("health_watchers", MAX_HEALTH_WATCHERS)
-        self.service = _Watched(Health({service: [self._status]}), self.watchers)
+        self.service = _Watched(Health({service: [self._status]}), self.watchers, self._watch)
 
     @property
     def serving(self) -> bool:
@@ -49,45 +48,59 @@ class RelayHealth:
 
     def set_serving(self, serving: bool) -> None:
         self._status.set(serving)
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def _now(self, service: str) -> HealthCheckResponse.ServingStatus.ValueType:
+        if service not in self._names:
+            return HealthCheckResponse.SERVICE_UNKNOWN  # and it stays so (grpclib's, grpc's)
+        serving = self._status.__status__()
+        if serving is None:
+            return HealthCheckResponse.UNKNOWN
+        return HealthCheckResponse.SERVING if serving else HealthCheckResponse.NOT_SERVING
+
+    async def _watch(self, stream: Any) -> None:
+        """The status now, then each change; on the drain, the status then (NOT_SERVING: the
+        server's close sets it before the drain) if not sent yet, then the end of the stream
+        (status OK). The drain waits for a request on its way, as for a relay stream's."""
+        drain = self._drain
+        with drain.held():
+            request = await stream.recv_message()
+            sent = None
+            while True:
+                changed = self._changed
+                status = self._now(request.service)
+                if status != sent:
+                    await stream.send_message(HealthCheckResponse(status=status))
+                    sent = status
+                if drain.started:
+                    return
+                await drain.unless_started(changed.wait())
 
 
 class _Watched:
-    """grpclib's ``Health`` with its ``Watch`` streams counted against ``watchers``."""
+    """grpclib's ``Health`` with ``watch`` as its ``Watch``, counted against ``watchers``."""
 
-    def __init__(self, health: Health, watchers: PermitCounter) -> None:
+    def __init__(
+        self,
+        health: Health,
+        watchers: PermitCounter,
+        watch: Callable[[Any], Awaitable[None]],
+    ) -> None:
         self._health = health
         self._watchers = watchers
+        self._watch = watch
 
     def __mapping__(self) -> dict[str, Handler]:
         mapping: dict[str, Handler] = self._health.__mapping__()
-        watch = mapping.get(_WATCH)
-        if watch is not None:
-            mapping[_WATCH] = watch._replace(func=self._limited(watch.func))
+        mapping[_WATCH] = mapping[_WATCH]._replace(func=self._limited)
         return mapping
 
-    def _limited(
-        self, func: Callable[[Any], Awaitable[None]]
-    ) -> Callable[[Any], Awaitable[None]]:
-        async def watch(stream: Any) -> None:
-            if not self._watchers.try_acquire():
-                raise GRPCError(Status.RESOURCE_EXHAUSTED,
-                                f"{self._watchers.capacity} health watchers already")  # fmt: skip
-            try:
-                await func(stream)
-            finally:
-                self._watchers.release()
-
-        return watch
-
-
-@cache
-def reflection_pool() -> descriptor_pool.DescriptorPool:
-    """relay.proto plus the health and reflection protos, for the reflection service."""
-    pool = descriptor_pool.DescriptorPool()
-    for fd in descriptor_pb2.FileDescriptorSet.FromString(RELAY_FILE_DESCRIPTOR_SET).file:
-        pool.Add(fd)
-    for module in (health_pb2, reflection_v1, reflection_v1alpha):
-        proto = descriptor_pb2.FileDescriptorProto()
-        module.DESCRIPTOR.CopyToProto(proto)
-        pool.Add(proto)
-    return pool
+    async def _limited(self, stream: Any) -> None:
+        if not self._watchers.try_acquire():
+            raise GRPCError(Status.RESOURCE_EXHAUSTED,
+                            f"{self._watchers.capacity} health watchers already")  # fmt: skip
+        try:
+            await self._watch(stream)
+        finally:
+            self._watchers.release()

@@ -21,7 +21,6 @@ from grpclib.config import Configuration
 from grpclib.const import Cardinality, Handler
 from grpclib.events import SendTrailingMetadata, listen
 from grpclib.exceptions import GRPCError
-from grpclib.reflection.service import ServerReflection
 from grpclib.server import Stream
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
@@ -36,6 +35,7 @@ from kvrelay.publication.readiness import ReadinessPlane
 from kvrelay.publication.window import WindowPlane
 from kvrelay.service.authz import Authorization, ClientIdentity, not_visible, revoked
 from kvrelay.service.codec import PassThroughCodec
+from kvrelay.service.generic_drain import GenericDrain
 from kvrelay.service.h2.closing import ClosingServer, TlsSource
 from kvrelay.service.h2.guard import ConnectionCaps, H2Budgets, H2Counters
 from kvrelay.service.h2.request import (
@@ -47,8 +47,9 @@ from kvrelay.service.h2.request import (
 from kvrelay.service.h2.request_guards import RequestGuards
 from kvrelay.service.h2.tls_gate import TLS_HANDSHAKE_TIMEOUT_S
 from kvrelay.service.h2.writer import StreamWriter, stream_resetter
-from kvrelay.service.health import MAX_REFLECTION_STREAMS, RelayHealth, reflection_pool
+from kvrelay.service.health import RelayHealth
 from kvrelay.service.peercred import SameUserOnly
+from kvrelay.service.reflection import MAX_REFLECTION_STREAMS, reflection_services
 from kvrelay.service.shares import StreamShares, StreamTicket, peer_addr
 from kvrelay.service.spacing import SpacingService
 from kvrelay.service.status import UNSUPPORTED_RPC, status_of, trailers_of
@@ -588,14 +589,17 @@ class RelayServer:
     def __init__(self, view: RelayView, limits: RelayLimits | None = None) -> None:
         self.limits = limits or RelayLimits()
         self.service = KvEventRelayService(view, self.limits)
-        self.health = RelayHealth(self.service)
+        #: ends the health and reflection streams on the drain (``health.py``)
+        self.generic_drain = GenericDrain()
+        self.health = RelayHealth(self.service, self.generic_drain)
         self.spacing = SpacingService(
             view, self.service._relay_info, self.service, self.limits.max_message_bytes
         )
         # the spacing service is kvrelay's own (not Dynamo's contract): not listed by reflection
         # grpclib's health and reflection services read requests through the relay's reader
         listed: list[Any] = [self.service, self.health.service]
-        reflection = ServerReflection.extend(listed, pool=reflection_pool())[len(listed):]
+        reflection = [self.generic_drain.ending(r, self.service.refuse)
+                      for r in reflection_services(listed)]  # fmt: skip
         self.reflection_streams = PermitCounter("reflection", MAX_REFLECTION_STREAMS)
         foreign = [BoundedRequests(h, self.limits.max_message_bytes, REQUEST_TIMEOUT_S,
                                    self.service.refuse, self.service.request_guards,
@@ -682,7 +686,9 @@ class RelayServer:
         self.health.set_serving(False)  # first: probes on open connections see the drain
         server.close()  # stop listening; existing connections stay up for the EOFs
         self._server.announce_drain()  # new calls on new connections (GOAWAY, h2/drain.py)
-        await self.service.shutdown(grace_s)
+        # health watchers send NOT_SERVING, then they and reflection streams end OK, as the
+        # relay's streams do: Server.close() cancels handlers, which then write no trailers
+        await asyncio.gather(self.service.shutdown(grace_s), self.generic_drain.drain(grace_s))
         self._server.close()
         await self._server.wait_closed()
         self._server.close_connections()  # every stream has ended by now

@@ -268,7 +268,8 @@ async def test_health_and_healthz_turn_not_serving_as_the_drain_starts(tmp_path:
     """SERVING / 200 while serving; from the first moment of a drain NOT_SERVING on an open
     connection and 503 on /healthz (which stays up until the end). A client that opened a
     stream without sending its request holds the drain open for the grace period, so the
-    window is seen deterministically."""
+    window is seen deterministically. A health ``Watch`` is sent NOT_SERVING and ends with
+    status OK at once, not cut without a status when the grace is over."""
     from grpclib.const import Cardinality
     from grpclib.health.v1.health_grpc import HealthStub
     from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
@@ -298,7 +299,13 @@ async def test_health_and_healthz_turn_not_serving_as_the_drain_starts(tmp_path:
             async with channel.request(
                 f"/{service}/WatchKvPoolCatalog", Cardinality.UNARY_STREAM,
                 pb.WatchKvPoolCatalogRequest, pb.KvPoolCatalogUpdate,
-            ) as held:  # fmt: skip
+            ) as held, channel.request(
+                "/grpc.health.v1.Health/Watch", Cardinality.UNARY_STREAM,
+                HealthCheckRequest, HealthCheckResponse,
+            ) as watch:  # fmt: skip
+                await watch.send_message(HealthCheckRequest(service=""), end=True)
+                first = await watch.recv_message()
+                assert first is not None and first.status == HealthCheckResponse.SERVING
                 await held.send_request()  # headers only: the handler waits for the message
                 for _ in range(500):  # until the server runs that handler
                     if daemon.server.service._active:
@@ -313,6 +320,11 @@ async def test_health_and_healthz_turn_not_serving_as_the_drain_starts(tmp_path:
                 assert (await _http_get(daemon.metrics_port, "/healthz")) == (
                     503, "not serving\n"
                 )
+                last = await asyncio.wait_for(watch.recv_message(), scaled(5))
+                assert last is not None and last.status == HealthCheckResponse.NOT_SERVING
+                assert await asyncio.wait_for(watch.recv_message(), scaled(5)) is None
+                await watch.recv_trailing_metadata()  # raises on anything but OK
+                assert not stopping.done(), "the Watch ended before the drain's grace"
                 await asyncio.wait_for(stopping, scaled(10))
     finally:
         if stopping is None:

@@ -91,6 +91,7 @@ async def test_the_daemons_internal_socket_directory_is_private(tmp_path: Path) 
 
     d = private_runtime_dir(str(tmp_path))
     try:
-        assert stat.S_IMODE(os.stat(d).st_mode) == 0o700 and Path(d).parent == tmp_path
+        assert stat.S_IMODE(os.stat(d.path).st_mode) == 0o700 and Path(d.path).parent == tmp_path
     finally:
-        os.rmdir(d)
+        d.remove()
+    assert list(tmp_path.iterdir()) == []

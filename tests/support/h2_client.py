@@ -27,6 +27,7 @@ class RawStream:
     trailers: dict[str, str] = field(default_factory=dict)
     data: bytearray = field(default_factory=bytearray)
     reset: bool = False
+    reset_code: int | None = None  # the RST_STREAM's error code (0: NO_ERROR)
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -136,6 +137,7 @@ class RawH2Client:
                 self.h2.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
         elif isinstance(ev, h2.events.StreamReset) and st is not None:
             st.reset = True
+            st.reset_code = int(ev.error_code) if ev.error_code is not None else None
             st.ended.set()
             self.order.append(("reset", ev.stream_id))
         elif isinstance(ev, h2.events.StreamEnded) and st is not None:

@@ -24,8 +24,10 @@ __all__ = [
     "CANCEL",
     "CLASS_NEEDS",
     "DRAIN_NEEDS",
+    "EARLY_END_STATE",
     "FEED_NEEDS",
     "INSTANCE_NEEDS",
+    "NO_ERROR",
     "PROTOCOL_NEEDS",
     "REQUEST_NEEDS",
     "SEND_DATA_CONNECTION",
@@ -52,6 +54,10 @@ SEND_DATA_STREAM = StreamInputs.SEND_DATA
 SEND_DATA_CONNECTION_NOOP = ConnectionState.SERVER_OPEN
 SEND_DATA_STREAM_NOOP = (StreamState.OPEN, StreamState.HALF_CLOSED_REMOTE)
 CANCEL = ErrorCodes.CANCEL
+#: ``request.finish_early``: a stream's state after the relay's trailers while its client still
+#: sends requests, and the RST_STREAM code that then tells the client to stop.
+EARLY_END_STATE = StreamState.HALF_CLOSED_LOCAL
+NO_ERROR = ErrorCodes.NO_ERROR
 
 #: Methods looked up on the classes: ``(class, attribute)``.
 CLASS_NEEDS: tuple[tuple[type, str], ...] = (

@@ -19,11 +19,14 @@ as the contract says), so a stream pins at most that much of a client's sending.
 port, the bytes of larger requests being read and the streams waiting for their request are
 bounded too (``request_guards.py``).
 ``BoundedRequests`` puts grpclib's own health and reflection services on the same reader.
+``finish_early`` ends a stream with status OK while its client may still send requests (a
+reflection stream on the drain).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
@@ -34,7 +37,12 @@ from kvrelay._grpc import BrokenFraming, read_framed
 from kvrelay.contract.errors import RelayError
 from kvrelay.contract.limits import PermitCounter
 from kvrelay.service.h2.guard import H2Counters
-from kvrelay.service.h2.internals import REQUEST_NEEDS
+from kvrelay.service.h2.internals import (
+    EARLY_END_STATE,
+    NO_ERROR,
+    REQUEST_NEEDS,
+    stream_internals,
+)
 from kvrelay.service.h2.request_guards import SMALL_REQUEST_BYTES, RequestGuards
 
 __all__ = [
@@ -42,6 +50,7 @@ __all__ = [
     "MAX_REQUEST_BYTES",
     "REQUEST_TIMEOUT_S",
     "BoundedRequests",
+    "finish_early",
     "missing_request_needs",
     "recv_request",
     "recv_within",
@@ -151,6 +160,22 @@ async def _in_time(read: asyncio.Future[Any], timeout_s: float, counters: H2Coun
     if request is None:
         raise RelayError.invalid_request("missing request message")
     return request
+
+
+async def finish_early(stream: Any) -> None:
+    """End ``stream`` (a grpclib server stream) with status OK, then, if its client has not
+    finished its requests, RST_STREAM ``NO_ERROR``: how a server whose response is complete
+    asks for no more (RFC 9113 §8.1), as grpc-go's does. Without it grpc-core keeps the call
+    open for the requests it may still send, and the connection's close a moment later turns
+    the OK into UNAVAILABLE "Socket closed"."""
+    await stream.send_trailing_metadata()
+    parts = stream_internals(stream)
+    if parts is None:
+        return  # the trailers alone, as grpclib sends them
+    h2_stream = parts.h2.streams.get(parts.inner.id)
+    if h2_stream is not None and h2_stream.state_machine.state is EARLY_END_STATE:
+        with contextlib.suppress(Exception):  # the connection broke meanwhile: nothing to tell
+            parts.inner.reset_nowait(NO_ERROR)
 
 
 class BoundedRequests:

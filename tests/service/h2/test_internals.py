@@ -8,6 +8,7 @@ here with its name instead of slowing the relay down unnoticed.
 from __future__ import annotations
 
 import ast
+import asyncio
 import socket
 import tomllib
 from pathlib import Path
@@ -22,8 +23,10 @@ import kvrelay
 from kvrelay.service.h2.closing import ClosingServer
 from kvrelay.service.h2.internals import (
     DRAIN_NEEDS,
+    EARLY_END_STATE,
     FEED_NEEDS,
     INSTANCE_NEEDS,
+    NO_ERROR,
     PROTOCOL_NEEDS,
     SEND_DATA_CONNECTION,
     SEND_DATA_CONNECTION_NOOP,
@@ -34,9 +37,11 @@ from kvrelay.service.h2.internals import (
     missing_in_drain,
     missing_in_feed,
     missing_in_protocol,
+    stream_internals,
 )
 from kvrelay.service.h2.request import missing_request_needs, recv_request
 from kvrelay.service.h2.writer import StreamWriter
+from tests.support.h2_client import RawH2Client
 
 PATH = "/kvrelay.test.Internals/Probe"
 
@@ -140,6 +145,53 @@ async def test_a_connected_server_protocol_has_what_the_drain_notice_and_mend_us
         assert missing_in_feed(object()) == [f"{w}.{a}" for w, a in FEED_NEEDS]
     finally:
         ch.close()
+        server.close()
+        await server.wait_closed()
+
+
+class _EarlyEnd:
+    """Ends a bidirectional stream whose client still sends, as ``request.finish_early``."""
+
+    def __init__(self) -> None:
+        self.states: list[Any] = []
+
+    async def early(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+        assert await stream.recv_message() == b"x"
+        parts = stream_internals(stream)
+        assert parts is not None
+        h2_stream = parts.h2.streams[parts.inner.id]
+        await stream.send_trailing_metadata()
+        self.states.append(h2_stream.state_machine.state)
+        parts.inner.reset_nowait(NO_ERROR)
+        self.states.append(h2_stream.state_machine.state)
+
+    def __mapping__(self) -> dict[str, Handler]:
+        return {EARLY: Handler(self.early, Cardinality.STREAM_STREAM, bytes, bytes)}
+
+
+EARLY = "/kvrelay.test.Internals/Early"
+
+
+async def test_a_stream_ended_while_its_client_sends_is_half_closed_then_reset_no_error() -> None:
+    """``request.finish_early``: after the trailers of a stream whose client has not finished
+    its requests, h2 holds it in ``EARLY_END_STATE`` (half closed, local), and the client gets
+    the RST_STREAM with ``NO_ERROR`` after them, which closes the stream."""
+    from h2.stream import StreamState
+
+    probe = _EarlyEnd()
+    server = grpclib.server.Server([probe], codec=_Raw())
+    await server.start("127.0.0.1", 0)
+    port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    raw = await RawH2Client.connect(port)
+    try:
+        st = raw.open(EARLY, b"", raw=b"\x00\x00\x00\x00\x01x", end=False)
+        await asyncio.wait_for(st.ended.wait(), 5)
+        await asyncio.sleep(0.1)  # the reset comes after the trailers
+        assert probe.states == [EARLY_END_STATE, StreamState.CLOSED]
+        assert st.status == "0" and raw.order == [("ended", 1), ("reset", 1)]
+        assert st.reset_code == NO_ERROR == 0
+    finally:
+        await raw.close()
         server.close()
         await server.wait_closed()
 
