@@ -116,6 +116,8 @@ class Daemon:
         #: Called once a successor serves: the process then stops (``serve`` sets it).
         self.on_handed_over: Callable[[], None] | None = None
         self.handed_over = False
+        #: A successor (``handoff``) says so once it serves; until then the unit is another's.
+        self.took_over = False
         #: Freeze the objects alive after the warm-up out of the collector's walks
         #: (``ops/gc_freeze.py``). ``serve`` sets it: the process is then this daemon's alone,
         #: where tests run many daemons in one process.
@@ -284,6 +286,7 @@ class Daemon:
             await self.handoff.fail(f"{type(exc).__name__}: {exc}")
             raise
         self.handoff.close()
+        self.took_over = True
         self.upgrades.outcome("taken_over")
         _LOG.info("upgrade_took_over", pid=os.getpid(),
                   members_resumed=sum(p.counters.get("members_resumed", 0) for p in pools),
@@ -293,6 +296,7 @@ class Daemon:
         cfg = self.cfg
         for w in cfg.warnings:
             _LOG.warning("config_warning", path=w.path, reason=w.reason)
+        self._sweep_private_dirs()
         context = self._ssl_context()
         self._probe_listeners()  # before the warm-up: a port in use fails now, named
         view = await self._start_source()
@@ -566,7 +570,22 @@ class Daemon:
         except UpgradeFailed as exc:
             self.upgrades.outcome(exc.result)
             _LOG.error("upgrade_failed", result=exc.result, why=str(exc))
+            self._sweep_private_dirs()  # what a successor killed outright left behind
             self.notifier.status(f"hot upgrade failed ({exc.result}); still serving")
+
+    def _sweep_private_dirs(self) -> None:
+        """Remove the private directories that kvrelay processes which died without cleaning up
+        left in the runtime directories (``ops/private_dirs.py``): at start, and after a failed
+        upgrade (a successor killed outright)."""
+        from kvrelay.ops.private_dirs import sweep
+        from kvrelay.ops.upgrade import handover_parent
+
+        bases = [self.cfg.runtime_dir]
+        with contextlib.suppress(OSError):  # no usable temporary directory: nothing made there
+            bases.append(handover_parent())
+        removed = sweep(bases)
+        if removed:
+            _LOG.info("private_dirs_swept", dirs=removed)
 
     def _write_pid_file(self) -> None:
         """A successor takes the pid file over once it serves (``serve --pid-file`` leaves it to
@@ -606,7 +625,9 @@ class Daemon:
         if self._stopped:
             return
         self._stopped = True
-        if not self.handed_over:  # after a hand-over, STOPPING=1 would stop the successor's unit
+        # after a hand-over, STOPPING=1 would stop the successor's unit; before a takeover, the
+        # predecessor's (systemd takes it from any process of the unit with NotifyAccess=all)
+        if not self.handed_over and (self.handoff is None or self.took_over):
             self.notifier.stopping()
         _LOG.info("relay_stopping", handed_over=self.handed_over)
         if self._reload_task is not None:  # a reload half-way must not race the shutdown

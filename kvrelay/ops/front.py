@@ -11,10 +11,8 @@ so ``N−1`` workers admit up to ``N−1`` times each stream limit (``docs/scali
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
 import socket
 import tempfile
 from dataclasses import asdict, replace
@@ -23,6 +21,7 @@ from typing import Any
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.logging import get_logger
 from kvrelay.ops.config import DaemonConfig, LoggingConfig, MirrorConfig, TlsConfig
+from kvrelay.ops.private_dirs import PrivateDir
 from kvrelay.ops.supervisor import Supervisor, shared_listener
 from kvrelay.ops.worker import AUTHZ_LINE, LOGGING_LINE, TLS_LINE, WorkerSpec, rules_json
 from kvrelay.service.authz import AuthorizationRule
@@ -76,12 +75,11 @@ def mirror_settings(m: MirrorConfig, limits: RelayLimits) -> Any:
     )
 
 
-def private_runtime_dir(base: str | None) -> str:
-    """A new directory for the internal socket that only this user can enter (0700); the
+def private_runtime_dir(base: str | None) -> PrivateDir:
+    """A new directory for the internal socket that only this user can enter (0700), swept
+    at a later start if this process dies without removing it (``ops/private_dirs.py``); the
     internal listener also checks each peer's credentials (``service/peercred.py``)."""
-    d = tempfile.mkdtemp(prefix="kvrelay-", dir=base)
-    os.chmod(d, 0o700)  # mkdtemp's mode already, stated here because the socket relies on it
-    return d
+    return PrivateDir(base)
 
 
 class WorkerFront:
@@ -100,6 +98,7 @@ class WorkerFront:
         self.view = view
         self.start_timeout_s = start_timeout_s
         self.dir: str | None = None
+        self._dir: PrivateDir | None = None
         self.path: str | None = None
         self.internal: Any = None
         self.supervisor: Supervisor | None = None
@@ -112,7 +111,8 @@ class WorkerFront:
         cfg = self.cfg
         base = cfg.runtime_dir
         try:
-            self.dir = private_runtime_dir(base)
+            self._dir = private_runtime_dir(base)
+            self.dir = self._dir.path
         except OSError as exc:
             raise RuntimeError(
                 f"workers = {cfg.workers} needs a writable runtime directory for its internal "
@@ -190,10 +190,9 @@ class WorkerFront:
         if self._listener is not None:  # after a hand-over the successor's workers hold it on
             self._listener.close()
             self._listener = None
-        if self.dir is not None:
-            with contextlib.suppress(OSError):
-                shutil.rmtree(self.dir)
-            self.dir = None
+        if self._dir is not None:
+            self._dir.remove()
+            self._dir = self.dir = None
 
 
 def _json_logs(logging: LoggingConfig) -> bool | None:

@@ -22,8 +22,9 @@ nginx's convention, adapted to a relay whose state is in memory:
    and land on the successor), stops without saving state, removes the cut directory, exits 0.
 
 Anything else — the successor cannot start, exits, reports a failure (a configuration it
-refuses, a cut it cannot use) or misses a deadline — is a failed upgrade: the successor is killed,
-the predecessor keeps serving as if nothing happened, and the reason is logged
+refuses, a cut it cannot use) or misses a deadline — is a failed upgrade: the successor is stopped
+(SIGTERM, so it removes its runtime directory and stops its workers; SIGKILL past
+``KILL_GRACE_S``), the predecessor keeps serving as if nothing happened, and the reason is logged
 (``upgrade_failed``) and counted (``kvrelay_upgrades_total{result}``).
 """
 
@@ -33,7 +34,7 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -46,6 +47,7 @@ from typing import Any
 
 from kvrelay._text import is_decimal
 from kvrelay.logging import get_logger
+from kvrelay.ops.private_dirs import PrivateDir
 
 _LOG = get_logger("kvrelay.ops.upgrade")
 
@@ -55,6 +57,8 @@ ENV = "KVRELAY_TAKEOVER"
 WARM_TIMEOUT_S = 300.0
 #: From the cut to the successor's ``serving``.
 TAKEOVER_TIMEOUT_S = 30.0
+#: A successor the upgrade gives up on has this long to stop on SIGTERM before SIGKILL.
+KILL_GRACE_S = 5.0
 #: One control message (JSON line) is at most this long.
 MAX_MESSAGE = 64 << 10
 _POLL_S = 0.05
@@ -91,7 +95,7 @@ def command_line() -> list[str]:
     return [sys.executable, *sys.orig_argv[1:]]
 
 
-def _handover_parent() -> str:
+def handover_parent() -> str:
     """Where the cut directory goes: systemd's private runtime directory, else the temp dir."""
     runtime = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
     return runtime if runtime and os.path.isdir(runtime) else tempfile.gettempdir()
@@ -132,12 +136,14 @@ class Upgrader:
         env: Mapping[str, str] | None = None,
         warm_timeout_s: float = WARM_TIMEOUT_S,
         takeover_timeout_s: float = TAKEOVER_TIMEOUT_S,
+        kill_grace_s: float = KILL_GRACE_S,
     ) -> None:
         self.listeners = dict(listeners)
         self.argv = list(argv) if argv is not None else command_line()
         self.env = dict(os.environ if env is None else env)
         self.warm_timeout_s = warm_timeout_s
         self.takeover_timeout_s = takeover_timeout_s
+        self.kill_grace_s = kill_grace_s
         self.proc: subprocess.Popen[bytes] | None = None
 
     async def run(
@@ -148,8 +154,9 @@ class Upgrader:
         """Spawn the successor, cut the state when it is warm (``await cut(directory)`` is what
         it wrote, for the log; any exception it raises fails the upgrade as
         ``cut_failed``), and call ``handed_over(pid)`` once it serves; the successor's
-        pid. Raises UpgradeFailed (the successor killed) otherwise."""
-        work = Path(tempfile.mkdtemp(prefix="kvrelay-upgrade-", dir=_handover_parent()))
+        pid. Raises UpgradeFailed (the successor stopped, ``_kill``) otherwise."""
+        owned = PrivateDir(handover_parent(), "upgrade")
+        work = Path(owned.path)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         writer: asyncio.StreamWriter | None = None
         try:
@@ -175,11 +182,8 @@ class Upgrader:
             await self._expect(reader, "serving", self.takeover_timeout_s)
             handed_over(self.proc.pid)
             return self.proc.pid
-        except UpgradeFailed:
-            self._kill()
-            raise
-        except BaseException:  # cancelled (a stop meanwhile) or a bug: never leave it half-way
-            self._kill()
+        except BaseException:  # failed, cancelled (a stop meanwhile) or a bug: never half-way
+            await self._kill()
             raise
         finally:
             if writer is not None:
@@ -188,7 +192,7 @@ class Upgrader:
                 ours.close()
             with contextlib.suppress(OSError):
                 theirs.close()
-            shutil.rmtree(work, ignore_errors=True)
+            owned.remove()
 
     async def _expect(self, reader: asyncio.StreamReader, what: str, timeout: float) -> None:
         """Wait for message ``what``, the successor's exit, or the deadline."""
@@ -227,14 +231,24 @@ class Upgrader:
             await asyncio.sleep(_POLL_S)
         return self.proc.returncode
 
-    def _kill(self) -> None:
-        """End a successor that did not take over (it may already accept on the shared listener:
-        its connections reset, the predecessor's do not) and reap it."""
-        if self.proc is None or self.proc.poll() is not None:
+    async def _kill(self) -> None:
+        """End a successor that did not take over and reap it: SIGTERM first, so it stops as on
+        any stop (its runtime directory removed, its workers stopped, the streams its workers
+        may already hold ended cleanly; the predecessor's are untouched), SIGKILL past
+        ``kill_grace_s`` or if this is cancelled meanwhile. Polled: the loop serves on."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
             return
-        self.proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10.0)
+        try:
+            proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.kill_grace_s
+            while proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(_POLL_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=10.0)
 
 
 # ---- the successor --------------------------------------------------------------------------

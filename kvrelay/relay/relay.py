@@ -39,7 +39,7 @@ from kvrelay.relay.observer import Observers
 from kvrelay.relay.pool_runtime import EngineState, PoolRuntime
 from kvrelay.relay.reconfigure import ReloadPlan, plan_reload
 from kvrelay.relay.scrubber import Scrubber
-from kvrelay.relay.serving import Page, ServingInputs
+from kvrelay.relay.serving import Page, ServingInputs, page_model
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
 from kvrelay.relay.stats import RelayStats
 
@@ -124,6 +124,9 @@ class Relay:
         self.metadata_rejections: dict[tuple[str, str], int] = {}
         self._last_rejection: dict[tuple[str, str], str] = {}
         self.scrape_errors = 0
+        #: engine pages not read, by ``MetricsScrapeError.reason`` (a hostile or broken page
+        #: is counted, not only logged as an unknown load)
+        self.scrape_failures: dict[str, int] = {}
         #: State files at start, by outcome (restored, none, corrupt, version, stale, ...), and
         #: saves at stop (saved, failed).
         self.state_restores: dict[str, int] = {}
@@ -142,13 +145,9 @@ class Relay:
 
     async def start(self, handed_over: Mapping[str, handover.RestoredPool] | None = None) -> None:
         """Start every pool; ``handed_over`` (a hot upgrade's cut, ``relay/takeover.py``) stands in
-        for the state files a start would read."""
+        for the state files a start would read, for the pools it holds."""
         self.started = True
-        if handed_over is None:
-            self._restore_state()
-        else:
-            for p in self.pools:
-                p.restore.file = handed_over.get(p.name)
+        self._restore_state(handed_over)
         self.load.start()
         self.serving_load.start()
         self.watcher.start()
@@ -214,13 +213,27 @@ class Relay:
             return None
         return path
 
-    def _restore_state(self) -> None:
-        """Offer each pool its state file (``relay/handover.py``): used if nothing is in doubt."""
+    def _restore_state(self, cut: Mapping[str, handover.RestoredPool] | None = None) -> None:
+        """Offer each pool its state file (``relay/handover.py``): used if nothing is in doubt.
+
+        ``cut``: a hot upgrade's, for the pools it holds. A pool it lacks had no generation in
+        the old process (its engines' Control not answering yet, say), which may hold its state
+        file still unused: read as a start would, it keeps the coverage a restart keeps instead
+        of being rebuilt from replay alone (and the file replaced by its first checkpoint).
+        Nothing is swept then: the old process still writes in the state directory."""
+        pools = self.pools
+        if cut is not None:
+            for p in self.pools:
+                p.restore.file = cut.get(p.name)
+            pools = [p for p in self.pools if p.name not in cut]
+            if not pools:
+                return
         d = self._state_dir(self.state_restores)
         if d is None:
             return
-        for p in self.pools:
-            safe_files.remove_stale_temps(d, handover.path_for(d, p.spec).name)
+        for p in pools:
+            if cut is None:
+                safe_files.remove_stale_temps(d, handover.path_for(d, p.spec).name)
             try:
                 r = handover.load(d, p.spec, max_age_s=self.settings.state_max_age_s, keep=True)
             except handover.Refused as exc:
@@ -238,6 +251,8 @@ class Relay:
             self._count(self.state_restores, "restored")
             _log.info("state_loaded", pool=p.name, members=len(r.members),
                       age_s=round(time.time() - r.written_unix, 3))  # fmt: skip
+        if cut is not None:
+            return
         keep = {handover.path_for(d, p.spec).name for p in self.pools}
         removed = handover.remove_orphans(d, keep, self.settings.state_max_age_s, time.time())
         if removed:
@@ -406,6 +421,7 @@ class Relay:
             metadata_rejections=dict(self.metadata_rejections),
             hubs_evicted=self.hubs_evicted,
             scrape_errors=self.scrape_errors,
+            scrape_failures=dict(self.scrape_failures),
             pools=tuple(p.stats() for p in self.pools),
             state_restores=dict(self.state_restores),
             state_saves=dict(self.state_saves),
@@ -414,6 +430,11 @@ class Relay:
             dns_removals_deferred=(
                 0 if self.membership is None else self.membership.counters.removals_deferred
             ),
+            window_errors={
+                (plane, kind): n
+                for plane, w in (("load", self.load), ("serving_load", self.serving_load))
+                for kind, n in (("window", w.provider_errors), ("entry", w.entry_errors))
+            },
         )
 
     async def _tick_loop(self) -> None:
@@ -620,14 +641,19 @@ class Relay:
         while True:
             try:
                 page = await scrape_engine_page(
-                    st.spec.host, port, pool.base_model(), timeout=self.settings.discovery_timeout_s
+                    st.spec.host,
+                    port,
+                    page_model(pool, st),
+                    timeout=self.settings.discovery_timeout_s,
                 )
                 st.usage = {int(k): v for k, v in page.kv_usage.items() if is_decimal(k)}
                 self._serving.store(pool.name, st.spec.name, Page(unix_ms(), page))
                 self._fold_serving_totals()
-            except (TimeoutError, MetricsScrapeError, OSError):
+            except (TimeoutError, MetricsScrapeError, OSError) as exc:
                 st.usage = {}  # unknown, never zero
                 self._serving.store(pool.name, st.spec.name, None)
+                why = exc.reason if isinstance(exc, MetricsScrapeError) else "unreachable"
+                self.scrape_failures[why] = self.scrape_failures.get(why, 0) + 1
             except Exception:  # whatever else: unknown too, and the scraper goes on
                 st.usage = {}
                 self._serving.store(pool.name, st.spec.name, None)

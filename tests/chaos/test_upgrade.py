@@ -329,6 +329,102 @@ async def test_a_successor_that_cannot_start_leaves_the_old_process_serving(
         await fleet.stop()
 
 
+async def test_a_successor_killed_or_given_up_on_leaves_no_directory_behind(
+    tmp_path: Path,
+) -> None:
+    """``workers = 2``. What processes killed outright left (a runtime directory with its
+    socket, an emptied cut directory) is swept at start. A successor killed outright once it
+    made its runtime directory cannot remove it: the old process, which serves on, sweeps it
+    once it counted the failure. A stop of the old process during the next upgrade gives up on
+    that successor with SIGTERM first, so it stops as any stop does and removes its own:
+    nothing is left in the runtime directory. (They used to pile up, one per incident.)"""
+    fleet = Fleet(1, seed=560)
+    await fleet.start()
+    grpc, metrics = free_port(), free_port()
+    cfg = tmp_path / "kvrelay.toml"
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    gone = await asyncio.create_subprocess_exec(sys.executable, "-c", "")
+    await gone.wait()
+    for name in ("kvrelay-abcdefgh", "kvrelay-upgrade-abcdefgh"):  # as a SIGKILL leaves them
+        (tmpdir / name).mkdir(mode=0o700)
+        (tmpdir / name / "pid").write_text(f"{gone.pid}\n")
+    (tmpdir / "kvrelay-abcdefgh" / "ingest.sock").write_bytes(b"")
+    cfg.write_text(_config(grpc, metrics, fleet.engines, workers=2, runtime=str(tmpdir)))
+    env = clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), TMPDIR=str(tmpdir))
+    notes = Notifications(tmp_path / "notify.sock")
+    log = tmp_path / "log.jsonl"
+    with log.open("wb") as f:
+        old = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvrelay", "serve", "--config", str(cfg), env=env, cwd=REPO,
+            stdout=asyncio.subprocess.DEVNULL, stderr=f,
+        )  # fmt: skip
+    assert old.pid is not None
+    successors: list[int] = []
+
+    def dirs(pid: int) -> list[str]:
+        """The runtime directories of process ``pid`` (their pid file names it)."""
+        return [p.name for p in tmpdir.iterdir()
+                if not p.name.startswith("kvrelay-upgrade-") and _pid_file(p) == pid]  # fmt: skip
+
+    async def successor_with_its_directory(count: int) -> int:
+        os.kill(old.pid, signal.SIGUSR2)
+
+        def started() -> bool:
+            events = [json.loads(ln) for ln in log.read_text().splitlines() if ln.startswith("{")]
+            pids = [e["successor_pid"] for e in events if e.get("event") == "upgrade_started"]
+            successors[:] = pids
+            return len(pids) == count and bool(dirs(pids[-1]))
+
+        await eventually(started, timeout=60, what="a successor with its runtime directory")
+        return successors[-1]
+
+    try:
+        await notes.wait_for("READY=1")
+        await fleet.step(5)
+        first = await _exact(grpc, fleet)
+        own = dirs(old.pid)
+        assert len(own) == 1 and sorted(p.name for p in tmpdir.iterdir()) == own  # swept
+        killed = await successor_with_its_directory(1)
+        os.kill(killed, signal.SIGKILL)
+        await eventually(
+            lambda: _failures(log) == ["successor_exited"], timeout=30, what="a counted failure"
+        )  # fmt: skip
+        assert sorted(p.name for p in tmpdir.iterdir()) == own  # the old process's alone
+        await fleet.step(5)
+        assert await _exact(grpc, fleet) == first  # the same process serves on, exact
+        given_up = await successor_with_its_directory(2)
+        old.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(old.wait(), 30) == 0
+        await eventually(lambda: not _alive(given_up), timeout=10, what="the successor gone")
+        assert list(tmpdir.iterdir()) == []
+        events = [json.loads(ln) for ln in log.read_text().splitlines() if ln.startswith("{")]
+        stopped = [e for e in events if e.get("event") == "relay_stopping"]
+        assert len(stopped) == 2, "the successor stopped as on any stop, not killed"
+    finally:
+        if old.returncode is None:
+            old.kill()
+            await old.wait()
+        for pid in successors:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        print("\n".join(log.read_text().splitlines()[-40:]))
+        await notes.close()
+        await fleet.stop()
+
+
+def _pid_file(directory: Path) -> int | None:
+    try:
+        return int((directory / "pid").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _failures(log: Path) -> list[str]:
+    events = [json.loads(ln) for ln in log.read_text().splitlines() if ln.startswith("{")]
+    return [e["result"] for e in events if e.get("event") == "upgrade_failed"]
+
+
 async def test_a_mirror_with_a_worker_hot_upgrades_and_never_refuses(tmp_path: Path) -> None:
     """``kvrelay mirror --workers 2`` in front of a relay, SIGUSR2 while the engine publishes:
     the successor synchronizes from upstream before it says it is warm, its worker accepts on

@@ -21,6 +21,7 @@ from kvrelay.ops.config import parse_config
 from kvrelay.ops.daemon import Daemon
 from kvrelay.ops.sdnotify import Notifier
 from kvrelay.ops.upgrade import ENV, Handoff, UpgradeFailed, Upgrader
+from tests.support.notify import Notifications
 
 #: A successor: reads KVRELAY_TAKEOVER, then does what argv[1] says.
 CHILD = r"""
@@ -114,7 +115,8 @@ async def test_the_successor_inherits_the_listener_and_the_cut(runtime: Path) ->
     assert handed == [pid] and _dirs(runtime) == []
     lst.close()  # the old process stops accepting: the socket stays open in the successor
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    assert json.loads(await asyncio.wait_for(reader.read(), 20)) == ["pool-x.kvstate"]
+    listed = json.loads(await asyncio.wait_for(reader.read(), 20))
+    assert listed == ["pid", "pool-x.kvstate"]  # and the pid file of the directory's owner
     writer.close()
     assert up.proc is not None
     await asyncio.wait_for(asyncio.to_thread(up.proc.wait), 20)
@@ -137,6 +139,59 @@ async def test_a_stop_during_the_upgrade_kills_the_successor(runtime: Path) -> N
         assert up.proc.poll() is not None and _dirs(runtime) == []
     finally:
         lst.close()
+
+
+#: A successor that fails its takeover with its own directory (argv[1]) made: on SIGTERM it
+#: removes it and exits 0, or (argv[2] == "stubborn") it ignores SIGTERM.
+STOPPING_CHILD = r"""
+import os, signal, socket, sys, time
+fds = dict(p.split("=") for p in os.environ["KVRELAY_TAKEOVER"].split(","))
+def stop(*_):
+    os.rmdir(sys.argv[1])
+    sys.exit(0)
+signal.signal(signal.SIGTERM, signal.SIG_IGN if sys.argv[2] == "stubborn" else stop)
+os.mkdir(sys.argv[1])
+socket.socket(fileno=int(fds["chan"])).sendall(b'{"msg":"failed","why":"given up"}\n')
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize(("mode", "rc"), [("clean", 0), ("stubborn", -9)])
+async def test_a_successor_given_up_on_is_stopped_before_it_is_killed(
+    runtime: Path, mode: str, rc: int
+) -> None:
+    """SIGTERM first, so the successor removes what it made (its runtime directory, its
+    workers); SIGKILL only past the grace, waited for without blocking the loop."""
+    lst = _listener()
+    made = runtime / "successor-dir"
+    up = Upgrader({"grpc": lst}, argv=[sys.executable, "-c", STOPPING_CHILD, str(made), mode],
+                  kill_grace_s=1.0)  # fmt: skip
+
+    async def cut(d: Path) -> dict[str, object]:
+        return {}
+
+    gaps: list[float] = []
+
+    async def ticks() -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t0 = loop.time()
+            await asyncio.sleep(0.01)
+            gaps.append(loop.time() - t0)
+
+    ticker = asyncio.create_task(ticks())
+    try:
+        with pytest.raises(UpgradeFailed) as info:
+            await up.run(cut, lambda pid: None)
+        assert (info.value.result, str(info.value)) == ("successor_failed", "given up")
+        assert up.proc is not None and up.proc.returncode == rc
+        assert made.exists() == (mode == "stubborn") and _dirs(runtime) == []
+        assert max(gaps) < 0.5, "the grace is waited for on the loop, not in a blocking wait"
+    finally:
+        ticker.cancel()
+        lst.close()
+        if made.exists():
+            made.rmdir()
 
 
 def test_the_takeover_variable_is_parsed_strictly_and_not_inherited() -> None:
@@ -170,3 +225,29 @@ async def test_sigusr2_is_refused_until_the_daemon_serves(extra: dict[str, objec
     assert daemon.upgrades.results["refused"] == 1
     assert daemon._upgrade_task is None
     assert os.environ.get(ENV) is None
+
+
+async def test_a_successor_says_stopping_only_once_it_took_over(tmp_path: Path) -> None:
+    """Until a successor serves, the unit is its predecessor's: one stopped before (the SIGTERM
+    of a predecessor that gave up on it) must not send ``STOPPING=1``, which systemd takes from
+    any process of the unit (``NotifyAccess=all``) and would stop the unit the predecessor
+    still serves. Once it took over, it is the unit's main process and says it."""
+    raw: dict[str, object] = {
+        "relay": {"bind": "127.0.0.1:0", "dc_name": "dc"},
+        "pools": [{"namespace": "ns", "component": "c", "endpoint": "e",
+                   "engines": [{"name": "e0", "grpc_port": 1}]}],
+    }  # fmt: skip
+    cfg, problems = parse_config(raw, env={})
+    assert cfg is not None, problems
+    notes = Notifications(tmp_path / "notify.sock")
+    try:
+        for took_over in (False, True):
+            notifier = Notifier({"NOTIFY_SOCKET": str(tmp_path / "notify.sock")})
+            daemon = Daemon(cfg, notifier, handoff=Handoff({}))
+            daemon.took_over = took_over
+            await daemon.stop()
+        await notes.wait_for("STOPPING=1")
+        await asyncio.sleep(0.1)
+        assert notes.messages == ["STOPPING=1"]  # the second daemon's alone
+    finally:
+        await notes.close()

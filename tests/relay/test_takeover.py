@@ -151,3 +151,56 @@ async def test_a_cut_whose_writer_fails_says_why(tmp_path: Path) -> None:
     finally:
         await stop_relay(old)
         await engines[0].stop()
+
+
+async def test_a_pool_absent_from_the_cut_keeps_its_state_file(tmp_path: Path) -> None:
+    """The old process read the pool's state file but never had a generation for it (no engine's
+    Control answered), so the cut leaves the pool out. The successor reads that state file as a
+    start would: once Control answers, every member resumes from it and the pool is exact,
+    though the engines' replay holds a fraction of their history. (It used to be rebuilt from
+    replay alone, and its first checkpoint replaced the file.)"""
+    engines = [SimEngine(SimConfig(name=f"tu{i}", seed=90 + i, dp_size=2, capacity_blocks=4096,
+                                   buffer_steps=BUFFER_STEPS)) for i in range(2)]  # fmt: skip
+    for e in engines:
+        await e.start()
+    state, cut_dir = tmp_path / "state", tmp_path / "cut"
+    cut_dir.mkdir()
+    settings = dataclasses.replace(
+        make_settings(engines, expected_blocks=16_384), state_dir=str(state)
+    )
+    first = Relay(settings)
+    old: Relay | None = None
+    new: Relay | None = None
+    try:
+        await first.start()
+        await eventually(lambda: _live(first, 4), what="every member live")
+        for _ in range(30):  # 240 steps of history, 30x the replay buffer
+            for e in engines:
+                await e.step(8)
+        await eventually(lambda: _exact(first, engines), what="first relay exact")
+        await stop_relay(first)  # saves the state file
+        for e in engines:
+            await e.stop_control()
+        old = Relay(settings)
+        await old.start()
+        assert old.state_restores == {"restored": 1} and old.pools[0].generation is None
+        assert takeover.cut(old.pools, cut_dir).pools == ()  # nothing materialized to cut
+        # the old process may be writing a checkpoint meanwhile: its temporary file stays
+        writing = state / f".{handover.path_for(state, settings.pools[0]).name}.1.x.tmp"
+        writing.write_bytes(b"")
+        new = Relay(settings)
+        await new.start(takeover.load(new.pools, cut_dir))
+        assert new.state_restores == {"restored": 1} and writing.exists()
+        for e in engines:
+            await e.start_control()
+        await eventually(lambda: _exact(new, engines), what="successor exact")  # type: ignore[arg-type]
+        stats = new.pools[0].stats()
+        assert stats.counters["members_resumed"] == 4
+        assert sum(stats.member_resets.values()) == 0, stats.member_resets
+    finally:
+        if new is not None:
+            await stop_relay(new)
+        if old is not None:
+            await asyncio.wait_for(old.stop(save_state=False), 30)
+        for e in engines:
+            await e.stop()

@@ -1,0 +1,138 @@
+"""The private directories of ``ops/private_dirs.py`` and the sweep of those whose process died.
+
+Real processes: a child makes its directories (the internal socket's, with a bound socket in it,
+and a hot upgrade's) and is killed outright, so it cannot remove them; the next sweep does, and
+never a directory whose owner lives, whatever pid its pid file gives, nor anything else.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from kvrelay.ops.private_dirs import PID_FILE, PrivateDir, sweep
+from tests.support.commands import REPO
+
+#: Makes both kinds of directory under argv[1], binds a socket in the first, prints both, waits.
+CHILD = r"""
+import socket, sys, time
+from kvrelay.ops.private_dirs import PrivateDir
+dirs = [PrivateDir(sys.argv[1]), PrivateDir(sys.argv[1], "upgrade")]
+socket.socket(socket.AF_UNIX).bind(dirs[0].path + "/ingest.sock")
+print(*(d.path for d in dirs), flush=True)
+time.sleep(60)
+"""
+
+
+def _owner(base: Path) -> tuple[subprocess.Popen[str], list[str]]:
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(base)], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout is not None
+    return proc, proc.stdout.readline().split()
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    assert proc.stdout is not None
+    proc.stdout.close()
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", ""])
+    proc.wait(10)
+    return proc.pid
+
+
+def _left(path: Path, pid: int) -> Path:
+    """A directory as a process ``pid`` killed outright leaves it (its lock gone)."""
+    path.mkdir(mode=0o700)
+    (path / PID_FILE).write_text(f"{pid}\n")
+    return path
+
+
+def test_a_killed_processs_directories_are_swept_and_nothing_else(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    proc, made = _owner(tmp_path)
+    try:
+        assert [Path(d).name.split("-")[:-1] for d in made] == [["kvrelay"], ["kvrelay", "upgrade"]]
+        assert all((Path(d) / PID_FILE).read_text() == f"{proc.pid}\n" for d in made)
+        assert sweep([str(tmp_path)]) == [] and all(os.path.isdir(d) for d in made)
+    finally:
+        _kill(proc)
+    dead = _dead_pid()
+    keep = _left(tmp_path / "kept", dead)
+    others = {
+        "kvrelay-numba-0": "dir",  # the kernel cache
+        "kvrelay-abcd1234": "dir",  # no pid file: an earlier kvrelay's, which did not lock it
+        "kvrelay-bad_pid0": "bad pid",
+        "kvrelay-file0000": "file",
+        "kvrelay-link0000": "link",  # never followed
+        "kvrelay-a": "named",  # not mkdtemp's name
+        "kvrelay-mirror-abcdefgh": "named",
+    }
+    for name, kind in others.items():
+        p = tmp_path / name
+        if kind == "dir":
+            p.mkdir()
+        elif kind == "bad pid":
+            p.mkdir()
+            (p / PID_FILE).write_text("1x\n")
+        elif kind == "named":
+            _left(p, dead)
+        elif kind == "file":
+            p.write_text(f"{dead}\n")
+        else:
+            p.symlink_to(keep)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # None: the temporary directory
+    assert sweep([str(tmp_path), None]) == sorted(made)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*others, "kept"])
+    assert sweep([str(tmp_path / "missing")]) == []
+
+
+def test_a_live_owner_keeps_its_directory_whatever_its_pid_file_says(tmp_path: Path) -> None:
+    """Its lock keeps it (another pid namespace, where its pid means nothing here); a directory
+    of this process's own pid that it does not hold (a container's pid 1, restarted) is swept,
+    the one it holds is not."""
+    proc, made = _owner(tmp_path)
+    dead = _dead_pid()
+    try:
+        (Path(made[0]) / PID_FILE).write_text(f"{dead}\n")
+        assert sweep([str(tmp_path)]) == [] and os.path.isdir(made[0])
+    finally:
+        _kill(proc)
+    assert sweep([str(tmp_path)]) == sorted(made)
+    mine = PrivateDir(str(tmp_path))
+    stale = _left(tmp_path / "kvrelay-abcdefgh", os.getpid())
+    try:
+        assert sweep([str(tmp_path)]) == [str(stale)] and os.path.isdir(mine.path)
+    finally:
+        mine.remove()
+    assert list(tmp_path.iterdir()) == []
+    mine.remove()  # idempotent
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory away")
+def test_another_users_directory_is_never_swept(tmp_path: Path) -> None:
+    theirs = _left(tmp_path / "kvrelay-abcdefgh", _dead_pid())
+    os.chown(theirs, 65534, 65534)
+    assert sweep([str(tmp_path)]) == [] and theirs.is_dir()
+
+
+def test_a_private_dir_is_private_and_holds_a_socket(tmp_path: Path) -> None:
+    d = PrivateDir(str(tmp_path), "upgrade")
+    try:
+        assert (os.stat(d.path).st_mode & 0o777) == 0o700
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(os.path.join(d.path, "ingest.sock"))
+    finally:
+        d.remove()
+    assert not os.path.exists(d.path)
