@@ -62,7 +62,7 @@ class _Relay:
         )  # fmt: skip
         return RelayStats(
             "dc", 1, 1, 1, 1, 1, 1, 1, 64, 0, {("ns/backend/generate", "bad_lora"): 1}, 1, 1,
-            (pool,), {"restored": 1}, {"saved": 1},
+            (pool,), {"restored": 1}, {"saved": 1}, window_errors={("load", "window"): 1},
         )
 
 

@@ -1,12 +1,14 @@
 """Scrape an engine's Prometheus ``/metrics`` page (asyncio streams, no HTTP client dependency)
 and extract ``vllm:kv_cache_usage_perc`` per engine core (DP rank), with the serving figures the
 serving-load plane uses (running and waiting requests, token counters, finished requests by
-reason).
+reason), and when the page's process started (``process_start_time_seconds``).
 
-Any malformed page — bad status line, chunk sizes or lengths that are not numbers, unparsable
-metric text, non-finite values — is a ``MetricsScrapeError``, never another exception: the load
-plane then reports that engine's usage as unknown. Only the lines of the samples read are
-parsed (:func:`parse_engine_page`), in a worker thread.
+Any malformed page — bad status line, chunk sizes or lengths that are not numbers, a body cut
+short, unparsable metric text, non-finite or out-of-range values, a series listed twice — is a
+``MetricsScrapeError``, never another exception: the load plane then reports that engine's usage
+as unknown. A page cut short or doubled must not be read, as its counters would look like a
+restart and be counted again. Only the lines of the samples read are parsed
+(:func:`parse_engine_page`), in a worker thread.
 """
 
 from __future__ import annotations
@@ -29,13 +31,23 @@ WAITING = "vllm:num_requests_waiting"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"  # counters: sample names
 GENERATION_TOKENS = "vllm:generation_tokens_total"
 REQUEST_SUCCESS = "vllm:request_success_total"  # finished requests, label finished_reason
+#: prometheus_client's process collector (no model label): a new value is a new process.
+PROCESS_START = "process_start_time_seconds"
+#: The largest count accepted: a counter at or past 2**63 is no engine's count.
+MAX_COUNT = 2**63 - 1
 MAX_BODY = 8 * 1024 * 1024
 #: Chunks a chunked page may come in (a page of one-byte chunks cost half a second to join).
 MAX_CHUNKS = 65536
 
 
 class MetricsScrapeError(Exception):
-    """Connection failure, timeout, non-200 status, oversized or unparsable page."""
+    """Connection failure, timeout, non-200 status, oversized or unparsable page. ``reason``:
+    ``unreachable`` (no connection, or no whole answer in time), ``status`` (not 200), else
+    ``malformed`` (what a page must not be)."""
+
+    def __init__(self, message: str, reason: str = "malformed") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def _dechunk(body: bytes) -> bytes:
@@ -86,7 +98,7 @@ async def fetch_metrics_text(
     try:
         raw = await bounded(go(), timeout)
     except (TimeoutError, OSError) as exc:
-        raise MetricsScrapeError(f"{host}:{port}{path}: {exc!r}") from exc
+        raise MetricsScrapeError(f"{host}:{port}{path}: {exc!r}", "unreachable") from exc
     return await asyncio.to_thread(_http_body, raw, max_bytes)  # (megabytes: not on the loop)
 
 
@@ -98,7 +110,7 @@ def _http_body(raw: bytes, max_bytes: int) -> str:
     lines = head.split(b"\r\n")
     parts = lines[0].split()
     if len(parts) < 2 or parts[1] != b"200":
-        raise MetricsScrapeError(f"HTTP status {lines[0][:64]!r}")
+        raise MetricsScrapeError(f"HTTP status {lines[0][:64]!r}", "status")
     headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(b":") for ln in lines[1:])}
     if len(body) > max_bytes:
         raise MetricsScrapeError(f"body larger than {max_bytes} bytes")
@@ -112,6 +124,10 @@ def _http_body(raw: bytes, max_bytes: int) -> str:
         if length < 0 or length > len(body):
             raise MetricsScrapeError("content-length does not match the body")
         body = body[:length]
+    elif body and not body.endswith(b"\n"):
+        # Delimited by the connection's close only: a body cut mid-line would read as a smaller
+        # number (a counter dip, taken for a restart). The text format ends every line in "\n".
+        raise MetricsScrapeError("body cut short (close-delimited, no final newline)")
     return body.decode("utf-8", errors="replace")
 
 
@@ -131,11 +147,13 @@ class RankServing:
 @dataclass(frozen=True, slots=True)
 class EnginePage:
     """What one scrape of an engine's page says: KV usage and serving figures per DP rank
-    (the ``engine`` label), and whether any sample names the model asked for."""
+    (the ``engine`` label), whether any sample names the model asked for, and the unix time its
+    process started (``process_start_time_seconds``; None when the page does not say)."""
 
     kv_usage: dict[str, float]
     serving: dict[str, RankServing]
     lists_model: bool
+    started: float | None = None
 
 
 _FIGURES = {
@@ -147,13 +165,13 @@ _FIGURES = {
 
 
 def _count(name: str, value: float) -> int:
-    if not math.isfinite(value) or value < 0:
+    if not math.isfinite(value) or not 0 <= value <= MAX_COUNT:
         raise MetricsScrapeError(f"{name} value {value!r} is not a count")
     return int(value)
 
 
 #: The sample names read: only their lines are parsed (see :func:`parse_engine_page`).
-WANTED = frozenset({KV_USAGE, KV_USAGE_LEGACY, REQUEST_SUCCESS, *_FIGURES})
+WANTED = frozenset({KV_USAGE, KV_USAGE_LEGACY, REQUEST_SUCCESS, PROCESS_START, *_FIGURES})
 _WANTED_STARTS = tuple(n + end for n in sorted(WANTED) for end in ("{", " ", "\t"))
 
 
@@ -178,20 +196,36 @@ def parse_engine_page(text: str, model_name: str | None = None) -> EnginePage:
     vLLM page is tens of KB of histograms the relay never reads: parsing all of it took ~6 ms a
     page, for every engine every ``metrics_scrape_interval_s``, on a thread that holds the GIL
     the event loop needs. A malformed line of a family the relay does not read no longer blanks
-    the engine's load."""
+    the engine's load.
+
+    A series read twice (same name, same labels) is an error: a page doubled or spliced has no
+    one value to believe, and summing the finished counters counted requests twice."""
     found: dict[str, float] = {}
     legacy: dict[str, float] = {}
     figures: dict[str, dict[str, Any]] = {}
+    started: float | None = None
+    seen: set[tuple[str, frozenset[tuple[str, str]]]] = set()
     listed = model_name is None or lists_model(text, model_name)
     wanted = "\n".join(ln for ln in text.split("\n") if ln.startswith(_WANTED_STARTS))
     try:
         for fam in text_string_to_metric_families(wanted + "\n"):
             for s in fam.samples:
+                name = s.name  # by sample name: pages differ in how they type counters
+                value = float(s.value)
+                if name == PROCESS_START:  # the process's, not a model's: never filtered
+                    if started is not None:
+                        raise MetricsScrapeError(f"{name} listed twice")
+                    if not math.isfinite(value) or value < 0:
+                        raise MetricsScrapeError(f"{name} value {value!r} is not a time")
+                    started = value
+                    continue
                 if model_name is not None and s.labels.get("model_name") != model_name:
                     continue
+                series = (name, frozenset(s.labels.items()))
+                if series in seen:
+                    raise MetricsScrapeError(f"{name} listed twice with the same labels")
+                seen.add(series)
                 rank = s.labels.get("engine", "0")
-                value = float(s.value)
-                name = s.name  # by sample name: pages differ in how they type counters
                 if name in (KV_USAGE, KV_USAGE_LEGACY):
                     if not math.isfinite(value) or not 0.0 <= value <= 1.0:
                         raise MetricsScrapeError(f"{name} value {value!r} is not a fraction")
@@ -207,7 +241,7 @@ def parse_engine_page(text: str, model_name: str | None = None) -> EnginePage:
     except Exception as exc:  # the parser raises ValueError, TypeError, IndexError, …
         raise MetricsScrapeError(f"unparsable metrics text: {exc!r}") from exc
     serving = {rank: RankServing(**f) for rank, f in figures.items()}
-    return EnginePage(found or legacy, serving, listed)
+    return EnginePage(found or legacy, serving, listed, started)
 
 
 def parse_kv_usage(text: str, model_name: str | None = None) -> dict[str, float]:

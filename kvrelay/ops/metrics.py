@@ -325,7 +325,8 @@ def guard_families(svc: object) -> Iterator[Metric]:
         "gRPC connections closed with GOAWAY ENHANCE_YOUR_CALM for breaking a per-connection "
         "budget (rapid_reset, stream_flood, empty_frames, ping_flood, settings_flood, "
         "oversized_headers), connections closed as accepted over a connection cap "
-        "(too_many_connections), connections closed for input the HTTP/2 stack could not take, "
+        "(too_many_connections), TLS handshakes that failed or did not finish in 10 s "
+        "(tls_handshake), connections closed for input the HTTP/2 stack could not take, "
         "with the GOAWAY code HTTP/2 gives it (protocol_error), streams reset for lacking "
         ":method or :path (malformed_headers), streams whose request never came "
         "(request_timeout), and requests refused because the requests being read held "
@@ -629,6 +630,17 @@ def _relay_metrics(r: RelayStats) -> Iterator[Metric]:
          r.scrape_errors),
     ):
         yield CounterMetricFamily(name, doc, value=value)
+    failed = CounterMetricFamily(
+        "kvrelay_engine_scrape_failures",
+        "Engine /metrics pages not read (that engine's load and serving figures unknown until "
+        "the next good one), by reason: unreachable (no connection or no whole answer in time), "
+        "status (not 200), malformed (cut short, unparsable, a series listed twice, a value that "
+        "is no count).",
+        labels=["reason"],
+    )
+    for reason in ("unreachable", "status", "malformed"):
+        failed.add_metric([reason], r.scrape_failures.get(reason, 0))
+    yield failed
     yield _by_result(
         "kvrelay_state_restores",
         "State files at start by outcome: restored, none, corrupt, version, stale, incompatible, "
@@ -664,6 +676,16 @@ def _relay_metrics(r: RelayStats) -> Iterator[Metric]:
         ok.add_metric([pool], 1.0 if good else 0.0)
     yield age
     yield ok
+    windows = CounterMetricFamily(
+        "kvrelay_window_errors",
+        "Load (plane load) and serving-load (serving_load) windows skipped because they could not "
+        "be built (kind window), and entries dropped from a window as invalid or listed twice "
+        "(kind entry).",
+        labels=["plane", "kind"],
+    )
+    for (plane, kind), n in sorted(r.window_errors.items()):
+        windows.add_metric([plane, kind], n)
+    yield windows
 
 
 def _pool_metrics(r: RelayStats) -> Iterator[Metric]:

@@ -10,9 +10,10 @@ and a duplicate key is kept once. What the relay can vouch for, and nothing else
 * Gauges (pool ``active_decode_blocks``) are set only when the view is COMPLETE; a gauge no source
   can provide is never set (unknown is never zero).
 * Cumulative counters come from :class:`RunningTotals`: per relay incarnation, each source counts
-  from its own running total when first heard; a source's counter reset (its process restarted)
-  continues from where it was; departed sources keep what they contributed. So a total is
-  monotonic within one incarnation, set whatever the status, and restarts with the relay.
+  from its own running total when first heard; a source's restart (a new process start time, or
+  without one a counter going down) continues from where it was; a report missing a counter it
+  gave before is incomplete and ignored; departed sources keep what they contributed. So a total
+  is monotonic within one incarnation, set whatever the status, and restarts with the relay.
 
 ``docs/contract.md`` §10.4 says field by field what kvrelay fills.
 """
@@ -202,26 +203,40 @@ def _model_entry(inp: ModelServingInput, serving_pools: list[pb.KvPoolId]) -> pb
 
 
 class _Series:
-    """One source's counters: ``base`` carries what it counted before its last reset."""
+    """One source's counters: ``base`` carries what it counted before its last restart,
+    ``started`` the process start time of the last report taken (None: not known)."""
 
-    __slots__ = ("base", "last")
+    __slots__ = ("base", "last", "started")
 
     def __init__(self) -> None:
         self.base: dict[str, int] = {}
         self.last: dict[str, int] = {}
+        self.started: float | None = None
 
-    def observe(self, values: Mapping[str, int]) -> None:
-        reset = any(
-            name not in DERIVED and v < self.last.get(name, 0) for name, v in values.items()
-        )
-        if reset:  # the source restarted: what it had counted stays counted
-            for name, v in self.last.items():
-                self.base[name] = self.base.get(name, 0) + v
-            self.last = {}
+    def observe(self, values: Mapping[str, int], started: float | None = None) -> None:
+        """Take one report. A restart is a new process start time when both reports carry one
+        (then a dip is a skew, held at the last value: a restart that already overtook its old
+        counts is still seen), else a true counter going down. A report missing a counter the
+        source gave before is cut short: ignored whole unless it is a restart."""
         for name, v in values.items():
             if v < 0:
                 raise ValueError(f"counter {name} is negative: {v}")
-            self.last[name] = v if reset else max(v, self.last.get(name, 0))
+        if started is not None and self.started is not None:
+            restart = started != self.started
+        else:
+            restart = any(
+                name not in DERIVED and v < self.last.get(name, 0) for name, v in values.items()
+            )
+        if restart:  # what the previous process counted stays counted
+            for name, v in self.last.items():
+                self.base[name] = self.base.get(name, 0) + v
+            self.last = dict(values)
+        elif self.last.keys() - values.keys():
+            return  # incomplete: the values held are the best known
+        else:
+            for name, v in values.items():
+                self.last[name] = max(v, self.last.get(name, 0))
+        self.started = started
 
     def totals(self) -> dict[str, int]:
         names = self.base.keys() | self.last.keys()
@@ -251,9 +266,12 @@ class RunningTotals:
         group: Hashable,
         present: Iterable[Hashable],
         reports: Mapping[Hashable, Mapping[str, int]],
+        started: Mapping[Hashable, float] | None = None,
     ) -> dict[str, int]:
         """Fold in this window's ``reports`` (a present source that did not report keeps its
-        last values) and return the group's totals (a name no source ever reported is absent)."""
+        last values) and return the group's totals (a name no source ever reported is absent).
+        ``started``: when each reporting source's process started, where its report says (how
+        a restart is told apart from a dip, see :meth:`_Series.observe`)."""
         live = self._live.get(group)
         if live is None:
             live = self._live[group] = {}
@@ -272,7 +290,7 @@ class RunningTotals:
             series = live.get(source)
             if series is None:  # new, or back: then it goes on from its own last values
                 series = live[source] = gone.pop(source) if source in gone else _Series()
-            series.observe(values)
+            series.observe(values, None if started is None else started.get(source))
         out = dict(departed)
         for series in (*gone.values(), *live.values()):
             _add(out, series.totals())

@@ -5,7 +5,8 @@ broadcast keeps only the newest one. Windows are numbered from 0 (the window ava
 construction) and the timer makes the next one due every ``window_ms``; a late tick is delayed,
 never bursted, so the sequence advances by exactly 1 per window. If building a window fails,
 that window is skipped (counted in ``provider_errors``, logged) rather than published empty,
-which would falsely withdraw everything it lists.
+which would falsely withdraw everything it lists; it stays due, so its number is never reused
+(the next window built, at the next read or tick, is numbered past it).
 
 A window is built when it is due only while a stream waits for the next one. With nobody
 waiting, the due windows are counted and the newest is built when it is first read
@@ -148,7 +149,8 @@ class WindowPlane(Generic[M]):
 
     def _build_due(self) -> bool:
         """Build the newest due window, numbered as if every due one had been built; False if
-        that failed (the due windows are skipped: the last good window stays the newest)."""
+        that failed (the due windows are skipped: the last good window stays the newest, and
+        they stay due, so the next window built is numbered past them, never reusing one)."""
         due, self._due = self._due, 0
         if not due or self._bc.closed:
             return True
@@ -159,8 +161,10 @@ class WindowPlane(Generic[M]):
             self.provider_errors += 1
             _log.exception("load_window_failed", plane=self._plane_name,
                            errors=self.provider_errors)  # fmt: skip
+            self._due += due
             return False
         if built is None:
+            self._due += due
             return False
         self._wire = (seq, built[1])
         self._bc.publish(seq, built[0])

@@ -5,11 +5,18 @@ and each of its DP ranks one source of counters. The scrape loop (``Relay._scrap
 each engine's latest page here, or forgets it when a scrape fails; a window reads only what is
 stored now, so a page is never older than one scrape interval plus its timeout.
 
+A source's running total is keyed by the frontend's address (host, metrics port, DP rank), not by
+the names the configuration gives it: an engine renamed in a reload, or moved to another pool of
+the same model, is the same process with the same counters, and goes on from its own values.
+
 Judgment calls (``docs/contract.md`` §10.4 has the field-by-field table):
 
 * Frontends of a model are the engines of its AGGREGATED, DECODE and LEGACY pools. A PREFILL (or
   ENCODE) engine's requests are the prefill legs of requests a decode engine also counts, so
   counting both would count every disaggregated request twice.
+* Every such engine serves the model, so a page that does not list it (vLLM run with
+  ``--disable-log-stats``, a name the relay did not filter by) is not a report of zero: that
+  frontend is not observed, and the model's view is not COMPLETE.
 * ``requests_started_total`` of a rank is every request it finished plus those running and
   waiting: vLLM has no counter of admitted requests. Requests refused before the engine queued
   them (a frontend 400) are not counted anywhere.
@@ -41,6 +48,8 @@ FRONTEND_ROLES = frozenset(
     {pb.WorkerRole.AGGREGATED, pb.WorkerRole.DECODE, pb.WorkerRole.LEGACY}
 )
 _COMPLETED = ("stop", "length")
+#: Finish reasons every vLLM lists from its start (``error`` only recent ones).
+_REASONS = ("stop", "length", "abort")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,23 +68,46 @@ class _Frontends:
     observed: int
     ready: int
     times: list[int]  # scrape time (unix ms) of each observed frontend's page
-    present: list[Hashable]  # the sources (pool, engine, rank) configured now
+    present: list[Hashable]  # the sources (see :func:`source_key`) configured now
     reports: dict[Hashable, dict[str, int]]  # what each source's page reported
+    started: dict[Hashable, float]  # when each reporting source's process started, if known
+
+
+def source_key(pool: str, engine: EngineState, rank: int) -> Hashable:
+    """What a source's running total is kept under: the frontend's address and DP rank, so a
+    rename or a move to another pool of the model does not count it again (an engine without a
+    ``metrics_port`` never reports: its configured names do)."""
+    spec = engine.spec
+    if spec.metrics_port is None:
+        return (pool, spec.name, rank)
+    return (spec.host, spec.metrics_port, rank)
+
+
+def page_model(pool: PoolRuntime, st: EngineState) -> str | None:
+    """The ``model_name`` label to read an engine's page by: vLLM labels its samples with the
+    name it serves under, which Control tells (kept through a Control outage), not the canonical
+    id the pool may be configured with; for a static engine, the pool's model."""
+    snap = st.last_good
+    if snap is not None and snap.served_model_name:
+        return snap.served_model_name
+    return pool.base_model()
 
 
 def rank_counters(r: RankServing) -> dict[str, int]:
     """The serving-load counters one rank's page figures give (absent figures give none).
 
-    The request counters need ``vllm:request_success_total`` on the page for the rank: vLLM
-    lists every finish reason from its start, zeros included, so a page without the family is
-    cut short or not vLLM's. Read as zeros, it looked like the rank had restarted, and every
-    counter it had reported was counted a second time once a whole page came back."""
+    The request counters need the finish reasons ``stop``, ``length`` and ``abort`` of
+    ``vllm:request_success_total`` on the page for the rank (``requests_failed_total`` needs
+    ``error``): vLLM lists every reason it has from its start, zeros included, so a page without
+    one is cut short or not vLLM's. Read as zeros, it looked like the rank had restarted, and
+    every counter it had reported was counted a second time once a whole page came back."""
     out: dict[str, int] = {}
     f = r.finished
-    if f:
-        out["requests_completed_total"] = sum(f.get(k, 0) for k in _COMPLETED)
-        out["requests_cancelled_total"] = f.get("abort", 0)
-        out["requests_failed_total"] = f.get("error", 0)
+    if all(k in f for k in _REASONS):
+        out["requests_completed_total"] = sum(f[k] for k in _COMPLETED)
+        out["requests_cancelled_total"] = f["abort"]
+        if "error" in f:  # absent: unknown (an older vLLM has no such reason), never zero
+            out["requests_failed_total"] = f["error"]
         if r.running is not None and r.waiting is not None:
             out["requests_started_total"] = sum(f.values()) + r.running + r.waiting
     if r.prompt_tokens_total is not None:
@@ -126,7 +158,7 @@ class ServingInputs:
         between reads, or a restart in between would lose what it had counted since."""
         for group, ps in _groups(pools, frozenset()).items():
             f = self._frontends(ps)
-            self.totals.window(group, f.present, f.reports)
+            self.totals.window(group, f.present, f.reports, f.started)
 
     def _pool(
         self, p: PoolRuntime, producer: pb.ProducerIdentity, ranks: list[RankLoad]
@@ -158,43 +190,47 @@ class ServingInputs:
             observed_frontends=f.observed,
             ready_frontends=f.ready,
             serving_pools=serving_pools,
-            totals=self.totals.window((namespace, model), f.present, f.reports),
+            totals=self.totals.window((namespace, model), f.present, f.reports, f.started),
             observed_ms=f.times,
         )
 
     def _frontends(self, pools: list[tuple[PoolRuntime, bool]]) -> _Frontends:
-        """A frontend is observed when its page is there and, if it lists the model, gives the
-        request figures of every rank it declares: a page without them (another engine's
-        format, a rank's label missing) is not a report of zero."""
+        """A frontend is observed when its page is there and gives the model's request figures
+        for every rank it declares. Each engine of the model's pools serves the model, so a page
+        without them (stats disabled, another engine's format, a rank's label missing, the model
+        not listed) is not a report of zero."""
         expected = observed = ready = 0
         times: list[int] = []
         present: list[Hashable] = []
         reports: dict[Hashable, dict[str, int]] = {}
+        started: dict[Hashable, float] = {}
         for p, _ in pools:
             if p.spec.role not in FRONTEND_ROLES:
                 continue
             for st in p.engines.values():
                 expected += 1
                 ranks = st.declared_ranks()
-                present += [(p.name, st.spec.name, r) for r in ranks]
+                keys = [source_key(p.name, st, r) for r in ranks]
+                present += keys
                 pg = self.pages.get((p.name, st.spec.name))
                 if pg is None:
                     continue
-                if pg.page.lists_model:  # else: a frontend without the model contributes zero
-                    whole = True
-                    for r in ranks:
-                        figures = pg.page.serving.get(str(r))
-                        counters = rank_counters(figures) if figures is not None else {}
-                        if counters:
-                            reports[(p.name, st.spec.name, r)] = counters
-                        whole = whole and "requests_started_total" in counters
-                    if not whole:
-                        continue
-                    if st.serving:
-                        ready += 1
+                whole = True
+                for r, key in zip(ranks, keys, strict=True):
+                    figures = pg.page.serving.get(str(r))
+                    counters = rank_counters(figures) if figures is not None else {}
+                    if counters:
+                        reports[key] = counters
+                        if pg.page.started is not None:
+                            started[key] = pg.page.started
+                    whole = whole and "requests_started_total" in counters
+                if not whole:
+                    continue
                 observed += 1
+                if st.serving:
+                    ready += 1
                 times.append(pg.observed_ms)
-        return _Frontends(expected, observed, ready, times, present, reports)
+        return _Frontends(expected, observed, ready, times, present, reports, started)
 
 
 def _groups(

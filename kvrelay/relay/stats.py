@@ -144,6 +144,11 @@ class RelayStats:
     checkpoint_unix: dict[str, float] = field(default_factory=dict)
     #: pool → (unix time of the last full scrub pass, whether it found nothing wrong)
     scrub_last: dict[str, tuple[float, bool]] = field(default_factory=dict)
+    #: (plane, kind) → windows skipped (kind ``window``) or entries dropped (``entry``) by the
+    #: load and serving-load planes
+    window_errors: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: engine ``/metrics`` pages not read, by reason: unreachable, status, malformed
+    scrape_failures: dict[str, int] = field(default_factory=dict)
 
 
 def merged(a: SubscriberCounters, b: SubscriberCounters) -> SubscriberCounters:

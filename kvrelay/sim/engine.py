@@ -36,6 +36,8 @@ class SimEngine:
         self.cfg = cfg
         self.incarnation = 0
         self.instance_id = self._make_instance_id()
+        #: Unix time this incarnation started (its page's ``process_start_time_seconds``).
+        self.started_at = round(time.time(), 2)
         self.sleeping = False
         self.paused = False
         self.loras: dict[str, LoraInfo] = {}
@@ -233,6 +235,8 @@ class SimEngine:
         published about the lost state (consumers detect it from seq / instance_id)."""
         self.incarnation += 1
         self.instance_id = self._make_instance_id()
+        # A new process, a new start time (at the 10 ms resolution of the real one, so distinct).
+        self.started_at = max(round(time.time(), 2), round(self.started_at + 0.01, 2))
         self.sleeping = self.paused = False
         self.schedulers = [self._make_scheduler(r) for r in range(self.cfg.dp_size)]
         if rebind:

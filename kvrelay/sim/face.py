@@ -17,6 +17,7 @@ from kvrelay.sim.scheduler import RankScheduler
 class EngineFace(Protocol):
     cfg: SimConfig
     instance_id: str
+    started_at: float
     sleeping: bool
     paused: bool
     loras: dict[str, LoraInfo]

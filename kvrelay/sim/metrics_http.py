@@ -87,19 +87,26 @@ def render_metrics(engine: EngineFace) -> str:
         lines.append(f"# TYPE {name} {kind}")
         for r, v in zip(ranks, values, strict=True):
             lines.append(f'{sample}{{engine="{r}",model_name="{model}"}} {v!r}')
-    # Finished requests by reason, as vLLM labels them: the simulator finishes by length, drops
-    # a waiting request when its queue is full (abort) and refuses a prompt that can never fit.
+    # Finished requests by reason, as vLLM labels them: every reason listed from the start, zeros
+    # included (the simulator never stops on a stop token; it finishes by length, drops a waiting
+    # request when its queue is full (abort) and refuses a prompt that can never fit).
     lines.append("# HELP vllm:request_success Count of successfully processed requests.")
     lines.append("# TYPE vllm:request_success counter")
     for r in ranks:
         sch = engine.schedulers[r]
-        for reason, n in (("length", sch.finished), ("abort", sch.dropped_waiting),
+        for reason, n in (("stop", 0), ("length", sch.finished), ("abort", sch.dropped_waiting),
                           ("error", sch.rejected)):  # fmt: skip
             lines.append(
                 f'vllm:request_success_total{{engine="{r}",finished_reason="{reason}",'
                 f'model_name="{model}"}} {float(n)!r}'
             )
     lines += _histograms(engine, model)
+    # prometheus_client's process collector, on vLLM's page in its default single-process setup:
+    # the relay tells a restart by it.
+    lines.append("# HELP process_start_time_seconds Start time of the process since unix epoch "
+                 "in seconds.")  # fmt: skip
+    lines.append("# TYPE process_start_time_seconds gauge")
+    lines.append(f"process_start_time_seconds {engine.started_at!r}")
     return "\n".join(lines) + "\n"
 
 

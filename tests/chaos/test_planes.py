@@ -89,6 +89,9 @@ async def test_malformed_metrics_page_is_unknown_and_the_scraper_survives() -> N
             await asyncio.sleep(1.5)  # a few scrapes of the malformed page
             e = _entry(relay)
             assert e is not None and e.kv_observed_ranks == 0 and e.kv_used_blocks == 0
+            # counted as a page that is not one (not only seen as an unknown load)
+            assert relay.stats().scrape_failures.get("malformed", 0) >= 1
+            assert relay.scrape_errors == 0  # no unexpected exception
             page.raw = False  # the page recovers: the same scraper task reads it
             page.body = b'vllm:kv_cache_usage_perc{engine="0",model_name="sim-model"} 0.5\n'
             await eventually(lambda: (x := _entry(relay)) is not None and x.kv_observed_ranks == 1,

@@ -1,5 +1,7 @@
 """/metrics scraping against the simulator's page and a chunked-encoding server, and reading only
-the lines the relay needs against prometheus_client's parse of the whole page (the oracle)."""
+the lines the relay needs against prometheus_client's parse of the whole page (the oracle). A
+page cut short, doubled or out of range is a ``MetricsScrapeError``: read, it looked like an
+engine restart and its counters were counted twice."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import asyncio
 import dataclasses
 import random
 import socket
+import time
 from typing import Any
 
 import pytest
@@ -17,6 +20,7 @@ from kvrelay.discovery.metrics_scrape import (
     fetch_metrics_text,
     parse_engine_page,
     parse_kv_usage,
+    scrape_engine_page,
     scrape_kv_usage,
 )
 from kvrelay.sim import SimConfig, SimEngine
@@ -101,7 +105,9 @@ async def test_errors_are_typed() -> None:
         parse_kv_usage('vllm:kv_cache_usage_perc{engine="0" 1\n')
 
 
-def _oracle(text: str, model: str | None) -> tuple[dict[str, float], dict[str, Any], bool]:
+def _oracle(
+    text: str, model: str | None
+) -> tuple[dict[str, float], dict[str, Any], bool, float | None]:
     """The whole page through prometheus_client's parser, as the scrape read it before it kept
     only the lines it reads."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -109,12 +115,15 @@ def _oracle(text: str, model: str | None) -> tuple[dict[str, float], dict[str, A
     usage: dict[str, float] = {}
     legacy: dict[str, float] = {}
     figures: dict[str, dict[str, Any]] = {}
+    started: float | None = None
     listed = model is None
     names = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
              "vllm:prompt_tokens_total": "prompt_tokens_total",
              "vllm:generation_tokens_total": "generation_tokens_total"}  # fmt: skip
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
+            if s.name == "process_start_time_seconds":
+                started = s.value
             if model is not None and s.labels.get("model_name") != model:
                 continue
             listed = True
@@ -129,7 +138,7 @@ def _oracle(text: str, model: str | None) -> tuple[dict[str, float], dict[str, A
                 done = figures.setdefault(rank, {}).setdefault("finished", {})
                 reason = s.labels.get("finished_reason", "")
                 done[reason] = done.get(reason, 0) + int(s.value)
-    return usage or legacy, figures, listed
+    return usage or legacy, figures, listed, started
 
 
 def _vllm_page(rng: random.Random, models: list[str], ranks: int) -> str:
@@ -138,6 +147,9 @@ def _vllm_page(rng: random.Random, models: list[str], ranks: int) -> str:
     lines = ["# HELP python_gc_objects_collected_total Objects collected during gc",
              "# TYPE python_gc_objects_collected_total counter"]  # fmt: skip
     lines += [f'python_gc_objects_collected_total{{generation="{g}"}} {g * 11}.0' for g in range(3)]
+    if rng.random() < 0.7:  # prometheus_client's process collector (absent in multiprocess mode)
+        lines += ["# TYPE process_start_time_seconds gauge",
+                  f"process_start_time_seconds {1.7e9 + rng.randrange(10**8) / 100!r}"]  # fmt: skip
     for m in models:
         esc = m.replace("\\", "\\\\").replace('"', '\\"')
         for r in range(ranks):
@@ -172,8 +184,9 @@ def test_reading_only_the_wanted_lines_gives_what_the_whole_page_gives(seed: int
         page = page.replace("\n", "\r\n")
     for model in [None, *models, "absent", "lama"]:
         got = parse_engine_page(page, model)
-        usage, figures, listed = _oracle(page, model)
+        usage, figures, listed, started = _oracle(page, model)
         assert got.kv_usage == usage and got.lists_model == listed, model
+        assert got.started == started  # the process's: read whatever the model
         assert {r: dataclasses.asdict(v) for r, v in got.serving.items()} == {
             r: {"running": None, "waiting": None, "prompt_tokens_total": None,
                 "generation_tokens_total": None, "finished": {}, **f}
@@ -187,3 +200,82 @@ def test_a_family_the_relay_does_not_read_cannot_blank_the_load() -> None:
     assert parse_engine_page(page).kv_usage == {"0": 0.5}
     with pytest.raises(MetricsScrapeError):  # a malformed line it reads still does
         parse_engine_page('vllm:kv_cache_usage_perc{engine="0" 1\n')
+
+
+def test_a_series_listed_twice_or_out_of_range_is_refused() -> None:
+    """A page doubled or spliced has no one value to believe (the finished counters were
+    summed, the gauges' last line won); a counter at 2**63 or more is no engine's count (1e300
+    pinned the total at u64 max for good); the process start time is one per page."""
+    lab = 'engine="0",model_name="m"'
+    good = [f"vllm:num_requests_running{{{lab}}} 1", f"vllm:prompt_tokens_total{{{lab}}} 100",
+            f'vllm:request_success_total{{{lab},finished_reason="stop"}} 5',
+            f'vllm:request_success_total{{{lab},finished_reason="length"}} 5',
+            "process_start_time_seconds 1.7e+09"]  # fmt: skip
+    page = parse_engine_page("\n".join(good) + "\n", "m")
+    assert page.serving["0"].finished == {"stop": 5, "length": 5} and page.started == 1.7e9
+    for extra in (good[2], f"vllm:num_requests_running{{{lab}}} 7",
+                  'vllm:prompt_tokens_total{model_name="m",engine="0"} 1',  # labels reordered
+                  "process_start_time_seconds 1.8e+09"):  # fmt: skip
+        with pytest.raises(MetricsScrapeError, match="twice"):
+            parse_engine_page("\n".join([*good, extra]) + "\n", "m")
+    for big in (f"{2**63}", "9.3e18", "1e300"):
+        with pytest.raises(MetricsScrapeError, match="not a count"):
+            parse_engine_page(f"vllm:prompt_tokens_total{{{lab}}} {big}\n", "m")
+    assert parse_engine_page(f"vllm:prompt_tokens_total{{{lab}}} {2**62}\n", "m").serving[
+        "0"
+    ].prompt_tokens_total == 2**62
+    with pytest.raises(MetricsScrapeError):
+        parse_engine_page("process_start_time_seconds NaN\n")
+    # another model's series, or the same name with other labels, is no duplicate
+    other = 'vllm:num_requests_running{engine="0",model_name="n"} 3'
+    assert parse_engine_page("\n".join([*good, other]) + "\n", "m").serving["0"].running == 1
+
+
+async def _serve_once(response: bytes) -> tuple[asyncio.Server, int]:
+    """A server answering any request with ``response`` and closing the connection."""
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.readuntil(b"\r\n\r\n")
+        w.write(response)
+        await w.drain()
+        w.close()
+
+    srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return srv, srv.sockets[0].getsockname()[1]
+
+
+async def test_a_close_delimited_body_cut_mid_line_is_refused() -> None:
+    """A body with neither Content-Length nor chunks ends where the connection closes: one cut
+    mid-line read a counter cut short ("150.0" as "15"), a dip taken for an engine restart. The
+    text format ends every line in a newline, so one that does not is cut."""
+    body = b'vllm:generation_tokens_total{engine="0",model_name="m"} 150.0\n'
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\n"
+    whole, port = await _serve_once(head + body)
+    cut, cut_port = await _serve_once(head + body[:-4])
+    try:
+        page = await scrape_engine_page("127.0.0.1", port, "m", timeout=5)
+        assert page.serving["0"].generation_tokens_total == 150
+        with pytest.raises(MetricsScrapeError, match="cut short"):
+            await scrape_engine_page("127.0.0.1", cut_port, "m", timeout=5)
+    finally:
+        for srv in (whole, cut):
+            srv.close()
+            await srv.wait_closed()
+
+
+async def test_the_simulators_page_tells_a_restart_by_its_process_start_time() -> None:
+    """The simulator's page carries ``process_start_time_seconds`` as vLLM's does; a restart is
+    a new process, so a new value (the relay tells a restart by it)."""
+    eng = SimEngine(SimConfig(capacity_blocks=64, served_model_name="m"))
+    await eng.start()
+    try:
+        first = await scrape_engine_page("127.0.0.1", eng.metrics_port or 0, "m")
+        again = await scrape_engine_page("127.0.0.1", eng.metrics_port or 0, "m")
+        assert first.started is not None and first.started == again.started
+        assert abs(first.started - time.time()) < 60
+        await eng.restart()
+        after = await scrape_engine_page("127.0.0.1", eng.metrics_port or 0, "m")
+        assert after.started is not None and after.started > first.started
+        assert set(after.serving["0"].finished) == {"stop", "length", "abort", "error"}
+    finally:
+        await eng.stop()

@@ -22,6 +22,7 @@ from kvrelay import __version__
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.ops.metrics import RelayMetrics
+from kvrelay.publication.serving_load import ModelServingInput, ServingLoadInputs
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import RelaySettings
 from kvrelay.sim.config import SimConfig
@@ -357,6 +358,31 @@ async def test_loop_lag_observations() -> None:
         assert value(s, "kvrelay_event_loop_lag_last_seconds") == 0
         assert value(s, "kvrelay_catalog_revision") == 0
         assert "kvrelay_stream_subscribers" not in {n for n, _ in s}  # no service attached
+    finally:
+        await metrics.close()
+
+
+async def test_window_errors_of_both_planes_are_exported() -> None:
+    """A window that could not be built (skipped) and an entry dropped from one are counted by
+    plane and kind: the contract says "counted", and a log line alone is no count."""
+    relay, metrics, port = await _bare_metrics()
+
+    def broken() -> ServingLoadInputs:
+        raise RuntimeError("provider bug")
+
+    try:
+        bad = ModelServingInput("ns", "m", 0, 1, 0)  # more observed than expected: dropped
+        relay.serving_load.set_provider(lambda: ServingLoadInputs(models=[bad]))
+        assert relay.serving_load.publish_window()
+        relay.serving_load.set_provider(broken)
+        assert not relay.serving_load.publish_window()
+        relay.load.set_provider(broken)
+        assert not relay.load.publish_window()
+        s = await scrape(port)
+        got = {(p, k): value(s, "kvrelay_window_errors_total", plane=p, kind=k)
+               for p in ("load", "serving_load") for k in ("window", "entry")}  # fmt: skip
+        assert got == {("load", "window"): 1, ("load", "entry"): 0,
+                       ("serving_load", "window"): 1, ("serving_load", "entry"): 1}  # fmt: skip
     finally:
         await metrics.close()
 

@@ -248,19 +248,21 @@ async def test_provider_failure_skips_window(
     seq, msg = plane.current()
     assert seq == 0 and len(msg.pools) == 1  # last good window kept, not replaced by "no pools"
     fleet.fail = False
-    assert plane.publish_window() is True and plane.current()[0] == 1
+    # the failed window's number is not reused: the next one is numbered as if built on time
+    assert plane.publish_window() is True and plane.current()[0] == 2
     # windows due while nobody waited, built when read: a failure there keeps the last good
-    # window too, and skips the due ones
+    # window too, and the due ones stay due (numbered on, never reused)
     plane._tick()
     plane._tick()
-    assert plane.version == 3 and fleet.calls == 3  # nothing built for them yet
+    assert plane.version == 4 and fleet.calls == 4  # nothing built for them yet
     fleet.fail = True
     seq, msg = plane.current()
-    assert seq == 1 and len(msg.pools) == 1 and plane.provider_errors == 2
+    assert seq == 2 and len(msg.pools) == 1 and plane.provider_errors == 3
+    assert plane.version == 4  # still due
     fleet.fail = False
-    assert plane.current()[0] == 1 and fleet.calls == 4  # not tried again
+    assert plane.current()[0] == 4 and fleet.calls == 6  # the next read built the newest
     plane._tick()
-    assert plane.current()[0] == 2
+    assert plane.current()[0] == 5
 
 
 async def test_bad_pool_input_drops_only_that_entry(

@@ -154,6 +154,30 @@ def test_running_totals_are_monotonic_and_bounded() -> None:
     assert few.window("m", ["a", "b"], {"a": {"n": 6}}) == {"n": 19}  # "a" was folded
 
 
+def test_a_new_process_start_time_is_a_restart_and_the_same_one_is_not() -> None:
+    """With the source's process start time on both reports, it alone tells a restart: a
+    restarted engine that overtook its old counts before the next scrape still keeps them, and a
+    dip of the same process is held (a skew), not counted again. A report missing a counter it
+    gave before is cut short: ignored whole, unless it comes from a new process."""
+    t = RunningTotals()
+    done, out = "requests_completed_total", "output_tokens_total"
+    assert t.window("m", ["a"], {"a": {done: 10, out: 100}}, {"a": 1.0}) == {done: 10, out: 100}
+    # restarted and already past its old counts: only the start time says so
+    assert t.window("m", ["a"], {"a": {done: 12, out: 150}}, {"a": 2.0}) == {done: 22, out: 250}
+    # the same process, a counter lower (a skew): held, not a restart
+    assert t.window("m", ["a"], {"a": {done: 11, out: 150}}, {"a": 2.0}) == {done: 22, out: 250}
+    # the same process, a report missing a counter: ignored whole (its higher figure too)
+    assert t.window("m", ["a"], {"a": {out: 170}}, {"a": 2.0}) == {done: 22, out: 250}
+    # a new process whose first page lacks a counter: a restart all the same
+    assert t.window("m", ["a"], {"a": {out: 5}}, {"a": 3.0}) == {done: 22, out: 255}
+    assert t.window("m", ["a"], {"a": {done: 1, out: 6}}, {"a": 3.0}) == {done: 23, out: 256}
+    # without a start time on both reports, a true counter going down is the restart
+    assert t.window("m", ["a"], {"a": {done: 0, out: 7}}) == {done: 23, out: 263}
+    assert t.window("m", ["a"], {"a": {done: 2, out: 9}}) == {done: 25, out: 265}
+    # ... and a report missing a counter, no counter down, is ignored whole as well
+    assert t.window("m", ["a"], {"a": {out: 30}}) == {done: 25, out: 265}
+
+
 def test_plane_sorts_drops_bad_entries_and_skips_failed_windows(
     relay: pb.RelayIdentity, producer: MakeProducer
 ) -> None:
@@ -178,5 +202,8 @@ def test_plane_sorts_drops_bad_entries_and_skips_failed_windows(
     fail = True
     assert not plane.publish_window() and plane.provider_errors == 1
     assert plane.current()[0] == 0  # skipped, not published empty
+    assert plane.provider_errors == 2  # still due: a read tried it again
     fail = False
-    assert plane.publish_window() and plane.current()[0] == 1
+    # The next window is numbered past the skipped one (as if each had been built on time):
+    # reusing its number told a subscriber that one window had passed where two had.
+    assert plane.publish_window() and plane.current()[0] == 2

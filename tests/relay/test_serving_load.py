@@ -4,7 +4,9 @@ The oracle is the simulator's own schedulers (what its pages render): between st
 moves, so once a window reflects a scrape taken after the last step, every counter must equal
 the schedulers' sums exactly. Then an engine restart (its counters start over) must not make a
 total go back, and a stopped engine makes both views partial: the pool gauge goes unset and the
-model view DEGRADED, its counters kept.
+model view DEGRADED, its counters kept. The engines' pages are read by the name they serve
+under, a page that does not list the model is not a report of zero, and a frontend's running total
+follows its address (not its configured names) and its process start time.
 """
 
 from __future__ import annotations
@@ -19,9 +21,13 @@ import pytest
 
 from kvrelay.client import RelayClient, cli
 from kvrelay.client.views import ModelServingView, PoolServingView
+from kvrelay.discovery.metrics_scrape import parse_engine_page
+from kvrelay.publication.serving_load import RunningTotals
+from kvrelay.relay.serving import rank_counters
 from kvrelay.relay.settings import EngineSpec, PoolSpec
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
+from kvrelay.sim.metrics_http import render_metrics
 from tests.support.fleet import fleet_and_relay
 
 
@@ -306,3 +312,176 @@ async def test_a_page_cut_before_its_request_counter_counts_nothing_twice() -> N
     finally:
         stub.close()
         await stub.wait_closed()
+
+
+def _model(client: RelayClient) -> ModelServingView | None:
+    views = client.serving_load().models
+    return views[0] if len(views) == 1 else None
+
+
+async def test_pages_are_read_by_the_name_the_engine_serves_under() -> None:
+    """A pool configured with a canonical id other than the engine's served name: vLLM labels
+    its samples ``model_name=<served name>``, so filtered by the canonical id the page listed
+    nothing (KV usage unknown, the model's requests all zero)."""
+
+    def pools(engines: list[SimEngine]) -> tuple[PoolSpec, ...]:
+        return tuple(replace(p, model="org/canonical") for p in _pools(engines))
+
+    configs = [SimConfig(name="m0", seed=71, capacity_blocks=128, max_running=4)]
+    async with fleet_and_relay(configs, pools=pools) as (engines, _relay, server):
+        async with RelayClient([f"127.0.0.1:{server.port}"]) as client:
+            assert await client.wait_ready(30)
+            await engines[0].step(30)
+            want = _oracle(engines)
+            assert want["requests_completed_total"] > 0
+
+            def settled() -> bool:
+                m = _model(client)
+                return m is not None and m.status == "COMPLETE" and _totals(m) == want
+
+            assert await client.wait_for(settled, 20), _model(client)
+            m = _model(client)
+            assert m is not None and m.model == "org/canonical"
+            assert await client.wait_for(
+                lambda: [v.observed_ranks for v in client.load().values()] == [1], 20
+            ), client.load()
+
+
+async def test_a_page_that_does_not_list_the_model_is_not_a_report_of_zero() -> None:
+    """An engine run with ``--disable-log-stats`` serves a page of process collectors only. Every
+    engine of the model's pools serves the model, so that page is no report: the frontend is not
+    observed and the model DEGRADED, not COMPLETE with that engine's requests missing."""
+    page = (b"# TYPE python_gc_objects_collected_total counter\n"
+            b'python_gc_objects_collected_total{generation="0"} 1234.0\n'
+            b"process_resident_memory_bytes 1.2e9\n"
+            b"process_start_time_seconds 1.7e+09\n")  # fmt: skip
+    stub, stub_port = await _metrics_stub(lambda: page)
+
+    def pools(engines: list[SimEngine]) -> tuple[PoolSpec, ...]:
+        (spec,) = _pools(engines)
+        e0, e1 = spec.engines
+        return (replace(spec, engines=(e0, replace(e1, metrics_port=stub_port))),)
+
+    configs = [SimConfig(name="d0", seed=81, capacity_blocks=128, max_running=4),
+               SimConfig(name="d1", seed=82, capacity_blocks=128, max_running=4)]  # fmt: skip
+    try:
+        async with fleet_and_relay(configs, pools=pools) as (engines, _relay, server):
+            async with RelayClient([f"127.0.0.1:{server.port}"]) as client:
+                assert await client.wait_ready(30)
+                await engines[0].step(20)
+                want = _oracle(engines[:1])
+
+                def seen() -> bool:
+                    m = _model(client)
+                    return m is not None and _totals(m) == want
+
+                assert await client.wait_for(seen, 20), _model(client)
+                m = _model(client)
+                assert m is not None and m.status == "DEGRADED"
+                assert (m.expected_frontends, m.observed_frontends, m.ready_frontends) == (2, 1, 1)
+    finally:
+        stub.close()
+        await stub.wait_closed()
+
+
+async def test_a_renamed_or_moved_engine_is_not_counted_again() -> None:
+    """A reload that renames an engine, then one that moves it to another pool of the same model:
+    the same frontend (same address), so its total goes on from its own values. Keyed by the
+    configured names, its whole running total was counted a second time at each."""
+    configs = [SimConfig(name="r0", seed=91, capacity_blocks=128, max_running=4)]
+    async with fleet_and_relay(configs, pools=_pools) as (engines, relay, server):
+        async with RelayClient([f"127.0.0.1:{server.port}"]) as client:
+            assert await client.wait_ready(30)
+            want: dict[str, int] = {}
+
+            def settled(endpoint: str) -> bool:
+                m = _model(client)
+                return (m is not None and m.status == "COMPLETE" and _totals(m) == want
+                        and [k.endpoint_path for k in m.serving_pools] == [endpoint])  # fmt: skip
+
+            await engines[0].step(20)
+            want = _oracle(engines)
+            assert await client.wait_for(lambda: settled("ns/backend/generate"), 20), _model(client)
+            (spec,) = relay.settings.pools
+            renamed = replace(spec, engines=(replace(spec.engines[0], name="gpu-node-0"),))
+            await relay.reconfigure(replace(relay.settings, pools=(renamed,)))
+            await engines[0].step(10)  # moved on since: the totals must follow it, once
+            want = _oracle(engines)
+            assert await client.wait_for(lambda: settled("ns/backend/generate"), 20), (
+                _model(client), want
+            )
+            moved = replace(renamed, endpoint="generate-b")
+            await relay.reconfigure(replace(relay.settings, pools=(moved,)))
+            await engines[0].step(10)
+            want = _oracle(engines)
+            assert await client.wait_for(lambda: settled("ns/backend/generate-b"), 20), (
+                _model(client), want
+            )
+            m = _model(client)
+            assert m is not None and m.expected_frontends == 1
+
+
+async def test_a_restart_that_overtook_its_old_counts_is_seen_by_its_start_time() -> None:
+    """An engine that restarted and counted past its old values before the next scrape: no
+    counter went down, so only its page's ``process_start_time_seconds`` tells the restart. Seen
+    as the same process, everything its previous run counted was lost. The page is the
+    simulator's, served as of chosen moments, so no scrape falls between restart and catch-up."""
+    page: list[bytes] = [b""]
+    stub, stub_port = await _metrics_stub(lambda: page[0])
+
+    def pools(engines: list[SimEngine]) -> tuple[PoolSpec, ...]:
+        (spec,) = _pools(engines)
+        return (replace(spec, engines=(replace(spec.engines[0], metrics_port=stub_port),)),)
+
+    configs = [SimConfig(name="s0", seed=1, capacity_blocks=128, max_running=4)]
+    try:
+        async with fleet_and_relay(configs, pools=pools) as (engines, _relay, server):
+            engine = engines[0]
+            async with RelayClient([f"127.0.0.1:{server.port}"]) as client:
+                assert await client.wait_ready(30)
+
+                def settled(expect: dict[str, int]) -> bool:
+                    m = _model(client)
+                    return m is not None and m.status == "COMPLETE" and _totals(m) == expect
+
+                await engine.step(12)
+                before = _oracle(engines)
+                page[0] = render_metrics(engine).encode()
+                assert await client.wait_for(lambda: settled(before), 20), _model(client)
+                await engine.restart()
+                await engine.step(60)
+                after = _oracle(engines)
+                # no counter of the new run is below the old run's: nothing but the start time
+                assert all(after[k] >= before[k] for k in before), (before, after)
+                page[0] = render_metrics(engine).encode()
+                expect = {k: before[k] + after[k] for k in before}
+                assert await client.wait_for(lambda: settled(expect), 20), (_model(client), expect)
+    finally:
+        stub.close()
+        await stub.wait_closed()
+
+
+def test_a_page_cut_at_a_line_inside_the_finished_counter_counts_nothing_twice() -> None:
+    """The request counters need the reasons ``stop``, ``length`` and ``abort`` on the page (the
+    failed one ``error``): a page cut after the ``length`` line read ``abort`` as 0, a dip taken
+    for a restart, and every counter was counted again once the whole page came back."""
+    lab = 'engine="0",model_name="m"'
+    full = [f"vllm:num_requests_running{{{lab}}} 2", f"vllm:num_requests_waiting{{{lab}}} 1",
+            f"vllm:prompt_tokens_total{{{lab}}} 5000", f"vllm:generation_tokens_total{{{lab}}} 900",
+            *(f'vllm:request_success_total{{{lab},finished_reason="{r}"}} {n}'
+              for r, n in (("stop", 40), ("length", 10), ("abort", 3), ("error", 1)))]  # fmt: skip
+
+    def counters(lines: list[str]) -> dict[str, int]:
+        return rank_counters(parse_engine_page("\n".join(lines) + "\n", "m").serving["0"])
+
+    whole = counters(full)
+    assert whole == {"requests_completed_total": 50, "requests_cancelled_total": 3,
+                     "requests_failed_total": 1, "requests_started_total": 57,
+                     "input_tokens_total": 5000, "output_tokens_total": 900}  # fmt: skip
+    cut = counters(full[:6])  # ends cleanly after the "length" line
+    assert cut == {"input_tokens_total": 5000, "output_tokens_total": 900}
+    no_error = counters(full[:7])  # an older vLLM has no "error" reason: failed unknown, not 0
+    assert "requests_failed_total" not in no_error and no_error["requests_started_total"] == 56
+    totals = RunningTotals()
+    for report in (whole, cut, whole):
+        assert totals.window(("ns", "m"), ["src"], {"src": report}) == whole
