@@ -180,6 +180,17 @@ async def _metrics_stub(page: Callable[[], bytes]) -> tuple[asyncio.Server, int]
     return stub, stub.sockets[0].getsockname()[1]
 
 
+def _second_engine_reads(port: int) -> Callable[[list[SimEngine]], tuple[PoolSpec, ...]]:
+    """The pool of ``_pools``, its second engine's page served by the stub on ``port``."""
+
+    def pools(engines: list[SimEngine]) -> tuple[PoolSpec, ...]:
+        (spec,) = _pools(engines)
+        e0, e1 = spec.engines
+        return (replace(spec, engines=(e0, replace(e1, metrics_port=port))),)
+
+    return pools
+
+
 async def test_a_page_without_request_figures_is_not_a_report_of_zero() -> None:
     """An engine whose page lists the model but gives no request figures (another server's
     format, a rank's label missing) is not an observed frontend: the model is DEGRADED, not
@@ -187,10 +198,7 @@ async def test_a_page_without_request_figures_is_not_a_report_of_zero() -> None:
     page = b'vllm:kv_cache_usage_perc{engine="0",model_name="sim-model"} 0.25\n'
     stub, stub_port = await _metrics_stub(lambda: page)
 
-    def pools(engines: list[SimEngine]) -> tuple[PoolSpec, ...]:
-        (spec,) = _pools(engines)
-        e0, e1 = spec.engines
-        return (replace(spec, engines=(e0, replace(e1, metrics_port=stub_port))),)
+    pools = _second_engine_reads(stub_port)
 
     configs = [SimConfig(name="f0", seed=51, capacity_blocks=128, max_running=4),
                SimConfig(name="f1", seed=52, capacity_blocks=128, max_running=4)]  # fmt: skip
@@ -357,10 +365,7 @@ async def test_a_page_that_does_not_list_the_model_is_not_a_report_of_zero() -> 
             b"process_start_time_seconds 1.7e+09\n")  # fmt: skip
     stub, stub_port = await _metrics_stub(lambda: page)
 
-    def pools(engines: list[SimEngine]) -> tuple[PoolSpec, ...]:
-        (spec,) = _pools(engines)
-        e0, e1 = spec.engines
-        return (replace(spec, engines=(e0, replace(e1, metrics_port=stub_port))),)
+    pools = _second_engine_reads(stub_port)
 
     configs = [SimConfig(name="d0", seed=81, capacity_blocks=128, max_running=4),
                SimConfig(name="d1", seed=82, capacity_blocks=128, max_running=4)]  # fmt: skip

@@ -37,6 +37,16 @@ def _live(relay: Relay, members: int) -> bool:
     return len(subs) == members and all(s.state == "live" for s in subs.values())
 
 
+async def _started_with_history(relay: Relay, engines: list[SimEngine]) -> None:
+    """Start ``relay``, then 240 steps of history (30x the replay buffer) until it is exact."""
+    await relay.start()
+    await eventually(lambda: _live(relay, 4), what="every member live")
+    for _ in range(30):
+        for e in engines:
+            await e.step(8)
+    await eventually(lambda: _exact(relay, engines), what="relay exact")
+
+
 @pytest.mark.parametrize("where", ["loop", "aside"])
 async def test_a_live_cut_resumes_every_member_while_the_old_relay_ingests(
     tmp_path: Path, where: str
@@ -51,12 +61,7 @@ async def test_a_live_cut_resumes_every_member_while_the_old_relay_ingests(
     old = Relay(settings)
     new: Relay | None = None
     try:
-        await old.start()
-        await eventually(lambda: _live(old, 4), what="every member live")
-        for _ in range(30):  # 240 steps of history, 30x the replay buffer
-            for e in engines:
-                await e.step(8)
-        await eventually(lambda: _exact(old, engines), what="old relay exact")
+        await _started_with_history(old, engines)
         if where == "loop":
             summary = takeover.cut(old.pools, tmp_path)
         else:
@@ -172,12 +177,7 @@ async def test_a_pool_absent_from_the_cut_keeps_its_state_file(tmp_path: Path) -
     old: Relay | None = None
     new: Relay | None = None
     try:
-        await first.start()
-        await eventually(lambda: _live(first, 4), what="every member live")
-        for _ in range(30):  # 240 steps of history, 30x the replay buffer
-            for e in engines:
-                await e.step(8)
-        await eventually(lambda: _exact(first, engines), what="first relay exact")
+        await _started_with_history(first, engines)
         await stop_relay(first)  # saves the state file
         for e in engines:
             await e.stop_control()

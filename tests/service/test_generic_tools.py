@@ -10,6 +10,7 @@ With ``buf`` on the machine (npm package ``@bufbuild/buf``) the documented comma
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import subprocess
@@ -217,19 +218,14 @@ async def test_watch_and_reflection_end_before_their_connections_goaway() -> Non
     moment later turned the OK into UNAVAILABLE (about one drain in four here). A Watch and a
     reflection stream whose request is still on its way hold the drain, as a relay stream's
     does, and are answered before they end."""
-    relay = Relay(RelaySettings(dc_name="dc-watch-raw"))
-    await relay.start()
-    srv = RelayServer(relay)
-    await srv.start("127.0.0.1", 0)
-    raw = await RawH2Client.connect(srv.port)
-    closing = None
-    try:
+    async with _draining("dc-watch-raw") as d:
+        raw = d.raw
         watch = raw.open(WATCH, HealthCheckRequest(service="").SerializeToString())
         reflect = _open_reflection(raw)
         late_watch = raw.open(WATCH, b"", end=False)  # headers only: no request yet
         late_reflect = raw.open(REFLECTION_PATH, b"", end=False)
         await _eventually_data(watch, reflect)
-        closing = asyncio.create_task(srv.close(grace_s=5.0))
+        closing = d.drain(5.0)
         await asyncio.sleep(0.3)
         assert not closing.done(), "the streams waiting for their request hold the drain"
         assert (watch.status, reflect.status) == ("0", "0")
@@ -251,27 +247,17 @@ async def test_watch_and_reflection_end_before_their_connections_goaway() -> Non
         assert sorted(raw.order[:-1]) == [("ended", 1), ("ended", 3), ("ended", 5), ("ended", 7),
                                           ("reset", 3), ("reset", 7)]  # fmt: skip
         assert raw.order[-1] == ("goaway", 7)
-    finally:
-        if closing is not None:
-            await closing
-        await raw.close()
-        await relay.stop()
 
 
 async def test_a_watch_whose_request_is_on_its_way_holds_the_drain() -> None:
     """A Watch whose request has not arrived when the drain starts holds it, as a relay stream
     does (up to the grace): once the request comes it is sent NOT_SERVING and ends OK, before
     the GOAWAY, instead of being cut by the close."""
-    relay = Relay(RelaySettings(dc_name="dc-watch-wait"))
-    await relay.start()
-    srv = RelayServer(relay)
-    await srv.start("127.0.0.1", 0)
-    raw = await RawH2Client.connect(srv.port)
-    closing = None
-    try:
+    async with _draining("dc-watch-wait") as d:
+        raw = d.raw
         late = raw.open(WATCH, b"", end=False)  # headers only: no request yet
         await asyncio.sleep(0.2)
-        closing = asyncio.create_task(srv.close(grace_s=5.0))
+        closing = d.drain(5.0)
         await asyncio.sleep(0.3)
         assert not closing.done(), "the Watch waiting for its request holds the drain"
         raw.h2.send_data(1, _framed(HealthCheckRequest(service="")), end_stream=True)
@@ -280,11 +266,6 @@ async def test_a_watch_whose_request_is_on_its_way_holds_the_drain() -> None:
         await asyncio.wait_for(raw.closed.wait(), 5)
         assert _statuses(late.data) == [HealthCheckResponse.NOT_SERVING]
         assert late.status == "0" and raw.order == [("ended", 1), ("goaway", 1)]
-    finally:
-        if closing is not None:
-            await closing
-        await raw.close()
-        await relay.stop()
 
 
 async def test_during_the_drain_a_new_watch_says_not_serving_and_reflection_is_refused() -> None:
@@ -292,16 +273,11 @@ async def test_during_the_drain_a_new_watch_says_not_serving_and_reflection_is_r
     still open streams there: a Watch is told NOT_SERVING and ends OK; a reflection stream is
     refused UNAVAILABLE with the reason trailer, as a relay stream then is (contract §4.8),
     instead of staying open until the close cuts it."""
-    relay = Relay(RelaySettings(dc_name="dc-watch-late"))
-    await relay.start()
-    srv = RelayServer(relay)
-    await srv.start("127.0.0.1", 0)
-    holder = await RawH2Client.connect(srv.port, window=0)  # never reads: the drain waits
-    closing = None
-    try:
+    async with _draining("dc-watch-late", window=0) as d:
+        holder = d.raw  # never reads: the drain waits
         held = holder.open("WatchKvPoolCatalog", plane_request("held"))
         await asyncio.sleep(0.2)
-        closing = asyncio.create_task(srv.close(grace_s=3.0))
+        closing = d.drain(3.0)
         await asyncio.sleep(0.3)
         assert not closing.done() and not held.ended.is_set()
         watch = holder.open(WATCH, HealthCheckRequest(service=RELAY).SerializeToString())
@@ -315,11 +291,6 @@ async def test_during_the_drain_a_new_watch_says_not_serving_and_reflection_is_r
             str(grpc.StatusCode.UNAVAILABLE.value[0]), "RELAY_ERROR_REASON_PUBLICATION_UNAVAILABLE"
         )
         assert not closing.done()  # the held relay stream still holds the drain
-    finally:
-        if closing is not None:
-            await closing
-        await holder.close()
-        await relay.stop()
 
 
 def _open_reflection(raw: RawH2Client) -> Any:
@@ -419,3 +390,32 @@ async def test_buf_curl_lists_methods_and_calls_when_installed(server: RelayServ
         run, "-d", json.dumps({"service": RELAY}), f"{url}/{HEALTH}/Check"
     )
     assert health.returncode == 0 and json.loads(health.stdout) == {"status": "SERVING"}
+
+
+class _Draining:
+    """A relay's server on loopback and one raw HTTP/2 connection to it; ``drain`` starts the
+    server's close (awaited on the way out, as every stream has ended by then)."""
+
+    def __init__(self, srv: RelayServer, raw: RawH2Client) -> None:
+        self.srv, self.raw = srv, raw
+        self.closing: asyncio.Task[None] | None = None
+
+    def drain(self, grace_s: float) -> asyncio.Task[None]:
+        self.closing = asyncio.create_task(self.srv.close(grace_s=grace_s))
+        return self.closing
+
+
+@contextlib.asynccontextmanager
+async def _draining(dc_name: str, window: int | None = None) -> AsyncIterator[_Draining]:
+    relay = Relay(RelaySettings(dc_name=dc_name))
+    await relay.start()
+    srv = RelayServer(relay)
+    await srv.start("127.0.0.1", 0)
+    d = _Draining(srv, await RawH2Client.connect(srv.port, window=window))
+    try:
+        yield d
+    finally:
+        if d.closing is not None:
+            await d.closing
+        await d.raw.close()
+        await relay.stop()
