@@ -147,12 +147,11 @@ class RankServing:
 @dataclass(frozen=True, slots=True)
 class EnginePage:
     """What one scrape of an engine's page says: KV usage and serving figures per DP rank
-    (the ``engine`` label), whether any sample names the model asked for, and the unix time its
-    process started (``process_start_time_seconds``; None when the page does not say)."""
+    (the ``engine`` label), and the unix time its process started
+    (``process_start_time_seconds``; None when the page does not say)."""
 
     kv_usage: dict[str, float]
     serving: dict[str, RankServing]
-    lists_model: bool
     started: float | None = None
 
 
@@ -175,18 +174,6 @@ WANTED = frozenset({KV_USAGE, KV_USAGE_LEGACY, REQUEST_SUCCESS, PROCESS_START, *
 _WANTED_STARTS = tuple(n + end for n in sorted(WANTED) for end in ("{", " ", "\t"))
 
 
-def _escaped(value: str) -> str:
-    """A label value as the text format writes it."""
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def lists_model(text: str, model_name: str) -> bool:
-    """Some sample on the page carries ``model_name="<model_name>"`` (as the first label or a
-    later one)."""
-    label = f'model_name="{_escaped(model_name)}"'
-    return "{" + label in text or "," + label in text
-
-
 def parse_engine_page(text: str, model_name: str | None = None) -> EnginePage:
     """Parse one page (optional model filter); ``MetricsScrapeError`` for anything malformed in
     what is read.
@@ -205,7 +192,6 @@ def parse_engine_page(text: str, model_name: str | None = None) -> EnginePage:
     figures: dict[str, dict[str, Any]] = {}
     started: float | None = None
     seen: set[tuple[str, frozenset[tuple[str, str]]]] = set()
-    listed = model_name is None or lists_model(text, model_name)
     wanted = "\n".join(ln for ln in text.split("\n") if ln.startswith(_WANTED_STARTS))
     try:
         for fam in text_string_to_metric_families(wanted + "\n"):
@@ -241,7 +227,7 @@ def parse_engine_page(text: str, model_name: str | None = None) -> EnginePage:
     except Exception as exc:  # the parser raises ValueError, TypeError, IndexError, …
         raise MetricsScrapeError(f"unparsable metrics text: {exc!r}") from exc
     serving = {rank: RankServing(**f) for rank, f in figures.items()}
-    return EnginePage(found or legacy, serving, listed, started)
+    return EnginePage(found or legacy, serving, started)
 
 
 def parse_kv_usage(text: str, model_name: str | None = None) -> dict[str, float]:

@@ -60,9 +60,16 @@ def create_temp(directory: Path, name: str, mode: int = 0o600) -> tuple[int, Pat
 
 
 def write_all(fd: int, data: bytes | memoryview) -> None:
+    """All of ``data``; an ``OSError`` raised after part of it was written carries how much in
+    ``written`` (a caller that goes on another way writes only the rest)."""
     view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+    done = 0
+    while done < len(view):
+        try:
+            done += os.write(fd, view[done:])
+        except OSError as exc:
+            exc.written = done  # type: ignore[attr-defined]
+            raise
 
 
 def commit(fd: int, tmp: Path, path: Path) -> None:

@@ -197,6 +197,7 @@ class _Sink:
         """Write the buffer out: whole aligned blocks while direct (the last one padded, cut by
         :meth:`finish`), its exact bytes otherwise."""
         n = self.n
+        done = 0  # bytes of the buffer already in the file
         if self.direct:
             try:
                 safe_files.write_all(self.fd, self.buf.data[:_aligned(n)])
@@ -206,7 +207,9 @@ class _Sink:
                 if exc.errno != errno.EINVAL or not _set_direct(self.fd, False):
                     raise
                 self.direct = False  # the file system refused it after all: the page cache then
-        safe_files.write_all(self.fd, self.buf.data[:n])
+                done = getattr(exc, "written", 0)
+        # the rest only: after a short direct write the file already holds the buffer's start
+        safe_files.write_all(self.fd, self.buf.data[min(done, n):n])
         self.n = 0
 
     def finish(self, size: int) -> None:

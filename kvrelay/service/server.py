@@ -47,7 +47,7 @@ from kvrelay.service.h2.request import (
 from kvrelay.service.h2.request_guards import RequestGuards
 from kvrelay.service.h2.tls_gate import TLS_HANDSHAKE_TIMEOUT_S
 from kvrelay.service.h2.writer import StreamWriter, stream_resetter
-from kvrelay.service.health import RelayHealth
+from kvrelay.service.health import MAX_HEALTH_WATCHERS, RelayHealth
 from kvrelay.service.peercred import SameUserOnly
 from kvrelay.service.reflection import MAX_REFLECTION_STREAMS, reflection_services
 from kvrelay.service.shares import StreamShares, StreamTicket, peer_addr
@@ -583,6 +583,15 @@ async def _add_reason_trailer(event: SendTrailingMetadata) -> None:
         event.metadata[TRAILER_KEY] = reason
 
 
+def streams_per_connection(limits: RelayLimits) -> int:
+    """The streams one connection may hold open at once: every stream the limits allow a single
+    client (alone it may hold a whole limit), the generic services' included. The limits, not
+    HTTP/2, decide how many streams a client gets."""
+    return max(100, limits.max_pool_streams_total + limits.max_catalog_subscribers
+               + limits.max_readiness_subscribers + 2 * limits.max_load_subscribers
+               + MAX_HEALTH_WATCHERS + MAX_REFLECTION_STREAMS)  # fmt: skip
+
+
 class RelayServer:
     """The gRPC endpoint: KvEventRelay + grpc.health.v1 + server reflection (v1, v1alpha)."""
 
@@ -624,6 +633,7 @@ class RelayServer:
         )
         listen(self._server, SendTrailingMetadata, _add_reason_trailer)
         self._server.h2_guard = (H2Budgets(), self.service.h2_counters)
+        self._server.max_concurrent_streams = streams_per_connection(self.limits)
         self._server.connection_caps = ConnectionCaps(
             self.limits.max_connections_per_address, self.limits.max_connections,
             self.service.h2_counters,

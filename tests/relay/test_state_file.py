@@ -79,6 +79,47 @@ def test_a_direct_write_the_file_system_refuses_goes_through_the_page_cache(
     assert path.read_bytes() == sf.encode({"k": 2}, arrays)
 
 
+def test_a_direct_write_refused_half_way_goes_on_with_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A direct write that wrote part of its block, then was refused (``EINVAL``): the page
+    cache takes only the rest. Written again from the block's start, the file held those bytes
+    twice, shifted everything after them, and was then refused as corrupt at the next start."""
+    real = sf.safe_files.write_all
+    calls = []
+
+    def half(fd: int, data: bytes | memoryview) -> None:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT and not calls:
+            calls.append(len(data))
+            k = len(data) // 2
+            _set_flag(fd, False)  # the short write (unaligned memory would be refused direct)
+            assert os.write(fd, bytes(data[:k])) == k
+            _set_flag(fd, True)
+            exc = OSError(errno.EINVAL, "Invalid argument")
+            exc.written = k  # type: ignore[attr-defined]
+            raise exc
+        real(fd, data)
+
+    monkeypatch.setattr(sf.safe_files, "write_all", half)
+    monkeypatch.setattr(sf, "_set_direct", lambda fd, on: _set_flag(fd, on))
+    arrays = _arrays() | {"bulk": np.arange(3 * sf.DIRECT_BLOCK + 7, dtype=np.uint8)}
+    path = tmp_path / "p.kvstate"
+    sf.write(path, {"k": 3}, arrays)
+    assert calls == [sf.DIRECT_BLOCK]
+    assert path.read_bytes() == sf.encode({"k": 3}, arrays)
+
+
+def _set_flag(fd: int, on: bool) -> bool:
+    """``O_DIRECT`` as a flag only (the test's file system may refuse the real thing): what the
+    writer asks for is what it gets."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, (flags | os.O_DIRECT) if on else (flags & ~os.O_DIRECT))
+    except OSError:
+        return False
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT) == on
+
+
 @settings(max_examples=60, deadline=None)
 @given(cut=st.floats(0.0, 0.9999))
 def test_any_truncation_is_refused(cut: float) -> None:

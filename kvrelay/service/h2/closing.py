@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from grpclib.server import Server
+from h2.settings import SettingCodes
 
 from kvrelay.service.h2.drain import DrainNotice
 from kvrelay.service.h2.guard import ConnectionCaps, H2Budgets, H2Counters, guard_protocol
@@ -54,6 +55,8 @@ class ClosingServer(Server):
         #: connections per peer address and in all (``guard.py``); None: unbounded
         self.connection_caps: ConnectionCaps | None = None
         self.tls_handshake_timeout_s = TLS_HANDSHAKE_TIMEOUT_S
+        #: SETTINGS_MAX_CONCURRENT_STREAMS each connection is told (None: h2's 100)
+        self.max_concurrent_streams: int | None = None
         self._tls: Callable[[], ssl.SSLContext] | None = None
         self._gates: weakref.WeakSet[TlsGate] = weakref.WeakSet()
 
@@ -73,6 +76,8 @@ class ClosingServer(Server):
         notice = DrainNotice.install(proto)
         if notice is not None:
             self._notices[proto] = notice
+        if self.max_concurrent_streams is not None:
+            _announce_stream_cap(proto, self.max_concurrent_streams)
         if self._tls is not None:
             counters = self.h2_guard[1] if self.h2_guard is not None else H2Counters()
             gate = TlsGate(proto, self._tls, self._admit, counters, self.tls_handshake_timeout_s)
@@ -134,6 +139,25 @@ class ClosingServer(Server):
             if notice is not None:
                 notice.final()
             processor.close("relay shut down")
+
+
+def _announce_stream_cap(proto: H2Protocol, streams: int) -> None:
+    """Tell the client, right after grpclib's own SETTINGS, how many streams it may open at once.
+    h2 says 100, below what the relay's limits allow one connection: a mirror (so every fan-out
+    worker) or an SDK subscribing to more than about 96 pools on one channel had the rest of its
+    streams wait, without a byte or a status, for one of the first to end."""
+    made = proto.connection_made
+
+    def connection_made(transport: asyncio.BaseTransport) -> None:
+        made(transport)
+        conn = getattr(proto, "connection", None)
+        h2 = getattr(conn, "_connection", None)
+        if conn is None or h2 is None:  # (internals gone: h2's 100 stays)
+            return
+        h2.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: streams})
+        conn.flush()
+
+    proto.connection_made = connection_made  # type: ignore[method-assign]
 
 
 def _ignore(*_args: Any) -> None:

@@ -748,3 +748,37 @@ async def test_tls_handshakes_are_capped_timed_out_and_counted(
             writer.close()
         await server.close(grace_s=0.5)
     assert "Exception ignored" not in capfd.readouterr().err
+
+
+async def test_one_connection_may_hold_every_stream_the_limits_allow_it() -> None:
+    """One channel opening 150 catalog streams (a mirror's or an SDK's many pools, which all
+    share one connection): every one is served. The relay told clients h2's default of 100
+    streams at once, so the 101st on a channel waited, without a byte or a status, for one of
+    the first to end."""
+    limits = RelayLimits(max_catalog_subscribers=200)
+    server = RelayServer(MemRelayView(), limits)
+    await server.start("127.0.0.1", 0)
+    try:
+        async with Channel("127.0.0.1", server.port) as ch:
+            stub = pb.KvEventRelayStub(ch)
+
+            served: list[int] = []
+            everyone = asyncio.Event()
+
+            async def first(i: int) -> None:
+                it = aiter(stub.watch_kv_pool_catalog(pb.WatchKvPoolCatalogRequest(
+                    contract_marker=CONTRACT_MARKER, subscriber_id=f"r{i}")))  # fmt: skip
+                await anext(it)
+                served.append(i)
+                if len(served) == 150:
+                    everyone.set()
+                await everyone.wait()  # every stream stays open until all were served
+
+            waiting = asyncio.gather(*(first(i) for i in range(150)))
+            try:
+                await asyncio.wait_for(asyncio.shield(waiting), 20)
+            except TimeoutError:
+                waiting.cancel()
+                raise AssertionError(f"{len(served)} of 150 streams served") from None
+    finally:
+        await server.close(grace_s=0.5)
