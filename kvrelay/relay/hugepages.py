@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import errno
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -45,6 +46,9 @@ class Stats:
 stats = Stats()
 _supported = sys.platform == "linux"
 _running: asyncio.Future[int] | None = None
+#: Held by the pass running now, whichever loop's executor runs it (a closed loop's thread may
+#: still be in one): passes never overlap, and ``idle`` sees them all.
+_pass = threading.Lock()
 
 
 def dense_spans(smaps: str) -> list[tuple[int, int]]:
@@ -81,6 +85,11 @@ def fold(pause_s: float = 0.0005) -> int:
     (the kernel holds the mapping's lock while it copies one huge page, so the relay's own page
     faults never wait for more than one); the bytes the kernel folded (0 when it cannot: not
     Linux, no ``MADV_COLLAPSE``, nothing to fold)."""
+    with _pass:
+        return _fold(pause_s)
+
+
+def _fold(pause_s: float) -> int:
     global _supported
     if not _supported:
         return 0
@@ -107,8 +116,8 @@ def fold(pause_s: float = 0.0005) -> int:
 
 
 def idle() -> bool:
-    """No pass is running (tests wait for it)."""
-    return _running is None or _running.done()
+    """No pass is running, started from any loop (tests wait for it)."""
+    return not _pass.locked()
 
 
 def fold_soon() -> None:

@@ -78,6 +78,12 @@ def _anon_huge_kib(addr: int) -> int:
 def test_a_child_s_end_folds_back_what_its_image_split_and_changes_no_byte() -> None:
     a = np.arange(16 * MIB // 8, dtype=np.uint64)  # 16 MiB: numpy asks for huge pages
     inside = a.ctypes.data + 4 * MIB
+    # a pass an earlier test's child started may still run on its closed loop's thread: it
+    # would fold the pages the writes below split, before they are counted
+    deadline = time.monotonic() + 30
+    while not hugepages.idle():
+        assert time.monotonic() < deadline, "a fold pass never ended"
+        time.sleep(0.01)
     before = _anon_huge_kib(inside)
     passes = hugepages.stats.passes
     split = [0]
