@@ -97,7 +97,6 @@ class WorkerFront:
         self.cfg = cfg
         self.view = view
         self.start_timeout_s = start_timeout_s
-        self.dir: str | None = None
         self._dir: PrivateDir | None = None
         self.path: str | None = None
         self.internal: Any = None
@@ -112,7 +111,6 @@ class WorkerFront:
         base = cfg.runtime_dir
         try:
             self._dir = private_runtime_dir(base)
-            self.dir = self._dir.path
         except OSError as exc:
             raise RuntimeError(
                 f"workers = {cfg.workers} needs a writable runtime directory for its internal "
@@ -120,7 +118,7 @@ class WorkerFront:
                 "runtime_dir (KVRELAY_RELAY_RUNTIME_DIR) to a writable directory, e.g. an "
                 "emptyDir on Kubernetes"
             ) from None
-        self.path = os.path.join(self.dir, "ingest.sock")
+        self.path = os.path.join(self._dir.path, "ingest.sock")
         self.internal = RelayServer(self.view, internal_limits(cfg.relay.limits, cfg.workers))
         await self.internal.start_unix(self.path)
         if self._listener is None:
@@ -192,7 +190,7 @@ class WorkerFront:
             self._listener = None
         if self._dir is not None:
             self._dir.remove()
-            self._dir = self.dir = None
+            self._dir = None
 
 
 def _json_logs(logging: LoggingConfig) -> bool | None:

@@ -653,7 +653,7 @@ class Relay:
                 st.usage = {}  # unknown, never zero
                 self._serving.store(pool.name, st.spec.name, None)
                 why = exc.reason if isinstance(exc, MetricsScrapeError) else "unreachable"
-                self.scrape_failures[why] = self.scrape_failures.get(why, 0) + 1
+                self._count(self.scrape_failures, why)
             except Exception:  # whatever else: unknown too, and the scraper goes on
                 st.usage = {}
                 self._serving.store(pool.name, st.spec.name, None)
