@@ -10,6 +10,11 @@
   (``malformed_headers``).
 * **Frame types HTTP/2 does not define.** RFC 9113 says to ignore them; grpclib raised on h2's
   event for one and the connection died without a GOAWAY. They are ignored.
+* **An empty DATA frame that does not end its stream.** It is legal and carries nothing, but
+  grpclib's stream buffer took its zero flow-controlled length for the end of the request body:
+  the request read as cut short (``INVALID_REQUEST``). h2 has checked the frame against the
+  stream's state by then; the event is dropped before grpclib sees it. (Past their budget such
+  frames still close the connection: ``guard.py``.)
 * **Anything else grpclib's ``data_received`` raises** (a header value that is not ASCII, for
   one) ended the connection through the event loop's "fatal error" log, without a GOAWAY. The
   connection now gets GOAWAY ``PROTOCOL_ERROR`` and is closed, counted (``protocol_error``).
@@ -32,7 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from h2.errors import ErrorCodes
-from h2.events import UnknownFrameReceived
+from h2.events import DataReceived, UnknownFrameReceived
 from h2.exceptions import ProtocolError
 
 from kvrelay.service.h2.guard import H2Counters, goaway
@@ -82,6 +87,9 @@ def mend_protocol(proto: H2Protocol, counters: H2Counters) -> None:
         processors = getattr(getattr(proto, "processor", None), "processors", None)
         if isinstance(processors, dict):
             processors.setdefault(UnknownFrameReceived, _ignore)
+            data = processors.get(DataReceived)
+            if data is not None:
+                processors[DataReceived] = _without_empty(data)
         if not missing_in_feed(proto):
             _tell_connection_errors(proto.connection, t, counters)
 
@@ -119,6 +127,18 @@ def _tell_connection_errors(conn: Any, transport: Any, counters: H2Counters) -> 
             raise
 
     conn.feed = feed_told
+
+
+def _without_empty(process: Callable[[Any], None]) -> Callable[[Any], None]:
+    """grpclib's DATA handling, minus DATA events with nothing in them (no data, no padding):
+    grpclib's buffer reads a zero flow-controlled length as the end of the body. A frame that
+    ends its stream also gives h2's ``StreamEnded`` event, so nothing is lost."""
+
+    def process_data(event: Any) -> None:
+        if event.flow_controlled_length:
+            process(event)
+
+    return process_data
 
 
 def _ignore(_event: Any) -> None:

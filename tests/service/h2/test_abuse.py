@@ -386,6 +386,32 @@ async def test_malformed_requests_and_unknown_frames_are_answered_not_logged(
         await server.close(grace_s=0.5)
 
 
+async def test_empty_data_frames_inside_a_request_are_not_its_end() -> None:
+    """Empty DATA frames that do not end the stream are legal and carry nothing: a request sent
+    with them before, inside and after its message is answered, not read as cut short
+    (grpclib took such a frame for the end of the body: INVALID_REQUEST)."""
+    server = RelayServer(MemRelayView())
+    await server.start("127.0.0.1", 0)
+    c = await RawH2Client.connect(server.port, "127.0.0.2")
+    try:
+        st = c.open("GetRelayInfo", b"", raw=b"", end=False)  # headers, then an empty DATA
+        sid = max(c.streams)
+        framed = b"\x00" + len(INFO).to_bytes(4, "big") + INFO
+        c.h2.send_data(sid, framed[:3], end_stream=False)
+        c.h2.send_data(sid, b"", end_stream=False)
+        c.h2.send_data(sid, framed[3:], end_stream=False)
+        c.h2.send_data(sid, b"", end_stream=False)
+        c.h2.end_stream(sid)
+        c.flush()
+        await asyncio.wait_for(st.ended.wait(), 10)
+        assert (st.status, st.reason) == ("0", None), (st.status, st.message)
+        reply = pb.RelayInfo().parse(bytes(st.data[5:]))
+        assert reply.contract_marker == CONTRACT_MARKER
+    finally:
+        await c.close()
+        await server.close(grace_s=0.5)
+
+
 #: Connection errors h2 finds, each with the GOAWAY code RFC 9113 gives it.
 CONNECTION_ERRORS: dict[str, tuple[bytes, int]] = {
     "data_on_stream_0": (_frame(0x0, 0, 0, b"x"), 0x1),
