@@ -543,7 +543,12 @@ class Relay:
 
     async def reconfigure(self, new: RelaySettings) -> ReloadPlan:
         """Apply a reloaded configuration live (see ``relay/reconfigure.py`` for what changes
-        how). Removals go first, so an engine that moved between pools is never in two."""
+        how). Removals go first, so an engine that moved between pools is never in two.
+
+        A step that raises part-way leaves ``settings`` saying what runs, so that the next
+        reload's plan is taken from it: each pool keeps the settings it had until its change is
+        complete, and a pool left between the two is removed (its streams end with a status), so
+        the next reload adds it again whole."""
         async with self._reload_lock:
             plan = plan_reload(self.settings, new)
             membership = self.membership
@@ -552,38 +557,84 @@ class Relay:
                 resolver = make_resolver(
                     plan.settings.dns_server, plan.settings.discovery_timeout_s
                 )
+            running = {"/".join(ps.triple): ps for ps in self.settings.pools}
+            base = self.settings
+            unsettled: set[str] = set()  # pools whose change started and did not finish
             lock = membership.lock if membership is not None else contextlib.nullcontext()
-            async with lock:  # no DNS pass re-adds what this reload retires
-                for name in plan.removed:
-                    await self._remove_pool(self._pool(name))
-                for change in plan.changed:
-                    p = self._pool(change.name)
-                    for template in change.templates_retired:
-                        assert membership is not None  # a template existed, so membership does
-                        for engine in membership.forget(p.name, template):
+            try:
+                async with lock:  # no DNS pass re-adds what this reload retires
+                    for name in plan.removed:
+                        unsettled.add(name)
+                        await self._remove_pool(self._pool(name))
+                        del running[name]
+                        unsettled.discard(name)
+                    for change in plan.changed:
+                        if change.templates_retired or change.engines_removed:
+                            unsettled.add(change.name)
+                        p = self._pool(change.name)
+                        for template in change.templates_retired:
+                            assert membership is not None  # a template existed: membership too
+                            for engine in membership.forget(p.name, template):
+                                await self.remove_engine(p.name, engine, reconcile=False)
+                        for engine in change.engines_removed:
                             await self.remove_engine(p.name, engine, reconcile=False)
-                    for engine in change.engines_removed:
-                        await self.remove_engine(p.name, engine, reconcile=False)
-                if resolver is not None and membership is not None:
-                    membership.resolver = resolver
-                self.settings = plan.settings
-                self.watcher.interval = plan.settings.discovery_interval_s
-                self.watcher.timeout = plan.settings.discovery_timeout_s
-                for p in self.pools:
-                    p.engine_down_grace_s = plan.settings.engine_down_grace_s
-                for change in plan.changed:
-                    p = self._pool(change.name)
-                    await p.respec(change.spec, rematerialize=change.rematerialize)
-                    for spec in change.engines_added:
-                        await self.add_engine(p.name, spec)
-                    await p.reconcile()
-                for pool_spec in plan.added:
-                    self._add_pool(pool_spec)
+                    if resolver is not None and membership is not None:
+                        membership.resolver = resolver
+                    self.settings = base = plan.settings
+                    self.watcher.interval = plan.settings.discovery_interval_s
+                    self.watcher.timeout = plan.settings.discovery_timeout_s
+                    for p in self.pools:
+                        p.engine_down_grace_s = plan.settings.engine_down_grace_s
+                    for change in plan.changed:
+                        unsettled.add(change.name)
+                        p = self._pool(change.name)
+                        await p.respec(change.spec, rematerialize=change.rematerialize)
+                        for spec in change.engines_added:
+                            await self.add_engine(p.name, spec)
+                        await p.reconcile()
+                        running[change.name] = change.spec
+                        unsettled.discard(change.name)
+                    for pool_spec in plan.added:
+                        name = "/".join(pool_spec.triple)
+                        unsettled.add(name)
+                        self._add_pool(pool_spec)
+                        running[name] = pool_spec
+                        unsettled.discard(name)
+            except BaseException:
+                await self._drop_unsettled(unsettled, running)
+                raise
+            finally:
+                order = dict.fromkeys(["/".join(ps.triple) for ps in plan.settings.pools])
+                order.update(dict.fromkeys(running))
+                self.settings = dataclasses.replace(
+                    base, pools=tuple(running[n] for n in order if n in running)
+                )
                 self._sync_membership()
             if self.started:
                 self._start_membership()
             self.refresh_planes()
             return plan
+
+    async def _drop_unsettled(self, unsettled: set[str], running: dict[str, PoolSpec]) -> None:
+        """A reload failed part-way through these pools' changes: each runs with settings that
+        are neither the old nor the new ones, so it is removed (streams end with a status) and
+        out of ``running``; the next reload adds it whole."""
+        for name in sorted(unsettled):
+            running.pop(name, None)
+            p = next((q for q in self.pools if q.name == name), None)
+            _log.error("config_reload_pool_dropped", pool=name,
+                       reason="its reload failed part-way; the next reload adds it again")
+            if p is None:
+                continue
+            try:
+                await self._remove_pool(p)
+            except Exception as exc:  # still out of the planes and the pool list
+                _log.error("config_reload_pool_drop_failed", pool=name, error=repr(exc))
+                if p in self.pools:
+                    self.pools.remove(p)
+                for target in [t for t, q in self._by_target.items() if q is p]:
+                    self._by_target.pop(target, None)
+                self.refresh_planes()
 
     def _add_pool(self, spec: PoolSpec) -> None:
         p = PoolRuntime(spec, self._ctx, engine_down_grace_s=self.settings.engine_down_grace_s)

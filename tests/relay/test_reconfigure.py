@@ -254,3 +254,65 @@ async def test_a_static_engine_redefined_rebuilds_only_its_member() -> None:
     finally:
         await e.stop()
         await spare.stop()
+
+
+async def test_a_reload_that_fails_part_way_leaves_settings_that_say_what_runs() -> None:
+    """A step that raises half-way through a pool's change (here the filter rebuild, as an
+    allocation failure would) drops that pool, its stream ending with a status, and leaves
+    ``settings`` saying what runs: the same file reloaded again then adds the pool whole, with
+    the engine the failed reload had not yet added, and the pool the failed reload never
+    reached. (``settings`` used to take the new file first: the retry planned nothing.)"""
+    extra = SimEngine(SimConfig(name="hf1", seed=89))
+    other = SimEngine(SimConfig(name="hf2", seed=90))
+    await extra.start()
+    await other.start()
+    try:
+        async with rig([SimConfig(name="hf0", seed=88)]) as r, r.channel() as ch:
+            await wait_live(r.relay, 1)
+            (e0,) = r.engines
+            await e0.step(4)
+            consumer = await subscribe(r, ch)
+            pool = r.relay.settings.pools[0]
+            target = dataclasses.replace(r.relay.settings, pools=(
+                dataclasses.replace(pool, engines=(*pool.engines, _spec(extra)),
+                                    expected_blocks=16_384),
+                _pool("second", _spec(other), expected_blocks=4096),
+            ))  # fmt: skip
+            failing = r.pool
+
+            async def no_memory(*_: object, **__: object) -> None:
+                raise MemoryError("injected: the new filter could not be allocated")
+
+            failing.respec = no_memory  # type: ignore[method-assign]
+            try:
+                await r.relay.reconfigure(target)
+            except MemoryError:
+                pass
+            else:
+                raise AssertionError("the injected failure did not surface")
+            end = await consumer.wait_end()
+            assert end.status == grpclib.const.Status.UNAVAILABLE
+            assert r.relay.pools == [] and r.relay.settings.pools == ()
+            assert await catalog_pool_count(ch) == 0
+
+            plan = await r.relay.reconfigure(target)  # the same file again
+            assert [p.endpoint for p in plan.added] == [pool.endpoint, "second"]
+            await wait_live(r.relay, 3)
+            assert r.relay.settings == target
+            again = r.relay.pools[0]
+            assert again is not failing and again.spec.expected_blocks == 16_384
+            assert {st.spec.name for st in again.engines.values()} == {"hf0", "hf1"}
+            await eventually(lambda: all(p.generation is not None for p in r.relay.pools),
+                             what="both pools materialized")  # fmt: skip
+            assert await catalog_pool_count(ch) == 2
+            await extra.step(3)
+            info = await relay_info(ch)
+            gen = again.generation
+            assert info.relay is not None and gen is not None
+            fresh = Consumer(ch, gen.producer, info.relay, "fresh").start()
+            await fresh.first.wait()
+            await verify(r, fresh, truth=_truth(e0, extra), probes=2_000)
+            await fresh.stop()
+    finally:
+        await extra.stop()
+        await other.stop()
