@@ -335,7 +335,9 @@ class ConnectSource:
         if rank is None:
             try:
                 rank = _PEEK.decode(payload).dp_rank or 0
-            except (msgspec.DecodeError, OverflowError):
+            # msgspec skips nested values recursively: a publisher's deep nesting is a payload
+            # like any other that does not decode, never the end of the bound SUB
+            except (msgspec.DecodeError, OverflowError, RecursionError):
                 self._unattributed(match.engine)
                 return
         m = self._members.get((match.engine, rank))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import time
 from bisect import bisect_left
 from dataclasses import dataclass, field, fields
@@ -13,6 +14,8 @@ from kvrelay.ingest.stats import DecodeStats
 #: a dict keyed by the bound's text ("+Inf" last), so folding retired counters adds them up.
 LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _LAG_KEYS = (*(repr(b) for b in LAG_BUCKETS_S), "+Inf")
+#: The most one message adds to the lag sum (seconds).
+LAG_CAP_S = 86400.0
 
 
 @dataclass(slots=True)
@@ -64,9 +67,10 @@ class SubscriberCounters:
         """One applied message: its arrival time, and on the live path its lag."""
         now = time.time()
         self.last_message_unix = now
-        if not live:
-            return
-        lag = max(0.0, now - engine_ts)
+        if not live or not math.isfinite(engine_ts):
+            return  # an engine's NaN or infinite time stamp would poison the sum for good
+        # a lag past a day is a wrong clock, not the relay: counted (+Inf), its sum capped
+        lag = min(max(0.0, now - engine_ts), LAG_CAP_S)
         key = _LAG_KEYS[bisect_left(LAG_BUCKETS_S, lag)]
         self.lag_buckets[key] = self.lag_buckets.get(key, 0) + 1
         self.lag_sum_s += lag

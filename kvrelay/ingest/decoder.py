@@ -81,6 +81,10 @@ _TIERS = {
 #: is allocated so messages of other sizes can reuse it.
 _WORK_MIN = 1 << 18
 _WORK_KEEP = 1 << 20
+#: LoRA names up to this many bytes have their salt cached (per source, at most 4096 names): an
+#: adapter's name is short, and a cache of any length would let an engine's odd names (one per
+#: message, up to a message each) stay in the relay's memory.
+_SALT_KEY_MAX = 256
 #: The head of the walker's workspace: its stats and meta (int64) and the time stamp (float64).
 _HEAD = struct.Struct(f"<{FW.N_STATS + FW.N_META}qd")
 assert FW.layout(1)[1] == _HEAD.size - 8  # the time stamp follows the stats and meta
@@ -356,6 +360,8 @@ class Decoder:
             return self._decode(payload)
         except DecodeError:
             raise
+        except RecursionError:  # msgspec reads nested values recursively: hostile, not a bug
+            raise MalformedPayloadError("msgpack nested deeper than the decoder reads") from None
         except Exception as exc:  # defensive: a bug must still be a typed, counted rejection
             raise InternalDecodeError(repr(exc)) from exc
 
@@ -410,7 +416,7 @@ class Decoder:
                 s = self._lora_bytes.get(key)
                 if s is None:
                     s = self._salt(key.decode("utf-8"), None)  # UTF-8 checked by the walker
-                    if len(self._lora_bytes) < 4096:
+                    if len(self._lora_bytes) < 4096 and len(key) <= _SALT_KEY_MAX:
                         self._lora_bytes[key] = s
                 salt[i] = s
         rank = self.dp_rank if dp < 0 else dp
@@ -510,7 +516,7 @@ class Decoder:
             s = self._salts.get(lora)
             if s is None:
                 s = request_salt(lora, None)
-                if len(self._salts) < 4096:
+                if len(self._salts) < 4096 and len(lora) <= _SALT_KEY_MAX:
                     self._salts[lora] = s
             return s
         return request_salt(lora, ns)
@@ -714,6 +720,14 @@ class Decoder:
                 seg_big.append(big)
             else:
                 stats.cleared += 1
+                # a clear of one tier (it names a medium other than the device's) leaves the
+                # GPU blocks held: applied, it would drop what the engine still has (misses)
+                m = getattr(ev, "medium", None)
+                if m is not None and m != "GPU":
+                    r = medium_drop_reason(m)
+                    if r is not None:
+                        stats.drop(r)
+                        continue
                 ops.append(OP_CLEAR)
                 counts.append(0)
 

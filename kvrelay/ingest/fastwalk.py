@@ -257,81 +257,109 @@ def _map(buf: npt.NDArray[np.uint8], pos: int, end: int) -> tuple[int, int]:
     return -1, 0
 
 
+@inline  # type: ignore[misc]
+def _step(buf: npt.NDArray[np.uint8], pos: int, end: int) -> tuple[int, int]:
+    """One msgpack header (or a whole scalar) → (position after it or -1, items it contains:
+    0 for a scalar, n for an array, 2n for a map). A position past ``end`` is the caller's to
+    refuse (a string cut short)."""
+    if pos >= end:
+        return -1, 0
+    b = int(buf[pos])
+    if b <= 0x7F or b >= 0xE0 or b == 0xC0 or b == 0xC2 or b == 0xC3:
+        return pos + 1, 0
+    if b <= 0x8F:
+        return pos + 1, 2 * (b & 0x0F)
+    if b <= 0x9F:
+        return pos + 1, b & 0x0F
+    if b <= 0xBF:
+        return pos + 1 + (b & 0x1F), 0
+    if b == 0xC1:
+        return -1, 0
+    # length-prefixed and fixed-width types
+    if b == 0xC4 or b == 0xD9 or b == 0xC7:
+        h, lw = 2, 1
+    elif b == 0xC5 or b == 0xDA or b == 0xC8:
+        h, lw = 3, 2
+    elif b == 0xC6 or b == 0xDB or b == 0xC9:
+        h, lw = 5, 4
+    elif b == 0xDC or b == 0xDE:
+        h, lw = 3, 2
+    elif b == 0xDD or b == 0xDF:
+        h, lw = 5, 4
+    else:
+        h, lw = 1, 0
+    if pos + h > end:
+        return -1, 0
+    n = int(np.int64(_be_u64(buf, pos + 1, lw))) if lw > 0 else 0
+    if b == 0xDC or b == 0xDD:
+        return pos + h, n
+    if b == 0xDE or b == 0xDF:
+        return pos + h, 2 * n
+    if b == 0xC7 or b == 0xC8 or b == 0xC9:
+        return pos + h + 1 + n, 0  # ext: type byte then data
+    if lw > 0:
+        return pos + h + n, 0
+    if b == 0xCA:
+        return pos + 5, 0
+    if b == 0xCB:
+        return pos + 9, 0
+    if b == 0xCC or b == 0xD0:
+        return pos + 2, 0
+    if b == 0xCD or b == 0xD1:
+        return pos + 3, 0
+    if b == 0xCE or b == 0xD2:
+        return pos + 5, 0
+    if b == 0xCF or b == 0xD3:
+        return pos + 9, 0
+    if b == 0xD4:
+        return pos + 3, 0
+    if b == 0xD5:
+        return pos + 4, 0
+    if b == 0xD6:
+        return pos + 6, 0
+    if b == 0xD7:
+        return pos + 10, 0
+    if b == 0xD8:
+        return pos + 18, 0
+    return -1, 0
+
+
+#: Containers nested deeper than this inside one skipped value make the walker fall back. The
+#: msgspec path reads nesting recursively and refuses it past Python's recursion limit (about
+#: 1,000 levels) as a malformed payload; falling back far below that keeps both paths' results
+#: identical for every depth (no engine nests a field more than 3 deep).
+MAX_DEPTH = 64
+
+
 @njit(cache=True)  # type: ignore[misc]
 def skip(buf: npt.NDArray[np.uint8], pos: int, end: int) -> int:
-    """Position after one complete msgpack value, or -1 (truncated / 0xC1)."""
-    remaining = 1
-    while remaining > 0:
-        if pos >= end:
-            return -1
-        b = int(buf[pos])
-        remaining -= 1
-        if b <= 0x7F or b >= 0xE0 or b == 0xC0 or b == 0xC2 or b == 0xC3:
-            pos += 1
-        elif b <= 0x8F:
-            remaining += 2 * (b & 0x0F)
-            pos += 1
-        elif b <= 0x9F:
-            remaining += b & 0x0F
-            pos += 1
-        elif b <= 0xBF:
-            pos += 1 + (b & 0x1F)
-        elif b == 0xC1:
-            return -1
-        else:
-            # length-prefixed and fixed-width types
-            if b == 0xC4 or b == 0xD9 or b == 0xC7:
-                h, lw = 2, 1
-            elif b == 0xC5 or b == 0xDA or b == 0xC8:
-                h, lw = 3, 2
-            elif b == 0xC6 or b == 0xDB or b == 0xC9:
-                h, lw = 5, 4
-            elif b == 0xDC or b == 0xDE:
-                h, lw = 3, 2
-            elif b == 0xDD or b == 0xDF:
-                h, lw = 5, 4
-            else:
-                h, lw = 1, 0
-            if pos + h > end:
-                return -1
-            n = int(np.int64(_be_u64(buf, pos + 1, lw))) if lw > 0 else 0
-            if b == 0xDC or b == 0xDD:
-                remaining += n
-                pos += h
-            elif b == 0xDE or b == 0xDF:
-                remaining += 2 * n
-                pos += h
-            elif b == 0xC7 or b == 0xC8 or b == 0xC9:
-                pos += h + 1 + n  # ext: type byte then data
-            elif lw > 0:
-                pos += h + n
-            elif b == 0xCA:
-                pos += 5
-            elif b == 0xCB:
-                pos += 9
-            elif b == 0xCC or b == 0xD0:
-                pos += 2
-            elif b == 0xCD or b == 0xD1:
-                pos += 3
-            elif b == 0xCE or b == 0xD2:
-                pos += 5
-            elif b == 0xCF or b == 0xD3:
-                pos += 9
-            elif b == 0xD4:
-                pos += 3
-            elif b == 0xD5:
-                pos += 4
-            elif b == 0xD6:
-                pos += 6
-            elif b == 0xD7:
-                pos += 10
-            elif b == 0xD8:
-                pos += 18
-            else:
-                return -1
-    if pos > end:
+    """Position after one complete msgpack value, or -1 (truncated, 0xC1, or containers nested
+    more than ``MAX_DEPTH`` deep). A scalar costs no allocation; a container keeps the items
+    still to read of each enclosing level on a small stack."""
+    pos, n = _step(buf, pos, end)
+    if pos < 0 or pos > end:
         return -1
-    return pos
+    if n == 0:
+        return pos
+    stack = np.empty(MAX_DEPTH, dtype=np.int64)
+    depth = 0
+    remaining = n
+    while True:
+        while remaining == 0:
+            if depth == 0:
+                return pos if pos <= end else -1
+            depth -= 1
+            remaining = stack[depth]
+        pos, n = _step(buf, pos, end)
+        if pos < 0:
+            return -1
+        remaining -= 1
+        if n > 0:
+            if depth == MAX_DEPTH:
+                return -1
+            stack[depth] = remaining
+            depth += 1
+            remaining = n
 
 
 @njit(cache=True)  # type: ignore[misc]

@@ -57,6 +57,9 @@ class MapRemoved(Struct, tag="BlockRemoved", tag_field="type", forbid_unknown_fi
 
 class MapCleared(Struct, tag="AllBlocksCleared", tag_field="type", forbid_unknown_fields=True):
     KIND: ClassVar[int] = CLEAR
+    #: vLLM's clear names no medium (its GPU prefix cache); a publisher that clears one tier
+    #: (ROCm ATOM) names it, and a clear of another tier leaves the GPU blocks held
+    medium: str | None = None
 
 
 # ---- array era (vLLM <= 0.23): [tag, field1, field2, ...] by declaration position --------------
@@ -92,6 +95,7 @@ class ArrRemoved(Struct, tag="BlockRemoved", array_like=True, forbid_unknown_fie
 
 class ArrCleared(Struct, tag="AllBlocksCleared", array_like=True, forbid_unknown_fields=True):
     KIND: ClassVar[int] = CLEAR
+    medium: str | None = None  # position 1: ATOM's positional form (vLLM sends none)
 
 
 # ---- tolerant variants: unknown fields ignored (counted separately), hashes may be bytes -------
@@ -125,12 +129,12 @@ KNOWN_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
 MAP_FIELDS: dict[str, frozenset[str]] = {
     "BlockStored": frozenset(MapStored.__struct_fields__) | {"type"},
     "BlockRemoved": frozenset(MapRemoved.__struct_fields__) | {"type"},
-    "AllBlocksCleared": frozenset({"type"}),
+    "AllBlocksCleared": frozenset(MapCleared.__struct_fields__) | {"type"},
 }
 ARR_LEN: dict[str, int] = {
     "BlockStored": 1 + len(ArrStored.__struct_fields__),
     "BlockRemoved": 1 + len(ArrRemoved.__struct_fields__),
-    "AllBlocksCleared": 1,
+    "AllBlocksCleared": 1 + len(ArrCleared.__struct_fields__),
 }
 
 

@@ -273,6 +273,28 @@ async def test_undecodable_payloads(ctx: zmq.asyncio.Context) -> None:
         await src.stop()
 
 
+async def test_deep_nesting_from_one_publisher_does_not_end_the_bound_sub(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """Reading the rank of a topic without ``{rank}`` decoded the envelope with msgspec, which
+    skips nested values recursively: one message nested 3,000 deep raised ``RecursionError``
+    out of the message loop and ended the pool's one SUB (every engine of the pool stopped
+    being read). It is an undecodable payload of that engine now: its members are reset."""
+    sink = Sink()
+    src = await source(ctx, sink)
+    try:
+        p = await pub(ctx, src, b"kv@e@m")
+        await p.send()
+        await p.send(body=b"\x93" + W.batch([], dp=0)[1:10] + b"\x91" * 3000 + b"\xc0\x00")
+        await p.send()
+        await until(lambda: len(sink.batches()) == 2)
+        assert src.state == "live" and not sink.of("failed")
+        assert [k for k, _v in sink.log] == ["batch", "reset", "batch"]
+        assert src.counters.unattributed == 1
+    finally:
+        await src.stop()
+
+
 def enc_bad_events() -> bytes:
     import msgspec
 

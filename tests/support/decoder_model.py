@@ -44,11 +44,11 @@ class Ref:
         b = BatchBuilder()
         for ev in events:
             kind = ev["kind"]
-            if kind == "clear":
-                b.clear()
-                continue
             med = ev.get("medium")
             if med not in (None, "", "GPU", "DEVICE"):
+                continue  # another tier's event (a clear of one tier included)
+            if kind == "clear":
+                b.clear()
                 continue
             if ev.get("locality") not in (None, "", "LOCAL"):
                 continue

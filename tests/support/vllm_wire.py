@@ -38,6 +38,12 @@ class ArrCleared(Struct, tag="AllBlocksCleared", array_like=True):
     pass
 
 
+class ArrClearedMedium(Struct, tag="AllBlocksCleared", array_like=True):
+    """ROCm ATOM's positional clear of one medium (vLLM's names none)."""
+
+    medium: str | None
+
+
 class MapStored(Struct, tag="BlockStored", omit_defaults=True):
     block_hashes: list[Hash]
     parent_block_hash: Hash | None
@@ -66,7 +72,7 @@ class MapRemoved(Struct, tag="BlockRemoved", omit_defaults=True):
 
 
 class MapCleared(Struct, tag="AllBlocksCleared", omit_defaults=True):
-    pass
+    medium: str | None = None  # vLLM sends none; a clear of one tier names it
 
 
 class Envelope(Struct, array_like=True):
@@ -96,8 +102,10 @@ def removed(era: str, hashes: list[Hash], **kw: Any) -> Any:
     return MapRemoved(hashes, **kw)
 
 
-def cleared(era: str) -> Any:
-    return ArrCleared() if era == "array" else MapCleared()
+def cleared(era: str, medium: str | None = None) -> Any:
+    if era == "array":
+        return ArrCleared() if medium is None else ArrClearedMedium(medium)
+    return MapCleared(medium)
 
 
 def batch(events: list[Any], *, dp: int | None = 0, ts: float = 1700000000.5) -> bytes:
