@@ -1,25 +1,31 @@
 """grpclib discovery client for vLLM's ``vllm.Control`` service (vLLM >= 0.27).
 
-Every RPC has a timeout and maps failures to the typed errors in ``errors.py``, a reply that
-does not decode (or is larger than ``MAX_REPLY_BYTES``: decoding one on the event loop took
-seconds) included. ``GetKvEventSources`` falls back to ``vllm.KvTransfer/GetKvEventSources`` on
-UNIMPLEMENTED. Returned endpoints have wildcard hosts replaced by the host used to reach the
-engine. Parallelism an engine cannot have (``MAX_PARALLEL``) fails its snapshot: the relay
-builds one structure per declared rank.
+Every RPC has a timeout and maps failures to the typed errors in ``errors.py``. A reply the
+engine should not send is an ``InvalidReply``, counted by kind: one whose length prefix claims
+more than ``MAX_REPLY_BYTES`` is refused before its body is read (grpclib's own reader buffered
+whatever the prefix claimed: 900 MiB in the two seconds of one call), one that does not decode,
+and one listing more adapters or aliases than ``MAX_LIST_ENTRIES``. Replies over
+``DECODE_ON_LOOP_BYTES`` are decoded in a worker thread (1 MiB of empty LoRA entries held the
+event loop for three seconds). ``GetKvEventSources`` falls back to
+``vllm.KvTransfer/GetKvEventSources`` on UNIMPLEMENTED. Returned endpoints have wildcard hosts
+replaced by the host used to reach the engine. Parallelism an engine cannot have
+(``MAX_PARALLEL``) fails its snapshot: the relay builds one structure per declared rank.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import betterproto2
 import grpclib.const
 import grpclib.exceptions
 from grpclib.client import Channel
-from grpclib.encoding.proto import ProtoCodec
+from grpclib.encoding.base import CodecBase
 
 from kvrelay._aio import bounded
-from kvrelay._grpc import effective_status
+from kvrelay._grpc import UndecodableReply, effective_status, recv_reply
 from kvrelay._proto import vllm as vpb
 from kvrelay.discovery.endpoints import (
     SourceInfo,
@@ -32,6 +38,7 @@ from kvrelay.discovery.errors import (
     DiscoveryTimeout,
     EngineUnreachable,
     InvalidEndpoint,
+    InvalidReply,
     KvSourcesUnsupported,
     RpcFailed,
 )
@@ -39,24 +46,32 @@ from kvrelay.discovery.snapshot import EngineSnapshot, LoraEntry
 
 KV_TRANSFER_SOURCES_PATH = "/vllm.KvTransfer/GetKvEventSources"
 T = TypeVar("T")
+M = TypeVar("M", bound=betterproto2.Message)
 
 
-#: The largest Control reply decoded (a ServerInfo is a few hundred bytes; 1 MiB holds thousands
-#: of LoRA adapters).
+#: The largest Control reply read (a ServerInfo is a few hundred bytes; 1 MiB holds thousands
+#: of LoRA adapters). Judged from the length prefix, before any of the body is buffered.
 MAX_REPLY_BYTES = 1024 * 1024
+#: Replies larger than this are decoded in a worker thread (betterproto2 takes microseconds per
+#: entry: a reply of many tiny entries would hold the event loop for seconds).
+DECODE_ON_LOOP_BYTES = 4096
 #: The most data-parallel ranks (or tensor/pipeline degree) an engine may declare.
 MAX_PARALLEL = 4096
+#: The most LoRA adapters or model aliases one engine may list: each becomes a catalog entry.
+MAX_LIST_ENTRIES = 4096
 
 
-class ReplyTooLarge(ValueError):
-    """A Control reply over ``MAX_REPLY_BYTES`` (refused before it is decoded)."""
+class _RawReplies(CodecBase):
+    """Requests: betterproto2 messages to bytes. Replies: the bytes as received (length-checked
+    by ``recv_reply`` before they are read), decoded by ``EngineClient._unary``."""
 
+    __content_subtype__ = "proto"
 
-class _BoundedCodec(ProtoCodec):
-    def decode(self, data: bytes, message_type: Any) -> Any:
-        if len(data) > MAX_REPLY_BYTES:
-            raise ReplyTooLarge(f"reply of {len(data)} bytes (at most {MAX_REPLY_BYTES})")
-        return super().decode(data, message_type)
+    def encode(self, message: Any, message_type: Any) -> bytes:
+        return message if isinstance(message, bytes) else bytes(message)
+
+    def decode(self, data: bytes, message_type: Any) -> bytes:
+        return data
 
 
 class EngineClient:
@@ -74,8 +89,7 @@ class EngineClient:
         self.timeout = timeout
         self.static = static
         self.address = f"{host}:{port}"
-        self._channel = Channel(host, port, codec=_BoundedCodec())
-        self._stub = vpb.ControlStub(self._channel)
+        self._channel = Channel(host, port, codec=_RawReplies())
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -86,10 +100,15 @@ class EngineClient:
     def close(self) -> None:
         self._channel.close()
 
+    def _invalid(self, what: str, detail: str, kind: str) -> InvalidReply:
+        return InvalidReply(self.address, f"{what}: {detail}", kind)
+
     async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
         try:
             # outer bound covers connection setup too, which grpclib's timeout may not
             return await bounded(fn(), self.timeout + 0.5)
+        except InvalidReply:
+            raise
         except grpclib.exceptions.GRPCError as exc:
             status = effective_status(exc.status, exc.message)  # grpclib's UNIMPLEMENTED
             if status is grpclib.const.Status.UNAVAILABLE:
@@ -105,61 +124,83 @@ class EngineClient:
             grpclib.exceptions.ProtocolError,
         ) as exc:
             raise EngineUnreachable(self.address, f"{what}: {exc!r}") from exc
-        except Exception as exc:  # a reply that does not decode, or too large to: typed
-            raise RpcFailed(self.address, f"{what}: bad reply: {exc!r}", "INVALID_REPLY") from exc
+        except Exception as exc:  # whatever else the reply made grpclib raise: typed
+            raise self._invalid(what, f"bad reply: {exc!r}", "undecodable") from exc
+
+    async def _unary(self, path: str, request: betterproto2.Message, reply_type: type[M]) -> M:
+        """One unary call whose reply is judged by its length prefix before it is read, and
+        decoded in a worker thread when it is large."""
+        what = path.rsplit("/", 1)[-1]
+        async with self._channel.request(
+            path, grpclib.const.Cardinality.UNARY_UNARY, type(request), bytes,
+            timeout=self.timeout,
+        ) as stream:  # fmt: skip
+            await stream.send_message(request, end=True)
+            try:
+                data = await recv_reply(stream, MAX_REPLY_BYTES)
+            except grpclib.exceptions.GRPCError as exc:
+                if exc.status is not grpclib.const.Status.RESOURCE_EXHAUSTED:
+                    raise
+                raise self._invalid(what, exc.message or "reply too large", "too_large") from None
+            except UndecodableReply as exc:
+                raise self._invalid(what, str(exc), "undecodable") from None
+        if data is None:
+            raise self._invalid(what, "no reply message", "undecodable")
+        try:
+            if len(data) > DECODE_ON_LOOP_BYTES:
+                return await asyncio.to_thread(reply_type.parse, data)
+            return reply_type.parse(data)
+        except Exception as exc:  # betterproto2 raises EOFError, ValueError, KeyError, ...
+            raise self._invalid(what, f"bad reply: {exc!r}", "undecodable") from None
+
+    def _listed(self, what: str, n: int) -> None:
+        if n > MAX_LIST_ENTRIES:
+            raise self._invalid(what, f"{n} entries (at most {MAX_LIST_ENTRIES})", "implausible")
 
     # ---- RPCs ----
     async def server_info(self) -> vpb.ServerInfo:
-        return await self._call(
-            "GetServerInfo", lambda: self._stub.get_server_info(timeout=self.timeout)
-        )
+        return await self._call("GetServerInfo", lambda: self._unary(
+            "/vllm.Control/GetServerInfo", vpb.GetServerInfoRequest(), vpb.ServerInfo))  # fmt: skip
 
     async def model_info(self) -> vpb.ModelInfo:
-        return await self._call(
-            "GetModelInfo", lambda: self._stub.get_model_info(timeout=self.timeout)
-        )
+        info = await self._call("GetModelInfo", lambda: self._unary(
+            "/vllm.Control/GetModelInfo", vpb.GetModelInfoRequest(), vpb.ModelInfo))  # fmt: skip
+        self._listed("GetModelInfo", len(info.served_model_aliases))
+        return info
 
     async def list_loras(self) -> tuple[LoraEntry, ...]:
-        resp = await self._call("ListLoras", lambda: self._stub.list_loras(timeout=self.timeout))
+        resp = await self._call("ListLoras", lambda: self._unary(
+            "/vllm.Control/ListLoras", vpb.ListLorasRequest(), vpb.ListLorasResponse))  # fmt: skip
+        self._listed("ListLoras", len(resp.adapters))
         return tuple(LoraEntry(a.lora_id, a.lora_name, a.source_path) for a in resp.adapters)
 
     async def is_sleeping(self) -> bool:
-        r = await self._call("IsSleeping", lambda: self._stub.is_sleeping(timeout=self.timeout))
+        r = await self._call("IsSleeping", lambda: self._unary(
+            "/vllm.Control/IsSleeping", vpb.IsSleepingRequest(), vpb.IsSleepingResponse))
         return bool(r.sleeping)
 
     async def is_paused(self) -> bool:
-        r = await self._call("IsPaused", lambda: self._stub.is_paused(timeout=self.timeout))
+        r = await self._call("IsPaused", lambda: self._unary(
+            "/vllm.Control/IsPaused", vpb.IsPausedRequest(), vpb.IsPausedResponse))  # fmt: skip
         return bool(r.paused)
-
-    async def _kv_transfer_sources(self) -> vpb.GetKvEventSourcesResponse:
-        async with self._channel.request(
-            KV_TRANSFER_SOURCES_PATH,
-            grpclib.const.Cardinality.UNARY_UNARY,
-            vpb.GetKvEventSourcesRequest,
-            vpb.GetKvEventSourcesResponse,
-            timeout=self.timeout,
-        ) as stream:
-            await stream.send_message(vpb.GetKvEventSourcesRequest(), end=True)
-            reply = await stream.recv_message()
-        if reply is None:
-            raise RpcFailed(self.address, "KvTransfer/GetKvEventSources: empty reply", "UNKNOWN")
-        return reply
 
     async def kv_event_sources_raw(self) -> tuple[vpb.GetKvEventSourcesResponse, str]:
         """Sources as returned by the engine plus which service answered."""
         try:
             resp = await self._call(
                 "GetKvEventSources",
-                lambda: self._stub.get_kv_event_sources(timeout=self.timeout),
+                lambda: self._unary("/vllm.Control/GetKvEventSources",
+                                    vpb.GetKvEventSourcesRequest(), vpb.GetKvEventSourcesResponse),
             )
             return resp, "control"
         except RpcFailed as exc:
             if exc.status != "UNIMPLEMENTED":
                 raise
         try:
-            return await self._call("KvTransfer.GetKvEventSources", self._kv_transfer_sources), (
-                "kv_transfer"
-            )
+            resp = await self._call("KvTransfer.GetKvEventSources", lambda: self._unary(
+                KV_TRANSFER_SOURCES_PATH, vpb.GetKvEventSourcesRequest(),
+                vpb.GetKvEventSourcesResponse))  # fmt: skip
+            return resp, "kv_transfer"
         except RpcFailed as exc:
             if exc.status == "UNIMPLEMENTED":
                 raise KvSourcesUnsupported(
@@ -212,8 +253,7 @@ class EngineClient:
         sizes = (par.data_parallel_size, par.data_parallel_size_local, par.tensor_parallel_size,
                  par.pipeline_parallel_size)  # fmt: skip
         if max(sizes) > MAX_PARALLEL or par.data_parallel_rank > MAX_PARALLEL:
-            raise RpcFailed(self.address, f"GetServerInfo: implausible parallelism {sizes}",
-                            "INVALID_REPLY")  # fmt: skip
+            raise self._invalid("GetServerInfo", f"implausible parallelism {sizes}", "implausible")
 
     async def snapshot(self, previous: EngineSnapshot | None = None) -> EngineSnapshot:
         """Full snapshot; never raises for network/RPC failures (``reachable=False`` instead).
@@ -236,8 +276,8 @@ class EngineClient:
                     sources, via = (), "none"
             ranks = [s.dp_rank for s in sources]
             if len(ranks) > MAX_PARALLEL or len(set(ranks)) != len(ranks):
-                raise RpcFailed(self.address, f"GetKvEventSources: {len(ranks)} sources with "
-                                f"{len(set(ranks))} distinct ranks", "INVALID_REPLY")  # fmt: skip
+                raise self._invalid("GetKvEventSources", f"{len(ranks)} sources with "
+                                    f"{len(set(ranks))} distinct ranks", "implausible")  # fmt: skip
         except DiscoveryError as exc:
             return EngineSnapshot(host=self.host, port=self.port, reachable=False, error=str(exc))
         unknown: list[str] = []

@@ -8,11 +8,19 @@ a ``DnsError``: the caller keeps the engines it had, because a DNS outage is not
 So is an answer of more than ``MAX_ENGINES`` engines (each would get its own watcher, scraper and
 subscribers), and an SRV pass that takes longer than ``SRV_PASS_FACTOR`` resolver timeouts (its
 targets are resolved ``SRV_CONCURRENCY`` at a time, and a reload waits for the pass).
+
+A pass runs on an event loop of its own in a thread of its own (:func:`resolve_engines`):
+dnspython takes each answer apart on the loop that asked, and an answer of 4,000 A records took
+112 ms to parse, so an SRV name whose targets each answered that held the relay's loop for most
+of the pass's deadline. The thread ends within that deadline (``PASS_FACTOR`` resolver
+timeouts) whatever the caller does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # dnspython is imported when a resolver is made: ~20 ms of every start else
@@ -25,6 +33,8 @@ MAX_ENGINES = 1024
 #: SRV targets resolved at once, and the whole pass's bound in resolver timeouts.
 SRV_CONCURRENCY = 16
 SRV_PASS_FACTOR = 3
+#: The bound of a whole pass in resolver timeouts: the SRV query, its targets' pass, and slack.
+PASS_FACTOR = SRV_PASS_FACTOR + 2
 
 
 class DnsError(Exception):
@@ -70,7 +80,46 @@ async def resolve_engines(
     resolver: dns.asyncresolver.Resolver, name: str, *, srv: bool = False
 ) -> set[Endpoint]:
     """The engines ``name`` stands for now: ``{(address, None)}`` for A/AAAA names (the entry's
-    ports apply), ``{(address, port)}`` for SRV names. Raises ``DnsError`` when unresolvable."""
+    ports apply), ``{(address, port)}`` for SRV names. Raises ``DnsError`` when unresolvable.
+
+    Resolved on a private event loop in a daemon thread, so that parsing what the server sent
+    (whatever its size) never runs on the caller's loop; a cancelled caller stops waiting at
+    once, and the thread ends by the pass's own deadline."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[set[Endpoint]] = loop.create_future()
+    deadline = PASS_FACTOR * float(resolver.lifetime)
+
+    async def bounded_pass() -> set[Endpoint]:
+        try:
+            async with asyncio.timeout(deadline):
+                return await _resolve(resolver, name, srv)
+        except TimeoutError:
+            raise DnsError(f"{name}: not resolved in {deadline:g} s") from None
+
+    def run() -> None:
+        try:
+            outcome: set[Endpoint] | BaseException = asyncio.run(bounded_pass())
+        except BaseException as exc:  # handed to the caller, whatever it is
+            outcome = exc
+        with contextlib.suppress(RuntimeError):  # the caller's loop has closed: nobody waits
+            loop.call_soon_threadsafe(_settle, done, outcome)
+
+    threading.Thread(target=run, name="kvrelay-dns", daemon=True).start()
+    return await done
+
+
+def _settle(done: asyncio.Future[set[Endpoint]], outcome: set[Endpoint] | BaseException) -> None:
+    if done.done():  # the caller was cancelled
+        return
+    if isinstance(outcome, BaseException):
+        done.set_exception(outcome)
+    else:
+        done.set_result(outcome)
+
+
+async def _resolve(
+    resolver: dns.asyncresolver.Resolver, name: str, srv: bool
+) -> set[Endpoint]:
     import dns.exception
     import dns.rdatatype
     import dns.resolver

@@ -28,6 +28,26 @@ class RpcFailed(DiscoveryError):
         self.status = status
 
 
+class InvalidReply(RpcFailed):
+    """The engine answered what no engine would (status ``INVALID_REPLY``). ``kind``, one of
+    ``REPLY_REFUSALS``: ``too_large`` (a length prefix over the bound, refused before its body is
+    read), ``undecodable`` (broken framing, or bytes that are not the message), ``implausible``
+    (parallelism, sources, adapters or aliases no engine has). Each is counted in
+    ``REFUSED`` (``kvrelay_control_reply_refusals_total``)."""
+
+    def __init__(self, address: str, detail: str, kind: str) -> None:
+        super().__init__(address, detail, "INVALID_REPLY")
+        self.kind = kind
+        REFUSED[kind] += 1
+
+
+#: Why Control replies were refused (the labels of ``kvrelay_control_reply_refusals_total``).
+REPLY_REFUSALS = ("too_large", "undecodable", "implausible")
+#: Control replies refused in this process, by kind: discovery runs in the relay process only,
+#: and a refusal must be counted even where the RPC was optional (its value then stays unknown).
+REFUSED: dict[str, int] = dict.fromkeys(REPLY_REFUSALS, 0)
+
+
 class KvSourcesUnsupported(RpcFailed):
     """Neither ``vllm.Control`` nor ``vllm.KvTransfer`` implements ``GetKvEventSources``."""
 

@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 
 from kvrelay import __version__
 from kvrelay.contract.wire import SLOTS_PER_BUCKET
+from kvrelay.discovery.errors import REFUSED, REPLY_REFUSALS
 from kvrelay.ingest.counters import LAG_BUCKETS_S, SubscriberCounters
 from kvrelay.ops import gc_pauses
 from kvrelay.ops.gc_pauses import GcPauses, pauses
@@ -635,12 +636,25 @@ def _relay_metrics(r: RelayStats) -> Iterator[Metric]:
         "Engine /metrics pages not read (that engine's load and serving figures unknown until "
         "the next good one), by reason: unreachable (no connection or no whole answer in time), "
         "status (not 200), malformed (cut short, unparsable, a series listed twice, a value that "
-        "is no count).",
+        "is no count, a Content-Encoding), oversized (over 8 MiB, 65,536 chunks or 8,192 lines "
+        "of the samples read).",
         labels=["reason"],
     )
-    for reason in ("unreachable", "status", "malformed"):
+    for reason in ("unreachable", "status", "malformed", "oversized"):
         failed.add_metric([reason], r.scrape_failures.get(reason, 0))
     yield failed
+    refused = CounterMetricFamily(
+        "kvrelay_control_reply_refusals",
+        "vllm.Control replies refused as no engine's (that engine's snapshot, or the optional "
+        "value, unknown this poll), by reason: too_large (length prefix over 1 MiB, refused "
+        "before the body is read), undecodable, implausible (parallelism, sources, adapters or "
+        "aliases no engine has).",
+        labels=["reason"],
+    )
+    counts = dict(REFUSED)  # process-wide: discovery runs in the relay process only
+    for reason in REPLY_REFUSALS:
+        refused.add_metric([reason], counts.get(reason, 0))
+    yield refused
     yield _by_result(
         "kvrelay_state_restores",
         "State files at start by outcome: restored, none, corrupt, version, stale, incompatible, "

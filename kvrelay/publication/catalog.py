@@ -300,6 +300,7 @@ class CatalogPlane:
         any descriptor is invalid or two share a ``KvPoolId``. A descriptor must not be changed
         once handed here: the plane keeps what it made of each object (build a new one instead).
         """
+        descriptors = list(descriptors)
         try:
             keyed: dict[bytes, tuple[bytes, pb.KvPoolDescriptor]] = {}
             for d in descriptors:
@@ -312,6 +313,9 @@ class CatalogPlane:
         except CatalogError:
             self.rejected += 1
             raise
+        # Only the live pools' descriptors stay memoized: a replaced one is never asked for again.
+        self._descriptors.retain(descriptors)
+        self._pool_ids.retain(d.producer.pool_id for d in descriptors if d.producer is not None)
         entries = [keyed[k] for k in sorted(keyed)]
         ordered = [canon for canon, _ in entries]
         canonical = b"".join(len(b).to_bytes(4, "little") + b for b in ordered)

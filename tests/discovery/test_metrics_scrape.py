@@ -6,6 +6,7 @@ engine restart and its counters were counted twice."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import random
 import socket
@@ -15,7 +16,9 @@ from typing import Any
 import pytest
 
 from kvrelay.discovery.metrics_scrape import (
+    MAX_BODY,
     MAX_CHUNKS,
+    MAX_WANTED_LINES,
     MetricsScrapeError,
     fetch_metrics_text,
     parse_engine_page,
@@ -24,6 +27,7 @@ from kvrelay.discovery.metrics_scrape import (
     scrape_kv_usage,
 )
 from kvrelay.sim import SimConfig, SimEngine
+from kvrelay.sim.metrics_http import render_metrics
 
 
 async def test_a_page_in_too_many_chunks_is_refused_off_the_loop() -> None:
@@ -277,3 +281,62 @@ async def test_the_simulators_page_tells_a_restart_by_its_process_start_time() -
         assert set(after.serving["0"].finished) == {"stop", "length", "abort", "error"}
     finally:
         await eng.stop()
+
+
+async def _serve_page(head: bytes, body: bytes) -> asyncio.Server:
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.readuntil(b"\r\n\r\n")
+        w.write(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        with contextlib.suppress(ConnectionError):
+            await w.drain()
+        w.close()
+
+    return await asyncio.start_server(serve, "127.0.0.1", 0)
+
+
+async def test_a_page_made_only_of_wanted_lines_is_refused_unparsed() -> None:
+    """A hostile engine's 8 MiB page of nothing but lines of the samples the relay reads (137,000
+    distinct series) cost 2.5 s of parse CPU per scrape. More than ``MAX_WANTED_LINES`` is refused
+    as ``oversized`` before prometheus_client sees a line."""
+    line = 'vllm:num_requests_running{engine="%d",model_name="m"} 1.0\n'
+    body = "".join(line % i for i in range(137_000)).encode()
+    srv = await _serve_page(b"HTTP/1.1 200 OK\r\n", body)
+    try:
+        cpu = time.process_time()
+        with pytest.raises(MetricsScrapeError, match="lines of the samples read") as err:
+            await scrape_engine_page("127.0.0.1", srv.sockets[0].getsockname()[1], "m", timeout=30)
+        assert err.value.reason == "oversized"
+        assert time.process_time() - cpu < 1.0  # filtering 8 MiB takes ~0.05 s; parsing it 2.5
+    finally:
+        srv.close()
+        await srv.wait_closed()
+
+
+def test_the_wanted_lines_cap_admits_the_largest_real_page() -> None:
+    """The simulator's page (vLLM's shape: ~16 KB and 9 read lines per DP rank) at 512 ranks, the
+    most that fits ``MAX_BODY``, is read whole; a page of ``MAX_WANTED_LINES`` series too, and one
+    line more is ``oversized``."""
+    eng = SimEngine(SimConfig(dp_size=512, served_model_name="m"))
+    page = render_metrics(eng)
+    assert len(page) <= MAX_BODY
+    assert len(parse_engine_page(page, "m").kv_usage) == 512
+    lines = [f'vllm:num_requests_waiting{{engine="{i}"}} 1.0' for i in range(MAX_WANTED_LINES)]
+    assert len(parse_engine_page("\n".join(lines)).serving) == MAX_WANTED_LINES
+    with pytest.raises(MetricsScrapeError) as err:
+        parse_engine_page("\n".join([*lines, 'vllm:num_requests_waiting{engine="x"} 1.0']))
+    assert err.value.reason == "oversized"
+
+
+@pytest.mark.parametrize("encoding", [b"gzip", b"br"])
+async def test_an_encoded_page_is_malformed_not_an_empty_one(encoding: bytes) -> None:
+    """No encoding is asked for; a page sent compressed anyway used to read as a page without a
+    sample (load unknown, no failure counted). It is a ``malformed`` page."""
+    srv = await _serve_page(b"HTTP/1.1 200 OK\r\nContent-Encoding: " + encoding + b"\r\n",
+                            b"\x1f\x8b\x08\x00garbage")  # fmt: skip
+    try:
+        with pytest.raises(MetricsScrapeError, match="Content-Encoding") as err:
+            await scrape_engine_page("127.0.0.1", srv.sockets[0].getsockname()[1])
+        assert err.value.reason == "malformed"
+    finally:
+        srv.close()
+        await srv.wait_closed()

@@ -411,8 +411,27 @@ async def test_an_unchanged_descriptor_is_serialized_once(
     changed = _desc(producer, 3, loras=[LoraSpec("sql")])
     assert plane.set_pools([changed if i == 2 else d for i, d in enumerate(pools)]) is True
     assert len(calls) == 11 and calls[-1] == id(changed)
-    assert plane.set_pools(pools) is True  # back: every object is known
-    assert len(calls) == 11
+    assert plane.set_pools(pools) is True  # back: only the replaced one is serialized again
+    assert len(calls) == 12 and calls[-1] == id(pools[2])  # (a pool never hands it out again)
     published = plane.current()[1].snapshot.pools
     assert not {id(p) for p in published} & {id(d) for d in pools}
     assert sorted(bytes(p) for p in published) == sorted(real(d) for d in pools)
+
+
+async def test_replaced_descriptors_are_not_kept(
+    relay: pb.RelayIdentity, producer: MakeProducer
+) -> None:
+    """Only the live pools' descriptors stay memoized. The memo's count bound alone kept 4,096
+    replaced ones, each as large as its engine's list of adapters: an engine changing its LoRA
+    adapters every probe grew the relay by ~240 KB a probe, 4,096 descriptors' worth."""
+    plane = CatalogPlane(relay)
+    other = _desc(producer, 2)
+    for i in range(50):
+        d = _desc(producer, 1, loras=[LoraSpec(f"lora-{i}-{j}") for j in range(20)])
+        assert plane.set_pools([d, other]) is True
+    assert len(plane._descriptors) == 2 and len(plane._pool_ids) == 2
+    assert plane.set_pools([other]) is True
+    assert len(plane._descriptors) == 1 and len(plane._pool_ids) == 1
+    with pytest.raises(CatalogError):  # a refused catalog changes nothing, the memo included
+        plane.set_pools([other, _desc(producer, 2, endpoint="x")])
+    assert len(plane._descriptors) == 1
