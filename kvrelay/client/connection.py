@@ -119,14 +119,15 @@ class RelayConnection:
         self.changed.set()
 
     # ------------------------------------------------------------------ identity
-    def _envelope_ok(self, msg: Any, plane: str) -> bool:
+    def _check_envelope(self, msg: Any, plane: str) -> None:
+        """A plane message the SDK cannot take ends its stream (ConsumerViolation): skipping it
+        would keep the message before it as current, when the relay has moved on."""
         if msg.contract_marker != CONTRACT_MARKER or msg.protocol_version != PROTOCOL_VERSION:
             self.counters[f"{plane}_envelope_invalid"] += 1
-            return False
+            raise E.ConsumerViolation(E.ENVELOPE, f"{plane}: marker or protocol version")
         if msg.relay is None:
             self.counters[f"{plane}_relay_missing"] += 1
-            return False
-        return True
+            raise E.ConsumerViolation(E.ENVELOPE, f"{plane}: no relay identity")
 
     def _observe_relay(self, relay: pb.RelayIdentity, from_catalog: bool) -> None:
         rk = relay_key(relay)
@@ -166,14 +167,17 @@ class RelayConnection:
 
             def on(msg: pb.KvPoolCatalogUpdate) -> None:
                 nonlocal got, attempt
+                self._on_catalog(msg)  # raises for a message it cannot take
                 got += 1
                 attempt = 0
-                self._on_catalog(msg)
 
-            end = await rpc.run_stream(
-                self.channel, "WatchKvPoolCatalog",
-                rpc.catalog_request(self.config.subscriber_id), pb.KvPoolCatalogUpdate, on,
-            )  # fmt: skip
+            try:
+                end = await rpc.run_stream(
+                    self.channel, "WatchKvPoolCatalog",
+                    rpc.catalog_request(self.config.subscriber_id), pb.KvPoolCatalogUpdate, on,
+                )  # fmt: skip
+            except E.ConsumerViolation as v:  # read the catalog again (a fresh watch)
+                end = rpc.StreamEnd(v.reason, None, v.detail, got)
             self.counters[f"catalog_end_{end.reason}"] += 1
             if not got:
                 self.catalog_error = f"{end.reason}: {end.message}".rstrip(": ")
@@ -192,8 +196,7 @@ class RelayConnection:
         old.close()
 
     def _on_catalog(self, upd: pb.KvPoolCatalogUpdate) -> None:
-        if not self._envelope_ok(upd, "catalog"):
-            return
+        self._check_envelope(upd, "catalog")
         assert upd.relay is not None
         self._observe_relay(upd.relay, from_catalog=True)
         self.counters["catalog_updates"] += 1
@@ -318,9 +321,8 @@ class RelayConnection:
         while not self._closing:
             def on(msg: Any) -> None:
                 nonlocal attempt, window_s
+                self._check_envelope(msg, plane)
                 attempt = 0
-                if not self._envelope_ok(msg, plane):
-                    return
                 window_s = rpc.window_period_s(window_s, getattr(msg, "window_ms", 0) or 0)
                 self._observe_relay(msg.relay, from_catalog=False)
                 self.counters[f"{plane}_updates"] += 1
@@ -332,8 +334,13 @@ class RelayConnection:
             def quiet(base: float = silence_s or 0.0) -> float:
                 return max(base, 3 * window_s)  # long windows: as their updates say, at once
 
-            end = await rpc.run_stream(self.channel, method, request, reply, on,
-                                       silence_s=None if silence_s is None else quiet)  # fmt: skip
+            try:
+                end = await rpc.run_stream(
+                    self.channel, method, request, reply, on,
+                    silence_s=None if silence_s is None else quiet,
+                )  # fmt: skip
+            except E.ConsumerViolation as v:
+                end = rpc.StreamEnd(v.reason, None, v.detail)
             self.counters[f"{plane}_end_{end.reason}"] += 1
             if plane == "serving_load":
                 self.serving_load_unsupported = end.status == Status.UNIMPLEMENTED

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import ssl as _ssl
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -146,7 +146,7 @@ async def run_stream(
     method: str,
     request: Any,
     reply_type: type[T],
-    on_message: Callable[[T], None],
+    on_message: Callable[[T], Awaitable[None] | None],
     *,
     silence_s: float | Callable[[], float] | None = None,
     yield_every: int = 0,
@@ -157,6 +157,8 @@ async def run_stream(
     ``silent``: a relay that stopped sending (even heartbeats) must not hold a replica for ever.
     A callable is asked again after each message (a window plane learns its period from its
     first message, and that message's own stream must wait that long for the next).
+    ``on_message`` may return an awaitable: the next reply is read only once it is done (a
+    mirror parses a large catalog off the event loop, in order, before it takes the next).
     Until its first message, a stream is silent only while its whole channel is (it may be
     waiting for its turn behind other streams' snapshots on the same connection).
     With ``yield_every`` = N > 0, the loop yields to the event loop after every N messages: a
@@ -195,7 +197,9 @@ async def run_stream(
                     if msg is None:
                         break
                     n += 1
-                    on_message(msg)
+                    pending = on_message(msg)
+                    if pending is not None:
+                        await pending
                     if callable(silence_s) and (again := silence()) not in (None, limit):
                         limit = again
                         quiet.reschedule(loop.time() + again)

@@ -107,6 +107,11 @@ def chunk_frame(
             f"chunk {frame.chunk_index}/{frame.chunk_count} at {frame.bucket_offset} with "
             f"{len(frame.words)} words is not the producer's split of {frame.bucket_count}",
         )
+    # A relay sends one snapshot per stream, chunk 0 once: a chunk 0 while a cut is being
+    # assembled would start it over, and a stream that keeps starting over (each chunk resets
+    # the silence clock) would keep its replica unsynchronized for ever, never called silent.
+    if frame.chunk_index == 0 and assembling is not None:
+        raise ConsumerViolation(E.SNAPSHOT_SEQUENCE, f"snapshot started again at {seq}")
     return frame
 
 

@@ -8,7 +8,9 @@ Dynamo 1.6 relay) is asked again with backoff, and meanwhile the mirror answers 
 Identity: the mirror *is* its upstream to its subscribers — same relay identity,
 producers, sequences, bytes. A plane message or frame with another relay identity means the
 upstream restarted: every local stream ends cleanly (as the upstream's own streams did), every
-mirrored pool is dropped and the mirror follows the new identity.
+mirrored pool is dropped and the mirror follows the new identity. If a plane stream that
+delivered under the old identity is still open, every upstream stream starts over on a fresh
+channel (that stream would say nothing of the new identity until its next change).
 
 Admission (``open_pool``): a key the mirror holds (live, or still synchronizing) is served
 locally; any other key is decided by the upstream — the mirror subscribes upstream with exactly
@@ -30,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from grpclib.const import Status
@@ -55,6 +57,35 @@ _log = get_logger(__name__)
 #: The window planes' period when their updates state none shorter: a load or serving-load
 #: window comes at least this often unless its ``window_ms`` says otherwise.
 WINDOW_PERIOD_S = 1.0
+#: A catalog message up to this size is parsed on the event loop (tens of ms at most, even of
+#: empty descriptors); a larger one in a worker thread. A catalog of a few dozen pools is taken
+#: without the thread's hop, so a local reader rarely sees the catalog before it.
+CATALOG_INLINE_BYTES = 16 * 1024
+
+
+class _Superseded(Exception):
+    """A plane message arrived on a channel the mirror has left (it followed a new upstream
+    identity): the stream ends and subscribes again on the current channel."""
+
+
+def _catalog_listing(data: bytes) -> tuple[dict[ProducerKey, pb.ProducerIdentity], int]:
+    """The pools a catalog lists (catalog order, first of each key) and how many descriptors
+    have no valid producer key. Pure: run in a worker thread."""
+    try:
+        upd = pb.KvPoolCatalogUpdate.parse(data)
+    except Exception as exc:  # betterproto2 raises several types on bad bytes
+        raise PlaneViolation(f"undecodable catalog: {exc}") from None
+    listed: dict[ProducerKey, pb.ProducerIdentity] = {}
+    invalid = 0
+    for d in upd.snapshot.pools if upd.snapshot is not None else []:
+        try:
+            key = producer_key(d.producer)
+        except RelayError:
+            invalid += 1
+            continue
+        assert d.producer is not None
+        listed.setdefault(key, d.producer)
+    return listed, invalid
 
 
 def _same_message(cls: type) -> Callable[[bytes, bytes], bool]:
@@ -104,6 +135,10 @@ class Mirror:
         self.pools_over_limit = 0  # listed pools not mirrored at the last catalog: hub cap
         self.pools_evicted = 0  # idle mirrored pools dropped to make room for another
         self.plane_ends: Counter[str] = Counter()
+        #: the upstream identity each running plane stream last delivered under (absent until
+        #: its first message): a stream that delivered under an identity the mirror leaves
+        #: will not send the new one's state until something changes
+        self._plane_sessions: dict[str, tuple[int, int] | None] = {}
         self.plane_violations: Counter[str] = Counter()
         self._retired: Counter[str] = Counter()  # pool counters folded in when pools go
         self.started = False
@@ -262,24 +297,33 @@ class Mirror:
             pool.stop(None, "the upstream restarted: refresh the catalog")
         self._pools.clear()
         self._listed = {}
+        # A plane stream that delivered under the old identity stayed open across the change:
+        # it would send the new incarnation's state only on the next change (a catalog is sent
+        # only on change: the mirror would stay without one). Every stream then starts over
+        # on a fresh channel. Streams opened since the old session was lost (an upstream
+        # restart) deliver the new state anyway and are left alone.
+        if self._identity_key in self._plane_sessions.values():
+            self.upstream.reset()
 
     # ------------------------------------------------------------------ planes
-    def _on_catalog(self, data: bytes) -> None:
-        try:
-            upd = pb.KvPoolCatalogUpdate.parse(data)
-        except Exception as exc:
-            raise PlaneViolation(f"undecodable catalog: {exc}") from None
-        listed: dict[ProducerKey, pb.ProducerIdentity] = {}
-        for d in upd.snapshot.pools if upd.snapshot is not None else []:
-            try:
-                key = producer_key(d.producer)
-            except RelayError:
-                self.catalog_invalid += 1
-                continue
-            assert d.producer is not None
-            listed.setdefault(key, d.producer)
-        self._listed = listed
-        self._reconcile()
+    async def _take_catalog(
+        self, plane: MirrorPlane, version: int, data: bytes, channel: object
+    ) -> None:
+        """Parse a catalog (off the event loop unless it is small), then publish it and
+        mirror its pools, in order (the stream reads its next message after this).
+        betterproto2 takes seconds for a catalog of many small descriptors (about 2 s per MiB):
+        on the loop, every local stream would stop that long."""
+        if len(data) <= CATALOG_INLINE_BYTES:
+            listed, invalid = _catalog_listing(data)
+        else:
+            listed, invalid = await asyncio.to_thread(_catalog_listing, data)
+        if self.upstream.channel is not channel:
+            raise _Superseded  # the upstream changed meanwhile: this catalog is not current
+        if plane.offer(version, data):
+            self.catalog_invalid += invalid
+            self._listed = listed
+            self._reconcile()
+        self._check_synced()
 
     async def _plane_loop(self, plane: MirrorPlane, method: str, request: Any) -> None:
         failures = 0
@@ -298,9 +342,12 @@ class Mirror:
         silence = None if is_catalog else quiet
         while True:
             delivered = False
+            current = self.upstream.channel  # the stream below runs on it
 
-            def on(data: bytes) -> None:
+            def on(data: bytes, current: object = current) -> Awaitable[None] | None:
                 nonlocal delivered, window_s
+                if self.upstream.channel is not current:
+                    raise _Superseded  # a message of a session the mirror has left
                 try:
                     env = parse_envelope(data)
                 except WireError as exc:
@@ -309,20 +356,37 @@ class Mirror:
                     raise PlaneViolation(f"{plane.name}: envelope marker/version")
                 window_s = rpc.window_period_s(window_s, env.window_ms)
                 self._observe_relay(env.relay)
-                if plane.offer(env.version, data) and is_catalog:
-                    self._on_catalog(data)
+                if self.upstream.channel is not current:
+                    raise _Superseded  # it followed a new identity: read it afresh
+                self._plane_sessions[plane.name] = self._identity_key
                 delivered = True
+                if is_catalog:
+                    return self._take_catalog(plane, env.version, data, current)
+                plane.offer(env.version, data)
                 self._check_synced()
+                return None
 
             local: RelayError | None
             try:
-                end, channel = await self.upstream.stream(method, request, on, silence_s=silence)
+                try:
+                    end, channel = await self.upstream.stream(
+                        method, request, on, silence_s=silence
+                    )
+                finally:
+                    self._plane_sessions.pop(plane.name, None)
                 if end.status == Status.UNIMPLEMENTED and not delivered:
                     self.plane_ends[f"{plane.name}_unimplemented"] += 1
                     plane.mark_unsupported("the upstream does not implement " + method)
                     failures += 1
                     await asyncio.sleep(self.settings.backoff(failures))
                     continue
+            except _Superseded:
+                # the mirror followed a new upstream identity (its planes already ended
+                # cleanly): subscribe again on the fresh channel
+                self.plane_ends[f"{plane.name}_superseded"] += 1
+                failures += 1  # an upstream that keeps changing identity is asked with backoff
+                await asyncio.sleep(self.settings.backoff(failures))
+                continue
             except PlaneViolation as v:
                 self.plane_violations[plane.name] += 1
                 _log.warning("mirror_plane_violation", plane=plane.name, detail=str(v))

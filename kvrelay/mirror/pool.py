@@ -15,8 +15,9 @@ When the upstream stream ends, the local subscribers end as the contract says fo
 | SUBSCRIBER_LAGGED, SNAPSHOT_PROGRESS_TIMEOUT (mirror fell behind) | PUBLICATION_UNAVAILABLE |
 | anything else, a silent or lost connection, a frame breaking a rule | PUBLICATION_UNAVAILABLE |
 
-A live pool that ends resubscribes at once (a fresh snapshot); an attempt that fails before its
-snapshot backs off. POOL_NOT_FOUND / PRODUCER_CHANGED end the pool for good (the catalog brings
+A live pool that ends resubscribes at once (a fresh snapshot) if it was live at least
+``LIVE_RESUBSCRIBE_S``; one that ended sooner, and an attempt that fails before its snapshot,
+back off. POOL_NOT_FOUND / PRODUCER_CHANGED end the pool for good (the catalog brings
 the next generation). Subscribers that arrive while an attempt runs wait for it (bounded by
 ``sync_wait_s``); one that arrives after a failed attempt gets that attempt's answer.
 """
@@ -35,7 +36,7 @@ from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import errors as E
 from kvrelay.client import rpc
 from kvrelay.contract.errors import Reason, RelayError
-from kvrelay.contract.limits import RelayLimits
+from kvrelay.contract.limits import QUEUE_FRAME_OVERHEAD, RelayLimits
 from kvrelay.contract.producer import ProducerKey
 from kvrelay.logging import get_logger
 from kvrelay.mirror.checker import Installed, PoolStreamChecker, Violation
@@ -48,6 +49,11 @@ from kvrelay.publication.splice import FilterUpdateEncoder
 _log = get_logger(__name__)
 _GONE = frozenset({int(Reason.POOL_NOT_FOUND), int(Reason.PRODUCER_CHANGED)})
 VOUCH_SLACK_S = 0.25
+#: A live upstream stream that ends is resubscribed at once only if it lived this long; one that
+#: ended sooner backs off as a failed attempt does. An upstream that ends every stream right
+#: after its snapshot had the mirror resubscribe (and take a whole snapshot) hundreds of times
+#: a second.
+LIVE_RESUBSCRIBE_S = 1.0
 #: While local joiners need spacing, the request to the upstream is renewed this often (it
 #: lapses upstream after ``relay.HOLD_TTL_S`` = 1 s).
 HOLD_RENEW_S = 0.25
@@ -109,6 +115,7 @@ class MirrorPool:
         self.holds_sent = 0  # spacing requests the upstream granted
         self._waiting = 0  # admissions in progress (waiting for the sync or a snapshot slot)
         self._idle_mark = time.monotonic()  # since when nobody used this pool, between hubs
+        self._live_since = 0.0  # when the current hub was installed (monotonic)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -206,7 +213,10 @@ class MirrorPool:
         if isinstance(extra, cbi1.Delta):
             hub = self.hub
             assert hub is not None
-            n = len(frame.payload)
+            # a local queue counts a frame as its payload + QUEUE_FRAME_OVERHEAD; a forwarded
+            # frame may carry more (unknown fields an upstream added): counted as what it holds,
+            # so ``publication_queue_bytes`` bounds what a local subscriber keeps queued
+            n = max(len(frame.payload), len(data) - QUEUE_FRAME_OVERHEAD)
             hub.publish_encoded(frame.sequence, extra.buckets, extra.words, data, n)
             self.deltas += 1
             if hub.joiners or self._held or hub.holds_requested:
@@ -272,6 +282,7 @@ class MirrorPool:
         )
         hub.idle_since = self._idle_mark  # a resubscription is no use of the pool
         self.hub = hub
+        self._live_since = time.monotonic()
         self.installs += 1
         self._set(PoolState.LIVE)
 
@@ -346,8 +357,13 @@ class MirrorPool:
                 self._set(PoolState.GONE, answer)
                 return
             if was_live:
-                failures = 0
-                continue  # resubscribe at once: a fresh snapshot for the next subscribers
+                if time.monotonic() - self._live_since >= LIVE_RESUBSCRIBE_S:
+                    failures = 0
+                    continue  # resubscribe at once: a fresh snapshot for the next subscribers
+                failures += 1  # it ended right after its snapshot: back off
+                self._set(PoolState.SYNCING)
+                await asyncio.sleep(self.ctx.settings.backoff(failures))
+                continue
             refusal = answer or local or RelayError.publication_unavailable(
                 "upstream ended the stream before its snapshot"
             )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from grpclib.client import Channel
@@ -106,7 +106,7 @@ class Upstream:
         self,
         method: str,
         request: Any,
-        on_message: Callable[[bytes], None],
+        on_message: Callable[[bytes], Awaitable[None] | None],
         *,
         silence_s: float | Callable[[], float] | None = None,
     ) -> tuple[StreamEnd, Channel]:

@@ -1,0 +1,131 @@
+"""The SDK's connection against a relay that misbehaves where a lenient reader would go on
+holding stale or incomplete state: a snapshot that keeps starting over, and plane messages it
+cannot take. Real grpclib relay on loopback (``tests/support/scripted_relay.py``), the SDK's
+own ``RelayConnection``."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.client import errors as E
+from kvrelay.client import rpc
+from kvrelay.client.config import ClientConfig
+from kvrelay.client.connection import RelayConnection
+from kvrelay.publication import cbi1
+from tests.support import scripted_relay as S
+from tests.support.fleet import eventually
+
+TWO_CHUNKS = 1 << 20
+
+
+def _two_chunk_producer() -> pb.ProducerIdentity:
+    p = S.producer()
+    assert p.ckf_format is not None
+    p.ckf_format.bucket_count = TWO_CHUNKS
+    return p
+
+
+class _StartingOver(S.ScriptedRelay):
+    """Its pool streams send chunk 0 of a two-chunk lane every 50 ms, never chunk 1."""
+
+    async def _pool(self, stream: Any) -> None:
+        await stream.recv_message()
+        self.subscriptions += 1
+        words = np.zeros(TWO_CHUNKS, dtype=np.uint64)
+        payload = cbi1.encode_snapshot_chunks(
+            words, seed=S.SEED, bucket_count=TWO_CHUNKS, dc_id=S.DC_ID, epoch=10
+        )[0]
+        chunk = S.frame(1, 10, 10, payload, prod=_two_chunk_producer())
+        while True:
+            await stream.send_message(chunk)
+            await asyncio.sleep(0.05)
+
+
+def _connect(port: int) -> RelayConnection:
+    config = ClientConfig(watch_serving_load=False, backoff_initial_s=0.02, backoff_max_s=0.2)
+    conn = RelayConnection(rpc.RelayAddress("127.0.0.1", port), config)
+    conn.start()
+    return conn
+
+
+async def test_a_snapshot_that_starts_over_drops_the_pending_replica() -> None:
+    """Chunk 0 again during an assembly is ``snapshot_sequence``: the pending replica is dropped
+    and the pool resubscribed. It started the assembly over, and since every chunk reset the
+    silence clock the replica stayed pending for ever, with nothing counted."""
+    server = await S.serve(_StartingOver(catalog=[S.descriptor(_two_chunk_producer())]))
+    conn = _connect(S.port_of(server))
+    try:
+        await eventually(lambda: conn.drops.get(E.SNAPSHOT_SEQUENCE, 0) >= 1, timeout=5,
+                         what="the restarted snapshot refused")  # fmt: skip
+        assert all(slot.installed is None for slot in conn.slots.values())
+    finally:
+        await conn.close()
+        server.close()
+
+
+class _Garbled(S.ScriptedRelay):
+    """Each plane's first stream sends a good message, then one with a wrong envelope (the
+    relay's newer state, unreadable), and stays open; a later stream sends the newest state:
+    catalog revision 3 without the pool, readiness revision 3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.streams: dict[str, int] = {"catalog": 0, "readiness": 0}
+
+    async def _catalog(self, stream: Any) -> None:
+        await stream.recv_message()
+        self.streams["catalog"] += 1
+
+        def update(revision: int, pools: list[pb.KvPoolDescriptor]) -> pb.KvPoolCatalogUpdate:
+            return pb.KvPoolCatalogUpdate(
+                protocol_version=1, relay=S.RELAY, revision=revision, contract_marker=S.MARKER,
+                snapshot=pb.KvPoolCatalogSnapshot(pools=pools))  # fmt: skip
+
+        if self.streams["catalog"] == 1:
+            await stream.send_message(update(1, list(self.catalog)))
+            await asyncio.sleep(0.3)
+            bad = update(2, [])
+            bad.protocol_version = 2
+            await stream.send_message(bad)
+        else:
+            await stream.send_message(update(3, []))
+        await asyncio.Event().wait()
+
+    async def _readiness(self, stream: Any) -> None:
+        await stream.recv_message()
+        self.streams["readiness"] += 1
+        msg = pb.ServingReadinessUpdate(protocol_version=1, relay=S.RELAY, revision=1,
+                                        contract_marker=S.MARKER)  # fmt: skip
+        if self.streams["readiness"] == 1:
+            await stream.send_message(msg)
+            await asyncio.sleep(0.3)
+            msg.revision, msg.contract_marker = 2, 0
+            await stream.send_message(msg)
+        else:
+            msg.revision = 3
+            await stream.send_message(msg)
+        await asyncio.Event().wait()
+
+
+async def test_a_plane_message_the_sdk_cannot_take_ends_its_stream() -> None:
+    """A catalog or readiness message with a wrong envelope ends its stream and the SDK reads
+    the plane again. It skipped the message and kept the one before as current for as long as
+    the stream lived: a withdrawn pool's replica, a readiness revision the relay had left."""
+    relay = _Garbled()
+    server = await S.serve(relay)
+    conn = _connect(S.port_of(server))
+    try:
+        await eventually(lambda: conn.catalog_revision == 3, timeout=5, what="catalog 3")
+        assert conn.slots == {}  # revision 3 withdrew the pool
+        await eventually(lambda: conn.readiness is not None and conn.readiness.revision == 3,
+                         timeout=5, what="readiness 3")  # fmt: skip
+        c = conn.counters
+        assert c["catalog_end_envelope"] == 1 and c["catalog_envelope_invalid"] == 1, c
+        assert c["readiness_end_envelope"] == 1 and c["readiness_envelope_invalid"] == 1, c
+    finally:
+        await conn.close()
+        server.close()
