@@ -33,7 +33,9 @@ permissions).
   key can connect (vLLM and SGLang publishers would need CURVE options of their own).
 * Topics longer than ``max_topic_bytes`` are dropped before they are matched or cached; a payload
   over ``max_batch_bytes`` is never decoded and resets the engine's members (the batch is lost,
-  its rank unknown); a member whose stored blocks
+  its rank unknown), and a frame more than ``FRAME_SLACK_BYTES`` over it is not even received:
+  libzmq ends that publisher's connection at the frame's header (``ZMQ_MAXMSGSIZE``; the
+  publisher connects again, and the gap resets its member); a member whose stored blocks
   (stores minus removes since its baseline) pass ``max_member_blocks`` is reset, which drops its
   lineage from the pool. Each is counted.
 
@@ -71,6 +73,9 @@ from kvrelay.pool.batch import OP_CLEAR, OP_REMOVE, OP_STORE, EventBatch, as_eve
 from kvrelay.pool.errors import MalformedBatch
 
 _LOGGER = "kvrelay.ingest.connect"
+#: How far past ``max_batch_bytes`` a frame may be and still be received (then counted as too
+#: large and dropped); libzmq refuses anything larger at its header.
+FRAME_SLACK_BYTES = 1024 * 1024
 
 
 class _RankPeek(msgspec.Struct, array_like=True):
@@ -220,6 +225,9 @@ class ConnectSource:
         try:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
+            # libzmq takes a frame in whole before the relay sees it or its sender's address: a
+            # frame far over the batch bound ends that publisher's connection at its header
+            sub.setsockopt(zmq.MAXMSGSIZE, self.spec.max_batch_bytes + FRAME_SLACK_BYTES)
             sub.setsockopt(zmq.SUBSCRIBE, self.spec.pattern.prefix)
             if self.spec.curve_secret_key is not None:
                 sub.curve_secretkey = self.spec.curve_secret_key.encode("ascii")

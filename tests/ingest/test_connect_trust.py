@@ -8,6 +8,7 @@ cause.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -179,3 +180,28 @@ def test_check_config_reads_the_curve_key_and_the_allow_list(tmp_path: Path) -> 
     assert check('[pools.connect.addresses]\n"pod-a" = ["nope"]\n') == [
         ("pools[0].connect.addresses.pod-a", "error")
     ]
+
+
+async def test_a_frame_far_over_max_batch_bytes_is_never_received(
+    ctx: zmq.asyncio.Context,  # noqa: F811
+) -> None:
+    """libzmq would take in a frame of any size before the relay sees it (or its sender's
+    address): one more than 1 MiB over ``max_batch_bytes`` ends that publisher's connection at
+    its header instead (the publisher connects again), so a peer cannot make the relay hold
+    gigabytes. A payload just over the bound is still received, counted and dropped."""
+    sink = Sink()
+    src = await source(ctx, sink, max_batch_bytes=4096)
+    try:
+        p = await _pub(ctx, src, b"kv@pod-a@m")
+        await p.send(b"\x00" * (4096 + 3 * 1024 * 1024))  # never received
+        deadline = 50
+        while src.counters.messages == 0 and deadline:  # the publisher reconnects
+            await p.send()
+            await asyncio.sleep(0.1)
+            deadline -= 1
+        await _settle(src, 1)
+        assert src.counters.batch_too_large == 0
+        await p.send(b"\x00" * 5000)  # just over: received, counted, dropped
+        await until(lambda: src.counters.batch_too_large == 1)
+    finally:
+        await src.stop()
