@@ -14,6 +14,10 @@ from kvrelay.ingest.errors import FrameCountError, SeqLengthError, TopicMismatch
 from kvrelay.ingest.sglang import EPOCH_MARKER, split_topic
 
 END_SEQ = b"\xff" * 8
+#: The largest frame read from an engine, live or replayed, whichever reader: kvrelay's ZMTP
+#: reader refuses a larger one (counted), libzmq's sockets are told the same (``ZMQ_MAXMSGSIZE``:
+#: libzmq ends the connection at the frame's header). A batch is kilobytes; no real one is near it.
+MAX_FRAME_BYTES = 64 << 20
 
 
 def parse_seq(frame: bytes) -> int:

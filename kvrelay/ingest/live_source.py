@@ -18,6 +18,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvrelay.ingest import zmtp
+from kvrelay.ingest.frames import MAX_FRAME_BYTES
 
 __all__ = [
     "READERS",
@@ -131,6 +132,7 @@ class PyzmqSource:
         try:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, hwm)
+            sub.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             sub.setsockopt(zmq.TCP_KEEPALIVE, 1)
             sub.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE[0])
             sub.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE[1])

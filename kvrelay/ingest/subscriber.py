@@ -63,7 +63,7 @@ from kvrelay.ingest.errors import (
     FrameError,
     TopicMismatchError,
 )
-from kvrelay.ingest.frames import check_live, check_live_sglang, check_replay
+from kvrelay.ingest.frames import MAX_FRAME_BYTES, check_live, check_live_sglang, check_replay
 from kvrelay.ingest.kinds import EngineKind
 from kvrelay.ingest.live_source import LiveSource, open_source, readable, require_reader
 from kvrelay.ingest.reorder import ReorderBuffer
@@ -730,6 +730,7 @@ class Subscriber:
         dealer: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.RCVHWM, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # as the live readers
         ask = start if verify is None else verify[0]
         self._in_replay = True
         loop = asyncio.get_running_loop()

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from typing import cast
 
 from kvrelay._text import is_decimal
+from kvrelay.ingest.frames import MAX_FRAME_BYTES
 
 __all__ = [
     "CONNECTED",
@@ -333,7 +334,7 @@ class ZmtpSource:
         *,
         hwm: int = 100_000,
         max_queue_bytes: int = 64 << 20,
-        max_frame_bytes: int = 64 << 20,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
         reconnect_s: float = 0.1,
         handshake_s: float = 30.0,
         keepalive: tuple[int, int, int] = (10, 5, 3),
