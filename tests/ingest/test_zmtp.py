@@ -390,25 +390,24 @@ async def test_both_readers_leave_a_peer_announcing_a_frame_over_the_bound(
     """A frame header claiming 65 MiB, its body never sent: kvrelay's reader and libzmq's both
     end that connection at the header (``MAX_FRAME_BYTES``; libzmq through ``ZMQ_MAXMSGSIZE``)
     instead of waiting, the buffer allocated, for a body of any size."""
-    hung_up = 0
+    hung_up: list[int] = []  # connections the reader ended
 
     async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        nonlocal hung_up
         w.write(_peer_greeting() + _ready(b"PUB") + b"\x02" + (65 << 20).to_bytes(8, "big"))
         with contextlib.suppress(ConnectionError):
             while await r.read(1 << 16):  # until the reader hangs up
                 pass
-        hung_up += 1
+        hung_up.append(1)
         w.close()
 
     for make in (lambda ep: ZmtpSource(ep, reconnect_s=5.0),
                  lambda ep: PyzmqSource(zctx, ep, 1000)):  # fmt: skip
-        hung_up = 0
+        hung_up.clear()
         server, port = await _serve(handler)
         src = make(f"tcp://127.0.0.1:{port}")
         src.open(_Inbox(src))  # type: ignore[arg-type]
         try:
-            await _until(lambda: hung_up >= 1, timeout=10.0)
+            await _until(lambda: hung_up, timeout=10.0)
         finally:
             src.close()
             server.close()
