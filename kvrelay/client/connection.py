@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl as _ssl
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -268,13 +269,16 @@ class RelayConnection:
                 replica = PoolReplica(slot.descriptor.producer, self.identity_msg)
                 slot.pending = replica
                 slot.subscribes += 1
+                live_since: list[float] = []  # when the snapshot installed
 
-                def on(fu: pb.FilterUpdate, replica: PoolReplica = replica) -> None:
+                def on(fu: pb.FilterUpdate, replica: PoolReplica = replica,
+                       live_since: list[float] = live_since) -> None:  # fmt: skip
                     info = replica.feed(fu)
                     slot.frames[info.kind] += 1
                     slot.last_frame = replica.counters.last_frame
                     if info.installed:
                         slot.installed = replica
+                        live_since.append(time.monotonic())
                         self._notify()
 
                 try:
@@ -288,8 +292,7 @@ class RelayConnection:
                     reason = v.reason
                     _log.warning("replica_violation", pool=str(slot.key), reason=v.reason,
                                  detail=v.detail)
-                if replica.installed:
-                    attempt = 0
+                live_s = time.monotonic() - live_since[0] if live_since else None
                 if self.slots.get(slot.key) is not slot:
                     return  # removed meanwhile (withdrawal/restart already counted)
                 self._count_drop(slot, reason)
@@ -300,6 +303,8 @@ class RelayConnection:
                     return
                 if reason in _REFRESH_CATALOG:
                     self.refresh_catalog()
+                if rpc.lived(live_s):
+                    attempt = 0
                 await asyncio.sleep(self.config.backoff(attempt))
                 attempt += 1
         finally:

@@ -93,6 +93,19 @@ FIRST_MESSAGE_FACTOR = 4
 MAX_WINDOW_MS = 86_400_000
 
 
+#: A pool stream that installed its snapshot and then ended counts as a success (its retries
+#: start over from no backoff) only if it was live this long (``lived``): a relay that ends every
+#: stream right after its snapshot is otherwise asked for a whole snapshot once per round trip,
+#: hundreds a second.
+LIVE_RESUBSCRIBE_S = 1.0
+
+
+def lived(live_s: float | None) -> bool:
+    """A pool stream live for ``live_s`` seconds (None: it never installed) may be resubscribed
+    as after a success. One rule for the SDK and the mirror."""
+    return live_s is not None and live_s >= LIVE_RESUBSCRIBE_S
+
+
 def window_period_s(known_s: float, window_ms: int) -> float:
     """A window plane's period after an update stating ``window_ms``: the longest stated so
     far (``known_s``), capped at ``MAX_WINDOW_MS``. The SDK and the mirror wait three of them."""

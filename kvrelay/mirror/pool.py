@@ -16,10 +16,11 @@ When the upstream stream ends, the local subscribers end as the contract says fo
 | anything else, a silent or lost connection, a frame breaking a rule | PUBLICATION_UNAVAILABLE |
 
 A live pool that ends resubscribes at once (a fresh snapshot) if it was live at least
-``LIVE_RESUBSCRIBE_S``; one that ended sooner, and an attempt that fails before its snapshot,
-back off. POOL_NOT_FOUND / PRODUCER_CHANGED end the pool for good (the catalog brings
-the next generation). Subscribers that arrive while an attempt runs wait for it (bounded by
-``sync_wait_s``); one that arrives after a failed attempt gets that attempt's answer.
+``rpc.LIVE_RESUBSCRIBE_S`` (the SDK's rule too); one that ended sooner, and an attempt that
+fails before its snapshot, back off. POOL_NOT_FOUND / PRODUCER_CHANGED end the pool for good
+(the catalog brings the next generation). Subscribers that arrive while an attempt runs wait
+for it (bounded by ``sync_wait_s``); one that arrives after a failed attempt gets that
+attempt's answer.
 """
 
 from __future__ import annotations
@@ -49,11 +50,6 @@ from kvrelay.publication.splice import FilterUpdateEncoder
 _log = get_logger(__name__)
 _GONE = frozenset({int(Reason.POOL_NOT_FOUND), int(Reason.PRODUCER_CHANGED)})
 VOUCH_SLACK_S = 0.25
-#: A live upstream stream that ends is resubscribed at once only if it lived this long; one that
-#: ended sooner backs off as a failed attempt does. An upstream that ends every stream right
-#: after its snapshot had the mirror resubscribe (and take a whole snapshot) hundreds of times
-#: a second.
-LIVE_RESUBSCRIBE_S = 1.0
 #: While local joiners need spacing, the request to the upstream is renewed this often (it
 #: lapses upstream after ``relay.HOLD_TTL_S`` = 1 s).
 HOLD_RENEW_S = 0.25
@@ -357,7 +353,7 @@ class MirrorPool:
                 self._set(PoolState.GONE, answer)
                 return
             if was_live:
-                if time.monotonic() - self._live_since >= LIVE_RESUBSCRIBE_S:
+                if rpc.lived(time.monotonic() - self._live_since):
                     failures = 0
                     continue  # resubscribe at once: a fresh snapshot for the next subscribers
                 failures += 1  # it ended right after its snapshot: back off

@@ -129,3 +129,25 @@ async def test_a_plane_message_the_sdk_cannot_take_ends_its_stream() -> None:
     finally:
         await conn.close()
         server.close()
+
+
+async def test_streams_that_end_after_their_snapshot_are_resubscribed_with_backoff() -> None:
+    """A relay that ends every pool stream cleanly right after its snapshot: the SDK reset its
+    backoff whenever a snapshot had installed, so it took a whole snapshot every 10-20 ms. A
+    stream live less than ``rpc.LIVE_RESUBSCRIBE_S`` (the mirror's rule too) now counts as a
+    failed attempt, and the pool is asked with growing backoff."""
+    relay = S.ScriptedRelay()
+    relay.default = lambda: S.Script(S.snapshot(10))  # then a clean end
+    server = await S.serve(relay)
+    config = ClientConfig(watch_serving_load=False, backoff_initial_s=0.02, backoff_max_s=0.5)
+    conn = RelayConnection(rpc.RelayAddress("127.0.0.1", S.port_of(server)), config)
+    conn.start()
+    try:
+        await eventually(lambda: relay.subscriptions >= 1, what="subscribed", timeout=5)
+        await asyncio.sleep(2.0)
+        (slot,) = conn.slots.values()
+        assert slot.subscribes >= 3  # it does resubscribe
+        assert relay.subscriptions < 30, relay.subscriptions
+    finally:
+        await conn.close()
+        server.close()

@@ -330,7 +330,7 @@ async def test_streams_that_end_after_their_snapshot_are_resubscribed_with_backo
     """An upstream that ends every pool stream cleanly right after its snapshot. A live stream
     that ended was resubscribed at once, so the mirror took about 800 snapshots a second from
     it (a whole lane each, up to 128 MiB). A stream that lived less than
-    ``LIVE_RESUBSCRIBE_S`` now backs off like a failed attempt."""
+    ``rpc.LIVE_RESUBSCRIBE_S`` now backs off like a failed attempt."""
     relay = S.ScriptedRelay()
     relay.default = lambda: S.Script(S.snapshot(10))  # then a clean end
     server = await S.serve(relay)
