@@ -176,6 +176,7 @@ class RelayConnection:
                 end = await rpc.run_stream(
                     self.channel, "WatchKvPoolCatalog",
                     rpc.catalog_request(self.config.subscriber_id), pb.KvPoolCatalogUpdate, on,
+                    first_message_s=self.config.silence_s,
                 )  # fmt: skip
             except E.ConsumerViolation as v:  # read the catalog again (a fresh watch)
                 end = rpc.StreamEnd(v.reason, None, v.detail, got)

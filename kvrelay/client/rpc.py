@@ -162,6 +162,7 @@ async def run_stream(
     on_message: Callable[[T], Awaitable[None] | None],
     *,
     silence_s: float | Callable[[], float] | None = None,
+    first_message_s: float | None = None,
     yield_every: int = 0,
 ) -> StreamEnd:
     """Run one server stream to its end, calling ``on_message`` for each reply.
@@ -174,6 +175,9 @@ async def run_stream(
     mirror parses a large catalog off the event loop, in order, before it takes the next).
     Until its first message, a stream is silent only while its whole channel is (it may be
     waiting for its turn behind other streams' snapshots on the same connection).
+    ``first_message_s`` (without ``silence_s``): the same bound until the first message only,
+    for a stream whose relay sends its current state at once and then only on change (the
+    catalog): one that never answers is retried, not waited on for ever.
     With ``yield_every`` = N > 0, the loop yields to the event loop after every N messages: a
     burst of buffered messages then never runs far ahead of the tasks they woke (a mirror's
     senders).
@@ -190,6 +194,9 @@ async def run_stream(
         return silence_s() if callable(silence_s) else silence_s
 
     limit = silence()
+    first_only = limit is None and first_message_s is not None
+    if first_only:
+        limit = first_message_s
     try:
         async with asyncio.timeout(limit) as quiet:
             if limit is not None:
@@ -204,6 +211,9 @@ async def run_stream(
                     msg = await recv_reply(stream, bound)
                     if not n:
                         activity.waiting.pop(quiet, None)
+                        if first_only:
+                            limit = None  # the first message came: no bound from here on
+                            quiet.reschedule(None)
                     activity.message(loop)
                     if limit is not None:
                         quiet.reschedule(loop.time() + limit)

@@ -151,3 +151,38 @@ async def test_streams_that_end_after_their_snapshot_are_resubscribed_with_backo
     finally:
         await conn.close()
         server.close()
+
+
+class _MuteFirstCatalog(S.ScriptedRelay):
+    """Its first catalog stream never answers (a relay or proxy that took the stream and
+    stalled); later ones answer as a relay does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.catalog_streams = 0
+
+    async def _catalog(self, stream: Any) -> None:
+        self.catalog_streams += 1
+        if self.catalog_streams == 1:
+            await stream.recv_message()
+            await asyncio.Event().wait()
+        await super()._catalog(stream)
+
+
+async def test_a_catalog_stream_that_never_answers_is_retried() -> None:
+    """A relay sends its catalog at once, then only on change: a catalog stream with no first
+    message within the silence bound ends ``silent`` and the catalog is watched again. The SDK
+    used to wait on it for ever, without pools."""
+    relay = _MuteFirstCatalog()
+    server = await S.serve(relay)
+    config = ClientConfig(watch_serving_load=False, backoff_initial_s=0.02, backoff_max_s=0.2,
+                          heartbeat_interval_s=0.25, silence_heartbeats=2)  # fmt: skip
+    conn = RelayConnection(rpc.RelayAddress("127.0.0.1", S.port_of(server)), config)
+    conn.start()
+    try:
+        await eventually(lambda: len(conn.slots) == 1, what="the catalog read again", timeout=10)
+        assert relay.catalog_streams >= 2
+        assert conn.counters[f"catalog_end_{E.SILENT}"] >= 1
+    finally:
+        await conn.close()
+        server.close()
