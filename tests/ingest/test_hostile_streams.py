@@ -3,7 +3,6 @@ LoRA names, odd time stamps. Each test names the exactness (or bound) it holds t
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -21,6 +20,7 @@ from kvrelay.ingest.sink import ResetReason, SourceKey, SourceSpec
 from kvrelay.ingest.subscriber import Subscriber
 from kvrelay.pool.batch import OP_CLEAR, AnyBatch, as_events
 from kvrelay.pool.pool import Pool
+from tests.ingest.test_connect import ctx  # noqa: F401 (fixture)
 from tests.support.vllm_publisher import TestPublisher, until
 
 B = 4
@@ -128,15 +128,8 @@ class PoolSink:
         return set(self.pool.lineage(self.member))
 
 
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    c = zmq.asyncio.Context()
-    yield c
-    c.destroy(linger=0)
-
-
 async def test_a_cpu_tier_clear_over_zmq_keeps_the_members_gpu_blocks(
-    ctx: zmq.asyncio.Context,
+    ctx: zmq.asyncio.Context,  # noqa: F811
 ) -> None:
     """End to end on loopback: GPU stores, then the offload tier is cleared (a map-form and a
     positional clear naming ``CPU``), then a clear naming no medium. The member holds its GPU
