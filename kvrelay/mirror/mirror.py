@@ -150,6 +150,14 @@ class Mirror:
             raise RelayError.publication_unavailable("the mirror has no upstream session")
         return self._identity
 
+    @property
+    def in_session(self) -> bool:
+        """Whether the mirror holds a live upstream session: an identity, and the catalog,
+        readiness and load planes delivering (serving load is optional: a Dynamo 1.6 upstream
+        has none). Without one it refuses every RPC; its health says so (``follow_session``)."""
+        return (self._identity is not None and self.catalog.live and self.readiness.live
+                and self.load.live)  # fmt: skip
+
     def _current_identity(self) -> pb.RelayIdentity:
         assert self._identity is not None
         return self._identity
@@ -492,3 +500,27 @@ class Mirror:
             "pool_totals": dict(totals),
             "pools": pools,
         }
+
+
+#: How often ``follow_session`` looks at the mirror's session.
+SESSION_POLL_S = 0.25
+
+
+async def follow_session(
+    mirror: Mirror, set_serving: Callable[[bool], None], period_s: float = SESSION_POLL_S
+) -> None:
+    """Keep a server's health (``RelayHealth.set_serving``) on the mirror's upstream session:
+    NOT_SERVING while it has none (its upstream frozen, dead or gone, a ``workers = N`` ingest
+    process stopped), SERVING again once it has. A mirror without a session refuses every RPC;
+    before, its health said SERVING all along, so a readiness probe kept sending routers to it.
+    Assumes SERVING at the start (the server just started listening); cancel it before the
+    server's drain, which sets NOT_SERVING for good."""
+    serving = True
+    while True:
+        now = mirror.in_session
+        if now != serving:
+            serving = now
+            set_serving(now)
+            _log.warning("mirror_health", serving=now, planes={
+                p.name: p.live for p in mirror._planes})  # fmt: skip
+        await asyncio.sleep(period_s)

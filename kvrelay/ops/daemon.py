@@ -129,6 +129,7 @@ class Daemon:
         self._tls: Any = None  # ReloadableServerContext while [tls] is on
         self._upstream_certificates: tuple[Any, ...] = ()  # a mirror's, for the expiry gauge
         self._reload_task: asyncio.Task[None] | None = None
+        self._health_task: asyncio.Task[None] | None = None  # a mirror: health on its session
         self.relay: Any = None
         self.mirror: Any = None
         self.server: Any = None
@@ -323,6 +324,13 @@ class Daemon:
             inherited = None if self.handoff is None else self.handoff.listener("grpc")
             await self.server.start(cfg.bind_host, cfg.bind_port, ssl=context, sock=inherited)
             self.grpc_port = self.server.port
+            if self.mirror is not None:  # health says whether the mirror has its upstream
+                from kvrelay.mirror.mirror import follow_session
+
+                self._health_task = asyncio.create_task(
+                    follow_session(self.mirror, self.server.health.set_serving),
+                    name="kvrelay-mirror-health",
+                )
             service = self.server.service
         if context is None and not is_loopback(cfg.bind_host):
             _LOG.warning(
@@ -334,7 +342,9 @@ class Daemon:
             self.metrics.attach_service(service)
             self.metrics.attach_tls(self.tls_certificates)
             server = self.server
-            healthy = (lambda: server.serving) if server is not None else (
+            # liveness: a mirror's health follows its upstream session (``follow_session``),
+            # but an upstream outage is no reason to restart the mirror: /healthz is its drain
+            healthy = (lambda: server.serving) if server is not None and self.mirror is None else (
                 lambda: not self._stopped
             )
             self.metrics_port = await self.metrics.start_http(
@@ -635,6 +645,8 @@ class Daemon:
         if self._upgrade_task is not None:  # an upgrade half-way kills its successor
             await cancel_all([self._upgrade_task])
         grace = max(0.1, self.cfg.shutdown_timeout_s / 2)
+        if self._health_task is not None:  # before the drain, which says NOT_SERVING for good
+            await cancel_all([self._health_task])
         try:
             if self.front is not None:
                 await self.front.stop(grace)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import tempfile
 from dataclasses import asdict, replace
 from typing import Any
@@ -103,6 +104,12 @@ class WorkerFront:
         self.supervisor: Supervisor | None = None
         self._listener = listener
         self.port = 0
+        #: (device, inode) of the internal socket this process listens on
+        self._socket_id: tuple[int, int] | None = None
+        #: internal servers (and their directories) replaced after their path was lost: they
+        #: still serve the workers connected to them, until ``stop``
+        self._replaced: list[tuple[Any, PrivateDir]] = []
+        self.internal_rebinds = 0
 
     async def start(self) -> None:
         from kvrelay.service.server import RelayServer
@@ -121,13 +128,58 @@ class WorkerFront:
         self.path = os.path.join(self._dir.path, "ingest.sock")
         self.internal = RelayServer(self.view, internal_limits(cfg.relay.limits, cfg.workers))
         await self.internal.start_unix(self.path)
+        self._socket_id = _socket_id(self.path)
         if self._listener is None:
             self._listener = shared_listener(cfg.bind_host, cfg.bind_port)
         self.port = int(self._listener.getsockname()[1])
         self.supervisor = Supervisor(self._spec, cfg.workers - 1,
                                      start_timeout_s=self.start_timeout_s,
-                                     pass_fds=(self._listener.fileno(),))  # fmt: skip
+                                     pass_fds=(self._listener.fileno(),),
+                                     prepare=self.ensure_internal)  # fmt: skip
         await self.supervisor.start()
+
+    def internal_intact(self) -> bool:
+        """Whether a new worker can reach the internal socket: its path is still the socket
+        this process listens on, and this user may enter its directory and connect."""
+        if self.path is None or self._socket_id is None:
+            return False
+        return (_socket_id(self.path) == self._socket_id
+                and os.access(os.path.dirname(self.path), os.X_OK)
+                and os.access(self.path, os.R_OK | os.W_OK))  # fmt: skip
+
+    async def ensure_internal(self) -> None:
+        """Before a worker starts: when the internal socket's path was removed (a cleaner of
+        ``runtime_dir``, an operator) or its directory made inaccessible, listen on a new one
+        in a new private directory, so the new worker can mirror the ingest process; before,
+        every restarted worker waited for a socket that was gone, and once the last one went no
+        process accepted on the public port while ``/healthz`` said ok. Workers already
+        connected keep their connections to the old listener until ``stop``."""
+        from kvrelay.service.server import RelayServer
+
+        if self.internal_intact():
+            return
+        cfg = self.cfg
+        lost = self.path
+        try:
+            new_dir = private_runtime_dir(cfg.runtime_dir)
+        except OSError as exc:
+            where = cfg.runtime_dir or tempfile.gettempdir()
+            _LOG.error("internal_socket_lost", path=lost, rebound=False,
+                       error=f"{where!r}: {exc.strerror}")  # fmt: skip
+            return
+        path = os.path.join(new_dir.path, "ingest.sock")
+        server = RelayServer(self.view, internal_limits(cfg.relay.limits, cfg.workers))
+        try:
+            await server.start_unix(path)
+        except BaseException:
+            new_dir.remove()
+            raise
+        assert self._dir is not None
+        self._replaced.append((self.internal, self._dir))
+        self.internal, self._dir, self.path = server, new_dir, path
+        self._socket_id = _socket_id(path)
+        self.internal_rebinds += 1
+        _LOG.error("internal_socket_lost", path=lost, rebound=True, new_path=path)
 
     def listening_socket(self) -> socket.socket:
         """The shared public listener (a hot upgrade hands its descriptor to the successor)."""
@@ -185,12 +237,25 @@ class WorkerFront:
             await self.supervisor.stop(grace_s)
         if self.internal is not None:
             await self.internal.close(grace_s=grace_s)
+        for server, directory in self._replaced:
+            await server.close(grace_s=grace_s)
+            directory.remove()
+        self._replaced.clear()
         if self._listener is not None:  # after a hand-over the successor's workers hold it on
             self._listener.close()
             self._listener = None
         if self._dir is not None:
             self._dir.remove()
             self._dir = None
+
+
+def _socket_id(path: str) -> tuple[int, int] | None:
+    """(device, inode) of the socket at ``path``; None if there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISSOCK(st.st_mode) else None
 
 
 def _json_logs(logging: LoggingConfig) -> bool | None:

@@ -18,6 +18,8 @@ workers with time for them.
   routers reconnect and a live worker accepts them from the shared socket. A worker that stops
   reporting (its event loop is wedged: no ``STATS`` line for ``HANG_S``) is killed, which then
   counts as an exit.
+* Before each restart the front may repair what workers need (``prepare``): the internal
+  socket, when its path was removed or its directory made inaccessible (``ops/front.py``).
 * ``stop`` sends SIGTERM to every worker (each ends its streams with a clean EOF and exits 0)
   and kills those still running after the timeout.
 """
@@ -31,7 +33,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +96,9 @@ class _Slot:
     stats: dict[str, Any] = field(default_factory=dict)
     exits: int = 0
     last_report: float = 0.0
+    #: the per-worker counters (``_worker_counters``) of this slot's exited workers: a restarted
+    #: worker counts from 0, its series (``{worker="i"}``) must not go backwards
+    carried: dict[str, Any] = field(default_factory=dict)
 
 
 class Supervisor:
@@ -108,7 +113,9 @@ class Supervisor:
         argv: list[str] | None = None,
         env: dict[str, str] | None = None,
         pass_fds: tuple[int, ...] = (),
+        prepare: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        """``prepare``: awaited before each restart (the front repairs what a worker needs)."""
         if count < 1:
             raise ValueError("a supervisor needs at least one worker")
         self.spec_for = spec_for
@@ -117,6 +124,7 @@ class Supervisor:
         self.argv = argv or [sys.executable, "-m", "kvrelay.ops.worker"]
         self.env = worker_env(env)
         self.pass_fds = pass_fds  # the shared listener: every worker (and restart) inherits it
+        self.prepare = prepare
         self.restarts = 0
         self.hung = 0  # workers killed for not reporting
         self.hang_s = HANG_S
@@ -146,8 +154,18 @@ class Supervisor:
 
     async def _hang_check(self) -> None:
         while True:
-            await asyncio.sleep(self.hang_s / 4)
+            period = self.hang_s / 4
+            due = time.monotonic() + period
+            await asyncio.sleep(period)
             now = time.monotonic()
+            # Woken late, the supervisor itself was not running (its event loop stalled, its
+            # process stopped): it could not read the reports its workers wrote meanwhile, so
+            # that time is not their silence. Without this credit, every healthy worker was
+            # killed as hung right after the ingest process was frozen for HANG_S.
+            late = now - due
+            if late > 0:
+                for slot in self._slots:
+                    slot.last_report += late
             for slot in self._slots:
                 proc, ready = slot.proc, slot.ready
                 serving = ready is not None and ready.done() and not ready.exception()
@@ -211,6 +229,7 @@ class Supervisor:
                 return
             slot.exits += 1
             _add_counts(self._exited, _counters(slot.stats))
+            _add_counts(slot.carried, _worker_counters(slot.stats))
             slot.stats = {}
             served = time.monotonic() - slot.started
             if served >= RESTART_RESET_S:
@@ -222,6 +241,11 @@ class Supervisor:
                 return
             delay = min(RESTART_MAX_S, delay * 2)
             self.restarts += 1
+            if self.prepare is not None:
+                try:
+                    await self.prepare()
+                except Exception as exc:  # a repair that fails: the restart is tried anyway
+                    _LOG.error("worker_prepare_failed", worker=slot.index, error=repr(exc))
             await self._spawn(slot)
             try:
                 port = await asyncio.wait_for(self._ready(slot), self.start_timeout_s)
@@ -313,8 +337,20 @@ class Supervisor:
         return _unscoped(self._guard().get("preempted", {}))
 
     def worker_stats(self) -> list[dict[str, Any]]:
-        """The last STATS report of every worker ({} while it is not serving)."""
-        return [dict(s.stats) for s in self._slots]
+        """The last STATS report of every worker, its own counters (``_worker_counters``)
+        including those of the slot's earlier workers, so a restart never sends a series
+        backwards ({} for a slot that never reported; only the carried counters while it
+        restarts)."""
+        out = []
+        for s in self._slots:
+            stats = dict(s.stats)
+            if s.carried:
+                counted = _worker_counters(stats)
+                _add_counts(counted, s.carried)
+                stats["reports_dropped"] = counted.get("reports_dropped", 0)
+                stats["mirror"] = {**stats.get("mirror", {}), **counted.get("mirror", {})}
+            out.append(stats)
+        return out
 
     def stats(self) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
         """The router-facing service, summed over workers: (kind → (open, limit), errors).
@@ -334,6 +370,24 @@ class Supervisor:
 #: The parts of a worker's STATS ``service`` report that are counters: summed over the workers,
 #: and kept when a worker exits (its successor counts from 0). Each is a tree of counts.
 COUNTED = ("errors", "authz", "guard")
+
+
+#: The counters of a worker's own report (per worker, ``{worker="i"}``): its mirror's and its
+#: dropped reports. Carried over a restart of its slot (``worker_stats``).
+MIRROR_COUNTED = ("identity_changes", "pool_totals", "pools_evicted", "plane_ends",
+                  "plane_violations", "catalog_invalid", "channel_resets", "hold_failures",
+                  "hold_denied")  # fmt: skip
+
+
+def _worker_counters(stats: dict[str, Any]) -> dict[str, Any]:
+    """The per-worker counters of one report: ``reports_dropped`` and ``MIRROR_COUNTED``, as
+    a new tree (the report is never added into)."""
+    mirror = stats.get("mirror", {})
+    out: dict[str, Any] = {"mirror": {}}
+    _add_counts(out["mirror"], {k: mirror[k] for k in MIRROR_COUNTED if k in mirror})
+    if "reports_dropped" in stats:
+        out["reports_dropped"] = int(stats["reports_dropped"])
+    return out
 
 
 def _counters(stats: dict[str, Any]) -> dict[str, Any]:

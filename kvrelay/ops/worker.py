@@ -15,6 +15,7 @@ blocks the worker's event loop; STATS reports it could not take are dropped and 
 
 It never talks to systemd (the supervisor owns ``NOTIFY_SOCKET``), ends every stream cleanly and
 exits 0 on SIGTERM/SIGINT, and exits as well when its stdin closes: the supervisor is gone.
+SIGHUP, SIGUSR1 and SIGUSR2 are the daemon's (reload, upgrade): a worker ignores them.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ async def run_worker(
     set. ``control`` carries rules that arrive later (stdin)."""
     if control is None:
         control = WorkerControl(spec.authorization)
-    from kvrelay.mirror.mirror import Mirror
+    from kvrelay.mirror.mirror import Mirror, follow_session
     from kvrelay.mirror.settings import MirrorSettings, UpstreamAddress
     from kvrelay.service.server import RelayServer
 
@@ -172,6 +173,7 @@ async def run_worker(
     )
     mirror.start()
     server: RelayServer | None = None
+    health: asyncio.Task[None] | None = None
     try:
         synced = asyncio.ensure_future(mirror.synced.wait())
         stopping = asyncio.ensure_future(stop.wait())
@@ -192,6 +194,7 @@ async def run_worker(
         _LOG.info("worker_serving", worker=spec.index, port=server.port,
                   gil_switch_interval_s=sys.getswitchinterval())  # fmt: skip
         report_pipe.send(f"READY {server.port}", droppable=False)
+        health = asyncio.ensure_future(follow_session(mirror, server.health.set_serving))
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), spec.stats_interval_s)
@@ -201,6 +204,8 @@ async def run_worker(
         return 0
     finally:
         grace = max(0.1, spec.shutdown_timeout_s / 2)
+        if health is not None:  # before the drain, which says NOT_SERVING for good
+            health.cancel()
         if server is not None:
             await server.close(grace_s=grace)
         await mirror.stop()
@@ -229,6 +234,8 @@ async def _main(spec: WorkerSpec) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    for sig in IGNORED_SIGNALS:
+        loop.add_signal_handler(sig, _ignored, sig)
     control = WorkerControl(spec.authorization)
     watch = asyncio.ensure_future(_parent_gone(stop, control))
     try:
@@ -261,7 +268,21 @@ def _spec_line() -> bytes:
     return bytes(out)
 
 
+#: Signals meant for the daemon (reload, hot upgrade) that also reach its workers when sent to
+#: the whole unit or process group (``systemctl kill -s HUP``, a terminal's hangup): their
+#: default action ended the worker at once, its routers' streams without a status. The
+#: supervisor passes a reload on through stdin; an upgrade replaces the workers itself.
+IGNORED_SIGNALS = (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _ignored(sig: signal.Signals) -> None:
+    _LOG.info("worker_signal_ignored", signal=sig.name,
+              hint="signal the daemon (its main pid), not its workers")  # fmt: skip
+
+
 def main() -> int:
+    for sig in IGNORED_SIGNALS:  # from the start: the loop's handlers come later
+        signal.signal(sig, signal.SIG_IGN)
     spec = WorkerSpec.from_json(_spec_line().decode())
     configure(level=spec.log_level.upper(), json=spec.log_json)
     tune_thread_switching()

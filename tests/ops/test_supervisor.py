@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,9 @@ while True:
             "streams": {"pool": [2, 64]}, "errors": {"R": 1},
             "authz": {"denials": {"WatchKvPool": 1}, "revoked": 1},
             "guard": {"h2": {"ping_flood": 1}, "refusals": {"streams/10.0.0.1": 1},
-                      "preempted": {"streams/r": 1}, "stalled": {"deltas": 1}}}}), flush=True)
+                      "preempted": {"streams/r": 1}, "stalled": {"deltas": 1}}},
+            "mirror": {"synced": True, "identity_changes": 1, "pool_totals": {"deltas": 5}},
+            "reports_dropped": 2}), flush=True)
     time.sleep(0.1)
 """
 
@@ -127,6 +130,51 @@ async def test_a_worker_that_stops_reporting_is_killed_and_restarted(tmp_path: P
     await sup.start()
     try:
         await _eventually(lambda: sup.hung == 1 and sup.restarts == 1 and sup.alive == 1)
+    finally:
+        await sup.stop(5.0)
+
+
+def test_a_stalled_supervisor_does_not_take_its_workers_for_hung(tmp_path: Path) -> None:
+    """The supervisor's own loop stalls (the ingest process frozen, SIGSTOP) for longer than
+    ``hang_s`` while its worker goes on reporting into the pipe: the stall is not the worker's
+    silence, so nobody is killed. Before, the hang check woke first after the stall and killed
+    every healthy worker. Run on uvloop, as the daemon is, whose timers run before its reads."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def scenario() -> tuple[int, int]:
+        sup = _supervisor(tmp_path, "serve")
+        sup.hang_s = 1.0
+        await sup.start()
+        try:
+            await asyncio.sleep(0.5)  # the hang check runs
+            time.sleep(3.0)  # the whole loop stalls (every reader and the hang check with it)
+            await asyncio.sleep(scaled(1.0))
+            return sup.hung, sup.restarts
+        finally:
+            await sup.stop(5.0)
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        assert runner.run(scenario()) == (0, 0)
+
+
+async def test_per_worker_counters_never_go_backwards_over_a_restart(tmp_path: Path) -> None:
+    """A restarted worker counts from 0: its ``{worker="i"}`` counters (its mirror's, its dropped
+    reports) carry its predecessors' (before, ``kvrelay_mirror_deltas_total{worker="1"}`` fell
+    from 23 to 7 after a restart); gauges (``synced``) are the live worker's own."""
+    sup = _supervisor(tmp_path, "exit,serve")
+    await sup.start()
+    try:
+        await _eventually(lambda: sup.restarts == 1 and sup.alive == 1)
+        await _eventually(lambda: bool(sup._slots[0].stats))
+        [stats] = sup.worker_stats()
+        assert stats["mirror"]["pool_totals"] == {"deltas": 10}
+        assert stats["mirror"]["identity_changes"] == 2 and stats["reports_dropped"] == 4
+        assert stats["mirror"]["synced"] is True
+        from kvrelay.ops.mirror_metrics import WorkersCollector
+
+        families = {m.name: m for m in WorkersCollector(sup).collect()}
+        [deltas] = families["kvrelay_mirror_deltas"].samples
+        assert deltas.labels == {"worker": "1"} and deltas.value == 10.0
     finally:
         await sup.stop(5.0)
 

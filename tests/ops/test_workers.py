@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import time
@@ -223,6 +224,67 @@ async def test_two_workers_serve_are_restarted_and_drain(tmp_path: Path) -> None
     finally:
         for c in consumers:
             await c.stop()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await notes.close()
+        await engine.stop()
+
+
+async def _serves(port: int, timeout: float = 30.0) -> None:
+    """``GetRelayInfo`` through the public port succeeds within ``timeout`` (scaled)."""
+    deadline = time.monotonic() + scaled(timeout)
+    while True:
+        try:
+            async with Channel("127.0.0.1", port) as probe:
+                async with asyncio.timeout(scaled(2)):
+                    await relay_info(probe)
+            return
+        except Exception:
+            assert time.monotonic() < deadline, "no worker serves the public port"
+            await asyncio.sleep(0.2)
+
+
+async def test_a_lost_internal_socket_is_listened_on_again_for_a_restarted_worker(
+    tmp_path: Path,
+) -> None:
+    """The internal socket's directory is removed at runtime (a cleaner of ``runtime_dir``),
+    then the worker dies: the daemon listens on a new internal socket before the restart, and
+    the new worker serves. Before, every restarted worker waited for a socket that was gone
+    (120 s, then again with backoff): nothing accepted on the public port, ``/healthz`` 200."""
+    engine = SimEngine(SimConfig(name="e0", seed=17, capacity_blocks=64))
+    await engine.start()
+    assert engine.grpc_port is not None
+    notes = Notifications(tmp_path / "notify.sock")
+    cfg = _config(tmp_path / "kvrelay.toml", engine.grpc_port, extra="workers = 2\n")
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    env = clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), RUNTIME_DIRECTORY=str(runtime))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvrelay", "serve", "--config", str(cfg),
+        env=env, cwd=REPO, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        ready = await notes.wait_for("READY=1", timeout=120)
+        m = re.search(r"serving gRPC on 127\.0\.0\.1:(\d+)", ready)
+        assert m, ready
+        port = int(m.group(1))
+        [worker] = _workers(proc.pid)
+        [lost] = list(runtime.glob("kvrelay-*"))
+        shutil.rmtree(lost)
+        os.kill(worker, signal.SIGKILL)
+        await eventually(lambda: _workers(proc.pid) not in ([], [worker]),
+                         what="worker restarted", timeout=30)  # fmt: skip
+        await _serves(port)
+        [new] = list(runtime.glob("kvrelay-*/ingest.sock"))
+        assert new.parent != lost
+        proc.send_signal(signal.SIGTERM)
+        rc = await asyncio.wait_for(proc.wait(), scaled(20))
+        stderr = (await proc.stderr.read()).decode()  # type: ignore[union-attr]
+        assert rc == 0, stderr[-3000:]
+        assert '"internal_socket_lost"' in stderr
+        assert not list(runtime.glob("kvrelay-*")), "every internal directory is removed"
+    finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
