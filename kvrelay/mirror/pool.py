@@ -112,6 +112,9 @@ class MirrorPool:
         self._waiting = 0  # admissions in progress (waiting for the sync or a snapshot slot)
         self._idle_mark = time.monotonic()  # since when nobody used this pool, between hubs
         self._live_since = 0.0  # when the current hub was installed (monotonic)
+        #: set by the next upstream frame or state change: admissions waiting for the upstream
+        #: to show life again (``_admit``)
+        self._life: asyncio.Event | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -154,6 +157,7 @@ class MirrorPool:
             self.first_done = True
         event, self._changed = self._changed, asyncio.Event()
         event.set()
+        self._wake()
         self.ctx.changed(self)
 
     # ------------------------------------------------------------------ admission
@@ -176,6 +180,20 @@ class MirrorPool:
         loop = asyncio.get_running_loop()
         while True:
             state, hub = self.state, self.hub
+            if state is PoolState.LIVE and hub is not None and not self._vouch():
+                # the upstream has been quiet past its heartbeat period: what the hub holds is
+                # vouched for by nobody (local heartbeats stop too), so no joiner gets it as a
+                # snapshot; it waits for the upstream to show life, within its deadline
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise RelayError.publication_unavailable(
+                        "the mirror's upstream stream is silent: its state is not vouched for"
+                    )
+                if self._life is None:
+                    self._life = asyncio.Event()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._life.wait(), remaining)
+                continue
             if state is PoolState.LIVE and hub is not None:
                 sub = await hub.subscribe(on_release)  # may wait for a snapshot slot
                 if hub.retired:
@@ -194,6 +212,11 @@ class MirrorPool:
                 )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), remaining)
+
+    def _wake(self) -> None:
+        life, self._life = self._life, None
+        if life is not None:
+            life.set()
 
     # ------------------------------------------------------------------ upstream
     def _vouch(self) -> bool:
@@ -229,6 +252,8 @@ class MirrorPool:
                 self._heartbeat_s = min(3600.0, max(0.05, gap_s))
         self._last_frame = now
         self._last_sent_us = frame.send_ts_us
+        if self._life is not None:
+            self._wake()
 
     def _space(self, hub: PublicationHub) -> None:
         """Ask the upstream to space its publications while this hub has joiners (or mirrors of

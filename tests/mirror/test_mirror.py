@@ -245,6 +245,43 @@ async def test_heartbeats_only_while_the_upstream_shows_life() -> None:
     assert trailers.get(K) == "RELAY_ERROR_REASON_PUBLICATION_UNAVAILABLE"
 
 
+async def test_no_snapshot_of_state_the_upstream_stopped_vouching_for() -> None:
+    """Past 1.5 upstream heartbeat periods of silence the mirror's heartbeats stop (nobody
+    vouches for the state); a subscriber that joins then is not handed that state as a
+    snapshot either: it waits for the upstream to show life, and gets PUBLICATION_UNAVAILABLE
+    when its wait (``sync_wait_s``) runs out first. Only a snapshot of a later install (the
+    silent stream ended and the pool subscribed again) may reach it."""
+    relay = S.ScriptedRelay()  # snapshot, one delta, then silence (no upstream heartbeats)
+    server = await S.serve(relay)
+    period = 2.0  # vouched for 3.25 s after the last frame; the stream silent after 6 s
+    try:
+        async with mirrored(S.port_of(server), upstream_heartbeat_s=period, sync_wait_s=0.5,
+                            sync=False) as m:  # fmt: skip
+            await eventually(lambda: (h := m.mirror.hub_for(S.producer())) is not None
+                             and h.sequence == 11, what="upstream frames applied")  # fmt: skip
+            (pool,) = m.mirror._pools.values()
+            await asyncio.sleep(1.5 * period + 0.25 + 0.5)  # past the vouch
+            ch = m.channel()
+            installs_at_first: int | None = None
+            try:
+                async with asyncio.timeout(scaled(10)):
+                    with contextlib.suppress(GRPCError):
+                        async with ch.request(SVC + "SubscribeKvPool", Cardinality.UNARY_STREAM,
+                                              pb.SubscribeKvPoolRequest, pb.FilterUpdate) as st:
+                            await st.send_message(sub_request(S.producer()), end=True)
+                            if await st.recv_message() is not None:
+                                installs_at_first = pool.installs
+                    trailers = dict(st.trailing_metadata or {})
+            finally:
+                ch.close()
+    finally:
+        server.close()
+    if installs_at_first is None:
+        assert trailers.get(K) == "RELAY_ERROR_REASON_PUBLICATION_UNAVAILABLE", trailers
+    else:
+        assert installs_at_first >= 2, "a snapshot of state nobody vouched for"
+
+
 async def test_a_burst_of_upstream_deltas_does_not_lag_local_subscribers() -> None:
     """Deltas buffered upstream arrive back to back; the mirror lets its senders run before a
     local queue (4 frames here) can fill, so subscribers that read get every delta."""
