@@ -348,6 +348,9 @@ class Mirror:
             return max(base, 3 * window_s)  # at once, on the stream whose update stated it
 
         silence = None if is_catalog else quiet
+        # a catalog comes at once, then only on change: its first message has the readiness
+        # plane's bound, so a stream that never answers is opened again, not waited on for ever
+        first = 3 * max(self.settings.upstream_heartbeat_s, self.settings.upstream_readiness_s)
         while True:
             delivered = False
             current = self.upstream.channel  # the stream below runs on it
@@ -378,8 +381,9 @@ class Mirror:
             try:
                 try:
                     end, channel = await self.upstream.stream(
-                        method, request, on, silence_s=silence
-                    )
+                        method, request, on, silence_s=silence,
+                        first_message_s=first if is_catalog else None,
+                    )  # fmt: skip
                 finally:
                     self._plane_sessions.pop(plane.name, None)
                 if end.status == Status.UNIMPLEMENTED and not delivered:

@@ -109,6 +109,7 @@ class Upstream:
         on_message: Callable[[bytes], Awaitable[None] | None],
         *,
         silence_s: float | Callable[[], float] | None = None,
+        first_message_s: float | None = None,
     ) -> tuple[StreamEnd, Channel]:
         """Run one upstream stream to its end (exceptions raised by ``on_message`` propagate and
         reset the HTTP/2 stream). Returns how it ended and the channel it used.
@@ -120,8 +121,9 @@ class Upstream:
         channel = self._channel
         every = max(1, self.settings.limits.publication_queue_capacity // 2)
         end = await rpc.run_stream(
-            channel, method, request, bytes, on_message, silence_s=silence_s, yield_every=every
-        )
+            channel, method, request, bytes, on_message, silence_s=silence_s,
+            first_message_s=first_message_s, yield_every=every,
+        )  # fmt: skip
         return end, channel
 
     async def hold(self, request: Any, seconds: float) -> bool | None:

@@ -153,7 +153,7 @@ async def test_streams_that_end_after_their_snapshot_are_resubscribed_with_backo
         server.close()
 
 
-class _MuteFirstCatalog(S.ScriptedRelay):
+class MuteFirstCatalog(S.ScriptedRelay):
     """Its first catalog stream never answers (a relay or proxy that took the stream and
     stalled); later ones answer as a relay does."""
 
@@ -173,7 +173,7 @@ async def test_a_catalog_stream_that_never_answers_is_retried() -> None:
     """A relay sends its catalog at once, then only on change: a catalog stream with no first
     message within the silence bound ends ``silent`` and the catalog is watched again. The SDK
     used to wait on it for ever, without pools."""
-    relay = _MuteFirstCatalog()
+    relay = MuteFirstCatalog()
     server = await S.serve(relay)
     config = ClientConfig(watch_serving_load=False, backoff_initial_s=0.02, backoff_max_s=0.2,
                           heartbeat_interval_s=0.25, silence_heartbeats=2)  # fmt: skip

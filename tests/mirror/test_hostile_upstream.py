@@ -23,6 +23,7 @@ from kvrelay.client.codec import RawCodec
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.mirror.pool import PoolState
 from kvrelay.publication import cbi1
+from tests.client.test_hostile_upstream import MuteFirstCatalog
 from tests.support import scripted_relay as S
 from tests.support.fleet import eventually
 from tests.support.mirror_rig import mirrored
@@ -341,5 +342,21 @@ async def test_streams_that_end_after_their_snapshot_are_resubscribed_with_backo
             (pool,) = m.mirror._pools.values()
             assert pool.installs >= 2  # it does resubscribe
             assert relay.subscriptions < 40, relay.subscriptions  # with backoff (0.5 s max here)
+    finally:
+        server.close()
+
+
+async def test_a_catalog_stream_that_never_answers_is_opened_again() -> None:
+    """The upstream's first catalog stream never answers: it ends ``silent`` after the
+    readiness plane's bound and the catalog is watched again, so the mirror synchronizes. It
+    used to wait on that stream for ever, refusing every RPC."""
+    relay = MuteFirstCatalog()
+    server = await S.serve(relay)
+    try:
+        async with mirrored(S.port_of(server), sync=False, upstream_heartbeat_s=0.2,
+                            upstream_readiness_s=0.2) as m:  # fmt: skip
+            await asyncio.wait_for(m.mirror.synced.wait(), 10)
+            assert relay.catalog_streams >= 2
+            assert m.mirror.plane_ends.get("catalog_silent", 0) >= 1, m.mirror.plane_ends
     finally:
         server.close()
