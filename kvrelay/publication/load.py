@@ -152,6 +152,8 @@ class LoadPlane(WindowPlane[pb.KvPoolLoadUpdate]):
                 _log.exception("load_entry_invalid", errors=self.entry_errors)
                 continue
             keyed.append((key, entry, wire))
+        # this window's identities only: a retired generation's stayed up to the memo's bound
+        self._ids.retain(producer for producer, _ranks in inputs)
         keyed.sort(key=lambda kv: kv[0])
         out: list[tuple[pb.KvPoolLoadEntry, bytes]] = []
         for i, (key, entry, wire) in enumerate(keyed):

@@ -268,7 +268,7 @@ class ReadinessPlane:
         self.rejected = 0
         # An entry's bytes and the entry by what it is computed from: its namespace, model
         # and every field of its endpoints (a pool id by its bytes). Only the current
-        # topology's entries are kept, so the memo is as large as the topology.
+        # topology's entries and pool ids are kept, so the memos are as large as the topology.
         self._pool_ids: IdentityMemo[pb.KvPoolId] = IdentityMemo()
         self._entries: dict[tuple[object, ...], tuple[bytes, pb.TopologyEntry]] = {}
         self._ordered: list[bytes] = []
@@ -317,6 +317,10 @@ class ReadinessPlane:
             memo[key] = hit
             built.append(hit)
         self._entries = memo
+        # the current endpoints' pool ids only: each new generation brings a new id object,
+        # and dead ones were kept up to the memo's bound (4,096)
+        self._pool_ids.retain(e.pool_id for _ns, _m, parts in groups for e in parts
+                              if e.pool_id is not None)  # fmt: skip
         canonical = b"".join(len(d).to_bytes(4, "little") + d for d, _ in built)
         if canonical == self._canonical:
             return False

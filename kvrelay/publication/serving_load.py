@@ -347,6 +347,9 @@ class ServingLoadPlane(WindowPlane[pb.ServingLoadUpdate]):
             return None
         pools = self._entries(inputs.pools, self._pool)
         models = self._entries(inputs.models, self._model)
+        # this window's identities only: a retired generation's stayed up to the memos' bound
+        self._producers.retain(p.producer for p in inputs.pools)
+        self._pool_ids.retain(i for m in inputs.models for i in m.serving_pools)
         return self._message(seq, pools, models)
 
     def _pool(self, inp: PoolServingInput) -> tuple[bytes, tuple[pb.PoolServingLoad, _Wire]]:

@@ -146,6 +146,12 @@ class Checkpointer:
         #: Pre-image bytes the last image kept (what its writes cost it), for benchmarks.
         self.last_captured_bytes = 0
 
+    def keep_only(self, names: set[str]) -> None:
+        """Forget the last checkpoint time of pools not in ``names`` (removed by a reload),
+        so their gauge goes with them."""
+        for name in [n for n in self.last_unix if n not in names]:
+            del self.last_unix[name]
+
     def busy(self, name: str) -> bool:
         return name in self._names
 

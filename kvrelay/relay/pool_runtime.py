@@ -124,8 +124,12 @@ class PoolRuntime:
         self._stopped = False
         #: The last catalog entry and what it was made of (``descriptor``).
         self._descriptor: tuple[pool_view.DescriptorInputs, pb.KvPoolDescriptor] | None = None
-        # Final counters of retired subscribers and generations (monotonic stats).
+        # Final counters of retired subscribers and generations (monotonic stats), by source
+        # for the engines the pool has now; those of engines that left are summed in
+        # ``_departed`` (a fleet whose pods come back under new addresses grew this, and the
+        # metrics' series, by one entry per (engine, rank) ever seen).
         self._source_totals: dict[SourceKey, SubscriberCounters] = {}
+        self._departed: SubscriberCounters | None = None
         self._generation_totals = GenerationTotals()
         self.connected = ConnectedMembers(self) if spec.connect is not None else None
         #: The state file's pool and members, from a start's restore to their vouching.
@@ -407,6 +411,7 @@ class PoolRuntime:
                         gen.remove_member(SourceKey(wid, rank))
                         self.counters.reset("engine_removed")
             self.table.remove(key)
+            self._forget_sources(st.worker_id)
         if reconcile:
             await self.reconcile()
 
@@ -712,8 +717,23 @@ class PoolRuntime:
         return self.restore.members_to_save(subs, self.by_worker)
 
     def _fold_source(self, key: SourceKey, counters: SubscriberCounters) -> None:
+        if key.worker_id not in self.by_worker:  # its engine left (a stop that ended late)
+            self._fold_departed(counters)
+            return
         prev = self._source_totals.get(key)
         self._source_totals[key] = counters if prev is None else merged(prev, counters)
+
+    def _fold_departed(self, counters: SubscriberCounters) -> None:
+        prev = self._departed
+        self._departed = counters if prev is None else merged(prev, counters)
+
+    def _forget_sources(self, worker_id: int) -> None:
+        """An engine left the pool: what its sources counted joins the departed sum, and its
+        restart backoff goes, so nothing stays keyed by an engine the pool no longer has."""
+        for key in [k for k in self._source_totals if k.worker_id == worker_id]:
+            self._fold_departed(self._source_totals.pop(key))
+        for key in [k for k in self._restarts if k.worker_id == worker_id]:
+            del self._restarts[key]
 
     # ---- statistics ------------------------------------------------------------------------------
 
@@ -725,6 +745,7 @@ class PoolRuntime:
             gen=self.generation,
             retired=self._generation_totals,
             source_totals=self._source_totals,
+            departed=self._departed,
             subscribers=self.subscribers,
             connected=self.connected,
             counters=self.counters,

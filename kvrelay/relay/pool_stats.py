@@ -9,7 +9,7 @@ from dataclasses import fields
 from kvrelay.ingest.counters import SubscriberCounters
 from kvrelay.ingest.sink import SourceKey
 from kvrelay.ingest.subscriber import Subscriber
-from kvrelay.relay.connected import ConnectedMembers, counter_values
+from kvrelay.relay.connected import DEPARTED, ConnectedMembers, counter_values
 from kvrelay.relay.engines import EngineState
 from kvrelay.relay.generation import Generation
 from kvrelay.relay.stats import (
@@ -55,13 +55,15 @@ def pool_stats(
     gen: Generation | None,
     retired: GenerationTotals,
     source_totals: Mapping[SourceKey, SubscriberCounters],
+    departed: SubscriberCounters | None = None,
     subscribers: Mapping[SourceKey, Subscriber],
     connected: ConnectedMembers | None,
     counters: PoolCounters,
     engines: Iterable[EngineState],
     engine_name: Callable[[int], str],
 ) -> PoolStats:
-    """A snapshot of the pool's counters and gauges (monotonic across replacements)."""
+    """A snapshot of the pool's counters and gauges (monotonic across replacements).
+    ``departed``: the sum of what the sources of engines no longer in the pool counted."""
     totals = retired.copy()
     gstats: GenerationStats | None = None
     if gen is not None:
@@ -88,6 +90,8 @@ def pool_stats(
             sc = sub.counters.frozen() if prev is None else merged(prev, sub.counters)
             state = sub.state
         sources.append(SourceStats(engine_name(key.worker_id), key.dp_rank, state, sc))
+    if departed is not None:  # engines that left the pool: one sum, not a series each
+        sources.append(SourceStats(DEPARTED, 0, "stopped", departed.frozen()))
     if connected is not None:
         sources += connected.source_stats()
     c = counters

@@ -451,6 +451,7 @@ class Relay:
                     p.tick(now)
                 except Exception:  # a bug in one pool's checks must not stop the others
                     _log.exception("pool_tick_failed", pool=p.name)
+            self._forget_removed_pools()
             interval = self.settings.checkpoint_interval_s
             if interval > 0 and now >= self._next_checkpoint:
                 self._next_checkpoint = now + interval
@@ -656,7 +657,18 @@ class Relay:
             self._by_target.pop(name, None)
             await self._stop_scraper(p.name, st.spec.name)
         await p.close("pool removed from the relay's configuration")
+        self._forget_removed_pools()
         self.refresh_planes()
+
+    def _forget_removed_pools(self) -> None:
+        """Drop what is kept by pool name for pools no longer configured: each pool a reload
+        removed left its scrub and checkpoint gauges, and these entries, for the relay's life.
+        Also run at each tick, for a checkpoint that finished after its pool left."""
+        names = {p.name for p in self.pools}
+        self.scrubber.keep_only(names)
+        self.checkpoints.keep_only(names)
+        for key in [k for k in self._last_rejection if k[0] != "*" and k[0] not in names]:
+            del self._last_rejection[key]
 
     # ---- discovery -------------------------------------------------------------------------------
 

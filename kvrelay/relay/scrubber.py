@@ -37,6 +37,13 @@ class Scrubber:
         self.last: dict[str, tuple[float, bool]] = {}
         self._since: dict[str, float] = {}  # pool → when its last pass started (or first seen)
 
+    def keep_only(self, names: set[str]) -> None:
+        """Forget the pools not in ``names`` (removed by a reload): their entries, and the
+        scrub gauges exported from them, would otherwise stay for the relay's life."""
+        for d in (self.last, self._since):
+            for name in [n for n in d if n not in names]:
+                del d[name]
+
     async def run(self) -> None:
         while True:
             interval = self._interval()
