@@ -9,6 +9,7 @@ sample. The HTTP endpoint is ``kvrelay.ops.metrics_http``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import socket
 import time
@@ -487,6 +488,11 @@ class RelayMetrics:
 
     def delta_published(self, pool: str, seconds: float) -> None:
         self.delta_latency.labels(pool=pool).observe(seconds)
+
+    def pool_removed(self, pool: str) -> None:
+        """A removed pool's latency series go with it (18 per pool stayed for the relay's life)."""
+        with contextlib.suppress(KeyError):
+            self.delta_latency.remove(pool)
 
     # ---- collection (called by the registry at scrape time) -------------------------------------
 

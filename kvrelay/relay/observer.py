@@ -19,6 +19,10 @@ class RelayObserver(Protocol):
         """A delta was published; ``seconds`` from its first applied command to publication."""
         ...
 
+    def pool_removed(self, pool: str) -> None:
+        """``pool`` left the configuration: whatever is kept under its name can go."""
+        ...
+
 
 class Observers:
     """Fan-out to every registered observer (the relay holds exactly one of these)."""
@@ -43,6 +47,14 @@ class Observers:
         for obs in tuple(self._items):
             try:
                 obs.delta_published(pool, seconds)
+            except Exception:
+                _log.exception("observer_failed", observer=type(obs).__name__)
+                self.remove(obs)
+
+    def pool_removed(self, pool: str) -> None:
+        for obs in tuple(self._items):
+            try:
+                obs.pool_removed(pool)
             except Exception:
                 _log.exception("observer_failed", observer=type(obs).__name__)
                 self.remove(obs)

@@ -658,6 +658,7 @@ class Relay:
             await self._stop_scraper(p.name, st.spec.name)
         await p.close("pool removed from the relay's configuration")
         self._forget_removed_pools()
+        self.observers.pool_removed(p.name)
         self.refresh_planes()
 
     def _forget_removed_pools(self) -> None:

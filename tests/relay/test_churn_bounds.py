@@ -88,7 +88,8 @@ def _pool(endpoint: str, engine: SimEngine) -> PoolSpec:
 
 
 async def test_pools_a_reload_removes_keep_no_records(tmp_path: Path) -> None:
-    """Each pool a reload removed kept its last scrub and checkpoint (and their gauges)."""
+    """Each pool a reload removed kept its last scrub and checkpoint (and their gauges), and
+    its delta-latency histogram (18 series)."""
     base = SimEngine(SimConfig(name="base", seed=1, capacity_blocks=64))
     await base.start()
     settings = RelaySettings(
@@ -97,7 +98,12 @@ async def test_pools_a_reload_removes_keep_no_records(tmp_path: Path) -> None:
         checkpoint_interval_s=0.1, scrub_interval_s=0.1,
     )  # fmt: skip
     relay = Relay(settings)
+    metrics = RelayMetrics(relay)
     await relay.start()
+
+    def latency_of(name: str) -> bool:
+        return f'kvrelay_delta_latency_seconds_count{{pool="{name}"}}' in metrics.render().decode()
+
     try:
         for i in range(2):
             eng = SimEngine(SimConfig(name=f"eng-{i}", seed=10 + i, capacity_blocks=64))
@@ -109,7 +115,10 @@ async def test_pools_a_reload_removes_keep_no_records(tmp_path: Path) -> None:
                 await eventually(lambda n=name: n in relay.scrubber.last
                                  and n in relay.checkpoints.last_unix,
                                  what=f"{name} scrubbed and checkpointed")  # fmt: skip
+                await eng.step(2)
+                await eventually(lambda n=name: latency_of(n), what=f"{name} published")
                 await relay.reconfigure(settings)
+                assert not latency_of(name)
             finally:
                 await eng.stop()
             stats = relay.stats()
