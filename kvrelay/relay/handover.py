@@ -36,7 +36,7 @@ from kvrelay import __version__
 from kvrelay.ingest.kinds import EngineKind
 from kvrelay.ingest.sink import SourceKey
 from kvrelay.pool.pool import Pool
-from kvrelay.relay import state_file
+from kvrelay.relay import safe_files, state_file
 from kvrelay.relay.engines import PoolIdentity
 from kvrelay.relay.settings import PoolSpec
 
@@ -214,7 +214,9 @@ def save_state(
             for m in members
         ],
     }
-    return state_file.write(path_for(state_dir, spec), header, arrays, written)
+    path = path_for(state_dir, spec)
+    safe_files.remove_dead_temps(path.parent, path.name)  # a killed writer's, this pool's
+    return state_file.write(path, header, arrays, written)
 
 
 def load(

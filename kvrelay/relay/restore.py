@@ -30,6 +30,13 @@ __all__ = ["PoolRestore"]
 _log = get_logger("kvrelay.relay.pool_runtime")  # the events keep the logger they had
 
 
+def _incarnation(st: EngineState | None) -> str | None:
+    """The incarnation the engine's Control names now; None when unknown (no answer yet, or
+    unreachable: ``resume_for`` decides once it answers)."""
+    snap = None if st is None else st.snapshot
+    return snap.instance_id if snap is not None and snap.reachable else None
+
+
 class PoolRestore:
     """One pool's restored state: the file not yet used, then the members not yet vouched."""
 
@@ -74,16 +81,30 @@ class PoolRestore:
     ) -> None:
         """``gen`` was built on the restored pool: members saved without a resume point (nothing
         applied, a rebuild under way) or of engines no longer configured hold nothing the relay
-        can vouch for; the others wait for their engine until ``RESTORE_VOUCH_S`` from ``now``."""
+        can vouch for; nor do those whose engine Control already names another incarnation (it
+        restarted while the relay was down): all are cleared now. The others wait for their
+        engine until ``RESTORE_VOUCH_S`` from ``now``.
+
+        Why at once: a restarted engine may come back with fewer DP ranks, and a saved rank it
+        no longer has never gets a source to be reset by (``resume_for``); it kept the whole
+        generation unpublished until ``expire``, 5 s without the pool in the catalog."""
+        restarted = {
+            k for k, r in resume.items()
+            if _incarnation(by_worker.get(k.worker_id)) not in (None, r.incarnation)
+        }  # fmt: skip
         for wid, rank in list(gen.pool.members().values()):
             key = SourceKey(wid, rank)
-            if key in resume and wid in by_worker:
+            if key in resume and wid in by_worker and key not in restarted:
                 continue
             if wid in by_worker:
                 gen.reset_member(key)
+                if key in restarted:
+                    self._counters.reset("incarnation")
             else:
                 gen.remove_member(key)
-        self._pending = {k: r for k, r in resume.items() if k.worker_id in by_worker}
+        self._pending = {
+            k: r for k, r in resume.items() if k.worker_id in by_worker and k not in restarted
+        }
         self._vouching = {}
         self._deadline = now + RESTORE_VOUCH_S
         self._gen = gen

@@ -18,6 +18,8 @@ import secrets
 import stat
 from pathlib import Path
 
+from kvrelay._text import is_decimal
+
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 #: For files read back: a symlink is not followed, and a FIFO planted at the name opens at once
 #: (and is then refused as no regular file) instead of blocking the opening thread for good;
@@ -111,3 +113,34 @@ def remove_stale_temps(directory: Path, name: str) -> int:
         except OSError:
             continue
     return n
+
+
+def remove_dead_temps(directory: Path, name: str) -> int:
+    """Remove temporary files of ``name`` whose writer (the pid in the name) is no longer alive;
+    returns how many. Unlike :func:`remove_stale_temps` this is safe while another process may
+    be writing here (a hot upgrade's old and new process share the state directory): a live
+    writer's file is left alone. Without it, a writer killed outright after a hand-over left a
+    file the size of a pool's state until the next start, and a state directory sized for two
+    files then failed every checkpoint of the new process. A pid this process cannot see (a
+    writer in another PID namespace) counts as dead, as at a start."""
+    n = 0
+    for p in directory.glob(f".{name}.*{TEMP_SUFFIX}"):
+        pid = p.name[len(name) + 2:].split(".", 1)[0]
+        if not is_decimal(pid) or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        try:
+            p.unlink()
+            n += 1
+        except OSError:
+            continue
+    return n
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True

@@ -259,6 +259,11 @@ class SimEngine:
         for p in self.publishers:
             p.replay_muted = muted
 
+    def delay_replay(self, seconds: float) -> None:
+        """Every rank's replay answers each request ``seconds`` late (0: at once again)."""
+        for p in self.publishers:
+            p.replay_delay_s = seconds
+
     def corrupt_next(self, n: int, replay_good: bool, rank: int | None = None) -> None:
         """Publish the next ``n`` batches live as garbage; ``replay_good``: the replay buffer
         still holds the real batches (else the same garbage)."""

@@ -92,6 +92,7 @@ class RankPublisher:
         self._drop: list[bool] = []  # queued drop decisions (keep_in_replay flag each)
         self._corrupt: list[bool] = []  # queued corruptions (replay keeps the good bytes flag)
         self.replay_muted = False  # a replay that takes requests and never answers (a hung engine)
+        self.replay_delay_s = 0.0  # a slow replay: each answer starts this late (a busy engine)
 
     async def start(self) -> None:
         pub = self.ctx.socket(zmq.XPUB if self.connect else zmq.PUB)
@@ -189,6 +190,8 @@ class RankPublisher:
             if self.replay_muted:
                 self.stats.replay_unanswered += 1
                 continue
+            if self.replay_delay_s > 0:
+                await asyncio.sleep(self.replay_delay_s)
             ident, start = frames[0], int.from_bytes(frames[2], "big")
             head = [ident, b""] + ([self.topic] if self.replay_frames == 4 else [])
             for seq, payload in list(self.buffer):

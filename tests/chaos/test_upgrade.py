@@ -47,11 +47,14 @@ from tests.support.scrape import scrape, total, value
 
 STEPS_PER_S = 100.0
 BUFFER_STEPS = 50
+#: A replay answering this late holds a successor's vouch: long enough for the test to act, well
+#: within the relay's replay timeout (2 s).
+SLOW_REPLAY_S = 0.6
 
 
 def _config(
     grpc: int, metrics: int, engines: list[SimEngine], loop: str = "asyncio", state: str = "",
-    workers: int = 1, runtime: str = "",
+    workers: int = 1, runtime: str = "", extra: str = "",
 ) -> str:
     text = f"""
 [relay]
@@ -63,6 +66,7 @@ workers = {workers}
 {f'runtime_dir = "{runtime}"' if runtime else ""}
 discovery_interval_s = 0.2
 discovery_timeout_s = 1.0
+{extra}
 
 [metrics]
 bind = "127.0.0.1:{metrics}"
@@ -411,6 +415,100 @@ async def test_a_successor_killed_or_given_up_on_leaves_no_directory_behind(
         print("\n".join(log.read_text().splitlines()[-40:]))
         await notes.close()
         await fleet.stop()
+
+
+async def test_the_old_process_killed_after_the_cut_leaves_the_successors_state(
+    tmp_path: Path,
+) -> None:
+    """The old process dies (SIGKILL, the OOM killer) once its successor has read the cut. The
+    successor cannot take a dead process's place (under systemd the unit's main process is
+    gone and the unit restarts; in a container the namespace ends), so it gives up, but as any
+    stop does: it saves the state it restored and had vouched for into ``state_dir`` and exits
+    1. The next start resumes every member from that file: exact, though the history is three
+    replay buffers long and no periodic checkpoint was written."""
+    fleet = Fleet(1, seed=580)
+    await fleet.start()
+    grpc, metrics = free_port(), free_port()
+    cfg = tmp_path / "kvrelay.toml"
+    state, tmpdir = tmp_path / "state", tmp_path / "tmp"
+    tmpdir.mkdir()
+    cfg.write_text(_config(grpc, metrics, fleet.engines, state=str(state), runtime=str(tmpdir),
+                           extra="checkpoint_interval_s = 0"))  # fmt: skip
+    env = clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), TMPDIR=str(tmpdir))
+    notes = Notifications(tmp_path / "notify.sock")
+    log = tmp_path / "log.jsonl"
+    procs: list[asyncio.subprocess.Process] = []
+    successors: list[int] = []
+
+    def events() -> list[dict[str, object]]:
+        return [json.loads(ln) for ln in log.read_text().splitlines() if ln.startswith("{")]
+
+    async def serve() -> asyncio.subprocess.Process:
+        with log.open("ab") as f:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "kvrelay", "serve", "--config", str(cfg), env=env,
+                cwd=REPO, stdout=asyncio.subprocess.DEVNULL, stderr=f,
+            )  # fmt: skip
+        procs.append(proc)
+        return proc
+
+    try:
+        old = await serve()
+        await notes.wait_for("READY=1")
+        await fleet.step(5)
+        await _exact(grpc, fleet)  # every member live
+        for _ in range(3 * BUFFER_STEPS // 10):
+            await fleet.step(10)
+            await asyncio.sleep(0.02)
+        await _exact(grpc, fleet)
+        for e in fleet.engines:  # the successor's vouch waits: it cannot take over meanwhile
+            e.delay_replay(SLOW_REPLAY_S)
+        os.kill(old.pid, signal.SIGUSR2)
+
+        def successor_read_the_cut() -> bool:
+            ev = events()
+            successors[:] = [int(e["successor_pid"]) for e in ev  # type: ignore[call-overload]
+                             if e.get("event") == "upgrade_started"]  # fmt: skip
+            return any(e.get("event") == "pool_materialized" and e.get("restored") for e in ev)
+
+        await eventually(successor_read_the_cut, timeout=60, what="the successor on the cut")
+        old.kill()
+        assert await old.wait() == -signal.SIGKILL
+        for e in fleet.engines:
+            e.delay_replay(0)
+        await eventually(lambda: [e.get("exit_code") for e in events()
+                                  if e.get("event") == "relay_stopped"] == [1],
+                         timeout=30, what="the successor given up")  # fmt: skip
+        assert [e["event"] for e in events() if e.get("event") in ("state_saved", "start_failed")
+                ] == ["start_failed", "state_saved"]  # fmt: skip
+        await eventually(lambda: _exited(successors[0]), what="the successor gone")
+        await fleet.step(BUFFER_STEPS // 2)  # within the replay buffer
+        ready = sum(m.startswith("READY=1") for m in notes.messages)  # the successor's too
+        await serve()
+        await notes.wait_for("READY=1", count=ready + 1)
+        await _exact(grpc, fleet)
+        text = await scrape(metrics)
+        assert value(text, "kvrelay_state_restores_total", result="restored") == 1
+        assert total(text, "kvrelay_pool_member_resets_total") == 0, "every member resumed"
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        for pid in successors:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        await notes.close()
+        await fleet.stop()
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie: an orphan is reaped by whatever the machine's first process is, which
+    need not reap at all (a container's)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _pid_file(directory: Path) -> int | None:

@@ -180,6 +180,28 @@ async def test_an_engine_restarted_meanwhile_is_rebuilt_and_the_others_resume(
         assert r.pool.counters.member_resets.get("incarnation") == 2
 
 
+async def test_an_engine_restarted_with_fewer_ranks_meanwhile_does_not_hold_the_pool_back(
+    fleet: list[SimEngine], tmp_path: Path
+) -> None:
+    """ho0 comes back with one DP rank instead of two (a new incarnation) while the relay is
+    down. Its saved rank 1 never gets a source to be reset by: it kept the whole generation
+    unpublished (no catalog entry) until the 5 s vouch deadline expired it. Control names the
+    new incarnation at the materialization, so both of ho0's members are cleared then; ho1's
+    resume, and the pool is published once they are vouched for."""
+    settings = _settings(fleet, tmp_path)
+    await _first_run(fleet, settings)
+    port = fleet[0].grpc_port
+    await fleet[0].stop()
+    fleet[0] = SimEngine(dataclasses.replace(_cfg("ho0", 103), dp_size=1, grpc_port=port))
+    await fleet[0].start()
+    await fleet[0].step(5)
+    async with _relay(fleet, settings) as r:
+        await eventually(lambda: r.pool.published is not None and _exact(r.relay, fleet),
+                         what="published and exact")  # fmt: skip
+        assert r.pool.counters.members_resumed == 2  # ho1's two ranks
+        assert r.pool.counters.member_resets == {"incarnation": 2}, "none left to expire"
+
+
 async def test_history_gone_while_down_resets_that_member(
     fleet: list[SimEngine], tmp_path: Path
 ) -> None:

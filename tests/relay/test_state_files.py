@@ -6,6 +6,8 @@ refused unread, bounded memory, and a file that could not be read is not deleted
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import tracemalloc
 from collections.abc import Callable
@@ -17,6 +19,7 @@ import pytest
 from kvrelay.ops.reload import read_pid_file, remove_pid_file, write_pid_file
 from kvrelay.pool.pool import Pool
 from kvrelay.relay import handover, safe_files, state_file
+from kvrelay.relay.engines import PoolIdentity
 from kvrelay.relay.settings import EngineSpec, PoolSpec
 
 SPEC = PoolSpec(namespace="ns", component="c", endpoint="e", expected_blocks=4096,
@@ -224,3 +227,33 @@ def test_state_files_of_pools_no_longer_configured_are_removed_once_stale(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         handover.path_for(tmp_path, s).name for s in (SPEC, young)
     )
+
+
+def test_a_killed_writers_temporary_file_goes_at_the_next_save_a_live_ones_stays(
+    tmp_path: Path,
+) -> None:
+    """A hot upgrade's old process killed outright while it wrote a checkpoint left its
+    temporary file in the state directory, and only a start removed such files: the new process
+    kept it (the size of the pool's state) as long as it ran. Each save now removes those of
+    writers that are gone, never one a live process (the other side of a hand-over) writes."""
+    path = handover.path_for(tmp_path, SPEC)
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead_tmp = tmp_path / f".{path.name}.{gone.pid}.aaaaaaaaaaaa{safe_files.TEMP_SUFFIX}"
+        live_tmp = tmp_path / f".{path.name}.{live.pid}.bbbbbbbbbbbb{safe_files.TEMP_SUFFIX}"
+        other = tmp_path / f".pool-other{handover.SUFFIX}.{gone.pid}.cccc{safe_files.TEMP_SUFFIX}"
+        for p in (dead_tmp, live_tmp, other):
+            p.write_bytes(b"x" * 4096)
+        pool = Pool(1 << 12, 7, 1, 1)
+        ident = PoolIdentity(model="m", model_source="m", block_size=1)
+        handover.save(tmp_path, SPEC, ident, pool, [])
+        assert not dead_tmp.exists(), "a dead writer's temporary file is removed"
+        assert live_tmp.exists(), "a live writer's is not"
+        assert other.exists(), "nor another pool's (its own saves see to it)"
+        assert path.exists()
+    finally:
+        live.kill()
+        live.wait()
+
