@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import secrets
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from kvrelay._text import is_decimal
@@ -105,14 +106,7 @@ def abandon(fd: int, tmp: Path) -> None:
 def remove_stale_temps(directory: Path, name: str) -> int:
     """Remove temporary files of ``name`` that a crashed writer left (unlink never follows a
     link); returns how many. Called before this process writes its own."""
-    n = 0
-    for p in directory.glob(f".{name}.*{TEMP_SUFFIX}"):
-        try:
-            p.unlink()
-            n += 1
-        except OSError:
-            continue
-    return n
+    return _remove_temps(directory, name, lambda _writer: True)
 
 
 def remove_dead_temps(directory: Path, name: str) -> int:
@@ -123,10 +117,19 @@ def remove_dead_temps(directory: Path, name: str) -> int:
     file the size of a pool's state until the next start, and a state directory sized for two
     files then failed every checkpoint of the new process. A pid this process cannot see (a
     writer in another PID namespace) counts as dead, as at a start."""
+
+    def dead(writer: str) -> bool:
+        return is_decimal(writer) and int(writer) != os.getpid() and not _alive(int(writer))
+
+    return _remove_temps(directory, name, dead)
+
+
+def _remove_temps(directory: Path, name: str, remove: Callable[[str], bool]) -> int:
+    """Unlink the temporary files of ``name`` whose writer field (the pid in the name) passes
+    ``remove``; returns how many."""
     n = 0
     for p in directory.glob(f".{name}.*{TEMP_SUFFIX}"):
-        pid = p.name[len(name) + 2:].split(".", 1)[0]
-        if not is_decimal(pid) or int(pid) == os.getpid() or _alive(int(pid)):
+        if not remove(p.name[len(name) + 2 :].split(".", 1)[0]):
             continue
         try:
             p.unlink()

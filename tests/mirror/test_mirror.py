@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 from grpclib.client import Channel
@@ -203,6 +204,16 @@ async def test_keys_the_mirror_does_not_hold_are_decided_upstream() -> None:
         await up.close(grace_s=1.0)
 
 
+@contextlib.asynccontextmanager
+async def _pool_stream(ch: Channel) -> AsyncIterator[Any]:
+    """A raw SubscribeKvPool stream of the scripted pool, its request sent (the stream's
+    trailers stay readable after the block)."""
+    async with ch.request(SVC + "SubscribeKvPool", Cardinality.UNARY_STREAM,
+                          pb.SubscribeKvPoolRequest, pb.FilterUpdate) as st:  # fmt: skip
+        await st.send_message(sub_request(S.producer()), end=True)
+        yield st
+
+
 async def test_heartbeats_only_while_the_upstream_shows_life() -> None:
     """Local heartbeats claim the stream is current: they stop 1.5 upstream heartbeat periods
     (+0.25 s) after the upstream's last frame, and the stream ends when the upstream has been
@@ -223,9 +234,7 @@ async def test_heartbeats_only_while_the_upstream_shows_life() -> None:
             try:
                 async with asyncio.timeout(scaled(10)):
                     with contextlib.suppress(GRPCError):
-                        async with ch.request(SVC + "SubscribeKvPool", Cardinality.UNARY_STREAM,
-                                              pb.SubscribeKvPoolRequest, pb.FilterUpdate) as st:
-                            await st.send_message(sub_request(S.producer()), end=True)
+                        async with _pool_stream(ch) as st:
                             while (fu := await st.recv_message()) is not None:
                                 got.append((loop.time() - last_upstream, int(fu.kind)))
                     ended = loop.time() - last_upstream
@@ -266,9 +275,7 @@ async def test_no_snapshot_of_state_the_upstream_stopped_vouching_for() -> None:
             try:
                 async with asyncio.timeout(scaled(10)):
                     with contextlib.suppress(GRPCError):
-                        async with ch.request(SVC + "SubscribeKvPool", Cardinality.UNARY_STREAM,
-                                              pb.SubscribeKvPoolRequest, pb.FilterUpdate) as st:
-                            await st.send_message(sub_request(S.producer()), end=True)
+                        async with _pool_stream(ch) as st:
                             if await st.recv_message() is not None:
                                 installs_at_first = pool.installs
                     trailers = dict(st.trailing_metadata or {})

@@ -130,16 +130,12 @@ async def _serving_load_through_the_worker(port: int, engine: SimEngine) -> None
         assert pool.live_workers == 1 and pool.active_decode_blocks is not None
 
 
-async def test_two_workers_serve_are_restarted_and_drain(tmp_path: Path) -> None:
-    engine = SimEngine(SimConfig(name="e0", seed=15, dp_size=2, capacity_blocks=96))
-    await engine.start()
-    assert engine.grpc_port is not None
+async def _serve_notified(
+    tmp_path: Path, cfg: Path
+) -> tuple[asyncio.subprocess.Process, Notifications, Path]:
+    """``kvrelay serve --config cfg`` as systemd runs it: a notify socket and a runtime directory
+    (``tmp_path/run``) of its own; stderr piped."""
     notes = Notifications(tmp_path / "notify.sock")
-    metrics_port = free_port()
-    cfg = _config(tmp_path / "kvrelay.toml", engine.grpc_port, extra="workers = 2\n")
-    cfg.write_text(cfg.read_text().replace('bind = "127.0.0.1:0"\n\n[logging]',
-                                           f'bind = "127.0.0.1:{metrics_port}"\n\n[logging]')
-                   + f"metrics_port = {engine.metrics_port}\n")  # fmt: skip
     runtime = tmp_path / "run"
     runtime.mkdir()
     env = clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), RUNTIME_DIRECTORY=str(runtime))
@@ -147,6 +143,26 @@ async def test_two_workers_serve_are_restarted_and_drain(tmp_path: Path) -> None
         sys.executable, "-m", "kvrelay", "serve", "--config", str(cfg),
         env=env, cwd=REPO, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
+    return proc, notes, runtime
+
+
+def _grpc_port(ready: str) -> int:
+    """The gRPC port a READY=1 status names."""
+    m = re.search(r"serving gRPC on 127\.0\.0\.1:(\d+)", ready)
+    assert m, ready
+    return int(m.group(1))
+
+
+async def test_two_workers_serve_are_restarted_and_drain(tmp_path: Path) -> None:
+    engine = SimEngine(SimConfig(name="e0", seed=15, dp_size=2, capacity_blocks=96))
+    await engine.start()
+    assert engine.grpc_port is not None
+    metrics_port = free_port()
+    cfg = _config(tmp_path / "kvrelay.toml", engine.grpc_port, extra="workers = 2\n")
+    cfg.write_text(cfg.read_text().replace('bind = "127.0.0.1:0"\n\n[logging]',
+                                           f'bind = "127.0.0.1:{metrics_port}"\n\n[logging]')
+                   + f"metrics_port = {engine.metrics_port}\n")  # fmt: skip
+    proc, notes, runtime = await _serve_notified(tmp_path, cfg)
     consumers: list[Consumer] = []
     try:
         try:
@@ -155,9 +171,7 @@ async def test_two_workers_serve_are_restarted_and_drain(tmp_path: Path) -> None
             proc.kill()
             raise AssertionError((await proc.stderr.read()).decode()[-3000:]) from None  # type: ignore[union-attr]
         assert "1 fan-out worker" in ready
-        m = re.search(r"serving gRPC on 127\.0\.0\.1:(\d+)", ready)
-        assert m, ready
-        port = int(m.group(1))
+        port = _grpc_port(ready)
         [worker] = _workers(proc.pid)
         environ = Path(f"/proc/{worker}/environ").read_bytes()
         assert b"NOTIFY_SOCKET" not in environ, "only the supervisor talks to systemd"
@@ -255,20 +269,10 @@ async def test_a_lost_internal_socket_is_listened_on_again_for_a_restarted_worke
     engine = SimEngine(SimConfig(name="e0", seed=17, capacity_blocks=64))
     await engine.start()
     assert engine.grpc_port is not None
-    notes = Notifications(tmp_path / "notify.sock")
     cfg = _config(tmp_path / "kvrelay.toml", engine.grpc_port, extra="workers = 2\n")
-    runtime = tmp_path / "run"
-    runtime.mkdir()
-    env = clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), RUNTIME_DIRECTORY=str(runtime))
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvrelay", "serve", "--config", str(cfg),
-        env=env, cwd=REPO, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+    proc, notes, runtime = await _serve_notified(tmp_path, cfg)
     try:
-        ready = await notes.wait_for("READY=1", timeout=120)
-        m = re.search(r"serving gRPC on 127\.0\.0\.1:(\d+)", ready)
-        assert m, ready
-        port = int(m.group(1))
+        port = _grpc_port(await notes.wait_for("READY=1", timeout=120))
         [worker] = _workers(proc.pid)
         [lost] = list(runtime.glob("kvrelay-*"))
         shutil.rmtree(lost)
@@ -456,23 +460,14 @@ bind = "127.0.0.1:{metrics_port}"
 [logging]
 format = "json"
 {pools}""")
-    notes = Notifications(tmp_path / "notify.sock")
-    runtime = tmp_path / "run"
-    runtime.mkdir()
-    env = clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), RUNTIME_DIRECTORY=str(runtime))
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvrelay", "serve", "--config", str(cfg),
-        env=env, cwd=REPO, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+    proc, notes, _runtime = await _serve_notified(tmp_path, cfg)
     try:
         try:
             ready = await notes.wait_for("READY=1", timeout=120)
         except AssertionError:
             proc.kill()
             raise AssertionError((await proc.stderr.read()).decode()[-3000:]) from None  # type: ignore[union-attr]
-        m = re.search(r"serving gRPC on 127\.0\.0\.1:(\d+)", ready)
-        assert m, ready
-        async with Channel("127.0.0.1", int(m.group(1))) as ch:
+        async with Channel("127.0.0.1", _grpc_port(ready)) as ch:
             producers: list[pb.ProducerIdentity] = []
 
             async def listed() -> bool:
