@@ -184,8 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Mirror an upstream KvEventRelay and re-serve it: same identities, sequences and\n"
             "CBI1 bytes, with this process's own limits for its own subscribers. Options\n"
-            "override the [mirror] upstream and [relay] bind of --config (TLS both ways,\n"
-            "limits, metrics and logging come from the file)."
+            "override the [mirror] upstream, [relay] bind and workers, and [metrics] bind of\n"
+            "--config and their KVRELAY_* variables (TLS both ways, limits and logging come\n"
+            "from the file)."
         ),
         epilog=(
             "examples:\n  kvrelay mirror --upstream 10.0.0.5:50161 --bind 127.0.0.1:50171\n"

@@ -15,7 +15,7 @@ MAX_CBI1_FRAME_BYTES = 4_194_368
 QUEUE_FRAME_OVERHEAD = 256
 _ONE_YEAR_S = 365 * 24 * 3600.0
 #: Durations for which 0 means "at once" rather than a misconfiguration.
-_MAY_BE_ZERO = frozenset({"publication_delay_s"})
+MAY_BE_ZERO = frozenset({"publication_delay_s"})
 
 
 class LimitsError(ValueError):
@@ -80,7 +80,7 @@ class RelayLimits:
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise LimitsError(f"{f.name} must be a number, got {value!r}")
-            if f.name in _MAY_BE_ZERO:
+            if f.name in MAY_BE_ZERO:
                 if not 0 <= float(value) <= _ONE_YEAR_S:
                     raise LimitsError(f"{f.name} must be >= 0 and <= 1 year, got {value}")
             elif f.name.endswith("_s"):

@@ -16,6 +16,9 @@ class MirrorSettingsError(ValueError):
     """A MirrorSettings field is out of range."""
 
 
+#: The longest duration a mirror takes for its waits and the periods it learns from.
+MAX_PERIOD_S = 3600.0
+
 @dataclass(frozen=True, slots=True)
 class UpstreamAddress:
     """``HOST:PORT`` / ``[v6]:PORT`` (TCP) or ``unix:/path`` (a local relay's UNIX socket)."""
@@ -88,8 +91,8 @@ class MirrorSettings:
             raise MirrorSettingsError("subscriber_id must be 1..128 bytes without control chars")
         for name in ("sync_wait_s", "backoff_initial_s", "upstream_heartbeat_s", "keepalive_s",
                      "keepalive_timeout_s", "upstream_readiness_s"):
-            if not 0 < getattr(self, name) <= 3600:
-                raise MirrorSettingsError(f"{name} must be in (0, 3600] seconds")
+            if not 0 < getattr(self, name) <= MAX_PERIOD_S:
+                raise MirrorSettingsError(f"{name} must be in (0, {MAX_PERIOD_S:g}] seconds")
         if not self.backoff_initial_s <= self.backoff_max_s <= 3600:
             raise MirrorSettingsError("need backoff_initial_s <= backoff_max_s <= 3600")
         if not 64 * 1024 <= self.window_bytes <= 512 * MiB:

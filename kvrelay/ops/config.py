@@ -21,13 +21,14 @@ from typing import Any, Literal
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay._text import is_decimal
-from kvrelay.contract.limits import RelayLimits
+from kvrelay.contract.limits import MAY_BE_ZERO, RelayLimits
 from kvrelay.discovery.endpoints import WILDCARD_HOSTS, StaticSourceConfig, split_tcp
 from kvrelay.hashing.identity import DEFAULT_CKF_SEED, bucket_count_for
 from kvrelay.ingest.kinds import ENGINE_KINDS
 from kvrelay.ingest.live_source import READERS
 from kvrelay.ingest.options import DecodeOptions
 from kvrelay.ingest.topic_pattern import PatternError, TopicPattern
+from kvrelay.mirror.settings import MAX_PERIOD_S as MAX_MIRROR_PERIOD_S
 from kvrelay.ops.tls import TlsConfigError, client_ssl_context, is_loopback, server_ssl_context
 from kvrelay.relay.settings import (
     CHECKPOINT_BYTES_PER_SECOND,
@@ -315,7 +316,9 @@ def _limits_schema() -> dict[str, _Key]:
     defaults = RelayLimits()
     for f in fields(RelayLimits):
         value = getattr(defaults, f.name)
-        if f.name.endswith("_s"):
+        if f.name in MAY_BE_ZERO:  # 0 = at once (publication_delay_s)
+            out[f.name] = _Key("float", value, check=_off_or_positive_s)
+        elif f.name.endswith("_s"):
             out[f.name] = _Key("float", value, check=_positive_s)
         else:
             out[f.name] = _Key("int", value, check=_int_range(1, 1 << 62))
@@ -378,11 +381,18 @@ def _subscriber_id(v: str) -> str | None:
     return None
 
 
+def _mirror_s(v: float) -> str | None:
+    """``MirrorSettings``' own bound, so a value it refuses fails here, not at start."""
+    return None if 0 < v <= MAX_MIRROR_PERIOD_S else (
+        f"must be in (0, {MAX_MIRROR_PERIOD_S:g}] seconds, got {v}"
+    )
+
+
 MIRROR_KEYS: dict[str, _Key] = {
     "upstream": _Key("str", required=True, check=_upstream_check),
     "subscriber_id": _Key("str", "kvrelay-mirror", check=_subscriber_id),
-    "sync_wait_s": _Key("float", 10.0, check=_positive_s),
-    "upstream_heartbeat_s": _Key("float", 10.0, check=_positive_s),
+    "sync_wait_s": _Key("float", 10.0, check=_mirror_s),
+    "upstream_heartbeat_s": _Key("float", 10.0, check=_mirror_s),
     "tls_ca": _Key("str", None, check=_text),
     "tls_cert": _Key("str", None, check=_text),
     "tls_key": _Key("str", None, check=_text),
@@ -795,6 +805,13 @@ def parse_config(
     if metrics_vals["enabled"] and m_port == bind_port != 0 and _overlap(m_host, bind_host):
         r.err("metrics.bind", f"same address as relay.bind ({metrics_vals['bind']} and "
                               f"{relay['bind']} listen on one port)")  # fmt: skip
+
+    if limits is not None and relay["workers"] >= 2:  # each worker mirrors at these periods
+        for name in ("pool_heartbeat_s", "readiness_heartbeat_s"):
+            if getattr(limits, name) > MAX_MIRROR_PERIOD_S:
+                r.err(f"relay.limits.{name}",
+                      f"at most {MAX_MIRROR_PERIOD_S:g} s with workers ≥ 2: each fan-out "
+                      "worker mirrors the ingest process at this period")  # fmt: skip
 
     errors = [p for p in r.problems if p.severity == "error"]
     if errors or limits is None or pools is None or (mirror_raw is not None and mirror is None):

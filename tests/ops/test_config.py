@@ -368,6 +368,51 @@ def test_every_relay_limit_is_configurable() -> None:
     assert set(LIMITS_KEYS) == {f.name for f in fields(RelayLimits)}
 
 
+def test_publication_delay_may_be_zero_as_documented() -> None:
+    """docs/operations.md: ``publication_delay_s`` 0 = never wait (RelayLimits takes it too)."""
+    from kvrelay.ops.config import parse_config
+
+    raw = {"relay": {"dc_name": "dc", "limits": {"publication_delay_s": 0}},
+           "pools": [{"namespace": "a", "component": "b", "endpoint": "c",
+                      "engines": [{"name": "e", "grpc_port": 1}]}]}  # fmt: skip
+    cfg, problems = parse_config(raw, env={})
+    assert cfg is not None, problems
+    assert cfg.relay.limits.publication_delay_s == 0
+    raw["relay"]["limits"] = {"pool_heartbeat_s": 0}
+    assert "relay.limits.pool_heartbeat_s" in _errors(parse_config(raw, env={})[1])
+
+
+@pytest.mark.parametrize("key", ["sync_wait_s", "upstream_heartbeat_s"])
+def test_mirror_durations_are_refused_where_the_mirror_would_refuse_them(key: str) -> None:
+    """MirrorSettings takes (0, 3600] s: check-config must not pass a value the start refuses."""
+    from kvrelay.ops.config import parse_config
+    from kvrelay.ops.front import mirror_settings
+
+    ok, problems = parse_config({"mirror": {"upstream": "127.0.0.1:50161", key: 3600}}, env={})
+    assert ok is not None and ok.mirror is not None, problems
+    mirror_settings(ok.mirror, ok.relay.limits)  # builds
+    bad, problems = parse_config({"mirror": {"upstream": "127.0.0.1:50161", key: 3601}}, env={})
+    assert bad is None and "(0, 3600]" in _errors(problems)[f"mirror.{key}"]
+
+
+@pytest.mark.parametrize("key", ["pool_heartbeat_s", "readiness_heartbeat_s"])
+def test_worker_periods_are_refused_where_a_worker_would_refuse_them(key: str) -> None:
+    """With ``workers`` ≥ 2 each fan-out worker mirrors the ingest process at the relay's
+    heartbeat periods, and a mirror takes at most 3600 s: a longer one passed check-config and
+    then failed every worker's start. With one process a year is still fine."""
+    from kvrelay.ops.config import parse_config
+
+    def raw(workers: int, seconds: float) -> dict[str, object]:
+        return {"relay": {"dc_name": "dc", "workers": workers, "limits": {key: seconds}},
+                "pools": [{"namespace": "a", "component": "b", "endpoint": "c",
+                           "engines": [{"name": "e", "grpc_port": 1}]}]}  # fmt: skip
+
+    assert parse_config(raw(1, 7200.0), env={})[0] is not None
+    assert parse_config(raw(2, 3600.0), env={})[0] is not None
+    bad, problems = parse_config(raw(2, 3601.0), env={})
+    assert bad is None and "workers" in _errors(problems)[f"relay.limits.{key}"]
+
+
 # ---- environment overrides ------------------------------------------------------------------
 
 
