@@ -137,7 +137,7 @@ class Authorization:
 
     def __init__(self, rules: Sequence[AuthorizationRule]) -> None:
         self.rules = tuple(rules)
-        self._planes: OrderedDict[tuple[str, Rights], tuple[tuple[int, int], bytes]] = (
+        self._planes: OrderedDict[tuple[str, Rights], tuple[tuple[int, int, int], bytes]] = (
             OrderedDict()
         )
         self._visible: OrderedDict[Rights, tuple[int, frozenset[bytes]]] = OrderedDict()
@@ -202,15 +202,22 @@ class Authorization:
         message: Any,
         rights: Rights,
         catalog: tuple[int, Any] | None,
+        topology: tuple[int, Any] | None = None,
     ) -> bytes:
-        """The wire bytes of plane ``kind``'s ``message`` as ``rights`` may see it."""
-        stamp = (version, catalog[0] if catalog is not None and kind != "catalog" else -1)
+        """The wire bytes of plane ``kind``'s ``message`` as ``rights`` may see it.
+        ``topology``: the readiness plane's (version, message), which a serving-load model view
+        is checked against (every configured pool of the model, published or not)."""
+        stamp = (
+            version,
+            catalog[0] if catalog is not None and kind != "catalog" else -1,
+            topology[0] if topology is not None and kind == "serving_load" else -1,
+        )
         key = (kind, rights)
         hit = self._planes.get(key)
         if hit is not None and hit[0] == stamp:
             self._planes.move_to_end(key)
             return hit[1]
-        data = bytes(self._filter(kind, _parse(kind, message), rights, catalog))
+        data = bytes(self._filter(kind, _parse(kind, message), rights, catalog, topology))
         self.encodes += 1
         self._planes[key] = (stamp, data)
         self._planes.move_to_end(key)
@@ -219,7 +226,12 @@ class Authorization:
         return data
 
     def _filter(
-        self, kind: str, m: Any, rights: Rights, catalog: tuple[int, Any] | None
+        self,
+        kind: str,
+        m: Any,
+        rights: Rights,
+        catalog: tuple[int, Any] | None,
+        topology: tuple[int, Any] | None = None,
     ) -> Any:
         if kind == "catalog":
             if m.snapshot is not None:
@@ -235,7 +247,8 @@ class Authorization:
         visible = self.visible_pools(rights, catalog)
         m.pools = [p for p in m.pools if _pool_bytes(p.producer) in visible]
         if kind == "serving_load":
-            m.models = [x for x in m.models if self._model_visible(rights, x, visible)]
+            entries = _topology_entries(topology)
+            m.models = [x for x in m.models if self._model_visible(rights, x, visible, entries)]
         return m
 
     def _topology_visible(self, rights: Rights, entry: pb.TopologyEntry) -> bool:
@@ -249,18 +262,40 @@ class Authorization:
         )
 
     def _model_visible(
-        self, rights: Rights, entry: pb.ModelServingLoad, visible: frozenset[bytes]
+        self,
+        rights: Rights,
+        entry: pb.ModelServingLoad,
+        visible: frozenset[bytes],
+        topology: Mapping[tuple[str, str], pb.TopologyEntry],
     ) -> bool:
-        """A model's load sums its serving pools: shown only when all of them are visible."""
+        """A model's load sums the frontends of every configured pool of the model, published
+        or withdrawn, while ``serving_pools`` lists only the published ones: it is shown to a
+        client that sees every serving pool and, beyond them, either the model as a whole (its
+        namespace or its canonical id) or every member of the model's readiness topology (which
+        lists withdrawn pools too)."""
         pools = entry.deployment.serving_pools if entry.deployment is not None else []
-        if not pools:
-            return self._sees(rights, entry.namespace, None, (entry.canonical_model_id,))
-        return all(bytes(p) in visible for p in pools)
+        if not all(bytes(p) in visible for p in pools):
+            return False
+        model = entry.canonical_model_id
+        if self._sees(rights, entry.namespace, None, (model,)):
+            return True
+        members = topology.get((entry.namespace, model))
+        return members is not None and self._topology_visible(rights, members)
 
 
 def authorization_of(rules: Sequence[AuthorizationRule] | None) -> Authorization | None:
     """The service's rule set for a configuration's rules (None: no ``[[authorization]]``)."""
     return None if rules is None else Authorization(rules)
+
+
+def _topology_entries(
+    topology: tuple[int, Any] | None,
+) -> dict[tuple[str, str], pb.TopologyEntry]:
+    """The readiness plane's topology entries by (namespace, canonical model)."""
+    if topology is None:
+        return {}
+    entries = _parse("readiness", topology[1]).entries
+    return {(e.namespace, e.canonical_model_id): e for e in entries}
 
 
 def _parse(kind: str, message: Any) -> Any:

@@ -199,6 +199,14 @@ class KvEventRelayService:
         except (RelayError, PlaneUnsupported):
             return None
 
+    def _readiness_now(self) -> tuple[int, Any] | None:
+        """The readiness plane's (version, message): a serving-load model's every configured
+        pool, published or withdrawn, is among its topology's members."""
+        try:
+            return self.view.readiness.current()
+        except (RelayError, PlaneUnsupported):
+            return None
+
     def _rules_future(self) -> asyncio.Future[None]:
         if self._rules_changed is None:
             self._rules_changed = asyncio.get_running_loop().create_future()
@@ -212,8 +220,9 @@ class KvEventRelayService:
         if auth is None:
             return plane.encode(version, message)
         catalog = None if kind == "catalog" else self._catalog_now()
+        topology = self._readiness_now() if kind == "serving_load" else None
         return auth.filtered(kind, version, plane.encode(version, message), auth.rights(who),
-                             catalog)  # fmt: skip
+                             catalog, topology)  # fmt: skip
 
     # --- grpclib plumbing ---
     def __mapping__(self) -> dict[str, Handler]:
