@@ -56,22 +56,31 @@ DECODE_IN_THREAD_BYTES = 256 * 1024
 
 class BrokenFraming(Exception):
     """A message's framing is broken: the stream ended inside its prefix or before its bytes,
-    or it came compressed (nobody here offers a ``grpc-encoding``)."""
+    or it came compressed where the reader can inflate nothing (``CompressedMessage``)."""
 
 
-async def read_framed(inner: Any, check: Callable[[int], None]) -> bytes | None:
+class CompressedMessage(BrokenFraming):
+    """A message with the compressed flag, read without an ``inflate`` (the SDK's replies: the
+    relay never compresses them; a request whose ``grpc-encoding`` the relay cannot inflate).
+    Raised at the prefix: none of the body has been read."""
+
+
+async def read_framed(
+    inner: Any, check: Callable[[int], None], inflate: Callable[[bytes], bytes] | None = None
+) -> bytes | None:
     """One length-prefixed gRPC message from a grpclib protocol stream (server or client side),
     or None at the stream's end: ``check(size)`` judges the prefix's claim (and raises) before
     any of the body is read. The one reader of both the relay's requests and the SDK's
-    replies."""
+    replies. A message with the compressed flag is ``inflate(body)`` (which bounds and judges
+    what it inflates, and raises); without ``inflate`` it is ``CompressedMessage``."""
     try:  # grpclib's buffer raises AssertionError when the stream ends short of ``size``
         prefix = await inner.recv_data(5)
     except AssertionError:
         raise BrokenFraming("the stream ended inside a message prefix") from None
     if not prefix:
         return None
-    if prefix[0]:
-        raise BrokenFraming("a compressed message (no grpc-encoding is offered)")
+    if prefix[0] and inflate is None:
+        raise CompressedMessage("a compressed message (no grpc-encoding is offered)")
     size = int.from_bytes(prefix[1:5], "big")
     check(size)
     try:
@@ -80,6 +89,8 @@ async def read_framed(inner: Any, check: Callable[[int], None]) -> bytes | None:
         body = b""
     if len(body) != size:
         raise BrokenFraming(f"the stream ended before the message's {size} bytes")
+    if prefix[0] and inflate is not None:
+        return inflate(body)
     return body
 
 

@@ -165,7 +165,10 @@ def missing_in_feed(proto: Any) -> list[str]:
 
 
 #: What ``request.recv_request`` reads a request through (its ``where`` as above); without any
-#: of them it falls back to grpclib's ``recv_message``.
+#: of them it falls back to grpclib's ``recv_message``. ``inner`` is also the protocol stream
+#: grpclib's ``handler.accept`` (``PROTOCOL_NEEDS``) is given with the request headers: ``mend``
+#: notes the call's ``grpc-encoding`` by it there, and the reader finds it by ``stream._stream``
+#: (where they differ, no encoding is known and a compressed request stays INVALID_REQUEST).
 REQUEST_NEEDS: tuple[tuple[str, str], ...] = (
     ("stream", "_stream"),
     ("stream", "_codec"),

@@ -24,6 +24,9 @@
   close and could not tell its own bug from a crash. Those bytes are now written before the close,
   and the error counted (``protocol_error``); so is a connection whose preface is not HTTP/2's,
   which RFC 9113 §3.4 lets close without a GOAWAY.
+* **A call's ``grpc-encoding``.** grpclib keeps no ``grpc-*`` request header where a handler can
+  see it; the relay's request reader needs it to inflate a compressed request
+  (``request.py``). Each accepted stream's is noted (``request.note_request_encoding``).
 
 Uses grpclib's private protocol parts (``internals.PROTOCOL_NEEDS``; for h2's connection errors
 also ``FEED_NEEDS``); without them the protocol is left as grpclib made it. Installed before
@@ -42,6 +45,7 @@ from h2.exceptions import ProtocolError
 
 from kvrelay.service.h2.guard import H2Counters, goaway
 from kvrelay.service.h2.internals import H2Protocol, missing_in_feed, missing_in_protocol
+from kvrelay.service.h2.request import note_request_encoding
 
 __all__ = ["mend_protocol"]
 
@@ -75,6 +79,7 @@ def mend_protocol(proto: H2Protocol, counters: H2Counters) -> None:
                 stream.reset_nowait(ErrorCodes.PROTOCOL_ERROR)
             release_once()
             return
+        note_request_encoding(stream, headers)  # (the ``stream._stream`` its reader reads)
         accept(stream, headers, release_once)
         task = handler._tasks.get(stream)  # (grpclib replaces the dict every 10 streams)
         if task is not None:

@@ -5,8 +5,21 @@ the prefix claims (up to 4 GiB), granting the client flow-control window as they
 the codec can see the size: a client that claims a huge request makes the relay buffer it. Here
 the prefix is read first, and a claim over ``max_bytes`` is refused with RESOURCE_EXHAUSTED /
 RESOURCE_LIMIT before any of its body is read. A body shorter than its prefix, or a compressed
-message (the relay offers no ``grpc-encoding``), is INVALID_ARGUMENT / INVALID_REQUEST, where
-grpclib raised ``AssertionError`` / ``NotImplementedError`` (which would read as a relay bug).
+message without a ``grpc-encoding`` (or with ``identity``), is INVALID_ARGUMENT /
+INVALID_REQUEST, where grpclib raised ``AssertionError`` / ``NotImplementedError`` (which would
+read as a relay bug).
+
+Compressed requests (the gRPC compression rules): a message with the compressed flag on a call
+whose ``grpc-encoding`` is ``gzip`` or ``deflate`` is inflated and read as usual. Inflating is
+bounded: zlib's incremental decompressor is asked for at most one byte more than the request
+limit, so a small message that would inflate past it (a decompression bomb) costs that much
+work and is refused with the error an uncompressed request of that size gets; data that does
+not inflate (corrupt, cut short, trailing bytes) is INVALID_REQUEST. A compressed message in any
+other encoding is UNIMPLEMENTED, as the gRPC spec says (plain gRPC, no reason trailer: no relay
+reason fits, and Dynamo answers a ``grpc-encoding`` with that status), refused at its prefix.
+grpclib drops ``grpc-*`` headers from a stream's metadata, so ``mend`` notes each call's
+``grpc-encoding`` as grpclib accepts the stream (``note_request_encoding``); where ``mend`` is
+not installed no encoding is known and a compressed message stays INVALID_REQUEST.
 
 It uses grpclib's private stream parts (``internals.REQUEST_NEEDS``); where the installed grpclib
 lacks one it falls back to ``recv_message`` with the same mapping of its framing errors. grpclib's
@@ -27,13 +40,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+import functools
+import weakref
+import zlib
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, NoReturn
 
-from grpclib.const import Cardinality, Handler
+from grpclib.const import Cardinality, Handler, Status
+from grpclib.exceptions import GRPCError
 
 from kvrelay._aio import bounded
-from kvrelay._grpc import BrokenFraming, read_framed
+from kvrelay._grpc import BrokenFraming, CompressedMessage, read_framed
 from kvrelay.contract.errors import RelayError
 from kvrelay.contract.limits import PermitCounter
 from kvrelay.service.h2.guard import H2Counters
@@ -47,11 +64,14 @@ from kvrelay.service.h2.request_guards import SMALL_REQUEST_BYTES, RequestGuards
 
 __all__ = [
     "INBOUND_WINDOW_BYTES",
+    "INFLATED_ENCODINGS",
     "MAX_REQUEST_BYTES",
     "REQUEST_TIMEOUT_S",
     "BoundedRequests",
     "finish_early",
+    "inflate_bounded",
     "missing_request_needs",
+    "note_request_encoding",
     "recv_request",
     "recv_within",
 ]
@@ -66,6 +86,50 @@ MAX_REQUEST_BYTES = 1024 * 1024
 #: reads (after a request, on a stream that reads no more) stays buffered up to the window.
 #: grpclib's 4 MiB let each connection pin 4 MiB that way.
 INBOUND_WINDOW_BYTES = 65_535
+#: The ``grpc-encoding`` values whose compressed requests are inflated, and zlib's ``wbits``
+#: for each (gRPC's ``deflate`` is the zlib format, RFC 1950, as grpc-core writes it).
+INFLATED_ENCODINGS: dict[str, int] = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+_IDENTITY = "identity"
+
+#: Each call's ``grpc-encoding`` (lower case; several different values joined by ", "), by
+#: grpclib's protocol stream; only calls that sent one. Weak: an entry goes with its stream.
+_ENCODINGS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def note_request_encoding(inner: Any, headers: Iterable[tuple[Any, Any]]) -> None:
+    """Remember the ``grpc-encoding`` among a new call's request ``headers`` for its protocol
+    stream ``inner`` (``mend`` calls it as grpclib accepts the stream)."""
+    values: list[str] = []
+    for name, value in headers:
+        if name in ("grpc-encoding", b"grpc-encoding"):
+            text = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+            if (v := text.strip().lower()) not in values:
+                values.append(v)
+    if values:
+        with contextlib.suppress(TypeError):  # (not weakly referable: no encoding known)
+            _ENCODINGS[inner] = ", ".join(values)
+
+
+def inflate_bounded(
+    data: bytes, encoding: str, limit: int, too_large: Callable[[int], NoReturn]
+) -> bytes:
+    """``data`` inflated as ``encoding`` (one of ``INFLATED_ENCODINGS``), never more than
+    ``limit + 1`` bytes of it: past ``limit`` it calls ``too_large(limit + 1)``, which raises.
+    Data that does not inflate completely and exactly is INVALID_REQUEST."""
+    inflater = zlib.decompressobj(INFLATED_ENCODINGS[encoding])
+    try:
+        out = inflater.decompress(data, limit + 1)
+    except zlib.error as exc:
+        raise RelayError.invalid_request(f"corrupt {encoding} request: {exc}") from None
+    if len(out) > limit:
+        too_large(len(out))
+    if not inflater.eof:
+        raise RelayError.invalid_request(f"corrupt {encoding} request: its data is cut short")
+    if inflater.unused_data:
+        raise RelayError.invalid_request(f"corrupt {encoding} request: bytes after its end")
+    return out
+
+
 def missing_request_needs(stream: Any) -> list[str]:
     """``where.attribute`` for each of ``REQUEST_NEEDS`` that ``stream`` lacks."""
     objects = {"stream": stream, "inner": getattr(stream, "_stream", None)}
@@ -78,7 +142,9 @@ async def recv_request(
 ) -> Any | None:
     """The next request message of ``stream`` (a grpclib server stream), decoded by its codec,
     or None when the client sent none; raises ``RelayError`` for a claim over ``max_bytes``, one
-    the port's request budget has no room for (``guards``; counted), or broken framing."""
+    the port's request budget has no room for (``guards``; counted), broken framing, or a
+    compressed request that inflates past the limits or not at all, and
+    ``GRPCError(UNIMPLEMENTED)`` for one compressed in an encoding it cannot inflate."""
     if missing_request_needs(stream):
         try:
             return await stream.recv_message()
@@ -86,17 +152,34 @@ async def recv_request(
             raise RelayError.invalid_request(f"broken request framing: {exc}") from None
     inner = stream._stream
     held = 0
+    try:
+        encoding = _ENCODINGS.get(inner)
+    except TypeError:  # (not weakly referable: nothing was noted for it)
+        encoding = None
+
+    def judge(size: int, inbound: str, request: str) -> None:
+        if size > max_bytes:
+            raise RelayError.resource_limit(f"{inbound} exceeds {max_bytes}")
+        if size > MAX_REQUEST_BYTES:
+            raise RelayError.invalid_request(
+                f"{request}: larger than any valid request ({MAX_REQUEST_BYTES})"
+            )
+
+    def inflated(size: int) -> NoReturn:  # (inflate_bounded stopped at one byte past the limit)
+        what = f"{encoding} request that inflates to over {size - 1} bytes"
+        judge(size, f"inbound message: a {what}", f"a {what}")
+        raise AssertionError(f"{size} bytes: not over the limit")  # (judge raised)
+
+    inflate: Callable[[bytes], bytes] | None = None
+    if encoding in INFLATED_ENCODINGS:
+        limit = min(max_bytes, MAX_REQUEST_BYTES)
+        inflate = functools.partial(
+            inflate_bounded, encoding=encoding, limit=limit, too_large=inflated
+        )
 
     def check(size: int) -> None:
         nonlocal held
-        if size > max_bytes:
-            raise RelayError.resource_limit(
-                f"inbound message of {size} bytes exceeds {max_bytes}"
-            )
-        if size > MAX_REQUEST_BYTES:
-            raise RelayError.invalid_request(
-                f"request of {size} bytes: larger than any valid request ({MAX_REQUEST_BYTES})"
-            )
+        judge(size, f"inbound message of {size} bytes", f"request of {size} bytes")
         if guards is not None and size > SMALL_REQUEST_BYTES:
             budget = guards.budget
             if not budget.take(size):
@@ -108,7 +191,15 @@ async def recv_request(
             held = size
 
     try:
-        body = await read_framed(inner, check)
+        body = await read_framed(inner, check, inflate)
+    except CompressedMessage as exc:
+        if encoding is not None and encoding != _IDENTITY:
+            raise GRPCError(
+                Status.UNIMPLEMENTED,
+                f"a request compressed as grpc-encoding {encoding!r}: this relay inflates "
+                f"only {', '.join(INFLATED_ENCODINGS)}",
+            ) from None
+        raise RelayError.invalid_request(f"broken request framing: {exc}") from None
     except BrokenFraming as exc:
         raise RelayError.invalid_request(f"broken request framing: {exc}") from None
     finally:

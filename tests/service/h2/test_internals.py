@@ -149,6 +149,32 @@ async def test_a_connected_server_protocol_has_what_the_drain_notice_and_mend_us
         await server.wait_closed()
 
 
+async def test_the_stream_accept_is_given_is_the_one_the_request_reader_reads() -> None:
+    """``mend`` notes a call's ``grpc-encoding`` by the protocol stream grpclib's
+    ``handler.accept`` gets; ``recv_request`` finds it by ``stream._stream``: they must be one
+    object, or a gzip request would read as one without an encoding (INVALID_REQUEST)."""
+    import zlib
+
+    from kvrelay.service.h2.guard import H2Budgets, H2Counters
+
+    probe = _Probe()
+    server = ClosingServer([probe], codec=_Raw())
+    server.h2_guard = (H2Budgets(), H2Counters())  # (what installs ``mend``)
+    await server.start("127.0.0.1", 0)
+    port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    raw = await RawH2Client.connect(port)
+    try:
+        packed = zlib.compress(b"x")
+        st = raw.open(PATH, b"", raw=b"\x01" + len(packed).to_bytes(4, "big") + packed,
+                      headers=(("grpc-encoding", "deflate"),))  # fmt: skip
+        await asyncio.wait_for(st.ended.wait(), 5)
+        assert probe.request == ([], b"x"), st.message
+    finally:
+        await raw.close()
+        server.close()
+        await server.wait_closed()
+
+
 class _EarlyEnd:
     """Ends a bidirectional stream whose client still sends, as ``request.finish_early``."""
 
