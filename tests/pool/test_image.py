@@ -12,7 +12,6 @@ Small arrays are armed too (``eager_bytes=0``), so the barrier of every kind of 
 from __future__ import annotations
 
 import random
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -167,19 +166,11 @@ def test_a_reader_thread_and_the_pool_racing_give_the_cut() -> None:
     for member, evts in _history(rng, 3000, d.docs, clears=0):
         d.apply(member, evts, model=False)
     assert d.pool.memberships > 5000
-    # the reader needs the GIL between its pieces: at the default 5 ms switch interval it got
-    # one piece per interval and outlasted the whole history (17 s a round); handing the GIL
-    # over every 0.2 ms interleaves reads and writes more finely, and the reader ends in seconds
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(0.0002)
-    try:
-        _race_rounds(d, rng)
-    finally:
-        sys.setswitchinterval(interval)
+    _race_rounds(d, rng)
 
 
 def _race_rounds(d: _Driver, rng: random.Random) -> None:
-    for _ in range(3):
+    for _ in range(5):
         _, oracle = _exported(d.pool)
         image = d.pool.open_image(eager_bytes=0)
         got: dict[str, np.ndarray] = {}
@@ -196,12 +187,16 @@ def _race_rounds(d: _Driver, rng: random.Random) -> None:
 
         t = threading.Thread(target=read)
         t.start()
-        # the pool changes while the reader runs (a slow reader, on a busy machine, may outlast
-        # the history: it then reads the rest of a pool that no longer changes)
-        for member, evts in _history(rng, 100_000, d.docs, clears=0.001):
+        # the pool changes while the reader runs; the writer hands the GIL over every 16
+        # batches: left to the switch interval, the reader got one piece per ~400 batches and a
+        # round took 10 s (a slow reader may still outlast the history: it then reads the rest
+        # of a pool that no longer changes)
+        for i, (member, evts) in enumerate(_history(rng, 100_000, d.docs, clears=0.001)):
             if not t.is_alive():
                 break
             d.apply(member, evts, model=False)
+            if i % 16 == 15:
+                time.sleep(0)
         t.join()
         assert not errors
         assert image.captured_bytes > 0 or image.armed_bytes == 0

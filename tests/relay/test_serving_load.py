@@ -21,6 +21,7 @@ import pytest
 
 from kvrelay.client import RelayClient, cli
 from kvrelay.client.views import ModelServingView, PoolServingView
+from kvrelay.contract.limits import RelayLimits
 from kvrelay.discovery.metrics_scrape import parse_engine_page
 from kvrelay.publication.serving_load import RunningTotals
 from kvrelay.relay.serving import rank_counters
@@ -29,6 +30,18 @@ from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
 from kvrelay.sim.metrics_http import render_metrics
 from tests.support.fleet import fleet_and_relay
+from tests.support.timing import scaled
+
+#: engines scraped and windows sent four times a second: every wait below is for a scrape and
+#: then a window, and at the daemon's default of 1 s the file took half a minute
+TICK_S = 0.25
+
+
+def _fleet(
+    configs: list[SimConfig], pools: Callable[[list[SimEngine]], tuple[PoolSpec, ...]]
+) -> Any:
+    return fleet_and_relay(configs, pools=pools, scrape_interval_s=TICK_S,
+                           limits=RelayLimits(load_window_s=TICK_S))  # fmt: skip
 
 
 def _pools(engines: list[SimEngine]) -> tuple[PoolSpec, ...]:
@@ -71,7 +84,7 @@ async def test_views_match_the_engines_through_a_restart_and_an_outage() -> None
         SimConfig(name="e0", seed=31, dp_size=2, capacity_blocks=128, max_running=4),
         SimConfig(name="e1", seed=32, capacity_blocks=128, max_running=3),
     ]
-    async with fleet_and_relay(configs, pools=_pools) as (engines, _relay, server):
+    async with _fleet(configs, _pools) as (engines, _relay, server):
         async with RelayClient([f"127.0.0.1:{server.port}"]) as client:
             assert await client.wait_ready(30)
             for e in engines:
@@ -135,7 +148,12 @@ async def test_views_match_the_engines_through_a_restart_and_an_outage() -> None
             # Every engine gone: the pool is withdrawn, but the model is still configured: it
             # stays, UNAVAILABLE, with its totals (absent would mean it is gone).
             await engines[0].stop()  # it has not stepped since: ``expect`` still holds
-            assert await client.wait_for(lambda: settled(expect, "UNAVAILABLE"), 30), model()
+            # (the engine's scrapes fail at once; its pool is withdrawn after the down grace)
+            assert await client.wait_for(
+                lambda: settled(expect, "UNAVAILABLE")
+                and (q := model()) is not None and q.serving_pools == (),
+                30,
+            ), model()
             m = model()
             assert m is not None and (m.observed_frontends, m.expected_frontends) == (0, 2)
             assert m.ready_frontends == 0 and m.serving_pools == ()
@@ -145,16 +163,16 @@ async def test_totals_count_what_engines_did_while_nobody_read_the_windows() -> 
     """Windows are built only when read, but the running totals follow every scrape: an
     engine that restarts while nobody subscribes keeps what it counted before the restart."""
     configs = [SimConfig(name="n0", seed=61, capacity_blocks=128, max_running=4)]
-    async with fleet_and_relay(configs, pools=_pools) as (engines, _relay, server):
+    async with _fleet(configs, _pools) as (engines, _relay, server):
         await engines[0].step(40)
         before = _oracle(engines)
         assert before["requests_completed_total"] > 0 and before["output_tokens_total"] > 0
-        await asyncio.sleep(2.5)  # at least two scrapes of the counts before the restart
+        await asyncio.sleep(scaled(3 * TICK_S))  # two scrapes of the counts before the restart
         await engines[0].restart()
         await engines[0].step(10)
         after = _oracle(engines)
         expect = {k: before[k] + after[k] for k in before}
-        await asyncio.sleep(2.5)  # scraped since: the page holds only the new counts
+        await asyncio.sleep(scaled(3 * TICK_S))  # scraped since: the page has only the new counts
         async with RelayClient([f"127.0.0.1:{server.port}"]) as client:  # the first reader
             assert await client.wait_ready(30)
 
@@ -203,7 +221,7 @@ async def test_a_page_without_request_figures_is_not_a_report_of_zero() -> None:
     configs = [SimConfig(name="f0", seed=51, capacity_blocks=128, max_running=4),
                SimConfig(name="f1", seed=52, capacity_blocks=128, max_running=4)]  # fmt: skip
     try:
-        async with fleet_and_relay(configs, pools=pools) as (engines, _relay, server):
+        async with _fleet(configs, pools) as (engines, _relay, server):
             async with RelayClient([f"127.0.0.1:{server.port}"]) as client:
                 assert await client.wait_ready(30)
                 await engines[0].step(20)
@@ -226,7 +244,7 @@ async def test_watch_serving_load_and_load_name_pools(capsys: pytest.CaptureFixt
     """``kvrelay watch serving-load`` prints both views; ``watch load`` and it name pools by
     endpoint (from the catalog), not by a digest; unset figures are ``-`` / null."""
     configs = [SimConfig(name="w0", seed=41, capacity_blocks=128, max_running=4)]
-    async with fleet_and_relay(configs, pools=_pools) as (engines, _relay, server):
+    async with _fleet(configs, _pools) as (engines, _relay, server):
         await engines[0].step(20)
         addr = f"127.0.0.1:{server.port}"
 
@@ -247,7 +265,7 @@ async def test_watch_serving_load_and_load_name_pools(capsys: pytest.CaptureFixt
             raise AssertionError("no COMPLETE serving-load window")
 
         msg = await complete_window()
-        assert msg["plane"] == "serving-load" and msg["window_ms"] == 1000
+        assert msg["plane"] == "serving-load" and msg["window_ms"] == TICK_S * 1000
         (pool,) = msg["pools"]
         assert pool["pool"] == "ns/backend/generate" and pool["status"] == "COMPLETE"
         assert pool["active_prefill_tokens"] is None and pool["live_workers"] == 1
@@ -293,8 +311,8 @@ async def test_a_page_cut_before_its_request_counter_counts_nothing_twice() -> N
         return (replace(spec, engines=(replace(spec.engines[0], metrics_port=stub_port),)),)
 
     try:
-        async with fleet_and_relay([SimConfig(name="c0", seed=61, capacity_blocks=128)],
-                                   pools=pools) as (_engines, _relay, server):  # fmt: skip
+        async with _fleet([SimConfig(name="c0", seed=61, capacity_blocks=128)],
+                                   pools) as (_engines, _relay, server):  # fmt: skip
             async with RelayClient([f"127.0.0.1:{server.port}"]) as client:
                 assert await client.wait_ready(30)
 
@@ -336,7 +354,7 @@ async def test_pages_are_read_by_the_name_the_engine_serves_under() -> None:
         return tuple(replace(p, model="org/canonical") for p in _pools(engines))
 
     configs = [SimConfig(name="m0", seed=71, capacity_blocks=128, max_running=4)]
-    async with fleet_and_relay(configs, pools=pools) as (engines, _relay, server):
+    async with _fleet(configs, pools) as (engines, _relay, server):
         async with RelayClient([f"127.0.0.1:{server.port}"]) as client:
             assert await client.wait_ready(30)
             await engines[0].step(30)
@@ -370,7 +388,7 @@ async def test_a_page_that_does_not_list_the_model_is_not_a_report_of_zero() -> 
     configs = [SimConfig(name="d0", seed=81, capacity_blocks=128, max_running=4),
                SimConfig(name="d1", seed=82, capacity_blocks=128, max_running=4)]  # fmt: skip
     try:
-        async with fleet_and_relay(configs, pools=pools) as (engines, _relay, server):
+        async with _fleet(configs, pools) as (engines, _relay, server):
             async with RelayClient([f"127.0.0.1:{server.port}"]) as client:
                 assert await client.wait_ready(30)
                 await engines[0].step(20)
@@ -394,7 +412,7 @@ async def test_a_renamed_or_moved_engine_is_not_counted_again() -> None:
     the same frontend (same address), so its total goes on from its own values. Keyed by the
     configured names, its whole running total was counted a second time at each."""
     configs = [SimConfig(name="r0", seed=91, capacity_blocks=128, max_running=4)]
-    async with fleet_and_relay(configs, pools=_pools) as (engines, relay, server):
+    async with _fleet(configs, _pools) as (engines, relay, server):
         async with RelayClient([f"127.0.0.1:{server.port}"]) as client:
             assert await client.wait_ready(30)
             want: dict[str, int] = {}
@@ -440,7 +458,7 @@ async def test_a_restart_that_overtook_its_old_counts_is_seen_by_its_start_time(
 
     configs = [SimConfig(name="s0", seed=1, capacity_blocks=128, max_running=4)]
     try:
-        async with fleet_and_relay(configs, pools=pools) as (engines, _relay, server):
+        async with _fleet(configs, pools) as (engines, _relay, server):
             engine = engines[0]
             async with RelayClient([f"127.0.0.1:{server.port}"]) as client:
                 assert await client.wait_ready(30)

@@ -40,6 +40,7 @@ async def fleet_and_relay(
     expected_blocks: int = 8192,
     pools: Callable[[list[SimEngine]], tuple[PoolSpec, ...]] | None = None,
     limits: RelayLimits | None = None,
+    scrape_interval_s: float = 1.0,
 ) -> AsyncIterator[tuple[list[SimEngine], Relay, RelayServer]]:
     """Start engines, then a relay over them (one aggregated pool unless ``pools`` says)."""
     engines = [SimEngine(c) for c in configs]
@@ -64,6 +65,7 @@ async def fleet_and_relay(
         discovery_timeout_s=scaled(1.0),
         engine_down_grace_s=ENGINE_DOWN_GRACE_S,
         limits=limits or RelayLimits(),
+        metrics_scrape_interval_s=scrape_interval_s,
     )
     relay = Relay(settings)
     await relay.start()
