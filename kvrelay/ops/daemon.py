@@ -655,13 +655,26 @@ class Daemon:
             if self.mirror is not None:
                 await self.mirror.stop()
             if self.relay is not None:
-                await self.relay.stop(save_state=not self.handed_over)
+                await self.relay.stop(save_state=self._saves_state())
             if self.metrics is not None:
                 await self.metrics.close()
         finally:
             await cancel_all(self._tasks)
             self._tasks.clear()
             self.notifier.close()
+
+
+    def _saves_state(self) -> bool:
+        """Whether the final stop saves state: not after handing it over (the successor's is
+        newer), and not as a successor stopped before it took over while its predecessor lives
+        (the predecessor gave up on it: it serves on, and its own checkpoints are newer). A
+        successor whose predecessor died saves what it restored and vouched for."""
+        if self.handed_over:
+            return False
+        if self.handoff is not None and not self.took_over and self.handoff.predecessor_lives():
+            _LOG.info("state_not_saved", reason="the predecessor serves on and keeps its state")
+            return False
+        return True
 
 
 async def serve(

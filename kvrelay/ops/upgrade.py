@@ -261,6 +261,13 @@ class Handoff:
         self._fds = dict(fds)
         self._writer: asyncio.StreamWriter | None = None
         self._reader: asyncio.StreamReader | None = None
+        #: the predecessor spawned this process: while it is still the parent, it lives
+        self._predecessor = os.getppid()
+
+    def predecessor_lives(self) -> bool:
+        """Whether the process that started this hand-over is still this one's parent (a
+        predecessor that died leaves its children to init or a subreaper)."""
+        return os.getppid() == self._predecessor
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Handoff | None:

@@ -341,11 +341,14 @@ async def test_a_successor_killed_or_given_up_on_leaves_no_directory_behind(
     made its runtime directory cannot remove it: the old process, which serves on, sweeps it
     once it counted the failure. A stop of the old process during the next upgrade gives up on
     that successor with SIGTERM first, so it stops as any stop does and removes its own:
-    nothing is left in the runtime directory. (They used to pile up, one per incident.)"""
+    nothing is left in the runtime directory. (They used to pile up, one per incident.) That
+    successor, given up on after it restored the cut, saves no state: its predecessor, alive,
+    serves on and saves its own (the successor's file used to overwrite a newer checkpoint)."""
     fleet = Fleet(1, seed=560)
     await fleet.start()
     grpc, metrics = free_port(), free_port()
     cfg = tmp_path / "kvrelay.toml"
+    state = tmp_path / "state"
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     gone = await asyncio.create_subprocess_exec(sys.executable, "-c", "")
@@ -354,10 +357,15 @@ async def test_a_successor_killed_or_given_up_on_leaves_no_directory_behind(
         (tmpdir / name).mkdir(mode=0o700)
         (tmpdir / name / "pid").write_text(f"{gone.pid}\n")
     (tmpdir / "kvrelay-abcdefgh" / "ingest.sock").write_bytes(b"")
-    cfg.write_text(_config(grpc, metrics, fleet.engines, workers=2, runtime=str(tmpdir)))
+    cfg.write_text(_config(grpc, metrics, fleet.engines, workers=2, runtime=str(tmpdir),
+                           state=str(state), extra="checkpoint_interval_s = 0"))  # fmt: skip
     env = clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), TMPDIR=str(tmpdir))
     notes = Notifications(tmp_path / "notify.sock")
     log = tmp_path / "log.jsonl"
+
+    def events() -> list[dict[str, object]]:
+        return [json.loads(ln) for ln in log.read_text().splitlines() if ln.startswith("{")]
+
     with log.open("wb") as f:
         old = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvrelay", "serve", "--config", str(cfg), env=env, cwd=REPO,
@@ -397,14 +405,24 @@ async def test_a_successor_killed_or_given_up_on_leaves_no_directory_behind(
         assert sorted(p.name for p in tmpdir.iterdir()) == own  # the old process's alone
         await fleet.step(5)
         assert await _exact(grpc, fleet) == first  # the same process serves on, exact
+        for e in fleet.engines:  # the successor's vouch waits: it is on the cut, not serving
+            e.delay_replay(SLOW_REPLAY_S)
+        mark = len(events())
         given_up = await successor_with_its_directory(2)
+        await eventually(
+            lambda: any(e.get("event") == "pool_materialized" and e.get("restored")
+                        for e in events()[mark:]),
+            timeout=60, what="the successor on the cut",
+        )  # fmt: skip
         old.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(old.wait(), 30) == 0
         await eventually(lambda: not _alive(given_up), timeout=10, what="the successor gone")
         assert list(tmpdir.iterdir()) == []
-        events = [json.loads(ln) for ln in log.read_text().splitlines() if ln.startswith("{")]
-        stopped = [e for e in events if e.get("event") == "relay_stopping"]
-        assert len(stopped) == 2, "the successor stopped as on any stop, not killed"
+        names = [e.get("event") for e in events()]
+        assert names.count("relay_stopping") == 2, "the successor stopped as any stop, not killed"
+        assert names.count("state_saved") == 1  # the old process's own, at its stop
+        assert names.count("state_not_saved") == 1
+        assert len(list(state.iterdir())) == 1
     finally:
         if old.returncode is None:
             old.kill()
