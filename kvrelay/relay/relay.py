@@ -629,13 +629,8 @@ class Relay:
                 continue
             try:
                 await self._remove_pool(p)
-            except Exception as exc:  # still out of the planes and the pool list
+            except Exception as exc:  # out of the planes and the pool list all the same
                 _log.error("config_reload_pool_drop_failed", pool=name, error=repr(exc))
-                if p in self.pools:
-                    self.pools.remove(p)
-                for target in [t for t, q in self._by_target.items() if q is p]:
-                    self._by_target.pop(target, None)
-                self.refresh_planes()
 
     def _add_pool(self, spec: PoolSpec) -> None:
         p = PoolRuntime(spec, self._ctx, engine_down_grace_s=self.settings.engine_down_grace_s)
@@ -647,19 +642,26 @@ class Relay:
                 self._start_scraper(p, st)
 
     async def _remove_pool(self, p: PoolRuntime) -> None:
-        """The pool left the configuration: out of the planes first, then its streams end."""
-        self.pools.remove(p)
-        if self.membership is not None:
-            for _pool, template in [t for t in self.membership.templates if t[0] == p.name]:
-                self.membership.forget(p.name, template.name)
-        for name, st in list(p.engines.items()):
-            await self.watcher.remove_target(name)
-            self._by_target.pop(name, None)
-            await self._stop_scraper(p.name, st.spec.name)
-        await p.close("pool removed from the relay's configuration")
-        self._forget_removed_pools()
-        self.observers.pool_removed(p.name)
-        self.refresh_planes()
+        """The pool left the configuration: out of the pool list first, then its streams end.
+        Whatever fails on the way, it ends out of the list, the target map and the planes."""
+        try:
+            self.pools.remove(p)
+            if self.membership is not None:
+                for _pool, template in [t for t in self.membership.templates if t[0] == p.name]:
+                    self.membership.forget(p.name, template.name)
+            for name, st in list(p.engines.items()):
+                await self.watcher.remove_target(name)
+                self._by_target.pop(name, None)
+                await self._stop_scraper(p.name, st.spec.name)
+            await p.close("pool removed from the relay's configuration")
+            self._forget_removed_pools()
+            self.observers.pool_removed(p.name)
+        finally:
+            if p in self.pools:
+                self.pools.remove(p)
+            for target in [t for t, q in self._by_target.items() if q is p]:
+                del self._by_target[target]
+            self.refresh_planes()
 
     def _forget_removed_pools(self) -> None:
         """Drop what is kept by pool name for pools no longer configured: each pool a reload
