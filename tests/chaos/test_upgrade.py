@@ -265,12 +265,19 @@ async def _end(
     print("\n".join(log.read_text().splitlines()[-60:]))
     if dialer is not None:
         await dialer.stop()
-    if old.returncode is None:
-        old.kill()
-        await old.wait()
-    if new_pid is not None and _alive(new_pid):
-        os.kill(new_pid, signal.SIGKILL)
+    await _kill_all([old], [] if new_pid is None else [new_pid])
     await notes.close()
+
+
+async def _kill_all(procs: list[asyncio.subprocess.Process], pids: list[int]) -> None:
+    """What a test left running: its own child processes (reaped) and other pids (successors)."""
+    for proc in procs:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    for pid in pids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:
@@ -424,12 +431,7 @@ async def test_a_successor_killed_or_given_up_on_leaves_no_directory_behind(
         assert names.count("state_not_saved") == 1
         assert len(list(state.iterdir())) == 1
     finally:
-        if old.returncode is None:
-            old.kill()
-            await old.wait()
-        for pid in successors:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        await _kill_all([old], successors)
         print("\n".join(log.read_text().splitlines()[-40:]))
         await notes.close()
         await fleet.stop()
@@ -509,13 +511,7 @@ async def test_the_old_process_killed_after_the_cut_leaves_the_successors_state(
         assert value(text, "kvrelay_state_restores_total", result="restored") == 1
         assert total(text, "kvrelay_pool_member_resets_total") == 0, "every member resumed"
     finally:
-        for proc in procs:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-        for pid in successors:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        await _kill_all(procs, successors)
         await notes.close()
         await fleet.stop()
 
