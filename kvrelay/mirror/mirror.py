@@ -17,6 +17,10 @@ locally; any other key is decided by the upstream — the mirror subscribes upst
 that key, and the upstream's answer (POOL_NOT_FOUND, PRODUCER_CHANGED, RESOURCE_LIMIT, …) is the
 mirror's answer, or the stream becomes the pool's mirror. So a router whose catalog is newer
 than the mirror's gets the same answer as from the upstream, without the mirror guessing.
+Except a key the upstream's catalog withdrew (it listed the key, and no longer does): the mirror
+answers it itself, as a relay answers a retired generation (PRODUCER_CHANGED while the catalog
+lists another generation of the pool, else POOL_NOT_FOUND), and stops its pool
+(``MirrorPool.withdraw``) — an upstream that kept serving it would otherwise be served on.
 
 Bounds: at most ``max_initialized_pool_hubs`` pools are mirrored at once (listed pools in
 catalog order while there is room, then on demand). A subscriber to a pool that is not mirrored
@@ -61,6 +65,9 @@ WINDOW_PERIOD_S = 1.0
 #: empty descriptors); a larger one in a worker thread. A catalog of a few dozen pools is taken
 #: without the thread's hop, so a local reader rarely sees the catalog before it.
 CATALOG_INLINE_BYTES = 16 * 1024
+#: How many keys withdrawn from the upstream's catalog the mirror remembers and refuses itself
+#: (the newest; an older one is decided by the upstream again).
+WITHDRAWN_KEYS = 4096
 
 
 class _Superseded(Exception):
@@ -119,6 +126,8 @@ class Mirror:
         self._identity_key: tuple[int, int] | None = None
         self._identity_bytes = b""
         self._listed: dict[ProducerKey, pb.ProducerIdentity] = {}
+        #: keys the upstream's catalog listed and then withdrew (oldest first, bounded)
+        self._withdrawn: dict[ProducerKey, None] = {}
         self._pools: dict[ProducerKey, MirrorPool] = {}
         self._ctx = PoolContext(
             settings=settings,
@@ -168,6 +177,10 @@ class Mirror:
         key = producer_key(expected)
         if self._identity is None or not self.catalog.live:
             raise RelayError.publication_unavailable("the mirror has no upstream session")
+        if key in self._withdrawn:  # a retired generation, as a relay answers it
+            if any(k.pool_part == key.pool_part for k in self._listed):
+                raise RelayError.producer_changed()
+            raise RelayError.pool_not_found()
         pool = self._pools.get(key)
         if pool is None or pool.state is PoolState.GONE:
             if not self._room() and not self._evict_idle():
@@ -185,7 +198,7 @@ class Mirror:
         """A mirror of this mirror asks for spacing: its local hub takes the request like a
         joiner's, and this mirror passes the need on to its own upstream (``MirrorPool``)."""
         pool = self._pools.get(producer_key(expected))
-        hub = None if pool is None else pool.hub
+        hub = None if pool is None or pool.withdrawn else pool.hub
         if hub is None:
             raise self.absent_hold()
         granted = hub.request_hold(requester, seconds, HOLD_TTL_S)
@@ -246,6 +259,23 @@ class Mirror:
         for k, v in pool.violations.items():
             self._retired[f"violation_{k}"] += v
 
+    def _take_listing(self, listed: dict[ProducerKey, pb.ProducerIdentity]) -> None:
+        """A new catalog: the keys it no longer lists are withdrawn (their pools stopped, new
+        subscriptions to them refused), then its pools are mirrored."""
+        withdrawn = self._withdrawn
+        for key in self._listed:
+            if key not in listed:
+                withdrawn[key] = None
+                pool = self._pools.get(key)
+                if pool is not None:
+                    pool.withdraw()
+        for key in listed:
+            withdrawn.pop(key, None)  # listed again (an upstream's choice): served again
+        while len(withdrawn) > WITHDRAWN_KEYS:
+            del withdrawn[next(iter(withdrawn))]
+        self._listed = listed
+        self._reconcile()
+
     def _reconcile(self) -> None:
         """Mirror every listed pool (catalog order) while there is room for its hub."""
         over = 0
@@ -305,6 +335,7 @@ class Mirror:
             pool.stop(None, "the upstream restarted: refresh the catalog")
         self._pools.clear()
         self._listed = {}
+        self._withdrawn = {}
         # A plane stream that delivered under the old identity stayed open across the change:
         # it would send the new incarnation's state only on the next change (a catalog is sent
         # only on change: the mirror would stay without one). Every stream then starts over
@@ -329,8 +360,7 @@ class Mirror:
             raise _Superseded  # the upstream changed meanwhile: this catalog is not current
         if plane.offer(version, data):
             self.catalog_invalid += invalid
-            self._listed = listed
-            self._reconcile()
+            self._take_listing(listed)
         self._check_synced()
 
     async def _plane_loop(self, plane: MirrorPlane, method: str, request: Any) -> None:

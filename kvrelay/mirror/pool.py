@@ -15,6 +15,12 @@ When the upstream stream ends, the local subscribers end as the contract says fo
 | SUBSCRIBER_LAGGED, SNAPSHOT_PROGRESS_TIMEOUT (mirror fell behind) | PUBLICATION_UNAVAILABLE |
 | anything else, a silent or lost connection, a frame breaking a rule | PUBLICATION_UNAVAILABLE |
 
+A pool its upstream's catalog no longer lists is *withdrawn* (``withdraw``): it admits nobody more,
+and ends for good when its upstream stream ends. A relay publishes a withdrawal before it ends the
+pool's streams, so that ending (its status and message) is forwarded as above; an upstream that
+keeps the stream open ``WITHDRAWAL_GRACE_S`` longer has it closed by the mirror, whose local
+subscribers then get PUBLICATION_UNAVAILABLE, as from a relay that withdraws a pool.
+
 A live pool that ends resubscribes at once (a fresh snapshot) if it was live at least
 ``rpc.LIVE_RESUBSCRIBE_S`` (the SDK's rule too); one that ended sooner, and an attempt that
 fails before its snapshot, back off. POOL_NOT_FOUND / PRODUCER_CHANGED end the pool for good
@@ -55,6 +61,10 @@ VOUCH_SLACK_S = 0.25
 HOLD_RENEW_S = 0.25
 #: A spacing request of a mirror of this mirror lapses this long after its last renewal.
 HOLD_TTL_S = 1.0
+#: How long a live pool its upstream's catalog withdrew is served on for its upstream stream to
+#: end (a relay ends it right after publishing the withdrawal: its status is forwarded).
+WITHDRAWAL_GRACE_S = 1.0
+WITHDRAWN = "pool withdrawn: the upstream's catalog no longer lists it"
 
 
 class PoolState(enum.Enum):
@@ -98,7 +108,6 @@ class MirrorPool:
         self.lagged = 0  # local subscribers ended as lagged, over every local hub
         self.ends: Counter[str] = Counter()  # how upstream streams ended (mirror vocabulary)
         self.violations: Counter[str] = Counter()
-        self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._checker: PoolStreamChecker | None = None
         self._last_frame = time.monotonic()
@@ -112,9 +121,11 @@ class MirrorPool:
         self._waiting = 0  # admissions in progress (waiting for the sync or a snapshot slot)
         self._idle_mark = time.monotonic()  # since when nobody used this pool, between hubs
         self._live_since = 0.0  # when the current hub was installed (monotonic)
-        #: set by the next upstream frame or state change: admissions waiting for the upstream
-        #: to show life again (``_admit``)
+        #: set by the next upstream frame or state change: admissions waiting for the sync or
+        #: for the upstream to show life again (``_admit``)
         self._life: asyncio.Event | None = None
+        self.withdrawn = False  # the upstream's catalog no longer lists this pool
+        self._grace: asyncio.TimerHandle | None = None  # ends a withdrawn pool's stream
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -137,6 +148,30 @@ class MirrorPool:
             self.lagged += hub.lagged
         self._set(PoolState.GONE, error or RelayError.publication_unavailable(why))
 
+    def withdraw(self) -> None:
+        """The upstream's catalog no longer lists this pool: admit nobody more, and end for good.
+        A live pool's upstream stream is given ``WITHDRAWAL_GRACE_S`` to end (its ending is
+        forwarded, as every upstream ending); then the mirror closes it and its local
+        subscribers get PUBLICATION_UNAVAILABLE. A pool without a hub ends at once."""
+        if self.withdrawn or self.state is PoolState.GONE:
+            return
+        self.withdrawn = True
+        if self.hub is None:  # no local subscriber: an attempt in flight is closed
+            self.stop(RelayError.publication_unavailable(WITHDRAWN))
+            return
+        loop = asyncio.get_running_loop()
+        self._grace = loop.call_later(WITHDRAWAL_GRACE_S, self._close_withdrawn)
+        self._wake()  # admissions waiting for the upstream to show life are refused now
+
+    def _close_withdrawn(self) -> None:
+        """The grace ran out: the upstream keeps serving a pool its catalog withdrew."""
+        self._grace = None
+        if self.state is PoolState.GONE:
+            return
+        self.ends["withdrawn"] += 1
+        _log.warning("mirror_pool_withdrawn", pool=self.name, grace_s=WITHDRAWAL_GRACE_S)
+        self.stop(RelayError.publication_unavailable(WITHDRAWN))
+
     @property
     def sequence(self) -> int | None:
         return None if self.hub is None else self.hub.sequence
@@ -155,8 +190,9 @@ class MirrorPool:
         self.error = error
         if state is not PoolState.SYNCING:
             self.first_done = True
-        event, self._changed = self._changed, asyncio.Event()
-        event.set()
+        if state is PoolState.GONE and self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
         self._wake()
         self.ctx.changed(self)
 
@@ -179,39 +215,36 @@ class MirrorPool:
     ) -> Subscription:
         loop = asyncio.get_running_loop()
         while True:
+            if self.withdrawn:
+                raise RelayError.publication_unavailable(WITHDRAWN)
             state, hub = self.state, self.hub
-            if state is PoolState.LIVE and hub is not None and not self._vouch():
-                # the upstream has been quiet past its heartbeat period: what the hub holds is
-                # vouched for by nobody (local heartbeats stop too), so no joiner gets it as a
-                # snapshot; it waits for the upstream to show life, within its deadline
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise RelayError.publication_unavailable(
-                        "the mirror's upstream stream is silent: its state is not vouched for"
-                    )
-                if self._life is None:
-                    self._life = asyncio.Event()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._life.wait(), remaining)
-                continue
-            if state is PoolState.LIVE and hub is not None:
-                sub = await hub.subscribe(on_release)  # may wait for a snapshot slot
-                if hub.retired:
-                    sub.close()
-                    raise RelayError.publication_unavailable(
-                        "upstream stream ended during admission"
-                    )
-                return sub
             if state in (PoolState.FAILED, PoolState.GONE):
                 err = self.error or RelayError.publication_unavailable("pool not mirrored")
                 raise RelayError(err.reason, err.message)
+            if state is PoolState.LIVE and hub is not None:
+                if self._vouch():
+                    sub = await hub.subscribe(on_release)  # may wait for a snapshot slot
+                    if hub.retired or self.withdrawn:
+                        sub.close()
+                        raise RelayError.publication_unavailable(
+                            WITHDRAWN if self.withdrawn
+                            else "upstream stream ended during admission"
+                        )  # fmt: skip
+                    return sub
+                # the upstream has been quiet past its heartbeat period: what the hub holds is
+                # vouched for by nobody (local heartbeats stop too), so no joiner gets it as a
+                # snapshot; it waits for the upstream to show life, within its deadline
+                why = "the mirror's upstream stream is silent: its state is not vouched for"
+            else:
+                why = "the mirror is still synchronizing this pool with its upstream"
             remaining = deadline - loop.time()
             if remaining <= 0:
-                raise RelayError.publication_unavailable(
-                    "the mirror is still synchronizing this pool with its upstream"
-                )
+                raise RelayError.publication_unavailable(why)
+            # one wait for both: the next upstream frame or state change (``_set`` wakes it too)
+            if self._life is None:
+                self._life = asyncio.Event()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), remaining)
+                await asyncio.wait_for(self._life.wait(), remaining)
 
     def _wake(self) -> None:
         life, self._life = self._life, None
@@ -373,6 +406,10 @@ class MirrorPool:
             if self.state is not PoolState.SYNCING:
                 self._set(PoolState.SYNCING)
             was_live, local, answer = await self._attempt()
+            if self.withdrawn:  # its ending (if the upstream's) already went to its subscribers
+                self._set(PoolState.GONE, answer or local
+                          or RelayError.publication_unavailable(WITHDRAWN))  # fmt: skip
+                return
             if answer is not None and int(answer.reason) in _GONE:
                 # this generation is gone upstream; subscribers still asking get its answer
                 self._set(PoolState.GONE, answer)

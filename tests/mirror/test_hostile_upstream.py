@@ -15,7 +15,9 @@ import time
 from typing import Any
 
 import numpy as np
-from grpclib.const import Cardinality
+import pytest
+from grpclib.const import Cardinality, Status
+from grpclib.exceptions import GRPCError
 from grpclib.server import Server
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
@@ -26,10 +28,13 @@ from kvrelay.publication import cbi1
 from tests.client.test_hostile_upstream import MuteFirstCatalog
 from tests.support import scripted_relay as S
 from tests.support.fleet import eventually
+from tests.support.mem_relay import grpclib_collect, sub_request
 from tests.support.mirror_rig import mirrored
 from tests.support.rig import MARKER, SVC
+from tests.support.timing import scaled
 
 TWO_CHUNKS = 1 << 20  # a lane of two snapshot chunks
+K = "kv-relay-error-reason"
 
 
 def two_chunk_producer() -> pb.ProducerIdentity:
@@ -358,5 +363,69 @@ async def test_a_catalog_stream_that_never_answers_is_opened_again() -> None:
             await asyncio.wait_for(m.mirror.synced.wait(), 10)
             assert relay.catalog_streams >= 2
             assert m.mirror.plane_ends.get("catalog_silent", 0) >= 1, m.mirror.plane_ends
+    finally:
+        server.close()
+
+
+class _KeepsWithdrawn(S.ScriptedRelay):
+    """Withdraws its pool from the catalog (``set_catalog([])``) but keeps the pool's open
+    streams open, and would serve it to a new one; counts its open pool streams."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open_streams = 0
+
+    async def _pool(self, stream: Any) -> None:
+        self.open_streams += 1
+        try:
+            await super()._pool(stream)
+        finally:
+            self.open_streams -= 1
+
+
+async def _refused_as_withdrawn(ch: Any) -> None:
+    r = await grpclib_collect(ch, "SubscribeKvPool", sub_request(S.producer()), pb.FilterUpdate,
+                              timeout=5)  # fmt: skip
+    assert (r.status, r.trailers[K]) == (Status.NOT_FOUND, "RELAY_ERROR_REASON_POOL_NOT_FOUND")
+
+
+async def test_a_pool_its_upstream_withdrew_is_stopped_though_its_stream_stays_open() -> None:
+    """The upstream's catalog no longer lists the pool, but its pool stream stays open. A relay
+    publishes a withdrawal before it ends the pool's streams; the mirror refuses new
+    subscribers at once (``POOL_NOT_FOUND``), gives the upstream ``WITHDRAWAL_GRACE_S`` to end
+    its stream, then closes it: its local subscriber gets ``PUBLICATION_UNAVAILABLE`` (a
+    withdrawn pool's status). The mirror used to serve the pool on, and admit to it."""
+    relay = _KeepsWithdrawn()
+    server = await S.serve(relay)
+    try:
+        async with mirrored(S.port_of(server)) as m:
+            ch = m.channel()
+            try:
+                async with asyncio.timeout(scaled(5)):
+                    st = ch.request(SVC + "SubscribeKvPool", Cardinality.UNARY_STREAM,
+                                    pb.SubscribeKvPoolRequest, pb.FilterUpdate)  # fmt: skip
+                    with pytest.raises(GRPCError) as ended:
+                        async with st:
+                            await st.send_message(sub_request(S.producer()), end=True)
+                            first = await st.recv_message()
+                            assert first is not None and int(first.kind) == 1
+                            relay.set_catalog([])
+                            await eventually(lambda: m.mirror.catalog.upstream_version == 1,
+                                             what="withdrawal taken", timeout=5)  # fmt: skip
+                            await _refused_as_withdrawn(ch)  # while its stream still runs
+                            while await st.recv_message() is not None:
+                                pass
+                assert ended.value.status == Status.UNAVAILABLE
+                assert "withdrawn" in (ended.value.message or "")
+                trailers = dict(st.trailing_metadata or {})
+                assert trailers[K] == "RELAY_ERROR_REASON_PUBLICATION_UNAVAILABLE"
+                await _refused_as_withdrawn(ch)
+                await eventually(lambda: relay.open_streams == 0, what="upstream stream closed",
+                                 timeout=5)  # fmt: skip
+                assert relay.subscriptions == 1
+                assert m.mirror.stats()["pool_totals"].get("end_withdrawn") == 1
+                assert m.mirror.hub_for(S.producer()) is None
+            finally:
+                ch.close()
     finally:
         server.close()
