@@ -43,7 +43,7 @@ KNOWN = {
     "Service": {
         "Type", "NotifyAccess", "ExecStartPre", "ExecStart", "ExecReload", "Restart", "RestartSec",
         "WatchdogSec", "TimeoutStartSec", "TimeoutStopSec", "KillSignal", "KillMode",
-        "LimitNOFILE", "CacheDirectory", "CacheDirectoryMode", "StateDirectory",
+        "OOMPolicy", "LimitNOFILE", "CacheDirectory", "CacheDirectoryMode", "StateDirectory",
         "StateDirectoryMode", "RuntimeDirectory", "RuntimeDirectoryMode", "ConfigurationDirectory",
         "ConfigurationDirectoryMode", "Environment", "SyslogIdentifier", "DynamicUser",
         "NoNewPrivileges", "ProtectSystem", "ProtectHome", "PrivateTmp", "PrivateDevices",
@@ -269,3 +269,24 @@ def test_units_give_workers_a_private_runtime_directory() -> None:
         unit = _unit(name)
         assert unit["Service"]["RuntimeDirectory"] == [expect], name
         assert unit["Service"]["RuntimeDirectoryMode"] == ["0700"], name
+
+
+@pytest.mark.parametrize("name", UNITS)
+def test_units_leave_the_daemons_own_processes_to_the_daemon(name: str) -> None:
+    """The main process supervises processes of its own in the unit's control group (fan-out
+    workers, kernel warm-up workers, a scrub's forked child, a hot upgrade's new process):
+
+    * ``NotifyAccess=all``: a hot upgrade's new process notifies before it is the main PID, and
+      the old one hands it over with ``MAINPID=`` (``main`` would drop both);
+    * ``KillMode=mixed``: SIGTERM reaches the main process alone, which drains its workers
+      within ``shutdown_timeout_s``; only what is left after it gets SIGKILL;
+    * ``OOMPolicy=continue``: a worker the kernel's OOM killer takes is restarted by the
+      daemon (docs/fault-matrix.md), a failed upgrade leaves the old process serving; systemd's
+      default, ``DefaultOOMPolicy=stop``, would stop the whole relay for either. The main
+      process killed still ends the unit, and ``Restart=on-failure`` starts it again.
+    """
+    unit = _unit(name)
+    assert _one(unit, "NotifyAccess") == "all"
+    assert _one(unit, "KillMode") == "mixed"
+    assert _one(unit, "OOMPolicy") == "continue"
+    assert _one(unit, "Restart") == "on-failure"

@@ -134,6 +134,9 @@ def test_deployment_probes_ports_security_and_config(objects: dict[str, dict[str
     assert cfg is not None, problems
     assert (cfg.bind_host, cfg.bind_port, cfg.metrics.port) == ("0.0.0.0", 50161, 50162)
     assert [p.path for p in problems] == ["relay.bind"]  # the plaintext-on-network warning
+    # SIGKILL never cuts the drain the mounted config allows, nor the liveness probe lose its port
+    assert pod["spec"]["terminationGracePeriodSeconds"] > cfg.shutdown_timeout_s
+    assert cfg.metrics.enabled
     # a writable state_dir on a volume (the root is read-only): warm filters after a restart; a
     # subdirectory the relay makes private, as the kubelet leaves the volume group-writable
     assert cfg.relay.state_dir == env["KVRELAY_RELAY_STATE_DIR"]
@@ -223,6 +226,86 @@ def test_the_pod_runs_four_workers_with_a_writable_runtime_directory(
     mounts = {m["mountPath"]: m["name"] for m in main["volumeMounts"]}
     assert cfg.runtime_dir in mounts, "the runtime directory is a mounted volume"
     assert volumes[mounts[cfg.runtime_dir]]["emptyDir"]["medium"] == "Memory"
+
+
+def test_the_pod_meets_the_restricted_pod_security_standard(
+    objects: dict[str, dict[str, Any]],
+) -> None:
+    """What the "restricted" Pod Security Standard checks (Kubernetes 1.30), as deploy/README.md
+    and docs/security.md say the pod meets it: every container, the init container included."""
+    pod = objects["Deployment"]["spec"]["template"]["spec"]
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        assert not pod.get(key), key
+    allowed = {"configMap", "emptyDir", "projected", "secret", "downwardAPI",
+               "persistentVolumeClaim", "ephemeral", "csi"}  # fmt: skip
+    for vol in pod["volumes"]:
+        assert set(vol) - {"name"} <= allowed, vol
+    pod_sc = pod["securityContext"]
+    assert pod_sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    for c in _containers(objects["Deployment"]):
+        sc = {**pod_sc, **c.get("securityContext", {})}
+        assert sc["runAsNonRoot"] is True and sc.get("runAsUser", 1) != 0, c["name"]
+        assert sc["allowPrivilegeEscalation"] is False and not sc.get("privileged"), c["name"]
+        assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
+        assert set(sc["capabilities"].get("add", [])) <= {"NET_BIND_SERVICE"}, c["name"]
+        assert sc["seccompProfile"]["type"] in ("RuntimeDefault", "Localhost"), c["name"]
+        assert not any("hostPort" in port for port in c.get("ports", [])), c["name"]
+
+
+def _service_link_env(svc: dict[str, Any], cluster_ip: str) -> dict[str, str]:
+    """The variables the kubelet gives every container of a pod with ``enableServiceLinks`` (the
+    default) for one Service of its namespace, as ``pkg/kubelet/envvars`` makes them: the name
+    upper-cased with ``-`` as ``_``, then ``_SERVICE_HOST``, ``_SERVICE_PORT[_<PORT NAME>]``,
+    ``_PORT`` and Docker's link variables per port."""
+    prefix = svc["metadata"]["name"].upper().replace("-", "_")
+    ports = svc["spec"]["ports"]
+    env = {f"{prefix}_SERVICE_HOST": cluster_ip, f"{prefix}_SERVICE_PORT": str(ports[0]["port"])}
+    for i, sp in enumerate(ports):
+        proto = sp.get("protocol", "TCP")
+        url = f"{proto.lower()}://{cluster_ip}:{sp['port']}"
+        if "name" in sp:
+            env[f"{prefix}_SERVICE_PORT_{sp['name'].upper().replace('-', '_')}"] = str(sp["port"])
+        if i == 0:
+            env[f"{prefix}_PORT"] = url
+        link = f"{prefix}_PORT_{sp['port']}_{proto.upper()}"
+        env.update({link: url, f"{link}_PROTO": proto.lower(), f"{link}_PORT": str(sp["port"]),
+                    f"{link}_ADDR": cluster_ip})  # fmt: skip
+    return env
+
+
+def test_the_pod_starts_beside_services_whose_names_read_as_overrides(
+    objects: dict[str, dict[str, Any]], tmp_path: Path,
+) -> None:
+    """Another Service of the namespace named like a section of the relay's overrides (a mirror
+    tier behind ``kvrelay-mirror``, docs/scaling.md; ``kvrelay-metrics``; a second shard's
+    ``kvrelay-relay-b``) would give the pod ``KVRELAY_MIRROR_SERVICE_HOST`` & co. through the
+    kubelet's service links: overrides of keys that do not exist, which the relay refuses to
+    start on. The pod turns the links off, and mounts no service account token it has no use
+    for; the container's environment, with whatever links remain, passes ``kvrelay
+    check-config`` (the same check ``serve`` makes before it starts)."""
+    from tests.support.commands import clean_env, kvrelay
+
+    dep, cm, own = objects["Deployment"], objects["ConfigMap"], objects["Service"]
+    pod = dep["spec"]["template"]["spec"]
+    assert pod.get("automountServiceAccountToken") is False
+    (main,) = pod["containers"]
+    siblings = [own]
+    for name in ("kvrelay-mirror", "kvrelay-metrics", "kvrelay-relay-b"):
+        svc = yaml.safe_load(yaml.safe_dump(own))
+        svc["metadata"]["name"] = name
+        siblings.append(svc)
+    # always there, whatever enableServiceLinks says: the API server's own Service
+    env = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+    if pod.get("enableServiceLinks", True):
+        for n, svc in enumerate(siblings):
+            env.update(_service_link_env(svc, f"10.96.7.{n + 10}"))
+    assert "KVRELAY_MIRROR_SERVICE_HOST" in _service_link_env(siblings[1], "10.96.7.1")
+    env.update({e["name"]: e["value"] for e in main["env"]})  # the container's own win
+    (tmp_path / "kvrelay.toml").write_text(cm["data"]["kvrelay.toml"])
+    res = kvrelay("check-config", str(tmp_path / "kvrelay.toml"), env=clean_env(**env))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert ": ok: " in res.stdout and "gRPC 0.0.0.0:50161" in res.stdout, res.stdout
+    assert "metrics 0.0.0.0:50162" in res.stdout, res.stdout
 
 
 # ---- a real start of the manifest's settings on a read-only root ------------------------------
