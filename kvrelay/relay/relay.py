@@ -99,8 +99,7 @@ class Relay:
             window_ms=max(1, round(self.limits.load_window_s * 1000)),
             provider=self._load_inputs,
         )
-        self._serving = ServingInputs()
-        self._totals_folded_at = 0.0
+        self._serving = ServingInputs(lambda: self.pools)
         self.serving_load = ServingLoadPlane(
             self.relay_identity,
             window_ms=self.load.window_ms,
@@ -401,7 +400,7 @@ class Relay:
         return out
 
     def _serving_inputs(self) -> ServingLoadInputs:
-        return self._serving.build(self.pools)
+        return self._serving.build()
 
     # ---- statistics ------------------------------------------------------------------------------
 
@@ -645,14 +644,15 @@ class Relay:
         """The pool left the configuration: out of the pool list first, then its streams end.
         Whatever fails on the way, it ends out of the list, the target map and the planes."""
         try:
+            for st in list(p.engines.values()):  # while it is listed: its last pages are folded
+                await self._stop_scraper(p.name, st.spec.name)  # into the serving totals
             self.pools.remove(p)
             if self.membership is not None:
                 for _pool, template in [t for t in self.membership.templates if t[0] == p.name]:
                     self.membership.forget(p.name, template.name)
-            for name, st in list(p.engines.items()):
+            for name in list(p.engines):
                 await self.watcher.remove_target(name)
                 self._by_target.pop(name, None)
-                await self._stop_scraper(p.name, st.spec.name)
             await p.close("pool removed from the relay's configuration")
             self._forget_removed_pools()
             self.observers.pool_removed(p.name)
@@ -693,14 +693,6 @@ class Relay:
             await cancel_all([task])
         self._serving.forget(pool, engine)
 
-    def _fold_serving_totals(self) -> None:
-        """At most once per scrape interval, whether or not anyone reads serving-load windows
-        (``ServingInputs.observe``: a restart between two reads loses nothing)."""
-        now = time.monotonic()
-        if now - self._totals_folded_at >= self.settings.metrics_scrape_interval_s:
-            self._totals_folded_at = now
-            self._serving.observe(self.pools)
-
     async def _scrape_loop(self, pool: PoolRuntime, st: EngineState) -> None:
         port = st.spec.metrics_port
         assert port is not None
@@ -714,7 +706,6 @@ class Relay:
                 )
                 st.usage = {int(k): v for k, v in page.kv_usage.items() if is_decimal(k)}
                 self._serving.store(pool.name, st.spec.name, Page(unix_ms(), page))
-                self._fold_serving_totals()
             except (TimeoutError, MetricsScrapeError, OSError) as exc:
                 st.usage = {}  # unknown, never zero
                 self._serving.store(pool.name, st.spec.name, None)

@@ -5,6 +5,14 @@ and each of its DP ranks one source of counters. The scrape loop (``Relay._scrap
 each engine's latest page here, or forgets it when a scrape fails; a window reads only what is
 stored now, so a page is never older than one scrape interval plus its timeout.
 
+Every page stored is folded into the running totals before it goes, whether or not anyone reads
+the windows (built only when read): when a page the totals have not seen yet is replaced by the
+engine's next page, or dropped, every stored page is folded in first. Folded on a timer instead,
+a page could be replaced unseen by the first page of a restart, and what the engine had counted
+since the totals last looked was lost. A fold (or a window) takes in every page stored, and an
+engine's next page comes a scrape interval after its last, so there is at most one fold per
+scrape interval (a reload's removals aside), however many engines.
+
 A source's running total is keyed by the frontend's address (host, metrics port, DP rank), not by
 the names the configuration gives it: an engine renamed in a reload, or moved to another pool of
 the same model, is the same process with the same counters, and goes on from its own values.
@@ -26,7 +34,7 @@ Judgment calls (``docs/contract.md`` §10.4 has the field-by-field table):
 
 from __future__ import annotations
 
-from collections.abc import Container, Hashable, Iterable
+from collections.abc import Callable, Container, Hashable, Iterable
 from dataclasses import dataclass
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
@@ -118,27 +126,36 @@ def rank_counters(r: RankServing) -> dict[str, int]:
 
 
 class ServingInputs:
-    """Builds one window's ``ServingLoadInputs``; keeps the pages and the running totals."""
+    """Builds one window's ``ServingLoadInputs``; keeps the pages and the running totals.
+    ``pools``: the relay's configured pools now."""
 
-    def __init__(self) -> None:
+    def __init__(self, pools: Callable[[], Iterable[PoolRuntime]]) -> None:
+        self._pools = pools
         self.pages: dict[tuple[str, str], Page] = {}  # (pool, engine) → latest good scrape
+        self._unfolded: set[tuple[str, str]] = set()  # pages stored since the last fold
         self.totals = RunningTotals()
         self._pool_ids: IdentityMemo[pb.KvPoolId] = IdentityMemo()  # sort keys, once per pool
 
     def store(self, pool: str, engine: str, page: Page | None) -> None:
+        """Keep an engine's latest page (None: not known now), the one it replaces folded into
+        the totals first if they have not seen it (see the module docstring)."""
+        key = (pool, engine)
+        if key in self._unfolded:
+            self._fold()
         if page is None:
-            self.pages.pop((pool, engine), None)
+            self.pages.pop(key, None)
         else:
-            self.pages[(pool, engine)] = page
+            self.pages[key] = page
+            self._unfolded.add(key)
 
     def forget(self, pool: str, engine: str) -> None:
-        self.pages.pop((pool, engine), None)
+        self.store(pool, engine, None)
 
-    def build(self, pools: Iterable[PoolRuntime]) -> ServingLoadInputs:
+    def build(self) -> ServingLoadInputs:
         """Pools: the published ones. Models: every configured pool whose model is known, so a
         model whose pools are all withdrawn (its engines down) stays, UNAVAILABLE, with its
         totals, until its pools leave the configuration."""
-        pools = list(pools)
+        pools = list(self._pools())
         pool_inputs: list[PoolServingInput] = []
         published: set[str] = set()
         for p in pools:
@@ -150,13 +167,13 @@ class ServingInputs:
                     published.add(p.name)
         groups = _groups(pools, published)
         models = [self._model(ns, model, ps) for (ns, model), ps in groups.items()]
+        self._unfolded.clear()  # each model's totals have seen its pages
         return ServingLoadInputs(pools=pool_inputs, models=models)
 
-    def observe(self, pools: Iterable[PoolRuntime]) -> None:
-        """Fold the pages stored now into the running totals without building a window.
-        Windows are built only when read; the totals must still see each frontend's counters
-        between reads, or a restart in between would lose what it had counted since."""
-        for group, ps in _groups(pools, frozenset()).items():
+    def _fold(self) -> None:
+        """Fold the pages stored now into the running totals without building a window."""
+        self._unfolded.clear()  # first: a fold that raised is not tried again at every store
+        for group, ps in _groups(self._pools(), frozenset()).items():
             f = self._frontends(ps)
             self.totals.window(group, f.present, f.reports, f.started)
 

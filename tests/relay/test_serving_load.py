@@ -12,8 +12,9 @@ follows its address (not its configured names) and its process start time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -24,8 +25,9 @@ from kvrelay.client.views import ModelServingView, PoolServingView
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.discovery.metrics_scrape import parse_engine_page
 from kvrelay.publication.serving_load import RunningTotals
-from kvrelay.relay.serving import rank_counters
-from kvrelay.relay.settings import EngineSpec, PoolSpec
+from kvrelay.relay.relay import Relay
+from kvrelay.relay.serving import Page, ServingInputs, rank_counters
+from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
 from kvrelay.sim.metrics_http import render_metrics
@@ -508,3 +510,174 @@ def test_a_page_cut_at_a_line_inside_the_finished_counter_counts_nothing_twice()
     totals = RunningTotals()
     for report in (whole, cut, whole):
         assert totals.window(("ns", "m"), ["src"], {"src": report}) == whole
+
+
+def _counts_page(n: int) -> bytes:
+    """A one-rank vLLM page of ``n`` requests finished (``stop``), ten input and five output
+    tokens each, none running or waiting."""
+    lab = 'engine="0",model_name="sim-model"'
+    lines = [f"vllm:num_requests_running{{{lab}}} 0", f"vllm:num_requests_waiting{{{lab}}} 0",
+             f"vllm:prompt_tokens_total{{{lab}}} {10 * n}",
+             f"vllm:generation_tokens_total{{{lab}}} {5 * n}",
+             *(f'vllm:request_success_total{{{lab},finished_reason="{r}"}} {k}'
+               for r, k in (("stop", n), ("length", 0), ("abort", 0), ("error", 0)))]  # fmt: skip
+    return ("\n".join(lines) + "\n").encode()
+
+
+async def _async_stub(page: Callable[[], Awaitable[bytes]]) -> tuple[asyncio.Server, int]:
+    """:func:`_metrics_stub` answering with ``await page()``: a page that takes its time."""
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.readuntil(b"\r\n\r\n")
+        body = await page()
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
+                b"Connection: close\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        with contextlib.suppress(ConnectionError):
+            await w.drain()
+        w.close()
+
+    stub = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return stub, stub.sockets[0].getsockname()[1]
+
+
+async def test_a_page_replaced_before_the_totals_saw_it_is_still_counted() -> None:
+    """Engine ``a`` reports 100 requests, then 150, then restarts and reports 5, while nobody
+    reads the windows. Its 150 page lands just after engine ``b``'s scrape folded the totals,
+    and is replaced by the restart's page before any other scrape is taken. When the totals
+    were folded at most once per scrape interval, they never saw that page, and 50 requests
+    ``a`` had reported were lost (105, not 155). The scrapes are timed by the stubs: ``a``
+    answers 0.1 s after each request, ``b`` when the test lets it."""
+    loop = asyncio.get_running_loop()
+    a_page = [_counts_page(100)]
+    a_served: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+    async def a_answer() -> bytes:
+        await asyncio.sleep(0.1)
+        body = a_page[0]
+        a_served.put_nowait((loop.time(), body))
+        return body
+
+    b_free, b_held, b_go = [True], asyncio.Event(), asyncio.Event()
+
+    async def b_answer() -> bytes:
+        if not b_free[0]:
+            b_held.set()
+            await b_go.wait()
+            b_go.clear()  # one answer: b's next scrape waits again
+        return _counts_page(7)
+
+    def free_b() -> None:
+        b_free[0] = True
+        b_go.set()
+
+    async def next_a() -> tuple[float, bytes]:
+        while not a_served.empty():
+            a_served.get_nowait()
+        return await asyncio.wait_for(a_served.get(), scaled(5))
+
+    stub_a, port_a = await _async_stub(a_answer)
+    stub_b, port_b = await _async_stub(b_answer)
+
+    def pools(engines: list[SimEngine]) -> tuple[PoolSpec, ...]:
+        (spec,) = _pools(engines)
+        e0, e1 = spec.engines
+        return (replace(spec, engines=(replace(e0, metrics_port=port_a),
+                                       replace(e1, metrics_port=port_b))),)  # fmt: skip
+
+    configs = [SimConfig(name="g0", seed=5, capacity_blocks=128),
+               SimConfig(name="g1", seed=6, capacity_blocks=128)]  # fmt: skip
+    try:
+        async with _fleet(configs, pools) as (_engines, _relay, server):
+            await next_a()
+            b_free[0] = False
+            await asyncio.wait_for(b_held.wait(), scaled(5))  # b's next scrape waits
+            t, _ = await next_a()  # a's page is stored (and folded) about now
+            await asyncio.sleep(max(0.0, t + TICK_S + 0.04 - loop.time()))
+            a_page[0] = _counts_page(150)
+            b_go.set()  # b's page stored: a fold, a scrape interval after a's
+            _, body = await next_a()  # a's 150, stored after that fold
+            assert body == _counts_page(150)
+            a_page[0] = _counts_page(5)  # a restarted: its counters start over
+            _, body = await next_a()  # the 150 page replaced; b's next scrape still waits
+            assert body == _counts_page(5)
+            await asyncio.sleep(0.05)
+            free_b()
+            expect = {"requests_completed_total": 155 + 7, "requests_started_total": 155 + 7,
+                      "requests_cancelled_total": 0, "requests_failed_total": 0,
+                      "input_tokens_total": 1550 + 70, "output_tokens_total": 775 + 35}  # fmt: skip
+            async with RelayClient([f"127.0.0.1:{server.port}"]) as client:  # the first reader
+                assert await client.wait_ready(30)
+
+                def settled() -> bool:
+                    m = _model(client)
+                    return m is not None and _totals(m) == expect
+
+                assert await client.wait_for(settled, 20), (_model(client), expect)
+    finally:
+        free_b()
+        for stub in (stub_a, stub_b):
+            stub.close()
+            await stub.wait_closed()
+
+
+async def test_a_page_dropped_or_forgotten_before_the_totals_saw_it_is_still_counted() -> None:
+    """The scrape loop drops an engine's page when a scrape fails (the engine went down, say to
+    restart) and forgets it when the engine leaves the configuration: a page the totals had not
+    seen is folded in first, as one the engine's next page replaces. Dropped unseen, its counts
+    since the totals' last look were lost once the restarted engine reported again."""
+    engines = tuple(EngineSpec(name=n, host="127.0.0.1", grpc_port=p, metrics_port=p + 1)
+                    for n, p in (("a", 2), ("b", 4)))  # fmt: skip
+    spec = PoolSpec(namespace="ns", component="backend", endpoint="generate", model="sim-model",
+                    engines=engines)  # fmt: skip
+    relay = Relay(RelaySettings(dc_name="dc-unit", pools=(spec,)))  # never started: no network
+    (pool,) = relay.pools
+    inputs = ServingInputs(lambda: relay.pools)
+
+    def page(n: int) -> Page:
+        return Page(0, parse_engine_page(_counts_page(n).decode(), "sim-model"))
+
+    def completed() -> int:
+        (m,) = inputs.build().models
+        return m.totals["requests_completed_total"]
+
+    inputs.store(pool.name, "a", page(100))
+    assert completed() == 100
+    inputs.store(pool.name, "a", page(150))
+    inputs.store(pool.name, "a", None)  # a's scrape failed: it went down
+    inputs.store(pool.name, "a", page(5))  # back, its counters started over
+    assert completed() == 155
+    inputs.store(pool.name, "b", page(7))
+    assert completed() == 162
+    inputs.store(pool.name, "b", page(9))
+    inputs.forget(pool.name, "b")  # b's scraper stopped: b leaves the configuration
+    await pool.remove_engine("b", reconcile=False)
+    assert completed() == 164  # what b counted stays counted, its last page included
+
+
+async def test_a_removed_pools_last_pages_are_counted_before_it_goes() -> None:
+    """A reload removes a pool: its engines' pages the totals had not seen are folded in while
+    it is still configured, so an engine that comes back in a pool of the same model (after a
+    restart) goes on from its last page, not from an older one."""
+    spec = PoolSpec(namespace="ns", component="backend", endpoint="generate", model="sim-model",
+                    engines=(EngineSpec(name="a", host="127.0.0.1", grpc_port=2, metrics_port=3),))
+    relay = Relay(RelaySettings(dc_name="dc-unit", pools=(spec,)))  # never started: no network
+    serving = relay._serving
+
+    def page(n: int) -> Page:
+        return Page(0, parse_engine_page(_counts_page(n).decode(), "sim-model"))
+
+    def completed() -> int:
+        (m,) = serving.build().models
+        return m.totals["requests_completed_total"]
+
+    (pool,) = relay.pools
+    serving.store(pool.name, "a", page(100))
+    assert completed() == 100
+    serving.store(pool.name, "a", page(150))  # not seen by the totals yet
+    await relay._remove_pool(pool)
+    assert relay.pools == [] and serving.build().models == []
+    relay._add_pool(replace(spec, endpoint="generate-b"))  # the engine, configured again
+    (pool,) = relay.pools
+    serving.store(pool.name, "a", page(5))  # restarted meanwhile: its counters started over
+    assert completed() == 155
+
