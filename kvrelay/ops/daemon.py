@@ -743,6 +743,19 @@ async def serve(
             loop.remove_signal_handler(sig)
 
 
+def _raise_fd_limit(cfg: DaemonConfig) -> None:
+    """The open-file soft limit up to what ``max_connections`` needs (``ops/fd_limit.py``)."""
+    from kvrelay.ops.fd_limit import raise_soft_limit
+
+    got = raise_soft_limit(cfg.relay.limits.max_connections)
+    if got.short:
+        _LOG.warning("fd_limit_low", soft=got.after, hard=got.hard, wanted=got.wanted,
+                     hint="raise the hard RLIMIT_NOFILE (LimitNOFILE=, ulimit -n, the "
+                          "container runtime's default): connections past it are refused")
+    elif got.after != got.before:
+        _LOG.info("fd_limit_raised", before=got.before, soft=got.after, hard=got.hard)
+
+
 def run(
     cfg: DaemonConfig,
     main: Callable[..., Any] = serve,
@@ -758,6 +771,7 @@ def run(
 
     tune_malloc()  # before the relay allocates anything large
     tune_thread_switching()
+    _raise_fd_limit(cfg)
     try:
         factory = loop_factory(cfg.event_loop)
     except ImportError:
