@@ -16,7 +16,16 @@ from typing import IO, Any
 
 import numpy as np
 
-from benchmarks._common import PY, ROOT, WORK, percentiles, proc_sample, tree_sample
+from benchmarks._common import (
+    PY,
+    ROOT,
+    WORK,
+    percentiles,
+    proc_sample,
+    process_cpu_s,
+    tree_sample,
+)
+from benchmarks._load import tree_pids
 
 
 class Proc:
@@ -105,6 +114,7 @@ class FleetConfig:
     workers: int = 1  # [relay] workers: N-1 fan-out worker processes when >= 2
     mirror: bool = False  # subscribers read a `kvrelay mirror` process in front of the relay
     stats_interval: float = 0.5  # relay counter dumps; 0 = on demand (SIGUSR1), none while idle
+    max_streams: int = 128  # pool streams the relay (each worker, with workers >= 2) admits
 
 
 @dataclass
@@ -150,6 +160,8 @@ class Fleet:
             argv += ["--workers", str(c.workers)]
         if c.mirror:
             argv.append("--mirror")
+        if c.max_streams != 128:
+            argv += ["--max-streams", str(c.max_streams)]
         self.relay = Proc(f"relay-{c.tag}", argv)
         self.port = int(self.relay.expect("READY", 60).split()[1])
         for lg in self.loadgens:
@@ -274,16 +286,38 @@ def diff(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return {k: b[k] - a[k] for k in a}
 
 
+def cpu_by_process(pid: int) -> dict[int, float]:
+    """CPU seconds of each process of a tree (the relay and, with workers >= 2, its workers)."""
+    out = {}
+    for p in tree_pids(pid):
+        try:
+            out[p] = process_cpu_s(p)
+        except OSError:
+            continue
+    return out
+
+
+def split_cpu(pid: int, c0: dict[int, float], c1: dict[int, float],
+              window: float) -> dict[str, Any]:
+    """Cores used over ``window`` by the tree's root (the ingest process) and by each other
+    process of it (the fan-out workers), busiest first."""
+    util = {p: round((c1[p] - c0.get(p, 0.0)) / window, 3) for p in c1} if window else {}
+    return {"ingest": util.get(pid), "workers": sorted((u for p, u in util.items() if p != pid),
+                                                       reverse=True)}
+
+
 def load_point(fleet: Fleet, rate: float, n_subs: int, seconds: float, tag: str) -> dict[str, Any]:
     """One (offered load, subscriber count) measurement."""
     assert fleet.relay is not None
     subs = start_subscribers(fleet, n_subs, tag)
     time.sleep(0.3)
     before = counters(fleet.fresh_stats())
+    by_proc0 = cpu_by_process(fleet.relay.pid)
     cpu0 = tree_sample(fleet.relay.pid)
     sub_cpu0 = sum(tree_sample(p.pid).cpu_s for p, _ in subs)
     sent = fleet.drive(rate, seconds)
     cpu1 = tree_sample(fleet.relay.pid)
+    by_proc1 = cpu_by_process(fleet.relay.pid)
     sub_cpu1 = sum(tree_sample(p.pid).cpu_s for p, _ in subs)
     window = cpu1.wall - cpu0.wall
     # drain: ingest must reach what was sent (bounded wait; a lagging relay shows up here)
@@ -333,6 +367,7 @@ def load_point(fleet: Fleet, rate: float, n_subs: int, seconds: float, tag: str)
         "snapshot_s": percentiles([st["snapshot_s"] for st in streams if st["snapshot_s"]]),
         "relay_cpu_s": round(relay_cpu, 3),
         "relay_cpu_util": round(relay_cpu / window, 3) if window else None,
+        "relay_process_cpu_util": split_cpu(fleet.relay.pid, by_proc0, by_proc1, window),
         "relay_cpu_us_per_frame": round(relay_cpu / max(1, delivered) * 1e6, 2),
         "relay_rss_bytes": cpu1.rss_bytes,
         "subscriber_cpu_util": round((sub_cpu1 - sub_cpu0) / window, 3) if window else None,

@@ -79,25 +79,40 @@ def imbalance(connections: int, workers: int, trials: int = 0, seed: int = 1) ->
     return float(np.mean(loads.max(axis=1) / (connections / workers)))
 
 
+def _busiest(inputs: dict[str, Any], workers: int, routers: int, deltas_per_s: float,
+             trials: int) -> tuple[float, float]:
+    """(the busiest worker's share of a core, the imbalance of connections)."""
+    imb = imbalance(routers, workers, trials=trials or TRIALS)
+    per_worker = deltas_per_s * routers / workers * imb  # one pool stream per router
+    util = (per_worker * inputs["frame_us"] + deltas_per_s * inputs["mirror_delta_us"]) * 1e-6
+    return util, imb
+
+
+def predict(inputs: dict[str, Any], workers: int, routers: int, deltas_per_s: float,
+            trials: int = 0) -> dict[str, Any]:
+    """The model at one point: ``workers`` fan-out processes (``[relay] workers`` less the
+    ingest process) serving ``routers`` pool streams of a pool publishing ``deltas_per_s``.
+    ``trials`` for the imbalance (0: ``TRIALS``). ``benchmarks.device_grid`` sets it beside what
+    a 16-core machine measured at each of its points."""
+    util, imb = _busiest(inputs, workers, routers, deltas_per_s, trials)
+    frames = deltas_per_s * routers  # one pool stream per router
+    # the ingest process sends every delta to every worker (one stream each)
+    ingest_fanout = workers * deltas_per_s * inputs["frame_us"] * 1e-6
+    return {
+        "workers": workers, "routers": routers, "deltas_per_s": deltas_per_s,
+        "frames_per_s": frames, "imbalance": round(imb, 3),
+        "busiest_worker_util": round(util, 3), "ingest_fanout_util": round(ingest_fanout, 3),
+        "comfortable": util <= UTIL_OK and ingest_fanout <= 0.2,
+    }  # fmt: skip
+
+
 def model(inputs: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for cores in CORES:
         workers = cores - 1  # one core for ingest, the rest fan out
         for routers in ROUTERS:
-            imb = imbalance(routers, workers, trials=TRIALS)
             for d in DELTAS_PER_S:
-                frames = d * routers  # one pool stream per router
-                per_worker = frames / workers * imb
-                util = (per_worker * inputs["frame_us"] + d * inputs["mirror_delta_us"]) * 1e-6
-                # the ingest process sends every delta to every worker (one stream each)
-                ingest_fanout = workers * d * inputs["frame_us"] * 1e-6
-                rows.append({
-                    "cores": cores, "workers": workers, "routers": routers,
-                    "deltas_per_s": d, "frames_per_s": frames, "imbalance": round(imb, 3),
-                    "busiest_worker_util": round(util, 3),
-                    "ingest_fanout_util": round(ingest_fanout, 3),
-                    "comfortable": util <= UTIL_OK and ingest_fanout <= 0.2,
-                })  # fmt: skip
+                rows.append({"cores": cores} | predict(inputs, workers, routers, d))
     return rows
 
 
@@ -107,8 +122,7 @@ def max_routers(inputs: dict[str, Any], cores: int, d: int) -> int:
     lo, hi = 1, 100_000
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        imb = imbalance(mid, workers, trials=max(1, TRIALS * 3 // 20))
-        util = (d * mid / workers * imb * inputs["frame_us"] + d * inputs["mirror_delta_us"]) * 1e-6
+        util, _ = _busiest(inputs, workers, mid, d, trials=max(1, TRIALS * 3 // 20))
         lo, hi = (mid, hi) if util <= UTIL_OK else (lo, mid - 1)
     return lo
 

@@ -150,6 +150,14 @@ def test_workers_smoke(tmp_path: Path) -> None:
 
 
 @NEEDS_TIER
+def test_device_grid_smoke(tmp_path: Path) -> None:
+    out = _smoke(tmp_path, "benchmarks.device_grid", "--smoke")
+    doc = _json(out / "device_grid.json")
+    assert doc["summary"]["points"]["ok"] == 2  # type: ignore[index]
+    assert "### workers = 2" in (out / "device_grid.md").read_text()
+
+
+@NEEDS_TIER
 def test_profile_relay_smoke(tmp_path: Path) -> None:
     _smoke(tmp_path, "benchmarks.profile_relay", "--smoke")  # prints only
 
