@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,45 +19,19 @@ from typing import Any
 from kvrelay import _jit
 from kvrelay.ops.warmup import LOCAL_STEP, warm_kernels
 from tests.ops.test_daemon import Notifications
-from tests.support.commands import REPO, clean_env
+from tests.support.commands import REPO, clean_env, static_config
 from tests.support.timing import scaled
 
 STEPS = ("hashing", "ingest", "pool")
-
-
-def _config(path: Path) -> Path:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    path.write_text(f"""
-[relay]
-dc_name = "dc-cold"
-bind = "127.0.0.1:0"
-[metrics]
-enabled = false
-[logging]
-format = "json"
-[[pools]]
-namespace = "ns"
-component = "backend"
-endpoint = "generate"
-model = "m"
-kv_block_size = 16
-[[pools.engines]]
-name = "e0"
-host = "127.0.0.1"
-[pools.engines.static]
-endpoint = "tcp://127.0.0.1:{port}"
-""")
-    return path
 
 
 async def _start(tmp: Path, cache: Path, name: str) -> tuple[list[str], list[dict[str, Any]]]:
     """One start to READY and a clean SIGTERM; the notifications and the JSON log lines."""
     notes = Notifications(tmp / f"{name}.sock")
     env = clean_env(NOTIFY_SOCKET=str(tmp / f"{name}.sock"), NUMBA_CACHE_DIR=str(cache))
+    cfg = static_config(tmp / f"{name}.toml", "dc-cold")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvrelay", "serve", "--config", str(_config(tmp / f"{name}.toml")),
+        sys.executable, "-m", "kvrelay", "serve", "--config", str(cfg),
         env=env, cwd=REPO, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )
     try:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.commands import REPO, clean_env
+from tests.support.commands import REPO, clean_env, static_config
 from tests.support.timing import scaled
 
 PROBE = """
@@ -69,27 +69,7 @@ def test_a_hard_limit_below_the_need_is_reported_short() -> None:
 
 def test_the_daemon_starts_with_the_raised_limit_and_says_so(tmp_path: Path) -> None:
     hard = _hard()
-    cfg = tmp_path / "kvrelay.toml"
-    cfg.write_text("""
-[relay]
-dc_name = "dc-fd"
-bind = "127.0.0.1:0"
-[metrics]
-enabled = false
-[logging]
-format = "json"
-[[pools]]
-namespace = "ns"
-component = "backend"
-endpoint = "generate"
-model = "m"
-kv_block_size = 16
-[[pools.engines]]
-name = "e0"
-host = "127.0.0.1"
-[pools.engines.static]
-endpoint = "tcp://127.0.0.1:1"
-""")
+    cfg = static_config(tmp_path / "kvrelay.toml", "dc-fd")
     log = tmp_path / "log.jsonl"
     with log.open("wb") as f:
         proc = subprocess.Popen(

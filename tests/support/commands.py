@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +47,32 @@ def kvrelay(
         cwd=REPO,
         timeout=scaled(timeout),
     )
+
+
+def static_config(path: Path, dc_name: str) -> Path:
+    """A daemon config at ``path``: one pool of one engine on a static ZMQ endpoint nobody
+    serves, metrics off, JSON logs (a start to READY with nothing to ingest)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path.write_text(f"""
+[relay]
+dc_name = "{dc_name}"
+bind = "127.0.0.1:0"
+[metrics]
+enabled = false
+[logging]
+format = "json"
+[[pools]]
+namespace = "ns"
+component = "backend"
+endpoint = "generate"
+model = "m"
+kv_block_size = 16
+[[pools.engines]]
+name = "e0"
+host = "127.0.0.1"
+[pools.engines.static]
+endpoint = "tcp://127.0.0.1:{port}"
+""")
+    return path
