@@ -30,6 +30,7 @@ import sys
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from kvrelay._oom import WORKER, prefer_killing
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.logging import configure, get_logger
 from kvrelay.ops.event_loop import loop_factory, tune_thread_switching
@@ -285,6 +286,7 @@ def main() -> int:
         signal.signal(sig, signal.SIG_IGN)
     spec = WorkerSpec.from_json(_spec_line().decode())
     configure(level=spec.log_level.upper(), json=spec.log_json)
+    prefer_killing(WORKER)  # under memory pressure: restarted, where the ingest process is not
     tune_thread_switching()
     freeze_startup_objects()  # its imports, before its mirror exists (ops/gc_freeze.py)
     with asyncio.Runner(loop_factory=loop_factory(spec.event_loop)) as runner:

@@ -11,7 +11,8 @@ fork: ``pool/image.py``.)
 
 The child runs one function, writes its text result to a pipe and ends with ``os._exit``: no
 logging, no sockets, no event loop, nothing that could take a lock another thread held at the
-fork. It runs at a lower priority (``nice`` 10, the relay's own work goes first) and is killed
+fork. It runs at a lower priority (``nice`` 10, the relay's own work goes first), is the first
+process the kernel's OOM killer takes (``_oom.py``), and is killed
 if the relay dies (``PR_SET_PDEATHSIG``), so a crash leaves no child behind. The parent learns
 the outcome through a ``pidfd`` on its event loop: :class:`Child.done` resolves to
 ``(ok, text)``. Once it has ended, ``relay/hugepages.py`` folds the huge pages the child's
@@ -52,6 +53,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvrelay._madvise import MADV_DONTNEED, MADV_POPULATE_WRITE, madvise
+from kvrelay._oom import CHILD, prefer_killing
 from kvrelay.relay import hugepages
 
 _PR_SET_PDEATHSIG = 1
@@ -85,6 +87,7 @@ class Child:
                 _die_with(parent)
                 with contextlib.suppress(OSError):
                     os.nice(10)
+                prefer_killing(CHILD)  # under memory pressure, the kernel takes it first
                 out = work().encode()[:REPORT_MAX]
                 os.write(w, out)
                 code = 0

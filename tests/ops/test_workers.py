@@ -175,6 +175,10 @@ async def test_two_workers_serve_are_restarted_and_drain(tmp_path: Path) -> None
         [worker] = _workers(proc.pid)
         environ = Path(f"/proc/{worker}/environ").read_bytes()
         assert b"NOTIFY_SOCKET" not in environ, "only the supervisor talks to systemd"
+        # under memory pressure the kernel takes the worker (restarted) before the ingest process
+        own = int(Path("/proc/self/oom_score_adj").read_text())  # what the daemon inherited
+        assert int(Path(f"/proc/{worker}/oom_score_adj").read_text()) == max(500, own)
+        assert int(Path(f"/proc/{proc.pid}/oom_score_adj").read_text()) == own
         [internal] = list(runtime.glob("kvrelay-*/ingest.sock"))
         async with Channel("127.0.0.1", port) as pub, Channel(path=str(internal)) as ing:
             assert bytes((await relay_info(pub)).relay) == bytes((await relay_info(ing)).relay)

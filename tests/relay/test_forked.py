@@ -8,6 +8,7 @@ import os
 import resource
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +24,16 @@ async def test_the_child_sees_the_memory_of_the_fork_and_reports_back() -> None:
     ok, text = await asyncio.wait_for(child.done, 30)
     assert ok and text == str(sum(range(1000)))
     assert not os.path.exists(f"/proc/{child.pid}")
+
+
+async def test_the_child_is_the_first_the_oom_killer_takes() -> None:
+    """Its copy-on-write image counts against it as against the relay, which holds the state:
+    the child says so to the kernel; the relay's own score is unchanged."""
+    own = Path("/proc/self/oom_score_adj").read_text()
+    child = Child(lambda: Path("/proc/self/oom_score_adj").read_text().strip())
+    ok, text = await asyncio.wait_for(child.done, 30)
+    assert ok and text == "1000"  # (the most there is: whatever the relay inherited)
+    assert Path("/proc/self/oom_score_adj").read_text() == own
 
 
 async def test_an_error_in_the_child_comes_back_as_text() -> None:

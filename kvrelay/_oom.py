@@ -1,0 +1,39 @@
+"""Which of the relay's processes the kernel's OOM killer takes first: the disposable ones.
+
+Why: a forked child (a scrub pass, a hot upgrade's cut) maps the relay's pages copy-on-write,
+so the kernel counts the whole image against it as much as against the relay, and a fan-out
+worker is restarted by its supervisor in a moment while its routers reconnect. The ingest
+process holds the exact state every router depends on: under memory pressure it should be the
+last to go. A process may raise its own ``oom_score_adj`` without privilege; nothing here ever
+lowers it (a score an operator or the kubelet set higher stays).
+"""
+
+from __future__ import annotations
+
+import os
+
+#: A forked child: its work is retried (a failed scrub pass or upgrade; the relay serves on).
+CHILD = 1000
+#: A fan-out worker: restarted by the supervisor; its routers reconnect to another worker.
+WORKER = 500
+_PATH = "/proc/self/oom_score_adj"
+
+
+def prefer_killing(score: int) -> bool:
+    """Raise this process's ``oom_score_adj`` to ``score`` (never lower it); whether it is at
+    least ``score`` now. Uses only ``os`` calls: it runs in forked children too."""
+    try:
+        fd = os.open(_PATH, os.O_RDWR)
+    except OSError:  # not Linux, or /proc not mounted
+        return False
+    try:
+        current = int(os.read(fd, 32).strip() or b"0")
+        if current >= score:
+            return True
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, str(score).encode())
+        return True
+    except (OSError, ValueError):
+        return False
+    finally:
+        os.close(fd)
