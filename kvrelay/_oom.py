@@ -4,8 +4,8 @@ Why: a forked child (a scrub pass, a hot upgrade's cut) maps the relay's pages c
 so the kernel counts the whole image against it as much as against the relay, and a fan-out
 worker is restarted by its supervisor in a moment while its routers reconnect. The ingest
 process holds the exact state every router depends on: under memory pressure it should be the
-last to go. A process may raise its own ``oom_score_adj`` without privilege; nothing here ever
-lowers it (a score an operator or the kubelet set higher stays).
+last to go. A process may raise its own ``oom_score_adj`` without privilege; nothing here lowers it
+below what the process was started with (a score an operator or the kubelet set higher stays).
 """
 
 from __future__ import annotations
@@ -16,7 +16,31 @@ import os
 CHILD = 1000
 #: A fan-out worker: restarted by the supervisor; its routers reconnect to another worker.
 WORKER = 500
+#: A hot upgrade's new process until it takes over (the old one serves on if it goes).
+SUCCESSOR = 500
 _PATH = "/proc/self/oom_score_adj"
+
+
+def current() -> int | None:
+    """This process's ``oom_score_adj`` (None where there is none to read)."""
+    try:
+        with open(_PATH, "rb") as f:
+            return int(f.read().strip() or b"0")
+    except (OSError, ValueError):
+        return None
+
+
+def restore(score: int | None) -> bool:
+    """Put back a score :func:`current` read before :func:`prefer_killing` raised it (allowed
+    without privilege down to what the process was started with)."""
+    if score is None:
+        return False
+    try:
+        with open(_PATH, "wb") as f:
+            f.write(str(score).encode())
+        return True
+    except OSError:
+        return False
 
 
 def prefer_killing(score: int) -> bool:

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from kvrelay import __version__
+from kvrelay import __version__, _oom
 from kvrelay._aio import cancel_all
 from kvrelay.logging import configure, get_logger
 from kvrelay.ops.config import DaemonConfig, format_bind
@@ -278,6 +278,10 @@ class Daemon:
         if self.handoff is None:
             await self._start()
             return
+        # until it takes over, this process is the one to lose under memory pressure: both hold
+        # the state, and the old one serves on if this one goes
+        oom_before = _oom.current()
+        _oom.prefer_killing(_oom.SUCCESSOR)
         try:
             await self._start()
             self._write_pid_file()
@@ -288,6 +292,7 @@ class Daemon:
             raise
         self.handoff.close()
         self.took_over = True
+        _oom.restore(oom_before)
         self.upgrades.outcome("taken_over")
         _LOG.info("upgrade_took_over", pid=os.getpid(),
                   members_resumed=sum(p.counters.get("members_resumed", 0) for p in pools),

@@ -223,6 +223,8 @@ async def test_hot_upgrade_mid_traffic_loses_nothing_and_never_refuses(
         assert new_pid != old.pid
         assert out.decode().strip() == f"kvrelay upgrade: handed over to pid {new_pid}"
         os.kill(new_pid, 0)  # the successor lives
+        own = Path("/proc/self/oom_score_adj").read_text()  # as the old process inherited it
+        assert Path(f"/proc/{new_pid}/oom_score_adj").read_text() == own  # its own again
         await notes.wait_for(f"MAINPID={new_pid}")
         second = await _exact(grpc, fleet)
         assert second != first  # a new process: a new relay incarnation
@@ -421,6 +423,9 @@ async def test_a_successor_killed_or_given_up_on_leaves_no_directory_behind(
                         for e in events()[mark:]),
             timeout=60, what="the successor on the cut",
         )  # fmt: skip
+        # until it takes over, the kernel's OOM killer takes it before the serving process
+        own = int(Path("/proc/self/oom_score_adj").read_text())
+        assert int(Path(f"/proc/{given_up}/oom_score_adj").read_text()) == max(500, own)
         old.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(old.wait(), 30) == 0
         await eventually(lambda: not _alive(given_up), timeout=10, what="the successor gone")
