@@ -517,6 +517,7 @@ class PoolRuntime:
             return
         async with self._reconcile_lock:
             await self._reconcile()
+            self._forget_undeclared()
         self._ctx.changed()
 
     async def _reconcile(self) -> None:
@@ -734,6 +735,45 @@ class PoolRuntime:
             self._fold_departed(self._source_totals.pop(key))
         for key in [k for k in self._restarts if k.worker_id == worker_id]:
             del self._restarts[key]
+
+    def _forget_undeclared(self) -> None:
+        """Per-source records only for the DP ranks each engine declares now (or that run):
+        a rank its engine no longer lists leaves what its sources counted to the departed sum,
+        its restart backoff goes, and the member its source left behind (a failed source's,
+        reset by ``on_failed``; a down or restarted engine's, reset by ``reset_engine``) is
+        removed, counted as ``rank_removed``. A Control that named other ranks at every probe
+        grew all three, and ``/metrics`` by one set of series per rank, without bound. Every
+        such member's source was folded into ``_source_totals`` when it stopped, so only those
+        keys are looked at. Connected members (no configured engine) are not this method's,
+        nor anything while restored members are still awaited (``RESTORE_VOUCH_S`` at most)."""
+        if self.restore.awaiting:
+            return
+        declared: dict[int, frozenset[int]] = {}
+
+        def stale(key: SourceKey) -> bool:
+            if key in self.subscribers:
+                return False
+            st = self.by_worker.get(key.worker_id)
+            if st is None:
+                return False  # an engine that left (``_forget_sources``) or a connected member
+            ranks = declared.get(key.worker_id)
+            if ranks is None:
+                listed = [s.dp_rank for s in st.last_good.sources] if st.last_good else []
+                ranks = declared[key.worker_id] = frozenset((*st.declared_ranks(), *listed))
+            return key.dp_rank not in ranks
+
+        for key in [k for k in self._restarts if stale(k)]:
+            del self._restarts[key]
+        gone = [k for k in self._source_totals if stale(k)]
+        if not gone:
+            return
+        gen = self.generation
+        held = set(gen.pool.members().values()) if gen is not None and not gen.retired else set()
+        for key in gone:
+            self._fold_departed(self._source_totals.pop(key))
+            if gen is not None and (key.worker_id, key.dp_rank) in held:
+                gen.remove_member(key)
+                self.counters.reset("rank_removed")
 
     # ---- statistics ------------------------------------------------------------------------------
 
