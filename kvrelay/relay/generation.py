@@ -327,6 +327,9 @@ class Generation:
         except PublicationInvariantError as exc:
             self._on_fence(self, f"publication invariant: {exc}")
             return
+        except Exception as exc:  # a bug (encoder, fan-out): the hub is a delta behind the pool
+            self._on_fence(self, f"publishing raised {type(exc).__name__}: {exc}")
+            return
         self._pacer.record(started, time.monotonic())
 
     # ---- subscribers -----------------------------------------------------------------------------

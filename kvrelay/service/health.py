@@ -62,7 +62,8 @@ class RelayHealth:
     async def _watch(self, stream: Any) -> None:
         """The status now, then each change; on the drain, the status then (NOT_SERVING: the
         server's close sets it before the drain) if not sent yet, then the end of the stream
-        (status OK). The drain waits for a request on its way, as for a relay stream's."""
+        (status OK). The drain waits for a request on its way, as for a relay stream's, up to its
+        grace; one still not come then is refused (``PendingRequests.end_all``)."""
         drain = self._drain
         with drain.held():
             request = await stream.recv_message()

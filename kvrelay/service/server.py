@@ -28,6 +28,7 @@ from kvrelay.contract.errors import RelayError
 from kvrelay.contract.limits import PermitCounter, RelayLimits
 from kvrelay.contract.producer import producer_key
 from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION, TRAILER_KEY
+from kvrelay.logging import get_logger
 from kvrelay.publication.catalog import CatalogPlane
 from kvrelay.publication.hub import Subscription
 from kvrelay.publication.plane import Plane, PlaneClosed, PlaneEnded, PlaneUnsupported
@@ -57,6 +58,11 @@ from kvrelay.service.validation import check_marker, validate_stream_request
 from kvrelay.service.view import RelayView
 
 SERVICE = "/dynamo.kvrelay.v1.KvEventRelay/"
+_log = get_logger(__name__)
+#: How long the close waits at most (and no longer than the grace), after the drain's grace,
+#: for the calls it refused to write their status: HEADERS, not flow-controlled, so at once
+#: unless a client reads nothing at all.
+REFUSAL_WRITE_S = 1.0
 _UNARY_REASON: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "kv_relay_unary_reason", default=None
 )
@@ -215,20 +221,28 @@ class KvEventRelayService:
     def _encode_for(
         self, plane: _EncodedPlane, kind: str, version: int, message: Any, who: ClientIdentity
     ) -> bytes:
-        """The plane message as this client may see it (the shared bytes without rules)."""
+        """The plane message as this client may see it (the shared bytes without rules). One
+        larger than ``max_message_bytes`` ends the stream RESOURCE_EXHAUSTED / RESOURCE_LIMIT,
+        counted, as a request over it is refused: the codec's own refusal had no reason
+        trailer and was counted nowhere."""
         auth = self.authorization
-        if auth is None:
-            return plane.encode(version, message)
-        catalog = None if kind == "catalog" else self._catalog_now()
-        topology = self._readiness_now() if kind == "serving_load" else None
-        return auth.filtered(kind, version, plane.encode(version, message), auth.rights(who),
-                             catalog, topology)  # fmt: skip
+        data = plane.encode(version, message)
+        if auth is not None:
+            catalog = None if kind == "catalog" else self._catalog_now()
+            topology = self._readiness_now() if kind == "serving_load" else None
+            data = auth.filtered(kind, version, data, auth.rights(who), catalog, topology)
+        limit = self.limits.max_message_bytes
+        if len(data) > limit:
+            raise RelayError.resource_limit(
+                f"{kind} message {version} of {len(data)} bytes exceeds max_message_bytes ({limit})"
+            )
+        return data
 
     # --- grpclib plumbing ---
     def __mapping__(self) -> dict[str, Handler]:
-        def stream(body: _Body, req: type, rep: type) -> Handler:
+        def stream(rpc: str, body: _Body, req: type, rep: type) -> Handler:
             async def run(s: Stream[Any, Any]) -> None:
-                await self._run_stream(s, body)
+                await self._run_stream(s, body, rpc)
 
             return Handler(run, Cardinality.UNARY_STREAM, req, rep)
 
@@ -237,20 +251,31 @@ class KvEventRelayService:
                 self._get_relay_info, Cardinality.UNARY_UNARY, pb.RelayInfoRequest, pb.RelayInfo
             ),
             SERVICE + "WatchKvPoolCatalog": stream(
-                self._watch_catalog, pb.WatchKvPoolCatalogRequest, pb.KvPoolCatalogUpdate
+                "WatchKvPoolCatalog",
+                self._watch_catalog,
+                pb.WatchKvPoolCatalogRequest,
+                pb.KvPoolCatalogUpdate,
             ),
             SERVICE + "SubscribeKvPool": stream(
-                self._subscribe_pool, pb.SubscribeKvPoolRequest, pb.FilterUpdate
+                "SubscribeKvPool",
+                self._subscribe_pool,
+                pb.SubscribeKvPoolRequest,
+                pb.FilterUpdate,
             ),
             SERVICE + "SubscribeServingReadiness": stream(
+                "SubscribeServingReadiness",
                 self._subscribe_readiness,
                 pb.SubscribeServingReadinessRequest,
                 pb.ServingReadinessUpdate,
             ),
             SERVICE + "SubscribeKvPoolLoad": stream(
-                self._subscribe_load, pb.SubscribeKvPoolLoadRequest, pb.KvPoolLoadUpdate
+                "SubscribeKvPoolLoad",
+                self._subscribe_load,
+                pb.SubscribeKvPoolLoadRequest,
+                pb.KvPoolLoadUpdate,
             ),
             SERVICE + "SubscribeServingLoad": stream(
+                "SubscribeServingLoad",
                 self._subscribe_serving_load,
                 pb.SubscribeServingLoadRequest,
                 pb.ServingLoadUpdate,
@@ -331,7 +356,14 @@ class KvEventRelayService:
     def _count(self, err: RelayError) -> None:
         self.errors[err.trailer_value] = self.errors.get(err.trailer_value, 0) + 1
 
-    async def _run_stream(self, stream: Stream[Any, Any], body: _Body) -> None:
+    def internal_error(self, rpc: str, exc: Exception) -> RelayError:
+        """What a bug in a handler (or below it) ends its call with: INTERNAL with the reason
+        trailer; logged here with its traceback, counted where the call ends. The relay keeps
+        serving."""
+        _log.error("rpc_failed", rpc=rpc, error=repr(exc), exc_info=exc)
+        return RelayError.internal(f"internal error: {type(exc).__name__}")
+
+    async def _run_stream(self, stream: Stream[Any, Any], body: _Body, rpc: str) -> None:
         self._active += 1
         self._idle.clear()
         try:
@@ -348,7 +380,7 @@ class KvEventRelayService:
             except (asyncio.CancelledError, GRPCError):
                 raise
             except Exception as exc:  # a bug: report INTERNAL with the trailer, keep serving
-                internal = RelayError.internal(f"internal error: {type(exc).__name__}")
+                internal = self.internal_error(rpc, exc)
                 self._count(internal)
                 await stream.send_trailing_metadata(
                     status=status_of(internal),
@@ -370,7 +402,7 @@ class KvEventRelayService:
         except (asyncio.CancelledError, GRPCError):
             raise
         except Exception as exc:  # a bug: INTERNAL with the trailer, not grpclib's bare UNKNOWN
-            self.refuse(RelayError.internal(f"internal error: {type(exc).__name__}"))
+            self.refuse(self.internal_error("GetRelayInfo", exc))
         await self._send_plane(stream, "relay_info", info)  # a reply never taken: reset too
 
     def refuse(self, err: RelayError) -> NoReturn:
@@ -545,7 +577,9 @@ class KvEventRelayService:
         try:
             if not self.may_see(stream, expected):
                 raise self.deny("SubscribeKvPool", expected)  # exactly an absent pool's answer
-            sub = await self.view.open_pool(expected, on_release=release)
+            sub = await self._open_pool(expected, release)
+            if sub is None:
+                return  # the drain started while it was admitted: a clean end, as every stream gets
             self._subscriptions.add(sub)
             self._pool_clients[sub] = (ClientIdentity.from_cert(stream.peer.cert()), expected)
             if self._closing:
@@ -572,6 +606,24 @@ class KvEventRelayService:
                 sub.close()
             release()
 
+    async def _open_pool(
+        self, expected: pb.ProducerIdentity, release: Callable[[], None]
+    ) -> Subscription | None:
+        """``view.open_pool``, or None when the drain starts first. An admission may wait long
+        (a mirror waits up to ``sync_wait_s`` for a pool it is still synchronizing): held past
+        the drain's grace, the stream would be cut by the close without a status."""
+        closed = self._closed_future()
+        opening = asyncio.ensure_future(self.view.open_pool(expected, on_release=release))
+        try:
+            await asyncio.wait((opening, closed), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            _abandon(opening)
+            raise
+        if opening.done():
+            return opening.result()
+        _abandon(opening)
+        return None
+
     # --- shutdown ---
     async def shutdown(self, grace_s: float = 5.0) -> None:
         """End every stream with a clean EOF (waits up to `grace_s` for handlers)."""
@@ -584,6 +636,17 @@ class KvEventRelayService:
         if self._active:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), grace_s)
+
+
+def _abandon(opening: asyncio.Future[Subscription]) -> None:
+    """Give up an admission: cancelled; a subscription it makes all the same is closed."""
+    opening.cancel()
+    opening.add_done_callback(_close_opened)
+
+
+def _close_opened(opening: asyncio.Future[Subscription]) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().close()
 
 
 async def _add_reason_trailer(event: SendTrailingMetadata) -> None:
@@ -708,6 +771,13 @@ class RelayServer:
         # health watchers send NOT_SERVING, then they and reflection streams end OK, as the
         # relay's streams do: Server.close() cancels handlers, which then write no trailers
         await asyncio.gather(self.service.shutdown(grace_s), self.generic_drain.drain(grace_s))
+        # calls still waiting for their request message when the grace ran out (on every
+        # service) are refused as a call started during the drain is, before the close
+        ending = self.service.request_guards.pending.end_all(
+            RelayError.publication_unavailable("the relay is shutting down")
+        )
+        if ending:
+            await asyncio.wait(ending, timeout=min(REFUSAL_WRITE_S, grace_s))
         self._server.close()
         await self._server.wait_closed()
         self._server.close_connections()  # every stream has ended by now

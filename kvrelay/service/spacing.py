@@ -22,7 +22,8 @@ and a pool it may not see is answered as an absent one (POOL_NOT_FOUND; a mirror
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from typing import Any, NoReturn
 
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError
@@ -94,8 +95,18 @@ class SpacingService:
             info = self._relay_info()
         except RelayError as err:
             self.refused += 1
-            refuse = getattr(self._rights, "refuse", None)  # the relay's: counted, with the
-            if refuse is not None:  # reason trailer, as its own calls are
-                refuse(err)
-            raise GRPCError(status_of(err), err.message) from None
+            self._refuse(err)
+        except (GRPCError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # a bug: INTERNAL with the trailer, as the relay's calls end
+            internal = getattr(self._rights, "internal_error", None)
+            if internal is None:
+                self._refuse(RelayError.internal(f"internal error: {type(exc).__name__}"))
+            self._refuse(internal("HoldPublication", exc))
         await stream.send_message(info)
+
+    def _refuse(self, err: RelayError) -> NoReturn:
+        refuse = getattr(self._rights, "refuse", None)  # the relay's: counted, with the
+        if refuse is not None:  # reason trailer, as its own calls are
+            refuse(err)
+        raise GRPCError(status_of(err), err.message) from None

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from kvrelay.pool.pool import Pool
+from kvrelay.publication.hub import PublicationHub
 from kvrelay.sim.config import SimConfig
 from tests.support.rig import eventually, rig, subscribe, verify, wait_live
 
@@ -40,6 +41,40 @@ async def test_apply_raising_fences_and_rebuilds_exact(monkeypatch: pytest.Monke
         await verify(r, again, probes=2_000)
         assert r.pool.counters.fences == 1
         assert r.metric("kvrelay_pool_fences_total") == 1
+        await again.stop()
+
+
+async def test_publishing_raising_fences_at_once_and_rebuilds_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The hub raising something other than an invariant while it publishes (an encoder or
+    fan-out bug; here an allocation failure) fences the generation at once: its streams end
+    ``PUBLICATION_UNAVAILABLE`` naming the fault, and the pool is rebuilt exact. The error used
+    to escape the cut (a loop callback's log line, nothing counted): the hub stayed a delta
+    behind the pool, still sending heartbeats, until a later publication found the gap."""
+    cfg = SimConfig(name="f4", seed=64, capacity_blocks=128)
+    async with rig([cfg]) as r, r.channel() as ch:
+        await wait_live(r.relay, 1)
+        consumer = await subscribe(r, ch)
+        await r.engines[0].step(6)
+        await verify(r, consumer, probes=2_000)
+        real = PublicationHub.publish
+
+        def broken(self: PublicationHub, *args: Any) -> None:
+            monkeypatch.setattr(PublicationHub, "publish", real)
+            raise MemoryError("injected")
+
+        monkeypatch.setattr(PublicationHub, "publish", broken)
+        await r.engines[0].step(1)  # one publication, and none after it
+        end = await consumer.wait_end(timeout=5.0)
+        assert end.reason == "RELAY_ERROR_REASON_PUBLICATION_UNAVAILABLE"
+        assert "publishing raised MemoryError: injected" in (end.message or "")
+        assert r.pool.counters.fences == 1
+        await wait_live(r.relay, 1)
+        again = await subscribe(r, ch)
+        assert again.producer.layout_generation > consumer.producer.layout_generation
+        await r.engines[0].step(3)
+        await verify(r, again, probes=2_000)
         await again.stop()
 
 

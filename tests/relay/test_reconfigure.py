@@ -316,3 +316,32 @@ async def test_a_reload_that_fails_part_way_leaves_settings_that_say_what_runs()
     finally:
         await extra.stop()
         await other.stop()
+
+
+async def test_a_pool_whose_removal_fails_part_way_still_ends_its_streams_with_a_status() -> None:
+    """A reload removes the pool and a step of its removal raises before the pool is closed
+    (here: taking its engine off the discovery watcher). The pool leaves the list and the
+    catalog as before, and now its stream ends ``PUBLICATION_UNAVAILABLE`` and its sources stop:
+    the stream used to stay open on heartbeats, its sources ingesting, for a pool the relay no
+    longer listed."""
+    async with rig([SimConfig(name="rf0", seed=91)]) as r, r.channel() as ch:
+        await wait_live(r.relay, 1)
+        await r.engines[0].step(3)
+        consumer = await subscribe(r, ch)
+        removed = r.pool
+
+        async def broken(_name: str) -> None:
+            raise RuntimeError("injected: the watcher failed")
+
+        r.relay.watcher.remove_target = broken  # type: ignore[method-assign]
+        try:
+            await r.relay.reconfigure(dataclasses.replace(r.relay.settings, pools=()))
+        except RuntimeError:
+            pass
+        else:
+            raise AssertionError("the injected failure did not surface")
+        end = await consumer.wait_end(timeout=5.0)
+        assert end.status == grpclib.const.Status.UNAVAILABLE
+        assert end.reason == "RELAY_ERROR_REASON_PUBLICATION_UNAVAILABLE"
+        assert r.relay.pools == [] and await catalog_pool_count(ch) == 0
+        assert removed.generation is None and not removed.subscribers

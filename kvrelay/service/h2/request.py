@@ -219,7 +219,8 @@ async def recv_within(
     """The one request of a call, within ``timeout_s``: none, or none in time (counted as
     ``request_timeout``), is INVALID_ARGUMENT / INVALID_REQUEST. With ``guards`` the wait holds
     a place among the port's waiting streams, and one that is ended to make room is
-    RESOURCE_EXHAUSTED / RESOURCE_LIMIT (counted as ``request_evicted``)."""
+    RESOURCE_EXHAUSTED / RESOURCE_LIMIT (counted as ``request_evicted``); one ended by the
+    drain (``PendingRequests.end_all``) raises the error it was ended with."""
     read = asyncio.ensure_future(recv_request(stream, max_bytes, guards))
     if guards is None:
         return await _in_time(read, timeout_s, None)
@@ -231,12 +232,10 @@ async def recv_within(
         return await _in_time(read, timeout_s, guards.counters)
     except asyncio.CancelledError:
         task = asyncio.current_task()
-        if not place.evicted or (task is not None and task.cancelling()):
-            raise  # the call itself is cancelled (a reset, a deadline): not an eviction
-        raise RelayError.resource_limit(
-            f"no request message within {pending.grace_s} s while {pending.limit} streams "
-            "waited for theirs"
-        ) from None
+        ending = place.ending
+        if ending is None or (task is not None and task.cancelling()):
+            raise  # the call itself is cancelled (a reset, a deadline): its wait was not ended
+        raise RelayError(ending.reason, ending.message) from None
     finally:
         pending.leave(place)
 

@@ -17,6 +17,10 @@ for as long as their clients kept opening them. Both are now bounded for the who
 
 Refusals are RESOURCE_EXHAUSTED / RESOURCE_LIMIT, counted in ``H2Counters`` (``request_bytes``,
 ``request_evicted``).
+
+A drain whose grace runs out ends every stream still waiting for its request (``end_all``): its
+call ends with the status given (the relay's "shutting down" refusal), where the server's close
+would cut it without one.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvrelay.contract.errors import RelayError
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.service.h2.guard import H2Counters
 
@@ -65,14 +70,33 @@ class RequestBytes:
 
 
 class Waiting:
-    """One stream's wait for its request: the read to cancel if it must make room."""
+    """One stream's wait for its request: the read to cancel if it must make room (or the
+    drain's grace ran out), and the call's task."""
 
-    __slots__ = ("evicted", "read", "since")
+    __slots__ = ("ending", "read", "since", "task")
 
-    def __init__(self, read: asyncio.Future[Any], since: float) -> None:
+    def __init__(
+        self, read: asyncio.Future[Any], since: float, task: asyncio.Task[Any] | None = None
+    ) -> None:
         self.read = read
         self.since = since
-        self.evicted = False
+        self.task = task
+        #: what the call ends with, once its wait was ended here (None: it was not)
+        self.ending: RelayError | None = None
+
+    @property
+    def evicted(self) -> bool:
+        return self.ending is not None
+
+    def end(self, error: RelayError) -> None:
+        self.ending = error
+        self.read.cancel()
+
+
+def _over(read: asyncio.Future[Any]) -> bool:
+    """The wait is over already (its request came, or its call was cancelled: a client's
+    reset), only not yet left."""
+    return read.done() or (isinstance(read, asyncio.Task) and read.cancelling() > 0)
 
 
 class PendingRequests:
@@ -96,22 +120,37 @@ class PendingRequests:
         waiting = self._waiting
         while len(waiting) >= self.limit:
             oldest = next(iter(waiting))
-            read = oldest.read
-            if read.done() or (isinstance(read, asyncio.Task) and read.cancelling()):
-                del waiting[oldest]  # over already (its request came, or its call was
-                continue  # cancelled: a client's reset), only not yet left: not ended here
+            if _over(oldest.read):
+                del waiting[oldest]  # not ended here
+                continue
             if now - oldest.since < self.grace_s:
                 break  # a burst of streams, not a wait: let it through
             del waiting[oldest]
-            oldest.evicted = True
-            read.cancel()
+            oldest.end(RelayError.resource_limit(
+                f"no request message within {self.grace_s} s while {self.limit} streams "
+                "waited for theirs"
+            ))  # fmt: skip
             ended += 1
-        place = Waiting(read, now)
+        place = Waiting(read, now, asyncio.current_task())
         waiting[place] = None
         return place, ended
 
     def leave(self, place: Waiting) -> None:
         self._waiting.pop(place, None)
+
+    def end_all(self, error: RelayError) -> list[asyncio.Task[Any]]:
+        """End every wait: each call ends with ``error`` (the drain's grace ran out, and the
+        server's close would cut them without a status). Returns the calls' tasks, to let them
+        write their status first."""
+        tasks: list[asyncio.Task[Any]] = []
+        for place in tuple(self._waiting):
+            if _over(place.read):
+                continue
+            place.end(error)
+            if place.task is not None:
+                tasks.append(place.task)
+        self._waiting.clear()
+        return tasks
 
 
 @dataclass(frozen=True, slots=True)
