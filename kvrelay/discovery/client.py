@@ -3,13 +3,18 @@
 Every RPC has a timeout and maps failures to the typed errors in ``errors.py``. A reply the
 engine should not send is an ``InvalidReply``, counted by kind: one whose length prefix claims
 more than ``MAX_REPLY_BYTES`` is refused before its body is read (grpclib's own reader buffered
-whatever the prefix claimed: 900 MiB in the two seconds of one call), one that does not decode,
-and one listing more adapters or aliases than ``MAX_LIST_ENTRIES``. Replies over
-``DECODE_ON_LOOP_BYTES`` are decoded in a worker thread (1 MiB of empty LoRA entries held the
-event loop for three seconds). ``GetKvEventSources`` falls back to
-``vllm.KvTransfer/GetKvEventSources`` on UNIMPLEMENTED. Returned endpoints have wildcard hosts
-replaced by the host used to reach the engine. Parallelism an engine cannot have
-(``MAX_PARALLEL``) fails its snapshot: the relay builds one structure per declared rank.
+whatever the prefix claimed: 900 MiB in the two seconds of one call); then, before betterproto2
+parses it, ``wirescan.scan`` walks its wire format and refuses one that is broken
+(``undecodable``) or holds more than ``MAX_LIST_ENTRIES`` entries in a list (adapters, aliases,
+sources) or more than ``FIELD_BUDGET`` fields in all (``implausible``), reading at most that many
+fields whatever the reply's size: 1 MiB of empty LoRA entries had cost 2.2 s of CPU per poll to
+parse before it was refused for its count, 1 MiB of unknown fields 20 s. A reply that passes
+and does not parse is ``undecodable`` too. Replies over ``DECODE_ON_LOOP_BYTES`` are scanned and
+decoded in a worker thread (parsing the largest valid reply takes up to ~0.15 s).
+``GetKvEventSources`` falls back to ``vllm.KvTransfer/GetKvEventSources`` on UNIMPLEMENTED.
+Returned endpoints have wildcard hosts replaced by the host used to reach the engine.
+Parallelism an engine cannot have (``MAX_PARALLEL``) fails its snapshot: the relay builds one
+structure per declared rank.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from kvrelay.discovery.errors import (
     RpcFailed,
 )
 from kvrelay.discovery.snapshot import EngineSnapshot, LoraEntry
+from kvrelay.discovery.wirescan import WireRefusal, scan, shape_of
 
 KV_TRANSFER_SOURCES_PATH = "/vllm.KvTransfer/GetKvEventSources"
 T = TypeVar("T")
@@ -52,13 +58,31 @@ M = TypeVar("M", bound=betterproto2.Message)
 #: The largest Control reply read (a ServerInfo is a few hundred bytes; 1 MiB holds thousands
 #: of LoRA adapters). Judged from the length prefix, before any of the body is buffered.
 MAX_REPLY_BYTES = 1024 * 1024
-#: Replies larger than this are decoded in a worker thread (betterproto2 takes microseconds per
-#: entry: a reply of many tiny entries would hold the event loop for seconds).
+#: Replies larger than this are scanned and decoded in a worker thread (betterproto2 takes
+#: microseconds per field: the largest reply the scan lets through would hold the loop ~0.15 s).
 DECODE_ON_LOOP_BYTES = 4096
 #: The most data-parallel ranks (or tensor/pipeline degree) an engine may declare.
 MAX_PARALLEL = 4096
-#: The most LoRA adapters or model aliases one engine may list: each becomes a catalog entry.
+#: The most entries one list of a Control reply may hold: LoRA adapters or model aliases (each
+#: becomes a catalog entry), KV event sources.
 MAX_LIST_ENTRIES = 4096
+#: Every reply type ``EngineClient`` reads; each is scanned before it is parsed.
+REPLY_TYPES: tuple[type[betterproto2.Message], ...] = (
+    vpb.ServerInfo, vpb.ModelInfo, vpb.GetKvEventSourcesResponse, vpb.ListLorasResponse,
+    vpb.IsSleepingResponse, vpb.IsPausedResponse)  # fmt: skip
+#: The most fields (nested and unknown ones included) a Control reply may hold: the most any
+#: valid reply type holds (4,096 sources of 10 fields, each with its own tag: 45,056), plus one
+#: field per list entry for fields a newer vLLM adds or an encoder repeats: 49,152. The scan
+#: reads at most this many; a reply that passes parses in ~0.15 s at worst.
+FIELD_BUDGET = (
+    max(shape_of(t, MAX_LIST_ENTRIES).most_fields for t in REPLY_TYPES) + MAX_LIST_ENTRIES
+)
+
+
+def _decode(data: bytes, reply_type: type[M]) -> M:
+    """The reply, once its wire format passed ``scan`` (``WireRefusal`` otherwise)."""
+    scan(data, shape_of(reply_type, MAX_LIST_ENTRIES), MAX_LIST_ENTRIES, FIELD_BUDGET)
+    return reply_type.parse(data)
 
 
 class _RawReplies(CodecBase):
@@ -128,8 +152,8 @@ class EngineClient:
             raise self._invalid(what, f"bad reply: {exc!r}", "undecodable") from exc
 
     async def _unary(self, path: str, request: betterproto2.Message, reply_type: type[M]) -> M:
-        """One unary call whose reply is judged by its length prefix before it is read, and
-        decoded in a worker thread when it is large."""
+        """One unary call whose reply is judged by its length prefix before it is read, then
+        by its wire format (``_decode``), in a worker thread when it is large."""
         what = path.rsplit("/", 1)[-1]
         async with self._channel.request(
             path, grpclib.const.Cardinality.UNARY_UNARY, type(request), bytes,
@@ -148,14 +172,12 @@ class EngineClient:
             raise self._invalid(what, "no reply message", "undecodable")
         try:
             if len(data) > DECODE_ON_LOOP_BYTES:
-                return await asyncio.to_thread(reply_type.parse, data)
-            return reply_type.parse(data)
+                return await asyncio.to_thread(_decode, data, reply_type)
+            return _decode(data, reply_type)
+        except WireRefusal as exc:
+            raise self._invalid(what, str(exc), exc.kind) from None
         except Exception as exc:  # betterproto2 raises EOFError, ValueError, KeyError, ...
             raise self._invalid(what, f"bad reply: {exc!r}", "undecodable") from None
-
-    def _listed(self, what: str, n: int) -> None:
-        if n > MAX_LIST_ENTRIES:
-            raise self._invalid(what, f"{n} entries (at most {MAX_LIST_ENTRIES})", "implausible")
 
     # ---- RPCs ----
     async def server_info(self) -> vpb.ServerInfo:
@@ -163,15 +185,12 @@ class EngineClient:
             "/vllm.Control/GetServerInfo", vpb.GetServerInfoRequest(), vpb.ServerInfo))  # fmt: skip
 
     async def model_info(self) -> vpb.ModelInfo:
-        info = await self._call("GetModelInfo", lambda: self._unary(
+        return await self._call("GetModelInfo", lambda: self._unary(
             "/vllm.Control/GetModelInfo", vpb.GetModelInfoRequest(), vpb.ModelInfo))  # fmt: skip
-        self._listed("GetModelInfo", len(info.served_model_aliases))
-        return info
 
     async def list_loras(self) -> tuple[LoraEntry, ...]:
         resp = await self._call("ListLoras", lambda: self._unary(
             "/vllm.Control/ListLoras", vpb.ListLorasRequest(), vpb.ListLorasResponse))  # fmt: skip
-        self._listed("ListLoras", len(resp.adapters))
         return tuple(LoraEntry(a.lora_id, a.lora_name, a.source_path) for a in resp.adapters)
 
     async def is_sleeping(self) -> bool:

@@ -32,7 +32,7 @@ class InvalidReply(RpcFailed):
     """The engine answered what no engine would (status ``INVALID_REPLY``). ``kind``, one of
     ``REPLY_REFUSALS``: ``too_large`` (a length prefix over the bound, refused before its body is
     read), ``undecodable`` (broken framing, or bytes that are not the message), ``implausible``
-    (parallelism, sources, adapters or aliases no engine has). Each is counted in
+    (parallelism, sources, adapters, aliases or fields no engine has). Each is counted in
     ``REFUSED`` (``kvrelay_control_reply_refusals_total``)."""
 
     def __init__(self, address: str, detail: str, kind: str) -> None:

@@ -653,8 +653,9 @@ def _relay_metrics(r: RelayStats) -> Iterator[Metric]:
         "kvrelay_control_reply_refusals",
         "vllm.Control replies refused as no engine's (that engine's snapshot, or the optional "
         "value, unknown this poll), by reason: too_large (length prefix over 1 MiB, refused "
-        "before the body is read), undecodable, implausible (parallelism, sources, adapters or "
-        "aliases no engine has).",
+        "before the body is read), undecodable (broken wire format, or not the message), "
+        "implausible (parallelism, sources, adapters, aliases or fields no engine has; lists "
+        "and fields counted before the reply is parsed).",
         labels=["reason"],
     )
     counts = dict(REFUSED)  # process-wide: discovery runs in the relay process only

@@ -1,9 +1,9 @@
-"""A ``vllm.Control`` server that answers what no engine would: a reply that does not decode, a
-reply too large to decode on the event loop, parallelism no engine has, thousands of sources or
-one rank twice. Each is a typed, counted failure of that engine's snapshot (unreachable, with the
-reason), counted by kind, and its watcher goes on polling: real grpclib server on loopback, real
-client. A reply whose length prefix claims gigabytes is refused before its body is read, and one
-of many tiny entries is decoded off the event loop."""
+"""A ``vllm.Control`` server that answers what no engine would: a reply that does not decode or
+whose wire format is broken, parallelism no engine has, thousands of sources or one rank twice.
+Each is a typed, counted failure of that engine's snapshot (unreachable, with the reason),
+counted by kind, and its watcher goes on polling: real grpclib server on loopback, real client.
+A reply whose length prefix claims gigabytes is refused before its body is read, and one of
+hundreds of thousands of tiny fields from its wire format, before it is parsed."""
 
 from __future__ import annotations
 
@@ -19,9 +19,16 @@ from grpclib.server import Server
 
 from kvrelay._proto import vllm as vpb
 from kvrelay.client.codec import RawCodec
-from kvrelay.discovery.client import MAX_LIST_ENTRIES, MAX_PARALLEL, MAX_REPLY_BYTES, EngineClient
+from kvrelay.discovery.client import (
+    FIELD_BUDGET,
+    MAX_LIST_ENTRIES,
+    MAX_PARALLEL,
+    MAX_REPLY_BYTES,
+    EngineClient,
+)
 from kvrelay.discovery.errors import REFUSED
 from kvrelay.discovery.watcher import EngineTarget, EngineWatcher
+from tests.support.timing import scaled
 
 
 def _info(**par: int) -> bytes:
@@ -46,10 +53,20 @@ CASES: dict[str, dict[str, bytes]] = {
     "many_aliases": {"GetModelInfo": bytes(vpb.ModelInfo(
         model_id="m", served_model_name="m",
         served_model_aliases=[f"a{i}" for i in range(MAX_LIST_ENTRIES + 1)]))},
+    # broken wire format after a good ServerInfo (field 12 is not ServerInfo's): betterproto2
+    # took each of these for a good reply, or stored what it could not convert as it came
+    "tag_cut": {"GetServerInfo": _info() + b"\x80"},
+    "length_past_end": {"GetServerInfo": _info() + b"\x62\x05ab"},
+    "group": {"GetServerInfo": _info() + b"\x63\x64"},
+    "wire_type_7": {"GetServerInfo": _info() + b"\x67"},
+    "field_zero": {"GetServerInfo": _info() + b"\x00\x00"},
+    "message_as_number": {"GetServerInfo": _info() + b"\x20\x05"},  # parallelism: 5
+    "source_as_number": {"GetKvEventSources": b"\x08\x05"},
+    "alias_as_number": {"GetModelInfo": b"\x0a\x01m\x12\x01m\x18\x05"},
 }
-KINDS = {"undecodable": "undecodable", "too_large": "too_large", "parallelism": "implausible",
-         "many_sources": "implausible", "same_rank_twice": "implausible",
-         "many_aliases": "implausible"}  # fmt: skip
+KINDS = dict.fromkeys(CASES, "undecodable") | {
+    "too_large": "too_large", "parallelism": "implausible", "many_sources": "implausible",
+    "same_rank_twice": "implausible", "many_aliases": "implausible"}  # fmt: skip
 
 
 def _port(server: Server) -> int:
@@ -157,18 +174,75 @@ async def test_a_reply_claiming_gigabytes_is_refused_from_its_prefix() -> None:
         await server.wait_closed()
 
 
-async def test_a_reply_of_many_tiny_entries_is_decoded_off_the_loop_and_refused() -> None:
-    """ListLoras answering 1 MiB of empty adapters (half a million): decoding it on the event
-    loop held the loop for three seconds and put every one in the catalog. It is decoded in a
-    worker thread, refused as ``implausible`` (over ``MAX_LIST_ENTRIES``) and counted, and the
-    snapshot goes on with the adapters unknown."""
-    many = b"\x0a\x00" * (MAX_REPLY_BYTES // 2 - 8)
+@pytest.mark.parametrize(
+    ("method", "reply", "rpc"),
+    [("ListLoras", b"\x08\x05", "loras"), ("IsSleeping", b"\x0f", "sleeping")],
+    ids=["adapter_as_number", "wire_type_7"],
+)
+async def test_an_optional_reply_in_broken_wire_format_is_refused(
+    method: str, reply: bytes, rpc: str
+) -> None:
+    """An adapter that is a number (betterproto2 kept the 5, and the snapshot then failed on it
+    with an ``AttributeError``) and a field of wire type 7 (taken for ``sleeping=False``) are
+    ``undecodable``, counted; the snapshot goes on with that value unknown."""
 
-    async def loras(stream: Any) -> None:
+    async def answer(stream: Any) -> None:
         await stream.recv_message()
-        await stream.send_message(many)
+        await stream.send_message(reply)
 
-    server, port = await _serve({"ListLoras": loras})
+    server, port = await _serve({method: answer})
+    before = REFUSED["undecodable"]
+    try:
+        async with EngineClient("127.0.0.1", port) as client:
+            snap = await client.snapshot()
+        assert snap.reachable and snap.unknown == {rpc}, (snap.error, snap.unknown)
+        assert REFUSED["undecodable"] == before + 1
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def _entries(field: int, inner: bytes, n: int) -> bytes:
+    """``n`` entries in field ``field`` (length-delimited), each holding ``inner``."""
+    length, size = bytearray(), len(inner)
+    while size >= 0x80:
+        length.append(size & 0x7F | 0x80)
+        size >>= 7
+    length.append(size)
+    return (bytes([field << 3 | 2]) + bytes(length) + inner) * n
+
+
+#: ~1 MiB replies of tiny fields: ``(method, reply, optional)``. ``optional``: the snapshot goes
+#: on without the value (ListLoras) rather than failing.
+TINY: dict[str, tuple[str, bytes, bool]] = {
+    # half a million empty adapters: 2.2 s of CPU to parse, then refused for the count
+    "empty_adapters": ("ListLoras", _entries(1, b"", MAX_REPLY_BYTES // 2 - 8), True),
+    # five adapters of 100,000 unknown fields each (field 4, a varint): 1.8 s to parse
+    "adapters_of_unknown_fields": ("ListLoras", _entries(1, b"\x20\x00" * 100_000, 5), True),
+    "empty_aliases": ("GetModelInfo", _entries(3, b"", MAX_REPLY_BYTES // 2 - 8), False),
+    # five sources of 100,000 empty unknown messages each (field 11): parsed, then taken for
+    # sources without an endpoint (not even counted as a refusal)
+    "sources_of_unknown_messages": (
+        "GetKvEventSources", _entries(1, b"\x5a\x00" * 100_000, 5), False),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(TINY))
+async def test_a_reply_of_many_tiny_fields_is_refused_before_it_is_parsed(case: str) -> None:
+    """A reply under ``MAX_REPLY_BYTES`` made of hundreds of thousands of tiny entries, or of a
+    few entries each holding 100,000 tiny unknown fields, cost seconds of CPU per poll to parse
+    (in a worker thread, but holding the GIL: the event loop slowed with it), and was refused
+    for its count only after. Its wire format is scanned first, at most ``FIELD_BUDGET``
+    fields: refused as ``implausible`` and counted, in milliseconds, and the event loop keeps
+    turning. Without ListLoras' answer the snapshot goes on with the adapters unknown."""
+    method, reply, optional = TINY[case]
+    assert len(reply) <= MAX_REPLY_BYTES
+
+    async def answer(stream: Any) -> None:
+        await stream.recv_message()
+        await stream.send_message(reply)
+
+    server, port = await _serve({method: answer})
     before = REFUSED["implausible"]
     gaps: list[float] = []
 
@@ -181,12 +255,63 @@ async def test_a_reply_of_many_tiny_entries_is_decoded_off_the_loop_and_refused(
     tick = asyncio.ensure_future(ticker())
     try:
         async with EngineClient("127.0.0.1", port, timeout=30.0) as client:
+            cpu = time.process_time()  # this process's, the worker thread and the server too
             snap = await client.snapshot()
-        assert snap.reachable, snap.error
-        assert "loras" in snap.unknown and snap.loras == ()
+            cpu = time.process_time() - cpu
+        if optional:
+            assert snap.reachable, snap.error
+            assert "loras" in snap.unknown and snap.loras == ()
+        else:
+            assert not snap.reachable and "INVALID_REPLY" in (snap.error or ""), snap.error
         assert REFUSED["implausible"] == before + 1
-        assert max(gaps) < 1.0, max(gaps)  # the loop kept turning (it stopped for ~3 s)
+        assert cpu < scaled(0.3), cpu  # ~0.03 s; parsing took 1.8 to 2.2 s
+        assert max(gaps, default=0.0) < scaled(0.2), gaps
     finally:
         tick.cancel()
+        server.close()
+        await server.wait_closed()
+
+
+def _adapter(i: int) -> vpb.LoraAdapter:
+    team = f"team-{i % 37}"
+    return vpb.LoraAdapter(lora_id=i + 1, lora_name=f"{team}-sql-adapter-{i:05d}-v2",
+                           source_path=f"/mnt/models/loras/{team}/{i:05d}/final")  # fmt: skip
+
+
+async def test_replies_at_the_limits_are_accepted() -> None:
+    """The largest replies a real engine sends pass the scan and are parsed whole:
+    ``MAX_LIST_ENTRIES`` adapters with realistic names and paths (370 KB), as many aliases,
+    and as many sources with every field set (the reply with the most fields there is)."""
+    n = MAX_LIST_ENTRIES
+    loras = bytes(vpb.ListLorasResponse(adapters=[_adapter(i) for i in range(n)]))
+    model = bytes(vpb.ModelInfo(model_id="m", served_model_name="m",
+                                served_model_aliases=[f"alias-{i:05d}" for i in range(n)]))
+    sources = bytes(vpb.GetKvEventSourcesResponse(sources=[vpb.KvEventSource(
+        transport="zmq", endpoint=f"tcp://127.0.0.1:{20000 + i}", topic="kv",
+        replay_endpoint=f"tcp://127.0.0.1:{30000 + i}", data_parallel_rank=i, encoding="msgpack",
+        schema_version=1, buffer_steps=10_000, hwm=100_000, max_queue_size=100_000)
+        for i in range(n)]))  # fmt: skip
+    assert max(len(loras), len(model), len(sources)) <= MAX_REPLY_BYTES
+
+    def fixed(reply: bytes) -> Callable[[Any], Awaitable[None]]:
+        async def answer(stream: Any) -> None:
+            await stream.recv_message()
+            await stream.send_message(reply)
+
+        return answer
+
+    server, port = await _serve({"ListLoras": fixed(loras), "GetModelInfo": fixed(model),
+                                 "GetKvEventSources": fixed(sources)})  # fmt: skip
+    before = dict(REFUSED)
+    try:
+        async with EngineClient("127.0.0.1", port, timeout=30.0) as client:
+            snap = await client.snapshot()
+        assert snap.reachable and not snap.unknown, (snap.error, snap.unknown)
+        assert len(snap.loras) == n and snap.loras[-1].source_path == _adapter(n - 1).source_path
+        assert len(snap.served_model_aliases) == n and len(snap.sources) == n
+        assert snap.sources[-1].max_queue_size == 100_000
+        assert before == REFUSED
+        assert n * 11 < FIELD_BUDGET  # 4,096 sources of 10 fields, each with its own tag
+    finally:
         server.close()
         await server.wait_closed()
