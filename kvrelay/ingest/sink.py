@@ -31,6 +31,7 @@ class ResetReason(enum.Enum):
     BAD_BATCH = "bad_batch"  # a batch that cannot be decoded or applied, even when re-fetched
     RESTORE_UNVERIFIED = "restore_unverified"  # restored state, and no replay to vouch for it
     VOUCH_TIMEOUT = "vouch_timeout"  # the replay asked to vouch for the state did not answer
+    BLOCK_CAP = "block_cap"  # the member holds more blocks than its pool's max_member_blocks
 
 
 class BatchSink(Protocol):

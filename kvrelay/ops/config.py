@@ -412,6 +412,7 @@ POOL_KEYS: dict[str, _Key] = {
     "cache_salt_namespacing": _Key("bool", False),
     "multimodal_hashing": _Key("bool", False),
     "engine_reports": _Key("bool", False),
+    "max_member_blocks": _Key("int", 1 << 22, check=_int_range(1, 1 << 31)),
 }
 ENGINE_KEYS: dict[str, _Key] = {
     "name": _Key("str", required=True, check=_text),
@@ -1130,6 +1131,7 @@ def _pools(r: _Reader, value: Any) -> list[PoolSpec] | None:
                     ),
                     engine_reports=p["engine_reports"],
                     connect=connect,
+                    max_member_blocks=p["max_member_blocks"],
                 )
             )
         except ValueError as exc:

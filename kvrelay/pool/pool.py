@@ -400,6 +400,11 @@ class Pool:
     def members(self) -> dict[int, tuple[int, int]]:
         return {mid: (m.worker_id, m.dp_rank) for mid, m in self._members.items()}
 
+    def member_blocks(self, mid: int) -> int:
+        """Blocks member ``mid`` holds now (0 for one it does not know)."""
+        m = self._members.get(mid)
+        return 0 if m is None else int(m.lin.live)
+
     def _member(self, member: int) -> _Member:
         m = self._members.get(member)
         if m is None:

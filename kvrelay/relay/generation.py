@@ -131,6 +131,11 @@ class Generation:
         self._note_events(batch.n_events)
         return result
 
+    def held(self, source: SourceKey) -> int:
+        """Blocks ``source``'s member holds now."""
+        pool = self.pool
+        return pool.member_blocks(pool.add_member(source.worker_id, source.dp_rank))
+
     def reset_member(self, source: SourceKey) -> None:
         """Drop everything ``source`` holds (as an ``AllBlocksCleared`` would)."""
         self._mutate(

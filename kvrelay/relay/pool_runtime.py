@@ -148,6 +148,8 @@ class PoolRuntime:
         self.counters.batches += 1
         self.counters.events += batch.n_events
         self.counters.events_rejected += result.events_rejected
+        if result.blocks_stored and gen.held(source) > self.spec.max_member_blocks:
+            self.on_reset(source, ResetReason.BLOCK_CAP)  # what it holds cannot be an engine's
 
     def on_reset(self, source: SourceKey, reason: ResetReason) -> None:
         self.counters.reset(reason.value)

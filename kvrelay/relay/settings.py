@@ -119,8 +119,14 @@ class PoolSpec:
     #: Engines that connect to a bound endpoint of the pool (then ``engines`` may be empty,
     #: and ``model`` and ``kv_block_size`` are required).
     connect: ConnectConfig | None = None
+    #: A member holding more blocks than this is reset (``block_cap``): no engine's device tier
+    #: holds millions of blocks, and an engine that announces stores and never removes them
+    #: would otherwise grow the exact state without bound.
+    max_member_blocks: int = 1 << 22
 
     def __post_init__(self) -> None:
+        if self.max_member_blocks < 1:
+            raise ValueError("max_member_blocks must be >= 1")
         for name in ("namespace", "component", "endpoint"):
             value = getattr(self, name)
             if not value or value != value.strip():
