@@ -297,6 +297,9 @@ class EngineClient:
             if len(ranks) > MAX_PARALLEL or len(set(ranks)) != len(ranks):
                 raise self._invalid("GetKvEventSources", f"{len(ranks)} sources with "
                                     f"{len(set(ranks))} distinct ranks", "implausible")  # fmt: skip
+            if ranks and max(ranks) >= MAX_PARALLEL:  # a DP rank is below the DP size
+                raise self._invalid("GetKvEventSources", f"DP rank {max(ranks)} (ranks are "
+                                    f"below {MAX_PARALLEL})", "implausible")  # fmt: skip
         except DiscoveryError as exc:
             return EngineSnapshot(host=self.host, port=self.port, reachable=False, error=str(exc))
         unknown: list[str] = []

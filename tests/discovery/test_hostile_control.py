@@ -50,6 +50,7 @@ CASES: dict[str, dict[str, bytes]] = {
     "parallelism": {"GetServerInfo": _info(data_parallel_size_local=2**32 - 1)},
     "many_sources": {"GetKvEventSources": _sources(list(range(MAX_PARALLEL + 1)))},
     "same_rank_twice": {"GetKvEventSources": _sources([0, 0])},
+    "rank_out_of_range": {"GetKvEventSources": _sources([0, 2**32 - 1])},
     "many_aliases": {"GetModelInfo": bytes(vpb.ModelInfo(
         model_id="m", served_model_name="m",
         served_model_aliases=[f"a{i}" for i in range(MAX_LIST_ENTRIES + 1)]))},
@@ -66,7 +67,8 @@ CASES: dict[str, dict[str, bytes]] = {
 }
 KINDS = dict.fromkeys(CASES, "undecodable") | {
     "too_large": "too_large", "parallelism": "implausible", "many_sources": "implausible",
-    "same_rank_twice": "implausible", "many_aliases": "implausible"}  # fmt: skip
+    "same_rank_twice": "implausible", "rank_out_of_range": "implausible",
+    "many_aliases": "implausible"}  # fmt: skip
 
 
 def _port(server: Server) -> int:
