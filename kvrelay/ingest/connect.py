@@ -19,12 +19,32 @@ sequence is its only integrity check, and every publisher has its own sequence s
 * At most ``max_members`` members; messages naming a new member past that are counted and
   dropped. Topics the pattern does not accept are counted and dropped.
 
-Who may publish (the socket is reachable by anything that can reach its port, and a message
-can name any member): each message carries its sender's address (ZMQ's ``Peer-Address``
-property, read per message; IPC peers have none and are trusted by the socket file's
-permissions).
+Who may connect (the socket is reachable by anything that can reach its port): the relay's
+own ZAP handler (``ingest/zap.py``, on the socket's context; acquired before the bind, released
+after the close) answers each connection's ZMTP handshake, before libzmq takes any message from
+it. libzmq bounds each frame (``ZMQ_MAXMSGSIZE``), not a message, and keeps every frame of a
+message until its last one arrives, so a check per message comes too late for a peer whose
+message never ends: a refusal must come at the handshake.
 
-* ``allow`` (IP addresses or networks): messages from any other address are counted and dropped.
+* ``allow`` (IP addresses or networks): a peer at any other address is refused and its
+  connection closed at once (``connections_refused``). IPC peers have no IP address and are
+  trusted by the socket file's permissions.
+* At most ``max_connections`` (default ``connection_limit(max_members)``) open connections from
+  admitted addresses: past it a handshake is refused as a temporary failure
+  (``connections_over_limit``): libzmq holds it until ``HANDSHAKE_S`` ends it and the publisher
+  connects again. Connections are counted from the socket's monitor (accepted, disconnected; the
+  peer's address read from the accepted descriptor), including those still in their handshake,
+  so those that finished it never pass the limit; strangers' connections are not counted.
+* ``ZMQ_ZAP_ENFORCE_DOMAIN``: with no handler bound, libzmq refuses handshakes instead of letting
+  them through; ``ZMQ_HANDSHAKE_IVL`` (``HANDSHAKE_S``) bounds how long a connection that never
+  finishes its handshake holds a descriptor; TCP keepalive ends the connections of publishers
+  that vanished without closing them (they would hold places under the limit).
+
+Who may publish (a message can name any member): each message carries its sender's address
+(ZMQ's ``Peer-Address`` property, read per message).
+
+* ``allow`` again, as a second line: a message from another address (it can only have passed
+  the handshake if libzmq consulted no handler) is counted and dropped.
 * A member's engine name is bound to an address: ``addresses`` names them for some engines; any
   other engine is bound to the address its first message came from, for as long as it has a
   member. A message naming that engine from another address is counted and dropped, so another
@@ -47,7 +67,11 @@ it; the loop does so continuously, so a publisher's messages flow once its conne
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
+import itertools
+import os
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -57,13 +81,16 @@ import msgspec
 import numpy as np
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from kvrelay._aio import cancel_and_wait
+from kvrelay.ingest import zap
 from kvrelay.ingest.counters import SubscriberCounters
 from kvrelay.ingest.decoder import Decoder
 from kvrelay.ingest.errors import DecodeError, DpRankMismatchError, FrameError
 from kvrelay.ingest.frames import parse_seq
 from kvrelay.ingest.kinds import EngineKind
+from kvrelay.ingest.live_source import KEEPALIVE
 from kvrelay.ingest.options import DecodeOptions
 from kvrelay.ingest.sglang import EPOCH_MARKER, split_topic
 from kvrelay.ingest.sink import ResetReason, SourceKey
@@ -76,6 +103,18 @@ _LOGGER = "kvrelay.ingest.connect"
 #: How far past ``max_batch_bytes`` a frame may be and still be received (then counted as too
 #: large and dropped); libzmq refuses anything larger at its header.
 FRAME_SLACK_BYTES = 1024 * 1024
+#: How long a connection may take to finish its ZMTP handshake (``ZMQ_HANDSHAKE_IVL``; libzmq's
+#: default is 30 s): one that has not by then (a peer that never speaks ZMTP) is closed.
+HANDSHAKE_S = 10.0
+#: At most this often (seconds) per reason, a refused handshake is logged (each is counted).
+REFUSAL_LOG_S = 10.0
+_IDS = itertools.count(1)
+
+
+def connection_limit(max_members: int) -> int:
+    """Connections the socket admits by default: one per member (each engine DP rank publishes
+    on its own connection) plus headroom for restarts, probes and a rollout's overlap."""
+    return max_members + max(16, max_members // 4)
 
 
 class _RankPeek(msgspec.Struct, array_like=True):
@@ -112,6 +151,9 @@ class ConnectSpec:
     #: CURVE: the socket's secret key (Z85, 40 characters): publishers must then encrypt to its
     #: public key, and plaintext peers cannot connect at all.
     curve_secret_key: str | None = None
+    #: Open connections (from addresses ``allow`` admits) past which handshakes are refused;
+    #: None: ``connection_limit(max_members)``.
+    max_connections: int | None = None
 
 
 @dataclass(slots=True)
@@ -127,7 +169,9 @@ class ConnectCounters:
     members_over_limit: int = 0  # messages dropped because max_members were present
     members_expired: int = 0
     unattributed: int = 0  # undecodable payloads whose rank could not be read
-    peer_refused: int = 0  # messages from an address outside ``allow``
+    peer_refused: int = 0  # messages from an address outside ``allow`` (past the handshake)
+    connections_refused: int = 0  # handshakes refused: the address is outside ``allow``
+    connections_over_limit: int = 0  # handshakes refused: ``max_connections`` were open
     address_mismatch: int = 0  # messages naming an engine bound to another address
     topic_too_long: int = 0  # topics over ``max_topic_bytes``
     batch_too_large: int = 0  # payloads over ``max_batch_bytes`` (member reset)
@@ -185,6 +229,7 @@ class ConnectSource:
         context: zmq.asyncio.Context | None = None,
         drain: int = 256,
         rcvhwm: int = 100_000,
+        handshake_s: float = HANDSHAKE_S,
     ) -> None:
         self.spec = spec
         self.counters = counters if counters is not None else ConnectCounters()
@@ -195,6 +240,7 @@ class ConnectSource:
         self._ctx = context if context is not None else zmq.asyncio.Context.instance()
         self._drain = drain
         self._rcvhwm = rcvhwm
+        self._handshake_ms = max(1, int(handshake_s * 1000))
         self._members: dict[tuple[str, int], _Member] = {}
         # accepted topics → their match (bounded: cleared when full)
         self._topics: dict[bytes, TopicMatch] = {}
@@ -208,6 +254,24 @@ class ConnectSource:
         self._pinned = {name: _networks(addrs) for name, addrs in spec.addresses}
         #: engine name → the address it is bound to (engines with a member only: bounded)
         self._owners: dict[str, str] = {}
+        # ---- handshakes (ZAP) and connections (the socket's monitor)
+        self._domain = f"kvrelay.connect.{next(_IDS)}"
+        self._zap: zap.ZapHandler | None = None
+        self._mon: zmq.asyncio.Socket | None = None
+        self._mon_shadow: zmq.Socket[Any] | None = None
+        #: IPC binds: a peer without an IP address is one of theirs (file permissions decide)
+        self._ipc = any(not ep.startswith("tcp://") for ep in spec.bind)
+        self.max_connections = (
+            spec.max_connections
+            if spec.max_connections is not None
+            else connection_limit(spec.max_members)
+        )
+        #: libzmq's descriptor of each open connection → whether it counts against the limit
+        #: (its peer's address is one ``allow`` admits: strangers cannot use up the limit)
+        self._conns: dict[int, bool] = {}
+        self.connections = 0  # open connections that count against ``max_connections``
+        self.zap_enforced = False  # ZMQ_ZAP_ENFORCE_DOMAIN set: no handler, no handshake
+        self._refusals: dict[str, tuple[float, int]] = {}  # reason → (last logged, since)
 
     # ---- introspection ------------------------------------------------------------------------
     def members(self) -> Iterator[tuple[SourceKey, str, SubscriberCounters]]:
@@ -221,7 +285,10 @@ class ConnectSource:
     async def start(self) -> None:
         if self._task is not None:
             return
+        # the handler answers before the socket can take a connection, and goes after it closed
+        handler = await zap.acquire(self._ctx, self._domain, self._decide)
         sub = self._ctx.socket(zmq.SUB)
+        mon: zmq.asyncio.Socket | None = None
         try:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
@@ -229,20 +296,46 @@ class ConnectSource:
             # frame far over the batch bound ends that publisher's connection at its header
             sub.setsockopt(zmq.MAXMSGSIZE, self.spec.max_batch_bytes + FRAME_SLACK_BYTES)
             sub.setsockopt(zmq.SUBSCRIBE, self.spec.pattern.prefix)
+            # every handshake asks the handler (a NULL one only with a domain set), which
+            # refuses addresses outside ``allow`` and connections past the limit before any
+            # message frame is read; with ENFORCE, no handler means no handshake (libzmq 4.3
+            # lets it through otherwise)
+            sub.setsockopt(zmq.ZAP_DOMAIN, self._domain.encode())
+            try:
+                sub.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+                self.zap_enforced = True
+            except (zmq.ZMQError, AttributeError):  # libzmq before 4.3
+                self.zap_enforced = False
+            # a peer that never finishes its handshake is closed after this; one that vanished
+            # (no FIN) is found by keepalive, so that neither holds a connection for good
+            sub.setsockopt(zmq.HANDSHAKE_IVL, self._handshake_ms)
+            sub.setsockopt(zmq.TCP_KEEPALIVE, 1)
+            sub.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE[0])
+            sub.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE[1])
+            sub.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE[2])
             if self.spec.curve_secret_key is not None:
                 sub.curve_secretkey = self.spec.curve_secret_key.encode("ascii")
                 sub.curve_server = True
+            mon = self._monitor(sub)  # before the bind: every connection is seen
             resolved = []
             for ep in self.spec.bind:
                 sub.bind(ep)
                 last = sub.getsockopt(zmq.LAST_ENDPOINT)
                 resolved.append(last.decode() if isinstance(last, bytes) else ep)
         except BaseException:
+            if mon is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    sub.disable_monitor()
+                mon.close(linger=0)
             sub.close(linger=0)
+            await zap.release(self._ctx, handler, self._domain)
             raise
+        self._zap = handler
         self.endpoints = tuple(resolved)
         self._sub = sub
         self._shadow = zmq.Socket.shadow(sub.underlying)
+        self._mon = mon
+        self._mon_shadow = zmq.Socket.shadow(mon.underlying)
         self.state = "live"
         self._task = asyncio.create_task(self._run(), name="kvrelay-connect")
         self._log.info(
@@ -254,10 +347,96 @@ class ConnectSource:
         if task is not None:
             await cancel_and_wait(task)
         if self._sub is not None:
+            if self._mon is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sub.disable_monitor()
+                self._mon.close(linger=0)
             self._sub.close(linger=0)
-        self._sub = self._shadow = None
+        self._sub = self._shadow = self._mon = self._mon_shadow = None
+        self._conns.clear()
+        self.connections = 0
+        handler, self._zap = self._zap, None
+        if handler is not None:  # after the socket: none of its handshakes goes unanswered
+            await zap.release(self._ctx, handler, self._domain)
         if self.state != "failed":
             self.state = "stopped"
+
+    # ---- handshakes and connections ---------------------------------------------------------
+    def _monitor(self, sub: zmq.asyncio.Socket) -> zmq.asyncio.Socket:
+        """The socket's accept/disconnect events, read without blocking (``_take_events``)."""
+        addr = f"inproc://{self._domain}.monitor"
+        sub.monitor(addr, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        mon = self._ctx.socket(zmq.PAIR)
+        mon.setsockopt(zmq.LINGER, 0)
+        # no high-water mark: under a burst of connections a bounded pipe would hold libzmq's
+        # I/O thread back or lose a disconnect (a connection then counted for good)
+        mon.setsockopt(zmq.RCVHWM, 0)
+        mon.connect(addr)
+        return mon
+
+    def _take_events(self) -> None:
+        """Bring the open connections up to date from the monitor's pending events."""
+        mon = self._mon_shadow
+        while mon is not None:
+            try:
+                msg = mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = parse_monitor_message(msg)
+            fd = int(event["value"])
+            self._forget(fd)  # accepted: a descriptor libzmq reused (defensive)
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                peer = _fd_peer(fd)
+                counted = peer is not None and self._admits(peer)
+                self._conns[fd] = counted
+                self.connections += counted
+
+    def _forget(self, fd: int) -> None:
+        if self._conns.pop(fd, False):
+            self.connections -= 1
+
+    def _admits(self, address: str) -> bool:
+        """Whether a peer at ``address`` may connect or publish (``allow``). A TCP peer's address
+        is an IP address; an IPC peer's is not ("", or libzmq's ``localhost:uid:gid:pid``), and
+        the socket file's permissions decided for it."""
+        if not self._allow:
+            return True
+        try:
+            ipaddress.ip_address(address)
+        except ValueError:
+            return self._ipc
+        return _in(address, self._allow)
+
+    def _decide(self, req: zap.Request) -> zap.Verdict:
+        """The ZAP answer for one handshake (CURVE's own check has passed when it is asked)."""
+        self._take_events()  # its own accept is among them: libzmq reported it first
+        if not self._admits(req.address):
+            # closed at once, not 400: libzmq would keep reading the connection after its ERROR
+            self.counters.connections_refused += 1
+            self._refused("address", req.address)
+            return zap.CLOSE, "address not allowed"
+        if self.connections > self.max_connections:  # this connection is counted already
+            # 300, temporary: libzmq sends no ERROR (after one, a libzmq publisher never
+            # connects again); the connection ends with the handshake's time and the publisher
+            # connects again, to be asked again
+            self.counters.connections_over_limit += 1
+            self._refused("connection_limit", req.address)
+            return 300, "connection limit reached"
+        return 200, "OK"
+
+    def _refused(self, reason: str, address: str) -> None:
+        """Log a refusal at most every ``REFUSAL_LOG_S`` per reason, with the count since."""
+        now = time.monotonic()
+        last, since = self._refusals.get(reason, (-REFUSAL_LOG_S, 0))
+        since += 1
+        if now - last < REFUSAL_LOG_S:
+            self._refusals[reason] = (last, since)
+            return
+        self._refusals[reason] = (now, 0)
+        self._log.warning(
+            "connect_handshake_refused", reason=reason, address=address, refused=since,
+            connections=self.connections, limit=self.max_connections,
+        )  # fmt: skip
 
     async def _run(self) -> None:
         assert self._sub is not None and self._shadow is not None
@@ -274,6 +453,7 @@ class ConnectSource:
                         except zmq.Again:
                             break
                         self._on_message(_rest(shadow, first.bytes), _peer(first))
+                self._take_events()
                 now = time.monotonic()
                 if now >= next_sweep:
                     self.sweep(now)
@@ -291,7 +471,9 @@ class ConnectSource:
     def _on_message(self, frames: list[bytes], peer: str = "") -> None:
         c = self.counters
         c.messages += 1
-        if peer and self._allow and not _in(peer, self._allow):
+        # the handshake refused other addresses already; this is the second line (libzmq
+        # without ZMQ_ZAP_ENFORCE_DOMAIN lets a handshake through when no handler answers)
+        if peer and not self._admits(peer):
             c.peer_refused += 1
             return
         if len(frames) != 3:
@@ -518,6 +700,29 @@ def _rest(sock: zmq.Socket[Any], first: bytes) -> list[bytes]:
         if len(frames) < 4:
             frames.append(part)
     return frames
+
+
+def _fd_peer(fd: int) -> str | None:
+    """The peer's address on libzmq's descriptor ``fd`` (IP; "" for a Unix socket), read
+    through a duplicate so that libzmq's own descriptor is never closed here; None where it is
+    no longer a connected socket. If libzmq closed it already, its disconnect event is queued
+    behind the accept: a number the process reused meanwhile (another socket's peer read here)
+    is forgotten with that event."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        sock = socket.socket(fileno=dup)
+    except OSError:  # not a socket (the number was reused): the duplicate is still ours
+        os.close(dup)
+        return None
+    with sock:
+        try:
+            peer = sock.getpeername()
+        except OSError:
+            return None
+    return str(peer[0]) if isinstance(peer, tuple) else ""
 
 
 def _peer(frame: zmq.Frame) -> str:

@@ -231,7 +231,16 @@ _POOL_COUNTERS: dict[str, tuple[str, str]] = {
         "kvrelay_connect_members_expired", "Members removed after member_silence_s of silence."
     ),
     "connect_peer_refused": (
-        "kvrelay_connect_peer_refused", "Messages from an address outside the pool's allow list."
+        "kvrelay_connect_peer_refused",
+        "Messages from an address outside the pool's allow list (past the handshake's check).",
+    ),
+    "connect_connections_refused": (
+        "kvrelay_connect_connections_refused",
+        "Connections refused at the ZMTP handshake: the address is outside the allow list.",
+    ),
+    "connect_connections_over_limit": (
+        "kvrelay_connect_connections_over_limit",
+        "Connections refused at the ZMTP handshake: the socket held its connection limit.",
     ),
     "connect_address_mismatch": (
         "kvrelay_connect_address_mismatch",

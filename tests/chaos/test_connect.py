@@ -16,6 +16,7 @@ import zmq.asyncio
 
 from kvrelay.relay.engines import worker_id_for
 from kvrelay.sim.engine import SimEngine
+from tests.ingest.test_connect_trust import unfinished_message
 from tests.support.connect import ConnectRig, connect_rig
 from tests.support.fleet import ground_truth
 from tests.support.rig import catalog_pool_count, eventually, stored_after, subscribe, verify
@@ -148,6 +149,34 @@ async def test_unknown_and_malformed_topics_change_nothing() -> None:
         await a.step(5)
         await verify(r, consumer, truth=truth(a), probes=2_000)
         assert member_resets(r) == 0 and len(r.pool.connected.source) == 1
+        await consumer.stop()
+
+
+async def test_the_allow_list_admits_engines_and_refuses_a_stranger_at_its_handshake() -> None:
+    """``allow``: a network the test does not use plus the engines' address. The engines are
+    exact; a stranger on another address whose message never ends (16 frames of 1 MiB, each
+    flagged MORE) is refused at its handshake and counted; nothing it sent reaches the pool."""
+    async with connect_rig(allow=("10.99.0.0/16", "127.0.0.1")) as c, c.rig.channel() as ch:
+        r = c.rig
+        a, b = await started(c, 2, 83)
+        await a.step(1)
+        await b.step(1)
+        await eventually(lambda: r.pool.generation is not None, what="materialized")
+        consumer = await subscribe(r, ch)
+        _sent, stranger = await unfinished_message(c.bind, 16, 1024 * 1024, local="127.0.0.2")
+        stranger.close()
+        await eventually(
+            lambda: r.metric("kvrelay_connect_connections_refused_total", pool=POOL) >= 1,
+            what="the stranger refused",
+        )
+        for _ in range(10):
+            await a.step(1)
+            await b.step(1)
+        await verify(r, consumer, truth=truth(a, b), probes=2_000)
+        src = r.pool.connected.source
+        assert member_resets(r) == 0 and len(src) == 2 and src.connections == 2
+        assert r.metric("kvrelay_connect_peer_refused_total", pool=POOL) == 0
+        assert r.metric("kvrelay_connect_connections_over_limit_total", pool=POOL) == 0
         await consumer.stop()
 
 

@@ -9,13 +9,19 @@ cause.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import time
 from pathlib import Path
 from typing import Any
 
 import zmq.asyncio
 
-from kvrelay.ingest.connect import ConnectSource
-from tests.ingest.test_connect import Pub, Sink, ctx, payload, source  # noqa: F401 (fixture)
+from kvrelay.ingest import zap
+from kvrelay.ingest.connect import ConnectSource, ConnectSpec
+from kvrelay.ingest.topic_pattern import TopicPattern
+from kvrelay.ingest.zmtp import GREETING
+from tests.ingest.test_connect import Pub, Sink, ctx, payload, pub, source  # noqa: F401 (fixture)
 from tests.support import vllm_wire as W
 from tests.support.vllm_publisher import until
 
@@ -66,21 +72,233 @@ async def test_a_hostile_peer_cannot_reset_or_feed_a_members_topic(
         await src.stop()
 
 
-async def test_the_allow_list_drops_other_addresses_before_any_member_exists(
+async def test_the_allow_list_refuses_other_addresses_at_the_handshake(
     ctx: zmq.asyncio.Context,  # noqa: F811
 ) -> None:
+    """A peer outside ``allow`` never finishes its handshake (the relay's ZAP handler refuses
+    it): it never gets the subscription, nothing it could send is read, no member or topic is
+    made; each refusal is counted. The per-message check stays as a second line."""
     sink = Sink()
     src = await source(ctx, sink, allow=("127.0.0.1/32",))
     try:
-        hostile = await _pub(ctx, src, b"kv@ghost@m", HOSTILE)
-        for i in range(50):  # fifty made-up members, none admitted
-            await hostile.send(topic=f"kv@ghost-{i}@m".encode(), seq=0)
+        host_port = src.endpoints[0].removeprefix("tcp://")
+        hostile = Pub(ctx, f"tcp://{HOSTILE}:0;{host_port}", b"kv@ghost@m")
         real = await _pub(ctx, src, b"kv@pod-a@m")
+        await until(lambda: src.counters.connections_refused >= 1)
+        assert not await hostile.sock.poll(200)  # refused: no subscription ever reaches it
         await real.send()
-        await _settle(src, 51)
-        assert src.counters.peer_refused == 50 and src.counters.members_added == 1
-        assert len(src) == 1 and sink.batches() == [("pod-a", 0, 0)]
-        assert len(src._topics) == 1  # nothing cached for the refused topics either
+        await _settle(src, 1)
+        c = src.counters
+        assert (c.messages, c.peer_refused, c.members_added) == (1, 0, 1)
+        assert src.connections == 1  # the refused peer does not count against the limit
+        # the second line: a message from an outside address that got past the handshake
+        src._on_message([b"kv@ghost@m", bytes(8), payload(9, 0)], HOSTILE)
+        assert c.peer_refused == 1 and len(src) == 1 and len(src._topics) == 1
+        assert sink.batches() == [("pod-a", 0, 0)]
+        hostile.sock.close(linger=0)
+    finally:
+        await src.stop()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+_READY_PUB = b"\x05READY\x0bSocket-Type" + (3).to_bytes(4, "big") + b"PUB"
+#: What a ZMTP 3.0 publisher says first: its greeting (NULL) and READY naming a PUB.
+_PUB_HELLO = GREETING + bytes([0x04, len(_READY_PUB)]) + _READY_PUB
+
+
+async def unfinished_message(
+    endpoint: str, frames: int, size: int, local: str = "127.0.0.1"
+) -> tuple[int, asyncio.StreamWriter]:
+    """A raw ZMTP publisher that sends ``frames`` frames of ``size`` bytes, each flagged MORE:
+    a message that never ends. Returns the bytes of frames written before the peer closed, and
+    the connection (still open unless the peer closed it: the caller closes it)."""
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    _r, w = await asyncio.open_connection(host, int(port), local_addr=(local, 0))
+    frame = bytes([0x03]) + size.to_bytes(8, "big") + bytes(size)  # MORE | LONG
+    sent = 0
+    try:
+        w.write(_PUB_HELLO)
+        await w.drain()
+        for _ in range(frames):
+            w.write(frame)
+            await w.drain()
+            sent += size
+    except OSError:  # the relay closed the connection
+        pass
+    return sent, w
+
+
+async def _close(w: asyncio.StreamWriter) -> None:
+    w.close()
+    with contextlib.suppress(OSError):
+        await w.wait_closed()
+
+
+async def test_a_strangers_unfinished_message_is_never_buffered(
+    ctx: zmq.asyncio.Context,  # noqa: F811
+) -> None:
+    """libzmq bounds each frame (``ZMQ_MAXMSGSIZE``), not a message: it keeps every frame of a
+    message until the last one arrives, and the relay never sees a part of it, so a check per
+    message never ran while a stranger's endless message grew. Refused at its handshake, the
+    stranger has its connection closed before any frame is taken in."""
+    sink = Sink()
+    src = await source(ctx, sink, allow=("10.99.0.0/16",))
+    try:
+        mib = 1024 * 1024
+        _sent, w = await unfinished_message(src.endpoints[0], 8, mib)  # warm up the allocator
+        await _close(w)
+        before = _rss()
+        sent, w = await unfinished_message(src.endpoints[0], 64, mib)
+        await asyncio.sleep(0.3)  # what libzmq would read of it, it has read
+        grown = _rss() - before  # measured while the stranger's connection may still be open
+        await _close(w)
+        assert grown < 16 * mib, (
+            f"the relay grew {grown / mib:.0f} MiB; the stranger wrote {sent / mib:.0f} MiB"
+        )
+        assert src.counters.connections_refused >= 2
+        assert src.counters.messages == 0 and len(src) == 0 and src.connections == 0
+    finally:
+        await src.stop()
+
+
+async def test_a_refused_connection_is_closed_at_once(
+    ctx: zmq.asyncio.Context,  # noqa: F811
+) -> None:
+    """After a plain 400, libzmq sends ZMTP ERROR and keeps the connection (reading it) until
+    the peer hangs up or the handshake's time ends: a stranger that does neither would hold it
+    (and a frame) for 10 s. The relay's refusal makes libzmq close it on the spot."""
+    src = await source(ctx, Sink(), allow=("10.99.0.0/16",))
+    try:
+        host, port = src.endpoints[0].removeprefix("tcp://").rsplit(":", 1)
+        r, w = await asyncio.open_connection(host, int(port))
+        w.write(_PUB_HELLO)  # and then neither sends nor closes
+        started = time.monotonic()
+        while await asyncio.wait_for(r.read(65536), 2.0):
+            pass  # the relay's greeting; then EOF
+        assert time.monotonic() - started < 1.0
+        src._take_events()
+        assert src._conns == {} and src.counters.connections_refused == 1
+        await _close(w)
+    finally:
+        await src.stop()
+
+
+async def test_connections_past_the_limit_are_refused_and_strangers_do_not_take_it(
+    ctx: zmq.asyncio.Context,  # noqa: F811
+) -> None:
+    """At ``max_connections`` open connections from admitted addresses, further handshakes are
+    refused (counted) as a temporary failure: the publisher connects again by itself and gets in
+    once a connection closed. Connections from outside ``allow`` (here: eight that never speak
+    ZMTP) do not count, so strangers cannot lock engines out."""
+    sink = Sink()
+    spec = ConnectSpec(
+        bind=("tcp://127.0.0.1:0",), pattern=TopicPattern("kv@{engine}@{model}"),
+        kv_block_size=4, model="m", allow=("127.0.0.1/32",), max_connections=3,
+    )  # fmt: skip
+    # a refused handshake is held until the handshake's time, then the publisher tries again
+    src = ConnectSource(spec, sink, context=ctx, handshake_s=0.3)
+    await src.start()
+    strangers = []
+    try:
+        host, port = src.endpoints[0].removeprefix("tcp://").rsplit(":", 1)
+        for _ in range(8):
+            strangers.append(
+                (await asyncio.open_connection(host, int(port), local_addr=(HOSTILE, 0)))[1]
+            )
+
+        def open_conns() -> int:
+            src._take_events()
+            return len(src._conns)
+
+        await until(lambda: open_conns() == 8)
+        assert src.connections == 0
+        pubs = [await _pub(ctx, src, f"kv@pod-{i}@m".encode()) for i in range(3)]
+        assert open_conns() == 11 and src.connections == 3
+        extra = Pub(ctx, src.endpoints[0], b"kv@x@m")
+        await until(lambda: src.counters.connections_over_limit >= 1)
+        assert not await extra.sock.poll(200)  # refused: no subscription
+        await until(lambda: src.counters.connections_over_limit >= 2)  # it tried again
+        assert src.counters.connections_refused == 0  # the silent strangers never asked
+        pubs[0].sock.close(linger=0)  # one leaves: the extra's next attempt is admitted
+        await extra.ready()
+        for p in (extra, pubs[1]):
+            await p.send()
+        await until(lambda: len(sink.batches()) == 2)
+        assert sorted(b[0] for b in sink.batches()) == ["pod-1", "x"]
+        assert src.connections == 3
+        for p in (extra, *pubs[1:]):
+            p.sock.close(linger=0)
+    finally:
+        for w in strangers:
+            w.close()
+        await src.stop()
+
+
+def test_the_default_connection_limit_leaves_headroom_over_max_members() -> None:
+    from kvrelay.ingest.connect import connection_limit
+
+    assert connection_limit(1024) == 1280 and connection_limit(1) == 17
+    spec = ConnectSpec(bind=("tcp://127.0.0.1:0",), pattern=TopicPattern("kv@{engine}"),
+                       kv_block_size=4, max_members=100)  # fmt: skip
+    assert ConnectSource(spec, Sink()).max_connections == 125
+
+
+async def test_sockets_of_one_context_share_a_zap_handler_each_with_its_allow_list(
+    ctx: zmq.asyncio.Context,  # noqa: F811
+) -> None:
+    """libzmq has one ZAP endpoint per context: two pools' sockets on it each answer with their
+    own ``allow``; the handler stays while one of them is open, and goes with the last."""
+    sink_a, sink_b = Sink(), Sink()
+    a = await source(ctx, sink_a, allow=("127.0.0.1",))
+    b = await source(ctx, sink_b, allow=("10.99.0.0/16",))
+    try:
+        to_b = Pub(ctx, b.endpoints[0], b"kv@pod-b@m")
+        await until(lambda: b.counters.connections_refused >= 1)
+        to_a = await pub(ctx, a, b"kv@pod-a@m")
+        await a.stop()
+        assert len(zap._HANDLERS) == 1  # b still needs it
+        refused = b.counters.connections_refused
+        # the refused publisher connects again (libzmq's reconnect): refused again, by b
+        await until(lambda: b.counters.connections_refused > refused)
+        assert not await to_b.sock.poll(100)
+        assert a.counters.connections_refused == 0
+        for p in (to_a, to_b):
+            p.sock.close(linger=0)
+    finally:
+        await a.stop()
+        await b.stop()
+    assert zap._HANDLERS == {}  # the endpoint is free again: a new socket binds it
+    c = await source(ctx, Sink(), allow=("127.0.0.1",))
+    try:
+        p = await pub(ctx, c, b"kv@pod-c@m")
+        p.sock.close(linger=0)
+    finally:
+        await c.stop()
+
+
+async def test_no_handshake_without_the_zap_handler(
+    ctx: zmq.asyncio.Context,  # noqa: F811
+) -> None:
+    """``ZMQ_ZAP_ENFORCE_DOMAIN``: if the handler is gone, libzmq refuses handshakes instead of
+    letting them through unchecked; connections already admitted go on."""
+    sink = Sink()
+    src = await source(ctx, sink, allow=("10.99.0.0/16", "127.0.0.1"))
+    try:
+        assert src.zap_enforced
+        p = await pub(ctx, src, b"kv@pod-a@m")
+        assert src._zap is not None
+        src._zap._close_socket()  # the handler's endpoint vanishes
+        late = Pub(ctx, src.endpoints[0], b"kv@pod-b@m")
+        assert not await late.sock.poll(300)
+        await p.send()
+        await until(lambda: len(sink.batches()) == 1)
+        assert not await late.sock.poll(100)
+        p.sock.close(linger=0)
+        late.sock.close(linger=0)
     finally:
         await src.stop()
 
@@ -151,6 +369,64 @@ async def test_a_curve_socket_takes_only_publishers_that_encrypt_to_it(
         plain.sock.close(linger=0)
         curve.sock.close(linger=0)
     finally:
+        await src.stop()
+
+
+async def test_ipc_publishers_are_trusted_by_the_socket_files_permissions(
+    ctx: zmq.asyncio.Context,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """An IPC peer has no IP address (libzmq names it ``localhost:uid:gid:pid``): ``allow`` does
+    not apply to it, at the handshake or per message, and it counts against the limit."""
+    sink = Sink()
+    spec = ConnectSpec(
+        bind=(f"ipc://{tmp_path}/kv.sock",), pattern=TopicPattern("kv@{engine}@{model}"),
+        kv_block_size=4, model="m", allow=("10.99.0.0/16",),
+    )  # fmt: skip
+    src = ConnectSource(spec, sink, context=ctx)
+    await src.start()
+    try:
+        p = Pub(ctx, src.endpoints[0], b"kv@pod-a@m")
+        await p.ready()
+        await p.send()
+        await until(lambda: len(sink.batches()) == 1)
+        src._take_events()
+        c = src.counters
+        assert (c.connections_refused, c.peer_refused, src.connections) == (0, 0, 1)
+        p.sock.close(linger=0)
+    finally:
+        await src.stop()
+
+
+async def test_curve_and_the_allow_list_both_apply(
+    ctx: zmq.asyncio.Context,  # noqa: F811
+) -> None:
+    """With CURVE the handler is asked only once the publisher proved it encrypts to the
+    socket's key; ``allow`` then still refuses it from another address."""
+    server_public, server_secret = zmq.curve_keypair()
+    src = await source(ctx, Sink(), curve_secret_key=server_secret.decode(),
+                       allow=("10.99.0.0/16",))  # fmt: skip
+    socks: list[zmq.asyncio.Socket] = []
+
+    def curve_pub(server_key: bytes) -> zmq.asyncio.Socket:
+        s = ctx.socket(zmq.XPUB)
+        s.setsockopt(zmq.LINGER, 0)
+        s.curve_serverkey = server_key
+        s.curve_publickey, s.curve_secretkey = zmq.curve_keypair()
+        s.connect(src.endpoints[0])
+        socks.append(s)
+        return s
+
+    try:
+        wrong = curve_pub(zmq.curve_keypair()[0])  # encrypts to another key: CURVE refuses it
+        assert not await wrong.poll(300)
+        assert src.counters.connections_refused == 0  # it never reached the handler
+        right = curve_pub(server_public)
+        await until(lambda: src.counters.connections_refused >= 1)  # ``allow`` refuses it
+        assert not await right.poll(200)
+    finally:
+        for s in socks:
+            s.close(linger=0)
         await src.stop()
 
 

@@ -45,15 +45,16 @@ class ConnectRig:
 
 @contextlib.asynccontextmanager
 async def connect_rig(
-    flavor: str = "vllm", *, silence_s: float = 600.0, max_members: int = 1024, **pool: Any
-) -> AsyncIterator[ConnectRig]:
+    flavor: str = "vllm", *, silence_s: float = 600.0, max_members: int = 1024,
+    allow: tuple[str, ...] = (), **pool: Any,
+) -> AsyncIterator[ConnectRig]:  # fmt: skip
     bind = f"tcp://127.0.0.1:{free_port_block(1, host='127.0.0.1')}"
     spec = PoolSpec(
         namespace="ns", component="backend", endpoint="generate", engines=(),
         expected_blocks=8192, model=MODEL, kv_block_size=16,
         connect=ConnectConfig(
             bind=(bind,), topic_pattern=PATTERN, kind=EngineKind(flavor),
-            max_members=max_members, member_silence_s=silence_s,
+            max_members=max_members, member_silence_s=silence_s, allow=allow,
         ),
     )  # fmt: skip
     spec = dataclasses.replace(spec, **pool)

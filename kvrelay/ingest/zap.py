@@ -1,0 +1,218 @@
+"""The relay's ZAP handler (ZMQ RFC 27): who may finish a handshake on a bound socket.
+
+libzmq asks a ZAP handler before it completes the ZMTP handshake of a connection to a socket
+that has a ``ZMQ_ZAP_DOMAIN`` (and for every CURVE handshake): it sends a request over inproc to
+``inproc://zeromq.zap.01`` of the socket's own context and holds the connection until the
+answer. Until then nothing the peer sends is taken as a message, so a refusal here costs the
+relay one handshake (and at most the one frame libzmq was reading meanwhile), never a message's
+frames. How a refusal ends the connection depends on the status: see ``CLOSE``.
+
+There is one such endpoint per context, so one handler per context serves every bound socket of
+it: each socket registers its own domain (``register``) with a function that answers for it;
+a request for a domain nobody registered is refused. The handler is a ROUTER served on the
+event loop (the answers are computed without awaiting anything); it exists while at least one
+domain is registered (``acquire`` … ``release``).
+
+If no handler is bound when a handshake needs one, libzmq 4.3 lets NULL and CURVE handshakes
+through unless the socket sets ``ZMQ_ZAP_ENFORCE_DOMAIN`` (the connect socket does: with it, such
+handshakes fail). A handler that is bound but does not answer (a stalled event loop) holds the
+handshake until ``ZMQ_HANDSHAKE_IVL``, then libzmq ends the connection: it fails closed.
+
+Request frames (after the ROUTER's routing id and the empty delimiter): version ``1.0``, request
+id, domain, address (the peer's IP address, without a port; empty for IPC), routing id,
+mechanism (``NULL``, ``PLAIN``, ``CURVE``), then the mechanism's credentials (CURVE: the
+client's 32-byte public key). Reply: version, the same request id, status code (``200``, or
+``300``/``400``/``500``; and ``CLOSE``, below), status text, user id, metadata (both empty
+here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from kvrelay._aio import cancel_and_wait
+from kvrelay.logging import get_logger
+
+__all__ = ["CLOSE", "ENDPOINT", "Request", "Verdict", "ZapHandler", "acquire", "release"]
+
+ENDPOINT = "inproc://zeromq.zap.01"
+VERSION = b"1.0"
+#: A refusal that ends the connection at once. After a 400, libzmq 4.3 sends the peer a ZMTP
+#: ``ERROR`` and then keeps the connection, still reading it, until the peer hangs up or the
+#: handshake's time runs out: a stranger could hold a frame of up to ``ZMQ_MAXMSGSIZE`` per
+#: connection that long (20 connections each sending 16 MiB of one frame held 337 MiB). RFC 27
+#: defines no 401; libzmq (since 4.2.3) takes a reply with it as malformed and closes the
+#: connection on the spot, without an ``ERROR`` (so a libzmq peer connects again later, and is
+#: refused again). A ZAP client that accepted the code would read it as 400, its class.
+CLOSE = 401
+#: Requests answered per event-loop turn.
+_BATCH = 64
+
+_log = get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One handshake libzmq asks about."""
+
+    domain: str
+    address: str  # the peer's IP address ("" for IPC)
+    mechanism: str  # "NULL", "PLAIN", "CURVE"
+    credentials: tuple[bytes, ...]
+
+
+#: (status code, status text): ``(200, "OK")``, ``(400, "…")``.
+Verdict = tuple[int, str]
+Decide = Callable[[Request], Verdict]
+
+
+class ZapHandler:
+    """The ROUTER bound at ``ENDPOINT`` of one context; answers by domain. Use ``acquire``."""
+
+    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+        sock = ctx.socket(zmq.ROUTER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(ENDPOINT)  # EADDRINUSE: another handler owns this context's ZAP
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        self._sock: zmq.asyncio.Socket | None = sock
+        self._shadow: zmq.Socket[Any] | None = zmq.Socket.shadow(sock.underlying)
+        self._domains: dict[bytes, Decide] = {}
+        self.loop = asyncio.get_running_loop()
+        self.answered = 0
+        self._task: asyncio.Task[None] | None = asyncio.create_task(
+            self._serve(), name="kvrelay-zap"
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None or self._sock.closed
+
+    @property
+    def serving(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    @property
+    def domains(self) -> int:
+        return len(self._domains)
+
+    def register(self, domain: str, decide: Decide) -> None:
+        key = domain.encode()
+        if key in self._domains:
+            raise ValueError(f"ZAP domain {domain!r} is registered already")
+        self._domains[key] = decide
+
+    def unregister(self, domain: str) -> None:
+        self._domains.pop(domain.encode(), None)
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+        self._close_socket()  # at once: a handler acquired meanwhile binds the name again
+        await cancel_and_wait(task)
+
+    def _close_socket(self) -> None:
+        sock, self._sock, self._shadow = self._sock, None, None
+        if sock is not None and not sock.closed:
+            # unbind first: closing alone frees the name only once libzmq reaps the socket, and
+            # a handler started right after (a re-bind) would find it taken
+            with contextlib.suppress(zmq.ZMQError):
+                sock.unbind(ENDPOINT)
+            sock.close(linger=0)
+
+    async def _serve(self) -> None:
+        assert self._sock is not None and self._shadow is not None
+        sock, shadow = self._sock, self._shadow
+        try:
+            while True:
+                await sock.poll()
+                for _ in range(_BATCH):
+                    try:
+                        frames = shadow.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    reply = self.answer(frames)
+                    if reply is not None:
+                        with contextlib.suppress(zmq.Again):  # its session is gone: dropped
+                            shadow.send_multipart(reply, zmq.NOBLOCK)
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # handshakes now wait for ZMQ_HANDSHAKE_IVL and fail: closed, not open
+            _log.error("connect_zap_failed", error=f"{type(exc).__name__}: {exc}")
+
+    def answer(self, frames: list[bytes]) -> list[bytes] | None:
+        """The reply to one request as the ROUTER received it (routing id, delimiter, …)."""
+        if len(frames) < 3 or frames[1] != b"":
+            return None  # not a request envelope: nobody to answer
+        head, body = frames[:2], frames[2:]
+        if len(body) < 6 or body[0] != VERSION:
+            req_id = body[1] if len(body) > 1 else b""
+            return [*head, VERSION, req_id, b"500", b"malformed ZAP request", b"", b""]
+        _version, req_id, domain, address, _routing_id, mechanism, *creds = body
+        decide = self._domains.get(domain)
+        if decide is None:
+            status, text = 400, "unknown ZAP domain"
+        else:
+            try:
+                status, text = decide(
+                    Request(
+                        domain.decode(errors="replace"), address.decode(errors="replace"),
+                        mechanism.decode(errors="replace"), tuple(creds),
+                    )
+                )  # fmt: skip
+            except Exception as exc:  # a bug: refuse this one, keep answering
+                _log.exception("connect_zap_failed", error=f"{type(exc).__name__}: {exc}")
+                status, text = 500, "internal error"
+        self.answered += 1
+        return [*head, VERSION, req_id, str(status).encode(), text.encode(), b"", b""]
+
+
+#: context (its libzmq address) → its handler
+_HANDLERS: dict[int, ZapHandler] = {}
+
+
+async def acquire(ctx: zmq.asyncio.Context, domain: str, decide: Decide) -> ZapHandler:
+    """The context's handler (bound and served from now on) with ``domain`` registered.
+
+    Raises ``zmq.ZMQError`` if something else holds the context's ZAP endpoint."""
+    key = ctx.underlying
+    loop = asyncio.get_running_loop()
+    handler = _HANDLERS.get(key)
+    carried: dict[bytes, Decide] = {}
+    if handler is not None and (handler.closed or handler.loop is not loop or not handler.serving):
+        # left over from another event loop (its sockets went with it), a closed context, or a
+        # handler that stopped (logged): the sockets of this loop it answered move to the new one
+        _HANDLERS.pop(key, None)
+        if handler.loop is loop:
+            carried = dict(handler._domains)
+        with contextlib.suppress(Exception):
+            handler._close_socket()
+        handler = None
+    if handler is None:
+        handler = ZapHandler(ctx)
+        handler._domains.update(carried)
+        _HANDLERS[key] = handler
+    handler.register(domain, decide)
+    return handler
+
+
+async def release(ctx: zmq.asyncio.Context, handler: ZapHandler, domain: str) -> None:
+    """``domain`` no longer answered; the handler stops with the last one."""
+    handler.unregister(domain)
+    if handler.domains:
+        return
+    if _HANDLERS.get(ctx.underlying) is handler:
+        del _HANDLERS[ctx.underlying]
+    await handler.close()
