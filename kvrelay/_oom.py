@@ -22,42 +22,44 @@ _PATH = "/proc/self/oom_score_adj"
 
 
 def current() -> int | None:
-    """This process's ``oom_score_adj`` (None where there is none to read)."""
+    """This process's ``oom_score_adj`` (None where there is none to read). Only ``os`` calls,
+    here and in ``_write``: they run in forked children too."""
     try:
-        with open(_PATH, "rb") as f:
-            return int(f.read().strip() or b"0")
+        fd = os.open(_PATH, os.O_RDONLY)
+    except OSError:  # not Linux, or /proc not mounted
+        return None
+    try:
+        return int(os.read(fd, 32).strip() or b"0")
     except (OSError, ValueError):
         return None
+    finally:
+        os.close(fd)
+
+
+def _write(score: int) -> bool:
+    try:
+        fd = os.open(_PATH, os.O_WRONLY)
+    except OSError:
+        return False
+    try:
+        os.write(fd, str(score).encode())
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def restore(score: int | None) -> bool:
     """Put back a score :func:`current` read before :func:`prefer_killing` raised it (allowed
     without privilege down to what the process was started with)."""
-    if score is None:
-        return False
-    try:
-        with open(_PATH, "wb") as f:
-            f.write(str(score).encode())
-        return True
-    except OSError:
-        return False
+    return score is not None and _write(score)
 
 
 def prefer_killing(score: int) -> bool:
     """Raise this process's ``oom_score_adj`` to ``score`` (never lower it); whether it is at
-    least ``score`` now. Uses only ``os`` calls: it runs in forked children too."""
-    try:
-        fd = os.open(_PATH, os.O_RDWR)
-    except OSError:  # not Linux, or /proc not mounted
+    least ``score`` now."""
+    now = current()
+    if now is None:
         return False
-    try:
-        current = int(os.read(fd, 32).strip() or b"0")
-        if current >= score:
-            return True
-        os.lseek(fd, 0, os.SEEK_SET)
-        os.write(fd, str(score).encode())
-        return True
-    except (OSError, ValueError):
-        return False
-    finally:
-        os.close(fd)
+    return now >= score or _write(score)

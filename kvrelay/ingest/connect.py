@@ -401,11 +401,10 @@ class ConnectSource:
         the socket file's permissions decided for it."""
         if not self._allow:
             return True
-        try:
-            ipaddress.ip_address(address)
-        except ValueError:
+        addr = _ip(address)
+        if addr is None:
             return self._ipc
-        return _in(address, self._allow)
+        return any(addr in n for n in self._allow)
 
     def _decide(self, req: zap.Request) -> zap.Verdict:
         """The ZAP answer for one handshake (CURVE's own check has passed when it is asked)."""
@@ -680,14 +679,20 @@ def _networks(addrs: tuple[str, ...]) -> Networks:
     return tuple(ipaddress.ip_network(a, strict=False) for a in addrs)
 
 
-def _in(peer: str, networks: Networks) -> bool:
+def _ip(peer: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The peer's IP address (an IPv4-mapped IPv6 one as IPv4); None where it is not one."""
     try:
         addr = ipaddress.ip_address(peer)
     except ValueError:
-        return False
+        return None
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
-    return any(addr in n for n in networks)
+        return addr.ipv4_mapped
+    return addr
+
+
+def _in(peer: str, networks: Networks) -> bool:
+    addr = _ip(peer)
+    return addr is not None and any(addr in n for n in networks)
 
 
 def _rest(sock: zmq.Socket[Any], first: bytes) -> list[bytes]:

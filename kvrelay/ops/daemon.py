@@ -668,7 +668,6 @@ class Daemon:
             self._tasks.clear()
             self.notifier.close()
 
-
     def _saves_state(self) -> bool:
         """Whether the final stop saves state: not after handing it over (the successor's is
         newer), and not as a successor stopped before it took over while its predecessor lives

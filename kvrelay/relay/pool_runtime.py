@@ -731,12 +731,18 @@ class PoolRuntime:
         self._departed = counters if prev is None else merged(prev, counters)
 
     def _forget_sources(self, worker_id: int) -> None:
-        """An engine left the pool: what its sources counted joins the departed sum, and its
-        restart backoff goes, so nothing stays keyed by an engine the pool no longer has."""
-        for key in [k for k in self._source_totals if k.worker_id == worker_id]:
-            self._fold_departed(self._source_totals.pop(key))
-        for key in [k for k in self._restarts if k.worker_id == worker_id]:
+        """An engine left the pool: nothing stays keyed by an engine the pool no longer has."""
+        self._drop_records(lambda k: k.worker_id == worker_id)
+
+    def _drop_records(self, drop: Callable[[SourceKey], bool]) -> list[SourceKey]:
+        """The per-source records of the sources ``drop`` names go: what they counted joins the
+        departed sum, their restart backoff is forgotten. Returns those that had counted."""
+        for key in [k for k in self._restarts if drop(k)]:
             del self._restarts[key]
+        gone = [k for k in self._source_totals if drop(k)]
+        for key in gone:
+            self._fold_departed(self._source_totals.pop(key))
+        return gone
 
     def _forget_undeclared(self) -> None:
         """Per-source records only for the DP ranks each engine declares now (or that run):
@@ -764,15 +770,12 @@ class PoolRuntime:
                 ranks = declared[key.worker_id] = frozenset((*st.declared_ranks(), *listed))
             return key.dp_rank not in ranks
 
-        for key in [k for k in self._restarts if stale(k)]:
-            del self._restarts[key]
-        gone = [k for k in self._source_totals if stale(k)]
+        gone = self._drop_records(stale)
         if not gone:
             return
         gen = self.generation
         held = set(gen.pool.members().values()) if gen is not None and not gen.retired else set()
         for key in gone:
-            self._fold_departed(self._source_totals.pop(key))
             if gen is not None and (key.worker_id, key.dp_rank) in held:
                 gen.remove_member(key)
                 self.counters.reset("rank_removed")

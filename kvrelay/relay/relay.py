@@ -644,8 +644,6 @@ class Relay:
         """The pool left the configuration: out of the pool list first, then its streams end.
         Whatever fails on the way, it ends out of the list, the target map and the planes, and
         its streams end with a status all the same (its sources stop)."""
-        why = "pool removed from the relay's configuration"
-        closing = False
         try:
             for st in list(p.engines.values()):  # while it is listed: its last pages are folded
                 await self._stop_scraper(p.name, st.spec.name)  # into the serving totals
@@ -656,18 +654,17 @@ class Relay:
             for name in list(p.engines):
                 await self.watcher.remove_target(name)
                 self._by_target.pop(name, None)
-            closing = True
-            await p.close(why)
-            self._forget_removed_pools()
-            self.observers.pool_removed(p.name)
-        finally:
+        finally:  # whatever failed above: out of the list (the catalog leaves it first), closed
             if p in self.pools:
                 self.pools.remove(p)
             for target in [t for t, q in self._by_target.items() if q is p]:
                 del self._by_target[target]
-            if not closing:  # a step before the close failed: the pool is gone all the same
-                await p.close(why)  # (out of the list first: the catalog leaves it first)
-            self.refresh_planes()
+            try:
+                await p.close("pool removed from the relay's configuration")
+            finally:
+                self.refresh_planes()
+        self._forget_removed_pools()
+        self.observers.pool_removed(p.name)
 
     def _forget_removed_pools(self) -> None:
         """Drop what is kept by pool name for pools no longer configured: each pool a reload
