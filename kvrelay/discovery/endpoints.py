@@ -1,7 +1,9 @@
-"""Endpoint handling: wildcard-host substitution, DP port offsets, static (pre-0.27) sources."""
+"""Endpoint handling: wildcard-host substitution, DP port offsets, static (pre-0.27) sources,
+and the one spelling of an IP address that address comparisons use (``canonical_ip``)."""
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -9,6 +11,54 @@ from kvrelay._text import is_decimal
 from kvrelay.discovery.errors import InvalidEndpoint
 
 WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]", ""})
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+#: Where IPv4-mapped IPv6 addresses live (``::ffff:a.b.c.d``).
+_MAPPED = ipaddress.IPv6Network("::ffff:0:0/96")
+
+
+def canonical_ip(text: str) -> IPAddress | None:
+    """The IP address ``text`` spells (brackets allowed), an IPv4-mapped IPv6 one as its IPv4
+    address (a dual-stack socket names an IPv4 peer ``::ffff:a.b.c.d``); None for anything
+    else (a DNS name is never resolved here). Two spellings of one address compare equal."""
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+    try:
+        addr = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped
+    return addr
+
+
+def canonical_host(host: str) -> str:
+    """``host`` in one spelling where it is an IP literal (``[0:0::1]`` → ``::1``,
+    ``::FFFF:10.0.0.5`` → ``10.0.0.5``); any other host as written."""
+    addr = canonical_ip(host)
+    return host if addr is None else str(addr)
+
+
+def canonical_network(text: str) -> IPNetwork:
+    """An address or network (``10.0.0.0/24``, ``::1``) as ``canonical_ip`` would match it: an
+    IPv4-mapped IPv6 network as its IPv4 network, else ``10.0.0.5`` (the address every IPv4
+    peer is compared as) would never be in ``::ffff:10.0.0.5``. Raises ``ValueError``."""
+    net = ipaddress.ip_network(text, strict=False)
+    if isinstance(net, ipaddress.IPv6Network) and net.prefixlen >= 96 and net.subnet_of(_MAPPED):
+        mapped = net.network_address.ipv4_mapped
+        assert mapped is not None
+        return ipaddress.IPv4Network((mapped, net.prefixlen - 96))
+    return net
+
+
+def is_wildcard_host(host: str) -> bool:
+    """Whether ``host`` is a bind wildcard (``*``, or the unspecified address however spelled:
+    ``0.0.0.0``, ``[::]``, ``[0:0:0:0:0:0:0:0]``), which a connecting peer must replace."""
+    if host in WILDCARD_HOSTS:
+        return True
+    addr = canonical_ip(host)
+    return addr is not None and addr.is_unspecified
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,14 +99,15 @@ def split_tcp(endpoint: str) -> tuple[str, int]:
 
 
 def substitute_wildcard(endpoint: str, host: str) -> str:
-    """Replace a bind-wildcard host (``*``, ``0.0.0.0``, ``::``, ``[::]``) with ``host``.
+    """Replace a bind-wildcard host (``*``, ``0.0.0.0``, ``::``, ``[::]``, or another spelling
+    of the unspecified address) with ``host``.
 
     Non-tcp endpoints (ipc/inproc) and empty strings are returned unchanged.
     """
     if not endpoint or not endpoint.startswith("tcp://"):
         return endpoint
     h, port = split_tcp(endpoint)
-    if h in WILDCARD_HOSTS:
+    if is_wildcard_host(h):
         return f"tcp://{_fmt_host(host)}:{port}"
     return endpoint
 

@@ -49,6 +49,12 @@ Who may publish (a message can name any member): each message carries its sender
   other engine is bound to the address its first message came from, for as long as it has a
   member. A message naming that engine from another address is counted and dropped, so another
   peer can neither reset the member (a lower sequence) nor feed it.
+* An IPC peer's address is libzmq's ``localhost:uid:gid:pid``: its engine is bound to the user
+  and group (the socket file's permissions admitted them), not to the process, so a restarted
+  engine, or another DP rank's process, is not refused. Each member remembers the process that
+  feeds it: a message from another process of that user is a new incarnation (the member is
+  reset and the message is its baseline, whatever its sequence), so the old process's blocks
+  never mix with the new one's.
 * ``curve_secret_key``: the socket is a CURVE server; only publishers that encrypt to its public
   key can connect (vLLM and SGLang publishers would need CURVE options of their own).
 * Topics longer than ``max_topic_bytes`` are dropped before they are matched or cached; a payload
@@ -68,7 +74,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import itertools
 import os
 import socket
@@ -84,6 +89,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvrelay._aio import cancel_and_wait
+from kvrelay.discovery.endpoints import IPNetwork, canonical_ip, canonical_network
 from kvrelay.ingest import zap
 from kvrelay.ingest.counters import SubscriberCounters
 from kvrelay.ingest.decoder import Decoder
@@ -215,6 +221,7 @@ class _Member:
     epoch: bytes | None = None
     dirty: bool = False
     blocks: int = 0  # stored minus removed blocks since the baseline (an estimate, >= 0)
+    process: str = ""  # an IPC publisher's process id ("" for TCP): another one is a restart
 
 
 class ConnectSource:
@@ -507,7 +514,8 @@ class ConnectSource:
         if match.model is not None and model is not None and match.model != model:
             c.model_mismatch += 1
             return
-        if peer and not self._may_publish(match.engine, peer):
+        owner, process = _publisher(peer)
+        if owner and not self._may_publish(match.engine, peer, owner):
             c.address_mismatch += 1
             return
         try:
@@ -534,17 +542,36 @@ class ConnectSource:
             m = self._admit(match.engine, rank, seq)
             if m is None:
                 return
-            if peer and match.engine not in self._pinned:
-                self._owners.setdefault(match.engine, peer)
+            m.process = process
+            if owner and match.engine not in self._pinned:
+                self._owners.setdefault(match.engine, owner)
+        elif process != m.process:
+            self._new_process(m, seq, process)
         self._on_member_message(m, seq, payload, epoch)
 
-    def _may_publish(self, engine: str, peer: str) -> bool:
-        """The address binding: named addresses for pinned engines, else the first claimant."""
+    def _may_publish(self, engine: str, peer: str, owner: str) -> bool:
+        """The address binding: named addresses for pinned engines, else the first claimant
+        (``owner``: ``_publisher``'s binding of the sender)."""
         pinned = self._pinned.get(engine)
         if pinned is not None:
             return _in(peer, pinned)
-        owner = self._owners.get(engine)
-        return owner is None or owner == peer
+        bound = self._owners.get(engine)
+        return bound is None or bound == owner
+
+    def _new_process(self, m: _Member, seq: int, process: str) -> None:
+        """Another process publishes for ``m`` (an IPC peer's pid changed): the engine restarted
+        (or another process took its name). Its sequence space is a new one, and a first
+        sequence that happens to continue the old one must not pass for the old stream: reset,
+        and this message is the baseline."""
+        if m.process and process and m.next_seq is not None:
+            m.counters.incarnations_detected += 1
+            self._reset(m, ResetReason.INCARNATION)
+            m.next_seq = None
+            if seq > 0:
+                m.counters.missing_history += 1  # it published before the relay saw it
+            self._log.info("connect_member_new_process", engine=m.name, dp_rank=m.key.dp_rank,
+                           first_seq=seq)  # fmt: skip
+        m.process = process
 
     def _admit(self, name: str, rank: int, seq: int) -> _Member | None:
         c = self.counters
@@ -671,23 +698,31 @@ class ConnectSource:
             self._sink.on_member_gone(m.key, m.counters)
 
 
-Networks = tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
+Networks = tuple[IPNetwork, ...]
 
 
 def _networks(addrs: tuple[str, ...]) -> Networks:
-    """Addresses or networks (``10.0.0.5``, ``10.0.0.0/24``, ``::1``); validated by the config."""
-    return tuple(ipaddress.ip_network(a, strict=False) for a in addrs)
+    """Addresses or networks (``10.0.0.5``, ``10.0.0.0/24``, ``::1``; validated by the config),
+    spelled as peers are compared (``_ip``): ``::ffff:10.0.0.5`` is ``10.0.0.5``, which a
+    legitimate IPv4 publisher was refused as."""
+    return tuple(canonical_network(a) for a in addrs)
 
 
-def _ip(peer: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    """The peer's IP address (an IPv4-mapped IPv6 one as IPv4); None where it is not one."""
-    try:
-        addr = ipaddress.ip_address(peer)
-    except ValueError:
-        return None
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        return addr.ipv4_mapped
-    return addr
+#: The peer's IP address (an IPv4-mapped IPv6 one as IPv4); None where it is not one.
+_ip = canonical_ip
+
+
+def _publisher(peer: str) -> tuple[str, str]:
+    """(what an engine is bound to, the sending process) for a message's ``Peer-Address``.
+
+    TCP: (its IP address, ""): libzmq writes it with ``inet_ntop``, one spelling per address.
+    IPC: libzmq writes ``localhost:uid:gid:pid`` (Linux; ``localhost:uid:gid:`` where only the
+    user is known): bound to ``localhost:uid:gid``, the pid apart. A process has a new pid on
+    every start, and each DP rank is a process of its own."""
+    if peer.startswith("localhost:"):
+        owner, _, process = peer.rpartition(":")
+        return owner, process
+    return peer, ""
 
 
 def _in(peer: str, networks: Networks) -> bool:

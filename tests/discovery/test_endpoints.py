@@ -13,6 +13,7 @@ from kvrelay.discovery import (
     static_sources,
     substitute_wildcard,
 )
+from kvrelay.discovery.endpoints import canonical_host, canonical_network
 from kvrelay.sim.wire import offset_endpoint
 
 
@@ -65,3 +66,29 @@ def test_static_sources_pre_027() -> None:
     assert {s.topic for s in srcs} == {"kv"} and srcs[1].advertised_endpoint == "tcp://*:5558"
     no_replay = static_sources(StaticSourceConfig("tcp://10.0.0.9:5557"), "node-7")
     assert no_replay[0].endpoint == "tcp://10.0.0.9:5557" and no_replay[0].replay_endpoint is None
+
+
+@pytest.mark.parametrize("wild", ["[0:0:0:0:0:0:0:0]", "[::0]", "[::ffff:0.0.0.0]"])
+def test_every_spelling_of_the_unspecified_address_is_a_wildcard(wild: str) -> None:
+    """Otherwise the relay dialled ``[0:0:0:0:0:0:0:0]:5557`` itself: its own host's port, not
+    the engine's (another engine there would have fed this one's member)."""
+    assert substitute_wildcard(f"tcp://{wild}:5557", "10.1.2.3") == "tcp://10.1.2.3:5557"
+
+
+@pytest.mark.parametrize(
+    ("host", "canonical"),
+    [
+        ("[0:0:0:0:0:0:0:1]", "::1"), ("::1", "::1"), ("FD00::A", "fd00::a"),
+        ("::ffff:127.0.0.1", "127.0.0.1"), ("[::FFFF:7f00:1]", "127.0.0.1"),
+        ("10.0.0.5", "10.0.0.5"), ("engine-0.svc", "engine-0.svc"), ("*", "*"),
+    ],
+)  # fmt: skip
+def test_canonical_host_spells_each_ip_address_once(host: str, canonical: str) -> None:
+    assert canonical_host(host) == canonical
+
+
+def test_canonical_network_maps_ipv4_mapped_networks_to_ipv4() -> None:
+    assert str(canonical_network("::ffff:10.0.0.0/104")) == "10.0.0.0/8"
+    assert str(canonical_network("::ffff:10.0.0.5")) == "10.0.0.5/32"
+    assert str(canonical_network("fd00::/64")) == "fd00::/64"
+    assert str(canonical_network("::/0")) == "::/0"  # wider than the mapped range: as written

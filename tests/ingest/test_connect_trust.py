@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,12 @@ import zmq.asyncio
 
 from kvrelay.ingest import zap
 from kvrelay.ingest.connect import ConnectSource, ConnectSpec
+from kvrelay.ingest.sink import ResetReason
 from kvrelay.ingest.topic_pattern import TopicPattern
 from kvrelay.ingest.zmtp import GREETING
 from tests.ingest.test_connect import Pub, Sink, ctx, payload, pub, source  # noqa: F401 (fixture)
 from tests.support import vllm_wire as W
+from tests.support.timing import scaled
 from tests.support.vllm_publisher import until
 
 HOSTILE = "127.0.0.2"
@@ -479,5 +482,99 @@ async def test_a_frame_far_over_max_batch_bytes_is_never_received(
         assert src.counters.batch_too_large == 0
         await p.send(b"\x00" * 5000)  # just over: received, counted, dropped
         await until(lambda: src.counters.batch_too_large == 1)
+    finally:
+        await src.stop()
+
+
+#: A publisher in a process of its own (an IPC peer is named by its process): argv endpoint,
+#: topic, first sequence; stdin the hex payloads, one per message.
+_PROCESS_PUB = """
+import sys, zmq
+ep, topic, first = sys.argv[1], sys.argv[2].encode(), int(sys.argv[3])
+bodies = [bytes.fromhex(h) for h in sys.stdin.read().split()]
+c = zmq.Context()
+p = c.socket(zmq.XPUB)
+p.connect(ep)
+assert p.poll(20000), "no subscription"
+p.recv()
+for i, body in enumerate(bodies):
+    p.send_multipart([topic, (first + i).to_bytes(8, "big"), body])
+p.close(linger=5000)
+c.term()
+"""
+
+
+async def _process_pub(endpoint: str, topic: str, seqs: range, tag: int, dp: int = 0) -> None:
+    """Publish ``seqs`` from a new process (a new pid: an engine's restart) and wait for it."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _PROCESS_PUB, endpoint, topic, str(seqs.start),
+        stdin=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    bodies = " ".join(payload(tag, s, dp).hex() for s in seqs)
+    await asyncio.wait_for(proc.communicate(bodies.encode()), scaled(30))
+    assert proc.returncode == 0
+
+
+async def test_a_restarted_ipc_engine_is_a_new_incarnation_not_a_stranger(
+    ctx: zmq.asyncio.Context,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """libzmq names an IPC peer ``localhost:uid:gid:pid``: the engine is bound to its user, and
+    a new pid is a restart. The restarted engine was refused (``address_mismatch``) until its
+    old member expired (``member_silence_s``, 600 s by default), and another DP rank's process
+    for good. Now it is taken at once, as a new incarnation: reset, then its own baseline, even
+    where its sequence happens to continue the old one's (3, 4 after 0..2)."""
+    sink = Sink()
+    spec = ConnectSpec(
+        bind=(f"ipc://{tmp_path}/kv.sock",), pattern=TopicPattern("kv@{engine}@{model}"),
+        kv_block_size=4, model="m",
+    )  # fmt: skip
+    src = ConnectSource(spec, sink, context=ctx)
+    await src.start()
+    try:
+        ep = src.endpoints[0]
+        await _process_pub(ep, "kv@pod-a@m", range(3), tag=1)
+        await until(lambda: len(sink.batches()) == 3, 10)
+        await asyncio.gather(
+            _process_pub(ep, "kv@pod-a@m", range(3, 5), tag=2),  # the restarted rank 0
+            _process_pub(ep, "kv@pod-a@m", range(1), tag=3, dp=1),  # rank 1's process
+        )
+        await until(lambda: len(sink.batches()) == 6, 10)
+        rank0 = [(k, v) for k, v in sink.log if v[:2] == ("pod-a", 0)]
+        assert rank0 == [
+            *(("batch", ("pod-a", 0, s, [1_000_000 + s])) for s in range(3)),
+            ("reset", ("pod-a", 0, ResetReason.INCARNATION)),
+            *(("batch", ("pod-a", 0, s, [2_000_000 + s])) for s in range(3, 5)),
+        ]
+        assert ("pod-a", 1, 0) in sink.batches()
+        c = src.counters
+        assert (c.address_mismatch, c.members_expired, c.members_added) == (0, 0, 2)
+        member = src._members[("pod-a", 0)].counters
+        assert (member.incarnations_detected, member.missing_history) == (1, 1)
+    finally:
+        await src.stop()
+
+
+async def test_ipv4_mapped_spellings_in_allow_and_addresses_match_ipv4_publishers(
+    ctx: zmq.asyncio.Context,  # noqa: F811
+) -> None:
+    """A peer is compared as IPv4 (``::ffff:a.b.c.d`` as ``a.b.c.d``), so the configured
+    addresses must be too: ``allow = ["::ffff:127.0.0.1"]`` refused the publisher at 127.0.0.1
+    at every handshake, and a pinned ``::ffff:127.0.0.0/104`` dropped its messages."""
+    sink = Sink()
+    src = await source(
+        ctx, sink, allow=("::ffff:127.0.0.1", "::FFFF:127.0.0.2"),
+        addresses=(("pod-a", ("::ffff:127.0.0.1/128",)),),
+    )  # fmt: skip
+    try:
+        real = await _pub(ctx, src, b"kv@pod-a@m")
+        other = await _pub(ctx, src, b"kv@pod-a@m", HOSTILE)  # allowed, but not pod-a's
+        await real.send()
+        await other.send(tag=9)
+        await real.send()
+        await _settle(src, 3)
+        assert sink.batches() == [("pod-a", 0, 0), ("pod-a", 0, 1)]
+        c = src.counters
+        assert (c.connections_refused, c.peer_refused, c.address_mismatch) == (0, 0, 1)
     finally:
         await src.stop()
