@@ -10,7 +10,9 @@ means ``UNIMPLEMENTED`` (other servers send that code), and callers that decide 
 benchmarks' subscribers), on grpclib's private client stream parts (``CLIENT_RECV_NEEDS``).
 
 ``RelayChannel``: a grpclib ``Channel`` whose streams that have ended keep their replies and
-status when the connection closes (``keep_ended_streams``, on ``CLIENT_CLOSE_NEEDS``).
+status when the connection closes (``keep_ended_streams``, on ``CLIENT_CLOSE_NEEDS``), and
+which makes its next calls on a new connection once its server refused one as it drains
+(``leave_when_draining``, on ``CLIENT_LEAVE_NEEDS``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from grpclib.protocol import H2Protocol
+from h2.events import ResponseReceived
 
 NO_CONTENT_TYPE = "Missing content-type header"
 
@@ -214,10 +217,119 @@ def _status_arrived(stream: Any) -> bool:
     return any(name in ("grpc-status", b"grpc-status") for name, _ in headers)
 
 
+#: The refusal of a call a relay (kvrelay, or a mirror) makes while it drains: ``UNAVAILABLE``
+#: with this in its message, before any reply (trailers only; contract §4.8).
+DRAINING_MESSAGE = "shutting down"
+
+#: What ``leave_when_draining`` uses of a grpclib client connection: ``(where, attribute)`` as
+#: for ``CLIENT_CLOSE_NEEDS``. Without any of them the channel keeps using the connection until
+#: it closes, as grpclib's own does.
+CLIENT_LEAVE_NEEDS: tuple[tuple[str, str], ...] = (
+    ("proto", "connection_made"),
+    ("proto", "processor"),
+    ("processor", "process"),
+    ("processor", "register"),
+    ("processor", "streams"),
+    ("processor", "close"),
+)
+
+
+def missing_client_leave_needs(proto: Any) -> list[str]:
+    """``where.attribute`` for each of ``CLIENT_LEAVE_NEEDS`` this connected protocol lacks."""
+    objects = {"proto": proto, "processor": getattr(proto, "processor", None)}
+    return [f"{w}.{a}" for w, a in CLIENT_LEAVE_NEEDS if not hasattr(objects[w], a)]
+
+
+def refused_as_draining(headers: Any) -> bool:
+    """A trailers-only reply (its headers carry the status) that refuses the call
+    ``UNAVAILABLE`` because the server is shutting down."""
+    found: dict[str, str] = {}
+    for name, value in headers or ():
+        key = name.decode("ascii", "replace") if isinstance(name, bytes) else str(name)
+        if key in ("grpc-status", "grpc-message"):
+            found[key] = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+    return (
+        found.get("grpc-status") == str(Status.UNAVAILABLE.value)
+        and DRAINING_MESSAGE in found.get("grpc-message", "")
+    )
+
+
+def leave_when_draining(
+    proto: H2Protocol,
+    refused: Callable[[H2Protocol], None],
+    released: Callable[[H2Protocol], None],
+) -> None:
+    """Tell the channel when this connection's server refuses a call as draining
+    (``refused``), and each time one of its streams is released (``released``).
+
+    Why: kvrelay sends grpclib's client no GOAWAY when it drains (grpclib would fail every
+    stream it holds), so grpclib would keep making calls on the draining connection, each
+    refused, until that connection closed at the drain's end: up to its grace, while in a hot
+    upgrade the successor already accepts on the same port. (A GOAWAY needs nothing here:
+    grpclib closes the connection, and the channel makes its next call on a new one.)"""
+    made = proto.connection_made
+
+    def connection_made(transport: Any) -> None:
+        made(transport)
+        if missing_client_leave_needs(proto):
+            return
+        processor: Any = proto.processor
+        process, register = processor.process, processor.register
+
+        def process_noting_refusals(event: Any) -> None:
+            process(event)
+            if isinstance(event, ResponseReceived) and refused_as_draining(event.headers):
+                refused(proto)
+
+        def register_noting_release(stream: Any) -> Callable[[], None]:
+            release = register(stream)
+
+            def release_and_tell() -> None:
+                release()
+                released(proto)
+
+            return release_and_tell
+
+        processor.process = process_noting_refusals
+        processor.register = register_noting_release
+
+    proto.connection_made = connection_made  # type: ignore[method-assign]
+
+
 class RelayChannel(Channel):
-    """A grpclib ``Channel`` whose connections ``keep_ended_streams``."""
+    """A grpclib ``Channel`` whose connections ``keep_ended_streams``, and which leaves a
+    connection whose server refused a call as draining (``leave_when_draining``): its next
+    calls go on a new connection (in a hot upgrade, to the successor on the same port), while
+    the streams still open on the old one go on there; it is closed after the last of them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: connections left for new calls, still serving their open streams
+        self._leaving: set[H2Protocol] = set()
+        #: connections left because their server refused a call as draining
+        self.left_draining = 0
 
     def _protocol_factory(self) -> H2Protocol:
         proto = super()._protocol_factory()
         keep_ended_streams(proto)
+        leave_when_draining(proto, self._leave, self._released)
         return proto
+
+    def _leave(self, proto: H2Protocol) -> None:
+        if self._protocol is not proto:
+            return  # left already (several calls refused), or closed
+        self._protocol = None  # the next call connects anew (grpclib's ``__connect__``)
+        self.left_draining += 1
+        self._leaving.add(proto)  # closed once its streams are released, the refused one too
+        self._released(proto)  # (none left: its reader has gone already)
+
+    def _released(self, proto: H2Protocol) -> None:
+        if proto in self._leaving and not proto.processor.streams:
+            self._leaving.discard(proto)
+            proto.processor.close("left: its server drains")
+
+    def close(self) -> None:
+        super().close()
+        leaving, self._leaving = self._leaving, set()
+        for proto in leaving:
+            proto.processor.close()

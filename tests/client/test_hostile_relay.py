@@ -16,9 +16,11 @@ from grpclib.server import Server
 
 from kvrelay._grpc import (
     CLIENT_CLOSE_NEEDS,
+    CLIENT_LEAVE_NEEDS,
     CLIENT_RECV_NEEDS,
     RelayChannel,
     missing_client_close_needs,
+    missing_client_leave_needs,
     missing_client_recv_needs,
 )
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
@@ -66,7 +68,9 @@ async def test_a_reply_the_sdk_cannot_take_ends_its_stream_typed(reply: bytes, r
 async def test_a_live_client_stream_has_what_the_reader_and_keeping_ended_streams_use() -> None:
     """On a real connection of the SDK's channel: the bounded reader's stream parts, and what
     ``keep_ended_streams`` uses (the processor's streams and its close, which it replaced, and
-    each protocol stream's headers and trailers); an object lacking them has each named."""
+    each protocol stream's headers and trailers), and what ``leave_when_draining`` uses (the
+    processor's process and register, which it replaced); an object lacking them has each
+    named."""
     server = Server([_Relay(bytes(pb.KvPoolCatalogUpdate()))], codec=RawCodec())
     await server.start("127.0.0.1", 0)
     port = server._server.sockets[0].getsockname()[1]
@@ -81,7 +85,11 @@ async def test_a_live_client_stream_has_what_the_reader_and_keeping_ended_stream
             await stream.recv_message()
             proto: Any = ch._protocol
             assert missing_client_close_needs(proto, stream._stream) == []
+            assert missing_client_leave_needs(proto) == []
         assert proto.processor.close.__name__ == "close_open_streams"
+        assert proto.processor.process.__name__ == "process_noting_refusals"
+        assert proto.processor.register.__name__ == "register_noting_release"
+        assert missing_client_leave_needs(object()) == [f"{w}.{a}" for w, a in CLIENT_LEAVE_NEEDS]
         assert missing_client_recv_needs(object()) == [f"{w}.{a}" for w, a in CLIENT_RECV_NEEDS]
         gone = missing_client_close_needs(object(), object())
         assert gone == [f"{w}.{a}" for w, a in CLIENT_CLOSE_NEEDS]
