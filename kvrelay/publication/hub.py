@@ -21,7 +21,8 @@ whose cut is ready but whose turn on its connection has not come (``turn``) hold
 its clocks have not started (the progress timer runs from its turn, and it is no joiner for
 ``publication_hold``), and deltas published meanwhile are not queued for it; they make its cut
 stale, and at its turn a stale cut is replaced by one at the current sequence, before its first
-byte. A stream that failed while it waited gives up its turn unsent.
+byte. A stream that fails or is ended while it waits (a drain, a preemption, a fence) stops
+waiting at once and gives up its turn unsent: its status does not wait for the streams before it.
 
 A stream that ends with an error while its client is not reading keeps the error pending: the send
 in flight completes when the client reads again, then the stream ends with the status (the frames
@@ -672,7 +673,7 @@ class Subscription:
         self._snapshot_left = sum(len(p) for p in payloads)
         for i, payload in enumerate(payloads):
             if i and turn is not None:
-                await turn()  # the progress timer runs from the turn
+                await self._turn(turn)  # the progress timer runs from the turn
             if self._check():
                 return
             handle = loop.call_later(timeout, self._on_snapshot_timeout)
@@ -763,7 +764,7 @@ class Subscription:
         try:
             if turn is not None:
                 hub._caught_up(self)
-                await turn()
+                await self._turn(turn)
             if self._check() or not self._stale:
                 return payloads
             self._frames.clear()  # continuations of the old cut
@@ -778,6 +779,28 @@ class Subscription:
             if not self.ended:
                 hub._joining.add(self)
         return await self._payloads()
+
+    async def _turn(self, turn: Turn) -> None:
+        """Wait for ``turn``, or until this stream ends (``_stop`` wakes ``_waiter``): an ended
+        stream waits for no turn, so a drain or a failure ends it with its status at once
+        instead of when the streams before it on its connection have written theirs. A turn
+        not taken is given up (its wait cancelled)."""
+        if self.ended:
+            return
+        taking = asyncio.ensure_future(turn())
+        try:
+            while not taking.done() and not self.ended:
+                waiter = asyncio.get_running_loop().create_future()
+                self._waiter = waiter
+                try:
+                    await asyncio.wait((taking, waiter), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    self._waiter = None
+        finally:
+            if not taking.done():
+                taking.cancel()  # (the turn's own wait gives its place up as it is cancelled)
+        if taking.done() and not taking.cancelled():
+            taking.result()  # (an error in the turn's wait)
 
     def fail(self, error: RelayError) -> None:
         """End this stream with ``error`` (a preemption, or its client lost the right to see the

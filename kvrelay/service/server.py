@@ -682,9 +682,11 @@ class RelayServer:
         reflection = [self.generic_drain.ending(r, self.service.refuse)
                       for r in reflection_services(listed)]  # fmt: skip
         self.reflection_streams = PermitCounter("reflection", MAX_REFLECTION_STREAMS)
+        # (a bug in them ends INTERNAL, logged and counted, as in the relay's own handlers)
         foreign = [BoundedRequests(h, self.limits.max_message_bytes, REQUEST_TIMEOUT_S,
                                    self.service.refuse, self.service.request_guards,
-                                   None if h is self.health.service else self.reflection_streams)
+                                   None if h is self.health.service else self.reflection_streams,
+                                   self.service.internal_error)
                    for h in (self.health.service, *reflection)]  # fmt: skip
         handlers = [self.service, *foreign, self.spacing]
         config = Configuration(
@@ -704,8 +706,14 @@ class RelayServer:
             handlers, codec=PassThroughCodec(self.limits.max_message_bytes), config=config
         )
         listen(self._server, SendTrailingMetadata, _add_reason_trailer)
-        self._server.h2_guard = (H2Budgets(), self.service.h2_counters)
-        self._server.max_concurrent_streams = streams_per_connection(self.limits)
+        per_connection = streams_per_connection(self.limits)
+        # every stream a connection may hold, cancelled, reopened and cancelled again in one
+        # budget window, is no rapid reset (``h2/guard.py``)
+        held_resets = max(H2Budgets().max_held_resets, 2 * per_connection)
+        self._server.h2_guard = (
+            H2Budgets(max_held_resets=held_resets), self.service.h2_counters
+        )
+        self._server.max_concurrent_streams = per_connection
         self._server.connection_caps = ConnectionCaps(
             self.limits.max_connections_per_address, self.limits.max_connections,
             self.service.h2_counters,

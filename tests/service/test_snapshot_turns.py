@@ -14,6 +14,7 @@ import asyncio
 from typing import Any
 
 import numpy as np
+import pytest
 from grpclib.client import Channel
 from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
@@ -23,10 +24,13 @@ from grpclib.server import Stream as ServerStream
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import errors as E
 from kvrelay.client import rpc
+from kvrelay.contract.errors import RelayError
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.publication import cbi1
 from kvrelay.service.server import RelayServer
+from tests.support.h2_client import RawH2Client
 from tests.support.mem_relay import SVC, Generation, MemRelayView, Replica, sub_request
+from tests.support.timing import scaled
 
 LANES = 12
 BUCKETS = 1 << 17  # 1 MiB lanes: one chunk each
@@ -156,3 +160,51 @@ async def test_a_stream_waiting_its_turn_is_silent_only_while_its_channel_is() -
         shared.close()
         alone.close()
         server.close()
+
+
+@pytest.mark.parametrize("ending", ["drain", "fence"])
+async def test_a_stream_waiting_its_turn_ends_at_once_with_its_status(ending: str) -> None:
+    """A client that reads nothing on one connection: the first stream fills its own window and
+    steps aside, the second keeps the turn waiting for the connection's window, the third waits
+    for its turn. A drain (or a fenced generation) ends the third at once with its status: it
+    waited for its turn first, until the close cut it without one (or, for the fence, until the
+    stall grace reset it)."""
+    limits = RelayLimits(stalled_stream_reset_s=120.0)
+    view = MemRelayView(limits)
+    server = RelayServer(view, limits)
+    await server.start("127.0.0.1", 0)
+    gens = [view.add_pool(f"turn-{i}", 1 << 17) for i in range(3)]
+    c = await RawH2Client.connect(server.port)
+    c._read_data = False  # default windows, never given back: the connection's runs out
+    closing: asyncio.Future[None] | None = None
+    expected: tuple[str, str | None]
+    try:
+        streams = []
+        for g in gens:
+            streams.append(c.open("SubscribeKvPool", bytes(sub_request(g.producer, "raw"))))
+            await _eventually(lambda: server.service.pool_permits.in_use == len(streams))
+        await _eventually(lambda: len(streams[0].data) > 0)
+        waiting = streams[2]
+        assert not waiting.ended.is_set() and not waiting.data
+        if ending == "drain":
+            closing = asyncio.ensure_future(server.close(grace_s=120.0))
+            expected = ("0", None)
+        else:
+            gens[2].retire(RelayError.publication_unavailable("generation fenced"))
+            expected = ("14", "RELAY_ERROR_REASON_PUBLICATION_UNAVAILABLE")
+        await asyncio.wait_for(waiting.ended.wait(), scaled(10))
+        assert (waiting.status, waiting.reason) == expected, waiting.trailers
+        assert not waiting.reset and not waiting.data
+    finally:
+        await c.close()  # the streams before it end with their connection
+        if closing is not None:
+            await asyncio.wait_for(closing, scaled(10))
+        else:
+            await server.close(grace_s=1.0)
+
+
+async def _eventually(check: Any, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + scaled(timeout)
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)

@@ -209,11 +209,11 @@ async def test_each_stream_past_the_pending_bound_can_itself_be_ended_to_make_ro
         place, _ended = pending.enter(read)
         places.append(place)
     assert [p.read for p in places] == reads
-    assert [p.evicted for p in places] == [True, True, False, False]
+    assert [p.ending is not None for p in places] == [True, True, False, False]
     assert [r.cancelled() for r in reads] == [True, True, False, False]
     assert len(pending) == 2
     pending.enter(loop.create_future())
-    assert places[2].evicted and reads[2].cancelled()  # the third stream, in its turn
+    assert reads[2].cancelled()  # the third stream, in its turn
     assert places[2].ending is not None and "no request message" in places[2].ending.message
 
 
@@ -278,5 +278,49 @@ async def test_a_bug_in_a_spacing_request_is_internal_with_the_trailer() -> None
         assert server.service.errors[INTERNAL] == 1
         assert [(e["event"], e["rpc"]) for e in logs] == [("rpc_failed", "HoldPublication")]
     finally:
+        await raw.close()
+        await server.close(grace_s=0.5)
+
+
+_BROKEN_GENERIC = [
+    ("/grpc.health.v1.Health/Check", b""),
+    ("/grpc.health.v1.Health/Watch", b""),
+    ("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo", b"\x22\x01x"),
+    ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", b"\x22\x01x"),
+]
+
+
+@pytest.mark.parametrize(("path", "request_bytes"), _BROKEN_GENERIC,
+                         ids=["check", "watch", "reflection", "reflection-v1alpha"])  # fmt: skip
+async def test_a_bug_in_health_or_reflection_is_internal_with_the_trailer(
+    path: str, request_bytes: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """grpclib's health and reflection services end a bug as the relay's calls do: INTERNAL
+    with the reason trailer, counted, logged ``rpc_failed``; they ended with grpclib's bare
+    UNKNOWN "Internal Server Error", counted nowhere and logged only by grpclib."""
+    from kvrelay.service.reflection import _MethodSymbols
+
+    def broken(*_args: Any) -> Any:
+        raise RuntimeError("injected fault")
+
+    server = RelayServer(MemRelayView())
+    await server.start("127.0.0.1", 0)
+    # health reads its status here (Check through grpclib, Watch through the relay's own loop);
+    # reflection looks a symbol up here (a file_containing_symbol request, "x")
+    monkeypatch.setattr(server.health._status, "__status__", broken)
+    monkeypatch.setattr(_MethodSymbols, "FindFileContainingSymbol", broken)
+    raw = await RawH2Client.connect(server.port)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            framed = b"\x00" + len(request_bytes).to_bytes(4, "big") + request_bytes
+            # (reflection is a bidirectional stream: its request, the stream left open)
+            st = raw.open(path, b"", raw=framed, end="Health" in path)
+            await asyncio.wait_for(st.ended.wait(), scaled(5))
+        assert (st.status, st.reason) == ("13", INTERNAL), (st.status, st.message)
+        assert st.message == "internal error: RuntimeError"
+        assert server.service.errors[INTERNAL] == 1
+        assert [(e["event"], e["rpc"]) for e in logs] == [("rpc_failed", path.lstrip("/"))]
+    finally:
+        monkeypatch.undo()
         await raw.close()
         await server.close(grace_s=0.5)

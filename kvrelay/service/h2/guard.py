@@ -10,6 +10,15 @@ length) and counts, per connection and per ``window_s``, the frames that cost th
 without giving it any. Past a budget it writes GOAWAY with ``ENHANCE_YOUR_CALM`` (the code
 RFC 9113 gives for this) and closes the connection; other connections are untouched.
 
+RST_STREAM counts by the age of the stream it resets. The attack resets streams as soon as it
+opens them, before the server did anything useful with them; a client that closes many streams
+it held open for a while (a router leaving hundreds of pools' streams at once, every stream of a
+channel that shuts down) is no attack, and it may reset at once as many streams as the connection
+may hold. So a reset of a stream opened less than ``held_stream_s`` ago counts against
+``max_resets``; one of a stream held longer counts against ``max_held_resets`` (the server sets
+it from its stream limit per connection), which only bounds a flood of RST_STREAM frames on
+streams long gone. Each stream still cost a new stream to open (``max_streams`` below).
+
 Streams count when they open, however they end: a client that gets h2 itself to reset each
 stream (a stream ended, then DATA on it) is a rapid reset the RST_STREAM count never sees. Frames
 that carry nothing and ask nothing the relay needs (PRIORITY, an empty DATA frame that does not
@@ -66,7 +75,10 @@ class H2Budgets:
     """Frames one connection may send per ``window_s`` (defaults far above any gRPC client's)."""
 
     window_s: float = 10.0
-    max_resets: int = 256  # RST_STREAM from the client
+    max_resets: int = 256  # RST_STREAM from the client on a stream it opened < held_stream_s ago
+    held_stream_s: float = 1.0  # a stream open this long is held, not part of a rapid reset
+    max_held_resets: int = 4096  # RST_STREAM on streams held longer (at least 2 x the streams
+    # a connection may hold: all of them cancelled, reopened and cancelled again in one window)
     max_streams: int = 2048  # streams opened (HEADERS on a new stream id)
     max_empty_frames: int = 4096  # PRIORITY, empty DATA not ending a stream, ... (module doc)
     max_pings: int = 64  # PING without ACK
@@ -100,10 +112,13 @@ class FrameGuard:
         "_empty",
         "_head",
         "_header_bytes",
+        "_held_resets",
         "_in_headers",
         "_last_stream",
         "_pings",
         "_preface",
+        "_recent",
+        "_recent_ids",
         "_resets",
         "_settings",
         "_skip",
@@ -125,6 +140,11 @@ class FrameGuard:
         self._last_stream = 0
         self._window_end = time.monotonic() + budgets.window_s
         self._resets = self._pings = self._settings = self._streams = self._empty = 0
+        self._held_resets = 0
+        #: streams opened less than ``held_stream_s`` ago: (when, stream id), oldest first, and
+        #: their ids (bounded by the streams a window may open)
+        self._recent: deque[tuple[float, int]] = deque()
+        self._recent_ids: set[int] = set()
         self.tripped: str | None = None
 
     def feed(self, data: bytes) -> bool:
@@ -165,6 +185,7 @@ class FrameGuard:
         if now >= self._window_end:
             self._window_end = now + self._budgets.window_s
             self._resets = self._pings = self._settings = self._streams = self._empty = 0
+            self._held_resets = 0
         b = self._budgets
         if kind == HEADERS:
             if stream > self._last_stream:  # a new stream (trailers come on an open one)
@@ -172,6 +193,9 @@ class FrameGuard:
                 self._streams += 1
                 if self._streams > b.max_streams:
                     return "stream_flood"
+                self._forget_held(now)
+                self._recent.append((now, stream))
+                self._recent_ids.add(stream)
             self._header_bytes = length
             self._in_headers = not flags & END_HEADERS
         elif kind == CONTINUATION and self._in_headers:
@@ -184,9 +208,15 @@ class FrameGuard:
         ):
             return self._empty_frame()
         elif kind == RST_STREAM:
-            self._resets += 1
-            if self._resets > b.max_resets:
-                return "rapid_reset"
+            self._forget_held(now)
+            if 0 < stream <= self._last_stream and stream not in self._recent_ids:
+                self._held_resets += 1  # a stream held a while (or long gone): module doc
+                if self._held_resets > b.max_held_resets:
+                    return "rapid_reset"
+            else:
+                self._resets += 1
+                if self._resets > b.max_resets:
+                    return "rapid_reset"
         elif kind == PING and not flags & ACK:
             self._pings += 1
             if self._pings > b.max_pings:
@@ -198,6 +228,12 @@ class FrameGuard:
         if kind in (HEADERS, CONTINUATION) and self._header_bytes > b.max_header_block_bytes:
             return "oversized_headers"
         return None
+
+    def _forget_held(self, now: float) -> None:
+        """Drop the streams opened ``held_stream_s`` ago or earlier from the recent ones."""
+        recent, cutoff = self._recent, now - self._budgets.held_stream_s
+        while recent and recent[0][0] <= cutoff:
+            self._recent_ids.discard(recent.popleft()[1])
 
     def _empty_frame(self) -> str | None:
         self._empty += 1

@@ -169,12 +169,17 @@ def missing_in_feed(proto: Any) -> list[str]:
 #: grpclib's ``handler.accept`` (``PROTOCOL_NEEDS``) is given with the request headers: ``mend``
 #: notes the call's ``grpc-encoding`` by it there, and the reader finds it by ``stream._stream``
 #: (where they differ, no encoding is known and a compressed request stays INVALID_REQUEST).
+#: A request in an encoding it cannot read is refused after response headers naming those it
+#: can (``grpc-accept-encoding``), written as grpclib writes its own.
 REQUEST_NEEDS: tuple[tuple[str, str], ...] = (
     ("stream", "_stream"),
     ("stream", "_codec"),
     ("stream", "_recv_type"),
     ("stream", "_messages_received"),
+    ("stream", "_send_initial_metadata_done"),
+    ("stream", "_content_type"),
     ("inner", "recv_data"),
+    ("inner", "send_headers"),
     ("inner", "connection"),
     ("connection", "messages_received"),
 )

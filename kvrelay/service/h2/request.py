@@ -16,7 +16,11 @@ limit, so a small message that would inflate past it (a decompression bomb) cost
 work and is refused with the error an uncompressed request of that size gets; data that does
 not inflate (corrupt, cut short, trailing bytes) is INVALID_REQUEST. A compressed message in any
 other encoding is UNIMPLEMENTED, as the gRPC spec says (plain gRPC, no reason trailer: no relay
-reason fits, and Dynamo answers a ``grpc-encoding`` with that status), refused at its prefix.
+reason fits, and Dynamo answers a ``grpc-encoding`` with that status), refused at its prefix, and
+its response headers carry ``grpc-accept-encoding`` (``identity,gzip,deflate``), as the spec asks
+of a server that refuses an encoding, so a client can retry in one the relay reads. grpclib's
+metadata refuses ``grpc-`` names, so those headers are written as grpclib writes its own
+(``internals.REQUEST_NEEDS``), before grpclib's trailers with the status.
 grpclib drops ``grpc-*`` headers from a stream's metadata, so ``mend`` notes each call's
 ``grpc-encoding`` as grpclib accepts the stream (``note_request_encoding``); where ``mend`` is
 not installed no encoding is known and a compressed message stays INVALID_REQUEST.
@@ -31,7 +35,9 @@ INVALID_REQUEST, also before its body is read (one over the message limit stays 
 as the contract says), so a stream pins at most that much of a client's sending. Across the
 port, the bytes of larger requests being read and the streams waiting for their request are
 bounded too (``request_guards.py``).
-``BoundedRequests`` puts grpclib's own health and reflection services on the same reader.
+``BoundedRequests`` puts grpclib's own health and reflection services on the same reader, and
+ends a bug in them as the relay's own calls end one (INTERNAL with the reason trailer, logged
+``rpc_failed``, counted) instead of grpclib's bare UNKNOWN.
 ``finish_early`` ends a stream with status OK while its client may still send requests (a
 reflection stream on the drain).
 """
@@ -47,7 +53,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, NoReturn
 
 from grpclib.const import Cardinality, Handler, Status
-from grpclib.exceptions import GRPCError
+from grpclib.exceptions import GRPCError, StreamTerminatedError
 
 from kvrelay._aio import bounded
 from kvrelay._grpc import BrokenFraming, CompressedMessage, read_framed
@@ -63,6 +69,7 @@ from kvrelay.service.h2.internals import (
 from kvrelay.service.h2.request_guards import SMALL_REQUEST_BYTES, RequestGuards
 
 __all__ = [
+    "ACCEPTED_ENCODINGS",
     "INBOUND_WINDOW_BYTES",
     "INFLATED_ENCODINGS",
     "MAX_REQUEST_BYTES",
@@ -90,6 +97,8 @@ INBOUND_WINDOW_BYTES = 65_535
 #: for each (gRPC's ``deflate`` is the zlib format, RFC 1950, as grpc-core writes it).
 INFLATED_ENCODINGS: dict[str, int] = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 _IDENTITY = "identity"
+#: ``grpc-accept-encoding``: what the relay reads, told with an UNIMPLEMENTED encoding.
+ACCEPTED_ENCODINGS = ",".join((_IDENTITY, *INFLATED_ENCODINGS))
 
 #: Each call's ``grpc-encoding`` (lower case; several different values joined by ", "), by
 #: grpclib's protocol stream; only calls that sent one. Weak: an entry goes with its stream.
@@ -194,6 +203,7 @@ async def recv_request(
         body = await read_framed(inner, check, inflate)
     except CompressedMessage as exc:
         if encoding is not None and encoding != _IDENTITY:
+            await _tell_accepted_encodings(stream)
             raise GRPCError(
                 Status.UNIMPLEMENTED,
                 f"a request compressed as grpc-encoding {encoding!r}: this relay inflates "
@@ -211,6 +221,18 @@ async def recv_request(
     stream._messages_received += 1
     inner.connection.messages_received += 1
     return message
+
+
+async def _tell_accepted_encodings(stream: Any) -> None:
+    """Response headers with ``grpc-accept-encoding`` (see the module docstring), unless the
+    response's headers went out already (a later request on a reflection stream)."""
+    if stream._send_initial_metadata_done:
+        return
+    headers = [(":status", "200"), ("content-type", stream._content_type),
+               ("grpc-accept-encoding", ACCEPTED_ENCODINGS)]  # fmt: skip
+    with contextlib.suppress(Exception):  # the stream or its connection ended meanwhile
+        await stream._stream.send_headers(headers)
+        stream._send_initial_metadata_done = True
 
 
 async def recv_within(
@@ -277,7 +299,8 @@ class BoundedRequests:
     ``SMALL_REQUEST_BYTES`` at most, so an idle stream pins no more than that. ``streams`` caps
     the bidirectional calls open at once (each costs its state for as long as the tool keeps
     it). ``refuse`` ends the call for a refused request (the relay's own: counted, with the
-    reason trailer)."""
+    reason trailer); ``internal`` gives what a bug in a handler ends its call with (the relay's
+    own, which logs it), given the RPC's path without its leading slash."""
 
     def __init__(
         self,
@@ -287,8 +310,10 @@ class BoundedRequests:
         refuse: Callable[[RelayError], NoReturn],
         guards: RequestGuards | None = None,
         streams: PermitCounter | None = None,
+        internal: Callable[[str, Exception], RelayError] | None = None,
     ) -> None:
         self._handlers = handlers
+        self._internal = internal
         self._max_bytes = max_bytes
         self._timeout_s = timeout_s
         self._refuse = refuse
@@ -297,12 +322,12 @@ class BoundedRequests:
 
     def __mapping__(self) -> dict[str, Handler]:
         return {
-            path: h._replace(func=self._bounded(h.func, h.cardinality))
+            path: h._replace(func=self._bounded(h.func, h.cardinality, path.lstrip("/")))
             for path, h in self._handlers.__mapping__().items()
         }
 
     def _bounded(
-        self, func: Callable[[Any], Awaitable[None]], cardinality: Cardinality
+        self, func: Callable[[Any], Awaitable[None]], cardinality: Cardinality, rpc: str
     ) -> Callable[[Any], Awaitable[None]]:
         streams = self._streams if cardinality is Cardinality.STREAM_STREAM else None
         later_bytes = min(self._max_bytes, SMALL_REQUEST_BYTES)
@@ -314,6 +339,12 @@ class BoundedRequests:
                 ))  # fmt: skip
             try:
                 await bounded_call(stream)
+            except (asyncio.CancelledError, GRPCError, StreamTerminatedError):
+                raise  # a status, the call's own end, or its client's reset: no bug
+            except Exception as exc:
+                if self._internal is None:
+                    raise
+                self._refuse(self._internal(rpc, exc))
             finally:
                 if streams is not None:
                     streams.release()

@@ -84,10 +84,6 @@ class Waiting:
         #: what the call ends with, once its wait was ended here (None: it was not)
         self.ending: RelayError | None = None
 
-    @property
-    def evicted(self) -> bool:
-        return self.ending is not None
-
     def end(self, error: RelayError) -> None:
         self.ending = error
         self.read.cancel()

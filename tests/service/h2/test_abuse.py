@@ -27,7 +27,7 @@ from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.contract.wire import CONTRACT_MARKER
 from kvrelay.ops.tls import client_ssl_context, server_ssl_context
-from kvrelay.service.h2.guard import ENHANCE_YOUR_CALM, H2Budgets
+from kvrelay.service.h2.guard import ENHANCE_YOUR_CALM, H2Budgets, goaway
 from kvrelay.service.h2.request import MAX_REQUEST_BYTES
 from kvrelay.service.server import RelayServer
 from tests.support.h2_client import RawH2Client, plane_request
@@ -807,4 +807,66 @@ async def test_one_connection_may_hold_every_stream_the_limits_allow_it() -> Non
                 waiting.cancel()
                 raise AssertionError(f"{len(served)} of 150 streams served") from None
     finally:
+        await server.close(grace_s=0.5)
+
+
+async def test_a_client_cancelling_every_stream_it_held_is_no_rapid_reset() -> None:
+    """A router closing its subscriptions all at once (325 streams held for a while, one
+    RST_STREAM each, in one write) keeps its connection: the next call on it is answered. Every
+    RST_STREAM counted against the 256 of a rapid reset, and the connection was ended with
+    GOAWAY ENHANCE_YOUR_CALM. Resetting streams right after opening them still is a rapid reset
+    (``test_abusive_connection_gets_goaway_and_others_keep_their_streams``)."""
+    n = 325
+    assert n > BUDGETS.max_resets
+    limits = RelayLimits(max_catalog_subscribers=400)
+    server = RelayServer(MemRelayView(), limits)
+    await server.start("127.0.0.1", 0)
+    c = await RawH2Client.connect(server.port, "127.0.0.2")
+    try:
+        await asyncio.sleep(0.2)  # the relay's SETTINGS (its stream limit) are in effect
+        held = {}
+        for i in range(n):
+            sid = c.h2.get_next_available_stream_id()
+            held[sid] = c.open("WatchKvPoolCatalog", plane_request(f"r{i}"))
+        await _eventually(lambda: all(st.data for st in held.values()))  # each was served
+        await asyncio.sleep(1.2)  # held (past held_stream_s, 1 s), as a router holds them
+        for sid in held:
+            c.h2.reset_stream(sid, 8)  # CANCEL, as gRPC clients cancel a call
+        c.flush()
+        await _eventually(lambda: server.service.catalog_permits.in_use == 0)
+        assert c.goaway is None, c.goaway
+        probe = c.open("GetRelayInfo", INFO)
+        await asyncio.wait_for(probe.ended.wait(), 10)
+        assert probe.status == "0" and c.goaway is None
+        assert server.service.guard_stats()[2]["rapid_reset"] == 0
+    finally:
+        await c.close()
+        await server.close(grace_s=0.5)
+
+
+async def test_a_flood_of_resets_on_streams_long_gone_is_closed() -> None:
+    """Resets of streams held a while have a budget of their own (at least twice the streams a
+    connection may hold): RST_STREAM frames sent again and again on old streams past it end
+    the connection with GOAWAY ENHANCE_YOUR_CALM, counted as a rapid reset."""
+    server = RelayServer(MemRelayView())
+    await server.start("127.0.0.1", 0)
+    guard, per_connection = server._server.h2_guard, server._server.max_concurrent_streams
+    assert guard is not None and per_connection is not None
+    assert guard[0].max_held_resets >= 2 * per_connection
+    server._server.h2_guard = (H2Budgets(max_held_resets=64), guard[1])
+    writer, got, pump = await _raw_connection(server.port)
+    try:
+        block = hpack.Encoder().encode([
+            (":method", "POST"), (":scheme", "http"), (":authority", "relay"),
+            (":path", "/dynamo.kvrelay.v1.KvEventRelay/GetRelayInfo"),
+            ("content-type", "application/grpc"), ("te", "trailers"),
+        ])  # fmt: skip
+        writer.write(_frame(0x1, 0x5, 1, block))  # one call, ended at once (no request: refused)
+        await asyncio.sleep(BUDGETS.held_stream_s + 0.2)
+        writer.write(_frame(0x3, 0, 1, (8).to_bytes(4, "big")) * 100)
+        await asyncio.wait_for(pump, 20)  # the relay closes the connection
+        assert server.service.guard_stats()[2]["rapid_reset"] == 1
+        assert goaway(1) in bytes(got)  # ENHANCE_YOUR_CALM
+    finally:
+        writer.close()
         await server.close(grace_s=0.5)

@@ -98,8 +98,9 @@ async def test_gzip_and_deflate_requests_are_served_like_plain_ones(
 async def test_compressed_requests_that_cannot_be_read_are_refused(
     method: str, body: bytes
 ) -> None:
-    """Another encoding: UNIMPLEMENTED (plain gRPC, no reason trailer). The flag without an
-    encoding, or with ``identity``: INVALID_REQUEST, as before. Data that does not inflate
+    """Another encoding: UNIMPLEMENTED (plain gRPC, no reason trailer) after response headers
+    with ``grpc-accept-encoding``. The flag without an encoding, or with ``identity``:
+    INVALID_REQUEST, as before. Data that does not inflate
     (not gzip, cut short, bytes after its end, gzip sent as ``deflate``): INVALID_REQUEST. A
     gzip of 12 KiB that inflates to 12 MiB: refused as a request over 1 MiB is. The encoding
     alone refuses nothing: an uncompressed message under ``br`` is served."""
@@ -125,6 +126,10 @@ async def test_compressed_requests_that_cannot_be_read_are_refused(
             st, reply = await _call(server.port, method, raw, headers)
             assert reply is None, (headers, raw[:20])
             assert (st.status, st.reason) == (status, reason), (headers, raw[:20], st.message)
+            # an encoding it cannot read: the response says which it can (gRPC's compression
+            # spec); it said nothing, and a client could not know what to retry with
+            accepts = st.headers.get("grpc-accept-encoding")
+            assert accepts == ("identity,gzip,deflate" if status == "12" else None), headers
         upper = (("grpc-encoding", "GZIP"),)
         st, reply = await _call(server.port, method, framed(big, True), upper)
         assert f"inflates to over {MAX_REQUEST_BYTES} bytes" in (st.message or "")
