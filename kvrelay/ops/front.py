@@ -11,6 +11,7 @@ so ``N−1`` workers admit up to ``N−1`` times each stream limit (``docs/scali
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -106,10 +107,14 @@ class WorkerFront:
         self.port = 0
         #: (device, inode) of the internal socket this process listens on
         self._socket_id: tuple[int, int] | None = None
-        #: internal servers (and their directories) replaced after their path was lost: they
-        #: still serve the workers connected to them, until ``stop``
+        #: internal servers (and their directories) replaced after their path was lost: each
+        #: serves the running workers started on it, and is closed once none is left
         self._replaced: list[tuple[Any, PrivateDir]] = []
+        #: the internal socket path each worker (by index) was last started with
+        self._upstreams: dict[int, str] = {}
+        self._closing: set[asyncio.Task[None]] = set()
         self.internal_rebinds = 0
+        self.internal_closed = 0  # replaced internal servers closed
 
     async def start(self) -> None:
         from kvrelay.service.server import RelayServer
@@ -152,10 +157,12 @@ class WorkerFront:
         ``runtime_dir``, an operator) or its directory made inaccessible, listen on a new one
         in a new private directory, so the new worker can mirror the ingest process; before,
         every restarted worker waited for a socket that was gone, and once the last one went no
-        process accepted on the public port while ``/healthz`` said ok. Workers already
-        connected keep their connections to the old listener until ``stop``."""
+        process accepted on the public port while ``/healthz`` said ok. Workers still running
+        keep their connections to the old listener; once none of those started on it runs, it
+        is closed (``_close_unused``)."""
         from kvrelay.service.server import RelayServer
 
+        self._close_unused()
         if self.internal_intact():
             return
         cfg = self.cfg
@@ -180,6 +187,33 @@ class WorkerFront:
         self._socket_id = _socket_id(path)
         self.internal_rebinds += 1
         _LOG.error("internal_socket_lost", path=lost, rebound=True, new_path=path)
+        self._close_unused()
+
+    def _close_unused(self) -> None:
+        """Close each replaced internal server that no running worker was started on: its path
+        is gone, so no worker can connect to it again. Kept until ``stop``, every loss of the
+        path left a listener, a server and a directory lock behind in the ingest process.
+        Closed in the background (a drain: what is still open on it ends with a status), so
+        the restart it comes before is not delayed."""
+        running = set() if self.supervisor is None else self.supervisor.running
+        used = {self._upstreams.get(i) for i in running}
+        kept = []
+        for server, directory in self._replaced:
+            if os.path.join(directory.path, "ingest.sock") in used:
+                kept.append((server, directory))
+                continue
+            task = asyncio.ensure_future(self._close_replaced(server, directory))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        self._replaced = kept
+
+    async def _close_replaced(self, server: Any, directory: PrivateDir) -> None:
+        try:
+            await server.close(grace_s=max(0.1, self.cfg.shutdown_timeout_s / 2))
+        finally:
+            directory.remove()
+            self.internal_closed += 1
+            _LOG.info("internal_socket_closed", path=os.path.join(directory.path, "ingest.sock"))
 
     def listening_socket(self) -> socket.socket:
         """The shared public listener (a hot upgrade hands its descriptor to the successor)."""
@@ -191,6 +225,7 @@ class WorkerFront:
         cfg = self.cfg
         assert self.path is not None
         json_logs = _json_logs(cfg.logging)
+        self._upstreams[index] = self.path
         return WorkerSpec(
             index=index,
             upstream=f"unix:{self.path}",
@@ -241,6 +276,8 @@ class WorkerFront:
             await server.close(grace_s=grace_s)
             directory.remove()
         self._replaced.clear()
+        if self._closing:
+            await asyncio.wait(tuple(self._closing))
         if self._listener is not None:  # after a hand-over the successor's workers hold it on
             self._listener.close()
             self._listener = None

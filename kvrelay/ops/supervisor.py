@@ -48,6 +48,8 @@ RESTART_MAX_S = 30.0
 RESTART_RESET_S = 60.0
 #: A serving worker silent this long (it reports every second) is wedged: killed and restarted.
 HANG_S = 30.0
+#: Longest wait, after a worker exited, for its reader to take the lines still in its pipe.
+READ_TAIL_S = 2.0
 #: Longest worker line read (a STATS report grows with the number of mirrored pools).
 STATS_LINE_MAX = 4 * 1024 * 1024
 _SYSTEMD_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
@@ -99,6 +101,9 @@ class _Slot:
     #: the per-worker counters (``_worker_counters``) of this slot's exited workers: a restarted
     #: worker counts from 0, its series (``{worker="i"}``) must not go backwards
     carried: dict[str, Any] = field(default_factory=dict)
+    #: the task reading this worker's lines (``_read``): its last report is read before the
+    #: worker's counts are kept
+    reader: asyncio.Task[None] | None = None
 
 
 class Supervisor:
@@ -195,6 +200,7 @@ class Supervisor:
         slot.started = slot.last_report = time.monotonic()
         slot.ready = asyncio.get_running_loop().create_future()
         reader = asyncio.create_task(self._read(slot, proc))
+        slot.reader = reader
         self._readers.add(reader)
         reader.add_done_callback(self._readers.discard)
 
@@ -225,6 +231,7 @@ class Supervisor:
             proc = slot.proc
             assert proc is not None
             code = await proc.wait()
+            await self._read_tail(slot)
             if self._stopping:
                 return
             slot.exits += 1
@@ -256,6 +263,13 @@ class Supervisor:
                 if slot.proc is not None and slot.proc.returncode is None:
                     slot.proc.kill()
 
+    async def _read_tail(self, slot: _Slot) -> None:
+        """Wait (bounded) until the reader of an exited worker read its last lines: a final
+        report still in the pipe, read after its counts were kept, was added again on top of
+        them, and the sums fell back when the successor's first report replaced it."""
+        if slot.reader is not None:
+            await asyncio.wait((slot.reader,), timeout=READ_TAIL_S)
+
     async def stop(self, timeout_s: float) -> None:
         """SIGTERM every worker, wait up to ``timeout_s``, then SIGKILL what is left."""
         self._stopping = True
@@ -276,6 +290,10 @@ class Supervisor:
                         with contextlib.suppress(ProcessLookupError):
                             p.kill()
                 await asyncio.wait(pending, timeout=5.0)
+        # their last reports (after their drains) are read while /metrics still serves
+        tails = [s.reader for s in self._slots if s.reader is not None]
+        if tails:
+            await asyncio.wait(tails, timeout=READ_TAIL_S)
         for s in self._slots:
             if s.proc is not None and s.proc.stdin is not None:
                 s.proc.stdin.close()
@@ -284,6 +302,11 @@ class Supervisor:
     @property
     def pids(self) -> list[int | None]:
         return [s.proc.pid if s.proc is not None else None for s in self._slots]
+
+    @property
+    def running(self) -> set[int]:
+        """The indices of the workers whose process runs (serving or not yet)."""
+        return {s.index for s in self._slots if s.proc is not None and s.proc.returncode is None}
 
     @property
     def alive(self) -> int:

@@ -7,7 +7,8 @@ UNIX socket, accepts router connections on the public listening socket it inheri
 ``[[authorization]]`` rules to the clients whose TLS it terminates (from the spec, then from
 each ``AUTHZ`` line a reload writes to its stdin) and talks back on stdout, one line each:
 ``READY <port>`` once its mirror is synchronized and its listener is up, then ``STATS <json>``
-every ``stats_interval_s``.
+every ``stats_interval_s``, and a last one after its drain when it stops (a graceful exit loses
+no count).
 
 Lines go out through ``ReportPipe`` (a writer thread): a supervisor that reads late never
 blocks the worker's event loop; STATS reports it could not take are dropped and counted
@@ -196,22 +197,33 @@ async def run_worker(
                   gil_switch_interval_s=sys.getswitchinterval())  # fmt: skip
         report_pipe.send(f"READY {server.port}", droppable=False)
         health = asyncio.ensure_future(follow_session(mirror, server.health.set_serving))
-        while not stop.is_set():
+        while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), spec.stats_interval_s)
-            report = {"service": _service_stats(server), "mirror": mirror.stats(),
-                      "reports_dropped": report_pipe.dropped}  # fmt: skip
-            report_pipe.send("STATS " + json.dumps(report, default=str))
-        return 0
+            if stop.is_set():  # the last report comes after the drain (below)
+                return 0
+            report_pipe.send(_report(server, mirror, report_pipe))
     finally:
         grace = max(0.1, spec.shutdown_timeout_s / 2)
         if health is not None:  # before the drain, which says NOT_SERVING for good
             health.cancel()
         if server is not None:
             await server.close(grace_s=grace)
+            # What the worker counted since its last report, the drain's refusals included:
+            # the supervisor keeps an exited worker's last report, so without this one those
+            # counts never reached /metrics. Before the mirror stops (which forgets its pools'
+            # totals); a line that must arrive, so the writer's queue never drops it.
+            report_pipe.send(_report(server, mirror, report_pipe), droppable=False)
         await mirror.stop()
         if out is None:
             report_pipe.close(timeout_s=0.5)
+
+
+def _report(server: Any, mirror: Any, pipe: ReportPipe) -> str:
+    """One ``STATS`` line: the service's and the mirror's counters, the dropped reports."""
+    report = {"service": _service_stats(server), "mirror": mirror.stats(),
+              "reports_dropped": pipe.dropped}  # fmt: skip
+    return "STATS " + json.dumps(report, default=str)
 
 
 def _service_stats(server: Any) -> dict[str, Any]:

@@ -18,7 +18,10 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
+import pytest
 from grpclib.client import Channel
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
 
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.ops.report_pipe import ReportPipe
@@ -123,6 +126,61 @@ async def test_a_worker_whose_stdout_is_not_read_keeps_serving() -> None:
             stop.set()
             assert await asyncio.wait_for(worker, 20) == 0
             pipe.close(timeout_s=1)
+    finally:
+        stop.set()
+        await upstream.close(grace_s=1.0)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+async def test_a_stopping_worker_reports_what_its_drain_counted() -> None:
+    """A call that still waits for its request when the worker's drain runs out is refused
+    (``PUBLICATION_UNAVAILABLE``, counted): the worker's last report, after its drain, carries
+    that count. Before, the last report was written before the drain, and the supervisor, which
+    keeps an exited worker's last report, never counted the refusal."""
+    from grpclib.const import Cardinality
+
+    from kvrelay._proto.dynamo.kvrelay import v1 as pb
+    from kvrelay.ops.worker import WorkerControl
+
+    view = MemRelayView(RelayLimits())
+    view.add_pool("p0", 1024)
+    upstream = RelayServer(view)
+    folder = tempfile.mkdtemp(prefix="kvrelay-test-")
+    path = os.path.join(folder, "ingest.sock")
+    await upstream.start_unix(path)
+    stop = asyncio.Event()
+    control = WorkerControl()
+    try:
+        r, w = os.pipe()
+        pipe = ReportPipe(w)
+        # no periodic report: only what the worker writes when it stops
+        spec = WorkerSpec(index=1, upstream=f"unix:{path}", host="127.0.0.1", port=0,
+                          stats_interval_s=3600, sync_timeout_s=30,
+                          shutdown_timeout_s=0.4)  # fmt: skip
+        worker = asyncio.ensure_future(run_worker(spec, stop, out=pipe, control=control))
+        await eventually(lambda: pipe.written >= 1, what="READY written", timeout=30)
+        port = int(read_available(r).decode().split()[1])
+        async with Channel("127.0.0.1", port) as ch:
+            with pytest.raises(GRPCError) as refused:
+                async with ch.request(
+                    "/dynamo.kvrelay.v1.KvEventRelay/WatchKvPoolCatalog",
+                    Cardinality.UNARY_STREAM, pb.WatchKvPoolCatalogRequest,
+                    pb.KvPoolCatalogUpdate,
+                ) as held:  # fmt: skip
+                    await held.send_request()  # headers only: the handler waits for it
+                    await eventually(lambda: bool(control.server.service._active),
+                                     what="the call is handled")  # fmt: skip
+                    stop.set()
+                    assert await asyncio.wait_for(worker, 20) == 0
+                    await held.recv_initial_metadata()
+            assert refused.value.status is Status.UNAVAILABLE
+        assert pipe.close(timeout_s=5)
+        lines = read_available(r).decode().splitlines()
+        os.close(r)
+        os.close(w)
+        assert lines and lines[-1].startswith("STATS "), lines
+        errors = json.loads(lines[-1][len("STATS ") :])["service"]["errors"]
+        assert errors == {"RELAY_ERROR_REASON_PUBLICATION_UNAVAILABLE": 1}, lines[-1][:500]
     finally:
         stop.set()
         await upstream.close(grace_s=1.0)

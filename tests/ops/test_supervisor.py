@@ -109,6 +109,37 @@ async def test_a_report_written_just_before_the_exit_is_counted_once(tmp_path: P
         await sup.stop(5.0)
 
 
+def test_a_last_report_read_after_the_exit_is_kept_on_uvloop(tmp_path: Path) -> None:
+    """The supervisor's loop is late (busy, stalled) while a worker writes its last report and
+    exits: uvloop then says the process exited before the report is read. Its counts are kept
+    once the reader took that report; before, the counts kept were the previous report's, the
+    last one landed on top of them until the successor's first report replaced it, and the
+    sum fell back (``F`` 1, then 0)."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def scenario() -> list[int]:
+        sup = _supervisor(tmp_path, "flash,serve")
+        await sup.start()
+        try:
+            time.sleep(1.0)  # the loop stalls over the worker's last report and its exit
+            seen: list[int] = []
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + scaled(10)
+            while not (sup.restarts == 1 and "mirror" in sup._slots[0].stats):  # successor's
+                assert loop.time() < deadline, "the worker was not restarted"
+                seen.append(sup.stats()[1].get("F", 0))
+                await asyncio.sleep(0.01)
+            seen.append(sup.stats()[1].get("F", 0))
+            return seen
+        finally:
+            await sup.stop(5.0)
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        seen = runner.run(scenario())
+    assert seen[-1] == 1, seen
+    assert seen == sorted(seen), f"the kept count went down: {seen}"
+
+
 async def test_every_worker_and_every_restart_inherits_the_one_listener(tmp_path: Path) -> None:
     sock = shared_listener("127.0.0.1", 0)
     fd = sock.fileno()

@@ -300,6 +300,55 @@ async def test_a_lost_internal_socket_is_listened_on_again_for_a_restarted_worke
         await engine.stop()
 
 
+def _listening(folder: Path) -> list[str]:
+    """The UNIX sockets listening under ``folder`` in this network namespace (a socket's bound
+    path stays listed after the file is removed)."""
+    out = []
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        f = line.split()  # Num RefCount Protocol Flags Type St Inode Path
+        if len(f) >= 8 and f[7].startswith(f"{folder}/") and int(f[3], 16) & 0x10000:
+            out.append(f[7])
+    return out
+
+
+async def test_a_replaced_internal_socket_is_closed_once_no_worker_uses_it(
+    tmp_path: Path,
+) -> None:
+    """The internal directory is removed and the worker dies: the front listens on a new
+    internal socket for the restart, and closes the one it replaced, whose only worker is gone
+    (no worker can reach its path again). Before, every replaced server listened on, with its
+    directory's lock, until the daemon stopped: one listener and two descriptors per loss."""
+    from kvrelay.contract.limits import RelayLimits
+    from kvrelay.ops.front import WorkerFront
+    from tests.support.mem_relay import MemRelayView
+
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    cfg = load_config(_config(tmp_path / "w.toml", 1, f'workers = 2\nruntime_dir = "{runtime}"'))
+    view = MemRelayView(RelayLimits())
+    view.add_pool("p0", 1024)
+    front = WorkerFront(cfg, view, start_timeout_s=scaled(60))
+    await front.start()
+    try:
+        sup = front.supervisor
+        assert sup is not None
+        [lost] = list(runtime.glob("kvrelay-*"))
+        assert _listening(lost) == [str(lost / "ingest.sock")]
+        shutil.rmtree(lost)
+        [worker] = sup.pids
+        assert worker is not None
+        os.kill(worker, signal.SIGKILL)
+        await eventually(lambda: sup.restarts == 1 and sup.alive == 1,
+                         what="worker restarted", timeout=scaled(60))  # fmt: skip
+        assert front.internal_rebinds == 1
+        await eventually(lambda: not _listening(lost), what="the replaced socket closed")
+        [new] = list(runtime.glob("kvrelay-*"))
+        assert _listening(new) == [str(new / "ingest.sock")]
+    finally:
+        await front.stop(2.0)
+    assert not list(runtime.glob("kvrelay-*")) and not _listening(runtime)
+
+
 def test_check_config_validates_workers_and_mirror(tmp_path: Path) -> None:
     f = tmp_path / "k.toml"
     f.write_text('[relay]\ndc_name = "d"\nworkers = 0\n\n[[pools]]\nnamespace = "n"\n'
