@@ -271,7 +271,7 @@ class EngineClient:
         par = info.parallelism or vpb.ParallelismInfo()
         sizes = (par.data_parallel_size, par.data_parallel_size_local, par.tensor_parallel_size,
                  par.pipeline_parallel_size)  # fmt: skip
-        if max(sizes) > MAX_PARALLEL or par.data_parallel_rank > MAX_PARALLEL:
+        if max(sizes) > MAX_PARALLEL or par.data_parallel_rank >= MAX_PARALLEL:  # a rank < size
             raise self._invalid("GetServerInfo", f"implausible parallelism {sizes}", "implausible")
 
     async def snapshot(self, previous: EngineSnapshot | None = None) -> EngineSnapshot:

@@ -48,6 +48,7 @@ CASES: dict[str, dict[str, bytes]] = {
     "undecodable": {"GetServerInfo": b"\x1a\x02\xff\xfe"},  # instance_id: not UTF-8
     "too_large": {"GetServerInfo": _info() + b"\x0a\x00" * (MAX_REPLY_BYTES // 2 + 1)},
     "parallelism": {"GetServerInfo": _info(data_parallel_size_local=2**32 - 1)},
+    "server_rank_at_limit": {"GetServerInfo": _info(data_parallel_rank=MAX_PARALLEL)},
     "many_sources": {"GetKvEventSources": _sources(list(range(MAX_PARALLEL + 1)))},
     "same_rank_twice": {"GetKvEventSources": _sources([0, 0])},
     "rank_out_of_range": {"GetKvEventSources": _sources([0, 2**32 - 1])},
@@ -67,6 +68,7 @@ CASES: dict[str, dict[str, bytes]] = {
 }
 KINDS = dict.fromkeys(CASES, "undecodable") | {
     "too_large": "too_large", "parallelism": "implausible", "many_sources": "implausible",
+    "server_rank_at_limit": "implausible",
     "same_rank_twice": "implausible", "rank_out_of_range": "implausible",
     "many_aliases": "implausible"}  # fmt: skip
 
