@@ -249,15 +249,7 @@ class Mirror:
         self._check_synced()
 
     def _fold(self, pool: MirrorPool) -> None:
-        self._retired["attempts"] += pool.attempts
-        self._retired["installs"] += pool.installs
-        self._retired["deltas"] += pool.deltas
-        self._retired["lagged"] += pool.lagged
-        self._retired["holds_sent"] += pool.holds_sent
-        for k, v in pool.ends.items():
-            self._retired[f"end_{k}"] += v
-        for k, v in pool.violations.items():
-            self._retired[f"violation_{k}"] += v
+        _add_counts(self._retired, pool)
 
     def _take_listing(self, listed: dict[ProducerKey, pb.ProducerIdentity]) -> None:
         """A new catalog: the keys it no longer lists are withdrawn (their pools stopped, new
@@ -494,7 +486,7 @@ class Mirror:
                 await t
         self._tasks.clear()
         for pool in list(self._pools.values()):
-            pool.stop(None)
+            pool.stop(None)  # (GONE: ``_pool_changed`` folds its counters into the totals)
         self._pools.clear()
         for plane in self._planes:
             plane.end(None, "the mirror is shutting down")
@@ -506,12 +498,7 @@ class Mirror:
         pools = {}
         for key, pool in self._pools.items():
             pools[f"{key.routing_scope_digest.hex()[:8]}/{key.layout_generation}"] = pool.stats()
-            for name in ("attempts", "installs", "deltas", "lagged", "holds_sent"):
-                totals[name] += int(getattr(pool, name))
-            for k, v in pool.ends.items():
-                totals[f"end_{k}"] += v
-            for k, v in pool.violations.items():
-                totals[f"violation_{k}"] += v
+            _add_counts(totals, pool)
         return {
             "upstream": str(self.settings.upstream),
             "identity": self._identity_key,
@@ -558,3 +545,13 @@ async def follow_session(
             _log.warning("mirror_health", serving=now, planes={
                 p.name: p.live for p in mirror._planes})  # fmt: skip
         await asyncio.sleep(period_s)
+
+
+def _add_counts(totals: Counter[str], pool: MirrorPool) -> None:
+    """Add one pool's counters to the mirror's ``totals`` (live pools and folded ones alike)."""
+    for name in ("attempts", "installs", "deltas", "lagged", "holds_sent"):
+        totals[name] += int(getattr(pool, name))
+    for k, v in pool.ends.items():
+        totals[f"end_{k}"] += v
+    for k, v in pool.violations.items():
+        totals[f"violation_{k}"] += v

@@ -326,3 +326,21 @@ async def test_a_burst_of_upstream_deltas_does_not_lag_local_subscribers() -> No
                     ch.close()
     finally:
         server.close()
+
+
+async def test_a_stopped_mirror_still_counts_what_its_pools_did() -> None:
+    """``Mirror.stop`` lets its pools go with their counters folded into the totals, once: a
+    fan-out worker's last report may be taken after its stop, and a total that went down (or
+    doubled) there would be wrong on ``/metrics``."""
+    relay = S.ScriptedRelay()  # a snapshot and one delta
+    server = await S.serve(relay)
+    try:
+        async with mirrored(S.port_of(server), sync=False) as m:
+            await eventually(lambda: (h := m.mirror.hub_for(S.producer())) is not None
+                             and h.sequence == 11, what="upstream frames applied")  # fmt: skip
+            before = m.mirror.stats()["pool_totals"]
+            assert before["installs"] >= 1 and before["deltas"] >= 1, before
+        after = m.mirror.stats()["pool_totals"]  # (the mirror is stopped)
+    finally:
+        server.close()
+    assert after == before
