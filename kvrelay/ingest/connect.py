@@ -326,6 +326,11 @@ class ConnectSource:
             mon = self._monitor(sub)  # before the bind: every connection is seen
             resolved = []
             for ep in self.spec.bind:
+                # libzmq refuses an IPv6 address unless ZMQ_IPV6 is set when it binds (each
+                # bind takes the options of its moment); IPv4 and names bind as before (``*``
+                # stays IPv4 only). ``[::]`` then also takes IPv4 peers, named ``::ffff:a.b.c.d``:
+                # ``allow``, ``addresses`` and the address binding compare ``canonical_ip``s
+                sub.setsockopt(zmq.IPV6, int(_ipv6_bind(ep)))
                 sub.bind(ep)
                 last = sub.getsockopt(zmq.LAST_ENDPOINT)
                 resolved.append(last.decode() if isinstance(last, bytes) else ep)
@@ -715,14 +720,25 @@ _ip = canonical_ip
 def _publisher(peer: str) -> tuple[str, str]:
     """(what an engine is bound to, the sending process) for a message's ``Peer-Address``.
 
-    TCP: (its IP address, ""): libzmq writes it with ``inet_ntop``, one spelling per address.
+    TCP: (its IP address as ``canonical_ip`` spells it, ""): libzmq writes it with
+    ``inet_ntop``, but an IPv4 peer is ``a.b.c.d`` on an IPv4 bind and ``::ffff:a.b.c.d`` on a
+    dual-stack ``[::]`` one, and one engine's ranks may reach one pool through both.
     IPC: libzmq writes ``localhost:uid:gid:pid`` (Linux; ``localhost:uid:gid:`` where only the
     user is known): bound to ``localhost:uid:gid``, the pid apart. A process has a new pid on
     every start, and each DP rank is a process of its own."""
     if peer.startswith("localhost:"):
         owner, _, process = peer.rpartition(":")
         return owner, process
-    return peer, ""
+    addr = _ip(peer)  # one spelling per address: an IPv4 peer that reached an IPv6 bind
+    return (peer if addr is None else str(addr)), ""  # is ``::ffff:a.b.c.d`` there
+
+
+def _ipv6_bind(endpoint: str) -> bool:
+    """Whether a bind endpoint names an IPv6 address (``tcp://[::1]:5557``, ``tcp://[::]:5557``)."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://") :].rpartition(":")[0]
+    return host.startswith("[") or ":" in host
 
 
 def _in(peer: str, networks: Networks) -> bool:

@@ -22,7 +22,16 @@ from typing import Any, Literal
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay._text import is_decimal
 from kvrelay.contract.limits import MAY_BE_ZERO, RelayLimits
-from kvrelay.discovery.endpoints import WILDCARD_HOSTS, StaticSourceConfig, split_tcp
+from kvrelay.discovery.endpoints import (
+    IPAddress,
+    StaticSourceConfig,
+    canonical_host,
+    canonical_ip,
+    is_wildcard_host,
+    split_tcp,
+    static_sources,
+)
+from kvrelay.discovery.errors import InvalidEndpoint
 from kvrelay.hashing.identity import DEFAULT_CKF_SEED, bucket_count_for
 from kvrelay.ingest.kinds import ENGINE_KINDS
 from kvrelay.ingest.live_source import READERS
@@ -206,20 +215,33 @@ def parse_bind(text: str) -> tuple[str, int]:
 
 
 def _overlap(a: str, b: str) -> bool:
-    """Whether listeners on hosts ``a`` and ``b`` (one port) would collide: the same host, a
-    wildcard address, or names that resolve to a shared address (``localhost`` and
-    ``127.0.0.1``); a name that does not resolve is left to the start to report."""
-    if a == b or {a, b} & {"0.0.0.0", "::"}:
+    """Whether listeners on hosts ``a`` and ``b`` (one port) would collide, as the OS decides
+    for the relay's listeners (an IPv6 one is IPv6-only): one address however spelled
+    (``::1`` and ``0:0::1``; ``::ffff:127.0.0.1`` is ``127.0.0.1``), or the unspecified address
+    and any address of its family (``[::]`` and ``0.0.0.0`` do not collide). A name counts as
+    every address it resolves to (``localhost``); one that does not resolve is left to the
+    start to report."""
+    if a == b:
         return True
+    return any(
+        x.version == y.version and (x == y or x.is_unspecified or y.is_unspecified)
+        for x in _host_addresses(a)
+        for y in _host_addresses(b)
+    )
 
-    def addresses(host: str) -> set[str]:
-        try:
-            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-        except (OSError, UnicodeError):
-            return set()
-        return {str(info[4][0]) for info in infos}
 
-    return bool(addresses(a) & addresses(b))
+def _host_addresses(host: str) -> set[IPAddress]:
+    """``host``'s IP addresses (``canonical_ip``): itself when it is one, else what it resolves
+    to (none when it does not)."""
+    addr = canonical_ip(host)
+    if addr is not None:
+        return {addr}
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return set()
+    found = (canonical_ip(str(info[4][0]).partition("%")[0]) for info in infos)
+    return {x for x in found if x is not None}
 
 
 def format_bind(host: str, port: int) -> str:
@@ -277,6 +299,21 @@ def _bind_check(v: str) -> str | None:
     return None
 
 
+def _listen_check(v: str) -> str | None:
+    """A listen address (``relay.bind``, ``metrics.bind``). The relay's IPv6 listeners are
+    IPv6-only, where an IPv4-mapped address (``[::ffff:127.0.0.1]``) cannot be bound: the start
+    failed with "Invalid argument" after ``check-config`` passed."""
+    problem = _bind_check(v)
+    if problem is not None:
+        return problem
+    host = parse_bind(v)[0]
+    addr = canonical_ip(host)
+    if addr is not None and addr.version == 4 and ":" in host:
+        return (f"bad bind address: an IPv4-mapped address cannot be bound (IPv6 listeners are "
+                f"IPv6-only); write {format_bind(str(addr), parse_bind(v)[1])}")  # fmt: skip
+    return None
+
+
 def _dns_server_check(v: str) -> str | None:
     """``IP:PORT`` (``[v6]:PORT``): the DNS client asks that server alone, by address (a host
     name there is refused at start, after ``check-config`` passed, and mid-reload)."""
@@ -326,7 +363,7 @@ def _limits_schema() -> dict[str, _Key]:
 
 
 RELAY_KEYS: dict[str, _Key] = {
-    "bind": _Key("str", DEFAULT_BIND, check=_bind_check),
+    "bind": _Key("str", DEFAULT_BIND, check=_listen_check),
     "dc_name": _Key("str", required=True, check=_text),
     "drt_instance_id": _Key("int", None, check=_int_range(1, U64_MAX)),
     "discovery_interval_s": _Key("float", 5.0, check=_positive_s),
@@ -357,7 +394,7 @@ LOGGING_KEYS: dict[str, _Key] = {
 }
 METRICS_KEYS: dict[str, _Key] = {
     "enabled": _Key("bool", True),
-    "bind": _Key("str", DEFAULT_METRICS_BIND, check=_bind_check),
+    "bind": _Key("str", DEFAULT_METRICS_BIND, check=_listen_check),
     "per_member": _Key("bool", True),
 }
 TLS_KEYS: dict[str, _Key] = {
@@ -774,7 +811,7 @@ def parse_config(
     logging_vals = r.keys("logging", r.table("logging", data.get("logging")) or {}, LOGGING_KEYS)
     metrics_schema = METRICS_KEYS
     if mirror_raw is not None:
-        mirror_bind = _Key("str", MIRROR_METRICS_BIND, check=_bind_check)
+        mirror_bind = _Key("str", MIRROR_METRICS_BIND, check=_listen_check)
         metrics_schema = {**METRICS_KEYS, "bind": mirror_bind}
     metrics_vals = r.keys("metrics", r.table("metrics", data.get("metrics")) or {}, metrics_schema)
     tls_vals = r.keys("tls", r.table("tls", data.get("tls")) or {}, TLS_KEYS)
@@ -964,33 +1001,61 @@ def _port_collisions(r: _Reader, pools: list[PoolSpec]) -> None:
     ports apart collide (5557/5558 with two ranks: rank 1 publishes on 5558, rank 0's replay
     port) and the engine fails to start with "Address already in use". Engines on one host need
     distinct ranges too. Warnings, because the relay itself binds none of these ports.
+
+    Hosts are compared as addresses (``_host_key``: ``::ffff:10.0.0.5`` is ``10.0.0.5``), and
+    a wildcard endpoint binds every address of its engine's host, so it collides with any
+    endpoint of that host on its port.
     """
-    seen: dict[tuple[str, int], str] = {}
+    # port → what binds it: (the engine's host, the bound host: None for a wildcard, what)
+    seen: dict[int, list[tuple[str, str | None, str]]] = {}
     for i, pool in enumerate(pools):
         for j, eng in enumerate(pool.engines):
             st = eng.static
-            if st is None:
+            if st is None or eng.dns is not None:  # a DNS engine's host comes from records
                 continue
             base = f"pools[{i}].engines[{j}].static"
+            machine = _host_key(eng.host)
             for key, ep in (("endpoint", st.endpoint), ("replay_endpoint", st.replay_endpoint)):
                 if not ep or not ep.startswith("tcp://"):
                     continue
                 host, port = split_tcp(ep)
                 if port == 0:
                     continue  # ephemeral: the engine picks distinct ports itself
-                host = eng.host if host in WILDCARD_HOSTS else host
+                bound = None if is_wildcard_host(host) else _host_key(host)
+                shown = eng.host if bound is None else host
                 role = "publisher" if key == "endpoint" else "replay"
                 for rank in sorted(set(st.dp_ranks)):
                     what = f"rank {rank} {role} port {port + rank}"
-                    other = seen.setdefault((host, port + rank), f"the {what} of {base}")
-                    if other != f"the {what} of {base}":
+                    claims = seen.setdefault(port + rank, [])
+                    other = next(
+                        (o for m, b, o in claims if _binds_overlap(machine, bound, m, b)), None
+                    )
+                    claims.append((machine, bound, f"the {what} of {base}"))
+                    if other is not None:
                         r.warn(
                             f"{base}.{key}",
-                            f"{what} on {host} is also {other}: vLLM adds the DP rank to both "
+                            f"{what} on {shown} is also {other}: vLLM adds the DP rank to both "
                             "endpoints' ports, so keep the bases at least as many ports apart as "
                             "there are ranks (e.g. tcp://*:5557 and tcp://*:5657), and give "
                             "engines on one host distinct ranges",
                         )
+
+
+def _binds_overlap(
+    machine_a: str, bound_a: str | None, machine_b: str, bound_b: str | None
+) -> bool:
+    """Whether two engine binds of one port collide: one address (a wildcard stands for its
+    engine's host), or a wildcard and anything on its engine's host."""
+    if (bound_a or machine_a) == (bound_b or machine_b):
+        return True
+    return machine_a == machine_b and (bound_a is None or bound_b is None)
+
+
+def _host_key(host: str) -> str:
+    """``host`` as two spellings of one host compare equal: an IP address in its canonical
+    spelling (``canonical_host``), a name in lower case (DNS names ignore case)."""
+    return canonical_host(host).lower()
+
 
 def _mirror(r: _Reader, raw: dict[str, Any]) -> MirrorConfig | None:
     n_before = len(r.problems)
@@ -1074,6 +1139,7 @@ def _pools(r: _Reader, value: Any) -> list[PoolSpec] | None:
     out: list[PoolSpec] = []
     seen_triples: dict[str, int] = {}
     seen_engines: dict[str, str] = {}
+    seen_endpoints: dict[_Where, str] = {}
     ok = True
     for i, praw in enumerate(raws):
         path = f"pools[{i}]"
@@ -1092,7 +1158,7 @@ def _pools(r: _Reader, value: Any) -> list[PoolSpec] | None:
         if connect is not None and "engines" not in praw:
             engines: list[EngineSpec] = []  # every engine connects to the pool's endpoint
         else:
-            engines = _engines(r, path, praw.get("engines"), seen_engines)
+            engines = _engines(r, path, praw.get("engines"), seen_engines, seen_endpoints)
         if connect is not None:
             for k in ("model", "kv_block_size"):
                 if p[k] is None:
@@ -1209,7 +1275,11 @@ def _curve_key(r: _Reader, path: str, file: str) -> str | None:
 
 
 def _engines(
-    r: _Reader, pool_path: str, value: Any, seen: dict[str, str]
+    r: _Reader,
+    pool_path: str,
+    value: Any,
+    seen: dict[str, str],
+    endpoints: dict[_Where, str],
 ) -> list[EngineSpec]:
     path = f"{pool_path}.engines"
     raws = r.tables(path, value)
@@ -1268,22 +1338,73 @@ def _engines(
         if any(q.severity == "error" for q in r.problems[n_before:]):
             continue
         try:
-            out.append(
-                EngineSpec(
-                    name=name,
-                    host=e["host"],
-                    grpc_port=e["grpc_port"],
-                    static=static,
-                    metrics_port=e["metrics_port"],
-                    total_kv_blocks=e["total_kv_blocks"],
-                    kind=ENGINE_KINDS[e["kind"]],
-                    dns=e["dns"],
-                    dns_srv=e["dns_srv"],
-                )
+            spec = EngineSpec(
+                name=name,
+                host=e["host"],
+                grpc_port=e["grpc_port"],
+                static=static,
+                metrics_port=e["metrics_port"],
+                total_kv_blocks=e["total_kv_blocks"],
+                kind=ENGINE_KINDS[e["kind"]],
+                dns=e["dns"],
+                dns_srv=e["dns_srv"],
             )
         except ValueError as exc:
             r.err(epath, str(exc))
+            continue
+        if _claim_endpoints(r, epath, spec, endpoints):
+            out.append(spec)
     return out
+
+
+#: Where the relay reaches an engine: ("control", host, port), ("tcp", host, port) for a ZMQ
+#: publisher, ("zmq", endpoint, "") for an ipc:// or inproc:// one.
+_Where = tuple[str, str, str]
+
+
+def _claim_endpoints(
+    r: _Reader, epath: str, spec: EngineSpec, seen: dict[_Where, str]
+) -> bool:
+    """Record where the relay reaches ``spec`` (its ``vllm.Control`` endpoint, each rank's static
+    publisher), refusing any an earlier engine of any pool has already. The relay keys engines
+    by ``host:grpc_port``: written twice alike, one of the two engines was never watched; spelled
+    two ways (``::1`` and ``0:0::1``, ``127.0.0.1`` and ``::ffff:127.0.0.1``), both were, and the
+    engine's blocks were counted twice. Hosts compare as ``_host_key`` spells them. An engine
+    found by DNS takes its host from the records: it is not checked here."""
+    if spec.dns is not None:
+        return True
+    claims: list[tuple[str, _Where, str]] = []  # (key path, where, what)
+    key: _Where
+    if spec.grpc_port is not None:
+        where = format_bind(spec.host.removeprefix("[").removesuffix("]"), spec.grpc_port)
+        key = ("control", _host_key(spec.host), str(spec.grpc_port))
+        claims.append((f"{epath}.grpc_port", key, f"vllm.Control endpoint {where}"))
+    if spec.static is not None:
+        try:
+            sources = static_sources(spec.static, spec.host)
+        except InvalidEndpoint as exc:  # a rank's port past 65535
+            r.err(f"{epath}.static.dp_ranks", f"{exc} (rank r publishes on the port + r)")
+            return False
+        for src in sources:
+            ep = src.endpoint
+            if ep.startswith("tcp://"):
+                host, port = split_tcp(ep)
+                if port == 0:
+                    continue  # ephemeral: nothing to connect to, nothing to share
+                key = ("tcp", _host_key(host), str(port))
+            else:
+                key = ("zmq", ep, "")
+            what = f"rank {src.dp_rank} publisher {ep}"
+            claims.append((f"{epath}.static.endpoint", key, what))
+    ok = True
+    for path, key, what in claims:
+        other = seen.setdefault(key, f"{what} of {path}")
+        if other != f"{what} of {path}":
+            r.err(path, f"{what} is also the {other}: two entries for one engine (its blocks "
+                        "counted twice, or one entry never watched); configure each engine "
+                        "once")  # fmt: skip
+            ok = False
+    return ok
 
 
 def _deep_copy(v: Any) -> Any:

@@ -6,6 +6,7 @@ The oracle for each rule is the operator-facing text: the exact key path and a r
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -372,7 +373,7 @@ def test_publication_delay_may_be_zero_as_documented() -> None:
     """docs/operations.md: ``publication_delay_s`` 0 = never wait (RelayLimits takes it too)."""
     from kvrelay.ops.config import parse_config
 
-    raw = {"relay": {"dc_name": "dc", "limits": {"publication_delay_s": 0}},
+    raw: dict[str, Any] = {"relay": {"dc_name": "dc", "limits": {"publication_delay_s": 0}},
            "pools": [{"namespace": "a", "component": "b", "endpoint": "c",
                       "engines": [{"name": "e", "grpc_port": 1}]}]}  # fmt: skip
     cfg, problems = parse_config(raw, env={})
@@ -515,19 +516,44 @@ STATIC_POOL = POOL + 'model = "m"\nkv_block_size = 16\n'
            "rank 0 replay port 5558 on h1 is also the rank 1 publisher port 5558")]),
         (_static("a", "h1", "tcp://*:5557", "tcp://*:5657", "[0, 1]"), []),
         (_static("a", "h1", "tcp://*:5557", "tcp://*:5558", "[0]"), []),
-        # two engines on one host with the same ranges; on two hosts they are fine
+        # two engines on one host with overlapping ranges (one publisher port twice is one
+        # engine configured twice: an error, test_one_engine_configured_twice_is_refused); on
+        # two hosts they are fine
         (_static("a", "h1", "tcp://*:5557", None, "[0]")
-         + _static("b", "h1", "tcp://*:5557", None, "[0]"),
-         [("pools[0].engines[1].static.endpoint",
-           "rank 0 publisher port 5557 on h1 is also the rank 0 publisher port 5557 of "
+         + _static("b", "h1", "tcp://*:5600", "tcp://*:5557", "[0]"),
+         [("pools[0].engines[1].static.replay_endpoint",
+           "rank 0 replay port 5557 on h1 is also the rank 0 publisher port 5557 of "
            "pools[0].engines[0].static")]),
         (_static("a", "h1", "tcp://*:5557", None, "[0]")
-         + _static("b", "h2", "tcp://*:5557", None, "[0]"), []),
+         + _static("b", "h2", "tcp://*:5600", "tcp://*:5557", "[0]"), []),
         # an explicit host in the endpoint counts, not the engine's host; port 0 is ephemeral
         (_static("a", "h1", "tcp://h9:5557", None, "[0]")
-         + _static("b", "h2", "tcp://h9:5557", None, "[0]"),
-         [("pools[0].engines[1].static.endpoint", "port 5557 on h9")]),
+         + _static("b", "h2", "tcp://*:5600", "tcp://h9:5557", "[0]"),
+         [("pools[0].engines[1].static.replay_endpoint", "port 5557 on h9")]),
         (_static("a", "h1", "tcp://*:0", "tcp://*:0", "[0, 1, 2]"), []),
+        # hosts compare as addresses: two spellings of one address, a name in another case
+        (_static("a", "10.0.0.5", "tcp://*:5557", None, "[0]")
+         + _static("b", "::ffff:10.0.0.5", "tcp://*:5600", "tcp://*:5557", "[0]"),
+         [("pools[0].engines[1].static.replay_endpoint", "port 5557 on ::ffff:10.0.0.5")]),
+        (_static("a", "::1", "tcp://*:5557", None, "[0]")
+         + _static("b", "h2", "tcp://*:5600", "tcp://[0:0:0:0:0:0:0:1]:5557", "[0]"),
+         [("pools[0].engines[1].static.replay_endpoint",
+           "port 5557 on [0:0:0:0:0:0:0:1]")]),
+        (_static("a", "Node-1", "tcp://*:5557", None, "[0]")
+         + _static("b", "node-1", "tcp://*:5600", "tcp://*:5557", "[0]"),
+         [("pools[0].engines[1].static.replay_endpoint", "port 5557 on node-1")]),
+        # a wildcard binds every address of its engine's host: it collides with an explicit
+        # address there, however written
+        (_static("a", "10.0.0.5", "tcp://*:5557", None, "[0]")
+         + _static("b", "10.0.0.5", "tcp://*:5600", "tcp://192.168.0.5:5557", "[0]"),
+         [("pools[0].engines[1].static.replay_endpoint", "port 5557 on 192.168.0.5")]),
+        (_static("a", "10.0.0.5", "tcp://[0::0]:5557", None, "[0]")
+         + _static("b", "10.0.0.5", "tcp://*:5600", "tcp://192.168.0.5:5557", "[0]"),
+         [("pools[0].engines[1].static.replay_endpoint", "port 5557 on 192.168.0.5")]),
+        # engines found by DNS are at their records' addresses, not at the default host
+        (_static("a", "x", "tcp://*:5557", None, "[0]").replace('host = "x"', 'dns = "a.svc"')
+         + _static("b", "x", "tcp://*:5557", None, "[0]").replace('host = "x"', 'dns = "b.svc"'),
+         []),
     ],
 )
 def test_static_port_collisions_are_warnings(
