@@ -408,10 +408,36 @@ def _flatten_generations(t: GenerationTotals) -> Flat:
     return out
 
 
+class MergingRegistry(CollectorRegistry):
+    """A registry that writes every family once: the samples of families of one name that
+    several collectors yield are joined into one family.
+
+    A ``kvrelay mirror`` with ``workers = N`` has two such collectors: the mirror's own
+    ``kvrelay_mirror_*`` families (``worker=""``) and the supervisor's, with a sample per worker.
+    Written as they came, each family's ``# HELP``/``# TYPE`` appeared twice: an invalid page
+    that an OpenMetrics parser refuses (and Prometheus may read in part). The collectors'
+    ``describe`` is empty (registration never collects), so the registry's own duplicate check
+    cannot catch it at registration."""
+
+    def collect(self) -> Iterator[Metric]:
+        joined: dict[str, Metric] = {}
+        for fam in super().collect():
+            prior = joined.get(fam.name)
+            if prior is None:
+                joined[fam.name] = fam
+                continue
+            if prior.type != fam.type:
+                raise ValueError(f"metric {fam.name} collected as {prior.type} and {fam.type}")
+            both = Metric(prior.name, prior.documentation, prior.type, prior.unit)
+            both.samples = [*prior.samples, *fam.samples]
+            joined[fam.name] = both
+        return iter(joined.values())
+
+
 def default_registry() -> CollectorRegistry:
     """A private registry with the standard process/platform/GC collectors (not the global one,
-    so several relays in one process — tests — never clash)."""
-    reg = CollectorRegistry()
+    so several relays in one process — tests — never clash), that writes each family once."""
+    reg = MergingRegistry()
     ProcessCollector(registry=reg)
     PlatformCollector(registry=reg)
     GCCollector(registry=reg)

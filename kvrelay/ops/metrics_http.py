@@ -16,6 +16,12 @@ peer may be able to make it fail by holding connections:
 - at most ``max_scrapes`` ``/metrics`` responses in flight (the body can be megabytes);
   ``/healthz`` is outside that limit (a few bytes).
 
+``/metrics`` answers in the text format 0.0.4 unless the ``Accept`` header names
+``application/openmetrics-text`` (as Prometheus does) at least as high as ``text/plain``:
+then OpenMetrics 1.0.0, ending in ``# EOF``. A client that accepts ``gzip`` (Prometheus always
+does) gets the body gzipped: at 64 pools it is megabytes of repetitive text. Both are done with
+the text, off the loop.
+
 Every refusal is counted by reason (``kvrelay_metrics_http_rejections_total``).
 """
 
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import socket
 import threading
 import time
@@ -32,6 +39,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import Collector
 
 from kvrelay.logging import get_logger
@@ -48,6 +56,11 @@ REJECTION_REASONS = (
     "per_peer", "evicted", "head_timeout", "head_too_large", "bad_request", "busy",
     "drain_timeout",
 )  # fmt: skip
+
+#: What an OpenMetrics answer says it is (prometheus_client writes version 1.0.0).
+CONTENT_TYPE_OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+_OPENMETRICS_VERSIONS = (b"1.0.0", b"0.0.1")  # Prometheus asks for both; 1.0.0 reads as either
+GZIP_LEVEL = 6  # zlib's default: most of the gain, a fraction of level 9's time
 
 _REASONS = {
     200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
@@ -121,13 +134,15 @@ class Collected:
     def collect(self) -> Iterator[Metric]:
         return iter(self.families)
 
-    def text(self) -> bytes:
+    def text(self, openmetrics_format: bool = False) -> bytes:
+        """The page: text format 0.0.4, or OpenMetrics 1.0.0 (``# EOF`` included)."""
+        write = openmetrics.generate_latest if openmetrics_format else generate_latest
         if self._pins is None:
-            return generate_latest(self)
+            return write(self)
         held = getattr(_pins, "held", None)
         _pins.held = self._pins
         try:
-            return generate_latest(self._registry)
+            return write(self._registry)
         finally:
             _pins.held = held
 
@@ -142,9 +157,74 @@ def pinned(owner: object) -> object | None:
     return None if held is None else held.get(owner)
 
 
+def _media_ranges(value: bytes) -> Iterator[tuple[bytes, dict[bytes, bytes]]]:
+    """An ``Accept``-style header's entries: (lowercase value, its parameters)."""
+    for item in value.split(b","):
+        name, *params = item.split(b";")
+        args: dict[bytes, bytes] = {}
+        for p in params:
+            k, _, v = p.partition(b"=")
+            args[k.strip().lower()] = v.strip().strip(b'"')
+        yield name.strip().lower(), args
+
+
+def _quality(args: Mapping[bytes, bytes]) -> float:
+    try:
+        q = float(args.get(b"q", b"1"))
+    except ValueError:
+        return 0.0
+    return q if 0.0 <= q <= 1.0 else 0.0
+
+
+def wants_openmetrics(accept: bytes) -> bool:
+    """Whether ``accept`` asks for OpenMetrics (a version this endpoint writes) at least as much
+    as for the text format. Only a named ``application/openmetrics-text`` counts: a wildcard
+    (``*/*``, curl's default) gets the text format every Prometheus reads."""
+    om = text = 0.0
+    for name, args in _media_ranges(accept):
+        q = _quality(args)
+        if name == b"application/openmetrics-text":
+            if args.get(b"version", b"1.0.0") in _OPENMETRICS_VERSIONS:
+                om = max(om, q)
+        elif name in (b"text/plain", b"text/*", b"*/*"):
+            text = max(text, q)
+    return om > 0.0 and om >= text
+
+
+def accepts_gzip(accept_encoding: bytes) -> bool:
+    """Whether ``Accept-Encoding`` accepts ``gzip`` (by name, or ``*``, with a q above 0)."""
+    named: float | None = None
+    star: float | None = None
+    for name, args in _media_ranges(accept_encoding):
+        if name in (b"gzip", b"x-gzip"):
+            named = max(named or 0.0, _quality(args))
+        elif name == b"*":
+            star = _quality(args)
+    q = named if named is not None else star
+    return q is not None and q > 0.0
+
+
+def _headers(head: bytes) -> dict[bytes, bytes]:
+    """A request head's header fields (lowercase names; a repeated field's values joined)."""
+    out: dict[bytes, bytes] = {}
+    for line in head.split(b"\r\n")[1:]:
+        name, sep, value = line.partition(b":")
+        if sep:
+            key = name.strip().lower()
+            out[key] = out[key] + b"," + value.strip() if key in out else value.strip()
+    return out
+
+
+def _page(body: bytes | Collected, openmetrics_format: bool, compress: bool) -> bytes:
+    """The response body (in the executor: writing and compressing grow with every pool)."""
+    data = body.text(openmetrics_format) if isinstance(body, Collected) else body
+    return gzip.compress(data, GZIP_LEVEL, mtime=0) if compress else data
+
+
 class MetricsServer:
-    """``GET /metrics`` → ``render()`` (text format 0.0.4; a :class:`Collected` is written out
-    off the loop); ``GET /healthz`` → ``healthy()``."""
+    """``GET /metrics`` → ``render()`` (text format 0.0.4 or, when asked for, OpenMetrics; a
+    :class:`Collected` is written out off the loop, gzipped when the client accepts it);
+    ``GET /healthz`` → ``healthy()``."""
 
     def __init__(
         self,
@@ -279,7 +359,11 @@ class MetricsServer:
                 writer, 405, b"method not allowed\n", extra=b"Allow: GET, HEAD\r\n"
             )
         elif path == b"/metrics":
-            await self._scrape(writer, head_only)
+            fields = _headers(head)
+            await self._scrape(
+                writer, head_only, wants_openmetrics(fields.get(b"accept", b"")),
+                accepts_gzip(fields.get(b"accept-encoding", b"")),
+            )  # fmt: skip
         elif path in (b"/", b"/healthz"):
             if self._healthy():
                 await self._respond(writer, 200, b"ok\n", head_only=head_only)
@@ -288,7 +372,9 @@ class MetricsServer:
         else:
             await self._respond(writer, 404, b"not found\n", head_only=head_only)
 
-    async def _scrape(self, writer: asyncio.StreamWriter, head_only: bool) -> None:
+    async def _scrape(
+        self, writer: asyncio.StreamWriter, head_only: bool, om: bool = False, gz: bool = False
+    ) -> None:
         if self._scrapes >= self.limits.max_scrapes:
             self.counters.count("busy")
             await self._respond(writer, 503, b"too many concurrent scrapes\n")
@@ -296,15 +382,27 @@ class MetricsServer:
         self._scrapes += 1
         try:
             try:
-                body = self._render()
-                if isinstance(body, Collected):
-                    body = await asyncio.get_running_loop().run_in_executor(None, body.text)
+                rendered = self._render()
+                om = om and isinstance(rendered, Collected)  # plain bytes are text format
+                if isinstance(rendered, Collected) or gz:
+                    body = await asyncio.get_running_loop().run_in_executor(
+                        None, _page, rendered, om, gz
+                    )
+                else:
+                    body = rendered
             except Exception:
                 _log.exception("metrics_collect_failed")
                 await self._respond(writer, 500, b"collection failed\n")
                 return
-            # Classic text format 0.0.4: every Prometheus understands it.
-            await self._respond(writer, 200, body, CONTENT_TYPE_PLAIN_0_0_4, head_only=head_only)
+            # The classic text format 0.0.4 unless OpenMetrics was asked for: every Prometheus
+            # understands the text format.
+            extra = b"Vary: Accept, Accept-Encoding\r\n"
+            if gz:
+                extra += b"Content-Encoding: gzip\r\n"
+            await self._respond(
+                writer, 200, body, CONTENT_TYPE_OPENMETRICS if om else CONTENT_TYPE_PLAIN_0_0_4,
+                head_only=head_only, extra=extra,
+            )  # fmt: skip
         finally:
             self._scrapes -= 1
 

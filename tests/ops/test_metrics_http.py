@@ -187,9 +187,9 @@ async def test_a_scrape_is_collected_on_the_loop_and_written_out_off_it() -> Non
     written: list[int] = []
 
     class Tracked(Collected):
-        def text(self) -> bytes:
+        def text(self, openmetrics_format: bool = False) -> bytes:
             written.append(threading.get_ident())
-            return super().text()
+            return super().text(openmetrics_format)
 
     async with _endpoint(render=lambda: Tracked(registry)) as (_server, port):
         reply = await http_request(port, b"GET /metrics HTTP/1.1\r\n\r\n")
