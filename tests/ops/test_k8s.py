@@ -11,6 +11,7 @@ No container engine is needed: the Dockerfile is read, not built.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import tomllib
@@ -22,6 +23,7 @@ import pytest
 import yaml
 
 from kvrelay.ops.config import parse_config
+from tests.support.commands import MINIMAL
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "deploy" / "k8s"
@@ -210,6 +212,44 @@ def test_documented_docker_run_binds_both_listeners_on_every_interface() -> None
     assert "-e KVRELAY_RELAY_BIND=0.0.0.0:50161" in run
     assert "-e KVRELAY_METRICS_BIND=0.0.0.0:50162" in run
 
+def test_the_pod_serves_until_its_endpoints_are_gone_then_drains_within_its_grace(
+    objects: dict[str, dict[str, Any]],
+) -> None:
+    """The kubelet sends SIGTERM while the pod's removal from the Service's endpoints is still on
+    its way to every node's kube-proxy, and the relay closes its listener at SIGTERM
+    (docs/operations.md, "Health"): a router reconnecting in that window is refused. A preStop
+    sleep keeps the relay serving until the endpoints are gone; the grace period, which counts
+    from the preStop hook, must then still cover the whole drain and the state save
+    (``shutdown_timeout_s`` of the mounted config), or SIGKILL cuts them."""
+    dep, cm = objects["Deployment"], objects["ConfigMap"]
+    pod = dep["spec"]["template"]["spec"]
+    (main,) = pod["containers"]
+    hook = main.get("lifecycle", {}).get("preStop")
+    assert hook is not None, "no preStop: SIGTERM races the endpoint removal"
+    command = hook["exec"]["command"]
+    assert command[0] == "sleep" and len(command) == 2, command
+    pause = float(command[1])
+    assert pause >= 3, "kube-proxy needs a few seconds to drop the endpoint on a busy cluster"
+    env = {e["name"]: e["value"] for e in main["env"]}
+    cfg, problems = parse_config(tomllib.loads(cm["data"]["kvrelay.toml"]), env=env)
+    assert cfg is not None, problems
+    grace = pod["terminationGracePeriodSeconds"]
+    assert pause + cfg.shutdown_timeout_s + 5 <= grace, (pause, cfg.shutdown_timeout_s, grace)
+
+
+def test_documented_docker_run_outwaits_the_drain() -> None:
+    """``docker stop`` sends SIGTERM and SIGKILLs after 10 s by default: exactly the relay's
+    default ``shutdown_timeout_s``, so a drain that needs its whole allowance loses the state save
+    to the SIGKILL. The documented ``docker run`` gives the container more time than that."""
+    readme = (REPO / "deploy" / "README.md").read_text()
+    run = readme.split("docker run", 1)[1].split("```", 1)[0]
+    found = re.search(r"--stop-timeout[ =](\d+)", run)
+    assert found, "docker run without --stop-timeout: docker stop kills after 10 s"
+    default = parse_config(tomllib.loads(MINIMAL), env={})[0]
+    assert default is not None
+    assert int(found.group(1)) >= default.shutdown_timeout_s + 10
+
+
 def test_the_pod_runs_four_workers_with_a_writable_runtime_directory(
     objects: dict[str, dict[str, Any]],
 ) -> None:
@@ -364,7 +404,6 @@ async def test_the_manifest_starts_four_workers_on_a_read_only_root(
     the relay's service) must pass and a router must be served through a fan-out worker."""
     import asyncio
     import os
-    import re
     import socket
     import sys
 
