@@ -307,7 +307,8 @@ class RelayClient:
         return out
 
     def counters(self) -> dict[str, dict[str, int]]:
-        return {c.name: dict(c.counters) for c in self.connections}
+        """Per relay: its stream counters and its channels' (``RelayConnection.counter_values``)."""
+        return {c.name: c.counter_values() for c in self.connections}
 
     # ------------------------------------------------------------------ queries
     def contains(self, hashes: npt.ArrayLike) -> dict[PoolKey, npt.NDArray[np.bool_]]:

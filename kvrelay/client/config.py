@@ -22,7 +22,8 @@ class ClientConfig:
     * ``max_bucket_count``: pools with a larger lane are quarantined (``too_large``) rather than
       allocating their table (2^24 buckets = 128 MiB, the wire maximum).
     * backoff: jittered exponential, ``delay = min(max, initial * 2**attempt) * U(1-jitter, 1)``;
-      the attempt counter resets once a replica installs / a plane delivers a message.
+      the attempt counter resets after a stream that stayed live 1 s (a pool's from its
+      install, the catalog's and a plane's from their first message: ``rpc.Backoff``).
     * ``verification_window``: linear check below the found boundary (§6.1, 1..8).
     * ``heartbeat_interval_s`` × ``silence_heartbeats``: a pool, readiness, load or serving-load
       stream silent that long (no frame, not even a heartbeat; the relay sends one every 10 s,

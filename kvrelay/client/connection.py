@@ -9,7 +9,10 @@ Rules enforced here (§4, §9, §10):
   withdrawal from the catalog; it then resubscribes with jittered exponential backoff. Relay
   reasons that retrying cannot fix (CONTRACT_MISMATCH, UNSUPPORTED_FEATURE, INVALID_REQUEST) and
   lanes above ``max_bucket_count`` quarantine the pool until the catalog lists another producer.
-* PRODUCER_CHANGED / POOL_NOT_FOUND also re-read the catalog (a fresh watch).
+* PRODUCER_CHANGED / POOL_NOT_FOUND also re-read the catalog (a fresh watch), after the
+  catalog's own backoff; the requests of many pools while one waits are one.
+* Every loop (pool, catalog, planes) backs off by one rule (``rpc.Backoff``): its attempts start
+  over only after a stream that stayed live ``rpc.LIVE_RESUBSCRIBE_S``.
 * Readiness and load are "unknown" (None) whenever their stream is down.
 """
 
@@ -18,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl as _ssl
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -91,6 +93,11 @@ class RelayConnection:
         self.drops: Counter[str] = drops if drops is not None else Counter()
         self.changed = asyncio.Event()  # set on any state change (tests, CLI wait on it)
         self._catalog_task: asyncio.Task[None] | None = None
+        self._catalog_backoff = rpc.Backoff(config.backoff)  # its retries and its refreshes
+        #: The catalog loop waits to open a fresh watch: a refresh asked meanwhile is that one.
+        self._catalog_waiting = False
+        #: Connections left as draining by channels this one replaced (``_reset_channel``).
+        self._left_draining = 0
         self._plane_tasks: list[asyncio.Task[None]] = []
         self._closing = False
 
@@ -152,25 +159,36 @@ class RelayConnection:
 
     # ------------------------------------------------------------------ catalog
     def refresh_catalog(self) -> None:
-        """Re-read the complete catalog with a fresh watch (no-op while closing)."""
+        """Re-read the complete catalog with a fresh watch, after the catalog's backoff (no-op
+        while closing). A refresh asked while the catalog loop waits to open a fresh watch anyway
+        is that watch (``catalog_refreshes_coalesced``): every pool answered POOL_NOT_FOUND or
+        PRODUCER_CHANGED asks, and many pools would otherwise restart the watch once each."""
         if self._closing:
+            return
+        if self._catalog_waiting:
+            self.counters["catalog_refreshes_coalesced"] += 1
             return
         self.counters["catalog_refreshes"] += 1
         old = self._catalog_task
         if old is not None and old is not asyncio.current_task():
-            old.cancel()
-        self._catalog_task = asyncio.create_task(self._catalog_loop())
+            old.cancel()  # (it is in its stream: a waiting loop is never cancelled here)
+        self._catalog_waiting = True  # from now: the requests of other pools are this one
+        delay = self._catalog_backoff.next_delay()  # the cancelled stream ended
+        self._catalog_task = asyncio.create_task(self._catalog_loop(delay))
 
-    async def _catalog_loop(self) -> None:
-        attempt = 0
+    async def _catalog_loop(self, delay: float = 0.0) -> None:
+        backoff = self._catalog_backoff
         while not self._closing:
+            self._catalog_waiting = True
+            await asyncio.sleep(delay)
+            self._catalog_waiting = False
             got = 0
 
             def on(msg: pb.KvPoolCatalogUpdate) -> None:
-                nonlocal got, attempt
+                nonlocal got
                 self._on_catalog(msg)  # raises for a message it cannot take
                 got += 1
-                attempt = 0
+                backoff.live()
 
             try:
                 end = await rpc.run_stream(
@@ -188,14 +206,24 @@ class RelayConnection:
                 # The relay is going away (or gone): reconnect from scratch rather than reuse an
                 # HTTP/2 connection a stopping server may still accept streams on.
                 self._reset_channel()
-            await asyncio.sleep(self.config.backoff(attempt))
-            attempt += 1
+            delay = backoff.next_delay()
 
     def _reset_channel(self) -> None:
         self.counters["channel_resets"] += 1
         old = self.channel
         self.channel = rpc.open_channel(self.address, self.ssl, self.config.max_message_bytes)
+        self._left_draining += old.left_draining
         old.close()
+
+    def counter_values(self) -> dict[str, int]:
+        """``counters`` and what this relay's channels counted: ``channel_left_draining``,
+        connections left for new calls because the relay refused one as draining (all channels
+        of the session, as ``channel_resets``; absent while 0, as every counter)."""
+        out = dict(self.counters)
+        left = self._left_draining + self.channel.left_draining
+        if left:
+            out["channel_left_draining"] = left
+        return out
 
     def _on_catalog(self, upd: pb.KvPoolCatalogUpdate) -> None:
         self._check_envelope(upd, "catalog")
@@ -264,22 +292,20 @@ class RelayConnection:
 
     # ------------------------------------------------------------------ pool replicas
     async def _pool_loop(self, slot: PoolSlot) -> None:
-        attempt = 0
+        backoff = rpc.Backoff(self.config.backoff)
         try:
             while not self._closing and self.slots.get(slot.key) is slot:
                 replica = PoolReplica(slot.descriptor.producer, self.identity_msg)
                 slot.pending = replica
                 slot.subscribes += 1
-                live_since: list[float] = []  # when the snapshot installed
 
-                def on(fu: pb.FilterUpdate, replica: PoolReplica = replica,
-                       live_since: list[float] = live_since) -> None:  # fmt: skip
+                def on(fu: pb.FilterUpdate, replica: PoolReplica = replica) -> None:
                     info = replica.feed(fu)
                     slot.frames[info.kind] += 1
                     slot.last_frame = replica.counters.last_frame
                     if info.installed:
                         slot.installed = replica
-                        live_since.append(time.monotonic())
+                        backoff.live()  # live from its install
                         self._notify()
 
                 try:
@@ -293,7 +319,6 @@ class RelayConnection:
                     reason = v.reason
                     _log.warning("replica_violation", pool=str(slot.key), reason=v.reason,
                                  detail=v.detail)
-                live_s = time.monotonic() - live_since[0] if live_since else None
                 if self.slots.get(slot.key) is not slot:
                     return  # removed meanwhile (withdrawal/restart already counted)
                 self._count_drop(slot, reason)
@@ -304,10 +329,7 @@ class RelayConnection:
                     return
                 if reason in _REFRESH_CATALOG:
                     self.refresh_catalog()
-                if rpc.lived(live_s):
-                    attempt = 0
-                await asyncio.sleep(self.config.backoff(attempt))
-                attempt += 1
+                await asyncio.sleep(backoff.next_delay())
         finally:
             if self.slots.get(slot.key) is slot:
                 slot.pending = None
@@ -322,13 +344,13 @@ class RelayConnection:
         store: Callable[[Any], None],
         silence_s: float | None = None,
     ) -> None:
-        attempt = 0
+        backoff = rpc.Backoff(self.config.backoff)
         window_s = 0.0  # a window plane's period, as its updates say (``window_ms``)
         while not self._closing:
             def on(msg: Any) -> None:
-                nonlocal attempt, window_s
+                nonlocal window_s
                 self._check_envelope(msg, plane)
-                attempt = 0
+                backoff.live()
                 window_s = rpc.window_period_s(window_s, getattr(msg, "window_ms", 0) or 0)
                 self._observe_relay(msg.relay, from_catalog=False)
                 self.counters[f"{plane}_updates"] += 1
@@ -352,8 +374,7 @@ class RelayConnection:
                 self.serving_load_unsupported = end.status == Status.UNIMPLEMENTED
             store(None)  # unknown while disconnected: never routable on stale data
             self._notify()
-            await asyncio.sleep(self.config.backoff(attempt))
-            attempt += 1
+            await asyncio.sleep(backoff.next_delay())
 
     async def _readiness_loop(self) -> None:
         def store(m: pb.ServingReadinessUpdate | None) -> None:

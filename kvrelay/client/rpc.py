@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl as _ssl
+import time
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -71,7 +72,7 @@ class StreamEnd:
 
 def open_channel(
     address: RelayAddress, ssl: _ssl.SSLContext | None = None, max_message_bytes: int = 8 << 20
-) -> Channel:
+) -> RelayChannel:
     """A grpclib channel with the relay's 8 MiB message bound (inbound checked by the codec),
     whose ended streams keep their status when the connection closes (``RelayChannel``)."""
     return RelayChannel(
@@ -104,6 +105,38 @@ def lived(live_s: float | None) -> bool:
     """A pool stream live for ``live_s`` seconds (None: it never installed) may be resubscribed
     as after a success. One rule for the SDK and the mirror."""
     return live_s is not None and live_s >= LIVE_RESUBSCRIBE_S
+
+
+class Backoff:
+    """The retry delays of one stream loop (a pool, the catalog, a plane): one rule for all.
+
+    ``live()`` marks the stream's success (a pool's snapshot installed, a plane's first message
+    taken); ``next_delay()`` after the stream ended gives the wait before the next attempt. The
+    attempts start over only if the stream was live at least ``LIVE_RESUBSCRIBE_S``
+    (``lived``): a relay or proxy that ends every stream right after its first message is
+    otherwise asked again once per round trip, and an ended catalog stream also costs a new
+    connection."""
+
+    __slots__ = ("_delay", "_live_since", "attempt")
+
+    def __init__(self, delay: Callable[[int], float]) -> None:
+        self._delay = delay  # attempt (0-based) -> seconds, e.g. ``ClientConfig.backoff``
+        self._live_since: float | None = None
+        self.attempt = 0
+
+    def live(self) -> None:
+        """The current stream succeeded (from its first success on)."""
+        if self._live_since is None:
+            self._live_since = time.monotonic()
+
+    def next_delay(self) -> float:
+        """The current stream ended: the delay before the next attempt, which it counts."""
+        since, self._live_since = self._live_since, None
+        if lived(None if since is None else time.monotonic() - since):
+            self.attempt = 0
+        delay = self._delay(self.attempt)
+        self.attempt += 1
+        return delay
 
 
 def window_period_s(known_s: float, window_ms: int) -> float:
