@@ -24,10 +24,13 @@ stale, and at its turn a stale cut is replaced by one at the current sequence, b
 byte. A stream that fails or is ended while it waits (a drain, a preemption, a fence) stops
 waiting at once and gives up its turn unsent: its status does not wait for the streams before it.
 
-A stream that ends with an error while its client is not reading keeps the error pending: the send
-in flight completes when the client reads again, then the stream ends with the status (the frames
-already sent come first). A client that does not read for ``stalled_stream_reset_s`` after that
-gets its stream reset, so no HTTP/2 stream is left open for ever.
+A stream that ends while its client is not reading (a drain, a fence, a lag) and whose send in
+flight has written nothing of its message yet gives that send up: its status goes out at once
+(HEADERS need no flow-control window). One in the middle of a message keeps the end pending: the
+send completes when the client reads again, then the stream ends with the status (the frames
+already sent come first; trailers after part of a message would read as its rest). A client that
+does not read for ``stalled_stream_reset_s`` after that gets its stream reset, so no HTTP/2
+stream is left open for ever.
 
 A mirror (``kvrelay.mirror``) feeds a hub with frames another relay already encoded:
 ``publish_encoded`` applies the images and fans the received bytes out unchanged, ``cut`` seeds
@@ -76,6 +79,9 @@ SendNow = Callable[[bytes], bool]
 #: Returns once this stream's turn to write a snapshot chunk on its connection has come.
 Turn = Callable[[], Awaitable[None]]
 Reset = Callable[[], None]
+#: The DATA bytes the stream has written so far: tells a send that has written nothing of its
+#: message yet from one that is in the middle of it.
+Written = Callable[[], int]
 
 
 class PublicationInvariantError(Exception):
@@ -491,9 +497,11 @@ class Subscription:
         "_error",
         "_frames",
         "_hub",
+        "_interrupted",
         "_last_sent",
         "_last_seq",
         "_loop",
+        "_mark",
         "_on_release",
         "_parked",
         "_reset",
@@ -505,6 +513,7 @@ class Subscription:
         "_waiter",
         "_waiting",
         "_watchdog",
+        "_written",
         "start_sequence",
     )
 
@@ -535,6 +544,9 @@ class Subscription:
         self._task: asyncio.Task[None] | None = None
         self._reset: Reset | None = None
         self._watchdog: asyncio.TimerHandle | None = None
+        self._written: Written | None = None
+        self._mark: int | None = None  # ``_written()`` when the send in flight started
+        self._interrupted = False  # the send in flight is being given up (``_interrupt``)
         self._waiting = hub.late_cut  # not sending yet: deltas are not queued (see _take_turn)
         self._stale = False  # a delta was published while it waited: its cut is behind
 
@@ -598,7 +610,21 @@ class Subscription:
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
+        self._interrupt()
         self._arm_watchdog()
+
+    def _interrupt(self) -> None:
+        """Give up the send in flight if it has written nothing of its message: the status needs
+        no flow-control window, the message would (a client that reads nothing would hold the
+        status until the stall reset, or a drain until its grace). ``_send`` catches it. One in
+        the middle of a message is left to finish: trailers now would read as its rest."""
+        mark, written, task = self._mark, self._written, self._task
+        if mark is None or written is None or task is None or self._interrupted or task.done():
+            return
+        if task is asyncio.current_task() or written() != mark:
+            return  # (not suspended in the send: it checks the end once it returns)
+        self._interrupted = True
+        task.cancel()
 
     def _release_slot(self) -> None:
         if self._counted:
@@ -644,6 +670,7 @@ class Subscription:
         *,
         send_now: SendNow | None = None,
         turn: Turn | None = None,
+        written: Written | None = None,
     ) -> None:
         """Send snapshot, deltas and heartbeats until EOF (return) or error (RelayError).
 
@@ -656,12 +683,15 @@ class Subscription:
         transport can take it at once (see ``_offer``); the pump then only wakes for
         heartbeats, queued frames and the end of the stream. With ``turn``, each snapshot chunk
         waits for the stream's turn on its connection before its progress timer starts (see
-        the module docstring: a cut that went stale meanwhile is taken again).
+        the module docstring: a cut that went stale meanwhile is taken again). With
+        ``written``, a send that has written nothing of its message when the stream ends is
+        given up, so the status goes out at once (see the module docstring).
         """
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._task = asyncio.current_task()
         self._reset = reset
+        self._written = written
         hub = self._hub
         limits = hub.limits
         encoder = hub.encoder
@@ -680,9 +710,13 @@ class Subscription:
             try:
                 # stamped now: a cut shared by later joiners must not carry its build time
                 if send_parts is not None:
-                    await send_parts(encoder.encode_parts(KIND_SNAPSHOT_CHUNK, seq0, seq0, payload))
+                    parts = encoder.encode_parts(KIND_SNAPSHOT_CHUNK, seq0, seq0, payload)
+                    sending = send_parts(parts)
                 else:
-                    await send(encoder.encode(KIND_SNAPSHOT_CHUNK, seq0, seq0, payload))
+                    sending = send(encoder.encode(KIND_SNAPSHOT_CHUNK, seq0, seq0, payload))
+                if not await self._send(sending):
+                    self._check()  # it ended: raises its error, or a clean end
+                    return
             finally:
                 handle.cancel()
             self._snapshot_left -= len(payload)
@@ -707,12 +741,15 @@ class Subscription:
                         batch.append(frame)
                         size += len(frame)
                     self._last_seq = seq
-                    await send_batch(batch)
+                    sending = send_batch(batch)
                 else:
                     frame, cost, seq = frames.popleft()
                     self._bytes -= cost
                     self._last_seq = seq
-                    await send(frame)
+                    sending = send(frame)
+                if not await self._send(sending):
+                    self._check()
+                    return
                 self._last_sent = loop.time()
                 n += 1
                 if n >= YIELD_EVERY:
@@ -742,8 +779,32 @@ class Subscription:
                 # cannot claim the stream is current: stay silent, look again within a second
                 self._last_sent = loop.time() - heartbeat_s + min(heartbeat_s, 1.0)
                 continue
-            await send(encoder.heartbeat(self._last_seq))
+            if not await self._send(send(encoder.heartbeat(self._last_seq))):
+                self._check()
+                return
             self._last_sent = loop.time()
+
+    async def _send(self, sending: Awaitable[None]) -> bool:
+        """Await one send; False when the stream ended while the send had written nothing of
+        its message, and ``_interrupt`` gave it up (nothing of it is on the wire)."""
+        written = self._written
+        if written is None:
+            await sending
+            return True
+        self._mark = written()
+        try:
+            await sending
+        except asyncio.CancelledError:
+            if not self._interrupted:
+                raise
+            task = asyncio.current_task()
+            if task is not None and task.uncancel() > 0:
+                raise  # cancelled from elsewhere too
+            return False
+        finally:
+            self._mark = None
+            self._interrupted = False
+        return True
 
     async def _payloads(self) -> list[bytes]:
         try:

@@ -596,6 +596,7 @@ class KvEventRelayService:
                 writer.bulk,
                 send_now=writer.send_now,
                 turn=None if writer.bulk is None else writer.bulk.acquire,
+                written=writer.written,
             )
         finally:
             if writer is not None:

@@ -163,6 +163,10 @@ class BulkSender:
             raise
 
     async def __call__(self, parts: Sequence[bytes]) -> None:
+        """Send one message. Cancelled before its first byte (the hub ends a stream whose chunk
+        waits for a window: a drain, a fence), it leaves nothing behind and gives its turn to
+        the next stream, so the trailers can follow at once; cancelled in the middle of the
+        message, it resets the stream (``abandon``)."""
         stream, inner, conn, h2 = self._stream, self._inner, self._conn, self._h2
         if not stream._send_initial_metadata_done:
             await stream.send_initial_metadata()

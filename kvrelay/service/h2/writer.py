@@ -2,11 +2,15 @@
 
 Why: the publication hub's pump takes a writer for each kind of message it sends — a pre-encoded
 delta at once while the stream is idle (``send_now``), several queued deltas as one DATA write
-(``send_batch``), a snapshot chunk from its parts (``bulk``) — and a way to reset a stream whose
-client stopped reading (``reset``). Each works beside grpclib on its private state, with the
-same window accounting as h2's ``send_data``. When the installed grpclib or h2 lacks any internal
-``internals.py`` lists, every one of them is None and the pump sends through grpclib's public
-``send_message`` (slower, the same bytes); trailers always go through grpclib.
+(``send_batch``), a snapshot chunk from its parts (``bulk``) — a way to reset a stream whose
+client stopped reading (``reset``), and the count of DATA bytes the stream has written
+(``written``): a send that has written nothing of its message when the stream ends (a drain,
+a fence) is given up by the hub, so the status goes out at once instead of waiting for a window
+its client may never open. Every writer here, and grpclib's ``send_message``, leaves nothing
+behind when cancelled before its first byte. Each works beside grpclib on its private state,
+with the same window accounting as h2's ``send_data``. When the installed grpclib or h2 lacks
+any internal ``internals.py`` lists, every one of them is None and the pump sends through
+grpclib's public ``send_message`` (slower, the same bytes); trailers always go through grpclib.
 """
 
 from __future__ import annotations
@@ -28,13 +32,14 @@ class StreamWriter:
     """The writers for one grpclib server stream (see the module docstring); ``close()`` when
     the stream's subscription ends."""
 
-    __slots__ = ("bulk", "reset", "send_batch", "send_now")
+    __slots__ = ("bulk", "reset", "send_batch", "send_now", "written")
 
     def __init__(self, stream: Any, max_message_bytes: int) -> None:
         self.bulk: BulkSender | None = bulk_sender(stream, max_message_bytes)
         self.send_batch: SendBatch | None = _batch_sender(stream)
         self.reset: Callable[[], None] | None = _resetter(stream)
         self.send_now: Callable[[bytes], bool] | None = direct_writer(stream)
+        self.written: Callable[[], int] | None = _written(stream)
 
     def close(self) -> None:
         """Give up the stream's place among the bulk writers of its connection."""
@@ -60,6 +65,19 @@ def _resetter(stream: Any) -> Callable[[], None] | None:
             inner.reset_nowait(CANCEL)
 
     return reset
+
+
+def _written(stream: Any) -> Callable[[], int] | None:
+    """The DATA bytes written on the stream so far (every writer here and grpclib count them)."""
+    parts = stream_internals(stream)
+    if parts is None:
+        return None
+    inner = parts.inner
+
+    def written() -> int:
+        return int(inner.data_sent)
+
+    return written
 
 
 def _batch_sender(stream: Any) -> SendBatch | None:
