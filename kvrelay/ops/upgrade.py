@@ -155,7 +155,10 @@ class Upgrader:
         it wrote, for the log; any exception it raises fails the upgrade as
         ``cut_failed``), and call ``handed_over(pid)`` once it serves; the successor's
         pid. Raises UpgradeFailed (the successor stopped, ``_kill``) otherwise."""
-        owned = PrivateDir(handover_parent(), "upgrade")
+        try:
+            owned = PrivateDir(handover_parent(), "upgrade")
+        except OSError as exc:  # a read-only, full or vanished runtime directory: nowhere to cut
+            raise UpgradeFailed("cut_failed", f"no directory for the cut: {exc}") from None
         work = Path(owned.path)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         writer: asyncio.StreamWriter | None = None

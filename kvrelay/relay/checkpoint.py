@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import os
 import threading
@@ -58,6 +59,9 @@ WRITTEN = "checkpointed"
 FAILED = "checkpoint_failed"
 BUSY = "checkpoint_busy"
 OVERRUN = "checkpoint_overrun"
+#: ``state_checkpoint_failed`` is logged at most once per reason this often: a full or read-only
+#: disk fails every pool's every round (each one is counted all the same).
+FAILURE_LOG_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +128,51 @@ class _Pacer:
         self.sent += n
 
 
+def failure_reason(exc: BaseException) -> str:
+    """What a failed checkpoint is logged under: the errno's name for an ``OSError``
+    (``ENOSPC``, ``EROFS``, ``ENOENT``...), else the exception's type."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return errno.errorcode.get(exc.errno, f"errno_{exc.errno}")
+    return type(exc).__name__
+
+
+class _FailureLog:
+    """Logs failed checkpoints at a bounded rate. A full disk fails every pool at every round:
+    at the default 30 s that was one error line per pool and round, and at a short interval
+    several a second, for as long as the disk stayed full. Now one line per reason per
+    ``FAILURE_LOG_S`` (saying how many failures went unlogged meanwhile), and once one of those
+    lines went out, one ``state_checkpoint_resumed`` when a pool that failed is written again."""
+
+    def __init__(self) -> None:
+        self._logged_at: dict[str, float] = {}
+        self._not_logged: dict[str, int] = {}
+        self._streak: dict[str, int] = {}  # pool → failures since its last checkpoint written
+        self._told = False  # a failure line went out since the last ``resumed`` line
+
+    def failed(self, pool: str, exc: BaseException) -> None:
+        self._streak[pool] = self._streak.get(pool, 0) + 1
+        reason = failure_reason(exc)
+        now = time.monotonic()
+        last = self._logged_at.get(reason)
+        if last is not None and now - last < FAILURE_LOG_S:
+            self._not_logged[reason] = self._not_logged.get(reason, 0) + 1
+            return
+        self._logged_at[reason] = now
+        self._told = True
+        _log.error("state_checkpoint_failed", pool=pool, reason=reason, error=repr(exc),
+                   failures_not_logged=self._not_logged.pop(reason, 0))  # fmt: skip
+
+    def written(self, pool: str) -> None:
+        failures = self._streak.pop(pool, 0)
+        if failures and self._told:
+            self._told = False
+            _log.info("state_checkpoint_resumed", pool=pool, failures=failures)
+
+    def keep_only(self, names: set[str]) -> None:
+        for name in [n for n in self._streak if n not in names]:
+            del self._streak[name]
+
+
 class Checkpointer:
     """Writes pools' checkpoints from one writer thread; ``count(result)`` records each outcome
     (``checkpointed``, ``checkpoint_failed``, ``checkpoint_busy``, ``checkpoint_overrun``)."""
@@ -145,12 +194,14 @@ class Checkpointer:
         self.last_unix: dict[str, float] = {}
         #: Pre-image bytes the last image kept (what its writes cost it), for benchmarks.
         self.last_captured_bytes = 0
+        self._failures = _FailureLog()
 
     def keep_only(self, names: set[str]) -> None:
         """Forget the last checkpoint time of pools not in ``names`` (removed by a reload),
         so their gauge goes with them."""
         for name in [n for n in self.last_unix if n not in names]:
             del self.last_unix[name]
+        self._failures.keep_only(names)
 
     def busy(self, name: str) -> bool:
         return name in self._names
@@ -177,7 +228,7 @@ class Checkpointer:
                     job.image = cut.pool.open_image(self._side_bytes)
             except Exception as exc:  # a cut that cannot be taken: this round is skipped
                 self._count(FAILED)
-                _log.error("state_checkpoint_failed", pool=job.name, error=repr(exc))
+                self._failures.failed(job.name, exc)
                 cut = None
             if cut is None or job.image is None:
                 self._finish(job)
@@ -223,10 +274,11 @@ class Checkpointer:
                          side_bytes=image.side_bytes)  # fmt: skip
         elif exc is not None:
             self._count(FAILED)
-            _log.error("state_checkpoint_failed", pool=job.name, error=repr(exc))
+            self._failures.failed(job.name, exc)
         else:
             self._count(WRITTEN)
             self.last_unix[job.name] = time.time()
+            self._failures.written(job.name)
             _log.debug("state_checkpointed", pool=job.name, members=job.members,
                        bytes=fut.result(), captured_bytes=image.captured_bytes,
                        read_s=round(job.read_s, 3),

@@ -257,3 +257,35 @@ def test_a_killed_writers_temporary_file_goes_at_the_next_save_a_live_ones_stays
         live.kill()
         live.wait()
 
+
+
+@pytest.mark.parametrize(
+    ("plant", "kind", "consumed"),
+    [("empty", "corrupt", True), ("other_pool", "incompatible", True),
+     ("directory", "unreadable", False)],
+)  # fmt: skip
+def test_an_empty_foreign_or_directory_state_file_starts_the_pool_clean(
+    tmp_path: Path, plant: str, kind: str, consumed: bool
+) -> None:
+    """Whatever sits at the pool's name, the start never uses it: refused with its kind; a file
+    is removed once examined, a directory (which no save can replace) is left for whoever put
+    it there, and every later save fails typed instead of writing through it."""
+    path = handover.path_for(tmp_path, SPEC)
+    ident = PoolIdentity(model="m", model_source="m", block_size=1)
+    if plant == "empty":
+        path.write_bytes(b"")
+    elif plant == "other_pool":
+        other = PoolSpec(namespace="ns", component="c", endpoint="other", expected_blocks=4096,
+                         engines=SPEC.engines)  # fmt: skip
+        handover.save(tmp_path, other, ident, Pool(1 << 12, 7, 1, 1), [])
+        handover.path_for(tmp_path, other).rename(path)
+    else:
+        path.mkdir()
+    with pytest.raises(handover.Refused) as err:
+        handover.load(tmp_path, SPEC, max_age_s=60, keep=True)
+    assert err.value.kind == kind
+    assert path.exists() is not consumed
+    if plant == "directory":
+        with pytest.raises(IsADirectoryError):
+            handover.save(tmp_path, SPEC, ident, Pool(1 << 12, 7, 1, 1), [])
+        assert [p.name for p in tmp_path.iterdir()] == [path.name], "no temporary file left"
