@@ -40,6 +40,12 @@ def canonical_host(host: str) -> str:
     return host if addr is None else str(addr)
 
 
+def host_key(host: str) -> str:
+    """``host`` as two spellings of one host compare equal: an IP address in its canonical
+    spelling (``canonical_host``), a name in lower case (DNS names ignore case)."""
+    return canonical_host(host).lower()
+
+
 def canonical_network(text: str) -> IPNetwork:
     """An address or network (``10.0.0.0/24``, ``::1``) as ``canonical_ip`` would match it: an
     IPv4-mapped IPv6 network as its IPv4 network, else ``10.0.0.5`` (the address every IPv4

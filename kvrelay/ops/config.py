@@ -25,11 +25,10 @@ from kvrelay.contract.limits import MAY_BE_ZERO, RelayLimits
 from kvrelay.discovery.endpoints import (
     IPAddress,
     StaticSourceConfig,
-    canonical_host,
     canonical_ip,
+    host_key,
     is_wildcard_host,
     split_tcp,
-    static_sources,
 )
 from kvrelay.discovery.errors import InvalidEndpoint
 from kvrelay.hashing.identity import DEFAULT_CKF_SEED, bucket_count_for
@@ -44,7 +43,9 @@ from kvrelay.relay.settings import (
     ConnectConfig,
     EngineSpec,
     PoolSpec,
+    Reach,
     RelaySettings,
+    engine_reach,
 )
 from kvrelay.service.authz import AuthorizationRule
 
@@ -1002,7 +1003,7 @@ def _port_collisions(r: _Reader, pools: list[PoolSpec]) -> None:
     port) and the engine fails to start with "Address already in use". Engines on one host need
     distinct ranges too. Warnings, because the relay itself binds none of these ports.
 
-    Hosts are compared as addresses (``_host_key``: ``::ffff:10.0.0.5`` is ``10.0.0.5``), and
+    Hosts are compared as addresses (``host_key``: ``::ffff:10.0.0.5`` is ``10.0.0.5``), and
     a wildcard endpoint binds every address of its engine's host, so it collides with any
     endpoint of that host on its port.
     """
@@ -1014,14 +1015,14 @@ def _port_collisions(r: _Reader, pools: list[PoolSpec]) -> None:
             if st is None or eng.dns is not None:  # a DNS engine's host comes from records
                 continue
             base = f"pools[{i}].engines[{j}].static"
-            machine = _host_key(eng.host)
+            machine = host_key(eng.host)
             for key, ep in (("endpoint", st.endpoint), ("replay_endpoint", st.replay_endpoint)):
                 if not ep or not ep.startswith("tcp://"):
                     continue
                 host, port = split_tcp(ep)
                 if port == 0:
                     continue  # ephemeral: the engine picks distinct ports itself
-                bound = None if is_wildcard_host(host) else _host_key(host)
+                bound = None if is_wildcard_host(host) else host_key(host)
                 shown = eng.host if bound is None else host
                 role = "publisher" if key == "endpoint" else "replay"
                 for rank in sorted(set(st.dp_ranks)):
@@ -1049,12 +1050,6 @@ def _binds_overlap(
     if (bound_a or machine_a) == (bound_b or machine_b):
         return True
     return machine_a == machine_b and (bound_a is None or bound_b is None)
-
-
-def _host_key(host: str) -> str:
-    """``host`` as two spellings of one host compare equal: an IP address in its canonical
-    spelling (``canonical_host``), a name in lower case (DNS names ignore case)."""
-    return canonical_host(host).lower()
 
 
 def _mirror(r: _Reader, raw: dict[str, Any]) -> MirrorConfig | None:
@@ -1139,7 +1134,7 @@ def _pools(r: _Reader, value: Any) -> list[PoolSpec] | None:
     out: list[PoolSpec] = []
     seen_triples: dict[str, int] = {}
     seen_engines: dict[str, str] = {}
-    seen_endpoints: dict[_Where, str] = {}
+    seen_endpoints: dict[Reach, str] = {}
     ok = True
     for i, praw in enumerate(raws):
         path = f"pools[{i}]"
@@ -1279,7 +1274,7 @@ def _engines(
     pool_path: str,
     value: Any,
     seen: dict[str, str],
-    endpoints: dict[_Where, str],
+    endpoints: dict[Reach, str],
 ) -> list[EngineSpec]:
     path = f"{pool_path}.engines"
     raws = r.tables(path, value)
@@ -1357,47 +1352,20 @@ def _engines(
     return out
 
 
-#: Where the relay reaches an engine: ("control", host, port), ("tcp", host, port) for a ZMQ
-#: publisher, ("zmq", endpoint, "") for an ipc:// or inproc:// one.
-_Where = tuple[str, str, str]
-
-
 def _claim_endpoints(
-    r: _Reader, epath: str, spec: EngineSpec, seen: dict[_Where, str]
+    r: _Reader, epath: str, spec: EngineSpec, seen: dict[Reach, str]
 ) -> bool:
-    """Record where the relay reaches ``spec`` (its ``vllm.Control`` endpoint, each rank's static
-    publisher), refusing any an earlier engine of any pool has already. The relay keys engines
-    by ``host:grpc_port``: written twice alike, one of the two engines was never watched; spelled
-    two ways (``::1`` and ``0:0::1``, ``127.0.0.1`` and ``::ffff:127.0.0.1``), both were, and the
-    engine's blocks were counted twice. Hosts compare as ``_host_key`` spells them. An engine
-    found by DNS takes its host from the records: it is not checked here."""
-    if spec.dns is not None:
-        return True
-    claims: list[tuple[str, _Where, str]] = []  # (key path, where, what)
-    key: _Where
-    if spec.grpc_port is not None:
-        where = format_bind(spec.host.removeprefix("[").removesuffix("]"), spec.grpc_port)
-        key = ("control", _host_key(spec.host), str(spec.grpc_port))
-        claims.append((f"{epath}.grpc_port", key, f"vllm.Control endpoint {where}"))
-    if spec.static is not None:
-        try:
-            sources = static_sources(spec.static, spec.host)
-        except InvalidEndpoint as exc:  # a rank's port past 65535
-            r.err(f"{epath}.static.dp_ranks", f"{exc} (rank r publishes on the port + r)")
-            return False
-        for src in sources:
-            ep = src.endpoint
-            if ep.startswith("tcp://"):
-                host, port = split_tcp(ep)
-                if port == 0:
-                    continue  # ephemeral: nothing to connect to, nothing to share
-                key = ("tcp", _host_key(host), str(port))
-            else:
-                key = ("zmq", ep, "")
-            what = f"rank {src.dp_rank} publisher {ep}"
-            claims.append((f"{epath}.static.endpoint", key, what))
+    """Record where the relay reaches ``spec`` (``engine_reach``), refusing any an earlier engine
+    of any pool has already (one engine entered twice). An engine found by DNS takes its host
+    from the records: the relay checks it as it is found."""
+    try:
+        reach = engine_reach(spec)
+    except InvalidEndpoint as exc:  # a rank's port past 65535
+        r.err(f"{epath}.static.dp_ranks", f"{exc} (rank r publishes on the port + r)")
+        return False
     ok = True
-    for path, key, what in claims:
+    for key, what in reach:
+        path = f"{epath}.grpc_port" if key[0] == "control" else f"{epath}.static.endpoint"
         other = seen.setdefault(key, f"{what} of {path}")
         if other != f"{what} of {path}":
             r.err(path, f"{what} is also the {other}: two entries for one engine (its blocks "

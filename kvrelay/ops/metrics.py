@@ -668,6 +668,9 @@ def _relay_metrics(r: RelayStats) -> Iterator[Metric]:
         ("kvrelay_dns_removals_deferred",
          "Engines absent from DNS kept because their ZMQ stream was live (once per absence).",
          r.dns_removals_deferred),
+        ("kvrelay_dns_engines_duplicate",
+         "Addresses from DNS not added: another engine is reached there (once per address).",
+         r.dns_duplicates),
         ("kvrelay_scrape_errors", "Engine /metrics scrapes that failed unexpectedly.",
          r.scrape_errors),
     ):

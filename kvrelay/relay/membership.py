@@ -33,7 +33,9 @@ _log = get_logger(__name__)
 #: Consecutive successful answers an address must be missing from before its engine is removed.
 MISSING_ANSWERS_TO_REMOVE = 2
 
-AddEngine = Callable[[str, EngineSpec], Awaitable[None]]
+#: Adds an engine; where the relay already reaches an engine there, nothing is added and that
+#: engine's ``pool/name`` is returned.
+AddEngine = Callable[[str, EngineSpec], Awaitable[str | None]]
 RemoveEngine = Callable[[str, str], Awaitable[None]]
 Removable = Callable[[str, str], bool]
 
@@ -45,6 +47,7 @@ class DnsCounters:
     engines_added: int = 0
     engines_removed: int = 0
     removals_deferred: int = 0  # absences from DNS while the engine's stream was still live
+    duplicates: int = 0  # addresses not added: another engine is reached there (once each)
 
 
 def expand(template: EngineSpec, endpoint: Endpoint) -> EngineSpec:
@@ -98,6 +101,9 @@ class DnsMembership:
         self._remove = remove
         self._removable = removable
         self._deferred: set[tuple[str, str]] = set()  # absent engines kept for a live stream
+        #: expanded engines not added (another engine is reached there), tried again at each
+        #: resolution while they are in the answer (so one added once that engine goes)
+        self._duplicate: set[tuple[str, str, str]] = set()  # (pool, template, engine)
         self.counters = DnsCounters()
         self.current: dict[tuple[str, str], dict[str, EngineSpec]] = {}
         self._missing: dict[tuple[str, str], int] = {}  # (pool, engine) → answers missing from
@@ -122,6 +128,7 @@ class DnsMembership:
         (the caller removes them — or nothing, when the whole pool goes)."""
         self.templates = [(p, t) for p, t in self.templates if (p, t.name) != (pool, template)]
         engines = list(self.current.pop((pool, template), {}))
+        self._duplicate = {d for d in self._duplicate if d[:2] != (pool, template)}
         for name in engines:
             self._missing.pop((pool, name), None)
             self._deferred.discard((pool, name))
@@ -153,10 +160,19 @@ class DnsMembership:
                 self._missing.pop((pool, name), None)
                 self._deferred.discard((pool, name))
                 if name not in have:
+                    other = await self._add(pool, spec)
+                    if other is not None:
+                        if (*key, name) not in self._duplicate:  # (logged once per address)
+                            self._duplicate.add((*key, name))
+                            self.counters.duplicates += 1
+                            _log.warning("engine_duplicate", pool=pool, engine=name,
+                                         same_as=other)  # fmt: skip
+                        continue
+                    self._duplicate.discard((*key, name))
                     have[name] = spec
                     self.counters.engines_added += 1
                     _log.info("dns_engine_added", pool=pool, engine=name)
-                    await self._add(pool, spec)
+            self._duplicate = {d for d in self._duplicate if d[:2] != key or d[2] in wanted}
             for name in [n for n in have if n not in wanted]:
                 misses = self._missing.get((pool, name), 0) + 1
                 self._missing[(pool, name)] = misses

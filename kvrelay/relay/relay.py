@@ -19,6 +19,7 @@ from kvrelay.contract.errors import RelayError
 from kvrelay.contract.limits import PermitCounter
 from kvrelay.contract.producer import producer_key
 from kvrelay.discovery.dns import make_resolver
+from kvrelay.discovery.errors import InvalidEndpoint
 from kvrelay.discovery.events import ChangeEvent
 from kvrelay.discovery.metrics_scrape import MetricsScrapeError, scrape_engine_page
 from kvrelay.discovery.watcher import EngineWatcher
@@ -40,7 +41,7 @@ from kvrelay.relay.pool_runtime import EngineState, PoolRuntime
 from kvrelay.relay.reconfigure import ReloadPlan, plan_reload
 from kvrelay.relay.scrubber import Scrubber
 from kvrelay.relay.serving import Page, ServingInputs, page_model
-from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
+from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings, engine_reach
 from kvrelay.relay.stats import RelayStats
 
 #: A downstream relay's spacing request lapses this long after its last renewal.
@@ -429,6 +430,7 @@ class Relay:
             dns_removals_deferred=(
                 0 if self.membership is None else self.membership.counters.removals_deferred
             ),
+            dns_duplicates=0 if self.membership is None else self.membership.counters.duplicates,
             window_errors={
                 (plane, kind): n
                 for plane, w in (("load", self.load), ("serving_load", self.serving_load))
@@ -476,15 +478,36 @@ class Relay:
     def _pool(self, name: str) -> PoolRuntime:
         return next(p for p in self.pools if p.name == name)
 
-    async def add_engine(self, pool: str, spec: EngineSpec) -> None:
+    async def add_engine(self, pool: str, spec: EngineSpec) -> str | None:
         """A new engine of ``pool`` (found by DNS, or added by a reload): watched and, once
-        probed, subscribed."""
+        probed, subscribed. Nothing is added where an engine of any pool is already reached there
+        (``engine_reach``: a DNS answer naming a configured engine's address, two templates
+        resolving to one address): that engine's ``pool/name`` is returned. Added anyway, one of
+        the two would go unwatched, or the engine's blocks would be counted twice."""
         p = self._pool(pool)
+        other = self._reached_as(spec)
+        if other is not None:
+            return other
         target = p.add_engine(spec)
         self._by_target[target.name] = p
         self.watcher.add_target(target)
         if self.started:
             self._start_scraper(p, p.engines[target.name])
+        return None
+
+    def _reached_as(self, spec: EngineSpec) -> str | None:
+        """``pool/engine`` of an engine the relay already reaches where ``spec`` would be
+        reached; None where no engine is."""
+        try:
+            wanted = {key for key, _what in engine_reach(spec)}
+        except InvalidEndpoint:
+            return None  # (the engine's own probe reports it)
+        for p in self.pools:
+            for st in p.engines.values():
+                with contextlib.suppress(InvalidEndpoint):
+                    if any(key in wanted for key, _what in engine_reach(st.spec)):
+                        return f"{p.name}/{st.spec.name}"
+        return None
 
     async def remove_engine(self, pool: str, engine: str, *, reconcile: bool = True) -> None:
         """``engine`` left ``pool``: no longer watched; its subscribers stop, its members go."""
@@ -590,7 +613,10 @@ class Relay:
                         p = self._pool(change.name)
                         await p.respec(change.spec, rematerialize=change.rematerialize)
                         for spec in change.engines_added:
-                            await self.add_engine(p.name, spec)
+                            other = await self.add_engine(p.name, spec)
+                            if other is not None:  # (one DNS found; the file never has two)
+                                _log.warning("engine_duplicate", pool=p.name, engine=spec.name,
+                                             same_as=other)  # fmt: skip
                         await p.reconcile()
                         running[change.name] = change.spec
                         unsettled.discard(change.name)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.limits import RelayLimits
-from kvrelay.discovery.endpoints import StaticSourceConfig
+from kvrelay.discovery.endpoints import StaticSourceConfig, host_key, split_tcp, static_sources
 from kvrelay.hashing.identity import DEFAULT_CKF_SEED, bucket_count_for
 from kvrelay.ingest.kinds import EngineKind
 from kvrelay.ingest.live_source import require_reader
@@ -50,6 +50,40 @@ class EngineSpec:
             raise ValueError(f"engine {self.name!r} needs grpc_port or static sources")
         if self.kind is EngineKind.SGLANG and (self.grpc_port is not None or self.static is None):
             raise ValueError(f"SGLang engine {self.name!r} needs static sources and no grpc_port")
+
+
+#: Where the relay reaches an engine: ("control", host, port) for its ``vllm.Control``,
+#: ("tcp", host, port) for a static ZMQ publisher, ("zmq", endpoint, "") for an ipc:// one.
+Reach = tuple[str, str, str]
+
+
+def engine_reach(spec: EngineSpec) -> list[tuple[Reach, str]]:
+    """Where the relay reaches ``spec`` (its ``vllm.Control`` endpoint, each static rank's
+    publisher; nothing for a DNS template), with what each is. Two engines that share one are one
+    engine entered twice: the relay keys engines by their Control endpoint, so written alike one of
+    them was never watched, and spelled two ways (``::1``, ``0:0::1``) its blocks were counted
+    twice. Hosts compare as ``host_key`` spells them. Raises ``InvalidEndpoint`` (a static rank's
+    port past 65535)."""
+    if spec.dns is not None:
+        return []
+    out: list[tuple[Reach, str]] = []
+    if spec.grpc_port is not None:
+        host = spec.host.removeprefix("[").removesuffix("]")
+        where = f"[{host}]:{spec.grpc_port}" if ":" in host else f"{host}:{spec.grpc_port}"
+        out.append((("control", host_key(spec.host), str(spec.grpc_port)),
+                    f"vllm.Control endpoint {where}"))  # fmt: skip
+    if spec.static is not None:
+        for src in static_sources(spec.static, spec.host):
+            ep = src.endpoint
+            if ep.startswith("tcp://"):
+                host, port = split_tcp(ep)
+                if port == 0:
+                    continue  # ephemeral: nothing to connect to, nothing to share
+                key: Reach = ("tcp", host_key(host), str(port))
+            else:
+                key = ("zmq", ep, "")
+            out.append((key, f"rank {src.dp_rank} publisher {ep}"))
+    return out
 
 
 @dataclass(frozen=True, slots=True)

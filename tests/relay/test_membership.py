@@ -8,6 +8,8 @@ import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
+
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
 from kvrelay.service.server import RelayServer
@@ -49,12 +51,14 @@ def _truth(engines: list[SimEngine]) -> dict[tuple[str, int], set[int]]:
 
 @contextlib.asynccontextmanager
 async def dns_rig(
-    dns: DnsServer, engines: list[SimEngine], template: EngineSpec, server: str
+    dns: DnsServer, engines: list[SimEngine], template: EngineSpec | tuple[EngineSpec, ...],
+    server: str,
 ) -> AsyncIterator[Rig]:
+    specs = template if isinstance(template, tuple) else (template,)
     settings = RelaySettings(
         dc_name="dc-dns",
         pools=(PoolSpec(namespace="ns", component="backend", endpoint="generate",
-                        engines=(template,), expected_blocks=8192),),
+                        engines=specs, expected_blocks=8192),),
         discovery_interval_s=0.1,
         discovery_timeout_s=0.5,
         engine_down_grace_s=0.6,
@@ -224,6 +228,37 @@ async def test_a_dns_flap_keeps_an_engine_whose_stream_is_live() -> None:
             await a.step(3)
             await verify(r, consumer, truth=_truth([a]), probes=2_000)
             assert consumer.end is None  # one pool, one generation, all along
+            await consumer.stop()
+    finally:
+        dns.close()
+
+
+@pytest.mark.parametrize("first", ["template", "configured"])
+async def test_an_address_reached_twice_is_one_engine(first: str) -> None:
+    """A second DNS name for the same pods, or a DNS answer naming a configured engine's
+    address, is not a second engine: it was one more entry for the same endpoint (the first one
+    unwatched), and with another spelling of the address the engine's blocks counted twice.
+    It is counted once and logged; the pool stays exact with the one engine."""
+    ip = "127.0.0.9"
+    port = _free_port([ip])
+    dns = DnsServer(records={(NAME, "A"): [ip], ("alias.kvrelay.test", "A"): [ip]})
+    server = await dns.start()
+    engine = _engine(ip, port, 99)
+    await engine.start()
+    lead = (EngineSpec(name="vllm", dns=NAME, grpc_port=port) if first == "template"
+            else EngineSpec(name="vllm@127.0.0.9", host=f"::ffff:{ip}", grpc_port=port))
+    specs = (lead, EngineSpec(name="alias", dns="alias.kvrelay.test", grpc_port=port))
+    try:
+        async with dns_rig(dns, [engine], specs, server) as r, r.channel() as ch:
+            await wait_live(r.relay, 1)
+            m = r.relay.membership
+            assert m is not None
+            await eventually(lambda: m.counters.resolutions >= 6, what="resolutions")
+            assert _names(r) == {"vllm@127.0.0.9"}
+            assert m.counters.duplicates == 1  # once, not once per resolution
+            consumer = await subscribe(r, ch)
+            await engine.step(6)
+            await verify(r, consumer, truth=_truth([engine]), probes=2_000)
             await consumer.stop()
     finally:
         dns.close()
