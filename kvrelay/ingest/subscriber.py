@@ -169,6 +169,10 @@ class Subscriber:
         self._dup_lo, self._dup_hi = 0, -1
         #: (seq, digest) of the first batch the last replay gave (``_replaced``)
         self._dup_first: tuple[int, int] | None = None
+        #: the last sequence the live stream delivered (-1: none since the last incarnation). A
+        #: live stream never repeats a number, so one at or below it is another incarnation's,
+        #: never a duplicate of what a replay applied (``_repeats_live``)
+        self._live_hi = -1
         self._replay_from: int | None = None
         self._dirty = start_seq > 0
         self._last: tuple[int, int] | None = None  # (seq, digest) of the last batch handled
@@ -457,6 +461,7 @@ class Subscriber:
         except FrameError as exc:
             self._rejected(exc)
             return
+        repeated = self._repeats_live(seq)
         if new_epoch:
             self._incarnation(seq, payload, epoch=True)
             return
@@ -472,7 +477,11 @@ class Subscriber:
                 self._drain_buffer()
             return
         if seq < nxt:
-            if self._dup_lo <= seq <= self._dup_hi and not self._replaced(seq, payload):
+            if (
+                not repeated
+                and self._dup_lo <= seq <= self._dup_hi
+                and not self._replaced(seq, payload)
+            ):
                 c.duplicates += 1
                 return
             self._incarnation(seq, payload)
@@ -489,6 +498,17 @@ class Subscriber:
         if self._replay_from is None:
             c.gaps += 1
             self._replay_from = nxt
+
+    def _repeats_live(self, seq: int) -> bool:
+        """Whether the live stream already delivered ``seq`` or a later number (then records
+        ``seq`` as its position). The replay's duplicates are batches the live stream had not
+        delivered yet when the replay applied them; a number the stream itself goes back to is
+        a restarted engine's, whatever replay range it falls in (a gap's replay leaves that
+        range open until a live batch past it is applied, and the restarted engine's batch
+        there was dropped as a duplicate: the member kept the old incarnation's blocks)."""
+        repeated = seq <= self._live_hi
+        self._live_hi = seq
+        return repeated
 
     def _replaced(self, seq: int, payload: bytes) -> bool:
         """A live batch numbered as the first one the last replay gave, with other bytes: the
@@ -845,9 +865,13 @@ class Subscriber:
             except FrameError as exc:
                 self._rejected(exc)
                 continue
-            # a restart while replaying (a new epoch, or the first replayed number with other
-            # bytes behind a proxy): start over from the new incarnation's 0
-            if new_epoch or self._replaced(seq, payload):
+            repeated = self._repeats_live(seq)
+            # a restart while replaying (a new epoch, the live stream going back, or the first
+            # replayed number with other bytes behind a proxy): start over from the new
+            # incarnation's 0
+            if new_epoch or (repeated and self._next is not None and seq < self._next) or (
+                self._replaced(seq, payload)
+            ):
                 if new_epoch:  # (event names stay literals: tests/test_log_events.py)
                     self._log.warning("epoch_changed", seq=seq, during="replay")
                 else:

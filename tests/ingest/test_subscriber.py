@@ -566,12 +566,17 @@ async def test_a_replay_that_does_not_answer_is_not_a_vouch(ctx: zmq.asyncio.Con
         await pub.close()
 
 
-async def test_a_reconnect_whose_vouch_is_not_answered_is_reset(ctx: zmq.asyncio.Context) -> None:
+@pytest.mark.parametrize("missed", [True, False])
+async def test_a_reconnect_whose_vouch_is_not_answered_is_reset(
+    ctx: zmq.asyncio.Context, missed: bool
+) -> None:
     """The engine restarts on the same endpoint; its replay takes the vouching request and never
     answers, and the new incarnation's live stream climbs past the old next sequence meanwhile.
     Its numbers below that were dropped as duplicates, the ones above were contiguous, and the
     member went on over the old incarnation's state with no reset: the old blocks were never
-    removed (phantoms). An unanswered vouch resets the member, whatever the live stream did."""
+    removed (phantoms). An unanswered vouch resets the member, whatever the live stream did.
+    When the live stream itself goes back (``missed`` False: the SUB reads the new 0..9 after
+    the old 0..9), that alone tells the restart, before the vouch times out."""
     pub = TestPublisher(ctx)
     sink = RecordingSink()
     sub = make(pub, sink, ctx, replay_timeout=1.0)
@@ -589,14 +594,45 @@ async def test_a_reconnect_whose_vouch_is_not_answered_is_reset(ctx: zmq.asyncio
         await pub.wait_subscribed()
         await until(lambda: sub.state == "replaying")
         assert sink.seqs == list(range(10))
-        for s in range(12):  # the new incarnation: 0..11
-            await pub.publish(msg(s), live=True)
+        for s in range(12):  # the new incarnation: 0..11 (0..9 before the SUB had it: missed)
+            await pub.publish(msg(s), live=not missed or s >= 10)
             await asyncio.sleep(0.02)
-        await until(lambda: ResetReason.VOUCH_TIMEOUT in sink.resets, timeout=5.0)
+        reason = ResetReason.VOUCH_TIMEOUT if missed else ResetReason.INCARNATION
+        await until(lambda: reason in sink.resets, timeout=5.0)
         after = sink.items[10:]
-        assert after[0] == ("reset", ResetReason.VOUCH_TIMEOUT), after  # before anything new
+        assert after[0] == ("reset", reason), after  # before anything new
     finally:
         pub.gate.set()
+        await sub.stop()
+        await pub.close()
+
+
+async def test_a_restart_inside_the_last_replayed_range_is_no_duplicate(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A gap's replay (4..6) leaves its duplicate window open until a live batch past it is
+    applied. The engine then restarts and its first live batch, 5, falls inside that window: it
+    was dropped as the replay's duplicate, and the member kept the old incarnation's blocks
+    (phantoms) with nothing of the new one. The live stream had already delivered 6, and a live
+    stream never goes back, so 5 is another incarnation's: reset, rebuild from its replay."""
+    pub = TestPublisher(ctx)
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx)
+    try:
+        await _synced(pub, sink, sub, 5)  # 0..4 applied
+        await pub.publish(msg(5), live=False)  # lost: a gap
+        await pub.publish(msg(6))
+        await until(lambda: sink.seqs == list(range(7)) and sub.state == "live")
+        pub.restart()
+        for s in range(6):  # the new incarnation: 0..4 missed, 5 live
+            ev = W.stored("map", block_hashes=[20_000 + s], token_ids=list(range(B)), block_size=B)
+            await pub.publish(W.batch([ev], ts=2.0), live=s == 5)
+        await until(lambda: len(sink.seqs) >= 13)
+        after = sink.items[7:]
+        assert after[0] == ("reset", ResetReason.INCARNATION), after
+        assert [v for k, v in after if k == "batch"] == [(s, [20_000 + s]) for s in range(6)]
+        assert sub.counters.incarnations_detected == 0 and sub.counters.resets == 1
+    finally:
         await sub.stop()
         await pub.close()
 

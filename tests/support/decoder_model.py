@@ -15,6 +15,7 @@ from kvrelay.pool.batch import BatchBuilder, EventBatch
 
 M = (1 << 64) - 1
 FULL = {"full_attention", "mla_attention", "sink_full_attention"}
+ORIGINS = {"NEW": 1, "REUSED": 2}  # BlockStored.origin → EventBatch.origin
 
 
 def salt_of(lora: str | None, ns: str | None = None) -> int:
@@ -45,7 +46,7 @@ class Ref:
         for ev in events:
             kind = ev["kind"]
             med = ev.get("medium")
-            if med not in (None, "", "GPU", "DEVICE"):
+            if med is not None and med.upper() not in ("", "GPU", "DEVICE"):  # any case (§18.2)
                 continue  # another tier's event (a clear of one tier included)
             if kind == "clear":
                 b.clear()
@@ -78,8 +79,8 @@ class Ref:
             if not hs or bs == 0 or not toks or bs != self.block_size:
                 continue
             e = 1 if self.eagle else 0
-            k = min(len(hs), max(0, (len(toks) - e) // bs))
-            if k == 0:
+            k = max(0, (len(toks) - e) // bs)
+            if k == 0 or k > len(hs):  # tokens for more whole blocks than hashes: tokens_excess
                 continue
             hs = hs[:k]
             parent = ev.get("parent_block_hash")
@@ -93,6 +94,7 @@ class Ref:
                 parent=parent,
                 salt=salt_of(ev.get("lora_name"), cs),
                 ns_part=xxhash.xxh3_64_intdigest(cs.encode(), seed=1) if cs else 0,
+                origin=ORIGINS.get(ev.get("origin") or "", 0),  # map form only (§8.2.1)
             )
         return b.build()
 

@@ -31,13 +31,21 @@ class TestPublisher:
         replay: bool = True,
         reply_shape: int = 4,
         keep: int = 10_000,
+        port: int | None = None,
+        replay_port: int | None = None,
     ) -> None:
+        """``port`` / ``replay_port``: bind these loopback ports (a DP rank's offsets) instead of
+        random ones."""
         self.topic = topic
         self.reply_shape = reply_shape
         self.pub = ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 100_000)
-        self.endpoint = f"tcp://127.0.0.1:{self.pub.bind_to_random_port('tcp://127.0.0.1')}"
+        if port is None:
+            port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        else:
+            self.pub.bind(f"tcp://127.0.0.1:{port}")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
         self.history: deque[tuple[int, bytes]] = deque(maxlen=keep)
         self.seq = 0
         self.requests: list[int] = []
@@ -53,8 +61,11 @@ class TestPublisher:
         if replay:
             self.router = ctx.socket(zmq.ROUTER)
             self.router.setsockopt(zmq.LINGER, 0)
-            port = self.router.bind_to_random_port("tcp://127.0.0.1")
-            self.replay_endpoint = f"tcp://127.0.0.1:{port}"
+            if replay_port is None:
+                replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
+            else:
+                self.router.bind(f"tcp://127.0.0.1:{replay_port}")
+            self.replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
             self._task = asyncio.create_task(self._serve())
 
     async def wait_subscribed(self, timeout: float = 5.0) -> None:

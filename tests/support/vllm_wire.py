@@ -61,6 +61,7 @@ class MapStored(Struct, tag="BlockStored", omit_defaults=True):
     session_id: str | None = None
     lookahead_token_ids: list[list[int]] | None = None
     origin: str | None = None  # proposed: NEW / REUSED (not in a vLLM release)
+    cache_salt: str | None = None  # an explicit salt field (§18.4)
 
 
 class MapRemoved(Struct, tag="BlockRemoved", omit_defaults=True):
