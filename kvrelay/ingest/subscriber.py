@@ -86,6 +86,9 @@ _RESTARTED = 3  # the replay does not hold the last applied batch: another incar
 _UNVOUCHED = 4  # asked to vouch for the last applied batch, the replay did not answer in time
 
 _NOBLOCK = int(zmq.NOBLOCK)
+#: Replayed batches whose digests are kept while their duplicate window is open (the first
+#: ones: a restarted engine counts from 0 again); about 100 bytes each, 400 KiB at most
+REPLAY_DIGESTS = 4096
 
 
 def _digest(payload: bytes) -> int:
@@ -167,8 +170,11 @@ class Subscriber:
         self._start_seq = start_seq
         self._next: int | None = None
         self._dup_lo, self._dup_hi = 0, -1
-        #: (seq, digest) of the first batch the last replay gave (``_replaced``)
+        #: (seq, digest) of the first batch the last replay gave (the vouch compares it)
         self._dup_first: tuple[int, int] | None = None
+        #: seq → digest of the batches the last replay gave, the first ``REPLAY_DIGESTS`` of
+        #: them (``_replaced``); emptied as the duplicate window closes
+        self._dup_digests: dict[int, int] = {}
         #: the last sequence the live stream delivered (-1: none since the last incarnation). A
         #: live stream never repeats a number, so one at or below it is another incarnation's,
         #: never a duplicate of what a replay applied (``_repeats_live``)
@@ -471,7 +477,7 @@ class Subscriber:
             return
         if seq == nxt:
             if seq > self._dup_hi:
-                self._dup_lo, self._dup_hi = 0, -1
+                self._close_dups()
             self._apply(seq, payload)
             if len(self._buf):
                 self._drain_buffer()
@@ -511,11 +517,12 @@ class Subscriber:
         return repeated
 
     def _replaced(self, seq: int, payload: bytes) -> bool:
-        """A live batch numbered as the first one the last replay gave, with other bytes: the
-        engine restarted and counts from there again (a proxy between them hides the
-        reconnect), so it is no duplicate of what the replay applied."""
-        first = self._dup_first
-        return first is not None and seq == first[0] and _digest(payload) != first[1]
+        """A live batch numbered as one the last replay gave, with other bytes: the engine
+        restarted and counts from there again (a proxy between them hides the reconnect; or
+        live batches past the replay's top were lost, so the live stream's own position does
+        not show it going back), so it is no duplicate of what the replay applied."""
+        known = self._dup_digests.get(seq)
+        return known is not None and _digest(payload) != known
 
     def _incarnation(self, seq: int, payload: bytes, *, epoch: bool = False) -> None:
         if epoch:
@@ -536,7 +543,7 @@ class Subscriber:
         self._reset(reason)
         self._buf.clear()
         self._replay_from = None
-        self._dup_lo, self._dup_hi = 0, -1
+        self._close_dups()
         self._last = None
         self._bad_seq = None
         if replay and self.spec.replay_endpoint:
@@ -553,7 +560,13 @@ class Subscriber:
         self._buf.clear()
         self._replay_from = None
         self._next = None
+        self._close_dups()
+
+    def _close_dups(self) -> None:
+        """No live batch is a duplicate of a replay's any more (the live stream passed it, or
+        the member starts over)."""
         self._dup_lo, self._dup_hi = 0, -1
+        self._dup_digests.clear()
 
     def _apply(self, seq: int, payload: bytes) -> None:
         c = self.counters
@@ -773,6 +786,7 @@ class Subscriber:
                     await asyncio.sleep(0.001)
             self._dup_lo, self._dup_hi = ask, ask - 1
             self._dup_first = None
+            self._dup_digests.clear()
             self._next = start if self._next is None else self._next
             first = True
             replayed = False
@@ -806,13 +820,16 @@ class Subscriber:
                     seq, payload = item
                     c.messages += 1
                     c.replayed_messages += 1
+                    digest = _digest(payload)
+                    if len(self._dup_digests) < REPLAY_DIGESTS:
+                        self._dup_digests[seq] = digest  # (its bytes tell a repeat: _replaced)
                     if not replayed:
                         # the duplicate window starts at the first batch the replay gave: when
                         # history was gone, a live batch numbered below it duplicates nothing
                         # (it is another incarnation's), and the first one's bytes tell a
                         # restart behind a proxy from a repeat whatever its number
                         replayed = True
-                        self._dup_first = (seq, _digest(payload))
+                        self._dup_first = (seq, digest)
                         self._dup_lo = max(ask, seq)
                     if first and verify is not None and seq == verify[0]:
                         first = False

@@ -637,6 +637,42 @@ async def test_a_restart_inside_the_last_replayed_range_is_no_duplicate(
         await pub.close()
 
 
+async def test_a_restart_past_the_live_position_inside_the_replayed_range_is_no_duplicate(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The replay of a gap gave more than the live stream had delivered (5..10 while live
+    showed 8), and the live batches 9 and 10 were lost. The engine then restarts, and the first
+    of its batches the relay sees, 9, is above the live stream's position, inside the replayed
+    range: the stream does not visibly go back. Its bytes differ from the replayed 9's, so it
+    is another incarnation's, not the replay's duplicate (it was dropped, and the member kept
+    the old incarnation's blocks)."""
+    pub = TestPublisher(ctx)
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx)
+    try:
+        await _synced(pub, sink, sub, 5)  # 0..4 applied
+        pub.gate.clear()  # the gap's replay waits until 9 and 10 exist
+        for s in (5, 6, 7):
+            await pub.publish(msg(s), live=False)  # lost: a gap
+        await pub.publish(msg(8))
+        await until(lambda: len(pub.requests) >= 2)  # (it asks from 4: the vouch)
+        for s in (9, 10):
+            await pub.publish(msg(s), live=False)  # lost too (past the live position)
+        pub.gate.set()
+        await until(lambda: sink.seqs == list(range(11)) and sub.state == "live")
+        pub.restart()
+        for s in range(10):  # the new incarnation: 0..8 missed, 9 live
+            ev = W.stored("map", block_hashes=[30_000 + s], token_ids=list(range(B)), block_size=B)
+            await pub.publish(W.batch([ev], ts=3.0), live=s == 9)
+        await until(lambda: len(sink.seqs) >= 21)
+        after = sink.items[11:]
+        assert after[0] == ("reset", ResetReason.INCARNATION), after
+        assert [v for k, v in after if k == "batch"] == [(s, [30_000 + s]) for s in range(10)]
+    finally:
+        await sub.stop()
+        await pub.close()
+
+
 async def test_a_resumed_member_of_another_incarnation_is_rebuilt(
     ctx: zmq.asyncio.Context,
 ) -> None:
