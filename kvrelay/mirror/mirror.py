@@ -356,7 +356,10 @@ class Mirror:
         self._check_synced()
 
     async def _plane_loop(self, plane: MirrorPlane, method: str, request: Any) -> None:
-        failures = 0
+        # the SDK's rule: attempts start over only after a stream live ``rpc.LIVE_RESUBSCRIBE_S``
+        # (they started over at every message: an upstream ending each stream after its first
+        # was asked again 25-60 times a second, each ended catalog stream a new connection)
+        backoff = rpc.Backoff(self.settings.backoff)
         is_catalog = plane is self.catalog
         # readiness: re-sent every readiness period (or heartbeat); the window planes: a window
         # at least every second unless their updates state a longer one (``quiet``)
@@ -393,6 +396,7 @@ class Mirror:
                     raise _Superseded  # it followed a new identity: read it afresh
                 self._plane_sessions[plane.name] = self._identity_key
                 delivered = True
+                backoff.live()
                 if is_catalog:
                     return self._take_catalog(plane, env.version, data, current)
                 plane.offer(env.version, data)
@@ -411,15 +415,14 @@ class Mirror:
                 if end.status == Status.UNIMPLEMENTED and not delivered:
                     self.plane_ends[f"{plane.name}_unimplemented"] += 1
                     plane.mark_unsupported("the upstream does not implement " + method)
-                    failures += 1
-                    await asyncio.sleep(self.settings.backoff(failures))
+                    await asyncio.sleep(backoff.next_delay())
                     continue
             except _Superseded:
                 # the mirror followed a new upstream identity (its planes already ended
                 # cleanly): subscribe again on the fresh channel
                 self.plane_ends[f"{plane.name}_superseded"] += 1
-                failures += 1  # an upstream that keeps changing identity is asked with backoff
-                await asyncio.sleep(self.settings.backoff(failures))
+                # an upstream that keeps changing identity is asked with backoff
+                await asyncio.sleep(backoff.next_delay())
                 continue
             except PlaneViolation as v:
                 self.plane_violations[plane.name] += 1
@@ -440,8 +443,7 @@ class Mirror:
                     # its old connection, so every stream starts over on a fresh one
                     self.upstream.reset(channel)
             plane.end(local, why)
-            failures = 0 if delivered else failures + 1
-            await asyncio.sleep(self.settings.backoff(failures))
+            await asyncio.sleep(backoff.next_delay())
 
     @staticmethod
     def _plane_end(end: rpc.StreamEnd) -> tuple[RelayError | None, str]:
@@ -515,6 +517,7 @@ class Mirror:
             "pools_over_limit": self.pools_over_limit,
             "pools_evicted": self.pools_evicted,
             "channel_resets": self.upstream.resets,
+            "channel_left_draining": self.upstream.left_draining,
             "upstream_spacing": self.upstream.spacing,
             "hold_failures": self.upstream.hold_failures,
             "hold_denied": self.upstream.hold_denied,

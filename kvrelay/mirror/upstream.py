@@ -61,6 +61,9 @@ class Upstream:
     def __init__(self, settings: MirrorSettings) -> None:
         self.settings = settings
         self.resets = 0
+        #: connections left because the upstream refused a call as draining, by the channels
+        #: ``reset`` replaced (``left_draining`` adds the current one's)
+        self._left_draining = 0
         self.spacing = True  # the upstream answers spacing requests (kvrelay does)
         self.hold_failures = 0  # spacing requests that failed (transport, refusal, timeout)
         #: requests refused PERMISSION_DENIED (the upstream's rules grant this mirror no
@@ -73,7 +76,7 @@ class Upstream:
         self.hold_requester = hold_requester(settings.subscriber_id)
         self._channel = self._open()
 
-    def _open(self) -> Channel:
+    def _open(self) -> RelayChannel:
         s = self.settings
         config = Configuration(
             _keepalive_time=s.keepalive_s,
@@ -89,8 +92,14 @@ class Upstream:
         return RelayChannel(a.host, a.port, ssl=s.ssl, codec=codec, config=config)
 
     @property
-    def channel(self) -> Channel:
+    def channel(self) -> RelayChannel:
         return self._channel
+
+    @property
+    def left_draining(self) -> int:
+        """Connections the mirror's channels left for new calls because the upstream refused a
+        call as draining (``RelayChannel.left_draining``), over every channel ``reset`` made."""
+        return self._left_draining + self._channel.left_draining
 
     def reset(self, used: Channel | None = None) -> None:
         """Open a fresh channel (unless ``used`` is no longer the current one): a relay that is
@@ -100,6 +109,7 @@ class Upstream:
         self.resets += 1
         self.spacing = True  # maybe another relay now
         old, self._channel = self._channel, self._open()
+        self._left_draining += old.left_draining
         old.close()
 
     async def stream(
