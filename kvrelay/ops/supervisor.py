@@ -399,7 +399,7 @@ COUNTED = ("errors", "authz", "guard")
 #: dropped reports. Carried over a restart of its slot (``worker_stats``).
 MIRROR_COUNTED = ("identity_changes", "pool_totals", "pools_evicted", "plane_ends",
                   "plane_violations", "catalog_invalid", "channel_resets", "hold_failures",
-                  "hold_denied")  # fmt: skip
+                  "hold_denied", "channel_left_draining")  # fmt: skip
 
 
 def _worker_counters(stats: dict[str, Any]) -> dict[str, Any]:
