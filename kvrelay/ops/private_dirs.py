@@ -11,11 +11,13 @@ drops it however the process ends; it is not inherited across ``exec``), and onl
 pid into the file ``pid`` inside. :func:`sweep`, run at start, removes a directory of exactly
 these names only if this user owns it, it has that file (so its lock was taken before: a
 directory being made is never swept), the pid it names is not alive (or is this process's own,
-restarted under the same pid in a container) and its lock can be taken. A live owner keeps its
-lock, even in another pid namespace; another name (the kernel cache's ``kvrelay-numba-*``), a
-directory without the file (an earlier kvrelay's, which did not lock it), a symbolic link or
-another user's directory is never touched. Where the file system cannot lock, nothing is
-removed. The names are as long as they were, which matters: a UNIX socket's path has 107 bytes.
+restarted under the same pid in a container) and its lock can be taken. A pid file that is
+there but empty or unreadable (a full runtime directory refuses the write, not the file) names
+no pid: the lock alone decides. A live owner keeps its lock, even in another pid namespace;
+another name (the kernel cache's ``kvrelay-numba-*``), a directory without the file (an
+earlier kvrelay's, which did not lock it), a symbolic link or another user's directory is never
+touched. Where the file system cannot lock, nothing is removed. The names are as long as they
+were, which matters: a UNIX socket's path has 107 bytes.
 """
 
 from __future__ import annotations
@@ -47,14 +49,21 @@ class PrivateDir:
 
     def __init__(self, base: str | None, kind: str = "") -> None:
         self.path = tempfile.mkdtemp(prefix=f"kvrelay-{kind}-" if kind else "kvrelay-", dir=base)
-        os.chmod(self.path, 0o700)  # mkdtemp's mode already, stated: the socket relies on it
+        try:
+            os.chmod(self.path, 0o700)  # mkdtemp's mode already, stated: the socket relies on it
+            self._fd: int | None = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:  # (no fd left, say) unlocked and without a pid file: never swept
+            with contextlib.suppress(OSError):
+                os.rmdir(self.path)
+            raise
         _MINE.add(self.path)
-        self._fd: int | None = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # a file system without locks: no pid file, never swept
             return
-        with contextlib.suppress(OSError):  # without it the directory is never swept, no more
+        # A full runtime directory leaves the file empty (made, its write refused): the sweep
+        # then goes by the lock alone. Without the file the directory is never swept.
+        with contextlib.suppress(OSError):
             with open(os.path.join(self.path, PID_FILE), "x") as f:
                 f.write(f"{os.getpid()}\n")
 
@@ -83,7 +92,7 @@ def sweep(bases: Iterable[str | None]) -> list[str]:
             if _NAME.fullmatch(name) is None or path in _MINE:
                 continue
             pid = _owner(path)
-            if pid is None or (_alive(pid) and pid != os.getpid()):
+            if pid is None or (pid > 0 and _alive(pid) and pid != os.getpid()):
                 continue
             if _remove_if_unlocked(path):
                 removed.append(path)
@@ -99,18 +108,30 @@ def _resolved(base: str | None) -> str | None:
         return None
 
 
+#: What :func:`_owner` gives for a pid file that is there but names no pid: empty (its write
+#: refused on a full disk) or unreadable. It was made after the lock was taken, so the lock
+#: alone decides.
+_UNKNOWN = 0
+
+
 def _owner(path: str) -> int | None:
-    """The pid in the directory's pid file; None without one (not a directory of ours)."""
+    """The pid in the directory's pid file, ``_UNKNOWN`` for an empty or unreadable one; None
+    without a regular file there, or one that says something else (not a directory of ours)."""
     try:
-        fd = os.open(os.path.join(path, PID_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(os.path.join(path, PID_FILE),
+                     os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # fmt: skip
     except OSError:
         return None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
         text = os.read(fd, 32).decode("ascii", "replace").strip()
     except OSError:
-        return None
+        return _UNKNOWN
     finally:
         os.close(fd)
+    if not text:
+        return _UNKNOWN
     return int(text) if is_decimal(text) and 0 < int(text) < 2**31 else None
 
 

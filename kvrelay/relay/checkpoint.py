@@ -59,8 +59,9 @@ WRITTEN = "checkpointed"
 FAILED = "checkpoint_failed"
 BUSY = "checkpoint_busy"
 OVERRUN = "checkpoint_overrun"
-#: ``state_checkpoint_failed`` is logged at most once per reason this often: a full or read-only
-#: disk fails every pool's every round (each one is counted all the same).
+#: ``state_checkpoint_failed`` (and ``state_dir_unusable``) is logged at most once per reason this
+#: often: a full or read-only disk fails every pool's every round (each one is counted all the
+#: same).
 FAILURE_LOG_S = 60.0
 
 
@@ -136,6 +137,27 @@ def failure_reason(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+class LogThrottle:
+    """For an error that recurs every round while its cause lasts: one line per reason per
+    ``FAILURE_LOG_S``, the next one saying how many went unlogged meanwhile. The caller logs
+    (under its literal event name) and counts every occurrence itself."""
+
+    def __init__(self) -> None:
+        self._logged_at: dict[str, float] = {}
+        self._not_logged: dict[str, int] = {}
+
+    def due(self, reason: str) -> int | None:
+        """The occurrences of ``reason`` not logged since its last line, if one is due now;
+        None (this one noted as not logged) while ``reason`` was logged within the period."""
+        now = time.monotonic()
+        last = self._logged_at.get(reason)
+        if last is not None and now - last < FAILURE_LOG_S:
+            self._not_logged[reason] = self._not_logged.get(reason, 0) + 1
+            return None
+        self._logged_at[reason] = now
+        return self._not_logged.pop(reason, 0)
+
+
 class _FailureLog:
     """Logs failed checkpoints at a bounded rate. A full disk fails every pool at every round:
     at the default 30 s that was one error line per pool and round, and at a short interval
@@ -144,23 +166,19 @@ class _FailureLog:
     lines went out, one ``state_checkpoint_resumed`` when a pool that failed is written again."""
 
     def __init__(self) -> None:
-        self._logged_at: dict[str, float] = {}
-        self._not_logged: dict[str, int] = {}
+        self._throttle = LogThrottle()
         self._streak: dict[str, int] = {}  # pool → failures since its last checkpoint written
         self._told = False  # a failure line went out since the last ``resumed`` line
 
     def failed(self, pool: str, exc: BaseException) -> None:
         self._streak[pool] = self._streak.get(pool, 0) + 1
         reason = failure_reason(exc)
-        now = time.monotonic()
-        last = self._logged_at.get(reason)
-        if last is not None and now - last < FAILURE_LOG_S:
-            self._not_logged[reason] = self._not_logged.get(reason, 0) + 1
+        not_logged = self._throttle.due(reason)
+        if not_logged is None:
             return
-        self._logged_at[reason] = now
         self._told = True
         _log.error("state_checkpoint_failed", pool=pool, reason=reason, error=repr(exc),
-                   failures_not_logged=self._not_logged.pop(reason, 0))  # fmt: skip
+                   failures_not_logged=not_logged)  # fmt: skip
 
     def written(self, pool: str) -> None:
         failures = self._streak.pop(pool, 0)

@@ -131,6 +131,8 @@ class Relay:
         #: saves at stop (saved, failed).
         self.state_restores: dict[str, int] = {}
         self.state_saves: dict[str, int] = {}
+        #: ``state_dir_unusable`` at a bounded rate: every checkpoint round asks again
+        self._state_dir_throttle = checkpoint.LogThrottle()
         #: Periodic checkpoints (``relay/checkpoint.py``), counted in ``state_saves``.
         self.checkpoints = checkpoint.Checkpointer(
             lambda r: self._count(self.state_saves, r),
@@ -193,7 +195,8 @@ class Relay:
 
     def _state_dir(self, counts: dict[str, int] | None = None) -> Path | None:
         """The state directory, created private if missing; None (counted in ``counts`` and
-        logged) when it cannot be made or another user could write to it (``safe_files``)."""
+        logged, once a minute per reason: each checkpoint round asks) when it cannot be made or
+        another user could write to it (``safe_files``)."""
         d = self.settings.state_dir
         if d is None:
             return None
@@ -201,15 +204,14 @@ class Relay:
         try:
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
             safe_files.check_private_dir(path)
-        except safe_files.UnsafeDirectory as exc:
+        except (safe_files.UnsafeDirectory, OSError) as exc:
+            reason = exc.kind if isinstance(exc, safe_files.UnsafeDirectory) else "unusable_dir"
             if counts is not None:
-                self._count(counts, exc.kind)
-            _log.error("state_dir_unusable", path=d, reason=exc.kind, error=str(exc))
-            return None
-        except OSError as exc:
-            if counts is not None:
-                self._count(counts, "unusable_dir")
-            _log.error("state_dir_unusable", path=d, reason="unusable_dir", error=str(exc))
+                self._count(counts, reason)
+            not_logged = self._state_dir_throttle.due(reason)
+            if not_logged is not None:
+                _log.error("state_dir_unusable", path=d, reason=reason, error=str(exc),
+                           failures_not_logged=not_logged)  # fmt: skip
             return None
         return path
 

@@ -149,6 +149,65 @@ def test_deployment_probes_ports_security_and_config(objects: dict[str, dict[str
     assert "emptyDir" in volumes[state["name"]] and not state.get("readOnly")
 
 
+#: The least a probe waits for its answer: 50 times the longest the docs measure a relay's loop
+#: held at once (a full collection with nothing frozen, docs/scaling.md: up to 96.80 ms; scrapes,
+#: windows and descriptor changes hold it for less), the liveness probe's timeout.
+PROBE_TIMEOUT_S = 5
+#: Bytes of exact state per membership, at most (docs/architecture.md: about 14-18.5).
+EXACT_BYTES_PER_MEMBERSHIP = 18.5
+#: What the kubelet keeps of a container's log by default (containerLogMaxFiles 5 x 10 MiB).
+CONTAINER_LOGS = 50 * 2**20
+#: The init container's copy of the image's compiled kernels (a few MB), and a node's own.
+KERNEL_CACHE = 64 * 2**20
+
+
+def _quantity(q: str) -> int:
+    """A Kubernetes binary quantity (``128Mi``) in bytes."""
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+    found = re.fullmatch(r"(\d+)(Ki|Mi|Gi)?", q)
+    assert found, q
+    return int(found.group(1)) * units.get(found.group(2) or "", 1)
+
+
+def test_probes_wait_out_a_busy_loop_and_storage_is_bounded(
+    objects: dict[str, dict[str, Any]],
+) -> None:
+    """Before: the startup and readiness probes had the kubelet's default 1 s timeout (liveness
+    5 s): a loop held a second on a busy node failed them, and two in a row took the only
+    replica out of rotation. Each probe now waits far longer than any loop hold the docs
+    measure, and no longer than its period. The state volume has room for twice the largest
+    pool's state file (a replacement writes the new file beside the old one) with that pool's
+    filter full, and the container's ephemeral storage covers it, the kernel cache and its logs:
+    unbounded, a full disk of the node was the limit."""
+    dep, svc, cm = objects["Deployment"], objects["Service"], objects["ConfigMap"]
+    pod = dep["spec"]["template"]["spec"]
+    (main,) = pod["containers"]
+    for name in ("startupProbe", "readinessProbe", "livenessProbe"):
+        probe = main[name]
+        assert probe.get("timeoutSeconds", 1) >= PROBE_TIMEOUT_S, name  # the default is 1
+        assert probe["timeoutSeconds"] <= probe["periodSeconds"], name
+    assert {p["name"]: p.get("appProtocol") for p in svc["spec"]["ports"]} == {
+        "grpc": "kubernetes.io/h2c", "metrics": "http",
+    }  # fmt: skip
+    env = {e["name"]: e["value"] for e in main["env"]}
+    cfg, problems = parse_config(tomllib.loads(cm["data"]["kvrelay.toml"]), env=env)
+    assert cfg is not None, problems
+    # the largest pool's file with its filter full: 8-byte buckets of 4 fingerprints each
+    largest = max(p.bucket_count * (8 + 4 * EXACT_BYTES_PER_MEMBERSHIP) for p in cfg.relay.pools)
+    assert cfg.relay.state_dir is not None
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in main["volumeMounts"]}
+    state = volumes[mounts[str(Path(cfg.relay.state_dir).parent)]]["emptyDir"]
+    assert _quantity(state["sizeLimit"]) >= 2 * largest
+    on_disk = {v["name"] for v in pod["volumes"]
+               if "emptyDir" in v and v["emptyDir"].get("medium") != "Memory"}  # fmt: skip
+    assert on_disk == {"state", "cache"}, "what the ephemeral-storage limit covers"
+    res = main["resources"]
+    limit = _quantity(res["limits"]["ephemeral-storage"])
+    assert _quantity(res["requests"]["ephemeral-storage"]) <= limit
+    assert limit >= _quantity(state["sizeLimit"]) + KERNEL_CACHE + CONTAINER_LOGS
+
+
 def test_service_monitor_structure(objects: dict[str, dict[str, Any]]) -> None:
     sm = objects["ServiceMonitor"]
     assert sm["apiVersion"] == "monitoring.coreos.com/v1"
@@ -380,6 +439,22 @@ exec "$@"
 """
 
 
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it, from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo.extend(children.get(tree[-1], []))
+    return tree
+
+
 def _can_unshare() -> bool:
     unshare = shutil.which("unshare")
     if unshare is None:
@@ -404,6 +479,7 @@ async def test_the_manifest_starts_four_workers_on_a_read_only_root(
     the relay's service) must pass and a router must be served through a fan-out worker."""
     import asyncio
     import os
+    import signal
     import socket
     import sys
 
@@ -503,6 +579,29 @@ async def test_the_manifest_starts_four_workers_on_a_read_only_root(
                 pb.FilterUpdate, lambda fu: True,
             )  # fmt: skip
             assert int(first.kind) == int(pb.FilterUpdateKind.SNAPSHOT_CHUNK)
+
+        # Every process of the pod held 1.5 s (stopped), as a loop on a busy node can be: the
+        # kubelet's default 1 s timeout fails the probe, the manifest's waits the hold out.
+        async def check(timeout: float) -> bool:
+            async with Channel("127.0.0.1", ports[0]) as ch:
+                reply = await asyncio.wait_for(HealthStub(ch).Check(
+                    HealthCheckRequest(service=HEALTH_SERVICE)), timeout)  # fmt: skip
+            return bool(reply.status == HealthCheckResponse.SERVING)
+
+        held = _process_tree(proc.pid)
+        assert len(held) >= 2, "the ingest process and its fan-out worker"
+        probes = [asyncio.create_task(check(t))
+                  for t in (1, main["readinessProbe"].get("timeoutSeconds", 1))]  # fmt: skip
+        for pid in held:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(1.5)
+        finally:
+            for pid in held:
+                os.kill(pid, signal.SIGCONT)
+        with pytest.raises(TimeoutError):
+            await probes[0]
+        assert await probes[1], "the manifest's probe sees SERVING once the hold ends"
         proc.terminate()
         rc = await asyncio.wait_for(proc.wait(), 30)
         err = (await proc.stderr.read()).decode()  # type: ignore[union-attr]

@@ -7,12 +7,15 @@ never a directory whose owner lives, whatever pid its pid file gives, nor anythi
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -136,3 +139,97 @@ def test_a_private_dir_is_private_and_holds_a_socket(tmp_path: Path) -> None:
     finally:
         d.remove()
     assert not os.path.exists(d.path)
+
+
+#: Makes one directory under argv[1] (a hot upgrade's), prints it and its pid file, waits.
+ONE = r"""
+import os, sys, time
+from kvrelay.ops.private_dirs import PID_FILE, PrivateDir
+d = PrivateDir(sys.argv[1], "upgrade")
+print(d.path, os.path.getsize(os.path.join(d.path, PID_FILE)), flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.fixture
+def full_tmpfs(tmp_path: Path) -> Iterator[Path | None]:
+    """A 64 KiB tmpfs filled to its last byte (root on Linux), else None. A full file system
+    still makes directories and empty files, and refuses the pid file's few bytes."""
+    if sys.platform != "linux" or os.geteuid() != 0:
+        yield None
+        return
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(mnt)],
+                         capture_output=True, timeout=30)  # fmt: skip
+    if res.returncode != 0:
+        yield None
+        return
+    try:
+        fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            with contextlib.suppress(OSError):
+                while os.write(fd, b"\0" * 4096):
+                    pass
+        finally:
+            os.close(fd)
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+
+
+@pytest.mark.parametrize("disk", ["full", "emptied"])
+def test_a_directory_whose_pid_file_is_empty_goes_by_its_lock(
+    tmp_path: Path, full_tmpfs: Path | None, disk: str
+) -> None:
+    """Before: a runtime directory too full for the pid file's bytes left that file empty, and
+    the sweep skipped a directory naming no pid, so a successor SIGKILLed mid-upgrade left its
+    directory for good. The file was made after the lock was taken: its owner's lock alone now
+    decides (``emptied``: the same file made empty by hand, where no tmpfs can be mounted)."""
+    base = full_tmpfs if disk == "full" else tmp_path
+    if base is None:
+        pytest.skip("mounting a tmpfs needs root on Linux")
+    proc = subprocess.Popen([sys.executable, "-c", ONE, str(base)], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout is not None
+    path, size = proc.stdout.readline().split()
+    try:
+        if disk == "emptied":
+            assert size != "0"
+            (Path(path) / PID_FILE).write_text("")
+        else:
+            assert size == "0", "the full disk took the pid after all"
+        assert (Path(path) / PID_FILE).read_text() == ""
+        assert sweep([str(base)]) == [] and os.path.isdir(path), "its live owner holds it"
+    finally:
+        _kill(proc)
+    assert sweep([str(base)]) == [path] and not os.path.exists(path)
+
+
+#: Takes every descriptor it may have, then tries to make a directory under argv[1].
+NO_FDS = r"""
+import os, sys
+from kvrelay.ops.private_dirs import PrivateDir
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+try:
+    PrivateDir(sys.argv[1])
+except OSError as exc:
+    print("refused:", exc.errno)
+"""
+
+
+def test_a_directory_that_cannot_be_locked_for_want_of_a_descriptor_is_not_left(
+    tmp_path: Path,
+) -> None:
+    """Before: ``mkdtemp`` made the directory, opening it to lock it failed (no descriptor left:
+    ``EMFILE``) and the directory stayed, with no lock and no pid file, so no sweep removes it."""
+    res = subprocess.run([sys.executable, "-c", NO_FDS, str(tmp_path)], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == f"refused: {errno.EMFILE}"
+    assert list(tmp_path.iterdir()) == []

@@ -16,8 +16,9 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
+import structlog
 
-from kvrelay.relay import handover, state_file
+from kvrelay.relay import checkpoint, handover, state_file
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import RelaySettings
 from kvrelay.sim.config import SimConfig
@@ -282,6 +283,37 @@ async def test_an_unsafe_state_dir_is_refused_and_counted(
         assert r.metric("kvrelay_state_restores_total", result="unsafe_dir") == 1
     assert r.relay.state_saves == {"unsafe_dir": 1}
     assert list(d.iterdir()) == []
+
+
+async def test_an_unusable_state_dir_is_logged_once_a_minute_per_reason(
+    fleet: list[SimEngine], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: ``state_dir_unusable`` went out at every checkpoint round for as long as the
+    directory stayed unsafe or could not be made: at a short interval, several error lines a
+    second. Now as ``state_checkpoint_failed``: one line per reason a minute, saying how many it
+    did not log; each refusal is still counted."""
+    d = tmp_path / "state"
+    d.mkdir()
+    d.chmod(0o777)
+    settings = _settings(fleet, d, checkpoint_interval_s=0.05)
+    with structlog.testing.capture_logs() as logs:
+        async with _relay(fleet, settings) as r:
+            saves = r.relay.state_saves
+            await eventually(lambda: saves.get("unsafe_dir", 0) >= 5, what="refused rounds")
+            d.chmod(0o700)
+            d.rmdir()
+            d.write_text("")  # a file where the directory should be: cannot be made
+            await eventually(lambda: saves.get("unusable_dir", 0) >= 5, what="unusable rounds")
+            lines = [e for e in logs if e["event"] == "state_dir_unusable"]
+            assert [e["reason"] for e in lines] == ["unsafe_dir", "unusable_dir"], lines
+            assert lines[0]["failures_not_logged"] == lines[1]["failures_not_logged"] == 0
+            monkeypatch.setattr(checkpoint, "FAILURE_LOG_S", 0.0)  # the minute is up
+            await eventually(lambda: sum(e["event"] == "state_dir_unusable" for e in logs) > 2,
+                             what="the next line")  # fmt: skip
+    third = [e for e in logs if e["event"] == "state_dir_unusable"][2]
+    assert third["reason"] == "unusable_dir" and third["failures_not_logged"] >= 4, third
+    assert r.relay.state_restores == {"unsafe_dir": 1}
+    assert saves["unsafe_dir"] >= 5 and saves["unusable_dir"] >= 6
 
 
 async def test_a_save_while_only_control_is_down_keeps_the_engines_incarnation(
