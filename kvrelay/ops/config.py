@@ -215,20 +215,39 @@ def parse_bind(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _overlap(a: str, b: str) -> bool:
+def _overlap(a: str, b: str, *, a_zmq: bool = False, b_zmq: bool = False) -> bool:
     """Whether listeners on hosts ``a`` and ``b`` (one port) would collide, as the OS decides
     for the relay's listeners (an IPv6 one is IPv6-only): one address however spelled
     (``::1`` and ``0:0::1``; ``::ffff:127.0.0.1`` is ``127.0.0.1``), or the unspecified address
     and any address of its family (``[::]`` and ``0.0.0.0`` do not collide). A name counts as
     every address it resolves to (``localhost``); one that does not resolve is left to the
-    start to report."""
+    start to report. ``a_zmq``/``b_zmq``: that host is a connect-mode bind, which holds the
+    addresses libzmq binds (``_zmq_bind_addresses``)."""
     if a == b:
         return True
+    xs = _zmq_bind_addresses(a) if a_zmq else _host_addresses(a)
+    ys = _zmq_bind_addresses(b) if b_zmq else _host_addresses(b)
     return any(
         x.version == y.version and (x == y or x.is_unspecified or y.is_unspecified)
-        for x in _host_addresses(a)
-        for y in _host_addresses(b)
+        for x in xs
+        for y in ys
     )
+
+
+def _zmq_bind_addresses(host: str) -> set[IPAddress]:
+    """What a connect-mode bind on ``host`` (``split_tcp``'s) holds, as libzmq binds it: the SUB
+    sets ZMQ_IPV6 for an IPv6 literal alone (``ingest/connect.py``), so ``*`` and a name are
+    IPv4 only (a name binds its IPv4 addresses), and an IPv6 literal binds a dual-stack socket
+    (libzmq clears IPV6_V6ONLY): ``[::]`` holds ``0.0.0.0`` too, and ``[::ffff:a.b.c.d]`` is
+    ``a.b.c.d``."""
+    if host == "*":
+        return {ipaddress.IPv4Address(0)}
+    addr = canonical_ip(host)
+    if addr is None:
+        return {x for x in _host_addresses(host) if x.version == 4}
+    if addr.version == 6 and addr.is_unspecified:
+        return {addr, ipaddress.IPv4Address(0)}
+    return {addr}
 
 
 def _host_addresses(host: str) -> set[IPAddress]:
@@ -844,6 +863,11 @@ def parse_config(
     if metrics_vals["enabled"] and m_port == bind_port != 0 and _overlap(m_host, bind_host):
         r.err("metrics.bind", f"same address as relay.bind ({metrics_vals['bind']} and "
                               f"{relay['bind']} listen on one port)")  # fmt: skip
+    if pools:
+        listeners = [("relay.bind", relay["bind"], bind_host, bind_port)]
+        if metrics_vals["enabled"]:
+            listeners.append(("metrics.bind", metrics_vals["bind"], m_host, m_port))
+        _connect_collisions(r, pools, listeners)
 
     if limits is not None and relay["workers"] >= 2:  # each worker mirrors at these periods
         for name in ("pool_heartbeat_s", "readiness_heartbeat_s"):
@@ -1040,6 +1064,58 @@ def _port_collisions(r: _Reader, pools: list[PoolSpec]) -> None:
                             "there are ranks (e.g. tcp://*:5557 and tcp://*:5657), and give "
                             "engines on one host distinct ranges",
                         )
+
+
+_IN_USE = "the later bind fails at start (Address already in use); give each its own port"
+
+
+def _connect_collisions(
+    r: _Reader, pools: list[PoolSpec], listeners: list[tuple[str, str, str, int]]
+) -> None:
+    """Refuse connect-mode binds (``[pools.connect] bind``) that hold one address and port as
+    another pool's, another of the pool's own, or one of the relay's ``listeners`` ((key path,
+    as written, host, port)), compared as ``_overlap`` does (``tcp://*:5557`` and
+    ``tcp://127.0.0.1:5557``). Errors, because the relay binds them all: the later bind failed
+    at start ("Address already in use"; its pool retried for ever). An ipc:// path bound twice
+    (however spelled) failed worse: the later bind took the socket file, silently, and the
+    earlier pool never heard from an engine again."""
+    # (key path, as written, host, port, a connect bind?)
+    tcp: list[tuple[str, str, str, int, bool]] = [(*ln, False) for ln in listeners if ln[3]]
+    files: dict[str, tuple[str, str]] = {}  # ipc file or inproc name → (key path, as written)
+    for i, pool in enumerate(pools):
+        if pool.connect is None:
+            continue
+        path = f"pools[{i}].connect.bind"
+        for ep in pool.connect.bind:
+            if ep.startswith("tcp://"):
+                host, port = split_tcp(ep)
+                clash = next(
+                    (
+                        (where, shown)
+                        for where, shown, h, p, by_zmq in tcp
+                        if p == port and _overlap(host, h, a_zmq=True, b_zmq=by_zmq)
+                    ),
+                    None,
+                )
+                tcp.append((path, ep, host, port, True))
+            else:
+                first = files.setdefault(_zmq_path(ep), (path, ep))
+                clash = None if first == (path, ep) else first
+            why = _IN_USE
+            if ep.startswith("ipc://"):
+                why = ("the later bind takes the socket file from the earlier, whose pool "
+                       "then hears from no engine; give each its own path")  # fmt: skip
+            if clash is not None:
+                r.err(path, f"{ep} binds what {clash[0]} ({clash[1]}) does: {why}")
+
+
+def _zmq_path(endpoint: str) -> str:
+    """An ipc:// endpoint's socket file as an absolute path (``ipc://run/./kv.sock`` is
+    ``ipc://run/kv.sock``: relative to the directory ``check-config`` runs in, as the relay's
+    are to its own), an abstract (``ipc://@name``) or inproc:// one as written."""
+    if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
+        return "ipc://" + os.path.abspath(endpoint[len("ipc://") :])
+    return endpoint
 
 
 def _binds_overlap(

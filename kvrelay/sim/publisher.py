@@ -38,16 +38,25 @@ class PublisherStats:
     invalid_replay_requests: int = 0
 
 
+def _ipv6(endpoint: str) -> bool:
+    """Whether ``endpoint`` names an IPv6 literal (``tcp://[::1]:5557``; ZMQ brackets them):
+    libzmq reaches one only with ZMQ_IPV6 set, which vLLM sets for such a host."""
+    return endpoint.startswith("tcp://") and "[" in endpoint
+
+
 def _bind(sock: zmq.asyncio.Socket, endpoint: str, host_ip: str) -> str:
     """Bind like vLLM; ``tcp://*:0`` binds ``host_ip`` on an ephemeral port. Returns resolved."""
     _head, _, port = endpoint.rpartition(":")
-    if endpoint.startswith("tcp://") and port == "0":
-        sock.bind(f"tcp://{host_ip}:0")
-        last = sock.getsockopt(zmq.LAST_ENDPOINT)
-        assert isinstance(last, bytes)
-        return last.decode()
+    ephemeral = endpoint.startswith("tcp://") and port == "0"
+    if ephemeral:
+        endpoint = f"tcp://{host_ip}:0"
+    sock.setsockopt(zmq.IPV6, int(_ipv6(endpoint)))
     sock.bind(endpoint)
-    return endpoint
+    if not ephemeral:
+        return endpoint
+    last = sock.getsockopt(zmq.LAST_ENDPOINT)
+    assert isinstance(last, bytes)
+    return last.decode()
 
 
 class RankPublisher:
@@ -99,6 +108,8 @@ class RankPublisher:
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, self.hwm)
         if self.connect:
+            # without ZMQ_IPV6 a connect to an IPv6 literal never connects, and says nothing
+            pub.setsockopt(zmq.IPV6, int(_ipv6(self.connect)))
             pub.connect(self.connect)
             self.endpoint = self.connect
         else:

@@ -12,7 +12,12 @@ import zmq.asyncio
 
 from kvrelay.ingest.connect import ConnectSource, ConnectSpec
 from kvrelay.ingest.topic_pattern import TopicPattern
+from kvrelay.relay.settings import ConnectConfig
 from tests.ingest.test_connect import Pub, Sink, ctx  # noqa: F401 (fixture)
+from tests.support.connect import ConnectRig, connect_rig
+from tests.support.fleet import eventually, ground_truth
+from tests.support.rig import subscribe, verify
+from tests.support.timing import scaled
 from tests.support.vllm_publisher import until
 
 
@@ -110,3 +115,28 @@ async def test_an_ipv4_publisher_is_one_address_on_ipv4_and_dual_stack_binds(
         stranger.sock.close(linger=0)
     finally:
         await src.stop()
+
+
+async def test_the_simulator_publishes_into_an_ipv6_connect_bind() -> None:
+    """``kvrelay sim --connect tcp://[::1]:P``: the simulator's PUB never set ZMQ_IPV6, so it
+    never connected to a pool bound on an IPv6 literal (and said nothing). End to end: the
+    relay's filter for the engine equals the simulator's ground truth."""
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+        s.bind(("::1", 0))
+        port = s.getsockname()[1]
+    bind = f"tcp://[::1]:{port}"
+    connect = ConnectConfig(bind=(bind,), topic_pattern="kv@{engine}@{model}")
+    async with connect_rig(connect=connect) as c, c.rig.channel() as ch:
+        v6 = ConnectRig(c.rig, bind, c.flavor)
+        eng = v6.engine("pod-6", 61)
+        await eng.start()
+        await eng.wait_subscribed(timeout=scaled(10))
+        await eng.step(1)
+        r = c.rig
+        await eventually(lambda: r.pool.generation is not None, what="materialized")
+        consumer = await subscribe(r, ch)
+        for _ in range(10):
+            await eng.step(1)
+        await verify(r, consumer, truth=ground_truth([eng]), probes=2_000)
+        assert [n for _k, n, _c in r.pool.connected.source.members()] == ["pod-6"]
+        await consumer.stop()

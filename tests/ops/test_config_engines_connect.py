@@ -116,4 +116,5 @@ def test_two_pools_cannot_bind_one_endpoint(tmp_path: Path) -> None:
     text = HEAD + IDENTITY + CONNECT + "[[pools]]" + second + IDENTITY + CONNECT
     cfg, problems = _check(tmp_path, text)
     assert cfg is None
-    assert "bind the same connect endpoint" in _errors(problems).get("relay", "")
+    reason = _errors(problems).get("pools[1].connect.bind", "")
+    assert "binds what pools[0].connect.bind (tcp://0.0.0.0:5557) does" in reason, problems
