@@ -31,9 +31,13 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from kvrelay import __version__
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.contract.errors import reason_name
 from kvrelay.contract.wire import SLOTS_PER_BUCKET
 from kvrelay.discovery.errors import REFUSED, REPLY_REFUSALS
 from kvrelay.ingest.counters import LAG_BUCKETS_S, SubscriberCounters
+from kvrelay.ingest.errors import DecodeError
+from kvrelay.ingest.sink import ResetReason
 from kvrelay.ops import gc_pauses
 from kvrelay.ops.gc_pauses import GcPauses, pauses
 from kvrelay.ops.metrics_http import (
@@ -44,6 +48,7 @@ from kvrelay.ops.metrics_http import (
     http_metrics,
     pinned,
 )
+from kvrelay.pool.errors import MalformedBatch, PoolError
 from kvrelay.relay.observer import Observers
 from kvrelay.relay.stats import GenerationTotals, RelayStats
 from kvrelay.service.h2.guard import ABUSE_REASONS
@@ -54,6 +59,43 @@ DELTA_LATENCY_BUCKETS = (
 LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 _MEMBER = ("pool", "worker", "dp_rank")
+
+
+def _leaf_kinds(base: type[DecodeError] | type[PoolError]) -> tuple[str, ...]:
+    """The ``kind`` of every class below ``base`` that is raised (has no subclass itself)."""
+    out: list[str] = []
+    todo: list[type] = [base]
+    while todo:
+        cls = todo.pop()
+        subs: list[type] = cls.__subclasses__()
+        if not subs and cls is not base:
+            out.append(cls.kind)  # type: ignore[attr-defined]
+        todo += subs
+    return tuple(sorted(set(out)))
+
+
+# Every known value of the counters labelled by a reason or kind is exported from the start, at
+# 0 while it has not happened: a series that appears at its first count hides that count from
+# ``increase()``/``rate()``, so an alert on it never fired for a single event. The values come
+# from the layers that count them; one not listed (a new one) still appears at its first count.
+# Bounded: 11 stream error reasons per process, 17 reset reasons and 8 error kinds per pool,
+# 9 rejection kinds per source (per pool with ``per_member = false``).
+#: ``kvrelay_stream_errors_total{reason}``: every contract reason a stream can end with.
+STREAM_ERROR_REASONS = tuple(
+    reason_name(r) for r in pb.RelayErrorReason if r != pb.RelayErrorReason.UNSPECIFIED
+)
+#: ``kvrelay_pool_member_resets_total{reason}``: an ingest ``ResetReason``, or the pool's own
+#: (a crashed subscriber, an engine removed or declared down, a DP rank gone, a connected member
+#: expired or its socket reconfigured).
+POOL_RESET_REASONS = tuple(sorted({
+    *(r.value for r in ResetReason), "source_failed", "engine_removed", "engine_down",
+    "rank_removed", "member_expired", "reconfigured",
+}))  # fmt: skip
+#: ``kvrelay_pool_errors_total{kind}``: every pool error the pool counts.
+POOL_ERROR_KINDS = _leaf_kinds(PoolError)
+#: ``kvrelay_ingest_decode_rejections_total{kind}``: every decode rejection, and a batch the
+#: pool refused whole (a ZMTP transport error, ``zmtp_*``, appears at its first count).
+DECODE_REJECTION_KINDS = tuple(sorted({*_leaf_kinds(DecodeError), MalformedBatch.kind}))
 Flat = dict[tuple[str, str], int]
 _LAG_HELP = (
     "Live messages: relay wall clock when applied minus the engine's batch timestamp "
@@ -387,6 +429,40 @@ def tls_families(source: TlsSource | None) -> Iterator[Metric]:
     yield fam
 
 
+def _known(values: Iterable[str], counts: Mapping[str, int]) -> dict[str, int]:
+    """``counts`` with every known value in ``values`` at 0 where it has none."""
+    return {**dict.fromkeys(values, 0), **counts}
+
+
+_REJECTIONS_AT_ZERO: Flat = {("rejections", kind): 0 for kind in DECODE_REJECTION_KINDS}
+_ERRORS_AT_ZERO: Flat = {("errors", kind): 0 for kind in POOL_ERROR_KINDS}
+
+
+def service_families(svc: ServiceSource) -> Iterator[Metric]:
+    """The router-facing service's streams by kind, its contract errors by reason (every
+    reason from the start) and its guard counters (a relay's and a mirror's endpoint alike)."""
+    streams, errors_by_reason = svc.stats()
+    subs = GaugeMetricFamily(
+        "kvrelay_stream_subscribers", "Open streams by kind.", labels=["kind"]
+    )
+    limit = GaugeMetricFamily(
+        "kvrelay_stream_subscriber_limit", "Configured stream limit by kind.", labels=["kind"]
+    )
+    for kind, (open_, cap) in streams.items():
+        subs.add_metric([kind], open_)
+        limit.add_metric([kind], cap)
+    errors = CounterMetricFamily(
+        "kvrelay_stream_errors", "Streams/calls ended with a contract error, by reason.",
+        labels=["reason"],
+    )
+    for reason, n in sorted(_known(STREAM_ERROR_REASONS, errors_by_reason).items()):
+        errors.add_metric([reason], n)
+    yield subs
+    yield limit
+    yield errors
+    yield from guard_families(svc)
+
+
 def _flatten_subscriber(c: SubscriberCounters) -> Flat:
     out: Flat = {}
     for attr in _SUB_SCALARS:
@@ -562,29 +638,8 @@ class RelayMetrics:
         yield from reload_families(self._reloads)
 
     def _service_metrics(self) -> Iterator[Metric]:
-        svc = self._service
-        if svc is None:
-            return
-        streams, errors_by_reason = svc.stats()
-        subs = GaugeMetricFamily(
-            "kvrelay_stream_subscribers", "Open streams by kind.", labels=["kind"]
-        )
-        limit = GaugeMetricFamily(
-            "kvrelay_stream_subscriber_limit", "Configured stream limit by kind.", labels=["kind"]
-        )
-        for kind, (open_, cap) in streams.items():
-            subs.add_metric([kind], open_)
-            limit.add_metric([kind], cap)
-        errors = CounterMetricFamily(
-            "kvrelay_stream_errors", "Streams/calls ended with a contract error, by reason.",
-            labels=["reason"],
-        )
-        for reason, n in sorted(errors_by_reason.items()):
-            errors.add_metric([reason], n)
-        yield subs
-        yield limit
-        yield errors
-        yield from guard_families(svc)
+        if self._service is not None:
+            yield from service_families(self._service)
 
     # ---- HTTP endpoint ---------------------------------------------------------------------------
 
@@ -783,7 +838,7 @@ def _pool_metrics(r: RelayStats) -> Iterator[Metric]:
     for p in r.pools:
         for attr, fam in pc.items():
             fam.add_metric([p.name], p.counters[attr])
-        for reason, n in sorted(p.member_resets.items()):
+        for reason, n in sorted(_known(POOL_RESET_REASONS, p.member_resets).items()):
             resets.add_metric([p.name, reason], n)
         g["kvrelay_ckf_capacity_slots"].add_metric([p.name], p.bucket_count * SLOTS_PER_BUCKET)
         g["kvrelay_ckf_buckets"].add_metric([p.name], p.bucket_count)
@@ -827,7 +882,7 @@ def _member_metrics(r: RelayStats, per_member: bool = True) -> Iterator[Metric]:
             key: tuple[str, ...] = (p.name, s.engine, str(s.dp_rank)) if per_member else (p.name,)
             groups.setdefault(key, []).append(s.counters)
         for key, counters in groups.items():
-            flat: Flat = {}
+            flat: Flat = dict.fromkeys(_REJECTIONS_AT_ZERO, 0)
             for c in counters:
                 for k, n in _flatten_subscriber(c).items():
                     flat[k] = flat.get(k, 0) + n
@@ -899,7 +954,8 @@ def _generation_metrics(r: RelayStats) -> Iterator[Metric]:
         for attr, (name, doc, label) in _GEN_COUNTERS.items()
     }
     for p in r.pools:
-        for (attr, label), n in sorted(_flatten_generations(p.generations).items()):
+        flat = {**_ERRORS_AT_ZERO, **_flatten_generations(p.generations)}
+        for (attr, label), n in sorted(flat.items()):
             fams[attr].add_metric([p.name, label] if label else [p.name], n)
     yield from fams.values()
     g = {

@@ -26,14 +26,27 @@ from kvrelay.ops.metrics import (
     UpgradeSource,
     default_registry,
     gc_pause_families,
-    guard_families,
     reload_families,
+    service_families,
     tls_families,
     upgrade_families,
 )
 from kvrelay.ops.metrics_http import Collected, HttpCounters, MetricsServer, http_metrics
 
 MirrorStats = Callable[[], list[tuple[str, dict[str, Any]]]]  # (worker label, Mirror.stats())
+
+#: The planes a mirror's upstream session needs live (``Mirror.in_session``; serving load is
+#: optional: a Dynamo 1.6 upstream has none).
+SESSION_PLANES = ("catalog", "readiness", "load")
+
+
+def in_session(stats: dict[str, Any]) -> bool:
+    """``Mirror.in_session`` from its ``stats()`` (also as a worker reports it, in JSON): an
+    upstream identity, and the catalog, readiness and load planes delivering."""
+    planes = stats.get("planes", {})
+    return stats.get("identity") is not None and all(
+        planes.get(name, {}).get("live", False) for name in SESSION_PLANES
+    )
 
 
 class MirrorCollector(Collector):
@@ -47,6 +60,16 @@ class MirrorCollector(Collector):
         lw = ["worker"]
         synced = GaugeMetricFamily("kvrelay_mirror_synced", "1 once the mirror synchronized.",
                                    labels=lw)  # fmt: skip
+        session = GaugeMetricFamily(
+            "kvrelay_mirror_upstream_session",
+            "1 while the mirror holds its upstream session (identity; catalog, readiness and load "
+            "planes live); 0: it refuses every RPC and its health says NOT_SERVING.", labels=lw,
+        )  # fmt: skip
+        resets = CounterMetricFamily(
+            "kvrelay_mirror_upstream_channel_resets",
+            "Upstream channels replaced after the upstream connection failed or went away.",
+            labels=lw,
+        )  # fmt: skip
         changes = CounterMetricFamily(
             "kvrelay_mirror_upstream_identity_changes",
             "Upstream relay identity changes followed (upstream restarts).", labels=lw,
@@ -75,6 +98,8 @@ class MirrorCollector(Collector):
             if not s:
                 continue
             synced.add_metric([worker], 1.0 if s.get("synced") else 0.0)
+            session.add_metric([worker], 1.0 if in_session(s) else 0.0)
+            resets.add_metric([worker], float(s.get("channel_resets", 0)))
             changes.add_metric([worker], float(s.get("identity_changes", 0)))
             states: dict[str, int] = {}
             for p in s.get("pools", {}).values():
@@ -93,7 +118,8 @@ class MirrorCollector(Collector):
             for k, v in sorted(s.get("plane_ends", {}).items()):
                 plane, _, reason = k.partition("_")
                 planes.add_metric([worker, plane, reason], float(v))
-        yield from (synced, changes, pools, ends, violations, deltas, lagged, evicted, planes)
+        yield from (synced, session, resets, changes, pools, ends, violations, deltas, lagged,
+                    evicted, planes)  # fmt: skip
 
 
 class WorkersCollector(Collector):
@@ -133,24 +159,6 @@ class WorkersCollector(Collector):
         ]
 
 
-def _service_families(svc: ServiceSource) -> Iterator[Metric]:
-    streams, errors_by_reason = svc.stats()
-    subs = GaugeMetricFamily("kvrelay_stream_subscribers", "Open streams by kind.",
-                             labels=["kind"])  # fmt: skip
-    limit = GaugeMetricFamily("kvrelay_stream_subscriber_limit",
-                              "Configured stream limit by kind.", labels=["kind"])  # fmt: skip
-    for kind, (open_, cap) in streams.items():
-        subs.add_metric([kind], open_)
-        limit.add_metric([kind], cap)
-    errors = CounterMetricFamily("kvrelay_stream_errors",
-                                 "Streams/calls ended with a contract error, by reason.",
-                                 labels=["reason"])  # fmt: skip
-    for reason, n in sorted(errors_by_reason.items()):
-        errors.add_metric([reason], n)
-    yield from (subs, limit, errors)
-    yield from guard_families(svc)
-
-
 class _ServiceCollector(Collector):
     def __init__(self, metrics: MirrorMetrics) -> None:
         self.metrics = metrics
@@ -161,7 +169,7 @@ class _ServiceCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         svc = self.metrics.service
         if svc is not None:
-            yield from _service_families(svc)
+            yield from service_families(svc)
         yield from gc_pause_families(pauses())
         yield from http_metrics(self.metrics.http_counters)
         yield from tls_families(self.metrics.tls)
