@@ -30,7 +30,7 @@ from h2.settings import SettingCodes
 
 from kvrelay.service.h2.drain import DrainNotice
 from kvrelay.service.h2.guard import ConnectionCaps, H2Budgets, H2Counters, guard_protocol
-from kvrelay.service.h2.internals import H2Protocol
+from kvrelay.service.h2.internals import H2Protocol, close_unstarted
 from kvrelay.service.h2.mend import mend_protocol
 from kvrelay.service.h2.tls_gate import TLS_HANDSHAKE_TIMEOUT_S, TlsGate
 
@@ -108,6 +108,7 @@ class ClosingServer(Server):
             if release is None:
                 proto.data_received = _ignore  # type: ignore[method-assign,assignment]
                 self._protocols.discard(proto)
+                close_unstarted(proto)  # or grpclib's Server keeps its handler for ever
                 transport.abort()  # type: ignore[attr-defined]
                 return
             made(transport)

@@ -36,6 +36,7 @@ __all__ = [
     "SEND_DATA_STREAM_NOOP",
     "H2Protocol",
     "Parts",
+    "close_unstarted",
     "live_internals",
     "missing",
     "missing_in_classes",
@@ -111,12 +112,24 @@ INSTANCE_NEEDS: tuple[tuple[str, str], ...] = (
 
 #: What ``closing.release_cancelled_streams`` uses of a server connection's protocol:
 #: ``(where, attribute)`` with ``where`` ``proto`` (grpclib's ``H2Protocol``) or ``handler``
-#: (its ``Handler``: the request tasks by stream).
+#: (its ``Handler``: the request tasks by stream; ``close``: see ``close_unstarted``).
 PROTOCOL_NEEDS: tuple[tuple[str, str], ...] = (
     ("proto", "handler"),
     ("handler", "accept"),
     ("handler", "_tasks"),
+    ("handler", "close"),
 )
+
+
+def close_unstarted(proto: Any) -> None:
+    """Close the request handler of a protocol whose connection never reached it (refused by
+    the caps or the peer check, or a TLS handshake that did not complete), as its
+    ``connection_lost`` would have. grpclib's ``Server`` makes a handler with each protocol and
+    keeps it in ``Server._handlers`` until it is closed: each such connection left one there for
+    the server's life (about 1.5 KiB, and every tenth accept walks the whole set)."""
+    close = getattr(getattr(proto, "handler", None), "close", None)
+    if close is not None:
+        close()
 
 
 def missing_in_protocol(proto: Any) -> list[str]:

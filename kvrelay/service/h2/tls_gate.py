@@ -13,7 +13,9 @@ upgrades the connection with ``loop.start_tls`` under ``handshake_timeout_s``, w
 in use *now* (``context()``: a reload's rotated certificate serves the next handshake without an
 SNI callback). A handshake that fails or times out is closed and counted
 (``kvrelay_http2_abuse_total{reason="tls_handshake"}``); a completed one hands the TLS transport
-to grpclib's protocol, which keeps the place until its connection is lost.
+to grpclib's protocol, which keeps the place until its connection is lost. A connection that
+never gets that far (refused, or its handshake failed) has its grpclib request handler closed
+when the gate ends, as a lost connection's is: grpclib's server keeps every handler until then.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from kvrelay.service.h2.guard import H2Counters
+from kvrelay.service.h2.internals import close_unstarted
 
 __all__ = ["TLS_HANDSHAKE_TIMEOUT_S", "TlsGate"]
 
@@ -58,6 +61,7 @@ class TlsGate(asyncio.Protocol):
         self._raw: asyncio.Transport | None = None
         self._task: asyncio.Task[None] | None = None
         self._early: list[bytes] = []  # at most what arrives in the loop turn of the handover
+        self._handed_over = False  # inner's connection_made was called: it owns its handler
         lost = inner.connection_lost
 
         def connection_lost(exc: BaseException | None) -> None:
@@ -75,6 +79,7 @@ class TlsGate(asyncio.Protocol):
             return  # the TLS layer's call (asyncio makes none; uvloop's may)
         release = self._admit(transport)
         if release is None:
+            close_unstarted(self.inner)
             transport.abort()  # type: ignore[attr-defined]
             return
         self._release = release
@@ -105,6 +110,7 @@ class TlsGate(asyncio.Protocol):
             self._give_back()
             return
         tls.set_protocol(self.inner)
+        self._handed_over = True
         self.inner.connection_made(tls)
         early, self._early = self._early, []
         for data in early:
@@ -156,6 +162,9 @@ class TlsGate(asyncio.Protocol):
             self._task.cancel()
 
     def _give_back(self) -> None:
+        """The place under the caps back; the handler of a connection inner never got, closed."""
         release, self._release = self._release, None
         if release is not None:
             release()
+        if not self._handed_over:
+            close_unstarted(self.inner)

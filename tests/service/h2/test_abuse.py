@@ -776,6 +776,53 @@ async def test_tls_handshakes_are_capped_timed_out_and_counted(
     assert "Exception ignored" not in capfd.readouterr().err
 
 
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+async def test_connections_that_never_reach_http2_leave_nothing_behind(
+    tmp_path: Path, tls: bool
+) -> None:
+    """grpclib's server makes a request handler with each connection's protocol and keeps it
+    until the connection is lost. A connection refused by the caps, or on a TLS port one whose
+    handshake fails (a TCP probe, a scanner), never got that far: each left its handler in the
+    server for good (3,000 of them: 3,000 handlers, about 5 MiB). Now only the live ones stay,
+    with at most grpclib's collection interval (10) of closed ones."""
+    from tests.support.certs import make_pki
+
+    ctx = None
+    if tls:
+        pki = make_pki(tmp_path)
+        ctx = server_ssl_context(str(pki.server_cert), str(pki.server_key), None)
+    limits = RelayLimits(max_connections=16, max_connections_per_address=1)
+    server = RelayServer(MemRelayView(), limits)
+    await server.start("127.0.0.1", 0, ssl=ctx, tls_handshake_timeout_s=5.0)
+    held = await asyncio.open_connection("127.0.0.1", server.port, local_addr=("127.0.0.2", 0))
+    churn = 60
+
+    async def dial(source: str) -> None:
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", server.port, local_addr=(source, 0)
+        )
+        writer.close()  # a TLS port: no handshake (or refused: held has the address's place)
+        await _closed_by_peer(reader, 5.0)
+
+    try:
+        for i in range(churn):
+            await dial("127.0.0.2")  # over the address's cap: refused as it is accepted
+            if tls:
+                await dial(f"127.0.0.{3 + i % 4}")  # admitted, its handshake never done
+        stats = server.service.guard_stats()[2]
+        async with asyncio.timeout(10):  # the last refusals and failed handshakes are counted
+            while stats["too_many_connections"] < churn or (tls and stats["tls_handshake"] < churn):
+                await asyncio.sleep(0.01)
+                stats = server.service.guard_stats()[2]
+        await dial("127.0.0.3")  # one accept more: grpclib collects closed handlers as it accepts
+        handlers = len(server._server._handlers)  # type: ignore[attr-defined]
+        made = 2 + churn * (1 + tls)
+        assert handlers <= 1 + 10 + 1, f"{handlers} handlers kept for {made} connections"
+    finally:
+        held[1].close()
+        await server.close(grace_s=0.5)
+
+
 async def test_one_connection_may_hold_every_stream_the_limits_allow_it() -> None:
     """One channel opening 150 catalog streams (a mirror's or an SDK's many pools, which all
     share one connection): every one is served. The relay told clients h2's default of 100
