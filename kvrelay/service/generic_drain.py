@@ -30,6 +30,7 @@ class GenericDrain:
     def __init__(self) -> None:
         self.started = False
         self._start = asyncio.Event()
+        self._started: asyncio.Future[None] | None = None  # see ``when_started``
         self._open = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -66,10 +67,21 @@ class GenericDrain:
                 var.set(value)
         return None if task.cancelled() else task.result()
 
+    def when_started(self) -> asyncio.Future[None]:
+        """Done once the drain starts: a send that waits for a flow-control window with nothing
+        of its message written is given up then (``send_unless``), so its stream ends at once."""
+        if self._started is None:
+            self._started = asyncio.get_running_loop().create_future()
+            if self.started:
+                self._started.set_result(None)
+        return self._started
+
     async def drain(self, grace_s: float) -> None:
         """Ask every stream to end; wait up to ``grace_s`` for them."""
         self.started = True
         self._start.set()
+        if self._started is not None and not self._started.done():
+            self._started.set_result(None)
         if self._open:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), grace_s)

@@ -5,7 +5,8 @@ once the listener is up, NOT_SERVING from the first moment of a drain, so Kubern
 load balancers and ``grpcurl`` see the relay leave before its streams end. ``Watch`` streams are
 held at most ``MAX_HEALTH_WATCHERS`` at once (each is a task and a stream that stay until the
 client leaves); one more is answered ``RESOURCE_EXHAUSTED``. On a drain every ``Watch`` sends
-NOT_SERVING and ends with status OK (``generic_drain.py``). Reflection: ``reflection.py``.
+NOT_SERVING and ends with status OK (``generic_drain.py``): at once, without it, when its client
+has not opened a flow-control window for its message. Reflection: ``reflection.py``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from grpclib.health.v1.health_pb2 import HealthCheckResponse
 
 from kvrelay.contract.limits import PermitCounter
 from kvrelay.service.generic_drain import GenericDrain
+from kvrelay.service.h2.writer import send_unless
 
 RELAY_SERVICE = "dynamo.kvrelay.v1.KvEventRelay"
 #: Health ``Watch`` streams held at once.
@@ -62,7 +64,9 @@ class RelayHealth:
     async def _watch(self, stream: Any) -> None:
         """The status now, then each change; on the drain, the status then (NOT_SERVING: the
         server's close sets it before the drain) if not sent yet, then the end of the stream
-        (status OK). The drain waits for a request on its way, as for a relay stream's, up to its
+        (status OK); a message still waiting for a flow-control window then, with nothing of
+        it written, is given up and the stream ends at once. The drain waits for a request on
+        its way, as for a relay stream's, up to its
         grace; one still not come then is refused (``PendingRequests.end_all``)."""
         drain = self._drain
         with drain.held():
@@ -72,7 +76,9 @@ class RelayHealth:
                 changed = self._changed
                 status = self._now(request.service)
                 if status != sent:
-                    await stream.send_message(HealthCheckResponse(status=status))
+                    message = stream.send_message(HealthCheckResponse(status=status))
+                    if not await send_unless(stream, message, (drain.when_started(),)):
+                        return  # the drain, the message waiting for a window: OK at once
                     sent = status
                 if drain.started:
                     return

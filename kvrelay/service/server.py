@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import contextvars
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, NoReturn, TypeVar, cast
 
 from grpclib.config import Configuration
@@ -47,7 +47,7 @@ from kvrelay.service.h2.request import (
 )
 from kvrelay.service.h2.request_guards import RequestGuards
 from kvrelay.service.h2.tls_gate import TLS_HANDSHAKE_TIMEOUT_S
-from kvrelay.service.h2.writer import StreamWriter, stream_resetter
+from kvrelay.service.h2.writer import StreamWriter, send_unless, stream_resetter
 from kvrelay.service.health import MAX_HEALTH_WATCHERS, RelayHealth
 from kvrelay.service.peercred import SameUserOnly
 from kvrelay.service.reflection import MAX_REFLECTION_STREAMS, reflection_services
@@ -329,12 +329,21 @@ class KvEventRelayService:
         """(kind, scope) → streams ended to make room for a client below its share."""
         return dict(self.shares.preemptions)
 
-    async def _send_plane(self, stream: Stream[Any, Any], kind: str, data: bytes) -> None:
-        """Send one plane message. A client that does not take it within
-        ``stalled_stream_reset_s`` gets its stream reset (RST_STREAM needs no flow-control
-        window) and this handler is cancelled, as a stalled pool stream's pump is: the send will
-        never complete. A timer, not ``wait_for``: the send starts in this task at once, so plane
-        messages keep their order with respect to pool stream ends."""
+    async def _send_plane(
+        self,
+        stream: Stream[Any, Any],
+        kind: str,
+        data: bytes,
+        ends: tuple[asyncio.Future[Any], ...] = (),
+    ) -> bool:
+        """Send one plane message; False when one of ``ends`` (a drain, a preemption, a lag,
+        the plane's source lost) completed while it had written nothing of the message, and it
+        was given up (``send_unless``): the stream ends with its status at once. A client that
+        does not take it within ``stalled_stream_reset_s`` gets its stream reset (RST_STREAM
+        needs no flow-control window) and this handler is cancelled, as a stalled pool stream's
+        pump is: the send will never complete. A timer, not ``wait_for``: the send starts in
+        this task at once, so plane messages keep their order with respect to pool stream
+        ends."""
         task = asyncio.current_task()
         assert task is not None
         reset = stream_resetter(stream)
@@ -349,7 +358,7 @@ class KvEventRelayService:
             self.limits.stalled_stream_reset_s, give_up
         )
         try:
-            await stream.send_message(data)
+            return await send_unless(stream, stream.send_message(data), ends)
         finally:
             handle.cancel()
 
@@ -363,10 +372,20 @@ class KvEventRelayService:
         _log.error("rpc_failed", rpc=rpc, error=repr(exc), exc_info=exc)
         return RelayError.internal(f"internal error: {type(exc).__name__}")
 
-    async def _run_stream(self, stream: Stream[Any, Any], body: _Body, rpc: str) -> None:
+    @contextlib.contextmanager
+    def _held(self) -> Iterator[None]:
+        """A call the drain waits for (up to its grace) before the close cancels what is left."""
         self._active += 1
         self._idle.clear()
         try:
+            yield
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                self._idle.set()
+
+    async def _run_stream(self, stream: Stream[Any, Any], body: _Body, rpc: str) -> None:
+        with self._held():
             try:
                 await body(stream)
             except RelayError as err:
@@ -387,10 +406,6 @@ class KvEventRelayService:
                     status_message=internal.message,
                     metadata=trailers_of(internal),
                 )
-        finally:
-            self._active -= 1
-            if self._active == 0:
-                self._idle.set()
 
     async def _get_relay_info(self, stream: Stream[Any, Any]) -> None:
         try:
@@ -403,7 +418,16 @@ class KvEventRelayService:
             raise
         except Exception as exc:  # a bug: INTERNAL with the trailer, not grpclib's bare UNKNOWN
             self.refuse(self.internal_error("GetRelayInfo", exc))
-        await self._send_plane(stream, "relay_info", info)  # a reply never taken: reset too
+        # a reply never taken is reset too; one waiting for a window when the drain starts is
+        # refused as a call during the drain is (held till then: the close cuts without a status)
+        with self._held():
+            if await self._send_plane(stream, "relay_info", info, (self._closed_future(),)):
+                return
+            down = RelayError.publication_unavailable("the relay is shutting down")
+            self._count(down)
+            await stream.send_trailing_metadata(
+                status=status_of(down), status_message=down.message, metadata=trailers_of(down)
+            )
 
     def refuse(self, err: RelayError) -> NoReturn:
         """End a call that has sent nothing yet with ``err``: counted, its status and the
@@ -489,7 +513,10 @@ class KvEventRelayService:
         try:
             version, message = plane.plane.current()
             first = self._encode_for(plane, kind, version, message, who)
-            await self._send_plane(stream, kind, first)
+            if not await self._send_version(stream, plane, kind, version, first, preempted,
+                                            max_gap):  # fmt: skip
+                ticket.check()  # preempted: RESOURCE_LIMIT; else it ends OK
+                return
             ticket.check()
             next_tick = loop.time() + resend_every if resend_every is not None else None
             while not self._closing:
@@ -511,15 +538,15 @@ class KvEventRelayService:
                         return  # the source shut down: end with status OK, like it did
                     pending = None
                     if max_gap is not None and new_version - version > max_gap:
-                        raise RelayError.subscriber_lagged(
-                            f"fell {new_version - version} windows behind (max {max_gap})"
-                        )
+                        raise _lagged(new_version - version, max_gap)
                     version = new_version
                 elif not refiltered and (next_tick is None or loop.time() < next_tick):
                     continue
-                await self._send_plane(
-                    stream, kind, self._encode_for(plane, kind, version, message, who)
-                )
+                data = self._encode_for(plane, kind, version, message, who)
+                if not await self._send_version(stream, plane, kind, version, data, preempted,
+                                                max_gap):  # fmt: skip
+                    ticket.check()
+                    return
                 if next_tick is not None:
                     now = loop.time()
                     while next_tick <= now:
@@ -529,6 +556,44 @@ class KvEventRelayService:
             if pending is not None and not pending.done():
                 pending.cancel()
             ticket.release()
+
+    async def _send_version(
+        self,
+        stream: Stream[Any, Any],
+        plane: _EncodedPlane,
+        kind: str,
+        version: int,
+        data: bytes,
+        preempted: asyncio.Future[None],
+        max_gap: int | None,
+    ) -> bool:
+        """Send ``data`` (the plane's message ``version``) unless the stream ends first: while
+        it waits for a flow-control window with nothing of it written, the drain, a preemption,
+        the plane running more than ``max_gap`` versions past it or losing its source give it up
+        and the stream ends with its status at once. False: the stream ends (the drain, a
+        preemption, the source ended cleanly); raises the plane's error. An end that comes once
+        part of the message is written waits for the send, then applies (the loop sees it)."""
+        watch = asyncio.ensure_future(_outrun(plane.plane, version, max_gap))
+        try:
+            sent = await self._send_plane(
+                stream, kind, data, (self._closed_future(), preempted, watch)
+            )
+        finally:
+            if not watch.done():
+                watch.cancel()
+            elif not watch.cancelled():
+                watch.exception()  # (retrieved: a send cancelled by a stall reset ignores it)
+        if sent:
+            return True
+        if watch.done() and not watch.cancelled():
+            end = watch.exception()
+            if isinstance(end, PlaneEnded):
+                return False  # the source shut down: end with status OK, like it did
+            if isinstance(end, PlaneClosed):
+                raise RelayError.publication_unavailable("publisher closed") from None
+            if end is not None:
+                raise end
+        return False  # the drain, or a preemption (the caller's ticket raises it)
 
     # --- RPC bodies ---
     async def _watch_catalog(self, stream: Stream[Any, Any]) -> None:
@@ -637,6 +702,21 @@ class KvEventRelayService:
         if self._active:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), grace_s)
+
+
+def _lagged(gap: int, max_gap: int) -> RelayError:
+    return RelayError.subscriber_lagged(f"fell {gap} windows behind (max {max_gap})")
+
+
+async def _outrun(plane: Plane[Any], version: int, max_gap: int | None) -> NoReturn:
+    """Follow ``plane`` while its message ``version`` is being sent; raise once the stream must
+    end: the plane's end, as ``wait_newer`` raises it, or (with ``max_gap``) a version more than
+    ``max_gap`` past the one being sent (SUBSCRIBER_LAGGED, the rule the loop applies after)."""
+    newest = version
+    while True:
+        newest, _ = await plane.wait_newer(newest)
+        if max_gap is not None and newest - version > max_gap:
+            raise _lagged(newest - version, max_gap)
 
 
 def _abandon(opening: asyncio.Future[Subscription]) -> None:

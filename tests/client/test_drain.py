@@ -75,7 +75,8 @@ async def test_a_call_refused_by_a_draining_relay_sends_the_next_to_the_successo
     old_server, new_server = RelayServer(old), RelayServer(new)
     await old_server.start("127.0.0.1", 0)
     port = old_server.port
-    holder = await RawH2Client.connect(port, window=0)  # never reads: the drain waits for it
+    # never reads, its message half written: the drain waits for it
+    holder = await RawH2Client.connect(port, window=8)
     channel = open_channel(RelayAddress("127.0.0.1", port))
     assert isinstance(channel, RelayChannel)
     closing = None

@@ -273,8 +273,8 @@ async def test_during_the_drain_a_new_watch_says_not_serving_and_reflection_is_r
     still open streams there: a Watch is told NOT_SERVING and ends OK; a reflection stream is
     refused UNAVAILABLE with the reason trailer, as a relay stream then is (contract §4.8),
     instead of staying open until the close cuts it."""
-    async with _draining("dc-watch-late", window=0) as d:
-        holder = d.raw  # never reads: the drain waits
+    async with _draining("dc-watch-late", window=8) as d:
+        holder = d.raw  # never reads, its message half written: the drain waits
         held = holder.open("WatchKvPoolCatalog", plane_request("held"))
         await asyncio.sleep(0.2)
         closing = d.drain(3.0)

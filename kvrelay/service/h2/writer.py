@@ -15,9 +15,10 @@ grpclib's public ``send_message`` (slower, the same bytes); trailers always go t
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from kvrelay.publication.hub import SendBatch
@@ -25,7 +26,7 @@ from kvrelay.service.h2.bulk import BulkSender, abandon, bulk_sender
 from kvrelay.service.h2.direct import direct_writer
 from kvrelay.service.h2.internals import CANCEL, stream_internals
 
-__all__ = ["StreamWriter", "stream_resetter"]
+__all__ = ["StreamWriter", "send_unless", "stream_resetter"]
 
 
 class StreamWriter:
@@ -65,6 +66,49 @@ def _resetter(stream: Any) -> Callable[[], None] | None:
             inner.reset_nowait(CANCEL)
 
     return reset
+
+
+async def send_unless(
+    stream: Any, sending: Awaitable[None], ends: Iterable[asyncio.Future[Any]]
+) -> bool:
+    """Await ``sending`` (a send on ``stream``, in the calling task); False when one of ``ends``
+    completed while it had written nothing of its message, and it was given up: nothing of it
+    is on the wire, so the stream's status can go out at once (HEADERS need no flow-control
+    window; the message would wait for one its client may never open). A send in the middle of
+    its message is left to finish: trailers now would read as its rest. Without the internals
+    the send is awaited whole."""
+    written = _written(stream)
+    task = asyncio.current_task()
+    if written is None or task is None:
+        await sending
+        return True
+    mark = written()
+    given_up = sending_now = False
+
+    def give_up(_end: asyncio.Future[Any]) -> None:
+        nonlocal given_up
+        # a done callback: never runs inside the task, so while the send is on, the task is
+        # suspended in it (one scheduled for an end already done may run after it is over)
+        if given_up or not sending_now or task.done() or written() != mark:
+            return
+        given_up = True
+        task.cancel()
+
+    ends = tuple(ends)
+    for end in ends:
+        end.add_done_callback(give_up)
+    sending_now = True
+    try:
+        await sending
+    except asyncio.CancelledError:
+        if not given_up or task.uncancel() > 0:
+            raise  # cancelled from elsewhere too (a stall reset, the server's close)
+        return False
+    finally:
+        sending_now = False
+        for end in ends:
+            end.remove_done_callback(give_up)
+    return True
 
 
 def _written(stream: Any) -> Callable[[], int] | None:

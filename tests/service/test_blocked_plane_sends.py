@@ -1,0 +1,228 @@
+"""A plane stream, a health ``Watch`` or a ``GetRelayInfo`` reply blocked in a send when it ends.
+
+The same rule as a pool stream's (``test_blocked_sends.py``): HTTP/2 flow control holds DATA,
+never HEADERS, so a stream whose send has written nothing of its message yet ends with its
+trailers at once, however little its client reads, whatever ends it: a drain, a preemption, a
+lag, its plane losing its source. One that has written part of a message finishes it when its
+client reads again, then ends with its status.
+
+A raw HTTP/2 client over loopback advertises a zero (or tiny) stream window and never gives any
+back, so the relay's sends wait for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.contract.errors import RelayError
+from kvrelay.contract.limits import RelayLimits
+from kvrelay.contract.wire import CONTRACT_MARKER
+from kvrelay.mirror.plane import MirrorPlane
+from kvrelay.service.server import RelayServer
+from tests.support.h2_client import RawH2Client, RawStream, plane_request
+from tests.support.mem_relay import MemRelayView
+from tests.support.timing import scaled
+
+KINDS = {
+    "catalog": "WatchKvPoolCatalog",
+    "readiness": "SubscribeServingReadiness",
+    "load": "SubscribeKvPoolLoad",
+    "serving_load": "SubscribeServingLoad",
+}
+OK = ("0", None)
+UNAVAILABLE = ("14", "RELAY_ERROR_REASON_PUBLICATION_UNAVAILABLE")
+LAGGED = ("8", "RELAY_ERROR_REASON_SUBSCRIBER_LAGGED")
+LIMIT = ("8", "RELAY_ERROR_REASON_RESOURCE_LIMIT")
+_SERVICE = b"dynamo.kvrelay.v1.KvEventRelay"
+HEALTH_CHECK = b"\n" + bytes([len(_SERVICE)]) + _SERVICE  # HealthCheckRequest{service}
+WATCH = "/grpc.health.v1.Health/Watch"
+INFO = bytes(pb.RelayInfoRequest(contract_marker=CONTRACT_MARKER))
+
+
+async def _eventually(check: Any, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + scaled(timeout)
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+async def _relay(**limits_kw: Any) -> tuple[MemRelayView, RelayServer]:
+    limits = RelayLimits(stalled_stream_reset_s=120.0, **limits_kw)
+    view = MemRelayView(limits)
+    view.add_pool("pool-a", 1024)
+    server = RelayServer(view, limits)
+    await server.start("127.0.0.1", 0)
+    return view, server
+
+
+async def _blocked(c: RawH2Client, method: str, request: bytes) -> RawStream:
+    """A stream whose first message waits for a window: its HEADERS came, none of its DATA."""
+    st = c.open(method, request)
+    await _eventually(lambda: ":status" in st.headers)
+    await asyncio.sleep(0.1)
+    assert not st.data and not st.ended.is_set()
+    return st
+
+
+async def _ended(st: RawStream, expected: tuple[str, str | None]) -> None:
+    await asyncio.wait_for(st.ended.wait(), scaled(10))
+    assert (st.status, st.reason) == expected and not st.reset, (st.trailers, st.reset)
+
+
+async def _close(server: RelayServer, closing: asyncio.Future[None] | None) -> None:
+    if closing is not None:
+        await asyncio.wait_for(closing, scaled(10))
+    else:
+        await server.close(grace_s=1.0)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+async def test_a_drain_ends_a_plane_stream_waiting_for_a_window_at_once(kind: str) -> None:
+    """With a grace of minutes, a plane stream whose message waits for a window the client never
+    opens ends OK at once, and the drain does not wait for it."""
+    _view, server = await _relay()
+    c = await RawH2Client.connect(server.port, window=0)
+    closing: asyncio.Future[None] | None = None
+    try:
+        st = await _blocked(c, KINDS[kind], plane_request())
+        closing = asyncio.ensure_future(server.close(grace_s=120.0))
+        await _ended(st, OK)
+        assert not st.data
+        await asyncio.wait_for(asyncio.shield(closing), scaled(10))
+    finally:
+        await c.close()
+        await _close(server, closing)
+
+
+@pytest.mark.parametrize("kind", ["catalog", "load"])
+async def test_a_plane_stream_losing_its_source_while_blocked_ends_at_once(kind: str) -> None:
+    """A mirror's plane whose upstream stream fails ends its readers with that status, and one
+    whose upstream ended cleanly ends them OK, while their message waits for a window."""
+    view, server = await _relay()
+    planes = {}
+    for name in ("failed", "clean"):
+        plane = MirrorPlane(kind)
+        plane.offer(0, bytes(view.catalog.current()[1] if kind == "catalog" else
+                             view.load.current()[1]))  # fmt: skip
+        planes[name] = plane
+    enc = server.service._catalog if kind == "catalog" else server.service._load
+    c = await RawH2Client.connect(server.port, window=0)
+    try:
+        enc.plane = planes["failed"]
+        failed = await _blocked(c, KINDS[kind], plane_request("a"))
+        enc.plane = planes["clean"]
+        clean = await _blocked(c, KINDS[kind], plane_request("b"))
+        planes["failed"].end(RelayError.publication_unavailable("upstream gone"))
+        planes["clean"].end(None)
+        await _ended(failed, UNAVAILABLE)
+        await _ended(clean, OK)
+    finally:
+        await c.close()
+        await server.close(grace_s=1.0)
+
+
+async def test_a_closed_plane_ends_its_blocked_stream_at_once() -> None:
+    view, server = await _relay()
+    c = await RawH2Client.connect(server.port, window=0)
+    try:
+        st = await _blocked(c, KINDS["readiness"], plane_request())
+        view.readiness.close()
+        await _ended(st, UNAVAILABLE)
+    finally:
+        await c.close()
+        await server.close(grace_s=1.0)
+
+
+@pytest.mark.parametrize("kind", ["load", "serving_load"])
+async def test_a_load_stream_blocked_past_its_lag_bound_ends_lagged_at_once(kind: str) -> None:
+    """Windows published while the first waits for a window, more than
+    ``load_fanout_capacity`` past it: SUBSCRIBER_LAGGED, without waiting for the client."""
+    view, server = await _relay(load_fanout_capacity=2)
+    c = await RawH2Client.connect(server.port, window=0)
+    try:
+        st = await _blocked(c, KINDS[kind], plane_request())
+        plane = view.load if kind == "load" else view.serving_load
+        make = view.load_msg if kind == "load" else view.serving_load_msg
+        for w in range(1, 3):  # within the bound: nothing ends
+            plane.publish(make(w), w)  # type: ignore[arg-type]
+        await asyncio.sleep(0.2)
+        assert not st.ended.is_set()
+        plane.publish(make(3), 3)  # type: ignore[arg-type]
+        await _ended(st, LAGGED)
+    finally:
+        await c.close()
+        await server.close(grace_s=1.0)
+
+
+async def test_a_preempted_plane_stream_waiting_for_a_window_ends_at_once() -> None:
+    """The newest catalog stream of a client over its share makes room for another client at
+    once, though its message waits for a window."""
+    _view, server = await _relay(max_catalog_subscribers=2, stream_share_per_connection_percent=50)
+    hog = await RawH2Client.connect(server.port, window=0)
+    other = await RawH2Client.connect(server.port, "127.0.0.2")
+    try:
+        held = [await _blocked(hog, KINDS["catalog"], plane_request(f"h{i}")) for i in range(2)]
+        newcomer = other.open(KINDS["catalog"], plane_request("n"))
+        await _eventually(lambda: len(newcomer.data) > 0)
+        await _ended(held[1], LIMIT)
+        assert not held[0].ended.is_set()
+    finally:
+        await hog.close()
+        await other.close()
+        await server.close(grace_s=1.0)
+
+
+async def test_a_half_written_plane_message_is_finished_before_the_drain_ends_it() -> None:
+    """A catalog message partly written when the drain starts: no trailers while the client
+    does not read (they would read as the message's rest), then the message whole and OK."""
+    _view, server = await _relay()
+    c = await RawH2Client.connect(server.port, window=16)
+    closing: asyncio.Future[None] | None = None
+    try:
+        st = c.open(KINDS["catalog"], plane_request())
+        await _eventually(lambda: len(st.data) == 16)
+        closing = asyncio.ensure_future(server.close(grace_s=120.0))
+        await asyncio.sleep(0.3)
+        assert not st.ended.is_set() and not st.reset
+        c.start_reading()
+        await _ended(st, OK)
+        size = int.from_bytes(st.data[1:5], "big")
+        assert len(st.data) == 5 + size
+        pb.KvPoolCatalogUpdate.parse(bytes(st.data[5:]))
+    finally:
+        await c.close()
+        await _close(server, closing)
+
+
+async def test_a_drain_ends_a_health_watch_waiting_for_a_window_at_once() -> None:
+    _view, server = await _relay()
+    c = await RawH2Client.connect(server.port, window=0)
+    closing: asyncio.Future[None] | None = None
+    try:
+        st = await _blocked(c, WATCH, HEALTH_CHECK)
+        closing = asyncio.ensure_future(server.close(grace_s=120.0))
+        await _ended(st, OK)
+        await asyncio.wait_for(asyncio.shield(closing), scaled(10))
+    finally:
+        await c.close()
+        await _close(server, closing)
+
+
+async def test_a_drain_ends_a_relay_info_reply_waiting_for_a_window_with_a_status() -> None:
+    """A ``GetRelayInfo`` reply that waits for a window when the drain starts is refused as a
+    call during the drain is (UNAVAILABLE), not cut without a status by the close."""
+    _view, server = await _relay()
+    c = await RawH2Client.connect(server.port, window=0)
+    closing: asyncio.Future[None] | None = None
+    try:
+        st = await _blocked(c, "GetRelayInfo", INFO)
+        closing = asyncio.ensure_future(server.close(grace_s=120.0))
+        await _ended(st, UNAVAILABLE)
+        assert not st.data
+    finally:
+        await c.close()
+        await _close(server, closing)
