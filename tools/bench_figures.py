@@ -14,6 +14,11 @@ measurements (targets, defaults, limits), except ingest rates (``… block event
 A paragraph that names a result only for context (it states criteria, not measurements) says
 so with ``<!-- bench-figures: none -->``.
 
+A commit such a paragraph quotes (``commit 2c0f544``) must be the commit of one of the results it
+names (their JSON's ``machine.git_commit``): when a result is re-run, the text that still names
+the old commit is stale even where its figures happen to be found. A figure from an older run
+goes, with its commit, in a paragraph that names no result.
+
 ``python -m tools.bench_figures`` prints every quoted figure not found; ``--index`` rewrites
 ``benchmarks/results/INDEX.md``: which commit, when and on how quiet a machine each committed
 result was measured (a test keeps it current).
@@ -51,6 +56,8 @@ FIGURE_RE = re.compile(
 RESULT_REF_RE = re.compile(r"results/([A-Za-z0-9_]+(?:\[-full\]|-full|-short)?)\.(?:md|json)")
 NUMBER_RE = re.compile(rf"(?<![\w.])-?{_NUM}{_SUFFIX}")
 MULT = {None: 1.0, "": 1.0, "k": 1e3, "K": 1e3, "M": 1e6}
+#: an abbreviated git commit: 7-40 hex digits with at least one letter and one digit
+COMMIT_RE = re.compile(r"(?<![\w.-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![\w-])")
 
 
 @dataclass(frozen=True)
@@ -82,7 +89,8 @@ ITEM_RE = re.compile(r"(?:[*-]|\d+\.) ")
 def paragraphs(text: str) -> Iterator[tuple[int, str]]:
     """(first line number, text) of each paragraph; every table row and every top-level list
     item counts as one."""
-    start, buf = 1, []
+    start = 1
+    buf: list[str] = []
     for i, line in enumerate([*text.splitlines(), ""], 1):
         if ITEM_RE.match(line) and buf:
             yield start, "\n".join(buf)
@@ -178,6 +186,36 @@ def found(fig: Figure) -> bool:
     return False
 
 
+@cache
+def result_commit(stem: str) -> str | None:
+    """The commit a result was measured at (its JSON's ``machine.git_commit``), if it says."""
+    js = RESULTS / f"{stem}.json"
+    if not js.exists():
+        return None
+    m = json.loads(js.read_text()).get("machine")
+    commit = m.get("git_commit") if isinstance(m, dict) else None
+    return commit if isinstance(commit, str) and commit else None
+
+
+def stale_commits(doc: Path) -> Iterator[str]:
+    """``doc:line: …`` for each commit a result-naming paragraph quotes that none of its named
+    results was measured at."""
+    rel = str(doc.relative_to(ROOT)) if doc.is_relative_to(ROOT) else str(doc)
+    for line, para in paragraphs(doc.read_text()):
+        if SKIP_MARK in para or para.lstrip().startswith("#"):
+            continue
+        stems = list(dict.fromkeys(
+            s for m in RESULT_REF_RE.finditer(para) for s in _stems(m.group(1))))
+        commits = {c for s in stems if (c := result_commit(s))}
+        if not commits:
+            continue
+        for m in COMMIT_RE.finditer(_strip(para)):
+            quoted = m.group(0)
+            if not any(c.startswith(quoted) or quoted.startswith(c) for c in commits):
+                yield (f"{rel}:{line}: commit {quoted} is not the commit of "
+                       f"{', '.join(stems)} ({', '.join(sorted(commits))})")
+
+
 def documents() -> list[Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
@@ -200,7 +238,7 @@ def _provenance(doc: dict[str, Any]) -> tuple[str, str, str, str]:
     """(commit, UTC, 1-min load at start, quiet) of one result, as its machine block says."""
     from benchmarks._load import assess
 
-    m = doc.get("machine") if isinstance(doc.get("machine"), dict) else {}
+    m: dict[str, Any] = doc["machine"] if isinstance(doc.get("machine"), dict) else {}
     commit = m.get("git_commit") or (
         f"not recorded (file committed in {m['committed_in']})" if m.get("committed_in") else "–")
     if m.get("git_dirty"):
@@ -241,14 +279,18 @@ def main() -> int:
         (RESULTS / "INDEX.md").write_text(index())
         return 0
     missing, unknown = check()
+    commits = [msg for d in documents() for msg in stale_commits(d)]
     for fig in missing:
         print(f"{fig.doc}:{fig.line}: {fig.text!r} not in "
               f"{', '.join(fig.results) or 'any result: the paragraph names none'}")
     for u in unknown:
         print(u)
+    for msg in commits:
+        print(msg)
     n = sum(1 for d in documents() for _ in figures(d))
-    print(f"{n} quoted figure ends, {len(missing)} not found, {len(unknown)} unknown results")
-    return 1 if missing or unknown else 0
+    print(f"{n} quoted figure ends, {len(missing)} not found, {len(unknown)} unknown results, "
+          f"{len(commits)} stale commits")
+    return 1 if missing or unknown or commits else 0
 
 
 if __name__ == "__main__":

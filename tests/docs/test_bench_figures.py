@@ -3,7 +3,8 @@ benchmarks/results/INDEX.md says truthfully where each result comes from.
 
 The convention (benchmarks/README.md, "Quoting a figure"): a paragraph or table that quotes a
 measured figure names the result it comes from; every number with a unit there must be in that
-result (its Markdown or JSON) at the precision quoted. ``tools.bench_figures`` does the work.
+result (its Markdown or JSON) at the precision quoted, and a commit it quotes must be the commit
+one of those results was measured at. ``tools.bench_figures`` does the work.
 """
 
 from __future__ import annotations
@@ -82,3 +83,40 @@ def test_precision_is_the_quoted_one(tmp_path: Path) -> None:
 def test_results_index_is_current() -> None:
     path = bf.RESULTS / "INDEX.md"
     assert path.read_text() == bf.index(), "run: python -m tools.bench_figures --index"
+
+
+def test_quoted_commits_are_those_of_the_results_named() -> None:
+    """A paragraph that names results and says which commit they come from says the right one:
+    a result re-run at a later commit leaves such text stale even where its figures are found."""
+    stale = [msg for doc in bf.documents() for msg in bf.stale_commits(doc)]
+    assert not stale, "\n".join(stale)
+
+
+def test_a_commit_the_named_results_do_not_carry_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "relay_e2e.json").write_text(
+        '{"machine": {"git_commit": "ceed1a1"}, "sustained": 399999}\n')
+    (results / "pool.json").write_text('{"machine": {"cpu_model": "x"}}\n')  # no commit
+    monkeypatch.setattr(bf, "RESULTS", results)
+    bf.result_commit.cache_clear()
+    try:
+        doc = tmp_path / "doc.md"
+        doc.write_text(
+            "The short run (benchmarks/results/relay_e2e.md, commit ceed1a1, or "
+            "ceed1a1f00ba4 in full) sustained 399,999 block events/s.\n\n"
+            "The short run (results/relay_e2e.md, commit 2c0f544) sustained it too.\n\n"
+            "An older run at 2459b18 names no result, and `abc1234` is code.\n\n"
+            "<!-- bench-figures: none -->\nCriteria from results/relay_e2e.md at 2c0f544.\n\n"
+            "Not commits in results/relay_e2e.md: 8388608 buckets, a deadbeef, 0x1f2e3d4c.\n\n"
+            "A result without a commit, results/pool.json, at 1dc5282.\n\n"
+            "| a table row naming results/relay_e2e.md | 4eef3c9 |\n")
+        stale = list(bf.stale_commits(doc))
+    finally:
+        bf.result_commit.cache_clear()
+    assert [s.split(": ", 1)[1] for s in stale] == [
+        "commit 2c0f544 is not the commit of relay_e2e (ceed1a1)",
+        "commit 4eef3c9 is not the commit of relay_e2e (ceed1a1)"]
+    assert [s.split(":")[1] for s in stale] == ["3", "14"]
