@@ -366,8 +366,8 @@ def guard_families(svc: object) -> Iterator[Metric]:
     yield pre
     resets = CounterMetricFamily(
         "kvrelay_stream_stalled_resets",
-        "Plane streams (and GetRelayInfo calls: relay_info) reset because their client took no "
-        "message for stalled_stream_reset_s.",
+        "Plane streams (and GetRelayInfo calls: relay_info) ended because their client took no "
+        "message for stalled_stream_reset_s (SUBSCRIBER_LAGGED, or reset mid-message).",
         labels=["kind"],
     )
     for kind in ("catalog", "readiness", "load", "serving_load", "relay_info"):

@@ -339,28 +339,42 @@ class KvEventRelayService:
         """Send one plane message; False when one of ``ends`` (a drain, a preemption, a lag,
         the plane's source lost) completed while it had written nothing of the message, and it
         was given up (``send_unless``): the stream ends with its status at once. A client that
-        does not take it within ``stalled_stream_reset_s`` gets its stream reset (RST_STREAM
-        needs no flow-control window) and this handler is cancelled, as a stalled pool stream's
-        pump is: the send will never complete. A timer, not ``wait_for``: the send starts in
-        this task at once, so plane messages keep their order with respect to pool stream
-        ends."""
+        does not take it within ``stalled_stream_reset_s`` is a stalled one: with nothing of the
+        message written it is given up the same way and the stream ends ``SUBSCRIBER_LAGGED``
+        (raised here); with part of it written (trailers would read as its rest) the stream is
+        reset (RST_STREAM needs no flow-control window) and this handler cancelled, as a stalled
+        pool stream's pump is: the send will never complete. Both are counted in
+        ``stalled_resets``. A timer, not ``wait_for``: the send starts in this task at once, so
+        plane messages keep their order with respect to pool stream ends."""
         task = asyncio.current_task()
         assert task is not None
+        loop = asyncio.get_running_loop()
         reset = stream_resetter(stream)
+        stalled: asyncio.Future[None] = loop.create_future()
 
-        def give_up() -> None:
-            self.stalled_resets[kind] = self.stalled_resets.get(kind, 0) + 1
+        def unless_given_up() -> None:
+            # (after ``send_unless``'s own callback on ``stalled``: it cancelled the task if
+            # nothing of the message was written, and the status goes out instead)
+            if task.done() or task.cancelling():
+                return
             if reset is not None:
                 reset()
             task.cancel()
 
-        handle = asyncio.get_running_loop().call_later(
-            self.limits.stalled_stream_reset_s, give_up
-        )
+        def stall() -> None:
+            self.stalled_resets[kind] = self.stalled_resets.get(kind, 0) + 1
+            stalled.set_result(None)
+            loop.call_soon(unless_given_up)
+
+        handle = loop.call_later(self.limits.stalled_stream_reset_s, stall)
         try:
-            return await send_unless(stream, stream.send_message(data), ends)
+            sent = await send_unless(stream, stream.send_message(data), (*ends, stalled))
         finally:
             handle.cancel()
+        if not sent and stalled.done() and not any(e.done() for e in ends):
+            s = self.limits.stalled_stream_reset_s
+            raise RelayError.subscriber_lagged(f"took no message for {s:g} s")
+        return sent
 
     def _count(self, err: RelayError) -> None:
         self.errors[err.trailer_value] = self.errors.get(err.trailer_value, 0) + 1
@@ -418,15 +432,19 @@ class KvEventRelayService:
             raise
         except Exception as exc:  # a bug: INTERNAL with the trailer, not grpclib's bare UNKNOWN
             self.refuse(self.internal_error("GetRelayInfo", exc))
-        # a reply never taken is reset too; one waiting for a window when the drain starts is
-        # refused as a call during the drain is (held till then: the close cuts without a status)
+        # a reply never taken ends as a stalled plane stream does; one waiting for a window when
+        # the drain starts is refused as a call during the drain is (held till then: the close
+        # cuts without a status)
         with self._held():
-            if await self._send_plane(stream, "relay_info", info, (self._closed_future(),)):
-                return
-            down = RelayError.publication_unavailable("the relay is shutting down")
-            self._count(down)
+            try:
+                if await self._send_plane(stream, "relay_info", info, (self._closed_future(),)):
+                    return
+                end = RelayError.publication_unavailable("the relay is shutting down")
+            except RelayError as stalled:
+                end = stalled
+            self._count(end)
             await stream.send_trailing_metadata(
-                status=status_of(down), status_message=down.message, metadata=trailers_of(down)
+                status=status_of(end), status_message=end.message, metadata=trailers_of(end)
             )
 
     def refuse(self, err: RelayError) -> NoReturn:

@@ -226,3 +226,28 @@ async def test_a_drain_ends_a_relay_info_reply_waiting_for_a_window_with_a_statu
     finally:
         await c.close()
         await _close(server, closing)
+
+
+async def test_a_stalled_plane_stream_ends_lagged_or_is_reset_mid_message() -> None:
+    """A client that takes no message for ``stalled_stream_reset_s``: with nothing of the
+    message written the stream ends ``SUBSCRIBER_LAGGED`` (trailers need no window); with part
+    of it written (trailers would read as its rest) it is reset. Both are counted as stalls."""
+    limits = RelayLimits(stalled_stream_reset_s=0.5)
+    view = MemRelayView(limits)
+    view.add_pool("pool-a", 1024)
+    server = RelayServer(view, limits)
+    await server.start("127.0.0.1", 0)
+    nothing = await RawH2Client.connect(server.port, window=0)
+    part = await RawH2Client.connect(server.port, window=16)
+    try:
+        a = nothing.open(KINDS["catalog"], plane_request("a"))
+        b = part.open(KINDS["catalog"], plane_request("b"))
+        await _ended(a, LAGGED)
+        assert not a.reset and not a.data
+        await asyncio.wait_for(b.ended.wait(), scaled(10))
+        assert b.reset and len(b.data) == 16 and b.status is None
+        assert server.service.stalled_resets.get("catalog") == 2
+    finally:
+        await nothing.close()
+        await part.close()
+        await server.close(grace_s=1.0)

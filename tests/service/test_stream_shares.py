@@ -237,7 +237,10 @@ async def test_a_router_preempts_an_address_over_its_share(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-async def test_plane_streams_whose_client_does_not_read_are_reset(kind: str) -> None:
+async def test_plane_streams_whose_client_does_not_read_end_lagged(kind: str) -> None:
+    """A client that takes no message for ``stalled_stream_reset_s``: nothing of the message
+    was written (its window is 0), so the stream ends with its status (HEADERS need no window),
+    not a bare reset."""
     method, permits_attr = KINDS[kind]
     _view, server = await _served(RelayLimits(stalled_stream_reset_s=0.5))
     svc = server.service
@@ -246,7 +249,9 @@ async def test_plane_streams_whose_client_does_not_read_are_reset(kind: str) -> 
     try:
         streams = [hostile.open(method, plane_request(f"h{i}")) for i in range(8)]
         await asyncio.wait_for(asyncio.gather(*(s.ended.wait() for s in streams)), 20)
-        assert all(s.reset for s in streams)  # RST_STREAM: no window needed to receive it
+        assert all(not s.reset and not s.data for s in streams)
+        assert {(s.status, s.reason) for s in streams} == {
+            ("8", "RELAY_ERROR_REASON_SUBSCRIBER_LAGGED")}
         assert svc.guard_stats()[1][kind] == 8
         await _eventually(lambda: permits.in_use == 0)
         assert not hostile.closed.is_set()  # the connection itself stays up

@@ -458,16 +458,19 @@ async def test_a_connection_that_does_not_speak_http2_is_closed_and_counted() ->
         await server.close(grace_s=0.5)
 
 
-async def test_a_relay_info_reply_never_taken_is_reset() -> None:
-    """A client with a zero window never takes a ``GetRelayInfo`` reply: the call is reset after
-    ``stalled_stream_reset_s`` and counted, as a stalled plane stream is, and its task ends."""
+async def test_a_relay_info_reply_never_taken_ends_lagged() -> None:
+    """A client with a zero window never takes a ``GetRelayInfo`` reply: after
+    ``stalled_stream_reset_s`` the call ends ``SUBSCRIBER_LAGGED`` (nothing of the reply was
+    written, and trailers need no window) and is counted, as a stalled plane stream is, and its
+    task ends."""
     server = RelayServer(MemRelayView(), RelayLimits(stalled_stream_reset_s=0.5))
     await server.start("127.0.0.1", 0)
     c = await RawH2Client.connect(server.port, "127.0.0.2", window=0)
     try:
         calls = [c.open("GetRelayInfo", INFO) for _ in range(3)]
         await asyncio.wait_for(asyncio.gather(*(s.ended.wait() for s in calls)), 10)
-        assert all(s.reset for s in calls)
+        assert all(not s.reset and s.reason == "RELAY_ERROR_REASON_SUBSCRIBER_LAGGED"
+                   for s in calls)  # fmt: skip
         await _eventually(lambda: server.service.stalled_resets.get("relay_info") == 3)
         assert await _info(server.port) < 5.0
     finally:
