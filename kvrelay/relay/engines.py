@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 
 import blake3
 
+from kvrelay.discovery.errors import InvalidEndpoint
 from kvrelay.discovery.events import ChangeEvent, EngineReachable, EngineUnreachableEvent
 from kvrelay.discovery.snapshot import EngineSnapshot
 from kvrelay.discovery.watcher import EngineTarget
 from kvrelay.logging import get_logger
-from kvrelay.relay.settings import EngineSpec, PoolSpec
+from kvrelay.relay.settings import EngineSpec, PoolSpec, Reach, engine_reach
 
 _log = get_logger("kvrelay.relay.pool_runtime")  # the events keep the logger they had
 
@@ -74,11 +75,14 @@ class EngineState:
 class EngineTable:
     """A pool's engines, by watcher target (``engines``) and by member id (``by_worker``)."""
 
-    __slots__ = ("by_worker", "engines")
+    __slots__ = ("by_worker", "engines", "reach")
 
     def __init__(self) -> None:
         self.engines: dict[str, EngineState] = {}
         self.by_worker: dict[int, EngineState] = {}
+        #: where each engine is reached (``engine_reach``) → its name: the relay asks whether a
+        #: new engine would be one already here, in one lookup per endpoint
+        self.reach: dict[Reach, str] = {}
 
     def add(self, spec: EngineSpec) -> EngineTarget:
         """A new engine of this pool (from config, or found by DNS); probed before it is used."""
@@ -86,6 +90,8 @@ class EngineTable:
         st = EngineState(spec, worker_id_for(spec.name), target)
         self.engines[target.name] = st
         self.by_worker[st.worker_id] = st
+        for key in _reach_keys(spec):
+            self.reach.setdefault(key, spec.name)
         return target
 
     def target_of(self, engine_name: str) -> str | None:
@@ -97,6 +103,9 @@ class EngineTable:
     def remove(self, target: str) -> None:
         st = self.engines.pop(target)
         del self.by_worker[st.worker_id]
+        for key in _reach_keys(st.spec):
+            if self.reach.get(key) == st.spec.name:
+                del self.reach[key]
 
     def observe(self, ev: ChangeEvent, pool: str) -> EngineState | None:
         """Store what a discovery event says of its engine (None: not one of this pool's)."""
@@ -163,3 +172,12 @@ def pool_identity(
     if model is None or block is None or source is None:
         return current, None
     return PoolIdentity(model, source, block), None
+
+
+def _reach_keys(spec: EngineSpec) -> list[Reach]:
+    """``engine_reach``'s keys for ``spec``; none where its endpoints are invalid (its own
+    probe reports that)."""
+    try:
+        return [key for key, _what in engine_reach(spec)]
+    except InvalidEndpoint:
+        return []

@@ -95,6 +95,9 @@ class Relay:
         self._by_target: dict[str, PoolRuntime] = {
             name: p for p in self.pools for name in p.engines
         }
+        #: (pool, engine) → spec of configured engines a reload could not add because another
+        #: engine (one DNS found) is reached there; added once that one goes (``_retry_skipped``)
+        self._skipped: dict[tuple[str, str], EngineSpec] = {}
         self.load = LoadPlane(
             self.relay_identity,
             window_ms=max(1, round(self.limits.load_window_s * 1000)),
@@ -499,16 +502,16 @@ class Relay:
 
     def _reached_as(self, spec: EngineSpec) -> str | None:
         """``pool/engine`` of an engine the relay already reaches where ``spec`` would be
-        reached; None where no engine is."""
+        reached; None where no engine is (one lookup per endpoint and pool)."""
         try:
-            wanted = {key for key, _what in engine_reach(spec)}
+            wanted = [key for key, _what in engine_reach(spec)]
         except InvalidEndpoint:
             return None  # (the engine's own probe reports it)
         for p in self.pools:
-            for st in p.engines.values():
-                with contextlib.suppress(InvalidEndpoint):
-                    if any(key in wanted for key, _what in engine_reach(st.spec)):
-                        return f"{p.name}/{st.spec.name}"
+            for key in wanted:
+                name = p.table.reach.get(key)
+                if name is not None:
+                    return f"{p.name}/{name}"
         return None
 
     async def remove_engine(self, pool: str, engine: str, *, reconcile: bool = True) -> None:
@@ -516,11 +519,25 @@ class Relay:
         p = self._pool(pool)
         target = p.target_of(engine)
         if target is None:
+            self._skipped.pop((pool, engine), None)  # (a skipped engine the reload took out)
             return
         await self.watcher.remove_target(target)
         self._by_target.pop(target, None)
         await self._stop_scraper(pool, engine)
         await p.remove_engine(engine, reconcile=reconcile)
+        await self._retry_skipped()
+
+    async def _retry_skipped(self) -> None:
+        """Add the configured engines a reload skipped whose endpoints are free now (the engine
+        DNS had found there went, or its pool did); forget those of pools no longer here."""
+        pools = {p.name for p in self.pools}
+        for (pool, name), spec in list(self._skipped.items()):
+            if pool not in pools:
+                del self._skipped[(pool, name)]
+            elif self._reached_as(spec) is None:
+                del self._skipped[(pool, name)]
+                await self.add_engine(pool, spec)
+                _log.info("engine_duplicate_added", pool=pool, engine=name)
 
     def _dns_removable(self, pool: str, engine: str) -> bool:
         """May an engine absent from DNS go? Only once every ZMQ stream of it has been
@@ -617,6 +634,7 @@ class Relay:
                         for spec in change.engines_added:
                             other = await self.add_engine(p.name, spec)
                             if other is not None:  # (one DNS found; the file never has two)
+                                self._skipped[(p.name, spec.name)] = spec
                                 _log.warning("engine_duplicate", pool=p.name, engine=spec.name,
                                              same_as=other)  # fmt: skip
                         await p.reconcile()
@@ -693,6 +711,7 @@ class Relay:
                 self.refresh_planes()
         self._forget_removed_pools()
         self.observers.pool_removed(p.name)
+        await self._retry_skipped()
 
     def _forget_removed_pools(self) -> None:
         """Drop what is kept by pool name for pools no longer configured: each pool a reload

@@ -351,11 +351,12 @@ class KvEventRelayService:
         loop = asyncio.get_running_loop()
         reset = stream_resetter(stream)
         stalled: asyncio.Future[None] = loop.create_future()
+        sending = True  # (a send that completed as the timer fired is no stall)
 
         def unless_given_up() -> None:
             # (after ``send_unless``'s own callback on ``stalled``: it cancelled the task if
             # nothing of the message was written, and the status goes out instead)
-            if task.done() or task.cancelling():
+            if not sending or task.done() or task.cancelling():
                 return
             if reset is not None:
                 reset()
@@ -370,6 +371,7 @@ class KvEventRelayService:
         try:
             sent = await send_unless(stream, stream.send_message(data), (*ends, stalled))
         finally:
+            sending = False
             handle.cancel()
         if not sent and stalled.done() and not any(e.done() for e in ends):
             s = self.limits.stalled_stream_reset_s

@@ -4,6 +4,7 @@ resolved address an engine on its own loopback IP; records appear and disappear 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
@@ -259,6 +260,38 @@ async def test_an_address_reached_twice_is_one_engine(first: str) -> None:
             consumer = await subscribe(r, ch)
             await engine.step(6)
             await verify(r, consumer, truth=_truth([engine]), probes=2_000)
+            await consumer.stop()
+    finally:
+        dns.close()
+
+
+async def test_a_configured_engine_skipped_for_a_dns_one_is_added_once_that_one_goes() -> None:
+    """A reload adds a configured engine at an address a DNS template already reaches: it is
+    skipped (one engine, watched once). A later reload retires the template: its engine goes,
+    and the configured one is added then, not left unwatched until another reload."""
+    ip = "127.0.0.10"
+    port = _free_port([ip])
+    dns = DnsServer(records={(NAME, "A"): [ip]})
+    server = await dns.start()
+    engine = _engine(ip, port, 98)
+    await engine.start()
+    template = EngineSpec(name="vllm", dns=NAME, grpc_port=port)
+    configured = EngineSpec(name="pinned", host=ip, grpc_port=port)
+    try:
+        async with dns_rig(dns, [engine], template, server) as r, r.channel() as ch:
+            await wait_live(r.relay, 1)
+            pool = r.relay.settings.pools[0]
+            await r.relay.reconfigure(dataclasses.replace(r.relay.settings, pools=(
+                dataclasses.replace(pool, engines=(template, configured)),)))  # fmt: skip
+            assert _names(r) == {"vllm@127.0.0.10"}  # the DNS engine, once
+            await r.relay.reconfigure(dataclasses.replace(r.relay.settings, pools=(
+                dataclasses.replace(pool, engines=(configured,)),)))  # fmt: skip
+            await eventually(lambda: _names(r) == {"pinned"}, what="configured engine added")
+            await wait_live(r.relay, 1)
+            consumer = await subscribe(r, ch)
+            await engine.step(6)
+            await verify(r, consumer, truth={("pinned", 0): engine.ground_truth(0)},
+                         probes=2_000)  # fmt: skip
             await consumer.stop()
     finally:
         dns.close()
