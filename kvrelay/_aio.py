@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -60,3 +60,50 @@ async def bounded(aw: Awaitable[T], timeout: float) -> T:
 def _read_outcome(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
         task.exception()
+
+
+class GiveUpUnwritten:
+    """One task's sends on a stream, each of which may be given up while it has written nothing
+    of its message: HTTP/2 flow control holds DATA, never HEADERS, so a stream that ends while
+    its send waits for a window its client may never open can send its status at once, provided
+    no byte of the message is on the wire (trailers after part of a message would read as its
+    rest). ``written`` counts the DATA bytes the stream has written (None: sends are awaited
+    whole). The pool streams' pump and the plane streams' sends share this one rule."""
+
+    __slots__ = ("_given_up", "_mark", "_task", "_written")
+
+    def __init__(self, written: Callable[[], int] | None) -> None:
+        self._written = written
+        self._task: asyncio.Task[Any] | None = None
+        self._mark: int | None = None  # ``written()`` when the send in flight started
+        self._given_up = False
+
+    async def send(self, sending: Awaitable[None]) -> bool:
+        """Await ``sending`` in the calling task; False when ``give_up`` gave it up."""
+        written, task = self._written, asyncio.current_task()
+        if written is None or task is None:
+            await sending
+            return True
+        self._task, self._mark = task, written()
+        try:
+            await sending
+        except asyncio.CancelledError:
+            if not self._given_up or task.uncancel() > 0:
+                raise  # cancelled from elsewhere too (a reset, the server's close)
+            return False
+        finally:
+            self._mark = None
+            self._given_up = False
+        return True
+
+    def give_up(self) -> None:
+        """Give the send in flight up if it has written nothing of its message (from outside
+        the sending task: inside it, nothing is suspended in the send, and the task checks the
+        end itself once the send returns). One in the middle of its message is left to finish."""
+        mark, written, task = self._mark, self._written, self._task
+        if mark is None or written is None or task is None or self._given_up or task.done():
+            return
+        if task is asyncio.current_task() or written() != mark:
+            return
+        self._given_up = True
+        task.cancel()

@@ -49,6 +49,7 @@ from types import ModuleType
 import numpy as np
 import numpy.typing as npt
 
+from kvrelay._aio import GiveUpUnwritten
 from kvrelay.contract.errors import RelayError
 from kvrelay.contract.limits import QUEUE_FRAME_OVERHEAD, RelayLimits
 from kvrelay.publication import cbi1
@@ -497,15 +498,14 @@ class Subscription:
         "_error",
         "_frames",
         "_hub",
-        "_interrupted",
         "_last_sent",
         "_last_seq",
         "_loop",
-        "_mark",
         "_on_release",
         "_parked",
         "_reset",
         "_send_now",
+        "_sends",
         "_snapshot",
         "_snapshot_left",
         "_stale",
@@ -513,7 +513,6 @@ class Subscription:
         "_waiter",
         "_waiting",
         "_watchdog",
-        "_written",
         "start_sequence",
     )
 
@@ -544,9 +543,8 @@ class Subscription:
         self._task: asyncio.Task[None] | None = None
         self._reset: Reset | None = None
         self._watchdog: asyncio.TimerHandle | None = None
-        self._written: Written | None = None
-        self._mark: int | None = None  # ``_written()`` when the send in flight started
-        self._interrupted = False  # the send in flight is being given up (``_interrupt``)
+        #: the pump's sends, given up by ``_stop`` while they have written nothing
+        self._sends = GiveUpUnwritten(None)
         self._waiting = hub.late_cut  # not sending yet: deltas are not queued (see _take_turn)
         self._stale = False  # a delta was published while it waited: its cut is behind
 
@@ -610,21 +608,11 @@ class Subscription:
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
-        self._interrupt()
+        # the send in flight, if it has written nothing of its message: the status needs no
+        # flow-control window, the message would (a client that reads nothing would hold the
+        # status until the stall reset, or a drain until its grace)
+        self._sends.give_up()
         self._arm_watchdog()
-
-    def _interrupt(self) -> None:
-        """Give up the send in flight if it has written nothing of its message: the status needs
-        no flow-control window, the message would (a client that reads nothing would hold the
-        status until the stall reset, or a drain until its grace). ``_send`` catches it. One in
-        the middle of a message is left to finish: trailers now would read as its rest."""
-        mark, written, task = self._mark, self._written, self._task
-        if mark is None or written is None or task is None or self._interrupted or task.done():
-            return
-        if task is asyncio.current_task() or written() != mark:
-            return  # (not suspended in the send: it checks the end once it returns)
-        self._interrupted = True
-        task.cancel()
 
     def _release_slot(self) -> None:
         if self._counted:
@@ -691,7 +679,7 @@ class Subscription:
         self._loop = loop
         self._task = asyncio.current_task()
         self._reset = reset
-        self._written = written
+        self._sends = GiveUpUnwritten(written)
         hub = self._hub
         limits = hub.limits
         encoder = hub.encoder
@@ -786,25 +774,8 @@ class Subscription:
 
     async def _send(self, sending: Awaitable[None]) -> bool:
         """Await one send; False when the stream ended while the send had written nothing of
-        its message, and ``_interrupt`` gave it up (nothing of it is on the wire)."""
-        written = self._written
-        if written is None:
-            await sending
-            return True
-        self._mark = written()
-        try:
-            await sending
-        except asyncio.CancelledError:
-            if not self._interrupted:
-                raise
-            task = asyncio.current_task()
-            if task is not None and task.uncancel() > 0:
-                raise  # cancelled from elsewhere too
-            return False
-        finally:
-            self._mark = None
-            self._interrupted = False
-        return True
+        its message, and ``_stop`` gave it up (nothing of it is on the wire)."""
+        return await self._sends.send(sending)
 
     async def _payloads(self) -> list[bytes]:
         try:

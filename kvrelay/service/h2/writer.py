@@ -21,6 +21,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+from kvrelay._aio import GiveUpUnwritten
 from kvrelay.publication.hub import SendBatch
 from kvrelay.service.h2.bulk import BulkSender, abandon, bulk_sender
 from kvrelay.service.h2.direct import direct_writer
@@ -72,43 +73,24 @@ async def send_unless(
     stream: Any, sending: Awaitable[None], ends: Iterable[asyncio.Future[Any]]
 ) -> bool:
     """Await ``sending`` (a send on ``stream``, in the calling task); False when one of ``ends``
-    completed while it had written nothing of its message, and it was given up: nothing of it
-    is on the wire, so the stream's status can go out at once (HEADERS need no flow-control
-    window; the message would wait for one its client may never open). A send in the middle of
-    its message is left to finish: trailers now would read as its rest. Without the internals
-    the send is awaited whole."""
-    written = _written(stream)
-    task = asyncio.current_task()
-    if written is None or task is None:
-        await sending
-        return True
-    mark = written()
-    given_up = sending_now = False
+    completed while it had written nothing of its message, and it was given up
+    (``GiveUpUnwritten``, the rule a pool stream's pump follows too): the stream's status can
+    go out at once. Without the internals the send is awaited whole."""
+    sends = GiveUpUnwritten(_written(stream))
 
     def give_up(_end: asyncio.Future[Any]) -> None:
-        nonlocal given_up
-        # a done callback: never runs inside the task, so while the send is on, the task is
-        # suspended in it (one scheduled for an end already done may run after it is over)
-        if given_up or not sending_now or task.done() or written() != mark:
-            return
-        given_up = True
-        task.cancel()
+        # a done callback: never runs inside the task (one scheduled for an end already done
+        # may run after the send is over: then there is nothing to give up)
+        sends.give_up()
 
     ends = tuple(ends)
     for end in ends:
         end.add_done_callback(give_up)
-    sending_now = True
     try:
-        await sending
-    except asyncio.CancelledError:
-        if not given_up or task.uncancel() > 0:
-            raise  # cancelled from elsewhere too (a stall reset, the server's close)
-        return False
+        return await sends.send(sending)
     finally:
-        sending_now = False
         for end in ends:
             end.remove_done_callback(give_up)
-    return True
 
 
 def _written(stream: Any) -> Callable[[], int] | None:
