@@ -702,7 +702,7 @@ class Subscription:
                     sending = send_parts(parts)
                 else:
                     sending = send(encoder.encode(KIND_SNAPSHOT_CHUNK, seq0, seq0, payload))
-                if not await self._send(sending):
+                if not await self._sends.send(sending):
                     self._check()  # it ended: raises its error, or a clean end
                     return
             finally:
@@ -735,7 +735,7 @@ class Subscription:
                     self._bytes -= cost
                     self._last_seq = seq
                     sending = send(frame)
-                if not await self._send(sending):
+                if not await self._sends.send(sending):
                     self._check()
                     return
                 self._last_sent = loop.time()
@@ -767,15 +767,10 @@ class Subscription:
                 # cannot claim the stream is current: stay silent, look again within a second
                 self._last_sent = loop.time() - heartbeat_s + min(heartbeat_s, 1.0)
                 continue
-            if not await self._send(send(encoder.heartbeat(self._last_seq))):
+            if not await self._sends.send(send(encoder.heartbeat(self._last_seq))):
                 self._check()
                 return
             self._last_sent = loop.time()
-
-    async def _send(self, sending: Awaitable[None]) -> bool:
-        """Await one send; False when the stream ended while the send had written nothing of
-        its message, and ``_stop`` gave it up (nothing of it is on the wire)."""
-        return await self._sends.send(sending)
 
     async def _payloads(self) -> list[bytes]:
         try:
