@@ -23,6 +23,11 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+#: Ctrl-C in a command that is not a daemon (``warm``, ``reload``, ``upgrade``): 128 + SIGINT.
+EXIT_INTERRUPTED = 130
+#: Commands for which SIGINT means "stop": ``serve``/``mirror`` exit 0 on it, even before the
+#: daemon has installed its own handlers (operations.md: a signal during start-up exits 0).
+DAEMON_COMMANDS = frozenset({"serve", "mirror"})
 
 #: Commands parsed by their own module (imported only when used).
 SIM_COMMAND = "sim"
@@ -54,6 +59,8 @@ exit codes:
   0  success (serve: clean shutdown after SIGTERM/SIGINT)
   1  runtime failure (cannot bind, TLS files unusable, shutdown slower than the bound)
   2  usage or configuration error (every problem is printed with its key path)
+  130  interrupted by Ctrl-C (warm, reload, upgrade, query)
+  141  watch, subscribe, query, demo: stdout's reader went away (| head -1)
 
 environment:
   KVRELAY_<SECTION>_<KEY>  override a scalar key of [relay], [relay.limits], [logging],
@@ -67,6 +74,18 @@ environment:
 
 docs: docs/operations.md, docs/vllm.md (connecting vLLM), docs/dynamo.md
 """
+
+
+def _seconds(text: str) -> float:
+    """``--timeout``: a finite number of seconds > 0. NaN or a negative value would otherwise
+    make ``reload``/``upgrade`` signal the relay and then report a failure at once."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -145,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     who.add_argument("--pid-file", metavar="FILE", help="file written by 'serve --pid-file'")
     reload.add_argument(
         "--timeout",
-        type=float,
+        type=_seconds,
         default=30.0,
         metavar="SECONDS",
         help="how long to wait for the outcome (default: 30)",
@@ -172,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     whom.add_argument("--pid-file", metavar="FILE", help="file written by 'serve --pid-file'")
     upgrade.add_argument(
         "--timeout",
-        type=float,
+        type=_seconds,
         default=120.0,
         metavar="SECONDS",
         help="how long to wait for the old process to hand over (default: 120)",
@@ -481,9 +500,11 @@ def _mirror(args: argparse.Namespace) -> int:
             return EXIT_USAGE
     section = raw.setdefault("mirror", {})
     relay = raw.setdefault("relay", {})
-    if not isinstance(section, dict) or not isinstance(relay, dict):
-        print("kvrelay mirror: [mirror] and [relay] must be tables", file=sys.stderr)
+    metrics = raw.get("metrics", {})  # added to the file only by --metrics-bind
+    if not all(isinstance(t, dict) for t in (section, relay, metrics)):
+        print("kvrelay mirror: [mirror], [relay] and [metrics] must be tables", file=sys.stderr)
         return EXIT_USAGE
+    assert isinstance(section, dict) and isinstance(relay, dict) and isinstance(metrics, dict)
     # a flag overrides the file and the KVRELAY_* variable of its key alike (the pod sets those)
     env = dict(os.environ)
     if args.upstream:
@@ -496,8 +517,7 @@ def _mirror(args: argparse.Namespace) -> int:
         relay["workers"] = args.workers
         env.pop("KVRELAY_RELAY_WORKERS", None)
     if args.metrics_bind:
-        metrics = raw.setdefault("metrics", {})
-        assert isinstance(metrics, dict)
+        raw["metrics"] = metrics
         if args.metrics_bind == "off":
             metrics["enabled"] = False
         else:
@@ -556,6 +576,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    try:
+        return _dispatch(parser, args)
+    except KeyboardInterrupt:  # Ctrl-C before a daemon's handlers, or in a waiting command
+        print(file=sys.stderr)  # end the terminal's "^C" line; no traceback
+        return EXIT_OK if args.command in DAEMON_COMMANDS else EXIT_INTERRUPTED
+
+
+def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "check-config":
         return _check_config(args.file)
     if args.command == "serve":
@@ -576,6 +604,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _numba_cache_from_systemd()
         return _mirror(args)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse rejects first
+    return EXIT_USAGE  # pragma: no cover - parser.error exits
 
 
 if __name__ == "__main__":  # pragma: no cover

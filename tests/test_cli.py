@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvrelay import __version__
-from kvrelay.cli import main
+from kvrelay.cli import build_parser, main
 from tests.support.commands import MINIMAL, kvrelay
 from tests.support.timing import scaled
 
@@ -210,3 +210,78 @@ def test_warm_progress_lines_are_never_glued_together() -> None:
         t.join()
     lines = out.getvalue().splitlines()
     assert sorted(lines) == sorted(f"t{i}-{j}" for i in range(4) for j in range(20))
+
+
+def test_ctrl_c_while_upgrade_waits_exits_130_without_a_traceback(tmp_path: Path) -> None:
+    """A stand-in relay that only notes its SIGUSR2: ``kvrelay upgrade`` then waits for it to
+    hand over, and Ctrl-C there is an interruption (130), not a KeyboardInterrupt traceback."""
+    import signal
+    import time
+
+    ready, flag = tmp_path / "ready", tmp_path / "usr2"
+    relay = subprocess.Popen([sys.executable, "-c", (
+        "import pathlib, signal, sys, time\n"
+        "signal.signal(signal.SIGUSR2, lambda *_: pathlib.Path(sys.argv[2]).touch())\n"
+        "pathlib.Path(sys.argv[1]).touch()\n"
+        "time.sleep(120)\n"
+    ), str(ready), str(flag)])  # fmt: skip
+
+    def wait_for(path: Path) -> None:
+        deadline = time.monotonic() + scaled(60)
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert path.exists(), path
+
+    try:
+        wait_for(ready)  # its handler is set: the upgrade's signal cannot end it
+        upgrade = subprocess.Popen(
+            [sys.executable, "-m", "kvrelay", "upgrade", "--pid", str(relay.pid), "--timeout",
+             "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        wait_for(flag)  # signalled: kvrelay upgrade is in its waiting loop now
+        upgrade.send_signal(signal.SIGINT)
+        _, err = upgrade.communicate(timeout=scaled(60))
+    finally:
+        relay.kill()
+        relay.wait()
+    assert upgrade.returncode == 130 and "Traceback" not in err, (upgrade.returncode, err)
+
+
+def test_mirror_with_a_metrics_key_that_is_not_a_table_is_a_usage_error(tmp_path: Path) -> None:
+    f = tmp_path / "mirror.toml"
+    f.write_text('metrics = "x"\n[mirror]\nupstream = "127.0.0.1:1"\n')
+    run = kvrelay("mirror", "--config", str(f), "--metrics-bind", "off")
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert "[metrics] must be tables" in run.stderr, run.stderr
+
+
+def test_demo_into_a_closed_pipe_stops_quietly_with_141() -> None:
+    """``kvrelay demo | head -1``: no 'kvrelay demo: [Errno 32] Broken pipe' failure (exit 1)."""
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the summary line
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "kvrelay", "demo", "--headless", "--duration", "1"],
+            stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=scaled(120),
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert run.returncode == 141, run.stderr[-2000:]
+    assert "Broken pipe" not in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("command", ["upgrade", "reload"])
+@pytest.mark.parametrize("timeout", ["nan", "-1", "0"])
+def test_a_timeout_that_is_not_positive_is_refused_before_any_signal(
+    command: str, timeout: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A NaN or negative ``--timeout`` used to signal the relay, then report 'no outcome' or
+    'still serves' (exit 1) at once; now argparse refuses it (2) and nothing is signalled."""
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args([command, "--pid", "1", "--timeout", timeout])
+    assert info.value.code == 2
+    assert "argument --timeout: must be a number of seconds > 0" in capsys.readouterr().err
+    run = kvrelay(command, "--pid", "999999999", "--timeout", timeout)  # a process: exit 2
+    assert run.returncode == 2 and "--timeout" in run.stderr, run.stderr

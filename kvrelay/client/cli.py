@@ -4,7 +4,7 @@ Mountable: ``add_subcommands(subparsers)`` adds ``watch``, ``subscribe`` and ``q
 argparse subparsers object and ``run(args)`` executes the parsed result; ``main(argv)`` is the
 standalone entry (``python -m kvrelay.client``). Tables for people, ``--json`` for scripts (one
 JSON object per line). Exit codes: 0 ok, 1 runtime failure (violations, stream errors, no pool),
-2 usage error.
+2 usage error, 130 ``query`` interrupted (Ctrl-C), 141 stdout's reader gone.
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import re
+import signal
 import ssl as _ssl
 import sys
 import time
@@ -57,6 +59,17 @@ class UsageError(ValueError):
     """Bad command-line input (exit code 2)."""
 
 
+class OutputClosed(Exception):
+    """stdout's reader went away (``| head -1``). Not an ``OSError``: it must not pass for a
+    relay connection's error, and it must stop every stream, not reopen one."""
+
+
+#: stdout's reader went away: the status of a tool that SIGPIPE ended (128 + 13), quietly.
+EXIT_BROKEN_PIPE = 141
+#: Ctrl-C while ``query`` waits (its result is not printed): 128 + SIGINT.
+EXIT_INTERRUPTED = 130
+
+
 # ------------------------------------------------------------------------------- argparse
 
 
@@ -83,12 +96,12 @@ def add_subcommands(subparsers: Any) -> None:
     w = subparsers.add_parser("watch", parents=[common],
                               help="print catalog/readiness/load/serving-load")  # fmt: skip
     w.add_argument("plane", choices=["catalog", "readiness", "load", "serving-load"])
-    w.set_defaults(client_command="watch")
+    w.set_defaults(client_command="watch", client_prog=w.prog)
     s = subparsers.add_parser("subscribe", parents=[common], help="inspect one pool's stream")
     s.add_argument("pool", help="namespace/component/endpoint (or a unique suffix)")
     s.add_argument("--verify", action="store_true",
                    help="enforce the consumer rules; report violations (exit 1 if any)")
-    s.set_defaults(client_command="subscribe")
+    s.set_defaults(client_command="subscribe", client_prog=s.prog)
     q = subparsers.add_parser("query", parents=[common], help="cached prefix depth per pool")
     q.add_argument("--model", required=True, help="canonical model id, alias or LoRA id")
     src = q.add_mutually_exclusive_group(required=True)
@@ -99,7 +112,7 @@ def add_subcommands(subparsers: Any) -> None:
     q.add_argument("--window", type=int, default=2, help="verification window (1..8)")
     q.add_argument("--wait", type=float, default=10.0, help="seconds to wait for replicas")
     q.add_argument("--all", action="store_true", help="include pools that are not routable")
-    q.set_defaults(client_command="query")
+    q.set_defaults(client_command="query", client_prog=q.prog)
 
 
 def build_parser(prog: str = "kvrelay-client") -> argparse.ArgumentParser:
@@ -130,29 +143,69 @@ def main(argv: Sequence[str] | None = None, prog: str = "kvrelay-client") -> int
 
 
 def run(args: argparse.Namespace) -> int:
-    """Execute a parsed ``watch``/``subscribe``/``query`` command; returns the exit code."""
+    """Execute a parsed ``watch``/``subscribe``/``query`` command; returns the exit code.
+
+    Ctrl-C ends ``watch`` and ``subscribe`` as ``--duration`` does (``--verify`` still prints
+    its verdict); it interrupts ``query`` (130). A closed stdout ends any of them quietly (141).
+    """
+    out = Output(sys.stdout, args.json)
     try:
         relays = [rpc.RelayAddress.parse(r) for r in relay_addresses(args.relay)]
         if args.count is not None and args.count < 1:
             raise UsageError("--count must be >= 1")
-        if args.duration is not None and args.duration <= 0:
-            raise UsageError("--duration must be > 0")
+        if args.duration is not None and not 0 < args.duration < math.inf:
+            raise UsageError("--duration must be a number of seconds > 0")
+        if getattr(args, "wait", None) is not None and not 0 <= args.wait < math.inf:
+            raise UsageError("--wait must be a number of seconds >= 0")
         ssl = _ssl_context(args)
-        out = Output(sys.stdout, args.json)
         command = args.client_command
         if command == "watch":
-            return asyncio.run(_watch(args, relays, ssl, out))
-        if command == "subscribe":
-            return asyncio.run(_subscribe(args, relays, ssl, out))
-        if command == "query":
+            code = asyncio.run(_watch(args, relays, ssl, out))
+        elif command == "subscribe":
+            code = asyncio.run(_subscribe(args, relays, ssl, out))
+        elif command == "query":
             tokens = _tokens(args)
-            return asyncio.run(_query(args, relays, ssl, out, tokens))
-        raise UsageError(f"unknown command {command!r}")
+            code = asyncio.run(_query(args, relays, ssl, out, tokens))
+        else:
+            raise UsageError(f"unknown command {command!r}")
+        if out.closed:  # a stream task met the closed pipe: its end is not the run's verdict
+            raise OutputClosed
+        return code
+    except OutputClosed:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     except (UsageError, ValueError, OSError) as exc:
-        print(f"kvrelay-client: error: {exc}", file=sys.stderr)
+        prog = getattr(args, "client_prog", "kvrelay-client")
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 0
+    except KeyboardInterrupt:  # query, or a second Ctrl-C
+        print(file=sys.stderr)  # end the terminal's "^C" line
+        return EXIT_INTERRUPTED
+
+
+def _silence_stdout() -> None:
+    """Point fd 1 at /dev/null once its reader is gone: the interpreter's last flush of what
+    the pipe refused would otherwise print ``Exception ignored ... BrokenPipeError``."""
+    with contextlib.suppress(OSError, ValueError):  # not a real file (captured output)
+        fd = sys.stdout.fileno()
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+
+
+def _stop_on_interrupt(limiter: Limiter) -> None:
+    """Make Ctrl-C end the run as ``--duration`` does, so ``subscribe --verify`` still reports;
+    a second Ctrl-C interrupts. Only where the program owns SIGINT (main thread, not ignored)."""
+    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
+        return
+    loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        limiter.done.set()
+        loop.remove_signal_handler(signal.SIGINT)  # back to KeyboardInterrupt
+
+    with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+        loop.add_signal_handler(signal.SIGINT, stop)
 
 
 def relay_addresses(given: list[str] | None, env: dict[str, str] | None = None) -> list[str]:
@@ -170,10 +223,16 @@ def _ssl_context(args: argparse.Namespace) -> _ssl.SSLContext | None:
         if args.ca is not None:
             raise UsageError("--ca needs --tls")
         return None
-    ctx = _ssl.create_default_context(cafile=str(args.ca) if args.ca else None)
+    try:
+        ctx = _ssl.create_default_context(cafile=str(args.ca) if args.ca else None)
+    except OSError as exc:  # ssl names no file in its errors
+        raise UsageError(f"--ca {args.ca}: {exc}") from None
     ctx.set_alpn_protocols(["h2"])
     if args.cert is not None:
-        ctx.load_cert_chain(str(args.cert), str(args.key))
+        try:
+            ctx.load_cert_chain(str(args.cert), str(args.key))
+        except OSError as exc:
+            raise UsageError(f"--cert {args.cert} / --key {args.key}: {exc}") from None
     return ctx
 
 
@@ -200,10 +259,22 @@ def _tokens(args: argparse.Namespace) -> list[int]:
 class Output:
     stream: TextIO
     json_mode: bool
+    #: the reader of ``stream`` went away; nothing more is written
+    closed: bool = False
+    #: called once when it does (``watch``/``subscribe``: end the run)
+    on_closed: Callable[[], None] | None = None
 
     def emit(self, obj: dict[str, Any], text: str) -> None:
+        if self.closed:
+            raise OutputClosed
         line = json.dumps(obj, sort_keys=True) if self.json_mode else text
-        print(line, file=self.stream, flush=True)
+        try:
+            print(line, file=self.stream, flush=True)
+        except BrokenPipeError:
+            self.closed = True
+            if self.on_closed is not None:
+                self.on_closed()
+            raise OutputClosed from None
 
 
 def _table(rows: list[list[str]], indent: str = "  ") -> str:
@@ -462,6 +533,8 @@ async def _watch(
     method, make_request, reply, render = _PLANES[args.plane]
     by_producer = args.plane in _BY_PRODUCER
     limiter = Limiter(args.count, args.duration)
+    out.on_closed = limiter.done.set
+    _stop_on_interrupt(limiter)
     failures = 0
 
     async def one(addr: rpc.RelayAddress) -> None:
@@ -622,6 +695,8 @@ async def _subscribe(
     out: Output,
 ) -> int:  # fmt: skip
     limiter = Limiter(args.count, args.duration)
+    out.on_closed = limiter.done.set
+    _stop_on_interrupt(limiter)
     config = ClientConfig(subscriber_id=args.subscriber_id)
     problems = 0
     violations = 0
@@ -686,6 +761,7 @@ async def _subscribe(
             why += ": nothing was checked"
         out.emit({"verdict": verdict.lower(), "frames": checked, "violations": violations,
                   "problems": problems}, f"verify: {verdict} ({why})")  # fmt: skip
+        return 0 if ok else 1  # FAIL is exit 1, "nothing was checked" included
     return 1 if problems or violations else 0
 
 

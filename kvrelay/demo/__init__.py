@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import sys
 import time
@@ -191,6 +192,12 @@ def run_demo(
     configure(level="WARNING" if headless else "ERROR", json=headless)
     try:
         return asyncio.run(_demo(host, port, duration, headless, stream, workers))
+    except BrokenPipeError:  # stdout's reader went away (| head -1): stop quietly, as SIGPIPE does
+        with contextlib.suppress(OSError, ValueError):  # the last flush must not complain either
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, stream.fileno())
+            os.close(null)
+        return 141
     except OSError as exc:
         print(f"kvrelay demo: {exc}", file=sys.stderr)
         return 1

@@ -6,8 +6,11 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
+import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -238,7 +241,7 @@ def test_relay_defaults_to_the_environment_then_kvrelays_port() -> None:
 )
 def test_tls_option_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(argv) == 2
-    assert "kvrelay-client: error:" in capsys.readouterr().err
+    assert "kvrelay-client watch: error:" in capsys.readouterr().err  # the subcommand named
 
 
 async def test_the_documented_hit_query_hits_the_simulator(
@@ -305,3 +308,74 @@ async def test_the_documented_sdk_example_runs(tmp_path: Path) -> None:
     script.write_text(code.replace("client.wait_ready(timeout=10)", "client.wait_ready(timeout=2)"))
     rc, out, err = await run(_closed_port())
     assert rc == 1 and "not ready" in err and "cached block" not in out, (out, err)
+
+
+# ------------------------------------------------------------------ as a process: pipes, Ctrl-C
+
+CLI = [sys.executable, "-m", "kvrelay"]
+
+
+async def test_a_closed_stdout_ends_quietly_with_141() -> None:
+    """``kvrelay watch … | head -1``: once the reader is gone the command stops, with the status
+    of a tool that SIGPIPE ended and nothing on stderr (not a 'stream ended: connection
+    BrokenPipeError' that blames the relay, nor Python's 'Exception ignored')."""
+    async with scripted() as addr:
+        for argv in (["watch", "catalog", "--json"], ["subscribe", "gen"]):
+            read_end, write_end = os.pipe()
+            os.close(read_end)  # the reader has left before the first line
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *CLI, *argv, "--relay", addr, stdout=write_end,
+                    stderr=asyncio.subprocess.PIPE, env=clean_env(),
+                )  # fmt: skip
+            finally:
+                os.close(write_end)
+            _, err = await asyncio.wait_for(proc.communicate(), 60)
+            assert proc.returncode == 141 and err == b"", (argv, proc.returncode, err)
+
+
+async def _interrupt_once_connected(*argv: str) -> tuple[int, str, str]:
+    """Run ``kvrelay ARGV`` against a listener that accepts and never answers, send SIGINT once
+    it has connected (so the command is waiting for the relay, not importing)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.setblocking(False)
+        addr = f"127.0.0.1:{listener.getsockname()[1]}"
+        proc = await asyncio.create_subprocess_exec(
+            *CLI, *argv, "--relay", addr, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, env=clean_env(),
+        )  # fmt: skip
+        loop = asyncio.get_running_loop()
+        conn, _ = await asyncio.wait_for(loop.sock_accept(listener), 60)
+        try:
+            proc.send_signal(signal.SIGINT)
+            out, err = await asyncio.wait_for(proc.communicate(), 60)
+        finally:
+            conn.close()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_ctrl_c_interrupts_query_with_130() -> None:
+    rc, out, err = await _interrupt_once_connected("query", "--model", "m", "--tokens", "1",
+                                                   "--wait", "60")  # fmt: skip
+    assert rc == 130 and out == "" and "Traceback" not in err, (rc, out, err)
+
+
+async def test_ctrl_c_ends_subscribe_verify_with_its_verdict() -> None:
+    """Ctrl-C ends ``subscribe --verify`` as ``--duration`` does: the verdict is printed and is
+    the exit status (here nothing was checked: FAIL, 1), never a silent 0."""
+    rc, out, err = await _interrupt_once_connected("subscribe", "gen", "--verify", "--json")
+    assert "Traceback" not in err, err
+    assert json.loads(out.splitlines()[-1])["verdict"] == "fail", out
+    assert rc == 1, (rc, out, err)
+
+
+def test_nan_and_negative_durations_are_usage_errors() -> None:
+    for argv in (["watch", "catalog", "--duration", "nan"],
+                 ["query", "--model", "m", "--tokens", "1", "--wait", "-1"]):  # fmt: skip
+        res = subprocess.run([*CLI, *argv, "--relay", _closed_port()], capture_output=True,
+                             text=True, env=clean_env(), timeout=60)  # fmt: skip
+        assert res.returncode == 2, (argv, res)
+        assert res.stderr.startswith(f"kvrelay {argv[0]}: error: --"), res.stderr
