@@ -11,6 +11,20 @@ two static engines of two DP ranks each. After every step, once the relay has ap
 member's lineage and copy counts, the shared owners (refcount, resident) and the filter words
 must equal the pure-Python reference decoder + pool (``tests/support``); at the end, a subscribed
 SDK client's replica must hold the relay's filter.
+
+Cases (``Case``) widen it: SGLang engines (its revisions' positional layouts, salt maps, the
+oldest rank-less envelope, 3-frame replay replies, EAGLE bigram pairs); the pool options
+``cache_salt_namespacing``, ``multimodal_hashing`` and ``engine_reports``; hybrid models
+(``group_idx`` / ``kv_cache_spec_kind``, ``locality``); EAGLE pools with vLLM's
+``lookahead_token_ids``; a small ``max_member_blocks`` (``block_cap`` resets). The model
+implements each from the contract's text (§7.2, §18). Connect mode (§22) runs the same traffic
+from four publishers that connect to the pool's bound SUB (TCP, IPC, and IPC from processes of
+their own), with lost batches, restarts, duplicates, batches of another rank, undecodable
+payloads, SGLang epochs and snapshot barriers, with and without ``{rank}`` in the topic; the
+model resets a member where §22.3 says the relay must.
+
+Long run: ``KVRELAY_DIFF_SEEDS=100:400 [KVRELAY_DIFF_CASES=sglang,options]
+[KVRELAY_DIFF_STEPS=150]`` (about 1.8 s a seed in connect mode, 0.7 s static).
 """
 
 from __future__ import annotations
@@ -20,23 +34,31 @@ import contextlib
 import os
 import random
 import socket
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
 
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import RelayClient
 from kvrelay.discovery.endpoints import StaticSourceConfig
+from kvrelay.ingest.kinds import EngineKind
+from kvrelay.ingest.options import DecodeOptions
+from kvrelay.ingest.sglang import EPOCH_MARKER, SNAPSHOT_MARKER
 from kvrelay.ingest.sink import SourceKey
+from kvrelay.pool.ckf import DEFAULT_MAX_KICKS
 from kvrelay.relay.engines import worker_id_for
 from kvrelay.relay.relay import Relay
-from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
+from kvrelay.relay.settings import ConnectConfig, EngineSpec, PoolSpec, RelaySettings
 from kvrelay.service.server import RelayServer
+from tests.support import sglang_wire as S
 from tests.support import vllm_wire as W
 from tests.support.decoder_model import Ref
 from tests.support.pool_model import Counts, RefPool
@@ -53,6 +75,37 @@ LORAS = (None, None, None, "lora-a", "lora-b", "")
 MEDIA = (None, "GPU", "GPU", "GPU", "gpu", "DEVICE", "", "CPU", "cpu", "STORAGE", "REMOTE", "HBM9")
 SALTS = (None, None, None, "tenant-a", "tenant-b", "")
 ORIGINS = (None, None, None, "NEW", "REUSED", "bogus")
+KINDS = (None, None, None, "full_attention", "mla_attention", "sink_full_attention",
+         "sliding_window", "mamba", "chunked_local_attention")  # fmt: skip
+LOCALITIES = (None, None, None, None, None, "LOCAL", "", "REMOTE", "peer")
+HEX = "0123456789abcdef"
+
+
+@dataclass(frozen=True)
+class Case:
+    """The engines' kind and the pool options one run of the audit uses."""
+
+    kind: str = "vllm"
+    namespacing: bool = False  # cache_salt_namespacing
+    multimodal: bool = False  # multimodal_hashing
+    reports: bool = False  # engine_reports
+    eagle: bool = False  # hash_format = "eagle"
+    hybrid: bool = False  # group_idx / kv_cache_spec_kind / locality on the events
+    cap: int = 1 << 22  # max_member_blocks: a member holding more after a store is reset
+
+    def ref(self) -> Ref:
+        return Ref(B, eagle=self.eagle, namespacing=self.namespacing, multimodal=self.multimodal)
+
+
+CASES = {
+    "vllm": Case(),
+    "options": Case(namespacing=True, multimodal=True, reports=True, hybrid=True),
+    "eagle": Case(eagle=True, multimodal=True, hybrid=True),
+    "sglang": Case(kind="sglang", hybrid=True),
+    "sglang-eagle": Case(kind="sglang", eagle=True, reports=True),
+    "sglang-options": Case(kind="sglang", namespacing=True, multimodal=True, hybrid=True),
+    "capped": Case(hybrid=True, cap=24),
+}
 
 
 def _free_base(n: int) -> int:
@@ -80,8 +133,8 @@ class Member:
 
     engine: str
     rank: int
-    pub: TestPublisher
-    ref: Ref = field(default_factory=lambda: Ref(B))
+    pub: TestPublisher | ConnPub
+    ref: Ref
     stores: list[dict[str, Any]] = field(default_factory=list)  # map-form store dicts sent
     removed: list[int] = field(default_factory=list)
     live_sent: int = 0  # live messages published (the relay has read them all once settled)
@@ -94,11 +147,29 @@ class Member:
 class Gen:
     """The seeded event generator (plain dicts in vLLM field names; the model reads them as is)."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, case: Case = Case()) -> None:
         self.rng = random.Random(seed)
+        self.case = case
         r = self.rng
-        # shared prompts: members storing the same tokens share canonical hashes (owners > 1)
-        self.prompts = [[r.randrange(1 << 17) for _ in range(12 * B)] for _ in range(6)]
+        # shared prompts: members storing the same tokens share canonical hashes (owners > 1);
+        # EAGLE: two blocks more (the lookahead and bigram pairs past a store's last block)
+        n = (14 if case.eagle else 12) * B
+        self.prompts = [[r.randrange(1 << 17) for _ in range(n)] for _ in range(6)]
+        self.digests = ["".join(r.choice(HEX) for _ in range(64)) for _ in range(2)]
+        if not case.multimodal:
+            self.digests = []  # (the default case's stream stays the one its seeds were read in)
+
+    def extra_key(self) -> list[Any] | None:
+        """One block's extra keys: LoRA names, salts (bare strings), mm pairs, other entries."""
+        r = self.rng
+        if not (self.case.namespacing or self.case.multimodal):
+            return r.choice((None, ["lora-a"], [["mm", 0]], ["salt-x"], [b"\x01" * 32]))
+        img = [f"img-{r.randrange(3)}", r.randrange(8)]
+        return r.choice((
+            None, None, ["lora-a"], ["salt-x"], ["salt-y", "lora-b"], ["lora-b", "salt-x"],
+            [b"\x01" * 32], [img], [[r.choice(self.digests), 0]], [["", 2]], [["img-1", 0], img],
+            ["salt-y", img], [img, "salt-x"], [["img-2"]], [[7, 1]], [""],
+        ))  # fmt: skip
 
     def hash(self) -> int:
         r = self.rng
@@ -140,6 +211,7 @@ class Gen:
                 hashes.append(self.hash())
         prompt = r.choice(self.prompts)
         off = r.randrange(0, 12 - k + 1) * B
+        c = self.case
         n = k * B
         q = r.random()
         if q < 0.05:
@@ -148,7 +220,18 @@ class Gen:
             n -= B  # one block short: the last hash is cut off (k = 1: placeholder-ish)
         elif q < 0.10 and off + n + B <= len(prompt):
             n += B  # tokens for more blocks than hashes: tokens_excess
-        tokens = prompt[off : off + n]
+        tokens: list[Any] = prompt[off : off + n]
+        look: list[list[int]] | None = None
+        if c.eagle and c.kind == "sglang" and r.random() < 0.9:  # bigram pairs: n + 1 tokens
+            tokens = [[prompt[off + i], prompt[off + i + 1]] for i in range(n)]
+        elif c.eagle and r.random() < 0.8:  # vLLM >= 0.33: the token past each block
+            look = [[prompt[off + (j + 1) * B]] for j in range(k)]
+            q = r.random()
+            if q < 0.1:
+                look = look[:-1]
+            elif q < 0.2:
+                bad: list[Any] = r.choice(([], [-1], [1 << 32], [None]))
+                look[-1] = bad
         bs = B if r.random() > 0.02 else 2 * B
         ev: dict[str, Any] = {
             "kind": "store",
@@ -162,11 +245,14 @@ class Gen:
             "cache_salt": r.choice(SALTS),
             "origin": r.choice(ORIGINS),
         }
-        if r.random() < 0.2:
-            ev["extra_keys"] = [
-                r.choice((None, ["lora-a"], [["mm", 0]], ["salt-x"], [b"\x01" * 32]))
-                for _ in range(k)
-            ]
+        if r.random() < (0.6 if c.namespacing or c.multimodal else 0.2):
+            ev["extra_keys"] = [self.extra_key() for _ in range(k)]
+        if look is not None:
+            ev["lookahead_token_ids"] = look
+        if c.hybrid:
+            ev["group_idx"] = r.choice((None, None, 0, 0, 1, 2))
+            ev["kv_cache_spec_kind"] = r.choice(KINDS)
+            ev["locality"] = r.choice(LOCALITIES)
         m.stores.append(ev)
         if len(m.stores) > 64:
             m.stores.pop(0)
@@ -189,7 +275,11 @@ class Gen:
         m.removed.extend(hashes)
         del m.removed[:-64]
         medium = r.choice(MEDIA) if r.random() < 0.3 else "GPU"
-        return {"kind": "remove", "block_hashes": hashes, "medium": medium}
+        ev: dict[str, Any] = {"kind": "remove", "block_hashes": hashes, "medium": medium}
+        if self.case.hybrid:
+            ev["group_idx"] = r.choice((None, None, 0, 0, 1, 2))
+            ev["locality"] = r.choice(LOCALITIES)
+        return ev
 
     def events(self, m: Member, held: dict[int, int]) -> list[dict[str, Any]]:
         r = self.rng
@@ -207,6 +297,8 @@ class Gen:
 
     def wire(self, ev: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         """The event in a random era and hash forms, and what of it the array era can carry."""
+        if self.case.kind == "sglang":
+            return self.sglang(ev)
         era = self.rng.choice(("array", "map"))
         kind = ev["kind"]
         if kind == "clear":
@@ -214,19 +306,37 @@ class Gen:
             return W.cleared(era, med), {"kind": "clear", "medium": med}
         hashes = [self.form(h) for h in ev["block_hashes"]]
         if kind == "remove":
-            return W.removed(era, hashes, medium=ev["medium"]), ev
+            kw = {k: v for k, v in ev.items() if k in ("medium", "group_idx", "locality")}
+            if era == "array":
+                ev = {k: v for k, v in ev.items() if k != "locality"}
+            return W.removed(era, hashes, **kw), ev
         kw = {k: v for k, v in ev.items() if k != "kind"}
         kw["block_hashes"] = hashes
         p = kw["parent_block_hash"]
         if p is not None:
             kw["parent_block_hash"] = self.form(p) if p else self.rng.choice((0, b"\0" * 8))
         if era == "array":  # no origin, no explicit salt positions: the model must not see them
-            kw.pop("origin", None)
-            kw.pop("cache_salt", None)
-            ev = {k: v for k, v in ev.items() if k not in ("origin", "cache_salt")}
+            gone = ("origin", "cache_salt", "locality", "lookahead_token_ids")
+            kw = {k: v for k, v in kw.items() if k not in gone}
+            ev = {k: v for k, v in ev.items() if k not in gone}
         elif self.rng.random() < 0.5:
-            kw.pop("extra_keys", None)  # (ignored either way without the pool's options)
+            kw.pop("extra_keys", None)
+            ev = {k: v for k, v in ev.items() if k != "extra_keys"}
         return W.stored(era, **kw), ev
+
+    def sglang(self, ev: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """The event in a random SGLang revision's layout, and what of it that layout carries."""
+        rev = self.rng.choice(S.REVISIONS)
+        kind = ev["kind"]
+        if kind == "clear":  # SGLang's clear names no tier: every clear is the device's
+            return S.cleared(rev), {"kind": "clear", "medium": None}
+        hashes = [self.form(h) for h in ev["block_hashes"]]
+        if kind == "remove":
+            return S.removed(rev, ev, hashes)
+        p = ev["parent_block_hash"]
+        if p is not None:
+            p = self.form(p) if p else self.rng.choice((0, b"\0" * 8))
+        return S.stored(rev, ev, hashes, p)
 
 
 def _brief(events: list[dict[str, Any]]) -> str:
@@ -268,17 +378,27 @@ class Harness:
             wire.append(w)
             seen.append(s)
         rank = m.rank if dp == "own" else dp
-        payload = W.batch(wire, dp=rank, ts=time.time())  # type: ignore[arg-type]
+        if self.gen.case.kind == "sglang":
+            short = rank is None and self.gen.rng.random() < 0.5
+            payload = S.batch(wire, dp=rank, ts=time.time(), short=short)  # type: ignore[arg-type]
+        else:
+            payload = W.batch(wire, dp=rank, ts=time.time())  # type: ignore[arg-type]
         seq = await m.pub.publish(payload, live=live)
         m.live_sent += live
         self.log.append(f"{m.engine}/{m.rank} seq={seq} live={live} dp={rank} {_brief(seen)}")
         if rank is None or rank == m.rank:
-            c = self.model.apply(self.index(m), m.ref.build(seen))
-            assert c.rejected + c.applied == len(c.codes)
+            self.apply(m, seen)
+
+    def apply(self, m: Member, seen: list[dict[str, Any]]) -> None:
+        c = self.model.apply(self.index(m), m.ref.build(seen))
+        assert c.rejected + c.applied == len(c.codes)
+        if c.stored and len(self.held(m)) > self.gen.case.cap:
+            # block_cap: the record goes, the learned groups stay (the engine did not change)
+            self.model.clear(self.index(m), Counts())
 
     def reset(self, m: Member) -> None:
         self.model.clear(self.index(m), Counts())
-        m.ref = Ref(B)
+        m.ref = self.gen.case.ref()
 
     async def settle(self, m: Member) -> None:
         """Until the relay applied everything ``m`` published (its replay included)."""
@@ -304,6 +424,8 @@ class Harness:
     def check(self, what: str) -> None:
         self.checks += 1
         gen = self.runtime.generation
+        if gen is None and not any(self.model.lineage.values()):
+            return  # connect mode: no member has sent a batch yet
         assert gen is not None, what
         pool = gen.pool
         ids = {v: k for k, v in pool.members().items()}
@@ -322,8 +444,9 @@ class Harness:
 
 
 @contextlib.asynccontextmanager
-async def harness(seed: int) -> AsyncIterator[Harness]:
+async def harness(seed: int, case: Case = Case()) -> AsyncIterator[Harness]:
     ctx = zmq.asyncio.Context()
+    sgl = case.kind == "sglang"
     members: list[Member] = []
     specs = []
     for name in ENGINES:
@@ -334,19 +457,26 @@ async def harness(seed: int) -> AsyncIterator[Harness]:
             try:
                 for r in RANKS:
                     made.append(TestPublisher(ctx, topic=TOPIC, port=base + r,
-                                              replay_port=rbase + r))  # fmt: skip
+                                              replay_port=rbase + r,
+                                              reply_shape=3 if sgl else 4))  # fmt: skip
             except zmq.ZMQError:
                 for p in made:
                     await p.close()
                 continue
             break
         assert len(made) == len(RANKS), "no free ports for the publishers"
-        members += [Member(name, r, p) for r, p in zip(RANKS, made, strict=True)]
-        specs.append(EngineSpec(name=name, static=StaticSourceConfig(
+        members += [Member(name, r, p, case.ref()) for r, p in zip(RANKS, made, strict=True)]
+        kind = EngineKind.SGLANG if sgl else EngineKind.VLLM
+        specs.append(EngineSpec(name=name, kind=kind, static=StaticSourceConfig(
             endpoint=f"tcp://127.0.0.1:{base}", replay_endpoint=f"tcp://127.0.0.1:{rbase}",
             dp_ranks=RANKS, topic="kv")))  # fmt: skip
     spec = PoolSpec(namespace="ns", component="backend", endpoint="generate", engines=tuple(specs),
-                    expected_blocks=EXPECTED, model="rd-model", kv_block_size=B)  # fmt: skip
+                    expected_blocks=EXPECTED, model="rd-model", kv_block_size=B,
+                    decode=DecodeOptions(cache_salt_namespacing=case.namespacing,
+                                         multimodal_hashing=case.multimodal),
+                    engine_reports=case.reports, max_member_blocks=case.cap,
+                    hash_format=pb.KvQueryHashFormat.DYNAMO_EAGLE_V1 if case.eagle else
+                    pb.KvQueryHashFormat.DYNAMO_STANDARD_V1)  # fmt: skip
     settings = RelaySettings(dc_name="dc-rd", pools=(spec,), discovery_interval_s=0.1)
     relay = Relay(settings)
     await relay.start()
@@ -354,6 +484,7 @@ async def harness(seed: int) -> AsyncIterator[Harness]:
     await server.start("127.0.0.1", 0)
     try:
         for m in members:
+            assert isinstance(m.pub, TestPublisher)
             await m.pub.wait_subscribed(timeout=20)
         rt = relay.pools[0]
         deadline = time.monotonic() + scaled(20)
@@ -365,8 +496,14 @@ async def harness(seed: int) -> AsyncIterator[Harness]:
             assert time.monotonic() < deadline, "subscribers never went live"
             await asyncio.sleep(0.01)
         pool = rt.generation.pool
-        model = RefPool(pool.bucket_count, pool.seed, B, 1, pool.max_kicks)
-        yield Harness(relay, server, members, model, Gen(seed))
+        gen = Gen(seed, case)
+        if sgl:  # half the SGLang publishers name an epoch (a snapshot endpoint, §21.3)
+            for m in members[::2]:
+                assert isinstance(m.pub, TestPublisher)
+                m.pub.topic = _epoch_topic(TOPIC, gen.rng)
+        fmt = 2 if case.eagle else 1
+        model = RefPool(pool.bucket_count, pool.seed, B, fmt, pool.max_kicks, case.reports)
+        yield Harness(relay, server, members, model, gen)
     finally:
         await server.close(grace_s=1.0)
         await asyncio.wait_for(relay.stop(), scaled(30))
@@ -375,8 +512,16 @@ async def harness(seed: int) -> AsyncIterator[Harness]:
         ctx.destroy(linger=0)
 
 
-async def run_seed(seed: int, steps: int, *, client: bool = True) -> Harness:
-    async with harness(seed) as h:
+def _epoch_token(r: random.Random) -> bytes:
+    return f"{r.getrandbits(128):032x}".encode()
+
+
+def _epoch_topic(topic: bytes, r: random.Random) -> bytes:
+    return topic + EPOCH_MARKER + _epoch_token(r)
+
+
+async def run_seed(seed: int, steps: int, *, client: bool = True, case: Case = Case()) -> Harness:
+    async with harness(seed, case) as h:
         r = h.gen.rng
         for step in range(steps):
             m = r.choice(h.members)
@@ -388,10 +533,14 @@ async def run_seed(seed: int, steps: int, *, client: bool = True) -> Harness:
                 what = "gap"
             elif q < 0.13:  # a new incarnation: sequence from 0, history gone
                 old_next = m.pub.seq
+                assert isinstance(m.pub, TestPublisher)
                 m.pub.restart()
                 h.reset(m)
+                epoch = EPOCH_MARKER in m.pub.topic
+                if epoch:
+                    m.pub.topic = _epoch_topic(TOPIC, r)  # SGLang's new epoch: a restart
                 hidden = r.choice((0, 0, 1, 2, old_next + 1))
-                if hidden == old_next and hidden > 0:
+                if hidden == old_next and hidden > 0 and not epoch:
                     hidden += 1  # the next expected number: no signal without instance ids
                 for _ in range(hidden):
                     await h.publish(m, h.gen.events(m, h.held(m)), live=False)
@@ -404,6 +553,13 @@ async def run_seed(seed: int, steps: int, *, client: bool = True) -> Harness:
             elif q < 0.18:
                 await h.publish(m, [])
                 what = "empty batch"
+            elif q < 0.19 and EPOCH_MARKER in getattr(m.pub, "topic", b""):
+                assert isinstance(m.pub, TestPublisher)
+                topic = m.pub.topic  # an SGLang snapshot barrier: an empty batch, numbered
+                m.pub.topic = topic + SNAPSHOT_MARKER + b"snap-%d" % step
+                await h.publish(m, [])
+                m.pub.topic = topic
+                what = "snapshot barrier"
             else:
                 await h.publish(m, h.gen.events(m, h.held(m)), dp=r.choice(("own",) * 5 + (None,)))
                 what = "batch"
@@ -442,11 +598,374 @@ async def test_random_traffic_matches_the_reference_model(seed: int) -> None:
     assert h.checks == 40
 
 
+@pytest.mark.parametrize("name", [n for n in CASES if n != "vllm"])
+async def test_random_cases_match_the_reference_model(name: str) -> None:
+    """SGLang engines, the pool options and hybrid / EAGLE layouts (``CASES``), one seed each."""
+    h = await run_seed(7, 40, client=name == "sglang", case=CASES[name])
+    assert h.checks == 40
+
+
 @pytest.mark.skipif(
     not os.environ.get("KVRELAY_DIFF_SEEDS"), reason="long audit: KVRELAY_DIFF_SEEDS=first:end"
 )
-async def test_random_traffic_many_seeds() -> None:
-    """The audit itself: ``KVRELAY_DIFF_SEEDS=100:400`` (about 0.7 s a seed of 150 steps)."""
+@pytest.mark.parametrize("name", list(CASES))
+async def test_random_traffic_many_seeds(name: str) -> None:
+    """The audit itself: ``KVRELAY_DIFF_SEEDS=100:400`` (about 0.7 s a seed of 150 steps), each
+    case (``KVRELAY_DIFF_CASES=sglang,options`` picks some)."""
+    picked = os.environ.get("KVRELAY_DIFF_CASES")
+    if picked and name not in picked.split(","):
+        pytest.skip("not picked")
     lo, hi = (int(x) for x in os.environ["KVRELAY_DIFF_SEEDS"].split(":"))
+    steps = int(os.environ.get("KVRELAY_DIFF_STEPS", "150"))
     for seed in range(lo, hi):
-        await run_seed(seed, int(os.environ.get("KVRELAY_DIFF_STEPS", "150")), client=seed % 4 == 0)
+        await run_seed(seed, steps, client=seed % 4 == 0, case=CASES[name])
+
+
+# ---- connect mode (§22): the engines' PUBs connect to one SUB the pool binds; no replay --------
+
+#: (engine, rank, transport): two ranks of one engine over TCP, two engines over IPC (one in
+#: processes of its own)
+CONNECTED = (("cx-a", 0, "tcp"), ("cx-a", 1, "tcp"), ("cx-b", 0, "proc"), ("cx-c", 0, "ipc"))
+
+
+class ConnPub:
+    """An engine rank's PUB that connects to the pool's bound SUB (an XPUB, so that it knows
+    when the relay's subscription arrived); sequence numbers as vLLM's publisher writes them."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, topic: bytes,
+                 epoch: bytes | None = None) -> None:  # fmt: skip
+        self.ctx, self.endpoint, self.base, self.epoch = ctx, endpoint, topic, epoch
+        self.sock: zmq.asyncio.Socket | None = None
+        self.seq = 0
+        self.pid = 0  # the publishing process (ours; ``ProcPub``: a child's)
+        #: (seq, payload, seen, the index of the member its rank names, that rank as sent)
+        self.sent: list[tuple[int, bytes, list[dict[str, Any]], int, int | None]] = []
+
+    async def open(self) -> None:
+        sock = self.ctx.socket(zmq.XPUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.connect(self.endpoint)
+        self.sock = sock
+        assert await sock.poll(int(scaled(20) * 1000)), "the relay never subscribed"
+        await sock.recv()
+
+    @property
+    def topic(self) -> bytes:
+        """SGLang's epoch after the topic when it names one (§21.3)."""
+        return self.base if self.epoch is None else self.base + EPOCH_MARKER + self.epoch
+
+    async def send(self, seq: int, payload: bytes, topic: bytes | None = None) -> None:
+        assert self.sock is not None
+        await self.sock.send_multipart([topic or self.topic, seq.to_bytes(8, "big"), payload])
+
+    async def publish(self, payload: bytes, *, live: bool = True, barrier: bool = False) -> int:
+        """Number ``payload``; a batch not ``live`` is lost (a gap the relay cannot replay).
+        ``barrier``: sent as an SGLang snapshot barrier (its topic names a snapshot)."""
+        seq, self.seq = self.seq, self.seq + 1
+        if live:
+            await self.send(seq, payload, self.topic + SNAPSHOT_MARKER + b"b%d" % seq if barrier
+                            else None)  # fmt: skip
+        return seq
+
+    async def restart(self, epoch: bytes | None = None) -> None:
+        """A new incarnation: a new connection, numbering from 0 (a new epoch, if any)."""
+        await self.close()
+        self.seq = 0
+        self.epoch = epoch
+        self.sent.clear()
+        await self.open()
+
+    async def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+
+
+_CHILD = """
+import sys, zmq
+s = zmq.Context().socket(zmq.XPUB)
+s.setsockopt(zmq.LINGER, 0)
+s.connect(sys.argv[1])
+s.recv()
+print("ready", flush=True)
+for line in sys.stdin:
+    s.send_multipart([bytes.fromhex(x[1:]) for x in line.split()])
+    print("ok", flush=True)
+"""
+
+
+class ProcPub(ConnPub):
+    """A publisher in a process of its own (a new one on each restart): over IPC the relay
+    sees the pid, so a restart is seen even where its sequence continues the old one."""
+
+    proc: asyncio.subprocess.Process | None = None
+
+    async def open(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _CHILD, self.endpoint,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        self.pid = self.proc.pid
+        await self._line("ready")
+
+    async def _line(self, want: str) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), scaled(20))
+        assert line.decode().strip() == want, line
+
+    async def send(self, seq: int, payload: bytes, topic: bytes | None = None) -> None:
+        assert self.proc is not None and self.proc.stdin is not None
+        frames = (topic or self.topic, seq.to_bytes(8, "big"), payload)
+        self.proc.stdin.write((" ".join("x" + f.hex() for f in frames) + "\n").encode())
+        await self.proc.stdin.drain()
+        await self._line("ok")
+
+    async def close(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+@dataclass
+class ConnectHarness(Harness):
+    """The model's side of §22.3: the sequence each member expects (None: the next message is
+    a baseline), and every message the relay's SUB has to have read before a check."""
+
+    expect: dict[int, int | None] = field(default_factory=dict)
+    epochs: dict[int, bytes | None] = field(default_factory=dict)
+    pids: dict[int, int] = field(default_factory=dict)
+    ranked: bool = False  # the topic pattern has ``{rank}``
+    messages: int = 0
+
+    async def send(self, m: Member, events: list[dict[str, Any]] | bytes, *, live: bool = True,
+                   to: Member | None = None, barrier: bool = False) -> None:  # fmt: skip
+        """``m`` publishes ``events`` (or a bad payload); ``to``: the member its batch's rank
+        names (another rank of the engine: that member sees ``m``'s sequence numbers)."""
+        pub = m.pub
+        to = to or m
+        assert isinstance(pub, ConnPub)
+        seen: list[dict[str, Any]] = []
+        dp: int | None = to.rank
+        if isinstance(events, bytes):
+            payload = events
+            seen = [JUNK_EVENT if events == JUNK else BAD_EVENT]
+        else:
+            wire = []
+            for ev in events:
+                w, sn = self.gen.wire(ev)
+                wire.append(w)
+                seen.append(sn)
+            dp = None if to.rank == 0 and self.gen.rng.random() < 0.3 else to.rank
+            if self.gen.case.kind == "sglang":
+                payload = S.batch(wire, dp=dp, ts=time.time(), short=dp is None)
+            else:
+                payload = W.batch(wire, dp=dp, ts=time.time())
+        seq = await pub.publish(payload, live=live, barrier=barrier)
+        pub.sent.append((seq, payload, seen, self.index(to), dp))
+        del pub.sent[:-16]
+        if live:
+            self.deliver(to, seq, payload, seen, pub, dp)
+
+    async def duplicate(self, m: Member) -> None:
+        """An older message again: a lower sequence is a restart (§22.3)."""
+        pub = m.pub
+        assert isinstance(pub, ConnPub)
+        if not pub.sent:
+            return
+        seq, payload, seen, to, dp = self.gen.rng.choice(pub.sent)
+        await pub.send(seq, payload)
+        self.deliver(self.members[to], seq, payload, seen, pub, dp)
+
+    def deliver(self, m: Member, seq: int, payload: bytes, seen: list[dict[str, Any]],
+                sender: ConnPub, dp: int | None) -> None:  # fmt: skip
+        """``m``: the member the batch's rank (``dp``, None: 0) names; with ``{rank}`` in the
+        topic the topic names the member, and a batch naming another rank is dropped (its
+        number consumed); one naming none is the topic rank's."""
+        foreign = False
+        if self.ranked:
+            owner = next(x for x in self.members if x.pub is sender)
+            foreign, m = dp is not None and dp != owner.rank, owner
+            if seen == [JUNK_EVENT]:
+                seen = [BAD_EVENT]  # the topic's rank: only that member starts over
+        i = self.index(m)
+        self.messages += 1
+        what = _brief(seen) if seen else repr(payload[:12])
+        self.log.append(f"{m.engine}/{m.rank} seq={seq} expect={self.expect.get(i)} "
+                        f"{'foreign ' * foreign}{what}")  # fmt: skip
+        if seen == [JUNK_EVENT]:  # its rank unreadable: every rank of the engine starts over
+            for other in self.members:
+                if other.engine == m.engine:
+                    self.reset(other)
+                    self.expect[self.index(other)] = None
+            return
+        want = self.expect.get(i)
+        epoch = sender.epoch
+        other_epoch = self.gen.case.kind == "sglang" and epoch != self.epochs.get(i)
+        other_pid = sender.pid != self.pids.get(i, sender.pid)  # an IPC peer's process
+        if want is not None and (seq != want or other_epoch or other_pid):
+            self.reset(m)  # gap_no_replay (higher), incarnation (lower, a new epoch or process)
+        self.expect[i] = seq + 1
+        self.epochs[i] = epoch
+        self.pids[i] = sender.pid
+        if seen == [BAD_EVENT]:  # a rank, but no batch: this member starts over
+            self.reset(m)
+            return
+        if foreign:
+            return  # DpRankMismatch: not this member's batch, dropped
+        self.apply(m, seen)
+
+    async def settle(self, m: Member) -> None:
+        """Until the relay's bound SUB has read every message sent."""
+        deadline = time.monotonic() + scaled(10)
+        while True:
+            conn = self.runtime.connected
+            src = None if conn is None else conn.source
+            if src is not None and src.counters.messages >= self.messages:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"the relay never read {self.messages} messages: "
+                    f"{None if src is None else src.counters}\n  " + "\n  ".join(self.log[-8:])
+                )
+            await asyncio.sleep(0.003)
+
+
+#: a payload that is not msgpack (no rank to read) and one whose rank reads but events do not
+JUNK = b"\xc1junk"
+JUNK_EVENT = {"kind": "junk"}
+BAD_EVENT = {"kind": "bad"}
+
+
+def _bad_batch(rank: int) -> bytes:
+    return msgspec.msgpack.encode([1.5, "junk", rank])
+
+
+@contextlib.asynccontextmanager
+async def connect_harness(
+    seed: int, case: Case, tmp: str, ranked: bool
+) -> AsyncIterator[ConnectHarness]:
+    ctx = zmq.asyncio.Context()
+    tcp = f"tcp://127.0.0.1:{_free_base(1)}"
+    ipc = f"ipc://{tmp}/kv.sock"
+    spec = PoolSpec(
+        namespace="ns", component="backend", endpoint="generate", engines=(),
+        expected_blocks=EXPECTED, model="rd-model", kv_block_size=B,
+        decode=DecodeOptions(cache_salt_namespacing=case.namespacing,
+                             multimodal_hashing=case.multimodal),
+        engine_reports=case.reports, max_member_blocks=case.cap,
+        hash_format=pb.KvQueryHashFormat.DYNAMO_EAGLE_V1 if case.eagle else
+        pb.KvQueryHashFormat.DYNAMO_STANDARD_V1,
+        connect=ConnectConfig(bind=(tcp, ipc),
+                              topic_pattern="kv@{engine}@{rank}@{model}" if ranked else
+                              "kv@{engine}@{model}",
+                              kind=EngineKind(case.kind)),
+    )  # fmt: skip
+    settings = RelaySettings(dc_name="dc-rd", pools=(spec,), discovery_interval_s=0.1)
+    relay = Relay(settings)
+    await relay.start()
+    server = RelayServer(relay, settings.limits)
+    await server.start("127.0.0.1", 0)
+    members: list[Member] = []
+    try:
+        rt = relay.pools[0]
+        deadline = time.monotonic() + scaled(20)
+        while rt.connected is None or rt.connected.source is None:
+            assert time.monotonic() < deadline, "the connect endpoint never came up"
+            await asyncio.sleep(0.01)
+        gen = Gen(seed, case)
+        for name, rank, how in CONNECTED:
+            epoch = _epoch_token(gen.rng) if case.kind == "sglang" and rank == 0 else None
+            cls = ProcPub if how == "proc" else ConnPub
+            topic = f"kv@{name}@{rank}@rd-model" if ranked else f"kv@{name}@rd-model"
+            pub = cls(ctx, tcp if how == "tcp" else ipc, topic.encode(), epoch)
+            await pub.open()
+            members.append(Member(name, rank, pub, case.ref()))
+        bc = spec.bucket_count
+        model = RefPool(bc, spec.ckf_seed, B, 2 if case.eagle else 1, DEFAULT_MAX_KICKS,
+                        case.reports)  # fmt: skip
+        yield ConnectHarness(relay, server, members, model, gen, ranked=ranked)
+    finally:
+        await server.close(grace_s=1.0)
+        await asyncio.wait_for(relay.stop(), scaled(30))
+        for m in members:
+            assert isinstance(m.pub, ConnPub)
+            await m.pub.close()
+        ctx.destroy(linger=0)
+
+
+async def run_connect_seed(
+    seed: int, steps: int, case: Case, tmp: str, *, ranked: bool = False
+) -> ConnectHarness:
+    async with connect_harness(seed, case, tmp, ranked) as h:
+        r = h.gen.rng
+        for step in range(steps):
+            m = r.choice(h.members)
+            pub = m.pub
+            assert isinstance(pub, ConnPub)
+            q = r.random()
+            if q < 0.07:  # batches lost (a gap): the member resets, the next one its baseline
+                for _ in range(r.randrange(1, 3)):
+                    await h.send(m, h.gen.events(m, h.held(m)), live=False)
+                await h.send(m, h.gen.events(m, h.held(m)))
+                what = "gap"
+            elif q < 0.12:  # a restart: a new connection numbering from 0, maybe some lost (the
+                # relay tells by the sequence alone: ``deliver`` resets the model's member)
+                old_next = pub.seq
+                epoch = None if pub.epoch is None else _epoch_token(r)
+                await pub.restart(epoch)
+                hidden = r.choice((0, 0, 1, old_next + 1))
+                if hidden == old_next and hidden > 0 and epoch is None and not pub.pid:
+                    hidden += 1  # exactly the old next number: undetectable over TCP (§22.3)
+                for _ in range(hidden):
+                    await h.send(m, h.gen.events(m, h.held(m)), live=False)
+                await h.send(m, h.gen.events(m, h.held(m)))
+                what = f"restart (hidden {hidden})"
+            elif q < 0.16:
+                await h.duplicate(m)
+                what = "duplicate"
+            elif q < 0.18 and m.engine == "cx-a":  # its batch names the engine's other rank
+                other = next(x for x in h.members if x.engine == m.engine and x is not m)
+                await h.send(m, h.gen.events(other, h.held(other)), to=other)
+                what = "batch of another rank"
+            elif q < 0.19 and pub.epoch is not None:
+                await h.send(m, [], barrier=True)
+                what = "snapshot barrier"
+            elif q < 0.18:
+                await h.send(m, JUNK)
+                what = "junk"
+            elif q < 0.20:
+                await h.send(m, _bad_batch(m.rank))
+                what = "bad batch"
+            elif q < 0.22:
+                await h.send(m, [])
+                what = "empty batch"
+            else:
+                await h.send(m, h.gen.events(m, h.held(m)))
+                what = "batch"
+            await h.settle(m)
+            h.check(f"step {step} ({what}, seed {seed}, connect)")
+        return h
+
+
+@pytest.mark.parametrize("name", ["vllm", "options", "sglang", "capped"])
+async def test_connect_mode_matches_the_reference_model(name: str, tmp_path: Any) -> None:
+    """Connect mode: gaps, restarts, duplicates, junk from four publishers over TCP and IPC."""
+    h = await run_connect_seed(11, 40, CASES[name], str(tmp_path), ranked=name == "sglang")
+    assert h.checks == 40
+
+
+@pytest.mark.skipif(
+    not os.environ.get("KVRELAY_DIFF_SEEDS"), reason="long audit: KVRELAY_DIFF_SEEDS=first:end"
+)
+@pytest.mark.parametrize("name", list(CASES))
+async def test_connect_mode_many_seeds(name: str, tmp_path: Any) -> None:
+    """The connect-mode audit, as ``test_random_traffic_many_seeds``."""
+    picked = os.environ.get("KVRELAY_DIFF_CASES")
+    if picked and name not in picked.split(","):
+        pytest.skip("not picked")
+    lo, hi = (int(x) for x in os.environ["KVRELAY_DIFF_SEEDS"].split(":"))
+    steps = int(os.environ.get("KVRELAY_DIFF_STEPS", "150"))
+    for seed in range(lo, hi):
+        await run_connect_seed(seed, steps, CASES[name], str(tmp_path), ranked=seed % 2 == 1)

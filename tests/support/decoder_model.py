@@ -33,13 +33,29 @@ def u64(h: int | bytes) -> int:
     return h % (1 << 64)
 
 
+def mm_u64(ident: str) -> int:
+    """An mm identifier as a u64 (§7.2): a 64-hex digest's first 16 hex digits, else XXH3."""
+    if len(ident) == 64 and all(c in "0123456789abcdefABCDEF" for c in ident):
+        return int(ident[:16], 16)
+    return xxhash.xxh3_64_intdigest(ident.encode(), seed=0)
+
+
+def _u32(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 32
+
+
 @dataclass
 class Ref:
-    """Event dicts: {"kind": "store"|"remove"|"clear", vLLM field names...}."""
+    """Event dicts: {"kind": "store"|"remove"|"clear", vLLM field names...}.
+
+    ``namespacing`` / ``multimodal``: the pool's ``cache_salt_namespacing`` and
+    ``multimodal_hashing`` (§18.4), read from the contract's words, not the decoder's code."""
 
     block_size: int
     eagle: bool = False
     groups: dict[int, bool] = field(default_factory=dict)
+    namespacing: bool = False
+    multimodal: bool = False
 
     def build(self, events: list[dict[str, Any]]) -> EventBatch:
         b = BatchBuilder()
@@ -79,6 +95,18 @@ class Ref:
             if not hs or bs == 0 or not toks or bs != self.block_size:
                 continue
             e = 1 if self.eagle else 0
+            la = ev.get("lookahead_token_ids")
+            if (  # §18.3: vLLM's exactly k·B plain tokens for k hashes, one lookahead entry
+                e  # per block, the last starting with a token: it ends the last block's window
+                and toks is ev["token_ids"]
+                and len(toks) == len(hs) * bs
+                and isinstance(la, list)
+                and len(la) == len(hs)
+                and isinstance(la[-1], list)
+                and la[-1]
+                and _u32(la[-1][0])
+            ):
+                toks = [*toks, la[-1][0]]
             k = max(0, (len(toks) - e) // bs)
             if k == 0 or k > len(hs):  # tokens for more whole blocks than hashes: tokens_excess
                 continue
@@ -88,12 +116,44 @@ class Ref:
             if len(set(hs)) != k or (parent is not None and parent in hs):
                 continue
             cs = ev.get("cache_salt") or None  # an explicit salt field is always honoured
+            lora = ev.get("lora_name")
+            ek = ev.get("extra_keys") or []
+            inherit = False
+            if cs is None and self.namespacing:
+                if parent is None:  # a root: block 0's last bare string, past a leading LoRA name
+                    first = ek[0] if ek and isinstance(ek[0], list) else []
+                    if lora is not None and first[:1] == [lora]:
+                        first = first[1:]
+                    names = [x for x in first if isinstance(x, str) and x]
+                    cs = names[-1] if names else None
+                else:
+                    inherit = True  # the parent's recorded namespace, if any
+            mm: list[list[int]] | None = None
+            if self.multimodal:
+                mm = []
+                for j in range(k):
+                    keys = ek[j] if j < len(ek) and isinstance(ek[j], list) else []
+                    mm.append(
+                        [
+                            mm_u64(x[0])
+                            for x in keys
+                            if isinstance(x, list)
+                            and len(x) == 2
+                            and isinstance(x[0], str)
+                            and x[0]
+                            and isinstance(x[1], int)
+                        ]
+                    )
+                if not any(mm):
+                    mm = None  # no mm hashes in the event: the same bytes as text-only
             b.store(
                 hs,
                 np.array(toks[: k * bs + e], dtype=np.uint32),
                 parent=parent,
-                salt=salt_of(ev.get("lora_name"), cs),
+                salt=salt_of(lora, cs),
                 ns_part=xxhash.xxh3_64_intdigest(cs.encode(), seed=1) if cs else 0,
+                ns_inherit=inherit,
+                mm=mm,
                 origin=ORIGINS.get(ev.get("origin") or "", 0),  # map form only (§8.2.1)
             )
         return b.build()
