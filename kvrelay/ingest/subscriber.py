@@ -530,14 +530,21 @@ class Subscriber:
         else:
             self._log.warning("sequence_backwards", seq=seq, expected=self._next)
         replay = seq > 0 and bool(self.spec.replay_endpoint)
-        self._restart_from_zero(ResetReason.INCARNATION, replay=replay)
+        self._restart_from_zero(ResetReason.INCARNATION, replay=replay, live_seq=seq)
         if replay:
             self._buf.put(seq, payload)
         else:
             self._apply(seq, payload)
 
-    def _restart_from_zero(self, reason: ResetReason, *, replay: bool = True) -> None:
-        """Another incarnation: drop the member's state and rebuild from its replay at 0."""
+    def _restart_from_zero(
+        self, reason: ResetReason, *, replay: bool = True, live_seq: int = -1
+    ) -> None:
+        """Another incarnation: drop the member's state and rebuild from its replay at 0.
+        ``live_seq``: the new incarnation's live batch that told the restart (-1: something
+        else told it, a vouch): the live position starts over there. The old incarnation's
+        would take the new one's live batches that the rebuild's replay applied already (its
+        duplicates) for the stream going back: a needless second reset and rebuild."""
+        self._live_hi = live_seq
         if replay and self.spec.replay_endpoint:
             self._begin_rebuild()
         self._reset(reason)
@@ -893,7 +900,7 @@ class Subscriber:
                     self._log.warning("epoch_changed", seq=seq, during="replay")
                 else:
                     self._log.warning("sequence_backwards", seq=seq, during="replay")
-                self._restart_from_zero(ResetReason.INCARNATION)
+                self._restart_from_zero(ResetReason.INCARNATION, live_seq=seq)
                 self._buf.put(seq, payload)
                 return False
             if self._next is not None and seq < self._next:
@@ -901,7 +908,7 @@ class Subscriber:
                     # below the first batch the replay gave (its history was gone): a batch
                     # the relay never had, from an engine that restarted behind a proxy
                     self._log.warning("sequence_backwards", seq=seq, during="replay")
-                    self._restart_from_zero(ResetReason.INCARNATION)
+                    self._restart_from_zero(ResetReason.INCARNATION, live_seq=seq)
                     self._buf.put(seq, payload)
                     return False
                 c.duplicates += 1

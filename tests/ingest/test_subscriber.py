@@ -803,3 +803,40 @@ async def test_a_remove_that_does_not_decode_is_not_skipped(ctx: zmq.asyncio.Con
     finally:
         await sub.stop()
         await pub.close()
+
+
+async def test_a_live_duplicate_after_a_restart_told_by_the_vouch_is_no_restart(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The engine restarts on the same endpoint; the reconnect's vouch tells it (the replay no
+    longer holds the last batch) and the member is rebuilt from the new incarnation's replay
+    (0..5). The new engine's live 5, read only after the replay applied it, is that replay's
+    duplicate. The live stream's position was still the old incarnation's 9, so 5 passed for
+    the stream going back: a needless second reset and rebuild."""
+    pub = TestPublisher(ctx)
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx)
+    try:
+        await _synced(pub, sink, sub, 10)  # the old incarnation: 0..9 applied, live
+        endpoint = pub.endpoint
+        pub.pub.close(linger=0)
+        await asyncio.sleep(0.3)
+        restarted = ctx.socket(zmq.XPUB)
+        restarted.setsockopt(zmq.LINGER, 0)
+        restarted.bind(endpoint)
+        pub.pub = restarted
+        pub.restart()
+        for s in range(6):  # published before the relay's SUB reconnected
+            await pub.publish(msg(s), live=False)
+        await pub.wait_subscribed()
+        await until(lambda: len(sink.seqs) >= 16 and sub.state == "live")
+        assert sink.resets == [ResetReason.INCARNATION]
+        await pub.send_raw([pub.topic, (5).to_bytes(8, "big"), msg(5)])  # the live 5, late
+        await pub.publish(msg(6))
+        await until(lambda: 6 in sink.seqs[16:])
+        assert sink.resets == [ResetReason.INCARNATION], sink.items[10:]
+        assert sink.seqs[10:] == list(range(7))
+        assert sub.counters.duplicates >= 1
+    finally:
+        await sub.stop()
+        await pub.close()
