@@ -656,7 +656,7 @@ class ConnectSource:
             self.counters.member_block_cap += 1
             self._log.warning("connect_member_over_block_cap", engine=m.name,
                               dp_rank=m.key.dp_rank, limit=self.spec.max_member_blocks)  # fmt: skip
-            self._reset(m, ResetReason.BAD_BATCH)
+            self._reset(m, ResetReason.BLOCK_CAP)  # (as the pool's own cap names it)
 
     def _bad_batch(self, m: _Member) -> None:
         """What the engine did in that batch is unknown and there is no replay: reset."""

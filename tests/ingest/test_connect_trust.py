@@ -340,6 +340,7 @@ async def test_caps_on_topic_length_batch_size_and_member_blocks(
         assert len(src._topics) == 1
         resets: list[Any] = sink.of("reset")
         assert [r[:2] for r in resets] == [("pod-a", 0), ("pod-a", 0)]
+        assert [r[2] for r in resets] == [ResetReason.BLOCK_CAP, ResetReason.BAD_BATCH]
         assert [b[2] for b in sink.batches()] == [1, 2, 3]  # seq 0 was the dropped topic
     finally:
         await src.stop()
