@@ -207,16 +207,18 @@ async def run_worker(
         grace = max(0.1, spec.shutdown_timeout_s / 2)
         if health is not None:  # before the drain, which says NOT_SERVING for good
             health.cancel()
-        if server is not None:
-            await server.close(grace_s=grace)
-            # What the worker counted since its last report, the drain's refusals included:
-            # the supervisor keeps an exited worker's last report, so without this one those
-            # counts never reached /metrics. Before the mirror stops (which forgets its pools'
-            # totals); a line that must arrive, so the writer's queue never drops it.
-            report_pipe.send(_report(server, mirror, report_pipe), droppable=False)
-        await mirror.stop()
-        if out is None:
-            report_pipe.close(timeout_s=0.5)
+        try:
+            if server is not None:
+                await server.close(grace_s=grace)
+                # What the worker counted since its last report, the drain's refusals included:
+                # the supervisor keeps an exited worker's last report, so without this one those
+                # counts never reached /metrics. A line that must arrive, so the writer's queue
+                # never drops it.
+                report_pipe.send(_report(server, mirror, report_pipe), droppable=False)
+        finally:  # (whatever the report did: the upstream streams end)
+            await mirror.stop()
+            if out is None:
+                report_pipe.close(timeout_s=0.5)
 
 
 def _report(server: Any, mirror: Any, pipe: ReportPipe) -> str:
