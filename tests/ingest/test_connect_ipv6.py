@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import socket
 
-import pytest
 import zmq
 import zmq.asyncio
 
@@ -16,21 +15,12 @@ from kvrelay.relay.settings import ConnectConfig
 from tests.ingest.test_connect import Pub, Sink, ctx  # noqa: F401 (fixture)
 from tests.support.connect import ConnectRig, connect_rig
 from tests.support.fleet import eventually, ground_truth
+from tests.support.ipv6 import NEEDS_IPV6
 from tests.support.rig import subscribe, verify
 from tests.support.timing import scaled
 from tests.support.vllm_publisher import until
 
-
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
-            s.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback (::1)")
+pytestmark = NEEDS_IPV6
 
 
 async def _source(

@@ -19,6 +19,7 @@ import zmq
 
 from kvrelay.ingest.connect import _ipv6_bind
 from kvrelay.ops.config import ConfigProblem, check_file
+from tests.support.ipv6 import IPV6, NEEDS_IPV6
 
 POOL = """
 [[pools]]
@@ -31,18 +32,6 @@ kv_block_size = 16
 bind = {binds}
 topic_pattern = "kv@{{engine}}@{{model}}"
 """
-
-
-def _has_ipv6() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
-            s.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
-IPV6 = _has_ipv6()
 
 
 def _free_port() -> int:
@@ -113,7 +102,7 @@ def _errors(problems: list[ConfigProblem]) -> list[tuple[str, str]]:
     return [(p.path, p.reason) for p in problems if p.severity == "error"]
 
 
-V6 = pytest.mark.skipif(not IPV6, reason="no IPv6 loopback (::1)")
+V6 = NEEDS_IPV6
 # (what binds first, the connect bind of pools[1] or of pools[0]), with {p} for one port; the
 # first is a listener ("relay.bind=…", "metrics.bind=…") or the connect bind of pools[0]
 PAIRS = [

@@ -15,6 +15,7 @@ import pytest
 from kvrelay.ops.config import ConfigProblem, DaemonConfig, check_file
 from kvrelay.ops.reload import read_config
 from tests.support.commands import kvrelay
+from tests.support.ipv6 import IPV6, NEEDS_IPV6
 
 
 def _check(tmp_path: Path, text: str) -> tuple[DaemonConfig | None, list[ConfigProblem]]:
@@ -132,15 +133,6 @@ def test_check_config_and_a_reload_refuse_one_engine_twice(tmp_path: Path) -> No
 # ---- listeners -------------------------------------------------------------------------------
 
 
-def _ipv6() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
-            s.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
 def _bind(host: str, port: int) -> list[socket.socket]:
     """Bind ``host:port`` as the daemon's listeners do (asyncio's ``create_server``; the
     start-up probe in ``ops/listeners.py``): every address, ``SO_REUSEADDR``, IPv6-only."""
@@ -170,7 +162,7 @@ def _free_port() -> int:
             s.bind(("0.0.0.0", 0))
             port = int(s.getsockname()[1])
         try:
-            for s in _bind("0.0.0.0", port) + (_bind("::", port) if _ipv6() else []):
+            for s in _bind("0.0.0.0", port) + (_bind("::", port) if IPV6 else []):
                 s.close()
         except OSError:
             continue
@@ -195,7 +187,7 @@ def _host(bind: str) -> str:
     return bind[1:-1] if bind.startswith("[") else bind
 
 
-V6 = pytest.mark.skipif(not _ipv6(), reason="no IPv6 loopback (::1)")
+V6 = NEEDS_IPV6
 
 
 @pytest.mark.parametrize(

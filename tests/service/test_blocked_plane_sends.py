@@ -23,6 +23,7 @@ from kvrelay.contract.limits import RelayLimits
 from kvrelay.contract.wire import CONTRACT_MARKER
 from kvrelay.mirror.plane import MirrorPlane
 from kvrelay.service.server import RelayServer
+from tests.support.fleet import eventually
 from tests.support.h2_client import RawH2Client, RawStream, plane_request
 from tests.support.mem_relay import MemRelayView
 from tests.support.timing import scaled
@@ -43,13 +44,6 @@ WATCH = "/grpc.health.v1.Health/Watch"
 INFO = bytes(pb.RelayInfoRequest(contract_marker=CONTRACT_MARKER))
 
 
-async def _eventually(check: Any, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + scaled(timeout)
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
-
-
 async def _relay(**limits_kw: Any) -> tuple[MemRelayView, RelayServer]:
     limits = RelayLimits(stalled_stream_reset_s=120.0, **limits_kw)
     view = MemRelayView(limits)
@@ -62,7 +56,7 @@ async def _relay(**limits_kw: Any) -> tuple[MemRelayView, RelayServer]:
 async def _blocked(c: RawH2Client, method: str, request: bytes) -> RawStream:
     """A stream whose first message waits for a window: its HEADERS came, none of its DATA."""
     st = c.open(method, request)
-    await _eventually(lambda: ":status" in st.headers)
+    await eventually(lambda: ":status" in st.headers)
     await asyncio.sleep(0.1)
     assert not st.data and not st.ended.is_set()
     return st
@@ -167,7 +161,7 @@ async def test_a_preempted_plane_stream_waiting_for_a_window_ends_at_once() -> N
     try:
         held = [await _blocked(hog, KINDS["catalog"], plane_request(f"h{i}")) for i in range(2)]
         newcomer = other.open(KINDS["catalog"], plane_request("n"))
-        await _eventually(lambda: len(newcomer.data) > 0)
+        await eventually(lambda: len(newcomer.data) > 0)
         await _ended(held[1], LIMIT)
         assert not held[0].ended.is_set()
     finally:
@@ -184,7 +178,7 @@ async def test_a_half_written_plane_message_is_finished_before_the_drain_ends_it
     closing: asyncio.Future[None] | None = None
     try:
         st = c.open(KINDS["catalog"], plane_request())
-        await _eventually(lambda: len(st.data) == 16)
+        await eventually(lambda: len(st.data) == 16)
         closing = asyncio.ensure_future(server.close(grace_s=120.0))
         await asyncio.sleep(0.3)
         assert not st.ended.is_set() and not st.reset

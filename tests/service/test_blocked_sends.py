@@ -20,6 +20,7 @@ import pytest
 from kvrelay.contract.errors import RelayError
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.service.server import RelayServer
+from tests.support.fleet import eventually
 from tests.support.h2_client import RawH2Client
 from tests.support.mem_relay import MemRelayView, sub_request
 from tests.support.timing import scaled
@@ -36,13 +37,6 @@ def _messages(data: bytes | bytearray) -> int:
             break
         n, off = n + 1, off + 5 + size
     return n
-
-
-async def _eventually(check: Any, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + scaled(timeout)
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 async def _relay(**limits_kw: Any) -> tuple[MemRelayView, RelayServer]:
@@ -66,10 +60,10 @@ async def test_a_snapshot_send_that_wrote_nothing_ends_at_once_with_its_status(e
     closing: asyncio.Future[None] | None = None
     try:
         first = c.open("SubscribeKvPool", bytes(sub_request(gens[0].producer, "raw")))
-        await _eventually(lambda: len(first.data) > 0)
+        await eventually(lambda: len(first.data) > 0)
         second = c.open("SubscribeKvPool", bytes(sub_request(gens[1].producer, "raw")))
-        await _eventually(lambda: server.service.pool_permits.in_use == 2)
-        await _eventually(lambda: "grpc-status" in second.headers or ":status" in second.headers)
+        await eventually(lambda: server.service.pool_permits.in_use == 2)
+        await eventually(lambda: "grpc-status" in second.headers or ":status" in second.headers)
         await asyncio.sleep(0.2)  # it holds the turn, waiting for the connection's window
         assert not second.data and not second.ended.is_set()
         if ending == "drain":
@@ -103,10 +97,10 @@ async def test_a_delta_send_that_wrote_nothing_ends_at_once_with_its_status(endi
     closing: asyncio.Future[None] | None = None
     try:
         live = c.open("SubscribeKvPool", bytes(sub_request(small.producer, "raw")))
-        await _eventually(lambda: _messages(live.data) >= 1)  # its snapshot (one chunk)
+        await eventually(lambda: _messages(live.data) >= 1)  # its snapshot (one chunk)
         c._read_data = False  # from now on nothing is given back
         snap = c.open("SubscribeKvPool", bytes(sub_request(big.producer, "raw")))
-        await _eventually(lambda: len(snap.data) > 0)
+        await eventually(lambda: len(snap.data) > 0)
         sent = len(live.data)
         rng = np.random.default_rng(7)
         small.random_step(rng, 4)  # queued: the connection's window is empty
