@@ -679,6 +679,12 @@ class Relay:
 
     def _add_pool(self, spec: PoolSpec) -> None:
         p = PoolRuntime(spec, self._ctx, engine_down_grace_s=self.settings.engine_down_grace_s)
+        for target, st in list(p.engines.items()):  # a reload's pool: as ``add_engine`` does
+            other = self._reached_as(st.spec)  # (the other pools only: ``p`` is not listed yet)
+            if other is not None:
+                p.table.remove(target)
+                self._skipped[(p.name, st.spec.name)] = st.spec
+                _log.warning("engine_duplicate", pool=p.name, engine=st.spec.name, same_as=other)
         self.pools.append(p)
         for name, st in p.engines.items():
             self._by_target[name] = p

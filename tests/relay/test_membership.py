@@ -295,3 +295,31 @@ async def test_a_configured_engine_skipped_for_a_dns_one_is_added_once_that_one_
             await consumer.stop()
     finally:
         dns.close()
+
+
+async def test_a_new_pools_engine_reached_by_another_pool_waits_for_it() -> None:
+    """A reload adds a pool whose configured engine a DNS template of another pool already
+    reaches: it is not watched twice (it waits, skipped), and is added once that pool goes."""
+    ip = "127.0.0.11"
+    port = _free_port([ip])
+    dns = DnsServer(records={(NAME, "A"): [ip]})
+    server = await dns.start()
+    engine = _engine(ip, port, 97)
+    await engine.start()
+    template = EngineSpec(name="vllm", dns=NAME, grpc_port=port)
+    try:
+        async with dns_rig(dns, [engine], template, server) as r:
+            await wait_live(r.relay, 1)
+            first = r.relay.settings.pools[0]
+            other = dataclasses.replace(first, namespace="ns2", engines=(
+                EngineSpec(name="pinned", host=ip, grpc_port=port),))  # fmt: skip
+            await r.relay.reconfigure(dataclasses.replace(r.relay.settings,
+                                                          pools=(first, other)))  # fmt: skip
+            second = next(p for p in r.relay.pools if p.name.startswith("ns2/"))
+            assert not second.engines and list(r.relay._skipped) == [(second.name, "pinned")]
+            await r.relay.reconfigure(dataclasses.replace(r.relay.settings, pools=(other,)))
+            await eventually(lambda: [st.spec.name for st in second.engines.values()] == [
+                "pinned"], what="the engine added to the new pool")  # fmt: skip
+            assert not r.relay._skipped
+    finally:
+        dns.close()
