@@ -20,13 +20,14 @@ import signal
 import ssl as _ssl
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 
+from kvrelay._aio import cancel_and_wait
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import rpc
 from kvrelay.client import stream_rules as rules
@@ -165,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
             code = asyncio.run(_subscribe(args, relays, ssl, out))
         elif command == "query":
             tokens = _tokens(args)
-            code = asyncio.run(_query(args, relays, ssl, out, tokens))
+            code = asyncio.run(_interruptible(_query(args, relays, ssl, out, tokens)))
         else:
             raise UsageError(f"unknown command {command!r}")
         if out.closed:  # a stream task met the closed pipe: its end is not the run's verdict
@@ -206,6 +207,37 @@ def _stop_on_interrupt(limiter: Limiter) -> None:
 
     with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
         loop.add_signal_handler(signal.SIGINT, stop)
+
+
+async def _interruptible(work: Coroutine[Any, Any, int]) -> int:
+    """Run ``work``; Ctrl-C ends it with ``KeyboardInterrupt`` (130). asyncio's own handler
+    cancels the main task once, and a cancellation lost on the way (Python 3.11's ``wait_for``
+    can swallow one that races with its inner future, as at a connection's start) left the
+    command running until the relay's silence ended it. Here the work is cancelled until it is
+    done. Only where the program owns SIGINT (main thread, not ignored)."""
+    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
+        return await work
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(work)
+    interrupted: asyncio.Future[None] = loop.create_future()
+
+    def on_sigint() -> None:
+        if not interrupted.done():
+            interrupted.set_result(None)
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+    except (ValueError, RuntimeError, NotImplementedError):
+        return await task
+    try:
+        await asyncio.wait((task, interrupted), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+    if not interrupted.done():
+        return task.result()
+    with contextlib.suppress(Exception):  # (what it failed with meanwhile is not the verdict)
+        await cancel_and_wait(task)
+    raise KeyboardInterrupt
 
 
 def relay_addresses(given: list[str] | None, env: dict[str, str] | None = None) -> list[str]:
