@@ -462,6 +462,7 @@ class Subscriber:
         self.last_message_at = time.monotonic()
         if self.state == "flapping":
             self._set_state("live")  # a message: there is a publisher after all
+        known = self._epoch_known
         try:
             seq, payload, new_epoch = self._check(frames)
         except FrameError as exc:
@@ -472,6 +473,20 @@ class Subscriber:
             self._incarnation(seq, payload, epoch=True)
             return
         nxt = self._next
+        if (
+            self._sglang and not known and self._last is not None and nxt is not None
+            and seq >= nxt and self.spec.replay_endpoint
+        ):  # fmt: skip
+            # The first epoch seen, after batches applied from the replay alone (a start, a
+            # resume): its replies name no epoch, so the engine may have restarted since and
+            # numbered up to here again. Vouch for the state as after a reconnect (the replay
+            # re-reads the last applied batch) before this batch applies.
+            if not self._buf.put(seq, payload):
+                self._overflow()
+                return
+            if self._replay_from is None:
+                self._replay_from = nxt
+            return
         if nxt is None:
             self._apply(seq, payload)
             return
