@@ -184,13 +184,8 @@ def keep_ended_streams(proto: H2Protocol) -> None:
     a status and then sends GOAWAY (as gRPC servers do at shutdown) often sends both in one
     read: the status was there, unread, and grpclib turned it into ``StreamTerminatedError``.
     A stream whose end came without a status still fails (its reader would wait for ever)."""
-    made = proto.connection_made
 
-    def connection_made(transport: Any) -> None:
-        made(transport)
-        if missing_client_close_needs(proto):
-            return
-        processor: Any = proto.processor
+    def install(processor: Any) -> None:
         streams, close = processor.streams, processor.close
 
         def close_open_streams(reason: str = "Connection closed") -> None:
@@ -204,6 +199,22 @@ def keep_ended_streams(proto: H2Protocol) -> None:
                 streams.update(kept)  # released by their readers, as before
 
         processor.close = close_open_streams
+
+    _once_connected(proto, missing_client_close_needs, install)
+
+
+def _once_connected(
+    proto: H2Protocol, missing: Callable[[Any], list[str]], install: Callable[[Any], None]
+) -> None:
+    """Run ``install`` on the connection's events processor once it is made (grpclib makes the
+    processor then), unless the protocol lacks one of the internals it uses (``missing``): the
+    connection is then left as grpclib made it."""
+    made = proto.connection_made
+
+    def connection_made(transport: Any) -> None:
+        made(transport)
+        if not missing(proto):
+            install(proto.processor)
 
     proto.connection_made = connection_made  # type: ignore[method-assign]
 
@@ -267,13 +278,8 @@ def leave_when_draining(
     refused, until that connection closed at the drain's end: up to its grace, while in a hot
     upgrade the successor already accepts on the same port. (A GOAWAY needs nothing here:
     grpclib closes the connection, and the channel makes its next call on a new one.)"""
-    made = proto.connection_made
 
-    def connection_made(transport: Any) -> None:
-        made(transport)
-        if missing_client_leave_needs(proto):
-            return
-        processor: Any = proto.processor
+    def install(processor: Any) -> None:
         process, register = processor.process, processor.register
 
         def process_noting_refusals(event: Any) -> None:
@@ -293,7 +299,7 @@ def leave_when_draining(
         processor.process = process_noting_refusals
         processor.register = register_noting_release
 
-    proto.connection_made = connection_made  # type: ignore[method-assign]
+    _once_connected(proto, missing_client_leave_needs, install)
 
 
 class RelayChannel(Channel):

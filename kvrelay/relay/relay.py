@@ -527,6 +527,12 @@ class Relay:
         await p.remove_engine(engine, reconcile=reconcile)
         await self._retry_skipped()
 
+    def _skip(self, pool: str, spec: EngineSpec, other: str) -> None:
+        """A configured engine of ``pool`` is reached already as ``other`` (an engine DNS
+        found): kept aside, and added by ``_retry_skipped`` once that one goes."""
+        self._skipped[(pool, spec.name)] = spec
+        _log.warning("engine_duplicate", pool=pool, engine=spec.name, same_as=other)
+
     async def _retry_skipped(self) -> None:
         """Add the configured engines a reload skipped whose endpoints are free now (the engine
         DNS had found there went, or its pool did); forget those of pools no longer here."""
@@ -634,9 +640,7 @@ class Relay:
                         for spec in change.engines_added:
                             other = await self.add_engine(p.name, spec)
                             if other is not None:  # (one DNS found; the file never has two)
-                                self._skipped[(p.name, spec.name)] = spec
-                                _log.warning("engine_duplicate", pool=p.name, engine=spec.name,
-                                             same_as=other)  # fmt: skip
+                                self._skip(p.name, spec, other)
                         await p.reconcile()
                         running[change.name] = change.spec
                         unsettled.discard(change.name)
@@ -683,8 +687,7 @@ class Relay:
             other = self._reached_as(st.spec)  # (the other pools only: ``p`` is not listed yet)
             if other is not None:
                 p.table.remove(target)
-                self._skipped[(p.name, st.spec.name)] = st.spec
-                _log.warning("engine_duplicate", pool=p.name, engine=st.spec.name, same_as=other)
+                self._skip(p.name, st.spec, other)
         self.pools.append(p)
         for name, st in p.engines.items():
             self._by_target[name] = p
