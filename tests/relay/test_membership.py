@@ -79,6 +79,24 @@ async def dns_rig(
             await e.stop()
 
 
+@contextlib.asynccontextmanager
+async def one_dns_engine(ip: str, seed: int) -> AsyncIterator[tuple[Rig, SimEngine, EngineSpec]]:
+    """A relay whose one pool's DNS template finds one live engine at ``ip``: the rig, the
+    engine, and the template."""
+    port = _free_port([ip])
+    dns = DnsServer(records={(NAME, "A"): [ip]})
+    server = await dns.start()
+    engine = _engine(ip, port, seed)
+    await engine.start()
+    template = EngineSpec(name="vllm", dns=NAME, grpc_port=port)
+    try:
+        async with dns_rig(dns, [engine], template, server) as r:
+            await wait_live(r.relay, 1)
+            yield r, engine, template
+    finally:
+        dns.close()
+
+
 def _names(r: Any) -> set[str]:
     return {st.spec.name for st in r.pool.engines.values()}
 
@@ -269,57 +287,35 @@ async def test_a_configured_engine_skipped_for_a_dns_one_is_added_once_that_one_
     """A reload adds a configured engine at an address a DNS template already reaches: it is
     skipped (one engine, watched once). A later reload retires the template: its engine goes,
     and the configured one is added then, not left unwatched until another reload."""
-    ip = "127.0.0.10"
-    port = _free_port([ip])
-    dns = DnsServer(records={(NAME, "A"): [ip]})
-    server = await dns.start()
-    engine = _engine(ip, port, 98)
-    await engine.start()
-    template = EngineSpec(name="vllm", dns=NAME, grpc_port=port)
-    configured = EngineSpec(name="pinned", host=ip, grpc_port=port)
-    try:
-        async with dns_rig(dns, [engine], template, server) as r, r.channel() as ch:
-            await wait_live(r.relay, 1)
-            pool = r.relay.settings.pools[0]
-            await r.relay.reconfigure(dataclasses.replace(r.relay.settings, pools=(
-                dataclasses.replace(pool, engines=(template, configured)),)))  # fmt: skip
-            assert _names(r) == {"vllm@127.0.0.10"}  # the DNS engine, once
-            await r.relay.reconfigure(dataclasses.replace(r.relay.settings, pools=(
-                dataclasses.replace(pool, engines=(configured,)),)))  # fmt: skip
-            await eventually(lambda: _names(r) == {"pinned"}, what="configured engine added")
-            await wait_live(r.relay, 1)
-            consumer = await subscribe(r, ch)
-            await engine.step(6)
-            await verify(r, consumer, truth={("pinned", 0): engine.ground_truth(0)},
-                         probes=2_000)  # fmt: skip
-            await consumer.stop()
-    finally:
-        dns.close()
+    async with one_dns_engine("127.0.0.10", 98) as (r, engine, template), r.channel() as ch:
+        configured = EngineSpec(name="pinned", host="127.0.0.10", grpc_port=template.grpc_port)
+        pool = r.relay.settings.pools[0]
+        await r.relay.reconfigure(dataclasses.replace(r.relay.settings, pools=(
+            dataclasses.replace(pool, engines=(template, configured)),)))  # fmt: skip
+        assert _names(r) == {"vllm@127.0.0.10"}  # the DNS engine, once
+        await r.relay.reconfigure(dataclasses.replace(r.relay.settings, pools=(
+            dataclasses.replace(pool, engines=(configured,)),)))  # fmt: skip
+        await eventually(lambda: _names(r) == {"pinned"}, what="configured engine added")
+        await wait_live(r.relay, 1)
+        consumer = await subscribe(r, ch)
+        await engine.step(6)
+        await verify(r, consumer, truth={("pinned", 0): engine.ground_truth(0)},
+                     probes=2_000)  # fmt: skip
+        await consumer.stop()
 
 
 async def test_a_new_pools_engine_reached_by_another_pool_waits_for_it() -> None:
     """A reload adds a pool whose configured engine a DNS template of another pool already
     reaches: it is not watched twice (it waits, skipped), and is added once that pool goes."""
-    ip = "127.0.0.11"
-    port = _free_port([ip])
-    dns = DnsServer(records={(NAME, "A"): [ip]})
-    server = await dns.start()
-    engine = _engine(ip, port, 97)
-    await engine.start()
-    template = EngineSpec(name="vllm", dns=NAME, grpc_port=port)
-    try:
-        async with dns_rig(dns, [engine], template, server) as r:
-            await wait_live(r.relay, 1)
-            first = r.relay.settings.pools[0]
-            other = dataclasses.replace(first, namespace="ns2", engines=(
-                EngineSpec(name="pinned", host=ip, grpc_port=port),))  # fmt: skip
-            await r.relay.reconfigure(dataclasses.replace(r.relay.settings,
-                                                          pools=(first, other)))  # fmt: skip
-            second = next(p for p in r.relay.pools if p.name.startswith("ns2/"))
-            assert not second.engines and list(r.relay._skipped) == [(second.name, "pinned")]
-            await r.relay.reconfigure(dataclasses.replace(r.relay.settings, pools=(other,)))
-            await eventually(lambda: [st.spec.name for st in second.engines.values()] == [
-                "pinned"], what="the engine added to the new pool")  # fmt: skip
-            assert not r.relay._skipped
-    finally:
-        dns.close()
+    async with one_dns_engine("127.0.0.11", 97) as (r, _, template):
+        first = r.relay.settings.pools[0]
+        pinned = EngineSpec(name="pinned", host="127.0.0.11", grpc_port=template.grpc_port)
+        other = dataclasses.replace(first, namespace="ns2", engines=(pinned,))
+        await r.relay.reconfigure(dataclasses.replace(r.relay.settings,
+                                                      pools=(first, other)))  # fmt: skip
+        second = next(p for p in r.relay.pools if p.name.startswith("ns2/"))
+        assert not second.engines and list(r.relay._skipped) == [(second.name, "pinned")]
+        await r.relay.reconfigure(dataclasses.replace(r.relay.settings, pools=(other,)))
+        await eventually(lambda: [st.spec.name for st in second.engines.values()] == [
+            "pinned"], what="the engine added to the new pool")  # fmt: skip
+        assert not r.relay._skipped
