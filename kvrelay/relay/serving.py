@@ -168,6 +168,9 @@ class ServingInputs:
         groups = _groups(pools, published)
         models = [self._model(ns, model, ps) for (ns, model), ps in groups.items()]
         self._unfolded.clear()  # each model's totals have seen its pages
+        # the pool ids listed now only: every rebuilt generation brings a new one, and the memo
+        # kept the dead ones (a fence, a reload, a model change each) up to its bound of 4,096
+        self._pool_ids.retain(pid for m in models for pid in m.serving_pools)
         return ServingLoadInputs(pools=pool_inputs, models=models)
 
     def _fold(self) -> None:

@@ -25,13 +25,14 @@ from kvrelay.client.views import ModelServingView, PoolServingView
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.discovery.metrics_scrape import parse_engine_page
 from kvrelay.publication.serving_load import RunningTotals
+from kvrelay.relay.pool_runtime import FENCE_STABLE_S
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.serving import Page, ServingInputs, rank_counters
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
 from kvrelay.sim.metrics_http import render_metrics
-from tests.support.fleet import fleet_and_relay
+from tests.support.fleet import eventually, fleet_and_relay
 from tests.support.timing import scaled
 
 #: engines scraped and windows sent four times a second: every wait below is for a scrape and
@@ -681,3 +682,33 @@ async def test_a_removed_pools_last_pages_are_counted_before_it_goes() -> None:
     serving.store(pool.name, "a", page(5))  # restarted meanwhile: its counters started over
     assert completed() == 155
 
+
+
+async def test_the_pool_ids_kept_for_sorting_are_the_listed_ones_only() -> None:
+    """Every rebuilt generation (a fence, a reload, a new model) brings a new pool id object. The
+    relay keeps each serving pool's bytes to sort ``serving_pools`` by, and kept every dead
+    generation's up to the memo's bound of 4,096 (7 after 6 rebuilds of one pool): the planes'
+    own memos keep the identities they list now only, this one must too."""
+    configs = [SimConfig(name="g0", seed=71, capacity_blocks=128)]
+    async with _fleet(configs, _pools) as (_engines, relay, _server):
+        (p,) = relay.pools
+
+        def published() -> bool:
+            return p.generation is not None and p.published is not None
+
+        await eventually(published, 30, "the pool published")
+        for _ in range(4):
+            gen = p.generation
+            assert gen is not None
+            relay.serving_load.publish_window()
+            p._materialized_at -= FENCE_STABLE_S  # a fence long after the last: no rebuild delay
+            p.fence(gen, "test: rebuild the generation")
+
+            def rebuilt(old: object = gen) -> bool:
+                return published() and p.generation is not old
+
+            await eventually(rebuilt, 30, "a new generation")
+        assert relay.serving_load.publish_window()
+        (model,) = relay.serving_load.current()[1].models
+        assert model.deployment is not None and len(model.deployment.serving_pools) == 1
+        assert len(relay._serving._pool_ids) == 1
