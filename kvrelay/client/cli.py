@@ -117,8 +117,13 @@ def add_subcommands(subparsers: Any) -> None:
 
 
 def build_parser(prog: str = "kvrelay-client") -> argparse.ArgumentParser:
+    from kvrelay import SUPPORTED_DYNAMO, __version__
+
     parser = argparse.ArgumentParser(
         prog=prog, description="Inspect a dynamo.kvrelay.v1 relay (kvrelay or Dynamo)."
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"{prog} {__version__} ({SUPPORTED_DYNAMO})"
     )
     add_subcommands(parser.add_subparsers(dest="client_subcommand", metavar="COMMAND"))
     return parser
@@ -135,7 +140,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "kvrelay-client") -> int
     parser = build_parser(prog)
     try:
         args = parser.parse_args(list(argv) if argv is not None else None)
-    except SystemExit as exc:  # argparse: 0 for --help, 2 for usage errors
+    except SystemExit as exc:  # argparse: 0 for --help and --version, 2 for usage errors
         return int(exc.code or 0)
     if getattr(args, "client_command", None) is None:
         parser.print_help(sys.stderr)

@@ -388,3 +388,13 @@ def test_nan_and_negative_durations_are_usage_errors() -> None:
                              text=True, env=clean_env(), timeout=60)  # fmt: skip
         assert res.returncode == 2, (argv, res)
         assert res.stderr.startswith(f"kvrelay {argv[0]}: error: --"), res.stderr
+
+
+def test_the_standalone_client_tells_its_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m kvrelay.client --version`` (``kvrelay --version``'s counterpart) names the
+    installed version and the contract it speaks, and exits 0."""
+    from importlib.metadata import version
+
+    assert cli.main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"kvrelay-client {version('kvrelay')} (") and "dynamo.kvrelay.v1" in out
