@@ -15,7 +15,10 @@ workers with time for them.
   ``NOTIFY_SOCKET``/``WATCHDOG_*``: only the supervisor talks to systemd.
 * A worker that exits while the daemon runs is restarted with backoff (0.5 s doubling to 30 s;
   back to 0.5 s after it served 60 s) and counted in ``restarts``. Its router connections drop;
-  routers reconnect and a live worker accepts them from the shared socket. A worker that stops
+  routers reconnect and a live worker accepts them from the shared socket. A restart that
+  cannot start a process (fork or exec refused) is retried with the same backoff, and a worker
+  that dies before it read its spec is an exit like any other: no crash loop ends the watching
+  of a slot. A worker that stops
   reporting (its event loop is wedged: no ``STATS`` line for ``HANG_S``) is killed, which then
   counts as an exit.
 * Before each restart the front may repair what workers need (``prepare``): the internal
@@ -132,6 +135,7 @@ class Supervisor:
         self.prepare = prepare
         self.restarts = 0
         self.hung = 0  # workers killed for not reporting
+        self.spawn_failures = 0  # restarts whose process could not be started (fork, exec)
         self.hang_s = HANG_S
         self._slots = [_Slot(i) for i in range(1, count + 1)]
         self._watchers: list[asyncio.Task[None]] = []
@@ -143,13 +147,13 @@ class Supervisor:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Spawn every worker and wait until all of them serve; raises WorkerStartError."""
-        for slot in self._slots:
-            await self._spawn(slot)
         try:
+            for slot in self._slots:
+                await self._spawn(slot)
             await asyncio.wait_for(
                 asyncio.gather(*(self._ready(s) for s in self._slots)), self.start_timeout_s
             )
-        except (TimeoutError, WorkerStartError) as exc:
+        except (TimeoutError, WorkerStartError, OSError) as exc:  # OSError: no process started
             await self.stop(5.0)
             raise WorkerStartError(f"workers did not all become ready: {exc!r}") from None
         for slot in self._slots:
@@ -188,14 +192,17 @@ class Supervisor:
         return await slot.ready
 
     async def _spawn(self, slot: _Slot) -> None:
-        spec = self.spec_for(slot.index)
+        """Start the slot's worker and hand it its spec. Raises only if no process could be
+        started (``OSError``: fork or exec refused); a process that exits at once (before it
+        read its spec) is the slot's worker all the same, its exit seen and restarted like any
+        other. The spec is built once the process exists and written with no ``await`` in
+        between, and the process is the slot's from then on: a reload that lands while the
+        process starts is either in the spec or in a later line ``broadcast`` writes to it."""
         proc = await asyncio.create_subprocess_exec(
             *self.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             env=self.env, limit=STATS_LINE_MAX, pass_fds=self.pass_fds,
         )  # fmt: skip
         assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(spec.to_json().encode() + b"\n")
-        await proc.stdin.drain()  # stdin stays open: the worker exits when it closes
         slot.proc = proc
         slot.started = slot.last_report = time.monotonic()
         slot.ready = asyncio.get_running_loop().create_future()
@@ -203,15 +210,34 @@ class Supervisor:
         slot.reader = reader
         self._readers.add(reader)
         reader.add_done_callback(self._readers.discard)
+        try:
+            line = self.spec_for(slot.index).to_json().encode() + b"\n"
+        except BaseException:  # no spec: the process would wait for one for good
+            proc.kill()
+            raise
+        try:
+            proc.stdin.write(line)
+            await proc.stdin.drain()  # stdin stays open: the worker exits when it closes
+        except (ConnectionError, RuntimeError) as exc:  # it is gone already (uvloop: closed)
+            _LOG.error("worker_spec_unsent", worker=slot.index, pid=proc.pid, error=repr(exc))
 
     async def _read(self, slot: _Slot, proc: asyncio.subprocess.Process) -> None:
         """Worker → supervisor lines: READY <port>, STATS <json>."""
         assert proc.stdout is not None
         ready = slot.ready
+        warned = False  # of a report over STATS_LINE_MAX
         while True:
             try:
                 line = await proc.stdout.readline()
             except ValueError:  # a line over STATS_LINE_MAX: dropped, the next one is read
+                # The worker wrote a report, so it is not wedged: before, a worker whose every
+                # report outgrew the bound (tens of thousands of mirrored pools) was killed as
+                # hung every HANG_S.
+                slot.last_report = time.monotonic()
+                if not warned:
+                    warned = True
+                    _LOG.warning("worker_report_too_long", worker=slot.index, pid=proc.pid,
+                                 limit_bytes=STATS_LINE_MAX)  # fmt: skip
                 continue
             if not line:
                 break
@@ -243,17 +269,9 @@ class Supervisor:
                 delay = RESTART_INITIAL_S
             _LOG.error("worker_exited", worker=slot.index, pid=proc.pid, code=code,
                        served_s=round(served, 1), restart_in_s=delay)  # fmt: skip
-            await asyncio.sleep(delay)
+            delay = await self._respawn(slot, delay)
             if self._stopping:
                 return
-            delay = min(RESTART_MAX_S, delay * 2)
-            self.restarts += 1
-            if self.prepare is not None:
-                try:
-                    await self.prepare()
-                except Exception as exc:  # a repair that fails: the restart is tried anyway
-                    _LOG.error("worker_prepare_failed", worker=slot.index, error=repr(exc))
-            await self._spawn(slot)
             try:
                 port = await asyncio.wait_for(self._ready(slot), self.start_timeout_s)
                 _LOG.info("worker_restarted", worker=slot.index, pid=slot.proc.pid if slot.proc
@@ -262,6 +280,31 @@ class Supervisor:
                 _LOG.error("worker_restart_failed", worker=slot.index, error=repr(exc))
                 if slot.proc is not None and slot.proc.returncode is None:
                     slot.proc.kill()
+
+    async def _respawn(self, slot: _Slot, delay: float) -> float:
+        """After ``delay``, start the slot's next worker; a start refused (fork or exec failing:
+        ``EAGAIN`` at the pids limit, memory, the interpreter replaced by a deploy) is logged,
+        counted and tried again with the same backoff. Before, it ended the slot's watcher: the
+        slot was never restarted again and nothing said so. Returns the next delay."""
+        while True:
+            await asyncio.sleep(delay)
+            if self._stopping:
+                return delay
+            delay = min(RESTART_MAX_S, delay * 2)
+            self.restarts += 1
+            if self.prepare is not None:
+                try:
+                    await self.prepare()
+                except Exception as exc:  # a repair that fails: the restart is tried anyway
+                    _LOG.error("worker_prepare_failed", worker=slot.index, error=repr(exc))
+            try:
+                await self._spawn(slot)
+            except Exception as exc:  # OSError: fork or exec refused; anything else: no spec
+                self.spawn_failures += 1
+                _LOG.error("worker_restart_failed", worker=slot.index, error=repr(exc),
+                           restart_in_s=delay)  # fmt: skip
+                continue
+            return delay
 
     async def _read_tail(self, slot: _Slot) -> None:
         """Wait (bounded) until the reader of an exited worker read its last lines: a final

@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
+import signal
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from kvrelay.ops import supervisor
 from kvrelay.ops.supervisor import Supervisor, WorkerStartError, shared_listener
 from kvrelay.ops.worker import WorkerSpec
 from tests.support.timing import scaled
@@ -244,3 +247,143 @@ def test_the_shared_listener_queues_connections_until_a_worker_accepts() -> None
                 assert conn.recv(1) == b"x"
     finally:
         sock.close()
+
+
+async def test_a_restart_whose_process_cannot_start_is_tried_again(tmp_path: Path) -> None:
+    """The restart of a dead worker cannot start a process (exec refused: the interpreter
+    replaced by a deploy; fork refused at the pids limit): logged, counted and tried again with
+    backoff, and the worker serves once a process can start. Before, the ``OSError`` ended the
+    slot's watcher: the worker was never restarted and nothing said so."""
+    sup = _supervisor(tmp_path, "serve")
+    await sup.start()
+    try:
+        argv = sup.argv
+        sup.argv = [str(tmp_path / "gone" / "python")]
+        [pid] = sup.pids
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        await _eventually(lambda: sup.spawn_failures >= 1, timeout=scaled(10))
+        sup.argv = argv
+        await _eventually(lambda: sup.alive == 1 and sup.pids != [pid], timeout=scaled(15))
+        assert all(not t.done() for t in sup._watchers), "a watcher ended"
+    finally:
+        await sup.stop(5.0)
+
+
+async def test_a_worker_that_exits_before_reading_its_spec_is_restarted_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that dies at once, again and again (a crash loop faster than the spec write):
+    each death is an exit like any other, restarted with backoff. Before, writing the spec to
+    the closed pipe raised in the slot's watcher (``Connection lost``; on uvloop a
+    ``RuntimeError``) and ended it: the slot was never restarted again."""
+    monkeypatch.setattr(supervisor, "RESTART_INITIAL_S", 0.01)
+    monkeypatch.setattr(supervisor, "RESTART_MAX_S", 0.02)
+    sup = _supervisor(tmp_path, "serve")
+    await sup.start()
+    try:
+        argv = sup.argv
+        true = shutil.which("true")  # gone before its spec is written, most times
+        assert true is not None
+        sup.argv = [true]
+        [pid] = sup.pids
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        await _eventually(lambda: sup._slots[0].exits >= 20, timeout=scaled(30))
+        sup.argv = argv
+        await _eventually(lambda: sup.alive == 1, timeout=scaled(10))
+    finally:
+        await sup.stop(5.0)
+
+
+# Records the authorization rules it holds (its spec's, then each AUTHZ line's) in <pid>.rules.
+RULES_FAKE = r"""
+import json, os, sys
+spec = json.loads(sys.stdin.readline())
+path = os.path.join(os.environ["KVR_DIR"], f"{os.getpid()}.rules")
+def keep(rules):
+    open(path + ".tmp", "w").write(json.dumps(rules))
+    os.replace(path + ".tmp", path)
+keep(spec["authorization"])
+print("READY 1234", flush=True)
+for line in sys.stdin:
+    if line.startswith("AUTHZ "):
+        keep(json.loads(line[len("AUTHZ "):]))
+"""
+
+
+async def test_a_reload_while_a_worker_restarts_reaches_the_new_worker(tmp_path: Path) -> None:
+    """A reload (new ``[[authorization]]`` rules) lands while a dead worker's successor is being
+    started: the successor holds the new rules, from its spec or from the line sent to every
+    running worker. Before, the spec was built before the process was started and the reload
+    skipped the slot, whose process was still the dead one: the new worker served with the
+    rules the reload had replaced, until the next reload."""
+    rules: list[list[dict[str, list[str]]] | None] = [None]
+    new = [{"subjects": ["router-b"]}]
+    built = 0
+
+    def reload() -> None:
+        rules[0] = new
+        sup.broadcast("AUTHZ " + json.dumps(new))
+
+    def spec(index: int) -> WorkerSpec:
+        nonlocal built
+        built += 1
+        if built == 2:  # the restart's: the reload comes while its process starts
+            asyncio.get_running_loop().call_soon(reload)
+        return WorkerSpec(index=index, upstream="unix:/nowhere", host="127.0.0.1", port=1,
+                          authorization=rules[0])  # fmt: skip
+
+    env = dict(os.environ, KVR_DIR=str(tmp_path))
+    sup = Supervisor(spec, 1, argv=[sys.executable, "-c", RULES_FAKE], env=env)
+    await sup.start()
+    try:
+        [first] = sup.pids
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        await _eventually(lambda: sup.restarts == 1 and sup.alive == 1, timeout=scaled(10))
+        [pid] = sup.pids
+        held = tmp_path / f"{pid}.rules"
+
+        def current() -> object:
+            return json.loads(held.read_text()) if held.exists() else "none yet"
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + scaled(5)
+        while current() != new and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        assert current() == new, f"the restarted worker holds {current()}"
+    finally:
+        await sup.stop(5.0)
+
+
+# Says READY, then writes a report over STATS_LINE_MAX every 0.25 s.
+OVERSIZED_FAKE = r"""
+import sys, time
+sys.stdin.readline()
+print("READY 1234", flush=True)
+line = "STATS {\"pad\": \"" + "x" * (9 << 19) + "\"}\n"
+while True:
+    sys.stdout.write(line)
+    sys.stdout.flush()
+    time.sleep(0.25)
+"""
+
+
+async def test_a_worker_whose_reports_outgrow_the_line_bound_is_not_taken_for_hung(
+    tmp_path: Path,
+) -> None:
+    """Every report is over ``STATS_LINE_MAX`` (a worker mirroring tens of thousands of pools):
+    each is dropped, but the worker wrote it, so it is not silent. Before, it was killed as hung
+    every ``hang_s`` (a crash loop of a healthy worker, its routers' streams cut each time)."""
+    def spec(index: int) -> WorkerSpec:
+        return WorkerSpec(index=index, upstream="unix:/nowhere", host="127.0.0.1", port=1)
+
+    sup = Supervisor(spec, 1, argv=[sys.executable, "-c", OVERSIZED_FAKE])
+    sup.hang_s = 1.5
+    await sup.start()
+    try:
+        await asyncio.sleep(2.5)
+        assert (sup.hung, sup.restarts) == (0, 0)
+    finally:
+        await sup.stop(5.0)

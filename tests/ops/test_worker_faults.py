@@ -1,5 +1,6 @@
 """A fan-out worker process (``python -m kvrelay.ops.worker``) in front of a relay, under the
-faults a ``workers = N`` daemon meets: signals meant for the daemon, an upstream that goes away.
+faults a ``workers = N`` daemon meets: signals meant for the daemon, an upstream that goes away,
+the daemon itself killed outright.
 
 Oracles: the worker process itself (alive, its exit code) and what a client on its port reads
 (``GetRelayInfo``, ``grpc.health.v1``), against a relay run in this process.
@@ -12,6 +13,7 @@ import contextlib
 import signal
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from grpclib.client import Channel
 from grpclib.const import Cardinality
@@ -130,4 +132,63 @@ async def test_a_workers_health_follows_its_upstream_session() -> None:
             await again.close(grace_s=1.0)
         await server.close(grace_s=1.0)
         await stop_relay(relay)
+        await engine.stop()
+
+
+def _runs(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped yet has exited)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+async def test_workers_of_a_daemon_killed_outright_end_their_streams_and_exit(
+    tmp_path: Path,
+) -> None:
+    """The daemon (the supervisor, holding the exact state) is killed with SIGKILL while routers
+    are subscribed through both of its workers: every router stream ends with a status, never a
+    clean end of a state nobody vouches for any more, and every worker exits (stdin closed, no
+    upstream), so no orphan keeps the port: it refuses new connections."""
+    from tests.ops.test_daemon import _config
+    from tests.ops.test_workers import _consumer, _grpc_port, _serve_notified, _workers
+
+    engine = SimEngine(SimConfig(name="wf1", seed=43, capacity_blocks=64))
+    await engine.start()
+    assert engine.grpc_port is not None
+    cfg = _config(tmp_path / "kvrelay.toml", engine.grpc_port, extra="workers = 3\n")
+    proc, notes, _runtime = await _serve_notified(tmp_path, cfg)
+    channels: list[Channel] = []
+    try:
+        port = _grpc_port(await notes.wait_for("READY=1", timeout=120))
+        workers = _workers(proc.pid)
+        assert len(workers) == 2
+        channels = [Channel("127.0.0.1", port) for _ in range(4)]
+        consumers = [await _consumer(ch) for ch in channels]
+        await engine.step(4)
+        proc.kill()
+        await proc.wait()
+        for c in consumers:
+            end = await c.wait_end(timeout=30)
+            assert end.status is not None, "a stream ended OK with nobody vouching for it"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + scaled(20)
+        while any(_runs(w) for w in workers):
+            assert loop.time() < deadline, "a worker outlived its supervisor"
+            await asyncio.sleep(0.1)
+        try:
+            _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except ConnectionRefusedError:
+            pass
+        else:
+            writer.close()
+            raise AssertionError("the port still accepts with every process gone")
+    finally:
+        for ch in channels:
+            ch.close()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await notes.close()
         await engine.stop()
