@@ -31,20 +31,29 @@ the pool is unpublished; a member its engine can vouch for resumes without a reb
 replays interleave across members in another order than the model applied them, and a cuckoo
 filter's layout depends on that order: its entries must match, then the model takes its layout.
 
+Replay faults (``run_fault_seed``, ``FAULTS``): the same traffic over replay endpoints that keep
+1 to 6 batches (a gap's or a restart's history evicted: the model resets the member and applies
+what the buffer still holds, from its state before the step), replies held or paused midway
+while live batches and new holes arrive, and replies held past the replay timeout (the member
+resets and goes on from the live batches buffered meanwhile, §16.5 3. and 6.).
+
 Long run: ``KVRELAY_DIFF_SEEDS=100:400 [KVRELAY_DIFF_CASES=sglang,options]
-[KVRELAY_DIFF_STEPS=150]`` (about 1.8 s a seed in connect mode, 0.7 s static and with resumes).
+[KVRELAY_DIFF_STEPS=150] [KVRELAY_DIFF_FAULTS=short,slow]`` (about 1.8 s a seed in connect mode,
+0.7 s static and with resumes, 1.3 s with replay faults; a replay down costs 2 s more).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import os
 import random
 import socket
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,6 +159,8 @@ class Member:
     removed: list[int] = field(default_factory=list)
     live_sent: int = 0  # live messages published (the relay has read them all once settled)
     incarnation: int = 0  # the engine's restarts so far (a saved cursor of another is not vouched)
+    #: what the engine's replay buffer holds, as the model reads it: (seq, events, rank sent)
+    hist: deque[tuple[int, list[dict[str, Any]], int | None]] = field(default_factory=deque)
 
     @property
     def key(self) -> SourceKey:
@@ -400,6 +411,7 @@ class Harness:
             payload = W.batch(wire, dp=rank, ts=time.time())  # type: ignore[arg-type]
         live = live and not self.down
         seq = await m.pub.publish(payload, live=live)
+        m.hist.append((seq, seen, rank))  # type: ignore[arg-type]
         m.live_sent += live
         self.log.append(f"{m.engine}/{m.rank} seq={seq} live={live} dp={rank} {_brief(seen)}")
         if rank is None or rank == m.rank:
@@ -415,6 +427,24 @@ class Harness:
     def reset(self, m: Member) -> None:
         self.model.clear(self.index(m), Counts())
         m.ref = self.gen.case.ref()
+
+    def save(self) -> tuple[RefPool, list[Ref]]:
+        """The model as it is, for ``rebuild``."""
+        return copy.deepcopy((self.model, [m.ref for m in self.members]))
+
+    def rebuild(self, m: Member, saved: tuple[RefPool, list[Ref]], since: int = 0) -> None:
+        """From the model ``saved`` before the step: reset, then every batch the engine's replay
+        buffer still holds (§16.3: a replay whose history was evicted gives what is left,
+        §16.5 2.). Not on top of the step's batches applied and cleared: the relay never applied
+        them, and the filter's layout remembers every insert and kick. ``since``: only the
+        batches from that sequence on (the live stream's, after a replay that failed)."""
+        self.model = copy.deepcopy(saved[0])
+        for x, ref in zip(self.members, saved[1], strict=True):
+            x.ref = copy.deepcopy(ref)
+        self.reset(m)
+        for seq, seen, rank in m.hist:
+            if seq >= since and (rank is None or rank == m.rank):
+                self.apply(m, seen)
 
     async def settle(self, m: Member) -> None:
         """Until the relay applied everything ``m`` published (its replay included)."""
@@ -461,10 +491,12 @@ class Harness:
 
 @contextlib.asynccontextmanager
 async def harness(
-    seed: int, case: Case = Case(), state_dir: str | None = None
-) -> AsyncIterator[Harness]:
+    seed: int, case: Case = Case(), state_dir: str | None = None,
+    keeps: tuple[int, ...] | None = None,
+) -> AsyncIterator[Harness]:  # fmt: skip
     """``state_dir``: the relay saves its state there (a clean stop, ``checkpoint_now``), and
-    each publisher reports every subscription (a relay started again subscribes again)."""
+    each publisher reports every subscription (a relay started again subscribes again).
+    ``keeps``: each member's replay buffer, in batches (default 10,000)."""
     ctx = zmq.asyncio.Context()
     sgl = case.kind == "sglang"
     members: list[Member] = []
@@ -476,8 +508,9 @@ async def harness(
             made = []
             try:
                 for r in RANKS:
+                    keep = 10_000 if keeps is None else keeps[len(members) + r]
                     made.append(TestPublisher(ctx, topic=TOPIC, port=base + r,
-                                              replay_port=rbase + r,
+                                              replay_port=rbase + r, keep=keep,
                                               reply_shape=3 if sgl else 4))  # fmt: skip
             except zmq.ZMQError:
                 for p in made:
@@ -485,7 +518,8 @@ async def harness(
                 continue
             break
         assert len(made) == len(RANKS), "no free ports for the publishers"
-        members += [Member(name, r, p, case.ref()) for r, p in zip(RANKS, made, strict=True)]
+        members += [Member(name, r, p, case.ref(), hist=deque(maxlen=p.history.maxlen))
+                    for r, p in zip(RANKS, made, strict=True)]  # fmt: skip
         kind = EngineKind.SGLANG if sgl else EngineKind.VLLM
         specs.append(EngineSpec(name=name, kind=kind, static=StaticSourceConfig(
             endpoint=f"tcp://127.0.0.1:{base}", replay_endpoint=f"tcp://127.0.0.1:{rbase}",
@@ -555,6 +589,7 @@ async def _engine_restart(h: Harness, m: Member) -> str:
     old_next = m.pub.seq
     assert isinstance(m.pub, TestPublisher)
     m.pub.restart()
+    m.hist.clear()
     m.incarnation += 1
     h.reset(m)
     epoch = EPOCH_MARKER in m.pub.topic
@@ -661,6 +696,173 @@ async def test_random_traffic_many_seeds(name: str) -> None:
     steps = int(os.environ.get("KVRELAY_DIFF_STEPS", "150"))
     for seed in range(lo, hi):
         await run_seed(seed, steps, client=seed % 4 == 0, case=CASES[name])
+
+
+# ---- replay endpoints that misbehave (§16.3, §16.5): evicted history, held and late replies ------
+
+
+@dataclass(frozen=True)
+class Faults:
+    """What the engines' replay endpoints do wrong in a run (``run_fault_seed``)."""
+
+    short: bool = False  # replay buffers of 1 to 6 batches: a gap's history may be evicted
+    slow: bool = False  # a gap's reply held (or paused midway) while live batches and holes come
+    down: float = 0.0  # the chance a step's gap reply is held past the replay timeout (2 s)
+
+
+FAULTS = {
+    "short": Faults(short=True),
+    "slow": Faults(slow=True),
+    "short-slow": Faults(short=True, slow=True),
+    "down": Faults(short=True, slow=True, down=0.01),
+}
+
+
+def _need(before: int) -> int:
+    """The sequence a gap's replay must still hold for the member to be vouched (§16.5 7.): the
+    last batch applied (``before - 1``); with none yet in this incarnation, the first one."""
+    return max(before - 1, 0)
+
+
+def _evicted(m: Member, need: int) -> bool:
+    return not m.hist or m.hist[0][0] > need
+
+
+async def _requested(h: Harness, m: Member, asked: int) -> None:
+    """Until ``m``'s replay endpoint received a request past the first ``asked``."""
+    pub = m.pub
+    assert isinstance(pub, TestPublisher)
+    deadline = time.monotonic() + scaled(10)
+    while len(pub.requests) <= asked:
+        assert time.monotonic() < deadline, "the relay never asked for the gap's replay:\n  " + (
+            "\n  ".join(h.log[-6:])
+        )
+        await asyncio.sleep(0.003)
+
+
+async def _more_while_held(h: Harness, m: Member, r: random.Random, holes: bool) -> None:
+    """Live batches (some of another rank or none) and new holes while a reply is held."""
+    for _ in range(r.randrange(0, 4)):
+        for _ in range(r.choice((0, 0, 0, 1, 2)) if holes else 0):
+            await h.publish(m, h.gen.events(m, h.held(m)), live=False)
+        await h.publish(m, h.gen.events(m, h.held(m)),
+                        dp=r.choice(("own",) * 4 + (None, 1 - m.rank)))  # fmt: skip
+    await asyncio.sleep(r.choice((0.0, 0.005, 0.03)))
+
+
+async def _held_gap(h: Harness, m: Member, r: random.Random, *, down: bool) -> str:
+    """A gap whose reply is held until more live batches (and holes) arrived: the reply sent
+    whole once released, or paused after some batches (full buffers only: where a paused reply
+    leaves the relay is its own business). ``down``: held past the replay timeout, a replay
+    failure handled as a hole that could not be filled (§16.5 3., 6.): the member resets and
+    goes on from the first live batch buffered (no new holes then: each would ask again)."""
+    pub = m.pub
+    assert isinstance(pub, TestPublisher)
+    before, asked, saved = pub.seq, len(pub.requests), h.save()
+    pause = not down and pub.history.maxlen == 10_000 and r.random() < 0.5
+    if pause:
+        pub.pause_after = r.randrange(0, 3)
+        pub.mid.clear()
+    else:
+        pub.gate.clear()
+    try:
+        for _ in range(r.randrange(1, 4)):
+            await h.publish(m, h.gen.events(m, h.held(m)), live=False)
+        live = pub.seq
+        await h.publish(m, h.gen.events(m, h.held(m)))
+        await _requested(h, m, asked)
+        if down:
+            sub = h.runtime.subscribers[m.key]
+            failed = sub.counters.replay_failures
+            deadline = time.monotonic() + scaled(10)
+            while sub.counters.replay_failures == failed:
+                assert time.monotonic() < deadline, "the held reply never timed out"
+                await asyncio.sleep(0.01)
+        await _more_while_held(h, m, r, holes=not down)
+    finally:
+        pub.gate.set()
+        pub.mid.set()
+        pub.pause_after = None
+    if down:
+        h.log.append("-- replay down")
+        h.rebuild(m, saved, since=live)
+    elif _evicted(m, _need(before)):
+        h.rebuild(m, saved)
+    how = "down" if down else "paused" if pause else "held"
+    return f"gap, reply {how} (before {before}, keep {pub.history.maxlen})"
+
+
+async def run_fault_seed(seed: int, steps: int, faults: Faults, *, case: Case = Case(),
+                         client: bool = False) -> Harness:  # fmt: skip
+    """The static audit's traffic over replay endpoints that misbehave (``Faults``). The model
+    follows the engine's buffer: a replay that no longer holds the batch that vouches for the
+    member (or, with none applied, the first) resets it and rebuilds it from what is left."""
+    r = random.Random(seed * 6361 + 3)
+    keeps = tuple(r.randrange(1, 7) if faults.short and r.random() < 0.75 else 10_000
+                  for _ in range(len(ENGINES) * len(RANKS)))  # fmt: skip
+    gone: set[SourceKey] = set()  # members whose replay went down once
+    async with harness(seed, case, keeps=keeps) as h:
+        for step in range(steps):
+            q = r.random()
+            held = [x for x in h.members if x.key not in gone]
+            if faults.slow and q < 0.1 and held:
+                m = r.choice(held)
+                # (down: a full buffer, which still holds the live batches the relay goes on from)
+                full = isinstance(m.pub, TestPublisher) and m.pub.history.maxlen == 10_000
+                # (after a reply held past the timeout, the member's later held replies are
+                # left out: their requests never reached the test publisher's ROUTER in time,
+                # not understood yet)
+                down = r.random() < faults.down * 10 and m.pub.seq > 0 and full
+                down = down and m.key not in gone
+                gone.update({m.key} if down else ())
+                what = await _held_gap(h, m, r, down=down)
+            else:
+                before = {id(x): x.pub.seq for x in h.members}
+                saved = h.save() if faults.short else None
+                m, what = await _traffic(h, step)
+                # a gap is vouched for by its last batch applied; a restart replays from 0
+                need = _need(before[id(m)]) if what == "gap" else 0
+                replayed = what.split()[0] in ("gap", "restart")
+                if saved is not None and replayed and _evicted(m, need):
+                    h.rebuild(m, saved)
+            await h.settle(m)
+            h.check(f"step {step} ({what}, seed {seed}, faults)")
+        if client:
+            await _client_matches(h)
+        return h
+
+
+@pytest.mark.parametrize("name", ["short", "short-slow"])
+async def test_misbehaving_replays_match_the_reference_model(name: str) -> None:
+    """Replay buffers of a few batches (a gap's history evicted: missing history), replies held
+    or paused while live batches and new holes arrive."""
+    h = await run_fault_seed(9, 40, FAULTS[name])
+    assert h.checks == 40
+
+
+async def test_a_replay_down_past_its_timeout_matches_the_reference_model() -> None:
+    """Every held reply outlasts the replay timeout: the member resets and goes on from the
+    live batches it buffered meanwhile (about 2 s a fault)."""
+    h = await run_fault_seed(5, 20, Faults(slow=True, down=0.1))
+    assert h.checks == 20
+    assert "-- replay down" in h.log
+
+
+@pytest.mark.skipif(
+    not os.environ.get("KVRELAY_DIFF_SEEDS"), reason="long audit: KVRELAY_DIFF_SEEDS=first:end"
+)
+@pytest.mark.parametrize("name", list(FAULTS))
+async def test_misbehaving_replays_many_seeds(name: str) -> None:
+    """The replay-fault audit, as ``test_random_traffic_many_seeds`` (``KVRELAY_DIFF_FAULTS``
+    picks some of ``FAULTS``; ``KVRELAY_DIFF_CASES`` one case, ``vllm`` by default)."""
+    picked = os.environ.get("KVRELAY_DIFF_FAULTS")
+    if picked and name not in picked.split(","):
+        pytest.skip("not picked")
+    case = CASES[(os.environ.get("KVRELAY_DIFF_CASES") or "vllm").split(",")[0]]
+    lo, hi = (int(x) for x in os.environ["KVRELAY_DIFF_SEEDS"].split(":"))
+    steps = int(os.environ.get("KVRELAY_DIFF_STEPS", "150"))
+    for seed in range(lo, hi):
+        await run_fault_seed(seed, steps, FAULTS[name], case=case, client=seed % 4 == 0)
 
 
 # ---- resumes from saved state (docs/operations.md "State handover", "Checkpoints", hot upgrade) --
