@@ -812,7 +812,8 @@ class RelayServer:
         # budget window, is no rapid reset (``h2/guard.py``)
         held_resets = max(H2Budgets().max_held_resets, 2 * per_connection)
         self._server.h2_guard = (
-            H2Budgets(max_held_resets=held_resets), self.service.h2_counters
+            H2Budgets(max_held_resets=held_resets, max_open_streams=max(1024, per_connection)),
+            self.service.h2_counters,
         )
         self._server.max_concurrent_streams = per_connection
         self._server.connection_caps = ConnectionCaps(

@@ -22,8 +22,18 @@ streams long gone. Each stream still cost a new stream to open (``max_streams`` 
 Streams count when they open, however they end: a client that gets h2 itself to reset each
 stream (a stream ended, then DATA on it) is a rapid reset the RST_STREAM count never sees. Frames
 that carry nothing and ask nothing the relay needs (PRIORITY, an empty DATA frame that does not
-end its stream, an empty CONTINUATION, a frame type HTTP/2 does not define) have a budget of
-their own.
+end its stream, an empty CONTINUATION, a frame type HTTP/2 does not define, a PING or SETTINGS
+ACK) have a budget of their own. An ACK answers one of the relay's own keepalive PINGs or
+SETTINGS, a few per window; unbudgeted, a flood of them (1.5 million in 8 s from one
+connection) kept the relay's CPU busy for as long as it lasted, never closed nor counted.
+
+So does DATA or HEADERS on a stream the client has already ended (END_STREAM) or reset, or never
+opened below its newest one: h2 drops what it carries and answers each frame with RST_STREAM
+(STREAM_CLOSED). Nothing bounded them: one connection sending one-byte DATA frames on a closed
+stream, and reading nothing, kept a core busy and grew the relay by about 1 MiB a second of
+RST_STREAM frames queued for it, for as long as it went on. The guard knows the streams whose
+client side is open (at most ``max_open_streams``, oldest forgotten first: the server sets it
+from its stream limit per connection); a request's own frames never count.
 
 One read hands h2 at most ``MAX_FEED_BYTES``: a read of tiny frames (up to 256 KiB, thousands of
 frames) kept the one event loop for seconds. The rest waits for the next loop turn, the
@@ -80,10 +90,11 @@ class H2Budgets:
     max_held_resets: int = 4096  # RST_STREAM on streams held longer (at least 2 x the streams
     # a connection may hold: all of them cancelled, reopened and cancelled again in one window)
     max_streams: int = 2048  # streams opened (HEADERS on a new stream id)
-    max_empty_frames: int = 4096  # PRIORITY, empty DATA not ending a stream, ... (module doc)
+    max_empty_frames: int = 4096  # PRIORITY, empty DATA not ending a stream, ACKs (module doc)
     max_pings: int = 64  # PING without ACK
     max_settings: int = 64  # SETTINGS without ACK
     max_header_block_bytes: int = 65536  # one HEADERS + CONTINUATION sequence
+    max_open_streams: int = 1024  # streams whose client side the guard tracks as open
 
 
 @dataclass(slots=True)
@@ -115,6 +126,7 @@ class FrameGuard:
         "_held_resets",
         "_in_headers",
         "_last_stream",
+        "_open",
         "_pings",
         "_preface",
         "_recent",
@@ -145,6 +157,8 @@ class FrameGuard:
         #: their ids (bounded by the streams a window may open)
         self._recent: deque[tuple[float, int]] = deque()
         self._recent_ids: set[int] = set()
+        #: streams the client opened and has neither ended nor reset, oldest first (module doc)
+        self._open: dict[int, None] = {}
         self.tripped: str | None = None
 
     def feed(self, data: bytes) -> bool:
@@ -196,6 +210,14 @@ class FrameGuard:
                 self._forget_held(now)
                 self._recent.append((now, stream))
                 self._recent_ids.add(stream)
+                if not flags & END_STREAM:
+                    self._opened(stream)
+            elif stream not in self._open:
+                reason = self._empty_frame()  # on a closed stream: module doc
+                if reason is not None:
+                    return reason
+            elif flags & END_STREAM:
+                del self._open[stream]  # trailers end the request
             self._header_bytes = length
             self._in_headers = not flags & END_HEADERS
         elif kind == CONTINUATION and self._in_headers:
@@ -203,11 +225,18 @@ class FrameGuard:
             self._in_headers = not flags & END_HEADERS
             if not length:
                 return self._empty_frame()
-        elif kind == PRIORITY or kind > LAST_DEFINED or (
-            kind == DATA and not length and not flags & END_STREAM
-        ):
+        elif kind == DATA:
+            if stream in self._open:
+                if flags & END_STREAM:
+                    del self._open[stream]
+                elif not length:
+                    return self._empty_frame()
+            elif 0 < stream <= self._last_stream or (not length and not flags & END_STREAM):
+                return self._empty_frame()  # on a closed stream (module doc), or empty
+        elif kind == PRIORITY or kind > LAST_DEFINED:
             return self._empty_frame()
         elif kind == RST_STREAM:
+            self._open.pop(stream, None)
             self._forget_held(now)
             if 0 < stream <= self._last_stream and stream not in self._recent_ids:
                 self._held_resets += 1  # a stream held a while (or long gone): module doc
@@ -225,9 +254,18 @@ class FrameGuard:
             self._settings += 1
             if self._settings > b.max_settings:
                 return "settings_flood"
+        elif kind in (PING, SETTINGS):  # an ACK: the relay asked for one per PING or SETTINGS
+            return self._empty_frame()
         if kind in (HEADERS, CONTINUATION) and self._header_bytes > b.max_header_block_bytes:
             return "oversized_headers"
         return None
+
+    def _opened(self, stream: int) -> None:
+        """Track ``stream``'s client side as open, forgetting the oldest past the bound."""
+        opened = self._open
+        opened[stream] = None
+        if len(opened) > self._budgets.max_open_streams:
+            del opened[next(iter(opened))]
 
     def _forget_held(self, now: float) -> None:
         """Drop the streams opened ``held_stream_s`` ago or earlier from the recent ones."""

@@ -19,13 +19,16 @@ from grpclib.server import Server
 from h2.connection import ConnectionInputs, ConnectionState, H2Connection
 from h2.errors import ErrorCodes
 from h2.stream import StreamInputs, StreamState
+from hpack import Encoder
 
 __all__ = [
     "CANCEL",
     "CLASS_NEEDS",
     "DRAIN_NEEDS",
     "EARLY_END_STATE",
+    "ENCODER_NEEDS",
     "FEED_NEEDS",
+    "HPACK_ENCODER_NEEDS",
     "INSTANCE_NEEDS",
     "NO_ERROR",
     "PROTOCOL_NEEDS",
@@ -36,12 +39,15 @@ __all__ = [
     "SEND_DATA_STREAM_NOOP",
     "H2Protocol",
     "Parts",
+    "capped_encoder",
     "close_unstarted",
     "live_internals",
     "missing",
     "missing_in_classes",
     "missing_in_drain",
+    "missing_in_encoder",
     "missing_in_feed",
+    "missing_in_hpack_encoder",
     "missing_in_protocol",
     "stream_internals",
 ]
@@ -175,6 +181,66 @@ FEED_NEEDS: tuple[tuple[str, str], ...] = (
 def missing_in_feed(proto: Any) -> list[str]:
     """``where.attribute`` for each of ``FEED_NEEDS`` this connected server protocol lacks."""
     return _missing_on_connection(proto, FEED_NEEDS)
+
+
+#: What ``mend`` uses to bound the HPACK table of a connection's response headers: h2's
+#: ``encoder`` (an ``hpack.Encoder``, replaced by one whose table size is capped), ``where`` as
+#: in ``DRAIN_NEEDS``.
+ENCODER_NEEDS: tuple[tuple[str, str], ...] = (
+    ("proto", "connection"),
+    ("connection", "_connection"),
+    ("h2", "encoder"),
+)
+
+
+def missing_in_encoder(proto: Any) -> list[str]:
+    """``where.attribute`` for each of ``ENCODER_NEEDS`` this connected server protocol lacks."""
+    return _missing_on_connection(proto, ENCODER_NEEDS)
+
+
+#: What ``capped_encoder`` overrides and uses of an ``hpack.Encoder``: ``(where, attribute)`` with
+#: ``where`` the encoder (``encoder``) or its table (``table``). Without any of them h2's own
+#: encoder is kept.
+HPACK_ENCODER_NEEDS: tuple[tuple[str, str], ...] = (
+    ("encoder", "header_table_size"),
+    ("encoder", "header_table"),
+    ("encoder", "table_size_changes"),
+    ("table", "maxsize"),
+    ("table", "resized"),
+)
+
+
+def missing_in_hpack_encoder(encoder: Any) -> list[str]:
+    """``where.attribute`` for each of ``HPACK_ENCODER_NEEDS`` this encoder lacks."""
+    objects = {"encoder": encoder, "table": getattr(encoder, "header_table", None)}
+    return [f"{w}.{a}" for w, a in HPACK_ENCODER_NEEDS if not hasattr(objects[w], a)]
+
+
+class _CappedEncoder(Encoder):
+    """hpack's encoder with a table of at most ``limit`` bytes: h2 sets ``header_table_size``
+    to the client's setting, this takes the smaller of the two (RFC 7541 §4.2 lets an encoder
+    use less than its peer allows; the size change is announced as hpack announces any)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self._limit = limit
+
+    @property
+    def header_table_size(self) -> int:
+        return int(self.header_table.maxsize)
+
+    @header_table_size.setter
+    def header_table_size(self, value: int) -> None:
+        self.header_table.maxsize = min(int(value), self._limit)
+        if self.header_table.resized:
+            self.table_size_changes.append(self.header_table.maxsize)
+
+
+def capped_encoder(limit: int) -> Encoder | None:
+    """An HPACK encoder whose table never exceeds ``limit`` bytes, or None where the installed
+    hpack lacks what it uses (``HPACK_ENCODER_NEEDS``)."""
+    encoder = _CappedEncoder(limit)
+    return None if missing_in_hpack_encoder(encoder) else encoder
 
 
 #: What ``request.recv_request`` reads a request through (its ``where`` as above); without any

@@ -282,19 +282,31 @@ def _server_reset_streams(n: int, first: int) -> bytes:
     return b"".join(out)
 
 
-@pytest.mark.parametrize("reason", ["stream_flood", "empty_frames"])
-async def test_floods_the_reset_count_never_sees_are_closed(reason: str) -> None:
+@pytest.mark.parametrize(
+    "flood", ["stream_flood", "priority", "ping_ack", "settings_ack", "closed_stream"]
+)
+async def test_floods_the_reset_count_never_sees_are_closed(flood: str) -> None:
     """Streams h2 resets itself (rapid reset without a client RST_STREAM) and frames that carry
-    nothing (PRIORITY here) have budgets of their own: GOAWAY ENHANCE_YOUR_CALM, counted, and a
-    bystander is answered."""
+    nothing (PRIORITY, PING or SETTINGS ACKs the relay never asked for, one-byte DATA frames on
+    a stream the client already ended, each answered by h2 with RST_STREAM) have budgets of
+    their own: GOAWAY ENHANCE_YOUR_CALM, counted, and a bystander is answered."""
+    reason = "stream_flood" if flood == "stream_flood" else "empty_frames"
     server = RelayServer(MemRelayView())
     await server.start("127.0.0.1", 0)
     writer, got, pump = await _raw_connection(server.port)
     try:
-        if reason == "stream_flood":
+        empty = BUDGETS.max_empty_frames + 8
+        if flood == "stream_flood":
             burst = _server_reset_streams(BUDGETS.max_streams + 8, 1)
+        elif flood == "priority":
+            burst = _frame(0x2, 0, 1, b"\x00\x00\x00\x00\x10") * empty
+        elif flood == "closed_stream":
+            ended = _server_reset_streams(1, 1)[: -9]  # stream 1: HEADERS with END_STREAM
+            burst = ended + _frame(0x0, 0x0, 1, b"x") * empty
+        elif flood == "ping_ack":
+            burst = _frame(0x6, 0x1, 0, b"pingpong") * empty
         else:
-            burst = _frame(0x2, 0, 1, b"\x00\x00\x00\x00\x10") * (BUDGETS.max_empty_frames + 8)
+            burst = _frame(0x4, 0x1, 0) * empty
         writer.write(burst)
         await asyncio.wait_for(pump, 20)  # the relay closes the connection
         assert server.service.guard_stats()[2][reason] == 1
@@ -383,6 +395,35 @@ async def test_malformed_requests_and_unknown_frames_are_answered_not_logged(
     finally:
         pump.cancel()
         writer.close()
+        await server.close(grace_s=0.5)
+
+
+async def test_a_client_cannot_grow_the_response_header_table() -> None:
+    """A client advertises a 2 GiB HPACK table, then sends requests whose error replies quote
+    what it sent (a wrong ``contract_marker``): each ``grpc-message`` is new. The client's own
+    decoder table mirrors the relay's encoder table entry for entry; it stays within HTTP/2's
+    default 4 KiB, where it grew by every reply (about 190 bytes each, for the connection's
+    life, searched entry by entry on each later reply). Every reply is still read right."""
+    server = RelayServer(MemRelayView())
+    await server.start("127.0.0.1", 0)
+    c = await RawH2Client.connect(server.port, "127.0.0.2")
+    try:
+        c.h2.update_settings({h2.settings.SettingCodes.HEADER_TABLE_SIZE: 2**31 - 1})
+        c.flush()
+        streams = [
+            c.open("GetRelayInfo", bytes(pb.RelayInfoRequest(contract_marker=1000 + i)))
+            for i in range(60)
+        ]
+        for st in streams:
+            await asyncio.wait_for(st.ended.wait(), 20)
+        assert {st.status for st in streams} == {"9"}  # FAILED_PRECONDITION, each one read
+        assert len({st.message for st in streams}) == 60
+        table = c.h2.decoder.header_table
+        held = sum(32 + len(n) + len(v) for n, v in table.dynamic_entries)
+        assert held <= 4096, (held, len(table.dynamic_entries))
+        assert await _info(server.port) < 5.0
+    finally:
+        await c.close()
         await server.close(grace_s=0.5)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import grpclib.server
+import hpack
 from grpclib.client import Channel
 from grpclib.const import Cardinality, Handler
 from grpclib.encoding.base import CodecBase
@@ -24,7 +25,9 @@ from kvrelay.service.h2.closing import ClosingServer
 from kvrelay.service.h2.internals import (
     DRAIN_NEEDS,
     EARLY_END_STATE,
+    ENCODER_NEEDS,
     FEED_NEEDS,
+    HPACK_ENCODER_NEEDS,
     INSTANCE_NEEDS,
     NO_ERROR,
     PROTOCOL_NEEDS,
@@ -32,10 +35,13 @@ from kvrelay.service.h2.internals import (
     SEND_DATA_CONNECTION_NOOP,
     SEND_DATA_STREAM,
     SEND_DATA_STREAM_NOOP,
+    capped_encoder,
     missing,
     missing_in_classes,
     missing_in_drain,
+    missing_in_encoder,
     missing_in_feed,
+    missing_in_hpack_encoder,
     missing_in_protocol,
     stream_internals,
 )
@@ -127,7 +133,7 @@ async def test_a_server_protocol_has_what_releasing_cancelled_streams_uses() -> 
 async def test_a_connected_server_protocol_has_what_the_drain_notice_and_mend_use() -> None:
     """``drain.DrainNotice``: the connection's transport and flush, h2's outbound buffer and
     the highest stream id it received; ``mend``: the connection's ``feed`` and h2's
-    ``data_to_send``; on a real connection after a call."""
+    ``data_to_send`` and h2's HPACK ``encoder``; on a real connection after a call."""
     server = ClosingServer([_Probe()], codec=_Raw())
     await server.start("127.0.0.1", 0)
     port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
@@ -143,6 +149,9 @@ async def test_a_connected_server_protocol_has_what_the_drain_notice_and_mend_us
         assert missing_in_drain(object()) == [f"{w}.{a}" for w, a in DRAIN_NEEDS]
         assert missing_in_feed(proto) == []
         assert missing_in_feed(object()) == [f"{w}.{a}" for w, a in FEED_NEEDS]
+        assert missing_in_encoder(proto) == []
+        assert isinstance(proto.connection._connection.encoder, hpack.Encoder)
+        assert missing_in_encoder(object()) == [f"{w}.{a}" for w, a in ENCODER_NEEDS]
     finally:
         ch.close()
         server.close()
@@ -283,3 +292,17 @@ def test_no_module_outside_service_h2_imports_h2_or_grpclib_internals() -> None:
                     continue
                 bad.append(f"{'/'.join(rel)} imports {mod}")
     assert not bad, "\n".join(bad)
+
+
+def test_hpack_encoders_have_what_the_capped_encoder_uses() -> None:
+    """``capped_encoder`` overrides ``header_table_size`` and uses the table's ``maxsize`` and
+    ``resized`` and the encoder's ``table_size_changes``: on the installed hpack each is there,
+    and a size over the cap is held to it (announced once), a smaller one honoured."""
+    assert missing_in_hpack_encoder(hpack.Encoder()) == []
+    assert missing_in_hpack_encoder(object()) == [f"{w}.{a}" for w, a in HPACK_ENCODER_NEEDS]
+    encoder = capped_encoder(4096)
+    assert encoder is not None
+    encoder.header_table_size = 1 << 31
+    assert encoder.header_table_size == 4096 and encoder.header_table.maxsize == 4096
+    encoder.header_table_size = 1024
+    assert encoder.header_table_size == 1024 and encoder.table_size_changes == [1024]
