@@ -63,6 +63,7 @@ class _Relay:
         return RelayStats(
             "dc", 1, 1, 1, 1, 1, 1, 1, 64, 0, {("ns/backend/generate", "bad_lora"): 1}, 1, 1,
             (pool,), {"restored": 1}, {"saved": 1}, window_errors={("load", "window"): 1},
+            checkpoint_unix={pool.name: 1.0}, scrub_last={pool.name: (1.0, True)},
         )
 
 

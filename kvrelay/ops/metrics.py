@@ -384,11 +384,13 @@ def guard_families(svc: object) -> Iterator[Metric]:
         ":method or :path (malformed_headers), streams whose request never came "
         "(request_timeout), and requests refused because the requests being read held "
         "max_request_bytes_in_flight (request_bytes), and streams ended to make room past "
-        "max_pending_requests streams waiting for their request (request_evicted).",
+        "max_pending_requests streams waiting for their request (request_evicted); and "
+        "requests answered before any handler: not gRPC (not_grpc: HTTP 405, 415 or 400) or "
+        "for a method the relay does not serve (unknown_method: UNIMPLEMENTED).",
         labels=["reason"],
     )  # fmt: skip
     for reason in (*ABUSE_REASONS, "protocol_error", "malformed_headers", "request_timeout",
-                   "request_bytes", "request_evicted"):  # fmt: skip
+                   "request_bytes", "request_evicted", "not_grpc", "unknown_method"):  # fmt: skip
         abuse.add_metric([reason], h2.get(reason, 0))
     yield abuse
     authz = getattr(svc, "authz_stats", None)

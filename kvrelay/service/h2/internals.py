@@ -122,6 +122,7 @@ INSTANCE_NEEDS: tuple[tuple[str, str], ...] = (
 PROTOCOL_NEEDS: tuple[tuple[str, str], ...] = (
     ("proto", "handler"),
     ("handler", "accept"),
+    ("handler", "mapping"),  # mend: count requests for a method not served
     ("handler", "_tasks"),
     ("handler", "close"),
 )

@@ -33,6 +33,9 @@
   encode (1 ms at 10,000 entries, 6 ms at 100,000, on the one event loop). RFC 7541 §4.2 lets
   an encoder use less than the peer allows: the table is held to ``RESPONSE_HEADER_TABLE_BYTES``
   (HTTP/2's default, 4 KiB) whatever the client advertises; a smaller size is still honoured.
+* **Requests grpclib answers itself** (not gRPC: HTTP 405, 415 or 400; a method the relay
+  does not serve: ``UNIMPLEMENTED``) were counted nowhere; they are now (``not_grpc``,
+  ``unknown_method``), grpclib's answers unchanged.
 * **A call's ``grpc-encoding``.** grpclib keeps no ``grpc-*`` request header where a handler can
   see it; the relay's request reader needs it to inflate a compressed request
   (``request.py``). Each accepted stream's is noted (``request.note_request_encoding``).
@@ -97,6 +100,9 @@ def mend_protocol(proto: H2Protocol, counters: H2Counters) -> None:
                 stream.reset_nowait(ErrorCodes.PROTOCOL_ERROR)
             release_once()
             return
+        unserved = _unserved(headers, handler.mapping)
+        if unserved is not None:  # (grpclib answers it, as before)
+            counters.count(unserved)
         note_request_encoding(stream, headers)  # (the ``stream._stream`` its reader reads)
         accept(stream, headers, release_once)
         task = handler._tasks.get(stream)  # (grpclib replaces the dict every 10 streams)
@@ -154,6 +160,24 @@ def _tell_connection_errors(conn: Any, transport: Any, counters: H2Counters) -> 
             raise
 
     conn.feed = feed_told
+
+
+def _unserved(headers: Any, mapping: Any) -> str | None:
+    """Why grpclib answers this request itself, before any handler, or None: ``not_grpc`` (not
+    a POST, not a gRPC protobuf content type, no ``te: trailers``: HTTP 405, 415, 400) or
+    ``unknown_method`` (a path the relay does not serve: ``UNIMPLEMENTED``). Counted so that a
+    misconfigured or probing client shows in the metrics, not only in its own errors."""
+    found: dict[Any, Any] = dict(headers)
+    content_type = str(found.get("content-type", ""))
+    base, _, subtype = content_type.partition("+")
+    if (
+        found.get(":method") != "POST"
+        or base != "application/grpc"
+        or subtype not in ("", "proto")
+        or found.get("te") != "trailers"
+    ):
+        return "not_grpc"
+    return "unknown_method" if found.get(":path") not in mapping else None
 
 
 def _without_empty(process: Callable[[Any], None]) -> Callable[[Any], None]:

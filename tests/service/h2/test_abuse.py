@@ -30,7 +30,7 @@ from kvrelay.ops.tls import client_ssl_context, server_ssl_context
 from kvrelay.service.h2.guard import ENHANCE_YOUR_CALM, H2Budgets, goaway
 from kvrelay.service.h2.request import MAX_REQUEST_BYTES
 from kvrelay.service.server import RelayServer
-from tests.support.h2_client import RawH2Client, plane_request
+from tests.support.h2_client import RawH2Client, RawStream, plane_request
 from tests.support.mem_relay import MemRelayView
 
 BUDGETS = H2Budgets()
@@ -960,4 +960,37 @@ async def test_a_flood_of_resets_on_streams_long_gone_is_closed() -> None:
         assert goaway(1) in bytes(got)  # ENHANCE_YOUR_CALM
     finally:
         writer.close()
+        await server.close(grace_s=0.5)
+
+
+async def test_requests_grpclib_answers_itself_are_counted() -> None:
+    """A request that is not gRPC (a GET: HTTP 405; a JSON content type: 415) and one for a
+    method the relay does not serve (``UNIMPLEMENTED``) are answered as before and counted
+    (``not_grpc``, ``unknown_method``); a served method (health) counts nothing."""
+    server = RelayServer(MemRelayView())
+    await server.start("127.0.0.1", 0)
+    c = await RawH2Client.connect(server.port)
+    try:
+        base = [(":scheme", "http"), (":authority", "relay")]
+        get = c.h2.get_next_available_stream_id()
+        c.h2.send_headers(get, [(":method", "GET"), (":path", "/"), *base, ("te", "trailers")],
+                          end_stream=True)  # fmt: skip
+        c.streams[get] = RawStream()
+        json = c.h2.get_next_available_stream_id()
+        c.h2.send_headers(json, [(":method", "POST"), (":path", "/grpc.health.v1.Health/Check"),
+                                 *base, ("content-type", "application/json"), ("te", "trailers")],
+                          end_stream=True)  # fmt: skip
+        c.streams[json] = RawStream()
+        c.flush()
+        unknown = c.open("/dynamo.kvrelay.v1.KvEventRelay/NoSuchMethod", b"")
+        health = c.open("/grpc.health.v1.Health/Check", b"")
+        for st in (c.streams[get], c.streams[json], unknown, health):
+            await asyncio.wait_for(st.ended.wait(), 10)
+        assert c.streams[get].headers.get(":status") == "405"
+        assert c.streams[json].headers.get(":status") == "415"
+        assert unknown.status == "12" and health.status == "0"  # UNIMPLEMENTED; OK
+        closed = server.service.guard_stats()[2]
+        assert (closed.get("not_grpc"), closed.get("unknown_method")) == (2, 1)
+    finally:
+        await c.close()
         await server.close(grace_s=0.5)

@@ -1,0 +1,49 @@
+"""docs/operations.md, "Validation": the example output is what `check-config` prints for one
+file, and the page names as many kinds of warning as the validation can give (it said three
+while a mirror's plaintext upstream made a fourth)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import kvrelay
+from kvrelay.ops.config import check_file
+
+ROOT = Path(kvrelay.__file__).resolve().parent
+DOC = ROOT.parent / "docs" / "operations.md"
+NUMBERS = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7}
+
+
+def _validation() -> str:
+    return DOC.read_text().split("### Validation", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_example_problems_are_what_check_config_prints(tmp_path: Path) -> None:
+    key = tmp_path / "relay.key"
+    key.write_text("")
+    config = tmp_path / "kvrelay.toml"
+    config.write_text(
+        '[relay]\ndc_name = "dc-west-1"\nbind = "0.0.0.0:50161"\ndiscovery_interval = 3\n\n'
+        '[[pools]]\nnamespace = "dynamo"\ncomponent = "backend"\nendpoint = "generate"\n'
+        '[[pools.engines]]\nname = "e0"\ngrpc_port = 50051\n'
+        '[[pools.engines]]\nname = "e0"\nhost = "10.0.0.2"\n\n'
+        f'[tls]\nkey = "{key}"\n'
+    )
+    cfg, problems = check_file(config, env={})
+    assert cfg is None
+    documented = _validation().split("```\n", 2)[1].split("```", 1)[0].splitlines()
+    assert [str(p) for p in problems] == documented
+
+
+def test_the_page_counts_every_kind_of_warning() -> None:
+    tree = ast.parse((ROOT / "ops" / "config.py").read_text())
+    sites = sum(
+        1 for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "warn"
+    )  # fmt: skip
+    said = re.search(r"There are (\w+):", _validation())
+    assert said is not None
+    assert NUMBERS[said.group(1)] == sites, f"config.py warns at {sites} places"
