@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from grpclib.client import Channel
 from grpclib.const import Status
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
@@ -190,9 +191,10 @@ class RelayConnection:
                 got += 1
                 backoff.live()
 
+            channel = self.channel
             try:
                 end = await rpc.run_stream(
-                    self.channel, "WatchKvPoolCatalog",
+                    channel, "WatchKvPoolCatalog",
                     rpc.catalog_request(self.config.subscriber_id), pb.KvPoolCatalogUpdate, on,
                     first_message_s=self.config.silence_s,
                 )  # fmt: skip
@@ -205,10 +207,24 @@ class RelayConnection:
             if end.reason in (E.EOF, E.CONNECTION):
                 # The relay is going away (or gone): reconnect from scratch rather than reuse an
                 # HTTP/2 connection a stopping server may still accept streams on.
-                self._reset_channel()
+                self._reset_channel(channel)
+            elif not got:
+                self._leave_if_dead(channel, end)
             delay = backoff.next_delay()
 
-    def _reset_channel(self) -> None:
+    def _leave_if_dead(self, channel: Channel, end: rpc.StreamEnd) -> None:
+        """The catalog's first message never came and nothing else arrived on its channel for
+        the silence limit: the connection carries nothing (a black-holed path), a new one. (A
+        plane with long windows may keep a healthy channel quieter than that.)"""
+        if rpc.channel_dead(channel, end, self.config.silence_s):
+            self.counters["channel_silent"] += 1
+            self._reset_channel(channel)
+
+    def _reset_channel(self, used: Channel) -> None:
+        """A fresh channel, unless ``used`` was already replaced (its streams all end at once:
+        the first one replaces it, not each)."""
+        if used is not self.channel:
+            return
         self.counters["channel_resets"] += 1
         old = self.channel
         self.channel = rpc.open_channel(self.address, self.ssl, self.config.max_message_bytes)
@@ -308,9 +324,10 @@ class RelayConnection:
                         backoff.live()  # live from its install
                         self._notify()
 
+                channel = self.channel
                 try:
                     end = await rpc.run_stream(
-                        self.channel, "SubscribeKvPool",
+                        channel, "SubscribeKvPool",
                         rpc.pool_request(self.config.subscriber_id, slot.descriptor.producer),
                         pb.FilterUpdate, on, silence_s=self.config.silence_s,
                     )  # fmt: skip
@@ -362,9 +379,10 @@ class RelayConnection:
             def quiet(base: float = silence_s or 0.0) -> float:
                 return max(base, 3 * window_s)  # long windows: as their updates say, at once
 
+            channel = self.channel
             try:
                 end = await rpc.run_stream(
-                    self.channel, method, request, reply, on,
+                    channel, method, request, reply, on,
                     silence_s=None if silence_s is None else quiet,
                 )  # fmt: skip
             except E.ConsumerViolation as v:

@@ -153,13 +153,16 @@ class _ChannelActivity:
     silence clock therefore runs from the channel's last message until its own first one, and
     never past ``FIRST_MESSAGE_FACTOR`` × its ``silence_s`` from its start."""
 
-    __slots__ = ("waiting",)
+    __slots__ = ("last", "waiting")
 
     def __init__(self) -> None:
         #: clock → (its silence_s, the latest its first message may come)
         self.waiting: dict[asyncio.Timeout, tuple[float, float]] = {}
+        #: when the channel's last message came (from its first stream's start on)
+        self.last = time.monotonic()
 
     def message(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.last = time.monotonic()
         if self.waiting:
             now = loop.time()
             for clock, (silence_s, last) in self.waiting.items():
@@ -175,6 +178,17 @@ def _activity(channel: Channel) -> _ChannelActivity:
     if found is None:
         found = _ACTIVITY[channel] = _ChannelActivity()
     return found
+
+
+def channel_dead(channel: Channel, end: StreamEnd, silence_s: float) -> bool:
+    """A stream that ended ``silent`` on a channel that received nothing, on any of its
+    streams, for ``silence_s``: its connection carries nothing (a black-holed or stalled path
+    keeps TCP up) and is replaced; streams opened on it again would go silent in turn until
+    grpclib's keepalive closes it (a ping 20 s in, then at most one per 300 s)."""
+    if end.reason != E.SILENT:
+        return False
+    found = _ACTIVITY.get(channel)
+    return found is None or time.monotonic() - found.last >= silence_s
 
 
 def end_from_error(err: GRPCError, trailers: Any, messages: int) -> StreamEnd:
