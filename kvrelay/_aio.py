@@ -51,10 +51,27 @@ async def bounded(aw: Awaitable[T], timeout: float) -> T:
     then logs "Task exception was never retrieved", with a traceback, for something already
     handled. Here the inner task reads its own outcome when it ends. The caller sees exactly
     what ``wait_for`` gives it: the result, the error, ``TimeoutError`` or its own cancellation.
+
+    And the other way round: when the inner call ends and the caller is cancelled in the same
+    loop turn, 3.11's ``wait_for`` returns the result (or the error) and drops the
+    cancellation (a client that sends its request and resets the stream in one write: the
+    handler went on to a stream already gone, and grpclib logged "Failed to handle
+    cancellation" at ERROR). The cancellation is still counted on the caller's task
+    (``cancelling``), so it is raised here.
     """
+    caller = asyncio.current_task()
+    asked = 0 if caller is None else caller.cancelling()
     task = asyncio.ensure_future(aw)
     task.add_done_callback(_read_outcome)
-    return await asyncio.wait_for(task, timeout)
+    try:
+        result = await asyncio.wait_for(task, timeout)
+    except Exception:
+        if caller is not None and caller.cancelling() > asked:
+            raise asyncio.CancelledError from None
+        raise
+    if caller is not None and caller.cancelling() > asked:
+        raise asyncio.CancelledError
+    return result
 
 
 def _read_outcome(task: asyncio.Future[Any]) -> None:

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvrelay._aio import cancel_all, cancel_and_wait
+from kvrelay._aio import bounded, cancel_all, cancel_and_wait
 
 
 async def _slow_to_cancel(started: asyncio.Event) -> None:
@@ -152,3 +152,22 @@ async def test_bounded_gives_what_wait_for_gives() -> None:
         await bounded(fails(), 1)
     with pytest.raises(TimeoutError):
         await bounded(asyncio.sleep(5), 0.01)
+
+
+async def test_bounded_keeps_a_cancellation_that_came_with_the_result() -> None:
+    """The inner call ends and the caller is cancelled in the same loop turn: 3.11's
+    ``wait_for`` returned the result and dropped the cancellation; ``bounded`` raises it."""
+    inner: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    caller = asyncio.create_task(bounded(inner, 5.0))
+    await asyncio.sleep(0)  # the caller waits in ``wait_for``
+    inner.set_result(1)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    failed: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    caller = asyncio.create_task(bounded(failed, 5.0))
+    await asyncio.sleep(0)
+    failed.set_exception(OSError("closed"))
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller

@@ -242,7 +242,9 @@ async def recv_within(
     ``request_timeout``), is INVALID_ARGUMENT / INVALID_REQUEST. With ``guards`` the wait holds
     a place among the port's waiting streams, and one that is ended to make room is
     RESOURCE_EXHAUSTED / RESOURCE_LIMIT (counted as ``request_evicted``); one ended by the
-    drain (``PendingRequests.end_all``) raises the error it was ended with."""
+    drain (``PendingRequests.end_all``) raises the error it was ended with. A call cancelled
+    while it waited (its client's reset, its deadline, the server's close) raises
+    ``CancelledError``, also when its request arrived in the same loop turn (``bounded``)."""
     read = asyncio.ensure_future(recv_request(stream, max_bytes, guards))
     if guards is None:
         return await _in_time(read, timeout_s, None)
