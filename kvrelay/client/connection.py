@@ -213,9 +213,10 @@ class RelayConnection:
             delay = backoff.next_delay()
 
     def _leave_if_dead(self, channel: Channel, end: rpc.StreamEnd) -> None:
-        """The catalog's first message never came and nothing else arrived on its channel for
-        the silence limit: the connection carries nothing (a black-holed path), a new one. (A
-        plane with long windows may keep a healthy channel quieter than that.)"""
+        """A stream that heartbeats (a pool's), or the catalog before its first message, ended
+        silent, and nothing else arrived on its channel for the silence limit: the connection
+        carries nothing (a black-holed path, one that died with TCP up), a new one. (Not for
+        the planes: one with long windows may keep a healthy channel quieter than that.)"""
         if rpc.channel_dead(channel, end, self.config.silence_s):
             self.counters["channel_silent"] += 1
             self._reset_channel(channel)
@@ -332,6 +333,10 @@ class RelayConnection:
                         pb.FilterUpdate, on, silence_s=self.config.silence_s,
                     )  # fmt: skip
                     reason = end.reason
+                    # its heartbeats stopped and nothing else came on the channel either: the
+                    # connection died with TCP up (streams opened on it again went silent in
+                    # turn until grpclib's keepalive closed it: minutes)
+                    self._leave_if_dead(channel, end)
                 except E.ConsumerViolation as v:
                     reason = v.reason
                     _log.warning("replica_violation", pool=str(slot.key), reason=v.reason,

@@ -442,6 +442,11 @@ class Mirror:
                     # the session's stream: a relay shutting down may still accept streams on
                     # its old connection, so every stream starts over on a fresh one
                     self.upstream.reset(channel)
+                elif is_catalog and not delivered and rpc.channel_dead(channel, end, first):
+                    # nothing came on the channel, on any stream, for as long: a black-holed
+                    # path keeps TCP up, and streams opened on it again went silent in turn
+                    # until grpclib's keepalive closed it (a ping 20 s in, then one per 300 s)
+                    self.upstream.reset(channel)
             plane.end(local, why)
             await asyncio.sleep(backoff.next_delay())
 

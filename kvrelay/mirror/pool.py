@@ -355,9 +355,15 @@ class MirrorPool:
         local: RelayError | None
         answer: RelayError | None = None
         try:
-            end, _channel = await ctx.upstream.stream(
-                "SubscribeKvPool", request, self._on_frame, silence_s=3 * self._heartbeat_s
+            silence_s = 3 * self._heartbeat_s
+            end, channel = await ctx.upstream.stream(
+                "SubscribeKvPool", request, self._on_frame, silence_s=silence_s
             )
+            if rpc.channel_dead(channel, end, silence_s):
+                # its heartbeats stopped and nothing else came on the channel either: the
+                # connection died with TCP up; streams opened on it again would go silent in
+                # turn until grpclib's keepalive closed it (minutes)
+                ctx.upstream.reset(channel)
         except Violation as v:
             self.violations[v.reason] += 1
             self.ends["violation"] += 1

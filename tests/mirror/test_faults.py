@@ -491,3 +491,78 @@ async def test_a_frozen_load_plane_is_silent_after_three_windows_whatever_the_he
             assert time.monotonic() - t0 < scaled(6.0)
     finally:
         await upstream.close(grace_s=1.0)
+
+
+async def test_a_mirror_leaves_a_black_holed_upstream_connection() -> None:
+    """The mirror's upstream connection is cut and its reconnection lands in a black hole
+    (accepted, never forwarded) until the network heals. Every stream on it went silent and
+    was opened again on the same dead connection until grpclib's keepalive closed it (a ping
+    20 s in, then one per 300 s): the mirror stayed without its upstream that long. A catalog
+    stream without a first message on a channel that received nothing that long replaces the
+    channel: the mirror is synchronized again within a few of those bounds."""
+    from kvrelay.contract.limits import RelayLimits
+    from tests.support.client_stack import stack
+    from tests.support.faulty_proxy import FaultyProxy
+
+    period = 0.3
+    limits = RelayLimits(pool_heartbeat_s=period, readiness_heartbeat_s=period)
+    configs = [SimConfig(name="bh0", seed=3, dp_size=1, capacity_blocks=64)]
+    async with stack(configs, limits, expected_blocks=1024) as st:
+        proxy = await FaultyProxy("127.0.0.1", st.port).start()
+        m = await start_mirror(proxy.port, upstream_heartbeat_s=period,
+                               upstream_readiness_s=period)  # fmt: skip
+        try:
+            resets = m.mirror.upstream.resets
+            proxy.blackhole = True
+            proxy.cut(rst=True)
+            await eventually(lambda: not m.mirror.catalog.live, what="session lost")
+            await asyncio.sleep(3 * 3 * period + 0.5)  # past the first-message bound
+            proxy.heal()
+            await eventually(lambda: m.mirror.catalog.live and m.mirror.upstream.resets > resets,
+                             timeout=8, what="a new channel, the session back")  # fmt: skip
+        finally:
+            await m.close()
+            await proxy.close()
+
+
+async def test_a_mirror_leaves_an_upstream_connection_that_died_with_tcp_up() -> None:
+    """A live upstream connection stops carrying anything towards the mirror for good while
+    TCP stays up (connections made later work). Its pool stream ends silent and was opened
+    again on the same dead connection until grpclib's keepalive closed it (minutes): the
+    mirror's pool stayed unavailable that long. A pool stream ending silent on a channel that
+    received nothing that long now replaces the channel: the pool is live again at the
+    upstream's sequence."""
+    from kvrelay.contract.limits import RelayLimits
+    from tests.support.client_stack import stack
+    from tests.support.faulty_proxy import DOWN, FaultyProxy
+
+    period = 0.3
+    limits = RelayLimits(pool_heartbeat_s=period, readiness_heartbeat_s=period)
+    configs = [SimConfig(name="dd0", seed=4, dp_size=1, capacity_blocks=64)]
+    async with stack(configs, limits, expected_blocks=1024) as st:
+        relay = st.relay
+        assert relay is not None
+        await eventually(lambda: relay.pools[0].generation is not None, what="generation")
+        gen = relay.pools[0].generation
+        assert gen is not None
+        proxy = await FaultyProxy("127.0.0.1", st.port).start()
+        m = await start_mirror(proxy.port, upstream_heartbeat_s=period,
+                               upstream_readiness_s=period)  # fmt: skip
+        try:
+            await st.engines[0].step(4)
+            resets = m.mirror.upstream.resets
+            proxy.stall_open(DOWN)  # for good: only a new connection flows
+            before = gen.hub().sequence
+            await st.engines[0].step(4)
+            await eventually(lambda: gen.hub().sequence > before, what="the upstream moved on")
+            target = gen.hub().sequence
+
+            def caught_up() -> bool:
+                hub = m.mirror.hub_for(gen.producer)
+                return hub is not None and hub.sequence >= target
+
+            await eventually(lambda: m.mirror.upstream.resets > resets and caught_up(),
+                             timeout=8, what="a new channel, the pool caught up")  # fmt: skip
+        finally:
+            await m.close()
+            await proxy.close()

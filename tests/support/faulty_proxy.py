@@ -159,6 +159,12 @@ class FaultyProxy:
     def stall(self, name: str) -> None:
         self.directions[name].flowing.clear()
 
+    def stall_open(self, name: str) -> None:
+        """Stall ``name`` on the connections open now for good (a path that died while TCP
+        stays up); connections made later flow."""
+        self.directions[name].flowing.clear()
+        self.directions[name] = Direction()
+
     def resume(self, name: str) -> None:
         self.directions[name].flowing.set()
 
