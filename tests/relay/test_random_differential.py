@@ -83,7 +83,7 @@ from tests.support import vllm_wire as W
 from tests.support.decoder_model import Ref
 from tests.support.pool_model import Counts, RefPool
 from tests.support.timing import scaled
-from tests.support.vllm_publisher import TestPublisher
+from tests.support.vllm_publisher import END, TestPublisher, until
 
 B = 4
 EXPECTED = 2048
@@ -800,21 +800,14 @@ async def run_fault_seed(seed: int, steps: int, faults: Faults, *, case: Case = 
     r = random.Random(seed * 6361 + 3)
     keeps = tuple(r.randrange(1, 7) if faults.short and r.random() < 0.75 else 10_000
                   for _ in range(len(ENGINES) * len(RANKS)))  # fmt: skip
-    gone: set[SourceKey] = set()  # members whose replay went down once
     async with harness(seed, case, keeps=keeps) as h:
         for step in range(steps):
             q = r.random()
-            held = [x for x in h.members if x.key not in gone]
-            if faults.slow and q < 0.1 and held:
-                m = r.choice(held)
+            if faults.slow and q < 0.1:
+                m = r.choice(h.members)
                 # (down: a full buffer, which still holds the live batches the relay goes on from)
                 full = isinstance(m.pub, TestPublisher) and m.pub.history.maxlen == 10_000
-                # (after a reply held past the timeout, the member's later held replies are
-                # left out: their requests never reached the test publisher's ROUTER in time,
-                # not understood yet)
                 down = r.random() < faults.down * 10 and m.pub.seq > 0 and full
-                down = down and m.key not in gone
-                gone.update({m.key} if down else ())
                 what = await _held_gap(h, m, r, down=down)
             else:
                 before = {id(x): x.pub.seq for x in h.members}
@@ -842,10 +835,51 @@ async def test_misbehaving_replays_match_the_reference_model(name: str) -> None:
 
 async def test_a_replay_down_past_its_timeout_matches_the_reference_model() -> None:
     """Every held reply outlasts the replay timeout: the member resets and goes on from the
-    live batches it buffered meanwhile (about 2 s a fault)."""
-    h = await run_fault_seed(5, 20, Faults(slow=True, down=0.1))
+    live batches it buffered meanwhile (about 2 s a fault). Seed 3 holds one member's replies
+    twice: the member whose replay went down asks again at its next gap."""
+    h = await run_fault_seed(3, 20, Faults(slow=True, down=0.1))
     assert h.checks == 20
-    assert "-- replay down" in h.log
+    downs = [h.log[i - 1].split()[0] for i, x in enumerate(h.log) if x == "-- replay down"]
+    assert downs == ["rd-a/0", "rd-a/0"]
+
+
+async def test_a_pause_set_for_the_next_reply_leaves_the_reply_released_alone() -> None:
+    """The harness's own publisher, as the fault steps drive it: a reply held at its gate is
+    released, and before the loop has run that release the next step asks for a pause of the
+    member's next reply. The pause was read as the released reply was sent, so that reply
+    stopped midway and the next request waited behind it in the ROUTER's queue until the relay
+    timed it out (``down`` seed 162, step 109: the "later held replies never reach the
+    publisher" that the audit used to work around by holding a member's replies once only)."""
+    ctx = zmq.asyncio.Context()
+    pub = TestPublisher(ctx, topic=TOPIC)
+    old, new = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        assert pub.replay_endpoint is not None
+        for _ in range(4):
+            await pub.publish(b"x", live=False)
+        pub.gate.clear()
+        old.connect(pub.replay_endpoint)
+        await old.send_multipart([b"", (0).to_bytes(8, "big")])
+        await until(lambda: pub.requests == [0])
+        pub.gate.set()  # released ...
+        pub.pause_after = 1  # ... and at once the next reply's pause, before the loop ran
+        pub.mid.clear()
+        new.connect(pub.replay_endpoint)
+        await new.send_multipart([b"", (2).to_bytes(8, "big")])
+        await until(lambda: pub.requests == [0, 2], timeout=3)
+        got = [await asyncio.wait_for(old.recv_multipart(), scaled(5)) for _ in range(5)]
+        assert [f[2] for f in got] == [s.to_bytes(8, "big") for s in range(4)] + [END]
+        first = await asyncio.wait_for(new.recv_multipart(), scaled(5))
+        assert first[2] == (2).to_bytes(8, "big")  # then it waits for ``mid``
+        pub.mid.set()
+        rest = [await asyncio.wait_for(new.recv_multipart(), scaled(5)) for _ in range(2)]
+        assert [f[2] for f in rest] == [(3).to_bytes(8, "big"), END]
+    finally:
+        pub.mid.set()
+        old.close(linger=0)
+        new.close(linger=0)
+        await pub.close()
+        ctx.destroy(linger=0)
 
 
 @pytest.mark.skipif(

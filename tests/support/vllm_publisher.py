@@ -51,7 +51,9 @@ class TestPublisher:
         self.requests: list[int] = []
         self.gate = asyncio.Event()
         self.gate.set()
-        #: a replay stops after this many batches until ``mid`` is set (None: never)
+        #: a replay stops after this many batches until ``mid`` is set (None: never); read when
+        #: a request is received, so it pauses the requests that come after it is set, never one
+        #: already taken (a request held at ``gate`` whose release the loop has not run yet)
         self.pause_after: int | None = None
         self.mid = asyncio.Event()
         self.mid.set()
@@ -97,12 +99,13 @@ class TestPublisher:
             ident, _, start_b = frames
             start = int.from_bytes(start_b, "big")
             self.requests.append(start)
+            pause = self.pause_after
             await self.gate.wait()
             lead = [ident, b""] + ([self.topic] if self.reply_shape == 4 else [])
             sent = 0
             for seq, payload in list(self.history):
                 if seq >= start:
-                    if sent == self.pause_after:
+                    if sent == pause:
                         await self.mid.wait()
                     await self.router.send_multipart([*lead, seq.to_bytes(8, "big"), payload])
                     sent += 1
