@@ -248,47 +248,20 @@ async def _until(check: object, what: str, timeout: float = 15.0) -> None:
         await asyncio.sleep(0.01)
 
 
-async def test_a_black_holed_connection_is_left_after_the_silence_limit() -> None:
-    """Named case (seed 1's second fault): the connection is cut and the reconnection lands in
-    a black hole (accepted, never forwarded) until the network heals. Every stream on it ended
-    ``silent`` and was opened again on the same dead connection until grpclib's keepalive
-    closed it: 28.5 s to recover with a 0.9 s silence limit. A catalog stream without a first
-    message on a channel that received nothing that long now replaces the channel: back
-    within a second."""
+@pytest.mark.parametrize("fault", ["blackhole", "dead"])
+async def test_a_connection_that_carries_nothing_is_left_after_the_silence_limit(
+    fault: str,
+) -> None:
+    """``blackhole`` (seed 1's second fault): the connection is cut and the reconnection lands
+    in a black hole (accepted, never forwarded) until the network heals; every stream on it
+    ended ``silent`` and was opened again on the same dead connection until grpclib's keepalive
+    closed it: 28.5 s to recover with a 0.9 s silence limit. ``dead``: a live connection stops
+    carrying anything towards the client for good while TCP stays up (connections made later
+    work); its pool stream went silent on it in turn the same way (a ping 20 s in, 10 s to
+    answer, then at most one per 300 s). A catalog stream without a first message, or a pool
+    stream ending silent, on a channel that received nothing that long now replaces the
+    channel: back within a few silence limits."""
     configs = [SimConfig(name="n0", seed=1, dp_size=1, capacity_blocks=64)]
-    async with stack(configs, LIMITS, expected_blocks=1024) as st:
-        assert st.relay is not None
-        relay = st.relay
-        await _until(lambda: relay.pools[0].generation is not None, "generation")
-        history = FilterHistory()
-        recorder = Recorder(st, history)
-        proxy = await FaultyProxy("127.0.0.1", st.port).start()
-        client = RelayClient([proxy.address], config=CONFIG)
-        await client.start()
-        try:
-            await st.engines[0].step(4)
-            await _until(lambda: caught_up(client, st, history), "first install")
-            proxy.blackhole = True
-            proxy.cut(rst=True)
-            await asyncio.sleep(HEARTBEAT_S * 3 + 0.5)
-            proxy.heal()
-            await st.engines[0].step(4)
-            await _until(lambda: caught_up(client, st, history), "recovery", RECOVERY_S)
-            assert client.counters()[proxy.address].get("channel_silent", 0) >= 1
-        finally:
-            await client.close()
-            await proxy.close()
-            await recorder.close()
-
-
-async def test_a_connection_that_dies_with_tcp_up_is_left_after_the_silence_limit() -> None:
-    """A live connection stops carrying anything towards the client for good while TCP stays
-    up (a path that died; connections made later work). Its pool stream ends silent, and was
-    opened again on the same dead connection until grpclib's keepalive closed it (a ping 20 s
-    in, 10 s to answer, then at most one per 300 s): the SDK held no replica that long. A pool
-    stream that ends silent on a channel that received nothing for the silence limit now
-    replaces the channel: back within a few silence limits."""
-    configs = [SimConfig(name="n1", seed=2, dp_size=1, capacity_blocks=64)]
     async with stack(configs, LIMITS, expected_blocks=1024) as st:
         assert st.relay is not None
         relay = st.relay
@@ -304,7 +277,13 @@ async def test_a_connection_that_dies_with_tcp_up_is_left_after_the_silence_limi
             gen = relay.pools[0].generation
             assert gen is not None
             before = gen.hub().sequence
-            proxy.stall_open(DOWN)  # for good: only a new connection flows
+            if fault == "blackhole":
+                proxy.blackhole = True
+                proxy.cut(rst=True)
+                await asyncio.sleep(HEARTBEAT_S * 3 + 0.5)
+                proxy.heal()
+            else:
+                proxy.stall_open(DOWN)  # for good: only a new connection flows
             await st.engines[0].step(4)
             await _until(lambda: gen.hub().sequence > before, "the relay moved on")
             await _until(lambda: caught_up(client, st, history), "recovery", RECOVERY_S)

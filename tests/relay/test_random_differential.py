@@ -682,6 +682,17 @@ async def test_random_cases_match_the_reference_model(name: str) -> None:
     assert h.checks == 40
 
 
+def long_run(name: str) -> tuple[range, int]:
+    """A long audit's seeds and steps for case ``name`` (``KVRELAY_DIFF_SEEDS=first:end``,
+    ``KVRELAY_DIFF_STEPS``, default 150); skipped unless ``KVRELAY_DIFF_CASES`` picks it, when
+    given."""
+    picked = os.environ.get("KVRELAY_DIFF_CASES")
+    if picked and name not in picked.split(","):
+        pytest.skip("not picked")
+    lo, hi = (int(x) for x in os.environ["KVRELAY_DIFF_SEEDS"].split(":"))
+    return range(lo, hi), int(os.environ.get("KVRELAY_DIFF_STEPS", "150"))
+
+
 @pytest.mark.skipif(
     not os.environ.get("KVRELAY_DIFF_SEEDS"), reason="long audit: KVRELAY_DIFF_SEEDS=first:end"
 )
@@ -689,12 +700,8 @@ async def test_random_cases_match_the_reference_model(name: str) -> None:
 async def test_random_traffic_many_seeds(name: str) -> None:
     """The audit itself: ``KVRELAY_DIFF_SEEDS=100:400`` (about 0.7 s a seed of 150 steps), each
     case (``KVRELAY_DIFF_CASES=sglang,options`` picks some)."""
-    picked = os.environ.get("KVRELAY_DIFF_CASES")
-    if picked and name not in picked.split(","):
-        pytest.skip("not picked")
-    lo, hi = (int(x) for x in os.environ["KVRELAY_DIFF_SEEDS"].split(":"))
-    steps = int(os.environ.get("KVRELAY_DIFF_STEPS", "150"))
-    for seed in range(lo, hi):
+    seeds, steps = long_run(name)
+    for seed in seeds:
         await run_seed(seed, steps, client=seed % 4 == 0, case=CASES[name])
 
 
@@ -1142,12 +1149,8 @@ async def test_an_sglang_restart_after_a_bootstrap_from_replay_is_not_taken_for_
 @pytest.mark.parametrize("name", list(CASES))
 async def test_resumes_many_seeds(name: str, tmp_path: Any) -> None:
     """The resume audit, as ``test_random_traffic_many_seeds``."""
-    picked = os.environ.get("KVRELAY_DIFF_CASES")
-    if picked and name not in picked.split(","):
-        pytest.skip("not picked")
-    lo, hi = (int(x) for x in os.environ["KVRELAY_DIFF_SEEDS"].split(":"))
-    steps = int(os.environ.get("KVRELAY_DIFF_STEPS", "150"))
-    for seed in range(lo, hi):
+    seeds, steps = long_run(name)
+    for seed in seeds:
         d = tmp_path / f"s{seed}"
         d.mkdir()
         await run_resume_seed(seed, steps, str(d), case=CASES[name], client=seed % 4 == 0)
@@ -1494,10 +1497,6 @@ async def test_connect_mode_matches_the_reference_model(name: str, tmp_path: Any
 @pytest.mark.parametrize("name", list(CASES))
 async def test_connect_mode_many_seeds(name: str, tmp_path: Any) -> None:
     """The connect-mode audit, as ``test_random_traffic_many_seeds``."""
-    picked = os.environ.get("KVRELAY_DIFF_CASES")
-    if picked and name not in picked.split(","):
-        pytest.skip("not picked")
-    lo, hi = (int(x) for x in os.environ["KVRELAY_DIFF_SEEDS"].split(":"))
-    steps = int(os.environ.get("KVRELAY_DIFF_STEPS", "150"))
-    for seed in range(lo, hi):
+    seeds, steps = long_run(name)
+    for seed in seeds:
         await run_connect_seed(seed, steps, CASES[name], str(tmp_path), ranked=seed % 2 == 1)
