@@ -30,7 +30,7 @@ from h2.settings import SettingCodes
 
 from kvrelay.service.h2.drain import DrainNotice
 from kvrelay.service.h2.guard import ConnectionCaps, H2Budgets, H2Counters, guard_protocol
-from kvrelay.service.h2.internals import H2Protocol, close_unstarted
+from kvrelay.service.h2.internals import H2Protocol, bound_closed_streams, close_unstarted
 from kvrelay.service.h2.mend import mend_protocol
 from kvrelay.service.h2.tls_gate import TLS_HANDSHAKE_TIMEOUT_S, TlsGate
 
@@ -57,6 +57,8 @@ class ClosingServer(Server):
         self.tls_handshake_timeout_s = TLS_HANDSHAKE_TIMEOUT_S
         #: SETTINGS_MAX_CONCURRENT_STREAMS each connection is told (None: h2's 100)
         self.max_concurrent_streams: int | None = None
+        #: closed streams h2 remembers per connection (None: h2's 65,536; ``internals``)
+        self.closed_streams_kept: int | None = None
         self._tls: Callable[[], ssl.SSLContext] | None = None
         self._gates: weakref.WeakSet[TlsGate] = weakref.WeakSet()
 
@@ -78,6 +80,8 @@ class ClosingServer(Server):
             self._notices[proto] = notice
         if self.max_concurrent_streams is not None:
             _announce_stream_cap(proto, self.max_concurrent_streams)
+        if self.closed_streams_kept is not None:
+            _bound_closed_streams(proto, self.closed_streams_kept)
         if self._tls is not None:
             counters = self.h2_guard[1] if self.h2_guard is not None else H2Counters()
             gate = TlsGate(proto, self._tls, self._admit, counters, self.tls_handshake_timeout_s)
@@ -157,6 +161,17 @@ def _announce_stream_cap(proto: H2Protocol, streams: int) -> None:
             return
         h2.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: streams})
         conn.flush()
+
+    proto.connection_made = connection_made  # type: ignore[method-assign]
+
+
+def _bound_closed_streams(proto: H2Protocol, size: int) -> None:
+    """Bound h2's memo of the connection's closed streams once it exists (``internals``)."""
+    made = proto.connection_made
+
+    def connection_made(transport: asyncio.BaseTransport) -> None:
+        made(transport)
+        bound_closed_streams(proto, size)
 
     proto.connection_made = connection_made  # type: ignore[method-assign]
 

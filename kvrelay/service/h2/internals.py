@@ -19,11 +19,13 @@ from grpclib.server import Server
 from h2.connection import ConnectionInputs, ConnectionState, H2Connection
 from h2.errors import ErrorCodes
 from h2.stream import StreamInputs, StreamState
+from h2.utilities import SizeLimitDict
 from hpack import Encoder
 
 __all__ = [
     "CANCEL",
     "CLASS_NEEDS",
+    "CLOSED_STREAMS_NEEDS",
     "DRAIN_NEEDS",
     "EARLY_END_STATE",
     "ENCODER_NEEDS",
@@ -39,11 +41,13 @@ __all__ = [
     "SEND_DATA_STREAM_NOOP",
     "H2Protocol",
     "Parts",
+    "bound_closed_streams",
     "capped_encoder",
     "close_unstarted",
     "live_internals",
     "missing",
     "missing_in_classes",
+    "missing_in_closed_streams",
     "missing_in_drain",
     "missing_in_encoder",
     "missing_in_feed",
@@ -197,6 +201,39 @@ ENCODER_NEEDS: tuple[tuple[str, str], ...] = (
 def missing_in_encoder(proto: Any) -> list[str]:
     """``where.attribute`` for each of ``ENCODER_NEEDS`` this connected server protocol lacks."""
     return _missing_on_connection(proto, ENCODER_NEEDS)
+
+
+#: What ``bound_closed_streams`` replaces: h2's memo of how each closed stream of a connection
+#: closed (an ``h2.utilities.SizeLimitDict`` of stream id → how), ``where`` as in ``DRAIN_NEEDS``.
+CLOSED_STREAMS_NEEDS: tuple[tuple[str, str], ...] = (
+    ("proto", "connection"),
+    ("connection", "_connection"),
+    ("h2", "_closed_streams"),
+)
+
+
+def missing_in_closed_streams(proto: Any) -> list[str]:
+    """``where.attribute`` for each of ``CLOSED_STREAMS_NEEDS`` this connected protocol lacks."""
+    return _missing_on_connection(proto, CLOSED_STREAMS_NEEDS)
+
+
+def bound_closed_streams(proto: Any, size: int) -> bool:
+    """Make the connected ``proto``'s h2 connection remember how at most ``size`` of its closed
+    streams closed (the newest; False, nothing changed, where the internals are missing).
+
+    h2 keeps that for the last 65,536 streams of each connection, about 120 bytes each: every
+    stream a connection ever carried (a unary call, a resubscription) stays until then, so a
+    long-lived connection grew to ~7.9 MB, and the relay admits thousands. The memo only tells
+    a late frame on a reset stream (answered RST_STREAM) from one on a stream closed otherwise
+    (a connection error): it needs the streams closed while such frames can still be in
+    flight, at most what a connection may hold open at once, twice over."""
+    if missing_in_closed_streams(proto) or size <= 0:
+        return False
+    h2 = proto.connection._connection
+    kept = SizeLimitDict(size_limit=size)
+    kept.update(h2._closed_streams)  # (the newest kept: it drops the oldest as it fills)
+    h2._closed_streams = kept
+    return True
 
 
 #: What ``capped_encoder`` overrides and uses of an ``hpack.Encoder``: ``(where, attribute)`` with
