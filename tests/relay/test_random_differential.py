@@ -1382,7 +1382,7 @@ async def connect_harness(
     seed: int, case: Case, tmp: str, ranked: bool
 ) -> AsyncIterator[ConnectHarness]:
     ctx = zmq.asyncio.Context()
-    tcp = f"tcp://127.0.0.1:{_free_base(1)}"
+    tcp = "tcp://127.0.0.1:*"  # the port the bind takes (one picked here may be taken first)
     ipc = f"ipc://{tmp}/kv.sock"
     spec = PoolSpec(
         namespace="ns", component="backend", endpoint="generate", engines=(),
@@ -1409,6 +1409,7 @@ async def connect_harness(
         while rt.connected is None or rt.connected.source is None:
             assert time.monotonic() < deadline, "the connect endpoint never came up"
             await asyncio.sleep(0.01)
+        tcp = next(ep for ep in rt.connected.source.endpoints if ep.startswith("tcp://"))
         gen = Gen(seed, case)
         for name, rank, how in CONNECTED:
             epoch = _epoch_token(gen.rng) if case.kind == "sglang" and rank == 0 else None
