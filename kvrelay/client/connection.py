@@ -208,17 +208,27 @@ class RelayConnection:
                 # The relay is going away (or gone): reconnect from scratch rather than reuse an
                 # HTTP/2 connection a stopping server may still accept streams on.
                 self._reset_channel(channel)
-            elif not got:
-                self._leave_if_dead(channel, end)
+            elif not got and not self._leave_if_dead(channel, end):
+                await self._leave_if_deaf(channel, end, self.config.silence_s)
             delay = backoff.next_delay()
 
-    def _leave_if_dead(self, channel: Channel, end: rpc.StreamEnd) -> None:
+    def _leave_if_dead(self, channel: Channel, end: rpc.StreamEnd) -> bool:
         """A stream that heartbeats (a pool's), or the catalog before its first message, ended
         silent, and nothing else arrived on its channel for the silence limit: the connection
         carries nothing (a black-holed path, one that died with TCP up), a new one. (Not for
         the planes: one with long windows may keep a healthy channel quieter than that.)"""
         if rpc.channel_dead(channel, end, self.config.silence_s):
             self.counters["channel_silent"] += 1
+            self._reset_channel(channel)
+            return True
+        return False
+
+    async def _leave_if_deaf(self, channel: Channel, end: rpc.StreamEnd, timeout_s: float) -> None:
+        """A stream that ended silent before its first message on a channel that still
+        receives: a new channel when a round trip on it goes unanswered (``rpc.channel_deaf``:
+        a path dead towards the relay only, the relay's streams still flowing down)."""
+        if channel is self.channel and await rpc.channel_deaf(channel, end, timeout_s):
+            self.counters["channel_deaf"] += 1
             self._reset_channel(channel)
 
     def _reset_channel(self, used: Channel) -> None:
@@ -333,12 +343,9 @@ class RelayConnection:
                         pb.FilterUpdate, on, silence_s=self.config.silence_s,
                     )  # fmt: skip
                     reason = end.reason
-                    # its heartbeats stopped and nothing else came on the channel either: the
-                    # connection died with TCP up (streams opened on it again went silent in
-                    # turn until grpclib's keepalive closed it: minutes)
-                    self._leave_if_dead(channel, end)
                 except E.ConsumerViolation as v:
                     reason = v.reason
+                    end = None
                     _log.warning("replica_violation", pool=str(slot.key), reason=v.reason,
                                  detail=v.detail)
                 if self.slots.get(slot.key) is not slot:
@@ -346,6 +353,12 @@ class RelayConnection:
                 self._count_drop(slot, reason)
                 slot.installed = slot.pending = None
                 self._notify()
+                # its heartbeats stopped and nothing else came on the channel either: the
+                # connection died with TCP up (streams opened on it again went silent in turn
+                # until grpclib's keepalive closed it: minutes); or only the channel's other
+                # streams deliver: was this one's request heard? (after the drop: never held)
+                if end is not None and not self._leave_if_dead(channel, end):
+                    await self._leave_if_deaf(channel, end, self.config.silence_s)
                 if reason in E.QUARANTINE:
                     slot.quarantined = True
                     return
@@ -397,6 +410,7 @@ class RelayConnection:
                 self.serving_load_unsupported = end.status == Status.UNIMPLEMENTED
             store(None)  # unknown while disconnected: never routable on stale data
             self._notify()
+            await self._leave_if_deaf(channel, end, quiet())  # (a violation is not silent)
             await asyncio.sleep(backoff.next_delay())
 
     async def _readiness_loop(self) -> None:

@@ -153,13 +153,15 @@ class _ChannelActivity:
     silence clock therefore runs from the channel's last message until its own first one, and
     never past ``FIRST_MESSAGE_FACTOR`` × its ``silence_s`` from its start."""
 
-    __slots__ = ("last", "waiting")
+    __slots__ = ("last", "probe", "waiting")
 
     def __init__(self) -> None:
         #: clock → (its silence_s, the latest its first message may come)
         self.waiting: dict[asyncio.Timeout, tuple[float, float]] = {}
         #: when the channel's last message came (from its first stream's start on)
         self.last = time.monotonic()
+        #: the round trip ``channel_deaf`` has under way on the channel (one at a time)
+        self.probe: asyncio.Task[bool] | None = None
 
     def message(self, loop: asyncio.AbstractEventLoop) -> None:
         self.last = time.monotonic()
@@ -189,6 +191,52 @@ def channel_dead(channel: Channel, end: StreamEnd, silence_s: float) -> bool:
         return False
     found = _ACTIVITY.get(channel)
     return found is None or time.monotonic() - found.last >= silence_s
+
+
+async def channel_deaf(channel: Channel, end: StreamEnd, timeout_s: float) -> bool:
+    """A stream that ended ``silent`` before its first message, on a channel that still
+    receives (``channel_dead`` is false): either it waited for its turn behind other streams,
+    or its request never reached the relay (a path dead only towards the relay while TCP stays
+    up, the relay's streams still flowing down). Every stream opened on such a channel again
+    went silent in turn until grpclib's keepalive closed it, about 30 s. One ``GetRelayInfo``
+    round trip tells them apart: True (replace the channel) when nothing comes back within
+    ``timeout_s``; any answer, a status too, and False. One round trip per channel at a time,
+    shared by the streams that ask meanwhile."""
+    if end.reason != E.SILENT or end.messages:
+        return False
+    activity = _activity(channel)
+    probe = activity.probe
+    if probe is None:
+        probe = activity.probe = asyncio.get_running_loop().create_task(
+            _answers(channel, timeout_s)
+        )
+
+        def done(task: asyncio.Task[bool], activity: _ChannelActivity = activity) -> None:
+            if activity.probe is task:
+                activity.probe = None
+
+        probe.add_done_callback(done)
+    return not await asyncio.shield(probe)
+
+
+async def _answers(channel: Channel, timeout_s: float) -> bool:
+    """Whether the relay answers anything on ``channel`` within ``timeout_s``: its reply's
+    headers are enough (the call is then cancelled; its message is not read)."""
+    request = pb.RelayInfoRequest(contract_marker=CONTRACT_MARKER)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with channel.request(
+                SERVICE + "GetRelayInfo", Cardinality.UNARY_UNARY, pb.RelayInfoRequest,
+                pb.RelayInfo,
+            ) as st:  # fmt: skip
+                await st.send_message(request, end=True)
+                await st.recv_initial_metadata()
+                await st.cancel()
+    except GRPCError:
+        return True  # an answer, even a refusal, crossed the connection both ways
+    except Exception:  # a timeout, a transport error: nothing came back
+        return False
+    return True
 
 
 def end_from_error(err: GRPCError, trailers: Any, messages: int) -> StreamEnd:

@@ -447,6 +447,12 @@ class Mirror:
                     # path keeps TCP up, and streams opened on it again went silent in turn
                     # until grpclib's keepalive closed it (a ping 20 s in, then one per 300 s)
                     self.upstream.reset(channel)
+                elif not delivered:  # the channel receives: was this stream's request heard?
+                    plane.end(local, why)
+                    await self.upstream.leave_if_deaf(channel, end, first if is_catalog
+                                                      else quiet())  # fmt: skip
+                    await asyncio.sleep(backoff.next_delay())
+                    continue
             plane.end(local, why)
             await asyncio.sleep(backoff.next_delay())
 
@@ -522,6 +528,7 @@ class Mirror:
             "pools_over_limit": self.pools_over_limit,
             "pools_evicted": self.pools_evicted,
             "channel_resets": self.upstream.resets,
+            "channel_deaf": self.upstream.deaf,
             "channel_left_draining": self.upstream.left_draining,
             "upstream_spacing": self.upstream.spacing,
             "hold_failures": self.upstream.hold_failures,

@@ -38,6 +38,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import errors as E
@@ -354,8 +355,9 @@ class MirrorPool:
         request = rpc.pool_request(ctx.settings.subscriber_id, self.producer)
         local: RelayError | None
         answer: RelayError | None = None
+        unheard: tuple[Any, rpc.StreamEnd] | None = None  # (channel, end): asked once ended
+        silence_s = 3 * self._heartbeat_s
         try:
-            silence_s = 3 * self._heartbeat_s
             end, channel = await ctx.upstream.stream(
                 "SubscribeKvPool", request, self._on_frame, silence_s=silence_s
             )
@@ -364,6 +366,8 @@ class MirrorPool:
                 # connection died with TCP up; streams opened on it again would go silent in
                 # turn until grpclib's keepalive closed it (minutes)
                 ctx.upstream.reset(channel)
+            else:  # nothing came on it, but the channel still receives: was the request heard?
+                unheard = channel, end
         except Violation as v:
             self.violations[v.reason] += 1
             self.ends["violation"] += 1
@@ -404,6 +408,8 @@ class MirrorPool:
             self._idle_mark = hub.idle_since or time.monotonic()
             hub.retire(local)
             self.lagged += hub.lagged
+        if unheard is not None:
+            await ctx.upstream.leave_if_deaf(*unheard, silence_s)
         return hub is not None, local, answer
 
     async def _run(self) -> None:

@@ -74,6 +74,8 @@ class Upstream:
         #: who asks for spacing: the subscriber id made unique to this process, because the
         #: upstream keeps one hold per requester and every mirror may carry the default id
         self.hold_requester = hold_requester(settings.subscriber_id)
+        #: channels replaced because a round trip on them went unanswered (``leave_if_deaf``)
+        self.deaf = 0
         self._channel = self._open()
 
     def _open(self) -> RelayChannel:
@@ -111,6 +113,17 @@ class Upstream:
         old, self._channel = self._channel, self._open()
         self._left_draining += old.left_draining
         old.close()
+
+    async def leave_if_deaf(self, channel: Channel, end: StreamEnd, timeout_s: float) -> None:
+        """A stream that ended ``silent`` before its first message on the current channel,
+        which still receives: replaced when a round trip on it goes unanswered
+        (``rpc.channel_deaf``: a path dead only towards the upstream)."""
+        if channel is not self._channel:
+            return
+        if await rpc.channel_deaf(channel, end, timeout_s) and channel is self._channel:
+            self.deaf += 1
+            _log.warning("mirror_upstream_deaf", timeout_s=timeout_s)
+            self.reset(channel)
 
     async def stream(
         self,

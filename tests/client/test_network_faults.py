@@ -29,8 +29,8 @@ from kvrelay.contract.limits import RelayLimits
 from kvrelay.sim.config import SimConfig
 from tests.support.client_stack import Stack, stack
 from tests.support.faulty_proxy import DOWN, UP, FaultyProxy, FilterHistory
-from tests.support.rig import Consumer
-from tests.support.timing import scaled
+from tests.support.netfaults import FAULTS, STALL_OPEN, Audit, Recorder, apply_fault, traffic
+from tests.support.netfaults import until as _until
 
 HEARTBEAT_S = 0.3
 CONFIG = ClientConfig(
@@ -45,8 +45,6 @@ LIMITS = RelayLimits(
 #: few silence limits and backoffs, far below grpclib's keepalive (a ping 20 s in, 10 s to
 #: answer, at most one per 300 s on a connection).
 RECOVERY_S = 8.0
-FAULTS = ("delay", "split", "stall_down", "stall_up", "rst", "fin", "half_down", "half_up",
-          "blackhole", "none")  # fmt: skip
 
 
 def _seeds() -> list[int]:
@@ -58,88 +56,6 @@ def _seeds() -> list[int]:
 
 
 STEPS = int(os.environ.get("KVRELAY_NETFAULT_STEPS", "6"))
-
-
-class Recorder:
-    """A strict direct subscriber of the relay's one pool: the relay's filter per sequence."""
-
-    def __init__(self, st: Stack, history: FilterHistory) -> None:
-        relay = st.relay
-        assert relay is not None and relay.pools[0].generation is not None
-        gen = relay.pools[0].generation
-        from grpclib.client import Channel
-
-        self.channel = Channel("127.0.0.1", st.port)
-        self.producer = bytes(gen.producer)
-        self.consumer = Consumer(self.channel, gen.producer, relay.relay_identity, "oracle")
-        replica = self.consumer.replica
-        feed = replica.feed
-
-        def recorded(fu: object) -> None:
-            feed(fu)  # type: ignore[arg-type]
-            if replica.table is not None and replica.sequence is not None:
-                history.record(self.producer, replica.sequence, replica.table)
-
-        replica.feed = recorded  # type: ignore[method-assign]
-        self.consumer.start()
-
-    async def close(self) -> None:
-        await self.consumer.stop()
-        self.channel.close()
-
-
-class Audit:
-    """Checks the SDK's promise every few milliseconds, on the same loop as everything."""
-
-    def __init__(self, client: RelayClient, history: FilterHistory) -> None:
-        self.client = client
-        self.history = history
-        self.checked = 0
-        self.unverified: list[tuple[bytes, int, bytes, float]] = []
-        self.wrong: list[str] = []
-        self._seen: dict[object, tuple[int, int]] = {}
-        self.task = asyncio.create_task(self._run())
-
-    def check_now(self) -> None:
-        for conn in self.client.connections:
-            for slot in conn.slots.values():
-                replica = slot.installed
-                if replica is None or replica.table is None or replica.sequence is None:
-                    continue
-                producer = bytes(slot.descriptor.producer)
-                seq = replica.sequence
-                if self._seen.get(slot.key) == (id(replica), seq):
-                    continue
-                self._seen[slot.key] = (id(replica), seq)
-                verdict = self.history.verdict(producer, seq, replica.table)
-                self.checked += 1
-                if verdict is False:
-                    self.wrong.append(f"{slot.key} at {seq}: not the relay's filter")
-                elif verdict is None:
-                    digest = FilterHistory.digest(replica.table)
-                    self.unverified.append((producer, seq, digest, time.monotonic()))
-        still = []
-        for producer, seq, digest, since in self.unverified:
-            want = self.history.digests.get((producer, seq))
-            if want is None:
-                if time.monotonic() - since > scaled(10):
-                    self.wrong.append(f"sequence {seq} never published by the relay")
-                else:
-                    still.append((producer, seq, digest, since))
-            elif want != digest:
-                self.wrong.append(f"at {seq}: not the relay's filter (checked late)")
-        self.unverified = still
-
-    async def _run(self) -> None:
-        while True:
-            self.check_now()
-            await asyncio.sleep(0.005)
-
-    async def close(self) -> None:
-        self.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.task
-        self.check_now()
 
 
 def caught_up(client: RelayClient, st: Stack, history: FilterHistory) -> bool:
@@ -159,38 +75,6 @@ def caught_up(client: RelayClient, st: Stack, history: FilterHistory) -> bool:
                 is not True:
             return False
     return True
-
-
-async def traffic(st: Stack, rnd: random.Random, stop: asyncio.Event) -> None:
-    while not stop.is_set():
-        e = rnd.choice(st.engines)
-        await e.step(rnd.randint(1, 4))
-        await asyncio.sleep(rnd.uniform(0.005, 0.05))
-
-
-async def apply_fault(proxy: FaultyProxy, kind: str, rnd: random.Random, log: list[str]) -> None:
-    """Start ``kind``, hold it a while, then heal."""
-    silence = HEARTBEAT_S * 3
-    hold = rnd.uniform(0.2, 0.8)
-    if kind == "delay":
-        d = proxy.directions[rnd.choice((UP, DOWN))]
-        d.delay_s = rnd.uniform(0.1, 0.4)
-    elif kind == "split":
-        proxy.directions[rnd.choice((UP, DOWN))].split = True
-    elif kind in ("stall_down", "stall_up"):
-        proxy.stall(DOWN if kind == "stall_down" else UP)
-        hold = silence + rnd.uniform(0.3, 1.0)  # longer than the SDK's silence limit
-    elif kind in ("rst", "fin"):
-        proxy.cut(rst=kind == "rst")
-    elif kind in ("half_down", "half_up"):
-        proxy.half_close(DOWN if kind == "half_down" else UP)
-    elif kind == "blackhole":
-        proxy.blackhole = True
-        proxy.cut(rst=rnd.random() < 0.5)  # the reconnection lands in the hole
-        hold = silence + rnd.uniform(0.3, 1.0)
-    log.append(f"{kind} for {hold:.2f}s")
-    await asyncio.sleep(hold)
-    proxy.heal()
 
 
 @pytest.mark.parametrize("seed", _seeds())
@@ -215,8 +99,8 @@ async def test_the_sdk_never_serves_a_wrong_filter_and_recovers_through_a_faulty
         try:
             await _until(lambda: caught_up(client, st, history), "first install")
             for _ in range(STEPS):
-                kind = rnd.choice(FAULTS)
-                await apply_fault(proxy, kind, rnd, log)
+                kind = rnd.choice(FAULTS + STALL_OPEN)
+                await apply_fault(proxy, kind, rnd, log, 3 * HEARTBEAT_S)
                 t0 = time.monotonic()
                 await _until(lambda: caught_up(client, st, history),
                              f"recovery after {log[-1]} (seed {seed}: {log})",
@@ -238,14 +122,6 @@ async def test_the_sdk_never_serves_a_wrong_filter_and_recovers_through_a_faulty
             await recorder.close()
         assert not audit.wrong, (audit.wrong, log)
         assert audit.checked > STEPS, audit.checked
-
-
-async def _until(check: object, what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + scaled(timeout)
-    while not check():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 @pytest.mark.parametrize("fault", ["blackhole", "dead"])
@@ -288,6 +164,53 @@ async def test_a_connection_that_carries_nothing_is_left_after_the_silence_limit
             await _until(lambda: gen.hub().sequence > before, "the relay moved on")
             await _until(lambda: caught_up(client, st, history), "recovery", RECOVERY_S)
             assert client.counters()[proxy.address].get("channel_silent", 0) >= 1
+        finally:
+            await client.close()
+            await proxy.close()
+            await recorder.close()
+
+
+async def test_a_connection_dead_towards_the_relay_is_left_when_a_new_stream_goes_unheard() -> (
+    None
+):
+    """The SDK's connection carries nothing towards the relay for good while TCP stays up, and
+    the relay's streams still flow down (the catalog, readiness, the pool's heartbeats). The
+    relay fences its pool: the catalog lists the new generation, and the SDK's subscription to
+    it never arrives. That stream went silent before its first message again and again on the
+    same connection, which its other streams kept looking alive, until grpclib's keepalive
+    closed it. One unanswered round trip (``rpc.channel_deaf``) now replaces the channel."""
+    configs = [SimConfig(name="n2", seed=3, dp_size=1, capacity_blocks=64)]
+    async with stack(configs, LIMITS, expected_blocks=1024) as st:
+        relay = st.relay
+        assert relay is not None
+        await _until(lambda: relay.pools[0].generation is not None, "generation")
+        history = FilterHistory()
+        recorder = Recorder(st, history)
+        proxy = await FaultyProxy("127.0.0.1", st.port).start()
+        client = RelayClient([proxy.address], config=CONFIG)
+        await client.start()
+        try:
+            await st.engines[0].step(4)
+            await _until(lambda: caught_up(client, st, history), "first install")
+            proxy.stall_open(UP)  # for good: only a new connection carries requests
+            first = relay.pools[0].generation
+            assert first is not None
+            relay.pools[0].fence(first, "test: the relay ends the pool's streams")
+            await st.engines[0].step(3)
+            await _until(lambda: relay.pools[0].generation not in (None, first), "new generation")
+            gen = relay.pools[0].generation
+            assert gen is not None
+
+            def served() -> bool:
+                conn = client.connections[0]
+                return any(
+                    s.installed is not None and s.installed.sequence == gen.hub().sequence
+                    and bytes(s.descriptor.producer) == bytes(gen.producer)
+                    for s in conn.slots.values()
+                )
+
+            await _until(served, "the new generation installed", RECOVERY_S)
+            assert client.counters()[proxy.address].get("channel_deaf", 0) >= 1
         finally:
             await client.close()
             await proxy.close()

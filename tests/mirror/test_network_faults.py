@@ -1,0 +1,435 @@
+"""Seeded random audit of a mirror whose upstream link goes through a faulty network.
+
+A real relay fed by simulated engines is mirrored through a TCP proxy
+(``tests/support/faulty_proxy.py``) that, at seeded random points, delays bytes, splits writes
+into single bytes, stalls one direction past the mirror's silence limit (TCP stays up), cuts
+connections (RST or FIN), half-closes one direction and black-holes new connections.
+Downstream, on a direct channel to the mirror, a strict raw subscriber (resubscribing whenever
+its stream ends) and an SDK client read the mirror. Throughout:
+
+* every frame a downstream subscriber accepts leaves its replica equal, word for word, to the
+  upstream relay's own filter at that sequence (a direct subscriber of the relay records it);
+* a heartbeat or snapshot says "nothing changed up to now": the mirror sends none while it
+  cannot vouch for its state (upstream silent past 1.5 of its heartbeat periods + 0.25 s, or
+  no upstream stream), and none at a sequence the relay left well before it was sent;
+* streams end with a status (PUBLICATION_UNAVAILABLE), never a cut or a clean EOF, and a
+  stream open when the upstream went silent is ended, not left hanging;
+* after each fault heals, the mirror, the raw subscriber and the SDK are back at the relay's
+  sequence within a few heartbeat periods and backoffs, and the catalog and readiness planes
+  read through the mirror equal the relay's.
+
+Long run: ``KVRELAY_MIRROR_NETFAULT_SEEDS=100:140 [KVRELAY_MIRROR_NETFAULT_STEPS=10]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from grpclib.client import Channel
+from grpclib.const import Status
+
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.client import ClientConfig, RelayClient
+from kvrelay.client.connection import RelayConnection
+from kvrelay.contract.limits import RelayLimits
+from kvrelay.sim.config import SimConfig
+from tests.support.client_stack import Stack, stack
+from tests.support.faulty_proxy import DOWN, UP, FaultyProxy, FilterHistory
+from tests.support.mirror_rig import Mirrored, start_mirror
+from tests.support.netfaults import FAULTS, STALL_OPEN, Audit, Recorder, apply_fault, traffic, until
+from tests.support.rig import MARKER, Consumer, StreamEnd, first_matching
+
+HEARTBEAT_S = 0.3
+LIMITS = RelayLimits(
+    pool_heartbeat_s=HEARTBEAT_S, readiness_heartbeat_s=HEARTBEAT_S,
+    publication_queue_capacity=4096, publication_queue_bytes=64 << 20,
+)  # fmt: skip
+MIRROR: dict[str, Any] = {
+    "upstream_heartbeat_s": HEARTBEAT_S, "upstream_readiness_s": HEARTBEAT_S,
+    "backoff_initial_s": 0.02, "backoff_max_s": 0.3, "sync_wait_s": 1.0,
+}  # fmt: skip
+CONFIG = ClientConfig(
+    heartbeat_interval_s=HEARTBEAT_S, silence_heartbeats=3, backoff_initial_s=0.02,
+    backoff_max_s=0.3, watch_load=False, watch_serving_load=False,
+)  # fmt: skip
+#: The mirror's silence limit for an upstream stream, and how long it vouches after a frame.
+SILENCE_S = 3 * HEARTBEAT_S
+VOUCH_S = 1.5 * HEARTBEAT_S + 0.25
+#: Scheduling slack on the vouching checks (everything shares one loop on a 2-core machine).
+SLACK_S = 0.6
+#: Extra slack while bytes are delayed or trickle (the mirror vouches for what it received).
+SLOW_LINK_S = 1.5
+#: After a fault heals, mirror and subscribers are back at the relay's sequence within this
+#: (scaled) time: a few silence limits and backoffs.
+RECOVERY_S = 8.0
+MIRROR_FAULTS = FAULTS + STALL_OPEN
+
+
+def _seeds() -> list[int]:
+    spec = os.environ.get("KVRELAY_MIRROR_NETFAULT_SEEDS")
+    if not spec:
+        return [1, 2]
+    lo, _, hi = spec.partition(":")
+    return list(range(int(lo), int(hi))) if hi else [int(lo)]
+
+
+STEPS = int(os.environ.get("KVRELAY_MIRROR_NETFAULT_STEPS", "4"))
+
+
+@dataclass
+class Faults:
+    """When the upstream link could carry nothing to the mirror, and when it was slow."""
+
+    blocked_from: float | None = None  # wall clock: a stall towards the mirror / a black hole
+    healed_at: float | None = None
+    slow_until: float = 0.0  # wall clock: delays or 1-byte writes (plus their backlog)
+    log: list[str] = field(default_factory=list)
+
+    def started(self, kind: str, hold: float) -> None:
+        now = time.time()
+        self.blocked_from = now if kind in ("stall_down", "blackhole") else None
+        self.healed_at = None
+        if kind in ("delay", "split"):
+            self.slow_until = now + hold + SLOW_LINK_S
+
+    def healed(self) -> None:
+        self.healed_at = time.time()
+
+
+class Watcher:
+    """A strict raw subscriber of the mirror's pool, subscribing again whenever its stream
+    ends; checks every frame it accepts against the relay's history."""
+
+    def __init__(
+        self, channel: Channel, recorder: Recorder, history: FilterHistory,
+        producer: pb.ProducerIdentity, relay: pb.RelayIdentity, faults: Faults,
+    ) -> None:  # fmt: skip
+        self.channel = channel
+        self.recorder = recorder
+        self.history = history
+        self.producer = producer
+        self.relay = relay
+        self.faults = faults
+        self.consumer: Consumer | None = None
+        self.ends: list[tuple[float, StreamEnd]] = []
+        self.wrong: list[str] = []
+        self.pending: list[tuple[int, bytes, float]] = []
+        self.frames = 0
+        self.streams = 0
+        self.vouching = 0  # heartbeats and snapshots checked for freshness
+        self.vouching_blocked = 0  # of those, sent while the upstream link was blocked
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            c = Consumer(self.channel, self.producer, self.relay, "watcher")
+            self._wrap(c)
+            self.consumer = c
+            self.streams += 1
+            c.start()
+            assert c.task is not None
+            try:
+                await c.task
+            except Exception as exc:  # a frame the strict replica refused
+                self.wrong.append(f"stream {self.streams}: {exc!r}")
+                c.end = StreamEnd(Status.UNKNOWN, repr(exc))
+            assert c.end is not None
+            self.ends.append((time.time(), c.end))
+            await asyncio.sleep(0.05)
+
+    def _wrap(self, c: Consumer) -> None:
+        replica = c.replica
+        feed = replica.feed
+
+        def checked(fu: pb.FilterUpdate) -> None:
+            feed(fu)
+            if replica.table is None or replica.sequence is None:
+                return  # a snapshot still being assembled
+            self.frames += 1
+            seq = replica.sequence
+            producer = self.recorder.producer
+            verdict = self.history.verdict(producer, seq, replica.table)
+            if verdict is False:
+                self.wrong.append(f"at {seq}: not the relay's filter")
+            elif verdict is None:
+                self.pending.append((seq, FilterHistory.digest(replica.table), time.monotonic()))
+            if fu.kind != pb.FilterUpdateKind.DELTA:
+                self._vouched(fu, seq)
+
+        replica.feed = checked  # type: ignore[method-assign]
+
+    def _vouched(self, fu: pb.FilterUpdate, seq: int) -> None:
+        """A heartbeat or snapshot (stamped by the mirror when sent) claims the state at
+        ``seq`` is current: not while the link was blocked past the vouching window, and not
+        long after the relay published the next sequence."""
+        sent = fu.send_ts_us / 1e6
+        kind = pb.FilterUpdateKind(fu.kind).name
+        f = self.faults
+        self.vouching += 1
+        if f.blocked_from is not None and sent > f.blocked_from and f.healed_at is None:
+            self.vouching_blocked += 1
+        if (f.blocked_from is not None and sent > f.blocked_from + VOUCH_S + SLACK_S
+                and (f.healed_at is None or sent < f.healed_at)):  # fmt: skip
+            self.wrong.append(f"{kind} at {seq} sent {sent - f.blocked_from:.2f}s into a blocked "
+                              f"upstream link ({f.log[-1:]})")  # fmt: skip
+        nxt = self.recorder.superseded_at(seq)
+        allowed = VOUCH_S + SLACK_S + (SLOW_LINK_S if sent < f.slow_until else 0.0)
+        if nxt is not None and sent - nxt > allowed:
+            self.wrong.append(f"{kind} at {seq} sent {sent - nxt:.2f}s after the relay published "
+                              f"{seq + 1} ({f.log[-1:]})")  # fmt: skip
+
+    def check_pending(self) -> bool:
+        """Check the frames whose sequence the history lacked before; True when none is left."""
+        still = []
+        for seq, digest, since in self.pending:
+            want = self.history.digests.get((self.recorder.producer, seq))
+            if want is None:
+                if time.monotonic() - since > 10:
+                    self.wrong.append(f"sequence {seq} never published by the relay")
+                else:
+                    still.append((seq, digest, since))
+            elif want != digest:
+                self.wrong.append(f"at {seq}: not the relay's filter (checked late)")
+        self.pending = still
+        return not still
+
+    def bad_ends(self) -> list[str]:
+        """Ends that are not a status: a cut stream, a clean EOF (no upstream shut down here),
+        or a status other than PUBLICATION_UNAVAILABLE."""
+        return [
+            str(end) for _, end in self.ends
+            if end.status != Status.UNAVAILABLE
+            or end.reason != "RELAY_ERROR_REASON_PUBLICATION_UNAVAILABLE"
+        ]  # fmt: skip
+
+    async def close(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        if self.consumer is not None:
+            await self.consumer.stop()
+        self.check_pending()
+
+
+def relay_sequence(st: Stack) -> int | None:
+    relay = st.relay
+    assert relay is not None
+    gen = relay.pools[0].generation
+    return None if gen is None else int(gen.hub().sequence)
+
+
+def sdk_caught_up(client: RelayClient, seq: int, producer: bytes, history: FilterHistory) -> bool:
+    conn: RelayConnection = client.connections[0]
+    if conn.readiness is None or not conn.slots:
+        return False
+    for slot in conn.slots.values():
+        r = slot.installed
+        if r is None or r.sequence != seq or bytes(slot.descriptor.producer) != producer:
+            return False
+        if history.verdict(producer, seq, r.table) is not True:
+            return False
+    return True
+
+
+def all_caught_up(
+    st: Stack, m: Mirrored, watcher: Watcher, client: RelayClient, recorder: Recorder,
+    history: FilterHistory,
+) -> bool:  # fmt: skip
+    seq = relay_sequence(st)
+    if seq is None or recorder.consumer.replica.sequence != seq:
+        return False
+    relay = st.relay
+    assert relay is not None and relay.pools[0].generation is not None
+    hub = m.mirror.hub_for(relay.pools[0].generation.producer)
+    c = watcher.consumer
+    if hub is None or hub.sequence != seq or c is None or c.replica.sequence != seq:
+        return False
+    if history.verdict(recorder.producer, seq, c.replica.table) is not True:
+        return False
+    return sdk_caught_up(client, seq, recorder.producer, history)
+
+
+async def first_message(channel: Channel, method: str, request: Any, reply: type) -> Any:
+    return await first_matching(channel, method, request, reply, lambda _m: True, timeout=5)
+
+
+async def planes_equal(relay_ch: Channel, mirror_ch: Channel) -> str | None:
+    """None when the catalog and readiness read through the mirror are the relay's (their
+    first message on a new stream, as parsed); else what differs."""
+    for method, request, reply in (
+        ("WatchKvPoolCatalog",
+         pb.WatchKvPoolCatalogRequest(subscriber_id="cmp", contract_marker=MARKER),
+         pb.KvPoolCatalogUpdate),
+        ("SubscribeServingReadiness",
+         pb.SubscribeServingReadinessRequest(subscriber_id="cmp", contract_marker=MARKER),
+         pb.ServingReadinessUpdate),
+    ):  # fmt: skip
+        try:
+            want = await first_message(relay_ch, method, request, reply)
+            got = await first_message(mirror_ch, method, request, reply)
+        except Exception as exc:  # the mirror may still refuse while its session comes back
+            return f"{method}: {exc!r}"
+        if bytes(want) != bytes(got):
+            return f"{method}: {want} != {got}"
+    return None
+
+
+@pytest.mark.parametrize("seed", _seeds())
+async def test_a_mirror_never_serves_a_wrong_or_unvouched_filter_through_a_faulty_network(
+    seed: int,
+) -> None:
+    rnd = random.Random(seed)
+    configs = [SimConfig(name="m0", seed=seed, dp_size=2, capacity_blocks=96)]
+    async with stack(configs, LIMITS, expected_blocks=1024) as st:
+        relay = st.relay
+        assert relay is not None
+        await until(lambda: relay.pools[0].generation is not None, "generation")
+        gen = relay.pools[0].generation
+        assert gen is not None
+        history = FilterHistory()
+        recorder = Recorder(st, history)
+        proxy = await FaultyProxy("127.0.0.1", st.port).start()
+        m = await start_mirror(proxy.port, limits=LIMITS, **MIRROR)
+        faults = Faults()
+        mirror_ch = m.channel()
+        relay_ch = Channel("127.0.0.1", st.port)
+        watcher = Watcher(mirror_ch, recorder, history, gen.producer, relay.relay_identity,
+                          faults)  # fmt: skip
+        client = RelayClient([f"127.0.0.1:{m.port}"], config=CONFIG)
+        await client.start()
+        audit = Audit(client, history)
+        stop = asyncio.Event()
+        driver = asyncio.create_task(traffic(st, random.Random(~seed), stop, quiet=0.08))
+        log = faults.log
+
+        def caught_up() -> bool:
+            watcher.check_pending()
+            return all_caught_up(st, m, watcher, client, recorder, history)
+
+        try:
+            await until(caught_up, "first install")
+            for _ in range(STEPS):
+                kind = rnd.choice(MIRROR_FAULTS)
+                open_at_block: Consumer | None = None
+
+                def started(kind: str, hold: float) -> None:
+                    nonlocal open_at_block
+                    faults.started(kind, hold)
+                    c = watcher.consumer
+                    if kind == "stall_down" and c is not None and c.first.is_set():
+                        open_at_block = c
+
+                await apply_fault(proxy, kind, rnd, log, SILENCE_S, started)
+                faults.healed()
+                t0 = time.monotonic()
+                await until(caught_up, f"recovery after {log[-1]} (seed {seed}: {log})",
+                            RECOVERY_S)  # fmt: skip
+                log[-1] += f", recovered in {time.monotonic() - t0:.2f}s"
+                if open_at_block is not None:
+                    log[-1] += ", open stream ended"
+                if open_at_block is not None:
+                    # the upstream went silent past the silence limit: the local stream that
+                    # was open then was ended with a status, not left hanging for the heal
+                    assert open_at_block.end is not None, ("a stream open through a silent "
+                                                           f"upstream was not ended: {log}")
+                await until(watcher.check_pending, "verdicts")
+                why: str | None = "not compared"
+                for _attempt in range(20):
+                    why = await planes_equal(relay_ch, mirror_ch)
+                    if why is None:
+                        break
+                    await asyncio.sleep(0.1)
+                assert why is None, (why, log)
+                assert not watcher.wrong, (watcher.wrong, log)
+                assert not audit.wrong, (audit.wrong, log)
+                assert not watcher.bad_ends(), (watcher.bad_ends(), log)
+            stop.set()
+            await driver
+            await until(caught_up, "final catch-up")
+            assert recorder.consumer.end is None, recorder.consumer.end
+        finally:
+            stop.set()
+            driver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await driver
+            await audit.close()
+            await watcher.close()
+            await client.close()
+            mirror_ch.close()
+            relay_ch.close()
+            await m.close()
+            await proxy.close()
+            await recorder.close()
+        assert not watcher.wrong, (watcher.wrong, log)
+        assert not audit.wrong, (audit.wrong, log)
+        assert not watcher.bad_ends(), (watcher.bad_ends(), log)
+        assert watcher.frames > STEPS and audit.checked > STEPS, (watcher.frames, audit.checked)
+        print(f"seed {seed}: {log}; {watcher.streams} streams, {watcher.frames} frames, "
+              f"{watcher.vouching} vouching ({watcher.vouching_blocked} in a blocked link), "
+              f"relay sequences {len(recorder.seen_at)}")
+        if os.environ.get("KVRELAY_MIRROR_NETFAULT_ENDS"):
+            for t, end in watcher.ends:
+                print(f"  {t % 100:.2f} {end.message}")
+
+
+async def test_a_connection_dead_towards_the_upstream_is_left_when_a_new_stream_goes_unheard(
+) -> None:
+    """Named case (``stall_open_up``, then the upstream ends the pool's stream): the mirror's
+    connection carries nothing towards the upstream for good while TCP stays up, and the
+    upstream's streams still flow down. The upstream fences its pool (a new generation): the
+    mirror's request for it never arrives, and the stream went silent before its first message
+    over and over on the same connection, which other streams kept looking alive, until
+    grpclib's keepalive closed it: 29.7 s without the pool, 7 silent attempts. One unanswered
+    round trip now replaces the connection: back within a few silence limits."""
+    configs = [SimConfig(name="up0", seed=5, dp_size=1, capacity_blocks=64)]
+    async with stack(configs, LIMITS, expected_blocks=1024) as st:
+        relay = st.relay
+        assert relay is not None
+        await until(lambda: relay.pools[0].generation is not None, "generation")
+        proxy = await FaultyProxy("127.0.0.1", st.port).start()
+        m = await start_mirror(proxy.port, limits=LIMITS, **MIRROR)
+        try:
+            await st.engines[0].step(4)
+            proxy.stall_open(UP)  # for good: only a new connection carries requests
+            await asyncio.sleep(0.2)
+            first = relay.pools[0].generation
+            assert first is not None
+            old = bytes(first.producer)
+
+            def renewed() -> bool:
+                g = relay.pools[0].generation
+                return g is not None and bytes(g.producer) != old
+
+            relay.pools[0].fence(first, "test: the upstream ends the pool's streams")
+            await st.engines[0].step(3)
+            await until(renewed, "a new generation")
+            gen = relay.pools[0].generation
+            assert gen is not None
+
+            def served() -> bool:
+                hub = m.mirror.hub_for(gen.producer)
+                return hub is not None and hub.sequence == gen.hub().sequence
+
+            await until(served, "the mirror serves the new generation", RECOVERY_S)
+            stats = m.mirror.stats()
+            assert stats["channel_deaf"] >= 1, stats
+            assert stats["pool_totals"].get("end_silent", 0) <= 2, stats
+        finally:
+            await m.close()
+            await proxy.close()
+
+
+def test_the_blocked_window_is_what_the_faults_say() -> None:
+    f = Faults()
+    f.started("stall_down", 1.0)
+    assert f.blocked_from is not None and f.slow_until == 0.0
+    f.started("delay", 0.5)
+    assert f.blocked_from is None and f.slow_until > time.time()
+    assert DOWN == "s2c"
