@@ -377,7 +377,8 @@ def guard_families(svc: object) -> Iterator[Metric]:
         "kvrelay_http2_abuse",
         "gRPC connections closed with GOAWAY ENHANCE_YOUR_CALM for breaking a per-connection "
         "budget (rapid_reset, stream_flood, empty_frames, ping_flood, settings_flood, "
-        "oversized_headers), connections closed as accepted over a connection cap "
+        "oversized_headers, window_update_flood: more WINDOW_UPDATE frames than the DATA the "
+        "relay sent them accounts for), connections closed as accepted over a connection cap "
         "(too_many_connections), TLS handshakes that failed or did not finish in 10 s "
         "(tls_handshake), connections closed for input the HTTP/2 stack could not take, "
         "with the GOAWAY code HTTP/2 gives it (protocol_error), streams reset for lacking "

@@ -814,10 +814,14 @@ class RelayServer:
         # every stream a connection may hold, cancelled, reopened and cancelled again in one
         # budget window, is no rapid reset (``h2/guard.py``)
         held_resets = max(H2Budgets().max_held_resets, 2 * per_connection)
+        # and a client may resize the window of every stream it holds at once, a few times in
+        # one window (grpcio does on each estimate of the link's bandwidth-delay product)
+        updates = max(H2Budgets().max_window_updates, 4 * per_connection)
         self._server.h2_guard = (
-            H2Budgets(max_held_resets=held_resets, max_open_streams=max(1024, per_connection)),
+            H2Budgets(max_held_resets=held_resets, max_open_streams=max(1024, per_connection),
+                      max_window_updates=updates),
             self.service.h2_counters,
-        )
+        )  # fmt: skip
         self._server.max_concurrent_streams = per_connection
         # how the streams closed lately closed, for late frames on them: every stream a
         # connection may hold, closed and reopened once (h2 keeps 65,536 per connection)

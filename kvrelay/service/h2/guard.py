@@ -1,5 +1,5 @@
-"""Per-connection HTTP/2 budgets: rapid reset, stream and empty-frame floods, PING and SETTINGS
-floods, oversized headers; the work one read may cost the loop; connections per peer.
+"""Per-connection HTTP/2 budgets: rapid reset, stream and empty-frame floods, PING, SETTINGS and
+WINDOW_UPDATE floods, oversized headers; the work one read may cost the loop; connections per peer.
 
 Why: h2 and grpclib answer every frame a client sends, however many. A client that opens a
 stream and resets it in a loop (CVE-2023-44487, "rapid reset"), or floods PING or SETTINGS
@@ -35,6 +35,29 @@ RST_STREAM frames queued for it, for as long as it went on. The guard knows the 
 client side is open (at most ``max_open_streams``, oldest forgotten first: the server sets it
 from its stream limit per connection); a request's own frames never count.
 
+WINDOW_UPDATE frames cannot have a fixed budget: a client sends them to give back the window the
+relay's DATA used, so a router reading thousands of deltas a second sends them in proportion.
+Beyond that they cost the relay work without giving it any: a flood of them (1.3 million in 5 s
+from one connection, increment 1) kept a core busy for as long as it lasted, never closed nor
+counted. A receiver acknowledges at most each DATA frame it got, once for its stream and once for
+the connection (grpclib's and grpcio's clients send far fewer: one per half window or so), sizes
+a stream's window when it opens it, and may resize every stream's at once (grpcio does as its
+estimate of the link's bandwidth-delay product grows: six times in the first ten seconds of a
+busy connection measured here, rarely after; the server makes ``max_window_updates`` at least
+four such rounds of every stream a connection may hold). So a connection may send per window
+``max_window_updates``, plus one per stream it opened in the window, plus
+``window_updates_per_frame`` per DATA frame the relay sent it since the window before began.
+Acknowledgements trail the DATA: a client that stopped reading for a while acknowledges what it
+was sent meanwhile when it reads again, and windows begin with a frame from the client, so the
+window before reaches back to its last frame before, however long ago.
+
+The DATA frames are not counted as they are written: grpclib's per-connection counts of messages
+and DATA bytes, which every writer of this package keeps as grpclib's own send does, bound them
+from above (one per message, one more per 16 KiB, the smallest frame limit HTTP/2 allows;
+``internals.data_frames_sent``). They are read when a window begins and when its count passes
+what was last allowed, so a WINDOW_UPDATE below that costs a counter. Where the installed grpclib
+lacks those counts, WINDOW_UPDATE has no budget.
+
 One read hands h2 at most ``MAX_FEED_BYTES``: a read of tiny frames (up to 256 KiB, thousands of
 frames) kept the one event loop for seconds. The rest waits for the next loop turn, the
 transport's reading paused meanwhile, so other connections are served in between.
@@ -43,8 +66,9 @@ transport's reading paused meanwhile, so other connections are served in between
 port holds in all: each costs a file descriptor and its buffers, and one client could otherwise
 take every descriptor the process has. A connection over a cap is closed as it is accepted.
 
-The frames are read on the plain-text side (after TLS), as h2 sees them. Nothing of grpclib's
-or h2's private state is used: the guard wraps the protocol's public ``data_received``.
+The frames are read on the plain-text side (after TLS), as h2 sees them. The guard wraps the
+protocol's public ``data_received``; of grpclib's private state it reads only the counts of what
+the connection sent, through ``internals.py``.
 """
 
 from __future__ import annotations
@@ -57,6 +81,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrelay.service.h2.internals import data_frames_sent
+
 __all__ = [
     "ABUSE_REASONS",
     "MAX_FEED_BYTES",
@@ -68,13 +94,13 @@ __all__ = [
 
 PREFACE_LEN = 24  # b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS = 0x0, 0x1, 0x2, 0x3, 0x4
-PING, CONTINUATION = 0x6, 0x9
+PING, WINDOW_UPDATE, CONTINUATION = 0x6, 0x8, 0x9
 LAST_DEFINED = 0x9  # RFC 9113 defines types 0x0..0x9
 END_STREAM, ACK, END_HEADERS = 0x1, 0x1, 0x4
 ENHANCE_YOUR_CALM = 0xB
 ABUSE_REASONS = (
     "rapid_reset", "stream_flood", "empty_frames", "ping_flood", "settings_flood",
-    "oversized_headers", "too_many_connections", "tls_handshake",
+    "oversized_headers", "too_many_connections", "tls_handshake", "window_update_flood",
 )  # fmt: skip
 #: The bytes of one read handed to h2 in one loop turn (see the module docstring).
 MAX_FEED_BYTES = 16 * 1024
@@ -93,6 +119,8 @@ class H2Budgets:
     max_empty_frames: int = 4096  # PRIORITY, empty DATA not ending a stream, ACKs (module doc)
     max_pings: int = 64  # PING without ACK
     max_settings: int = 64  # SETTINGS without ACK
+    max_window_updates: int = 4096  # WINDOW_UPDATE beyond what the relay's DATA earns (module doc)
+    window_updates_per_frame: int = 2  # per DATA frame sent: its stream's and the connection's
     max_header_block_bytes: int = 65536  # one HEADERS + CONTINUATION sequence
     max_open_streams: int = 1024  # streams whose client side the guard tracks as open
 
@@ -132,11 +160,15 @@ class FrameGuard:
         "_recent",
         "_recent_ids",
         "_resets",
+        "_sent_marks",
         "_settings",
         "_skip",
         "_streams",
         "_transport",
+        "_updates",
+        "_updates_allowed",
         "_window_end",
+        "sent",
         "tripped",
     )  # fmt: skip
 
@@ -153,6 +185,13 @@ class FrameGuard:
         self._window_end = time.monotonic() + budgets.window_s
         self._resets = self._pings = self._settings = self._streams = self._empty = 0
         self._held_resets = 0
+        #: DATA frames the relay sent on the connection so far, at most (``data_frames_sent``;
+        #: None: not known, WINDOW_UPDATE has no budget)
+        self.sent: Callable[[], int] | None = None
+        self._updates = 0  # WINDOW_UPDATE frames in this window
+        self._updates_allowed = budgets.max_window_updates  # as last computed
+        #: ``sent()`` when the previous window and this one began
+        self._sent_marks = (0, 0)
         #: streams opened less than ``held_stream_s`` ago: (when, stream id), oldest first, and
         #: their ids (bounded by the streams a window may open)
         self._recent: deque[tuple[float, int]] = deque()
@@ -197,9 +236,7 @@ class FrameGuard:
         self._skip = length
         now = time.monotonic()
         if now >= self._window_end:
-            self._window_end = now + self._budgets.window_s
-            self._resets = self._pings = self._settings = self._streams = self._empty = 0
-            self._held_resets = 0
+            self._new_window(now)
         b = self._budgets
         if kind == HEADERS:
             if stream > self._last_stream:  # a new stream (trailers come on an open one)
@@ -233,6 +270,10 @@ class FrameGuard:
                     return self._empty_frame()
             elif 0 < stream <= self._last_stream or (not length and not flags & END_STREAM):
                 return self._empty_frame()  # on a closed stream (module doc), or empty
+        elif kind == WINDOW_UPDATE:
+            self._updates += 1
+            if self._updates > self._updates_allowed:
+                return self._window_updates()
         elif kind == PRIORITY or kind > LAST_DEFINED:
             return self._empty_frame()
         elif kind == RST_STREAM:
@@ -258,6 +299,28 @@ class FrameGuard:
             return self._empty_frame()
         if kind in (HEADERS, CONTINUATION) and self._header_bytes > b.max_header_block_bytes:
             return "oversized_headers"
+        return None
+
+    def _new_window(self, now: float) -> None:
+        """Start a budget window (the DATA sent in the one ending still counts: module doc)."""
+        self._window_end = now + self._budgets.window_s
+        self._resets = self._pings = self._settings = self._streams = self._empty = 0
+        self._held_resets = self._updates = 0
+        self._updates_allowed = self._budgets.max_window_updates
+        if self.sent is not None:
+            self._sent_marks = (self._sent_marks[1], self.sent())
+
+    def _window_updates(self) -> str | None:
+        """Past what was last allowed: allowed now, with the DATA sent since (module doc)?"""
+        b = self._budgets
+        if self.sent is None:
+            self._updates_allowed = 1 << 62  # not known: no budget
+            return None
+        frames = self.sent() - self._sent_marks[0]
+        allowed = b.max_window_updates + self._streams + b.window_updates_per_frame * frames
+        if self._updates > allowed:
+            return "window_update_flood"
+        self._updates_allowed = allowed
         return None
 
     def _opened(self, stream: int) -> None:
@@ -302,6 +365,7 @@ def guard_protocol(proto: Any, budgets: H2Budgets, counters: H2Counters) -> None
         transport = t
         guard = FrameGuard(t, budgets, counters)
         made(t)
+        guard.sent = data_frames_sent(proto)  # (grpclib's connection exists from ``made``)
 
     def hand_on(data: bytes) -> bool:
         if guard is None or not guard.feed(data):

@@ -1,15 +1,17 @@
 """Every grpclib and h2 internal the relay's own HTTP/2 writers rely on, listed and checked once.
 
 Why: the writers in this package (``bulk``, ``direct``, ``batch``, ``reset``, ``closing``,
-``drain``, ``mend``) work beside grpclib on its private stream, connection and h2 state. A
-grpclib or h2 release may drop or rename any of it; ``missing`` then names what is gone and
-``StreamWriter`` falls back to grpclib's public path (the relay gets slower, never wrong).
+``drain``, ``mend``; ``guard`` reads what a connection sent) work beside grpclib on its private
+stream, connection and h2 state. A grpclib or h2 release may drop or rename any of it;
+``missing`` then names what is gone and ``StreamWriter`` falls back to grpclib's public path
+(the relay gets slower, never wrong).
 ``tests/service/h2/test_internals.py`` checks the whole list against the installed versions on a
 real stream.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from grpclib.protocol import Connection as _GrpclibConnection
@@ -39,11 +41,13 @@ __all__ = [
     "SEND_DATA_CONNECTION_NOOP",
     "SEND_DATA_STREAM",
     "SEND_DATA_STREAM_NOOP",
+    "SENT_NEEDS",
     "H2Protocol",
     "Parts",
     "bound_closed_streams",
     "capped_encoder",
     "close_unstarted",
+    "data_frames_sent",
     "live_internals",
     "missing",
     "missing_in_classes",
@@ -53,6 +57,7 @@ __all__ = [
     "missing_in_feed",
     "missing_in_hpack_encoder",
     "missing_in_protocol",
+    "missing_in_sent",
     "stream_internals",
 ]
 
@@ -186,6 +191,38 @@ FEED_NEEDS: tuple[tuple[str, str], ...] = (
 def missing_in_feed(proto: Any) -> list[str]:
     """``where.attribute`` for each of ``FEED_NEEDS`` this connected server protocol lacks."""
     return _missing_on_connection(proto, FEED_NEEDS)
+
+
+#: What ``guard`` reads to bound a client's WINDOW_UPDATE frames by the DATA the relay sent it:
+#: grpclib's per-connection counts of messages and DATA bytes sent (grpclib's own send keeps
+#: them, and so does every writer of this package), ``where`` as in ``DRAIN_NEEDS``.
+SENT_NEEDS: tuple[tuple[str, str], ...] = (
+    ("proto", "connection"),
+    ("connection", "messages_sent"),
+    ("connection", "data_sent"),
+)
+#: The smallest SETTINGS_MAX_FRAME_SIZE HTTP/2 allows (RFC 9113 §6.5.2): no DATA frame the relay
+#: sends is cut shorter than this but at the end of a message (or of the window open to it).
+MIN_FRAME_LIMIT = 16384
+
+
+def missing_in_sent(proto: Any) -> list[str]:
+    """``where.attribute`` for each of ``SENT_NEEDS`` this connected server protocol lacks."""
+    return _missing_on_connection(proto, SENT_NEEDS)
+
+
+def data_frames_sent(proto: Any) -> Callable[[], int] | None:
+    """How many DATA frames, at most, the relay has sent on the connected ``proto``'s connection
+    so far (read when called): one per message, one more per 16 KiB sent. None where the
+    counts are missing."""
+    if missing_in_sent(proto):
+        return None
+    conn = proto.connection
+
+    def sent() -> int:
+        return int(conn.messages_sent) + int(conn.data_sent) // MIN_FRAME_LIMIT
+
+    return sent
 
 
 #: What ``mend`` uses to bound the HPACK table of a connection's response headers: h2's

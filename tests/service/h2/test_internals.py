@@ -35,7 +35,9 @@ from kvrelay.service.h2.internals import (
     SEND_DATA_CONNECTION_NOOP,
     SEND_DATA_STREAM,
     SEND_DATA_STREAM_NOOP,
+    SENT_NEEDS,
     capped_encoder,
+    data_frames_sent,
     missing,
     missing_in_classes,
     missing_in_drain,
@@ -43,6 +45,7 @@ from kvrelay.service.h2.internals import (
     missing_in_feed,
     missing_in_hpack_encoder,
     missing_in_protocol,
+    missing_in_sent,
     stream_internals,
 )
 from kvrelay.service.h2.request import missing_request_needs, recv_request
@@ -306,3 +309,28 @@ def test_hpack_encoders_have_what_the_capped_encoder_uses() -> None:
     assert encoder.header_table_size == 4096 and encoder.header_table.maxsize == 4096
     encoder.header_table_size = 1024
     assert encoder.header_table_size == 1024 and encoder.table_size_changes == [1024]
+
+
+async def test_a_connected_server_protocol_counts_what_it_sent() -> None:
+    """``guard`` bounds a client's WINDOW_UPDATEs by the DATA frames the relay sent it, read from
+    grpclib's per-connection counts of messages and DATA bytes: there on a real connection after
+    a call (one message of a few bytes: one frame); a protocol without them is named, each need
+    once, and gets no reader."""
+    server = ClosingServer([_Probe()], codec=_Raw())
+    await server.start("127.0.0.1", 0)
+    port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    ch = Channel("127.0.0.1", port, codec=_Raw())
+    try:
+        async with ch.request(PATH, Cardinality.UNARY_STREAM, bytes, bytes) as st:
+            await st.send_message(b"x", end=True)
+            assert await st.recv_message() == b"ok"
+        (proto,) = list(server._protocols)
+        assert missing_in_sent(proto) == []
+        sent = data_frames_sent(proto)
+        assert sent is not None and sent() == 1
+        assert missing_in_sent(object()) == [f"{w}.{a}" for w, a in SENT_NEEDS]
+        assert data_frames_sent(object()) is None
+    finally:
+        ch.close()
+        server.close()
+        await server.wait_closed()
