@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, TextIO
 
 from kvrelay import SUPPORTED_DYNAMO, SUPPORTED_VLLM, __version__
+from kvrelay._argparse import StrictSubcommand
 
 if TYPE_CHECKING:
     from kvrelay.ops.config import ConfigProblem
@@ -109,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="version",
         version=f"kvrelay {__version__} (vLLM {SUPPORTED_VLLM}; {SUPPORTED_DYNAMO})",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    sub = parser.add_subparsers(
+        dest="command", metavar="COMMAND", title="commands", parser_class=StrictSubcommand
+    )
 
     serve = sub.add_parser(
         "serve",

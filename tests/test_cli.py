@@ -51,6 +51,24 @@ def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]
     assert main(argv) == 2
 
 
+@pytest.mark.parametrize(
+    ("argv", "usage"),
+    [
+        (["serve", "--confg", "x.toml"], "usage: kvrelay serve "),
+        (["watch", "catalog", "--bogus"], "usage: kvrelay watch "),
+        (["check-config", "a.toml", "--bogus"], "usage: kvrelay check-config "),
+    ],
+)
+def test_a_subcommands_unknown_option_shows_that_subcommands_usage(
+    argv: list[str], usage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse handed a subcommand's unknown options to the top-level parser, which printed
+    ``kvrelay [-h] [--version] COMMAND ...``: the subcommand's options were not shown."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage) and "unrecognized arguments" in err, err
+
+
 def test_serve_without_config_is_a_usage_error(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

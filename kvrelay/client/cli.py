@@ -28,6 +28,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from kvrelay._aio import cancel_and_wait
+from kvrelay._argparse import StrictSubcommand
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import rpc
 from kvrelay.client import stream_rules as rules
@@ -125,7 +126,9 @@ def build_parser(prog: str = "kvrelay-client") -> argparse.ArgumentParser:
     parser.add_argument(
         "--version", action="version", version=f"{prog} {__version__} ({SUPPORTED_DYNAMO})"
     )
-    add_subcommands(parser.add_subparsers(dest="client_subcommand", metavar="COMMAND"))
+    add_subcommands(parser.add_subparsers(
+        dest="client_subcommand", metavar="COMMAND", parser_class=StrictSubcommand
+    ))  # fmt: skip
     return parser
 
 
