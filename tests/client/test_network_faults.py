@@ -3,11 +3,16 @@
 A real relay fed by simulated engines serves a ``RelayClient`` through a TCP proxy that, at
 seeded random points, delays bytes, splits writes into single bytes, stalls one direction past
 the SDK's silence limit (the TCP connection stays up), cuts connections (RST or FIN),
-half-closes one direction and black-holes new connections. Throughout, the promise a router
-relies on is checked: a replica the SDK holds as installed equals, word for word, the relay's
-own filter at the sequence the replica claims (a strict direct subscriber records the relay's
-filter at every sequence); otherwise the SDK reports the pool as not installed. After each
-fault heals, the SDK catches up with the relay within a bounded time.
+half-closes one direction and black-holes new connections. At seeded random points, while a
+fault is in place and right after it heals, the relay side acts too (``netfaults.RelaySide``):
+a pool fenced (a new generation), reloads (an engine joins or leaves, a second pool comes and
+goes, a ``ckf_seed`` change), an engine restart, a relay restart on the same port (a new relay
+identity). Throughout, the promise a router relies on is checked: a replica the SDK holds as
+installed equals, word for word, the relay's own filter for that producer at the sequence the
+replica claims (strict direct subscribers of every generation record the relay's filter at
+every sequence); otherwise the SDK reports the pool as not installed. After each fault heals,
+the SDK holds every pool at the relay's current generation and sequence within a bounded
+time.
 
 Long run: ``KVRELAY_NETFAULT_SEEDS=100:200 [KVRELAY_NETFAULT_STEPS=30]``.
 """
@@ -24,12 +29,20 @@ import numpy as np
 import pytest
 
 from kvrelay.client import ClientConfig, RelayClient
-from kvrelay.client.connection import RelayConnection
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.sim.config import SimConfig
-from tests.support.client_stack import Stack, stack
+from tests.support.client_stack import stack
 from tests.support.faulty_proxy import DOWN, UP, FaultyProxy, FilterHistory
-from tests.support.netfaults import FAULTS, STALL_OPEN, Audit, Recorder, apply_fault, traffic
+from tests.support.netfaults import (
+    FAULTS,
+    STALL_OPEN,
+    Audit,
+    Recorder,
+    RelaySide,
+    apply_fault,
+    traffic,
+)
+from tests.support.netfaults import sdk_caught_up as caught_up
 from tests.support.netfaults import until as _until
 
 HEARTBEAT_S = 0.3
@@ -58,23 +71,9 @@ def _seeds() -> list[int]:
 STEPS = int(os.environ.get("KVRELAY_NETFAULT_STEPS", "6"))
 
 
-def caught_up(client: RelayClient, st: Stack, history: FilterHistory) -> bool:
-    """Every catalog pool installed at the relay's published sequence, readiness known."""
-    relay = st.relay
-    assert relay is not None
-    gen = relay.pools[0].generation
-    conn: RelayConnection = client.connections[0]
-    if gen is None or conn.readiness is None or not conn.slots:
-        return False
-    producer = bytes(gen.producer)
-    for slot in conn.slots.values():
-        r = slot.installed
-        if r is None or r.sequence is None or bytes(slot.descriptor.producer) != producer:
-            return False
-        if r.sequence != gen.hub().sequence or history.verdict(producer, r.sequence, r.table) \
-                is not True:
-            return False
-    return True
+#: How often the relay side acts (``RelaySide``) while a fault is in place, and right after it
+#: healed (before the recovery is awaited).
+P_DURING, P_BETWEEN = 0.45, 0.3
 
 
 @pytest.mark.parametrize("seed", _seeds())
@@ -93,35 +92,57 @@ async def test_the_sdk_never_serves_a_wrong_filter_and_recovers_through_a_faulty
         client = RelayClient([proxy.address], config=CONFIG)
         await client.start()
         audit = Audit(client, history)
-        stop = asyncio.Event()
-        driver = asyncio.create_task(traffic(st, random.Random(~seed), stop))
         log: list[str] = []
+        side = await RelaySide(st, random.Random(seed * 7919 + 1), log).start()
+        stop = asyncio.Event()
+        driver = asyncio.create_task(traffic(side.configured, random.Random(~seed), stop))
+        acts: list[asyncio.Task[str]] = []
         try:
             await _until(lambda: caught_up(client, st, history), "first install")
             for _ in range(STEPS):
                 kind = rnd.choice(FAULTS + STALL_OPEN)
-                await apply_fault(proxy, kind, rnd, log, 3 * HEARTBEAT_S)
+
+                async def act_after(delay: float) -> str:
+                    await asyncio.sleep(delay)
+                    return await side.act()
+
+                def started(kind: str, hold: float) -> None:
+                    if rnd.random() < P_DURING:
+                        acts.append(asyncio.create_task(act_after(rnd.uniform(0.0, hold))))
+
+                await apply_fault(proxy, kind, rnd, log, 3 * HEARTBEAT_S, started)
+                if rnd.random() < P_BETWEEN:
+                    acts.append(asyncio.create_task(side.act()))
+                while acts:
+                    await acts.pop(0)
+                await side.settle()
                 t0 = time.monotonic()
                 await _until(lambda: caught_up(client, st, history),
                              f"recovery after {log[-1]} (seed {seed}: {log})",
                              RECOVERY_S)  # fmt: skip
-                log[-1] += f", recovered in {time.monotonic() - t0:.2f}s"
+                log.append(f"recovered in {time.monotonic() - t0:.2f}s")
                 assert not audit.wrong, (audit.wrong, log)
+                assert not recorder.problems(), (recorder.problems(), log)
             stop.set()
             await driver
             await _until(lambda: caught_up(client, st, history), "final catch-up")
-            assert recorder.consumer.end is None, recorder.consumer.end
+            assert not recorder.problems(), (recorder.problems(), log)
         finally:
             stop.set()
             driver.cancel()
+            for task in acts:
+                task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await driver
             await audit.close()
             await client.close()
             await proxy.close()
             await recorder.close()
+            await side.close()
         assert not audit.wrong, (audit.wrong, log)
         assert audit.checked > STEPS, audit.checked
+        print(f"seed {seed}: {log}; relay side {side.counts}; {audit.checked} checked, "
+              f"{audit.before_oracle} before the oracle")
 
 
 @pytest.mark.parametrize("fault", ["blackhole", "dead"])

@@ -3,20 +3,25 @@
 A real relay fed by simulated engines is mirrored through a TCP proxy
 (``tests/support/faulty_proxy.py``) that, at seeded random points, delays bytes, splits writes
 into single bytes, stalls one direction past the mirror's silence limit (TCP stays up), cuts
-connections (RST or FIN), half-closes one direction and black-holes new connections.
-Downstream, on a direct channel to the mirror, a strict raw subscriber (resubscribing whenever
-its stream ends) and an SDK client read the mirror. Throughout:
+connections (RST or FIN), half-closes one direction and black-holes new connections. At seeded
+random points, during a fault and right after it heals, the relay side acts too
+(``netfaults.RelaySide``: a fence, reloads, an engine restart, a relay restart). Downstream,
+on a direct channel to the mirror, a strict raw subscriber (resubscribing whenever its stream
+ends, to the first pool's generation at that time) and an SDK client read the mirror.
+Throughout:
 
 * every frame a downstream subscriber accepts leaves its replica equal, word for word, to the
-  upstream relay's own filter at that sequence (a direct subscriber of the relay records it);
+  upstream relay's own filter for that producer at that sequence (direct subscribers of every
+  generation of the relay record it);
 * a heartbeat or snapshot says "nothing changed up to now": the mirror sends none while it
   cannot vouch for its state (upstream silent past 1.5 of its heartbeat periods + 0.25 s, or
   no upstream stream), and none at a sequence the relay left well before it was sent;
-* streams end with a status (PUBLICATION_UNAVAILABLE), never a cut or a clean EOF, and a
+* streams end with a status (PUBLICATION_UNAVAILABLE; POOL_NOT_FOUND or PRODUCER_CHANGED for a
+  generation the mirror has not heard of yet or has left), never a cut or a clean EOF, and a
   stream open when the upstream went silent is ended, not left hanging;
 * after each fault heals, the mirror, the raw subscriber and the SDK are back at the relay's
-  sequence within a few heartbeat periods and backoffs, and the catalog and readiness planes
-  read through the mirror equal the relay's.
+  current generations and sequences within a few heartbeat periods and backoffs, and the
+  catalog and readiness planes read through the mirror equal the relay's.
 
 Long run: ``KVRELAY_MIRROR_NETFAULT_SEEDS=100:140 [KVRELAY_MIRROR_NETFAULT_STEPS=10]``.
 """
@@ -37,13 +42,22 @@ from grpclib.const import Status
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import ClientConfig, RelayClient
-from kvrelay.client.connection import RelayConnection
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.sim.config import SimConfig
 from tests.support.client_stack import Stack, stack
 from tests.support.faulty_proxy import DOWN, UP, FaultyProxy, FilterHistory
 from tests.support.mirror_rig import Mirrored, start_mirror
-from tests.support.netfaults import FAULTS, STALL_OPEN, Audit, Recorder, apply_fault, traffic, until
+from tests.support.netfaults import (
+    FAULTS,
+    STALL_OPEN,
+    Audit,
+    Recorder,
+    RelaySide,
+    apply_fault,
+    sdk_caught_up,
+    traffic,
+    until,
+)
 from tests.support.rig import MARKER, Consumer, StreamEnd, first_matching
 
 HEARTBEAT_S = 0.3
@@ -70,6 +84,14 @@ SLOW_LINK_S = 1.5
 #: (scaled) time: a few silence limits and backoffs.
 RECOVERY_S = 8.0
 MIRROR_FAULTS = FAULTS + STALL_OPEN
+ALLOWED_ENDS = {
+    (Status.UNAVAILABLE, "RELAY_ERROR_REASON_PUBLICATION_UNAVAILABLE"),
+    (Status.NOT_FOUND, "RELAY_ERROR_REASON_POOL_NOT_FOUND"),
+    (Status.FAILED_PRECONDITION, "RELAY_ERROR_REASON_PRODUCER_CHANGED"),
+}
+#: How often the relay side acts (``RelaySide``) while a fault is in place, and right after it
+#: healed (before the recovery is awaited).
+P_DURING, P_BETWEEN = 0.45, 0.3
 
 
 def _seeds() -> list[int]:
@@ -108,19 +130,23 @@ class Watcher:
     ends; checks every frame it accepts against the relay's history."""
 
     def __init__(
-        self, channel: Channel, recorder: Recorder, history: FilterHistory,
-        producer: pb.ProducerIdentity, relay: pb.RelayIdentity, faults: Faults,
+        self, channel: Channel, st: Stack, recorder: Recorder, history: FilterHistory,
+        faults: Faults,
     ) -> None:  # fmt: skip
         self.channel = channel
+        self.st = st
         self.recorder = recorder
         self.history = history
-        self.producer = producer
-        self.relay = relay
         self.faults = faults
         self.consumer: Consumer | None = None
-        self.ends: list[tuple[float, StreamEnd]] = []
+        self.producer = b""  # of the stream open now
+        #: the relays that a restart stopped (``RelaySide.stopped_relays``): a stream of one
+        #: may end with a clean EOF, as every stream of a relay that shuts down
+        self.stopped_relays: set[bytes] = set()
+        self.ends: list[tuple[float, StreamEnd, bytes]] = []
         self.wrong: list[str] = []
-        self.pending: list[tuple[int, bytes, float]] = []
+        self.pending: list[tuple[bytes, int, bytes, float]] = []
+        self.before_oracle = 0
         self.frames = 0
         self.streams = 0
         self.vouching = 0  # heartbeats and snapshots checked for freshness
@@ -129,8 +155,15 @@ class Watcher:
 
     async def _run(self) -> None:
         while True:
-            c = Consumer(self.channel, self.producer, self.relay, "watcher")
-            self._wrap(c)
+            relay = self.st.relay
+            gen = None if relay is None else relay.pools[0].generation
+            if relay is None or gen is None or gen.retired:
+                await asyncio.sleep(0.01)
+                continue
+            # the relay's first pool as it is now (it follows fences, reloads, restarts)
+            c = Consumer(self.channel, gen.producer, relay.relay_identity, "watcher")
+            self.producer = bytes(gen.producer)
+            self._wrap(c, self.producer)
             self.consumer = c
             self.streams += 1
             c.start()
@@ -141,10 +174,10 @@ class Watcher:
                 self.wrong.append(f"stream {self.streams}: {exc!r}")
                 c.end = StreamEnd(Status.UNKNOWN, repr(exc))
             assert c.end is not None
-            self.ends.append((time.time(), c.end))
+            self.ends.append((time.time(), c.end, bytes(relay.relay_identity)))
             await asyncio.sleep(0.05)
 
-    def _wrap(self, c: Consumer) -> None:
+    def _wrap(self, c: Consumer, producer: bytes) -> None:
         replica = c.replica
         feed = replica.feed
 
@@ -154,18 +187,18 @@ class Watcher:
                 return  # a snapshot still being assembled
             self.frames += 1
             seq = replica.sequence
-            producer = self.recorder.producer
             verdict = self.history.verdict(producer, seq, replica.table)
             if verdict is False:
                 self.wrong.append(f"at {seq}: not the relay's filter")
             elif verdict is None:
-                self.pending.append((seq, FilterHistory.digest(replica.table), time.monotonic()))
+                digest = FilterHistory.digest(replica.table)
+                self.pending.append((producer, seq, digest, time.monotonic()))
             if fu.kind != pb.FilterUpdateKind.DELTA:
-                self._vouched(fu, seq)
+                self._vouched(fu, producer, seq)
 
         replica.feed = checked  # type: ignore[method-assign]
 
-    def _vouched(self, fu: pb.FilterUpdate, seq: int) -> None:
+    def _vouched(self, fu: pb.FilterUpdate, producer: bytes, seq: int) -> None:
         """A heartbeat or snapshot (stamped by the mirror when sent) claims the state at
         ``seq`` is current: not while the link was blocked past the vouching window, and not
         long after the relay published the next sequence."""
@@ -179,7 +212,7 @@ class Watcher:
                 and (f.healed_at is None or sent < f.healed_at)):  # fmt: skip
             self.wrong.append(f"{kind} at {seq} sent {sent - f.blocked_from:.2f}s into a blocked "
                               f"upstream link ({f.log[-1:]})")  # fmt: skip
-        nxt = self.recorder.superseded_at(seq)
+        nxt = self.recorder.superseded_at(producer, seq)
         allowed = VOUCH_S + SLACK_S + (SLOW_LINK_S if sent < f.slow_until else 0.0)
         if nxt is not None and sent - nxt > allowed:
             self.wrong.append(f"{kind} at {seq} sent {sent - nxt:.2f}s after the relay published "
@@ -188,13 +221,16 @@ class Watcher:
     def check_pending(self) -> bool:
         """Check the frames whose sequence the history lacked before; True when none is left."""
         still = []
-        for seq, digest, since in self.pending:
-            want = self.history.digests.get((self.recorder.producer, seq))
-            if want is None:
+        for producer, seq, digest, since in self.pending:
+            want = self.history.digests.get((producer, seq))
+            first = self.history.first.get(producer)
+            if want is None and first is not None and seq < first:
+                self.before_oracle += 1  # this subscriber came before the oracle
+            elif want is None:
                 if time.monotonic() - since > 10:
                     self.wrong.append(f"sequence {seq} never published by the relay")
                 else:
-                    still.append((seq, digest, since))
+                    still.append((producer, seq, digest, since))
             elif want != digest:
                 self.wrong.append(f"at {seq}: not the relay's filter (checked late)")
         self.pending = still
@@ -202,11 +238,14 @@ class Watcher:
 
     def bad_ends(self) -> list[str]:
         """Ends that are not a status: a cut stream, a clean EOF (no upstream shut down here),
-        or a status other than PUBLICATION_UNAVAILABLE."""
+        or a status other than PUBLICATION_UNAVAILABLE (a mirror without the upstream's pool)
+        or, the relay side having moved on, POOL_NOT_FOUND / PRODUCER_CHANGED (a generation
+        the mirror has not heard of yet, or left already); a clean EOF only for a stream of a
+        relay that a restart stopped."""
         return [
-            str(end) for _, end in self.ends
-            if end.status != Status.UNAVAILABLE
-            or end.reason != "RELAY_ERROR_REASON_PUBLICATION_UNAVAILABLE"
+            str(end) for _, end, relay in self.ends
+            if (end.status, end.reason) not in ALLOWED_ENDS
+            and not (end.status is None and relay in self.stopped_relays)
         ]  # fmt: skip
 
     async def close(self) -> None:
@@ -218,42 +257,32 @@ class Watcher:
         self.check_pending()
 
 
-def relay_sequence(st: Stack) -> int | None:
-    relay = st.relay
-    assert relay is not None
-    gen = relay.pools[0].generation
-    return None if gen is None else int(gen.hub().sequence)
-
-
-def sdk_caught_up(client: RelayClient, seq: int, producer: bytes, history: FilterHistory) -> bool:
-    conn: RelayConnection = client.connections[0]
-    if conn.readiness is None or not conn.slots:
-        return False
-    for slot in conn.slots.values():
-        r = slot.installed
-        if r is None or r.sequence != seq or bytes(slot.descriptor.producer) != producer:
-            return False
-        if history.verdict(producer, seq, r.table) is not True:
-            return False
-    return True
-
-
 def all_caught_up(
     st: Stack, m: Mirrored, watcher: Watcher, client: RelayClient, recorder: Recorder,
     history: FilterHistory,
 ) -> bool:  # fmt: skip
-    seq = relay_sequence(st)
-    if seq is None or recorder.consumer.replica.sequence != seq:
-        return False
+    """Every pool of the relay: the oracle, the mirror's hub at the relay's current generation
+    and sequence; the raw subscriber on the first pool there too, with the relay's filter; the
+    SDK likewise for every pool."""
     relay = st.relay
-    assert relay is not None and relay.pools[0].generation is not None
-    hub = m.mirror.hub_for(relay.pools[0].generation.producer)
-    c = watcher.consumer
-    if hub is None or hub.sequence != seq or c is None or c.replica.sequence != seq:
+    if relay is None:
         return False
-    if history.verdict(recorder.producer, seq, c.replica.table) is not True:
-        return False
-    return sdk_caught_up(client, seq, recorder.producer, history)
+    for i, p in enumerate(relay.pools):
+        gen = p.generation
+        feed = recorder.current(i)
+        if gen is None or feed is None or feed.sequence != gen.sequence:
+            return False
+        hub = m.mirror.hub_for(gen.producer)
+        if hub is None or hub.sequence != gen.sequence:
+            return False
+        if i == 0:
+            c = watcher.consumer
+            if c is None or watcher.producer != feed.producer or c.end is not None:
+                return False
+            if c.replica.sequence != gen.sequence or history.verdict(
+                    feed.producer, gen.sequence, c.replica.table) is not True:  # fmt: skip
+                return False
+    return sdk_caught_up(client, st, history)
 
 
 async def first_message(channel: Channel, method: str, request: Any, reply: type) -> Any:
@@ -291,8 +320,6 @@ async def test_a_mirror_never_serves_a_wrong_or_unvouched_filter_through_a_fault
         relay = st.relay
         assert relay is not None
         await until(lambda: relay.pools[0].generation is not None, "generation")
-        gen = relay.pools[0].generation
-        assert gen is not None
         history = FilterHistory()
         recorder = Recorder(st, history)
         proxy = await FaultyProxy("127.0.0.1", st.port).start()
@@ -300,14 +327,17 @@ async def test_a_mirror_never_serves_a_wrong_or_unvouched_filter_through_a_fault
         faults = Faults()
         mirror_ch = m.channel()
         relay_ch = Channel("127.0.0.1", st.port)
-        watcher = Watcher(mirror_ch, recorder, history, gen.producer, relay.relay_identity,
-                          faults)  # fmt: skip
+        watcher = Watcher(mirror_ch, st, recorder, history, faults)
         client = RelayClient([f"127.0.0.1:{m.port}"], config=CONFIG)
         await client.start()
         audit = Audit(client, history)
-        stop = asyncio.Event()
-        driver = asyncio.create_task(traffic(st, random.Random(~seed), stop, quiet=0.08))
         log = faults.log
+        side = await RelaySide(st, random.Random(seed * 7919 + 2), log).start()
+        watcher.stopped_relays = side.stopped_relays
+        stop = asyncio.Event()
+        driver = asyncio.create_task(traffic(side.configured, random.Random(~seed), stop,
+                                             quiet=0.08))  # fmt: skip
+        acts: list[asyncio.Task[str]] = []
 
         def caught_up() -> bool:
             watcher.check_pending()
@@ -319,22 +349,32 @@ async def test_a_mirror_never_serves_a_wrong_or_unvouched_filter_through_a_fault
                 kind = rnd.choice(MIRROR_FAULTS)
                 open_at_block: Consumer | None = None
 
+                async def act_after(delay: float) -> str:
+                    await asyncio.sleep(delay)
+                    return await side.act()
+
                 def started(kind: str, hold: float) -> None:
                     nonlocal open_at_block
                     faults.started(kind, hold)
                     c = watcher.consumer
                     if kind == "stall_down" and c is not None and c.first.is_set():
                         open_at_block = c
+                    if rnd.random() < P_DURING:
+                        acts.append(asyncio.create_task(act_after(rnd.uniform(0.0, hold))))
 
                 await apply_fault(proxy, kind, rnd, log, SILENCE_S, started)
                 faults.healed()
+                if rnd.random() < P_BETWEEN:
+                    acts.append(asyncio.create_task(side.act()))
+                while acts:
+                    await acts.pop(0)
+                await side.settle()
                 t0 = time.monotonic()
                 await until(caught_up, f"recovery after {log[-1]} (seed {seed}: {log})",
                             RECOVERY_S)  # fmt: skip
-                log[-1] += f", recovered in {time.monotonic() - t0:.2f}s"
+                log.append(f"recovered in {time.monotonic() - t0:.2f}s")
                 if open_at_block is not None:
                     log[-1] += ", open stream ended"
-                if open_at_block is not None:
                     # the upstream went silent past the silence limit: the local stream that
                     # was open then was ended with a status, not left hanging for the heal
                     assert open_at_block.end is not None, ("a stream open through a silent "
@@ -350,13 +390,16 @@ async def test_a_mirror_never_serves_a_wrong_or_unvouched_filter_through_a_fault
                 assert not watcher.wrong, (watcher.wrong, log)
                 assert not audit.wrong, (audit.wrong, log)
                 assert not watcher.bad_ends(), (watcher.bad_ends(), log)
+                assert not recorder.problems(), (recorder.problems(), log)
             stop.set()
             await driver
             await until(caught_up, "final catch-up")
-            assert recorder.consumer.end is None, recorder.consumer.end
+            assert not recorder.problems(), (recorder.problems(), log)
         finally:
             stop.set()
             driver.cancel()
+            for task in acts:
+                task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await driver
             await audit.close()
@@ -367,15 +410,17 @@ async def test_a_mirror_never_serves_a_wrong_or_unvouched_filter_through_a_fault
             await m.close()
             await proxy.close()
             await recorder.close()
+            await side.close()
         assert not watcher.wrong, (watcher.wrong, log)
         assert not audit.wrong, (audit.wrong, log)
         assert not watcher.bad_ends(), (watcher.bad_ends(), log)
         assert watcher.frames > STEPS and audit.checked > STEPS, (watcher.frames, audit.checked)
-        print(f"seed {seed}: {log}; {watcher.streams} streams, {watcher.frames} frames, "
-              f"{watcher.vouching} vouching ({watcher.vouching_blocked} in a blocked link), "
-              f"relay sequences {len(recorder.seen_at)}")
+        print(f"seed {seed}: {log}; relay side {side.counts}; {watcher.streams} streams, "
+              f"{watcher.frames} frames, {watcher.vouching} vouching ({watcher.vouching_blocked} "
+              f"in a blocked link), {watcher.before_oracle}+{audit.before_oracle} before the "
+              f"oracle, relay sequences {sum(len(f.seen_at) for f in recorder.feeds.values())}")
         if os.environ.get("KVRELAY_MIRROR_NETFAULT_ENDS"):
-            for t, end in watcher.ends:
+            for t, end, _ in watcher.ends:
                 print(f"  {t % 100:.2f} {end.message}")
 
 

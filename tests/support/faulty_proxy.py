@@ -200,6 +200,8 @@ class FilterHistory:
     def __init__(self) -> None:
         self.digests: dict[tuple[bytes, int], bytes] = {}
         self.latest: dict[bytes, int] = {}
+        #: the first sequence recorded per producer (the oracle's subscription began there)
+        self.first: dict[bytes, int] = {}
 
     @staticmethod
     def digest(table: object) -> bytes:
@@ -207,6 +209,7 @@ class FilterHistory:
 
     def record(self, producer: bytes, sequence: int, table: object) -> None:
         self.digests[(producer, sequence)] = self.digest(table)
+        self.first.setdefault(producer, sequence)
         self.latest[producer] = max(sequence, self.latest.get(producer, sequence))
 
     def verdict(self, producer: bytes, sequence: int, table: object) -> bool | None:

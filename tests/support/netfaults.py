@@ -11,16 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from grpclib.client import Channel
 
 from kvrelay.client import RelayClient
+from kvrelay.relay.generation import Generation
+from kvrelay.relay.relay import Relay
+from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
+from kvrelay.sim.config import SimConfig
+from kvrelay.sim.engine import SimEngine
 from tests.support.client_stack import Stack
 from tests.support.faulty_proxy import DOWN, UP, FaultyProxy, FilterHistory
-from tests.support.rig import Consumer
+from tests.support.rig import Consumer, start_relay
 from tests.support.timing import scaled
 
 FAULTS = ("delay", "split", "stall_down", "stall_up", "rst", "fin", "half_down", "half_up",
@@ -30,39 +36,119 @@ FAULTS = ("delay", "split", "stall_down", "stall_up", "rst", "fin", "half_down",
 STALL_OPEN = ("stall_open_down", "stall_open_up")
 
 
-class Recorder:
-    """A strict direct subscriber of the relay's one pool: the relay's filter per sequence."""
+class _Feed:
+    """The oracle's subscription to one generation (one producer) of the relay."""
 
-    def __init__(self, st: Stack, history: FilterHistory) -> None:
-        relay = st.relay
-        assert relay is not None and relay.pools[0].generation is not None
-        gen = relay.pools[0].generation
-        self.channel = Channel("127.0.0.1", st.port)
+    def __init__(self, channel: Channel, gen: Generation, relay: Relay, history: FilterHistory,
+                 pool: str) -> None:  # fmt: skip
+        self.pool = pool
         self.producer = bytes(gen.producer)
-        self.consumer = Consumer(self.channel, gen.producer, relay.relay_identity, "oracle")
+        self.generation = gen
+        self.consumer = Consumer(channel, gen.producer, relay.relay_identity, "oracle")
         #: wall-clock time each sequence was first seen (the relay published it about then;
         #: wall clock, to compare with the ``send_ts_us`` stamps of other subscribers' frames)
         self.seen_at: dict[int, float] = {}
         replica = self.consumer.replica
         feed = replica.feed
+        producer = self.producer
 
         def recorded(fu: object) -> None:
             feed(fu)  # type: ignore[arg-type]
             if replica.table is not None and replica.sequence is not None:
-                history.record(self.producer, replica.sequence, replica.table)
+                history.record(producer, replica.sequence, replica.table)
                 self.seen_at.setdefault(replica.sequence, time.time())
 
         replica.feed = recorded  # type: ignore[method-assign]
         self.consumer.start()
 
-    def superseded_at(self, sequence: int) -> float | None:
-        """When (wall clock) the relay published the sequence after ``sequence`` (None: not
-        yet)."""
-        return self.seen_at.get(sequence + 1)
+    @property
+    def sequence(self) -> int | None:
+        return self.consumer.replica.sequence
+
+
+class Recorder:
+    """Strict direct subscribers of every generation of every pool of the relay (its own
+    channel, no proxy): the relay's filter per producer and sequence. It looks at the relay in
+    process every few milliseconds and subscribes to each new generation at once (before a
+    catalog round trip could bring anyone else), on a new channel when the relay restarted."""
+
+    def __init__(self, st: Stack, history: FilterHistory) -> None:
+        self.st = st
+        self.history = history
+        self.feeds: dict[bytes, _Feed] = {}
+        self._relay: Relay | None = None
+        self._channels: list[Channel] = []
+        self.poll()
+        self.task = asyncio.create_task(self._run())
+
+    def poll(self) -> None:
+        relay = self.st.relay
+        if relay is None:
+            return
+        if relay is not self._relay:
+            self._relay = relay
+            self._channels.append(Channel("127.0.0.1", self.st.port))
+        for p in relay.pools:
+            gen = p.generation
+            if gen is None or gen.retired or bytes(gen.producer) in self.feeds:
+                continue
+            self.feeds[bytes(gen.producer)] = _Feed(self._channels[-1], gen, relay, self.history,
+                                                    p.name)  # fmt: skip
+
+    async def _run(self) -> None:
+        while True:
+            self.poll()
+            await asyncio.sleep(0.002)
+
+    def current(self, pool_index: int = 0) -> _Feed | None:
+        """The feed of the relay's live generation of ``relay.pools[pool_index]``."""
+        relay = self.st.relay
+        if relay is None or pool_index >= len(relay.pools):
+            return None
+        gen = relay.pools[pool_index].generation
+        return None if gen is None else self.feeds.get(bytes(gen.producer))
+
+    @property
+    def producer(self) -> bytes:
+        """The producer of the relay's first pool now."""
+        feed = self.current()
+        assert feed is not None
+        return feed.producer
+
+    def superseded_at(self, producer: bytes, sequence: int) -> float | None:
+        """When (wall clock) the relay published the sequence after ``sequence`` of
+        ``producer`` (None: not yet, or a generation that ended there)."""
+        feed = self.feeds.get(producer)
+        return None if feed is None else feed.seen_at.get(sequence + 1)
+
+    def problems(self) -> list[str]:
+        """The subscriptions to live generations that ended or broke (the relay must not end
+        a live generation's stream; a direct subscriber sees no network fault)."""
+        relay = self.st.relay
+        out: list[str] = []
+        for p in () if relay is None else relay.pools:
+            gen = p.generation
+            feed = None if gen is None else self.feeds.get(bytes(gen.producer))
+            if feed is None or gen is None or gen.retired:
+                continue
+            task = feed.consumer.task
+            if feed.consumer.end is not None:
+                out.append(f"{p.name}: the oracle's stream ended {feed.consumer.end}")
+            elif task is not None and task.done() and task.exception() is not None:
+                out.append(f"{p.name}: the oracle's stream raised {task.exception()!r}")
+        return out
 
     async def close(self) -> None:
-        await self.consumer.stop()
-        self.channel.close()
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        for feed in self.feeds.values():
+            await feed.consumer.stop()
+            task = feed.consumer.task
+            if task is not None and task.done() and not task.cancelled():
+                task.exception()  # retrieved: a stream that a relay restart cut
+        for ch in self._channels:
+            ch.close()
 
 
 class Audit:
@@ -74,6 +160,9 @@ class Audit:
         self.history = history
         self.checked = 0
         self.unverified: list[tuple[bytes, int, bytes, float]] = []
+        #: replicas at a sequence before the oracle's first one of that producer (the SDK
+        #: subscribed first): not verifiable, counted
+        self.before_oracle = 0
         self.wrong: list[str] = []
         self._seen: dict[object, tuple[int, int]] = {}
         self.task = asyncio.create_task(self._run())
@@ -99,7 +188,10 @@ class Audit:
         still = []
         for producer, seq, digest, since in self.unverified:
             want = self.history.digests.get((producer, seq))
-            if want is None:
+            first = self.history.first.get(producer)
+            if want is None and first is not None and seq < first:
+                self.before_oracle += 1
+            elif want is None:
                 if time.monotonic() - since > scaled(10):
                     self.wrong.append(f"sequence {seq} never published by the relay")
                 else:
@@ -121,14 +213,17 @@ class Audit:
 
 
 async def traffic(
-    st: Stack, rnd: random.Random, stop: asyncio.Event, quiet: float = 0.0
-) -> None:
-    """Engine steps at random small intervals until ``stop``; with probability ``quiet`` after
-    a step, a quiet spell of a few heartbeat periods (the relay then sends heartbeats, which a
-    consumer's vouching and silence rules depend on)."""
+    engines: Callable[[], Sequence[SimEngine]], rnd: random.Random, stop: asyncio.Event,
+    quiet: float = 0.0,
+) -> None:  # fmt: skip
+    """Engine steps (of the engines ``engines()`` names now) at random small intervals until
+    ``stop``; with probability ``quiet`` after a step, a quiet spell of a few heartbeat periods
+    (the relay then sends heartbeats, which a consumer's vouching and silence rules depend
+    on)."""
     while not stop.is_set():
-        e = rnd.choice(st.engines)
-        await e.step(rnd.randint(1, 4))
+        live = engines()
+        if live:
+            await rnd.choice(live).step(rnd.randint(1, 4))
         pause = rnd.uniform(0.4, 1.5) if rnd.random() < quiet else rnd.uniform(0.005, 0.05)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), pause)
@@ -175,3 +270,184 @@ async def until(check: Callable[[], bool], what: str, timeout: float = 15.0) -> 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.01)
+
+
+MAIN, SECOND = "generate", "second"
+#: What the relay side does, and how often (``RelaySide.act``).
+ACTIONS = ("fence", "member", "pool", "regen", "engine_restart", "relay_restart")
+WEIGHTS = (3, 2, 2, 2, 2, 1)
+
+
+class RelaySide:
+    """The relay's own events, at the audits' seeded random points: a pool fenced (a new
+    generation), reloads (an engine joins or leaves the first pool, a second pool comes and
+    goes, a ``ckf_seed`` change re-materializes a pool), an engine restart (``kvrelay.sim``: a
+    new incarnation) and a relay restart on the same port (a new relay identity)."""
+
+    def __init__(self, st: Stack, rnd: random.Random, log: list[str]) -> None:
+        self.st = st
+        self.rnd = rnd
+        self.log = log
+        first = st.engines[0]
+        self.spare = [SimEngine(SimConfig(name=f"{first.cfg.name}-{x}", seed=first.cfg.seed + i,
+                                          dp_size=1, capacity_blocks=64))
+                      for i, x in enumerate(("join", "pool2"), 1)]  # fmt: skip
+        self.engines = {e.cfg.name: e for e in [*st.engines, *self.spare]}
+        self.members: dict[str, list[str]] = {MAIN: [e.cfg.name for e in st.engines]}
+        assert st.relay is not None
+        self.seeds = {MAIN: st.relay.settings.pools[0].ckf_seed, SECOND: 5}
+        self.restarting: set[str] = set()  # engines in a restart: no traffic meanwhile
+        self.counts: dict[str, int] = dict.fromkeys(ACTIONS, 0)
+        #: the identities (bytes) of the relays stopped by ``restart_relay``, from its start
+        self.stopped_relays: set[bytes] = set()
+
+    async def start(self) -> RelaySide:
+        for e in self.spare:
+            await e.start()
+        return self
+
+    async def close(self) -> None:
+        for e in self.spare:
+            with contextlib.suppress(Exception):
+                await e.stop()
+
+    def configured(self) -> list[SimEngine]:
+        """The engines of the configured pools, not restarting (what traffic drives)."""
+        return [self.engines[n] for names in self.members.values() for n in names
+                if n not in self.restarting]  # fmt: skip
+
+    def settings(self) -> RelaySettings:
+        relay = self.st.relay
+        assert relay is not None
+        pools = tuple(
+            PoolSpec(
+                namespace="ns", component="backend", endpoint=name,
+                engines=tuple(EngineSpec(name=n, host="127.0.0.1",
+                                         grpc_port=self.engines[n].grpc_port) for n in names),
+                expected_blocks=self.st.expected_blocks, ckf_seed=self.seeds[name],
+            )
+            for name, names in self.members.items()
+        )  # fmt: skip
+        return dataclasses.replace(relay.settings, pools=pools)
+
+    def sources(self) -> int:
+        return sum(self.engines[n].cfg.dp_size for names in self.members.values() for n in names)
+
+    def live(self) -> bool:
+        """Every configured source subscribed and live, every pool with a generation."""
+        relay = self.st.relay
+        if relay is None or len(relay.pools) != len(self.members):
+            return False
+        subs = [s for p in relay.pools for s in p.subscribers.values()]
+        return (len(subs) == self.sources() and all(s.state == "live" for s in subs)
+                and all(p.generation is not None for p in relay.pools))  # fmt: skip
+
+    async def _reload(self) -> None:
+        relay = self.st.relay
+        assert relay is not None
+        await relay.reconfigure(self.settings())
+
+    async def act(self, kind: str | None = None) -> str:
+        """One relay-side event (``kind`` of ``ACTIONS``, else a seeded random one); returns
+        what it did. It does not wait for the fleet to settle: faults may be in place."""
+        rnd = self.rnd
+        kind = kind or rnd.choices(ACTIONS, weights=WEIGHTS)[0]
+        relay = self.st.relay
+        assert relay is not None
+        what = kind
+        if kind == "fence":
+            pools = [p for p in relay.pools if p.generation is not None]
+            if pools:
+                p = rnd.choice(pools)
+                gen = p.generation
+                assert gen is not None
+                # fences that repeat within a minute back off (up to 30 s): that is not what
+                # the audit is about, every fence here rebuilds at once
+                p._fence_streak = 0
+                p.fence(gen, "test: the relay fences the pool")
+                what = f"fence {p.name}"
+        elif kind == "member":
+            joiner = self.spare[0].cfg.name
+            names = self.members[MAIN]
+            self.members[MAIN] = [n for n in names if n != joiner] if joiner in names else [
+                *names, joiner]  # fmt: skip
+            what = f"{MAIN} engines {self.members[MAIN]}"
+            await self._reload()
+        elif kind == "pool":
+            if SECOND in self.members:
+                del self.members[SECOND]
+                what = f"{SECOND} removed"
+            else:
+                self.members[SECOND] = [self.spare[1].cfg.name]
+                what = f"{SECOND} added"
+            await self._reload()
+        elif kind == "regen":
+            name = rnd.choice(sorted(self.members))
+            self.seeds[name] = rnd.randint(1, 1 << 30)
+            what = f"ckf_seed of {name}"
+            await self._reload()
+        elif kind == "engine_restart":
+            names = [n for ns in self.members.values() for n in ns]
+            name = rnd.choice(names)
+            self.restarting.add(name)
+            try:
+                await self.engines[name].restart()
+            finally:
+                self.restarting.discard(name)
+            what = f"engine {name} restarted"
+        else:
+            await self.restart_relay()
+            what = "relay restarted"
+        self.counts[kind] += 1
+        self.log.append(f"[{what}]")
+        return what
+
+    async def restart_relay(self) -> None:
+        """A new relay (a new identity) on the same port, with the settings in force."""
+        st = self.st
+        settings = self.settings()
+        assert st.relay is not None
+        self.stopped_relays.add(bytes(st.relay.relay_identity))
+        await st.stop_relay()
+        for attempt in range(100):
+            try:
+                relay, server = await start_relay(settings, port=st.port)
+                break
+            except OSError:
+                if attempt == 99:
+                    raise
+                await asyncio.sleep(0.05)
+        st.relay, st.server = relay, server
+
+    async def settle(self) -> None:
+        await until(self.live, f"the relay side live ({self.log[-3:]})")
+
+
+def sdk_caught_up(client: RelayClient, st: Stack, history: FilterHistory) -> bool:
+    """Every pool of the relay installed by the SDK at the relay's current generation and
+    sequence, with the relay's filter; readiness known."""
+    relay = st.relay
+    if relay is None or not client.connections:
+        return False
+    conn = client.connections[0]
+    if conn.readiness is None or len(conn.slots) != len(relay.pools):
+        return False
+    if conn.identity_msg is None or bytes(conn.identity_msg) != bytes(relay.relay_identity):
+        return False
+    current = {}
+    for p in relay.pools:
+        gen = p.generation
+        if gen is None:
+            return False
+        current[p.spec.endpoint] = gen
+    for slot in conn.slots.values():
+        gen = current.get(slot.key.endpoint)
+        r = slot.installed
+        if gen is None or r is None or r.sequence != gen.sequence:
+            return False
+        producer = bytes(gen.producer)
+        if bytes(slot.descriptor.producer) != producer:
+            return False
+        if history.verdict(producer, r.sequence, r.table) is not True:
+            return False
+    return True
