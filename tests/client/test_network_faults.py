@@ -63,7 +63,7 @@ RECOVERY_S = 8.0
 def _seeds() -> list[int]:
     spec = os.environ.get("KVRELAY_NETFAULT_SEEDS")
     if not spec:
-        return [1, 2, 3]
+        return [1]
     lo, _, hi = spec.partition(":")
     return list(range(int(lo), int(hi))) if hi else [int(lo)]
 

@@ -97,7 +97,7 @@ P_DURING, P_BETWEEN = 0.45, 0.3
 def _seeds() -> list[int]:
     spec = os.environ.get("KVRELAY_MIRROR_NETFAULT_SEEDS")
     if not spec:
-        return [1, 2]
+        return [1]
     lo, _, hi = spec.partition(":")
     return list(range(int(lo), int(hi))) if hi else [int(lo)]
 
