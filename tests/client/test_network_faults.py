@@ -68,7 +68,7 @@ def _seeds() -> list[int]:
     return list(range(int(lo), int(hi))) if hi else [int(lo)]
 
 
-STEPS = int(os.environ.get("KVRELAY_NETFAULT_STEPS", "6"))
+STEPS = int(os.environ.get("KVRELAY_NETFAULT_STEPS", "4"))
 
 
 #: How often the relay side acts (``RelaySide``) while a fault is in place, and right after it

@@ -516,7 +516,7 @@ async def test_a_mirror_leaves_a_black_holed_upstream_connection() -> None:
             proxy.blackhole = True
             proxy.cut(rst=True)
             await eventually(lambda: not m.mirror.catalog.live, what="session lost")
-            await asyncio.sleep(3 * 3 * period + 0.5)  # past the first-message bound
+            await asyncio.sleep(3 * period + 0.5)  # past the catalog's first-message bound
             proxy.heal()
             await eventually(lambda: m.mirror.catalog.live and m.mirror.upstream.resets > resets,
                              timeout=8, what="a new channel, the session back")  # fmt: skip

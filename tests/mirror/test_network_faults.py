@@ -102,7 +102,7 @@ def _seeds() -> list[int]:
     return list(range(int(lo), int(hi))) if hi else [int(lo)]
 
 
-STEPS = int(os.environ.get("KVRELAY_MIRROR_NETFAULT_STEPS", "4"))
+STEPS = int(os.environ.get("KVRELAY_MIRROR_NETFAULT_STEPS", "3"))
 
 
 @dataclass

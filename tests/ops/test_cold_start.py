@@ -101,3 +101,7 @@ async def test_first_start_compiles_with_progress_and_the_next_loads(tmp_path: P
     assert set(done) == set(STEPS)
     assert all(e["compiled"] == 0 for e in done.values()), done
     assert not any(e.get("state") == "worker" for e in log)
+    if os.environ.get("KVRELAY_HAND_OVER_KERNELS"):  # ``make test``: the session's cache
+        from tests.support.kernel_cache import hand_over
+
+        hand_over(cache, REPO / "kvrelay")
