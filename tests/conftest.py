@@ -28,7 +28,11 @@ def pytest_report_header() -> str:
 def _warm_numba_kernels() -> None:
     """Compile (or load from cache) every hot numba kernel before the first test, as the daemon
     does before READY: on a fresh clone compilation takes tens of seconds, and it must not land
-    inside a test that waits for the relay with a deadline."""
+    inside a test that waits for the relay with a deadline. Not in ``make test``'s cold-start
+    run, which starts daemons only and hands their cache to the session
+    (``tests/support/kernel_cache.py``)."""
+    if os.environ.get("KVRELAY_HAND_OVER_KERNELS"):
+        return
     from kvrelay.ops.warmup import warm_kernels
 
     warm_kernels()
