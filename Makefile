@@ -29,7 +29,6 @@ $(RUN_STAMP): $(PY) pyproject.toml
 # satisfies the runtime stamp.
 $(STAMP): $(PY) pyproject.toml
 	@echo "==> installing kvrelay, the test and the development tools into $(VENV)"
-	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -e '.[test,dev]'
 	rm -f $(VENV)/.installed-*
 	touch $(RUN_STAMP) $(STAMP)
