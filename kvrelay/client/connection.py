@@ -208,27 +208,24 @@ class RelayConnection:
                 # The relay is going away (or gone): reconnect from scratch rather than reuse an
                 # HTTP/2 connection a stopping server may still accept streams on.
                 self._reset_channel(channel)
-            elif not got and not self._leave_if_dead(channel, end):
-                await self._leave_if_deaf(channel, end, self.config.silence_s)
+            elif not got:  # before its first message: does the channel still carry?
+                silence_s = self.config.silence_s
+                await self._replace_if_unfit(channel, end, silence_s=silence_s, timeout_s=silence_s)
             delay = backoff.next_delay()
 
-    def _leave_if_dead(self, channel: Channel, end: rpc.StreamEnd) -> bool:
-        """A stream that heartbeats (a pool's), or the catalog before its first message, ended
-        silent, and nothing else arrived on its channel for the silence limit: the connection
-        carries nothing (a black-holed path, one that died with TCP up), a new one. (Not for
-        the planes: one with long windows may keep a healthy channel quieter than that.)"""
-        if rpc.channel_dead(channel, end, self.config.silence_s):
-            self.counters["channel_silent"] += 1
-            self._reset_channel(channel)
-            return True
-        return False
-
-    async def _leave_if_deaf(self, channel: Channel, end: rpc.StreamEnd, timeout_s: float) -> None:
-        """A stream that ended silent before its first message on a channel that still
-        receives: a new channel when a round trip on it goes unanswered (``rpc.channel_deaf``:
-        a path dead towards the relay only, the relay's streams still flowing down)."""
-        if channel is self.channel and await rpc.channel_deaf(channel, end, timeout_s):
-            self.counters["channel_deaf"] += 1
+    async def _replace_if_unfit(
+        self, channel: Channel, end: rpc.StreamEnd, *, silence_s: float | None, timeout_s: float
+    ) -> None:
+        """A new channel when ``rpc.channel_verdict`` says so: ``channel_silent`` (a stream
+        that heartbeats, a pool's, or the catalog before its first message, ended silent and
+        nothing else arrived on its channel for ``silence_s``: a black-holed path, one that died
+        with TCP up; None for the planes) or ``channel_deaf`` (it still receives, but a round
+        trip within ``timeout_s`` went unanswered: a path dead towards the relay only)."""
+        verdict = await rpc.channel_verdict(
+            channel, end, silence_s=silence_s, timeout_s=timeout_s, current=lambda: self.channel
+        )
+        if verdict is not None:
+            self.counters["channel_silent" if verdict == "silent" else "channel_deaf"] += 1
             self._reset_channel(channel)
 
     def _reset_channel(self, used: Channel) -> None:
@@ -357,8 +354,11 @@ class RelayConnection:
                 # connection died with TCP up (streams opened on it again went silent in turn
                 # until grpclib's keepalive closed it: minutes); or only the channel's other
                 # streams deliver: was this one's request heard? (after the drop: never held)
-                if end is not None and not self._leave_if_dead(channel, end):
-                    await self._leave_if_deaf(channel, end, self.config.silence_s)
+                if end is not None:
+                    silence_s = self.config.silence_s
+                    await self._replace_if_unfit(
+                        channel, end, silence_s=silence_s, timeout_s=silence_s
+                    )
                 if reason in E.QUARANTINE:
                     slot.quarantined = True
                     return
@@ -410,7 +410,8 @@ class RelayConnection:
                 self.serving_load_unsupported = end.status == Status.UNIMPLEMENTED
             store(None)  # unknown while disconnected: never routable on stale data
             self._notify()
-            await self._leave_if_deaf(channel, end, quiet())  # (a violation is not silent)
+            # never the dead rule here (long windows); a violation is not silent
+            await self._replace_if_unfit(channel, end, silence_s=None, timeout_s=quiet())
             await asyncio.sleep(backoff.next_delay())
 
     async def _readiness_loop(self) -> None:

@@ -14,7 +14,7 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import h2.exceptions
 from grpclib.client import Channel
@@ -217,6 +217,37 @@ async def channel_deaf(channel: Channel, end: StreamEnd, timeout_s: float) -> bo
 
         probe.add_done_callback(done)
     return not await asyncio.shield(probe)
+
+
+#: Why a stream's channel is replaced (``channel_verdict``): ``silent``, it carries nothing at
+#: all; ``deaf``, it still receives but a round trip on it went unanswered.
+ChannelVerdict = Literal["silent", "deaf"]
+
+
+async def channel_verdict(
+    channel: Channel,
+    end: StreamEnd,
+    *,
+    silence_s: float | None,
+    timeout_s: float,
+    current: Callable[[], Channel],
+) -> ChannelVerdict | None:
+    """Whether a stream that ended as ``end`` leaves its ``channel`` for a new one: the one
+    "dead, else deaf" rule of the SDK and the mirror. ``silent`` when ``channel_dead`` with
+    ``silence_s`` (None skips this rule: a plane with long windows may keep a healthy channel
+    quieter than that), else ``deaf`` when ``channel_deaf`` within ``timeout_s``, else None.
+    A channel that is no longer ``current()`` (another stream already replaced it) gets None,
+    before the round trip and after it: it is replaced, and counted, once.
+    The silent verdict comes without suspending (the caller's reset falls in the same turn of
+    the loop as the stream's end); the deaf one may take ``timeout_s``, so a caller releases
+    what the stream held (its subscribers, its replica) before it asks."""
+    if current() is not channel:
+        return None
+    if silence_s is not None and channel_dead(channel, end, silence_s):
+        return "silent"
+    if await channel_deaf(channel, end, timeout_s) and current() is channel:
+        return "deaf"
+    return None
 
 
 async def _answers(channel: Channel, timeout_s: float) -> bool:

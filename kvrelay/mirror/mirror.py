@@ -404,6 +404,7 @@ class Mirror:
                 return None
 
             local: RelayError | None
+            ended: tuple[Any, rpc.StreamEnd] | None = None  # (channel, end): judged once ended
             try:
                 try:
                     end, channel = await self.upstream.stream(
@@ -442,18 +443,19 @@ class Mirror:
                     # the session's stream: a relay shutting down may still accept streams on
                     # its old connection, so every stream starts over on a fresh one
                     self.upstream.reset(channel)
-                elif is_catalog and not delivered and rpc.channel_dead(channel, end, first):
-                    # nothing came on the channel, on any stream, for as long: a black-holed
-                    # path keeps TCP up, and streams opened on it again went silent in turn
-                    # until grpclib's keepalive closed it (a ping 20 s in, then one per 300 s)
-                    self.upstream.reset(channel)
-                elif not delivered:  # the channel receives: was this stream's request heard?
-                    plane.end(local, why)
-                    await self.upstream.leave_if_deaf(channel, end, first if is_catalog
-                                                      else quiet())  # fmt: skip
-                    await asyncio.sleep(backoff.next_delay())
-                    continue
+                elif not delivered:
+                    ended = channel, end
             plane.end(local, why)
+            if ended is not None:
+                # the catalog: did nothing come on the channel, on any stream, for as long (a
+                # black-holed path keeps TCP up, and streams opened on it again went silent in
+                # turn until grpclib's keepalive closed it: a ping 20 s in, then one per 300 s)?
+                # Every plane: the channel receives, but was this stream's request heard? (The
+                # dead rule is the catalog's only: long windows keep a healthy channel quiet.)
+                await self.upstream.replace_if_unfit(
+                    *ended, silence_s=first if is_catalog else None,
+                    timeout_s=first if is_catalog else quiet(),
+                )  # fmt: skip
             await asyncio.sleep(backoff.next_delay())
 
     @staticmethod

@@ -355,19 +355,13 @@ class MirrorPool:
         request = rpc.pool_request(ctx.settings.subscriber_id, self.producer)
         local: RelayError | None
         answer: RelayError | None = None
-        unheard: tuple[Any, rpc.StreamEnd] | None = None  # (channel, end): asked once ended
+        ended: tuple[Any, rpc.StreamEnd] | None = None  # (channel, end): judged once retired
         silence_s = 3 * self._heartbeat_s
         try:
             end, channel = await ctx.upstream.stream(
                 "SubscribeKvPool", request, self._on_frame, silence_s=silence_s
             )
-            if rpc.channel_dead(channel, end, silence_s):
-                # its heartbeats stopped and nothing else came on the channel either: the
-                # connection died with TCP up; streams opened on it again would go silent in
-                # turn until grpclib's keepalive closed it (minutes)
-                ctx.upstream.reset(channel)
-            else:  # nothing came on it, but the channel still receives: was the request heard?
-                unheard = channel, end
+            ended = channel, end
         except Violation as v:
             self.violations[v.reason] += 1
             self.ends["violation"] += 1
@@ -408,8 +402,14 @@ class MirrorPool:
             self._idle_mark = hub.idle_since or time.monotonic()
             hub.retire(local)
             self.lagged += hub.lagged
-        if unheard is not None:
-            await ctx.upstream.leave_if_deaf(*unheard, silence_s)
+        if ended is not None:
+            # its heartbeats stopped and nothing else came on the channel either (the connection
+            # died with TCP up: streams opened on it again would go silent in turn until
+            # grpclib's keepalive closed it, minutes), or only the channel's other streams
+            # deliver: was this one's request heard? The silent verdict is reached without
+            # suspending, in the same turn as the stream's end; the round trip may take
+            # silence_s, so it comes after the local subscribers got their status.
+            await ctx.upstream.replace_if_unfit(*ended, silence_s=silence_s, timeout_s=silence_s)
         return hub is not None, local, answer
 
     async def _run(self) -> None:

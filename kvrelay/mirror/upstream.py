@@ -74,7 +74,7 @@ class Upstream:
         #: who asks for spacing: the subscriber id made unique to this process, because the
         #: upstream keeps one hold per requester and every mirror may carry the default id
         self.hold_requester = hold_requester(settings.subscriber_id)
-        #: channels replaced because a round trip on them went unanswered (``leave_if_deaf``)
+        #: channels replaced because a round trip on them went unanswered (``replace_if_unfit``)
         self.deaf = 0
         self._channel = self._open()
 
@@ -114,15 +114,20 @@ class Upstream:
         self._left_draining += old.left_draining
         old.close()
 
-    async def leave_if_deaf(self, channel: Channel, end: StreamEnd, timeout_s: float) -> None:
-        """A stream that ended ``silent`` before its first message on the current channel,
-        which still receives: replaced when a round trip on it goes unanswered
-        (``rpc.channel_deaf``: a path dead only towards the upstream)."""
-        if channel is not self._channel:
-            return
-        if await rpc.channel_deaf(channel, end, timeout_s) and channel is self._channel:
+    async def replace_if_unfit(
+        self, channel: Channel, end: StreamEnd, *, silence_s: float | None, timeout_s: float
+    ) -> None:
+        """A stream ended as ``end`` on ``channel``: replaced when ``rpc.channel_verdict`` says
+        so, silent (nothing came on it, on any stream, for ``silence_s``: a black-holed path
+        keeps TCP up; None for the planes but the catalog) or deaf (it still receives, but a
+        round trip within ``timeout_s`` went unanswered: a path dead only towards the upstream)."""
+        verdict = await rpc.channel_verdict(
+            channel, end, silence_s=silence_s, timeout_s=timeout_s, current=lambda: self._channel
+        )
+        if verdict == "deaf":
             self.deaf += 1
             _log.warning("mirror_upstream_deaf", timeout_s=timeout_s)
+        if verdict is not None:
             self.reset(channel)
 
     async def stream(

@@ -30,7 +30,14 @@ from h2.settings import SettingCodes
 
 from kvrelay.service.h2.drain import DrainNotice
 from kvrelay.service.h2.guard import ConnectionCaps, H2Budgets, H2Counters, guard_protocol
-from kvrelay.service.h2.internals import H2Protocol, bound_closed_streams, close_unstarted
+from kvrelay.service.h2.internals import (
+    H2Protocol,
+    bound_closed_streams,
+    close_unstarted,
+    missing_in_closed_streams,
+    missing_in_stream_cap,
+    once_connected,
+)
 from kvrelay.service.h2.mend import mend_protocol
 from kvrelay.service.h2.tls_gate import TLS_HANDSHAKE_TIMEOUT_S, TlsGate
 
@@ -150,30 +157,24 @@ def _announce_stream_cap(proto: H2Protocol, streams: int) -> None:
     """Tell the client, right after grpclib's own SETTINGS, how many streams it may open at once.
     h2 says 100, below what the relay's limits allow one connection: a mirror (so every fan-out
     worker) or an SDK subscribing to more than about 96 pools on one channel had the rest of its
-    streams wait, without a byte or a status, for one of the first to end."""
-    made = proto.connection_made
+    streams wait, without a byte or a status, for one of the first to end. (Internals gone:
+    h2's 100 stays.)"""
 
-    def connection_made(transport: asyncio.BaseTransport) -> None:
-        made(transport)
-        conn = getattr(proto, "connection", None)
-        h2 = getattr(conn, "_connection", None)
-        if conn is None or h2 is None:  # (internals gone: h2's 100 stays)
-            return
-        h2.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: streams})
+    def install(_transport: Any) -> None:
+        conn = proto.connection
+        conn._connection.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: streams})
         conn.flush()
 
-    proto.connection_made = connection_made  # type: ignore[method-assign]
+    once_connected(proto, missing_in_stream_cap, install)
 
 
 def _bound_closed_streams(proto: H2Protocol, size: int) -> None:
     """Bound h2's memo of the connection's closed streams once it exists (``internals``)."""
-    made = proto.connection_made
 
-    def connection_made(transport: asyncio.BaseTransport) -> None:
-        made(transport)
+    def install(_transport: Any) -> None:
         bound_closed_streams(proto, size)
 
-    proto.connection_made = connection_made  # type: ignore[method-assign]
+    once_connected(proto, missing_in_closed_streams, install)
 
 
 def _ignore(*_args: Any) -> None:

@@ -4,7 +4,8 @@ Why: the writers in this package (``bulk``, ``direct``, ``batch``, ``reset``, ``
 ``drain``, ``mend``; ``guard`` reads what a connection sent) work beside grpclib on its private
 stream, connection and h2 state. A grpclib or h2 release may drop or rename any of it;
 ``missing`` then names what is gone and ``StreamWriter`` falls back to grpclib's public path
-(the relay gets slower, never wrong).
+(the relay gets slower, never wrong). Those that set a connection up once grpclib has made it
+(``closing``, ``mend``) do it through ``once_connected``, each only where its needs are there.
 ``tests/service/h2/test_internals.py`` checks the whole list against the installed versions on a
 real stream.
 """
@@ -42,6 +43,7 @@ __all__ = [
     "SEND_DATA_STREAM",
     "SEND_DATA_STREAM_NOOP",
     "SENT_NEEDS",
+    "STREAM_CAP_NEEDS",
     "H2Protocol",
     "Parts",
     "bound_closed_streams",
@@ -58,6 +60,8 @@ __all__ = [
     "missing_in_hpack_encoder",
     "missing_in_protocol",
     "missing_in_sent",
+    "missing_in_stream_cap",
+    "once_connected",
     "stream_internals",
 ]
 
@@ -154,6 +158,33 @@ def missing_in_protocol(proto: Any) -> list[str]:
     return [f"{w}.{a}" for w, a in PROTOCOL_NEEDS if not hasattr(objects[w], a)]
 
 
+def once_connected(
+    proto: H2Protocol,
+    missing: Callable[[Any], list[str]],
+    install: Callable[[Any], None],
+    before: Callable[[Any], None] | None = None,
+) -> None:
+    """Run ``install`` with the transport once grpclib has made the connection (its
+    ``connection`` and events processor exist from then), unless the protocol lacks one of the
+    internals it uses (``missing``): the connection is then left as grpclib made it.
+    ``before``, given, is run with the transport first, before grpclib's own.
+
+    Why one helper: several set-ups each wrap the protocol's ``connection_made``; each call
+    wraps what is there now, so one made later runs after it (the order ``ClosingServer``
+    installs them in). Call it before the transport exists: uvloop's transports keep the
+    callbacks they find when made."""
+    made = proto.connection_made
+
+    def connection_made(transport: Any) -> None:
+        if before is not None:
+            before(transport)
+        made(transport)
+        if not missing(proto):
+            install(transport)
+
+    proto.connection_made = connection_made  # type: ignore[method-assign]
+
+
 #: What ``drain.DrainNotice`` uses of a connected server protocol, beside ``PROTOCOL_NEEDS``:
 #: ``where`` is ``proto``, ``connection`` (grpclib's ``Connection``) or ``h2`` (its
 #: ``H2Connection``).
@@ -176,6 +207,20 @@ def _missing_on_connection(proto: Any, needs: tuple[tuple[str, str], ...]) -> li
     conn = getattr(proto, "connection", None)
     objects = {"proto": proto, "connection": conn, "h2": getattr(conn, "_connection", None)}
     return [f"{w}.{a}" for w, a in needs if not hasattr(objects[w], a)]
+
+
+#: What ``closing`` uses to tell each client its SETTINGS_MAX_CONCURRENT_STREAMS right after
+#: grpclib's own SETTINGS (h2's public ``update_settings``, then the connection's ``flush``),
+#: ``where`` as in ``DRAIN_NEEDS``. Without them h2's 100 stays.
+STREAM_CAP_NEEDS: tuple[tuple[str, str], ...] = (
+    ("proto", "connection"),
+    ("connection", "_connection"),
+)
+
+
+def missing_in_stream_cap(proto: Any) -> list[str]:
+    """``where.attribute`` for each of ``STREAM_CAP_NEEDS`` this connected protocol lacks."""
+    return _missing_on_connection(proto, STREAM_CAP_NEEDS)
 
 
 #: What ``mend`` uses to write the GOAWAY h2 queued on a connection error (grpclib closes the

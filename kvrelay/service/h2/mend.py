@@ -63,6 +63,7 @@ from kvrelay.service.h2.internals import (
     missing_in_encoder,
     missing_in_feed,
     missing_in_protocol,
+    once_connected,
 )
 from kvrelay.service.h2.request import note_request_encoding
 
@@ -79,7 +80,6 @@ def mend_protocol(proto: H2Protocol, counters: H2Counters) -> None:
         return
     handler: Any = proto.handler
     accept = handler.accept
-    made = proto.connection_made
     received = proto.data_received
     transport: Any = None
 
@@ -109,10 +109,11 @@ def mend_protocol(proto: H2Protocol, counters: H2Counters) -> None:
         if task is not None:
             task.add_done_callback(release_once)
 
-    def connection_made(t: Any) -> None:
+    def note_transport(t: Any) -> None:
         nonlocal transport
         transport = t
-        made(t)
+
+    def install(t: Any) -> None:
         processors = getattr(getattr(proto, "processor", None), "processors", None)
         if isinstance(processors, dict):
             processors.setdefault(UnknownFrameReceived, _ignore)
@@ -139,7 +140,7 @@ def mend_protocol(proto: H2Protocol, counters: H2Counters) -> None:
                 t.close()
 
     handler.accept = accept_checked
-    proto.connection_made = connection_made  # type: ignore[method-assign,assignment]
+    once_connected(proto, missing_in_protocol, install, before=note_transport)
     proto.data_received = data_received  # type: ignore[method-assign]
 
 

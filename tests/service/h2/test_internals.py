@@ -36,6 +36,7 @@ from kvrelay.service.h2.internals import (
     SEND_DATA_STREAM,
     SEND_DATA_STREAM_NOOP,
     SENT_NEEDS,
+    STREAM_CAP_NEEDS,
     capped_encoder,
     data_frames_sent,
     missing,
@@ -46,6 +47,7 @@ from kvrelay.service.h2.internals import (
     missing_in_hpack_encoder,
     missing_in_protocol,
     missing_in_sent,
+    missing_in_stream_cap,
     stream_internals,
 )
 from kvrelay.service.h2.request import missing_request_needs, recv_request
@@ -136,7 +138,8 @@ async def test_a_server_protocol_has_what_releasing_cancelled_streams_uses() -> 
 async def test_a_connected_server_protocol_has_what_the_drain_notice_and_mend_use() -> None:
     """``drain.DrainNotice``: the connection's transport and flush, h2's outbound buffer and
     the highest stream id it received; ``mend``: the connection's ``feed`` and h2's
-    ``data_to_send`` and h2's HPACK ``encoder``; on a real connection after a call."""
+    ``data_to_send`` and h2's HPACK ``encoder``; ``closing``'s stream cap: h2's connection; on a
+    real connection after a call."""
     server = ClosingServer([_Probe()], codec=_Raw())
     await server.start("127.0.0.1", 0)
     port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
@@ -155,6 +158,8 @@ async def test_a_connected_server_protocol_has_what_the_drain_notice_and_mend_us
         assert missing_in_encoder(proto) == []
         assert isinstance(proto.connection._connection.encoder, hpack.Encoder)
         assert missing_in_encoder(object()) == [f"{w}.{a}" for w, a in ENCODER_NEEDS]
+        assert missing_in_stream_cap(proto) == []
+        assert missing_in_stream_cap(object()) == [f"{w}.{a}" for w, a in STREAM_CAP_NEEDS]
     finally:
         ch.close()
         server.close()
