@@ -19,10 +19,10 @@ from kvrelay.client.connection import RelayConnection
 from tests.support import scripted_relay as S
 from tests.support.fleet import eventually
 
-WATCH_S = 2.0
+WATCH_S = 1.0
 #: Streams a loop may open in ``WATCH_S`` with the test's backoff (0.02 s doubling up to
-#: 0.5 s: about ten); without the rule, one per round trip plus 10-20 ms (a hundred or more).
-MOST = 30
+#: 0.5 s: about six); without the rule, one per round trip plus 10-20 ms (fifty or more).
+MOST = 20
 
 
 class _EndsAfterOne(S.ScriptedRelay):

@@ -16,10 +16,10 @@ from tests.support import scripted_relay as S
 from tests.support.fleet import eventually
 from tests.support.mirror_rig import mirrored
 
-WATCH_S = 2.0
-#: Streams a loop may open in ``WATCH_S`` with the rig's backoff (about ten); without the rule,
-#: one per round trip plus 10-40 ms (a hundred or more).
-MOST = 30
+WATCH_S = 1.0
+#: Streams a loop may open in ``WATCH_S`` with the rig's backoff (about six); without the rule,
+#: one per round trip plus 10-40 ms (25-60).
+MOST = 20
 
 
 @pytest.mark.parametrize("plane", ["catalog", "readiness", "load"])

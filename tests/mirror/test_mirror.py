@@ -29,6 +29,7 @@ from tests.support.rig import (
     eventually,
     in_sync,
     relay_info,
+    relay_info_bytes,
     rig,
     verify,
     wait_live,
@@ -66,17 +67,6 @@ class RawStream:
         with contextlib.suppress(asyncio.CancelledError):
             await self.task
         self.channel.close()
-
-
-async def unary_info(port: int) -> bytes:
-    async with raw_channel(port).request(
-        SVC + "GetRelayInfo", Cardinality.UNARY_UNARY, pb.RelayInfoRequest, bytes
-    ) as st:
-        await st.send_message(pb.RelayInfoRequest(contract_marker=MARKER), end=True)
-        data = await st.recv_message()
-        await st.recv_trailing_metadata()
-    assert isinstance(data, bytes)
-    return data
 
 
 async def test_mirror_serves_the_bytes_a_direct_subscriber_gets() -> None:
@@ -120,7 +110,7 @@ async def test_mirror_serves_the_bytes_a_direct_subscriber_gets() -> None:
             deltas_d = {f.sequence: b for f, b in zip(d, direct.frames, strict=True) if f.kind == 2}
             deltas_v = {f.sequence: b for f, b in zip(v, via.frames, strict=True) if f.kind == 2}
             assert deltas_d and deltas_d == deltas_v  # byte for byte, send_ts_us included
-            assert await unary_info(r.port) == await unary_info(m.port)
+            assert await relay_info_bytes(r.port) == await relay_info_bytes(m.port)
             for method, request in (
                 ("WatchKvPoolCatalog", pb.WatchKvPoolCatalogRequest(
                     subscriber_id="c", contract_marker=MARKER)),

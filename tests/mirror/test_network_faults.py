@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,68 +40,49 @@ from grpclib.client import Channel
 from grpclib.const import Status
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.client import ClientConfig, RelayClient
-from kvrelay.contract.limits import RelayLimits
+from kvrelay.client import RelayClient
 from kvrelay.sim.config import SimConfig
-from tests.support.client_stack import Stack, stack
-from tests.support.faulty_proxy import DOWN, UP, FaultyProxy, FilterHistory
+from tests.support.client_stack import Stack
+from tests.support.faulty_proxy import DOWN, UP, FilterHistory
 from tests.support.mirror_rig import Mirrored, start_mirror
 from tests.support.netfaults import (
-    FAULTS,
-    STALL_OPEN,
-    Audit,
+    HEARTBEAT_S,
+    LIMITS,
+    RECOVERY_S,
     Recorder,
-    RelaySide,
-    apply_fault,
+    Rig,
+    Verifier,
+    faulty_relay,
     sdk_caught_up,
-    traffic,
+    seeds,
     until,
 )
 from tests.support.rig import MARKER, Consumer, StreamEnd, first_matching
 
-HEARTBEAT_S = 0.3
-LIMITS = RelayLimits(
-    pool_heartbeat_s=HEARTBEAT_S, readiness_heartbeat_s=HEARTBEAT_S,
-    publication_queue_capacity=4096, publication_queue_bytes=64 << 20,
-)  # fmt: skip
 MIRROR: dict[str, Any] = {
     "upstream_heartbeat_s": HEARTBEAT_S, "upstream_readiness_s": HEARTBEAT_S,
     "backoff_initial_s": 0.02, "backoff_max_s": 0.3, "sync_wait_s": 1.0,
 }  # fmt: skip
-CONFIG = ClientConfig(
-    heartbeat_interval_s=HEARTBEAT_S, silence_heartbeats=3, backoff_initial_s=0.02,
-    backoff_max_s=0.3, watch_load=False, watch_serving_load=False,
-)  # fmt: skip
-#: The mirror's silence limit for an upstream stream, and how long it vouches after a frame.
-SILENCE_S = 3 * HEARTBEAT_S
+#: How long the mirror vouches after an upstream frame (its silence limit for an upstream
+#: stream is ``netfaults.SILENCE_S``).
 VOUCH_S = 1.5 * HEARTBEAT_S + 0.25
 #: Scheduling slack on the vouching checks (everything shares one loop on a 2-core machine).
 SLACK_S = 0.6
 #: Extra slack while bytes are delayed or trickle (the mirror vouches for what it received).
 SLOW_LINK_S = 1.5
-#: After a fault heals, mirror and subscribers are back at the relay's sequence within this
-#: (scaled) time: a few silence limits and backoffs.
-RECOVERY_S = 8.0
-MIRROR_FAULTS = FAULTS + STALL_OPEN
 ALLOWED_ENDS = {
     (Status.UNAVAILABLE, "RELAY_ERROR_REASON_PUBLICATION_UNAVAILABLE"),
     (Status.NOT_FOUND, "RELAY_ERROR_REASON_POOL_NOT_FOUND"),
     (Status.FAILED_PRECONDITION, "RELAY_ERROR_REASON_PRODUCER_CHANGED"),
 }
-#: How often the relay side acts (``RelaySide``) while a fault is in place, and right after it
-#: healed (before the recovery is awaited).
-P_DURING, P_BETWEEN = 0.45, 0.3
-
-
-def _seeds() -> list[int]:
-    spec = os.environ.get("KVRELAY_MIRROR_NETFAULT_SEEDS")
-    if not spec:
-        return [1]
-    lo, _, hi = spec.partition(":")
-    return list(range(int(lo), int(hi))) if hi else [int(lo)]
-
-
 STEPS = int(os.environ.get("KVRELAY_MIRROR_NETFAULT_STEPS", "3"))
+
+
+async def mirror_of(rig: Rig) -> Mirrored:
+    """A mirror of the relay through the faulty proxy, closed with the rig."""
+    m = await start_mirror(rig.proxy.port, limits=LIMITS, **MIRROR)
+    rig.exits.push_async_callback(m.close)
+    return m
 
 
 @dataclass
@@ -125,7 +105,7 @@ class Faults:
         self.healed_at = time.time()
 
 
-class Watcher:
+class Watcher(Verifier):
     """A strict raw subscriber of the mirror's pool, subscribing again whenever its stream
     ends; checks every frame it accepts against the relay's history."""
 
@@ -133,10 +113,10 @@ class Watcher:
         self, channel: Channel, st: Stack, recorder: Recorder, history: FilterHistory,
         faults: Faults,
     ) -> None:  # fmt: skip
+        super().__init__(history)
         self.channel = channel
         self.st = st
         self.recorder = recorder
-        self.history = history
         self.faults = faults
         self.consumer: Consumer | None = None
         self.producer = b""  # of the stream open now
@@ -144,9 +124,6 @@ class Watcher:
         #: may end with a clean EOF, as every stream of a relay that shuts down
         self.stopped_relays: set[bytes] = set()
         self.ends: list[tuple[float, StreamEnd, bytes]] = []
-        self.wrong: list[str] = []
-        self.pending: list[tuple[bytes, int, bytes, float]] = []
-        self.before_oracle = 0
         self.frames = 0
         self.streams = 0
         self.vouching = 0  # heartbeats and snapshots checked for freshness
@@ -187,12 +164,7 @@ class Watcher:
                 return  # a snapshot still being assembled
             self.frames += 1
             seq = replica.sequence
-            verdict = self.history.verdict(producer, seq, replica.table)
-            if verdict is False:
-                self.wrong.append(f"at {seq}: not the relay's filter")
-            elif verdict is None:
-                digest = FilterHistory.digest(replica.table)
-                self.pending.append((producer, seq, digest, time.monotonic()))
+            self.verify(producer, seq, replica.table)
             if fu.kind != pb.FilterUpdateKind.DELTA:
                 self._vouched(fu, producer, seq)
 
@@ -217,24 +189,6 @@ class Watcher:
         if nxt is not None and sent - nxt > allowed:
             self.wrong.append(f"{kind} at {seq} sent {sent - nxt:.2f}s after the relay published "
                               f"{seq + 1} ({f.log[-1:]})")  # fmt: skip
-
-    def check_pending(self) -> bool:
-        """Check the frames whose sequence the history lacked before; True when none is left."""
-        still = []
-        for producer, seq, digest, since in self.pending:
-            want = self.history.digests.get((producer, seq))
-            first = self.history.first.get(producer)
-            if want is None and first is not None and seq < first:
-                self.before_oracle += 1  # this subscriber came before the oracle
-            elif want is None:
-                if time.monotonic() - since > 10:
-                    self.wrong.append(f"sequence {seq} never published by the relay")
-                else:
-                    still.append((producer, seq, digest, since))
-            elif want != digest:
-                self.wrong.append(f"at {seq}: not the relay's filter (checked late)")
-        self.pending = still
-        return not still
 
     def bad_ends(self) -> list[str]:
         """Ends that are not a status: a cut stream, a clean EOF (no upstream shut down here),
@@ -310,118 +264,70 @@ async def planes_equal(relay_ch: Channel, mirror_ch: Channel) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("seed", _seeds())
+@pytest.mark.parametrize("seed", seeds("KVRELAY_MIRROR_NETFAULT_SEEDS"))
 async def test_a_mirror_never_serves_a_wrong_or_unvouched_filter_through_a_faulty_network(
     seed: int,
 ) -> None:
-    rnd = random.Random(seed)
-    configs = [SimConfig(name="m0", seed=seed, dp_size=2, capacity_blocks=96)]
-    async with stack(configs, LIMITS, expected_blocks=1024) as st:
-        relay = st.relay
-        assert relay is not None
-        await until(lambda: relay.pools[0].generation is not None, "generation")
-        history = FilterHistory()
-        recorder = Recorder(st, history)
-        proxy = await FaultyProxy("127.0.0.1", st.port).start()
-        m = await start_mirror(proxy.port, limits=LIMITS, **MIRROR)
-        faults = Faults()
-        mirror_ch = m.channel()
-        relay_ch = Channel("127.0.0.1", st.port)
+    async with faulty_relay(SimConfig(name="m0", seed=seed, dp_size=2, capacity_blocks=96)) as rig:
+        st, history, recorder, log = rig.st, rig.history, rig.recorder, rig.log
+        m = await mirror_of(rig)
+        faults = Faults(log=log)
+        mirror_ch = rig.channel(m.port)
+        relay_ch = rig.channel(st.port)
         watcher = Watcher(mirror_ch, st, recorder, history, faults)
-        client = RelayClient([f"127.0.0.1:{m.port}"], config=CONFIG)
-        await client.start()
-        audit = Audit(client, history)
-        log = faults.log
-        side = await RelaySide(st, random.Random(seed * 7919 + 2), log).start()
-        watcher.stopped_relays = side.stopped_relays
-        stop = asyncio.Event()
-        driver = asyncio.create_task(traffic(side.configured, random.Random(~seed), stop,
-                                             quiet=0.08))  # fmt: skip
-        acts: list[asyncio.Task[str]] = []
+        client = await rig.client(f"127.0.0.1:{m.port}")
+        rig.exits.push_async_callback(watcher.close)  # closed after the audit, before the client
+        audit = rig.audit(client)
+        run = await rig.schedule(seed, salt=2, quiet=0.08)
+        watcher.stopped_relays = run.side.stopped_relays
 
         def caught_up() -> bool:
             watcher.check_pending()
             return all_caught_up(st, m, watcher, client, recorder, history)
 
-        try:
-            await until(caught_up, "first install")
-            for _ in range(STEPS):
-                kind = rnd.choice(MIRROR_FAULTS)
-                open_at_block: Consumer | None = None
+        #: the watcher's stream that was open when the link towards the mirror stalled
+        open_at_block: list[Consumer] = []
 
-                async def act_after(delay: float) -> str:
-                    await asyncio.sleep(delay)
-                    return await side.act()
+        def started(kind: str, hold: float) -> None:
+            faults.started(kind, hold)
+            c = watcher.consumer
+            if kind == "stall_down" and c is not None and c.first.is_set():
+                open_at_block.append(c)
 
-                def started(kind: str, hold: float) -> None:
-                    nonlocal open_at_block
-                    faults.started(kind, hold)
-                    c = watcher.consumer
-                    if kind == "stall_down" and c is not None and c.first.is_set():
-                        open_at_block = c
-                    if rnd.random() < P_DURING:
-                        acts.append(asyncio.create_task(act_after(rnd.uniform(0.0, hold))))
-
-                await apply_fault(proxy, kind, rnd, log, SILENCE_S, started)
-                faults.healed()
-                if rnd.random() < P_BETWEEN:
-                    acts.append(asyncio.create_task(side.act()))
-                while acts:
-                    await acts.pop(0)
-                await side.settle()
-                t0 = time.monotonic()
-                await until(caught_up, f"recovery after {log[-1]} (seed {seed}: {log})",
-                            RECOVERY_S)  # fmt: skip
-                log.append(f"recovered in {time.monotonic() - t0:.2f}s")
-                if open_at_block is not None:
-                    log[-1] += ", open stream ended"
-                    # the upstream went silent past the silence limit: the local stream that
-                    # was open then was ended with a status, not left hanging for the heal
-                    assert open_at_block.end is not None, ("a stream open through a silent "
-                                                           f"upstream was not ended: {log}")
-                await until(watcher.check_pending, "verdicts")
-                why: str | None = "not compared"
-                for _attempt in range(20):
-                    why = await planes_equal(relay_ch, mirror_ch)
-                    if why is None:
-                        break
-                    await asyncio.sleep(0.1)
-                assert why is None, (why, log)
-                assert not watcher.wrong, (watcher.wrong, log)
-                assert not audit.wrong, (audit.wrong, log)
-                assert not watcher.bad_ends(), (watcher.bad_ends(), log)
-                assert not recorder.problems(), (recorder.problems(), log)
-            stop.set()
-            await driver
-            await until(caught_up, "final catch-up")
+        await until(caught_up, "first install")
+        for _ in range(STEPS):
+            open_at_block.clear()
+            await run.fault(caught_up, on_start=started, on_heal=faults.healed)
+            if open_at_block:
+                log[-1] += ", open stream ended"
+                # the upstream went silent past the silence limit: the local stream that was
+                # open then was ended with a status, not left hanging for the heal
+                assert open_at_block[0].end is not None, ("a stream open through a silent "
+                                                          f"upstream was not ended: {log}")
+            await until(watcher.check_pending, "verdicts")
+            why: str | None = "not compared"
+            for _attempt in range(20):
+                why = await planes_equal(relay_ch, mirror_ch)
+                if why is None:
+                    break
+                await asyncio.sleep(0.1)
+            assert why is None, (why, log)
+            assert not watcher.wrong, (watcher.wrong, log)
+            assert not audit.wrong, (audit.wrong, log)
+            assert not watcher.bad_ends(), (watcher.bad_ends(), log)
             assert not recorder.problems(), (recorder.problems(), log)
-        finally:
-            stop.set()
-            driver.cancel()
-            for task in acts:
-                task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await driver
-            await audit.close()
-            await watcher.close()
-            await client.close()
-            mirror_ch.close()
-            relay_ch.close()
-            await m.close()
-            await proxy.close()
-            await recorder.close()
-            await side.close()
-        assert not watcher.wrong, (watcher.wrong, log)
-        assert not audit.wrong, (audit.wrong, log)
-        assert not watcher.bad_ends(), (watcher.bad_ends(), log)
-        assert watcher.frames > STEPS and audit.checked > STEPS, (watcher.frames, audit.checked)
-        print(f"seed {seed}: {log}; relay side {side.counts}; {watcher.streams} streams, "
-              f"{watcher.frames} frames, {watcher.vouching} vouching ({watcher.vouching_blocked} "
-              f"in a blocked link), {watcher.before_oracle}+{audit.before_oracle} before the "
-              f"oracle, relay sequences {sum(len(f.seen_at) for f in recorder.feeds.values())}")
-        if os.environ.get("KVRELAY_MIRROR_NETFAULT_ENDS"):
-            for t, end, _ in watcher.ends:
-                print(f"  {t % 100:.2f} {end.message}")
+        await run.finish(caught_up)
+    assert not watcher.wrong, (watcher.wrong, log)
+    assert not audit.wrong, (audit.wrong, log)
+    assert not watcher.bad_ends(), (watcher.bad_ends(), log)
+    assert watcher.frames > STEPS and audit.checked > STEPS, (watcher.frames, audit.checked)
+    print(f"seed {seed}: {log}; relay side {run.side.counts}; {watcher.streams} streams, "
+          f"{watcher.frames} frames, {watcher.vouching} vouching ({watcher.vouching_blocked} "
+          f"in a blocked link), {watcher.before_oracle}+{audit.before_oracle} before the "
+          f"oracle, relay sequences {sum(len(f.seen_at) for f in recorder.feeds.values())}")
+    if os.environ.get("KVRELAY_MIRROR_NETFAULT_ENDS"):
+        for t, end, _ in watcher.ends:
+            print(f"  {t % 100:.2f} {end.message}")
 
 
 async def test_a_connection_dead_towards_the_upstream_is_left_when_a_new_stream_goes_unheard(
@@ -433,42 +339,35 @@ async def test_a_connection_dead_towards_the_upstream_is_left_when_a_new_stream_
     over and over on the same connection, which other streams kept looking alive, until
     grpclib's keepalive closed it: 29.7 s without the pool, 7 silent attempts. One unanswered
     round trip now replaces the connection: back within a few silence limits."""
-    configs = [SimConfig(name="up0", seed=5, dp_size=1, capacity_blocks=64)]
-    async with stack(configs, LIMITS, expected_blocks=1024) as st:
-        relay = st.relay
-        assert relay is not None
-        await until(lambda: relay.pools[0].generation is not None, "generation")
-        proxy = await FaultyProxy("127.0.0.1", st.port).start()
-        m = await start_mirror(proxy.port, limits=LIMITS, **MIRROR)
-        try:
-            await st.engines[0].step(4)
-            proxy.stall_open(UP)  # for good: only a new connection carries requests
-            await asyncio.sleep(0.2)
-            first = relay.pools[0].generation
-            assert first is not None
-            old = bytes(first.producer)
+    async with faulty_relay(SimConfig(name="up0", seed=5, dp_size=1, capacity_blocks=64),
+                            record=False) as rig:  # fmt: skip
+        relay = rig.relay
+        m = await mirror_of(rig)
+        await rig.engine.step(4)
+        rig.proxy.stall_open(UP)  # for good: only a new connection carries requests
+        await asyncio.sleep(0.2)
+        first = relay.pools[0].generation
+        assert first is not None
+        old = bytes(first.producer)
 
-            def renewed() -> bool:
-                g = relay.pools[0].generation
-                return g is not None and bytes(g.producer) != old
+        def renewed() -> bool:
+            g = relay.pools[0].generation
+            return g is not None and bytes(g.producer) != old
 
-            relay.pools[0].fence(first, "test: the upstream ends the pool's streams")
-            await st.engines[0].step(3)
-            await until(renewed, "a new generation")
-            gen = relay.pools[0].generation
-            assert gen is not None
+        relay.pools[0].fence(first, "test: the upstream ends the pool's streams")
+        await rig.engine.step(3)
+        await until(renewed, "a new generation")
+        gen = relay.pools[0].generation
+        assert gen is not None
 
-            def served() -> bool:
-                hub = m.mirror.hub_for(gen.producer)
-                return hub is not None and hub.sequence == gen.hub().sequence
+        def served() -> bool:
+            hub = m.mirror.hub_for(gen.producer)
+            return hub is not None and hub.sequence == gen.hub().sequence
 
-            await until(served, "the mirror serves the new generation", RECOVERY_S)
-            stats = m.mirror.stats()
-            assert stats["channel_deaf"] >= 1, stats
-            assert stats["pool_totals"].get("end_silent", 0) <= 2, stats
-        finally:
-            await m.close()
-            await proxy.close()
+        await until(served, "the mirror serves the new generation", RECOVERY_S)
+        stats = m.mirror.stats()
+        assert stats["channel_deaf"] >= 1, stats
+        assert stats["pool_totals"].get("end_silent", 0) <= 2, stats
 
 
 def test_the_blocked_window_is_what_the_faults_say() -> None:

@@ -41,7 +41,15 @@ from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
 from tests.support.fleet import engine_spec, ground_truth
 from tests.support.mirror_rig import Mirrored, start_mirror
-from tests.support.rig import MARKER, SVC, Consumer, make_settings, start_relay, stop_relay
+from tests.support.rig import (
+    MARKER,
+    SVC,
+    Consumer,
+    make_settings,
+    relay_info_bytes,
+    start_relay,
+    stop_relay,
+)
 from tests.support.timing import scaled
 
 POOL_A, POOL_B = "ns/backend/a", "ns/backend/b"
@@ -85,21 +93,6 @@ async def _first_frame(port: int, method: str, request: object) -> bytes:
                 data = await st.recv_message()
                 await st.cancel()
         assert isinstance(data, bytes), method
-        return data
-    finally:
-        ch.close()
-
-
-async def _unary_info(port: int) -> bytes:
-    ch = Channel("127.0.0.1", port, codec=RawCodec(8 << 20))
-    try:
-        async with ch.request(
-            SVC + "GetRelayInfo", Cardinality.UNARY_UNARY, pb.RelayInfoRequest, bytes
-        ) as st:
-            await st.send_message(pb.RelayInfoRequest(contract_marker=MARKER), end=True)
-            data = await st.recv_message()
-            await st.recv_trailing_metadata()
-        assert isinstance(data, bytes)
         return data
     finally:
         ch.close()
@@ -319,7 +312,7 @@ class World:
                 for path in PATHS:
                     port = self.port(path)
                     got[path] = [await _first_frame(port, m, r) for m, r in requests]
-                    got[path].append(await _unary_info(port))
+                    got[path].append(await relay_info_bytes(port))
             except GRPCError as exc:  # a mirror's plane between two sessions of its upstream
                 if exc.status != Status.UNAVAILABLE or loop.time() > deadline:  # (restart)
                     raise

@@ -1,10 +1,14 @@
 """Shared parts of the seeded network-fault audits (the SDK's and the mirror's).
 
-``Recorder`` is the oracle's feed: a strict direct subscriber of the relay (its own channel, no
-proxy) that records the relay's filter at every sequence in a ``FilterHistory``, and when each
-sequence was first seen, so a frame that claims "nothing changed up to now" long after the relay
-moved on can be called stale. ``Audit`` checks an SDK client's installed replicas against that
-history. ``apply_fault`` starts one of ``FAULTS`` on a ``FaultyProxy``, holds it, and heals.
+``faulty_relay`` sets up what every such test stands on: a relay fed by one simulated engine, a
+``FaultyProxy`` in front of it and the oracle; the ``Rig`` it yields closes what a test opens on
+it, last opened first. ``Recorder`` is the oracle's feed: a strict direct subscriber of the relay
+(its own channel, no proxy) that records the relay's filter at every sequence in a
+``FilterHistory``, and when each sequence was first seen, so a frame that claims "nothing changed
+up to now" long after the relay moved on can be called stale. ``Verifier`` checks what a
+downstream subscriber holds against that history; ``Audit`` does so for an SDK client's installed
+replicas. ``apply_fault`` starts one of ``FAULTS`` on a ``FaultyProxy``, holds it, and heals;
+``Schedule`` is an audit's seeded run of them, with traffic and relay-side events.
 """
 
 from __future__ import annotations
@@ -12,28 +16,60 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
+import numpy as np
 from grpclib.client import Channel
 
-from kvrelay.client import RelayClient
+from kvrelay.client import ClientConfig, RelayClient
+from kvrelay.contract.limits import RelayLimits
 from kvrelay.relay.generation import Generation
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
-from tests.support.client_stack import Stack
+from tests.support.client_stack import Stack, stack
 from tests.support.faulty_proxy import DOWN, UP, FaultyProxy, FilterHistory
 from tests.support.rig import Consumer, start_relay
 from tests.support.timing import scaled
+
+HEARTBEAT_S = 0.3
+#: The consumers' silence limit: the SDK's (``CONFIG``) and a mirror's for its upstream streams
+#: (three upstream heartbeat periods).
+SILENCE_S = 3 * HEARTBEAT_S
+LIMITS = RelayLimits(
+    pool_heartbeat_s=HEARTBEAT_S, readiness_heartbeat_s=HEARTBEAT_S,
+    publication_queue_capacity=4096, publication_queue_bytes=64 << 20,
+)  # fmt: skip
+CONFIG = ClientConfig(
+    heartbeat_interval_s=HEARTBEAT_S, silence_heartbeats=3, backoff_initial_s=0.02,
+    backoff_max_s=0.3, watch_load=False, watch_serving_load=False,
+)  # fmt: skip
+#: After a fault heals, every reader is back at the relay's sequence within this (scaled) time:
+#: a few silence limits and backoffs, far below grpclib's keepalive (a ping 20 s in, 10 s to
+#: answer, at most one per 300 s on a connection).
+RECOVERY_S = 8.0
+#: How often the relay side acts (``RelaySide``) while a fault is in place, and right after it
+#: healed (before the recovery is awaited).
+P_DURING, P_BETWEEN = 0.45, 0.3
 
 FAULTS = ("delay", "split", "stall_down", "stall_up", "rst", "fin", "half_down", "half_up",
           "blackhole", "none")  # fmt: skip
 #: Also: the connections open now stall for good in one direction (a path that died while TCP
 #: stays up); connections made later flow.
 STALL_OPEN = ("stall_open_down", "stall_open_up")
+
+
+def seeds(env: str) -> list[int]:
+    """The seeds a long run names in ``env`` (``LO:HI`` or one seed); seed 1 by default."""
+    spec = os.environ.get(env)
+    if not spec:
+        return [1]
+    lo, _, hi = spec.partition(":")
+    return list(range(int(lo), int(hi))) if hi else [int(lo)]
 
 
 class _Feed:
@@ -151,42 +187,31 @@ class Recorder:
             ch.close()
 
 
-class Audit:
-    """Checks an SDK client's promise every few milliseconds: an installed replica equals the
-    relay's filter at the sequence it claims."""
+class Verifier:
+    """What a downstream subscriber holds, checked against the oracle's history. A replica at a
+    sequence the oracle has not recorded yet is checked again later (``check_pending``): the
+    relay must publish that sequence, with that filter."""
 
-    def __init__(self, client: RelayClient, history: FilterHistory) -> None:
-        self.client = client
+    def __init__(self, history: FilterHistory) -> None:
         self.history = history
-        self.checked = 0
-        self.unverified: list[tuple[bytes, int, bytes, float]] = []
-        #: replicas at a sequence before the oracle's first one of that producer (the SDK
-        #: subscribed first): not verifiable, counted
-        self.before_oracle = 0
         self.wrong: list[str] = []
-        self._seen: dict[object, tuple[int, int]] = {}
-        self.task = asyncio.create_task(self._run())
+        self.pending: list[tuple[bytes, int, bytes, float]] = []
+        #: replicas at a sequence before the oracle's first one of that producer (the
+        #: subscriber came first): not verifiable, counted
+        self.before_oracle = 0
 
-    def check_now(self) -> None:
-        for conn in self.client.connections:
-            for slot in conn.slots.values():
-                replica = slot.installed
-                if replica is None or replica.table is None or replica.sequence is None:
-                    continue
-                producer = bytes(slot.descriptor.producer)
-                seq = replica.sequence
-                if self._seen.get(slot.key) == (id(replica), seq):
-                    continue
-                self._seen[slot.key] = (id(replica), seq)
-                verdict = self.history.verdict(producer, seq, replica.table)
-                self.checked += 1
-                if verdict is False:
-                    self.wrong.append(f"{slot.key} at {seq}: not the relay's filter")
-                elif verdict is None:
-                    digest = FilterHistory.digest(replica.table)
-                    self.unverified.append((producer, seq, digest, time.monotonic()))
+    def verify(self, producer: bytes, seq: int, table: np.ndarray, where: str = "") -> None:
+        """``table`` is the relay's filter of ``producer`` at ``seq`` (``where``: who holds it)."""
+        verdict = self.history.verdict(producer, seq, table)
+        if verdict is False:
+            self.wrong.append(f"{where}at {seq}: not the relay's filter")
+        elif verdict is None:
+            self.pending.append((producer, seq, FilterHistory.digest(table), time.monotonic()))
+
+    def check_pending(self) -> bool:
+        """Check the replicas whose sequence the history lacked before; True when none is left."""
         still = []
-        for producer, seq, digest, since in self.unverified:
+        for producer, seq, digest, since in self.pending:
             want = self.history.digests.get((producer, seq))
             first = self.history.first.get(producer)
             if want is None and first is not None and seq < first:
@@ -198,7 +223,34 @@ class Audit:
                     still.append((producer, seq, digest, since))
             elif want != digest:
                 self.wrong.append(f"at {seq}: not the relay's filter (checked late)")
-        self.unverified = still
+        self.pending = still
+        return not still
+
+
+class Audit(Verifier):
+    """Checks an SDK client's promise every few milliseconds: an installed replica equals the
+    relay's filter at the sequence it claims."""
+
+    def __init__(self, client: RelayClient, history: FilterHistory) -> None:
+        super().__init__(history)
+        self.client = client
+        self.checked = 0
+        self._seen: dict[object, tuple[int, int]] = {}
+        self.task = asyncio.create_task(self._run())
+
+    def check_now(self) -> None:
+        for conn in self.client.connections:
+            for slot in conn.slots.values():
+                replica = slot.installed
+                if replica is None or replica.table is None or replica.sequence is None:
+                    continue
+                seq = replica.sequence
+                if self._seen.get(slot.key) == (id(replica), seq):
+                    continue
+                self._seen[slot.key] = (id(replica), seq)
+                self.checked += 1
+                self.verify(bytes(slot.descriptor.producer), seq, replica.table, f"{slot.key} ")
+        self.check_pending()
 
     async def _run(self) -> None:
         while True:
@@ -451,3 +503,162 @@ def sdk_caught_up(client: RelayClient, st: Stack, history: FilterHistory) -> boo
         if history.verdict(producer, r.sequence, r.table) is not True:
             return False
     return True
+
+
+class Schedule:
+    """An audit's seeded run (``Rig.schedule``): engine traffic throughout and, per ``fault``,
+    one of ``FAULTS`` or ``STALL_OPEN`` on the proxy, relay-side events while it is in place
+    (``P_DURING``) and right after it heals (``P_BETWEEN``), the relay side settled, then every
+    reader back at the relay within ``RECOVERY_S``."""
+
+    def __init__(self, rig: Rig, side: RelaySide, seed: int, quiet: float) -> None:
+        self.rig = rig
+        self.side = side
+        self.seed = seed
+        self.log = rig.log
+        self.rnd = random.Random(seed)
+        self.acts: list[asyncio.Task[str]] = []
+        self.stop = asyncio.Event()
+        self.driver = asyncio.create_task(traffic(side.configured, random.Random(~seed),
+                                                  self.stop, quiet))  # fmt: skip
+
+    async def _act_after(self, delay: float) -> str:
+        await asyncio.sleep(delay)
+        return await self.side.act()
+
+    async def fault(
+        self, caught_up: Callable[[], bool], *, silence_s: float = SILENCE_S,
+        on_start: Callable[[str, float], None] | None = None,
+        on_heal: Callable[[], None] | None = None,
+    ) -> None:  # fmt: skip
+        """One seeded fault, through the recovery (``caught_up``). ``on_start(kind, hold)``:
+        the fault is in place (before any relay-side event it draws); ``on_heal()``: healed."""
+        rnd, log = self.rnd, self.log
+
+        def started(kind: str, hold: float) -> None:
+            if on_start is not None:
+                on_start(kind, hold)
+            if rnd.random() < P_DURING:
+                self.acts.append(asyncio.create_task(self._act_after(rnd.uniform(0.0, hold))))
+
+        await apply_fault(self.rig.proxy, rnd.choice(FAULTS + STALL_OPEN), rnd, log, silence_s,
+                          started)  # fmt: skip
+        if on_heal is not None:
+            on_heal()
+        if rnd.random() < P_BETWEEN:
+            self.acts.append(asyncio.create_task(self.side.act()))
+        while self.acts:
+            await self.acts.pop(0)
+        await self.side.settle()
+        t0 = time.monotonic()
+        await until(caught_up, f"recovery after {log[-1]} (seed {self.seed}: {log})", RECOVERY_S)
+        log.append(f"recovered in {time.monotonic() - t0:.2f}s")
+
+    async def finish(self, caught_up: Callable[[], bool]) -> None:
+        """The traffic stops; every reader catches up; the oracle's streams are whole."""
+        self.stop.set()
+        await self.driver
+        await until(caught_up, "final catch-up")
+        recorder = self.rig.recorder
+        assert not recorder.problems(), (recorder.problems(), self.log)
+
+    async def close(self) -> None:
+        self.stop.set()
+        self.driver.cancel()
+        for task in self.acts:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.driver
+
+
+class Rig:
+    """What ``faulty_relay`` set up. What a test opens on it (``client``, ``audit``,
+    ``schedule``, ``channel``, ``exits``) is closed when the test leaves it, last opened first,
+    then the proxy, the oracle, and last the relay side's spare engines."""
+
+    def __init__(self, st: Stack, exits: contextlib.AsyncExitStack) -> None:
+        self.st = st
+        self.exits = exits
+        self.history = FilterHistory()
+        self.log: list[str] = []  # what the faults and the relay side did
+        self.side: RelaySide | None = None
+        self._recorder: Recorder | None = None
+        self.proxy = FaultyProxy("127.0.0.1", st.port)
+
+    @property
+    def relay(self) -> Relay:
+        """The relay now (a relay restart replaces it)."""
+        assert self.st.relay is not None
+        return self.st.relay
+
+    @property
+    def engine(self) -> SimEngine:
+        return self.st.engines[0]
+
+    @property
+    def recorder(self) -> Recorder:
+        assert self._recorder is not None, "faulty_relay(record=False)"
+        return self._recorder
+
+    def caught_up(self, client: RelayClient) -> bool:
+        return sdk_caught_up(client, self.st, self.history)
+
+    def channel(self, port: int) -> Channel:
+        ch = Channel("127.0.0.1", port)
+        self.exits.callback(ch.close)
+        return ch
+
+    async def client(self, address: str | None = None) -> RelayClient:
+        """An SDK client (``CONFIG``) of ``address``, else of the relay through the proxy."""
+        client = RelayClient([address or self.proxy.address], config=CONFIG)
+        await client.start()
+        self.exits.push_async_callback(client.close)
+        return client
+
+    async def installed(self) -> RelayClient:
+        """An SDK client through the proxy, once it holds the relay's pool after a few engine
+        steps."""
+        client = await self.client()
+        await self.engine.step(4)
+        await until(lambda: self.caught_up(client), "first install")
+        return client
+
+    def audit(self, client: RelayClient) -> Audit:
+        audit = Audit(client, self.history)
+        self.exits.push_async_callback(audit.close)
+        return audit
+
+    async def schedule(self, seed: int, salt: int, quiet: float = 0.0) -> Schedule:
+        """The relay side (seeded ``seed * 7919 + salt``) and the seeded run of faults and
+        traffic; the run stops first when the test leaves the rig."""
+        self.side = await RelaySide(self.st, random.Random(seed * 7919 + salt), self.log).start()
+        run = Schedule(self, self.side, seed, quiet)
+        self.exits.push_async_callback(run.close)
+        return run
+
+    async def _start(self, record: bool) -> None:
+        self.exits.push_async_callback(self._close_side)  # closed last, whenever it started
+        if record:
+            self._recorder = Recorder(self.st, self.history)
+            self.exits.push_async_callback(self._recorder.close)
+        await self.proxy.start()
+        self.exits.push_async_callback(self.proxy.close)
+
+    async def _close_side(self) -> None:
+        if self.side is not None:
+            await self.side.close()
+
+
+@contextlib.asynccontextmanager
+async def faulty_relay(engine: SimConfig, *, record: bool = True) -> AsyncIterator[Rig]:
+    """A relay (``LIMITS``) fed by one simulated engine, once its pool has a generation; a
+    ``FaultyProxy`` in front of it; with ``record``, the oracle (``Recorder``) subscribed to it
+    directly."""
+    async with stack([engine], LIMITS, expected_blocks=1024) as st:
+        relay = st.relay
+        assert relay is not None
+        await until(lambda: relay.pools[0].generation is not None, "generation")
+        async with contextlib.AsyncExitStack() as exits:
+            rig = Rig(st, exits)
+            await rig._start(record)
+            yield rig

@@ -21,6 +21,7 @@ from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.client.codec import RawCodec
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.ops.metrics import RelayMetrics
 from kvrelay.relay.relay import Relay
@@ -319,6 +320,23 @@ async def collect_end(
 async def relay_info(channel: Channel) -> pb.RelayInfo:
     stub = pb.KvEventRelayStub(channel)
     return await stub.get_relay_info(pb.RelayInfoRequest(contract_marker=MARKER))
+
+
+async def relay_info_bytes(port: int) -> bytes:
+    """``GetRelayInfo``'s reply as the bytes on the wire (on its own loopback channel), for
+    byte-for-byte comparisons of a relay and its mirrors."""
+    ch = Channel("127.0.0.1", port, codec=RawCodec(8 << 20))
+    try:
+        async with ch.request(
+            SVC + "GetRelayInfo", Cardinality.UNARY_UNARY, pb.RelayInfoRequest, bytes
+        ) as st:
+            await st.send_message(pb.RelayInfoRequest(contract_marker=MARKER), end=True)
+            data = await st.recv_message()
+            await st.recv_trailing_metadata()
+        assert isinstance(data, bytes)
+        return data
+    finally:
+        ch.close()
 
 
 async def catalog_producer(
