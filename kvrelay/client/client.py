@@ -48,6 +48,12 @@ def _opt(v: int | None) -> int | None:
     return None if v is None else int(v)
 
 
+def _gauge(v: int | None, complete: bool) -> int | None:
+    """A serving-load gauge, only from a COMPLETE view: one set in any other view is a partial
+    sum, which reads as lower load than there is (§10.4), so it is unknown here."""
+    return None if v is None or not complete else int(v)
+
+
 def role_name(r: int) -> str:
     try:
         return str(pb.WorkerRole(r).name)
@@ -240,13 +246,14 @@ class RelayClient:
                     continue
                 if key is None or p.load is None:
                     continue
-                tokens, dep = p.load.tokens, p.deployment
+                tokens = p.load.tokens or pb.TokenLoadStats()
+                dep = p.deployment
+                status = _DATA_STATUS.get(int(p.load.status), "UNSPECIFIED")
+                complete = status == "COMPLETE"
                 pools[key] = PoolServingView(
-                    status=_DATA_STATUS.get(int(p.load.status), "UNSPECIFIED"),
-                    active_decode_blocks=None if tokens is None
-                    else _opt(tokens.active_decode_blocks),
-                    active_prefill_tokens=None if tokens is None
-                    else _opt(tokens.active_prefill_tokens),
+                    status=status,
+                    active_decode_blocks=_gauge(tokens.active_decode_blocks, complete),
+                    active_prefill_tokens=_gauge(tokens.active_prefill_tokens, complete),
                     live_workers=None if dep is None else _opt(dep.live_workers),
                     max_concurrency=None if dep is None else _opt(dep.max_concurrency),
                     source_observed_ms=int(p.load.source_observed_ms),
@@ -255,24 +262,30 @@ class RelayClient:
             for m in upd.models:
                 if m.load is None:
                     continue
-                r = m.load.requests or pb.RequestLifecycleStats()
+                r = m.load.requests
+                if r is None:  # its counters are always set (§10.4): unknown, never zeros
+                    c.counters["serving_load_entry_invalid"] += 1
+                    continue
                 t = m.load.tokens or pb.TokenLoadStats()
                 d = m.deployment or pb.ModelDeploymentStatus()
+                status = _DATA_STATUS.get(int(m.load.status), "UNSPECIFIED")
+                complete = status == "COMPLETE"
                 models.append(
                     ModelServingView(
                         relay=c.name, namespace=m.namespace, model=m.canonical_model_id,
-                        status=_DATA_STATUS.get(int(m.load.status), "UNSPECIFIED"),
+                        status=status,
                         requests_started_total=int(r.requests_started_total),
                         requests_completed_total=int(r.requests_completed_total),
                         requests_failed_total=int(r.requests_failed_total),
                         requests_cancelled_total=int(r.requests_cancelled_total),
-                        requests_awaiting_first_token=_opt(r.requests_awaiting_first_token),
-                        requests_generating=_opt(r.requests_generating),
+                        requests_awaiting_first_token=_gauge(
+                            r.requests_awaiting_first_token, complete),
+                        requests_generating=_gauge(r.requests_generating, complete),
                         input_tokens_total=_opt(t.input_tokens_total),
                         output_tokens_total=_opt(t.output_tokens_total),
-                        inflight_input_tokens=_opt(t.inflight_input_tokens),
-                        awaiting_first_token_input_tokens=_opt(
-                            t.awaiting_first_token_input_tokens),
+                        inflight_input_tokens=_gauge(t.inflight_input_tokens, complete),
+                        awaiting_first_token_input_tokens=_gauge(
+                            t.awaiting_first_token_input_tokens, complete),
                         expected_frontends=int(d.expected_frontends),
                         observed_frontends=int(d.observed_frontends),
                         ready_frontends=int(d.ready_frontends),

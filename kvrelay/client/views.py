@@ -73,7 +73,8 @@ class LoadView:
 class PoolServingView:
     """One pool's serving-load window (Dynamo 1.7). ``status``: COMPLETE / DEGRADED /
     UNAVAILABLE, or UNSPECIFIED for a value this SDK does not know (treat as unknown). A gauge is
-    None when the relay left it unset (unknown, never zero)."""
+    None when the relay left it unset (unknown, never zero) or the view is not COMPLETE (a
+    partial sum would read as lower load)."""
 
     status: str
     active_decode_blocks: int | None
@@ -92,7 +93,8 @@ class PoolServingView:
 class ModelServingView:
     """One (namespace, model)'s serving-load window. The ``*_total`` counters are cumulative
     within one relay incarnation (``relay_incarnation``): compute rates only between windows of
-    the same incarnation. Gauges and token figures are None when unset."""
+    the same incarnation. Gauges and token figures are None when unset, and gauges also when
+    the view is not COMPLETE."""
 
     relay: str
     namespace: str

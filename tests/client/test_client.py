@@ -228,24 +228,52 @@ async def test_a_plane_with_long_windows_is_not_silent_between_them() -> None:
 
 async def test_the_serving_load_view_has_every_token_figure_the_contract_defines() -> None:
     """``TokenLoadStats`` fields 3 and 4 (a Dynamo 1.7 relay may set them) reach the SDK's
-    model view as sent, and unset ones as None, never zero."""
+    model view as sent, and unset ones as None, never zero. A gauge is read from a COMPLETE
+    view only: one a relay set in a DEGRADED view is a partial sum, None here like an unset one,
+    and a model view without its request counters is left out rather than read as zeros."""
     view = MemRelayView()
+    view.add_pool("pool-a", 1024)
+    gauges = pb.TokenLoadStats(awaiting_first_token_input_tokens=7, inflight_input_tokens=9)
     msg = view.serving_load_msg(1)
-    msg.models[0].load.tokens = pb.TokenLoadStats(awaiting_first_token_input_tokens=7,
-                                                  inflight_input_tokens=9)  # fmt: skip
+    msg.models[0].load.status = pb.DataStatus.COMPLETE
+    msg.models[0].load.tokens = gauges
+    msg.models[0].load.requests.requests_generating = 3
     view.serving_load.publish(msg, 1)
     server = RelayServer(view)
     await server.start("127.0.0.1", 0)
     try:
         async with RelayClient([f"127.0.0.1:{server.port}"], config=FAST) as client:
-            def model() -> ModelServingView | None:
+            def model(window: int) -> ModelServingView | None:
                 views = client.serving_load().models
-                return views[0] if views and views[0].window_sequence == 1 else None
+                return views[0] if views and views[0].window_sequence == window else None
 
-            await eventually(lambda: model() is not None, what="window 1")
-            m = model()
+            await eventually(lambda: model(1) is not None, what="window 1")
+            m = model(1)
             assert m is not None
             assert (m.awaiting_first_token_input_tokens, m.inflight_input_tokens) == (7, 9)
+            assert m.requests_generating == 3
             assert (m.input_tokens_total, m.output_tokens_total) == (None, None)
+            await eventually(lambda: len(client.serving_load().pools) == 1, what="the pool")
+            (pool,) = client.serving_load().pools.values()
+            assert pool.active_decode_blocks == 7  # COMPLETE
+
+            partial = view.serving_load_msg(2, started=4)  # the model DEGRADED
+            partial.models[0].load.tokens = gauges
+            partial.models[0].load.requests.requests_generating = 3
+            partial.pools[0].load.status = pb.DataStatus.DEGRADED  # still with its gauge
+            no_counters = view.serving_load_msg(2).models[0]
+            no_counters.canonical_model_id, no_counters.load.requests = "m2", None
+            partial.models.append(no_counters)
+            view.serving_load.publish(partial, 2)
+            await eventually(lambda: model(2) is not None, what="window 2")
+            m = model(2)
+            assert m is not None and m.status == "DEGRADED"
+            assert (m.awaiting_first_token_input_tokens, m.inflight_input_tokens) == (None, None)
+            assert m.requests_generating is None
+            assert m.requests_started_total == 4  # counters whatever the status
+            assert [v.model for v in client.serving_load().models] == ["m"]
+            (pool,) = client.serving_load().pools.values()
+            assert pool.status == "DEGRADED" and pool.active_decode_blocks is None
+            assert pool.live_workers == 1  # deployment is not a gauge of the view
     finally:
         await server.close(grace_s=0.5)
