@@ -81,7 +81,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvrelay.service.h2.internals import data_frames_sent
+from kvrelay.service.h2.internals import data_frames_sent, missing_in_sent, once_connected
 
 __all__ = [
     "ABUSE_REASONS",
@@ -353,19 +353,22 @@ def guard_protocol(proto: Any, budgets: H2Budgets, counters: H2Counters) -> None
     """Put a ``FrameGuard`` in front of ``proto.data_received``, handing h2 at most
     ``MAX_FEED_BYTES`` per loop turn. Installed before the transport exists: uvloop's
     transports keep the protocol's ``data_received`` as it is when they are made, so a
-    replacement made in ``connection_made`` would never be called there."""
-    made: Callable[[Any], None] = proto.connection_made
+    replacement made in ``connection_made`` would never be called there. Through
+    ``once_connected``: the guard is made before grpclib's ``connection_made``, and reads the
+    counts of what the connection sent (``SENT_NEEDS``) once grpclib has made it."""
     received: Callable[[bytes], None] = proto.data_received
     waiting: deque[bytes] = deque()  # read, not yet handed on (reading paused meanwhile)
     guard: FrameGuard | None = None
     transport: Any = None
 
-    def connection_made(t: Any) -> None:
+    def guarded(t: Any) -> None:  # (before grpclib's ``connection_made``)
         nonlocal guard, transport
         transport = t
         guard = FrameGuard(t, budgets, counters)
-        made(t)
-        guard.sent = data_frames_sent(proto)  # (grpclib's connection exists from ``made``)
+
+    def count_sent(_t: Any) -> None:  # (grpclib's connection exists from then)
+        if guard is not None:
+            guard.sent = data_frames_sent(proto)
 
     def hand_on(data: bytes) -> bool:
         if guard is None or not guard.feed(data):
@@ -408,7 +411,7 @@ def guard_protocol(proto: Any, budgets: H2Budgets, counters: H2Counters) -> None
         else:
             _resume(transport)
 
-    proto.connection_made = connection_made
+    once_connected(proto, missing_in_sent, count_sent, before=guarded)
     proto.data_received = data_received
 
 

@@ -5,7 +5,8 @@ Why: the writers in this package (``bulk``, ``direct``, ``batch``, ``reset``, ``
 stream, connection and h2 state. A grpclib or h2 release may drop or rename any of it;
 ``missing`` then names what is gone and ``StreamWriter`` falls back to grpclib's public path
 (the relay gets slower, never wrong). Those that set a connection up once grpclib has made it
-(``closing``, ``mend``) do it through ``once_connected``, each only where its needs are there.
+(``closing``, ``guard``, ``mend``) do it through ``once_connected``, each only where its needs
+are there.
 ``tests/service/h2/test_internals.py`` checks the whole list against the installed versions on a
 real stream.
 """
@@ -36,6 +37,7 @@ __all__ = [
     "HPACK_ENCODER_NEEDS",
     "INSTANCE_NEEDS",
     "NO_ERROR",
+    "PROCESSOR_NEEDS",
     "PROTOCOL_NEEDS",
     "REQUEST_NEEDS",
     "SEND_DATA_CONNECTION",
@@ -58,6 +60,7 @@ __all__ = [
     "missing_in_encoder",
     "missing_in_feed",
     "missing_in_hpack_encoder",
+    "missing_in_processor",
     "missing_in_protocol",
     "missing_in_sent",
     "missing_in_stream_cap",
@@ -215,12 +218,34 @@ def _missing_on_connection(proto: Any, needs: tuple[tuple[str, str], ...]) -> li
 STREAM_CAP_NEEDS: tuple[tuple[str, str], ...] = (
     ("proto", "connection"),
     ("connection", "_connection"),
+    ("connection", "flush"),
 )
 
 
 def missing_in_stream_cap(proto: Any) -> list[str]:
     """``where.attribute`` for each of ``STREAM_CAP_NEEDS`` this connected protocol lacks."""
     return _missing_on_connection(proto, STREAM_CAP_NEEDS)
+
+
+#: What is used of a connected server protocol's events processor (grpclib makes it in
+#: ``connection_made``): ``where`` is ``proto`` or ``processor``. ``mend`` changes its handlers
+#: by h2 event type (a dict: frame types HTTP/2 does not define ignored, empty DATA dropped;
+#: without it they stay grpclib's); ``closing.close_connections`` closes it at shutdown.
+PROCESSOR_NEEDS: tuple[tuple[str, str], ...] = (
+    ("proto", "processor"),
+    ("processor", "processors"),
+    ("processor", "close"),
+)
+
+
+def missing_in_processor(proto: Any) -> list[str]:
+    """``where.attribute`` for each of ``PROCESSOR_NEEDS`` this connected protocol lacks."""
+    processor: Any = getattr(proto, "processor", None)
+    objects = {"proto": proto, "processor": processor}
+    out = [f"{w}.{a}" for w, a in PROCESSOR_NEEDS if not hasattr(objects[w], a)]
+    if hasattr(processor, "processors") and not isinstance(processor.processors, dict):
+        out.append("processor.processors (a dict)")
+    return out
 
 
 #: What ``mend`` uses to write the GOAWAY h2 queued on a connection error (grpclib closes the

@@ -40,10 +40,11 @@
   see it; the relay's request reader needs it to inflate a compressed request
   (``request.py``). Each accepted stream's is noted (``request.note_request_encoding``).
 
-Uses grpclib's private protocol parts (``internals.PROTOCOL_NEEDS``; for h2's connection errors
-also ``FEED_NEEDS``, for the header table ``ENCODER_NEEDS`` and ``HPACK_ENCODER_NEEDS``); without
-them the protocol is left as grpclib made it. Installed before the transport exists (uvloop's
-transports keep the ``data_received`` they find when made).
+Uses grpclib's private protocol parts (``internals.PROTOCOL_NEEDS``; for the undefined frame
+types and empty DATA also ``PROCESSOR_NEEDS``, for h2's connection errors ``FEED_NEEDS``, for the
+header table ``ENCODER_NEEDS`` and ``HPACK_ENCODER_NEEDS``); without them the protocol is left as
+grpclib made it. Installed before the transport exists (uvloop's transports keep the
+``data_received`` they find when made).
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ def mend_protocol(proto: H2Protocol, counters: H2Counters) -> None:
         transport = t
 
     def install(t: Any) -> None:
+        # (``internals.PROCESSOR_NEEDS``: grpclib's event handlers by h2 event type)
         processors = getattr(getattr(proto, "processor", None), "processors", None)
         if isinstance(processors, dict):
             processors.setdefault(UnknownFrameReceived, _ignore)

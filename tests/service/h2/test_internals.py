@@ -12,6 +12,7 @@ import asyncio
 import socket
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpclib.server
@@ -30,6 +31,7 @@ from kvrelay.service.h2.internals import (
     HPACK_ENCODER_NEEDS,
     INSTANCE_NEEDS,
     NO_ERROR,
+    PROCESSOR_NEEDS,
     PROTOCOL_NEEDS,
     SEND_DATA_CONNECTION,
     SEND_DATA_CONNECTION_NOOP,
@@ -45,6 +47,7 @@ from kvrelay.service.h2.internals import (
     missing_in_encoder,
     missing_in_feed,
     missing_in_hpack_encoder,
+    missing_in_processor,
     missing_in_protocol,
     missing_in_sent,
     missing_in_stream_cap,
@@ -138,8 +141,9 @@ async def test_a_server_protocol_has_what_releasing_cancelled_streams_uses() -> 
 async def test_a_connected_server_protocol_has_what_the_drain_notice_and_mend_use() -> None:
     """``drain.DrainNotice``: the connection's transport and flush, h2's outbound buffer and
     the highest stream id it received; ``mend``: the connection's ``feed`` and h2's
-    ``data_to_send`` and h2's HPACK ``encoder``; ``closing``'s stream cap: h2's connection; on a
-    real connection after a call."""
+    ``data_to_send`` and h2's HPACK ``encoder``, and the events processor's handlers by event
+    type (a dict; ``closing`` closes the processor); ``closing``'s stream cap: h2's connection
+    and the connection's flush; on a real connection after a call."""
     server = ClosingServer([_Probe()], codec=_Raw())
     await server.start("127.0.0.1", 0)
     port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
@@ -160,6 +164,10 @@ async def test_a_connected_server_protocol_has_what_the_drain_notice_and_mend_us
         assert missing_in_encoder(object()) == [f"{w}.{a}" for w, a in ENCODER_NEEDS]
         assert missing_in_stream_cap(proto) == []
         assert missing_in_stream_cap(object()) == [f"{w}.{a}" for w, a in STREAM_CAP_NEEDS]
+        assert missing_in_processor(proto) == []
+        assert missing_in_processor(object()) == [f"{w}.{a}" for w, a in PROCESSOR_NEEDS]
+        odd = SimpleNamespace(processor=SimpleNamespace(processors=(), close=None))
+        assert missing_in_processor(odd) == ["processor.processors (a dict)"]
     finally:
         ch.close()
         server.close()
