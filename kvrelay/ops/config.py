@@ -850,6 +850,7 @@ def parse_config(
         pools = _pools(r, data.get("pools"))
         if pools is not None:
             _port_collisions(r, pools)
+            _connecting_publishers(r, pools)
             _unmet_needs(r, pools)
 
     bind_host, bind_port = parse_bind(relay["bind"])
@@ -1064,6 +1065,28 @@ def _port_collisions(r: _Reader, pools: list[PoolSpec]) -> None:
                             "there are ranks (e.g. tcp://*:5557 and tcp://*:5657), and give "
                             "engines on one host distinct ranges",
                         )
+
+
+def _connecting_publishers(r: _Reader, pools: list[PoolSpec]) -> None:
+    """Warn about a static publisher endpoint whose host is the unspecified address spelled
+    without ``*`` or ``::`` (``tcp://0.0.0.0:5557``). vLLM's publisher binds only an endpoint that
+    contains ``*`` or ``::``; given this one, as the relay's endpoint should be copied from its
+    ``--kv-events-config``, it connects to that address instead of listening, the relay connects
+    too, and no message ever flows. A warning: the engine's own config may say ``*``."""
+    for i, pool in enumerate(pools):
+        for j, eng in enumerate(pool.engines):
+            ep = eng.static.endpoint if eng.static is not None else ""
+            if not ep.startswith("tcp://") or "*" in ep or "::" in ep:
+                continue
+            host, port = split_tcp(ep)
+            if is_wildcard_host(host):
+                r.warn(
+                    f"pools[{i}].engines[{j}].static.endpoint",
+                    f"{ep}: vLLM binds its publisher only when the endpoint contains '*' or '::'; "
+                    f"an engine given this one connects to it instead of listening, and nothing "
+                    f"reaches the relay. Write tcp://*:{port} in vLLM's --kv-events-config and "
+                    "here ([pools.connect] is for engines that connect)",
+                )
 
 
 _IN_USE = "the later bind fails at start (Address already in use); give each its own port"

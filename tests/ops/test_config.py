@@ -550,6 +550,11 @@ STATIC_POOL = POOL + 'model = "m"\nkv_block_size = 16\n'
         (_static("a", "10.0.0.5", "tcp://[0::0]:5557", None, "[0]")
          + _static("b", "10.0.0.5", "tcp://*:5600", "tcp://192.168.0.5:5557", "[0]"),
          [("pools[0].engines[1].static.replay_endpoint", "port 5557 on 192.168.0.5")]),
+        # vLLM binds its publisher only for '*' or '::': one given 0.0.0.0 connects instead
+        # (its replay socket always binds)
+        (_static("a", "h1", "tcp://0.0.0.0:5557", "tcp://0.0.0.0:5657", "[0]"),
+         [("pools[0].engines[0].static.endpoint", "binds its publisher only when")]),
+        (_static("a", "h1", "tcp://[::]:5557", "tcp://0.0.0.0:5657", "[0]"), []),
         # engines found by DNS are at their records' addresses, not at the default host
         (_static("a", "x", "tcp://*:5557", None, "[0]").replace('host = "x"', 'dns = "a.svc"')
          + _static("b", "x", "tcp://*:5557", None, "[0]").replace('host = "x"', 'dns = "b.svc"'),
