@@ -83,6 +83,17 @@ class RelayClient:
             for a in addrs
         ]
         self._started = False
+        #: (connection, plane) → the window whose bad entries were last counted: a window is read
+        #: again at every call, and its entries are counted once
+        self._counted: dict[tuple[int, str], object] = {}
+
+    def _first_read(self, c: RelayConnection, plane: str, window: object) -> bool:
+        """Whether this call is the first to read ``window`` (``plane``'s newest from ``c``):
+        a bad entry is counted then, not again at every later call that reads the same window."""
+        key = (id(c), plane)
+        first = self._counted.get(key) is not window
+        self._counted[key] = window
+        return first
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -205,11 +216,12 @@ class RelayClient:
             if upd is None:
                 continue
             by_producer = {s.producer: s.key for s in c.slots.values()}
+            count = int(self._first_read(c, "load", upd))
             for entry in upd.pools:
                 try:
                     key = by_producer.get(producer_key(entry.producer))
-                except Exception:  # invalid identity in a load entry: ignore, count
-                    c.counters["load_entry_invalid"] += 1
+                except Exception:  # invalid identity in a load entry: ignore, count (once)
+                    c.counters["load_entry_invalid"] += count
                     continue
                 if key is None:
                     continue
@@ -238,11 +250,12 @@ class RelayClient:
                 for s in c.slots.values()
                 if s.descriptor.producer is not None and s.descriptor.producer.pool_id is not None
             }
+            count = int(self._first_read(c, "serving_load", upd))
             for p in upd.pools:
                 try:
                     key = by_producer.get(producer_key(p.producer))
-                except Exception:  # invalid identity in an entry: ignore, count
-                    c.counters["serving_load_entry_invalid"] += 1
+                except Exception:  # invalid identity in an entry: ignore, count (once)
+                    c.counters["serving_load_entry_invalid"] += count
                     continue
                 if key is None or p.load is None:
                     continue
@@ -264,7 +277,7 @@ class RelayClient:
                     continue
                 r = m.load.requests
                 if r is None:  # its counters are always set (§10.4): unknown, never zeros
-                    c.counters["serving_load_entry_invalid"] += 1
+                    c.counters["serving_load_entry_invalid"] += count
                     continue
                 t = m.load.tokens or pb.TokenLoadStats()
                 d = m.deployment or pb.ModelDeploymentStatus()

@@ -274,6 +274,9 @@ async def test_the_serving_load_view_has_every_token_figure_the_contract_defines
             assert [v.model for v in client.serving_load().models] == ["m"]
             (pool,) = client.serving_load().pools.values()
             assert pool.status == "DEGRADED" and pool.active_decode_blocks is None
+            # one bad entry in one window, however often the window is read
+            (conn,) = client.connections
+            assert conn.counters["serving_load_entry_invalid"] == 1
             assert pool.live_workers == 1  # deployment is not a gauge of the view
     finally:
         await server.close(grace_s=0.5)
