@@ -322,7 +322,10 @@ class EngineClient:
             instance_id=info.instance_id,
             data_parallel_size=par.data_parallel_size or 1,
             data_parallel_rank=par.data_parallel_rank,
-            data_parallel_size_local=par.data_parallel_size_local or 1,
+            # unset by a ``ParallelismInfo`` of the older numbering (its field 7 did not exist):
+            # the ranks this frontend publishes for are its local ones
+            data_parallel_size_local=par.data_parallel_size_local
+            or len({s.dp_rank for s in sources}) or 1,
             tensor_parallel_size=par.tensor_parallel_size or 1,
             pipeline_parallel_size=par.pipeline_parallel_size or 1,
             max_model_len=info.max_model_len,

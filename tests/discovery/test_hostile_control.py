@@ -319,3 +319,26 @@ async def test_replies_at_the_limits_are_accepted() -> None:
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_an_older_server_info_takes_its_local_ranks_from_its_sources() -> None:
+    """``ParallelismInfo`` was renumbered: the older one has no field 7 (the local DP size), so a
+    frontend of two local ranks read as one, and the serving-load plane's ``max_concurrency``
+    counted half its slots. The ranks it publishes for are its local ones; a size it sends
+    still wins."""
+    older = vpb.ServerInfo(engine_version="x", instance_id="inc-1", kv_block_size=16,
+                           total_kv_blocks=1000, max_running_requests=8,
+                           parallelism=vpb.ParallelismInfo(data_parallel_size=4,
+                                                           data_parallel_rank=2))  # fmt: skip
+    for reply, want in ((bytes(older), 2), (_info(data_parallel_size_local=3), 3)):
+        server = Server([_Control({"GetServerInfo": reply,
+                                   "GetKvEventSources": _sources([2, 3])})], codec=RawCodec())
+        await server.start("127.0.0.1", 0)
+        try:
+            async with EngineClient("127.0.0.1", _port(server)) as client:
+                snap = await client.snapshot()
+            assert snap.reachable, snap.error
+            assert snap.data_parallel_size_local == want
+        finally:
+            server.close()
+            await server.wait_closed()
