@@ -10,14 +10,22 @@ means ``UNIMPLEMENTED`` (other servers send that code), and callers that decide 
 benchmarks' subscribers), on grpclib's private client stream parts (``CLIENT_RECV_NEEDS``).
 
 ``RelayChannel``: a grpclib ``Channel`` whose streams that have ended keep their replies and
-status when the connection closes (``keep_ended_streams``, on ``CLIENT_CLOSE_NEEDS``), and
-which makes its next calls on a new connection once its server refused one as it drains
-(``leave_when_draining``, on ``CLIENT_LEAVE_NEEDS``).
+status when the connection closes (``keep_ended_streams``, on ``CLIENT_CLOSE_NEEDS``), which
+makes its next calls on a new connection once its server refused one as it drains
+(``leave_when_draining``, on ``CLIENT_LEAVE_NEEDS`` and ``CLIENT_CHANNEL_NEEDS``), and whose
+connections remember a bounded number of closed streams (``bound_closed_streams``, on
+``CLIENT_CLOSED_STREAMS_NEEDS``).
+
+Every private grpclib or h2 attribute this module touches is named in one of those lists,
+checked against the installed versions by ``tests/client/test_hostile_relay.py``; where one is
+missing, the part that uses it is left out and grpclib behaves as its own (slower or less,
+never wrong, and never an exception raised inside grpclib's event processing).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +34,7 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from grpclib.protocol import H2Protocol
 from h2.events import ResponseReceived
+from h2.settings import SettingCodes
 
 NO_CONTENT_TYPE = "Missing content-type header"
 
@@ -37,8 +46,10 @@ def effective_status(status: Status, message: str | None) -> Status:
 
 
 #: What ``recv_reply`` reads a grpclib client stream through: ``(where, attribute)`` with
-#: ``where`` the client ``Stream`` (``stream``) or its protocol stream (``inner``). Without any
-#: of them it falls back to grpclib's ``recv_message`` (sizes then checked after the read).
+#: ``where`` the client ``Stream`` (``stream``), its protocol stream (``inner``) or that one's
+#: grpclib ``Connection`` (``connection``, whose count of messages received it keeps, as
+#: grpclib's reader does). Without any of them it falls back to grpclib's ``recv_message``
+#: (sizes then checked after the read).
 CLIENT_RECV_NEEDS: tuple[tuple[str, str], ...] = (
     ("stream", "_recv_initial_metadata_done"),
     ("stream", "recv_initial_metadata"),
@@ -49,6 +60,7 @@ CLIENT_RECV_NEEDS: tuple[tuple[str, str], ...] = (
     ("stream", "_messages_received"),
     ("inner", "recv_data"),
     ("inner", "connection"),
+    ("connection", "messages_received"),
 )
 
 
@@ -104,7 +116,8 @@ class UndecodableReply(Exception):
 
 def missing_client_recv_needs(stream: Any) -> list[str]:
     """``where.attribute`` for each of ``CLIENT_RECV_NEEDS`` that ``stream`` lacks."""
-    objects = {"stream": stream, "inner": getattr(stream, "_stream", None)}
+    inner = getattr(stream, "_stream", None)
+    objects = {"stream": stream, "inner": inner, "connection": getattr(inner, "connection", None)}
     return [f"{w}.{a}" for w, a in CLIENT_RECV_NEEDS if not hasattr(objects[w], a)]
 
 
@@ -219,6 +232,85 @@ def _once_connected(
     proto.connection_made = connection_made  # type: ignore[method-assign]
 
 
+#: The fewest closed streams whose ending a client connection remembers (``bound_closed_streams``;
+#: the relay's own connections keep as many at least).
+CLOSED_STREAMS_KEPT = 1024
+
+#: How many h2 itself remembers per connection (``H2Connection.MAX_CLOSED_STREAMS``).
+H2_CLOSED_STREAMS = 2**16
+
+
+def closed_streams_bound(concurrent: int) -> int:
+    """How many closed streams a connection must remember when at most ``concurrent`` of its
+    streams are open at once: twice that, at least ``CLOSED_STREAMS_KEPT``, never more than h2
+    keeps by itself. The relay sizes its own connections' memo by the same rule."""
+    return min(H2_CLOSED_STREAMS, max(CLOSED_STREAMS_KEPT, 2 * concurrent))
+
+
+#: What ``bound_closed_streams`` uses of a grpclib client connection: ``(where, attribute)``
+#: with ``where`` its ``H2Protocol`` (``proto``), once connected its grpclib ``Connection``
+#: (``connection``) or that one's ``H2Connection`` (``h2``). Without any of them h2 keeps its
+#: own 65,536.
+CLIENT_CLOSED_STREAMS_NEEDS: tuple[tuple[str, str], ...] = (
+    ("proto", "connection_made"),
+    ("proto", "connection"),
+    ("connection", "_connection"),
+    ("h2", "_closed_streams"),
+    ("h2", "remote_settings"),
+)
+
+
+def missing_client_closed_streams_needs(proto: Any) -> list[str]:
+    """``where.attribute`` for each of ``CLIENT_CLOSED_STREAMS_NEEDS`` this connected protocol
+    lacks."""
+    conn = getattr(proto, "connection", None)
+    objects = {"proto": proto, "connection": conn, "h2": getattr(conn, "_connection", None)}
+    return [f"{w}.{a}" for w, a in CLIENT_CLOSED_STREAMS_NEEDS if not hasattr(objects[w], a)]
+
+
+class ClosedStreams(OrderedDict[int, Any]):
+    """h2's memo of how each closed stream of a client connection closed (stream id -> how),
+    keeping the newest ``closed_streams_bound(n)``, ``n`` the most concurrent streams its
+    server has announced (``SETTINGS_MAX_CONCURRENT_STREAMS``) so far.
+
+    Why the most so far: a server may lower its limit while streams opened under the higher
+    one are still closing. Until the server has announced one (it may never: no limit), h2's
+    own 65,536 are kept. The memo decides how h2 takes a late frame on a closed
+    stream: one the client reset is answered RST_STREAM (its reply or trailers crossed the
+    reset), while a stream h2 no longer remembers fails the whole connection."""
+
+    def __init__(self, h2: Any) -> None:
+        self._h2 = h2
+        self._limit: int | None = None  # (none announced yet)
+        super().__init__()
+
+    def __setitem__(self, key: int, value: Any) -> None:
+        super().__setitem__(key, value)
+        announced = self._h2.remote_settings.get(SettingCodes.MAX_CONCURRENT_STREAMS)
+        if announced is not None:
+            self._limit = max(self._limit or 0, closed_streams_bound(announced))
+        limit = H2_CLOSED_STREAMS if self._limit is None else self._limit
+        while len(self) > limit:
+            self.popitem(last=False)
+
+
+def bound_closed_streams(proto: H2Protocol) -> None:
+    """Once this client connection is made, its h2 connection remembers a bounded number of
+    closed streams (``ClosedStreams``).
+
+    Why: h2 remembers the last 65,536 closed streams of each connection (~7.9 MB when full),
+    and a mirror's or the SDK's channel lives for days, opening a stream for each call and
+    each resubscription: the relay bounds its side of the same connections the same way."""
+
+    def install(_processor: Any) -> None:
+        h2 = proto.connection._connection
+        memo = ClosedStreams(h2)
+        memo.update(h2._closed_streams)  # (none yet: no stream has closed)
+        h2._closed_streams = memo
+
+    _once_connected(proto, missing_client_closed_streams_needs, install)
+
+
 def _status_arrived(stream: Any) -> bool:
     """The stream's trailers came, or a reply that is trailers only (its headers carry the
     status)."""
@@ -249,6 +341,23 @@ def missing_client_leave_needs(proto: Any) -> list[str]:
     """``where.attribute`` for each of ``CLIENT_LEAVE_NEEDS`` this connected protocol lacks."""
     objects = {"proto": proto, "processor": getattr(proto, "processor", None)}
     return [f"{w}.{a}" for w, a in CLIENT_LEAVE_NEEDS if not hasattr(objects[w], a)]
+
+
+#: What ``RelayChannel`` uses of grpclib's ``Channel`` to leave a draining connection:
+#: ``(where, attribute)`` with ``where`` the channel. Its ``_protocol_factory`` makes each
+#: connection (the override installs everything above), and its ``_protocol`` is the connection
+#: its calls go on, made anew by ``__connect__`` once it is None. Without any of them the
+#: channel does not leave connections (``CLIENT_LEAVE_NEEDS``) and is grpclib's own there.
+CLIENT_CHANNEL_NEEDS: tuple[tuple[str, str], ...] = (
+    ("channel", "_protocol_factory"),
+    ("channel", "_protocol"),
+    ("channel", "__connect__"),
+)
+
+
+def missing_client_channel_needs(channel: Any) -> list[str]:
+    """``where.attribute`` for each of ``CLIENT_CHANNEL_NEEDS`` this channel lacks."""
+    return [f"{w}.{a}" for w, a in CLIENT_CHANNEL_NEEDS if not hasattr(channel, a)]
 
 
 def refused_as_draining(headers: Any) -> bool:
@@ -303,10 +412,11 @@ def leave_when_draining(
 
 
 class RelayChannel(Channel):
-    """A grpclib ``Channel`` whose connections ``keep_ended_streams``, and which leaves a
-    connection whose server refused a call as draining (``leave_when_draining``): its next
-    calls go on a new connection (in a hot upgrade, to the successor on the same port), while
-    the streams still open on the old one go on there; it is closed after the last of them."""
+    """A grpclib ``Channel`` whose connections ``keep_ended_streams`` and
+    ``bound_closed_streams``, and which leaves a connection whose server refused a call as
+    draining (``leave_when_draining``): its next calls go on a new connection (in a hot
+    upgrade, to the successor on the same port), while the streams still open on the old one
+    go on there; it is closed after the last of them."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -318,7 +428,9 @@ class RelayChannel(Channel):
     def _protocol_factory(self) -> H2Protocol:
         proto = super()._protocol_factory()
         keep_ended_streams(proto)
-        leave_when_draining(proto, self._leave, self._released)
+        bound_closed_streams(proto)
+        if not missing_client_channel_needs(self):  # (``_leave`` reads and sets ``_protocol``)
+            leave_when_draining(proto, self._leave, self._released)
         return proto
 
     def _leave(self, proto: H2Protocol) -> None:

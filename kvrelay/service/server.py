@@ -23,6 +23,7 @@ from grpclib.events import SendTrailingMetadata, listen
 from grpclib.exceptions import GRPCError
 from grpclib.server import Stream
 
+from kvrelay._grpc import closed_streams_bound
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.errors import RelayError
 from kvrelay.contract.limits import PermitCounter, RelayLimits
@@ -63,9 +64,6 @@ _log = get_logger(__name__)
 #: for the calls it refused to write their status: HEADERS, not flow-controlled, so at once
 #: unless a client reads nothing at all.
 REFUSAL_WRITE_S = 1.0
-#: The fewest closed streams whose ending h2 remembers per connection (see ``closed_streams_kept``
-#: in ``h2/closing.py``): about 120 bytes each.
-CLOSED_STREAMS_KEPT = 1024
 _UNARY_REASON: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "kv_relay_unary_reason", default=None
 )
@@ -825,7 +823,8 @@ class RelayServer:
         self._server.max_concurrent_streams = per_connection
         # how the streams closed lately closed, for late frames on them: every stream a
         # connection may hold, closed and reopened once (h2 keeps 65,536 per connection)
-        self._server.closed_streams_kept = max(CLOSED_STREAMS_KEPT, 2 * per_connection)
+        # (the SDK's and the mirror's channels keep theirs by the same rule; about 120 bytes each)
+        self._server.closed_streams_kept = closed_streams_bound(per_connection)
         self._server.connection_caps = ConnectionCaps(
             self.limits.max_connections_per_address, self.limits.max_connections,
             self.service.h2_counters,

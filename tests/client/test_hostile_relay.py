@@ -15,11 +15,16 @@ from grpclib.client import Channel
 from grpclib.server import Server
 
 from kvrelay._grpc import (
+    CLIENT_CHANNEL_NEEDS,
     CLIENT_CLOSE_NEEDS,
+    CLIENT_CLOSED_STREAMS_NEEDS,
     CLIENT_LEAVE_NEEDS,
     CLIENT_RECV_NEEDS,
+    ClosedStreams,
     RelayChannel,
+    missing_client_channel_needs,
     missing_client_close_needs,
+    missing_client_closed_streams_needs,
     missing_client_leave_needs,
     missing_client_recv_needs,
 )
@@ -68,9 +73,10 @@ async def test_a_reply_the_sdk_cannot_take_ends_its_stream_typed(reply: bytes, r
 async def test_a_live_client_stream_has_what_the_reader_and_keeping_ended_streams_use() -> None:
     """On a real connection of the SDK's channel: the bounded reader's stream parts, and what
     ``keep_ended_streams`` uses (the processor's streams and its close, which it replaced, and
-    each protocol stream's headers and trailers), and what ``leave_when_draining`` uses (the
-    processor's process and register, which it replaced); an object lacking them has each
-    named."""
+    each protocol stream's headers and trailers), what ``leave_when_draining`` uses (the
+    processor's process and register, which it replaced) and the channel's own parts it
+    relies on, and what ``bound_closed_streams`` replaces (h2's memo of closed streams); an
+    object lacking them has each named."""
     server = Server([_Relay(bytes(pb.KvPoolCatalogUpdate()))], codec=RawCodec())
     await server.start("127.0.0.1", 0)
     port = server._server.sockets[0].getsockname()[1]
@@ -86,11 +92,23 @@ async def test_a_live_client_stream_has_what_the_reader_and_keeping_ended_stream
             proto: Any = ch._protocol
             assert missing_client_close_needs(proto, stream._stream) == []
             assert missing_client_leave_needs(proto) == []
+            assert missing_client_closed_streams_needs(proto) == []
+            assert missing_client_channel_needs(ch) == []
+            assert stream._stream.connection.messages_received == 1
+        assert type(proto.connection._connection._closed_streams) is ClosedStreams
         assert proto.processor.close.__name__ == "close_open_streams"
         assert proto.processor.process.__name__ == "process_noting_refusals"
         assert proto.processor.register.__name__ == "register_noting_release"
         assert missing_client_leave_needs(object()) == [f"{w}.{a}" for w, a in CLIENT_LEAVE_NEEDS]
         assert missing_client_recv_needs(object()) == [f"{w}.{a}" for w, a in CLIENT_RECV_NEEDS]
+        assert "connection.messages_received" in missing_client_recv_needs(object())
+        assert missing_client_channel_needs(object()) == [
+            f"{w}.{a}" for w, a in CLIENT_CHANNEL_NEEDS
+        ]
+        assert {a for _, a in CLIENT_CHANNEL_NEEDS} >= {"_protocol", "_protocol_factory"}
+        assert missing_client_closed_streams_needs(object()) == [
+            f"{w}.{a}" for w, a in CLIENT_CLOSED_STREAMS_NEEDS
+        ]
         gone = missing_client_close_needs(object(), object())
         assert gone == [f"{w}.{a}" for w, a in CLIENT_CLOSE_NEEDS]
     finally:

@@ -11,15 +11,16 @@ from grpclib.client import Channel
 from grpclib.health.v1.health_grpc import HealthStub
 from grpclib.health.v1.health_pb2 import HealthCheckRequest
 
+from kvrelay._grpc import closed_streams_bound
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.service.h2.internals import CLOSED_STREAMS_NEEDS, missing_in_closed_streams
-from kvrelay.service.server import CLOSED_STREAMS_KEPT, RelayServer, streams_per_connection
+from kvrelay.service.server import RelayServer, streams_per_connection
 from tests.support.mem_relay import MemRelayView
 
 
 async def test_a_long_lived_connection_keeps_a_bounded_memo_of_closed_streams() -> None:
     limits = RelayLimits()
-    kept = max(CLOSED_STREAMS_KEPT, 2 * streams_per_connection(limits))
+    kept = closed_streams_bound(streams_per_connection(limits))
     server = RelayServer(MemRelayView(limits), limits)
     await server.start("127.0.0.1", 0)
     ch = Channel("127.0.0.1", server.port)
