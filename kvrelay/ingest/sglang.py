@@ -1,22 +1,22 @@
 """SGLang's KV-event stream where it differs from vLLM's (``docs/contract.md`` §21).
 
-SGLang publishes vLLM's framing and event vocabulary, always in the positional (array) form,
-but its field positions have moved between revisions, so an SGLang source decodes with these
-structs instead of vLLM's array-era ones (map-form events, which SGLang never sends, still decode
-as vLLM's):
+SGLang publishes vLLM's framing and event vocabulary; up to 0.5.19 in the positional (array)
+form, whose field positions moved between releases, so an SGLang source decodes arrays with these
+structs instead of vLLM's array-era ones. From 0.5.20 events are tagged maps with vLLM's key
+names, which decode as vLLM's:
 
 * ``BlockStored``: positions 1–6 as vLLM (hashes, parent, tokens, block_size, lora_id, medium —
-  medium absent in early revisions). Position 7 is vLLM's ``lora_name`` slot; one revision put a
+  medium absent before 0.5.9). Position 7 is vLLM's ``lora_name`` slot; 0.5.18–0.5.19 put a
   ``{"cache_salt": …}`` map there instead. Positions 8–13 follow vLLM (extra_keys … ownership) in
-  the newest revision, which parks the salt map at position 14.
+  a development revision, which parks the salt map at position 14.
 * ``BlockRemoved``: ``hashes, medium, group_idx, kv_cache_spec_kind, window, locality,
   ownership`` — from position 4 on, *not* vLLM's order (vLLM: ``locality`` at 4).
 * ``AllBlocksCleared``: may carry one trailing ``ownership`` slot.
 
-Hashes are signed i64 (the first 8 bytes of a SHA-256 hex digest); the normal u64 normalization
-(two's complement) applies. The topic frame of a publisher with a snapshot endpoint carries its
-*epoch* (a per-publisher incarnation token) after a NUL marker, and snapshot barriers add another
-marker; ``split_topic`` reads both.
+Hashes are signed i64 (from 0.5.6 the first 8 bytes of a SHA-256 digest); the normal u64
+normalization (two's complement) applies. The topic frame of a publisher with a snapshot endpoint
+(a development revision) carries its *epoch* (a per-publisher incarnation token) after a NUL
+marker, and snapshot barriers add another marker; ``split_topic`` reads both.
 """
 
 from __future__ import annotations
