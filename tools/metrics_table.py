@@ -78,7 +78,8 @@ def families(per_member: bool = True) -> list[Family]:
     )
     metrics.attach_reloads(ReloadStats())
     metrics.attach_upgrades(UpgradeStats())
-    metrics.attach_tls(lambda: [LoadedCertificate("server", "relay", 1.0)])
+    metrics.attach_tls(lambda: [LoadedCertificate("server", "relay", 1.0),
+                                LoadedCertificate("client_crl", "client-ca", 1.0)])  # fmt: skip
     metrics.observe_loop_lag(0.001)
     metrics.delta_published("ns/backend/generate", 0.001)
     out = []

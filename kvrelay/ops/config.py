@@ -37,7 +37,13 @@ from kvrelay.ingest.live_source import READERS
 from kvrelay.ingest.options import DecodeOptions
 from kvrelay.ingest.topic_pattern import PatternError, TopicPattern
 from kvrelay.mirror.settings import MAX_PERIOD_S as MAX_MIRROR_PERIOD_S
-from kvrelay.ops.tls import TlsConfigError, client_ssl_context, is_loopback, server_ssl_context
+from kvrelay.ops.tls import (
+    TlsConfigError,
+    client_ssl_context,
+    crl_problems,
+    is_loopback,
+    server_ssl_context,
+)
 from kvrelay.relay.settings import (
     CHECKPOINT_BYTES_PER_SECOND,
     ConnectConfig,
@@ -115,6 +121,7 @@ class TlsConfig:
     cert: str | None = None
     key: str | None = None
     client_ca: str | None = None  # set: clients must present a certificate signed by it (mTLS)
+    client_crl: str | None = None  # set: CRLs of the client CA(s); a revoked client is refused
 
     @property
     def enabled(self) -> bool:
@@ -421,6 +428,7 @@ TLS_KEYS: dict[str, _Key] = {
     "cert": _Key("str", None, check=_text),
     "key": _Key("str", None, check=_text),
     "client_ca": _Key("str", None, check=_text),
+    "client_crl": _Key("str", None, check=_text),
 }
 def _upstream_check(v: str) -> str | None:
     from kvrelay.mirror.settings import UpstreamAddress
@@ -913,7 +921,8 @@ def parse_config(
             per_member=metrics_vals["per_member"],
         ),
         tls=TlsConfig(
-            cert=tls_vals["cert"], key=tls_vals["key"], client_ca=tls_vals["client_ca"]
+            cert=tls_vals["cert"], key=tls_vals["key"], client_ca=tls_vals["client_ca"],
+            client_crl=tls_vals["client_crl"],
         ),
         event_loop=relay["event_loop"],
         shutdown_timeout_s=relay["shutdown_timeout_s"],
@@ -1208,17 +1217,30 @@ def _check_tls(r: _Reader, tls: dict[str, Any]) -> None:
         r.err("tls.cert", "required when tls.key is set")
     if ca and not cert:
         r.err("tls.cert", "required when tls.client_ca is set (mTLS needs a server certificate)")
+    crl = tls["client_crl"]
+    if crl and not ca:
+        r.err("tls.client_crl", "needs tls.client_ca: CRLs revoke client certificates (mTLS)")
     n_before = len(r.problems)
-    for name in ("cert", "key", "client_ca"):
+    for name in ("cert", "key", "client_ca", "client_crl"):
         path = tls[name]
         if path and not os.access(path, os.R_OK):
             why = "does not exist" if not os.path.exists(path) else "is not readable"
             r.err(f"tls.{name}", f"file {path!r} {why}")
     if cert and key and len(r.problems) == n_before:
         try:  # PEM, a key that matches the certificate, a CA bundle that loads: here, not at start
-            server_ssl_context(cert, key, ca)
+            server_ssl_context(cert, key, ca, crl if ca else None)
         except TlsConfigError as exc:
-            r.err("tls.cert", str(exc))
+            r.err("tls.client_crl" if crl and "CRL" in str(exc) else "tls.cert", str(exc))
+            return
+        if crl and ca:  # issued by a configured CA, and current: else OpenSSL refuses clients
+            try:
+                errors, warnings = crl_problems(crl, ca)
+            except TlsConfigError as exc:
+                errors, warnings = [str(exc)], []
+            for text in errors:
+                r.err("tls.client_crl", text)
+            for text in warnings:
+                r.warn("tls.client_crl", text)
 
 
 def _pools(r: _Reader, value: Any) -> list[PoolSpec] | None:

@@ -150,7 +150,7 @@ class Daemon:
         from kvrelay.ops.tls import ReloadableServerContext
 
         assert tls.cert is not None and tls.key is not None
-        self._tls = ReloadableServerContext(tls.cert, tls.key, tls.client_ca)
+        self._tls = ReloadableServerContext(tls.cert, tls.key, tls.client_ca, tls.client_crl)
         return self._tls.in_use  # type: ignore[no-any-return]
 
     def tls_certificates(self) -> tuple[Any, ...]:
@@ -328,6 +328,8 @@ class Daemon:
             self.server.service.set_authorization(authorization_of(cfg.authorization))
             inherited = None if self.handoff is None else self.handoff.listener("grpc")
             await self.server.start(cfg.bind_host, cfg.bind_port, ssl=context, sock=inherited)
+            if self._tls is not None:  # each handshake's client checked against the CRLs
+                self.server.revoke(self._tls.is_revoked)
             self.grpc_port = self.server.port
             if self.mirror is not None:  # health says whether the mirror has its upstream
                 from kvrelay.mirror.mirror import follow_session
@@ -506,6 +508,8 @@ class Daemon:
                 use_tls()
                 if self.front is not None:
                     self.front.reload_tls(effective.tls)
+                elif self.server is not None and self._tls is not None:
+                    self._end_revoked(self.server)
             except Exception as exc:
                 status = "reload failed: see the log"
                 self.reloads.outcome("failed")
@@ -529,6 +533,12 @@ class Daemon:
             return ReloadResult("applied", tuple(new.warnings), tuple(restart), summary)
         finally:
             self.notifier.ready(status)
+
+    def _end_revoked(self, server: Any) -> None:
+        """End the open connections whose client certificate the reloaded CRLs revoke."""
+        ended = server.revoke(self._tls.is_revoked)
+        if ended:
+            _LOG.warning("tls_revoked_connections_closed", connections=ended)
 
     def _only_rules_changed(self, new: DaemonConfig) -> bool:
         """A file that differs from the running one in ``[[authorization]]`` alone."""

@@ -236,6 +236,7 @@ class WorkerFront:
             tls_cert=cfg.tls.cert,
             tls_key=cfg.tls.key,
             tls_client_ca=cfg.tls.client_ca,
+            tls_client_crl=cfg.tls.client_crl,
             log_level=cfg.logging.level.upper(),
             log_json=json_logs,
             event_loop=cfg.event_loop,
@@ -253,10 +254,12 @@ class WorkerFront:
 
     def reload_tls(self, tls: TlsConfig) -> None:
         """A reload's certificate files (already loaded once by the caller): every running
-        worker reads them again for its new handshakes, and a worker started later reads them."""
+        worker reads them again for its new handshakes (and ends its connections whose client
+        certificate a new CRL revokes), and a worker started later reads them."""
         self.cfg = replace(self.cfg, tls=tls)
         if self.supervisor is not None and tls.enabled:
-            files = {"cert": tls.cert, "key": tls.key, "client_ca": tls.client_ca}
+            files = {"cert": tls.cert, "key": tls.key, "client_ca": tls.client_ca,
+                     "client_crl": tls.client_crl}  # fmt: skip
             self.supervisor.broadcast(TLS_LINE + json.dumps(files))
 
     def set_logging(self, logging: LoggingConfig) -> None:

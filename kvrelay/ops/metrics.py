@@ -394,6 +394,16 @@ def guard_families(svc: object) -> Iterator[Metric]:
                    "request_bytes", "request_evicted", "not_grpc", "unknown_method"):  # fmt: skip
         abuse.add_metric([reason], h2.get(reason, 0))
     yield abuse
+    tls_revoked = CounterMetricFamily(
+        "kvrelay_tls_revoked_connections",
+        "Client connections ended because a [tls] client_crl revokes the client's certificate: "
+        "refused at the TLS handshake (handshake; also counted as tls_handshake abuse), or open "
+        "when a reload brought the CRL and closed then, with their GOAWAY (open).",
+        labels=["stage"],
+    )  # fmt: skip
+    tls_revoked.add_metric(["handshake"], h2.get("tls_revoked_handshake", 0))
+    tls_revoked.add_metric(["open"], h2.get("tls_revoked_open", 0))
+    yield tls_revoked
     authz = getattr(svc, "authz_stats", None)
     denials, revoked = authz() if callable(authz) else ({}, 0)
     denied = CounterMetricFamily(
@@ -416,7 +426,9 @@ TlsSource = Callable[[], Iterable[Any]]  # () → LoadedCertificate-like (role, 
 
 
 def tls_families(source: TlsSource | None) -> Iterator[Metric]:
-    """Expiry of every certificate a TLS context was loaded with (after each reload)."""
+    """Expiry of every certificate a TLS context was loaded with (after each reload), and when
+    each client CRL is due (only with ``[tls] client_crl``: a CRL is renewed far more often than
+    a certificate, so it has a gauge of its own, out of the certificate alerts' way)."""
     fam = GaugeMetricFamily(
         "kvrelay_tls_certificate_expiry_timestamp_seconds",
         "notAfter (Unix time) of each loaded certificate, by role (server, client_ca, "
@@ -427,9 +439,22 @@ def tls_families(source: TlsSource | None) -> Iterator[Metric]:
     for c in source() if source is not None else ():
         key = (c.role, c.subject)
         earliest[key] = min(earliest.get(key, c.not_after_unix), c.not_after_unix)
+    crls = {subject: t for (role, subject), t in earliest.items() if role == "client_crl"}
     for (role, subject), t in sorted(earliest.items()):
-        fam.add_metric([role, subject], t)
+        if role != "client_crl":
+            fam.add_metric([role, subject], t)
     yield fam
+    if crls:
+        due = GaugeMetricFamily(
+            "kvrelay_tls_client_crl_next_update_timestamp_seconds",
+            "nextUpdate (Unix time) of the [tls] client_crl CRLs, by issuer CN (the earliest "
+            "of an issuer's): past it OpenSSL refuses every client of that CA until a fresh "
+            "CRL is loaded (reload).",
+            labels=["issuer"],
+        )  # fmt: skip
+        for issuer, t in sorted(crls.items()):
+            due.add_metric([issuer], t)
+        yield due
 
 
 def _known(values: Iterable[str], counts: Mapping[str, int]) -> dict[str, int]:

@@ -4,8 +4,9 @@ The file is validated exactly as ``kvrelay check-config`` does; a file with erro
 with the same messages and the running configuration stays. A valid file is split in two:
 
 * applied live — pools and engines (see ``kvrelay/relay/reconfigure.py``), discovery, DNS and
-  liveness intervals, logging, the shutdown timeout, and the TLS certificate and key (the files
-  are read again, so a rotated certificate takes effect for new connections);
+  liveness intervals, logging, the shutdown timeout, and the TLS certificate, key and client CRL
+  (the files are read again, so a rotated certificate takes effect for new connections, and a
+  connection whose client certificate a new CRL revokes is ended);
 * kept until a restart — listener addresses, metrics settings, TLS on/off and ``client_ca``, the
   event loop, ``dc_name``, ``drt_instance_id`` and the limits. Each such difference is logged.
 
@@ -76,6 +77,8 @@ def restart_only_changes(old: DaemonConfig, new: DaemonConfig) -> list[str]:
 def keep_restart_only(old: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
     """``new`` with the fields a restart applies left as they run now."""
     tls = dataclasses.replace(new.tls, client_ca=old.tls.client_ca)
+    if new.tls.client_ca != old.tls.client_ca:  # the CRLs are the CA's: they follow it
+        tls = dataclasses.replace(tls, client_crl=old.tls.client_crl)
     if old.tls.enabled != new.tls.enabled:
         tls = old.tls
     return dataclasses.replace(
@@ -87,13 +90,16 @@ def keep_restart_only(old: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
 
 
 def stage_tls(context: Any, cfg: DaemonConfig) -> Callable[[], None]:
-    """Load the certificate and key once into a new context (``ReloadableServerContext.stage``)
-    and return what hands it to new handshakes; files that do not load raise here, before the
-    reload has changed anything, and leave the live context untouched."""
+    """Load the certificate, key and client CRLs once into a new context
+    (``ReloadableServerContext.stage``) and return what hands it to new handshakes; files that
+    do not load raise here, before the reload has changed anything, and leave the live context
+    untouched."""
     if context is None or not cfg.tls.enabled:
         return lambda: None
     assert cfg.tls.cert is not None and cfg.tls.key is not None
-    use: Callable[[], None] = context.stage(cfg.tls.cert, cfg.tls.key, cfg.tls.client_ca)
+    use: Callable[[], None] = context.stage(
+        cfg.tls.cert, cfg.tls.key, cfg.tls.client_ca, cfg.tls.client_crl
+    )
     return use
 
 

@@ -11,16 +11,26 @@ files and swaps it in only when it loaded; a file rotated halfway through a relo
 never leave the listener with a certificate and a key that do not match. No servername callback
 is installed: CPython printed a traceback to stderr for every ClientHello whose server name is
 not ASCII, which any stranger could send.
+
+Revocation (``client_crl``): the CRLs are loaded into the context beside the client CA, with
+``VERIFY_CRL_CHECK_LEAF``: OpenSSL refuses a client whose certificate its issuer's CRL lists,
+and one whose issuer has no CRL loaded, or only an expired one (it fails closed). Only the leaf
+is checked: with ``CHAIN`` every CA up to the root would need a CRL of its own, and a missing
+one would lock every client out; an intermediate is withdrawn by removing it from the CA bundle.
+The serials each CRL revokes are kept too (``revoked``), for the connections a new CRL must end:
+OpenSSL checks a certificate only at its handshake.
 """
 
 from __future__ import annotations
 
+import base64
 import calendar
 import contextlib
 import ipaddress
 import os
 import ssl
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -84,6 +94,20 @@ def _memory_file(data: bytes | None) -> Iterator[str]:
         yield f.name
 
 
+def _load_crl(ctx: ssl.SSLContext, crl_file: str) -> tuple[RevocationList, ...]:
+    """The CRLs of ``crl_file`` into the context (``load_verify_locations`` takes CRLs only from
+    a file, so from a memory file of the one read), checked at each handshake's leaf."""
+    data = _read(crl_file)
+    crls = read_crls(data, crl_file)
+    try:
+        with _memory_file(data) as path:
+            ctx.load_verify_locations(cafile=path)
+    except (OSError, ssl.SSLError) as exc:
+        raise TlsConfigError(f"cannot load CRL file {crl_file!r}: {exc}") from exc
+    ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
+    return crls
+
+
 def _load_ca(ctx: ssl.SSLContext, ca_file: str) -> bytes:
     data = _read(ca_file)
     try:
@@ -94,16 +118,27 @@ def _load_ca(ctx: ssl.SSLContext, ca_file: str) -> bytes:
 
 
 def server_ssl_context(
-    cert_file: str, key_file: str, client_ca_file: str | None
+    cert_file: str, key_file: str, client_ca_file: str | None, client_crl_file: str | None = None
 ) -> ssl.SSLContext:
-    """Server side: TLS 1.2+, ALPN h2; ``client_ca_file`` turns on mandatory client certs."""
-    return _server_context(cert_file, key_file, client_ca_file)[0]
+    """Server side: TLS 1.2+, ALPN h2; ``client_ca_file`` turns on mandatory client certs,
+    ``client_crl_file`` refuses those its CRLs revoke (see the module doc)."""
+    return _server_context(cert_file, key_file, client_ca_file, client_crl_file).context
+
+
+@dataclass(frozen=True, slots=True)
+class _Loaded:
+    """One load of the TLS files: the context, the certificates (and CRLs) it holds for the
+    expiry gauge, and the ``(issuer, serial)`` pairs its CRLs revoke."""
+
+    context: ssl.SSLContext
+    certificates: tuple[LoadedCertificate, ...]
+    revoked: frozenset[tuple[bytes, int]]
 
 
 def _server_context(
-    cert_file: str, key_file: str, client_ca_file: str | None
-) -> tuple[ssl.SSLContext, tuple[LoadedCertificate, ...]]:
-    """The context and the certificates it holds, from one read of each file."""
+    cert_file: str, key_file: str, client_ca_file: str | None, client_crl_file: str | None
+) -> _Loaded:
+    """The context and what it holds, from one read of each file."""
     # Not create_default_context(CLIENT_AUTH): it would trust the system CAs for client certs; a
     # relay must trust only the configured client CA.
     ctx = _context(ssl.PROTOCOL_TLS_SERVER)
@@ -112,48 +147,86 @@ def _server_context(
         ctx.options |= ssl.OP_NO_RENEGOTIATION
     chain = _load_chain(ctx, cert_file, key_file)
     certs = [_leaf(chain, cert_file, "server")]
+    revoked: frozenset[tuple[bytes, int]] = frozenset()
     if client_ca_file is not None:
         ca = _load_ca(ctx, client_ca_file)
         certs += _bundle(ca, client_ca_file, "client_ca")
         ctx.verify_mode = ssl.CERT_REQUIRED
+        if client_crl_file is not None:
+            crls = _load_crl(ctx, client_crl_file)
+            revoked = frozenset((c.issuer, n) for c in crls for n in c.serials)
+            certs += [LoadedCertificate("client_crl", c.issuer_cn, c.next_update_unix)
+                      for c in crls if c.next_update_unix is not None]  # fmt: skip
+    elif client_crl_file is not None:
+        raise TlsConfigError("a client CRL needs a client CA (client_ca)")
     else:
         ctx.verify_mode = ssl.CERT_NONE
-    return ctx, tuple(certs)
+    return _Loaded(ctx, tuple(certs), revoked)
 
 
 @dataclass(frozen=True, slots=True)
 class LoadedCertificate:
     """One certificate a context was loaded with, for the expiry gauge."""
 
-    role: str  # "server", "client_ca", "upstream_client", "upstream_ca"
-    subject: str  # its common name ("" when it has none)
-    not_after_unix: float
+    role: str  # "server", "client_ca", "client_crl", "upstream_client", "upstream_ca"
+    subject: str  # its common name ("" when it has none; a CRL's: its issuer's)
+    not_after_unix: float  # a CRL's: its nextUpdate
 
 
 class ReloadableServerContext:
     """The listener's context and the newest one loaded from the files (see the module doc)."""
 
-    def __init__(self, cert_file: str, key_file: str, client_ca_file: str | None) -> None:
-        self.current, self.certificates = _server_context(cert_file, key_file, client_ca_file)
+    def __init__(
+        self,
+        cert_file: str,
+        key_file: str,
+        client_ca_file: str | None,
+        client_crl_file: str | None = None,
+    ) -> None:
+        self._use(_server_context(cert_file, key_file, client_ca_file, client_crl_file))
+
+    def _use(self, loaded: _Loaded) -> None:
+        self.current, self.certificates = loaded.context, loaded.certificates
+        self.revoked = loaded.revoked
 
     def in_use(self) -> ssl.SSLContext:
         """The context a new handshake is run with (a server's ``ssl=`` source)."""
         return self.current
 
-    def reload(self, cert_file: str, key_file: str, client_ca_file: str | None) -> None:
+    def is_revoked(self, peer_der: bytes) -> bool:
+        """Whether the CRLs in use revoke this client certificate (DER): what a reload that
+        brought a new CRL asks of each open connection (``ClosingServer.revoke``)."""
+        if not self.revoked:
+            return False
+        try:
+            return certificate_issuer_serial(peer_der) in self.revoked
+        except (ValueError, IndexError):
+            return False  # OpenSSL verified it: not reached
+
+    def reload(
+        self,
+        cert_file: str,
+        key_file: str,
+        client_ca_file: str | None,
+        client_crl_file: str | None = None,
+    ) -> None:
         """Load the files once into a new context and use it for new handshakes; raises
         ``TlsConfigError`` (the running context stays) when they do not load."""
-        self.stage(cert_file, key_file, client_ca_file)()
+        self.stage(cert_file, key_file, client_ca_file, client_crl_file)()
 
     def stage(
-        self, cert_file: str, key_file: str, client_ca_file: str | None
+        self,
+        cert_file: str,
+        key_file: str,
+        client_ca_file: str | None,
+        client_crl_file: str | None = None,
     ) -> Callable[[], None]:
         """Load the files into a new context now (``TlsConfigError`` when they do not load) and
         return what puts it in use, so a reload changes nothing until all its steps have passed."""
-        loaded = _server_context(cert_file, key_file, client_ca_file)
+        loaded = _server_context(cert_file, key_file, client_ca_file, client_crl_file)
 
         def use() -> None:
-            self.current, self.certificates = loaded
+            self._use(loaded)
 
         return use
 
@@ -178,19 +251,25 @@ def _bundle(pem: bytes, path: str, role: str) -> list[LoadedCertificate]:
 
 
 _BEGIN, _END = "-----BEGIN CERTIFICATE-----", "-----END CERTIFICATE-----"
+_CRL_BEGIN, _CRL_END = "-----BEGIN X509 CRL-----", "-----END X509 CRL-----"
 
 
-def _pem_blocks(data: bytes) -> list[str]:
+def _pem_blocks(data: bytes, begin: str = _BEGIN, end_marker: str = _END) -> list[str]:
     text = data.decode("ascii", "replace")
     out = []
     pos = 0
-    while (start := text.find(_BEGIN, pos)) >= 0:
-        end = text.find(_END, start)
+    while (start := text.find(begin, pos)) >= 0:
+        end = text.find(end_marker, start)
         if end < 0:
             break
-        out.append(text[start : end + len(_END)] + "\n")
-        pos = end + len(_END)
+        out.append(text[start : end + len(end_marker)] + "\n")
+        pos = end + len(end_marker)
     return out
+
+
+def _pem_der(block: str, begin: str, end: str) -> bytes:
+    body = block.strip()[len(begin) : -len(end)]
+    return base64.b64decode("".join(body.split()), validate=True)
 
 
 def _describe(pem: str, role: str, path: str) -> LoadedCertificate:
@@ -221,46 +300,176 @@ def _tlv(buf: bytes, pos: int) -> tuple[int, int, int]:
 _CN_OID = bytes.fromhex("550403")  # 2.5.4.3
 
 
-def _subject_and_not_after(der: bytes) -> tuple[str, float]:
-    """The subject CN and ``notAfter`` (Unix time) of a DER X.509 certificate (RFC 5280 §4.1:
-    tbsCertificate = [0] version, serial, signature, issuer, validity, subject, ...)."""
+def _elements(der: bytes, start: int, end: int) -> list[tuple[int, int, int, int]]:
+    """(tag, element start, value start, value end) of each DER element in ``der[start:end]``."""
+    out = []
+    pos = start
+    while pos < end:
+        tag, vstart, vend = _tlv(der, pos)
+        out.append((tag, pos, vstart, vend))
+        pos = vend
+    return out
+
+
+def _tbs_fields(der: bytes) -> list[tuple[int, int, int, int]]:
+    """The fields of a certificate's tbsCertificate, the optional explicit version left out
+    (RFC 5280 §4.1: serial, signature, issuer, validity, subject, ...)."""
     _t, cert, _e = _tlv(der, 0)
-    tag, pos, end = _tlv(der, cert)  # tbsCertificate
-    fields: list[tuple[int, int, int]] = []
-    while pos < end and len(fields) < 6:
-        tag, start, stop = _tlv(der, pos)
-        if tag != 0xA0:  # the optional explicit version
-            fields.append((tag, start, stop))
-        pos = stop
+    _t, pos, end = _tlv(der, cert)  # tbsCertificate
+    fields = [f for f in _elements(der, pos, end) if f[0] != 0xA0]
     if len(fields) < 5:
         raise ValueError("short tbsCertificate")
-    _t, vstart, _vend = fields[3]
-    _t, _s1, e1 = _tlv(der, vstart)  # notBefore
-    ttag, s2, e2 = _tlv(der, e1)  # notAfter
-    text = der[s2:e2].decode("ascii")
-    if ttag == 0x17:  # UTCTime YYMMDDHHMMSSZ (RFC 5280: 50..99 → 19xx)
+    return fields
+
+
+def _time(der: bytes, tag: int, start: int, end: int) -> float:
+    """A UTCTime or GeneralizedTime as Unix time."""
+    text = der[start:end].decode("ascii")
+    if tag == 0x17:  # UTCTime YYMMDDHHMMSSZ (RFC 5280: 50..99 → 19xx)
         yy = int(text[:2])
         text = ("19" if yy >= 50 else "20") + text
-    elif ttag != 0x18:  # GeneralizedTime YYYYMMDDHHMMSSZ
+    elif tag != 0x18:  # GeneralizedTime YYYYMMDDHHMMSSZ
         raise ValueError("bad validity time")
     y, mo, d, h, mi, sec = (int(text[i : i + w]) for i, w in
                             ((0, 4), (4, 2), (6, 2), (8, 2), (10, 2), (12, 2)))  # fmt: skip
-    not_after = float(calendar.timegm((y, mo, d, h, mi, sec, 0, 0, 0)))
+    return float(calendar.timegm((y, mo, d, h, mi, sec, 0, 0, 0)))
+
+
+def _common_name(der: bytes, start: int, end: int) -> str:
+    """The CN of a Name's value (SET of SEQUENCE {oid, value}); "" when it has none."""
     subject = ""
-    _t, sstart, send = fields[4]  # subject Name: SET of SEQUENCE {oid, value}
-    pos = sstart
-    while pos < send:
-        _t, rs, re_ = _tlv(der, pos)
-        inner = rs
-        while inner < re_:
-            _t, as_, ae = _tlv(der, inner)
-            _t, os_, oe = _tlv(der, as_)
-            if der[os_:oe] == _CN_OID:
-                _t, vs, ve = _tlv(der, oe)
+    for _t, _p, rs, re_ in _elements(der, start, end):
+        for _t2, _p2, as_, ae in _elements(der, rs, re_):
+            _t3, os_, oe = _tlv(der, as_)
+            if der[os_:oe] == _CN_OID and oe < ae:
+                _t4, vs, ve = _tlv(der, oe)
                 subject = der[vs:ve].decode("utf-8", "replace")
-            inner = ae
-        pos = re_
-    return subject, not_after
+    return subject
+
+
+def _subject_and_not_after(der: bytes) -> tuple[str, float]:
+    """The subject CN and ``notAfter`` (Unix time) of a DER X.509 certificate."""
+    fields = _tbs_fields(der)
+    _t, _p, vstart, _vend = fields[3]
+    _t, _s1, e1 = _tlv(der, vstart)  # notBefore
+    ttag, s2, e2 = _tlv(der, e1)  # notAfter
+    not_after = _time(der, ttag, s2, e2)
+    _t, _p, sstart, send = fields[4]
+    return _common_name(der, sstart, send), not_after
+
+
+def certificate_issuer_serial(der: bytes) -> tuple[bytes, int]:
+    """A DER certificate's issuer (the Name's DER bytes) and serial number: what a CRL entry
+    names it by."""
+    fields = _tbs_fields(der)
+    _t, _p, s, e = fields[0]
+    _t, ip, _is, ie = fields[2]
+    return der[ip:ie], int.from_bytes(der[s:e], "big", signed=True)
+
+
+def _subject_name(der: bytes) -> bytes:
+    """A DER certificate's subject (the Name's DER bytes)."""
+    _t, p, _s, e = _tbs_fields(der)[4]
+    return der[p:e]
+
+
+@dataclass(frozen=True, slots=True)
+class RevocationList:
+    """One CRL as the relay reads it: who issued it, when it is due again, what it revokes."""
+
+    issuer: bytes  # the issuer Name's DER bytes, as a certificate's issuer field holds them
+    issuer_cn: str
+    this_update_unix: float
+    next_update_unix: float | None  # None: the CRL names none (OpenSSL never deems it expired)
+    serials: frozenset[int]
+
+
+def read_crls(data: bytes, path: str) -> tuple[RevocationList, ...]:
+    """Every PEM CRL (``X509 CRL`` block) in ``data``; ``TlsConfigError`` when there is none or
+    one does not parse (RFC 5280 §5.1: tbsCertList = version?, signature, issuer, thisUpdate,
+    nextUpdate?, revokedCertificates?, [0] extensions?)."""
+    blocks = _pem_blocks(data, _CRL_BEGIN, _CRL_END)
+    if not blocks:
+        raise TlsConfigError(f"{path!r}: no PEM CRL (BEGIN X509 CRL) in it")
+    out = []
+    for i, block in enumerate(blocks):
+        try:
+            der = _pem_der(block, _CRL_BEGIN, _CRL_END)
+            _t, body, _e = _tlv(der, 0)
+            _t, pos, end = _tlv(der, body)
+            fields = _elements(der, pos, end)
+            if fields and fields[0][0] == 0x02:  # version (v2)
+                fields = fields[1:]
+            if len(fields) < 3:
+                raise ValueError("short tbsCertList")
+            _t, ip, istart, iend = fields[1]
+            ttag, _p, ts, te = fields[2]
+            this_update = _time(der, ttag, ts, te)
+            rest = fields[3:]
+            next_update = None
+            if rest and rest[0][0] in (0x17, 0x18):
+                ntag, _p, ns, ne = rest[0]
+                next_update = _time(der, ntag, ns, ne)
+                rest = rest[1:]
+            serials = set()
+            if rest and rest[0][0] == 0x30:
+                _t, _p, rs, re_ = rest[0]
+                for _t2, _p2, es, _ee in _elements(der, rs, re_):
+                    stag, ss, se = _tlv(der, es)
+                    if stag != 0x02:
+                        raise ValueError("revoked entry without a serial")
+                    serials.add(int.from_bytes(der[ss:se], "big", signed=True))
+        except (ValueError, IndexError, UnicodeDecodeError) as exc:
+            msg = f"{path!r}: CRL {i + 1} is not a readable X.509 CRL ({exc})"
+            raise TlsConfigError(msg) from exc
+        out.append(RevocationList(der[ip:iend], _common_name(der, istart, iend), this_update,
+                                  next_update, frozenset(serials)))  # fmt: skip
+    return tuple(out)
+
+
+def crl_problems(
+    crl_file: str, ca_file: str, now: float | None = None
+) -> tuple[list[str], list[str]]:
+    """What ``check-config`` says of a client CRL file against the client CA bundle: (errors,
+    warnings). Errors: a CRL no configured CA issued (OpenSSL would never use it), one past
+    its nextUpdate or before its thisUpdate (OpenSSL then refuses *every* client of that CA).
+    Warnings: a CA without a CRL (its clients are refused: no CRL to check them against)."""
+    now = time.time() if now is None else now
+    crls = read_crls(_read(crl_file), crl_file)
+    cas: dict[bytes, str] = {}
+    for block in _pem_blocks(_read(ca_file)):
+        try:
+            der = ssl.PEM_cert_to_DER_cert(block)
+            cas[_subject_name(der)] = _subject_and_not_after(der)[0]
+        except (ValueError, IndexError) as exc:
+            raise TlsConfigError(f"{ca_file!r}: not a readable X.509 certificate ({exc})") from exc
+    errors, warnings = [], []
+    for i, crl in enumerate(crls, 1):
+        name = f"CRL {i} (issuer CN {crl.issuer_cn!r})"
+        if crl.issuer not in cas:
+            errors.append(f"{name} was not issued by any CA in client_ca {ca_file!r}")
+        if crl.next_update_unix is not None and crl.next_update_unix < now:
+            errors.append(
+                f"{name} expired at {_utc(crl.next_update_unix)} (its nextUpdate): every "
+                "client of its CA would be refused; publish a fresh CRL"
+            )
+        if crl.this_update_unix > now:
+            errors.append(
+                f"{name} is not valid before {_utc(crl.this_update_unix)} (its thisUpdate): "
+                "every client of its CA would be refused until then"
+            )
+    covered = {crl.issuer for crl in crls}
+    for subject, cn in cas.items():
+        if subject not in covered:
+            warnings.append(
+                f"no CRL for client CA {cn!r}: every client certificate it issued is refused "
+                "(OpenSSL has no CRL to check it against)"
+            )
+    return errors, warnings
+
+
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
 
 
 def client_ssl_context(

@@ -56,6 +56,7 @@ class WorkerSpec:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    tls_client_crl: str | None = None
     log_level: str = "INFO"
     log_json: bool | None = None
     event_loop: str = "auto"
@@ -82,7 +83,8 @@ class WorkerSpec:
 #: rules (a reload), ``AUTHZ <json list or null>``.
 AUTHZ_LINE = "AUTHZ "
 #: A reload's TLS files, read again for new handshakes:
-#: ``TLS {"cert": path, "key": path, "client_ca": path or null}``.
+#: ``TLS {"cert": path, "key": path, "client_ca": path or null, "client_crl": path or null}``;
+#: the connections whose client certificate the new CRLs revoke are ended.
 TLS_LINE = "TLS "
 #: A reload's ``[logging]``: ``LOGGING {"level": "INFO", "json": true, false or null}``.
 LOGGING_LINE = "LOGGING "
@@ -129,7 +131,12 @@ class WorkerControl:
             elif text.startswith(TLS_LINE):
                 files = json.loads(text[len(TLS_LINE) :])
                 if self.tls is not None:
-                    self.tls.reload(files["cert"], files["key"], files["client_ca"])
+                    self.tls.reload(files["cert"], files["key"], files["client_ca"],
+                                    files.get("client_crl"))  # fmt: skip
+                    if self.server is not None:
+                        ended = self.server.revoke(self.tls.is_revoked)
+                        if ended:
+                            _LOG.warning("tls_revoked_connections_closed", connections=ended)
             elif text.startswith(LOGGING_LINE):
                 logging = json.loads(text[len(LOGGING_LINE) :])
                 configure(level=str(logging["level"]).upper(), json=logging["json"])
@@ -162,7 +169,9 @@ async def run_worker(
         from kvrelay.ops.tls import ReloadableServerContext
 
         assert spec.tls_key is not None
-        control.tls = ReloadableServerContext(spec.tls_cert, spec.tls_key, spec.tls_client_ca)
+        control.tls = ReloadableServerContext(
+            spec.tls_cert, spec.tls_key, spec.tls_client_ca, spec.tls_client_crl
+        )
         context = control.tls.in_use
     mirror = Mirror(
         MirrorSettings(
@@ -193,6 +202,8 @@ async def run_worker(
         control.apply(control.rules)  # before the listener: no client is served without them
         inherited = None if spec.listen_fd is None else socket.socket(fileno=spec.listen_fd)
         await server.start(spec.host, spec.port, ssl=context, sock=inherited)
+        if control.tls is not None:  # each handshake's client checked against the CRLs
+            server.revoke(control.tls.is_revoked)
         _LOG.info("worker_serving", worker=spec.index, port=server.port,
                   gil_switch_interval_s=sys.getswitchinterval())  # fmt: skip
         report_pipe.send(f"READY {server.port}", droppable=False)

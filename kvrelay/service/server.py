@@ -865,6 +865,12 @@ class RelayServer:
         self._port = int(sockets[0].getsockname()[1]) if sockets else port
         self.health.set_serving(True)
 
+    def revoke(self, is_revoked: Callable[[bytes], bool]) -> int:
+        """Client certificates (DER) ``is_revoked`` says are revoked are refused when their
+        handshake ends, and their open connections closed now (``ClosingServer.revoke``): how
+        many were."""
+        return self._server.revoke(is_revoked)
+
     def listening_socket(self) -> socket.socket:
         """The TCP listener (a hot upgrade hands its descriptor to the successor)."""
         listener: Any = self._server._server

@@ -33,7 +33,7 @@ from kvrelay.ops.tls import client_ssl_context, server_ssl_context
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
 from tests.ops.test_daemon import Notifications, _config
-from tests.support.certs import make_pki
+from tests.support.certs import make_crl, make_leaf, make_pki
 from tests.support.commands import REPO, clean_env, kvrelay
 from tests.support.fleet import ground_truth
 from tests.support.rig import (
@@ -388,8 +388,12 @@ async def test_kvrelay_mirror_with_tls_both_ways(tmp_path: Path) -> None:
     an exact replica through mirror and worker, clean SIGTERM. Its flags win over the
     ``KVRELAY_*`` variables of their keys, which the Kubernetes pod sets (they won before). Its
     ``/metrics`` shows the expiry of the certificates it uses upstream, and reload outcomes
-    (``kvrelay reload`` reads them; a mirror had neither)."""
+    (``kvrelay reload`` reads them; a mirror had neither). Its worker gets the client CRL: a
+    client it revokes is refused at the worker's handshake, counted on the mirror's page."""
     pki = make_pki(tmp_path)
+    cca = (pki.client_ca, tmp_path / "client-ca.key")
+    gone = make_leaf(tmp_path, "router-gone", cca, server=False)
+    crl = make_crl(tmp_path, "clients", cca, [gone[0]])
     engine = SimEngine(SimConfig(name="t0", seed=16, capacity_blocks=64))
     await engine.start()
     relay, upstream = await start_relay(make_settings([engine]), ssl=server_ssl_context(
@@ -406,6 +410,7 @@ tls_key = "{pki.client_key}"
 cert = "{pki.server_cert}"
 key = "{pki.server_key}"
 client_ca = "{pki.client_ca}"
+client_crl = "{crl}"
 
 [logging]
 format = "json"
@@ -431,6 +436,21 @@ format = "json"
         for role in ("server", "client_ca", "upstream_ca", "upstream_client"):
             assert f'kvrelay_tls_certificate_expiry_timestamp_seconds{{role="{role}"' in page, role
         assert 'kvrelay_config_reloads_total{result="applied"} 0.0' in page
+        assert 'kvrelay_tls_client_crl_next_update_timestamp_seconds{issuer="client-ca"}' in page
+        revoked = client_ssl_context(str(pki.server_ca), str(gone[0]), str(gone[1]))
+        served = False
+        with contextlib.suppress(Exception):  # refused at the handshake, however it shows
+            async with Channel("127.0.0.1", int(m.group(1)), ssl=revoked) as ch:
+                await asyncio.wait_for(pb.KvEventRelayStub(ch).get_relay_info(
+                    pb.RelayInfoRequest(contract_marker=MARKER)), scaled(10))  # fmt: skip
+                served = True
+        assert not served, "a revoked client was served"
+        refused = 'kvrelay_tls_revoked_connections_total{stage="handshake"} 1.0'
+        deadline = time.monotonic() + scaled(15)
+        while refused not in page and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            page = await asyncio.to_thread(_get, f"http://127.0.0.1:{metrics_port}/metrics")
+        assert refused in page
         ctx = client_ssl_context(str(pki.server_ca), str(pki.client_cert), str(pki.client_key))
         async with Channel("127.0.0.1", int(m.group(1)), ssl=ctx) as ch:
             await wait_live(relay, 1)

@@ -86,3 +86,38 @@ def make_pki(d: Path) -> Pki:
     cli = make_leaf(d, "router", cca, server=False)
     rogue = make_leaf(d, "intruder", rca, server=False)
     return Pki(sca[0], srv[0], srv[1], cca[0], cli[0], cli[1], rogue[0], rogue[1])
+
+
+def make_crl(
+    d: Path,
+    name: str,
+    ca: tuple[Path, Path],
+    revoked: Sequence[Path] = (),
+    *,
+    last_update: str | None = None,
+    next_update: str | None = None,
+) -> Path:
+    """A PEM CRL that ``ca`` signs, revoking the certificates ``revoked`` (``openssl ca``'s
+    database in a directory of its own); ``last_update`` / ``next_update`` as
+    ``YYYYMMDDHHMMSSZ`` (default: now and one day on)."""
+    work = d / f"{name}.ca"
+    work.mkdir()
+    (work / "index.txt").write_text("")
+    (work / "crlnumber").write_text("01\n")
+    conf = work / "ca.cnf"
+    conf.write_text(
+        "[ca]\ndefault_ca = d\n[d]\ndatabase = index.txt\ncrlnumber = crlnumber\n"
+        "default_md = sha256\ndefault_crl_days = 1\n"
+    )
+    keys = ["-config", str(conf.resolve()), "-cert", str(ca[0].resolve()),
+            "-keyfile", str(ca[1].resolve())]  # fmt: skip
+    for cert in revoked:
+        _run("ca", *keys, "-revoke", str(cert.resolve()), cwd=work)
+    out = d / f"{name}.crl"
+    times = []
+    if last_update is not None:
+        times += ["-crl_lastupdate", last_update]
+    if next_update is not None:
+        times += ["-crl_nextupdate", next_update]
+    _run("ca", *keys, "-gencrl", *times, "-out", str(out.resolve()), cwd=work)
+    return out

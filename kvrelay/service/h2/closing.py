@@ -15,6 +15,12 @@ Each connection's protocol is also mended where grpclib mishandles hostile input
 (``mend.py``), guarded by the per-connection budgets (``guard.py``) and counted against the
 connection caps. A TLS listener listens on plain TCP: each connection is admitted under the caps
 before its handshake, which ``tls_gate.py`` then runs under a deadline.
+
+``revoke(is_revoked)``: from then on each TLS connection's client certificate is also checked
+against the CRLs in use when its handshake ends, and the open connections are checked at once
+(a reload brought new CRLs: OpenSSL checks a certificate only at the handshake). An open
+connection whose certificate is revoked is closed as at shutdown, with its GOAWAY; its streams
+end as they do when a client goes away.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from kvrelay.service.h2.internals import (
     once_connected,
 )
 from kvrelay.service.h2.mend import mend_protocol
-from kvrelay.service.h2.tls_gate import TLS_HANDSHAKE_TIMEOUT_S, TlsGate
+from kvrelay.service.h2.tls_gate import TLS_HANDSHAKE_TIMEOUT_S, TlsGate, peer_certificate
 
 #: A TLS listener's context: one, or what gives the one in use now (a reload may replace it).
 TlsSource = ssl.SSLContext | Callable[[], ssl.SSLContext]
@@ -68,6 +74,8 @@ class ClosingServer(Server):
         self.closed_streams_kept: int | None = None
         self._tls: Callable[[], ssl.SSLContext] | None = None
         self._gates: weakref.WeakSet[TlsGate] = weakref.WeakSet()
+        #: whether a client certificate (DER) is revoked now (``revoke``); None: no check
+        self._is_revoked: Callable[[bytes], bool] | None = None
 
     async def start(self, *args: Any, ssl: TlsSource | None = None, **kwargs: Any) -> None:
         """grpclib's ``start``; with ``ssl``, on plain TCP, each connection's TLS handshake run
@@ -91,7 +99,8 @@ class ClosingServer(Server):
             _bound_closed_streams(proto, self.closed_streams_kept)
         if self._tls is not None:
             counters = self.h2_guard[1] if self.h2_guard is not None else H2Counters()
-            gate = TlsGate(proto, self._tls, self._admit, counters, self.tls_handshake_timeout_s)
+            gate = TlsGate(proto, self._tls, self._admit, counters, self.tls_handshake_timeout_s,
+                           revoked=self._revoked_transport)  # fmt: skip
             self._gates.add(gate)
             return gate
         if self.peer_check is not None or self.connection_caps is not None:
@@ -143,14 +152,42 @@ class ClosingServer(Server):
         for gate in list(self._gates):
             gate.abort()  # still handshaking: it has no stream to end
         for proto in list(self._protocols):
-            conn = getattr(proto, "connection", None)
-            processor = getattr(proto, "processor", None)
-            if conn is None or processor is None:
+            self._close(proto, "relay shut down")
+
+    def _close(self, proto: H2Protocol, reason: str) -> bool:
+        """GOAWAY (``drain.py``), then grpclib's close; False when it never started."""
+        conn = getattr(proto, "connection", None)
+        processor = getattr(proto, "processor", None)
+        if conn is None or processor is None:
+            return False
+        notice = self._notices.get(proto)
+        if notice is not None:
+            notice.final()
+        processor.close(reason)
+        return True
+
+    def revoke(self, is_revoked: Callable[[bytes], bool]) -> int:
+        """Check client certificates with ``is_revoked`` from now on, and close the open
+        connections it revokes now (see the module docstring): how many, also counted as
+        ``tls_revoked_open`` with the HTTP/2 counters."""
+        self._is_revoked = is_revoked
+        ended = 0
+        for gate in list(self._gates):
+            tls = gate.tls
+            if tls is None or tls.is_closing() or not self._revoked_transport(tls):
                 continue
-            notice = self._notices.get(proto)
-            if notice is not None:
-                notice.final()
-            processor.close("relay shut down")
+            if self._close(gate.inner, "client certificate revoked"):
+                ended += 1
+        if ended and self.h2_guard is not None:
+            self.h2_guard[1].count("tls_revoked_open", ended)
+        return ended
+
+    def _revoked_transport(self, transport: asyncio.BaseTransport) -> bool:
+        check = self._is_revoked
+        if check is None:
+            return False
+        der = peer_certificate(transport)
+        return der is not None and check(der)
 
 
 def _announce_stream_cap(proto: H2Protocol, streams: int) -> None:

@@ -13,7 +13,11 @@ upgrades the connection with ``loop.start_tls`` under ``handshake_timeout_s``, w
 in use *now* (``context()``: a reload's rotated certificate serves the next handshake without an
 SNI callback). A handshake that fails or times out is closed and counted
 (``kvrelay_http2_abuse_total{reason="tls_handshake"}``); a completed one hands the TLS transport
-to grpclib's protocol, which keeps the place until its connection is lost. A connection that
+to grpclib's protocol, which keeps the place until its connection is lost. A handshake OpenSSL
+refused because a CRL revokes the client's certificate is also counted as
+``tls_revoked_handshake``, and so is one that ``revoked`` (the server's check against the CRLs
+in use now) refuses once done: a reload's new CRLs may come while a handshake runs with the
+context of before. A connection that
 never gets that far (refused, or its handshake failed) has its grpclib request handler closed
 when the gate ends, as a lost connection's is: grpclib's server keeps every handler until then.
 """
@@ -29,10 +33,28 @@ from typing import Any, cast
 from kvrelay.service.h2.guard import H2Counters
 from kvrelay.service.h2.internals import close_unstarted
 
-__all__ = ["TLS_HANDSHAKE_TIMEOUT_S", "TlsGate"]
+__all__ = ["REVOKED_HANDSHAKE", "TLS_HANDSHAKE_TIMEOUT_S", "TlsGate", "peer_certificate"]
 
 #: Seconds a client has to finish its TLS handshake (asyncio's default is 60).
 TLS_HANDSHAKE_TIMEOUT_S = 10.0
+#: The counter of handshakes refused because a CRL revokes the client's certificate.
+REVOKED_HANDSHAKE = "tls_revoked_handshake"
+#: X509_V_ERR_CERT_REVOKED: OpenSSL's verify result for a certificate a loaded CRL lists.
+_CERT_REVOKED = 23
+
+
+def _is_revocation(exc: BaseException) -> bool:
+    return isinstance(exc, ssl.SSLCertVerificationError) and exc.verify_code == _CERT_REVOKED
+
+
+def peer_certificate(transport: asyncio.BaseTransport) -> bytes | None:
+    """The client certificate (DER) a TLS transport verified; None without one."""
+    obj = transport.get_extra_info("ssl_object")
+    try:
+        der = obj.getpeercert(binary_form=True) if obj is not None else None
+    except (ValueError, ssl.SSLError):  # the connection is closing
+        return None
+    return der if isinstance(der, bytes) else None
 
 
 class TlsGate(asyncio.Protocol):
@@ -51,12 +73,16 @@ class TlsGate(asyncio.Protocol):
         admit: Callable[[asyncio.BaseTransport], Callable[[], None] | None],
         counters: H2Counters,
         handshake_timeout_s: float = TLS_HANDSHAKE_TIMEOUT_S,
+        revoked: Callable[[asyncio.BaseTransport], bool] | None = None,
     ) -> None:
         self.inner = inner
         self._context = context
         self._admit = admit
         self._counters = counters
         self._timeout_s = handshake_timeout_s
+        self._revoked = revoked
+        #: the TLS transport once the handshake is done and ``inner`` took it
+        self.tls: asyncio.BaseTransport | None = None
         self._release: Callable[[], None] | None = None
         self._raw: asyncio.Transport | None = None
         self._task: asyncio.Task[None] | None = None
@@ -101,15 +127,23 @@ class TlsGate(asyncio.Protocol):
             raw.abort()
             self._give_back()
             raise
-        except Exception:  # a failed or timed-out handshake, a peer gone: closed and counted
+        except Exception as exc:  # a failed or timed-out handshake, a peer gone: closed, counted
             self._counters.count("tls_handshake")
+            if _is_revocation(exc):
+                self._counters.count(REVOKED_HANDSHAKE)
             raw.abort()
             self._give_back()
             return
         if tls is None or tls.is_closing() or self._release is None:
             self._give_back()
             return
+        if self._revoked is not None and self._revoked(tls):
+            self._counters.count(REVOKED_HANDSHAKE)
+            tls.abort()
+            self._give_back()
+            return
         tls.set_protocol(self.inner)
+        self.tls = tls
         self._handed_over = True
         self.inner.connection_made(tls)
         early, self._early = self._early, []
