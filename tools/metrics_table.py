@@ -1,9 +1,10 @@
 """Render the metric table of docs/operations.md from the collector itself (``make docs``).
 
-The collector runs over synthetic statistics in which every family has a sample (one pool, one
-source, one engine, one entry in every by-reason counter), so names, types, labels and help text
-come from the code that serves them and the documented table cannot drift from it. A developer
-tool: it is not part of the installed package; ``tests/ops/test_metrics_doc.py`` compares.
+The collectors (a relay's, and a mirror's ``kvrelay_mirror_*`` families) run over synthetic
+statistics in which every family has a sample (one pool, one source, one engine, one entry in
+every by-reason counter), so names, types, labels and help text come from the code that serves
+them and the documented table cannot drift from it. A developer tool: it is not part of the
+installed package; ``tests/ops/test_observability.py`` compares.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from kvrelay.ingest.counters import SubscriberCounters
 from kvrelay.ops.metrics import _POOL_COUNTERS, RelayMetrics
+from kvrelay.ops.mirror_metrics import MirrorCollector
 from kvrelay.ops.reload import ReloadStats
 from kvrelay.ops.tls import LoadedCertificate
 from kvrelay.ops.upgrade import UpgradeStats
@@ -72,18 +75,20 @@ class _Service:
         return {"pool": (1, 64)}, {"RELAY_ERROR_REASON_SUBSCRIBER_LAGGED": 1}
 
 
-def families(per_member: bool = True) -> list[Family]:
-    metrics = RelayMetrics(
-        _Relay(), CollectorRegistry(), service=_Service(), per_member=per_member
-    )
-    metrics.attach_reloads(ReloadStats())
-    metrics.attach_upgrades(UpgradeStats())
-    metrics.attach_tls(lambda: [LoadedCertificate("server", "relay", 1.0),
-                                LoadedCertificate("client_crl", "client-ca", 1.0)])  # fmt: skip
-    metrics.observe_loop_lag(0.001)
-    metrics.delta_published("ns/backend/generate", 0.001)
+#: A mirror's statistics with a sample in every ``kvrelay_mirror_*`` family (``Mirror.stats``).
+_MIRROR_STATS: dict[str, Any] = {
+    "identity": (1, 1), "synced": True, "planes": {}, "channel_resets": 1,
+    "identity_changes": 1, "pools": {"p/1": {"state": "live"}}, "pools_evicted": 1,
+    "pool_totals": {"end_eof": 1, "violation_sequence_gap": 1, "deltas": 1, "lagged": 1,
+                    "holds_sent": 1},
+    "plane_ends": {"load_eof": 1}, "plane_violations": {"load": 1}, "catalog_invalid": 1,
+    "hold_failures": 1, "hold_denied": 1, "upstream_spacing": True,
+}  # fmt: skip
+
+
+def _series(registry: CollectorRegistry) -> list[Family]:
     out = []
-    for fam in metrics.registry.collect():
+    for fam in registry.collect():
         if not fam.name.startswith("kvrelay_"):
             continue
         labels: list[str] = []
@@ -94,12 +99,34 @@ def families(per_member: bool = True) -> list[Family]:
     return sorted(out, key=lambda f: f.series)
 
 
+def mirror_families() -> list[Family]:
+    """The ``kvrelay_mirror_*`` families a mirror's page (and a ``workers = N`` relay's, per
+    worker) adds to the relay's."""
+    registry = CollectorRegistry()
+    registry.register(MirrorCollector(lambda: [("", _MIRROR_STATS)]))
+    return _series(registry)
+
+
+def families(per_member: bool = True) -> list[Family]:
+    """A relay's families."""
+    metrics = RelayMetrics(
+        _Relay(), CollectorRegistry(), service=_Service(), per_member=per_member
+    )
+    metrics.attach_reloads(ReloadStats())
+    metrics.attach_upgrades(UpgradeStats())
+    metrics.attach_tls(lambda: [LoadedCertificate("server", "relay", 1.0),
+                                LoadedCertificate("client_crl", "client-ca", 1.0)])  # fmt: skip
+    metrics.observe_loop_lag(0.001)
+    metrics.delta_published("ns/backend/generate", 0.001)
+    return _series(metrics.registry)
+
+
 def table() -> str:
     pooled = {f.series: f.labels for f in families(per_member=False)}
     rows = ["| Series | Type | Labels | Meaning |", "| --- | --- | --- | --- |"]
-    for f in families():
+    for f in sorted([*families(), *mirror_families()], key=lambda f: f.series):
         labels = ", ".join(f.labels) if f.labels else "—"
-        if pooled.get(f.series) != f.labels:
+        if f.series in pooled and pooled[f.series] != f.labels:
             labels += " (†)"
         rows.append(f"| `{f.series}` | {f.kind} | {labels} | {f.help} |")
     return "\n".join(rows)

@@ -15,7 +15,7 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.core import (
@@ -35,6 +35,7 @@ from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.errors import reason_name
 from kvrelay.contract.wire import SLOTS_PER_BUCKET
 from kvrelay.discovery.errors import REFUSED, REPLY_REFUSALS
+from kvrelay.ingest import stats as decode_stats
 from kvrelay.ingest.counters import LAG_BUCKETS_S, SubscriberCounters
 from kvrelay.ingest.errors import DecodeError
 from kvrelay.ingest.sink import ResetReason
@@ -77,9 +78,12 @@ def _leaf_kinds(base: type[DecodeError] | type[PoolError]) -> tuple[str, ...]:
 # Every known value of the counters labelled by a reason or kind is exported from the start, at
 # 0 while it has not happened: a series that appears at its first count hides that count from
 # ``increase()``/``rate()``, so an alert on it never fired for a single event. The values come
-# from the layers that count them; one not listed (a new one) still appears at its first count.
-# Bounded: 11 stream error reasons per process, 17 reset reasons and 8 error kinds per pool,
-# 9 rejection kinds per source (per pool with ``per_member = false``).
+# from the layers that count them (or, where they are literals there, a list a test holds to
+# them); one not listed (a bug's exception name) still appears at its first count. Bounded:
+# 11 stream error reasons and 33 metadata rules per process, 17 reset reasons and 8 error kinds
+# per pool, 19 rejection kinds, 15 drop reasons and 11 reset reasons per source (per pool with
+# ``per_member = false``). ``known_at_zero`` applies them to a family's counts, ``_AT_ZERO``
+# to the ingest families'; the mirror's lists are in ``mirror_metrics``.
 #: ``kvrelay_stream_errors_total{reason}``: every contract reason a stream can end with.
 STREAM_ERROR_REASONS = tuple(
     reason_name(r) for r in pb.RelayErrorReason if r != pb.RelayErrorReason.UNSPECIFIED
@@ -93,10 +97,55 @@ POOL_RESET_REASONS = tuple(sorted({
 }))  # fmt: skip
 #: ``kvrelay_pool_errors_total{kind}``: every pool error the pool counts.
 POOL_ERROR_KINDS = _leaf_kinds(PoolError)
-#: ``kvrelay_ingest_decode_rejections_total{kind}``: every decode rejection, and a batch the
-#: pool refused whole (a ZMTP transport error, ``zmtp_*``, appears at its first count).
-DECODE_REJECTION_KINDS = tuple(sorted({*_leaf_kinds(DecodeError), MalformedBatch.kind}))
+#: A protocol error of a publisher's connection, as kvrelay's ZMTP reader names it
+#: (``ingest/zmtp.py``: ``ZmtpError.kind``, and its own ``handshake_timeout`` and
+#: ``connect_error``); counted as the rejection ``zmtp_<kind>``.
+ZMTP_ERROR_KINDS = (
+    "bad_command", "bad_frame", "bad_greeting", "connect_error", "handshake_timeout",
+    "oversized", "peer_error", "peer_type", "too_many_frames", "write_backlog",
+)  # fmt: skip
+#: ``kvrelay_ingest_decode_rejections_total{kind}``: every decode rejection, a batch the pool
+#: refused whole, and every ZMTP transport error.
+DECODE_REJECTION_KINDS = tuple(sorted({
+    *_leaf_kinds(DecodeError), MalformedBatch.kind, *(f"zmtp_{k}" for k in ZMTP_ERROR_KINDS),
+}))  # fmt: skip
+#: ``kvrelay_ingest_dropped_events_total{reason}``: every ``DROP_*`` reason of the decoder, the
+#: storage tiers (``medium_<tier>``) included.
+INGEST_DROP_REASONS = tuple(sorted({
+    *(v for k, v in vars(decode_stats).items()
+      if k.startswith("DROP_") and k != "DROP_MEDIUM_PREFIX"),
+    *(decode_stats.DROP_MEDIUM_PREFIX + tier
+      for tier in ("host_pinned", "disk", "external", "unknown")),
+}))  # fmt: skip
+#: ``kvrelay_ingest_member_resets_total{reason}``: the subscribers count ``ResetReason`` only.
+INGEST_RESET_REASONS = tuple(sorted(r.value for r in ResetReason))
+#: ``kvrelay_metadata_rejections_total{plane, rule}``: the rules of ``CatalogError`` (catalog)
+#: and ``TopologyError`` (readiness), literals in ``publication/catalog.py`` and
+#: ``readiness.py``.
+METADATA_RULES: dict[str, tuple[str, ...]] = {
+    "catalog": (
+        "catalog.duplicate_pool", "endpoint.component", "endpoint.endpoint", "endpoint.missing",
+        "endpoint.namespace", "producer.invalid", "query.block_size", "query.hash_format",
+        "query.missing", "registration.adapter", "registration.alias",
+        "registration.alias_duplicate", "registration.alias_is_canonical",
+        "registration.base_count", "registration.base_model", "registration.canonical_model_id",
+        "registration.duplicate", "registration.empty", "registration.lora_base",
+        "registration.target_ambiguous", "registration.target_unset", "roles.duplicate",
+        "roles.empty", "roles.invalid",
+    ),
+    "readiness": (
+        "endpoint.adapter", "endpoint.component", "endpoint.duplicate", "endpoint.endpoint",
+        "endpoint.live", "endpoint.model", "endpoint.namespace", "endpoint.needs",
+        "endpoint.role",
+    ),
+}  # fmt: skip
+_METADATA_KEYS = tuple((plane, rule) for plane, rules in METADATA_RULES.items() for rule in rules)
+#: ``kvrelay_window_errors_total{plane, kind}`` (the relay's statistics list all four).
+_WINDOW_ERROR_KEYS = tuple(
+    (plane, kind) for plane in ("load", "serving_load") for kind in ("window", "entry")
+)
 Flat = dict[tuple[str, str], int]
+_K = TypeVar("_K")
 _LAG_HELP = (
     "Live messages: relay wall clock when applied minus the engine's batch timestamp "
     "(includes clock offset between hosts)."
@@ -457,12 +506,18 @@ def tls_families(source: TlsSource | None) -> Iterator[Metric]:
         yield due
 
 
-def _known(values: Iterable[str], counts: Mapping[str, int]) -> dict[str, int]:
+def known_at_zero(values: Iterable[_K], counts: Mapping[_K, int]) -> dict[_K, int]:
     """``counts`` with every known value in ``values`` at 0 where it has none."""
     return {**dict.fromkeys(values, 0), **counts}
 
 
-_REJECTIONS_AT_ZERO: Flat = {("rejections", kind): 0 for kind in DECODE_REJECTION_KINDS}
+#: The ingest families' known values (per source, or per pool), and the generations' errors.
+_INGEST_KNOWN = (
+    ("rejections", DECODE_REJECTION_KINDS),
+    ("drops", INGEST_DROP_REASONS),
+    ("resets_by_reason", INGEST_RESET_REASONS),
+)
+_AT_ZERO: Flat = {(attr, value): 0 for attr, values in _INGEST_KNOWN for value in values}
 _ERRORS_AT_ZERO: Flat = {("errors", kind): 0 for kind in POOL_ERROR_KINDS}
 
 
@@ -483,7 +538,7 @@ def service_families(svc: ServiceSource) -> Iterator[Metric]:
         "kvrelay_stream_errors", "Streams/calls ended with a contract error, by reason.",
         labels=["reason"],
     )
-    for reason, n in sorted(_known(STREAM_ERROR_REASONS, errors_by_reason).items()):
+    for reason, n in sorted(known_at_zero(STREAM_ERROR_REASONS, errors_by_reason).items()):
         errors.add_metric([reason], n)
     yield subs
     yield limit
@@ -743,7 +798,7 @@ def _relay_metrics(r: RelayStats) -> Iterator[Metric]:
         "Pools or endpoints left out of a plane for invalid metadata, by plane and rule.",
         labels=["plane", "rule"],
     )
-    for (plane, rule), n in sorted(r.metadata_rejections.items()):
+    for (plane, rule), n in sorted(known_at_zero(_METADATA_KEYS, r.metadata_rejections).items()):
         by_rule.add_metric([plane, rule], n)
     yield by_rule
     for name, doc, value in (
@@ -825,7 +880,7 @@ def _relay_metrics(r: RelayStats) -> Iterator[Metric]:
         "(kind entry).",
         labels=["plane", "kind"],
     )
-    for (plane, kind), n in sorted(r.window_errors.items()):
+    for (plane, kind), n in sorted(known_at_zero(_WINDOW_ERROR_KEYS, r.window_errors).items()):
         windows.add_metric([plane, kind], n)
     yield windows
 
@@ -866,7 +921,7 @@ def _pool_metrics(r: RelayStats) -> Iterator[Metric]:
     for p in r.pools:
         for attr, fam in pc.items():
             fam.add_metric([p.name], p.counters[attr])
-        for reason, n in sorted(_known(POOL_RESET_REASONS, p.member_resets).items()):
+        for reason, n in sorted(known_at_zero(POOL_RESET_REASONS, p.member_resets).items()):
             resets.add_metric([p.name, reason], n)
         g["kvrelay_ckf_capacity_slots"].add_metric([p.name], p.bucket_count * SLOTS_PER_BUCKET)
         g["kvrelay_ckf_buckets"].add_metric([p.name], p.bucket_count)
@@ -910,7 +965,7 @@ def _member_metrics(r: RelayStats, per_member: bool = True) -> Iterator[Metric]:
             key: tuple[str, ...] = (p.name, s.engine, str(s.dp_rank)) if per_member else (p.name,)
             groups.setdefault(key, []).append(s.counters)
         for key, counters in groups.items():
-            flat: Flat = dict.fromkeys(_REJECTIONS_AT_ZERO, 0)
+            flat: Flat = dict(_AT_ZERO)
             for c in counters:
                 for k, n in _flatten_subscriber(c).items():
                     flat[k] = flat.get(k, 0) + n

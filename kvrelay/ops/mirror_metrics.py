@@ -18,14 +18,17 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvrelay.client import errors as E
 from kvrelay.ops.gc_pauses import pauses
 from kvrelay.ops.metrics import (
     LOOP_LAG_BUCKETS,
+    STREAM_ERROR_REASONS,
     ReloadSource,
     ServiceSource,
     UpgradeSource,
     default_registry,
     gc_pause_families,
+    known_at_zero,
     reload_families,
     service_families,
     tls_families,
@@ -38,6 +41,23 @@ MirrorStats = Callable[[], list[tuple[str, dict[str, Any]]]]  # (worker label, M
 #: The planes a mirror's upstream session needs live (``Mirror.in_session``; serving load is
 #: optional: a Dynamo 1.6 upstream has none).
 SESSION_PLANES = ("catalog", "readiness", "load")
+#: Every plane a mirror follows, as its statistics name them.
+MIRROR_PLANES = (*SESSION_PLANES, "serving-load")
+# The known ends of the mirror's upstream streams, exported at 0 from the start (as the relay's
+# by-reason counters, ``metrics.known_at_zero``): how the SDK names a stream's end
+# (``rpc.StreamEnd``) and every relay reason; ``status_<code>`` (an end without the reason
+# trailer: no kvrelay upstream) appears at its first count. Per worker: 17 reasons for pools,
+# 4 planes × 17 for planes.
+_ENDS = (E.EOF, E.CONNECTION, E.SILENT, E.ENVELOPE,
+         *(str(E.reason_from_trailer(r)) for r in STREAM_ERROR_REASONS))  # fmt: skip
+#: ``kvrelay_mirror_pool_stream_ends_total{reason}``: with the mirror's own (a frame its checker
+#: refused, a failure inside the mirror, a withdrawn pool closed after its grace).
+POOL_END_REASONS = tuple(sorted({*_ENDS, "violation", "internal", "withdrawn"}))
+#: ``kvrelay_mirror_plane_stream_ends_total{reason}``: with the mirror's own (an upstream
+#: without the RPC, a stream started over on a new identity, a failure inside the mirror).
+PLANE_END_REASONS = tuple(sorted({*_ENDS, "unimplemented", "superseded", "internal"}))
+_POOL_END_KEYS = tuple(f"end_{r}" for r in POOL_END_REASONS)  # as ``pool_totals`` holds them
+_PLANE_END_KEYS = tuple(f"{plane}_{r}" for plane in MIRROR_PLANES for r in PLANE_END_REASONS)
 
 
 def in_session(stats: dict[str, Any]) -> bool:
@@ -94,6 +114,29 @@ class MirrorCollector(Collector):
         planes = CounterMetricFamily("kvrelay_mirror_plane_stream_ends",
                                      "Upstream plane streams ended, by plane and how.",
                                      labels=[*lw, "plane", "reason"])  # fmt: skip
+        plane_violations = CounterMetricFamily(
+            "kvrelay_mirror_plane_violations",
+            "Upstream plane streams the mirror ended for breaking a rule (an undecodable "
+            "message, a wrong envelope or relay identity, a version going backwards), by plane.",
+            labels=[*lw, "plane"],
+        )  # fmt: skip
+        invalid = CounterMetricFamily(
+            "kvrelay_mirror_catalog_invalid",
+            "Upstream catalog descriptors not mirrored: their producer is no valid pool key.",
+            labels=lw,
+        )  # fmt: skip
+        spacing = CounterMetricFamily(
+            "kvrelay_mirror_spacing_requests",
+            "Requests to the upstream to space a pool's publications while local joiners catch "
+            "up, by result: granted, denied (PERMISSION_DENIED: asked again 30 s later), failed "
+            "(transport, timeout, another status).", labels=[*lw, "result"],
+        )  # fmt: skip
+        spacing_on = GaugeMetricFamily(
+            "kvrelay_mirror_upstream_spacing",
+            "1 while the mirror asks its upstream for spacing; 0 once the upstream said it "
+            "cannot (UNIMPLEMENTED: a relay other than kvrelay), until the channel is replaced.",
+            labels=lw,
+        )  # fmt: skip
         for worker, s in self.source():
             if not s:
                 continue
@@ -107,7 +150,7 @@ class MirrorCollector(Collector):
             for state, n in sorted(states.items()):
                 pools.add_metric([worker, state], n)
             totals = s.get("pool_totals", {})
-            for k, v in sorted(totals.items()):
+            for k, v in sorted(known_at_zero(_POOL_END_KEYS, totals).items()):
                 if k.startswith("end_"):
                     ends.add_metric([worker, k[4:]], float(v))
                 elif k.startswith("violation_"):
@@ -115,11 +158,20 @@ class MirrorCollector(Collector):
             deltas.add_metric([worker], float(totals.get("deltas", 0)))
             lagged.add_metric([worker], float(totals.get("lagged", 0)))
             evicted.add_metric([worker], float(s.get("pools_evicted", 0)))
-            for k, v in sorted(s.get("plane_ends", {}).items()):
+            for k, v in sorted(known_at_zero(_PLANE_END_KEYS, s.get("plane_ends", {})).items()):
                 plane, _, reason = k.partition("_")
                 planes.add_metric([worker, plane, reason], float(v))
+            refused = known_at_zero(MIRROR_PLANES, s.get("plane_violations", {}))
+            for plane, n in sorted(refused.items()):
+                plane_violations.add_metric([worker, plane], float(n))
+            invalid.add_metric([worker], float(s.get("catalog_invalid", 0)))
+            failed, denied = int(s.get("hold_failures", 0)), int(s.get("hold_denied", 0))
+            spacing.add_metric([worker, "granted"], float(totals.get("holds_sent", 0)))
+            spacing.add_metric([worker, "denied"], float(denied))
+            spacing.add_metric([worker, "failed"], float(max(0, failed - denied)))
+            spacing_on.add_metric([worker], 1.0 if s.get("upstream_spacing", True) else 0.0)
         yield from (synced, session, resets, changes, pools, ends, violations, deltas, lagged,
-                    evicted, planes)  # fmt: skip
+                    evicted, planes, plane_violations, invalid, spacing, spacing_on)  # fmt: skip
 
 
 class WorkersCollector(Collector):

@@ -16,8 +16,11 @@ from grpclib.client import Channel
 from prometheus_client import CollectorRegistry
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.client import errors as E
 from kvrelay.contract.errors import reason_name
+from kvrelay.ingest.decoder import _TIERS
 from kvrelay.ingest.errors import DecodeError
+from kvrelay.ingest.fastwalk import DROP_REASONS
 from kvrelay.ingest.sink import ResetReason
 from kvrelay.mirror.settings import UpstreamAddress
 from kvrelay.ops import metrics as relay_metrics
@@ -29,7 +32,15 @@ from kvrelay.sim.config import SimConfig
 from tests.support.mem_relay import MemRelayView, sub_request
 from tests.support.mirror_rig import UPSTREAM_LIMITS, mirrored
 from tests.support.rig import collect_end
-from tests.support.scrape import POOL, eventually, fleet_and_relay, scrape, value, wait_subscribed
+from tests.support.scrape import (
+    POOL,
+    Samples,
+    eventually,
+    fleet_and_relay,
+    scrape,
+    value,
+    wait_subscribed,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -71,6 +82,7 @@ async def test_reason_counters_are_exported_at_zero_before_their_first_count() -
                 assert value(s, "kvrelay_ingest_decode_rejections_total", **member, kind=kind) == 0
             for reason in REASONS:
                 assert value(s, "kvrelay_stream_errors_total", reason=reason) == 0
+            _ingest_and_plane_counters_at_zero(s, member)
             # the first error of a reason moves its series from 0 to 1
             async with Channel("127.0.0.1", server.port) as ch:
                 _m, end = await collect_end(
@@ -82,6 +94,47 @@ async def test_reason_counters_are_exported_at_zero_before_their_first_count() -
             assert value(s2, "kvrelay_stream_errors_total", reason=str(first)) == 1
         finally:
             await metrics.close()
+
+
+def _ingest_and_plane_counters_at_zero(s: Samples, member: dict[str, str]) -> None:
+    """ZMTP transport errors, dropped events and ingest member resets per source, metadata
+    rejections and window errors: each appeared only at its first count."""
+    for kind in ZMTP_KINDS:
+        assert value(s, "kvrelay_ingest_decode_rejections_total", **member,
+                     kind=f"zmtp_{kind}") == 0  # fmt: skip
+    for reason in {*DROP_REASONS, *(f"medium_{t}" for t in _TIERS.values()), "unknown_tag"}:
+        assert value(s, "kvrelay_ingest_dropped_events_total", **member, reason=reason) == 0
+    for reason in {r.value for r in ResetReason}:
+        assert value(s, "kvrelay_ingest_member_resets_total", **member, reason=reason) == 0
+    for plane, rules in _metadata_rules().items():
+        for rule in rules:
+            assert value(s, "kvrelay_metadata_rejections_total", plane=plane, rule=rule) == 0
+    for plane in ("load", "serving_load"):
+        for kind in ("window", "entry"):
+            assert value(s, "kvrelay_window_errors_total", plane=plane, kind=kind) == 0
+
+
+# The oracles read the literals where the lower layers raise them (the collector keeps a list).
+ZMTP_KINDS = set(re.findall(r'(?:ZmtpError|_count)\(\s*"(\w+)"',
+                            (REPO / "kvrelay" / "ingest" / "zmtp.py").read_text()))  # fmt: skip
+
+
+def _metadata_rules() -> dict[str, set[str]]:
+    """The rules ``CatalogError`` and ``TopologyError`` are raised with (``endpoint.{name}``:
+    the three names the readiness check loops over)."""
+    pub = REPO / "kvrelay" / "publication"
+    catalog = re.findall(r'(?:CatalogError|_text)\(\s*"([\w.]+)"', (pub / "catalog.py").read_text())
+    readiness = re.findall(r'TopologyError\(\s*f?"([\w.{}]+)"', (pub / "readiness.py").read_text())
+    named = {f"endpoint.{n}" for n in ("namespace", "component", "endpoint")}
+    return {"catalog": set(catalog),
+            "readiness": {*(r for r in readiness if "{" not in r), *named}}  # fmt: skip
+
+
+def test_the_scanned_oracles_are_not_vacuous() -> None:
+    assert {"bad_greeting", "handshake_timeout", "connect_error", "write_backlog"} <= ZMTP_KINDS
+    rules = _metadata_rules()
+    assert {"producer.invalid", "registration.alias", "catalog.duplicate_pool"} <= rules["catalog"]
+    assert {"endpoint.duplicate", "endpoint.namespace", "endpoint.live"} <= rules["readiness"]
 
 
 def test_every_pool_reset_reason_the_relay_counts_is_exported_at_zero() -> None:
@@ -119,6 +172,7 @@ async def test_a_mirror_that_loses_its_upstream_says_so_on_its_page() -> None:
                 assert value(s, "kvrelay_mirror_upstream_channel_resets_total", worker="") == 0
                 for reason in REASONS:
                     assert value(s, "kvrelay_stream_errors_total", reason=reason) == 0
+                _mirror_counters_at_zero(s, planes=set(m.mirror.stats()["planes"]))
                 await upstream.close(grace_s=0.5)
                 closed = True
                 await eventually(lambda: not m.mirror.in_session, what="session lost")
@@ -133,3 +187,22 @@ async def test_a_mirror_that_loses_its_upstream_says_so_on_its_page() -> None:
     finally:
         if not closed:
             await upstream.close(grace_s=0.5)
+
+
+def _mirror_counters_at_zero(s: Samples, planes: set[str]) -> None:
+    """A mirror's upstream stream ends appeared only at their first count; its plane violations,
+    invalid catalog descriptors and spacing requests were in its statistics only."""
+    ends = {E.EOF, E.CONNECTION, E.SILENT, E.ENVELOPE, *(str(E.reason_from_trailer(r))
+                                                         for r in REASONS)}  # fmt: skip
+    for reason in {*ends, "violation", "internal", "withdrawn"}:
+        assert value(s, "kvrelay_mirror_pool_stream_ends_total", worker="", reason=reason) == 0
+    assert planes == {"catalog", "readiness", "load", "serving-load"}
+    for plane in planes:
+        for reason in {*ends, "unimplemented", "superseded", "internal"}:
+            assert value(s, "kvrelay_mirror_plane_stream_ends_total", worker="", plane=plane,
+                         reason=reason) == 0  # fmt: skip
+        assert value(s, "kvrelay_mirror_plane_violations_total", worker="", plane=plane) == 0
+    assert value(s, "kvrelay_mirror_catalog_invalid_total", worker="") == 0
+    for result in ("granted", "denied", "failed"):
+        assert value(s, "kvrelay_mirror_spacing_requests_total", worker="", result=result) == 0
+    assert value(s, "kvrelay_mirror_upstream_spacing", worker="") == 1
