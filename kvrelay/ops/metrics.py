@@ -506,6 +506,15 @@ def tls_families(source: TlsSource | None) -> Iterator[Metric]:
         yield due
 
 
+#: The outcomes of the state files (``relay.state_restores`` at start, ``relay.state_saves`` at a
+#: clean stop and at each checkpoint), exported at 0 from the start: a checkpoint that fails
+#: (a full disk) is what an alert on ``increase()`` must see the first time.
+STATE_RESTORE_RESULTS = ("restored", "none", "corrupt", "version", "stale", "incompatible",
+                         "oversized", "unreadable", "unsafe_dir", "unusable_dir")  # fmt: skip
+STATE_SAVE_RESULTS = ("saved", "failed", "checkpointed", "checkpoint_failed", "checkpoint_busy",
+                      "checkpoint_overrun", "unsafe_dir", "unusable_dir")  # fmt: skip
+
+
 def known_at_zero(values: Iterable[_K], counts: Mapping[_K, int]) -> dict[_K, int]:
     """``counts`` with every known value in ``values`` at 0 where it has none."""
     return {**dict.fromkeys(values, 0), **counts}
@@ -841,14 +850,15 @@ def _relay_metrics(r: RelayStats) -> Iterator[Metric]:
     yield _by_result(
         "kvrelay_state_restores",
         "State files at start by outcome: restored, none, corrupt, version, stale, incompatible, "
-        "oversized, unreadable, unsafe_dir, unusable_dir.", r.state_restores,
+        "oversized, unreadable, unsafe_dir, unusable_dir.",
+        known_at_zero(STATE_RESTORE_RESULTS, r.state_restores),
     )  # fmt: skip
     yield _by_result(
         "kvrelay_state_saves",
         "Pool states written, by result: saved, failed (a clean stop), checkpointed, "
         "checkpoint_failed, checkpoint_busy, checkpoint_overrun (periodic), unsafe_dir, "
         "unusable_dir.",
-        r.state_saves,
+        known_at_zero(STATE_SAVE_RESULTS, r.state_saves),
     )
     ckpt = GaugeMetricFamily(
         "kvrelay_state_checkpoint_timestamp_seconds",

@@ -112,6 +112,10 @@ def _ingest_and_plane_counters_at_zero(s: Samples, member: dict[str, str]) -> No
     for plane in ("load", "serving_load"):
         for kind in ("window", "entry"):
             assert value(s, "kvrelay_window_errors_total", plane=plane, kind=kind) == 0
+    for result in relay_metrics.STATE_RESTORE_RESULTS:
+        assert value(s, "kvrelay_state_restores_total", result=result) == 0
+    for result in relay_metrics.STATE_SAVE_RESULTS:
+        assert value(s, "kvrelay_state_saves_total", result=result) == 0
 
 
 # The oracles read the literals where the lower layers raise them (the collector keeps a list).
@@ -128,6 +132,25 @@ def _metadata_rules() -> dict[str, set[str]]:
     named = {f"endpoint.{n}" for n in ("namespace", "component", "endpoint")}
     return {"catalog": set(catalog),
             "readiness": {*(r for r in readiness if "{" not in r), *named}}  # fmt: skip
+
+
+def _state_results() -> set[str]:
+    """Every outcome the relay counts for its state files: the literals it counts and refuses
+    with, the kinds of the file errors, the checkpoint writer's results."""
+    relay = REPO / "kvrelay" / "relay"
+    found = set(re.findall(r'_count\(self\.state_\w+, "(\w+)"\)', (relay / "relay.py").read_text()))
+    found |= set(re.findall(r'Refused\(\s*"(\w+)"', (relay / "handover.py").read_text()))
+    for name in ("state_file.py", "safe_files.py"):
+        found |= set(re.findall(r'^\s+kind = "(\w+)"', (relay / name).read_text(), re.M))
+    found |= set(re.findall(r'^[A-Z]+ = "(\w+)"', (relay / "checkpoint.py").read_text(), re.M))
+    return found
+
+
+def test_every_state_file_outcome_is_exported_at_zero() -> None:
+    found = _state_results()
+    assert {"restored", "stale", "corrupt", "unsafe_dir", "checkpoint_failed"} <= found  # found
+    known = {*relay_metrics.STATE_RESTORE_RESULTS, *relay_metrics.STATE_SAVE_RESULTS}
+    assert found <= known, found - known
 
 
 def test_the_scanned_oracles_are_not_vacuous() -> None:
