@@ -67,6 +67,20 @@ def is_wildcard_host(host: str) -> bool:
     return addr is not None and addr.is_unspecified
 
 
+def connects_instead_of_binding(endpoint: str) -> bool:
+    """A publisher endpoint on the unspecified address spelled without ``*`` or ``::``
+    (``tcp://0.0.0.0:5557``). vLLM's publisher binds only an endpoint that contains ``*`` or
+    ``::``; given this one it connects to it instead of listening, so a relay that subscribes
+    there finds nothing (the engine's ``--kv-events-config`` should say ``tcp://*:5557``)."""
+    if not endpoint.startswith("tcp://") or "*" in endpoint or "::" in endpoint:
+        return False
+    try:
+        host, _port = split_tcp(endpoint)
+    except InvalidEndpoint:
+        return False
+    return is_wildcard_host(host)
+
+
 @dataclass(frozen=True, slots=True)
 class SourceInfo:
     """One DP rank's KV event source, with connectable (wildcard-free) endpoints."""

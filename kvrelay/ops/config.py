@@ -26,6 +26,7 @@ from kvrelay.discovery.endpoints import (
     IPAddress,
     StaticSourceConfig,
     canonical_ip,
+    connects_instead_of_binding,
     host_key,
     is_wildcard_host,
     split_tcp,
@@ -1077,18 +1078,15 @@ def _port_collisions(r: _Reader, pools: list[PoolSpec]) -> None:
 
 
 def _connecting_publishers(r: _Reader, pools: list[PoolSpec]) -> None:
-    """Warn about a static publisher endpoint whose host is the unspecified address spelled
-    without ``*`` or ``::`` (``tcp://0.0.0.0:5557``). vLLM's publisher binds only an endpoint that
-    contains ``*`` or ``::``; given this one, as the relay's endpoint should be copied from its
-    ``--kv-events-config``, it connects to that address instead of listening, the relay connects
-    too, and no message ever flows. A warning: the engine's own config may say ``*``."""
+    """Warn about a static publisher endpoint vLLM would connect to instead of binding
+    (``connects_instead_of_binding``): the relay's endpoint is copied from the engine's
+    ``--kv-events-config``, and the relay connects too, so no message would ever flow. A warning:
+    the engine's own config may say ``*``."""
     for i, pool in enumerate(pools):
         for j, eng in enumerate(pool.engines):
             ep = eng.static.endpoint if eng.static is not None else ""
-            if not ep.startswith("tcp://") or "*" in ep or "::" in ep:
-                continue
-            host, port = split_tcp(ep)
-            if is_wildcard_host(host):
+            if connects_instead_of_binding(ep):
+                _host, port = split_tcp(ep)
                 r.warn(
                     f"pools[{i}].engines[{j}].static.endpoint",
                     f"{ep}: vLLM binds its publisher only when the endpoint contains '*' or '::'; "

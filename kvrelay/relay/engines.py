@@ -48,6 +48,8 @@ class EngineState:
     down: bool = False
     #: The engine's block size last seen in conflict with the pool's (counted and logged once).
     block_size_conflict: int | None = None
+    #: Publisher endpoints it reported that vLLM connects to instead of binding (logged once).
+    connecting: frozenset[str] = frozenset()
 
     @property
     def reachable(self) -> bool:

@@ -40,11 +40,12 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.errors import RelayError
+from kvrelay.discovery.endpoints import SourceInfo, connects_instead_of_binding
 from kvrelay.discovery.events import ChangeEvent, IncarnationChanged
 from kvrelay.discovery.watcher import EngineTarget
 from kvrelay.ingest.counters import SubscriberCounters
@@ -491,6 +492,7 @@ class PoolRuntime:
                     )  # fmt: skip
                 continue
             st.block_size_conflict = None
+            self._note_connecting(st, snap.sources)
             for src in snap.sources:
                 if src.transport != "zmq" or not src.endpoint:
                     continue
@@ -509,6 +511,17 @@ class PoolRuntime:
                     pool=self.name,
                 )
         return desired
+
+    def _note_connecting(self, st: EngineState, sources: Iterable[SourceInfo]) -> None:
+        """Log, once per endpoint, a publisher the engine reports on ``tcp://0.0.0.0:…``: vLLM
+        binds only an endpoint with ``*`` or ``::``, so that engine connects there instead of
+        listening and its source stays silent (``connects_instead_of_binding``)."""
+        found = frozenset(s.advertised_endpoint for s in sources
+                          if connects_instead_of_binding(s.advertised_endpoint))  # fmt: skip
+        for endpoint in sorted(found - st.connecting):
+            _log.warning("engine_publisher_not_listening", pool=self.name, engine=st.spec.name,
+                         endpoint=endpoint)  # fmt: skip
+        st.connecting = found
 
     def _startable(self, key: SourceKey, now: float) -> bool:
         entry = self._restarts.get(key)

@@ -219,3 +219,24 @@ async def test_bad_metadata_drops_one_endpoint_never_the_plane() -> None:
         rev = relay.catalog.revision
         await engines[0].step(3)
         await eventually(lambda: relay.catalog.revision >= rev, what="catalog still updating")
+
+
+async def test_a_publisher_reported_on_the_unspecified_address_is_logged_once() -> None:
+    """vLLM binds its publisher only for an endpoint with ``*`` or ``::``: one configured
+    ``tcp://0.0.0.0:N`` connects instead of listening, its source stays silent, and nothing
+    said why. The relay logs the endpoint the engine reports, once (the simulator binds
+    anyway, so its stream still flows here)."""
+    import socket
+
+    import structlog
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = SimConfig(name="zero", seed=61, bind_host="0.0.0.0", pub_port=port)
+    with structlog.testing.capture_logs() as logs:
+        async with rig([cfg]) as r:
+            await wait_live(r.relay, 1)
+            await asyncio.sleep(0.4)  # more discovery passes (interval 0.1 s): logged once
+    said = [e for e in logs if e["event"] == "engine_publisher_not_listening"]
+    assert [(e["engine"], e["endpoint"]) for e in said] == [("zero", f"tcp://0.0.0.0:{port}")]
