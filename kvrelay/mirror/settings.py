@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import ssl as _ssl
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvrelay._text import is_decimal
@@ -68,11 +69,13 @@ class MirrorSettings:
       windows (3 s by default), whatever the pool heartbeat.
     * ``window_bytes``: HTTP/2 receive window per upstream stream (the connection gets 4×): a
       mirror must drain its upstream faster than the upstream's queue bound, never lag it.
+    * ``ssl``: TLS to the upstream: a context, or what gives the one to use now (a daemon's
+      reloadable context), asked at each channel the mirror opens (``ssl_context``).
     """
 
     upstream: UpstreamAddress
     limits: RelayLimits = field(default_factory=RelayLimits)
-    ssl: _ssl.SSLContext | None = field(default=None, compare=False)
+    ssl: _ssl.SSLContext | Callable[[], _ssl.SSLContext] | None = field(default=None, compare=False)
     subscriber_id: str = "kvrelay-mirror"
     sync_wait_s: float = 10.0
     backoff_initial_s: float = 0.05
@@ -99,6 +102,11 @@ class MirrorSettings:
             raise MirrorSettingsError("window_bytes must be in 64 KiB..512 MiB")
         if self.upstream.path is None and (self.upstream.host is None or not self.upstream.port):
             raise MirrorSettingsError("upstream needs HOST:PORT or a unix path")
+
+    def ssl_context(self) -> _ssl.SSLContext | None:
+        """The context a new upstream channel is opened with: a reload may have replaced the
+        files since the last one (the channel in use keeps its own)."""
+        return self.ssl() if callable(self.ssl) else self.ssl
 
     def backoff(self, attempt: int) -> float:
         """Capped exponential backoff with jitter (every worker of a daemon, and every mirror

@@ -43,6 +43,7 @@ from kvrelay.ops.reload import (
     read_config,
     restart_only_changes,
     stage_tls,
+    stage_upstream_tls,
 )
 from kvrelay.ops.sdnotify import Notifier
 from kvrelay.ops.upgrade import Handoff, UpgradeFailed, Upgrader, UpgradeStats
@@ -127,7 +128,7 @@ class Daemon:
         self.reloads = ReloadStats()
         self._reload_wanted = asyncio.Event()
         self._tls: Any = None  # ReloadableServerContext while [tls] is on
-        self._upstream_certificates: tuple[Any, ...] = ()  # a mirror's, for the expiry gauge
+        self._upstream_tls: Any = None  # a mirror's ReloadableClientContext with mirror.tls_ca
         self._reload_task: asyncio.Task[None] | None = None
         self._health_task: asyncio.Task[None] | None = None  # a mirror: health on its session
         self.relay: Any = None
@@ -154,11 +155,11 @@ class Daemon:
         return self._tls.in_use  # type: ignore[no-any-return]
 
     def tls_certificates(self) -> tuple[Any, ...]:
-        """The certificates the listener serves and trusts now, and a mirror's upstream CA and
-        client certificate (``LoadedCertificate``; the latter read at start, as the mirror's
-        channel is)."""
+        """The certificates the listener serves and trusts now, and the upstream CA and client
+        certificate a mirror's next upstream connection uses (``LoadedCertificate``)."""
         served = tuple(self._tls.certificates) if self._tls is not None else ()
-        return served + self._upstream_certificates
+        upstream = self._upstream_tls
+        return served + (tuple(upstream.certificates) if upstream is not None else ())
 
     async def _start_source(self) -> Any:
         """The relay (kernels warm first) or the mirror (synchronized first); its limits are
@@ -174,14 +175,14 @@ class Daemon:
             from kvrelay.ops.front import mirror_settings
             from kvrelay.ops.mirror_metrics import MirrorMetrics
 
-            self._freeze_startup_objects()  # after the imports
-            self.mirror = Mirror(mirror_settings(cfg.mirror, limits))
-            if cfg.mirror.tls_ca is not None:
-                from kvrelay.ops.tls import client_certificates
+            source, m = None, cfg.mirror
+            if m.tls_ca is not None:  # each upstream channel opens with the newest context
+                from kvrelay.ops.tls import ReloadableClientContext
 
-                self._upstream_certificates = client_certificates(
-                    cfg.mirror.tls_ca, cfg.mirror.tls_cert
-                )
+                self._upstream_tls = ReloadableClientContext(m.tls_ca, m.tls_cert, m.tls_key)
+                source = self._upstream_tls.in_use
+            self._freeze_startup_objects()  # after the imports
+            self.mirror = Mirror(mirror_settings(cfg.mirror, limits, ssl=source))
             if cfg.metrics.enabled:
                 self.metrics = MirrorMetrics(self.mirror)
                 self.metrics.attach_reloads(self.reloads)
@@ -480,32 +481,27 @@ class Daemon:
                     "config_reload_rejected", path=str(path), problems=[str(p) for p in problems]
                 )
                 return ReloadResult("rejected", tuple(problems))
-            if self.relay is None and self._only_rules_changed(new):
-                self._apply_rules(new.authorization)  # a mirror's own rules reload live
-                self.cfg = dataclasses.replace(self.cfg, authorization=new.authorization)
-                self.reloads.outcome("applied")
-                return ReloadResult("applied", tuple(new.warnings))
-            if self.relay is None:  # a mirror follows its upstream: nothing here to change
-                status = "reload rejected: a mirror applies a new configuration on restart"
-                self.reloads.outcome("rejected")
-                _LOG.error("config_reload_rejected", path=str(path),
-                           problems=["mirror mode: restart the mirror to apply a configuration"])
-                return ReloadResult("rejected")
             for w in new.warnings:
                 _LOG.warning("config_warning", path=w.path, reason=w.reason)
             restart = restart_only_changes(self.cfg, new)
             effective = keep_restart_only(self.cfg, new)
+            summary: dict[str, Any] = {}
             try:
                 # loaded here first: files that do not load fail the reload before anything
                 # changed; they are put in use (and each worker told to read them for its own
                 # listener) only once the relay took the new pools
                 use_tls = stage_tls(self._tls, effective)
-                # the running relay's limits (sized for the workers when they are its only
-                # subscribers) stay: limits are restart-only
-                plan = await self.relay.reconfigure(
-                    dataclasses.replace(effective.relay, limits=self.relay.settings.limits)
-                )
+                use_upstream_tls = stage_upstream_tls(self._upstream_tls, effective)
+                if self.relay is not None:
+                    # the running relay's limits (sized for the workers when they are its only
+                    # subscribers) stay: limits are restart-only
+                    plan = await self.relay.reconfigure(
+                        dataclasses.replace(effective.relay, limits=self.relay.settings.limits)
+                    )
+                    restart += plan.restart_required
+                    summary = plan.summary()
                 use_tls()
+                use_upstream_tls()  # a mirror's next upstream channel (the one open goes on)
                 if self.front is not None:
                     self.front.reload_tls(effective.tls)
                 elif self.server is not None and self._tls is not None:
@@ -517,18 +513,18 @@ class Daemon:
                 return ReloadResult("failed")
             if effective.authorization != self.cfg.authorization:
                 self._apply_rules(effective.authorization)
-            restart += plan.restart_required
             if restart:
                 _LOG.warning("config_reload_restart_required", settings=restart)
             logging_changed = effective.logging != self.cfg.logging
-            running = dataclasses.replace(self.relay.settings, limits=self.cfg.relay.limits)
-            self.cfg = dataclasses.replace(effective, relay=running)
+            if self.relay is not None:
+                running = dataclasses.replace(self.relay.settings, limits=self.cfg.relay.limits)
+                effective = dataclasses.replace(effective, relay=running)
+            self.cfg = effective
             if logging_changed:
                 configure_logging(self.cfg)
                 if self.front is not None:
                     self.front.set_logging(self.cfg.logging)
             self.reloads.outcome("applied")
-            summary = plan.summary()
             _LOG.info("config_reloaded", path=str(path), **summary)
             return ReloadResult("applied", tuple(new.warnings), tuple(restart), summary)
         finally:
@@ -539,13 +535,6 @@ class Daemon:
         ended = server.revoke(self._tls.is_revoked)
         if ended:
             _LOG.warning("tls_revoked_connections_closed", connections=ended)
-
-    def _only_rules_changed(self, new: DaemonConfig) -> bool:
-        """A file that differs from the running one in ``[[authorization]]`` alone."""
-        same = dataclasses.replace(
-            new, authorization=self.cfg.authorization, warnings=self.cfg.warnings
-        )
-        return same == self.cfg and new.authorization != self.cfg.authorization
 
     def _apply_rules(self, rules: Any) -> None:
         """New ``[[authorization]]`` rules to whatever serves the clients (the workers, each)."""

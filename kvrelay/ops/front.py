@@ -17,6 +17,7 @@ import os
 import socket
 import stat
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -58,12 +59,16 @@ def internal_limits(limits: RelayLimits, workers: int) -> RelayLimits:
     )
 
 
-def mirror_settings(m: MirrorConfig, limits: RelayLimits) -> Any:
-    """``MirrorSettings`` for a ``[mirror]`` section (TLS to the upstream when ``tls_ca``)."""
+def mirror_settings(
+    m: MirrorConfig, limits: RelayLimits, ssl: Callable[[], Any] | None = None
+) -> Any:
+    """``MirrorSettings`` for a ``[mirror]`` section (TLS to the upstream when ``tls_ca``):
+    ``ssl`` is what gives the upstream context (the daemon's reloadable one, ``in_use``), else
+    one is loaded from the section's files now."""
     from kvrelay.mirror.settings import MirrorSettings, UpstreamAddress
 
-    context = None
-    if m.tls_ca is not None:
+    context: Any = ssl
+    if context is None and m.tls_ca is not None:
         from kvrelay.ops.tls import client_ssl_context
 
         context = client_ssl_context(m.tls_ca, m.tls_cert, m.tls_key)

@@ -4,14 +4,19 @@ The file is validated exactly as ``kvrelay check-config`` does; a file with erro
 with the same messages and the running configuration stays. A valid file is split in two:
 
 * applied live — pools and engines (see ``kvrelay/relay/reconfigure.py``), discovery, DNS and
-  liveness intervals, logging, the shutdown timeout, and the TLS certificate, key and client CRL
-  (the files are read again, so a rotated certificate takes effect for new connections, and a
-  connection whose client certificate a new CRL revokes is ended);
+  liveness intervals, logging, the shutdown timeout, ``[[authorization]]`` rules, and the TLS
+  certificate, key and client CRL (the files are read again, so a rotated certificate takes
+  effect for new connections, and a connection whose client certificate a new CRL revokes is
+  ended); a mirror's upstream client files (``[mirror] tls_ca``, ``tls_cert``, ``tls_key``) are
+  read again too, for its next upstream connection;
 * kept until a restart — listener addresses, metrics settings, TLS on/off and ``client_ca``, the
-  event loop, ``dc_name``, ``drt_instance_id`` and the limits. Each such difference is logged.
+  event loop, ``dc_name``, ``drt_instance_id`` and the limits; a mirror's other ``[mirror]`` keys,
+  TLS to its upstream on/off, and its ``[relay]`` keys (it uses none live); a relay turned into
+  a mirror or back. Each such difference is logged.
 
-systemd hears ``RELOADING=1`` when a reload starts and ``READY=1`` when it ends, applied or not.
-"""
+A mirror and a relay take the same path: one rule for what a reload applies, and the same
+counting (``ReloadStats``). systemd hears ``RELOADING=1`` when a reload starts and ``READY=1``
+when it ends, applied or not."""
 
 from __future__ import annotations
 
@@ -41,8 +46,11 @@ RESTART_FIELDS: dict[str, Callable[[DaemonConfig], Any]] = {
     "relay.limits": lambda c: c.relay.limits,
     "relay.workers": lambda c: c.workers,
     "relay.runtime_dir": lambda c: c.runtime_dir,
-    "mirror": lambda c: c.mirror,
 }
+
+#: ``[mirror]`` keys a reload applies: the upstream client's TLS files, read again for the
+#: mirror's next upstream connection (the one it holds keeps its handshake).
+MIRROR_LIVE_KEYS = ("tls_ca", "tls_cert", "tls_key")
 
 
 @dataclass(slots=True)
@@ -71,7 +79,26 @@ class ReloadResult:
 
 
 def restart_only_changes(old: DaemonConfig, new: DaemonConfig) -> list[str]:
-    return [path for path, get in RESTART_FIELDS.items() if get(old) != get(new)]
+    changed = [path for path, get in RESTART_FIELDS.items() if get(old) != get(new)]
+    return changed + _source_changes(old, new)
+
+
+def _source_changes(old: DaemonConfig, new: DaemonConfig) -> list[str]:
+    """What only a restart changes of the source: a relay turned into a mirror or back, a
+    mirror's keys but its upstream TLS files (and TLS to its upstream on or off), and a
+    mirror's ``[relay]`` keys. A relay's own are named by its reconfiguration plan."""
+    if (old.mirror is None) != (new.mirror is None):
+        return ["mirror"]
+    if old.mirror is None or new.mirror is None:
+        return []
+    was, now = old.mirror, new.mirror
+    changed = [f"mirror.{f.name}" for f in dataclasses.fields(was)
+               if f.name not in MIRROR_LIVE_KEYS and getattr(was, f.name) != getattr(now, f.name)]
+    if (was.tls_ca is None) != (now.tls_ca is None):
+        changed.append("mirror.tls_ca (on/off)")
+    changed += [f"relay.{f.name}" for f in dataclasses.fields(old.relay)
+                if f.name != "limits" and getattr(old.relay, f.name) != getattr(new.relay, f.name)]
+    return changed  # fmt: skip
 
 
 def keep_restart_only(old: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
@@ -81,11 +108,20 @@ def keep_restart_only(old: DaemonConfig, new: DaemonConfig) -> DaemonConfig:
         tls = dataclasses.replace(tls, client_crl=old.tls.client_crl)
     if old.tls.enabled != new.tls.enabled:
         tls = old.tls
+    relay = dataclasses.replace(new.relay, limits=old.relay.limits)
+    mirror = old.mirror
+    if old.mirror is not None or new.mirror is not None:
+        relay = old.relay  # a mirror applies none of it; a relay turned mirror keeps its pools
+    if (
+        old.mirror is not None and new.mirror is not None
+        and (old.mirror.tls_ca is None) == (new.mirror.tls_ca is None)
+    ):  # fmt: skip
+        live = {key: getattr(new.mirror, key) for key in MIRROR_LIVE_KEYS}
+        mirror = dataclasses.replace(old.mirror, **live)
     return dataclasses.replace(
         new, bind_host=old.bind_host, bind_port=old.bind_port, event_loop=old.event_loop,
-        metrics=old.metrics, tls=tls, workers=old.workers, mirror=old.mirror,
-        runtime_dir=old.runtime_dir,
-        relay=dataclasses.replace(new.relay, limits=old.relay.limits),
+        metrics=old.metrics, tls=tls, workers=old.workers, mirror=mirror,
+        runtime_dir=old.runtime_dir, relay=relay,
     )  # fmt: skip
 
 
@@ -100,6 +136,16 @@ def stage_tls(context: Any, cfg: DaemonConfig) -> Callable[[], None]:
     use: Callable[[], None] = context.stage(
         cfg.tls.cert, cfg.tls.key, cfg.tls.client_ca, cfg.tls.client_crl
     )
+    return use
+
+
+def stage_upstream_tls(context: Any, cfg: DaemonConfig) -> Callable[[], None]:
+    """As ``stage_tls``, for a mirror's upstream client files (``ReloadableClientContext``):
+    loaded now, and once put in use read by the mirror's next upstream channel."""
+    m = cfg.mirror
+    if context is None or m is None or m.tls_ca is None:
+        return lambda: None
+    use: Callable[[], None] = context.stage(m.tls_ca, m.tls_cert, m.tls_key)
     return use
 
 

@@ -1,4 +1,4 @@
-"""TLS / mTLS contexts for the gRPC listener (and for test clients).
+"""TLS / mTLS contexts for the gRPC listener, a mirror's upstream channel (and test clients).
 
 gRPC is HTTP/2, so both sides advertise ALPN ``h2`` (grpcio refuses a TLS peer without it) and
 TLS 1.2 is the floor (HTTP/2 forbids older versions). With a client CA the server demands a
@@ -10,7 +10,9 @@ connection: ``service/h2/tls_gate.py``). A reload builds a new context from one 
 files and swaps it in only when it loaded; a file rotated halfway through a reload can then
 never leave the listener with a certificate and a key that do not match. No servername callback
 is installed: CPython printed a traceback to stderr for every ClientHello whose server name is
-not ASCII, which any stranger could send.
+not ASCII, which any stranger could send. A mirror's upstream context rotates the same way
+(``ReloadableClientContext``): the mirror asks ``in_use`` each time it opens an upstream channel,
+so the connection it holds keeps its handshake and the next one presents the reloaded files.
 
 Revocation (``client_crl``): the CRLs are loaded into the context beside the client CA, with
 ``VERIFY_CRL_CHECK_LEAF``: OpenSSL refuses a client whose certificate its issuer's CRL lists,
@@ -173,7 +175,22 @@ class LoadedCertificate:
     not_after_unix: float  # a CRL's: its nextUpdate
 
 
-class ReloadableServerContext:
+class _Reloadable:
+    """A context in use and the certificates it holds; ``stage`` loads a new one whole from one
+    read of each file before anything changes, and its result puts it in use."""
+
+    current: ssl.SSLContext
+    certificates: tuple[LoadedCertificate, ...]
+
+    def _use(self, loaded: _Loaded) -> None:
+        self.current, self.certificates = loaded.context, loaded.certificates
+
+    def in_use(self) -> ssl.SSLContext:
+        """The context a new handshake is run with (read at each one: a reload swaps it)."""
+        return self.current
+
+
+class ReloadableServerContext(_Reloadable):
     """The listener's context and the newest one loaded from the files (see the module doc)."""
 
     def __init__(
@@ -186,12 +203,8 @@ class ReloadableServerContext:
         self._use(_server_context(cert_file, key_file, client_ca_file, client_crl_file))
 
     def _use(self, loaded: _Loaded) -> None:
-        self.current, self.certificates = loaded.context, loaded.certificates
+        super()._use(loaded)
         self.revoked = loaded.revoked
-
-    def in_use(self) -> ssl.SSLContext:
-        """The context a new handshake is run with (a server's ``ssl=`` source)."""
-        return self.current
 
     def is_revoked(self, peer_der: bytes) -> bool:
         """Whether the CRLs in use revoke this client certificate (DER): what a reload that
@@ -224,19 +237,24 @@ class ReloadableServerContext:
         """Load the files into a new context now (``TlsConfigError`` when they do not load) and
         return what puts it in use, so a reload changes nothing until all its steps have passed."""
         loaded = _server_context(cert_file, key_file, client_ca_file, client_crl_file)
-
-        def use() -> None:
-            self._use(loaded)
-
-        return use
+        return lambda: self._use(loaded)
 
 
-def client_certificates(ca_file: str, cert_file: str | None) -> tuple[LoadedCertificate, ...]:
-    """A client's CA bundle and its own certificate (mTLS), with their expiry."""
-    out = _bundle(_read(ca_file), ca_file, "upstream_ca")
-    if cert_file is not None:
-        out.append(_leaf(_read(cert_file), cert_file, "upstream_client"))
-    return tuple(out)
+class ReloadableClientContext(_Reloadable):
+    """A mirror's context towards its upstream: the CA it verifies the upstream against and its
+    own client certificate (mTLS). The mirror reads ``in_use`` each time it opens an upstream
+    channel, so a reload's files serve its next upstream connection while the running one goes
+    on (a client certificate is presented only at a handshake)."""
+
+    def __init__(self, ca_file: str, cert_file: str | None, key_file: str | None) -> None:
+        self._use(_client_context(ca_file, cert_file, key_file))
+
+    def stage(
+        self, ca_file: str, cert_file: str | None, key_file: str | None
+    ) -> Callable[[], None]:
+        """As ``ReloadableServerContext.stage``: loaded whole now, put in use by the result."""
+        loaded = _client_context(ca_file, cert_file, key_file)
+        return lambda: self._use(loaded)
 
 
 def _leaf(pem: bytes, path: str, role: str) -> LoadedCertificate:
@@ -477,13 +495,20 @@ def client_ssl_context(
 ) -> ssl.SSLContext:
     """Client side: verifies the server against ``ca_file`` (hostname checked); optional client
     certificate for mTLS."""
+    return _client_context(ca_file, cert_file, key_file).context
+
+
+def _client_context(ca_file: str, cert_file: str | None, key_file: str | None) -> _Loaded:
+    """The client context and the certificates it holds (the CA bundle, the client's own), from
+    one read of each file."""
     ctx = _context(ssl.PROTOCOL_TLS_CLIENT)  # CERT_REQUIRED + hostname check by default
-    _load_ca(ctx, ca_file)
+    certs = _bundle(_load_ca(ctx, ca_file), ca_file, "upstream_ca")
     if cert_file is not None:
-        _load_chain(ctx, cert_file, key_file)
+        chain = _load_chain(ctx, cert_file, key_file)
+        certs.append(_leaf(chain, cert_file, "upstream_client"))
     elif key_file is not None:
         raise TlsConfigError("key_file given without cert_file")
-    return ctx
+    return _Loaded(ctx, tuple(certs), frozenset())
 
 
 def is_loopback(host: str) -> bool:

@@ -485,8 +485,9 @@ async def test_reload_changes_which_pools_each_client_sees(tmp_path: Path, worke
 
 
 async def test_a_mirror_reloads_its_rules_live_and_nothing_else(tmp_path: Path) -> None:
-    """A mirror daemon applies a file that changes only ``[[authorization]]``; any other change
-    is still rejected (a mirror applies its configuration on restart)."""
+    """A mirror daemon applies new ``[[authorization]]`` rules live; a key it cannot take live
+    keeps its running value and is named as restart-required, as a relay's are (the rest of
+    the file still applies: ``tests/ops/test_mirror_tls_reload.py``)."""
     from kvrelay.service.server import RelayServer
     from tests.support.certs import make_leaf
     from tests.support.mem_relay import MemRelayView, grpclib_collect
@@ -541,7 +542,9 @@ namespaces = ["NS"]
         assert await seen() == 1
         cfg_path.write_text(text.replace('namespaces = ["NS"]', 'namespaces = ["n?"]')
                             .replace('[mirror]', '[mirror]\nsync_wait_s = 3.0'))  # fmt: skip
-        assert (await daemon.reload(cfg_path)).result == "rejected"
+        result = await daemon.reload(cfg_path)
+        assert result.result == "applied" and result.restart_required == ("mirror.sync_wait_s",)
+        assert daemon.cfg.mirror is not None and daemon.cfg.mirror.sync_wait_s == 10.0
         assert await seen() == 1
     finally:
         await daemon.stop()
