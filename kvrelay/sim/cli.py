@@ -65,7 +65,9 @@ def build_parser(prog: str = "kvrelay sim") -> argparse.ArgumentParser:
         help="event encoding: array (vLLM <= 0.23) or map (>= 0.24)",
     )
     p.add_argument("--hash", dest="hash_mode", choices=[h.value for h in HashMode], default="u64")
-    p.add_argument("--replay-frames", type=int, choices=[3, 4], default=4)
+    p.add_argument("--replay-frames", type=int, choices=[3, 4], default=4,
+                   help="vLLM's replay replies: 3 frames (<= 0.25) or 4 with the topic (>= 0.26); "
+                   "SGLang's follow --sglang-layout")  # fmt: skip
     p.add_argument("--topic", default="")
     p.add_argument(
         "--kv-events-config",
@@ -86,7 +88,13 @@ def build_parser(prog: str = "kvrelay sim") -> argparse.ArgumentParser:
         "--flavor", choices=["vllm", "sglang"], default="vllm",
         help="wire format: vLLM's, or SGLang's (no Control, no /metrics; docs/sglang.md)",
     )  # fmt: skip
-    p.add_argument("--sglang-layout", choices=[x.value for x in SglLayout], default="aligned")
+    p.add_argument(
+        "--sglang-layout", choices=[x.value for x in SglLayout], default="aligned",
+        help="SGLang's event layout: no_medium (before 0.5.9), medium (0.5.9-0.5.17), metadata "
+        "(0.5.18-0.5.19: salt map after medium), aligned (a development revision: Dynamo's "
+        "slots), map (0.5.20-0.5.21: tagged maps), map_lora (0.5.22 on: maps naming the "
+        "LoRA adapter, replay replies with the topic frame)",
+    )  # fmt: skip
     p.add_argument(
         "--connect", default=None, metavar="ENDPOINT",
         help="connect each PUB to ENDPOINT (a relay's [pools.connect] bind) instead of binding; "

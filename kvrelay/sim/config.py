@@ -14,12 +14,13 @@ class SimConfig:
     """Engine configuration. ``pub_port``/``replay_port`` 0 = ephemeral (vLLM >= 0.31 style).
 
     ``flavor="sglang"``: the engine speaks SGLang's stream instead (``sim/sglang_wire.py``):
-    positional events in ``sglang_layout``, signed hashes, one store per page (coalesced in the
-    aligned layout), 3-frame replay replies, no LoRA names on the wire (so no LoRAs), no
-    Control. ``sglang_epoch`` puts a per-incarnation epoch in the topic frame (a publisher with
-    a snapshot endpoint); ``eagle`` publishes bigram pages. ``pub_connect``: the PUB connects to
-    this endpoint (DP offset applied) instead of binding, as both engines do for an endpoint
-    without a wildcard.
+    events in ``sglang_layout`` (positional, or tagged maps from ``map``), signed hashes, one
+    store per page (coalesced in the aligned and map layouts), 3-frame replay replies (4 with
+    the topic in ``map_lora``; ``replay_frames`` is vLLM's), LoRA adapters only in ``map_lora``
+    (the only layout that names them), no Control. ``sglang_epoch`` puts a per-incarnation
+    epoch in the topic frame (a publisher with a snapshot endpoint); ``eagle`` publishes bigram
+    pages. ``pub_connect``: the PUB connects to this endpoint (DP offset applied) instead of
+    binding, as both engines do for an endpoint without a wildcard.
     """
 
     name: str = "engine-0"

@@ -108,7 +108,7 @@ class SimEngine:
                 cfg.topic,
                 cfg.buffer_steps,
                 cfg.hwm,
-                3 if self.sglang else cfg.replay_frames,  # SGLang replies without a topic
+                cfg.sglang_layout.replay_frames if self.sglang else cfg.replay_frames,
                 cfg.host_ip,
                 connect=cfg.pub_connect,
                 epoch=self._epoch(r),
@@ -293,8 +293,11 @@ class SimEngine:
         self.paused = False
 
     def load_lora(self, name: str, source_path: str = "") -> LoraInfo:
-        if self.sglang:  # its events name no adapter: a consumer could not salt them
-            raise ValueError("the SGLang simulator serves no LoRA adapters")
+        if self.sglang and not self.cfg.sglang_layout.names_adapters:
+            # before 0.5.22 its events name no adapter: a consumer could not salt them
+            raise ValueError(
+                "the SGLang simulator serves LoRA adapters only in the map_lora layout"
+            )
         if name not in self.loras:
             if len(self.loras) >= self.cfg.max_loras:
                 raise ValueError(f"max_loras={self.cfg.max_loras} reached")

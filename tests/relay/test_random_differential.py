@@ -13,7 +13,8 @@ must equal the pure-Python reference decoder + pool (``tests/support``); at the 
 SDK client's replica must hold the relay's filter.
 
 Cases (``Case``) widen it: SGLang engines (its revisions' positional layouts, salt maps, the
-oldest rank-less envelope, 3-frame replay replies, EAGLE bigram pairs); the pool options
+oldest rank-less envelope, 3-frame replay replies, EAGLE bigram pairs; the tagged maps of 0.5.20
+on with their 4-frame replies of 0.5.22); the pool options
 ``cache_salt_namespacing``, ``multimodal_hashing`` and ``engine_reports``; hybrid models
 (``group_idx`` / ``kv_cache_spec_kind``, ``locality``); EAGLE pools with vLLM's
 ``lookahead_token_ids``; a small ``max_member_blocks`` (``block_cap`` resets). The model
@@ -112,6 +113,9 @@ class Case:
     eagle: bool = False  # hash_format = "eagle"
     hybrid: bool = False  # group_idx / kv_cache_spec_kind / locality on the events
     cap: int = 1 << 22  # max_member_blocks: a member holding more after a store is reset
+    #: SGLang: the revisions' layouts drawn from (``tests/support/sglang_wire.py``); the map
+    #: ones reply to a replay request with the topic frame, as 0.5.22 does
+    revs: tuple[str, ...] = S.REVISIONS
 
     def ref(self) -> Ref:
         return Ref(B, eagle=self.eagle, namespacing=self.namespacing, multimodal=self.multimodal)
@@ -124,6 +128,7 @@ CASES = {
     "sglang": Case(kind="sglang", hybrid=True),
     "sglang-eagle": Case(kind="sglang", eagle=True, reports=True),
     "sglang-options": Case(kind="sglang", namespacing=True, multimodal=True, hybrid=True),
+    "sglang-map": Case(kind="sglang", hybrid=True, revs=S.MAP_REVISIONS),
     "capped": Case(hybrid=True, cap=24),
 }
 
@@ -349,7 +354,7 @@ class Gen:
 
     def sglang(self, ev: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         """The event in a random SGLang revision's layout, and what of it that layout carries."""
-        rev = self.rng.choice(S.REVISIONS)
+        rev = self.rng.choice(self.case.revs)
         kind = ev["kind"]
         if kind == "clear":  # SGLang's clear names no tier: every clear is the device's
             return S.cleared(rev), {"kind": "clear", "medium": None}
@@ -359,6 +364,8 @@ class Gen:
         p = ev["parent_block_hash"]
         if p is not None:
             p = self.form(p) if p else self.rng.choice((0, b"\0" * 8))
+        if rev in S.MAP_REVISIONS:
+            return S.stored(rev, ev, hashes, p, self.rng.choice((None, "sess-1", "sess-2")))
         return S.stored(rev, ev, hashes, p)
 
 
@@ -499,6 +506,7 @@ async def harness(
     ``keeps``: each member's replay buffer, in batches (default 10,000)."""
     ctx = zmq.asyncio.Context()
     sgl = case.kind == "sglang"
+    reply = 3 if sgl and "map_lora" not in case.revs else 4  # SGLang's topic frame from 0.5.22
     members: list[Member] = []
     specs = []
     for name in ENGINES:
@@ -511,7 +519,7 @@ async def harness(
                     keep = 10_000 if keeps is None else keeps[len(members) + r]
                     made.append(TestPublisher(ctx, topic=TOPIC, port=base + r,
                                               replay_port=rbase + r, keep=keep,
-                                              reply_shape=3 if sgl else 4))  # fmt: skip
+                                              reply_shape=reply))  # fmt: skip
             except zmq.ZMQError:
                 for p in made:
                     await p.close()

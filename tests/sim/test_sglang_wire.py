@@ -1,9 +1,11 @@
 """The simulator's SGLang mode, read back with raw ZMQ sockets and msgspec's generic decoder.
 
-Checks the shapes §21 documents for each layout: positional events only, slot counts, signed
-hashes (first 8 digest bytes), the envelope rank, one store per page (coalesced when aligned),
-bigram pages with EAGLE, the epoch in the topic frame, 3-frame replay replies, and a PUB that
-connects to a bound SUB.
+Checks the shapes §21 documents for each layout: positional events up to 0.5.19, slot counts,
+signed hashes (first 8 digest bytes), the envelope rank, one store per page (coalesced when
+aligned), bigram pages with EAGLE, the epoch in the topic frame, 3-frame replay replies, and a PUB
+that connects to a bound SUB; the map layouts (0.5.20 on) byte for byte against the release
+encoder of ``tests/ingest/test_sglang_conformance.py``, with salts, adapter names and the
+topic-framed replay of 0.5.22.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import zmq
 import zmq.asyncio
 
 from kvrelay.sim import SimConfig, SimEngine, TrafficConfig
+from kvrelay.sim.cli import build_parser, configs_from_args
 from kvrelay.sim.sglang_wire import SglLayout, sglang_hash
+from tests.ingest import test_sglang_conformance as release
 from tests.support.simwire_reader import recv_frames, replay, subscribe
 from tests.support.timing import scaled
 
@@ -48,7 +52,10 @@ async def capture(eng: SimEngine, sub: zmq.asyncio.Socket, steps: int) -> list[l
     return await recv_frames(sub, eng.publishers[0])
 
 
-@pytest.mark.parametrize("layout", list(SglLayout))
+POSITIONAL = [x for x in SglLayout if not x.is_map]
+
+
+@pytest.mark.parametrize("layout", POSITIONAL)
 async def test_layout_shapes(layout: SglLayout, zctx: zmq.asyncio.Context) -> None:
     rank_field = layout is not SglLayout.NO_MEDIUM
     eng = SimEngine(cfg(sglang_layout=layout, sglang_rank_in_envelope=rank_field))
@@ -84,6 +91,62 @@ async def test_layout_shapes(layout: SglLayout, zctx: zmq.asyncio.Context) -> No
     assert seen.get("BlockStored", 0) > 10 and seen.get("BlockRemoved", 0) > 0
     assert negative > 0  # signed hashes
     assert (salted > 0) == (layout in (SglLayout.METADATA, SglLayout.ALIGNED))
+
+
+@pytest.mark.parametrize(
+    ("layout", "version"), [(SglLayout.MAP, (0, 5, 20)), (SglLayout.MAP_LORA, (0, 5, 22))],
+    ids=["map", "map_lora"],
+)  # fmt: skip
+async def test_map_layouts_are_the_releases_bytes(
+    layout: SglLayout, version: release.Version, zctx: zmq.asyncio.Context
+) -> None:
+    """Every event is exactly what that release's structs write for its values (tagged map,
+    unset defaults left out); a salted request's stores each carry ``cache_salt`` and, from
+    0.5.22, an adapter request's its ``lora_name``; replies as that release frames them."""
+    eng = SimEngine(cfg(topic="kv", sglang_layout=layout,
+                        traffic=TrafficConfig(salt_fraction=0.5, lora_fraction=0.5,
+                                              system_len=(16, 64), max_prompt_tokens=256)))
+    await eng.start()
+    try:
+        if layout.names_adapters:
+            eng.load_lora("adapter-a")
+        pub = eng.publishers[0]
+        sub = await subscribe(zctx, pub, b"kv")
+        msgs = await capture(eng, sub, 80)
+        replies = await replay(zctx, pub.replay_endpoint.replace("*", "127.0.0.1"), 0)
+    finally:
+        await eng.stop()
+    kinds: dict[str, int] = {}
+    salted: set[str] = set()
+    adapters = multi = 0
+    for frames in msgs:
+        env = tuple[float, list[msgspec.Raw], int]  # [ts, events, attn_dp_rank]
+        _ts, events, rank = msgspec.msgpack.decode(frames[2], type=env)
+        assert rank == 0
+        for raw in events:
+            ev = msgspec.msgpack.decode(raw)
+            assert isinstance(ev, dict)
+            tag = ev.pop("type")
+            kinds[tag] = kinds.get(tag, 0) + 1
+            if tag == "BlockStored":
+                want = release._event(version, tag, release.STORE_FIELDS, ev)
+                if ev.get("cache_salt") and ev["parent_block_hash"] is not None:
+                    salted.add(ev["cache_salt"])  # the salt rides on children too
+                adapters += "lora_name" in ev
+                multi += len(ev["block_hashes"]) > 1
+                assert ev["lora_id"] is None and ev["medium"] == "GPU"
+            elif tag == "BlockRemoved":
+                want = release._remove(version, ev["block_hashes"])
+            else:
+                want = release._clear(version)
+            assert bytes(raw) == want, ev
+    assert kinds.get("BlockStored", 0) > 10 and kinds.get("BlockRemoved", 0) > 0
+    assert salted and multi > 0  # salts below the root; coalesced pages
+    assert (adapters > 0) == layout.names_adapters
+    topic = version >= release.TOPIC_IN_REPLAY
+    assert replies[-1] == ([b"", b""] if topic else [b""]) + [b"\xff" * 8, b""]
+    assert [r[-2:] for r in replies[:-1]] == [f[1:] for f in msgs]
+    assert all(r[:-2] == ([b"", b"kv"] if topic else [b""]) for r in replies[:-1])
 
 
 def test_hash_is_the_digest_prefix_signed() -> None:
@@ -165,8 +228,19 @@ async def test_pub_connects_to_a_bound_sub(zctx: zmq.asyncio.Context) -> None:
         sub.close(linger=0)
 
 
-def test_sglang_refuses_loras() -> None:
-    with pytest.raises(ValueError, match="LoRA"):
-        SimEngine(cfg()).load_lora("a")
+def test_sglang_refuses_loras_before_it_names_them() -> None:
+    for layout in SglLayout:
+        if not layout.names_adapters:
+            with pytest.raises(ValueError, match="LoRA"):
+                SimEngine(cfg(sglang_layout=layout)).load_lora("a")
+    assert SimEngine(cfg(sglang_layout=SglLayout.MAP_LORA)).load_lora("a").name == "a"
     with pytest.raises(ValueError, match="SGLang"):
         SimConfig(eagle=True)
+
+
+def test_cli_names_the_map_layouts() -> None:
+    p = build_parser()
+    assert "map_lora (0.5.22 on" in " ".join(p.format_help().split())
+    args = p.parse_args(["--flavor", "sglang", "--sglang-layout", "map_lora"])
+    (c,) = configs_from_args(args)
+    assert c.sglang_layout is SglLayout.MAP_LORA and c.sglang_layout.replay_frames == 4

@@ -13,7 +13,6 @@ from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
 from kvrelay.service.server import RelayServer
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
-from kvrelay.sim.sglang_wire import SglLayout
 from tests.support.timing import scaled
 
 MARKER = 0x4B565231
@@ -91,7 +90,7 @@ async def wait_subscribed(relay: Relay, n_sources: int) -> None:
 def salts_on_wire(e: SimEngine) -> bool:
     """Whether the relay namespaces the engine's salted blocks by default: SGLang layouts with a
     salt slot carry the salt explicitly, and an explicit salt is always honoured."""
-    return e.sglang and e.cfg.sglang_layout in (SglLayout.METADATA, SglLayout.ALIGNED)
+    return e.sglang and e.cfg.sglang_layout.carries_salt
 
 
 def ground_truth(engines: list[SimEngine]) -> dict[tuple[str, int], set[int]]:

@@ -9,7 +9,13 @@ Revisions, as ``rev``:
 * ``"salt7"``: the salt map ``{"cache_salt": …}`` in slot 7 (so no LoRA name);
 * ``"new"``: 14 store slots (vLLM's through ``ownership``) plus the salt map at slot 14, removes
   ``hashes, medium, group_idx, kv_cache_spec_kind, window, locality, ownership``, clears with one
-  ``ownership`` slot.
+  ``ownership`` slot;
+* ``"map"`` (releases 0.5.20-0.5.21): tagged maps ``{"type": tag, ...}``, the fields SGLang
+  gives a default (``medium``, ``cache_salt``, ``session_id``) left out when unset;
+* ``"map_lora"`` (0.5.22 on): as ``"map"``, plus ``lora_name`` (left out when unset).
+
+``REVISIONS`` are the positional ones (what the audit's SGLang cases draw from by default);
+``MAP_REVISIONS`` the map ones.
 """
 
 from __future__ import annotations
@@ -19,15 +25,33 @@ from typing import Any
 import msgspec
 
 REVISIONS = ("old", "vllm", "salt7", "new")
+MAP_REVISIONS = ("map", "map_lora")
+
+
+def _set(out: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """``out`` with each of ``fields`` that is set (a defaulted field left out when unset)."""
+    out.update({k: v for k, v in fields.items() if v is not None})
+    return out
 
 
 def stored(
-    rev: str, ev: dict[str, Any], hashes: list[Any], parent: Any
-) -> tuple[list[Any], dict[str, Any]]:
-    """The store ``ev`` in revision ``rev``, and the fields of it that layout carries."""
+    rev: str, ev: dict[str, Any], hashes: list[Any], parent: Any, session: str | None = None
+) -> tuple[Any, dict[str, Any]]:
+    """The store ``ev`` in revision ``rev``, and the fields of it that layout carries
+    (``session``: the map layouts' ``session_id``, which no consumer reads)."""
     head = [hashes, parent, ev["token_ids"], ev["block_size"], ev.get("lora_id")]
     keep = {"kind", "block_hashes", "parent_block_hash", "token_ids", "block_size"}
     salt = ev.get("cache_salt")
+    if rev in MAP_REVISIONS:
+        m = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+             "token_ids": ev["token_ids"], "block_size": ev["block_size"],
+             "lora_id": ev.get("lora_id")}  # fmt: skip
+        _set(m, medium=ev.get("medium"), cache_salt=salt, session_id=session)
+        keep |= {"medium", "cache_salt"}
+        if rev == "map_lora":
+            _set(m, lora_name=ev.get("lora_name"))
+            keep.add("lora_name")
+        return m, {k: v for k, v in ev.items() if k in keep}
     if rev == "old":
         out = ["BlockStored", *head]
     elif rev == "vllm":
@@ -52,7 +76,10 @@ def stored(
     return out, {k: v for k, v in ev.items() if k in keep}
 
 
-def removed(rev: str, ev: dict[str, Any], hashes: list[Any]) -> tuple[list[Any], dict[str, Any]]:
+def removed(rev: str, ev: dict[str, Any], hashes: list[Any]) -> tuple[Any, dict[str, Any]]:
+    if rev in MAP_REVISIONS:
+        m = _set({"type": "BlockRemoved", "block_hashes": hashes}, medium=ev.get("medium"))
+        return m, {k: v for k, v in ev.items() if k in ("kind", "block_hashes", "medium")}
     if rev == "old":
         return ["BlockRemoved", hashes], {"kind": "remove", "block_hashes": ev["block_hashes"]}
     if rev in ("vllm", "salt7"):
@@ -63,7 +90,9 @@ def removed(rev: str, ev: dict[str, Any], hashes: list[Any]) -> tuple[list[Any],
     return out, ev
 
 
-def cleared(rev: str) -> list[Any]:
+def cleared(rev: str) -> Any:
+    if rev in MAP_REVISIONS:
+        return {"type": "AllBlocksCleared"}
     return ["AllBlocksCleared", None] if rev == "new" else ["AllBlocksCleared"]
 
 
