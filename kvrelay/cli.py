@@ -489,52 +489,19 @@ def _serve(path: str | None, pid_file: str | None = None) -> int:
 
 
 def _mirror(args: argparse.Namespace) -> int:
-    import tomllib
+    from kvrelay.ops.config import MirrorFlags, mirror_config
 
-    from kvrelay.ops.config import parse_config
-
-    raw: dict[str, object] = {}
-    if args.config:
-        try:
-            with open(args.config, "rb") as f:
-                raw = tomllib.load(f)
-        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            print(f"kvrelay mirror: {args.config}: {exc}", file=sys.stderr)
-            return EXIT_USAGE
-    section = raw.setdefault("mirror", {})
-    relay = raw.setdefault("relay", {})
-    metrics = raw.get("metrics", {})  # added to the file only by --metrics-bind
-    if not all(isinstance(t, dict) for t in (section, relay, metrics)):
-        print("kvrelay mirror: [mirror], [relay] and [metrics] must be tables", file=sys.stderr)
-        return EXIT_USAGE
-    assert isinstance(section, dict) and isinstance(relay, dict) and isinstance(metrics, dict)
-    # a flag overrides the file and the KVRELAY_* variable of its key alike (the pod sets those)
-    env = dict(os.environ)
-    if args.upstream:
-        section["upstream"] = args.upstream
-        env.pop("KVRELAY_MIRROR_UPSTREAM", None)
-    if args.bind:
-        relay["bind"] = args.bind
-        env.pop("KVRELAY_RELAY_BIND", None)
-    if args.workers is not None:
-        relay["workers"] = args.workers
-        env.pop("KVRELAY_RELAY_WORKERS", None)
-    if args.metrics_bind:
-        raw["metrics"] = metrics
-        if args.metrics_bind == "off":
-            metrics["enabled"] = False
-        else:
-            metrics["bind"] = args.metrics_bind
-        env.pop("KVRELAY_METRICS_BIND", None)
-        env.pop("KVRELAY_METRICS_ENABLED", None)
-    cfg, problems = parse_config(raw, env)
+    flags = MirrorFlags(args.upstream, args.bind, args.workers, args.metrics_bind)
+    cfg, problems = mirror_config(args.config or None, flags)
     if cfg is None:
         print_problems(problems, sys.stderr)
         print("kvrelay mirror: refusing to start: invalid configuration", file=sys.stderr)
         return EXIT_USAGE
     from kvrelay.ops.daemon import run
 
-    return run(cfg)
+    if not args.config:  # flags alone: no file a reload could read
+        return run(cfg)
+    return run(cfg, config_path=args.config, mirror_flags=flags)
 
 
 def _demo(args: argparse.Namespace) -> int:

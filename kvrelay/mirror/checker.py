@@ -31,6 +31,33 @@ WIRE = "wire"  # the frame does not parse as a FilterUpdate (mirror-only reason)
 #: The upstream broke a consumer rule; ``reason`` is the SDK's vocabulary.
 Violation = ConsumerViolation
 
+#: The CBI1 errors only an encoder raises (a caller's bad argument): never a received frame's.
+_ENCODER_ONLY: tuple[type[cbi1.Cbi1Error], ...] = (cbi1.InvalidArgument,)
+
+
+def _cbi1_reasons() -> set[str]:
+    """The reason of every CBI1 error a payload or a snapshot's assembly can raise (the most
+    derived classes: the base class is never raised itself)."""
+    out: set[str] = set()
+    todo: list[type[cbi1.Cbi1Error]] = list(cbi1.Cbi1Error.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        subs = cls.__subclasses__()
+        todo += subs
+        if not subs and cls not in _ENCODER_ONLY:
+            out.add(E.CBI1_PREFIX + cls.reason)
+    return out
+
+
+#: Every reason a :class:`Violation` of the checker carries: a closed set (the consumer rules,
+#: the CBI1 errors, ``wire``), so ``kvrelay_mirror_violations_total`` has each from the start.
+VIOLATION_REASONS: tuple[str, ...] = tuple(sorted({
+    WIRE, E.ENVELOPE, E.RELAY_IDENTITY_CHANGED, E.PRODUCER_IDENTITY, E.UNKNOWN_KIND,
+    E.KIND_MISMATCH, E.SNAPSHOT_SEQUENCE, E.UNEXPECTED_SNAPSHOT, E.EPOCH_MISMATCH,
+    E.DC_ID_MISMATCH, E.DELTA_BEFORE_SNAPSHOT, E.SEQUENCE_GAP, E.WRONG_BASE, E.BAD_INCREMENT,
+    E.HEARTBEAT_BEFORE_SNAPSHOT, E.HEARTBEAT_SEQUENCE, E.HEARTBEAT_PAYLOAD, *_cbi1_reasons(),
+}))  # fmt: skip
+
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Installed:

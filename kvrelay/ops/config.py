@@ -1502,22 +1502,77 @@ def _deep_copy(v: Any) -> Any:
     return v
 
 
-def check_file(
-    path: str | os.PathLike[str], env: Mapping[str, str] | None = None
-) -> tuple[DaemonConfig | None, list[ConfigProblem]]:
-    """Read and validate one file; unreadable files and TOML syntax errors are problems too."""
+def _read_toml(path: str | os.PathLike[str]) -> tuple[dict[str, Any] | None, list[ConfigProblem]]:
+    """One file's TOML document; unreadable files and syntax errors are problems."""
     p = Path(path)
     try:
         text = p.read_bytes()
     except OSError as exc:
         return None, [ConfigProblem(str(p), f"cannot read the file: {exc.strerror or exc}")]
     try:
-        raw = tomllib.loads(text.decode("utf-8"))
+        return tomllib.loads(text.decode("utf-8")), []
     except UnicodeDecodeError as exc:
         return None, [ConfigProblem(str(p), f"not UTF-8 text: {exc}")]
     except tomllib.TOMLDecodeError as exc:
         return None, [ConfigProblem(str(p), f"TOML syntax error: {exc}")]
-    return parse_config(raw, env)
+
+
+def check_file(
+    path: str | os.PathLike[str], env: Mapping[str, str] | None = None
+) -> tuple[DaemonConfig | None, list[ConfigProblem]]:
+    """Read and validate one file; unreadable files and TOML syntax errors are problems too."""
+    raw, problems = _read_toml(path)
+    return (None, problems) if raw is None else parse_config(raw, env)
+
+
+@dataclass(frozen=True, slots=True)
+class MirrorFlags:
+    """``kvrelay mirror``'s options. Each overrides its key of the file and that key's
+    ``KVRELAY_*`` variable (which a pod sets): kept whole, so a reload applies them again."""
+
+    upstream: str | None = None
+    bind: str | None = None
+    workers: int | None = None
+    metrics_bind: str | None = None  # "off": metrics disabled
+
+
+def mirror_config(
+    path: str | os.PathLike[str] | None, flags: MirrorFlags, env: Mapping[str, str] | None = None
+) -> tuple[DaemonConfig | None, list[ConfigProblem]]:
+    """The configuration ``kvrelay mirror`` runs: ``path`` (None: no file) with ``flags`` on
+    top. The one rule for its start and for each of its reloads, so a reload never loses a flag
+    to the file (nor to the environment)."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        read, problems = _read_toml(path)
+        if read is None:
+            return None, problems
+        raw = read
+    section = raw.setdefault("mirror", {})
+    relay = raw.setdefault("relay", {})
+    metrics = raw.get("metrics", {})  # added to the document only by --metrics-bind
+    if not all(isinstance(t, dict) for t in (section, relay, metrics)):
+        where = "(flags)" if path is None else os.fspath(path)
+        return None, [ConfigProblem(where, "[mirror], [relay] and [metrics] must be tables")]
+    environ = dict(os.environ if env is None else env)
+    if flags.upstream:
+        section["upstream"] = flags.upstream
+        environ.pop(ENV_PREFIX + "MIRROR_UPSTREAM", None)
+    if flags.bind:
+        relay["bind"] = flags.bind
+        environ.pop(ENV_PREFIX + "RELAY_BIND", None)
+    if flags.workers is not None:
+        relay["workers"] = flags.workers
+        environ.pop(ENV_PREFIX + "RELAY_WORKERS", None)
+    if flags.metrics_bind:
+        raw["metrics"] = metrics
+        if flags.metrics_bind == "off":
+            metrics["enabled"] = False
+        else:
+            metrics["bind"] = flags.metrics_bind
+        environ.pop(ENV_PREFIX + "METRICS_BIND", None)
+        environ.pop(ENV_PREFIX + "METRICS_ENABLED", None)
+    return parse_config(raw, environ)
 
 
 def load_config(

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 from kvrelay import __version__, _oom
 from kvrelay._aio import cancel_all
 from kvrelay.logging import configure, get_logger
-from kvrelay.ops.config import DaemonConfig, format_bind
+from kvrelay.ops.config import DaemonConfig, MirrorFlags, format_bind
 from kvrelay.ops.event_loop import loop_factory, loop_name, tune_thread_switching
 from kvrelay.ops.reload import (
     ReloadResult,
@@ -103,11 +103,14 @@ class Daemon:
         notifier: Notifier | None = None,
         *,
         config_path: str | os.PathLike[str] | None = None,
+        mirror_flags: MirrorFlags | None = None,
         handoff: Handoff | None = None,
         pid_file: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.config_path = config_path
+        #: ``kvrelay mirror``'s options: each reload applies them over the file again
+        self.mirror_flags = mirror_flags
         #: Set when this process was started to take over from another (a hot upgrade).
         self.handoff = handoff
         self.pid_file = pid_file
@@ -473,7 +476,7 @@ class Daemon:
         self.notifier.reloading()
         status = "reload applied"
         try:
-            new, problems = read_config(path)
+            new, problems = read_config(path, self.mirror_flags)
             if new is None:
                 status = "reload rejected: configuration invalid, running configuration kept"
                 self.reloads.outcome("rejected")
@@ -685,10 +688,12 @@ async def serve(
     notifier: Notifier | None = None,
     *,
     config_path: str | os.PathLike[str] | None = None,
+    mirror_flags: MirrorFlags | None = None,
     pid_file: str | None = None,
 ) -> int:
-    """Run until SIGTERM/SIGINT (SIGHUP reloads ``config_path``, SIGUSR2 hot-upgrades), or until
-    a successor took over; the process exit code (0 clean, 1 failure or slow shutdown)."""
+    """Run until SIGTERM/SIGINT (SIGHUP reloads ``config_path``, with ``mirror_flags`` over it,
+    SIGUSR2 hot-upgrades), or until a successor took over; the process exit code (0 clean, 1
+    failure or slow shutdown)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals_seen: list[int] = []
@@ -708,7 +713,8 @@ async def serve(
     except ValueError as exc:
         _LOG.error("start_failed", error=str(exc))
         return 1
-    daemon = Daemon(cfg, notifier, config_path=config_path, handoff=handoff, pid_file=pid_file)
+    daemon = Daemon(cfg, notifier, config_path=config_path, mirror_flags=mirror_flags,
+                    handoff=handoff, pid_file=pid_file)  # fmt: skip
     daemon.on_handed_over = stop.set
     daemon.freeze_gc = True
     loop.add_signal_handler(signal.SIGHUP, daemon.request_reload)
@@ -764,11 +770,12 @@ def run(
     main: Callable[..., Any] = serve,
     *,
     config_path: str | os.PathLike[str] | None = None,
+    mirror_flags: MirrorFlags | None = None,
     pid_file: str | None = None,
 ) -> int:
     """Configure logging, pick the event loop (``ops/event_loop.py``) and run ``main(cfg)`` (with
-    ``config_path=`` when given: the file SIGHUP reloads; ``pid_file=``: the file a hot
-    upgrade rewrites)."""
+    ``config_path=`` when given: the file SIGHUP reloads; ``mirror_flags=``: the options
+    ``kvrelay mirror`` applies over it; ``pid_file=``: the file a hot upgrade rewrites)."""
     configure_logging(cfg)
     from kvrelay.ops.memory import tune_malloc
 
@@ -784,6 +791,8 @@ def run(
         kwargs: dict[str, Any] = {}
         if config_path is not None:
             kwargs["config_path"] = config_path
+        if mirror_flags is not None:
+            kwargs["mirror_flags"] = mirror_flags
         if pid_file is not None:
             kwargs["pid_file"] = pid_file
         coro = main(cfg, **kwargs)

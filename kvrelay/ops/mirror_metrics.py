@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvrelay.client import errors as E
+from kvrelay.mirror import checker
 from kvrelay.ops.gc_pauses import pauses
 from kvrelay.ops.metrics import (
     LOOP_LAG_BUCKETS,
@@ -56,7 +57,10 @@ POOL_END_REASONS = tuple(sorted({*_ENDS, "violation", "internal", "withdrawn"}))
 #: ``kvrelay_mirror_plane_stream_ends_total{reason}``: with the mirror's own (an upstream
 #: without the RPC, a stream started over on a new identity, a failure inside the mirror).
 PLANE_END_REASONS = tuple(sorted({*_ENDS, "unimplemented", "superseded", "internal"}))
+#: ``kvrelay_mirror_violations_total{reason}``: the checker's closed set of rules.
+VIOLATION_REASONS = checker.VIOLATION_REASONS
 _POOL_END_KEYS = tuple(f"end_{r}" for r in POOL_END_REASONS)  # as ``pool_totals`` holds them
+_VIOLATION_KEYS = tuple(f"violation_{r}" for r in VIOLATION_REASONS)
 _PLANE_END_KEYS = tuple(f"{plane}_{r}" for plane in MIRROR_PLANES for r in PLANE_END_REASONS)
 
 
@@ -89,6 +93,17 @@ class MirrorCollector(Collector):
             "kvrelay_mirror_upstream_channel_resets",
             "Upstream channels replaced after the upstream connection failed or went away.",
             labels=lw,
+        )  # fmt: skip
+        deaf = CounterMetricFamily(
+            "kvrelay_mirror_upstream_channel_deaf",
+            "Upstream channels replaced because a round trip on them went unanswered while they "
+            "still received (a path dead towards the upstream only); among the channel resets.",
+            labels=lw,
+        )  # fmt: skip
+        left = CounterMetricFamily(
+            "kvrelay_mirror_upstream_channel_left_draining",
+            "Upstream connections left for new calls because the upstream refused a call as "
+            "draining (the next calls open a new one; the streams open on it go on).", labels=lw,
         )  # fmt: skip
         changes = CounterMetricFamily(
             "kvrelay_mirror_upstream_identity_changes",
@@ -143,6 +158,8 @@ class MirrorCollector(Collector):
             synced.add_metric([worker], 1.0 if s.get("synced") else 0.0)
             session.add_metric([worker], 1.0 if in_session(s) else 0.0)
             resets.add_metric([worker], float(s.get("channel_resets", 0)))
+            deaf.add_metric([worker], float(s.get("channel_deaf", 0)))
+            left.add_metric([worker], float(s.get("channel_left_draining", 0)))
             changes.add_metric([worker], float(s.get("identity_changes", 0)))
             states: dict[str, int] = {}
             for p in s.get("pools", {}).values():
@@ -150,7 +167,8 @@ class MirrorCollector(Collector):
             for state, n in sorted(states.items()):
                 pools.add_metric([worker, state], n)
             totals = s.get("pool_totals", {})
-            for k, v in sorted(known_at_zero(_POOL_END_KEYS, totals).items()):
+            known = known_at_zero((*_POOL_END_KEYS, *_VIOLATION_KEYS), totals)
+            for k, v in sorted(known.items()):
                 if k.startswith("end_"):
                     ends.add_metric([worker, k[4:]], float(v))
                 elif k.startswith("violation_"):
@@ -170,8 +188,9 @@ class MirrorCollector(Collector):
             spacing.add_metric([worker, "denied"], float(denied))
             spacing.add_metric([worker, "failed"], float(max(0, failed - denied)))
             spacing_on.add_metric([worker], 1.0 if s.get("upstream_spacing", True) else 0.0)
-        yield from (synced, session, resets, changes, pools, ends, violations, deltas, lagged,
-                    evicted, planes, plane_violations, invalid, spacing, spacing_on)  # fmt: skip
+        yield from (synced, session, resets, deaf, left, changes, pools, ends, violations,
+                    deltas, lagged, evicted, planes, plane_violations, invalid, spacing,
+                    spacing_on)  # fmt: skip
 
 
 class WorkersCollector(Collector):

@@ -31,7 +31,7 @@ from typing import Any
 
 from kvrelay._text import is_decimal
 from kvrelay.logging import get_logger
-from kvrelay.ops.config import ConfigProblem, DaemonConfig, check_file
+from kvrelay.ops.config import ConfigProblem, DaemonConfig, MirrorFlags, check_file, mirror_config
 from kvrelay.relay import safe_files
 
 _LOG = get_logger("kvrelay.ops.reload")
@@ -149,9 +149,12 @@ def stage_upstream_tls(context: Any, cfg: DaemonConfig) -> Callable[[], None]:
     return use
 
 
-def read_config(path: str | os.PathLike[str]) -> tuple[DaemonConfig | None, list[ConfigProblem]]:
-    """The file as ``check-config`` sees it (environment overrides included)."""
-    return check_file(path)
+def read_config(
+    path: str | os.PathLike[str], flags: MirrorFlags | None = None
+) -> tuple[DaemonConfig | None, list[ConfigProblem]]:
+    """The file as ``check-config`` sees it (environment overrides included), or, for
+    ``kvrelay mirror``, with its command-line ``flags`` applied again over it as at its start."""
+    return check_file(path) if flags is None else mirror_config(path, flags)
 
 
 # ---- the ``kvrelay reload`` side ---------------------------------------------------------------

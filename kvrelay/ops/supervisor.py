@@ -441,8 +441,8 @@ COUNTED = ("errors", "authz", "guard")
 #: The counters of a worker's own report (per worker, ``{worker="i"}``): its mirror's and its
 #: dropped reports. Carried over a restart of its slot (``worker_stats``).
 MIRROR_COUNTED = ("identity_changes", "pool_totals", "pools_evicted", "plane_ends",
-                  "plane_violations", "catalog_invalid", "channel_resets", "hold_failures",
-                  "hold_denied", "channel_left_draining")  # fmt: skip
+                  "plane_violations", "catalog_invalid", "channel_resets", "channel_deaf",
+                  "hold_failures", "hold_denied", "channel_left_draining")  # fmt: skip
 
 
 def _worker_counters(stats: dict[str, Any]) -> dict[str, Any]:

@@ -212,9 +212,43 @@ async def test_a_mirror_that_loses_its_upstream_says_so_on_its_page() -> None:
             await upstream.close(grace_s=0.5)
 
 
+def _violation_reasons() -> set[str]:
+    """Every reason the mirror's checker raises a violation with, read where it is raised: the
+    ``E.*`` constants (and ``wire``) of ``stream_rules.py`` and ``checker.py``, and ``cbi1_`` with
+    the reason of each CBI1 error the decoder and the snapshot assembler raise (the encoders,
+    above ``decode``, raise on their callers' arguments, never on a received frame)."""
+    from kvrelay.mirror import checker
+    from kvrelay.publication import cbi1
+
+    found: set[str] = set()
+    for path in (REPO / "kvrelay" / "client" / "stream_rules.py",
+                 REPO / "kvrelay" / "mirror" / "checker.py"):  # fmt: skip
+        text = path.read_text()
+        for name in re.findall(r"Violation\(\s*E\.(\w+)[,)]", text):
+            found.add(getattr(E, name))
+        if re.search(r"Violation\(\s*WIRE,", text):
+            found.add(checker.WIRE)
+        for name in re.findall(r"E\.CBI1_PREFIX \+ cbi1\.(\w+)\.reason", text):
+            found.add(E.CBI1_PREFIX + getattr(cbi1, name).reason)
+    source = (REPO / "kvrelay" / "publication" / "cbi1.py").read_text()
+    decoding = source[source.index("\ndef decode("):]
+    for name in re.findall(r"raise (?:self\._fail\()?(\w+)\(", decoding):
+        found.add(E.CBI1_PREFIX + getattr(cbi1, name).reason)
+    return found
+
+
+def test_the_violation_oracle_is_not_vacuous() -> None:
+    found = _violation_reasons()
+    assert {"wire", "sequence_gap", "heartbeat_payload", "cbi1_checksum_mismatch",
+            "cbi1_bad_chunk", "cbi1_incomplete_coverage"} <= found, found  # fmt: skip
+    assert "cbi1_invalid_argument" not in found  # (an encoder's: not a frame's)
+
+
 def _mirror_counters_at_zero(s: Samples, planes: set[str]) -> None:
     """A mirror's upstream stream ends appeared only at their first count; its plane violations,
-    invalid catalog descriptors and spacing requests were in its statistics only."""
+    invalid catalog descriptors and spacing requests were in its statistics only; so were its
+    channels replaced as deaf and its connections left as draining, and every rule of
+    ``kvrelay_mirror_violations_total`` appeared at its first refused frame."""
     ends = {E.EOF, E.CONNECTION, E.SILENT, E.ENVELOPE, *(str(E.reason_from_trailer(r))
                                                          for r in REASONS)}  # fmt: skip
     for reason in {*ends, "violation", "internal", "withdrawn"}:
@@ -229,3 +263,7 @@ def _mirror_counters_at_zero(s: Samples, planes: set[str]) -> None:
     for result in ("granted", "denied", "failed"):
         assert value(s, "kvrelay_mirror_spacing_requests_total", worker="", result=result) == 0
     assert value(s, "kvrelay_mirror_upstream_spacing", worker="") == 1
+    for reason in _violation_reasons():
+        assert value(s, "kvrelay_mirror_violations_total", worker="", reason=reason) == 0, reason
+    for name in ("deaf", "left_draining"):
+        assert value(s, f"kvrelay_mirror_upstream_channel_{name}_total", worker="") == 0, name

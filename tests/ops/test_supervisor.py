@@ -50,7 +50,8 @@ while True:
             "authz": {"denials": {"WatchKvPool": 1}, "revoked": 1},
             "guard": {"h2": {"ping_flood": 1}, "refusals": {"streams/10.0.0.1": 1},
                       "preempted": {"streams/r": 1}, "stalled": {"deltas": 1}}},
-            "mirror": {"synced": True, "identity_changes": 1, "pool_totals": {"deltas": 5}},
+            "mirror": {"synced": True, "identity_changes": 1, "pool_totals": {"deltas": 5},
+                       "channel_deaf": 1, "channel_left_draining": 3},
             "reports_dropped": 2}), flush=True)
     time.sleep(0.1)
 """
@@ -204,11 +205,17 @@ async def test_per_worker_counters_never_go_backwards_over_a_restart(tmp_path: P
         assert stats["mirror"]["pool_totals"] == {"deltas": 10}
         assert stats["mirror"]["identity_changes"] == 2 and stats["reports_dropped"] == 4
         assert stats["mirror"]["synced"] is True
+        # (channels replaced as deaf were not carried: that count fell back at each restart)
+        assert stats["mirror"]["channel_deaf"] == 2
+        assert stats["mirror"]["channel_left_draining"] == 6
         from kvrelay.ops.mirror_metrics import WorkersCollector
 
         families = {m.name: m for m in WorkersCollector(sup).collect()}
         [deltas] = families["kvrelay_mirror_deltas"].samples
         assert deltas.labels == {"worker": "1"} and deltas.value == 10.0
+        for name, n in (("deaf", 2.0), ("left_draining", 6.0)):  # before: not exported
+            [sample] = families[f"kvrelay_mirror_upstream_channel_{name}"].samples
+            assert sample.labels == {"worker": "1"} and sample.value == n, name
     finally:
         await sup.stop(5.0)
 
