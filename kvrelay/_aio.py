@@ -33,6 +33,26 @@ async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
         raise task.exception()  # type: ignore[misc]
 
 
+async def stop_all(tasks: Iterable[asyncio.Future[Any]]) -> None:
+    """Cancel every task and wait until each has finished, asking again every
+    ``_RECANCEL_S`` while one still runs; what a task ended with (its cancellation, an error)
+    is read, not raised: a stop must finish.
+
+    Why not ``cancel()`` then ``with suppress(CancelledError, Exception): await t``: a
+    cancellation Python 3.11's ``wait_for`` swallowed left the task running and that ``await``
+    waiting for ever (a mirror's stop, so a test, hung), and the ``suppress`` also swallowed the
+    caller's own cancellation. Here the caller's cancellation propagates (``asyncio.wait``)."""
+    tasks = list(tasks)
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        while not t.done():
+            done, _ = await asyncio.wait({t}, timeout=_RECANCEL_S)
+            if not done:
+                t.cancel()
+        _read_outcome(t)
+
+
 async def cancel_all(tasks: Iterable[asyncio.Task[Any]]) -> None:
     """Cancel every task, then wait for each (see ``cancel_and_wait``)."""
     tasks = list(tasks)

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvrelay._aio import bounded, cancel_all, cancel_and_wait
+from kvrelay._aio import bounded, cancel_all, cancel_and_wait, stop_all
 
 
 async def _slow_to_cancel(started: asyncio.Event) -> None:
@@ -77,6 +77,35 @@ async def test_a_swallowed_cancellation_is_asked_again() -> None:
     await asyncio.sleep(0)
     await asyncio.wait_for(cancel_and_wait(task), 5)
     assert swallowed == [True] and task.cancelled()
+
+
+async def test_stop_all_ends_tasks_that_swallow_a_cancellation_and_raises_nothing() -> None:
+    """The stops of the mirror, the SDK, the relay and the metrics server cancelled each task
+    once and awaited it: one whose cancellation Python 3.11's wait_for swallowed kept the stop
+    (and a test) waiting for ever. Errors the tasks end with are read, not raised."""
+    swallowed: list[bool] = []
+
+    async def stubborn() -> None:
+        while True:
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                if not swallowed:
+                    swallowed.append(True)
+                    asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                    continue  # as if the cancellation never arrived
+                raise
+
+    async def broken() -> None:
+        try:
+            await asyncio.sleep(60)
+        finally:
+            raise RuntimeError("boom")
+
+    tasks = [asyncio.create_task(stubborn()), asyncio.create_task(broken())]
+    await asyncio.sleep(0)
+    await asyncio.wait_for(stop_all(tasks), 5)
+    assert swallowed == [True] and all(t.done() for t in tasks)
 
 
 async def test_a_task_failure_is_raised() -> None:

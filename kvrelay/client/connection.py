@@ -19,7 +19,6 @@ Rules enforced here (§4, §9, §10):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ssl as _ssl
 from collections import Counter
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from typing import Any
 from grpclib.client import Channel
 from grpclib.const import Status
 
+from kvrelay._aio import stop_all
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import errors as E
 from kvrelay.client import rpc
@@ -116,11 +116,7 @@ class RelayConnection:
         self._closing = True
         tasks = [t for t in (self._catalog_task, *self._plane_tasks) if t is not None]
         tasks += [s.task for s in self.slots.values() if s.task is not None]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await stop_all(tasks)
         self.slots.clear()
         self.channel.close()
 

@@ -9,7 +9,6 @@ SDK's reason name and the stream is re-opened, never asserted: a demo keeps runn
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ import numpy as np
 from grpclib.client import Channel
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
+from kvrelay._aio import stop_all
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import ConsumerViolation, PoolReplica
 from kvrelay.contract.wire import CONTRACT_MARKER
@@ -89,11 +89,7 @@ class Consumer:
 
     async def stop(self) -> None:
         tasks = self._tasks + [t for _, t in self._pool_tasks.values()]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await stop_all(tasks)
         self._pool_tasks.clear()
         if self._channel is not None:
             self._channel.close()

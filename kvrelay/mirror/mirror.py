@@ -34,13 +34,13 @@ answer RESOURCE_LIMIT, so every listed pool stays servable behind a mirror and b
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from grpclib.const import Status
 
+from kvrelay._aio import stop_all
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import errors as E
 from kvrelay.client import rpc
@@ -494,11 +494,7 @@ class Mirror:
             self._tasks.append(task)
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await stop_all(self._tasks)
         self._tasks.clear()
         for pool in list(self._pools.values()):
             pool.stop(None)  # (GONE: ``_pool_changed`` folds its counters into the totals)

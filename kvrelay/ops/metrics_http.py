@@ -28,7 +28,6 @@ Every refusal is counted by reason (``kvrelay_metrics_http_rejections_total``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gzip
 import socket
 import threading
@@ -42,6 +41,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_late
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import Collector
 
+from kvrelay._aio import stop_all
 from kvrelay.logging import get_logger
 
 _log = get_logger(__name__)
@@ -271,12 +271,7 @@ class MetricsServer:
         if server is None:
             return
         server.close()
-        tasks = list(self._conns)
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await stop_all(list(self._conns))
         await server.wait_closed()
 
     def _admit(self, task: asyncio.Task[Any], conn: _Conn) -> str | None:

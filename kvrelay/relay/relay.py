@@ -12,7 +12,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
-from kvrelay._aio import cancel_all
+from kvrelay._aio import cancel_all, stop_all
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay._text import is_decimal
 from kvrelay.contract.errors import RelayError
@@ -184,11 +184,7 @@ class Relay:
         for p in self.pools:
             await p.stop(save)
         self.checkpoints.close()
-        for t in list(self._tasks):
-            t.cancel()
-        for t in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await stop_all(list(self._tasks))
         self.load.close()
         self.serving_load.close()
         self.catalog.close()
