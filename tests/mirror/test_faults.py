@@ -417,7 +417,7 @@ async def test_a_heartbeat_delivered_with_its_delta_teaches_no_wrong_period() ->
     try:
         async with mirrored(S.port_of(server), sync=False, upstream_heartbeat_s=1.0) as m:
             await eventually(lambda: relay.subscriptions >= 2, what="subscribed again")
-            await asyncio.sleep(4.0)  # more than three periods: its heartbeats keep it up
+            await asyncio.sleep(1.5)  # ten times the wrong period's silence (0.15 s)
             (pool,) = m.mirror._pools.values()
             assert pool.ends.get("silent", 0) == 0, dict(pool.ends)
             assert relay.subscriptions == 2
