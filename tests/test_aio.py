@@ -58,22 +58,24 @@ async def test_cancel_all_waits_for_every_task() -> None:
     assert all(t.done() and t.cancelled() for t in tasks)
 
 
+async def _stubborn(swallowed: list[bool]) -> None:
+    """A task whose first cancellation is lost, as Python 3.11's wait_for can lose one."""
+    while True:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            if not swallowed:
+                swallowed.append(True)
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                continue  # as if the cancellation never arrived
+            raise
+
+
 async def test_a_swallowed_cancellation_is_asked_again() -> None:
     """Python 3.11's wait_for can eat a cancel; the task must still end."""
     swallowed: list[bool] = []
 
-    async def stubborn() -> None:
-        while True:
-            try:
-                await asyncio.sleep(60)
-            except asyncio.CancelledError:
-                if not swallowed:
-                    swallowed.append(True)
-                    asyncio.current_task().uncancel()  # type: ignore[union-attr]
-                    continue  # as if the cancellation never arrived
-                raise
-
-    task = asyncio.create_task(stubborn())
+    task = asyncio.create_task(_stubborn(swallowed))
     await asyncio.sleep(0)
     await asyncio.wait_for(cancel_and_wait(task), 5)
     assert swallowed == [True] and task.cancelled()
@@ -85,24 +87,13 @@ async def test_stop_all_ends_tasks_that_swallow_a_cancellation_and_raises_nothin
     (and a test) waiting for ever. Errors the tasks end with are read, not raised."""
     swallowed: list[bool] = []
 
-    async def stubborn() -> None:
-        while True:
-            try:
-                await asyncio.sleep(60)
-            except asyncio.CancelledError:
-                if not swallowed:
-                    swallowed.append(True)
-                    asyncio.current_task().uncancel()  # type: ignore[union-attr]
-                    continue  # as if the cancellation never arrived
-                raise
-
     async def broken() -> None:
         try:
             await asyncio.sleep(60)
         finally:
             raise RuntimeError("boom")
 
-    tasks = [asyncio.create_task(stubborn()), asyncio.create_task(broken())]
+    tasks = [asyncio.create_task(_stubborn(swallowed)), asyncio.create_task(broken())]
     await asyncio.sleep(0)
     await asyncio.wait_for(stop_all(tasks), 5)
     assert swallowed == [True] and all(t.done() for t in tasks)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import socket
 import tomllib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -138,12 +140,9 @@ async def test_a_server_protocol_has_what_releasing_cancelled_streams_uses() -> 
     assert missing_in_protocol(object()) == [f"{w}.{a}" for w, a in PROTOCOL_NEEDS]
 
 
-async def test_a_connected_server_protocol_has_what_the_drain_notice_and_mend_use() -> None:
-    """``drain.DrainNotice``: the connection's transport and flush, h2's outbound buffer and
-    the highest stream id it received; ``mend``: the connection's ``feed`` and h2's
-    ``data_to_send`` and h2's HPACK ``encoder``, and the events processor's handlers by event
-    type (a dict; ``closing`` closes the processor); ``closing``'s stream cap: h2's connection
-    and the connection's flush; on a real connection after a call."""
+@contextlib.asynccontextmanager
+async def _called() -> AsyncIterator[Any]:
+    """The server protocol of a real connection after one call on it."""
     server = ClosingServer([_Probe()], codec=_Raw())
     await server.start("127.0.0.1", 0)
     port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
@@ -153,6 +152,20 @@ async def test_a_connected_server_protocol_has_what_the_drain_notice_and_mend_us
             await st.send_message(b"x", end=True)
             assert await st.recv_message() == b"ok"
         (proto,) = list(server._protocols)
+        yield proto
+    finally:
+        ch.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_connected_server_protocol_has_what_the_drain_notice_and_mend_use() -> None:
+    """``drain.DrainNotice``: the connection's transport and flush, h2's outbound buffer and
+    the highest stream id it received; ``mend``: the connection's ``feed`` and h2's
+    ``data_to_send`` and h2's HPACK ``encoder``, and the events processor's handlers by event
+    type (a dict; ``closing`` closes the processor); ``closing``'s stream cap: h2's connection
+    and the connection's flush; on a real connection after a call."""
+    async with _called() as proto:
         assert missing_in_drain(proto) == []
         assert isinstance(proto.connection._connection._data_to_send, bytearray)
         assert proto.connection._connection.highest_inbound_stream_id == 1
@@ -168,10 +181,6 @@ async def test_a_connected_server_protocol_has_what_the_drain_notice_and_mend_us
         assert missing_in_processor(object()) == [f"{w}.{a}" for w, a in PROCESSOR_NEEDS]
         odd = SimpleNamespace(processor=SimpleNamespace(processors=(), close=None))
         assert missing_in_processor(odd) == ["processor.processors (a dict)"]
-    finally:
-        ch.close()
-        server.close()
-        await server.wait_closed()
 
 
 async def test_the_stream_accept_is_given_is_the_one_the_request_reader_reads() -> None:
@@ -329,21 +338,9 @@ async def test_a_connected_server_protocol_counts_what_it_sent() -> None:
     grpclib's per-connection counts of messages and DATA bytes: there on a real connection after
     a call (one message of a few bytes: one frame); a protocol without them is named, each need
     once, and gets no reader."""
-    server = ClosingServer([_Probe()], codec=_Raw())
-    await server.start("127.0.0.1", 0)
-    port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    ch = Channel("127.0.0.1", port, codec=_Raw())
-    try:
-        async with ch.request(PATH, Cardinality.UNARY_STREAM, bytes, bytes) as st:
-            await st.send_message(b"x", end=True)
-            assert await st.recv_message() == b"ok"
-        (proto,) = list(server._protocols)
+    async with _called() as proto:
         assert missing_in_sent(proto) == []
         sent = data_frames_sent(proto)
         assert sent is not None and sent() == 1
         assert missing_in_sent(object()) == [f"{w}.{a}" for w, a in SENT_NEEDS]
         assert data_frames_sent(object()) is None
-    finally:
-        ch.close()
-        server.close()
-        await server.wait_closed()
