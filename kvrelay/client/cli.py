@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from kvrelay._aio import cancel_and_wait
+from kvrelay._aio import cancel_and_wait, stop_all
 from kvrelay._argparse import StrictSubcommand
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import rpc
@@ -356,13 +356,7 @@ class Limiter:
         all_done = asyncio.ensure_future(asyncio.gather(*tasks, return_exceptions=True))
         await asyncio.wait({waiter, all_done}, timeout=self.duration,
                            return_when=asyncio.FIRST_COMPLETED)
-        for t in (*tasks, waiter, all_done):
-            t.cancel()
-        for t in (*tasks, waiter):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await all_done
+        await stop_all((*tasks, waiter, all_done))
 
 
 # ------------------------------------------------------------------------------- watch
@@ -604,9 +598,7 @@ async def _watch(
                       file=sys.stderr)  # fmt: skip
         finally:
             if catalog is not None:
-                catalog.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await catalog
+                await stop_all((catalog,))
             channel.close()
 
     await limiter.run([asyncio.create_task(one(a)) for a in relays])
