@@ -14,7 +14,8 @@ status when the connection closes (``keep_ended_streams``, on ``CLIENT_CLOSE_NEE
 makes its next calls on a new connection once its server refused one as it drains
 (``leave_when_draining``, on ``CLIENT_LEAVE_NEEDS`` and ``CLIENT_CHANNEL_NEEDS``), and whose
 connections remember a bounded number of closed streams (``bound_closed_streams``, on
-``CLIENT_CLOSED_STREAMS_NEEDS``).
+``CLIENT_CLOSED_STREAMS_NEEDS``), and which, given a source of its TLS context, asks it at every
+connection it makes (``CLIENT_SSL_NEEDS``).
 
 Every private grpclib or h2 attribute this module touches is named in one of those lists,
 checked against the installed versions by ``tests/client/test_hostile_relay.py``; where one is
@@ -25,6 +26,7 @@ never wrong, and never an exception raised inside grpclib's event processing).
 from __future__ import annotations
 
 import asyncio
+import ssl as _ssl
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -411,15 +413,47 @@ def leave_when_draining(
     _once_connected(proto, missing_client_leave_needs, install)
 
 
+#: What ``RelayChannel`` uses of grpclib's ``Channel`` to take its TLS context from a source
+#: at each connection: ``(where, attribute)`` with ``where`` the channel (``channel``: the
+#: context ``_ssl`` its connections are made with) or grpclib's ``Channel`` class (``grpclib``:
+#: ``_create_connection``, which makes each one from ``_ssl`` and which ``RelayChannel``
+#: overrides). Without any of them the channel keeps the context the source gave at its
+#: creation, as grpclib's own does: a new channel is needed for a new context.
+CLIENT_SSL_NEEDS: tuple[tuple[str, str], ...] = (
+    ("channel", "_ssl"),
+    ("grpclib", "_create_connection"),
+)
+
+#: A TLS context, or what gives the one to use now (a reloadable context's ``in_use``).
+SslSource = _ssl.SSLContext | Callable[[], _ssl.SSLContext]
+
+
+def missing_client_ssl_needs(channel: Any) -> list[str]:
+    """``where.attribute`` for each of ``CLIENT_SSL_NEEDS`` this channel (and grpclib's
+    ``Channel`` class) lacks."""
+    objects = {"channel": channel, "grpclib": Channel}
+    return [f"{w}.{a}" for w, a in CLIENT_SSL_NEEDS if not hasattr(objects[w], a)]
+
+
 class RelayChannel(Channel):
     """A grpclib ``Channel`` whose connections ``keep_ended_streams`` and
     ``bound_closed_streams``, and which leaves a connection whose server refused a call as
     draining (``leave_when_draining``): its next calls go on a new connection (in a hot
     upgrade, to the successor on the same port), while the streams still open on the old one
-    go on there; it is closed after the last of them."""
+    go on there; it is closed after the last of them.
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    ``ssl`` may be a source of the context (a callable): it is asked at every connection the
+    channel makes, the first one and each reconnection after its connection was lost or left.
+    Why: grpclib keeps the context a channel was created with, and a channel reconnects by
+    itself when its next call finds its connection gone, so after a reload of the client's
+    files (a renewed or revoked client certificate, a new CA) the next handshake would present
+    what the files held at the channel's creation."""
+
+    def __init__(self, *args: Any, ssl: SslSource | None = None, **kwargs: Any) -> None:
+        source, context = (ssl, ssl()) if callable(ssl) else (None, ssl)
+        super().__init__(*args, ssl=context, **kwargs)
+        #: asked at each connection (None: the context of the creation, grpclib's rule)
+        self._ssl_source = None if missing_client_ssl_needs(self) else source
         #: connections left for new calls, still serving their open streams
         self._leaving: set[H2Protocol] = set()
         #: connections left because their server refused a call as draining
@@ -432,6 +466,11 @@ class RelayChannel(Channel):
         if not missing_client_channel_needs(self):  # (``_leave`` reads and sets ``_protocol``)
             leave_when_draining(proto, self._leave, self._released)
         return proto
+
+    async def _create_connection(self) -> H2Protocol:
+        if self._ssl_source is not None:
+            self._ssl = self._ssl_source()  # (a TLS channel stays one: https, the same host)
+        return await super()._create_connection()
 
     def _leave(self, proto: H2Protocol) -> None:
         if self._protocol is not proto:

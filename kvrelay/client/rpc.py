@@ -9,7 +9,6 @@ callback propagate unchanged (the ``async with`` then resets the HTTP/2 stream).
 from __future__ import annotations
 
 import asyncio
-import ssl as _ssl
 import time
 import weakref
 from collections.abc import Awaitable, Callable
@@ -22,7 +21,13 @@ from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
-from kvrelay._grpc import RelayChannel, UndecodableReply, effective_status, recv_reply
+from kvrelay._grpc import (
+    RelayChannel,
+    SslSource,
+    UndecodableReply,
+    effective_status,
+    recv_reply,
+)
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay._text import is_decimal
 from kvrelay.client import errors as E
@@ -71,10 +76,12 @@ class StreamEnd:
 
 
 def open_channel(
-    address: RelayAddress, ssl: _ssl.SSLContext | None = None, max_message_bytes: int = 8 << 20
+    address: RelayAddress, ssl: SslSource | None = None, max_message_bytes: int = 8 << 20
 ) -> RelayChannel:
     """A grpclib channel with the relay's 8 MiB message bound (inbound checked by the codec),
-    whose ended streams keep their status when the connection closes (``RelayChannel``)."""
+    whose ended streams keep their status when the connection closes (``RelayChannel``).
+    ``ssl``: a context the channel keeps, or what gives the one to use now, asked at each
+    connection it makes (``RelayChannel``)."""
     return RelayChannel(
         address.host,
         address.port,

@@ -70,7 +70,8 @@ class MirrorSettings:
     * ``window_bytes``: HTTP/2 receive window per upstream stream (the connection gets 4×): a
       mirror must drain its upstream faster than the upstream's queue bound, never lag it.
     * ``ssl``: TLS to the upstream: a context, or what gives the one to use now (a daemon's
-      reloadable context), asked at each channel the mirror opens (``ssl_context``).
+      reloadable context), asked at each upstream connection the mirror makes (its channel's
+      reconnections too: ``RelayChannel``).
     """
 
     upstream: UpstreamAddress
@@ -102,11 +103,6 @@ class MirrorSettings:
             raise MirrorSettingsError("window_bytes must be in 64 KiB..512 MiB")
         if self.upstream.path is None and (self.upstream.host is None or not self.upstream.port):
             raise MirrorSettingsError("upstream needs HOST:PORT or a unix path")
-
-    def ssl_context(self) -> _ssl.SSLContext | None:
-        """The context a new upstream channel is opened with: a reload may have replaced the
-        files since the last one (the channel in use keeps its own)."""
-        return self.ssl() if callable(self.ssl) else self.ssl
 
     def backoff(self, attempt: int) -> float:
         """Capped exponential backoff with jitter (every worker of a daemon, and every mirror

@@ -91,8 +91,10 @@ class Upstream:
         a = s.upstream
         if a.path is not None:
             return RelayChannel(path=a.path, codec=codec, config=config)
-        # asked at each open: a reload's client files serve the next channel, not the one in use
-        return RelayChannel(a.host, a.port, ssl=s.ssl_context(), codec=codec, config=config)
+        # a source is asked at each connection: a reload's client files serve the next
+        # handshake, also when this channel reconnects (a pool stream may get there before the
+        # catalog stream replaced it)
+        return RelayChannel(a.host, a.port, ssl=s.ssl, codec=codec, config=config)
 
     @property
     def channel(self) -> RelayChannel:

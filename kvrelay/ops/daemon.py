@@ -179,7 +179,7 @@ class Daemon:
             from kvrelay.ops.mirror_metrics import MirrorMetrics
 
             source, m = None, cfg.mirror
-            if m.tls_ca is not None:  # each upstream channel opens with the newest context
+            if m.tls_ca is not None:  # each upstream connection: the newest context
                 from kvrelay.ops.tls import ReloadableClientContext
 
                 self._upstream_tls = ReloadableClientContext(m.tls_ca, m.tls_cert, m.tls_key)
@@ -504,7 +504,7 @@ class Daemon:
                     restart += plan.restart_required
                     summary = plan.summary()
                 use_tls()
-                use_upstream_tls()  # a mirror's next upstream channel (the one open goes on)
+                use_upstream_tls()  # a mirror's next upstream connection (the open one goes on)
                 if self.front is not None:
                     self.front.reload_tls(effective.tls)
                 elif self.server is not None and self._tls is not None:

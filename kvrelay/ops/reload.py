@@ -141,7 +141,7 @@ def stage_tls(context: Any, cfg: DaemonConfig) -> Callable[[], None]:
 
 def stage_upstream_tls(context: Any, cfg: DaemonConfig) -> Callable[[], None]:
     """As ``stage_tls``, for a mirror's upstream client files (``ReloadableClientContext``):
-    loaded now, and once put in use read by the mirror's next upstream channel."""
+    loaded now, and once put in use read by the mirror's next upstream connection."""
     m = cfg.mirror
     if context is None or m is None or m.tls_ca is None:
         return lambda: None

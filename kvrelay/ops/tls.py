@@ -242,9 +242,10 @@ class ReloadableServerContext(_Reloadable):
 
 class ReloadableClientContext(_Reloadable):
     """A mirror's context towards its upstream: the CA it verifies the upstream against and its
-    own client certificate (mTLS). The mirror reads ``in_use`` each time it opens an upstream
-    channel, so a reload's files serve its next upstream connection while the running one goes
-    on (a client certificate is presented only at a handshake)."""
+    own client certificate (mTLS). The mirror reads ``in_use`` at each upstream connection it
+    makes (its channel's reconnections too), so a reload's files serve its next upstream
+    connection while the running one goes on (a client certificate is presented only at a
+    handshake)."""
 
     def __init__(self, ca_file: str, cert_file: str | None, key_file: str | None) -> None:
         self._use(_client_context(ca_file, cert_file, key_file))

@@ -20,6 +20,7 @@ from kvrelay._grpc import (
     CLIENT_CLOSED_STREAMS_NEEDS,
     CLIENT_LEAVE_NEEDS,
     CLIENT_RECV_NEEDS,
+    CLIENT_SSL_NEEDS,
     ClosedStreams,
     RelayChannel,
     missing_client_channel_needs,
@@ -27,6 +28,7 @@ from kvrelay._grpc import (
     missing_client_closed_streams_needs,
     missing_client_leave_needs,
     missing_client_recv_needs,
+    missing_client_ssl_needs,
 )
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import errors as E
@@ -75,7 +77,8 @@ async def test_a_live_client_stream_has_what_the_reader_and_keeping_ended_stream
     ``keep_ended_streams`` uses (the processor's streams and its close, which it replaced, and
     each protocol stream's headers and trailers), what ``leave_when_draining`` uses (the
     processor's process and register, which it replaced) and the channel's own parts it
-    relies on, and what ``bound_closed_streams`` replaces (h2's memo of closed streams); an
+    relies on (to leave a draining connection, to take each connection's TLS context from a
+    source), and what ``bound_closed_streams`` replaces (h2's memo of closed streams); an
     object lacking them has each named."""
     server = Server([_Relay(bytes(pb.KvPoolCatalogUpdate()))], codec=RawCodec())
     await server.start("127.0.0.1", 0)
@@ -94,6 +97,7 @@ async def test_a_live_client_stream_has_what_the_reader_and_keeping_ended_stream
             assert missing_client_leave_needs(proto) == []
             assert missing_client_closed_streams_needs(proto) == []
             assert missing_client_channel_needs(ch) == []
+            assert missing_client_ssl_needs(ch) == []
             assert stream._stream.connection.messages_received == 1
         assert type(proto.connection._connection._closed_streams) is ClosedStreams
         assert proto.processor.close.__name__ == "close_open_streams"
@@ -106,6 +110,10 @@ async def test_a_live_client_stream_has_what_the_reader_and_keeping_ended_stream
             f"{w}.{a}" for w, a in CLIENT_CHANNEL_NEEDS
         ]
         assert {a for _, a in CLIENT_CHANNEL_NEEDS} >= {"_protocol", "_protocol_factory"}
+        assert {a for _, a in CLIENT_SSL_NEEDS} == {"_ssl", "_create_connection"}
+        assert missing_client_ssl_needs(object()) == [
+            f"{w}.{a}" for w, a in CLIENT_SSL_NEEDS if w == "channel"
+        ]
         assert missing_client_closed_streams_needs(object()) == [
             f"{w}.{a}" for w, a in CLIENT_CLOSED_STREAMS_NEEDS
         ]
