@@ -14,8 +14,10 @@ status when the connection closes (``keep_ended_streams``, on ``CLIENT_CLOSE_NEE
 makes its next calls on a new connection once its server refused one as it drains
 (``leave_when_draining``, on ``CLIENT_LEAVE_NEEDS`` and ``CLIENT_CHANNEL_NEEDS``), and whose
 connections remember a bounded number of closed streams (``bound_closed_streams``, on
-``CLIENT_CLOSED_STREAMS_NEEDS``), and which, given a source of its TLS context, asks it at every
-connection it makes (``CLIENT_SSL_NEEDS``).
+``CLIENT_CLOSED_STREAMS_NEEDS``), which, given a source of its TLS context, asks it at every
+connection it makes (``CLIENT_SSL_NEEDS``), and which never connects once closed: a call on it
+fails at once with ``ChannelClosed``, and a connection still being made when it closed is closed
+as it completes (``CLIENT_CLOSED_NEEDS``).
 
 Every private grpclib or h2 attribute this module touches is named in one of those lists,
 checked against the installed versions by ``tests/client/test_hostile_relay.py``; where one is
@@ -435,6 +437,45 @@ def missing_client_ssl_needs(channel: Any) -> list[str]:
     return [f"{w}.{a}" for w, a in CLIENT_SSL_NEEDS if not hasattr(objects[w], a)]
 
 
+#: What ``RelayChannel`` uses to stay closed: ``(where, attribute)`` with ``where`` grpclib's
+#: ``Channel`` class (``grpclib``: ``_create_connection``, which makes each connection, the
+#: reconnections of ``__connect__`` included, and which ``RelayChannel`` overrides), a connection
+#: made after the close (``proto``: its events processor) or that processor (``processor``: its
+#: ``close``, grpclib's own way to close a connection). Without any of them a closed channel
+#: connects again as grpclib's own does, when its next call (or one already connecting) finds
+#: no connection: that connection is its owner's to close no more.
+CLIENT_CLOSED_NEEDS: tuple[tuple[str, str], ...] = (
+    ("grpclib", "_create_connection"),
+    ("proto", "processor"),
+    ("processor", "close"),
+)
+
+
+def missing_client_closed_needs(proto: Any = None) -> list[str]:
+    """``where.attribute`` for each of ``CLIENT_CLOSED_NEEDS`` grpclib's ``Channel`` class (and,
+    given one, this connected protocol) lacks."""
+    processor = getattr(proto, "processor", None)
+    objects = {"grpclib": Channel, "proto": proto, "processor": processor}
+    return [
+        f"{w}.{a}"
+        for w, a in CLIENT_CLOSED_NEEDS
+        if (w == "grpclib" or proto is not None) and not hasattr(objects[w], a)
+    ]
+
+
+#: The message of ``ChannelClosed``.
+CHANNEL_CLOSED = "the channel is closed"
+
+
+class ChannelClosed(ConnectionError):
+    """A call on a ``RelayChannel`` after its ``close()``, or one whose connection was still
+    being made then. A ``ConnectionError``, as grpclib reports a channel that cannot connect:
+    callers retry it as such (on their current channel)."""
+
+    def __init__(self) -> None:
+        super().__init__(CHANNEL_CLOSED)
+
+
 class RelayChannel(Channel):
     """A grpclib ``Channel`` whose connections ``keep_ended_streams`` and
     ``bound_closed_streams``, and which leaves a connection whose server refused a call as
@@ -447,7 +488,14 @@ class RelayChannel(Channel):
     Why: grpclib keeps the context a channel was created with, and a channel reconnects by
     itself when its next call finds its connection gone, so after a reload of the client's
     files (a renewed or revoked client certificate, a new CA) the next handshake would present
-    what the files held at the channel's creation."""
+    what the files held at the channel's creation.
+
+    Once ``close()`` ran it never connects again: a call on it fails at once with
+    ``ChannelClosed``, and a connection being made meanwhile (a call that found the connection
+    lost, in grpclib's ``__connect__``) is closed as it completes, its call failing the same
+    way. Why: grpclib's channel reconnects whenever a call finds no connection, so a stream a
+    mirror's pool opened again on its channel just as the mirror replaced (and closed) it ran on
+    a connection nobody owned, kept open by keepalive: one more per upstream drop."""
 
     def __init__(self, *args: Any, ssl: SslSource | None = None, **kwargs: Any) -> None:
         source, context = (ssl, ssl()) if callable(ssl) else (None, ssl)
@@ -458,6 +506,10 @@ class RelayChannel(Channel):
         self._leaving: set[H2Protocol] = set()
         #: connections left because their server refused a call as draining
         self.left_draining = 0
+        #: ``close()`` ran: the channel connects no more (``CLIENT_CLOSED_NEEDS``)
+        self.closed = False
+        #: connections that completed after ``close()`` and were closed at once
+        self.closed_late = 0
 
     def _protocol_factory(self) -> H2Protocol:
         proto = super()._protocol_factory()
@@ -468,9 +520,16 @@ class RelayChannel(Channel):
         return proto
 
     async def _create_connection(self) -> H2Protocol:
+        if self.closed:
+            raise ChannelClosed()  # (grpclib's ``__connect__`` reports it, its state a failure)
         if self._ssl_source is not None:
             self._ssl = self._ssl_source()  # (a TLS channel stays one: https, the same host)
-        return await super()._create_connection()
+        proto = await super()._create_connection()
+        if self.closed and not missing_client_closed_needs(proto):
+            self.closed_late += 1  # closed while it connected: never the channel's connection
+            proto.processor.close(CHANNEL_CLOSED)
+            raise ChannelClosed()
+        return proto
 
     def _leave(self, proto: H2Protocol) -> None:
         if self._protocol is not proto:
@@ -486,6 +545,7 @@ class RelayChannel(Channel):
             proto.processor.close("left: its server drains")
 
     def close(self) -> None:
+        self.closed = not missing_client_closed_needs()  # (else grpclib's own: it reconnects)
         super().close()
         leaving, self._leaving = self._leaving, set()
         for proto in leaving:

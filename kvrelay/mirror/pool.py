@@ -359,7 +359,7 @@ class MirrorPool:
         silence_s = 3 * self._heartbeat_s
         try:
             end, channel = await ctx.upstream.stream(
-                "SubscribeKvPool", request, self._on_frame, silence_s=silence_s
+                "SubscribeKvPool", request, self._on_frame, silence_s=silence_s, follow=True
             )
             ended = channel, end
         except Violation as v:

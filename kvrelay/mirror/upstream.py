@@ -18,7 +18,7 @@ from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError
 
-from kvrelay._grpc import RelayChannel, effective_status
+from kvrelay._grpc import CHANNEL_CLOSED, RelayChannel, effective_status
 from kvrelay.client import errors as E
 from kvrelay.client import rpc
 from kvrelay.client.codec import RawCodec
@@ -49,6 +49,17 @@ def upstream_error(end: StreamEnd) -> RelayError | None:
     return None if reason is None else RelayError(reason, end.message)
 
 
+def refused_closed(channel: Channel, end: StreamEnd) -> bool:
+    """A stream its closed ``RelayChannel`` refused before it was sent (``ChannelClosed``,
+    which ``run_stream`` reports as a connection end): nothing of it reached the upstream."""
+    return (
+        end.reason == E.CONNECTION
+        and not end.messages
+        and getattr(channel, "closed", False)
+        and end.message.endswith(CHANNEL_CLOSED)
+    )
+
+
 def hold_requester(subscriber_id: str) -> str:
     """``subscriber_id`` with a random suffix, within the 128 bytes an id may take."""
     base = subscriber_id.encode()[:110].decode(errors="ignore")
@@ -76,6 +87,9 @@ class Upstream:
         self.hold_requester = hold_requester(settings.subscriber_id)
         #: channels replaced because a round trip on them went unanswered (``replace_if_unfit``)
         self.deaf = 0
+        #: calls made again on the current channel because ``reset`` closed theirs as they
+        #: connected (``stream``'s ``follow``)
+        self.followed = 0
         self._channel = self._open()
 
     def _open(self) -> RelayChannel:
@@ -141,21 +155,33 @@ class Upstream:
         *,
         silence_s: float | Callable[[], float] | None = None,
         first_message_s: float | None = None,
+        follow: bool = False,
     ) -> tuple[StreamEnd, Channel]:
         """Run one upstream stream to its end (exceptions raised by ``on_message`` propagate and
         reset the HTTP/2 stream). Returns how it ended and the channel it used.
+
+        With ``follow``, a call its channel refused because ``reset`` closed that channel as the
+        call connected (``refused_closed``: it never reached the upstream) is made again at once
+        on the current channel, as if it had started a moment later. Why: a pool stream whose
+        connection dropped resubscribes at once on the channel it ran on, often before the
+        catalog stream's end replaced that channel; its attempt would otherwise fail and back
+        off (its local joiners refused meanwhile) though nothing upstream failed. (A plane
+        checks each message against the channel it started on: it does not follow.)
 
         The loop yields after every half local queue of messages: a burst of buffered upstream
         deltas must not queue more frames per local subscriber than its bound before the senders
         run, or every local subscriber would lag at once; yielding less often than every frame
         keeps the senders' batched writes (several frames per HTTP/2 write)."""
-        channel = self._channel
         every = max(1, self.settings.limits.publication_queue_capacity // 2)
-        end = await rpc.run_stream(
-            channel, method, request, bytes, on_message, silence_s=silence_s,
-            first_message_s=first_message_s, yield_every=every,
-        )  # fmt: skip
-        return end, channel
+        while True:
+            channel = self._channel
+            end = await rpc.run_stream(
+                channel, method, request, bytes, on_message, silence_s=silence_s,
+                first_message_s=first_message_s, yield_every=every,
+            )  # fmt: skip
+            if not (follow and refused_closed(channel, end) and channel is not self._channel):
+                return end, channel
+            self.followed += 1  # (each time, ``reset`` made a new channel: finitely many)
 
     async def hold(self, request: Any, seconds: float) -> bool | None:
         """Ask the upstream to space ``request``'s pool for local joiners

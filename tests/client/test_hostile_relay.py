@@ -17,6 +17,7 @@ from grpclib.server import Server
 from kvrelay._grpc import (
     CLIENT_CHANNEL_NEEDS,
     CLIENT_CLOSE_NEEDS,
+    CLIENT_CLOSED_NEEDS,
     CLIENT_CLOSED_STREAMS_NEEDS,
     CLIENT_LEAVE_NEEDS,
     CLIENT_RECV_NEEDS,
@@ -25,6 +26,7 @@ from kvrelay._grpc import (
     RelayChannel,
     missing_client_channel_needs,
     missing_client_close_needs,
+    missing_client_closed_needs,
     missing_client_closed_streams_needs,
     missing_client_leave_needs,
     missing_client_recv_needs,
@@ -78,8 +80,8 @@ async def test_a_live_client_stream_has_what_the_reader_and_keeping_ended_stream
     each protocol stream's headers and trailers), what ``leave_when_draining`` uses (the
     processor's process and register, which it replaced) and the channel's own parts it
     relies on (to leave a draining connection, to take each connection's TLS context from a
-    source), and what ``bound_closed_streams`` replaces (h2's memo of closed streams); an
-    object lacking them has each named."""
+    source, to stay closed), and what ``bound_closed_streams`` replaces (h2's memo of closed
+    streams); an object lacking them has each named."""
     server = Server([_Relay(bytes(pb.KvPoolCatalogUpdate()))], codec=RawCodec())
     await server.start("127.0.0.1", 0)
     port = server._server.sockets[0].getsockname()[1]
@@ -98,6 +100,7 @@ async def test_a_live_client_stream_has_what_the_reader_and_keeping_ended_stream
             assert missing_client_closed_streams_needs(proto) == []
             assert missing_client_channel_needs(ch) == []
             assert missing_client_ssl_needs(ch) == []
+            assert missing_client_closed_needs(proto) == []
             assert stream._stream.connection.messages_received == 1
         assert type(proto.connection._connection._closed_streams) is ClosedStreams
         assert proto.processor.close.__name__ == "close_open_streams"
@@ -117,6 +120,10 @@ async def test_a_live_client_stream_has_what_the_reader_and_keeping_ended_stream
         assert missing_client_closed_streams_needs(object()) == [
             f"{w}.{a}" for w, a in CLIENT_CLOSED_STREAMS_NEEDS
         ]
+        assert missing_client_closed_needs(object()) == [
+            f"{w}.{a}" for w, a in CLIENT_CLOSED_NEEDS if w != "grpclib"
+        ]
+        assert ("grpclib", "_create_connection") in CLIENT_CLOSED_NEEDS
         gone = missing_client_close_needs(object(), object())
         assert gone == [f"{w}.{a}" for w, a in CLIENT_CLOSE_NEEDS]
     finally:

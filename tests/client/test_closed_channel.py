@@ -1,0 +1,85 @@
+"""A closed ``RelayChannel`` never connects again, over a real loopback socket.
+
+grpclib's channel reconnects whenever a call finds no connection, also after ``close()``: a
+call already connecting when its owner closed the channel (a mirror's pool stream resubscribing
+on the channel the mirror was replacing) completed its connection and ran on it, a connection
+nobody owned (kept open by keepalive), one more per upstream drop. The server here only counts
+the connections it is offered: no call needs an answer to show whether it connected."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+from grpclib.const import Cardinality
+
+from kvrelay._grpc import RelayChannel
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.client import errors as E
+from kvrelay.client import rpc
+from kvrelay.client.codec import ClientCodec
+from kvrelay.contract.wire import CONTRACT_MARKER
+
+
+class _Counted(asyncio.Protocol):
+    """Takes whatever a client sends, answers nothing, and counts connections made and lost."""
+
+    def __init__(self, counts: dict[str, int]) -> None:
+        self.counts = counts
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.counts["made"] += 1
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.counts["lost"] += 1
+
+
+async def _info(ch: RelayChannel) -> None:
+    """One GetRelayInfo call (never answered here: it fails, or waits until cancelled)."""
+    async with ch.request(
+        rpc.SERVICE + "GetRelayInfo", Cardinality.UNARY_UNARY, pb.RelayInfoRequest, pb.RelayInfo
+    ) as st:  # fmt: skip
+        await st.send_message(pb.RelayInfoRequest(contract_marker=CONTRACT_MARKER), end=True)
+        await st.recv_message()
+
+
+async def _until(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_closed_channel_closes_a_late_connection_and_never_connects_again() -> None:
+    counts = {"made": 0, "lost": 0}
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: _Counted(counts), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    ch = RelayChannel("127.0.0.1", port, codec=ClientCodec())
+    try:
+        call = asyncio.create_task(_info(ch))
+        await asyncio.sleep(0)  # the call is connecting (grpclib's ``__connect__``)
+        ch.close()
+        # it connected after the close: that connection is closed at once, and the call fails
+        # as one that cannot connect (it ran on a connection nobody owned)
+        with pytest.raises(ConnectionError, match="the channel is closed"):  # ``ChannelClosed``
+            await asyncio.wait_for(call, 3.0)
+        assert ch.closed and ch.closed_late == 1
+        await _until(lambda: counts["made"] == counts["lost"] == 1, "the late connection closed")
+        # a call on the closed channel fails at once, without connecting
+        with pytest.raises(ConnectionError, match="the channel is closed"):  # ``ChannelClosed``
+            await asyncio.wait_for(_info(ch), 3.0)
+        end = await rpc.run_stream(  # the SDK's and the mirror's streams: a connection end
+            ch, "WatchKvPoolCatalog", rpc.catalog_request("t"), pb.KvPoolCatalogUpdate, print
+        )  # fmt: skip
+        assert (end.reason, end.messages) == (E.CONNECTION, 0), end
+        assert end.message == "ChannelClosed: the channel is closed"
+        await asyncio.sleep(0.05)  # (a connection made anyway would be counted by now)
+        assert counts == {"made": 1, "lost": 1}
+        assert ch._protocol is None
+    finally:
+        ch.close()
+        server.close()
+        await server.wait_closed()
