@@ -39,6 +39,7 @@ from kvrelay.ingest.options import DecodeOptions
 from kvrelay.ingest.topic_pattern import PatternError, TopicPattern
 from kvrelay.mirror.settings import MAX_PERIOD_S as MAX_MIRROR_PERIOD_S
 from kvrelay.ops.tls import (
+    CrlSignatureError,
     TlsConfigError,
     client_ssl_context,
     crl_problems,
@@ -1227,10 +1228,13 @@ def _check_tls(r: _Reader, tls: dict[str, Any]) -> None:
     if cert and key and len(r.problems) == n_before:
         try:  # PEM, a key that matches the certificate, a CA bundle that loads: here, not at start
             server_ssl_context(cert, key, ca, crl if ca else None)
+        except CrlSignatureError:
+            pass  # said below by crl_problems, beside anything else wrong with the CRLs
         except TlsConfigError as exc:
             r.err("tls.client_crl" if crl and "CRL" in str(exc) else "tls.cert", str(exc))
             return
-        if crl and ca:  # issued by a configured CA, and current: else OpenSSL refuses clients
+        if crl and ca:  # issued (and signed) by a configured CA, and current: else OpenSSL
+            # refuses clients
             try:
                 errors, warnings = crl_problems(crl, ca)
             except TlsConfigError as exc:

@@ -431,7 +431,9 @@ def guard_families(svc: object) -> Iterator[Metric]:
         "(too_many_connections), TLS handshakes that failed or did not finish in 10 s "
         "(tls_handshake), connections closed for input the HTTP/2 stack could not take, "
         "with the GOAWAY code HTTP/2 gives it (protocol_error), streams reset for lacking "
-        ":method or :path (malformed_headers), streams whose request never came "
+        ":method or :path (malformed_headers), streams refused as they opened over the "
+        "connection's concurrent-stream limit (refused_stream: RST_STREAM REFUSED_STREAM, the "
+        "connection goes on), streams whose request never came "
         "(request_timeout), and requests refused because the requests being read held "
         "max_request_bytes_in_flight (request_bytes), and streams ended to make room past "
         "max_pending_requests streams waiting for their request (request_evicted); and "
@@ -439,8 +441,9 @@ def guard_families(svc: object) -> Iterator[Metric]:
         "for a method the relay does not serve (unknown_method: UNIMPLEMENTED).",
         labels=["reason"],
     )  # fmt: skip
-    for reason in (*ABUSE_REASONS, "protocol_error", "malformed_headers", "request_timeout",
-                   "request_bytes", "request_evicted", "not_grpc", "unknown_method"):  # fmt: skip
+    for reason in (*ABUSE_REASONS, "protocol_error", "malformed_headers", "refused_stream",
+                   "request_timeout", "request_bytes", "request_evicted", "not_grpc",
+                   "unknown_method"):  # fmt: skip
         abuse.add_metric([reason], h2.get(reason, 0))
     yield abuse
     tls_revoked = CounterMetricFamily(

@@ -20,7 +20,10 @@ and one whose issuer has no CRL loaded, or only an expired one (it fails closed)
 is checked: with ``CHAIN`` every CA up to the root would need a CRL of its own, and a missing
 one would lock every client out; an intermediate is withdrawn by removing it from the CA bundle.
 The serials each CRL revokes are kept too (``revoked``), for the connections a new CRL must end:
-OpenSSL checks a certificate only at its handshake.
+OpenSSL checks a certificate only at its handshake. OpenSSL picks a CRL's CA by name alone, so a
+CRL that names a CA of the bundle but that none of that name signed (another key under the same
+subject) would fail every client of that CA; it is refused when loaded (``crl_signature``),
+checked on the very bytes loaded, so a start, a reload and each worker refuse it alike.
 """
 
 from __future__ import annotations
@@ -34,7 +37,12 @@ import ssl
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kvrelay.ops.crl_signature import Verdict, verify_crl
+from kvrelay.ops.der import elements as _elements
+from kvrelay.ops.der import tbs_fields as _tbs_fields
+from kvrelay.ops.der import tlv as _tlv
 
 ALPN_H2 = "h2"
 H2_TLS12_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"
@@ -42,6 +50,11 @@ H2_TLS12_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"
 
 class TlsConfigError(ValueError):
     """A certificate, key or CA file is missing or unusable."""
+
+
+class CrlSignatureError(TlsConfigError):
+    """A client CRL names a client CA as its issuer and no CA of that name signed it: OpenSSL
+    would refuse every client of that CA ("CRL signature failure")."""
 
 
 def _context(protocol: int) -> ssl.SSLContext:
@@ -156,6 +169,9 @@ def _server_context(
         ctx.verify_mode = ssl.CERT_REQUIRED
         if client_crl_file is not None:
             crls = _load_crl(ctx, client_crl_file)
+            errors, _unknown = crl_signature_problems(crls, ca, client_ca_file)
+            if errors:  # checked on the bytes loaded, so a file rotated since check-config too
+                raise CrlSignatureError(f"{client_crl_file!r}: " + "; ".join(errors))
             revoked = frozenset((c.issuer, n) for c in crls for n in c.serials)
             certs += [LoadedCertificate("client_crl", c.issuer_cn, c.next_update_unix)
                       for c in crls if c.next_update_unix is not None]  # fmt: skip
@@ -300,45 +316,7 @@ def _describe(pem: str, role: str, path: str) -> LoadedCertificate:
     return LoadedCertificate(role, subject, not_after)
 
 
-def _tlv(buf: bytes, pos: int) -> tuple[int, int, int]:
-    """(tag, value start, value end) of the DER element at ``pos``."""
-    tag = buf[pos]
-    n = buf[pos + 1]
-    pos += 2
-    if n & 0x80:
-        k = n & 0x7F
-        if not 1 <= k <= 4:
-            raise ValueError("bad DER length")
-        n = int.from_bytes(buf[pos : pos + k], "big")
-        pos += k
-    if pos + n > len(buf):
-        raise ValueError("truncated DER")
-    return tag, pos, pos + n
-
-
 _CN_OID = bytes.fromhex("550403")  # 2.5.4.3
-
-
-def _elements(der: bytes, start: int, end: int) -> list[tuple[int, int, int, int]]:
-    """(tag, element start, value start, value end) of each DER element in ``der[start:end]``."""
-    out = []
-    pos = start
-    while pos < end:
-        tag, vstart, vend = _tlv(der, pos)
-        out.append((tag, pos, vstart, vend))
-        pos = vend
-    return out
-
-
-def _tbs_fields(der: bytes) -> list[tuple[int, int, int, int]]:
-    """The fields of a certificate's tbsCertificate, the optional explicit version left out
-    (RFC 5280 §4.1: serial, signature, issuer, validity, subject, ...)."""
-    _t, cert, _e = _tlv(der, 0)
-    _t, pos, end = _tlv(der, cert)  # tbsCertificate
-    fields = [f for f in _elements(der, pos, end) if f[0] != 0xA0]
-    if len(fields) < 5:
-        raise ValueError("short tbsCertificate")
-    return fields
 
 
 def _time(der: bytes, tag: int, start: int, end: int) -> float:
@@ -401,6 +379,7 @@ class RevocationList:
     this_update_unix: float
     next_update_unix: float | None  # None: the CRL names none (OpenSSL never deems it expired)
     serials: frozenset[int]
+    der: bytes = field(default=b"", repr=False, compare=False)  # the whole CRL, for its signature
 
 
 def read_crls(data: bytes, path: str) -> tuple[RevocationList, ...]:
@@ -442,7 +421,7 @@ def read_crls(data: bytes, path: str) -> tuple[RevocationList, ...]:
             msg = f"{path!r}: CRL {i + 1} is not a readable X.509 CRL ({exc})"
             raise TlsConfigError(msg) from exc
         out.append(RevocationList(der[ip:iend], _common_name(der, istart, iend), this_update,
-                                  next_update, frozenset(serials)))  # fmt: skip
+                                  next_update, frozenset(serials), der))  # fmt: skip
     return tuple(out)
 
 
@@ -452,17 +431,21 @@ def crl_problems(
     """What ``check-config`` says of a client CRL file against the client CA bundle: (errors,
     warnings). Errors: a CRL no configured CA issued (OpenSSL would never use it), one past
     its nextUpdate or before its thisUpdate (OpenSSL then refuses *every* client of that CA).
-    Warnings: a CA without a CRL (its clients are refused: no CRL to check them against)."""
+    Errors too: a CRL that names a CA of the bundle as its issuer and that no CA of that name
+    signed (OpenSSL refuses every client of that CA: "CRL signature failure").
+    Warnings: a CA without a CRL (its clients are refused: no CRL to check them against), a CRL
+    whose signature algorithm this relay cannot verify."""
     now = time.time() if now is None else now
     crls = read_crls(_read(crl_file), crl_file)
+    ca_pem = _read(ca_file)
     cas: dict[bytes, str] = {}
-    for block in _pem_blocks(_read(ca_file)):
+    for block in _pem_blocks(ca_pem):
         try:
             der = ssl.PEM_cert_to_DER_cert(block)
             cas[_subject_name(der)] = _subject_and_not_after(der)[0]
         except (ValueError, IndexError) as exc:
             raise TlsConfigError(f"{ca_file!r}: not a readable X.509 certificate ({exc})") from exc
-    errors, warnings = [], []
+    errors, warnings = crl_signature_problems(crls, ca_pem, ca_file)
     for i, crl in enumerate(crls, 1):
         name = f"CRL {i} (issuer CN {crl.issuer_cn!r})"
         if crl.issuer not in cas:
@@ -483,6 +466,45 @@ def crl_problems(
             warnings.append(
                 f"no CRL for client CA {cn!r}: every client certificate it issued is refused "
                 "(OpenSSL has no CRL to check it against)"
+            )
+    return errors, warnings
+
+
+def crl_signature_problems(
+    crls: tuple[RevocationList, ...], ca_pem: bytes, ca_file: str
+) -> tuple[list[str], list[str]]:
+    """(errors, warnings) of the CRLs' signatures against the CAs of the bundle with each one's
+    issuer name: an error when none of them signed it, a warning when none verifies and this
+    module cannot verify the signature of one (an algorithm it does not know). A CRL whose
+    issuer is not in the bundle is left to the issuer check (``crl_problems``)."""
+    by_subject: dict[bytes, list[bytes]] = {}
+    for block in _pem_blocks(ca_pem):
+        try:
+            der = ssl.PEM_cert_to_DER_cert(block)
+            by_subject.setdefault(_subject_name(der), []).append(der)
+        except (ValueError, IndexError):
+            continue  # the bundle's own check names it
+    errors, warnings = [], []
+    for i, crl in enumerate(crls, 1):
+        issuers = by_subject.get(crl.issuer, [])
+        if not issuers:
+            continue
+        verdicts: list[Verdict] = [verify_crl(crl.der, ca) for ca in issuers]
+        if any(v.outcome == "valid" for v in verdicts):
+            continue
+        name = f"CRL {i} (issuer CN {crl.issuer_cn!r})"
+        unknown = [v.detail for v in verdicts if v.outcome == "unknown"]
+        if unknown:
+            warnings.append(
+                f"{name}: its signature could not be verified ({unknown[0]}): if no CA of that "
+                f"name in client_ca {ca_file!r} signed it, OpenSSL refuses every client of it"
+            )
+        else:
+            errors.append(
+                f"{name} is not signed by the key of any CA of that name in client_ca "
+                f"{ca_file!r} ({verdicts[0].detail}): OpenSSL would refuse every client of that "
+                "CA (CRL signature failure); a CRL of another CA with the same name (re-keyed, "
+                "or a staging CA)?"
             )
     return errors, warnings
 

@@ -54,7 +54,12 @@ from kvrelay.service.peercred import SameUserOnly
 from kvrelay.service.reflection import MAX_REFLECTION_STREAMS, reflection_services
 from kvrelay.service.shares import StreamShares, StreamTicket, peer_addr
 from kvrelay.service.spacing import SpacingService
-from kvrelay.service.status import UNSUPPORTED_RPC, status_of, trailers_of
+from kvrelay.service.status import (
+    UNSUPPORTED_RPC,
+    certificate_revoked,
+    status_of,
+    trailers_of,
+)
 from kvrelay.service.validation import check_marker, validate_stream_request
 from kvrelay.service.view import RelayView
 
@@ -867,9 +872,9 @@ class RelayServer:
 
     def revoke(self, is_revoked: Callable[[bytes], bool]) -> int:
         """Client certificates (DER) ``is_revoked`` says are revoked are refused when their
-        handshake ends, and their open connections closed now (``ClosingServer.revoke``): how
-        many were."""
-        return self._server.revoke(is_revoked)
+        handshake ends, and their open connections ended now, every call UNAUTHENTICATED
+        before the close (``ClosingServer.revoke``): how many were."""
+        return self._server.revoke(is_revoked, certificate_revoked)
 
     def listening_socket(self) -> socket.socket:
         """The TCP listener (a hot upgrade hands its descriptor to the successor)."""

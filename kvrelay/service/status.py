@@ -8,6 +8,7 @@ The trailer carries the full enum name, as Dynamo's relay sends it.
 from __future__ import annotations
 
 from grpclib.const import Status
+from grpclib.exceptions import GRPCError
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.errors import RelayError
@@ -39,6 +40,18 @@ def status_of(err: RelayError) -> Status:
 #: An RPC the source does not implement: plain gRPC, no relay reason (a relay that predates the
 #: RPC answers so, and a mirror of one answers the same).
 UNSUPPORTED_RPC = Status.UNIMPLEMENTED
+
+
+#: A call on a connection whose client certificate a reload's CRLs revoke: plain gRPC, no relay
+#: reason (it is about the client, not a pool). UNAUTHENTICATED tells a router not to retry with
+#: that certificate, where the UNAVAILABLE of a lost connection asks it to retry.
+CERTIFICATE_REVOKED = Status.UNAUTHENTICATED
+CERTIFICATE_REVOKED_MESSAGE = "client certificate revoked"
+
+
+def certificate_revoked() -> GRPCError:
+    """What ends each call of a connection whose client certificate was revoked."""
+    return GRPCError(CERTIFICATE_REVOKED, CERTIFICATE_REVOKED_MESSAGE)
 
 
 def trailers_of(err: RelayError) -> dict[str, str]:

@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 from grpclib.client import Channel
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
 
 from benchmarks._common import free_port
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
@@ -181,10 +183,13 @@ client_crl = "{crl}"
 
             shutil.copy(certs.crl_router, crl)
             assert (await daemon.reload(path)).result == "applied"
-            with pytest.raises(Exception):  # noqa: B017 (how grpclib ends it varies)
+            with pytest.raises(GRPCError) as ended:  # its status, before the close
                 async with asyncio.timeout(scaled(10)):
                     async for _ in stream_a:
                         pass
+            assert (ended.value.status, ended.value.message) == (
+                Status.UNAUTHENTICATED, "client certificate revoked"
+            )
             view.add_pool("p3", 4096)
             await _pools(stream_b, 3)  # the other router's stream is untouched
             with pytest.raises(Exception):  # noqa: B017 (refused at the handshake)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import ssl
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +21,8 @@ from types import ModuleType
 import grpc
 import pytest
 from grpclib.client import Channel
+from h2.config import H2Configuration
+from h2.connection import H2Connection
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.ops.config import check_file
@@ -129,25 +133,47 @@ async def test_a_revoked_client_is_refused_at_the_handshake_and_counted(
     await _serving(crls, crls.router, body)
 
 
-async def test_a_reload_that_revokes_a_client_closes_its_open_connection(crls: Crls) -> None:
+async def test_a_reload_that_revokes_a_client_ends_its_streams_unauthenticated(
+    crls: Crls, official_pb2: dict[str, ModuleType]
+) -> None:
     """The worker's reload line (the daemon's reload does the same): the new CRL is loaded and
-    the open connection of the certificate it revokes ends; another client's stays."""
+    every stream of the connection whose certificate it revokes ends UNAUTHENTICATED with the
+    reason (a relay stream and a health watch, on one grpcio connection), before the close;
+    another client's connection stays."""
+    from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+
     p = crls.pki
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=p.server_ca.read_bytes(), private_key=p.client_key.read_bytes(),
+        certificate_chain=p.client_cert.read_bytes(),
+    )  # fmt: skip
 
     async def body(server: RelayServer, tls: ReloadableServerContext) -> None:
         control = WorkerControl(None, server=server, tls=tls)
-        request = pb.WatchKvPoolCatalogRequest(subscriber_id="crl", contract_marker=MARKER)
-        async with Channel("127.0.0.1", server.port,
-                           ssl=_ctx(crls, (p.client_cert, p.client_key))) as revoked, \
+        relay = official_pb2["relay"]
+        request = relay.WatchKvPoolCatalogRequest(subscriber_id="crl", contract_marker=MARKER)
+        async with grpc.aio.secure_channel(f"127.0.0.1:{server.port}", creds) as revoked, \
                 Channel("127.0.0.1", server.port, ssl=_ctx(crls, crls.other)) as kept:  # fmt: skip
-            stream = pb.KvEventRelayStub(revoked).watch_kv_pool_catalog(request)
-            first = await asyncio.wait_for(anext(stream), scaled(10))
-            assert first is not None
+            catalog = official_pb2["relay_grpc"].KvEventRelayStub(revoked).WatchKvPoolCatalog(
+                request
+            )
+            watch = revoked.unary_stream(
+                "/grpc.health.v1.Health/Watch",
+                request_serializer=HealthCheckRequest.SerializeToString,
+                response_deserializer=HealthCheckResponse.FromString,
+            )(HealthCheckRequest())
+            for stream in (catalog, watch):
+                assert await asyncio.wait_for(stream.read(), scaled(10)) is not None
             files = {"cert": str(p.server_cert), "key": str(p.server_key),
                      "client_ca": str(p.client_ca), "client_crl": str(crls.router)}  # fmt: skip
             control.line(TLS_LINE + json.dumps(files))
-            with pytest.raises(Exception):  # noqa: B017 (how grpclib ends it varies)
-                await asyncio.wait_for(anext(stream), scaled(10))
+            for stream in (catalog, watch):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    while True:
+                        await asyncio.wait_for(stream.read(), scaled(10))
+                assert (err.value.code(), err.value.details()) == (
+                    grpc.StatusCode.UNAUTHENTICATED, "client certificate revoked"
+                )
             assert server.service.h2_counters.closed.get("tls_revoked_open") == 1
             info = await asyncio.wait_for(
                 pb.KvEventRelayStub(kept).get_relay_info(
@@ -156,6 +182,48 @@ async def test_a_reload_that_revokes_a_client_closes_its_open_connection(crls: C
                 scaled(10),
             )
             assert info.relay is not None
+
+    await _serving(crls, crls.none, body)
+
+
+def _silent_client(port: int, ctx: ssl.SSLContext, done: threading.Event) -> None:
+    """A client that opens a catalog stream and then reads nothing, not even the TLS close."""
+    with socket.create_connection(("127.0.0.1", port)) as raw, \
+            ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:  # fmt: skip
+        h2 = H2Connection(H2Configuration(client_side=True))
+        h2.initiate_connection()
+        h2.send_headers(1, [(":method", "POST"), (":scheme", "https"), (":authority", "relay"),
+                            (":path", "/dynamo.kvrelay.v1.KvEventRelay/WatchKvPoolCatalog"),
+                            ("content-type", "application/grpc"), ("te", "trailers")])  # fmt: skip
+        body = bytes(pb.WatchKvPoolCatalogRequest(subscriber_id="mute", contract_marker=MARKER))
+        h2.send_data(1, b"\x00" + len(body).to_bytes(4, "big") + body)
+        tls.sendall(h2.data_to_send())
+        done.wait(30)
+
+
+async def test_a_revoked_client_that_reads_nothing_does_not_hold_its_connection(
+    crls: Crls,
+) -> None:
+    """The revoked connection of a client that reads nothing (so it never answers the TLS
+    close) is aborted ``revoked_close_s`` after the reload, not held for the TLS layer's 30 s."""
+    p = crls.pki
+
+    async def body(server: RelayServer, tls: ReloadableServerContext) -> None:
+        server._server.revoked_close_s = 0.3
+        caps = server._server.connection_caps
+        assert caps is not None
+        done = threading.Event()
+        client = asyncio.ensure_future(asyncio.to_thread(
+            _silent_client, server.port, _ctx(crls, (p.client_cert, p.client_key)), done
+        ))  # fmt: skip
+        try:
+            await _until(lambda: server.service.catalog_permits.in_use == 1)
+            tls.reload(str(p.server_cert), str(p.server_key), str(p.client_ca), str(crls.router))
+            assert server.revoke(tls.is_revoked) == 1
+            await _until(lambda: caps.open == 0, timeout=3)
+        finally:
+            done.set()
+            await client
 
     await _serving(crls, crls.none, body)
 

@@ -19,10 +19,21 @@ def _run(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
 
 
-def make_ca(d: Path, name: str) -> tuple[Path, Path]:
+#: ``make_ca``'s key types: ``openssl req`` options for each.
+CA_KEYS = {
+    "p256": _EC,
+    "p384": ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:secp384r1", "-nodes"],
+    "secp256k1": ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:secp256k1", "-nodes"],
+    "rsa": ["-newkey", "rsa:2048", "-nodes"],
+    "ed25519": ["-newkey", "ed25519", "-nodes"],
+}
+
+
+def make_ca(d: Path, name: str, *, key_type: str = "p256") -> tuple[Path, Path]:
+    """A self-signed CA with subject ``CN=name`` and a new key of ``key_type`` (``CA_KEYS``)."""
     crt, key = d / f"{name}.crt", d / f"{name}.key"
     _run(
-        "req", "-x509", *_EC, "-keyout", str(key), "-out", str(crt), "-days", "2",
+        "req", "-x509", *CA_KEYS[key_type], "-keyout", str(key), "-out", str(crt), "-days", "2",
         "-subj", f"/CN={name}",
         "-addext", "basicConstraints=critical,CA:TRUE",
         "-addext", "keyUsage=critical,keyCertSign,cRLSign",
@@ -96,10 +107,13 @@ def make_crl(
     *,
     last_update: str | None = None,
     next_update: str | None = None,
+    md: str = "sha256",
+    sigopts: Sequence[str] = (),
 ) -> Path:
     """A PEM CRL that ``ca`` signs, revoking the certificates ``revoked`` (``openssl ca``'s
     database in a directory of its own); ``last_update`` / ``next_update`` as
-    ``YYYYMMDDHHMMSSZ`` (default: now and one day on)."""
+    ``YYYYMMDDHHMMSSZ`` (default: now and one day on); ``md`` its digest (``default`` for
+    Ed25519), ``sigopts`` such as ``rsa_padding_mode:pss``."""
     work = d / f"{name}.ca"
     work.mkdir()
     (work / "index.txt").write_text("")
@@ -107,7 +121,7 @@ def make_crl(
     conf = work / "ca.cnf"
     conf.write_text(
         "[ca]\ndefault_ca = d\n[d]\ndatabase = index.txt\ncrlnumber = crlnumber\n"
-        "default_md = sha256\ndefault_crl_days = 1\n"
+        f"default_md = {md}\ndefault_crl_days = 1\n"
     )
     keys = ["-config", str(conf.resolve()), "-cert", str(ca[0].resolve()),
             "-keyfile", str(ca[1].resolve())]  # fmt: skip
@@ -119,5 +133,6 @@ def make_crl(
         times += ["-crl_lastupdate", last_update]
     if next_update is not None:
         times += ["-crl_nextupdate", next_update]
-    _run("ca", *keys, "-gencrl", *times, "-out", str(out.resolve()), cwd=work)
+    opts = [arg for opt in sigopts for arg in ("-sigopt", opt)]
+    _run("ca", *keys, "-gencrl", *times, *opts, "-out", str(out.resolve()), cwd=work)
     return out

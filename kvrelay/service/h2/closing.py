@@ -16,11 +16,19 @@ Each connection's protocol is also mended where grpclib mishandles hostile input
 connection caps. A TLS listener listens on plain TCP: each connection is admitted under the caps
 before its handshake, which ``tls_gate.py`` then runs under a deadline.
 
-``revoke(is_revoked)``: from then on each TLS connection's client certificate is also checked
-against the CRLs in use when its handshake ends, and the open connections are checked at once
-(a reload brought new CRLs: OpenSSL checks a certificate only at the handshake). An open
-connection whose certificate is revoked is closed as at shutdown, with its GOAWAY; its streams
-end as they do when a client goes away.
+``revoke(is_revoked, ending)``: from then on each TLS connection's client certificate is also
+checked against the CRLs in use when its handshake ends, and the open connections are checked at
+once (a reload brought new CRLs: OpenSSL checks a certificate only at the handshake). Every
+request of an open connection whose certificate is revoked ends with ``ending()`` as its status
+(the service's UNAUTHENTICATED, ``status.py``: a router must not retry with that certificate,
+where a lost connection's UNAVAILABLE asks it to), a request that arrives meanwhile too; once
+they have all ended (their trailers written) and the client has acknowledged a PING sent after
+them (it has read them: grpclib's client drops a status it has not read when the connection
+closes), the connection gets its GOAWAY and is closed, as a drain ends its connections. A client
+that does not read, or does not close its side once told, does not keep the connection:
+``revoked_close_s`` after the reload it is aborted (the TLS layer waits 30 s for its close).
+A request cut in the middle of a message is reset instead (``bulk.abandon``: trailers there
+would read as the rest of the message).
 """
 
 from __future__ import annotations
@@ -40,9 +48,13 @@ from kvrelay.service.h2.internals import (
     H2Protocol,
     bound_closed_streams,
     close_unstarted,
+    end_requests,
+    flushed_to_client,
     missing_in_closed_streams,
+    missing_in_revoke,
     missing_in_stream_cap,
     once_connected,
+    put_stream_cap_in_force,
 )
 from kvrelay.service.h2.mend import mend_protocol
 from kvrelay.service.h2.tls_gate import TLS_HANDSHAKE_TIMEOUT_S, TlsGate, peer_certificate
@@ -50,7 +62,13 @@ from kvrelay.service.h2.tls_gate import TLS_HANDSHAKE_TIMEOUT_S, TlsGate, peer_c
 #: A TLS listener's context: one, or what gives the one in use now (a reload may replace it).
 TlsSource = ssl.SSLContext | Callable[[], ssl.SSLContext]
 
-__all__ = ["ClosingServer"]
+__all__ = ["REVOKED_CLOSE_S", "ClosingServer"]
+
+#: Seconds a revoked connection has, from the reload, for its requests' statuses and its
+#: close; then it is aborted (a client that does not read must not hold it).
+REVOKED_CLOSE_S = 2.0
+#: How often a revoked connection is looked at for requests that started meanwhile.
+_REVOKED_POLL_S = 0.05
 
 
 class ClosingServer(Server):
@@ -76,6 +94,10 @@ class ClosingServer(Server):
         self._gates: weakref.WeakSet[TlsGate] = weakref.WeakSet()
         #: whether a client certificate (DER) is revoked now (``revoke``); None: no check
         self._is_revoked: Callable[[bytes], bool] | None = None
+        self.revoked_close_s = REVOKED_CLOSE_S
+        #: revoked connections being ended (``revoke``): their gates, and the tasks ending them
+        self._revoking: weakref.WeakSet[TlsGate] = weakref.WeakSet()
+        self._endings: set[asyncio.Task[None]] = set()
 
     async def start(self, *args: Any, ssl: TlsSource | None = None, **kwargs: Any) -> None:
         """grpclib's ``start``; with ``ssl``, on plain TCP, each connection's TLS handshake run
@@ -149,6 +171,8 @@ class ClosingServer(Server):
             notice.drain()
 
     def close_connections(self) -> None:
+        for task in list(self._endings):
+            task.cancel()  # a revoked connection being ended: aborted, as the rest are closed
         for gate in list(self._gates):
             gate.abort()  # still handshaking: it has no stream to end
         for proto in list(self._protocols):
@@ -166,21 +190,63 @@ class ClosingServer(Server):
         processor.close(reason)
         return True
 
-    def revoke(self, is_revoked: Callable[[bytes], bool]) -> int:
-        """Check client certificates with ``is_revoked`` from now on, and close the open
-        connections it revokes now (see the module docstring): how many, also counted as
-        ``tls_revoked_open`` with the HTTP/2 counters."""
+    def revoke(
+        self, is_revoked: Callable[[bytes], bool], ending: Callable[[], Exception]
+    ) -> int:
+        """Check client certificates with ``is_revoked`` from now on, and end the open
+        connections it revokes now, each request with ``ending()`` as its status (see the
+        module docstring): how many, also counted as ``tls_revoked_open`` with the HTTP/2
+        counters."""
         self._is_revoked = is_revoked
         ended = 0
         for gate in list(self._gates):
             tls = gate.tls
-            if tls is None or tls.is_closing() or not self._revoked_transport(tls):
+            if (tls is None or tls.is_closing() or gate in self._revoking
+                    or not self._revoked_transport(tls)):  # fmt: skip
                 continue
-            if self._close(gate.inner, "client certificate revoked"):
+            if self._end_revoked(gate, ending):
                 ended += 1
         if ended and self.h2_guard is not None:
             self.h2_guard[1].count("tls_revoked_open", ended)
         return ended
+
+    def _end_revoked(self, gate: TlsGate, ending: Callable[[], Exception]) -> bool:
+        """Start ending a revoked connection; False when its protocol never started."""
+        proto = gate.inner
+        if getattr(proto, "connection", None) is None or getattr(proto, "processor", None) is None:
+            return False
+        self._revoking.add(gate)
+        task = asyncio.get_running_loop().create_task(self._ending_revoked(gate, ending))
+        self._endings.add(task)
+        task.add_done_callback(self._endings.discard)
+        return True
+
+    async def _ending_revoked(self, gate: TlsGate, ending: Callable[[], Exception]) -> None:
+        """Each request's status, then the GOAWAY and the close, all within
+        ``revoked_close_s``; the connection is aborted if it is still there then."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.revoked_close_s
+        proto, lost = gate.inner, gate.when_lost()
+        try:
+            if not missing_in_revoke(proto):
+                # until none runs: a request the client sent meanwhile is ended too
+                while running := end_requests(proto, ending):
+                    left = deadline - loop.time()
+                    if left <= 0 or lost.done():
+                        break
+                    await asyncio.wait((*running, lost), timeout=min(left, _REVOKED_POLL_S),
+                                       return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            read = None if lost.done() else flushed_to_client(proto)
+            if read is not None:  # the client has read the statuses before it sees the close
+                await asyncio.wait((read, lost), timeout=max(0.0, deadline - loop.time()),
+                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            if not lost.done():
+                self._close(proto, "client certificate revoked")  # flushes what was written
+                await asyncio.wait((lost,), timeout=max(0.0, deadline - loop.time()))
+        finally:
+            tls: Any = gate.tls
+            if not lost.done() and tls is not None:
+                tls.abort()  # a client that does not read, or does not close its side
 
     def _revoked_transport(self, transport: asyncio.BaseTransport) -> bool:
         check = self._is_revoked
@@ -191,15 +257,21 @@ class ClosingServer(Server):
 
 
 def _announce_stream_cap(proto: H2Protocol, streams: int) -> None:
-    """Tell the client, right after grpclib's own SETTINGS, how many streams it may open at once.
-    h2 says 100, below what the relay's limits allow one connection: a mirror (so every fan-out
-    worker) or an SDK subscribing to more than about 96 pools on one channel had the rest of its
-    streams wait, without a byte or a status, for one of the first to end. (Internals gone:
-    h2's 100 stays.)"""
+    """Tell the client, right after grpclib's own SETTINGS, how many streams it may open at once,
+    and enforce that from the first byte. h2 says 100, below what the relay's limits allow one
+    connection: a mirror (so every fan-out worker) or an SDK subscribing to more than about 96
+    pools on one channel had the rest of its streams wait, without a byte or a status, for one
+    of the first to end. h2 enforces what it announces only once the client acknowledges it,
+    its 100 until then; a client may open streams before it has read the relay's SETTINGS (RFC
+    9113's initial limit is unlimited), so the cap is put in force at once
+    (``internals.put_stream_cap_in_force``; where that is missing, h2's 100 until the ACK). A
+    stream over the limit in force is refused alone (``mend.py``). (Internals gone: h2's 100
+    stays.)"""
 
     def install(_transport: Any) -> None:
         conn = proto.connection
         conn._connection.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: streams})
+        put_stream_cap_in_force(proto, streams)
         conn.flush()
 
     once_connected(proto, missing_in_stream_cap, install)

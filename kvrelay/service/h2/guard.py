@@ -33,7 +33,9 @@ opened below its newest one: h2 drops what it carries and answers each frame wit
 stream, and reading nothing, kept a core busy and grew the relay by about 1 MiB a second of
 RST_STREAM frames queued for it, for as long as it went on. The guard knows the streams whose
 client side is open (at most ``max_open_streams``, oldest forgotten first: the server sets it
-from its stream limit per connection); a request's own frames never count.
+from its stream limit per connection); a request's own frames never count. A stream the relay
+refuses as it opens (over the stream limit, ``mend.py``) is closed from then on
+(``server_closed``): its client's frames on it, each answered with RST_STREAM, count too.
 
 WINDOW_UPDATE frames cannot have a fixed budget: a client sends them to give back the window the
 relay's DATA used, so a router reading thousands of deltas a second sends them in proportion.
@@ -76,6 +78,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,6 +93,7 @@ __all__ = [
     "FrameGuard",
     "H2Budgets",
     "H2Counters",
+    "server_closed",
 ]
 
 PREFACE_LEN = 24  # b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -349,6 +353,19 @@ class FrameGuard:
             t.close()  # flushes the GOAWAY, then closes
 
 
+#: The streams each guarded connection's client holds open (``FrameGuard._open``), by protocol:
+#: ints only, so the protocol is not kept alive by its entry.
+_OPEN: weakref.WeakKeyDictionary[Any, dict[int, None]] = weakref.WeakKeyDictionary()
+
+
+def server_closed(proto: Any, stream: int) -> None:
+    """The relay closed ``stream`` of ``proto``'s connection before its client ended it (refused
+    as it opened): the client's frames on it from now on are frames on a closed stream."""
+    opened = _OPEN.get(proto)
+    if opened is not None:
+        opened.pop(stream, None)
+
+
 def guard_protocol(proto: Any, budgets: H2Budgets, counters: H2Counters) -> None:
     """Put a ``FrameGuard`` in front of ``proto.data_received``, handing h2 at most
     ``MAX_FEED_BYTES`` per loop turn. Installed before the transport exists: uvloop's
@@ -365,6 +382,7 @@ def guard_protocol(proto: Any, budgets: H2Budgets, counters: H2Counters) -> None
         nonlocal guard, transport
         transport = t
         guard = FrameGuard(t, budgets, counters)
+        _OPEN[proto] = guard._open
 
     def count_sent(_t: Any) -> None:  # (grpclib's connection exists from then)
         if guard is not None:

@@ -13,6 +13,9 @@ real stream.
 
 from __future__ import annotations
 
+import asyncio
+import os
+from collections import deque
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -20,14 +23,21 @@ from grpclib.protocol import Connection as _GrpclibConnection
 from grpclib.protocol import H2Protocol
 from grpclib.protocol import Stream as _GrpclibStream
 from grpclib.server import Server
+from grpclib.utils import Wrapper
 from h2.connection import ConnectionInputs, ConnectionState, H2Connection
 from h2.errors import ErrorCodes
-from h2.stream import StreamInputs, StreamState
+from h2.events import PingAckReceived
+from h2.exceptions import DenialOfServiceError, ProtocolError, StreamIDTooLowError
+from h2.settings import SettingCodes
+from h2.stream import StreamClosedBy, StreamInputs, StreamState
 from h2.utilities import SizeLimitDict
 from hpack import Encoder
+from hpack.exceptions import HPACKError, OversizedHeaderListError
+from hyperframe.frame import HeadersFrame, RstStreamFrame
 
 __all__ = [
     "CANCEL",
+    "CAP_IN_FORCE_NEEDS",
     "CLASS_NEEDS",
     "CLOSED_STREAMS_NEEDS",
     "DRAIN_NEEDS",
@@ -39,7 +49,9 @@ __all__ = [
     "NO_ERROR",
     "PROCESSOR_NEEDS",
     "PROTOCOL_NEEDS",
+    "REFUSE_NEEDS",
     "REQUEST_NEEDS",
+    "REVOKE_NEEDS",
     "SEND_DATA_CONNECTION",
     "SEND_DATA_CONNECTION_NOOP",
     "SEND_DATA_STREAM",
@@ -52,8 +64,11 @@ __all__ = [
     "capped_encoder",
     "close_unstarted",
     "data_frames_sent",
+    "end_requests",
+    "flushed_to_client",
     "live_internals",
     "missing",
+    "missing_in_cap_in_force",
     "missing_in_classes",
     "missing_in_closed_streams",
     "missing_in_drain",
@@ -62,9 +77,13 @@ __all__ = [
     "missing_in_hpack_encoder",
     "missing_in_processor",
     "missing_in_protocol",
+    "missing_in_refuse",
+    "missing_in_revoke",
     "missing_in_sent",
     "missing_in_stream_cap",
     "once_connected",
+    "put_stream_cap_in_force",
+    "refuse_headers",
     "stream_internals",
 ]
 
@@ -225,6 +244,97 @@ STREAM_CAP_NEEDS: tuple[tuple[str, str], ...] = (
 def missing_in_stream_cap(proto: Any) -> list[str]:
     """``where.attribute`` for each of ``STREAM_CAP_NEEDS`` this connected protocol lacks."""
     return _missing_on_connection(proto, STREAM_CAP_NEEDS)
+
+
+#: What ``closing`` changes to put the stream cap it announces in force at once: h2's local
+#: settings keep, per setting, the value in force followed by those announced and not yet
+#: acknowledged (``local_settings._settings``, a deque per setting), ``where`` as in
+#: ``DRAIN_NEEDS`` or ``local_settings``. Without them h2's 100 is in force until the client
+#: acknowledges the relay's SETTINGS.
+CAP_IN_FORCE_NEEDS: tuple[tuple[str, str], ...] = (
+    ("proto", "connection"),
+    ("connection", "_connection"),
+    ("h2", "local_settings"),
+    ("local_settings", "_settings"),
+)
+
+
+def missing_in_cap_in_force(proto: Any) -> list[str]:
+    """``where.attribute`` for each of ``CAP_IN_FORCE_NEEDS`` this connected protocol lacks."""
+    h2 = getattr(getattr(proto, "connection", None), "_connection", None)
+    objects = {"proto": proto, "connection": getattr(proto, "connection", None), "h2": h2,
+               "local_settings": getattr(h2, "local_settings", None)}  # fmt: skip
+    return [f"{w}.{a}" for w, a in CAP_IN_FORCE_NEEDS if not hasattr(objects[w], a)]
+
+
+def put_stream_cap_in_force(proto: Any, streams: int) -> bool:
+    """Make h2 enforce ``streams`` as the connected ``proto``'s limit of concurrent inbound
+    streams now, rather than once the client acknowledges the SETTINGS that announced it (False,
+    nothing changed, where the internals are missing). The values announced and not yet
+    acknowledged stay queued behind it, so the client's ACK changes nothing more.
+
+    Why: RFC 9113 lets a client open streams before it has read the server's SETTINGS (the
+    initial limit is unlimited), and h2 holds its built-in 100 until the ACK: a client opening
+    more in its first flight (tonic does) was over a limit it had not been told."""
+    if missing_in_cap_in_force(proto):
+        return False
+    values = proto.connection._connection.local_settings._settings
+    held = values.get(SettingCodes.MAX_CONCURRENT_STREAMS) if isinstance(values, dict) else None
+    if not isinstance(held, deque) or not held:
+        return False
+    held[0] = streams
+    return True
+
+
+#: What ``mend`` uses to refuse a stream over the limit in force with RST_STREAM instead of
+#: h2's connection error: h2's frame handlers by frame class (a dict; the HEADERS one wrapped),
+#: its HPACK ``decoder`` (a refused header block still changes the table), its connection
+#: state machine, the highest stream id it received and its memo of how streams closed
+#: (``CLOSED_STREAMS_NEEDS``), ``where`` as in ``DRAIN_NEEDS``. Without them h2 ends the
+#: connection (GOAWAY ``PROTOCOL_ERROR``).
+REFUSE_NEEDS: tuple[tuple[str, str], ...] = (
+    ("proto", "connection"),
+    ("connection", "_connection"),
+    ("h2", "_frame_dispatch_table"),
+    ("h2", "decoder"),
+    ("h2", "state_machine"),
+    ("h2", "highest_inbound_stream_id"),
+    ("h2", "_closed_streams"),
+)
+
+
+def missing_in_refuse(proto: Any) -> list[str]:
+    """``where.attribute`` for each of ``REFUSE_NEEDS`` this connected protocol lacks."""
+    out = _missing_on_connection(proto, REFUSE_NEEDS)
+    table = getattr(getattr(getattr(proto, "connection", None), "_connection", None),
+                    "_frame_dispatch_table", None)  # fmt: skip
+    if table is not None and not (isinstance(table, dict) and HeadersFrame in table):
+        out.append("h2._frame_dispatch_table (a dict with HeadersFrame)")
+    return out
+
+
+def refuse_headers(h2: Any, frame: HeadersFrame, error_code: int) -> tuple[list[Any], list[Any]]:
+    """h2's handling of a HEADERS frame that opens a stream, for one refused (a frame handler's
+    ``(frames to send, events)``): the header block decoded (the HPACK table changes with every
+    block), the stream id taken and remembered as reset by the relay, so that the client's later
+    frames on it are answered as on any stream the relay reset, and RST_STREAM ``error_code``
+    queued; no stream, no event. A frame h2 would not open a stream for raises what h2 raises
+    for it then."""
+    try:
+        h2.decoder.decode(frame.data, raw=True)
+    except OversizedHeaderListError as e:  # (as h2 reads a header block)
+        raise DenialOfServiceError(f"Oversized header block: {e}") from e
+    except (HPACKError, IndexError, TypeError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"Error decoding header block: {e}") from e
+    events = h2.state_machine.process_input(ConnectionInputs.RECV_HEADERS)
+    sid, highest = frame.stream_id, h2.highest_inbound_stream_id
+    if sid <= highest:
+        raise StreamIDTooLowError(sid, highest)  # a closed stream's: h2 answers it as such
+    if sid % 2 != 1:
+        raise ProtocolError("Invalid stream ID for peer.")
+    h2.highest_inbound_stream_id = sid
+    h2._closed_streams[sid] = StreamClosedBy.SEND_RST_STREAM
+    return [RstStreamFrame(sid, error_code=error_code)], list(events)
 
 
 #: What is used of a connected server protocol's events processor (grpclib makes it in
@@ -468,3 +578,66 @@ def live_internals(stream: Any) -> Parts | None:
     if parts is None or parts.inner._transport is None:
         return None
     return parts
+
+
+#: What ``closing`` uses to end each request of a connection whose client certificate a reload
+#: revoked with a status: the request tasks by stream (``PROTOCOL_NEEDS``) and each request's
+#: grpclib ``Wrapper`` (``wrapper`` on grpclib's protocol stream, set as the request starts):
+#: ``Wrapper.cancel(error)`` cancels the task and raises ``error`` where it leaves the wrapper,
+#: as grpclib's own deadline does, so a ``GRPCError`` is written as the call's trailers.
+#: ``where`` is ``handler`` or ``Wrapper`` (the class; a live stream's ``wrapper`` is checked by
+#: ``test_internals``). Without them the connection is closed as at shutdown, its streams
+#: without a status.
+REVOKE_NEEDS: tuple[tuple[str, str], ...] = (
+    ("handler", "_tasks"),
+    ("Wrapper", "cancel"),
+    ("Wrapper", "cancelled"),
+)
+
+
+def missing_in_revoke(proto: Any) -> list[str]:
+    """``where.attribute`` for each of ``REVOKE_NEEDS`` this server protocol lacks."""
+    objects = {"handler": getattr(proto, "handler", None), "Wrapper": Wrapper}
+    return [f"{w}.{a}" for w, a in REVOKE_NEEDS if not hasattr(objects[w], a)]
+
+
+def end_requests(proto: Any, error: Callable[[], Exception]) -> list[Any]:
+    """End each running request of ``proto``'s connection with ``error()`` (see
+    ``REVOKE_NEEDS``; once per request); returns the tasks of those still running. A request
+    whose task has not started yet (no wrapper) is ended by a later call."""
+    running = []
+    for stream, task in list(proto.handler._tasks.items()):
+        if task.done():
+            continue
+        running.append(task)
+        wrapper = getattr(stream, "wrapper", None)
+        if isinstance(wrapper, Wrapper) and not wrapper.cancelled:
+            wrapper.cancel(error())
+    return running
+
+
+def flushed_to_client(proto: Any) -> asyncio.Future[None] | None:
+    """Send a PING on the connected ``proto``: the future is done once the client acknowledges
+    it, so has read every frame written before it (a revoked connection's statuses: grpclib's
+    client drops a status it has not read yet when the connection closes). None where the
+    internals are missing (``PROCESSOR_NEEDS``, ``DRAIN_NEEDS``; grpclib's handler of PING ACKs,
+    by h2 event type, is wrapped)."""
+    if missing_in_processor(proto) or missing_in_drain(proto):
+        return None
+    processors = proto.processor.processors
+    acked = processors.get(PingAckReceived)
+    if acked is None:
+        return None
+    opaque = os.urandom(8)
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def on_ack(event: PingAckReceived) -> None:
+        if event.ping_data == opaque and not done.done():
+            done.set_result(None)
+        acked(event)
+
+    processors[PingAckReceived] = on_ack
+    conn = proto.connection
+    conn._connection.ping(opaque)
+    conn.flush()
+    return done

@@ -7,7 +7,8 @@
 * **Requests without ``:method`` or ``:path``.** grpclib reads them unchecked (h2 is set not to
   validate): each such stream raised ``KeyError`` into an ERROR log with a traceback and was
   never answered. Such a stream is reset (``PROTOCOL_ERROR``) before grpclib sees it, and counted
-  (``malformed_headers``).
+  (``malformed_headers``); its client's frames on it from then on count as frames on a closed
+  stream (``guard.server_closed``).
 * **Frame types HTTP/2 does not define.** RFC 9113 says to ignore them; grpclib raised on h2's
   event for one and the connection died without a GOAWAY. They are ignored.
 * **An empty DATA frame that does not end its stream.** It is legal and carries nothing, but
@@ -33,6 +34,17 @@
   encode (1 ms at 10,000 entries, 6 ms at 100,000, on the one event loop). RFC 7541 §4.2 lets
   an encoder use less than the peer allows: the table is held to ``RESPONSE_HEADER_TABLE_BYTES``
   (HTTP/2's default, 4 KiB) whatever the client advertises; a smaller size is still honoured.
+* **A stream over the limit in force.** h2 raised ``TooManyStreamsError`` for a HEADERS frame
+  that opened one stream more than the connection's limit, a connection error: GOAWAY
+  ``PROTOCOL_ERROR``, and every stream of the connection failed with it. RFC 9113 §5.1.2 makes
+  it a stream error; a client may well open more streams than the relay allows before it has
+  read the relay's SETTINGS (the initial limit is unlimited). That stream alone is now reset
+  with ``REFUSED_STREAM`` (which tells a gRPC client it was not processed, so it may retry),
+  its header block still decoded, and counted (``refused_stream``); the connection and its
+  other streams go on. The guard counts the stream as any new one (``max_streams``), and its
+  client's frames on it from then on as frames on a closed stream (``guard.server_closed``).
+  (``closing`` puts the relay's own limit in force from the first byte, so a client that opens
+  no more than it is told is never refused.)
 * **Requests grpclib answers itself** (not gRPC: HTTP 405, 415 or 400; a method the relay
   does not serve: ``UNIMPLEMENTED``) were counted nowhere; they are now (``not_grpc``,
   ``unknown_method``), grpclib's answers unchanged.
@@ -42,29 +54,33 @@
 
 Uses grpclib's private protocol parts (``internals.PROTOCOL_NEEDS``; for the undefined frame
 types and empty DATA also ``PROCESSOR_NEEDS``, for h2's connection errors ``FEED_NEEDS``, for the
-header table ``ENCODER_NEEDS`` and ``HPACK_ENCODER_NEEDS``); without them the protocol is left as
-grpclib made it. Installed before the transport exists (uvloop's transports keep the
-``data_received`` they find when made).
+header table ``ENCODER_NEEDS`` and ``HPACK_ENCODER_NEEDS``, for a stream over the limit
+``REFUSE_NEEDS``); without them the protocol is left as grpclib made it. Installed before the
+transport exists (uvloop's transports keep the ``data_received`` they find when made).
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from h2.errors import ErrorCodes
 from h2.events import DataReceived, UnknownFrameReceived
-from h2.exceptions import ProtocolError
+from h2.exceptions import ProtocolError, TooManyStreamsError
+from hyperframe.frame import HeadersFrame
 
-from kvrelay.service.h2.guard import H2Counters, goaway
+from kvrelay.service.h2.guard import H2Counters, goaway, server_closed
 from kvrelay.service.h2.internals import (
     H2Protocol,
     capped_encoder,
     missing_in_encoder,
     missing_in_feed,
     missing_in_protocol,
+    missing_in_refuse,
     once_connected,
+    refuse_headers,
 )
 from kvrelay.service.h2.request import note_request_encoding
 
@@ -81,6 +97,9 @@ def mend_protocol(proto: H2Protocol, counters: H2Counters) -> None:
         return
     handler: Any = proto.handler
     accept = handler.accept
+    # (grpclib's server keeps a connection's handler a while after it closed: what the handler
+    # holds must not keep the protocol)
+    this = weakref.ref(proto)
     received = proto.data_received
     transport: Any = None
 
@@ -99,6 +118,9 @@ def mend_protocol(proto: H2Protocol, counters: H2Counters) -> None:
             counters.count("malformed_headers")
             with contextlib.suppress(Exception):
                 stream.reset_nowait(ErrorCodes.PROTOCOL_ERROR)
+            me = this()  # (its client's frames on it: on a closed stream)
+            if me is not None:
+                server_closed(me, stream.id)
             release_once()
             return
         unserved = _unserved(headers, handler.mapping)
@@ -124,6 +146,8 @@ def mend_protocol(proto: H2Protocol, counters: H2Counters) -> None:
                 processors[DataReceived] = _without_empty(data)
         if not missing_in_feed(proto):
             _tell_connection_errors(proto.connection, t, counters)
+        if not missing_in_refuse(proto):
+            _refuse_over_limit(proto, counters)
         if not missing_in_encoder(proto):
             encoder = capped_encoder(RESPONSE_HEADER_TABLE_BYTES)
             if encoder is not None:  # (nothing is encoded before the first request)
@@ -163,6 +187,26 @@ def _tell_connection_errors(conn: Any, transport: Any, counters: H2Counters) -> 
             raise
 
     conn.feed = feed_told
+
+
+def _refuse_over_limit(proto: H2Protocol, counters: H2Counters) -> None:
+    """Reset a stream h2 finds over the limit in force with ``REFUSED_STREAM`` instead of
+    ending the connection (module docstring). h2 checks the limit before it changes anything
+    for the frame (``test_internals`` checks it), so the refusal takes the frame from there."""
+    h2: Any = proto.connection._connection
+    table = h2._frame_dispatch_table
+    receive = table[HeadersFrame]
+
+    def receive_headers(frame: HeadersFrame) -> Any:
+        try:
+            return receive(frame)
+        except TooManyStreamsError:
+            out = refuse_headers(h2, frame, ErrorCodes.REFUSED_STREAM)
+            counters.count("refused_stream")
+            server_closed(proto, frame.stream_id)
+            return out
+
+    table[HeadersFrame] = receive_headers
 
 
 def _unserved(headers: Any, mapping: Any) -> str | None:

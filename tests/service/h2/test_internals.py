@@ -22,6 +22,7 @@ import hpack
 from grpclib.client import Channel
 from grpclib.const import Cardinality, Handler
 from grpclib.encoding.base import CodecBase
+from grpclib.utils import Wrapper
 
 import kvrelay
 from kvrelay.service.h2.closing import ClosingServer
@@ -51,6 +52,7 @@ from kvrelay.service.h2.internals import (
     missing_in_hpack_encoder,
     missing_in_processor,
     missing_in_protocol,
+    missing_in_revoke,
     missing_in_sent,
     missing_in_stream_cap,
     stream_internals,
@@ -88,12 +90,14 @@ class _Probe:
     def __init__(self) -> None:
         self.seen: list[tuple[list[str], list[str], StreamWriter]] = []
         self.request: tuple[list[str], Any] | None = None
+        self.wrapped = False  # the request's protocol stream has grpclib's Wrapper (REVOKE_NEEDS)
 
     async def probe(self, stream: grpclib.server.Stream[Any, Any]) -> None:
         need = missing_request_needs(stream)
         self.request = (need, await recv_request(stream, 1 << 20))  # the checked path
         hidden = missing(_Without(stream, "_messages_sent"))
         self.seen.append((missing(stream), hidden, StreamWriter(stream, 1 << 20)))
+        self.wrapped = isinstance(stream._stream.wrapper, Wrapper)
         await stream.send_message(b"ok")
 
     def __mapping__(self) -> dict[str, Handler]:
@@ -125,6 +129,7 @@ async def test_a_live_server_stream_has_every_internal_and_gets_every_writer() -
     assert probe.request == ([], b"x"), "the request reader lacks grpclib internals"
     assert not gone, f"grpclib/h2 internals missing on a live stream: {', '.join(gone)}"
     assert hidden == ["stream._messages_sent"]  # a missing one is named, and only it
+    assert probe.wrapped, "a request's grpclib stream has no Wrapper to end it with a status"
     assert writer.bulk is not None and writer.send_batch is not None
     assert writer.reset is not None and writer.send_now is not None
     writer.close()
@@ -138,6 +143,8 @@ async def test_a_server_protocol_has_what_releasing_cancelled_streams_uses() -> 
     assert missing_in_protocol(proto) == []
     assert isinstance(proto.handler._tasks, dict)
     assert missing_in_protocol(object()) == [f"{w}.{a}" for w, a in PROTOCOL_NEEDS]
+    assert missing_in_revoke(proto) == []
+    assert missing_in_revoke(object()) == ["handler._tasks"]
 
 
 @contextlib.asynccontextmanager
@@ -344,3 +351,59 @@ async def test_a_connected_server_protocol_counts_what_it_sent() -> None:
         assert sent is not None and sent() == 1
         assert missing_in_sent(object()) == [f"{w}.{a}" for w, a in SENT_NEEDS]
         assert data_frames_sent(object()) is None
+
+
+async def test_a_connected_server_protocol_has_what_the_stream_limit_uses() -> None:
+    """``closing`` puts its stream cap in force before the client acknowledges it (h2's local
+    settings: the value in force, then those announced); ``mend`` refuses a stream over the limit
+    from h2's HEADERS handler, which checks the limit before it decodes the header block or
+    takes the stream id (so the refusal takes the whole frame), and ``refuse_headers`` decodes
+    the block, takes the id and remembers the stream as reset. On a real connection; a protocol
+    without them is named, each need once."""
+    import h2.exceptions
+    import pytest
+    from h2.settings import SettingCodes
+    from h2.stream import StreamClosedBy
+    from hyperframe.frame import HeadersFrame
+
+    from kvrelay.service.h2.internals import (
+        CAP_IN_FORCE_NEEDS,
+        REFUSE_NEEDS,
+        missing_in_cap_in_force,
+        missing_in_refuse,
+        put_stream_cap_in_force,
+        refuse_headers,
+    )
+
+    async with _called() as proto:
+        assert missing_in_cap_in_force(proto) == []
+        assert missing_in_cap_in_force(object()) == [f"{w}.{a}" for w, a in CAP_IN_FORCE_NEEDS]
+        assert missing_in_refuse(proto) == []
+        assert missing_in_refuse(object()) == [f"{w}.{a}" for w, a in REFUSE_NEEDS]
+        conn = proto.connection._connection
+        settings = conn.local_settings
+        settings[SettingCodes.MAX_CONCURRENT_STREAMS] = 7  # (what ``update_settings`` queues)
+        assert settings.max_concurrent_streams == 100  # h2: not before the client's ACK
+        assert put_stream_cap_in_force(proto, 7) and settings.max_concurrent_streams == 7
+        assert settings.acknowledge()[SettingCodes.MAX_CONCURRENT_STREAMS].new_value == 7
+        assert settings.max_concurrent_streams == 7
+        assert put_stream_cap_in_force(proto, 0)  # every new stream over the limit
+        block = hpack.Encoder().encode([(":path", "/x"), ("x-new", "adds a table entry")])
+        highest = conn.highest_inbound_stream_id
+        frame = HeadersFrame(highest + 2, data=block, flags=["END_HEADERS"])
+        table = conn.decoder.header_table
+        entries = len(table.dynamic_entries)
+        with pytest.raises(h2.exceptions.TooManyStreamsError):
+            conn._frame_dispatch_table[HeadersFrame](frame)
+        assert len(table.dynamic_entries) == entries  # nothing of the frame taken
+        assert conn.highest_inbound_stream_id == highest and frame.stream_id not in conn.streams
+        frames, events = refuse_headers(conn, frame, 7)
+        assert [(type(f).__name__, f.stream_id, f.error_code) for f in frames] == [
+            ("RstStreamFrame", highest + 2, 7)
+        ]
+        assert events == [] and frame.stream_id not in conn.streams
+        assert len(table.dynamic_entries) == entries + 2
+        assert conn.highest_inbound_stream_id == highest + 2
+        assert conn._closed_streams[highest + 2] is StreamClosedBy.SEND_RST_STREAM
+        with pytest.raises(h2.exceptions.StreamIDTooLowError):  # a closed stream's: not new
+            refuse_headers(conn, HeadersFrame(highest, data=b"", flags=["END_HEADERS"]), 7)
