@@ -909,5 +909,4 @@ class RelayServer:
         if ending:
             await asyncio.wait(ending, timeout=min(REFUSAL_WRITE_S, grace_s))
         self._server.close()
-        await self._server.wait_closed()
-        self._server.close_connections()  # every stream has ended by now
+        await self._server.wait_closed()  # the requests ended, then the connections closed

@@ -271,3 +271,52 @@ async def test_inspection_cli_speaks_mtls_with_cert_and_key(
     rc = await asyncio.to_thread(cli.main, [*base, "--tls", "--duration", "3"])
     out = capsys.readouterr().out
     assert rc == 1 and '"relay_incarnation"' not in out
+
+
+def _open_sockets(port: int) -> int:
+    """The relay's accepted TCP sockets on ``port`` it has not closed (ESTABLISHED or
+    CLOSE_WAIT), from the kernel's table: what a client cannot see of a socket the relay holds."""
+    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(
+        1 for row in rows
+        if int(row.split()[1].split(":")[1], 16) == port and row.split()[3] in ("01", "08")
+    )  # fmt: skip
+
+
+async def test_a_stop_does_not_wait_for_a_tls_client_that_never_closes(pki: Pki) -> None:
+    """A stop closes each connection and aborts those still there after ``close_wait_s``. A TLS
+    client that never answers the relay's TLS close (grpcio's idle connection after its GOAWAY
+    does not) had its socket held by the relay for the TLS layer's 30 s after the stop returned,
+    and on Python 3.12, whose asyncio waits for every connection, the stop never returned."""
+    ctx = server_ssl_context(str(pki.server_cert), str(pki.server_key), None)
+    relay, server = await _serve(ctx)
+    server._server.close_wait_s = 0.3
+    ctx = client_ssl_context(str(pki.server_ca))  # (the server's is taken by then)
+
+    def connect() -> ssl.SSLSocket:  # handshake, HTTP/2 preface and SETTINGS; then nothing read
+        import socket
+
+        tls = ctx.wrap_socket(socket.create_connection(("127.0.0.1", server.port)),
+                              server_hostname="localhost")  # fmt: skip
+        tls.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(3) + b"\x04" + bytes(5))
+        return tls
+
+    client = await asyncio.to_thread(connect)
+    try:
+        await eventually_open(server.port)
+        await asyncio.wait_for(server.close(grace_s=0.2), scaled(10))
+        deadline = asyncio.get_running_loop().time() + scaled(3)
+        while _open_sockets(server.port) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        assert _open_sockets(server.port) == 0
+    finally:
+        client.close()
+        await relay.stop()
+
+
+async def eventually_open(port: int) -> None:
+    for _ in range(200):
+        if _open_sockets(port):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the relay never accepted the connection")

@@ -3,9 +3,11 @@
 Why: ``Server.close()`` stops listening and cancels running requests but leaves accepted
 connections open, so a client could keep calling a relay that has shut down (and see its old
 identity). kvrelay closes every connection once all streams have ended (their EOFs and trailers
-are already written; the transport flushes them before closing). It needs grpclib's private
-``Server._protocol_factory`` (listed in ``internals.py``). ``announce_drain()`` first tells each
-connection's client, with a graceful GOAWAY, to make new calls on a new connection
+are already written; the transport flushes them before closing), and a stop waits for them to be
+gone at most ``CLOSE_WAIT_S`` before it aborts what is left (``wait_closed``: Python 3.12's
+asyncio waits for every connection, which an idle client may hold for ever). It needs grpclib's
+private ``Server._protocol_factory`` (listed in ``internals.py``). ``announce_drain()`` first
+tells each connection's client, with a graceful GOAWAY, to make new calls on a new connection
 (``drain.py``).
 
 ``peer_check``: a test of each accepted transport (the internal UNIX socket's peer credentials);
@@ -34,6 +36,7 @@ would read as the rest of the message).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 import weakref
 from collections.abc import Callable
@@ -50,6 +53,7 @@ from kvrelay.service.h2.internals import (
     close_unstarted,
     end_requests,
     flushed_to_client,
+    handlers_closed,
     missing_in_closed_streams,
     missing_in_revoke,
     missing_in_stream_cap,
@@ -62,11 +66,13 @@ from kvrelay.service.h2.tls_gate import TLS_HANDSHAKE_TIMEOUT_S, TlsGate, peer_c
 #: A TLS listener's context: one, or what gives the one in use now (a reload may replace it).
 TlsSource = ssl.SSLContext | Callable[[], ssl.SSLContext]
 
-__all__ = ["REVOKED_CLOSE_S", "ClosingServer"]
+__all__ = ["CLOSE_WAIT_S", "REVOKED_CLOSE_S", "ClosingServer"]
 
 #: Seconds a revoked connection has, from the reload, for its requests' statuses and its
 #: close; then it is aborted (a client that does not read must not hold it).
 REVOKED_CLOSE_S = 2.0
+#: Seconds a connection closed at shutdown has to be gone; then it is aborted (``wait_closed``).
+CLOSE_WAIT_S = 2.0
 #: How often a revoked connection is looked at for requests that started meanwhile.
 _REVOKED_POLL_S = 0.05
 
@@ -95,6 +101,11 @@ class ClosingServer(Server):
         #: whether a client certificate (DER) is revoked now (``revoke``); None: no check
         self._is_revoked: Callable[[bytes], bool] | None = None
         self.revoked_close_s = REVOKED_CLOSE_S
+        #: seconds a connection has, once closed at shutdown, to be gone before it is aborted
+        self.close_wait_s = CLOSE_WAIT_S
+        #: connections made and not lost yet, with their transports (``_track``)
+        self._live: dict[H2Protocol, asyncio.BaseTransport] = {}
+        self._none_live = asyncio.Event()
         #: revoked connections being ended (``revoke``): their gates, and the tasks ending them
         self._revoking: weakref.WeakSet[TlsGate] = weakref.WeakSet()
         self._endings: set[asyncio.Task[None]] = set()
@@ -109,6 +120,7 @@ class ClosingServer(Server):
     def _protocol_factory(self) -> Any:
         proto = super()._protocol_factory()
         self._protocols.add(proto)
+        self._track(proto)
         if self.h2_guard is not None:
             mend_protocol(proto, self.h2_guard[1])  # under the guard: it sees frames first
             guard_protocol(proto, *self.h2_guard)
@@ -128,6 +140,34 @@ class ClosingServer(Server):
         if self.peer_check is not None or self.connection_caps is not None:
             self._admitted(proto)
         return proto
+
+    def _track(self, proto: H2Protocol) -> None:
+        """``proto`` is in ``_live``, with its transport (with TLS, the TLS one), from its
+        ``connection_made`` to its ``connection_lost`` (a connection refused before it started
+        never is; grpclib forgets the transport as it closes it). Installed first: the set-ups
+        made after it (the caps, the TLS gate) wrap these."""
+        made, lost = proto.connection_made, proto.connection_lost
+
+        def connection_made(transport: asyncio.BaseTransport) -> None:
+            self._live[proto] = transport
+            made(transport)
+
+        def connection_lost(exc: BaseException | None) -> None:
+            self._live.pop(proto, None)
+            if not self._live:
+                self._none_live.set()
+            lost(exc)
+
+        proto.connection_made = connection_made  # type: ignore[method-assign]
+        proto.connection_lost = connection_lost  # type: ignore[method-assign]
+
+    async def _gone(self, timeout: float) -> bool:
+        """Whether every connection is gone within ``timeout`` seconds."""
+        if self._live:
+            self._none_live.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._none_live.wait(), timeout)
+        return not self._live
 
     def _admit(self, transport: asyncio.BaseTransport) -> Callable[[], None] | None:
         """The peer check, then a place under the caps (taken only after the check passed): the
@@ -169,6 +209,25 @@ class ClosingServer(Server):
         last stream ends (``drain.py``)."""
         for notice in list(self._notices.values()):
             notice.drain()
+
+    async def wait_closed(self) -> None:
+        """Wait for the requests grpclib's ``close`` cancelled to end, close every connection
+        (``close_connections``), wait until each is gone, aborting those still there after
+        ``close_wait_s``, then for the listener.
+
+        Why not grpclib's order (the listener's ``wait_closed`` first, then the requests): from
+        Python 3.12 asyncio's ``Server.wait_closed`` also waits until every connection it
+        accepted is gone, and a client may keep an idle connection open after its GOAWAY
+        (grpcio does): the relay's stop waited for ever. And a closed connection may linger: a
+        TLS one waits up to 30 s for the client's TLS close, one whose client reads nothing
+        until its unsent bytes drain; a stop ends them all."""
+        await handlers_closed(self)  # (nothing to wait for without grpclib's handlers)
+        self.close_connections()
+        if not await self._gone(self.close_wait_s):
+            for transport in list(self._live.values()):
+                transport.abort()  # type: ignore[attr-defined]
+            await self._gone(self.close_wait_s)
+        await super().wait_closed()
 
     def close_connections(self) -> None:
         for task in list(self._endings):

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 from grpclib.protocol import Connection as _GrpclibConnection
 from grpclib.protocol import H2Protocol
 from grpclib.protocol import Stream as _GrpclibStream
-from grpclib.server import Server
+from grpclib.server import Handler, Server
 from grpclib.utils import Wrapper
 from h2.connection import ConnectionInputs, ConnectionState, H2Connection
 from h2.errors import ErrorCodes
@@ -57,6 +57,7 @@ __all__ = [
     "SEND_DATA_STREAM",
     "SEND_DATA_STREAM_NOOP",
     "SENT_NEEDS",
+    "SHUTDOWN_NEEDS",
     "STREAM_CAP_NEEDS",
     "H2Protocol",
     "Parts",
@@ -66,6 +67,7 @@ __all__ = [
     "data_frames_sent",
     "end_requests",
     "flushed_to_client",
+    "handlers_closed",
     "live_internals",
     "missing",
     "missing_in_cap_in_force",
@@ -80,6 +82,7 @@ __all__ = [
     "missing_in_refuse",
     "missing_in_revoke",
     "missing_in_sent",
+    "missing_in_shutdown",
     "missing_in_stream_cap",
     "once_connected",
     "put_stream_cap_in_force",
@@ -641,3 +644,30 @@ def flushed_to_client(proto: Any) -> asyncio.Future[None] | None:
     conn._connection.ping(opaque)
     conn.flush()
     return done
+
+
+#: What ``closing.ClosingServer.wait_closed`` uses to stop in an order that ends: grpclib's
+#: server's handlers, one per connection (``server._handlers``, each with ``wait_closed``: the
+#: end of the requests grpclib's ``close`` cancelled). ``where`` is ``server`` or ``Handler``
+#: (grpclib's class). Without them the connections are closed without waiting for those
+#: requests.
+SHUTDOWN_NEEDS: tuple[tuple[str, str], ...] = (
+    ("server", "_handlers"),
+    ("Handler", "wait_closed"),
+)
+
+
+def missing_in_shutdown(server: Any) -> list[str]:
+    """``where.attribute`` for each of ``SHUTDOWN_NEEDS`` this server lacks."""
+    objects = {"server": server, "Handler": Handler}
+    return [f"{w}.{a}" for w, a in SHUTDOWN_NEEDS if not hasattr(objects[w], a)]
+
+
+async def handlers_closed(server: Any) -> None:
+    """Until the requests grpclib's ``Server.close`` cancelled have ended (nothing to wait for
+    where the internals are missing)."""
+    handlers = getattr(server, "_handlers", None)
+    if not handlers or not hasattr(Handler, "wait_closed"):
+        return
+    await asyncio.wait({asyncio.ensure_future(h.wait_closed()) for h in list(handlers)})
+

@@ -54,6 +54,7 @@ from kvrelay.service.h2.internals import (
     missing_in_protocol,
     missing_in_revoke,
     missing_in_sent,
+    missing_in_shutdown,
     missing_in_stream_cap,
     stream_internals,
 )
@@ -145,6 +146,9 @@ async def test_a_server_protocol_has_what_releasing_cancelled_streams_uses() -> 
     assert missing_in_protocol(object()) == [f"{w}.{a}" for w, a in PROTOCOL_NEEDS]
     assert missing_in_revoke(proto) == []
     assert missing_in_revoke(object()) == ["handler._tasks"]
+    # ``ClosingServer.wait_closed``: the server's handlers (one per connection), each awaitable
+    assert missing_in_shutdown(server) == [] and proto.handler in server._handlers
+    assert missing_in_shutdown(object()) == ["server._handlers"]
 
 
 @contextlib.asynccontextmanager
