@@ -40,6 +40,7 @@ from kvrelay.ingest.topic_pattern import PatternError, TopicPattern
 from kvrelay.mirror.settings import MAX_PERIOD_S as MAX_MIRROR_PERIOD_S
 from kvrelay.ops.tls import (
     CrlSignatureError,
+    ServerTlsFiles,
     TlsConfigError,
     client_ssl_context,
     crl_problems,
@@ -128,6 +129,13 @@ class TlsConfig:
     @property
     def enabled(self) -> bool:
         return self.cert is not None
+
+    @property
+    def files(self) -> ServerTlsFiles | None:
+        """The listener's files (None: TLS is off)."""
+        if self.cert is None or self.key is None:
+            return None
+        return ServerTlsFiles(self.cert, self.key, self.client_ca, self.client_crl)
 
 
 @dataclass(frozen=True, slots=True)

@@ -148,13 +148,12 @@ class Daemon:
     def _ssl_context(self) -> Callable[[], ssl.SSLContext] | None:
         """What gives the listener's context; reloads hand each handshake the newest fully
         loaded one."""
-        tls = self.cfg.tls
-        if not tls.enabled:
+        files = self.cfg.tls.files
+        if files is None:
             return None
         from kvrelay.ops.tls import ReloadableServerContext
 
-        assert tls.cert is not None and tls.key is not None
-        self._tls = ReloadableServerContext(tls.cert, tls.key, tls.client_ca, tls.client_crl)
+        self._tls = ReloadableServerContext(files)
         return self._tls.in_use  # type: ignore[no-any-return]
 
     def tls_certificates(self) -> tuple[Any, ...]:

@@ -238,10 +238,7 @@ class WorkerFront:
             port=self.port,
             listen_fd=None if self._listener is None else self._listener.fileno(),
             limits=asdict(cfg.relay.limits),
-            tls_cert=cfg.tls.cert,
-            tls_key=cfg.tls.key,
-            tls_client_ca=cfg.tls.client_ca,
-            tls_client_crl=cfg.tls.client_crl,
+            tls=None if (files := cfg.tls.files) is None else files.as_json(),
             log_level=cfg.logging.level.upper(),
             log_json=json_logs,
             event_loop=cfg.event_loop,
@@ -262,10 +259,9 @@ class WorkerFront:
         worker reads them again for its new handshakes (and ends its connections whose client
         certificate a new CRL revokes), and a worker started later reads them."""
         self.cfg = replace(self.cfg, tls=tls)
-        if self.supervisor is not None and tls.enabled:
-            files = {"cert": tls.cert, "key": tls.key, "client_ca": tls.client_ca,
-                     "client_crl": tls.client_crl}  # fmt: skip
-            self.supervisor.broadcast(TLS_LINE + json.dumps(files))
+        files = tls.files
+        if self.supervisor is not None and files is not None:
+            self.supervisor.broadcast(TLS_LINE + json.dumps(files.as_json()))
 
     def set_logging(self, logging: LoggingConfig) -> None:
         """A reload's ``[logging]``: to every running worker now, and to any started later."""

@@ -130,12 +130,10 @@ def stage_tls(context: Any, cfg: DaemonConfig) -> Callable[[], None]:
     (``ReloadableServerContext.stage``) and return what hands it to new handshakes; files that
     do not load raise here, before the reload has changed anything, and leave the live context
     untouched."""
-    if context is None or not cfg.tls.enabled:
+    files = cfg.tls.files
+    if context is None or files is None:
         return lambda: None
-    assert cfg.tls.cert is not None and cfg.tls.key is not None
-    use: Callable[[], None] = context.stage(
-        cfg.tls.cert, cfg.tls.key, cfg.tls.client_ca, cfg.tls.client_crl
-    )
+    use: Callable[[], None] = context.stage(files)
     return use
 
 

@@ -206,17 +206,27 @@ class _Reloadable:
         return self.current
 
 
+@dataclass(frozen=True, slots=True)
+class ServerTlsFiles:
+    """A TLS listener's files: its certificate and key, and for mTLS the client CA bundle and
+    its CRLs. One value for whatever loads, reloads or hands them on (a fan-out worker gets
+    them as JSON, ``as_json``, and reads them back with ``ServerTlsFiles(**json)``)."""
+
+    cert: str
+    key: str
+    client_ca: str | None = None
+    client_crl: str | None = None
+
+    def as_json(self) -> dict[str, str | None]:
+        return {"cert": self.cert, "key": self.key, "client_ca": self.client_ca,
+                "client_crl": self.client_crl}  # fmt: skip
+
+
 class ReloadableServerContext(_Reloadable):
     """The listener's context and the newest one loaded from the files (see the module doc)."""
 
-    def __init__(
-        self,
-        cert_file: str,
-        key_file: str,
-        client_ca_file: str | None,
-        client_crl_file: str | None = None,
-    ) -> None:
-        self._use(_server_context(cert_file, key_file, client_ca_file, client_crl_file))
+    def __init__(self, files: ServerTlsFiles) -> None:
+        self._use(_server_context(files.cert, files.key, files.client_ca, files.client_crl))
 
     def _use(self, loaded: _Loaded) -> None:
         super()._use(loaded)
@@ -232,27 +242,15 @@ class ReloadableServerContext(_Reloadable):
         except (ValueError, IndexError):
             return False  # OpenSSL verified it: not reached
 
-    def reload(
-        self,
-        cert_file: str,
-        key_file: str,
-        client_ca_file: str | None,
-        client_crl_file: str | None = None,
-    ) -> None:
+    def reload(self, files: ServerTlsFiles) -> None:
         """Load the files once into a new context and use it for new handshakes; raises
         ``TlsConfigError`` (the running context stays) when they do not load."""
-        self.stage(cert_file, key_file, client_ca_file, client_crl_file)()
+        self.stage(files)()
 
-    def stage(
-        self,
-        cert_file: str,
-        key_file: str,
-        client_ca_file: str | None,
-        client_crl_file: str | None = None,
-    ) -> Callable[[], None]:
+    def stage(self, files: ServerTlsFiles) -> Callable[[], None]:
         """Load the files into a new context now (``TlsConfigError`` when they do not load) and
         return what puts it in use, so a reload changes nothing until all its steps have passed."""
-        loaded = _server_context(cert_file, key_file, client_ca_file, client_crl_file)
+        loaded = _server_context(files.cert, files.key, files.client_ca, files.client_crl)
         return lambda: self._use(loaded)
 
 

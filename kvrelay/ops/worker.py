@@ -53,10 +53,8 @@ class WorkerSpec:
     #: The inherited public listener (shared by all workers); None: bind ``host:port`` itself.
     listen_fd: int | None = None
     limits: dict[str, Any] = field(default_factory=dict)
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_client_ca: str | None = None
-    tls_client_crl: str | None = None
+    #: the listener's TLS files (``ServerTlsFiles.as_json``); None: plaintext
+    tls: dict[str, Any] | None = None
     log_level: str = "INFO"
     log_json: bool | None = None
     event_loop: str = "auto"
@@ -131,8 +129,9 @@ class WorkerControl:
             elif text.startswith(TLS_LINE):
                 files = json.loads(text[len(TLS_LINE) :])
                 if self.tls is not None:
-                    self.tls.reload(files["cert"], files["key"], files["client_ca"],
-                                    files.get("client_crl"))  # fmt: skip
+                    from kvrelay.ops.tls import ServerTlsFiles
+
+                    self.tls.reload(ServerTlsFiles(**files))
                     if self.server is not None:
                         ended = self.server.revoke(self.tls.is_revoked)
                         if ended:
@@ -165,13 +164,10 @@ async def run_worker(
         report_pipe = out
     limits = spec.relay_limits()
     context = None
-    if spec.tls_cert is not None:
-        from kvrelay.ops.tls import ReloadableServerContext
+    if spec.tls is not None:
+        from kvrelay.ops.tls import ReloadableServerContext, ServerTlsFiles
 
-        assert spec.tls_key is not None
-        control.tls = ReloadableServerContext(
-            spec.tls_cert, spec.tls_key, spec.tls_client_ca, spec.tls_client_crl
-        )
+        control.tls = ReloadableServerContext(ServerTlsFiles(**spec.tls))
         context = control.tls.in_use
     mirror = Mirror(
         MirrorSettings(

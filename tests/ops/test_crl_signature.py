@@ -25,7 +25,12 @@ from grpclib.client import Channel
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.ops.config import check_file
 from kvrelay.ops.crl_signature import verify, verify_crl
-from kvrelay.ops.tls import CrlSignatureError, ReloadableServerContext, client_ssl_context
+from kvrelay.ops.tls import (
+    CrlSignatureError,
+    ReloadableServerContext,
+    ServerTlsFiles,
+    client_ssl_context,
+)
 from kvrelay.ops.worker import TLS_LINE, WorkerControl
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import RelaySettings
@@ -222,11 +227,13 @@ async def test_a_reload_refuses_a_crl_its_ca_did_not_sign_and_clients_still_conn
     refuse the twin's CRL and the corrupted one; the context in use stays, so a fresh client of
     the real CA is still served (with the CRL swapped in, OpenSSL refused it)."""
     p = kit.pki
-    files = (str(p.server_cert), str(p.server_key), str(p.client_ca))
+    def files(crl: Path) -> ServerTlsFiles:
+        return ServerTlsFiles(str(p.server_cert), str(p.server_key), str(p.client_ca), str(crl))
+
     for bad in (kit.twins["p256"], kit.corrupt):
         with pytest.raises(CrlSignatureError, match="is not signed by the key"):
-            ReloadableServerContext(*files, str(bad))
-    tls = ReloadableServerContext(*files, str(kit.crls["p256"]))
+            ReloadableServerContext(files(bad))
+    tls = ReloadableServerContext(files(kit.crls["p256"]))
     relay = Relay(RelaySettings(dc_name="dc-crlsig"))
     await relay.start()
     server = RelayServer(relay, relay.limits)
@@ -236,11 +243,9 @@ async def test_a_reload_refuses_a_crl_its_ca_did_not_sign_and_clients_still_conn
         in_use = tls.in_use()
         for bad in (kit.twins["p256"], kit.corrupt):
             with pytest.raises(CrlSignatureError):
-                tls.reload(*files, str(bad))
+                tls.reload(files(bad))
             control = WorkerControl(None, server=server, tls=tls)
-            control.line(TLS_LINE + json.dumps(dict(zip(
-                ("cert", "key", "client_ca", "client_crl"), (*files, str(bad)), strict=True
-            ))))  # fmt: skip
+            control.line(TLS_LINE + json.dumps(files(bad).as_json()))
             assert tls.in_use() is in_use
             assert (await _info(server.port, client)).relay is not None
     finally:

@@ -33,7 +33,7 @@ from kvrelay.client.rpc import LIVE_RESUBSCRIBE_S
 from kvrelay.ops.config import load_config
 from kvrelay.ops.daemon import Daemon
 from kvrelay.ops.sdnotify import Notifier
-from kvrelay.ops.tls import ReloadableServerContext, client_ssl_context
+from kvrelay.ops.tls import ReloadableServerContext, ServerTlsFiles, client_ssl_context
 from kvrelay.service.server import RelayServer
 from tests.support.certs import make_ca, make_crl, make_leaf
 from tests.support.mem_relay import MemRelayView
@@ -223,7 +223,7 @@ async def test_a_mirror_reload_reads_its_upstream_client_files_for_the_next_conn
     view.add_pool("p1", 4096)
     upstream = RelayServer(view)
     server_tls = ReloadableServerContext(
-        str(certs.server_old[0]), str(certs.server_old[1]), str(certs.client_ca)
+        ServerTlsFiles(str(certs.server_old[0]), str(certs.server_old[1]), str(certs.client_ca))
     )
     await upstream.start("127.0.0.1", 0, ssl=server_tls.in_use)
     upstream.revoke(record)
@@ -300,7 +300,7 @@ async def test_a_mirror_reconnecting_in_the_same_channel_presents_its_renewed_ce
     view.add_pool("p2", 4096)
     upstream = RelayServer(view)
     server_tls = ReloadableServerContext(
-        str(certs.server_old[0]), str(certs.server_old[1]), str(certs.client_ca)
+        ServerTlsFiles(str(certs.server_old[0]), str(certs.server_old[1]), str(certs.client_ca))
     )
     await upstream.start("127.0.0.1", 0, ssl=server_tls.in_use)
     upstream.revoke(check)

@@ -26,7 +26,7 @@ from h2.connection import H2Connection
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.ops.config import check_file
-from kvrelay.ops.tls import ReloadableServerContext, client_ssl_context
+from kvrelay.ops.tls import ReloadableServerContext, ServerTlsFiles, client_ssl_context
 from kvrelay.ops.worker import TLS_LINE, WorkerControl
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import RelaySettings
@@ -84,13 +84,16 @@ async def _until(what: Callable[[], bool], timeout: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
+def _files(c: Crls, crl: Path) -> ServerTlsFiles:
+    p = c.pki
+    return ServerTlsFiles(str(p.server_cert), str(p.server_key), str(p.client_ca), str(crl))
+
+
 async def _serving(
     c: Crls, crl: Path, body: Callable[[RelayServer, ReloadableServerContext], Awaitable[None]]
 ) -> None:
     """A relay served over mTLS with ``crl``, checked as the daemon and the workers check it."""
-    p = c.pki
-    tls = ReloadableServerContext(str(p.server_cert), str(p.server_key), str(p.client_ca),
-                                  str(crl))  # fmt: skip
+    tls = ReloadableServerContext(_files(c, crl))
     relay = Relay(RelaySettings(dc_name="dc-crl"))
     await relay.start()
     server = RelayServer(relay, relay.limits)
@@ -164,9 +167,7 @@ async def test_a_reload_that_revokes_a_client_ends_its_streams_unauthenticated(
             )(HealthCheckRequest())
             for stream in (catalog, watch):
                 assert await asyncio.wait_for(stream.read(), scaled(10)) is not None
-            files = {"cert": str(p.server_cert), "key": str(p.server_key),
-                     "client_ca": str(p.client_ca), "client_crl": str(crls.router)}  # fmt: skip
-            control.line(TLS_LINE + json.dumps(files))
+            control.line(TLS_LINE + json.dumps(_files(crls, crls.router).as_json()))
             for stream in (catalog, watch):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     while True:
@@ -218,7 +219,7 @@ async def test_a_revoked_client_that_reads_nothing_does_not_hold_its_connection(
         ))  # fmt: skip
         try:
             await _until(lambda: server.service.catalog_permits.in_use == 1)
-            tls.reload(str(p.server_cert), str(p.server_key), str(p.client_ca), str(crls.router))
+            tls.reload(_files(crls, crls.router))
             assert server.revoke(tls.is_revoked) == 1
             await _until(lambda: caps.open == 0, timeout=3)
         finally:

@@ -24,7 +24,12 @@ from grpclib.client import Channel
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.ops.config import check_file
-from kvrelay.ops.tls import ReloadableServerContext, TlsConfigError, client_ssl_context
+from kvrelay.ops.tls import (
+    ReloadableServerContext,
+    ServerTlsFiles,
+    TlsConfigError,
+    client_ssl_context,
+)
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import RelaySettings
 from kvrelay.service.server import RelayServer
@@ -101,7 +106,7 @@ async def test_a_rotation_between_two_reads_never_breaks_the_live_context(
     cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
     shutil.copy(old.server_cert, cert)
     shutil.copy(old.server_key, key)
-    tls = ReloadableServerContext(str(cert), str(key), None)
+    tls = ReloadableServerContext(ServerTlsFiles(str(cert), str(key)))
     relay = Relay(RelaySettings(dc_name="dc-rot"))
     await relay.start()
     server = RelayServer(relay, relay.limits)
@@ -113,14 +118,14 @@ async def test_a_rotation_between_two_reads_never_breaks_the_live_context(
         shutil.copy(new.server_cert, cert)
         key.unlink()
         fifo = _KeyFifo(key, [new.server_key.read_bytes(), old.server_key.read_bytes()])
-        await asyncio.to_thread(tls.reload, str(cert), str(key), None)
+        await asyncio.to_thread(tls.reload, ServerTlsFiles(str(cert), str(key)))
         assert fifo.opens == 1  # one read of the key: the pair it loaded matches
         assert (await _info(server.port, new.server_ca)).relay is not None
         with pytest.raises(ssl.SSLCertVerificationError):
             await _info(server.port, old.server_ca)
         # a reload whose files do not load leaves the live context as it was
         with pytest.raises(TlsConfigError):
-            tls.reload(str(cert), str(old.server_key), None)
+            tls.reload(ServerTlsFiles(str(cert), str(old.server_key)))
         assert (await _info(server.port, new.server_ca)).relay is not None
     finally:
         if fifo is not None:
@@ -155,7 +160,9 @@ def test_check_config_loads_the_pem_files(pkis: tuple[Pki, Pki], tmp_path: Path)
 
 def test_expiry_of_each_loaded_certificate_matches_openssl(pkis: tuple[Pki, Pki]) -> None:
     old, _new = pkis
-    tls = ReloadableServerContext(str(old.server_cert), str(old.server_key), str(old.client_ca))
+    tls = ReloadableServerContext(
+        ServerTlsFiles(str(old.server_cert), str(old.server_key), str(old.client_ca))
+    )
 
     def enddate(path: Path) -> float:
         out = subprocess.run(["openssl", "x509", "-in", str(path), "-noout", "-enddate"],
