@@ -10,7 +10,6 @@ check-config's problems, the reload's outcome and real mTLS handshakes afterward
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import secrets
@@ -20,9 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from grpclib.client import Channel
 
-from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.ops.config import check_file
 from kvrelay.ops.crl_signature import verify, verify_crl
 from kvrelay.ops.tls import (
@@ -36,7 +33,7 @@ from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import RelaySettings
 from kvrelay.service.server import RelayServer
 from tests.support.certs import CA_KEYS, Pki, make_ca, make_crl, make_pki
-from tests.support.timing import scaled
+from tests.support.rig import relay_info_at as _info
 
 MARKER = 0x4B565231
 
@@ -208,16 +205,6 @@ def test_check_config_refuses_a_crl_its_ca_did_not_sign(kit: Kit, tmp_path: Path
     bundle.write_bytes(kit.cas["p256"].read_bytes() + (kit.d / "twin/client-ca.crt").read_bytes())
     cfg, found = check_file(_config(tmp_path, kit.pki, bundle, kit.twins["p256"]), env={})
     assert cfg is not None and not [x for x in found if x.path == "tls.client_crl"], found
-
-
-async def _info(port: int, ctx: ssl.SSLContext) -> pb.RelayInfo:
-    async with Channel("127.0.0.1", port, ssl=ctx) as channel:
-        return await asyncio.wait_for(
-            pb.KvEventRelayStub(channel).get_relay_info(
-                pb.RelayInfoRequest(contract_marker=MARKER)
-            ),
-            scaled(10),
-        )
 
 
 async def test_a_reload_refuses_a_crl_its_ca_did_not_sign_and_clients_still_connect(

@@ -37,6 +37,7 @@ from kvrelay.ops.tls import ReloadableServerContext, ServerTlsFiles, client_ssl_
 from kvrelay.service.server import RelayServer
 from tests.support.certs import make_ca, make_crl, make_leaf
 from tests.support.mem_relay import MemRelayView
+from tests.support.rig import relay_info_at as _info
 from tests.support.timing import scaled
 
 MARKER = 0x4B565231
@@ -79,14 +80,6 @@ def _ctx(ca: Path, client: Pair | None = None) -> ssl.SSLContext:
     if client is None:
         return client_ssl_context(str(ca))
     return client_ssl_context(str(ca), str(client[0]), str(client[1]))
-
-
-async def _info(port: int, ctx: ssl.SSLContext) -> pb.RelayInfo:
-    async with Channel("127.0.0.1", port, ssl=ctx) as ch:
-        return await asyncio.wait_for(
-            pb.KvEventRelayStub(ch).get_relay_info(pb.RelayInfoRequest(contract_marker=MARKER)),
-            scaled(10),
-        )
 
 
 async def _eventually(check: Callable[[], Any], what: str, timeout: float = 10.0) -> None:

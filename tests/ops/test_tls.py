@@ -13,15 +13,14 @@ from types import ModuleType
 
 import grpc
 import pytest
-from grpclib.client import Channel
 from grpclib.exceptions import StreamTerminatedError
 
-from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.ops.tls import TlsConfigError, client_ssl_context, is_loopback, server_ssl_context
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import RelaySettings
 from kvrelay.service.server import RelayServer
 from tests.support.certs import Pki, make_pki
+from tests.support.rig import relay_info_at as _info_grpclib
 from tests.support.timing import scaled
 
 MARKER = 0x4B565231
@@ -59,13 +58,6 @@ async def mtls_relay(pki: Pki) -> AsyncIterator[tuple[Relay, RelayServer]]:
     yield relay, server
     await server.close(grace_s=0.5)
     await relay.stop()
-
-
-async def _info_grpclib(port: int, ctx: ssl.SSLContext | None) -> pb.RelayInfo:
-    async with Channel("127.0.0.1", port, ssl=ctx) as channel:
-        stub = pb.KvEventRelayStub(channel)
-        return await asyncio.wait_for(
-            stub.get_relay_info(pb.RelayInfoRequest(contract_marker=MARKER)), scaled(10))
 
 
 async def _info_grpcio(

@@ -32,6 +32,7 @@ from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import RelaySettings
 from kvrelay.service.server import RelayServer
 from tests.support.certs import Pki, make_crl, make_leaf, make_pki
+from tests.support.rig import relay_info_at as _info
 from tests.support.timing import scaled
 
 MARKER = 0x4B565231
@@ -65,16 +66,6 @@ def crls(tmp_path_factory: pytest.TempPathFactory) -> Crls:
 
 def _ctx(c: Crls, client: tuple[Path, Path]) -> ssl.SSLContext:
     return client_ssl_context(str(c.pki.server_ca), str(client[0]), str(client[1]))
-
-
-async def _info(port: int, ctx: ssl.SSLContext) -> pb.RelayInfo:
-    async with Channel("127.0.0.1", port, ssl=ctx) as channel:
-        return await asyncio.wait_for(
-            pb.KvEventRelayStub(channel).get_relay_info(
-                pb.RelayInfoRequest(contract_marker=MARKER)
-            ),
-            scaled(10),
-        )
 
 
 async def _until(what: Callable[[], bool], timeout: float = 10.0) -> None:

@@ -20,9 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from grpclib.client import Channel
 
-from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.ops.config import check_file
 from kvrelay.ops.tls import (
     ReloadableServerContext,
@@ -34,6 +32,7 @@ from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import RelaySettings
 from kvrelay.service.server import RelayServer
 from tests.support.certs import Pki, make_pki
+from tests.support.rig import relay_info_at
 
 MARKER = 0x4B565231
 
@@ -44,14 +43,6 @@ def pkis(tmp_path_factory: pytest.TempPathFactory) -> tuple[Pki, Pki]:
     (d / "old").mkdir()
     (d / "new").mkdir()
     return make_pki(d / "old"), make_pki(d / "new")
-
-
-async def _info(port: int, ca: Path) -> pb.RelayInfo:
-    async with Channel("127.0.0.1", port, ssl=client_ssl_context(str(ca))) as ch:
-        return await asyncio.wait_for(
-            pb.KvEventRelayStub(ch).get_relay_info(pb.RelayInfoRequest(contract_marker=MARKER)),
-            10,
-        )
 
 
 class _KeyFifo:
@@ -112,21 +103,23 @@ async def test_a_rotation_between_two_reads_never_breaks_the_live_context(
     server = RelayServer(relay, relay.limits)
     await server.start("127.0.0.1", 0, ssl=tls.in_use)
     fifo: _KeyFifo | None = None
+    trusting_old = client_ssl_context(str(old.server_ca))
+    trusting_new = client_ssl_context(str(new.server_ca))
     try:
-        assert (await _info(server.port, old.server_ca)).relay is not None
+        assert (await relay_info_at(server.port, trusting_old)).relay is not None
         # the rotation: new certificate in place, and the key file changes under the reload
         shutil.copy(new.server_cert, cert)
         key.unlink()
         fifo = _KeyFifo(key, [new.server_key.read_bytes(), old.server_key.read_bytes()])
         await asyncio.to_thread(tls.reload, ServerTlsFiles(str(cert), str(key)))
         assert fifo.opens == 1  # one read of the key: the pair it loaded matches
-        assert (await _info(server.port, new.server_ca)).relay is not None
+        assert (await relay_info_at(server.port, trusting_new)).relay is not None
         with pytest.raises(ssl.SSLCertVerificationError):
-            await _info(server.port, old.server_ca)
+            await relay_info_at(server.port, trusting_old)
         # a reload whose files do not load leaves the live context as it was
         with pytest.raises(TlsConfigError):
             tls.reload(ServerTlsFiles(str(cert), str(old.server_key)))
-        assert (await _info(server.port, new.server_ca)).relay is not None
+        assert (await relay_info_at(server.port, trusting_new)).relay is not None
     finally:
         if fifo is not None:
             fifo.release()

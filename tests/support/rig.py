@@ -322,6 +322,16 @@ async def relay_info(channel: Channel) -> pb.RelayInfo:
     return await stub.get_relay_info(pb.RelayInfoRequest(contract_marker=MARKER))
 
 
+async def relay_info_at(port: int, ssl: Any = None) -> pb.RelayInfo:
+    """``GetRelayInfo`` on its own loopback channel (with ``ssl``, an ``SSLContext``, over TLS):
+    whether a client gets through to a relay, and as whom."""
+    async with Channel("127.0.0.1", port, ssl=ssl) as ch:
+        return await asyncio.wait_for(
+            pb.KvEventRelayStub(ch).get_relay_info(pb.RelayInfoRequest(contract_marker=MARKER)),
+            scaled(10),
+        )
+
+
 async def relay_info_bytes(port: int) -> bytes:
     """``GetRelayInfo``'s reply as the bytes on the wire (on its own loopback channel), for
     byte-for-byte comparisons of a relay and its mirrors."""
