@@ -98,9 +98,13 @@ def signature_of(fn: Callable[..., Any]) -> Any:
     def nb(t: Any, where: str) -> Any:
         if t is type(None):
             return types.void
-        if typing.get_origin(t) is np.ndarray:
+        origin = typing.get_origin(t)
+        if origin is np.ndarray:
             dtype = typing.get_args(typing.get_args(t)[1])[0]
             return types.Array(from_dtype(np.dtype(dtype)), 1, "C")
+        alias = getattr(origin, "__value__", None)  # numpy 2.5 on Python 3.12+: NDArray is a
+        if typing.get_origin(alias) is np.ndarray:  # type alias, ``NDArray[X]`` its own generic
+            return types.Array(from_dtype(np.dtype(typing.get_args(t)[0])), 1, "C")
         if typing.get_origin(t) in (typing.Union, __import__("types").UnionType):
             options = set(typing.get_args(t))
             if options <= {int, np.int64}:
