@@ -144,3 +144,21 @@ class GiveUpUnwritten:
             return
         self._given_up = True
         task.cancel()
+
+
+#: How long a simulated engine's stop waits for its servers' connections to go.
+SERVER_CLOSE_WAIT_S = 1.0
+
+
+async def server_closed(server: Any, within_s: float = SERVER_CLOSE_WAIT_S) -> bool:
+    """``await server.wait_closed()`` (after its ``close()``), for at most ``within_s``: whether it
+    returned. Why bounded: from Python 3.12 asyncio's ``Server.wait_closed`` (which grpclib's
+    awaits) waits for every connection the server accepted, and a peer may keep one open (a
+    relay's Control channel to an engine that stops); on 3.11 it returns at once."""
+    waiting = asyncio.ensure_future(server.wait_closed())
+    done, _ = await asyncio.wait({waiting}, timeout=within_s)
+    if not done:
+        await cancel_and_wait(waiting)
+        return False
+    waiting.result()
+    return True

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvrelay._aio import bounded, cancel_all, cancel_and_wait, stop_all
+from kvrelay._aio import bounded, cancel_all, cancel_and_wait, server_closed, stop_all
 
 
 async def _slow_to_cancel(started: asyncio.Event) -> None:
@@ -191,3 +191,23 @@ async def test_bounded_keeps_a_cancellation_that_came_with_the_result() -> None:
     caller.cancel()
     with pytest.raises(asyncio.CancelledError):
         await caller
+
+
+async def test_server_closed_does_not_wait_for_a_connection_a_peer_keeps() -> None:
+    """A real server with no connection: closed at once. One whose ``wait_closed`` waits for a
+    connection that never goes (Python 3.12's asyncio, a peer keeping its connection): given up
+    after the bound, the wait cancelled, not left running."""
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    server.close()
+    assert await server_closed(server, 5.0)
+
+    class Held:
+        waiting: asyncio.Future[None] | None = None
+
+        async def wait_closed(self) -> None:
+            self.waiting = asyncio.get_running_loop().create_future()
+            await self.waiting  # a connection that never goes
+
+    held = Held()
+    assert not await server_closed(held, 0.05)
+    assert held.waiting is not None and held.waiting.cancelled()

@@ -10,6 +10,7 @@ import grpclib.const
 import grpclib.server
 from grpclib.server import Server
 
+from kvrelay._aio import server_closed
 from kvrelay._proto import vllm as vpb
 from kvrelay.sim.face import EngineFace
 
@@ -188,4 +189,4 @@ async def start_control_server(engine: EngineFace) -> tuple[Server, int]:
 
 async def stop_control_server(server: Any) -> None:
     server.close()
-    await server.wait_closed()
+    await server_closed(server)  # (bounded: a relay's Control channel may stay open)

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 from typing import Any
 
+from kvrelay._aio import server_closed
 from kvrelay.sim.face import EngineFace
 
 _MAX_HEADER = 8192
@@ -196,4 +197,4 @@ async def start_metrics_server(engine: EngineFace) -> tuple[asyncio.Server, int]
 
 async def stop_metrics_server(server: Any) -> None:
     server.close()
-    await server.wait_closed()
+    await server_closed(server)  # (bounded: a scraper may keep its connection)
