@@ -17,6 +17,7 @@ import grpclib.const
 import pytest
 from grpclib.server import Server
 
+from kvrelay._aio import server_closed
 from kvrelay._proto import vllm as vpb
 from kvrelay.client.codec import RawCodec
 from kvrelay.discovery.client import (
@@ -124,7 +125,7 @@ async def test_a_hostile_control_reply_is_a_typed_failure_and_polling_goes_on(ca
         await w.stop()
     finally:
         server.close()
-        await server.wait_closed()
+        await server_closed(server)
 
 
 async def _serve(handlers: dict[str, Callable[[Any], Awaitable[None]]]) -> tuple[Server, int]:
@@ -175,7 +176,7 @@ async def test_a_reply_claiming_gigabytes_is_refused_from_its_prefix() -> None:
         assert sent <= 16 << 20, sent  # what flow control lets out, not what the prefix claims
     finally:
         server.close()
-        await server.wait_closed()
+        await server_closed(server)
 
 
 @pytest.mark.parametrize(
@@ -203,7 +204,7 @@ async def test_an_optional_reply_in_broken_wire_format_is_refused(
         assert REFUSED["undecodable"] == before + 1
     finally:
         server.close()
-        await server.wait_closed()
+        await server_closed(server)
 
 
 def _entries(field: int, inner: bytes, n: int) -> bytes:
@@ -273,7 +274,7 @@ async def test_a_reply_of_many_tiny_fields_is_refused_before_it_is_parsed(case: 
     finally:
         tick.cancel()
         server.close()
-        await server.wait_closed()
+        await server_closed(server)
 
 
 def _adapter(i: int) -> vpb.LoraAdapter:
@@ -318,7 +319,7 @@ async def test_replies_at_the_limits_are_accepted() -> None:
         assert n * 11 < FIELD_BUDGET  # 4,096 sources of 10 fields, each with its own tag
     finally:
         server.close()
-        await server.wait_closed()
+        await server_closed(server)
 
 
 async def test_an_older_server_info_takes_its_local_ranks_from_its_sources() -> None:
@@ -341,4 +342,4 @@ async def test_an_older_server_info_takes_its_local_ranks_from_its_sources() -> 
             assert snap.data_parallel_size_local == want
         finally:
             server.close()
-            await server.wait_closed()
+            await server_closed(server)
