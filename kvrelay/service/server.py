@@ -69,6 +69,11 @@ _log = get_logger(__name__)
 #: for the calls it refused to write their status: HEADERS, not flow-controlled, so at once
 #: unless a client reads nothing at all.
 REFUSAL_WRITE_S = 1.0
+#: How long a pool stream that ends with an error waits at most for every catalog stream to
+#: hand the current catalog revision to its transport first (``_catalog_first``): a fenced or
+#: withdrawn generation's streams end after the catalog without it, yet a catalog client that
+#: reads nothing cannot hold their end.
+CATALOG_FIRST_S = 1.0
 _UNARY_REASON: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "kv_relay_unary_reason", default=None
 )
@@ -152,6 +157,12 @@ class KvEventRelayService:
         self.authz_denials: dict[str, int] = {}
         #: pool streams ended because a rules reload took their pool away
         self.authz_revoked = 0
+        #: open catalog streams → the catalog revision each last handed to its transport (-1:
+        #: none yet); a pool stream that ends with an error waits for them (``_catalog_first``)
+        self._catalog_written: dict[object, int] = {}
+        self._catalog_moved: asyncio.Future[None] | None = None
+        #: pool stream ends that stopped waiting for a catalog stream after ``CATALOG_FIRST_S``
+        self.catalog_first_timeouts = 0
 
     # --- authorization ---
     def set_authorization(self, authorization: Authorization | None) -> None:
@@ -536,6 +547,9 @@ class KvEventRelayService:
                 preempted.set_result(None)
 
         ticket.on_preempt = wake
+        token = object()  # this stream among the catalog streams (``_catalog_first``)
+        if kind == "catalog":
+            self._catalog_written[token] = -1
         try:
             version, message = plane.plane.current()
             first = self._encode_for(plane, kind, version, message, who)
@@ -543,6 +557,7 @@ class KvEventRelayService:
                                             max_gap):  # fmt: skip
                 ticket.check()  # preempted: RESOURCE_LIMIT; else it ends OK
                 return
+            self._wrote(token, version)
             ticket.check()
             next_tick = loop.time() + resend_every if resend_every is not None else None
             while not self._closing:
@@ -573,6 +588,7 @@ class KvEventRelayService:
                                                 max_gap):  # fmt: skip
                     ticket.check()
                     return
+                self._wrote(token, version)
                 if next_tick is not None:
                     now = loop.time()
                     while next_tick <= now:
@@ -581,7 +597,48 @@ class KvEventRelayService:
         finally:
             if pending is not None and not pending.done():
                 pending.cancel()
+            if self._catalog_written.pop(token, None) is not None:
+                self._catalog_wake()
             ticket.release()
+
+    def _wrote(self, token: object, version: int) -> None:
+        """A catalog stream handed revision ``version`` to its transport (else: not one)."""
+        if token in self._catalog_written:
+            self._catalog_written[token] = version
+            self._catalog_wake()
+
+    def _catalog_wake(self) -> None:
+        moved, self._catalog_moved = self._catalog_moved, None
+        if moved is not None and not moved.done():
+            moved.set_result(None)
+
+    async def _catalog_first(self) -> None:
+        """Wait until every open catalog stream has handed the current catalog revision to
+        its transport (or ended), for at most ``CATALOG_FIRST_S``: a pool stream ending with
+        an error calls it before its status goes out. A fence or withdrawal publishes the
+        catalog without the pool before it ends the pool's streams; this makes that order
+        reach the wire, on every connection, not only the event loop: a router sees the pool
+        withdrawn before its stream ends, and does not resubscribe to a pool that is gone. No
+        catalog stream behind: returns without yielding."""
+        if not self._catalog_written:
+            return
+        try:
+            revision = self._catalog.plane.current()[0]  # (the plane the streams send)
+        except (RelayError, PlaneUnsupported):
+            return  # (a mirror that lost its source: no catalog to vouch for)
+        loop = asyncio.get_running_loop()
+        deadline: float | None = None
+        while not self._closing and any(v < revision for v in self._catalog_written.values()):
+            now = loop.time()
+            if deadline is None:
+                deadline = now + CATALOG_FIRST_S
+            elif now >= deadline:
+                self.catalog_first_timeouts += 1
+                return
+            if self._catalog_moved is None:
+                self._catalog_moved = loop.create_future()
+            # (asyncio.wait: the shared future is never cancelled with this task)
+            await asyncio.wait((self._catalog_moved,), timeout=deadline - now)
 
     async def _send_version(
         self,
@@ -680,15 +737,19 @@ class KvEventRelayService:
             ticket.check()  # preempted while it opened
             ticket.on_preempt = sub.fail  # ends like a lagged subscriber: the pump raises it
             writer = StreamWriter(stream, self.limits.max_message_bytes)
-            await sub.pump(
-                stream.send_message,
-                writer.send_batch,
-                writer.reset,
-                writer.bulk,
-                send_now=writer.send_now,
-                turn=None if writer.bulk is None else writer.bulk.acquire,
-                written=writer.written,
-            )
+            try:
+                await sub.pump(
+                    stream.send_message,
+                    writer.send_batch,
+                    writer.reset,
+                    writer.bulk,
+                    send_now=writer.send_now,
+                    turn=None if writer.bulk is None else writer.bulk.acquire,
+                    written=writer.written,
+                )
+            except RelayError:
+                await self._catalog_first()  # a fence's withdrawal reaches the wire first
+                raise
         finally:
             if writer is not None:
                 writer.close()

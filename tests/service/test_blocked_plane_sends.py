@@ -13,19 +13,24 @@ back, so the relay's sends wait for it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from typing import Any
 
 import pytest
+from grpclib.const import Cardinality
+from grpclib.exceptions import GRPCError
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.errors import RelayError
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.contract.wire import CONTRACT_MARKER
 from kvrelay.mirror.plane import MirrorPlane
+from kvrelay.service import server as server_module
 from kvrelay.service.server import RelayServer
 from tests.support.fleet import eventually
 from tests.support.h2_client import RawH2Client, RawStream, plane_request
-from tests.support.mem_relay import MemRelayView
+from tests.support.mem_relay import MARKER, SVC, MemRelayView, grpclib_channel, sub_request
 from tests.support.timing import scaled
 
 KINDS = {
@@ -244,4 +249,62 @@ async def test_a_stalled_plane_stream_ends_lagged_or_is_reset_mid_message() -> N
     finally:
         await nothing.close()
         await part.close()
+        await server.close(grace_s=1.0)
+
+
+async def test_a_fenced_pool_stream_ends_after_the_catalog_reaches_every_watcher_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pool stream that ends with an error waits until every catalog stream has handed the
+    catalog without its pool to its transport: a watcher on the pool stream's connection reads
+    the withdrawal before the stream's status. A catalog client that reads nothing (its message
+    waits for a window) holds the end for ``CATALOG_FIRST_S`` at most, counted."""
+    monkeypatch.setattr(server_module, "CATALOG_FIRST_S", 0.3)
+    view, server = await _relay()
+    gen = view.pools[next(iter(view.pools))]
+    stalled = await RawH2Client.connect(server.port, window=0)
+    ch = grpclib_channel(server.port)
+    order: list[str] = []
+    try:
+        blocked = await _blocked(stalled, KINDS["catalog"], plane_request("stalled"))
+        watching = ch.request(SVC + "WatchKvPoolCatalog", Cardinality.UNARY_STREAM,
+                              pb.WatchKvPoolCatalogRequest, pb.KvPoolCatalogUpdate)  # fmt: skip
+        pool = ch.request(SVC + "SubscribeKvPool", Cardinality.UNARY_STREAM,
+                          pb.SubscribeKvPoolRequest, pb.FilterUpdate)  # fmt: skip
+        took = -1.0
+        watch_request = pb.WatchKvPoolCatalogRequest(subscriber_id="w", contract_marker=MARKER)
+        with contextlib.suppress(GRPCError):  # (the pool stream's exit re-raises its status)
+            async with watching, pool:
+                await watching.send_message(watch_request, end=True)
+                first = await watching.recv_message()
+                assert first is not None and first.snapshot is not None and first.snapshot.pools
+                await pool.send_message(sub_request(gen.producer), end=True)
+                assert await pool.recv_message() is not None  # the snapshot: the pump runs
+
+                async def watch() -> None:
+                    while (upd := await watching.recv_message()) is not None:
+                        if upd.snapshot is not None and not upd.snapshot.pools:
+                            order.append("withdrawn")
+                            return
+
+                async def stream_end() -> None:
+                    with contextlib.suppress(GRPCError):
+                        while await pool.recv_message() is not None:
+                            pass
+                    order.append("ended")
+
+                watcher = asyncio.ensure_future(watch())
+                ending = asyncio.ensure_future(stream_end())
+                start = time.monotonic()
+                view.remove(gen)
+                await asyncio.wait_for(asyncio.gather(watcher, ending), scaled(10))
+                took = time.monotonic() - start
+                await watching.cancel()
+        assert order == ["withdrawn", "ended"]
+        assert took >= 0.3, took  # the stalled watcher held the end for the bound, no longer
+        assert server.service.catalog_first_timeouts == 1
+        assert not blocked.ended.is_set()
+    finally:
+        ch.close()
+        await stalled.close()
         await server.close(grace_s=1.0)
