@@ -212,21 +212,8 @@ async def test_a_mirror_reload_reads_its_upstream_client_files_for_the_next_conn
         seen.append(der.get(peer, "?"))
         return False
 
-    view = MemRelayView()
-    view.add_pool("p1", 4096)
-    upstream = RelayServer(view)
-    server_tls = ReloadableServerContext(
-        ServerTlsFiles(str(certs.server_old[0]), str(certs.server_old[1]), str(certs.client_ca))
-    )
-    await upstream.start("127.0.0.1", 0, ssl=server_tls.in_use)
-    upstream.revoke(record)
-    body = f"""
-[mirror]
-upstream = "127.0.0.1:{upstream.port}"
-tls_ca = "{certs.server_ca_old}"
-tls_cert = "{cert}"
-tls_key = "{key}"
-"""
+    upstream, view = await _mtls_upstream(certs, record, "p1")
+    body = _upstream_section(upstream, certs, cert, key)
     path = _mirror_file(tmp_path / "mirror.toml", body)
     daemon = Daemon(load_config(path), Notifier({}), config_path=path)
     try:
@@ -265,6 +252,34 @@ tls_key = "{key}"
         await upstream.close(grace_s=0.5)
 
 
+async def _mtls_upstream(
+    certs: Certs, check: Any, *pools: str
+) -> tuple[RelayServer, MemRelayView]:
+    """An upstream relay over mTLS serving ``pools`` (its view, to add more), whose client
+    certificates ``check`` says are revoked (asked at each handshake, and of the open
+    connections at each ``revoke``)."""
+    view = MemRelayView()
+    for pool in pools:
+        view.add_pool(pool, 4096)
+    upstream = RelayServer(view)
+    tls = ReloadableServerContext(
+        ServerTlsFiles(str(certs.server_old[0]), str(certs.server_old[1]), str(certs.client_ca))
+    )
+    await upstream.start("127.0.0.1", 0, ssl=tls.in_use)
+    upstream.revoke(check)
+    return upstream, view
+
+
+def _upstream_section(upstream: RelayServer, certs: Certs, cert: Path, key: Path) -> str:
+    return f"""
+[mirror]
+upstream = "127.0.0.1:{upstream.port}"
+tls_ca = "{certs.server_ca_old}"
+tls_cert = "{cert}"
+tls_key = "{key}"
+"""
+
+
 async def test_a_mirror_reconnecting_in_the_same_channel_presents_its_renewed_certificate(
     certs: Certs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -289,22 +304,8 @@ async def test_a_mirror_reconnecting_in_the_same_channel_presents_its_renewed_ce
             refused.append(der.get(peer, "?"))
         return peer in revoked
 
-    view = MemRelayView()
-    view.add_pool("p1", 4096)
-    view.add_pool("p2", 4096)
-    upstream = RelayServer(view)
-    server_tls = ReloadableServerContext(
-        ServerTlsFiles(str(certs.server_old[0]), str(certs.server_old[1]), str(certs.client_ca))
-    )
-    await upstream.start("127.0.0.1", 0, ssl=server_tls.in_use)
-    upstream.revoke(check)
-    path = _mirror_file(tmp_path / "mirror.toml", f"""
-[mirror]
-upstream = "127.0.0.1:{upstream.port}"
-tls_ca = "{certs.server_ca_old}"
-tls_cert = "{cert}"
-tls_key = "{key}"
-""")
+    upstream, _view = await _mtls_upstream(certs, check, "p1", "p2")
+    path = _mirror_file(tmp_path / "mirror.toml", _upstream_section(upstream, certs, cert, key))
     daemon = Daemon(load_config(path), Notifier({}), config_path=path)
 
     def installs() -> int:
