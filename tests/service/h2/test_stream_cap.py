@@ -125,7 +125,9 @@ async def test_a_client_that_keeps_opening_refused_streams_is_bounded() -> None:
         await asyncio.wait_for(client.closed.wait(), 10)
         assert client.goaway is not None and client.goaway.error_code == ENHANCE_YOUR_CALM
         counts = _abuse(server)
-        assert counts["stream_flood"] == 1 and 0 < counts["refused_stream"] <= 60
+        # (how many h2 refused before the flood ended it depends on how the 100 HEADERS were
+        # read: in one read, the guard counts them all before h2 sees one past the cap)
+        assert counts["stream_flood"] == 1 and counts.get("refused_stream", 0) <= 60
     finally:
         await client.close()
         await server.close(grace_s=0.5)
