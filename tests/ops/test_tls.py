@@ -20,6 +20,7 @@ from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import RelaySettings
 from kvrelay.service.server import RelayServer
 from tests.support.certs import Pki, make_pki
+from tests.support.fleet import eventually
 from tests.support.rig import relay_info_at as _info_grpclib
 from tests.support.timing import scaled
 
@@ -295,20 +296,10 @@ async def test_a_stop_does_not_wait_for_a_tls_client_that_never_closes(pki: Pki)
 
     client = await asyncio.to_thread(connect)
     try:
-        await eventually_open(server.port)
+        await eventually(lambda: _open_sockets(server.port) > 0, 4, "the relay accepts")
         await asyncio.wait_for(server.close(grace_s=0.2), scaled(10))
-        deadline = asyncio.get_running_loop().time() + scaled(3)
-        while _open_sockets(server.port) and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
-        assert _open_sockets(server.port) == 0
+        await eventually(lambda: _open_sockets(server.port) == 0, 3, "no socket left")
     finally:
         client.close()
         await relay.stop()
 
-
-async def eventually_open(port: int) -> None:
-    for _ in range(200):
-        if _open_sockets(port):
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("the relay never accepted the connection")

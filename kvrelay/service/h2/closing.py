@@ -106,6 +106,8 @@ class ClosingServer(Server):
         #: connections made and not lost yet, with their transports (``_track``)
         self._live: dict[H2Protocol, asyncio.BaseTransport] = {}
         self._none_live = asyncio.Event()
+        #: live connections someone waits to see gone (``_when_gone``)
+        self._gone_waiters: dict[H2Protocol, asyncio.Future[None]] = {}
         #: revoked connections being ended (``revoke``): their gates, and the tasks ending them
         self._revoking: weakref.WeakSet[TlsGate] = weakref.WeakSet()
         self._endings: set[asyncio.Task[None]] = set()
@@ -154,12 +156,26 @@ class ClosingServer(Server):
 
         def connection_lost(exc: BaseException | None) -> None:
             self._live.pop(proto, None)
+            waiter = self._gone_waiters.pop(proto, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
             if not self._live:
                 self._none_live.set()
             lost(exc)
 
         proto.connection_made = connection_made  # type: ignore[method-assign]
         proto.connection_lost = connection_lost  # type: ignore[method-assign]
+
+    def _when_gone(self, proto: H2Protocol) -> asyncio.Future[None]:
+        """Done once ``proto``'s connection is gone (at once if it is not live)."""
+        waiter = self._gone_waiters.get(proto)
+        if waiter is None:
+            waiter = asyncio.get_running_loop().create_future()
+            if proto in self._live:
+                self._gone_waiters[proto] = waiter
+            else:
+                waiter.set_result(None)
+        return waiter
 
     async def _gone(self, timeout: float) -> bool:
         """Whether every connection is gone within ``timeout`` seconds."""
@@ -285,7 +301,8 @@ class ClosingServer(Server):
         ``revoked_close_s``; the connection is aborted if it is still there then."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.revoked_close_s
-        proto, lost = gate.inner, gate.when_lost()
+        proto = gate.inner
+        lost = self._when_gone(proto)
         try:
             if not missing_in_revoke(proto):
                 # until none runs: a request the client sent meanwhile is ended too

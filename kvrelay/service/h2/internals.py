@@ -666,8 +666,7 @@ def missing_in_shutdown(server: Any) -> list[str]:
 async def handlers_closed(server: Any) -> None:
     """Until the requests grpclib's ``Server.close`` cancelled have ended (nothing to wait for
     where the internals are missing)."""
-    handlers = getattr(server, "_handlers", None)
-    if not handlers or not hasattr(Handler, "wait_closed"):
+    if missing_in_shutdown(server) or not server._handlers:
         return
-    await asyncio.wait({asyncio.ensure_future(h.wait_closed()) for h in list(handlers)})
+    await asyncio.wait({asyncio.ensure_future(h.wait_closed()) for h in list(server._handlers)})
 

@@ -88,7 +88,6 @@ class TlsGate(asyncio.Protocol):
         self._task: asyncio.Task[None] | None = None
         self._early: list[bytes] = []  # at most what arrives in the loop turn of the handover
         self._handed_over = False  # inner's connection_made was called: it owns its handler
-        self._lost: asyncio.Future[None] | None = None  # see ``when_lost``
         lost = inner.connection_lost
 
         def connection_lost(exc: BaseException | None) -> None:
@@ -188,14 +187,6 @@ class TlsGate(asyncio.Protocol):
             self._task.cancel()
         self._give_back()
 
-    def when_lost(self) -> asyncio.Future[None]:
-        """Done once the connection is gone (a revoked connection's close is waited for)."""
-        if self._lost is None:
-            self._lost = asyncio.get_running_loop().create_future()
-            if self._release is None:
-                self._lost.set_result(None)
-        return self._lost
-
     def abort(self) -> None:
         """Shutdown: a connection still handshaking is closed now."""
         if self.handshaking and self._raw is not None:
@@ -209,7 +200,5 @@ class TlsGate(asyncio.Protocol):
         release, self._release = self._release, None
         if release is not None:
             release()
-        if self._lost is not None and not self._lost.done():
-            self._lost.set_result(None)
         if not self._handed_over:
             close_unstarted(self.inner)
