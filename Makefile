@@ -38,12 +38,14 @@ venv: $(STAMP)
 # Kernels first: a fresh clone has an empty numba cache, and daemon processes the tests start
 # would otherwise each spend their start-up deadline compiling (a cache load after this). The
 # cold-start test compiles every kernel in a cache of its own anyway: it runs first and hands
-# that cache over (tests/support/kernel_cache.py), so `kvrelay warm` only loads.
+# that cache over (tests/support/kernel_cache.py), so `kvrelay warm` only loads. The rest runs
+# in two processes (pytest-xdist): most tests wait on sockets and timers, not on a core, and
+# deadlines stretch with the load the other process adds (tests/support/timing.py).
 COLD_START := tests/ops/test_cold_start.py
 test: $(STAMP)
 	KVRELAY_HAND_OVER_KERNELS=1 $(PY) -m pytest -q $(COLD_START)
 	$(PY) -m kvrelay warm
-	$(PY) -m pytest -q --deselect $(COLD_START)
+	$(PY) -m pytest -q -n 2 --dist worksteal --deselect $(COLD_START)
 
 lint: $(STAMP)
 	$(PY) -m ruff check kvrelay tests benchmarks tools

@@ -17,6 +17,32 @@ REPO = Path(__file__).resolve().parent.parent
 PROTOS = REPO / "protos"
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """A short base for ``tmp_path`` (``/tmp/kvt-XXXXXXXX``; ``--basetemp`` wins): tests bind
+    UNIX sockets there (the relay's internal socket, systemd's notify socket, ``ipc://``
+    endpoints), whose paths have 107 bytes at most, and pytest's own
+    ``/tmp/pytest-of-<user>/pytest-<n>/popen-gw<k>/`` spends a third of them before the test's
+    name. Made by the controlling process only (a pytest-xdist worker gets its part of it);
+    removed when the session passed, kept for a look after a failure."""
+    if config.option.basetemp is None and not hasattr(config, "workerinput"):
+        import tempfile
+
+        config.option.basetemp = tempfile.mkdtemp(prefix="kvt-")
+        config.stash[_OWN_BASETEMP] = config.option.basetemp
+
+
+_OWN_BASETEMP = pytest.StashKey[str]()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    base = session.config.stash.get(_OWN_BASETEMP, None)
+    if base is not None and exitstatus == 0:
+        import shutil
+
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def pytest_report_header() -> str:
     """The measured slowdown every scaled deadline uses (``tests/support/timing.py``)."""
     from tests.support.timing import slowdown

@@ -38,6 +38,7 @@ from kvrelay.ingest.live_source import READERS
 from kvrelay.ingest.options import DecodeOptions
 from kvrelay.ingest.topic_pattern import PatternError, TopicPattern
 from kvrelay.mirror.settings import MAX_PERIOD_S as MAX_MIRROR_PERIOD_S
+from kvrelay.ops.private_dirs import INTERNAL_SOCKET, socket_path_problem
 from kvrelay.ops.tls import (
     CrlSignatureError,
     ServerTlsFiles,
@@ -888,6 +889,12 @@ def parse_config(
             listeners.append(("metrics.bind", metrics_vals["bind"], m_host, m_port))
         _connect_collisions(r, pools, listeners)
 
+    if relay["workers"] >= 2:
+        too_long = socket_path_problem(_runtime_dir(relay["runtime_dir"], environ),
+                                       INTERNAL_SOCKET)  # fmt: skip
+        if too_long is not None:
+            r.err("relay.runtime_dir", f"the internal socket of workers ≥ 2 goes there: "
+                                       f"{too_long}")  # fmt: skip
     if limits is not None and relay["workers"] >= 2:  # each worker mirrors at these periods
         for name in ("pool_heartbeat_s", "readiness_heartbeat_s"):
             if getattr(limits, name) > MAX_MIRROR_PERIOD_S:

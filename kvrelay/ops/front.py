@@ -24,7 +24,7 @@ from typing import Any
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.logging import get_logger
 from kvrelay.ops.config import DaemonConfig, LoggingConfig, MirrorConfig, TlsConfig
-from kvrelay.ops.private_dirs import PrivateDir
+from kvrelay.ops.private_dirs import INTERNAL_SOCKET, PrivateDir, socket_path_problem
 from kvrelay.ops.supervisor import Supervisor, shared_listener
 from kvrelay.ops.worker import AUTHZ_LINE, LOGGING_LINE, TLS_LINE, WorkerSpec, rules_json
 from kvrelay.service.authz import AuthorizationRule
@@ -126,6 +126,13 @@ class WorkerFront:
 
         cfg = self.cfg
         base = cfg.runtime_dir
+        too_long = socket_path_problem(base, INTERNAL_SOCKET)
+        if too_long is not None:
+            raise RuntimeError(
+                f"workers = {cfg.workers} puts its internal socket under "
+                f"{base or tempfile.gettempdir()!r}; {too_long}. Set [relay] runtime_dir "
+                "(KVRELAY_RELAY_RUNTIME_DIR) to a shorter directory"
+            )
         try:
             self._dir = private_runtime_dir(base)
         except OSError as exc:
@@ -135,7 +142,7 @@ class WorkerFront:
                 "runtime_dir (KVRELAY_RELAY_RUNTIME_DIR) to a writable directory, e.g. an "
                 "emptyDir on Kubernetes"
             ) from None
-        self.path = os.path.join(self._dir.path, "ingest.sock")
+        self.path = os.path.join(self._dir.path, INTERNAL_SOCKET)
         self.internal = RelayServer(self.view, internal_limits(cfg.relay.limits, cfg.workers))
         await self.internal.start_unix(self.path)
         self._socket_id = _socket_id(self.path)
@@ -179,7 +186,7 @@ class WorkerFront:
             _LOG.error("internal_socket_lost", path=lost, rebound=False,
                        error=f"{where!r}: {exc.strerror}")  # fmt: skip
             return
-        path = os.path.join(new_dir.path, "ingest.sock")
+        path = os.path.join(new_dir.path, INTERNAL_SOCKET)
         server = RelayServer(self.view, internal_limits(cfg.relay.limits, cfg.workers))
         try:
             await server.start_unix(path)
@@ -204,7 +211,7 @@ class WorkerFront:
         used = {self._upstreams.get(i) for i in running}
         kept = []
         for server, directory in self._replaced:
-            if os.path.join(directory.path, "ingest.sock") in used:
+            if os.path.join(directory.path, INTERNAL_SOCKET) in used:
                 kept.append((server, directory))
                 continue
             task = asyncio.ensure_future(self._close_replaced(server, directory))
@@ -218,7 +225,7 @@ class WorkerFront:
         finally:
             directory.remove()
             self.internal_closed += 1
-            _LOG.info("internal_socket_closed", path=os.path.join(directory.path, "ingest.sock"))
+            _LOG.info("internal_socket_closed", path=os.path.join(directory.path, INTERNAL_SOCKET))
 
     def listening_socket(self) -> socket.socket:
         """The shared public listener (a hot upgrade hands its descriptor to the successor)."""

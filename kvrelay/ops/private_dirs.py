@@ -33,7 +33,9 @@ from collections.abc import Iterable
 
 from kvrelay._text import is_decimal
 
-__all__ = ["PID_FILE", "PrivateDir", "sweep"]
+__all__ = [
+    "INTERNAL_SOCKET", "PID_FILE", "SOCKET_PATH_MAX", "PrivateDir", "socket_path_problem", "sweep",
+]
 
 #: ``mkdtemp``'s eight random characters after the prefix.
 _NAME = re.compile(r"kvrelay-(?:upgrade-)?[a-z0-9_]{8}")
@@ -41,6 +43,26 @@ _NAME = re.compile(r"kvrelay-(?:upgrade-)?[a-z0-9_]{8}")
 PID_FILE = "pid"
 #: Directories this process made and still holds: never swept by itself.
 _MINE: set[str] = set()
+#: The internal socket's name in its private directory (``workers`` ≥ 2, ``ops/front.py``).
+INTERNAL_SOCKET = "ingest.sock"
+#: The longest path a UNIX socket can be bound at on Linux (``sun_path``: 108 bytes, its NUL).
+SOCKET_PATH_MAX = 107
+
+
+def socket_path_problem(base: str | None, name: str, kind: str = "") -> str | None:
+    """Why no socket ``name`` can be bound in a private directory under ``base`` (None: the
+    temporary directory): its path would be too long (``bind`` fails "AF_UNIX path too
+    long"); None when it fits. ``check-config`` and the start ask before anything is made, so
+    the operator reads which setting to shorten, and by how much."""
+    where = os.path.abspath(base or tempfile.gettempdir())
+    prefix = f"kvrelay-{kind}-" if kind else "kvrelay-"
+    length = len(os.fsencode(os.path.join(where, prefix + "X" * 8, name)))
+    if length <= SOCKET_PATH_MAX:
+        return None
+    room = len(os.fsencode(where)) - (length - SOCKET_PATH_MAX)
+    return (f"the socket path {os.path.join(where, prefix + 'XXXXXXXX', name)!r} would be "
+            f"{length} bytes, over the {SOCKET_PATH_MAX} a UNIX socket's path may have: the "
+            f"directory may have at most {room} bytes")  # fmt: skip
 
 
 class PrivateDir:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,7 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.ops.private_dirs import PID_FILE, PrivateDir, sweep
+from kvrelay.ops.private_dirs import (
+    INTERNAL_SOCKET,
+    PID_FILE,
+    SOCKET_PATH_MAX,
+    PrivateDir,
+    socket_path_problem,
+    sweep,
+)
 from tests.support.commands import REPO
 
 #: Makes both kinds of directory under argv[1], binds a socket in the first, prints both, waits.
@@ -130,15 +138,37 @@ def test_another_users_directory_is_never_swept(tmp_path: Path) -> None:
     assert sweep([str(tmp_path)]) == [] and theirs.is_dir()
 
 
-def test_a_private_dir_is_private_and_holds_a_socket(tmp_path: Path) -> None:
-    d = PrivateDir(str(tmp_path), "upgrade")
+def test_a_private_dir_is_private_and_holds_a_socket_whose_path_fits() -> None:
+    """The longest base ``socket_path_problem`` lets through binds the internal socket (the
+    kernel is the oracle: its path is exactly ``SOCKET_PATH_MAX`` bytes); one byte more is
+    refused, and so is the bind. Bases in the temporary directory: pytest's own may be long."""
+    top = tempfile.mkdtemp(prefix="kvr-")
     try:
-        assert (os.stat(d.path).st_mode & 0o777) == 0o700
-        with socket.socket(socket.AF_UNIX) as s:
-            s.bind(os.path.join(d.path, "ingest.sock"))
+        room = SOCKET_PATH_MAX - len(os.path.join("", "kvrelay-XXXXXXXX", INTERNAL_SOCKET)) - 1
+        fits = os.path.join(top, "b" * (room - len(top) - 1))
+        longer = fits + "b"
+        for base in (fits, longer):
+            os.mkdir(base)
+        assert socket_path_problem(fits, INTERNAL_SOCKET) is None
+        problem = socket_path_problem(longer, INTERNAL_SOCKET)
+        assert problem is not None and f"at most {len(fits)} bytes" in problem
+        for base, ok in ((fits, True), (longer, False)):
+            d = PrivateDir(base)
+            try:
+                assert (os.stat(d.path).st_mode & 0o777) == 0o700
+                path = os.path.join(d.path, INTERNAL_SOCKET)
+                assert len(path) == SOCKET_PATH_MAX + (0 if ok else 1)
+                with socket.socket(socket.AF_UNIX) as s:
+                    if ok:
+                        s.bind(path)
+                    else:
+                        with pytest.raises(OSError):
+                            s.bind(path)
+            finally:
+                d.remove()
+            assert not os.path.exists(d.path)
     finally:
-        d.remove()
-    assert not os.path.exists(d.path)
+        shutil.rmtree(top)
 
 
 #: Makes one directory under argv[1] (a hot upgrade's), prints it and its pid file, waits.

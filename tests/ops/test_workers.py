@@ -17,6 +17,7 @@ import shutil
 import signal
 import sys
 import time
+import tomllib
 import urllib.request
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from benchmarks._common import free_port
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import RelayClient
 from kvrelay.contract.wire import CONTRACT_MARKER as MARKER
-from kvrelay.ops.config import load_config
+from kvrelay.ops.config import load_config, parse_config
 from kvrelay.ops.tls import client_ssl_context, server_ssl_context
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
@@ -361,6 +362,13 @@ def test_check_config_validates_workers_and_mirror(tmp_path: Path) -> None:
     assert r.returncode == 0 and "3 processes" in r.stdout, r.stdout
     r = kvrelay("check-config", str(f), env=clean_env(KVRELAY_RELAY_WORKERS="2"))
     assert r.returncode == 0 and "2 processes" in r.stdout
+    # a runtime directory too long for the internal socket's path: refused before any start
+    raw = tomllib.loads(f.read_text())
+    for base, refused in (("/run/" + "r" * 73, False), ("/run/" + "r" * 74, True)):
+        cfg, problems = parse_config(raw, env={"RUNTIME_DIRECTORY": base})
+        found = [p for p in problems if p.severity == "error" and p.path == "relay.runtime_dir"]
+        assert bool(found) == refused and (cfg is None) == refused, problems
+    assert "may have at most 78 bytes" in found[0].reason
     m = tmp_path / "m.toml"
     m.write_text('[mirror]\nupstream = "relay.dc-b:50161"\ntls_cert = "/nonexistent.crt"\n\n'
                  '[[pools]]\nnamespace = "n"\n')  # fmt: skip
