@@ -11,7 +11,7 @@ fork: ``pool/image.py``.)
 
 The child runs one function, writes its text result to a pipe and ends with ``os._exit``: no
 logging, no sockets, no event loop, nothing that could take a lock another thread held at the
-fork. It runs at a lower priority (``nice`` 10, the relay's own work goes first), is the first
+fork (so Python 3.12's warning about forking a process with threads is silenced there). It runs at a lower priority (``nice`` 10, the relay's own work goes first), is the first
 process the kernel's OOM killer takes (``_oom.py``), and is killed
 if the relay dies (``PR_SET_PDEATHSIG``), so a crash leaves no child behind. The parent learns
 the outcome through a ``pidfd`` on its event loop: :class:`Child.done` resolves to
@@ -47,6 +47,7 @@ import signal
 import struct
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -74,7 +75,12 @@ class Child:
         r, w = os.pipe()
         ranges_r, ranges_w = os.pipe()
         parent = os.getpid()
-        pid = os.fork()
+        with warnings.catch_warnings():
+            # Python 3.12+ warns at every fork of a process with threads: a child could wait
+            # for ever on a lock another thread held. This child takes none (the docstring).
+            warnings.filterwarnings("ignore", r"This process .*is multi-threaded, use of fork",
+                                    DeprecationWarning)  # fmt: skip
+            pid = os.fork()
         if pid == 0:  # the child: the work, its report, exit; nothing else
             code = 1
             try:
