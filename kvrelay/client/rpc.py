@@ -22,6 +22,7 @@ from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from kvrelay._grpc import (
+    ChannelClosed,
     RelayChannel,
     SslSource,
     UndecodableReply,
@@ -73,6 +74,8 @@ class StreamEnd:
     status: Status | None = None
     message: str = ""
     messages: int = 0
+    #: the call never left this process: its channel was closed (``ChannelClosed``)
+    unsent: bool = False
 
 
 def open_channel(
@@ -372,6 +375,8 @@ async def run_stream(
         return end_from_error(err, trailers, n)
     except UndecodableReply as exc:
         return StreamEnd(E.ENVELOPE, None, f"undecodable reply: {exc}", n)
+    except ChannelClosed as exc:
+        return StreamEnd(E.CONNECTION, None, f"{type(exc).__name__}: {exc}", n, unsent=True)
     except _TRANSPORT_ERRORS as exc:
         return StreamEnd(E.CONNECTION, None, f"{type(exc).__name__}: {exc}", n)
     finally:

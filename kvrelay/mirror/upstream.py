@@ -18,7 +18,7 @@ from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError
 
-from kvrelay._grpc import CHANNEL_CLOSED, RelayChannel, effective_status
+from kvrelay._grpc import RelayChannel, effective_status
 from kvrelay.client import errors as E
 from kvrelay.client import rpc
 from kvrelay.client.codec import RawCodec
@@ -47,17 +47,6 @@ def upstream_error(end: StreamEnd) -> RelayError | None:
         return None
     reason = reason_from_name("RELAY_ERROR_REASON_" + end.reason.upper())
     return None if reason is None else RelayError(reason, end.message)
-
-
-def refused_closed(channel: Channel, end: StreamEnd) -> bool:
-    """A stream its closed ``RelayChannel`` refused before it was sent (``ChannelClosed``,
-    which ``run_stream`` reports as a connection end): nothing of it reached the upstream."""
-    return (
-        end.reason == E.CONNECTION
-        and not end.messages
-        and getattr(channel, "closed", False)
-        and end.message.endswith(CHANNEL_CLOSED)
-    )
 
 
 def hold_requester(subscriber_id: str) -> str:
@@ -161,7 +150,7 @@ class Upstream:
         reset the HTTP/2 stream). Returns how it ended and the channel it used.
 
         With ``follow``, a call its channel refused because ``reset`` closed that channel as the
-        call connected (``refused_closed``: it never reached the upstream) is made again at once
+        call connected (``StreamEnd.unsent``: it never reached the upstream) is made again at once
         on the current channel, as if it had started a moment later. Why: a pool stream whose
         connection dropped resubscribes at once on the channel it ran on, often before the
         catalog stream's end replaced that channel; its attempt would otherwise fail and back
@@ -179,7 +168,7 @@ class Upstream:
                 channel, method, request, bytes, on_message, silence_s=silence_s,
                 first_message_s=first_message_s, yield_every=every,
             )  # fmt: skip
-            if not (follow and refused_closed(channel, end) and channel is not self._channel):
+            if not (follow and end.unsent and channel is not self._channel):
                 return end, channel
             self.followed += 1  # (each time, ``reset`` made a new channel: finitely many)
 

@@ -74,8 +74,21 @@ async def test_a_closed_channel_closes_a_late_connection_and_never_connects_agai
         end = await rpc.run_stream(  # the SDK's and the mirror's streams: a connection end
             ch, "WatchKvPoolCatalog", rpc.catalog_request("t"), pb.KvPoolCatalogUpdate, print
         )  # fmt: skip
-        assert (end.reason, end.messages) == (E.CONNECTION, 0), end
+        assert (end.reason, end.messages, end.unsent) == (E.CONNECTION, 0, True), end
         assert end.message == "ChannelClosed: the channel is closed"
+        # a connection the server refuses is a connection end too, but the call was not refused
+        # unsent by its own channel (a mirror follows only the latter to its new channel)
+        server.close()
+        await server.wait_closed()
+        open_ch = RelayChannel("127.0.0.1", port, codec=ClientCodec())
+        try:
+            end = await rpc.run_stream(
+                open_ch, "WatchKvPoolCatalog", rpc.catalog_request("t"), pb.KvPoolCatalogUpdate,
+                print,
+            )  # fmt: skip
+        finally:
+            open_ch.close()
+        assert (end.reason, end.unsent) == (E.CONNECTION, False), end
         await asyncio.sleep(0.05)  # (a connection made anyway would be counted by now)
         assert counts == {"made": 1, "lost": 1}
         assert ch._protocol is None
