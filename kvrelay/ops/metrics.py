@@ -53,6 +53,7 @@ from kvrelay.pool.errors import MalformedBatch, PoolError
 from kvrelay.relay.observer import Observers
 from kvrelay.relay.stats import GenerationTotals, RelayStats
 from kvrelay.service.h2.guard import ABUSE_REASONS
+from kvrelay.service.server import CATALOG_FIRST_KIND
 
 DELTA_LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -422,6 +423,13 @@ def guard_families(svc: object) -> Iterator[Metric]:
     for kind in ("catalog", "readiness", "load", "serving_load", "relay_info"):
         resets.add_metric([kind], stalled.get(kind, 0))
     yield resets
+    yield CounterMetricFamily(
+        "kvrelay_stream_catalog_first_timeouts",
+        "Pool streams ending with an error (a fence, a withdrawal) whose status went out after "
+        "1 s without waiting further for a catalog stream whose client reads nothing to carry "
+        "the catalog that withdrew the pool first.",
+        value=stalled.get(CATALOG_FIRST_KIND, 0),
+    )  # fmt: skip
     abuse = CounterMetricFamily(
         "kvrelay_http2_abuse",
         "gRPC connections closed with GOAWAY ENHANCE_YOUR_CALM for breaking a per-connection "

@@ -11,8 +11,9 @@ fork: ``pool/image.py``.)
 
 The child runs one function, writes its text result to a pipe and ends with ``os._exit``: no
 logging, no sockets, no event loop, nothing that could take a lock another thread held at the
-fork (so Python 3.12's warning about forking a process with threads is silenced there). It runs at a lower priority (``nice`` 10, the relay's own work goes first), is the first
-process the kernel's OOM killer takes (``_oom.py``), and is killed
+fork (so Python 3.12's warning about forking a process with threads is silenced there). It
+runs at a lower priority (``nice`` 10, the relay's own work goes first), is the first process
+the kernel's OOM killer takes (``_oom.py``), and is killed
 if the relay dies (``PR_SET_PDEATHSIG``), so a crash leaves no child behind. The parent learns
 the outcome through a ``pidfd`` on its event loop: :class:`Child.done` resolves to
 ``(ok, text)``. Once it has ended, ``relay/hugepages.py`` folds the huge pages the child's

@@ -74,6 +74,8 @@ REFUSAL_WRITE_S = 1.0
 #: withdrawn generation's streams end after the catalog without it, yet a catalog client that
 #: reads nothing cannot hold their end.
 CATALOG_FIRST_S = 1.0
+#: ``guard_stats``' key for the pool stream ends that stopped waiting after ``CATALOG_FIRST_S``.
+CATALOG_FIRST_KIND = "catalog_first"
 _UNARY_REASON: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "kv_relay_unary_reason", default=None
 )
@@ -313,9 +315,14 @@ class KvEventRelayService:
     def guard_stats(
         self,
     ) -> tuple[dict[tuple[str, str], int], dict[str, int], dict[str, int]]:
-        """((kind, scope) → streams refused by a share, kind → stalled plane streams reset,
-        reason → connections closed for an HTTP/2 budget or a request that never came)."""
-        return dict(self.shares.refusals), dict(self.stalled_resets), dict(self.h2_counters.closed)
+        """((kind, scope) → streams refused by a share, kind → stalled plane streams reset
+        (and ``catalog_first``: pool stream ends that stopped waiting for a catalog client
+        that reads nothing, ``_catalog_first``), reason → connections closed for an HTTP/2
+        budget or a request that never came)."""
+        stalled = dict(self.stalled_resets)
+        if self.catalog_first_timeouts:
+            stalled[CATALOG_FIRST_KIND] = self.catalog_first_timeouts
+        return dict(self.shares.refusals), stalled, dict(self.h2_counters.closed)
 
     def _admit(
         self,

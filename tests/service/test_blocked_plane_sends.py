@@ -303,6 +303,10 @@ async def test_a_fenced_pool_stream_ends_after_the_catalog_reaches_every_watcher
         assert order == ["withdrawn", "ended"]
         assert took >= 0.3, took  # the stalled watcher held the end for the bound, no longer
         assert server.service.catalog_first_timeouts == 1
+        from kvrelay.ops.metrics import guard_families  # (what /metrics shows of it)
+
+        fams = {f.name: f for f in guard_families(server.service)}
+        assert fams["kvrelay_stream_catalog_first_timeouts"].samples[0].value == 1
         assert not blocked.ended.is_set()
     finally:
         ch.close()
