@@ -343,3 +343,31 @@ async def test_an_older_server_info_takes_its_local_ranks_from_its_sources() -> 
         finally:
             server.close()
             await server_closed(server)
+
+
+async def test_sources_as_a_released_frontend_may_send_them() -> None:
+    """``GetKvEventSources`` fields the client must read as vLLM's server fills them: a source
+    without ``data_parallel_rank`` takes its index in the list, a non-zmq transport is skipped,
+    a wildcard host (``[::]`` too) becomes the host that reached the engine, an empty replay
+    endpoint means no replay; and an empty list means events off (no sources, no fallback)."""
+    listed = bytes(vpb.GetKvEventSourcesResponse(sources=[
+        vpb.KvEventSource(transport="zmq", endpoint="tcp://*:5557", topic="kv",
+                          replay_endpoint="tcp://[::]:5657"),
+        vpb.KvEventSource(transport="nats", endpoint="tcp://*:5558"),
+        vpb.KvEventSource(endpoint="tcp://0.0.0.0:5559", replay_endpoint=""),
+    ]))  # fmt: skip
+    for reply, want in ((listed, [(0, "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5657", "kv"),
+                                  (2, "tcp://127.0.0.1:5559", None, "")]),
+                        (b"", [])):  # fmt: skip
+        server = Server([_Control({"GetKvEventSources": reply})], codec=RawCodec())
+        await server.start("127.0.0.1", 0)
+        try:
+            async with EngineClient("127.0.0.1", _port(server)) as client:
+                snap = await client.snapshot()
+            assert snap.reachable, snap.error
+            assert snap.sources_via == "control"
+            got = [(s.dp_rank, s.endpoint, s.replay_endpoint, s.topic) for s in snap.sources]
+            assert got == want
+        finally:
+            server.close()
+            await server_closed(server)
