@@ -121,7 +121,8 @@ class Mirror:
                                      same=_same_message(pb.ServingReadinessUpdate))  # fmt: skip
         self.load = MirrorPlane("load", same=_same_message(pb.KvPoolLoadUpdate))
         # no "_" in the name: metrics split "<plane>_<reason>"
-        self.serving_load = MirrorPlane("serving-load", same=_same_message(pb.ServingLoadUpdate))
+        self.serving_load = MirrorPlane("serving-load", same=_same_message(pb.ServingLoadUpdate),
+                                        session=self._has_session)  # fmt: skip
         self._identity: pb.RelayIdentity | None = None
         self._identity_key: tuple[int, int] | None = None
         self._identity_bytes = b""
@@ -159,6 +160,11 @@ class Mirror:
             raise RelayError.publication_unavailable("the mirror has no upstream session")
         return self._identity
 
+    def _has_session(self) -> bool:
+        """What every RPC needs to be answered from the upstream (else PUBLICATION_UNAVAILABLE):
+        an identity and a live catalog."""
+        return self._identity is not None and self.catalog.live
+
     @property
     def in_session(self) -> bool:
         """Whether the mirror holds a live upstream session: an identity, and the catalog,
@@ -178,11 +184,14 @@ class Mirror:
         if self._identity is None or not self.catalog.live:
             raise RelayError.publication_unavailable("the mirror has no upstream session")
         if key in self._withdrawn:  # a retired generation, as a relay answers it
-            if any(k.pool_part == key.pool_part for k in self._listed):
-                raise RelayError.producer_changed()
-            raise RelayError.pool_not_found()
+            raise self._unlisted(key)
         pool = self._pools.get(key)
         if pool is None or pool.state is PoolState.GONE:
+            if not self._room() and key not in self._listed:
+                # A relay decides that the pool exists before it looks at the hub cap: with no
+                # room, a key the catalog does not list (a stale generation, an unknown pool)
+                # gets the listing's answer, and evicts no mirrored pool for the asking.
+                raise self._unlisted(key)
             if not self._room() and not self._evict_idle():
                 raise RelayError.resource_limit(
                     f"Relay initialized pool hub limit {self.limits.max_initialized_pool_hubs} "
@@ -191,6 +200,13 @@ class Mirror:
             pool = self._start_pool(key, expected)  # the upstream decides this key
         deadline = asyncio.get_running_loop().time() + self.settings.sync_wait_s
         return await pool.admit(on_release, deadline)
+
+    def _unlisted(self, key: ProducerKey) -> RelayError:
+        """What a relay answers for a key its catalog does not list: PRODUCER_CHANGED while it
+        lists another generation of the pool, else POOL_NOT_FOUND."""
+        if any(k.pool_part == key.pool_part for k in self._listed):
+            return RelayError.producer_changed()
+        return RelayError.pool_not_found()
 
     async def hold_pool(
         self, expected: pb.ProducerIdentity, requester: str, seconds: float

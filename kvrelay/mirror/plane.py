@@ -9,6 +9,13 @@ delivers: a mirror never serves a plane message from a source it has lost. The n
 above every version used before, so a reader of an old epoch can never mistake a new message
 for the continuation of its own stream.
 
+An upstream that does not implement the plane's RPC makes new readers' streams end
+``UNIMPLEMENTED``, but only while the mirror holds the upstream session that answered so (the
+``session`` check): with none, or once the upstream's identity changes or asking it again
+fails, that answer says nothing of the upstream now, and readers are refused
+``PUBLICATION_UNAVAILABLE`` as on every other plane (an upstream that went away may come back
+upgraded).
+
 A re-send at the version already held (readiness heartbeats) is not published again. Its bytes
 need not be the same: another encoder may order fields or pack repeated ones differently. With
 ``same`` (the mirror passes canonical protobuf equality), a re-send whose bytes differ but whose
@@ -38,11 +45,18 @@ class PlaneViolation(Exception):
 class MirrorPlane:
     """Latest upstream message of one plane, with epochs. Single event loop; never blocks."""
 
-    def __init__(self, name: str, same: Callable[[bytes, bytes], bool] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        same: Callable[[bytes, bytes], bool] | None = None,
+        session: Callable[[], bool] | None = None,
+    ) -> None:
         """``same(held, resent)``: whether two encodings carry one message (default: equal
-        bytes)."""
+        bytes); ``session()``: whether the mirror holds an upstream session now (default:
+        always), without which an ``UNIMPLEMENTED`` verdict is not repeated."""
         self.name = name
         self._same = same
+        self._session = session
         self._version = -1
         self._data: bytes | None = None
         self._live = False
@@ -80,7 +94,9 @@ class MirrorPlane:
     def current(self) -> tuple[int, bytes]:
         if not self._live or self._data is None:
             if self._unsupported is not None:
-                raise PlaneUnsupported(self._unsupported)
+                if self._session is None or self._session():
+                    raise PlaneUnsupported(self._unsupported)
+                raise self._unavailable("the mirror has no upstream session")
             raise RelayError(self._down.reason, self._down.message)
         return self._version, self._data
 
@@ -143,8 +159,11 @@ class MirrorPlane:
 
     def end(self, error: RelayError | None, why: str = "upstream stream ended") -> None:
         """The epoch's upstream stream ended: its readers end with ``error`` (None: cleanly) and
-        new readers are refused until the next stream delivers."""
+        new readers are refused until the next stream delivers. It also ends an
+        ``UNIMPLEMENTED`` verdict: it was the answer of the upstream this stream reached (a
+        stream that fails to reach it, or a new upstream identity, says nothing of the next)."""
         self._down = self._unavailable(why if error is None else f"{why}: {error.message}")
+        self._unsupported = None
         if not self._live:
             return
         self._live = False

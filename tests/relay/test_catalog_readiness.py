@@ -99,6 +99,16 @@ async def test_withdrawal_and_rematerialization_change_the_generation() -> None:
         await eventually(lambda: len(catalog_pools(relay)) == 1, what="pool in catalog")
         (first,) = catalog_pools(relay)
         assert first.producer is not None
+        # only the KvPoolId part tells PRODUCER_CHANGED (same pool) from POOL_NOT_FOUND
+        for field, want in (
+            ("ckf_format.seed", (grpclib.const.Status.FAILED_PRECONDITION, "PRODUCER_CHANGED")),
+            ("pool_id.dc_id", (grpclib.const.Status.NOT_FOUND, "POOL_NOT_FOUND")),
+        ):
+            other = pb.ProducerIdentity.parse(bytes(first.producer))
+            part, name = field.split(".")
+            setattr(getattr(other, part), name, getattr(getattr(other, part), name) ^ 1)
+            status, reason = await subscribe_status(server.port, other)
+            assert (status, reason) == (want[0], f"RELAY_ERROR_REASON_{want[1]}"), field
         grpc_port = eng.grpc_port
         await eng.stop()
         await eventually(lambda: catalog_pools(relay) == [], what="pool withdrawn")

@@ -230,6 +230,7 @@ PLANE_RPCS = [
     ("WatchKvPoolCatalog", pb.WatchKvPoolCatalogRequest, pb.KvPoolCatalogUpdate),
     ("SubscribeServingReadiness", pb.SubscribeServingReadinessRequest, pb.ServingReadinessUpdate),
     ("SubscribeKvPoolLoad", pb.SubscribeKvPoolLoadRequest, pb.KvPoolLoadUpdate),
+    ("SubscribeServingLoad", pb.SubscribeServingLoadRequest, pb.ServingLoadUpdate),
 ]
 
 
@@ -376,6 +377,16 @@ async def test_resource_limits(start_relay: StartRelay) -> None:
             ch, "SubscribeKvPool", sub_request(b.producer, "b1"), pb.FilterUpdate
         )
         assert (r.status, r.trailers[K]) == (Status.RESOURCE_EXHAUSTED, reason)
+        # existence comes before the hub cap: with no hub free, an unknown pool and a stale
+        # generation still get their own answers (a mirror or worker too, from its listing)
+        for req, want in (
+            (sub_request(make_producer("pool-zz", bucket_count=BC), "z1"),
+             (Status.NOT_FOUND, "RELAY_ERROR_REASON_POOL_NOT_FOUND")),
+            (sub_request(P(layout_generation=2), "a-stale"),
+             (Status.FAILED_PRECONDITION, "RELAY_ERROR_REASON_PRODUCER_CHANGED")),
+        ):  # fmt: skip
+            r = await grpclib_collect(ch, "SubscribeKvPool", req, pb.FilterUpdate)
+            assert (r.status, r.trailers[K]) == want
         set_limits(view, server, RelayLimits(max_initialized_pool_hubs=2))
         await open_stream("SubscribeKvPool", sub_request(b.producer, "b1"), pb.FilterUpdate)
         r = await grpclib_collect(

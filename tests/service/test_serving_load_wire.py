@@ -20,6 +20,7 @@ from kvrelay.mirror.mirror import Mirror
 from kvrelay.mirror.settings import UpstreamAddress
 from kvrelay.service.codec import PassThroughCodec
 from kvrelay.service.server import KvEventRelayService, RelayServer
+from tests.support.faulty_proxy import FaultyProxy
 from tests.support.mem_relay import MARKER, GrpcioClient, MemRelayView, StartRelay
 from tests.support.mirror_rig import mirror_settings, settle
 from tests.support.timing import scaled
@@ -90,6 +91,21 @@ async def test_request_validation_and_lag(
         assert trailers[K] == "RELAY_ERROR_REASON_SUBSCRIBER_LAGGED"
     else:
         raise AssertionError("the lagging serving-load reader was not ended")
+    # A closed plane ends its readers UNAVAILABLE / PUBLICATION_UNAVAILABLE (§4.5a).
+    await settle(view, server)
+    call = gio.stub.SubscribeServingLoad(gio.convert(_request()))
+    assert (await call.read()).window_sequence == 9
+    view.serving_load.close()
+    try:
+        async with asyncio.timeout(scaled(10)):
+            if await call.read() is grpc.aio.EOF:
+                raise AssertionError("the stream ended cleanly")
+    except grpc.aio.AioRpcError as exc:
+        assert exc.code() == grpc.StatusCode.UNAVAILABLE
+        trailers = dict(exc.trailing_metadata() or ())
+        assert trailers[K] == "RELAY_ERROR_REASON_PUBLICATION_UNAVAILABLE"
+    else:
+        raise AssertionError("a closed serving-load plane did not end its reader")
 
 
 class _Dynamo16Service(KvEventRelayService):
@@ -111,7 +127,8 @@ async def test_mirror_of_a_relay_without_the_rpc_answers_unimplemented(
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     await upstream.start("127.0.0.1", port)
-    mirror = Mirror(mirror_settings(UpstreamAddress(host="127.0.0.1", port=port), None))
+    proxy = await FaultyProxy("127.0.0.1", port).start()  # the path the mirror loses below
+    mirror = Mirror(mirror_settings(UpstreamAddress(host="127.0.0.1", port=proxy.port), None))
     mirror.start()
     local = RelayServer(mirror)
     await local.start("127.0.0.1", 0)
@@ -135,8 +152,21 @@ async def test_mirror_of_a_relay_without_the_rpc_answers_unimplemented(
         load = await gio.collect("SubscribeKvPoolLoad", pb.SubscribeKvPoolLoadRequest(
             subscriber_id="l", contract_marker=MARKER), limit=1)  # fmt: skip
         assert len(load.messages) == 1
+        # Without an upstream session every RPC is refused PUBLICATION_UNAVAILABLE, this one
+        # too: the upstream's UNIMPLEMENTED says nothing of the relay it may come back as.
+        await proxy.close()
+
+        async def session_lost() -> None:
+            while mirror.catalog.live:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(session_lost(), scaled(10))
+        down = await gio.collect("SubscribeServingLoad", _request())
+        assert down.status == grpc.StatusCode.UNAVAILABLE
+        assert down.trailers[K] == "RELAY_ERROR_REASON_PUBLICATION_UNAVAILABLE"
     finally:
         await local.close(grace_s=1.0)
         await mirror.stop()
+        await proxy.close()
         upstream.close()
         await server_closed(upstream)  # (a grpcio client may hold its connection)
