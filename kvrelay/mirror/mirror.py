@@ -130,6 +130,9 @@ class Mirror:
         #: keys the upstream's catalog listed and then withdrew (oldest first, bounded)
         self._withdrawn: dict[ProducerKey, None] = {}
         self._pools: dict[ProducerKey, MirrorPool] = {}
+        #: set while a catalog message received from the upstream is parsed in a thread
+        #: (``_take_catalog``): resolved once it is published or dropped
+        self._catalog_parsing: asyncio.Future[None] | None = None
         self._ctx = PoolContext(
             settings=settings,
             upstream=self.upstream,
@@ -137,6 +140,7 @@ class Mirror:
             identity=self._current_identity,
             listed=lambda key: key in self._listed,
             changed=self._pool_changed,
+            catalog_taken=self._catalog_taken,
         )
         self._tasks: list[asyncio.Task[None]] = []
         self.synced = asyncio.Event()
@@ -363,13 +367,30 @@ class Mirror:
         if len(data) <= CATALOG_INLINE_BYTES:
             listed, invalid = _catalog_listing(data)
         else:
-            listed, invalid = await asyncio.to_thread(_catalog_listing, data)
+            parsing = asyncio.get_running_loop().create_future()
+            self._catalog_parsing = parsing
+            try:
+                listed, invalid = await asyncio.to_thread(_catalog_listing, data)
+            finally:
+                self._catalog_parsing = None
+                parsing.set_result(None)  # (its waiters look again once this task went on)
         if self.upstream.channel is not channel:
             raise _Superseded  # the upstream changed meanwhile: this catalog is not current
         if plane.offer(version, data):
             self.catalog_invalid += invalid
             self._take_listing(listed)
         self._check_synced()
+
+    async def _catalog_taken(self) -> None:
+        """Return once no catalog message the upstream sent is still being parsed. A relay
+        publishes a fence's or withdrawal's catalog before it ends the pool's streams, and
+        writes it to the mirror's connection first; a pool whose upstream stream ended waits
+        here before it ends its local streams, so the mirror's catalog watchers get the
+        withdrawal first too, as a direct relay's do (the service writes the catalog before
+        the status). Without this a catalog parsed in a thread came after the stream's end."""
+        while (parsing := self._catalog_parsing) is not None:
+            await asyncio.wait((parsing,))
+            await asyncio.sleep(0)  # the catalog stream publishes it (and reads its next)
 
     async def _plane_loop(self, plane: MirrorPlane, method: str, request: Any) -> None:
         # the SDK's rule: attempts start over only after a stream live ``rpc.LIVE_RESUBSCRIBE_S``

@@ -36,7 +36,7 @@ import contextlib
 import enum
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +85,8 @@ class PoolContext:
     identity: Callable[[], pb.RelayIdentity]
     listed: Callable[[ProducerKey], bool]
     changed: Callable[[MirrorPool], None]
+    #: returns once the catalog messages the upstream sent so far are published locally
+    catalog_taken: Callable[[], Awaitable[None]]
 
     @property
     def limits(self) -> RelayLimits:
@@ -396,6 +398,10 @@ class MirrorPool:
                 local = RelayError.publication_unavailable(
                     f"upstream connection lost ({end.reason}: {end.message})"
                 )
+        if local is not None and self.hub is not None:
+            # a relay ends a pool's streams only after its catalog without the pool: the
+            # mirror's catalog may still be parsing that withdrawal (it came first)
+            await ctx.catalog_taken()
         hub, self.hub = self.hub, None
         self._checker = None
         if hub is not None:
@@ -434,7 +440,11 @@ class MirrorPool:
                 self._set(PoolState.SYNCING)
                 await asyncio.sleep(self.ctx.settings.backoff(failures))
                 continue
-            refusal = answer or local or RelayError.publication_unavailable(
+            # the upstream's answer to this key is forwarded (POOL_NOT_FOUND, RESOURCE_LIMIT,
+            # ...), but not its verdict that the mirror fell behind: a subscriber waiting here
+            # was sent nothing to lag on, and gets the mapped PUBLICATION_UNAVAILABLE (``local``)
+            forward = answer is not None and int(answer.reason) not in BEHIND
+            refusal = (answer if forward else local) or RelayError.publication_unavailable(
                 "upstream ended the stream before its snapshot"
             )
             if not self.ctx.listed(self.key):

@@ -233,6 +233,39 @@ async def test_upstream_stream_endings_map_to_local_ones(
         server.close()
 
 
+@pytest.mark.parametrize("behind", ["SUBSCRIBER_LAGGED", "SNAPSHOT_PROGRESS_TIMEOUT"])
+async def test_an_upstream_ending_the_sync_as_behind_refuses_waiting_subscribers_unavailable(
+    behind: str,
+) -> None:
+    """The upstream ends the mirror's stream before its snapshot is whole, for the mirror's own
+    slowness: a local subscriber waiting for the sync gets PUBLICATION_UNAVAILABLE, as a stream
+    the mirror serves would, never the upstream's lag reason (it would blame the local client,
+    which has not been sent a byte)."""
+    gate = asyncio.Event()
+    relay = S.ScriptedRelay()
+    relay.scripts.append(S.Script([], gate=gate, end=(Status.RESOURCE_EXHAUSTED, behind)))
+    server = await S.serve(relay)
+    try:
+        async with mirrored(S.port_of(server), sync=False) as m:
+            ch = m.channel()
+            try:
+                await eventually(lambda: m.mirror.catalog.live, what="upstream session")
+                task = asyncio.ensure_future(_one_stream(ch))
+                await eventually(lambda: any(p._waiting for p in m.mirror._pools.values()),
+                                 what="a local subscriber waits for the sync")  # fmt: skip
+                gate.set()
+                frames, got = await asyncio.wait_for(task, scaled(10))
+                assert not frames and got.status == Status.UNAVAILABLE, (got.status, got.reason)
+                assert got.reason == UNAVAILABLE and "fell behind" in (got.message or "")
+                await eventually(lambda: m.mirror.hub_for(S.producer()) is not None,
+                                 what="the next attempt live")  # fmt: skip
+                await next_subscriber_reaches(ch, 11)
+            finally:
+                ch.close()
+    finally:
+        server.close()
+
+
 async def next_subscriber_reaches(ch: Any, sequence: int) -> list[Any]:
     """A new subscriber through the mirror gets a snapshot, then frames up to ``sequence``."""
     out: list[Any] = []

@@ -663,3 +663,68 @@ def test_server_runs_on_uvloop() -> None:
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(main())
+
+
+async def test_withdrawal_reaches_the_catalog_before_the_pool_stream_ends(
+    start_relay: StartRelay,
+) -> None:
+    """§8.6: a withdrawn pool's subscribers end only after the catalog without it, in every
+    mode. A mirror parses a catalog over 16 KiB in a thread: its pool streams waited for none."""
+    view, server = await start_relay()
+    gen = view.add_pool("pool-a", 1024)
+    big = view.add_pool("pool-b", 1024)  # its descriptor keeps the catalog over 16 KiB
+    build = view._catalog_msg
+
+    def catalog(revision: int) -> pb.KvPoolCatalogUpdate:
+        msg = build(revision)
+        for d in msg.snapshot.pools if msg.snapshot is not None else []:
+            if d.producer == big.producer:
+                d.registrations += [
+                    pb.ModelRegistration(canonical_model_id=f"lora-{i}", target=pb.ModelTarget(
+                        lora=pb.LoraModelTarget(base_model="m", adapter=f"lora-{i}")))
+                    for i in range(1000)
+                ]  # fmt: skip
+        return msg
+
+    view._catalog_msg = catalog  # type: ignore[method-assign]
+    view._republish_catalog()
+    await settle(view, server)
+    ch = grpclib_channel(server.port)  # one connection: its frames arrive in the server's order
+    seen: list[Any] = []
+    try:
+        cat: Any
+        async with ch.request(
+            SVC + "WatchKvPoolCatalog",
+            Cardinality.UNARY_STREAM,
+            pb.WatchKvPoolCatalogRequest,
+            pb.KvPoolCatalogUpdate,
+        ) as cat:
+            await cat.send_message(
+                pb.WatchKvPoolCatalogRequest(subscriber_id="c", contract_marker=MARKER), end=True
+            )
+            assert len((await cat.recv_message()).snapshot.pools) == 2
+            st: Any
+            async with ch.request(
+                SVC + "SubscribeKvPool",
+                Cardinality.UNARY_STREAM,
+                pb.SubscribeKvPoolRequest,
+                pb.FilterUpdate,
+            ) as st:
+                await st.send_message(sub_request(gen.producer), end=True)
+                assert (await st.recv_message()).kind == pb.FilterUpdateKind.SNAPSHOT_CHUNK
+
+                async def catalog_reader() -> None:
+                    seen.append(("catalog", len((await cat.recv_message()).snapshot.pools)))
+
+                async def pool_reader() -> None:
+                    seen.append(("end", (await expect_error(st)).status))
+
+                readers = asyncio.gather(catalog_reader(), pool_reader())
+                await asyncio.sleep(0.05)
+                view.remove(gen)
+                async with asyncio.timeout(scaled(10)):
+                    await readers
+            await cat.cancel()
+    finally:
+        ch.close()
+    assert seen == [("catalog", 1), ("end", Status.UNAVAILABLE)]
