@@ -26,8 +26,9 @@ EXIT_FAILURE = 1
 EXIT_USAGE = 2
 #: Ctrl-C in a command that is not a daemon (``warm``, ``reload``, ``upgrade``): 128 + SIGINT.
 EXIT_INTERRUPTED = 130
-#: Commands for which SIGINT means "stop": ``serve``/``mirror`` exit 0 on it, even before the
-#: daemon has installed its own handlers (operations.md: a signal during start-up exits 0).
+#: Commands for which SIGINT and SIGTERM mean "stop": ``serve``/``mirror`` exit 0 on them, even
+#: before the daemon has installed its own handlers (operations.md: a signal during start-up
+#: exits 0), and keep SIGHUP, SIGUSR1 and SIGUSR2 for the daemon from their first line on.
 DAEMON_COMMANDS = frozenset({"serve", "mirror"})
 
 #: Commands parsed by their own module (imported only when used).
@@ -320,9 +321,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: syslog priorities of the lines below when they go to systemd's journal (sd-daemon(3)).
+_ERR, _WARNING = 3, 4
+
+
+def _journal_prefix(out: TextIO, priority: int) -> str:
+    """``<N>`` when ``out`` is systemd's journal stream, as the daemon's log lines have: journald
+    stores the line at that priority, so ``journalctl -p err`` shows why a start was refused (an
+    unprefixed line is stored as info). Empty otherwise."""
+    from kvrelay.logging import writes_to_journal
+
+    return f"<{priority}>" if writes_to_journal(out) else ""
+
+
+def _fail(text: str, out: TextIO | None = None) -> None:
+    """One line saying why a command failed, at error priority in the journal."""
+    out = sys.stderr if out is None else out
+    print(_journal_prefix(out, _ERR) + text, file=out)
+
+
 def print_problems(problems: Sequence[ConfigProblem], out: TextIO) -> None:
+    if not problems:
+        return
+    err, warn = _journal_prefix(out, _ERR), _journal_prefix(out, _WARNING)
     for p in problems:
-        print(p, file=out)
+        print((err if p.severity == "error" else warn) + str(p), file=out)
 
 
 def _numba_cache_from_systemd() -> None:
@@ -340,7 +363,7 @@ def _check_config(path: str) -> int:
     print_problems(problems, sys.stdout)
     if cfg is None:
         n = sum(1 for p in problems if p.severity == "error")
-        print(f"{path}: {n} error(s); the relay would refuse to start", file=sys.stdout)
+        _fail(f"{path}: {n} error(s); the relay would refuse to start", sys.stdout)
         return EXIT_USAGE
     print(f"{path}: ok: {cfg.summary()}", file=sys.stdout)
     return EXIT_OK
@@ -366,7 +389,7 @@ def _warm() -> int:
     try:
         seconds = warm_kernels(progress=lambda ev: print(f"  {ev}", flush=True))
     except Exception as exc:
-        print(f"kvrelay warm: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        _fail(f"kvrelay warm: failed: {type(exc).__name__}: {exc}")
         return EXIT_FAILURE
     print(f"kvrelay warm: every kernel ready in {seconds:.1f} s", flush=True)
     return EXIT_OK
@@ -381,24 +404,24 @@ def _reload(args: argparse.Namespace) -> int:
 
     path = args.config
     if not path:
-        print("kvrelay reload: --config FILE is required (or set KVRELAY_CONFIG)", file=sys.stderr)
+        _fail("kvrelay reload: --config FILE is required (or set KVRELAY_CONFIG)")
         return EXIT_USAGE
     cfg, problems = check_file(path)
     print_problems(problems, sys.stderr)
     if cfg is None:
-        print(f"kvrelay reload: {path} is invalid; the relay was not signalled", file=sys.stderr)
+        _fail(f"kvrelay reload: {path} is invalid; the relay was not signalled")
         return EXIT_USAGE
     try:
         pid = args.pid if args.pid is not None else read_pid_file(args.pid_file)
     except (OSError, ValueError) as exc:
-        print(f"kvrelay reload: {exc}", file=sys.stderr)
+        _fail(f"kvrelay reload: {exc}")
         return EXIT_USAGE
     metrics = cfg.metrics
     before = reload_counts(metrics.host, metrics.port) if metrics.enabled else None
     try:
         os.kill(pid, signal.SIGHUP)
     except OSError as exc:
-        print(f"kvrelay reload: cannot signal process {pid}: {exc}", file=sys.stderr)
+        _fail(f"kvrelay reload: cannot signal process {pid}: {exc}")
         return EXIT_FAILURE
     if before is None:
         print(f"kvrelay reload: SIGHUP sent to {pid}; its metrics endpoint is not readable, "
@@ -412,12 +435,12 @@ def _reload(args: argparse.Namespace) -> int:
             continue
         for result in ("applied", "rejected", "failed"):
             if now.get(result, 0) > before.get(result, 0):
-                ok = result == "applied"
-                print(f"kvrelay reload: {result}" + ("" if ok else "; see the relay's log"),
-                      file=sys.stdout if ok else sys.stderr)
-                return EXIT_OK if ok else EXIT_FAILURE
-    print(f"kvrelay reload: no outcome after {args.timeout:g} s; see the relay's log",
-          file=sys.stderr)
+                if result == "applied":
+                    print("kvrelay reload: applied")
+                    return EXIT_OK
+                _fail(f"kvrelay reload: {result}; see the relay's log")
+                return EXIT_FAILURE
+    _fail(f"kvrelay reload: no outcome after {args.timeout:g} s; see the relay's log")
     return EXIT_FAILURE
 
 
@@ -430,12 +453,12 @@ def _upgrade(args: argparse.Namespace) -> int:
     try:
         pid = args.pid if args.pid is not None else read_pid_file(args.pid_file)
     except (OSError, ValueError) as exc:
-        print(f"kvrelay upgrade: {exc}", file=sys.stderr)
+        _fail(f"kvrelay upgrade: {exc}")
         return EXIT_USAGE
     try:
         os.kill(pid, signal.SIGUSR2)
     except OSError as exc:
-        print(f"kvrelay upgrade: cannot signal process {pid}: {exc}", file=sys.stderr)
+        _fail(f"kvrelay upgrade: cannot signal process {pid}: {exc}")
         return EXIT_FAILURE
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
@@ -451,14 +474,14 @@ def _upgrade(args: argparse.Namespace) -> int:
             return EXIT_OK
         except OSError:
             continue
-    print(f"kvrelay upgrade: process {pid} still serves after {args.timeout:g} s; the upgrade "
-          "failed or is still warming up (see its log: upgrade_failed)", file=sys.stderr)
+    _fail(f"kvrelay upgrade: process {pid} still serves after {args.timeout:g} s; the upgrade "
+          "failed or is still warming up (see its log: upgrade_failed)")
     return EXIT_FAILURE
 
 
 def _serve(path: str | None, pid_file: str | None = None) -> int:
     if not path:
-        print("kvrelay serve: --config FILE is required (or set KVRELAY_CONFIG)", file=sys.stderr)
+        _fail("kvrelay serve: --config FILE is required (or set KVRELAY_CONFIG)")
         return EXIT_USAGE
     _numba_cache_from_systemd()
     from kvrelay.ops.config import check_file
@@ -466,21 +489,21 @@ def _serve(path: str | None, pid_file: str | None = None) -> int:
     cfg, problems = check_file(path)
     if cfg is None:
         print_problems(problems, sys.stderr)
-        print(f"kvrelay serve: refusing to start: invalid configuration {path}", file=sys.stderr)
+        _fail(f"kvrelay serve: refusing to start: invalid configuration {path}")
         return EXIT_USAGE
     from kvrelay.ops.daemon import run
 
     if pid_file is None:
         return run(cfg, config_path=path)
-    from kvrelay.ops.reload import remove_pid_file, write_pid_file
+    from kvrelay.ops.reload import check_pid_file, remove_pid_file
     from kvrelay.ops.upgrade import ENV as TAKEOVER_ENV
     from kvrelay.relay.safe_files import UnsafeDirectory
 
-    if not os.environ.get(TAKEOVER_ENV):  # a hot upgrade's successor: written at hand-over
+    if not os.environ.get(TAKEOVER_ENV):  # written once the ports proved free (Daemon._start)
         try:
-            write_pid_file(pid_file)
+            check_pid_file(pid_file)
         except (OSError, UnsafeDirectory) as exc:
-            print(f"kvrelay serve: cannot write --pid-file {pid_file}: {exc}", file=sys.stderr)
+            _fail(f"kvrelay serve: cannot write --pid-file {pid_file}: {exc}")
             return EXIT_USAGE
     try:
         return run(cfg, config_path=path, pid_file=pid_file)
@@ -495,7 +518,7 @@ def _mirror(args: argparse.Namespace) -> int:
     cfg, problems = mirror_config(args.config or None, flags)
     if cfg is None:
         print_problems(problems, sys.stderr)
-        print("kvrelay mirror: refusing to start: invalid configuration", file=sys.stderr)
+        _fail("kvrelay mirror: refusing to start: invalid configuration")
         return EXIT_USAGE
     from kvrelay.ops.daemon import run
 
@@ -528,6 +551,10 @@ def _demo(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DAEMON_COMMANDS:  # first, before the imports (ops/early_signals.py)
+        from kvrelay.ops import early_signals
+
+        early_signals.hold()
     if argv and argv[0] == SIM_COMMAND:
         from kvrelay.sim.cli import main as sim_main
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 
 from kvrelay import __version__
 from kvrelay.cli import build_parser, main
+from kvrelay.ops import early_signals
 from tests.support.commands import MINIMAL, kvrelay
 from tests.support.timing import scaled
 
@@ -73,7 +75,12 @@ def test_serve_without_config_is_a_usage_error(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.delenv("KVRELAY_CONFIG", raising=False)
-    assert main(["serve"]) == 2
+    kept = {sig: signal.getsignal(sig) for sig in (*early_signals.KEPT, signal.SIGTERM)}
+    try:
+        assert main(["serve"]) == 2
+    finally:  # a daemon command takes these from its first line (``ops/early_signals.py``)
+        for sig, handler in kept.items():
+            signal.signal(sig, handler)
     assert "--config FILE is required" in capsys.readouterr().err
 
 

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 from kvrelay import __version__, _oom
 from kvrelay._aio import cancel_all
 from kvrelay.logging import configure, get_logger
+from kvrelay.ops import early_signals
 from kvrelay.ops.config import DaemonConfig, MirrorFlags, format_bind
 from kvrelay.ops.event_loop import loop_factory, loop_name, tune_thread_switching
 from kvrelay.ops.reload import (
@@ -308,6 +309,7 @@ class Daemon:
         self._sweep_private_dirs()
         context = self._ssl_context()
         self._probe_listeners()  # before the warm-up: a port in use fails now, named
+        self._claim_pid_file()
         view = await self._start_source()
         from kvrelay.ops.tls import is_loopback  # (imported while the kernels warmed up)
         from kvrelay.service.authz import authorization_of
@@ -603,6 +605,17 @@ class Daemon:
         if removed:
             _LOG.info("private_dirs_swept", dirs=removed)
 
+    def _claim_pid_file(self) -> None:
+        """A first start writes ``--pid-file`` once both ports proved free (before the
+        warm-up, so ``kvrelay reload --pid-file`` finds it meanwhile). Written earlier, a second
+        ``serve`` of the same configuration, failing on the ports, replaced the running relay's
+        file and then removed it as its own. A write that fails fails the start."""
+        if self.pid_file is None or self.handoff is not None:  # a successor's: at take-over
+            return
+        from kvrelay.ops.reload import write_pid_file
+
+        write_pid_file(self.pid_file)
+
     def _write_pid_file(self) -> None:
         """A successor takes the pid file over once it serves (``serve --pid-file`` leaves it to
         the process it replaces until then); a failure is logged, not fatal."""
@@ -718,6 +731,14 @@ async def serve(
     daemon.freeze_gc = True
     loop.add_signal_handler(signal.SIGHUP, daemon.request_reload)
     loop.add_signal_handler(signal.SIGUSR2, daemon.request_upgrade)
+    loop.add_signal_handler(signal.SIGUSR1, _ignore_signal, signal.SIGUSR1)
+    for sig in early_signals.take():  # came before these handlers (``ops/early_signals.py``)
+        if sig == signal.SIGHUP:
+            daemon.request_reload()  # applied once it serves, as any during the start-up
+        elif sig == signal.SIGUSR2:
+            daemon.request_upgrade()  # refused: not serving yet
+        else:
+            _ignore_signal(sig)
     code = 0
     try:
         starting = asyncio.create_task(daemon.start())
@@ -747,8 +768,16 @@ async def serve(
         _LOG.info("relay_stopped", exit_code=code)
         return code
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
             loop.remove_signal_handler(sig)
+        early_signals.hold(stop_on_term=False)  # one now (a late reload) must not kill the exit
+
+
+def _ignore_signal(sig: signal.Signals) -> None:
+    """SIGUSR1 means nothing to the daemon; its default action would kill it (and with it
+    every stream, unsaved), as it did when ``systemctl kill -s USR1`` reached the unit."""
+    _LOG.info("signal_ignored", signal=sig.name,
+              hint="SIGHUP reloads, SIGUSR2 hot-upgrades, SIGTERM stops")  # fmt: skip
 
 
 def _raise_fd_limit(cfg: DaemonConfig) -> None:

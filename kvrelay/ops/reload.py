@@ -162,15 +162,18 @@ _RELOADS_SERIES = "kvrelay_config_reloads_total"
 
 
 def reload_counts(host: str, port: int, timeout: float = 2.0) -> dict[str, int] | None:
-    """Reload outcomes from the relay's ``/metrics`` (None when it cannot be read)."""
+    """Reload outcomes from the relay's ``/metrics`` (None when it cannot be read). Asked
+    directly: an operator's ``http_proxy`` would otherwise take the request to a proxy that
+    cannot reach the relay's (loopback) endpoint, and the outcome went unseen."""
     import urllib.error
     import urllib.request
 
     from kvrelay.ops.config import format_bind
 
     url = f"http://{format_bind(host, port)}/metrics"
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with direct.open(url, timeout=timeout) as resp:
             text = resp.read().decode("utf-8", "replace")
     except (OSError, urllib.error.URLError):
         return None
@@ -205,6 +208,16 @@ def read_pid_file(path: str | os.PathLike[str]) -> int:
     if len(raw) > _PID_FILE_MAX or not is_decimal(text) or int(text) <= 1:
         raise ValueError(f"{os.fspath(path)}: not a process id: {text[:32]!r}")
     return int(text)
+
+
+def check_pid_file(path: str | os.PathLike[str]) -> None:
+    """Raise what ``write_pid_file`` would for ``path``'s directory (others may write to it,
+    it is not one, this user cannot write to it), writing nothing: ``serve`` refuses such a
+    ``--pid-file`` before it starts, and writes the file only once its ports proved free."""
+    parent = Path(path).parent
+    safe_files.check_private_dir(parent, owner=False)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"{os.fspath(parent)}: not writable by this user")
 
 
 def write_pid_file(path: str | os.PathLike[str]) -> None:

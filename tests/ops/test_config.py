@@ -496,6 +496,40 @@ def test_check_config_subprocess_exit_codes(tmp_path: Path) -> None:
     assert len(lines) == 1 and "ok:" in lines[0] and "1 pool(s), 1 engine(s)" in lines[0]
 
 
+def test_a_refused_start_is_an_error_in_the_journal(tmp_path: Path) -> None:
+    """Under systemd stderr is the journal: the lines that say why ``serve`` refuses to start
+    (and ``check-config`` in ``ExecStartPre=``) carry their syslog priority, as the daemon's log
+    lines do, so ``journalctl -p err`` (or the documented ``-p warning``) shows them.
+    Unprefixed, journald stored them as info."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.support.commands import REPO, clean_env
+
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(MINIMAL.replace('dc_name = "dc-test"', 'dc_name = "dc-test"\nbind = '
+                                   '"0.0.0.0:50161"').replace("50051", "70000"))  # fmt: skip
+    problems = [
+        "<3>error: pools[0].engines[0].grpc_port: must be in 1..65535, got 70000",
+        "<4>warning: relay.bind: plaintext gRPC on non-loopback address 0.0.0.0:50161; "
+        "configure [tls] cert/key (and client_ca) for anything beyond one host",
+    ]
+    for args, last in (
+        (("serve", "--config", str(cfg)), f"kvrelay serve: refusing to start: invalid "
+                                          f"configuration {cfg}"),
+        (("check-config", str(cfg)), f"{cfg}: 1 error(s); the relay would refuse to start"),
+    ):  # fmt: skip
+        journal = tmp_path / "journal"
+        with journal.open("w") as out:
+            st = os.fstat(out.fileno())
+            env = clean_env(JOURNAL_STREAM=f"{st.st_dev}:{st.st_ino}")
+            run = subprocess.run([sys.executable, "-m", "kvrelay", *args], stdout=out,
+                                 stderr=out, env=env, cwd=REPO, timeout=60)  # fmt: skip
+        assert run.returncode == 2
+        assert journal.read_text().splitlines() == [*problems, f"<3>{last}"]
+
+
 def _static(name: str, host: str, endpoint: str, replay: str | None, ranks: str) -> str:
     replay_line = f'replay_endpoint = "{replay}"\n' if replay else ""
     return (

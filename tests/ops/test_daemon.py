@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import json
 import os
 import re
 import signal
@@ -352,9 +354,94 @@ def test_a_port_in_use_fails_before_the_warm_up_naming_the_setting(
             text = text.replace('bind = "127.0.0.1:0"\n', "", 1)
             text = text.replace("[relay]\n", '[relay]\nbind = "127.0.0.1:0"\n', 1)
         cfg.write_text(text)
-        run = kvrelay("serve", "--config", str(cfg), env=clean_env(), timeout=120)
+        # the pid file of the relay that holds the port (here: this process) stays as it is;
+        # written before the ports were tried, the failed start replaced it, then removed it
+        pid_file = tmp_path / "kvrelay.pid"
+        pid_file.write_text(f"{os.getpid()}\n")
+        run = kvrelay("serve", "--config", str(cfg), "--pid-file", str(pid_file),
+                      env=clean_env(), timeout=120)  # fmt: skip
     assert run.returncode == 1, run.stderr[-3000:]
+    assert pid_file.read_text() == f"{os.getpid()}\n"
     env = "KVRELAY_RELAY_BIND" if setting == "relay.bind" else "KVRELAY_METRICS_BIND"
     assert f"{setting} = '127.0.0.1:{port}'" in run.stderr and env in run.stderr, run.stderr
     assert '"start_failed"' in run.stderr or "start_failed" in run.stderr
     assert "kernels_progress" not in run.stderr and "kernels_warm" not in run.stderr
+
+
+async def _reading_its_config(fifo: Path, proc: asyncio.subprocess.Process) -> int:
+    """Once ``kvrelay serve`` has the FIFO given as ``--config`` open for reading (its command
+    runs, its event loop does not exist yet): the FIFO's write end."""
+    deadline = time.monotonic() + scaled(30)
+    while True:
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:  # ENXIO: no reader yet
+            assert exc.errno == errno.ENXIO, exc
+        assert proc.returncode is None, f"exited {proc.returncode} before reading its config"
+        assert time.monotonic() < deadline, "never opened its config"
+        await asyncio.sleep(0.01)
+
+
+async def test_signals_before_the_event_loop_handles_them(tmp_path: Path) -> None:
+    """Signals in the first second of ``serve``, while it imports and validates (here held
+    there: its ``--config`` is a FIFO the test writes late), before the loop has its handlers.
+    Their default actions killed it: a SIGHUP (``kvrelay reload``, a config tool) or SIGUSR2
+    by that signal, and SIGTERM without the exit 0 a stop during start-up promises. Now SIGTERM
+    stops it with 0, and SIGHUP is kept and applied once it serves; SIGUSR1, which the daemon
+    never acted on and whose default action killed it even while serving (``systemctl kill -s
+    USR1`` reaches the unit), is logged and ignored."""
+    from tests.support.commands import static_config
+
+    text = static_config(tmp_path / "real.toml", "dc-early").read_text()
+    fifo = tmp_path / "kvrelay.toml"
+    os.mkfifo(fifo)
+    sock = tmp_path / "notify.sock"
+    cmd = (sys.executable, "-m", "kvrelay", "serve", "--config", str(fifo))
+
+    # ---- SIGTERM while it reads its config: exit 0
+    proc = await asyncio.create_subprocess_exec(
+        *cmd, env=clean_env(), cwd=REPO, stderr=asyncio.subprocess.PIPE
+    )
+    fd = await _reading_its_config(fifo, proc)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), scaled(30)) == 0
+    finally:
+        os.close(fd)
+
+    # ---- SIGHUP, SIGUSR1 and SIGUSR2 then: kept; the reload applied once it serves
+    notes = Notifications(sock)
+    proc = await asyncio.create_subprocess_exec(
+        *cmd, env=clean_env(NOTIFY_SOCKET=str(sock)), cwd=REPO, stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        fd = await _reading_its_config(fifo, proc)
+        try:
+            for sig in (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+                proc.send_signal(sig)
+            await asyncio.sleep(0.2)
+            assert proc.returncode is None, f"killed by {proc.returncode}"
+            os.set_blocking(fd, True)
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
+        (tmp_path / "real.toml").replace(fifo)  # the reload reads a plain file
+        await notes.wait_for("READY=1")
+        await notes.wait_for("RELOADING=1")
+        assert (await notes.wait_for("READY=1", count=2)).endswith("reload applied")
+        proc.send_signal(signal.SIGUSR1)  # while serving
+        await asyncio.sleep(0.3)
+        assert proc.returncode is None, f"killed by {proc.returncode}"
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), scaled(30)) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await notes.close()
+    assert proc.stderr is not None
+    events = [json.loads(ln) for ln in (await proc.stderr.read()).decode().splitlines()
+              if ln.startswith("{")]  # fmt: skip
+    names = [ev["event"] for ev in events]
+    assert names.count("config_reloaded") == 1 and names.count("upgrade_refused") == 1, names
+    assert [ev["signal"] for ev in events if ev["event"] == "signal_ignored"] == ["SIGUSR1"] * 2

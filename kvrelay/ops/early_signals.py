@@ -1,0 +1,43 @@
+"""The daemon's signals before its event loop handles them, and after it stopped handling them.
+
+``kvrelay serve`` spends its first second (more on a busy host) importing and validating before
+the event loop installs its handlers, and some more tearing down after it removed them. A
+signal's default action then killed the process outright: a SIGHUP (``kvrelay reload``, a
+configuration tool, ``systemctl kill -s HUP``), a SIGUSR1 or a SIGUSR2 (``kvrelay upgrade``)
+ended it by that signal, a SIGTERM without the exit 0 a stop during start-up promises. From the
+first line of the command on, ``hold`` keeps SIGHUP, SIGUSR1 and SIGUSR2 here for the loop to
+act on (``take``), and makes SIGTERM stop the start-up as SIGINT does.
+"""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+
+#: What the daemon acts on once it serves (reload, upgrade), or only logs (SIGUSR1).
+KEPT = (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+_pending: list[signal.Signals] = []
+
+
+def _keep(signum: int, frame: FrameType | None) -> None:
+    sig = signal.Signals(signum)
+    if sig not in _pending:  # several coalesce, as on the loop
+        _pending.append(sig)
+
+
+def hold(*, stop_on_term: bool = True) -> None:
+    """Keep SIGHUP, SIGUSR1 and SIGUSR2 for the loop; with ``stop_on_term``, SIGTERM raises
+    KeyboardInterrupt as SIGINT does (the command then exits 0, as for a stop during start-up).
+    Main thread only (``signal.signal``)."""
+    for sig in KEPT:
+        signal.signal(sig, _keep)
+    if stop_on_term:
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
+def take() -> list[signal.Signals]:
+    """The signals kept since the last call, in the order they first came."""
+    got = list(_pending)
+    _pending.clear()
+    return got
