@@ -55,6 +55,8 @@ T = TypeVar("T")
 
 #: Loop-lag sampling period: short enough to see a stall, long enough to cost nothing.
 LOOP_LAG_PERIOD_S = 0.25
+#: Seconds systemd is told to wait, past ``shutdown_timeout_s``, for a stop (``STOPPING=1``).
+STOP_MARGIN_S = 5.0
 #: While the kernels warm up: a STATUS/EXTEND_TIMEOUT/WATCHDOG tick this often, each extending
 #: systemd's start timeout by WARM_EXTEND_S, for at most WARM_EXTEND_CAP_S in total (a warm-up
 #: that hangs must still hit TimeoutStartSec eventually).
@@ -657,7 +659,9 @@ class Daemon:
         # after a hand-over, STOPPING=1 would stop the successor's unit; before a takeover, the
         # predecessor's (systemd takes it from any process of the unit with NotifyAccess=all)
         if not self.handed_over and (self.handoff is None or self.took_over):
-            self.notifier.stopping()
+            # the stop's own bound, and a margin: a shutdown_timeout_s above the unit's
+            # TimeoutStopSec= no longer has systemd kill the relay before it saved its state
+            self.notifier.stopping(self.cfg.shutdown_timeout_s + STOP_MARGIN_S)
         _LOG.info("relay_stopping", handed_over=self.handed_over)
         if self._reload_task is not None:  # a reload half-way must not race the shutdown
             await cancel_all([self._reload_task])

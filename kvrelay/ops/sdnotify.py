@@ -57,8 +57,12 @@ class Notifier:
     def ready(self, status: str = "") -> bool:
         return self.notify("READY=1" + (f"\nSTATUS={status}" if status else ""))
 
-    def stopping(self) -> bool:
-        return self.notify("STOPPING=1")
+    def stopping(self, within_s: float | None = None) -> bool:
+        """``STOPPING=1``; with ``within_s``, also ``EXTEND_TIMEOUT_USEC``: the stop may take
+        that long (systemd then waits for it past a shorter ``TimeoutStopSec=``; a longer one
+        is unchanged)."""
+        extend = "" if within_s is None else f"\nEXTEND_TIMEOUT_USEC={int(within_s * 1_000_000)}"
+        return self.notify("STOPPING=1" + extend)
 
     def reloading(self) -> bool:
         """``RELOADING=1`` with the ``MONOTONIC_USEC`` systemd ≥ 253 wants (``Type=notify-reload``

@@ -26,9 +26,11 @@ def test_path_socket_receives_states(tmp_path: Path) -> None:
         assert n.enabled
         assert n.ready("serving")
         assert n.stopping()
+        assert n.stopping(12.5)
         assert sock.recv(4096) == b"READY=1\nSTATUS=serving"
         assert sock.recv(4096) == b"STOPPING=1"
-        assert n.sent == 2 and n.failures == 0
+        assert sock.recv(4096) == b"STOPPING=1\nEXTEND_TIMEOUT_USEC=12500000"
+        assert n.sent == 3 and n.failures == 0
         n.close()
 
 
