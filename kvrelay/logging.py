@@ -126,6 +126,9 @@ def configure(
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(numeric)
+    # Python's warnings (a library's deprecation, a ResourceWarning) as log lines of this shape
+    # (logger ``py.warnings``), not raw text among the JSON lines a log shipper parses
+    logging.captureWarnings(True)
     # numba's own debug chatter is not operator information.
     logging.getLogger("numba").setLevel(max(numeric, logging.WARNING))
     grpclib_server = logging.getLogger(GRPCLIB_SERVER_LOGGER)

@@ -112,6 +112,7 @@ def _logging_restored() -> Iterator[None]:
         kvlog._generation += 1  # module-level loggers bound since then are rebuilt
     root.handlers[:] = handlers
     root.setLevel(level)
+    logging.captureWarnings(False)  # (``configure`` routes warnings to the handlers it made)
 
 
 @pytest.fixture(scope="session")

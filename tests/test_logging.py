@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,21 @@ def test_json_shape_is_shared_by_structlog_and_stdlib() -> None:
     assert foreign["event"] == "connection lost peer"
     assert foreign["level"] == "warning" and foreign["logger"] == "grpclib.server"
     assert {"timestamp", "level", "event"} <= set(ours) & set(foreign)
+
+
+def test_python_warnings_are_log_lines_of_the_same_shape() -> None:
+    buf = io.StringIO()
+    logging.captureWarnings(False)  # (an earlier test's configure left it on, for its stream)
+    kvlog.configure(level="INFO", json=True, stream=buf)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("an old API", DeprecationWarning, stacklevel=1)
+    finally:
+        logging.captureWarnings(False)
+    [line] = [json.loads(line) for line in buf.getvalue().splitlines()]
+    assert line["logger"] == "py.warnings" and line["level"] == "warning", line
+    assert "DeprecationWarning: an old API" in line["event"], line
 
 
 def test_console_renderer_when_not_json() -> None:
