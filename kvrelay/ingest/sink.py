@@ -53,8 +53,10 @@ class BatchSink(Protocol):
         ...
 
     def on_vouched(self, source: SourceKey) -> None:
-        """The engine vouched for a member resumed from saved state (``Subscriber(resume=...)``):
-        its state is that of the stream up to the resume point, exactly."""
+        """The engine vouched for a member resumed from saved state (``Subscriber(resume=...)``)
+        and the replay after the resume point is applied: its state is the stream's, exactly, up
+        to where the replay ended (told at the vouch alone, the saved state, up to a checkpoint
+        interval behind the engine, was published as current)."""
         ...
 
 

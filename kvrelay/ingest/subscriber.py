@@ -127,7 +127,8 @@ class Subscriber:
         """``resume=(seq, digest)``: the member's state is already that of every batch up to
         ``seq`` (restored from a state file), ``digest`` being that batch's. The subscriber
         vouches for it first — the replay must still hold that batch with the same bytes — and
-        then goes on from ``seq + 1``; anything else resets the member and rebuilds it.
+        then goes on from ``seq + 1``; anything else resets the member and rebuilds it. The sink
+        hears ``on_vouched`` once the replay from ``seq + 1`` on is applied as well.
         ``groups``: with ``resume``, the group kinds its decoder had learned (``learned_groups``);
         ``groups_unsure``: they were not saved, so any other group may be full attention
         (``Decoder.assume_unsure_groups``).
@@ -186,6 +187,9 @@ class Subscriber:
         self._in_replay = False
         self._resume = resume
         self._resume_pending = resume is not None  # restored state nobody vouched for yet
+        #: the replay vouched for the restored state; the sink is told once the replay after it
+        #: is applied too (until then the state is the saved one, behind the engine)
+        self._vouch_seen = False
         if resume is not None:
             self._next, self._last, self._dirty = resume[0] + 1, resume, True
         self._ever_connected = False
@@ -265,6 +269,13 @@ class Subscriber:
             if self._resume is not None:
                 if self.spec.replay_endpoint:
                     await self._sync(self._resume[0] + 1, bootstrap=False)
+                    if self._resume_pending and self._vouch_seen:
+                        # vouched, and the replay from the saved position on is applied: the
+                        # state is the engine's now, not the saved one (told at the vouch, the
+                        # pool was published while the batches after it were still being applied:
+                        # a crash's checkpoint, up to an interval old, served as current)
+                        self._resume_pending = False
+                        self._sink.on_vouched(self.key)
                 else:  # nothing can vouch for the restored state
                     self._reset(ResetReason.RESTORE_UNVERIFIED)
                     self._next, self._last = None, None
@@ -860,8 +871,7 @@ class Subscriber:
                         self._dup_hi = seq
                         c.duplicates += 1
                         if self._resume_pending:
-                            self._resume_pending = False
-                            self._sink.on_vouched(self.key)
+                            self._vouch_seen = True  # told once the rest is applied (``_run``)
                         continue
                     # (a first batch later than the one asked for: history is gone, handled
                     # below like any missing history — reset, then go on from here; so is a

@@ -438,7 +438,8 @@ class PoolRuntime:
             self.restore.expire(self.generation, self.name)
             if not self.restore.awaiting:
                 self._ctx.changed()
-        for key in self.restore.overdue(now):  # resumed, never vouched for nor reset: restarted
+        # resumed, never vouched for (or caught up with the replay after it) nor reset: restarted
+        for key in self.restore.overdue(now, self._next_seq):
             self.on_failed(key, TimeoutError("restored state not vouched for in time"))
             if not self.restore.awaiting:
                 self._ctx.changed()
@@ -461,6 +462,11 @@ class PoolRuntime:
                 error=None if st.snapshot is None else st.snapshot.error,
             )  # fmt: skip
             self._ctx.schedule(self._engine_down(st.worker_id))
+
+    def _next_seq(self, key: SourceKey) -> int | None:
+        """The next sequence ``key``'s subscriber expects (how far its replay has come)."""
+        sub = self.subscribers.get(key)
+        return None if sub is None else sub.next_seq
 
     async def _engine_down(self, worker_id: int) -> None:
         async with self._reconcile_lock:

@@ -7,13 +7,14 @@ engines now give; each restored member then waits for its engine to vouch for it
 incarnation, a replay holding the last applied batch) within ``RESTORE_VOUCH_S``, and is reset
 otherwise. Every discarded or unverified state is counted and logged.
 
-Until every restored member is vouched for or reset (``awaiting``), the generation is not
-published: routers never see blocks nobody vouched for.
+Until every restored member is vouched for and caught up with its engine's replay, or reset
+(``awaiting``), the generation is not published: routers never see blocks nobody vouched for,
+nor the saved state while the batches its engine published since are still being applied.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from kvrelay.ingest.sink import SourceKey
 from kvrelay.ingest.subscriber import Subscriber
@@ -40,7 +41,7 @@ def _incarnation(st: EngineState | None) -> str | None:
 class PoolRestore:
     """One pool's restored state: the file not yet used, then the members not yet vouched."""
 
-    __slots__ = ("_counters", "_deadline", "_gen", "_pending", "_vouching", "file")
+    __slots__ = ("_counters", "_deadline", "_gen", "_pending", "_position", "_vouching", "file")
 
     def __init__(self, counters: PoolCounters) -> None:
         self._counters = counters
@@ -49,6 +50,9 @@ class PoolRestore:
         self._pending: dict[SourceKey, MemberResume] = {}  # restored members not yet resumed
         #: Restored members whose subscriber resumed and waits for the vouch → its deadline.
         self._vouching: dict[SourceKey, float] = {}
+        #: Each of those members' next sequence when its deadline was set (a replay applying
+        #: batches past it is catching up, not silent: ``overdue``).
+        self._position: dict[SourceKey, int] = {}
         self._deadline = 0.0
         #: The generation built on the file's pool: the saved positions belong to its state only.
         self._gen: Generation | None = None
@@ -105,7 +109,7 @@ class PoolRestore:
         self._pending = {
             k: r for k, r in resume.items() if k.worker_id in by_worker and k not in restarted
         }
-        self._vouching = {}
+        self._vouching, self._position = {}, {}
         self._deadline = now + RESTORE_VOUCH_S
         self._gen = gen
 
@@ -130,6 +134,7 @@ class PoolRestore:
             return None
         self._counters.members_resumed += 1
         self._vouching[key] = at + RESTORE_VOUCH_S
+        self._position[key] = r.last_seq + 1
         return r
 
     def abandon(self, gen: Generation, name: str) -> None:
@@ -140,7 +145,7 @@ class PoolRestore:
             return
         self._gen = None
         left = len(self._pending) + len(self._vouching)
-        self._pending, self._vouching = {}, {}
+        self._pending, self._vouching, self._position = {}, {}, {}
         if left:
             for _ in range(left):
                 self._counters.reset("restore_unverified")
@@ -154,22 +159,37 @@ class PoolRestore:
 
     @property
     def awaiting(self) -> bool:
-        """Restored members neither vouched for nor reset yet: the generation stays unpublished."""
+        """Restored members neither vouched for and caught up nor reset yet: the generation stays
+        unpublished."""
         return bool(self._pending or self._vouching)
 
     def settled(self, key: SourceKey) -> bool:
-        """``key`` was vouched for, reset or stopped; True when that was the last one awaited
-        (the generation may be published now)."""
+        """``key`` was vouched for (and its replay applied), reset or stopped; True when that was
+        the last one awaited (the generation may be published now)."""
+        self._position.pop(key, None)
         if self._vouching.pop(key, None) is None and self._pending.pop(key, None) is None:
             return False
         return not self.awaiting
 
-    def overdue(self, now: float) -> list[SourceKey]:
+    def overdue(
+        self, now: float, position: Callable[[SourceKey], int | None] = lambda _k: None
+    ) -> list[SourceKey]:
         """Resumed members whose vouch has not come in time (forgotten here: the caller restarts
-        their subscribers, which resets them)."""
-        late = [k for k, t in self._vouching.items() if now >= t]
-        for k in late:
+        their subscribers, which resets them). ``position``: a member's next sequence now; one
+        that moved on since its deadline was set is applying the replay after its vouch (a
+        crash's checkpoint is up to an interval behind): it gets another ``RESTORE_VOUCH_S``
+        instead (a replay that stalls ends by its own timeout, which resets the member)."""
+        late = []
+        for k, t in list(self._vouching.items()):
+            if now < t:
+                continue
+            pos = position(k)
+            if pos is not None and pos > self._position.get(k, pos):
+                self._vouching[k], self._position[k] = now + RESTORE_VOUCH_S, pos
+                continue
+            late.append(k)
             del self._vouching[k]
+            self._position.pop(k, None)
         return late
 
     def due(self, now: float) -> bool:

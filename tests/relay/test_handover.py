@@ -25,6 +25,7 @@ from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
 from tests.support.fleet import eventually, ground_truth, relay_view
 from tests.support.rig import Rig, make_settings, start_relay, stop_relay, subscribe, verify
+from tests.support.timing import scaled
 
 HISTORY_STEPS = 240
 BUFFER_STEPS = 8
@@ -368,3 +369,62 @@ async def test_a_restored_file_stays_until_something_replaces_it(
                          what="exact from the kept file")  # fmt: skip
         assert r.pool.counters.members_resumed == 4
         assert r.pool.counters.member_resets == {}
+
+
+async def test_the_first_published_state_after_a_restart_is_the_engines_not_the_saved_one(
+    tmp_path: Path,
+) -> None:
+    """The engines went on far past the saved state while the relay was down (a crash's
+    checkpoint is up to an interval old; here 600 steps, each a batch of stores and evictions,
+    in a 1,024-step replay buffer). The generation used to be published at the vouch itself, while
+    the replay after it was still being applied over several loop turns: the first pool routers
+    could see held blocks evicted since the save and lacked those stored since. It is published
+    once every restored member has caught up, at the engine's state, and nothing is rebuilt."""
+    engine = SimEngine(SimConfig(name="lag0", seed=111, dp_size=2, capacity_blocks=256,
+                                 buffer_steps=1024))  # fmt: skip
+    await engine.start()
+    try:
+        settings = _settings([engine], tmp_path)
+        async with _relay([engine], settings) as r:
+            await _live(r, 2)
+            await engine.step(64)
+            await eventually(lambda: _exact(r.relay, [engine]), what="first run exact")
+        for _ in range(600):
+            await engine.step(1)
+        truth = ground_truth([engine])
+        async with _relay([engine], settings) as r:
+            deadline = asyncio.get_running_loop().time() + scaled(15.0)
+            while r.pool.published is None:  # every loop turn: the first instant it is served
+                assert asyncio.get_running_loop().time() < deadline, "never published"
+                await asyncio.sleep(0)
+            view = relay_view(r.relay)
+            stale = sum(len(view.get(k, set()) - v) for k, v in truth.items())
+            missing = sum(len(v - view.get(k, set())) for k, v in truth.items())
+            assert (stale, missing) == (0, 0), "the first published state is the engine's"
+            assert r.pool.counters.members_resumed == 2
+            assert r.pool.counters.member_resets == {}, "caught up, none rebuilt"
+    finally:
+        await engine.stop()
+
+
+async def test_a_state_saved_under_another_block_size_is_discarded(
+    fleet: list[SimEngine], tmp_path: Path
+) -> None:
+    """ho0 came back with another ``kv_block_size`` while the relay was down: the file's pool was
+    indexed under the old identity, so it is not used (counted), and every member starts from
+    its engine's replay: never a phantom."""
+    settings = _settings(fleet, tmp_path)
+    await _first_run(fleet, settings)
+    for i, e in enumerate(fleet):
+        port = e.grpc_port
+        await e.stop()
+        fleet[i] = SimEngine(dataclasses.replace(_cfg(e.cfg.name, 301 + i), block_size=32,
+                                                 grpc_port=port))  # fmt: skip
+        await fleet[i].start()
+        await fleet[i].step(3)
+    async with _relay(fleet, settings) as r:
+        await eventually(lambda: r.pool.published is not None and _exact(r.relay, fleet),
+                         what="exact under the new block size")  # fmt: skip
+        assert r.pool.counters.restores_discarded == 1
+        assert r.pool.counters.members_resumed == 0
+        assert r.pool.identity is not None and r.pool.identity.block_size == 32
