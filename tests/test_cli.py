@@ -14,7 +14,7 @@ import pytest
 from kvrelay import __version__
 from kvrelay.cli import build_parser, main
 from kvrelay.ops import early_signals
-from tests.support.commands import MINIMAL, kvrelay
+from tests.support.commands import MINIMAL, kvrelay, sigint_as_at_a_shell
 from tests.support.timing import scaled
 
 
@@ -262,6 +262,7 @@ def test_ctrl_c_while_upgrade_waits_exits_130_without_a_traceback(tmp_path: Path
         upgrade = subprocess.Popen(
             [sys.executable, "-m", "kvrelay", "upgrade", "--pid", str(relay.pid), "--timeout",
              "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=sigint_as_at_a_shell,
         )  # fmt: skip
         wait_for(flag)  # signalled: kvrelay upgrade is in its waiting loop now
         upgrade.send_signal(signal.SIGINT)

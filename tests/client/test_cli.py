@@ -24,7 +24,7 @@ from kvrelay.relay.settings import RelaySettings
 from kvrelay.service.server import RelayServer
 from kvrelay.sim.config import SimConfig
 from tests.support.client_stack import eventually, query_set, stack, truth_depth
-from tests.support.commands import clean_env
+from tests.support.commands import clean_env, sigint_as_at_a_shell
 from tests.support.scripted_relay import Script, ScriptedRelay, delta, port_of, serve, snapshot
 
 
@@ -334,15 +334,6 @@ async def test_a_closed_stdout_ends_quietly_with_141() -> None:
             assert proc.returncode == 141 and err == b"", (argv, proc.returncode, err)
 
 
-def _sigint_as_at_a_shell() -> None:
-    """In the child, before exec: SIGINT delivered and handled by default, as a command started
-    from an interactive shell has it. A process inherits an ignored or blocked SIGINT, and the
-    test process's may be either after the tests before it (a command that ignores Ctrl-C
-    because its parent did is right, and not what this test asks)."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 async def _interrupt_once_connected(*argv: str) -> tuple[int, str, str]:
     """Run ``kvrelay ARGV`` against a listener that accepts and never answers, send SIGINT once
     it has connected (so the command is waiting for the relay, not importing)."""
@@ -353,7 +344,7 @@ async def _interrupt_once_connected(*argv: str) -> tuple[int, str, str]:
         addr = f"127.0.0.1:{listener.getsockname()[1]}"
         proc = await asyncio.create_subprocess_exec(
             *CLI, *argv, "--relay", addr, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=clean_env(), preexec_fn=_sigint_as_at_a_shell,
+            stderr=asyncio.subprocess.PIPE, env=clean_env(), preexec_fn=sigint_as_at_a_shell,
         )  # fmt: skip
         loop = asyncio.get_running_loop()
         conn, _ = await asyncio.wait_for(loop.sock_accept(listener), 60)

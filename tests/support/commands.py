@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -34,6 +35,15 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env.update(extra)
     return env
+
+
+def sigint_as_at_a_shell() -> None:
+    """A ``preexec_fn``: SIGINT delivered and handled by default in the child, as a command
+    started from an interactive shell has it. A process inherits an ignored or blocked SIGINT,
+    and a test process's may be either after the tests it ran before (a command that ignores
+    Ctrl-C because its parent did is right, and not what a Ctrl-C test asks)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def kvrelay(
