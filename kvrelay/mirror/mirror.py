@@ -51,7 +51,7 @@ from kvrelay.contract.wire import CONTRACT_MARKER, PROTOCOL_VERSION
 from kvrelay.logging import get_logger
 from kvrelay.mirror.checker import relay_key
 from kvrelay.mirror.plane import MirrorPlane, PlaneViolation
-from kvrelay.mirror.pool import HOLD_TTL_S, MirrorPool, PoolContext, PoolState
+from kvrelay.mirror.pool import HOLD_TTL_S, MirrorPool, PoolContext, PoolState, until_answering
 from kvrelay.mirror.settings import MirrorSettings
 from kvrelay.mirror.upstream import BEHIND, FORWARDED, Upstream, upstream_error
 from kvrelay.publication.hub import PublicationHub, Subscription
@@ -133,6 +133,10 @@ class Mirror:
         #: set while a catalog message received from the upstream is parsed in a thread
         #: (``_take_catalog``): resolved once it is published or dropped
         self._catalog_parsing: asyncio.Future[None] | None = None
+        #: resolved (then replaced) when a plane stream takes its first message: the upstream
+        #: answers again, and the loops waiting out a backoff after a stream that got nothing
+        #: (planes, pools whose attempt failed) ask again now (``until_answering``)
+        self._answering: asyncio.Future[None] | None = None
         self._ctx = PoolContext(
             settings=settings,
             upstream=self.upstream,
@@ -141,6 +145,7 @@ class Mirror:
             listed=lambda key: key in self._listed,
             changed=self._pool_changed,
             catalog_taken=self._catalog_taken,
+            answering=self._answering_next,
         )
         self._tasks: list[asyncio.Task[None]] = []
         self.synced = asyncio.Event()
@@ -416,6 +421,7 @@ class Mirror:
         while True:
             delivered = False
             current = self.upstream.channel  # the stream below runs on it
+            answering = self._answering_next()  # resolved once a plane's stream takes a message
 
             def on(data: bytes, current: object = current) -> Awaitable[None] | None:
                 nonlocal delivered, window_s
@@ -432,7 +438,9 @@ class Mirror:
                 if self.upstream.channel is not current:
                     raise _Superseded  # it followed a new identity: read it afresh
                 self._plane_sessions[plane.name] = self._identity_key
-                delivered = True
+                if not delivered:
+                    delivered = True
+                    self._upstream_answers()
                 backoff.live()
                 if is_catalog:
                     return self._take_catalog(plane, env.version, data, current)
@@ -493,7 +501,23 @@ class Mirror:
                     *ended, silence_s=first if is_catalog else None,
                     timeout_s=first if is_catalog else quiet(),
                 )  # fmt: skip
-            await asyncio.sleep(backoff.next_delay())
+            delay = backoff.next_delay()
+            if delivered:
+                await asyncio.sleep(delay)
+            else:  # (got nothing: another plane's stream that takes a message ends the wait)
+                await until_answering(answering, delay)
+
+    def _answering_next(self) -> asyncio.Future[None]:
+        """What resolves when a plane stream next takes its first message."""
+        if self._answering is None:
+            self._answering = asyncio.get_running_loop().create_future()
+        return self._answering
+
+    def _upstream_answers(self) -> None:
+        """A plane stream took its first message: the upstream answers again."""
+        answering, self._answering = self._answering, None
+        if answering is not None and not answering.done():
+            answering.set_result(None)
 
     @staticmethod
     def _plane_end(end: rpc.StreamEnd) -> tuple[RelayError | None, str]:

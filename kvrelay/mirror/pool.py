@@ -87,6 +87,8 @@ class PoolContext:
     changed: Callable[[MirrorPool], None]
     #: returns once the catalog messages the upstream sent so far are published locally
     catalog_taken: Callable[[], Awaitable[None]]
+    #: what resolves when a plane stream of the mirror next takes its first message
+    answering: Callable[[], asyncio.Future[None]]
 
     @property
     def limits(self) -> RelayLimits:
@@ -424,6 +426,10 @@ class MirrorPool:
             if self.state is not PoolState.SYNCING:
                 self._set(PoolState.SYNCING)
             was_live, local, answer = await self._attempt()
+            if self._task is None:
+                # stopped meanwhile, the stop's cancellation taken by the stream's end (the
+                # channel closed under it: a transport error instead): done, not a new attempt
+                return
             if self.withdrawn:  # its ending (if the upstream's) already went to its subscribers
                 self._set(PoolState.GONE, answer or local
                           or RelayError.publication_unavailable(WITHDRAWN))  # fmt: skip
@@ -452,7 +458,10 @@ class MirrorPool:
                 return
             failures += 1
             self._set(PoolState.FAILED, refusal)
-            await asyncio.sleep(self.ctx.settings.backoff(failures))
+            # (meanwhile its subscribers get ``refusal``: once a plane stream takes a message
+            # after this, the upstream answers again, and the pool asks again rather than
+            # refusing a listed pool for seconds more)
+            await until_answering(self.ctx.answering(), self.ctx.settings.backoff(failures))
 
     def stats(self) -> dict[str, object]:
         return {
@@ -467,3 +476,20 @@ class MirrorPool:
             "ends": dict(self.ends),
             "violations": dict(self.violations),
         }
+
+
+async def until_answering(answering: asyncio.Future[None], delay: float) -> None:
+    """The backoff of a loop whose last stream got nothing (the upstream unreachable,
+    restarting, refusing): ``delay``, or less once one of the mirror's plane streams took a
+    message since ``answering`` was taken (``PoolContext.answering``: a plane loop takes it as
+    its stream starts, a pool when its attempt failed, so that the attempt's waiting subscribers
+    get its refusal rather than a retry's outcome). A relay
+    that comes back serves everything at once; each of the mirror's loops waiting out its own
+    backoff (up to ``backoff_max_s``, 5 s) left it serving the catalog and ``GetRelayInfo``
+    while it refused the other planes' readers, and the subscribers of pools its catalog lists,
+    for seconds. A loop whose stream did deliver keeps its backoff, so a stream the upstream
+    ends after its first message cannot make the others ask again in a loop. (``asyncio.wait``:
+    the shared future is never cancelled with a waiter, and a stop's cancellation is never
+    swallowed, as Python 3.11's ``wait_for`` may when the future resolves at once.)"""
+    if not answering.done():
+        await asyncio.wait((answering,), timeout=delay)

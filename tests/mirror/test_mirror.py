@@ -292,21 +292,27 @@ async def test_a_burst_of_upstream_deltas_does_not_lag_local_subscribers() -> No
         async with mirrored(S.port_of(server), limits=limits, sync=False) as m:
             chans = [m.channel() for _ in range(4)]
             try:
+                installed = 0  # subscribers that have their snapshot: they read deltas now
+
                 async def read(ch: Channel) -> int:
+                    nonlocal installed
                     deltas = 0
                     async with ch.request(SVC + "SubscribeKvPool", Cardinality.UNARY_STREAM,
                                           pb.SubscribeKvPoolRequest, pb.FilterUpdate) as st:
                         await st.send_message(sub_request(S.producer()), end=True)
                         while (fu := await st.recv_message()) is not None:
                             deltas += int(fu.kind) == 2
+                            installed += int(fu.kind) == 1
                             if fu.sequence == 70:
                                 await st.cancel()
                                 break
                     return deltas
 
                 tasks = [asyncio.ensure_future(read(ch)) for ch in chans for _ in range(2)]
-                await eventually(lambda: (h := m.mirror.hub_for(S.producer())) is not None
-                                 and h.subscriber_count == 8, what="8 subscribers")  # fmt: skip
+                # the burst once every subscriber has its snapshot: on a busy machine a snapshot
+                # still being written when it comes has the deltas queue behind it (a joiner
+                # catching up, which spacing is for), and 4 frames fill
+                await eventually(lambda: installed == 8, what="8 subscribers with their snapshot")
                 hub = m.mirror.hub_for(S.producer())
                 gate.set()
                 got = await asyncio.wait_for(asyncio.gather(*tasks), scaled(20))
@@ -321,7 +327,10 @@ async def test_a_burst_of_upstream_deltas_does_not_lag_local_subscribers() -> No
 async def test_a_stopped_mirror_still_counts_what_its_pools_did() -> None:
     """``Mirror.stop`` lets its pools go with their counters folded into the totals, once: a
     fan-out worker's last report may be taken after its stop, and a total that went down (or
-    doubled) there would be wrong on ``/metrics``."""
+    doubled) there would be wrong on ``/metrics``. And they go: the stop closes the upstream
+    channel under a pool's open stream, whose end (a transport error) took the stop's
+    cancellation, and the pool tried again for as long as the process ran (a worker's exit
+    waited for it)."""
     relay = S.ScriptedRelay()  # a snapshot and one delta
     server = await S.serve(relay)
     try:
@@ -331,6 +340,11 @@ async def test_a_stopped_mirror_still_counts_what_its_pools_did() -> None:
             before = m.mirror.stats()["pool_totals"]
             assert before["installs"] >= 1 and before["deltas"] >= 1, before
         after = m.mirror.stats()["pool_totals"]  # (the mirror is stopped)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        left = [t for t in asyncio.all_tasks()
+                if t.get_name().startswith("kvrelay-mirror-pool") and not t.done()]  # fmt: skip
     finally:
         server.close()
     assert after == before
+    assert not left, left
