@@ -8,6 +8,8 @@ means ``UNIMPLEMENTED`` (other servers send that code), and callers that decide 
 
 ``recv_reply``: the one bounded reader of a client stream's replies (the SDK, the mirror, the
 benchmarks' subscribers), on grpclib's private client stream parts (``CLIENT_RECV_NEEDS``).
+``count_own_cancels``: how often grpclib itself cancelled a stream's task (``CLIENT_CANCEL_NEEDS``),
+so that a cancellation it replaced with a transport error is told from its own.
 
 ``RelayChannel``: a grpclib ``Channel`` whose streams that have ended keep their replies and
 status when the connection closes (``keep_ended_streams``, on ``CLIENT_CLOSE_NEEDS``), which
@@ -165,6 +167,50 @@ async def recv_reply(stream: Any, max_bytes: int | None) -> Any | None:
         stream._messages_received += 1
         inner.connection.messages_received += 1
         return message
+
+
+#: What ``count_own_cancels`` uses of a grpclib client stream: ``(where, attribute)`` with
+#: ``where`` the client ``Stream`` (``stream``) or its ``Wrapper`` (``wrapper``), whose
+#: ``cancel`` grpclib calls when the stream's connection closes and whose ``_tasks`` are the
+#: tasks it then cancels. Without any of them nothing is counted (``count_own_cancels``: None).
+CLIENT_CANCEL_NEEDS: tuple[tuple[str, str], ...] = (
+    ("stream", "_wrapper"),
+    ("wrapper", "cancel"),
+    ("wrapper", "_tasks"),
+)
+
+
+def missing_client_cancel_needs(stream: Any) -> list[str]:
+    """``where.attribute`` for each of ``CLIENT_CANCEL_NEEDS`` that ``stream`` lacks."""
+    objects = {"stream": stream, "wrapper": getattr(stream, "_wrapper", None)}
+    return [f"{w}.{a}" for w, a in CLIENT_CANCEL_NEEDS if not hasattr(objects[w], a)]
+
+
+def count_own_cancels(stream: Any) -> Callable[[], int] | None:
+    """How many times grpclib itself cancels the current task for ``stream`` from now on: what
+    gives the count of the task's cancellations (``Task.cancelling``) that were not grpclib's.
+
+    Why: when a stream's connection closes, grpclib cancels the tasks inside the stream's
+    ``Wrapper`` and its ``__exit__`` raises ``StreamTerminatedError`` in place of the
+    ``CancelledError``, whoever asked for that one: a task cancelled by its owner just as the
+    channel closed under it (a stop, which closes the channel in the same turn) sees a transport
+    error, and its loop reconnects. The caller tells the two apart by this count (``run_stream``).
+    None where the stream lacks one of ``CLIENT_CANCEL_NEEDS``."""
+    if missing_client_cancel_needs(stream):
+        return None
+    wrapper = stream._wrapper
+    task = asyncio.current_task()
+    cancel = wrapper.cancel
+    count = 0
+
+    def counted(error: Exception) -> None:
+        nonlocal count
+        if task in wrapper._tasks:
+            count += 1
+        cancel(error)
+
+    wrapper.cancel = counted
+    return lambda: count
 
 
 #: What ``keep_ended_streams`` uses of a grpclib client connection: ``(where, attribute)`` with

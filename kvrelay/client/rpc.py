@@ -26,6 +26,7 @@ from kvrelay._grpc import (
     RelayChannel,
     SslSource,
     UndecodableReply,
+    count_own_cancels,
     effective_status,
     recv_reply,
 )
@@ -319,7 +320,13 @@ async def run_stream(
     senders).
     Replies are read with their length checked first (``recv_reply``, the bound the channel's
     codec has); one that does not decode ends the stream as ``envelope``.
+    A task cancelled while in here always ends with ``CancelledError``, also when grpclib turned
+    it into a transport error (its channel closed in the same turn: ``count_own_cancels``);
+    a loop that took that for a lost connection would reconnect after its owner stopped it.
     """
+    task = asyncio.current_task()
+    cancels = 0 if task is None else task.cancelling()
+    own: Callable[[], int] | None = None
     n = 0
     stream = None
     loop = asyncio.get_running_loop()
@@ -341,6 +348,7 @@ async def run_stream(
             async with channel.request(
                 SERVICE + method, Cardinality.UNARY_STREAM, type(request), reply_type
             ) as stream:
+                own = count_own_cancels(stream)
                 await stream.send_message(request, end=True)
                 bound = getattr(stream._codec, "max_message_bytes", _DEFAULT_BOUND)
                 while True:
@@ -365,23 +373,30 @@ async def run_stream(
                     if yield_every and n % yield_every == 0:
                         await asyncio.sleep(0)
                 await stream.recv_trailing_metadata()
-        return StreamEnd(E.EOF, Status.OK, "", n)
+        end = StreamEnd(E.EOF, Status.OK, "", n)
     except TimeoutError:
         if limit is not None and quiet is not None and quiet.expired():
-            return StreamEnd(E.SILENT, None, f"nothing received for {limit:g} s", n)
-        return StreamEnd(E.CONNECTION, None, "TimeoutError", n)
+            end = StreamEnd(E.SILENT, None, f"nothing received for {limit:g} s", n)
+        else:
+            end = StreamEnd(E.CONNECTION, None, "TimeoutError", n)
     except GRPCError as err:
         trailers = None if stream is None else stream.trailing_metadata
-        return end_from_error(err, trailers, n)
+        end = end_from_error(err, trailers, n)
     except UndecodableReply as exc:
-        return StreamEnd(E.ENVELOPE, None, f"undecodable reply: {exc}", n)
+        end = StreamEnd(E.ENVELOPE, None, f"undecodable reply: {exc}", n)
     except ChannelClosed as exc:
-        return StreamEnd(E.CONNECTION, None, f"{type(exc).__name__}: {exc}", n, unsent=True)
+        end = StreamEnd(E.CONNECTION, None, f"{type(exc).__name__}: {exc}", n, unsent=True)
     except _TRANSPORT_ERRORS as exc:
-        return StreamEnd(E.CONNECTION, None, f"{type(exc).__name__}: {exc}", n)
+        end = StreamEnd(E.CONNECTION, None, f"{type(exc).__name__}: {exc}", n)
     finally:
         if quiet is not None:
             activity.waiting.pop(quiet, None)
+    if task is not None and own is not None and task.cancelling() - cancels > own():
+        # cancelled by its owner, the CancelledError replaced or swallowed on the way: one
+        # still pending is delivered here, else it is raised (never a StreamEnd to act on)
+        await asyncio.sleep(0)
+        raise asyncio.CancelledError()
+    return end
 
 
 def catalog_request(subscriber_id: str) -> pb.WatchKvPoolCatalogRequest:

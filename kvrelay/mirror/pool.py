@@ -429,6 +429,8 @@ class MirrorPool:
             if self._task is None:
                 # stopped meanwhile, the stop's cancellation taken by the stream's end (the
                 # channel closed under it: a transport error instead): done, not a new attempt
+                # (``run_stream`` raises it again; this stays for a grpclib where it cannot:
+                # ``CLIENT_CANCEL_NEEDS``)
                 return
             if self.withdrawn:  # its ending (if the upstream's) already went to its subscribers
                 self._set(PoolState.GONE, answer or local

@@ -21,6 +21,7 @@ from kvrelay.sim.config import SimConfig
 from kvrelay.sim.wire import Era
 from tests.support.client_stack import Stack, eventually, query_set, stack, truth_depth
 from tests.support.mem_relay import MemRelayView
+from tests.support.timing import scaled
 
 FAST = ClientConfig(backoff_initial_s=0.02, backoff_max_s=0.2)
 MODEL = "sim-model"
@@ -278,5 +279,36 @@ async def test_the_serving_load_view_has_every_token_figure_the_contract_defines
             (conn,) = client.connections
             assert conn.counters["serving_load_entry_invalid"] == 1
             assert pool.live_workers == 1  # deployment is not a gauge of the view
+    finally:
+        await server.close(grace_s=0.5)
+
+
+async def test_a_catalog_refresh_as_the_channel_is_replaced_leaves_one_catalog_loop() -> None:
+    """A pool's catalog refresh cancels the catalog loop; a channel replaced in the same turn
+    (another stream's end) closed the connection under it, and grpclib's transport error took
+    the cancellation's place (``rpc.run_stream``): the old loop read a lost connection and went
+    on beside the new one (two watches, the channel reset again) until the client closed. The
+    old loop ends, and the client's close leaves no task behind."""
+    view = MemRelayView()
+    view.add_pool("pool-a", 1024)
+    server = RelayServer(view)
+    await server.start("127.0.0.1", 0)
+    before = asyncio.all_tasks()
+    try:
+        async with RelayClient([f"127.0.0.1:{server.port}"], config=FAST) as client:
+            conn = client.connections[0]
+            await eventually(lambda: any(s.installed for s in conn.slots.values()),
+                             what="the pool installed")  # fmt: skip
+            old = conn._catalog_task
+            assert old is not None
+            conn.refresh_catalog()
+            conn._reset_channel(conn.channel)  # (the same turn)
+            await asyncio.wait({old}, timeout=scaled(2.0))
+            assert old.cancelled()
+            await eventually(lambda: conn.counters["catalog_updates"] >= 2, what="a new watch")
+            assert conn.counters["channel_resets"] == 1, conn.counters
+        # the client's tasks (``running at`` a file of the SDK), not the relay's
+        left = [t for t in asyncio.all_tasks() - before if "kvrelay/client/" in repr(t)]
+        assert not left, left
     finally:
         await server.close(grace_s=0.5)

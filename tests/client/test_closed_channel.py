@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import pytest
 from grpclib.const import Cardinality
 
@@ -21,6 +23,9 @@ from kvrelay.client import errors as E
 from kvrelay.client import rpc
 from kvrelay.client.codec import ClientCodec
 from kvrelay.contract.wire import CONTRACT_MARKER
+from kvrelay.service.server import RelayServer
+from tests.support.mem_relay import Generation, MemRelayView
+from tests.support.timing import scaled
 
 
 class _Counted(asyncio.Protocol):
@@ -96,3 +101,53 @@ async def test_a_closed_channel_closes_a_late_connection_and_never_connects_agai
         ch.close()
         server.close()
         await server.wait_closed()
+
+
+
+async def _stopped_at(port: int, gen: Generation, at: int, cancel: bool) -> asyncio.Task[Any]:
+    """A pool stream on a fresh channel, its channel closed (and, with ``cancel``, its task
+    cancelled in the same turn) once its ``at``-th message is taken: the ended task."""
+    ch = rpc.open_channel(rpc.RelayAddress("127.0.0.1", port))
+    loop = asyncio.get_running_loop()
+    got: list[pb.FilterUpdate] = []
+
+    def stop() -> None:
+        if cancel:
+            task.cancel()
+        ch.close()
+
+    def on(msg: pb.FilterUpdate) -> None:
+        got.append(msg)
+        if len(got) == 1 and at == 2:
+            gen.random_step(np.random.default_rng(3), 8)  # a delta follows
+        if len(got) == at:
+            loop.call_soon(stop)  # once the stream waits for its next message
+
+    task = asyncio.create_task(rpc.run_stream(
+        ch, "SubscribeKvPool", rpc.pool_request("t", gen.producer), pb.FilterUpdate, on,
+    ))  # fmt: skip
+    done, _ = await asyncio.wait({task}, timeout=scaled(5.0))
+    assert done, "the stream never ended"
+    assert len(got) == at
+    return task
+
+
+@pytest.mark.parametrize("at", [1, 2])
+async def test_a_stream_cancelled_as_its_channel_closes_ends_cancelled(at: int) -> None:
+    """A stream task cancelled by its owner as the owner closes its channel in the same turn
+    (a mirror's stop, a catalog refresh while a pool replaces the channel) ends cancelled, at
+    its snapshot (``at`` 1) or at a delta (2): grpclib, waking the task for the closed
+    connection, raised ``StreamTerminatedError`` in place of the ``CancelledError``, and the
+    stream ended as a lost connection, its loop connecting again after it was stopped. Without
+    a cancellation, the same close is still a connection end."""
+    view = MemRelayView()
+    gen = view.add_pool("pool-a", 1024)
+    server = RelayServer(view)
+    await server.start("127.0.0.1", 0)
+    try:
+        task = await _stopped_at(server.port, gen, at, cancel=True)
+        assert task.cancelled(), task.result()
+        task = await _stopped_at(server.port, gen, at, cancel=False)
+        assert task.result().reason == E.CONNECTION, task.result()
+    finally:
+        await server.close(grace_s=0.5)

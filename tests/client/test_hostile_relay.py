@@ -15,6 +15,7 @@ from grpclib.client import Channel
 from grpclib.server import Server
 
 from kvrelay._grpc import (
+    CLIENT_CANCEL_NEEDS,
     CLIENT_CHANNEL_NEEDS,
     CLIENT_CLOSE_NEEDS,
     CLIENT_CLOSED_NEEDS,
@@ -24,6 +25,7 @@ from kvrelay._grpc import (
     CLIENT_SSL_NEEDS,
     ClosedStreams,
     RelayChannel,
+    missing_client_cancel_needs,
     missing_client_channel_needs,
     missing_client_close_needs,
     missing_client_closed_needs,
@@ -93,6 +95,7 @@ async def test_a_live_client_stream_has_what_the_reader_and_keeping_ended_stream
                               pb.KvPoolCatalogUpdate) as stream:  # fmt: skip
             await stream.send_message(rpc.catalog_request("t"), end=True)
             assert missing_client_recv_needs(stream) == []
+            assert missing_client_cancel_needs(stream) == []
             await stream.recv_message()
             proto: Any = ch._protocol
             assert missing_client_close_needs(proto, stream._stream) == []
@@ -109,6 +112,7 @@ async def test_a_live_client_stream_has_what_the_reader_and_keeping_ended_stream
         assert missing_client_leave_needs(object()) == [f"{w}.{a}" for w, a in CLIENT_LEAVE_NEEDS]
         assert missing_client_recv_needs(object()) == [f"{w}.{a}" for w, a in CLIENT_RECV_NEEDS]
         assert "connection.messages_received" in missing_client_recv_needs(object())
+        assert missing_client_cancel_needs(object()) == [f"{w}.{a}" for w, a in CLIENT_CANCEL_NEEDS]
         assert missing_client_channel_needs(object()) == [
             f"{w}.{a}" for w, a in CLIENT_CHANNEL_NEEDS
         ]
