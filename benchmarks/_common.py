@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks._load import load_at_start, tree_pids
+from kvrelay.sim.ports import free_port_block
 
 ROOT = Path(__file__).resolve().parent.parent
 # KVRELAY_BENCH_RESULTS / KVRELAY_BENCH_WORK: a smoke run (tests/benchmarks) writes elsewhere,
@@ -54,10 +54,9 @@ class ProcSample:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on now (bound and released: a later bind may still race)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port nothing listens on now, below the kernel's ephemeral range
+    (``kvrelay.sim.ports.free_port_block``: a later bind may still race with another pick)."""
+    return free_port_block(1, host=host)
 
 
 def process_cpu_clock(pid: int) -> int:

@@ -35,7 +35,8 @@ def test_a_freeze_takes_the_startup_objects_and_leaves_later_garbage_collectable
     ).stdout
     line = next(ln for ln in out.splitlines() if ln.startswith("frozen "))
     _, frozen, _, _, before, _, after = line.split()
-    # every object still alive after one collection: nearly all of what was tracked
-    assert int(before) * 0.9 <= int(frozen) <= int(before) and int(frozen) > 10_000
+    # every object still alive after one collection: nearly all of what was tracked (a few
+    # more on Python 3.12, which tracks some containers only once a collection looked at them)
+    assert int(before) * 0.9 <= int(frozen) <= int(before) * 1.05 and int(frozen) > 10_000
     assert int(after) < int(before) // 10  # a full collection now walks almost nothing of it
     assert "a cycle made after the freeze collected: True" in out
