@@ -22,6 +22,7 @@ from tests.support.mem_relay import (
     expect_error,
     grpclib_channel,
     grpclib_collect,
+    pool_call,
     sub_request,
 )
 from tests.support.mirror_rig import served_hub, settle
@@ -55,12 +56,7 @@ async def test_replica_equals_producer_after_long_random_run(
     r2 = Replica(view.relay_identity, gen.producer)
     r3 = Replica(view.relay_identity, gen.producer)
     try:
-        async with ch.request(
-            SVC + "SubscribeKvPool",
-            Cardinality.UNARY_STREAM,
-            pb.SubscribeKvPoolRequest,
-            pb.FilterUpdate,
-        ) as st:
+        async with pool_call(ch) as st:
             await st.send_message(req, end=True)
             call = gio.stub.SubscribeKvPool(gio.convert(sub_request(gen.producer, "replica-b")))
             first = await call.read()
@@ -80,12 +76,7 @@ async def test_replica_equals_producer_after_long_random_run(
                 if step == 200:
                     await settle(view, server)  # the late joiner's cut is at gen.sequence
                     ch3 = grpclib_channel(server.port)
-                    cm3 = ch3.request(
-                        SVC + "SubscribeKvPool",
-                        Cardinality.UNARY_STREAM,
-                        pb.SubscribeKvPoolRequest,
-                        pb.FilterUpdate,
-                    )
+                    cm3 = pool_call(ch3)
                     st3 = await cm3.__aenter__()
                     await st3.send_message(sub_request(gen.producer, "late"), end=True)
                     late_start = gen.sequence
@@ -122,12 +113,7 @@ async def test_heartbeats_after_silence_only_after_snapshot(start_relay: StartRe
     replica = Replica(view.relay_identity, gen.producer)
     loop = asyncio.get_running_loop()
     try:
-        async with ch.request(
-            SVC + "SubscribeKvPool",
-            Cardinality.UNARY_STREAM,
-            pb.SubscribeKvPoolRequest,
-            pb.FilterUpdate,
-        ) as st:
+        async with pool_call(ch) as st:
             await st.send_message(sub_request(gen.producer), end=True)
             snap = await st.recv_message()
             t0 = loop.time()
@@ -171,12 +157,7 @@ async def test_small_deltas_are_written_by_the_publisher_to_both_clients(
     r1 = Replica(view.relay_identity, gen.producer)
     r2 = Replica(view.relay_identity, gen.producer)
     try:
-        async with ch.request(
-            SVC + "SubscribeKvPool",
-            Cardinality.UNARY_STREAM,
-            pb.SubscribeKvPoolRequest,
-            pb.FilterUpdate,
-        ) as st:
+        async with pool_call(ch) as st:
             await st.send_message(sub_request(gen.producer, "direct-a"), end=True)
             call = gio.stub.SubscribeKvPool(gio.convert(sub_request(gen.producer, "direct-b")))
             r1.feed(await st.recv_message())
@@ -215,12 +196,7 @@ async def test_streams_sharing_a_connection_get_every_delta_in_order(
     replicas = [Replica(view.relay_identity, gen.producer) for _ in range(6)]
     try:
         cms = [
-            ch.request(
-                SVC + "SubscribeKvPool",
-                Cardinality.UNARY_STREAM,
-                pb.SubscribeKvPoolRequest,
-                pb.FilterUpdate,
-            )
+            pool_call(ch)
             for _ in replicas
         ]
         streams = [await cm.__aenter__() for cm in cms]
@@ -364,18 +340,8 @@ async def test_lagging_subscriber_alone_is_dropped(start_relay: StartRelay) -> N
     fast = Replica(view.relay_identity, gen.producer)
     try:
         async with (
-            slow_ch.request(
-                SVC + "SubscribeKvPool",
-                Cardinality.UNARY_STREAM,
-                pb.SubscribeKvPoolRequest,
-                pb.FilterUpdate,
-            ) as s1,
-            fast_ch.request(
-                SVC + "SubscribeKvPool",
-                Cardinality.UNARY_STREAM,
-                pb.SubscribeKvPoolRequest,
-                pb.FilterUpdate,
-            ) as s2,
+            pool_call(slow_ch) as s1,
+            pool_call(fast_ch) as s2,
         ):
             await s1.send_message(sub_request(gen.producer, "slow"), end=True)
             await s2.send_message(sub_request(gen.producer, "fast"), end=True)
@@ -408,12 +374,7 @@ async def test_snapshot_progress_timeout(start_relay: StartRelay) -> None:
     gen.random_step(np.random.default_rng(5), 100)
     ch = grpclib_channel(server.port, window=65535)
     try:
-        async with ch.request(
-            SVC + "SubscribeKvPool",
-            Cardinality.UNARY_STREAM,
-            pb.SubscribeKvPoolRequest,
-            pb.FilterUpdate,
-        ) as st:
+        async with pool_call(ch) as st:
             await st.send_message(sub_request(gen.producer), end=True)
             await asyncio.sleep(0.6)  # stop draining the bootstrap snapshot
             hub = served_hub(server, gen)
@@ -447,12 +408,7 @@ async def test_oversize_publication_resets_and_retire_closes(
     gio = grpcio_client(server.port)
     rng = np.random.default_rng(11)
     try:
-        async with ch.request(
-            SVC + "SubscribeKvPool",
-            Cardinality.UNARY_STREAM,
-            pb.SubscribeKvPoolRequest,
-            pb.FilterUpdate,
-        ) as st:
+        async with pool_call(ch) as st:
             await st.send_message(sub_request(gen.producer), end=True)
             call = gio.stub.SubscribeKvPool(gio.convert(sub_request(gen.producer, "gio")))
             for _ in range(2):
@@ -475,12 +431,7 @@ async def test_oversize_publication_resets_and_retire_closes(
                 )
         # resubscribe: fresh snapshot of the mirror at the new sequence, equal to the producer
         replica = Replica(view.relay_identity, gen.producer)
-        async with ch.request(
-            SVC + "SubscribeKvPool",
-            Cardinality.UNARY_STREAM,
-            pb.SubscribeKvPoolRequest,
-            pb.FilterUpdate,
-        ) as st:
+        async with pool_call(ch) as st:
             await st.send_message(sub_request(gen.producer), end=True)
             await _reader(st, replica, lambda: gen.sequence)
             assert replica.installed == 2 and replica.table.tobytes() == gen.table.tobytes()  # type: ignore[union-attr]
@@ -642,12 +593,7 @@ def test_server_runs_on_uvloop() -> None:
             )
             assert info.protocol_version == 1
             replica = Replica(view.relay_identity, gen.producer)
-            async with ch.request(
-                SVC + "SubscribeKvPool",
-                Cardinality.UNARY_STREAM,
-                pb.SubscribeKvPoolRequest,
-                pb.FilterUpdate,
-            ) as st:
+            async with pool_call(ch) as st:
                 await st.send_message(sub_request(gen.producer), end=True)
                 replica.feed(await st.recv_message())
                 rng = np.random.default_rng(2)
@@ -704,12 +650,7 @@ async def test_withdrawal_reaches_the_catalog_before_the_pool_stream_ends(
             )
             assert len((await cat.recv_message()).snapshot.pools) == 2
             st: Any
-            async with ch.request(
-                SVC + "SubscribeKvPool",
-                Cardinality.UNARY_STREAM,
-                pb.SubscribeKvPoolRequest,
-                pb.FilterUpdate,
-            ) as st:
+            async with pool_call(ch) as st:
                 await st.send_message(sub_request(gen.producer), end=True)
                 assert (await st.recv_message()).kind == pb.FilterUpdateKind.SNAPSHOT_CHUNK
 

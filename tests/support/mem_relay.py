@@ -415,6 +415,13 @@ class StreamResult:
     trailers: dict[str, str] = field(default_factory=dict)
 
 
+def pool_call(channel: Channel) -> Any:
+    """A ``SubscribeKvPool`` call on ``channel`` (``async with pool_call(ch) as st``), its
+    messages parsed by betterproto2."""
+    return channel.request(SVC + "SubscribeKvPool", Cardinality.UNARY_STREAM,
+                           pb.SubscribeKvPoolRequest, pb.FilterUpdate)  # fmt: skip
+
+
 def sub_request(
     expected: pb.ProducerIdentity | None, subscriber_id: str = "t", marker: int = MARKER
 ) -> pb.SubscribeKvPoolRequest:

@@ -15,17 +15,16 @@ from collections.abc import Callable
 import numpy as np
 from grpclib.client import Channel
 from grpclib.config import Configuration
-from grpclib.const import Cardinality
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.publication import cbi1
 from kvrelay.service.h2.bulk import _Lane, bulk_sender
 from tests.support.h2_client import RawH2Client
 from tests.support.mem_relay import (
-    SVC,
     GrpcioClient,
     Replica,
     StartRelay,
+    pool_call,
     sub_request,
 )
 from tests.support.timing import scaled
@@ -163,12 +162,7 @@ class contextlib_streams:
 
     def __init__(self, ch: Channel, n: int) -> None:
         self._cms = [
-            ch.request(
-                SVC + "SubscribeKvPool",
-                Cardinality.UNARY_STREAM,
-                pb.SubscribeKvPoolRequest,
-                pb.FilterUpdate,
-            )
+            pool_call(ch)
             for _ in range(n)
         ]
 
