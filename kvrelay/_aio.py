@@ -162,3 +162,25 @@ async def server_closed(server: Any, within_s: float = SERVER_CLOSE_WAIT_S) -> b
         return False
     waiting.result()
     return True
+
+
+class NextTime:
+    """A future for the next time something happens: waiters take ``next()`` (one shared
+    future until then), the event calls ``fire()``, which resolves it and starts a new one at
+    the next ``next()``. Waiters use ``asyncio.wait`` on it, so the shared future is never
+    cancelled with one of them."""
+
+    __slots__ = ("_next",)
+
+    def __init__(self) -> None:
+        self._next: asyncio.Future[None] | None = None
+
+    def next(self) -> asyncio.Future[None]:
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_future()
+        return self._next
+
+    def fire(self) -> None:
+        fired, self._next = self._next, None
+        if fired is not None and not fired.done():
+            fired.set_result(None)

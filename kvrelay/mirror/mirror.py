@@ -40,7 +40,7 @@ from typing import Any
 
 from grpclib.const import Status
 
-from kvrelay._aio import stop_all
+from kvrelay._aio import NextTime, stop_all
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import errors as E
 from kvrelay.client import rpc
@@ -136,7 +136,7 @@ class Mirror:
         #: resolved (then replaced) when a plane stream takes its first message: the upstream
         #: answers again, and the loops waiting out a backoff after a stream that got nothing
         #: (planes, pools whose attempt failed) ask again now (``until_answering``)
-        self._answering: asyncio.Future[None] | None = None
+        self._answering = NextTime()
         self._ctx = PoolContext(
             settings=settings,
             upstream=self.upstream,
@@ -145,7 +145,7 @@ class Mirror:
             listed=lambda key: key in self._listed,
             changed=self._pool_changed,
             catalog_taken=self._catalog_taken,
-            answering=self._answering_next,
+            answering=self._answering.next,
         )
         self._tasks: list[asyncio.Task[None]] = []
         self.synced = asyncio.Event()
@@ -165,8 +165,9 @@ class Mirror:
     # ------------------------------------------------------------------ RelayView
     @property
     def relay_identity(self) -> pb.RelayIdentity:
-        if self._identity is None or not self.catalog.live:
+        if not self._has_session():
             raise RelayError.publication_unavailable("the mirror has no upstream session")
+        assert self._identity is not None
         return self._identity
 
     def _has_session(self) -> bool:
@@ -179,8 +180,7 @@ class Mirror:
         """Whether the mirror holds a live upstream session: an identity, and the catalog,
         readiness and load planes delivering (serving load is optional: a Dynamo 1.6 upstream
         has none). Without one it refuses every RPC; its health says so (``follow_session``)."""
-        return (self._identity is not None and self.catalog.live and self.readiness.live
-                and self.load.live)  # fmt: skip
+        return self._has_session() and self.readiness.live and self.load.live
 
     def _current_identity(self) -> pb.RelayIdentity:
         assert self._identity is not None
@@ -190,7 +190,7 @@ class Mirror:
         self, expected: pb.ProducerIdentity, on_release: Callable[[], None] | None = None
     ) -> Subscription:
         key = producer_key(expected)
-        if self._identity is None or not self.catalog.live:
+        if not self._has_session():
             raise RelayError.publication_unavailable("the mirror has no upstream session")
         if key in self._withdrawn:  # a retired generation, as a relay answers it
             raise self._unlisted(key)
@@ -421,7 +421,7 @@ class Mirror:
         while True:
             delivered = False
             current = self.upstream.channel  # the stream below runs on it
-            answering = self._answering_next()  # resolved once a plane's stream takes a message
+            answering = self._answering.next()  # resolved once a plane's stream takes a message
 
             def on(data: bytes, current: object = current) -> Awaitable[None] | None:
                 nonlocal delivered, window_s
@@ -440,7 +440,7 @@ class Mirror:
                 self._plane_sessions[plane.name] = self._identity_key
                 if not delivered:
                     delivered = True
-                    self._upstream_answers()
+                    self._answering.fire()  # the upstream answers again
                 backoff.live()
                 if is_catalog:
                     return self._take_catalog(plane, env.version, data, current)
@@ -506,18 +506,6 @@ class Mirror:
                 await asyncio.sleep(delay)
             else:  # (got nothing: another plane's stream that takes a message ends the wait)
                 await until_answering(answering, delay)
-
-    def _answering_next(self) -> asyncio.Future[None]:
-        """What resolves when a plane stream next takes its first message."""
-        if self._answering is None:
-            self._answering = asyncio.get_running_loop().create_future()
-        return self._answering
-
-    def _upstream_answers(self) -> None:
-        """A plane stream took its first message: the upstream answers again."""
-        answering, self._answering = self._answering, None
-        if answering is not None and not answering.done():
-            answering.set_result(None)
 
     @staticmethod
     def _plane_end(end: rpc.StreamEnd) -> tuple[RelayError | None, str]:

@@ -23,6 +23,7 @@ from grpclib.events import SendTrailingMetadata, listen
 from grpclib.exceptions import GRPCError
 from grpclib.server import Stream
 
+from kvrelay._aio import NextTime
 from kvrelay._grpc import closed_streams_bound
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.errors import RelayError
@@ -152,7 +153,7 @@ class KvEventRelayService:
         self.unsupported = 0  # streams ended UNIMPLEMENTED: the source lacks the plane
         #: ``[[authorization]]`` rules (None: every client sees every pool); set_authorization
         self.authorization: Authorization | None = None
-        self._rules_changed: asyncio.Future[None] | None = None
+        self._rules_changed = NextTime()
         #: open pool streams → (their client, their pool), to end those a rules reload forbids
         self._pool_clients: dict[Subscription, tuple[ClientIdentity, pb.ProducerIdentity]] = {}
         #: rpc → requests answered POOL_NOT_FOUND because the client may not see the pool
@@ -162,7 +163,7 @@ class KvEventRelayService:
         #: open catalog streams → the catalog revision each last handed to its transport (-1:
         #: none yet); a pool stream that ends with an error waits for them (``_catalog_first``)
         self._catalog_written: dict[object, int] = {}
-        self._catalog_moved: asyncio.Future[None] | None = None
+        self._catalog_moved = NextTime()
         #: pool stream ends that stopped waiting for a catalog stream after ``CATALOG_FIRST_S``
         self.catalog_first_timeouts = 0
 
@@ -171,9 +172,7 @@ class KvEventRelayService:
         """Apply a rule set (a reload): plane streams re-send their current message filtered
         anew, pool streams whose pool is no longer visible end as a withdrawn pool's do."""
         self.authorization = authorization
-        changed, self._rules_changed = self._rules_changed, None
-        if changed is not None and not changed.done():
-            changed.set_result(None)
+        self._rules_changed.fire()
         if authorization is None:
             return
         catalog = self._catalog_now()
@@ -233,9 +232,7 @@ class KvEventRelayService:
             return None
 
     def _rules_future(self) -> asyncio.Future[None]:
-        if self._rules_changed is None:
-            self._rules_changed = asyncio.get_running_loop().create_future()
-        return self._rules_changed
+        return self._rules_changed.next()
 
     def _encode_for(
         self, plane: _EncodedPlane, kind: str, version: int, message: Any, who: ClientIdentity
@@ -605,19 +602,14 @@ class KvEventRelayService:
             if pending is not None and not pending.done():
                 pending.cancel()
             if self._catalog_written.pop(token, None) is not None:
-                self._catalog_wake()
+                self._catalog_moved.fire()
             ticket.release()
 
     def _wrote(self, token: object, version: int) -> None:
         """A catalog stream handed revision ``version`` to its transport (else: not one)."""
         if token in self._catalog_written:
             self._catalog_written[token] = version
-            self._catalog_wake()
-
-    def _catalog_wake(self) -> None:
-        moved, self._catalog_moved = self._catalog_moved, None
-        if moved is not None and not moved.done():
-            moved.set_result(None)
+            self._catalog_moved.fire()
 
     async def _catalog_first(self) -> None:
         """Wait until every open catalog stream has handed the current catalog revision to
@@ -642,10 +634,8 @@ class KvEventRelayService:
             elif now >= deadline:
                 self.catalog_first_timeouts += 1
                 return
-            if self._catalog_moved is None:
-                self._catalog_moved = loop.create_future()
             # (asyncio.wait: the shared future is never cancelled with this task)
-            await asyncio.wait((self._catalog_moved,), timeout=deadline - now)
+            await asyncio.wait((self._catalog_moved.next(),), timeout=deadline - now)
 
     async def _send_version(
         self,
