@@ -39,13 +39,15 @@ venv: $(STAMP)
 # would otherwise each spend their start-up deadline compiling (a cache load after this). The
 # cold-start test compiles every kernel in a cache of its own anyway: it runs first and hands
 # that cache over (tests/support/kernel_cache.py), so `kvrelay warm` only loads. The rest runs
-# in two processes (pytest-xdist): most tests wait on sockets and timers, not on a core, and
-# deadlines stretch with the load the other process adds (tests/support/timing.py).
+# in three processes (pytest-xdist), one more than this machine's two cores: most tests wait on
+# sockets and timers, not on a core (two processes kept 1.2 cores busy), and deadlines stretch
+# with the load the others add (tests/support/timing.py). Three took 310 s idle and 381 s with
+# the other core busy where two took 382 s and 468 s.
 COLD_START := tests/ops/test_cold_start.py
 test: $(STAMP)
 	KVRELAY_HAND_OVER_KERNELS=1 $(PY) -m pytest -q $(COLD_START)
 	$(PY) -m kvrelay warm
-	$(PY) -m pytest -q -n 2 --dist worksteal --deselect $(COLD_START)
+	$(PY) -m pytest -q -n 3 --dist worksteal --deselect $(COLD_START)
 
 lint: $(STAMP)
 	$(PY) -m ruff check kvrelay tests benchmarks tools

@@ -219,8 +219,9 @@ async def test_upstream_stream_endings_map_to_local_ones(
                                  and h.subscriber_count == 1, what="local subscriber")  # fmt: skip
                 gate.set()
                 frames, got = await asyncio.wait_for(task, scaled(10))
-                # frames queued when a stream fails are dropped, directly too (§4.6)
-                assert [int(f.kind) for f in frames] in ([1], [1, 2])
+                # frames queued when a stream fails are dropped, directly too (§4.6): on a busy
+                # machine the snapshot itself may still be queued when the end comes
+                assert [int(f.kind) for f in frames] in ([], [1], [1, 2])
                 assert got.status == status
                 assert got.reason == (None if reason is None else f"RELAY_ERROR_REASON_{reason}")
                 if message is not None:
@@ -315,7 +316,9 @@ async def test_a_frame_breaking_a_consumer_rule_is_never_served(bad: Any, rule: 
                                  and h.subscriber_count == 1, what="local subscriber")  # fmt: skip
                 gate.set()
                 frames, got = await asyncio.wait_for(task, scaled(10))
-                assert [int(f.kind) for f in frames] == [1], "nothing after the snapshot"
+                # the snapshot went out, or the end overtook it on a busy machine (the pool ended
+                # before the subscriber's writer ran); never anything after it
+                assert [int(f.kind) for f in frames] in ([1], []), "nothing after the snapshot"
                 assert got.status == Status.UNAVAILABLE and got.reason == UNAVAILABLE
                 assert rule in (got.message or "")
                 totals = m.mirror.stats()["pool_totals"]
