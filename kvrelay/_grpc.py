@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import ssl as _ssl
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 from grpclib.client import Channel
@@ -120,11 +120,20 @@ class UndecodableReply(Exception):
     as its type. (One larger than the bound is ``RESOURCE_EXHAUSTED``, as grpc clients say.)"""
 
 
+def absent(
+    needs: Iterable[tuple[str, str]], objects: Mapping[str, Any], skip: Collection[str] = ()
+) -> list[str]:
+    """``where.attribute`` for each need whose object (``objects[where]``) lacks the attribute;
+    ``where`` in ``skip`` is not asked (that object was not given). One rule for every
+    ``missing_*`` checker here and in ``kvrelay.service.h2.internals``."""
+    return [f"{w}.{a}" for w, a in needs if w not in skip and not hasattr(objects[w], a)]
+
+
 def missing_client_recv_needs(stream: Any) -> list[str]:
     """``where.attribute`` for each of ``CLIENT_RECV_NEEDS`` that ``stream`` lacks."""
     inner = getattr(stream, "_stream", None)
     objects = {"stream": stream, "inner": inner, "connection": getattr(inner, "connection", None)}
-    return [f"{w}.{a}" for w, a in CLIENT_RECV_NEEDS if not hasattr(objects[w], a)]
+    return absent(CLIENT_RECV_NEEDS, objects)
 
 
 async def recv_reply(stream: Any, max_bytes: int | None) -> Any | None:
@@ -183,7 +192,7 @@ CLIENT_CANCEL_NEEDS: tuple[tuple[str, str], ...] = (
 def missing_client_cancel_needs(stream: Any) -> list[str]:
     """``where.attribute`` for each of ``CLIENT_CANCEL_NEEDS`` that ``stream`` lacks."""
     objects = {"stream": stream, "wrapper": getattr(stream, "_wrapper", None)}
-    return [f"{w}.{a}" for w, a in CLIENT_CANCEL_NEEDS if not hasattr(objects[w], a)]
+    return absent(CLIENT_CANCEL_NEEDS, objects)
 
 
 def count_own_cancels(stream: Any) -> Callable[[], int] | None:
@@ -231,11 +240,7 @@ def missing_client_close_needs(proto: Any, stream: Any = None) -> list[str]:
     """``where.attribute`` for each of ``CLIENT_CLOSE_NEEDS`` this connected protocol (and, given
     one, this protocol stream) lacks."""
     objects = {"proto": proto, "processor": getattr(proto, "processor", None), "stream": stream}
-    return [
-        f"{w}.{a}"
-        for w, a in CLIENT_CLOSE_NEEDS
-        if (w != "stream" or stream is not None) and not hasattr(objects[w], a)
-    ]
+    return absent(CLIENT_CLOSE_NEEDS, objects, skip=() if stream is not None else ("stream",))
 
 
 def keep_ended_streams(proto: H2Protocol) -> None:
@@ -315,7 +320,7 @@ def missing_client_closed_streams_needs(proto: Any) -> list[str]:
     lacks."""
     conn = getattr(proto, "connection", None)
     objects = {"proto": proto, "connection": conn, "h2": getattr(conn, "_connection", None)}
-    return [f"{w}.{a}" for w, a in CLIENT_CLOSED_STREAMS_NEEDS if not hasattr(objects[w], a)]
+    return absent(CLIENT_CLOSED_STREAMS_NEEDS, objects)
 
 
 class ClosedStreams(OrderedDict[int, Any]):
@@ -390,7 +395,7 @@ CLIENT_LEAVE_NEEDS: tuple[tuple[str, str], ...] = (
 def missing_client_leave_needs(proto: Any) -> list[str]:
     """``where.attribute`` for each of ``CLIENT_LEAVE_NEEDS`` this connected protocol lacks."""
     objects = {"proto": proto, "processor": getattr(proto, "processor", None)}
-    return [f"{w}.{a}" for w, a in CLIENT_LEAVE_NEEDS if not hasattr(objects[w], a)]
+    return absent(CLIENT_LEAVE_NEEDS, objects)
 
 
 #: What ``RelayChannel`` uses of grpclib's ``Channel`` to leave a draining connection:
@@ -407,7 +412,7 @@ CLIENT_CHANNEL_NEEDS: tuple[tuple[str, str], ...] = (
 
 def missing_client_channel_needs(channel: Any) -> list[str]:
     """``where.attribute`` for each of ``CLIENT_CHANNEL_NEEDS`` this channel lacks."""
-    return [f"{w}.{a}" for w, a in CLIENT_CHANNEL_NEEDS if not hasattr(channel, a)]
+    return absent(CLIENT_CHANNEL_NEEDS, {"channel": channel})
 
 
 def refused_as_draining(headers: Any) -> bool:
@@ -480,7 +485,7 @@ def missing_client_ssl_needs(channel: Any) -> list[str]:
     """``where.attribute`` for each of ``CLIENT_SSL_NEEDS`` this channel (and grpclib's
     ``Channel`` class) lacks."""
     objects = {"channel": channel, "grpclib": Channel}
-    return [f"{w}.{a}" for w, a in CLIENT_SSL_NEEDS if not hasattr(objects[w], a)]
+    return absent(CLIENT_SSL_NEEDS, objects)
 
 
 #: What ``RelayChannel`` uses to stay closed: ``(where, attribute)`` with ``where`` grpclib's
@@ -502,11 +507,8 @@ def missing_client_closed_needs(proto: Any = None) -> list[str]:
     given one, this connected protocol) lacks."""
     processor = getattr(proto, "processor", None)
     objects = {"grpclib": Channel, "proto": proto, "processor": processor}
-    return [
-        f"{w}.{a}"
-        for w, a in CLIENT_CLOSED_NEEDS
-        if (w == "grpclib" or proto is not None) and not hasattr(objects[w], a)
-    ]
+    return absent(CLIENT_CLOSED_NEEDS, objects,
+                  skip=() if proto is not None else ("proto", "processor"))  # fmt: skip
 
 
 #: The message of ``ChannelClosed``.

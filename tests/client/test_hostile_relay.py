@@ -130,6 +130,11 @@ async def test_a_live_client_stream_has_what_the_reader_and_keeping_ended_stream
         assert ("grpclib", "_create_connection") in CLIENT_CLOSED_NEEDS
         gone = missing_client_close_needs(object(), object())
         assert gone == [f"{w}.{a}" for w, a in CLIENT_CLOSE_NEEDS]
+        # without a stream (or a connection) the parts on it are not asked
+        assert missing_client_close_needs(object()) == [
+            f"{w}.{a}" for w, a in CLIENT_CLOSE_NEEDS if w != "stream"
+        ]
+        assert missing_client_closed_needs() == []
     finally:
         ch.close()
         server.close()

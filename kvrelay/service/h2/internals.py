@@ -35,6 +35,8 @@ from hpack import Encoder
 from hpack.exceptions import HPACKError, OversizedHeaderListError
 from hyperframe.frame import HeadersFrame, RstStreamFrame
 
+from kvrelay._grpc import absent
+
 __all__ = [
     "CANCEL",
     "CAP_IN_FORCE_NEEDS",
@@ -180,7 +182,7 @@ def close_unstarted(proto: Any) -> None:
 def missing_in_protocol(proto: Any) -> list[str]:
     """``where.attribute`` for each of ``PROTOCOL_NEEDS`` this server protocol lacks."""
     objects = {"proto": proto, "handler": getattr(proto, "handler", None)}
-    return [f"{w}.{a}" for w, a in PROTOCOL_NEEDS if not hasattr(objects[w], a)]
+    return absent(PROTOCOL_NEEDS, objects)
 
 
 def once_connected(
@@ -231,7 +233,7 @@ def missing_in_drain(proto: Any) -> list[str]:
 def _missing_on_connection(proto: Any, needs: tuple[tuple[str, str], ...]) -> list[str]:
     conn = getattr(proto, "connection", None)
     objects = {"proto": proto, "connection": conn, "h2": getattr(conn, "_connection", None)}
-    return [f"{w}.{a}" for w, a in needs if not hasattr(objects[w], a)]
+    return absent(needs, objects)
 
 
 #: What ``closing`` uses to tell each client its SETTINGS_MAX_CONCURRENT_STREAMS right after
@@ -267,7 +269,7 @@ def missing_in_cap_in_force(proto: Any) -> list[str]:
     h2 = getattr(getattr(proto, "connection", None), "_connection", None)
     objects = {"proto": proto, "connection": getattr(proto, "connection", None), "h2": h2,
                "local_settings": getattr(h2, "local_settings", None)}  # fmt: skip
-    return [f"{w}.{a}" for w, a in CAP_IN_FORCE_NEEDS if not hasattr(objects[w], a)]
+    return absent(CAP_IN_FORCE_NEEDS, objects)
 
 
 def put_stream_cap_in_force(proto: Any, streams: int) -> bool:
@@ -355,7 +357,7 @@ def missing_in_processor(proto: Any) -> list[str]:
     """``where.attribute`` for each of ``PROCESSOR_NEEDS`` this connected protocol lacks."""
     processor: Any = getattr(proto, "processor", None)
     objects = {"proto": proto, "processor": processor}
-    out = [f"{w}.{a}" for w, a in PROCESSOR_NEEDS if not hasattr(objects[w], a)]
+    out = absent(PROCESSOR_NEEDS, objects)
     if hasattr(processor, "processors") and not isinstance(processor.processors, dict):
         out.append("processor.processors (a dict)")
     return out
@@ -471,7 +473,7 @@ HPACK_ENCODER_NEEDS: tuple[tuple[str, str], ...] = (
 def missing_in_hpack_encoder(encoder: Any) -> list[str]:
     """``where.attribute`` for each of ``HPACK_ENCODER_NEEDS`` this encoder lacks."""
     objects = {"encoder": encoder, "table": getattr(encoder, "header_table", None)}
-    return [f"{w}.{a}" for w, a in HPACK_ENCODER_NEEDS if not hasattr(objects[w], a)]
+    return absent(HPACK_ENCODER_NEEDS, objects)
 
 
 class _CappedEncoder(Encoder):
@@ -555,10 +557,7 @@ def missing(stream: Any) -> list[str]:
     if isinstance(streams, dict) and sid in streams:
         objects["h2_stream"] = streams[sid]
         objects["h2_stream_state_machine"] = getattr(streams[sid], "state_machine", None)
-    out = []
-    for where, attr in INSTANCE_NEEDS:
-        if where in objects and not hasattr(objects[where], attr):
-            out.append(f"{where}.{attr}")
+    out = absent(INSTANCE_NEEDS, objects, skip={w for w, _ in INSTANCE_NEEDS} - objects.keys())
     if hasattr(h2, "streams") and not isinstance(streams, dict):
         out.append("h2.streams (a dict)")
     if hasattr(h2, "_data_to_send") and not isinstance(h2._data_to_send, bytearray):
@@ -601,7 +600,7 @@ REVOKE_NEEDS: tuple[tuple[str, str], ...] = (
 def missing_in_revoke(proto: Any) -> list[str]:
     """``where.attribute`` for each of ``REVOKE_NEEDS`` this server protocol lacks."""
     objects = {"handler": getattr(proto, "handler", None), "Wrapper": Wrapper}
-    return [f"{w}.{a}" for w, a in REVOKE_NEEDS if not hasattr(objects[w], a)]
+    return absent(REVOKE_NEEDS, objects)
 
 
 def end_requests(proto: Any, error: Callable[[], Exception]) -> list[Any]:
@@ -660,7 +659,7 @@ SHUTDOWN_NEEDS: tuple[tuple[str, str], ...] = (
 def missing_in_shutdown(server: Any) -> list[str]:
     """``where.attribute`` for each of ``SHUTDOWN_NEEDS`` this server lacks."""
     objects = {"server": server, "Handler": Handler}
-    return [f"{w}.{a}" for w, a in SHUTDOWN_NEEDS if not hasattr(objects[w], a)]
+    return absent(SHUTDOWN_NEEDS, objects)
 
 
 async def handlers_closed(server: Any) -> None:
