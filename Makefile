@@ -54,7 +54,7 @@ lint: $(STAMP)
 	$(PY) -m mypy kvrelay
 
 demo: $(RUN_STAMP)
-	@echo "==> kvrelay demo (compiles the numba kernels on its first run: ~15 s on 2 quiet cores, up to ~75 s on busy ones)"
+	@echo "==> kvrelay demo (compiles the numba kernels on its first run: ~22 s on 2 quiet cores, up to ~75 s on busy ones)"
 	$(PY) -m kvrelay demo
 
 proto: $(STAMP)

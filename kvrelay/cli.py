@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Compile every numba kernel the relay uses, or load it from the kernel cache\n"
             "(NUMBA_CACHE_DIR, else $CACHE_DIRECTORY/numba under systemd, else next to the\n"
-            "modules). The first run after an install takes about 15 s on 2 quiet cores\n"
+            "modules). The first run after an install takes about 22 s on 2 quiet cores\n"
             "(54-74 s measured on 2 busy ones); 'serve' then starts in seconds. Exit 0\n"
             "when every kernel is ready."
         ),
@@ -382,7 +382,7 @@ def _warm() -> int:
     cache = kernelcache.configure()
     note = "" if cache.persistent else " (temporary: set NUMBA_CACHE_DIR to keep it)"
     print(f"kvrelay warm: numba kernel cache: {cache.path} ({cache.source}){note}", flush=True)
-    print("kvrelay warm: compiling or loading kernels (first run after an install: ~15 s on 2 "
+    print("kvrelay warm: compiling or loading kernels (first run after an install: ~22 s on 2 "
           "quiet cores, up to ~75 s on busy ones)", flush=True)
     from kvrelay.ops.warmup import warm_kernels
 
@@ -400,7 +400,7 @@ def _reload(args: argparse.Namespace) -> int:
     import time
 
     from kvrelay.ops.config import check_file
-    from kvrelay.ops.reload import read_pid_file, reload_counts
+    from kvrelay.ops.reload import read_pid_file, reload_counts, reload_report
 
     path = args.config
     if not path:
@@ -430,13 +430,16 @@ def _reload(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         time.sleep(0.1)
-        now = reload_counts(metrics.host, metrics.port)
-        if now is None:
+        report = reload_report(metrics.host, metrics.port)
+        if report is None:
             continue
         for result in ("applied", "rejected", "failed"):
-            if now.get(result, 0) > before.get(result, 0):
-                if result == "applied":
-                    print("kvrelay reload: applied")
+            if report.counts.get(result, 0) > before.get(result, 0):
+                if result == "applied":  # all it could: what waits for a restart is named
+                    pending = ", ".join(report.restart_pending)
+                    print("kvrelay reload: applied" + (
+                        f"; these settings take effect at the next restart: {pending}"
+                        if pending else ""))  # fmt: skip
                     return EXIT_OK
                 _fail(f"kvrelay reload: {result}; see the relay's log")
                 return EXIT_FAILURE

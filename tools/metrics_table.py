@@ -112,7 +112,7 @@ def families(per_member: bool = True) -> list[Family]:
     metrics = RelayMetrics(
         _Relay(), CollectorRegistry(), service=_Service(), per_member=per_member
     )
-    metrics.attach_reloads(ReloadStats())
+    metrics.attach_reloads(ReloadStats(restart_pending=("relay.bind",)))
     metrics.attach_upgrades(UpgradeStats())
     metrics.attach_tls(lambda: [LoadedCertificate("server", "relay", 1.0),
                                 LoadedCertificate("client_crl", "client-ca", 1.0)])  # fmt: skip

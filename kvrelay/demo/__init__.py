@@ -52,7 +52,7 @@ async def _demo(
         print(f"kvrelay demo: kernels: {ev}", file=sys.stderr, flush=True)
 
     print(
-        "kvrelay demo: compiling or loading the numba kernels (first run: ~15 s on 2 quiet "
+        "kvrelay demo: compiling or loading the numba kernels (first run: ~22 s on 2 quiet "
         "cores, up to ~75 s on busy ones)",
         file=sys.stderr, flush=True,
     )

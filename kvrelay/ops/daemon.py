@@ -29,7 +29,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from kvrelay import __version__, _oom
 from kvrelay._aio import cancel_all
@@ -42,6 +42,7 @@ from kvrelay.ops.reload import (
     ReloadStats,
     keep_restart_only,
     read_config,
+    remove_pid_file,
     restart_only_changes,
     stage_tls,
     stage_upstream_tls,
@@ -519,6 +520,7 @@ class Daemon:
                 return ReloadResult("failed")
             if effective.authorization != self.cfg.authorization:
                 self._apply_rules(effective.authorization)
+            restart = list(dict.fromkeys(restart))  # a setting named by both checks, once
             if restart:
                 _LOG.warning("config_reload_restart_required", settings=restart)
             logging_changed = effective.logging != self.cfg.logging
@@ -530,6 +532,8 @@ class Daemon:
                 configure_logging(self.cfg)
                 if self.front is not None:
                     self.front.set_logging(self.cfg.logging)
+            # before the count: a scrape that sees this reload counted sees what it left pending
+            self.reloads.restart_pending = tuple(restart)
             self.reloads.outcome("applied")
             _LOG.info("config_reloaded", path=str(path), **summary)
             return ReloadResult("applied", tuple(new.warnings), tuple(restart), summary)
@@ -716,9 +720,8 @@ async def serve(
 
     def on_signal(signum: int) -> None:
         signals_seen.append(signum)
-        if len(signals_seen) > 1:
-            _LOG.error("forced_exit", signal=signal.Signals(signum).name)
-            os._exit(1)  # second signal: the operator insists
+        if len(signals_seen) > 1:  # second signal: the operator insists
+            _forced_exit(signum, pid_file)
         _LOG.info("signal_received", signal=signal.Signals(signum).name)
         stop.set()
 
@@ -775,6 +778,17 @@ async def serve(
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
             loop.remove_signal_handler(sig)
         early_signals.hold(stop_on_term=False)  # one now (a late reload) must not kill the exit
+
+
+def _forced_exit(signum: int, pid_file: str | None) -> NoReturn:
+    """Exit 1 at once, skipping the stop. The pid file goes too, if it still names this
+    process: left behind, it names a pid the system may give to another process, which
+    ``kvrelay reload`` or ``upgrade`` would then signal (SIGHUP or SIGUSR2, whose default
+    action ends it; ``upgrade`` then even reports a hand-over)."""
+    _LOG.error("forced_exit", signal=signal.Signals(signum).name)
+    if pid_file is not None:
+        remove_pid_file(pid_file)
+    os._exit(1)
 
 
 def _ignore_signal(sig: signal.Signals) -> None:

@@ -373,6 +373,7 @@ class ReloadSource(Protocol):
     failed: int
     last_successful: bool
     last_success_unix: float
+    restart_pending: tuple[str, ...]
 
 
 class UpgradeSource(Protocol):
@@ -1136,6 +1137,21 @@ def reload_families(r: ReloadSource | None) -> Iterator[Metric]:
         "Unix time of the last applied reload (or of start).",
         value=r.last_success_unix,
     )
+    # the names are setting paths of a fixed set (``ops/reload.py``): a bounded label
+    yield GaugeMetricFamily(
+        "kvrelay_config_restart_pending",
+        "Settings the configuration file changed that only a restart applies (as of the last "
+        "applied reload; 0 after a restart).",
+        value=len(r.restart_pending),
+    )
+    pending = InfoMetricFamily(
+        "kvrelay_config_restart_pending_setting",
+        "One series per setting that waits for a restart (kvrelay_config_restart_pending).",
+        labels=["setting"],
+    )
+    for setting in r.restart_pending:
+        pending.add_metric([setting], {})
+    yield pending
 
 
 def upgrade_families(u: UpgradeSource | None) -> Iterator[Metric]:

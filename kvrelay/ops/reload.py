@@ -12,7 +12,8 @@ with the same messages and the running configuration stays. A valid file is spli
 * kept until a restart — listener addresses, metrics settings, TLS on/off and ``client_ca``, the
   event loop, ``dc_name``, ``drt_instance_id`` and the limits; a mirror's other ``[mirror]`` keys,
   TLS to its upstream on/off, and its ``[relay]`` keys (it uses none live); a relay turned into
-  a mirror or back. Each such difference is logged.
+  a mirror or back. Each such difference is logged, and exported until a restart
+  (``kvrelay_config_restart_pending``), where ``kvrelay reload`` reads it.
 
 A mirror and a relay take the same path: one rule for what a reload applies, and the same
 counting (``ReloadStats``). systemd hears ``RELOADING=1`` when a reload starts and ``READY=1``
@@ -55,13 +56,17 @@ MIRROR_LIVE_KEYS = ("tls_ca", "tls_cert", "tls_key")
 
 @dataclass(slots=True)
 class ReloadStats:
-    """Outcomes since start (``kvrelay_config_reloads_total`` and the last-reload gauges)."""
+    """Outcomes since start (``kvrelay_config_reloads_total`` and the last-reload gauges), and
+    the settings the file changed that only a restart applies (``restart_pending``: as of the
+    last applied reload, each compared with the value this process runs; empty after a
+    restart), so ``kvrelay reload`` can say what did not take effect."""
 
     applied: int = 0
     rejected: int = 0
     failed: int = 0
     last_successful: bool = True
     last_success_unix: float = field(default_factory=time.time)
+    restart_pending: tuple[str, ...] = ()
 
     def outcome(self, result: str) -> None:
         setattr(self, result, getattr(self, result) + 1)
@@ -157,14 +162,24 @@ def read_config(
 
 # ---- the ``kvrelay reload`` side ---------------------------------------------------------------
 
-#: Series ``kvrelay reload`` watches to learn a reload's outcome.
+#: Series ``kvrelay reload`` watches to learn a reload's outcome, and what waits for a restart.
 _RELOADS_SERIES = "kvrelay_config_reloads_total"
+_PENDING_SERIES = "kvrelay_config_restart_pending_setting_info"
 
 
-def reload_counts(host: str, port: int, timeout: float = 2.0) -> dict[str, int] | None:
-    """Reload outcomes from the relay's ``/metrics`` (None when it cannot be read). Asked
-    directly: an operator's ``http_proxy`` would otherwise take the request to a proxy that
-    cannot reach the relay's (loopback) endpoint, and the outcome went unseen."""
+@dataclass(frozen=True, slots=True)
+class ReloadReport:
+    """What the relay's ``/metrics`` says of its reloads: outcomes since start, and the settings
+    that wait for a restart (``ReloadStats``), read from one page so the two agree."""
+
+    counts: dict[str, int]
+    restart_pending: tuple[str, ...]
+
+
+def reload_report(host: str, port: int, timeout: float = 2.0) -> ReloadReport | None:
+    """The relay's reload report (None when its ``/metrics`` cannot be read). Asked directly: an
+    operator's ``http_proxy`` would otherwise take the request to a proxy that cannot reach the
+    relay's (loopback) endpoint, and the outcome went unseen."""
     import urllib.error
     import urllib.request
 
@@ -178,7 +193,10 @@ def reload_counts(host: str, port: int, timeout: float = 2.0) -> dict[str, int] 
     except (OSError, urllib.error.URLError):
         return None
     counts: dict[str, int] = {}
+    pending: list[str] = []
     for line in text.splitlines():
+        if line.startswith(_PENDING_SERIES + "{"):
+            pending.append(line.partition('setting="')[2].partition('"')[0])
         if not line.startswith(_RELOADS_SERIES + "{"):
             continue
         labels, _, value = line.rpartition(" ")
@@ -187,7 +205,13 @@ def reload_counts(host: str, port: int, timeout: float = 2.0) -> dict[str, int] 
             counts[result] = int(float(value))
         except ValueError:
             continue
-    return counts if counts else None
+    return ReloadReport(counts, tuple(pending)) if counts else None
+
+
+def reload_counts(host: str, port: int, timeout: float = 2.0) -> dict[str, int] | None:
+    """Reload outcomes from the relay's ``/metrics`` (None when it cannot be read)."""
+    report = reload_report(host, port, timeout)
+    return None if report is None else report.counts
 
 
 #: A pid file holds one decimal PID and a newline; anything longer is not one.

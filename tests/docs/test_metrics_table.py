@@ -23,7 +23,7 @@ def test_every_documented_family_has_a_sample_in_the_generator() -> None:
     metrics = RelayMetrics(
         metrics_table._Relay(), CollectorRegistry(), service=metrics_table._Service()
     )
-    metrics.attach_reloads(ReloadStats())
+    metrics.attach_reloads(ReloadStats(restart_pending=("relay.bind",)))
     metrics.attach_upgrades(UpgradeStats())
     metrics.attach_tls(lambda: [LoadedCertificate("server", "relay", 1.0)])
     metrics.observe_loop_lag(0.001)

@@ -27,7 +27,7 @@ from benchmarks._common import free_port
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.ops.config import load_config
 from kvrelay.ops.daemon import Daemon
-from kvrelay.ops.reload import reload_counts
+from kvrelay.ops.reload import ReloadReport, reload_counts, reload_report
 from kvrelay.ops.sdnotify import Notifier
 from kvrelay.ops.tls import client_ssl_context
 from kvrelay.sim.config import SimConfig
@@ -166,6 +166,23 @@ async def test_reload_adds_an_engine_without_a_resnapshot_and_refuses_bad_files(
             await e1.step(2)
             await eventually(lambda: holds(e0) and holds(e1), what="state still followed")
             assert consumer.end is None
+
+            # ---- restart-only settings: applied (the rest), and `kvrelay reload` names them
+            moved = good.replace(f"127.0.0.1:{grpc}", f"127.0.0.1:{free_port()}")
+            cfg.write_text(moved.replace('"dc-reload"', '"dc-moved"'))
+            rc, out = await _reload_cli(cfg, pid_file)
+            assert rc == 0 and out.strip() == (
+                "kvrelay reload: applied; these settings take effect at the next restart: "
+                "relay.bind, relay.dc_name"), out  # fmt: skip
+            assert total(await scrape(metrics), "kvrelay_config_restart_pending") == 2
+            cfg.write_text(good)  # put back: nothing waits any more
+            proc.send_signal(signal.SIGHUP)
+            await eventually(
+                lambda: reload_report("127.0.0.1", metrics)
+                == ReloadReport({"applied": 3, "rejected": 1, "failed": 0}, ()),
+                what="the reload that put them back cleared them",
+            )
+            assert consumer.end is None
     finally:
         if consumer is not None:
             await consumer.stop()
@@ -185,7 +202,7 @@ async def test_reload_adds_an_engine_without_a_resnapshot_and_refuses_bad_files(
     # the same message check-config prints for that file
     assert any("discovery_intervall_s" in p and p.startswith("error:")
                for p in rejected[0]["problems"])  # fmt: skip
-    (applied,) = [ev for ev in events if ev.get("event") == "config_reloaded"]
+    applied, *_ = [ev for ev in events if ev.get("event") == "config_reloaded"]
     assert applied["engines_added"] == 1 and applied["pools_changed"] == ["ns/backend/generate"]
 
 
@@ -300,6 +317,7 @@ async def test_systemctl_restart_under_traffic_keeps_the_filter_complete(tmp_pat
     state = tmp_path / "state"
     cfg.write_text(_config(grpc, metrics, engines, extra=f'state_dir = "{state}"'))
     env = clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"))
+    pid_file = tmp_path / "kvrelay.pid"
 
     logs: list[Path] = []
 
@@ -307,8 +325,8 @@ async def test_systemctl_restart_under_traffic_keeps_the_filter_complete(tmp_pat
         logs.append(tmp_path / f"relay{len(logs)}.log")
         with logs[-1].open("wb") as log:
             return await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "kvrelay", "serve", "--config", str(cfg), env=env,
-                cwd=REPO, stdout=asyncio.subprocess.DEVNULL, stderr=log,
+                sys.executable, "-m", "kvrelay", "serve", "--config", str(cfg), "--pid-file",
+                str(pid_file), env=env, cwd=REPO, stdout=asyncio.subprocess.DEVNULL, stderr=log,
             )  # fmt: skip
 
     def truth() -> list[int]:
@@ -375,6 +393,16 @@ async def test_systemctl_restart_under_traffic_keeps_the_filter_complete(tmp_pat
         assert 'kvrelay_state_restores_total{result="restored"} 1.0' in text
         assert ('kvrelay_pool_members_resumed_total{pool="ns/backend/generate"} 4.0' in text), [
             ln for ln in text.splitlines() if "resum" in ln or "member_resets" in ln]
+
+        # ---- a forced exit (a second signal during the stop; held back while the process is
+        # stopped, so both arrive together) takes its pid file along: left, it named a pid
+        # `kvrelay reload`/`upgrade` would signal once the system gave it to another process
+        assert int(pid_file.read_text()) == procs[1].pid
+        for sig in (signal.SIGSTOP, signal.SIGTERM, signal.SIGINT, signal.SIGCONT):
+            procs[1].send_signal(sig)
+        assert await asyncio.wait_for(procs[1].wait(), scaled(20)) == 1
+        assert '"forced_exit"' in logs[1].read_text()
+        assert not pid_file.exists(), "the forced exit left the pid file"
     finally:
         if traffic is not None:
             traffic.cancel()
