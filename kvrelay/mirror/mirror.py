@@ -210,6 +210,14 @@ class Mirror:
         deadline = asyncio.get_running_loop().time() + self.settings.sync_wait_s
         return await pool.admit(on_release, deadline)
 
+    def catalog_trails(self, expected: pb.ProducerIdentity) -> bool:
+        """Whether a pool this mirror's catalog does not list may yet be listed by a catalog on
+        its way: the mirror's catalog trails its upstream's, so a router that read the pool
+        there (or from a sibling fan-out worker) may ask first. The service's
+        ``[[authorization]]`` check waits a moment for it (``server._may_see_listed``). Not a key
+        the upstream withdrew (the mirror answers it itself), nor without a session."""
+        return self._has_session() and producer_key(expected) not in self._withdrawn
+
     def _unlisted(self, key: ProducerKey) -> RelayError:
         """What a relay answers for a key its catalog does not list: PRODUCER_CHANGED while it
         lists another generation of the pool, else POOL_NOT_FOUND."""

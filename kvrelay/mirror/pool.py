@@ -10,7 +10,7 @@ When the upstream stream ends, the local subscribers end as the contract says fo
 
 | upstream stream ended with | local subscribers get |
 | --- | --- |
-| clean EOF (upstream shut down) | clean EOF |
+| clean EOF (upstream shut down) | clean EOF (also those waiting for the sync: ``admit``) |
 | PUBLICATION_UNAVAILABLE, INTERNAL (fence, withdrawal, oversized) | the same status, message |
 | SUBSCRIBER_LAGGED, SNAPSHOT_PROGRESS_TIMEOUT (mirror fell behind) | PUBLICATION_UNAVAILABLE |
 | anything else, a silent or lost connection, a frame breaking a rule | PUBLICATION_UNAVAILABLE |
@@ -52,6 +52,7 @@ from kvrelay.mirror.settings import MirrorSettings
 from kvrelay.mirror.upstream import BEHIND, FORWARDED, Upstream, upstream_error
 from kvrelay.publication import cbi1
 from kvrelay.publication.hub import PublicationHub, Subscription
+from kvrelay.publication.plane import PlaneEnded
 from kvrelay.publication.splice import FilterUpdateEncoder
 
 _log = get_logger(__name__)
@@ -130,6 +131,9 @@ class MirrorPool:
         #: for the upstream to show life again (``_admit``)
         self._life: asyncio.Event | None = None
         self.withdrawn = False  # the upstream's catalog no longer lists this pool
+        #: upstream streams that ended cleanly (the upstream drained): an admission waiting
+        #: when one did ends cleanly too (``_admit``)
+        self._clean_ends = 0
         self._grace: asyncio.TimerHandle | None = None  # ends a withdrawn pool's stream
 
     # ------------------------------------------------------------------ lifecycle
@@ -206,7 +210,11 @@ class MirrorPool:
         self, on_release: Callable[[], None] | None, deadline: float
     ) -> Subscription:
         """A local subscription once the pool is live; the failed attempt's error, or
-        PUBLICATION_UNAVAILABLE after ``deadline`` (loop time) while still synchronizing."""
+        PUBLICATION_UNAVAILABLE after ``deadline`` (loop time) while still synchronizing.
+        Raises ``PlaneEnded`` when the upstream stream ends cleanly meanwhile: the upstream
+        drains, and ends its own admissions in progress with status OK (docs/contract.md §4.8); a
+        subscriber that comes after gets the attempt's refusal, as a draining relay refuses
+        new streams."""
         self._waiting += 1
         try:
             return await self._admit(on_release, deadline)
@@ -219,18 +227,28 @@ class MirrorPool:
         self, on_release: Callable[[], None] | None, deadline: float
     ) -> Subscription:
         loop = asyncio.get_running_loop()
+        clean_ends = self._clean_ends
         while True:
             if self.withdrawn:
                 raise RelayError.publication_unavailable(WITHDRAWN)
+            if self._clean_ends != clean_ends:
+                raise PlaneEnded("the upstream shut down during admission")
             state, hub = self.state, self.hub
             if state in (PoolState.FAILED, PoolState.GONE):
                 err = self.error or RelayError.publication_unavailable("pool not mirrored")
                 raise RelayError(err.reason, err.message)
             if state is PoolState.LIVE and hub is not None:
                 if self._vouch():
-                    sub = await hub.subscribe(on_release)  # may wait for a snapshot slot
+                    try:
+                        sub = await hub.subscribe(on_release)  # may wait for a snapshot slot
+                    except RelayError:
+                        if self._clean_ends != clean_ends and not self.withdrawn:
+                            raise PlaneEnded("the upstream shut down during admission") from None
+                        raise
                     if hub.retired or self.withdrawn:
                         sub.close()
+                        if self._clean_ends != clean_ends and not self.withdrawn:
+                            raise PlaneEnded("the upstream shut down during admission")
                         raise RelayError.publication_unavailable(
                             WITHDRAWN if self.withdrawn
                             else "upstream stream ended during admission"
@@ -383,6 +401,7 @@ class MirrorPool:
             answer = upstream_error(end)
             if end.reason == E.EOF:
                 local = None
+                self._clean_ends += 1
             elif answer is not None:
                 if int(answer.reason) in FORWARDED:
                     local = answer

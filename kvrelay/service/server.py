@@ -77,6 +77,10 @@ REFUSAL_WRITE_S = 1.0
 CATALOG_FIRST_S = 1.0
 #: ``guard_stats``' key for the pool stream ends that stopped waiting after ``CATALOG_FIRST_S``.
 CATALOG_FIRST_KIND = "catalog_first"
+#: Under ``[[authorization]]``, how long a pool request waits at most for a catalog that trails
+#: its source (a mirror's, a fan-out worker's: the view's ``catalog_trails``) to list a pool it
+#: does not list yet, before answering it as absent (``_may_see_listed``).
+CATALOG_LAG_S = 1.0
 _UNARY_REASON: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "kv_relay_unary_reason", default=None
 )
@@ -166,6 +170,8 @@ class KvEventRelayService:
         self._catalog_moved = NextTime()
         #: pool stream ends that stopped waiting for a catalog stream after ``CATALOG_FIRST_S``
         self.catalog_first_timeouts = 0
+        #: how long a pool request waits for a trailing catalog to list its pool (rules only)
+        self.catalog_lag_s = CATALOG_LAG_S
 
     # --- authorization ---
     def set_authorization(self, authorization: Authorization | None) -> None:
@@ -188,6 +194,40 @@ class KvEventRelayService:
             return True
         who = ClientIdentity.from_cert(stream.peer.cert())
         return auth.may_see(auth.rights(who), producer, self._catalog_now())
+
+    async def _may_see_listed(
+        self, stream: Stream[Any, Any], producer: pb.ProducerIdentity
+    ) -> bool:
+        """``may_see``, also for a pool the served catalog does not list yet. A mirror's (a
+        fan-out worker's) catalog trails its upstream's by a stream's delivery: a router that
+        read the pool from the upstream, or from a sibling worker, may ask first, and must not
+        hear POOL_NOT_FOUND for a pool that exists. While the view says its catalog may still
+        list the key (``catalog_trails``; a relay's catalog is its own and trails nothing), the
+        pool is checked again each time the catalog moves, for at most ``catalog_lag_s``. A pool
+        the catalog lists is decided at once: one hidden from the client is never admitted."""
+        trails = getattr(self.view, "catalog_trails", None)
+        who = ClientIdentity.from_cert(stream.peer.cert())
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.catalog_lag_s
+        while True:
+            auth = self.authorization  # (a reload may change the rules while it waits)
+            if auth is None:
+                return True
+            catalog = self._catalog_now()
+            if auth.may_see(auth.rights(who), producer, catalog):
+                return True
+            remaining = deadline - loop.time()
+            if (catalog is None or remaining <= 0 or self._closing or trails is None
+                    or auth.hides(producer, catalog) or not trails(producer)):  # fmt: skip
+                return False
+            newer = asyncio.ensure_future(self.view.catalog.wait_newer(catalog[0]))
+            try:
+                await asyncio.wait(
+                    (newer, self._closed_future(), self._rules_future()), timeout=remaining,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )  # fmt: skip
+            finally:
+                _dropped(newer)
 
     def may_space(self, stream: Stream[Any, Any]) -> bool:
         """Whether this stream's client may ask for publication spacing (no rules: anyone);
@@ -720,11 +760,13 @@ class KvEventRelayService:
         sub: Subscription | None = None
         writer: StreamWriter | None = None
         try:
-            if not self.may_see(stream, expected):
+            if not await self._may_see_listed(stream, expected):
+                if self._closing:
+                    return  # the drain started while it waited: a clean end, as an admission's
                 raise self.deny("SubscribeKvPool", expected)  # exactly an absent pool's answer
             sub = await self._open_pool(expected, release)
             if sub is None:
-                return  # the drain started while it was admitted: a clean end, as every stream gets
+                return  # the drain (its own, or its source's) started while it was admitted
             self._subscriptions.add(sub)
             self._pool_clients[sub] = (ClientIdentity.from_cert(stream.peer.cert()), expected)
             if self._closing:
@@ -761,7 +803,9 @@ class KvEventRelayService:
     ) -> Subscription | None:
         """``view.open_pool``, or None when the drain starts first. An admission may wait long
         (a mirror waits up to ``sync_wait_s`` for a pool it is still synchronizing): held past
-        the drain's grace, the stream would be cut by the close without a status."""
+        the drain's grace, the stream would be cut by the close without a status. None too
+        when the view's source drained meanwhile (``PlaneEnded``: a mirror's upstream ended
+        its sync cleanly): its admissions ended OK, and so does this one."""
         closed = self._closed_future()
         opening = asyncio.ensure_future(self.view.open_pool(expected, on_release=release))
         try:
@@ -770,7 +814,10 @@ class KvEventRelayService:
             _abandon(opening)
             raise
         if opening.done():
-            return opening.result()
+            try:
+                return opening.result()
+            except PlaneEnded:
+                return None
         _abandon(opening)
         return None
 
@@ -801,6 +848,14 @@ async def _outrun(plane: Plane[Any], version: int, max_gap: int | None) -> NoRet
         newest, _ = await plane.wait_newer(newest)
         if max_gap is not None and newest - version > max_gap:
             raise _lagged(newest - version, max_gap)
+
+
+def _dropped(waiting: asyncio.Future[Any]) -> None:
+    """A wait given up: cancelled, or its outcome (a plane's end) read."""
+    if not waiting.done():
+        waiting.cancel()
+    elif not waiting.cancelled():
+        waiting.exception()
 
 
 def _abandon(opening: asyncio.Future[Subscription]) -> None:

@@ -5,6 +5,10 @@ a pool subscription by the exact producer identity a router copied from the cata
 which generation is live, whether it changed or retired while its hub was being set up — is
 decided where that state lives, so the service resolves nothing itself.
 
+Optional members, looked up by the service: ``hold_pool`` (publication spacing for mirrors)
+and ``catalog_trails`` (the catalog trails its source's, as a mirror's does: under
+``[[authorization]]`` a pool it does not list yet is waited for a moment).
+
 The service only ever sends plane messages, so a plane may hold any message that converts to its
 wire bytes: the relay's planes hold betterproto2 messages, a mirror's hold the bytes it received.
 """
@@ -52,5 +56,8 @@ class RelayView(Protocol):
         Raises ``RelayError``: POOL_NOT_FOUND (no live generation of that pool), PRODUCER_CHANGED
         (another generation is live), PUBLICATION_UNAVAILABLE (the generation retired while its
         hub was being initialized), RESOURCE_LIMIT (hub or per-pool subscriber bound).
+        Raises ``PlaneEnded`` when the view's source drained while this admission waited (a
+        mirror's upstream ended its sync cleanly): the stream ends with status OK, as the
+        source's own admissions did.
         """
         ...

@@ -35,6 +35,7 @@ from kvrelay.service.authz import Authorization, AuthorizationRule
 from kvrelay.service.server import RelayServer
 from kvrelay.service.spacing import HOLD_HEADER, HOLD_METHOD, NOT_GRANTED
 from tests.support.certs import make_ca, make_leaf
+from tests.support.fleet import eventually
 from tests.support.mem_relay import (
     MARKER,
     Generation,
@@ -42,6 +43,7 @@ from tests.support.mem_relay import (
     MemRelayView,
     grpclib_collect,
     make_producer,
+    pool_key,
     sub_request,
 )
 from tests.support.mirror_rig import UPSTREAM_LIMITS, mirror_settings
@@ -236,6 +238,39 @@ async def test_a_hidden_pool_is_answered_exactly_as_an_absent_one(rig: Rig) -> N
                    if f.name == "kvrelay_authorization_denials")  # fmt: skip
     counted = {s.labels["rpc"]: s.value for s in denials.samples if s.name.endswith("_total")}
     assert counted["SubscribeKvPool"] == 2
+
+
+@pytest.mark.parametrize("rig", ["mirror"], indirect=True)
+async def test_a_pool_the_mirrors_catalog_lists_late_is_answered_as_the_relay_answers(
+    rig: Rig,
+) -> None:
+    """A router read a new pool from the upstream's catalog (or a sibling worker's) and asks
+    the mirror before the mirror's own catalog lists it. The mirror waits for its catalog, then
+    answers as the upstream relay would: team A's new pool is served to team A (it was
+    POOL_NOT_FOUND: the router dropped a pool that exists), team B's is refused exactly as an
+    absent pool, never admitted; a pool that never comes is absent once the wait is over."""
+    service = rig.server.service
+    service.catalog_lag_s = scaled(10)  # (only a pool no catalog brings waits it out)
+    new: dict[str, Generation] = {}
+    for name, triple in (("a3", "team-a/router/new"), ("b2", "team-b/router/new")):
+        gen = Generation(rig.view, make_producer(name, bucket_count=4096))
+        gen.endpoint = _ep(triple)
+        rig.view.pools[pool_key(gen.producer)] = gen  # the upstream serves it; no catalog yet
+        new[name] = gen
+    asking = {n: asyncio.ensure_future(_subscribe(rig, "a", g.producer)) for n, g in new.items()}
+    await eventually(lambda: any(t.done() for t in asking.values())
+                     or service.pool_permits.in_use == 2,
+                     what="both requests wait for the mirror's catalog")  # fmt: skip
+    rig.view._republish_catalog()  # the catalog that lists them reaches the mirror
+    own, hidden = await asking["a3"], await asking["b2"]
+    assert own.status is None, own
+    assert own.messages[0].kind == pb.FilterUpdateKind.SNAPSHOT_CHUNK
+    service.catalog_lag_s = 0.2  # bounded: a pool no catalog brings is absent after the wait
+    absent = await _subscribe(rig, "a", make_producer("no-such-pool", bucket_count=4096))
+    assert (hidden.status, hidden.message, hidden.trailers) == (
+        absent.status, absent.message, absent.trailers
+    )
+    assert hidden.trailers["kv-relay-error-reason"] == "RELAY_ERROR_REASON_POOL_NOT_FOUND"
 
 
 async def test_grpcio_sees_a_hidden_pool_answered_as_an_absent_one(
