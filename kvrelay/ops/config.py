@@ -757,7 +757,7 @@ def apply_env(
     """Apply ``KVRELAY_<SECTION>_<KEY>`` overrides to ``raw`` in place.
 
     Returns (key path → variable name, problems). Variables whose section is not one of relay,
-    relay.limits, logging, metrics, tls (e.g. ``KVRELAY_CONFIG``) are ignored.
+    relay.limits, logging, metrics, tls, mirror (e.g. ``KVRELAY_CONFIG``) are ignored.
     """
     origins: dict[str, str] = {}
     problems: list[ConfigProblem] = []
@@ -1217,9 +1217,18 @@ def _limits(r: _Reader, values: dict[str, Any]) -> RelayLimits | None:
     try:
         return RelayLimits(**values)
     except ValueError as exc:
-        text = str(exc)
-        name = next((k for k in LIMITS_KEYS if text.startswith(k)), None)
-        r.err("relay.limits" + (f".{name}" if name else ""), text)
+        # RelayLimits stops at its first rule: try each set value alone (the other fields at
+        # their defaults) so that every limit in error is reported at once, as the page says
+        texts = []
+        for key, value in values.items():
+            if value != LIMITS_KEYS[key].default:
+                try:
+                    RelayLimits(**{key: value})
+                except ValueError as one:
+                    texts.append(str(one))
+        for text in texts or [str(exc)]:
+            name = next((k for k in LIMITS_KEYS if text.startswith(k)), None)
+            r.err("relay.limits" + (f".{name}" if name else ""), text)
         return None
 
 
@@ -1288,11 +1297,13 @@ def _pools(r: _Reader, value: Any) -> list[PoolSpec] | None:
                 r.err(path, f"same pool name {name!r} (namespace/component/endpoint) as "
                             f"pools[{seen_triples[name]}]")  # fmt: skip
             seen_triples.setdefault(name, i)
-        if connect is not None and "engines" not in praw:
+        # a connect section in error still makes the pool one whose engines connect: no
+        # "needs [[pools.engines]]" beside its own problem
+        if "connect" in praw and "engines" not in praw:
             engines: list[EngineSpec] = []  # every engine connects to the pool's endpoint
         else:
             engines = _engines(r, path, praw.get("engines"), seen_engines, seen_endpoints)
-        if connect is not None:
+        if "connect" in praw:
             for k in ("model", "kv_block_size"):
                 if p[k] is None:
                     r.err(f"{path}.{k}", "required with [pools.connect] (no engine reports it)")

@@ -47,3 +47,22 @@ def test_the_page_counts_every_kind_of_warning() -> None:
     said = re.search(r"There are (\w+):", _validation())
     assert said is not None
     assert NUMBERS[said.group(1)] == sites, f"config.py warns at {sites} places"
+
+
+def test_the_warning_examples_are_what_check_config_prints(tmp_path: Path) -> None:
+    """The second example block: each line from the example config changed as the page says
+    (it was presented as what deleting the prefill pool gives, which gives only the first)."""
+    example = (ROOT / "ops" / "assets" / "kvrelay.example.toml").read_text()
+    start = example.index("# A second pool: the prefill endpoint")
+    no_prefill = example[:start] + example[example.index("# A third pool in connect mode"):]
+    replay_5558 = example.replace('replay_endpoint = "tcp://*:5657"',
+                                  'replay_endpoint = "tcp://*:5558"')  # fmt: skip
+    printed = []
+    for name, text in (("no_prefill", no_prefill), ("replay_5558", replay_5558)):
+        config = tmp_path / f"{name}.toml"
+        config.write_text(text)
+        cfg, problems = check_file(config, env={})
+        assert cfg is not None
+        printed += [str(p) for p in problems]
+    documented = _validation().split("```\n", 4)[3].split("```", 1)[0].splitlines()
+    assert printed == documented

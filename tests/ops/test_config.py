@@ -789,3 +789,35 @@ def test_authorization_is_carried_to_the_fanout_workers(tmp_path: Path) -> None:
     assert rules_from_json(WorkerSpec.from_json(spec.to_json()).authorization) == (
         cfg.authorization
     )
+
+
+def test_every_limit_in_error_is_reported_at_once() -> None:
+    """docs/operations.md, "Validation": every problem at once. RelayLimits stops at its first
+    rule, so two limits under their bounds were reported one per run."""
+    from kvrelay.ops.config import parse_config
+
+    limits = {"max_message_bytes": 1024, "publication_queue_bytes": 1024,
+              "load_fanout_capacity": 65537, "publication_cpu_percent": 101}  # fmt: skip
+    raw: dict[str, Any] = {"relay": {"dc_name": "dc", "limits": limits},
+           "pools": [{"namespace": "a", "component": "b", "endpoint": "c",
+                      "engines": [{"name": "e", "grpc_port": 1}]}]}  # fmt: skip
+    cfg, problems = parse_config(raw, env={})
+    assert cfg is None
+    assert sorted(_errors(problems)) == sorted(f"relay.limits.{k}" for k in limits)
+
+
+def test_a_connect_section_in_error_reports_only_its_own_problem() -> None:
+    """A pool with [pools.connect] needs no [[pools.engines]]: a bad value in that section
+    (here an empty ``allow``) was followed by "a pool needs at least one [[pools.engines]]"."""
+    from kvrelay.ops.config import parse_config
+
+    pool = {"namespace": "a", "component": "b", "endpoint": "c", "model": "m",
+            "kv_block_size": 16,
+            "connect": {"bind": "tcp://127.0.0.1:5557", "topic_pattern": "kv@{engine}",
+                        "allow": []}}  # fmt: skip
+    cfg, problems = parse_config({"relay": {"dc_name": "dc"}, "pools": [pool]}, env={})
+    assert cfg is None
+    assert list(_errors(problems)) == ["pools[0].connect.allow"]
+    del pool["model"]
+    _, problems = parse_config({"relay": {"dc_name": "dc"}, "pools": [pool]}, env={})
+    assert sorted(_errors(problems)) == ["pools[0].connect.allow", "pools[0].model"]
