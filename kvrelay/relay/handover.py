@@ -304,7 +304,7 @@ def _check(
             raise Refused("corrupt", "pool metadata is not an object")
     except Refused:
         raise
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:  # inf in an int field
         raise Refused("corrupt", f"header field: {exc}") from None
     return RestoredPool(identity, meta, parsed.arrays, members, written, shape)
 

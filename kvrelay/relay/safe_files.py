@@ -13,6 +13,8 @@ Three rules, one implementation:
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import secrets
 import stat
@@ -52,13 +54,19 @@ def check_private_dir(path: str | os.PathLike[str], *, owner: bool = True) -> No
 
 
 def create_temp(directory: Path, name: str, mode: int = 0o600) -> tuple[int, Path]:
-    """A new, empty temporary file beside ``directory / name``: ``(fd, path)``."""
+    """A new, empty temporary file beside ``directory / name``: ``(fd, path)``, locked
+    (``flock``) for as long as ``fd`` is open."""
     for _ in range(16):
         tmp = directory / f".{name}.{os.getpid()}.{secrets.token_hex(6)}{TEMP_SUFFIX}"
         try:
-            return os.open(tmp, _CREATE, mode), tmp
+            fd = os.open(tmp, _CREATE, mode)
         except FileExistsError:
             continue
+        # held until the file is committed or abandoned (closed), or its writer dies: a start's
+        # sweep (``remove_stale_temps``) leaves a file it cannot lock to its live writer
+        with contextlib.suppress(OSError):  # no locks here: the file is this writer's anyway
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd, tmp
     raise FileExistsError(f"{directory}: no free temporary name for {name}")
 
 
@@ -105,8 +113,27 @@ def abandon(fd: int, tmp: Path) -> None:
 
 def remove_stale_temps(directory: Path, name: str) -> int:
     """Remove temporary files of ``name`` that a crashed writer left (unlink never follows a
-    link); returns how many. Called before this process writes its own."""
-    return _remove_temps(directory, name, lambda _writer: True)
+    link); returns how many. Called at a start, before this process writes its own: every such
+    file goes but one a writer still holds (:func:`create_temp` locks it, and the lock goes with
+    the writer, however it ends, in whatever pid namespace it ran). A second relay started on
+    the same state directory used to remove the running one's file mid-write, and that
+    checkpoint then failed at its rename (``ENOENT``)."""
+    n = 0
+    for p in directory.glob(f".{name}.*{TEMP_SUFFIX}"):
+        try:
+            if stat.S_ISREG(p.lstat().st_mode):
+                fd = os.open(p, READ_FLAGS)  # a link put there meanwhile: ELOOP, left
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: its writer is alive
+                    p.unlink()
+                finally:
+                    os.close(fd)
+            else:  # no writer's (a planted link or FIFO): removed, never opened
+                p.unlink()
+            n += 1
+        except OSError:
+            continue
+    return n
 
 
 def remove_dead_temps(directory: Path, name: str) -> int:

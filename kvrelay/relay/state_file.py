@@ -65,6 +65,18 @@ _PREFIX = struct.Struct("<8sII")
 _DTYPES = {"u1", "u2", "u4", "u8", "i1", "i2", "i4", "i8", "b1", "f8"}
 #: Refuse headers beyond this (a corrupt length must not make the reader allocate gigabytes).
 MAX_HEADER_BYTES = 16 << 20
+#: A header's JSON is parsed into Python objects that cost far more than its bytes (an empty
+#: object, 3 bytes, is a dict of about 80): a hostile 16 MiB header of ``{},`` made the reader
+#: hold 420 MiB. So its containers (``{``, ``[``) and separators (``,``, ``:``) are counted first,
+#: those inside strings too (a bound from above), and a header over either bound is refused
+#: unparsed: the objects of any header then stay under about 150 MiB (measured: short strings,
+#: ``"ab",``, the costliest). A real header needs about 22 containers and 106 separators (and
+#: 840 bytes) per member, so these admit the 20K members that ``MAX_HEADER_BYTES`` does.
+MAX_HEADER_CONTAINERS = 1 << 19
+MAX_HEADER_SEPARATORS = 1 << 21
+#: An array's dimensions (numpy's own limit is 64, and a dimension must fit its index type).
+MAX_DIMS = 8
+MAX_DIM = 1 << 48
 
 
 class StateFileError(Exception):
@@ -390,11 +402,7 @@ def _read(f: BinaryIO, size: int) -> StateFile:
     body_len = size - _DIGEST
     if head_len > MAX_HEADER_BYTES or _PREFIX.size + head_len > body_len:
         raise StateFileError("header length out of range")
-    raw_head = _exact(f, head_len, h)
-    try:
-        header = json.loads(raw_head.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise StateFileError(f"header is not JSON: {exc}") from None
+    header = _header(_exact(f, head_len, h))
     if not isinstance(header, dict) or not isinstance(header.get("arrays"), list):
         raise StateFileError("header is not an object with an array list")
     start = _PREFIX.size + head_len
@@ -412,7 +420,10 @@ def _read(f: BinaryIO, size: int) -> StateFile:
         raise StateFileError("arrays do not fill the file exactly (truncated or corrupted)")
     arrays: dict[str, npt.NDArray[Any]] = {}
     for name, dt, _count, shape, _offset, nbytes in specs:
-        a = np.empty(shape, dtype=dt)
+        try:
+            a = np.empty(shape, dtype=dt)
+        except (ValueError, TypeError, OverflowError, MemoryError) as exc:
+            raise StateFileError(f"array {name!r}: shape {shape}: {exc}") from None
         _read_into(f, a.reshape(-1).view(np.uint8), h)
         _exact(f, _pad(nbytes), h)
         if not dt.isnative:
@@ -423,6 +434,24 @@ def _read(f: BinaryIO, size: int) -> StateFile:
     return StateFile(header, arrays)
 
 
+def _header(raw: bytes) -> Any:
+    """The header's JSON, parsed only within bounded memory. Anything the parser refuses is a
+    :class:`StateFileError`: not only invalid JSON, but an integer beyond Python's digit limit
+    (``ValueError``) and nesting beyond the recursion limit (``RecursionError``), which escaped
+    untyped (a hot upgrade's successor then failed with a traceback instead of refusing the cut)
+    and left the file to be read again at every start."""
+    containers = raw.count(b"{") + raw.count(b"[")
+    separators = raw.count(b",") + raw.count(b":")
+    if containers > MAX_HEADER_CONTAINERS or separators > MAX_HEADER_SEPARATORS:
+        raise StateFileError(f"header too complex: {containers} containers, {separators} "
+                             f"separators (at most {MAX_HEADER_CONTAINERS} and "
+                             f"{MAX_HEADER_SEPARATORS})")  # fmt: skip
+    try:
+        return json.loads(raw.decode())
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError, JSONDecodeError among them
+        raise StateFileError(f"header is not JSON: {str(exc)[:200]}") from None
+
+
 def _spec(spec: Any) -> tuple[str, np.dtype[Any], int, list[int], int, int]:
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise StateFileError("array entry without a name")
@@ -430,9 +459,10 @@ def _spec(spec: Any) -> tuple[str, np.dtype[Any], int, list[int], int, int]:
     offset, nbytes = spec.get("offset"), spec.get("nbytes")
     if code not in _DTYPES:
         raise StateFileError(f"array {name!r}: dtype {code!r} not allowed")
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+    if not (isinstance(shape, list) and len(shape) <= MAX_DIMS
+            and all(type(d) is int and 0 <= d <= MAX_DIM for d in shape)):  # fmt: skip
         raise StateFileError(f"array {name!r}: bad shape")
-    if not (isinstance(offset, int) and isinstance(nbytes, int) and offset >= 0 and nbytes >= 0):
+    if not (type(offset) is int and type(nbytes) is int and offset >= 0 and nbytes >= 0):
         raise StateFileError(f"array {name!r}: bad offset or size")
     dt = np.dtype("<" + code)
     count = 1

@@ -32,6 +32,7 @@ from kvrelay.service.h2.request import MAX_REQUEST_BYTES
 from kvrelay.service.server import RelayServer
 from tests.support.h2_client import RawH2Client, RawStream, plane_request
 from tests.support.mem_relay import MemRelayView
+from tests.support.timing import scaled
 
 BUDGETS = H2Budgets()
 
@@ -651,7 +652,8 @@ async def test_streams_waiting_for_their_request_are_bounded_for_the_port() -> N
     limits = RelayLimits(max_pending_requests=50)
     server = RelayServer(MemRelayView(), limits)
     pending = server.service.request_guards.pending
-    pending.grace_s = 0.3
+    # a grace the burst cannot outlast on a loaded machine (70 streams took over 0.3 s there)
+    pending.grace_s = scaled(3.0)
     await server.start("127.0.0.1", 0)
     c = await RawH2Client.connect(server.port, "127.0.0.2")
     try:
@@ -659,6 +661,7 @@ async def test_streams_waiting_for_their_request_are_bounded_for_the_port() -> N
         burst = [c.open("GetRelayInfo", b"", end=False) for _ in range(20)]
         await _eventually(lambda: len(pending) == 70)  # a burst within the grace: all wait
         assert not any(st.ended.is_set() for st in first + burst)
+        pending.grace_s = 0.3  # read at each new stream: every waiting one is past it below
         await asyncio.sleep(0.4)
         late = [c.open("WatchKvPoolCatalog", b"", end=False) for _ in range(10)]
         await asyncio.wait_for(asyncio.gather(*(st.ended.wait() for st in first[:30])), 5)
