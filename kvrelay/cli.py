@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog=(
             "examples:\n  kvrelay upgrade --pid-file /run/kvrelay.pid\n"
-            "  systemctl kill --kill-whom=main --signal=SIGUSR2 kvrelay   # under systemd"
+            "  systemctl kill --kill-who=main --signal=SIGUSR2 kvrelay   # under systemd"
         ),
         formatter_class=_Formatter,
     )

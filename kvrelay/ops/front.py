@@ -278,8 +278,16 @@ class WorkerFront:
             self.supervisor.broadcast(LOGGING_LINE + json.dumps(line))
 
     async def stop(self, grace_s: float) -> None:
-        """Workers first (their router streams end with a clean EOF), then the internal socket."""
+        """Workers first (their router streams end with a clean EOF), then the internal socket.
+
+        This process's copy of the public listener is closed as the workers' drains begin: each
+        worker closes its own at its drain's start, and the port then refuses new connections,
+        as a single-process relay's does. Held here until the end, it kept the socket listening
+        with nobody accepting: a router connecting during the drain was left hanging in the
+        backlog, then reset when the drain ended, instead of being refused at once."""
         if self.supervisor is not None:
+            self.supervisor.begin_stop()  # no restart from now on (none needs the listener)
+            self._close_listener()
             await self.supervisor.stop(grace_s)
         if self.internal is not None:
             await self.internal.close(grace_s=grace_s)
@@ -289,12 +297,17 @@ class WorkerFront:
         self._replaced.clear()
         if self._closing:
             await asyncio.wait(tuple(self._closing))
-        if self._listener is not None:  # after a hand-over the successor's workers hold it on
-            self._listener.close()
-            self._listener = None
+        self._close_listener()
         if self._dir is not None:
             self._dir.remove()
             self._dir = None
+
+    def _close_listener(self) -> None:
+        """This process's copy of the public listener (after a hand-over the successor's workers
+        hold it on)."""
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
 
 def _socket_id(path: str) -> tuple[int, int] | None:

@@ -313,15 +313,24 @@ class Supervisor:
         if slot.reader is not None:
             await asyncio.wait((slot.reader,), timeout=READ_TAIL_S)
 
-    async def stop(self, timeout_s: float) -> None:
-        """SIGTERM every worker, wait up to ``timeout_s``, then SIGKILL what is left."""
+    def begin_stop(self) -> None:
+        """No restart from now on, and SIGTERM to every worker, once: ``stop``'s first step, which
+        a caller may take first to act between the workers' signal and their end."""
+        if self._stopping:
+            return
         self._stopping = True
         for t in self._watchers:
             t.cancel()
+        for s in self._slots:
+            if s.proc is not None and s.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    s.proc.terminate()
+
+    async def stop(self, timeout_s: float) -> None:
+        """SIGTERM every worker (``begin_stop``), wait up to ``timeout_s``, then SIGKILL what is
+        left."""
+        self.begin_stop()
         procs = [s.proc for s in self._slots if s.proc is not None and s.proc.returncode is None]
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                p.terminate()
         if procs:
             _done, pending = await asyncio.wait(
                 [asyncio.ensure_future(p.wait()) for p in procs], timeout=timeout_s

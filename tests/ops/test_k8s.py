@@ -602,7 +602,31 @@ async def test_the_manifest_starts_four_workers_on_a_read_only_root(
         with pytest.raises(TimeoutError):
             await probes[0]
         assert await probes[1], "the manifest's probe sees SERVING once the hold ends"
+
+        # The drain refuses new connections from its start, so the readiness probe fails and a
+        # reconnecting router tries elsewhere at once, even while a worker's drain is held (a
+        # stream whose request never comes keeps it up to its grace, a quarter of
+        # shutdown_timeout_s). Before: the ingest process held its copy of the listener to the
+        # end, and each connection sat in the backlog unanswered, then was reset.
+        held_ch = Channel("127.0.0.1", ports[0])
+        held = HealthStub(held_ch).Watch.open()
+        await held.__aenter__()
+        await held.send_request()  # headers, no message
+        await asyncio.sleep(0.3)
         proc.terminate()
+        t0 = asyncio.get_running_loop().time()
+        refused_after, alive = None, False
+        while proc.returncode is None and refused_after is None:
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", ports[0])
+                writer.close()
+            except ConnectionRefusedError:
+                refused_after = asyncio.get_running_loop().time() - t0
+                alive = proc.returncode is None
+            await asyncio.sleep(0.05)
+        held_ch.close()
+        assert refused_after is not None and alive, "no connection refused during the drain"
+        assert refused_after < 1.5, f"connections left unanswered for {refused_after:.1f} s"
         rc = await asyncio.wait_for(proc.wait(), 30)
         err = (await proc.stderr.read()).decode()  # type: ignore[union-attr]
         assert rc == 0, err[-3000:]
