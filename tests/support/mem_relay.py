@@ -176,11 +176,12 @@ class Generation:
 
 
 class MemRelayView:
-    def __init__(self, limits: RelayLimits | None = None) -> None:
+    def __init__(
+        self, limits: RelayLimits | None = None, incarnation: int = 0x1234_5678_9ABC_DEF
+    ) -> None:
+        """``incarnation``: the relay's (another one is a restarted relay)."""
         self.limits = limits or RelayLimits()
-        self.relay_identity = pb.RelayIdentity(
-            drt_instance_id=77, relay_incarnation=0x1234_5678_9ABC_DEF
-        )
+        self.relay_identity = pb.RelayIdentity(drt_instance_id=77, relay_incarnation=incarnation)
         self.pools: dict[tuple[Any, ...], Generation] = {}
         self.initialized_hubs = 0
         self.catalog: MemPlane[pb.KvPoolCatalogUpdate] = MemPlane(self._catalog_msg(0))

@@ -8,7 +8,13 @@ asks for are the mirror's own, applied to its own subscribers.
 
 A few tests look inside the serving relay (its hub, its limits) or need the mirror to have
 caught up with a change made upstream: ``served_hub``, ``set_limits`` and ``settle`` do that in
-every mode (``settle`` is a no-op when the relay is served directly).
+every mode (``settle`` is a no-op when the relay is served directly). ``start_worker`` runs the
+fan-out worker's own code (``run_worker`` and its JSON spec) in this process, and
+``restart_source`` restarts the relay a mode serves (the mirror's upstream when mirrored).
+
+An upstream view publishes no window by itself: a mirror drops an upstream load or serving-load
+stream silent for three stated periods (3 s at ``window_ms = 1000``) and refuses its readers
+until it has opened it again, so a long-lived rig states a longer period.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator
+from ssl import SSLContext
 from typing import Any
 
 from grpclib.client import Channel
@@ -27,8 +34,13 @@ from grpclib.client import Channel
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.mirror.mirror import Mirror
 from kvrelay.mirror.settings import MirrorSettings, UpstreamAddress
+from kvrelay.ops.front import internal_limits
+from kvrelay.ops.report_pipe import ReportPipe
 from kvrelay.ops.supervisor import shared_listener
+from kvrelay.ops.tls import ServerTlsFiles
+from kvrelay.ops.worker import WorkerControl, WorkerSpec, rules_json, run_worker
 from kvrelay.publication.hub import PublicationHub
+from kvrelay.service.authz import Authorization, AuthorizationRule
 from kvrelay.service.server import RelayServer
 from tests.support.mem_relay import Generation, MemRelayView
 from tests.support.timing import scaled
@@ -49,15 +61,22 @@ def mirror_settings(upstream: UpstreamAddress, limits: RelayLimits | None) -> Mi
 
 
 async def start_served(
-    mode: str, limits: RelayLimits | None, cleanup: list[Any]
+    mode: str,
+    limits: RelayLimits | None,
+    cleanup: list[Any],
+    *,
+    ssl: SSLContext | None = None,
+    authorization: Authorization | None = None,
 ) -> tuple[MemRelayView, RelayServer]:
     """``direct``: the view's own server. ``mirror``: a mirror over TCP. ``workers``: a mirror
     over a UNIX socket, accepting on a listener opened for it (``shared_listener``), the worker
-    topology of a daemon."""
+    topology of a daemon. ``ssl`` and ``authorization`` are the serving server's (a mirror's
+    upstream has neither, as a worker's ingest process has none on its internal socket)."""
     if mode == "direct":
         view = MemRelayView(limits)
         server = RelayServer(view, limits)
-        await server.start("127.0.0.1", 0)
+        server.service.set_authorization(authorization)
+        await server.start("127.0.0.1", 0, ssl=ssl)
         cleanup.append(server)
         return view, server
     view = MemRelayView(UPSTREAM_LIMITS)
@@ -73,13 +92,97 @@ async def start_served(
     mirror = Mirror(mirror_settings(address, limits))
     mirror.start()
     server = RelayServer(mirror, limits)
+    server.service.set_authorization(authorization)
     shared = shared_listener("127.0.0.1", 0) if mode == "workers" else None
-    await server.start("127.0.0.1", 0, sock=shared)
+    await server.start("127.0.0.1", 0, ssl=ssl, sock=shared)
     cleanup.extend([server, mirror, upstream])
     if mode == "workers":
         cleanup.append(lambda: shutil.rmtree(folder, ignore_errors=True))
     await asyncio.wait_for(mirror.synced.wait(), scaled(10))
     return view, server
+
+
+class _Worker:
+    """A fan-out worker run in this process (``run_worker``), and what it was given."""
+
+    def __init__(self, task: asyncio.Task[int], stop: asyncio.Event, pipe: tuple[int, int],
+                 out: ReportPipe) -> None:  # fmt: skip
+        self.task, self._stop, self._pipe, self._out = task, stop, pipe, out
+
+    async def stop(self) -> None:
+        self._stop.set()
+        try:
+            await asyncio.wait_for(self.task, scaled(10))
+        finally:
+            self._out.close(timeout_s=0.5)
+            for fd in self._pipe:
+                os.close(fd)
+
+
+async def start_worker(
+    limits: RelayLimits,
+    cleanup: list[Any],
+    *,
+    tls: ServerTlsFiles | None = None,
+    rules: tuple[AuthorizationRule, ...] | None = None,
+) -> tuple[MemRelayView, RelayServer]:
+    """A ``workers = 2`` daemon's topology with the worker's own code: the view served on a
+    UNIX socket under ``internal_limits`` (the ingest process), and ``run_worker`` given the
+    JSON ``WorkerSpec`` the supervisor writes (limits, TLS files, rules), accepting on a shared
+    listener. Returns the view and the worker's server."""
+    view = MemRelayView(UPSTREAM_LIMITS)
+    ingest = RelayServer(view, internal_limits(limits, 2))
+    folder = tempfile.mkdtemp(prefix="kvrelay-test-")
+    path = os.path.join(folder, "ingest.sock")
+    await ingest.start_unix(path)
+    cleanup.extend([ingest, lambda: shutil.rmtree(folder, ignore_errors=True)])
+    listener = shared_listener("127.0.0.1", 0)
+    spec = WorkerSpec(
+        index=1, upstream=f"unix:{path}", host="127.0.0.1", port=0,
+        listen_fd=os.dup(listener.fileno()), limits=dataclasses.asdict(limits),
+        tls=None if tls is None else tls.as_json(), authorization=rules_json(rules),
+        shutdown_timeout_s=2.0, stats_interval_s=60.0,
+    )  # fmt: skip
+    listener.close()
+    spec = WorkerSpec.from_json(spec.to_json())  # as it crosses the pipe
+    pipe = os.pipe()
+    out = ReportPipe(pipe[1])
+    control = WorkerControl(spec.authorization)
+    stop = asyncio.Event()
+    worker = _Worker(asyncio.ensure_future(run_worker(spec, stop, out, control)), stop, pipe, out)
+    cleanup.insert(0, worker)  # stopped before its ingest process
+
+    async with asyncio.timeout(scaled(15)):
+        while control.server is None or control.server._port in (None, 0):
+            if worker.task.done():
+                worker.task.result()
+                raise AssertionError("the worker exited")
+            await asyncio.sleep(0.01)
+    server: RelayServer = control.server
+    return view, server
+
+
+async def restart_source(
+    server: RelayServer, cleanup: list[Any], incarnation: int
+) -> tuple[MemRelayView, RelayServer]:
+    """Restart what ``server`` serves, as a relay restarts: the relay itself when served
+    directly (drained, then a new one on the same port), else the mirror's upstream (on the
+    same address, without TLS or rules); the new relay has an empty view of ``incarnation``.
+    Returns it and the server routers now reach."""
+    mirror = mirror_of(server)
+    old = server if mirror is None else next(
+        s for s in cleanup if isinstance(s, RelayServer) and s is not server
+    )  # fmt: skip
+    port, limits = old.port, old.service.limits
+    await old.close(grace_s=1.0)
+    view = MemRelayView(limits, incarnation)
+    new = RelayServer(view, limits)
+    cleanup[cleanup.index(old)] = new
+    if mirror is not None and mirror.settings.upstream.path is not None:
+        await new.start_unix(mirror.settings.upstream.path)
+    else:
+        await new.start("127.0.0.1", port)
+    return view, new if mirror is None else server
 
 
 async def close_served(cleanup: list[Any]) -> None:
