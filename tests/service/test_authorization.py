@@ -41,6 +41,8 @@ from tests.support.mem_relay import (
     Generation,
     GrpcioClient,
     MemRelayView,
+    add_team_pools,
+    endpoint,
     grpclib_collect,
     make_producer,
     pool_key,
@@ -81,11 +83,6 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
     return Certs(sca[0], make_leaf(d, "relay", sca, server=True), cca[0], clients)
 
 
-def _ep(triple: str) -> pb.DynamoEndpointId:
-    ns, comp, ep = triple.split("/")
-    return pb.DynamoEndpointId(namespace=ns, component=comp, endpoint=ep)
-
-
 @dataclass
 class Rig:
     view: MemRelayView
@@ -104,7 +101,7 @@ def _publish_planes(view: MemRelayView, pools: dict[str, Generation]) -> None:
         return pb.TopologyEntry(
             namespace=ns, canonical_model_id=model, state=pb.ServingReadinessState.READY,
             present_roles=[pb.WorkerRole.AGGREGATED],
-            members=[pb.TopologyMember(endpoint=_ep(m), roles=[pb.WorkerRole.AGGREGATED])
+            members=[pb.TopologyMember(endpoint=endpoint(m), roles=[pb.WorkerRole.AGGREGATED])
                      for m in members],
         )  # fmt: skip
 
@@ -131,13 +128,7 @@ def _publish_planes(view: MemRelayView, pools: dict[str, Generation]) -> None:
 def _teams_view() -> tuple[MemRelayView, dict[str, Generation]]:
     """Pools a1 and a2 of team A, b1 of team B, with their planes."""
     view = MemRelayView(UPSTREAM_LIMITS)
-    pools: dict[str, Generation] = {}
-    for name, triple in (("a1", "team-a/router/generate"), ("a2", "team-a/prefill/generate"),
-                         ("b1", "team-b/router/generate")):  # fmt: skip
-        gen = view.add_pool(name, 4096)
-        gen.endpoint = _ep(triple)
-        pools[name] = gen
-    view._republish_catalog()
+    pools = add_team_pools(view)
     _publish_planes(view, pools)
     return view, pools
 
@@ -254,7 +245,7 @@ async def test_a_pool_the_mirrors_catalog_lists_late_is_answered_as_the_relay_an
     new: dict[str, Generation] = {}
     for name, triple in (("a3", "team-a/router/new"), ("b2", "team-b/router/new")):
         gen = Generation(rig.view, make_producer(name, bucket_count=4096))
-        gen.endpoint = _ep(triple)
+        gen.endpoint = endpoint(triple)
         rig.view.pools[pool_key(gen.producer)] = gen  # the upstream serves it; no catalog yet
         new[name] = gen
     asking = {n: asyncio.ensure_future(_subscribe(rig, "a", g.producer)) for n, g in new.items()}

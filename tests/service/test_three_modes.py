@@ -45,6 +45,8 @@ from tests.support.mem_relay import (
     Generation,
     MemRelayView,
     StreamResult,
+    add_team_pools,
+    endpoint,
     grpclib_collect,
     make_producer,
     pool_call,
@@ -137,26 +139,15 @@ class _From(Channel):
         return protocol
 
 
-def _ep(triple: str) -> pb.DynamoEndpointId:
-    ns, comp, ep = triple.split("/")
-    return pb.DynamoEndpointId(namespace=ns, component=comp, endpoint=ep)
-
-
 def _populate(view: MemRelayView) -> dict[str, Generation]:
     """Pools a1, a2 of team A and b1 of team B, and a message on every plane that names them."""
-    pools: dict[str, Generation] = {}
-    for name, triple in (("a1", "team-a/router/generate"), ("a2", "team-a/prefill/generate"),
-                         ("b1", "team-b/router/generate")):  # fmt: skip
-        gen = view.add_pool(name, 4096)
-        gen.endpoint = _ep(triple)
-        pools[name] = gen
-    view._republish_catalog()
+    pools = add_team_pools(view)
 
     def entry(ns: str, *members: str) -> pb.TopologyEntry:
         return pb.TopologyEntry(
             namespace=ns, canonical_model_id="m", state=pb.ServingReadinessState.READY,
             present_roles=[pb.WorkerRole.AGGREGATED],
-            members=[pb.TopologyMember(endpoint=_ep(m), roles=[pb.WorkerRole.AGGREGATED])
+            members=[pb.TopologyMember(endpoint=endpoint(m), roles=[pb.WorkerRole.AGGREGATED])
                      for m in members],
         )  # fmt: skip
 

@@ -401,6 +401,28 @@ class GrpcioClient:
         await self.channel.close()
 
 
+def endpoint(triple: str) -> pb.DynamoEndpointId:
+    """``namespace/component/endpoint`` as the message."""
+    ns, comp, ep = triple.split("/")
+    return pb.DynamoEndpointId(namespace=ns, component=comp, endpoint=ep)
+
+
+#: Two teams' pools, as the authorization tests name them: a1 and a2 of team A, b1 of team B.
+TEAM_POOLS = (("a1", "team-a/router/generate"), ("a2", "team-a/prefill/generate"),
+              ("b1", "team-b/router/generate"))  # fmt: skip
+
+
+def add_team_pools(view: MemRelayView) -> dict[str, Generation]:
+    """``TEAM_POOLS`` added to ``view`` (4,096 blocks each), its catalog republished."""
+    pools: dict[str, Generation] = {}
+    for name, triple in TEAM_POOLS:
+        gen = view.add_pool(name, 4096)
+        gen.endpoint = endpoint(triple)
+        pools[name] = gen
+    view._republish_catalog()
+    return pools
+
+
 def grpclib_channel(port: int, window: int | None = None) -> Channel:
     config = None
     if window is not None:
