@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Mapping
 from typing import Any, TextIO
 
@@ -31,6 +32,36 @@ SYSLOG_PRIORITY = {
     "debug": 7, "info": 6, "notice": 5, "warning": 4, "warn": 4, "error": 3, "exception": 3,
     "critical": 2,
 }
+
+
+#: The most characters a log line's field carries (an exception's traceback: ``MAX_TRACE_CHARS``);
+#: past it the value is cut, ending ``…[N more characters]``. Fields can carry what a peer sent
+#: (an engine's model or adapter names in ``pool_identity_changed``, an error's text): a 1 MiB
+#: name echoed into a line at each change would fill the disk.
+MAX_FIELD_CHARS = 4096
+MAX_TRACE_CHARS = 65536
+_SCALARS = (bool, int, float, type(None))
+
+
+def _clip(value: str, limit: int) -> str:
+    return f"{value[:limit]}…[{len(value) - limit} more characters]"
+
+
+def bound_fields(_logger: Any, _method: str, event_dict: Any) -> Any:
+    """A processor: every field's text at most ``MAX_FIELD_CHARS`` (bytes, a list, a dict: its
+    ``repr``, when that is longer), the ``exception`` at most ``MAX_TRACE_CHARS``."""
+    for key, value in event_dict.items():
+        if isinstance(value, _SCALARS):
+            continue
+        limit = MAX_TRACE_CHARS if key == "exception" else MAX_FIELD_CHARS
+        if isinstance(value, str):
+            if len(value) > limit:
+                event_dict[key] = _clip(value, limit)
+        elif isinstance(value, (bytes, bytearray, list, tuple, dict, set, frozenset)):
+            text = repr(value)
+            if len(text) > limit:
+                event_dict[key] = _clip(text, limit)
+    return event_dict
 
 
 def _renderer(json: bool) -> structlog.types.Processor:
@@ -102,6 +133,7 @@ def configure(
             *_SHARED,
             structlog.processors.StackInfoRenderer(),
             structlog.processors.format_exc_info,
+            bound_fields,
             renderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
@@ -116,6 +148,7 @@ def configure(
         foreign_pre_chain=[*_SHARED, structlog.stdlib.add_logger_name],
         processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            bound_fields,
             renderer(),
         ],
     )
@@ -192,3 +225,56 @@ class _NamedLogger:
 def get_logger(name: str, **initial: Any) -> Any:
     """A structlog logger bound with ``logger=name``."""
     return _NamedLogger(name, initial)
+
+
+#: How often (seconds) a throttled event is logged per key on the paths input reaches (a
+#: malformed engine message, a refused peer): at most one line per key per period.
+INPUT_LOG_S = 10.0
+
+
+#: Keys one ``LogThrottle`` tracks at most; past it, the keys logged longest ago are dropped
+#: (their unlogged counts with them) once their period is over, else new keys share one.
+MAX_THROTTLE_KEYS = 4096
+_SHARED_KEY = "(others)"
+
+
+class LogThrottle:
+    """For an event that input (or a cause that lasts) can repeat at any rate: one line per key
+    per ``period_s``, the next one saying how many went unlogged meanwhile. The caller logs (under
+    its literal event name) and counts every occurrence itself. Keys come from bounded sets
+    (reasons, event names, configured or admitted members), never raw input; the table holds
+    at most ``MAX_THROTTLE_KEYS`` of them."""
+
+    __slots__ = ("_logged_at", "_not_logged", "_period_s")
+
+    def __init__(self, period_s: float = INPUT_LOG_S) -> None:
+        self._period_s = period_s
+        self._logged_at: dict[str, float] = {}
+        self._not_logged: dict[str, int] = {}
+
+    def period_s(self) -> float:
+        return self._period_s
+
+    def due(self, key: str) -> int | None:
+        """The occurrences of ``key`` not logged since its last line, if one is due now; None
+        (this one noted as not logged) while ``key`` was logged within the period."""
+        now = time.monotonic()
+        if key not in self._logged_at and len(self._logged_at) >= MAX_THROTTLE_KEYS:
+            key = self._room(now, key)
+        last = self._logged_at.get(key)
+        if last is not None and now - last < self.period_s():
+            self._not_logged[key] = self._not_logged.get(key, 0) + 1
+            return None
+        self._logged_at.pop(key, None)  # (re)inserted last: the table stays in logging order
+        self._logged_at[key] = now
+        return self._not_logged.pop(key, 0)
+
+    def _room(self, now: float, key: str) -> str:
+        """``key`` once the table has room for it (keys whose period is over dropped, oldest
+        first), else the one shared key."""
+        for old, at in list(self._logged_at.items()):
+            if now - at < self.period_s() or len(self._logged_at) < MAX_THROTTLE_KEYS:
+                break
+            del self._logged_at[old]
+            self._not_logged.pop(old, None)
+        return key if len(self._logged_at) < MAX_THROTTLE_KEYS else _SHARED_KEY

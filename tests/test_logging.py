@@ -180,3 +180,49 @@ def test_two_processes_sharing_an_unbuffered_stderr_never_split_a_line(tmp_path:
     lines = out.read_text().splitlines()
     assert len(lines) == 6000
     assert sorted(json.loads(ln)["i"] for ln in lines) == sorted(list(range(3000)) * 2)
+
+
+def test_a_peers_megabyte_in_a_field_is_cut_to_a_bounded_line() -> None:
+    """A field carrying what a peer sent (an engine's adapter names, an error's text, a foreign
+    library's message) is cut at ``MAX_FIELD_CHARS``, saying how much was left out; a traceback
+    at ``MAX_TRACE_CHARS``. Scalars and short fields are untouched."""
+    buf = io.StringIO()
+    kvlog.configure(level="INFO", json=True, stream=buf)
+    huge = "x" * (1 << 20)
+    kvlog.get_logger("kvrelay.test").warning(
+        "pool_identity_changed", old=huge, new=("lora-" + huge,), n=7, short="ok"
+    )
+    logging.getLogger("grpclib.server").warning("peer said %s", huge)
+    try:
+        raise ValueError(huge)
+    except ValueError:
+        kvlog.get_logger("kvrelay.test").exception("rpc_failed", error="ValueError")
+    text = buf.getvalue()
+    assert len(text) < 3 * kvlog.MAX_FIELD_CHARS + kvlog.MAX_TRACE_CHARS + 2_000
+    ours, foreign, failed = (json.loads(line) for line in text.splitlines())
+    cut = kvlog.MAX_FIELD_CHARS
+    assert ours["old"] == "x" * cut + f"…[{len(huge) - cut} more characters]"
+    assert ours["new"].startswith("('lora-xxx") and ours["new"].endswith(" more characters]")
+    assert (ours["n"], ours["short"]) == (7, "ok")
+    assert len(foreign["event"]) < cut + 40 and foreign["event"].startswith("peer said xxx")
+    assert len(failed["exception"]) < kvlog.MAX_TRACE_CHARS + 40
+    assert failed["exception"].startswith("Traceback")
+
+
+def test_a_log_throttle_holds_a_bounded_table_of_keys() -> None:
+    """One line per key per period, the next saying how many went unlogged; past
+    ``MAX_THROTTLE_KEYS`` keys within the period, new keys share one line; once the period is
+    over, the oldest keys make room."""
+    from kvrelay.logging import MAX_THROTTLE_KEYS, LogThrottle
+
+    t = LogThrottle(period_s=3600.0)
+    assert t.due("a") == 0 and t.due("a") is None and t.due("a") is None
+    for i in range(MAX_THROTTLE_KEYS - 1):
+        assert t.due(f"k{i}") == 0
+    assert t.due("new-1") == 0  # the shared key's first line
+    assert t.due("new-2") is None  # shares it
+    assert len(t._logged_at) == MAX_THROTTLE_KEYS + 1  # the keys and the shared one, no more
+    quick = LogThrottle(period_s=0.0)  # every period over at once: old keys make room
+    for i in range(MAX_THROTTLE_KEYS + 10):
+        assert quick.due(f"k{i}") == 0
+    assert len(quick._logged_at) <= MAX_THROTTLE_KEYS

@@ -30,6 +30,7 @@ import numpy as np
 from kvrelay._aio import cancel_and_wait, stop_all
 from kvrelay._argparse import StrictSubcommand
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.client import errors as E
 from kvrelay.client import rpc
 from kvrelay.client import stream_rules as rules
 from kvrelay.client.client import RelayClient, role_name
@@ -103,6 +104,9 @@ def add_subcommands(subparsers: Any) -> None:
     s.add_argument("pool", help="namespace/component/endpoint (or a unique suffix)")
     s.add_argument("--verify", action="store_true",
                    help="enforce the consumer rules; report violations (exit 1 if any)")
+    s.add_argument("--silence-s", type=float, default=ClientConfig().silence_s, metavar="S",
+                   help="end the stream after S seconds without a frame, not even a heartbeat "
+                        "(a stream problem: exit 1; default: the SDK's bound)")
     s.set_defaults(client_command="subscribe", client_prog=s.prog)
     q = subparsers.add_parser("query", parents=[common], help="cached prefix depth per pool")
     q.add_argument("--model", required=True, help="canonical model id, alias or LoRA id")
@@ -166,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--duration must be a number of seconds > 0")
         if getattr(args, "wait", None) is not None and not 0 <= args.wait < math.inf:
             raise UsageError("--wait must be a number of seconds >= 0")
+        if getattr(args, "silence_s", None) is not None and not 0 < args.silence_s <= 3600:
+            raise UsageError("--silence-s must be a number of seconds in (0, 3600]")
         ssl = _ssl_context(args)
         command = args.client_command
         if command == "watch":
@@ -760,9 +766,12 @@ async def _subscribe(
                         out.emit(obj, text)
 
                 try:
+                    # the SDK's silence rule: a relay owes a heartbeat within its period, and a
+                    # stream that sends nothing past the bound is not vouched for (nor verified)
                     end = await rpc.run_stream(
                         channel, "SubscribeKvPool",
                         rpc.pool_request(args.subscriber_id, desc.producer), pb.FilterUpdate, on,
+                        silence_s=args.silence_s,
                     )  # fmt: skip
                     reason, detail = end.reason, end.message
                 except ConsumerViolation as v:
@@ -772,7 +781,9 @@ async def _subscribe(
                               "detail": v.detail}, f"[{addr}] VIOLATION {v.reason}: {v.detail}")
                 if limiter.done.is_set():
                     return
-                if not args.verify and reason not in ("eof",) and not reason.startswith("cbi1"):
+                if reason == E.SILENT or (
+                    not args.verify and reason not in ("eof",) and not reason.startswith("cbi1")
+                ):
                     problems += 1
                 out.emit({"relay": str(addr), "pool": pool, "stream_end": reason,
                           "detail": detail},

@@ -101,7 +101,7 @@ from kvrelay.ingest.options import DecodeOptions
 from kvrelay.ingest.sglang import EPOCH_MARKER, split_topic
 from kvrelay.ingest.sink import ResetReason, SourceKey
 from kvrelay.ingest.topic_pattern import TopicError, TopicMatch, TopicPattern
-from kvrelay.logging import get_logger
+from kvrelay.logging import LogThrottle, get_logger
 from kvrelay.pool.batch import OP_CLEAR, OP_REMOVE, OP_STORE, EventBatch, as_events
 from kvrelay.pool.errors import MalformedBatch
 
@@ -279,6 +279,8 @@ class ConnectSource:
         self.connections = 0  # open connections that count against ``max_connections``
         self.zap_enforced = False  # ZMQ_ZAP_ENFORCE_DOMAIN set: no handler, no handshake
         self._refusals: dict[str, tuple[float, int]] = {}  # reason → (last logged, since)
+        # per member: a peer alternating two processes would log one at every message
+        self._process_log = LogThrottle()
 
     # ---- introspection ------------------------------------------------------------------------
     def members(self) -> Iterator[tuple[SourceKey, str, SubscriberCounters]]:
@@ -574,8 +576,10 @@ class ConnectSource:
             m.next_seq = None
             if seq > 0:
                 m.counters.missing_history += 1  # it published before the relay saw it
-            self._log.info("connect_member_new_process", engine=m.name, dp_rank=m.key.dp_rank,
-                           first_seq=seq)  # fmt: skip
+            not_logged = self._process_log.due(f"{m.name} {m.key.dp_rank}")
+            if not_logged is not None:
+                self._log.info("connect_member_new_process", engine=m.name, dp_rank=m.key.dp_rank,
+                               first_seq=seq, not_logged=not_logged)  # fmt: skip
         m.process = process
 
     def _admit(self, name: str, rank: int, seq: int) -> _Member | None:

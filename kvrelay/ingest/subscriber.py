@@ -69,7 +69,7 @@ from kvrelay.ingest.live_source import LiveSource, open_source, readable, requir
 from kvrelay.ingest.reorder import ReorderBuffer
 from kvrelay.ingest.sink import DETACHED, BatchSink, ResetReason, SourceSpec
 from kvrelay.ingest.zmtp import CONNECTED, DISCONNECTED
-from kvrelay.logging import get_logger
+from kvrelay.logging import LogThrottle, get_logger
 from kvrelay.pool.errors import MalformedBatch
 
 _LOGGER = "kvrelay.ingest"
@@ -196,6 +196,9 @@ class Subscriber:
         self._reconnected = False
         self._src: LiveSource | None = None
         self._errors_logged: set[str] = set()
+        # ``bad_batch``, ``sequence_backwards``, ``epoch_changed``: what the publisher sends can
+        # repeat them at every message; at most one line per event per 10 s (each is counted)
+        self._input_log = LogThrottle()
         self._task: asyncio.Task[None] | None = None
         self._live = False  # the reader callback drains (the task waits for a hand-over)
         self._wake_fut: asyncio.Future[None] | None = None  # what the task awaits, if anything
@@ -551,10 +554,14 @@ class Subscriber:
         return known is not None and _digest(payload) != known
 
     def _incarnation(self, seq: int, payload: bytes, *, epoch: bool = False) -> None:
-        if epoch:
-            self._log.warning("epoch_changed", seq=seq, expected=self._next)
+        not_logged = self._input_log.due("epoch_changed" if epoch else "sequence_backwards")
+        if not_logged is None:
+            pass  # counted (incarnations, resets); logged at most every 10 s
+        elif epoch:
+            self._log.warning("epoch_changed", seq=seq, expected=self._next, not_logged=not_logged)
         else:
-            self._log.warning("sequence_backwards", seq=seq, expected=self._next)
+            self._log.warning("sequence_backwards", seq=seq, expected=self._next,
+                              not_logged=not_logged)  # fmt: skip
         replay = seq > 0 and bool(self.spec.replay_endpoint)
         self._restart_from_zero(ResetReason.INCARNATION, replay=replay, live_seq=seq)
         if replay:
@@ -666,12 +673,17 @@ class Subscriber:
             self._next = seq
             self._buf.clear()
             self._replay_from = seq  # verified against the batch before it, then re-fetched
-            self._log.warning("bad_batch", seq=seq, why=why, action="replay")
+            self._log_bad_batch(seq, why, "replay")
             return
-        self._log.warning("bad_batch", seq=seq, why=why, action="reset")
+        self._log_bad_batch(seq, why, "reset")
         self._bad_seq = None
         self._reset(ResetReason.BAD_BATCH)
         self._last = (seq, _digest(payload))
+
+    def _log_bad_batch(self, seq: int, why: str, action: str) -> None:
+        not_logged = self._input_log.due("bad_batch")
+        if not_logged is not None:
+            self._log.warning("bad_batch", seq=seq, why=why, action=action, not_logged=not_logged)
 
     def _begin_rebuild(self) -> None:
         """The member is about to be reset and rebuilt from the replay: one transaction."""

@@ -45,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvrelay import logging
 from kvrelay.logging import get_logger
 from kvrelay.pool.image import ImageBroken, PoolImage
 from kvrelay.pool.pool import Pool
@@ -137,25 +138,14 @@ def failure_reason(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-class LogThrottle:
-    """For an error that recurs every round while its cause lasts: one line per reason per
-    ``FAILURE_LOG_S``, the next one saying how many went unlogged meanwhile. The caller logs
-    (under its literal event name) and counts every occurrence itself."""
+class LogThrottle(logging.LogThrottle):
+    """``kvrelay.logging.LogThrottle`` at ``FAILURE_LOG_S`` (read at each call): an error that
+    recurs every round while its cause lasts (a full disk) is logged once a minute per reason."""
 
-    def __init__(self) -> None:
-        self._logged_at: dict[str, float] = {}
-        self._not_logged: dict[str, int] = {}
+    __slots__ = ()
 
-    def due(self, reason: str) -> int | None:
-        """The occurrences of ``reason`` not logged since its last line, if one is due now;
-        None (this one noted as not logged) while ``reason`` was logged within the period."""
-        now = time.monotonic()
-        last = self._logged_at.get(reason)
-        if last is not None and now - last < FAILURE_LOG_S:
-            self._not_logged[reason] = self._not_logged.get(reason, 0) + 1
-            return None
-        self._logged_at[reason] = now
-        return self._not_logged.pop(reason, 0)
+    def period_s(self) -> float:
+        return FAILURE_LOG_S
 
 
 class _FailureLog:

@@ -51,7 +51,7 @@ from kvrelay.discovery.watcher import EngineTarget
 from kvrelay.ingest.counters import SubscriberCounters
 from kvrelay.ingest.sink import ResetReason, SourceKey, SourceSpec
 from kvrelay.ingest.subscriber import Subscriber
-from kvrelay.logging import get_logger
+from kvrelay.logging import LogThrottle, get_logger
 from kvrelay.pool.batch import AnyBatch
 from kvrelay.pool.pool import Pool
 from kvrelay.pool.scrub import Finding
@@ -113,6 +113,10 @@ class PoolRuntime:
         self.source_specs: dict[SourceKey, SourceSpec] = {}
         self.generation: Generation | None = None
         self.counters = PoolCounters()
+        # ``member_reset`` at most every 10 s per member and reason: a publisher (on a connect
+        # socket, anyone it admits) resets its member at each message numbered past a gap, or
+        # undecodable; each member's first reset is still logged
+        self._reset_log = LogThrottle()
         self.identity: PoolIdentity | None = None
         self.conflict: str | None = None
         self._reconcile_lock = asyncio.Lock()
@@ -159,9 +163,12 @@ class PoolRuntime:
             return
         gen.reset_member(source)
         self._settled(source)
+        not_logged = self._reset_log.due(f"{reason.value} {source.worker_id} {source.dp_rank}")
+        if not_logged is None:
+            return  # counted (kvrelay_pool_member_resets_total); logged at most every 10 s each
         _log.warning(
             "member_reset", pool=self.name, engine=self._engine_name(source.worker_id),
-            dp_rank=source.dp_rank, reason=reason.value,
+            dp_rank=source.dp_rank, reason=reason.value, resets_not_logged=not_logged,
         )  # fmt: skip
 
     def on_rebuild(self, source: SourceKey, active: bool) -> None:

@@ -13,7 +13,7 @@ import socket
 import struct
 from typing import Any
 
-from kvrelay.logging import get_logger
+from kvrelay.logging import LogThrottle, get_logger
 
 _LOG = get_logger("kvrelay.service.peercred")
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -35,6 +35,7 @@ class SameUserOnly:
     def __init__(self) -> None:
         self.uid = os.geteuid()
         self.refused = 0
+        self._log = LogThrottle()  # a process that reconnects in a loop: one line per 10 s
 
     def __call__(self, transport: Any) -> bool:
         sock = transport.get_extra_info("socket")
@@ -47,5 +48,8 @@ class SameUserOnly:
         if creds is None or creds[1] in (0, self.uid):
             return True
         self.refused += 1
-        _LOG.warning("internal_peer_refused", pid=creds[0], uid=creds[1], gid=creds[2])
+        not_logged = self._log.due("refused")
+        if not_logged is not None:
+            _LOG.warning("internal_peer_refused", pid=creds[0], uid=creds[1], gid=creds[2],
+                         refused_not_logged=not_logged)  # fmt: skip
         return False

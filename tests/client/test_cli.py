@@ -115,6 +115,21 @@ async def test_subscribe_verify_ends_with_a_verdict(capsys: pytest.CaptureFixtur
     assert last.startswith("verify: PASS") and "0 violation(s)" in last, out
 
 
+async def test_subscribe_verify_fails_a_stream_that_goes_silent(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A relay that installs a snapshot and then sends nothing, not even a heartbeat: the
+    stream is ended ``silent`` after ``--silence-s`` (the SDK's rule) and reopened, and the
+    verdict is FAIL, never a PASS over a relay that broke its heartbeat obligation."""
+    async with scripted(Script(snapshot(5), hold=True)) as addr:
+        rc, out, _ = await run_cli(capsys, "subscribe", "gen", "--relay", addr, "--verify",
+                                   "--json", "--silence-s", "0.2", "--duration", "1")  # fmt: skip
+    lines = jsonl(out)
+    assert [x["stream_end"] for x in lines if "stream_end" in x][:1] == ["silent"], out
+    assert lines[-1]["verdict"] == "fail" and lines[-1]["violations"] == 0, out
+    assert lines[-1]["problems"] >= 1 and rc == 1, out
+
+
 def _closed_port() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

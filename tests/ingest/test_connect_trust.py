@@ -556,6 +556,35 @@ async def test_a_restarted_ipc_engine_is_a_new_incarnation_not_a_stranger(
         await src.stop()
 
 
+async def test_processes_taking_turns_on_a_member_log_its_new_process_once(
+    ctx: zmq.asyncio.Context,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Each new process is a reset (counted); ``connect_member_new_process`` comes at most once
+    per 10 s, saying how many went unlogged: processes taking turns would log every message."""
+    import structlog
+
+    sink = Sink()
+    spec = ConnectSpec(
+        bind=(f"ipc://{tmp_path}/kv.sock",), pattern=TopicPattern("kv@{engine}@{model}"),
+        kv_block_size=4, model="m",
+    )  # fmt: skip
+    src = ConnectSource(spec, sink, context=ctx)
+    await src.start()
+    try:
+        ep = src.endpoints[0]
+        with structlog.testing.capture_logs() as logs:
+            for tag in (1, 2, 3):
+                await _process_pub(ep, "kv@pod-a@m", range(tag - 1, tag), tag=tag)
+                await until(lambda t=tag: len(sink.batches()) == t, 10)  # type: ignore[misc]
+        member = src._members[("pod-a", 0)].counters
+        assert member.incarnations_detected == 2
+        lines = [e for e in logs if e["event"] == "connect_member_new_process"]
+        assert len(lines) == 1 and lines[0]["not_logged"] == 0, lines
+    finally:
+        await src.stop()
+
+
 async def test_ipv4_mapped_spellings_in_allow_and_addresses_match_ipv4_publishers(
     ctx: zmq.asyncio.Context,  # noqa: F811
 ) -> None:

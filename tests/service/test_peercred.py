@@ -85,6 +85,53 @@ async def test_a_peer_of_another_user_is_refused_before_http2_starts() -> None:
             os.rmdir(d)
 
 
+LOOP = r"""
+import socket, sys
+for _ in range(int(sys.argv[2])):
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(10)
+    s.connect(sys.argv[1])
+    try:
+        s.recv(1)  # b"": closed by the server
+    except ConnectionError:
+        pass
+    s.close()
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists("/usr/bin/python3") or SETPRIV is None,
+    reason="needs root and setpriv (util-linux) to run a client as another user",
+)
+async def test_a_peer_of_another_user_reconnecting_in_a_loop_is_logged_once() -> None:
+    """Each refusal is counted; ``internal_peer_refused`` comes at most once per 10 s."""
+    import asyncio
+
+    import structlog
+
+    server = RelayServer(MemRelayView())
+    d = tempfile.mkdtemp(prefix="kvrelay-peercred-")
+    os.chmod(d, 0o777)
+    path = str(Path(d) / "ingest.sock")
+    await server.start_unix(path)
+    os.chmod(path, 0o777)
+    cmd = [SETPRIV, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+           "/usr/bin/python3", "-c", LOOP, path, "50"]  # fmt: skip
+    try:
+        with structlog.testing.capture_logs() as logs:
+            run = await asyncio.to_thread(
+                subprocess.run, cmd, capture_output=True, text=True, timeout=60
+            )
+        assert run.returncode == 0, run.stderr
+        assert server.peer_check is not None and server.peer_check.refused == 50
+        refused = [e for e in logs if e["event"] == "internal_peer_refused"]
+        assert len(refused) == 1 and refused[0]["uid"] == NOBODY, refused[:3]
+    finally:
+        await server.close(grace_s=0.5)
+        if not os.listdir(d):
+            os.rmdir(d)
+
+
 async def test_the_daemons_internal_socket_directory_is_private(tmp_path: Path) -> None:
     """``WorkerFront`` makes its directory with mode 0700 (under ``$RUNTIME_DIRECTORY``)."""
     from kvrelay.ops.front import private_runtime_dir
