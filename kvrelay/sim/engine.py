@@ -87,7 +87,11 @@ class SimEngine:
     # ---- lifecycle ----
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
-        await self._open_publishers()
+        try:
+            await self._open_publishers()
+        except BaseException:
+            self._drop_context()  # no half-opened engine's sockets left for the collector
+            raise
         if self.cfg.grpc_port is not None and not self.sglang:
             server, self.grpc_port = await start_control_server(self)
             self._grpc = server
@@ -126,8 +130,14 @@ class SimEngine:
             self._metrics = None
         for p in self.publishers:
             await p.close()
+        self._drop_context()
+
+    def _drop_context(self) -> None:
+        """Close the context and any socket of it still open. Never left to the garbage
+        collector: pyzmq's finalizer ends a context whose sockets it can no longer see (they
+        share its reference cycle) with ``term()``, which then waits for them for ever."""
         if self._ctx is not None:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)
             self._ctx = None
 
     async def wait_subscribed(self, timeout: float = 10.0) -> None:
