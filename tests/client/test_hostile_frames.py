@@ -9,19 +9,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
-from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
-from kvrelay.client import ClientConfig, RelayClient
+from kvrelay.client import RelayClient
 from kvrelay.client.views import PoolKey
 from kvrelay.publication import cbi1
 from tests.support import scripted_relay as S
 from tests.support.timing import scaled
 
-FAST = ClientConfig(backoff_initial_s=0.01, backoff_max_s=0.05)
 BIG = 1 << 20  # two chunks of 524,288 buckets
 BIG_PROD = S.producer()
 assert BIG_PROD.ckf_format is not None
@@ -43,27 +41,12 @@ def big_delta(base: int, seq: int) -> pb.FilterUpdate:
     return S.frame(2, base, seq, payload, prod=BIG_PROD)
 
 
-@contextlib.asynccontextmanager
-async def big_relay(*scripts: S.Script) -> AsyncIterator[tuple[S.ScriptedRelay, RelayClient,
-                                                                PoolKey]]:  # fmt: skip
+def big_relay(*scripts: S.Script) -> contextlib.AbstractAsyncContextManager[
+        tuple[S.ScriptedRelay, RelayClient, PoolKey]]:  # fmt: skip
+    """The scripted relay serving the big lane (its default: a snapshot at 10, a delta)."""
     relay = S.ScriptedRelay(catalog=[S.descriptor(BIG_PROD)])
     relay.default = lambda: S.Script([*big_chunks(10), big_delta(10, 11)], hold=True)
-    relay.scripts.extend(scripts)
-    server = await S.serve(relay)
-    addr = f"127.0.0.1:{S.port_of(server)}"
-    client = RelayClient([addr], config=FAST)
-    await client.start()
-    try:
-        yield relay, client, PoolKey(addr, "ns", "be", "gen")
-    finally:
-        await client.close()
-        server.close()
-        await server.wait_closed()
-
-
-def installed_at(client: RelayClient, key: PoolKey, seq: int) -> bool:
-    st = client.replica_stats().get(key)
-    return st is not None and st.installed and st.sequence == seq
+    return S.scripted(*scripts, relay=relay)
 
 
 MULTI: dict[str, tuple[list[int | str], str]] = {
@@ -91,7 +74,7 @@ async def test_two_chunk_snapshot_violations(case: str) -> None:
         else:
             frames.append(chunks[int(p)])
     async with big_relay(S.Script(frames, hold=True)) as (relay, client, key):
-        assert await client.wait_for(lambda: installed_at(client, key, 11), scaled(10)), case
+        assert await client.wait_for(lambda: S.installed_at(client, key, 11), scaled(10)), case
         st = client.replica_stats()[key]
         assert st.drops == {reason: 1}, st.drops
         assert relay.subscriptions == 2
@@ -112,13 +95,13 @@ async def test_a_resubscription_never_exposes_a_half_assembled_snapshot() -> Non
         assert not st.installed and st.drops == {"sequence_gap": 1}
         assert key not in client.contains([1, 2, 3])
         gate.set()
-        assert await client.wait_for(lambda: installed_at(client, key, 8), scaled(10))
+        assert await client.wait_for(lambda: S.installed_at(client, key, 8), scaled(10))
         assert key in client.contains([1, 2, 3])
 
 
 async def test_a_clean_end_mid_snapshot_is_an_invalidation() -> None:
     async with big_relay(S.Script(big_chunks(5)[:1])) as (_relay, client, key):
-        assert await client.wait_for(lambda: installed_at(client, key, 11), scaled(10))
+        assert await client.wait_for(lambda: S.installed_at(client, key, 11), scaled(10))
         assert client.replica_stats()[key].drops == {"eof": 1}
 
 
@@ -165,11 +148,11 @@ async def test_more_violations_after_the_install(reason: str) -> None:
     relay.scripts.append(S.Script(frames, hold=True))
     server = await S.serve(relay)
     addr = f"127.0.0.1:{S.port_of(server)}"
-    client = RelayClient([addr], config=FAST)
+    client = RelayClient([addr], config=S.FAST)
     key = PoolKey(addr, "ns", "be", "gen")
     await client.start()
     try:
-        assert await client.wait_for(lambda: installed_at(client, key, 11), scaled(10)), reason
+        assert await client.wait_for(lambda: S.installed_at(client, key, 11), scaled(10)), reason
         assert client.replica_stats()[key].drops == {reason: 1}
     finally:
         await client.close()
@@ -183,11 +166,11 @@ async def test_oversized_messages_drop_and_leave_the_connection_usable() -> None
     relay.scripts.extend(S.Script([*S.snapshot(5), huge], hold=True) for _ in range(3))
     server = await S.serve(relay)
     addr = f"127.0.0.1:{S.port_of(server)}"
-    client = RelayClient([addr], config=FAST)
+    client = RelayClient([addr], config=S.FAST)
     key = PoolKey(addr, "ns", "be", "gen")
     await client.start()
     try:
-        assert await client.wait_for(lambda: installed_at(client, key, 11), scaled(10))
+        assert await client.wait_for(lambda: S.installed_at(client, key, 11), scaled(10))
         # refused from its length prefix (docs/client.md: ``max_message_bytes``), 3 times
         assert client.replica_stats()[key].drops == {"status_resource_exhausted": 3}
         assert relay.subscriptions == 4

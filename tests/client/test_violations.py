@@ -4,55 +4,25 @@ increments the matching counter and the SDK resubscribes to a valid stream."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 
 import pytest
 from grpclib.const import Status
 
-from kvrelay.client import ClientConfig, RelayClient
-from kvrelay.client.views import PoolKey
+from kvrelay.client import ClientConfig
 from tests.support.scripted_relay import (
     OTHER_RELAY,
     RELAY,
     Script,
-    ScriptedRelay,
     corrupt_checksum,
     delta,
     frame,
     half_chunk,
     heartbeat,
-    port_of,
-    serve,
+    installed_at,
+    scripted,
     snapshot,
 )
 from tests.support.timing import scaled
-
-FAST = ClientConfig(backoff_initial_s=0.01, backoff_max_s=0.05)
-
-
-@contextlib.asynccontextmanager
-async def scripted(
-    *scripts: Script, config: ClientConfig = FAST
-) -> AsyncIterator[tuple[ScriptedRelay, RelayClient, PoolKey]]:
-    relay = ScriptedRelay()
-    relay.scripts.extend(scripts)
-    server = await serve(relay)
-    addr = f"127.0.0.1:{port_of(server)}"
-    client = RelayClient([addr], config=config)
-    await client.start()
-    try:
-        yield relay, client, PoolKey(addr, "ns", "be", "gen")
-    finally:
-        await client.close()
-        server.close()
-        await server.wait_closed()
-
-
-def installed_at(client: RelayClient, key: PoolKey, seq: int) -> bool:
-    st = client.replica_stats().get(key)
-    return st is not None and st.installed and st.sequence == seq
-
 
 CASES = {
     "sequence_gap": [*snapshot(5), delta(6, 7)],

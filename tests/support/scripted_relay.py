@@ -8,9 +8,10 @@ default stream that stays open). Errors end a stream with the contract trailer, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,8 @@ from grpclib.const import Cardinality, Handler, Status
 from grpclib.server import Server, Stream
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.client import ClientConfig, RelayClient
+from kvrelay.client.views import PoolKey
 from kvrelay.publication import cbi1
 
 MARKER = 0x4B565231
@@ -241,3 +244,33 @@ async def serve(relay: ScriptedRelay) -> Server:
 def port_of(server: Server) -> int:
     assert server._server is not None
     return int(server._server.sockets[0].getsockname()[1])
+
+
+#: An SDK that resubscribes at once: the tests' back-off.
+FAST = ClientConfig(backoff_initial_s=0.01, backoff_max_s=0.05)
+
+
+@contextlib.asynccontextmanager
+async def scripted(
+    *scripts: Script, config: ClientConfig = FAST, relay: ScriptedRelay | None = None
+) -> AsyncIterator[tuple[ScriptedRelay, RelayClient, PoolKey]]:
+    """``relay`` (a default one if None) with ``scripts`` queued, served on loopback, and an SDK
+    client of it: ``(relay, client, the pool's key)``."""
+    relay = relay if relay is not None else ScriptedRelay()
+    relay.scripts.extend(scripts)
+    server = await serve(relay)
+    addr = f"127.0.0.1:{port_of(server)}"
+    client = RelayClient([addr], config=config)
+    await client.start()
+    try:
+        yield relay, client, PoolKey(addr, "ns", "be", "gen")
+    finally:
+        await client.close()
+        server.close()
+        await server.wait_closed()
+
+
+def installed_at(client: RelayClient, key: PoolKey, seq: int) -> bool:
+    """The client holds the pool's replica installed at ``seq``."""
+    st = client.replica_stats().get(key)
+    return st is not None and st.installed and st.sequence == seq
