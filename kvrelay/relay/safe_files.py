@@ -118,22 +118,7 @@ def remove_stale_temps(directory: Path, name: str) -> int:
     the writer, however it ends, in whatever pid namespace it ran). A second relay started on
     the same state directory used to remove the running one's file mid-write, and that
     checkpoint then failed at its rename (``ENOENT``)."""
-    n = 0
-    for p in directory.glob(f".{name}.*{TEMP_SUFFIX}"):
-        try:
-            if stat.S_ISREG(p.lstat().st_mode):
-                fd = os.open(p, READ_FLAGS)  # a link put there meanwhile: ELOOP, left
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: its writer is alive
-                    p.unlink()
-                finally:
-                    os.close(fd)
-            else:  # no writer's (a planted link or FIFO): removed, never opened
-                p.unlink()
-            n += 1
-        except OSError:
-            continue
-    return n
+    return _remove_temps(directory, name, lambda _writer: True)
 
 
 def remove_dead_temps(directory: Path, name: str) -> int:
@@ -143,7 +128,8 @@ def remove_dead_temps(directory: Path, name: str) -> int:
     writer's file is left alone. Without it, a writer killed outright after a hand-over left a
     file the size of a pool's state until the next start, and a state directory sized for two
     files then failed every checkpoint of the new process. A pid this process cannot see (a
-    writer in another PID namespace) counts as dead, as at a start."""
+    writer in another PID namespace) counts as dead, as at a start, unless its writer still
+    holds the file's lock."""
 
     def dead(writer: str) -> bool:
         return is_decimal(writer) and int(writer) != os.getpid() and not _alive(int(writer))
@@ -153,13 +139,23 @@ def remove_dead_temps(directory: Path, name: str) -> int:
 
 def _remove_temps(directory: Path, name: str, remove: Callable[[str], bool]) -> int:
     """Unlink the temporary files of ``name`` whose writer field (the pid in the name) passes
-    ``remove``; returns how many."""
+    ``remove`` and whose lock no writer holds (:func:`create_temp`); returns how many. What is
+    no regular file at such a name (a planted link or FIFO) is no writer's: removed, never
+    opened."""
     n = 0
     for p in directory.glob(f".{name}.*{TEMP_SUFFIX}"):
         if not remove(p.name[len(name) + 2 :].split(".", 1)[0]):
             continue
         try:
-            p.unlink()
+            if stat.S_ISREG(p.lstat().st_mode):
+                fd = os.open(p, READ_FLAGS)  # a link put there meanwhile: ELOOP, left
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: its writer is alive
+                    p.unlink()
+                finally:
+                    os.close(fd)
+            else:
+                p.unlink()
             n += 1
         except OSError:
             continue

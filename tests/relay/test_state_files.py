@@ -5,6 +5,7 @@ refused unread, bounded memory, and a file that could not be read is not deleted
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -244,13 +245,22 @@ def test_a_killed_writers_temporary_file_goes_at_the_next_save_a_live_ones_stays
         dead_tmp = tmp_path / f".{path.name}.{gone.pid}.aaaaaaaaaaaa{safe_files.TEMP_SUFFIX}"
         live_tmp = tmp_path / f".{path.name}.{live.pid}.bbbbbbbbbbbb{safe_files.TEMP_SUFFIX}"
         other = tmp_path / f".pool-other{handover.SUFFIX}.{gone.pid}.cccc{safe_files.TEMP_SUFFIX}"
-        for p in (dead_tmp, live_tmp, other):
+        # a pid this process cannot see (another PID namespace's writer) whose writer holds the
+        # file's lock, as ``create_temp`` takes it
+        held = tmp_path / f".{path.name}.{gone.pid}.dddddddddddd{safe_files.TEMP_SUFFIX}"
+        for p in (dead_tmp, live_tmp, other, held):
             p.write_bytes(b"x" * 4096)
+        lock = os.open(held, os.O_RDONLY)
+        fcntl.flock(lock, fcntl.LOCK_EX)
         pool = Pool(1 << 12, 7, 1, 1)
         ident = PoolIdentity(model="m", model_source="m", block_size=1)
-        handover.save(tmp_path, SPEC, ident, pool, [])
+        try:
+            handover.save(tmp_path, SPEC, ident, pool, [])
+        finally:
+            os.close(lock)
         assert not dead_tmp.exists(), "a dead writer's temporary file is removed"
         assert live_tmp.exists(), "a live writer's is not"
+        assert held.exists(), "nor one whose writer holds its lock"
         assert other.exists(), "nor another pool's (its own saves see to it)"
         assert path.exists()
     finally:
