@@ -99,6 +99,13 @@ def _read_outcome(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
+def drop(waiting: asyncio.Future[Any]) -> None:
+    """Give up a wait: cancelled if still pending, and its outcome read whenever it ends (an
+    error it ended with, a plane's end say, is never "never retrieved")."""
+    waiting.cancel()
+    waiting.add_done_callback(_read_outcome)
+
+
 class GiveUpUnwritten:
     """One task's sends on a stream, each of which may be given up while it has written nothing
     of its message: HTTP/2 flow control holds DATA, never HEADERS, so a stream that ends while

@@ -56,6 +56,8 @@ from kvrelay.publication.plane import PlaneEnded
 from kvrelay.publication.splice import FilterUpdateEncoder
 
 _log = get_logger(__name__)
+#: ``PlaneEnded``'s message for an admission the upstream's drain ended.
+DRAINED = "the upstream shut down during admission"
 _GONE = frozenset({int(Reason.POOL_NOT_FOUND), int(Reason.PRODUCER_CHANGED)})
 VOUCH_SLACK_S = 0.25
 #: While local joiners need spacing, the request to the upstream is renewed this often (it
@@ -228,11 +230,15 @@ class MirrorPool:
     ) -> Subscription:
         loop = asyncio.get_running_loop()
         clean_ends = self._clean_ends
+
+        def drained() -> bool:  # the upstream ended a stream cleanly since this admission began
+            return self._clean_ends != clean_ends and not self.withdrawn
+
         while True:
             if self.withdrawn:
                 raise RelayError.publication_unavailable(WITHDRAWN)
-            if self._clean_ends != clean_ends:
-                raise PlaneEnded("the upstream shut down during admission")
+            if drained():
+                raise PlaneEnded(DRAINED)
             state, hub = self.state, self.hub
             if state in (PoolState.FAILED, PoolState.GONE):
                 err = self.error or RelayError.publication_unavailable("pool not mirrored")
@@ -242,13 +248,13 @@ class MirrorPool:
                     try:
                         sub = await hub.subscribe(on_release)  # may wait for a snapshot slot
                     except RelayError:
-                        if self._clean_ends != clean_ends and not self.withdrawn:
-                            raise PlaneEnded("the upstream shut down during admission") from None
+                        if drained():
+                            raise PlaneEnded(DRAINED) from None
                         raise
                     if hub.retired or self.withdrawn:
                         sub.close()
-                        if self._clean_ends != clean_ends and not self.withdrawn:
-                            raise PlaneEnded("the upstream shut down during admission")
+                        if drained():
+                            raise PlaneEnded(DRAINED)
                         raise RelayError.publication_unavailable(
                             WITHDRAWN if self.withdrawn
                             else "upstream stream ended during admission"

@@ -23,7 +23,7 @@ from grpclib.events import SendTrailingMetadata, listen
 from grpclib.exceptions import GRPCError
 from grpclib.server import Stream
 
-from kvrelay._aio import NextTime
+from kvrelay._aio import NextTime, drop
 from kvrelay._grpc import closed_streams_bound
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.errors import RelayError
@@ -227,7 +227,7 @@ class KvEventRelayService:
                     return_when=asyncio.FIRST_COMPLETED,
                 )  # fmt: skip
             finally:
-                _dropped(newer)
+                drop(newer)
 
     def may_space(self, stream: Stream[Any, Any]) -> bool:
         """Whether this stream's client may ask for publication spacing (no rules: anyone);
@@ -848,14 +848,6 @@ async def _outrun(plane: Plane[Any], version: int, max_gap: int | None) -> NoRet
         newest, _ = await plane.wait_newer(newest)
         if max_gap is not None and newest - version > max_gap:
             raise _lagged(newest - version, max_gap)
-
-
-def _dropped(waiting: asyncio.Future[Any]) -> None:
-    """A wait given up: cancelled, or its outcome (a plane's end) read."""
-    if not waiting.done():
-        waiting.cancel()
-    elif not waiting.cancelled():
-        waiting.exception()
 
 
 def _abandon(opening: asyncio.Future[Subscription]) -> None:
