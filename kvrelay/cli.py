@@ -400,7 +400,7 @@ def _reload(args: argparse.Namespace) -> int:
     import time
 
     from kvrelay.ops.config import check_file
-    from kvrelay.ops.reload import read_pid_file, reload_counts, reload_report
+    from kvrelay.ops.reload import read_pid_file, reload_report
 
     path = args.config
     if not path:
@@ -417,7 +417,7 @@ def _reload(args: argparse.Namespace) -> int:
         _fail(f"kvrelay reload: {exc}")
         return EXIT_USAGE
     metrics = cfg.metrics
-    before = reload_counts(metrics.host, metrics.port) if metrics.enabled else None
+    before = reload_report(metrics.host, metrics.port) if metrics.enabled else None
     try:
         os.kill(pid, signal.SIGHUP)
     except OSError as exc:
@@ -434,7 +434,7 @@ def _reload(args: argparse.Namespace) -> int:
         if report is None:
             continue
         for result in ("applied", "rejected", "failed"):
-            if report.counts.get(result, 0) > before.get(result, 0):
+            if report.counts.get(result, 0) > before.counts.get(result, 0):
                 if result == "applied":  # all it could: what waits for a restart is named
                     pending = ", ".join(report.restart_pending)
                     print("kvrelay reload: applied" + (

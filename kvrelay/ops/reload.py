@@ -208,12 +208,6 @@ def reload_report(host: str, port: int, timeout: float = 2.0) -> ReloadReport | 
     return ReloadReport(counts, tuple(pending)) if counts else None
 
 
-def reload_counts(host: str, port: int, timeout: float = 2.0) -> dict[str, int] | None:
-    """Reload outcomes from the relay's ``/metrics`` (None when it cannot be read)."""
-    report = reload_report(host, port, timeout)
-    return None if report is None else report.counts
-
-
 #: A pid file holds one decimal PID and a newline; anything longer is not one.
 _PID_FILE_MAX = 32
 

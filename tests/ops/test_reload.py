@@ -27,7 +27,7 @@ from benchmarks._common import free_port
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.ops.config import load_config
 from kvrelay.ops.daemon import Daemon
-from kvrelay.ops.reload import ReloadReport, reload_counts, reload_report
+from kvrelay.ops.reload import ReloadReport, reload_report
 from kvrelay.ops.sdnotify import Notifier
 from kvrelay.ops.tls import client_ssl_context
 from kvrelay.sim.config import SimConfig
@@ -152,13 +152,15 @@ async def test_reload_adds_an_engine_without_a_resnapshot_and_refuses_bad_files(
             cfg.write_text(good.replace("discovery_interval_s", "discovery_intervall_s"))
             rc, out = await _reload_cli(cfg, pid_file)
             assert rc == 2 and "discovery_intervall_s" in out and "not signalled" in out, out
-            assert reload_counts("127.0.0.1", metrics) == {"applied": 1, "rejected": 0,
-                                                           "failed": 0}  # fmt: skip
+            report = reload_report("127.0.0.1", metrics)
+            assert report is not None
+            assert report.counts == {"applied": 1, "rejected": 0, "failed": 0}
 
             # ---- a bare SIGHUP with that file: the daemon rejects it, keeps running
             proc.send_signal(signal.SIGHUP)
             await eventually(
-                lambda: (reload_counts("127.0.0.1", metrics) or {}).get("rejected") == 1,
+                lambda: (r := reload_report("127.0.0.1", metrics)) is not None
+                and r.counts.get("rejected") == 1,
                 what="the daemon counted the rejected reload",
             )
             await notes.wait_for("READY=1", count=3)
