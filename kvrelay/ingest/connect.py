@@ -278,7 +278,7 @@ class ConnectSource:
         self._conns: dict[int, bool] = {}
         self.connections = 0  # open connections that count against ``max_connections``
         self.zap_enforced = False  # ZMQ_ZAP_ENFORCE_DOMAIN set: no handler, no handshake
-        self._refusals: dict[str, tuple[float, int]] = {}  # reason → (last logged, since)
+        self._refusal_log = LogThrottle(REFUSAL_LOG_S)  # ``connect_handshake_refused``, by reason
         # per member: a peer alternating two processes would log one at every message
         self._process_log = LogThrottle()
 
@@ -439,15 +439,11 @@ class ConnectSource:
 
     def _refused(self, reason: str, address: str) -> None:
         """Log a refusal at most every ``REFUSAL_LOG_S`` per reason, with the count since."""
-        now = time.monotonic()
-        last, since = self._refusals.get(reason, (-REFUSAL_LOG_S, 0))
-        since += 1
-        if now - last < REFUSAL_LOG_S:
-            self._refusals[reason] = (last, since)
+        not_logged = self._refusal_log.due(reason)
+        if not_logged is None:
             return
-        self._refusals[reason] = (now, 0)
         self._log.warning(
-            "connect_handshake_refused", reason=reason, address=address, refused=since,
+            "connect_handshake_refused", reason=reason, address=address, refused=not_logged + 1,
             connections=self.connections, limit=self.max_connections,
         )  # fmt: skip
 

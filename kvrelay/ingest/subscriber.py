@@ -142,8 +142,7 @@ class Subscriber:
         self.connected = False
         self._connected_at = 0.0
         self._messages_at_connect = 0
-        self._reconnect_logged_at: float | None = None
-        self._reconnects_unlogged = 0
+        self._reconnect_log = LogThrottle(RECONNECT_LOG_S)  # ``source_reconnected``
         self.disconnected_since: float | None = time.monotonic()
         self.last_message_at: float | None = None
         self.failure: BaseException | None = None
@@ -443,15 +442,10 @@ class Subscriber:
         """``source_reconnected`` at most once per ``RECONNECT_LOG_S`` per source, with how many
         reconnects the lines in between would have been (a peer that accepts and drops
         connections reconnects several times a second)."""
-        now = time.monotonic()
-        last = self._reconnect_logged_at
-        if last is not None and now - last < RECONNECT_LOG_S:
-            self._reconnects_unlogged += 1
-            return
-        self._reconnect_logged_at = now
-        self._log.info("source_reconnected", next_seq=self._next,
-                       reconnects_not_logged=self._reconnects_unlogged)  # fmt: skip
-        self._reconnects_unlogged = 0
+        not_logged = self._reconnect_log.due("source_reconnected")
+        if not_logged is not None:
+            self._log.info("source_reconnected", next_seq=self._next,
+                           reconnects_not_logged=not_logged)  # fmt: skip
 
     # ---- live path ------------------------------------------------------------------------
     def _check(self, frames: list[bytes]) -> tuple[int, bytes, bool]:
