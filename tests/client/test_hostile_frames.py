@@ -144,37 +144,16 @@ CASES = {
 @pytest.mark.parametrize("reason", sorted(CASES))
 async def test_more_violations_after_the_install(reason: str) -> None:
     frames = [*S.snapshot(5), CASES[reason]] if reason != "snapshot_sequence" else [CASES[reason]]
-    relay = S.ScriptedRelay()
-    relay.scripts.append(S.Script(frames, hold=True))
-    server = await S.serve(relay)
-    addr = f"127.0.0.1:{S.port_of(server)}"
-    client = RelayClient([addr], config=S.FAST)
-    key = PoolKey(addr, "ns", "be", "gen")
-    await client.start()
-    try:
+    async with S.scripted(S.Script(frames, hold=True)) as (_relay, client, key):
         assert await client.wait_for(lambda: S.installed_at(client, key, 11), scaled(10)), reason
         assert client.replica_stats()[key].drops == {reason: 1}
-    finally:
-        await client.close()
-        server.close()
-        await server.wait_closed()
 
 
 async def test_oversized_messages_drop_and_leave_the_connection_usable() -> None:
     huge = S.frame(3, 5, 5, bytes(9 << 20))
-    relay = S.ScriptedRelay()
-    relay.scripts.extend(S.Script([*S.snapshot(5), huge], hold=True) for _ in range(3))
-    server = await S.serve(relay)
-    addr = f"127.0.0.1:{S.port_of(server)}"
-    client = RelayClient([addr], config=S.FAST)
-    key = PoolKey(addr, "ns", "be", "gen")
-    await client.start()
-    try:
+    scripts = [S.Script([*S.snapshot(5), huge], hold=True) for _ in range(3)]
+    async with S.scripted(*scripts) as (relay, client, key):
         assert await client.wait_for(lambda: S.installed_at(client, key, 11), scaled(10))
         # refused from its length prefix (docs/client.md: ``max_message_bytes``), 3 times
         assert client.replica_stats()[key].drops == {"status_resource_exhausted": 3}
         assert relay.subscriptions == 4
-    finally:
-        await client.close()
-        server.close()
-        await server.wait_closed()

@@ -376,6 +376,14 @@ async def test_a_curve_socket_takes_only_publishers_that_encrypt_to_it(
         await src.stop()
 
 
+def _ipc_spec(tmp_path: Path, **kw: Any) -> ConnectSpec:
+    """A connect endpoint on an IPC socket under ``tmp_path`` (topics ``kv@{engine}@{model}``)."""
+    return ConnectSpec(
+        bind=(f"ipc://{tmp_path}/kv.sock",), pattern=TopicPattern("kv@{engine}@{model}"),
+        kv_block_size=4, model="m", **kw,
+    )  # fmt: skip
+
+
 async def test_ipc_publishers_are_trusted_by_the_socket_files_permissions(
     ctx: zmq.asyncio.Context,  # noqa: F811
     tmp_path: Path,
@@ -383,10 +391,7 @@ async def test_ipc_publishers_are_trusted_by_the_socket_files_permissions(
     """An IPC peer has no IP address (libzmq names it ``localhost:uid:gid:pid``): ``allow`` does
     not apply to it, at the handshake or per message, and it counts against the limit."""
     sink = Sink()
-    spec = ConnectSpec(
-        bind=(f"ipc://{tmp_path}/kv.sock",), pattern=TopicPattern("kv@{engine}@{model}"),
-        kv_block_size=4, model="m", allow=("10.99.0.0/16",),
-    )  # fmt: skip
+    spec = _ipc_spec(tmp_path, allow=("10.99.0.0/16",))
     src = ConnectSource(spec, sink, context=ctx)
     await src.start()
     try:
@@ -526,10 +531,7 @@ async def test_a_restarted_ipc_engine_is_a_new_incarnation_not_a_stranger(
     for good. Now it is taken at once, as a new incarnation: reset, then its own baseline, even
     where its sequence happens to continue the old one's (3, 4 after 0..2)."""
     sink = Sink()
-    spec = ConnectSpec(
-        bind=(f"ipc://{tmp_path}/kv.sock",), pattern=TopicPattern("kv@{engine}@{model}"),
-        kv_block_size=4, model="m",
-    )  # fmt: skip
+    spec = _ipc_spec(tmp_path)
     src = ConnectSource(spec, sink, context=ctx)
     await src.start()
     try:
@@ -565,10 +567,7 @@ async def test_processes_taking_turns_on_a_member_log_its_new_process_once(
     import structlog
 
     sink = Sink()
-    spec = ConnectSpec(
-        bind=(f"ipc://{tmp_path}/kv.sock",), pattern=TopicPattern("kv@{engine}@{model}"),
-        kv_block_size=4, model="m",
-    )  # fmt: skip
+    spec = _ipc_spec(tmp_path)
     src = ConnectSource(spec, sink, context=ctx)
     await src.start()
     try:
