@@ -59,6 +59,13 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_port_block(1, host=host)
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> tuple[int, ...]:
+    """``n`` distinct free ports (a block of them): two ``free_port()`` calls may pick the same
+    port, and a relay given one port for gRPC and metrics fails to start."""
+    base = free_port_block(n, host=host)
+    return tuple(range(base, base + n))
+
+
 def process_cpu_clock(pid: int) -> int:
     """The clock id of another process's CPU time (what ``clock_getcpuclockid(3)`` returns on
     Linux: ``CPUCLOCK_SCHED`` of the whole thread group, ``(~pid << 3) | 2``).

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import ROOT, free_port, machine, results_dir, write_json
+from benchmarks._common import ROOT, free_ports, machine, results_dir, write_json
 from kvrelay.client import ClientConfig, RelayClient
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
@@ -95,7 +95,7 @@ async def _run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         await e.start()
     work = Path(tempfile.mkdtemp(prefix="kvrelay-restart-"))
     state_dir = str(work / "state") if mode == "state_dir" else ""
-    grpc, metrics = free_port(), free_port()
+    grpc, metrics = free_ports(2)
     cfg = work / "kvrelay.toml"
     cfg.write_text(_config(grpc, metrics, engines, state_dir))
     notify = Notify(work / "notify.sock")

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._common import ROOT, free_port, machine, results_dir, spread, write_json
+from benchmarks._common import ROOT, free_ports, machine, results_dir, spread, write_json
 from benchmarks.bench_restart import Notify, _config
 from kvrelay.client import ClientConfig, RelayClient
 from kvrelay.sim.config import SimConfig
@@ -83,7 +83,7 @@ async def _run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     for e in engines:
         await e.start()
     work = Path(tempfile.mkdtemp(prefix="kvrelay-upgrade-bench-"))
-    grpc, metrics = free_port(), free_port()
+    grpc, metrics = free_ports(2)
     cfg = work / "kvrelay.toml"
     workers = 2 if mode.endswith("_workers2") else 1
     cfg.write_text(_config(grpc, metrics, engines, str(work / "state"), workers))

@@ -32,7 +32,7 @@ from benchmarks._common import (
     PY,
     RESULTS,
     WORK,
-    free_port,
+    free_ports,
     machine,
     percentiles,
     results_dir,
@@ -130,7 +130,7 @@ def _wait_port(port: int, timeout: float) -> None:
 
 def mirror_hop(fleet: Fleet, seconds: float, rate: float = HOP_RATE) -> dict[str, Any]:
     """A ``kvrelay mirror`` process in front of ``fleet``'s relay: added latency per delta."""
-    port, mport = free_port(), free_port()
+    port, mport = free_ports(2)
     mirror = Proc("hop-mirror", [PY, "-m", "kvrelay", "mirror", "--upstream",
                                  f"127.0.0.1:{fleet.port}", "--bind", f"127.0.0.1:{port}",
                                  "--metrics-bind", f"127.0.0.1:{mport}"])  # fmt: skip

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from grpclib.client import Channel
 
-from benchmarks._common import free_port
+from benchmarks._common import free_ports
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
 from tests.ops.test_reload import _config, _fingerprints
@@ -62,7 +62,7 @@ async def test_sigkill_mid_traffic_resumes_every_member_from_its_checkpoint(
                                    buffer_steps=BUFFER_STEPS)) for i in range(2)]  # fmt: skip
     for e in engines:
         await e.start()
-    grpc, metrics = free_port(), free_port()
+    grpc, metrics = free_ports(2)
     cfg = tmp_path / "kvrelay.toml"
     state = tmp_path / "state"
     extra = f'state_dir = "{state}"\ncheckpoint_interval_s = 0.5'

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from grpclib.client import Channel
 
-from benchmarks._common import free_port
+from benchmarks._common import free_ports
 from benchmarks.bench_upgrade import Dialer
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
@@ -177,7 +177,7 @@ async def test_hot_upgrade_mid_traffic_loses_nothing_and_never_refuses(
     while the old one still serves, and the old one's exit leaves its runtime directory gone."""
     fleet = Fleet(2, seed=510)
     await fleet.start()
-    grpc, metrics = free_port(), free_port()
+    grpc, metrics = free_ports(2)
     cfg = tmp_path / "kvrelay.toml"
     state = tmp_path / "state"
     pid_file = tmp_path / "kvrelay.pid"
@@ -297,7 +297,7 @@ async def test_a_successor_that_cannot_start_leaves_the_old_process_serving(
     process goes on serving (same incarnation, same pid file), logged and counted."""
     fleet = Fleet(1, seed=530)
     await fleet.start()
-    grpc, metrics = free_port(), free_port()
+    grpc, metrics = free_ports(2)
     cfg = tmp_path / "kvrelay.toml"
     cfg.write_text(_config(grpc, metrics, fleet.engines))
     pid_file = tmp_path / "kvrelay.pid"
@@ -355,7 +355,7 @@ async def test_a_successor_killed_or_given_up_on_leaves_no_directory_behind(
     serves on and saves its own (the successor's file used to overwrite a newer checkpoint)."""
     fleet = Fleet(1, seed=560)
     await fleet.start()
-    grpc, metrics = free_port(), free_port()
+    grpc, metrics = free_ports(2)
     cfg = tmp_path / "kvrelay.toml"
     state = tmp_path / "state"
     tmpdir = tmp_path / "tmp"
@@ -453,7 +453,7 @@ async def test_the_old_process_killed_after_the_cut_leaves_the_successors_state(
     replay buffers long and no periodic checkpoint was written."""
     fleet = Fleet(1, seed=580)
     await fleet.start()
-    grpc, metrics = free_port(), free_port()
+    grpc, metrics = free_ports(2)
     cfg = tmp_path / "kvrelay.toml"
     state, tmpdir = tmp_path / "state", tmp_path / "tmp"
     tmpdir.mkdir()
@@ -550,7 +550,7 @@ async def test_a_mirror_with_a_worker_hot_upgrades_and_never_refuses(tmp_path: P
     engine = SimEngine(SimConfig(name="mu0", seed=540, capacity_blocks=512))
     await engine.start()
     relay, upstream = await start_relay(make_settings([engine]))
-    grpc, metrics = free_port(), free_port()
+    grpc, metrics = free_ports(2)
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     env = clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), TMPDIR=str(tmpdir))

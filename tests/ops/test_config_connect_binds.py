@@ -34,14 +34,30 @@ topic_pattern = "kv@{{engine}}@{{model}}"
 """
 
 
-def _free_port() -> int:
-    """A port free on every address (a wildcard bind of it must not fail for another reason)."""
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on every address (a wildcard bind of one must not fail for
+    another reason). All are held until the last is picked: ports picked one at a time could
+    repeat (the kernel may hand a just-closed port out again), and a relay and metrics port that
+    happen to be equal collide for a reason the test did not mean."""
     family, host = (socket.AF_INET6, "::") if IPV6 else (socket.AF_INET, "0.0.0.0")
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        if IPV6:
-            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    held: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket(family, socket.SOCK_STREAM)
+            held.append(s)
+            if IPV6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in held]
+    finally:
+        for s in held:
+            s.close()
+
+
+def _listeners() -> tuple[int, str, str]:
+    """A port for the binds under test, and a relay and a metrics address on two others."""
+    p, relay, metrics = _free_ports(3)
+    return p, f"127.0.0.1:{relay}", f"127.0.0.1:{metrics}"
 
 
 @contextlib.contextmanager
@@ -128,11 +144,10 @@ def test_check_config_refuses_the_binds_the_os_refuses(
 ) -> None:
     """``tcp://*:5557`` in one pool and ``tcp://127.0.0.1:5557`` in another (or the gRPC port
     as a connect bind) passed ``check-config``, and the later bind failed at start."""
-    p = _free_port()
+    p, relay, metrics = _listeners()
     first, second = first.format(p=p), second.format(p=p)
     setting, _, listen = first.partition("=")
     expected = _collides(listen or first, second)
-    relay, metrics = f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"
     if listen:
         relay = listen if setting == "relay.bind" else relay
         metrics = listen if setting == "metrics.bind" else metrics
@@ -151,10 +166,9 @@ def test_check_config_refuses_the_binds_the_os_refuses(
 
 
 def test_two_binds_of_one_pool(tmp_path: Path) -> None:
-    p = _free_port()
+    p, relay, metrics = _listeners()
     binds = [f"tcp://*:{p}", f"tcp://127.0.0.1:{p}"]
     assert _collides(*binds)
-    relay, metrics = f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"
     errors = _errors(_check(tmp_path, [binds], relay, metrics))
     assert errors == [(
         "pools[0].connect.bind",
@@ -164,8 +178,7 @@ def test_two_binds_of_one_pool(tmp_path: Path) -> None:
 
 
 def test_a_disabled_metrics_listener_binds_nothing(tmp_path: Path) -> None:
-    p = _free_port()
-    relay = f"127.0.0.1:{_free_port()}"
+    p, relay, _ = _listeners()
     problems = _check(
         tmp_path, [[f"tcp://*:{p}"]], relay, f"127.0.0.1:{p}", extra="enabled = false\n"
     )
@@ -177,7 +190,7 @@ def test_one_ipc_path_spelled_two_ways(tmp_path: Path) -> None:
     pool never heard from an engine again (an error at start would have been kinder)."""
     sock = tmp_path / "kv.sock"
     a, b = f"ipc://{sock}", f"ipc://{tmp_path}/./kv.sock"
-    relay, metrics = f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"
+    _, relay, metrics = _listeners()
     errors = _errors(_check(tmp_path, [[a], [b]], relay, metrics))
     assert len(errors) == 1 and errors[0][0] == "pools[1].connect.bind", errors
     assert f"{b} binds what pools[0].connect.bind ({a}) does" in errors[0][1]

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from grpclib.client import Channel
 
-from benchmarks._common import free_port
+from benchmarks._common import free_port, free_ports
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.ops.config import load_config
 from kvrelay.ops.daemon import Daemon
@@ -97,7 +97,7 @@ async def test_reload_adds_an_engine_without_a_resnapshot_and_refuses_bad_files(
     e1 = SimEngine(SimConfig(name="rl1", seed=92, capacity_blocks=128))
     for e in (e0, e1):
         await e.start()
-    grpc, metrics = free_port(), free_port()
+    grpc, metrics = free_ports(2)
     cfg = tmp_path / "kvrelay.toml"
     cfg.write_text(_config(grpc, metrics, [e0]))
     pid_file = tmp_path / "kvrelay.pid"
@@ -314,7 +314,7 @@ async def test_systemctl_restart_under_traffic_keeps_the_filter_complete(tmp_pat
                                    buffer_steps=8)) for i in range(2)]  # fmt: skip
     for e in engines:
         await e.start()
-    grpc, metrics = free_port(), free_port()
+    grpc, metrics = free_ports(2)
     cfg = tmp_path / "kvrelay.toml"
     state = tmp_path / "state"
     cfg.write_text(_config(grpc, metrics, engines, extra=f'state_dir = "{state}"'))

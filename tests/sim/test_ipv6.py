@@ -16,17 +16,24 @@ from tests.support.simwire_reader import recv_frames, wait_live
 from tests.support.timing import scaled
 
 
-def _ipv6_port() -> int | None:
-    """A free port on ``::1``; None without IPv6 loopback."""
+def _ipv6_ports(n: int = 1) -> list[int] | None:
+    """``n`` distinct free ports on ``::1`` (all held until the last is picked: one at a time,
+    the kernel may hand the same port out twice); None without IPv6 loopback."""
+    held: list[socket.socket] = []
     try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+            held.append(s)
             s.bind(("::1", 0))
-            return int(s.getsockname()[1])
+        return [int(s.getsockname()[1]) for s in held]
     except OSError:
         return None
+    finally:
+        for s in held:
+            s.close()
 
 
-pytestmark = pytest.mark.skipif(_ipv6_port() is None, reason="no IPv6 loopback (::1)")
+pytestmark = pytest.mark.skipif(_ipv6_ports() is None, reason="no IPv6 loopback (::1)")
 
 
 @pytest.fixture
@@ -38,8 +45,9 @@ async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
 
 async def test_the_simulator_binds_an_ipv6_literal(zctx: zmq.asyncio.Context) -> None:
     """``bind_host = "[::1]"`` failed at start ("No such device": the PUB never set ZMQ_IPV6)."""
-    pub_port, replay_port = _ipv6_port(), _ipv6_port()
-    assert pub_port is not None and replay_port is not None
+    ports = _ipv6_ports(2)
+    assert ports is not None
+    pub_port, replay_port = ports
     eng = SimEngine(SimConfig(
         name="v6", seed=3, grpc_port=None, metrics_port=None, bind_host="[::1]",
         pub_port=pub_port, replay_port=replay_port, capacity_blocks=32,
