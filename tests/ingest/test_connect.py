@@ -79,7 +79,8 @@ class Pub:
         self.seq = 0
 
     async def ready(self) -> None:
-        assert await self.sock.poll(5000), "the bound SUB's subscription never arrived"
+        ms = int(scaled(5.0) * 1000)
+        assert await self.sock.poll(ms), "the bound SUB's subscription never arrived"
         await self.sock.recv()
 
     async def send(

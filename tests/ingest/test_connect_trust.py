@@ -202,8 +202,10 @@ async def test_connections_past_the_limit_are_refused_and_strangers_do_not_take_
         bind=("tcp://127.0.0.1:0",), pattern=TopicPattern("kv@{engine}@{model}"),
         kv_block_size=4, model="m", allow=("127.0.0.1/32",), max_connections=3,
     )  # fmt: skip
-    # a refused handshake is held until the handshake's time, then the publisher tries again
-    src = ConnectSource(spec, sink, context=ctx, handshake_s=0.3)
+    # A refused handshake is held until the handshake's time, then the publisher tries again.
+    # The silent strangers are closed at that time too: it must outlast the three publishers'
+    # connections (0.3 s did not on a busy machine, and the strangers were gone before they came).
+    src = ConnectSource(spec, sink, context=ctx, handshake_s=scaled(1.0))
     await src.start()
     strangers = []
     try:
