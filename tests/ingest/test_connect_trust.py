@@ -205,7 +205,7 @@ async def test_connections_past_the_limit_are_refused_and_strangers_do_not_take_
     # A refused handshake is held until the handshake's time, then the publisher tries again.
     # The silent strangers are closed at that time too: it must outlast the three publishers'
     # connections (0.3 s did not on a busy machine, and the strangers were gone before they came).
-    src = ConnectSource(spec, sink, context=ctx, handshake_s=scaled(1.0))
+    src = ConnectSource(spec, sink, context=ctx, handshake_s=scaled(0.6))
     await src.start()
     strangers = []
     try:
