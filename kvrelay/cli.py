@@ -424,8 +424,10 @@ def _reload(args: argparse.Namespace) -> int:
         _fail(f"kvrelay reload: cannot signal process {pid}: {exc}")
         return EXIT_FAILURE
     if before is None:
-        print(f"kvrelay reload: SIGHUP sent to {pid}; its metrics endpoint is not readable, "
-              "so the outcome is in its log (config_reloaded / config_reload_rejected)")
+        where = f"{metrics.host}:{metrics.port}" if metrics.enabled else "disabled"
+        print(f"kvrelay reload: SIGHUP sent to {pid}; the file's metrics endpoint ({where}) is "
+              "not readable (a changed [metrics] bind takes effect at the next restart), so the "
+              "outcome is in its log (config_reloaded / config_reload_rejected)")
         return EXIT_OK
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:

@@ -177,11 +177,22 @@ async def test_reload_adds_an_engine_without_a_resnapshot_and_refuses_bad_files(
                 "kvrelay reload: applied; these settings take effect at the next restart: "
                 "relay.bind, relay.dc_name"), out  # fmt: skip
             assert total(await scrape(metrics), "kvrelay_config_restart_pending") == 2
+            # a moved metrics listener: the file's endpoint is not the relay's yet (said so)
+            elsewhere = free_port()
+            cfg.write_text(good.replace(f"127.0.0.1:{metrics}", f"127.0.0.1:{elsewhere}"))
+            rc, out = await _reload_cli(cfg, pid_file)
+            assert rc == 0 and f"metrics endpoint (127.0.0.1:{elsewhere}) is not readable" in out
+            assert "outcome is in its log" in out, out
+            await eventually(
+                lambda: (r := reload_report("127.0.0.1", metrics)) is not None
+                and r.restart_pending == ("metrics",),
+                what="the moved metrics listener waits for a restart",
+            )
             cfg.write_text(good)  # put back: nothing waits any more
             proc.send_signal(signal.SIGHUP)
             await eventually(
                 lambda: reload_report("127.0.0.1", metrics)
-                == ReloadReport({"applied": 3, "rejected": 1, "failed": 0}, ()),
+                == ReloadReport({"applied": 4, "rejected": 1, "failed": 0}, ()),
                 what="the reload that put them back cleared them",
             )
             assert consumer.end is None
