@@ -192,6 +192,8 @@ class Subscriber:
         if resume is not None:
             self._next, self._last, self._dirty = resume[0] + 1, resume, True
         self._ever_connected = False
+        #: a batch (live or replayed) was handled: a later baseline follows a reset, not a join
+        self._applied_any = False
         self._reconnected = False
         self._src: LiveSource | None = None
         self._errors_logged: set[str] = set()
@@ -496,6 +498,15 @@ class Subscriber:
                 self._replay_from = nxt
             return
         if nxt is None:
+            if not self._applied_any and seq > self._start_seq:
+                # The first batch this subscriber takes is its baseline, and the engine numbered
+                # others before it (it published before the relay joined, or its first batches
+                # went out before the subscription reached its PUB): with nothing to replay them,
+                # the member holds only what follows. Counted as a bootstrap replay that started
+                # late is, and as a connect-mode member's first sequence above 0 is.
+                self.counters.missing_history += 1
+                self._log.warning("live_history_missing", first=seq, expected=self._start_seq,
+                                  replay=bool(self.spec.replay_endpoint))  # fmt: skip
             self._apply(seq, payload)
             return
         if seq == nxt:
@@ -605,6 +616,7 @@ class Subscriber:
     def _apply(self, seq: int, payload: bytes) -> None:
         c = self.counters
         self._next = seq + 1
+        self._applied_any = True
         try:
             res = self._decoder.decode(payload, packed=True)
         except DpRankMismatchError as exc:  # another rank's batch: not this member's, dropped

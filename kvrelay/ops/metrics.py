@@ -164,7 +164,9 @@ _SUB_SCALARS: dict[str, tuple[str, str]] = {
     "replays": ("kvrelay_ingest_replays", "Replay requests sent to the engine."),
     "replay_failures": ("kvrelay_ingest_replay_failures", "Replays that timed out or broke."),
     "missing_history": (
-        "kvrelay_ingest_missing_history", "Replays that started later than requested."
+        "kvrelay_ingest_missing_history",
+        "History nothing can give back: a replay that started later than asked, or a first "
+        "batch numbered past the start with nothing to replay what came before.",
     ),
     "reorder_overflows": (
         "kvrelay_ingest_reorder_overflows", "Reorder buffer bound hit while awaiting a replay."

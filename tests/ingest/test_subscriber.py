@@ -217,6 +217,8 @@ async def test_gap_without_replay_endpoint_resets(ctx: zmq.asyncio.Context) -> N
         await until(lambda: 4 in sink.seqs)
         assert_exact(sink, [1, 2, 4])
         assert sink.resets == [ResetReason.GAP_NO_REPLAY] and sub.counters.gaps == 1
+        # joined at 1: batch 0 is history nothing can give back (the gap is not counted again)
+        assert sub.counters.missing_history == 1
     finally:
         await sub.stop()
         await pub.close()
@@ -239,6 +241,7 @@ async def test_sequence_decrease_is_a_new_incarnation(
         assert_exact(sink, [0, 1, 2, 3, 4, 0, 1, 2])
         assert sink.items[5] == ("reset", ResetReason.INCARNATION)
         assert sink.rebuilds == []  # seq 0 arrived live: nothing to rebuild from a replay
+        assert sub.counters.missing_history == 0  # joined at 0; the restart is an incarnation
     finally:
         await sub.stop()
         await pub.close()

@@ -28,6 +28,8 @@ from tests.support.rig import (
     verify,
     wait_live,
 )
+from tests.support.simwire_reader import send_probe
+from tests.support.timing import scaled
 
 READY = pb.ServingReadinessState.READY
 UNAVAILABLE = pb.ServingReadinessState.UNAVAILABLE
@@ -155,16 +157,35 @@ async def test_gap_with_history_gone_is_subset_never_phantom() -> None:
         await consumer.stop()
 
 
+async def _until_heard(r: Rig, eng: SimEngine) -> None:
+    """Until the relay's subscription has reached ``eng``'s PUB. Without a replay, what the
+    engine publishes before that is lost for good (ZeroMQ's slow joiner; the relay counts it as
+    missing history): probes (frames the relay rejects, counted only) until one is counted."""
+    sub = next(iter(r.pool.subscribers.values()))
+    pub = eng.publishers[0]
+
+    async def probe() -> bool:
+        await send_probe(pub)
+        await asyncio.sleep(0.02)
+        return bool(sum(sub.counters.rejections.values()))
+
+    for _ in range(int(scaled(10) / 0.02)):
+        if await probe():
+            return
+    raise AssertionError("the relay's subscription never reached the engine")
+
+
 async def test_replay_endpoint_down_resets_on_gap() -> None:
     cfg = SimConfig(name="n0", seed=14, dp_size=1, capacity_blocks=64, replay_port=None)
     async with rig([cfg]) as r, r.channel() as ch:
         (eng,) = r.engines
         await wait_live(r.relay, 1)
+        await _until_heard(r, eng)
         consumer = await subscribe(r, ch)
         await spread_steps(r.engines, 8)
         await eventually_synced(r)
         sub = next(iter(r.pool.subscribers.values()))
-        assert sub.counters.replays == 0
+        assert sub.counters.replays == 0 and sub.counters.missing_history == 0
         eng.drop_next(2, keep_in_replay=True)  # replayable in principle, but nobody serves it
         dropped = eng.publishers[0].stats.dropped_live
         await step_until(eng, lambda: eng.publishers[0].stats.dropped_live >= dropped + 2)

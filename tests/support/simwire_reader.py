@@ -68,7 +68,7 @@ def is_probe(frames: list[bytes]) -> bool:
     return len(frames) == 3 and frames[1] == PROBE
 
 
-async def _send_probe(pub: RankPublisher) -> bytes:
+async def send_probe(pub: RankPublisher) -> bytes:
     """A probe with a fresh token on ``pub``'s own socket (behind everything it published)."""
     sock = pub._pub
     assert sock is not None, "the publisher is closed"
@@ -99,14 +99,14 @@ async def wait_live(sub: zmq.asyncio.Socket, pub: RankPublisher, timeout: float 
     it sends before it has seen a subscription): probes until one arrives, then drains the rest."""
     deadline = time.monotonic() + scaled(timeout)
     while True:
-        await _send_probe(pub)
+        await send_probe(pub)
         if await sub.poll(50):
             frames = await sub.recv_multipart()
             assert is_probe(frames), f"a batch arrived before the subscription was live: {frames}"
             break
         if time.monotonic() > deadline:
             raise AssertionError(f"no subscription from the SUB reached {pub.endpoint}")
-    stray = await _until_probe(sub, await _send_probe(pub), timeout)
+    stray = await _until_probe(sub, await send_probe(pub), timeout)
     assert stray == [], f"batches arrived while subscribing: {stray}"
 
 
@@ -126,7 +126,7 @@ async def recv_frames(
     sub: zmq.asyncio.Socket, pub: RankPublisher, timeout: float = 10.0
 ) -> list[list[bytes]]:
     """Every message ``pub`` sent to ``sub`` up to now, as raw frames, in order."""
-    return await _until_probe(sub, await _send_probe(pub), timeout)
+    return await _until_probe(sub, await send_probe(pub), timeout)
 
 
 async def recv_all(sub: zmq.asyncio.Socket, pub: RankPublisher, timeout: float = 10.0) -> list[Msg]:
