@@ -7,6 +7,15 @@ configuration tool, ``systemctl kill -s HUP``), a SIGUSR1 or a SIGUSR2 (``kvrela
 ended it by that signal, a SIGTERM without the exit 0 a stop during start-up promises. From the
 first line of the command on, ``hold`` keeps SIGHUP, SIGUSR1 and SIGUSR2 here for the loop to
 act on (``take``), and makes SIGTERM stop the start-up as SIGINT does.
+
+A signal sent to the process reaches one thread of it that does not block it, and Python runs
+its handler only on the main thread, interrupting a blocking call only there. Importing numpy
+starts OpenBLAS's thread pool, which blocks nothing: a SIGTERM the kernel gave to one of those
+threads left the main thread blocked in its read of the configuration (a FIFO, a hung network
+mount) until the read ended, so the stop never came. ``hold`` therefore starts those threads with
+the daemon's signals blocked (threads inherit the mask of the thread that starts them) and only
+then unblocks them on the main thread, which is left as the one thread to deliver them to until
+the event loop (whose wake-up descriptor any thread's delivery reaches) takes over.
 """
 
 from __future__ import annotations
@@ -34,6 +43,12 @@ def hold(*, stop_on_term: bool = True) -> None:
         signal.signal(sig, _keep)
     if stop_on_term:
         signal.signal(signal.SIGTERM, signal.default_int_handler)
+    held = {*KEPT, signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, held)  # one that comes meanwhile waits, pending
+    try:
+        import numpy  # noqa: F401 (the import that starts threads: OpenBLAS's pool)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
 
 
 def take() -> list[signal.Signals]:

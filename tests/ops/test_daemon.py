@@ -382,6 +382,43 @@ async def _reading_its_config(fifo: Path, proc: asyncio.subprocess.Process) -> i
         await asyncio.sleep(0.01)
 
 
+def _blocked(pid: int, tid: int) -> int:
+    """The signal mask of thread ``tid`` of process ``pid`` (``SigBlk`` in its status)."""
+    for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
+        if line.startswith("SigBlk:"):
+            return int(line.split()[1], 16)
+    raise AssertionError("no SigBlk")
+
+
+async def test_only_the_main_thread_takes_a_stop_while_it_reads_its_config(tmp_path: Path) -> None:
+    """numpy's import starts OpenBLAS's threads, which blocked no signal: a SIGTERM the kernel
+    gave to one of them left the main thread in its read of a FIFO ``--config`` (the stop came
+    once the read ended; a run of the test below waited 133 s). They now start with the
+    daemon's signals blocked, and the main thread alone takes them."""
+    fifo = tmp_path / "kvrelay.toml"
+    os.mkfifo(fifo)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvrelay", "serve", "--config", str(fifo), env=clean_env(),
+        cwd=REPO, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    fd = await _reading_its_config(fifo, proc)
+    try:
+        others = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid]
+        assert others, "no other thread: the test proves nothing"
+        held = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2]
+        for tid in others:
+            mask = _blocked(proc.pid, tid)
+            assert all(mask >> (sig - 1) & 1 for sig in held), (tid, hex(mask))
+        assert not _blocked(proc.pid, proc.pid) >> (signal.SIGTERM - 1) & 1
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), scaled(30)) == 0
+    finally:
+        os.close(fd)
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
 async def test_signals_before_the_event_loop_handles_them(tmp_path: Path) -> None:
     """Signals in the first second of ``serve``, while it imports and validates (here held
     there: its ``--config`` is a FIFO the test writes late), before the loop has its handlers.
