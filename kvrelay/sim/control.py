@@ -3,6 +3,7 @@ fallback service that newer vLLM dev revisions use for ``GetKvEventSources``."""
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 import grpclib
@@ -13,6 +14,7 @@ from grpclib.server import Server
 from kvrelay._aio import server_closed
 from kvrelay._proto import vllm as vpb
 from kvrelay.sim.face import EngineFace
+from kvrelay.sim.ports import free_port_block
 
 KV_TRANSFER_PATH = "/vllm.KvTransfer/GetKvEventSources"
 
@@ -180,7 +182,21 @@ async def start_control_server(engine: EngineFace) -> tuple[Server, int]:
         handlers.append(SimKvTransfer(engine))
     server = Server(handlers)
     port = engine.cfg.grpc_port or 0
-    await server.start(engine.cfg.host_ip, port)
+    if port:
+        await server.start(engine.cfg.host_ip, port)
+    else:
+        # A port below the kernel's ephemeral range, not port 0: ``stop_control`` then
+        # ``start_control`` binds the same port again, and one from that range could meanwhile
+        # be any outgoing connection's own port ("address already in use"). Another pick can
+        # take one first: pick again.
+        for attempt in range(20):
+            port = free_port_block(1)
+            try:
+                await server.start(engine.cfg.host_ip, port)
+                break
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE or attempt == 19:
+                    raise
     inner: Any = server._server  # grpclib keeps the asyncio server private
     sockets = inner.sockets if inner is not None else ()
     bound = sockets[0].getsockname()[1] if sockets else port

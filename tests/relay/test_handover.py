@@ -339,9 +339,9 @@ async def test_a_save_while_only_control_is_down_keeps_the_engines_incarnation(
         await eventually(lambda: _exact(r.relay, fleet), what="exact without Control")
     await fleet[1].start_control()
     async with _relay(fleet, settings) as r:
-        await eventually(lambda: _exact(r.relay, fleet) and r.pool.published is not None,
-                         what="exact after the restart")  # fmt: skip
-        assert r.pool.counters.members_resumed == 4
+        await eventually(lambda: _exact(r.relay, fleet) and r.pool.published is not None
+                         and r.pool.counters.members_resumed == 4,
+                         what="exact after the restart, every member resumed")  # fmt: skip
         assert r.pool.counters.member_resets == {}, "every member resumed, none rebuilt"
 
 
@@ -365,9 +365,9 @@ async def test_a_restored_file_stays_until_something_replaces_it(
     for e in fleet:
         await e.start_control()
     async with _relay(fleet, settings) as r:
-        await eventually(lambda: _exact(r.relay, fleet) and r.pool.published is not None,
-                         what="exact from the kept file")  # fmt: skip
-        assert r.pool.counters.members_resumed == 4
+        await eventually(lambda: _exact(r.relay, fleet) and r.pool.published is not None
+                         and r.pool.counters.members_resumed == 4,
+                         what="exact from the kept file, every member resumed")  # fmt: skip
         assert r.pool.counters.member_resets == {}
 
 
