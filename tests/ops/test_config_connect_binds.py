@@ -20,6 +20,7 @@ import zmq
 from kvrelay.ingest.connect import _ipv6_bind
 from kvrelay.ops.config import ConfigProblem, check_file
 from tests.support.ipv6 import IPV6, NEEDS_IPV6
+from tests.support.ports import distinct_ports
 
 POOL = """
 [[pools]]
@@ -34,29 +35,12 @@ topic_pattern = "kv@{{engine}}@{{model}}"
 """
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free on every address (a wildcard bind of one must not fail for
-    another reason). All are held until the last is picked: ports picked one at a time could
-    repeat (the kernel may hand a just-closed port out again), and a relay and metrics port that
-    happen to be equal collide for a reason the test did not mean."""
-    family, host = (socket.AF_INET6, "::") if IPV6 else (socket.AF_INET, "0.0.0.0")
-    held: list[socket.socket] = []
-    try:
-        for _ in range(n):
-            s = socket.socket(family, socket.SOCK_STREAM)
-            held.append(s)
-            if IPV6:
-                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            s.bind((host, 0))
-        return [int(s.getsockname()[1]) for s in held]
-    finally:
-        for s in held:
-            s.close()
-
-
 def _listeners() -> tuple[int, str, str]:
     """A port for the binds under test, and a relay and a metrics address on two others."""
-    p, relay, metrics = _free_ports(3)
+    # free on every address: a wildcard bind of one must not fail for another reason
+    p, relay, metrics = distinct_ports(3, "::", dual_stack=True) if IPV6 else distinct_ports(
+        3, "0.0.0.0"
+    )
     return p, f"127.0.0.1:{relay}", f"127.0.0.1:{metrics}"
 
 

@@ -4,7 +4,6 @@ connecting PUB is checked end to end in ``tests/ingest/test_connect_ipv6.py``.""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator
 
 import pytest
@@ -12,28 +11,12 @@ import zmq
 import zmq.asyncio
 
 from kvrelay.sim import SimConfig, SimEngine
+from tests.support.ipv6 import NEEDS_IPV6
+from tests.support.ports import distinct_ports
 from tests.support.simwire_reader import recv_frames, wait_live
 from tests.support.timing import scaled
 
-
-def _ipv6_ports(n: int = 1) -> list[int] | None:
-    """``n`` distinct free ports on ``::1`` (all held until the last is picked: one at a time,
-    the kernel may hand the same port out twice); None without IPv6 loopback."""
-    held: list[socket.socket] = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-            held.append(s)
-            s.bind(("::1", 0))
-        return [int(s.getsockname()[1]) for s in held]
-    except OSError:
-        return None
-    finally:
-        for s in held:
-            s.close()
-
-
-pytestmark = pytest.mark.skipif(_ipv6_ports() is None, reason="no IPv6 loopback (::1)")
+pytestmark = NEEDS_IPV6
 
 
 @pytest.fixture
@@ -45,9 +28,7 @@ async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
 
 async def test_the_simulator_binds_an_ipv6_literal(zctx: zmq.asyncio.Context) -> None:
     """``bind_host = "[::1]"`` failed at start ("No such device": the PUB never set ZMQ_IPV6)."""
-    ports = _ipv6_ports(2)
-    assert ports is not None
-    pub_port, replay_port = ports
+    pub_port, replay_port = distinct_ports(2, "::1")
     eng = SimEngine(SimConfig(
         name="v6", seed=3, grpc_port=None, metrics_port=None, bind_host="[::1]",
         pub_port=pub_port, replay_port=replay_port, capacity_blocks=32,
