@@ -102,10 +102,15 @@ async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
 
 
 async def source(
-    ctx: zmq.asyncio.Context, sink: Sink, pattern: str = "kv@{engine}@{model}", **kw: Any
+    ctx: zmq.asyncio.Context,
+    sink: Sink,
+    pattern: str = "kv@{engine}@{model}",
+    bind: str = "tcp://127.0.0.1:0",
+    **kw: Any,
 ) -> ConnectSource:
+    """A started connect source on ``bind`` (block size 4, model ``m`` unless given)."""
     spec = ConnectSpec(
-        bind=("tcp://127.0.0.1:0",), pattern=TopicPattern(pattern), kv_block_size=4,
+        bind=(bind,), pattern=TopicPattern(pattern), kv_block_size=4,
         model=kw.pop("model", "m"), **kw,
     )  # fmt: skip
     src = ConnectSource(spec, sink, context=ctx)

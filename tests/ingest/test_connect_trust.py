@@ -378,14 +378,6 @@ async def test_a_curve_socket_takes_only_publishers_that_encrypt_to_it(
         await src.stop()
 
 
-def _ipc_spec(tmp_path: Path, **kw: Any) -> ConnectSpec:
-    """A connect endpoint on an IPC socket under ``tmp_path`` (topics ``kv@{engine}@{model}``)."""
-    return ConnectSpec(
-        bind=(f"ipc://{tmp_path}/kv.sock",), pattern=TopicPattern("kv@{engine}@{model}"),
-        kv_block_size=4, model="m", **kw,
-    )  # fmt: skip
-
-
 async def test_ipc_publishers_are_trusted_by_the_socket_files_permissions(
     ctx: zmq.asyncio.Context,  # noqa: F811
     tmp_path: Path,
@@ -393,9 +385,7 @@ async def test_ipc_publishers_are_trusted_by_the_socket_files_permissions(
     """An IPC peer has no IP address (libzmq names it ``localhost:uid:gid:pid``): ``allow`` does
     not apply to it, at the handshake or per message, and it counts against the limit."""
     sink = Sink()
-    spec = _ipc_spec(tmp_path, allow=("10.99.0.0/16",))
-    src = ConnectSource(spec, sink, context=ctx)
-    await src.start()
+    src = await source(ctx, sink, bind=f"ipc://{tmp_path}/kv.sock", allow=("10.99.0.0/16",))
     try:
         p = Pub(ctx, src.endpoints[0], b"kv@pod-a@m")
         await p.ready()
@@ -533,9 +523,7 @@ async def test_a_restarted_ipc_engine_is_a_new_incarnation_not_a_stranger(
     for good. Now it is taken at once, as a new incarnation: reset, then its own baseline, even
     where its sequence happens to continue the old one's (3, 4 after 0..2)."""
     sink = Sink()
-    spec = _ipc_spec(tmp_path)
-    src = ConnectSource(spec, sink, context=ctx)
-    await src.start()
+    src = await source(ctx, sink, bind=f"ipc://{tmp_path}/kv.sock")
     try:
         ep = src.endpoints[0]
         await _process_pub(ep, "kv@pod-a@m", range(3), tag=1)
@@ -569,9 +557,7 @@ async def test_processes_taking_turns_on_a_member_log_its_new_process_once(
     import structlog
 
     sink = Sink()
-    spec = _ipc_spec(tmp_path)
-    src = ConnectSource(spec, sink, context=ctx)
-    await src.start()
+    src = await source(ctx, sink, bind=f"ipc://{tmp_path}/kv.sock")
     try:
         ep = src.endpoints[0]
         with structlog.testing.capture_logs() as logs:
