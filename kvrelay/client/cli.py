@@ -115,7 +115,8 @@ def add_subcommands(subparsers: Any) -> None:
     src.add_argument("--tokens-file", type=Path, help="file of token ids (list or JSON array)")
     q.add_argument("--lora", default=None, help="LoRA adapter on top of --model")
     q.add_argument("--cache-salt", default=None, help="request cache namespace (salt)")
-    q.add_argument("--window", type=int, default=2, help="verification window (1..8)")
+    q.add_argument("--window", type=int, default=2,
+                   help="deprecated, no effect: every block is probed (1..8 still checked)")
     q.add_argument("--wait", type=float, default=10.0, help="seconds to wait for replicas")
     q.add_argument("--all", action="store_true", help="include pools that are not routable")
     q.set_defaults(client_command="query", client_prog=q.prog)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import ssl as _ssl
 import time
+import warnings
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from types import TracebackType
@@ -28,7 +29,7 @@ from kvrelay.client.connection import PoolFilter, PoolSlot, RelayConnection
 from kvrelay.client.probe import contains
 from kvrelay.client.query import HashCache, QueryPlan, plan_for
 from kvrelay.client.rpc import RelayAddress
-from kvrelay.client.search import prefix_depth
+from kvrelay.client.search import first_miss
 from kvrelay.client.views import (
     LoadView,
     ModelServingView,
@@ -356,9 +357,18 @@ class RelayClient:
         window: int | None = None,
     ) -> dict[PoolKey, int]:
         """Cached prefix depth (in blocks of each pool's own block size) for every installed pool
-        serving ``model``. With ``routable_only`` (default) pools whose topology is not READY
-        (UNKNOWN, UNAVAILABLE, or no readiness stream) are left out."""
-        w = self.config.verification_window if window is None else window
+        serving ``model``: the longest prefix whose blocks are all present. With
+        ``routable_only`` (default) pools whose topology is not READY (UNKNOWN, UNAVAILABLE, or
+        no readiness stream) are left out.
+
+        Every block is probed, so the depth is exact for the filter: a sampled search
+        (``prefix_depth``) would read past a block the relay removed while its children stay.
+        ``window`` is accepted for callers written for the sampled search and has no effect."""
+        if window is not None:
+            warnings.warn(
+                "overlap(window=...) has no effect: every block is probed",
+                DeprecationWarning, stacklevel=2,
+            )  # fmt: skip
         hashes = HashCache(tokens)
         out: dict[PoolKey, int] = {}
         for conn, slot in self._slots():
@@ -372,7 +382,6 @@ class RelayClient:
                 continue
             seq = hashes.get(plan.block_size, plan.eagle, plan.salt(cache_salt))
             # One vectorized probe of every block (a few ns per key in numba) is cheaper from
-            # Python than one kernel call per searched position; the search then reads it.
-            present = contains(replica.table, replica.seed, seq).tolist()
-            out[slot.key] = prefix_depth(len(present), present.__getitem__, w)
+            # Python than one kernel call per searched position, and its first miss is exact.
+            out[slot.key] = first_miss(contains(replica.table, replica.seed, seq))
         return out

@@ -24,7 +24,9 @@ class ClientConfig:
     * backoff: jittered exponential, ``delay = min(max, initial * 2**attempt) * U(1-jitter, 1)``;
       the attempt counter resets after a stream that stayed live 1 s (a pool's from its
       install, the catalog's and a plane's from their first message: ``rpc.Backoff``).
-    * ``verification_window``: linear check below the found boundary (§6.1, 1..8).
+    * ``verification_window``: deprecated, no effect (still checked to be in 1..8, so configs
+      written for it keep loading): ``overlap()`` probes every block and reports the exact
+      longest present prefix; ``prefix_depth`` takes its window as an argument.
     * ``heartbeat_interval_s`` × ``silence_heartbeats``: a pool, readiness, load or serving-load
       stream silent that long (no frame, not even a heartbeat; the relay sends one every 10 s,
       load windows every second; a window plane waits at least three of the windows its updates

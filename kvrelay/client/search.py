@@ -6,14 +6,27 @@ hit and the first miss, then re-checks a short linear window just below the boun
 A false positive at a sampled position can move the boundary past the true depth; the window
 catches the common case where that inflation is only a block or two. Because every position below
 the true (linear) depth answers "present", the search never reports LESS than the linear depth:
-filters have no false negatives, so neither does the search.
+filters have no false negatives, so neither does the search. It reads the boundary right only
+where present positions form a prefix: a hole (a block evicted while the blocks after it stay)
+can be stepped over, so ``RelayClient.overlap``, which has every position's answer at once,
+takes the first miss instead.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+import numpy.typing as npt
+
 Probe = Callable[[int], bool]
+
+
+def first_miss(present: npt.NDArray[np.bool_]) -> int:
+    """The exact depth from every position's answer at once: the first absent position (or
+    the length when all are present)."""
+    absent = np.flatnonzero(~present)
+    return int(absent[0]) if absent.shape[0] else int(present.shape[0])
 
 
 def prefix_depth(n: int, probe: Probe, window: int = 2) -> int:

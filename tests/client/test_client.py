@@ -18,8 +18,9 @@ from kvrelay.client.views import ModelServingView, PoolKey
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.service.server import RelayServer
 from kvrelay.sim.config import SimConfig
+from kvrelay.sim.hashing import dynamo_sequence_hashes
 from kvrelay.sim.wire import Era
-from tests.support.client_stack import Stack, eventually, query_set, stack, truth_depth
+from tests.support.client_stack import BLOCK, Stack, eventually, query_set, stack, truth_depth
 from tests.support.mem_relay import MemRelayView
 from tests.support.timing import scaled
 
@@ -77,6 +78,10 @@ async def test_overlap_never_under_reports_and_over_reports_rarely() -> None:
                     assert set(got) == {key}, (model, got, client.readiness())
                     want = truth_depth(tokens, lora, held)
                     assert got[key] >= want, f"false negative: {got[key]} < {want}"
+                    # the first block the replica's filter lacks, from the oracle's hashes
+                    seq = dynamo_sequence_hashes(tokens, BLOCK, lora_name=lora)
+                    present = [*client.contains(seq)[key].tolist(), False]
+                    assert got[key] == present.index(False), (got[key], present)
                     total += 1
                     over += got[key] > want
                     deep += want > 2
