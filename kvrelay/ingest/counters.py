@@ -29,6 +29,7 @@ class SubscriberCounters:
     gaps: int = 0
     replays: int = 0  # replay requests sent
     replay_failures: int = 0  # timeouts / broken replies
+    replay_gaps: int = 0  # replies that skipped a batch after their first: asked again
     missing_history: int = 0
     resets: int = 0
     reorder_overflows: int = 0

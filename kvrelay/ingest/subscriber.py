@@ -84,6 +84,7 @@ _DONE = 1
 _FAILED = 0
 _RESTARTED = 3  # the replay does not hold the last applied batch: another incarnation
 _UNVOUCHED = 4  # asked to vouch for the last applied batch, the replay did not answer in time
+_GAPPED = 5  # the reply skipped a batch after its first one: asked again from there, once
 
 _NOBLOCK = int(zmq.NOBLOCK)
 #: Replayed batches whose digests are kept while their duplicate window is open (the first
@@ -759,10 +760,18 @@ class Subscriber:
             if verify is not None and verify[0] != start - 1:
                 verify = None  # the last handled batch is not the one before the hole
             outcome = await self._replay_once(
-                start, bootstrap=bootstrap and attempt == 0, verify=verify
-            )
+                start, bootstrap=bootstrap and attempt == 0, verify=verify,
+                retry_gap=attempt == 0,
+            )  # fmt: skip
             if outcome == _ABORTED:
                 return
+            if outcome == _GAPPED:
+                # a reply with a hole after its first batch: the history is there (it came
+                # first), the reply lost some of it (a ROUTER past its send high-water mark
+                # drops what it cannot queue); what was applied stays, the rest is asked again
+                assert self._next is not None
+                start, bootstrap, attempt = self._next, False, attempt + 1
+                continue
             if outcome == _UNVOUCHED and len(self._buf):
                 # the live stream went on meanwhile: no rebuild from 0 (the replay does not
                 # answer); the member goes on from the live stream. Its state is not vouched
@@ -805,8 +814,12 @@ class Subscriber:
         self._jump_hole(ResetReason.GAP_UNRECOVERABLE)
 
     async def _replay_once(
-        self, start: int, *, bootstrap: bool, verify: tuple[int, int] | None = None
-    ) -> int:
+        self, start: int, *, bootstrap: bool, verify: tuple[int, int] | None = None,
+        retry_gap: bool = False,
+    ) -> int:  # fmt: skip
+        """One replay request and its reply. ``retry_gap``: a reply that skips a batch after
+        its first one ends there (``_GAPPED``, nothing reset) instead of resetting the member
+        and going on from the batch after the hole."""
         c = self.counters
         c.replays += 1
         src = self._src
@@ -901,6 +914,10 @@ class Subscriber:
                     if seq < nxt:
                         c.duplicates += 1
                         continue
+                    if seq > nxt and not first and retry_gap:
+                        c.replay_gaps += 1
+                        self._log.warning("replay_gap", asked=nxt, next=seq)
+                        return _GAPPED
                     if seq > nxt or (first and (seq > start or verify is not None)):
                         c.missing_history += 1
                         self._log.warning("replay_history_missing", asked=nxt, first=seq)

@@ -163,6 +163,11 @@ _SUB_SCALARS: dict[str, tuple[str, str]] = {
     "gaps": ("kvrelay_ingest_gaps", "Sequence gaps detected on the live stream."),
     "replays": ("kvrelay_ingest_replays", "Replay requests sent to the engine."),
     "replay_failures": ("kvrelay_ingest_replay_failures", "Replays that timed out or broke."),
+    "replay_gaps": (
+        "kvrelay_ingest_replay_gaps",
+        "Replay replies that skipped a batch after their first one, asked again from the hole "
+        "(once; a second hole resets the member).",
+    ),
     "missing_history": (
         "kvrelay_ingest_missing_history",
         "History nothing can give back: a replay that started later than asked, or a first "

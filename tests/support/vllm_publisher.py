@@ -55,6 +55,9 @@ class TestPublisher:
         #: a request is received, so it pauses the requests that come after it is set, never one
         #: already taken (a request held at ``gate`` whose release the loop has not run yet)
         self.pause_after: int | None = None
+        #: per reply to come, the batches it leaves out (a ROUTER past its send high-water mark
+        #: drops what it cannot queue); each reply takes the first set
+        self.reply_drops: deque[set[int]] = deque()
         self.mid = asyncio.Event()
         self.mid.set()
         self.router: zmq.asyncio.Socket | None = None
@@ -100,11 +103,12 @@ class TestPublisher:
             start = int.from_bytes(start_b, "big")
             self.requests.append(start)
             pause = self.pause_after
+            drops = self.reply_drops.popleft() if self.reply_drops else set()
             await self.gate.wait()
             lead = [ident, b""] + ([self.topic] if self.reply_shape == 4 else [])
             sent = 0
             for seq, payload in list(self.history):
-                if seq >= start:
+                if seq >= start and seq not in drops:
                     if sent == pause:
                         await self.mid.wait()
                     await self.router.send_multipart([*lead, seq.to_bytes(8, "big"), payload])
