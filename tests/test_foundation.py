@@ -265,3 +265,9 @@ def test_only_ascii_digits_are_decimal() -> None:
     assert is_decimal("0123") and not is_decimal("") and not is_decimal("-1")
     assert "²".isdigit() and not is_decimal("²") and not is_decimal("1²")
     assert not is_decimal("١٢")  # Arabic-Indic digits: int() takes them, the relay does not
+    # CPython's int() refuses more than 4,300 digits: a hostile port, label or header that long
+    # must not reach it (an untyped ValueError); every unsigned 128-bit number still passes
+    with pytest.raises(ValueError):
+        int("1" * 4301)
+    assert not is_decimal("1" * 4301) and not is_decimal("1" * 41)
+    assert is_decimal(str(2**128 - 1))

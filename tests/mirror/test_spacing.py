@@ -94,10 +94,14 @@ async def test_the_spacing_request_is_checked_like_a_subscription() -> None:
             assert gen._hub.publication_hold() == 0.0
             bad = await hold(producer, "-5")
             assert bad is not None and bad.status == Status.INVALID_ARGUMENT
+            # digits past what int() converts (4,300) are refused the same way, not INTERNAL
+            huge = await hold(producer, "1" * 5000)
+            assert huge is not None and huge.status == Status.INVALID_ARGUMENT, huge
             gone = await hold(S.producer(), "10")
             assert gone is not None and gone.status == Status.NOT_FOUND
             # with the reason trailer, as the relay's own calls
             assert reasons == ["RELAY_ERROR_REASON_INVALID_REQUEST",
+                               "RELAY_ERROR_REASON_INVALID_REQUEST",
                                "RELAY_ERROR_REASON_POOL_NOT_FOUND"]  # fmt: skip
             # capped at the relay's own bound, whatever is asked
             assert await hold(producer, "60000") is None
