@@ -66,7 +66,10 @@ class Generation:
         self._hub: PublicationHub | None = None
         self._pending_events = 0
         self._pending_since: float | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        #: the armed cut attempt and when it is due (``loop.time()``): uvloop's ``call_later``
+        #: returns a plain ``Handle``, without ``when()``, for a delay under half a millisecond
+        self._timer: asyncio.Handle | None = None
+        self._timer_at = 0.0
         self._soon = False
         self._loop: asyncio.AbstractEventLoop | None = None  # see _event_loop
         self._last_cut = 0.0  # time.monotonic() of the last publication cut (snapshot hold)
@@ -249,11 +252,13 @@ class Generation:
         """A cut attempt ``delay`` from now, unless one is already due sooner."""
         loop = self._event_loop()
         timer = self._timer
+        at = loop.time() + delay
         if timer is not None:
-            if timer.when() <= loop.time() + delay:
+            if self._timer_at <= at:
                 return
             timer.cancel()
         self._timer = loop.call_later(delay, self._on_timer)
+        self._timer_at = at
 
     def _on_timer(self) -> None:
         self._timer = None

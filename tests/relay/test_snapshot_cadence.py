@@ -264,3 +264,29 @@ async def test_the_hold_outlasts_the_pacers_max_delay_and_pacing_resumes_after()
     gen.apply(SOURCE, _stores(rng, 3))  # fewer than publish_every_n_events: the timer cuts
     await eventually(lambda: gen.sequence == 2, timeout=1.0)
     gen.retire(None)
+
+
+def test_a_cut_armed_under_half_a_millisecond_on_uvloop_is_rearmed() -> None:
+    """uvloop's ``call_later`` gives a plain ``Handle`` (no ``when()``) for a delay that rounds
+    to 0 ms: a cut armed that close, then asked for again, raised ``AttributeError`` in the
+    callback and the attempt was lost. On a real uvloop loop: armed at 0.1 ms, asked again at
+    once and later, the pending commands still go out as one delta, with no error logged."""
+    import uvloop
+
+    async def main() -> tuple[int, list[object]]:
+        errors: list[object] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _l, c: errors.append(c))
+        gen = _generation(RelayLimits(publication_delay_s=5.0))
+        gen.hub()
+        gen._last_cut = asyncio.get_running_loop().time()
+        gen.apply(SOURCE, _stores(np.random.default_rng(2), 3))  # the delay arms a timer
+        gen._arm(0.0001)  # sooner: a plain Handle under uvloop
+        assert not hasattr(gen._timer, "when")
+        gen._arm(0.0001)  # asked again: compared with the recorded deadline
+        gen._arm(1.0)  # a later one is already covered
+        await asyncio.sleep(0.05)
+        return gen.sequence, errors
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        sequence, errors = runner.run(main())
+    assert errors == [] and sequence == 1
