@@ -204,7 +204,9 @@ class KvEventRelayService:
         hear POOL_NOT_FOUND for a pool that exists. While the view says its catalog may still
         list the key (``catalog_trails``; a relay's catalog is its own and trails nothing), the
         pool is checked again each time the catalog moves, for at most ``catalog_lag_s``. A pool
-        the catalog lists is decided at once: one hidden from the client is never admitted."""
+        the catalog lists but hides from the client is never admitted, and its answer waits out
+        the same moment: a refusal at once would tell a hidden pool from an absent one by its
+        time alone (the client could guess pool ids and time the answers)."""
         trails = getattr(self.view, "catalog_trails", None)
         who = ClientIdentity.from_cert(stream.peer.cert())
         loop = asyncio.get_running_loop()
@@ -218,16 +220,16 @@ class KvEventRelayService:
                 return True
             remaining = deadline - loop.time()
             if (catalog is None or remaining <= 0 or self._closing or trails is None
-                    or auth.hides(producer, catalog) or not trails(producer)):  # fmt: skip
+                    or not trails(producer)):  # fmt: skip
                 return False
-            newer = asyncio.ensure_future(self.view.catalog.wait_newer(catalog[0]))
+            wakes: list[asyncio.Future[Any]] = [self._closed_future(), self._rules_future()]
+            if not auth.hides(producer, catalog):  # (a hidden pool: only a reload changes it)
+                wakes.append(asyncio.ensure_future(self.view.catalog.wait_newer(catalog[0])))
             try:
-                await asyncio.wait(
-                    (newer, self._closed_future(), self._rules_future()), timeout=remaining,
-                    return_when=asyncio.FIRST_COMPLETED,
-                )  # fmt: skip
+                await asyncio.wait(wakes, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                drop(newer)
+                if len(wakes) > 2:
+                    drop(wakes[2])
 
     def may_space(self, stream: Stream[Any, Any]) -> bool:
         """Whether this stream's client may ask for publication spacing (no rules: anyone);

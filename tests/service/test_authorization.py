@@ -241,7 +241,7 @@ async def test_a_pool_the_mirrors_catalog_lists_late_is_answered_as_the_relay_an
     POOL_NOT_FOUND: the router dropped a pool that exists), team B's is refused exactly as an
     absent pool, never admitted; a pool that never comes is absent once the wait is over."""
     service = rig.server.service
-    service.catalog_lag_s = scaled(10)  # (only a pool no catalog brings waits it out)
+    service.catalog_lag_s = scaled(3)  # (a pool no catalog brings, and a hidden one, wait it out)
     new: dict[str, Generation] = {}
     for name, triple in (("a3", "team-a/router/new"), ("b2", "team-b/router/new")):
         gen = Generation(rig.view, make_producer(name, bucket_count=4096))
@@ -262,6 +262,23 @@ async def test_a_pool_the_mirrors_catalog_lists_late_is_answered_as_the_relay_an
         absent.status, absent.message, absent.trailers
     )
     assert hidden.trailers["kv-relay-error-reason"] == "RELAY_ERROR_REASON_POOL_NOT_FOUND"
+
+
+@pytest.mark.parametrize("rig", ["mirror"], indirect=True)
+async def test_a_hidden_pool_takes_as_long_to_refuse_as_an_absent_one(rig: Rig) -> None:
+    """Through a mirror (a fan-out worker) an absent pool is refused once the wait for a
+    trailing catalog is over; a hidden pool, refused at once, told itself apart by the time
+    alone, and pool ids can be guessed (dc_id, namespaces, models)."""
+    rig.server.service.catalog_lag_s = lag = 0.4
+    loop = asyncio.get_running_loop()
+    took = {}
+    absent = make_producer("no-such-pool", bucket_count=4096)
+    for what, producer in (("hidden", rig.pools["b1"].producer), ("absent", absent)):
+        t0 = loop.time()
+        got = await _subscribe(rig, "a", producer)
+        took[what] = loop.time() - t0
+        assert got.status == Status.NOT_FOUND, (what, got)
+    assert min(took.values()) >= lag * 0.9, took
 
 
 async def test_grpcio_sees_a_hidden_pool_answered_as_an_absent_one(
