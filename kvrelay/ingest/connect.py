@@ -90,7 +90,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvrelay._aio import cancel_and_wait
 from kvrelay.discovery.endpoints import IPNetwork, canonical_ip, canonical_network
-from kvrelay.ingest import zap
+from kvrelay.ingest import zap, zmq_context
 from kvrelay.ingest.counters import SubscriberCounters
 from kvrelay.ingest.decoder import Decoder
 from kvrelay.ingest.errors import DecodeError, DpRankMismatchError, FrameError
@@ -244,7 +244,7 @@ class ConnectSource:
         self.failure: BaseException | None = None
         self.endpoints: tuple[str, ...] = ()  # resolved bind addresses
         self._sink = sink
-        self._ctx = context if context is not None else zmq.asyncio.Context.instance()
+        self._ctx = context if context is not None else zmq_context.shared_async()
         self._drain = drain
         self._rcvhwm = rcvhwm
         self._handshake_ms = max(1, int(handshake_s * 1000))

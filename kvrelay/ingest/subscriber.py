@@ -55,6 +55,7 @@ import xxhash
 import zmq
 
 from kvrelay._aio import cancel_and_wait
+from kvrelay.ingest import zmq_context
 from kvrelay.ingest.counters import SubscriberCounters
 from kvrelay.ingest.decoder import Decoder
 from kvrelay.ingest.errors import (
@@ -148,7 +149,7 @@ class Subscriber:
         self.last_message_at: float | None = None
         self.failure: BaseException | None = None
         self._sink = sink
-        ctx = context if context is not None else zmq.Context.instance()
+        ctx = context if context is not None else zmq_context.shared()
         self._ctx: zmq.Context[Any] = zmq.Context.shadow(ctx.underlying)  # plain sockets
         self._drain = drain
         self._rcvhwm = rcvhwm
