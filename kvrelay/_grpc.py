@@ -598,3 +598,20 @@ class RelayChannel(Channel):
         leaving, self._leaving = self._leaving, set()
         for proto in leaving:
             proto.processor.close()
+
+    def retire(self, grace_s: float) -> None:
+        """Connect no more, and close the connection once the streams still open on it have
+        ended, ``grace_s`` from now at the latest. Why: a relay that drains ends its streams one
+        after another; a mirror that closed the channel at its catalog's clean end cut the
+        others before their own clean ends were read, and told its subscribers UNAVAILABLE
+        where the relay said OK."""
+        if missing_client_channel_needs(self) or missing_client_closed_needs():
+            self.close()  # (without the hooks, nothing would close it later)
+            return
+        self.closed = True  # ``_create_connection`` refuses from now on
+        proto, self._protocol = self._protocol, None
+        if proto is not None:
+            self._leaving.add(proto)
+            self._released(proto)  # (no stream left on it: closed now)
+        if self._leaving:
+            asyncio.get_running_loop().call_later(grace_s, self.close)

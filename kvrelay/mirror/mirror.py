@@ -495,7 +495,7 @@ class Mirror:
                 if is_catalog and end.reason in (E.EOF, E.CONNECTION):
                     # the session's stream: a relay shutting down may still accept streams on
                     # its old connection, so every stream starts over on a fresh one
-                    self.upstream.reset(channel)
+                    self.upstream.reset(channel, drained=end.reason == E.EOF)
                 elif not delivered:
                     ended = channel, end
             plane.end(local, why)

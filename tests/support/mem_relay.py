@@ -27,7 +27,7 @@ from kvrelay.contract.limits import RelayLimits
 from kvrelay.contract.producer import producer_key
 from kvrelay.contract.wire import CONTRACT_MARKER
 from kvrelay.publication.hub import PublicationHub, Subscription
-from kvrelay.publication.plane import PlaneClosed
+from kvrelay.publication.plane import PlaneClosed, PlaneEnded
 from kvrelay.publication.splice import FilterUpdateEncoder
 from kvrelay.service.server import RelayServer
 from tests.support.timing import scaled
@@ -47,6 +47,7 @@ class MemPlane(Generic[T]):
         self._version = version
         self._msg = first
         self._closed = False
+        self._ended = False
         self._waiters: set[asyncio.Future[None]] = set()
 
     def current(self) -> tuple[int, T]:
@@ -58,6 +59,8 @@ class MemPlane(Generic[T]):
                 return self._version, self._msg
             if self._closed:
                 raise PlaneClosed()
+            if self._ended:
+                raise PlaneEnded()
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters.add(fut)
             try:
@@ -72,6 +75,11 @@ class MemPlane(Generic[T]):
 
     def close(self) -> None:
         self._closed = True
+        self._wake()
+
+    def end(self) -> None:
+        """The source shut down: streams following this plane end cleanly (status OK)."""
+        self._ended = True
         self._wake()
 
     def _wake(self) -> None:
