@@ -33,6 +33,18 @@ def first_snapshot(engines: Iterable[EngineState]) -> EngineSnapshot | None:
     return None
 
 
+def known_aliases(engines: Collection[EngineState]) -> tuple[str, ...]:
+    """The served model's aliases: the first reachable engine's, else the last any engine said
+    while reachable. Why: they come from the deployment, which an engine's Control outage does
+    not change; read from reachable engines only, they left the catalog while the pool stayed
+    published (its streams on), and routers resolving requests by an alias lost the pool."""
+    snap = first_snapshot(engines)
+    if snap is None:
+        snap = next((st.last_good for st in engines if st.last_good is not None
+                     and st.last_good.sources_via != "static"), None)  # fmt: skip
+    return tuple(snap.served_model_aliases) if snap is not None else ()
+
+
 def base_model(
     spec: PoolSpec, engines: Collection[EngineState], identity: PoolIdentity | None
 ) -> str | None:
@@ -89,8 +101,6 @@ def descriptor_inputs(
     generation)."""
     if gen is None or ident is None:
         return None
-    snap = first_snapshot(engines)
-    aliases = snap.served_model_aliases if snap is not None else ()
     return DescriptorInputs(
         producer=gen.producer,
         namespace=spec.namespace,
@@ -100,7 +110,7 @@ def descriptor_inputs(
         kv_block_size=ident.block_size,
         hash_format=spec.hash_format,
         role=spec.role,
-        base_aliases=tuple(a for a in aliases if a.strip() == a and a),
+        base_aliases=tuple(a for a in known_aliases(engines) if a.strip() == a and a),
         loras=tuple(lora_names(spec, engines, ident)),
     )
 

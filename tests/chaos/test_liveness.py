@@ -37,12 +37,18 @@ async def test_control_outage_keeps_a_live_pool_exact() -> None:
         consumer = await subscribe(r, ch)
         await eng.step(8)
         await verify(r, consumer, probes=2_000)
+        assert aliases(r) == ["sim-model-alias"]
+        revision = r.relay.catalog.revision
         await eng.stop_control()  # Control gone, ZMQ streams fine
         await eventually(lambda: not r.pool.engines[eng_name(r)].reachable, what="probe fails")
         await asyncio.sleep(3 * 0.6)  # well past the engine-down grace
         await eng.step(8)
         await verify(r, consumer, probes=2_000)
         assert consumer.end is None and r.pool.generation is not None
+        # the deployment's aliases did not change: routers that resolve a request by an alias
+        # still find the pool (they lost it while Control was down), and the catalog is not
+        # republished for nothing
+        assert aliases(r) == ["sim-model-alias"] and r.relay.catalog.revision == revision
         assert r.pool.counters.engines_down == 0
         assert r.metric("kvrelay_engine_reachable", worker="l0") == 0
         await eng.start_control()
@@ -50,6 +56,12 @@ async def test_control_outage_keeps_a_live_pool_exact() -> None:
         await eng.step(3)
         await verify(r, consumer, probes=2_000)
         await consumer.stop()
+
+
+def aliases(r: object) -> list[str]:
+    """The registrations' aliases of the pool's catalog entry, as routers read them."""
+    (d,) = r.relay._catalog_set  # type: ignore[attr-defined]
+    return [a for reg in d.registrations for a in reg.aliases]
 
 
 def eng_name(r: object) -> str:
