@@ -6,7 +6,14 @@ signal's default action then killed the process outright: a SIGHUP (``kvrelay re
 configuration tool, ``systemctl kill -s HUP``), a SIGUSR1 or a SIGUSR2 (``kvrelay upgrade``)
 ended it by that signal, a SIGTERM without the exit 0 a stop during start-up promises. From the
 first line of the command on, ``hold`` keeps SIGHUP, SIGUSR1 and SIGUSR2 here for the loop to
-act on (``take``), and makes SIGTERM stop the start-up as SIGINT does.
+act on (``take``), and makes SIGTERM stop the start-up with exit status 0.
+
+The stop is ``StartupStopped``, a ``SystemExit(0)``: it unwinds the start-up (its ``finally``
+blocks run), and whatever it interrupts ends the process with 0. It was ``KeyboardInterrupt``
+(SIGINT's): one raised where no ``try`` caught it (the unblocking below, argument parsing) ended
+the process by SIGINT with a traceback (status 130), and one raised in code that CPython runs for
+an extension module marked the interpreter's exit as an unhandled interrupt, so the process still
+killed itself with SIGINT after the command had caught it and returned 0.
 
 A signal sent to the process reaches one thread of it that does not block it, and Python runs
 its handler only on the main thread, interrupting a blocking call only there. Importing numpy
@@ -22,11 +29,23 @@ from __future__ import annotations
 
 import signal
 from types import FrameType
+from typing import NoReturn
 
 #: What the daemon acts on once it serves (reload, upgrade), or only logs (SIGUSR1).
 KEPT = (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 _pending: list[signal.Signals] = []
+
+
+class StartupStopped(SystemExit):
+    """SIGTERM before the event loop handles it: the command ends with status 0."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+
+
+def _stop(signum: int, frame: FrameType | None) -> NoReturn:
+    raise StartupStopped()
 
 
 def _keep(signum: int, frame: FrameType | None) -> None:
@@ -37,12 +56,12 @@ def _keep(signum: int, frame: FrameType | None) -> None:
 
 def hold(*, stop_on_term: bool = True) -> None:
     """Keep SIGHUP, SIGUSR1 and SIGUSR2 for the loop; with ``stop_on_term``, SIGTERM raises
-    KeyboardInterrupt as SIGINT does (the command then exits 0, as for a stop during start-up).
-    Main thread only (``signal.signal``)."""
+    ``StartupStopped`` (the command exits 0, as for a stop during start-up). Main thread only
+    (``signal.signal``)."""
     for sig in KEPT:
         signal.signal(sig, _keep)
     if stop_on_term:
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, _stop)
     held = {*KEPT, signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, held)  # one that comes meanwhile waits, pending
     try:

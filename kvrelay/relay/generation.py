@@ -153,19 +153,19 @@ class Generation:
             lambda p: p.remove_member(p.add_member(source.worker_id, source.dp_rank)),
         )
 
-    def reset_engine(self, worker_id: int) -> int:
+    def reset_engine(self, worker_id: int) -> list[int]:
         """Reset every member of one engine (a new incarnation, or the engine is down); returns
-        how many members it had."""
+        the DP ranks of the members it had."""
         if self.retired:
-            return 0
-        ids = [mid for mid, (wid, _rank) in self.pool.members().items() if wid == worker_id]
+            return []
+        ids = {mid: rank for mid, (wid, rank) in self.pool.members().items() if wid == worker_id}
 
         def clear(p: Pool) -> None:
             for mid in ids:
                 p.reset_member(mid)
 
         self._mutate("resetting an engine's members", clear)
-        return len(ids)
+        return sorted(ids.values())
 
     def _mutate(self, what: str, op: Callable[[Pool], None]) -> None:
         if self.retired:

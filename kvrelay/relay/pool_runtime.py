@@ -163,13 +163,24 @@ class PoolRuntime:
             return
         gen.reset_member(source)
         self._settled(source)
-        not_logged = self._reset_log.due(f"{reason.value} {source.worker_id} {source.dp_rank}")
+        self._log_reset(source, reason.value)
+
+    def _log_reset(self, source: SourceKey, reason: str) -> None:
+        not_logged = self._reset_log.due(f"{reason} {source.worker_id} {source.dp_rank}")
         if not_logged is None:
             return  # counted (kvrelay_pool_member_resets_total); logged at most every 10 s each
         _log.warning(
             "member_reset", pool=self.name, engine=self._engine_name(source.worker_id),
-            dp_rank=source.dp_rank, reason=reason.value, resets_not_logged=not_logged,
+            dp_rank=source.dp_rank, reason=reason, resets_not_logged=not_logged,
         )  # fmt: skip
+
+    def _reset_engine(self, gen: Generation, worker_id: int, reason: str) -> None:
+        """Every member of one engine reset at once: each counted and logged as one reset
+        would be (one count per engine undercounted a DP engine's resets, and none was
+        logged)."""
+        for rank in gen.reset_engine(worker_id):
+            self.counters.reset(reason)
+            self._log_reset(SourceKey(worker_id, rank), reason)
 
     def on_rebuild(self, source: SourceKey, active: bool) -> None:
         gen = self.generation
@@ -430,10 +441,8 @@ class PoolRuntime:
         starts fresh subscribers that replay the new incarnation from sequence 0."""
         await self._stop_subscribers([k for k in self.subscribers if k.worker_id == worker_id])
         gen = self.generation
-        if gen is None:
-            return
-        gen.reset_engine(worker_id)
-        self.counters.reset("incarnation")
+        if gen is not None:
+            self._reset_engine(gen, worker_id, ResetReason.INCARNATION.value)
 
     def tick(self, now: float) -> None:
         """Periodic checks (the relay calls this about once a second): engines down, and
@@ -479,8 +488,8 @@ class PoolRuntime:
         async with self._reconcile_lock:
             await self._stop_subscribers([k for k in self.subscribers if k.worker_id == worker_id])
             gen = self.generation
-            if gen is not None and gen.reset_engine(worker_id):
-                self.counters.reset("engine_down")
+            if gen is not None:
+                self._reset_engine(gen, worker_id, "engine_down")
         await self.reconcile()
 
     def _desired(self, block_size: int) -> dict[SourceKey, SourceSpec]:

@@ -87,23 +87,32 @@ async def test_pool_materializes_against_a_control_without_optional_rpcs() -> No
 
 
 async def test_dead_worker_is_cleared_while_others_keep_the_pool() -> None:
-    cfgs = [SimConfig(name="l2a", seed=53, capacity_blocks=128),
+    """Its two DP ranks' members are cleared: two resets counted, each logged (one count per
+    engine undercounted a DP engine, and nothing was logged)."""
+    import structlog
+
+    cfgs = [SimConfig(name="l2a", seed=53, capacity_blocks=128, dp_size=2),
             SimConfig(name="l2b", seed=54, capacity_blocks=128)]  # fmt: skip
     async with rig(cfgs) as r, r.channel() as ch:
         a, b = r.engines
-        await wait_live(r.relay, 2)
+        await wait_live(r.relay, 3)
         consumer = await subscribe(r, ch)
         await a.step(8)
         await b.step(8)
         await verify(r, consumer, probes=2_000)
-        await a.stop()  # the worker dies: Control and ZMQ both go silent
-        r.engines.remove(a)
-        await eventually(lambda: r.pool.counters.engines_down == 1, what="engine declared down")
+        with structlog.testing.capture_logs() as logs:
+            await a.stop()  # the worker dies: Control and ZMQ both go silent
+            r.engines.remove(a)
+            await eventually(lambda: r.pool.counters.engines_down == 1,
+                             what="engine declared down")  # fmt: skip
         await b.step(4)
         # nothing of the dead worker's blocks stays in the filter; the pool never left
         await verify(r, consumer, probes=2_000)
         assert consumer.end is None
-        assert r.pool.counters.member_resets.get("engine_down") == 1
+        assert r.pool.counters.member_resets.get("engine_down") == 2
+        resets = [(e["engine"], e["dp_rank"]) for e in logs
+                  if e["event"] == "member_reset" and e["reason"] == "engine_down"]  # fmt: skip
+        assert sorted(resets) == [("l2a", 0), ("l2a", 1)], logs
         assert r.metric("kvrelay_pool_engines_down_total") == 1
         assert r.metric("kvrelay_engine_down", worker="l2a") == 1
         await consumer.stop()

@@ -384,10 +384,39 @@ async def _reading_its_config(fifo: Path, proc: asyncio.subprocess.Process) -> i
 
 def _blocked(pid: int, tid: int) -> int:
     """The signal mask of thread ``tid`` of process ``pid`` (``SigBlk`` in its status)."""
+    return _status_mask(pid, tid, "SigBlk")
+
+
+def _status_mask(pid: int, tid: int, field: str) -> int:
     for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
-        if line.startswith("SigBlk:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1], 16)
-    raise AssertionError("no SigBlk")
+    raise AssertionError(f"no {field}")
+
+
+@pytest.mark.parametrize("after_s", [0.0, 0.01, 0.03, 0.06, 0.1])
+async def test_a_sigterm_from_the_first_line_of_serve_exits_0(
+    tmp_path: Path, after_s: float
+) -> None:
+    """SIGTERM ``after_s`` after ``serve`` caught it (its first line), while it unblocks the
+    signals numpy's import held, imports, parses, opens its (FIFO) config. It raised
+    ``KeyboardInterrupt``: one raised outside any ``try`` killed the process by SIGINT with a
+    traceback (status 130), and one an extension's code saw marked the exit as an unhandled
+    interrupt, so the process killed itself with SIGINT after ``main`` had returned 0."""
+    fifo = tmp_path / "kvrelay.toml"
+    os.mkfifo(fifo)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvrelay", "serve", "--config", str(fifo), env=clean_env(),
+        cwd=REPO, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    deadline = time.monotonic() + scaled(30)
+    while not _status_mask(proc.pid, proc.pid, "SigCgt") >> (signal.SIGTERM - 1) & 1:
+        assert proc.returncode is None and time.monotonic() < deadline, "never caught SIGTERM"
+        await asyncio.sleep(0.001)
+    await asyncio.sleep(after_s)
+    proc.send_signal(signal.SIGTERM)
+    _, err = await asyncio.wait_for(proc.communicate(), scaled(30))
+    assert proc.returncode == 0 and b"Traceback" not in err, (proc.returncode, err[-600:])
 
 
 async def test_only_the_main_thread_takes_a_stop_while_it_reads_its_config(tmp_path: Path) -> None:
