@@ -11,6 +11,11 @@ benchmarks' subscribers), on grpclib's private client stream parts (``CLIENT_REC
 ``count_own_cancels``: how often grpclib itself cancelled a stream's task (``CLIENT_CANCEL_NEEDS``),
 so that a cancellation it replaced with a transport error is told from its own.
 
+``GuardedChannel``: a grpclib ``Channel`` whose connections take a bounded number of the
+frames a server sends that ask something back (``budget_server_frames``, ``ServerFrameBudget``);
+one past it is closed, its calls failing as a lost connection, and counted by reason. Discovery's
+Control channels are such channels, and so is every ``RelayChannel``.
+
 ``RelayChannel``: a grpclib ``Channel`` whose streams that have ended keep their replies and
 status when the connection closes (``keep_ended_streams``, on ``CLIENT_CLOSE_NEEDS``), which
 makes its next calls on a new connection once its server refused one as it drains
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl as _ssl
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
@@ -515,6 +521,131 @@ def missing_client_closed_needs(proto: Any = None) -> list[str]:
 CHANNEL_CLOSED = "the channel is closed"
 
 
+PING, SETTINGS, WINDOW_UPDATE = 0x6, 0x4, 0x8
+ACK = 0x1
+_HEADER = 9
+
+#: Per window, frames a server may send of each kind: far above what any server sends, far
+#: below what holds the loop (h2 took about 0.1 ms for each PING it answered).
+WINDOW_S = 10.0
+MAX_PINGS = 64  # PING without ACK (each asks for an ACK)
+MAX_SETTINGS = 64  # SETTINGS without ACK (each asks for an ACK)
+MAX_WINDOW_UPDATES = 1024
+
+
+class ServerFrameBudget:
+    """What a server may make one of the relay's own HTTP/2 client connections do. Feed every
+    read of one connection; ``feed`` says once the server went past a budget.
+
+    Why: the relay is a client too: of every engine's ``vllm.Control`` (discovery), and, as a
+    mirror or through the SDK, of an upstream relay. h2 answers every PING and SETTINGS a
+    server sends (an ACK each) and takes every WINDOW_UPDATE, however many; a Control endpoint
+    that flooded PING or SETTINGS frames held the relay's event loop for seconds at a time (a
+    router on another connection got no delta for 4-9 s, ``/healthz`` timed out), and nothing
+    was counted. No server needs more than a few: one SETTINGS at the start and when it changes
+    them, a keepalive PING every few seconds, a WINDOW_UPDATE per request message the client
+    sends. The frame headers are read here, before h2, from the reads as they come (a header
+    may span two); payloads are skipped."""
+
+    __slots__ = ("_counts", "_head", "_skip", "_window_end", "tripped")
+
+    def __init__(self) -> None:
+        self._head = b""  # a frame header split between two reads
+        self._skip = 0  # payload bytes of the current frame still to come
+        self._counts = {PING: 0, SETTINGS: 0, WINDOW_UPDATE: 0}
+        self._window_end = time.monotonic() + WINDOW_S
+        #: why the connection went past a budget (``ping_flood``, ...), None while within
+        self.tripped: str | None = None
+
+    def feed(self, data: bytes) -> bool:
+        """Account for ``data``; False once the server went past a budget (then always)."""
+        if self.tripped is not None:
+            return False
+        pos, n = 0, len(data)
+        while pos < n:
+            if self._skip:  # the current frame's payload
+                step = min(self._skip, n - pos)
+                self._skip -= step
+                pos += step
+                continue
+            piece = data[pos : pos + _HEADER - len(self._head)]
+            self._head += piece
+            pos += len(piece)
+            if len(self._head) < _HEADER:
+                break  # the rest of the header comes with the next read
+            head, self._head = self._head, b""
+            if not self._frame(head[3], head[4], int.from_bytes(head[:3], "big")):
+                return False
+        return True
+
+    def _frame(self, kind: int, flags: int, length: int) -> bool:
+        self._skip = length
+        if kind not in self._counts or (kind != WINDOW_UPDATE and flags & ACK):
+            return True
+        now = time.monotonic()
+        if now >= self._window_end:
+            self._window_end = now + WINDOW_S
+            for k in self._counts:
+                self._counts[k] = 0
+        self._counts[kind] += 1
+        limit = {PING: MAX_PINGS, SETTINGS: MAX_SETTINGS}.get(kind, MAX_WINDOW_UPDATES)
+        if self._counts[kind] > limit:
+            self.tripped = {PING: "ping_flood", SETTINGS: "settings_flood"}.get(
+                kind, "window_update_flood"
+            )
+            return False
+        return True
+
+
+def budget_server_frames(proto: H2Protocol, on_trip: Callable[[str], None]) -> None:
+    """Read the frame headers the server sends before h2 does (``ServerFrameBudget``): once
+    past a budget, nothing more of it reaches h2, the connection is aborted (its calls fail as a
+    lost connection) and ``on_trip`` is told why, once. Only the protocol's public asyncio
+    callbacks are wrapped."""
+    budget = ServerFrameBudget()
+    made, received = proto.connection_made, proto.data_received
+    transport: list[Any] = []
+
+    def connection_made(t: Any) -> None:
+        transport.append(t)
+        made(t)
+
+    def data_received(data: bytes) -> None:
+        if budget.feed(data):
+            received(data)
+        elif transport:
+            t = transport.pop()  # (once: what the server still sends is dropped unread)
+            t.abort()
+            on_trip(budget.tripped or "flood")
+
+    proto.connection_made = connection_made  # type: ignore[method-assign,assignment]
+    proto.data_received = data_received  # type: ignore[method-assign]
+
+
+class GuardedChannel(Channel):
+    """A grpclib ``Channel`` whose connections a server cannot flood with frames that ask
+    something back (``budget_server_frames``). ``floods``: connections closed for it, by
+    reason; ``take_flood`` the reason of the latest one not taken yet."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.floods: dict[str, int] = {}
+        self._flood: str | None = None
+
+    def _protocol_factory(self) -> H2Protocol:
+        proto = super()._protocol_factory()
+        budget_server_frames(proto, self._tripped)
+        return proto
+
+    def _tripped(self, reason: str) -> None:
+        self.floods[reason] = self.floods.get(reason, 0) + 1
+        self._flood = reason
+
+    def take_flood(self) -> str | None:
+        reason, self._flood = self._flood, None
+        return reason
+
+
 class ChannelClosed(ConnectionError):
     """A call on a ``RelayChannel`` after its ``close()``, or one whose connection was still
     being made then. A ``ConnectionError``, as grpclib reports a channel that cannot connect:
@@ -524,7 +655,7 @@ class ChannelClosed(ConnectionError):
         super().__init__(CHANNEL_CLOSED)
 
 
-class RelayChannel(Channel):
+class RelayChannel(GuardedChannel):
     """A grpclib ``Channel`` whose connections ``keep_ended_streams`` and
     ``bound_closed_streams``, and which leaves a connection whose server refused a call as
     draining (``leave_when_draining``): its next calls go on a new connection (in a hot

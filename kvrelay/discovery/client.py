@@ -26,11 +26,10 @@ from typing import Any, TypeVar
 import betterproto2
 import grpclib.const
 import grpclib.exceptions
-from grpclib.client import Channel
 from grpclib.encoding.base import CodecBase
 
 from kvrelay._aio import bounded
-from kvrelay._grpc import UndecodableReply, effective_status, recv_reply
+from kvrelay._grpc import GuardedChannel, UndecodableReply, effective_status, recv_reply
 from kvrelay._proto import vllm as vpb
 from kvrelay.discovery.endpoints import (
     SourceInfo,
@@ -113,7 +112,7 @@ class EngineClient:
         self.timeout = timeout
         self.static = static
         self.address = f"{host}:{port}"
-        self._channel = Channel(host, port, codec=_RawReplies())
+        self._channel = GuardedChannel(host, port, codec=_RawReplies())
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -147,6 +146,9 @@ class EngineClient:
             grpclib.exceptions.StreamTerminatedError,
             grpclib.exceptions.ProtocolError,
         ) as exc:
+            flood = self._channel.take_flood()
+            if flood is not None:  # the connection was closed for it: the engine's doing
+                raise self._invalid(what, f"the server sent a {flood}", "flood") from exc
             raise EngineUnreachable(self.address, f"{what}: {exc!r}") from exc
         except Exception as exc:  # whatever else the reply made grpclib raise: typed
             raise self._invalid(what, f"bad reply: {exc!r}", "undecodable") from exc

@@ -32,7 +32,8 @@ class InvalidReply(RpcFailed):
     """The engine answered what no engine would (status ``INVALID_REPLY``). ``kind``, one of
     ``REPLY_REFUSALS``: ``too_large`` (a length prefix over the bound, refused before its body is
     read), ``undecodable`` (broken framing, or bytes that are not the message), ``implausible``
-    (parallelism, sources, adapters, aliases or fields no engine has). Each is counted in
+    (parallelism, sources, adapters, aliases or fields no engine has), ``flood`` (the connection
+    was closed for frames past their budget: ``_grpc.ServerFrameBudget``). Each is counted in
     ``REFUSED`` (``kvrelay_control_reply_refusals_total``)."""
 
     def __init__(self, address: str, detail: str, kind: str) -> None:
@@ -42,7 +43,7 @@ class InvalidReply(RpcFailed):
 
 
 #: Why Control replies were refused (the labels of ``kvrelay_control_reply_refusals_total``).
-REPLY_REFUSALS = ("too_large", "undecodable", "implausible")
+REPLY_REFUSALS = ("too_large", "undecodable", "implausible", "flood")
 #: Control replies refused in this process, by kind: discovery runs in the relay process only,
 #: and a refusal must be counted even where the RPC was optional (its value then stays unknown).
 REFUSED: dict[str, int] = dict.fromkeys(REPLY_REFUSALS, 0)

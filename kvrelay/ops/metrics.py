@@ -406,7 +406,7 @@ def guard_families(svc: object) -> Iterator[Metric]:
         "its share of the stream limit, by kind and scope (connection, peer).",
         labels=["kind", "scope"],
     )  # fmt: skip
-    for kind in ("catalog", "pool", "readiness", "load", "serving_load"):
+    for kind in ("catalog", "pool", "readiness", "load", "serving_load", "health"):
         for scope in ("connection", "peer"):
             fam.add_metric([kind, scope], refusals.get((kind, scope), 0))
     yield fam
@@ -418,7 +418,7 @@ def guard_families(svc: object) -> Iterator[Metric]:
         "share, by kind and the scope (connection, peer) that was over its share.",
         labels=["kind", "scope"],
     )
-    for kind in ("catalog", "pool", "readiness", "load", "serving_load"):
+    for kind in ("catalog", "pool", "readiness", "load", "serving_load", "health"):
         for scope in ("connection", "peer"):
             pre.add_metric([kind, scope], preempted.get((kind, scope), 0))
     yield pre
@@ -443,7 +443,8 @@ def guard_families(svc: object) -> Iterator[Metric]:
         "gRPC connections closed with GOAWAY ENHANCE_YOUR_CALM for breaking a per-connection "
         "budget (rapid_reset, stream_flood, empty_frames, ping_flood, settings_flood, "
         "oversized_headers, window_update_flood: more WINDOW_UPDATE frames than the DATA the "
-        "relay sent them accounts for), connections closed as accepted over a connection cap "
+        "relay sent them accounts for, data_flood: more DATA frames not ending an open stream "
+        "than its requests need), connections closed as accepted over a connection cap "
         "(too_many_connections), TLS handshakes that failed or did not finish in 10 s "
         "(tls_handshake), connections closed for input the HTTP/2 stack could not take, "
         "with the GOAWAY code HTTP/2 gives it (protocol_error), streams reset for lacking "
@@ -859,7 +860,8 @@ def _relay_metrics(r: RelayStats) -> Iterator[Metric]:
         "value, unknown this poll), by reason: too_large (length prefix over 1 MiB, refused "
         "before the body is read), undecodable (broken wire format, or not the message), "
         "implausible (parallelism, sources, adapters, aliases or fields no engine has; lists "
-        "and fields counted before the reply is parsed).",
+        "and fields counted before the reply is parsed), flood (the connection closed for PING, "
+        "SETTINGS or WINDOW_UPDATE frames past their budget).",
         labels=["reason"],
     )
     counts = dict(REFUSED)  # process-wide: discovery runs in the relay process only

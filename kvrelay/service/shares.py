@@ -1,6 +1,7 @@
 """Fair shares of each stream limit, enforced by preemption only when the relay is full.
 
-The contract's stream limits (``max_catalog_subscribers`` and the like) are relay-wide. While a
+The contract's stream limits (``max_catalog_subscribers`` and the like, and the health ``Watch``
+streams' ``MAX_HEALTH_WATCHERS``, kind ``health``) are relay-wide. While a
 kind has room, any client is admitted: a lone client may hold the whole limit (a mirror or SDK
 puts every pool of a relay on one connection), and the stream after the limit gets the
 contract's ``RESOURCE_LIMIT``. A share is what one HTTP/2 connection, and one peer address, is
@@ -28,6 +29,11 @@ from kvrelay.contract.limits import PermitCounter
 Addr = tuple[str, int]
 SCOPES = ("connection", "peer")
 K = TypeVar("K")
+#: What a full kind is refused with, where "subscriber limit" would not fit the kind.
+FULL_MESSAGES = {
+    "pool": "Relay total pool stream limit {capacity} reached",
+    "health": "Relay health Watch stream limit {capacity} reached",
+}
 
 
 def share_of(limit: int, percent: int) -> int:
@@ -127,9 +133,9 @@ class StreamShares:
     ) -> None:
         """Take a permit from the stream furthest over its share, or raise RESOURCE_LIMIT."""
         full = RelayError.resource_limit(
-            f"Relay {permits.name} subscriber limit {permits.capacity} reached"
-            if kind != "pool"
-            else f"Relay total pool stream limit {permits.capacity} reached"
+            FULL_MESSAGES.get(kind, "Relay {name} subscriber limit {capacity} reached").format(
+                name=permits.name, capacity=permits.capacity
+            )
         )
         if addr is None:
             raise full  # the internal socket has no share: it never preempts

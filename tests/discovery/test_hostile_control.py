@@ -371,3 +371,68 @@ async def test_sources_as_a_released_frontend_may_send_them() -> None:
         finally:
             server.close()
             await server_closed(server)
+
+
+def _frame(kind: int, flags: int, payload: bytes = b"") -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + bytes(4) + payload
+
+
+FLOODS = [
+    ("ping_flood", _frame(0x6, 0, bytes(8))),
+    ("settings_flood", _frame(0x4, 0)),
+    ("window_update_flood", _frame(0x8, 0, (1).to_bytes(4, "big"))),
+]
+
+
+@pytest.mark.parametrize(("flood", "one"), FLOODS)
+async def test_a_control_server_flooding_frames_is_refused_and_the_loop_runs_on(
+    flood: str, one: bytes
+) -> None:
+    """A raw HTTP/2 server that floods PING, SETTINGS or WINDOW_UPDATE frames and answers
+    nothing. h2 acknowledged each and the loop spent seconds on them (a router on another
+    connection got no delta for 4-9 s, nothing counted). The connection is now closed past a
+    budget, before h2 reads the rest: the probe fails at once as a refused reply (``flood``),
+    and the event loop, timed meanwhile, is never held long."""
+    sent = 0
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        nonlocal sent
+        blob = one * 4096
+        with contextlib.suppress(ConnectionError):
+            await r.readexactly(24)  # the client's preface
+            w.write(_frame(0x4, 0))  # the server's SETTINGS
+            while True:
+                w.write(blob)
+                sent += 4096
+                await w.drain()
+
+    srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    loop = asyncio.get_running_loop()
+    worst = 0.0
+    stop = asyncio.Event()
+
+    async def tick() -> None:  # the loop's longest hold while the probe runs
+        nonlocal worst
+        while not stop.is_set():
+            t0 = loop.time()
+            await asyncio.sleep(0.005)
+            worst = max(worst, loop.time() - t0 - 0.005)
+
+    ticker = asyncio.ensure_future(tick())
+    before = REFUSED["flood"]
+    try:
+        async with EngineClient("127.0.0.1", port, timeout=scaled(5)) as c:
+            t0 = time.monotonic()
+            with pytest.raises(Exception) as info:
+                await c.server_info()
+            took = time.monotonic() - t0
+            assert getattr(info.value, "kind", None) == "flood", repr(info.value)
+            assert flood in str(info.value) and c._channel.floods == {flood: 1}
+    finally:
+        stop.set()
+        await ticker
+        srv.close()
+        await server_closed(srv)
+    assert REFUSED["flood"] == before + 1
+    assert took < scaled(2.0) and worst < scaled(0.5), (took, worst, sent)

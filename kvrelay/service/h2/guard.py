@@ -1,5 +1,6 @@
-"""Per-connection HTTP/2 budgets: rapid reset, stream and empty-frame floods, PING, SETTINGS and
-WINDOW_UPDATE floods, oversized headers; the work one read may cost the loop; connections per peer.
+"""Per-connection HTTP/2 budgets: rapid reset, stream, empty-frame and DATA floods, PING, SETTINGS
+and WINDOW_UPDATE floods, oversized headers; the work one read may cost the loop; connections per
+peer.
 
 Why: h2 and grpclib answer every frame a client sends, however many. A client that opens a
 stream and resets it in a loop (CVE-2023-44487, "rapid reset"), or floods PING or SETTINGS
@@ -35,7 +36,20 @@ RST_STREAM frames queued for it, for as long as it went on. The guard knows the 
 client side is open (at most ``max_open_streams``, oldest forgotten first: the server sets it
 from its stream limit per connection); a request's own frames never count. A stream the relay
 refuses as it opens (over the stream limit, ``mend.py``) is closed from then on
-(``server_closed``): its client's frames on it, each answered with RST_STREAM, count too.
+(``server_closed``): its client's frames on it, each answered with RST_STREAM, count too. So
+is one the relay has ended while its client's side stays open (a status such as
+INVALID_REQUEST, then RST_STREAM): the first DATA frame on it after the end finds it so in h2
+(``internals.server_ended``), and it and every later one count, but for one ending the client's
+side (its own close, once). Unread, one connection sent 377,447 one-byte DATA frames in 12 s on
+such a stream, each answered with RST_STREAM, and a router on another connection waited 40 to
+50 ms for each delta instead of about 1.
+
+DATA that does not end a stream still open has a budget too: ``max_data_frames`` per window,
+plus one per stream opened in it. A request is one frame or a few (every valid one is under
+1 KiB; 1 MiB, the most read, is 64 frames of 16 KiB), and only reflection's streams take more
+than one request; a request dribbled one byte per frame (4 connections of 8 streams) kept the
+loop busy until the request timeout ended those streams, 10 s in which a router on another
+connection waited 125 to 160 ms for each delta and 0.7 to 1.1 s for GetRelayInfo.
 
 WINDOW_UPDATE frames cannot have a fixed budget: a client sends them to give back the window the
 relay's DATA used, so a router reading thousands of deltas a second sends them in proportion.
@@ -70,7 +84,8 @@ take every descriptor the process has. A connection over a cap is closed as it i
 
 The frames are read on the plain-text side (after TLS), as h2 sees them. The guard wraps the
 protocol's public ``data_received``; of grpclib's private state it reads only the counts of what
-the connection sent, through ``internals.py``.
+the connection sent, and of h2's the state of a stream the client sends DATA on, through
+``internals.py``.
 """
 
 from __future__ import annotations
@@ -84,7 +99,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvrelay.service.h2.internals import data_frames_sent, missing_in_sent, once_connected
+from kvrelay.service.h2.internals import (
+    data_frames_sent,
+    missing_in_ended,
+    missing_in_sent,
+    once_connected,
+    server_ended,
+)
 
 __all__ = [
     "ABUSE_REASONS",
@@ -105,6 +126,7 @@ ENHANCE_YOUR_CALM = 0xB
 ABUSE_REASONS = (
     "rapid_reset", "stream_flood", "empty_frames", "ping_flood", "settings_flood",
     "oversized_headers", "too_many_connections", "tls_handshake", "window_update_flood",
+    "data_flood",
 )  # fmt: skip
 #: The bytes of one read handed to h2 in one loop turn (see the module docstring).
 MAX_FEED_BYTES = 16 * 1024
@@ -124,6 +146,8 @@ class H2Budgets:
     max_pings: int = 64  # PING without ACK
     max_settings: int = 64  # SETTINGS without ACK
     max_window_updates: int = 4096  # WINDOW_UPDATE beyond what the relay's DATA earns (module doc)
+    max_data_frames: int = 4096  # DATA that does not end its open stream, beyond one per stream
+    # opened in the window (module doc)
     window_updates_per_frame: int = 2  # per DATA frame sent: its stream's and the connection's
     max_header_block_bytes: int = 65536  # one HEADERS + CONTINUATION sequence
     max_open_streams: int = 1024  # streams whose client side the guard tracks as open
@@ -152,6 +176,7 @@ class FrameGuard:
     __slots__ = (
         "_budgets",
         "_counters",
+        "_data",
         "_empty",
         "_head",
         "_header_bytes",
@@ -172,6 +197,7 @@ class FrameGuard:
         "_updates",
         "_updates_allowed",
         "_window_end",
+        "ended",
         "sent",
         "tripped",
     )  # fmt: skip
@@ -188,10 +214,13 @@ class FrameGuard:
         self._last_stream = 0
         self._window_end = time.monotonic() + budgets.window_s
         self._resets = self._pings = self._settings = self._streams = self._empty = 0
-        self._held_resets = 0
+        self._held_resets = self._data = 0
         #: DATA frames the relay sent on the connection so far, at most (``data_frames_sent``;
         #: None: not known, WINDOW_UPDATE has no budget)
         self.sent: Callable[[], int] | None = None
+        #: whether the relay has ended a stream its client opened (``server_ended``; None: not
+        #: known, such a stream's frames count once its client ends or resets it)
+        self.ended: Callable[[int], bool] | None = None
         self._updates = 0  # WINDOW_UPDATE frames in this window
         self._updates_allowed = budgets.max_window_updates  # as last computed
         #: ``sent()`` when the previous window and this one began
@@ -268,10 +297,18 @@ class FrameGuard:
                 return self._empty_frame()
         elif kind == DATA:
             if stream in self._open:
-                if flags & END_STREAM:
+                if self.ended is not None and self.ended(stream):
+                    del self._open[stream]  # the relay ended it: on a closed stream from now on
+                    if not flags & END_STREAM:  # (but the client's own end: module doc)
+                        return self._empty_frame()
+                elif flags & END_STREAM:
                     del self._open[stream]
                 elif not length:
                     return self._empty_frame()
+                else:
+                    self._data += 1  # a request's own frame, or one dribbled (module doc)
+                    if self._data > b.max_data_frames + self._streams:
+                        return "data_flood"
             elif 0 < stream <= self._last_stream or (not length and not flags & END_STREAM):
                 return self._empty_frame()  # on a closed stream (module doc), or empty
         elif kind == WINDOW_UPDATE:
@@ -309,7 +346,7 @@ class FrameGuard:
         """Start a budget window (the DATA sent in the one ending still counts: module doc)."""
         self._window_end = now + self._budgets.window_s
         self._resets = self._pings = self._settings = self._streams = self._empty = 0
-        self._held_resets = self._updates = 0
+        self._held_resets = self._updates = self._data = 0
         self._updates_allowed = self._budgets.max_window_updates
         if self.sent is not None:
             self._sent_marks = (self._sent_marks[1], self.sent())
@@ -372,7 +409,8 @@ def guard_protocol(proto: Any, budgets: H2Budgets, counters: H2Counters) -> None
     transports keep the protocol's ``data_received`` as it is when they are made, so a
     replacement made in ``connection_made`` would never be called there. Through
     ``once_connected``: the guard is made before grpclib's ``connection_made``, and reads the
-    counts of what the connection sent (``SENT_NEEDS``) once grpclib has made it."""
+    counts of what the connection sent (``SENT_NEEDS``) and h2's streams (``ENDED_NEEDS``) once
+    grpclib has made it."""
     received: Callable[[bytes], None] = proto.data_received
     waiting: deque[bytes] = deque()  # read, not yet handed on (reading paused meanwhile)
     guard: FrameGuard | None = None
@@ -387,6 +425,7 @@ def guard_protocol(proto: Any, budgets: H2Budgets, counters: H2Counters) -> None
     def count_sent(_t: Any) -> None:  # (grpclib's connection exists from then)
         if guard is not None:
             guard.sent = data_frames_sent(proto)
+            guard.ended = server_ended(proto)
 
     def hand_on(data: bytes) -> bool:
         if guard is None or not guard.feed(data):
@@ -429,8 +468,14 @@ def guard_protocol(proto: Any, budgets: H2Budgets, counters: H2Counters) -> None
         else:
             _resume(transport)
 
-    once_connected(proto, missing_in_sent, count_sent, before=guarded)
+    once_connected(proto, _missing_both, count_sent, before=guarded)
     proto.data_received = data_received
+
+
+def _missing_both(proto: Any) -> list[str]:
+    """What the protocol lacks of both ``SENT_NEEDS`` and ``ENDED_NEEDS``: either is used alone."""
+    sent = missing_in_sent(proto)
+    return sent and missing_in_ended(proto)
 
 
 def _pause(transport: Any) -> None:

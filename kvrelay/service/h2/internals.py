@@ -1,12 +1,12 @@
 """Every grpclib and h2 internal the relay's own HTTP/2 writers rely on, listed and checked once.
 
 Why: the writers in this package (``bulk``, ``direct``, ``batch``, ``reset``, ``closing``,
-``drain``, ``mend``; ``guard`` reads what a connection sent) work beside grpclib on its private
-stream, connection and h2 state. A grpclib or h2 release may drop or rename any of it;
-``missing`` then names what is gone and ``StreamWriter`` falls back to grpclib's public path
-(the relay gets slower, never wrong). Those that set a connection up once grpclib has made it
-(``closing``, ``guard``, ``mend``) do it through ``once_connected``, each only where its needs
-are there.
+``drain``, ``mend``; ``guard`` reads what a connection sent and which streams the relay ended)
+work beside grpclib on its private stream, connection and h2 state. A grpclib or h2 release
+may drop or rename any of it; ``missing`` then names what is gone and ``StreamWriter`` falls back
+to grpclib's public path (the relay gets slower, never wrong). Those that set a connection up
+once grpclib has made it (``closing``, ``guard``, ``mend``) do it through ``once_connected``,
+each only where its needs are there.
 ``tests/service/h2/test_internals.py`` checks the whole list against the installed versions on a
 real stream.
 """
@@ -45,6 +45,7 @@ __all__ = [
     "DRAIN_NEEDS",
     "EARLY_END_STATE",
     "ENCODER_NEEDS",
+    "ENDED_NEEDS",
     "FEED_NEEDS",
     "HPACK_ENCODER_NEEDS",
     "INSTANCE_NEEDS",
@@ -59,6 +60,7 @@ __all__ = [
     "SEND_DATA_STREAM",
     "SEND_DATA_STREAM_NOOP",
     "SENT_NEEDS",
+    "SERVER_ENDED_STATES",
     "SHUTDOWN_NEEDS",
     "STREAM_CAP_NEEDS",
     "H2Protocol",
@@ -77,6 +79,7 @@ __all__ = [
     "missing_in_closed_streams",
     "missing_in_drain",
     "missing_in_encoder",
+    "missing_in_ended",
     "missing_in_feed",
     "missing_in_hpack_encoder",
     "missing_in_processor",
@@ -89,6 +92,7 @@ __all__ = [
     "once_connected",
     "put_stream_cap_in_force",
     "refuse_headers",
+    "server_ended",
     "stream_internals",
 ]
 
@@ -408,6 +412,44 @@ def data_frames_sent(proto: Any) -> Callable[[], int] | None:
         return int(conn.messages_sent) + int(conn.data_sent) // MIN_FRAME_LIMIT
 
     return sent
+
+
+#: What ``guard`` reads to tell a stream the relay has ended (its trailers or RST_STREAM sent)
+#: from one still open: h2's streams by id (each stream's state machine: ``INSTANCE_NEEDS``) and
+#: the highest stream id it received, ``where`` as in ``DRAIN_NEEDS``. Without them the client's
+#: frames on such a stream count only once it ends or resets the stream itself.
+ENDED_NEEDS: tuple[tuple[str, str], ...] = (
+    ("proto", "connection"),
+    ("connection", "_connection"),
+    ("h2", "streams"),
+    ("h2", "highest_inbound_stream_id"),
+)
+#: A stream's h2 states once the relay has ended its side (``EARLY_END_STATE``) or it is reset.
+SERVER_ENDED_STATES = frozenset((StreamState.HALF_CLOSED_LOCAL, StreamState.CLOSED))
+
+
+def missing_in_ended(proto: Any) -> list[str]:
+    """``where.attribute`` for each of ``ENDED_NEEDS`` this connected server protocol lacks."""
+    return _missing_on_connection(proto, ENDED_NEEDS)
+
+
+def server_ended(proto: Any) -> Callable[[int], bool] | None:
+    """Whether the relay has ended a stream of the connected ``proto`` that its client opened
+    (read when called: h2 has it half closed by the relay or closed, or has forgotten it as
+    closed). A stream h2 has not seen yet (its HEADERS in the same read) is not ended. None
+    where the internals are missing."""
+    if missing_in_ended(proto):
+        return None
+    h2 = proto.connection._connection
+
+    def ended(stream_id: int) -> bool:
+        stream = h2.streams.get(stream_id)
+        if stream is None:
+            return bool(stream_id <= h2.highest_inbound_stream_id)
+        machine = getattr(stream, "state_machine", None)
+        return getattr(machine, "state", None) in SERVER_ENDED_STATES
+
+    return ended
 
 
 #: What ``mend`` uses to bound the HPACK table of a connection's response headers: h2's

@@ -30,6 +30,7 @@ from kvrelay.service.h2.internals import (
     DRAIN_NEEDS,
     EARLY_END_STATE,
     ENCODER_NEEDS,
+    ENDED_NEEDS,
     FEED_NEEDS,
     HPACK_ENCODER_NEEDS,
     INSTANCE_NEEDS,
@@ -41,6 +42,7 @@ from kvrelay.service.h2.internals import (
     SEND_DATA_STREAM,
     SEND_DATA_STREAM_NOOP,
     SENT_NEEDS,
+    SERVER_ENDED_STATES,
     STREAM_CAP_NEEDS,
     capped_encoder,
     data_frames_sent,
@@ -48,6 +50,7 @@ from kvrelay.service.h2.internals import (
     missing_in_classes,
     missing_in_drain,
     missing_in_encoder,
+    missing_in_ended,
     missing_in_feed,
     missing_in_hpack_encoder,
     missing_in_processor,
@@ -56,6 +59,7 @@ from kvrelay.service.h2.internals import (
     missing_in_sent,
     missing_in_shutdown,
     missing_in_stream_cap,
+    server_ended,
     stream_internals,
 )
 from kvrelay.service.h2.request import missing_request_needs, recv_request
@@ -261,6 +265,35 @@ async def test_a_stream_ended_while_its_client_sends_is_half_closed_then_reset_n
         assert probe.states == [EARLY_END_STATE, StreamState.CLOSED]
         assert st.status == "0" and raw.order == [("ended", 1), ("reset", 1)]
         assert st.reset_code == NO_ERROR == 0
+    finally:
+        await raw.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_the_guard_reads_which_streams_the_relay_ended() -> None:
+    """``guard`` counts a client's DATA on a stream the relay ended (``server_ended``): on a real
+    connection, a stream the relay half closed and then reset reads as ended (both states are
+    ``SERVER_ENDED_STATES``), one whose request has not come does not, nor one h2 has not seen
+    yet; a protocol without h2's streams is named, each need once, and gets no reader."""
+    probe = _EarlyEnd()
+    server = ClosingServer([probe], codec=_Raw())
+    await server.start("127.0.0.1", 0)
+    port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    raw = await RawH2Client.connect(port)
+    try:
+        st = raw.open(EARLY, b"", raw=b"\x00\x00\x00\x00\x01x", end=False)
+        await asyncio.wait_for(st.ended.wait(), 5)
+        raw.open(EARLY, b"", end=False)  # stream 3: no request yet, its handler waits
+        await asyncio.sleep(0.1)
+        (proto,) = list(server._protocols)
+        assert missing_in_ended(proto) == []
+        ended = server_ended(proto)
+        assert ended is not None
+        assert set(probe.states) <= SERVER_ENDED_STATES
+        assert ended(1) and not ended(3) and not ended(5)
+        assert missing_in_ended(object()) == [f"{w}.{a}" for w, a in ENDED_NEEDS]
+        assert server_ended(object()) is None
     finally:
         await raw.close()
         server.close()
