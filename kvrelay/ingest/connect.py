@@ -22,9 +22,11 @@ sequence is its only integrity check, and every publisher has its own sequence s
 Who may connect (the socket is reachable by anything that can reach its port): the relay's
 own ZAP handler (``ingest/zap.py``, on the socket's context; acquired before the bind, released
 after the close) answers each connection's ZMTP handshake, before libzmq takes any message from
-it. libzmq bounds each frame (``ZMQ_MAXMSGSIZE``), not a message, and keeps every frame of a
-message until its last one arrives, so a check per message comes too late for a peer whose
-message never ends: a refusal must come at the handshake.
+it, on a thread of its own (``_decide``: never waiting for the event loop, which libzmq would
+meanwhile be reading a stranger's frame for; it shares the monitor and the connection counts
+with the loop under a lock). libzmq bounds each frame (``ZMQ_MAXMSGSIZE``), not a message,
+and keeps every frame of a message until its last one arrives, so a check per message comes too
+late for a peer whose message never ends: a refusal must come at the handshake.
 
 * ``allow`` (IP addresses or networks): a peer at any other address is refused and its
   connection closed at once (``connections_refused``). IPC peers have no IP address and are
@@ -39,6 +41,10 @@ message never ends: a refusal must come at the handshake.
   them through; ``ZMQ_HANDSHAKE_IVL`` (``HANDSHAKE_S``) bounds how long a connection that never
   finishes its handshake holds a descriptor; TCP keepalive ends the connections of publishers
   that vanished without closing them (they would hold places under the limit).
+* Handshakes libzmq fails itself, before the handler is asked (``_take_events``: the monitor's
+  handshake-failure events, and a stranger's connection closed without one, which libzmq does
+  to a greeting that is not ZMTP 3), are counted by reason (``handshakes_failed_*``) and logged
+  at most every ``REFUSAL_LOG_S`` per reason.
 
 Who may publish (a message can name any member): each message carries its sender's address
 (ZMQ's ``Peer-Address`` property, read per message).
@@ -77,10 +83,11 @@ import contextlib
 import itertools
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import msgspec
 import numpy as np
@@ -106,6 +113,11 @@ from kvrelay.pool.batch import OP_CLEAR, OP_REMOVE, OP_STORE, EventBatch, as_eve
 from kvrelay.pool.errors import MalformedBatch
 
 _LOGGER = "kvrelay.ingest.connect"
+#: libzmq's reports of a handshake's end (the failures name their reason in the value)
+_HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)  # fmt: skip
 #: How far past ``max_batch_bytes`` a frame may be and still be received (then counted as too
 #: large and dropped); libzmq refuses anything larger at its header.
 FRAME_SLACK_BYTES = 1024 * 1024
@@ -178,14 +190,29 @@ class ConnectCounters:
     peer_refused: int = 0  # messages from an address outside ``allow`` (past the handshake)
     connections_refused: int = 0  # handshakes refused: the address is outside ``allow``
     connections_over_limit: int = 0  # handshakes refused: ``max_connections`` were open
+    # handshakes that failed before the relay's own check (or without reaching it), by reason
+    # (``HANDSHAKE_FAILURES``; one field each: the pool flattens these counters to ints)
+    handshakes_failed_protocol: int = 0
+    handshakes_failed_auth: int = 0
+    handshakes_failed_unfinished: int = 0
+    handshakes_failed_not_zmtp3: int = 0
     address_mismatch: int = 0  # messages naming an engine bound to another address
     topic_too_long: int = 0  # topics over ``max_topic_bytes``
     batch_too_large: int = 0  # payloads over ``max_batch_bytes`` (member reset)
     member_block_cap: int = 0  # members reset past ``max_member_blocks``
     rejections: dict[str, int] = field(default_factory=dict)  # frame checks by kind
 
+    #: reason → its field
+    HANDSHAKE_FAILURES: ClassVar[dict[str, str]] = {
+        r: f"handshakes_failed_{r}" for r in ("protocol", "auth", "unfinished", "not_zmtp3")
+    }
+
     def reject(self, kind: str) -> None:
         self.rejections[kind] = self.rejections.get(kind, 0) + 1
+
+    def handshake_failed(self, reason: str) -> None:
+        name = self.HANDSHAKE_FAILURES[reason]
+        setattr(self, name, getattr(self, name) + 1)
 
 
 class ConnectSink(Protocol):
@@ -277,8 +304,17 @@ class ConnectSource:
         #: (its peer's address is one ``allow`` admits: strangers cannot use up the limit)
         self._conns: dict[int, bool] = {}
         self.connections = 0  # open connections that count against ``max_connections``
+        #: descriptors of open connections from addresses ``allow`` refuses, or gone before
+        #: their address was read (their handshake can only fail: an admitted one stays open
+        #: while the handler is asked, which reads the events first), and whether libzmq just
+        #: reported a failure (``_take_events``)
+        self._strangers: set[int] = set()
+        self._failure_reported = False
+        #: the ZAP handler's thread and the loop both read the monitor and the connections
+        self._lock = threading.RLock()
         self.zap_enforced = False  # ZMQ_ZAP_ENFORCE_DOMAIN set: no handler, no handshake
         self._refusal_log = LogThrottle(REFUSAL_LOG_S)  # ``connect_handshake_refused``, by reason
+        self._failure_log = LogThrottle(REFUSAL_LOG_S)  # ``connect_handshake_failed``, by reason
         # per member: a peer alternating two processes would log one at every message
         self._process_log = LogThrottle()
 
@@ -360,15 +396,17 @@ class ConnectSource:
         task, self._task = self._task, None
         if task is not None:
             await cancel_and_wait(task)
-        if self._sub is not None:
-            if self._mon is not None:
-                with contextlib.suppress(zmq.ZMQError):
-                    self._sub.disable_monitor()
-                self._mon.close(linger=0)
-            self._sub.close(linger=0)
-        self._sub = self._shadow = self._mon = self._mon_shadow = None
-        self._conns.clear()
-        self.connections = 0
+        with self._lock:  # the handler's thread may be reading the monitor
+            if self._sub is not None:
+                if self._mon is not None:
+                    with contextlib.suppress(zmq.ZMQError):
+                        self._sub.disable_monitor()
+                    self._mon.close(linger=0)
+                self._sub.close(linger=0)
+            self._sub = self._shadow = self._mon = self._mon_shadow = None
+            self._conns.clear()
+            self._strangers.clear()
+            self.connections = 0
         handler, self._zap = self._zap, None
         if handler is not None:  # after the socket: none of its handshakes goes unanswered
             await zap.release(self._ctx, handler, self._domain)
@@ -377,9 +415,10 @@ class ConnectSource:
 
     # ---- handshakes and connections ---------------------------------------------------------
     def _monitor(self, sub: zmq.asyncio.Socket) -> zmq.asyncio.Socket:
-        """The socket's accept/disconnect events, read without blocking (``_take_events``)."""
+        """The socket's accept, disconnect and handshake events, read without blocking
+        (``_take_events``)."""
         addr = f"inproc://{self._domain}.monitor"
-        sub.monitor(addr, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        sub.monitor(addr, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_EVENTS)
         mon = self._ctx.socket(zmq.PAIR)
         mon.setsockopt(zmq.LINGER, 0)
         # no high-water mark: under a burst of connections a bounded pipe would hold libzmq's
@@ -389,25 +428,78 @@ class ConnectSource:
         return mon
 
     def _take_events(self) -> None:
-        """Bring the open connections up to date from the monitor's pending events."""
-        mon = self._mon_shadow
-        while mon is not None:
+        """Bring the open connections up to date from the monitor's pending events (on the
+        loop, and on the ZAP handler's thread before each answer)."""
+        while self._take_event():
+            pass
+
+    def _take_event(self) -> bool:
+        """One pending event (the lock held for one only: the handler's thread waits for no
+        more than that); whether there was one."""
+        with self._lock:
+            mon = self._mon_shadow
+            if mon is None:
+                return False
             try:
                 msg = mon.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return False
             event = parse_monitor_message(msg)
-            fd = int(event["value"])
-            self._forget(fd)  # accepted: a descriptor libzmq reused (defensive)
-            if event["event"] == zmq.EVENT_ACCEPTED:
-                peer = _fd_peer(fd)
+            kind, value = event["event"], int(event["value"])
+            if kind == zmq.EVENT_ACCEPTED:
+                self._forget(value)  # a descriptor libzmq reused (defensive)
+                peer = _fd_peer(value)
                 counted = peer is not None and self._admits(peer)
-                self._conns[fd] = counted
+                self._conns[value] = counted
                 self.connections += counted
+                if not counted and (peer is None or self._allow):
+                    self._strangers.add(value)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                reported, self._failure_reported = self._failure_reported, False
+                if self._forget(value) and not reported:
+                    # libzmq closes a peer whose greeting is not ZMTP 3 (noise, ZMTP 1.0:
+                    # refused with ZAP on) without a handshake event; a stranger's
+                    # connection closing unreported is one (it cannot have passed)
+                    self._handshake_failed("not_zmtp3", 0)
+            else:
+                self._handshake_ended(kind, value)
+            return True
 
-    def _forget(self, fd: int) -> None:
+    def _handshake_ended(self, kind: int, value: int) -> None:
+        """A handshake event (libzmq's version 1 events name no connection). A protocol or
+        unfinished failure is reported just before the connection's own disconnect, by the one
+        I/O thread (the context's default), which ``_take_events`` pairs them by."""
+        if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            return
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # the connection stays until the peer or
+            if value != 300:  # ``HANDSHAKE_S`` ends it; 300: the relay's own temporary refusal
+                self._handshake_failed("auth", value)  # (``connections_over_limit``)
+            return
+        self._failure_reported = True
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            if value == zmq.PROTOCOL_ERROR_ZAP_INVALID_STATUS_CODE:
+                return  # the relay's own refusal (``zap.CLOSE``): ``connections_refused``
+            self._handshake_failed("protocol", value)
+        else:  # NO_DETAIL: the peer hung up, or did not finish within ``HANDSHAKE_S``
+            self._handshake_failed("unfinished", value)
+
+    def _handshake_failed(self, reason: str, detail: int) -> None:
+        """Count a failed handshake; log it at most every ``REFUSAL_LOG_S`` per reason."""
+        self.counters.handshake_failed(reason)
+        not_logged = self._failure_log.due(reason)
+        if not_logged is None:
+            return
+        self._log.warning("connect_handshake_failed", reason=reason, detail=hex(detail),
+                          failed=not_logged + 1)  # fmt: skip
+
+    def _forget(self, fd: int) -> bool:
+        """Drop a closed connection; whether it was a stranger's."""
         if self._conns.pop(fd, False):
             self.connections -= 1
+        if fd in self._strangers:
+            self._strangers.discard(fd)
+            return True
+        return False
 
     def _admits(self, address: str) -> bool:
         """Whether a peer at ``address`` may connect or publish (``allow``). A TCP peer's address
@@ -421,13 +513,21 @@ class ConnectSource:
         return any(addr in n for n in self._allow)
 
     def _decide(self, req: zap.Request) -> zap.Verdict:
-        """The ZAP answer for one handshake (CURVE's own check has passed when it is asked)."""
-        self._take_events()  # its own accept is among them: libzmq reported it first
+        """The ZAP answer for one handshake (CURVE's own check has passed when it is asked), on
+        the handler's thread: never waits for the event loop. A stranger is refused without
+        the lock or a system call (the loop may hold the one, each of the others hands a busy
+        loop the GIL): what only this thread touches (its counter, its log throttle) and
+        ``allow`` (never changed) decide."""
         if not self._admits(req.address):
             # closed at once, not 400: libzmq would keep reading the connection after its ERROR
             self.counters.connections_refused += 1
             self._refused("address", req.address)
             return zap.CLOSE, "address not allowed"
+        with self._lock:
+            return self._over_limit(req)
+
+    def _over_limit(self, req: zap.Request) -> zap.Verdict:
+        self._take_events()  # its own accept is among them: libzmq reported it first
         if self.connections > self.max_connections:  # this connection is counted already
             # 300, temporary: libzmq sends no ERROR (after one, a libzmq publisher never
             # connects again); the connection ends with the handshake's time and the publisher

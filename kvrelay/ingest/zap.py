@@ -9,13 +9,18 @@ frames. How a refusal ends the connection depends on the status: see ``CLOSE``.
 
 There is one such endpoint per context, so one handler per context serves every bound socket of
 it: each socket registers its own domain (``register``) with a function that answers for it;
-a request for a domain nobody registered is refused. The handler is a ROUTER served on the
-event loop (the answers are computed without awaiting anything); it exists while at least one
-domain is registered (``acquire`` … ``release``).
+a request for a domain nobody registered is refused. The handler is a ROUTER served by a thread
+of its own, not the event loop: libzmq goes on reading a connection while its handshake waits
+for the answer (up to a frame of ``ZMQ_MAXMSGSIZE``), so every moment the answer waits costs
+memory, and behind a stalled loop strangers' connections piled up unanswered (200 sending
+16 MiB frames held 1.7-2.1 GiB; now 5-14 MB). The thread still needs the GIL (a busy loop hands
+it over every switch interval, 1 ms in the relay, at each of the thread's socket calls) and a
+CPU. A ``decide`` function therefore runs on that thread: it must be thread-safe. The handler
+exists while at least one domain is registered (``acquire`` … ``release``).
 
 If no handler is bound when a handshake needs one, libzmq 4.3 lets NULL and CURVE handshakes
 through unless the socket sets ``ZMQ_ZAP_ENFORCE_DOMAIN`` (the connect socket does: with it, such
-handshakes fail). A handler that is bound but does not answer (a stalled event loop) holds the
+handshakes fail). A handler that is bound but does not answer (its thread stopped) holds the
 handshake until ``ZMQ_HANDSHAKE_IVL``, then libzmq ends the connection: it fails closed.
 
 Request frames (after the ROUTER's routing id and the empty delimiter): version ``1.0``, request
@@ -30,6 +35,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +44,6 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from kvrelay._aio import cancel_and_wait
 from kvrelay.logging import get_logger
 
 __all__ = ["CLOSE", "ENDPOINT", "Request", "Verdict", "ZapHandler", "acquire", "release"]
@@ -52,8 +58,10 @@ VERSION = b"1.0"
 #: connection on the spot, without an ``ERROR`` (so a libzmq peer connects again later, and is
 #: refused again). A ZAP client that accepted the code would read it as 400, its class.
 CLOSE = 401
-#: Requests answered per event-loop turn.
+#: Requests answered per wake-up of the handler's thread.
 _BATCH = 64
+#: How long ``close`` waits for the handler's thread to stop (it answers in microseconds).
+_JOIN_S = 5.0
 
 _log = get_logger(__name__)
 
@@ -74,24 +82,31 @@ Decide = Callable[[Request], Verdict]
 
 
 class ZapHandler:
-    """The ROUTER bound at ``ENDPOINT`` of one context; answers by domain. Use ``acquire``."""
+    """The ROUTER bound at ``ENDPOINT`` of one context, served by its own thread; answers by
+    domain. Use ``acquire``."""
 
     def __init__(self, ctx: zmq.asyncio.Context) -> None:
-        sock = ctx.socket(zmq.ROUTER)
+        # a plain socket (the thread blocks in poll), on the same libzmq context
+        sock: zmq.Socket[Any] = zmq.Context.shadow(ctx.underlying).socket(zmq.ROUTER)
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.bind(ENDPOINT)  # EADDRINUSE: another handler owns this context's ZAP
         except BaseException:
             sock.close(linger=0)
             raise
-        self._sock: zmq.asyncio.Socket | None = sock
-        self._shadow: zmq.Socket[Any] | None = zmq.Socket.shadow(sock.underlying)
+        self._sock: zmq.Socket[Any] | None = sock
+        #: a byte written here stops the thread (a pipe, not a ZMQ socket: a context being
+        #: terminated waits for its sockets, and the thread closes its own)
+        self._wake_r, self._wake_w = os.pipe()
+        #: the answers, read by the thread and replaced whole (never changed in place)
         self._domains: dict[bytes, Decide] = {}
+        self._guard = threading.Lock()  # one ``_close_socket`` at a time
         self.loop = asyncio.get_running_loop()
         self.answered = 0
-        self._task: asyncio.Task[None] | None = asyncio.create_task(
-            self._serve(), name="kvrelay-zap"
+        self._thread: threading.Thread | None = threading.Thread(
+            target=self._serve, args=(sock, self._wake_r), name="kvrelay-zap", daemon=True
         )
+        self._thread.start()
 
     @property
     def closed(self) -> bool:
@@ -99,7 +114,7 @@ class ZapHandler:
 
     @property
     def serving(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def domains(self) -> int:
@@ -109,45 +124,59 @@ class ZapHandler:
         key = domain.encode()
         if key in self._domains:
             raise ValueError(f"ZAP domain {domain!r} is registered already")
-        self._domains[key] = decide
+        self._domains = {**self._domains, key: decide}
 
     def unregister(self, domain: str) -> None:
-        self._domains.pop(domain.encode(), None)
+        key = domain.encode()
+        if key in self._domains:
+            self._domains = {k: v for k, v in self._domains.items() if k != key}
 
     async def close(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-        self._close_socket()  # at once: a handler acquired meanwhile binds the name again
-        await cancel_and_wait(task)
+        self._close_socket()
 
     def _close_socket(self) -> None:
-        sock, self._sock, self._shadow = self._sock, None, None
-        if sock is not None and not sock.closed:
-            # unbind first: closing alone frees the name only once libzmq reaps the socket, and
-            # a handler started right after (a re-bind) would find it taken
-            with contextlib.suppress(zmq.ZMQError):
-                sock.unbind(ENDPOINT)
-            sock.close(linger=0)
+        """Stop the thread, then unbind and close (at once: a handler acquired right after
+        binds the name again)."""
+        with self._guard:
+            thread, self._thread = self._thread, None
+            if thread is not None:
+                with contextlib.suppress(OSError):
+                    os.write(self._wake_w, b"x")
+                thread.join(_JOIN_S)
+                if thread.is_alive():  # its socket is still in use: left as it is (a bug)
+                    _log.error("connect_zap_failed", error="handler thread did not stop")
+                    return
+                for fd in (self._wake_r, self._wake_w):
+                    os.close(fd)
+            sock, self._sock = self._sock, None
+            if sock is not None and not sock.closed:
+                # unbind first: closing alone frees the name only once libzmq reaps the
+                # socket, and a handler started right after (a re-bind) would find it taken
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.unbind(ENDPOINT)
+                sock.close(linger=0)
 
-    async def _serve(self) -> None:
-        assert self._sock is not None and self._shadow is not None
-        sock, shadow = self._sock, self._shadow
+    def _serve(self, sock: zmq.Socket[Any], wake: int) -> None:
+        """The thread: answer each request as it comes, until ``wake`` is readable."""
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
         try:
             while True:
-                await sock.poll()
+                ready = dict(poller.poll())
+                if wake in ready:
+                    return
                 for _ in range(_BATCH):
                     try:
-                        frames = shadow.recv_multipart(zmq.NOBLOCK)
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     reply = self.answer(frames)
                     if reply is not None:
                         with contextlib.suppress(zmq.Again):  # its session is gone: dropped
-                            shadow.send_multipart(reply, zmq.NOBLOCK)
-                await asyncio.sleep(0)
-        except asyncio.CancelledError:
-            raise
+                            sock.send_multipart(reply, zmq.NOBLOCK)
+        except zmq.ContextTerminated:  # the context is going: it waits for this socket
+            sock.close(linger=0)
         except Exception as exc:
             # handshakes now wait for ZMQ_HANDSHAKE_IVL and fail: closed, not open
             _log.error("connect_zap_failed", error=f"{type(exc).__name__}: {exc}")
@@ -196,13 +225,13 @@ async def acquire(ctx: zmq.asyncio.Context, domain: str, decide: Decide) -> ZapH
         # handler that stopped (logged): the sockets of this loop it answered move to the new one
         _HANDLERS.pop(key, None)
         if handler.loop is loop:
-            carried = dict(handler._domains)
+            carried = handler._domains
         with contextlib.suppress(Exception):
             handler._close_socket()
         handler = None
     if handler is None:
         handler = ZapHandler(ctx)
-        handler._domains.update(carried)
+        handler._domains = {**carried, **handler._domains}
         _HANDLERS[key] = handler
     handler.register(domain, decide)
     return handler

@@ -36,6 +36,7 @@ from kvrelay.contract.errors import reason_name
 from kvrelay.contract.wire import SLOTS_PER_BUCKET
 from kvrelay.discovery.errors import REFUSED, REPLY_REFUSALS
 from kvrelay.ingest import stats as decode_stats
+from kvrelay.ingest.connect import ConnectCounters
 from kvrelay.ingest.counters import LAG_BUCKETS_S, SubscriberCounters
 from kvrelay.ingest.errors import DecodeError
 from kvrelay.ingest.sink import ResetReason
@@ -925,6 +926,15 @@ def _pool_metrics(r: RelayStats) -> Iterator[Metric]:
         "kvrelay_pool_member_resets", "Member clears by reason (pool side, incl. incarnation).",
         labels=["pool", "reason"],
     )
+    handshakes = CounterMetricFamily(
+        "kvrelay_connect_handshakes_failed",
+        "Connections to the connect socket whose ZMTP handshake failed before the relay's own "
+        "check, by reason: protocol (a malformed handshake or the wrong security mechanism), auth "
+        "(a security check other than the relay's refused it), unfinished (the peer hung up or "
+        "did not finish within 10 s), not_zmtp3 (a connection from outside the allow list whose "
+        "first bytes were not a ZMTP 3 greeting).",
+        labels=["pool", "reason"],
+    )
     g = {
         name: GaugeMetricFamily(name, doc, labels=["pool"])
         for name, doc in (
@@ -954,6 +964,8 @@ def _pool_metrics(r: RelayStats) -> Iterator[Metric]:
             fam.add_metric([p.name], p.counters[attr])
         for reason, n in sorted(known_at_zero(POOL_RESET_REASONS, p.member_resets).items()):
             resets.add_metric([p.name, reason], n)
+        for reason, attr in ConnectCounters.HANDSHAKE_FAILURES.items():
+            handshakes.add_metric([p.name, reason], p.counters.get(f"connect_{attr}", 0))
         g["kvrelay_ckf_capacity_slots"].add_metric([p.name], p.bucket_count * SLOTS_PER_BUCKET)
         g["kvrelay_ckf_buckets"].add_metric([p.name], p.bucket_count)
         g["kvrelay_pool_materialized"].add_metric([p.name], int(p.materialized))
@@ -970,6 +982,7 @@ def _pool_metrics(r: RelayStats) -> Iterator[Metric]:
                 unknown.add_metric([p.name, e.name, rpc], 1)
     yield from pc.values()
     yield resets
+    yield handshakes
     yield from g.values()
     yield sources
     yield engines

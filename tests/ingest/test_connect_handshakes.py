@@ -1,0 +1,189 @@
+"""Connect mode: handshakes that fail or are refused, as hostile peers on 127.0.0.2 cause them.
+
+Real ZMQ sockets: the bound SUB on 127.0.0.1 (``allow`` = 127.0.0.1), raw TCP peers from
+127.0.0.2 that speak no ZMTP, the wrong mechanism, nothing at all, or ZMTP followed by a large
+frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import structlog
+import zmq.asyncio
+
+from kvrelay.ingest.connect import ConnectSource, ConnectSpec
+from kvrelay.ingest.topic_pattern import TopicPattern
+from kvrelay.ingest.zmtp import GREETING
+from kvrelay.ops.event_loop import GIL_SWITCH_INTERVAL_S
+from tests.ingest.test_connect import Sink, ctx, pub  # noqa: F401 (fixture)
+from tests.ingest.test_connect_trust import _PUB_HELLO
+from tests.support.timing import scaled
+from tests.support.vllm_publisher import until
+
+HOSTILE = "127.0.0.2"
+MIB = 1024 * 1024
+#: A ZMTP 3.0 greeting that asks for CURVE (the socket is a plain NULL one).
+_CURVE_GREETING = GREETING[:12] + b"CURVE".ljust(20, b"\x00") + GREETING[32:]
+
+
+async def _source(ctx: zmq.asyncio.Context, handshake_s: float = 10.0) -> ConnectSource:  # noqa: F811
+    spec = ConnectSpec(
+        bind=("tcp://127.0.0.1:0",), pattern=TopicPattern("kv@{engine}@{model}"),
+        kv_block_size=4, model="m", allow=("127.0.0.1",),
+    )  # fmt: skip
+    src = ConnectSource(spec, Sink(), context=ctx, handshake_s=handshake_s)
+    await src.start()
+    return src
+
+
+async def _stranger(src: ConnectSource, first: bytes) -> asyncio.StreamWriter:
+    host, port = src.endpoints[0].removeprefix("tcp://").rsplit(":", 1)
+    _r, w = await asyncio.open_connection(host, int(port), local_addr=(HOSTILE, 0))
+    if first:
+        w.write(first)
+        await w.drain()
+    return w
+
+
+def _failed(src: ConnectSource) -> dict[str, int]:
+    c = src.counters
+    return {r: getattr(c, f) for r, f in c.HANDSHAKE_FAILURES.items()}
+
+
+async def test_handshakes_that_fail_before_the_allow_check_are_counted_by_reason(
+    ctx: zmq.asyncio.Context,  # noqa: F811
+) -> None:
+    """libzmq closes these connections itself, before the relay's handler is asked: noise
+    instead of a greeting, a CURVE greeting to a plain socket, a peer silent until the handshake
+    time. They were closed uncounted and unlogged; each is now counted by reason (the monitor's
+    handshake-failure events; noise has none, and is told by a stranger's connection closing
+    unreported), logged once per reason and period. The relay's own refusal and an engine's
+    handshake count nothing here."""
+    src = await _source(ctx, handshake_s=scaled(0.5))
+    writers = []
+    try:
+        with structlog.testing.capture_logs() as logs:
+            real = await pub(ctx, src, b"kv@pod-a@m")  # admitted: its handshake succeeds
+            for i in range(3):  # not ZMTP 3 (the first byte is no 0xff); one at a time, so
+                # that no socket of this process takes a closed one's descriptor number before
+                # the relay read the address on it
+                writers.append(await _stranger(src, bytes([i]) * 64))
+                await until(lambda n=i + 1: _failed(src)["not_zmtp3"] == n)  # type: ignore[misc]
+            writers.append(await _stranger(src, _CURVE_GREETING))
+            await until(lambda: _failed(src)["protocol"] == 1)
+            writers.append(await _stranger(src, b""))  # says nothing
+            await until(lambda: _failed(src)["unfinished"] == 1)
+            writers.append(await _stranger(src, _PUB_HELLO))  # ZMTP, refused by ``allow``
+            await until(lambda: src.counters.connections_refused == 1)
+            await until(lambda: not src._strangers)  # each of them closed, none counted twice
+        assert _failed(src) == {"protocol": 1, "auth": 0, "unfinished": 1, "not_zmtp3": 3}
+        lines = [e for e in logs if e["event"] == "connect_handshake_failed"]
+        assert [(e["reason"], e["failed"]) for e in lines] == [
+            ("not_zmtp3", 1), ("protocol", 1), ("unfinished", 1)
+        ]
+        assert src.connections == 1
+        real.sock.close(linger=0)
+    finally:
+        for w in writers:
+            w.close()
+        await src.stop()
+
+
+#: ``n`` raw publishers from ``HOSTILE`` (a process of its own: argv host, port, n, size,
+#: seconds), each its greeting, READY and one frame of ``size`` bytes streamed; prints the
+#: relay's (its parent's) peak RSS growth, sampled each round, when the last was closed, and
+#: what each wrote before the relay closed it.
+_BIG_FRAMES = """
+import os, socket, sys, time
+statm = f"/proc/{os.getppid()}/statm"
+page = os.sysconf("SC_PAGE_SIZE")
+def rss():
+    with open(statm) as f:
+        return int(f.read().split()[1]) * page
+base = peak = rss()
+host, (port, n, size), limit = sys.argv[1], map(int, sys.argv[2:5]), float(sys.argv[5])
+hello = bytes.fromhex(sys.stdin.read())
+socks = []
+for _ in range(n):
+    s = socket.create_connection((host, port), source_address=("127.0.0.2", 0))
+    s.setblocking(False)
+    s.send(hello + b"\\x02" + size.to_bytes(8, "big"))
+    socks.append(s)
+started = time.monotonic()
+sent, open_ = [0] * n, set(range(n))
+chunk = bytes(1 << 20)
+while open_ and time.monotonic() - started < limit:
+    for i in list(open_):
+        try:
+            if socks[i].recv(65536) == b"":
+                open_.discard(i)
+                continue
+        except BlockingIOError:
+            pass
+        except OSError:
+            open_.discard(i)
+            continue
+        if sent[i] < size:
+            try:
+                sent[i] += socks[i].send(chunk[: size - sent[i]])
+            except BlockingIOError:
+                pass
+            except OSError:
+                open_.discard(i)
+    peak = max(peak, rss())
+    time.sleep(0.001)
+print(peak - base, time.monotonic() - started, *sent)
+"""
+
+
+def _big_frames_stalling(
+    endpoint: str, n: int, size: int, limit_s: float
+) -> tuple[int, float, list[int]]:
+    """Run ``_BIG_FRAMES`` while this thread spins on the CPU without yielding: the event loop
+    is stalled (and holds the GIL but at each switch interval) until the strangers are done."""
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _BIG_FRAMES, host, port, str(n), str(size), str(limit_s)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(_PUB_HELLO.hex())
+    proc.stdin.close()
+    deadline = time.monotonic() + limit_s + scaled(10)
+    while proc.poll() is None and time.monotonic() < deadline:
+        pass  # the stall
+    if proc.poll() is None:
+        proc.kill()
+    grown, took, *sent = proc.stdout.read().split()
+    proc.wait()
+    return int(grown), float(took), [int(x) for x in sent]
+
+
+async def test_strangers_are_refused_while_the_event_loop_is_stalled(
+    ctx: zmq.asyncio.Context,  # noqa: F811
+) -> None:
+    """libzmq goes on reading a connection while its handshake waits for the handler's answer,
+    up to a whole frame (16 MiB here). The handler answered on the event loop: behind a stalled
+    loop, each stranger's frame was taken in whole (200 such connections held 2 GiB). The
+    handler now answers on a thread of its own, so strangers are refused, and closed, while the
+    loop is still stalled, long before their frames are in."""
+    src = await _source(ctx)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as the relay runs
+    try:
+        grown, took, sent = _big_frames_stalling(src.endpoints[0], 8, 16 * MIB, scaled(10))
+        refused_while_stalled = src.counters.connections_refused  # the loop has not run since
+        assert refused_while_stalled == 8
+        # before: every frame was taken in whole (70-75 MiB at the peak here); now 1-25 MiB
+        assert grown < 48 * MIB, (
+            f"the relay grew {grown / MIB:.0f} MiB; written (MiB): {[s // MIB for s in sent]}"
+        )
+        assert took < scaled(5)
+        assert src.counters.messages == 0 and len(src) == 0
+    finally:
+        sys.setswitchinterval(interval)
+        await src.stop()
