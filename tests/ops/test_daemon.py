@@ -387,6 +387,17 @@ def _blocked(pid: int, tid: int) -> int:
     return _status_mask(pid, tid, "SigBlk")
 
 
+async def _serve_on_a_fifo(tmp_path: Path) -> tuple[Path, asyncio.subprocess.Process]:
+    """``kvrelay serve`` whose ``--config`` is a FIFO nobody writes yet (it waits there)."""
+    fifo = tmp_path / "kvrelay.toml"
+    os.mkfifo(fifo)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvrelay", "serve", "--config", str(fifo), env=clean_env(),
+        cwd=REPO, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    return fifo, proc
+
+
 def _status_mask(pid: int, tid: int, field: str) -> int:
     for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
         if line.startswith(f"{field}:"):
@@ -403,12 +414,7 @@ async def test_a_sigterm_from_the_first_line_of_serve_exits_0(
     ``KeyboardInterrupt``: one raised outside any ``try`` killed the process by SIGINT with a
     traceback (status 130), and one an extension's code saw marked the exit as an unhandled
     interrupt, so the process killed itself with SIGINT after ``main`` had returned 0."""
-    fifo = tmp_path / "kvrelay.toml"
-    os.mkfifo(fifo)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvrelay", "serve", "--config", str(fifo), env=clean_env(),
-        cwd=REPO, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+    _, proc = await _serve_on_a_fifo(tmp_path)
     deadline = time.monotonic() + scaled(30)
     while not _status_mask(proc.pid, proc.pid, "SigCgt") >> (signal.SIGTERM - 1) & 1:
         assert proc.returncode is None and time.monotonic() < deadline, "never caught SIGTERM"
@@ -424,12 +430,7 @@ async def test_only_the_main_thread_takes_a_stop_while_it_reads_its_config(tmp_p
     gave to one of them left the main thread in its read of a FIFO ``--config`` (the stop came
     once the read ended; a run of the test below waited 133 s). They now start with the
     daemon's signals blocked, and the main thread alone takes them."""
-    fifo = tmp_path / "kvrelay.toml"
-    os.mkfifo(fifo)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvrelay", "serve", "--config", str(fifo), env=clean_env(),
-        cwd=REPO, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+    fifo, proc = await _serve_on_a_fifo(tmp_path)
     fd = await _reading_its_config(fifo, proc)
     try:
         others = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid]

@@ -33,6 +33,24 @@ async def _ended_by_the_relay() -> tuple[RelayServer, asyncio.StreamWriter, byte
                                          asyncio.Future[None]]:  # fmt: skip
     """A relay, and a raw connection whose stream 1 the relay ended (a request over any valid
     one refused at its prefix: trailers, then RST_STREAM) while the client's side stays open."""
+    server, writer, got, pump = await _raw_connection()
+    block = _request_headers()
+    prefix = b"\x00" + (MAX_REQUEST_BYTES + 1).to_bytes(4, "big")  # refused unread
+    writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(0x4, 0, 0)
+                 + _frame(0x1, 0x4, 1, block) + _frame(0x0, 0, 1, prefix))  # fmt: skip
+    reset = _frame(0x3, 0, 1)[:9]  # RST_STREAM on stream 1 (its length 4 follows)
+    for _ in range(200):
+        if (b"\x00\x00\x04" + reset[3:]) in got:
+            break
+        await asyncio.sleep(0.025)
+    assert (b"\x00\x00\x04" + reset[3:]) in got, "the relay ends stream 1 with RST_STREAM"
+    return server, writer, got, pump
+
+
+async def _raw_connection() -> tuple[RelayServer, asyncio.StreamWriter, bytearray,
+                                      asyncio.Future[None]]:  # fmt: skip
+    """A relay and a raw TCP connection to it from 127.0.0.2 (another peer than the checks'),
+    whatever the relay sends gathered in ``got`` by ``pump``."""
     server = RelayServer(MemRelayView())
     await server.start("127.0.0.1", 0)
     reader, writer = await asyncio.open_connection(
@@ -44,21 +62,14 @@ async def _ended_by_the_relay() -> tuple[RelayServer, asyncio.StreamWriter, byte
         while data := await reader.read(65536):
             got.extend(data)
 
-    pump = asyncio.ensure_future(read())
-    block = hpack.Encoder().encode([
+    return server, writer, got, asyncio.ensure_future(read())
+
+
+def _request_headers() -> bytes:
+    return bytes(hpack.Encoder().encode([
         (":method", "POST"), (":scheme", "http"), (":authority", "relay"), (":path", POOL),
         ("content-type", "application/grpc"), ("te", "trailers"),
-    ])  # fmt: skip
-    prefix = b"\x00" + (MAX_REQUEST_BYTES + 1).to_bytes(4, "big")  # refused unread
-    writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(0x4, 0, 0)
-                 + _frame(0x1, 0x4, 1, block) + _frame(0x0, 0, 1, prefix))  # fmt: skip
-    reset = _frame(0x3, 0, 1)[:9]  # RST_STREAM on stream 1 (its length 4 follows)
-    for _ in range(200):
-        if (b"\x00\x00\x04" + reset[3:]) in got:
-            break
-        await asyncio.sleep(0.025)
-    assert (b"\x00\x00\x04" + reset[3:]) in got, "the relay ends stream 1 with RST_STREAM"
-    return server, writer, got, pump
+    ]))  # fmt: skip
 
 
 async def _info(port: int) -> None:
@@ -119,23 +130,9 @@ async def test_a_request_dribbled_one_byte_per_frame_is_closed_and_counted() -> 
     opened in the window (a request is one frame or a few): GOAWAY ENHANCE_YOUR_CALM, counted
     ``data_flood``, while the relay still waits for the rest of the request; another client is
     answered."""
-    server = RelayServer(MemRelayView())
-    await server.start("127.0.0.1", 0)
-    reader, writer = await asyncio.open_connection(
-        "127.0.0.1", server.port, local_addr=("127.0.0.2", 0)
-    )
-    got = bytearray()
-
-    async def read() -> None:
-        while data := await reader.read(65536):
-            got.extend(data)
-
-    pump = asyncio.ensure_future(read())
+    server, writer, got, pump = await _raw_connection()
     try:
-        block = hpack.Encoder().encode([
-            (":method", "POST"), (":scheme", "http"), (":authority", "relay"), (":path", POOL),
-            ("content-type", "application/grpc"), ("te", "trailers"),
-        ])  # fmt: skip
+        block = _request_headers()
         dribble = H2Budgets().max_data_frames + 8  # (one stream: its one frame is allowed)
         prefix = b"\x00" + (16000).to_bytes(4, "big")  # a request of 16,000 bytes, never finished
         writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(0x4, 0, 0)
