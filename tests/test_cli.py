@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -311,3 +315,43 @@ def test_a_timeout_that_is_not_positive_is_refused_before_any_signal(
     assert "argument --timeout: must be a number of seconds > 0" in capsys.readouterr().err
     run = kvrelay(command, "--pid", "999999999", "--timeout", timeout)  # a process: exit 2
     assert run.returncode == 2 and "--timeout" in run.stderr, run.stderr
+
+
+def test_the_config_is_read_on_a_thread_that_takes_no_signal(tmp_path: Path) -> None:
+    """``early_signals.read_bytes`` gives what ``Path.read_bytes`` gives, raises what it raises,
+    and reads on a thread that blocks the daemon's signals while the main thread waits in short
+    steps (a FIFO nobody writes: the main thread still returns to Python, here to a timer's
+    handler, well before the read would end)."""
+    f = tmp_path / "a.toml"
+    f.write_bytes(b"x = 1\n")
+    assert early_signals.read_bytes(f) == b"x = 1\n"
+    with pytest.raises(FileNotFoundError):
+        early_signals.read_bytes(tmp_path / "missing.toml")
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+
+    class Woken(Exception):
+        pass
+
+    def wake(signum: int, frame: object) -> None:
+        raise Woken()
+
+    old = signal.signal(signal.SIGALRM, wake)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        t0 = time.monotonic()
+        with pytest.raises(Woken):
+            early_signals.read_bytes(fifo)
+        assert time.monotonic() - t0 < 5.0
+        reader = next(t for t in threading.enumerate() if t.name == "kvrelay-read-file")
+        mask = 0
+        status = Path(f"/proc/self/task/{reader.native_id}/status").read_text()
+        for line in status.splitlines():
+            if line.startswith("SigBlk:"):
+                mask = int(line.split()[1], 16)
+        assert mask >> (signal.SIGTERM - 1) & 1 and mask >> (signal.SIGHUP - 1) & 1, hex(mask)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        with contextlib.suppress(OSError):  # let the reader's open and read end
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))

@@ -38,6 +38,7 @@ from kvrelay.ingest.live_source import READERS
 from kvrelay.ingest.options import DecodeOptions
 from kvrelay.ingest.topic_pattern import PatternError, TopicPattern
 from kvrelay.mirror.settings import MAX_PERIOD_S as MAX_MIRROR_PERIOD_S
+from kvrelay.ops import early_signals
 from kvrelay.ops.private_dirs import INTERNAL_SOCKET, socket_path_problem
 from kvrelay.ops.tls import (
     CrlSignatureError,
@@ -1536,7 +1537,7 @@ def _read_toml(path: str | os.PathLike[str]) -> tuple[dict[str, Any] | None, lis
     """One file's TOML document; unreadable files and syntax errors are problems."""
     p = Path(path)
     try:
-        text = p.read_bytes()
+        text = early_signals.read_bytes(p)  # (a stop comes through a blocked read: its doc)
     except OSError as exc:
         return None, [ConfigProblem(str(p), f"cannot read the file: {exc.strerror or exc}")]
     try:
