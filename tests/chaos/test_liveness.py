@@ -105,6 +105,9 @@ async def test_dead_worker_is_cleared_while_others_keep_the_pool() -> None:
             r.engines.remove(a)
             await eventually(lambda: r.pool.counters.engines_down == 1,
                              what="engine declared down")  # fmt: skip
+            # (its members are reset by a task the declaration schedules)
+            await eventually(lambda: r.pool.counters.member_resets.get("engine_down", 0) >= 2,
+                             what="both members reset")  # fmt: skip
         await b.step(4)
         # nothing of the dead worker's blocks stays in the filter; the pool never left
         await verify(r, consumer, probes=2_000)
