@@ -247,28 +247,38 @@ class _EarlyEnd:
 EARLY = "/kvrelay.test.Internals/Early"
 
 
-async def test_a_stream_ended_while_its_client_sends_is_half_closed_then_reset_no_error() -> None:
-    """``request.finish_early``: after the trailers of a stream whose client has not finished
-    its requests, h2 holds it in ``EARLY_END_STATE`` (half closed, local), and the client gets
-    the RST_STREAM with ``NO_ERROR`` after them, which closes the stream."""
-    from h2.stream import StreamState
-
+@contextlib.asynccontextmanager
+async def _ended_early(
+    server_type: type[grpclib.server.Server],
+) -> AsyncIterator[tuple[_EarlyEnd, Any, RawH2Client, Any]]:
+    """A server of ``server_type`` with the ``_EarlyEnd`` probe, and a raw connection whose
+    stream 1 (a request sent, the client's side left open) the probe has already ended."""
     probe = _EarlyEnd()
-    server = grpclib.server.Server([probe], codec=_Raw())
+    server = server_type([probe], codec=_Raw())
     await server.start("127.0.0.1", 0)
     port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     raw = await RawH2Client.connect(port)
     try:
         st = raw.open(EARLY, b"", raw=b"\x00\x00\x00\x00\x01x", end=False)
         await asyncio.wait_for(st.ended.wait(), 5)
-        await asyncio.sleep(0.1)  # the reset comes after the trailers
-        assert probe.states == [EARLY_END_STATE, StreamState.CLOSED]
-        assert st.status == "0" and raw.order == [("ended", 1), ("reset", 1)]
-        assert st.reset_code == NO_ERROR == 0
+        yield probe, server, raw, st
     finally:
         await raw.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_a_stream_ended_while_its_client_sends_is_half_closed_then_reset_no_error() -> None:
+    """``request.finish_early``: after the trailers of a stream whose client has not finished
+    its requests, h2 holds it in ``EARLY_END_STATE`` (half closed, local), and the client gets
+    the RST_STREAM with ``NO_ERROR`` after them, which closes the stream."""
+    from h2.stream import StreamState
+
+    async with _ended_early(grpclib.server.Server) as (probe, _, raw, st):
+        await asyncio.sleep(0.1)  # the reset comes after the trailers
+        assert probe.states == [EARLY_END_STATE, StreamState.CLOSED]
+        assert st.status == "0" and raw.order == [("ended", 1), ("reset", 1)]
+        assert st.reset_code == NO_ERROR == 0
 
 
 async def test_the_guard_reads_which_streams_the_relay_ended() -> None:
@@ -276,14 +286,7 @@ async def test_the_guard_reads_which_streams_the_relay_ended() -> None:
     connection, a stream the relay half closed and then reset reads as ended (both states are
     ``SERVER_ENDED_STATES``), one whose request has not come does not, nor one h2 has not seen
     yet; a protocol without h2's streams is named, each need once, and gets no reader."""
-    probe = _EarlyEnd()
-    server = ClosingServer([probe], codec=_Raw())
-    await server.start("127.0.0.1", 0)
-    port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    raw = await RawH2Client.connect(port)
-    try:
-        st = raw.open(EARLY, b"", raw=b"\x00\x00\x00\x00\x01x", end=False)
-        await asyncio.wait_for(st.ended.wait(), 5)
+    async with _ended_early(ClosingServer) as (probe, server, raw, _):
         raw.open(EARLY, b"", end=False)  # stream 3: no request yet, its handler waits
         await asyncio.sleep(0.1)
         (proto,) = list(server._protocols)
@@ -294,10 +297,6 @@ async def test_the_guard_reads_which_streams_the_relay_ended() -> None:
         assert ended(1) and not ended(3) and not ended(5)
         assert missing_in_ended(object()) == [f"{w}.{a}" for w, a in ENDED_NEEDS]
         assert server_ended(object()) is None
-    finally:
-        await raw.close()
-        server.close()
-        await server.wait_closed()
 
 
 def test_an_object_that_is_no_grpclib_stream_gets_no_writer_and_every_need_named() -> None:

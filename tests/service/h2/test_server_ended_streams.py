@@ -72,6 +72,20 @@ def _request_headers() -> bytes:
     ]))  # fmt: skip
 
 
+async def _closed_calm_and_counted(
+    server: RelayServer, got: bytearray, pump: asyncio.Future[None], reason: str
+) -> None:
+    """The connection was closed with GOAWAY ENHANCE_YOUR_CALM, counted once under ``reason``,
+    and another client is still answered."""
+    await asyncio.wait({pump}, timeout=10)
+    assert pump.done(), f"the connection is closed ({reason})"
+    assert server.service.guard_stats()[2][reason] == 1
+    goaway = got.rfind(b"\x07\x00\x00\x00\x00\x00")  # type 7, flags 0, stream 0
+    calm = ENHANCE_YOUR_CALM.to_bytes(4, "big")
+    assert goaway >= 0 and got[goaway + 10 : goaway + 14] == calm
+    await _info(server.port)
+
+
 async def _info(port: int) -> None:
     async with Channel("127.0.0.1", port) as ch:
         reply = await asyncio.wait_for(
@@ -90,13 +104,7 @@ async def test_data_flooding_a_stream_the_relay_ended_is_closed_and_counted() ->
     try:
         flood = H2Budgets().max_empty_frames + 8
         writer.write(_frame(0x0, 0, 1, b"x") * flood)
-        await asyncio.wait({pump}, timeout=10)
-        assert pump.done(), "the flooding connection is closed"
-        assert server.service.guard_stats()[2]["empty_frames"] == 1
-        goaway = got.rfind(b"\x07\x00\x00\x00\x00\x00")  # type 7, flags 0, stream 0
-        calm = ENHANCE_YOUR_CALM.to_bytes(4, "big")
-        assert goaway >= 0 and got[goaway + 10 : goaway + 14] == calm
-        await _info(server.port)
+        await _closed_calm_and_counted(server, got, pump, "empty_frames")
     finally:
         pump.cancel()
         writer.close()
@@ -138,13 +146,7 @@ async def test_a_request_dribbled_one_byte_per_frame_is_closed_and_counted() -> 
         writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(0x4, 0, 0)
                      + _frame(0x1, 0x4, 1, block) + _frame(0x0, 0, 1, prefix)
                      + _frame(0x0, 0, 1, b"x") * dribble)  # fmt: skip
-        await asyncio.wait({pump}, timeout=10)
-        assert pump.done(), "the dribbling connection is closed"
-        assert server.service.guard_stats()[2]["data_flood"] == 1
-        goaway = got.rfind(b"\x07\x00\x00\x00\x00\x00")  # type 7, flags 0, stream 0
-        calm = ENHANCE_YOUR_CALM.to_bytes(4, "big")
-        assert goaway >= 0 and got[goaway + 10 : goaway + 14] == calm
-        await _info(server.port)
+        await _closed_calm_and_counted(server, got, pump, "data_flood")
     finally:
         pump.cancel()
         writer.close()
