@@ -5,11 +5,12 @@ gauges were documented unlabelled while the relay exports them per `pool`."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from kvrelay.ops.metrics import RelayMetrics
+from kvrelay.ops.metrics import POOL_RESET_REASONS, RelayMetrics
 from kvrelay.ops.reload import ReloadStats
 from kvrelay.ops.tls import LoadedCertificate
 from kvrelay.ops.upgrade import UpgradeStats
@@ -44,3 +45,13 @@ def test_per_pool_checkpoint_and_scrub_gauges_are_documented_with_their_label() 
     ):
         row = next(line for line in table.splitlines() if line.startswith(f"| `{series}` |"))
         assert row.split(" | ")[2] == "pool", row
+
+
+def test_the_contract_names_every_member_reset_reason() -> None:
+    """docs/contract.md lists the reasons of ``kvrelay_pool_member_resets_total`` in prose: it
+    named 11 of the 17 the relay exports (an audit read ``vouch_timeout`` and ``block_cap`` off
+    ``/metrics`` that the contract never mentioned)."""
+    contract = (DOC.parent / "contract.md").read_text()
+    prose = contract.split("Reset reasons are exported as", 1)[1].split("\n\n", 1)[0]
+    named = set(re.findall(r"`([a-z_]+)`", prose)) - {"max_member_blocks"}
+    assert named == set(POOL_RESET_REASONS), sorted(named ^ set(POOL_RESET_REASONS))
