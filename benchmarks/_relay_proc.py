@@ -285,6 +285,7 @@ async def amain(a: argparse.Namespace) -> None:
 async def _start_mirror(a: argparse.Namespace, upstream: int) -> tuple[Any, int]:
     """``kvrelay mirror`` of ``127.0.0.1:upstream`` on ``a.host:a.port`` (a free port when 0);
     returns once it accepts connections (it listens only after it has synchronized)."""
+    import shutil
     import tempfile
 
     from benchmarks._common import free_port
@@ -314,6 +315,7 @@ async def _start_mirror(a: argparse.Namespace, upstream: int) -> tuple[Any, int]
             await asyncio.sleep(0.1)
             continue
         w.close()
+        shutil.rmtree(conf.parent, ignore_errors=True)  # read at the start, never reloaded
         return proc, port
 
 

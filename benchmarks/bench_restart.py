@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -189,6 +190,7 @@ async def _run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         notify.sock.close()
         for e in engines:
             await e.stop()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _markdown(doc: dict[str, Any]) -> str:

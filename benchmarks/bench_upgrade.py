@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import errno
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -188,6 +189,7 @@ async def _run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         notify.sock.close()
         for e in engines:
             await e.stop()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _markdown(doc: dict[str, Any]) -> str:
