@@ -10,6 +10,8 @@ means ``UNIMPLEMENTED`` (other servers send that code), and callers that decide 
 benchmarks' subscribers), on grpclib's private client stream parts (``CLIENT_RECV_NEEDS``).
 ``count_own_cancels``: how often grpclib itself cancelled a stream's task (``CLIENT_CANCEL_NEEDS``),
 so that a cancellation it replaced with a transport error is told from its own.
+``ended_without_status``: whether a client stream whose replies ended got no status at all
+(``CLIENT_END_NEEDS``), which grpclib would wait on for trailers that cannot come.
 
 ``GuardedChannel``: a grpclib ``Channel`` whose connections take a bounded number of the
 frames a server sends that ask something back (``budget_server_frames``, ``ServerFrameBudget``);
@@ -126,6 +128,12 @@ class UndecodableReply(Exception):
     as its type. (One larger than the bound is ``RESOURCE_EXHAUSTED``, as grpc clients say.)"""
 
 
+class CompressedReply(UndecodableReply):
+    """A reply with the compressed flag: the client offers no ``grpc-encoding`` (grpclib sends
+    no ``grpc-accept-encoding``, and refuses ``grpc-*`` metadata), so a server that compresses
+    anyway (a grpcio server with compression on) is misconfigured for it."""
+
+
 def absent(
     needs: Iterable[tuple[str, str]], objects: Mapping[str, Any], skip: Collection[str] = ()
 ) -> list[str]:
@@ -166,6 +174,8 @@ async def recv_reply(stream: Any, max_bytes: int | None) -> Any | None:
         inner = stream._stream
         try:
             body = await read_framed(inner, check)
+        except CompressedMessage as exc:
+            raise CompressedReply(str(exc)) from None
         except BrokenFraming as exc:
             raise UndecodableReply(str(exc)) from None
         if body is None:
@@ -182,6 +192,37 @@ async def recv_reply(stream: Any, max_bytes: int | None) -> Any | None:
         stream._messages_received += 1
         inner.connection.messages_received += 1
         return message
+
+
+#: What ``ended_without_status`` reads of a grpclib client stream: ``(where, attribute)`` with
+#: ``where`` the client ``Stream`` (``stream``) or its protocol stream (``inner``), whose
+#: response headers and trailers grpclib's events processor sets as they arrive. Without any of
+#: them no end is judged (False: grpclib's own wait for the trailers).
+CLIENT_END_NEEDS: tuple[tuple[str, str], ...] = (
+    ("stream", "_stream"),
+    ("inner", "headers"),
+    ("inner", "trailers"),
+)
+
+#: The message of a stream that ended without a status (``ended_without_status``).
+NO_STATUS = "the stream ended without a status (no trailers)"
+
+
+def missing_client_end_needs(stream: Any) -> list[str]:
+    """``where.attribute`` for each of ``CLIENT_END_NEEDS`` that ``stream`` lacks."""
+    return absent(CLIENT_END_NEEDS, {"stream": stream, "inner": getattr(stream, "_stream", None)})
+
+
+def ended_without_status(stream: Any) -> bool:
+    """Whether a grpclib client stream whose replies have ended (``recv_reply`` returned None)
+    ended without a status: its END_STREAM came on a DATA frame, with no trailers and no
+    ``grpc-status`` in its headers (a trailers-only reply). gRPC over HTTP/2 makes that an error
+    to report at once. Why: grpclib's ``recv_trailing_metadata`` waits for trailers that cannot
+    come (the stream is closed), until the caller's silence limit or the connection's end.
+    h2 reports a stream's trailers before its end, so at the end they are there or never come."""
+    if missing_client_end_needs(stream):
+        return False
+    return not _status_arrived(stream._stream)
 
 
 #: What ``count_own_cancels`` uses of a grpclib client stream: ``(where, attribute)`` with

@@ -185,7 +185,10 @@ class RelayClient:
         return out
 
     def _routable(self, conn: RelayConnection, slot: PoolSlot, plan: QueryPlan) -> bool:
-        """READY topology entry for the pool's base model (and adapter) listing this pool."""
+        """READY topology entry for the pool's base model (and adapter) listing this pool: a
+        member with the pool's ``pool_id``, or, for a member that names none, its endpoint. A
+        member naming another pool at the same endpoint is that other pool (an endpoint
+        re-registered by another worker), never this one."""
         upd = conn.readiness
         if upd is None:
             return False
@@ -196,7 +199,7 @@ class RelayClient:
             if e.canonical_model_id != plan.base_model or e.namespace != slot.key.namespace:
                 continue
             member = any(
-                (m.pool_id is not None and bytes(m.pool_id) == want) or m.endpoint == ep
+                bytes(m.pool_id) == want if m.pool_id is not None else m.endpoint == ep
                 for m in e.members
             )
             if not member or int(e.state) != pb.ServingReadinessState.READY:

@@ -14,6 +14,10 @@ Rules enforced here (§4, §9, §10):
 * Every loop (pool, catalog, planes) backs off by one rule (``rpc.Backoff``): its attempts start
   over only after a stream that stayed live ``rpc.LIVE_RESUBSCRIBE_S``.
 * Readiness and load are "unknown" (None) whenever their stream is down.
+* A plane's version (catalog or readiness revision, load window sequence) never goes backwards
+  on one stream (``plane_rules.plane_version``, the mirror's rule too): a lower one ends the
+  stream (``<plane>_end_version_backwards``) and the plane is read again; an equal one is a
+  re-send and is taken.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from grpclib.const import Status
 from kvrelay._aio import stop_all
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import errors as E
-from kvrelay.client import rpc
+from kvrelay.client import plane_rules, rpc
 from kvrelay.client.config import ClientConfig
 from kvrelay.client.replica import PoolReplica, relay_key
 from kvrelay.client.views import PoolKey
@@ -43,6 +47,18 @@ from kvrelay.logging import get_logger
 _log = get_logger(__name__)
 PoolFilter = Callable[[PoolKey, pb.KvPoolDescriptor], bool]
 _REFRESH_CATALOG = frozenset({"producer_changed", "pool_not_found", "invalid_publication"})
+#: The newest version one plane stream delivered, with the relay identity it came under.
+Held = tuple[tuple[int, int] | None, int]
+
+
+def next_version(plane: str, relay: pb.RelayIdentity, version: int, held: Held | None) -> Held:
+    """A plane stream's message at ``version`` after ``held`` (``plane_rules.plane_version``,
+    which raises for one that went backwards); what the stream holds then. A new relay
+    identity starts its versions anew, as the mirror's new epoch does."""
+    key = relay_key(relay)
+    newest = held[1] if held is not None and held[0] == key else None
+    plane_rules.plane_version(plane, newest, version)
+    return key, version
 
 
 @dataclass(slots=True)
@@ -180,10 +196,11 @@ class RelayConnection:
             await asyncio.sleep(delay)
             self._catalog_waiting = False
             got = 0
+            held: Held | None = None  # this stream's newest revision
 
             def on(msg: pb.KvPoolCatalogUpdate) -> None:
-                nonlocal got
-                self._on_catalog(msg)  # raises for a message it cannot take
+                nonlocal got, held
+                held = self._on_catalog(msg, held)  # raises for a message it cannot take
                 got += 1
                 backoff.live()
 
@@ -245,9 +262,11 @@ class RelayConnection:
             out["channel_left_draining"] = left
         return out
 
-    def _on_catalog(self, upd: pb.KvPoolCatalogUpdate) -> None:
+    def _on_catalog(self, upd: pb.KvPoolCatalogUpdate, held: Held | None = None) -> Held:
+        """Take one catalog of a stream that held ``held``; returns what it holds now."""
         self._check_envelope(upd, "catalog")
         assert upd.relay is not None
+        held = next_version("catalog", upd.relay, int(upd.revision), held)
         self._observe_relay(upd.relay, from_catalog=True)
         self.counters["catalog_updates"] += 1
         self.catalog_revision = int(upd.revision)
@@ -286,6 +305,7 @@ class RelayConnection:
                 self._remove_slot(key, E.CATALOG_REPLACED)
             self._add_slot(key, desc, pk)
         self._notify()
+        return held
 
     def _add_slot(self, key: PoolKey, desc: pb.KvPoolDescriptor, pk: ProducerKey) -> None:
         slot = PoolSlot(key, desc, pk)
@@ -373,14 +393,19 @@ class RelayConnection:
         request: Any,
         reply: type,
         store: Callable[[Any], None],
+        version: Callable[[Any], int],
         silence_s: float | None = None,
     ) -> None:
+        """``version(msg)``: the message's revision or window sequence (``next_version``)."""
         backoff = rpc.Backoff(self.config.backoff)
         window_s = 0.0  # a window plane's period, as its updates say (``window_ms``)
         while not self._closing:
+            held: Held | None = None  # this stream's newest version
+
             def on(msg: Any) -> None:
-                nonlocal window_s
+                nonlocal window_s, held
                 self._check_envelope(msg, plane)
+                held = next_version(plane, msg.relay, int(version(msg)), held)
                 backoff.live()
                 window_s = rpc.window_period_s(window_s, getattr(msg, "window_ms", 0) or 0)
                 self._observe_relay(msg.relay, from_catalog=False)
@@ -417,7 +442,7 @@ class RelayConnection:
         await self._plane_loop(
             "readiness", "SubscribeServingReadiness",
             rpc.readiness_request(self.config.subscriber_id), pb.ServingReadinessUpdate, store,
-            silence_s=self.config.silence_s,
+            lambda m: m.revision, silence_s=self.config.silence_s,
         )  # fmt: skip
 
     async def _load_loop(self) -> None:
@@ -427,6 +452,7 @@ class RelayConnection:
         await self._plane_loop(
             "load", "SubscribeKvPoolLoad",
             rpc.load_request(self.config.subscriber_id), pb.KvPoolLoadUpdate, store,
+            lambda m: m.window_sequence,
             silence_s=self.config.silence_s,  # windows come every second or so
         )  # fmt: skip
 
@@ -437,5 +463,5 @@ class RelayConnection:
         await self._plane_loop(
             "serving_load", "SubscribeServingLoad",
             rpc.serving_load_request(self.config.subscriber_id), pb.ServingLoadUpdate, store,
-            silence_s=self.config.silence_s,
+            lambda m: m.window_sequence, silence_s=self.config.silence_s,
         )  # fmt: skip

@@ -31,11 +31,14 @@ HEARTBEAT_BEFORE_SNAPSHOT = "heartbeat_before_snapshot"
 HEARTBEAT_SEQUENCE = "heartbeat_sequence"  # heartbeat seq != installed or base != seq
 HEARTBEAT_PAYLOAD = "heartbeat_payload"  # heartbeat with a non-empty payload
 CBI1_PREFIX = "cbi1_"  # + Cbi1Error.reason, e.g. cbi1_checksum_mismatch
+# --- plane-stream rules (catalog, readiness, load, serving load) --------------------------------
+VERSION_BACKWARDS = "version_backwards"  # revision / window_sequence below the stream's newest
 
 # --- stream endings and client decisions --------------------------------------------------------
 EOF = "eof"  # clean end of stream (relay shutdown): treated as invalidation
 CONNECTION = "connection"  # transport failure (refused, reset, h2 error)
 SILENT = "silent"  # no frame (not even a heartbeat) for silence_heartbeats heartbeat periods
+COMPRESSED = "compressed"  # a reply with the compressed flag (the SDK takes identity only)
 WITHDRAWN = "withdrawn"  # pool absent from the newest catalog snapshot
 CATALOG_REPLACED = "catalog_replaced"  # catalog now lists another producer for the endpoint
 RELAY_RESTARTED = "relay_restarted"  # the relay's identity changed: every replica dropped

@@ -22,12 +22,15 @@ from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from kvrelay._grpc import (
+    NO_STATUS,
     ChannelClosed,
+    CompressedReply,
     RelayChannel,
     SslSource,
     UndecodableReply,
     count_own_cancels,
     effective_status,
+    ended_without_status,
     recv_reply,
 )
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
@@ -319,7 +322,11 @@ async def run_stream(
     burst of buffered messages then never runs far ahead of the tasks they woke (a mirror's
     senders).
     Replies are read with their length checked first (``recv_reply``, the bound the channel's
-    codec has); one that does not decode ends the stream as ``envelope``.
+    codec has); one that does not decode ends the stream as ``envelope``, a compressed one
+    (never asked for) as ``compressed``. A stream whose END_STREAM came without a status (no
+    trailers) ends at once as ``status_unknown`` (``ended_without_status``): grpclib would wait
+    for the trailers until the silence limit, and a ``silent`` end would replace the channel
+    that still carries the healthy streams.
     A task cancelled while in here always ends with ``CancelledError``, also when grpclib turned
     it into a transport error (its channel closed in the same turn: ``count_own_cancels``);
     a loop that took that for a lost connection would reconnect after its owner stopped it.
@@ -372,6 +379,8 @@ async def run_stream(
                         quiet.reschedule(loop.time() + again)
                     if yield_every and n % yield_every == 0:
                         await asyncio.sleep(0)
+                if ended_without_status(stream):  # (trailers that cannot come: not waited on)
+                    raise GRPCError(Status.UNKNOWN, NO_STATUS)
                 await stream.recv_trailing_metadata()
         end = StreamEnd(E.EOF, Status.OK, "", n)
     except TimeoutError:
@@ -382,6 +391,8 @@ async def run_stream(
     except GRPCError as err:
         trailers = None if stream is None else stream.trailing_metadata
         end = end_from_error(err, trailers, n)
+    except CompressedReply as exc:
+        end = StreamEnd(E.COMPRESSED, None, f"{exc}: the relay must send identity encoding", n)
     except UndecodableReply as exc:
         end = StreamEnd(E.ENVELOPE, None, f"undecodable reply: {exc}", n)
     except ChannelClosed as exc:

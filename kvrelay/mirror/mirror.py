@@ -1,9 +1,12 @@
 """``Mirror``: a ``RelayView`` whose source is another KvEventRelay.
 
 One upstream stream per plane (catalog, readiness, load, serving load) and per catalog pool, all
-on one channel. An upstream that answers ``SubscribeServingLoad`` with ``UNIMPLEMENTED`` (a
-Dynamo 1.6 relay) is asked again with backoff, and meanwhile the mirror answers that RPC
-``UNIMPLEMENTED`` too; the mirror is in sync without it.
+on one channel. An upstream that answers a plane's RPC (``SubscribeServingLoad`` on a Dynamo 1.6
+relay, or readiness or load) with ``UNIMPLEMENTED`` is asked again with backoff, and meanwhile
+the mirror answers that RPC ``UNIMPLEMENTED`` too; the mirror is in sync, and in session, without
+it (``MirrorPlane.synced``). The catalog is needed: without it there is no session. While the
+mirror waits to synchronize it logs what it still waits for (``mirror_synchronizing``, every
+``SYNC_LOG_S``).
 
 Identity: the mirror *is* its upstream to its subscribers — same relay identity,
 producers, sequences, bytes. A plane message or frame with another relay identity means the
@@ -68,6 +71,9 @@ CATALOG_INLINE_BYTES = 16 * 1024
 #: How many keys withdrawn from the upstream's catalog the mirror remembers and refuses itself
 #: (the newest; an older one is decided by the upstream again).
 WITHDRAWN_KEYS = 4096
+#: While the mirror has not synchronized, it logs what it still waits for this often: a mirror
+#: that never serves says why (an upstream plane that never delivers, a pool never installed).
+SYNC_LOG_S = 10.0
 
 
 class _Superseded(Exception):
@@ -117,9 +123,12 @@ class Mirror:
         self.limits = settings.limits
         self.upstream = Upstream(settings)
         self.catalog = MirrorPlane("catalog", same=_same_message(pb.KvPoolCatalogUpdate))
-        self.readiness = MirrorPlane("readiness",
-                                     same=_same_message(pb.ServingReadinessUpdate))  # fmt: skip
-        self.load = MirrorPlane("load", same=_same_message(pb.KvPoolLoadUpdate))
+        # readiness and load: in sync without a stream once the upstream answers UNIMPLEMENTED,
+        # a verdict held only with the upstream session that gave it, as serving load's
+        self.readiness = MirrorPlane("readiness", same=_same_message(pb.ServingReadinessUpdate),
+                                     session=self._has_session)  # fmt: skip
+        self.load = MirrorPlane("load", same=_same_message(pb.KvPoolLoadUpdate),
+                                session=self._has_session)  # fmt: skip
         # no "_" in the name: metrics split "<plane>_<reason>"
         self.serving_load = MirrorPlane("serving-load", same=_same_message(pb.ServingLoadUpdate),
                                         session=self._has_session)  # fmt: skip
@@ -177,10 +186,11 @@ class Mirror:
 
     @property
     def in_session(self) -> bool:
-        """Whether the mirror holds a live upstream session: an identity, and the catalog,
-        readiness and load planes delivering (serving load is optional: a Dynamo 1.6 upstream
-        has none). Without one it refuses every RPC; its health says so (``follow_session``)."""
-        return self._has_session() and self.readiness.live and self.load.live
+        """Whether the mirror holds a live upstream session: an identity, the catalog
+        delivering, and the readiness and load planes delivering or answered ``UNIMPLEMENTED``
+        (``MirrorPlane.synced``; serving load is optional: a Dynamo 1.6 upstream has none).
+        Without one it refuses every RPC; its health says so (``follow_session``)."""
+        return self._has_session() and self.readiness.synced and self.load.synced
 
     def _current_identity(self) -> pb.RelayIdentity:
         assert self._identity is not None
@@ -316,12 +326,34 @@ class Mirror:
         self._check_synced()
 
     def _check_synced(self) -> None:
-        if self.synced.is_set() or self._identity is None:
-            return
-        if not (self.catalog.live and self.readiness.live and self.load.live):
-            return
-        if all(p.first_done for k, p in self._pools.items() if k in self._listed):
+        if not self.synced.is_set() and not self.waiting_for():
             self.synced.set()
+
+    def waiting_for(self) -> list[str]:
+        """What the mirror still waits for before it is synchronized (empty once it is): the
+        upstream's identity, a plane (``catalog``; ``readiness`` or ``load`` until it delivers or
+        the upstream answers it ``UNIMPLEMENTED``), each listed pool's first sync (``pools``)."""
+        if self.synced.is_set():
+            return []
+        out = [] if self._identity is not None else ["upstream identity"]
+        if not self.catalog.live:
+            out.append("catalog")
+        out += [p.name for p in (self.readiness, self.load) if not p.synced]
+        pending = sum(1 for k, p in self._pools.items() if k in self._listed and not p.first_done)
+        if pending:
+            out.append(f"{pending} of {len(self._listed)} pools")
+        return out
+
+    async def _report_sync(self, period_s: float = SYNC_LOG_S) -> None:
+        """Log what the mirror still waits for, every ``period_s`` until it is synchronized (the
+        daemon logs ``mirror_synchronizing`` once as it starts to wait)."""
+        while not self.synced.is_set():
+            try:
+                async with asyncio.timeout(period_s):
+                    await self.synced.wait()
+            except TimeoutError:
+                _log.info("mirror_synchronizing", upstream=str(self.settings.upstream),
+                          waiting_for=self.waiting_for())  # fmt: skip
 
     def hub_for(self, producer: pb.ProducerIdentity) -> PublicationHub | None:
         """The local hub serving ``producer`` (tests and diagnostics)."""
@@ -469,6 +501,7 @@ class Mirror:
                 if end.status == Status.UNIMPLEMENTED and not delivered:
                     self.plane_ends[f"{plane.name}_unimplemented"] += 1
                     plane.mark_unsupported("the upstream does not implement " + method)
+                    self._check_synced()  # (in sync without it)
                     await asyncio.sleep(backoff.next_delay())
                     continue
             except _Superseded:
@@ -549,6 +582,7 @@ class Mirror:
                 self._plane_loop(plane, method, request), name=f"kvrelay-mirror-{plane.name}"
             )
             self._tasks.append(task)
+        self._tasks.append(loop.create_task(self._report_sync(), name="kvrelay-mirror-sync-log"))
 
     async def stop(self) -> None:
         await stop_all(self._tasks)
@@ -574,7 +608,8 @@ class Mirror:
             "synced": self.synced.is_set(),
             "planes": {
                 p.name: {"live": p.live, "epochs": p.epochs, "version": p.upstream_version,
-                         "equivalent_resends": p.equivalent_resends, "replaced": p.replaced}
+                         "equivalent_resends": p.equivalent_resends, "replaced": p.replaced,
+                         "unsupported": p.unsupported}
                 for p in self._planes
             },
             "plane_ends": dict(self.plane_ends),
@@ -613,7 +648,8 @@ async def follow_session(
             serving = now
             set_serving(now)
             _log.warning("mirror_health", serving=now, planes={
-                p.name: p.live for p in mirror._planes})  # fmt: skip
+                p.name: "unimplemented" if p.unsupported else p.live
+                for p in mirror._planes})  # fmt: skip
         await asyncio.sleep(period_s)
 
 

@@ -31,6 +31,8 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 
+from kvrelay.client import plane_rules
+from kvrelay.client.errors import ConsumerViolation
 from kvrelay.contract.errors import RelayError
 from kvrelay.publication.plane import PlaneEnded, PlaneUnsupported
 
@@ -80,6 +82,13 @@ class MirrorPlane:
         return self._live
 
     @property
+    def synced(self) -> bool:
+        """Whether the mirror has this plane in sync: a stream delivers it, or the upstream
+        answered its RPC ``UNIMPLEMENTED`` (new readers get ``UNIMPLEMENTED`` too, as from the
+        upstream). Why: a mirror that waited for such a plane to deliver would never serve."""
+        return self._live or self._unsupported is not None
+
+    @property
     def upstream_version(self) -> int | None:
         """Newest upstream version of the live epoch (None while down)."""
         return self._upstream if self._live else None
@@ -120,10 +129,11 @@ class MirrorPlane:
     # --- fed by the mirror ---
     def offer(self, upstream_version: int, data: bytes) -> bool:
         """One upstream message; True if it is new. Raises PlaneViolation if the upstream went
-        backwards. Other content under the version it already sent replaces the held message
-        (a relay re-sends its current message filtered anew when its ``[[authorization]]``
-        rules are reloaded, under the same version; consumers replace their state with each
-        message), and local readers get it as the next local version."""
+        backwards (``plane_rules.plane_version``, the SDK's rule too). Other content under the
+        version it already sent replaces the held message (a relay re-sends its current message
+        filtered anew when its ``[[authorization]]`` rules are reloaded, under the same version;
+        consumers replace their state with each message), and local readers get it as the next
+        local version."""
         if not self._live:
             self._live = True
             self._unsupported = None
@@ -132,11 +142,11 @@ class MirrorPlane:
             self._first = upstream_version
             self._publish(self._base, upstream_version, data)
             return True
-        if upstream_version < self._upstream:
-            raise PlaneViolation(
-                f"{self.name} version went backwards: {upstream_version} < {self._upstream}"
-            )
-        if upstream_version == self._upstream:
+        try:
+            newer = plane_rules.plane_version(self.name, self._upstream, upstream_version)
+        except ConsumerViolation as v:
+            raise PlaneViolation(v.detail) from None
+        if not newer:
             if data == self._data:
                 return False  # a re-send (readiness heartbeat): the mirror's own server re-sends
             held = self._data

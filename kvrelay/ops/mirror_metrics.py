@@ -47,9 +47,9 @@ MIRROR_PLANES = (*SESSION_PLANES, "serving-load")
 # The known ends of the mirror's upstream streams, exported at 0 from the start (as the relay's
 # by-reason counters, ``metrics.known_at_zero``): how the SDK names a stream's end
 # (``rpc.StreamEnd``) and every relay reason; ``status_<code>`` (an end without the reason
-# trailer: no kvrelay upstream) appears at its first count. Per worker: 17 reasons for pools,
-# 4 planes × 17 for planes.
-_ENDS = (E.EOF, E.CONNECTION, E.SILENT, E.ENVELOPE,
+# trailer: no kvrelay upstream) appears at its first count. Per worker: 18 reasons for pools,
+# 4 planes × 18 for planes.
+_ENDS = (E.EOF, E.CONNECTION, E.SILENT, E.ENVELOPE, E.COMPRESSED,
          *(str(E.reason_from_trailer(r)) for r in STREAM_ERROR_REASONS))  # fmt: skip
 #: ``kvrelay_mirror_pool_stream_ends_total{reason}``: with the mirror's own (a frame its checker
 #: refused, a failure inside the mirror, a withdrawn pool closed after its grace).
@@ -66,10 +66,13 @@ _PLANE_END_KEYS = tuple(f"{plane}_{r}" for plane in MIRROR_PLANES for r in PLANE
 
 def in_session(stats: dict[str, Any]) -> bool:
     """``Mirror.in_session`` from its ``stats()`` (also as a worker reports it, in JSON): an
-    upstream identity, and the catalog, readiness and load planes delivering."""
+    upstream identity, and the catalog, readiness and load planes delivering (readiness or load
+    answered UNIMPLEMENTED by the upstream counts: the mirror serves without it, as its health
+    says)."""
     planes = stats.get("planes", {})
     return stats.get("identity") is not None and all(
-        planes.get(name, {}).get("live", False) for name in SESSION_PLANES
+        planes.get(name, {}).get("live", False) or planes.get(name, {}).get("unsupported", False)
+        for name in SESSION_PLANES
     )
 
 
@@ -86,8 +89,9 @@ class MirrorCollector(Collector):
                                    labels=lw)  # fmt: skip
         session = GaugeMetricFamily(
             "kvrelay_mirror_upstream_session",
-            "1 while the mirror holds its upstream session (identity; catalog, readiness and load "
-            "planes live); 0: it refuses every RPC and its health says NOT_SERVING.", labels=lw,
+            "1 while the mirror holds its upstream session (identity; catalog live; readiness and "
+            "load live or answered UNIMPLEMENTED by the upstream); 0: it refuses every RPC and its "
+            "health says NOT_SERVING.", labels=lw,
         )  # fmt: skip
         resets = CounterMetricFamily(
             "kvrelay_mirror_upstream_channel_resets",

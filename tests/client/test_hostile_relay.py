@@ -1,14 +1,17 @@
 """The SDK's stream reader against a relay that sends what no relay should: a reply larger than
-the bound (refused from its length prefix, before its body is read) and bytes that do not decode
+the bound (refused from its length prefix, before its body is read), bytes that do not decode
 as the reply type (the stream ends ``envelope``, a typed end, never an exception that kills the
-consumer's task). Real grpclib server on loopback, the SDK's own ``run_stream``; and the grpclib
-client internals the bounded reader relies on, named on a live stream."""
+consumer's task) and compressed replies (``compressed``). Real grpclib server on loopback (a
+grpcio one to compress), the SDK's own ``run_stream``; and the grpclib client internals the
+bounded reader relies on, named on a live stream."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import grpclib.const
 import pytest
 from grpclib.client import Channel
@@ -20,6 +23,7 @@ from kvrelay._grpc import (
     CLIENT_CLOSE_NEEDS,
     CLIENT_CLOSED_NEEDS,
     CLIENT_CLOSED_STREAMS_NEEDS,
+    CLIENT_END_NEEDS,
     CLIENT_LEAVE_NEEDS,
     CLIENT_RECV_NEEDS,
     CLIENT_SSL_NEEDS,
@@ -30,6 +34,7 @@ from kvrelay._grpc import (
     missing_client_close_needs,
     missing_client_closed_needs,
     missing_client_closed_streams_needs,
+    missing_client_end_needs,
     missing_client_leave_needs,
     missing_client_recv_needs,
     missing_client_ssl_needs,
@@ -38,6 +43,7 @@ from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import errors as E
 from kvrelay.client import rpc
 from kvrelay.client.codec import ClientCodec, RawCodec
+from tests.support.scripted_relay import descriptor
 
 
 class _Relay:
@@ -77,7 +83,8 @@ async def test_a_reply_the_sdk_cannot_take_ends_its_stream_typed(reply: bytes, r
 
 
 async def test_a_live_client_stream_has_what_the_reader_and_keeping_ended_streams_use() -> None:
-    """On a real connection of the SDK's channel: the bounded reader's stream parts, and what
+    """On a real connection of the SDK's channel: the bounded reader's stream parts, what
+    ``ended_without_status`` reads (the protocol stream's headers and trailers), what
     ``keep_ended_streams`` uses (the processor's streams and its close, which it replaced, and
     each protocol stream's headers and trailers), what ``leave_when_draining`` uses (the
     processor's process and register, which it replaced) and the channel's own parts it
@@ -96,6 +103,7 @@ async def test_a_live_client_stream_has_what_the_reader_and_keeping_ended_stream
             await stream.send_message(rpc.catalog_request("t"), end=True)
             assert missing_client_recv_needs(stream) == []
             assert missing_client_cancel_needs(stream) == []
+            assert missing_client_end_needs(stream) == []
             await stream.recv_message()
             proto: Any = ch._protocol
             assert missing_client_close_needs(proto, stream._stream) == []
@@ -113,6 +121,10 @@ async def test_a_live_client_stream_has_what_the_reader_and_keeping_ended_stream
         assert missing_client_recv_needs(object()) == [f"{w}.{a}" for w, a in CLIENT_RECV_NEEDS]
         assert "connection.messages_received" in missing_client_recv_needs(object())
         assert missing_client_cancel_needs(object()) == [f"{w}.{a}" for w, a in CLIENT_CANCEL_NEEDS]
+        # what tells a stream that ended without a status (``ended_without_status``)
+        assert CLIENT_END_NEEDS == (("stream", "_stream"), ("inner", "headers"),
+                                    ("inner", "trailers"))  # fmt: skip
+        assert missing_client_end_needs(object()) == [f"{w}.{a}" for w, a in CLIENT_END_NEEDS]
         assert missing_client_channel_needs(object()) == [
             f"{w}.{a}" for w, a in CLIENT_CHANNEL_NEEDS
         ]
@@ -189,3 +201,31 @@ async def test_a_first_message_that_never_comes_ends_silent_however_busy_the_cha
         ch.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_a_compressed_reply_ends_its_stream_as_compressed() -> None:
+    """A relay whose replies come gzip-compressed (a grpcio server with compression on, though
+    the SDK offers no encoding): the stream ends ``compressed``, with a message that says so. It
+    ended ``envelope``, as if the relay had sent garbage, and the SDK looped on that."""
+
+    async def catalog(_request: bytes, _context: Any) -> AsyncIterator[bytes]:
+        pools = pb.KvPoolCatalogSnapshot(pools=[descriptor()] * 4)  # (one that gzip shrinks)
+        yield bytes(pb.KvPoolCatalogUpdate(protocol_version=1, revision=1, snapshot=pools))
+
+    handlers = {"WatchKvPoolCatalog": grpc.unary_stream_rpc_method_handler(catalog)}
+    server = grpc.aio.server(compression=grpc.Compression.Gzip)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        rpc.SERVICE.strip("/"), handlers),))  # fmt: skip
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    ch = rpc.open_channel(rpc.RelayAddress("127.0.0.1", port))
+    seen: list[Any] = []
+    try:
+        end = await rpc.run_stream(ch, "WatchKvPoolCatalog", rpc.catalog_request("t"),
+                                   pb.KvPoolCatalogUpdate, seen.append)  # fmt: skip
+        assert end.reason == E.COMPRESSED, end
+        assert "compressed" in end.message and "identity" in end.message, end
+        assert seen == []
+    finally:
+        ch.close()
+        await server.stop(0)

@@ -1,7 +1,9 @@
 """The SDK's connection against a relay that misbehaves where a lenient reader would go on
-holding stale or incomplete state: a snapshot that keeps starting over, and plane messages it
-cannot take. Real grpclib relay on loopback (``tests/support/scripted_relay.py``), the SDK's
-own ``RelayConnection``."""
+holding stale or incomplete state: a snapshot that keeps starting over, plane messages it
+cannot take or whose version goes backwards, a stream that ends without a status. Real grpclib
+relay on loopback (``tests/support/scripted_relay.py``; a raw HTTP/2 one,
+``tests/support/raw_relay.py``, for what grpclib never sends), the SDK's own
+``RelayConnection``."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from kvrelay.client.connection import RelayConnection
 from kvrelay.publication import cbi1
 from tests.support import scripted_relay as S
 from tests.support.fleet import eventually
+from tests.support.raw_relay import RawRelay
 
 TWO_CHUNKS = 1 << 20
 
@@ -186,3 +189,117 @@ async def test_a_catalog_stream_that_never_answers_is_retried() -> None:
     finally:
         await conn.close()
         server.close()
+
+
+class _Backwards(S.ScriptedRelay):
+    """Each plane's first stream goes backwards after a re-send at its version: catalog revision
+    10 (the pool), 11 (withdrawn), 11 again, 10 (the pool, stale); readiness revision 5, 6
+    (UNAVAILABLE), 6 again, 5 (READY, stale); load window 10, 11, 11 again, 3. A later stream
+    sends the newest state: catalog 11, readiness 6, load window 11."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.streams: dict[str, int] = {"catalog": 0, "readiness": 0, "load": 0}
+
+    async def _send(self, stream: Any, plane: str, first: list[Any], later: Any) -> None:
+        await stream.recv_message()
+        self.streams[plane] += 1
+        for msg in first if self.streams[plane] == 1 else [later]:
+            await stream.send_message(msg)
+            await asyncio.sleep(0.05)
+        await asyncio.Event().wait()
+
+    async def _catalog(self, stream: Any) -> None:
+        def update(revision: int, pools: list[pb.KvPoolDescriptor]) -> pb.KvPoolCatalogUpdate:
+            return pb.KvPoolCatalogUpdate(
+                protocol_version=1, relay=S.RELAY, revision=revision, contract_marker=S.MARKER,
+                snapshot=pb.KvPoolCatalogSnapshot(pools=pools))  # fmt: skip
+
+        pool = list(self.catalog)
+        first = [update(10, pool), update(11, []), update(11, []), update(10, pool)]
+        await self._send(stream, "catalog", first, update(11, []))
+
+    async def _readiness(self, stream: Any) -> None:
+        def update(revision: int, state: int) -> pb.ServingReadinessUpdate:
+            entry = pb.TopologyEntry(namespace="ns", canonical_model_id="m", state=state)
+            return pb.ServingReadinessUpdate(
+                protocol_version=1, relay=S.RELAY, revision=revision, contract_marker=S.MARKER,
+                entries=[entry])  # fmt: skip
+
+        first = [update(5, 2), update(6, 1), update(6, 1), update(5, 2)]
+        await self._send(stream, "readiness", first, update(6, 1))
+
+    async def _load(self, stream: Any) -> None:
+        def window(sequence: int) -> pb.KvPoolLoadUpdate:
+            return pb.KvPoolLoadUpdate(protocol_version=1, relay=S.RELAY, contract_marker=S.MARKER,
+                                       window_sequence=sequence, window_ms=60_000)  # fmt: skip
+
+        await self._send(stream, "load", [window(10), window(11), window(11), window(3)],
+                         window(11))  # fmt: skip
+
+
+async def test_a_plane_version_that_goes_backwards_ends_its_stream() -> None:
+    """A catalog or readiness revision or a load window below the newest its stream delivered
+    ends the stream (``<plane>_end_version_backwards``, the mirror's rule:
+    ``plane_rules.plane_version``) and the plane is read again; an equal one is a re-send and
+    is taken. The SDK took the stale message as current: a withdrawn pool listed again, a
+    revision that was READY, an old window, uncounted."""
+    relay = _Backwards()
+    server = await S.serve(relay)
+    conn = _connect(S.port_of(server))
+    seen: dict[str, list[int]] = {"catalog": [], "readiness": [], "load": []}
+
+    async def watch() -> None:
+        while True:
+            for plane, now in (("catalog", conn.catalog_revision),
+                               ("readiness", conn.readiness and conn.readiness.revision),
+                               ("load", conn.load and conn.load.window_sequence)):  # fmt: skip
+                if now is not None and seen[plane][-1:] != [now]:
+                    seen[plane].append(int(now))
+            await conn.changed.wait()
+            conn.changed.clear()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await eventually(lambda: all(n >= 2 for n in relay.streams.values()), timeout=5,
+                         what="every plane read again")  # fmt: skip
+        await eventually(lambda: conn.catalog_revision == 11 and conn.readiness is not None
+                         and conn.load is not None, timeout=5, what="the newest state")  # fmt: skip
+        c = conn.counters
+        for plane in ("catalog", "readiness", "load"):
+            assert c[f"{plane}_end_{E.VERSION_BACKWARDS}"] == 1, c
+        assert conn.slots == {}  # revision 11 withdrew the pool; 10 never listed it again
+        assert (conn.readiness.revision, conn.load.window_sequence) == (6, 11)
+        assert seen == {"catalog": [10, 11], "readiness": [5, 6], "load": [10, 11]}, seen
+        # the re-sends at the held version were taken: 3 messages of each first stream, 1 later
+        assert (c["catalog_updates"], c["readiness_updates"], c["load_updates"]) == (4, 4, 4), c
+    finally:
+        watcher.cancel()
+        await conn.close()
+        server.close()
+
+
+async def test_a_pool_stream_ended_without_a_status_is_dropped_at_once() -> None:
+    """A relay ends a pool stream with END_STREAM on a DATA frame and no trailers: gRPC over
+    HTTP/2 makes that an error, reported at once (``status_unknown``, ``_grpc.NO_STATUS``); the
+    pool resubscribes on the same channel. The SDK waited for trailers that cannot come until
+    the silence limit (30 s by default), held the replica as installed meanwhile, ended it
+    ``silent`` and replaced the channel under the healthy catalog and plane streams."""
+    relay = RawRelay(["no_status"])
+    port = await relay.start()
+    config = ClientConfig(watch_serving_load=False, backoff_initial_s=0.02, backoff_max_s=0.2)
+    conn = RelayConnection(rpc.RelayAddress("127.0.0.1", port), config)
+    conn.start()
+    try:
+        await eventually(lambda: conn.drops.get("status_unknown", 0) == 1, timeout=5,
+                         what="the end without a status")  # fmt: skip
+        await eventually(lambda: relay.calls["SubscribeKvPool"] == 2 and all(
+            s.installed is not None for s in conn.slots.values()), timeout=5,
+            what="installed again")  # fmt: skip
+        assert set(conn.drops) == {"status_unknown"}, conn.drops
+        values = conn.counter_values()
+        assert "channel_resets" not in values and "channel_silent" not in values, values
+        assert relay.calls["WatchKvPoolCatalog"] == 1  # its channel and streams were kept
+    finally:
+        await conn.close()
+        await relay.close()

@@ -4,21 +4,28 @@ increments the matching counter and the SDK resubscribes to a valid stream."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from grpclib.const import Status
 
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import ClientConfig
 from tests.support.scripted_relay import (
+    DC_ID,
+    MARKER,
     OTHER_RELAY,
     RELAY,
     Script,
+    ScriptedRelay,
     corrupt_checksum,
     delta,
+    descriptor,
     frame,
     half_chunk,
     heartbeat,
     installed_at,
+    producer,
     scripted,
     snapshot,
 )
@@ -138,3 +145,46 @@ async def test_readiness_and_load_views() -> None:
         assert lv.authoritative and lv.utilization == pytest.approx(0.25)
         conn = client.connections[0]
         assert conn.identity == (RELAY.drt_instance_id, RELAY.relay_incarnation)
+
+
+class _MemberAtTheEndpoint(ScriptedRelay):
+    """Its READY readiness entry has one member, at the pool's endpoint, naming ``pool_id``
+    (None: naming no pool)."""
+
+    def __init__(self, pool_id: pb.KvPoolId | None) -> None:
+        super().__init__()
+        self.member_pool_id = pool_id
+
+    async def _readiness(self, stream: Any) -> None:
+        await stream.recv_message()
+        member = pb.TopologyMember(
+            endpoint=descriptor().serving_endpoint, roles=[pb.WorkerRole.AGGREGATED],
+            pool_id=self.member_pool_id,
+        )
+        await stream.send_message(pb.ServingReadinessUpdate(
+            protocol_version=1, relay=RELAY, revision=1, contract_marker=MARKER,
+            entries=[pb.TopologyEntry(namespace="ns", canonical_model_id="m", state=2,
+                                      present_roles=[pb.WorkerRole.AGGREGATED],
+                                      members=[member])]))  # fmt: skip
+        await asyncio.Event().wait()
+
+
+@pytest.mark.parametrize(
+    ("member", "routable"),
+    [("this pool", True), ("no pool", True), ("another pool", False)],
+)
+async def test_a_member_is_this_pool_by_its_pool_id_else_by_its_endpoint(
+    member: str, routable: bool
+) -> None:
+    """A READY member at the pool's endpoint that names another pool (``pool_id``) is that pool,
+    not this one: the pool is not routable. The endpoint decides only for a member naming no
+    pool. It counted as routable on the endpoint alone."""
+    pool_id = {"this pool": producer().pool_id, "no pool": None,
+               "another pool": producer(dc_id=DC_ID + 1).pool_id}[member]  # fmt: skip
+    relay = _MemberAtTheEndpoint(pool_id)
+    async with scripted(relay=relay) as (_relay, client, key):
+        assert await client.wait_for(
+            lambda: installed_at(client, key, 11) and bool(client.readiness()), scaled(10)
+        )
+        assert client.overlap([1, 2, 3, 4], "m", routable_only=False) == {key: 0}
+        assert client.overlap([1, 2, 3, 4], "m") == ({key: 0} if routable else {})

@@ -1,11 +1,12 @@
 """A mirror against an upstream that misbehaves in ways a frame-by-frame check alone misses.
 
-Each upstream is a small grpclib relay on loopback (``tests/support/scripted_relay.py``) and the
-mirror is the real one with its gRPC server: a snapshot that keeps starting over, a relay
-identity that changes on one plane while the catalog stream stays open, deltas padded with
-unknown fields, and a catalog of many small descriptors. Each would leave the mirror without
-a status or a bound: syncing for ever, without a catalog, holding more than its queue bound,
-or with its event loop stopped for seconds.
+Each upstream is a small grpclib relay on loopback (``tests/support/scripted_relay.py``; a raw
+HTTP/2 one, ``tests/support/raw_relay.py``, for what grpclib never sends) and the mirror is the
+real one with its gRPC server: a snapshot that keeps starting over, a relay identity that
+changes on one plane while the catalog stream stays open, deltas padded with unknown fields, a
+catalog of many small descriptors, a plane it does not implement, a pool stream ended without
+a status. Each would leave the mirror without a status or a bound: syncing for ever, without a
+catalog, holding more than its queue bound, or with its event loop stopped for seconds.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import structlog
 from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError
 from grpclib.server import Server
@@ -30,6 +32,7 @@ from tests.support import scripted_relay as S
 from tests.support.fleet import eventually
 from tests.support.mem_relay import grpclib_collect, sub_request
 from tests.support.mirror_rig import mirrored
+from tests.support.raw_relay import RawRelay
 from tests.support.rig import MARKER, SVC
 from tests.support.timing import scaled
 
@@ -429,3 +432,99 @@ async def test_a_pool_its_upstream_withdrew_is_stopped_though_its_stream_stays_o
                 ch.close()
     finally:
         server.close()
+
+
+class _WithoutPlane(S.ScriptedRelay):
+    """A relay without one plane's RPC (``missing``): grpclib answers it as a method it does
+    not have, which the mirror reads as ``UNIMPLEMENTED`` (``_grpc.effective_status``)."""
+
+    def __init__(self, missing: str) -> None:
+        super().__init__()
+        self.missing = missing
+
+    def __mapping__(self) -> dict[str, Any]:
+        return {k: v for k, v in super().__mapping__().items() if k != SVC + self.missing}
+
+
+@pytest.mark.parametrize(
+    ("missing", "request_type", "reply_type"),
+    [("SubscribeServingReadiness", pb.SubscribeServingReadinessRequest, pb.ServingReadinessUpdate),
+     ("SubscribeKvPoolLoad", pb.SubscribeKvPoolLoadRequest, pb.KvPoolLoadUpdate)],
+)  # fmt: skip
+async def test_a_plane_the_upstream_does_not_implement_is_in_sync_without_it(
+    missing: str, request_type: type, reply_type: type
+) -> None:
+    """An upstream that answers readiness or load ``UNIMPLEMENTED``: the mirror synchronizes
+    and serves without it (in session, its health SERVING), answering that RPC
+    ``UNIMPLEMENTED`` too. It waited for the plane to deliver and never served at all."""
+    server = await S.serve(_WithoutPlane(missing))
+    try:
+        async with mirrored(S.port_of(server)) as m:  # (waits for the mirror's sync)
+            assert m.mirror.in_session and m.mirror.waiting_for() == []
+            plane = "readiness" if missing == "SubscribeServingReadiness" else "load"
+            assert m.mirror.stats()["planes"][plane]["unsupported"] is True
+            ch = m.channel()
+            try:
+                request = request_type(subscriber_id="t", contract_marker=MARKER)
+                answer = await grpclib_collect(ch, missing, request, reply_type, timeout=5)
+                assert answer.status == Status.UNIMPLEMENTED, answer
+                pool = await grpclib_collect(ch, "SubscribeKvPool", sub_request(S.producer()),
+                                             pb.FilterUpdate, limit=1, timeout=5)  # fmt: skip
+                assert len(pool.messages) == 1 and int(pool.messages[0].kind) == 1
+            finally:
+                ch.close()
+    finally:
+        server.close()
+
+
+class _MuteReadiness(S.ScriptedRelay):
+    """Its readiness stream never answers."""
+
+    async def _readiness(self, stream: Any) -> None:
+        await stream.recv_message()
+        await asyncio.Event().wait()
+
+
+async def test_a_mirror_waiting_to_synchronize_says_what_it_waits_for() -> None:
+    """A mirror that has not synchronized logs what it still waits for
+    (``mirror_synchronizing``, ``waiting_for``), every ``SYNC_LOG_S``: an upstream plane that
+    never delivers left it not serving, its log saying only that it was synchronizing."""
+    server = await S.serve(_MuteReadiness())
+    try:
+        async with mirrored(S.port_of(server), sync=False) as m:
+            await eventually(lambda: m.mirror.waiting_for() == ["readiness"], timeout=5,
+                             what="everything but readiness")  # fmt: skip
+            with structlog.testing.capture_logs() as logs:
+                report = asyncio.ensure_future(m.mirror._report_sync(0.05))
+                try:
+                    await eventually(lambda: bool(logs), timeout=5, what="a report")
+                finally:
+                    report.cancel()
+            assert logs[0]["event"] == "mirror_synchronizing"
+            assert logs[0]["waiting_for"] == ["readiness"]
+            assert logs[0]["upstream"] == f"127.0.0.1:{S.port_of(server)}"
+            assert not m.mirror.synced.is_set()
+    finally:
+        server.close()
+
+
+async def test_a_pool_stream_ended_without_a_status_ends_at_once() -> None:
+    """The upstream ends a pool stream with END_STREAM on a DATA frame and no trailers: the
+    mirror ends it at once (``status_unknown``) and subscribes again on the same channel. It
+    waited for trailers that cannot come for three upstream heartbeat periods (30 s here) and
+    then replaced the channel of every healthy stream."""
+    relay = RawRelay(["no_status"])
+    port = await relay.start()
+    try:
+        async with mirrored(port) as m:
+            await eventually(
+                lambda: m.mirror.stats()["pool_totals"].get("end_status_unknown", 0) == 1,
+                timeout=5, what="the end without a status",
+            )  # fmt: skip
+            await eventually(lambda: relay.calls["SubscribeKvPool"] == 2 and all(
+                p.state is PoolState.LIVE for p in m.mirror._pools.values()), timeout=5,
+                what="live again")  # fmt: skip
+            assert m.mirror.upstream.resets == 0
+            assert relay.calls["WatchKvPoolCatalog"] == 1
+    finally:
+        await relay.close()

@@ -7,6 +7,9 @@ import asyncio
 import pytest
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
+from kvrelay.client import errors as E
+from kvrelay.client import plane_rules as rules
+from kvrelay.client.errors import ConsumerViolation
 from kvrelay.contract.errors import Reason, RelayError
 from kvrelay.mirror.plane import MirrorPlane, PlaneViolation
 from kvrelay.publication.plane import PlaneEnded
@@ -106,3 +109,18 @@ async def test_a_resend_encoded_otherwise_is_the_same_message() -> None:
     strict = MirrorPlane("readiness")  # without ``same``: bytes decide
     strict.offer(4, bytes(first))
     assert strict.offer(4, other) and strict.replaced == 1
+
+
+async def test_the_mirror_and_the_sdk_refuse_a_version_by_one_rule() -> None:
+    """A version below the newest of the stream is refused, an equal one is a re-send: one rule
+    (``plane_rules.plane_version``) for the mirror's planes and the SDK's plane streams."""
+    p = MirrorPlane("readiness")
+    p.offer(6, b"r6")
+    with pytest.raises(ConsumerViolation) as sdk:
+        rules.plane_version("readiness", 6, 5)
+    with pytest.raises(PlaneViolation) as mirror:
+        p.offer(5, b"r5")
+    assert sdk.value.reason == E.VERSION_BACKWARDS
+    assert str(mirror.value) == sdk.value.detail == "readiness version went backwards: 5 < 6"
+    assert rules.plane_version("readiness", 6, 6) is False and not p.offer(6, b"r6")
+    assert rules.plane_version("readiness", 6, 7) and p.offer(7, b"r7")

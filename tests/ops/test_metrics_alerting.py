@@ -251,8 +251,8 @@ def _mirror_counters_at_zero(s: Samples, planes: set[str]) -> None:
     invalid catalog descriptors and spacing requests were in its statistics only; so were its
     channels replaced as deaf and its connections left as draining, and every rule of
     ``kvrelay_mirror_violations_total`` appeared at its first refused frame."""
-    ends = {E.EOF, E.CONNECTION, E.SILENT, E.ENVELOPE, *(str(E.reason_from_trailer(r))
-                                                         for r in REASONS)}  # fmt: skip
+    ends = {E.EOF, E.CONNECTION, E.SILENT, E.ENVELOPE, E.COMPRESSED,
+            *(str(E.reason_from_trailer(r)) for r in REASONS)}  # fmt: skip
     for reason in {*ends, "violation", "internal", "withdrawn"}:
         assert value(s, "kvrelay_mirror_pool_stream_ends_total", worker="", reason=reason) == 0
     assert planes == {"catalog", "readiness", "load", "serving-load"}
