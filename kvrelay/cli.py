@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, TextIO
 
 from kvrelay import SUPPORTED_DYNAMO, SUPPORTED_VLLM, __version__
@@ -20,6 +21,7 @@ from kvrelay._argparse import StrictSubcommand
 
 if TYPE_CHECKING:
     from kvrelay.ops.config import ConfigProblem
+    from kvrelay.ops.target import RelayProcess
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -59,8 +61,10 @@ examples:
 
 exit codes:
   0  success (serve: clean shutdown after SIGTERM/SIGINT)
-  1  runtime failure (cannot bind, TLS files unusable, shutdown slower than the bound)
-  2  usage or configuration error (every problem is printed with its key path)
+  1  runtime failure (cannot bind, TLS files unusable, shutdown slower than the bound;
+     reload: rejected, no outcome, a wedged relay; upgrade: no hand-over)
+  2  usage or configuration error (every problem is printed with its key path; reload,
+     upgrade: the pid is not a kvrelay daemon, reload: --config is not the relay's file)
   130  interrupted by Ctrl-C (warm, reload, upgrade, query)
   141  watch, subscribe, query, demo: stdout's reader went away (| head -1)
 
@@ -95,7 +99,10 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         super().__init__(prog, max_help_position=36, width=100)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """``env``: where ``KVRELAY_CONFIG`` (the default ``--config``) is read (this process's
+    environment; ``kvrelay reload``/``upgrade`` parse a relay's command line with its own)."""
+    env = os.environ if env is None else env
     parser = argparse.ArgumentParser(
         prog="kvrelay",
         description=(
@@ -129,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--config",
         "-c",
         metavar="FILE",
-        default=os.environ.get("KVRELAY_CONFIG"),
+        default=env.get("KVRELAY_CONFIG"),
         help="TOML configuration file (default: $KVRELAY_CONFIG)",
     )
 
@@ -147,8 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
             "Validate FILE like check-config (nothing is signalled when it has errors), send\n"
             "SIGHUP to the running relay, and wait for the outcome on its metrics endpoint.\n"
             "Pools and engines change live; unchanged pools keep their generation, so routers\n"
-            "do not re-snapshot. Exit 0 when applied, 1 when the relay rejected or failed it\n"
-            "(see its log), 2 on an invalid file or usage error."
+            "do not re-snapshot. FILE must be the file the relay reads (its --config), and the\n"
+            "pid a kvrelay daemon: otherwise nothing is signalled. Exit 0 when applied (or sent,\n"
+            "when the file's metrics endpoint is off or refuses: the outcome is in its log), 1\n"
+            "when the relay rejected or failed it (see its log), gave no outcome, or its metrics\n"
+            "endpoint accepts but does not answer (wedged or stopped: not signalled), 2 on an\n"
+            "invalid file, another file than the relay's, a pid that is not kvrelay, or a usage\n"
+            "error."
         ),
         epilog=(
             "examples:\n  kvrelay reload --config /etc/kvrelay/kvrelay.toml --pid-file "
@@ -160,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--config",
         "-c",
         metavar="FILE",
-        default=os.environ.get("KVRELAY_CONFIG"),
+        default=env.get("KVRELAY_CONFIG"),
         help="the relay's TOML configuration file (default: $KVRELAY_CONFIG)",
     )
     who = reload.add_mutually_exclusive_group(required=True)
@@ -181,8 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
             "Send SIGUSR2 to the running relay: it starts its own command line again (the code\n"
             "and configuration now installed), hands the new process its listeners and its\n"
             "exact state, and exits once the new process serves. Waits for that. Exit 0 when\n"
-            "the old process is gone, 1 when it is still serving after --timeout (a failed\n"
-            "upgrade: see its log, upgrade_failed), 2 on a usage error."
+            "the old process is gone and a new one took over (the pid file names it; its\n"
+            "metrics endpoint, if any, answers), 1 when the old one still serves after --timeout\n"
+            "(a failed upgrade: see its log, upgrade_failed) or exited without a hand-over, 2\n"
+            "on a usage error or a pid that is not a kvrelay daemon (nothing is signalled)."
         ),
         epilog=(
             "examples:\n  kvrelay upgrade --pid-file /run/kvrelay.pid\n"
@@ -395,12 +409,76 @@ def _warm() -> int:
     return EXIT_OK
 
 
+def _relay_target(verb: str, pid: int) -> tuple[RelayProcess | None, int]:
+    """The kvrelay daemon ``pid`` runs, checked before anything is signalled: a stale pid file
+    names whatever the system gave that pid to since (SIGHUP and SIGUSR2 end most processes),
+    and was then reported as reloaded or handed over. (None, exit code) when it is not one."""
+    from kvrelay.ops.target import NotARelay, relay_process
+
+    try:
+        return relay_process(pid), EXIT_OK
+    except ProcessLookupError:
+        _fail(f"kvrelay {verb}: no process {pid} (a stale pid file?); nothing was signalled")
+        return None, EXIT_FAILURE
+    except NotARelay as exc:
+        _fail(f"kvrelay {verb}: {exc}; refusing to signal it (a stale pid file, or the "
+              "wrong --pid?)")  # fmt: skip
+        return None, EXIT_USAGE
+
+
+def _daemon_options(proc: RelayProcess) -> argparse.Namespace | None:
+    """The target's own options, parsed as it parsed them (``--config`` defaults to its own
+    ``KVRELAY_CONFIG``); None when they do not parse here (another kvrelay version's)."""
+    parser = build_parser(env=proc.environ or {})
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            return parser.parse_args(list(proc.args))
+        except SystemExit:
+            return None
+
+
+def _other_config(proc: RelayProcess, path: str) -> tuple[str, int] | None:
+    """Why ``path`` is not the file a SIGHUP makes ``proc`` read again (it reads its own
+    ``--config``, whatever ``kvrelay reload --config`` checked), with the exit code; None when
+    it is that file."""
+    opts = _daemon_options(proc)
+    theirs = None if opts is None else opts.config
+    if not theirs:
+        # a mirror's --config has no default; a relay's is its KVRELAY_CONFIG, if readable
+        if opts is not None and (proc.command == "mirror" or proc.environ is not None):
+            return (f"process {proc.pid} was started without a configuration file: a SIGHUP "
+                    "has no file to read again (config_reload_unavailable); restart it "
+                    "instead", EXIT_USAGE)  # fmt: skip
+        return (f"cannot tell which configuration file process {proc.pid} reads (its "
+                "command line or environment is not readable)", EXIT_FAILURE)  # fmt: skip
+    where = proc.resolve(theirs)
+    if where is None:
+        return (f"cannot tell which file process {proc.pid} reads: its --config {theirs!r} is "
+                "relative and its working directory is not readable", EXIT_FAILURE)  # fmt: skip
+    try:
+        same = os.path.samefile(path, where)
+    except OSError:
+        same = False
+    if same:
+        return None
+    shown = proc.absolute(theirs) or theirs
+    return (f"{path} is not the file process {proc.pid} reads ({shown}): a SIGHUP makes it "
+            f"read its own file again, so checking {path} says nothing of what it applies. "
+            f"Edit that file and run kvrelay reload --config {shown}", EXIT_USAGE)  # fmt: skip
+
+
 def _reload(args: argparse.Namespace) -> int:
     import signal
     import time
 
-    from kvrelay.ops.config import check_file
-    from kvrelay.ops.reload import read_pid_file, reload_report
+    from kvrelay.ops.config import check_file, format_bind
+    from kvrelay.ops.reload import (
+        EndpointSilent,
+        metrics_page,
+        parse_reload_report,
+        read_pid_file,
+        reload_report,
+    )
 
     path = args.config
     if not path:
@@ -416,15 +494,31 @@ def _reload(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         _fail(f"kvrelay reload: {exc}")
         return EXIT_USAGE
+    proc, code = _relay_target("reload", pid)
+    if proc is None:
+        return code
+    other = _other_config(proc, path)
+    if other is not None:
+        _fail(f"kvrelay reload: {other[0]}; it was not signalled")
+        return other[1]
     metrics = cfg.metrics
-    before = reload_report(metrics.host, metrics.port) if metrics.enabled else None
+    where = format_bind(metrics.host, metrics.port) if metrics.enabled else "disabled"
+    before = None
+    if metrics.enabled:
+        try:
+            page = metrics_page(metrics.host, metrics.port, args.timeout)
+        except EndpointSilent:
+            _fail(f"kvrelay reload: the relay's metrics endpoint ({where}) accepted the "
+                  f"connection but did not answer within {args.timeout:g} s: the relay is "
+                  f"wedged or stopped (SIGSTOP?); process {pid} was not signalled")  # fmt: skip
+            return EXIT_FAILURE
+        before = None if page is None else parse_reload_report(page)
     try:
         os.kill(pid, signal.SIGHUP)
     except OSError as exc:
         _fail(f"kvrelay reload: cannot signal process {pid}: {exc}")
         return EXIT_FAILURE
     if before is None:
-        where = f"{metrics.host}:{metrics.port}" if metrics.enabled else "disabled"
         print(f"kvrelay reload: SIGHUP sent to {pid}; the file's metrics endpoint ({where}) is "
               "not readable (a changed [metrics] bind takes effect at the next restart), so the "
               "outcome is in its log (config_reloaded / config_reload_rejected)")
@@ -449,39 +543,150 @@ def _reload(args: argparse.Namespace) -> int:
     return EXIT_FAILURE
 
 
+#: After the old process exited, how long ``kvrelay upgrade`` gives the new one's metrics
+#: endpoint to answer (it serves before the old one exits: this covers a busy loop).
+UPGRADE_CONFIRM_S = 10.0
+
+
+def _metrics_endpoint(
+    proc: RelayProcess, opts: argparse.Namespace | None
+) -> tuple[str, int] | None:
+    """The metrics endpoint ``proc`` serves (a hot upgrade's new process inherits its
+    listener): its configuration file and options read as it read them, with its environment's
+    ``KVRELAY_*`` when readable. None when disabled or not known."""
+    from kvrelay.ops.config import MirrorFlags, check_file, mirror_config
+
+    if opts is None:
+        return None
+    path = None if not opts.config else proc.resolve(opts.config)
+    env = os.environ if proc.environ is None else proc.environ
+    with contextlib.suppress(OSError, ValueError):
+        if proc.command == "mirror":
+            flags = MirrorFlags(opts.upstream, opts.bind, opts.workers, opts.metrics_bind)
+            cfg, _ = mirror_config(path, flags, env=env)
+        elif path is not None:
+            cfg, _ = check_file(path, env=env)
+        else:
+            return None
+        if cfg is not None and cfg.metrics.enabled:
+            return cfg.metrics.host, cfg.metrics.port
+    return None
+
+
 def _upgrade(args: argparse.Namespace) -> int:
     import signal
     import time
 
     from kvrelay.ops.reload import read_pid_file
+    from kvrelay.ops.target import NotARelay, alive, children, relay_process
 
     try:
         pid = args.pid if args.pid is not None else read_pid_file(args.pid_file)
     except (OSError, ValueError) as exc:
         _fail(f"kvrelay upgrade: {exc}")
         return EXIT_USAGE
+    proc, code = _relay_target("upgrade", pid)
+    if proc is None:
+        return code
+    opts = _daemon_options(proc)
+    pid_file = args.pid_file
+    own = None if opts is None else getattr(opts, "pid_file", None)
+    if pid_file is None and own:  # the file its successor rewrites, as the relay names it
+        pid_file = proc.absolute(own)
+    endpoint = _metrics_endpoint(proc, opts)
     try:
         os.kill(pid, signal.SIGUSR2)
     except OSError as exc:
         _fail(f"kvrelay upgrade: cannot signal process {pid}: {exc}")
         return EXIT_FAILURE
     deadline = time.monotonic() + args.timeout
+    spawned: set[int] = set()  # kvrelay daemons it started: its successor among them
+    looked: set[int] = set()
     while time.monotonic() < deadline:
         time.sleep(0.1)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            new = None
-            if args.pid_file is not None:
-                with contextlib.suppress(OSError, ValueError):
-                    new = read_pid_file(args.pid_file)
-            print("kvrelay upgrade: handed over" + ("" if new is None else f" to pid {new}"))
-            return EXIT_OK
-        except OSError:
+        if alive(pid):
+            for child in children(pid) - looked:
+                looked.add(child)
+                with contextlib.suppress(OSError, NotARelay):  # a worker, a fork's child
+                    spawned.add(relay_process(child).pid)
             continue
+        return _upgrade_outcome(pid, pid_file, spawned, endpoint)
     _fail(f"kvrelay upgrade: process {pid} still serves after {args.timeout:g} s; the upgrade "
           "failed or is still warming up (see its log: upgrade_failed)")
     return EXIT_FAILURE
+
+
+def _upgrade_outcome(
+    old: int, pid_file: str | None, spawned: set[int], endpoint: tuple[str, int] | None
+) -> int:
+    """The old process ``old`` exited: exit 0 only if a new kvrelay process took over and
+    serves. The old one leaves when its successor serves, but also when it is killed
+    mid-upgrade (SIGKILL, the OOM killer), and a successor that has not taken over then gives
+    up: "handed over" was printed for that too, with the dead pid the pid file still named."""
+    import time
+
+    from kvrelay.ops.config import format_bind
+    from kvrelay.ops.reload import EndpointSilent, metrics_page, read_pid_file, upgrades_taken_over
+    from kvrelay.ops.target import NotARelay, relay_process
+
+    until = time.monotonic() + UPGRADE_CONFIRM_S
+    gone = f"kvrelay upgrade: the relay exited without a hand-over: process {old} is gone"
+    if pid_file is not None:
+        try:
+            new: int | None = read_pid_file(pid_file)
+        except (OSError, ValueError):
+            new = None
+        if new is None or new == old:
+            named = "no process" if new is None else "the old process still"
+            _fail(f"{gone} and its pid file {pid_file} names {named}: no new process took over "
+                  "(see its log: upgrade_failed, or how it ended)")  # fmt: skip
+            return EXIT_FAILURE
+        try:
+            relay_process(new)
+        except (ProcessLookupError, NotARelay):
+            _fail(f"{gone} and pid {new}, which its pid file {pid_file} names, is not a running "
+                  "kvrelay (see the log: upgrade_took_over, upgrade_failed)")  # fmt: skip
+            return EXIT_FAILURE
+        if endpoint is not None:  # refused: the file's bind moved (the listener is inherited)
+            try:
+                metrics_page(*endpoint, max(0.1, until - time.monotonic()))
+            except EndpointSilent:
+                _fail(f"kvrelay upgrade: process {new} took over (pid file {pid_file}) but its "
+                      f"metrics endpoint ({format_bind(*endpoint)}) accepted the connection "
+                      f"and did not answer within {UPGRADE_CONFIRM_S:g} s: it is wedged or "
+                      "stopped")  # fmt: skip
+                return EXIT_FAILURE
+        print(f"kvrelay upgrade: handed over to pid {new}")
+        return EXIT_OK
+    if endpoint is None:
+        _fail(f"kvrelay upgrade: process {old} exited; with no pid file and no metrics endpoint "
+              "nothing tells whether a new process took over (its log does: "
+              "upgrade_took_over). Start the relay with --pid-file")  # fmt: skip
+        return EXIT_FAILURE
+    while True:  # the new process's page, on the inherited listener, says it took over
+        page = None
+        with contextlib.suppress(EndpointSilent):
+            page = metrics_page(*endpoint, max(0.1, min(2.0, until - time.monotonic())))
+        if page is not None and upgrades_taken_over(page) > 0:
+            living = [p for p in spawned if _is_relay(p)]
+            print("kvrelay upgrade: handed over" + (
+                f" to pid {living[0]}" if len(living) == 1 else ""))  # fmt: skip
+            return EXIT_OK
+        if time.monotonic() >= until:
+            _fail(f"{gone} and no process that took over answers on its metrics endpoint "
+                  f"({format_bind(*endpoint)}) (see its log: upgrade_failed, or how it ended)")
+            return EXIT_FAILURE
+        time.sleep(0.1)
+
+
+def _is_relay(pid: int) -> bool:
+    from kvrelay.ops.target import NotARelay, relay_process
+
+    try:
+        relay_process(pid)
+    except (ProcessLookupError, NotARelay):
+        return False
+    return True
 
 
 def _serve(path: str | None, pid_file: str | None = None) -> int:

@@ -241,40 +241,233 @@ def test_warm_progress_lines_are_never_glued_together() -> None:
     assert sorted(lines) == sorted(f"t{i}-{j}" for i in range(4) for j in range(20))
 
 
+#: A stand-in relay, run as ``python DIR/kvrelay serve ...`` (what a console script's command
+#: line is, so ``reload`` and ``upgrade`` take it for a kvrelay daemon). Writes its pid into its
+#: ``--pid-file`` once its handlers are set, notes each SIGHUP in ``DIR/sighup``, and on SIGUSR2
+#: (``$STAND_IN``): ``note``s it in ``DIR/usr2``, ``exit``s (a relay killed mid-upgrade, no
+#: successor), or ``hand-over``: starts itself again, which writes its own pid, then exits.
+STAND_IN = r"""
+import os, pathlib, signal, subprocess, sys, time
+here = pathlib.Path(sys.argv[0]).parent
+args = sys.argv[1:]
+pid_file = args[args.index("--pid-file") + 1] if "--pid-file" in args else None
+mode = os.environ.get("STAND_IN", "note")
+if mode == "listen":  # a metrics endpoint that takes connections and never answers them
+    import socket
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", int(os.environ["STAND_IN_PORT"])))
+    sock.listen(16)
+
+def write_pid():
+    tmp = pathlib.Path(pid_file + ".tmp")
+    tmp.write_text(f"{os.getpid()}\n")
+    tmp.rename(pid_file)
+
+def usr2(*_):
+    if mode == "exit":
+        os._exit(0)
+    if mode == "hand-over":
+        new = subprocess.Popen([sys.executable, *sys.orig_argv[1:]],
+                               env={**os.environ, "STAND_IN": "note"})
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if pathlib.Path(pid_file).read_text().strip() == str(new.pid):
+                os._exit(0)
+            time.sleep(0.02)
+        os._exit(3)
+    (here / "usr2").touch()
+
+signal.signal(signal.SIGUSR2, usr2)
+signal.signal(signal.SIGHUP, lambda *_: (here / "sighup").touch())
+if pid_file is not None:
+    write_pid()
+(here / f"ready-{os.getpid()}").touch()
+time.sleep(120)
+"""
+
+
+def _stand_in(tmp_path: Path, *args: str, mode: str = "note", cwd: Path | None = None,
+              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start the stand-in relay (``STAND_IN``) and wait until its handlers are set."""
+    script = tmp_path / "kvrelay"
+    script.write_text(STAND_IN)
+    proc = subprocess.Popen([sys.executable, str(script), *args], cwd=cwd,
+                            env={**os.environ, **(env or {}), "STAND_IN": mode})  # fmt: skip
+    _wait_for(tmp_path / f"ready-{proc.pid}")
+    return proc
+
+
+def _wait_for(path: Path) -> None:
+    deadline = time.monotonic() + scaled(60)
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert path.exists(), path
+
+
+def _end(*procs: subprocess.Popen[bytes], pids: tuple[int, ...] = ()) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_ctrl_c_while_upgrade_waits_exits_130_without_a_traceback(tmp_path: Path) -> None:
     """A stand-in relay that only notes its SIGUSR2: ``kvrelay upgrade`` then waits for it to
     hand over, and Ctrl-C there is an interruption (130), not a KeyboardInterrupt traceback."""
-    import signal
-    import time
-
-    ready, flag = tmp_path / "ready", tmp_path / "usr2"
-    relay = subprocess.Popen([sys.executable, "-c", (
-        "import pathlib, signal, sys, time\n"
-        "signal.signal(signal.SIGUSR2, lambda *_: pathlib.Path(sys.argv[2]).touch())\n"
-        "pathlib.Path(sys.argv[1]).touch()\n"
-        "time.sleep(120)\n"
-    ), str(ready), str(flag)])  # fmt: skip
-
-    def wait_for(path: Path) -> None:
-        deadline = time.monotonic() + scaled(60)
-        while not path.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert path.exists(), path
-
+    relay = _stand_in(tmp_path, "serve")
     try:
-        wait_for(ready)  # its handler is set: the upgrade's signal cannot end it
         upgrade = subprocess.Popen(
             [sys.executable, "-m", "kvrelay", "upgrade", "--pid", str(relay.pid), "--timeout",
              "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             preexec_fn=sigint_as_at_a_shell,
         )  # fmt: skip
-        wait_for(flag)  # signalled: kvrelay upgrade is in its waiting loop now
+        _wait_for(tmp_path / "usr2")  # signalled: kvrelay upgrade is in its waiting loop now
         upgrade.send_signal(signal.SIGINT)
         _, err = upgrade.communicate(timeout=scaled(60))
     finally:
-        relay.kill()
-        relay.wait()
+        _end(relay)
     assert upgrade.returncode == 130 and "Traceback" not in err, (upgrade.returncode, err)
+
+
+@pytest.mark.parametrize("command", ["upgrade", "reload"])
+def test_a_pid_that_is_not_a_kvrelay_daemon_is_not_signalled(
+    tmp_path: Path, command: str
+) -> None:
+    """A pid file naming another process (its pid given to a ``sleep`` since): SIGUSR2 or
+    SIGHUP used to kill it, and the tool said "handed over" or "SIGHUP sent" (exit 0). Refused
+    now, exit 2, the process untouched; a ``kvrelay`` that is no daemon alike."""
+    cfg = tmp_path / "kvrelay.toml"
+    cfg.write_text(MINIMAL + "[metrics]\nenabled = false\n")
+    sleeper = subprocess.Popen(["sleep", "300"])
+    pid_file = tmp_path / "foreign.pid"
+    pid_file.write_text(f"{sleeper.pid}\n")
+    extra = ["--config", str(cfg)] if command == "reload" else []
+    try:
+        run = kvrelay(command, "--pid-file", str(pid_file), "--timeout", "10", *extra)
+        assert run.returncode == 2, (run.stdout, run.stderr)
+        assert f"process {sleeper.pid} is not kvrelay: sleep 300" in run.stderr, run.stderr
+        assert "refusing to signal it" in run.stderr
+        time.sleep(0.2)
+        assert sleeper.poll() is None, "the foreign process was signalled"
+        gone = kvrelay(command, "--pid", "999999999", *extra)  # no such process: nothing sent
+        assert gone.returncode == 1 and "no process 999999999" in gone.stderr, gone.stderr
+    finally:
+        _end(sleeper)
+    watcher = _stand_in(tmp_path, "watch", "catalog")  # kvrelay, but not a daemon
+    try:
+        run = kvrelay(command, "--pid", str(watcher.pid), "--timeout", "10", *extra)
+        assert run.returncode == 2 and "not a kvrelay daemon (serve or mirror)" in run.stderr
+        assert not (tmp_path / "usr2").exists() and not (tmp_path / "sighup").exists()
+    finally:
+        _end(watcher)
+
+
+def test_upgrade_reports_a_relay_that_exits_without_a_hand_over(tmp_path: Path) -> None:
+    """The relay exits on its SIGUSR2 and nothing takes over (killed mid-upgrade): its pid file
+    still names it. ``kvrelay upgrade`` used to print "handed over to pid <that dead pid>" and
+    exit 0 while nothing served."""
+    pid_file = tmp_path / "kvrelay.pid"
+    relay = _stand_in(tmp_path, "serve", "--pid-file", str(pid_file), mode="exit")
+    try:
+        run = kvrelay("upgrade", "--pid-file", str(pid_file), "--timeout", "30")
+    finally:
+        _end(relay)
+    assert run.returncode == 1, (run.stdout, run.stderr)
+    assert "handed over" not in run.stdout, run.stdout
+    assert (f"the relay exited without a hand-over: process {relay.pid} is gone and its pid "
+            f"file {pid_file} names the old process still") in run.stderr, run.stderr  # fmt: skip
+
+
+def test_upgrade_names_the_process_that_took_over_from_the_relays_own_pid_file(
+    tmp_path: Path,
+) -> None:
+    """``--pid`` alone: the pid file the new process rewrites is the one the relay's command
+    line names, and the hand-over is reported only once it names a new, live kvrelay."""
+    pid_file = tmp_path / "kvrelay.pid"
+    relay = _stand_in(tmp_path, "serve", "--pid-file", "kvrelay.pid", mode="hand-over",
+                      cwd=tmp_path)  # fmt: skip
+    new: int | None = None
+    try:
+        run = kvrelay("upgrade", "--pid", str(relay.pid), "--timeout", "60")
+        new = int(pid_file.read_text())
+        assert new != relay.pid
+        assert run.returncode == 0, (run.stdout, run.stderr)
+        assert run.stdout.strip() == f"kvrelay upgrade: handed over to pid {new}", run.stdout
+    finally:
+        _end(relay, pids=() if new is None else (new,))
+
+
+def test_reload_refuses_a_file_the_relay_does_not_read(tmp_path: Path) -> None:
+    """A SIGHUP makes the relay read its own ``--config`` again: checking another file said
+    nothing of what it applies, yet ``kvrelay reload`` reported success. Refused (exit 2,
+    nothing signalled); the relay's own file, however it is spelled, is signalled."""
+    (tmp_path / "etc").mkdir()
+    own = tmp_path / "etc" / "kvrelay.toml"
+    own.write_text(MINIMAL + "[metrics]\nenabled = false\n")
+    other = tmp_path / "other.toml"
+    other.write_text(own.read_text())
+    relay = _stand_in(tmp_path, "serve", "--config", "etc/kvrelay.toml", cwd=tmp_path)
+    try:
+        run = kvrelay("reload", "--config", str(other), "--pid", str(relay.pid))
+        assert run.returncode == 2, (run.stdout, run.stderr)
+        assert (f"{other} is not the file process {relay.pid} reads ({own})") in run.stderr
+        assert "it was not signalled" in run.stderr
+        time.sleep(0.2)
+        assert not (tmp_path / "sighup").exists()
+        link = tmp_path / "link.toml"
+        link.symlink_to(own)  # the same file by another name (relative in the relay: its cwd)
+        run = kvrelay("reload", "--config", str(link), "--pid", str(relay.pid))
+        assert run.returncode == 0, (run.stdout, run.stderr)
+        assert "outcome is in its log" in run.stdout  # metrics disabled: nothing to read
+        _wait_for(tmp_path / "sighup")
+    finally:
+        _end(relay)
+    started_bare = _stand_in(tmp_path, "mirror", "--upstream", "127.0.0.1:1")
+    try:  # a mirror without --config has no file to read again
+        run = kvrelay("reload", "--config", str(own), "--pid", str(started_bare.pid))
+        assert run.returncode == 2 and "without a configuration file" in run.stderr, run.stderr
+    finally:
+        _end(started_bare)
+
+
+def test_reload_does_not_signal_a_relay_whose_metrics_endpoint_does_not_answer(
+    tmp_path: Path,
+) -> None:
+    """The metrics endpoint takes the connection and never answers (a relay stopped with
+    SIGSTOP, a wedged loop): the tool used to take that for "not readable", send the SIGHUP and
+    exit 0 "the outcome is in its log". Exit 1 now, nothing signalled; a port nobody listens on
+    (the endpoint moved, or off) is still sent the signal with that message (exit 0)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tmp_path / "kvrelay.toml"
+    cfg.write_text(MINIMAL + f'[metrics]\nbind = "127.0.0.1:{port}"\n')
+    relay = _stand_in(tmp_path, "serve", "--config", str(cfg), mode="listen",
+                      env={"STAND_IN_PORT": str(port)})  # fmt: skip
+    try:
+        t0 = time.monotonic()
+        run = kvrelay("reload", "--config", str(cfg), "--pid", str(relay.pid), "--timeout", "1")
+        assert run.returncode == 1, (run.stdout, run.stderr)
+        assert (f"the relay's metrics endpoint (127.0.0.1:{port}) accepted the connection but "
+                "did not answer within 1 s") in run.stderr, run.stderr  # fmt: skip
+        assert f"process {relay.pid} was not signalled" in run.stderr
+        assert time.monotonic() - t0 < scaled(30)
+        time.sleep(0.2)
+        assert not (tmp_path / "sighup").exists()
+    finally:
+        _end(relay)
+    relay = _stand_in(tmp_path, "serve", "--config", str(cfg))  # nothing on the port now
+    try:
+        run = kvrelay("reload", "--config", str(cfg), "--pid", str(relay.pid), "--timeout", "1")
+        assert run.returncode == 0, (run.stdout, run.stderr)
+        assert f"metrics endpoint (127.0.0.1:{port}) is not readable" in run.stdout
+        _wait_for(tmp_path / "sighup")
+    finally:
+        _end(relay)
 
 
 def test_mirror_with_a_metrics_key_that_is_not_a_table_is_a_usage_error(tmp_path: Path) -> None:

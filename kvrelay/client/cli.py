@@ -224,6 +224,38 @@ def _stop_on_interrupt(limiter: Limiter) -> None:
         loop.add_signal_handler(signal.SIGINT, stop)
 
 
+def _stop_when_reader_goes(out: Output) -> None:
+    """End the run once stdout's reader is gone (``| head -1``), as a failed write does, even
+    while nothing is written: ``watch catalog`` of an unchanged catalog never wrote again, so
+    it never noticed and never exited. Only for a pipe, whose write end reports an error
+    (EPOLLERR, which wakes a reader callback) once its read end is closed, and never
+    anything else (it is never readable)."""
+    import select
+    import stat
+
+    try:
+        fd = out.stream.fileno()
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return
+    except (OSError, ValueError):  # not a real file (captured output)
+        return
+    loop = asyncio.get_running_loop()
+
+    def gone() -> None:
+        loop.remove_reader(fd)
+        poller = select.poll()
+        poller.register(fd, 0)
+        if not any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0)):
+            return
+        if not out.closed:
+            out.closed = True
+            if out.on_closed is not None:
+                out.on_closed()
+
+    with contextlib.suppress(OSError, ValueError, RuntimeError, NotImplementedError):
+        loop.add_reader(fd, gone)
+
+
 async def _interruptible(work: Coroutine[Any, Any, int]) -> int:
     """Run ``work``; Ctrl-C ends it with ``KeyboardInterrupt`` (130). asyncio's own handler
     cancels the main task once, and a cancellation lost on the way (Python 3.11's ``wait_for``
@@ -576,6 +608,7 @@ async def _watch(
     limiter = Limiter(args.count, args.duration)
     out.on_closed = limiter.done.set
     _stop_on_interrupt(limiter)
+    _stop_when_reader_goes(out)
     failures = 0
 
     async def one(addr: rpc.RelayAddress) -> None:
@@ -736,6 +769,7 @@ async def _subscribe(
     limiter = Limiter(args.count, args.duration)
     out.on_closed = limiter.done.set
     _stop_on_interrupt(limiter)
+    _stop_when_reader_goes(out)
     config = ClientConfig(subscriber_id=args.subscriber_id)
     problems = 0
     violations = 0

@@ -44,7 +44,10 @@ late for a peer whose message never ends: a refusal must come at the handshake.
 * Handshakes libzmq fails itself, before the handler is asked (``_take_events``: the monitor's
   handshake-failure events, and a stranger's connection closed without one, which libzmq does
   to a greeting that is not ZMTP 3), are counted by reason (``handshakes_failed_*``) and logged
-  at most every ``REFUSAL_LOG_S`` per reason.
+  at most every ``REFUSAL_LOG_S`` per reason. A refused handshake is counted as refused only:
+  a peer that hangs up (or breaks the protocol) while the refusal is on its way makes libzmq
+  report a failure as well, which ``_settle`` takes for that refusal (libzmq's events name no
+  connection, so refusals and failures are matched by count).
 
 Who may publish (a message can name any member): each message carries its sender's address
 (ZMQ's ``Peer-Address`` property, read per message).
@@ -81,10 +84,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import os
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
@@ -126,6 +131,12 @@ FRAME_SLACK_BYTES = 1024 * 1024
 HANDSHAKE_S = 10.0
 #: At most this often (seconds) per reason, a refused handshake is logged (each is counted).
 REFUSAL_LOG_S = 10.0
+#: A handshake failure libzmq reports is counted this long after (``_settle``): the handler
+#: (its own thread, well under a millisecond) has counted its refusal of that connection by
+#: then, if it refused it, and the failure is taken for that refusal instead.
+SETTLE_S = 1.0
+#: Failures waiting for ``SETTLE_S`` at most; past it the oldest is settled at once.
+MAX_UNSETTLED = 4096
 _IDS = itertools.count(1)
 
 
@@ -310,6 +321,17 @@ class ConnectSource:
         #: reported a failure (``_take_events``)
         self._strangers: set[int] = set()
         self._failure_reported = False
+        self._refusal_reported = False  # the last event: libzmq's report of a ``zap.CLOSE``
+        #: handshake failures not counted yet: (when, reason, libzmq's detail); ``_settle``
+        self._unsettled: deque[tuple[float, str, int]] = deque()
+        #: refusals (``connections_refused`` + ``connections_over_limit``, counted by the handler)
+        #: matched with the end of their connection: libzmq's report of the refusal, or a failure
+        #: reported before it (the peer hung up while the refusal was on its way)
+        self._refusals_ended = 0
+        #: the failures last taken for a refusal, (reason, detail): one is counted after all when
+        #: a refusal's own report comes with none left unmatched (the failure took another
+        #: connection's refusal, still on its way then)
+        self._taken: deque[tuple[str, int]] = deque(maxlen=64)
         #: the ZAP handler's thread and the loop both read the monitor and the connections
         self._lock = threading.RLock()
         self.zap_enforced = False  # ZMQ_ZAP_ENFORCE_DOMAIN set: no handler, no handshake
@@ -407,6 +429,7 @@ class ConnectSource:
             self._conns.clear()
             self._strangers.clear()
             self.connections = 0
+            self._settle(math.inf)  # (every failure reported so far is counted)
         handler, self._zap = self._zap, None
         if handler is not None:  # after the socket: none of its handshakes goes unanswered
             await zap.release(self._ctx, handler, self._domain)
@@ -432,6 +455,8 @@ class ConnectSource:
         loop, and on the ZAP handler's thread before each answer)."""
         while self._take_event():
             pass
+        with self._lock:
+            self._settle(time.monotonic() - SETTLE_S)
 
     def _take_event(self) -> bool:
         """One pending event (the lock held for one only: the handler's thread waits for no
@@ -446,6 +471,8 @@ class ConnectSource:
                 return False
             event = parse_monitor_message(msg)
             kind, value = event["event"], int(event["value"])
+            # the relay's refusal was the event before: this one may be its connection's end
+            refused, self._refusal_reported = self._refusal_reported, False
             if kind == zmq.EVENT_ACCEPTED:
                 self._forget(value)  # a descriptor libzmq reused (defensive)
                 peer = _fd_peer(value)
@@ -456,32 +483,88 @@ class ConnectSource:
                     self._strangers.add(value)
             elif kind == zmq.EVENT_DISCONNECTED:
                 reported, self._failure_reported = self._failure_reported, False
-                if self._forget(value) and not reported:
+                stranger = self._forget(value)
+                if refused:  # closed on the refusal (``zap.CLOSE``)
+                    self._refusal_ended()
+                elif stranger and not reported:
                     # libzmq closes a peer whose greeting is not ZMTP 3 (noise, ZMTP 1.0:
                     # refused with ZAP on) without a handshake event; a stranger's
                     # connection closing unreported is one (it cannot have passed)
                     self._handshake_failed("not_zmtp3", 0)
             else:
-                self._handshake_ended(kind, value)
+                self._handshake_ended(kind, value, refused)
             return True
 
-    def _handshake_ended(self, kind: int, value: int) -> None:
+    def _handshake_ended(self, kind: int, value: int, refused: bool = False) -> None:
         """A handshake event (libzmq's version 1 events name no connection). A protocol or
         unfinished failure is reported just before the connection's own disconnect, by the one
-        I/O thread (the context's default), which ``_take_events`` pairs them by."""
+        I/O thread (the context's default), which ``_take_events`` pairs them by. ``refused``:
+        the event before was libzmq's report of the relay's refusal."""
         if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             return
         if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # the connection stays until the peer or
-            if value != 300:  # ``HANDSHAKE_S`` ends it; 300: the relay's own temporary refusal
-                self._handshake_failed("auth", value)  # (``connections_over_limit``)
+            if value == 300:  # ``HANDSHAKE_S`` ends it; 300: the relay's own temporary refusal
+                self._refusal_ended()  # (``connections_over_limit``)
+            else:
+                self._handshake_failed("auth", value)
             return
         self._failure_reported = True
         if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
             if value == zmq.PROTOCOL_ERROR_ZAP_INVALID_STATUS_CODE:
-                return  # the relay's own refusal (``zap.CLOSE``): ``connections_refused``
-            self._handshake_failed("protocol", value)
+                # the relay's own refusal (``zap.CLOSE``): ``connections_refused``. libzmq
+                # closes the connection at once (its disconnect is the next event), or, when it
+                # read the answer right after asking, keeps it until the peer hangs up or the
+                # handshake's time ends it, then reported as a failure
+                self._refusal_reported = True
+                return
+            reason = "protocol"
         else:  # NO_DETAIL: the peer hung up, or did not finish within ``HANDSHAKE_S``
-            self._handshake_failed("unfinished", value)
+            reason = "unfinished"
+        if refused:  # the refused connection's own end, right after its refusal
+            self._refusal_ended()
+        else:
+            self._unsettle(reason, value)
+
+    # A connection the handler refused ends with libzmq's report of the refusal (and the
+    # disconnect, or a failure, right after it), or, when the peer hung up (or broke the
+    # protocol) while the refusal was on its way, or stayed after it (above), with a failure
+    # (NO_DETAIL, PROTOCOL): counted as refused by the handler, it must not count as failed too.
+    # The events name no connection, so the two are matched by count: a failure is settled
+    # ``SETTLE_S`` after its report (the handler has counted a refusal of it by then) and taken
+    # for a refusal no end has been matched with yet, if there is one, else counted. A failure
+    # can take the refusal of another connection whose report is still to come (their ends
+    # came close together); that report then finds none unmatched and counts the failure after
+    # all, so each connection is counted once (in ``connections_*`` or ``handshakes_failed``).
+
+    def _unmatched_refusals(self) -> int:
+        c = self.counters  # (the handler's thread counts refusals: a plain read of two ints)
+        return c.connections_refused + c.connections_over_limit - self._refusals_ended
+
+    def _refusal_ended(self) -> None:
+        """libzmq reported the relay's refusal of a connection (always after the handler counted
+        it)."""
+        if self._unmatched_refusals() > 0:
+            self._refusals_ended += 1
+        else:  # a failure settled before took this refusal: it was one of its own
+            self._handshake_failed(*(self._taken.pop() if self._taken else ("unfinished", 0)))
+
+    def _unsettle(self, reason: str, detail: int) -> None:
+        """A failure that may be the end of a refused connection: settled later."""
+        self._unsettled.append((time.monotonic(), reason, detail))
+        if len(self._unsettled) > MAX_UNSETTLED:
+            self._settle(self._unsettled[0][0])
+
+    def _settle(self, reported_by: float) -> None:
+        """Count the failures reported by ``reported_by`` (monotonic), each taken for a refusal
+        still unmatched if there is one."""
+        pending = self._unsettled
+        while pending and pending[0][0] <= reported_by:
+            _, reason, detail = pending.popleft()
+            if self._unmatched_refusals() > 0:
+                self._refusals_ended += 1
+                self._taken.append((reason, detail))
+            else:
+                self._handshake_failed(reason, detail)
 
     def _handshake_failed(self, reason: str, detail: int) -> None:
         """Count a failed handshake; log it at most every ``REFUSAL_LOG_S`` per reason."""

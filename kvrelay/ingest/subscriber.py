@@ -41,7 +41,10 @@ SUB socket and its monitor) calls back when input may be waiting, and the callba
 task sleeps until the callback hands it something that needs awaiting (a reconnect to vouch for,
 a replay, a crash). pyzmq's asyncio layer is not used: its Poller builds futures and watchers for
 every wait, which cost about as much as the decoding of a small batch. Only state changes are
-logged; per-message outcomes are counters.
+logged; per-message outcomes are counters. What a publisher's input can repeat at every message
+(a bad batch, a restart, a replay's outcome, and the state changes each of them causes: with a
+replay, every bad message resets the member and rebuilds it) is logged at most once per 10 s per
+event (``subscriber_state``: per state), the next line counting those not logged.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ from kvrelay.ingest.live_source import LiveSource, open_source, readable, requir
 from kvrelay.ingest.reorder import ReorderBuffer
 from kvrelay.ingest.sink import DETACHED, BatchSink, ResetReason, SourceSpec
 from kvrelay.ingest.zmtp import CONNECTED, DISCONNECTED
-from kvrelay.logging import LogThrottle, get_logger
+from kvrelay.logging import INPUT_LOG_S, LogThrottle, get_logger
 from kvrelay.pool.errors import MalformedBatch
 
 _LOGGER = "kvrelay.ingest"
@@ -79,6 +82,8 @@ _LOGGER = "kvrelay.ingest"
 FLAP_S = 2.0
 #: ``source_reconnected`` is logged at most this often per source.
 RECONNECT_LOG_S = 10.0
+#: ``subscriber_state`` is logged at most this often per source and state.
+STATE_LOG_S = INPUT_LOG_S
 
 _ABORTED = 2  # replay outcome: reorder overflow, buffer dropped
 _DONE = 1
@@ -199,9 +204,15 @@ class Subscriber:
         self._reconnected = False
         self._src: LiveSource | None = None
         self._errors_logged: set[str] = set()
-        # ``bad_batch``, ``sequence_backwards``, ``epoch_changed``: what the publisher sends can
-        # repeat them at every message; at most one line per event per 10 s (each is counted)
+        # what the publisher sends (live, or as its replay's reply, or by not answering it) can
+        # repeat each event at every message: ``bad_batch``, ``bad_batch_repaired``,
+        # ``sequence_backwards``, ``epoch_changed``, ``incarnation_unverified``,
+        # ``vouch_unanswered``, ``replay_timeout``, ``replay_gap``, ``replay_history_missing``,
+        # ``reorder_overflow``: at most one line per event per 10 s (each is counted)
         self._input_log = LogThrottle()
+        # ``subscriber_state`` by state: a publisher can make a source flip between replaying
+        # and live at every message; the first flip into a state is logged at once
+        self._state_log = LogThrottle(STATE_LOG_S)
         self._task: asyncio.Task[None] | None = None
         self._live = False  # the reader callback drains (the task waits for a hand-over)
         self._wake_fut: asyncio.Future[None] | None = None  # what the task awaits, if anything
@@ -383,9 +394,15 @@ class Subscriber:
             self._wake_fut = None
 
     def _set_state(self, state: str) -> None:
+        """A change of state, logged at once unless the source went into ``state`` less than 10 s
+        ago (then counted in the next line's ``not_logged``; ``kvrelay_ingest_sources`` shows
+        the current state)."""
         if state != self.state:
             self.state = state
-            self._log.info("subscriber_state", state=state, next_seq=self._next)
+            not_logged = self._state_log.due(state)
+            if not_logged is not None:
+                self._log.info("subscriber_state", state=state, next_seq=self._next,
+                               not_logged=not_logged)  # fmt: skip
 
     # ---- connection monitor -----------------------------------------------------------------
     def _watch_connection(self) -> None:
@@ -561,20 +578,27 @@ class Subscriber:
         return known is not None and _digest(payload) != known
 
     def _incarnation(self, seq: int, payload: bytes, *, epoch: bool = False) -> None:
-        not_logged = self._input_log.due("epoch_changed" if epoch else "sequence_backwards")
-        if not_logged is None:
-            pass  # counted (incarnations, resets); logged at most every 10 s
-        elif epoch:
-            self._log.warning("epoch_changed", seq=seq, expected=self._next, not_logged=not_logged)
-        else:
-            self._log.warning("sequence_backwards", seq=seq, expected=self._next,
-                              not_logged=not_logged)  # fmt: skip
+        self._log_restart(seq, epoch=epoch)
         replay = seq > 0 and bool(self.spec.replay_endpoint)
         self._restart_from_zero(ResetReason.INCARNATION, replay=replay, live_seq=seq)
         if replay:
             self._buf.put(seq, payload)
         else:
             self._apply(seq, payload)
+
+    def _log_restart(self, seq: int, *, epoch: bool, during: str = "live") -> None:
+        """``epoch_changed`` / ``sequence_backwards`` (``during="replay"``: told by the live
+        stream while a replay was read): counted (incarnations, resets); logged at most every
+        10 s per event, live or during a replay alike."""
+        not_logged = self._input_log.due("epoch_changed" if epoch else "sequence_backwards")
+        if not_logged is None:
+            return
+        if epoch:  # (event names stay literals: tests/test_log_events.py)
+            self._log.warning("epoch_changed", seq=seq, expected=self._next, during=during,
+                              not_logged=not_logged)  # fmt: skip
+        else:
+            self._log.warning("sequence_backwards", seq=seq, expected=self._next, during=during,
+                              not_logged=not_logged)  # fmt: skip
 
     def _restart_from_zero(
         self, reason: ResetReason, *, replay: bool = True, live_seq: int = -1
@@ -602,7 +626,10 @@ class Subscriber:
     def _overflow(self) -> None:
         c = self.counters
         c.reorder_overflows += 1
-        self._log.warning("reorder_overflow", messages=len(self._buf), bytes=self._buf.nbytes)
+        not_logged = self._input_log.due("reorder_overflow")
+        if not_logged is not None:
+            self._log.warning("reorder_overflow", messages=len(self._buf),
+                              bytes=self._buf.nbytes, not_logged=not_logged)  # fmt: skip
         self._reset(ResetReason.REORDER_OVERFLOW)
         self._buf.clear()
         self._replay_from = None
@@ -648,7 +675,9 @@ class Subscriber:
         if self._bad_seq == seq:
             self._bad_seq = None
             c.repairs += 1
-            self._log.info("bad_batch_repaired", seq=seq)
+            not_logged = self._input_log.due("bad_batch_repaired")
+            if not_logged is not None:
+                self._log.info("bad_batch_repaired", seq=seq, not_logged=not_logged)
         # replayed history would count its own age, not the relay's lag: live messages only
         c.observe_applied(res.ts, live=not self._in_replay)
 
@@ -782,17 +811,20 @@ class Subscriber:
                 if first_buffered is not None and self._next is not None and (
                     first_buffered <= self._next
                 ):
-                    self._log.warning("vouch_unanswered", asked=start - 1)
+                    self._log_vouch_unanswered(start - 1)
                     self._reset(ResetReason.VOUCH_TIMEOUT)
                 outcome = _FAILED
             if outcome == _UNVOUCHED or (outcome == _RESTARTED and not restarted):
                 restarted = True  # rebuild once from 0; a second mismatch is a plain hole
                 if outcome == _RESTARTED:
                     self.counters.incarnations_detected += 1
-                    self._log.warning("incarnation_unverified", asked=start)
+                    not_logged = self._input_log.due("incarnation_unverified")
+                    if not_logged is not None:
+                        self._log.warning("incarnation_unverified", asked=start,
+                                          not_logged=not_logged)  # fmt: skip
                     self._restart_from_zero(ResetReason.INCARNATION)
                 else:  # a replay that does not answer is not a vouch
-                    self._log.warning("vouch_unanswered", asked=start - 1)
+                    self._log_vouch_unanswered(start - 1)
                     self._restart_from_zero(ResetReason.VOUCH_TIMEOUT)
                 self._replay_from = None
                 start, bootstrap, attempt = 0, True, 0
@@ -813,6 +845,16 @@ class Subscriber:
             assert self._next is not None
             start = self._next
         self._jump_hole(ResetReason.GAP_UNRECOVERABLE)
+
+    def _log_vouch_unanswered(self, asked: int) -> None:
+        not_logged = self._input_log.due("vouch_unanswered")
+        if not_logged is not None:
+            self._log.warning("vouch_unanswered", asked=asked, not_logged=not_logged)
+
+    def _log_replay_timeout(self, start: int) -> None:
+        not_logged = self._input_log.due("replay_timeout")
+        if not_logged is not None:
+            self._log.warning("replay_timeout", start=start, not_logged=not_logged)
 
     async def _replay_once(
         self, start: int, *, bootstrap: bool, verify: tuple[int, int] | None = None,
@@ -846,7 +888,7 @@ class Subscriber:
                 except zmq.Again:
                     if loop.time() >= deadline:
                         c.replay_failures += 1
-                        self._log.warning("replay_timeout", start=ask)
+                        self._log_replay_timeout(ask)
                         return _FAILED if verify is None else _UNVOUCHED
                     await asyncio.sleep(0.001)
             self._dup_lo, self._dup_hi = ask, ask - 1
@@ -863,7 +905,7 @@ class Subscriber:
                 sub_ready, dealer_ready = src.readable(), readable(dealer)
                 if not (sub_ready or dealer_ready) and loop.time() >= deadline:
                     c.replay_failures += 1
-                    self._log.warning("replay_timeout", start=ask)
+                    self._log_replay_timeout(ask)
                     return _UNVOUCHED if first and verify is not None else _FAILED
                 if sub_ready and not self._buffer_live():
                     return _ABORTED
@@ -917,11 +959,17 @@ class Subscriber:
                         continue
                     if seq > nxt and not first and retry_gap:
                         c.replay_gaps += 1
-                        self._log.warning("replay_gap", asked=nxt, next=seq)
+                        not_logged = self._input_log.due("replay_gap")
+                        if not_logged is not None:
+                            self._log.warning("replay_gap", asked=nxt, next=seq,
+                                              not_logged=not_logged)  # fmt: skip
                         return _GAPPED
                     if seq > nxt or (first and (seq > start or verify is not None)):
                         c.missing_history += 1
-                        self._log.warning("replay_history_missing", asked=nxt, first=seq)
+                        not_logged = self._input_log.due("replay_history_missing")
+                        if not_logged is not None:
+                            self._log.warning("replay_history_missing", asked=nxt, first=seq,
+                                              not_logged=not_logged)  # fmt: skip
                         self._reset(
                             ResetReason.MISSING_HISTORY
                             if bootstrap
@@ -957,10 +1005,7 @@ class Subscriber:
             if new_epoch or (repeated and self._next is not None and seq < self._next) or (
                 self._replaced(seq, payload)
             ):
-                if new_epoch:  # (event names stay literals: tests/test_log_events.py)
-                    self._log.warning("epoch_changed", seq=seq, during="replay")
-                else:
-                    self._log.warning("sequence_backwards", seq=seq, during="replay")
+                self._log_restart(seq, epoch=new_epoch, during="replay")
                 self._restart_from_zero(ResetReason.INCARNATION, live_seq=seq)
                 self._buf.put(seq, payload)
                 return False
@@ -968,7 +1013,7 @@ class Subscriber:
                 if self._dup_lo <= self._dup_hi and seq < self._dup_lo:
                     # below the first batch the replay gave (its history was gone): a batch
                     # the relay never had, from an engine that restarted behind a proxy
-                    self._log.warning("sequence_backwards", seq=seq, during="replay")
+                    self._log_restart(seq, epoch=False, during="replay")
                     self._restart_from_zero(ResetReason.INCARNATION, live_seq=seq)
                     self._buf.put(seq, payload)
                     return False

@@ -31,12 +31,23 @@ when there is no room evicts the pool idle the longest (no local subscriber, nob
 admitted), as a relay retires its idle hubs: its upstream stream ends and its table is dropped;
 the next subscriber to it waits for a fresh sync. Only when every mirrored pool is in use is the
 answer RESOURCE_LIMIT, so every listed pool stays servable behind a mirror and behind
-``workers = N``.
+``workers = N``. With ``release_idle_s`` (an external mirror's), a pool idle that long is
+*released* the same way, and mirrored again only when a local subscriber asks for it: each
+upstream stream is an upstream hub with a reader, so an idle mirror that kept the pools it
+mirrored ahead of demand left its upstream, at its own hub cap, refusing every other client the
+other pools for ever (``_release_idle``). A fan-out worker never releases (its ingest process
+admits hubs for every worker).
+
+Session: one rule (``in_session``) for the health a server reports (``follow_session``) and for
+what the mirror answers: without a session every new RPC is refused PUBLICATION_UNAVAILABLE
+(``relay_identity``, ``open_pool``, the planes' ``current``). Streams already open go on as
+their upstream streams do, and end with a status when those end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -122,16 +133,21 @@ class Mirror:
         self.settings = settings
         self.limits = settings.limits
         self.upstream = Upstream(settings)
-        self.catalog = MirrorPlane("catalog", same=_same_message(pb.KvPoolCatalogUpdate))
-        # readiness and load: in sync without a stream once the upstream answers UNIMPLEMENTED,
-        # a verdict held only with the upstream session that gave it, as serving load's
+        # Every plane is served only in session (``in_session``, the rule the health follows):
+        # a catalog the upstream still streams while its load plane went silent (its ingest
+        # process frozen) is not vouched for either. Readiness and load are in sync without a
+        # stream once the upstream answers UNIMPLEMENTED, a verdict held only with the upstream
+        # session that gave it, as serving load's.
+        session = self._in_session
+        self.catalog = MirrorPlane("catalog", same=_same_message(pb.KvPoolCatalogUpdate),
+                                   session=session)  # fmt: skip
         self.readiness = MirrorPlane("readiness", same=_same_message(pb.ServingReadinessUpdate),
-                                     session=self._has_session)  # fmt: skip
+                                     session=session)  # fmt: skip
         self.load = MirrorPlane("load", same=_same_message(pb.KvPoolLoadUpdate),
-                                session=self._has_session)  # fmt: skip
+                                session=session)  # fmt: skip
         # no "_" in the name: metrics split "<plane>_<reason>"
         self.serving_load = MirrorPlane("serving-load", same=_same_message(pb.ServingLoadUpdate),
-                                        session=self._has_session)  # fmt: skip
+                                        session=session)  # fmt: skip
         self._identity: pb.RelayIdentity | None = None
         self._identity_key: tuple[int, int] | None = None
         self._identity_bytes = b""
@@ -139,6 +155,8 @@ class Mirror:
         #: keys the upstream's catalog listed and then withdrew (oldest first, bounded)
         self._withdrawn: dict[ProducerKey, None] = {}
         self._pools: dict[ProducerKey, MirrorPool] = {}
+        #: listed keys released idle (``_release_idle``): mirrored again only on demand
+        self._released: dict[ProducerKey, None] = {}
         #: set while a catalog message received from the upstream is parsed in a thread
         #: (``_take_catalog``): resolved once it is published or dropped
         self._catalog_parsing: asyncio.Future[None] | None = None
@@ -162,6 +180,7 @@ class Mirror:
         self.catalog_invalid = 0  # descriptors whose producer is not a valid key (not mirrored)
         self.pools_over_limit = 0  # listed pools not mirrored at the last catalog: hub cap
         self.pools_evicted = 0  # idle mirrored pools dropped to make room for another
+        self.pools_released = 0  # mirrored pools dropped after ``release_idle_s`` idle
         self.plane_ends: Counter[str] = Counter()
         #: the upstream identity each running plane stream last delivered under (absent until
         #: its first message): a stream that delivered under an identity the mirror leaves
@@ -174,23 +193,30 @@ class Mirror:
     # ------------------------------------------------------------------ RelayView
     @property
     def relay_identity(self) -> pb.RelayIdentity:
-        if not self._has_session():
+        if not self.in_session:
             raise RelayError.publication_unavailable("the mirror has no upstream session")
         assert self._identity is not None
         return self._identity
-
-    def _has_session(self) -> bool:
-        """What every RPC needs to be answered from the upstream (else PUBLICATION_UNAVAILABLE):
-        an identity and a live catalog."""
-        return self._identity is not None and self.catalog.live
 
     @property
     def in_session(self) -> bool:
         """Whether the mirror holds a live upstream session: an identity, the catalog
         delivering, and the readiness and load planes delivering or answered ``UNIMPLEMENTED``
         (``MirrorPlane.synced``; serving load is optional: a Dynamo 1.6 upstream has none).
-        Without one it refuses every RPC; its health says so (``follow_session``)."""
-        return self._has_session() and self.readiness.synced and self.load.synced
+        The one rule for both what its health says (``follow_session``) and what it answers:
+        without a session it refuses every RPC PUBLICATION_UNAVAILABLE. (RPCs used to need only
+        the identity and the catalog, which has no silence bound once it delivered: a worker
+        whose ingest process was frozen said NOT_SERVING and went on answering
+        ``GetRelayInfo`` and new catalog watches with the stale catalog.)"""
+        return (
+            self._identity is not None
+            and self.catalog.live
+            and self.readiness.synced
+            and self.load.synced
+        )
+
+    def _in_session(self) -> bool:
+        return self.in_session
 
     def _current_identity(self) -> pb.RelayIdentity:
         assert self._identity is not None
@@ -200,7 +226,7 @@ class Mirror:
         self, expected: pb.ProducerIdentity, on_release: Callable[[], None] | None = None
     ) -> Subscription:
         key = producer_key(expected)
-        if not self._has_session():
+        if not self.in_session:
             raise RelayError.publication_unavailable("the mirror has no upstream session")
         if key in self._withdrawn:  # a retired generation, as a relay answers it
             raise self._unlisted(key)
@@ -216,6 +242,7 @@ class Mirror:
                     f"Relay initialized pool hub limit {self.limits.max_initialized_pool_hubs} "
                     "reached"
                 )
+            self._released.pop(key, None)  # mirrored again, on demand
             pool = self._start_pool(key, expected)  # the upstream decides this key
         deadline = asyncio.get_running_loop().time() + self.settings.sync_wait_s
         return await pool.admit(on_release, deadline)
@@ -226,7 +253,7 @@ class Mirror:
         there (or from a sibling fan-out worker) may ask first. The service's
         ``[[authorization]]`` check waits a moment for it (``server._may_see_listed``). Not a key
         the upstream withdrew (the mirror answers it itself), nor without a session."""
-        return self._has_session() and producer_key(expected) not in self._withdrawn
+        return self.in_session and producer_key(expected) not in self._withdrawn
 
     def _unlisted(self, key: ProducerKey) -> RelayError:
         """What a relay answers for a key its catalog does not list: PRODUCER_CHANGED while it
@@ -240,6 +267,8 @@ class Mirror:
     ) -> float:
         """A mirror of this mirror asks for spacing: its local hub takes the request like a
         joiner's, and this mirror passes the need on to its own upstream (``MirrorPool``)."""
+        if not self.in_session:
+            raise RelayError.publication_unavailable("the mirror has no upstream session")
         pool = self._pools.get(producer_key(expected))
         hub = None if pool is None or pool.withdrawn else pool.hub
         if hub is None:
@@ -276,8 +305,41 @@ class Mirror:
         _since, pool = min(idle, key=lambda item: item[0])
         self.pools_evicted += 1
         _log.info("mirror_pool_evicted", pool=pool.name, state=pool.state.value)
+        if self.settings.release_idle_s > 0 and pool.key in self._listed:
+            self._released[pool.key] = None  # (idle too: mirrored again only on demand)
         pool.stop(None, "the mirror evicted this idle pool to make room for another")
         return True
+
+    def _release_idle(self, now: float) -> float:
+        """Release every mirrored pool idle (no local subscriber, nobody being admitted) for
+        ``release_idle_s`` at ``now`` (monotonic), as an eviction drops one: its upstream
+        stream ends, so the upstream's hub has no reader for it and the upstream may give it to
+        another client, and its table is dropped. A listed pool released is not mirrored again
+        ahead of demand (``_reconcile``); its next subscriber starts it (``open_pool``). Returns
+        how long until the next pool can be due."""
+        after = self.settings.release_idle_s
+        wait = after
+        for pool in list(self._pools.values()):
+            since = pool.idle_since
+            if pool.state is PoolState.GONE or since is None:
+                continue
+            if now - since < after:
+                wait = min(wait, since + after - now)
+                continue
+            self.pools_released += 1
+            if pool.key in self._listed:
+                self._released[pool.key] = None
+            _log.info("mirror_pool_released", pool=pool.name, state=pool.state.value,
+                      idle_s=round(now - since, 3))  # fmt: skip
+            pool.stop(None, "the mirror released this pool: no local subscriber")
+        return wait
+
+    async def _release_loop(self) -> None:
+        """``_release_idle`` whenever a pool can be due (a pool idle from now is due
+        ``release_idle_s`` from now at the earliest)."""
+        while True:
+            wait = self._release_idle(time.monotonic())
+            await asyncio.sleep(max(wait, 0.01))
 
     def _start_pool(self, key: ProducerKey, producer: pb.ProducerIdentity) -> MirrorPool:
         pool = MirrorPool(self._ctx, key, producer)
@@ -308,15 +370,17 @@ class Mirror:
             withdrawn.pop(key, None)  # listed again (an upstream's choice): served again
         while len(withdrawn) > WITHDRAWN_KEYS:
             del withdrawn[next(iter(withdrawn))]
+        self._released = {k: None for k in self._released if k in listed}
         self._listed = listed
         self._reconcile()
 
     def _reconcile(self) -> None:
-        """Mirror every listed pool (catalog order) while there is room for its hub."""
+        """Mirror every listed pool (catalog order) while there is room for its hub, but those
+        released idle (``_release_idle``: only a local subscriber starts them again)."""
         over = 0
         for key, producer in self._listed.items():
             pool = self._pools.get(key)
-            if pool is not None and pool.state is not PoolState.GONE:
+            if key in self._released or (pool is not None and pool.state is not PoolState.GONE):
                 continue
             if not self._room():
                 over += 1
@@ -583,6 +647,9 @@ class Mirror:
             )
             self._tasks.append(task)
         self._tasks.append(loop.create_task(self._report_sync(), name="kvrelay-mirror-sync-log"))
+        if self.settings.release_idle_s > 0:
+            self._tasks.append(loop.create_task(self._release_loop(),
+                                                name="kvrelay-mirror-release"))  # fmt: skip
 
     async def stop(self) -> None:
         await stop_all(self._tasks)
@@ -617,6 +684,7 @@ class Mirror:
             "catalog_invalid": self.catalog_invalid,
             "pools_over_limit": self.pools_over_limit,
             "pools_evicted": self.pools_evicted,
+            "pools_released": self.pools_released,
             "channel_resets": self.upstream.resets,
             "channel_deaf": self.upstream.deaf,
             "channel_left_draining": self.upstream.left_draining,

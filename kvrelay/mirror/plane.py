@@ -9,12 +9,17 @@ delivers: a mirror never serves a plane message from a source it has lost. The n
 above every version used before, so a reader of an old epoch can never mistake a new message
 for the continuation of its own stream.
 
+A new reader is served only while the mirror holds its upstream session (the ``session``
+check, ``Mirror.in_session``: what its health says too): without one it is refused
+``PUBLICATION_UNAVAILABLE``, also by a plane whose own stream still delivers (a catalog, sent
+only on change, while the upstream's load plane went silent). Readers already following the
+plane go on until its stream ends.
+
 An upstream that does not implement the plane's RPC makes new readers' streams end
-``UNIMPLEMENTED``, but only while the mirror holds the upstream session that answered so (the
-``session`` check): with none, or once the upstream's identity changes or asking it again
-fails, that answer says nothing of the upstream now, and readers are refused
-``PUBLICATION_UNAVAILABLE`` as on every other plane (an upstream that went away may come back
-upgraded).
+``UNIMPLEMENTED``, but only while the mirror holds the upstream session that answered so: with
+none, or once the upstream's identity changes or asking it again fails, that answer says
+nothing of the upstream now, and readers are refused ``PUBLICATION_UNAVAILABLE`` as on every
+other plane (an upstream that went away may come back upgraded).
 
 A re-send at the version already held (readiness heartbeats) is not published again. Its bytes
 need not be the same: another encoder may order fields or pack repeated ones differently. With
@@ -55,7 +60,8 @@ class MirrorPlane:
     ) -> None:
         """``same(held, resent)``: whether two encodings carry one message (default: equal
         bytes); ``session()``: whether the mirror holds an upstream session now (default:
-        always), without which an ``UNIMPLEMENTED`` verdict is not repeated."""
+        always), without which new readers are refused (neither the message held nor an
+        ``UNIMPLEMENTED`` verdict is given)."""
         self.name = name
         self._same = same
         self._session = session
@@ -101,11 +107,12 @@ class MirrorPlane:
         return self._unsupported is not None
 
     def current(self) -> tuple[int, bytes]:
+        served = self._live or self._unsupported is not None
+        if served and self._session is not None and not self._session():
+            raise self._unavailable("the mirror has no upstream session")
         if not self._live or self._data is None:
             if self._unsupported is not None:
-                if self._session is None or self._session():
-                    raise PlaneUnsupported(self._unsupported)
-                raise self._unavailable("the mirror has no upstream session")
+                raise PlaneUnsupported(self._unsupported)
             raise RelayError(self._down.reason, self._down.message)
         return self._version, self._data
 

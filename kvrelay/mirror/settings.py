@@ -67,6 +67,14 @@ class MirrorSettings:
       only after 3 of whichever period is longer. The window planes (load, serving load) come
       every second unless their updates state a longer window, so they are silent after 3
       windows (3 s by default), whatever the pool heartbeat.
+    * ``release_idle_s``: a mirrored pool with no local subscriber (and nobody being admitted)
+      for this long is released: its upstream stream ends, its table is dropped, and the
+      mirror does not mirror it again until a local subscriber asks for it (then it syncs on
+      demand, within ``sync_wait_s``). An idle mirror otherwise held an upstream stream, so an
+      upstream hub with a reader, for each pool it mirrored ahead of demand, for ever: at its
+      own hub cap the upstream refused its other clients (another mirror, a router) every other
+      pool. 0: never (a ``workers = N`` fan-out worker's, whose ingest process admits hubs for
+      every worker).
     * ``window_bytes``: HTTP/2 receive window per upstream stream (the connection gets 4×): a
       mirror must drain its upstream faster than the upstream's queue bound, never lag it.
     * ``ssl``: TLS to the upstream: a context, or what gives the one to use now (a daemon's
@@ -83,6 +91,7 @@ class MirrorSettings:
     backoff_max_s: float = 5.0
     upstream_heartbeat_s: float = 10.0
     upstream_readiness_s: float = 10.0
+    release_idle_s: float = 0.0
     window_bytes: int = 16 * MiB
     keepalive_s: float = 20.0
     keepalive_timeout_s: float = 10.0
@@ -97,6 +106,8 @@ class MirrorSettings:
                      "keepalive_timeout_s", "upstream_readiness_s"):
             if not 0 < getattr(self, name) <= MAX_PERIOD_S:
                 raise MirrorSettingsError(f"{name} must be in (0, {MAX_PERIOD_S:g}] seconds")
+        if not 0 <= self.release_idle_s <= MAX_PERIOD_S:
+            raise MirrorSettingsError(f"release_idle_s must be in [0, {MAX_PERIOD_S:g}] seconds")
         if not self.backoff_initial_s <= self.backoff_max_s <= 3600:
             raise MirrorSettingsError("need backoff_initial_s <= backoff_max_s <= 3600")
         if not 64 * 1024 <= self.window_bytes <= 512 * MiB:

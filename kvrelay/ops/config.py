@@ -15,7 +15,7 @@ import re
 import socket
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -148,6 +148,8 @@ class MirrorConfig:
     subscriber_id: str = "kvrelay-mirror"
     sync_wait_s: float = 10.0
     upstream_heartbeat_s: float = 10.0
+    #: a mirrored pool idle this long is released (its upstream stream ends); 0: never
+    release_idle_s: float = 60.0
     tls_ca: str | None = None  # set: TLS to the upstream, verified against this CA
     tls_cert: str | None = None  # client certificate (mTLS upstream)
     tls_key: str | None = None
@@ -312,7 +314,10 @@ def _positive_s(v: float) -> str | None:
 
 
 def _off_or_positive_s(v: float) -> str | None:
-    return None if v == 0 else _positive_s(v)
+    """0 is allowed (off, or at once): the range says so."""
+    if v == 0 or 0 < v <= 365 * 24 * 3600:
+        return None
+    return f"must be >= 0 and <= 1 year (seconds; 0 = off or at once), got {v}"
 
 
 def _one_of(options: Iterable[str]) -> Check:
@@ -355,15 +360,23 @@ def _listen_check(v: str) -> str | None:
 
 def _dns_server_check(v: str) -> str | None:
     """``IP:PORT`` (``[v6]:PORT``): the DNS client asks that server alone, by address (a host
-    name there is refused at start, after ``check-config`` passed, and mid-reload)."""
-    problem = _bind_check(v)
-    if problem is not None:
-        return problem
-    host = v.rpartition(":")[0].strip("[]")
+    name there is refused at start, after ``check-config`` passed, and mid-reload), on a port
+    it can send to: 1..65535 (port 0 passed as a bind's ephemeral port, and every lookup then
+    failed with EINVAL)."""
+    want = "the DNS server must be an IP address and port (IP:PORT, [IPv6]:PORT), port 1..65535"
+    host, sep, port = v.rpartition(":")
+    if not sep or not is_decimal(port) or not 1 <= int(port) <= 65535:
+        return f"{want}, got {v!r}"
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        if ":" not in host:
+            return f"{want}, got {v!r}"
+    elif ":" in host:
+        return f"{want}; an IPv6 address needs brackets: [{host}]:{port}"
     try:
         ipaddress.ip_address(host)
     except ValueError:
-        return f"the DNS server must be an IP address and port, got {v!r}"
+        return f"{want}, got {v!r}"
     return None
 
 
@@ -465,11 +478,19 @@ def _mirror_s(v: float) -> str | None:
     )
 
 
+def _mirror_off_or_s(v: float) -> str | None:
+    """``_mirror_s``, or 0 (never)."""
+    return None if 0 <= v <= MAX_MIRROR_PERIOD_S else (
+        f"must be 0 (never) or in (0, {MAX_MIRROR_PERIOD_S:g}] seconds, got {v}"
+    )
+
+
 MIRROR_KEYS: dict[str, _Key] = {
     "upstream": _Key("str", required=True, check=_upstream_check),
     "subscriber_id": _Key("str", "kvrelay-mirror", check=_subscriber_id),
     "sync_wait_s": _Key("float", 10.0, check=_mirror_s),
     "upstream_heartbeat_s": _Key("float", 10.0, check=_mirror_s),
+    "release_idle_s": _Key("float", 60.0, check=_mirror_off_or_s),
     "tls_ca": _Key("str", None, check=_text),
     "tls_cert": _Key("str", None, check=_text),
     "tls_key": _Key("str", None, check=_text),
@@ -816,7 +837,7 @@ def _convert(text: str, kind: str) -> Any:
         return True
     if t.lower() in _FALSE:
         return False
-    raise ValueError(f"expected a boolean (true/false/1/0/yes/no), got {text!r}")
+    raise ValueError(f"expected a boolean (true/false/1/0/yes/no/on/off), got {text!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -991,6 +1012,74 @@ def _runtime_dir(value: str | None, env: Mapping[str, str]) -> str | None:
         found = env.get(name, "").split(":")[0]
         if found:
             return found
+    return None
+
+
+def _on_this_host(
+    checked: tuple[DaemonConfig | None, list[ConfigProblem]],
+) -> tuple[DaemonConfig | None, list[ConfigProblem]]:
+    """``checked`` with warnings about the directories the relay would use here, for the user
+    this process runs as (``check-config``, ``serve``, a reload): a ``runtime_dir`` workers
+    cannot use passed ``check-config`` and ``serve`` then exited 1, a ``state_dir`` others can
+    write to passed and ``serve`` then ran without saving state. Added to what a file gives,
+    not to ``parse_config``'s, which judges the document wherever it is (a pod's manifest, on a
+    host without its volumes)."""
+    cfg, problems = checked
+    if cfg is None:
+        return checked
+    r = _Reader({})
+    runtime = cfg.runtime_dir
+    if cfg.workers >= 2 and runtime is not None and (unusable := _unwritable_dir(runtime)):
+        r.warn("relay.runtime_dir",
+               f"{unusable}: workers ≥ 2 make their internal socket's directory there, so "
+               "serve would exit 1 (start_failed). Set runtime_dir (KVRELAY_RELAY_RUNTIME_DIR) "
+               "to a directory the relay's user can write, e.g. an emptyDir on "
+               "Kubernetes")  # fmt: skip
+    state = cfg.relay.state_dir
+    if cfg.mirror is None and state is not None and (unsafe := _state_dir_problem(state)):
+        r.warn("relay.state_dir",
+               f"{unsafe}: the relay would neither restore nor save state there "
+               "(state_dir_unusable). It must be a directory owned by the relay's user that "
+               "nobody else can write to (chmod 0700), or one the relay can create")  # fmt: skip
+    if not r.problems:
+        return checked
+    return replace(cfg, warnings=cfg.warnings + tuple(r.problems)), [*problems, *r.problems]
+
+
+def _unwritable_dir(path: str) -> str | None:
+    """Why this user cannot make a directory in ``path`` (None: it can), as the start finds out
+    (``PrivateDir``): missing, not a directory, or not writable (a read-only mount too)."""
+    try:
+        if not os.path.isdir(path):
+            return f"{path!r} is not a directory" if os.path.lexists(path) else (
+                f"{path!r} does not exist")  # fmt: skip
+    except OSError as exc:
+        return f"{path!r}: {exc.strerror}"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{path!r} is not writable by this user"
+    return None
+
+
+def _state_dir_problem(path: str) -> str | None:
+    """Why the relay, run as this user, would refuse ``state_dir`` (``Relay._state_dir``): one
+    that others can write to, or owned by another user (``safe_files``), or one it cannot
+    create. None when it would use it. A warning, not an error: the relay serves without it
+    (state saving off), and ``check-config`` may run where the directory is not made yet."""
+    from kvrelay.relay import safe_files
+
+    try:
+        if os.path.lexists(path):
+            safe_files.check_private_dir(path)
+            return None
+    except safe_files.UnsafeDirectory as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"{path}: {exc.strerror}"
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{path}: does not exist, and this user cannot create it in {parent}"
     return None
 
 
@@ -1207,6 +1296,7 @@ def _mirror(r: _Reader, raw: dict[str, Any]) -> MirrorConfig | None:
         subscriber_id=m["subscriber_id"],
         sync_wait_s=m["sync_wait_s"],
         upstream_heartbeat_s=m["upstream_heartbeat_s"],
+        release_idle_s=m["release_idle_s"],
         tls_ca=ca,
         tls_cert=cert,
         tls_key=key,
@@ -1553,7 +1643,7 @@ def check_file(
 ) -> tuple[DaemonConfig | None, list[ConfigProblem]]:
     """Read and validate one file; unreadable files and TOML syntax errors are problems too."""
     raw, problems = _read_toml(path)
-    return (None, problems) if raw is None else parse_config(raw, env)
+    return (None, problems) if raw is None else _on_this_host(parse_config(raw, env))
 
 
 @dataclass(frozen=True, slots=True)
@@ -1603,7 +1693,7 @@ def mirror_config(
             metrics["bind"] = flags.metrics_bind
         environ.pop(ENV_PREFIX + "METRICS_BIND", None)
         environ.pop(ENV_PREFIX + "METRICS_ENABLED", None)
-    return parse_config(raw, environ)
+    return _on_this_host(parse_config(raw, environ))
 
 
 def load_config(

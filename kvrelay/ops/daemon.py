@@ -66,6 +66,14 @@ WARM_EXTEND_S = 30.0
 WARM_EXTEND_CAP_S = 600.0
 
 
+def drain_grace_s(shutdown_timeout_s: float) -> float:
+    """How long a stop waits for its clients to take their streams' ends and calls' answers
+    (a subscriber that reads nothing, a call whose request never comes, hold it this long):
+    half the stop's bound, so the relay's own stop and state save keep the other half.
+    docs/operations.md states this rule (``tests/docs/test_shutdown_doc.py``)."""
+    return max(0.1, shutdown_timeout_s / 2)
+
+
 def _in_daemon_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
     """Start ``fn`` in a daemon thread now; the future of its result. A daemon thread, because a
     SIGTERM during a long first-time JIT compile must not wait for it (the default executor
@@ -671,7 +679,7 @@ class Daemon:
             await cancel_all([self._reload_task])
         if self._upgrade_task is not None:  # an upgrade half-way kills its successor
             await cancel_all([self._upgrade_task])
-        grace = max(0.1, self.cfg.shutdown_timeout_s / 2)
+        grace = drain_grace_s(self.cfg.shutdown_timeout_s)
         if self._health_task is not None:  # before the drain, which says NOT_SERVING for good
             await cancel_all([self._health_task])
         try:

@@ -25,7 +25,7 @@ from kvrelay.contract.limits import RelayLimits
 from kvrelay.logging import get_logger
 from kvrelay.ops.config import DaemonConfig, LoggingConfig, MirrorConfig, TlsConfig
 from kvrelay.ops.private_dirs import INTERNAL_SOCKET, PrivateDir, socket_path_problem
-from kvrelay.ops.supervisor import Supervisor, shared_listener
+from kvrelay.ops.supervisor import Supervisor, shared_socket
 from kvrelay.ops.worker import AUTHZ_LINE, LOGGING_LINE, TLS_LINE, WorkerSpec, rules_json
 from kvrelay.service.authz import AuthorizationRule
 
@@ -79,6 +79,7 @@ def mirror_settings(
         subscriber_id=m.subscriber_id,
         sync_wait_s=m.sync_wait_s,
         upstream_heartbeat_s=m.upstream_heartbeat_s,
+        release_idle_s=m.release_idle_s,
     )
 
 
@@ -91,7 +92,8 @@ def private_runtime_dir(base: str | None) -> PrivateDir:
 
 class WorkerFront:
     """Internal listener + the shared public listener + supervised workers. ``listener``: a hot
-    upgrade's inherited one (already listening); otherwise it is opened on ``bind``."""
+    upgrade's inherited one (already listening); otherwise it is bound on ``bind`` and listens
+    from the first worker's start on (``shared_socket``)."""
 
     def __init__(
         self,
@@ -146,8 +148,8 @@ class WorkerFront:
         self.internal = RelayServer(self.view, internal_limits(cfg.relay.limits, cfg.workers))
         await self.internal.start_unix(self.path)
         self._socket_id = _socket_id(self.path)
-        if self._listener is None:
-            self._listener = shared_listener(cfg.bind_host, cfg.bind_port)
+        if self._listener is None:  # bound; the first worker that serves makes it listen
+            self._listener = shared_socket(cfg.bind_host, cfg.bind_port)
         self.port = int(self._listener.getsockname()[1])
         self.supervisor = Supervisor(self._spec, cfg.workers - 1,
                                      start_timeout_s=self.start_timeout_s,

@@ -130,6 +130,12 @@ class MirrorCollector(Collector):
             "kvrelay_mirror_pools_evicted",
             "Idle mirrored pools dropped to make room for another (hub limit).", labels=lw,
         )  # fmt: skip
+        released = CounterMetricFamily(
+            "kvrelay_mirror_pools_released",
+            "Mirrored pools released after [mirror] release_idle_s without a local subscriber: "
+            "their upstream streams ended, freeing the upstream's hubs; each is mirrored again "
+            "when a subscriber asks for it.", labels=lw,
+        )  # fmt: skip
         planes = CounterMetricFamily("kvrelay_mirror_plane_stream_ends",
                                      "Upstream plane streams ended, by plane and how.",
                                      labels=[*lw, "plane", "reason"])  # fmt: skip
@@ -180,6 +186,7 @@ class MirrorCollector(Collector):
             deltas.add_metric([worker], float(totals.get("deltas", 0)))
             lagged.add_metric([worker], float(totals.get("lagged", 0)))
             evicted.add_metric([worker], float(s.get("pools_evicted", 0)))
+            released.add_metric([worker], float(s.get("pools_released", 0)))
             for k, v in sorted(known_at_zero(_PLANE_END_KEYS, s.get("plane_ends", {})).items()):
                 plane, _, reason = k.partition("_")
                 planes.add_metric([worker, plane, reason], float(v))
@@ -193,8 +200,8 @@ class MirrorCollector(Collector):
             spacing.add_metric([worker, "failed"], float(max(0, failed - denied)))
             spacing_on.add_metric([worker], 1.0 if s.get("upstream_spacing", True) else 0.0)
         yield from (synced, session, resets, deaf, left, changes, pools, ends, violations,
-                    deltas, lagged, evicted, planes, plane_violations, invalid, spacing,
-                    spacing_on)  # fmt: skip
+                    deltas, lagged, evicted, released, planes, plane_violations, invalid,
+                    spacing, spacing_on)  # fmt: skip
 
 
 class WorkersCollector(Collector):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import stat
 import time
 from collections.abc import Callable
@@ -32,7 +33,14 @@ from typing import Any
 
 from kvrelay._text import is_decimal
 from kvrelay.logging import get_logger
-from kvrelay.ops.config import ConfigProblem, DaemonConfig, MirrorFlags, check_file, mirror_config
+from kvrelay.ops.config import (
+    ConfigProblem,
+    DaemonConfig,
+    MirrorFlags,
+    check_file,
+    format_bind,
+    mirror_config,
+)
 from kvrelay.relay import safe_files
 
 _LOG = get_logger("kvrelay.ops.reload")
@@ -165,6 +173,8 @@ def read_config(
 #: Series ``kvrelay reload`` watches to learn a reload's outcome, and what waits for a restart.
 _RELOADS_SERIES = "kvrelay_config_reloads_total"
 _PENDING_SERIES = "kvrelay_config_restart_pending_setting_info"
+#: What ``kvrelay upgrade`` reads on the new process's page: it took a hand-over over.
+_UPGRADES_SERIES = "kvrelay_upgrades_total"
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,22 +186,69 @@ class ReloadReport:
     restart_pending: tuple[str, ...]
 
 
-def reload_report(host: str, port: int, timeout: float = 2.0) -> ReloadReport | None:
-    """The relay's reload report (None when its ``/metrics`` cannot be read). Asked directly: an
-    operator's ``http_proxy`` would otherwise take the request to a proxy that cannot reach the
-    relay's (loopback) endpoint, and the outcome went unseen."""
-    import urllib.error
-    import urllib.request
+class EndpointSilent(OSError):
+    """The metrics endpoint accepted the connection but sent no whole answer in time: the
+    relay's event loop is wedged, or its process is stopped (SIGSTOP). Not a relay whose
+    endpoint is off or elsewhere, which refuses the connection."""
 
-    from kvrelay.ops.config import format_bind
 
-    url = f"http://{format_bind(host, port)}/metrics"
-    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+#: The most bytes of a ``/metrics`` page read (a relay with many pools serves megabytes).
+_PAGE_MAX = 256 << 20
+
+
+def metrics_page(host: str, port: int, timeout: float) -> str | None:
+    """The relay's ``/metrics`` page, or None when nothing accepts a connection there (refused,
+    unreachable) or it answers with something else; ``EndpointSilent`` when the connection is
+    accepted but the page has not come whole within ``timeout``. Asked directly, over a plain
+    socket: an operator's ``http_proxy`` would otherwise take the request to a proxy that cannot
+    reach the relay's (loopback) endpoint, and a proxy's failure cannot be told from the
+    relay's silence."""
+    deadline = time.monotonic() + timeout
     try:
-        with direct.open(url, timeout=timeout) as resp:
-            text = resp.read().decode("utf-8", "replace")
-    except (OSError, urllib.error.URLError):
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError:
         return None
+    chunks: list[bytes] = []
+    size = 0
+    with sock:
+        try:
+            sock.sendall(f"GET /metrics HTTP/1.1\r\nHost: {format_bind(host, port)}\r\n"
+                         "Connection: close\r\n\r\n".encode())  # fmt: skip
+            while size <= _PAGE_MAX:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                sock.settimeout(left)
+                data = sock.recv(1 << 16)
+                if not data:
+                    break
+                chunks.append(data)
+                size += len(data)
+        except TimeoutError:
+            raise EndpointSilent(
+                f"{format_bind(host, port)} accepted the connection but did not answer within "
+                f"{timeout:g} s"
+            ) from None
+        except OSError:  # reset or closed under us: not an answer, nor a silence
+            return None
+    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+    status = head.split(b"\r\n", 1)[0].split()
+    if len(status) < 2 or not status[0].startswith(b"HTTP/1.") or status[1] != b"200":
+        return None
+    return body.decode("utf-8", "replace")
+
+
+def reload_report(host: str, port: int, timeout: float = 2.0) -> ReloadReport | None:
+    """The relay's reload report (None when its ``/metrics`` cannot be read in time)."""
+    try:
+        page = metrics_page(host, port, timeout)
+    except EndpointSilent:
+        return None
+    return None if page is None else parse_reload_report(page)
+
+
+def parse_reload_report(text: str) -> ReloadReport | None:
+    """The reload report a ``/metrics`` page holds (None: it holds none)."""
     counts: dict[str, int] = {}
     pending: list[str] = []
     for line in text.splitlines():
@@ -206,6 +263,18 @@ def reload_report(host: str, port: int, timeout: float = 2.0) -> ReloadReport | 
         except ValueError:
             continue
     return ReloadReport(counts, tuple(pending)) if counts else None
+
+
+def upgrades_taken_over(text: str) -> int:
+    """``kvrelay_upgrades_total{result="taken_over"}`` on a ``/metrics`` page (0 if absent): at
+    least 1 on the page of a process that took a hot upgrade over and serves."""
+    for line in text.splitlines():
+        if line.startswith(_UPGRADES_SERIES + "{") and 'result="taken_over"' in line:
+            try:
+                return int(float(line.rpartition(" ")[2]))
+            except ValueError:
+                return 0
+    return 0
 
 
 #: A pid file holds one decimal PID and a newline; anything longer is not one.

@@ -2,8 +2,9 @@
 
 The ingest process (discovery, ingest, pools, publication) serves only a UNIX socket; N−1 worker
 processes (``ops/worker.py``) mirror it and accept router connections on one public listening
-socket that they all inherit (``pass_fds``). The daemon opens that socket before any worker
-starts and holds it for its whole life, so the port is known (``bind = "…:0"`` works), a
+socket that they all inherit (``pass_fds``). The daemon binds that socket before any worker
+starts and holds it for its whole life, so the port is known (``bind = "…:0"`` works); the
+first worker that serves makes it listen, so the port opens when a worker answers. A
 connection that arrives while a worker restarts waits in the shared backlog for any live worker
 instead of being reset with a dead worker's own socket, and a hot upgrade hands the very same
 socket to the successor's workers (``ops/upgrade.py``): it is never closed, so the port never
@@ -42,6 +43,7 @@ from typing import Any
 
 from kvrelay.logging import get_logger
 from kvrelay.ops.worker import WorkerSpec
+from kvrelay.service.server import LISTEN_BACKLOG
 
 _LOG = get_logger("kvrelay.ops.supervisor")
 
@@ -62,13 +64,15 @@ class WorkerStartError(RuntimeError):
     """A worker did not report READY in time (or exited first)."""
 
 
-#: Accept backlog of the shared listener: connections wait here while every worker is busy.
-LISTEN_BACKLOG = 1024
 
 
-def shared_listener(host: str, port: int) -> socket.socket:
-    """The public listening socket every worker accepts on (the first address ``host``
-    resolves to, as a single relay's hand-over listener is; IPv6 only on an IPv6 address)."""
+def shared_socket(host: str, port: int) -> socket.socket:
+    """The public socket every worker accepts on, bound but not listening yet (the first
+    address ``host`` resolves to, as a single relay's hand-over listener is; IPv6 only on an
+    IPv6 address). The first worker that serves makes it listen (its server's ``listen(2)``
+    on the shared socket holds for every process that has it): listening before any worker
+    could answer, the port took connections a second before anything served them, and a health
+    check with a short deadline timed out where the docs promise a refused connection."""
     family, kind, proto, _, addr = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
@@ -78,6 +82,16 @@ def shared_listener(host: str, port: int) -> socket.socket:
         if family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def shared_listener(host: str, port: int) -> socket.socket:
+    """``shared_socket``, listening at once (connections wait in its backlog for a worker)."""
+    sock = shared_socket(host, port)
+    try:
         sock.listen(LISTEN_BACKLOG)
     except OSError:
         sock.close()

@@ -176,6 +176,9 @@ async def run_worker(
             subscriber_id=f"kvrelay-worker-{spec.index}",
             upstream_heartbeat_s=limits.pool_heartbeat_s,  # one config for both processes
             upstream_readiness_s=limits.readiness_heartbeat_s,
+            # never released: the ingest process admits N × max_initialized_pool_hubs hubs for
+            # its workers, whose joins it spaces itself; a worker keeps what it mirrors
+            release_idle_s=0.0,
         )
     )
     mirror.start()

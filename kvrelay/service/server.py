@@ -81,6 +81,9 @@ CATALOG_FIRST_KIND = "catalog_first"
 #: its source (a mirror's, a fan-out worker's: the view's ``catalog_trails``) to list a pool it
 #: does not list yet, before answering it as absent (``_may_see_listed``).
 CATALOG_LAG_S = 1.0
+#: Accept backlog of the relay's TCP listener (grpclib's default is 100): connections wait here
+#: while every worker is busy or restarting, or while a hot upgrade's successor starts.
+LISTEN_BACKLOG = 1024
 _UNARY_REASON: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "kv_relay_unary_reason", default=None
 )
@@ -964,14 +967,16 @@ class RelayServer:
         sock: socket.socket | None = None,
         tls_handshake_timeout_s: float = TLS_HANDSHAKE_TIMEOUT_S,
     ) -> None:
-        """Listen on TCP; ``sock``: accept on this already listening socket instead (the
-        listener a daemon's fan-out workers share, or a hot upgrade's inherited one). ``ssl``:
-        a context, or what gives the one in use now (each handshake asks: ``h2/tls_gate.py``)."""
+        """Listen on TCP; ``sock``: accept on this socket instead (the one a daemon's fan-out
+        workers share, bound and made listening by the first of them, or a hot upgrade's
+        inherited listener). ``ssl``: a context, or what gives the one in use now (each
+        handshake asks: ``h2/tls_gate.py``). The backlog is ``LISTEN_BACKLOG`` either way: the
+        server's ``listen(2)`` on a shared socket sets it for every process that has it."""
         self._server.tls_handshake_timeout_s = tls_handshake_timeout_s
         if sock is not None:
-            await self._server.start(sock=sock, ssl=ssl)
+            await self._server.start(sock=sock, ssl=ssl, backlog=LISTEN_BACKLOG)
         else:
-            await self._server.start(host, port, ssl=ssl)
+            await self._server.start(host, port, ssl=ssl, backlog=LISTEN_BACKLOG)
         listener: Any = self._server._server
         sockets = listener.sockets if listener is not None else ()
         self._port = int(sockets[0].getsockname()[1]) if sockets else port

@@ -13,7 +13,8 @@ from kvrelay.ops.config import check_file
 
 ROOT = Path(kvrelay.__file__).resolve().parent
 DOC = ROOT.parent / "docs" / "operations.md"
-NUMBERS = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7}
+NUMBERS = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7,
+           "eight": 8, "nine": 9, "ten": 10}
 
 
 def _validation() -> str:
@@ -65,4 +66,26 @@ def test_the_warning_examples_are_what_check_config_prints(tmp_path: Path) -> No
         assert cfg is not None
         printed += [str(p) for p in problems]
     documented = _validation().split("```\n", 4)[3].split("```", 1)[0].splitlines()
+    assert printed == documented
+
+
+def test_the_directory_warning_examples_are_what_check_config_prints(tmp_path: Path) -> None:
+    """The third example block: an unusable ``runtime_dir`` with ``workers = 2`` and a
+    world-writable ``state_dir``, which ``check-config`` passed silently before (``serve`` then
+    exited 1, or ran without saving state). Made under ``tmp_path``, shown with the page's paths."""
+    runtime = tmp_path / "kvrelay-missing"
+    state = tmp_path / "kvrelay"
+    state.mkdir()
+    state.chmod(0o777)
+    config = tmp_path / "kvrelay.toml"
+    config.write_text(
+        f'[relay]\ndc_name = "dc"\nworkers = 2\nruntime_dir = "{runtime}"\n'
+        f'state_dir = "{state}"\n\n[[pools]]\nnamespace = "dynamo"\ncomponent = "backend"\n'
+        'endpoint = "generate"\n[[pools.engines]]\nname = "e0"\ngrpc_port = 50051\n'
+    )
+    cfg, problems = check_file(config, env={})
+    assert cfg is not None, problems
+    printed = [str(p).replace(str(runtime), "/run/kvrelay-missing")
+               .replace(str(state), "/var/lib/kvrelay") for p in problems]  # fmt: skip
+    documented = _validation().split("```\n", 6)[5].split("```", 1)[0].splitlines()
     assert printed == documented

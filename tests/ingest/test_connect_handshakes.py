@@ -11,11 +11,13 @@ import asyncio
 import subprocess
 import sys
 import time
+from typing import Any
 
+import pytest
 import structlog
 import zmq.asyncio
 
-from kvrelay.ingest.connect import ConnectSource, ConnectSpec
+from kvrelay.ingest.connect import SETTLE_S, ConnectSource, ConnectSpec
 from kvrelay.ingest.topic_pattern import TopicPattern
 from kvrelay.ingest.zmtp import GREETING
 from kvrelay.ops.event_loop import GIL_SWITCH_INTERVAL_S
@@ -186,4 +188,78 @@ async def test_strangers_are_refused_while_the_event_loop_is_stalled(
         assert src.counters.messages == 0 and len(src) == 0
     finally:
         sys.setswitchinterval(interval)
+        await src.stop()
+
+
+async def _hello(
+    src: ConnectSource, local: str
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw ZMTP publisher from ``local``: its greeting and READY sent, the relay's greeting
+    read (the relay then asks the handler)."""
+    host, port = src.endpoints[0].removeprefix("tcp://").rsplit(":", 1)
+    r, w = await asyncio.open_connection(host, int(port), local_addr=(local, 0))
+    w.write(_PUB_HELLO)
+    await w.drain()
+    await asyncio.wait_for(r.readexactly(len(GREETING)), scaled(5))
+    return r, w
+
+
+@pytest.mark.parametrize("reason", ["address", "connection_limit"])
+async def test_a_refused_peer_that_hangs_up_is_counted_as_refused_only(
+    ctx: zmq.asyncio.Context,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    reason: str,
+) -> None:
+    """The handler refuses a handshake (an address outside ``allow``, or one past the
+    connection limit) and the peer hangs up before libzmq has read the answer: libzmq reports
+    the handshake as failed (``unfinished``) as well, and the connection was counted twice, in
+    ``connections_refused`` (or ``…_over_limit``) and in ``handshakes_failed``. (The audit's
+    strangers hung up right after the relay's greeting: refused, and sometimes also unfinished.)
+    Here the answer waits 50 ms after the handler counted it, and each peer hangs up meanwhile;
+    each is now counted once, as refused, as is a peer that waits for the refusal. A handshake
+    that fails on its own (a peer silent until the handshake time) is still counted as failed."""
+    spec = ConnectSpec(
+        bind=("tcp://127.0.0.1:0",), pattern=TopicPattern("kv@{engine}@{model}"),
+        kv_block_size=4, model="m", allow=("127.0.0.1",),
+        max_connections=0 if reason == "connection_limit" else None,
+    )  # fmt: skip
+    src = ConnectSource(spec, Sink(), context=ctx, handshake_s=scaled(0.5))
+    decide = src._decide
+
+    def slow(req: Any) -> Any:  # counted at once, answered after the peer hung up
+        verdict = decide(req)
+        time.sleep(0.05)
+        return verdict
+
+    monkeypatch.setattr(src, "_decide", slow)  # (the handler takes it at ``start``)
+    await src.start()
+    local = HOSTILE if reason == "address" else "127.0.0.1"
+
+    def refused() -> int:
+        c = src.counters
+        return c.connections_refused if reason == "address" else c.connections_over_limit
+
+    rounds = 12
+    try:
+        with structlog.testing.capture_logs() as logs:
+            for i in range(rounds):  # one at a time: each hangs up while its answer waits
+                _r, w = await _hello(src, local)
+                await until(lambda n=i + 1: refused() == n)  # type: ignore[misc]
+                w.close()
+                await asyncio.sleep(0.1)  # answered: the next handshake is asked at once
+            r, w = await _hello(src, local)  # one that waits for the refusal
+            if reason == "address":
+                await asyncio.wait_for(r.read(), scaled(5))  # b"": the relay closed it
+            else:  # held until the handshake's time (the peer connects again later)
+                await asyncio.sleep(0.2)
+            w.close()
+            silent = await _stranger(src, b"")  # fails on its own: the handshake's time ends it
+            await until(lambda: _failed(src)["unfinished"] >= 1, timeout=10)
+            await until(lambda: not src._unsettled, timeout=5 * SETTLE_S)  # all counted
+            silent.close()
+        assert refused() == rounds + 1
+        assert _failed(src) == {"protocol": 0, "auth": 0, "unfinished": 1, "not_zmtp3": 0}
+        failed = [e for e in logs if e["event"] == "connect_handshake_failed"]
+        assert [(e["reason"], e["failed"]) for e in failed] == [("unfinished", 1)]
+    finally:
         await src.stop()

@@ -32,7 +32,7 @@ from tests.support.mem_relay import (
     grpclib_collect,
     sub_request,
 )
-from tests.support.mirror_rig import close_served, mirrored
+from tests.support.mirror_rig import QUIET_WINDOW_MS, close_served, mirrored
 from tests.support.rig import eventually
 
 POOLS = 70  # > the default 64 pools a mirror holds at once
@@ -43,7 +43,7 @@ K = "kv-relay-error-reason"
 async def _upstream(mode: str, cleanup: list[Any]) -> tuple[MemRelayView, UpstreamAddress]:
     # the upstream holds a hub for every pool (it is not what is under test)
     limits = RelayLimits(max_initialized_pool_hubs=4 * POOLS, max_pool_streams_total=4 * POOLS)
-    view = MemRelayView(limits)
+    view = MemRelayView(limits, window_ms=QUIET_WINDOW_MS)
     server = RelayServer(view, limits)
     cleanup.append(server)
     if mode == "workers":

@@ -471,6 +471,28 @@ async def test_a_plane_the_upstream_does_not_implement_is_in_sync_without_it(
                 pool = await grpclib_collect(ch, "SubscribeKvPool", sub_request(S.producer()),
                                              pb.FilterUpdate, limit=1, timeout=5)  # fmt: skip
                 assert len(pool.messages) == 1 and int(pool.messages[0].kind) == 1
+                # in session without it: every other call is answered (one rule with the health)
+                info = await grpclib_collect(ch, "GetRelayInfo",
+                                             pb.RelayInfoRequest(contract_marker=MARKER),
+                                             pb.RelayInfo, timeout=5)  # fmt: skip
+                assert info.status is None and len(info.messages) == 1, info
+                catalog = await grpclib_collect(
+                    ch, "WatchKvPoolCatalog",
+                    pb.WatchKvPoolCatalogRequest(subscriber_id="t", contract_marker=MARKER),
+                    pb.KvPoolCatalogUpdate, limit=1, timeout=5,
+                )  # fmt: skip
+                assert catalog.status is None and len(catalog.messages) == 1, catalog
+                other, other_request, other_reply = (
+                    ("SubscribeKvPoolLoad", pb.SubscribeKvPoolLoadRequest, pb.KvPoolLoadUpdate)
+                    if plane == "readiness" else
+                    ("SubscribeServingReadiness", pb.SubscribeServingReadinessRequest,
+                     pb.ServingReadinessUpdate)
+                )  # fmt: skip
+                served = await grpclib_collect(
+                    ch, other, other_request(subscriber_id="t", contract_marker=MARKER),
+                    other_reply, limit=1, timeout=5,
+                )  # fmt: skip
+                assert served.status is None and len(served.messages) == 1, served
             finally:
                 ch.close()
     finally:

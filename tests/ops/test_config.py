@@ -5,6 +5,7 @@ The oracle for each rule is the operator-facing text: the exact key path and a r
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,11 @@ RULES = [
     ("dns-server-by-name", MINIMAL.replace('dc_name = "dc-test"',
                                            'dc_name = "dc-test"\ndns_server = "localhost:53"'),
      "relay.dns_server", "must be an IP address and port"),
+    # port 0 passed as a bind's ephemeral port: every lookup then failed (EINVAL)
+    ("dns-server-port-0", _relay('dns_server = "10.0.0.1:0"'),
+     "relay.dns_server", "must be an IP address and port (IP:PORT, [IPv6]:PORT), port 1..65535"),
+    ("dns-server-port-high", _relay('dns_server = "[::1]:65536"'),
+     "relay.dns_server", "port 1..65535"),
     ("missing-pool-endpoint", MINIMAL.replace('endpoint = "generate"', ""), "pools[0].endpoint",
      "required key is missing"),
     ("duplicate-engine", MINIMAL + ENGINE.replace("50051", "50052"), "pools[1 - 1].engines[1].name",
@@ -144,6 +150,9 @@ RULES = [
     ("duration-nonpositive", MINIMAL + "", "relay.limits.keepalive_interval_s",
      "must be > 0 and <= 1 year"),
     ("limit-cross-field", MINIMAL + "", "relay.limits.max_message_bytes", "must be >= 4259904"),
+    # 0 is allowed (publish at once): the range said "> 0"
+    ("delay-negative", MINIMAL + "", "relay.limits.publication_delay_s",
+     "must be >= 0 and <= 1 year"),
     ("event-loop", _relay('event_loop = "trio"'),
      "relay.event_loop", "must be one of auto, asyncio, uvloop"),
     ("zmq-reader", _relay('zmq_reader = "czmq"'),
@@ -174,6 +183,7 @@ RULES = [
 LIMITS = {
     "duration-nonpositive": "[relay.limits]\nkeepalive_interval_s = 0\n",
     "limit-cross-field": "[relay.limits]\nmax_message_bytes = 1024\n",
+    "delay-negative": "[relay.limits]\npublication_delay_s = -0.5\n",
 }
 
 
@@ -252,6 +262,84 @@ def test_plaintext_on_network_is_a_warning_not_an_error(tmp_path: Path) -> None:
     cert, key = pki.server_cert, pki.server_key
     cfg, problems = _check(tmp_path, text + f'\n[tls]\ncert = "{cert}"\nkey = "{key}"\n')
     assert cfg is not None and problems == [] and cfg.tls.enabled
+
+
+def _warnings(problems: list[ConfigProblem]) -> dict[str, str]:
+    return {p.path: p.reason for p in problems if p.severity == "warning"}
+
+
+def test_a_runtime_dir_workers_cannot_use_is_a_warning(tmp_path: Path) -> None:
+    """``workers ≥ 2`` make their internal socket's directory in ``runtime_dir``: one that is
+    missing, not a directory or read-only passed ``check-config``, then ``serve`` exited 1
+    ("needs a writable runtime directory"). The default (the temp directory) is never named."""
+    missing = tmp_path / "missing"
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    read_only = tmp_path / "ro"
+    read_only.mkdir(mode=0o500)
+    cases = [(missing, "does not exist"), (a_file, "is not a directory")]
+    if os.geteuid() != 0:  # root writes anywhere but on a read-only mount
+        cases.append((read_only, "is not writable by this user"))
+    for where, why in cases:
+        text = _relay(f'workers = 2\nruntime_dir = "{where}"')
+        cfg, problems = _check(tmp_path, text)
+        assert cfg is not None, problems  # it starts nothing: a warning
+        warned = _warnings(problems)
+        assert f"{str(where)!r} {why}" in warned.get("relay.runtime_dir", ""), problems
+        assert "serve would exit 1 (start_failed)" in warned["relay.runtime_dir"]
+        # one process uses no runtime directory: nothing to say
+        cfg, problems = _check(tmp_path, _relay(f'workers = 1\nruntime_dir = "{where}"'))
+        assert cfg is not None and problems == [], problems
+    # systemd's RUNTIME_DIRECTORY is what it defaults to
+    cfg, problems = _check(tmp_path, _relay("workers = 2"), {"RUNTIME_DIRECTORY": str(missing)})
+    assert "does not exist" in _warnings(problems).get("relay.runtime_dir", ""), problems
+    for usable in ({}, {"RUNTIME_DIRECTORY": str(tmp_path)}):
+        cfg, problems = _check(tmp_path, _relay("workers = 2"), usable)
+        assert cfg is not None and problems == [], problems
+
+
+def test_a_state_dir_the_relay_would_refuse_is_a_warning(tmp_path: Path) -> None:
+    """A group- or world-writable ``state_dir`` passed ``check-config``; ``serve`` then refused
+    it (``state_dir_unusable``) and ran without saving state."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    cfg, problems = _check(tmp_path, _relay(f'state_dir = "{shared}"'))
+    assert cfg is not None, problems
+    reason = _warnings(problems).get("relay.state_dir", "")
+    assert "group- or world-writable (mode 0777)" in reason, problems
+    assert "state_dir_unusable" in reason
+    # systemd's STATE_DIRECTORY alike; a private one, or one the relay creates, is fine
+    cfg, problems = _check(tmp_path, MINIMAL, {"STATE_DIRECTORY": str(shared)})
+    assert "relay.state_dir" in _warnings(problems), problems
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    for ok in (private, tmp_path / "made" / "later"):
+        cfg, problems = _check(tmp_path, _relay(f'state_dir = "{ok}"'))
+        assert cfg is not None and problems == [], problems
+    if os.geteuid() != 0:  # root creates anywhere but on a read-only mount
+        sealed = tmp_path / "sealed"
+        sealed.mkdir(mode=0o500)
+        cfg, problems = _check(tmp_path, _relay(f'state_dir = "{sealed / "state"}"'))
+        assert "cannot create it" in _warnings(problems).get("relay.state_dir", ""), problems
+
+
+def test_check_config_prints_the_directory_warnings(tmp_path: Path) -> None:
+    """As an operator runs it: exit 0, each warning on its own line."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    f = tmp_path / "kvrelay.toml"
+    f.write_text(_relay(f'workers = 2\nruntime_dir = "/proc/kvrelay-nope"\n'
+                        f'state_dir = "{shared}"'))  # fmt: skip
+    run = kvrelay("check-config", str(f))
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert any(ln.startswith("warning: relay.runtime_dir: '/proc/kvrelay-nope' does not exist")
+               for ln in lines), lines  # fmt: skip
+    assert any(ln.startswith(f"warning: relay.state_dir: {shared}: group- or world-writable")
+               for ln in lines), lines  # fmt: skip
+    assert lines[-1].endswith("2 warning(s)"), lines
 
 
 def test_minimal_file_gets_documented_defaults(tmp_path: Path) -> None:
@@ -444,7 +532,8 @@ def test_env_overrides_are_typed_and_win_over_the_file(tmp_path: Path) -> None:
     [
         ("KVRELAY_RELAY_DISCOVERY_INTERVAL_S", "fast", "env.KVRELAY_RELAY_DISCOVERY_INTERVAL_S",
          "expected a number"),
-        ("KVRELAY_METRICS_ENABLED", "maybe", "env.KVRELAY_METRICS_ENABLED", "expected a boolean"),
+        ("KVRELAY_METRICS_ENABLED", "maybe", "env.KVRELAY_METRICS_ENABLED",
+         "expected a boolean (true/false/1/0/yes/no/on/off), got 'maybe'"),
         ("KVRELAY_RELAY_DRT_INSTANCE_ID", "1.5", "env.KVRELAY_RELAY_DRT_INSTANCE_ID",
          "expected an integer"),
         ("KVRELAY_RELAY_DC_NAM", "x", "env.KVRELAY_RELAY_DC_NAM",

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import time
 import tomllib
@@ -22,6 +23,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import pytest
 from grpclib.client import Channel
 from grpclib.const import Cardinality
 
@@ -294,6 +296,49 @@ async def test_a_lost_internal_socket_is_listened_on_again_for_a_restarted_worke
         assert '"internal_socket_lost"' in stderr
         assert not list(runtime.glob("kvrelay-*")), "every internal directory is removed"
     finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await notes.close()
+        await engine.stop()
+
+
+async def test_the_public_port_opens_only_when_a_worker_serves(tmp_path: Path) -> None:
+    """With ``workers = 2`` the daemon listened on the public port before starting any worker:
+    connections were accepted and left unanswered for about a second (a health check with a
+    short deadline timed out) where a single process refuses them. The worker is held
+    (SIGSTOP) as soon as it runs, before it could serve: the port must refuse connections
+    until it goes on, then serve."""
+    engine = SimEngine(SimConfig(name="e0", seed=19, capacity_blocks=64))
+    await engine.start()
+    assert engine.grpc_port is not None
+    port = free_port()
+    cfg = _config(tmp_path / "kvrelay.toml", engine.grpc_port, extra="workers = 2\n")
+    cfg.write_text(cfg.read_text().replace('bind = "127.0.0.1:0"', f'bind = "127.0.0.1:{port}"', 1))
+    proc, notes, _ = await _serve_notified(tmp_path, cfg)
+    held: int | None = None
+    try:
+        deadline = time.monotonic() + scaled(120)
+        while not (found := _workers(proc.pid)):  # the worker's interpreter starts: hold it
+            assert proc.returncode is None and time.monotonic() < deadline, "no worker started"
+            await asyncio.sleep(0.005)
+        held = found[0]
+        os.kill(held, signal.SIGSTOP)
+        for _ in range(5):
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.1", port), timeout=scaled(2)).close()
+            await asyncio.sleep(0.1)
+        os.kill(held, signal.SIGCONT)
+        held = None
+        assert _grpc_port(await notes.wait_for("READY=1", timeout=120)) == port
+        await _serves(port)
+        proc.send_signal(signal.SIGTERM)
+        rc = await asyncio.wait_for(proc.wait(), scaled(20))
+        stderr = (await proc.stderr.read()).decode()  # type: ignore[union-attr]
+        assert rc == 0, stderr[-3000:]
+    finally:
+        if held is not None:
+            os.kill(held, signal.SIGCONT)
         if proc.returncode is None:
             proc.kill()
             await proc.wait()

@@ -535,30 +535,30 @@ async def test_retired_generation_during_admission_and_closed_planes(
             "RELAY_ERROR_REASON_PUBLICATION_UNAVAILABLE",
         )
         assert gen.hub_inits == 0
-        for method, req_t, rep_t, plane in (
-            (
-                "WatchKvPoolCatalog",
-                pb.WatchKvPoolCatalogRequest,
-                pb.KvPoolCatalogUpdate,
-                view.catalog,
-            ),
-            (
-                "SubscribeServingReadiness",
-                pb.SubscribeServingReadinessRequest,
-                pb.ServingReadinessUpdate,
-                view.readiness,
-            ),
-        ):
+    finally:
+        ch.close()
+    for method, req_t, rep_t, plane_of in (
+        ("WatchKvPoolCatalog", pb.WatchKvPoolCatalogRequest, pb.KvPoolCatalogUpdate,
+         lambda v: v.catalog),
+        ("SubscribeServingReadiness", pb.SubscribeServingReadinessRequest,
+         pb.ServingReadinessUpdate, lambda v: v.readiness),
+    ):  # fmt: skip
+        # a source of its own for each plane: a mirror whose upstream closed one plane has no
+        # session and refuses every new call (a second plane's request would not get its first
+        # message), as its health says
+        view, server = await start_relay()
+        ch = grpclib_channel(server.port)
+        try:
             task = asyncio.ensure_future(
                 grpclib_collect(ch, method, req_t(subscriber_id="p", contract_marker=MARKER), rep_t)
             )
             await asyncio.sleep(0.05)
-            plane.close()
+            plane_of(view).close()
             r = await task
             assert len(r.messages) == 1 and r.status == Status.UNAVAILABLE
             assert r.trailers[K] == "RELAY_ERROR_REASON_PUBLICATION_UNAVAILABLE"
-    finally:
-        ch.close()
+        finally:
+            ch.close()
 
 
 async def test_inbound_message_limit(start_relay: StartRelay) -> None:

@@ -149,7 +149,8 @@ class Generation:
         if self.retired:
             raise RelayError.publication_unavailable("generation retired")
         if self._hub is None:
-            if self.view.initialized_hubs >= self.view.limits.max_initialized_pool_hubs:
+            at_cap = self.view.initialized_hubs >= self.view.limits.max_initialized_pool_hubs
+            if at_cap and not (self.view.evict_idle_hubs and self.view.evict_idle_hub()):
                 raise RelayError.resource_limit("initialized pool hub limit reached")
             self.view.initialized_hubs += 1
             self.hub_inits += 1
@@ -185,13 +186,26 @@ class Generation:
 
 class MemRelayView:
     def __init__(
-        self, limits: RelayLimits | None = None, incarnation: int = 0x1234_5678_9ABC_DEF
+        self,
+        limits: RelayLimits | None = None,
+        incarnation: int = 0x1234_5678_9ABC_DEF,
+        *,
+        window_ms: int = 1000,
     ) -> None:
-        """``incarnation``: the relay's (another one is a restarted relay)."""
+        """``incarnation``: the relay's (another one is a restarted relay). ``window_ms``: the
+        period the load and serving-load windows state. The view publishes no window by itself,
+        and a mirror calls a window stream silent after three stated periods: it is then out of
+        session, and refuses every RPC, until its new stream delivers; a rig behind a mirror
+        that lives longer than that states a longer period (``mirror_rig.QUIET_WINDOW_MS``)."""
+        self.window_ms = window_ms
         self.limits = limits or RelayLimits()
         self.relay_identity = pb.RelayIdentity(drt_instance_id=77, relay_incarnation=incarnation)
         self.pools: dict[tuple[Any, ...], Generation] = {}
         self.initialized_hubs = 0
+        #: at the hub limit, retire the hub idle the longest, as a relay does
+        #: (``Relay._evict_idle_hub``); off: RESOURCE_LIMIT once the limit is reached
+        self.evict_idle_hubs = False
+        self.hubs_evicted = 0
         self.catalog: MemPlane[pb.KvPoolCatalogUpdate] = MemPlane(self._catalog_msg(0))
         self.readiness: MemPlane[pb.ServingReadinessUpdate] = MemPlane(self.readiness_msg(0, []))
         self.load: MemPlane[pb.KvPoolLoadUpdate] = MemPlane(self.load_msg(0))
@@ -244,7 +258,7 @@ class MemRelayView:
             relay=self.relay_identity,
             window_sequence=window,
             observed_ms=int(time.time() * 1000),
-            window_ms=1000,
+            window_ms=self.window_ms,
             pools=[
                 pb.KvPoolLoadEntry(
                     producer=g.producer,
@@ -266,7 +280,7 @@ class MemRelayView:
             relay=self.relay_identity,
             window_sequence=window,
             observed_ms=int(time.time() * 1000),
-            window_ms=1000,
+            window_ms=self.window_ms,
             pools=[
                 pb.PoolServingLoad(
                     producer=g.producer,
@@ -335,6 +349,24 @@ class MemRelayView:
         gen.retire(RelayError.publication_unavailable("pool withdrawn"))
         del self.pools[pool_key(gen.producer)]
         self._republish_catalog()
+
+    def evict_idle_hub(self) -> bool:
+        """Retire the hub without subscribers the longest and give its permit back (a relay's
+        rule); False when every hub has a subscriber."""
+        idle = [
+            (since, g)
+            for g in self.pools.values()
+            if g._hub is not None and (since := g._hub.idle_since) is not None
+        ]
+        if not idle:
+            return False
+        _since, gen = min(idle, key=lambda item: item[0])
+        hub, gen._hub = gen._hub, None
+        assert hub is not None
+        hub.retire(None)
+        self.initialized_hubs -= 1
+        self.hubs_evicted += 1
+        return True
 
     async def open_pool(
         self, expected: pb.ProducerIdentity, on_release: Callable[[], None] | None = None

@@ -13,8 +13,9 @@ fan-out worker's own code (``run_worker`` and its JSON spec) in this process, an
 ``restart_source`` restarts the relay a mode serves (the mirror's upstream when mirrored).
 
 An upstream view publishes no window by itself: a mirror drops an upstream load or serving-load
-stream silent for three stated periods (3 s at ``window_ms = 1000``) and refuses its readers
-until it has opened it again, so a long-lived rig states a longer period.
+stream silent for three stated periods (3 s at ``window_ms = 1000``), and is out of session (it
+refuses every RPC, as its health says) until it has opened it again, so the upstream views here
+state a longer period (``QUIET_WINDOW_MS``), and so does any long-lived rig of its own.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ from tests.support.timing import scaled
 
 #: Upstream limits in mirror modes: one mirror stream per pool must never lag.
 UPSTREAM_LIMITS = RelayLimits(publication_queue_capacity=1024, publication_queue_bytes=64 << 20)
+#: The window period an upstream view states in mirror modes (``MemRelayView(window_ms=…)``):
+#: it publishes no window by itself, and its mirror must not call it silent mid-test.
+QUIET_WINDOW_MS = 600_000
 
 
 def mirror_settings(upstream: UpstreamAddress, limits: RelayLimits | None) -> MirrorSettings:
@@ -79,7 +83,7 @@ async def start_served(
         await server.start("127.0.0.1", 0, ssl=ssl)
         cleanup.append(server)
         return view, server
-    view = MemRelayView(UPSTREAM_LIMITS)
+    view = MemRelayView(UPSTREAM_LIMITS, window_ms=QUIET_WINDOW_MS)
     upstream = RelayServer(view, UPSTREAM_LIMITS)
     if mode == "workers":
         folder = tempfile.mkdtemp(prefix="kvrelay-test-")
@@ -130,15 +134,28 @@ async def start_worker(
     UNIX socket under ``internal_limits`` (the ingest process), and ``run_worker`` given the
     JSON ``WorkerSpec`` the supervisor writes (limits, TLS files, rules), accepting on a shared
     listener. Returns the view and the worker's server."""
-    view = MemRelayView(UPSTREAM_LIMITS)
+    view = MemRelayView(UPSTREAM_LIMITS, window_ms=QUIET_WINDOW_MS)
     ingest = RelayServer(view, internal_limits(limits, 2))
     folder = tempfile.mkdtemp(prefix="kvrelay-test-")
     path = os.path.join(folder, "ingest.sock")
     await ingest.start_unix(path)
     cleanup.extend([ingest, lambda: shutil.rmtree(folder, ignore_errors=True)])
+    return view, await start_worker_of(f"unix:{path}", limits, cleanup, tls=tls, rules=rules)
+
+
+async def start_worker_of(
+    upstream: str,
+    limits: RelayLimits,
+    cleanup: list[Any],
+    *,
+    tls: ServerTlsFiles | None = None,
+    rules: tuple[AuthorizationRule, ...] | None = None,
+) -> RelayServer:
+    """``run_worker`` of ``upstream`` (``unix:/path`` or ``HOST:PORT``: any relay this
+    process serves), as ``start_worker`` runs it; returns the worker's server once it listens."""
     listener = shared_listener("127.0.0.1", 0)
     spec = WorkerSpec(
-        index=1, upstream=f"unix:{path}", host="127.0.0.1", port=0,
+        index=1, upstream=upstream, host="127.0.0.1", port=0,
         listen_fd=os.dup(listener.fileno()), limits=dataclasses.asdict(limits),
         tls=None if tls is None else tls.as_json(), authorization=rules_json(rules),
         shutdown_timeout_s=2.0, stats_interval_s=60.0,
@@ -159,7 +176,7 @@ async def start_worker(
                 raise AssertionError("the worker exited")
             await asyncio.sleep(0.01)
     server: RelayServer = control.server
-    return view, server
+    return server
 
 
 async def restart_source(
@@ -175,7 +192,8 @@ async def restart_source(
     )  # fmt: skip
     port, limits = old.port, old.service.limits
     await old.close(grace_s=1.0)
-    view = MemRelayView(limits, incarnation)
+    window_ms = 1000 if mirror is None else QUIET_WINDOW_MS
+    view = MemRelayView(limits, incarnation, window_ms=window_ms)
     new = RelayServer(view, limits)
     cleanup[cleanup.index(old)] = new
     if mirror is not None and mirror.settings.upstream.path is not None:

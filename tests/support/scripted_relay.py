@@ -123,6 +123,10 @@ def half_chunk(seq: int, index: int) -> pb.FilterUpdate:
     return frame(1, seq, seq, head + body)
 
 
+#: The period the scripted load window states (one window, then silence).
+QUIET_WINDOW_MS = 600_000
+
+
 @dataclass
 class Script:
     frames: list[pb.FilterUpdate]
@@ -202,10 +206,13 @@ class ScriptedRelay:
         await asyncio.Event().wait()
 
     async def _load(self, stream: Stream[Any, Any]) -> None:
+        # one window, stating a period long enough that no consumer calls the stream silent
+        # mid-test (a mirror would be out of session, refusing every RPC, until it reopened it)
         await stream.recv_message()
         await stream.send_message(
             pb.KvPoolLoadUpdate(
-                protocol_version=1, relay=RELAY, window_sequence=1, observed_ms=5, window_ms=1000,
+                protocol_version=1, relay=RELAY, window_sequence=1, observed_ms=5,
+                window_ms=QUIET_WINDOW_MS,
                 pools=[pb.KvPoolLoadEntry(producer=producer(), kv_used_blocks=30,
                                           total_kv_blocks=120, kv_observed_ranks=2,
                                           kv_expected_ranks=2)],
