@@ -31,7 +31,7 @@ from benchmarks._common import free_ports
 from benchmarks.bench_upgrade import Dialer
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
-from tests.support.commands import REPO, clean_env
+from tests.support.commands import REPO, clean_env, start_daemon
 from tests.support.fleet import eventually
 from tests.support.notify import Notifications
 from tests.support.rig import (
@@ -184,14 +184,9 @@ async def test_hot_upgrade_mid_traffic_loses_nothing_and_never_refuses(
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     cfg.write_text(_config(grpc, metrics, fleet.engines, loop, str(state), workers, str(tmpdir)))
-    env = clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), TMPDIR=str(tmpdir))
-    notes = Notifications(tmp_path / "notify.sock")
-    log = tmp_path / "log.jsonl"  # the old process's (and, inherited, the successor's) log
-    with log.open("wb") as f:
-        old = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvrelay", "serve", "--config", str(cfg), "--pid-file",
-            str(pid_file), env=env, cwd=REPO, stdout=asyncio.subprocess.DEVNULL, stderr=f,
-        )  # fmt: skip
+    # its log: the old process's (and, inherited, the successor's)
+    old, env, notes, log = await start_daemon(tmp_path, "serve", "--config", str(cfg),
+                                              "--pid-file", str(pid_file))  # fmt: skip
     new_pid: int | None = None
     dialer: Dialer | None = None
     try:
@@ -368,18 +363,11 @@ async def test_a_successor_killed_or_given_up_on_leaves_no_directory_behind(
     (tmpdir / "kvrelay-abcdefgh" / "ingest.sock").write_bytes(b"")
     cfg.write_text(_config(grpc, metrics, fleet.engines, workers=2, runtime=str(tmpdir),
                            state=str(state), extra="checkpoint_interval_s = 0"))  # fmt: skip
-    env = clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), TMPDIR=str(tmpdir))
-    notes = Notifications(tmp_path / "notify.sock")
-    log = tmp_path / "log.jsonl"
+    old, _, notes, log = await start_daemon(tmp_path, "serve", "--config", str(cfg))
 
     def events() -> list[dict[str, object]]:
         return [json.loads(ln) for ln in log.read_text().splitlines() if ln.startswith("{")]
 
-    with log.open("wb") as f:
-        old = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvrelay", "serve", "--config", str(cfg), env=env, cwd=REPO,
-            stdout=asyncio.subprocess.DEVNULL, stderr=f,
-        )  # fmt: skip
     assert old.pid is not None
     successors: list[int] = []
 
@@ -552,17 +540,10 @@ async def test_a_mirror_with_a_worker_hot_upgrades_and_never_refuses(tmp_path: P
     relay, upstream = await start_relay(make_settings([engine]))
     grpc, metrics = free_ports(2)
     tmpdir = tmp_path / "tmp"
-    tmpdir.mkdir()
-    env = clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), TMPDIR=str(tmpdir))
-    notes = Notifications(tmp_path / "notify.sock")
-    log = tmp_path / "log.jsonl"
-    with log.open("wb") as f:
-        old = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvrelay", "mirror", "--upstream",
-            f"127.0.0.1:{upstream.port}", "--bind", f"127.0.0.1:{grpc}", "--metrics-bind",
-            f"127.0.0.1:{metrics}", "--workers", "2", env=env, cwd=REPO,
-            stdout=asyncio.subprocess.DEVNULL, stderr=f,
-        )  # fmt: skip
+    old, _, notes, log = await start_daemon(
+        tmp_path, "mirror", "--upstream", f"127.0.0.1:{upstream.port}", "--bind",
+        f"127.0.0.1:{grpc}", "--metrics-bind", f"127.0.0.1:{metrics}", "--workers", "2",
+    )  # fmt: skip
     dialer: Dialer | None = None
     traffic: asyncio.Task[None] | None = None
     new_pid: int | None = None

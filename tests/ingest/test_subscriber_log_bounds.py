@@ -17,8 +17,8 @@ import json
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import pytest
@@ -69,11 +69,58 @@ def log_lines() -> Iterator[Lines]:
         lines.read()
 
 
+@asynccontextmanager
+async def subscribed(
+    pub: TestPublisher, context: zmq.asyncio.Context, synced: int, **kw: Any
+) -> AsyncIterator[tuple[RecordingSink, submod.Subscriber, Lines]]:
+    """A subscriber of ``pub`` (``make``'s ``kw``) synced with its first ``synced`` batches, its
+    sink, and the lines logged from its start to the block's end (``log_lines``). Then what the
+    test held of ``pub``'s replay (``gate``, ``mid``) is let go, the subscriber is stopped and
+    ``pub`` closed."""
+    sink = RecordingSink()
+    sub = make(pub, sink, context, **kw)
+    try:
+        with log_lines() as lines:
+            await _synced(pub, sink, sub, synced)
+            yield sink, sub, lines
+    finally:
+        pub.gate.set()
+        pub.mid.set()
+        await sub.stop()
+        await pub.close()
+
+
 def events(lines: list[dict[str, Any]], event: str, **fields: Any) -> list[dict[str, Any]]:
     """The lines of ``event`` whose ``fields`` have those values."""
     return [
         x for x in lines if x["event"] == event and all(x.get(k) == v for k, v in fields.items())
     ]
+
+
+def logged_once_per_period(
+    lines: list[dict[str, Any]], event: str, elapsed: float
+) -> list[dict[str, Any]]:
+    """The lines of ``event``: at least one, at most one per period of a run of ``elapsed`` s,
+    the first saying that none went unlogged before it."""
+    logged = events(lines, event)
+    assert 1 <= len(logged) <= windows(elapsed), (event, len(logged))
+    assert logged[0]["not_logged"] == 0, logged[0]
+    return logged
+
+
+async def good_then_bad(
+    pub: TestPublisher, sink: RecordingSink, sub: submod.Subscriber
+) -> list[int]:
+    """``ROUNDS`` times a good batch, applied, then one that does not decode, after which the
+    member is reset and live again; the good batches' sequence numbers."""
+    goods: list[int] = []
+    for i in range(ROUNDS):
+        good = await pub.publish(msg(pub.seq))
+        goods.append(good)
+        await until(lambda g=good: g in sink.seqs)  # type: ignore[misc]
+        await pub.publish(BAD)
+        await until(lambda n=i + 1: len(sink.resets) == n and sub.state == "live")  # type: ignore[misc]
+    return goods
 
 
 def applied(seq: int) -> tuple[str, Any]:
@@ -115,43 +162,29 @@ async def test_bad_batches_a_replay_cannot_vouch_for_log_once_per_period(
     most once per period. Every bad batch still resets the member, every good one is applied,
     and once the replay holds the history again the member is rebuilt to the engine's state."""
     pub = TestPublisher(ctx)
-    sink = RecordingSink()
-    sub = make(pub, sink, ctx)
-    goods: list[int] = []
-    try:
-        with log_lines() as lines:
-            await _synced(pub, sink, sub, 3)  # 0..2, vouched by the bootstrap replay
-            pub.history = deque(maxlen=0)  # the replay holds nothing from now on
-            t0 = time.monotonic()
-            for i in range(ROUNDS):
-                good = await pub.publish(msg(pub.seq))
-                goods.append(good)
-                await until(lambda g=good: g in sink.seqs)  # type: ignore[misc]
-                await pub.publish(BAD)
-                await until(lambda n=i + 1: len(sink.resets) == n and sub.state == "live")  # type: ignore[misc]
-            elapsed = time.monotonic() - t0
-            c = sub.counters
-            assert c.bad_batches == ROUNDS and c.incarnations_detected == ROUNDS
-            # the member's lifecycle, exactly: each good batch applied, each bad one a reset
-            expected = [x for g in goods for x in (applied(g), ("reset", ResetReason.INCARNATION))]
-            assert sink.items[3:] == expected
-            assert held(sink) == set()
-            # the engine behaves again: a restart, its replay holding 0..6
-            pub.history = deque()
-            pub.restart()
-            for s in range(6):
-                await pub.publish(msg(s), live=False)
-            await pub.publish(msg(6))
-            await until(lambda: sink.seqs[-7:] == list(range(7)) and sub.state == "live")
-            assert held(sink) == truth(range(7))
-            await until(lambda: sub.state == "live")
-    finally:
-        await sub.stop()
-        await pub.close()
+    # synced with 0..2, vouched by the bootstrap replay
+    async with subscribed(pub, ctx, 3) as (sink, sub, lines):
+        pub.history = deque(maxlen=0)  # the replay holds nothing from now on
+        t0 = time.monotonic()
+        goods = await good_then_bad(pub, sink, sub)
+        elapsed = time.monotonic() - t0
+        c = sub.counters
+        assert c.bad_batches == ROUNDS and c.incarnations_detected == ROUNDS
+        # the member's lifecycle, exactly: each good batch applied, each bad one a reset
+        expected = [x for g in goods for x in (applied(g), ("reset", ResetReason.INCARNATION))]
+        assert sink.items[3:] == expected
+        assert held(sink) == set()
+        # the engine behaves again: a restart, its replay holding 0..6
+        pub.history = deque()
+        pub.restart()
+        for s in range(6):
+            await pub.publish(msg(s), live=False)
+        await pub.publish(msg(6))
+        await until(lambda: sink.seqs[-7:] == list(range(7)) and sub.state == "live")
+        assert held(sink) == truth(range(7))
+        await until(lambda: sub.state == "live")
     n = windows(elapsed)
-    unverified = events(lines, "incarnation_unverified")
-    assert 1 <= len(unverified) <= n, len(unverified)
-    assert unverified[0]["not_logged"] == 0
+    logged_once_per_period(lines, "incarnation_unverified", elapsed)
     assert len(events(lines, "bad_batch")) <= n
     # the bootstrap's replaying and live, then at most one line per state and period
     states = events(lines, "subscriber_state")
@@ -168,36 +201,20 @@ async def test_a_replay_that_never_answers_logs_once_per_period(
     times out too. Five lines per round before; now each event at most once per period. Each
     bad batch still resets the member once, and the next good batch is its new baseline."""
     pub = TestPublisher(ctx)
-    sink = RecordingSink()
-    sub = make(pub, sink, ctx, replay_timeout=0.05)
-    goods: list[int] = []
-    try:
-        with log_lines() as lines:
-            await _synced(pub, sink, sub, 2)
-            pub.gate.clear()  # requests taken, never answered
-            t0 = time.monotonic()
-            for i in range(ROUNDS):
-                good = await pub.publish(msg(pub.seq))
-                goods.append(good)
-                await until(lambda g=good: g in sink.seqs)  # type: ignore[misc]
-                await pub.publish(BAD)
-                await until(lambda n=i + 1: len(sink.resets) == n and sub.state == "live")  # type: ignore[misc]
-            elapsed = time.monotonic() - t0
-            c = sub.counters
-            assert c.bad_batches == ROUNDS and c.replay_failures == 2 * ROUNDS
-            reset = ("reset", ResetReason.VOUCH_TIMEOUT)
-            expected = [x for g in goods for x in (applied(g), reset)]
-            assert sink.items[2:] == expected
-            assert held(sink) == set() and sub.next_seq is None  # the next batch: a baseline
-    finally:
-        pub.gate.set()
-        await sub.stop()
-        await pub.close()
+    async with subscribed(pub, ctx, 2, replay_timeout=0.05) as (sink, sub, lines):
+        pub.gate.clear()  # requests taken, never answered
+        t0 = time.monotonic()
+        goods = await good_then_bad(pub, sink, sub)
+        elapsed = time.monotonic() - t0
+        c = sub.counters
+        assert c.bad_batches == ROUNDS and c.replay_failures == 2 * ROUNDS
+        reset = ("reset", ResetReason.VOUCH_TIMEOUT)
+        expected = [x for g in goods for x in (applied(g), reset)]
+        assert sink.items[2:] == expected
+        assert held(sink) == set() and sub.next_seq is None  # the next batch: a baseline
     n = windows(elapsed)
     for event in ("vouch_unanswered", "replay_timeout"):
-        logged = events(lines, event)
-        assert 1 <= len(logged) <= n, (event, len(logged))
-        assert logged[0]["not_logged"] == 0
+        logged_once_per_period(lines, event, elapsed)
     assert len(events(lines, "subscriber_state")) <= 2 + 2 * n
 
 
@@ -210,38 +227,28 @@ async def test_restarts_told_during_a_replay_log_once_per_period(
     to ``live`` and back to ``replaying``. Now at most once per period (the live path's line
     shares the period). The member is reset at each restart and ends rebuilt exactly."""
     pub = ConcurrentReplayPublisher(ctx)
-    sink = RecordingSink()
-    sub = make(pub, sink, ctx)
-    try:
-        with log_lines() as lines:
-            await _synced(pub, sink, sub, 10)  # 0..9
-            pub.pause_after = 3  # each replay gives 0..2, then waits for ``mid``
-            pub.mid.clear()
-            t0 = time.monotonic()
-            # the live stream goes back: the member is rebuilt from the replay at 0
-            await pub.send_raw([pub.topic, (2).to_bytes(8, "big"), msg(2)])
-            for i in range(ROUNDS):
-                await until(lambda n=i + 1: len(pub.requests) == 1 + n and sub.next_seq == 3)  # type: ignore[misc]
-                # back again while the rebuild is read: another restart, the rebuild from 0 again
-                await pub.send_raw([pub.topic, (0).to_bytes(8, "big"), msg(0)])
-                await until(lambda n=i + 2: len(sink.resets) == n)  # type: ignore[misc]
-            await until(lambda: len(pub.requests) == 2 + ROUNDS and sub.next_seq == 3)
-            elapsed = time.monotonic() - t0
-            assert sink.resets == [ResetReason.INCARNATION] * (ROUNDS + 1)
-            pub.mid.set()  # the last rebuild goes on: 3..9
-            await until(lambda: sub.state == "live" and sub.next_seq == 10)
-            last = max(i for i, (k, _) in enumerate(sink.items) if k == "reset")
-            assert [v[0] for k, v in sink.items[last + 1:] if k == "batch"] == list(range(10))
-            assert held(sink) == truth(range(10))
-    finally:
-        pub.mid.set()
-        await sub.stop()
-        await pub.close()
-    n = windows(elapsed)
-    backwards = events(lines, "sequence_backwards")
-    assert 1 <= len(backwards) <= n, len(backwards)
-    assert backwards[0]["during"] == "live" and backwards[0]["not_logged"] == 0
-    assert len(events(lines, "subscriber_state")) <= 2 + 2 * n
+    async with subscribed(pub, ctx, 10) as (sink, sub, lines):  # 0..9
+        pub.pause_after = 3  # each replay gives 0..2, then waits for ``mid``
+        pub.mid.clear()
+        t0 = time.monotonic()
+        # the live stream goes back: the member is rebuilt from the replay at 0
+        await pub.send_raw([pub.topic, (2).to_bytes(8, "big"), msg(2)])
+        for i in range(ROUNDS):
+            await until(lambda n=i + 1: len(pub.requests) == 1 + n and sub.next_seq == 3)  # type: ignore[misc]
+            # back again while the rebuild is read: another restart, the rebuild from 0 again
+            await pub.send_raw([pub.topic, (0).to_bytes(8, "big"), msg(0)])
+            await until(lambda n=i + 2: len(sink.resets) == n)  # type: ignore[misc]
+        await until(lambda: len(pub.requests) == 2 + ROUNDS and sub.next_seq == 3)
+        elapsed = time.monotonic() - t0
+        assert sink.resets == [ResetReason.INCARNATION] * (ROUNDS + 1)
+        pub.mid.set()  # the last rebuild goes on: 3..9
+        await until(lambda: sub.state == "live" and sub.next_seq == 10)
+        last = max(i for i, (k, _) in enumerate(sink.items) if k == "reset")
+        assert [v[0] for k, v in sink.items[last + 1:] if k == "batch"] == list(range(10))
+        assert held(sink) == truth(range(10))
+    backwards = logged_once_per_period(lines, "sequence_backwards", elapsed)
+    assert backwards[0]["during"] == "live"
+    assert len(events(lines, "subscriber_state")) <= 2 + 2 * windows(elapsed)
 
 
 async def test_an_isolated_state_change_is_logged_at_once_and_flapping_once_per_period(
@@ -252,29 +259,22 @@ async def test_an_isolated_state_change_is_logged_at_once_and_flapping_once_per_
     that state went unlogged since the last line (here a 1 s period)."""
     monkeypatch.setattr(submod, "STATE_LOG_S", 1.0)
     pub = TestPublisher(ctx)
-    sink = RecordingSink()
-    sub = make(pub, sink, ctx)
-    try:
-        with log_lines() as lines:
-            await _synced(pub, sink, sub, 2)
-            t0 = time.monotonic()
-            for _ in range(ROUNDS):  # a lost batch, then a live one: one gap replay each
-                await pub.publish(msg(pub.seq), live=False)
-                last = await pub.publish(msg(pub.seq))
-                await until(lambda s=last: s in sink.seqs and sub.state == "live")  # type: ignore[misc]
-            elapsed = time.monotonic() - t0
-            await until(lambda: time.monotonic() - t0 > elapsed + 1.1)  # a quiet period
+    async with subscribed(pub, ctx, 2) as (sink, sub, lines):
+        t0 = time.monotonic()
+        for _ in range(ROUNDS):  # a lost batch, then a live one: one gap replay each
             await pub.publish(msg(pub.seq), live=False)
             last = await pub.publish(msg(pub.seq))
-            await until(lambda: last in sink.seqs and sub.state == "live")
-            # logged at once, not at some later flip: the line is there now
-            isolated = events(lines.read(), "subscriber_state", state="replaying")[-1]
-            assert isolated["next_seq"] == last - 1 and isolated["not_logged"] > 0
-            assert sub.counters.gaps == ROUNDS + 1 and sink.resets == []
-            assert sink.seqs == list(range(pub.seq))
-    finally:
-        await sub.stop()
-        await pub.close()
+            await until(lambda s=last: s in sink.seqs and sub.state == "live")  # type: ignore[misc]
+        elapsed = time.monotonic() - t0
+        await until(lambda: time.monotonic() - t0 > elapsed + 1.1)  # a quiet period
+        await pub.publish(msg(pub.seq), live=False)
+        last = await pub.publish(msg(pub.seq))
+        await until(lambda: last in sink.seqs and sub.state == "live")
+        # logged at once, not at some later flip: the line is there now
+        isolated = events(lines.read(), "subscriber_state", state="replaying")[-1]
+        assert isolated["next_seq"] == last - 1 and isolated["not_logged"] > 0
+        assert sub.counters.gaps == ROUNDS + 1 and sink.resets == []
+        assert sink.seqs == list(range(pub.seq))
     replaying = events(lines, "subscriber_state", state="replaying")
     # the bootstrap's, then the gaps': each flip is a line or counted in a later line's not_logged
     assert sum(1 + x["not_logged"] for x in replaying) == 1 + ROUNDS + 1, replaying
@@ -291,26 +291,17 @@ async def test_live_batches_repaired_from_the_replay_log_once_per_period(
     applied (``bad_batch_repaired``, a line per batch before). Every batch is applied once, in
     order, and nothing is reset."""
     pub = TestPublisher(ctx)
-    sink = RecordingSink()
-    sub = make(pub, sink, ctx)
-    try:
-        with log_lines() as lines:
-            await _synced(pub, sink, sub, 2)
-            t0 = time.monotonic()
-            for _ in range(ROUNDS):
-                seq = await pub.publish(msg(pub.seq), live=False)  # the replay holds it intact
-                await pub.send_raw([pub.topic, seq.to_bytes(8, "big"), BAD])  # live: corrupted
-                await until(lambda s=seq: s in sink.seqs and sub.state == "live")  # type: ignore[misc]
-            elapsed = time.monotonic() - t0
-            assert sink.seqs == list(range(pub.seq)) and sink.resets == []
-            assert sub.counters.repairs == ROUNDS and sub.counters.bad_batches == ROUNDS
-    finally:
-        await sub.stop()
-        await pub.close()
-    n = windows(elapsed)
-    repaired = events(lines, "bad_batch_repaired")
-    assert 1 <= len(repaired) <= n and repaired[0]["not_logged"] == 0, len(repaired)
-    assert len(events(lines, "bad_batch")) <= n
+    async with subscribed(pub, ctx, 2) as (sink, sub, lines):
+        t0 = time.monotonic()
+        for _ in range(ROUNDS):
+            seq = await pub.publish(msg(pub.seq), live=False)  # the replay holds it intact
+            await pub.send_raw([pub.topic, seq.to_bytes(8, "big"), BAD])  # live: corrupted
+            await until(lambda s=seq: s in sink.seqs and sub.state == "live")  # type: ignore[misc]
+        elapsed = time.monotonic() - t0
+        assert sink.seqs == list(range(pub.seq)) and sink.resets == []
+        assert sub.counters.repairs == ROUNDS and sub.counters.bad_batches == ROUNDS
+    logged_once_per_period(lines, "bad_batch_repaired", elapsed)
+    assert len(events(lines, "bad_batch")) <= windows(elapsed)
 
 
 async def test_gaps_whose_history_is_gone_log_once_per_period(
@@ -320,27 +311,19 @@ async def test_gaps_whose_history_is_gone_log_once_per_period(
     gap's replay starts past what was asked (``replay_history_missing``, a line per gap
     before). Each gap still resets the member once, before the batch after it."""
     pub = TestPublisher(ctx, keep=1)
-    sink = RecordingSink()
-    sub = make(pub, sink, ctx)
-    try:
-        with log_lines() as lines:
-            await _synced(pub, sink, sub, 1)
-            t0 = time.monotonic()
-            after: list[int] = []
-            for i in range(ROUNDS):
-                await pub.publish(msg(pub.seq), live=False)  # lost, and gone from the replay
-                after.append(await pub.publish(msg(pub.seq)))
-                await until(lambda n=i + 1: len(sink.resets) == n and after[-1] in sink.seqs)  # type: ignore[misc]
-            elapsed = time.monotonic() - t0
-            reset = ("reset", ResetReason.GAP_UNRECOVERABLE)
-            expected = [x for s in after for x in (reset, applied(s))]
-            assert sink.items[1:] == expected
-            assert sub.counters.missing_history == ROUNDS
-    finally:
-        await sub.stop()
-        await pub.close()
-    missing = events(lines, "replay_history_missing")
-    assert 1 <= len(missing) <= windows(elapsed) and missing[0]["not_logged"] == 0, len(missing)
+    async with subscribed(pub, ctx, 1) as (sink, sub, lines):
+        t0 = time.monotonic()
+        after: list[int] = []
+        for i in range(ROUNDS):
+            await pub.publish(msg(pub.seq), live=False)  # lost, and gone from the replay
+            after.append(await pub.publish(msg(pub.seq)))
+            await until(lambda n=i + 1: len(sink.resets) == n and after[-1] in sink.seqs)  # type: ignore[misc]
+        elapsed = time.monotonic() - t0
+        reset = ("reset", ResetReason.GAP_UNRECOVERABLE)
+        expected = [x for s in after for x in (reset, applied(s))]
+        assert sink.items[1:] == expected
+        assert sub.counters.missing_history == ROUNDS
+    logged_once_per_period(lines, "replay_history_missing", elapsed)
 
 
 async def test_replies_that_skip_batches_log_once_per_period(
@@ -350,26 +333,18 @@ async def test_replies_that_skip_batches_log_once_per_period(
     past its send high-water mark): asked again from the hole (``replay_gap``, a line per reply
     before), and the gap is filled: every batch applied once, in order, nothing reset."""
     pub = TestPublisher(ctx)
-    sink = RecordingSink()
-    sub = make(pub, sink, ctx)
-    try:
-        with log_lines() as lines:
-            await _synced(pub, sink, sub, 2)
-            t0 = time.monotonic()
-            for _ in range(ROUNDS):
-                await pub.publish(msg(pub.seq), live=False)
-                skipped = await pub.publish(msg(pub.seq), live=False)
-                pub.reply_drops.append({skipped})  # the first reply: the vouch, one, not two
-                last = await pub.publish(msg(pub.seq))
-                await until(lambda s=last: s in sink.seqs and sub.state == "live")  # type: ignore[misc]
-            elapsed = time.monotonic() - t0
-            assert sink.seqs == list(range(pub.seq)) and sink.resets == []
-            assert sub.counters.replay_gaps == ROUNDS
-    finally:
-        await sub.stop()
-        await pub.close()
-    gaps = events(lines, "replay_gap")
-    assert 1 <= len(gaps) <= windows(elapsed) and gaps[0]["not_logged"] == 0, len(gaps)
+    async with subscribed(pub, ctx, 2) as (sink, sub, lines):
+        t0 = time.monotonic()
+        for _ in range(ROUNDS):
+            await pub.publish(msg(pub.seq), live=False)
+            skipped = await pub.publish(msg(pub.seq), live=False)
+            pub.reply_drops.append({skipped})  # the first reply: the vouch, one, not two
+            last = await pub.publish(msg(pub.seq))
+            await until(lambda s=last: s in sink.seqs and sub.state == "live")  # type: ignore[misc]
+        elapsed = time.monotonic() - t0
+        assert sink.seqs == list(range(pub.seq)) and sink.resets == []
+        assert sub.counters.replay_gaps == ROUNDS
+    logged_once_per_period(lines, "replay_gap", elapsed)
 
 
 async def test_reorder_overflows_log_once_per_period(
@@ -379,29 +354,20 @@ async def test_reorder_overflows_log_once_per_period(
     buffer holds (two here): the buffer overflows (``reorder_overflow``, a line per round
     before), the member is reset and goes on from the next live batch."""
     pub = TestPublisher(ctx)
-    sink = RecordingSink()
-    sub = make(pub, sink, ctx, reorder_max_messages=2)
-    try:
-        with log_lines() as lines:
-            await _synced(pub, sink, sub, 2)
-            pub.gate.clear()  # requests taken, never answered
-            t0 = time.monotonic()
-            for i in range(ROUNDS):
-                await pub.publish(msg(pub.seq), live=False)  # lost: a gap, a replay
-                for _ in range(3):  # past the buffer's bound while the replay is silent
-                    await pub.publish(msg(pub.seq))
-                await until(lambda n=i + 1: sub.counters.reorder_overflows == n)  # type: ignore[misc]
-                base = await pub.publish(msg(pub.seq))  # after the overflow: the new baseline
-                await until(lambda s=base: s in sink.seqs and sub.state == "live")  # type: ignore[misc]
-            elapsed = time.monotonic() - t0
-            assert sink.resets == [ResetReason.REORDER_OVERFLOW] * ROUNDS
-            # after each reset only the baseline and what follows it: nothing from before
-            for k, (kind, _) in enumerate(sink.items):
-                if kind == "reset":
-                    assert sink.items[k + 1][0] == "batch"
-    finally:
-        pub.gate.set()
-        await sub.stop()
-        await pub.close()
-    overflows = events(lines, "reorder_overflow")
-    assert 1 <= len(overflows) <= windows(elapsed) and overflows[0]["not_logged"] == 0
+    async with subscribed(pub, ctx, 2, reorder_max_messages=2) as (sink, sub, lines):
+        pub.gate.clear()  # requests taken, never answered
+        t0 = time.monotonic()
+        for i in range(ROUNDS):
+            await pub.publish(msg(pub.seq), live=False)  # lost: a gap, a replay
+            for _ in range(3):  # past the buffer's bound while the replay is silent
+                await pub.publish(msg(pub.seq))
+            await until(lambda n=i + 1: sub.counters.reorder_overflows == n)  # type: ignore[misc]
+            base = await pub.publish(msg(pub.seq))  # after the overflow: the new baseline
+            await until(lambda s=base: s in sink.seqs and sub.state == "live")  # type: ignore[misc]
+        elapsed = time.monotonic() - t0
+        assert sink.resets == [ResetReason.REORDER_OVERFLOW] * ROUNDS
+        # after each reset only the baseline and what follows it: nothing from before
+        for k, (kind, _) in enumerate(sink.items):
+            if kind == "reset":
+                assert sink.items[k + 1][0] == "batch"
+    logged_once_per_period(lines, "reorder_overflow", elapsed)

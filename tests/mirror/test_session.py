@@ -23,13 +23,13 @@ from typing import Any
 import pytest
 from grpclib.client import Channel
 from grpclib.const import Cardinality, Status
-from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.contract.limits import RelayLimits
 from kvrelay.mirror.mirror import Mirror, follow_session
 from kvrelay.service.server import RelayServer
 from tests.support import scripted_relay as S
+from tests.support.health import health, health_becomes
 from tests.support.mem_relay import StreamResult, grpclib_collect, sub_request
 from tests.support.mirror_rig import (
     Mirrored,
@@ -41,7 +41,6 @@ from tests.support.mirror_rig import (
 from tests.support.rig import MARKER, SVC
 from tests.support.timing import scaled
 
-SERVICE = "dynamo.kvrelay.v1.KvEventRelay"
 K = "kv-relay-error-reason"
 REFUSED = (Status.UNAVAILABLE, "RELAY_ERROR_REASON_PUBLICATION_UNAVAILABLE")
 WINDOW_S = 0.2
@@ -115,26 +114,6 @@ async def _served(mode: str, relay: _Freezable) -> AsyncIterator[tuple[Mirror, R
         await upstream.wait_closed()
 
 
-async def _health(port: int) -> str:
-    async with Channel("127.0.0.1", port) as ch:
-        async with asyncio.timeout(scaled(5)):
-            async with ch.request("/grpc.health.v1.Health/Check", Cardinality.UNARY_UNARY,
-                                  HealthCheckRequest, HealthCheckResponse) as st:  # fmt: skip
-                await st.send_message(HealthCheckRequest(service=SERVICE), end=True)
-                reply = await st.recv_message()
-                await st.recv_trailing_metadata()
-    assert reply is not None
-    return HealthCheckResponse.ServingStatus.Name(reply.status)
-
-
-async def _health_becomes(port: int, status: str, timeout: float = 15.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + scaled(timeout)
-    while (now := await _health(port)) != status:
-        assert loop.time() < deadline, f"health stayed {now}, never {status}"
-        await asyncio.sleep(0.05)
-
-
 async def _calls(ch: Channel) -> dict[str, StreamResult]:
     """A new call of each RPC the mirror serves (the window planes' first message only)."""
     out = {
@@ -189,22 +168,22 @@ async def test_a_frozen_upstream_gets_every_new_call_refused_while_health_says_n
         watched: list[pb.KvPoolCatalogUpdate] = []
         watch = asyncio.ensure_future(_watch_catalog(ch, watched))
         try:
-            assert await _health(server.port) == "SERVING"
+            assert await health(server.port) == "SERVING"
             before = await _calls(ch)
             assert all(r.status is None and r.messages for r in before.values()), before
 
             relay.freeze()
-            await _health_becomes(server.port, "NOT_SERVING")
+            await health_becomes(server.port, "NOT_SERVING")
             assert not mirror.in_session and mirror.catalog.live  # the catalog says nothing
             frozen = await _calls(ch)
             for method, r in frozen.items():
                 assert (r.status, r.trailers.get(K)) == REFUSED, (method, r)
                 assert r.messages == [], method
-            assert await _health(server.port) == "NOT_SERVING"
+            assert await health(server.port) == "NOT_SERVING"
             assert not watch.done() and len(watched) == 1  # open, as its upstream stream is
 
             relay.thaw()
-            await _health_becomes(server.port, "SERVING")
+            await health_becomes(server.port, "SERVING")
             after = await _calls(ch)
             assert all(r.status is None and r.messages for r in after.values()), after
             assert bytes(after["GetRelayInfo"].messages[0]) == bytes(

@@ -22,7 +22,7 @@ from pathlib import Path
 from benchmarks._common import free_port
 from kvrelay.ops.reload import reload_report
 from kvrelay.ops.target import alive
-from tests.support.commands import REPO, clean_env, static_config
+from tests.support.commands import REPO, start_daemon, static_config
 from tests.support.notify import Notifications
 from tests.support.timing import scaled
 
@@ -52,6 +52,18 @@ def _alive(pid: int) -> bool:
     return alive(pid)
 
 
+async def _end(
+    old: asyncio.subprocess.Process, successor: int | None, notes: Notifications
+) -> None:
+    """The relay killed if it runs, ``successor`` too; ``notes`` closed."""
+    if old.returncode is None:
+        old.kill()
+        await old.wait()
+    if successor is not None and _alive(successor):
+        os.kill(successor, signal.SIGKILL)
+    await notes.close()
+
+
 async def test_reload_and_upgrade_report_only_what_the_relay_did(tmp_path: Path) -> None:
     metrics = free_port()
     cfg = static_config(tmp_path / "kvrelay.toml", "dc-signals")
@@ -59,16 +71,8 @@ async def test_reload_and_upgrade_report_only_what_the_relay_did(tmp_path: Path)
     other = tmp_path / "other.toml"  # valid, and not the relay's
     other.write_text(cfg.read_text().replace('"dc-signals"', '"dc-other"'))
     pid_file = tmp_path / "kvrelay.pid"
-    tmpdir = tmp_path / "tmp"  # the hot upgrade's cut goes here
-    tmpdir.mkdir()
-    env = clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), TMPDIR=str(tmpdir))
-    notes = Notifications(tmp_path / "notify.sock")
-    log = tmp_path / "log.jsonl"
-    with log.open("wb") as f:
-        old = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvrelay", "serve", "--config", str(cfg), "--pid-file",
-            str(pid_file), env=env, cwd=REPO, stdout=asyncio.subprocess.DEVNULL, stderr=f,
-        )  # fmt: skip
+    old, env, notes, log = await start_daemon(tmp_path, "serve", "--config", str(cfg),
+                                              "--pid-file", str(pid_file))  # fmt: skip
     assert old.pid is not None
     successor: int | None = None
     stopped = False
@@ -121,12 +125,7 @@ async def test_reload_and_upgrade_report_only_what_the_relay_did(tmp_path: Path)
     finally:
         if stopped:
             os.kill(old.pid, signal.SIGCONT)
-        if old.returncode is None:
-            old.kill()
-            await old.wait()
-        if successor is not None and _alive(successor):
-            os.kill(successor, signal.SIGKILL)
-        await notes.close()
+        await _end(old, successor, notes)
 
 
 async def test_upgrade_without_a_pid_file_confirms_the_take_over_on_the_metrics_page(
@@ -138,16 +137,7 @@ async def test_upgrade_without_a_pid_file_confirms_the_take_over_on_the_metrics_
     metrics = free_port()
     cfg = static_config(tmp_path / "kvrelay.toml", "dc-upgrade")
     cfg.write_text(cfg.read_text().replace("enabled = false", f'bind = "127.0.0.1:{metrics}"'))
-    tmpdir = tmp_path / "tmp"
-    tmpdir.mkdir()
-    env = clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), TMPDIR=str(tmpdir))
-    notes = Notifications(tmp_path / "notify.sock")
-    log = tmp_path / "log.jsonl"
-    with log.open("wb") as f:
-        old = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvrelay", "serve", "--config", str(cfg), env=env, cwd=REPO,
-            stdout=asyncio.subprocess.DEVNULL, stderr=f,
-        )  # fmt: skip
+    old, env, notes, log = await start_daemon(tmp_path, "serve", "--config", str(cfg))
     assert old.pid is not None
     successor: int | None = None
     try:
@@ -165,9 +155,4 @@ async def test_upgrade_without_a_pid_file_confirms_the_take_over_on_the_metrics_
             await asyncio.sleep(0.05)
         successor = None
     finally:
-        if old.returncode is None:
-            old.kill()
-            await old.wait()
-        if successor is not None and _alive(successor):
-            os.kill(successor, signal.SIGKILL)
-        await notes.close()
+        await _end(old, successor, notes)

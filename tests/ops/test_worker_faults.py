@@ -16,8 +16,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from grpclib.client import Channel
-from grpclib.const import Cardinality
-from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 
 from kvrelay.ops.worker import WorkerSpec
 from kvrelay.relay.relay import Relay
@@ -25,10 +23,9 @@ from kvrelay.service.server import RelayServer
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
 from tests.support.commands import REPO, clean_env
+from tests.support.health import health, health_becomes
 from tests.support.rig import make_settings, relay_info, start_relay, stop_relay, wait_live
 from tests.support.timing import scaled
-
-SERVICE = "dynamo.kvrelay.v1.KvEventRelay"
 
 
 @contextlib.asynccontextmanager
@@ -55,26 +52,6 @@ async def _worker(upstream_port: int) -> AsyncIterator[tuple[asyncio.subprocess.
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-
-
-async def _health(port: int) -> str:
-    async with Channel("127.0.0.1", port) as ch:
-        async with asyncio.timeout(scaled(5)):
-            async with ch.request("/grpc.health.v1.Health/Check", Cardinality.UNARY_UNARY,
-                                  HealthCheckRequest, HealthCheckResponse) as st:  # fmt: skip
-                await st.send_message(HealthCheckRequest(service=SERVICE), end=True)
-                reply = await st.recv_message()
-                await st.recv_trailing_metadata()
-    assert reply is not None
-    return HealthCheckResponse.ServingStatus.Name(reply.status)
-
-
-async def _health_becomes(port: int, status: str, timeout: float = 30.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + scaled(timeout)
-    while (now := await _health(port)) != status:
-        assert loop.time() < deadline, f"health stayed {now}, never {status}"
-        await asyncio.sleep(0.1)
 
 
 async def _started() -> tuple[SimEngine, Relay, RelayServer]:
@@ -117,12 +94,12 @@ async def test_a_workers_health_follows_its_upstream_session() -> None:
     again: RelayServer | None = None
     try:
         async with _worker(port_up) as (proc, port):
-            assert await _health(port) == "SERVING"
+            assert await health(port) == "SERVING"
             await server.close(grace_s=1.0)  # the upstream goes away
-            await _health_becomes(port, "NOT_SERVING")
+            await health_becomes(port, "NOT_SERVING", timeout=30.0, every=0.1)
             again = RelayServer(relay, relay.settings.limits)
             await again.start("127.0.0.1", port_up)
-            await _health_becomes(port, "SERVING")
+            await health_becomes(port, "SERVING", timeout=30.0, every=0.1)
             async with Channel("127.0.0.1", port) as ch:
                 await relay_info(ch)
             proc.send_signal(signal.SIGTERM)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
+from tests.support.notify import Notifications
 from tests.support.timing import scaled
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,6 +38,30 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env.update(extra)
     return env
+
+
+class Daemon(NamedTuple):
+    proc: asyncio.subprocess.Process
+    env: dict[str, str]
+    notes: Notifications
+    log: Path
+
+
+async def start_daemon(tmp_path: Path, *args: str) -> Daemon:
+    """``python -m kvrelay *args`` as systemd runs it: ``NOTIFY_SOCKET`` heard by ``notes``,
+    ``TMPDIR`` ``tmp_path / "tmp"`` (made if missing; a hot upgrade's cut goes there), stderr
+    into ``log`` (``tmp_path / "log.jsonl"``); ``env`` for the commands run beside it."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir(exist_ok=True)
+    env = clean_env(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), TMPDIR=str(tmpdir))
+    notes = Notifications(tmp_path / "notify.sock")
+    log = tmp_path / "log.jsonl"
+    with log.open("wb") as f:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvrelay", *args, env=env, cwd=REPO,
+            stdout=asyncio.subprocess.DEVNULL, stderr=f,
+        )  # fmt: skip
+    return Daemon(proc, env, notes, log)
 
 
 def sigint_as_at_a_shell() -> None:

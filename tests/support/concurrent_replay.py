@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 from typing import Any
 
-from tests.support.vllm_publisher import END, TestPublisher
+from tests.support.vllm_publisher import TestPublisher
 
 
 class ConcurrentReplayPublisher(TestPublisher):
@@ -23,33 +23,10 @@ class ConcurrentReplayPublisher(TestPublisher):
         super().__init__(*args, **kw)  # (its ``_serve`` task runs once the loop does)
         self._replies: set[asyncio.Task[None]] = set()
 
-    async def _serve(self) -> None:
-        assert self.router is not None
-        while True:
-            frames = await self.router.recv_multipart()
-            if len(frames) != 3:
-                continue  # vLLM logs and does not answer
-            ident, _, start_b = frames
-            start = int.from_bytes(start_b, "big")
-            self.requests.append(start)
-            task = asyncio.create_task(self._reply(ident, start, self.pause_after))
-            self._replies.add(task)
-            task.add_done_callback(self._replies.discard)
-
-    async def _reply(self, ident: bytes, start: int, pause: int | None) -> None:
-        assert self.router is not None
-        drops = self.reply_drops.popleft() if self.reply_drops else set()
-        await self.gate.wait()
-        lead = [ident, b""] + ([self.topic] if self.reply_shape == 4 else [])
-        sent = 0
-        for seq, payload in list(self.history):
-            if seq >= start and seq not in drops:
-                if sent == pause:
-                    await self.mid.wait()
-                await self.router.send_multipart([*lead, seq.to_bytes(8, "big"), payload])
-                sent += 1
-        end_lead = [ident, b""] + ([b""] if self.reply_shape == 4 else [])
-        await self.router.send_multipart([*end_lead, END, b""])
+    async def _answer(self, ident: bytes, start: int, pause: int | None) -> None:
+        task = asyncio.create_task(self._reply(ident, start, pause))
+        self._replies.add(task)
+        task.add_done_callback(self._replies.discard)
 
     async def close(self) -> None:
         tasks = [self._task] if self._task is not None else []

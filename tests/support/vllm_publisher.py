@@ -102,19 +102,28 @@ class TestPublisher:
             ident, _, start_b = frames
             start = int.from_bytes(start_b, "big")
             self.requests.append(start)
-            pause = self.pause_after
-            drops = self.reply_drops.popleft() if self.reply_drops else set()
-            await self.gate.wait()
-            lead = [ident, b""] + ([self.topic] if self.reply_shape == 4 else [])
-            sent = 0
-            for seq, payload in list(self.history):
-                if seq >= start and seq not in drops:
-                    if sent == pause:
-                        await self.mid.wait()
-                    await self.router.send_multipart([*lead, seq.to_bytes(8, "big"), payload])
-                    sent += 1
-            end_lead = [ident, b""] + ([b""] if self.reply_shape == 4 else [])
-            await self.router.send_multipart([*end_lead, END, b""])
+            await self._answer(ident, start, self.pause_after)
+
+    async def _answer(self, ident: bytes, start: int, pause: int | None) -> None:
+        """Answer one request before the next is taken (a subclass may answer on a task)."""
+        await self._reply(ident, start, pause)
+
+    async def _reply(self, ident: bytes, start: int, pause: int | None) -> None:
+        """The batches from ``start`` (less the next ``reply_drops``), then the end marker;
+        ``gate`` holds the reply, ``mid`` holds it after ``pause`` batches."""
+        assert self.router is not None
+        drops = self.reply_drops.popleft() if self.reply_drops else set()
+        await self.gate.wait()
+        lead = [ident, b""] + ([self.topic] if self.reply_shape == 4 else [])
+        sent = 0
+        for seq, payload in list(self.history):
+            if seq >= start and seq not in drops:
+                if sent == pause:
+                    await self.mid.wait()
+                await self.router.send_multipart([*lead, seq.to_bytes(8, "big"), payload])
+                sent += 1
+        end_lead = [ident, b""] + ([b""] if self.reply_shape == 4 else [])
+        await self.router.send_multipart([*end_lead, END, b""])
 
     async def close(self) -> None:
         if self._task is not None:
