@@ -30,7 +30,7 @@ from kvrelay.pool.errors import PoolError
 from kvrelay.service.server import RelayServer
 from kvrelay.sim.config import SimConfig
 from tests.support.mem_relay import MemRelayView, sub_request
-from tests.support.mirror_rig import UPSTREAM_LIMITS, mirrored
+from tests.support.mirror_rig import QUIET_WINDOW_MS, UPSTREAM_LIMITS, mirrored
 from tests.support.rig import collect_end
 from tests.support.scrape import (
     POOL,
@@ -181,7 +181,7 @@ async def test_a_mirror_that_loses_its_upstream_says_so_on_its_page() -> None:
     its upstream since, nor how often its upstream channel was reset."""
     from kvrelay.ops.mirror_metrics import in_session  # (what a worker's report holds too)
 
-    view = MemRelayView(UPSTREAM_LIMITS)
+    view = MemRelayView(UPSTREAM_LIMITS, window_ms=QUIET_WINDOW_MS)
     upstream = RelayServer(view, UPSTREAM_LIMITS)
     await upstream.start("127.0.0.1", 0)
     closed = False

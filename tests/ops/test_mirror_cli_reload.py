@@ -25,7 +25,7 @@ from kvrelay.contract.wire import CONTRACT_MARKER
 from kvrelay.service.server import RelayServer
 from tests.support.commands import REPO, clean_env
 from tests.support.mem_relay import MemRelayView
-from tests.support.mirror_rig import UPSTREAM_LIMITS
+from tests.support.mirror_rig import QUIET_WINDOW_MS, UPSTREAM_LIMITS
 from tests.support.notify import Notifications
 from tests.support.timing import scaled
 
@@ -86,7 +86,7 @@ class MirrorProcess:
 async def _mirror(tmp_path: Path, *args: str) -> AsyncIterator[MirrorProcess]:
     """``kvrelay mirror *args`` of a fresh in-memory upstream (``--upstream`` is appended), once
     READY; stopped (SIGTERM) on the way out, where it must exit 0."""
-    view = MemRelayView(UPSTREAM_LIMITS)
+    view = MemRelayView(UPSTREAM_LIMITS, window_ms=QUIET_WINDOW_MS)
     upstream = RelayServer(view, UPSTREAM_LIMITS)
     await upstream.start("127.0.0.1", 0)
     notes = Notifications(tmp_path / "notify.sock")

@@ -37,6 +37,7 @@ from kvrelay.ops.tls import ReloadableServerContext, ServerTlsFiles, client_ssl_
 from kvrelay.service.server import RelayServer
 from tests.support.certs import make_ca, make_crl, make_leaf
 from tests.support.mem_relay import MemRelayView
+from tests.support.mirror_rig import QUIET_WINDOW_MS
 from tests.support.rig import relay_info_at as _info
 from tests.support.timing import scaled
 
@@ -133,7 +134,7 @@ async def test_a_mirror_reload_rotates_its_listener_certificate_and_applies_a_ne
     shutil.copy(certs.server_old[0], cert)
     shutil.copy(certs.server_old[1], key)
     shutil.copy(certs.crl_none, crl)
-    view = MemRelayView()
+    view = MemRelayView(window_ms=QUIET_WINDOW_MS)
     view.add_pool("p1", 4096)
     upstream = RelayServer(view)
     await upstream.start("127.0.0.1", 0)
@@ -258,7 +259,7 @@ async def _mtls_upstream(
     """An upstream relay over mTLS serving ``pools`` (its view, to add more), whose client
     certificates ``check`` says are revoked (asked at each handshake, and of the open
     connections at each ``revoke``)."""
-    view = MemRelayView()
+    view = MemRelayView(window_ms=QUIET_WINDOW_MS)
     for pool in pools:
         view.add_pool(pool, 4096)
     upstream = RelayServer(view)

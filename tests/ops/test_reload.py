@@ -536,11 +536,12 @@ async def test_a_mirror_reloads_its_rules_live_and_nothing_else(tmp_path: Path) 
     from kvrelay.service.server import RelayServer
     from tests.support.certs import make_leaf
     from tests.support.mem_relay import MemRelayView, grpclib_collect
+    from tests.support.mirror_rig import QUIET_WINDOW_MS
 
     pki = make_pki(tmp_path)
     a = make_leaf(tmp_path, "team-a", (pki.client_ca, tmp_path / "client-ca.key"), server=False,
                   sans=("URI:spiffe://cluster.local/ns/team-a/sa/router",))  # fmt: skip
-    view = MemRelayView()
+    view = MemRelayView(window_ms=QUIET_WINDOW_MS)
     view.add_pool("p1", 4096)  # serving endpoint ns/c/e
     upstream = RelayServer(view)
     await upstream.start("127.0.0.1", 0)

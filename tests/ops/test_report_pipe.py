@@ -28,6 +28,7 @@ from kvrelay.ops.report_pipe import ReportPipe
 from kvrelay.ops.worker import WorkerSpec, run_worker
 from kvrelay.service.server import RelayServer
 from tests.support.mem_relay import MemRelayView
+from tests.support.mirror_rig import QUIET_WINDOW_MS
 from tests.support.rig import eventually, relay_info
 
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
@@ -86,7 +87,7 @@ async def test_a_reader_gone_stops_the_writer() -> None:
 
 
 async def test_a_worker_whose_stdout_is_not_read_keeps_serving() -> None:
-    view = MemRelayView(RelayLimits())
+    view = MemRelayView(RelayLimits(), window_ms=QUIET_WINDOW_MS)
     view.add_pool("p0", 1024)
     upstream = RelayServer(view)
     folder = tempfile.mkdtemp(prefix="kvrelay-test-")
@@ -142,7 +143,7 @@ async def test_a_stopping_worker_reports_what_its_drain_counted() -> None:
     from kvrelay._proto.dynamo.kvrelay import v1 as pb
     from kvrelay.ops.worker import WorkerControl
 
-    view = MemRelayView(RelayLimits())
+    view = MemRelayView(RelayLimits(), window_ms=QUIET_WINDOW_MS)
     view.add_pool("p0", 1024)
     upstream = RelayServer(view)
     folder = tempfile.mkdtemp(prefix="kvrelay-test-")

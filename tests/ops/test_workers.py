@@ -367,11 +367,12 @@ async def test_a_replaced_internal_socket_is_closed_once_no_worker_uses_it(
     from kvrelay.contract.limits import RelayLimits
     from kvrelay.ops.front import WorkerFront
     from tests.support.mem_relay import MemRelayView
+    from tests.support.mirror_rig import QUIET_WINDOW_MS
 
     runtime = tmp_path / "run"
     runtime.mkdir()
     cfg = load_config(_config(tmp_path / "w.toml", 1, f'workers = 2\nruntime_dir = "{runtime}"'))
-    view = MemRelayView(RelayLimits())
+    view = MemRelayView(RelayLimits(), window_ms=QUIET_WINDOW_MS)
     view.add_pool("p0", 1024)
     front = WorkerFront(cfg, view, start_timeout_s=scaled(60))
     await front.start()

@@ -48,7 +48,7 @@ from tests.support.mem_relay import (
     pool_key,
     sub_request,
 )
-from tests.support.mirror_rig import UPSTREAM_LIMITS, mirror_settings
+from tests.support.mirror_rig import QUIET_WINDOW_MS, UPSTREAM_LIMITS, mirror_settings
 from tests.support.timing import scaled
 
 TEAM_A_ID = "spiffe://cluster.local/ns/team-a/sa/router"
@@ -127,7 +127,7 @@ def _publish_planes(view: MemRelayView, pools: dict[str, Generation]) -> None:
 
 def _teams_view() -> tuple[MemRelayView, dict[str, Generation]]:
     """Pools a1 and a2 of team A, b1 of team B, with their planes."""
-    view = MemRelayView(UPSTREAM_LIMITS)
+    view = MemRelayView(UPSTREAM_LIMITS, window_ms=QUIET_WINDOW_MS)
     pools = add_team_pools(view)
     _publish_planes(view, pools)
     return view, pools
