@@ -399,7 +399,10 @@ async def test_a_successor_killed_or_given_up_on_leaves_no_directory_behind(
         await eventually(
             lambda: _failures(log) == ["successor_exited"], timeout=30, what="a counted failure"
         )  # fmt: skip
-        assert sorted(p.name for p in tmpdir.iterdir()) == own  # the old process's alone
+        await eventually(  # the old process's alone: swept just after the failure's log line
+            lambda: sorted(p.name for p in tmpdir.iterdir()) == own, timeout=10,
+            what="the killed successor's directory swept",
+        )  # fmt: skip
         await fleet.step(5)
         assert await _exact(grpc, fleet) == first  # the same process serves on, exact
         for e in fleet.engines:  # the successor's vouch waits: it is on the cut, not serving
