@@ -29,8 +29,9 @@ and keeps every frame of a message until its last one arrives, so a check per me
 late for a peer whose message never ends: a refusal must come at the handshake.
 
 * ``allow`` (IP addresses or networks): a peer at any other address is refused and its
-  connection closed at once (``connections_refused``). IPC peers have no IP address and are
-  trusted by the socket file's permissions.
+  connection closed at once (``connections_refused``; one libzmq keeps is ended by the relay,
+  ``KEPT_REFUSAL_S``). IPC peers have no IP address and are trusted by the socket file's
+  permissions.
 * At most ``max_connections`` (default ``connection_limit(max_members)``) open connections from
   admitted addresses: past it a handshake is refused as a temporary failure
   (``connections_over_limit``): libzmq holds it until ``HANDSHAKE_S`` ends it and the publisher
@@ -90,7 +91,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -137,6 +138,16 @@ REFUSAL_LOG_S = 10.0
 SETTLE_S = 1.0
 #: Failures waiting for ``SETTLE_S`` at most; past it the oldest is settled at once.
 MAX_UNSETTLED = 4096
+#: libzmq reports the relay's ``zap.CLOSE`` and ends the connection in one step, or, when it
+#: read the answer in the step that asked (its I/O thread was descheduled between the two while
+#: the handler answered: 3 of 300 refusals on an idle 2-core host), reports it and keeps the
+#: connection until the peer sends more or ``HANDSHAKE_S`` ends it. A report that another event
+#: follows, or nothing for this long, is that case: the relay ends those connections itself
+#: (``_close_kept``). The handler's thread looks this often while a report may still come.
+KEPT_REFUSAL_S = 0.02
+#: How long after its last ``zap.CLOSE`` the handler's thread goes on looking (the loop looks
+#: at every pass, at least once a second).
+KEPT_WATCH_S = 1.0
 _IDS = itertools.count(1)
 
 
@@ -322,6 +333,14 @@ class ConnectSource:
         self._strangers: set[int] = set()
         self._failure_reported = False
         self._refusal_reported = False  # the last event: libzmq's report of a ``zap.CLOSE``
+        #: when it was taken, the strangers' connections open then (the refused one among
+        #: them), and whether they were ended as kept (``_close_kept``)
+        self._report_at = 0.0
+        self._report_strangers: frozenset[int] = frozenset()
+        self._report_handled = False
+        #: the handler's thread only: its last ``zap.CLOSE``, and whether it looks again
+        self._last_close = 0.0
+        self._watching = False
         #: handshake failures not counted yet: (when, reason, libzmq's detail); ``_settle``
         self._unsettled: deque[tuple[float, str, int]] = deque()
         #: refusals (``connections_refused`` + ``connections_over_limit``, counted by the handler)
@@ -353,7 +372,7 @@ class ConnectSource:
         if self._task is not None:
             return
         # the handler answers before the socket can take a connection, and goes after it closed
-        handler = await zap.acquire(self._ctx, self._domain, self._decide)
+        handler = self._zap = await zap.acquire(self._ctx, self._domain, self._decide)
         sub = self._ctx.socket(zmq.SUB)
         mon: zmq.asyncio.Socket | None = None
         try:
@@ -400,9 +419,9 @@ class ConnectSource:
                     sub.disable_monitor()
                 mon.close(linger=0)
             sub.close(linger=0)
+            self._zap = None
             await zap.release(self._ctx, handler, self._domain)
             raise
-        self._zap = handler
         self.endpoints = tuple(resolved)
         self._sub = sub
         self._shadow = zmq.Socket.shadow(sub.underlying)
@@ -456,7 +475,10 @@ class ConnectSource:
         while self._take_event():
             pass
         with self._lock:
-            self._settle(time.monotonic() - SETTLE_S)
+            now = time.monotonic()
+            self._settle(now - SETTLE_S)
+            if self._refusal_reported and now - self._report_at >= KEPT_REFUSAL_S:
+                self._close_kept()  # nothing followed the report: its connection was kept
 
     def _take_event(self) -> bool:
         """One pending event (the lock held for one only: the handler's thread waits for no
@@ -473,6 +495,8 @@ class ConnectSource:
             kind, value = event["event"], int(event["value"])
             # the relay's refusal was the event before: this one may be its connection's end
             refused, self._refusal_reported = self._refusal_reported, False
+            if refused and not _ends_connection(kind, value):
+                self._close_kept()  # the refused connection was kept (``KEPT_REFUSAL_S``)
             if kind == zmq.EVENT_ACCEPTED:
                 self._forget(value)  # a descriptor libzmq reused (defensive)
                 peer = _fd_peer(value)
@@ -512,10 +536,12 @@ class ConnectSource:
         if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
             if value == zmq.PROTOCOL_ERROR_ZAP_INVALID_STATUS_CODE:
                 # the relay's own refusal (``zap.CLOSE``): ``connections_refused``. libzmq
-                # closes the connection at once (its disconnect is the next event), or, when it
-                # read the answer right after asking, keeps it until the peer hangs up or the
-                # handshake's time ends it, then reported as a failure
+                # closes the connection at once (its disconnect is the next event), or keeps it
+                # (``KEPT_REFUSAL_S``): the relay ends it then, reported as a failure
                 self._refusal_reported = True
+                self._report_at = time.monotonic()
+                self._report_strangers = frozenset(self._strangers)
+                self._report_handled = False
                 return
             reason = "protocol"
         else:  # NO_DETAIL: the peer hung up, or did not finish within ``HANDSHAKE_S``
@@ -535,6 +561,36 @@ class ConnectSource:
     # can take the refusal of another connection whose report is still to come (their ends
     # came close together); that report then finds none unmatched and counts the failure after
     # all, so each connection is counted once (in ``connections_*`` or ``handshakes_failed``).
+
+    def _close_kept(self) -> None:
+        """End the connections a refusal may have been kept on: the strangers' connections that
+        were open at its report (its own among them; others are refused anyway). Their ends
+        are counted as for a peer that hung up after its refusal."""
+        if self._report_handled:
+            return
+        self._report_handled = True
+        for fd in self._report_strangers & self._strangers:
+            _shut_stranger(fd, self._admits)
+
+    def _watch_refusal(self) -> None:
+        """On the handler's thread, at each ``zap.CLOSE``: look for a kept connection from
+        ``KEPT_REFUSAL_S`` on, without waiting for the loop."""
+        self._last_close = time.monotonic()
+        handler = self._zap
+        if not self._watching and handler is not None:
+            self._watching = handler.call_later(KEPT_REFUSAL_S, self._look_for_kept)
+
+    def _look_for_kept(self) -> None:
+        """The handler's thread: take the events (``_take_events`` ends a kept connection), and
+        look again while a report may still come."""
+        self._watching = False
+        self._take_events()
+        handler = self._zap
+        pending = self._refusal_reported and not self._report_handled
+        if handler is not None and (
+            pending or time.monotonic() - self._last_close < KEPT_WATCH_S
+        ):
+            self._watching = handler.call_later(KEPT_REFUSAL_S, self._look_for_kept)
 
     def _unmatched_refusals(self) -> int:
         c = self.counters  # (the handler's thread counts refusals: a plain read of two ints)
@@ -605,6 +661,7 @@ class ConnectSource:
             # closed at once, not 400: libzmq would keep reading the connection after its ERROR
             self.counters.connections_refused += 1
             self._refused("address", req.address)
+            self._watch_refusal()
             return zap.CLOSE, "address not allowed"
         with self._lock:
             return self._over_limit(req)
@@ -939,6 +996,38 @@ def _rest(sock: zmq.Socket[Any], first: bytes) -> list[bytes]:
         if len(frames) < 4:
             frames.append(part)
     return frames
+
+
+def _ends_connection(kind: int, value: int) -> bool:
+    """Whether a monitor event is a connection's end (its failure, or its disconnect)."""
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return value != zmq.PROTOCOL_ERROR_ZAP_INVALID_STATUS_CODE  # (another refusal's report)
+    return kind in (zmq.EVENT_DISCONNECTED, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+def _shut_stranger(fd: int, admits: Callable[[str], bool]) -> bool:
+    """Shut down the connection on libzmq's descriptor ``fd`` if its peer is one ``admits``
+    refuses (libzmq then ends it as if the peer had hung up); whether it did. Through a
+    duplicate, checked before: if libzmq closed ``fd`` and the number now names another socket,
+    that socket's own peer decides, so an admitted peer's connection is never ended here."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return False
+    try:
+        sock = socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return False
+    with sock:
+        try:
+            peer = sock.getpeername()
+            if not isinstance(peer, tuple) or admits(str(peer[0])):
+                return False
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            return False
+    return True
 
 
 def _fd_peer(fd: int) -> str | None:

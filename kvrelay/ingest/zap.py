@@ -16,7 +16,9 @@ memory, and behind a stalled loop strangers' connections piled up unanswered (20
 16 MiB frames held 1.7-2.1 GiB; now 5-14 MB). The thread still needs the GIL (a busy loop hands
 it over every switch interval, 1 ms in the relay, at each of the thread's socket calls) and a
 CPU. A ``decide`` function therefore runs on that thread: it must be thread-safe. The handler
-exists while at least one domain is registered (``acquire`` … ``release``).
+exists while at least one domain is registered (``acquire`` … ``release``). A ``decide`` function
+may also ask the thread to call something of its own later (``call_later``): a follow-up that
+must not wait for the event loop either.
 
 If no handler is bound when a handshake needs one, libzmq 4.3 lets NULL and CURVE handshakes
 through unless the socket sets ``ZMQ_ZAP_ENFORCE_DOMAIN`` (the connect socket does: with it, such
@@ -35,8 +37,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
+import math
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +68,8 @@ CLOSE = 401
 _BATCH = 64
 #: How long ``close`` waits for the handler's thread to stop (it answers in microseconds).
 _JOIN_S = 5.0
+#: Calls waiting on the thread (``call_later``) at most; past it a new one is dropped (logged).
+MAX_LATER = 1024
 
 _log = get_logger(__name__)
 
@@ -103,6 +111,9 @@ class ZapHandler:
         self._guard = threading.Lock()  # one ``_close_socket`` at a time
         self.loop = asyncio.get_running_loop()
         self.answered = 0
+        #: (when, order, function): calls due on the thread (``call_later``; the thread only)
+        self._later: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()
         self._thread: threading.Thread | None = threading.Thread(
             target=self._serve, args=(sock, self._wake_r), name="kvrelay-zap", daemon=True
         )
@@ -130,6 +141,30 @@ class ZapHandler:
         key = domain.encode()
         if key in self._domains:
             self._domains = {k: v for k, v in self._domains.items() if k != key}
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> bool:
+        """Call ``fn`` on the handler's thread ``delay`` seconds from now (or soon after: between
+        answers). Only from that thread (a ``decide`` function); whether it was taken (at most
+        ``MAX_LATER`` wait)."""
+        if len(self._later) >= MAX_LATER:
+            _log.error("connect_zap_failed", error="too many calls waiting on the handler")
+            return False
+        heapq.heappush(self._later, (time.monotonic() + delay, next(self._order), fn))
+        return True
+
+    def _run_due(self) -> int | None:
+        """Run the calls that are due; milliseconds until the next one (None: none waits)."""
+        later = self._later
+        while later:
+            due = later[0][0] - time.monotonic()
+            if due > 0:
+                return max(1, math.ceil(due * 1000))
+            fn = heapq.heappop(later)[2]
+            try:
+                fn()
+            except Exception as exc:  # a bug: logged, the handler goes on answering
+                _log.exception("connect_zap_failed", error=f"{type(exc).__name__}: {exc}")
+        return None
 
     async def close(self) -> None:
         self._close_socket()
@@ -162,8 +197,9 @@ class ZapHandler:
         poller.register(sock, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
         try:
+            timeout: int | None = None
             while True:
-                ready = dict(poller.poll())
+                ready = dict(poller.poll(timeout))
                 if wake in ready:
                     return
                 for _ in range(_BATCH):
@@ -175,6 +211,7 @@ class ZapHandler:
                     if reply is not None:
                         with contextlib.suppress(zmq.Again):  # its session is gone: dropped
                             sock.send_multipart(reply, zmq.NOBLOCK)
+                timeout = self._run_due()
         except zmq.ContextTerminated:  # the context is going: it waits for this socket
             sock.close(linger=0)
         except Exception as exc:
