@@ -142,9 +142,17 @@ MAX_UNSETTLED = 4096
 #: read the answer in the step that asked (its I/O thread was descheduled between the two while
 #: the handler answered: 3 of 300 refusals on an idle 2-core host), reports it and keeps the
 #: connection until the peer sends more or ``HANDSHAKE_S`` ends it. A report that another event
-#: follows, or nothing for this long, is that case: the relay ends those connections itself
-#: (``_close_kept``). The handler's thread looks this often while a report may still come.
+#: follows, or nothing for this long, is that case: the relay ends that connection itself
+#: (``_end_kept``). The handler's thread looks this often while one may be waiting.
 KEPT_REFUSAL_S = 0.02
+#: The events name no connection: the kept one is among the strangers' connections open at its
+#: report, and ended once it is the only one of them left (the others are answered, or fail, in
+#: milliseconds), or, when some stay (a stranger that never speaks, answers slowed down under a
+#: flood), all of them this long after the report (ended before being asked, those count as
+#: unfinished handshakes, not refusals).
+KEPT_WAIT_S = 1.0
+#: Kept refusals waiting to be ended at most; past it the oldest is ended at once.
+MAX_KEPT = 256
 #: How long after its last ``zap.CLOSE`` the handler's thread goes on looking (the loop looks
 #: at every pass, at least once a second).
 KEPT_WATCH_S = 1.0
@@ -334,10 +342,13 @@ class ConnectSource:
         self._failure_reported = False
         self._refusal_reported = False  # the last event: libzmq's report of a ``zap.CLOSE``
         #: when it was taken, the strangers' connections open then (the refused one among
-        #: them), and whether they were ended as kept (``_close_kept``)
+        #: them), and whether it was found kept
         self._report_at = 0.0
         self._report_strangers: frozenset[int] = frozenset()
         self._report_handled = False
+        #: refusals libzmq kept (``_end_kept``): (the strangers' connections open at the report,
+        #: when)
+        self._kept: deque[tuple[frozenset[int], float]] = deque()
         #: the handler's thread only: its last ``zap.CLOSE``, and whether it looks again
         self._last_close = 0.0
         self._watching = False
@@ -447,6 +458,7 @@ class ConnectSource:
             self._sub = self._shadow = self._mon = self._mon_shadow = None
             self._conns.clear()
             self._strangers.clear()
+            self._kept.clear()
             self.connections = 0
             self._settle(math.inf)  # (every failure reported so far is counted)
         handler, self._zap = self._zap, None
@@ -478,7 +490,9 @@ class ConnectSource:
             now = time.monotonic()
             self._settle(now - SETTLE_S)
             if self._refusal_reported and now - self._report_at >= KEPT_REFUSAL_S:
-                self._close_kept()  # nothing followed the report: its connection was kept
+                self._found_kept()  # nothing followed the report: its connection was kept
+            if self._kept:
+                self._end_kept(now)
 
     def _take_event(self) -> bool:
         """One pending event (the lock held for one only: the handler's thread waits for no
@@ -496,7 +510,7 @@ class ConnectSource:
             # the relay's refusal was the event before: this one may be its connection's end
             refused, self._refusal_reported = self._refusal_reported, False
             if refused and not _ends_connection(kind, value):
-                self._close_kept()  # the refused connection was kept (``KEPT_REFUSAL_S``)
+                self._found_kept()  # the refused connection was kept (``KEPT_REFUSAL_S``)
             if kind == zmq.EVENT_ACCEPTED:
                 self._forget(value)  # a descriptor libzmq reused (defensive)
                 peer = _fd_peer(value)
@@ -562,15 +576,28 @@ class ConnectSource:
     # came close together); that report then finds none unmatched and counts the failure after
     # all, so each connection is counted once (in ``connections_*`` or ``handshakes_failed``).
 
-    def _close_kept(self) -> None:
-        """End the connections a refusal may have been kept on: the strangers' connections that
-        were open at its report (its own among them; others are refused anyway). Their ends
-        are counted as for a peer that hung up after its refusal."""
+    def _found_kept(self) -> None:
+        """The last refusal reported was kept on its connection: ended by ``_end_kept``."""
         if self._report_handled:
             return
         self._report_handled = True
-        for fd in self._report_strangers & self._strangers:
-            _shut_stranger(fd, self._admits)
+        self._kept.append((self._report_strangers, time.monotonic()))
+        if len(self._kept) > MAX_KEPT:
+            self._end_kept(math.inf)
+
+    def _end_kept(self, now: float) -> None:
+        """End each kept refusal's connection once it is the only one left of the strangers'
+        connections open at its report, or all of those ``KEPT_WAIT_S`` after it. Its end is
+        counted as for a peer that hung up after its refusal."""
+        waiting: deque[tuple[frozenset[int], float]] = deque()
+        for fds, at in self._kept:
+            left = fds & self._strangers
+            if len(left) == 1 or (left and now - at >= KEPT_WAIT_S):
+                for fd in left:
+                    _shut_stranger(fd, self._admits)
+            elif left:
+                waiting.append((fds, at))
+        self._kept = waiting
 
     def _watch_refusal(self) -> None:
         """On the handler's thread, at each ``zap.CLOSE``: look for a kept connection from
@@ -586,7 +613,7 @@ class ConnectSource:
         self._watching = False
         self._take_events()
         handler = self._zap
-        pending = self._refusal_reported and not self._report_handled
+        pending = (self._refusal_reported and not self._report_handled) or bool(self._kept)
         if handler is not None and (
             pending or time.monotonic() - self._last_close < KEPT_WATCH_S
         ):

@@ -580,6 +580,7 @@ class KvEventRelayService:
         resend_every: float | None = None,
         max_gap: int | None = None,
     ) -> None:
+        _unless_unsupported(plane.plane)  # before the request, as a source without the RPC does
         request = await self._recv(stream)
         validate_stream_request(request.contract_marker, request.subscriber_id)
         self._refuse_if_closing()
@@ -602,8 +603,8 @@ class KvEventRelayService:
         try:
             version, message = plane.plane.current()
             first = self._encode_for(plane, kind, version, message, who)
-            if not await self._send_version(stream, plane, kind, version, first, preempted,
-                                            max_gap):  # fmt: skip
+            if not await self._send_version(stream, plane, kind, version, first, ticket,
+                                            preempted, max_gap):  # fmt: skip
                 ticket.check()  # preempted: RESOURCE_LIMIT; else it ends OK
                 return
             self._wrote(token, version)
@@ -633,8 +634,8 @@ class KvEventRelayService:
                 elif not refiltered and (next_tick is None or loop.time() < next_tick):
                     continue
                 data = self._encode_for(plane, kind, version, message, who)
-                if not await self._send_version(stream, plane, kind, version, data, preempted,
-                                                max_gap):  # fmt: skip
+                if not await self._send_version(stream, plane, kind, version, data, ticket,
+                                                preempted, max_gap):  # fmt: skip
                     ticket.check()
                     return
                 self._wrote(token, version)
@@ -689,6 +690,7 @@ class KvEventRelayService:
         kind: str,
         version: int,
         data: bytes,
+        ticket: StreamTicket,
         preempted: asyncio.Future[None],
         max_gap: int | None,
     ) -> bool:
@@ -697,18 +699,32 @@ class KvEventRelayService:
         the plane running more than ``max_gap`` versions past it or losing its source give it up
         and the stream ends with its status at once. False: the stream ends (the drain, a
         preemption, the source ended cleanly); raises the plane's error. An end that comes once
-        part of the message is written waits for the send, then applies (the loop sees it)."""
+        part of the message is written waits for the send, then applies; the stream's permit
+        is given back when the end comes, not when a slow client finally reads (as a pool
+        stream's is, §4.6)."""
         watch = asyncio.ensure_future(_outrun(plane.plane, version, max_gap))
+        ends = (self._closed_future(), preempted, watch)
+        sending, ended = True, False
+
+        def end_decided(f: asyncio.Future[Any]) -> None:
+            nonlocal ended
+            if sending and not ended and not f.cancelled():
+                ended = True
+                ticket.release()
+
+        for f in ends:
+            f.add_done_callback(end_decided)
         try:
-            sent = await self._send_plane(
-                stream, kind, data, (self._closed_future(), preempted, watch)
-            )
+            sent = await self._send_plane(stream, kind, data, ends)
         finally:
+            sending = False
+            for f in ends:
+                f.remove_done_callback(end_decided)
             if not watch.done():
                 watch.cancel()
             elif not watch.cancelled():
                 watch.exception()  # (retrieved: a send cancelled by a stall reset ignores it)
-        if sent:
+        if sent and not ended:
             return True
         if watch.done() and not watch.cancelled():
             end = watch.exception()
@@ -838,6 +854,15 @@ class KvEventRelayService:
         if self._active:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), grace_s)
+
+
+def _unless_unsupported(plane: Plane[Any]) -> None:
+    """Raise ``PlaneUnsupported`` if the plane's source lacks its RPC (a mirror of a relay that
+    predates it), whatever the request: that relay answers every call ``UNIMPLEMENTED`` without
+    reading it. Any other state of the plane is the stream's to report, after the request's
+    checks."""
+    with contextlib.suppress(RelayError):
+        plane.current()
 
 
 def _lagged(gap: int, max_gap: int) -> RelayError:

@@ -312,3 +312,32 @@ async def test_a_fenced_pool_stream_ends_after_the_catalog_reaches_every_watcher
         ch.close()
         await stalled.close()
         await server.close(grace_s=1.0)
+
+
+async def test_a_lagged_plane_stream_gives_its_permit_back_while_it_finishes_its_message() -> None:
+    """A load stream that falls more than ``load_fanout_capacity`` windows behind with part of a
+    message written finishes that message when its client reads again, then ends lagged. It
+    held its ``max_load_subscribers`` permit meanwhile (up to ``stalled_stream_reset_s``), and
+    newcomers were refused ``RESOURCE_LIMIT``; the permit is now given back when the end is
+    decided, as a pool stream's is."""
+    view, server = await _relay(load_fanout_capacity=2, max_load_subscribers=1)
+    slow = await RawH2Client.connect(server.port, window=16)
+    other = await RawH2Client.connect(server.port, "127.0.0.2")
+    try:
+        st = slow.open(KINDS["load"], plane_request("slow"))
+        await eventually(lambda: len(st.data) == 16)  # part of the first window written
+        for w in range(1, 4):  # three past it: lagged, once its message is whole
+            view.load.publish(view.load_msg(w), w)
+        await asyncio.sleep(0.2)
+        assert not st.ended.is_set()
+        newcomer = other.open(KINDS["load"], plane_request("new"))
+        await eventually(lambda: len(newcomer.data) > 0 or newcomer.ended.is_set())
+        assert not newcomer.ended.is_set(), (newcomer.status, newcomer.reason)
+        slow.start_reading()
+        await _ended(st, LAGGED)
+        size = int.from_bytes(st.data[1:5], "big")
+        pb.KvPoolLoadUpdate.parse(bytes(st.data[5 : 5 + size]))  # the message whole, then LAGGED
+    finally:
+        await slow.close()
+        await other.close()
+        await server.close(grace_s=1.0)

@@ -146,7 +146,15 @@ async def test_mirror_of_a_relay_without_the_rpc_answers_unimplemented(
         res = await gio.collect("SubscribeServingLoad", _request())
         assert res.status == grpc.StatusCode.UNIMPLEMENTED  # as its upstream answers
         assert K not in res.trailers  # plain gRPC: no relay reason for an absent RPC
-        assert local.service.unsupported == 1
+        # whatever the request, as the upstream answers (it never reads it): a wrong marker and
+        # an empty subscriber id were refused CONTRACT_MISMATCH and INVALID_REQUEST
+        for bad in (_request(marker=MARKER + 1), _request(sid="")):
+            assert (await grpcio_client(port).collect("SubscribeServingLoad", bad)).status == (
+                grpc.StatusCode.UNIMPLEMENTED
+            )
+            odd = await gio.collect("SubscribeServingLoad", bad)
+            assert (odd.status, K in odd.trailers) == (grpc.StatusCode.UNIMPLEMENTED, False)
+        assert local.service.unsupported == 3
         assert mirror.plane_ends["serving-load_unimplemented"] >= 1
         # Every other plane is served as usual.
         load = await gio.collect("SubscribeKvPoolLoad", pb.SubscribeKvPoolLoadRequest(
