@@ -529,6 +529,7 @@ class Daemon:
             if effective.authorization != self.cfg.authorization:
                 self._apply_rules(effective.authorization)
             restart = list(dict.fromkeys(restart))  # a setting named by both checks, once
+            summary["restart_required"] = restart  # (the relay's plan names only its own)
             if restart:
                 _LOG.warning("config_reload_restart_required", settings=restart)
             logging_changed = effective.logging != self.cfg.logging

@@ -590,6 +590,8 @@ namespaces = ["NS"]
                             .replace('[mirror]', '[mirror]\nsync_wait_s = 3.0'))  # fmt: skip
         result = await daemon.reload(cfg_path)
         assert result.result == "applied" and result.restart_required == ("mirror.sync_wait_s",)
+        # what ``config_reloaded`` logs: the daemon's restart-only settings too (it had none)
+        assert result.summary["restart_required"] == ["mirror.sync_wait_s"]
         assert daemon.cfg.mirror is not None and daemon.cfg.mirror.sync_wait_s == 10.0
         assert await seen() == 1
     finally:
