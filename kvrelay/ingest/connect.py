@@ -32,6 +32,12 @@ late for a peer whose message never ends: a refusal must come at the handshake.
   connection closed at once (``connections_refused``; one libzmq keeps is ended by the relay,
   ``KEPT_REFUSAL_S``). IPC peers have no IP address and are trusted by the socket file's
   permissions.
+* ``curve_client_keys`` (a CURVE socket only): a publisher whose public key (the ZAP request's
+  credentials) is not listed is refused and its connection closed at once
+  (``connections_key_refused``), after ``allow``. CURVE's own check only proves the publisher
+  encrypts to the socket's public key, which every engine is given: without this list any
+  keypair gets in. A refused connection libzmq keeps is not told from its address's admitted
+  ones (the events name no connection), so it stays until ``HANDSHAKE_S``.
 * At most ``max_connections`` (default ``connection_limit(max_members)``) open connections from
   admitted addresses: past it a handshake is refused as a temporary failure
   (``connections_over_limit``): libzmq holds it until ``HANDSHAKE_S`` ends it and the publisher
@@ -66,7 +72,8 @@ Who may publish (a message can name any member): each message carries its sender
   reset and the message is its baseline, whatever its sequence), so the old process's blocks
   never mix with the new one's.
 * ``curve_secret_key``: the socket is a CURVE server; only publishers that encrypt to its public
-  key can connect (vLLM and SGLang publishers would need CURVE options of their own).
+  key can connect (vLLM and SGLang publishers would need CURVE options of their own). That
+  authenticates the relay to them, not them to it: ``curve_client_keys`` does that.
 * Topics longer than ``max_topic_bytes`` are dropped before they are matched or cached; a payload
   over ``max_batch_bytes`` is never decoded and resets the engine's members (the batch is lost,
   its rank unknown), and a frame more than ``FRAME_SLACK_BYTES`` over it is not even received:
@@ -99,6 +106,7 @@ import msgspec
 import numpy as np
 import zmq
 import zmq.asyncio
+from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from kvrelay._aio import cancel_and_wait
@@ -199,6 +207,10 @@ class ConnectSpec:
     #: CURVE: the socket's secret key (Z85, 40 characters): publishers must then encrypt to its
     #: public key, and plaintext peers cannot connect at all.
     curve_secret_key: str | None = None
+    #: CURVE: the publishers' public keys (Z85) admitted at the handshake (empty: any key). The
+    #: socket's public key is no secret (every engine is given it), so without these CURVE
+    #: authenticates the relay to its publishers, never a publisher to the relay.
+    curve_client_keys: tuple[str, ...] = ()
     #: Open connections (from addresses ``allow`` admits) past which handshakes are refused;
     #: None: ``connection_limit(max_members)``.
     max_connections: int | None = None
@@ -220,6 +232,7 @@ class ConnectCounters:
     peer_refused: int = 0  # messages from an address outside ``allow`` (past the handshake)
     connections_refused: int = 0  # handshakes refused: the address is outside ``allow``
     connections_over_limit: int = 0  # handshakes refused: ``max_connections`` were open
+    connections_key_refused: int = 0  # handshakes refused: a CURVE key not in the client keys
     # handshakes that failed before the relay's own check (or without reaching it), by reason
     # (``HANDSHAKE_FAILURES``; one field each: the pool flattens these counters to ints)
     handshakes_failed_protocol: int = 0
@@ -315,6 +328,13 @@ class ConnectSource:
         self._sglang = spec.kind is EngineKind.SGLANG
         self._log = get_logger(_LOGGER, pool=spec.pool)
         self._allow = _networks(spec.allow)
+        if spec.curve_client_keys and spec.curve_secret_key is None:
+            raise ValueError("CURVE client keys need a CURVE secret key (a CURVE socket)")
+        #: the publishers' CURVE public keys (raw, as ZAP gives them); None: any key
+        self._client_keys = (
+            frozenset(z85.decode(k) for k in spec.curve_client_keys)
+            if spec.curve_client_keys else None
+        )  # fmt: skip
         self._pinned = {name: _networks(addrs) for name, addrs in spec.addresses}
         #: engine name → the address it is bound to (engines with a member only: bounded)
         self._owners: dict[str, str] = {}
@@ -354,9 +374,11 @@ class ConnectSource:
         self._watching = False
         #: handshake failures not counted yet: (when, reason, libzmq's detail); ``_settle``
         self._unsettled: deque[tuple[float, str, int]] = deque()
-        #: refusals (``connections_refused`` + ``connections_over_limit``, counted by the handler)
-        #: matched with the end of their connection: libzmq's report of the refusal, or a failure
-        #: reported before it (the peer hung up while the refusal was on its way)
+        #: this socket's refusals (the handler's thread counts them; the counters outlive the
+        #: socket, restarts and reloads included) and those matched with the end of their
+        #: connection: libzmq's report of the refusal, or a failure reported before it (the
+        #: peer hung up while the refusal was on its way)
+        self._refusals = 0
         self._refusals_ended = 0
         #: the failures last taken for a refusal, (reason, detail): one is counted after all when
         #: a refusal's own report comes with none left unmatched (the failure took another
@@ -620,8 +642,8 @@ class ConnectSource:
             self._watching = handler.call_later(KEPT_REFUSAL_S, self._look_for_kept)
 
     def _unmatched_refusals(self) -> int:
-        c = self.counters  # (the handler's thread counts refusals: a plain read of two ints)
-        return c.connections_refused + c.connections_over_limit - self._refusals_ended
+        # (the handler's thread counts refusals: a plain read of an int)
+        return self._refusals - self._refusals_ended
 
     def _refusal_ended(self) -> None:
         """libzmq reported the relay's refusal of a connection (always after the handler counted
@@ -682,16 +704,28 @@ class ConnectSource:
         """The ZAP answer for one handshake (CURVE's own check has passed when it is asked), on
         the handler's thread: never waits for the event loop. A stranger is refused without
         the lock or a system call (the loop may hold the one, each of the others hands a busy
-        loop the GIL): what only this thread touches (its counter, its log throttle) and
-        ``allow`` (never changed) decide."""
+        loop the GIL): what only this thread touches (its counters, its log throttle), ``allow``
+        and the client keys (never changed: a reload re-binds a new source) decide."""
         if not self._admits(req.address):
             # closed at once, not 400: libzmq would keep reading the connection after its ERROR
             self.counters.connections_refused += 1
-            self._refused("address", req.address)
-            self._watch_refusal()
-            return zap.CLOSE, "address not allowed"
+            return self._close(req, "address", "address not allowed")
+        keys = self._client_keys
+        if keys is not None and not (
+            req.mechanism == "CURVE" and req.credentials and req.credentials[0] in keys
+        ):  # (only CURVE reaches the handler of a CURVE socket: anything else is refused too)
+            self.counters.connections_key_refused += 1
+            return self._close(req, "client_key", "CURVE key not allowed")
         with self._lock:
             return self._over_limit(req)
+
+    def _close(self, req: zap.Request, reason: str, text: str) -> zap.Verdict:
+        """Refuse a stranger's handshake and have its connection closed at once (the handler's
+        thread; the caller counted it)."""
+        self._refusals += 1
+        self._refused(reason, req.address, req.credentials[0] if req.credentials else b"")
+        self._watch_refusal()
+        return zap.CLOSE, text
 
     def _over_limit(self, req: zap.Request) -> zap.Verdict:
         self._take_events()  # its own accept is among them: libzmq reported it first
@@ -700,18 +734,22 @@ class ConnectSource:
             # connects again); the connection ends with the handshake's time and the publisher
             # connects again, to be asked again
             self.counters.connections_over_limit += 1
+            self._refusals += 1
             self._refused("connection_limit", req.address)
             return 300, "connection limit reached"
         return 200, "OK"
 
-    def _refused(self, reason: str, address: str) -> None:
-        """Log a refusal at most every ``REFUSAL_LOG_S`` per reason, with the count since."""
+    def _refused(self, reason: str, address: str, key: bytes = b"") -> None:
+        """Log a refusal at most every ``REFUSAL_LOG_S`` per reason, with the count since (and,
+        for a CURVE key refused, that key: an engine left out by mistake is found by it)."""
         not_logged = self._refusal_log.due(reason)
         if not_logged is None:
             return
+        shown = reason == "client_key" and len(key) == 32  # (CURVE keys are 32 bytes)
+        client_key = z85.encode(key).decode() if shown else ""
         self._log.warning(
             "connect_handshake_refused", reason=reason, address=address, refused=not_logged + 1,
-            connections=self.connections, limit=self.max_connections,
+            connections=self.connections, limit=self.max_connections, client_key=client_key,
         )  # fmt: skip
 
     async def _run(self) -> None:

@@ -201,6 +201,9 @@ class Subscriber:
         self._ever_connected = False
         #: a batch (live or replayed) was handled: a later baseline follows a reset, not a join
         self._applied_any = False
+        #: where a bootstrap replay that did not answer started: asked again at the first live
+        #: message before that message becomes the baseline (``_on_live``)
+        self._unanswered_from: int | None = None
         self._reconnected = False
         self._src: LiveSource | None = None
         self._errors_logged: set[str] = set()
@@ -517,6 +520,16 @@ class Subscriber:
                 self._replay_from = nxt
             return
         if nxt is None:
+            asked, self._unanswered_from = self._unanswered_from, None
+            if asked is not None and seq > asked:
+                # the replay from ``asked`` did not answer (an engine frozen or too busy to):
+                # it publishes again, so it is asked once more before this batch is taken as
+                # the baseline and the history before it given up
+                if not self._buf.put(seq, payload):
+                    self._overflow()
+                    return
+                self._next = self._replay_from = asked
+                return
             if not self._applied_any and seq > self._start_seq:
                 # The first batch this subscriber takes is its baseline, and the engine numbered
                 # others before it (it published before the relay joined, or its first batches
@@ -838,6 +851,7 @@ class Subscriber:
             if not hole:
                 if outcome == _FAILED and bootstrap and first_try and self._next == start:
                     self._next = None  # nothing known: take the first live message as baseline
+                    self._unanswered_from = start  # ... once the replay was asked again
                 return
             if outcome == _FAILED:
                 self._jump_hole(ResetReason.REPLAY_FAILED)

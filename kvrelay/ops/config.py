@@ -38,7 +38,7 @@ from kvrelay.ingest.live_source import READERS
 from kvrelay.ingest.options import DecodeOptions
 from kvrelay.ingest.topic_pattern import PatternError, TopicPattern
 from kvrelay.mirror.settings import MAX_PERIOD_S as MAX_MIRROR_PERIOD_S
-from kvrelay.ops import early_signals
+from kvrelay.ops import curve_keys, early_signals
 from kvrelay.ops.private_dirs import INTERNAL_SOCKET, socket_path_problem
 from kvrelay.ops.tls import (
     CrlSignatureError,
@@ -571,6 +571,7 @@ CONNECT_KEYS: dict[str, _Key] = {
     "max_batch_bytes": _Key("int", 16 * 1024 * 1024, check=_int_range(1024, 1 << 30)),
     "max_member_blocks": _Key("int", 1 << 22, check=_int_range(1, 1 << 31)),
     "curve_secret_key_file": _Key("str", None, check=_text),
+    "curve_client_keys_file": _Key("str", None, check=_text),
 }
 #: Sections reachable through environment overrides (scalar keys only), longest prefix first.
 ENV_SECTIONS: tuple[tuple[str, str, dict[str, _Key]], ...] = (
@@ -1464,12 +1465,14 @@ def _connect(r: _Reader, pool_path: str, praw: dict[str, Any]) -> ConnectConfig 
     curve = None
     if c["curve_secret_key_file"] is not None:
         curve = _curve_key(r, f"{path}.curve_secret_key_file", c["curve_secret_key_file"])
+    clients = _curve_client_keys(r, path, c)
     if any(q.severity == "error" for q in r.problems[n_before:]):
         return None
     for ep in c["bind"]:
         if ep.startswith("tcp://") and split_tcp(ep)[1] == 0:
             r.err(f"{path}.bind", f"{ep}: engines need a fixed port to connect to")
             return None
+    _open_connect_binds(r, path, c["bind"], bool(c["allow"] or clients))
     try:
         return ConnectConfig(
             bind=tuple(c["bind"]),
@@ -1483,6 +1486,7 @@ def _connect(r: _Reader, pool_path: str, praw: dict[str, Any]) -> ConnectConfig 
             max_batch_bytes=c["max_batch_bytes"],
             max_member_blocks=c["max_member_blocks"],
             curve_secret_key=curve,
+            curve_client_keys=clients,
         )
     except ValueError as exc:
         r.err(path, str(exc))
@@ -1492,21 +1496,44 @@ def _connect(r: _Reader, pool_path: str, praw: dict[str, Any]) -> ConnectConfig 
 def _curve_key(r: _Reader, path: str, file: str) -> str | None:
     """A Z85 CURVE secret key (40 characters) from ``file`` (the key never sits in the config)."""
     try:
-        with open(file, encoding="ascii") as f:
-            key = f.read().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        r.err(path, f"cannot read {file!r}: {exc}")
+        return curve_keys.read_secret_key(file)
+    except curve_keys.KeyFileError as exc:
+        r.err(path, str(exc))
         return None
-    from zmq.utils import z85
 
+
+def _curve_client_keys(r: _Reader, path: str, c: dict[str, Any]) -> tuple[str, ...]:
+    """The publishers' CURVE public keys from ``curve_client_keys_file`` (none when unset). They
+    authenticate publishers only on a CURVE socket: without ``curve_secret_key_file`` the file
+    is refused, not ignored."""
+    file = c["curve_client_keys_file"]
+    if file is None:
+        return ()
+    where = f"{path}.curve_client_keys_file"
+    if c["curve_secret_key_file"] is None:
+        r.err(where, "needs curve_secret_key_file (publishers' keys are checked only on a CURVE "
+                     "socket)")  # fmt: skip
+        return ()
     try:
-        if len(key) != 40:
-            raise ValueError("not 40 characters")
-        z85.decode(key)
-    except (ValueError, KeyError, IndexError, TypeError) as exc:
-        r.err(path, f"{file!r} does not hold a Z85 CURVE secret key ({exc})")
-        return None
-    return key
+        return curve_keys.read_client_keys(file)
+    except curve_keys.KeyFileError as exc:
+        r.err(where, str(exc))
+        return ()
+
+
+def _open_connect_binds(r: _Reader, path: str, binds: list[str], guarded: bool) -> None:
+    """Warn about a TCP bind off loopback that any publisher may use (as for plaintext gRPC):
+    without ``allow`` or client keys, whoever reaches it publishes into the pool."""
+    if guarded:
+        return
+    for ep in binds:
+        if ep.startswith("tcp://") and not is_loopback(split_tcp(ep)[0].rpartition(";")[2]):
+            r.warn(
+                f"{path}.bind",
+                f"connect socket on non-loopback address {ep} admits any publisher; set allow "
+                "(the engines' addresses) or curve_client_keys_file (their CURVE keys) for "
+                "anything beyond one host",
+            )
 
 
 def _engines(

@@ -142,6 +142,11 @@ class Daemon:
         self.notifier = notifier if notifier is not None else Notifier()
         self.reloads = ReloadStats()
         self._reload_wanted = asyncio.Event()
+        #: reloads asked for (a SIGHUP, a ``reload`` call), and how many there were when the
+        #: running upgrade's successor was started (it read the file then: ``_handed_over``)
+        self._reload_requests = 0
+        self._reloads_at_upgrade = 0
+        self._successor_pid: int | None = None
         self._tls: Any = None  # ReloadableServerContext while [tls] is on
         self._upstream_tls: Any = None  # a mirror's ReloadableClientContext with mirror.tls_ca
         self._reload_task: asyncio.Task[None] | None = None
@@ -471,8 +476,25 @@ class Daemon:
     # ---- reload ----------------------------------------------------------------------------------
 
     def request_reload(self) -> None:
-        """SIGHUP: reload once the daemon serves; signals during a reload coalesce into one more."""
+        """SIGHUP: reload once the daemon serves; signals during a reload coalesce into one more.
+        After a hand-over, the successor's to apply (a ``kvrelay reload`` that read the pid file
+        before the successor rewrote it)."""
+        self._reload_requests += 1
+        if self.handed_over and self._successor_pid is not None:
+            self._forward_reload("after the hand-over")
+            return
         self._reload_wanted.set()
+
+    def _forward_reload(self, why: str) -> None:
+        """Signal the successor to reload: it applies the file as it is now."""
+        pid = self._successor_pid
+        assert pid is not None
+        try:
+            os.kill(pid, signal.SIGHUP)
+        except OSError as exc:
+            _LOG.error("upgrade_reload_forwarded", successor_pid=pid, why=why, error=str(exc))
+            return
+        _LOG.info("upgrade_reload_forwarded", successor_pid=pid, why=why)
 
     async def _reload_loop(self) -> None:
         while True:
@@ -485,6 +507,7 @@ class Daemon:
 
     async def reload(self, path: str | os.PathLike[str]) -> ReloadResult:
         """Re-read ``path`` and apply it live; the running configuration stays on any error."""
+        self._reload_requests += 1  # (a SIGHUP counts twice: only whether any came matters)
         self.notifier.reloading()
         status = "reload applied"
         try:
@@ -598,6 +621,7 @@ class Daemon:
             return {"pools": list(c.pools), "members": c.members, "bytes": c.bytes}
 
         self.notifier.status("hot upgrade: starting the successor")
+        self._reloads_at_upgrade = self._reload_requests
         try:
             await Upgrader(listeners, **self.upgrade_options).run(cut, self._handed_over)
         except UpgradeFailed as exc:
@@ -647,9 +671,14 @@ class Daemon:
         """The successor serves (and names itself in the pid file): it becomes systemd's main
         PID; we stop."""
         self.handed_over = True
+        self._successor_pid = pid
         self.upgrades.outcome("handed_over")
         self.notifier.notify(f"MAINPID={pid}\nSTATUS=handed over to pid {pid}")
         _LOG.info("upgrade_handed_over", successor_pid=pid)
+        if self._reload_requests > self._reloads_at_upgrade:
+            # the successor read the file when it started: a reload applied here since (an
+            # operator's edit) would be lost with this process
+            self._forward_reload("reloaded during the upgrade")
         if self.on_handed_over is not None:
             self.on_handed_over()
 

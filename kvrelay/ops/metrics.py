@@ -342,6 +342,11 @@ _POOL_COUNTERS: dict[str, tuple[str, str]] = {
         "kvrelay_connect_connections_over_limit",
         "Connections refused at the ZMTP handshake: the socket held its connection limit.",
     ),
+    "connect_connections_key_refused": (
+        "kvrelay_connect_connections_key_refused",
+        "Connections refused at the ZMTP handshake: the publisher's CURVE public key is not in "
+        "curve_client_keys_file.",
+    ),
     "connect_address_mismatch": (
         "kvrelay_connect_address_mismatch",
         "Messages naming an engine bound to another publisher address (dropped).",
@@ -929,10 +934,10 @@ def _pool_metrics(r: RelayStats) -> Iterator[Metric]:
     handshakes = CounterMetricFamily(
         "kvrelay_connect_handshakes_failed",
         "Connections to the connect socket whose ZMTP handshake failed before the relay's own "
-        "check, by reason: protocol (a malformed handshake or the wrong security mechanism), auth "
-        "(a security check other than the relay's refused it), unfinished (the peer hung up or "
-        "did not finish within 10 s), not_zmtp3 (a connection from outside the allow list whose "
-        "first bytes were not a ZMTP 3 greeting).",
+        "check, by reason: protocol (a malformed handshake, or the wrong security mechanism, "
+        "which may count as unfinished instead), auth (a security check other than the relay's "
+        "refused it), unfinished (the peer hung up or did not finish within 10 s), not_zmtp3 (a "
+        "connection from outside the allow list whose first bytes were not a ZMTP 3 greeting).",
         labels=["pool", "reason"],
     )
     g = {

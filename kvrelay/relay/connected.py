@@ -59,12 +59,20 @@ class PoolHost(Protocol):
 class ConnectedMembers:
     """Owns the pool's ``ConnectSource`` (None until bound) and its members' bookkeeping."""
 
-    def __init__(self, host: PoolHost) -> None:
+    def __init__(self, host: PoolHost, carried: ConnectedMembers | None = None) -> None:
+        """``carried``: the members a reload replaced (the section re-bound): their counters go
+        on here, so the pool's ``kvrelay_connect_*`` counters never go backwards."""
         self._host = host
         self.source: ConnectSource | None = None
-        self.counters = ConnectCounters()  # survives socket restarts (monotonic)
+        #: survives socket restarts and re-binds (monotonic)
+        self.counters: ConnectCounters = (
+            carried.counters if carried is not None else ConnectCounters()
+        )
         self._names: dict[int, str] = {}  # worker_id → engine name of present members
-        self._departed = SubscriberCounters()
+        #: the counters of members that left (``DEPARTED``), also carried over a re-bind
+        self._departed: SubscriberCounters = (
+            carried._departed if carried is not None else SubscriberCounters()
+        )
         self._attempt = 0
         self._not_before = 0.0
         self._starting = False
@@ -178,6 +186,7 @@ class ConnectedMembers:
             pool=self._host.name, allow=cfg.allow, addresses=cfg.addresses,
             max_topic_bytes=cfg.max_topic_bytes, max_batch_bytes=cfg.max_batch_bytes,
             max_member_blocks=cfg.max_member_blocks, curve_secret_key=cfg.curve_secret_key,
+            curve_client_keys=cfg.curve_client_keys,
         )  # fmt: skip
 
     # ---- what the pool reports ------------------------------------------------------------------

@@ -137,6 +137,9 @@ class PoolRuntime:
         self._departed: SubscriberCounters | None = None
         self._generation_totals = GenerationTotals()
         self.connected = ConnectedMembers(self) if spec.connect is not None else None
+        #: The connect section a reload last replaced or removed: its counters (and departed
+        #: members') go on in the next one, so they never go backwards within the process.
+        self._connect_before: ConnectedMembers | None = None
         #: The state file's pool and members, from a start's restore to their vouching.
         self.restore = PoolRestore(self.counters)
 
@@ -649,9 +652,14 @@ class PoolRuntime:
             connect_changed = spec.connect != self.spec.connect
             old_spec, self.spec = self.spec, spec
             if connect_changed:  # a new endpoint or pattern: its members start over (§22)
-                if self.connected is not None:
-                    await self.connected.stop(retire=True)
-                self.connected = ConnectedMembers(self) if spec.connect is not None else None
+                old = self.connected
+                if old is not None:
+                    await old.stop(retire=True)  # (their counters go on: ``carried``)
+                    self._connect_before = old
+                self.connected = (
+                    ConnectedMembers(self, self._connect_before)
+                    if spec.connect is not None else None
+                )  # fmt: skip
             if rematerialize:
                 self.counters.reconfigurations += 1
                 if not self._refilter(old_spec, spec):
@@ -827,7 +835,8 @@ class PoolRuntime:
             source_totals=self._source_totals,
             departed=self._departed,
             subscribers=self.subscribers,
-            connected=self.connected,
+            # (a section a reload removed: its counters stay, as they were)
+            connected=self.connected or self._connect_before,
             counters=self.counters,
             engines=self.engines.values(),
             engine_name=self._engine_name,

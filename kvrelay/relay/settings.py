@@ -109,6 +109,8 @@ class ConnectConfig:
     max_member_blocks: int = 1 << 22
     #: CURVE secret key (Z85) read from ``curve_secret_key_file``; None: plaintext ZMTP.
     curve_secret_key: str | None = field(default=None, repr=False)
+    #: Publishers' CURVE public keys (Z85) from ``curve_client_keys_file``; empty: any key.
+    curve_client_keys: tuple[str, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if not self.bind:
@@ -122,6 +124,8 @@ class ConnectConfig:
         TopicPattern(self.topic_pattern)  # raises PatternError (a ValueError)
         if self.max_members < 1 or self.member_silence_s <= 0:
             raise ValueError("max_members must be >= 1 and member_silence_s > 0")
+        if self.curve_client_keys and self.curve_secret_key is None:
+            raise ValueError("CURVE client keys need a CURVE secret key")
 
 
 

@@ -282,3 +282,55 @@ async def test_reload_keeps_members_unless_the_connect_endpoint_changes() -> Non
         await a.step(3)  # still publishing to the old address: nobody listens there
         await verify(r, again, truth=truth(b), probes=2_000)
         await again.stop()
+
+
+async def test_a_reload_that_rebinds_the_section_keeps_its_counters() -> None:
+    """Prometheus counters never go backwards within a process. A reload that narrows ``allow``
+    re-binds the section (a new ``ConnectSource``): the pool's ``kvrelay_connect_*`` counters
+    went back to 0 then. They go on from where they were, and grow with the new socket's work
+    (its member added again, a stranger refused again)."""
+    import dataclasses
+
+    names = (
+        "kvrelay_connect_messages_total", "kvrelay_connect_members_added_total",
+        "kvrelay_connect_connections_refused_total",
+    )  # fmt: skip
+    async with connect_rig(allow=("10.99.0.0/16", "127.0.0.1")) as c:
+        r = c.rig
+
+        def counts() -> dict[str, float]:
+            return {n: r.metric(n, pool=POOL) for n in names}
+
+        async def refuse_a_stranger(more_than: float) -> None:
+            _sent, stranger = await unfinished_message(c.bind, 1, 1024, local="127.0.0.2")
+            stranger.close()
+            await eventually(lambda: counts()[names[2]] > more_than, what="stranger refused")
+
+        (a,) = await started(c, 1, 89)
+        for _ in range(8):
+            await a.step(1)
+        await eventually(lambda: counts()[names[0]] >= 3, what="messages counted")
+        await refuse_a_stranger(0)
+        before = counts()
+        assert before[names[1]] == 1
+        old = r.pool.connected.source
+        (spec,) = r.settings.pools
+        assert spec.connect is not None
+        narrowed = dataclasses.replace(
+            spec, connect=dataclasses.replace(spec.connect, allow=("127.0.0.1",))
+        )
+        await r.relay.reconfigure(dataclasses.replace(r.settings, pools=(narrowed,)))
+        assert counts() == before  # the socket is gone; what it counted is not
+        await eventually(
+            lambda: r.pool.connected.source not in (None, old), what="re-bound"
+        )
+        for _ in range(200):  # the engine's PUB connects again, to the new socket
+            await a.step(1)
+            if counts()[names[1]] > before[names[1]]:
+                break  # its member is added again
+            await asyncio.sleep(0.05)
+        assert counts()[names[1]] == before[names[1]] + 1
+        await refuse_a_stranger(before[names[2]])
+        after = counts()
+        assert all(after[n] >= before[n] for n in names), (before, after)
+        assert after[names[0]] > before[names[0]]

@@ -512,6 +512,68 @@ async def test_the_old_process_killed_after_the_cut_leaves_the_successors_state(
         await fleet.stop()
 
 
+async def test_a_reload_applied_during_the_upgrade_reaches_the_successor(
+    tmp_path: Path,
+) -> None:
+    """An engine is removed from the file and the old process reloads while its successor, which
+    read the file when it started, waits on its vouch. The reload was applied (and ``reload``
+    said so), then lost at the hand-over: the successor went on serving the removed engine's
+    blocks, its reload counters at 0. The old process now sends its successor SIGHUP as it
+    hands over: the successor applies the file and serves only the engine left."""
+    fleet = Fleet(2, seed=590)
+    await fleet.start()
+    grpc, metrics = free_ports(2)
+    cfg = tmp_path / "kvrelay.toml"
+    pid_file = tmp_path / "kvrelay.pid"
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    cfg.write_text(_config(grpc, metrics, fleet.engines, runtime=str(tmpdir)))
+    old, _env, notes, log = await start_daemon(tmp_path, "serve", "--config", str(cfg),
+                                               "--pid-file", str(pid_file))  # fmt: skip
+    new_pid: int | None = None
+    everyone = list(fleet.engines)
+
+    def events() -> list[dict[str, object]]:
+        return [json.loads(ln) for ln in log.read_text().splitlines() if ln.startswith("{")]
+
+    try:
+        await notes.wait_for("READY=1")
+        await fleet.step(5)
+        await _exact(grpc, fleet)
+        for e in fleet.engines:  # the successor's vouch waits: it cannot take over meanwhile
+            e.delay_replay(SLOW_REPLAY_S)
+        assert old.pid is not None
+        os.kill(old.pid, signal.SIGUSR2)
+        await eventually(
+            lambda: any(e.get("event") == "pool_materialized" and e.get("restored")
+                        for e in events()),
+            timeout=60, what="the successor on the cut",
+        )  # fmt: skip
+        fleet.engines.pop()  # the operator removes it, and reloads the old process
+        cfg.write_text(_config(grpc, metrics, fleet.engines, runtime=str(tmpdir)))
+        os.kill(old.pid, signal.SIGHUP)
+        assert await asyncio.wait_for(old.wait(), 60) == 0  # handed over
+        for e in everyone:
+            e.delay_replay(0)
+        new_pid = int(pid_file.read_text())
+        async def successor_reloaded() -> bool:
+            s = await scrape(metrics)
+            return value(s, "kvrelay_config_reloads_total", result="applied") >= 1
+
+        deadline = time.monotonic() + 30
+        while not await successor_reloaded():
+            assert time.monotonic() < deadline, "the successor never applied the reload"
+            await asyncio.sleep(0.1)
+        await fleet.step(3)
+        await _exact(grpc, fleet)  # the engine left, and only it (0 missing, 0 phantom)
+        names = [e.get("event") for e in events()]
+        assert names.count("config_reloaded") == 2 and "upgrade_reload_forwarded" in names, names
+    finally:
+        await _end(log, None, old, new_pid, notes)
+        fleet.engines = everyone
+        await fleet.stop()
+
+
 def _exited(pid: int) -> bool:
     """Gone, or a zombie: an orphan is reaped by whatever the machine's first process is, which
     need not reap at all (a container's)."""

@@ -156,6 +156,36 @@ async def test_missing_history_at_bootstrap(ctx: zmq.asyncio.Context) -> None:
         await pub.close()
 
 
+async def test_a_bootstrap_replay_that_did_not_answer_is_asked_again_at_the_first_batch(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The engine's replay takes the bootstrap request and does not answer in time (a frozen or
+    overloaded engine: the audit's SIGSTOP through a hot upgrade). Its first live batch was
+    then the baseline and the history before it was given up (``missing_history``) though the
+    replay held it; the replay is now asked once more at that batch, which answers: exact."""
+    pub = TestPublisher(ctx)
+    for s in range(10):
+        await pub.publish(msg(s), live=False)
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx, replay_timeout=0.2)
+    pub.gate.clear()  # the request is taken, not answered
+    await sub.start()
+    try:
+        await pub.wait_subscribed()
+        await until(lambda: sub.state == "live" and sub.counters.replay_failures == 1)
+        pub.gate.set()  # it thaws
+        await pub.publish(msg(10))
+        await until(lambda: 10 in sink.seqs)
+        assert_exact(sink, list(range(11)))
+        c = sub.counters
+        assert (c.missing_history, c.resets, c.replay_failures) == (0, 0, 1)
+        assert pub.requests == [0, 0]
+    finally:
+        pub.gate.set()
+        await sub.stop()
+        await pub.close()
+
+
 async def _synced(pub: TestPublisher, sink: RecordingSink, sub: Subscriber, n: int) -> None:
     await sub.start()
     await pub.wait_subscribed()
