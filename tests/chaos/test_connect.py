@@ -16,7 +16,7 @@ import zmq.asyncio
 
 from kvrelay.relay.engines import worker_id_for
 from kvrelay.sim.engine import SimEngine
-from tests.ingest.test_connect_trust import unfinished_message
+from tests.ingest.test_connect_trust import _PUB_HELLO, unfinished_message
 from tests.support.connect import ConnectRig, connect_rig
 from tests.support.fleet import ground_truth
 from tests.support.rig import catalog_pool_count, eventually, stored_after, subscribe, verify
@@ -302,9 +302,17 @@ async def test_a_reload_that_rebinds_the_section_keeps_its_counters() -> None:
             return {n: r.metric(n, pool=POOL) for n in names}
 
         async def refuse_a_stranger(more_than: float) -> None:
-            _sent, stranger = await unfinished_message(c.bind, 1, 1024, local="127.0.0.2")
-            stranger.close()
-            await eventually(lambda: counts()[names[2]] > more_than, what="stranger refused")
+            # its greeting and READY only, and it waits: one that hangs up, or sends a frame,
+            # before the handler answers ends as a failed handshake instead
+            host, port = c.bind.removeprefix("tcp://").rsplit(":", 1)
+            _r, stranger = await asyncio.open_connection(
+                host, int(port), local_addr=("127.0.0.2", 0)
+            )
+            stranger.write(_PUB_HELLO)
+            try:
+                await eventually(lambda: counts()[names[2]] > more_than, what="stranger refused")
+            finally:
+                stranger.close()
 
         (a,) = await started(c, 1, 89)
         for _ in range(8):
