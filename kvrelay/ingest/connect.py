@@ -1070,21 +1070,33 @@ def _ends_connection(kind: int, value: int) -> bool:
     return kind in (zmq.EVENT_DISCONNECTED, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
+@contextlib.contextmanager
+def _borrowed(fd: int) -> Iterator[socket.socket | None]:
+    """libzmq's descriptor ``fd`` as a socket of a duplicate (closed at the end, so libzmq's own
+    descriptor never is here); None where the number no longer names a socket (reused)."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        yield None
+        return
+    try:
+        sock = socket.socket(fileno=dup)
+    except OSError:  # not a socket (the number was reused): the duplicate is still ours
+        os.close(dup)
+        yield None
+        return
+    with sock:
+        yield sock
+
+
 def _shut_stranger(fd: int, admits: Callable[[str], bool]) -> bool:
     """Shut down the connection on libzmq's descriptor ``fd`` if its peer is one ``admits``
     refuses (libzmq then ends it as if the peer had hung up); whether it did. Through a
     duplicate, checked before: if libzmq closed ``fd`` and the number now names another socket,
     that socket's own peer decides, so an admitted peer's connection is never ended here."""
-    try:
-        dup = os.dup(fd)
-    except OSError:
-        return False
-    try:
-        sock = socket.socket(fileno=dup)
-    except OSError:
-        os.close(dup)
-        return False
-    with sock:
+    with _borrowed(fd) as sock:
+        if sock is None:
+            return False
         try:
             peer = sock.getpeername()
             if not isinstance(peer, tuple) or admits(str(peer[0])):
@@ -1096,21 +1108,13 @@ def _shut_stranger(fd: int, admits: Callable[[str], bool]) -> bool:
 
 
 def _fd_peer(fd: int) -> str | None:
-    """The peer's address on libzmq's descriptor ``fd`` (IP; "" for a Unix socket), read
-    through a duplicate so that libzmq's own descriptor is never closed here; None where it is
-    no longer a connected socket. If libzmq closed it already, its disconnect event is queued
-    behind the accept: a number the process reused meanwhile (another socket's peer read here)
-    is forgotten with that event."""
-    try:
-        dup = os.dup(fd)
-    except OSError:
-        return None
-    try:
-        sock = socket.socket(fileno=dup)
-    except OSError:  # not a socket (the number was reused): the duplicate is still ours
-        os.close(dup)
-        return None
-    with sock:
+    """The peer's address on libzmq's descriptor ``fd`` (IP; "" for a Unix socket); None where
+    it is no longer a connected socket. If libzmq closed it already, its disconnect event is
+    queued behind the accept: a number the process reused meanwhile (another socket's peer read
+    here) is forgotten with that event."""
+    with _borrowed(fd) as sock:
+        if sock is None:
+            return None
         try:
             peer = sock.getpeername()
         except OSError:
