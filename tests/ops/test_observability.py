@@ -211,3 +211,13 @@ def test_dashboard_panels_query_served_series() -> None:
     assert any("kvrelay_mirror_subscribers_lagged_total" in e for e in exprs)
     variables = {v["name"] for v in dash["templating"]["list"]}
     assert variables == {"datasource", "instance"}
+    # a per-source (†) family's ``(departed)`` series jumps by a leaving source's whole count,
+    # which ``rate`` then shows as traffic: a panel rating one leaves that series out
+    table = (REPO / "docs" / "operations.md").read_text()
+    row = r"^\| `(kvrelay_[a-z0-9_]+)` \| counter \| [^|]*\(†\)"
+    per_source = set(re.findall(row, table, re.M))
+    assert "kvrelay_ingest_blocks_total" in per_source
+    for e in exprs:
+        for fam in re.findall(r"(?:rate|increase)\((kvrelay_[a-z0-9_]+?)(?:_bucket)?\{", e):
+            if fam in per_source:
+                assert 'worker!="(departed)"' in e, e
