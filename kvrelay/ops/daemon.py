@@ -142,10 +142,9 @@ class Daemon:
         self.notifier = notifier if notifier is not None else Notifier()
         self.reloads = ReloadStats()
         self._reload_wanted = asyncio.Event()
-        #: reloads asked for (a SIGHUP, a ``reload`` call), and how many there were when the
-        #: running upgrade's successor was started (it read the file then: ``_handed_over``)
-        self._reload_requests = 0
-        self._reloads_at_upgrade = 0
+        #: a reload was asked for (a SIGHUP, a ``reload`` call) since the running upgrade's
+        #: successor was started, which read the file then (``_handed_over``)
+        self._reloaded_during_upgrade = False
         self._successor_pid: int | None = None
         self._tls: Any = None  # ReloadableServerContext while [tls] is on
         self._upstream_tls: Any = None  # a mirror's ReloadableClientContext with mirror.tls_ca
@@ -479,7 +478,7 @@ class Daemon:
         """SIGHUP: reload once the daemon serves; signals during a reload coalesce into one more.
         After a hand-over, the successor's to apply (a ``kvrelay reload`` that read the pid file
         before the successor rewrote it)."""
-        self._reload_requests += 1
+        self._reloaded_during_upgrade = True
         if self.handed_over and self._successor_pid is not None:
             self._forward_reload("after the hand-over")
             return
@@ -507,7 +506,7 @@ class Daemon:
 
     async def reload(self, path: str | os.PathLike[str]) -> ReloadResult:
         """Re-read ``path`` and apply it live; the running configuration stays on any error."""
-        self._reload_requests += 1  # (a SIGHUP counts twice: only whether any came matters)
+        self._reloaded_during_upgrade = True
         self.notifier.reloading()
         status = "reload applied"
         try:
@@ -621,7 +620,7 @@ class Daemon:
             return {"pools": list(c.pools), "members": c.members, "bytes": c.bytes}
 
         self.notifier.status("hot upgrade: starting the successor")
-        self._reloads_at_upgrade = self._reload_requests
+        self._reloaded_during_upgrade = False
         try:
             await Upgrader(listeners, **self.upgrade_options).run(cut, self._handed_over)
         except UpgradeFailed as exc:
@@ -675,7 +674,7 @@ class Daemon:
         self.upgrades.outcome("handed_over")
         self.notifier.notify(f"MAINPID={pid}\nSTATUS=handed over to pid {pid}")
         _LOG.info("upgrade_handed_over", successor_pid=pid)
-        if self._reload_requests > self._reloads_at_upgrade:
+        if self._reloaded_during_upgrade:
             # the successor read the file when it started: a reload applied here since (an
             # operator's edit) would be lost with this process
             self._forward_reload("reloaded during the upgrade")
