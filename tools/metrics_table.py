@@ -1,6 +1,7 @@
 """Render the metric table of docs/operations.md from the collector itself (``make docs``).
 
-The collectors (a relay's, and a mirror's ``kvrelay_mirror_*`` families) run over synthetic
+The collectors (a relay's, a mirror's ``kvrelay_mirror_*`` families and a ``workers = N``
+supervisor's ``kvrelay_workers`` / ``kvrelay_worker_*`` ones) run over synthetic
 statistics in which every family has a sample (one pool, one source, one engine, one entry in
 every by-reason counter), so names, types, labels and help text come from the code that serves
 them and the documented table cannot drift from it. A developer tool: it is not part of the
@@ -18,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from kvrelay.ingest.counters import SubscriberCounters
 from kvrelay.ops.metrics import _POOL_COUNTERS, RelayMetrics
-from kvrelay.ops.mirror_metrics import MirrorCollector
+from kvrelay.ops.mirror_metrics import MirrorCollector, WorkersCollector
 from kvrelay.ops.reload import ReloadStats
 from kvrelay.ops.tls import LoadedCertificate
 from kvrelay.ops.upgrade import UpgradeStats
@@ -107,6 +108,24 @@ def mirror_families() -> list[Family]:
     return _series(registry)
 
 
+class _Supervisor:
+    """A ``workers = N`` supervisor with one worker that has reported (``WorkersCollector``)."""
+
+    count, alive, restarts = 2, 2, 1
+
+    def worker_stats(self) -> list[dict[str, Any]]:
+        return [{"reports_dropped": 1}]
+
+
+def worker_families() -> list[Family]:
+    """The supervisor's ``kvrelay_workers`` / ``kvrelay_worker_*`` families (a ``workers = N``
+    relay's page; its workers' mirror families are ``mirror_families``)."""
+    registry = CollectorRegistry()
+    registry.register(WorkersCollector(_Supervisor()))
+    mirrors = {f.series for f in mirror_families()}
+    return [f for f in _series(registry) if f.series not in mirrors]
+
+
 def families(per_member: bool = True) -> list[Family]:
     """A relay's families."""
     metrics = RelayMetrics(
@@ -124,7 +143,7 @@ def families(per_member: bool = True) -> list[Family]:
 def table() -> str:
     pooled = {f.series: f.labels for f in families(per_member=False)}
     rows = ["| Series | Type | Labels | Meaning |", "| --- | --- | --- | --- |"]
-    for f in sorted([*families(), *mirror_families()], key=lambda f: f.series):
+    for f in sorted([*families(), *mirror_families(), *worker_families()], key=lambda f: f.series):
         labels = ", ".join(f.labels) if f.labels else "—"
         if f.series in pooled and pooled[f.series] != f.labels:
             labels += " (†)"
