@@ -205,6 +205,11 @@ class Subscriber:
         #: message before that message becomes the baseline (``_on_live``)
         self._unanswered_from: int | None = None
         self._reconnected = False
+        #: a replay saw the live connection end: the live stream is not read by a replay until
+        #: the reconnect's vouch is asked for (``_after_reconnect``), as what the next
+        #: connection delivers may be another incarnation's, and applied after the replay
+        #: (contiguous with it) nothing would tell
+        self._held_live = False
         self._src: LiveSource | None = None
         self._errors_logged: set[str] = set()
         # what the publisher sends (live, or as its replay's reply, or by not answering it) can
@@ -382,9 +387,9 @@ class Subscriber:
 
     async def _wait_input(self, dealer: zmq.Socket[Any], timeout: float) -> None:
         """Until the live stream or ``dealer`` may have input or ``timeout`` s passed (spurious
-        wakes happen: callers check again)."""
+        wakes happen: callers check again). A held live stream's messages wake nothing."""
         src = self._src
-        if (src is not None and src.readable()) or readable(dealer):
+        if (src is not None and not self._held_live and src.readable()) or readable(dealer):
             return
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
@@ -408,10 +413,11 @@ class Subscriber:
                                not_logged=not_logged)  # fmt: skip
 
     # ---- connection monitor -----------------------------------------------------------------
-    def _watch_connection(self) -> None:
+    def _watch_connection(self, *, replaying: bool = False) -> None:
         """Apply the source's connect/disconnect events. A disconnect first drains what the
         old connection delivered (those batches precede any reconnect); a connect after a
-        disconnect is a reconnect the next loop step must vouch for."""
+        disconnect is a reconnect the next loop step must vouch for. ``replaying``: seen by a
+        replay, which applies nothing live; the live stream is held instead (``_held_live``)."""
         assert self._src is not None
         for event in self._src.take_events():
             if event == CONNECTED and not self.connected:
@@ -422,11 +428,15 @@ class Subscriber:
                 if self._ever_connected:
                     self.counters.reconnects += 1
                     self._reconnected = True
+                    self._held_live = self._held_live or replaying
                 self._ever_connected = True
             elif event == DISCONNECTED and self.connected:
                 self.connected = False
                 self.disconnected_since = now = time.monotonic()
-                self._drain_queued()
+                if replaying:
+                    self._held_live = True
+                else:
+                    self._drain_queued()
                 # a peer that accepts and drops the connection without a message (no publisher
                 # behind the port, a proxy, a crash loop): not a live source
                 brief = now - self._connected_at < FLAP_S
@@ -451,7 +461,9 @@ class Subscriber:
             self._log.warning("source_protocol_error", kind=kind, endpoint=self.spec.endpoint)
 
     def _after_reconnect(self) -> None:
-        """The publisher may have restarted: vouch for the incarnation before going on."""
+        """The publisher may have restarted: vouch for the incarnation before going on (the
+        vouch's replay reads the live stream again)."""
+        self._held_live = False
         self._log_reconnect()
         if self._next is None or self._last is None:
             return  # nothing applied yet: whatever comes is a baseline
@@ -844,14 +856,14 @@ class Subscriber:
                 continue
             first_try = attempt == 0
             attempt += 1
+            replayed_to = self._next
             hole = self._drain_buffer()
             if self._replay_from is not None:  # a buffered batch was bad: re-fetch it
                 start, self._replay_from = self._replay_from, None
                 continue
             if not hole:
-                if outcome == _FAILED and bootstrap and first_try and self._next == start:
-                    self._next = None  # nothing known: take the first live message as baseline
-                    self._unanswered_from = start  # ... once the replay was asked again
+                if outcome == _FAILED and self._next == replayed_to:
+                    self._replay_unfinished(start, ask_again=bootstrap and first_try)
                 return
             if outcome == _FAILED:
                 self._jump_hole(ResetReason.REPLAY_FAILED)
@@ -859,6 +871,18 @@ class Subscriber:
             assert self._next is not None
             start = self._next
         self._jump_hole(ResetReason.GAP_UNRECOVERABLE)
+
+    def _replay_unfinished(self, start: int, *, ask_again: bool) -> None:
+        """The replay stopped without its end marker (it went silent: a hung engine, a reply
+        cut short, a batch too large for the reader) and no live batch continued what it gave:
+        whether the engine published more before the live stream's subscription, nothing
+        tells, and a removal among those would leave blocks the engine no longer holds. What
+        it applied is not vouched for: the member is reset, and the next live batch is its
+        baseline (a bootstrap's replay is asked once more at that batch)."""
+        self._reset(ResetReason.REPLAY_FAILED)
+        self._next = self._last = None
+        if ask_again:
+            self._unanswered_from = start
 
     def _log_vouch_unanswered(self, asked: int) -> None:
         not_logged = self._input_log.due("vouch_unanswered")
@@ -916,7 +940,10 @@ class Subscriber:
                 remaining = deadline - loop.time()
                 if remaining > 0:
                     await self._wait_input(dealer, remaining)
-                sub_ready, dealer_ready = src.readable(), readable(dealer)
+                if src.has_events():
+                    self._watch_connection(replaying=True)
+                sub_ready = not self._held_live and src.readable()
+                dealer_ready = readable(dealer)
                 if not (sub_ready or dealer_ready) and loop.time() >= deadline:
                     c.replay_failures += 1
                     self._log_replay_timeout(ask)

@@ -909,3 +909,128 @@ async def test_a_live_duplicate_after_a_restart_told_by_the_vouch_is_no_restart(
     finally:
         await sub.stop()
         await pub.close()
+
+
+@pytest.mark.parametrize("stall_after", [5, 0])
+async def test_a_bootstrap_replay_cut_short_without_its_end_is_not_kept(
+    ctx: zmq.asyncio.Context, stall_after: int
+) -> None:
+    """The bootstrap replay gives 0..4 of 0..9 and goes silent, no end marker (a reply cut
+    short: a ROUTER past its high-water mark, a batch too large for the reader), and the engine
+    publishes nothing more. 5..9 removed what 0..4 stored: the member went on "in sync" holding
+    them until the engine's next batch. What such a replay applied is reset; the replay is
+    asked once more at the first live batch, and its full answer rebuilds the member."""
+    pub = TestPublisher(ctx)
+    for s in range(10):
+        await pub.publish(msg(s), live=False)
+    pub.pause_after, pub.mid = stall_after, asyncio.Event()
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx, replay_timeout=0.3)
+    await sub.start()
+    try:
+        await pub.wait_subscribed()
+        await until(lambda: sub.state == "live" and sub.counters.replay_failures == 1)
+        assert sink.seqs == list(range(stall_after))
+        assert sink.resets == ([ResetReason.REPLAY_FAILED] if stall_after else [])
+        assert sub.next_seq is None  # the next live batch is the baseline
+        pub.pause_after = None
+        pub.mid.set()
+        await pub.publish(msg(10))
+        await until(lambda: 10 in sink.seqs)
+        after = sink.items[stall_after + (1 if stall_after else 0) :]
+        assert [v[0] for k, v in after if k == "batch"] == list(range(11))
+        assert ("reset", ResetReason.REPLAY_FAILED) not in after
+        assert pub.requests == [0, 0]
+    finally:
+        pub.mid.set()
+        await sub.stop()
+        await pub.close()
+
+
+@pytest.mark.parametrize("stall_after", [1, 2])
+async def test_a_vouch_whose_replay_stops_without_its_end_is_no_vouch(
+    ctx: zmq.asyncio.Context, stall_after: int
+) -> None:
+    """A restored member: the replay gives the saved batch (the vouch), maybe one more, and
+    goes silent. The engine removed blocks after that while the relay was down: the saved
+    state was told vouched for and published as current, and checkpointed again. A replay that
+    never says where the history ends vouches for nothing: the member is reset."""
+    pub = TestPublisher(ctx)
+    for s in range(20):
+        await pub.publish(msg(s), live=False)
+    pub.pause_after, pub.mid = stall_after, asyncio.Event()
+    sink, sub = await _resumed(ctx, pub, (9, _digest(msg(9))), replay_timeout=0.3)
+    try:
+        assert ("vouched", SourceKey(42, 0)) not in sink.items
+        assert sink.resets == [ResetReason.REPLAY_FAILED]
+        assert sink.seqs == list(range(10, 10 + stall_after - 1))
+        assert sub.next_seq is None
+    finally:
+        pub.mid.set()
+        await sub.stop()
+        await pub.close()
+
+
+def other_msg(seq: int) -> bytes:
+    """A restarted engine's batch ``seq``: other blocks than ``msg(seq)``'s."""
+    return W.batch([W.stored("map", block_hashes=[20_000 + seq], token_ids=list(range(B)),
+                             block_size=B)])  # fmt: skip
+
+
+async def test_an_engine_restart_during_the_bootstrap_replay_is_not_taken_as_its_sequel(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The engine answers the bootstrap replay with 0..2 of 0..9 and dies; a new incarnation
+    binds the same endpoints, its 0..2 go out before the relay's SUB reconnected (missed), its 3
+    comes live while the dead replay is still awaited. 3 followed the replay's 2, so it was
+    applied after it, and the reconnect's vouch then checked 3 against the engine that sent it:
+    the old incarnation's 0..2 stayed for good. The live stream is held from the disconnect
+    until the reconnect is vouched for: the member is reset, then rebuilt from the new
+    incarnation's replay."""
+    pub = TestPublisher(ctx)
+    for s in range(10):
+        await pub.publish(msg(s), live=False)
+    pub.pause_after, pub.mid = 3, asyncio.Event()
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx, replay_timeout=1.0)
+    await sub.start()
+    try:
+        await pub.wait_subscribed()
+        await until(lambda: sink.seqs == [0, 1, 2])
+        endpoint = pub.endpoint
+        pub.pub.close(linger=0)  # the engine dies
+        restarted = ctx.socket(zmq.XPUB)
+        restarted.setsockopt(zmq.LINGER, 0)
+        restarted.bind(endpoint)
+        pub.pub = restarted
+        pub.restart()
+        for s in range(3):
+            await pub.publish(other_msg(s), live=False)  # before the SUB reconnected
+        await pub.wait_subscribed()
+        await pub.publish(other_msg(3))  # live, while the old replay is awaited
+        await until(lambda: sub.counters.replay_failures >= 1, timeout=5.0)
+        pub.pause_after = None
+        pub.mid.set()  # the old reply ends (to a gone reader); the next request is answered
+        await until(lambda: 20_003 in _held(sink), timeout=5.0)
+        assert _held(sink) == {20_000, 20_001, 20_002, 20_003}
+        first_new = next(i for i, (k, v) in enumerate(sink.items)
+                         if k == "batch" and v[1][0] >= 20_000)  # fmt: skip
+        assert ("reset", ResetReason.REPLAY_FAILED) in sink.items[:first_new]
+    finally:
+        pub.mid.set()
+        await sub.stop()
+        await pub.close()
+
+
+def _held(sink: RecordingSink) -> set[int]:
+    """The hashes the member holds: the batches applied since its last reset (each batch stores
+    or removes its seq's hash: ``msg``, ``other_msg``)."""
+    held: set[int] = set()
+    for kind, value in sink.items:
+        if kind == "reset":
+            held.clear()
+        elif kind == "batch":
+            seq, hashes = value
+            stored = hashes[0] >= 20_000 or seq % 3 == 0
+            held = held | set(hashes) if stored else held - set(hashes)
+    return held
