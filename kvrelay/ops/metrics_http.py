@@ -10,7 +10,10 @@ peer may be able to make it fail by holding connections:
 - every connection must send its whole request head within ``head_timeout_s`` (one deadline for
   the head, not per read, so a slowloris client is cut off as surely as an idle one), and every
   response must drain within ``drain_timeout_s``;
-- at most ``max_per_peer`` open connections per peer address (more are answered 503 and closed);
+- at most ``max_per_peer`` open connections per peer address: a new one past it evicts that
+  address's oldest connection still reading its request head (it is answered 503 and closed only
+  when none is), so a peer on the prober's own address (a pod on the node's network, the kubelet
+  probing from the node's) cannot hold its probe out either;
 - at most ``max_connections`` in all: a new connection past it evicts the oldest one still
   reading its request head, so a probe that sends its request at once is always read;
 - at most ``max_scrapes`` ``/metrics`` responses in flight (the body can be megabytes);
@@ -102,8 +105,9 @@ def http_metrics(counters: HttpCounters | None) -> Iterator[Metric]:
     """The endpoint's own families (zero before it starts, so the series always exist)."""
     fam = CounterMetricFamily(
         "kvrelay_metrics_http_rejections",
-        "Metrics/health connections refused or cut off, by reason: per_peer, evicted (oldest "
-        "unfinished request head, past the connection limit), head_timeout, head_too_large, "
+        "Metrics/health connections refused or cut off, by reason: per_peer (an address's "
+        "connections all past their request head), evicted (oldest unfinished request head, "
+        "past the per-address or overall connection limit), head_timeout, head_too_large, "
         "bad_request, busy (too many /metrics responses in flight), drain_timeout.",
         labels=["reason"],
     )
@@ -277,21 +281,27 @@ class MetricsServer:
     def _admit(self, task: asyncio.Task[Any], conn: _Conn) -> str | None:
         """Track ``conn``, or say why it is refused (``per_peer``/``busy``)."""
         lim = self.limits
-        if self._per_peer.get(conn.peer, 0) >= lim.max_per_peer:
+        if self._per_peer.get(conn.peer, 0) >= lim.max_per_peer and not self._evict(conn.peer):
             return "per_peer"
-        if len(self._conns) >= lim.max_connections:
-            oldest = min(
-                (t for t, c in self._conns.items() if c.reading),
-                key=lambda t: self._conns[t].opened, default=None,
-            )  # fmt: skip
-            if oldest is None:
-                return "busy"
-            self._forget(oldest)
-            oldest.cancel()
-            self.counters.count("evicted")
+        if len(self._conns) >= lim.max_connections and not self._evict(None):
+            return "busy"
         self._conns[task] = conn
         self._per_peer[conn.peer] = self._per_peer.get(conn.peer, 0) + 1
         return None
+
+    def _evict(self, peer: str | None) -> bool:
+        """End the oldest connection still reading its request head (of ``peer``, or of anyone
+        with None); False when there is none."""
+        oldest = min(
+            (t for t, c in self._conns.items() if c.reading and (peer is None or c.peer == peer)),
+            key=lambda t: self._conns[t].opened, default=None,
+        )  # fmt: skip
+        if oldest is None:
+            return False
+        self._forget(oldest)
+        oldest.cancel()
+        self.counters.count("evicted")
+        return True
 
     def _forget(self, task: asyncio.Task[Any]) -> None:
         conn = self._conns.pop(task, None)

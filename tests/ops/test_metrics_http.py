@@ -13,6 +13,8 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 
+import pytest
+
 from kvrelay.ops.metrics_http import HttpLimits, MetricsServer
 from tests.support.scrape import http_request
 
@@ -90,15 +92,45 @@ async def _stop(writers: list[asyncio.StreamWriter], tasks: list[asyncio.Task[No
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def test_healthz_answers_while_one_peer_holds_64_idle_and_64_slowloris_connections() -> None:
+@pytest.mark.parametrize("source", ["127.0.0.2", "127.0.0.1"])
+async def test_healthz_answers_while_one_peer_holds_64_idle_and_64_slowloris_connections(
+    source: str,
+) -> None:
+    """Past 8 connections an address's oldest unread head is evicted. From the probe's own
+    address too (a pod on the node's network, where the kubelet probes from): there the per-peer
+    cap answered the probe 503 (19 of 20 probes while one peer kept 8 heads open)."""
     async with _endpoint() as (server, port):
-        writers, tasks = await _attack(port, ["127.0.0.2"], 64, 64)
+        writers, tasks = await _attack(port, [source], 64, 64)
         try:
             per_peer = server.limits.max_per_peer
-            await _eventually(lambda: server.counters.rejections["per_peer"] >= 128 - per_peer)
-            await _probe_and_scrape(port)
+            await _eventually(lambda: server.counters.rejections["evicted"] >= 128 - per_peer)
+            for _ in range(5):
+                await _probe_and_scrape(port)
+            assert server.counters.rejections["per_peer"] == 0
         finally:
             await _stop(writers, tasks)
+
+
+async def test_an_address_whose_connections_all_passed_their_head_is_refused() -> None:
+    """Nothing of that address to evict (each is being answered): the new one gets 503."""
+    body = b"x" * (48 << 20)  # more than loopback socket buffers hold: responses stay in flight
+    limits = HttpLimits(max_per_peer=2, max_scrapes=8)
+    async with _endpoint(limits, render=lambda: body) as (server, port):
+        held = []
+        for _ in range(2):
+            r, w = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0))
+            w.write(b"GET /metrics HTTP/1.1\r\n\r\n")
+            held.append(w)
+        try:
+            await _eventually(lambda: sum(not c.reading for c in server._conns.values()) == 2)
+            r, w = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0))
+            assert (await asyncio.wait_for(r.readline(), 5)).startswith(b"HTTP/1.1 503")
+            w.close()
+            assert server.counters.rejections["per_peer"] == 1
+            assert server.counters.rejections["evicted"] == 0
+        finally:
+            for w in held:
+                w.close()
 
 
 async def test_healthz_answers_while_64_peers_fill_the_connection_limit() -> None:
