@@ -170,22 +170,26 @@ def configure(
     grpclib_server.addFilter(DemoteCancelled(numeric))
 
 
-#: grpclib's server logs every client that goes away mid-stream at INFO, under this logger and
-#: with this message prefix (grpclib 0.4's ``server.py``; ``tests/test_logging.py`` checks both
-#: against the installed grpclib). A router disconnecting is routine: it goes to DEBUG.
+#: grpclib's server logs every client that goes away mid-stream, and every call whose deadline
+#: ran out, at INFO, under this logger and with these message prefixes (grpclib 0.4's
+#: ``server.py``; ``tests/test_logging.py`` checks them against the installed grpclib). A router
+#: disconnecting, or a client's own deadline, is routine (a line per call): it goes to DEBUG.
 GRPCLIB_SERVER_LOGGER = "grpclib.server"
 GRPCLIB_CANCELLED = "Request was cancelled"
+GRPCLIB_DEADLINE = "Deadline exceeded"
 
 
 class DemoteCancelled(logging.Filter):
-    """Re-levels grpclib's "Request was cancelled" records to DEBUG (dropped below it)."""
+    """Re-levels grpclib's "Request was cancelled" and "Deadline exceeded" records to DEBUG
+    (dropped below it)."""
 
     def __init__(self, level: int) -> None:
         super().__init__()
         self.level = level
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if str(record.msg).startswith(GRPCLIB_CANCELLED) and record.levelno > logging.DEBUG:
+        routine = str(record.msg).startswith((GRPCLIB_CANCELLED, GRPCLIB_DEADLINE))
+        if routine and record.levelno > logging.DEBUG:
             record.levelno, record.levelname = logging.DEBUG, "DEBUG"
             return self.level <= logging.DEBUG
         return True

@@ -129,16 +129,23 @@ def test_journal_detection_follows_the_stream(
 
 
 def test_grpclib_cancelled_requests_go_to_debug() -> None:
-    """A router that disconnects mid-stream makes grpclib log "Request was cancelled" at INFO
-    (the installed grpclib's server.py, named here): kvrelay shows it at DEBUG only."""
+    """A router that disconnects mid-stream makes grpclib log "Request was cancelled" at INFO,
+    and a call whose deadline ran out "Deadline exceeded" (the installed grpclib's server.py,
+    named here): kvrelay shows both at DEBUG only."""
     import inspect
 
     import grpclib.server
 
     source = inspect.getsource(grpclib.server)
     assert kvlog.GRPCLIB_CANCELLED in source and grpclib.server.log.name == "grpclib.server"
-    record = logging.LogRecord("grpclib.server", logging.INFO, __file__, 1,
-                               "Request was cancelled: %s", ("x",), None)  # fmt: skip
+    assert f"log.info('{kvlog.GRPCLIB_DEADLINE}')" in source
+    for msg in ("Request was cancelled: %s", "Deadline exceeded"):
+        _demoted(logging.LogRecord("grpclib.server", logging.INFO, __file__, 1, msg,
+                                   ("x",) if "%s" in msg else (), None))  # fmt: skip
+
+
+def _demoted(record: logging.LogRecord) -> None:
+    prefix = str(record.msg).split(":")[0]
     for level, shown in (("INFO", False), ("DEBUG", True)):
         buf = io.StringIO()
         kvlog.configure(level=level, json=True, stream=buf)
@@ -148,7 +155,7 @@ def test_grpclib_cancelled_requests_go_to_debug() -> None:
         finally:
             kvlog.configure(level="WARNING", stream=sys.stderr)
         lines = [json.loads(x) for x in buf.getvalue().splitlines()]
-        cancelled = [x for x in lines if str(x["event"]).startswith("Request was cancelled")]
+        cancelled = [x for x in lines if str(x["event"]).startswith(prefix)]
         assert bool(cancelled) is shown, (level, lines)
         if shown:
             assert cancelled[0]["level"] == "debug"

@@ -45,6 +45,7 @@ from typing import Any
 from grpclib.server import Server
 from h2.settings import SettingCodes
 
+from kvrelay.service.h2 import deadline
 from kvrelay.service.h2.drain import DrainNotice
 from kvrelay.service.h2.guard import ConnectionCaps, H2Budgets, H2Counters, guard_protocol
 from kvrelay.service.h2.internals import (
@@ -82,6 +83,7 @@ class ClosingServer(Server):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        deadline.install()  # a call's deadline passed before its handler: DEADLINE_EXCEEDED
         self._protocols: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
         self._notices: weakref.WeakKeyDictionary[H2Protocol, DrainNotice] = (
             weakref.WeakKeyDictionary()

@@ -19,11 +19,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import grpclib.server
 from grpclib.protocol import Connection as _GrpclibConnection
 from grpclib.protocol import H2Protocol
 from grpclib.protocol import Stream as _GrpclibStream
 from grpclib.server import Handler, Server
-from grpclib.utils import Wrapper
+from grpclib.utils import DeadlineWrapper, Wrapper
 from h2.connection import ConnectionInputs, ConnectionState, H2Connection
 from h2.errors import ErrorCodes
 from h2.events import PingAckReceived
@@ -42,6 +43,7 @@ __all__ = [
     "CAP_IN_FORCE_NEEDS",
     "CLASS_NEEDS",
     "CLOSED_STREAMS_NEEDS",
+    "DEADLINE_NEEDS",
     "DRAIN_NEEDS",
     "EARLY_END_STATE",
     "ENCODER_NEEDS",
@@ -77,6 +79,7 @@ __all__ = [
     "missing_in_cap_in_force",
     "missing_in_classes",
     "missing_in_closed_streams",
+    "missing_in_deadline",
     "missing_in_drain",
     "missing_in_encoder",
     "missing_in_ended",
@@ -685,6 +688,23 @@ def flushed_to_client(proto: Any) -> asyncio.Future[None] | None:
     conn._connection.ping(opaque)
     conn.flush()
     return done
+
+
+#: What ``deadline`` replaces: the deadline wrapper class grpclib's server module makes for each
+#: call with a ``grpc-timeout`` (``grpclib.server.DeadlineWrapper``, looked up at every call)
+#: and its ``start`` (a context manager that arms the call's timer). ``where`` is
+#: ``grpclib.server`` (the module) or ``DeadlineWrapper`` (grpclib's class). Without them
+#: grpclib's own wrapper stays.
+DEADLINE_NEEDS: tuple[tuple[str, str], ...] = (
+    ("grpclib.server", "DeadlineWrapper"),
+    ("DeadlineWrapper", "start"),
+)
+
+
+def missing_in_deadline() -> list[str]:
+    """``where.attribute`` for each of ``DEADLINE_NEEDS`` the installed grpclib lacks."""
+    objects = {"grpclib.server": grpclib.server, "DeadlineWrapper": DeadlineWrapper}
+    return absent(DEADLINE_NEEDS, objects)
 
 
 #: What ``closing.ClosingServer.wait_closed`` uses to stop in an order that ends: grpclib's

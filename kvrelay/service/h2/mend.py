@@ -46,8 +46,9 @@
   (``closing`` puts the relay's own limit in force from the first byte, so a client that opens
   no more than it is told is never refused.)
 * **Requests grpclib answers itself** (not gRPC: HTTP 405, 415 or 400; a method the relay
-  does not serve: ``UNIMPLEMENTED``) were counted nowhere; they are now (``not_grpc``,
-  ``unknown_method``), grpclib's answers unchanged.
+  does not serve: ``UNIMPLEMENTED``; a ``grpc-timeout`` it cannot read: ``UNKNOWN``) were
+  counted nowhere; they are now (``not_grpc``, ``unknown_method``, ``malformed_headers``),
+  grpclib's answers unchanged.
 * **A call's ``grpc-encoding``.** grpclib keeps no ``grpc-*`` request header where a handler can
   see it; the relay's request reader needs it to inflate a compressed request
   (``request.py``). Each accepted stream's is noted (``request.note_request_encoding``).
@@ -62,6 +63,7 @@ transport exists (uvloop's transports keep the ``data_received`` they find when 
 from __future__ import annotations
 
 import contextlib
+import re
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -114,6 +116,8 @@ def mend_protocol(proto: H2Protocol, counters: H2Counters) -> None:
                     release_stream()
 
         names = [h[0] for h in headers]
+        if not _timeouts_valid(headers):  # (grpclib answers it UNKNOWN, as before)
+            counters.count("malformed_headers")
         if names.count(":method") != 1 or names.count(":path") != 1:
             counters.count("malformed_headers")
             with contextlib.suppress(Exception):
@@ -225,6 +229,16 @@ def _unserved(headers: Any, mapping: Any) -> str | None:
     ):
         return "not_grpc"
     return "unknown_method" if found.get(":path") not in mapping else None
+
+
+_TIMEOUT = re.compile(r"\d+[HMSmun]")
+
+
+def _timeouts_valid(headers: Any) -> bool:
+    """Every ``grpc-timeout`` of a request is one grpclib reads (digits and a unit): grpclib
+    answers another with ``UNKNOWN`` "Invalid grpc-timeout header" itself; counted here as a
+    malformed header."""
+    return all(_TIMEOUT.fullmatch(str(v)) for k, v in headers if k == "grpc-timeout")
 
 
 def _without_empty(process: Callable[[Any], None]) -> Callable[[Any], None]:

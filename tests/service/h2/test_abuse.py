@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import ssl
 import time
 from collections.abc import Callable
@@ -999,6 +1000,40 @@ async def test_requests_grpclib_answers_itself_are_counted() -> None:
         assert unknown.status == "12" and health.status == "0"  # UNIMPLEMENTED; OK
         closed = server.service.guard_stats()[2]
         assert (closed.get("not_grpc"), closed.get("unknown_method")) == (2, 1)
+    finally:
+        await c.close()
+        await server.close(grace_s=0.5)
+
+
+async def test_a_call_whose_deadline_passed_before_its_handler_is_deadline_exceeded(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``grpc-timeout`` of a nanosecond or a few microseconds: the deadline has passed when the
+    handler starts. grpclib raised at once, took it for its own failure, answered ``UNKNOWN``
+    ("Internal Server Error") and logged an ERROR with a traceback, per stream (500 calls, 504
+    ERROR lines). Now such a call ends ``DEADLINE_EXCEEDED`` as any call at its deadline, with
+    no line above DEBUG; one whose timeout does not read is answered ``UNKNOWN`` and counted as
+    a malformed header."""
+    server = RelayServer(MemRelayView())
+    await server.start("127.0.0.1", 0)
+    c = await RawH2Client.connect(server.port)
+    caplog.set_level("DEBUG")
+    try:
+        expired = [c.open("GetRelayInfo", INFO, headers=(("grpc-timeout", t),))
+                   for t in ("1n", "1u", "10u") * 20]  # fmt: skip
+        bad = [c.open("GetRelayInfo", INFO, headers=(("grpc-timeout", t),))
+               for t in ("5x", "-1S", "")]  # fmt: skip
+        ok = c.open("GetRelayInfo", INFO, headers=(("grpc-timeout", "5S"),))
+        for st in (*expired, *bad, ok):
+            await asyncio.wait_for(st.ended.wait(), scaled(10))
+        assert {st.status for st in expired} == {"4"}, [st.message for st in expired]
+        assert {st.status for st in bad} == {"2"}
+        assert ok.status == "0"
+        assert server.service.guard_stats()[2].get("malformed_headers") == 3
+        # (grpclib's INFO "Deadline exceeded" goes to DEBUG once logging is configured:
+        # tests/test_logging.py)
+        loud = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert not loud, [r.getMessage() for r in loud]
     finally:
         await c.close()
         await server.close(grace_s=0.5)

@@ -27,6 +27,7 @@ from grpclib.utils import Wrapper
 import kvrelay
 from kvrelay.service.h2.closing import ClosingServer
 from kvrelay.service.h2.internals import (
+    DEADLINE_NEEDS,
     DRAIN_NEEDS,
     EARLY_END_STATE,
     ENCODER_NEEDS,
@@ -48,6 +49,7 @@ from kvrelay.service.h2.internals import (
     data_frames_sent,
     missing,
     missing_in_classes,
+    missing_in_deadline,
     missing_in_drain,
     missing_in_encoder,
     missing_in_ended,
@@ -112,6 +114,16 @@ class _Probe:
 def test_the_classes_have_every_method_the_writers_use() -> None:
     gone = missing_in_classes()
     assert not gone, f"grpclib/h2 no longer have: {', '.join(gone)}"
+
+
+def test_grpclib_s_server_makes_its_deadline_wrapper_where_the_relay_replaces_it() -> None:
+    """``DEADLINE_NEEDS``: the server module's own ``DeadlineWrapper`` name, looked up at each
+    call (so replacing the module's name takes effect), with a ``start`` to override."""
+    import inspect
+
+    assert missing_in_deadline() == [], DEADLINE_NEEDS
+    source = inspect.getsource(grpclib.server.request_handler)
+    assert "DeadlineWrapper()" in source and ".start(deadline)" in source
 
 
 async def test_a_live_server_stream_has_every_internal_and_gets_every_writer() -> None:
