@@ -79,6 +79,16 @@ class PauseChanged:
     paused: bool
 
 
+@dataclass(frozen=True, slots=True)
+class EngineUpdated:
+    """Anything else the engine's Control answer says differently (model names, model source,
+    block size, capacity, which optional RPCs failed, ...): the pool's identity, catalog
+    descriptor and metrics are computed again from it."""
+
+    target: str
+    snapshot: EngineSnapshot
+
+
 ChangeEvent = (
     EngineDiscovered
     | EngineUnreachableEvent
@@ -89,4 +99,5 @@ ChangeEvent = (
     | LorasChanged
     | SleepChanged
     | PauseChanged
+    | EngineUpdated
 )

@@ -23,6 +23,7 @@ from kvrelay.discovery.events import (
     EngineDiscovered,
     EngineReachable,
     EngineUnreachableEvent,
+    EngineUpdated,
     IncarnationChanged,
     LorasChanged,
     PauseChanged,
@@ -134,6 +135,10 @@ def diff_snapshots(
         out.append(SleepChanged(target, cur, cur.sleeping))
     if prev_good.paused != cur.paused:
         out.append(PauseChanged(target, cur, cur.paused))
+    if not out and cur != prev_good:
+        # what no event above names (a renamed model, another block size or model source, an
+        # optional RPC failing or answering again): the snapshot is stored all the same
+        out.append(EngineUpdated(target, cur))
     return out
 
 

@@ -268,6 +268,11 @@ _POOL_COUNTERS: dict[str, tuple[str, str]] = {
     "block_size_conflicts": (
         "kvrelay_pool_block_size_conflicts", "Engines skipped for a conflicting kv_block_size."
     ),
+    "source_duplicates": (
+        "kvrelay_pool_source_duplicates",
+        "Sources not subscribed because another engine of the pool reports the same publisher "
+        "(endpoint, topic and DP rank): one engine counted once.",
+    ),
     "source_failures": (
         "kvrelay_pool_source_failures", "Subscribers that crashed or failed to start (restarted)."
     ),

@@ -121,6 +121,8 @@ class PoolRuntime:
         self.conflict: str | None = None
         self._reconcile_lock = asyncio.Lock()
         self._restarts: dict[SourceKey, tuple[int, float]] = {}  # key → (attempt, not before)
+        #: sources left out for another engine's at the same publisher (``_without_duplicates``)
+        self._duplicates: set[SourceKey] = set()
         self._materialized_at = 0.0
         self._fence_streak = 0
         self._rebuild_not_before = 0.0
@@ -535,6 +537,34 @@ class PoolRuntime:
                     engine=st.spec.name,
                     pool=self.name,
                 )
+        return self._without_duplicates(desired)
+
+    def _without_duplicates(
+        self, desired: dict[SourceKey, SourceSpec]
+    ) -> dict[SourceKey, SourceSpec]:
+        """One subscription per publisher: a source another engine of the pool already reports
+        (the same endpoint, topic and DP rank; two Control endpoints, or a proxy and the engine,
+        naming one engine) would count that engine's blocks twice, and keep them after one of
+        the two went down. The source already subscribed wins, else the engine listed first;
+        the other is left out, counted and logged once, and taken when the first one goes."""
+        owner: dict[tuple[str, bytes, int], SourceKey] = {}
+        found: set[SourceKey] = set()
+        for key in sorted(desired, key=lambda k: k not in self.subscribers):
+            spec = desired[key]
+            where = (spec.endpoint, spec.topic, spec.dp_rank)
+            first = owner.setdefault(where, key)
+            if first.worker_id == key.worker_id:
+                continue
+            del desired[key]
+            found.add(key)
+            if key not in self._duplicates:
+                self.counters.source_duplicates += 1
+                _log.warning(
+                    "engine_source_duplicate", pool=self.name, engine=spec.engine,
+                    dp_rank=key.dp_rank, endpoint=spec.endpoint,
+                    same_as=desired[first].engine,
+                )  # fmt: skip
+        self._duplicates = found
         return desired
 
     def _note_connecting(self, st: EngineState, sources: Iterable[SourceInfo]) -> None:

@@ -26,6 +26,7 @@ class PoolCounters:
     generations: int = 0
     fences: int = 0
     block_size_conflicts: int = 0
+    source_duplicates: int = 0  # sources left out for another engine's at the same publisher
     source_failures: int = 0  # subscribers that crashed or failed to start
     engines_down: int = 0  # engines declared down (members cleared)
     identity_changes: int = 0  # re-materialized for a new model / model source / block size

@@ -11,6 +11,7 @@ from kvrelay.discovery import (
     EngineReachable,
     EngineTarget,
     EngineUnreachableEvent,
+    EngineUpdated,
     EngineWatcher,
     IncarnationChanged,
     LorasChanged,
@@ -58,6 +59,11 @@ async def test_watcher_detects_every_kind_of_change() -> None:
         eng.pause()
         evs = await poll()
         assert kinds(evs) == [SleepChanged, PauseChanged]
+        eng.cfg = replace(eng.cfg, aliases=("al",), block_size=32)  # nothing above says so
+        (ev,) = await poll()
+        assert isinstance(ev, EngineUpdated)
+        assert ev.snapshot.served_model_aliases == ("al",) and ev.snapshot.kv_block_size == 32
+        assert await poll() == []
         old_id = eng.instance_id
         await eng.restart(rebind=True)  # ephemeral ports: sources move too
         evs = await poll()
@@ -68,7 +74,7 @@ async def test_watcher_detects_every_kind_of_change() -> None:
         assert {s.endpoint for s in evs[2].sources} == {  # type: ignore[union-attr]
             p.endpoint for p in eng.publishers
         }
-        assert got == returned and len(got) == 2 + 1 + 2 + 2 + 4  # callback saw all, in order
+        assert got == returned and len(got) == 2 + 1 + 2 + 2 + 1 + 4  # callback saw all, in order
     finally:
         await eng.stop()
 

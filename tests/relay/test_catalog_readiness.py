@@ -91,6 +91,28 @@ async def test_lora_load_unload_republishes_the_same_generation() -> None:
         )
 
 
+async def test_what_control_says_of_the_model_is_followed_without_another_change() -> None:
+    """Aliases, the served name and the model source an engine's Control reports change with no
+    other change (no LoRA, no incarnation, no source moved): the relay stored an engine's answer
+    only on such events, so the catalog kept the old names (a router resolving the new name
+    found no pool) until some later event applied them all at once."""
+    async with fleet_and_relay([SimConfig(name="m0", seed=5)]) as (engines, relay, _server):
+        (eng,) = engines
+        await wait_subscribed(relay, 1)
+        await eventually(lambda: len(catalog_pools(relay)) == 1, what="pool in catalog")
+        (before,) = catalog_pools(relay)
+        eng.cfg = dataclasses.replace(eng.cfg, aliases=("sim-alias",))
+        await eventually(lambda: any("sim-alias" in r.aliases
+                                     for r in catalog_pools(relay)[0].registrations),
+                         what="alias listed")  # fmt: skip
+        (aliased,) = catalog_pools(relay)
+        assert bytes(aliased.producer) == bytes(before.producer)  # names only: same filter
+        eng.cfg = dataclasses.replace(eng.cfg, served_model_name="sim-renamed",
+                                      model_id="org/other-weights")  # fmt: skip
+        await eventually(lambda: registrations(catalog_pools(relay)[0]) == {"sim-renamed": "base"}
+                         if catalog_pools(relay) else False, what="renamed")  # fmt: skip
+
+
 async def test_withdrawal_and_rematerialization_change_the_generation() -> None:
     async with fleet_and_relay([SimConfig(name="w0", seed=4)]) as (engines, relay, server):
         (eng,) = engines

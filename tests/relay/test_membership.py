@@ -3,6 +3,7 @@ resolved address an engine on its own loopback IP; records appear and disappear 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import socket
@@ -319,3 +320,44 @@ async def test_a_new_pools_engine_reached_by_another_pool_waits_for_it() -> None
         await eventually(lambda: [st.spec.name for st in second.engines.values()] == [
             "pinned"], what="the engine added to the new pool")  # fmt: skip
         assert not r.relay._skipped
+
+
+async def test_two_control_endpoints_naming_one_engine_subscribe_it_once() -> None:
+    """A second ``vllm.Control`` front for the same engine (a proxy, a second port) reports
+    the same publisher: both were subscribed, the engine's blocks held twice (16 memberships
+    for 8 blocks), and kept by the second member after the engine went. One subscription per
+    publisher: the second is left out, counted, logged."""
+    from kvrelay.sim.control import start_control_server
+
+    eng = SimEngine(SimConfig(name="e0", seed=11, capacity_blocks=256))
+    await eng.start()
+    front, front_port = await start_control_server(eng)
+    spec = PoolSpec(namespace="ns", component="backend", endpoint="generate", engines=(
+        EngineSpec(name="direct", host="127.0.0.1", grpc_port=eng.grpc_port),
+        EngineSpec(name="front", host="127.0.0.1", grpc_port=front_port),
+    ), expected_blocks=4096)  # fmt: skip
+    relay = Relay(RelaySettings(dc_name="dc", pools=(spec,), discovery_interval_s=0.2))
+    await relay.start()
+    try:
+        pool = relay.pools[0]
+        await eventually(lambda: pool.generation is not None and pool.counters.source_duplicates
+                         == 1 and all(s.state == "live" for s in pool.subscribers.values()),
+                         what="subscribed once")  # fmt: skip
+        await eng.step(20)
+        truth = eng.ground_truth(0)
+        gen = pool.generation
+        assert gen is not None and truth
+
+        def held() -> list[set[int]]:
+            return [{int(h) for h in gen.pool.resident_canonical(mid)}
+                    for mid in gen.pool.members()]  # fmt: skip
+
+        await eventually(lambda: held() == [truth], what="the engine's blocks, once")
+        assert len(pool.subscribers) == 1
+        await asyncio.sleep(0.6)  # more discovery passes: counted once, nothing added
+        assert pool.counters.source_duplicates == 1 and len(pool.subscribers) == 1
+    finally:
+        await relay.stop()
+        front.close()
+        await front.wait_closed()
+        await eng.stop()
