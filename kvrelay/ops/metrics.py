@@ -91,11 +91,11 @@ STREAM_ERROR_REASONS = tuple(
     reason_name(r) for r in pb.RelayErrorReason if r != pb.RelayErrorReason.UNSPECIFIED
 )
 #: ``kvrelay_pool_member_resets_total{reason}``: an ingest ``ResetReason``, or the pool's own
-#: (a crashed subscriber, an engine removed or declared down, a DP rank gone, a connected member
-#: expired or its socket reconfigured).
+#: (a crashed subscriber, an engine removed or declared down, a DP rank gone, a rank's source
+#: moved to another endpoint, a connected member expired or its socket reconfigured).
 POOL_RESET_REASONS = tuple(sorted({
     *(r.value for r in ResetReason), "source_failed", "engine_removed", "engine_down",
-    "rank_removed", "member_expired", "reconfigured",
+    "rank_removed", "source_changed", "member_expired", "reconfigured",
 }))  # fmt: skip
 #: ``kvrelay_pool_errors_total{kind}``: every pool error the pool counts.
 POOL_ERROR_KINDS = _leaf_kinds(PoolError)
@@ -850,6 +850,16 @@ def _relay_metrics(r: RelayStats) -> Iterator[Metric]:
         ("kvrelay_dns_engines_duplicate",
          "Addresses from DNS not added: another engine is reached there (once per address).",
          r.dns_duplicates),
+        ("kvrelay_dns_resolutions", "DNS lookups of the pools' dns names that were answered.",
+         r.dns_resolutions),
+        ("kvrelay_dns_resolution_failures",
+         "DNS lookups that failed (SERVFAIL, no answer, timeout) or were refused (more than "
+         "1,024 engines): nothing changed.", r.dns_failures),
+        ("kvrelay_dns_engines_added", "Engines added because DNS named a new address.",
+         r.dns_engines_added),
+        ("kvrelay_dns_engines_removed",
+         "Engines removed because DNS no longer named their address (and their streams were "
+         "down for the grace).", r.dns_engines_removed),
         ("kvrelay_scrape_errors", "Engine /metrics scrapes that failed unexpectedly.",
          r.scrape_errors),
     ):

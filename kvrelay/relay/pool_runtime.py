@@ -632,6 +632,11 @@ class PoolRuntime:
         await self._stop_subscribers(gone)
         for key in gone:
             gen.remove_member(key)
+            # its engine no longer lists the rank (or its block size no longer fits, or another
+            # engine reports its publisher), or reports it at another endpoint: the blocks go
+            reason = "source_changed" if key in desired else "rank_removed"
+            self.counters.reset(reason)
+            self._log_reset(key, reason)
         for key, spec in desired.items():
             if key in self.subscribers or not self._startable(key, now):
                 continue

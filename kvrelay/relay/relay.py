@@ -428,10 +428,7 @@ class Relay:
             state_saves=dict(self.state_saves),
             checkpoint_unix=dict(self.checkpoints.last_unix),
             scrub_last=dict(self.scrubber.last),
-            dns_removals_deferred=(
-                0 if self.membership is None else self.membership.counters.removals_deferred
-            ),
-            dns_duplicates=0 if self.membership is None else self.membership.counters.duplicates,
+            **self._dns_stats(),
             window_errors={
                 (plane, kind): n
                 for plane, w in (("load", self.load), ("serving_load", self.serving_load))
@@ -729,6 +726,17 @@ class Relay:
             del self._last_rejection[key]
 
     # ---- discovery -------------------------------------------------------------------------------
+
+    def _dns_stats(self) -> dict[str, int]:
+        """``RelayStats``' DNS fields (all 0 without a DNS-discovered engine)."""
+        if self.membership is None:
+            return {}
+        c = self.membership.counters
+        return {
+            "dns_removals_deferred": c.removals_deferred, "dns_duplicates": c.duplicates,
+            "dns_resolutions": c.resolutions, "dns_failures": c.failures,
+            "dns_engines_added": c.engines_added, "dns_engines_removed": c.engines_removed,
+        }  # fmt: skip
 
     async def _on_discovery(self, ev: ChangeEvent) -> None:
         pool = self._by_target.get(ev.target)

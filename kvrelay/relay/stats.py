@@ -143,6 +143,10 @@ class RelayStats:
     state_saves: dict[str, int] = field(default_factory=dict)
     dns_removals_deferred: int = 0
     dns_duplicates: int = 0
+    dns_resolutions: int = 0
+    dns_failures: int = 0  # lookups that failed or were refused (nothing changed)
+    dns_engines_added: int = 0
+    dns_engines_removed: int = 0
     checkpoint_unix: dict[str, float] = field(default_factory=dict)
     #: pool → (unix time of the last full scrub pass, whether it found nothing wrong)
     scrub_last: dict[str, tuple[float, bool]] = field(default_factory=dict)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from kvrelay.ops.metrics import RelayMetrics
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
 from kvrelay.service.server import RelayServer
@@ -146,6 +147,12 @@ async def test_a_records_follow_the_fleet_under_traffic() -> None:
         dns.close()
 
 
+def _sample(page: str, name: str) -> float:
+    """The value of the unlabelled sample ``name`` on a /metrics page."""
+    (line,) = [x for x in page.splitlines() if x.startswith(name + " ")]
+    return float(line.split()[1])
+
+
 async def test_a_dns_outage_changes_nothing() -> None:
     ips = ["127.0.0.5", "127.0.0.6"]
     port = _free_port(ips)
@@ -167,11 +174,16 @@ async def test_a_dns_outage_changes_nothing() -> None:
                 await eventually(lambda b=before: m.counters.failures >= b + 2, timeout=20,
                                  what=f"{mode} counted")  # fmt: skip
                 assert len(_names(r)) == 2 and m.counters.engines_removed == 0
+            page = RelayMetrics(r.relay).render().decode()  # on /metrics too
+            assert _sample(page, "kvrelay_dns_resolution_failures_total") == m.counters.failures
             dns.mode = "answer"
             for e in engines:
                 await e.stop()
             dns.records[(NAME, "A")] = []  # the name resolves to nothing: every pod gone
             await eventually(lambda: not _names(r), what="engines removed")
+            page = RelayMetrics(r.relay).render().decode()
+            assert _sample(page, "kvrelay_dns_engines_removed_total") == 2
+            assert _sample(page, "kvrelay_dns_engines_added_total") == 2
             end = await consumer.wait_end()
             assert end.reason == "RELAY_ERROR_REASON_PUBLICATION_UNAVAILABLE"
     finally:

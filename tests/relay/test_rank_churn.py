@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpclib.const
+import pytest
 from grpclib.server import Server
 
 from kvrelay._proto import vllm as vpb
@@ -18,7 +19,8 @@ from kvrelay.ops.metrics import RelayMetrics
 from kvrelay.relay.connected import DEPARTED
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
-from tests.support.fleet import eventually
+from kvrelay.sim.config import SimConfig
+from tests.support.fleet import eventually, fleet_and_relay, in_sync, relay_view, wait_subscribed
 from tests.support.timing import scaled
 
 PER_PROBE = 6  # ranks named at each probe: as many refused by ZMQ, as many connectable
@@ -111,3 +113,45 @@ async def test_ranks_an_engine_stops_naming_keep_nothing_per_source() -> None:
         await relay.stop()
         server.close()
         await server.wait_closed()
+
+
+async def test_a_rank_control_stops_naming_or_moves_is_a_counted_reset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A live rank its engine's Control stops listing, and one it reports at another endpoint:
+    each member's blocks were dropped with no count and no ``member_reset`` line. Each is now a
+    reset (``rank_removed``, ``source_changed``), and the moved rank is exact again."""
+    from kvrelay.sim import control as sim_control
+
+    real = sim_control.event_sources
+    async with fleet_and_relay([SimConfig(name="r0", seed=9, dp_size=2)]) as (engines, relay, _s):
+        (eng,) = engines
+        await wait_subscribed(relay, 2)
+        await eng.step(10)
+        await eventually(lambda: in_sync(engines, relay), what="in sync")
+        p = relay.pools[0]
+
+        def without_rank_1(e: Any) -> vpb.GetKvEventSourcesResponse:
+            reply = real(e)
+            return vpb.GetKvEventSourcesResponse(
+                sources=[s for s in reply.sources if s.data_parallel_rank != 1]
+            )
+
+        monkeypatch.setattr(sim_control, "event_sources", without_rank_1)
+        await eventually(lambda: p.counters.member_resets.get("rank_removed") == 1,
+                         what="rank 1 removed, counted")  # fmt: skip
+        gen = p.generation
+        assert gen is not None and sorted(r for _w, r in gen.pool.members().values()) == [0]
+
+        def moved(e: Any) -> vpb.GetKvEventSourcesResponse:
+            reply = without_rank_1(e)
+            for s in reply.sources:  # the same publisher, spelled as another endpoint
+                s.endpoint = s.endpoint.replace("127.0.0.1", "localhost")
+            return reply
+
+        monkeypatch.setattr(sim_control, "event_sources", moved)
+        await eventually(lambda: p.counters.member_resets.get("source_changed") == 1,
+                         what="rank 0 moved, counted")  # fmt: skip
+        await eng.step(5)
+        truth = eng.ground_truth(0)
+        await eventually(lambda: relay_view(relay).get(("r0", 0)) == truth, what="exact again")
