@@ -965,7 +965,10 @@ def _pool_metrics(r: RelayStats) -> Iterator[Metric]:
         )
     }
     sources = GaugeMetricFamily(
-        "kvrelay_ingest_sources", "Subscribers by state.", labels=["pool", "state"]
+        "kvrelay_ingest_sources",
+        "Subscribers by state: replaying, live, disconnected (past its replay, no connection to "
+        "its publisher), flapping (its connections end without a message), failed.",
+        labels=["pool", "state"],
     )
     engines = GaugeMetricFamily(
         "kvrelay_engine_reachable", "1 if the engine's last probe reached it.",

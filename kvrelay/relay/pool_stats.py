@@ -88,7 +88,9 @@ def pool_stats(
             sc, state = prev.frozen(), "stopped"
         else:
             sc = sub.counters.frozen() if prev is None else merged(prev, sub.counters)
-            state = sub.state
+            # a source past its replay with no connection to its publisher (never reached: no
+            # listener, an unresolvable host; or reconnecting) is not shown as live
+            state = "disconnected" if sub.state == "live" and not sub.connected else sub.state
         sources.append(SourceStats(engine_name(key.worker_id), key.dp_rank, state, sc))
     if departed is not None:  # engines that left the pool: one sum, not a series each
         sources.append(SourceStats(DEPARTED, 0, "stopped", departed.frozen()))

@@ -155,3 +155,34 @@ async def test_a_rank_control_stops_naming_or_moves_is_a_counted_reset(
         await eng.step(5)
         truth = eng.ground_truth(0)
         await eventually(lambda: relay_view(relay).get(("r0", 0)) == truth, what="exact again")
+
+
+async def test_a_source_that_never_reaches_its_publisher_is_not_shown_live(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Control reports a publisher nothing listens on: the source is past its (failed) replay
+    and was shown ``live`` on ``kvrelay_ingest_sources``, however long it had no connection.
+    It shows ``disconnected`` until it connects; the rank whose publisher is there stays live."""
+    from kvrelay.sim import control as sim_control
+
+    real = sim_control.event_sources
+
+    def rank_1_nowhere(e: Any) -> vpb.GetKvEventSourcesResponse:
+        reply = real(e)
+        for s in reply.sources:
+            if s.data_parallel_rank == 1:
+                s.endpoint, s.replay_endpoint = "tcp://127.0.0.1:9", ""
+        return reply
+
+    monkeypatch.setattr(sim_control, "event_sources", rank_1_nowhere)
+    async with fleet_and_relay([SimConfig(name="n0", seed=9, dp_size=2)]) as (_e, relay, _s):
+        p = relay.pools[0]
+        await eventually(lambda: len(p.subscribers) == 2
+                         and all(s.state == "live" for s in p.subscribers.values()),
+                         what="both past their bootstrap")  # fmt: skip
+        await eventually(lambda: {s.dp_rank: s.state for s in p.stats().sources}
+                         == {0: "live", 1: "disconnected"},
+                         what="rank 1 shown disconnected")  # fmt: skip
+        page = RelayMetrics(relay).render().decode()
+        assert 'kvrelay_ingest_sources{pool="ns/backend/generate",state="disconnected"} 1.0' in page
+        assert 'kvrelay_ingest_sources{pool="ns/backend/generate",state="live"} 1.0' in page
