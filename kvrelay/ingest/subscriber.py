@@ -863,6 +863,12 @@ class Subscriber:
                 continue
             if not hole:
                 if outcome == _FAILED and self._next == replayed_to:
+                    if first_try and self._next != start:
+                        # it went silent part way (a slow engine, a reply cut short): asked
+                        # once more from where it stopped, vouching for its last batch
+                        assert self._next is not None
+                        start, bootstrap = self._next, False
+                        continue
                     self._replay_unfinished(start, ask_again=bootstrap and first_try)
                 return
             if outcome == _FAILED:
@@ -874,11 +880,12 @@ class Subscriber:
 
     def _replay_unfinished(self, start: int, *, ask_again: bool) -> None:
         """The replay stopped without its end marker (it went silent: a hung engine, a reply
-        cut short, a batch too large for the reader) and no live batch continued what it gave:
-        whether the engine published more before the live stream's subscription, nothing
-        tells, and a removal among those would leave blocks the engine no longer holds. What
-        it applied is not vouched for: the member is reset, and the next live batch is its
-        baseline (a bootstrap's replay is asked once more at that batch)."""
+        cut short, a batch too large for the reader), also when asked again from where it
+        stopped, and no live batch continued what it gave: whether the engine published more
+        before the live stream's subscription, nothing tells, and a removal among those would
+        leave blocks the engine no longer holds. What it applied is not vouched for: the member
+        is reset, and the next live batch is its baseline (a bootstrap's replay that gave
+        nothing is asked once more at that batch)."""
         self._reset(ResetReason.REPLAY_FAILED)
         self._next = self._last = None
         if ask_again:
