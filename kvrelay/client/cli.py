@@ -912,7 +912,10 @@ async def _query(
         text += f"\n  ({hidden} pool(s) serving the model are not routable; --all shows them)"
     if not everything:
         known = ", ".join(served) if served else "none"
-        text += f"\n  (no pool serves {args.model!r}; the catalog's models: {known})"
+        what = repr(args.model)
+        if args.lora and args.model in served:  # the base is served, the adapter is not
+            what = f"LoRA {args.lora!r} on {args.model!r}"
+        text += f"\n  (no pool serves {what}; the catalog's models: {known})"
         obj["catalog_models"] = served
     out.emit(obj, text)
     return 0 if everything else 1

@@ -9,6 +9,7 @@ callback propagate unchanged (the ``async with`` then resets the HTTP/2 stream).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import weakref
 from collections.abc import Awaitable, Callable
@@ -268,6 +269,7 @@ async def _answers(channel: Channel, timeout_s: float) -> bool:
     """Whether the relay answers anything on ``channel`` within ``timeout_s``: its reply's
     headers are enough (the call is then cancelled; its message is not read)."""
     request = pb.RelayInfoRequest(contract_marker=CONTRACT_MARKER)
+    answered = False
     try:
         async with asyncio.timeout(timeout_s):
             async with channel.request(
@@ -276,11 +278,15 @@ async def _answers(channel: Channel, timeout_s: float) -> bool:
             ) as st:  # fmt: skip
                 await st.send_message(request, end=True)
                 await st.recv_initial_metadata()
-                await st.cancel()
+                answered = True
+                # a server that sends its whole reply at once (grpcio's; Dynamo's relay) has
+                # ended the stream by now: cancelling it raises, and the answer stands
+                with contextlib.suppress(Exception):
+                    await st.cancel()
     except GRPCError:
         return True  # an answer, even a refusal, crossed the connection both ways
-    except Exception:  # a timeout, a transport error: nothing came back
-        return False
+    except Exception:  # a timeout, a transport error: nothing came back (unless it had)
+        return answered
     return True
 
 

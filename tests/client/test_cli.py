@@ -213,6 +213,11 @@ async def test_query_against_a_real_relay(
                                    "--tokens", "1,2,3", "--wait", "2")  # fmt: skip
         assert rc == 1 and "0 pool(s)" in out
         assert "no pool serves 'nope'; the catalog's models: sim-model, sim-model-alias" in out
+        rc, out, _ = await run_cli(capsys, "query", "--relay", st.address, "--model",
+                                   "sim-model", "--lora", "nosuch", "--tokens", "1,2,3",
+                                   "--wait", "2")  # fmt: skip
+        assert rc == 1  # the base is served: the adapter is what no pool serves
+        assert "no pool serves LoRA 'nosuch' on 'sim-model'; the catalog's models" in out
 
 
 @pytest.mark.parametrize(

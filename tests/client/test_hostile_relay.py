@@ -229,3 +229,36 @@ async def test_a_compressed_reply_ends_its_stream_as_compressed() -> None:
     finally:
         ch.close()
         await server.stop(0)
+
+
+async def test_a_relay_that_answers_a_unary_call_in_one_go_is_heard() -> None:
+    """The check that a silent pool stream's connection still carries answers (``channel_deaf``)
+    asks ``GetRelayInfo`` and cancels once the reply's headers come. A grpcio server (Dynamo's
+    relay likewise) sends headers, message and trailers together: the stream had ended when the
+    SDK cancelled it, the cancel raised, and the answer was taken for none. The SDK then
+    replaced a working connection, dropping every pool of that relay."""
+    calls: list[bytes] = []
+
+    async def info(request: bytes, _context: Any) -> bytes:
+        calls.append(request)
+        return bytes(pb.RelayInfo(protocol_version=1))
+
+    handlers = {"GetRelayInfo": grpc.unary_unary_rpc_method_handler(info)}
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        rpc.SERVICE.strip("/"), handlers),))  # fmt: skip
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    ch = rpc.open_channel(rpc.RelayAddress("127.0.0.1", port))
+    try:
+        for _ in range(3):
+            assert await rpc._answers(ch, 5.0)
+        assert len(calls) == 3
+    finally:
+        ch.close()
+        await server.stop(0)
+    ch = rpc.open_channel(rpc.RelayAddress("127.0.0.1", port))  # nothing listens there now
+    try:
+        assert not await rpc._answers(ch, 1.0)
+    finally:
+        ch.close()
