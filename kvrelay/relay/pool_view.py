@@ -170,10 +170,15 @@ def load_input(
     for st in engines:
         declared = st.declared_ranks()
         total = st.spec.total_kv_blocks  # per rank (config)
-        if st.snapshot is not None and st.snapshot.reachable and st.snapshot.total_kv_blocks:
+        # the last answer of a reachable Control: capacity is the deployment's, which a Control
+        # outage (a probe timing out on a busy engine) does not change; read from reachable
+        # snapshots only, it went unknown, and the pool's load with it, while the engine's
+        # stream and /metrics page went on
+        good = st.last_good
+        if good is not None and good.total_kv_blocks:
             # vLLM's frontend reports the sum over the engine cores it serves (one per DP rank):
             # each rank has its share
-            total = st.snapshot.total_kv_blocks // max(1, len(declared))
+            total = good.total_kv_blocks // max(1, len(declared))
         for rank in declared:
             usage = None
             if SourceKey(st.worker_id, rank) in subscribed and not st.down:

@@ -134,6 +134,22 @@ async def test_views_match_the_engines_through_a_restart_and_an_outage() -> None
             expect = {k: before[k] + after[k] for k in before}
             assert await client.wait_for(lambda: settled(expect), 30), (model(), expect)
 
+            # A Control outage alone (a probe timing out on a busy engine): its stream and its
+            # /metrics page go on, so its ranks are observed and the pool's figures stay whole.
+            # The capacity came from reachable Control answers only: it went unknown, the
+            # pool's load partial (total 0, gauge unset, DEGRADED) for the outage.
+            relay = _relay
+            await engines[1].stop_control()
+            assert await client.wait_for(
+                lambda: any(st.unreachable_since is not None
+                            for st in relay.pools[0].engines.values()), 30)  # fmt: skip
+            await asyncio.sleep(1.5)  # windows and scrapes of the outage
+            q = pool()
+            assert q is not None and q.status == "COMPLETE" and q.active_decode_blocks is not None
+            (load,) = client.load().values()
+            assert load.total_kv_blocks == 3 * 128 and load.observed_ranks == 3, load  # 3 ranks
+            await engines[1].start_control()
+
             # An engine gone: the pool's sum is partial (gauge unset), the model DEGRADED, its
             # departed engine's counters still counted while it stays configured. The pool's
             # status follows the ranks the load plane still sees and its live workers the probe
