@@ -953,7 +953,8 @@ def _pool_metrics(r: RelayStats) -> Iterator[Metric]:
         "check, by reason: protocol (a malformed handshake, or the wrong security mechanism, "
         "which may count as unfinished instead), auth (a security check other than the relay's "
         "refused it), unfinished (the peer hung up or did not finish within 10 s), not_zmtp3 (a "
-        "connection from outside the allow list whose first bytes were not a ZMTP 3 greeting).",
+        "connection from outside the allow list, or one closed before its address could be "
+        "read, whose first bytes were not a ZMTP 3 greeting).",
         labels=["pool", "reason"],
     )
     g = {
