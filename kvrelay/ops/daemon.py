@@ -628,6 +628,12 @@ class Daemon:
             _LOG.error("upgrade_failed", result=exc.result, why=str(exc))
             self._sweep_private_dirs()  # what a successor killed outright left behind
             self.notifier.status(f"hot upgrade failed ({exc.result}); still serving")
+        except Exception as exc:  # anything else (the successor is killed by then): told too
+            self.upgrades.outcome("successor_failed")
+            _LOG.exception("upgrade_failed", result="successor_failed",
+                           why=f"{type(exc).__name__}: {exc}")  # fmt: skip
+            self._sweep_private_dirs()
+            self.notifier.status("hot upgrade failed (successor_failed); still serving")
 
     def _sweep_private_dirs(self) -> None:
         """Remove the private directories that kvrelay processes which died without cleaning up

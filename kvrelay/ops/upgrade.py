@@ -52,6 +52,9 @@ from kvrelay.ops.private_dirs import PrivateDir
 _LOG = get_logger("kvrelay.ops.upgrade")
 
 ENV = "KVRELAY_TAKEOVER"
+#: The predecessor's pid, beside ``ENV``: the successor's parent while the predecessor lives (a
+#: parent read by the successor itself may already be init, the predecessor having died).
+ENV_PREDECESSOR = "KVRELAY_TAKEOVER_PREDECESSOR"
 #: From the spawn to the successor's ``warm`` (a first start compiles kernels: be generous; the
 #: predecessor serves meanwhile).
 WARM_TIMEOUT_S = 300.0
@@ -106,10 +109,11 @@ def _encode(msg: Mapping[str, Any]) -> bytes:
 
 
 async def _read_message(reader: asyncio.StreamReader) -> dict[str, Any] | None:
-    """The next control message; None at EOF; UpgradeFailed when it is not one."""
+    """The next control message; None at EOF (or the channel reset: its peer is gone);
+    UpgradeFailed when it is not one."""
     try:
         line = await reader.readuntil(b"\n")
-    except asyncio.IncompleteReadError:
+    except (asyncio.IncompleteReadError, ConnectionError):
         return None
     except asyncio.LimitOverrunError:
         raise UpgradeFailed("successor_failed", "oversized control message") from None
@@ -164,7 +168,8 @@ class Upgrader:
         writer: asyncio.StreamWriter | None = None
         try:
             fds = {"chan": theirs.fileno(), **{k: s.fileno() for k, s in self.listeners.items()}}
-            env = {**self.env, ENV: ",".join(f"{k}={fd}" for k, fd in fds.items())}
+            env = {**self.env, ENV: ",".join(f"{k}={fd}" for k, fd in fds.items()),
+                   ENV_PREDECESSOR: str(os.getpid())}  # fmt: skip
             env.pop("WATCHDOG_PID", None)  # names us; the successor pings once it is main
             try:
                 self.proc = subprocess.Popen(self.argv, env=env, pass_fds=tuple(fds.values()))
@@ -180,8 +185,14 @@ class Upgrader:
             except Exception as exc:
                 raise UpgradeFailed("cut_failed", f"{type(exc).__name__}: {exc}") from None
             _LOG.info("upgrade_state_cut", cut_s=round(time.monotonic() - t0, 3), **summary)
-            writer.write(_encode({"msg": "state", "dir": str(work)}))
-            await writer.drain()
+            try:
+                writer.write(_encode({"msg": "state", "dir": str(work)}))
+                await writer.drain()
+            except ConnectionError:  # the successor died while the state was cut
+                rc = await self._exit_code(5.0)
+                raise UpgradeFailed("successor_exited",
+                                    f"the successor exited (status {rc}) before it took the "
+                                    "state") from None  # fmt: skip
             await self._expect(reader, "serving", self.takeover_timeout_s)
             handed_over(self.proc.pid)
             return self.proc.pid
@@ -260,12 +271,14 @@ class Upgrader:
 class Handoff:
     """The successor's side: the inherited listeners and the control channel."""
 
-    def __init__(self, fds: Mapping[str, int]) -> None:
+    def __init__(self, fds: Mapping[str, int], predecessor: int | None = None) -> None:
         self._fds = dict(fds)
         self._writer: asyncio.StreamWriter | None = None
         self._reader: asyncio.StreamReader | None = None
-        #: the predecessor spawned this process: while it is still the parent, it lives
-        self._predecessor = os.getppid()
+        #: the predecessor spawned this process: while it is still the parent, it lives (its
+        #: pid as it said, else the parent at this point: a predecessor already dead then read
+        #: as alive, the parent being init)
+        self._predecessor = os.getppid() if predecessor is None else predecessor
 
     def predecessor_lives(self) -> bool:
         """Whether the process that started this hand-over is still this one's parent (a
@@ -279,6 +292,7 @@ class Handoff:
         env = os.environ if env is None else env  # type: ignore[assignment]
         assert env is not None
         raw = env.pop(ENV, None)
+        pred = env.pop(ENV_PREDECESSOR, None)
         if not raw:
             return None
         fds: dict[str, int] = {}
@@ -289,7 +303,9 @@ class Handoff:
             fds[name] = int(fd)
         if "chan" not in fds or "grpc" not in fds:
             raise ValueError(f"{ENV}: needs chan= and grpc=")
-        return cls(fds)
+        if pred is not None and not is_decimal(pred):
+            raise ValueError(f"{ENV_PREDECESSOR}: not a pid: {pred!r}")
+        return cls(fds, None if pred is None else int(pred))
 
     def has(self, name: str) -> bool:
         """Whether listener ``name`` was handed over (and not taken yet)."""

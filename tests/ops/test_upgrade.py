@@ -20,7 +20,7 @@ import pytest
 from kvrelay.ops.config import parse_config
 from kvrelay.ops.daemon import Daemon
 from kvrelay.ops.sdnotify import Notifier
-from kvrelay.ops.upgrade import ENV, Handoff, UpgradeFailed, Upgrader
+from kvrelay.ops.upgrade import ENV, ENV_PREDECESSOR, Handoff, UpgradeFailed, Upgrader
 from tests.support.notify import Notifications
 
 #: A successor: reads KVRELAY_TAKEOVER, then does what argv[1] says.
@@ -35,6 +35,9 @@ elif mode == "fail":
     chan.sendall(b'{"msg":"failed","why":"cannot use the cut"}\n')
 elif mode == "exit":
     sys.exit(3)
+elif mode == "warm_then_die":  # killed while the predecessor cuts the state
+    chan.sendall(b'{"msg":"warm"}\n')
+    os._exit(9)
 elif mode == "serve":
     chan.sendall(b'{"msg":"warm"}\n')
     f = chan.makefile("rb")
@@ -94,6 +97,28 @@ async def test_a_successor_that_does_not_take_over_is_killed_and_named(
         assert up.proc is not None and up.proc.poll() is not None  # killed or exited, reaped
         assert cuts == [] and _dirs(runtime) == []
         lst.getsockname()  # the predecessor's listener is untouched
+    finally:
+        lst.close()
+
+
+async def test_a_successor_that_dies_during_the_cut_is_a_counted_failure(runtime: Path) -> None:
+    """The successor says warm and is killed while the state is cut: writing the cut's
+    directory to it (or reading its answer) failed with a connection error, which ended the
+    upgrade task unlogged and uncounted ("Task exception was never retrieved"). It is the
+    successor's exit, named and counted like any other."""
+    lst = _listener()
+    up = Upgrader({"grpc": lst}, argv=[sys.executable, "-c", CHILD, "warm_then_die"])
+
+    async def cut(d: Path) -> dict[str, object]:
+        assert up.proc is not None
+        await asyncio.to_thread(up.proc.wait)  # it is gone by the time the cut is written
+        return {}
+
+    try:
+        with pytest.raises(UpgradeFailed) as info:
+            await up.run(cut, lambda pid: None)
+        assert info.value.result == "successor_exited", info.value
+        assert _dirs(runtime) == []
     finally:
         lst.close()
 
@@ -202,6 +227,20 @@ def test_the_takeover_variable_is_parsed_strictly_and_not_inherited() -> None:
     for bad in ("chan=7", "grpc=8", "chan=x,grpc=8", "chan=7,grpc=8,shell=9"):
         with pytest.raises(ValueError):
             Handoff.from_env({ENV: bad})
+    with pytest.raises(ValueError):
+        Handoff.from_env({ENV: "chan=7,grpc=8", ENV_PREDECESSOR: "x"})
+
+
+def test_a_predecessor_dead_before_the_successor_looked_is_not_taken_for_alive() -> None:
+    """The successor read its parent's pid when it set the hand-over up: a predecessor killed
+    before that left it to init, which then counted as the predecessor, alive ("the predecessor
+    serves on" while no relay ran). The predecessor's own pid, passed beside the descriptors,
+    is compared with the parent instead."""
+    env = {ENV: "chan=7,grpc=8", ENV_PREDECESSOR: str(os.getppid())}
+    h = Handoff.from_env(env)
+    assert h is not None and ENV_PREDECESSOR not in env and h.predecessor_lives()
+    gone = Handoff.from_env({ENV: "chan=7,grpc=8", ENV_PREDECESSOR: str(2**22 + 1)})
+    assert gone is not None and not gone.predecessor_lives()  # (its parent is another)
 
 
 @pytest.mark.parametrize(
