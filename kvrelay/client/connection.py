@@ -33,6 +33,7 @@ from grpclib.client import Channel
 from grpclib.const import Status
 
 from kvrelay._aio import stop_all
+from kvrelay._grpc import RelayChannel
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import errors as E
 from kvrelay.client import plane_rules, rpc
@@ -220,7 +221,7 @@ class RelayConnection:
             if end.reason in (E.EOF, E.CONNECTION):
                 # The relay is going away (or gone): reconnect from scratch rather than reuse an
                 # HTTP/2 connection a stopping server may still accept streams on.
-                self._reset_channel(channel)
+                self._reset_channel(channel, drained=end.reason == E.EOF)
             elif not got:  # before its first message: does the channel still carry?
                 silence_s = self.config.silence_s
                 await self._replace_if_unfit(channel, end, silence_s=silence_s, timeout_s=silence_s)
@@ -241,16 +242,21 @@ class RelayConnection:
             self.counters["channel_silent" if verdict == "silent" else "channel_deaf"] += 1
             self._reset_channel(channel)
 
-    def _reset_channel(self, used: Channel) -> None:
+    def _reset_channel(self, used: Channel, *, drained: bool = False) -> None:
         """A fresh channel, unless ``used`` was already replaced (its streams all end at once:
-        the first one replaces it, not each)."""
+        the first one replaces it, not each). ``drained``: the relay ended the catalog cleanly
+        (a drain): the old channel is closed once the streams on it have read their own ends
+        (``rpc.DRAIN_READ_S`` at most), so their drops say ``eof``, not ``connection``."""
         if used is not self.channel:
             return
         self.counters["channel_resets"] += 1
         old = self.channel
         self.channel = rpc.open_channel(self.address, self.ssl, self.config.max_message_bytes)
         self._left_draining += old.left_draining
-        old.close()
+        if drained and isinstance(old, RelayChannel):
+            old.retire(rpc.DRAIN_READ_S)
+        else:
+            old.close()
 
     def counter_values(self) -> dict[str, int]:
         """``counters`` and what this relay's channels counted: ``channel_left_draining``,

@@ -83,6 +83,12 @@ class StreamEnd:
     unsent: bool = False
 
 
+#: After a relay ended the catalog stream cleanly (a drain), the old channel stays open this long
+#: at most for the other streams on it to read their own clean ends (``RelayChannel.retire``):
+#: the SDK's and the mirror's.
+DRAIN_READ_S = 5.0
+
+
 def open_channel(
     address: RelayAddress, ssl: SslSource | None = None, max_message_bytes: int = 8 << 20
 ) -> RelayChannel:

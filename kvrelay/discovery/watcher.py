@@ -60,15 +60,22 @@ class EngineTarget:
         return f"{self.host}/static/{self.static.endpoint}"
 
 
-async def _tcp_alive(endpoint: str, host: str, timeout: float) -> str | None:
-    """None if a TCP connect to the endpoint succeeds, else the error text."""
+async def _alive(endpoint: str, host: str, timeout: float) -> str | None:
+    """None if a connect to the static endpoint succeeds (TCP, or the Unix socket of an
+    ``ipc://`` one, as vLLM binds either), else the error text. Another transport libzmq
+    reads (``inproc://``, ``pgm://``) has nothing to connect to here: its stream decides."""
     try:
-        h, port = split_tcp(endpoint)
+        if endpoint.startswith("ipc://"):
+            connecting = asyncio.open_unix_connection(endpoint[len("ipc://") :])
+        elif endpoint.startswith("tcp://"):
+            h, port = split_tcp(endpoint)
+            connecting = asyncio.open_connection(h.strip("[]") or host, port)
+        else:
+            return None
     except InvalidEndpoint as exc:
         return str(exc)
-    h = h.strip("[]") or host
     try:
-        _, w = await bounded(asyncio.open_connection(h, port), timeout)
+        _, w = await bounded(connecting, timeout)
     except (TimeoutError, OSError) as exc:
         return f"{endpoint}: {exc!r}"
     w.close()
@@ -86,7 +93,7 @@ async def snapshot_target(
             return await c.snapshot(previous)
     assert target.static is not None
     sources = static_sources(target.static, target.host)
-    err = await _tcp_alive(sources[0].endpoint, target.host, timeout) if sources else None
+    err = await _alive(sources[0].endpoint, target.host, timeout) if sources else None
     if err is not None:
         return EngineSnapshot(host=target.host, port=None, reachable=False, error=err)
     return EngineSnapshot(

@@ -31,9 +31,6 @@ SERVICE = "/dynamo.kvrelay.v1.KvEventRelay/"
 #: After a PERMISSION_DENIED spacing request, the next is asked this much later (the upstream's
 #: rules may be reloaded to grant it; meanwhile the mirror's joiners go unspaced).
 SPACING_DENIED_RETRY_S = 30.0
-#: After the upstream ended the catalog stream cleanly (a drain), the old channel stays open this
-#: long at most for the other streams on it to read their own clean ends.
-DRAIN_READ_S = 5.0
 _log = get_logger(__name__)
 StreamEnd = rpc.StreamEnd
 
@@ -116,7 +113,7 @@ class Upstream:
         """Open a fresh channel (unless ``used`` is no longer the current one): a relay that is
         shutting down may still accept streams on its old connection. ``drained``: the upstream
         ended a stream cleanly (a drain); the old channel is closed once the streams still on it
-        have read their own ends (``DRAIN_READ_S`` at most), not at once."""
+        have read their own ends (``rpc.DRAIN_READ_S`` at most), not at once."""
         if used is not None and used is not self._channel:
             return
         self.resets += 1
@@ -124,7 +121,7 @@ class Upstream:
         old, self._channel = self._channel, self._open()
         self._left_draining += old.left_draining
         if drained:
-            old.retire(DRAIN_READ_S)
+            old.retire(rpc.DRAIN_READ_S)
         else:
             old.close()
 

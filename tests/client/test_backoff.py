@@ -178,3 +178,36 @@ async def test_connections_left_as_draining_are_in_the_client_counters() -> None
     finally:
         await client.close()
         server.close()
+
+
+async def test_a_relay_drain_drops_the_pools_as_eof_not_as_a_lost_connection() -> None:
+    """The relay drains: its catalog stream ends cleanly first, and the SDK opens a fresh
+    channel at that end. It closed the old one at once, before the pool streams on it had read
+    their own clean ends: their drops said ``connection`` where the relay said OK (``eof``, as
+    the drop table promises for a drain). The old channel is now closed once its streams have
+    read their ends, 5 s at most, as the mirror's is."""
+    from kvrelay.service.server import RelayServer
+    from tests.support.mem_relay import MemRelayView
+
+    view = MemRelayView()
+    view.add_pool("p", 4096)
+    server = RelayServer(view)
+    await server.start("127.0.0.1", 0)
+    client = RelayClient([f"127.0.0.1:{server.port}"], config=_config())
+    (conn,) = client.connections
+    await client.start()
+    try:
+        await eventually(lambda: any(s.installed is not None for s in conn.slots.values()),
+                         what="the pool installed", timeout=10)  # fmt: skip
+        resets = conn.counters["channel_resets"]
+        view.catalog.end()  # the drain ends the catalog first, the pool streams a moment later
+        await eventually(lambda: conn.counters["channel_resets"] > resets,
+                         what="the channel replaced", timeout=10)  # fmt: skip
+        await asyncio.sleep(0.2)  # (the old channel's pool stream was cut here)
+        await server.close(grace_s=2.0)
+        await eventually(lambda: sum(conn.drops.values()) >= 1, what="the pool dropped",
+                         timeout=10)  # fmt: skip
+        assert dict(conn.drops) == {"eof": 1}, conn.drops
+    finally:
+        await client.close()
+        await server.close(grace_s=0.1)

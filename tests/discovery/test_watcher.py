@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
 
 from kvrelay.discovery import (
     ChangeEvent,
@@ -146,3 +150,27 @@ async def test_static_target_without_grpc() -> None:
     ]
     await eng.stop()
     assert kinds(await w.poll_once(name)) == [EngineUnreachableEvent]
+
+
+async def test_a_static_ipc_engine_is_probed_on_its_unix_socket(tmp_path: Path) -> None:
+    """vLLM binds an ``ipc://`` endpoint as readily as a TCP one, and check-config takes it for a
+    static engine, but the liveness probe split it as a TCP endpoint: the engine was never
+    reachable, no source was ever subscribed, and the pool never published. The probe connects
+    to the Unix socket."""
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    endpoint = f"ipc://{tmp_path}/e0.pub"
+    pub.bind(endpoint)
+    target = EngineTarget("127.0.0.1", static=StaticSourceConfig(endpoint))
+    w = EngineWatcher([target], lambda e: None, timeout=0.5)
+    try:
+        evs = await w.poll_once(target.name)
+        assert kinds(evs) == [EngineDiscovered, SourcesAdded], evs
+        assert [s.endpoint for s in evs[1].sources] == [endpoint]  # type: ignore[union-attr]
+        pub.close(linger=0)
+        await asyncio.sleep(0.1)
+        (gone,) = await w.poll_once(target.name)
+        assert isinstance(gone, EngineUnreachableEvent) and "e0.pub" in gone.error
+    finally:
+        pub.close(linger=0)
+        ctx.destroy(linger=0)
