@@ -123,6 +123,9 @@ class RawH2Client:
             self.closed.set()
             for st in self.streams.values():
                 st.ended.set()
+            # the relay's FIN (or a failure): close our side too, as HTTP/2 clients do (a relay
+            # that shuts down waits for it, up to its close wait)
+            self._writer.close()
 
     def _event(self, ev: h2.events.Event) -> None:
         sid = getattr(ev, "stream_id", None)

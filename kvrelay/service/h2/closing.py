@@ -3,7 +3,10 @@
 Why: ``Server.close()`` stops listening and cancels running requests but leaves accepted
 connections open, so a client could keep calling a relay that has shut down (and see its old
 identity). kvrelay closes every connection once all streams have ended (their EOFs and trailers
-are already written; the transport flushes them before closing), and a stop waits for them to be
+are already written; the transport flushes them before closing), by halves where it can: FIN
+after the last frame, and what the client still sends is read and dropped until it closes its
+side (``_half_close``: a socket closed whole answers it with a reset, which can cost the client
+the trailers it has not read yet). A stop waits for them to be
 gone at most ``CLOSE_WAIT_S`` before it aborts what is left (``wait_closed``: Python 3.12's
 asyncio waits for every connection, which an idle client may hold for ever). It needs grpclib's
 private ``Server._protocol_factory`` (listed in ``internals.py``). ``announce_drain()`` first
@@ -56,6 +59,7 @@ from kvrelay.service.h2.internals import (
     flushed_to_client,
     handlers_closed,
     missing_in_closed_streams,
+    missing_in_linger,
     missing_in_revoke,
     missing_in_stream_cap,
     once_connected,
@@ -100,6 +104,8 @@ class ClosingServer(Server):
         self.closed_streams_kept: int | None = None
         self._tls: Callable[[], ssl.SSLContext] | None = None
         self._gates: weakref.WeakSet[TlsGate] = weakref.WeakSet()
+        #: connections closed by halves at shutdown: what their clients send is dropped
+        self._lingering: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
         #: whether a client certificate (DER) is revoked now (``revoke``); None: no check
         self._is_revoked: Callable[[bytes], bool] | None = None
         self.revoked_close_s = REVOKED_CLOSE_S
@@ -128,6 +134,7 @@ class ClosingServer(Server):
         if self.h2_guard is not None:
             mend_protocol(proto, self.h2_guard[1])  # under the guard: it sees frames first
             guard_protocol(proto, *self.h2_guard)
+        self._drop_when_lingering(proto)  # outermost: nothing reaches h2 once closed by halves
         notice = DrainNotice.install(proto)
         if notice is not None:
             self._notices[proto] = notice
@@ -144,6 +151,19 @@ class ClosingServer(Server):
         if self.peer_check is not None or self.connection_caps is not None:
             self._admitted(proto)
         return proto
+
+    def _drop_when_lingering(self, proto: H2Protocol) -> None:
+        """What the client sends once its connection was closed by halves (``_half_close``)
+        is read and dropped: grpclib's side is closed. Installed before the transport exists
+        (uvloop's transports keep the ``data_received`` they find when made)."""
+        received = proto.data_received
+        lingering = self._lingering
+
+        def data_received(data: bytes) -> None:
+            if proto not in lingering:
+                received(data)
+
+        proto.data_received = data_received  # type: ignore[method-assign]
 
     def _track(self, proto: H2Protocol) -> None:
         """``proto`` is in ``_live``, with its transport (with TLS, the TLS one), from its
@@ -253,10 +273,11 @@ class ClosingServer(Server):
         for gate in list(self._gates):
             gate.abort()  # still handshaking: it has no stream to end
         for proto in list(self._protocols):
-            self._close(proto, "relay shut down")
+            self._close(proto, "relay shut down", linger=True)
 
-    def _close(self, proto: H2Protocol, reason: str) -> bool:
-        """GOAWAY (``drain.py``), then grpclib's close; False when it never started."""
+    def _close(self, proto: H2Protocol, reason: str, *, linger: bool = False) -> bool:
+        """GOAWAY (``drain.py``), then grpclib's close; False when it never started.
+        ``linger`` (a shutdown): by halves where the transport can (``_HalfClose``)."""
         conn = getattr(proto, "connection", None)
         processor = getattr(proto, "processor", None)
         if conn is None or processor is None:
@@ -264,8 +285,32 @@ class ClosingServer(Server):
         notice = self._notices.get(proto)
         if notice is not None:
             notice.final()
+        if linger:
+            self._half_close(proto)
         processor.close(reason)
         return True
+
+    def _half_close(self, proto: H2Protocol) -> None:
+        """Make grpclib's close of ``proto``'s connection shut its write side only, and drop
+        what the client sends from then on (``_lingering``): the connection ends when the
+        client closes its side, having read everything (``wait_closed`` aborts one still there
+        after ``close_wait_s``). Why: closed whole, the socket answered whatever the client
+        still sent (a WINDOW_UPDATE for the last DATA, a PING's answer) with a reset, and a
+        client whose next write then failed lost the trailers it had received but not read
+        yet: a mirror behind a draining relay told its routers "connection lost" where the
+        relay had said OK (2 of 4 drains of a mirror chain). TLS transports cannot shut one
+        half: closed whole, as before."""
+        transport = self._live.get(proto)
+        if (
+            transport is None or missing_in_linger(proto) or transport.is_closing()
+            or not transport.can_write_eof()  # type: ignore[attr-defined]
+        ):  # fmt: skip
+            return
+        conn: Any = proto.connection
+        if isinstance(conn._transport, _HalfClose):
+            return
+        conn._transport = _HalfClose(transport)
+        self._lingering.add(proto)
 
     def revoke(
         self, is_revoked: Callable[[bytes], bool], ending: Callable[[], Exception]
@@ -370,3 +415,23 @@ def _ignore(*_args: Any) -> None:
 
 def _nothing() -> None:
     """The release of a connection no cap counts."""
+
+
+class _HalfClose:
+    """The transport grpclib's ``Connection`` holds, for a connection closed at shutdown: its
+    ``close`` shuts the write side (the buffered frames, then FIN) and keeps the read side,
+    whose data the server drops, until the client closes (``ClosingServer._half_close``);
+    everything else is the transport's."""
+
+    __slots__ = ("_transport",)
+
+    def __init__(self, transport: Any) -> None:
+        self._transport = transport
+
+    def close(self) -> None:
+        t = self._transport
+        if not t.is_closing():
+            t.write_eof()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)

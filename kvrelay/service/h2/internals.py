@@ -51,6 +51,7 @@ __all__ = [
     "FEED_NEEDS",
     "HPACK_ENCODER_NEEDS",
     "INSTANCE_NEEDS",
+    "LINGER_NEEDS",
     "NO_ERROR",
     "PROCESSOR_NEEDS",
     "PROTOCOL_NEEDS",
@@ -85,6 +86,7 @@ __all__ = [
     "missing_in_ended",
     "missing_in_feed",
     "missing_in_hpack_encoder",
+    "missing_in_linger",
     "missing_in_processor",
     "missing_in_protocol",
     "missing_in_refuse",
@@ -241,6 +243,21 @@ def _missing_on_connection(proto: Any, needs: tuple[tuple[str, str], ...]) -> li
     conn = getattr(proto, "connection", None)
     objects = {"proto": proto, "connection": conn, "h2": getattr(conn, "_connection", None)}
     return absent(needs, objects)
+
+
+#: What ``closing`` uses to close a connection at shutdown by halves (``_HalfClose``): grpclib's
+#: ``Connection`` closes the transport it holds as ``_transport``; closing puts a stand-in
+#: there whose ``close`` shuts the write side only. ``where`` as in ``DRAIN_NEEDS``. Without
+#: it the connection is closed whole, as grpclib does.
+LINGER_NEEDS: tuple[tuple[str, str], ...] = (
+    ("proto", "connection"),
+    ("connection", "_transport"),
+)
+
+
+def missing_in_linger(proto: Any) -> list[str]:
+    """``where.attribute`` for each of ``LINGER_NEEDS`` this connected protocol lacks."""
+    return _missing_on_connection(proto, LINGER_NEEDS)
 
 
 #: What ``closing`` uses to tell each client its SETTINGS_MAX_CONCURRENT_STREAMS right after
