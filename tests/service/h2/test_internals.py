@@ -35,6 +35,7 @@ from kvrelay.service.h2.internals import (
     FEED_NEEDS,
     HPACK_ENCODER_NEEDS,
     INSTANCE_NEEDS,
+    LINGER_NEEDS,
     NO_ERROR,
     PROCESSOR_NEEDS,
     PROTOCOL_NEEDS,
@@ -55,6 +56,7 @@ from kvrelay.service.h2.internals import (
     missing_in_ended,
     missing_in_feed,
     missing_in_hpack_encoder,
+    missing_in_linger,
     missing_in_processor,
     missing_in_protocol,
     missing_in_revoke,
@@ -191,7 +193,8 @@ async def test_a_connected_server_protocol_has_what_the_drain_notice_and_mend_us
     the highest stream id it received; ``mend``: the connection's ``feed`` and h2's
     ``data_to_send`` and h2's HPACK ``encoder``, and the events processor's handlers by event
     type (a dict; ``closing`` closes the processor); ``closing``'s stream cap: h2's connection
-    and the connection's flush; on a real connection after a call."""
+    and the connection's flush, and its close by halves: the connection's ``_transport``; on a
+    real connection after a call."""
     async with _called() as proto:
         assert missing_in_drain(proto) == []
         assert isinstance(proto.connection._connection._data_to_send, bytearray)
@@ -208,6 +211,9 @@ async def test_a_connected_server_protocol_has_what_the_drain_notice_and_mend_us
         assert missing_in_processor(object()) == [f"{w}.{a}" for w, a in PROCESSOR_NEEDS]
         odd = SimpleNamespace(processor=SimpleNamespace(processors=(), close=None))
         assert missing_in_processor(odd) == ["processor.processors (a dict)"]
+        # ``closing``'s close by halves: the transport grpclib's connection closes
+        assert missing_in_linger(proto) == []
+        assert missing_in_linger(object()) == [f"{w}.{a}" for w, a in LINGER_NEEDS]
 
 
 async def test_the_stream_accept_is_given_is_the_one_the_request_reader_reads() -> None:
