@@ -937,8 +937,12 @@ class ConnectSource:
         m.next_seq = seq + 1
         try:
             res = m.decoder.decode(payload)
-        except DpRankMismatchError as exc:  # another rank's batch: not this member's, dropped
+        except DpRankMismatchError as exc:
+            # the topic's ``{rank}`` names this member, the batch another rank: one of them is
+            # wrong, and the member's sequence moved on past a batch nothing applied (a removal
+            # in it would leave blocks the engine dropped): reset, as for any bad batch
             c.reject(exc.kind)
+            self._bad_batch(m)
             return
         except DecodeError as exc:
             c.reject(exc.kind)
