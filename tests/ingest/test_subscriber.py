@@ -912,6 +912,20 @@ async def test_a_live_duplicate_after_a_restart_told_by_the_vouch_is_no_restart(
         await pub.close()
 
 
+async def _paused_bootstrap(
+    ctx: zmq.asyncio.Context, pub: TestPublisher, stall_after: int, replay_timeout: float
+) -> tuple[RecordingSink, Subscriber]:
+    """``pub`` with 0..9 published before the subscriber, its replay pausing after
+    ``stall_after`` batches (until ``pub.mid`` is set), and a started subscriber."""
+    for s in range(10):
+        await pub.publish(msg(s), live=False)
+    pub.pause_after, pub.mid = stall_after, asyncio.Event()
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx, replay_timeout=replay_timeout)
+    await sub.start()
+    return sink, sub
+
+
 async def test_a_replay_that_goes_silent_part_way_is_asked_again_from_where_it_stopped(
     ctx: zmq.asyncio.Context,
 ) -> None:
@@ -919,12 +933,7 @@ async def test_a_replay_that_goes_silent_part_way_is_asked_again_from_where_it_s
     reply cut short), and the engine publishes nothing more: the replay is asked again from 5,
     vouching for 4, and its answer completes the member: exact, nothing reset."""
     pub = ConcurrentReplayPublisher(ctx)
-    for s in range(10):
-        await pub.publish(msg(s), live=False)
-    pub.pause_after, pub.mid = 5, asyncio.Event()
-    sink = RecordingSink()
-    sub = make(pub, sink, ctx, replay_timeout=0.3)
-    await sub.start()
+    sink, sub = await _paused_bootstrap(ctx, pub, 5, replay_timeout=0.3)
     try:
         await pub.wait_subscribed()
         await until(lambda: pub.requests == [0])
@@ -948,12 +957,7 @@ async def test_a_bootstrap_replay_cut_short_for_good_is_not_kept(
     where the history ends vouches for nothing: the member is reset, the replay asked again at
     the next live batch, and its full answer rebuilds the member."""
     pub = TestPublisher(ctx)  # (one request at a time: the stalled reply holds the others)
-    for s in range(10):
-        await pub.publish(msg(s), live=False)
-    pub.pause_after, pub.mid = 5, asyncio.Event()
-    sink = RecordingSink()
-    sub = make(pub, sink, ctx, replay_timeout=0.3)
-    await sub.start()
+    sink, sub = await _paused_bootstrap(ctx, pub, 5, replay_timeout=0.3)
     try:
         await pub.wait_subscribed()
         await until(lambda: sub.state == "live" and sub.next_seq is None, timeout=10.0)
@@ -1013,12 +1017,7 @@ async def test_an_engine_restart_during_the_bootstrap_replay_is_not_taken_as_its
     incarnation's replay (with the one paused reply of this publisher, the replay asked again
     is answered once the old reply ends: by the new incarnation, whose batch 2 is another's)."""
     pub = TestPublisher(ctx)
-    for s in range(10):
-        await pub.publish(msg(s), live=False)
-    pub.pause_after, pub.mid = 3, asyncio.Event()
-    sink = RecordingSink()
-    sub = make(pub, sink, ctx, replay_timeout=1.0)
-    await sub.start()
+    sink, sub = await _paused_bootstrap(ctx, pub, 3, replay_timeout=1.0)
     try:
         await pub.wait_subscribed()
         await until(lambda: sink.seqs == [0, 1, 2])
