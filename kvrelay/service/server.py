@@ -70,6 +70,9 @@ _log = get_logger(__name__)
 #: for the calls it refused to write their status: HEADERS, not flow-controlled, so at once
 #: unless a client reads nothing at all.
 REFUSAL_WRITE_S = 1.0
+#: The least a connection closed at shutdown is given to be gone (``close``: a quarter of the
+#: grace otherwise, never more than ``CLOSE_WAIT_S``).
+CLOSE_WAIT_FLOOR_S = 0.05
 #: How long a pool stream that ends with an error waits at most for every catalog stream to
 #: hand the current catalog revision to its transport first (``_catalog_first``): a fenced or
 #: withdrawn generation's streams end after the catalog without it, yet a catalog client that
@@ -1046,4 +1049,9 @@ class RelayServer:
         if ending:
             await asyncio.wait(ending, timeout=min(REFUSAL_WRITE_S, grace_s))
         self._server.close()
-        await self._server.wait_closed()  # the requests ended, then the connections closed
+        # a connection closed by halves (or a TLS one) waits for its client's close: at most a
+        # quarter of the grace, so a client that never closes cannot stretch a stop past its
+        # budget (``shutdown_timeout_s``: exit 1, no state file, or a worker killed)
+        srv = self._server
+        srv.close_wait_s = min(srv.close_wait_s, max(CLOSE_WAIT_FLOOR_S, grace_s / 4))
+        await srv.wait_closed()  # the requests ended, then the connections closed

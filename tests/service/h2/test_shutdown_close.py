@@ -89,3 +89,25 @@ def hpack_decoded_blocks(got: bytes) -> bytes:
                 out += k + b"=" + v + b"\n"
         i += 9 + n
     return bytes(out)
+
+
+async def test_a_client_that_never_closes_holds_a_stop_a_quarter_of_its_grace_at_most() -> None:
+    """The relay waits for a connection closed by halves to be closed by its client; one that
+    never closes (a stopped process, a router whose loop is blocked) held the stop for the close
+    wait, 2 s, whatever the shutdown's budget: with ``shutdown_timeout_s = 1`` the daemon
+    exited 1 without saving its state. The wait is a quarter of the grace at most."""
+    view = MemRelayView()
+    server = RelayServer(view)
+    await server.start("127.0.0.1", 0)
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, ("127.0.0.1", server.port))
+        await loop.sock_sendall(sock, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(0x4, 0, 0))
+        await _read_until(sock, bytearray(), b"\x04\x01")  # the relay's SETTINGS ack came
+        started = time.monotonic()
+        await asyncio.wait_for(server.close(grace_s=0.4), scaled(5))
+        assert time.monotonic() - started < 0.4 + scaled(0.5)  # (a quarter of it is 0.1 s)
+    finally:
+        sock.close()
