@@ -439,7 +439,12 @@ async def test_only_the_main_thread_takes_a_stop_while_it_reads_its_config(tmp_p
         for tid in others:
             mask = _blocked(proc.pid, tid)
             assert all(mask >> (sig - 1) & 1 for sig in held), (tid, hex(mask))
-        assert not _blocked(proc.pid, proc.pid) >> (signal.SIGTERM - 1) & 1
+        # the main thread blocks them only while it starts the reader thread, which may open
+        # the FIFO (what ``_reading_its_config`` waits for) before the main thread unblocks
+        deadline = time.monotonic() + scaled(10)
+        while _blocked(proc.pid, proc.pid) >> (signal.SIGTERM - 1) & 1:
+            assert time.monotonic() < deadline, "the main thread keeps SIGTERM blocked"
+            await asyncio.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), scaled(30)) == 0
     finally:
