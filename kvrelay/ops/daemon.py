@@ -623,17 +623,15 @@ class Daemon:
         self._reloaded_during_upgrade = False
         try:
             await Upgrader(listeners, **self.upgrade_options).run(cut, self._handed_over)
-        except UpgradeFailed as exc:
-            self.upgrades.outcome(exc.result)
-            _LOG.error("upgrade_failed", result=exc.result, why=str(exc))
+        except Exception as exc:
+            if isinstance(exc, UpgradeFailed):
+                result, why, trace = exc.result, str(exc), False
+            else:  # anything else (the successor is killed by then): told too, traceback and all
+                result, why, trace = "successor_failed", f"{type(exc).__name__}: {exc}", True
+            self.upgrades.outcome(result)
+            _LOG.error("upgrade_failed", result=result, why=why, exc_info=trace)
             self._sweep_private_dirs()  # what a successor killed outright left behind
-            self.notifier.status(f"hot upgrade failed ({exc.result}); still serving")
-        except Exception as exc:  # anything else (the successor is killed by then): told too
-            self.upgrades.outcome("successor_failed")
-            _LOG.exception("upgrade_failed", result="successor_failed",
-                           why=f"{type(exc).__name__}: {exc}")  # fmt: skip
-            self._sweep_private_dirs()
-            self.notifier.status("hot upgrade failed (successor_failed); still serving")
+            self.notifier.status(f"hot upgrade failed ({result}); still serving")
 
     def _sweep_private_dirs(self) -> None:
         """Remove the private directories that kvrelay processes which died without cleaning up

@@ -302,13 +302,11 @@ class ClosingServer(Server):
         half: closed whole, as before."""
         transport = self._live.get(proto)
         if (
-            transport is None or missing_in_linger(proto) or transport.is_closing()
-            or not transport.can_write_eof()  # type: ignore[attr-defined]
+            transport is None or proto in self._lingering or missing_in_linger(proto)
+            or transport.is_closing() or not transport.can_write_eof()  # type: ignore[attr-defined]
         ):  # fmt: skip
             return
         conn: Any = proto.connection
-        if isinstance(conn._transport, _HalfClose):
-            return
         conn._transport = _HalfClose(transport)
         self._lingering.add(proto)
 
