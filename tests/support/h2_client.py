@@ -163,6 +163,15 @@ class RawH2Client:
                 await self._task
 
 
+#: What an HTTP/2 client sends first, with an empty SETTINGS frame after it.
+PREFACE_AND_SETTINGS = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(3) + bytes([0x4, 0]) + bytes(4)
+
+
+def frame(kind: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
+    """One raw HTTP/2 frame (RFC 9113 §4.1): its 9-byte header, then ``payload``."""
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + sid.to_bytes(4, "big") + payload
+
+
 def _text(headers: list[tuple[str, str]] | list[tuple[bytes, bytes]]) -> dict[str, str]:
     out: dict[str, str] = {}
     for k, v in headers:

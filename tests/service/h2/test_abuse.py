@@ -31,7 +31,13 @@ from kvrelay.ops.tls import client_ssl_context, server_ssl_context
 from kvrelay.service.h2.guard import ENHANCE_YOUR_CALM, H2Budgets, goaway
 from kvrelay.service.h2.request import MAX_REQUEST_BYTES
 from kvrelay.service.server import RelayServer
-from tests.support.h2_client import RawH2Client, RawStream, plane_request
+from tests.support.h2_client import (
+    PREFACE_AND_SETTINGS,
+    RawH2Client,
+    RawStream,
+    frame,
+    plane_request,
+)
 from tests.support.mem_relay import MemRelayView
 from tests.support.timing import scaled
 
@@ -250,10 +256,6 @@ async def test_streams_reset_before_their_handler_runs_are_forgotten() -> None:
         await server.close(grace_s=0.5)
 
 
-def _frame(kind: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
-    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + sid.to_bytes(4, "big") + payload
-
-
 async def _raw_connection(
     port: int,
 ) -> tuple[asyncio.StreamWriter, bytearray, asyncio.Future[None]]:
@@ -267,7 +269,7 @@ async def _raw_connection(
         while data := await reader.read(65536):
             got.extend(data)
 
-    writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(0x4, 0, 0))
+    writer.write(PREFACE_AND_SETTINGS)
     return writer, got, asyncio.ensure_future(read())
 
 
@@ -282,7 +284,7 @@ def _server_reset_streams(n: int, first: int) -> bytes:
     out = []
     for i in range(n):
         sid = first + 2 * i
-        out += [_frame(0x1, 0x5, sid, block), _frame(0x0, 0x0, sid)]
+        out += [frame(0x1, 0x5, sid, block), frame(0x0, 0x0, sid)]
     return b"".join(out)
 
 
@@ -303,14 +305,14 @@ async def test_floods_the_reset_count_never_sees_are_closed(flood: str) -> None:
         if flood == "stream_flood":
             burst = _server_reset_streams(BUDGETS.max_streams + 8, 1)
         elif flood == "priority":
-            burst = _frame(0x2, 0, 1, b"\x00\x00\x00\x00\x10") * empty
+            burst = frame(0x2, 0, 1, b"\x00\x00\x00\x00\x10") * empty
         elif flood == "closed_stream":
             ended = _server_reset_streams(1, 1)[: -9]  # stream 1: HEADERS with END_STREAM
-            burst = ended + _frame(0x0, 0x0, 1, b"x") * empty
+            burst = ended + frame(0x0, 0x0, 1, b"x") * empty
         elif flood == "ping_ack":
-            burst = _frame(0x6, 0x1, 0, b"pingpong") * empty
+            burst = frame(0x6, 0x1, 0, b"pingpong") * empty
         else:
-            burst = _frame(0x4, 0x1, 0) * empty
+            burst = frame(0x4, 0x1, 0) * empty
         writer.write(burst)
         await asyncio.wait_for(pump, 20)  # the relay closes the connection
         assert server.service.guard_stats()[2][reason] == 1
@@ -384,9 +386,9 @@ async def test_malformed_requests_and_unknown_frames_are_answered_not_logged(
         no_path = enc.encode([(":method", "POST"), (":scheme", "http"),
                               ("content-type", "application/grpc")])  # fmt: skip
         for sid in range(1, 40, 2):
-            writer.write(_frame(0x1, 0x5, sid, no_path))
-        writer.write(_frame(0x20, 0, 0, b"whatever"))  # an extension frame type
-        writer.write(_frame(0x6, 0, 0, b"pingpong"))  # answered: the connection goes on
+            writer.write(frame(0x1, 0x5, sid, no_path))
+        writer.write(frame(0x20, 0, 0, b"whatever"))  # an extension frame type
+        writer.write(frame(0x6, 0, 0, b"pingpong"))  # answered: the connection goes on
         svc = server.service
         await _eventually(lambda: svc.guard_stats()[2].get("malformed_headers") == 20)
         await _eventually(lambda: b"\x06\x01\x00\x00\x00\x00pingpong" in got)
@@ -397,7 +399,7 @@ async def test_malformed_requests_and_unknown_frames_are_answered_not_logged(
         await _eventually(lambda: got.count(rst) >= 20)
         assert got.count(rst) == 20 and got.count(rst + b"\x00\x00\x00\x01" + bytes(3) + b"\x01")
         bad = enc.encode([(":method", "POST"), (":path", "/x"), ("x-name", "caf\xe9")])
-        writer.write(_frame(0x1, 0x5, 41, bad))
+        writer.write(frame(0x1, 0x5, 41, bad))
         await _closed_with_goaway(server, pump, got, 0x1, caplog)
     finally:
         pump.cancel()
@@ -462,10 +464,10 @@ async def test_empty_data_frames_inside_a_request_are_not_its_end() -> None:
 
 #: Connection errors h2 finds, each with the GOAWAY code RFC 9113 gives it.
 CONNECTION_ERRORS: dict[str, tuple[bytes, int]] = {
-    "data_on_stream_0": (_frame(0x0, 0, 0, b"x"), 0x1),
-    "zero_window_update": (_frame(0x8, 0, 0, bytes(4)), 0x1),
-    "frame_too_large": (_frame(0x0, 0, 1, bytes(20_000)), 0x6),
-    "window_setting_out_of_range": (_frame(0x4, 0, 0, b"\x00\x04\x80\x00\x00\x00"), 0x3),
+    "data_on_stream_0": (frame(0x0, 0, 0, b"x"), 0x1),
+    "zero_window_update": (frame(0x8, 0, 0, bytes(4)), 0x1),
+    "frame_too_large": (frame(0x0, 0, 1, bytes(20_000)), 0x6),
+    "window_setting_out_of_range": (frame(0x4, 0, 0, b"\x00\x04\x80\x00\x00\x00"), 0x3),
 }
 
 
@@ -577,7 +579,7 @@ async def test_a_connection_closed_between_drain_turns_feeds_nothing_more() -> N
     try:
         await _eventually(lambda: b"\x00\x00\x00\x04\x01" in got)  # our SETTINGS acknowledged
         (proto,) = [p for p in server._server._protocols if hasattr(p, "processor")]
-        window_update = _frame(0x8, 0, 0, (1).to_bytes(4, "big"))
+        window_update = frame(0x8, 0, 0, (1).to_bytes(4, "big"))
         proto.data_received(window_update * 8000)  # a 104 KB read: seven turns
         proto.processor.close("keepalive timeout")  # what grpclib does on a missed PING ack
         for _ in range(20):
@@ -961,9 +963,9 @@ async def test_a_flood_of_resets_on_streams_long_gone_is_closed() -> None:
             (":path", "/dynamo.kvrelay.v1.KvEventRelay/GetRelayInfo"),
             ("content-type", "application/grpc"), ("te", "trailers"),
         ])  # fmt: skip
-        writer.write(_frame(0x1, 0x5, 1, block))  # one call, ended at once (no request: refused)
+        writer.write(frame(0x1, 0x5, 1, block))  # one call, ended at once (no request: refused)
         await asyncio.sleep(BUDGETS.held_stream_s + 0.2)
-        writer.write(_frame(0x3, 0, 1, (8).to_bytes(4, "big")) * 100)
+        writer.write(frame(0x3, 0, 1, (8).to_bytes(4, "big")) * 100)
         await asyncio.wait_for(pump, 20)  # the relay closes the connection
         assert server.service.guard_stats()[2]["rapid_reset"] == 1
         assert goaway(1) in bytes(got)  # ENHANCE_YOUR_CALM

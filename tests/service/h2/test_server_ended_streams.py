@@ -20,13 +20,10 @@ from kvrelay.contract.wire import CONTRACT_MARKER
 from kvrelay.service.h2.guard import ENHANCE_YOUR_CALM, H2Budgets
 from kvrelay.service.h2.request import MAX_REQUEST_BYTES
 from kvrelay.service.server import RelayServer
+from tests.support.h2_client import PREFACE_AND_SETTINGS, frame
 from tests.support.mem_relay import MemRelayView
 
 POOL = "/dynamo.kvrelay.v1.KvEventRelay/SubscribeKvPool"
-
-
-def _frame(kind: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
-    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + sid.to_bytes(4, "big") + payload
 
 
 async def _ended_by_the_relay() -> tuple[RelayServer, asyncio.StreamWriter, bytearray,
@@ -36,9 +33,9 @@ async def _ended_by_the_relay() -> tuple[RelayServer, asyncio.StreamWriter, byte
     server, writer, got, pump = await _raw_connection()
     block = _request_headers()
     prefix = b"\x00" + (MAX_REQUEST_BYTES + 1).to_bytes(4, "big")  # refused unread
-    writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(0x4, 0, 0)
-                 + _frame(0x1, 0x4, 1, block) + _frame(0x0, 0, 1, prefix))  # fmt: skip
-    reset = _frame(0x3, 0, 1)[:9]  # RST_STREAM on stream 1 (its length 4 follows)
+    writer.write(PREFACE_AND_SETTINGS
+                 + frame(0x1, 0x4, 1, block) + frame(0x0, 0, 1, prefix))  # fmt: skip
+    reset = frame(0x3, 0, 1)[:9]  # RST_STREAM on stream 1 (its length 4 follows)
     for _ in range(200):
         if (b"\x00\x00\x04" + reset[3:]) in got:
             break
@@ -103,7 +100,7 @@ async def test_data_flooding_a_stream_the_relay_ended_is_closed_and_counted() ->
     server, writer, got, pump = await _ended_by_the_relay()
     try:
         flood = H2Budgets().max_empty_frames + 8
-        writer.write(_frame(0x0, 0, 1, b"x") * flood)
+        writer.write(frame(0x0, 0, 1, b"x") * flood)
         await _closed_calm_and_counted(server, got, pump, "empty_frames")
     finally:
         pump.cancel()
@@ -118,9 +115,9 @@ async def test_a_client_ending_its_side_of_a_stream_the_relay_ended_is_not_count
     server, writer, got, pump = await _ended_by_the_relay()
     try:
         budgets = H2Budgets()
-        writer.write(_frame(0x0, 0x1, 1))  # stream 1's client ends its side
-        writer.write(_frame(0x0, 0, 1, b"x") * budgets.max_empty_frames)  # then the budget
-        writer.write(_frame(0x6, 0, 0, b"pingpong"))  # answered once all of the above is read
+        writer.write(frame(0x0, 0x1, 1))  # stream 1's client ends its side
+        writer.write(frame(0x0, 0, 1, b"x") * budgets.max_empty_frames)  # then the budget
+        writer.write(frame(0x6, 0, 0, b"pingpong"))  # answered once all of the above is read
         for _ in range(400):
             if b"\x00\x00\x08\x06\x01" in got:  # the PING's ACK
                 break
@@ -143,9 +140,9 @@ async def test_a_request_dribbled_one_byte_per_frame_is_closed_and_counted() -> 
         block = _request_headers()
         dribble = H2Budgets().max_data_frames + 8  # (one stream: its one frame is allowed)
         prefix = b"\x00" + (16000).to_bytes(4, "big")  # a request of 16,000 bytes, never finished
-        writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(0x4, 0, 0)
-                     + _frame(0x1, 0x4, 1, block) + _frame(0x0, 0, 1, prefix)
-                     + _frame(0x0, 0, 1, b"x") * dribble)  # fmt: skip
+        writer.write(PREFACE_AND_SETTINGS
+                     + frame(0x1, 0x4, 1, block) + frame(0x0, 0, 1, prefix)
+                     + frame(0x0, 0, 1, b"x") * dribble)  # fmt: skip
         await _closed_calm_and_counted(server, got, pump, "data_flood")
     finally:
         pump.cancel()

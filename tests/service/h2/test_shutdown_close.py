@@ -11,19 +11,18 @@ client writing HTTP/2 frames, an h2 client for the plane stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
+from collections.abc import AsyncIterator
 
 import hpack
 
 from kvrelay.client import rpc
 from kvrelay.service.server import RelayServer
+from tests.support.h2_client import PREFACE_AND_SETTINGS, frame
 from tests.support.mem_relay import MemRelayView
 from tests.support.timing import scaled
-
-
-def _frame(kind: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
-    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + sid.to_bytes(4, "big") + payload
 
 
 def _catalog_call() -> bytes:
@@ -34,7 +33,7 @@ def _catalog_call() -> bytes:
     ])  # fmt: skip
     body = bytes(rpc.catalog_request("linger"))
     framed = b"\x00" + len(body).to_bytes(4, "big") + body
-    return _frame(0x1, 0x4, 1, headers) + _frame(0x0, 0x1, 1, framed)
+    return frame(0x1, 0x4, 1, headers) + frame(0x0, 0x1, 1, framed)
 
 
 async def _read_until(sock: socket.socket, got: bytearray, cond: bytes | None) -> None:
@@ -50,7 +49,10 @@ async def _read_until(sock: socket.socket, got: bytearray, cond: bytes | None) -
         got.extend(data)
 
 
-async def test_a_client_still_writing_after_the_shutdown_is_not_reset() -> None:
+@contextlib.asynccontextmanager
+async def _raw_client(first: bytes) -> AsyncIterator[tuple[RelayServer, socket.socket]]:
+    """A relay with one pool, and a plain TCP client that has sent ``first`` (non-blocking: its
+    writes fail as soon as the relay resets the connection). Both closed at the end."""
     view = MemRelayView()
     view.add_pool("p", 4096)
     server = RelayServer(view)
@@ -60,22 +62,27 @@ async def test_a_client_still_writing_after_the_shutdown_is_not_reset() -> None:
     sock.setblocking(False)
     try:
         await loop.sock_connect(sock, ("127.0.0.1", server.port))
-        await loop.sock_sendall(sock, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(0x4, 0, 0)
-                                + _catalog_call())  # fmt: skip
+        await loop.sock_sendall(sock, first)
+        yield server, sock
+    finally:
+        sock.close()
+        await server.close(grace_s=0.1)
+
+
+async def test_a_client_still_writing_after_the_shutdown_is_not_reset() -> None:
+    loop = asyncio.get_running_loop()
+    async with _raw_client(PREFACE_AND_SETTINGS + _catalog_call()) as (server, sock):
         got = bytearray()
         await _read_until(sock, got, b"\x00\x00\x00\x01")  # a DATA frame on stream 1 came
         closing = asyncio.ensure_future(server.close(grace_s=scaled(2)))
         await _read_until(sock, got, None)  # the relay's FIN, after its last frame
         assert b"grpc-status=" in hpack_decoded_blocks(got)  # the catalog ended with a status
         for _ in range(3):  # what a client sends as it reads the end: PINGs here
-            await loop.sock_sendall(sock, _frame(0x6, 0, 0, b"pingpong"))  # never reset
+            await loop.sock_sendall(sock, frame(0x6, 0, 0, b"pingpong"))  # never reset
             await asyncio.sleep(0.05)
-        assert not closing.done()  # the relay waits for the client's close (at most 2 s)
+        assert not closing.done()  # the relay waits for the client's close (a while at most)
         sock.close()
         await asyncio.wait_for(closing, scaled(5))
-    finally:
-        sock.close()
-        await server.close(grace_s=0.1)
 
 
 def hpack_decoded_blocks(got: bytes) -> bytes:
@@ -96,18 +103,8 @@ async def test_a_client_that_never_closes_holds_a_stop_a_quarter_of_its_grace_at
     never closes (a stopped process, a router whose loop is blocked) held the stop for the close
     wait, 2 s, whatever the shutdown's budget: with ``shutdown_timeout_s = 1`` the daemon
     exited 1 without saving its state. The wait is a quarter of the grace at most."""
-    view = MemRelayView()
-    server = RelayServer(view)
-    await server.start("127.0.0.1", 0)
-    loop = asyncio.get_running_loop()
-    sock = socket.socket()
-    sock.setblocking(False)
-    try:
-        await loop.sock_connect(sock, ("127.0.0.1", server.port))
-        await loop.sock_sendall(sock, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(0x4, 0, 0))
+    async with _raw_client(PREFACE_AND_SETTINGS) as (server, sock):
         await _read_until(sock, bytearray(), b"\x04\x01")  # the relay's SETTINGS ack came
         started = time.monotonic()
         await asyncio.wait_for(server.close(grace_s=0.4), scaled(5))
         assert time.monotonic() - started < 0.4 + scaled(0.5)  # (a quarter of it is 0.1 s)
-    finally:
-        sock.close()

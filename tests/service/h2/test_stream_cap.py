@@ -27,7 +27,13 @@ from kvrelay.contract.limits import RelayLimits
 from kvrelay.contract.wire import CONTRACT_MARKER
 from kvrelay.service.h2.guard import ENHANCE_YOUR_CALM, H2Budgets
 from kvrelay.service.server import RelayServer
-from tests.support.h2_client import RawH2Client, RawStream, plane_request
+from tests.support.h2_client import (
+    PREFACE_AND_SETTINGS,
+    RawH2Client,
+    RawStream,
+    frame,
+    plane_request,
+)
 from tests.support.mem_relay import MemRelayView
 
 INFO = bytes(pb.RelayInfoRequest(contract_marker=CONTRACT_MARKER))
@@ -145,11 +151,11 @@ async def test_frames_on_a_refused_stream_count_as_frames_on_a_closed_stream() -
         assert opened[2].reset_code == REFUSED
         sid = max(client.streams)
         # (the client's own h2 refuses to send on a reset stream: the frames are written raw)
-        frame = DataFrame(sid, data=b"x").serialize()
+        data_frame = DataFrame(sid, data=b"x").serialize()
         for _ in range(10):
             if client.closed.is_set():
                 break
-            client._writer.write(frame * 20)
+            client._writer.write(data_frame * 20)
             await asyncio.sleep(0.05)
         await asyncio.wait_for(client.closed.wait(), 10)
         assert client.goaway is not None and client.goaway.error_code == ENHANCE_YOUR_CALM
@@ -168,9 +174,7 @@ async def test_frames_on_a_stream_reset_for_malformed_headers_count_as_on_a_clos
     try:
         no_path = hpack.Encoder().encode([(":method", "POST"), (":scheme", "http"),
                                           ("content-type", "application/grpc")])  # fmt: skip
-        header = len(no_path).to_bytes(3, "big") + bytes([0x1, 0x4]) + (1).to_bytes(4, "big")
-        writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(3) + bytes([0x4, 0]) + bytes(4)
-                     + header + no_path)  # fmt: skip
+        writer.write(PREFACE_AND_SETTINGS + frame(0x1, 0x4, 1, no_path))
         got = bytearray()
 
         async def pump() -> None:  # every byte the relay sends, to its close
@@ -180,12 +184,12 @@ async def test_frames_on_a_stream_reset_for_malformed_headers_count_as_on_a_clos
 
         reading = asyncio.ensure_future(pump())
         await _eventually(lambda: _abuse(server).get("malformed_headers") == 1)
-        frame = DataFrame(1, data=b"x").serialize()
+        data_frame = DataFrame(1, data=b"x").serialize()
         for _ in range(10):
             if reading.done():
                 break
             with contextlib.suppress(ConnectionError):  # (closed by the relay meanwhile)
-                writer.write(frame * 20)
+                writer.write(data_frame * 20)
             await asyncio.sleep(0.05)
         await asyncio.wait_for(reading, 10)
         goaway = got.rfind(b"\x07\x00\x00\x00\x00\x00")
