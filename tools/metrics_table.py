@@ -122,8 +122,7 @@ def worker_families() -> list[Family]:
     relay's page; its workers' mirror families are ``mirror_families``)."""
     registry = CollectorRegistry()
     registry.register(WorkersCollector(_Supervisor()))
-    mirrors = {f.series for f in mirror_families()}
-    return [f for f in _series(registry) if f.series not in mirrors]
+    return [f for f in _series(registry) if not f.series.startswith("kvrelay_mirror_")]
 
 
 def families(per_member: bool = True) -> list[Family]:
