@@ -683,19 +683,17 @@ class Decoder:
                 # An explicit salt field (SGLang's salt map, a map-form ``cache_salt``) is
                 # honoured always, as Dynamo does: salted and unsalted blocks never merge.
                 # vLLM's bare salt in block 0's extra keys only with the namespacing option.
-                explicit = ev.cache_salt or None
-                if opts.cache_salt_namespacing or explicit:
-                    ns = explicit
-                    if not ns and parent is None and entries:
-                        ns = self._cache_salt(entries, lora)
-                    if ns:
-                        nsp = namespace_part(ns)
-                        salt = self._salt(lora, ns)
-                    else:
-                        salt = self._salt(lora, None)
-                        nsi = parent is not None
+                # A store without a namespace of its own takes its parent's (the pool knows
+                # it, if any): a producer may salt a request's first store only.
+                ns = ev.cache_salt or None
+                if not ns and opts.cache_salt_namespacing and parent is None and entries:
+                    ns = self._cache_salt(entries, lora)
+                if ns:
+                    nsp = namespace_part(ns)
+                    salt = self._salt(lora, ns)
                 else:
-                    salt = 1337 if not lora else self._salt(lora, None)
+                    salt = self._salt(lora, None)
+                    nsi = parent is not None
                 idx = len(ops)
                 if opts.multimodal_hashing and entries:
                     per_block = self._mm(entries, k)

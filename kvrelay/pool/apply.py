@@ -609,6 +609,9 @@ BS_TOK_OFF = 3
 BS_MM_OFF = 4
 BS_CLEAR_BLOCKS = 5
 BS_ORIGIN = 6  # checked in Python (one argument less per call)
+# batch_summary's uses_ns bits
+NS_OWN = 1
+NS_INHERIT = 2
 
 
 @njit(cache=True, _nrt=False)  # type: ignore[misc,call-overload,untyped-decorator]
@@ -627,7 +630,9 @@ def batch_summary(
     mm: U64,
     out: I64,
 ) -> int:
-    """Structural checks in one call; ``out = [store_blocks, max_event_blocks, uses_ns]``."""
+    """Structural checks in one call; ``out = [store_blocks, max_event_blocks, uses_ns]``,
+    ``uses_ns`` holding ``NS_OWN`` (a store names a namespace) and ``NS_INHERIT`` (a store
+    takes its parent's, which only a member holding namespaces has to give)."""
     n = ops.shape[0]
     if (
         parent.shape[0] != n
@@ -655,8 +660,10 @@ def batch_summary(
             store_blocks += k
             if k > max_k:
                 max_k = k
-            if ns_part[i] != np.uint64(0) or ns_inherit[i]:
-                uses_ns = 1
+            if ns_part[i] != np.uint64(0):
+                uses_ns |= NS_OWN
+            if ns_inherit[i]:
+                uses_ns |= NS_INHERIT
     out[0] = store_blocks
     out[1] = max_k
     out[2] = uses_ns
@@ -778,7 +785,9 @@ def apply_packed(
     ``PACKED_STOPPED`` with ``io[IO_STOP]`` where ``apply_batch`` stopped and ``io[IO_SET_CAP]``
     the duplicate-check set it used (the caller goes on from there, and adds the totals)."""
     n = work.shape[0]
-    if _counts_oversized_nb(xk.shape[0], pm[PM_OVERFLOW]):
+    # a packed batch's stores with a parent take the parent's namespace (it names none of its
+    # own): nothing to take while the member holds none, else the general path does
+    if nmeta[0] > 0 or _counts_oversized_nb(xk.shape[0], pm[PM_OVERFLOW]):
         return PACKED_GENERAL
     o_add_lo, o_add_hi = _room_nb(np.int64(otm[pk.TM_LIVE]), own_lo, own_hi)  # type: ignore[arg-type]
     l_add_lo, l_add_hi = _room_nb(np.int64(ltm[pk.TM_LIVE]), lin_lo, lin_hi)  # type: ignore[arg-type]

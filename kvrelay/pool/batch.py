@@ -13,9 +13,10 @@ Layout (``n`` events, ``b`` block hashes in total):
 * ``salt[n]`` (uint64): the block-hash seed of §7.1 for the event, LoRA (and, when namespacing is
   enabled, an explicit cache namespace) already folded in. Unused for removes and clears.
 * ``ns_part[n]`` (uint64): the cache-namespace component already inside ``salt`` (0 when none).
-* ``ns_inherit[n]`` (bool): the store has no namespace of its own and inherits its parent's
-  namespace component (vLLM sends ``cache_salt`` only in the block at token 0). Always false while
-  cache-salt namespacing is off, which is the default.
+* ``ns_inherit[n]`` (bool): the store has a parent and no namespace of its own, so it takes the
+  namespace component recorded for its parent in the member's chain, if any (vLLM sends
+  ``cache_salt`` only in the block at token 0, and a producer may put an explicit salt on a
+  request's first store only). As Dynamo does, whether namespacing is on or off.
 * ``blk_off[n+1]`` (int64): event ``i`` owns ``ext_hashes[blk_off[i]:blk_off[i+1]]``: the stored
   blocks (in chain order) for a store, the removed hashes for a remove, nothing for a clear.
 * ``ext_hashes[b]`` (uint64): vLLM's block hashes as u64 (opaque lineage keys).
@@ -108,7 +109,9 @@ class PackedBatch:
     * ``i64`` = ``work[o_i64 : o_tok]`` as int64: ``blk_off`` = ``i64[: n + 1]``, ``tok_off`` =
       ``i64[e + 1 : e + 2 + n]``;
     * ``tokens`` = ``work[o_tok : o_tok + 4 * tok_off[n]]`` as uint32;
-    * no namespaces, multimodal hashes or origins (zeros / empty).
+    * no namespaces, multimodal hashes or origins (zeros / empty), and every store with a parent
+      takes its parent's namespace (``ns_inherit`` = ``has_parent``: the walker leaves every
+      salted store to the msgspec path).
 
     The buffer is borrowed: its owner reuses it only once nothing refers to it any more.
     """
@@ -126,10 +129,16 @@ class PackedBatch:
     @classmethod
     def pack(cls, batch: EventBatch) -> PackedBatch:
         """``batch`` copied into a buffer of its own (warm-up, tests). Only batches a walker can
-        produce: no namespaces, multimodal hashes or origins (``ValueError`` otherwise)."""
+        produce: no namespaces, multimodal hashes or origins, each store with a parent taking its
+        parent's namespace (``ValueError`` otherwise)."""
         b = batch
         ne, nb, nt = b.ops.shape[0], b.ext_hashes.shape[0], b.tokens.shape[0]
-        if b.mm_off.shape[0] or b.origin.shape[0] or b.ns_part.any() or b.ns_inherit.any():
+        if (
+            b.mm_off.shape[0]
+            or b.origin.shape[0]
+            or b.ns_part.any()
+            or not np.array_equal(b.ns_inherit, b.has_parent)
+        ):
             raise ValueError("a packed batch has no namespaces, multimodal hashes or origins")
         e = ne
         e8 = (e + 7) & ~7
@@ -154,14 +163,14 @@ class PackedBatch:
         w64 = work[self.o_w64 : self.o_i64].view(np.uint64)
         i64 = work[self.o_i64 : self.o_tok].view(np.int64)
         tok_off = i64[e + 1 : e + 2 + ne]
-        zeros = np.zeros(2 * ne, dtype=np.uint64)
+        has_parent = work[self.o_hp : self.o_hp + ne].view(np.bool_)
         return EventBatch(
             ops=work[self.o_ops : self.o_ops + ne],
             parent=w64[:ne],
-            has_parent=work[self.o_hp : self.o_hp + ne].view(np.bool_),
+            has_parent=has_parent,
             salt=w64[e : e + ne],
-            ns_part=zeros[:ne],
-            ns_inherit=zeros[ne:].view(np.bool_)[:ne],
+            ns_part=np.zeros(ne, dtype=np.uint64),
+            ns_inherit=has_parent,
             blk_off=i64[: ne + 1],
             ext_hashes=w64[2 * e : 2 * e + self.n_blocks],
             tok_off=tok_off,
@@ -262,10 +271,14 @@ class BatchBuilder:
         parent: int | None = None,
         salt: int = 1337,
         ns_part: int = 0,
-        ns_inherit: bool = False,
+        ns_inherit: bool | None = None,
         mm: list[list[int]] | None = None,
         origin: int = ORIGIN_UNKNOWN,
     ) -> BatchBuilder:
+        """``ns_inherit``: by default what the decoder says, a store with a parent and no
+        namespace of its own takes its parent's."""
+        if ns_inherit is None:
+            ns_inherit = parent is not None and ns_part == 0
         self._push(
             OP_STORE,
             hashes,

@@ -34,6 +34,8 @@ from kvrelay.pool.apply import (
     MC_NS_KEYS,
     MC_NS_VALS,
     N_STATS,
+    NS_INHERIT,
+    NS_OWN,
     PACKED_APPLIED,
     PACKED_STOPPED,
     ST_AMBIGUOUS,
@@ -522,7 +524,9 @@ class Pool:
         n = b.ops.shape[0]
         store_blocks, max_k, ns = self._summary.tolist()
         self._reserve_owners(store_blocks)  # may repack every lineage table: first
-        m.reserve(store_blocks, bool(ns), self._sc)
+        # room for namespaces: a store names one, or takes one the member holds
+        takes = bool(ns & NS_INHERIT) and int(m.nmeta[0]) > 0
+        m.reserve(store_blocks, bool(ns & NS_OWN) or takes, self._sc)
         if self._counts_oversized():
             self._fit_counts(0)
         err = np.zeros(n, dtype=np.uint8)

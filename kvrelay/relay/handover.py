@@ -134,6 +134,18 @@ def _has_sglang(spec: PoolSpec) -> bool:
     return EngineKind.SGLANG in kinds
 
 
+def _older_salts(
+    header: dict[str, Any], spec: PoolSpec, arrays: dict[str, npt.NDArray[Any]]
+) -> bool:
+    """A file of a kvrelay that kept the children of an explicitly salted store unsalted while
+    namespacing was off: its chains under a namespace are not what this kvrelay computes."""
+    if header.get("salts_inherit") is True or spec.decode.cache_salt_namespacing:
+        return False
+    return any(
+        name.endswith(".nmeta") and bool(a.any()) for name, a in arrays.items()
+    )
+
+
 def max_state_bytes(spec: PoolSpec) -> int:
     """The largest file a pool of these settings could have written (a bigger one is refused
     before it is read)."""
@@ -201,6 +213,7 @@ def save_state(
         "pool": list(spec.triple),
         "written_unix": time.time(),
         "filter": _filter_settings(spec),
+        "salts_inherit": True,
         "identity": {"model": identity.model, "model_source": identity.model_source,
                      "block_size": identity.block_size},
         "pool_meta": meta,
@@ -272,6 +285,9 @@ def _check(
                                      f"uses {Pool.STATE_VERSION}")  # fmt: skip
         if h.get("pool_layout") == 2 and _has_sglang(spec):  # salts were not honoured then
             raise Refused("version", "pool layout 2 indexed SGLang's salted blocks unsalted")
+        if _older_salts(h, spec, parsed.arrays):
+            raise Refused("version", "saved before an explicit salt's namespace passed on to "
+                                     "children")  # fmt: skip
         if h.get("pool") != list(spec.triple):
             raise Refused("incompatible", f"saved for pool {h.get('pool')!r}")
         written = float(h["written_unix"])

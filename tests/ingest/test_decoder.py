@@ -12,6 +12,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvrelay.client.hashes import block_hashes, request_salt, sequence_hashes
 from kvrelay.ingest.decoder import Decoder
 from kvrelay.ingest.errors import (
     DecodeError,
@@ -30,6 +31,7 @@ from kvrelay.pool.batch import (
     ORIGIN_REPORT,
     ORIGIN_UNKNOWN,
 )
+from kvrelay.pool.pool import Pool
 from tests.support import vllm_wire as W
 from tests.support.decoder_model import Ref, assert_batch_equal, salt_of
 
@@ -363,12 +365,44 @@ def test_cache_salt_ignored_by_default_and_namespaced_on_option() -> None:
     payload = W.batch([root, child])
     off = dec().decode(payload).batch
     assert off.salt.tolist() == [salt_of("adapter-a"), 1337]
-    assert off.ns_part.tolist() == [0, 0] and off.ns_inherit.tolist() == [False, False]
+    assert off.ns_part.tolist() == [0, 0] and off.ns_inherit.tolist() == [False, True]
     on = dec(options=DecodeOptions(cache_salt_namespacing=True)).decode(payload).batch
     ns = xxhash.xxh3_64_intdigest(b"tenant-7", seed=1)
     assert on.salt.tolist() == [salt_of("adapter-a", "tenant-7"), 1337]
     assert on.ns_part.tolist() == [ns, 0]
     assert on.ns_inherit.tolist() == [False, True]
+
+
+def test_children_of_an_explicitly_salted_root_take_its_namespace() -> None:
+    """A producer that salts a request's first store only (a map-form ``cache_salt``): its
+    children, sent unsalted in later messages that the walker reads, stay in the salted chain
+    with namespacing off, as Dynamo keeps them, so a query with the salt reaches every block."""
+    d = dec()
+    pool = Pool(1024, 0x5DEECE66D1B54A33, B, 1)
+    m = pool.add_member(1, 0)
+    toks = list(range(100, 100 + 3 * B))
+    root = W.stored("map", block_hashes=[1], token_ids=toks[:B], block_size=B,
+                    cache_salt="tenant-7")  # fmt: skip
+    child = W.stored("map", block_hashes=[2], parent_block_hash=1, token_ids=toks[B : 2 * B],
+                     block_size=B)  # fmt: skip
+    grandchild = W.stored("array", block_hashes=[3], parent_block_hash=2,
+                          token_ids=toks[2 * B :], block_size=B)  # fmt: skip
+    kinds = []
+    for ev in (root, child, grandchild):
+        res = d.decode(W.batch([ev]), packed=True)
+        kinds.append(type(res.batch).__name__)
+        assert not pool.apply(m, res.batch).errors
+    assert kinds == ["EventBatch", "PackedBatch", "PackedBatch"]  # the walker reads children
+    salted = sequence_hashes(block_hashes(toks, B, request_salt(None, "tenant-7"))).tolist()
+    assert pool.lineage(m) == dict(zip([1, 2, 3], salted, strict=True))
+    # an unsalted chain beside it keeps no namespace: a query without the salt reaches it
+    pool.apply(m, d.decode(W.batch([W.stored("map", block_hashes=[11], token_ids=toks[:B],
+                                             block_size=B)]), packed=True).batch)  # fmt: skip
+    pool.apply(m, d.decode(W.batch([W.stored("map", block_hashes=[12], parent_block_hash=11,
+                                             token_ids=toks[B : 2 * B], block_size=B)]),
+                           packed=True).batch)  # fmt: skip
+    plain = sequence_hashes(block_hashes(toks[: 2 * B], B, 1337)).tolist()
+    assert [pool.lineage(m)[11], pool.lineage(m)[12]] == plain
 
 
 def test_a_cache_salt_equal_to_the_adapter_name_is_still_the_salt() -> None:

@@ -109,9 +109,9 @@ batches = st.tuples(
 )
 
 
-def build(evts: list[Store | Remove | Clear], eagle: bool, walker: bool = False) -> EventBatch:
-    """``walker``: as ingest's walker writes it, where only a store under a namespace inherits
-    its parent's (a namespace component of 0 is no namespace: the same chain either way)."""
+def build(evts: list[Store | Remove | Clear], eagle: bool) -> EventBatch:
+    """As the decoder writes it: a root store names its namespace, each other store takes its
+    parent's (a namespace component of 0 is no namespace)."""
     bb = BatchBuilder()
     for e in evts:
         if isinstance(e, Store):
@@ -138,7 +138,7 @@ def build(evts: list[Store | Remove | Clear], eagle: bool, walker: bool = False)
                 parent=parent,
                 salt=(base + (ns if root else 0)) & 0xFFFF_FFFF_FFFF_FFFF,
                 ns_part=ns if root else 0,
-                ns_inherit=not root and (ns != 0 or not walker),
+                ns_inherit=not root,
                 origin=e.origin,
             )
         elif isinstance(e, Remove):
@@ -235,7 +235,7 @@ def run_history(
             pool.reset_member(mids[member])
             model.clear(member, Counts())
         else:
-            batch = build(evts, eagle, walker=packed)
+            batch = build(evts, eagle)
             res = pool.apply(mids[member], packed_if_possible(batch) if packed else batch)
             exp = model.apply(member, batch)
             assert res.events_applied == exp.applied
@@ -444,7 +444,7 @@ def test_a_packed_batch_unpacks_to_the_batch_it_was_packed_from() -> None:
     for _ in range(50):
         evts = _random_history(rng, 1, p_variant=0.0)[0][2]
         evts = [dataclasses.replace(e, origin=0) if isinstance(e, Store) else e for e in evts]
-        batch = build(evts, rng.random() < 0.5, walker=True)
+        batch = build(evts, rng.random() < 0.5)
         got = PackedBatch.pack(batch).unpack()
         for name in ("ops", "parent", "has_parent", "salt", "ns_part", "ns_inherit", "blk_off",
                      "ext_hashes", "tok_off", "tokens"):  # fmt: skip

@@ -1,6 +1,7 @@
-"""Pool state files of the previous layout (version 2, before copy counts and SGLang salts):
+"""Pool state files of earlier kvrelays (layout 2, before copy counts and SGLang salts):
 read for vLLM pools (every hash held once), refused for pools with SGLang engines (their
-salted blocks were indexed unsalted then)."""
+salted blocks were indexed unsalted then); and files from before an explicit salt's namespace
+passed on to children."""
 
 from __future__ import annotations
 
@@ -79,3 +80,35 @@ def test_a_file_that_does_not_record_engine_reports_was_saved_with_the_default(
     with pytest.raises(handover.Refused) as info:
         handover.load(tmp_path, spec, max_age_s=3600)
     assert info.value.kind == "incompatible"
+
+
+@pytest.mark.parametrize("salted", [False, True])
+@pytest.mark.parametrize("namespacing", [False, True])
+def test_a_file_from_before_salts_passed_on_is_refused_only_where_that_changed_its_chains(
+    tmp_path: Path, salted: bool, namespacing: bool
+) -> None:
+    """Files of a kvrelay that kept the children of an explicitly salted store unsalted with
+    namespacing off: refused when they hold namespaced chains there (a child's canonical hash
+    is another now), used otherwise (the same chains either way)."""
+    spec = _spec(sglang=False)
+    spec = dataclasses.replace(
+        spec, decode=dataclasses.replace(spec.decode, cache_salt_namespacing=namespacing)
+    )
+    pool = Pool(spec.bucket_count, spec.ckf_seed, 4, 1)
+    m = pool.add_member(1, 0)
+    ns = 0x1234 if salted else 0
+    pool.apply(m, BatchBuilder().store([1], list(range(4)), salt=1337 + ns, ns_part=ns).build())
+    handover.save(tmp_path, spec, PoolIdentity("m", "m", 4), pool, [])
+    path = handover.path_for(tmp_path, spec)
+    parsed = state_file.read(path)
+    assert parsed.header.pop("salts_inherit") is True
+    path.unlink()
+    state_file.write(path, parsed.header, parsed.arrays)
+    if salted and not namespacing:
+        with pytest.raises(handover.Refused) as info:
+            handover.load(tmp_path, spec, max_age_s=3600)
+        assert info.value.kind == "version"
+        return
+    restored = handover.load(tmp_path, spec, max_age_s=3600)
+    assert restored is not None
+    assert restored.pool(spec).snapshot_state() == pool.snapshot_state()

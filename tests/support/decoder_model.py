@@ -118,16 +118,15 @@ class Ref:
             cs = ev.get("cache_salt") or None  # an explicit salt field is always honoured
             lora = ev.get("lora_name")
             ek = ev.get("extra_keys") or []
-            inherit = False
-            if cs is None and self.namespacing:
-                if parent is None:  # a root: block 0's last bare string, past a leading LoRA name
-                    first = ek[0] if ek and isinstance(ek[0], list) else []
-                    if lora is not None and first[:1] == [lora]:
-                        first = first[1:]
-                    names = [x for x in first if isinstance(x, str) and x]
-                    cs = names[-1] if names else None
-                else:
-                    inherit = True  # the parent's recorded namespace, if any
+            if cs is None and self.namespacing and parent is None:
+                # a root: block 0's last bare string, past a leading LoRA name
+                first = ek[0] if ek and isinstance(ek[0], list) else []
+                if lora is not None and first[:1] == [lora]:
+                    first = first[1:]
+                names = [x for x in first if isinstance(x, str) and x]
+                cs = names[-1] if names else None
+            # no namespace of its own: the parent's recorded one, if any (namespacing or not)
+            inherit = cs is None and parent is not None
             mm: list[list[int]] | None = None
             if self.multimodal:
                 mm = []
