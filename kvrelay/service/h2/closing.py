@@ -104,6 +104,8 @@ class ClosingServer(Server):
         self.closed_streams_kept: int | None = None
         self._tls: Callable[[], ssl.SSLContext] | None = None
         self._gates: weakref.WeakSet[TlsGate] = weakref.WeakSet()
+        #: gates admitted and still in their TLS handshake, oldest first (``_make_room``)
+        self._handshaking: dict[TlsGate, None] = {}
         #: connections closed by halves at shutdown: what their clients send is dropped
         self._lingering: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
         #: whether a client certificate (DER) is revoked now (``revoke``); None: no check
@@ -145,7 +147,8 @@ class ClosingServer(Server):
         if self._tls is not None:
             counters = self.h2_guard[1] if self.h2_guard is not None else H2Counters()
             gate = TlsGate(proto, self._tls, self._admit, counters, self.tls_handshake_timeout_s,
-                           revoked=self._revoked_transport)  # fmt: skip
+                           revoked=self._revoked_transport,
+                           handshaking=self._handshaking)  # fmt: skip
             self._gates.add(gate)
             return gate
         if self.peer_check is not None or self.connection_caps is not None:
@@ -213,7 +216,20 @@ class ClosingServer(Server):
         check, caps = self.peer_check, self.connection_caps
         if check is not None and not check(transport):
             return None
-        return _nothing if caps is None else caps.admit(transport)
+        return _nothing if caps is None else caps.admit(transport, self._make_room)
+
+    def _make_room(self) -> bool:
+        """The port holds ``max_connections``: the connection longest in its TLS handshake is
+        closed for the new one. Else peers that need no certificate to connect could hold every
+        place by never finishing a handshake, each opened again as it is closed, and lock out
+        every router; a router's handshake takes milliseconds, theirs would have to be
+        replaced faster than that, all of them. Established connections are never evicted."""
+        if not self._handshaking:
+            return False
+        gate = next(iter(self._handshaking))
+        del self._handshaking[gate]
+        gate.evict()
+        return True
 
     def _admitted(self, proto: H2Protocol) -> None:
         """A connection the peer check refuses, or one over the connection caps, is aborted as

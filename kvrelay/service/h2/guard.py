@@ -125,8 +125,8 @@ END_STREAM, ACK, END_HEADERS = 0x1, 0x1, 0x4
 ENHANCE_YOUR_CALM = 0xB
 ABUSE_REASONS = (
     "rapid_reset", "stream_flood", "empty_frames", "ping_flood", "settings_flood",
-    "oversized_headers", "too_many_connections", "tls_handshake", "window_update_flood",
-    "data_flood",
+    "oversized_headers", "too_many_connections", "tls_handshake", "tls_handshake_evicted",
+    "window_update_flood", "data_flood",
 )  # fmt: skip
 #: The bytes of one read handed to h2 in one loop turn (see the module docstring).
 MAX_FEED_BYTES = 16 * 1024
@@ -504,15 +504,19 @@ class ConnectionCaps:
         self._by_address: dict[str, int] = {}
         self.open = 0
 
-    def admit(self, transport: Any) -> Callable[[], None] | None:
+    def admit(
+        self, transport: Any, make_room: Callable[[], bool] | None = None
+    ) -> Callable[[], None] | None:
         """Take a place for a new connection: its release, or None when a cap is reached (the
-        caller closes it; counted as ``too_many_connections``)."""
+        caller closes it; counted as ``too_many_connections``). ``make_room``: asked when the
+        total is reached, it frees a place (giving it back before it returns) and says whether
+        it did; the connection is then admitted (the per-address cap is checked first)."""
         peer = transport.get_extra_info("peername")
         sock = transport.get_extra_info("socket")
         tcp = sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6)
         addr = str(peer[0]) if tcp and isinstance(peer, tuple) and peer else None
-        if self.open >= self.total or (
-            addr is not None and self._by_address.get(addr, 0) >= self.per_address
+        if (addr is not None and self._by_address.get(addr, 0) >= self.per_address) or (
+            self.open >= self.total and (make_room is None or not make_room())
         ):
             self._counters.count("too_many_connections")
             return None

@@ -74,8 +74,12 @@ class TlsGate(asyncio.Protocol):
         counters: H2Counters,
         handshake_timeout_s: float = TLS_HANDSHAKE_TIMEOUT_S,
         revoked: Callable[[asyncio.BaseTransport], bool] | None = None,
+        handshaking: dict[TlsGate, None] | None = None,
     ) -> None:
         self.inner = inner
+        #: the server's gates in their handshake, oldest first: this one from its admission
+        #: to the end of its handshake
+        self._handshaking = handshaking
         self._context = context
         self._admit = admit
         self._counters = counters
@@ -109,6 +113,8 @@ class TlsGate(asyncio.Protocol):
             transport.abort()  # type: ignore[attr-defined]
             return
         self._release = release
+        if self._handshaking is not None:
+            self._handshaking[self] = None
         self._raw = cast(asyncio.Transport, transport)  # uvloop's is no asyncio.Transport
         self._raw.pause_reading()  # the ClientHello waits for the TLS layer
         self._task = asyncio.get_running_loop().create_task(self._handshake(self._raw))
@@ -142,6 +148,7 @@ class TlsGate(asyncio.Protocol):
             tls.abort()
             self._give_back()
             return
+        self._settled()
         tls.set_protocol(self.inner)
         self.tls = tls
         self._handed_over = True
@@ -187,6 +194,18 @@ class TlsGate(asyncio.Protocol):
             self._task.cancel()
         self._give_back()
 
+    def _settled(self) -> None:
+        """The handshake is over (done, failed, or the connection gone): not evictable."""
+        if self._handshaking is not None:
+            self._handshaking.pop(self, None)
+
+    def evict(self) -> None:
+        """Its place given back now, and the connection closed: a connection still handshaking
+        makes room for a new one on a full port (``ClosingServer``)."""
+        self._counters.count("tls_handshake_evicted")
+        self._give_back()
+        self.abort()
+
     def abort(self) -> None:
         """Shutdown: a connection still handshaking is closed now."""
         if self.handshaking and self._raw is not None:
@@ -197,6 +216,7 @@ class TlsGate(asyncio.Protocol):
 
     def _give_back(self) -> None:
         """The place under the caps back; the handler of a connection inner never got, closed."""
+        self._settled()
         release, self._release = self._release, None
         if release is not None:
             release()

@@ -831,6 +831,57 @@ async def test_tls_handshakes_are_capped_timed_out_and_counted(
     assert "Exception ignored" not in capfd.readouterr().err
 
 
+async def test_stalled_handshakes_on_a_full_port_make_room_for_a_router(tmp_path: Path) -> None:
+    """Connections that need no certificate to be accepted and never finish their handshake
+    filled ``max_connections`` for the handshake deadline each, opened again as they were
+    closed: every router was refused. On a full port the one longest in its handshake is now
+    closed for a new connection (``tls_handshake_evicted``); a connection past its handshake
+    is never closed for another, and a port full of those refuses the next one."""
+    from tests.support.certs import make_pki
+
+    pki = make_pki(tmp_path)
+    ctx = server_ssl_context(str(pki.server_cert), str(pki.server_key), None)
+    server = RelayServer(MemRelayView(), RelayLimits(max_connections=4,
+                                                     max_connections_per_address=4))  # fmt: skip
+    await server.start("127.0.0.1", 0, ssl=ctx, tls_handshake_timeout_s=30.0)
+    counted = server.service.guard_stats
+
+    async def dial(source: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection("127.0.0.1", server.port, local_addr=(source, 0))
+
+    tls = client_ssl_context(str(pki.server_ca))
+    stalled = [await dial(f"127.0.0.{2 + i}") for i in range(4)]  # the port is full
+    channels: list[Channel] = []
+    try:
+        caps = server._server.connection_caps  # type: ignore[attr-defined]
+        async with asyncio.timeout(5):  # all four accepted, each in its handshake
+            while caps.open < 4:
+                await asyncio.sleep(0.01)
+        for i in range(4):  # each router closes the oldest stalled handshake, in order
+            ch = Channel("127.0.0.1", server.port, ssl=tls)
+            channels.append(ch)
+            info = await asyncio.wait_for(pb.KvEventRelayStub(ch).get_relay_info(
+                pb.RelayInfoRequest(contract_marker=CONTRACT_MARKER)), 10)  # fmt: skip
+            assert info.contract_marker == CONTRACT_MARKER
+            assert await _closed_by_peer(stalled[i][0], 5.0), f"stalled handshake {i} evicted"
+            assert counted()[2]["tls_handshake_evicted"] == i + 1
+        # four routers hold the port: the next connection is refused, no router evicted
+        extra = await dial("127.0.0.9")
+        assert await _closed_by_peer(extra[0], 5.0)
+        assert counted()[2]["too_many_connections"] == 1
+        for ch in channels:
+            await asyncio.wait_for(pb.KvEventRelayStub(ch).get_relay_info(
+                pb.RelayInfoRequest(contract_marker=CONTRACT_MARKER)), 10)  # fmt: skip
+        assert counted()[2]["tls_handshake_evicted"] == 4
+        extra[1].close()
+    finally:
+        for ch in channels:
+            ch.close()
+        for _, writer in stalled:
+            writer.close()
+        await server.close(grace_s=0.5)
+
+
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 async def test_connections_that_never_reach_http2_leave_nothing_behind(
     tmp_path: Path, tls: bool
