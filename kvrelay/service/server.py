@@ -438,7 +438,8 @@ class KvEventRelayService:
 
         handle = loop.call_later(self.limits.stalled_stream_reset_s, stall)
         try:
-            sent = await send_unless(stream, stream.send_message(data), (*ends, stalled))
+            sent = await send_unless(stream, stream.send_message(data), (*ends, stalled),
+                                     size=5 + len(data))  # fmt: skip
         finally:
             sending = False
             handle.cancel()

@@ -1324,8 +1324,8 @@ class ConnectHarness(Harness):
     def deliver(self, m: Member, seq: int, payload: bytes, seen: list[dict[str, Any]],
                 sender: ConnPub, dp: int | None) -> None:  # fmt: skip
         """``m``: the member the batch's rank (``dp``, None: 0) names; with ``{rank}`` in the
-        topic the topic names the member, and a batch naming another rank is dropped (its
-        number consumed); one naming none is the topic rank's."""
+        topic the topic names the member, and a batch naming another rank resets it (its
+        number consumed, nothing of it applied); one naming none is the topic rank's."""
         foreign = False
         if self.ranked:
             owner = next(x for x in self.members if x.pub is sender)
@@ -1355,8 +1355,9 @@ class ConnectHarness(Harness):
         if seen == [BAD_EVENT]:  # a rank, but no batch: this member starts over
             self.reset(m)
             return
-        if foreign:
-            return  # DpRankMismatch: not this member's batch, dropped
+        if foreign:  # DpRankMismatch: the member's sequence moved past a batch not applied
+            self.reset(m)
+            return
         self.apply(m, seen)
 
     async def settle(self, m: Member) -> None:

@@ -341,3 +341,27 @@ async def test_a_lagged_plane_stream_gives_its_permit_back_while_it_finishes_its
         await slow.close()
         await other.close()
         await server.close(grace_s=1.0)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+async def test_a_deadline_in_the_middle_of_a_plane_message_resets_the_stream(kind: str) -> None:
+    """The call's own deadline (``grpc-timeout``) fires while a plane message waits for a
+    client that took its first 8 bytes and stopped: the stream is reset (RST_STREAM CANCEL)
+    with no trailers, as a pool stream's cut chunk is. Trailers came after the 8 bytes, read by
+    the client as the rest of the message. With nothing written the deadline is a status."""
+    _view, server = await _relay()
+    part = await RawH2Client.connect(server.port, window=8)
+    none = await RawH2Client.connect(server.port, window=0)
+    try:
+        cut = part.open(KINDS[kind], plane_request("cut"), headers=(("grpc-timeout", "800m"),))
+        whole = none.open(KINDS[kind], plane_request("whole"), headers=(("grpc-timeout", "800m"),))
+        await asyncio.wait_for(cut.ended.wait(), scaled(10))
+        assert 0 < len(cut.data) <= 8
+        assert cut.reset and cut.trailers == {}, (cut.reset, cut.trailers)
+        await asyncio.wait_for(whole.ended.wait(), scaled(10))
+        assert not whole.data and not whole.reset
+        assert whole.status == "4", whole.trailers  # DEADLINE_EXCEEDED
+    finally:
+        await part.close()
+        await none.close()
+        await server.close(grace_s=1.0)

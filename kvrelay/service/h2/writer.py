@@ -70,13 +70,22 @@ def _resetter(stream: Any) -> Callable[[], None] | None:
 
 
 async def send_unless(
-    stream: Any, sending: Awaitable[None], ends: Iterable[asyncio.Future[Any]]
+    stream: Any,
+    sending: Awaitable[None],
+    ends: Iterable[asyncio.Future[Any]],
+    size: int | None = None,
 ) -> bool:
     """Await ``sending`` (a send on ``stream``, in the calling task); False when one of ``ends``
     completed while it had written nothing of its message, and it was given up
     (``GiveUpUnwritten``, the rule a pool stream's pump follows too): the stream's status can
-    go out at once. Without the internals the send is awaited whole."""
-    sends = GiveUpUnwritten(_written(stream))
+    go out at once. Without the internals the send is awaited whole.
+
+    A send cancelled otherwise (the call's deadline, the server's close) with part of its
+    message written (``size``: its framed bytes, when known) resets the stream, as a pool
+    stream's cut chunk does (``abandon``): trailers after it would read as its rest."""
+    written = _written(stream)
+    sends = GiveUpUnwritten(written)
+    mark = None if written is None else written()
 
     def give_up(_end: asyncio.Future[Any]) -> None:
         # a done callback: never runs inside the task (one scheduled for an end already done
@@ -88,6 +97,13 @@ async def send_unless(
         end.add_done_callback(give_up)
     try:
         return await sends.send(sending)
+    except asyncio.CancelledError:
+        if written is not None and mark is not None:
+            n = written() - mark
+            parts = stream_internals(stream)
+            if n > 0 and (size is None or n < size) and parts is not None:
+                abandon(stream, parts.inner)
+        raise
     finally:
         for end in ends:
             end.remove_done_callback(give_up)
