@@ -65,6 +65,9 @@ class MemberResume:
     groups: tuple[tuple[int, bool], ...] = ()
     #: ``groups`` are not all the kinds it learned: state saved without them, not reset since
     groups_unsure: bool = False
+    #: when this position was first saved, for a member restored and not vouched for since (a
+    #: file saved with it is no younger: ``save_state``); None: it stands where it is now
+    since: float | None = None
 
     @property
     def key(self) -> SourceKey:
@@ -211,7 +214,9 @@ def save_state(
         "kvrelay": __version__,
         "pool_layout": Pool.STATE_VERSION,
         "pool": list(spec.triple),
-        "written_unix": time.time(),
+        # as old as its oldest member not vouched for since a restore: a state carried over
+        # restarts unvouched must not look younger than ``state_max_age_s`` allows
+        "written_unix": min([time.time(), *(m.since for m in members if m.since is not None)]),
         "filter": _filter_settings(spec),
         "salts_inherit": True,
         "identity": {"model": identity.model, "model_source": identity.model_source,
@@ -310,7 +315,7 @@ def _check(
                 worker_id=int(m["worker_id"]), dp_rank=int(m["dp_rank"]), engine=str(m["engine"]),
                 incarnation=str(m["incarnation"]), last_seq=int(m["last_seq"]),
                 digest=int(m["digest"]), groups=_groups(m.get("groups", [])),
-                groups_unsure=_groups_unsure(m),
+                groups_unsure=_groups_unsure(m), since=written,
             )  # fmt: skip
             if not (0 <= r.last_seq < 2**64 and 0 <= r.digest < 2**64):
                 raise Refused("corrupt", "member position out of range")

@@ -41,7 +41,8 @@ def _incarnation(st: EngineState | None) -> str | None:
 class PoolRestore:
     """One pool's restored state: the file not yet used, then the members not yet vouched."""
 
-    __slots__ = ("_counters", "_deadline", "_gen", "_pending", "_position", "_vouching", "file")
+    __slots__ = ("_counters", "_deadline", "_gen", "_pending", "_position", "_since", "_vouching",
+                 "file")
 
     def __init__(self, counters: PoolCounters) -> None:
         self._counters = counters
@@ -50,6 +51,8 @@ class PoolRestore:
         self._pending: dict[SourceKey, MemberResume] = {}  # restored members not yet resumed
         #: Restored members whose subscriber resumed and waits for the vouch → its deadline.
         self._vouching: dict[SourceKey, float] = {}
+        #: Each of those members' time in the state file (``MemberResume.since``).
+        self._since: dict[SourceKey, float | None] = {}
         #: Each of those members' next sequence when its deadline was set (a replay applying
         #: batches past it is catching up, not silent: ``overdue``).
         self._position: dict[SourceKey, int] = {}
@@ -109,7 +112,7 @@ class PoolRestore:
         self._pending = {
             k: r for k, r in resume.items() if k.worker_id in by_worker and k not in restarted
         }
-        self._vouching, self._position = {}, {}
+        self._vouching, self._position, self._since = {}, {}, {}
         self._deadline = now + RESTORE_VOUCH_S
         self._gen = gen
 
@@ -135,6 +138,7 @@ class PoolRestore:
         self._counters.members_resumed += 1
         self._vouching[key] = at + RESTORE_VOUCH_S
         self._position[key] = r.last_seq + 1
+        self._since[key] = r.since
         return r
 
     def abandon(self, gen: Generation, name: str) -> None:
@@ -145,7 +149,7 @@ class PoolRestore:
             return
         self._gen = None
         left = len(self._pending) + len(self._vouching)
-        self._pending, self._vouching, self._position = {}, {}, {}
+        self._pending, self._vouching, self._position, self._since = {}, {}, {}, {}
         if left:
             for _ in range(left):
                 self._counters.reset("restore_unverified")
@@ -167,6 +171,7 @@ class PoolRestore:
         """``key`` was vouched for (and its replay applied), reset or stopped; True when that was
         the last one awaited (the generation may be published now)."""
         self._position.pop(key, None)
+        self._since.pop(key, None)
         if self._vouching.pop(key, None) is None and self._pending.pop(key, None) is None:
             return False
         return not self.awaiting
@@ -190,6 +195,7 @@ class PoolRestore:
             late.append(k)
             del self._vouching[k]
             self._position.pop(k, None)
+            self._since.pop(k, None)
         return late
 
     def due(self, now: float) -> bool:
@@ -209,7 +215,8 @@ class PoolRestore:
         self, subs: Mapping[SourceKey, Subscriber], by_worker: Mapping[int, EngineState]
     ) -> list[MemberResume]:
         """Where each member stands for a clean stop's state file: restored members not yet
-        vouched for unchanged, and each stopped subscriber's resume point."""
+        vouched for unchanged, and each stopped subscriber's resume point (with its time in the
+        restored file while it still awaits its vouch: ``MemberResume.since``)."""
         members = list(self._pending.values())
         for key, sub in subs.items():
             point = sub.resume_point()
@@ -223,6 +230,6 @@ class PoolRestore:
             inc = "" if known is None else known.instance_id
             groups = tuple(sorted(sub.learned_groups().items()))
             members.append(MemberResume(key.worker_id, key.dp_rank, st.spec.name, inc,
-                                        point[0], point[1], groups,
-                                        sub.groups_unsure))  # fmt: skip
+                                        point[0], point[1], groups, sub.groups_unsure,
+                                        self._since.get(key)))  # fmt: skip
         return members

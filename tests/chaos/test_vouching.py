@@ -6,12 +6,14 @@ one rebuilt are told apart by what the relay holds; the simulator's ground truth
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from kvrelay.contract.errors import RelayError
+from kvrelay.relay import handover, state_file
 from kvrelay.sim.engine import SimEngine
 from tests.relay.test_handover import _cfg, _first_run, _live, _relay, _settings
 from tests.support.fleet import eventually, ground_truth, relay_view
@@ -134,3 +136,32 @@ async def test_a_refilter_while_restored_members_wait_keeps_them_waiting(
         await eventually(lambda: r.pool.counters.member_resets.get("vouch_timeout", 0) == 2,
                          what="vo0 reset for the vouch that never came", timeout=30)  # fmt: skip
         await eventually(lambda: r.pool.published is not None, timeout=30, what="published")
+
+
+async def test_a_state_saved_while_its_members_await_their_vouch_keeps_its_age(
+    fleet: list[SimEngine], tmp_path: Path
+) -> None:
+    """A stop while restored members still wait for their engine (one resumed, its vouch not
+    come; one whose Control is down) saves their state as it was read, and the file keeps the
+    age it had. It was written as new: carried over such restarts (a relay crash-looping in its
+    restore, engines slow to answer) a state looked fresh for ever and ``state_max_age_s`` never
+    applied. Once every member is vouched for, the next save is as young as it is."""
+    settings = _settings(fleet, tmp_path)
+    await _first_run(fleet, settings)
+    path = handover.path_for(tmp_path, settings.pools[0])
+    parsed = state_file.read(path)
+    old = parsed.header["written_unix"] - 100.0
+    path.unlink()
+    state_file.write(path, {**parsed.header, "written_unix": old}, parsed.arrays)
+    fleet[0].mute_replay()  # vo0's ranks resume, their vouch never comes
+    await fleet[1].stop_control()  # vo1's ranks wait for their engine
+    async with _relay(fleet, settings) as r:
+        await eventually(lambda: r.pool.counters.members_resumed == 2, what="vo0 resumed")
+        assert r.pool.counters.members_vouched == 0
+    assert state_file.read(path).header["written_unix"] == old
+    fleet[0].mute_replay(False)
+    await fleet[1].start_control()
+    async with _relay(fleet, settings) as r:
+        await eventually(lambda: r.pool.counters.members_vouched == 4, what="all vouched")
+        await _live(r, 4)
+    assert state_file.read(path).header["written_unix"] > time.time() - 60
