@@ -163,11 +163,15 @@ def load_input(
     connected: ConnectedMembers | None,
 ) -> tuple[pb.ProducerIdentity, list[RankLoad]] | None:
     """One entry per rank every engine declares, reachable or not: a rank without a live
-    source or a fresh scrape is unknown (observed < expected), never zero."""
+    source or a fresh scrape is unknown (observed < expected), never zero. An engine declared
+    down (``engine_down_grace_s``: its members cleared) has departed, as a worker leaving
+    Dynamo's discovery has: its ranks are not expected until it is back."""
     if gen is None:
         return None
     ranks: list[RankLoad] = []
     for st in engines:
+        if st.down:
+            continue
         declared = st.declared_ranks()
         total = st.spec.total_kv_blocks  # per rank (config)
         # the last answer of a reachable Control: capacity is the deployment's, which a Control
@@ -181,7 +185,7 @@ def load_input(
             total = good.total_kv_blocks // max(1, len(declared))
         for rank in declared:
             usage = None
-            if SourceKey(st.worker_id, rank) in subscribed and not st.down:
+            if SourceKey(st.worker_id, rank) in subscribed:
                 usage = st.usage.get(rank)
             used = None
             if usage is not None and total is not None:

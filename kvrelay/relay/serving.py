@@ -218,7 +218,8 @@ class ServingInputs:
         """A frontend is observed when its page is there and gives the model's request figures
         for every rank it declares. Each engine of the model's pools serves the model, so a page
         without them (stats disabled, another engine's format, a rank's label missing, the model
-        not listed) is not a report of zero."""
+        not listed) is not a report of zero. An engine declared down has departed: not
+        expected (what its page still reports counts in the totals)."""
         expected = observed = ready = 0
         times: list[int] = []
         present: list[Hashable] = []
@@ -228,7 +229,8 @@ class ServingInputs:
             if p.spec.role not in FRONTEND_ROLES:
                 continue
             for st in p.engines.values():
-                expected += 1
+                departed = st.down
+                expected += not departed
                 ranks = st.declared_ranks()
                 keys = [source_key(p.name, st, r) for r in ranks]
                 present += keys
@@ -244,7 +246,7 @@ class ServingInputs:
                         if pg.page.started is not None:
                             started[key] = pg.page.started
                     whole = whole and "requests_started_total" in counters
-                if not whole:
+                if not whole or departed:
                     continue
                 observed += 1
                 if st.serving:

@@ -27,21 +27,42 @@ def _entry(relay: Any) -> pb.KvPoolLoadEntry | None:
     return pools[0] if pools else None
 
 
-async def test_expected_ranks_are_declared_ranks_reachable_or_not() -> None:
+def _metered(engines: list[SimEngine]) -> tuple[PoolSpec, ...]:
+    return (
+        PoolSpec(
+            namespace="ns", component="backend", endpoint="generate", expected_blocks=8192,
+            engines=tuple(
+                EngineSpec(name=e.cfg.name, host="127.0.0.1", grpc_port=e.grpc_port,
+                           metrics_port=e.metrics_port)
+                for e in engines
+            ),
+        ),
+    )  # fmt: skip
+
+
+async def test_expected_ranks_are_declared_reachable_or_not_until_the_engine_is_down() -> None:
+    """An unreachable engine's ranks stay expected, their usage unknown (never zero), until it is
+    declared down (``engine_down_grace_s``, its members cleared): then it has departed, as a
+    worker leaving Dynamo's discovery has, and the load of the engines serving is whole again
+    (it was partial for as long as the engine stayed down)."""
     cfgs = [SimConfig(name="ld0", seed=71, dp_size=2), SimConfig(name="ld1", seed=72, dp_size=2)]
-    async with rig(cfgs) as r:
-        await wait_live(r.relay, 4)
-        await eventually(lambda: (e := _entry(r.relay)) is not None and e.kv_expected_ranks == 4,
-                         what="4 expected ranks")  # fmt: skip
-        b = r.engines[1]
-        await b.stop()  # its ranks stay expected; their usage is unknown, never zero
-        r.engines.remove(b)
-        await eventually(lambda: r.pool.counters.engines_down == 1, what="engine down")
-        await eventually(
-            lambda: (e := _entry(r.relay)) is not None and e.kv_expected_ranks == 4
-            and e.kv_observed_ranks <= 2,
-            what="2 of 4 ranks unknown",
-        )
+    async with fleet_and_relay(cfgs, pools=_metered, scrape_interval_s=0.25,
+                               limits=RelayLimits(load_window_s=0.25)) as (engines, relay, _):
+        pool = relay.pools[0]
+
+        def ranks(expected: int, observed: int) -> bool:
+            e = _entry(relay)
+            return e is not None and (e.kv_expected_ranks, e.kv_observed_ranks) == (
+                expected, observed)  # fmt: skip
+
+        await eventually(lambda: ranks(4, 4), what="4 of 4 ranks")
+        grace = pool.engine_down_grace_s
+        pool.engine_down_grace_s = 3600.0  # unreachable, not down yet
+        await engines[1].stop()
+        await eventually(lambda: ranks(4, 2), what="2 of 4 ranks unknown")
+        pool.engine_down_grace_s = grace
+        await eventually(lambda: pool.counters.engines_down == 1, what="engine down")
+        await eventually(lambda: ranks(2, 2), what="the engine serving: 2 of 2 ranks")
 
 
 class _Page:

@@ -87,7 +87,7 @@ async def test_views_match_the_engines_through_a_restart_and_an_outage() -> None
         SimConfig(name="e0", seed=31, dp_size=2, capacity_blocks=128, max_running=4),
         SimConfig(name="e1", seed=32, capacity_blocks=128, max_running=3),
     ]
-    async with _fleet(configs, _pools) as (engines, _relay, server):
+    async with _fleet(configs, _pools) as (engines, relay, server):
         async with RelayClient([f"127.0.0.1:{server.port}"]) as client:
             assert await client.wait_ready(30)
             for e in engines:
@@ -138,7 +138,6 @@ async def test_views_match_the_engines_through_a_restart_and_an_outage() -> None
             # /metrics page go on, so its ranks are observed and the pool's figures stay whole.
             # The capacity came from reachable Control answers only: it went unknown, the
             # pool's load partial (total 0, gauge unset, DEGRADED) for the outage.
-            relay = _relay
             await engines[1].stop_control()
             assert await client.wait_for(
                 lambda: any(st.unreachable_since is not None
@@ -150,10 +149,13 @@ async def test_views_match_the_engines_through_a_restart_and_an_outage() -> None
             assert load.total_kv_blocks == 3 * 128 and load.observed_ranks == 3, load  # 3 ranks
             await engines[1].start_control()
 
-            # An engine gone: the pool's sum is partial (gauge unset), the model DEGRADED, its
-            # departed engine's counters still counted while it stays configured. The pool's
-            # status follows the ranks the load plane still sees and its live workers the probe
-            # of each engine: two observations, not one instant, so the test waits for both.
+            # An engine gone: until it is declared down the pool's sum is partial (gauge unset)
+            # and the model DEGRADED. The pool's status follows the ranks the load plane still
+            # sees and its live workers the probe of each engine: two observations, not one
+            # instant, so the test waits for both.
+            runtime = relay.pools[0]
+            grace = runtime.engine_down_grace_s
+            runtime.engine_down_grace_s = 3600.0
             await engines[1].stop()
             assert await client.wait_for(
                 lambda: (q := pool()) is not None and q.status == "DEGRADED"
@@ -163,6 +165,18 @@ async def test_views_match_the_engines_through_a_restart_and_an_outage() -> None
             assert await client.wait_for(lambda: settled(expect, "DEGRADED"), 30), model()
             m = model()
             assert m is not None and (m.observed_frontends, m.expected_frontends) == (1, 2)
+            # Declared down (its members cleared), it has departed, as a worker leaving
+            # Dynamo's discovery has: the views are whole again over the engine that serves,
+            # its counters still counted while it stays configured.
+            runtime.engine_down_grace_s = grace
+            assert await client.wait_for(
+                lambda: (q := pool()) is not None and q.status == "COMPLETE"
+                and q.active_decode_blocks is not None and q.live_workers == 1,
+                30,
+            ), pool()
+            assert await client.wait_for(lambda: settled(expect), 30), model()
+            m = model()
+            assert m is not None and (m.observed_frontends, m.expected_frontends) == (1, 1)
 
             # Every engine gone: the pool is withdrawn, but the model is still configured: it
             # stays, UNAVAILABLE, with its totals (absent would mean it is gone).
@@ -170,11 +184,12 @@ async def test_views_match_the_engines_through_a_restart_and_an_outage() -> None
             # (the engine's scrapes fail at once; its pool is withdrawn after the down grace)
             assert await client.wait_for(
                 lambda: settled(expect, "UNAVAILABLE")
-                and (q := model()) is not None and q.serving_pools == (),
+                and (q := model()) is not None and q.serving_pools == ()
+                and q.expected_frontends == 0,  # both engines down: none expected
                 30,
             ), model()
             m = model()
-            assert m is not None and (m.observed_frontends, m.expected_frontends) == (0, 2)
+            assert m is not None and (m.observed_frontends, m.expected_frontends) == (0, 0)
             assert m.ready_frontends == 0 and m.serving_pools == ()
 
 
