@@ -211,6 +211,9 @@ class ConnectSpec:
     #: socket's public key is no secret (every engine is given it), so without these CURVE
     #: authenticates the relay to its publishers, never a publisher to the relay.
     curve_client_keys: tuple[str, ...] = ()
+    #: (key, engines) for keys bound to engines: only that key may publish them, and it only
+    #: them; a key not named here may publish any engine no key is bound to.
+    curve_key_engines: tuple[tuple[str, tuple[str, ...]], ...] = ()
     #: Open connections (from addresses ``allow`` admits) past which handshakes are refused;
     #: None: ``connection_limit(max_members)``.
     max_connections: int | None = None
@@ -240,6 +243,7 @@ class ConnectCounters:
     handshakes_failed_unfinished: int = 0
     handshakes_failed_not_zmtp3: int = 0
     address_mismatch: int = 0  # messages naming an engine bound to another address
+    key_mismatch: int = 0  # messages naming an engine the sender's CURVE key may not publish
     topic_too_long: int = 0  # topics over ``max_topic_bytes``
     batch_too_large: int = 0  # payloads over ``max_batch_bytes`` (member reset)
     member_block_cap: int = 0  # members reset past ``max_member_blocks``
@@ -335,6 +339,11 @@ class ConnectSource:
             frozenset(z85.decode(k) for k in spec.curve_client_keys)
             if spec.curve_client_keys else None
         )  # fmt: skip
+        #: CURVE key (Z85) → the engines only it may publish; every engine bound to a key
+        self._key_engines = {k: frozenset(names) for k, names in spec.curve_key_engines}
+        self._keyed = frozenset(n for names in self._key_engines.values() for n in names)
+        if self._key_engines and self._client_keys is None:
+            raise ValueError("engines bound to CURVE keys need the client keys listed")
         self._pinned = {name: _networks(addrs) for name, addrs in spec.addresses}
         #: engine name → the address it is bound to (engines with a member only: bounded)
         self._owners: dict[str, str] = {}
@@ -388,6 +397,7 @@ class ConnectSource:
         self._lock = threading.RLock()
         self.zap_enforced = False  # ZMQ_ZAP_ENFORCE_DOMAIN set: no handler, no handshake
         self._refusal_log = LogThrottle(REFUSAL_LOG_S)  # ``connect_handshake_refused``, by reason
+        self._key_log = LogThrottle(REFUSAL_LOG_S)  # ``connect_key_mismatch`` (the loop's own)
         self._failure_log = LogThrottle(REFUSAL_LOG_S)  # ``connect_handshake_failed``, by reason
         # per member: a peer alternating two processes would log one at every message
         self._process_log = LogThrottle()
@@ -717,7 +727,11 @@ class ConnectSource:
             self.counters.connections_key_refused += 1
             return self._close(req, "client_key", "CURVE key not allowed")
         with self._lock:
-            return self._over_limit(req)
+            verdict = self._over_limit(req)
+        if self._key_engines and verdict[0] == 200:
+            # the key, as each of the connection's messages' User-Id: who may publish what
+            return 200, verdict[1], z85.encode(req.credentials[0]).decode()
+        return verdict
 
     def _close(self, req: zap.Request, reason: str, text: str) -> zap.Verdict:
         """Refuse a stranger's handshake and have its connection closed at once (the handler's
@@ -766,7 +780,8 @@ class ConnectSource:
                             first = shadow.recv(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._on_message(_rest(shadow, first.bytes), _peer(first))
+                        self._on_message(_rest(shadow, first.bytes), _peer(first),
+                                         _user(first) if self._key_engines else "")
                 self._take_events()
                 now = time.monotonic()
                 if now >= next_sweep:
@@ -782,7 +797,9 @@ class ConnectSource:
             self._sink.on_connect_failed(exc)
 
     # ---- messages -------------------------------------------------------------------------------
-    def _on_message(self, frames: list[bytes], peer: str = "") -> None:
+    def _on_message(self, frames: list[bytes], peer: str = "", key: str = "") -> None:
+        """One message, from ``peer`` (its address) and with ``key`` (the Z85 CURVE key its
+        connection was admitted with, where keys are bound to engines)."""
         c = self.counters
         c.messages += 1
         # the handshake refused other addresses already; this is the second line (libzmq
@@ -826,6 +843,10 @@ class ConnectSource:
         if owner and not self._may_publish(match.engine, peer, owner):
             c.address_mismatch += 1
             return
+        if self._key_engines and not self._key_may_publish(match.engine, key):
+            c.key_mismatch += 1
+            self._key_refused(match.engine, key)
+            return
         try:
             seq = parse_seq(frames[1])
         except FrameError as exc:
@@ -865,6 +886,19 @@ class ConnectSource:
             return _in(peer, pinned)
         bound = self._owners.get(engine)
         return bound is None or bound == owner
+
+    def _key_may_publish(self, engine: str, key: str) -> bool:
+        """A key bound to engines publishes those only; an engine bound to keys is published by
+        those only (``curve_key_engines``)."""
+        names = self._key_engines.get(key)
+        return engine in names if names is not None else engine not in self._keyed
+
+    def _key_refused(self, engine: str, key: str) -> None:
+        """Log a message dropped for its key at most every ``REFUSAL_LOG_S`` (counted each)."""
+        not_logged = self._key_log.due("key_mismatch")
+        if not_logged is not None:
+            self._log.warning("connect_key_mismatch", engine=engine, client_key=key,
+                              dropped=not_logged + 1)  # fmt: skip
 
     def _new_process(self, m: _Member, seq: int, process: str) -> None:
         """Another process publishes for ``m`` (an IPC peer's pid changed): the engine restarted
@@ -1124,6 +1158,14 @@ def _fd_peer(fd: int) -> str | None:
         except OSError:
             return None
     return str(peer[0]) if isinstance(peer, tuple) else ""
+
+
+def _user(frame: zmq.Frame) -> str:
+    """The user id the relay's ZAP handler gave the sender's connection ("" where none)."""
+    try:
+        return str(frame.get("User-Id"))
+    except (zmq.ZMQError, UnicodeDecodeError):
+        return ""
 
 
 def _peer(frame: zmq.Frame) -> str:

@@ -29,8 +29,8 @@ Request frames (after the ROUTER's routing id and the empty delimiter): version 
 id, domain, address (the peer's IP address, without a port; empty for IPC), routing id,
 mechanism (``NULL``, ``PLAIN``, ``CURVE``), then the mechanism's credentials (CURVE: the
 client's 32-byte public key). Reply: version, the same request id, status code (``200``, or
-``300``/``400``/``500``; and ``CLOSE``, below), status text, user id, metadata (both empty
-here).
+``300``/``400``/``500``; and ``CLOSE``, below), status text, user id (what ``decide`` gives,
+else empty), metadata (empty).
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ class Request:
     credentials: tuple[bytes, ...]
 
 
-#: (status code, status text): ``(200, "OK")``, ``(400, "…")``.
-Verdict = tuple[int, str]
+#: (status code, status text[, user id]): ``(200, "OK")``, ``(400, "…")``. libzmq gives the
+#: user id of an admitted connection to each of its messages (their ``User-Id`` property).
+Verdict = tuple[int, str] | tuple[int, str, str]
 Decide = Callable[[Request], Verdict]
 
 
@@ -228,21 +229,23 @@ class ZapHandler:
             return [*head, VERSION, req_id, b"500", b"malformed ZAP request", b"", b""]
         _version, req_id, domain, address, _routing_id, mechanism, *creds = body
         decide = self._domains.get(domain)
+        user = ""
         if decide is None:
             status, text = 400, "unknown ZAP domain"
         else:
             try:
-                status, text = decide(
+                status, text, *rest = decide(
                     Request(
                         domain.decode(errors="replace"), address.decode(errors="replace"),
                         mechanism.decode(errors="replace"), tuple(creds),
                     )
                 )  # fmt: skip
+                user = rest[0] if rest else ""
             except Exception as exc:  # a bug: refuse this one, keep answering
                 _log.exception("connect_zap_failed", error=f"{type(exc).__name__}: {exc}")
                 status, text = 500, "internal error"
         self.answered += 1
-        return [*head, VERSION, req_id, str(status).encode(), text.encode(), b"", b""]
+        return [*head, VERSION, req_id, str(status).encode(), text.encode(), user.encode(), b""]
 
 
 #: context (its libzmq address) → its handler

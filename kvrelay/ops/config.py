@@ -1472,7 +1472,7 @@ def _connect(r: _Reader, pool_path: str, praw: dict[str, Any]) -> ConnectConfig 
         if ep.startswith("tcp://") and split_tcp(ep)[1] == 0:
             r.err(f"{path}.bind", f"{ep}: engines need a fixed port to connect to")
             return None
-    _open_connect_binds(r, path, c["bind"], bool(c["allow"] or clients))
+    _open_connect_binds(r, path, c["bind"], bool(c["allow"] or clients.keys))
     try:
         return ConnectConfig(
             bind=tuple(c["bind"]),
@@ -1486,7 +1486,8 @@ def _connect(r: _Reader, pool_path: str, praw: dict[str, Any]) -> ConnectConfig 
             max_batch_bytes=c["max_batch_bytes"],
             max_member_blocks=c["max_member_blocks"],
             curve_secret_key=curve,
-            curve_client_keys=clients,
+            curve_client_keys=clients.keys,
+            curve_key_engines=clients.engines,
         )
     except ValueError as exc:
         r.err(path, str(exc))
@@ -1502,23 +1503,24 @@ def _curve_key(r: _Reader, path: str, file: str) -> str | None:
         return None
 
 
-def _curve_client_keys(r: _Reader, path: str, c: dict[str, Any]) -> tuple[str, ...]:
-    """The publishers' CURVE public keys from ``curve_client_keys_file`` (none when unset). They
-    authenticate publishers only on a CURVE socket: without ``curve_secret_key_file`` the file
-    is refused, not ignored."""
+def _curve_client_keys(r: _Reader, path: str, c: dict[str, Any]) -> curve_keys.ClientKeys:
+    """The publishers' CURVE public keys from ``curve_client_keys_file`` (none when unset), and
+    the engines some of them are bound to. They authenticate publishers only on a CURVE socket:
+    without ``curve_secret_key_file`` the file is refused, not ignored."""
+    none = curve_keys.ClientKeys(())
     file = c["curve_client_keys_file"]
     if file is None:
-        return ()
+        return none
     where = f"{path}.curve_client_keys_file"
     if c["curve_secret_key_file"] is None:
         r.err(where, "needs curve_secret_key_file (publishers' keys are checked only on a CURVE "
                      "socket)")  # fmt: skip
-        return ()
+        return none
     try:
         return curve_keys.read_client_keys(file)
     except curve_keys.KeyFileError as exc:
         r.err(where, str(exc))
-        return ()
+        return none
 
 
 def _open_connect_binds(r: _Reader, path: str, binds: list[str], guarded: bool) -> None:

@@ -6,6 +6,7 @@ with the file and line named, instead of libzmq failing (or admitting) later."""
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 
 from zmq.utils import z85
 
@@ -47,16 +48,34 @@ def read_secret_key(file: str) -> str:
     return key
 
 
-def read_client_keys(file: str) -> tuple[str, ...]:
+#: The word after a key that names the engines it may publish as.
+ENGINES_PREFIX = "engines="
+#: Bytes of one engine name (a connect-mode topic's engine is at most 256 bytes too).
+MAX_ENGINE_NAME = 256
+
+
+@dataclass(frozen=True, slots=True)
+class ClientKeys:
+    """A client keys file: its keys, and for each key that names engines, those engines."""
+
+    keys: tuple[str, ...]
+    #: (key, the engines it alone may publish as) for the keys whose line names engines
+    engines: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
+def read_client_keys(file: str) -> ClientKeys:
     """The Z85 public keys ``file`` lists, in file order without repeats.
 
-    One key a line, and after it, past whitespace, a comment if any (name the publisher there);
-    blank lines and lines beginning with ``#`` are skipped. Z85 has ``#`` too, but no key begins
-    with it: a key's first character stands for its first four bytes over 85⁴, at most 82 (``%``).
+    One key a line. After it, past whitespace, ``engines=a,b`` names the engines that key may
+    publish as (and binds them to it: no other key may publish them); anything further, or
+    anything else there, is a comment. Blank lines and lines beginning with ``#`` are skipped.
+    Z85 has ``#`` too, but no key begins with it: a key's first character stands for its first
+    four bytes over 85⁴, at most 82 (``%``).
     """
     keys: dict[str, None] = {}
+    engines: dict[str, dict[str, None]] = {}
     for n, line in enumerate(_read(file).splitlines(), 1):
-        words = line.split(None, 1)
+        words = line.split(None, 2)
         if not words:
             continue
         word = words[0]
@@ -71,9 +90,22 @@ def read_client_keys(file: str) -> tuple[str, ...]:
         keys[word] = None
         if len(keys) > MAX_CLIENT_KEYS:
             raise KeyFileError(f"{file!r} line {n}: more than {MAX_CLIENT_KEYS} keys")
+        if len(words) > 1 and words[1].startswith(ENGINES_PREFIX):
+            names = words[1][len(ENGINES_PREFIX) :].split(",")
+            bad = next((x for x in names if not _engine_name_ok(x)), None)
+            if bad is not None:
+                raise KeyFileError(
+                    f"{file!r} line {n}: {bad!r} is not an engine name (printable, no space or "
+                    f"comma, 1 to {MAX_ENGINE_NAME} bytes)"
+                )
+            engines.setdefault(word, {}).update(dict.fromkeys(names))
     if not keys:
         raise KeyFileError(f"{file!r} lists no key (every publisher would be refused)")
-    return tuple(keys)
+    return ClientKeys(tuple(keys), tuple((k, tuple(v)) for k, v in engines.items()))
+
+
+def _engine_name_ok(name: str) -> bool:
+    return 0 < len(name.encode()) <= MAX_ENGINE_NAME and name.isprintable() and "," not in name
 
 
 def _read(file: str) -> str:

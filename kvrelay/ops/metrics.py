@@ -356,6 +356,11 @@ _POOL_COUNTERS: dict[str, tuple[str, str]] = {
         "kvrelay_connect_address_mismatch",
         "Messages naming an engine bound to another publisher address (dropped).",
     ),
+    "connect_key_mismatch": (
+        "kvrelay_connect_key_mismatch",
+        "Messages naming an engine the sender's CURVE key may not publish (engines= in "
+        "curve_client_keys_file; dropped).",
+    ),
     "connect_topic_too_long": (
         "kvrelay_connect_topic_too_long", "Messages whose topic is over max_topic_bytes."
     ),

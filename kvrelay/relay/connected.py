@@ -186,7 +186,7 @@ class ConnectedMembers:
             pool=self._host.name, allow=cfg.allow, addresses=cfg.addresses,
             max_topic_bytes=cfg.max_topic_bytes, max_batch_bytes=cfg.max_batch_bytes,
             max_member_blocks=cfg.max_member_blocks, curve_secret_key=cfg.curve_secret_key,
-            curve_client_keys=cfg.curve_client_keys,
+            curve_client_keys=cfg.curve_client_keys, curve_key_engines=cfg.curve_key_engines,
         )  # fmt: skip
 
     # ---- what the pool reports ------------------------------------------------------------------

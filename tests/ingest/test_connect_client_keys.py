@@ -227,3 +227,53 @@ async def test_a_socket_whose_counters_carry_earlier_refusals_still_counts_its_f
         )  # fmt: skip
     finally:
         await src.stop()
+
+
+async def test_a_key_bound_to_engines_publishes_them_alone_and_only_them(
+    ctx: zmq.asyncio.Context,  # noqa: F811
+) -> None:
+    """``engines=`` in the client keys file ties a key to engine names: a listed key could
+    publish as any engine (phantom engines, or a real engine's topic taken first). Now a
+    message naming an engine bound to another key, or one the sender's bound key does not name,
+    is dropped and counted (``key_mismatch``, logged with the key); a key bound to nothing may
+    publish any engine no key is bound to. All from one address: the address binding cannot
+    tell them apart."""
+    server_public, server_secret = zmq.curve_keypair()
+    a_keys, b_keys = zmq.curve_keypair(), zmq.curve_keypair()
+    sink = Sink()
+    src = await source(
+        ctx, sink, curve_secret_key=server_secret.decode(),
+        curve_client_keys=(a_keys[0].decode(), b_keys[0].decode()),
+        curve_key_engines=((a_keys[0].decode(), ("pod-a",)),),
+    )  # fmt: skip
+    pubs = []
+    try:
+        with structlog.testing.capture_logs() as logs:
+            b_as_a = _curve_pub(ctx, src, server_public, b_keys, b"kv@pod-a@m")
+            pubs.append(b_as_a)
+            await b_as_a.ready()
+            for _ in range(2):
+                await b_as_a.send(tag=9)
+            await until(lambda: src.counters.key_mismatch == 2)
+        (line,) = [e for e in logs if e["event"] == "connect_key_mismatch"]
+        assert (line["engine"], line["client_key"]) == ("pod-a", b_keys[0].decode())
+        a_as_b = _curve_pub(ctx, src, server_public, a_keys, b"kv@pod-b@m")
+        a = _curve_pub(ctx, src, server_public, a_keys, b"kv@pod-a@m")
+        b = _curve_pub(ctx, src, server_public, b_keys, b"kv@pod-b@m")
+        pubs += [a_as_b, a, b]
+        for p in (a_as_b, a, b):
+            await p.ready()
+        await a_as_b.send(tag=9)
+        await until(lambda: src.counters.key_mismatch == 3)
+        for p in (a, b):
+            for _ in range(2):
+                await p.send(tag=1)
+        await until(lambda: len(sink.batches()) == 4)
+        assert sorted(sink.batches()) == [("pod-a", 0, 0), ("pod-a", 0, 1), ("pod-b", 0, 0),
+                                          ("pod-b", 0, 1)]  # fmt: skip
+        c = src.counters
+        assert (c.key_mismatch, c.address_mismatch, c.members_added) == (3, 0, 2)
+    finally:
+        for p in pubs:
+            p.sock.close(linger=0)
+        await src.stop()

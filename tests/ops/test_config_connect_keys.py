@@ -52,6 +52,24 @@ def test_a_key_file_with_comments_gives_its_keys_in_order(tmp_path: Path, secret
     assert connect is not None and connect.curve_client_keys == tuple(keys)
 
 
+def test_engines_after_a_key_bind_them_to_it(tmp_path: Path, secret: str) -> None:
+    """``engines=a,b`` after a key names the engines only that key may publish (a line's later
+    words stay a comment; a key listed twice adds its engines up); other keys bind none."""
+    keys = [zmq.curve_keypair()[0].decode() for _ in range(3)]
+    f = tmp_path / "publishers.keys"
+    f.write_text(
+        f"{keys[0]} engines=pod-a,pod-a2 # the first node\n{keys[1]}\n"
+        f"{keys[2]} engines=pod-c\n{keys[0]} engines=pod-a3\n"
+    )
+    cfg, problems = _check(tmp_path, secret + f'curve_client_keys_file = "{f}"\n')
+    assert problems == [] and cfg is not None
+    connect = cfg.relay.pools[0].connect
+    assert connect is not None and connect.curve_client_keys == tuple(keys)
+    assert connect.curve_key_engines == (
+        (keys[0], ("pod-a", "pod-a2", "pod-a3")), (keys[2], ("pod-c",))
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("body", "said"),
     [
@@ -59,6 +77,8 @@ def test_a_key_file_with_comments_gives_its_keys_in_order(tmp_path: Path, secret
         ("{good}\n{good}x\n", "line 2: not a Z85 CURVE public key (41 characters, not 40)"),
         ("# ok\n" + "~" * 40 + "\n", "line 2: not a Z85 CURVE public key (not Z85"),
         ("%" * 40 + "\n", "line 1: not a Z85 CURVE public key (not Z85"),  # a group past 2^32
+        ("{good} engines=a,,b\n", "line 1: '' is not an engine name"),
+        ("{good} engines=\n", "line 1: '' is not an engine name"),
         ("# only comments\n\n", "lists no key"),
         ("", "lists no key"),
     ],
