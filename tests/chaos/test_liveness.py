@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import zmq
+
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.relay.settings import PoolSpec
 from kvrelay.sim.config import SimConfig
@@ -254,12 +256,21 @@ async def test_a_publisher_reported_on_the_unspecified_address_is_logged_once() 
 
     import structlog
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cfg = SimConfig(name="zero", seed=61, bind_host="0.0.0.0", pub_port=port)
+    for attempt in range(5):  # a port found free may be taken before the engine binds it
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cfg = SimConfig(name="zero", seed=61, bind_host="0.0.0.0", pub_port=port)
+        engine = SimEngine(cfg)
+        try:
+            await engine.start()
+            break
+        except zmq.ZMQError:
+            await engine.stop()
+            if attempt == 4:
+                raise
     with structlog.testing.capture_logs() as logs:
-        async with rig([cfg]) as r:
+        async with rig([cfg], engines_started=[engine]) as r:
             await wait_live(r.relay, 1)
             await asyncio.sleep(0.4)  # more discovery passes (interval 0.1 s): logged once
     said = [e for e in logs if e["event"] == "engine_publisher_not_listening"]

@@ -331,7 +331,10 @@ async def test_a_restart_right_after_the_bootstrap_is_no_duplicate(
         await until(lambda: len(sink.seqs) >= 14)
         assert sink.resets == [ResetReason.INCARNATION]
         assert_exact(sink, list(range(6)) + list(range(8)))
-        assert sub.counters.duplicates == 0
+        # a live batch is a duplicate only of the new incarnation's replay (on a busy host the
+        # replay after the reset may take them first), never of the old 0..5
+        c = sub.counters
+        assert c.duplicates <= c.replayed_messages - 6, c
     finally:
         await sub.stop()
         await pub.close()

@@ -105,28 +105,27 @@ async def test_a_model_whose_withdrawn_pool_is_hidden_stays_hidden(
             assert list(m.models) == []
             await until("all", lambda m: len(m.pools) == 2 and len(m.models) == 1)
 
-            # Pool b withdrawn (its engine stopped): the model still counts its frontend.
+            # Pool b withdrawn (its engine stopped, then declared down): its frontend has
+            # departed, but the model's totals still hold what it counted.
             await engines[1].stop()
 
             def b_withdrawn(m: Any) -> bool:
                 return len(m.pools) == 1 and (
                     len(m.models) == 1 and len(m.models[0].deployment.serving_pools) == 1
-                    # b's page goes at its next failed scrape, which may come after the
-                    # withdrawal (both take about a second): until then b is still observed
-                    and m.models[0].load.status == R.DATA_STATUS_DEGRADED
+                    and m.models[0].deployment.expected_frontends == 1
                 )
 
             m = await until("ns", b_withdrawn)
             model = m.models[0]
-            assert model.deployment.expected_frontends == 2  # b's engine is still configured
             assert model.deployment.observed_frontends == 1
+            assert model.load.status == R.DATA_STATUS_COMPLETE
             # router-a may see pool a but not b: the model, which sums b's frontend, stays hidden.
             for _ in range(3):
                 m = await until("a", lambda m: len(m.pools) == 1)
                 assert list(m.models) == [], m.models
             # A router that sees every pool of the model, by pool key, still sees the model.
             m = await until("all", lambda m: len(m.pools) == 1 and len(m.models) == 1)
-            assert m.models[0].deployment.expected_frontends == 2
+            assert m.models[0].deployment.expected_frontends == 1
         finally:
             for r in routers.values():
                 await r.close()

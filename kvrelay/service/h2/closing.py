@@ -66,7 +66,12 @@ from kvrelay.service.h2.internals import (
     put_stream_cap_in_force,
 )
 from kvrelay.service.h2.mend import mend_protocol
-from kvrelay.service.h2.tls_gate import TLS_HANDSHAKE_TIMEOUT_S, TlsGate, peer_certificate
+from kvrelay.service.h2.tls_gate import (
+    TLS_HANDSHAKE_TIMEOUT_S,
+    Handshakes,
+    TlsGate,
+    peer_certificate,
+)
 
 #: A TLS listener's context: one, or what gives the one in use now (a reload may replace it).
 TlsSource = ssl.SSLContext | Callable[[], ssl.SSLContext]
@@ -104,8 +109,8 @@ class ClosingServer(Server):
         self.closed_streams_kept: int | None = None
         self._tls: Callable[[], ssl.SSLContext] | None = None
         self._gates: weakref.WeakSet[TlsGate] = weakref.WeakSet()
-        #: gates admitted and still in their TLS handshake, oldest first (``_make_room``)
-        self._handshaking: dict[TlsGate, None] = {}
+        #: gates admitted and still in their TLS handshake (``_make_room``)
+        self._handshaking = Handshakes()
         #: connections closed by halves at shutdown: what their clients send is dropped
         self._lingering: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
         #: whether a client certificate (DER) is revoked now (``revoke``); None: no check
@@ -218,16 +223,18 @@ class ClosingServer(Server):
             return None
         return _nothing if caps is None else caps.admit(transport, self._make_room)
 
-    def _make_room(self) -> bool:
-        """The port holds ``max_connections``: the connection longest in its TLS handshake is
-        closed for the new one. Else peers that need no certificate to connect could hold every
-        place by never finishing a handshake, each opened again as it is closed, and lock out
-        every router; a router's handshake takes milliseconds, theirs would have to be
-        replaced faster than that, all of them. Established connections are never evicted."""
-        if not self._handshaking:
+    def _make_room(self, address: str | None) -> bool:
+        """A cap is reached (``address``'s own, or None: ``max_connections``): the connection
+        longest in its TLS handshake under that cap is closed for the new one. Else peers that
+        need no certificate to connect could hold every place by never finishing a handshake,
+        each opened again as it is closed, and lock out every router (from a router's own
+        address, a NAT's or a sidecar's, its address's places alone); a router's handshake takes
+        milliseconds, theirs would have to be replaced faster than that, all of them.
+        Established connections are never evicted."""
+        gate = self._handshaking.oldest(address)
+        if gate is None:
             return False
-        gate = next(iter(self._handshaking))
-        del self._handshaking[gate]
+        self._handshaking.discard(gate)
         gate.evict()
         return True
 

@@ -114,6 +114,7 @@ __all__ = [
     "FrameGuard",
     "H2Budgets",
     "H2Counters",
+    "peer_address",
     "server_closed",
 ]
 
@@ -493,6 +494,14 @@ def _resume(transport: Any) -> None:
         return
 
 
+def peer_address(transport: Any) -> str | None:
+    """The TCP peer's IP address, as the per-address caps count it; None for other sockets."""
+    peer = transport.get_extra_info("peername")
+    sock = transport.get_extra_info("socket")
+    tcp = sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6)
+    return str(peer[0]) if tcp and isinstance(peer, tuple) and peer else None
+
+
 class ConnectionCaps:
     """Connections held per TCP peer address and in all (see the module docstring); UNIX
     socket peers (the daemon's own fan-out workers) count in the total only."""
@@ -505,19 +514,19 @@ class ConnectionCaps:
         self.open = 0
 
     def admit(
-        self, transport: Any, make_room: Callable[[], bool] | None = None
+        self, transport: Any, make_room: Callable[[str | None], bool] | None = None
     ) -> Callable[[], None] | None:
         """Take a place for a new connection: its release, or None when a cap is reached (the
-        caller closes it; counted as ``too_many_connections``). ``make_room``: asked when the
-        total is reached, it frees a place (giving it back before it returns) and says whether
-        it did; the connection is then admitted (the per-address cap is checked first)."""
-        peer = transport.get_extra_info("peername")
-        sock = transport.get_extra_info("socket")
-        tcp = sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6)
-        addr = str(peer[0]) if tcp and isinstance(peer, tuple) and peer else None
-        if (addr is not None and self._by_address.get(addr, 0) >= self.per_address) or (
-            self.open >= self.total and (make_room is None or not make_room())
-        ):
+        caller closes it; counted as ``too_many_connections``). ``make_room(address)``: asked
+        when a cap is reached (the peer's address: its own cap; None: the total), it frees a
+        place under that cap (giving it back before it returns) and says whether it did; the
+        connection then goes on to the next cap."""
+        addr = peer_address(transport)
+        if (
+            addr is not None
+            and self._by_address.get(addr, 0) >= self.per_address
+            and (make_room is None or not make_room(addr))
+        ) or (self.open >= self.total and (make_room is None or not make_room(None))):
             self._counters.count("too_many_connections")
             return None
         self.open += 1

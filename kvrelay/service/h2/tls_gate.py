@@ -30,10 +30,16 @@ import ssl
 from collections.abc import Callable
 from typing import Any, cast
 
-from kvrelay.service.h2.guard import H2Counters
+from kvrelay.service.h2.guard import H2Counters, peer_address
 from kvrelay.service.h2.internals import close_unstarted
 
-__all__ = ["REVOKED_HANDSHAKE", "TLS_HANDSHAKE_TIMEOUT_S", "TlsGate", "peer_certificate"]
+__all__ = [
+    "REVOKED_HANDSHAKE",
+    "TLS_HANDSHAKE_TIMEOUT_S",
+    "Handshakes",
+    "TlsGate",
+    "peer_certificate",
+]
 
 #: Seconds a client has to finish its TLS handshake (asyncio's default is 60).
 TLS_HANDSHAKE_TIMEOUT_S = 10.0
@@ -57,6 +63,37 @@ def peer_certificate(transport: asyncio.BaseTransport) -> bytes | None:
     return der if isinstance(der, bytes) else None
 
 
+class Handshakes:
+    """A server's connections in their TLS handshake, oldest first, in all and per peer address:
+    the ones a full port closes first to make room (``ClosingServer._make_room``)."""
+
+    __slots__ = ("_all", "_by_address")
+
+    def __init__(self) -> None:
+        self._all: dict[TlsGate, str | None] = {}
+        self._by_address: dict[str, dict[TlsGate, None]] = {}
+
+    def add(self, gate: TlsGate, address: str | None) -> None:
+        self._all[gate] = address
+        if address is not None:
+            self._by_address.setdefault(address, {})[gate] = None
+
+    def discard(self, gate: TlsGate) -> None:
+        if gate not in self._all:
+            return
+        address = self._all.pop(gate)
+        if address is not None:
+            same = self._by_address[address]
+            del same[gate]
+            if not same:
+                del self._by_address[address]
+
+    def oldest(self, address: str | None = None) -> TlsGate | None:
+        """The connection longest in its handshake (from ``address``, when given)."""
+        gates = self._all if address is None else self._by_address.get(address, {})
+        return next(iter(gates), None)
+
+
 class TlsGate(asyncio.Protocol):
     """One accepted TCP connection until its TLS handshake is done (see the module docstring).
 
@@ -74,7 +111,7 @@ class TlsGate(asyncio.Protocol):
         counters: H2Counters,
         handshake_timeout_s: float = TLS_HANDSHAKE_TIMEOUT_S,
         revoked: Callable[[asyncio.BaseTransport], bool] | None = None,
-        handshaking: dict[TlsGate, None] | None = None,
+        handshaking: Handshakes | None = None,
     ) -> None:
         self.inner = inner
         #: the server's gates in their handshake, oldest first: this one from its admission
@@ -114,7 +151,7 @@ class TlsGate(asyncio.Protocol):
             return
         self._release = release
         if self._handshaking is not None:
-            self._handshaking[self] = None
+            self._handshaking.add(self, peer_address(transport))
         self._raw = cast(asyncio.Transport, transport)  # uvloop's is no asyncio.Transport
         self._raw.pause_reading()  # the ClientHello waits for the TLS layer
         self._task = asyncio.get_running_loop().create_task(self._handshake(self._raw))
@@ -197,7 +234,7 @@ class TlsGate(asyncio.Protocol):
     def _settled(self) -> None:
         """The handshake is over (done, failed, or the connection gone): not evictable."""
         if self._handshaking is not None:
-            self._handshaking.pop(self, None)
+            self._handshaking.discard(self)
 
     def evict(self) -> None:
         """Its place given back now, and the connection closed: a connection still handshaking

@@ -776,10 +776,11 @@ async def test_tls_handshakes_are_capped_timed_out_and_counted(
 ) -> None:
     """On a TLS port, a connection takes its place under the caps when it is accepted, not when
     its handshake is done: a stranger who never finishes handshakes holds no more than
-    ``max_connections_per_address`` sockets, and each is closed after the handshake deadline and
-    counted (``tls_handshake``), its place given back. They were neither capped nor counted, and
-    held for asyncio's 60 s. A ClientHello whose server name is not ASCII is answered like any
-    other: no traceback on stderr (a servername callback printed one per connection)."""
+    ``max_connections_per_address`` sockets (one more closes its oldest), and each is closed
+    after the handshake deadline and counted (``tls_handshake``), its place given back. They
+    were neither capped nor counted, and held for asyncio's 60 s. A ClientHello whose server
+    name is not ASCII is answered like any other: no traceback on stderr (a servername callback
+    printed one per connection)."""
     from tests.support.certs import make_pki
 
     pki = make_pki(tmp_path)
@@ -809,12 +810,13 @@ async def test_tls_handshakes_are_capped_timed_out_and_counted(
     try:
         for round_ in (1, 2):  # the second: the first round's places were given back
             t0 = time.monotonic()
-            held = [await dial() for _ in range(3)]
+            held = [(await dial())[0] for _ in range(3)]
             over, _ = await dial()
-            assert await _closed_by_peer(over, 0.5), "the 4th connection of an address is refused"
-            assert counted("too_many_connections") == round_
+            assert await _closed_by_peer(held[0], 0.5), "the 4th connection closes the 1st"
+            assert counted("tls_handshake_evicted") == round_
+            assert counted("too_many_connections") == 0
             assert (await info()).contract_marker == CONTRACT_MARKER  # another address is served
-            for reader, _ in held:
+            for reader in (*held[1:], over):
                 assert await _closed_by_peer(reader, 5.0), "a stalled handshake is closed"
             assert time.monotonic() - t0 >= 0.9  # by the deadline, not at once
             async with asyncio.timeout(5):  # counted as the handshake task ends
@@ -831,26 +833,33 @@ async def test_tls_handshakes_are_capped_timed_out_and_counted(
     assert "Exception ignored" not in capfd.readouterr().err
 
 
-async def test_stalled_handshakes_on_a_full_port_make_room_for_a_router(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cap", ["total", "address"])
+async def test_stalled_handshakes_on_a_full_port_make_room_for_a_router(
+    tmp_path: Path, cap: str
+) -> None:
     """Connections that need no certificate to be accepted and never finish their handshake
-    filled ``max_connections`` for the handshake deadline each, opened again as they were
-    closed: every router was refused. On a full port the one longest in its handshake is now
-    closed for a new connection (``tls_handshake_evicted``); a connection past its handshake
-    is never closed for another, and a port full of those refuses the next one."""
+    filled ``max_connections`` (or, from a router's own address, a NAT's or a sidecar's, that
+    address's cap) for the handshake deadline each, opened again as they were closed: every
+    router was refused. Under a full cap the connection longest in its handshake is now closed
+    for a new one (``tls_handshake_evicted``); a connection past its handshake is never closed
+    for another, and a cap full of those refuses the next one."""
     from tests.support.certs import make_pki
 
     pki = make_pki(tmp_path)
     ctx = server_ssl_context(str(pki.server_cert), str(pki.server_key), None)
-    server = RelayServer(MemRelayView(), RelayLimits(max_connections=4,
-                                                     max_connections_per_address=4))  # fmt: skip
+    limits = (RelayLimits(max_connections=4, max_connections_per_address=4) if cap == "total"
+              else RelayLimits(max_connections=64, max_connections_per_address=4))  # fmt: skip
+    server = RelayServer(MemRelayView(), limits)
     await server.start("127.0.0.1", 0, ssl=ctx, tls_handshake_timeout_s=30.0)
     counted = server.service.guard_stats
 
     async def dial(source: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         return await asyncio.open_connection("127.0.0.1", server.port, local_addr=(source, 0))
 
+    # the total: from four addresses, none of them the routers'; an address: from the routers'
+    sources = [f"127.0.0.{2 + i}" if cap == "total" else "127.0.0.1" for i in range(4)]
+    stalled = [await dial(source) for source in sources]  # the cap is full
     tls = client_ssl_context(str(pki.server_ca))
-    stalled = [await dial(f"127.0.0.{2 + i}") for i in range(4)]  # the port is full
     channels: list[Channel] = []
     try:
         caps = server._server.connection_caps  # type: ignore[attr-defined]
@@ -865,8 +874,8 @@ async def test_stalled_handshakes_on_a_full_port_make_room_for_a_router(tmp_path
             assert info.contract_marker == CONTRACT_MARKER
             assert await _closed_by_peer(stalled[i][0], 5.0), f"stalled handshake {i} evicted"
             assert counted()[2]["tls_handshake_evicted"] == i + 1
-        # four routers hold the port: the next connection is refused, no router evicted
-        extra = await dial("127.0.0.9")
+        # four routers hold the cap: the next connection is refused, no router evicted
+        extra = await dial("127.0.0.9" if cap == "total" else "127.0.0.1")
         assert await _closed_by_peer(extra[0], 5.0)
         assert counted()[2]["too_many_connections"] == 1
         for ch in channels:
@@ -900,7 +909,17 @@ async def test_connections_that_never_reach_http2_leave_nothing_behind(
     limits = RelayLimits(max_connections=16, max_connections_per_address=1)
     server = RelayServer(MemRelayView(), limits)
     await server.start("127.0.0.1", 0, ssl=ctx, tls_handshake_timeout_s=5.0)
-    held = await asyncio.open_connection("127.0.0.1", server.port, local_addr=("127.0.0.2", 0))
+    # the address's place, held by a connection past its handshake (one still in it would be
+    # closed for each newcomer of its address)
+    held = await asyncio.open_connection(
+        "127.0.0.1", server.port, local_addr=("127.0.0.2", 0),
+        ssl=client_ssl_context(str(pki.server_ca)) if tls else None,
+        server_hostname="localhost" if tls else None,
+    )  # fmt: skip
+    handshaking = server._server._handshaking  # type: ignore[attr-defined]
+    async with asyncio.timeout(5):  # the relay's side of the handshake done too
+        while handshaking.oldest() is not None:
+            await asyncio.sleep(0.01)
     churn = 60
 
     async def dial(source: str) -> None:
