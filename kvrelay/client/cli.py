@@ -173,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--wait must be a number of seconds >= 0")
         if getattr(args, "silence_s", None) is not None and not 0 < args.silence_s <= 3600:
             raise UsageError("--silence-s must be a number of seconds in (0, 3600]")
+        ClientConfig(subscriber_id=args.subscriber_id)  # its rules, for every command (exit 2)
         ssl = _ssl_context(args)
         command = args.client_command
         if command == "watch":
@@ -673,9 +674,8 @@ class Inspector:
     what decodes, enforces no sequencing rule."""
 
     def __init__(self, producer: pb.ProducerIdentity) -> None:
-        fmt = producer.ckf_format
-        assert fmt is not None
-        self.seed, self.bucket_count = int(fmt.seed), int(fmt.bucket_count)
+        key = producer_key(producer)  # a catalog entry no replica can use: ``RelayError``
+        self.seed, self.bucket_count = key.seed, key.bucket_count
         self.table = np.zeros(self.bucket_count, dtype=np.uint64)
         self.assembler = cbi1.SnapshotAssembler()
 
@@ -703,8 +703,10 @@ class Inspector:
 
 
 async def _find_pool(
-    channel: Any, name: str, subscriber_id: str
+    channel: Any, name: str, subscriber_id: str, first_message_s: float
 ) -> tuple[pb.KvPoolDescriptor | None, pb.RelayIdentity | None, str]:
+    """The pool ``name`` names in the relay's catalog; the catalog's first message must come
+    within ``first_message_s`` (a relay that never answers ends as ``silent``, never a hang)."""
     found: list[pb.KvPoolCatalogUpdate] = []
 
     def on(m: pb.KvPoolCatalogUpdate) -> None:
@@ -714,7 +716,7 @@ async def _find_pool(
     try:
         end = await rpc.run_stream(
             channel, "WatchKvPoolCatalog", rpc.catalog_request(subscriber_id),
-            pb.KvPoolCatalogUpdate, on,
+            pb.KvPoolCatalogUpdate, on, first_message_s=first_message_s,
         )  # fmt: skip
     except _Stop:
         end = None
@@ -781,14 +783,26 @@ async def _subscribe(
         attempt = 0
         try:
             while not limiter.done.is_set():
-                desc, relay, why = await _find_pool(channel, args.pool, args.subscriber_id)
+                desc, relay, why = await _find_pool(
+                    channel, args.pool, args.subscriber_id, args.silence_s
+                )
                 if desc is None or desc.producer is None:
                     problems += 1
                     print(f"[{addr}] {why}", file=sys.stderr)
                     return
-                state: PoolReplica | Inspector = (
-                    PoolReplica(desc.producer, relay) if args.verify else Inspector(desc.producer)
-                )
+                try:
+                    state: PoolReplica | Inspector = (
+                        PoolReplica(desc.producer, relay) if args.verify
+                        else Inspector(desc.producer)
+                    )  # fmt: skip
+                except RelayError as exc:
+                    # a catalog entry no replica can be built from (no CKF format, generation 0)
+                    violations += 1
+                    detail = exc.message
+                    out.emit({"relay": str(addr), "pool": _ep(desc.serving_endpoint),
+                              "violation": "catalog_entry", "detail": detail},
+                             f"[{addr}] VIOLATION catalog_entry: {detail}")  # fmt: skip
+                    return
                 pool = _ep(desc.serving_endpoint)
 
                 def on(fu: pb.FilterUpdate, state: PoolReplica | Inspector = state,

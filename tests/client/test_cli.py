@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.client import cli
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import RelaySettings
@@ -25,7 +26,16 @@ from kvrelay.service.server import RelayServer
 from kvrelay.sim.config import SimConfig
 from tests.support.client_stack import eventually, query_set, stack, truth_depth
 from tests.support.commands import clean_env, sigint_as_at_a_shell
-from tests.support.scripted_relay import Script, ScriptedRelay, delta, port_of, serve, snapshot
+from tests.support.scripted_relay import (
+    Script,
+    ScriptedRelay,
+    delta,
+    descriptor,
+    port_of,
+    producer,
+    serve,
+    snapshot,
+)
 
 
 @contextlib.asynccontextmanager
@@ -176,6 +186,51 @@ async def test_subscribe_table_without_verify(capsys: pytest.CaptureFixture[str]
     assert "occupancy 10" in second
 
 
+async def test_subscribe_bounds_the_catalog_wait_by_its_silence_limit(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A relay that takes the catalog call and never answers: ``subscribe`` waited for ever
+    (``--silence-s`` bounded the pool stream only). Its catalog's first message now comes
+    within that bound too, or the run ends with the reason and exit 1."""
+    async def mute(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            while await r.read(65536):
+                pass
+        w.close()
+
+    server = await asyncio.start_server(mute, "127.0.0.1", 0)
+    try:
+        addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        t0 = time.monotonic()
+        rc, _, err = await run_cli(capsys, "subscribe", "gen", "--relay", addr,
+                                   "--silence-s", "1")  # fmt: skip
+        assert rc == 1 and "catalog stream ended: silent" in err, err
+        assert time.monotonic() - t0 < 20
+    finally:
+        server.close()
+
+
+async def test_subscribe_reports_a_catalog_entry_no_replica_can_use(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A pool whose producer has no CKF format: ``subscribe`` ended with exit 0 and nothing
+    said (the error was swallowed). It is a violation now, shown, exit 1, with and without
+    ``--verify``."""
+    bad = descriptor(pb.ProducerIdentity(pool_id=producer().pool_id, layout_generation=1))
+    relay = ScriptedRelay(catalog=[bad])
+    server = await serve(relay)
+    try:
+        addr = f"127.0.0.1:{port_of(server)}"
+        for verify in ((), ("--verify",)):
+            rc, out, _ = await run_cli(capsys, "subscribe", "gen", "--relay", addr,
+                                       "--count", "1", *verify)  # fmt: skip
+            assert rc == 1 and "VIOLATION catalog_entry: expected_producer: ckf_format is " \
+                "missing" in out, (verify, out)
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 async def test_subscribe_unknown_pool_fails(capsys: pytest.CaptureFixture[str]) -> None:
     async with scripted() as addr:
         rc, _, err = await run_cli(capsys, "subscribe", "nope/x/y", "--relay", addr,
@@ -227,6 +282,7 @@ async def test_query_against_a_real_relay(
         ["watch", "catalog", "--relay", "no-port"],
         ["query", "--relay", "127.0.0.1:1", "--model", "m", "--tokens", "1,x"],
         ["watch", "catalog", "--relay", "127.0.0.1:1", "--count", "0"],
+        ["watch", "catalog", "--relay", "127.0.0.1:1", "--subscriber-id", "a\tb"],
     ],
 )
 def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
