@@ -16,8 +16,10 @@ How kvrelay maps a vLLM fleet onto the §9 model (the orchestrator builds :class
   configured engine probed at least once). Until then the entry is ``UNKNOWN``: absence of
   evidence is not evidence of absence. An endpoint absent from the model is a fact, not a doubt.
 * ``models`` = base canonical model ids the endpoint registers; ``adapters`` = LoRA canonical id
-  → backing base canonical id it advertises; ``pool_id`` = its materialized ``KvPoolId`` (stable
-  identity, never the generation) or None.
+  → backing base canonical id it advertises; ``live_adapters`` = those its *live* engines carry
+  (None: all of them; an endpoint of several engines, a kvrelay pool, may have an adapter only
+  on an engine asleep or paused, which cannot serve it); ``pool_id`` = its materialized
+  ``KvPoolId`` (stable identity, never the generation) or None.
 
 The computation (:func:`topology_entries`) is pure and deterministic: entries, members and role
 lists are sorted, so equal inputs give byte-equal messages and the plane bumps its revision only
@@ -70,6 +72,11 @@ class EndpointState:
     models: frozenset[str] = frozenset()
     adapters: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     pool_id: pb.KvPoolId | None = None
+    live_adapters: frozenset[str] | None = None
+
+    def carries(self, adapter: str) -> bool:
+        """A live engine of the endpoint carries ``adapter`` (given ``live > 0``)."""
+        return self.live_adapters is None or adapter in self.live_adapters
 
     @property
     def legacy(self) -> bool:
@@ -173,7 +180,7 @@ def _adapter_readiness(
             continue
         if e.legacy:
             applicable.add(Role.LEGACY)
-        if e.adapters.get(adapter) == base_model:
+        if e.adapters.get(adapter) == base_model and e.carries(adapter):
             carrying.update([Role.LEGACY] if e.legacy else e.roles)
     missing = _sorted_roles(applicable - carrying)
     ready = base_state == State.READY and not missing and bool(applicable)

@@ -153,6 +153,11 @@ def endpoint_state(
         models=frozenset({model}),
         adapters={n: model for n in lora_names(spec, engines, identity)},
         pool_id=None if gen is None else gen.producer.pool_id,
+        # an adapter only on an engine asleep or paused is listed, and not served
+        live_adapters=frozenset(
+            n for st in engines if st.serving and st.snapshot is not None
+            for n in st.snapshot.lora_names
+        ),
     )
 
 

@@ -464,7 +464,7 @@ def test_every_field_of_an_endpoint_is_part_of_its_entry_key(relay: pb.RelayIden
     other = {
         "namespace": "ns2", "component": "c2", "endpoint": "e2", "roles": roles("D"),
         "needs": (roles("P"),), "live": 3, "probed": False, "models": frozenset({"m", "z"}),
-        "adapters": {"x": "m"}, "pool_id": make_pool_id(9),
+        "adapters": {"x": "m"}, "pool_id": make_pool_id(9), "live_adapters": frozenset(),
     }  # fmt: skip
     assert set(other) == {f.name for f in dataclasses.fields(EndpointState)}
     plane = ReadinessPlane(relay)
@@ -478,3 +478,16 @@ def test_every_field_of_an_endpoint_is_part_of_its_entry_key(relay: pb.RelayIden
         fresh = bytes(pb.ServingReadinessUpdate(entries=topology_entries([changed])))
         assert bytes(pb.ServingReadinessUpdate(entries=plane.current()[1].entries)) == fresh, name
     assert len(keys) == len(other) + 1  # the base, and one key per changed field
+
+
+def test_an_adapter_no_live_engine_of_its_endpoint_carries_is_not_served() -> None:
+    """An endpoint of several engines (a kvrelay pool) lists what its engines carry, but an
+    adapter only an engine asleep or paused carries (``live_adapters``) cannot be served there:
+    UNAVAILABLE, its role missing, though the endpoint is live."""
+    both = ep("c", "A", adapters={"x": "m", "y": "m"})
+    (entry,) = topology_entries([replace(both, live_adapters=frozenset({"y"}))])
+    assert [(a.canonical_model_id, a.state, list(a.missing_roles)) for a in entry.adapters] == [
+        ("x", S.UNAVAILABLE, [pb.WorkerRole.AGGREGATED]), ("y", S.READY, []),
+    ]  # fmt: skip
+    (entry,) = topology_entries([both])  # None: every adapter listed is carried live
+    assert [a.state for a in entry.adapters] == [S.READY, S.READY]

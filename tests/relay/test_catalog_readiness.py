@@ -236,6 +236,33 @@ async def test_prefill_decode_readiness_follows_sleep_and_wake() -> None:
         await eventually(adapter_ready, what="adapter ready on both roles")
 
 
+async def test_an_adapter_only_an_engine_asleep_carries_is_not_ready() -> None:
+    """One pool of two engines; only the second has the adapter. Asleep (or paused), it cannot
+    serve it, and the pool's other engine lacks it: the adapter is listed UNAVAILABLE, missing
+    its role. It was READY: the pool was live (its first engine) and carried the adapter (any
+    reachable engine's). Awake again, it is READY."""
+    configs = [SimConfig(name="a0", seed=7), SimConfig(name="a1", seed=8)]
+    async with fleet_and_relay(configs) as (engines, relay, _server):
+        await wait_subscribed(relay, 2)
+        engines[1].load_lora("ad-1")
+
+        def adapter(state: pb.ServingReadinessState, missing: list[int]) -> bool:
+            e = entry(relay)
+            return e is not None and e.state == State.READY and [
+                (a.canonical_model_id, a.state, list(a.missing_roles)) for a in e.adapters
+            ] == [("ad-1", state, missing)]
+
+        await eventually(lambda: adapter(State.READY, []), what="adapter ready")
+        engines[1].sleep()
+        await eventually(lambda: adapter(State.UNAVAILABLE, [Role.AGGREGATED]),
+                         what="its only carrier asleep")  # fmt: skip
+        engines[1].wake()
+        await eventually(lambda: adapter(State.READY, []), what="awake again")
+        engines[1].pause()
+        await eventually(lambda: adapter(State.UNAVAILABLE, [Role.AGGREGATED]),
+                         what="its only carrier paused")  # fmt: skip
+
+
 async def test_an_unchanged_fleet_recomputes_no_plane() -> None:
     """A pool hands out the same descriptor object while nothing in it changed, and
     ``refresh_planes`` then leaves both planes alone (at 64 pools their recompute took ~28 ms per
