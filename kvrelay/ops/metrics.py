@@ -861,8 +861,9 @@ def _relay_metrics(r: RelayStats) -> Iterator[Metric]:
         ("kvrelay_dns_resolutions", "DNS lookups of the pools' dns names that were answered.",
          r.dns_resolutions),
         ("kvrelay_dns_resolution_failures",
-         "DNS lookups that failed (SERVFAIL, no answer, timeout) or were refused (more than "
-         "1,024 engines): nothing changed.", r.dns_failures),
+         "DNS lookups that failed (SERVFAIL, no nameserver answering, timeout) or were refused "
+         "(more than 1,024 engines): nothing changed. NXDOMAIN or an answer without records is "
+         "an answer (every engine gone), not a failure.", r.dns_failures),
         ("kvrelay_dns_engines_added", "Engines added because DNS named a new address.",
          r.dns_engines_added),
         ("kvrelay_dns_engines_removed",
