@@ -17,7 +17,7 @@ from kvrelay.contract.wire import CONTRACT_MARKER
 from kvrelay.relay.settings import EngineSpec, PoolSpec
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
-from tests.support.fleet import engine_spec, eventually, fleet_and_relay
+from tests.support.fleet import engine_spec, eventually, fleet_and_relay, metered_pool
 from tests.support.rig import SVC, collect_end, rig, subscribe, wait_live
 from tests.support.timing import scaled
 
@@ -27,26 +27,13 @@ def _entry(relay: Any) -> pb.KvPoolLoadEntry | None:
     return pools[0] if pools else None
 
 
-def _metered(engines: list[SimEngine]) -> tuple[PoolSpec, ...]:
-    return (
-        PoolSpec(
-            namespace="ns", component="backend", endpoint="generate", expected_blocks=8192,
-            engines=tuple(
-                EngineSpec(name=e.cfg.name, host="127.0.0.1", grpc_port=e.grpc_port,
-                           metrics_port=e.metrics_port)
-                for e in engines
-            ),
-        ),
-    )  # fmt: skip
-
-
 async def test_expected_ranks_are_declared_reachable_or_not_until_the_engine_is_down() -> None:
     """An unreachable engine's ranks stay expected, their usage unknown (never zero), until it is
     declared down (``engine_down_grace_s``, its members cleared): then it has departed, as a
     worker leaving Dynamo's discovery has, and the load of the engines serving is whole again
     (it was partial for as long as the engine stayed down)."""
     cfgs = [SimConfig(name="ld0", seed=71, dp_size=2), SimConfig(name="ld1", seed=72, dp_size=2)]
-    async with fleet_and_relay(cfgs, pools=_metered, scrape_interval_s=0.25,
+    async with fleet_and_relay(cfgs, pools=metered_pool, scrape_interval_s=0.25,
                                limits=RelayLimits(load_window_s=0.25)) as (engines, relay, _):
         pool = relay.pools[0]
 

@@ -13,6 +13,7 @@ import zmq
 
 from kvrelay.cli import main
 from kvrelay.ops.config import ConfigProblem, DaemonConfig, check_file
+from kvrelay.relay.settings import ConnectConfig
 
 BASE = (
     '[relay]\ndc_name = "dc"\n[[pools]]\nnamespace = "ns"\ncomponent = "c"\nendpoint = "e"\n'
@@ -37,34 +38,37 @@ def secret(tmp_path: Path) -> str:
     return f'curve_secret_key_file = "{f}"\n'
 
 
+def _loaded(tmp_path: Path, secret: str, body: str) -> ConnectConfig:
+    """The connect section a keys file of ``body`` loads into (no problem said)."""
+    f = tmp_path / "publishers.keys"
+    f.write_text(body)
+    cfg, problems = _check(tmp_path, secret + f'curve_client_keys_file = "{f}"\n')
+    assert problems == [] and cfg is not None
+    connect = cfg.relay.pools[0].connect
+    assert connect is not None
+    return connect
+
+
 def test_a_key_file_with_comments_gives_its_keys_in_order(tmp_path: Path, secret: str) -> None:
     """Blank lines and ``#`` lines (a 40-character one too: no Z85 key begins with ``#``) are
     skipped, a comment may follow a key, and a key listed twice is one key."""
     keys = [zmq.curve_keypair()[0].decode() for _ in range(4)]
-    f = tmp_path / "publishers.keys"
-    f.write_text(
+    connect = _loaded(tmp_path, secret, (
         f"# publishers of pool ns/c/e\n\n{keys[0]}\n  {keys[1]}   # decode-1\n"
         f"#\n{'#' * 40}\n{keys[2]} engine-x\n\t{keys[3]}\n{keys[0]}\n"
-    )
-    cfg, problems = _check(tmp_path, secret + f'curve_client_keys_file = "{f}"\n')
-    assert problems == [] and cfg is not None
-    connect = cfg.relay.pools[0].connect
-    assert connect is not None and connect.curve_client_keys == tuple(keys)
+    ))  # fmt: skip
+    assert connect.curve_client_keys == tuple(keys) and connect.curve_key_engines == ()
 
 
 def test_engines_after_a_key_bind_them_to_it(tmp_path: Path, secret: str) -> None:
     """``engines=a,b`` after a key names the engines only that key may publish (a line's later
     words stay a comment; a key listed twice adds its engines up); other keys bind none."""
     keys = [zmq.curve_keypair()[0].decode() for _ in range(3)]
-    f = tmp_path / "publishers.keys"
-    f.write_text(
+    connect = _loaded(tmp_path, secret, (
         f"{keys[0]} engines=pod-a,pod-a2 # the first node\n{keys[1]}\n"
         f"{keys[2]} engines=pod-c\n{keys[0]} engines=pod-a3\n"
-    )
-    cfg, problems = _check(tmp_path, secret + f'curve_client_keys_file = "{f}"\n')
-    assert problems == [] and cfg is not None
-    connect = cfg.relay.pools[0].connect
-    assert connect is not None and connect.curve_client_keys == tuple(keys)
+    ))  # fmt: skip
+    assert connect.curve_client_keys == tuple(keys)
     assert connect.curve_key_engines == (
         (keys[0], ("pod-a", "pod-a2", "pod-a3")), (keys[2], ("pod-c",))
     )  # fmt: skip

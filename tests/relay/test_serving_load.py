@@ -32,7 +32,7 @@ from kvrelay.relay.settings import EngineSpec, PoolSpec, RelaySettings
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
 from kvrelay.sim.metrics_http import render_metrics
-from tests.support.fleet import eventually, fleet_and_relay
+from tests.support.fleet import eventually, fleet_and_relay, metered_pool
 from tests.support.timing import scaled
 
 #: engines scraped and windows sent four times a second: every wait below is for a scrape and
@@ -47,17 +47,7 @@ def _fleet(
                            limits=RelayLimits(load_window_s=TICK_S))  # fmt: skip
 
 
-def _pools(engines: list[SimEngine]) -> tuple[PoolSpec, ...]:
-    return (
-        PoolSpec(
-            namespace="ns", component="backend", endpoint="generate", expected_blocks=8192,
-            engines=tuple(
-                EngineSpec(name=e.cfg.name, host="127.0.0.1", grpc_port=e.grpc_port,
-                           metrics_port=e.metrics_port)
-                for e in engines
-            ),
-        ),
-    )  # fmt: skip
+_pools = metered_pool
 
 
 def _oracle(engines: list[SimEngine]) -> dict[str, int]:

@@ -32,6 +32,20 @@ def engine_spec(e: SimEngine) -> EngineSpec:
     return EngineSpec(name=e.cfg.name, host="127.0.0.1", grpc_port=e.grpc_port)
 
 
+def metered_pool(engines: list[SimEngine]) -> tuple[PoolSpec, ...]:
+    """One aggregated pool of ``engines`` whose ``/metrics`` pages the relay scrapes."""
+    return (
+        PoolSpec(
+            namespace="ns", component="backend", endpoint="generate", expected_blocks=8192,
+            engines=tuple(
+                EngineSpec(name=e.cfg.name, host="127.0.0.1", grpc_port=e.grpc_port,
+                           metrics_port=e.metrics_port)
+                for e in engines
+            ),
+        ),
+    )  # fmt: skip
+
+
 @contextlib.asynccontextmanager
 async def fleet_and_relay(
     configs: list[SimConfig],
