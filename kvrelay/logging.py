@@ -162,13 +162,19 @@ def configure(
     # Python's warnings (a library's deprecation, a ResourceWarning) as log lines of this shape
     # (logger ``py.warnings``), not raw text among the JSON lines a log shipper parses
     logging.captureWarnings(True)
-    # numba's own debug chatter is not operator information.
-    logging.getLogger("numba").setLevel(max(numeric, logging.WARNING))
+    # numba's own debug chatter is not operator information, nor the HTTP/2 stack's: at DEBUG
+    # hpack logs every header it encodes or decodes (about 24 lines a call, each request
+    # header's value in clear, credentials in metadata included)
+    for chatty in CHATTY_LOGGERS:
+        logging.getLogger(chatty).setLevel(max(numeric, logging.WARNING))
     grpclib_server = logging.getLogger(GRPCLIB_SERVER_LOGGER)
     for f in [f for f in grpclib_server.filters if isinstance(f, DemoteCancelled)]:
         grpclib_server.removeFilter(f)
     grpclib_server.addFilter(DemoteCancelled(numeric))
 
+
+#: Third-party loggers kept at WARNING or above whatever the level (see ``configure``).
+CHATTY_LOGGERS = ("numba", "hpack", "h2")
 
 #: grpclib's server logs every client that goes away mid-stream, and every call whose deadline
 #: ran out, at INFO, under this logger and with these message prefixes (grpclib 0.4's

@@ -233,3 +233,23 @@ def test_a_log_throttle_holds_a_bounded_table_of_keys() -> None:
     for i in range(MAX_THROTTLE_KEYS + 10):
         assert quick.due(f"k{i}") == 0
     assert len(quick._logged_at) <= MAX_THROTTLE_KEYS
+
+
+def test_debug_does_not_log_the_http2_stack_s_headers() -> None:
+    """At DEBUG, hpack logged every header it encoded or decoded (about 24 lines a gRPC call,
+    request headers' values in clear): a line per message, and any credential in a client's
+    metadata in the log. The HTTP/2 stack's loggers stay at WARNING; kvrelay's DEBUG lines
+    still come."""
+    import hpack
+
+    buf = io.StringIO()
+    kvlog.configure(level="DEBUG", json=True, stream=buf)
+    try:
+        encoded = hpack.Encoder().encode([(":method", "POST"), ("authorization", "Bearer s3cr3t")])
+        assert hpack.Decoder().decode(encoded)[1] == ("authorization", "Bearer s3cr3t")
+        kvlog.get_logger("kvrelay.test").debug("still_here")
+    finally:
+        kvlog.configure(level="INFO", json=True, stream=io.StringIO())
+    text = buf.getvalue()
+    assert "s3cr3t" not in text and "hpack" not in text, text[:500]
+    assert "still_here" in text

@@ -1395,13 +1395,14 @@ def _pools(r: _Reader, value: Any) -> list[PoolSpec] | None:
             engines: list[EngineSpec] = []  # every engine connects to the pool's endpoint
         else:
             engines = _engines(r, path, praw.get("engines"), seen_engines, seen_endpoints)
+        # (a key given and refused already has its error: it is not also "required")
         if "connect" in praw:
             for k in ("model", "kv_block_size"):
-                if p[k] is None:
+                if p[k] is None and k not in praw:
                     r.err(f"{path}.{k}", "required with [pools.connect] (no engine reports it)")
         if engines and any(e.grpc_port is None for e in engines):
             for k in ("model", "kv_block_size"):
-                if p[k] is None:
+                if p[k] is None and k not in praw:
                     r.err(
                         f"{path}.{k}", "required when an engine has no grpc_port (static sources)"
                     )

@@ -74,10 +74,11 @@ def drain_grace_s(shutdown_timeout_s: float) -> float:
     return max(0.1, shutdown_timeout_s / 2)
 
 
-def _in_daemon_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
+def _in_daemon_thread(fn: Callable[[], T], name: str = "kvrelay-warmup") -> asyncio.Future[T]:
     """Start ``fn`` in a daemon thread now; the future of its result. A daemon thread, because a
-    SIGTERM during a long first-time JIT compile must not wait for it (the default executor
-    would be joined at loop shutdown)."""
+    SIGTERM during a long first-time JIT compile, or a reload's read of a file that never ends
+    (a FIFO, a hung network mount), must not wait for it (the default executor would be joined
+    at loop shutdown)."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[T] = loop.create_future()
 
@@ -97,7 +98,7 @@ def _in_daemon_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
         with contextlib.suppress(RuntimeError):  # loop already closed: nobody is waiting
             loop.call_soon_threadsafe(deliver, result, exc)
 
-    threading.Thread(target=target, name="kvrelay-warmup", daemon=True).start()
+    threading.Thread(target=target, name=name, daemon=True).start()
     return fut
 
 
@@ -510,7 +511,11 @@ class Daemon:
         self.notifier.reloading()
         status = "reload applied"
         try:
-            new, problems = read_config(path, self.mirror_flags)
+            # off the loop: a read that blocks (a FIFO, a hung network mount) held every client,
+            # the ingest and the stop (SIGTERM) until it returned
+            new, problems = await _in_daemon_thread(
+                lambda: read_config(path, self.mirror_flags), name="kvrelay-reload-read"
+            )
             if new is None:
                 status = "reload rejected: configuration invalid, running configuration kept"
                 self.reloads.outcome("rejected")

@@ -17,7 +17,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -62,6 +68,11 @@ DELTA_LATENCY_BUCKETS = (
 LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 _MEMBER = ("pool", "worker", "dp_rank")
+
+# The histograms prometheus_client keeps (delta latency, loop lag) would each add a
+# ``<name>_created`` gauge family in the text format, a start time no dashboard uses and the
+# metric table does not list; the relay's own histograms have none either.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
 def _leaf_kinds(base: type[DecodeError] | type[PoolError]) -> tuple[str, ...]:

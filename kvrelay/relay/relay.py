@@ -437,8 +437,8 @@ class Relay:
         )
 
     async def _tick_loop(self) -> None:
-        interval = self.settings.checkpoint_interval_s
-        self._next_checkpoint = time.monotonic() + interval
+        armed = self.settings.checkpoint_interval_s  # the interval the next checkpoint is from
+        self._next_checkpoint = time.monotonic() + armed
         while True:
             every = min(1.0, self.settings.engine_down_grace_s / 4)
             if self.settings.checkpoint_interval_s > 0 and self.settings.state_dir is not None:
@@ -452,6 +452,9 @@ class Relay:
                     _log.exception("pool_tick_failed", pool=p.name)
             self._forget_removed_pools()
             interval = self.settings.checkpoint_interval_s
+            if interval != armed:  # a reload: a shorter interval applies now, not after the old
+                armed = interval
+                self._next_checkpoint = min(self._next_checkpoint, now + interval)
             if interval > 0 and now >= self._next_checkpoint:
                 self._next_checkpoint = now + interval
                 self.checkpoint_now()

@@ -298,6 +298,19 @@ def test_a_runtime_dir_workers_cannot_use_is_a_warning(tmp_path: Path) -> None:
         assert cfg is not None and problems == [], problems
 
 
+def test_a_block_size_given_and_refused_is_not_also_missing(tmp_path: Path) -> None:
+    """A static pool's ``kv_block_size = 0`` got its range error and a second one saying the key
+    was required, though it was set: one error, naming the range."""
+    static = MINIMAL.replace(
+        "grpc_port = 50051", '[pools.engines.static]\nendpoint = "tcp://*:5557"'
+    ).replace('endpoint = "generate"', 'endpoint = "generate"\nmodel = "m"\nkv_block_size = 0')
+    cfg, problems = _check(tmp_path, static)
+    assert cfg is None
+    assert [(p.path, "must be in 1.." in p.reason) for p in problems if p.severity == "error"] == [
+        ("pools[0].kv_block_size", True)
+    ], problems
+
+
 def test_a_state_dir_the_relay_would_refuse_is_a_warning(tmp_path: Path) -> None:
     """A group- or world-writable ``state_dir`` passed ``check-config``; ``serve`` then refused
     it (``state_dir_unusable``) and ran without saving state."""

@@ -17,6 +17,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 from unittest.mock import patch
 
 import pytest
@@ -517,3 +518,43 @@ async def test_signals_before_the_event_loop_handles_them(tmp_path: Path) -> Non
     names = [ev["event"] for ev in events]
     assert names.count("config_reloaded") == 1 and names.count("upgrade_refused") == 1, names
     assert [ev["signal"] for ev in events if ev["event"] == "signal_ignored"] == ["SIGUSR1"] * 2
+
+
+async def test_a_reload_whose_file_never_ends_holds_neither_clients_nor_the_stop(
+    tmp_path: Path,
+) -> None:
+    """A reload reads its file off the event loop: a FIFO (or a hung network mount) in its
+    place held the loop in the read, so /healthz, gRPC, the ingest and a SIGTERM all waited
+    until something was written. Now the daemon answers meanwhile, and its stop ends the
+    reload that waits."""
+    engine = SimEngine(SimConfig(name="e0", seed=9, dp_size=1, capacity_blocks=32))
+    await engine.start()
+    f = tmp_path / "k.toml"
+    f.write_text(MINIMAL.replace("50051", str(engine.grpc_port)))
+    cfg = load_config(
+        f, env={"KVRELAY_RELAY_BIND": "127.0.0.1:0", "KVRELAY_METRICS_BIND": "127.0.0.1:0"}
+    )
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    daemon = Daemon(cfg, Notifier({}))
+    reload: asyncio.Task[Any] | None = None
+    try:
+        await daemon.start()
+        reload = asyncio.create_task(daemon.reload(fifo))
+        await asyncio.sleep(0.3)  # in the read, which never ends
+        assert not reload.done()
+        status, _ = await asyncio.wait_for(_http_get(daemon.metrics_port, "/healthz"), 5)
+        assert status == 200
+        async with Channel("127.0.0.1", daemon.grpc_port) as channel:
+            await asyncio.wait_for(pb.KvEventRelayStub(channel).get_relay_info(
+                pb.RelayInfoRequest(contract_marker=MARKER)), 5)  # fmt: skip
+        t0 = time.monotonic()
+        reload.cancel()  # what the stop does to a reload under way
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(reload, 5)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        await asyncio.wait_for(daemon.stop(), scaled(30))
+        await engine.stop()
+        with contextlib.suppress(OSError):  # let the reader's open and read end
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))

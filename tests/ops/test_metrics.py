@@ -358,6 +358,8 @@ async def test_loop_lag_observations() -> None:
         assert value(s, "kvrelay_event_loop_lag_last_seconds") == 0
         assert value(s, "kvrelay_catalog_revision") == 0
         assert "kvrelay_stream_subscribers" not in {n for n, _ in s}  # no service attached
+        # no ``_created`` family beside a histogram (the metric table lists none)
+        assert [n for n, _ in s if n.endswith("_created")] == []
     finally:
         await metrics.close()
 

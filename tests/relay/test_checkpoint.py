@@ -85,6 +85,22 @@ async def test_checkpoints_off_write_nothing_while_running(
     assert r.relay.state_saves == {"saved": 1}, "a clean stop still saves"
 
 
+async def test_a_reload_that_shortens_the_interval_applies_at_once(
+    fleet: list[SimEngine], tmp_path: Path
+) -> None:
+    """The next checkpoint was set from the interval in force when the last one ran: a reload
+    from an hour to a fraction of a second waited out the hour. It is taken on the new interval
+    now."""
+    settings = dataclasses.replace(_settings(fleet, tmp_path), checkpoint_interval_s=3600.0)
+    async with _relay(fleet, settings) as r:
+        await _live(r, 4)
+        await asyncio.sleep(1.2)  # ticks of the relay under the hour
+        assert "checkpointed" not in r.relay.state_saves
+        await r.relay.reconfigure(dataclasses.replace(settings, checkpoint_interval_s=0.2))
+        await eventually(lambda: r.relay.state_saves.get("checkpointed", 0) >= 2,
+                         what="checkpoints on the new interval", timeout=5)  # fmt: skip
+
+
 @pytest.mark.parametrize("direct", [True, False])
 def test_a_write_that_fails_midway_leaves_the_previous_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
