@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks._common import machine, percentiles, results_dir, spread, write_json
+from benchmarks._report import machine_md
 from kvrelay._jit import warm
 from kvrelay.ops.event_loop import tune_thread_switching
 from kvrelay.pool.batch import EventBatch
@@ -319,7 +320,7 @@ def main() -> None:
     lines = [
         f"# Checkpoint cost ({r['memberships']:,} memberships, "
         f"{r['state_bytes_exported'] / 2**20:.0f} MiB exported state, "
-        f"{r['file_bytes'] / 2**20:.0f} MiB file)", "",
+        f"{r['file_bytes'] / 2**20:.0f} MiB file)", "", machine_md(r["machine"]),
         f"One batch every {PERIOD_S * 1e3:g} ms (8 stores of 4 blocks and the removal of an "
         "earlier batch's) on a live member, its delta taken; delta latency counts from the "
         "moment the batch was due, apply time is the batch's own work. "

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks._common import RESULTS, machine, results_dir, write_json
+from benchmarks._report import machine_md
 
 UTIL_OK = 0.6
 DEFAULTS = {"frame_us": 28.0, "mirror_delta_us": 60.0, "ingest_events_per_core": 800_000.0}
@@ -131,7 +132,7 @@ def max_routers(inputs: dict[str, Any], cores: int, d: int) -> int:
 def markdown(res: dict[str, Any]) -> str:
     i = res["inputs"]
     lines = [
-        "# Scaling model (on paper)", "",
+        "# Scaling model (on paper)", "", machine_md(res["machine"]),
         f"Inputs ({i['source']}): {i['frame_us']} µs per delivered frame, "
         f"{i['mirror_delta_us']} µs per upstream delta in a worker, "
         f"{i['ingest_events_per_core']:,.0f} block events/s per ingest process; "

@@ -914,7 +914,7 @@ async def test_misbehaving_replays_many_seeds(name: str) -> None:
         await run_fault_seed(seed, steps, FAULTS[name], case=case, client=seed % 4 == 0)
 
 
-# ---- resumes from saved state (docs/operations.md "State handover", "Checkpoints", hot upgrade) --
+# ---- resumes from saved state (docs/operations.md "State across restarts", "Hot upgrade") --
 
 #: How the relay is restarted: a clean stop and start (its state file), a crash after a periodic
 #: checkpoint (the file the last one wrote; the relay stops without saving, as a SIGKILL leaves
