@@ -21,6 +21,13 @@ class SeqLengthError(FrameError):
     kind = "seq_length"
 
 
+class SeqRangeError(FrameError):
+    """A sequence number of 2^63 or more: no engine counts that far (each incarnation counts
+    from 0), and the number after the last one would not fit the replay request."""
+
+    kind = "seq_range"
+
+
 class TopicMismatchError(FrameError):
     """The topic frame does not start with the configured topic; ``seen`` is what it carried."""
 

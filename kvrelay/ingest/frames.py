@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvrelay.ingest.errors import FrameCountError, SeqLengthError, TopicMismatchError
+from kvrelay.ingest.errors import (
+    FrameCountError,
+    SeqLengthError,
+    SeqRangeError,
+    TopicMismatchError,
+)
 from kvrelay.ingest.sglang import EPOCH_MARKER, split_topic
 
 END_SEQ = b"\xff" * 8
@@ -20,11 +25,18 @@ END_SEQ = b"\xff" * 8
 MAX_FRAME_BYTES = 64 << 20
 
 
+#: Sequence numbers from here up are refused (``SeqRangeError``).
+SEQ_LIMIT = 1 << 63
+
+
 def parse_seq(frame: bytes) -> int:
-    """8-byte big-endian unsigned sequence number."""
+    """8-byte big-endian unsigned sequence number, below ``SEQ_LIMIT``."""
     if len(frame) != 8:
         raise SeqLengthError(f"sequence frame has {len(frame)} bytes, expected 8")
-    return int.from_bytes(frame, "big", signed=False)
+    seq = int.from_bytes(frame, "big", signed=False)
+    if seq >= SEQ_LIMIT:
+        raise SeqRangeError(f"sequence number {seq} is 2^63 or more")
+    return seq
 
 
 def check_live(frames: Sequence[bytes], topic: bytes) -> tuple[int, bytes]:

@@ -942,6 +942,7 @@ class Subscriber:
             self._next = start if self._next is None else self._next
             first = True
             replayed = False
+            rejected = False  # a frame of this reply was refused: its end vouches for nothing
             topic = self.spec.topic
             while True:
                 remaining = deadline - loop.time()
@@ -969,8 +970,14 @@ class Subscriber:
                         item = check_replay(frames, topic)
                     except FrameError as exc:
                         self._rejected(exc)
+                        rejected = True
                         continue
                     if item is None:
+                        if rejected:
+                            # a batch of the reply was refused: if it was the last one, nothing
+                            # after it shows the hole, and a removal in it would be missed.
+                            # As a reply that went silent there: asked again, else reset
+                            return _UNVOUCHED if first and verify is not None else _FAILED
                         return _RESTARTED if first and verify is not None else _DONE
                     seq, payload = item
                     c.messages += 1
@@ -988,7 +995,7 @@ class Subscriber:
                         self._dup_lo = max(ask, seq)
                     if first and verify is not None and seq == verify[0]:
                         first = False
-                        if self._dup_first is None or self._dup_first[1] != verify[1]:
+                        if digest != verify[1]:  # (the reply may start before it)
                             return _RESTARTED  # same number, other bytes: another incarnation
                         self._dup_hi = seq
                         c.duplicates += 1
@@ -1023,6 +1030,9 @@ class Subscriber:
                             if bootstrap
                             else ResetReason.GAP_UNRECOVERABLE
                         )
+                        # the state starts here: a live batch numbered below duplicates
+                        # nothing held (one the reply skipped, or a number it made up)
+                        self._dup_lo = seq
                     first = False
                     self._apply(seq, payload)
                 await asyncio.sleep(0)

@@ -11,6 +11,7 @@ from kvrelay.ingest.errors import (
     FrameCountError,
     FrameError,
     SeqLengthError,
+    SeqRangeError,
     TopicMismatchError,
 )
 from kvrelay.ingest.frames import check_live, check_replay
@@ -19,8 +20,20 @@ FF = b"\xff" * 8
 
 
 def test_live_ok_and_big_endian_unsigned() -> None:
-    assert check_live([b"t", (2**64 - 1).to_bytes(8, "big"), b"p"], b"t") == (2**64 - 1, b"p")
+    assert check_live([b"t", (2**63 - 1).to_bytes(8, "big"), b"p"], b"t") == (2**63 - 1, b"p")
     assert check_live([b"", (258).to_bytes(8, "big"), b""], b"") == (258, b"")
+
+
+@pytest.mark.parametrize("seq", [2**63, 2**64 - 1])
+def test_a_sequence_number_no_engine_reaches_is_refused(seq: int) -> None:
+    """From 2^63 on (no engine counts that far: each incarnation counts from 0), refused on
+    both paths: a replayed 2^64-1 with a payload was applied, and the number after it did not
+    fit the next replay request (8 bytes), nor could any live batch come after it."""
+    with pytest.raises(SeqRangeError) as info:
+        check_live([b"t", seq.to_bytes(8, "big"), b"p"], b"t")
+    assert info.value.kind == "seq_range"
+    with pytest.raises(SeqRangeError):
+        check_replay([b"", seq.to_bytes(8, "big"), b"p"], b"t")
 
 
 def test_topic_is_a_prefix_like_a_zmq_subscription() -> None:
@@ -58,8 +71,9 @@ def test_replay_shapes_and_end_marker() -> None:
     assert check_replay([b"", b"t", seq, b"p"], b"t") == (7, b"p")  # >= 0.26
     assert check_replay([b"", FF, b""], b"t") is None
     assert check_replay([b"", b"", FF, b""], b"t") is None
-    # all-0xFF seq with a payload is a real batch of seq 2^64-1, not the end marker
-    assert check_replay([b"", FF, b"p"], b"t") == (2**64 - 1, b"p")
+    # all-0xFF seq with a payload is no end marker: a batch numbered 2^64-1, refused
+    with pytest.raises(SeqRangeError):
+        check_replay([b"", FF, b"p"], b"t")
     with pytest.raises(TopicMismatchError):
         check_replay([b"", b"x", seq, b"p"], b"t")
     with pytest.raises(FrameCountError):

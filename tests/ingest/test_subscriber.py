@@ -1084,3 +1084,96 @@ def _held(sink: RecordingSink) -> set[int]:
             stored = hashes[0] >= 20_000 or seq % 3 == 0
             held = held | set(hashes) if stored else held - set(hashes)
     return held
+
+
+async def test_a_replay_that_jumps_to_a_number_far_ahead_does_not_swallow_the_live_stream(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A replay answering 0..4 and then a batch numbered 10^18 (a hostile or broken engine):
+    the member is reset and goes on from that batch, and the live stream's 5, 6, … were all
+    dropped as duplicates of the replay, for ever, counted as duplicates only (the replay's
+    window reached 10^18). Numbers below where the state now starts duplicate nothing: the
+    first one is another incarnation's, and the member is rebuilt (counted, logged)."""
+    pub = TestPublisher(ctx)
+    for s in range(5):
+        await pub.publish(msg(s), live=False)
+    pub.history.append((10**18, W.batch([])))  # in the replay only
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx)
+    try:
+        await sub.start()
+        await pub.wait_subscribed()
+        await until(lambda: ResetReason.GAP_UNRECOVERABLE in sink.resets)  # (asked again)
+        pub.history.pop()  # the engine's replay is honest again
+        await pub.publish(msg(5))
+        await until(lambda: ResetReason.INCARNATION in sink.resets)
+        await until(lambda: sink.seqs[-1:] == [5])
+        assert sub.counters.duplicates <= 6, sub.counters  # never the live 5 (0..4 at most)
+    finally:
+        await sub.stop()
+
+
+async def test_a_refused_last_batch_of_a_replay_is_no_finished_replay(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The replay's last batch comes with five frames (refused), then the end marker: the reply
+    counted as complete, the member went live expecting that batch, and a removal in it left
+    a phantom until the engine published again. A reply with a refused batch is one that went
+    silent there: asked again from it, then the member is reset (``replay_failed``)."""
+
+    class BadLast(TestPublisher):
+        async def _reply(self, ident: bytes, start: int, pause: int | None) -> None:
+            assert self.router is not None
+            last = self.history[-1][0]
+            for seq, payload in list(self.history):
+                if seq >= start:
+                    extra = [b"x"] if seq == last else []
+                    await self.router.send_multipart(
+                        [ident, b"", self.topic, seq.to_bytes(8, "big"), payload, *extra]
+                    )
+            await self.router.send_multipart([ident, b"", b"", b"\xff" * 8, b""])
+
+    pub = BadLast(ctx)
+    for s in range(6):  # 5 (a removal) is the refused one
+        await pub.publish(msg(s), live=False)
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx)
+    try:
+        await sub.start()
+        await pub.wait_subscribed()
+        await until(lambda: ResetReason.REPLAY_FAILED in sink.resets)
+        assert sub.counters.rejections.get("frame_count", 0) >= 2  # asked again, refused again
+        assert pub.requests == [0, 4], pub.requests  # again from 5, vouching for 4
+        assert sink.items[-1] == ("reset", ResetReason.REPLAY_FAILED)  # nothing after it
+    finally:
+        await sub.stop()
+
+
+async def test_a_gap_replay_that_starts_before_the_batch_asked_for_vouches_for_it(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A gap's replay re-reads the last applied batch to vouch for the engine; one that answers
+    from earlier batches (a ROUTER keeping more than asked) compared the first batch it gave
+    with the one to vouch for, and took the engine for another incarnation: a needless
+    rebuild, counted as ``incarnation``. The batch compared is the one asked for."""
+
+    class FromEarlier(TestPublisher):
+        async def _reply(self, ident: bytes, start: int, pause: int | None) -> None:
+            await super()._reply(ident, max(0, start - 3), pause)
+
+    pub = FromEarlier(ctx)
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx)
+    try:
+        await sub.start()
+        await pub.wait_subscribed()
+        for s in range(6):
+            await pub.publish(msg(s))
+        await until(lambda: sink.seqs == list(range(6)))
+        await pub.publish(msg(6), live=False)  # lost on the live stream
+        await pub.publish(msg(7))  # the hole: replay asked from 5 (to vouch for it), gives 2..
+        await until(lambda: sink.seqs[-2:] == [6, 7])
+        assert sink.resets == [] and sub.counters.incarnations_detected == 0
+        assert_exact(sink, list(range(8)))
+    finally:
+        await sub.stop()
