@@ -99,6 +99,17 @@ def make(
     return Subscriber(spec, sink, context=ctx, **kw)
 
 
+async def replay_only(
+    pub: TestPublisher, ctx: zmq.asyncio.Context, n: int
+) -> tuple[RecordingSink, Subscriber]:
+    """Batches 0..n-1 in ``pub``'s replay only (published before the relay joined), and a
+    subscriber on it, not started."""
+    for s in range(n):
+        await pub.publish(msg(s), live=False)
+    sink = RecordingSink()
+    return sink, make(pub, sink, ctx)
+
+
 def assert_exact(sink: RecordingSink, seqs: list[int]) -> None:
     got = [v for k, v in sink.items if k == "batch"]
     assert got == [(s, [10_000 + s]) for s in seqs]
@@ -317,10 +328,7 @@ async def test_a_restart_right_after_the_bootstrap_is_no_duplicate(
     new 0: other bytes than the replayed 0, so a new incarnation, not a duplicate; its batches
     are never dropped as old ones, nor the next applied onto the old state."""
     pub = TestPublisher(ctx)
-    for s in range(6):
-        await pub.publish(msg(s), live=False)
-    sink = RecordingSink()
-    sub = make(pub, sink, ctx)
+    sink, sub = await replay_only(pub, ctx, 6)
     try:
         await sub.start()
         await pub.wait_subscribed()
@@ -1095,11 +1103,8 @@ async def test_a_replay_that_jumps_to_a_number_far_ahead_does_not_swallow_the_li
     window reached 10^18). Numbers below where the state now starts duplicate nothing: the
     first one is another incarnation's, and the member is rebuilt (counted, logged)."""
     pub = TestPublisher(ctx)
-    for s in range(5):
-        await pub.publish(msg(s), live=False)
+    sink, sub = await replay_only(pub, ctx, 5)
     pub.history.append((10**18, W.batch([])))  # in the replay only
-    sink = RecordingSink()
-    sub = make(pub, sink, ctx)
     try:
         await sub.start()
         await pub.wait_subscribed()
@@ -1134,10 +1139,7 @@ async def test_a_refused_last_batch_of_a_replay_is_no_finished_replay(
             await self.router.send_multipart([ident, b"", b"", b"\xff" * 8, b""])
 
     pub = BadLast(ctx)
-    for s in range(6):  # 5 (a removal) is the refused one
-        await pub.publish(msg(s), live=False)
-    sink = RecordingSink()
-    sub = make(pub, sink, ctx)
+    sink, sub = await replay_only(pub, ctx, 6)  # 5 (a removal) is the refused one
     try:
         await sub.start()
         await pub.wait_subscribed()

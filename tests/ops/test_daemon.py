@@ -25,7 +25,7 @@ from grpclib.client import Channel
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.cli import _numba_cache_from_systemd
-from kvrelay.ops.config import load_config
+from kvrelay.ops.config import DaemonConfig, load_config
 from kvrelay.ops.daemon import Daemon
 from kvrelay.ops.sdnotify import Notifier
 from kvrelay.ops.warmup import STEPS
@@ -203,8 +203,9 @@ async def _http_get(port: int, path: str) -> tuple[int, str]:
     return int(head.split()[1]), body
 
 
-async def test_defaults_that_run(tmp_path: Path) -> None:
-    """A file with just dc_name and one pool runs (ports moved off the defaults via env)."""
+async def _minimal(tmp_path: Path) -> tuple[SimEngine, DaemonConfig]:
+    """A started engine and the minimal file's configuration for it (ports moved off the
+    defaults via env)."""
     engine = SimEngine(SimConfig(name="e0", seed=9, dp_size=1, capacity_blocks=32))
     await engine.start()
     f = tmp_path / "k.toml"
@@ -212,6 +213,12 @@ async def test_defaults_that_run(tmp_path: Path) -> None:
     cfg = load_config(
         f, env={"KVRELAY_RELAY_BIND": "127.0.0.1:0", "KVRELAY_METRICS_BIND": "127.0.0.1:0"}
     )
+    return engine, cfg
+
+
+async def test_defaults_that_run(tmp_path: Path) -> None:
+    """A file with just dc_name and one pool runs (ports moved off the defaults via env)."""
+    engine, cfg = await _minimal(tmp_path)
     assert cfg.metrics.enabled and cfg.relay.limits.max_message_bytes == 8 * 1024 * 1024
     daemon = Daemon(cfg, Notifier({}))
     try:
@@ -527,13 +534,7 @@ async def test_a_reload_whose_file_never_ends_holds_neither_clients_nor_the_stop
     place held the loop in the read, so /healthz, gRPC, the ingest and a SIGTERM all waited
     until something was written. Now the daemon answers meanwhile, and its stop ends the
     reload that waits."""
-    engine = SimEngine(SimConfig(name="e0", seed=9, dp_size=1, capacity_blocks=32))
-    await engine.start()
-    f = tmp_path / "k.toml"
-    f.write_text(MINIMAL.replace("50051", str(engine.grpc_port)))
-    cfg = load_config(
-        f, env={"KVRELAY_RELAY_BIND": "127.0.0.1:0", "KVRELAY_METRICS_BIND": "127.0.0.1:0"}
-    )
+    engine, cfg = await _minimal(tmp_path)
     fifo = tmp_path / "fifo.toml"
     os.mkfifo(fifo)
     daemon = Daemon(cfg, Notifier({}))
