@@ -211,8 +211,9 @@ class ConnectSpec:
     #: socket's public key is no secret (every engine is given it), so without these CURVE
     #: authenticates the relay to its publishers, never a publisher to the relay.
     curve_client_keys: tuple[str, ...] = ()
-    #: (key, engines) for keys bound to engines: only that key may publish them, and it only
-    #: them; a key not named here may publish any engine no key is bound to.
+    #: (key, engines) for keys bound to engines: only the keys naming an engine may publish
+    #: it, and such a key only those; a key not named here may publish any engine no key is
+    #: bound to.
     curve_key_engines: tuple[tuple[str, tuple[str, ...]], ...] = ()
     #: Open connections (from addresses ``allow`` admits) past which handshakes are refused;
     #: None: ``connection_limit(max_members)``.

@@ -91,6 +91,7 @@ _FAILED = 0
 _RESTARTED = 3  # the replay does not hold the last applied batch: another incarnation
 _UNVOUCHED = 4  # asked to vouch for the last applied batch, the replay did not answer in time
 _GAPPED = 5  # the reply skipped a batch after its first one: asked again from there, once
+_REFUSED = 6  # the reply ended with a batch of it refused: as _FAILED, and asked again once
 
 _NOBLOCK = int(zmq.NOBLOCK)
 #: Replayed batches whose digests are kept while their duplicate window is open (the first
@@ -778,7 +779,15 @@ class Subscriber:
             if self._replay_from is not None:
                 return True  # a bad batch asked for a re-fetch: the rest waits for it
             if s < self._next:
-                buf.pop()
+                seq, payload = buf.pop()
+                if self._dup_lo <= self._dup_hi and seq < self._dup_lo:
+                    # below where the state starts (a reply that skipped ahead past it): a
+                    # batch the member never had, not a duplicate; rebuilt from 0, as the live
+                    # stream going back is
+                    self._log_restart(seq, epoch=False, during="replay")
+                    self._restart_from_zero(ResetReason.INCARNATION, live_seq=seq)
+                    self._buf.put(seq, payload)
+                    return True
                 self.counters.duplicates += 1
             elif s == self._next:
                 seq, payload = buf.pop()
@@ -820,6 +829,9 @@ class Subscriber:
             )  # fmt: skip
             if outcome == _ABORTED:
                 return
+            refused = outcome == _REFUSED  # asked again even where nothing of it applied
+            if refused:
+                outcome = _FAILED
             if outcome == _GAPPED:
                 # a reply with a hole after its first batch: the history is there (it came
                 # first), the reply lost some of it (a ROUTER past its send high-water mark
@@ -860,6 +872,12 @@ class Subscriber:
             hole = self._drain_buffer()
             if self._replay_from is not None:  # a buffered batch was bad: re-fetch it
                 start, self._replay_from = self._replay_from, None
+                continue
+            if refused and first_try:
+                # a batch of the reply was refused: asked once more from where it stopped,
+                # vouching for its last batch (a hole after it or not)
+                assert self._next is not None
+                start, bootstrap = self._next, False
                 continue
             if not hole:
                 if outcome == _FAILED and self._next == replayed_to:
@@ -977,7 +995,7 @@ class Subscriber:
                             # a batch of the reply was refused: if it was the last one, nothing
                             # after it shows the hole, and a removal in it would be missed.
                             # As a reply that went silent there: asked again, else reset
-                            return _UNVOUCHED if first and verify is not None else _FAILED
+                            return _UNVOUCHED if first and verify is not None else _REFUSED
                         return _RESTARTED if first and verify is not None else _DONE
                     seq, payload = item
                     c.messages += 1

@@ -67,10 +67,10 @@ def read_client_keys(file: str) -> ClientKeys:
     """The Z85 public keys ``file`` lists, in file order without repeats.
 
     One key a line. After it, past whitespace, ``engines=a,b`` names the engines that key may
-    publish as (and binds them to it: no other key may publish them); anything further, or
-    anything else there, is a comment. Blank lines and lines beginning with ``#`` are skipped.
-    Z85 has ``#`` too, but no key begins with it: a key's first character stands for its first
-    four bytes over 85⁴, at most 82 (``%``).
+    publish as (and binds them to it: only the keys naming an engine may publish it); anything
+    further, or anything else there, is a comment. Blank lines and lines beginning with ``#``
+    are skipped. Z85 has ``#`` too, but no key begins with it: a key's first character stands
+    for its first four bytes over 85⁴, at most 82 (``%``).
     """
     keys: dict[str, None] = {}
     engines: dict[str, dict[str, None]] = {}

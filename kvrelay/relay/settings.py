@@ -111,8 +111,8 @@ class ConnectConfig:
     curve_secret_key: str | None = field(default=None, repr=False)
     #: Publishers' CURVE public keys (Z85) from ``curve_client_keys_file``; empty: any key.
     curve_client_keys: tuple[str, ...] = field(default=(), repr=False)
-    #: (key, engines) for keys the file binds to engines: only that key may publish them, and
-    #: it only them.
+    #: (key, engines) for keys the file binds to engines: only the keys naming an engine may
+    #: publish it, and such a key only those.
     curve_key_engines: tuple[tuple[str, tuple[str, ...]], ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:

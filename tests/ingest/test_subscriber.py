@@ -1179,3 +1179,88 @@ async def test_a_gap_replay_that_starts_before_the_batch_asked_for_vouches_for_i
         assert_exact(sink, list(range(8)))
     finally:
         await sub.stop()
+
+
+async def test_a_buffered_live_batch_below_a_reply_that_skipped_ahead_is_no_duplicate(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """Live 11 shows 10 lost; the gap's reply (from 9, to vouch for it) holds only a batch
+    numbered 10^18. The member is reset there, and live 11, buffered during the replay, was
+    then dropped as a duplicate: the member kept the made-up batch and missed 11 until the
+    engine published again. Below where the state starts it is a batch the member never had:
+    rebuilt from 0 (the engine's replay is honest again)."""
+
+    class SkipOnce(TestPublisher):
+        lies = 1
+
+        async def _reply(self, ident: bytes, start: int, pause: int | None) -> None:
+            assert self.router is not None
+            if start > 0 and self.lies:
+                self.lies -= 1
+                far = (10**18).to_bytes(8, "big")
+                await self.router.send_multipart([ident, b"", self.topic, far, W.batch([])])
+                await self.router.send_multipart([ident, b"", b"", b"\xff" * 8, b""])
+                return
+            await super()._reply(ident, start, pause)
+
+    pub = SkipOnce(ctx)
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx)
+    try:
+        await sub.start()
+        await pub.wait_subscribed()
+        for s in range(10):
+            await pub.publish(msg(s))
+        await until(lambda: sink.seqs == list(range(10)))
+        await pub.publish(msg(10), live=False)  # lost on the live stream
+        await pub.publish(msg(11))
+        await until(lambda: ResetReason.INCARNATION in sink.resets)
+        await until(lambda: sink.seqs[-1:] == [11])
+        assert sink.resets == [ResetReason.GAP_UNRECOVERABLE, ResetReason.INCARNATION]
+        rebuilt = len(sink.items) - 1 - sink.items[::-1].index(("reset", ResetReason.INCARNATION))
+        assert [v[0] for k, v in sink.items[rebuilt:] if k == "batch"] == list(range(12))
+    finally:
+        await sub.stop()
+
+
+async def test_a_reply_whose_only_new_batch_is_refused_is_asked_again(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A gap's reply vouches for the last applied batch and then gives the missing one refused
+    (five frames): nothing past the vouch applied, and the member was reset at once. It is asked
+    again from there (vouching again), and the honest second answer keeps the member exact."""
+
+    class BadOnce(TestPublisher):
+        bad = 1
+
+        async def _reply(self, ident: bytes, start: int, pause: int | None) -> None:
+            assert self.router is not None
+            if start > 0 and self.bad:
+                self.bad -= 1
+                for seq, payload in list(self.history):
+                    if start <= seq <= start + 1:  # the vouch, then the missing one refused
+                        extra = [b"x"] if seq == start + 1 else []
+                        await self.router.send_multipart(
+                            [ident, b"", self.topic, seq.to_bytes(8, "big"), payload, *extra]
+                        )
+                await self.router.send_multipart([ident, b"", b"", b"\xff" * 8, b""])
+                return
+            await super()._reply(ident, start, pause)
+
+    pub = BadOnce(ctx)
+    sink = RecordingSink()
+    sub = make(pub, sink, ctx)
+    try:
+        await sub.start()
+        await pub.wait_subscribed()
+        for s in range(10):
+            await pub.publish(msg(s))
+        await until(lambda: sink.seqs == list(range(10)))
+        await pub.publish(msg(10), live=False)  # lost on the live stream
+        await pub.publish(msg(11))  # shows 10 missing
+        await until(lambda: sink.seqs[-1:] == [11])
+        assert sink.resets == [], sink.resets
+        assert_exact(sink, list(range(12)))
+        assert pub.requests.count(9) == 2, pub.requests  # asked again, vouching for 9
+    finally:
+        await sub.stop()
