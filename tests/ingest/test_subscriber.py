@@ -1181,6 +1181,18 @@ async def test_a_gap_replay_that_starts_before_the_batch_asked_for_vouches_for_i
         await sub.stop()
 
 
+async def lose_10_of_12(pub: TestPublisher, sink: RecordingSink, sub: Subscriber) -> None:
+    """``sub`` started and 0..9 applied live; then 10 is lost on the live stream and 11 shows it
+    missing (the gap's replay is asked from 9, to vouch for it)."""
+    await sub.start()
+    await pub.wait_subscribed()
+    for s in range(10):
+        await pub.publish(msg(s))
+    await until(lambda: sink.seqs == list(range(10)))
+    await pub.publish(msg(10), live=False)
+    await pub.publish(msg(11))
+
+
 async def test_a_buffered_live_batch_below_a_reply_that_skipped_ahead_is_no_duplicate(
     ctx: zmq.asyncio.Context,
 ) -> None:
@@ -1207,13 +1219,7 @@ async def test_a_buffered_live_batch_below_a_reply_that_skipped_ahead_is_no_dupl
     sink = RecordingSink()
     sub = make(pub, sink, ctx)
     try:
-        await sub.start()
-        await pub.wait_subscribed()
-        for s in range(10):
-            await pub.publish(msg(s))
-        await until(lambda: sink.seqs == list(range(10)))
-        await pub.publish(msg(10), live=False)  # lost on the live stream
-        await pub.publish(msg(11))
+        await lose_10_of_12(pub, sink, sub)
         await until(lambda: ResetReason.INCARNATION in sink.resets)
         await until(lambda: sink.seqs[-1:] == [11])
         assert sink.resets == [ResetReason.GAP_UNRECOVERABLE, ResetReason.INCARNATION]
@@ -1251,13 +1257,7 @@ async def test_a_reply_whose_only_new_batch_is_refused_is_asked_again(
     sink = RecordingSink()
     sub = make(pub, sink, ctx)
     try:
-        await sub.start()
-        await pub.wait_subscribed()
-        for s in range(10):
-            await pub.publish(msg(s))
-        await until(lambda: sink.seqs == list(range(10)))
-        await pub.publish(msg(10), live=False)  # lost on the live stream
-        await pub.publish(msg(11))  # shows 10 missing
+        await lose_10_of_12(pub, sink, sub)
         await until(lambda: sink.seqs[-1:] == [11])
         assert sink.resets == [], sink.resets
         assert_exact(sink, list(range(12)))
