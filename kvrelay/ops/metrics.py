@@ -595,7 +595,9 @@ def service_families(svc: ServiceSource) -> Iterator[Metric]:
         subs.add_metric([kind], open_)
         limit.add_metric([kind], cap)
     errors = CounterMetricFamily(
-        "kvrelay_stream_errors", "Streams/calls ended with a contract error, by reason.",
+        "kvrelay_stream_errors",
+        "Streams/calls ended with a contract error, by reason (a pool stream reset with its "
+        "status unread, after stalled_stream_reset_s, is counted by the reason it ended with).",
         labels=["reason"],
     )
     for reason, n in sorted(known_at_zero(STREAM_ERROR_REASONS, errors_by_reason).items()):

@@ -513,6 +513,7 @@ class Subscription:
         "_waiter",
         "_waiting",
         "_watchdog",
+        "reset_for",
         "start_sequence",
     )
 
@@ -543,6 +544,8 @@ class Subscription:
         self._task: asyncio.Task[None] | None = None
         self._reset: Reset | None = None
         self._watchdog: asyncio.TimerHandle | None = None
+        #: the error the stream had ended with when it was reset, its status never read
+        self.reset_for: RelayError | None = None
         #: the pump's sends, given up by ``_stop`` while they have written nothing
         self._sends = GiveUpUnwritten(None)
         self._waiting = hub.late_cut  # not sending yet: deltas are not queued (see _take_turn)
@@ -634,6 +637,7 @@ class Subscription:
         self._watchdog = None
         if self._task is None or self._task.done():
             return
+        self.reset_for = self._error
         if self._reset is not None:
             self._reset()
         self._task.cancel()

@@ -814,6 +814,10 @@ class KvEventRelayService:
             except RelayError:
                 await self._catalog_first()  # a fence's withdrawal reaches the wire first
                 raise
+            except asyncio.CancelledError:
+                if sub.reset_for is not None:  # ended, its status never read: reset, counted
+                    self._count(sub.reset_for)
+                raise
         finally:
             if writer is not None:
                 writer.close()

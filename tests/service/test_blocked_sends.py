@@ -122,3 +122,27 @@ async def test_a_delta_send_that_wrote_nothing_ends_at_once_with_its_status(endi
             await asyncio.wait_for(closing, scaled(10))
         else:
             await server.close(grace_s=1.0)
+
+
+async def test_a_stream_reset_with_its_status_unread_is_counted() -> None:
+    """A client that takes part of a snapshot chunk and stops: the stream ends
+    SNAPSHOT_PROGRESS_TIMEOUT, its status waits behind the half-written chunk, and after the
+    stall grace the stream is reset. Nothing counted that end
+    (``kvrelay_stream_errors_total`` counted only statuses written); it is counted now, by its
+    reason, as the stream is reset."""
+    limits = RelayLimits(stalled_stream_reset_s=0.5, snapshot_progress_timeout_s=0.3)
+    view = MemRelayView(limits)
+    server = RelayServer(view, limits)
+    await server.start("127.0.0.1", 0)
+    gen = view.add_pool("stalled", 1 << 17)
+    c = await RawH2Client.connect(server.port)
+    c._read_data = False  # the connection's window runs out in the middle of the chunk
+    reason = "RELAY_ERROR_REASON_SNAPSHOT_PROGRESS_TIMEOUT"
+    try:
+        st = c.open("SubscribeKvPool", bytes(sub_request(gen.producer, "raw")))
+        await asyncio.wait_for(st.ended.wait(), scaled(10))
+        assert st.reset and not st.trailers and len(st.data) > 0
+        await eventually(lambda: server.service.errors.get(reason, 0) == 1)
+    finally:
+        await c.close()
+        await server.close(grace_s=1.0)
