@@ -770,6 +770,19 @@ class Subscriber:
         self.counters.count_reset(reason.value)
         self._sink.on_reset(self.key, reason)  # the pool logs member_reset
 
+    def _below_replay(self, seq: int) -> bool:
+        """``seq`` is below where the replay's batches begin (its history was gone, or the
+        reply skipped ahead and the member was reset there): a batch the member never had,
+        not one of the replay's duplicates."""
+        return self._dup_lo <= self._dup_hi and seq < self._dup_lo
+
+    def _restart_at(self, seq: int, payload: bytes, *, epoch: bool) -> None:
+        """A live batch, read while a replay runs or buffered during it, tells another
+        incarnation: logged, the member rebuilt from 0, the batch kept for after the rebuild."""
+        self._log_restart(seq, epoch=epoch, during="replay")
+        self._restart_from_zero(ResetReason.INCARNATION, live_seq=seq)
+        self._buf.put(seq, payload)
+
     def _drain_buffer(self) -> bool:
         """Applies buffered messages that are now in order; True if a hole remains before them."""
         buf = self._buf
@@ -780,13 +793,8 @@ class Subscriber:
                 return True  # a bad batch asked for a re-fetch: the rest waits for it
             if s < self._next:
                 seq, payload = buf.pop()
-                if self._dup_lo <= self._dup_hi and seq < self._dup_lo:
-                    # below where the state starts (a reply that skipped ahead past it): a
-                    # batch the member never had, not a duplicate; rebuilt from 0, as the live
-                    # stream going back is
-                    self._log_restart(seq, epoch=False, during="replay")
-                    self._restart_from_zero(ResetReason.INCARNATION, live_seq=seq)
-                    self._buf.put(seq, payload)
+                if self._below_replay(seq):  # (a reply that skipped ahead past it)
+                    self._restart_at(seq, payload, epoch=False)
                     return True
                 self.counters.duplicates += 1
             elif s == self._next:
@@ -1081,17 +1089,11 @@ class Subscriber:
             if new_epoch or (repeated and self._next is not None and seq < self._next) or (
                 self._replaced(seq, payload)
             ):
-                self._log_restart(seq, epoch=new_epoch, during="replay")
-                self._restart_from_zero(ResetReason.INCARNATION, live_seq=seq)
-                self._buf.put(seq, payload)
+                self._restart_at(seq, payload, epoch=new_epoch)
                 return False
             if self._next is not None and seq < self._next:
-                if self._dup_lo <= self._dup_hi and seq < self._dup_lo:
-                    # below the first batch the replay gave (its history was gone): a batch
-                    # the relay never had, from an engine that restarted behind a proxy
-                    self._log_restart(seq, epoch=False, during="replay")
-                    self._restart_from_zero(ResetReason.INCARNATION, live_seq=seq)
-                    self._buf.put(seq, payload)
+                if self._below_replay(seq):  # (from an engine that restarted behind a proxy)
+                    self._restart_at(seq, payload, epoch=False)
                     return False
                 c.duplicates += 1
                 continue

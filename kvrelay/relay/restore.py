@@ -51,8 +51,9 @@ class PoolRestore:
         self._pending: dict[SourceKey, MemberResume] = {}  # restored members not yet resumed
         #: Restored members whose subscriber resumed and waits for the vouch → its deadline.
         self._vouching: dict[SourceKey, float] = {}
-        #: Each of those members' time in the state file (``MemberResume.since``).
-        self._since: dict[SourceKey, float | None] = {}
+        #: When the file's state was saved (``MemberResume.since``): what a save of a member
+        #: still in ``_vouching`` carries.
+        self._since: float | None = None
         #: Each of those members' next sequence when its deadline was set (a replay applying
         #: batches past it is catching up, not silent: ``overdue``).
         self._position: dict[SourceKey, int] = {}
@@ -112,7 +113,8 @@ class PoolRestore:
         self._pending = {
             k: r for k, r in resume.items() if k.worker_id in by_worker and k not in restarted
         }
-        self._vouching, self._position, self._since = {}, {}, {}
+        self._vouching, self._position = {}, {}
+        self._since = min((r.since for r in resume.values() if r.since is not None), default=None)
         self._deadline = now + RESTORE_VOUCH_S
         self._gen = gen
 
@@ -138,7 +140,6 @@ class PoolRestore:
         self._counters.members_resumed += 1
         self._vouching[key] = at + RESTORE_VOUCH_S
         self._position[key] = r.last_seq + 1
-        self._since[key] = r.since
         return r
 
     def abandon(self, gen: Generation, name: str) -> None:
@@ -149,7 +150,7 @@ class PoolRestore:
             return
         self._gen = None
         left = len(self._pending) + len(self._vouching)
-        self._pending, self._vouching, self._position, self._since = {}, {}, {}, {}
+        self._pending, self._vouching, self._position = {}, {}, {}
         if left:
             for _ in range(left):
                 self._counters.reset("restore_unverified")
@@ -171,7 +172,6 @@ class PoolRestore:
         """``key`` was vouched for (and its replay applied), reset or stopped; True when that was
         the last one awaited (the generation may be published now)."""
         self._position.pop(key, None)
-        self._since.pop(key, None)
         if self._vouching.pop(key, None) is None and self._pending.pop(key, None) is None:
             return False
         return not self.awaiting
@@ -195,7 +195,6 @@ class PoolRestore:
             late.append(k)
             del self._vouching[k]
             self._position.pop(k, None)
-            self._since.pop(k, None)
         return late
 
     def due(self, now: float) -> bool:
@@ -229,7 +228,8 @@ class PoolRestore:
             known = st.last_good or st.snapshot
             inc = "" if known is None else known.instance_id
             groups = tuple(sorted(sub.learned_groups().items()))
+            since = self._since if key in self._vouching else None
             members.append(MemberResume(key.worker_id, key.dp_rank, st.spec.name, inc,
                                         point[0], point[1], groups, sub.groups_unsure,
-                                        self._since.get(key)))  # fmt: skip
+                                        since))  # fmt: skip
         return members

@@ -234,8 +234,7 @@ class ClosingServer(Server):
         gate = self._handshaking.oldest(address)
         if gate is None:
             return False
-        self._handshaking.discard(gate)
-        gate.evict()
+        gate.evict()  # (its place given back and itself out of ``_handshaking`` at once)
         return True
 
     def _admitted(self, proto: H2Protocol) -> None:
