@@ -659,9 +659,6 @@ class Decoder:
                 if k <= 0:
                     stats.drop(S.DROP_TOKENS_SHORT)
                     continue
-                if k < nh:
-                    stats.truncated += 1
-                    hs = hs[:k]
                 parent = ev.parent_block_hash
                 if loose:
                     hs = [norm_hash(h) for h in hs]
@@ -669,9 +666,13 @@ class Decoder:
                         parent = norm_hash(parent)
                 if parent is not None and norm_hash(parent) == 0:
                     parent = None  # llm-d's "no parent" (its positional format); §17.3
+                # every hash the store names, the ones a truncation drops too (as Dynamo)
                 if opts.drop_self_reference and _self_referencing(hs, parent):
                     stats.drop(S.DROP_SELF_REFERENCE)
                     continue
+                if k < nh:
+                    stats.truncated += 1
+                    hs = hs[:k]
                 if big:
                     stats.eagle_bigram += 1
                 lora = ev.lora_name

@@ -461,14 +461,22 @@ def _parse_tokens(
 
 @njit(cache=True)  # type: ignore[misc]
 def _has_dup(ext: npt.NDArray[np.uint64], start: int, k: int, parent: np.uint64, hp: bool) -> bool:
-    for i in range(k):
-        h = ext[start + i]
-        if hp and h == parent:
-            return True
-        for j in range(i + 1, k):
-            if ext[start + j] == h:
+    """A hash repeated among ``ext[start:start + k]``, or the parent among them. Pairwise up to
+    32 hashes; past that a sorted copy (O(k log k) whatever the hashes: a long store, or one
+    built to collide, never holds the loop for seconds)."""
+    if hp:
+        for i in range(k):
+            if ext[start + i] == parent:
                 return True
-    return False
+    if k <= 32:
+        for i in range(k):
+            h = ext[start + i]
+            for j in range(i + 1, k):
+                if ext[start + j] == h:
+                    return True
+        return False
+    s = np.sort(ext[start : start + k])
+    return bool(np.any(s[1:] == s[:-1]))
 
 
 #: After the stats: n_events, dp (-1 = nil), events with a lora name, block hashes, then where
@@ -796,11 +804,13 @@ def _walk(  # type: ignore[no-untyped-def]
         if k <= 0:
             stats[_D_SHORT] += 1
             continue
-        if k < nh:
-            stats[ST_TRUNCATED] += 1
-        if drop_self and _has_dup(ext, h_start, k, par, hp):
+        # every hash the store names, the ones a truncation drops too (Dynamo checks the whole
+        # store before it walks its blocks)
+        if drop_self and _has_dup(ext, h_start, nh, par, hp):
             stats[_D_SELF] += 1
             continue
+        if k < nh:
+            stats[ST_TRUNCATED] += 1
         if tok_big:
             stats[ST_EAGLE] += 1
         need = k * bsz + extra

@@ -93,6 +93,8 @@ def events(draw: st.DrawFn, allow_bytes: bool) -> tuple[dict[str, Any], str]:
     hs = draw(st.lists(h, min_size=k, max_size=k))
     if hs and draw(st.integers(0, 9)) == 0:
         parent = hs[-1]  # self reference
+    elif len(hs) >= 2 and draw(st.integers(0, 9)) == 0:
+        hs[-1] = hs[0]  # a repeat, often where too few tokens truncate the store
     return {
         "kind": "store",
         "block_hashes": hs,
@@ -160,6 +162,35 @@ def test_store_with_bytes_parent_and_truncation_by_tokens() -> None:
         True
     ]
     assert res.stats.truncated == 1
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_repeat_among_the_hashes_a_truncation_drops_still_drops_the_store(fast: bool) -> None:
+    """Dynamo checks a store's whole hash list (and its parent) for a repeat before it walks the
+    blocks its tokens cover: a repeat past the truncation point drops the store too."""
+    tail = W.stored("map", block_hashes=[1, 2, 1], token_ids=list(range(2 * B)), block_size=B)
+    par = W.stored("map", block_hashes=[5, 6, 7], parent_block_hash=7,
+                   token_ids=list(range(B)), block_size=B)  # fmt: skip
+    ok = W.stored("map", block_hashes=[3, 4, 9], token_ids=list(range(2 * B)), block_size=B)
+    res = dec(fast=fast).decode(W.batch([tail, par, ok]))
+    assert res.batch.ext_hashes.tolist() == [3, 4]
+    assert res.stats.drops.get("self_reference") == 2 and res.stats.truncated == 1
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_long_store_is_checked_for_repeats_whole(fast: bool) -> None:
+    """Past 32 hashes the walker compares a sorted copy: a repeat anywhere is found, the
+    parent among them too, and a store without one is kept whole."""
+    n = 5_000
+    hs = list(range(10, 10 + n))
+    toks = [1] * (n * B)
+    for bad_hs, parent in (([*hs[:-1], hs[n // 2]], None), (hs, hs[n - 1]), (hs, None)):
+        ev = W.stored("map", block_hashes=bad_hs, parent_block_hash=parent, token_ids=toks,
+                      block_size=B)  # fmt: skip
+        res = dec(fast=fast).decode(W.batch([ev]))
+        kept = bad_hs is hs and parent is None
+        assert res.batch.ext_hashes.tolist() == (hs if kept else [])
+        assert res.stats.drops.get("self_reference", 0) == (0 if kept else 1)
 
 
 def test_unknown_tags_and_fields_counted_not_fatal() -> None:

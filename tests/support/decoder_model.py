@@ -110,11 +110,12 @@ class Ref:
             k = max(0, (len(toks) - e) // bs)
             if k == 0 or k > len(hs):  # tokens for more whole blocks than hashes: tokens_excess
                 continue
-            hs = hs[:k]
             parent = ev.get("parent_block_hash")
             parent = None if parent is None or u64(parent) == 0 else u64(parent)
-            if len(set(hs)) != k or (parent is not None and parent in hs):
+            # Dynamo's order: the whole store is checked for a repeat before its walk truncates
+            if len(set(hs)) != len(hs) or (parent is not None and parent in hs):
                 continue
+            hs = hs[:k]
             cs = ev.get("cache_salt") or None  # an explicit salt field is always honoured
             lora = ev.get("lora_name")
             ek = ev.get("extra_keys") or []

@@ -39,6 +39,7 @@ from hyperframe.frame import HeadersFrame, RstStreamFrame
 from kvrelay._grpc import absent
 
 __all__ = [
+    "ANSWER_NEEDS",
     "CANCEL",
     "CAP_IN_FORCE_NEEDS",
     "CLASS_NEEDS",
@@ -77,6 +78,7 @@ __all__ = [
     "handlers_closed",
     "live_internals",
     "missing",
+    "missing_in_answer",
     "missing_in_cap_in_force",
     "missing_in_classes",
     "missing_in_closed_streams",
@@ -175,6 +177,22 @@ PROTOCOL_NEEDS: tuple[tuple[str, str], ...] = (
     ("handler", "_tasks"),
     ("handler", "close"),
 )
+
+
+#: What ``mend`` answers a request grpclib would answer itself through (a method not served, a
+#: ``grpc-timeout`` that does not read): ``inner`` is the protocol stream ``handler.accept`` is
+#: given (the answer's task goes in the handler's ``_tasks``, ``PROTOCOL_NEEDS``, so that the
+#: connection's close cancels it). Without them grpclib answers, without a ``content-type``.
+ANSWER_NEEDS: tuple[tuple[str, str], ...] = (
+    ("inner", "send_headers"),
+    ("inner", "closable"),
+    ("inner", "reset_nowait"),
+)
+
+
+def missing_in_answer(inner: Any) -> list[str]:
+    """``where.attribute`` for each of ``ANSWER_NEEDS`` this protocol stream lacks."""
+    return absent(ANSWER_NEEDS, {"inner": inner})
 
 
 def close_unstarted(proto: Any) -> None:

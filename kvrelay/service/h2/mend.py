@@ -47,8 +47,13 @@
   no more than it is told is never refused.)
 * **Requests grpclib answers itself** (not gRPC: HTTP 405, 415 or 400; a method the relay
   does not serve: ``UNIMPLEMENTED``; a ``grpc-timeout`` it cannot read: ``UNKNOWN``) were
-  counted nowhere; they are now (``not_grpc``, ``unknown_method``, ``malformed_headers``),
-  grpclib's answers unchanged.
+  counted nowhere; they are now (``not_grpc``, ``unknown_method``, ``malformed_headers``).
+  grpclib's gRPC answers (the last two) came without a ``content-type``, which gRPC's
+  Trailers-Only response requires: grpc-go and grpc-java then report ``UNKNOWN`` ("missing
+  HTTP content-type"), so a Go router probing for an RPC the relay lacks could not tell it
+  from a failure. The relay answers those two itself, with the same status and message and
+  ``content-type: application/grpc+proto`` (``ANSWER_NEEDS``); the non-gRPC answers stay
+  grpclib's.
 * **A call's ``grpc-encoding``.** grpclib keeps no ``grpc-*`` request header where a handler can
   see it; the relay's request reader needs it to inflate a compressed request
   (``request.py``). Each accepted stream's is noted (``request.note_request_encoding``).
@@ -56,12 +61,14 @@
 Uses grpclib's private protocol parts (``internals.PROTOCOL_NEEDS``; for the undefined frame
 types and empty DATA also ``PROCESSOR_NEEDS``, for h2's connection errors ``FEED_NEEDS``, for the
 header table ``ENCODER_NEEDS`` and ``HPACK_ENCODER_NEEDS``, for a stream over the limit
-``REFUSE_NEEDS``); without them the protocol is left as grpclib made it. Installed before the
-transport exists (uvloop's transports keep the ``data_received`` they find when made).
+``REFUSE_NEEDS``, for its own answers ``ANSWER_NEEDS``); without them the protocol is left as
+grpclib made it. Installed before the transport exists (uvloop's transports keep the
+``data_received`` they find when made).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import weakref
@@ -77,6 +84,7 @@ from kvrelay.service.h2.guard import H2Counters, goaway, server_closed
 from kvrelay.service.h2.internals import (
     H2Protocol,
     capped_encoder,
+    missing_in_answer,
     missing_in_encoder,
     missing_in_feed,
     missing_in_protocol,
@@ -116,7 +124,8 @@ def mend_protocol(proto: H2Protocol, counters: H2Counters) -> None:
                     release_stream()
 
         names = [h[0] for h in headers]
-        if not _timeouts_valid(headers):  # (grpclib answers it UNKNOWN, as before)
+        timeouts_ok = _timeouts_valid(headers)
+        if not timeouts_ok:
             counters.count("malformed_headers")
         if names.count(":method") != 1 or names.count(":path") != 1:
             counters.count("malformed_headers")
@@ -128,8 +137,18 @@ def mend_protocol(proto: H2Protocol, counters: H2Counters) -> None:
             release_once()
             return
         unserved = _unserved(headers, handler.mapping)
-        if unserved is not None:  # (grpclib answers it, as before)
+        if unserved is not None:
             counters.count(unserved)
+        answer = (
+            _UNIMPLEMENTED if unserved == "unknown_method"
+            else _BAD_TIMEOUT if unserved is None and not timeouts_ok
+            else None
+        )  # fmt: skip
+        if answer is not None and not missing_in_answer(stream):
+            task = asyncio.get_running_loop().create_task(_answer(stream, *answer))
+            handler._tasks[stream] = task  # (cancelled with the connection's other calls)
+            task.add_done_callback(release_once)
+            return
         note_request_encoding(stream, headers)  # (the ``stream._stream`` its reader reads)
         accept(stream, headers, release_once)
         task = handler._tasks.get(stream)  # (grpclib replaces the dict every 10 streams)
@@ -211,6 +230,29 @@ def _refuse_over_limit(proto: H2Protocol, counters: H2Counters) -> None:
             return out
 
     table[HeadersFrame] = receive_headers
+
+
+#: (grpc-status, grpc-message) of the answers grpclib gave: a method the relay does not serve,
+#: a ``grpc-timeout`` that does not read.
+_UNIMPLEMENTED = (12, "Method not found")
+_BAD_TIMEOUT = (2, "Invalid grpc-timeout header")
+
+
+async def _answer(stream: Any, status: int, message: str) -> None:
+    """A Trailers-Only gRPC response (HTTP status, ``content-type``, status, message), then the
+    stream reset (``NO_ERROR``) if its client is still sending, as grpclib ends such a call."""
+    with contextlib.suppress(Exception):  # (the stream or its connection went meanwhile)
+        await stream.send_headers(
+            [
+                (":status", "200"),
+                ("content-type", "application/grpc+proto"),
+                ("grpc-status", str(status)),
+                ("grpc-message", message),
+            ],
+            end_stream=True,
+        )
+        if stream.closable:
+            stream.reset_nowait()
 
 
 def _unserved(headers: Any, mapping: Any) -> str | None:

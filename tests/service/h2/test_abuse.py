@@ -1070,6 +1070,11 @@ async def test_requests_grpclib_answers_itself_are_counted() -> None:
         assert c.streams[get].headers.get(":status") == "405"
         assert c.streams[json].headers.get(":status") == "415"
         assert unknown.status == "12" and health.status == "0"  # UNIMPLEMENTED; OK
+        # a Trailers-Only gRPC answer carries its content type: grpc-go and grpc-java read one
+        # without it as UNKNOWN ("missing HTTP content-type"), not as UNIMPLEMENTED
+        assert unknown.trailers == {} and unknown.message == "Method not found"
+        assert unknown.headers.get("content-type") == "application/grpc+proto"
+        assert unknown.headers.get(":status") == "200"
         closed = server.service.guard_stats()[2]
         assert (closed.get("not_grpc"), closed.get("unknown_method")) == (2, 1)
     finally:
@@ -1100,6 +1105,7 @@ async def test_a_call_whose_deadline_passed_before_its_handler_is_deadline_excee
             await asyncio.wait_for(st.ended.wait(), scaled(10))
         assert {st.status for st in expired} == {"4"}, [st.message for st in expired]
         assert {st.status for st in bad} == {"2"}
+        assert {st.headers.get("content-type") for st in bad} == {"application/grpc+proto"}
         assert ok.status == "0"
         assert server.service.guard_stats()[2].get("malformed_headers") == 3
         # (grpclib's INFO "Deadline exceeded" goes to DEBUG once logging is configured:

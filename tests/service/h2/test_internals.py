@@ -27,6 +27,7 @@ from grpclib.utils import Wrapper
 import kvrelay
 from kvrelay.service.h2.closing import ClosingServer
 from kvrelay.service.h2.internals import (
+    ANSWER_NEEDS,
     DEADLINE_NEEDS,
     DRAIN_NEEDS,
     EARLY_END_STATE,
@@ -49,6 +50,7 @@ from kvrelay.service.h2.internals import (
     capped_encoder,
     data_frames_sent,
     missing,
+    missing_in_answer,
     missing_in_classes,
     missing_in_deadline,
     missing_in_drain,
@@ -100,6 +102,7 @@ class _Probe:
         self.seen: list[tuple[list[str], list[str], StreamWriter]] = []
         self.request: tuple[list[str], Any] | None = None
         self.wrapped = False  # the request's protocol stream has grpclib's Wrapper (REVOKE_NEEDS)
+        self.answer: list[str] | None = None  # what mend's own answers lack (ANSWER_NEEDS)
 
     async def probe(self, stream: grpclib.server.Stream[Any, Any]) -> None:
         need = missing_request_needs(stream)
@@ -107,6 +110,7 @@ class _Probe:
         hidden = missing(_Without(stream, "_messages_sent"))
         self.seen.append((missing(stream), hidden, StreamWriter(stream, 1 << 20)))
         self.wrapped = isinstance(stream._stream.wrapper, Wrapper)
+        self.answer = missing_in_answer(stream._stream)
         await stream.send_message(b"ok")
 
     def __mapping__(self) -> dict[str, Handler]:
@@ -148,6 +152,8 @@ async def test_a_live_server_stream_has_every_internal_and_gets_every_writer() -
     assert probe.request == ([], b"x"), "the request reader lacks grpclib internals"
     assert not gone, f"grpclib/h2 internals missing on a live stream: {', '.join(gone)}"
     assert hidden == ["stream._messages_sent"]  # a missing one is named, and only it
+    assert probe.answer == [], "mend's own answers lack grpclib internals"
+    assert missing_in_answer(object()) == [f"{w}.{a}" for w, a in ANSWER_NEEDS]
     assert probe.wrapped, "a request's grpclib stream has no Wrapper to end it with a status"
     assert writer.bulk is not None and writer.send_batch is not None
     assert writer.reset is not None and writer.send_now is not None
