@@ -7,6 +7,19 @@ serials, a CRL's signature) is read here: definite lengths, one-byte tags (all X
 
 from __future__ import annotations
 
+#: One attribute of a Name as compared: its type's OID bytes and its value, a canonical string
+#: (``name_key``) or, for a value of another type, its whole DER element.
+NameKey = tuple[tuple[tuple[bytes, str | bytes], ...], ...]
+
+#: The string types a Name's value is compared as text in (what OpenSSL canonicalizes), and the
+#: codec each is read with: UTF8String, PrintableString, TeletexString (Latin-1, as OpenSSL
+#: reads it), IA5String, VisibleString, UniversalString, BMPString.
+_TEXT_TYPES = {
+    0x0C: "utf-8", 0x13: "ascii", 0x14: "latin-1", 0x16: "ascii", 0x1A: "ascii",
+    0x1C: "utf-32-be", 0x1E: "utf-16-be",
+}  # fmt: skip
+_SPACE = " \t\n\v\f\r"
+
 
 def tlv(buf: bytes, pos: int) -> tuple[int, int, int]:
     """(tag, value start, value end) of the DER element at ``pos``; ``ValueError`` (or
@@ -47,3 +60,44 @@ def tbs_fields(der: bytes) -> list[tuple[int, int, int, int]]:
     if len(fields) < 6:
         raise ValueError("short tbsCertificate")
     return fields
+
+
+def _canonical_text(text: str) -> str:
+    """A Name's text as OpenSSL compares it: whitespace trimmed, each inner run of it one
+    space, ASCII letters lower-cased (others as they are)."""
+    words = text.strip(_SPACE)
+    out = []
+    space = False
+    for ch in words:
+        if ch in _SPACE:
+            space = True
+            continue
+        if space:
+            out.append(" ")
+            space = False
+        out.append(ch.lower() if ch.isascii() else ch)
+    return "".join(out)
+
+
+def name_key(der: bytes, start: int, end: int) -> NameKey:
+    """The Name whose value is ``der[start:end]`` (a SEQUENCE of SETs of {oid, value}) in the
+    form names are compared in: each text value canonical (``_canonical_text``) whichever
+    string type encodes it, each multi-valued RDN's attributes in one order. Two encodings of
+    one name (a CA's subject as UTF8String, the issuer of a CRL or certificate it signed as
+    PrintableString) then compare equal, as OpenSSL (RFC 5280 §7.1) finds them equal; raw bytes
+    did not."""
+    rdns = []
+    for _t, _p, rs, re_ in elements(der, start, end):
+        attrs = []
+        for _t2, _p2, as_, ae in elements(der, rs, re_):
+            _t3, os_, oe = tlv(der, as_)
+            vtag, vs, ve = tlv(der, oe)
+            if ve != ae:
+                raise ValueError("attribute with more than a type and a value")
+            codec = _TEXT_TYPES.get(vtag)
+            value: str | bytes = der[oe:ve]
+            if codec is not None:
+                value = _canonical_text(der[vs:ve].decode(codec))
+            attrs.append((der[os_:oe], value))
+        rdns.append(tuple(sorted(attrs, key=lambda a: (a[0], isinstance(a[1], bytes), a[1]))))
+    return tuple(rdns)

@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvrelay.ops.crl_signature import Verdict, verify_crl
+from kvrelay.ops.der import NameKey, name_key
 from kvrelay.ops.der import elements as _elements
 from kvrelay.ops.der import tbs_fields as _tbs_fields
 from kvrelay.ops.der import tlv as _tlv
@@ -147,7 +148,7 @@ class _Loaded:
 
     context: ssl.SSLContext
     certificates: tuple[LoadedCertificate, ...]
-    revoked: frozenset[tuple[bytes, int]]
+    revoked: frozenset[tuple[NameKey, int]]
 
 
 def _server_context(
@@ -162,7 +163,7 @@ def _server_context(
         ctx.options |= ssl.OP_NO_RENEGOTIATION
     chain = _load_chain(ctx, cert_file, key_file)
     certs = [_leaf(chain, cert_file, "server")]
-    revoked: frozenset[tuple[bytes, int]] = frozenset()
+    revoked: frozenset[tuple[NameKey, int]] = frozenset()
     if client_ca_file is not None:
         ca = _load_ca(ctx, client_ca_file)
         certs += _bundle(ca, client_ca_file, "client_ca")
@@ -353,26 +354,26 @@ def _subject_and_not_after(der: bytes) -> tuple[str, float]:
     return _common_name(der, sstart, send), not_after
 
 
-def certificate_issuer_serial(der: bytes) -> tuple[bytes, int]:
-    """A DER certificate's issuer (the Name's DER bytes) and serial number: what a CRL entry
-    names it by."""
+def certificate_issuer_serial(der: bytes) -> tuple[NameKey, int]:
+    """A DER certificate's issuer (as names compare: ``der.name_key``) and serial number: what
+    a CRL entry names it by."""
     fields = _tbs_fields(der)
     _t, _p, s, e = fields[0]
-    _t, ip, _is, ie = fields[2]
-    return der[ip:ie], int.from_bytes(der[s:e], "big", signed=True)
+    _t, _ip, istart, iend = fields[2]
+    return name_key(der, istart, iend), int.from_bytes(der[s:e], "big", signed=True)
 
 
-def _subject_name(der: bytes) -> bytes:
-    """A DER certificate's subject (the Name's DER bytes)."""
-    _t, p, _s, e = _tbs_fields(der)[4]
-    return der[p:e]
+def _subject_name(der: bytes) -> NameKey:
+    """A DER certificate's subject, as names compare (``der.name_key``)."""
+    _t, _p, s, e = _tbs_fields(der)[4]
+    return name_key(der, s, e)
 
 
 @dataclass(frozen=True, slots=True)
 class RevocationList:
     """One CRL as the relay reads it: who issued it, when it is due again, what it revokes."""
 
-    issuer: bytes  # the issuer Name's DER bytes, as a certificate's issuer field holds them
+    issuer: NameKey  # the issuer Name as names compare (a certificate's issuer field's key)
     issuer_cn: str
     this_update_unix: float
     next_update_unix: float | None  # None: the CRL names none (OpenSSL never deems it expired)
@@ -398,7 +399,8 @@ def read_crls(data: bytes, path: str) -> tuple[RevocationList, ...]:
                 fields = fields[1:]
             if len(fields) < 3:
                 raise ValueError("short tbsCertList")
-            _t, ip, istart, iend = fields[1]
+            _t, _ip, istart, iend = fields[1]
+            issuer = name_key(der, istart, iend)
             ttag, _p, ts, te = fields[2]
             this_update = _time(der, ttag, ts, te)
             rest = fields[3:]
@@ -418,7 +420,7 @@ def read_crls(data: bytes, path: str) -> tuple[RevocationList, ...]:
         except (ValueError, IndexError, UnicodeDecodeError) as exc:
             msg = f"{path!r}: CRL {i + 1} is not a readable X.509 CRL ({exc})"
             raise TlsConfigError(msg) from exc
-        out.append(RevocationList(der[ip:iend], _common_name(der, istart, iend), this_update,
+        out.append(RevocationList(issuer, _common_name(der, istart, iend), this_update,
                                   next_update, frozenset(serials), der))  # fmt: skip
     return tuple(out)
 
@@ -436,7 +438,7 @@ def crl_problems(
     now = time.time() if now is None else now
     crls = read_crls(_read(crl_file), crl_file)
     ca_pem = _read(ca_file)
-    cas: dict[bytes, str] = {}
+    cas: dict[NameKey, str] = {}
     for block in _pem_blocks(ca_pem):
         try:
             der = ssl.PEM_cert_to_DER_cert(block)
@@ -475,7 +477,7 @@ def crl_signature_problems(
     issuer name: an error when none of them signed it, a warning when none verifies and this
     module cannot verify the signature of one (an algorithm it does not know). A CRL whose
     issuer is not in the bundle is left to the issuer check (``crl_problems``)."""
-    by_subject: dict[bytes, list[bytes]] = {}
+    by_subject: dict[NameKey, list[bytes]] = {}
     for block in _pem_blocks(ca_pem):
         try:
             der = ssl.PEM_cert_to_DER_cert(block)

@@ -118,7 +118,7 @@ def remove_stale_temps(directory: Path, name: str) -> int:
     the writer, however it ends, in whatever pid namespace it ran). A second relay started on
     the same state directory used to remove the running one's file mid-write, and that
     checkpoint then failed at its rename (``ENOENT``)."""
-    return _remove_temps(directory, name, lambda _writer: True)
+    return _remove_temps(directory, name, lambda _writer, _at: True)
 
 
 def remove_dead_temps(directory: Path, name: str) -> int:
@@ -129,22 +129,28 @@ def remove_dead_temps(directory: Path, name: str) -> int:
     file the size of a pool's state until the next start, and a state directory sized for two
     files then failed every checkpoint of the new process. A pid this process cannot see (a
     writer in another PID namespace) counts as dead, as at a start, unless its writer still
-    holds the file's lock."""
+    holds the file's lock. A writer that exited but is not reaped yet (a zombie) is dead, and so
+    is one whose pid another process took since it last wrote the file (started after that)."""
 
-    def dead(writer: str) -> bool:
-        return is_decimal(writer) and int(writer) != os.getpid() and not _alive(int(writer))
+    def dead(writer: str, written_at: float) -> bool:
+        return (is_decimal(writer) and int(writer) != os.getpid()
+                and not _alive(int(writer), written_at))  # fmt: skip
 
     return _remove_temps(directory, name, dead)
 
 
-def _remove_temps(directory: Path, name: str, remove: Callable[[str], bool]) -> int:
+def _remove_temps(directory: Path, name: str, remove: Callable[[str, float], bool]) -> int:
     """Unlink the temporary files of ``name`` whose writer field (the pid in the name) passes
-    ``remove`` and whose lock no writer holds (:func:`create_temp`); returns how many. What is
-    no regular file at such a name (a planted link or FIFO) is no writer's: removed, never
-    opened."""
+    ``remove`` (given with the file's modification time) and whose lock no writer holds
+    (:func:`create_temp`); returns how many. What is no regular file at such a name (a planted
+    link or FIFO) is no writer's: removed, never opened."""
     n = 0
     for p in directory.glob(f".{name}.*{TEMP_SUFFIX}"):
-        if not remove(p.name[len(name) + 2 :].split(".", 1)[0]):
+        try:
+            written_at = p.lstat().st_mtime
+        except OSError:
+            continue
+        if not remove(p.name[len(name) + 2 :].split(".", 1)[0], written_at):
             continue
         try:
             if stat.S_ISREG(p.lstat().st_mode):
@@ -162,11 +168,30 @@ def _remove_temps(directory: Path, name: str, remove: Callable[[str], bool]) -> 
     return n
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: int, written_at: float) -> bool:
+    """Whether ``pid`` may still be the writer of a file last written at ``written_at``: it
+    exists, has not exited (a zombie holds no lock and writes nothing), and started before
+    then (a later process with that pid is another program)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except OSError:  # EPERM: alive, another user's
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        state, started = fields[0], int(fields[19]) / os.sysconf("SC_CLK_TCK") + _boot_time()
+    except (OSError, IndexError, ValueError):  # no /proc here: alive, as kill said
+        return True
+    return state not in (b"Z", b"X") and started <= written_at + 1.0
+
+
+def _boot_time() -> float:
+    """When this machine booted (Unix time, /proc/stat's ``btime``): processes' start times in
+    /proc count from it."""
+    with open("/proc/stat", "rb") as f:
+        for line in f:
+            if line.startswith(b"btime "):
+                return float(line.split()[1])
+    raise ValueError("no btime in /proc/stat")

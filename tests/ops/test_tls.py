@@ -6,7 +6,9 @@ Peers: grpclib (our own client stack) and grpcio + official protobuf stubs (inde
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import ModuleType
@@ -19,7 +21,7 @@ from kvrelay.ops.tls import TlsConfigError, client_ssl_context, is_loopback, ser
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import RelaySettings
 from kvrelay.service.server import RelayServer
-from tests.support.certs import Pki, make_pki
+from tests.support.certs import Pki, make_dated_leaf, make_pki
 from tests.support.fleet import eventually
 from tests.support.rig import relay_info_at as _info_grpclib
 from tests.support.timing import scaled
@@ -198,6 +200,52 @@ async def test_mtls_raw_handshake_without_cert_gets_alert(
                 raise ConnectionError("closed by server")
         finally:
             w.close()
+
+
+def _stamp(t: float) -> str:
+    return time.strftime("%Y%m%d%H%M%SZ", time.gmtime(t))
+
+
+def _h2_hello(port: int, ctx: ssl.SSLContext, session: ssl.SSLSession | None) -> tuple[bool, bool]:
+    """One TLS connection that sends HTTP/2's preface: (whether it resumed ``session``, whether
+    the relay answered with its SETTINGS); its session stays in ``ctx`` for the next one."""
+    raw = socket.create_connection(("127.0.0.1", port), timeout=scaled(10))
+    with ctx.wrap_socket(raw, server_hostname="localhost", session=session) as tls:
+        try:
+            tls.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(9))  # preface, SETTINGS
+            answered = len(tls.recv(9)) > 0
+        except (ConnectionError, ssl.SSLError, TimeoutError):
+            answered = False
+        _last_session[0] = tls.session
+        return bool(tls.session_reused), answered
+
+
+_last_session: list[ssl.SSLSession | None] = [None]
+
+
+@pytest.mark.parametrize("version", ["1.2", "1.3"])
+async def test_a_resumed_session_whose_client_certificate_expired_since_is_refused(
+    pki: Pki, mtls_relay: tuple[Relay, RelayServer], tmp_path: Path, version: str
+) -> None:
+    """A resumed handshake (a TLS 1.3 ticket, a TLS 1.2 session id) skips OpenSSL's checks of
+    the client's certificate: one that expired since its session began was admitted again for
+    the ticket's lifetime (two hours). It is refused and counted as a failed handshake."""
+    _relay, server = mtls_relay
+    life = scaled(4)
+    now = time.time()
+    ca = (pki.client_ca, pki.client_ca.with_suffix(".key"))
+    crt, key = make_dated_leaf(tmp_path, "brief", ca, _stamp(now - 60), _stamp(now + life))
+    ctx = client_ssl_context(str(pki.server_ca), str(crt), str(key))
+    ctx.maximum_version = ctx.minimum_version = ssl.TLSVersion[f"TLSv{version.replace('.', '_')}"]
+    assert await asyncio.to_thread(_h2_hello, server.port, ctx, None) == (False, True)
+    session = _last_session[0]
+    assert session is not None
+    assert await asyncio.to_thread(_h2_hello, server.port, ctx, session) == (True, True)
+    failed = server.service.guard_stats()[2].get("tls_handshake", 0)
+    await asyncio.sleep(max(0.0, now + life + 1.5 - time.time()))  # expired now
+    reused, answered = await asyncio.to_thread(_h2_hello, server.port, ctx, session)
+    assert reused and not answered  # resumed by OpenSSL, refused by the relay
+    assert server.service.guard_stats()[2].get("tls_handshake", 0) == failed + 1
 
 
 # ---- context construction & helpers ----

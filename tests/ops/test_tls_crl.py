@@ -31,7 +31,7 @@ from kvrelay.ops.worker import TLS_LINE, WorkerControl
 from kvrelay.relay.relay import Relay
 from kvrelay.relay.settings import RelaySettings
 from kvrelay.service.server import RelayServer
-from tests.support.certs import Pki, make_crl, make_leaf, make_pki
+from tests.support.certs import Pki, make_ca_twin, make_crl, make_leaf, make_pki
 from tests.support.rig import relay_info_at as _info
 from tests.support.timing import scaled
 
@@ -218,6 +218,28 @@ async def test_a_revoked_client_that_reads_nothing_does_not_hold_its_connection(
             await client
 
     await _serving(crls, crls.none, body)
+
+
+def test_a_name_encoded_otherwise_is_the_same_issuer(crls: Crls, tmp_path: Path) -> None:
+    """OpenSSL matches names as RFC 5280 §7.1 does (string types, case and spaces aside): a CRL
+    or a client certificate whose issuer names the client CA as a PrintableString of other case
+    is the CA's. The relay compared the names' bytes: such a CRL's revocations never ended the
+    open connections they name, and ``check-config`` refused such a CRL as issued by no CA."""
+    p = crls.pki
+    ca = (p.client_ca, p.client_ca.parent / "client-ca.key")
+    twin = make_ca_twin(tmp_path, "twin", ca, "CLIENT-CA")
+    erin = make_leaf(tmp_path, "erin", twin, server=False)  # issuer: PrintableString CLIENT-CA
+    erin_der = ssl.PEM_cert_to_DER_cert(erin[0].read_text())
+    by_ca = make_crl(tmp_path, "by-ca", ca, [erin[0]])  # issuer: the CA's own UTF8String
+    tls = ReloadableServerContext(_files(crls, by_ca))
+    assert tls.is_revoked(erin_der)  # what a reload asks of each open connection
+    router_der = ssl.PEM_cert_to_DER_cert(p.client_cert.read_text())
+    assert not tls.is_revoked(router_der)
+    by_twin = make_crl(tmp_path, "by-twin", twin, [p.client_cert])
+    assert ReloadableServerContext(_files(crls, by_twin)).is_revoked(router_der)
+    cfg, problems = check_file(_config(tmp_path, p, f'client_ca = "{p.client_ca}"\n'
+                                                    f'client_crl = "{by_twin}"\n'), env={})
+    assert cfg is not None and [x for x in problems if x.path == "tls.client_crl"] == []
 
 
 def _config(tmp_path: Path, p: Pki, tls: str) -> Path:

@@ -11,6 +11,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -162,6 +163,53 @@ def _sweep(d: Path, name: str) -> int:
     out = subprocess.run([sys.executable, "-c", _SWEEP, str(d), name], check=True,
                          capture_output=True, text=True, timeout=30).stdout  # fmt: skip
     return int(out)
+
+
+_EXITING_WRITER = """
+import sys
+from pathlib import Path
+from kvrelay.relay import safe_files
+fd, tmp = safe_files.create_temp(Path(sys.argv[1]), sys.argv[2])
+print(tmp, flush=True)
+"""
+
+
+def test_a_writer_that_exited_unreaped_or_whose_pid_was_reused_is_dead(tmp_path: Path) -> None:
+    """A checkpoint's writer killed mid-write and not reaped yet (a zombie: its parent has not
+    waited for it) still answers ``kill(pid, 0)``; so does an unrelated process that took its
+    pid since. Its temporary file stayed (the size of a pool's state) through every save of the
+    process after it; each save now removes it. A live writer's file stays."""
+    path = handover.path_for(tmp_path, SPEC)
+    exiting = subprocess.Popen([sys.executable, "-c", _EXITING_WRITER, str(tmp_path), path.name],
+                               stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert exiting.stdout is not None
+    gone = Path(exiting.stdout.readline().strip())
+    try:
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{exiting.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the writer never exited"
+            time.sleep(0.05)
+        os.kill(exiting.pid, 0)  # (a zombie: kill still finds it)
+        assert gone.exists()
+        live = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), path.name],
+                                stdout=subprocess.PIPE, text=True)  # fmt: skip
+        sleeper = subprocess.Popen(["sleep", "60"])
+        try:
+            assert live.stdout is not None
+            held = Path(live.stdout.readline().strip())
+            # a file "of" the sleeper, written an hour before the sleeper started: a reused pid
+            reused = tmp_path / f".{path.name}.{sleeper.pid}.cccccccccccc{safe_files.TEMP_SUFFIX}"
+            reused.write_bytes(b"x" * 4096)
+            os.utime(reused, (time.time() - 3600, time.time() - 3600))
+            assert safe_files.remove_dead_temps(tmp_path, path.name) == 2
+            assert not gone.exists() and not reused.exists()
+            assert held.exists(), "a live writer's file is left alone"
+        finally:
+            for p in (live, sleeper):
+                p.kill()
+                p.wait()
+    finally:
+        exiting.wait()
 
 
 def test_a_second_relays_start_leaves_the_running_ones_checkpoint_alone(tmp_path: Path) -> None:

@@ -42,6 +42,23 @@ def make_ca(d: Path, name: str, *, key_type: str = "p256") -> tuple[Path, Path]:
     return crt, key
 
 
+def make_ca_twin(d: Path, name: str, ca: tuple[Path, Path], cn: str) -> tuple[Path, Path]:
+    """``ca``'s key self-signed again under subject ``CN=cn`` as a PrintableString (``ca``'s
+    is a UTF8String, OpenSSL's default): one CA name encoded two ways when ``cn`` differs from
+    ``ca``'s only in case. What the twin signs (a CRL, a leaf) names ``ca``'s issuer so
+    encoded, and OpenSSL takes it for ``ca``'s (RFC 5280 §7.1 name matching)."""
+    crt = d / f"{name}.crt"
+    conf = d / f"{name}.cnf"
+    conf.write_text(
+        "[req]\ndistinguished_name = dn\nstring_mask = default\nx509_extensions = ext\n"
+        "prompt = no\n[dn]\nCN = x\n[ext]\nbasicConstraints=critical,CA:TRUE\n"
+        "keyUsage=critical,keyCertSign,cRLSign\nsubjectKeyIdentifier=hash\n"
+    )
+    _run("req", "-x509", "-new", "-key", str(ca[1]), "-subj", f"/CN={cn}", "-config", str(conf),
+         "-days", "2", "-out", str(crt), cwd=d)  # fmt: skip
+    return crt, ca[1]
+
+
 def make_leaf(
     d: Path,
     name: str,
@@ -74,6 +91,32 @@ def make_leaf(
         "-extfile", str(ext), "-out", str(crt),
         cwd=d,
     )
+    return crt, key
+
+
+def make_dated_leaf(
+    d: Path, name: str, ca: tuple[Path, Path], not_before: str, not_after: str
+) -> tuple[Path, Path]:
+    """A client certificate valid from ``not_before`` to ``not_after`` (``YYYYMMDDHHMMSSZ``, to
+    the second: ``openssl ca``, since ``openssl x509`` of OpenSSL 3.0 sets whole days only)."""
+    work = d / f"{name}.ca"
+    work.mkdir()
+    (work / "index.txt").write_text("")
+    (work / "serial").write_text(f"{secrets.randbits(62):X}".rjust(16, "0") + "\n")
+    conf = work / "ca.cnf"
+    conf.write_text(
+        "[ca]\ndefault_ca = d\n[d]\ndatabase = index.txt\nnew_certs_dir = .\n"
+        "serial = serial\ndefault_md = sha256\npolicy = p\nunique_subject = no\n"
+        "x509_extensions = ext\n[p]\ncommonName = supplied\n[ext]\n"
+        "basicConstraints=critical,CA:FALSE\n"
+        "keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=clientAuth\n"
+    )
+    crt, key, csr = d / f"{name}.crt", d / f"{name}.key", d / f"{name}.csr"
+    _run("req", "-new", *_EC, "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={name}",
+         cwd=d)  # fmt: skip
+    _run("ca", "-batch", "-notext", "-config", str(conf.resolve()), "-cert", str(ca[0].resolve()),
+         "-keyfile", str(ca[1].resolve()), "-in", str(csr.resolve()), "-out", str(crt.resolve()),
+         "-startdate", not_before, "-enddate", not_after, cwd=work)  # fmt: skip
     return crt, key
 
 

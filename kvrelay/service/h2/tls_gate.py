@@ -17,7 +17,10 @@ to grpclib's protocol, which keeps the place until its connection is lost. A han
 refused because a CRL revokes the client's certificate is also counted as
 ``tls_revoked_handshake``, and so is one that ``revoked`` (the server's check against the CRLs
 in use now) refuses once done: a reload's new CRLs may come while a handshake runs with the
-context of before. A connection that
+context of before. A handshake that resumed a TLS session (a ticket, or a TLS 1.2 session id)
+skips OpenSSL's certificate checks: the session's client certificate is checked against its
+validity period once done, and one that expired since (or is not valid yet) is refused and
+counted as a failed handshake, as a full handshake with it would be. A connection that
 never gets that far (refused, or its handshake failed) has its grpclib request handler closed
 when the gate ends, as a lost connection's is: grpclib's server keeps every handler until then.
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
+import time
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -38,6 +42,7 @@ __all__ = [
     "TLS_HANDSHAKE_TIMEOUT_S",
     "Handshakes",
     "TlsGate",
+    "certificate_current",
     "peer_certificate",
 ]
 
@@ -61,6 +66,21 @@ def peer_certificate(transport: asyncio.BaseTransport) -> bytes | None:
     except (ValueError, ssl.SSLError):  # the connection is closing
         return None
     return der if isinstance(der, bytes) else None
+
+
+def certificate_current(transport: asyncio.BaseTransport, now: float) -> bool:
+    """Whether the client certificate a TLS transport holds is within its validity period at
+    ``now`` (Unix time), as OpenSSL checks a full handshake's; True without one."""
+    obj = transport.get_extra_info("ssl_object")
+    try:
+        cert = obj.getpeercert() if obj is not None else None
+        if not cert:
+            return True
+        start = ssl.cert_time_to_seconds(str(cert["notBefore"]))
+        end = ssl.cert_time_to_seconds(str(cert["notAfter"]))
+    except (ValueError, KeyError, ssl.SSLError):  # closing, or no times: nothing to refuse
+        return True
+    return start <= now <= end
 
 
 class Handshakes:
@@ -182,6 +202,11 @@ class TlsGate(asyncio.Protocol):
             return
         if self._revoked is not None and self._revoked(tls):
             self._counters.count(REVOKED_HANDSHAKE)
+            tls.abort()
+            self._give_back()
+            return
+        if not certificate_current(tls, time.time()):  # a resumed session's, expired since
+            self._counters.count("tls_handshake")
             tls.abort()
             self._give_back()
             return
