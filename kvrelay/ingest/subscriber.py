@@ -152,6 +152,7 @@ class Subscriber:
         self._messages_at_connect = 0
         self._reconnect_log = LogThrottle(RECONNECT_LOG_S)  # ``source_reconnected``
         self.disconnected_since: float | None = time.monotonic()
+        self._down_before: float | None = None  # disconnected_since before this connection
         self.last_message_at: float | None = None
         self.failure: BaseException | None = None
         self._sink = sink
@@ -423,7 +424,7 @@ class Subscriber:
         for event in self._src.take_events():
             if event == CONNECTED and not self.connected:
                 self.connected = True
-                self.disconnected_since = None
+                self._down_before, self.disconnected_since = self.disconnected_since, None
                 self._connected_at = time.monotonic()
                 self._messages_at_connect = self.counters.messages
                 if self._ever_connected:
@@ -433,15 +434,19 @@ class Subscriber:
                 self._ever_connected = True
             elif event == DISCONNECTED and self.connected:
                 self.connected = False
-                self.disconnected_since = now = time.monotonic()
+                now = time.monotonic()
+                # a peer that accepts and drops the connection without a message (no publisher
+                # behind the port, a proxy, a crash loop): not a live source, and down since
+                # before that connection (so that ``engine_down_grace_s`` runs out for an
+                # engine whose port such a peer holds, as for one whose port refuses)
+                brief = now - self._connected_at < FLAP_S
+                silent = self.counters.messages == self._messages_at_connect
+                flap = brief and silent and self._down_before is not None
+                self.disconnected_since = self._down_before if flap else now
                 if replaying:
                     self._held_live = True
                 else:
                     self._drain_queued()
-                # a peer that accepts and drops the connection without a message (no publisher
-                # behind the port, a proxy, a crash loop): not a live source
-                brief = now - self._connected_at < FLAP_S
-                silent = self.counters.messages == self._messages_at_connect
                 if brief and silent and self.state == "live":
                     self._set_state("flapping")
 

@@ -827,7 +827,10 @@ async def test_a_peer_that_accepts_and_drops_is_not_live_and_logs_rarely(
 ) -> None:
     """A static endpoint whose port accepts TCP and closes at once (no publisher behind it):
     ZMQ reconnects several times a second. The source is `flapping`, not `live`, and
-    `source_reconnected` is logged at most once per RECONNECT_LOG_S with the count it skipped."""
+    `source_reconnected` is logged at most once per RECONNECT_LOG_S with the count it skipped.
+    It stays disconnected since its start: a connection without a message that ends at once
+    does not count, so the engine is declared down after ``engine_down_grace_s`` as one whose
+    port refuses (each reconnect restarted that clock, and such an engine was never down)."""
     from kvrelay.ingest import subscriber as submod
 
     accepted = 0
@@ -846,9 +849,13 @@ async def test_a_peer_that_accepts_and_drops_is_not_live_and_logs_rarely(
     sub = Subscriber(spec, RecordingSink(), context=ctx)
     try:
         await sub.start()
+        started = sub.disconnected_since
+        assert started is not None
         await until(lambda: sub.counters.reconnects >= 6, timeout=30)
         await until(lambda: sub.state == "flapping", timeout=10)
         assert sub.state == "flapping"
+        await until(lambda: not sub.connected, timeout=10)
+        assert sub.disconnected_since == started
     finally:
         await sub.stop()
         server.close()
