@@ -393,8 +393,10 @@ def _print_asset(name: str) -> int:
 def _warm() -> int:
     from kvrelay.ops import kernelcache
 
-    cache = kernelcache.configure()
+    cache = kernelcache.chosen() or kernelcache.configure()
     note = "" if cache.persistent else " (temporary: set NUMBA_CACHE_DIR to keep it)"
+    if cache.unusable:
+        note += f" ({cache.unusable} is not writable)"
     print(f"kvrelay warm: numba kernel cache: {cache.path} ({cache.source}){note}", flush=True)
     print("kvrelay warm: compiling or loading kernels (first run after an install: ~22 s on 2 "
           "quiet cores, up to ~75 s on busy ones)", flush=True)
@@ -693,7 +695,6 @@ def _serve(path: str | None, pid_file: str | None = None) -> int:
     if not path:
         _fail("kvrelay serve: --config FILE is required (or set KVRELAY_CONFIG)")
         return EXIT_USAGE
-    _numba_cache_from_systemd()
     from kvrelay.ops.config import check_file
 
     cfg, problems = check_file(path)
@@ -790,7 +791,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK if args.command in DAEMON_COMMANDS else EXIT_INTERRUPTED
 
 
+#: Commands that never import a kernel: no kernel cache to choose.
+_NO_KERNELS = ("example-config", "systemd-unit")
+
+
 def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.command not in _NO_KERNELS:
+        # every other command may import kernels (``check-config`` and ``reload`` read the
+        # configuration through modules that hold some): numba refuses to import one without
+        # a writable cache directory (a read-only root), with a traceback
+        from kvrelay.ops.kernelcache import NoKernelCache
+
+        try:
+            _numba_cache_from_systemd()
+        except NoKernelCache as exc:
+            _fail(f"kvrelay {args.command}: {exc}")
+            return EXIT_FAILURE
     if args.command == "check-config":
         return _check_config(args.file)
     if args.command == "serve":
@@ -808,7 +824,6 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "warm":
         return _warm()
     if args.command == "mirror":
-        _numba_cache_from_systemd()
         return _mirror(args)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse rejects first
     return EXIT_USAGE  # pragma: no cover - parser.error exits

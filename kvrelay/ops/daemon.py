@@ -215,10 +215,11 @@ class Daemon:
         from kvrelay.ops import kernelcache
 
         cache = kernelcache.chosen()
-        if cache is not None and cache.persistent:
+        if cache is not None and cache.persistent and not cache.unusable:
             _LOG.info("kernel_cache", dir=cache.path, source=cache.source, persistent=True)
-        elif cache is not None:
-            _LOG.warning("kernel_cache", dir=cache.path, source=cache.source, persistent=False)
+        elif cache is not None:  # temporary, or a cache directory given that is not writable
+            _LOG.warning("kernel_cache", dir=cache.path, source=cache.source,
+                         persistent=cache.persistent, unusable=cache.unusable)  # fmt: skip
         warming = self._warm_kernels()  # the warm-up thread starts now ...
         try:
             # ... and the rest of the relay is imported meanwhile (a kernel load from the cache

@@ -1,11 +1,13 @@
 """Where numba's on-disk kernel cache lives, decided before numba is first imported.
 
-In order: ``NUMBA_CACHE_DIR`` when set; systemd's ``CacheDirectory=`` (``$CACHE_DIRECTORY/numba``);
-numba's own default, ``__pycache__`` next to the installed modules, when that is writable, else
-numba's per-user directory (``$XDG_CACHE_HOME/numba``, by default ``~/.cache/numba``) when that
-is writable. When none is (a read-only install run by a user without a writable home), numba
-would refuse to import the kernels, so a per-user directory under the temp directory is used:
-it works, but a reboot empties it and the next start compiles again.
+In order, the first that is writable: ``NUMBA_CACHE_DIR``; systemd's ``CacheDirectory=``
+(``$CACHE_DIRECTORY/numba``); numba's own default, ``__pycache__`` next to the installed modules,
+else numba's per-user directory (``$XDG_CACHE_HOME/numba``, by default ``~/.cache/numba``). When
+none is (a read-only install run by a user without a writable home, or a read-only root whose
+``NUMBA_CACHE_DIR`` was not mounted writable), numba would refuse to import the kernels (a
+traceback at the first import), so a per-user directory under the temp directory is used: it
+works, but a reboot empties it and the next start compiles again. With no writable temp
+directory either, ``NoKernelCache`` says so (numba cannot import a kernel anywhere).
 """
 
 from __future__ import annotations
@@ -19,10 +21,16 @@ from pathlib import Path
 ENV = "NUMBA_CACHE_DIR"
 
 
+class NoKernelCache(OSError):
+    """No directory numba could keep its kernels in: without one it cannot import them."""
+
+
 @dataclass(frozen=True)
 class KernelCache:
     path: str
     source: str  # NUMBA_CACHE_DIR | CACHE_DIRECTORY | modules | user | temporary
+    #: a ``NUMBA_CACHE_DIR`` (or ``CACHE_DIRECTORY``) given but not writable, passed over
+    unusable: str | None = None
 
     @property
     def persistent(self) -> bool:
@@ -64,21 +72,34 @@ def configure(
 
 
 def _configure(env: MutableMapping[str, str], package_dir: Path | None) -> KernelCache:
+    unusable = None
     if env.get(ENV):
-        return KernelCache(env[ENV], ENV)
+        if _writable_dir(Path(env[ENV])):
+            return KernelCache(env[ENV], ENV)
+        unusable = env.pop(ENV)
     cache = env.get("CACHE_DIRECTORY", "")
     if cache:
-        env[ENV] = os.path.join(cache.split(":")[0], "numba")
-        return KernelCache(env[ENV], "CACHE_DIRECTORY")
+        path = os.path.join(cache.split(":")[0], "numba")
+        if _writable_dir(Path(path)):
+            env[ENV] = path
+            return KernelCache(path, "CACHE_DIRECTORY", unusable)
+        unusable = unusable or path
     pkg = package_dir or _package_dir()
     if all(_writable_dir(d) for d in (pkg / "__pycache__", pkg / "ingest" / "__pycache__")):
-        return KernelCache(str(pkg / "**" / "__pycache__"), "modules")
+        return KernelCache(str(pkg / "**" / "__pycache__"), "modules", unusable)
     xdg = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     user = Path(xdg) / "numba"
     if _writable_dir(user):
-        return KernelCache(str(user), "user")
-    env[ENV] = _private_tmp()
-    return KernelCache(env[ENV], "temporary")
+        return KernelCache(str(user), "user", unusable)
+    try:
+        env[ENV] = _private_tmp()
+    except OSError as exc:  # no writable temp directory either
+        given = f" ({unusable} is not writable)" if unusable else ""
+        raise NoKernelCache(
+            f"no writable directory for numba's kernel cache{given}, and no writable temp "
+            f"directory ({exc}): set NUMBA_CACHE_DIR to a writable directory"
+        ) from exc
+    return KernelCache(env[ENV], "temporary", unusable)
 
 
 def _private_tmp() -> str:

@@ -24,6 +24,7 @@ import yaml
 
 from kvrelay.ops.config import parse_config
 from tests.support.commands import MINIMAL
+from tests.support.read_only_root import can_unshare, read_only_root
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "deploy" / "k8s"
@@ -425,18 +426,6 @@ def _seed_kernel_cache(dst: Path) -> None:
             shutil.copy2(f, sub / f.name)
 
 
-#: Inside a private mount namespace: every mount but /dev, /proc and /sys read-only (the pod's
-#: readOnlyRootFilesystem), then the Deployment's volumes as the only writable paths.
-_READ_ONLY_ROOT = r"""
-set -e
-awk '{print $2}' /proc/self/mounts | sort -u | while read -r m; do
-  case "$m" in /dev|/dev/*|/proc|/proc/*|/sys|/sys/*) continue ;; esac
-  mount -o remount,bind,ro "$m" 2>/dev/null || true
-done
-if touch "$KVRELAY_TEST_PROBE" 2>/dev/null; then echo "root still writable" >&2; exit 97; fi
-for d in $KVRELAY_TEST_WRITABLE; do mount --bind "$d" "$d"; mount -o remount,bind,rw "$d"; done
-exec "$@"
-"""
 
 
 def _process_tree(pid: int) -> list[int]:
@@ -453,15 +442,6 @@ def _process_tree(pid: int) -> list[int]:
         tree.append(todo.pop())
         todo.extend(children.get(tree[-1], []))
     return tree
-
-
-def _can_unshare() -> bool:
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return False
-    res = subprocess.run([unshare, "--mount", "--propagation", "private", "true"],
-                         capture_output=True, timeout=30)  # fmt: skip
-    return res.returncode == 0
 
 
 async def test_the_manifest_starts_four_workers_on_a_read_only_root(
@@ -538,10 +518,9 @@ async def test_the_manifest_starts_four_workers_on_a_read_only_root(
                 if not m.get("readOnly")]  # fmt: skip
     args = [local(a) for a in main["args"]]
     command = [sys.executable, "-m", "kvrelay", *args]
-    namespaced = _can_unshare()
+    namespaced = can_unshare()
     if namespaced:
-        command = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                   _READ_ONLY_ROOT, "sh", *command]  # fmt: skip
+        command = read_only_root(command)
     full_env = clean_env(**env, TMPDIR=str(scratch["tmp"]), HOME=str(scratch["home"]),
                          KVRELAY_TEST_PROBE=str(tmp_path / "probe"),
                          KVRELAY_TEST_WRITABLE=" ".join(writable))  # fmt: skip
