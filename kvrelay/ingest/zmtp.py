@@ -16,7 +16,10 @@ What it speaks (ZMTP 3.0/3.1, the NULL mechanism, as a libzmq PUB expects of a S
   other commands are ignored, as ZMTP says.
 
 What libzmq's SUB did for the relay, it does too: reconnects every ``reconnect_s`` (100 ms, as
-``ZMQ_RECONNECT_IVL``), ``CONNECTED`` once TCP is up and ``DISCONNECTED`` when it ends (the
+``ZMQ_RECONNECT_IVL``; the wait doubles, up to ``reconnect_max_s``, 1 s, after each connect that
+fails or each connection that ends within ``HEALTHY_S`` without a message, so a port that
+refuses or drops every connection, or an address a hostile discovery source names, is tried once
+a second, not ten times), ``CONNECTED`` once TCP is up and ``DISCONNECTED`` when it ends (the
 monitor events the subscriber vouches on, in the same order), TCP keepalive, a handshake
 bounded in time (``ZMQ_HANDSHAKE_IVL``'s 30 s) and a bounded receive queue: at ``hwm`` messages
 or ``max_queue_bytes`` it stops reading the socket, so the publisher drops at its own high-water
@@ -39,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import cast
@@ -68,6 +72,9 @@ _PUBLISHERS = (b"PUB", b"XPUB")
 #: Frames one message may have (an engine's have 3): empty frames add no bytes, so the byte
 #: bound alone would let a peer grow one message's frame list without end.
 MAX_FRAMES = 64
+#: A connection that lasted this long, or brought a message, was a publisher's: the next
+#: reconnect waits ``reconnect_s`` again (as the subscriber's ``FLAP_S``).
+HEALTHY_S = 2.0
 #: Bytes one command may have. A publisher's commands are a READY of a few properties and PINGs;
 #: without this, a READY of millions of properties up to the frame bound would hold the loop.
 MAX_COMMAND_BYTES = 65535
@@ -336,6 +343,7 @@ class ZmtpSource:
         max_queue_bytes: int = 64 << 20,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         reconnect_s: float = 0.1,
+        reconnect_max_s: float = 1.0,
         handshake_s: float = 30.0,
         keepalive: tuple[int, int, int] = (10, 5, 3),
         on_error: Callable[[str], None] | None = None,
@@ -347,6 +355,7 @@ class ZmtpSource:
         self.max_queue_bytes = max_queue_bytes
         self.max_frame_bytes = max_frame_bytes
         self.reconnect_s = reconnect_s
+        self.reconnect_max_s = max(reconnect_s, reconnect_max_s)
         self.handshake_s = handshake_s
         self.keepalive = keepalive
         self._on_error_kind = on_error
@@ -355,6 +364,9 @@ class ZmtpSource:
         self.error_counts: dict[str, int] = {}
         self.connect_failures = 0
         self._messages: deque[tuple[list[bytes], int]] = deque()  # (frames, their bytes)
+        self.messages_in = 0  # messages received, every connection
+        self._connected_at = 0.0  # (monotonic) when the current connection was made
+        self._messages_at_connect = 0  # messages_in then
         self._queued_bytes = 0
         self._events: list[int] = []
         self._notify: Callable[[], None] | None = None
@@ -440,6 +452,7 @@ class ZmtpSource:
         self._handshake_timer = asyncio.get_running_loop().call_later(
             self.handshake_s, self._handshake_expired, conn
         )
+        self._connected_at, self._messages_at_connect = time.monotonic(), self.messages_in
         self._event(CONNECTED)
 
     def _on_ready(self) -> None:
@@ -461,6 +474,7 @@ class ZmtpSource:
 
     def _on_messages(self, messages: list[tuple[list[bytes], int]]) -> None:
         q = self._messages
+        self.messages_in += len(messages)
         for m in messages:
             q.append(m)
             self._queued_bytes += m[1]
@@ -499,8 +513,10 @@ class ZmtpSource:
     async def _keep_connected(self) -> None:
         loop = asyncio.get_running_loop()
         lost = self._lost
+        wait = self.reconnect_s
         while not self._closed:
             lost.clear()
+            healthy = False
             try:
                 if self.endpoint.startswith("ipc://"):
                     connecting = loop.create_unix_connection(
@@ -518,4 +534,10 @@ class ZmtpSource:
                 self._count("connect_error")
             else:
                 await lost.wait()
-            await asyncio.sleep(self.reconnect_s)
+                healthy = (self.messages_in > self._messages_at_connect
+                           or time.monotonic() - self._connected_at >= HEALTHY_S)  # fmt: skip
+            if healthy:
+                wait = self.reconnect_s
+            await asyncio.sleep(wait)
+            if not healthy:  # 0.1, 0.2, 0.4, 0.8, then 1 s while the peer keeps failing
+                wait = min(2 * wait, self.reconnect_max_s)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import socket
 import tempfile
@@ -296,6 +297,39 @@ async def test_a_hostile_peer_is_counted_and_left(reply: bytes, kind: str) -> No
         await _until(lambda: src.error_counts.get(kind, 0) >= 2)  # and it came back for more
         assert set(seen) == {kind} and accepted >= 2 and inbox.messages == []
         assert inbox.events[:2] == [CONNECTED, DISCONNECTED]
+
+
+async def test_a_port_that_drops_every_connection_is_tried_less_and_less_often() -> None:
+    """A port that accepts each connection and drops it at once (another service; or an
+    address a hostile discovery source names, the relay's own ports among them) was connected
+    to every 100 ms for ever: 10 connections a second per source, thousands with many
+    sources. The wait doubles after each connection without a message, up to 1 s; a
+    publisher's connection (a message, or ``HEALTHY_S`` up) brings the 100 ms back."""
+    times: list[float] = []
+    loop = asyncio.get_running_loop()
+    serve_messages = False
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        times.append(loop.time())
+        if serve_messages:  # a publisher this time: a greeting, READY and a message
+            w.write(_peer_greeting() + _ready(b"PUB"))
+            await r.readexactly(64)
+            w.write(_frame(b"m"))
+            await w.drain()
+            await asyncio.sleep(0.2)
+        w.close()
+
+    async with _reading(handler) as (src, inbox):
+        await asyncio.sleep(3.2)
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        # 0.1, 0.2, 0.4, 0.8, 1.0, ... (each at least that, later on a busy machine)
+        assert 3 <= len(times) <= 8, gaps
+        assert all(g >= w * 0.9 for g, w in zip(gaps, (0.1, 0.2, 0.4, 0.8, 1.0, 1.0), strict=False))
+        serve_messages = True
+        n = len(times)
+        await _until(lambda: inbox.messages != [] and len(times) >= n + 2)
+        assert times[-1] - times[-2] < 0.3 + scaled(0.5)  # the publisher's hang-up: back at 0.1 s
+        assert src.messages_in >= 1
 
 
 async def test_a_faulty_peer_s_earlier_messages_arrive_before_it_is_left() -> None:
