@@ -279,19 +279,28 @@ class RelayConnection:
         self.catalog_error = None
         wanted: dict[PoolKey, pb.KvPoolDescriptor] = {}
         pools = upd.snapshot.pools if upd.snapshot is not None else []
+        listed: dict[PoolKey, tuple[pb.KvPoolDescriptor, ProducerKey]] = {}
         for desc in pools:
             ep = desc.serving_endpoint
             if ep is None:
                 self.counters["catalog_descriptor_invalid"] += 1
                 continue
             try:
-                producer_key(desc.producer)
+                pk = producer_key(desc.producer)
             except RelayError:
                 self.counters["catalog_descriptor_invalid"] += 1
                 continue
             key = PoolKey(self.name, ep.namespace, ep.component, ep.endpoint)
-            if key in wanted:
+            if key in listed:
                 self.counters["catalog_duplicate_endpoint"] += 1
+                continue
+            listed[key] = (desc, pk)
+        # One pool (``KvPoolId``) under two endpoints is fenced, never merged (contract): a relay
+        # never lists one so; a catalog that does cannot say which endpoint the filter serves.
+        endpoints_of = Counter(pk.pool_part for _desc, pk in listed.values())
+        for key, (desc, pk) in listed.items():
+            if endpoints_of[pk.pool_part] > 1:
+                self.counters["catalog_duplicate_pool"] += 1
                 continue
             if self.pool_filter is not None and not self.pool_filter(key, desc):
                 continue

@@ -37,6 +37,7 @@ VERSION_BACKWARDS = "version_backwards"  # revision / window_sequence below the 
 # --- stream endings and client decisions --------------------------------------------------------
 EOF = "eof"  # clean end of stream (relay shutdown): treated as invalidation
 CONNECTION = "connection"  # transport failure (refused, reset, h2 error)
+NO_STATUS = "no_status"  # END_STREAM with no status (no trailers); not a relay's UNKNOWN
 SILENT = "silent"  # no frame (not even a heartbeat) for silence_heartbeats heartbeat periods
 COMPRESSED = "compressed"  # a reply with the compressed flag (the SDK takes identity only)
 WITHDRAWN = "withdrawn"  # pool absent from the newest catalog snapshot

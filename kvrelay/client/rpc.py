@@ -336,7 +336,8 @@ async def run_stream(
     Replies are read with their length checked first (``recv_reply``, the bound the channel's
     codec has); one that does not decode ends the stream as ``envelope``, a compressed one
     (never asked for) as ``compressed``. A stream whose END_STREAM came without a status (no
-    trailers) ends at once as ``status_unknown`` (``ended_without_status``): grpclib would wait
+    trailers) ends at once as ``no_status`` (``ended_without_status``; its status taken as
+    ``UNKNOWN``, as grpc does, but told apart from a relay's ``UNKNOWN``): grpclib would wait
     for the trailers until the silence limit, and a ``silent`` end would replace the channel
     that still carries the healthy streams.
     A task cancelled while in here always ends with ``CancelledError``, also when grpclib turned
@@ -351,6 +352,7 @@ async def run_stream(
     loop = asyncio.get_running_loop()
     activity = _activity(channel)
     quiet: asyncio.Timeout | None = None
+    no_status = False  # the stream ended without a status (not a relay's UNKNOWN)
 
     def silence() -> float | None:
         return silence_s() if callable(silence_s) else silence_s
@@ -392,6 +394,7 @@ async def run_stream(
                     if yield_every and n % yield_every == 0:
                         await asyncio.sleep(0)
                 if ended_without_status(stream):  # (trailers that cannot come: not waited on)
+                    no_status = True
                     raise GRPCError(Status.UNKNOWN, NO_STATUS)
                 await stream.recv_trailing_metadata()
         end = StreamEnd(E.EOF, Status.OK, "", n)
@@ -402,7 +405,8 @@ async def run_stream(
             end = StreamEnd(E.CONNECTION, None, "TimeoutError", n)
     except GRPCError as err:
         trailers = None if stream is None else stream.trailing_metadata
-        end = end_from_error(err, trailers, n)
+        end = (StreamEnd(E.NO_STATUS, Status.UNKNOWN, NO_STATUS, n) if no_status
+               else end_from_error(err, trailers, n))  # fmt: skip
     except CompressedReply as exc:
         end = StreamEnd(E.COMPRESSED, None, f"{exc}: the relay must send identity encoding", n)
     except UndecodableReply as exc:

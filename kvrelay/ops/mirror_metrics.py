@@ -47,9 +47,9 @@ MIRROR_PLANES = (*SESSION_PLANES, "serving-load")
 # The known ends of the mirror's upstream streams, exported at 0 from the start (as the relay's
 # by-reason counters, ``metrics.known_at_zero``): how the SDK names a stream's end
 # (``rpc.StreamEnd``) and every relay reason; ``status_<code>`` (an end without the reason
-# trailer: no kvrelay upstream) appears at its first count. Per worker: 18 reasons for pools,
-# 4 planes × 18 for planes.
-_ENDS = (E.EOF, E.CONNECTION, E.SILENT, E.ENVELOPE, E.COMPRESSED,
+# trailer: no kvrelay upstream) appears at its first count. Per worker: 19 reasons for pools,
+# 4 planes × 19 for planes.
+_ENDS = (E.EOF, E.CONNECTION, E.SILENT, E.ENVELOPE, E.COMPRESSED, E.NO_STATUS,
          *(str(E.reason_from_trailer(r)) for r in STREAM_ERROR_REASONS))  # fmt: skip
 #: ``kvrelay_mirror_pool_stream_ends_total{reason}``: with the mirror's own (a frame its checker
 #: refused, a failure inside the mirror, a withdrawn pool closed after its grace).

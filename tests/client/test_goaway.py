@@ -93,8 +93,8 @@ async def test_a_status_followed_by_goaway_in_the_same_write_is_read(
 
 
 async def test_an_end_without_a_status_still_fails_when_the_connection_closes() -> None:
-    """Never kept as ``eof``: the reader sees the end without a status (``status_unknown``) or,
+    """Never kept as ``eof``: the reader sees the end without a status (``no_status``) or,
     when the connection's close is processed first, the lost connection."""
     end, messages = await _run("no_status", 1)
-    assert end.reason in ("status_unknown", E.CONNECTION), end
+    assert end.reason in (E.NO_STATUS, E.CONNECTION), end
     assert messages == 1

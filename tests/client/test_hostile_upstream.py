@@ -283,7 +283,7 @@ async def test_a_plane_version_that_goes_backwards_ends_its_stream() -> None:
 
 async def test_a_pool_stream_ended_without_a_status_is_dropped_at_once() -> None:
     """A relay ends a pool stream with END_STREAM on a DATA frame and no trailers: gRPC over
-    HTTP/2 makes that an error, reported at once (``status_unknown``, ``_grpc.NO_STATUS``); the
+    HTTP/2 makes that an error, reported at once (``no_status``, ``_grpc.NO_STATUS``; a relay's own ``UNKNOWN`` is ``status_unknown``); the
     pool resubscribes on the same channel. The SDK waited for trailers that cannot come until
     the silence limit (30 s by default), held the replica as installed meanwhile, ended it
     ``silent`` and replaced the channel under the healthy catalog and plane streams."""
@@ -293,12 +293,12 @@ async def test_a_pool_stream_ended_without_a_status_is_dropped_at_once() -> None
     conn = RelayConnection(rpc.RelayAddress("127.0.0.1", port), config)
     conn.start()
     try:
-        await eventually(lambda: conn.drops.get("status_unknown", 0) == 1, timeout=5,
+        await eventually(lambda: conn.drops.get("no_status", 0) == 1, timeout=5,
                          what="the end without a status")  # fmt: skip
         await eventually(lambda: relay.calls["SubscribeKvPool"] == 2 and all(
             s.installed is not None for s in conn.slots.values()), timeout=5,
             what="installed again")  # fmt: skip
-        assert set(conn.drops) == {"status_unknown"}, conn.drops
+        assert set(conn.drops) == {"no_status"}, conn.drops
         values = conn.counter_values()
         assert "channel_resets" not in values and "channel_silent" not in values, values
         assert relay.calls["WatchKvPoolCatalog"] == 1  # its channel and streams were kept

@@ -4,6 +4,7 @@ increments the matching counter and the SDK resubscribes to a valid stream."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import pytest
@@ -123,6 +124,16 @@ async def test_unsupported_feature_quarantines_the_pool() -> None:
         assert relay.subscriptions == 1
 
 
+async def test_a_relays_unknown_status_is_not_an_end_without_a_status() -> None:
+    """A relay's own ``UNKNOWN`` (a reason this SDK does not know) is ``status_unknown``; a
+    stream that ended with no status at all is ``no_status`` (``test_hostile_upstream``): the
+    two were one label, and a user could not tell a relay's error from a broken stream."""
+    script = Script([], end=(Status.UNKNOWN, "FROM_A_NEWER_RELAY"))
+    async with scripted(script) as (_relay, client, key):
+        assert await client.wait_for(lambda: installed_at(client, key, 11), scaled(10))
+        assert client.replica_stats()[key].drops == {"status_unknown": 1}
+
+
 async def test_withdrawal_drops_and_stops_resubscribing() -> None:
     async with scripted() as (relay, client, key):
         assert await client.wait_for(lambda: installed_at(client, key, 11), scaled(10))
@@ -132,6 +143,25 @@ async def test_withdrawal_drops_and_stops_resubscribing() -> None:
         assert client.overlap([1, 2, 3, 4], "m") == {}
         n = relay.subscriptions
         assert not await client.wait_for(lambda: relay.subscriptions > n, 0.3)
+
+
+async def test_one_pool_listed_under_two_endpoints_is_fenced_not_merged() -> None:
+    """A catalog listing one ``KvPoolId`` under two endpoints (no relay lists one so): the SDK
+    made a replica for each, both routable, and ``load()`` could not tell them apart. The
+    contract fences such a pool, never merges it: both entries are dropped and counted, and
+    the pool is served again once the catalog lists it once."""
+    async with scripted() as (relay, client, key):
+        assert await client.wait_for(lambda: installed_at(client, key, 11), scaled(10))
+        twin = descriptor()
+        assert twin.serving_endpoint is not None
+        twin.serving_endpoint.endpoint = "gen2"
+        relay.set_catalog([descriptor(), twin])
+        assert await client.wait_for(lambda: client.replica_stats() == {}, scaled(10))
+        assert client.counters()[key.relay]["catalog_duplicate_pool"] == 2
+        assert client.drops["withdrawn"] == 1 and client.overlap([1, 2, 3, 4], "m") == {}
+        relay.set_catalog([twin])  # listed once: served, under the endpoint that lists it
+        twin_key = dataclasses.replace(key, endpoint="gen2")
+        assert await client.wait_for(lambda: installed_at(client, twin_key, 11), scaled(10))
 
 
 async def test_readiness_and_load_views() -> None:

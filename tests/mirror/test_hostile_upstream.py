@@ -532,7 +532,7 @@ async def test_a_mirror_waiting_to_synchronize_says_what_it_waits_for() -> None:
 
 async def test_a_pool_stream_ended_without_a_status_ends_at_once() -> None:
     """The upstream ends a pool stream with END_STREAM on a DATA frame and no trailers: the
-    mirror ends it at once (``status_unknown``) and subscribes again on the same channel. It
+    mirror ends it at once (``no_status``) and subscribes again on the same channel. It
     waited for trailers that cannot come for three upstream heartbeat periods (30 s here) and
     then replaced the channel of every healthy stream."""
     relay = RawRelay(["no_status"])
@@ -540,7 +540,7 @@ async def test_a_pool_stream_ended_without_a_status_ends_at_once() -> None:
     try:
         async with mirrored(port) as m:
             await eventually(
-                lambda: m.mirror.stats()["pool_totals"].get("end_status_unknown", 0) == 1,
+                lambda: m.mirror.stats()["pool_totals"].get("end_no_status", 0) == 1,
                 timeout=5, what="the end without a status",
             )  # fmt: skip
             await eventually(lambda: relay.calls["SubscribeKvPool"] == 2 and all(
