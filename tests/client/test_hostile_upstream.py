@@ -283,10 +283,11 @@ async def test_a_plane_version_that_goes_backwards_ends_its_stream() -> None:
 
 async def test_a_pool_stream_ended_without_a_status_is_dropped_at_once() -> None:
     """A relay ends a pool stream with END_STREAM on a DATA frame and no trailers: gRPC over
-    HTTP/2 makes that an error, reported at once (``no_status``, ``_grpc.NO_STATUS``; a relay's own ``UNKNOWN`` is ``status_unknown``); the
-    pool resubscribes on the same channel. The SDK waited for trailers that cannot come until
-    the silence limit (30 s by default), held the replica as installed meanwhile, ended it
-    ``silent`` and replaced the channel under the healthy catalog and plane streams."""
+    HTTP/2 makes that an error, reported at once (``no_status``, ``_grpc.NO_STATUS``; a
+    relay's own ``UNKNOWN`` is ``status_unknown``); the pool resubscribes on the same channel.
+    The SDK waited for trailers that cannot come until the silence limit (30 s by default),
+    held the replica as installed meanwhile, ended it ``silent`` and replaced the channel under
+    the healthy catalog and plane streams."""
     relay = RawRelay(["no_status"])
     port = await relay.start()
     config = ClientConfig(watch_serving_load=False, backoff_initial_s=0.02, backoff_max_s=0.2)
