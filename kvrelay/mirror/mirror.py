@@ -182,6 +182,10 @@ class Mirror:
         self.pools_evicted = 0  # idle mirrored pools dropped to make room for another
         self.pools_released = 0  # mirrored pools dropped after ``release_idle_s`` idle
         self.plane_ends: Counter[str] = Counter()
+        #: how each plane's stream last ended without delivering (cleared once it delivers):
+        #: what ``mirror_synchronizing`` says the mirror waits on (an upstream that refuses the
+        #: catalog, say) while no metrics page is served yet
+        self._last_ends: dict[str, str] = {}
         #: the upstream identity each running plane stream last delivered under (absent until
         #: its first message): a stream that delivered under an identity the mirror leaves
         #: will not send the new one's state until something changes
@@ -416,8 +420,14 @@ class Mirror:
                 async with asyncio.timeout(period_s):
                     await self.synced.wait()
             except TimeoutError:
-                _log.info("mirror_synchronizing", upstream=str(self.settings.upstream),
-                          waiting_for=self.waiting_for())  # fmt: skip
+                waiting = self.waiting_for()
+                ends = {p: e for p, e in self._last_ends.items() if p in waiting}
+                if ends:  # refused or failing, not only slow: a warning that says how
+                    _log.warning("mirror_synchronizing", upstream=str(self.settings.upstream),
+                                 waiting_for=waiting, last_ends=ends)  # fmt: skip
+                else:
+                    _log.info("mirror_synchronizing", upstream=str(self.settings.upstream),
+                              waiting_for=waiting)  # fmt: skip
 
     def hub_for(self, producer: pb.ProducerIdentity) -> PublicationHub | None:
         """The local hub serving ``producer`` (tests and diagnostics)."""
@@ -544,6 +554,7 @@ class Mirror:
                 self._plane_sessions[plane.name] = self._identity_key
                 if not delivered:
                     delivered = True
+                    self._last_ends.pop(plane.name, None)
                     self._answering.fire()  # the upstream answers again
                 backoff.live()
                 if is_catalog:
@@ -588,6 +599,9 @@ class Mirror:
                 why = "mirror failure"
             else:
                 self.plane_ends[f"{plane.name}_{end.reason}"] += 1
+                if not delivered:
+                    said = f"{end.reason}: {end.message}" if end.message else end.reason
+                    self._last_ends[plane.name] = said[:200]
                 local, why = self._plane_end(end)
                 if is_catalog and end.reason in (E.EOF, E.CONNECTION):
                     # the session's stream: a relay shutting down may still accept streams on

@@ -85,8 +85,12 @@ class MirrorCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         lw = ["worker"]
-        synced = GaugeMetricFamily("kvrelay_mirror_synced", "1 once the mirror synchronized.",
-                                   labels=lw)  # fmt: skip
+        synced = GaugeMetricFamily(
+            "kvrelay_mirror_synced",
+            "1 once the mirror synchronized (the page is served from then on: before, the "
+            "mirror_synchronizing log lines say what it waits for).",
+            labels=lw,
+        )
         session = GaugeMetricFamily(
             "kvrelay_mirror_upstream_session",
             "1 while the mirror holds its upstream session (identity; catalog live; readiness and "

@@ -507,6 +507,39 @@ class _MuteReadiness(S.ScriptedRelay):
         await asyncio.Event().wait()
 
 
+class _RefusingCatalog(S.ScriptedRelay):
+    """Its catalog stream is refused, as an authorizing proxy refuses a mirror it does not know."""
+
+    async def _catalog(self, stream: Any) -> None:
+        await stream.recv_message()
+        raise GRPCError(Status.PERMISSION_DENIED, "this mirror is not allowed")
+
+
+async def test_a_mirror_refused_its_catalog_says_how_it_was_refused() -> None:
+    """An upstream that refuses the mirror's catalog stream (an authorizing proxy, a catalog
+    over ``max_message_bytes``): the mirror retries, serves no port and no metrics page, and
+    its log said only that it was synchronizing, at info. It now warns, with each awaited
+    plane's last end (``last_ends``)."""
+    server = await S.serve(_RefusingCatalog())
+    try:
+        async with mirrored(S.port_of(server), sync=False) as m:
+            await eventually(lambda: m.mirror.plane_ends.get("catalog_status_permission_denied",
+                                                              0) >= 1,
+                             timeout=5, what="a refused catalog")  # fmt: skip
+            with structlog.testing.capture_logs() as logs:
+                report = asyncio.ensure_future(m.mirror._report_sync(0.05))
+                try:
+                    await eventually(lambda: bool(logs), timeout=5, what="a report")
+                finally:
+                    report.cancel()
+            assert logs[0]["event"] == "mirror_synchronizing"
+            assert logs[0]["log_level"] == "warning" and "catalog" in logs[0]["waiting_for"]
+            assert logs[0]["last_ends"] == {
+                "catalog": "status_permission_denied: this mirror is not allowed"}
+    finally:
+        server.close()
+
+
 async def test_a_mirror_waiting_to_synchronize_says_what_it_waits_for() -> None:
     """A mirror that has not synchronized logs what it still waits for
     (``mirror_synchronizing``, ``waiting_for``), every ``SYNC_LOG_S``: an upstream plane that
