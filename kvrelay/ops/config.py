@@ -335,6 +335,14 @@ def _text(v: str) -> str | None:
     return None
 
 
+def _adapter_names(v: list[str]) -> str | None:
+    if any(_text(n) for n in v):
+        return f"adapter names must be non-empty without surrounding whitespace, got {v!r}"
+    if len(set(v)) != len(v):
+        return f"duplicate adapter names in {v!r}"
+    return None
+
+
 def _bind_check(v: str) -> str | None:
     try:
         parse_bind(v)
@@ -511,6 +519,7 @@ POOL_KEYS: dict[str, _Key] = {
     "multimodal_hashing": _Key("bool", False),
     "engine_reports": _Key("bool", False),
     "max_member_blocks": _Key("int", 1 << 22, check=_int_range(1, 1 << 31)),
+    "lora_adapters": _Key("strs", [], check=_adapter_names),
 }
 ENGINE_KEYS: dict[str, _Key] = {
     "name": _Key("str", required=True, check=_text),
@@ -1435,6 +1444,7 @@ def _pools(r: _Reader, value: Any) -> list[PoolSpec] | None:
                     engine_reports=p["engine_reports"],
                     connect=connect,
                     max_member_blocks=p["max_member_blocks"],
+                    lora_adapters=tuple(p["lora_adapters"]),
                 )
             )
         except ValueError as exc:

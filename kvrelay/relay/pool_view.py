@@ -61,9 +61,10 @@ def base_model(
 def lora_names(
     spec: PoolSpec, engines: Collection[EngineState], identity: PoolIdentity | None
 ) -> list[str]:
-    """LoRA adapters any reachable engine serves (names that could not be a registration,
-    empty, padded or equal to the base model, are left out)."""
-    names: set[str] = set()
+    """LoRA adapters any reachable engine serves, and those the pool declares
+    (``lora_adapters``: engines without Control report none); names that could not be a
+    registration, empty, padded or equal to the base model, are left out."""
+    names: set[str] = set(spec.lora_adapters)
     for st in engines:
         if st.reachable and st.snapshot is not None:
             names |= st.snapshot.lora_names
@@ -141,23 +142,24 @@ def endpoint_state(
     model = base_model(spec, engines, identity)
     if model is None:
         return None
+    live = sum(1 for st in engines if st.serving) + (connected.live_engines() if connected else 0)
     return EndpointState(
         namespace=spec.namespace,
         component=spec.component,
         endpoint=spec.endpoint,
         roles=frozenset({spec.role}) if spec.role != pb.WorkerRole.LEGACY else frozenset(),
         needs=spec.needs,
-        live=sum(1 for st in engines if st.serving)
-        + (connected.live_engines() if connected else 0),
+        live=live,
         probed=all(st.probed for st in engines),
         models=frozenset({model}),
         adapters={n: model for n in lora_names(spec, engines, identity)},
         pool_id=None if gen is None else gen.producer.pool_id,
-        # an adapter only on an engine asleep or paused is listed, and not served
+        # an adapter only on an engine asleep or paused is listed, and not served; a declared
+        # one is served while an engine of the pool is (nothing reports it otherwise)
         live_adapters=frozenset(
             n for st in engines if st.serving and st.snapshot is not None
             for n in st.snapshot.lora_names
-        ),
+        ) | (frozenset(spec.lora_adapters) if live else frozenset()),
     )
 
 

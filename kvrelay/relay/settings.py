@@ -164,10 +164,18 @@ class PoolSpec:
     #: holds millions of blocks, and an engine that announces stores and never removes them
     #: would otherwise grow the exact state without bound.
     max_member_blocks: int = 1 << 22
+    #: LoRA adapters the pool's engines serve, declared: what an engine without ``vllm.Control``
+    #: (SGLang, a static or connecting publisher) cannot report. Registered in the catalog beside
+    #: those Control reports, and served while an engine of the pool is.
+    lora_adapters: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_member_blocks < 1:
             raise ValueError("max_member_blocks must be >= 1")
+        bad = [n for n in self.lora_adapters if not n or n != n.strip()]
+        if bad or len(set(self.lora_adapters)) != len(self.lora_adapters):
+            raise ValueError(f"lora_adapters: names must be distinct, non-empty, without "
+                             f"surrounding whitespace: {list(self.lora_adapters)!r}")  # fmt: skip
         for name in ("namespace", "component", "endpoint"):
             value = getattr(self, name)
             if not value or value != value.strip():

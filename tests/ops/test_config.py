@@ -73,6 +73,12 @@ RULES = [
      "pools[0].engines[0].grpc_port", "must be in 1..65535"),
     ("bool-type", _pool('cache_salt_namespacing = 1'),
      "pools[0].cache_salt_namespacing", "must be a boolean"),
+    ("adapter-names", _pool('lora_adapters = ["a", " b"]'),
+     "pools[0].lora_adapters", "without surrounding whitespace"),
+    ("adapter-duplicates", _pool('lora_adapters = ["a", "a"]'),
+     "pools[0].lora_adapters", "duplicate adapter names"),
+    ("adapter-type", _pool('lora_adapters = [1]'),
+     "pools[0].lora_adapters", "must be a string or a non-empty list of strings"),
     ("missing-dc-name", MINIMAL.replace('dc_name = "dc-test"', ""), "relay.dc_name",
      "required key is missing"),
     ("missing-relay", MINIMAL.replace('[relay]\ndc_name = "dc-test"', ""), "relay",
@@ -923,3 +929,11 @@ def test_a_connect_section_in_error_reports_only_its_own_problem() -> None:
     del pool["model"]
     _, problems = parse_config({"relay": {"dc_name": "dc"}, "pools": [pool]}, env={})
     assert sorted(_errors(problems)) == ["pools[0].connect.allow", "pools[0].model"]
+
+
+def test_declared_adapters_reach_the_pool(tmp_path: Path) -> None:
+    cfg, problems = _check(tmp_path, _pool('lora_adapters = ["sql", "chat"]'))
+    assert cfg is not None, problems
+    assert cfg.relay.pools[0].lora_adapters == ("sql", "chat")
+    cfg, _ = _check(tmp_path, _pool('lora_adapters = "sql"'))  # one name as a string
+    assert cfg is not None and cfg.relay.pools[0].lora_adapters == ("sql",)

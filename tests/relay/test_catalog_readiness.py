@@ -7,13 +7,14 @@ Both are read over gRPC from a real relay fed by simulated engines' Control serv
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import grpclib.const
 from grpclib.client import Channel
 
 from kvrelay._proto.dynamo.kvrelay import v1 as pb
 from kvrelay.relay.relay import Relay
-from kvrelay.relay.settings import PoolSpec
+from kvrelay.relay.settings import EngineSpec, PoolSpec, StaticSourceConfig
 from kvrelay.sim.config import SimConfig
 from kvrelay.sim.engine import SimEngine
 from tests.support.fleet import MARKER, engine_spec, eventually, fleet_and_relay, wait_subscribed
@@ -261,6 +262,47 @@ async def test_an_adapter_only_an_engine_asleep_carries_is_not_ready() -> None:
         engines[1].pause()
         await eventually(lambda: adapter(State.UNAVAILABLE, [Role.AGGREGATED]),
                          what="its only carrier paused")  # fmt: skip
+
+
+async def test_adapters_a_pool_declares_are_registered_for_engines_without_control() -> None:
+    """An SGLang engine (or any static publisher) salts its LoRA blocks by adapter name but has
+    no ``vllm.Control`` to list its adapters: the catalog registered the base model only, so a
+    router's lookup for an adapter found no pool, every adapter prefix uncached. The pool's
+    ``lora_adapters`` registers them (a registration change: the same generation) and they are
+    READY while an engine of the pool serves; a reload that changes them is followed."""
+
+    def static_pool(adapters: tuple[str, ...]) -> Callable[[list[SimEngine]], tuple[PoolSpec, ...]]:
+        def pools(engines: list[SimEngine]) -> tuple[PoolSpec, ...]:
+            pub = engines[0].publishers[0]
+            return (PoolSpec(
+                namespace="ns", component="backend", endpoint="generate", expected_blocks=8192,
+                model="sim-model", kv_block_size=16, lora_adapters=adapters,
+                engines=(EngineSpec(name="s0", static=StaticSourceConfig(
+                    endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint)),),
+            ),)  # fmt: skip
+
+        return pools
+
+    configs = [SimConfig(name="s0", seed=9, grpc_port=None, metrics_port=None, replay_port=0)]
+    async with fleet_and_relay(configs, pools=static_pool(("ad-1", "ad-2"))) as (
+        _engines, relay, _server,
+    ):
+        await wait_subscribed(relay, 1)
+        await eventually(lambda: len(catalog_pools(relay)) == 1, what="pool in catalog")
+        (desc,) = catalog_pools(relay)
+        assert registrations(desc) == {
+            "sim-model": "base", "ad-1": "lora:sim-model", "ad-2": "lora:sim-model"}
+        await eventually(lambda: state_is(relay, State.READY), what="ready")
+        e = entry(relay)
+        assert e is not None
+        assert [(a.canonical_model_id, a.state) for a in e.adapters] == [
+            ("ad-1", State.READY), ("ad-2", State.READY)]
+        pool = relay.settings.pools[0]
+        await relay.reconfigure(dataclasses.replace(
+            relay.settings, pools=(dataclasses.replace(pool, lora_adapters=("ad-3",)),)))
+        await eventually(lambda: registrations(catalog_pools(relay)[0]) == {
+            "sim-model": "base", "ad-3": "lora:sim-model"}, what="the reload followed")
+        assert bytes(catalog_pools(relay)[0].producer) == bytes(desc.producer)
 
 
 async def test_an_unchanged_fleet_recomputes_no_plane() -> None:
