@@ -507,6 +507,17 @@ class _MuteReadiness(S.ScriptedRelay):
         await asyncio.Event().wait()
 
 
+async def _sync_report(mirror: Any) -> list[dict[str, Any]]:
+    """The log lines of the mirror's first ``mirror_synchronizing`` report (every 50 ms)."""
+    with structlog.testing.capture_logs() as logs:
+        report = asyncio.ensure_future(mirror._report_sync(0.05))
+        try:
+            await eventually(lambda: bool(logs), timeout=5, what="a report")
+        finally:
+            report.cancel()
+    return logs
+
+
 class _RefusingCatalog(S.ScriptedRelay):
     """Its catalog stream is refused, as an authorizing proxy refuses a mirror it does not know."""
 
@@ -526,12 +537,7 @@ async def test_a_mirror_refused_its_catalog_says_how_it_was_refused() -> None:
             await eventually(lambda: m.mirror.plane_ends.get("catalog_status_permission_denied",
                                                               0) >= 1,
                              timeout=5, what="a refused catalog")  # fmt: skip
-            with structlog.testing.capture_logs() as logs:
-                report = asyncio.ensure_future(m.mirror._report_sync(0.05))
-                try:
-                    await eventually(lambda: bool(logs), timeout=5, what="a report")
-                finally:
-                    report.cancel()
+            logs = await _sync_report(m.mirror)
             assert logs[0]["event"] == "mirror_synchronizing"
             assert logs[0]["log_level"] == "warning" and "catalog" in logs[0]["waiting_for"]
             assert logs[0]["last_ends"] == {
@@ -549,12 +555,7 @@ async def test_a_mirror_waiting_to_synchronize_says_what_it_waits_for() -> None:
         async with mirrored(S.port_of(server), sync=False) as m:
             await eventually(lambda: m.mirror.waiting_for() == ["readiness"], timeout=5,
                              what="everything but readiness")  # fmt: skip
-            with structlog.testing.capture_logs() as logs:
-                report = asyncio.ensure_future(m.mirror._report_sync(0.05))
-                try:
-                    await eventually(lambda: bool(logs), timeout=5, what="a report")
-                finally:
-                    report.cancel()
+            logs = await _sync_report(m.mirror)
             assert logs[0]["event"] == "mirror_synchronizing"
             assert logs[0]["waiting_for"] == ["readiness"]
             assert logs[0]["upstream"] == f"127.0.0.1:{S.port_of(server)}"
