@@ -155,6 +155,9 @@ class Daemon:
         self.mirror: Any = None
         self.server: Any = None
         self.front: Any = None  # workers = N >= 2: internal socket + supervised workers
+        #: every listener up (its workers started, the metrics page bound): what a hot upgrade
+        #: hands over exists (``request_upgrade``)
+        self.serving = False
         self.metrics: Any = None
         self.grpc_port: int | None = None
         self.metrics_port: int | None = None
@@ -390,6 +393,7 @@ class Daemon:
             asyncio.create_task(self.notifier.watchdog_loop(), name="kvrelay-watchdog")
         )
         self._reload_task = asyncio.create_task(self._reload_loop(), name="kvrelay-reload")
+        self.serving = True
         _LOG.info(
             "relay_serving",
             version=__version__,
@@ -599,9 +603,11 @@ class Daemon:
         """SIGUSR2: start a hot upgrade (``ops/upgrade.py``), unless this process cannot hand over
         (refused: logged and counted; it goes on serving)."""
         why = None
-        serving = self.server is not None or self.front is not None
+        # (``front`` is set before its workers start, ``server`` before the metrics page binds:
+        # an upgrade then would hand over no metrics listener, and the successor's own bind
+        # would fail once this process took the port)
         source = self.relay is not None or self.mirror is not None
-        if not serving or not source or self._stopped or self.handed_over:
+        if not self.serving or not source or self._stopped or self.handed_over:
             why = "not serving (starting, stopping or already handed over)"
         elif self._upgrade_task is not None and not self._upgrade_task.done():
             why = "an upgrade is already under way"

@@ -32,6 +32,7 @@ import tempfile
 from collections.abc import Iterable
 
 from kvrelay._text import is_decimal
+from kvrelay.relay.safe_files import process_alive
 
 __all__ = [
     "INTERNAL_SOCKET", "PID_FILE", "SOCKET_PATH_MAX", "PrivateDir", "socket_path_problem", "sweep",
@@ -114,7 +115,7 @@ def sweep(bases: Iterable[str | None]) -> list[str]:
             if _NAME.fullmatch(name) is None or path in _MINE:
                 continue
             pid = _owner(path)
-            if pid is None or (pid > 0 and _alive(pid) and pid != os.getpid()):
+            if pid is None or (pid > 0 and process_alive(pid) and pid != os.getpid()):
                 continue
             if _remove_if_unlocked(path):
                 removed.append(path)
@@ -155,16 +156,6 @@ def _owner(path: str) -> int | None:
     if not text:
         return _UNKNOWN
     return int(text) if is_decimal(text) and 0 < int(text) < 2**31 else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _remove_if_unlocked(path: str) -> bool:

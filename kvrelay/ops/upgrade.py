@@ -268,6 +268,16 @@ class Upgrader:
 # ---- the successor --------------------------------------------------------------------------
 
 
+def close_on_exec(fd: int) -> None:
+    """Mark an inherited descriptor close-on-exec, as Python makes its own. The predecessor's
+    listeners reach this process inheritable (they had to survive its exec); uvloop's
+    subprocesses do not close descriptors (``close_fds`` is not honoured), so every fan-out
+    worker this process started held the metrics listener, and could keep its port bound past
+    this process's end. A descriptor already closed is left."""
+    with contextlib.suppress(OSError):
+        os.set_inheritable(fd, False)
+
+
 class Handoff:
     """The successor's side: the inherited listeners and the control channel."""
 
@@ -305,6 +315,8 @@ class Handoff:
             raise ValueError(f"{ENV}: needs chan= and grpc=")
         if pred is not None and not is_decimal(pred):
             raise ValueError(f"{ENV_PREDECESSOR}: not a pid: {pred!r}")
+        for inherited in fds.values():  # (inheritable across exec: see ``close_on_exec``)
+            close_on_exec(inherited)
         return cls(fds, None if pred is None else int(pred))
 
     def has(self, name: str) -> bool:

@@ -134,7 +134,7 @@ def remove_dead_temps(directory: Path, name: str) -> int:
 
     def dead(writer: str, written_at: float) -> bool:
         return (is_decimal(writer) and int(writer) != os.getpid()
-                and not _alive(int(writer), written_at))  # fmt: skip
+                and not process_alive(int(writer), written_at))  # fmt: skip
 
     return _remove_temps(directory, name, dead)
 
@@ -168,10 +168,11 @@ def _remove_temps(directory: Path, name: str, remove: Callable[[str, float], boo
     return n
 
 
-def _alive(pid: int, written_at: float) -> bool:
-    """Whether ``pid`` may still be the writer of a file last written at ``written_at``: it
-    exists, has not exited (a zombie holds no lock and writes nothing), and started before
-    then (a later process with that pid is another program)."""
+def process_alive(pid: int, written_at: float | None = None) -> bool:
+    """Whether ``pid`` may still be the process that wrote a file (its temporary file, its pid
+    file) last written at ``written_at``: it exists, has not exited (a zombie, exited and not
+    reaped yet, holds no lock and writes nothing, though ``kill(pid, 0)`` finds it), and
+    started before then (a later process with that pid is another program)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -184,7 +185,9 @@ def _alive(pid: int, written_at: float) -> bool:
         state, started = fields[0], int(fields[19]) / os.sysconf("SC_CLK_TCK") + _boot_time()
     except (OSError, IndexError, ValueError):  # no /proc here: alive, as kill said
         return True
-    return state not in (b"Z", b"X") and started <= written_at + 1.0
+    if state in (b"Z", b"X"):
+        return False
+    return written_at is None or started <= written_at + 1.0
 
 
 def _boot_time() -> float:

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -263,3 +264,25 @@ def test_a_directory_that_cannot_be_locked_for_want_of_a_descriptor_is_not_left(
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == f"refused: {errno.EMFILE}"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_directory_whose_owner_exited_unreaped_is_swept(tmp_path: Path) -> None:
+    """An owner killed and not yet reaped by its parent (a zombie) still answers ``kill(pid,
+    0)``: its directories were kept until a later start. It holds no lock: swept."""
+    exits = CHILD.replace("time.sleep(60)", "")
+    proc = subprocess.Popen([sys.executable, "-c", exits, str(tmp_path)], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout is not None
+    made = proc.stdout.readline().split()
+    try:
+        stat = Path(f"/proc/{proc.pid}/stat")
+        for _ in range(600):  # until it exited (its parent, this test, has not waited)
+            if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+            time.sleep(0.05)
+        os.kill(proc.pid, 0)
+        assert all(os.path.isdir(d) for d in made)
+        assert sweep([str(tmp_path)]) == sorted(made)
+    finally:
+        proc.wait(10)
+        proc.stdout.close()

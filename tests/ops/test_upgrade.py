@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import uvloop
 
 from kvrelay.ops.config import parse_config
 from kvrelay.ops.daemon import Daemon
@@ -248,7 +249,8 @@ def test_a_predecessor_dead_before_the_successor_looked_is_not_taken_for_alive()
 )
 async def test_sigusr2_is_refused_until_the_daemon_serves(extra: dict[str, object]) -> None:
     """Before it serves there is nothing to hand over (a relay, ``workers = N`` or a mirror
-    alike): refused and counted, no successor started."""
+    alike), also once its source and its server or front exist while its workers or metrics
+    page start: refused and counted, no successor started."""
     raw: dict[str, object] = {"relay": {"bind": "127.0.0.1:0", "dc_name": "dc"}}
     if "workers" in extra:
         raw["relay"] = {**raw["relay"], "workers": extra["workers"]}  # type: ignore[dict-item]
@@ -262,8 +264,16 @@ async def test_sigusr2_is_refused_until_the_daemon_serves(extra: dict[str, objec
     daemon = Daemon(cfg, Notifier({}))
     daemon.request_upgrade()
     assert daemon.upgrades.results["refused"] == 1
+    # half-way through its start: the source up, the server or the workers' front made, the
+    # workers or the metrics page not yet up (an upgrade then handed over no metrics listener
+    # and the successor died binding the port)
+    daemon.relay, daemon.mirror = object(), None
+    daemon.server = daemon.front = object()
+    daemon.request_upgrade()
+    assert daemon.upgrades.results["refused"] == 2
     assert daemon._upgrade_task is None
     assert os.environ.get(ENV) is None
+    daemon.relay = daemon.server = daemon.front = None
 
 
 async def test_a_successor_says_stopping_only_once_it_took_over(tmp_path: Path) -> None:
@@ -292,3 +302,31 @@ async def test_a_successor_says_stopping_only_once_it_took_over(tmp_path: Path) 
         assert stopping == f"STOPPING=1\nEXTEND_TIMEOUT_USEC={bound_us}", stopping
     finally:
         await notes.close()
+
+
+def test_the_listeners_handed_over_are_not_inherited_by_this_process_s_children() -> None:
+    """The predecessor's listeners reach a successor inheritable (they survived its exec), and
+    uvloop's subprocesses keep every inheritable descriptor (``close_fds`` is not honoured):
+    each fan-out worker a successor started held its metrics listener. The hand-over marks
+    them close-on-exec as it reads them; a child started then holds none of them."""
+    socks = [socket.socket() for _ in range(3)]
+    try:
+        for s in socks:
+            s.set_inheritable(True)
+        fds = dict(zip(("chan", "grpc", "metrics"), (s.fileno() for s in socks), strict=True))
+        h = Handoff.from_env({ENV: ",".join(f"{k}={v}" for k, v in fds.items())})
+        assert h is not None and h.has("metrics")
+        assert not any(os.get_inheritable(fd) for fd in fds.values())
+        probe = ("import os, sys; print([f for f in map(int, sys.argv[1:]) "
+                 "if os.path.exists(f'/proc/self/fd/{f}')])")
+
+        async def child() -> str:
+            p = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", probe, *map(str, fds.values()),
+                stdout=asyncio.subprocess.PIPE)  # fmt: skip
+            return (await p.communicate())[0].decode().strip()
+
+        assert uvloop.run(child()) == "[]"
+    finally:
+        for s in socks:
+            s.close()
