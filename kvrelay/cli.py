@@ -281,7 +281,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
             "Compile every numba kernel the relay uses, or load it from the kernel cache\n"
             "(NUMBA_CACHE_DIR, else $CACHE_DIRECTORY/numba under systemd, else next to the\n"
             "modules). The first run after an install takes about 22 s on 2 quiet cores\n"
-            "(54-74 s measured on 2 busy ones); 'serve' then starts in seconds. Exit 0\n"
+            "(23-45 s measured on 2 busy ones); 'serve' then starts in seconds. Exit 0\n"
             "when every kernel is ready."
         ),
         epilog="example:\n  NUMBA_CACHE_DIR=/var/cache/kvrelay/numba kvrelay warm",
