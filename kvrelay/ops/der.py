@@ -7,6 +7,8 @@ serials, a CRL's signature) is read here: definite lengths, one-byte tags (all X
 
 from __future__ import annotations
 
+import contextlib
+
 #: One attribute of a Name as compared: its type's OID bytes and its value, a canonical string
 #: (``name_key``) or, for a value of another type, its whole DER element.
 NameKey = tuple[tuple[tuple[bytes, str | bytes], ...], ...]
@@ -15,9 +17,11 @@ NameKey = tuple[tuple[tuple[bytes, str | bytes], ...], ...]
 #: codec each is read with: UTF8String, PrintableString, TeletexString (Latin-1, as OpenSSL
 #: reads it), IA5String, VisibleString, UniversalString, BMPString.
 _TEXT_TYPES = {
-    0x0C: "utf-8", 0x13: "ascii", 0x14: "latin-1", 0x16: "ascii", 0x1A: "ascii",
+    0x0C: "utf-8", 0x13: "latin-1", 0x14: "latin-1", 0x16: "latin-1", 0x1A: "latin-1",
     0x1C: "utf-32-be", 0x1E: "utf-16-be",
 }  # fmt: skip
+#: (the one-byte types are read a byte a character, as OpenSSL reads them, whatever byte is
+#: there; a value that does not decode in its type is compared as its bytes: never an error)
 _SPACE = " \t\n\v\f\r"
 
 
@@ -97,7 +101,8 @@ def name_key(der: bytes, start: int, end: int) -> NameKey:
             codec = _TEXT_TYPES.get(vtag)
             value: str | bytes = der[oe:ve]
             if codec is not None:
-                value = _canonical_text(der[vs:ve].decode(codec))
+                with contextlib.suppress(UnicodeDecodeError):
+                    value = _canonical_text(der[vs:ve].decode(codec))
             attrs.append((der[os_:oe], value))
         rdns.append(tuple(sorted(attrs, key=lambda a: (a[0], isinstance(a[1], bytes), a[1]))))
     return tuple(rdns)
