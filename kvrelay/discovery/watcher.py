@@ -60,10 +60,17 @@ class EngineTarget:
         return f"{self.host}/static/{self.static.endpoint}"
 
 
+#: A ZMTP 3 peer's first bytes: 0xFF, eight bytes of padding, 0x7F (it sends them at once).
+_ZMTP_SIGNATURE_BYTES = 10
+
+
 async def _alive(endpoint: str, host: str, timeout: float) -> str | None:
-    """None if a connect to the static endpoint succeeds (TCP, or the Unix socket of an
-    ``ipc://`` one, as vLLM binds either), else the error text. Another transport libzmq
-    reads (``inproc://``, ``pgm://``) has nothing to connect to here: its stream decides."""
+    """None if the static endpoint answers as a ZMQ socket does (TCP, or the Unix socket of an
+    ``ipc://`` one, as vLLM binds either): it accepts the connection and sends the ZMTP
+    signature; else the error text. A connect alone passed for a port that accepts and drops
+    every connection (another service, a sidecar): such an engine was reachable for ever, or
+    went down and back again, each time a new generation. Another transport libzmq reads
+    (``inproc://``, ``pgm://``) has nothing to connect to here: its stream decides."""
     try:
         if endpoint.startswith("ipc://"):
             connecting = asyncio.open_unix_connection(endpoint[len("ipc://") :])
@@ -74,13 +81,22 @@ async def _alive(endpoint: str, host: str, timeout: float) -> str | None:
             return None
     except InvalidEndpoint as exc:
         return str(exc)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
     try:
-        _, w = await bounded(connecting, timeout)
+        r, w = await bounded(connecting, timeout)
     except (TimeoutError, OSError) as exc:
         return f"{endpoint}: {exc!r}"
-    w.close()
-    with contextlib.suppress(OSError):
-        await w.wait_closed()
+    try:
+        head = await bounded(r.readexactly(_ZMTP_SIGNATURE_BYTES), deadline - loop.time())
+    except (TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
+        return f"{endpoint}: no ZMTP greeting ({type(exc).__name__}): not a ZMQ publisher"
+    finally:
+        w.close()
+        with contextlib.suppress(OSError):
+            await w.wait_closed()
+    if head[0] != 0xFF or head[-1] != 0x7F:
+        return f"{endpoint}: not a ZMQ publisher (its first bytes are not a ZMTP greeting)"
     return None
 
 

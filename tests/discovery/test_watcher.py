@@ -25,6 +25,7 @@ from kvrelay.discovery import (
     SourcesRemoved,
     StaticSourceConfig,
 )
+from kvrelay.discovery.watcher import snapshot_target
 from kvrelay.sim import SimConfig, SimEngine
 from kvrelay.sim.ports import free_port_block
 
@@ -150,6 +151,32 @@ async def test_static_target_without_grpc() -> None:
     ]
     await eng.stop()
     assert kinds(await w.poll_once(name)) == [EngineUnreachableEvent]
+
+
+async def test_a_static_port_that_accepts_and_drops_is_no_engine() -> None:
+    """A static engine's port taken by something that accepts each connection and drops it,
+    or answers with bytes that are not ZMTP (another service, a sidecar): a connect alone
+    passed the probe, so the engine was reachable for ever (never declared down), or went
+    down and came back, a new generation each time. The probe waits for the ZMTP greeting a
+    ZMQ socket sends at once."""
+    answers = [b"", b"HTTP/1.1 400 Bad Request\r\n\r\n"]
+
+    async def handler(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(answers[0])
+        await w.drain()
+        w.close()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    target = EngineTarget("127.0.0.1", static=StaticSourceConfig(f"tcp://127.0.0.1:{port}"))
+    try:
+        for answer, why in zip(answers, ("no ZMTP greeting", "not a ZMQ publisher"), strict=True):
+            answers[0] = answer
+            snap = await snapshot_target(target, 0.5)
+            assert not snap.reachable and snap.error is not None and why in snap.error, snap
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 async def test_a_static_ipc_engine_is_probed_on_its_unix_socket(tmp_path: Path) -> None:
