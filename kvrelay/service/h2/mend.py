@@ -147,7 +147,15 @@ def mend_protocol(proto: H2Protocol, counters: H2Counters) -> None:
         if answer is not None and not missing_in_answer(stream):
             task = asyncio.get_running_loop().create_task(_answer(stream, *answer))
             handler._tasks[stream] = task  # (cancelled with the connection's other calls)
-            task.add_done_callback(release_once)
+
+            def done(t: asyncio.Task[None]) -> None:
+                release_once()
+                # (grpclib drops its done tasks only at an ``accept``: a client sending only
+                # such calls would grow the dict for the connection's life)
+                if handler._tasks.get(stream) is t:
+                    del handler._tasks[stream]
+
+            task.add_done_callback(done)
             return
         note_request_encoding(stream, headers)  # (the ``stream._stream`` its reader reads)
         accept(stream, headers, release_once)
