@@ -781,7 +781,7 @@ class ConnectSource:
                             first = shadow.recv(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._on_message(_rest(shadow, first.bytes), _peer(first),
+                        self._on_message(await _rest(shadow, first.bytes), _peer(first),
                                          _user(first) if self._key_engines else "")
                 self._take_events()
                 now = time.monotonic()
@@ -922,6 +922,12 @@ class ConnectSource:
         c = self.counters
         if len(self._members) >= self.spec.max_members:
             c.members_over_limit += 1
+            # (an engine dropped from routing: said, not only counted; the key is the event's,
+            # the engine named is the first of the period, raw input never a key)
+            not_logged = self._key_log.due("members_over_limit")
+            if not_logged is not None:
+                self._log.warning("connect_members_over_limit", engine=name, dp_rank=rank,
+                                  limit=self.spec.max_members, dropped=not_logged + 1)  # fmt: skip
             return None
         if not 0 <= rank <= 1023:
             c.topic_malformed += 1
@@ -1090,15 +1096,26 @@ def _in(peer: str, networks: Networks) -> bool:
     return addr is not None and any(addr in n for n in networks)
 
 
-def _rest(sock: zmq.Socket[Any], first: bytes) -> list[bytes]:
+#: While the parts of one message are read and dropped, the event loop is yielded to after
+#: this many: a message of millions of empty frames (2 bytes each on the wire, within
+#: ``max_batch_bytes``) held the loop for seconds.
+_PARTS_PER_TURN = 4096
+
+
+async def _rest(sock: zmq.Socket[Any], first: bytes) -> list[bytes]:
     """The message whose first part is ``first``: its other parts (one Frame object per message,
     for the peer address, not one per part); parts past a fourth are read and dropped, so the
-    frame-count check sees a bad message without holding all of it."""
+    frame-count check sees a bad message without holding all of it. libzmq delivers a message
+    whole: its parts are all there, and only this task reads the socket."""
     frames = [first]
+    n = 1
     while sock.getsockopt(zmq.RCVMORE):
         part = sock.recv()
+        n += 1
         if len(frames) < 4:
             frames.append(part)
+        elif n % _PARTS_PER_TURN == 0:
+            await asyncio.sleep(0)
     return frames
 
 

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+import structlog
 import zmq
 import zmq.asyncio
 
@@ -227,18 +228,69 @@ async def test_bad_topics_are_counted_and_dropped(ctx: zmq.asyncio.Context) -> N
 
 
 async def test_members_are_bounded(ctx: zmq.asyncio.Context) -> None:
+    """A member past ``max_members`` is dropped, counted and said (an engine that leaves
+    routing: it was only counted), at most once a period for the source."""
     sink = Sink()
     src = await source(ctx, sink, max_members=2)
     try:
-        p = await pub(ctx, src, b"kv@a@m")
-        await p.send(seq=0, topic=b"kv@a@m")
-        await p.send(seq=0, topic=b"kv@b@m")
-        await p.send(seq=0, topic=b"kv@c@m")  # a third member: counted, dropped
-        await p.send(seq=1, topic=b"kv@a@m")  # known members go on
-        await until(lambda: len(sink.batches()) == 3)
+        with structlog.testing.capture_logs() as logs:
+            p = await pub(ctx, src, b"kv@a@m")
+            await p.send(seq=0, topic=b"kv@a@m")
+            await p.send(seq=0, topic=b"kv@b@m")
+            await p.send(seq=0, topic=b"kv@c@m")  # a third member: counted, dropped
+            await p.send(seq=0, topic=b"kv@d@m")  # a fourth: counted, in the next line
+            await p.send(seq=1, topic=b"kv@a@m")  # known members go on
+            await until(lambda: len(sink.batches()) == 3)
         assert {n for _k, n, _c in src.members()} == {"a", "b"}
-        assert src.counters.members_over_limit == 1
+        assert src.counters.members_over_limit == 2
+        [line] = [x for x in logs if x["event"] == "connect_members_over_limit"]
+        assert (line["engine"], line["limit"], line["dropped"]) == ("c", 2, 1)
     finally:
+        await src.stop()
+
+
+async def test_a_message_of_a_million_empty_frames_does_not_hold_the_loop(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """One message of a topic frame and a million empty frames (2 bytes each on the wire, 2 MB
+    in all, within ``max_batch_bytes``): every part was read on the event loop in one go, which
+    held it for seconds at a few million frames. It is refused (``frame_count``) as before,
+    and the loop runs between the parts it reads."""
+    sink = Sink()
+    src = await source(ctx, sink)
+    gaps: list[float] = []
+    loop = asyncio.get_running_loop()
+
+    async def ticker() -> None:
+        last = loop.time()
+        while True:
+            await asyncio.sleep(0)
+            now = loop.time()
+            gaps.append(now - last)
+            last = now
+
+    def send() -> None:  # (in a thread: sending a million parts holds its caller too)
+        sync = zmq.Context()
+        sock = sync.socket(zmq.XPUB)
+        try:
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.connect(src.endpoints[0])
+            assert sock.poll(int(scaled(5.0) * 1000)), "no subscription"
+            sock.recv()
+            sock.send_multipart([b"kv@a@m", *([b""] * 1_000_000)])
+        finally:
+            sock.close(linger=int(scaled(30.0) * 1000))
+            sync.term()
+
+    sending = asyncio.create_task(asyncio.to_thread(send))
+    await asyncio.sleep(0)
+    tick = asyncio.create_task(ticker())
+    try:
+        await until(lambda: src.counters.rejections.get("frame_count") == 1, timeout=60)
+        await sending
+        assert max(gaps) < scaled(0.25), max(gaps)
+    finally:
+        tick.cancel()
         await src.stop()
 
 
