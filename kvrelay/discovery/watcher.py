@@ -73,7 +73,10 @@ async def _alive(endpoint: str, host: str, timeout: float) -> str | None:
     (``inproc://``, ``pgm://``) has nothing to connect to here: its stream decides."""
     try:
         if endpoint.startswith("ipc://"):
-            connecting = asyncio.open_unix_connection(endpoint[len("ipc://") :])
+            path = endpoint[len("ipc://") :]
+            if path.startswith("@"):  # a Linux abstract socket (libzmq's spelling)
+                path = "\0" + path[1:]
+            connecting = asyncio.open_unix_connection(path)
         elif endpoint.startswith("tcp://"):
             h, port = split_tcp(endpoint)
             connecting = asyncio.open_connection(h.strip("[]") or host, port)

@@ -19,8 +19,8 @@ What libzmq's SUB did for the relay, it does too: reconnects every ``reconnect_s
 ``ZMQ_RECONNECT_IVL``; the wait doubles, up to ``reconnect_max_s``, 1 s, after each connect that
 fails or each connection that ends within ``HEALTHY_S`` without a message, so a port that
 refuses or drops every connection, or an address a hostile discovery source names, is tried once
-a second, not ten times; for ``QUICK_S`` after a publisher's connection ended, the wait stays
-100 ms), ``CONNECTED`` once TCP is up and ``DISCONNECTED`` when it ends (the
+a second, not ten times; once a publisher's connection was had at the address, the wait is
+100 ms for good), ``CONNECTED`` once TCP is up and ``DISCONNECTED`` when it ends (the
 monitor events the subscriber vouches on, in the same order), TCP keepalive, a handshake
 bounded in time (``ZMQ_HANDSHAKE_IVL``'s 30 s) and a bounded receive queue: at ``hwm`` messages
 or ``max_queue_bytes`` it stops reading the socket, so the publisher drops at its own high-water
@@ -76,8 +76,6 @@ MAX_FRAMES = 64
 #: A connection that lasted this long, or brought a message, was a publisher's: the next
 #: reconnect waits ``reconnect_s`` again (as the subscriber's ``FLAP_S``).
 HEALTHY_S = 2.0
-#: For this long after a publisher's connection ended, reconnects stay ``reconnect_s`` apart.
-QUICK_S = 60.0
 #: Bytes one command may have. A publisher's commands are a READY of a few properties and PINGs;
 #: without this, a READY of millions of properties up to the frame bound would hold the loop.
 MAX_COMMAND_BYTES = 65535
@@ -517,7 +515,7 @@ class ZmtpSource:
         loop = asyncio.get_running_loop()
         lost = self._lost
         wait = self.reconnect_s
-        healthy_until: float | None = None  # when the last publisher's connection ended
+        published = False  # a publisher's connection was had here (then: no backoff)
         while not self._closed:
             lost.clear()
             healthy = False
@@ -541,11 +539,11 @@ class ZmtpSource:
                 healthy = (self.messages_in > self._messages_at_connect
                            or time.monotonic() - self._connected_at >= HEALTHY_S)  # fmt: skip
             if healthy:
-                wait, healthy_until = self.reconnect_s, time.monotonic()
+                wait, published = self.reconnect_s, True
             await asyncio.sleep(wait)
-            # 0.1, 0.2, 0.4, 0.8, then 1 s while the peer keeps failing; but for QUICK_S after a
-            # publisher's connection ended, 0.1 s: a restarting engine is back at once, and
-            # without a replay socket what it publishes before the reconnect is lost
-            quick = healthy_until is not None and time.monotonic() - healthy_until < QUICK_S
-            if not healthy and not quick:
+            # 0.1, 0.2, 0.4, 0.8, then 1 s while an address that never had a publisher keeps
+            # failing; an engine's address stays at 0.1 s however long it is down (a restart
+            # takes minutes, and without a replay socket what it publishes before the
+            # reconnect is lost)
+            if not healthy and not published:
                 wait = min(2 * wait, self.reconnect_max_s)

@@ -721,7 +721,12 @@ class _Reader:
             return v
         if kind == "strs" and (
             isinstance(v, str)
-            or (isinstance(v, list) and v and all(isinstance(x, str) for x in v))
+            # (empty only where the default is: an empty list of adapters is the default's)
+            or (
+                isinstance(v, list)
+                and (bool(v) or spec.default == [])
+                and all(isinstance(x, str) for x in v)
+            )
         ):
             return [v] if isinstance(v, str) else list(v)
         if kind == "ints" and isinstance(v, list):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -177,6 +178,26 @@ async def test_a_static_port_that_accepts_and_drops_is_no_engine() -> None:
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_a_static_engine_on_an_abstract_socket_is_reachable() -> None:
+    """``ipc://@name`` is a Linux abstract socket (libzmq's spelling, read through libzmq): the
+    probe connected to a file ``@name``, which never exists, and the engine was never reachable
+    (its pool never published)."""
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    endpoint = f"ipc://@kvrelay-test-{os.getpid()}-{id(pub)}"
+    pub.bind(endpoint)
+    target = EngineTarget("127.0.0.1", static=StaticSourceConfig(endpoint))
+    try:
+        snap = await snapshot_target(target, 0.5)
+        assert snap.reachable, snap.error
+        pub.close(linger=0)
+        await asyncio.sleep(0.1)
+        assert not (await snapshot_target(target, 0.5)).reachable
+    finally:
+        pub.close(linger=0)
+        ctx.destroy(linger=0)
 
 
 async def test_a_static_ipc_engine_is_probed_on_its_unix_socket(tmp_path: Path) -> None:

@@ -937,3 +937,5 @@ def test_declared_adapters_reach_the_pool(tmp_path: Path) -> None:
     assert cfg.relay.pools[0].lora_adapters == ("sql", "chat")
     cfg, _ = _check(tmp_path, _pool('lora_adapters = "sql"'))  # one name as a string
     assert cfg is not None and cfg.relay.pools[0].lora_adapters == ("sql",)
+    cfg, problems = _check(tmp_path, _pool("lora_adapters = []"))  # the default, written out
+    assert cfg is not None and cfg.relay.pools[0].lora_adapters == (), problems
