@@ -28,6 +28,10 @@ EXIT_FAILURE = 1
 EXIT_USAGE = 2
 #: Ctrl-C in a command that is not a daemon (``warm``, ``reload``, ``upgrade``): 128 + SIGINT.
 EXIT_INTERRUPTED = 130
+#: Seconds ``kvrelay upgrade`` waits for the relay to start its successor (it does so at once
+#: when it takes the upgrade on) before it reports the upgrade refused (half ``--timeout`` if
+#: less).
+UPGRADE_SPAWN_S = 10.0
 #: Commands for which SIGINT and SIGTERM mean "stop": ``serve``/``mirror`` exit 0 on them, even
 #: before the daemon has installed its own handlers (operations.md: a signal during start-up
 #: exits 0), and keep SIGHUP, SIGUSR1 and SIGUSR2 for the daemon from their first line on.
@@ -601,7 +605,9 @@ def _upgrade(args: argparse.Namespace) -> int:
     except OSError as exc:
         _fail(f"kvrelay upgrade: cannot signal process {pid}: {exc}")
         return EXIT_FAILURE
-    deadline = time.monotonic() + args.timeout
+    started = time.monotonic()
+    deadline = started + args.timeout
+    spawn_s = min(UPGRADE_SPAWN_S, args.timeout / 2)
     spawned: set[int] = set()  # kvrelay daemons it started: its successor among them
     looked: set[int] = set()
     while time.monotonic() < deadline:
@@ -611,6 +617,13 @@ def _upgrade(args: argparse.Namespace) -> int:
                 looked.add(child)
                 with contextlib.suppress(OSError, NotARelay):  # a worker, a fork's child
                     spawned.add(relay_process(child).pid)
+            if not spawned and time.monotonic() - started > spawn_s:
+                # an upgrade it takes on starts its successor at once: none came
+                _fail(f"kvrelay upgrade: process {pid} started no successor within "
+                      f"{spawn_s:g} s: it refused the upgrade (still starting or stopping, or "
+                      "one already under way) or failed before one (see its log: "
+                      "upgrade_refused, upgrade_failed)")  # fmt: skip
+                return EXIT_FAILURE
             continue
         return _upgrade_outcome(pid, pid_file, spawned, endpoint)
     _fail(f"kvrelay upgrade: process {pid} still serves after {args.timeout:g} s; the upgrade "

@@ -11,11 +11,13 @@ peer may be able to make it fail by holding connections:
   the head, not per read, so a slowloris client is cut off as surely as an idle one), and every
   response must drain within ``drain_timeout_s``;
 - at most ``max_per_peer`` open connections per peer address: a new one past it evicts that
-  address's oldest connection still reading its request head (it is answered 503 and closed only
-  when none is), so a peer on the prober's own address (a pod on the node's network, the kubelet
-  probing from the node's) cannot hold its probe out either;
+  address's oldest connection still reading its request head (answered 503 and closed; the new
+  one is answered so when there is none), so a peer on the prober's own address (a pod on the
+  node's network, the kubelet probing from the node's) cannot hold its probe out either;
 - at most ``max_connections`` in all: a new connection past it evicts the oldest one still
-  reading its request head, so a probe that sends its request at once is always read;
+  reading its request head, so a probe that sends its request at once is read (unless
+  connections from everywhere outpace the loop's turns: then it may be the one evicted, and
+  it is answered 503, never dropped without a status);
 - at most ``max_scrapes`` ``/metrics`` responses in flight (the body can be megabytes);
   ``/healthz`` is outside that limit (a few bytes).
 
@@ -31,6 +33,7 @@ Every refusal is counted by reason (``kvrelay_metrics_http_rejections_total``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import socket
 import threading
@@ -298,6 +301,10 @@ class MetricsServer:
         )  # fmt: skip
         if oldest is None:
             return False
+        # answered, not dropped: its whole request may already be in the socket (its task not
+        # yet run), and a probe cut off with no status cannot tell the relay from a dead one
+        with contextlib.suppress(Exception):  # (a few bytes into the socket buffer)
+            self._conns[oldest].writer.write(_TOO_MANY)
         self._forget(oldest)
         oldest.cancel()
         self.counters.count("evicted")
@@ -324,7 +331,7 @@ class MetricsServer:
             if refused is not None:
                 self.counters.count(refused)
                 # a few bytes into the socket buffer; never waits on the peer
-                writer.write(_head(503, b"too many connections\n") + b"too many connections\n")
+                writer.write(_TOO_MANY)
                 return
             await self._serve(reader, writer, conn)
         except asyncio.CancelledError:
@@ -436,6 +443,10 @@ def _head(
         f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {content_type}\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n"
     ).encode() + extra + b"\r\n"
+
+
+#: The answer of a connection refused, or evicted, for want of a place.
+_TOO_MANY = _head(503, b"too many connections\n") + b"too many connections\n"
 
 
 def _shut(writer: asyncio.StreamWriter) -> None:

@@ -111,6 +111,23 @@ async def test_healthz_answers_while_one_peer_holds_64_idle_and_64_slowloris_con
             await _stop(writers, tasks)
 
 
+async def test_an_evicted_connection_is_answered_503_not_dropped() -> None:
+    """The connection evicted for a new one may hold its whole request already (its task not
+    yet run: connections faster than the loop's turns); it was closed with no status, which a
+    probe cannot tell from a dead relay. It is answered 503 "too many connections"."""
+    async with _endpoint(HttpLimits(max_per_peer=2)) as (server, port):
+        first = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.3", 0))
+        others = [await _idle(port, "127.0.0.3") for _ in range(2)]
+        try:
+            await _eventually(lambda: server.counters.rejections["evicted"] == 1)
+            assert (await asyncio.wait_for(first[0].readline(), 5)).startswith(b"HTTP/1.1 503")
+            assert b"too many connections" in await asyncio.wait_for(first[0].read(), 5)
+        finally:
+            first[1].close()
+            for w in others:
+                w.close()
+
+
 async def test_an_address_whose_connections_all_passed_their_head_is_refused() -> None:
     """Nothing of that address to evict (each is being answered): the new one gets 503."""
     body = b"x" * (48 << 20)  # more than loopback socket buffers hold: responses stay in flight

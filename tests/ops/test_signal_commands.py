@@ -156,3 +156,30 @@ async def test_upgrade_without_a_pid_file_confirms_the_take_over_on_the_metrics_
         successor = None
     finally:
         await _end(old, successor, notes)
+
+
+async def test_an_upgrade_the_relay_does_not_take_on_is_reported_without_the_whole_wait(
+    tmp_path: Path,
+) -> None:
+    """A relay that takes no upgrade on (here stopped; a relay still starting refuses one) starts
+    no successor: ``kvrelay upgrade`` waited out its whole ``--timeout`` (120 s by default) and
+    then pointed at ``upgrade_failed``, which such a relay never logs. It now says so once no
+    successor came within half the timeout (at most 10 s)."""
+    cfg = static_config(tmp_path / "kvrelay.toml", "dc-refused")
+    pid_file = tmp_path / "kvrelay.pid"
+    old, env, notes, _log = await start_daemon(tmp_path, "serve", "--config", str(cfg),
+                                               "--pid-file", str(pid_file))  # fmt: skip
+    assert old.pid is not None
+    try:
+        await notes.wait_for("READY=1", timeout=120)
+        os.kill(old.pid, signal.SIGSTOP)
+        t0 = asyncio.get_running_loop().time()
+        rc, out = await _cli("upgrade", "--pid-file", str(pid_file), "--timeout", "60", env=env)
+        took = asyncio.get_running_loop().time() - t0
+        assert rc == 1, out
+        assert f"process {old.pid} started no successor within 10 s" in out, out
+        assert "upgrade_refused" in out and took < 50, (took, out)
+    finally:
+        old.kill()  # (stopped, with a SIGUSR2 pending: never let it run on)
+        await old.wait()
+        await notes.close()
