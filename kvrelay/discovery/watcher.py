@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -64,6 +65,21 @@ class EngineTarget:
 _ZMTP_SIGNATURE_BYTES = 10
 
 
+async def _open_abstract(
+    name: str,
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to the Linux abstract socket ``name``, connected here (a Unix socket's
+    connect does not wait): uvloop refuses an abstract path (``\\0name``) as an address."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        sock.connect("\0" + name)
+        return await asyncio.open_unix_connection(sock=sock)
+    except BaseException:
+        sock.close()
+        raise
+
+
 async def _alive(endpoint: str, host: str, timeout: float) -> str | None:
     """None if the static endpoint answers as a ZMQ socket does (TCP, or the Unix socket of an
     ``ipc://`` one, as vLLM binds either): it accepts the connection and sends the ZMTP
@@ -75,8 +91,9 @@ async def _alive(endpoint: str, host: str, timeout: float) -> str | None:
         if endpoint.startswith("ipc://"):
             path = endpoint[len("ipc://") :]
             if path.startswith("@"):  # a Linux abstract socket (libzmq's spelling)
-                path = "\0" + path[1:]
-            connecting = asyncio.open_unix_connection(path)
+                connecting = _open_abstract(path[1:])
+            else:
+                connecting = asyncio.open_unix_connection(path)
         elif endpoint.startswith("tcp://"):
             h, port = split_tcp(endpoint)
             connecting = asyncio.open_connection(h.strip("[]") or host, port)

@@ -20,7 +20,8 @@ What libzmq's SUB did for the relay, it does too: reconnects every ``reconnect_s
 fails or each connection that ends within ``HEALTHY_S`` without a message, so a port that
 refuses or drops every connection, or an address a hostile discovery source names, is tried once
 a second, not ten times; once a publisher's connection was had at the address, the wait is
-100 ms for good), ``CONNECTED`` once TCP is up and ``DISCONNECTED`` when it ends (the
+100 ms for as long as the source is read: until the engine is declared down, when the
+discovery probe takes over), ``CONNECTED`` once TCP is up and ``DISCONNECTED`` when it ends (the
 monitor events the subscriber vouches on, in the same order), TCP keepalive, a handshake
 bounded in time (``ZMQ_HANDSHAKE_IVL``'s 30 s) and a bounded receive queue: at ``hwm`` messages
 or ``max_queue_bytes`` it stops reading the socket, so the publisher drops at its own high-water
@@ -542,7 +543,7 @@ class ZmtpSource:
                 wait, published = self.reconnect_s, True
             await asyncio.sleep(wait)
             # 0.1, 0.2, 0.4, 0.8, then 1 s while an address that never had a publisher keeps
-            # failing; an engine's address stays at 0.1 s however long it is down (a restart
+            # failing; an engine's address stays at 0.1 s while it is read (a restart
             # takes minutes, and without a replay socket what it publishes before the
             # reconnect is lost)
             if not healthy and not published:

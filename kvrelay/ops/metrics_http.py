@@ -358,6 +358,8 @@ class MetricsServer:
             return
         except (asyncio.IncompleteReadError, ConnectionError):
             return
+        if asyncio.current_task() not in self._conns:
+            return  # evicted (answered 503) as its head arrived: the cancel was lost on the way
         conn.reading = False
         parts = head.split(b"\r\n", 1)[0].split()
         if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):

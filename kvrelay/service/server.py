@@ -211,8 +211,9 @@ class KvEventRelayService:
         list the key (``catalog_trails``; a relay's catalog is its own and trails nothing), the
         pool is checked again each time the catalog moves, for at most ``catalog_lag_s``. A pool
         the catalog lists but hides from the client is never admitted, and its answer waits out
-        the same moment: a refusal at once would tell a hidden pool from an absent one by its
-        time alone (the client could guess pool ids and time the answers)."""
+        the same moment, and so does one the catalog withdrew (``catalog_trails`` says it will
+        not be listed again): a refusal at once would tell a hidden or withdrawn pool from an
+        absent one by its time alone (the client could guess pool ids and time the answers)."""
         trails = getattr(self.view, "catalog_trails", None)
         who = ClientIdentity.from_cert(stream.peer.cert())
         loop = asyncio.get_running_loop()
@@ -225,8 +226,13 @@ class KvEventRelayService:
             if auth.may_see(auth.rights(who), producer, catalog):
                 return True
             remaining = deadline - loop.time()
-            if (catalog is None or remaining <= 0 or self._closing or trails is None
-                    or not trails(producer)):  # fmt: skip
+            if catalog is None or remaining <= 0 or self._closing or trails is None:
+                return False
+            if not trails(producer):
+                # a key this catalog will never list (withdrawn from it): refused when an absent
+                # key's wait is over too; at once, the time alone told a pool that was listed
+                # from one that never was
+                await asyncio.wait([self._closed_future()], timeout=remaining)
                 return False
             wakes: list[asyncio.Future[Any]] = [self._closed_future(), self._rules_future()]
             if not auth.hides(producer, catalog):  # (a hidden pool: only a reload changes it)

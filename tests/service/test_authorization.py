@@ -268,12 +268,22 @@ async def test_a_pool_the_mirrors_catalog_lists_late_is_answered_as_the_relay_an
 async def test_a_hidden_pool_takes_as_long_to_refuse_as_an_absent_one(rig: Rig) -> None:
     """Through a mirror (a fan-out worker) an absent pool is refused once the wait for a
     trailing catalog is over; a hidden pool, refused at once, told itself apart by the time
-    alone, and pool ids can be guessed (dc_id, namespaces, models)."""
+    alone, and pool ids can be guessed (dc_id, namespaces, models). So did a pool withdrawn
+    from the catalog (the mirror knows it will not come back): it is refused at that moment
+    too."""
     rig.server.service.catalog_lag_s = lag = 0.4
     loop = asyncio.get_running_loop()
     took = {}
     absent = make_producer("no-such-pool", bucket_count=4096)
-    for what, producer in (("hidden", rig.pools["b1"].producer), ("absent", absent)):
+    # and a pool withdrawn from the catalog (the client saw it before): the mirror's
+    # catalog will never list it again, and it was refused at once (it once existed)
+    withdrawn = rig.pools["a2"].producer
+    del rig.view.pools[pool_key(withdrawn)]
+    rig.view._republish_catalog()
+    mirror = rig.server.service.view
+    await eventually(lambda: not mirror.catalog_trails(withdrawn), what="withdrawn")
+    for what, producer in (("hidden", rig.pools["b1"].producer), ("absent", absent),
+                           ("withdrawn", withdrawn)):  # fmt: skip
         t0 = loop.time()
         got = await _subscribe(rig, "a", producer)
         took[what] = loop.time() - t0
