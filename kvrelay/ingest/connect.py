@@ -398,7 +398,8 @@ class ConnectSource:
         self._lock = threading.RLock()
         self.zap_enforced = False  # ZMQ_ZAP_ENFORCE_DOMAIN set: no handler, no handshake
         self._refusal_log = LogThrottle(REFUSAL_LOG_S)  # ``connect_handshake_refused``, by reason
-        self._key_log = LogThrottle(REFUSAL_LOG_S)  # ``connect_key_mismatch`` (the loop's own)
+        #: the loop's own: ``connect_key_mismatch`` and ``connect_members_over_limit``, by event
+        self._key_log = LogThrottle(REFUSAL_LOG_S)
         self._failure_log = LogThrottle(REFUSAL_LOG_S)  # ``connect_handshake_failed``, by reason
         # per member: a peer alternating two processes would log one at every message
         self._process_log = LogThrottle()

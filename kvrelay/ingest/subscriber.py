@@ -72,14 +72,15 @@ from kvrelay.ingest.kinds import EngineKind
 from kvrelay.ingest.live_source import LiveSource, open_source, readable, require_reader
 from kvrelay.ingest.reorder import ReorderBuffer
 from kvrelay.ingest.sink import DETACHED, BatchSink, ResetReason, SourceSpec
-from kvrelay.ingest.zmtp import CONNECTED, DISCONNECTED
+from kvrelay.ingest.zmtp import CONNECTED, DISCONNECTED, HEALTHY_S
 from kvrelay.logging import INPUT_LOG_S, LogThrottle, get_logger
 from kvrelay.pool.errors import MalformedBatch
 
 _LOGGER = "kvrelay.ingest"
 #: A connection that ends within this many seconds without a message is a flap: the source is
-#: not live (state ``flapping``) until a message arrives.
-FLAP_S = 2.0
+#: not live (state ``flapping``) until a message arrives. The ZMTP reader's rule for a
+#: connection that was a publisher's, one value for both.
+FLAP_S = HEALTHY_S
 #: ``source_reconnected`` is logged at most this often per source.
 RECONNECT_LOG_S = 10.0
 #: ``subscriber_state`` is logged at most this often per source and state.

@@ -75,7 +75,7 @@ _PUBLISHERS = (b"PUB", b"XPUB")
 #: bound alone would let a peer grow one message's frame list without end.
 MAX_FRAMES = 64
 #: A connection that lasted this long, or brought a message, was a publisher's: the next
-#: reconnect waits ``reconnect_s`` again (as the subscriber's ``FLAP_S``).
+#: reconnect waits ``reconnect_s`` again (the subscriber's ``FLAP_S`` is this value).
 HEALTHY_S = 2.0
 #: Bytes one command may have. A publisher's commands are a READY of a few properties and PINGs;
 #: without this, a READY of millions of properties up to the frame bound would hold the loop.
